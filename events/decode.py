@@ -1,0 +1,239 @@
+"""Tolerant, counted decoding of KV-event payloads.
+
+`BatchDecoder.decode(payload)` returns the batch, or None when the payload is malformed. It never
+raises on bad input: every anomaly is counted in `DecodeStats` and logged. The fast path is one
+typed msgspec decode of the whole batch with strict Structs (unknown fields forbidden); anything
+unusual falls back to a per-event path that accepts legacy positional-array events (vLLM <= 0.23),
+skips events of unknown type, ignores unknown fields, and counts each.
+
+A malformed event rejects its whole batch: applying part of a step would leave a mirror in a state
+the engine never had, while a rejected batch is visible as such (counted, and the consumer can mark
+the engine untrusted).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Final, Generic, TypeVar
+
+import msgspec
+
+from events.wire import (
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    KVEventBatch,
+    LazyBlockStored,
+    LazyKVEventBatch,
+)
+
+__all__ = ["BatchDecoder", "DecodeError", "DecodeStats"]
+
+log = logging.getLogger(__name__)
+
+# The largest list a decoder accepts in one batch (events, or hashes in one event): 1M items. A sane
+# vLLM step is orders of magnitude smaller; this only bounds what a hostile payload can allocate.
+MAX_ITEMS: Final = 1 << 20
+
+
+class DecodeError(ValueError):
+    """A payload that is not a valid KV-event batch."""
+
+
+@dataclass
+class DecodeStats:
+    """Counters of one decoder: what was decoded, skipped and rejected."""
+
+    batches: int = 0
+    events: dict[str, int] = field(default_factory=dict)
+    unknown_event_types: int = 0
+    unknown_fields: int = 0
+    legacy_events: int = 0
+    decode_errors: int = 0
+
+    def count_event(self, kind: str) -> None:
+        self.events[kind] = self.events.get(kind, 0) + 1
+
+
+# Strict twins: same tag and fields, unknown fields forbidden, so the fast path notices them.
+class _StrictStored(BlockStored, tag="BlockStored", forbid_unknown_fields=True):
+    pass
+
+
+class _StrictLazyStored(LazyBlockStored, tag="BlockStored", forbid_unknown_fields=True):
+    pass
+
+
+class _StrictRemoved(BlockRemoved, tag="BlockRemoved", forbid_unknown_fields=True):
+    pass
+
+
+class _StrictCleared(AllBlocksCleared, tag="AllBlocksCleared", forbid_unknown_fields=True):
+    pass
+
+
+class _StrictBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_StrictStored | _StrictRemoved | _StrictCleared]
+    data_parallel_rank: int | None = None
+
+
+class _StrictLazyBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[_StrictLazyStored | _StrictRemoved | _StrictCleared]
+    data_parallel_rank: int | None = None
+
+
+class _RawBatch(msgspec.Struct, array_like=True, gc=False):
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class _RawMapBatch(msgspec.Struct, gc=False):
+    """The batch as a map: a development-branch state of vLLM (commit 0181ea31)."""
+
+    ts: float
+    events: list[msgspec.Raw]
+    data_parallel_rank: int | None = None
+
+
+class _Tag(msgspec.Struct):
+    type: str
+
+
+# Legacy (vLLM <= 0.23) events: positional arrays whose first element is the tag.
+class _LegacyStored(msgspec.Struct, tag="BlockStored", array_like=True):
+    block_hashes: list[int | bytes]
+    parent_block_hash: int | bytes | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None = None
+    medium: str | None = None
+    lora_name: str | None = None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+
+
+class _LegacyRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
+    block_hashes: list[int | bytes]
+    medium: str | None = None
+    group_idx: int | None = None
+
+
+class _LegacyCleared(msgspec.Struct, tag="AllBlocksCleared", array_like=True):
+    pass
+
+
+_Legacy = _LegacyStored | _LegacyRemoved | _LegacyCleared
+_KNOWN_FIELDS: Final = {
+    "BlockStored": frozenset(BlockStored.__struct_fields__),
+    "BlockRemoved": frozenset(BlockRemoved.__struct_fields__),
+    "AllBlocksCleared": frozenset(),
+}
+_RAW_BATCH: Final = msgspec.msgpack.Decoder(_RawBatch)
+_RAW_MAP_BATCH: Final = msgspec.msgpack.Decoder(_RawMapBatch)
+_TAG: Final = msgspec.msgpack.Decoder(_Tag)
+_KEYS: Final = msgspec.msgpack.Decoder(dict[str, msgspec.Raw])
+_LEGACY: Final = msgspec.msgpack.Decoder(_Legacy)
+
+B = TypeVar("B", KVEventBatch, LazyKVEventBatch)
+
+
+class BatchDecoder(Generic[B]):
+    """Decodes payloads into `KVEventBatch` (or `LazyKVEventBatch`), counting every anomaly."""
+
+    def __init__(self, batch_type: type[B]) -> None:
+        self.batch_type: type[B] = batch_type
+        self.stats = DecodeStats()
+        lazy = batch_type is LazyKVEventBatch
+        fast: type[_StrictBatch | _StrictLazyBatch] = _StrictLazyBatch if lazy else _StrictBatch
+        self._fast = msgspec.msgpack.Decoder(fast)
+        stored: type[BlockStored | LazyBlockStored] = LazyBlockStored if lazy else BlockStored
+        self._stored_type = stored
+        self._event = msgspec.msgpack.Decoder(stored | BlockRemoved | AllBlocksCleared)
+
+    def decode(self, payload: bytes) -> B | None:
+        """Decode one payload; None (counted and logged) when it is malformed."""
+        try:
+            batch = self._decode(payload)
+        except (msgspec.DecodeError, DecodeError) as exc:
+            self.stats.decode_errors += 1
+            log.warning("kv event payload rejected", extra={"error": str(exc), "size": len(payload)})
+            return None
+        self.stats.batches += 1
+        for event in batch.events:
+            self.stats.count_event(event.__struct_config__.tag)  # type: ignore[arg-type]
+        return batch
+
+    def _decode(self, payload: bytes) -> B:
+        try:
+            fast = self._fast.decode(payload)
+        except msgspec.DecodeError:
+            return self._decode_slow(payload)
+        _check_sizes(fast.events)
+        return self._make(fast.ts, fast.events, fast.data_parallel_rank)
+
+    def _make(self, ts: float, events: list[Any], rank: int | None) -> B:
+        return self.batch_type(ts, events, rank)
+
+    def _decode_slow(self, payload: bytes) -> B:
+        raw: _RawBatch | _RawMapBatch
+        if payload[:1] and (0x80 <= payload[0] <= 0x8F or payload[0] in (0xDE, 0xDF)):
+            raw = _RAW_MAP_BATCH.decode(payload)
+        else:
+            raw = _RAW_BATCH.decode(payload)
+        events = [ev for ev in (self._decode_event(r) for r in raw.events) if ev is not None]
+        _check_sizes(events)
+        return self._make(raw.ts, events, raw.data_parallel_rank)
+
+    def _decode_event(self, raw: msgspec.Raw) -> Any:
+        head = bytes(memoryview(raw)[:1])
+        if head and (0x90 <= head[0] <= 0x9F or head in (b"\xdc", b"\xdd")):
+            return self._decode_legacy(raw)
+        try:
+            kind = _TAG.decode(raw).type
+        except msgspec.ValidationError as exc:
+            raise DecodeError(f"event without a type tag: {exc}") from exc
+        known = _KNOWN_FIELDS.get(kind)
+        if known is None:
+            self.stats.unknown_event_types += 1
+            log.info("skipped kv event of unknown type", extra={"event_type": kind})
+            return None
+        unknown = [k for k in _KEYS.decode(raw) if k != "type" and k not in known]
+        if unknown:
+            self.stats.unknown_fields += len(unknown)
+            log.info("ignored unknown kv event fields", extra={"event_type": kind, "fields": unknown})
+        return self._event.decode(raw)
+
+    def _decode_legacy(self, raw: msgspec.Raw) -> Any:
+        try:
+            legacy = _LEGACY.decode(raw)
+        except msgspec.ValidationError as exc:
+            kind = msgspec.msgpack.decode(raw, type=list[Any])[:1]
+            if not kind or not isinstance(kind[0], str) or kind[0] in _KNOWN_FIELDS:
+                raise DecodeError(f"malformed legacy event: {exc}") from exc
+            self.stats.unknown_event_types += 1
+            log.info("skipped kv event of unknown type", extra={"event_type": kind[0]})
+            return None
+        self.stats.legacy_events += 1
+        if isinstance(legacy, _LegacyCleared):
+            return AllBlocksCleared()
+        fields = msgspec.structs.asdict(legacy)
+        if isinstance(legacy, _LegacyRemoved):
+            return BlockRemoved(**fields)
+        if self._stored_type is LazyBlockStored:
+            fields["token_ids"] = msgspec.Raw(msgspec.msgpack.encode(fields["token_ids"]))
+        return self._stored_type(**fields)
+
+
+def _check_sizes(events: list[Any]) -> None:
+    if len(events) > MAX_ITEMS:
+        raise DecodeError(f"batch has {len(events)} events, more than {MAX_ITEMS}")
+    for ev in events:
+        hashes = getattr(ev, "block_hashes", ())
+        if len(hashes) > MAX_ITEMS:
+            raise DecodeError(f"event has {len(hashes)} block hashes, more than {MAX_ITEMS}")

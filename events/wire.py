@@ -1,0 +1,136 @@
+"""vLLM 0.33.0's KV-event wire format, as msgspec Structs.
+
+These classes are the single source of truth for the payload of every ZeroMQ event frame. Field
+names, order and Struct options match `vllm/distributed/kv_events.py` of vLLM 0.33.0, so
+`ENCODER.encode(batch)` is byte-identical to what vLLM publishes (pinned by a golden test against
+frames captured from vLLM's own publisher). Schema evolution follows msgspec's rules: new fields are
+appended with defaults; nothing is reordered or retyped.
+
+Decoding with tolerance (legacy array events, unknown types and fields, malformed input) lives in
+`events.decode`; this module only defines the shapes.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Final, TypeAlias
+
+import msgspec
+
+__all__ = [
+    "ENCODER",
+    "MEDIUM_CPU",
+    "MEDIUM_GPU",
+    "MEDIUM_STORAGE",
+    "AllBlocksCleared",
+    "BlockRemoved",
+    "BlockStored",
+    "EngineBlockHash",
+    "KVCacheEvent",
+    "KVEvent",
+    "KVEventBatch",
+    "LazyBlockStored",
+    "LazyKVEvent",
+    "LazyKVEventBatch",
+]
+
+EngineBlockHash: TypeAlias = int | bytes
+"""An engine's block hash as published: the low 64 bits of the digest (uint64), or the raw digest.
+
+Opaque to the router: it identifies a block for removals and nothing more."""
+
+MEDIUM_GPU: Final = "GPU"
+MEDIUM_CPU: Final = "CPU"
+MEDIUM_STORAGE: Final = "STORAGE"
+
+
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
+    """Base of the tagged events: encoded as a map whose first key is ``"type"`` (the class name)."""
+
+
+class BlockStored(KVCacheEvent):
+    """Blocks newly cached in one KV-cache group, announced when they are scheduled."""
+
+    block_hashes: list[EngineBlockHash]
+    parent_block_hash: EngineBlockHash | None
+    token_ids: list[int]
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: list[list[int]] | None = None
+
+
+class BlockRemoved(KVCacheEvent):
+    """Blocks evicted from one group (vLLM emits one hash per event)."""
+
+    block_hashes: list[EngineBlockHash]
+    medium: str | None
+    group_idx: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+
+
+class AllBlocksCleared(KVCacheEvent):
+    """The whole prefix cache of this engine (every group, every medium) was reset."""
+
+
+KVEvent: TypeAlias = BlockStored | BlockRemoved | AllBlocksCleared
+
+
+class KVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """One engine step's events: a msgpack array ``[ts, events, data_parallel_rank]``."""
+
+    ts: float
+    events: list[KVEvent]
+    data_parallel_rank: int | None = None
+
+
+class LazyBlockStored(KVCacheEvent, tag="BlockStored"):
+    """`BlockStored` with the token lists left undecoded (`msgspec.Raw`).
+
+    Token ids are ~80% of a payload's decode cost; a consumer that keys blocks by the engine's
+    hash, or drops the event (other media, sparse groups), never pays for them. `tokens()` decodes
+    on demand.
+    """
+
+    block_hashes: list[EngineBlockHash]
+    parent_block_hash: EngineBlockHash | None
+    token_ids: msgspec.Raw
+    block_size: int
+    lora_id: int | None
+    medium: str | None
+    lora_name: str | None
+    extra_keys: list[tuple[Any, ...] | None] | None = None
+    group_idx: int | None = None
+    kv_cache_spec_kind: str | None = None
+    kv_cache_spec_sliding_window: int | None = None
+    locality: str | None = None
+    ownership: str | None = None
+    session_id: str | None = None
+    lookahead_token_ids: msgspec.Raw | None = None
+
+    def tokens(self) -> list[int]:
+        """Decode and return `token_ids`."""
+        return _TOKENS_DECODER.decode(self.token_ids)
+
+
+LazyKVEvent: TypeAlias = LazyBlockStored | BlockRemoved | AllBlocksCleared
+
+
+class LazyKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=False):
+    """`KVEventBatch` whose stores are `LazyBlockStored`."""
+
+    ts: float
+    events: list[LazyKVEvent]
+    data_parallel_rank: int | None = None
+
+
+ENCODER: Final = msgspec.msgpack.Encoder()
+_TOKENS_DECODER: Final = msgspec.msgpack.Decoder(list[int])

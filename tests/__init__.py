@@ -1,0 +1,1 @@
+"""kvrouter test suite."""

@@ -1,0 +1,17 @@
+"""Shared fixtures: paths to the vLLM fixtures in ../shared."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"
+VLLM_FIXTURES = SHARED / "fixtures" / "vllm-0.33.0"
+
+
+@pytest.fixture(scope="session")
+def vllm_fixtures() -> Path:
+    """The directory of frames, hash vectors and manager traces captured from vLLM 0.33.0."""
+    assert VLLM_FIXTURES.is_dir(), f"missing {VLLM_FIXTURES}: shared/ must sit beside the clone"
+    return VLLM_FIXTURES
