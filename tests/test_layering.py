@@ -1,0 +1,70 @@
+"""Architecture rules, enforced: the pure core imports no I/O, and imports flow one way.
+
+events/ imports nothing from router/ or engine_stub/; router/ and engine_stub/ never import each other.
+The pure modules (listed by name, and any module that exists among them) import no asyncio, sockets,
+HTTP or clock-reading helpers: time is passed in.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+IO_MODULES = {"asyncio", "zmq", "httpx", "fastapi", "aiohttp", "uvicorn", "socket", "starlette", "time"}
+PURE = [
+    "events/wire.py",
+    "events/decode.py",
+    "events/block_hash.py",
+    "events/frames.py",
+    "events/sequence.py",
+    "engine_stub/block_pool.py",
+    "engine_stub/kv_groups.py",
+    "engine_stub/coordinator.py",
+    "engine_stub/kv_manager.py",
+    "engine_stub/scheduler.py",
+    "router/keys.py",
+    "router/mirror.py",
+    "router/lookup.py",
+    "router/trust.py",
+    "router/scoring.py",
+    "router/load.py",
+    "router/breaker.py",
+]
+FORBIDDEN_PACKAGES = {
+    "events": {"router", "engine_stub", "kvrouter"},
+    "router": {"engine_stub"},
+    "engine_stub": {"router"},
+}
+
+
+def imported_roots(path: Path) -> set[str]:
+    """Top-level names of every module `path` imports."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    roots: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots.update(alias.name.split(".")[0] for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            roots.add(node.module.split(".")[0])
+    return roots
+
+
+@pytest.mark.parametrize("relpath", [p for p in PURE if (ROOT / p).exists()])
+def test_pure_module_imports_no_io(relpath: str) -> None:
+    assert not imported_roots(ROOT / relpath) & IO_MODULES
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN_PACKAGES))
+def test_imports_flow_one_way(package: str) -> None:
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(imported_roots(path) & FORBIDDEN_PACKAGES[package])
+        for path in (ROOT / package).rglob("*.py")
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_pure_list_names_the_core_that_exists() -> None:
+    assert sum((ROOT / p).exists() for p in PURE) >= 3
