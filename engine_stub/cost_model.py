@@ -1,0 +1,53 @@
+"""How long a simulated engine step takes: a roofline-style cost model, pure.
+
+Defaults approximate Llama-3.1-8B (BF16) on one H100 SXM, from first principles rather than a
+benchmark (so the derivation is checkable):
+- prefill is compute-bound: ~2 x 8e9 = 16 GFLOP per token; at ~50% of the H100's 989 dense BF16
+  TFLOP/s that is ~32 us per uncached prompt token (~31k tokens/s);
+- decode is memory-bound: every step streams the 16 GB of weights at ~3.35 TB/s, ~4.8 ms, plus
+  scheduling and sampling overhead, so ~6 ms per step at small batch, growing slowly with batch size
+  (KV reads: ~128 KiB per token of context for this model, ~38 ns per cached token of context read).
+These are estimates, not measurements; a deployment that knows its engines sets its own numbers.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+__all__ = ["CostModel", "StepWork"]
+
+
+class CostModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Seconds per unit of work; `speed_factor` > 1 makes simulated time run faster than real time."""
+
+    prefill_s_per_token: float = 32e-6
+    decode_step_s: float = 6e-3
+    decode_s_per_seq: float = 40e-6
+    context_read_s_per_token: float = 38e-9
+    step_overhead_s: float = 0.5e-3
+    speed_factor: float = 1.0
+
+    def __post_init__(self) -> None:
+        if self.speed_factor <= 0:
+            raise ValueError("speed_factor must be > 0")
+        fields = (self.prefill_s_per_token, self.decode_step_s, self.decode_s_per_seq)
+        if min(*fields, self.context_read_s_per_token, self.step_overhead_s) < 0:
+            raise ValueError("cost model times must be >= 0")
+
+    def step_seconds(self, work: StepWork) -> float:
+        """Wall-clock seconds one engine step with `work` takes, after the speed factor."""
+        if work.prefill_tokens == 0 and work.decode_seqs == 0:
+            return 0.0
+        seconds = self.step_overhead_s + work.prefill_tokens * self.prefill_s_per_token
+        if work.decode_seqs:
+            seconds += self.decode_step_s + work.decode_seqs * self.decode_s_per_seq
+        seconds += work.context_tokens * self.context_read_s_per_token
+        return seconds / self.speed_factor
+
+
+class StepWork(msgspec.Struct, frozen=True):
+    """What one step computes: uncached prompt tokens, decoding sequences, context tokens read."""
+
+    prefill_tokens: int = 0
+    decode_seqs: int = 0
+    context_tokens: int = 0
