@@ -1,0 +1,1 @@
+"""Load-test harness: workloads, drivers and reports comparing routing policies."""

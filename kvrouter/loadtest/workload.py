@@ -1,0 +1,168 @@
+"""Load-test workloads: synthetic conversations and Mooncake trace replay, as request specs. Pure.
+
+A workload is a list of `RequestSpec` (arrival time, prompt token ids, output length, session),
+identical for every policy compared, so differences come from routing alone. Trace replay maps each
+Mooncake ``hash_id`` (one 512-token block) to a deterministic block of token ids: equal ids become
+equal blocks, so the trace's prefix sharing survives exactly; a request's last block is cut to its
+``input_length``. `block_tokens` can shrink blocks (and prompts with them) so a trace runs in seconds.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+from typing import Final
+
+import msgspec
+
+__all__ = [
+    "MooncakeRecord",
+    "RequestSpec",
+    "SyntheticWorkload",
+    "TraceWorkload",
+    "block_token_ids",
+    "load_trace",
+    "shared_prefix_tokens",
+    "synthetic_requests",
+    "trace_requests",
+]
+
+MOONCAKE_BLOCK_TOKENS: Final = 512
+# Token ids stay inside every tokenizer's ordinary vocabulary (the built-in one included) and clear
+# of the low ids where special tokens usually sit.
+TOKEN_BASE: Final = 1000
+TOKEN_SPAN: Final = 20000
+
+
+class MooncakeRecord(msgspec.Struct, frozen=True):
+    """One line of a Mooncake trace: arrival in ms, lengths in tokens, one hash id per 512-token block."""
+
+    timestamp: float
+    input_length: int
+    output_length: int
+    hash_ids: list[int]
+
+
+class RequestSpec(msgspec.Struct, frozen=True):
+    """One request to send: when (seconds from start), what tokens, how many to generate."""
+
+    arrival_s: float
+    prompt: list[int]
+    max_tokens: int
+    session: str
+
+
+class TraceWorkload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """How to turn a trace into requests: time scaling, block shrinking, and how many to take."""
+
+    path: str
+    time_scale: float = 1.0
+    block_tokens: int = MOONCAKE_BLOCK_TOKENS
+    max_requests: int | None = None
+    max_output_tokens: int | None = None
+
+
+class SyntheticWorkload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Shared system prompts x users x multi-turn conversations, Poisson arrivals at `rate` per second."""
+
+    system_prompts: int = 4
+    system_prompt_tokens: int = 1024
+    users: int = 16
+    turns: int = 4
+    user_turn_tokens: int = 128
+    output_tokens: int = 32
+    rate: float = 20.0
+    seed: int = 0
+
+
+_TRACE_DECODER: Final = msgspec.json.Decoder(MooncakeRecord)
+
+
+def load_trace(path: Path, limit: int | None = None) -> list[MooncakeRecord]:
+    """Parse a Mooncake JSONL trace; a bad line raises ValueError naming the line number."""
+    records: list[MooncakeRecord] = []
+    with path.open("rb") as f:
+        for lineno, line in enumerate(f, 1):
+            if limit is not None and len(records) >= limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                records.append(_TRACE_DECODER.decode(line))
+            except msgspec.DecodeError as exc:
+                raise ValueError(f"{path}:{lineno}: {exc}") from exc
+    return records
+
+
+def block_token_ids(block_id: int, n: int, salt: int = 0) -> list[int]:
+    """The `n` token ids standing for block `block_id`: deterministic, distinct across blocks."""
+    rng = random.Random(block_id * 1_000_003 + salt)
+    return [TOKEN_BASE + rng.randrange(TOKEN_SPAN) for _ in range(n)]
+
+
+def _trace_prompt(record: MooncakeRecord, block_tokens: int) -> list[int]:
+    full_blocks = -(-record.input_length // MOONCAKE_BLOCK_TOKENS)
+    if full_blocks != len(record.hash_ids):
+        raise ValueError(f"trace record has {len(record.hash_ids)} hash ids for {record.input_length} tokens")
+    length = max(1, round(record.input_length * block_tokens / MOONCAKE_BLOCK_TOKENS))
+    prompt: list[int] = []
+    for block_id in record.hash_ids:
+        prompt.extend(block_token_ids(block_id, block_tokens))
+    return prompt[:length]
+
+
+def trace_requests(records: Sequence[MooncakeRecord], spec: TraceWorkload) -> list[RequestSpec]:
+    """Requests replaying `records`: arrivals scaled by `time_scale` (2.0 = twice as fast)."""
+    if spec.time_scale <= 0 or spec.block_tokens <= 0:
+        raise ValueError("time_scale and block_tokens must be > 0")
+    chosen = records[: spec.max_requests] if spec.max_requests is not None else records
+    start = chosen[0].timestamp if chosen else 0.0
+    out: list[RequestSpec] = []
+    for i, record in enumerate(chosen):
+        max_tokens = max(1, record.output_length)
+        if spec.max_output_tokens is not None:
+            max_tokens = min(max_tokens, spec.max_output_tokens)
+        arrival = (record.timestamp - start) / 1000.0 / spec.time_scale
+        out.append(RequestSpec(arrival, _trace_prompt(record, spec.block_tokens), max_tokens, f"trace-{i}"))
+    return out
+
+
+def synthetic_requests(spec: SyntheticWorkload) -> list[RequestSpec]:
+    """Every user runs `turns` turns on one of the shared system prompts; each turn resends the history.
+
+    Turn k of a user arrives after turn k-1's arrival (Poisson gaps at `rate` overall), so later turns
+    can reuse the cache their earlier turns left on whichever engine served them.
+    """
+    rng = random.Random(spec.seed)
+    systems = [
+        block_token_ids(-1 - i, spec.system_prompt_tokens, spec.seed) for i in range(spec.system_prompts)
+    ]
+    histories = {u: list(systems[u % spec.system_prompts]) for u in range(spec.users)}
+    pending = [(u, t) for t in range(spec.turns) for u in range(spec.users)]
+    clock = 0.0
+    out: list[RequestSpec] = []
+    for u, t in pending:
+        clock += rng.expovariate(spec.rate) if spec.rate > 0 else 0.0
+        turn = block_token_ids(10_000_000 + u * 1000 + t, spec.user_turn_tokens, spec.seed)
+        histories[u].extend(turn)
+        out.append(RequestSpec(clock, list(histories[u]), spec.output_tokens, f"user-{u}"))
+        histories[u].extend(block_token_ids(20_000_000 + u * 1000 + t, spec.output_tokens, spec.seed))
+    return out
+
+
+def shared_prefix_tokens(requests: Iterable[RequestSpec], block: int = 16) -> int:
+    """Prompt tokens, in whole `block`s, that repeat a prefix an earlier request already sent.
+
+    This is what a single engine with an unbounded cache would save: the upper bound of any policy.
+    """
+    seen: set[int] = set()
+    shared = 0
+    for req in requests:
+        chain = 0
+        for end in range(block, len(req.prompt) + 1, block):
+            chain = hash((chain, tuple(req.prompt[end - block : end])))
+            if chain in seen:
+                shared += block
+            seen.add(chain)
+    return shared
