@@ -1,0 +1,246 @@
+"""How far each engine's mirror can be believed: FRESH, CATCHING_UP or STALE, with the reason.
+
+A sans-I/O state machine per engine, fed by the signals a subscriber and the proxy report (each
+carrying its own time) and asked `status(now)`. Trust is the worst of the active conditions:
+
+- STALE: an unreplayed gap; lost history (replay started later than asked); an undecodable batch;
+  a block-size or tokenizer mismatch seen in the engine's events; silence while requests flow (the
+  router sent it a request that must have produced stores `silence_s` ago, and no events came since).
+- CATCHING_UP: a replay in flight; an engine reset (restart) whose mirror is not rebuilt yet.
+- FRESH: none of the above.
+
+Recovery: a gap ends when its replay starts (it becomes "replay in flight"), a replay and a reset end
+when the replay finishes or live events resume after the reset; lost history and decode errors end
+only when the mirror is exact again (the engine cleared all blocks, or restarted); a mismatch ends at
+a restart. Scoring trusts hits only from FRESH engines.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import msgspec
+
+__all__ = [
+    "BlockSizeMismatch",
+    "Cleared",
+    "DecodeError",
+    "Delivered",
+    "Gap",
+    "HistoryLost",
+    "ReplayFinished",
+    "ReplayStarted",
+    "RequestSent",
+    "Reset",
+    "Signal",
+    "TokenizerMismatch",
+    "TrustReason",
+    "TrustState",
+    "TrustStatus",
+    "TrustTracker",
+]
+
+
+class TrustState(enum.Enum):
+    """Whether a mirror's hits may be used in scoring (only FRESH ones are)."""
+
+    FRESH = "fresh"
+    CATCHING_UP = "catching_up"
+    STALE = "stale"
+
+
+class TrustReason(enum.Enum):
+    """Why an engine is in its trust state; listed worst first (the first active one is reported)."""
+
+    BLOCK_SIZE_MISMATCH = "block_size_mismatch"
+    TOKENIZER_MISMATCH = "tokenizer_mismatch"
+    DECODE_ERROR = "decode_error"
+    HISTORY_LOST = "history_lost"
+    GAP = "gap"
+    SILENT = "silent"
+    REPLAY_IN_FLIGHT = "replay_in_flight"
+    RESET_NOT_REBUILT = "reset_not_rebuilt"
+    OK = "ok"
+
+
+_STATE_OF = {
+    TrustReason.REPLAY_IN_FLIGHT: TrustState.CATCHING_UP,
+    TrustReason.RESET_NOT_REBUILT: TrustState.CATCHING_UP,
+    TrustReason.OK: TrustState.FRESH,
+}
+
+
+class TrustStatus(msgspec.Struct, frozen=True):
+    """A trust verdict as recorded in a decision: state, machine-readable reason, words, since when."""
+
+    state: TrustState
+    reason: TrustReason
+    detail: str
+    since: float
+
+    @property
+    def trusted(self) -> bool:
+        """Whether scoring may use this engine's hits."""
+        return self.state is TrustState.FRESH
+
+
+class Delivered(msgspec.Struct, frozen=True):
+    """An in-order batch of events was applied to the mirror at `at`."""
+
+    at: float
+
+
+class Gap(msgspec.Struct, frozen=True):
+    """Sequence numbers were skipped: batches `from_seq`..`to_seq` - 1 are missing."""
+
+    at: float
+    from_seq: int
+    to_seq: int
+
+
+class ReplayStarted(msgspec.Struct, frozen=True):
+    """A replay request went out for the missing range."""
+
+    at: float
+
+
+class ReplayFinished(msgspec.Struct, frozen=True):
+    """The replay's end marker arrived (a short replay is reported as HistoryLost as well)."""
+
+    at: float
+
+
+class Reset(msgspec.Struct, frozen=True):
+    """The engine restarted (its seq went back); the mirror was cleared and is being rebuilt."""
+
+    at: float
+
+
+class HistoryLost(msgspec.Struct, frozen=True):
+    """Replay began after the asked seq: batches are gone for good, the mirror may miss blocks."""
+
+    at: float
+
+
+class Cleared(msgspec.Struct, frozen=True):
+    """The engine sent AllBlocksCleared: its cache is empty, so the mirror is exact again."""
+
+    at: float
+
+
+class DecodeError(msgspec.Struct, frozen=True):
+    """A batch from this engine could not be decoded; its events are missing from the mirror."""
+
+    at: float
+    detail: str = ""
+
+
+class BlockSizeMismatch(msgspec.Struct, frozen=True):
+    """The engine's stores carry a block size other than the one configured for it."""
+
+    at: float
+    expected: int
+    got: int
+
+
+class TokenizerMismatch(msgspec.Struct, frozen=True):
+    """The token ids in the engine's stores do not match the router's tokenization."""
+
+    at: float
+    detail: str = ""
+
+
+class RequestSent(msgspec.Struct, frozen=True):
+    """The router sent the engine a request that must produce stores (at least one new full block)."""
+
+    at: float
+
+
+Signal = (
+    Delivered
+    | Gap
+    | ReplayStarted
+    | ReplayFinished
+    | Reset
+    | HistoryLost
+    | Cleared
+    | DecodeError
+    | BlockSizeMismatch
+    | TokenizerMismatch
+    | RequestSent
+)
+
+_CLEARED_BY_EXACT_MIRROR = (TrustReason.HISTORY_LOST, TrustReason.DECODE_ERROR)
+_CLEARED_BY_RESTART = (
+    *_CLEARED_BY_EXACT_MIRROR,
+    TrustReason.BLOCK_SIZE_MISMATCH,
+    TrustReason.TOKENIZER_MISMATCH,
+)
+
+
+class TrustTracker:
+    """One engine's trust: `observe` signals as they happen, ask `status(now)` when deciding."""
+
+    def __init__(self, silence_s: float) -> None:
+        self.silence_s = silence_s
+        self._active: dict[TrustReason, tuple[float, str]] = {}
+        self._awaiting_events_since: float | None = None
+        self._last_change = 0.0
+
+    def observe(self, signal: Signal) -> None:
+        """Apply one signal (see the module docstring for what each one sets and clears)."""
+        match signal:
+            case Delivered(at=at):
+                self._awaiting_events_since = None
+                self._clear(at, TrustReason.RESET_NOT_REBUILT)
+            case RequestSent(at=at):
+                if self._awaiting_events_since is None:
+                    self._awaiting_events_since = at
+            case Gap(at=at, from_seq=lo, to_seq=hi):
+                self._set(at, TrustReason.GAP, f"batches {lo}..{hi - 1} missing, not replayed")
+            case ReplayStarted(at=at):
+                self._clear(at, TrustReason.GAP)
+                self._set(at, TrustReason.REPLAY_IN_FLIGHT, "replay requested, not finished")
+            case ReplayFinished(at=at):
+                self._clear(at, TrustReason.REPLAY_IN_FLIGHT, TrustReason.RESET_NOT_REBUILT)
+            case Reset(at=at):
+                self._clear(at, *_CLEARED_BY_RESTART)
+                self._set(at, TrustReason.RESET_NOT_REBUILT, "engine restarted; mirror being rebuilt")
+            case HistoryLost(at=at):
+                self._set(at, TrustReason.HISTORY_LOST, "replay started past the missing batches")
+            case Cleared(at=at):
+                self._clear(at, *_CLEARED_BY_EXACT_MIRROR)
+            case DecodeError(at=at, detail=detail):
+                self._set(at, TrustReason.DECODE_ERROR, f"undecodable batch: {detail}".rstrip(": "))
+            case BlockSizeMismatch(at=at, expected=want, got=got):
+                self._set(at, TrustReason.BLOCK_SIZE_MISMATCH, f"events say block size {got}, config {want}")
+            case TokenizerMismatch(at=at, detail=detail):
+                self._set(at, TrustReason.TOKENIZER_MISMATCH, f"token ids differ: {detail}".rstrip(": "))
+
+    def status(self, now: float) -> TrustStatus:
+        """The verdict at `now`: the worst active condition, silence included."""
+        silent_since = self._silent_since(now)
+        for reason in TrustReason:
+            if reason is TrustReason.SILENT and silent_since is not None:
+                detail = f"no events for {now - silent_since:.1f}s while requests were sent"
+                return TrustStatus(TrustState.STALE, reason, detail, silent_since + self.silence_s)
+            if reason in self._active:
+                since, detail = self._active[reason]
+                return TrustStatus(_STATE_OF.get(reason, TrustState.STALE), reason, detail, since)
+        return TrustStatus(TrustState.FRESH, TrustReason.OK, "mirror follows the engine", self._last_change)
+
+    def _silent_since(self, now: float) -> float | None:
+        since = self._awaiting_events_since
+        if since is None or now - since < self.silence_s:
+            return None
+        return since
+
+    def _set(self, at: float, reason: TrustReason, detail: str) -> None:
+        if reason not in self._active:
+            self._active[reason] = (at, detail)
+            self._last_change = at
+
+    def _clear(self, at: float, *reasons: TrustReason) -> None:
+        for reason in reasons:
+            if self._active.pop(reason, None) is not None:
+                self._last_change = at
