@@ -1,0 +1,271 @@
+"""Per-publisher sequence tracking for the KV-event link (pure, sans-I/O: no sockets, no clock).
+
+`SequenceTracker` is fed every batch a subscriber receives, live or replayed, and answers with the
+actions to carry out: deliver it, drop a duplicate, request a replay, signal a reset. The rules
+(reference section 8.3):
+
+- start-up: replay from 0, so a late subscriber (ZMQ's slow joiner) still sees the whole history;
+- seq == last+1: deliver; a gap: replay from last+1;
+- seq <= last: a duplicate when its fingerprint matches the batch delivered with that seq, otherwise
+  the engine restarted (vLLM restarts seq at 0 and sends no other marker): Reset("restart"), then
+  replay from 0;
+- a replay that starts (or jumps) later than asked: the publisher's buffer no longer holds that
+  history: Reset("history_lost") and the engine is *stale* until a full picture exists again (a
+  delivered seq 0, i.e. a new publisher lifetime seen from its start, or `mark_rebuilt()` when the
+  consumer saw AllBlocksCleared).
+
+Live batches that arrive while a replay is in flight are held (bounded by `max_held`) and processed
+in seq order when the replay ends, so a busy publisher does not cause a fresh gap after each replay.
+Held batches already delivered by the replay are recognised by fingerprint and dropped. Without a
+replay endpoint (`can_replay=False`) a gap cannot be filled: it is reported as history lost.
+
+Known limit (vLLM 0.33.0 carries no publisher id): a restart is invisible if the subscriber misses
+every batch of the new lifetime until its seq exceeds the last one seen.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Callable, Hashable
+from typing import Generic, Literal, TypeAlias, TypeVar
+
+import msgspec
+
+__all__ = [
+    "Action",
+    "CaughtUp",
+    "Deliver",
+    "Duplicate",
+    "Rebuilt",
+    "RequestReplay",
+    "Reset",
+    "ResetReason",
+    "SequenceStats",
+    "SequenceTracker",
+    "Signal",
+    "TrackerConfig",
+]
+
+T = TypeVar("T")
+ResetReason: TypeAlias = Literal["restart", "history_lost"]
+
+
+class Deliver(msgspec.Struct, Generic[T], frozen=True, gc=False):
+    """Hand this batch to the consumer: it is the next one in order."""
+
+    seq: int
+    item: T
+
+
+class Duplicate(msgspec.Struct, frozen=True, gc=False):
+    """A batch already delivered; dropped."""
+
+    seq: int
+
+
+class RequestReplay(msgspec.Struct, frozen=True, gc=False):
+    """Ask the publisher for every buffered batch from `start_seq` on (replacing any replay in flight)."""
+
+    start_seq: int
+
+
+class Reset(msgspec.Struct, frozen=True, gc=False):
+    """Forget everything learnt from this publisher: it restarted, or part of its history is lost."""
+
+    reason: ResetReason
+
+
+class CaughtUp(msgspec.Struct, frozen=True, gc=False):
+    """A replay finished and no gap is outstanding; `last_seq` is the last delivered seq."""
+
+    last_seq: int | None
+
+
+class Rebuilt(msgspec.Struct, frozen=True, gc=False):
+    """The engine is no longer stale: the consumer's picture of it is complete again."""
+
+
+Signal: TypeAlias = Reset | CaughtUp | Rebuilt
+Action: TypeAlias = Deliver[T] | Duplicate | RequestReplay | Reset | CaughtUp | Rebuilt
+
+
+class TrackerConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """`can_replay`: the publisher has a replay endpoint. `window`: delivered fingerprints kept for
+    duplicate detection. `max_held`: live batches held while a replay is in flight."""
+
+    can_replay: bool = True
+    window: int = 4096
+    max_held: int = 10_000
+
+
+class SequenceStats(msgspec.Struct):
+    """Counters of one tracker; `last_event_time` is the `now` given with the last delivered batch."""
+
+    batches: int = 0
+    gaps: int = 0
+    replays: int = 0
+    replay_failures: int = 0
+    resets: int = 0
+    history_lost: int = 0
+    duplicates: int = 0
+    stray_replies: int = 0
+    held_dropped: int = 0
+    last_seq: int | None = None
+    last_event_time: float | None = None
+    stale: bool = False
+
+
+class SequenceTracker(Generic[T]):
+    """Turns received seqs into actions for one publisher; `fingerprint` identifies a batch's content."""
+
+    def __init__(self, config: TrackerConfig | None = None, fingerprint: Callable[[T], Hashable] = hash):
+        self.config = config or TrackerConfig()
+        self.stats = SequenceStats()
+        self._fingerprint = fingerprint
+        self._last: int | None = None
+        self._fps: deque[Hashable] = deque(maxlen=self.config.window)
+        self._replay_from: int | None = None
+        self._requests = 0
+        self._held: dict[int, tuple[T, int]] = {}  # seq -> (item, replay requests made when received)
+
+    @property
+    def replaying(self) -> bool:
+        """True while a replay request is in flight."""
+        return self._replay_from is not None
+
+    def start(self) -> list[Action[T]]:
+        """The actions to take before anything is received: replay the publisher's history from 0."""
+        return self._request(0) if self.config.can_replay else []
+
+    def on_live(self, seq: int, item: T, now: float) -> list[Action[T]]:
+        """A batch from the live stream."""
+        if self._replay_from is not None:
+            self._hold(seq, item)
+            return []
+        return self._accept(seq, item, now)
+
+    def on_replay(self, seq: int, item: T, now: float) -> list[Action[T]]:
+        """A batch from the replay in flight (stray replies, with none in flight, are counted and ignored)."""
+        if self._replay_from is None:
+            self.stats.stray_replies += 1
+            return []
+        expected = self._expected()
+        if seq < expected:
+            self.stats.duplicates += 1
+            return [Duplicate(seq)]
+        actions: list[Action[T]] = [] if seq == expected else self._history_lost()
+        return [*actions, *self._deliver(seq, item, now)]
+
+    def on_replay_end(self, now: float) -> list[Action[T]]:
+        """The replay's end marker: process the held live batches, then report whether caught up."""
+        if self._replay_from is None:
+            self.stats.stray_replies += 1
+            return []
+        self._replay_from = None
+        return self._drain(now)
+
+    def on_replay_failed(self) -> list[Action[T]]:
+        """The replay in flight timed out: ask again from the next seq still missing."""
+        if self._replay_from is None:
+            return []
+        self.stats.replay_failures += 1
+        return self._request(self._expected())
+
+    def mark_rebuilt(self) -> list[Action[T]]:
+        """The consumer has a complete picture again (e.g. it saw AllBlocksCleared): clear `stale`."""
+        if not self.stats.stale:
+            return []
+        self.stats.stale = False
+        return [Rebuilt()]
+
+    def _expected(self) -> int:
+        return 0 if self._last is None else self._last + 1
+
+    def _accept(self, seq: int, item: T, now: float) -> list[Action[T]]:
+        expected = self._expected()
+        if seq == expected:
+            return self._deliver(seq, item, now)
+        if seq > expected:
+            self.stats.gaps += 1
+            if not self.config.can_replay:
+                return [*self._history_lost(), *self._deliver(seq, item, now)]
+            self._hold(seq, item)
+            return self._request(expected)
+        if self._is_duplicate(seq, item):
+            self.stats.duplicates += 1
+            return [Duplicate(seq)]
+        return self._restart(seq, item, now)
+
+    def _deliver(self, seq: int, item: T, now: float) -> list[Action[T]]:
+        if self._last is not None and seq != self._last + 1:
+            self._fps.clear()  # keep fingerprints contiguous: _fps[-1] is always the last seq's
+        self._last = seq
+        self._fps.append(self._fingerprint(item))
+        self.stats.batches += 1
+        self.stats.last_seq = seq
+        self.stats.last_event_time = now
+        delivered: list[Action[T]] = [Deliver(seq, item)]
+        if seq == 0 and self.stats.stale:
+            # a publisher lifetime seen from its first batch is a complete picture
+            self.stats.stale = False
+            delivered.append(Rebuilt())
+        return delivered
+
+    def _is_duplicate(self, seq: int, item: T) -> bool:
+        assert self._last is not None, "a seq below the expected one implies something was delivered"
+        back = self._last - seq
+        return back < len(self._fps) and self._fps[-1 - back] == self._fingerprint(item)
+
+    def _restart(self, seq: int, item: T, now: float) -> list[Action[T]]:
+        self.stats.resets += 1
+        self._last = None
+        self._fps.clear()
+        self._held.clear()
+        if not self.config.can_replay:
+            return [Reset("restart"), *self._accept(seq, item, now)]
+        self._hold(seq, item)
+        return [Reset("restart"), *self._request(0)]
+
+    def _history_lost(self) -> list[Action[T]]:
+        self.stats.history_lost += 1
+        self.stats.stale = True
+        return [Reset("history_lost")]
+
+    def _request(self, start: int) -> list[Action[T]]:
+        self._replay_from = start
+        self._requests += 1
+        self.stats.replays += 1
+        return [RequestReplay(start)]
+
+    def _hold(self, seq: int, item: T) -> None:
+        if seq in self._held:
+            self.stats.duplicates += 1
+        elif len(self._held) >= self.config.max_held:
+            self.stats.held_dropped += 1  # a later gap replays it
+        else:
+            self._held[seq] = (item, self._requests)
+
+    def _drain(self, now: float) -> list[Action[T]]:
+        actions: list[Action[T]] = []
+        while self._held and self._replay_from is None:
+            seq = min(self._held)
+            item, requests_then = self._held.pop(seq)
+            if requests_then < self._requests:
+                actions += self._covered(seq, item, now)
+                continue
+            actions += self._accept(seq, item, now)
+        if self._replay_from is None:
+            actions.append(CaughtUp(self._last))
+        return actions
+
+    def _covered(self, seq: int, item: T, now: float) -> list[Action[T]]:
+        # The publisher buffers a batch before sending it live, so the replay asked for after this
+        # batch arrived covered it: below the expected seq it was delivered (or lost with the history
+        # before it); above, the history up to it is gone.
+        expected = self._expected()
+        if seq < expected:
+            self.stats.duplicates += 1
+            return [Duplicate(seq)]
+        if seq > expected:
+            return [*self._history_lost(), *self._deliver(seq, item, now)]
+        return self._deliver(seq, item, now)
