@@ -1,0 +1,100 @@
+"""Load-test results: one record per request, and the per-policy summary computed from them. Pure."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Sequence
+
+import msgspec
+
+__all__ = ["Percentiles", "PolicySummary", "RequestResult", "percentile", "summarize"]
+
+
+class RequestResult(msgspec.Struct, frozen=True):
+    """What happened to one request under one policy (times in seconds from the run's start)."""
+
+    policy: str
+    index: int
+    session: str
+    arrival_s: float
+    engine: str | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    output_tokens: int = 0
+    predicted_cached_tokens: int | None = None
+    error: str | None = None
+
+
+class Percentiles(msgspec.Struct, frozen=True):
+    """p50/p90/p99 and mean of a latency, in seconds (None when nothing was measured)."""
+
+    p50: float | None
+    p90: float | None
+    p99: float | None
+    mean: float | None
+
+
+class PolicySummary(msgspec.Struct, frozen=True):
+    """The figures one policy is judged by; `summary.json` holds one per policy."""
+
+    policy: str
+    requests: int
+    errors: int
+    duration_s: float
+    throughput_rps: float
+    output_tokens_per_s: float
+    ttft: Percentiles
+    e2e: Percentiles
+    prompt_tokens: int
+    cached_tokens: int
+    cached_ratio: float
+    predictions: int
+    prediction_exact: float | None
+    prediction_mean_abs_error: float | None
+    engine_share: dict[str, float]
+
+
+def percentile(values: Sequence[float], q: float) -> float | None:
+    """Nearest-rank percentile (q in 0..100) of `values`; None when empty."""
+    if not values:
+        return None
+    ordered = sorted(values)
+    rank = max(1, math.ceil(q / 100 * len(ordered)))
+    return ordered[rank - 1]
+
+
+def _percentiles(values: Sequence[float]) -> Percentiles:
+    mean = sum(values) / len(values) if values else None
+    return Percentiles(percentile(values, 50), percentile(values, 90), percentile(values, 99), mean)
+
+
+def summarize(policy: str, results: Sequence[RequestResult], duration_s: float) -> PolicySummary:
+    """Aggregate one policy's request results over a run of `duration_s` seconds."""
+    ok = [r for r in results if r.error is None]
+    prompt = sum(r.prompt_tokens for r in ok)
+    cached = sum(r.cached_tokens for r in ok)
+    predicted = [r for r in ok if r.predicted_cached_tokens is not None]
+    errors = [abs((r.predicted_cached_tokens or 0) - r.cached_tokens) for r in predicted]
+    engines = Counter(r.engine for r in ok if r.engine is not None)
+    total_engine = sum(engines.values())
+    span = max(duration_s, 1e-9)
+    return PolicySummary(
+        policy=policy,
+        requests=len(results),
+        errors=len(results) - len(ok),
+        duration_s=duration_s,
+        throughput_rps=len(ok) / span,
+        output_tokens_per_s=sum(r.output_tokens for r in ok) / span,
+        ttft=_percentiles([r.ttft_s for r in ok if r.ttft_s is not None]),
+        e2e=_percentiles([r.e2e_s for r in ok if r.e2e_s is not None]),
+        prompt_tokens=prompt,
+        cached_tokens=cached,
+        cached_ratio=cached / prompt if prompt else 0.0,
+        predictions=len(predicted),
+        prediction_exact=sum(e == 0 for e in errors) / len(errors) if errors else None,
+        prediction_mean_abs_error=sum(errors) / len(errors) if errors else None,
+        engine_share={e: n / total_engine for e, n in sorted(engines.items())},
+    )
