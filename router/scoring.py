@@ -1,0 +1,241 @@
+"""Choosing an engine: candidates in, a `Decision` value out, which the proxy only carries out.
+
+Policies (`PolicyName`):
+- `kv` (default): minimise predicted TTFT = overhead + prefill cost x (queued prefill tokens + uncached
+  prompt tokens) + decode_penalty_s x decoding requests. Hits count only from FRESH mirrors (a stale
+  or catching-up engine's hits are taken as 0). Candidates within `tie_tolerance_s` of the best
+  cost tie, and ties break, in order, on: (1) pinning the hybrid junction (a trusted engine whose
+  warm full-attention prefix exceeds its hit: routing there makes the next sibling's hit the full
+  warm length), (2) fewer in-flight requests, (3) a stable hash of (request key, engine), which
+  spreads ties over engines without randomness.
+- `round_robin`, `least_loaded` (in-flight, then queued tokens, then the stable hash), `random`
+  (seeded), `session` (header affinity; falls back to `kv` when the engine is gone or unavailable),
+  `prefix_approx` (longest warm full-attention prefix, ignoring trust and hybrid rules; for A/B).
+Pure: the scorer's only state is the round-robin counter, the seeded RNG and the session table.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+
+import msgspec
+
+from router.ids import EngineId
+from router.load import LoadSnapshot
+from router.trust import TrustStatus
+
+__all__ = [
+    "Candidate",
+    "CandidateScore",
+    "Decision",
+    "PolicyName",
+    "RouteRequest",
+    "Scorer",
+    "ScorerSettings",
+]
+
+
+class PolicyName(enum.Enum):
+    """The routing policies; see the module docstring."""
+
+    KV = "kv"
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    RANDOM = "random"
+    SESSION = "session"
+    PREFIX_APPROX = "prefix_approx"
+
+
+class Candidate(msgspec.Struct, frozen=True):
+    """One engine as scoring sees it: the lookup's prediction, its trust and load, its availability."""
+
+    engine: EngineId
+    hit_tokens: int
+    boundary: int
+    warm_tokens: int
+    prompt_tokens: int
+    trust: TrustStatus
+    load: LoadSnapshot
+    healthy: bool = True
+    breaker_open: bool = False
+
+
+class RouteRequest(msgspec.Struct, frozen=True):
+    """What scoring needs of the request: a key for stable tie-breaks, the session, engines to avoid."""
+
+    key: str
+    session: str | None = None
+    excluded: frozenset[EngineId] = frozenset()
+
+
+class ScorerSettings(msgspec.Struct, frozen=True):
+    """Policy choice and weights (mirrors the `[policy]` config table)."""
+
+    policy: PolicyName = PolicyName.KV
+    tie_tolerance_s: float = 0.002
+    decode_penalty_s: float = 0.0
+    seed: int = 0
+    session_capacity: int = 100_000
+
+
+class CandidateScore(msgspec.Struct, frozen=True):
+    """One candidate as the decision saw it (every field is recorded for /debug/decisions)."""
+
+    engine: EngineId
+    hit_tokens: int
+    trusted_hit_tokens: int
+    boundary: int
+    warm_tokens: int
+    pins_junction: bool
+    uncached_tokens: int
+    predicted_ttft_s: float
+    trust: TrustStatus
+    load: LoadSnapshot
+    eligible: bool
+    why_not: str = ""
+
+
+class Decision(msgspec.Struct, frozen=True):
+    """The chosen engine (None when none is eligible), every candidate's score, the policy, the reason."""
+
+    engine: EngineId | None
+    policy: PolicyName
+    reason: str
+    predicted_cached_tokens: int
+    candidates: list[CandidateScore]
+
+
+def stable_hash(key: str, engine: EngineId) -> int:
+    """A process-independent 64-bit hash of (request key, engine): the last tie-break."""
+    digest = hashlib.blake2b(f"{key}\0{engine}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+def _why_not(c: Candidate, excluded: frozenset[EngineId]) -> str:
+    if c.engine in excluded:
+        return "already tried for this request"
+    if not c.healthy:
+        return "unhealthy"
+    return "circuit breaker open" if c.breaker_open else ""
+
+
+def _score(c: Candidate, excluded: frozenset[EngineId], decode_penalty_s: float) -> CandidateScore:
+    trusted_hit = c.hit_tokens if c.trust.trusted else 0
+    uncached = max(0, c.prompt_tokens - trusted_hit)
+    ttft = c.load.predicted_ttft_s(uncached) + decode_penalty_s * c.load.decoding
+    pins = c.trust.trusted and c.warm_tokens > c.hit_tokens
+    why_not = _why_not(c, excluded)
+    return CandidateScore(
+        c.engine, c.hit_tokens, trusted_hit, c.boundary, c.warm_tokens, pins, uncached, ttft,
+        c.trust, c.load, not why_not, why_not,
+    )  # fmt: skip
+
+
+Pick = tuple[CandidateScore, str]
+
+
+class Scorer:
+    """Applies the configured policy to a request's candidates and returns a `Decision`."""
+
+    def __init__(self, settings: ScorerSettings) -> None:
+        self.settings = settings
+        self._turn = 0
+        self._rng = random.Random(settings.seed)
+        self._sessions: OrderedDict[str, EngineId] = OrderedDict()
+        self._policies: dict[PolicyName, Callable[[RouteRequest, list[CandidateScore]], Pick]] = {
+            PolicyName.KV: self._kv,
+            PolicyName.ROUND_ROBIN: self._round_robin,
+            PolicyName.LEAST_LOADED: self._least_loaded,
+            PolicyName.RANDOM: self._random,
+            PolicyName.SESSION: self._session,
+            PolicyName.PREFIX_APPROX: self._prefix_approx,
+        }
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        """Score every candidate and pick one with the configured policy (deterministic given the seed)."""
+        policy = self.settings.policy
+        scores = [_score(c, request.excluded, self.settings.decode_penalty_s) for c in candidates]
+        scores.sort(key=lambda s: s.engine)
+        eligible = [s for s in scores if s.eligible]
+        if not eligible:
+            why = "; ".join(f"{s.engine}: {s.why_not}" for s in scores) or "no engines configured"
+            return Decision(None, policy, f"no eligible engine ({why})", 0, scores)
+        chosen, reason = self._policies[policy](request, eligible)
+        return Decision(chosen.engine, policy, reason, chosen.hit_tokens, scores)
+
+    def forget_engine(self, engine: EngineId) -> None:
+        """Drop session affinities to an engine that left the fleet."""
+        for session in [s for s, e in self._sessions.items() if e == engine]:
+            del self._sessions[session]
+
+    def _kv(self, request: RouteRequest, eligible: list[CandidateScore]) -> Pick:
+        best = min(eligible, key=lambda s: s.predicted_ttft_s)
+        tol = self.settings.tie_tolerance_s
+        tied = [s for s in eligible if s.predicted_ttft_s <= best.predicted_ttft_s + tol]
+        chosen = min(
+            tied, key=lambda s: (not s.pins_junction, s.load.in_flight, stable_hash(request.key, s.engine))
+        )
+        why = (
+            f"kv: lowest predicted TTFT {chosen.predicted_ttft_s * 1000:.1f} ms "
+            f"({chosen.trusted_hit_tokens} cached, {chosen.uncached_tokens} to prefill, "
+            f"{chosen.load.queued_prefill_tokens} queued)"
+        )
+        return chosen, why + _tie_words(chosen, tied)
+
+    def _round_robin(self, request: RouteRequest, eligible: list[CandidateScore]) -> Pick:
+        chosen = eligible[self._turn % len(eligible)]
+        self._turn += 1
+        return chosen, f"round_robin: turn {self._turn - 1} of {len(eligible)} eligible"
+
+    def _least_loaded(self, request: RouteRequest, eligible: list[CandidateScore]) -> Pick:
+        chosen = min(eligible, key=lambda s: _load_key(request, s))
+        return (
+            chosen,
+            f"least_loaded: {chosen.load.in_flight} in flight, {chosen.load.queued_prefill_tokens} queued",
+        )
+
+    def _random(self, request: RouteRequest, eligible: list[CandidateScore]) -> Pick:
+        return self._rng.choice(eligible), f"random: seeded choice among {len(eligible)} eligible"
+
+    def _prefix_approx(self, request: RouteRequest, eligible: list[CandidateScore]) -> Pick:
+        chosen = min(eligible, key=lambda s: (-s.warm_tokens, *_load_key(request, s)))
+        return chosen, f"prefix_approx: longest warm prefix {chosen.warm_tokens} tokens (trust ignored)"
+
+    def _session(self, request: RouteRequest, eligible: list[CandidateScore]) -> Pick:
+        if request.session is None:
+            chosen, why = self._kv(request, eligible)
+            return chosen, f"session: no session header; {why}"
+        pinned = self._sessions.get(request.session)
+        for s in eligible:
+            if s.engine == pinned:
+                self._sessions.move_to_end(request.session)
+                return s, f"session: affinity of session {request.session!r}"
+        chosen, why = self._kv(request, eligible)
+        self._remember(request.session, chosen.engine)
+        lost = "new session" if pinned is None else f"pinned engine {pinned} unavailable"
+        return chosen, f"session: {lost}; {why}"
+
+    def _remember(self, session: str, engine: EngineId) -> None:
+        self._sessions[session] = engine
+        self._sessions.move_to_end(session)
+        while len(self._sessions) > self.settings.session_capacity:
+            self._sessions.popitem(last=False)
+
+
+def _load_key(request: RouteRequest, s: CandidateScore) -> tuple[int, int, int]:
+    return s.load.in_flight, s.load.queued_prefill_tokens, stable_hash(request.key, s.engine)
+
+
+def _tie_words(chosen: CandidateScore, tied: list[CandidateScore]) -> str:
+    if len(tied) == 1:
+        return ""
+    others = ", ".join(s.engine for s in tied if s is not chosen)
+    if chosen.pins_junction and not all(s.pins_junction for s in tied):
+        return f"; tied with {others}, chosen to pin the hybrid junction at {chosen.warm_tokens} tokens"
+    if any(s.load.in_flight != chosen.load.in_flight for s in tied):
+        return f"; tied with {others}, chosen for fewer in-flight requests"
+    return f"; tied with {others}, chosen by the stable hash"
