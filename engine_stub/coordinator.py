@@ -95,8 +95,3 @@ def find_longest_hit(
                 del lookup.blocks[gid][keep:]
     lookup.hit_tokens, lookup.num_uncached = hit, longest - hit
     return lookup
-
-
-def boundary_blocks(lookup: Lookup) -> list[int]:
-    """Per group, how many hit blocks a full-mode report announces (null placeholders included)."""
-    return [len(blocks) for blocks in lookup.blocks]
