@@ -1,0 +1,154 @@
+"""msgspec views of the OpenAI request fields that decide the prompt's tokens and cache behaviour.
+
+Shared by the router (to predict) and the engine stub (to serve): both decode the raw body with the
+same typed decoders. Unknown fields are ignored; a wrong type raises RequestError naming the field
+(msgspec's ``$.messages[0].content`` path). Field meanings and defaults follow vLLM 0.33.0's protocol.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+import msgspec
+
+__all__ = [
+    "ChatMessage",
+    "ChatRequest",
+    "CompletionRequest",
+    "ContentPart",
+    "Endpoint",
+    "RequestError",
+    "Tool",
+    "decode_chat",
+    "decode_completion",
+]
+
+
+class RequestError(ValueError):
+    """The body is not a request we can tokenize; the message names the field (HTTP 400)."""
+
+
+class Endpoint(StrEnum):
+    """The two OpenAI routes whose prompts we tokenize."""
+
+    COMPLETIONS = "/v1/completions"
+    CHAT = "/v1/chat/completions"
+
+
+class VllmXargs(msgspec.Struct):
+    """vLLM's per-request ``extra_args``; only the KV-cache report mode matters here."""
+
+    kv_cache_report_mode: Literal["incremental", "full"] = "incremental"
+
+
+class ContentPart(msgspec.Struct):
+    """One content part. Text-like types carry their text; any other type is multimodal."""
+
+    type: str | None = None
+    text: str | None = None
+    refusal: str | None = None
+    thinking: str | None = None
+
+
+class ToolCallFunction(msgspec.Struct):
+    """The called function: its name and arguments (a JSON string or an object)."""
+
+    name: str
+    arguments: str | dict[str, Any] | None = None
+
+
+class ToolCall(msgspec.Struct):
+    """An assistant message's tool call."""
+
+    function: ToolCallFunction
+    id: str | None = None
+    type: str = "function"
+
+
+class ChatMessage(msgspec.Struct):
+    """A chat message: text or content parts, plus the tool and reasoning fields templates read."""
+
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[ToolCall] | None = None
+    tool_call_id: str | None = None
+    reasoning: str | None = None
+    reasoning_content: str | None = None
+
+
+class FunctionDefinition(msgspec.Struct):
+    """A tool's function schema, in the field order vLLM hands it to the template."""
+
+    name: str
+    description: str | None = None
+    parameters: dict[str, Any] | None = None
+    strict: bool | None = None
+    defer_loading: bool | None = None
+
+
+class Tool(msgspec.Struct):
+    """A tool offered to the model."""
+
+    function: FunctionDefinition
+    type: Literal["function"] = "function"
+    defer_loading: bool | None = None
+
+
+class CompletionRequest(msgspec.Struct):
+    """``/v1/completions``: ``prompt`` is a string, a list of strings, token ids, or lists of token ids."""
+
+    prompt: str | list[str | int | list[int]] | None = None
+    model: str | None = None
+    stream: bool = False
+    max_tokens: int | None = None
+    add_special_tokens: bool = True
+    cache_salt: str | None = None
+    prompt_logprobs: int | None = None
+    vllm_xargs: VllmXargs | None = None
+
+
+class ChatRequest(msgspec.Struct):
+    """``/v1/chat/completions``: messages plus what the template and tokenization read."""
+
+    messages: list[ChatMessage]
+    model: str | None = None
+    tools: list[Tool] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, str]] | None = None
+    stream: bool = False
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    cache_salt: str | None = None
+    prompt_logprobs: int | None = None
+    vllm_xargs: VllmXargs | None = None
+
+
+_COMPLETION = msgspec.json.Decoder(CompletionRequest)
+_CHAT = msgspec.json.Decoder(ChatRequest)
+
+
+def decode_completion(body: bytes) -> CompletionRequest:
+    """Decode a completions body; RequestError on bad JSON, wrong types or a missing prompt."""
+    try:
+        req = _COMPLETION.decode(body)
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"invalid completions request: {exc}") from exc
+    if req.prompt is None:
+        raise RequestError("invalid completions request: `prompt` is required")
+    return req
+
+
+def decode_chat(body: bytes) -> ChatRequest:
+    """Decode a chat body; RequestError on bad JSON, wrong types or incompatible flags."""
+    try:
+        req = _CHAT.decode(body)
+    except msgspec.DecodeError as exc:
+        raise RequestError(f"invalid chat request: {exc}") from exc
+    if req.continue_final_message and req.add_generation_prompt:
+        raise RequestError("invalid chat request: both `continue_final_message` and `add_generation_prompt`")
+    return req
