@@ -1,0 +1,147 @@
+"""The router's own block key: a keyed 64-bit hash chained over block tokens.
+
+`BlockKey` identifies "this exact token prefix, under this LoRA / cache_salt / multimodal content",
+computed identically from a request's tokens and from an event's `token_ids`, so it works whatever hash
+algorithm or seed the engines use. Each block's tokens are hashed with CPython's SipHash (keyed by the
+interpreter's per-process secret: do not set PYTHONHASHSEED in the router) and chained with the parent
+key; the chain starts from a root that hashes a per-`KeyHasher` random secret with the LoRA name and the
+cache salt. LoRA is on every block in vLLM and the salt on the first; both reach every later block
+through the chain, so seeding the root is equivalent. Multimodal extra keys (and lookahead tokens under
+EAGLE lookahead hashing) are folded into the blocks they belong to. The LoRA path is not part of the key
+(events do not carry it): two adapters with one name but different paths share keys.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+import sys
+from collections.abc import Sequence
+from functools import lru_cache
+from typing import Any, NewType
+
+import msgspec
+
+from events.block_hash import RequestExtras
+
+__all__ = ["BlockExtra", "BlockKey", "KeyHasher", "hash_randomized"]
+
+BlockKey = NewType("BlockKey", int)
+"""The router's block key (distinct from the engine's opaque `EngineBlockHash`)."""
+
+BlockExtra = tuple[Any, ...] | None
+"""A block's normalized extra keys for the router key: multimodal (identifier, offset) pairs, lookahead."""
+
+_TOKEN_FMT = "I"
+_TOKEN_BYTES = 4
+
+
+def hash_randomized() -> bool:
+    """True when the interpreter's string/bytes hash is keyed by a random secret (no PYTHONHASHSEED)."""
+    return bool(sys.flags.hash_randomization)
+
+
+@lru_cache(maxsize=256)
+def _packer(n_tokens: int) -> struct.Struct:
+    return struct.Struct(f"{n_tokens}{_TOKEN_FMT}")
+
+
+@lru_cache(maxsize=256)
+def _splitter(n_blocks: int, block_bytes: int) -> struct.Struct:
+    return struct.Struct(f"{block_bytes}s" * n_blocks)
+
+
+def _block_hashes(tokens: Sequence[int], block_size: int, n_blocks: int) -> list[int]:
+    """Keyed SipHash of each of the first `n_blocks` full blocks of `tokens`."""
+    if n_blocks <= 0:
+        return []
+    n = n_blocks * block_size
+    try:
+        buf = _packer(n).pack(*tokens[:n])
+    except struct.error as exc:
+        raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from exc
+    return list(map(hash, _splitter(n_blocks, block_size * _TOKEN_BYTES).unpack(buf)))
+
+
+class KeyHasher:
+    """Computes `BlockKey`s for requests and for events with one per-process secret."""
+
+    def __init__(self, secret: bytes | None = None) -> None:
+        self._secret = secret if secret is not None else os.urandom(16)
+
+    def root(self, lora_name: str | None = None, cache_salt: str | None = None) -> int:
+        """The chain's starting value for a request with this LoRA name and cache salt."""
+        return hash(self._secret + msgspec.msgpack.encode((lora_name, cache_salt)))
+
+    def request_keys(
+        self, tokens: Sequence[int], block_size: int, extras: RequestExtras | None = None, lookahead: int = 0
+    ) -> list[BlockKey]:
+        """Keys of every full block of `tokens` (with `lookahead` L, a block needs L more tokens)."""
+        n_blocks = max(0, (len(tokens) - lookahead) // block_size)
+        extras = extras or RequestExtras()
+        root = self.root(extras.lora_name, extras.cache_salt)
+        if not extras.mm_items and not lookahead:
+            return self.chain(root, tokens, block_size, n_blocks)
+        block_extras = [
+            _request_extra(tokens, extras, i * block_size, (i + 1) * block_size, lookahead)
+            for i in range(n_blocks)
+        ]
+        return self.chain(root, tokens, block_size, n_blocks, block_extras)
+
+    def chain(
+        self,
+        parent: int,
+        tokens: Sequence[int],
+        block_size: int,
+        n_blocks: int,
+        block_extras: Sequence[BlockExtra] | None = None,
+    ) -> list[BlockKey]:
+        """Keys of `n_blocks` blocks of `tokens`, chained from `parent` (a root or a parent key)."""
+        out: list[BlockKey] = []
+        append = out.append
+        prev = parent
+        hashes = _block_hashes(tokens, block_size, n_blocks)
+        if block_extras is None:
+            for h in hashes:
+                prev = hash((prev, h))
+                append(BlockKey(prev))
+            return out
+        for h, extra in zip(hashes, block_extras, strict=True):
+            prev = hash((prev, h) if extra is None else (prev, h, extra))
+            append(BlockKey(prev))
+        return out
+
+
+def _request_extra(
+    tokens: Sequence[int], extras: RequestExtras, start: int, end: int, lookahead: int
+) -> BlockExtra:
+    mm = tuple(
+        (item.identifier, item.offset - start)
+        for item in extras.mm_items
+        if item.offset < end + lookahead and item.offset + item.length > start
+    )
+    return normalize_extra(mm, tokens[end : end + lookahead] if lookahead else None)
+
+
+def normalize_extra(mm: Sequence[Any], lookahead: Sequence[int] | None) -> BlockExtra:
+    """The router-key extra of one block: its multimodal entries and lookahead tokens, or None."""
+    mm_part = tuple(tuple(x) if isinstance(x, list | tuple) else x for x in mm)
+    la_part = tuple(lookahead) if lookahead else ()
+    if not mm_part and not la_part:
+        return None
+    return (mm_part, la_part)
+
+
+def split_event_extra(
+    extra: Sequence[Any] | None, lora_name: str | None, first_block: bool
+) -> tuple[list[Any], str | None]:
+    """Split one block's untagged event extra keys into (multimodal entries, cache salt)."""
+    if not extra:
+        return [], None
+    items = list(extra)
+    if lora_name is not None and items and items[0] == lora_name:
+        items = items[1:]
+    salt: str | None = None
+    if first_block and items and isinstance(items[-1], str):
+        salt = items.pop()
+    return items, salt

@@ -1,0 +1,117 @@
+"""The per-engine pieces of the mirror: one view per (engine, DP rank), one per KV-cache group.
+
+A `GroupView` owns one slot (a bit in the shared index) and the duplicate counts beyond one copy. A
+`ReplicaView` owns the engine-hash -> key map (router mode), what it learned about its groups from the
+stores (kind, block size, window), other media's counts and the trust flags its events raised.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from events.wire import BlockStored, EngineBlockHash, LazyBlockStored
+from router.model_spec import GroupSpec, HashingMode, ModelSpec, ReportMode
+
+__all__ = ["GroupView", "MirrorStats", "ReplicaView"]
+
+
+@dataclass
+class MirrorStats:
+    """Counters of what the mirror applied, and of every anomaly it tolerated."""
+
+    blocks_stored: int = 0
+    blocks_removed: int = 0
+    clears: int = 0
+    other_media_events: int = 0
+    reports_ignored: int = 0
+    remove_unknown: int = 0
+    store_unknown_parent: int = 0
+    unmapped_sparse: int = 0
+    bad_store_shape: int = 0
+    unknown_group: int = 0
+    over_cap_drops: int = 0
+
+
+@dataclass
+class GroupView:
+    """One KV-cache group of one replica: its slot bit, extra copies, and what its stores said."""
+
+    spec: GroupSpec
+    slot: int
+    extra: dict[int, int] = field(default_factory=dict)
+    n_keys: int = 0
+    seen_kind: str | None = None
+    seen_block_size: int | None = None
+    seen_window: int | None = None
+
+    @property
+    def bit(self) -> int:
+        return 1 << self.slot
+
+
+@dataclass
+class ReplicaView:
+    """One DP rank of one engine."""
+
+    spec: ModelSpec
+    report_mode: ReportMode
+    groups: list[GroupView]
+    ehash_to_key: dict[EngineBlockHash, int] = field(default_factory=dict)
+    other_media: dict[str, dict[EngineBlockHash, int]] = field(default_factory=dict)
+    flags: set[str] = field(default_factory=set)
+
+    @classmethod
+    def build(cls, spec: ModelSpec, report_mode: ReportMode, slots: Sequence[int]) -> ReplicaView:
+        """A fresh view with one group per spec group, on the given slots."""
+        groups = [GroupView(g, s) for g, s in zip(spec.groups, slots, strict=True)]
+        return cls(spec, report_mode, groups)
+
+    @property
+    def hashing(self) -> HashingMode:
+        return self.spec.hashing
+
+    @property
+    def slot_mask(self) -> int:
+        mask = 0
+        for g in self.groups:
+            mask |= g.bit
+        return mask
+
+    def learn(self, gv: GroupView, ev: BlockStored | LazyBlockStored) -> None:
+        """Record the group's kind, block size and window from a store; flag disagreement with the spec."""
+        if ev.kv_cache_spec_kind is not None:
+            gv.seen_kind = ev.kv_cache_spec_kind
+            if ev.kv_cache_spec_kind != gv.spec.kind:
+                self.flags.add("kind_mismatch")
+        partial_unit = ev.block_size == self.spec.hash_block_size and len(ev.block_hashes) <= 1
+        if ev.block_size != gv.spec.block_size and not partial_unit:
+            self.flags.add("block_size_mismatch")
+        else:
+            gv.seen_block_size = ev.block_size
+        window = ev.kv_cache_spec_sliding_window
+        if window is not None:
+            gv.seen_window = window
+            if window != gv.spec.sliding_window:
+                self.flags.add("window_mismatch")
+
+    def forget(self, ehash: EngineBlockHash) -> None:
+        """Drop an engine hash no group of this replica holds any more."""
+        self.ehash_to_key.pop(ehash, None)
+
+    def count_other_medium(self, medium: str, hashes: Sequence[EngineBlockHash], delta: int) -> None:
+        """Count CPU/STORAGE (or other) tier stores and removes apart from the GPU mirror."""
+        counts = self.other_media.setdefault(medium, {})
+        for eh in hashes:
+            n = counts.get(eh, 0) + delta
+            if n > 0:
+                counts[eh] = n
+            else:
+                counts.pop(eh, None)
+
+    def clear(self) -> None:
+        """Forget the GPU state (the caller has already cleared this replica's bits from the index)."""
+        self.ehash_to_key.clear()
+        for g in self.groups:
+            g.extra.clear()
+            g.n_keys = 0

@@ -1,0 +1,134 @@
+"""Per-model KV-cache layout: what the router must know to predict vLLM's prefix-cache hit.
+
+A `ModelSpec` lists the KV-cache groups (kind, block size, window, chunk) and the model-wide settings
+that change the lookup: hash block size (`prefix_match_unit` or the gcd of block sizes), the scheduler
+block size (lcm), retention interval, EAGLE block drop, lookahead hashing, and the hashing mode the
+router uses for this model's engines. Derived quantities follow `vllm-kv-events.md` §5.8.
+"""
+
+from __future__ import annotations
+
+import math
+from enum import StrEnum
+from functools import reduce
+from typing import Final
+
+import msgspec
+
+__all__ = [
+    "FA_KINDS",
+    "GroupSpec",
+    "HashingMode",
+    "ModelSpec",
+    "ReportMode",
+    "finder_kind",
+]
+
+FA_KINDS: Final = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
+SWA_KINDS: Final = frozenset({"sliding_window", "sliding_window_mla"})
+SPARSE_KINDS: Final = SWA_KINDS | {"mamba"}
+CACHEABLE_KINDS: Final = FA_KINDS | SWA_KINDS | {"mamba", "chunked_local_attention"}
+
+
+def finder_kind(kind: str) -> str:
+    """The finder a spec kind uses: "full", "swa", "mamba", "chunked", or "none" (never a hit)."""
+    if kind in FA_KINDS:
+        return "full"
+    if kind in SWA_KINDS:
+        return "swa"
+    if kind == "mamba":
+        return "mamba"
+    if kind == "chunked_local_attention":
+        return "chunked"
+    return "none"
+
+
+class HashingMode(StrEnum):
+    """How the router keys blocks: its own keyed hash of token ids, or the engine's own hash."""
+
+    ROUTER = "router"
+    ENGINE = "engine"
+
+
+class ReportMode(StrEnum):
+    """An engine's `kv_cache_report_mode` as the router knows it (semantics doc §5.4, §10)."""
+
+    INCREMENTAL = "incremental"
+    FULL = "full"
+
+
+class GroupSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """One KV-cache group: spec kind, block size in tokens, window or chunk, EAGLE membership."""
+
+    kind: str = "full_attention"
+    block_size: int = 16
+    sliding_window: int | None = None
+    chunk_size: int | None = None
+    eagle: bool = False
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if finder_kind(self.kind) == "swa" and not self.sliding_window:
+            raise ValueError("a sliding-window group needs sliding_window")
+        if self.kind == "chunked_local_attention" and not self.chunk_size:
+            raise ValueError("a chunked-local group needs chunk_size")
+
+
+class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """Everything about a model's KV cache that changes `get_computed_blocks`, plus the hashing mode."""
+
+    groups: tuple[GroupSpec, ...] = (GroupSpec(),)
+    prefix_match_unit: int | None = None
+    retention_interval: int | None = 0
+    eagle_block_drop: bool = False
+    lookahead_tokens: int = 0
+    mamba_align: bool = True
+    hashing: HashingMode = HashingMode.ROUTER
+    hash_algo: str = "sha256"
+    hash_seed: str | None = None
+
+    def __post_init__(self) -> None:
+        if not self.groups:
+            raise ValueError("a model has at least one KV-cache group")
+        if self.eagle_block_drop and self.lookahead_tokens:
+            raise ValueError("vLLM turns the EAGLE block drop off when lookahead hashes are on")
+
+    @property
+    def scheduler_block_size(self) -> int:
+        """`A`: the lcm of the group block sizes (the hit alignment without partial hits)."""
+        return reduce(math.lcm, (g.block_size for g in self.groups))
+
+    @property
+    def hash_block_size(self) -> int:
+        """`hb`: the granularity of the request's block hashes."""
+        if len(self.groups) == 1:
+            return self.groups[0].block_size
+        if any(g.kind == "mamba" for g in self.groups) and not self.mamba_align:
+            return self.scheduler_block_size
+        cacheable = [g.block_size for g in self.groups if g.kind in CACHEABLE_KINDS]
+        return self.prefix_match_unit or reduce(math.gcd, cacheable or [self.scheduler_block_size])
+
+    @property
+    def partial_hits(self) -> bool:
+        """vLLM's `partial_hash_hits_enabled`: a Mamba "align" group coarser than `hb`, others fine."""
+        if len(self.groups) == 1:
+            return False
+        hb = self.hash_block_size
+        mamba = [g for g in self.groups if g.kind == "mamba"]
+        if not self.mamba_align or not any(g.block_size > hb for g in mamba):
+            return False
+        others = [g for g in self.groups if g.kind in CACHEABLE_KINDS and g.kind != "mamba"]
+        return all(finder_kind(g.kind) == "full" or g.block_size == hb for g in others)
+
+    @property
+    def alignment(self) -> int:
+        """The alignment of a hybrid hit: `hb` with partial hits, else `A`."""
+        return self.hash_block_size if self.partial_hits else self.scheduler_block_size
+
+    def eagle_groups(self) -> tuple[bool, ...]:
+        """Per group, whether the EAGLE drop applies (every group when none is flagged)."""
+        if not self.eagle_block_drop:
+            return tuple(False for _ in self.groups)
+        flagged = tuple(g.eagle for g in self.groups)
+        return flagged if any(flagged) else tuple(True for _ in self.groups)
