@@ -15,6 +15,7 @@ import msgspec
 
 if TYPE_CHECKING:
     from events.tokenization.chat_template import TemplateSet
+    from events.tokenization.segment_cache import SegmentCache
 
 __all__ = ["Message", "SpecialTokens", "TokenizationError", "Tokenizer"]
 
@@ -49,6 +50,11 @@ class Tokenizer(Protocol):
     @property
     def templates(self) -> TemplateSet:
         """The chat templates (request preparation reads their content format and developer-role support)."""
+        ...
+
+    @property
+    def cache(self) -> SegmentCache:
+        """The segment cache behind ``encode_cached`` (size, hit/miss counters, ``clear``)."""
         ...
 
     @property
