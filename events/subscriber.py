@@ -1,0 +1,331 @@
+"""The router end of the KV-event link: an asyncio subscriber per engine publisher.
+
+`EngineSubscriber` owns a SUB socket for the live stream and a DEALER for replay (a REQ socket would
+accept only the first reply message: reference section 2.2). One task polls both, feeds every seq to
+a `SequenceTracker` and carries out its actions: delivered payloads are decoded (tolerantly, errors
+counted) and handed to the `Consumer` as ``(engine, seq, batch)``; resets, caught-up and rebuilt
+signals follow in order. A replay that sees no reply for `replay_timeout_s` is retried on a fresh
+DEALER, with the timeout doubling up to `backoff_max_s`; ZeroMQ itself reconnects both sockets with
+exponential backoff while an engine is away. Nothing here raises on bad input: malformed frames,
+undecodable payloads and consumer exceptions are counted and logged.
+
+Connect mode (vLLM's publisher connects when its endpoint has no `*`): set `EngineSource.bind` and
+the SUB socket binds instead; replay endpoints always belong to the publisher.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+from typing import Final, NewType, Protocol, TypeAlias
+
+import msgspec
+import zmq
+import zmq.asyncio
+
+from events.decode import BatchDecoder
+from events.frames import (
+    Frame,
+    FrameError,
+    ReplayEnd,
+    parse_frame,
+    parse_replay_reply,
+    replay_request_parts,
+)
+from events.sequence import (
+    Action,
+    CaughtUp,
+    Deliver,
+    Rebuilt,
+    RequestReplay,
+    Reset,
+    SequenceTracker,
+    Signal,
+    TrackerConfig,
+)
+from events.wire import AllBlocksCleared, KVEventBatch, LazyKVEventBatch
+
+__all__ = [
+    "AnyBatch",
+    "Consumer",
+    "EngineName",
+    "EngineSource",
+    "EngineStats",
+    "EngineSubscriber",
+    "FrameTap",
+    "SubscriberConfig",
+]
+
+log = logging.getLogger(__name__)
+
+EngineName = NewType("EngineName", str)
+"""The configured name of one engine publisher (one DP rank of one vLLM server)."""
+AnyBatch: TypeAlias = KVEventBatch | LazyKVEventBatch
+FrameTap: TypeAlias = Callable[[EngineName, Frame, float], None]
+"""Called with every well-formed frame received (live or replayed) and its receive time."""
+_BURST: Final = 256  # messages handled per socket before polling again, so neither socket starves
+
+
+class EngineSource(msgspec.Struct, frozen=True, kw_only=True):
+    """Where one engine publishes: live endpoint, optional replay endpoint, topic prefix."""
+
+    name: str
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    bind: bool = False
+
+
+class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
+    """Timeouts, backoff and decoding choices shared by every engine subscriber."""
+
+    replay_timeout_s: float = 2.0
+    backoff_max_s: float = 30.0
+    reconnect_ivl_ms: int = 100
+    reconnect_ivl_max_ms: int = 5_000
+    rcvhwm: int = 100_000
+    lazy: bool = True
+    tracker: TrackerConfig = TrackerConfig()
+
+
+class EngineStats(msgspec.Struct):
+    """A snapshot of one engine subscriber's counters, for metrics."""
+
+    engine: str
+    batches: int
+    events: dict[str, int]
+    gaps: int
+    replays: int
+    replay_failures: int
+    resets: int
+    history_lost: int
+    duplicates: int
+    decode_errors: int
+    frame_errors: int
+    consumer_errors: int
+    last_seq: int | None
+    last_event_time: float | None
+    stale: bool
+    replaying: bool
+
+
+class Consumer(Protocol):
+    """What a subscriber hands its results to; called on the event loop, in order, per engine."""
+
+    def on_batch(self, engine: EngineName, seq: int, batch: AnyBatch) -> None: ...
+
+    def on_signal(self, engine: EngineName, signal: Signal) -> None: ...
+
+
+class EngineSubscriber:
+    """Subscribes to one engine; `start()` connects and runs, `close()` stops (sockets linger 0)."""
+
+    def __init__(
+        self,
+        source: EngineSource,
+        consumer: Consumer,
+        config: SubscriberConfig | None = None,
+        *,
+        context: zmq.asyncio.Context | None = None,
+        tap: FrameTap | None = None,
+    ) -> None:
+        self.source = source
+        self.name = EngineName(source.name)
+        self.config = config or SubscriberConfig()
+        self._consumer = consumer
+        self._tap = tap
+        self._ctx = context or zmq.asyncio.Context.instance()
+        can_replay = source.replay_endpoint is not None
+        tracker_config = msgspec.structs.replace(self.config.tracker, can_replay=can_replay)
+        self._tracker: SequenceTracker[bytes] = SequenceTracker(tracker_config)
+        self._decoder: BatchDecoder[KVEventBatch] | BatchDecoder[LazyKVEventBatch] = (
+            BatchDecoder(LazyKVEventBatch) if self.config.lazy else BatchDecoder(KVEventBatch)
+        )
+        self._poller = zmq.asyncio.Poller()
+        self._sub: zmq.asyncio.Socket | None = None
+        self._dealer: zmq.asyncio.Socket | None = None
+        self._task: asyncio.Task[None] | None = None
+        self._deadline: float | None = None
+        self._timeout = self.config.replay_timeout_s
+        self._frame_errors = 0
+        self._consumer_errors = 0
+        self.endpoint = source.endpoint
+
+    def start(self) -> None:
+        """Open the sockets (binding the SUB in connect mode) and start the receive task."""
+        sub = self._socket(zmq.SUB)
+        sub.rcvhwm = self.config.rcvhwm
+        sub.subscribe(self.source.topic.encode())
+        if self.source.bind:
+            sub.bind(self.source.endpoint)
+            last = sub.getsockopt(zmq.LAST_ENDPOINT)
+            self.endpoint = last.decode() if isinstance(last, bytes) else self.source.endpoint
+        else:
+            sub.connect(self.source.endpoint)
+        self._sub = sub
+        self._poller.register(sub, zmq.POLLIN)
+        self._task = asyncio.create_task(self._run(), name=f"kv-sub-{self.name}")
+
+    async def close(self) -> None:
+        """Cancel the task and close both sockets at once."""
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+        self._close_dealer()
+        if self._sub is not None:
+            self._poller.unregister(self._sub)
+            self._sub.close(linger=0)
+            self._sub = None
+
+    def stats(self) -> EngineStats:
+        """The current counters."""
+        seq, dec = self._tracker.stats, self._decoder.stats
+        return EngineStats(
+            engine=self.name,
+            batches=dec.batches,
+            events=dict(dec.events),
+            gaps=seq.gaps,
+            replays=seq.replays,
+            replay_failures=seq.replay_failures,
+            resets=seq.resets,
+            history_lost=seq.history_lost,
+            duplicates=seq.duplicates,
+            decode_errors=dec.decode_errors,
+            frame_errors=self._frame_errors,
+            consumer_errors=self._consumer_errors,
+            last_seq=seq.last_seq,
+            last_event_time=seq.last_event_time,
+            stale=seq.stale,
+            replaying=self._tracker.replaying,
+        )
+
+    def _socket(self, kind: int) -> zmq.asyncio.Socket:
+        sock = self._ctx.socket(kind)
+        sock.linger = 0
+        sock.reconnect_ivl = self.config.reconnect_ivl_ms
+        sock.reconnect_ivl_max = self.config.reconnect_ivl_max_ms
+        return sock
+
+    async def _run(self) -> None:
+        self._act(self._tracker.start())
+        while True:
+            ready = dict(await self._poller.poll(self._poll_timeout_ms()))
+            if self._sub is not None and self._sub in ready:
+                await self._drain(self._sub, self._on_live)
+            if self._dealer is not None and self._dealer in ready:
+                await self._drain(self._dealer, self._on_replay)
+            if self._deadline is not None and self._now() >= self._deadline:
+                self._on_replay_timeout()
+
+    def _poll_timeout_ms(self) -> int | None:
+        if self._deadline is None:
+            return None
+        return max(0, int((self._deadline - self._now()) * 1000) + 1)
+
+    @staticmethod
+    def _now() -> float:
+        return asyncio.get_running_loop().time()
+
+    async def _drain(self, sock: zmq.asyncio.Socket, handle: Callable[[list[bytes]], None]) -> None:
+        for _ in range(_BURST):
+            try:
+                parts = await sock.recv_multipart(zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            handle(parts)
+
+    def _on_live(self, parts: list[bytes]) -> None:
+        try:
+            frame = parse_frame(parts)
+        except FrameError as exc:
+            self._bad_frame("live", exc)
+            return
+        now = time.time()
+        self._tapped(frame, now)
+        self._act(self._tracker.on_live(frame.seq, frame.payload, now))
+
+    def _on_replay(self, parts: list[bytes]) -> None:
+        try:
+            reply = parse_replay_reply(parts)
+        except FrameError as exc:
+            self._bad_frame("replay", exc)
+            return
+        now = time.time()
+        if isinstance(reply, ReplayEnd):
+            self._deadline = None
+            self._timeout = self.config.replay_timeout_s
+            self._act(self._tracker.on_replay_end(now))
+            return
+        self._deadline = self._now() + self._timeout  # a long replay is alive while frames flow
+        self._tapped(reply, now)
+        self._act(self._tracker.on_replay(reply.seq, reply.payload, now))
+
+    def _on_replay_timeout(self) -> None:
+        self._timeout = min(self._timeout * 2, self.config.backoff_max_s)
+        log.warning("kv event replay timed out", extra={"engine": self.name, "next_timeout_s": self._timeout})
+        self._close_dealer()  # replies to the abandoned request must not mix with the retry's
+        self._act(self._tracker.on_replay_failed())
+
+    def _act(self, actions: list[Action[bytes]]) -> None:
+        for action in actions:
+            match action:
+                case Deliver(seq=seq, item=payload):
+                    self._deliver(seq, payload)
+                case RequestReplay(start_seq=start):
+                    self._request_replay(start)
+                case Reset() | CaughtUp() | Rebuilt():
+                    self._signal(action)
+
+    def _deliver(self, seq: int, payload: bytes) -> None:
+        batch = self._decoder.decode(payload)
+        if batch is None:
+            return
+        try:
+            self._consumer.on_batch(self.name, seq, batch)
+        except Exception:
+            self._consumer_errors += 1
+            log.exception("kv event consumer failed", extra={"engine": self.name, "seq": seq})
+        if any(isinstance(event, AllBlocksCleared) for event in batch.events):
+            self._act(self._tracker.mark_rebuilt())
+
+    def _signal(self, signal: Signal) -> None:
+        log.info("kv event link signal", extra={"engine": self.name, "signal": repr(signal)})
+        try:
+            self._consumer.on_signal(self.name, signal)
+        except Exception:
+            self._consumer_errors += 1
+            log.exception("kv event consumer failed", extra={"engine": self.name, "signal": repr(signal)})
+
+    def _request_replay(self, start: int) -> None:
+        assert self.source.replay_endpoint is not None, "the tracker replays only with an endpoint"
+        if self._dealer is None:
+            self._dealer = self._socket(zmq.DEALER)
+            self._dealer.connect(self.source.replay_endpoint)
+            self._poller.register(self._dealer, zmq.POLLIN)
+        self._deadline = self._now() + self._timeout
+        # a non-blocking send completes at once; its outcome is in the returned future
+        sent = self._dealer.send_multipart(replay_request_parts(start), zmq.NOBLOCK)
+        assert isinstance(sent, asyncio.Future) and sent.done()
+        if sent.exception() is not None:
+            log.warning("kv event replay request not sent", extra={"engine": self.name})  # retried on timeout
+
+    def _close_dealer(self) -> None:
+        if self._dealer is not None:
+            self._poller.unregister(self._dealer)
+            self._dealer.close(linger=0)
+            self._dealer = None
+
+    def _bad_frame(self, stream: str, exc: FrameError) -> None:
+        self._frame_errors += 1
+        log.warning(
+            "malformed kv event message", extra={"engine": self.name, "stream": stream, "error": str(exc)}
+        )
+
+    def _tapped(self, frame: Frame, now: float) -> None:
+        if self._tap is not None:
+            self._tap(self.name, frame, now)
