@@ -62,6 +62,7 @@ class Candidate(msgspec.Struct, frozen=True):
     load: LoadSnapshot
     healthy: bool = True
     breaker_open: bool = False
+    at_capacity: bool = False
 
 
 class RouteRequest(msgspec.Struct, frozen=True):
@@ -120,7 +121,9 @@ def _why_not(c: Candidate, excluded: frozenset[EngineId]) -> str:
         return "already tried for this request"
     if not c.healthy:
         return "unhealthy"
-    return "circuit breaker open" if c.breaker_open else ""
+    if c.breaker_open:
+        return "circuit breaker open"
+    return "at its in-flight limit" if c.at_capacity else ""
 
 
 def _score(c: Candidate, excluded: frozenset[EngineId], decode_penalty_s: float) -> CandidateScore:

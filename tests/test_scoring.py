@@ -28,11 +28,14 @@ def cand(
     trust: TrustStatus = FRESH,
     healthy: bool = True,
     breaker_open: bool = False,
+    full: bool = False,
 ) -> Candidate:
     load = LoadSnapshot(in_flight, in_flight - decoding, decoding, queued, None, OVERHEAD, PER_TOKEN, False)
     warm_tokens = hit if warm is None else warm
     boundary = warm_tokens if warm_tokens > hit else 0
-    return Candidate(EngineId(name), hit, boundary, warm_tokens, prompt, trust, load, healthy, breaker_open)
+    return Candidate(
+        EngineId(name), hit, boundary, warm_tokens, prompt, trust, load, healthy, breaker_open, full
+    )
 
 
 KV = PolicyName.KV
@@ -69,6 +72,7 @@ TABLE: list[tuple[str, PolicyName, list[Candidate], set[str], str | None, str]] 
     ),
     ("unhealthy skipped", KV, [cand("a", hit=900, healthy=False), cand("b")], set(), "b", ""),
     ("breaker open skipped", KV, [cand("a", hit=900, breaker_open=True), cand("b")], set(), "b", ""),
+    ("at capacity skipped", KV, [cand("a", hit=900, full=True), cand("b")], set(), "b", ""),
     ("excluded after a failed attempt", KV, [cand("a", hit=900), cand("b")], {"a"}, "b", ""),
     (
         "decode penalty is zero by default",
