@@ -14,7 +14,8 @@ from events.config import KVEventsConfig
 from events.frames import END_SEQ, Frame, encode_seq
 from events.publisher import EventPublisher
 from events.sequence import CaughtUp, Rebuilt, Reset, Signal
-from events.subscriber import AnyBatch, EngineName, EngineSource, EngineSubscriber, SubscriberConfig
+from events.sources import AnyBatch, EngineName, EngineSource, SubscriberConfig
+from events.subscriber import EngineSubscriber
 from events.wire import ENCODER, AllBlocksCleared, BlockRemoved, KVEventBatch
 from tests.zmq_helpers import TrackedContext, recv_within, tracked_context, wait_until
 
@@ -301,3 +302,24 @@ async def test_connect_mode_subscriber_binds(ctx: TrackedContext, running: Any) 
         await publish_range(publisher, i + 1, i + 6)
         await wait_until(lambda: len(out.batches()) == 6, what="connect-mode batches")
     assert [seq for seq, _ in out.batches()] == list(range(first, first + 6))
+
+
+class Flaky(Collector):
+    """A consumer that fails on odd seqs (after recording them)."""
+
+    def on_batch(self, engine: EngineName, seq: int, batch: AnyBatch) -> None:
+        super().on_batch(engine, seq, batch)
+        if seq % 2:
+            raise RuntimeError("consumer bug")
+
+
+async def test_consumer_errors_are_counted_not_fatal(ctx: TrackedContext, running: Any) -> None:
+    out = Flaky()
+    async with EventPublisher(EPHEMERAL, host_ip="127.0.0.1", context=ctx) as publisher:
+        await publish_range(publisher, 0, 4)
+        sub = running(source(publisher), out)
+        await wait_until(out.has(CaughtUp(3)), what="caught up")
+        await publish_range(publisher, 4, 6)
+        await wait_until(lambda: len(out.batches()) == 6, what="more batches")
+    assert [seq for seq, _ in out.batches()] == list(range(6))
+    assert sub.stats().consumer_errors == 3
