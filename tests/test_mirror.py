@@ -1,0 +1,197 @@
+"""The mirror: exact counts for duplicates, removes, clears, media, resets, report modes, anomalies."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+
+from events.block_hash import VllmHasher, wire_hash
+from events.wire import ENCODER, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, LazyKVEventBatch
+from router.keys import KeyHasher
+from router.mirror import EngineId, Mirror, MirrorConfig
+from router.model_spec import GroupSpec, HashingMode, ModelSpec, ReportMode
+
+BS = 4
+E0, E1 = EngineId("e0"), EngineId("e1")
+FA = ModelSpec(groups=(GroupSpec(block_size=BS),))
+HYBRID = ModelSpec(groups=(GroupSpec(block_size=BS), GroupSpec("sliding_window", BS, sliding_window=8)))
+TOKENS = list(range(1, 17))
+HASHES = [wire_hash(d) for d in VllmHasher().block_hashes(TOKENS, BS)]
+
+
+def store(hashes: list[int], tokens: list[int], parent: int | None = None, **kw: Any) -> BlockStored:
+    fields: dict[str, Any] = {"medium": "GPU", "group_idx": 0} | kw
+    return BlockStored(hashes, parent, tokens, BS, None, fields.pop("medium"), None, **fields)
+
+
+def removed(*hashes: int, group: int = 0, medium: str | None = "GPU") -> BlockRemoved:
+    return BlockRemoved(list(hashes), medium, group_idx=group)
+
+
+def batch(*events: Any, rank: int = 0) -> KVEventBatch:
+    return KVEventBatch(0.0, list(events), rank)
+
+
+def mirror(spec: ModelSpec = FA, mode: ReportMode = ReportMode.INCREMENTAL, **cfg: Any) -> Mirror:
+    m = Mirror(MirrorConfig(**cfg), KeyHasher(b"k"))
+    m.add_engine(E0, spec, mode)
+    return m
+
+
+def full_store() -> BlockStored:
+    return store(HASHES, TOKENS)
+
+
+def test_store_then_lookup_keys_match_request_keys() -> None:
+    m = mirror()
+    m.apply(E0, batch(full_store()))
+    for key in m.hasher.request_keys(TOKENS, BS):
+        assert m.index[key] == 1
+    assert m.resident(E0, 0, 0) == dict.fromkeys(HASHES, 1)
+
+
+def test_duplicates_are_counted_exactly() -> None:
+    m = mirror()
+    m.apply(E0, batch(full_store(), store([HASHES[3]], TOKENS[12:16], HASHES[2])))
+    assert m.resident(E0, 0, 0)[HASHES[3]] == 2
+    m.apply(E0, batch(removed(HASHES[3])))
+    assert m.resident(E0, 0, 0)[HASHES[3]] == 1
+    m.apply(E0, batch(removed(HASHES[3])))
+    assert HASHES[3] not in m.resident(E0, 0, 0)
+    assert m.stats.remove_unknown == 0
+
+
+def test_remove_of_unknown_hash_is_counted_not_raised() -> None:
+    m = mirror()
+    m.apply(E0, batch(removed(12345)))
+    assert m.stats.remove_unknown == 1
+
+
+def test_store_with_unknown_parent_is_counted_and_skipped() -> None:
+    m = mirror()
+    m.apply(E0, batch(store(HASHES[2:], TOKENS[8:], parent=777)))
+    assert m.stats.store_unknown_parent == 1 and not m.index
+
+
+def test_clear_affects_only_that_rank_and_engine() -> None:
+    m = mirror()
+    m.add_engine(E1, FA)
+    m.apply(E0, batch(full_store()))
+    m.apply(E0, batch(full_store(), rank=1))
+    m.apply(E1, batch(full_store()))
+    m.apply(E0, batch(AllBlocksCleared()))
+    assert m.resident(E0, 0, 0) == {}
+    assert len(m.resident(E0, 1, 0)) == 4 and len(m.resident(E1, 0, 0)) == 4
+
+
+def test_other_media_are_tracked_apart_and_never_gpu_hits() -> None:
+    m = mirror()
+    m.apply(E0, batch(store(HASHES, TOKENS, medium="CPU"), store([], [], medium="STORAGE")))
+    assert not m.index
+    rv = m.replica(E0)
+    assert rv is not None and rv.other_media["CPU"] == dict.fromkeys(HASHES, 1)
+    m.apply(E0, batch(removed(HASHES[0], medium="CPU")))
+    assert HASHES[0] not in rv.other_media["CPU"]
+    assert m.stats.other_media_events == 3
+
+
+def test_none_medium_counts_as_gpu() -> None:
+    m = mirror()
+    m.apply(E0, batch(store(HASHES, TOKENS, medium=None)))
+    assert len(m.resident(E0, 0, 0)) == 4
+
+
+def test_reset_and_drop_engine() -> None:
+    m = mirror()
+    m.add_engine(E1, FA)
+    m.apply(E0, batch(full_store()))
+    m.apply(E1, batch(full_store()))
+    m.reset_engine(E0)
+    assert m.resident(E0, 0, 0) == {} and len(m.resident(E1, 0, 0)) == 4
+    m.drop_engine(E1)
+    assert not m.index and E1 not in m.engines
+    m.add_engine(E1, FA)  # recycles the freed slot
+    rv = m.replica(E1)
+    assert rv is not None and rv.groups[0].slot == 1
+
+
+def test_sparse_store_maps_through_full_attention_hashes() -> None:
+    m = mirror(HYBRID)
+    swa = store(HASHES[1:3], TOKENS[:12], group_idx=1, kv_cache_spec_kind="sliding_window")
+    m.apply(E0, batch(full_store(), swa, store([], TOKENS[12:16], HASHES[2], group_idx=1)))
+    assert m.resident(E0, 0, 1) == {HASHES[1]: 1, HASHES[2]: 1}
+    assert m.stats.unmapped_sparse == 0
+
+
+def test_sparse_hash_without_mapping_is_counted_and_skipped() -> None:
+    m = mirror(HYBRID)
+    m.apply(E0, batch(store([HASHES[1]], TOKENS[:12], None, group_idx=1)))
+    assert m.stats.unmapped_sparse == 1 and not m.index
+
+
+def test_dense_sparse_store_is_keyed_from_its_tokens() -> None:
+    m = mirror(HYBRID)
+    m.apply(E0, batch(store(HASHES[:2], TOKENS[:8], None, group_idx=1)))
+    assert m.resident(E0, 0, 1) == {HASHES[0]: 1, HASHES[1]: 1}
+
+
+def test_known_reports_assert_fa_residency_and_ignore_sparse() -> None:
+    m = mirror(HYBRID)
+    m.apply(E0, batch(full_store()))
+    report = batch(full_store(), store(HASHES, TOKENS, group_idx=1))
+    m.apply(E0, report, reports=[True, True])
+    assert m.resident(E0, 0, 0) == dict.fromkeys(HASHES, 1)
+    assert m.resident(E0, 0, 1) == {}
+    assert m.stats.reports_ignored == 1
+
+
+def test_full_report_mode_engine_uses_set_semantics() -> None:
+    m = mirror(HYBRID, ReportMode.FULL)
+    m.apply(E0, batch(full_store(), full_store(), store(HASHES, TOKENS, group_idx=1)))
+    assert m.resident(E0, 0, 0) == dict.fromkeys(HASHES, 1)
+    assert m.resident(E0, 0, 1) == {}
+    m.apply(E0, batch(store(HASHES[1:3], TOKENS[:12], group_idx=1)))  # not report-shaped: real
+    assert m.resident(E0, 0, 1) == {HASHES[1]: 1, HASHES[2]: 1}
+
+
+@pytest.mark.parametrize(
+    ("event", "flag"),
+    [
+        (store(HASHES, TOKENS, kv_cache_spec_kind="sliding_window"), "kind_mismatch"),
+        (BlockStored(HASHES[:2], None, TOKENS, 8, None, "GPU", None, group_idx=0), "block_size_mismatch"),
+        (store(HASHES, TOKENS, group_idx=5), "unknown_group"),
+    ],
+)
+def test_layout_mismatches_raise_trust_flags(event: BlockStored, flag: str) -> None:
+    m = mirror()
+    m.apply(E0, batch(event))
+    assert flag in m.flags(E0)
+
+
+def test_over_capacity_drops_new_keys_and_flags() -> None:
+    m = mirror(max_keys=2)
+    m.apply(E0, batch(full_store()))
+    assert len(m.index) == 2 and m.stats.over_cap_drops == 2
+    assert "over_capacity" in m.flags(E0)
+
+
+def test_engine_exact_mode_keys_by_engine_hash_and_bytes_hashes() -> None:
+    spec = ModelSpec(groups=(GroupSpec(block_size=BS),), hashing=HashingMode.ENGINE)
+    m = mirror(spec)
+    digest = VllmHasher().block_hashes(TOKENS, BS)[0]
+    m.apply(E0, batch(store([HASHES[1]], TOKENS[4:8], HASHES[0]), store([digest], TOKENS[:4])))
+    assert set(m.index) == {HASHES[0], HASHES[1]}
+    m.apply(E0, batch(removed(HASHES[0]), AllBlocksCleared()))
+    assert not m.index
+
+
+def test_lazy_batches_apply_identically() -> None:
+    from events.decode import BatchDecoder
+
+    payload = ENCODER.encode(batch(full_store(), removed(HASHES[3])))
+    lazy = BatchDecoder(LazyKVEventBatch).decode(payload)
+    assert lazy is not None
+    m = mirror()
+    m.apply(E0, lazy)
+    assert m.resident(E0, 0, 0) == dict.fromkeys(HASHES[:3], 1)
