@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from events.block_hash import MultiModalItem, RequestExtras, VllmHasher, event_extra_keys, wire_hash
-from events.wire import BlockStored
+from events.wire import BlockStored, EngineBlockHash
 from router.event_keys import keys_from_tokens
 from router.keys import KeyHasher
 
@@ -18,21 +18,20 @@ def keys(extras: RequestExtras | None = None, tokens: list[int] = TOKENS, lookah
     return list(HASHER.request_keys(tokens, BS, extras, lookahead))
 
 
-def stored(tokens: list[int], extras: RequestExtras, first_block: int, parent: int | None) -> BlockStored:
+def stored(
+    tokens: list[int], extras: RequestExtras, first_block: int, parent: EngineBlockHash | None
+) -> BlockStored:
     """A BlockStored as vLLM emits it for blocks [first_block, ...) of `tokens`."""
-    n = len(tokens) // BS - first_block
     digests = VllmHasher().block_hashes(tokens, BS, extras)
     return BlockStored(
         block_hashes=[wire_hash(d) for d in digests[first_block:]],
         parent_block_hash=parent,
-        token_ids=tokens[first_block * BS : (first_block + n) * BS],
+        token_ids=tokens[first_block * BS : len(digests) * BS],
         block_size=BS,
         lora_id=None,
         medium="GPU",
         lora_name=extras.lora_name,
-        extra_keys=[
-            event_extra_keys(extras, i * BS, (i + 1) * BS) for i in range(first_block, first_block + n)
-        ],
+        extra_keys=[event_extra_keys(extras, i * BS, (i + 1) * BS) for i in range(first_block, len(digests))],
     )
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 
 import pytest
 
@@ -98,7 +99,7 @@ E = EngineId("e")
 HASHER = KeyHasher(b"t")
 
 
-def fill(m: Mirror, keys: list[int], blocks: dict[int, set[int]]) -> None:
+def fill(m: Mirror, keys: Sequence[int], blocks: dict[int, set[int]]) -> None:
     """Mark group g of engine E as holding blocks[g] (bypassing events: the index is the state)."""
     rv = m.replica(E)
     assert rv is not None

@@ -7,25 +7,34 @@ from typing import Any
 import pytest
 
 from events.block_hash import VllmHasher, wire_hash
-from events.wire import ENCODER, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch, LazyKVEventBatch
+from events.wire import (
+    ENCODER,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EngineBlockHash,
+    KVEventBatch,
+    LazyKVEventBatch,
+)
 from router.keys import KeyHasher
 from router.mirror import EngineId, Mirror, MirrorConfig
 from router.model_spec import GroupSpec, HashingMode, ModelSpec, ReportMode
 
+Parent = EngineBlockHash | None
 BS = 4
 E0, E1 = EngineId("e0"), EngineId("e1")
 FA = ModelSpec(groups=(GroupSpec(block_size=BS),))
 HYBRID = ModelSpec(groups=(GroupSpec(block_size=BS), GroupSpec("sliding_window", BS, sliding_window=8)))
 TOKENS = list(range(1, 17))
-HASHES = [wire_hash(d) for d in VllmHasher().block_hashes(TOKENS, BS)]
+HASHES: list[EngineBlockHash] = [wire_hash(d) for d in VllmHasher().block_hashes(TOKENS, BS)]
 
 
-def store(hashes: list[int], tokens: list[int], parent: int | None = None, **kw: Any) -> BlockStored:
+def store(hashes: list[EngineBlockHash], tokens: list[int], parent: Parent = None, **kw: Any) -> BlockStored:
     fields: dict[str, Any] = {"medium": "GPU", "group_idx": 0} | kw
     return BlockStored(hashes, parent, tokens, BS, None, fields.pop("medium"), None, **fields)
 
 
-def removed(*hashes: int, group: int = 0, medium: str | None = "GPU") -> BlockRemoved:
+def removed(*hashes: EngineBlockHash, group: int = 0, medium: str | None = "GPU") -> BlockRemoved:
     return BlockRemoved(list(hashes), medium, group_idx=group)
 
 
@@ -180,7 +189,8 @@ def test_engine_exact_mode_keys_by_engine_hash_and_bytes_hashes() -> None:
     spec = ModelSpec(groups=(GroupSpec(block_size=BS),), hashing=HashingMode.ENGINE)
     m = mirror(spec)
     digest = VllmHasher().block_hashes(TOKENS, BS)[0]
-    m.apply(E0, batch(store([HASHES[1]], TOKENS[4:8], HASHES[0]), store([digest], TOKENS[:4])))
+    first: list[EngineBlockHash] = [digest]
+    m.apply(E0, batch(store([HASHES[1]], TOKENS[4:8], HASHES[0]), store(first, TOKENS[:4])))
     assert set(m.index) == {HASHES[0], HASHES[1]}
     m.apply(E0, batch(removed(HASHES[0]), AllBlocksCleared()))
     assert not m.index
