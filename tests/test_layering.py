@@ -20,6 +20,8 @@ PURE = [
     "events/block_hash.py",
     "events/frames.py",
     "events/sequence.py",
+    "events/faults.py",
+    "events/sources.py",
     "engine_stub/block_pool.py",
     "engine_stub/kv_groups.py",
     "engine_stub/coordinator.py",
