@@ -1,0 +1,159 @@
+"""The gateway's Prometheus metrics (`kvrouter_*`), on a registry of its own.
+
+Request-path metrics are updated as requests flow. Per-engine link and mirror figures are not
+double-booked: a collector reads the subscribers' and mirror's own counters at scrape time through
+`EngineView` snapshots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Final
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.registry import Collector
+
+from events.sources import EngineStats
+
+__all__ = ["STAGES", "TRUST_STATES", "EngineView", "RouterMetrics"]
+
+STAGES: Final = ("tokenize", "hash", "lookup", "score", "proxy")
+TRUST_STATES: Final = ("fresh", "catching_up", "stale")
+# Router overhead lives between ~10 us (a warm lookup) and tens of ms (a cold 32k-token tokenization).
+_OVERHEAD_BUCKETS: Final = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1, 0.5)
+_TOKEN_ERROR_BUCKETS: Final = (0, 16, 64, 256, 1024, 4096, 16384)
+
+
+class EngineView(msgspec.Struct, frozen=True):
+    """What the metrics read of one engine at scrape time."""
+
+    engine: str
+    trust: str
+    link: EngineStats | None = None
+    mirror_blocks: int = 0
+    in_flight: int = 0
+
+
+class _EngineCollector(Collector):
+    def __init__(self, views: Callable[[], Sequence[EngineView]], clock: Callable[[], float]) -> None:
+        self._views = views
+        self._clock = clock
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        views = self._views()
+        now = self._clock()
+        yield _gauge(
+            "kvrouter_engine_mirror_trust", "1 for the engine's current mirror trust state", views, trust=True
+        )
+        yield _gauge(
+            "kvrouter_engine_mirror_blocks",
+            "GPU blocks in the engine's mirror",
+            views,
+            lambda v: v.mirror_blocks,
+        )
+        yield _gauge(
+            "kvrouter_engine_in_flight_requests",
+            "requests the router has in flight",
+            views,
+            lambda v: v.in_flight,
+        )
+        linked = [v for v in views if v.link is not None]
+        yield _gauge(
+            "kvrouter_engine_event_lag_seconds",
+            "seconds since the engine's last event batch",
+            [v for v in linked if v.link and v.link.last_event_time is not None],
+            lambda v: now - (v.link.last_event_time or now) if v.link else 0.0,
+        )
+        for name, doc, attr in _LINK_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=["engine"])
+            for v in linked:
+                family.add_metric([v.engine], getattr(v.link, attr))
+            yield family
+        events = CounterMetricFamily(
+            "kvrouter_engine_events", "KV events ingested, by type", labels=["engine", "type"]
+        )
+        for v in linked:
+            for kind, n in sorted(v.link.events.items()) if v.link else ():
+                events.add_metric([v.engine, kind], n)
+        yield events
+
+
+_LINK_COUNTERS: Final = (
+    ("kvrouter_engine_event_batches", "KV event batches delivered", "batches"),
+    ("kvrouter_engine_gaps", "sequence gaps detected", "gaps"),
+    ("kvrouter_engine_replays", "replays requested", "replays"),
+    ("kvrouter_engine_resets", "mirror resets (engine restarts, lost history)", "resets"),
+    ("kvrouter_engine_history_lost", "replays that could not cover a gap", "history_lost"),
+    ("kvrouter_engine_decode_errors", "malformed payloads rejected", "decode_errors"),
+)
+
+
+def _gauge(
+    name: str,
+    doc: str,
+    views: Iterable[EngineView],
+    value: Callable[[EngineView], float] | None = None,
+    trust: bool = False,
+) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=["engine", "state"] if trust else ["engine"])
+    for v in views:
+        if trust:
+            for state in TRUST_STATES:
+                family.add_metric([v.engine, state], 1.0 if v.trust == state else 0.0)
+        elif value is not None:
+            family.add_metric([v.engine], value(v))
+    return family
+
+
+class RouterMetrics:
+    """Every `kvrouter_*` metric of one gateway process."""
+
+    def __init__(self, views: Callable[[], Sequence[EngineView]], clock: Callable[[], float]) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "kvrouter_requests",
+            "requests routed, by engine, policy and status",
+            ["engine", "policy", "status"],
+            registry=r,
+        )
+        self.overhead = Histogram(
+            "kvrouter_router_overhead_seconds",
+            "router time per request, by stage",
+            ["stage"],
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.predicted_cached = Counter(
+            "kvrouter_predicted_cached_tokens", "cached tokens the router predicted", ["engine"], registry=r
+        )
+        self.actual_cached = Counter(
+            "kvrouter_actual_cached_tokens", "cached tokens engines reported in usage", ["engine"], registry=r
+        )
+        self.prediction_error = Histogram(
+            "kvrouter_cached_tokens_prediction_error",
+            "|actual - predicted| cached tokens per request",
+            ["engine"],
+            buckets=_TOKEN_ERROR_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvrouter_upstream_retries", "attempts moved to another engine", ["reason"], registry=r
+        )
+        self.rejected = Counter(
+            "kvrouter_rejected_requests", "requests refused before routing", ["reason"], registry=r
+        )
+        self.engines = Gauge("kvrouter_engines", "engines known to the router", registry=r)
+        r.register(_EngineCollector(views, clock))
+
+    def observe_prediction(self, engine: str, predicted: int, actual: int) -> None:
+        """Record one request's predicted and engine-reported cached tokens."""
+        self.predicted_cached.labels(engine).inc(predicted)
+        self.actual_cached.labels(engine).inc(actual)
+        self.prediction_error.labels(engine).observe(abs(actual - predicted))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric."""
+        return generate_latest(self.registry)

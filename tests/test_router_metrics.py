@@ -1,0 +1,65 @@
+"""The gateway's metrics: names follow Prometheus conventions and move with what they count."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from events.sources import EngineStats
+from router.metrics import EngineView, RouterMetrics
+
+
+def samples(metrics: RouterMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def link(engine: str, **kw: object) -> EngineStats:
+    base: dict[str, object] = dict(
+        engine=engine, batches=0, events={}, gaps=0, replays=0, replay_failures=0, resets=0, history_lost=0,
+        duplicates=0, decode_errors=0, frame_errors=0, consumer_errors=0, last_seq=None, last_event_time=None,
+        stale=False, replaying=False,
+    )  # fmt: skip
+    base.update(kw)
+    return EngineStats(**base)  # type: ignore[arg-type]
+
+
+def test_request_path_metrics_move() -> None:
+    m = RouterMetrics(lambda: [], clock=lambda: 0.0)
+    m.requests.labels("e0", "kv", "200").inc()
+    m.overhead.labels("lookup").observe(3e-5)
+    m.observe_prediction("e0", predicted=64, actual=48)
+    s = samples(m)
+    assert s[("kvrouter_requests_total", (("engine", "e0"), ("policy", "kv"), ("status", "200")))] == 1
+    assert s[("kvrouter_router_overhead_seconds_count", (("stage", "lookup"),))] == 1
+    assert s[("kvrouter_predicted_cached_tokens_total", (("engine", "e0"),))] == 64
+    assert s[("kvrouter_actual_cached_tokens_total", (("engine", "e0"),))] == 48
+    assert s[("kvrouter_cached_tokens_prediction_error_sum", (("engine", "e0"),))] == 16
+
+
+def test_engine_views_are_read_at_scrape_time() -> None:
+    views = [EngineView("e0", "fresh", link("e0"), mirror_blocks=10, in_flight=2)]
+    m = RouterMetrics(lambda: views, clock=lambda: 100.0)
+    assert samples(m)[("kvrouter_engine_mirror_blocks", (("engine", "e0"),))] == 10
+    views[0] = EngineView(
+        "e0",
+        "stale",
+        link("e0", batches=7, gaps=1, events={"BlockStored": 5}, last_event_time=97.5),
+        mirror_blocks=12,
+    )
+    s = samples(m)
+    assert s[("kvrouter_engine_mirror_trust", (("engine", "e0"), ("state", "stale")))] == 1
+    assert s[("kvrouter_engine_mirror_trust", (("engine", "e0"), ("state", "fresh")))] == 0
+    assert s[("kvrouter_engine_event_batches_total", (("engine", "e0"),))] == 7
+    assert s[("kvrouter_engine_gaps_total", (("engine", "e0"),))] == 1
+    assert s[("kvrouter_engine_events_total", (("engine", "e0"), ("type", "BlockStored")))] == 5
+    assert s[("kvrouter_engine_event_lag_seconds", (("engine", "e0"),))] == 2.5
+    assert s[("kvrouter_engine_mirror_blocks", (("engine", "e0"),))] == 12
+
+
+def test_every_metric_is_namespaced() -> None:
+    m = RouterMetrics(lambda: [EngineView("e0", "fresh", link("e0"))], clock=lambda: 0.0)
+    names = {f.name for f in text_string_to_metric_families(m.render().decode())}
+    assert names and all(n.startswith("kvrouter_") for n in names)
