@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import NamedTuple
 
 import msgspec
@@ -65,6 +66,7 @@ class SpecGroup:
         return finder_kind(self.spec.kind)
 
 
+@lru_cache(maxsize=64)
 def spec_groups(spec: ModelSpec) -> list[SpecGroup]:
     """vLLM's spec groups: equal specs merged, non-cacheable ones skipped, full attention first."""
     eagle = spec.eagle_groups()
@@ -89,6 +91,10 @@ def lookup(
         return {rid: zero for rid, _ in targets}
     needs = [[_need(rv, sg) for sg in groups] for _, rv in targets]
     runs = _first_fa_runs(mirror.index, spec, groups, request.keys, maxlen, [n[0] for n in needs])
+    if len(spec.groups) == 1 and groups[0].kind == "full" and not spec.eagle_block_drop:
+        cap = maxlen // groups[0].spec.block_size
+        hits = [min(run, cap) * groups[0].spec.block_size for run in runs]
+        return {rid: LookupResult(h, 0, (h,), h) for (rid, _), h in zip(targets, hits, strict=True)}
     return {
         rid: _replica_lookup(mirror.index, spec, groups, request.keys, maxlen, need, run)
         for (rid, _), need, run in zip(targets, needs, runs, strict=True)

@@ -71,6 +71,7 @@ class Mirror:
         self.config = config or MirrorConfig()
         self.hasher = hasher or KeyHasher()
         self.index: dict[int, int] = {}
+        self.ehash_to_key: dict[EngineBlockHash, int] = {}
         self.engines: dict[EngineId, EngineState] = {}
         self.stats = MirrorStats()
         self._free_slots: list[int] = []
@@ -138,7 +139,7 @@ class Mirror:
         """Engine hash -> copies for one group (engine hashes as the events named them)."""
         rv = self._state(engine_id).replicas[rank]
         if rv.hashing is HashingMode.ROUTER:
-            pairs = list(rv.ehash_to_key.items())
+            pairs = list(self.ehash_to_key.items())
         else:
             pairs = [(key, key) for key, mask in self.index.items() if mask & rv.slot_mask]
         out: dict[EngineBlockHash, int] = {eh: self.count(rv, group, key) for eh, key in pairs}
@@ -159,17 +160,34 @@ class Mirror:
             self.stats.reports_ignored += 1
             return
         pairs = self._store_keys(rv, ev, sparse)
-        assertion = is_report or full_mode
-        for eh, key in pairs:
-            if self._add(rv, gv, key, assertion) and rv.hashing is HashingMode.ROUTER:
-                rv.ehash_to_key[eh] = key
+        if is_report or full_mode:
+            for _, key in pairs:
+                self._add(rv, gv, key, True)
+        else:
+            self._add_counted(rv, gv, pairs)
+        if rv.hashing is HashingMode.ROUTER:
+            self.ehash_to_key.update(pairs)
         self.stats.blocks_stored += len(pairs)
+
+    def _add_counted(self, rv: ReplicaView, gv: GroupView, pairs: list[tuple[EngineBlockHash, int]]) -> None:
+        """`_add` for a batch of incremental stores, inlined: this is the ingest hot loop."""
+        index, bit, extra, cap = self.index, gv.bit, gv.extra, self.config.max_keys
+        for _, key in pairs:
+            mask = index.get(key, 0)
+            if mask & bit:
+                extra[key] = extra.get(key, 0) + 1
+            elif mask or len(index) < cap:
+                index[key] = mask | bit
+                gv.n_keys += 1
+            else:
+                self.stats.over_cap_drops += 1
+                rv.flags.add("over_capacity")
 
     def _store_keys(self, rv: ReplicaView, ev: Stored, sparse: bool) -> list[tuple[EngineBlockHash, int]]:
         hashes = ev.block_hashes
         if rv.hashing is HashingMode.ENGINE:
             return [(eh, engine_key(eh)) for eh in hashes]
-        known = rv.ehash_to_key
+        known = self.ehash_to_key
         mapped = [(eh, known.get(eh)) for eh in hashes]
         if all(k is not None for _, k in mapped):
             return [(eh, k) for eh, k in mapped if k is not None]
@@ -198,13 +216,13 @@ class Mirror:
         if gv is None:
             return
         for eh in ev.block_hashes:
-            key = engine_key(eh) if rv.hashing is HashingMode.ENGINE else rv.ehash_to_key.get(eh)
+            key = engine_key(eh) if rv.hashing is HashingMode.ENGINE else self.ehash_to_key.get(eh)
             if key is None or not self._remove(gv, key):
                 self.stats.remove_unknown += 1
                 continue
             self.stats.blocks_removed += 1
-            if not self.index.get(key, 0) & rv.slot_mask:
-                rv.forget(eh)
+            if key not in self.index:
+                self.ehash_to_key.pop(eh, None)
 
     # -- index primitives ----------------------------------------------------------------------
 
@@ -242,19 +260,16 @@ class Mirror:
         return True
 
     def _clear_replica(self, rv: ReplicaView) -> None:
-        if rv.hashing is HashingMode.ROUTER:
-            keys: Sequence[int] = list(set(rv.ehash_to_key.values()))
-        else:
-            keys = list(self.index)  # engine-exact mode keeps no per-replica key list: scan once
-        clear = ~rv.slot_mask
-        index = self.index
-        for key in keys:
-            mask = index.get(key, 0)
-            if mask & rv.slot_mask:
+        # No per-replica key list is kept (memory): a clear scans the index once. Clears are rare
+        # (reset_prefix_cache, engine restart, lost history).
+        clear, held, index = ~rv.slot_mask, rv.slot_mask, self.index
+        for key, mask in list(index.items()):
+            if mask & held:
                 if mask & clear:
                     index[key] = mask & clear
                 else:
                     del index[key]
+        self.ehash_to_key = {eh: k for eh, k in self.ehash_to_key.items() if k in index}
         rv.clear()
 
     # -- registry ------------------------------------------------------------------------------

@@ -44,10 +44,10 @@ class GroupView:
     seen_kind: str | None = None
     seen_block_size: int | None = None
     seen_window: int | None = None
+    bit: int = 0
 
-    @property
-    def bit(self) -> int:
-        return 1 << self.slot
+    def __post_init__(self) -> None:
+        self.bit = 1 << self.slot
 
 
 @dataclass
@@ -57,7 +57,7 @@ class ReplicaView:
     spec: ModelSpec
     report_mode: ReportMode
     groups: list[GroupView]
-    ehash_to_key: dict[EngineBlockHash, int] = field(default_factory=dict)
+    slot_mask: int = 0
     other_media: dict[str, dict[EngineBlockHash, int]] = field(default_factory=dict)
     flags: set[str] = field(default_factory=set)
 
@@ -65,18 +65,14 @@ class ReplicaView:
     def build(cls, spec: ModelSpec, report_mode: ReportMode, slots: Sequence[int]) -> ReplicaView:
         """A fresh view with one group per spec group, on the given slots."""
         groups = [GroupView(g, s) for g, s in zip(spec.groups, slots, strict=True)]
-        return cls(spec, report_mode, groups)
+        mask = 0
+        for g in groups:
+            mask |= g.bit
+        return cls(spec, report_mode, groups, mask)
 
     @property
     def hashing(self) -> HashingMode:
         return self.spec.hashing
-
-    @property
-    def slot_mask(self) -> int:
-        mask = 0
-        for g in self.groups:
-            mask |= g.bit
-        return mask
 
     def learn(self, gv: GroupView, ev: BlockStored | LazyBlockStored) -> None:
         """Record the group's kind, block size and window from a store; flag disagreement with the spec."""
@@ -95,10 +91,6 @@ class ReplicaView:
             if window != gv.spec.sliding_window:
                 self.flags.add("window_mismatch")
 
-    def forget(self, ehash: EngineBlockHash) -> None:
-        """Drop an engine hash no group of this replica holds any more."""
-        self.ehash_to_key.pop(ehash, None)
-
     def count_other_medium(self, medium: str, hashes: Sequence[EngineBlockHash], delta: int) -> None:
         """Count CPU/STORAGE (or other) tier stores and removes apart from the GPU mirror."""
         counts = self.other_media.setdefault(medium, {})
@@ -111,7 +103,6 @@ class ReplicaView:
 
     def clear(self) -> None:
         """Forget the GPU state (the caller has already cleared this replica's bits from the index)."""
-        self.ehash_to_key.clear()
         for g in self.groups:
             g.extra.clear()
             g.n_keys = 0
