@@ -1,7 +1,8 @@
 """Pure retry policy: which upstream outcomes may be retried on another engine, and how long to wait.
 
-A retry is only ever considered before any byte has reached the client, and only for outcomes where
-the engine did no work we would duplicate: connecting failed, or it answered 5xx/429. A timeout
+A retry is only ever considered before any byte has reached the client, and only for outcomes that
+leave the client nothing to show: connecting failed, the engine closed the connection without
+answering (it died, or a keep-alive connection went stale), or it answered 5xx/429. A timeout
 waiting for the first byte is not retried (the engine may still be prefilling the request).
 """
 
@@ -19,6 +20,7 @@ class OutcomeKind(enum.Enum):
 
     ANSWERED = "answered"
     CONNECT_FAILED = "connect_failed"
+    DISCONNECTED = "disconnected"
     FIRST_BYTE_TIMEOUT = "first_byte_timeout"
     BROKEN = "broken"
 
@@ -31,8 +33,8 @@ class Outcome(msgspec.Struct, frozen=True):
 
 
 def is_retryable(outcome: Outcome) -> bool:
-    """True for a failed connect and for a 5xx or 429 answer: no work on the engine to duplicate."""
-    if outcome.kind is OutcomeKind.CONNECT_FAILED:
+    """True for a failed connect, a connection closed without an answer, and a 5xx or 429 answer."""
+    if outcome.kind in (OutcomeKind.CONNECT_FAILED, OutcomeKind.DISCONNECTED):
         return True
     return outcome.kind is OutcomeKind.ANSWERED and (outcome.status >= 500 or outcome.status == 429)
 

@@ -108,6 +108,7 @@ ANSWERED = OutcomeKind.ANSWERED
     ("outcome", "retryable", "failure"),
     [
         (Outcome(OutcomeKind.CONNECT_FAILED), True, True),
+        (Outcome(OutcomeKind.DISCONNECTED), True, True),
         (Outcome(OutcomeKind.FIRST_BYTE_TIMEOUT), False, True),
         (Outcome(OutcomeKind.BROKEN), False, True),
         (Outcome(ANSWERED, 200), False, False),

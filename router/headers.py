@@ -1,0 +1,50 @@
+"""Pure HTTP plumbing for the proxy: hop-by-hop header stripping and the upstream request target.
+
+The router never follows a URL or host from a request: the upstream URL is always the engine's
+configured base URL plus the request's origin-form path, and `Host` is the engine's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Final
+from urllib.parse import urlsplit
+
+__all__ = ["HOP_BY_HOP", "response_headers", "upstream_headers", "upstream_url"]
+
+HOP_BY_HOP: Final = frozenset(
+    {"connection", "keep-alive", "te", "trailer", "trailers", "transfer-encoding", "upgrade"}
+)
+"""Headers that describe one connection (RFC 9110 7.6.1), plus any `Proxy-*` and those named in Connection."""
+
+# Recomputed for the upstream leg from the engine's URL and the forwarded bytes.
+_REQUEST_RECOMPUTED: Final = frozenset({"host", "content-length"})
+
+
+def _strip(headers: Iterable[tuple[str, str]], also: frozenset[str]) -> list[tuple[str, str]]:
+    pairs = list(headers)
+    named = {
+        token.strip().lower()
+        for key, value in pairs
+        if key.lower() == "connection"
+        for token in value.split(",")
+    }
+    drop = HOP_BY_HOP | also | named
+    return [(k, v) for k, v in pairs if k.lower() not in drop and not k.lower().startswith("proxy-")]
+
+
+def upstream_headers(client_headers: Iterable[tuple[str, str]], base_url: str) -> list[tuple[str, str]]:
+    """The client's headers without hop-by-hop ones, Host set to the engine's host[:port]."""
+    return [*_strip(client_headers, _REQUEST_RECOMPUTED), ("Host", urlsplit(base_url).netloc)]
+
+
+def response_headers(engine_headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
+    """The engine's response headers without hop-by-hop ones (the client leg sets its own framing)."""
+    return _strip(engine_headers, frozenset())
+
+
+def upstream_url(base_url: str, path: str) -> str:
+    """The engine's base URL + an origin-form request path (`/v1/...?query`); anything else is refused."""
+    if not path.startswith("/") or path.startswith("//") or any(c in path for c in "#\\ \t\r\n"):
+        raise ValueError(f"not an origin-form request path: {path!r}")
+    return base_url.rstrip("/") + path
