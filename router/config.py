@@ -125,7 +125,7 @@ class Limits(_Table, frozen=True):
     retry_after_s: Count = 1
     pool_per_engine: Count = 256
     pool_total: Count = 1024
-    keepalive_s: Positive = 30.0
+    keepalive_s: Positive = 4.0  # under uvicorn's (and so vLLM's) 5 s keep-alive: no stale reuse
 
 
 class Retry(_Table, frozen=True):
