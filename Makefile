@@ -35,6 +35,7 @@ test: install lint typecheck pytest
 bench: install
 	$(BIN)/python bench/events_bench.py
 	$(BIN)/python bench/tokenize_bench.py
+	$(BIN)/python bench/index_bench.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

@@ -24,7 +24,6 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import NewType
 
 import msgspec
 
@@ -38,13 +37,13 @@ from events.wire import (
     LazyKVEventBatch,
 )
 from router.event_keys import engine_key, keys_from_tokens
+from router.ids import EngineId
 from router.keys import KeyHasher
 from router.mirror_state import GroupView, MirrorStats, ReplicaView
 from router.model_spec import HashingMode, ModelSpec, ReportMode, finder_kind
 
 __all__ = ["EngineId", "Mirror", "MirrorConfig", "MirrorStats"]
 
-EngineId = NewType("EngineId", str)
 
 Stored = BlockStored | LazyBlockStored
 

@@ -34,6 +34,17 @@ PURE = [
     "router/scoring.py",
     "router/load.py",
     "router/breaker.py",
+    "router/retry.py",
+    "router/admission.py",
+    "router/headers.py",
+    "router/ids.py",
+    "router/errors.py",
+    "router/model_spec.py",
+    "router/mirror_state.py",
+    "router/finders.py",
+    "router/event_keys.py",
+    "kvrouter/loadtest/workload.py",
+    "kvrouter/loadtest/results.py",
 ]
 FORBIDDEN_PACKAGES = {
     "events": {"router", "engine_stub", "kvrouter"},
