@@ -1,0 +1,46 @@
+"""Per-request output streams between the engine runtime and the HTTP layer.
+
+The runtime puts an `Emitted` on a request's sink queue for every sampled token; several engine
+requests (a multi-prompt completion) may share one sink, told apart by `index`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+
+from .request import RequestId, SubmitParams
+
+__all__ = ["Emitted", "RequestStream"]
+
+
+@dataclass(frozen=True, slots=True)
+class Emitted:
+    """One output token of the request at `index`; `finished` on its last one."""
+
+    index: int
+    token: int
+    output_index: int
+    finished: bool
+    stream: RequestStream
+
+
+@dataclass(slots=True, eq=False)
+class RequestStream:
+    """One engine request's identity, sink and the facts usage reports need."""
+
+    rid: RequestId
+    index: int
+    sink: asyncio.Queue[Emitted]
+    num_prompt_tokens: int
+    params: SubmitParams
+    arrival: float
+    cached_tokens: int | None = None
+    """The prefix-cache hit at the first admission (re-admissions after preemption are not reported)."""
+    preempted: bool = False
+    num_output_tokens: int = 0
+
+    def emit(self, token: int, finished: bool) -> None:
+        """Hand the next output token to the reader."""
+        self.sink.put_nowait(Emitted(self.index, token, self.num_output_tokens, finished, self))
+        self.num_output_tokens += 1
