@@ -53,8 +53,9 @@ class Batches:
     def on_signal(self, engine: EngineName, signal: Signal) -> None:
         pass
 
-    def stored(self) -> list[int]:
-        return [h for b in self.batches for e in b.events if isinstance(e, BlockStored) for h in e.block_hashes]
+    def stored(self) -> list[int | bytes]:
+        events = [e for b in self.batches for e in b.events]
+        return [h for e in events if isinstance(e, BlockStored) for h in e.block_hashes]
 
 
 @pytest.fixture
