@@ -56,33 +56,30 @@ class DecodeStats:
         self.events[kind] = self.events.get(kind, 0) + 1
 
 
-# Strict twins: same tag and fields, unknown fields forbidden, so the fast path notices them.
-class _StrictStored(BlockStored, tag="BlockStored", forbid_unknown_fields=True):
+# Tolerant twins: same tag and fields, unknown fields ignored; the slow path converts them to the
+# public (strict) classes, so callers only ever see `events.wire` types.
+class _TolerantStored(BlockStored, tag="BlockStored", forbid_unknown_fields=False):
     pass
 
 
-class _StrictLazyStored(LazyBlockStored, tag="BlockStored", forbid_unknown_fields=True):
+class _TolerantLazyStored(LazyBlockStored, tag="BlockStored", forbid_unknown_fields=False):
     pass
 
 
-class _StrictRemoved(BlockRemoved, tag="BlockRemoved", forbid_unknown_fields=True):
+class _TolerantRemoved(BlockRemoved, tag="BlockRemoved", forbid_unknown_fields=False):
     pass
 
 
-class _StrictCleared(AllBlocksCleared, tag="AllBlocksCleared", forbid_unknown_fields=True):
+class _TolerantCleared(AllBlocksCleared, tag="AllBlocksCleared", forbid_unknown_fields=False):
     pass
 
 
-class _StrictBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[_StrictStored | _StrictRemoved | _StrictCleared]
-    data_parallel_rank: int | None = None
-
-
-class _StrictLazyBatch(msgspec.Struct, array_like=True, gc=False):
-    ts: float
-    events: list[_StrictLazyStored | _StrictRemoved | _StrictCleared]
-    data_parallel_rank: int | None = None
+_PUBLIC: Final[dict[type[Any], type[Any]]] = {
+    _TolerantStored: BlockStored,
+    _TolerantLazyStored: LazyBlockStored,
+    _TolerantRemoved: BlockRemoved,
+    _TolerantCleared: AllBlocksCleared,
+}
 
 
 class _RawBatch(msgspec.Struct, array_like=True, gc=False):
@@ -150,17 +147,16 @@ class BatchDecoder(Generic[B]):
         self.batch_type: type[B] = batch_type
         self.stats = DecodeStats()
         lazy = batch_type is LazyKVEventBatch
-        fast: type[_StrictBatch | _StrictLazyBatch] = _StrictLazyBatch if lazy else _StrictBatch
-        self._fast = msgspec.msgpack.Decoder(fast)
-        stored: type[BlockStored | LazyBlockStored] = LazyBlockStored if lazy else BlockStored
-        self._stored_type = stored
-        self._event = msgspec.msgpack.Decoder(stored | BlockRemoved | AllBlocksCleared)
+        self._fast: msgspec.msgpack.Decoder[B] = msgspec.msgpack.Decoder(batch_type)
+        self._stored_type: type[BlockStored | LazyBlockStored] = LazyBlockStored if lazy else BlockStored
+        tolerant: type[BlockStored | LazyBlockStored] = _TolerantLazyStored if lazy else _TolerantStored
+        self._event = msgspec.msgpack.Decoder(tolerant | _TolerantRemoved | _TolerantCleared)
 
     def decode(self, payload: bytes) -> B | None:
         """Decode one payload; None (counted and logged) when it is malformed."""
         try:
             batch = self._decode(payload)
-        except (msgspec.DecodeError, DecodeError) as exc:
+        except (msgspec.DecodeError, DecodeError, RecursionError) as exc:
             self.stats.decode_errors += 1
             log.warning("kv event payload rejected", extra={"error": str(exc), "size": len(payload)})
             return None
@@ -175,7 +171,7 @@ class BatchDecoder(Generic[B]):
         except msgspec.DecodeError:
             return self._decode_slow(payload)
         _check_sizes(fast.events)
-        return self._make(fast.ts, fast.events, fast.data_parallel_rank)
+        return fast
 
     def _make(self, ts: float, events: list[Any], rank: int | None) -> B:
         return self.batch_type(ts, events, rank)
@@ -207,7 +203,8 @@ class BatchDecoder(Generic[B]):
         if unknown:
             self.stats.unknown_fields += len(unknown)
             log.info("ignored unknown kv event fields", extra={"event_type": kind, "fields": unknown})
-        return self._event.decode(raw)
+        tolerant = self._event.decode(raw)
+        return _PUBLIC[type(tolerant)](**msgspec.structs.asdict(tolerant))
 
     def _decode_legacy(self, raw: msgspec.Raw) -> Any:
         try:

@@ -43,8 +43,13 @@ MEDIUM_CPU: Final = "CPU"
 MEDIUM_STORAGE: Final = "STORAGE"
 
 
-class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True):
-    """Base of the tagged events: encoded as a map whose first key is ``"type"`` (the class name)."""
+class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True, forbid_unknown_fields=True):
+    """Base of the tagged events: encoded as a map whose first key is ``"type"`` (the class name).
+
+    Decoding them directly rejects unknown fields, which lets `events.decode` take a one-call fast
+    path and notice newer engines; its slow path accepts and counts unknown fields. Encoding is
+    unaffected (vLLM's own Structs do not forbid unknown fields, and encode identically).
+    """
 
 
 class BlockStored(KVCacheEvent):
@@ -114,7 +119,7 @@ class LazyBlockStored(KVCacheEvent, tag="BlockStored"):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
-    lookahead_token_ids: msgspec.Raw | None = None
+    lookahead_token_ids: list[list[int]] | None = None
 
     def tokens(self) -> list[int]:
         """Decode and return `token_ids`."""

@@ -130,12 +130,6 @@ def test_valid_batches_round_trip_lazy(batch: KVEventBatch) -> None:
     assert decoder.stats.decode_errors == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="events/wire.py: msgspec treats `msgspec.Raw | None` as plain None, so LazyBlockStored "
-    "rejects any lookahead_token_ids array (EAGLE engines); see the recordings helper's report",
-)
 def test_lazy_store_with_lookahead_tokens_decodes() -> None:
     event = BlockStored([1], None, [5, 6], 2, None, "GPU", None, lookahead_token_ids=[[7]])
     payload = ENCODER.encode(KVEventBatch(1.0, [event], 0))
@@ -144,12 +138,6 @@ def test_lazy_store_with_lookahead_tokens_decodes() -> None:
     assert [eager(ev) for ev in lazy.events] == [event]
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=AssertionError,
-    reason="events/decode.py: the fast path returns its private strict subclasses (_StrictStored...), "
-    "which never compare equal to the public Structs; see the recordings helper's report",
-)
 @pytest.mark.parametrize("batch_type", BATCH_TYPES)
 def test_decoded_events_are_the_public_classes(vllm_fixtures: Path, batch_type: type[Any]) -> None:
     public = {BlockStored, LazyBlockStored, BlockRemoved, AllBlocksCleared}
@@ -337,12 +325,6 @@ def test_bad_tokens_reject_eagerly_and_raise_on_demand_lazily() -> None:
         lazy.events[0].tokens()
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=RecursionError,
-    reason="events/decode.py: BatchDecoder.decode does not catch the RecursionError msgspec raises on "
-    "deeply nested input; see the recordings helper's report",
-)
 @pytest.mark.parametrize("batch_type", BATCH_TYPES)
 def test_deeply_nested_payload_is_rejected_not_raised(batch_type: type[Any]) -> None:
     nested = b"\x93\xcb" + bytes(8) + b"\x91" * 100_000 + b"\xc0"

@@ -22,6 +22,7 @@ PURE = [
     "events/sequence.py",
     "events/faults.py",
     "events/sources.py",
+    "events/recording.py",
     "engine_stub/block_pool.py",
     "engine_stub/kv_groups.py",
     "engine_stub/coordinator.py",
