@@ -1,0 +1,143 @@
+"""The load-test client: drives a workload open-loop against an OpenAI-compatible URL.
+
+Open loop: each request is sent at its arrival time whether or not earlier ones finished, so a slow
+policy shows up as queueing, not as a lower offered load. Every request streams
+(`stream_options.include_usage`), which gives the time to first token from the first content chunk
+and the engine's `cached_tokens` from the final usage chunk. The prompt goes as token ids to
+`/v1/completions`, so every policy and engine sees exactly the same tokens.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Final
+
+import aiohttp
+import msgspec
+
+from kvrouter.loadtest.results import RequestResult
+from kvrouter.loadtest.workload import RequestSpec
+
+__all__ = ["DriverSettings", "Target", "run_open_loop"]
+
+
+class Target(msgspec.Struct, frozen=True):
+    """Where requests go: a base URL and a label (the policy, or 'direct:<engine>')."""
+
+    label: str
+    base_url: str
+
+
+class DriverSettings(msgspec.Struct, frozen=True):
+    """How the driver sends: the model name, concurrency cap and per-request timeout."""
+
+    model: str = "kvrouter-stub"
+    max_in_flight: int = 1024
+    timeout_s: float = 300.0
+    session_header: str = "x-session-id"
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_tokens_details: dict[str, int] | None = None
+
+
+class _Chunk(msgspec.Struct):
+    choices: list[dict[str, object]] = []
+    usage: _Usage | None = None
+
+
+_CHUNK_DECODER: Final = msgspec.json.Decoder(_Chunk)
+Choose = Callable[[RequestSpec], Awaitable[Target]]
+
+
+def _body(spec: RequestSpec, model: str) -> bytes:
+    return msgspec.json.encode(
+        {
+            "model": model,
+            "prompt": spec.prompt,
+            "max_tokens": spec.max_tokens,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    )
+
+
+async def _read_stream(response: aiohttp.ClientResponse, sent: float) -> tuple[float | None, _Usage | None]:
+    ttft: float | None = None
+    usage: _Usage | None = None
+    async for raw in response.content:
+        line = raw.strip()
+        if not line.startswith(b"data:") or line == b"data: [DONE]":
+            continue
+        chunk = _CHUNK_DECODER.decode(line[5:])
+        if ttft is None and chunk.choices:
+            ttft = time.perf_counter() - sent
+        if chunk.usage is not None:
+            usage = chunk.usage
+    return ttft, usage
+
+
+async def _one(
+    session: aiohttp.ClientSession,
+    index: int,
+    spec: RequestSpec,
+    target: Target,
+    settings: DriverSettings,
+    start: float,
+) -> RequestResult:
+    headers = {"content-type": "application/json", settings.session_header: spec.session}
+    sent = time.perf_counter()
+    base = RequestResult(policy=target.label, index=index, session=spec.session, arrival_s=sent - start)
+    try:
+        async with session.post(
+            f"{target.base_url}/v1/completions", data=_body(spec, settings.model), headers=headers
+        ) as r:
+            if r.status != 200:
+                text = (await r.text())[:200]
+                return msgspec.structs.replace(base, error=f"HTTP {r.status}: {text}")
+            engine = r.headers.get("x-kvrouter-engine") or target.label.removeprefix("direct:")
+            predicted = r.headers.get("x-kvrouter-predicted-cached-tokens")
+            ttft, usage = await _read_stream(r, sent)
+    except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
+        return msgspec.structs.replace(base, error=f"{type(exc).__name__}: {exc}")
+    details = (usage.prompt_tokens_details if usage else None) or {}
+    return msgspec.structs.replace(
+        base,
+        engine=engine,
+        ttft_s=ttft,
+        e2e_s=time.perf_counter() - sent,
+        prompt_tokens=usage.prompt_tokens if usage else len(spec.prompt),
+        cached_tokens=details.get("cached_tokens", 0),
+        output_tokens=usage.completion_tokens if usage else 0,
+        predicted_cached_tokens=int(predicted) if predicted is not None and predicted.isdigit() else None,
+    )
+
+
+async def run_open_loop(
+    requests: Sequence[RequestSpec],
+    choose: Choose,
+    settings: DriverSettings,
+    on_done: Callable[[RequestResult], None] | None = None,
+) -> list[RequestResult]:
+    """Send every request at its arrival time to `choose(spec)`; return results in request order."""
+    timeout = aiohttp.ClientTimeout(total=settings.timeout_s)
+    connector = aiohttp.TCPConnector(limit=settings.max_in_flight)
+    gate = asyncio.Semaphore(settings.max_in_flight)
+    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+        start = time.perf_counter()
+
+        async def fire(index: int, spec: RequestSpec) -> RequestResult:
+            delay = start + spec.arrival_s - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)  # pacing the workload, not synchronisation
+            async with gate:
+                result = await _one(session, index, spec, await choose(spec), settings, start)
+            if on_done is not None:
+                on_done(result)
+            return result
+
+        return list(await asyncio.gather(*(fire(i, s) for i, s in enumerate(requests))))
