@@ -22,10 +22,12 @@ __all__ = [
     "MAX_RECORD_BYTES",
     "RECORD_PREFIX_SIZE",
     "CorruptRecordError",
+    "DecisionRecord",
     "FileHeader",
     "FrameRecord",
     "Record",
     "RecordingError",
+    "RequestRecord",
     "UnknownRecord",
     "decode_header_body",
     "decode_header_prefix",
@@ -87,9 +89,34 @@ class FrameRecord(Record, tag="frame", frozen=True):
     payload: bytes
 
 
-# Add RequestRecord / DecisionRecord here (and to the union): readers that predate them skip them.
-AnyRecord: TypeAlias = FrameRecord
-KNOWN_KINDS: Final = frozenset({"frame"})
+class RequestRecord(Record, tag="request", frozen=True):
+    """A request the gateway received: its id, endpoint path, model, a safe subset of headers, the body.
+
+    `headers` never holds credentials (the gateway records only the content type and routing headers);
+    `body` is the request body exactly as received."""
+
+    request_id: str
+    endpoint: str
+    model: str
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+class DecisionRecord(Record, tag="route_decision", frozen=True):
+    """One routing decision for request `request_id` (attempt 0, then one per retry on another engine).
+
+    `decision` is the router's `Decision` Struct as msgpack (events/ does not import the router; the
+    router decodes it with its own type); `engine` repeats the choice (None: no eligible engine)."""
+
+    request_id: str
+    attempt: int
+    engine: str | None
+    decision: bytes
+
+
+# Readers that predate a kind skip it; the tag "decision" is left unused (older tests use it as unknown).
+AnyRecord: TypeAlias = FrameRecord | RequestRecord | DecisionRecord
+KNOWN_KINDS: Final = frozenset({"frame", "request", "route_decision"})
 
 
 class UnknownRecord(msgspec.Struct, frozen=True, gc=False):

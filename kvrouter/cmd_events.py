@@ -1,8 +1,9 @@
 """`kvrouter events FILE [--json]`: print a recording's event batches, decoded, one per line.
 
-Human-readable by default; with --json, one `BatchLine` JSON object per line. A torn tail is skipped
-with a warning (everything before it is printed); damage before the end prints everything before it,
-then an error, and exits 1.
+Human-readable by default; with --json, one `BatchLine` JSON object per line. Request and decision
+records (written by `kvrouter serve --record`) are not printed; their count is noted on stderr. A torn
+tail is skipped with a warning (everything before it is printed); damage before the end prints
+everything before it, then an error, and exits 1.
 """
 
 from __future__ import annotations
@@ -59,17 +60,23 @@ def run(args: argparse.Namespace) -> int:
         return 2
     decoder = BatchDecoder(KVEventBatch)
     code = 0
+    others: dict[str, int] = {}
     with reader:
         try:
             for record in reader.records():
                 if isinstance(record, FrameRecord):
                     sys.stdout.write(render(record, decoder, as_json=args.json) + "\n")
+                else:
+                    kind = type(record).__name__
+                    others[kind] = others.get(kind, 0) + 1
         except CorruptRecordError as exc:
             print(f"kvrouter events: error: {args.file}: {exc}", file=sys.stderr)
             code = 1
         except BrokenPipeError:
             return _quiet_broken_pipe()
     _warn_about(args.file, reader.stats, sys.stderr)
+    for kind, count in sorted(others.items()):
+        print(f"kvrouter events: note: {count} {kind}(s) not shown (gateway recordings)", file=sys.stderr)
     return code
 
 
