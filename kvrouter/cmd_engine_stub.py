@@ -13,6 +13,7 @@ import argparse
 import asyncio
 import logging
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,8 +23,9 @@ from engine_stub.serve import StubServer
 from engine_stub.server_config import StubConfig, load_config
 from engine_stub.stub import ReadyInfo
 from events.config import decode_kv_events_config
+from kvrouter.logs import configure_logging
 
-__all__ = ["apply_flags", "register", "run"]
+__all__ = ["apply_flags", "main", "register", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -83,3 +85,17 @@ def run(args: argparse.Namespace) -> int:
         return 2
     asyncio.run(server.serve())
     return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`python -m kvrouter.cmd_engine_stub engine-stub ...`: this command alone, with JSON logs on stderr."""
+    parser = argparse.ArgumentParser(prog="kvrouter")
+    register(parser.add_subparsers(dest="command", required=True))
+    args = parser.parse_args(argv)
+    configure_logging()
+    code: int = args.func(args)
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())
