@@ -22,7 +22,7 @@ from events.decode import BatchDecoder
 from events.frames import Frame
 from events.request_tokens import request_tokens
 from events.tokenization import BuiltinTokenizer
-from events.wire import AllBlocksCleared, KVEventBatch
+from events.wire import AllBlocksCleared, BlockStored, KVEventBatch
 from tests.stub_helpers import BS, SOURCES, RawSub, live_stub, stub_config
 from tests.zmq_helpers import TrackedContext, tracked_context, wait_until
 
@@ -306,3 +306,42 @@ async def test_a_client_disconnect_aborts_the_request() -> None:
         with pytest.raises(asyncio.CancelledError):
             await task
         await wait_until(lambda: not engine.scheduler.requests, what="the JSON request to be aborted")
+
+
+async def test_full_report_mode_and_prompt_logprobs_reach_the_engine(ctx: TrackedContext) -> None:
+    async with live_stub() as (_, client):
+        source = SOURCES.decode((await client.get("/kv_event_sources")).content)[0]
+        sub = RawSub(ctx, source.endpoint)
+        try:
+            await warm_up(client, sub)
+            body = {"prompt": "r" * 40, "max_tokens": 1}
+            await client.post("/v1/completions", json=body)
+            first = BATCH.decode((await sub.next()).payload)
+            full = {**body, "vllm_xargs": {"kv_cache_report_mode": "full"}}
+            usage = COMPLETION.decode((await client.post("/v1/completions", json=full)).content).usage
+            assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens == 32
+            again = BATCH.decode((await sub.next()).payload)  # the reused blocks, re-announced from block 0
+            assert first is not None and again is not None
+            assert isinstance(again.events[0], BlockStored) and again.events[0].parent_block_hash is None
+            assert again.events[0].block_hashes == [
+                h for e in first.events if isinstance(e, BlockStored) for h in e.block_hashes
+            ]
+            skip = {**body, "prompt_logprobs": 1}
+            usage = COMPLETION.decode((await client.post("/v1/completions", json=skip)).content).usage
+            assert usage.prompt_tokens_details is not None and usage.prompt_tokens_details.cached_tokens == 0
+        finally:
+            sub.close()
+
+
+async def test_unpinned_requests_go_to_the_least_loaded_rank() -> None:
+    slow = CostModel(speed_factor=1.0)
+    async with live_stub(stub_config(data_parallel_size=2, cost=slow)) as (server, client):
+        engines = server.stub.engines
+        body = {"prompt": "l" * 20, "max_tokens": 3000, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as first:
+            chunks = first.aiter_bytes()  # kept: dropping the iterator would close the stream
+            await anext(chunks)
+            async with client.stream("POST", "/v1/completions", json=body) as second:
+                more = second.aiter_bytes()
+                await anext(more)
+                assert [e.load for e in engines] == [(0, 1), (0, 1)]
