@@ -76,6 +76,12 @@ class EngineRuntime:
     def start(self) -> None:
         """Start the step loop."""
         self._task = asyncio.create_task(self._run(), name=f"engine-rank-{self.rank}")
+        self._task.add_done_callback(self._stopped)
+
+    def _stopped(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            # a bug in the pure core: say so loudly rather than leave every request hanging silently
+            log.error("engine step loop died", extra={"rank": self.rank}, exc_info=exc)
 
     async def close(self) -> None:
         """Stop the step loop and the fault timers (the publisher is closed by its owner)."""
