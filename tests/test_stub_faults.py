@@ -164,7 +164,7 @@ async def test_a_silent_restart_numbers_from_zero_without_clearing(rig: Rig) -> 
 
 async def test_a_pause_holds_the_live_stream_then_drops_what_it_held(rig: Rig) -> None:
     seq = await rig.warm_up()
-    await rig.fault(pause_s=0.5)
+    await rig.fault(pause_s=1.0)
     await rig.produce(2)
     assert (await rig.states())[0].paused  # so both batches were published during the pause
     await wait_until_resumed(rig)
@@ -175,7 +175,7 @@ async def test_a_pause_holds_the_live_stream_then_drops_what_it_held(rig: Rig) -
 
 async def test_a_pause_can_deliver_what_it_held_late(rig: Rig) -> None:
     seq = await rig.warm_up()
-    await rig.fault(pause_s=0.3, deliver_held=True)
+    await rig.fault(pause_s=1.0, deliver_held=True)
     await rig.produce(2)
     assert (await rig.states())[0].paused
     assert await rig.live_seqs(2) == [seq + 1, seq + 2]  # arrive once the pause is over
