@@ -19,6 +19,7 @@ __all__ = ["build_parser", "main"]
 COMMAND_MODULES: Final = (
     "kvrouter.cmd_record",
     "kvrouter.cmd_events",
+    "kvrouter.cmd_engine_stub",
     "kvrouter.cmd_serve",
 )
 
