@@ -1,9 +1,10 @@
 """The stub's FastAPI app: vLLM 0.33.0's OpenAI-compatible routes plus its cache and discovery routes.
 
 Routes: /v1/models, /v1/completions, /v1/chat/completions (JSON and SSE), /tokenize, /health, /metrics,
-POST /reset_prefix_cache, /kv_event_sources, and GET/POST /admin/faults. Bodies are decoded with
-msgspec; a bad body is a 400 in OpenAI's error format whose message names the field. The lifespan
-starts and stops the `Stub` (every rank's publisher and step loop).
+POST /reset_prefix_cache, /kv_event_sources, GET/POST /admin/faults, and POST /debug/cache_hit (the
+true hit per rank for a completions or chat body, without admitting it; the load-test oracle uses
+it). Bodies are decoded with msgspec; a bad body is a 400 in OpenAI's error format whose message
+names the field. The lifespan starts and stops the `Stub` (every rank's publisher and step loop).
 """
 
 from __future__ import annotations
@@ -135,6 +136,13 @@ def _add_engine_routes(app: FastAPI, stub: Stub) -> None:
     @app.get("/kv_event_sources")
     async def kv_event_sources() -> Response:
         return Response(encode(stub.kv_event_sources()), media_type=_JSON)
+
+    @app.post("/debug/cache_hit")
+    async def cache_hit(request: Request) -> Response:
+        # Ground truth for the load-test oracle: what each rank would hit, with no side effect.
+        endpoint = Endpoint.CHAT if request.query_params.get("endpoint") == "chat" else Endpoint.COMPLETIONS
+        tokens = request_tokens(await request.body(), endpoint, stub.tokenizer)
+        return Response(msgspec.json.encode(stub.peek(tokens)), media_type=_JSON)
 
     @app.get("/admin/faults")
     async def get_faults() -> Response:

@@ -53,6 +53,12 @@ class KVCacheManager:
                     self.pool.report_cached(req.store_range(0, len(blocks), bs), gid, bs)
         return lookup
 
+    def peek(self, req: Request) -> Lookup:
+        """The lookup `get_computed_blocks` would return now, without reports or any other effect."""
+        if not self.config.enable_prefix_caching or req.params.skip_cache_read:
+            return empty_lookup(len(self.groups))
+        return find_longest_hit(self.pool, self.spec_groups, req.block_hashes, req.num_tokens - 1)
+
     def allocate_slots(self, req: Request, num_new_tokens: int, lookup: Lookup | None = None) -> bool:
         """Give `req` slots for `num_new_tokens` more tokens (after a new request's hit); False if full.
 

@@ -102,6 +102,12 @@ class Scheduler:
         self.waiting.append(req)
         return rid
 
+    def peek_hit(self, prompt: Sequence[int], params: SubmitParams) -> Lookup:
+        """What admitting `prompt` would hit right now; nothing is queued, cached or reported."""
+        return self.kv.peek(
+            Request(RequestId("peek"), prompt, params, self.hasher, self.config.cache.block_size)
+        )
+
     def step(self, only: Collection[RequestId] | None = None) -> StepOutput:
         """Run one engine step; `only` restricts scheduling to those requests (others sit idle)."""
         self.kv.new_step()

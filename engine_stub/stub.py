@@ -15,6 +15,7 @@ import msgspec
 
 from events.config import KVEventsConfig
 from events.publisher import EventPublisher
+from events.request_tokens import RequestTokens
 from events.tokenization import Tokenizer
 
 from .dp_balance import RankLoad, RoundRobinStart, choose_rank
@@ -22,6 +23,7 @@ from .engine import EngineRuntime
 from .faults import FaultState, FaultUpdate
 from .metrics import EngineGauges, StubMetrics
 from .pseudo_text import PseudoText
+from .request import SubmitParams
 from .server_config import StubConfig, load_tokenizer
 
 __all__ = ["RankError", "ReadyInfo", "Stub"]
@@ -43,6 +45,17 @@ class ReadyInfo(msgspec.Struct, frozen=True):
     model: str
     data_parallel_size: int
     kv_event_sources: dict[int, KVEventsConfig]
+
+
+class CacheHit(msgspec.Struct, frozen=True):
+    """One rank's answer to `POST /debug/cache_hit`: the true prefix-cache hit and its queue."""
+
+    rank: int
+    prompt_tokens: int
+    hit_tokens: int
+    shared_prefix_boundary: int
+    num_running: int
+    num_waiting: int
 
 
 class Stub:
@@ -95,6 +108,17 @@ class Stub:
             return self.engines[rank]
         loads = [RankLoad(*e.load, e.scheduler.stats().kv_cache_usage) for e in self.engines]
         return self.engines[choose_rank(loads, self._start.take())]
+
+    def peek(self, tokens: RequestTokens) -> list[CacheHit]:
+        """Every rank's true hit for the request's first prompt, as admission would compute it now."""
+        params = SubmitParams(max_tokens=1, extras=tokens.extras, skip_cache_read=tokens.skip_cache)
+        out = []
+        for e in self.engines:
+            lookup = e.scheduler.peek_hit(tokens.tokens, params)
+            running, waiting = e.load
+            out.append(CacheHit(e.rank, len(tokens.tokens), lookup.hit_tokens, lookup.shared_prefix_boundary,
+                                running, waiting))  # fmt: skip
+        return out
 
     def kv_event_sources(self) -> dict[int, KVEventsConfig]:
         """The resolved publisher config per rank, as vLLM's /kv_event_sources returns it ({} when off)."""

@@ -345,3 +345,25 @@ async def test_unpinned_requests_go_to_the_least_loaded_rank() -> None:
                 more = second.aiter_bytes()
                 await anext(more)
                 assert [e.load for e in engines] == [(0, 1), (0, 1)]
+
+
+async def test_cache_hit_peek_predicts_the_next_admission_without_side_effects() -> None:
+    async with live_stub() as (_, client):
+        await client.post("/v1/completions", json={"prompt": "x" * 40, "max_tokens": 1})
+        body = {"prompt": "x" * 40 + "y" * 20, "max_tokens": 1}
+        peeks = [
+            msgspec.json.decode((await client.post("/debug/cache_hit", json=body)).content) for _ in range(2)
+        ]
+        assert peeks[0] == peeks[1]  # peeking changes nothing
+        (rank0,) = peeks[0]
+        assert (rank0["rank"], rank0["hit_tokens"], rank0["shared_prefix_boundary"]) == (
+            0,
+            (41 // BS) * BS,
+            0,
+        )
+        details = COMPLETION.decode((await client.post("/v1/completions", json=body)).content).usage
+        assert details.prompt_tokens_details is not None
+        assert details.prompt_tokens_details.cached_tokens == rank0["hit_tokens"]
+        skip = {**body, "prompt_logprobs": 1}
+        (skipped,) = msgspec.json.decode((await client.post("/debug/cache_hit", json=skip)).content)
+        assert skipped["hit_tokens"] == 0
