@@ -62,7 +62,7 @@ async def test_results_carry_ttft_usage_and_router_headers(server: str) -> None:
     ]
     done: list[RequestResult] = []
 
-    async def choose(spec: RequestSpec) -> Target:
+    async def choose(index: int, spec: RequestSpec) -> Target:
         return Target("kv", server)
 
     results = await run_open_loop(specs, choose, DriverSettings(model="m"), on_done=done.append)
@@ -81,8 +81,8 @@ async def test_results_carry_ttft_usage_and_router_headers(server: str) -> None:
 
 
 async def test_connection_failure_is_a_result_not_a_crash() -> None:
-    async def choose(spec: RequestSpec) -> Target:
-        return Target("direct:gone", "http://127.0.0.1:9")
+    async def choose(index: int, spec: RequestSpec) -> Target:
+        return Target("direct", "http://127.0.0.1:9", engine="gone")
 
     (r,) = await run_open_loop([RequestSpec(0.0, [1, 2], 1, "s")], choose, DriverSettings(timeout_s=5))
     assert r.error is not None and r.engine is None

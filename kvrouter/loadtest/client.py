@@ -24,10 +24,12 @@ __all__ = ["DriverSettings", "Target", "run_open_loop"]
 
 
 class Target(msgspec.Struct, frozen=True):
-    """Where requests go: a base URL and a label (the policy, or 'direct:<engine>')."""
+    """Where a request goes: the policy label, a base URL, the engine when known, extra headers."""
 
     label: str
     base_url: str
+    engine: str | None = None
+    headers: dict[str, str] = {}
 
 
 class DriverSettings(msgspec.Struct, frozen=True):
@@ -51,7 +53,7 @@ class _Chunk(msgspec.Struct):
 
 
 _CHUNK_DECODER: Final = msgspec.json.Decoder(_Chunk)
-Choose = Callable[[RequestSpec], Awaitable[Target]]
+Choose = Callable[[int, RequestSpec], Awaitable[Target]]
 
 
 def _body(spec: RequestSpec, model: str) -> bytes:
@@ -89,7 +91,7 @@ async def _one(
     settings: DriverSettings,
     start: float,
 ) -> RequestResult:
-    headers = {"content-type": "application/json", settings.session_header: spec.session}
+    headers = {"content-type": "application/json", settings.session_header: spec.session, **target.headers}
     sent = time.perf_counter()
     base = RequestResult(policy=target.label, index=index, session=spec.session, arrival_s=sent - start)
     try:
@@ -99,7 +101,7 @@ async def _one(
             if r.status != 200:
                 text = (await r.text())[:200]
                 return msgspec.structs.replace(base, error=f"HTTP {r.status}: {text}")
-            engine = r.headers.get("x-kvrouter-engine") or target.label.removeprefix("direct:")
+            engine = r.headers.get("x-kvrouter-engine") or target.engine
             predicted = r.headers.get("x-kvrouter-predicted-cached-tokens")
             ttft, usage = await _read_stream(r, sent)
     except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
@@ -135,7 +137,7 @@ async def run_open_loop(
             if delay > 0:
                 await asyncio.sleep(delay)  # pacing the workload, not synchronisation
             async with gate:
-                result = await _one(session, index, spec, await choose(spec), settings, start)
+                result = await _one(session, index, spec, await choose(index, spec), settings, start)
             if on_done is not None:
                 on_done(result)
             return result

@@ -1,0 +1,83 @@
+"""The oracle policy: routing with the engines' true prefix caches, the load test's upper bound.
+
+For every request it asks each stub's `POST /debug/cache_hit` for every rank's true hit (the same
+finder admission runs, without admitting), then picks the rank with the least predicted prefill work:
+its own uncached tokens plus the uncached tokens of the requests the oracle sent it that have not
+finished yet. Ties go to the larger hit, then to the lower (stub, rank). It is what
+perfect knowledge of the caches buys, not a claim that no better policy exists.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import aiohttp
+import msgspec
+
+from kvrouter.loadtest.client import Target
+from kvrouter.loadtest.results import RequestResult
+from kvrouter.loadtest.workload import RequestSpec
+
+__all__ = ["Oracle", "StubEndpoint"]
+
+
+class StubEndpoint(msgspec.Struct, frozen=True):
+    """One stub as the oracle sees it: a name and its base URL."""
+
+    name: str
+    url: str
+
+
+class _CacheHit(msgspec.Struct):
+    rank: int
+    prompt_tokens: int
+    hit_tokens: int
+    shared_prefix_boundary: int
+    num_running: int
+    num_waiting: int
+
+
+_HITS = msgspec.json.Decoder(list[_CacheHit])
+
+
+class Oracle:
+    """Chooses targets from the stubs' ground truth; call `done` with each finished result."""
+
+    def __init__(self, stubs: Sequence[StubEndpoint], session: aiohttp.ClientSession, model: str) -> None:
+        self.stubs = list(stubs)
+        self.session = session
+        self.model = model
+        self.pending: dict[tuple[str, int], int] = {}
+        self._sent: dict[int, tuple[tuple[str, int], int]] = {}
+
+    async def _hits(self, stub: StubEndpoint, spec: RequestSpec) -> list[_CacheHit]:
+        body = msgspec.json.encode({"model": self.model, "prompt": spec.prompt, "max_tokens": 1})
+        headers = {"content-type": "application/json"}
+        async with self.session.post(f"{stub.url}/debug/cache_hit", data=body, headers=headers) as r:
+            r.raise_for_status()
+            return _HITS.decode(await r.read())
+
+    async def choose(self, key: int, spec: RequestSpec) -> Target:
+        """The best (stub, rank) for `spec`; `key` identifies the request when it is `done`."""
+        best: tuple[int, int, int, StubEndpoint, _CacheHit] | None = None
+        for order, stub in enumerate(self.stubs):
+            for hit in await self._hits(stub, spec):
+                uncached = hit.prompt_tokens - hit.hit_tokens
+                work = uncached + self.pending.get((stub.name, hit.rank), 0)
+                candidate = (work, -hit.hit_tokens, order * 1000 + hit.rank, stub, hit)
+                if best is None or candidate[:3] < best[:3]:
+                    best = candidate
+        if best is None:
+            raise RuntimeError("the oracle has no stub to route to")
+        work, _, _, stub, hit = best
+        slot = (stub.name, hit.rank)
+        uncached = hit.prompt_tokens - hit.hit_tokens
+        self.pending[slot] = self.pending.get(slot, 0) + uncached
+        self._sent[key] = (slot, uncached)
+        headers = {"x-data-parallel-rank": str(hit.rank)}
+        return Target("oracle", stub.url, engine=stub.name, headers=headers)
+
+    def done(self, result: RequestResult) -> None:
+        """A request `choose` routed finished (or failed): its prefill work is no longer pending."""
+        slot, uncached = self._sent.pop(result.index)
+        self.pending[slot] -= uncached
