@@ -1,0 +1,98 @@
+"""Reading the engine's actual cached tokens from the answer the gateway passes through.
+
+The answer is forwarded untouched; `UsageTap` only looks at it. A JSON answer is kept (up to a cap)
+and its `usage.prompt_tokens_details.cached_tokens` read at the end; a stream keeps only its last
+bytes, where the final usage chunk sits (present when the client asked for
+`stream_options.include_usage`; the gateway never adds it, since the body is forwarded byte for byte).
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Final
+
+import msgspec
+
+__all__ = ["UsageTap", "cached_tokens_of_json", "cached_tokens_of_sse"]
+
+_JSON_CAP: Final = 4 << 20
+_SSE_TAIL: Final = 64 << 10
+_MAX_EVENTS_BACK: Final = 8  # the usage chunk is the last data event before [DONE]
+
+
+class _Details(msgspec.Struct):
+    cached_tokens: int | None = None
+
+
+class _Usage(msgspec.Struct):
+    prompt_tokens_details: _Details | None = None
+
+
+class _WithUsage(msgspec.Struct):
+    usage: _Usage | None = None
+
+
+_DECODER: Final = msgspec.json.Decoder(_WithUsage)
+
+
+def _cached(data: bytes) -> tuple[bool, int | None]:
+    """(whether `data` carried a usage object, its cached tokens if reported)."""
+    try:
+        usage = _DECODER.decode(data).usage
+    except msgspec.DecodeError:
+        return False, None
+    if usage is None:
+        return False, None
+    details = usage.prompt_tokens_details
+    return True, None if details is None else details.cached_tokens
+
+
+def cached_tokens_of_json(body: bytes) -> int | None:
+    """`usage.prompt_tokens_details.cached_tokens` of a JSON answer, or None when absent."""
+    return _cached(body)[1]
+
+
+def cached_tokens_of_sse(tail: bytes) -> int | None:
+    """The cached tokens of the last usage-carrying `data:` event in the stream's `tail`, or None."""
+    events = tail.replace(b"\r\n", b"\n").split(b"\n\n")
+    seen = 0
+    for event in reversed(events):
+        data = b"".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
+        if not data or data == b"[DONE]":
+            continue
+        has_usage, cached = _cached(data)
+        if has_usage:
+            return cached
+        seen += 1
+        if seen >= _MAX_EVENTS_BACK:
+            return None
+    return None
+
+
+class UsageTap:
+    """Watches the chunks of one answer (`stream` True for SSE) and reports the cached tokens at the end."""
+
+    def __init__(self, stream: bool) -> None:
+        self.stream = stream
+        self._chunks: deque[bytes] = deque()
+        self._size = 0
+        self._overflow = False
+
+    def feed(self, chunk: bytes) -> None:
+        """Look at one chunk as it passes."""
+        self._chunks.append(chunk)
+        self._size += len(chunk)
+        if self.stream:
+            while self._size - len(self._chunks[0]) >= _SSE_TAIL:
+                self._size -= len(self._chunks.popleft())
+        elif self._size > _JSON_CAP:
+            self._overflow = True
+            self._chunks.clear()
+
+    def cached_tokens(self) -> int | None:
+        """The engine-reported cached tokens, or None when the answer did not carry them."""
+        data = b"".join(self._chunks)
+        if self.stream:
+            return cached_tokens_of_sse(data)
+        return None if self._overflow else cached_tokens_of_json(data)
