@@ -116,6 +116,8 @@ def run(args: argparse.Namespace) -> int:
     server = uvicorn.Server(uv)
     try:
         server.run(sockets=[sock])
+    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled once it has shut down
+        return 130
     finally:
         sock.close()
     return 0 if server.started else 1
