@@ -21,6 +21,7 @@ COMMAND_MODULES: Final = (
     "kvrouter.cmd_events",
     "kvrouter.cmd_engine_stub",
     "kvrouter.cmd_serve",
+    "kvrouter.cmd_loadtest",
 )
 
 

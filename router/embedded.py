@@ -77,9 +77,13 @@ class EmbeddedStubs:
     """Starts, tracks and stops the `[embedded]` stubs of one gateway."""
 
     def __init__(
-        self, embedded: Embedded, prefix: Sequence[str] = (sys.executable, "-m", "kvrouter")
+        self,
+        embedded: Embedded,
+        prefix: Sequence[str] = (sys.executable, "-m", "kvrouter"),
+        config_file: Path | None = None,
     ) -> None:
         self.embedded = embedded
+        self.config_file = config_file
         self.prefix = list(prefix)
         self.processes: list[asyncio.subprocess.Process] = []
         self.ready: list[ReadyLine] = []
@@ -114,6 +118,8 @@ class EmbeddedStubs:
         return self.engines()
 
     def _config_file(self) -> Path | None:
+        if self.config_file is not None:  # a full stub config (the load test's --engine-config)
+            return self.config_file
         if self.embedded.tokenizer is None:
             return None
         self._tmp = tempfile.TemporaryDirectory(prefix="kvrouter-embedded-")

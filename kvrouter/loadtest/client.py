@@ -20,7 +20,7 @@ import msgspec
 from kvrouter.loadtest.results import RequestResult
 from kvrouter.loadtest.workload import RequestSpec
 
-__all__ = ["DriverSettings", "Target", "run_open_loop"]
+__all__ = ["Choose", "DriverSettings", "Target", "run_open_loop"]
 
 
 class Target(msgspec.Struct, frozen=True):

@@ -1,0 +1,201 @@
+"""`kvrouter loadtest`'s orchestration: stubs, one gateway per policy, the same workload for each.
+
+The stubs start once (child processes, as `kvrouter serve`'s embedded mode starts them) and their
+prefix caches are reset between policies, so every policy starts cold on identical engines. Each
+policy gets a fresh gateway process (`kvrouter serve --port 0`, learned state and all), except
+`oracle`, which routes itself from the stubs' true caches, and `external`, an OpenAI-compatible
+router the user started and pointed at the stubs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import os
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+
+import aiohttp
+import msgspec
+
+from kvrouter.loadtest.client import Choose, DriverSettings, Target, run_open_loop
+from kvrouter.loadtest.oracle import Oracle, StubEndpoint
+from kvrouter.loadtest.report import Report, write_report
+from kvrouter.loadtest.results import PolicySummary, RequestResult, summarize
+from kvrouter.loadtest.workload import RequestSpec
+from router.config import Embedded, EngineConfig, ModelConfig
+from router.embedded import EmbeddedStubs
+
+__all__ = ["GatewayProcess", "HarnessSpec", "run_harness"]
+
+OnDone = Callable[[RequestResult], None]
+
+ORACLE = "oracle"
+EXTERNAL = "external"
+
+
+class HarnessSpec(msgspec.Struct, frozen=True):
+    """What one load test runs: the stubs, the policies, where results go."""
+
+    policies: list[str]
+    out: str
+    embedded: Embedded = Embedded()
+    stub_config: str | None = None
+    router_url: str | None = None
+    max_in_flight: int = 1024
+    ready_timeout_s: float = 60.0
+
+
+class _GatewayReady(msgspec.Struct):
+    event: str
+    url: str
+
+
+class GatewayProcess:
+    """A `kvrouter serve` child process on a free port, routing to `engines` with `policy`."""
+
+    def __init__(self, policy: str, engines: Sequence[EngineConfig], model: ModelConfig) -> None:
+        self.policy = policy
+        # Engines and models go in as KVROUTER_ENGINES / KVROUTER_MODELS (JSON), the documented
+        # environment overrides, so no config file has to be written.
+        self.env = {
+            **os.environ,
+            "KVROUTER_ENGINES": msgspec.json.encode(list(engines)).decode(),
+            "KVROUTER_MODELS": msgspec.json.encode([model]).decode(),
+        }
+        self.process: asyncio.subprocess.Process | None = None
+        self.url = ""
+
+    async def start(self, timeout_s: float) -> str:
+        """Start the gateway and wait for its ready line and a 200 from /ready; returns its URL."""
+        argv = [sys.executable, "-m", "kvrouter", "--log-level", "WARNING", "serve"]
+        argv += ["--host", "127.0.0.1", "--port", "0", "--policy", self.policy]
+        pipe = asyncio.subprocess.PIPE
+        self.process = await asyncio.create_subprocess_exec(
+            *argv, stdout=pipe, stdin=asyncio.subprocess.DEVNULL, env=self.env
+        )
+        assert self.process.stdout is not None
+        async with asyncio.timeout(timeout_s):
+            while line := await self.process.stdout.readline():
+                with contextlib.suppress(msgspec.DecodeError):
+                    ready = msgspec.json.decode(line, type=_GatewayReady)
+                    if ready.event == "ready":
+                        self.url = ready.url
+                        break
+            if not self.url:
+                code = await self.process.wait()
+                raise RuntimeError(f"gateway for policy {self.policy!r} exited with code {code}")
+            await _until_ready(self.url)
+        return self.url
+
+    async def stop(self) -> None:
+        """SIGTERM, then SIGKILL after 10 s."""
+        if self.process is None or self.process.returncode is not None:
+            return
+        self.process.terminate()
+        try:
+            await asyncio.wait_for(self.process.wait(), 10)
+        except TimeoutError:
+            self.process.kill()
+            await self.process.wait()
+
+
+async def _until_ready(url: str) -> None:
+    async with aiohttp.ClientSession() as session:
+        while True:
+            with contextlib.suppress(aiohttp.ClientError):
+                async with session.get(f"{url}/ready") as r:
+                    if r.status == 200:
+                        return
+            await asyncio.sleep(0.05)  # polling a condition; the caller's timeout bounds it
+
+
+async def _reset(stubs: Sequence[StubEndpoint], timeout_s: float = 30.0) -> None:
+    """Clear every stub's prefix cache (retried while finishing requests still hold blocks)."""
+    async with aiohttp.ClientSession() as session, asyncio.timeout(timeout_s):
+        for stub in stubs:
+            while True:
+                async with session.post(f"{stub.url}/reset_prefix_cache") as r:
+                    if r.status == 200 and (await r.json())["success"]:
+                        break
+                await asyncio.sleep(0.05)  # polling a condition under the timeout above
+
+
+async def _drive(
+    requests: Sequence[RequestSpec], choose: Choose, settings: DriverSettings, on_done: OnDone
+) -> tuple[list[RequestResult], float]:
+    start = time.perf_counter()
+    results = await run_open_loop(requests, choose, settings, on_done)
+    return results, time.perf_counter() - start
+
+
+async def _run_policy(
+    policy: str, requests: Sequence[RequestSpec], spec: HarnessSpec, ctx: _Context, on_done: OnDone
+) -> tuple[list[RequestResult], float]:
+    settings = DriverSettings(model=spec.embedded.model, max_in_flight=spec.max_in_flight)
+    if policy == ORACLE:
+        async with aiohttp.ClientSession() as session:
+            oracle = Oracle(ctx.stubs, session, spec.embedded.model)
+
+            def finish(result: RequestResult) -> None:
+                oracle.done(result)
+                on_done(result)
+
+            return await _drive(requests, oracle.choose, settings, finish)
+    gateway: GatewayProcess | None = None
+    if policy == EXTERNAL:
+        if spec.router_url is None:
+            raise ValueError("policy 'external' needs --router URL")
+        url = spec.router_url.rstrip("/")
+    else:
+        gateway = GatewayProcess(policy, ctx.engines, ctx.model)
+        url = await gateway.start(spec.ready_timeout_s)
+
+    async def choose(index: int, req: RequestSpec) -> Target:
+        return Target(policy, url)
+
+    try:
+        return await _drive(requests, choose, settings, on_done)
+    finally:
+        if gateway is not None:
+            await gateway.stop()
+
+
+class _Context(msgspec.Struct):
+    stubs: list[StubEndpoint]
+    engines: list[EngineConfig]
+    model: ModelConfig
+
+
+async def run_harness(
+    spec: HarnessSpec,
+    requests: Sequence[RequestSpec],
+    settings: dict[str, str],
+    on_done: Callable[[RequestResult], None] = lambda r: None,
+) -> tuple[Report, list[RequestResult]]:
+    """Run every policy over `requests` and write the report into `spec.out`."""
+    stub_config = Path(spec.stub_config) if spec.stub_config else None
+    stubs = EmbeddedStubs(spec.embedded, config_file=stub_config)
+    summaries: list[PolicySummary] = []
+    every: list[RequestResult] = []
+    engines = await stubs.start()
+    try:
+        endpoints = [StubEndpoint(e.name, e.url) for e in engines]
+        ctx = _Context(endpoints, engines, stubs.model())
+        for policy in spec.policies:
+            await _reset(endpoints)
+            results, elapsed = await _run_policy(policy, requests, spec, ctx, on_done)
+            summaries.append(summarize(policy, results, elapsed))
+            every.extend(results)
+    finally:
+        await stubs.stop()
+    report = Report(settings=settings, policies=summaries)
+    write_report(Path(spec.out), report, every)
+    return report, every
+
+
+def default_out_dir() -> str:
+    """`out/loadtest-<timestamp>` under the current directory."""
+    return os.path.join("out", time.strftime("loadtest-%Y%m%d-%H%M%S"))
