@@ -1,0 +1,167 @@
+"""The gateway's HTTP app: OpenAI routes, health, metrics, debug and admin, over one `Service`.
+
+Routes are plain Starlette endpoints (no FastAPI dependency solving on the hot path); the lifespan
+starts the `Service` and builds the handlers. Every `RouterError` becomes an OpenAI-format error body
+with its status and headers (Retry-After included) and the request's `x-request-id`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from typing import Final
+
+import msgspec
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import Response
+
+from events.openai_request import Endpoint
+from router.admin import AdminApi, NotFound
+from router.config import RouterConfig
+from router.errors import RouterError
+from router.gateway import ClientGone, Gateway, GatewayParts, read_body, request_id_of
+from router.passthrough import Passthrough
+from router.serve import ServeOptions, Service
+
+__all__ = ["Handlers", "create_app"]
+
+_JSON: Final = "application/json"
+_EXPLAIN_LIMIT: Final = 64 << 20
+
+
+class _Shape(msgspec.Struct):
+    messages: list[msgspec.Raw] | None = None
+
+
+_SHAPE: Final = msgspec.json.Decoder(_Shape)
+
+
+class Handlers:
+    """The started gateway's request handlers (set by the lifespan)."""
+
+    def __init__(self, parts: GatewayParts) -> None:
+        self.parts = parts
+        self.gateway = Gateway(parts)
+        self.passthrough = Passthrough(parts)
+        self.admin = AdminApi(parts)
+
+    def admin_check(self, request: Request) -> None:
+        request_id_of(request)
+        self.parts.guard.check_admin(request.headers)
+
+    async def decisions(self, request: Request) -> Response:
+        self.admin_check(request)
+        entry = self.parts.ring.get(request.path_params["request_id"])
+        if entry is None:
+            raise NotFound("no decision recorded for this request id (unknown, or dropped from the ring)")
+        return Response(msgspec.json.encode(entry), media_type=_JSON)
+
+    async def explain(self, request: Request) -> Response:
+        self.admin_check(request)
+        body = await read_body(request, _EXPLAIN_LIMIT)
+        try:
+            chat = _SHAPE.decode(body).messages is not None
+        except msgspec.DecodeError:
+            chat = False  # prepare() names the problem
+        endpoint = Endpoint.CHAT if chat else Endpoint.COMPLETIONS
+        session = request.headers.get(self.parts.config.policy.session_header)
+        explained = self.gateway.explain(body, endpoint, session)
+        return Response(msgspec.json.encode(explained), media_type=_JSON)
+
+    async def index(self, request: Request) -> Response:
+        self.admin_check(request)
+        return Response(msgspec.json.encode(self.parts.fleet.index_summary()), media_type=_JSON)
+
+    async def ready(self, request: Request) -> Response:
+        fleet = self.parts.fleet
+        ok = fleet.ready(fleet.clock())
+        body = b'{"status":"ready"}' if ok else b'{"status":"not ready"}'
+        return Response(body, status_code=200 if ok else 503, media_type=_JSON)
+
+    async def metrics(self, request: Request) -> Response:
+        self.parts.metrics.engines.set(len(self.parts.fleet.engines()))
+        return Response(self.parts.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+def error_response(request: Request, exc: RouterError) -> Response:
+    """The OpenAI-format answer to a gateway error."""
+    headers = {**exc.headers, "x-request-id": request_id_of(request)}
+    return Response(exc.body(), status_code=exc.http_status(), headers=headers, media_type=_JSON)
+
+
+def create_app(
+    config: RouterConfig,
+    options: ServeOptions | None = None,
+    environ: Mapping[str, str] | None = None,
+    on_started: Callable[[GatewayParts], None] | None = None,
+) -> FastAPI:
+    """The gateway app for `config`; its lifespan starts and stops the service."""
+    service = Service(config, options or ServeOptions(), os.environ if environ is None else environ)
+    box: list[Handlers] = []
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        parts = await service.start()
+        box.append(Handlers(parts))
+        app.state.handlers = box[0]
+        if on_started is not None:
+            on_started(parts)
+        try:
+            yield
+        finally:
+            box.clear()
+            await service.stop()
+
+    app = FastAPI(title="kvrouter", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    app.state.service = service
+    _add_routes(app, box)
+
+    async def router_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RouterError)
+        return error_response(request, exc)
+
+    async def client_gone(request: Request, exc: Exception) -> Response:
+        return Response(status_code=499)  # nobody is listening; this only ends the ASGI call
+
+    app.add_exception_handler(RouterError, router_error)
+    app.add_exception_handler(ClientGone, client_gone)
+    return app
+
+
+Endpoint_ = Callable[[Request], Awaitable[Response]]
+
+
+def _add_routes(app: FastAPI, box: list[Handlers]) -> None:
+    def h(pick: Callable[[Handlers], Endpoint_]) -> Endpoint_:
+        async def endpoint(request: Request) -> Response:
+            return await pick(box[0])(request)
+
+        return endpoint
+
+    async def completions(request: Request) -> Response:
+        return await box[0].gateway.completion(request, Endpoint.COMPLETIONS)
+
+    async def chat(request: Request) -> Response:
+        return await box[0].gateway.completion(request, Endpoint.CHAT)
+
+    async def health(request: Request) -> Response:
+        return Response(b'{"status":"ok"}', media_type=_JSON)
+
+    add = app.router.add_route
+    add("/v1/completions", completions, methods=["POST"])
+    add("/v1/chat/completions", chat, methods=["POST"])
+    add("/v1/models", h(lambda x: x.passthrough.models), methods=["GET"])
+    methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
+    add("/v1/{path:path}", h(lambda x: x.passthrough.forward), methods=methods)
+    add("/health", health, methods=["GET"])
+    add("/ready", h(lambda x: x.ready), methods=["GET"])
+    add("/metrics", h(lambda x: x.metrics), methods=["GET"])
+    add("/debug/decisions/{request_id}", h(lambda x: x.decisions), methods=["GET"])
+    add("/debug/route", h(lambda x: x.explain), methods=["POST"])
+    add("/debug/index", h(lambda x: x.index), methods=["GET"])
+    add("/admin/engines", h(lambda x: x.admin.list_engines), methods=["GET"])
+    add("/admin/engines", h(lambda x: x.admin.add_engine), methods=["POST"])
+    add("/admin/engines/{name:path}", h(lambda x: x.admin.remove_engine), methods=["DELETE"])

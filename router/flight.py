@@ -1,0 +1,121 @@
+"""One routed request in flight: which replica it is on, and the load and trust bookkeeping around it.
+
+The proxy asks `Flight.choose(tried)` for each attempt: the first attempt takes the decision already
+made, each retry decides again without the replicas tried. Moving to a replica counts the request
+there (load tracker, per-engine admission, trust's "request sent"); leaving it (retry, end, failure)
+uncounts it. `first_byte` feeds the learned TTFT model; `finish` is idempotent and always called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+
+from router.debug import DecisionEntry
+from router.fleet import Fleet
+from router.ids import EngineId, RequestId
+from router.models import Prepared
+from router.proxy import ProxyRequest, Target
+from router.routing import RoutingCore
+from router.scoring import Decision, RouteRequest
+
+__all__ = ["RANK_HEADER", "DecisionSink", "Flight"]
+
+RANK_HEADER = "x-data-parallel-rank"
+
+DecisionSink = Callable[[RequestId, int, Decision], None]
+"""Told about every decision (request id, attempt number, decision): the recorder."""
+
+
+class Flight:
+    """The routing state of one request between its first decision and its end."""
+
+    def __init__(
+        self,
+        fleet: Fleet,
+        core: RoutingCore,
+        request: ProxyRequest,
+        entry: DecisionEntry,
+        route: RouteRequest,
+    ) -> None:
+        self.fleet = fleet
+        self.core = core
+        self.request = request
+        self.entry = entry
+        self.route = route
+        self.rid = RequestId(entry.request_id)
+        self.prepared: Prepared | None = None
+        self.engine: EngineId | None = None
+        self.decision: Decision | None = None
+        self.on_decision: DecisionSink = lambda rid, attempt, decision: None
+        self._counted = False
+        self._admitted = False
+        self._finished = False
+
+    def decide(self, prepared: Prepared, now: float) -> Decision:
+        """The first decision (attempt 0), recorded in the entry and told to the sink."""
+        self.prepared = prepared
+        decision = self.core.decide(prepared, self.route, now)
+        self._note(decision)
+        return decision
+
+    def choose(self, tried: frozenset[EngineId]) -> Target | None:
+        """The proxy's chooser: the next replica to try, or None when no eligible one is left."""
+        now = self.fleet_clock()
+        decision = self.entry.decisions[-1] if not tried and self.engine is None else None
+        if decision is None:
+            assert self.prepared is not None, "decide() first"
+            route = msgspec.structs.replace(self.route, excluded=tried)
+            decision = self.core.decide(self.prepared, route, now)
+            self._note(decision)
+        self._leave(now)
+        if decision.engine is None:
+            return None
+        return self._enter(decision, decision.engine, now)
+
+    def fleet_clock(self) -> float:
+        return self.fleet.clock()
+
+    def _note(self, decision: Decision) -> None:
+        self.entry.decisions.append(decision)
+        self.on_decision(self.rid, len(self.entry.decisions) - 1, decision)
+
+    def _enter(self, decision: Decision, engine: EngineId, now: float) -> Target:
+        chosen = next((c for c in decision.candidates if c.engine == engine), None)
+        uncached = chosen.uncached_tokens if chosen is not None else 0
+        self.fleet.load.started(self.rid, engine, now, uncached)
+        self._admitted = self.fleet.admission.enter_engine(engine)
+        assert self.prepared is not None
+        self.fleet.request_sent(engine, self.rid, self.prepared, now)
+        self.engine, self.decision, self._counted = engine, decision, True
+        base_url, rank = self.fleet.replica_target(engine)
+        self._set_rank(rank)
+        self.entry.engine = engine
+        self.entry.predicted_cached_tokens = decision.predicted_cached_tokens
+        return Target(engine, base_url)
+
+    def _set_rank(self, rank: int | None) -> None:
+        # The proxy sends the same header list to every attempt; the rank belongs to the replica.
+        headers = self.request.headers
+        headers[:] = [(k, v) for k, v in headers if k.lower() != RANK_HEADER]
+        if rank is not None:
+            headers.append((RANK_HEADER, str(rank)))
+
+    def _leave(self, now: float) -> None:
+        if self._counted and self.engine is not None:
+            self.fleet.load.finished(self.rid, now)
+            self.fleet.request_finished(self.engine, self.rid, now)
+            if self._admitted:
+                self.fleet.admission.leave_engine(self.engine)
+            self._counted = False
+
+    def first_byte(self) -> None:
+        """The answer's first bytes arrived: the request's TTFT as far as the router can see it."""
+        self.fleet.load.first_token(self.rid, self.fleet_clock())
+
+    def finish(self) -> None:
+        """The request ended (any way); uncounts it once."""
+        if not self._finished:
+            self._finished = True
+            self._leave(self.fleet_clock())

@@ -1,0 +1,250 @@
+"""The request path: admit, read, prepare, decide, forward, relay, account. One `Gateway` per process.
+
+`completion()` serves `/v1/completions` and `/v1/chat/completions`: the body is read once (size
+limited) and forwarded byte for byte; routing reads only what `Models.prepare` needs. Answers carry
+`x-request-id`, `x-kvrouter-engine` and `x-kvrouter-predicted-cached-tokens`. Every outcome is
+counted in the metrics, kept in the decision ring, and (with `--record`) written to the recording.
+Failures are `RouterError`s, turned into OpenAI-format bodies by the app's handler.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+import time
+import uuid
+from collections.abc import Awaitable
+from dataclasses import dataclass
+from typing import Final, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import Response
+
+from events.openai_request import Endpoint, RequestError
+from router.auth import Guard
+from router.config import RouterConfig
+from router.debug import DecisionEntry, DecisionRing, Explanation, PreparedView
+from router.errors import BadRequest, RequestTooLarge, RouterError
+from router.fleet import Fleet
+from router.flight import Flight
+from router.metrics import RouterMetrics
+from router.models import Models, Prepared
+from router.proxy import Proxy, ProxyRequest, UpstreamResponse
+from router.record import GatewayRecorder
+from router.relay import RelayResponse
+from router.routing import RoutingCore
+from router.scoring import RouteRequest
+from router.usage import UsageTap
+
+__all__ = ["ClientGone", "Gateway", "GatewayParts", "read_body", "request_id_of"]
+
+log = logging.getLogger(__name__)
+T = TypeVar("T")
+
+_SANE_ID: Final = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+_STAGES: Final = ("tokenize", "hash", "lookup", "score")
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer started; nothing is sent back."""
+
+
+@dataclass
+class GatewayParts:
+    """Everything the request path uses, built and owned by `router.serve.Service`."""
+
+    config: RouterConfig
+    fleet: Fleet
+    models: Models
+    core: RoutingCore
+    proxy: Proxy
+    metrics: RouterMetrics
+    guard: Guard
+    ring: DecisionRing
+    recorder: GatewayRecorder | None = None
+
+
+def request_id_of(request: Request) -> str:
+    """The client's `x-request-id` when it is short and plain, else a fresh one (kept on request.state)."""
+    rid: str | None = getattr(request.state, "request_id", None)
+    if rid is None:
+        given = request.headers.get("x-request-id")
+        rid = given if given is not None and _SANE_ID.fullmatch(given) else uuid.uuid4().hex
+        request.state.request_id = rid
+    return rid
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole request body, refusing (413) beyond `limit` bytes before reading more than that."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it and raising `ClientGone` if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, watch):
+            if not pending.done():
+                pending.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientGone()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def view_of(prepared: Prepared) -> PreparedView:
+    """What the debug endpoints show of a prepared request."""
+    return PreparedView(
+        prepared.model, str(prepared.endpoint), prepared.stream, prepared.prompt_tokens,
+        len(prepared.keys), prepared.skip_cache,
+    )  # fmt: skip
+
+
+class Gateway:
+    """Serves the OpenAI routes over the fleet (see the module docstring)."""
+
+    def __init__(self, parts: GatewayParts) -> None:
+        self.parts = parts
+        self.policy = parts.config.policy.name
+        self.session_header = parts.config.policy.session_header.lower()
+        self.max_body = parts.config.limits.max_body_bytes
+
+    def prepare(self, body: bytes, endpoint: Endpoint) -> Prepared:
+        """`Models.prepare`, its errors as 400s naming the field."""
+        try:
+            return self.parts.models.prepare(body, endpoint)
+        except RequestError as exc:
+            raise BadRequest(str(exc)) from None
+
+    def route_request(self, request: Request, prepared: Prepared) -> RouteRequest:
+        """The scoring view of the request: its stable key and session."""
+        return RouteRequest(key=prepared.session_key, session=request.headers.get(self.session_header))
+
+    async def completion(self, request: Request, endpoint: Endpoint) -> Response:
+        """Route and forward one completions or chat request; the answer streams through."""
+        arrived = time.perf_counter()
+        rid = request_id_of(request)
+        parts = self.parts
+        parts.guard.check_api(request.headers)
+        admission = parts.fleet.admission
+        if not admission.enter():
+            parts.metrics.rejected.labels("overloaded").inc()
+            raise admission.overloaded()
+        try:
+            return await self._admitted(request, endpoint, rid, arrived)
+        except BaseException:
+            admission.leave()
+            raise
+
+    async def _admitted(self, request: Request, endpoint: Endpoint, rid: str, arrived: float) -> Response:
+        parts = self.parts
+        body = await read_body(request, self.max_body)
+        prepared = self.prepare(body, endpoint)
+        entry = parts.ring.add(DecisionEntry(request_id=rid, time=time.time(), request=view_of(prepared)))
+        proxied = ProxyRequest(request.method, endpoint.value, self._forward_headers(request), body)
+        flight = Flight(parts.fleet, parts.core, proxied, entry, self.route_request(request, prepared))
+        if parts.recorder is not None:
+            parts.recorder.request(rid, endpoint.value, prepared.model, request.headers, body)
+            flight.on_decision = parts.recorder.decision
+        flight.decide(prepared, parts.fleet.clock())
+        entry.timings_s = dict(prepared.timings)
+        forwarding = time.perf_counter()
+        try:
+            upstream = await until_disconnect(request, parts.proxy.forward(proxied, flight.choose))
+        except BaseException as exc:
+            flight.finish()
+            self._failed(entry, exc)
+            raise
+        entry.attempts = upstream.attempts
+        own = sum(prepared.timings.get(stage, 0.0) for stage in _STAGES)
+        pre_forward = max(0.0, forwarding - arrived - own)
+        return self._relay(upstream, flight, entry, pre_forward)
+
+    def _forward_headers(self, request: Request) -> list[tuple[str, str]]:
+        pairs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
+        if self.parts.guard.api_keys_required:  # the key was the router's; engines never see it
+            pairs = [(k, v) for k, v in pairs if k.lower() != "authorization"]
+        return pairs
+
+    def _relay(
+        self, upstream: UpstreamResponse, flight: Flight, entry: DecisionEntry, pre_forward: float
+    ) -> RelayResponse:
+        parts, engine = self.parts, upstream.engine
+        predicted = entry.predicted_cached_tokens or 0
+        for stage in _STAGES:
+            if stage in entry.timings_s:
+                parts.metrics.overhead.labels(stage).observe(entry.timings_s[stage])
+        headers = [
+            ("x-request-id", entry.request_id),
+            ("x-kvrouter-engine", engine),
+            ("x-kvrouter-predicted-cached-tokens", str(predicted)),
+        ]
+
+        def first_byte(relay_s: float) -> None:
+            flight.first_byte()
+            parts.metrics.overhead.labels("proxy").observe(pre_forward + relay_s)
+
+        def end(status: str, cached: int | None) -> None:
+            flight.finish()
+            parts.fleet.admission.leave()
+            entry.status = upstream.status
+            entry.actual_cached_tokens = cached
+            parts.metrics.requests.labels(engine, self.policy, status).inc()
+            if cached is not None:
+                parts.metrics.observe_prediction(engine, predicted, cached)
+            self._log_end(entry, status)
+
+        stream = any(k.lower() == "content-type" and "event-stream" in v for k, v in upstream.headers)
+        tap = UsageTap(stream) if upstream.status == 200 else None
+        return RelayResponse(upstream, headers, tap, first_byte, end)
+
+    def _failed(self, entry: DecisionEntry, exc: BaseException) -> None:
+        engine = entry.engine or "none"
+        status = str(exc.http_status()) if isinstance(exc, RouterError) else "client_closed"
+        entry.status = exc.http_status() if isinstance(exc, RouterError) else 499
+        self.parts.metrics.requests.labels(engine, self.policy, status).inc()
+        log.warning(
+            "request failed",
+            extra={"request_id": entry.request_id, "engine": engine, "status": status, "error": str(exc)},
+        )
+
+    def _log_end(self, entry: DecisionEntry, status: str) -> None:
+        if log.isEnabledFor(logging.DEBUG) or status not in ("200", "client_closed"):
+            level = logging.DEBUG if status == "200" else logging.INFO
+            log.log(
+                level,
+                "request done",
+                extra={
+                    "request_id": entry.request_id,
+                    "engine": entry.engine,
+                    "status": status,
+                    "predicted_cached_tokens": entry.predicted_cached_tokens,
+                    "actual_cached_tokens": entry.actual_cached_tokens,
+                    "attempts": len(entry.attempts),
+                },
+            )
+
+    def explain(self, body: bytes, endpoint: Endpoint, session: str | None) -> Explanation:
+        """What routing would decide for `body` now, without sending it (for `POST /debug/route`)."""
+        prepared = self.prepare(body, endpoint)
+        route = RouteRequest(key=prepared.session_key, session=session)
+        decision = self.parts.core.decide(prepared, route, self.parts.fleet.clock())
+        return Explanation(view_of(prepared), decision, dict(prepared.timings))

@@ -1,0 +1,180 @@
+"""The gateway's lifecycle: start and stop its parts in named phases, each under a timeout.
+
+Start: embedded stubs (only when no engine is configured or discovered; their engines then join the
+config), recorder, fleet (subscribers and mirror), proxy session, discovery. Stop, in reverse:
+discovery, proxy, fleet, embedded stubs, recorder. A phase that fails or times out stops what was
+started before it and raises `StartupError` naming the phase; a stop phase that fails is logged and
+the next one still runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Mapping
+from pathlib import Path
+
+import msgspec
+
+from router.admin import apply_discovery
+from router.auth import Guard
+from router.config import EngineConfig, RouterConfig
+from router.debug import DecisionRing
+from router.discovery import DnsDiscovery
+from router.embedded import EmbeddedStubs
+from router.fleet import Fleet
+from router.gateway import GatewayParts
+from router.metrics import RouterMetrics
+from router.proxy import Proxy, ProxySettings
+from router.record import GatewayRecorder
+from router.routing import RoutingCore
+from router.scoring import PolicyName, Scorer, ScorerSettings
+from router.secrets import load_secrets
+
+__all__ = ["ServeOptions", "Service", "StartupError"]
+
+log = logging.getLogger(__name__)
+
+_SYNC_PERIOD_S = 1.0
+
+
+class StartupError(RuntimeError):
+    """A start phase failed; the message names it."""
+
+
+class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
+    """How to run beyond the config: recording file, embedded-stub command, phase timeouts, ring size."""
+
+    record: Path | None = None
+    stub_command: list[str] | None = None
+    stub_timeout_s: float = 60.0
+    phase_timeout_s: float = 10.0
+    decision_ring: int = 4096
+
+
+def scorer_settings(config: RouterConfig) -> ScorerSettings:
+    """The `[policy]` table as scoring settings."""
+    p = config.policy
+    return ScorerSettings(
+        PolicyName(p.name), p.tie_tolerance_s, p.decode_penalty_s, p.seed, p.session_capacity
+    )
+
+
+class Service:
+    """Owns every long-lived part of one gateway process; `parts` exists between start and stop."""
+
+    def __init__(self, config: RouterConfig, options: ServeOptions, environ: Mapping[str, str]) -> None:
+        self.config = config
+        self.options = options
+        self.guard = Guard(load_secrets(config.auth, environ))  # ConfigError now, not at first request
+        self.parts: GatewayParts | None = None
+        self.embedded: EmbeddedStubs | None = None
+        self.recorder: GatewayRecorder | None = None
+        self.discovery: DnsDiscovery | None = None
+        self._sync_task: asyncio.Task[None] | None = None
+        self._fleet: Fleet | None = None
+        self._proxy: Proxy | None = None
+
+    async def _phase(self, name: str, work: Awaitable[object], timeout_s: float) -> None:
+        started = time.perf_counter()
+        try:
+            async with asyncio.timeout(timeout_s):
+                await work
+        except TimeoutError:
+            raise StartupError(f"start phase {name!r} did not finish within {timeout_s:g} s") from None
+        except StartupError:
+            raise
+        except Exception as exc:
+            raise StartupError(f"start phase {name!r} failed: {exc}") from exc
+        log.info("gateway phase started", extra={"phase": name, "seconds": time.perf_counter() - started})
+
+    async def start(self) -> GatewayParts:
+        """Start every part (see the module docstring); on failure stop the started ones and raise."""
+        try:
+            return await self._start()
+        except BaseException:
+            await self.stop()
+            raise
+
+    async def _start(self) -> GatewayParts:
+        config, opts = self.config, self.options
+        if config.uses_embedded:
+            await self._phase("embedded stubs", self._start_embedded(), opts.stub_timeout_s + 5.0)
+            config = self.config
+        if opts.record is not None:
+            self.recorder = GatewayRecorder.create(
+                opts.record, self._metadata(), config.policy.session_header
+            )
+        fleet = self._fleet = Fleet(config)
+        if self.recorder is not None:
+            fleet.on_frame(self.recorder.tap)
+            self._sync_task = asyncio.create_task(self._sync_forever(), name="recording-sync")
+        await self._phase("fleet", fleet.start(), opts.phase_timeout_s)
+        proxy = self._proxy = Proxy(ProxySettings.from_config(config), fleet.breakers, fleet.clock)
+        await self._phase("proxy session", proxy.start(), opts.phase_timeout_s)
+        if config.discovery.dns_name is not None:
+            self.discovery = DnsDiscovery(config.discovery, self._on_discovery)
+            self.discovery.start()
+        metrics = RouterMetrics(fleet.views, fleet.clock)
+        core = RoutingCore(fleet, fleet.models, Scorer(scorer_settings(config)))
+        self.parts = GatewayParts(
+            config, fleet, fleet.models, core, proxy, metrics, self.guard,
+            DecisionRing(opts.decision_ring), self.recorder,
+        )  # fmt: skip
+        return self.parts
+
+    async def _start_embedded(self) -> None:
+        prefix = self.options.stub_command
+        self.embedded = (
+            EmbeddedStubs(self.config.embedded, prefix=prefix)
+            if prefix
+            else EmbeddedStubs(self.config.embedded)
+        )
+        engines = await self.embedded.start(self.options.stub_timeout_s)
+        models = self.config.models
+        if not any(m.name == self.config.embedded.model for m in models):
+            models = [*models, self.embedded.model()]
+        self.config = msgspec.structs.replace(self.config, engines=engines, models=models)
+
+    def _metadata(self) -> dict[str, object]:
+        engines = {
+            e.name: {"url": e.url, "events": e.events, "replay": e.replay} for e in self.config.engines
+        }
+        return {"engines": engines, "policy": self.config.policy.name}
+
+    async def _on_discovery(self, added: dict[str, EngineConfig], removed: set[str]) -> None:
+        if self._fleet is not None:
+            await apply_discovery(self._fleet, added, removed)
+
+    async def _sync_forever(self) -> None:
+        while self.recorder is not None:
+            await asyncio.sleep(_SYNC_PERIOD_S)  # a period, not synchronisation
+            self.recorder.sync()
+
+    async def stop(self) -> None:
+        """Stop every started part in reverse order; each phase bounded and logged, none skipped."""
+        timeout = self.options.phase_timeout_s
+        if self.discovery is not None:
+            await self._stop_phase("discovery", self.discovery.close(), timeout)
+        if self._proxy is not None:
+            await self._stop_phase("proxy session", self._proxy.close(), timeout)
+        if self._fleet is not None:
+            await self._stop_phase("fleet", self._fleet.close(), timeout)
+        if self.embedded is not None:
+            await self._stop_phase("embedded stubs", self.embedded.stop(), timeout)
+        if self._sync_task is not None:
+            self._sync_task.cancel()
+            await asyncio.gather(self._sync_task, return_exceptions=True)
+        if self.recorder is not None:
+            self.recorder.close()
+        self.discovery = self._proxy = self._fleet = self.embedded = self.recorder = None
+        self._sync_task, self.parts = None, None
+
+    async def _stop_phase(self, name: str, work: Awaitable[object], timeout_s: float) -> None:
+        try:
+            async with asyncio.timeout(timeout_s):
+                await work
+        except Exception as exc:  # stopping goes on: every later phase still runs
+            log.error("gateway stop phase failed", extra={"phase": name, "error": repr(exc)})
+        log.info("gateway phase stopped", extra={"phase": name})

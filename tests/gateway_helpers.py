@@ -1,0 +1,128 @@
+"""Helpers for the gateway tests: the real gateway app under uvicorn on 127.0.0.1:0, over real stubs."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+import msgspec
+import uvicorn
+
+from engine_stub.serve import StubServer, running_stub
+from engine_stub.server_config import StubConfig
+from router.app import create_app
+from router.config import EngineConfig, Limits, PolicyConfig, RouterConfig
+from router.gateway import GatewayParts
+from router.ids import EngineId
+from router.serve import ServeOptions, Service
+from tests.stub_helpers import stub_config
+
+__all__ = [
+    "ADMIN",
+    "Gateway",
+    "engine_of",
+    "gateway_config",
+    "mirrors_caught_up",
+    "running_gateway",
+    "running_stubs",
+    "wait_for",
+]
+
+WAIT = 10.0
+ADMIN = "admin-secret"
+
+
+async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout: float = WAIT) -> None:
+    """Poll an async predicate until it holds; TimeoutError after `timeout` seconds."""
+    async with asyncio.timeout(timeout):
+        while not await predicate():
+            await asyncio.sleep(0.01)  # polling a predicate under a deadline
+
+
+def engine_of(name: str, server: StubServer) -> EngineConfig:
+    """The engine config routing to a running stub (its URL and resolved event endpoints)."""
+    info = server.info
+    assert info is not None
+    ranks = [info.kv_event_sources[r] for r in sorted(info.kv_event_sources)]
+    return EngineConfig(
+        name=name,
+        url=info.url,
+        model=info.model,
+        events=[r.endpoint for r in ranks],
+        replay=[r.replay_endpoint for r in ranks if r.replay_endpoint is not None],
+    )
+
+
+def mirrors_caught_up(gw: Gateway, stubs: dict[str, StubServer]) -> Callable[[], Awaitable[bool]]:
+    """A predicate: every named stub's published batches have all been applied to the gateway's mirror."""
+
+    async def caught_up() -> bool:
+        for name, server in stubs.items():
+            published = server.stub.publishers[0].stats.batches
+            replica = gw.parts.fleet.replica(EngineId(name))
+            if (replica.last_seq if replica.last_seq is not None else -1) != published - 1:
+                return False
+        return True
+
+    return caught_up
+
+
+@asynccontextmanager
+async def running_stubs(n: int, config: StubConfig | None = None) -> AsyncIterator[list[StubServer]]:
+    """`n` in-process engine stubs on ephemeral ports (fast ones unless `config` says otherwise)."""
+    async with AsyncExitStack() as stack:
+        yield [await stack.enter_async_context(running_stub(config or stub_config())) for _ in range(n)]
+
+
+@dataclass
+class Gateway:
+    """A running gateway: its URL, its parts (to wait on internal state), an httpx client."""
+
+    url: str
+    parts: GatewayParts
+    client: httpx.AsyncClient
+    server: uvicorn.Server
+    service: Service
+
+
+def gateway_config(engines: list[EngineConfig], **tables: object) -> RouterConfig:
+    """A config over `engines` with test-friendly policy settings; keyword arguments replace tables."""
+    base = RouterConfig(engines=engines, policy=PolicyConfig(trust_silence_s=30.0), limits=Limits())
+    return msgspec.structs.replace(base, **tables)
+
+
+@asynccontextmanager
+async def running_gateway(
+    config: RouterConfig,
+    options: ServeOptions | None = None,
+    environ: Mapping[str, str] | None = None,
+) -> AsyncIterator[Gateway]:
+    """The gateway app under a real uvicorn (httptools) on 127.0.0.1, port 0."""
+    started: asyncio.Future[GatewayParts] = asyncio.get_running_loop().create_future()
+    environ = {"KVROUTER_ADMIN_TOKEN": ADMIN} if environ is None else environ
+    app = create_app(config, options, environ, started.set_result)
+    uv = uvicorn.Config(app, http="httptools", lifespan="on", log_config=None, access_log=False)
+    server = uvicorn.Server(uv)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(128)
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(WAIT * 6):
+            waits: set[asyncio.Future[Any]] = {task, started}
+            await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        if not started.done():
+            await task
+            raise RuntimeError("the gateway stopped before it started")
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        async with httpx.AsyncClient(base_url=url, timeout=WAIT) as client:
+            yield Gateway(url, started.result(), client, server, app.state.service)
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
