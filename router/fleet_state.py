@@ -1,0 +1,154 @@
+"""One replica's record in the fleet: its engine, variant, subscriber, trust tracker and link counters.
+
+`Replica.status` folds in what the subscriber reports only through its counters (decode errors, a
+replay started after a gap) and the layout flags the mirror raised, so a decision sees them at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Final
+
+from events.subscriber import EngineSubscriber
+from events.wire import BlockStored, LazyBlockStored
+from router.config import EngineConfig
+from router.ids import EngineId, RequestId
+from router.mirror import Mirror
+from router.reports import PendingReport
+from router.trust import (
+    BlockSizeMismatch,
+    DecodeError,
+    ReplayStarted,
+    Signal,
+    TrustReason,
+    TrustState,
+    TrustStatus,
+    TrustTracker,
+)
+from router.variants import Variant
+
+__all__ = ["LAYOUT_FLAGS", "Replica", "replica_summary"]
+
+LAYOUT_FLAGS: Final = frozenset({"kind_mismatch", "window_mismatch", "unknown_group"})
+"""Mirror flags (besides block size) meaning the events do not match the configured layout."""
+_NO_EVENTS: Final = "no KV event endpoint configured: the mirror is empty and hits are never trusted"
+
+
+@dataclass
+class Replica:
+    """One DP rank of one engine (also the mirror's engine id)."""
+
+    id: EngineId
+    engine: EngineConfig
+    rank: int
+    variant: Variant
+    tracker: TrustTracker
+    subscriber: EngineSubscriber | None = None
+    pending: dict[RequestId, PendingReport] = field(default_factory=dict)
+    finished: dict[RequestId, float] = field(default_factory=dict)
+    replaying: bool = False
+    decode_errors: int = 0
+    reported_flags: set[str] = field(default_factory=set)
+    last_seq: int | None = None
+    applied: int = 0
+    reports: int = 0
+    resets: int = 0
+
+    def observe(self, signal: Signal) -> None:
+        """Feed one trust signal."""
+        self.tracker.observe(signal)
+
+    def expire_pending(self, now: float) -> None:
+        """Forget full-mode requests that finished more than the grace period before `now`."""
+        for request in [r for r, until in self.finished.items() if until <= now]:
+            del self.finished[request]
+            self.pending.pop(request, None)
+
+    def poll(self, now: float) -> None:
+        """Turn the subscriber's counters into signals: new decode errors, a replay after a gap."""
+        if self.subscriber is None:
+            return
+        stats = self.subscriber.stats()
+        if stats.decode_errors > self.decode_errors:
+            n, self.decode_errors = stats.decode_errors - self.decode_errors, stats.decode_errors
+            self.observe(DecodeError(now, f"{n} undecodable batch(es)"))
+        if stats.replaying and not self.replaying:
+            self.replaying = True
+            self.observe(ReplayStarted(now))
+
+    def status(self, now: float, mirror: Mirror) -> TrustStatus:
+        """The trust verdict at `now`, with the link counters and layout flags folded in."""
+        if not self.engine.events:
+            return TrustStatus(TrustState.STALE, TrustReason.HISTORY_LOST, _NO_EVENTS, 0.0)
+        self.poll(now)
+        status = self.tracker.status(now)
+        view = mirror.replica(self.id)
+        layout = sorted(LAYOUT_FLAGS & view.flags) if view is not None else []
+        if layout and status.trusted:
+            detail = f"events disagree with the configured layout: {', '.join(layout)}"
+            return TrustStatus(TrustState.STALE, TrustReason.BLOCK_SIZE_MISMATCH, detail, now)
+        return status
+
+    def check_flags(self, mirror: Mirror, events: Iterable[object], now: float) -> None:
+        """Signal a block-size mismatch the mirror flagged while applying `events` (once per flag)."""
+        view = mirror.replica(self.id)
+        if view is None or not view.flags - self.reported_flags:
+            return
+        if "block_size_mismatch" in view.flags - self.reported_flags:
+            expected, got = self._block_sizes(events)
+            self.observe(BlockSizeMismatch(now, expected, got))
+        self.reported_flags |= view.flags
+
+    def _block_sizes(self, events: Iterable[object]) -> tuple[int, int]:
+        groups = self.variant.spec.groups
+        for ev in events:
+            if isinstance(ev, BlockStored | LazyBlockStored):
+                g = ev.group_idx or 0
+                if g < len(groups) and ev.block_size != groups[g].block_size:
+                    return groups[g].block_size, ev.block_size
+        return groups[0].block_size, 0
+
+    def blocks(self, mirror: Mirror) -> int:
+        """GPU blocks (physical copies) in this replica's view, over all groups."""
+        view = mirror.replica(self.id)
+        if view is None:
+            return 0
+        return sum(g.n_keys + sum(g.extra.values()) for g in view.groups)
+
+
+def replica_summary(rep: Replica, mirror: Mirror, now: float) -> dict[str, object]:
+    """What GET /debug/index shows of one replica (msgspec-encodable)."""
+    view = mirror.replica(rep.id)
+    groups = []
+    for g in view.groups if view is not None else []:
+        groups.append(
+            {
+                "kind": g.spec.kind,
+                "block_size": g.spec.block_size,
+                "unique_blocks": g.n_keys,
+                "extra_copies": sum(g.extra.values()),
+                "seen_kind": g.seen_kind,
+                "seen_block_size": g.seen_block_size,
+            }
+        )
+    unique = sum(g.n_keys for g in view.groups) if view is not None else 0
+    extra_entries = sum(len(g.extra) for g in view.groups) if view is not None else 0
+    return {
+        "engine": rep.engine.name,
+        "rank": rep.rank,
+        "url": rep.engine.url,
+        "model": rep.variant.model,
+        "variant": rep.variant.id,
+        "groups": groups,
+        "trust": rep.status(now, mirror),
+        "flags": sorted(view.flags) if view is not None else [],
+        "link": rep.subscriber.stats() if rep.subscriber is not None else None,
+        "last_seq": rep.last_seq,
+        "batches_applied": rep.applied,
+        "full_reports_recognised": rep.reports,
+        "resets": rep.resets,
+        "pending_full_requests": len(rep.pending),
+        # one bit of a shared mask per key (~8 B amortised) plus ~100 B per duplicate-count entry
+        "bytes_estimate": 8 * unique + 100 * extra_entries,
+    }

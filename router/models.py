@@ -1,0 +1,225 @@
+"""Per-model tokenization and block keys: an OpenAI request body -> `Prepared`, what routing needs.
+
+Each model has a tokenizer (an HF tokenizer.json + chat template, or the built-in tokenizer when none
+is configured), loaded once per distinct source so its segment cache is shared and multi-turn chats
+re-encode only their new turns. Keys are the router's keyed hash (`KeyHasher`, which must be the
+mirror's: both default to one per-process hasher) or, in engine-exact mode, vLLM's own block hash.
+Engines that override the tokenizer or layout get their own `Variant`; `prepare` computes keys for
+every variant of the model it knows (`learn` adds runtime engines), and routing looks each replica
+up with its variant's keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from array import array
+from collections.abc import Callable, Mapping
+from pathlib import Path
+
+import msgspec
+
+from events.block_hash import HashAlgo, RequestExtras, VllmHasher, wire_hash
+from events.openai_request import Endpoint, RequestError
+from events.request_tokens import RequestTokens, request_tokens
+from events.tokenization import BuiltinTokenizer, ChatTemplate, HfTokenizer, TemplateSet, Tokenizer
+from router.config import EngineConfig, ModelConfig, RouterConfig
+from router.keys import KeyHasher
+from router.model_spec import HashingMode, ModelSpec
+from router.variants import Variant, VariantId, engine_model, model_configs, resolve_variant
+
+__all__ = ["PROCESS_HASHER", "Models", "Prepared", "VariantKeys", "load_tokenizer", "spec_keys"]
+
+PROCESS_HASHER = KeyHasher()
+"""The default hasher of both `Models` and the fleet's mirror, so their keys agree."""
+
+_SESSION_TOKENS = 256  # tokens of the prompt's head that make up the stable tie-break key
+
+
+class VariantKeys(msgspec.Struct, frozen=True):
+    """A request's prompt length and block keys under one variant."""
+
+    num_tokens: int
+    keys: list[int]
+
+
+class Prepared(msgspec.Struct, kw_only=True):
+    """What routing needs of one request, computed once (see the router contract)."""
+
+    model: str
+    endpoint: Endpoint
+    stream: bool
+    prompt_tokens: int
+    keys: list[int]
+    skip_cache: bool
+    report_mode: str
+    session_key: str
+    timings: dict[str, float]
+    variant: str = ""
+    variants: dict[str, VariantKeys] = {}
+    lora_name: str | None = None
+    cache_salt: str | None = None
+
+    def keys_for(self, variant: str) -> VariantKeys | None:
+        """The keys under `variant` (None if it was not computed: routing treats that as no hit)."""
+        if variant == self.variant:
+            return VariantKeys(self.prompt_tokens, self.keys)
+        return self.variants.get(variant)
+
+
+class _ModelField(msgspec.Struct):
+    model: str | None = None
+
+
+_MODEL_FIELD = msgspec.json.Decoder(_ModelField)
+
+
+def load_tokenizer(source: str | None, chat_template: str | None = None) -> Tokenizer:
+    """The built-in tokenizer (None), or an HF tokenizer from a directory or a tokenizer.json path."""
+    template = Path(chat_template) if chat_template else None
+    if source is None:
+        tok = BuiltinTokenizer()
+        if template is not None:
+            tok.templates = TemplateSet(default=ChatTemplate(template.read_text(encoding="utf-8")))
+        return tok
+    path = Path(source)
+    if path.is_dir():
+        return HfTokenizer.from_dir(path, template)
+    config = path.with_name("tokenizer_config.json")
+    return HfTokenizer.from_files(path, config if config.is_file() else None, template)
+
+
+_VLLM_HASHERS: dict[tuple[str, str | None], VllmHasher] = {}
+
+
+def spec_keys(
+    spec: ModelSpec, hasher: KeyHasher, tokens: tuple[int, ...], extras: RequestExtras
+) -> list[int]:
+    """The request's lookup keys at `spec.hash_block_size`: router keys, or vLLM's wire hashes."""
+    hb, lookahead = spec.hash_block_size, spec.lookahead_tokens
+    if spec.hashing is HashingMode.ROUTER:
+        return list(hasher.request_keys(tokens, hb, extras, lookahead))
+    vh = _VLLM_HASHERS.get((spec.hash_algo, spec.hash_seed))
+    if vh is None:
+        vh = _VLLM_HASHERS[(spec.hash_algo, spec.hash_seed)] = VllmHasher(
+            HashAlgo(spec.hash_algo), spec.hash_seed
+        )
+    return [wire_hash(d) for d in vh.block_hashes(tokens, hb, extras, lookahead)]
+
+
+def session_key(tokens: tuple[int, ...], extras: RequestExtras) -> str:
+    """A process-independent key of the prompt's head (plus LoRA and salt) for stable tie-breaks."""
+    head = array("I", tokens[:_SESSION_TOKENS]).tobytes()
+    tail = msgspec.msgpack.encode((extras.lora_name, extras.cache_salt))
+    return hashlib.blake2b(head + tail, digest_size=8).hexdigest()
+
+
+class Models:
+    """Every model's tokenizer, variants and key function; `prepare` turns a body into `Prepared`."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        hasher: KeyHasher | None = None,
+        loras: Mapping[str, Mapping[str, str]] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
+        self.hasher = hasher or PROCESS_HASHER
+        self._config = config
+        self._clock = clock
+        self._models = model_configs(config)
+        self._loras = {name: dict(getattr(m, "loras", {}) or {}) for name, m in self._models.items()}
+        for name, adapters in (loras or {}).items():
+            self._loras.setdefault(name, {}).update(adapters)
+        self._tokenizers: dict[tuple[str | None, str | None], Tokenizer] = {}
+        self._variants: dict[str, dict[VariantId, Variant]] = {
+            name: {VariantId(name): resolve_variant(m)} for name, m in self._models.items()
+        }
+        for engine in config.engines:
+            self.learn(engine)
+
+    def names(self) -> list[str]:
+        """Every model name the router knows."""
+        return list(self._models)
+
+    def config(self, model: str) -> ModelConfig:
+        """A model's (configured or default) settings; KeyError if unknown."""
+        return self._models[model]
+
+    def variant(self, engine: EngineConfig) -> Variant:
+        """The variant an engine's replicas use (registering a model the config did not name)."""
+        name = engine_model(self._config, engine)
+        if name not in self._models:
+            self._models[name] = ModelConfig(name=name, block_size=engine.block_size or 16)
+            self._loras[name] = {}
+            self._variants[name] = {VariantId(name): resolve_variant(self._models[name])}
+        return resolve_variant(self._models[name], engine)
+
+    def learn(self, engine: EngineConfig) -> Variant:
+        """Register an engine's variant so `prepare` computes its keys too; returns it."""
+        v = self.variant(engine)
+        self._variants[v.model].setdefault(v.id, v)
+        return v
+
+    def tokenizer(self, variant: Variant) -> Tokenizer:
+        """The variant's tokenizer, loaded on first use and shared by every variant with its source."""
+        key = (variant.tokenizer, variant.chat_template)
+        tok = self._tokenizers.get(key)
+        if tok is None:
+            tok = self._tokenizers[key] = load_tokenizer(*key)
+        return tok
+
+    def resolve(self, body: bytes, model_hint: str | None = None) -> str:
+        """The model a request is for: its `model` (or a LoRA of it), else the hint, else the only model."""
+        try:
+            name = _MODEL_FIELD.decode(body).model or model_hint
+        except msgspec.ValidationError as exc:
+            raise RequestError(f"invalid request: {exc}") from exc
+        except msgspec.DecodeError as exc:
+            raise RequestError(f"invalid JSON body: {exc}") from exc
+        if name in self._models:
+            return name
+        for base, adapters in self._loras.items():
+            if name in adapters:
+                return base
+        if len(self._models) == 1:
+            return next(iter(self._models))
+        raise RequestError(f"`model`: unknown model {name!r} (known: {sorted(self._models)})")
+
+    def prepare(self, body: bytes, endpoint: Endpoint | str, model_hint: str | None = None) -> Prepared:
+        """Tokenize and key a request body; RequestError (a 400 naming the field) on bad input."""
+        model = self.resolve(body, model_hint)
+        variants = list(self._variants[model].values())
+        tokenize = hashing = 0.0
+        by_tokenizer: dict[tuple[str | None, str | None], RequestTokens] = {}
+        computed: dict[str, VariantKeys] = {}
+        first: RequestTokens | None = None
+        for v in variants:
+            t0 = self._clock()
+            source = (v.tokenizer, v.chat_template)
+            rt = by_tokenizer.get(source)
+            if rt is None:
+                rt = by_tokenizer[source] = request_tokens(
+                    body, endpoint, self.tokenizer(v), self._loras[model]
+                )
+            t1 = self._clock()
+            computed[v.id] = VariantKeys(len(rt.tokens), spec_keys(v.spec, self.hasher, rt.tokens, rt.extras))
+            tokenize, hashing = tokenize + (t1 - t0), hashing + (self._clock() - t1)
+            first = first or rt
+        assert first is not None, "every model has its own variant"
+        main = computed.pop(model)
+        return Prepared(
+            model=model,
+            endpoint=Endpoint(endpoint),
+            stream=first.stream,
+            prompt_tokens=main.num_tokens,
+            keys=main.keys,
+            skip_cache=first.skip_cache,
+            report_mode=first.report_mode.value,
+            session_key=session_key(first.tokens, first.extras),
+            timings={"tokenize": tokenize, "hash": hashing},
+            variant=model,
+            variants=computed,
+            lora_name=first.extras.lora_name,
+            cache_salt=first.extras.cache_salt,
+        )
