@@ -1,0 +1,138 @@
+"""RoutingCore: lookups across replicas and variants, candidates with trust, and the scorer's choice.
+
+The fleet is fed through its subscriber-consumer seam (`on_batch`/`on_signal`) with the events the
+engine stub's scheduler produced for the same prompts, so keys and hits are the engine's own.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from engine_stub.config import CacheConfig, EngineCoreConfig, GroupSpec
+from engine_stub.request import ReportMode, SubmitParams
+from engine_stub.scheduler import Scheduler
+from events.openai_request import Endpoint
+from events.sequence import CaughtUp
+from events.sources import EngineName
+from events.wire import KVEventBatch
+from router.config import EngineConfig, ModelConfig, RouterConfig
+from router.fleet import Fleet
+from router.ids import EngineId, RequestId
+from router.models import Models
+from router.routing import RoutingCore
+from router.scoring import RouteRequest, Scorer, ScorerSettings
+from router.trust import Gap, TrustState
+
+PROMPT = list(range(100, 140))  # 40 tokens: 10 blocks of 4
+Build = Callable[..., Awaitable[tuple[Fleet, RoutingCore]]]
+
+
+def engine(tmp: Path, name: str, ranks: int = 1, **kw: object) -> EngineConfig:
+    events = [f"ipc://{tmp}/{name}{r}.pub" for r in range(ranks)]
+    return EngineConfig(name=name, url=f"http://{name}:8000", model="m", events=events, **kw)  # type: ignore[arg-type]
+
+
+@pytest.fixture
+async def make(tmp_path: Path) -> AsyncIterator[Build]:
+    fleets: list[Fleet] = []
+
+    async def build(*engines: EngineConfig) -> tuple[Fleet, RoutingCore]:
+        config = RouterConfig(engines=list(engines), models=[ModelConfig(name="m", block_size=4)])
+        models = Models(config)
+        fleet = Fleet(config, models=models)
+        fleets.append(fleet)
+        await fleet.start()
+        for rid in fleet.replicas():
+            fleet.on_signal(EngineName(rid), CaughtUp(None))  # nothing to replay: the replicas are fresh
+        return fleet, RoutingCore(fleet, models, Scorer(ScorerSettings()))
+
+    yield build
+    for fleet in fleets:
+        await fleet.close()
+
+
+def serve(fleet: Fleet, rid: str, prompt: list[int], block_size: int = 4, rank: int | None = None) -> None:
+    """Run `prompt` to completion on a stub and feed its events to `rid` as that replica's batches."""
+    cache = CacheConfig(num_gpu_blocks=64, groups=(GroupSpec(block_size=block_size),))
+    sched = Scheduler(EngineCoreConfig(cache=cache))
+    sched.submit(prompt, SubmitParams(max_tokens=1))
+    out = sched.step()
+    fleet.on_batch(EngineName(rid), 0, KVEventBatch(0.0, out.events, rank))
+
+
+def body(prompt: list[int], **extra: object) -> bytes:
+    return msgspec.json.encode({"model": "m", "prompt": prompt, **extra})
+
+
+async def test_a_request_goes_to_the_replica_holding_its_prefix(make: Build, tmp_path: Path) -> None:
+    fleet, core = await make(engine(tmp_path, "a"), engine(tmp_path, "b"))
+    serve(fleet, "b", PROMPT[:24])
+    prepared = core.models.prepare(body(PROMPT), Endpoint.COMPLETIONS)
+    decision = core.decide(prepared, RouteRequest(prepared.session_key), now=fleet.clock())
+    assert decision.engine == "b" and decision.predicted_cached_tokens == 24
+    hits = {c.engine: (c.hit_tokens, c.trusted_hit_tokens, c.uncached_tokens) for c in decision.candidates}
+    assert hits == {"a": (0, 0, 40), "b": (24, 24, 16)}
+    assert {"tokenize", "hash", "lookup", "score"} <= set(prepared.timings)
+    again = core.decide(
+        prepared, RouteRequest(prepared.session_key, excluded=frozenset({EngineId("b")})), 0.0
+    )
+    assert again.engine == "a"
+    skip = core.models.prepare(body(PROMPT, prompt_logprobs=1), Endpoint.COMPLETIONS)
+    assert all(c.hit_tokens == 0 for c in core.decide(skip, RouteRequest("k"), 0.0).candidates)
+
+
+async def test_a_stale_replicas_hits_are_not_trusted(make: Build, tmp_path: Path) -> None:
+    fleet, core = await make(engine(tmp_path, "a"), engine(tmp_path, "b"))
+    serve(fleet, "a", PROMPT)
+    serve(fleet, "b", PROMPT[:8])
+    now = fleet.clock()
+    fleet.replica(EngineId("a")).observe(Gap(now, 5, 7))
+    prepared = core.models.prepare(body(PROMPT), Endpoint.COMPLETIONS)
+    decision = core.decide(prepared, RouteRequest(prepared.session_key), now)
+    a = next(c for c in decision.candidates if c.engine == "a")
+    assert (a.hit_tokens, a.trusted_hit_tokens, a.trust.state) == (36, 0, TrustState.STALE)
+    assert decision.engine == "b" and decision.predicted_cached_tokens == 8
+
+
+async def test_replicas_of_an_override_variant_are_looked_up_with_their_own_keys(
+    make: Build, tmp_path: Path
+) -> None:
+    fleet, core = await make(engine(tmp_path, "a"), engine(tmp_path, "big", block_size=8))
+    serve(fleet, "big", PROMPT, block_size=8)
+    serve(fleet, "a", PROMPT[:12])
+    prepared = core.models.prepare(body(PROMPT), Endpoint.COMPLETIONS)
+    decision = core.decide(prepared, RouteRequest(prepared.session_key), fleet.clock())
+    hits = {c.engine: c.hit_tokens for c in decision.candidates}
+    assert hits == {"a": 12, "big": 32}  # 40 tokens - 1, in 8-token blocks
+    assert decision.engine == "big"
+
+
+async def test_dp_ranks_are_separate_candidates(make: Build, tmp_path: Path) -> None:
+    fleet, core = await make(engine(tmp_path, "dp", ranks=2))
+    serve(fleet, "dp/dp1", PROMPT[:32], rank=1)
+    prepared = core.models.prepare(body(PROMPT), Endpoint.COMPLETIONS)
+    decision = core.decide(prepared, RouteRequest(prepared.session_key), fleet.clock())
+    assert {c.engine: c.hit_tokens for c in decision.candidates} == {"dp/dp0": 0, "dp/dp1": 32}
+    assert decision.engine == "dp/dp1" and fleet.replica_target(EngineId("dp/dp1")) == ("http://dp:8000", 1)
+
+
+async def test_a_full_mode_report_is_not_counted_as_a_copy(make: Build, tmp_path: Path) -> None:
+    fleet, core = await make(engine(tmp_path, "a"))
+    cache = CacheConfig(num_gpu_blocks=64, groups=(GroupSpec(block_size=4),))
+    sched = Scheduler(EngineCoreConfig(cache=cache))
+    sched.submit(PROMPT[:12], SubmitParams(max_tokens=1))
+    fleet.on_batch(EngineName("a"), 0, KVEventBatch(0.0, sched.step().events))
+    full = body(PROMPT[:13], vllm_xargs={"kv_cache_report_mode": "full"})
+    prepared = core.models.prepare(full, Endpoint.COMPLETIONS)
+    fleet.request_sent(EngineId("a"), RequestId("r"), prepared, fleet.clock())
+
+    sched.submit(PROMPT[:13], SubmitParams(max_tokens=1, report_mode=ReportMode.FULL))
+    out = sched.step()
+    assert len(out.events) == 1  # the report only: the 13th token fills no block
+    fleet.on_batch(EngineName("a"), 1, KVEventBatch(0.0, out.events))
+    rep = fleet.replica(EngineId("a"))
+    assert rep.reports == 1 and rep.blocks(fleet.mirror) == 3  # not 6: the report claimed no copies
