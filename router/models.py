@@ -74,6 +74,26 @@ class _ModelField(msgspec.Struct):
 _MODEL_FIELD = msgspec.json.Decoder(_ModelField)
 
 
+class _IdFields(msgspec.Struct, omit_defaults=True):
+    """The body fields besides the prompt that decide keys and routing, re-sent with a prompt of ids."""
+
+    model: str | None = None
+    stream: bool = False
+    cache_salt: str | None = None
+    prompt_logprobs: int | None = None
+    vllm_xargs: dict[str, str] | None = None
+
+    @staticmethod
+    def decode_body(body: bytes) -> _IdFields:
+        try:
+            return _ID_FIELDS.decode(body)
+        except msgspec.DecodeError as exc:
+            raise RequestError(f"invalid request: {exc}") from exc
+
+
+_ID_FIELDS = msgspec.json.Decoder(_IdFields)
+
+
 def load_tokenizer(source: str | None, chat_template: str | None = None) -> Tokenizer:
     """The built-in tokenizer (None), or an HF tokenizer from a directory or a tokenizer.json path."""
     template = Path(chat_template) if chat_template else None
@@ -186,9 +206,30 @@ class Models:
             return next(iter(self._models))
         raise RequestError(f"`model`: unknown model {name!r} (known: {sorted(self._models)})")
 
+    def needs_remote(self, model: str) -> bool:
+        """Whether the model is configured to take its prompt ids from an engine's /tokenize
+        (`ModelConfig.remote_tokenize`, when the config has that field)."""
+        return bool(getattr(self._models.get(model), "remote_tokenize", False))
+
+    def prepare_tokens(
+        self, body: bytes, endpoint: Endpoint | str, tokens: list[int], model_hint: str | None = None
+    ) -> Prepared:
+        """`prepare` with the prompt ids an engine's /tokenize returned (router.remote_tokenize); every
+        variant of the model is keyed from these ids, the other fields come from the body."""
+        fields = _IdFields.decode_body(body)
+        ids_body = msgspec.json.encode({**msgspec.structs.asdict(fields), "prompt": tokens})
+        model = self.resolve(body, model_hint)
+        prepared = self._prepare(ids_body, Endpoint.COMPLETIONS, model, single_tokenizer=True)
+        prepared.endpoint = Endpoint(endpoint)
+        return prepared
+
     def prepare(self, body: bytes, endpoint: Endpoint | str, model_hint: str | None = None) -> Prepared:
         """Tokenize and key a request body; RequestError (a 400 naming the field) on bad input."""
-        model = self.resolve(body, model_hint)
+        return self._prepare(body, endpoint, self.resolve(body, model_hint))
+
+    def _prepare(
+        self, body: bytes, endpoint: Endpoint | str, model: str, single_tokenizer: bool = False
+    ) -> Prepared:
         variants = list(self._variants[model].values())
         tokenize = hashing = 0.0
         by_tokenizer: dict[tuple[str | None, str | None], RequestTokens] = {}
@@ -196,7 +237,7 @@ class Models:
         first: RequestTokens | None = None
         for v in variants:
             t0 = self._clock()
-            source = (v.tokenizer, v.chat_template)
+            source = (None, None) if single_tokenizer else (v.tokenizer, v.chat_template)
             rt = by_tokenizer.get(source)
             if rt is None:
                 rt = by_tokenizer[source] = request_tokens(
