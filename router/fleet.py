@@ -51,7 +51,8 @@ from router.variants import Variant
 
 __all__ = ["REPORT_GRACE_S", "Fleet"]
 
-REPORT_GRACE_S = 5.0
+REPORT_GRACE_S = 0.0
+"""Default time a finished full-mode request's reports are still recognised (`Fleet.report_grace_s`)."""
 
 
 class Fleet:
@@ -87,6 +88,7 @@ class Fleet:
         self._engines: dict[str, EngineConfig] = {}
         self._replicas: dict[EngineId, Replica] = {}
         self._taps: list[FrameTap] = []
+        self.report_grace_s = REPORT_GRACE_S
         self._started = False
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -188,6 +190,8 @@ class Fleet:
     def views(self) -> list[EngineView]:
         """Per-replica figures for the metrics collector."""
         now = self.clock()
+        for rep in self._replicas.values():
+            rep.poll(now)
         return [
             EngineView(
                 engine=rid,
@@ -230,11 +234,13 @@ class Fleet:
             rep.pending[request] = PendingReport(keys.keys, keys.num_tokens)
 
     def request_finished(self, replica: EngineId, request: RequestId, at: float) -> None:
-        """The request ended at `at`; its full-mode reports are still recognised for `REPORT_GRACE_S`,
-        since the batch holding its last lookup may reach the mirror after the response ended."""
+        """The request ended at `at`. Its full-mode reports are still recognised for `report_grace_s`
+        (the batch holding its last lookup may reach the mirror after the response ended), at the
+        price of taking another request's identical real store in that window for a report."""
         rep = self._replicas.get(replica)
         if rep is not None and request in rep.pending:
-            rep.finished[request] = at + REPORT_GRACE_S
+            rep.finished[request] = at + self.report_grace_s
+            rep.expire_pending(at)
 
     # -- subscriber consumer -------------------------------------------------------------------
 
@@ -244,6 +250,7 @@ class Fleet:
         if rep is None:
             return
         now = self.clock()
+        rep.poll(now)
         rep.reports += apply_batch(self.mirror, rep.id, rep.variant.spec, batch, rep.pending)
         rep.last_seq, rep.applied = seq, rep.applied + 1
         rep.observe(Delivered(now))

@@ -1,7 +1,9 @@
 """One replica's record in the fleet: its engine, variant, subscriber, trust tracker and link counters.
 
-`Replica.status` folds in what the subscriber reports only through its counters (decode errors, a
-replay started after a gap) and the layout flags the mirror raised, so a decision sees them at once.
+`Replica.poll` turns what the subscriber reports only through its counters (decode errors, a replay
+started after a gap) into trust signals; the fleet polls on every delivered batch and every metrics
+scrape, not per decision (reading the counters costs ~10 us). `Replica.status` folds in the layout
+flags the mirror raised.
 """
 
 from __future__ import annotations
@@ -19,7 +21,9 @@ from router.reports import PendingReport
 from router.trust import (
     BlockSizeMismatch,
     DecodeError,
+    Delivered,
     ReplayStarted,
+    RequestSent,
     Signal,
     TrustReason,
     TrustState,
@@ -55,9 +59,27 @@ class Replica:
     reports: int = 0
     resets: int = 0
 
+    _cached: TrustStatus | None = None
+    _awaiting_since: float | None = None
+
     def observe(self, signal: Signal) -> None:
         """Feed one trust signal."""
         self.tracker.observe(signal)
+        self._cached = None
+        if isinstance(signal, Delivered):
+            self._awaiting_since = None
+        elif isinstance(signal, RequestSent) and self._awaiting_since is None:
+            self._awaiting_since = signal.at
+
+    def _tracker_status(self, now: float) -> TrustStatus:
+        # TrustTracker.status costs ~9 us; its answer changes only on a signal or when silence sets in.
+        since = self._awaiting_since
+        silent = since is not None and now - since >= self.tracker.silence_s
+        if self._cached is None or silent:
+            status = self.tracker.status(now)
+            self._cached = None if silent else status
+            return status
+        return self._cached
 
     def expire_pending(self, now: float) -> None:
         """Forget full-mode requests that finished more than the grace period before `now`."""
@@ -81,8 +103,7 @@ class Replica:
         """The trust verdict at `now`, with the link counters and layout flags folded in."""
         if not self.engine.events:
             return TrustStatus(TrustState.STALE, TrustReason.HISTORY_LOST, _NO_EVENTS, 0.0)
-        self.poll(now)
-        status = self.tracker.status(now)
+        status = self._tracker_status(now)
         view = mirror.replica(self.id)
         layout = sorted(LAYOUT_FLAGS & view.flags) if view is not None else []
         if layout and status.trusted:
