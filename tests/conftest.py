@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -15,3 +17,13 @@ def vllm_fixtures() -> Path:
     """The directory of frames, hash vectors and manager traces captured from vLLM 0.33.0."""
     assert VLLM_FIXTURES.is_dir(), f"missing {VLLM_FIXTURES}: shared/ must sit beside the clone"
     return VLLM_FIXTURES
+
+
+@pytest.fixture(autouse=True)
+def _restore_root_logger() -> Iterator[None]:
+    """Commands run in-process (`kvrouter.cli.main`) reconfigure the root logger; undo it after each test."""
+    root = logging.getLogger()
+    handlers, level = list(root.handlers), root.level
+    yield
+    root.handlers[:] = handlers
+    root.setLevel(level)
