@@ -22,6 +22,8 @@ COMMAND_MODULES: Final = (
     "kvrouter.cmd_engine_stub",
     "kvrouter.cmd_serve",
     "kvrouter.cmd_loadtest",
+    "kvrouter.cmd_replay",
+    "kvrouter.cmd_explain",
 )
 
 

@@ -4,7 +4,9 @@ The fleet hands every delivered event frame to `GatewayRecorder.tap` (a `FrameTa
 reports each request (`request`) and each routing decision (`decision`). Records are written as
 they happen, on the event loop, in the recording format of `events.recording` (kinds `frame`,
 `request`, `route_decision`); `sync()` runs periodically. A write error stops the recording (logged
-once, counted) but never the gateway.
+once, counted) but never the gateway. Given the `RouterConfig`, the header's metadata carries it under
+`config` (secrets are never config values), so `kvrouter replay` can rebuild engines, model specs and
+policy settings exactly.
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from events.frames import Frame
 from events.recording import DecisionRecord, FileHeader, FrameRecord, Record, RequestRecord
 from events.recording_file import RecordingWriter
 from events.sources import EngineName
+from router.config import RouterConfig
 from router.ids import RequestId
 from router.scoring import Decision
 
@@ -45,9 +48,16 @@ class GatewayRecorder:
         self.written: dict[str, int] = {}
 
     @classmethod
-    def create(cls, path: Path, metadata: dict[str, object], session_header: str) -> GatewayRecorder:
-        """Create a new recording at `path` (which must not exist)."""
-        header = FileHeader(time.time(), {"command": "kvrouter serve", **metadata})
+    def create(
+        cls,
+        path: Path,
+        metadata: dict[str, object],
+        session_header: str,
+        config: RouterConfig | None = None,
+    ) -> GatewayRecorder:
+        """Create a new recording at `path` (which must not exist); `config` goes into the header."""
+        extra = {} if config is None else {"config": msgspec.to_builtins(config)}
+        header = FileHeader(time.time(), {"command": "kvrouter serve", **metadata, **extra})
         return cls(RecordingWriter.create(path, header), session_header)
 
     def tap(self, engine: EngineName, frame: Frame, received: float) -> None:
