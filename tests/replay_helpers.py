@@ -13,6 +13,7 @@ from events.recording import Record
 from events.recording_file import RecordingReader
 from router.config import PolicyConfig, RouterConfig
 from router.ids import EngineId
+from router.record import GatewayRecorder
 from router.serve import ServeOptions
 from tests.gateway_helpers import (
     Gateway,
@@ -23,7 +24,7 @@ from tests.gateway_helpers import (
     wait_for,
 )
 
-__all__ = ["MODEL", "SYSTEM", "chat_body", "read_records", "record_session"]
+__all__ = ["MODEL", "SYSTEM", "chat_body", "read_records", "record_session", "with_config_header"]
 
 MODEL = "kvrouter-stub"
 SYSTEM = "You are a careful assistant who answers briefly. " * 20  # many shared full blocks
@@ -106,3 +107,10 @@ def read_records(path: Path) -> Iterator[Record]:
     """Every record of a recording, in file order."""
     with RecordingReader.open(path) as reader:
         yield from reader.records()
+
+
+def with_config_header(source: Path, target: Path, config: RouterConfig) -> None:
+    """The recording as `GatewayRecorder.create(..., config=config)` writes it: the config in the header."""
+    recorder = GatewayRecorder.create(target, {"policy": config.policy.name}, "x-session-id", config)
+    recorder.writer.write_many(read_records(source))
+    recorder.close()

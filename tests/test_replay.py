@@ -34,7 +34,7 @@ from router.record import GatewayRecorder
 from router.scoring import PolicyName
 from router.serve import scorer_settings as serve_scorer_settings
 from tests.gateway_helpers import running_stubs
-from tests.replay_helpers import TURNS, USERS, read_records, record_session
+from tests.replay_helpers import TURNS, USERS, read_records, record_session, with_config_header
 
 DECISIONS = len(USERS) * TURNS
 
@@ -45,13 +45,6 @@ def replay(path: Path, config: RouterConfig, policy: PolicyName | None = None) -
     settings = setup.settings if policy is None else msgspec.structs.replace(setup.settings, policy=policy)
     replayer = Replayer(setup, settings)
     return [r for record in read_records(path) if (r := replayer.feed(record)) is not None]
-
-
-def with_config_header(source: Path, target: Path, config: RouterConfig) -> None:
-    """The recording as `GatewayRecorder.create(..., config=config)` writes it: the config in the header."""
-    recorder = GatewayRecorder.create(target, {"policy": config.policy.name}, "x-session-id", config)
-    recorder.writer.write_many(read_records(source))
-    recorder.close()
 
 
 async def test_kv_recording_with_a_gap_replays_exactly_and_round_robin_differs(tmp_path: Path) -> None:
