@@ -13,6 +13,7 @@ from pathlib import Path
 import msgspec
 from tqdm import tqdm
 
+from engine_stub.server_config import load_config as load_stub_config
 from kvrouter.loadtest.harness import EXTERNAL, ORACLE, HarnessSpec, default_out_dir, run_harness
 from kvrouter.loadtest.results import PolicySummary, RequestResult
 from kvrouter.loadtest.workload import (
@@ -48,6 +49,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--block-tokens", type=int, default=512, help="trace: tokens per Mooncake hash id")
     p.add_argument("--max-output-tokens", type=int, help="cap every request's output length")
     p.add_argument("--seed", type=int, default=0, help="synthetic workload seed")
+    p.add_argument("--system-prompts", type=int, default=4, help="synthetic: shared system prompts")
+    p.add_argument("--system-prompt-tokens", type=int, default=1024, help="synthetic: prompt length")
+    p.add_argument("--users", type=int, default=16, help="synthetic: users (conversations)")
+    p.add_argument("--turns", type=int, default=4, help="synthetic: turns per user")
     p.add_argument("--out", type=Path, help="output directory (default out/loadtest-<time>)")
     p.set_defaults(func=run)
 
@@ -60,7 +65,15 @@ def build_requests(args: argparse.Namespace) -> list[RequestSpec]:
         spec = TraceWorkload(path, args.time_scale, args.block_tokens, args.requests, args.max_output_tokens)
         requests = trace_requests(records, spec)
     elif args.workload == "synthetic":
-        requests = synthetic_requests(SyntheticWorkload(rate=args.rate, seed=args.seed))
+        synthetic = SyntheticWorkload(
+            system_prompts=args.system_prompts,
+            system_prompt_tokens=args.system_prompt_tokens,
+            users=args.users,
+            turns=args.turns,
+            rate=args.rate,
+            seed=args.seed,
+        )
+        requests = synthetic_requests(synthetic)
         if args.max_output_tokens is not None:
             requests = [msgspec.structs.replace(r, max_tokens=args.max_output_tokens) for r in requests]
     else:
@@ -68,6 +81,20 @@ def build_requests(args: argparse.Namespace) -> list[RequestSpec]:
     if args.duration is not None:
         requests = [r for r in requests if r.arrival_s <= args.duration]
     return requests[: args.requests] if args.requests is not None else requests
+
+
+def _embedded(args: argparse.Namespace) -> Embedded:
+    """The stubs to start; with --engine-config, pool and block size come from that file."""
+    if args.engine_config is None:
+        return Embedded(engines=args.engines, num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size)
+    stub = load_stub_config(args.engine_config)
+    cache = stub.engine.cache
+    return Embedded(
+        engines=args.engines,
+        num_gpu_blocks=cache.num_gpu_blocks,
+        block_size=cache.block_size,
+        model=stub.model,
+    )
 
 
 def _line(s: PolicySummary) -> str:
@@ -91,7 +118,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvrouter loadtest: {exc}")
         return 2
     out = str(args.out or default_out_dir())
-    embedded = Embedded(engines=args.engines, num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size)
+    try:
+        embedded = _embedded(args)
+    except (ValueError, OSError) as exc:
+        print(f"kvrouter loadtest: {exc}")
+        return 2
     spec = HarnessSpec(
         policies=policies,
         out=out,

@@ -24,7 +24,7 @@ from kvrouter.loadtest.client import Choose, DriverSettings, Target, run_open_lo
 from kvrouter.loadtest.oracle import Oracle, StubEndpoint
 from kvrouter.loadtest.report import Report, write_report
 from kvrouter.loadtest.results import PolicySummary, RequestResult, summarize
-from kvrouter.loadtest.workload import RequestSpec
+from kvrouter.loadtest.workload import RequestSpec, block_token_ids
 from router.config import Embedded, EngineConfig, ModelConfig
 from router.embedded import EmbeddedStubs
 
@@ -112,6 +112,16 @@ async def _until_ready(url: str) -> None:
             await asyncio.sleep(0.05)  # polling a condition; the caller's timeout bounds it
 
 
+async def _warm_up(url: str, model: str, n: int = 4) -> None:
+    """A few requests through `url` so no policy pays for cold processes (imports, first connections)."""
+    async with aiohttp.ClientSession() as session:
+        for i in range(n):
+            body = {"model": model, "prompt": block_token_ids(-1000 - i, 64), "max_tokens": 2}
+            async with session.post(f"{url}/v1/completions", json=body) as r:
+                r.raise_for_status()
+                await r.read()
+
+
 async def _reset(stubs: Sequence[StubEndpoint], timeout_s: float = 30.0) -> None:
     """Clear every stub's prefix cache (retried while finishing requests still hold blocks)."""
     async with aiohttp.ClientSession() as session, asyncio.timeout(timeout_s):
@@ -152,6 +162,8 @@ async def _run_policy(
     else:
         gateway = GatewayProcess(policy, ctx.engines, ctx.model)
         url = await gateway.start(spec.ready_timeout_s)
+        await _warm_up(url, spec.embedded.model)
+    await _reset(ctx.stubs)  # every policy starts on cold caches
 
     async def choose(index: int, req: RequestSpec) -> Target:
         return Target(policy, url)
@@ -184,6 +196,8 @@ async def run_harness(
     try:
         endpoints = [StubEndpoint(e.name, e.url) for e in engines]
         ctx = _Context(endpoints, engines, stubs.model())
+        for stub in endpoints:
+            await _warm_up(stub.url, spec.embedded.model)
         for policy in spec.policies:
             await _reset(endpoints)
             results, elapsed = await _run_policy(policy, requests, spec, ctx, on_done)
