@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 
@@ -108,12 +108,22 @@ def recorded_candidates(
         candidates.append(
             Candidate(
                 c.engine, result.hit_tokens, result.shared_prefix_boundary, result.fa_warm_tokens, n,
-                c.trust, c.load, healthy=c.why_not != "unhealthy",
+                healthy=c.why_not != "unhealthy",
                 breaker_open=c.why_not == "circuit breaker open",
                 at_capacity=c.why_not == "at its in-flight limit",
+                **_recorded_inputs(c),
             )
         )  # fmt: skip
     return candidates, frozenset(excluded)
+
+
+_RECOMPUTED: Final = frozenset({"engine", "hit_tokens", "boundary", "warm_tokens", "prompt_tokens"})
+
+
+def _recorded_inputs(c: CandidateScore) -> dict[str, Any]:
+    """Every input a candidate shares with its recorded score (trust, load, and any added later)."""
+    shared = set(Candidate.__struct_fields__) & set(CandidateScore.__struct_fields__)
+    return {name: getattr(c, name) for name in shared - _RECOMPUTED}
 
 
 def candidates_now(rebuild: Rebuild, prepared: Prepared, idle: LoadSnapshot) -> list[Candidate]:

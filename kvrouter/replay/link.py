@@ -48,6 +48,11 @@ class LinkReplay:
         """Whether the tracker is (inferred to be) waiting for a replay to finish."""
         return self.tracker.replaying
 
+    @property
+    def holding(self) -> bool:
+        """Whether live frames are held for a replay whose end has not been inferred yet."""
+        return bool(self._waiting)
+
     def feed(self, seq: int, payload: bytes, now: float) -> list[Action[bytes]]:
         """One recorded frame: the tracker's actions, including an inferred replay end."""
         tracker, expected = self.tracker, self._expected()

@@ -36,7 +36,7 @@ class ReplicaState(msgspec.Struct, frozen=True):
     resets: int
     history_lost: int
     decode_errors: int
-    replaying: bool
+    holding: bool
     flags: list[str]
     anomalies: dict[str, int]
     trust: TrustStatus | None
@@ -65,7 +65,7 @@ def _replica(rebuild: Rebuild, rep: ReplicaReplay) -> ReplicaState:
     return ReplicaState(
         rep.info.id, rep.info.variant.model, _groups(view), rep.last_seq, rep.frames, rep.applied,
         rep.duplicates, rep.replays, rep.link.inferred_ends, rep.resets, rep.history_lost,
-        rep.decode_errors, rep.link.replaying, sorted(view.flags) if view is not None else [],
+        rep.decode_errors, rep.link.holding, sorted(view.flags) if view is not None else [],
         dict(rep.anomalies), rep.trust, rep.recorded_at, rep.load,
     )  # fmt: skip
 
@@ -97,7 +97,7 @@ def render_state(state: ReplayState) -> str:
         lines.append(
             f"  frames {r.frames}, applied {r.batches_applied}, duplicates {r.duplicates},"
             f" replays {r.replays}, resets {r.resets}, history lost {r.history_lost},"
-            f" decode errors {r.decode_errors}" + (", replay in flight" if r.replaying else "")
+            f" decode errors {r.decode_errors}" + (", live frames held for a replay" if r.holding else "")
         )
         if r.anomalies or r.flags:
             found = ", ".join([*(f"{k} {v}" for k, v in sorted(r.anomalies.items())), *r.flags])
