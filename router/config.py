@@ -103,6 +103,7 @@ class PolicyConfig(_Table, frozen=True):
     prior_weight: Positive = 4.0
     forgetting: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.98
     trust_silence_s: Positive = 5.0
+    pending_ttl_s: NonNegative = 5.0
     scrape_period_s: NonNegative = 0.0
 
 

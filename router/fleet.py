@@ -35,6 +35,7 @@ from router.metrics import EngineView
 from router.mirror import Mirror, MirrorConfig
 from router.model_spec import ReportMode
 from router.models import PROCESS_HASHER, Models, Prepared
+from router.pending import PendingPrefixes
 from router.reports import PendingReport, apply_batch
 from router.trust import (
     Cleared,
@@ -78,6 +79,7 @@ class Fleet:
             policy.prior_overhead_s, policy.prior_per_token_s, policy.prior_weight, policy.forgetting
         )
         self.load = LoadTracker(prior)
+        self.pending = PendingPrefixes(policy.pending_ttl_s)
         self.breakers = Breakers(config.breaker.failure_threshold, config.breaker.open_s)
         lim = config.limits
         self.admission = Admission(
@@ -143,6 +145,7 @@ class Fleet:
             if rep.subscriber is not None:
                 await rep.subscriber.close()
             self.mirror.drop_engine(rid)
+            self.pending.drop(rid)
             self.load.drop(rid)
             self.breakers.drop(rid)
 
@@ -230,13 +233,20 @@ class Fleet:
         keys = prepared.keys_for(rep.variant.id)
         if keys is not None and keys.num_tokens >= rep.variant.spec.hash_block_size:
             rep.observe(RequestSent(at))
+        if keys is not None and not prepared.skip_cache and rep.variant.spec.unitary_full_attention:
+            self.pending.add(request, replica, keys.keys, at)
         if prepared.report_mode == "full" and keys is not None:
             rep.pending[request] = PendingReport(keys.keys, keys.num_tokens)
+
+    def request_answered(self, request: RequestId, at: float) -> None:
+        """The replica's first bytes for `request` arrived: its stores are published by now."""
+        self.pending.answered(request, at)
 
     def request_finished(self, replica: EngineId, request: RequestId, at: float) -> None:
         """The request ended at `at`. Its full-mode reports are still recognised for `report_grace_s`
         (the batch holding its last lookup may reach the mirror after the response ended), at the
         price of taking another request's identical real store in that window for a report."""
+        self.pending.answered(request, at)
         rep = self._replicas.get(replica)
         if rep is not None and request in rep.pending:
             rep.finished[request] = at + self.report_grace_s
@@ -283,6 +293,7 @@ class Fleet:
 
     def _reset(self, rep: Replica) -> None:
         self.mirror.reset_engine(rep.id)
+        self.pending.drop(rep.id)
         view = self.mirror.replica(rep.id)
         if view is not None:
             view.flags.clear()  # a restarted engine is judged afresh

@@ -112,7 +112,9 @@ class Flight:
 
     def first_byte(self) -> None:
         """The answer's first bytes arrived: the request's TTFT as far as the router can see it."""
-        self.fleet.load.first_token(self.rid, self.fleet_clock())
+        now = self.fleet_clock()
+        self.fleet.load.first_token(self.rid, now)
+        self.fleet.request_answered(self.rid, now)
 
     def finish(self) -> None:
         """The request ended (any way); uncounts it once."""

@@ -95,6 +95,13 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             raise ValueError("vLLM turns the EAGLE block drop off when lookahead hashes are on")
 
     @property
+    def unitary_full_attention(self) -> bool:
+        """One full-attention group and no EAGLE drop: a hit is simply the leading run of cached keys."""
+        return (
+            len(self.groups) == 1 and finder_kind(self.groups[0].kind) == "full" and not self.eagle_block_drop
+        )
+
+    @property
     def scheduler_block_size(self) -> int:
         """`A`: the lcm of the group block sizes (the hit alignment without partial hits)."""
         return reduce(math.lcm, (g.block_size for g in self.groups))

@@ -58,17 +58,31 @@ class RoutingCore:
         t0 = self._clock()
         predicted = self.predict(prepared)
         t1 = self._clock()
-        candidates = [self._candidate(rid, result, n, now) for rid, (result, n) in predicted.items()]
+        candidates = [
+            self._candidate(rid, result, n, prepared, now) for rid, (result, n) in predicted.items()
+        ]
         decision = self.scorer.choose(route, candidates)
         prepared.timings["lookup"] = t1 - t0
         prepared.timings["score"] = self._clock() - t1
         return decision
 
-    def _candidate(self, rid: EngineId, result: LookupResult, prompt_tokens: int, now: float) -> Candidate:
+    def pending_tokens(self, rid: EngineId, prepared: Prepared, now: float) -> int:
+        """Tokens of `prepared` that requests just routed to `rid` will have cached (see router.pending)."""
+        spec = self.fleet.replica(rid).variant.spec
+        keys = prepared.keys_for(self.fleet.replica(rid).variant.id)
+        if keys is None or prepared.skip_cache or not spec.unitary_full_attention:
+            return 0
+        bs = spec.hash_block_size
+        return self.fleet.pending.leading_run(rid, keys.keys, (keys.num_tokens - 1) // bs, now) * bs
+
+    def _candidate(
+        self, rid: EngineId, result: LookupResult, prompt_tokens: int, prepared: Prepared, now: float
+    ) -> Candidate:
         fleet = self.fleet
         return Candidate(
             engine=rid,
             hit_tokens=result.hit_tokens,
+            pending_tokens=self.pending_tokens(rid, prepared, now),
             boundary=result.shared_prefix_boundary,
             warm_tokens=result.fa_warm_tokens,
             prompt_tokens=prompt_tokens,

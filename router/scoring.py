@@ -26,7 +26,7 @@ import msgspec
 
 from router.ids import EngineId
 from router.load import LoadSnapshot
-from router.trust import TrustStatus
+from router.trust import TrustState, TrustStatus
 
 __all__ = [
     "Candidate",
@@ -63,6 +63,7 @@ class Candidate(msgspec.Struct, frozen=True):
     healthy: bool = True
     breaker_open: bool = False
     at_capacity: bool = False
+    pending_tokens: int = 0
 
 
 class RouteRequest(msgspec.Struct, frozen=True):
@@ -98,10 +99,20 @@ class CandidateScore(msgspec.Struct, frozen=True):
     load: LoadSnapshot
     eligible: bool
     why_not: str = ""
+    pending_tokens: int = 0
+
+    @property
+    def expected_tokens(self) -> int:
+        """What the engine should report cached: the mirror's hit, or a longer pending prefix."""
+        return max(self.hit_tokens, self.pending_tokens)
 
 
 class Decision(msgspec.Struct, frozen=True):
-    """The chosen engine (None when none is eligible), every candidate's score, the policy, the reason."""
+    """The chosen engine (None when none is eligible), every candidate's score, the policy, the reason.
+
+    `predicted_cached_tokens` is the chosen candidate's expected hit: the mirror's, or the leading run
+    of prefixes just routed there when that is longer (`CandidateScore.pending_tokens`).
+    """
 
     engine: EngineId | None
     policy: PolicyName
@@ -128,13 +139,16 @@ def _why_not(c: Candidate, excluded: frozenset[EngineId]) -> str:
 
 def _score(c: Candidate, excluded: frozenset[EngineId], decode_penalty_s: float) -> CandidateScore:
     trusted_hit = c.hit_tokens if c.trust.trusted else 0
-    uncached = max(0, c.prompt_tokens - trusted_hit)
+    # A prefix the router itself just sent there is known without the mirror, unless the engine's
+    # state is in doubt altogether (stale: restarted, history lost, silent).
+    pending = c.pending_tokens if c.trust.state is not TrustState.STALE else 0
+    uncached = max(0, c.prompt_tokens - max(trusted_hit, pending))
     ttft = c.load.predicted_ttft_s(uncached) + decode_penalty_s * c.load.decoding
     pins = c.trust.trusted and c.warm_tokens > c.hit_tokens
     why_not = _why_not(c, excluded)
     return CandidateScore(
         c.engine, c.hit_tokens, trusted_hit, c.boundary, c.warm_tokens, pins, uncached, ttft,
-        c.trust, c.load, not why_not, why_not,
+        c.trust, c.load, not why_not, why_not, c.pending_tokens,
     )  # fmt: skip
 
 
@@ -168,7 +182,7 @@ class Scorer:
             why = "; ".join(f"{s.engine}: {s.why_not}" for s in scores) or "no engines configured"
             return Decision(None, policy, f"no eligible engine ({why})", 0, scores)
         chosen, reason = self._policies[policy](request, eligible)
-        return Decision(chosen.engine, policy, reason, chosen.hit_tokens, scores)
+        return Decision(chosen.engine, policy, reason, chosen.expected_tokens, scores)
 
     def forget_engine(self, engine: EngineId) -> None:
         """Drop session affinities to an engine that left the fleet."""
@@ -184,8 +198,8 @@ class Scorer:
         )
         why = (
             f"kv: lowest predicted TTFT {chosen.predicted_ttft_s * 1000:.1f} ms "
-            f"({chosen.trusted_hit_tokens} cached, {chosen.uncached_tokens} to prefill, "
-            f"{chosen.load.queued_prefill_tokens} queued)"
+            f"({chosen.trusted_hit_tokens} cached{_pending_words(chosen)}, "
+            f"{chosen.uncached_tokens} to prefill, {chosen.load.queued_prefill_tokens} queued)"
         )
         return chosen, why + _tie_words(chosen, tied)
 
@@ -231,6 +245,14 @@ class Scorer:
 
 def _load_key(request: RouteRequest, s: CandidateScore) -> tuple[int, int, int]:
     return s.load.in_flight, s.load.queued_prefill_tokens, stable_hash(request.key, s.engine)
+
+
+def _pending_words(s: CandidateScore) -> str:
+    return (
+        f", {s.pending_tokens} expected from requests just sent"
+        if s.pending_tokens > s.trusted_hit_tokens
+        else ""
+    )
 
 
 def _tie_words(chosen: CandidateScore, tied: list[CandidateScore]) -> str:

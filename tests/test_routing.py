@@ -136,3 +136,17 @@ async def test_a_full_mode_report_is_not_counted_as_a_copy(make: Build, tmp_path
     fleet.on_batch(EngineName("a"), 1, KVEventBatch(0.0, out.events))
     rep = fleet.replica(EngineId("a"))
     assert rep.reports == 1 and rep.blocks(fleet.mirror) == 3  # not 6: the report claimed no copies
+
+
+async def test_a_prefix_just_routed_counts_before_its_events_arrive(make: Build, tmp_path: Path) -> None:
+    fleet, core = await make(engine(tmp_path, "a"), engine(tmp_path, "b"))
+    first = core.models.prepare(body(PROMPT[:24]), Endpoint.COMPLETIONS)
+    now = fleet.clock()
+    fleet.request_sent(EngineId("b"), RequestId("r1"), first, now)  # routed, no event seen yet
+    sibling = core.models.prepare(body(PROMPT), Endpoint.COMPLETIONS)
+    decision = core.decide(sibling, RouteRequest(sibling.session_key), now)
+    b = next(c for c in decision.candidates if c.engine == "b")
+    assert (b.hit_tokens, b.pending_tokens, b.uncached_tokens) == (0, 24, 16)
+    assert decision.engine == "b" and decision.predicted_cached_tokens == 24
+    later = fleet.clock() + fleet.config.policy.pending_ttl_s + 1
+    assert core.decide(sibling, RouteRequest(sibling.session_key), later).predicted_cached_tokens == 0

@@ -1,0 +1,89 @@
+"""Pending prefixes: a routed prompt counts as cached on its replica until its time is up."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from router.ids import EngineId, RequestId
+from router.load import LoadSnapshot
+from router.pending import PendingPrefixes
+from router.scoring import Candidate, PolicyName, RouteRequest, Scorer, ScorerSettings
+from router.trust import TrustReason, TrustState, TrustStatus
+
+A, B = EngineId("a"), EngineId("b")
+
+
+R1, R2 = RequestId("r1"), RequestId("r2")
+
+
+def test_leading_run_of_a_routed_prompt() -> None:
+    p = PendingPrefixes(ttl_s=5.0)
+    p.add(R1, A, [1, 2, 3, 4], now=0.0)
+    assert p.leading_run(A, [1, 2, 3, 9], limit=10, now=1.0) == 3
+    assert p.leading_run(A, [1, 2, 3, 4, 5], limit=2, now=1.0) == 2  # capped (prompt length - 1)
+    assert p.leading_run(A, [9, 1, 2], limit=10, now=1.0) == 0  # a leading run, not any overlap
+    assert p.leading_run(B, [1, 2], limit=10, now=1.0) == 0  # only where it was sent
+
+
+def test_an_answer_hands_over_to_the_mirror_after_the_grace() -> None:
+    p = PendingPrefixes(ttl_s=5.0, grace_s=0.1)
+    p.add(R1, A, [1, 2], now=0.0)
+    p.add(R2, A, [1, 3], now=0.0)
+    p.answered(R1, now=1.0)
+    assert p.leading_run(A, [1, 2], limit=10, now=1.05) == 2
+    assert p.leading_run(A, [1, 2], limit=10, now=1.1) == 1  # r1 gone; key 1 still pending for r2
+    assert p.size == 2
+    assert p.leading_run(A, [1, 3], limit=10, now=5.0) == 0  # r2 hit its ttl
+    assert p.size == 0
+
+
+def test_zero_ttl_disables_and_drop_forgets() -> None:
+    off = PendingPrefixes(ttl_s=0.0)
+    off.add(R1, A, [1], now=0.0)
+    assert off.leading_run(A, [1], limit=1, now=0.0) == 0
+    p = PendingPrefixes(ttl_s=5.0)
+    p.add(R1, A, [1, 2], now=0.0)
+    p.add(R2, B, [1, 2], now=0.0)
+    p.drop(A)
+    assert (p.leading_run(A, [1], limit=1, now=0.0), p.size) == (0, 2)
+    with pytest.raises(ValueError):
+        PendingPrefixes(ttl_s=-1.0)
+
+
+def test_bounded_size_and_resend() -> None:
+    p = PendingPrefixes(ttl_s=5.0, max_keys=3)
+    p.add(R1, A, [1, 2], now=0.0)
+    p.add(R2, B, [3, 4], now=0.0)  # would exceed the bound: not recorded
+    assert (p.size, p.leading_run(B, [3], limit=1, now=0.0)) == (2, 0)
+    p.add(R1, B, [5], now=0.0)  # a retry on another replica replaces the first entry
+    assert (p.size, p.leading_run(A, [1], limit=1, now=0.0), p.leading_run(B, [5], limit=1, now=0.0)) == (
+        1,
+        0,
+        1,
+    )
+
+
+FRESH = TrustStatus(TrustState.FRESH, TrustReason.OK, "ok", 0.0)
+STALE = TrustStatus(TrustState.STALE, TrustReason.GAP, "gap", 0.0)
+LOAD = LoadSnapshot(0, 0, 0, 0, None, 0.01, 1e-4, False)
+
+
+def cand(name: str, pending: int = 0, trust: TrustStatus = FRESH, hit: int = 0) -> Candidate:
+    return Candidate(EngineId(name), hit, 0, hit, 1000, trust, LOAD, pending_tokens=pending)
+
+
+def test_kv_counts_pending_prefixes_and_predicts_them() -> None:
+    scorer = Scorer(ScorerSettings(policy=PolicyName.KV))
+    decision = scorer.choose(RouteRequest("r"), [cand("a"), cand("b", pending=800)])
+    assert decision.engine == "b" and decision.predicted_cached_tokens == 800
+    assert "800 expected from requests just sent" in decision.reason
+    (_, b) = decision.candidates
+    assert (b.hit_tokens, b.pending_tokens, b.uncached_tokens) == (0, 800, 200)
+
+
+def test_pending_on_a_stale_replica_is_ignored() -> None:
+    scorer = Scorer(ScorerSettings(policy=PolicyName.KV))
+    decision = scorer.choose(RouteRequest("r"), [cand("a", hit=100), cand("b", pending=800, trust=STALE)])
+    assert decision.engine == "a"
+    assert msgspec.json.decode(msgspec.json.encode(decision.candidates[1]))["pending_tokens"] == 800
