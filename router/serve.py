@@ -103,8 +103,9 @@ class Service:
             await self._phase("embedded stubs", self._start_embedded(), opts.stub_timeout_s + 5.0)
             config = self.config
         if opts.record is not None:
+            # The effective config goes into the header so `kvrouter replay` rebuilds exactly.
             self.recorder = GatewayRecorder.create(
-                opts.record, self._metadata(), config.policy.session_header
+                opts.record, self._metadata(), config.policy.session_header, config
             )
         fleet = self._fleet = Fleet(config)
         if self.recorder is not None:
