@@ -74,7 +74,8 @@ def test_synthetic_is_deterministic_and_multi_turn() -> None:
     assert len(first) == 9
     by_user = [r for r in first if r.session == "user-1"]
     assert all(b.prompt[: len(a.prompt)] == a.prompt for a, b in itertools.pairwise(by_user))
-    assert first[0].prompt[:64] == first[2].prompt[:64]  # users 0 and 2 share system prompt 0
+    systems = {tuple(r.prompt[:64]) for r in first}
+    assert len(systems) <= 2 and len(first) - len(systems) >= 7  # prompts shared across users
     assert synthetic_requests(SyntheticWorkload(seed=1, users=2, turns=1)) != synthetic_requests(
         SyntheticWorkload(seed=2, users=2, turns=1)
     )

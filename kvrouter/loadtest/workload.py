@@ -138,8 +138,10 @@ def synthetic_requests(spec: SyntheticWorkload) -> list[RequestSpec]:
     systems = [
         block_token_ids(-1 - i, spec.system_prompt_tokens, spec.seed) for i in range(spec.system_prompts)
     ]
-    histories = {u: list(systems[u % spec.system_prompts]) for u in range(spec.users)}
-    pending = [(u, t) for t in range(spec.turns) for u in range(spec.users)]
+    # Users pick their system prompt and take turns in a random order, so no fixed rotation (such
+    # as round robin over engines) lines up with the sharing by accident.
+    histories = {u: list(systems[rng.randrange(spec.system_prompts)]) for u in range(spec.users)}
+    pending = [(u, t) for t in range(spec.turns) for u in rng.sample(range(spec.users), spec.users)]
     clock = 0.0
     out: list[RequestSpec] = []
     for u, t in pending:
