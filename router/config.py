@@ -104,6 +104,7 @@ class PolicyConfig(_Table, frozen=True):
     forgetting: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.98
     trust_silence_s: Positive = 5.0
     pending_ttl_s: NonNegative = 5.0
+    shared_cost_model: bool = True
     scrape_period_s: NonNegative = 0.0
 
 

@@ -125,6 +125,8 @@ class Fleet:
         self.mirror.add_engine(rid, variant.spec, ReportMode(engine.report_mode))
         rep = Replica(rid, engine, rank, variant, TrustTracker(self.config.policy.trust_silence_s))
         self._replicas[rid] = rep
+        if self.config.policy.shared_cost_model:
+            self.load.share_cost(rid, engine.model)
         if not engine.events:
             return
         replay = engine.replay[rank] if engine.replay else None

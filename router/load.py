@@ -113,8 +113,8 @@ class _InFlight(msgspec.Struct):
 
 
 class _EngineLoad:
-    def __init__(self, prior: CostPrior) -> None:
-        self.model = PrefillCostModel(prior)
+    def __init__(self, model: PrefillCostModel) -> None:
+        self.model = model
         self.in_flight = 0
         self.prefilling = 0
         self.prefill_tokens = 0
@@ -131,11 +131,22 @@ class LoadTracker:
         self.scrape_max_age_s = scrape_max_age_s
         self._engines: dict[EngineId, _EngineLoad] = {}
         self._requests: dict[RequestId, _InFlight] = {}
+        self._shared: dict[str, PrefillCostModel] = {}
+
+    def share_cost(self, engine: EngineId, group: str) -> None:
+        """Let `engine` learn one prefill cost model with every other engine of `group`.
+
+        Engines serving one model on one kind of hardware cost the same per token. Sharing lets each
+        learn from all, and keeps an engine that once looked slow (a cold start, say) from being
+        starved of the very requests that would correct its estimate.
+        """
+        model = self._shared.setdefault(group, PrefillCostModel(self.prior))
+        self._engine(engine).model = model
 
     def _engine(self, engine: EngineId) -> _EngineLoad:
         load = self._engines.get(engine)
         if load is None:
-            load = self._engines[engine] = _EngineLoad(self.prior)
+            load = self._engines[engine] = _EngineLoad(PrefillCostModel(self.prior))
         return load
 
     def drop(self, engine: EngineId) -> None:

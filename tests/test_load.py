@@ -130,3 +130,17 @@ def test_cost_model_stays_non_negative() -> None:
         model.observe(10000, 0.0)
     assert model.overhead_s >= 0.0
     assert model.per_token_s > 0.0
+
+
+def test_engines_of_one_group_share_what_they_learn() -> None:
+    tracker = LoadTracker(CostPrior(0.02, 1e-4, 4.0, 0.98))
+    a, b, c = EngineId("a"), EngineId("b"), EngineId("c")
+    tracker.share_cost(a, "m")
+    tracker.share_cost(b, "m")
+    for i in range(20):
+        rid = RequestId(f"r{i}")
+        tracker.started(rid, a, 0.0, 1000)
+        tracker.first_token(rid, 0.5)  # a looks slow
+    assert tracker.model(b) is tracker.model(a)
+    assert tracker.snapshot(b, 1.0).per_token_s == tracker.snapshot(a, 1.0).per_token_s
+    assert tracker.snapshot(c, 1.0).per_token_s == pytest.approx(1e-4)  # not in the group
