@@ -28,5 +28,8 @@ async def test_oracle_prefers_the_true_cache_then_spreads_pending_work() -> None
             cold = RequestSpec(0.0, block_token_ids(9, 200), 1, "t")
             second = await oracle.choose(1, cold)
             assert second.engine == "a"  # equal hits (none): the stub with less pending work
+            sibling = RequestSpec(0.0, [*block_token_ids(9, 200), *block_token_ids(10, 40)], 1, "u")
+            third = await oracle.choose(2, sibling)  # `cold` is still in flight on a: its prefix counts
+            assert third.engine == "a" and oracle.pending[("a", 0)] == 200 + (240 - 192)
             oracle.done(RequestResult(policy="oracle", index=0, session="s", arrival_s=0.0))
             assert oracle.pending[("b", 0)] == 0

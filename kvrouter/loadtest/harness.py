@@ -147,7 +147,7 @@ async def _run_policy(
     settings = DriverSettings(model=spec.embedded.model, max_in_flight=spec.max_in_flight)
     if policy == ORACLE:
         async with aiohttp.ClientSession() as session:
-            oracle = Oracle(ctx.stubs, session, spec.embedded.model)
+            oracle = Oracle(ctx.stubs, session, spec.embedded.model, spec.embedded.block_size)
 
             def finish(result: RequestResult) -> None:
                 oracle.done(result)

@@ -1,10 +1,11 @@
 """The oracle policy: routing with the engines' true prefix caches, the load test's upper bound.
 
 For every request it asks each stub's `POST /debug/cache_hit` for every rank's true hit (the same
-finder admission runs, without admitting), then picks the rank with the least predicted prefill work:
-its own uncached tokens plus the uncached tokens of the requests the oracle sent it that have not
-finished yet. Ties go to the larger hit, then to the lower (stub, rank). It is what
-perfect knowledge of the caches buys, not a claim that no better policy exists.
+finder admission runs, without admitting), extended by the prefixes of requests the oracle itself
+sent there that are still in flight (the engine caches those as it admits them). It picks the rank
+with the largest such hit (cache reuse is what is being bounded), then the least unfinished prefill
+work the oracle sent it, then the lower (stub, rank). It is what perfect knowledge of the caches
+buys a cache-first policy, not a claim that no better policy exists.
 """
 
 from __future__ import annotations
@@ -43,12 +44,15 @@ _HITS = msgspec.json.Decoder(list[_CacheHit])
 class Oracle:
     """Chooses targets from the stubs' ground truth; call `done` with each finished result."""
 
-    def __init__(self, stubs: Sequence[StubEndpoint], session: aiohttp.ClientSession, model: str) -> None:
+    def __init__(
+        self, stubs: Sequence[StubEndpoint], session: aiohttp.ClientSession, model: str, block_size: int = 16
+    ) -> None:
         self.stubs = list(stubs)
         self.session = session
         self.model = model
+        self.block_size = block_size
         self.pending: dict[tuple[str, int], int] = {}
-        self._sent: dict[int, tuple[tuple[str, int], int]] = {}
+        self._sent: dict[int, tuple[tuple[str, int], int, list[int]]] = {}
 
     async def _hits(self, stub: StubEndpoint, spec: RequestSpec) -> list[_CacheHit]:
         body = msgspec.json.encode({"model": self.model, "prompt": spec.prompt, "max_tokens": 1})
@@ -57,27 +61,40 @@ class Oracle:
             r.raise_for_status()
             return _HITS.decode(await r.read())
 
+    def _in_flight_hit(self, slot: tuple[str, int], prompt: list[int]) -> int:
+        """Block-aligned prefix `prompt` shares with a request in flight on `slot` (capped at len - 1)."""
+        bs, best = self.block_size, 0
+        limit = (len(prompt) - 1) // bs * bs
+        for sent_slot, _, tokens in self._sent.values():
+            if sent_slot != slot:
+                continue
+            n = 0
+            while n + bs <= min(limit, len(tokens)) and tokens[n : n + bs] == prompt[n : n + bs]:
+                n += bs
+            best = max(best, n)
+        return best
+
     async def choose(self, key: int, spec: RequestSpec) -> Target:
         """The best (stub, rank) for `spec`; `key` identifies the request when it is `done`."""
-        best: tuple[int, int, int, StubEndpoint, _CacheHit] | None = None
+        best: tuple[int, int, int, StubEndpoint, _CacheHit, int] | None = None
         for order, stub in enumerate(self.stubs):
             for hit in await self._hits(stub, spec):
-                uncached = hit.prompt_tokens - hit.hit_tokens
-                work = uncached + self.pending.get((stub.name, hit.rank), 0)
-                candidate = (work, -hit.hit_tokens, order * 1000 + hit.rank, stub, hit)
+                slot = (stub.name, hit.rank)
+                cached = max(hit.hit_tokens, self._in_flight_hit(slot, spec.prompt))
+                candidate = (-cached, self.pending.get(slot, 0), order * 1000 + hit.rank, stub, hit, cached)
                 if best is None or candidate[:3] < best[:3]:
                     best = candidate
         if best is None:
             raise RuntimeError("the oracle has no stub to route to")
-        work, _, _, stub, hit = best
+        _, _, _, stub, hit, cached = best
         slot = (stub.name, hit.rank)
-        uncached = hit.prompt_tokens - hit.hit_tokens
+        uncached = hit.prompt_tokens - cached
         self.pending[slot] = self.pending.get(slot, 0) + uncached
-        self._sent[key] = (slot, uncached)
+        self._sent[key] = (slot, uncached, spec.prompt)
         headers = {"x-data-parallel-rank": str(hit.rank)}
         return Target("oracle", stub.url, engine=stub.name, headers=headers)
 
     def done(self, result: RequestResult) -> None:
         """A request `choose` routed finished (or failed): its prefill work is no longer pending."""
-        slot, uncached = self._sent.pop(result.index)
+        slot, uncached, _ = self._sent.pop(result.index)
         self.pending[slot] -= uncached
