@@ -237,7 +237,7 @@ class Fleet:
             rep.observe(RequestSent(at))
         if keys is not None and not prepared.skip_cache and rep.variant.spec.unitary_full_attention:
             self.pending.add(request, replica, keys.keys, at)
-        if prepared.report_mode == "full" and keys is not None:
+        if prepared.report_mode == "full" and not prepared.skip_cache and keys is not None:
             rep.pending[request] = PendingReport(keys.keys, keys.num_tokens)
 
     def request_answered(self, request: RequestId, at: float) -> None:

@@ -5,7 +5,8 @@ small pool, LoRA, cache_salt, prompt_logprobs, full report mode) run on the engi
 Scheduler; each step's events go through a real EventPublisher over ZeroMQ on 127.0.0.1 to the
 fleet's real EngineSubscriber and into the mirror. Before the step that looks a request up (scheduled
 alone, so no other request's events precede its lookup), the router's `(hit, shared_prefix_boundary)`
-must equal the stub's admission lookup. Single-group FA, FA+SWA and FA+Mamba layouts, router keys
+must equal the stub's admission lookup, and after every batch the mirror's copies per engine hash
+must equal the stub pool's. Single-group FA, FA+SWA and FA+Mamba layouts, router keys
 and engine-exact keys. Full-mode requests are announced to the fleet as a gateway would.
 """
 
@@ -159,8 +160,15 @@ class Harness:
             seq = await self.publisher.publish(KVEventBatch(ts=0.0, events=out.events))
             rep = self.fleet.replica(REPLICA)
             await wait_for(lambda: rep.last_seq == seq, f"batch {seq} applied")
+            self.check_resident()
         for rid in [*out.finished, *out.preempted]:
             self.fleet.request_finished(REPLICA, RequestId(rid), self.fleet.clock())
+
+    def check_resident(self) -> None:
+        """The mirror's copies per engine hash equal the stub pool's, group by group."""
+        truth = self.sched.kv.pool.resident()
+        for g in range(len(self.sched.config.cache.groups)):
+            assert self.fleet.mirror.resident(REPLICA, 0, g) == truth.get(g, {}), f"group {g}"
 
     async def request(self, i: int, op: Op, tokens: list[int]) -> None:
         prepared = self.core.models.prepare(op.body(tokens), Endpoint.COMPLETIONS)
