@@ -4,7 +4,8 @@ For every request it asks each stub's `POST /debug/cache_hit` for every rank's t
 finder admission runs, without admitting), extended by the prefixes of requests the oracle itself
 sent there that are still in flight (the engine caches those as it admits them). It picks the rank
 with the largest such hit (cache reuse is what is being bounded), then the least unfinished prefill
-work the oracle sent it, then the lower (stub, rank). It is what perfect knowledge of the caches
+work the oracle sent it, then the fewest new tokens sent there so far (so new prefixes spread over
+the pools instead of overflowing one), then the lower (stub, rank). It is what perfect knowledge of the caches
 buys a cache-first policy, not a claim that no better policy exists.
 """
 
@@ -52,6 +53,7 @@ class Oracle:
         self.model = model
         self.block_size = block_size
         self.pending: dict[tuple[str, int], int] = {}
+        self.placed: dict[tuple[str, int], int] = {}
         self._sent: dict[int, tuple[tuple[str, int], int, list[int]]] = {}
 
     async def _hits(self, stub: StubEndpoint, spec: RequestSpec) -> list[_CacheHit]:
@@ -76,20 +78,22 @@ class Oracle:
 
     async def choose(self, key: int, spec: RequestSpec) -> Target:
         """The best (stub, rank) for `spec`; `key` identifies the request when it is `done`."""
-        best: tuple[int, int, int, StubEndpoint, _CacheHit, int] | None = None
+        best: tuple[int, int, int, int, StubEndpoint, _CacheHit, int] | None = None
         for order, stub in enumerate(self.stubs):
             for hit in await self._hits(stub, spec):
                 slot = (stub.name, hit.rank)
                 cached = max(hit.hit_tokens, self._in_flight_hit(slot, spec.prompt))
-                candidate = (-cached, self.pending.get(slot, 0), order * 1000 + hit.rank, stub, hit, cached)
-                if best is None or candidate[:3] < best[:3]:
+                rank_key = (self.pending.get(slot, 0), self.placed.get(slot, 0), order * 1000 + hit.rank)
+                candidate = (-cached, *rank_key, stub, hit, cached)
+                if best is None or candidate[:4] < best[:4]:
                     best = candidate
         if best is None:
             raise RuntimeError("the oracle has no stub to route to")
-        _, _, _, stub, hit, cached = best
+        *_, stub, hit, cached = best
         slot = (stub.name, hit.rank)
         uncached = hit.prompt_tokens - cached
         self.pending[slot] = self.pending.get(slot, 0) + uncached
+        self.placed[slot] = self.placed.get(slot, 0) + uncached
         self._sent[key] = (slot, uncached, spec.prompt)
         headers = {"x-data-parallel-rank": str(hit.rank)}
         return Target("oracle", stub.url, engine=stub.name, headers=headers)
