@@ -11,6 +11,7 @@ buys a cache-first policy, not a claim that no better policy exists.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Sequence
 
 import aiohttp
@@ -55,6 +56,7 @@ class Oracle:
         self.pending: dict[tuple[str, int], int] = {}
         self.placed: dict[tuple[str, int], int] = {}
         self._sent: dict[int, tuple[tuple[str, int], int, list[int]]] = {}
+        self._flying: dict[tuple[str, int], dict[int, int]] = {}  # slot -> prefix chain -> requests
 
     async def _hits(self, stub: StubEndpoint, spec: RequestSpec) -> list[_CacheHit]:
         body = msgspec.json.encode({"model": self.model, "prompt": spec.prompt, "max_tokens": 1})
@@ -63,26 +65,33 @@ class Oracle:
             r.raise_for_status()
             return _HITS.decode(await r.read())
 
-    def _in_flight_hit(self, slot: tuple[str, int], prompt: list[int]) -> int:
-        """Block-aligned prefix `prompt` shares with a request in flight on `slot` (capped at len - 1)."""
-        bs, best = self.block_size, 0
-        limit = (len(prompt) - 1) // bs * bs
-        for sent_slot, _, tokens in self._sent.values():
-            if sent_slot != slot:
-                continue
-            n = 0
-            while n + bs <= min(limit, len(tokens)) and tokens[n : n + bs] == prompt[n : n + bs]:
-                n += bs
-            best = max(best, n)
-        return best
+    def _chains(self, prompt: list[int]) -> list[int]:
+        """One value per full block standing for the whole prefix up to that block's end."""
+        bs, chain, out = self.block_size, 0, []
+        for end in range(bs, len(prompt) + 1, bs):
+            chain = hash((chain, tuple(prompt[end - bs : end])))
+            out.append(chain)
+        return out
+
+    def _in_flight_hit(self, slot: tuple[str, int], chains: list[int], prompt_len: int) -> int:
+        """Block-aligned prefix shared with a request in flight on `slot` (capped at length - 1)."""
+        flying = self._flying.get(slot, {})
+        n = 0
+        for chain in chains[: (prompt_len - 1) // self.block_size]:
+            if chain not in flying:
+                break
+            n += 1
+        return n * self.block_size
 
     async def choose(self, key: int, spec: RequestSpec) -> Target:
         """The best (stub, rank) for `spec`; `key` identifies the request when it is `done`."""
         best: tuple[int, int, int, int, StubEndpoint, _CacheHit, int] | None = None
-        for order, stub in enumerate(self.stubs):
-            for hit in await self._hits(stub, spec):
+        chains = self._chains(spec.prompt)
+        answers = await asyncio.gather(*(self._hits(stub, spec) for stub in self.stubs))
+        for order, (stub, hits) in enumerate(zip(self.stubs, answers, strict=True)):
+            for hit in hits:
                 slot = (stub.name, hit.rank)
-                cached = max(hit.hit_tokens, self._in_flight_hit(slot, spec.prompt))
+                cached = max(hit.hit_tokens, self._in_flight_hit(slot, chains, len(spec.prompt)))
                 rank_key = (self.pending.get(slot, 0), self.placed.get(slot, 0), order * 1000 + hit.rank)
                 candidate = (-cached, *rank_key, stub, hit, cached)
                 if best is None or candidate[:4] < best[:4]:
@@ -94,11 +103,20 @@ class Oracle:
         uncached = hit.prompt_tokens - cached
         self.pending[slot] = self.pending.get(slot, 0) + uncached
         self.placed[slot] = self.placed.get(slot, 0) + uncached
-        self._sent[key] = (slot, uncached, spec.prompt)
+        self._sent[key] = (slot, uncached, chains)
+        flying = self._flying.setdefault(slot, {})
+        for chain in chains:
+            flying[chain] = flying.get(chain, 0) + 1
         headers = {"x-data-parallel-rank": str(hit.rank)}
         return Target("oracle", stub.url, engine=stub.name, headers=headers)
 
     def done(self, result: RequestResult) -> None:
         """A request `choose` routed finished (or failed): its prefill work is no longer pending."""
-        slot, uncached, _ = self._sent.pop(result.index)
+        slot, uncached, chains = self._sent.pop(result.index)
         self.pending[slot] -= uncached
+        flying = self._flying[slot]
+        for chain in chains:
+            if flying[chain] == 1:
+                del flying[chain]
+            else:
+                flying[chain] -= 1
