@@ -80,6 +80,8 @@ class Fleet:
         )
         self.load = LoadTracker(prior)
         self.pending = PendingPrefixes(policy.pending_ttl_s)
+        self._first_keys: dict[RequestId, int] = {}  # sent, not answered yet
+        self._answered_keys: dict[RequestId, int] = {}
         self.breakers = Breakers(config.breaker.failure_threshold, config.breaker.open_s)
         lim = config.limits
         self.admission = Admission(
@@ -237,12 +239,16 @@ class Fleet:
             rep.observe(RequestSent(at))
         if keys is not None and not prepared.skip_cache and rep.variant.spec.unitary_full_attention:
             self.pending.add(request, replica, keys.keys, at)
+        if keys is not None and keys.keys and rep.engine.events:
+            self._first_keys[request] = keys.keys[0]
         if prepared.report_mode == "full" and not prepared.skip_cache and keys is not None:
             rep.pending[request] = PendingReport(keys.keys, keys.num_tokens)
 
     def request_answered(self, request: RequestId, at: float) -> None:
         """The replica's first bytes for `request` arrived: its stores are published by now."""
         self.pending.answered(request, at)
+        if request in self._first_keys:  # only answered requests must have left their blocks
+            self._answered_keys[request] = self._first_keys.pop(request)
 
     def request_finished(self, replica: EngineId, request: RequestId, at: float) -> None:
         """The request ended at `at`. Its full-mode reports are still recognised for `report_grace_s`
@@ -250,6 +256,10 @@ class Fleet:
         price of taking another request's identical real store in that window for a report."""
         self.pending.answered(request, at)
         rep = self._replicas.get(replica)
+        self._first_keys.pop(request, None)
+        first_key = self._answered_keys.pop(request, None)
+        if rep is not None and first_key is not None:
+            rep.check_stored(self.mirror, first_key, at)
         if rep is not None and request in rep.pending:
             rep.finished[request] = at + self.report_grace_s
             rep.expire_pending(at)

@@ -17,6 +17,7 @@ from events.wire import BlockStored, LazyBlockStored
 from router.config import EngineConfig
 from router.ids import EngineId, RequestId
 from router.mirror import Mirror
+from router.model_spec import finder_kind
 from router.reports import PendingReport
 from router.trust import (
     BlockSizeMismatch,
@@ -25,6 +26,7 @@ from router.trust import (
     ReplayStarted,
     RequestSent,
     Signal,
+    TokenizerMismatch,
     TrustReason,
     TrustState,
     TrustStatus,
@@ -37,6 +39,8 @@ __all__ = ["LAYOUT_FLAGS", "Replica", "replica_summary"]
 LAYOUT_FLAGS: Final = frozenset({"kind_mismatch", "window_mismatch", "unknown_group"})
 """Mirror flags (besides block size) meaning the events do not match the configured layout."""
 _NO_EVENTS: Final = "no KV event endpoint configured: the mirror is empty and hits are never trusted"
+MISMATCH_AFTER: Final = 3
+"""Consecutive ended requests whose first block never appeared before a tokenizer mismatch is declared."""
 
 
 @dataclass
@@ -58,6 +62,7 @@ class Replica:
     applied: int = 0
     reports: int = 0
     resets: int = 0
+    missing_stores: int = 0
 
     _cached: TrustStatus | None = None
     _awaiting_since: float | None = None
@@ -129,6 +134,27 @@ class Replica:
                 if g < len(groups) and ev.block_size != groups[g].block_size:
                     return groups[g].block_size, ev.block_size
         return groups[0].block_size, 0
+
+    def check_stored(self, mirror: Mirror, first_key: int, now: float) -> None:
+        """A request this router sent here has ended: its first block should be in the mirror by now.
+
+        The engine stores every full prompt block it computes, so a trusted mirror that still lacks
+        the router's key for the first block means the engine tokenized (or hashed) the prompt
+        differently. One miss can be an eviction; `MISMATCH_AFTER` in a row is reported as a
+        tokenizer mismatch, and the replica stays stale until its engine restarts.
+        """
+        view = mirror.replica(self.id)
+        if view is None or finder_kind(self.variant.spec.groups[0].kind) != "full":
+            return
+        if not self.status(now, mirror).trusted:
+            return
+        if mirror.count(view, 0, first_key):
+            self.missing_stores = 0
+            return
+        self.missing_stores += 1
+        if self.missing_stores == MISMATCH_AFTER:
+            detail = f"the last {MISMATCH_AFTER} requests sent here left no block with the router's keys"
+            self.observe(TokenizerMismatch(now, detail))
 
     def blocks(self, mirror: Mirror) -> int:
         """GPU blocks (physical copies) in this replica's view, over all groups."""

@@ -25,7 +25,7 @@ from router.ids import EngineId, RequestId
 from router.models import Models
 from router.routing import RoutingCore
 from router.scoring import RouteRequest, Scorer, ScorerSettings
-from router.trust import Gap, TrustState
+from router.trust import Gap, TrustReason, TrustState
 
 PROMPT = list(range(100, 140))  # 40 tokens: 10 blocks of 4
 Build = Callable[..., Awaitable[tuple[Fleet, RoutingCore]]]
@@ -150,3 +150,29 @@ async def test_a_prefix_just_routed_counts_before_its_events_arrive(make: Build,
     assert decision.engine == "b" and decision.predicted_cached_tokens == 24
     later = fleet.clock() + fleet.config.policy.pending_ttl_s + 1
     assert core.decide(sibling, RouteRequest(sibling.session_key), later).predicted_cached_tokens == 0
+
+
+async def test_stores_that_never_match_the_routers_keys_mean_a_tokenizer_mismatch(
+    make: Build, tmp_path: Path
+) -> None:
+    fleet, core = await make(engine(tmp_path, "a"), engine(tmp_path, "b"))
+    a, b = EngineId("a"), EngineId("b")
+    for i in range(3):
+        prompt = [t + 1000 * i for t in PROMPT]
+        prepared = core.models.prepare(body(prompt), Endpoint.COMPLETIONS)
+        now = fleet.clock()
+        fleet.request_sent(a, RequestId(f"a{i}"), prepared, now)
+        serve(fleet, "a", [t + 1 for t in prompt])  # the engine saw other token ids
+        fleet.request_answered(RequestId(f"a{i}"), now)
+        fleet.request_finished(a, RequestId(f"a{i}"), now)
+        fleet.request_sent(b, RequestId(f"b{i}"), prepared, now)
+        serve(fleet, "b", prompt)  # same tokens: its stores carry the router's keys
+        fleet.request_answered(RequestId(f"b{i}"), now)
+        fleet.request_finished(b, RequestId(f"b{i}"), now)
+        unseen = core.models.prepare(body([t + 777 for t in prompt]), Endpoint.COMPLETIONS)
+        fleet.request_sent(b, RequestId(f"c{i}"), unseen, now)  # failed: never answered, not judged
+        fleet.request_finished(b, RequestId(f"c{i}"), now)
+        assert fleet.trust(a, now).state is (TrustState.STALE if i == 2 else TrustState.FRESH)
+    status = fleet.trust(a, fleet.clock())
+    assert status.reason is TrustReason.TOKENIZER_MISMATCH and "router's keys" in status.detail
+    assert fleet.trust(b, fleet.clock()).state is TrustState.FRESH
