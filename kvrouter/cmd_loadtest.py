@@ -42,6 +42,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--workload", default="synthetic", help="'synthetic' or 'trace:PATH' (Mooncake JSONL)")
     p.add_argument("--policies", default="kv,round_robin,least_loaded,oracle", help="comma-separated")
     p.add_argument("--router", help="URL of an external OpenAI-compatible router (policy 'external')")
+    p.add_argument(
+        "--stub-base-port",
+        type=int,
+        help="fixed stub ports: stub i uses P+3i (HTTP), P+3i+1 (events), P+3i+2 (replay); for --router",
+    )
     p.add_argument("--requests", type=int, help="send at most this many requests")
     p.add_argument("--duration", type=float, help="send only requests arriving in the first S seconds")
     p.add_argument("--rate", type=float, default=20.0, help="synthetic: arrivals per second")
@@ -129,6 +134,7 @@ def run(args: argparse.Namespace) -> int:
         embedded=embedded,
         stub_config=str(args.engine_config) if args.engine_config else None,
         router_url=args.router,
+        stub_base_port=args.stub_base_port,
     )
     settings = {"engines": str(args.engines), "workload": args.workload, "requests": str(len(requests))}
     bar = tqdm(total=len(requests) * len(policies), unit="req", desc="loadtest", dynamic_ncols=True)

@@ -23,12 +23,13 @@ import msgspec
 from events.config import KVEventsConfig
 from router.config import Embedded, EngineConfig, ModelConfig
 
-__all__ = ["EmbeddedError", "EmbeddedStubs", "ReadyLine", "stub_argv"]
+__all__ = ["PORTS_PER_STUB", "EmbeddedError", "EmbeddedStubs", "ReadyLine", "stub_argv"]
 
 log = logging.getLogger(__name__)
 
 _EVENTS = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:0", replay_endpoint="tcp://*:0")
 _MAX_LINE = 1 << 20
+PORTS_PER_STUB = 3  # with a base port: HTTP, KV events, replay
 
 
 class EmbeddedError(RuntimeError):
@@ -51,8 +52,8 @@ class ReadyLine(msgspec.Struct, frozen=True):
             name=name,
             url=self.url,
             model=self.model,
-            events=[r.endpoint for r in ranks],
-            replay=[r.replay_endpoint for r in ranks if r.replay_endpoint is not None],
+            events=[_connectable(r.endpoint) for r in ranks],
+            replay=[_connectable(r.replay_endpoint) for r in ranks if r.replay_endpoint is not None],
             tokenizer=embedded.tokenizer,
             block_size=embedded.block_size,
         )
@@ -61,15 +62,34 @@ class ReadyLine(msgspec.Struct, frozen=True):
 _LINE = msgspec.json.Decoder(ReadyLine)
 
 
-def stub_argv(embedded: Embedded, config_file: Path | None, prefix: Sequence[str]) -> list[str]:
-    """The command line of one embedded stub (`prefix` runs the `kvrouter` command)."""
+def _connectable(endpoint: str) -> str:
+    # A fixed port is reported as bound (tcp://*:P); the stubs bind loopback only (VLLM_HOST_IP).
+    return endpoint.replace("tcp://*:", "tcp://127.0.0.1:", 1)
+
+
+def stub_argv(
+    embedded: Embedded, config_file: Path | None, prefix: Sequence[str], base_port: int | None = None
+) -> list[str]:
+    """The command line of one embedded stub (`prefix` runs the `kvrouter` command).
+
+    With `base_port` P the stub listens on fixed ports: HTTP on P, KV events on P+1, replay on
+    P+2 (so a router configured in advance can find it); otherwise every port is ephemeral.
+    """
     config = ["--config", str(config_file)] if config_file is not None else []
+    events, port = _EVENTS, "0"
+    if base_port is not None:
+        port = str(base_port)
+        events = KVEventsConfig(
+            enable_kv_cache_events=True,
+            endpoint=f"tcp://*:{base_port + 1}",
+            replay_endpoint=f"tcp://*:{base_port + 2}",
+        )
     return [
-        *prefix, "--log-level", "WARNING", "engine-stub", "--host", "127.0.0.1", "--port", "0", *config,
+        *prefix, "--log-level", "WARNING", "engine-stub", "--host", "127.0.0.1", "--port", port, *config,
         "--model", embedded.model,
         "--block-size", str(embedded.block_size),
         "--num-gpu-blocks", str(embedded.num_gpu_blocks),
-        "--kv-events-config", msgspec.json.encode(_EVENTS).decode(),
+        "--kv-events-config", msgspec.json.encode(events).decode(),
     ]  # fmt: skip
 
 
@@ -81,9 +101,11 @@ class EmbeddedStubs:
         embedded: Embedded,
         prefix: Sequence[str] = (sys.executable, "-m", "kvrouter"),
         config_file: Path | None = None,
+        base_port: int | None = None,
     ) -> None:
         self.embedded = embedded
         self.config_file = config_file
+        self.base_port = base_port
         self.prefix = list(prefix)
         self.processes: list[asyncio.subprocess.Process] = []
         self.ready: list[ReadyLine] = []
@@ -101,10 +123,12 @@ class EmbeddedStubs:
 
     async def start(self, timeout_s: float = 30.0) -> list[EngineConfig]:
         """Start every stub and wait for all ready lines; on failure, stop those started and raise."""
-        argv = stub_argv(self.embedded, self._config_file(), self.prefix)
+        config_file = self._config_file()
         env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1"}
         try:
-            for _ in range(self.embedded.engines):
+            for i in range(self.embedded.engines):
+                base = None if self.base_port is None else self.base_port + PORTS_PER_STUB * i
+                argv = stub_argv(self.embedded, config_file, self.prefix, base)
                 self.processes.append(await _spawn(argv, env))
             async with asyncio.timeout(timeout_s):
                 self.ready = list(await asyncio.gather(*(self._await_ready(p) for p in self.processes)))

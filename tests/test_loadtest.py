@@ -9,7 +9,12 @@ much as kv.
 
 from __future__ import annotations
 
+import os
+import random
+import socket
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import msgspec
@@ -17,6 +22,8 @@ import msgspec
 from kvrouter.cli import main
 from kvrouter.loadtest.report import PLOTS, Report
 from kvrouter.loadtest.results import RequestResult
+from router.config import EngineConfig, ModelConfig
+from router.embedded import PORTS_PER_STUB
 from tests.conftest import SHARED
 
 STUB = Path(__file__).parent / "data" / "loadtest_stub.toml"
@@ -54,3 +61,51 @@ def test_a_real_mooncake_trace_replays(tmp_path: Path) -> None:
     (kv,) = run(tmp_path, *args, "--policies", "kv").policies
     assert (kv.requests, kv.errors) == (40, 0)
     assert kv.cached_tokens > 0 and kv.prompt_tokens > kv.cached_tokens
+
+
+def _free_port_range(n: int) -> int:
+    """A base port with `n` consecutive free ports on 127.0.0.1 (checked by binding each)."""
+    rng = random.Random()
+    for _ in range(100):
+        base = rng.randrange(20000, 60000 - n)
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no free port range")
+
+
+def test_an_external_router_is_measured_on_the_same_stubs(tmp_path: Path) -> None:
+    base = _free_port_range(2 * PORTS_PER_STUB)
+    engines = [
+        EngineConfig(name=f"s{i}", url=f"http://127.0.0.1:{p}", model="kvrouter-stub",
+                     events=[f"tcp://127.0.0.1:{p + 1}"], replay=[f"tcp://127.0.0.1:{p + 2}"])
+        for i, p in enumerate((base, base + PORTS_PER_STUB))
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "KVROUTER_ENGINES": msgspec.json.encode(engines).decode(),
+        "KVROUTER_MODELS": msgspec.json.encode([ModelConfig(name="kvrouter-stub")]).decode(),
+    }
+    argv = [sys.executable, "-m", "kvrouter", "--log-level", "WARNING", "serve", "--port", "0"]
+    with subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL) as gateway:
+        try:
+            assert gateway.stdout is not None
+            url = msgspec.json.decode(gateway.stdout.readline())["url"]  # the ready line
+            args = ["--requests", "20", "--rate", "20", "--stub-base-port", str(base), "--router", url]
+            (external,) = run(tmp_path, *args, "--policies", "external").policies
+        finally:
+            gateway.terminate()
+            gateway.wait(timeout=30)
+    assert (external.policy, external.requests, external.errors) == ("external", 20, 0)
+    assert set(external.engine_share) == {"s0", "s1"}  # the gateway's own engine names: it routed
+    stubs = msgspec.json.decode((tmp_path / "stubs.json").read_bytes(), type=list[EngineConfig])
+    assert [(e.url, e.events, e.replay) for e in stubs] == [(e.url, e.events, e.replay) for e in engines]

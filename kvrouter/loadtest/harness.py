@@ -44,6 +44,7 @@ class HarnessSpec(msgspec.Struct, frozen=True):
     embedded: Embedded = Embedded()
     stub_config: str | None = None
     router_url: str | None = None
+    stub_base_port: int | None = None
     max_in_flight: int = 1024
     ready_timeout_s: float = 60.0
 
@@ -189,10 +190,14 @@ async def run_harness(
 ) -> tuple[Report, list[RequestResult]]:
     """Run every policy over `requests` and write the report into `spec.out`."""
     stub_config = Path(spec.stub_config) if spec.stub_config else None
-    stubs = EmbeddedStubs(spec.embedded, config_file=stub_config)
+    stubs = EmbeddedStubs(spec.embedded, config_file=stub_config, base_port=spec.stub_base_port)
     summaries: list[PolicySummary] = []
     every: list[RequestResult] = []
     engines = await stubs.start()
+    out = Path(spec.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # The stubs as KVROUTER_ENGINES-style JSON, for pointing an external router at them.
+    (out / "stubs.json").write_bytes(msgspec.json.format(msgspec.json.encode(engines)))
     try:
         endpoints = [StubEndpoint(e.name, e.url) for e in engines]
         ctx = _Context(endpoints, engines, stubs.model())
@@ -206,7 +211,7 @@ async def run_harness(
     finally:
         await stubs.stop()
     report = Report(settings=settings, policies=summaries)
-    write_report(Path(spec.out), report, every)
+    write_report(out, report, every)
     return report, every
 
 
