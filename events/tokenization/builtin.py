@@ -9,12 +9,13 @@ BOS itself, so chat prompts are encoded without adding it again.
 from __future__ import annotations
 
 import re
-from collections.abc import Mapping, Sequence
-from typing import Any, Final
+from collections.abc import Sequence
+from typing import Final
 
-from events.tokenization.base import Message, SpecialTokens
+from events.tokenization.base import SpecialTokens
 from events.tokenization.chat_template import ChatTemplate, TemplateSet
 from events.tokenization.segment_cache import AddedToken, SegmentCache, SegmentedEncoder, Segmenter
+from events.tokenization.templated import TemplatedTokenizer
 
 __all__ = ["BUILTIN_CHAT_TEMPLATE", "BYTE_BASE", "SPECIAL_TOKENS", "BuiltinTokenizer"]
 
@@ -55,7 +56,7 @@ def _bytes_to_ids(text: str) -> list[int]:
     return [BYTE_BASE + b for b in text.encode("utf-8")]
 
 
-class BuiltinTokenizer:
+class BuiltinTokenizer(TemplatedTokenizer):
     """Byte-level tokenizer with special tokens; implements the Tokenizer protocol."""
 
     def __init__(self, cache_entries: int = 8192) -> None:
@@ -72,15 +73,6 @@ class BuiltinTokenizer:
     @property
     def name(self) -> str:
         return "builtin"
-
-    @property
-    def special_tokens(self) -> SpecialTokens:
-        return self._special
-
-    @property
-    def cache(self) -> SegmentCache:
-        """The segment cache (size and hit/miss counters for metrics)."""
-        return self.segments.cache
 
     def _encode_pieces(self, pieces: list[str]) -> list[list[int]]:
         return [self.encode(p, add_special_tokens=False) for p in pieces]
@@ -111,23 +103,3 @@ class BuiltinTokenizer:
             parts.append("" if skip_special_tokens else SPECIAL_TOKENS[i])
         parts.append(run.decode("utf-8", errors="replace"))
         return "".join(parts)
-
-    def apply_chat_template(
-        self,
-        messages: Sequence[Message],
-        add_generation_prompt: bool = True,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        **kwargs: Any,
-    ) -> str:
-        return self.templates.render_chat(messages, add_generation_prompt, tools, self._context, kwargs)
-
-    def chat_tokens(
-        self,
-        messages: Sequence[Message],
-        add_generation_prompt: bool = True,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        **kwargs: Any,
-    ) -> list[int]:
-        add_special = bool(kwargs.pop("add_special_tokens", False))
-        text = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
-        return self.encode_cached(text, add_special_tokens=add_special)

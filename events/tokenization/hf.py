@@ -7,13 +7,12 @@ optionally chat_template.jinja, or a tokenizer shipped inside an installed packa
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import tokenizers
 
-from events.tokenization.base import Message, SpecialTokens, TokenizationError
+from events.tokenization.base import SpecialTokens, TokenizationError
 from events.tokenization.chat_template import ChatTemplate, TemplateSet
 from events.tokenization.hf_files import (
     TokenizerConfig,
@@ -23,6 +22,7 @@ from events.tokenization.hf_files import (
     token_text,
 )
 from events.tokenization.segment_cache import SegmentCache, SegmentedEncoder, Segmenter
+from events.tokenization.templated import TemplatedTokenizer
 
 __all__ = ["HfTokenizer"]
 
@@ -67,7 +67,7 @@ def _special_wrap(tok: tokenizers.Tokenizer) -> tuple[list[int], list[int]] | No
     return None
 
 
-class HfTokenizer:
+class HfTokenizer(TemplatedTokenizer):
     """The Tokenizer protocol over a real tokenizer.json; ``encode_cached`` uses the segment cache."""
 
     def __init__(
@@ -76,7 +76,7 @@ class HfTokenizer:
         self._tok = tok
         self._name = source
         self._special = _special_tokens(tok, config)
-        self._special_context = self._special.template_context()
+        self._context = self._special.template_context()
         self.templates = TemplateSet()
         self._wrap = _special_wrap(tok)
         segmenter = Segmenter(header.added_tokens, header.identity_normalizer)
@@ -118,15 +118,6 @@ class HfTokenizer:
     def name(self) -> str:
         return self._name
 
-    @property
-    def special_tokens(self) -> SpecialTokens:
-        return self._special
-
-    @property
-    def cache(self) -> SegmentCache:
-        """The segment cache (size and hit/miss counters for metrics)."""
-        return self.segments.cache
-
     def _encode_pieces(self, pieces: list[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(pieces, add_special_tokens=False)]
 
@@ -154,24 +145,3 @@ class HfTokenizer:
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         text: str = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return text
-
-    def apply_chat_template(
-        self,
-        messages: Sequence[Message],
-        add_generation_prompt: bool = True,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        **kwargs: Any,
-    ) -> str:
-        context = self._special_context
-        return self.templates.render_chat(messages, add_generation_prompt, tools, context, kwargs)
-
-    def chat_tokens(
-        self,
-        messages: Sequence[Message],
-        add_generation_prompt: bool = True,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        **kwargs: Any,
-    ) -> list[int]:
-        add_special = bool(kwargs.pop("add_special_tokens", False))
-        text = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
-        return self.encode_cached(text, add_special_tokens=add_special)

@@ -1,0 +1,57 @@
+"""What every Tokenizer implementation shares: special tokens, the chat template and the segment cache.
+
+Subclasses set `_special`, `_context` (the template's special-token variables), `templates` and
+`segments`, and implement `encode`, `encode_cached`, `decode` and `name`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from events.tokenization.base import Message, SpecialTokens
+from events.tokenization.chat_template import TemplateSet
+from events.tokenization.segment_cache import SegmentCache, SegmentedEncoder
+
+__all__ = ["TemplatedTokenizer"]
+
+
+class TemplatedTokenizer:
+    """Chat rendering and chat tokenization on top of a subclass's `encode_cached`."""
+
+    _special: SpecialTokens
+    _context: dict[str, str]
+    templates: TemplateSet
+    segments: SegmentedEncoder
+
+    @property
+    def special_tokens(self) -> SpecialTokens:
+        return self._special
+
+    @property
+    def cache(self) -> SegmentCache:
+        """The segment cache (size and hit/miss counters for metrics)."""
+        return self.segments.cache
+
+    def encode_cached(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise NotImplementedError  # pragma: no cover
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        return self.templates.render_chat(messages, add_generation_prompt, tools, self._context, kwargs)
+
+    def chat_tokens(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> list[int]:
+        add_special = bool(kwargs.pop("add_special_tokens", False))
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
+        return self.encode_cached(text, add_special_tokens=add_special)
