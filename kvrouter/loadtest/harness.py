@@ -68,6 +68,7 @@ class GatewayProcess:
         }
         self.process: asyncio.subprocess.Process | None = None
         self.url = ""
+        self._drain: asyncio.Task[None] | None = None
 
     async def start(self, timeout_s: float) -> str:
         """Start the gateway and wait for its ready line and a 200 from /ready; returns its URL."""
@@ -84,6 +85,8 @@ class GatewayProcess:
                     ready = msgspec.json.decode(line, type=_GatewayReady)
                     if ready.event == "ready":
                         self.url = ready.url
+                        # Keep reading stdout: a full pipe would block the gateway if it ever wrote.
+                        self._drain = asyncio.create_task(_drain(self.process.stdout))
                         break
             if not self.url:
                 code = await self.process.wait()
@@ -93,6 +96,9 @@ class GatewayProcess:
 
     async def stop(self) -> None:
         """SIGTERM, then SIGKILL after 10 s."""
+        if self._drain is not None:
+            self._drain.cancel()
+            await asyncio.gather(self._drain, return_exceptions=True)
         if self.process is None or self.process.returncode is not None:
             return
         self.process.terminate()
@@ -101,6 +107,11 @@ class GatewayProcess:
         except TimeoutError:
             self.process.kill()
             await self.process.wait()
+
+
+async def _drain(stream: asyncio.StreamReader) -> None:
+    while await stream.read(65536):
+        pass
 
 
 async def _until_ready(url: str) -> None:
