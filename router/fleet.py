@@ -230,7 +230,8 @@ class Fleet:
     # -- gateway hooks -------------------------------------------------------------------------
 
     def request_sent(self, replica: EngineId, request: RequestId, prepared: Prepared, at: float) -> None:
-        """The gateway sent `request` to `replica`: expect its stores, and in full mode its reports."""
+        """The gateway sent `request` to `replica`: expect its stores, and in full mode its reports
+        (every request is remembered until it finishes or stores, to tell its stores from reports)."""
         rep = self._replicas.get(replica)
         if rep is None:
             return
@@ -241,8 +242,9 @@ class Fleet:
             self.pending.add(request, replica, keys.keys, at)
         if keys is not None and keys.keys and rep.engine.events:
             self._first_keys[request] = keys.keys[0]
-        if prepared.report_mode == "full" and not prepared.skip_cache and keys is not None:
-            rep.pending[request] = PendingReport(keys.keys, keys.num_tokens)
+        if keys is not None and keys.keys:
+            full = prepared.report_mode == "full" and not prepared.skip_cache
+            rep.pending[request] = PendingReport(keys.keys, keys.num_tokens, full, prepared.skip_cache)
 
     def request_answered(self, request: RequestId, at: float) -> None:
         """The replica's first bytes for `request` arrived: its stores are published by now."""
@@ -261,7 +263,8 @@ class Fleet:
         if rep is not None and first_key is not None:
             rep.check_stored(self.mirror, first_key, at)
         if rep is not None and request in rep.pending:
-            rep.finished[request] = at + self.report_grace_s
+            grace = self.report_grace_s if rep.pending[request].full else 0.0
+            rep.finished[request] = at + grace
             rep.expire_pending(at)
 
     # -- subscriber consumer -------------------------------------------------------------------

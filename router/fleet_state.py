@@ -88,7 +88,7 @@ class Replica:
 
     def expire_pending(self, now: float) -> None:
         """Forget full-mode requests that finished more than the grace period before `now`."""
-        for request in [r for r, until in self.finished.items() if until <= now]:
+        for request in [r for r, until in self.finished.items() if until <= now or r not in self.pending]:
             del self.finished[request]
             self.pending.pop(request, None)
 

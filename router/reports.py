@@ -1,21 +1,24 @@
-"""Telling full-mode lookup reports apart from real stores, for requests the router sent with full mode.
+"""Telling full-mode lookup reports apart from real stores, for the requests the router sent.
 
 A request sent with `kv_cache_report_mode=full` makes the engine announce its hit at every lookup: one
 parentless store per group listing the hit's first `n` blocks (semantics doc §5.4). Such a report is
 byte-identical to a cold store, so the mirror must be told (`Mirror.apply(reports=...)`). The gateway
-knows which requests it sent in full mode to which replica (`PendingReport`). A run of events is taken
-as a request's report when it is one dense parentless store per group, in group order, of the same
-`n` blocks, whose keys are the request's first `n` keys, the first such run for that request in the
-batch, and the mirror, exact up to this event, predicts a hit of exactly `n` blocks for the request
-(a real parentless store means that request's hit was 0). Residual ambiguity: another request's real
-stores that coincide in every one of those respects (e.g. a one-block prompt equal to the reported
-block, whose hit is capped to 0 and which re-caches a duplicate copy) are taken as the report, so
-that copy is not counted (a later conservative miss). Pure.
+tells the fleet every request it sends, with its keys, report mode and skip flag (`PendingReport`).
+At each dense parentless store of group 0, with the mirror exact up to that event:
+- if it covers the first `n` keys of a non-full request not yet seen storing, whose hit is 0 now,
+  it is that request's real store (the request is then forgotten: its later stores have parents);
+- else, if it starts a run of one dense parentless store per group, in group order, over the same
+  `n` blocks, covering the first `n` keys of a full-mode request whose hit is exactly `n` blocks
+  now (first such run for it in the batch), the run is that request's report.
+Residual ambiguity: a request the router did not send (another router, a direct client) storing the
+same prefix is taken as a report while a matching full request is pending, and a full request looked
+up again (preempted) whose report coincides with a pending request's first store is taken as a store.
+Pure.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import MutableMapping, Sequence
 
 import msgspec
 
@@ -32,10 +35,12 @@ Batch = KVEventBatch | LazyKVEventBatch
 
 
 class PendingReport(msgspec.Struct, frozen=True):
-    """A request sent in full report mode to a replica: its keys (at the hash block size) and length."""
+    """A request sent to a replica: its keys (at the hash block size), length, report mode and skip flag."""
 
     keys: list[int]
     num_tokens: int
+    full: bool = True
+    skip_cache: bool = False
 
 
 def apply_batch(
@@ -43,7 +48,7 @@ def apply_batch(
     replica: EngineId,
     spec: ModelSpec,
     batch: Batch,
-    pending: Mapping[RequestId, PendingReport],
+    pending: MutableMapping[RequestId, PendingReport],
 ) -> int:
     """Apply `batch` to `replica`'s view (rank 0), marking pending requests' reports; returns how many."""
     if batch.data_parallel_rank:
@@ -56,12 +61,15 @@ def apply_batch(
     matched: set[RequestId] = set()
     groups = len(spec.groups)
     start = 0
-    for i in range(len(events)):
-        if reports[i] or not _report_run(events, i, groups):
+    for i, ev in enumerate(events):
+        if reports[i] or not isinstance(ev, BlockStored | LazyBlockStored) or (ev.group_idx or 0) != 0:
+            continue
+        if not _dense_parentless(ev):
             continue
         _apply(mirror, replica, batch, start, i, reports)
         start = i
-        if _is_report(mirror, replica, spec, events[i], pending, matched):  # type: ignore[arg-type]
+        run = _report_run(events, i, groups)
+        if _is_report(mirror, replica, spec, ev, pending, matched, run):
             reports[i : i + groups] = [True] * groups
     _apply(mirror, replica, batch, start, len(events), reports)
     return sum(reports)
@@ -112,19 +120,29 @@ def _is_report(
     replica: EngineId,
     spec: ModelSpec,
     ev: BlockStored | LazyBlockStored,
-    pending: Mapping[RequestId, PendingReport],
+    pending: MutableMapping[RequestId, PendingReport],
     matched: set[RequestId],
+    run: bool,
 ) -> bool:
     keys = _store_keys(mirror, spec, ev)
     if keys is None:
         return False
     n = len(keys)
-    for rid, p in pending.items():
-        if rid in matched or p.keys[:n] != keys:
-            continue
-        request = LookupRequest(p.keys, p.num_tokens)
-        hit = lookup(mirror, spec, request, [replica])[ReplicaId(replica, 0)].hit_tokens
-        if hit == n * ev.block_size:
+    hits = {rid: _hit(mirror, spec, replica, p) for rid, p in pending.items() if p.keys[:n] == keys}
+    # A request not yet seen storing, whose hit is 0, caches its prefix from block 0: a real store.
+    for rid, hit in hits.items():
+        if not pending[rid].full and hit == 0:
+            del pending[rid]  # its later stores have parents
+            return False
+    for rid, hit in hits.items():
+        if run and pending[rid].full and rid not in matched and hit == n * ev.block_size:
             matched.add(rid)
             return True
     return False
+
+
+def _hit(mirror: Mirror, spec: ModelSpec, replica: EngineId, p: PendingReport) -> int:
+    if p.skip_cache:
+        return 0
+    request = LookupRequest(p.keys, p.num_tokens)
+    return lookup(mirror, spec, request, [replica])[ReplicaId(replica, 0)].hit_tokens

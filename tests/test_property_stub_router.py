@@ -72,10 +72,7 @@ class Op(msgspec.Struct, frozen=True):
             prev = history[self.base % len(history)]
             cut = len(prev) if self.whole else self.cut % (len(prev) + 1)
             prefix = prev[: cut - cut % BS if self.aligned else cut]
-        tokens = ([*prefix, *self.new] or [1])[:MAX_PROMPT]
-        # A one-block prompt is the one stream whose real duplicate store is identical to a full-mode
-        # report of the same block (router/reports.py, residual ambiguity): lengthen it by a token.
-        return [*tokens, 0] if len(tokens) == BS else tokens
+        return ([*prefix, *self.new] or [1])[:MAX_PROMPT]
 
     def body(self, tokens: list[int]) -> bytes:
         body: dict[str, object] = {"model": LORA if self.lora else "m", "prompt": tokens, "max_tokens": 1}
