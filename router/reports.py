@@ -5,8 +5,8 @@ parentless store per group listing the hit's first `n` blocks (semantics doc §5
 byte-identical to a cold store, so the mirror must be told (`Mirror.apply(reports=...)`). The gateway
 tells the fleet every request it sends, with its keys, report mode and skip flag (`PendingReport`).
 At each dense parentless store of group 0, with the mirror exact up to that event:
-- if it covers the first `n` keys of a non-full request not yet seen storing, whose hit is 0 now,
-  it is that request's real store (the request is then forgotten: its later stores have parents);
+- if it covers the first `n` keys of a request not yet seen storing, whose hit is 0 now, it is that
+  request's real store (a non-full request is then forgotten: its later stores have parents);
 - else, if it starts a run of one dense parentless store per group, in group order, over the same
   `n` blocks, covering the first `n` keys of a full-mode request whose hit is exactly `n` blocks
   now (first such run for it in the batch), the run is that request's report.
@@ -41,6 +41,7 @@ class PendingReport(msgspec.Struct, frozen=True):
     num_tokens: int
     full: bool = True
     skip_cache: bool = False
+    stored: bool = False
 
 
 def apply_batch(
@@ -131,8 +132,12 @@ def _is_report(
     hits = {rid: _hit(mirror, spec, replica, p) for rid, p in pending.items() if p.keys[:n] == keys}
     # A request not yet seen storing, whose hit is 0, caches its prefix from block 0: a real store.
     for rid, hit in hits.items():
-        if not pending[rid].full and hit == 0:
-            del pending[rid]  # its later stores have parents
+        p = pending[rid]
+        if not p.stored and hit == 0:
+            if p.full:  # still looked up again if preempted: keep it, as one that has stored
+                pending[rid] = msgspec.structs.replace(p, stored=True)
+            else:
+                del pending[rid]  # its later stores have parents
             return False
     for rid, hit in hits.items():
         if run and pending[rid].full and rid not in matched and hit == n * ev.block_size:
