@@ -87,6 +87,8 @@ class ModelConfig(_Table, frozen=True):
     groups: list[GroupConfig] = []
     hashing: Literal["router", "vllm"] = "router"
     hash_algo: Literal["sha256", "sha256_cbor"] = "sha256"
+    remote_tokenize: bool = False
+    loras: dict[str, str] = {}
 
 
 class PolicyConfig(_Table, frozen=True):

@@ -33,6 +33,7 @@ from router.models import Models, Prepared
 from router.proxy import Proxy, ProxyRequest, UpstreamResponse
 from router.record import GatewayRecorder
 from router.relay import RelayResponse
+from router.remote_tokenize import RemoteTokenizeError, RemoteTokenizer
 from router.routing import RoutingCore
 from router.scoring import RouteRequest
 from router.usage import UsageTap
@@ -127,12 +128,32 @@ class Gateway:
         self.session_header = parts.config.policy.session_header.lower()
         self.max_body = parts.config.limits.max_body_bytes
 
-    def prepare(self, body: bytes, endpoint: Endpoint) -> Prepared:
-        """`Models.prepare`, its errors as 400s naming the field."""
+    async def prepare(self, body: bytes, endpoint: Endpoint) -> Prepared:
+        """`Models.prepare` (with an engine's /tokenize for `remote_tokenize` models), errors as 400s."""
+        models = self.parts.models
         try:
-            return self.parts.models.prepare(body, endpoint)
+            model = models.resolve(body)
+            if models.needs_remote(model):
+                tokens = await self._remote_tokens(body, model)
+                if tokens is not None:
+                    return models.prepare_tokens(body, endpoint, tokens, model)
+            return models.prepare(body, endpoint, model)
         except RequestError as exc:
             raise BadRequest(str(exc)) from None
+
+    async def _remote_tokens(self, body: bytes, model: str) -> list[int] | None:
+        """The prompt ids from the first reachable replica of `model`; None (logged) when none answers."""
+        session = self.parts.proxy.session
+        replicas = self.parts.fleet.replicas(model) if session is not None else []
+        for replica in replicas:
+            assert session is not None
+            base_url, _ = self.parts.fleet.replica_target(replica)
+            try:
+                return await RemoteTokenizer(session).tokenize(base_url, body)
+            except RemoteTokenizeError as exc:
+                log.warning("remote tokenization failed", extra={"engine": replica, "error": str(exc)})
+        self.parts.metrics.remote_tokenize_failures.inc()
+        return None
 
     def route_request(self, request: Request, prepared: Prepared) -> RouteRequest:
         """The scoring view of the request: its stable key and session."""
@@ -157,7 +178,7 @@ class Gateway:
     async def _admitted(self, request: Request, endpoint: Endpoint, rid: str, arrived: float) -> Response:
         parts = self.parts
         body = await read_body(request, self.max_body)
-        prepared = self.prepare(body, endpoint)
+        prepared = await self.prepare(body, endpoint)
         entry = parts.ring.add(DecisionEntry(request_id=rid, time=time.time(), request=view_of(prepared)))
         proxied = ProxyRequest(request.method, endpoint.value, self._forward_headers(request), body)
         flight = Flight(parts.fleet, parts.core, proxied, entry, self.route_request(request, prepared))
@@ -242,9 +263,9 @@ class Gateway:
                 },
             )
 
-    def explain(self, body: bytes, endpoint: Endpoint, session: str | None) -> Explanation:
+    async def explain(self, body: bytes, endpoint: Endpoint, session: str | None) -> Explanation:
         """What routing would decide for `body` now, without sending it (for `POST /debug/route`)."""
-        prepared = self.prepare(body, endpoint)
+        prepared = await self.prepare(body, endpoint)
         route = RouteRequest(key=prepared.session_key, session=session)
         decision = self.parts.core.decide(prepared, route, self.parts.fleet.clock())
         return Explanation(view_of(prepared), decision, dict(prepared.timings))

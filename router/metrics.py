@@ -146,6 +146,11 @@ class RouterMetrics:
             "kvrouter_rejected_requests", "requests refused before routing", ["reason"], registry=r
         )
         self.engines = Gauge("kvrouter_engines", "engines known to the router", registry=r)
+        self.remote_tokenize_failures = Counter(
+            "kvrouter_remote_tokenize_failures",
+            "requests tokenized locally: no engine /tokenize answered",
+            registry=r,
+        )
         r.register(_EngineCollector(views, clock))
 
     def observe_prediction(self, engine: str, predicted: int, actual: int) -> None:

@@ -195,6 +195,11 @@ class Proxy:
         self.clock = clock
         self._session: aiohttp.ClientSession | None = None
 
+    @property
+    def session(self) -> aiohttp.ClientSession | None:
+        """The upstream session (None before `start`), shared with other calls to engines."""
+        return self._session
+
     async def start(self) -> None:
         """Create the session and its keep-alive connection pool (call from the running loop)."""
         s = self.settings
