@@ -195,6 +195,9 @@ class Gateway:
             self._failed(entry, exc)
             raise
         entry.attempts = upstream.attempts
+        for attempt in upstream.attempts[:-1]:  # each earlier attempt was moved to another engine
+            reason = attempt.outcome.value if attempt.status == 0 else f"http_{attempt.status}"
+            parts.metrics.retries.labels(reason).inc()
         own = sum(prepared.timings.get(stage, 0.0) for stage in _STAGES)
         pre_forward = max(0.0, forwarding - arrived - own)
         return self._relay(upstream, flight, entry, pre_forward)

@@ -62,6 +62,11 @@ async def test_embedded_engine_killed_mid_run_fails_over_and_the_recording_reads
         )
         assert [d.engine for d in entry.decisions] == [warm, answers[0].headers["x-kvrouter-engine"]]
         assert entry.attempts[0].outcome in (OutcomeKind.CONNECT_FAILED, OutcomeKind.DISCONNECTED)
+        metrics = (await gw.client.get("/metrics")).text
+        retried = [
+            line for line in metrics.splitlines() if line.startswith("kvrouter_upstream_retries_total{")
+        ]
+        assert retried and sum(float(line.rsplit(" ", 1)[1]) for line in retried) >= 1
         request_ids = [first.headers["x-request-id"], *(a.headers["x-request-id"] for a in answers)]
 
     with RecordingReader.open(record) as reader:
