@@ -215,7 +215,6 @@ async def run_harness(
         for stub in endpoints:
             await _warm_up(stub.url, spec.embedded.model)
         for policy in spec.policies:
-            await _reset(endpoints)
             results, elapsed = await _run_policy(policy, requests, spec, ctx, on_done)
             summaries.append(summarize(policy, results, elapsed))
             every.extend(results)
