@@ -1,8 +1,10 @@
 """The gateway's HTTP app: OpenAI routes, health, metrics, debug and admin, over one `Service`.
 
-Routes are plain Starlette endpoints (no FastAPI dependency solving on the hot path); the lifespan
-starts the `Service` and builds the handlers. Every `RouterError` becomes an OpenAI-format error body
-with its status and headers (Retry-After included) and the request's `x-request-id`.
+The two hot routes (`POST /v1/completions`, `POST /v1/chat/completions`) go straight from ASGI to
+`Gateway.handle`, before Starlette's middleware and routing; everything else is a plain Starlette
+endpoint (no FastAPI dependency solving). The lifespan starts the `Service` and builds the handlers.
+Every `RouterError` becomes an OpenAI-format error body with its status and headers (Retry-After
+included) and the request's `x-request-id`.
 """
 
 from __future__ import annotations
@@ -17,19 +19,21 @@ from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from events.openai_request import Endpoint
 from router.admin import AdminApi, NotFound
 from router.config import RouterConfig
-from router.errors import RouterError
-from router.gateway import ClientGone, Gateway, GatewayParts, read_body, request_id_of
+from router.errors import NoEngineAvailable, RouterError
+from router.gateway import ClientGone, Gateway, GatewayParts, read_body, request_id_of, send_error
 from router.passthrough import Passthrough
 from router.serve import ServeOptions, Service
 
-__all__ = ["Handlers", "create_app"]
+__all__ = ["GatewayApp", "Handlers", "create_app"]
 
 _JSON: Final = "application/json"
 _EXPLAIN_LIMIT: Final = 64 << 20
+_HOT: Final = {"/v1/completions": Endpoint.COMPLETIONS, "/v1/chat/completions": Endpoint.CHAT}
 
 
 class _Shape(msgspec.Struct):
@@ -86,6 +90,23 @@ class Handlers:
         return Response(self.parts.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
+class GatewayApp(FastAPI):
+    """The FastAPI app with the hot routes taken before Starlette (see the module docstring)."""
+
+    handlers: list[Handlers]
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = _HOT.get(scope["path"])
+            if endpoint is not None:
+                if self.handlers:
+                    await self.handlers[0].gateway.handle(scope, receive, send, endpoint)
+                else:
+                    await send_error(send, NoEngineAvailable("the gateway is not started"), "none")
+                return
+        await super().__call__(scope, receive, send)
+
+
 def error_response(request: Request, exc: RouterError) -> Response:
     """The OpenAI-format answer to a gateway error."""
     headers = {**exc.headers, "x-request-id": request_id_of(request)}
@@ -97,7 +118,7 @@ def create_app(
     options: ServeOptions | None = None,
     environ: Mapping[str, str] | None = None,
     on_started: Callable[[GatewayParts], None] | None = None,
-) -> FastAPI:
+) -> GatewayApp:
     """The gateway app for `config`; its lifespan starts and stops the service."""
     service = Service(config, options or ServeOptions(), os.environ if environ is None else environ)
     box: list[Handlers] = []
@@ -115,7 +136,8 @@ def create_app(
             box.clear()
             await service.stop()
 
-    app = FastAPI(title="kvrouter", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    app = GatewayApp(title="kvrouter", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    app.handlers = box
     app.state.service = service
     _add_routes(app, box)
 
@@ -141,18 +163,10 @@ def _add_routes(app: FastAPI, box: list[Handlers]) -> None:
 
         return endpoint
 
-    async def completions(request: Request) -> Response:
-        return await box[0].gateway.completion(request, Endpoint.COMPLETIONS)
-
-    async def chat(request: Request) -> Response:
-        return await box[0].gateway.completion(request, Endpoint.CHAT)
-
     async def health(request: Request) -> Response:
         return Response(b'{"status":"ok"}', media_type=_JSON)
 
     add = app.router.add_route
-    add("/v1/completions", completions, methods=["POST"])
-    add("/v1/chat/completions", chat, methods=["POST"])
     add("/v1/models", h(lambda x: x.passthrough.models), methods=["GET"])
     methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
     add("/v1/{path:path}", h(lambda x: x.passthrough.forward), methods=methods)

@@ -1,10 +1,11 @@
 """The request path: admit, read, prepare, decide, forward, relay, account. One `Gateway` per process.
 
-`completion()` serves `/v1/completions` and `/v1/chat/completions`: the body is read once (size
-limited) and forwarded byte for byte; routing reads only what `Models.prepare` needs. Answers carry
+`handle()` serves `/v1/completions` and `/v1/chat/completions` straight over ASGI (the app's
+`HotRoutes` sends them here before Starlette sees them): the body is read once (size limited) and
+forwarded byte for byte; routing reads only what `Models.prepare` needs. Answers carry
 `x-request-id`, `x-kvrouter-engine` and `x-kvrouter-predicted-cached-tokens`. Every outcome is
 counted in the metrics, kept in the decision ring, and (with `--record`) written to the recording.
-Failures are `RouterError`s, turned into OpenAI-format bodies by the app's handler.
+Failures are `RouterError`s, answered as OpenAI-format bodies.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from dataclasses import dataclass
 from typing import Final, TypeVar
 
 from starlette.requests import Request
-from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
 
 from events.openai_request import Endpoint, RequestError
 from router.auth import Guard
+from router.client_io import ClientWatch, read_asgi_body, send_whole
 from router.config import RouterConfig
 from router.debug import DecisionEntry, DecisionRing, Explanation, PreparedView
 from router.errors import BadRequest, RequestTooLarge, RouterError
@@ -38,13 +40,14 @@ from router.routing import RoutingCore
 from router.scoring import RouteRequest
 from router.usage import UsageTap
 
-__all__ = ["ClientGone", "Gateway", "GatewayParts", "read_body", "request_id_of"]
+__all__ = ["ClientGone", "Gateway", "GatewayParts", "read_body", "request_id_of", "send_error"]
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
 
 _SANE_ID: Final = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _STAGES: Final = ("tokenize", "hash", "lookup", "score")
+_JSON: Final = b"application/json"
 
 
 class ClientGone(Exception):
@@ -88,6 +91,13 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+async def send_error(send: Send, exc: RouterError, request_id: str) -> None:
+    """Answer with `exc` as an OpenAI-format error body (its headers, Retry-After included)."""
+    headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
+    headers += [(b"content-type", _JSON), (b"x-request-id", request_id.encode())]
+    await send_whole(send, exc.http_status(), headers, exc.body())
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
@@ -159,25 +169,48 @@ class Gateway:
         """The scoring view of the request: its stable key and session."""
         return RouteRequest(key=prepared.session_key, session=request.headers.get(self.session_header))
 
-    async def completion(self, request: Request, endpoint: Endpoint) -> Response:
-        """Route and forward one completions or chat request; the answer streams through."""
-        arrived = time.perf_counter()
-        rid = request_id_of(request)
-        parts = self.parts
-        parts.guard.check_api(request.headers)
-        admission = parts.fleet.admission
-        if not admission.enter():
-            parts.metrics.rejected.labels("overloaded").inc()
-            raise admission.overloaded()
-        try:
-            return await self._admitted(request, endpoint, rid, arrived)
-        except BaseException:
-            admission.leave()
-            raise
+    async def handle(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        """Serve one completions or chat request straight over ASGI: route, forward, stream back.
 
-    async def _admitted(self, request: Request, endpoint: Endpoint, rid: str, arrived: float) -> Response:
+        A `RouterError` before the answer starts becomes its OpenAI-format body; a client that goes
+        away cancels whatever runs (the upstream request or the relay) and the request ends as 499."""
+        arrived = time.perf_counter()
+        request = Request(scope, receive)
+        rid = request_id_of(request)
+        relay: RelayResponse | None = None
+        watch: ClientWatch | None = None
+        try:
+            self.parts.guard.check_api(request.headers)
+            admission = self.parts.fleet.admission
+            if not admission.enter():
+                self.parts.metrics.rejected.labels("overloaded").inc()
+                raise admission.overloaded()
+            try:
+                body = await read_asgi_body(receive, scope["headers"], self.max_body)
+                watch = ClientWatch(receive)
+                relay = await self._admitted(request, endpoint, body, rid, arrived)
+            except BaseException:
+                admission.leave()
+                raise
+            await relay.stream_to(send, watch)
+        except RouterError as exc:
+            if relay is None:  # nothing was sent yet
+                await send_error(send, exc, rid)
+            else:
+                raise
+        except asyncio.CancelledError:
+            if watch is None or not watch.absorb():
+                raise
+        finally:
+            if watch is not None:
+                watch.close()
+            if relay is not None:
+                relay.abandon()
+
+    async def _admitted(
+        self, request: Request, endpoint: Endpoint, body: bytes, rid: str, arrived: float
+    ) -> RelayResponse:
         parts = self.parts
-        body = await read_body(request, self.max_body)
         prepared = await self.prepare(body, endpoint)
         entry = parts.ring.add(DecisionEntry(request_id=rid, time=time.time(), request=view_of(prepared)))
         proxied = ProxyRequest(request.method, endpoint.value, self._forward_headers(request), body)
@@ -189,7 +222,7 @@ class Gateway:
         entry.timings_s = dict(prepared.timings)
         forwarding = time.perf_counter()
         try:
-            upstream = await until_disconnect(request, parts.proxy.forward(proxied, flight.choose))
+            upstream = await parts.proxy.forward(proxied, flight.choose)
         except BaseException as exc:
             flight.finish()
             self._failed(entry, exc)

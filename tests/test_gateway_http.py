@@ -194,6 +194,10 @@ async def test_client_disconnect_cancels_upstream_streaming_and_not() -> None:
                 await task
             await wait_for(lambda: _async(not engine.scheduler.requests))
             await wait_for(lambda: _async(gw.parts.fleet.admission.total == 0))
+            # Both requests ended as "client closed" (one mid-stream, one before its answer started).
+            text = (await gw.client.get("/metrics")).text
+            assert metric(text, "kvrouter_requests_total", policy="kv", status="client_closed") == 2
+            assert metric(text, "kvrouter_requests_total", policy="kv", status="200") == 0
 
 
 async def _async(value: bool) -> bool:
