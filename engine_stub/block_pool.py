@@ -26,7 +26,18 @@ CacheKey = tuple[BlockDigest, int]
 class StoreRange:
     """What `BlockPool.cache_full_blocks` needs to know about one request's newly full blocks."""
 
-    __slots__ = ("digests", "end", "extra_keys", "lora_id", "lora_name", "session_id", "start", "tokens")
+    __slots__ = (
+        "block_size",
+        "digests",
+        "end",
+        "extra_keys",
+        "lookahead",
+        "lora_id",
+        "lora_name",
+        "session_id",
+        "start",
+        "tokens",
+    )
 
     def __init__(
         self,
@@ -38,14 +49,20 @@ class StoreRange:
         extra_keys: Sequence[tuple[Any, ...] | None],
         lora: tuple[int | None, str | None] = (None, None),
         session_id: str | None = None,
+        lookahead: Sequence[list[int]] | None = None,
     ) -> None:
         self.digests = digests
+        """The request's digests at this range's block size (index = block index)."""
         self.tokens = tokens
         self.start = start
         self.end = end
+        self.block_size = len(tokens) // (end - start) if end > start else 0
         self.extra_keys = extra_keys
+        """Event extra keys of blocks `[start, end)`."""
         self.lora_id, self.lora_name = lora
         self.session_id = session_id
+        self.lookahead = lookahead
+        """Lookahead token ids of blocks `[start, end)` (lookahead hashing only)."""
 
 
 class BlockPool:
@@ -138,7 +155,7 @@ class BlockPool:
             return False
         self._cache.clear()
         for block in self.blocks:
-            block.key = None
+            block.key, block.key_tokens, block.extra_keys = None, 0, []
         self._events.append(AllBlocksCleared())
         return True
 
@@ -150,52 +167,62 @@ class BlockPool:
         """Key blocks `[rng.start, rng.end)` of a request's table and emit one `BlockStored` for them.
 
         Null and masked-out blocks are skipped, but the event still spans the whole token range
-        (its `block_hashes` may be empty) and names the hash before the range as parent.
+        (its `block_hashes` may be empty) and names the hash before the range as parent. A block
+        keyed by a partial entry is promoted: its old keys are removed first.
         """
         if rng.start >= rng.end:
             return
-        block_size = len(rng.tokens) // (rng.end - rng.start)
-        hashes: list[int] = []
-        extras: list[tuple[Any, ...] | None] = []
+        kept: list[int] = []
         for i in range(rng.start, rng.end):
             block = blocks[i]
             if block.is_null or (mask is not None and not mask[i - rng.start]):
                 continue
-            self._insert(block, (rng.digests[i], group))
-            hashes.append(wire_hash(rng.digests[i]))
-            extras.append(rng.extra_keys[i - rng.start])
+            num_tokens = (i + 1) * rng.block_size
+            if block.key is not None and block.key_tokens < num_tokens:
+                self._evict(block)
+            self._insert(block, (rng.digests[i], group), num_tokens)
+            kept.append(i - rng.start)
         parent = None if rng.start == 0 else wire_hash(rng.digests[rng.start - 1])
-        self._events.append(self.stored_event(rng, hashes, parent, extras, group, block_size))
+        self._events.append(self.stored_event(rng, kept, parent, group))
 
-    def stored_event(
-        self,
-        rng: StoreRange,
-        hashes: list[int],
-        parent: int | None,
-        extras: list[tuple[Any, ...] | None],
-        group: int,
-        block_size: int,
-    ) -> BlockStored:
-        """A `BlockStored` shaped exactly as vLLM builds it (before the spec-kind annotation)."""
+    def cache_partial_block(self, rng: StoreRange, block: Block, group: int) -> None:
+        """Register a partial entry: `block` becomes reachable from the prefix ending at hash unit
+        `rng.end` (`rng` spans that one unit at the hash block size); emits a one-hash `BlockStored`."""
+        if block.is_null:
+            return
+        key = (rng.digests[rng.start], group)
+        num_tokens = rng.end * rng.block_size
+        already = block.key == key or block.block_id in self._cache.get(key, {})
+        if not already and block.key is not None and block.key_tokens < num_tokens:
+            self._evict(block)
+        self._insert(block, key, num_tokens)
+        if not already:
+            parent = None if rng.start == 0 else wire_hash(rng.digests[rng.start - 1])
+            self._events.append(self.stored_event(rng, [0], parent, group))
+
+    def stored_event(self, rng: StoreRange, kept: list[int], parent: int | None, group: int) -> BlockStored:
+        """A `BlockStored` for the blocks of `rng` at offsets `kept`, shaped exactly as vLLM builds it
+        (before the spec-kind annotation); the token ids span the whole range."""
+        lookahead = None if rng.lookahead is None else [list(rng.lookahead[k]) for k in kept]
         return BlockStored(
-            block_hashes=list(hashes),
+            block_hashes=[wire_hash(rng.digests[rng.start + k]) for k in kept],
             parent_block_hash=parent,
             token_ids=list(rng.tokens),
-            block_size=block_size,
+            block_size=rng.block_size,
             lora_id=rng.lora_id,
             medium=MEDIUM_GPU,
             lora_name=rng.lora_name,
-            extra_keys=extras or None,
+            extra_keys=[rng.extra_keys[k] for k in kept] or None,
             group_idx=group,
             session_id=rng.session_id,
+            lookahead_token_ids=lookahead,
         )
 
-    def report_cached(self, rng: StoreRange, group: int, block_size: int) -> None:
+    def report_cached(self, rng: StoreRange, group: int) -> None:
         """Full report mode: announce reused blocks `[0, rng.end)` again; no state changes."""
         if rng.end == 0:
             return
-        hashes = [wire_hash(d) for d in rng.digests[: rng.end]]
-        self._events.append(self.stored_event(rng, hashes, None, list(rng.extra_keys), group, block_size))
+        self._events.append(self.stored_event(rng, list(range(rng.end)), None, group))
 
     def take_events(self) -> list[KVEvent]:
         """Swap out and return the queued events."""
@@ -204,24 +231,30 @@ class BlockPool:
 
     # -- internals -------------------------------------------------------------------------------
 
-    def _insert(self, block: Block, key: CacheKey) -> None:
+    def _insert(self, block: Block, key: CacheKey, num_tokens: int) -> None:
+        if block.key == key:
+            return
         copies = self._cache.setdefault(key, {})
         if block.block_id in copies:
             return
-        assert block.key is None, f"block {block.block_id} is already keyed"
-        block.key = key
+        if block.key is None:
+            block.key, block.key_tokens = key, num_tokens
+        else:
+            block.extra_keys.append(key)
         copies[block.block_id] = block
 
     def _evict(self, block: Block) -> None:
-        key = block.key
-        if key is None:
+        """Strip every key of `block` (primary first, then partial entries), one `BlockRemoved` each."""
+        if block.key is None:
             return
-        block.key = None
-        copies = self._cache.get(key)
-        if copies is None or copies.pop(block.block_id, None) is None:
-            return
-        if not copies:
-            del self._cache[key]
-        self._events.append(
-            BlockRemoved(block_hashes=[wire_hash(key[0])], medium=MEDIUM_GPU, group_idx=key[1])
-        )
+        keys = [block.key, *block.extra_keys]
+        block.key, block.key_tokens, block.extra_keys = None, 0, []
+        for key in keys:
+            copies = self._cache.get(key)
+            if copies is None or copies.pop(block.block_id, None) is None:
+                continue
+            if not copies:
+                del self._cache[key]
+            self._events.append(
+                BlockRemoved(block_hashes=[wire_hash(key[0])], medium=MEDIUM_GPU, group_idx=key[1])
+            )

@@ -19,13 +19,17 @@ BlockId = NewType("BlockId", int)
 class Block:
     """One physical block: its id, reference count, cache key and free-queue links."""
 
-    __slots__ = ("block_id", "is_null", "key", "next", "prev", "ref_cnt")
+    __slots__ = ("block_id", "extra_keys", "is_null", "key", "key_tokens", "next", "prev", "ref_cnt")
 
     def __init__(self, block_id: int) -> None:
         self.block_id = BlockId(block_id)
         self.ref_cnt = 0
         self.key: tuple[BlockDigest, int] | None = None
-        """The primary cache key (digest, group), set at most once until eviction or reset."""
+        """The primary cache key (digest, group), set at most once until eviction, reset or promotion."""
+        self.key_tokens = 0
+        """The prefix length the primary key covers (a partial entry covers less than the block)."""
+        self.extra_keys: list[tuple[BlockDigest, int]] = []
+        """Partial-block entries registered on a block that already had a primary key."""
         self.is_null = False
         self.prev: Block | None = None
         self.next: Block | None = None

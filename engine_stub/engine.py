@@ -111,10 +111,10 @@ class EngineRuntime:
 
     def _check_fits(self, total_tokens: int) -> None:
         cache = self.config.engine.cache
-        needed = math.ceil(total_tokens / cache.block_size) * len(cache.groups)
+        needed = sum(math.ceil(total_tokens / g.block_size) for g in cache.groups)
         if needed > cache.num_gpu_blocks - 1:  # block 0 is vLLM's null block
             raise ValueError(
-                f"the request needs {needed} KV blocks of {cache.block_size} tokens, "
+                f"the request needs {needed} KV blocks over {len(cache.groups)} group(s), "
                 f"but the engine has {cache.num_gpu_blocks - 1}"
             )
 

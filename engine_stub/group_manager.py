@@ -12,7 +12,7 @@ from typing import NamedTuple
 
 from .block_pool import Block, BlockPool
 from .config import GroupKind, GroupSpec
-from .kv_groups import cacheable_mask, num_skipped_tokens
+from .kv_groups import MaskArgs, cacheable_mask, num_skipped_tokens
 from .request import Request, RequestId
 
 __all__ = ["GroupManager", "SlotQuery", "make_group_manager"]
@@ -41,6 +41,10 @@ class GroupManager:
         self.pool = pool
         self.block_size = spec.block_size
         self.admission_cap = admission_cap
+        # Set by the KV manager once the whole layout is known (vLLM sets them after construction too).
+        self.hash_block_size = spec.block_size
+        self.align = spec.block_size
+        self.eagle = False
         self.tables: dict[RequestId, list[Block]] = {}
         self.num_cached: dict[RequestId, int] = {}
 
@@ -81,21 +85,45 @@ class GroupManager:
         table.extend(new)
         return new
 
-    def cache_blocks(self, req: Request, num_tokens: int, retention: int | None) -> None:
-        """Key the blocks that became full up to `num_tokens` and emit their `BlockStored`."""
+    def cache_blocks(
+        self, req: Request, num_tokens: int, retention: int | None, replay: Sequence[int]
+    ) -> None:
+        """Key the blocks that became full up to `num_tokens` and emit their `BlockStored`.
+
+        `replay` are the positions a resend of the prompt can resume at; with the request's junction
+        they decide what a sparse group keeps. A full-attention group coarser than the hash block size
+        also registers the prompt's hash-aligned tail as a partial entry.
+        """
         rid = req.request_id
         start = self.num_cached.get(rid, 0)
-        end = min(num_tokens, len(req.block_hashes) * self.block_size) // self.block_size
-        if start >= end:
+        end = min(num_tokens, len(req.block_hashes) * self.hash_block_size) // self.block_size
+        if start < end:
+            boundaries = list(replay)
+            if req.shared_prefix_boundary:
+                boundaries.append(req.shared_prefix_boundary)
+                if self.eagle:
+                    boundaries.append(req.shared_prefix_boundary - self.block_size)
+            args = MaskArgs(start, end, retention, boundaries, self.align, self.eagle)
+            mask = cacheable_mask(self.spec, args)
+            self.pool.cache_full_blocks(
+                req.store_range(start, end, self.block_size), self.tables[rid], self.gid, mask
+            )
+            self.num_cached[rid] = end
+        if self.spec.kind is GroupKind.FULL_ATTENTION and self.block_size != self.hash_block_size:
+            self._cache_partial_tail(req, num_tokens)
+
+    def _cache_partial_tail(self, req: Request, num_tokens: int) -> None:
+        """vLLM's `_cache_partial_tail_block`: key the prompt's last hash boundary inside a block."""
+        hb = self.hash_block_size
+        limit = req.num_prompt_tokens if self.eagle else req.num_prompt_tokens - 1
+        units = min(limit // hb, len(req.block_hashes))
+        boundary = units * hb
+        if boundary == 0 or boundary > num_tokens or boundary % self.block_size == 0:
             return
-        boundaries = [req.num_prompt_tokens - 1]
-        if req.shared_prefix_boundary:
-            boundaries.append(req.shared_prefix_boundary)
-        mask = cacheable_mask(self.spec, start, end, retention, boundaries)
-        self.pool.cache_full_blocks(
-            req.store_range(start, end, self.block_size), self.tables[rid], self.gid, mask
-        )
-        self.num_cached[rid] = end
+        table = self.tables.get(req.request_id, [])
+        index = boundary // self.block_size
+        if index < len(table):
+            self.pool.cache_partial_block(req.unit_range(units - 1), table[index], self.gid)
 
     def remove_skipped(self, rid: RequestId, processed: int) -> None:
         """Release blocks wholly below the attention window, replacing them with the null block."""
@@ -197,9 +225,11 @@ class MambaGroup(GroupManager):
         self.allocated.add(rid)
         return new
 
-    def cache_blocks(self, req: Request, num_tokens: int, retention: int | None) -> None:
+    def cache_blocks(
+        self, req: Request, num_tokens: int, retention: int | None, replay: Sequence[int]
+    ) -> None:
         before = self.num_cached.get(req.request_id, 0)
-        super().cache_blocks(req, num_tokens, retention)
+        super().cache_blocks(req, num_tokens, retention, replay)
         table = self.tables.get(req.request_id, [])
         for block in table[before : self.num_cached.get(req.request_id, 0)]:
             if not block.is_null and block.key is not None:

@@ -3,7 +3,8 @@
 `allocate_slots` follows vLLM 0.33.0's `KVCacheManager.allocate_slots` (semantics doc §7.2): the
 whole-sequence admission check, release of out-of-window blocks, the step's capacity check, touch of
 every group's hit blocks, allocation group by group (evictions, `BlockRemoved`), then caching group
-by group (`BlockStored`). `take_events` annotates stores with their group's spec kind.
+by group (`BlockStored`). `take_events` annotates stores with their group's spec kind. In a hybrid,
+a group caches up to the scheduler-block-aligned computed length (an EAGLE group one block more).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from events.wire import BlockStored, KVEvent
 
 from .block_pool import Block, BlockPool
 from .config import CacheConfig, GroupKind
-from .coordinator import Lookup, empty_lookup, find_longest_hit, spec_groups
+from .coordinator import Lookup, empty_lookup, find_longest_hit, lookup_plan
 from .group_manager import GroupManager, SlotQuery, make_group_manager
 from .request import ReportMode, Request
 
@@ -32,9 +33,19 @@ class KVCacheManager:
             make_group_manager(spec, gid, self.pool, max_in_flight_tokens, config.max_model_len)
             for gid, spec in enumerate(config.groups)
         ]
-        self.spec_groups = spec_groups(config.groups)
+        self.plan = lookup_plan(config)
         self.retention = config.prefix_cache_retention_interval
         self.has_mamba = any(g.kind is GroupKind.MAMBA for g in config.groups)
+        self.hybrid = len(config.groups) > 1
+        # Multi-token lookahead (MTP) re-prefills its last L-1 tokens, so they are not final yet.
+        self.reprefillable = max(0, config.lookahead_tokens - 1)
+        for spec_group in self.plan.groups:
+            for gid in spec_group.gids:
+                manager = self.groups[gid]
+                manager.hash_block_size = self.plan.hb
+                manager.align = self.plan.align
+                manager.eagle = spec_group.eagle
+        self.any_eagle = any(g.eagle for g in self.plan.groups)
 
     def new_step(self) -> None:
         """Start a scheduler step (Mamba forgets which states were cached in the previous one)."""
@@ -45,19 +56,19 @@ class KVCacheManager:
         """Look up the request's cached prefix (capped at N-1); full report mode announces the hit."""
         if not self.config.enable_prefix_caching or req.params.skip_cache_read:
             return empty_lookup(len(self.groups))
-        lookup = find_longest_hit(self.pool, self.spec_groups, req.block_hashes, req.num_tokens - 1)
+        lookup = find_longest_hit(self.pool, self.plan, req.block_hashes, req.num_tokens - 1)
         if lookup.hit_tokens > 0 and req.params.report_mode is ReportMode.FULL:
             for gid, blocks in enumerate(lookup.blocks):
                 if blocks:
                     bs = self.groups[gid].block_size
-                    self.pool.report_cached(req.store_range(0, len(blocks), bs), gid, bs)
+                    self.pool.report_cached(req.store_range(0, len(blocks), bs), gid)
         return lookup
 
     def peek(self, req: Request) -> Lookup:
         """The lookup `get_computed_blocks` would return now, without reports or any other effect."""
         if not self.config.enable_prefix_caching or req.params.skip_cache_read:
             return empty_lookup(len(self.groups))
-        return find_longest_hit(self.pool, self.spec_groups, req.block_hashes, req.num_tokens - 1)
+        return find_longest_hit(self.pool, self.plan, req.block_hashes, req.num_tokens - 1)
 
     def allocate_slots(self, req: Request, num_new_tokens: int, lookup: Lookup | None = None) -> bool:
         """Give `req` slots for `num_new_tokens` more tokens (after a new request's hit); False if full.
@@ -89,9 +100,32 @@ class KVCacheManager:
             group.allocate(rid, slots)
         if self.config.enable_prefix_caching:
             to_cache = min(total + num_new_tokens, req.num_tokens)
+            replay = self._replay_boundaries(req.num_prompt_tokens)
             for group in self.groups:
-                group.cache_blocks(req, to_cache, self.retention)
+                group.cache_blocks(req, self._cacheable(group, to_cache), self.retention, replay)
         return True
+
+    def _cacheable(self, group: GroupManager, num_tokens: int) -> int:
+        """vLLM's `get_num_cacheable_tokens`: only final tokens; in a hybrid, only up to an aligned
+        length a later hit can land on, plus the block an EAGLE group peeks into."""
+        final = max(0, num_tokens - self.reprefillable)
+        if not self.hybrid:
+            return final
+        align = self.plan.align
+        cached = num_tokens // align * align
+        if group.eagle and cached > 0:
+            return min(final, final // align * align + group.block_size)
+        return cached
+
+    def _replay_boundaries(self, num_prompt_tokens: int) -> tuple[int, ...]:
+        """Where a resend of the prompt can resume: P-1, or with EAGLE one aligned block below the
+        resend's and the extension's last aligned boundaries."""
+        if not self.any_eagle:
+            return (num_prompt_tokens - 1,)
+        align = self.plan.align
+        resend = (num_prompt_tokens - 1) // align * align
+        extension = num_prompt_tokens // align * align
+        return tuple(sorted({max(resend - align, 0), max(extension - align, 0)}))
 
     def _blocks_needed(self, req: Request, query: SlotQuery, hits: list[list[Block]]) -> int:
         return sum(

@@ -97,15 +97,19 @@ class Scheduler:
             raise ValueError("max_tokens must be >= 1")
         if len(prompt) >= self.config.cache.max_model_len:
             raise ValueError(f"prompt of {len(prompt)} tokens exceeds max_model_len")
-        req = Request(rid, prompt, params, self.hasher, self.config.cache.block_size)
+        req = self._request(rid, prompt, params)
         self.requests[rid] = req
         self.waiting.append(req)
         return rid
 
     def peek_hit(self, prompt: Sequence[int], params: SubmitParams) -> Lookup:
         """What admitting `prompt` would hit right now; nothing is queued, cached or reported."""
-        return self.kv.peek(
-            Request(RequestId("peek"), prompt, params, self.hasher, self.config.cache.block_size)
+        return self.kv.peek(self._request(RequestId("peek"), prompt, params))
+
+    def _request(self, rid: RequestId, prompt: Sequence[int], params: SubmitParams) -> Request:
+        cache = self.config.cache
+        return Request(
+            rid, prompt, params, self.hasher, cache.hash_block_size, lookahead=cache.lookahead_tokens
         )
 
     def step(self, only: Collection[RequestId] | None = None) -> StepOutput:

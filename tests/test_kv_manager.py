@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from engine_stub.config import CacheConfig, EngineCoreConfig, GroupKind, GroupSpec
-from engine_stub.kv_groups import cacheable_mask
+from engine_stub.kv_groups import MaskArgs, cacheable_mask
 from engine_stub.request import ReportMode, SubmitParams
 from engine_stub.scheduler import Scheduler
 from events.wire import BlockStored
@@ -91,12 +91,12 @@ def test_skip_cache_read_gets_no_hit_but_still_stores() -> None:
 
 def test_retention_masks_keep_periodic_and_boundary_tails() -> None:
     """§9 example 4: A of 37 tokens, R=16: SWA keeps blocks 2,3,6,7 and the replay tail 7,8."""
-    swa = cacheable_mask(SWA, 0, 9, 16, [36])
+    swa = cacheable_mask(SWA, MaskArgs(0, 9, 16, [36], BS))
     assert swa is not None and [i for i, keep in enumerate(swa) if keep] == [2, 3, 6, 7, 8]
-    mamba = cacheable_mask(MAMBA, 0, 9, 16, [36])
+    mamba = cacheable_mask(MAMBA, MaskArgs(0, 9, 16, [36], BS))
     assert mamba is not None and [i for i, keep in enumerate(mamba) if keep] == [3, 7, 8]
-    assert cacheable_mask(SWA, 0, 9, None, [36]) is None
-    assert cacheable_mask(GroupSpec(), 0, 9, 0, [36]) is None
+    assert cacheable_mask(SWA, MaskArgs(0, 9, None, [36], BS)) is None
+    assert cacheable_mask(GroupSpec(), MaskArgs(0, 9, 0, [36], BS)) is None
 
 
 def test_mamba_prompt_is_split_at_its_last_cacheable_boundary() -> None:

@@ -6,8 +6,9 @@ Scheduler; each step's events go through a real EventPublisher over ZeroMQ on 12
 fleet's real EngineSubscriber and into the mirror. Before the step that looks a request up (scheduled
 alone, so no other request's events precede its lookup), the router's `(hit, shared_prefix_boundary)`
 must equal the stub's admission lookup, and after every batch the mirror's copies per engine hash
-must equal the stub pool's. Single-group FA, FA+SWA and FA+Mamba layouts, router keys
-and engine-exact keys. Full-mode requests are announced to the fleet as a gateway would.
+must equal the stub pool's. Single-group FA, FA+SWA and FA+Mamba layouts, and FA+SWA with
+mixed block sizes (4/8 and 8/4: hashes at the gcd, hits aligned to the lcm), router keys and
+engine-exact keys. Full-mode requests are announced to the fleet as a gateway would.
 """
 
 from __future__ import annotations
@@ -47,7 +48,14 @@ LAYOUTS = {
     "fa": (GroupSpec(GroupKind.FULL_ATTENTION, BS),),
     "fa_swa": (GroupSpec(GroupKind.FULL_ATTENTION, BS), GroupSpec(GroupKind.SLIDING_WINDOW, BS, 8)),
     "fa_mamba": (GroupSpec(GroupKind.FULL_ATTENTION, BS), GroupSpec(GroupKind.MAMBA, BS)),
+    # Mixed block sizes: hashes at the gcd (4), hits aligned to the lcm (8).
+    "fa4_swa8": (GroupSpec(GroupKind.FULL_ATTENTION, BS), GroupSpec(GroupKind.SLIDING_WINDOW, 2 * BS, 16)),
+    "fa8_swa4": (GroupSpec(GroupKind.FULL_ATTENTION, 2 * BS), GroupSpec(GroupKind.SLIDING_WINDOW, BS, 8)),
 }
+MIXED = frozenset({"fa4_swa8", "fa8_swa4"})
+"""Layouts whose groups differ in block size. The router's full-mode report detection
+(router/reports.py) expects one report per group over the same number of blocks, which mixed sizes
+never give, so these layouts run without full report mode."""
 MAX_PROMPT = 40
 
 
@@ -221,10 +229,22 @@ async def run(layout: str, hashing: str, blocks: int, ops: list[Op]) -> int:
         ctx.destroy(linger=0)
 
 
-@pytest.mark.parametrize("hashing", ["router", "engine"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+CASES = [
+    (layout, hashing)
+    for layout in LAYOUTS
+    for hashing in ("router", "engine")
+    # Router keys chain over each store's own block size, so a group coarser than the hash block
+    # size (FA 8 over hashes of 4) gets keys the request's hash-unit keys never match: the router
+    # mispredicts there (reported upstream); engine-exact keys cover that layout.
+    if (layout, hashing) != ("fa8_swa4", "router")
+]
+
+
+@pytest.mark.parametrize(("layout", "hashing"), CASES)
+@settings(max_examples=28, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(blocks=st.integers(10, 40), ops=st.lists(OPS, min_size=1, max_size=24))
 def test_router_predicts_every_admission(layout: str, hashing: str, blocks: int, ops: list[Op]) -> None:
+    if layout in MIXED:
+        ops = [msgspec.structs.replace(op, full=False) for op in ops]
     checked = asyncio.run(run(layout, hashing, blocks, ops))
     assert checked == len(ops)
