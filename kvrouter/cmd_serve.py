@@ -1,14 +1,17 @@
 """`kvrouter serve`: run the KV-aware OpenAI-compatible gateway (uvicorn, uvloop, httptools).
 
 Settings: `--config FILE` (or $KVROUTER_CONFIG; else defaults), then `KVROUTER_*` variables, then
-`--set table.key=value` flags, then `--host/--port/--policy`. With no engines and no discovery, engine
-stubs are started as child processes (`[embedded]`). Once listening, one JSON line goes to stdout:
-`{"event": "ready", "host", "port", "url", "engines": [...]}`, so `--port 0` is usable by scripts.
+`--set table.key=value` flags, then `--host/--port/--policy/--workers`. With no engines and no
+discovery, engine stubs are started as child processes (`[embedded]`). With `--workers N` (N > 1),
+N gateway processes share the port (`kvrouter.serve_workers`). Once listening, one JSON line goes to
+stdout: `{"event": "ready", "host", "port", "url", "engines": [...]}`, so `--port 0` is usable by
+scripts.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import logging
 import os
 import socket
@@ -44,6 +47,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--host", help="listen address (listen.host)")
     p.add_argument("--port", type=int, help="listen port (listen.port); 0 picks a free one")
     p.add_argument("--policy", help="routing policy (policy.name): kv, round_robin, least_loaded, ...")
+    p.add_argument("--workers", type=int, help="gateway processes sharing the port (listen.workers)")
     p.add_argument(
         "--set",
         dest="sets",
@@ -60,7 +64,11 @@ def effective_config(args: argparse.Namespace, environ: dict[str, str]) -> Route
     """The config from file, environment, `--set` and the shorthand flags (in that order)."""
     path = args.config or (Path(environ["KVROUTER_CONFIG"]) if environ.get("KVROUTER_CONFIG") else None)
     flags = list(args.sets)
-    for key, value in (("listen.host", args.host), ("listen.port", args.port), ("policy.name", args.policy)):
+    shorthand = (
+        ("listen.host", args.host), ("listen.port", args.port), ("policy.name", args.policy),
+        ("listen.workers", args.workers),
+    )  # fmt: skip
+    for key, value in shorthand:
         if value is not None:
             flags.append(f"{key}={value}")
     return load_config(path, environ, flags)
@@ -79,6 +87,14 @@ def _listen(host: str, port: int) -> socket.socket:
     return sock
 
 
+def _log_level(args: argparse.Namespace) -> str:
+    return str(getattr(args, "log_level", "INFO"))
+
+
+def _log_format(args: argparse.Namespace) -> str:
+    return str(getattr(args, "log_format", "json"))
+
+
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM; 2 on a configuration error, 1 when start-up fails."""
     # Imported here: the gateway's stack (FastAPI, aiohttp, tokenizers) is not loaded for other commands.
@@ -90,6 +106,8 @@ def run(args: argparse.Namespace) -> int:
         config = effective_config(args, dict(os.environ))
         if args.record is not None and args.record.exists():
             raise ConfigError(f"--record {args.record}: file exists (a recording is never overwritten)")
+        if args.record is not None and config.listen.workers > 1:
+            raise ConfigError("--record needs listen.workers = 1 (one recording holds one gateway's view)")
         sock = _listen(config.listen.host, config.listen.port)
     except (ConfigError, OSError) as exc:
         sys.stderr.write(f"kvrouter serve: {exc}\n")
@@ -97,11 +115,23 @@ def run(args: argparse.Namespace) -> int:
     host, port = sock.getsockname()[:2]
     url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{port}"
 
-    def started(parts: GatewayParts) -> None:
-        line = ReadyLine("ready", host, port, url, [e.name for e in parts.fleet.engines()])
+    def announce(engines: list[str]) -> None:
+        line = ReadyLine("ready", host, port, url, engines)
         sys.stdout.write(msgspec.json.encode(line).decode() + "\n")
         sys.stdout.flush()
-        log.info("gateway ready", extra={"url": url, "engines": line.engines})
+        log.info("gateway ready", extra={"url": url, "engines": engines, "workers": config.listen.workers})
+
+    if config.listen.workers > 1:
+        from kvrouter.serve_workers import run_workers
+
+        try:
+            ready = lambda resolved: announce([e.name for e in resolved.engines])  # noqa: E731
+            return asyncio.run(run_workers(config, sock, _log_level(args), _log_format(args), ready))
+        finally:
+            sock.close()
+
+    def started(parts: GatewayParts) -> None:
+        announce([e.name for e in parts.fleet.engines()])
 
     try:
         app = create_app(config, ServeOptions(record=args.record), on_started=started)

@@ -64,6 +64,14 @@ class AdminApi:
         request_id_of(request)
         self.parts.guard.check_admin(request.headers)
 
+    def _check_single_worker(self) -> None:
+        # Each worker keeps its own fleet: a change made in one would not reach the others.
+        if self.parts.config.listen.workers > 1:
+            raise Conflict(
+                "engines cannot be added or removed at runtime with listen.workers > 1: "
+                "change the config (or the DNS name discovery resolves) and restart"
+            )
+
     async def list_engines(self, request: Request) -> Response:
         """Every engine in the fleet, as config tables."""
         self._check(request)
@@ -72,6 +80,7 @@ class AdminApi:
     async def add_engine(self, request: Request) -> Response:
         """Add the engine in the body (201 with the stored table)."""
         self._check(request)
+        self._check_single_worker()
         engine = decode_engine(await read_body(request, _ADMIN_BODY_LIMIT), self.parts.fleet)
         try:
             await self.parts.fleet.add_engine(engine)
@@ -83,6 +92,7 @@ class AdminApi:
     async def remove_engine(self, request: Request) -> Response:
         """Remove the engine named in the path (204), 404 when unknown."""
         self._check(request)
+        self._check_single_worker()
         name = request.path_params["name"]
         try:
             await self.parts.fleet.remove_engine(name)

@@ -53,6 +53,8 @@ class Listen(_Table, frozen=True):
 
     host: str = "127.0.0.1"
     port: Port = 8000
+    workers: Count = 1
+    """Gateway worker processes sharing the port; each keeps its own exact mirror of every engine."""
 
 
 class GroupConfig(_Table, frozen=True):

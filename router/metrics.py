@@ -2,22 +2,30 @@
 
 Request-path metrics are updated as requests flow. Per-engine link and mirror figures are not
 double-booked: a collector reads the subscribers' and mirror's own counters at scrape time through
-`EngineView` snapshots.
+`EngineView` snapshots. With several gateway workers (`listen.workers`), the supervisor sets
+`PROMETHEUS_MULTIPROC_DIR` and prometheus_client's multiprocess mode sums the request-path metrics
+of every worker; the per-engine figures come from the worker that answers the scrape (each keeps its
+own exact mirror of every engine, so any one of them is a true view).
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Final
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from events.sources import EngineStats
 
-__all__ = ["STAGES", "TRUST_STATES", "EngineView", "RouterMetrics"]
+__all__ = ["MULTIPROCESS_ENV", "STAGES", "TRUST_STATES", "EngineView", "RouterMetrics"]
+
+MULTIPROCESS_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus_client reads it at import: set (by the worker supervisor) before any worker starts."""
 
 STAGES: Final = ("tokenize", "hash", "lookup", "score", "proxy")
 TRUST_STATES: Final = ("fresh", "catching_up", "stale")
@@ -145,13 +153,17 @@ class RouterMetrics:
         self.rejected = Counter(
             "kvrouter_rejected_requests", "requests refused before routing", ["reason"], registry=r
         )
-        self.engines = Gauge("kvrouter_engines", "engines known to the router", registry=r)
+        self.engines = Gauge(
+            "kvrouter_engines", "engines known to the router", registry=r, multiprocess_mode="max"
+        )
         self.remote_tokenize_failures = Counter(
             "kvrouter_remote_tokenize_failures",
             "requests tokenized locally: no engine /tokenize answered",
             registry=r,
         )
-        r.register(_EngineCollector(views, clock))
+        self._engine_collector = _EngineCollector(views, clock)
+        r.register(self._engine_collector)
+        self._multiprocess_dir = os.environ.get(MULTIPROCESS_ENV) or None
 
     def observe_prediction(self, engine: str, predicted: int, actual: int) -> None:
         """Record one request's predicted and engine-reported cached tokens."""
@@ -160,5 +172,10 @@ class RouterMetrics:
         self.prediction_error.labels(engine).observe(abs(actual - predicted))
 
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of every metric (every worker's, in multiprocess mode)."""
+        if self._multiprocess_dir is None:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, path=self._multiprocess_dir)  # type: ignore[no-untyped-call]
+        merged.register(self._engine_collector)
+        return generate_latest(merged)

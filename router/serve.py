@@ -32,7 +32,7 @@ from router.routing import RoutingCore
 from router.scoring import PolicyName, Scorer, ScorerSettings
 from router.secrets import load_secrets
 
-__all__ = ["ServeOptions", "Service", "StartupError"]
+__all__ = ["ServeOptions", "Service", "StartupError", "start_embedded"]
 
 log = logging.getLogger(__name__)
 
@@ -59,6 +59,23 @@ def scorer_settings(config: RouterConfig) -> ScorerSettings:
     return ScorerSettings(
         PolicyName(p.name), p.tie_tolerance_s, p.decode_penalty_s, p.seed, p.session_capacity
     )
+
+
+async def start_embedded(config: RouterConfig, options: ServeOptions) -> tuple[EmbeddedStubs, RouterConfig]:
+    """Start the `[embedded]` engine stubs; returns them and `config` with their engines (and model).
+
+    On failure the stubs already started are stopped before the error propagates."""
+    prefix = options.stub_command
+    stubs = EmbeddedStubs(config.embedded, prefix=prefix) if prefix else EmbeddedStubs(config.embedded)
+    try:
+        engines = await stubs.start(options.stub_timeout_s)
+    except BaseException:
+        await stubs.stop()
+        raise
+    models = config.models
+    if not any(m.name == config.embedded.model for m in models):
+        models = [*models, stubs.model()]
+    return stubs, msgspec.structs.replace(config, engines=engines, models=models)
 
 
 class Service:
@@ -126,17 +143,7 @@ class Service:
         return self.parts
 
     async def _start_embedded(self) -> None:
-        prefix = self.options.stub_command
-        self.embedded = (
-            EmbeddedStubs(self.config.embedded, prefix=prefix)
-            if prefix
-            else EmbeddedStubs(self.config.embedded)
-        )
-        engines = await self.embedded.start(self.options.stub_timeout_s)
-        models = self.config.models
-        if not any(m.name == self.config.embedded.model for m in models):
-            models = [*models, self.embedded.model()]
-        self.config = msgspec.structs.replace(self.config, engines=engines, models=models)
+        self.embedded, self.config = await start_embedded(self.config, self.options)
 
     def _metadata(self) -> dict[str, object]:
         engines = {
