@@ -165,7 +165,7 @@ pool_total = 1024
 """
 
 
-async def main(quick: bool) -> None:
+async def main(quick: bool, workers: int) -> None:
     here = Path(__file__).resolve()
     backend_proc, port = await start_process([sys.executable, str(here), "--backend"], _port_line)
     backend = f"http://127.0.0.1:{port}"
@@ -173,21 +173,22 @@ async def main(quick: bool) -> None:
         config = Path(tmp) / "router.toml"
         config.write_text(gateway_config(backend))
         argv = [sys.executable, "-m", "kvrouter", "--log-level", "WARNING", "serve", "--config", str(config)]
+        argv += ["--workers", str(workers)]
         gw_proc, gateway = await start_process(
             argv,
             lambda line: msgspec.json.decode(line, type=GatewayReady).url if line.startswith(b"{") else None,
         )
         try:
-            await run_matrix(backend, gateway, quick)
+            await run_matrix(backend, gateway, quick, workers)
         finally:
             for proc in (gw_proc, backend_proc):
                 proc.terminate()
                 await proc.wait()
 
 
-async def run_matrix(backend: str, gateway: str, quick: bool) -> None:
+async def run_matrix(backend: str, gateway: str, quick: bool, workers: int) -> None:
     scale = 0.25 if quick else 1.0
-    print(f"cpus={os.cpu_count()}  python={sys.version.split()[0]}")
+    print(f"cpus={os.cpu_count()}  python={sys.version.split()[0]}  workers={workers}")
     print(f"{'case':34} {'direct p50':>10} {'gw p50':>9} {'added p50':>10} {'added p99':>10} "
           f"{'1st chunk +':>11} {'direct rps':>10} {'gw rps':>8}")  # fmt: skip
     cases = [("warm", False, 1, 300), ("cold", False, 1, 100), ("warm", True, 1, 300),
@@ -213,10 +214,11 @@ if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--backend", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--quick", action="store_true", help="a quarter of the requests")
+    parser.add_argument("--workers", type=int, default=1, help="gateway worker processes (listen.workers)")
     args = parser.parse_args()
     if args.backend:
         import uvloop
 
         uvloop.run(backend_main())
     else:
-        asyncio.run(main(args.quick))
+        asyncio.run(main(args.quick, args.workers))
