@@ -28,7 +28,7 @@ from events.openai_request import (
 from events.tokenization.base import TokenizationError, Tokenizer
 from events.tokenization.conversation import conversation, tool_dicts
 
-__all__ = ["ReportMode", "RequestTokens", "request_tokens"]
+__all__ = ["ReportMode", "RequestTokens", "decode_request", "request_tokens", "tokens_of"]
 
 
 class ReportMode(StrEnum):
@@ -48,6 +48,8 @@ class RequestTokens(msgspec.Struct, frozen=True):
     model: str | None = None
     stream: bool = False
     max_tokens: int | None = None
+    packed: bytes | None = None
+    """The first prompt's ids packed as native uint32 when the tokenizer made them (else None)."""
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -55,21 +57,25 @@ class RequestTokens(msgspec.Struct, frozen=True):
         return self.prompts[0]
 
 
-def _completion_prompts(req: CompletionRequest, tok: Tokenizer) -> list[tuple[int, ...]]:
+Packed = tuple[tuple[int, ...], bytes | None]
+"""A prompt's ids and, when the tokenizer made them, their packed bytes."""
+
+
+def _completion_prompts(req: CompletionRequest, tok: Tokenizer) -> list[Packed]:
     prompt = req.prompt
     if isinstance(prompt, str):
-        return [tuple(tok.encode_cached(prompt, req.add_special_tokens))]
+        return [tok.encode_packed(prompt, req.add_special_tokens)]
     items = prompt or []
     if items and all(isinstance(p, int) for p in items):
-        return [tuple(p for p in items if isinstance(p, int))]
+        return [(tuple(p for p in items if isinstance(p, int)), None)]
     if items and all(isinstance(p, str) for p in items):
-        return [tuple(tok.encode_cached(p, req.add_special_tokens)) for p in items if isinstance(p, str)]
+        return [tok.encode_packed(p, req.add_special_tokens) for p in items if isinstance(p, str)]
     if items and all(isinstance(p, list) for p in items):
-        return [tuple(p) for p in items if isinstance(p, list)]
+        return [(tuple(p), None) for p in items if isinstance(p, list)]
     raise RequestError("`prompt` must be a string, a non-empty list of strings, of ids, or of id lists")
 
 
-def _chat_prompt(req: ChatRequest, tok: Tokenizer) -> tuple[int, ...]:
+def _chat_prompt(req: ChatRequest, tok: Tokenizer) -> Packed:
     kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
     if reserved := {"chat_template", "tokenize"} & kwargs.keys():
         raise RequestError(f"`chat_template_kwargs` may not set {sorted(reserved)}")
@@ -84,13 +90,20 @@ def _chat_prompt(req: ChatRequest, tok: Tokenizer) -> tuple[int, ...]:
     template = tok.templates.select(tools)
     conv = conversation(req.messages, template.detected_format, template.supports_developer_role)
     text = tok.apply_chat_template(conv, req.add_generation_prompt, tools, **kwargs)
-    return tuple(tok.encode_cached(text, req.add_special_tokens))
+    return tok.encode_packed(text, req.add_special_tokens)
 
 
 def _extras(model: str | None, salt: str | None, lora: Mapping[str, str]) -> RequestExtras:
     if model is not None and model in lora:
         return RequestExtras(lora_name=model, lora_path=lora[model], cache_salt=salt)
     return RequestExtras(cache_salt=salt)
+
+
+def decode_request(body: bytes, endpoint: Endpoint | str) -> ChatRequest | CompletionRequest:
+    """The typed view of ``body`` for ``endpoint``; RequestError (a 400 naming the field) on bad input."""
+    if Endpoint(endpoint) is Endpoint.CHAT:
+        return decode_chat(body)
+    return decode_completion(body)
 
 
 def request_tokens(
@@ -100,28 +113,32 @@ def request_tokens(
 
     ``lora`` maps served LoRA adapter names to their paths (both enter vLLM's block hash).
     """
-    endpoint = Endpoint(endpoint)
-    req: ChatRequest | CompletionRequest
+    return tokens_of(decode_request(body, endpoint), tokenizer, lora)
+
+
+def tokens_of(
+    req: ChatRequest | CompletionRequest, tokenizer: Tokenizer, lora: Mapping[str, str] | None = None
+) -> RequestTokens:
+    """`request_tokens` of an already decoded request (one decode serves several tokenizers)."""
     try:
-        if endpoint is Endpoint.CHAT:
-            req = decode_chat(body)
+        if isinstance(req, ChatRequest):
             prompts = [_chat_prompt(req, tokenizer)]
             max_tokens = req.max_completion_tokens
             max_tokens = max_tokens if max_tokens is not None else req.max_tokens
         else:
-            req = decode_completion(body)
             prompts = _completion_prompts(req, tokenizer)
             max_tokens = req.max_tokens
     except TokenizationError as exc:
         raise RequestError(str(exc)) from exc
-    if any(len(p) == 0 for p in prompts):
+    if any(len(p) == 0 for p, _ in prompts):
         raise RequestError("the prompt is empty after tokenization")
     return RequestTokens(
-        prompts=tuple(prompts),
+        prompts=tuple(p for p, _ in prompts),
         extras=_extras(req.model, req.cache_salt, lora or {}),
         skip_cache=req.prompt_logprobs is not None,
         report_mode=ReportMode(req.vllm_xargs.kv_cache_report_mode if req.vllm_xargs else "incremental"),
         model=req.model,
         stream=req.stream,
         max_tokens=max_tokens,
+        packed=prompts[0][1],
     )

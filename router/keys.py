@@ -16,15 +16,16 @@ from __future__ import annotations
 import os
 import struct
 import sys
+from array import array
 from collections.abc import Sequence
 from functools import lru_cache
-from typing import Any, NewType
+from typing import Any, NewType, cast
 
 import msgspec
 
 from events.block_hash import RequestExtras
 
-__all__ = ["BlockExtra", "BlockKey", "KeyHasher", "hash_randomized"]
+__all__ = ["BlockExtra", "BlockKey", "KeyHasher", "hash_randomized", "pack_tokens"]
 
 BlockKey = NewType("BlockKey", int)
 """The router's block key (distinct from the engine's opaque `EngineBlockHash`)."""
@@ -34,6 +35,8 @@ BlockExtra = tuple[Any, ...] | None
 
 _TOKEN_FMT = "I"
 _TOKEN_BYTES = 4
+# array("I") packs exactly as struct's native "I" (native order and size), and several times faster.
+assert array(_TOKEN_FMT).itemsize == struct.calcsize(_TOKEN_FMT) == _TOKEN_BYTES
 
 
 def hash_randomized() -> bool:
@@ -41,9 +44,12 @@ def hash_randomized() -> bool:
     return bool(sys.flags.hash_randomization)
 
 
-@lru_cache(maxsize=256)
-def _packer(n_tokens: int) -> struct.Struct:
-    return struct.Struct(f"{n_tokens}{_TOKEN_FMT}")
+def pack_tokens(tokens: Sequence[int]) -> bytes:
+    """The token ids as native 4-byte unsigned ints, the bytes block hashes are taken over."""
+    try:
+        return array(_TOKEN_FMT, tokens).tobytes()
+    except (OverflowError, TypeError) as exc:
+        raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from exc
 
 
 @lru_cache(maxsize=256)
@@ -55,12 +61,22 @@ def _block_hashes(tokens: Sequence[int], block_size: int, n_blocks: int) -> list
     """Keyed SipHash of each of the first `n_blocks` full blocks of `tokens`."""
     if n_blocks <= 0:
         return []
-    n = n_blocks * block_size
-    try:
-        buf = _packer(n).pack(*tokens[:n])
-    except struct.error as exc:
-        raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from exc
-    return list(map(hash, _splitter(n_blocks, block_size * _TOKEN_BYTES).unpack(buf)))
+    return packed_block_hashes(pack_tokens(tokens[: n_blocks * block_size]), block_size, 0, n_blocks)
+
+
+def packed_block_hashes(packed: bytes, block_size: int, start: int, stop: int) -> list[int]:
+    """Keyed SipHash of blocks `start` to `stop` (exclusive) of packed token bytes."""
+    if stop <= start:
+        return []
+    bb = block_size * _TOKEN_BYTES
+    return list(map(hash, _splitter(stop - start, bb).unpack_from(packed, start * bb)))
+
+
+def chain_hashes(parent: int, hashes: Sequence[int]) -> list[BlockKey]:
+    """Keys of blocks with these block hashes (no extras), chained from `parent`."""
+    prev = parent
+    # One comprehension and one cast: a NewType call per block costs as much as the hash.
+    return cast(list[BlockKey], [prev := hash((prev, h)) for h in hashes])
 
 
 class KeyHasher:
@@ -97,19 +113,16 @@ class KeyHasher:
         block_extras: Sequence[BlockExtra] | None = None,
     ) -> list[BlockKey]:
         """Keys of `n_blocks` blocks of `tokens`, chained from `parent` (a root or a parent key)."""
-        out: list[BlockKey] = []
-        append = out.append
-        prev = parent
         hashes = _block_hashes(tokens, block_size, n_blocks)
         if block_extras is None:
-            for h in hashes:
-                prev = hash((prev, h))
-                append(BlockKey(prev))
-            return out
+            return chain_hashes(parent, hashes)
+        out: list[int] = []
+        append = out.append
+        prev = parent
         for h, extra in zip(hashes, block_extras, strict=True):
             prev = hash((prev, h) if extra is None else (prev, h, extra))
-            append(BlockKey(prev))
-        return out
+            append(prev)
+        return cast(list[BlockKey], out)
 
 
 def _request_extra(

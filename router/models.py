@@ -20,11 +20,12 @@ from pathlib import Path
 import msgspec
 
 from events.block_hash import HashAlgo, RequestExtras, VllmHasher, wire_hash
-from events.openai_request import Endpoint, RequestError
-from events.request_tokens import RequestTokens, request_tokens
+from events.openai_request import ChatRequest, CompletionRequest, Endpoint, RequestError
+from events.request_tokens import RequestTokens, decode_request, tokens_of
 from events.tokenization import BuiltinTokenizer, ChatTemplate, HfTokenizer, TemplateSet, Tokenizer
 from router.config import EngineConfig, ModelConfig, RouterConfig
-from router.keys import KeyHasher
+from router.key_cache import PrefixKeyCache
+from router.keys import KeyHasher, pack_tokens
 from router.model_spec import HashingMode, ModelSpec
 from router.variants import Variant, VariantId, engine_model, model_configs, resolve_variant
 
@@ -113,11 +114,22 @@ _VLLM_HASHERS: dict[tuple[str, str | None], VllmHasher] = {}
 
 
 def spec_keys(
-    spec: ModelSpec, hasher: KeyHasher, tokens: tuple[int, ...], extras: RequestExtras
+    spec: ModelSpec,
+    hasher: KeyHasher,
+    tokens: tuple[int, ...],
+    extras: RequestExtras,
+    *,
+    packed: bytes | None = None,
+    cache: PrefixKeyCache | None = None,
 ) -> list[int]:
-    """The request's lookup keys at `spec.hash_block_size`: router keys, or vLLM's wire hashes."""
+    """The request's lookup keys at `spec.hash_block_size`: router keys, or vLLM's wire hashes.
+    `packed` (the tokens' `pack_tokens` bytes, if at hand) and `cache` make router keys cheaper,
+    never different."""
     hb, lookahead = spec.hash_block_size, spec.lookahead_tokens
     if spec.hashing is HashingMode.ROUTER:
+        if cache is not None and not lookahead and not extras.mm_items:
+            root = hasher.root(extras.lora_name, extras.cache_salt)
+            return list(cache.keys(root, packed if packed is not None else pack_tokens(tokens), hb))
         return list(hasher.request_keys(tokens, hb, extras, lookahead))
     vh = _VLLM_HASHERS.get((spec.hash_algo, spec.hash_seed))
     if vh is None:
@@ -127,9 +139,13 @@ def spec_keys(
     return [wire_hash(d) for d in vh.block_hashes(tokens, hb, extras, lookahead)]
 
 
-def session_key(tokens: tuple[int, ...], extras: RequestExtras) -> str:
+def session_key(tokens: tuple[int, ...], extras: RequestExtras, packed: bytes | None = None) -> str:
     """A process-independent key of the prompt's head (plus LoRA and salt) for stable tie-breaks."""
-    head = array("I", tokens[:_SESSION_TOKENS]).tobytes()
+    head = (
+        packed[: _SESSION_TOKENS * 4]
+        if packed is not None
+        else array("I", tokens[:_SESSION_TOKENS]).tobytes()
+    )
     tail = msgspec.msgpack.encode((extras.lora_name, extras.cache_salt))
     return hashlib.blake2b(head + tail, digest_size=8).hexdigest()
 
@@ -143,8 +159,11 @@ class Models:
         hasher: KeyHasher | None = None,
         loras: Mapping[str, Mapping[str, str]] | None = None,
         clock: Callable[[], float] = time.perf_counter,
+        *,
+        key_cache: PrefixKeyCache | None = None,
     ) -> None:
         self.hasher = hasher or PROCESS_HASHER
+        self.key_cache = key_cache if key_cache is not None else PrefixKeyCache()
         self._config = config
         self._clock = clock
         self._models = model_configs(config)
@@ -197,6 +216,9 @@ class Models:
             raise RequestError(f"invalid request: {exc}") from exc
         except msgspec.DecodeError as exc:
             raise RequestError(f"invalid JSON body: {exc}") from exc
+        return self._resolve_name(name)
+
+    def _resolve_name(self, name: str | None) -> str:
         if name in self._models:
             return name
         for base, adapters in self._loras.items():
@@ -205,6 +227,17 @@ class Models:
         if len(self._models) == 1:
             return next(iter(self._models))
         raise RequestError(f"`model`: unknown model {name!r} (known: {sorted(self._models)})")
+
+    def _decode(
+        self, body: bytes, endpoint: Endpoint | str, model_hint: str | None
+    ) -> tuple[ChatRequest | CompletionRequest, str]:
+        """The request decoded once, and its model; errors as `resolve` then `request_tokens` raise them."""
+        try:
+            req = decode_request(body, endpoint)
+        except RequestError:
+            self.resolve(body, model_hint)  # a bad or unknown `model` is reported first
+            raise
+        return req, self._resolve_name(req.model or model_hint)
 
     def needs_remote(self, model: str) -> bool:
         """Whether the model is configured to take its prompt ids from an engine's /tokenize
@@ -219,16 +252,22 @@ class Models:
         fields = _IdFields.decode_body(body)
         ids_body = msgspec.json.encode({**msgspec.structs.asdict(fields), "prompt": tokens})
         model = self.resolve(body, model_hint)
-        prepared = self._prepare(ids_body, Endpoint.COMPLETIONS, model, single_tokenizer=True)
+        req = decode_request(ids_body, Endpoint.COMPLETIONS)
+        prepared = self._prepare(req, Endpoint.COMPLETIONS, model, single_tokenizer=True)
         prepared.endpoint = Endpoint(endpoint)
         return prepared
 
     def prepare(self, body: bytes, endpoint: Endpoint | str, model_hint: str | None = None) -> Prepared:
         """Tokenize and key a request body; RequestError (a 400 naming the field) on bad input."""
-        return self._prepare(body, endpoint, self.resolve(body, model_hint))
+        req, model = self._decode(body, endpoint, model_hint)
+        return self._prepare(req, endpoint, model)
 
     def _prepare(
-        self, body: bytes, endpoint: Endpoint | str, model: str, single_tokenizer: bool = False
+        self,
+        req: ChatRequest | CompletionRequest,
+        endpoint: Endpoint | str,
+        model: str,
+        single_tokenizer: bool = False,
     ) -> Prepared:
         variants = list(self._variants[model].values())
         tokenize = hashing = 0.0
@@ -240,11 +279,12 @@ class Models:
             source = (None, None) if single_tokenizer else (v.tokenizer, v.chat_template)
             rt = by_tokenizer.get(source)
             if rt is None:
-                rt = by_tokenizer[source] = request_tokens(
-                    body, endpoint, self.tokenizer(v), self._loras[model]
-                )
+                rt = by_tokenizer[source] = tokens_of(req, self.tokenizer(v), self._loras[model])
             t1 = self._clock()
-            computed[v.id] = VariantKeys(len(rt.tokens), spec_keys(v.spec, self.hasher, rt.tokens, rt.extras))
+            keys = spec_keys(
+                v.spec, self.hasher, rt.tokens, rt.extras, packed=rt.packed, cache=self.key_cache
+            )
+            computed[v.id] = VariantKeys(len(rt.tokens), keys)
             tokenize, hashing = tokenize + (t1 - t0), hashing + (self._clock() - t1)
             first = first or rt
         assert first is not None, "every model has its own variant"
@@ -257,7 +297,7 @@ class Models:
             keys=main.keys,
             skip_cache=first.skip_cache,
             report_mode=first.report_mode.value,
-            session_key=session_key(first.tokens, first.extras),
+            session_key=session_key(first.tokens, first.extras, first.packed),
             timings={"tokenize": tokenize, "hash": hashing},
             variant=model,
             variants=computed,

@@ -75,6 +75,10 @@ class Tokenizer(Protocol):
         """Same ids as ``encode``, computed per special-token segment through the segment cache."""
         ...
 
+    def encode_packed(self, text: str, add_special_tokens: bool = True) -> tuple[tuple[int, ...], bytes]:
+        """``encode_cached`` as a tuple, plus the ids packed as native uint32 (``array("I")`` bytes)."""
+        ...
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Ids back to text."""
         ...

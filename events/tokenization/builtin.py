@@ -86,6 +86,9 @@ class BuiltinTokenizer(TemplatedTokenizer):
             start = match.end()
         return out + _bytes_to_ids(text[start:])
 
+    def special_wrap(self, add_special_tokens: bool) -> tuple[list[int], list[int]] | None:
+        return ([BOS_ID], []) if add_special_tokens else ([], [])
+
     def encode_cached(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return ([BOS_ID] if add_special_tokens else []) + self.segments.encode(text)
 

@@ -134,6 +134,9 @@ class HfTokenizer(TemplatedTokenizer):
         ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
+    def special_wrap(self, add_special_tokens: bool) -> tuple[list[int], list[int]] | None:
+        return self._wrap if add_special_tokens else ([], [])
+
     def encode_cached(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not add_special_tokens:
             return self.segments.encode(text)

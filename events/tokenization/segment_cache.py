@@ -11,16 +11,26 @@ the normalized ones inside each piece. docs/tokenization.md gives the full argum
 from __future__ import annotations
 
 import re
+from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import TypeAlias
 
 import msgspec
 
-__all__ = ["AddedToken", "SegmentCache", "SegmentedEncoder", "Segmenter"]
+__all__ = ["TOKEN_BYTES", "AddedToken", "SegmentCache", "SegmentedEncoder", "Segmenter", "pack_ids"]
 
 Segment = str | int
 """A text piece to encode, or the id of an added token matched in place."""
+
+TOKEN_BYTES = 4
+"""Bytes per token id in packed form: native unsigned 32-bit ints (``array("I")``)."""
+assert array("I").itemsize == TOKEN_BYTES
+
+
+def pack_ids(ids: Sequence[int]) -> bytes:
+    """Token ids as packed native unsigned 32-bit ints (OverflowError/TypeError on a bad id)."""
+    return array("I", ids).tobytes()
 
 
 class AddedToken(msgspec.Struct, frozen=True):
@@ -86,24 +96,17 @@ class _Finder:
         """The (start, end) of every match inside ``text[pos:end]``, left to right, none overlapping."""
         if len(self._patterns) == 1:
             return self._spans_one(text, pos, end)
-        out: list[tuple[int, int]] = []
         patterns = self._patterns
-        # Per first character, its next occurrence at or after `pos` (-1: none left).
-        heads = {ch: text.find(ch, pos, end) for ch in patterns}
-        while True:
-            found = [i for i in heads.values() if i >= 0]
-            if not found:
-                return out
-            i = min(found)
+        starts = sorted(i for ch in patterns for i in _positions(text, ch, pos, end))
+        out: list[tuple[int, int]] = []
+        for i in starts:
+            if i < pos:  # inside the previous match
+                continue
             match = patterns[text[i]].match(text, i, end)
-            if match is None:
-                pos = i + 1
-            else:
+            if match is not None:
                 pos = match.end()
                 out.append((i, pos))
-            for ch, j in heads.items():
-                if 0 <= j < pos:
-                    heads[ch] = text.find(ch, pos, end)
+        return out
 
     def _spans_one(self, text: str, pos: int, end: int) -> list[tuple[int, int]]:
         """`spans` when every word starts with one character (the common case: ``<``)."""
@@ -120,6 +123,16 @@ class _Finder:
                 out.append((i, j))
                 i = find(ch, j, end)
         return out
+
+
+def _positions(text: str, ch: str, pos: int, end: int) -> list[int]:
+    """Every index of ``ch`` in ``text[pos:end]``."""
+    out: list[int] = []
+    i = text.find(ch, pos, end)
+    while i >= 0:
+        out.append(i)
+        i = text.find(ch, i + 1, end)
+    return out
 
 
 def _compile(tokens: Sequence[AddedToken]) -> _Finder | None:
@@ -178,6 +191,7 @@ class SegmentCache:
         self.hits = 0
         self.misses = 0
         self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
+        self._packed: dict[str, bytes] = {}  # the packed form of each entry's ids, made once
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -198,12 +212,23 @@ class SegmentCache:
             return
         self._entries[piece] = ids
         self._entries.move_to_end(piece)
+        self._packed.pop(piece, None)
         while len(self._entries) > self.max_entries:
-            self._entries.popitem(last=False)
+            self._packed.pop(self._entries.popitem(last=False)[0], None)
+
+    def packed(self, piece: str, ids: tuple[int, ...]) -> bytes:
+        """``pack_ids(ids)`` for a piece whose ids are ``ids``, kept with its entry while it is cached."""
+        out = self._packed.get(piece)
+        if out is None:
+            out = pack_ids(ids)
+            if piece in self._entries:
+                self._packed[piece] = out
+        return out
 
     def clear(self) -> None:
         """Forget every entry (the counters are kept)."""
         self._entries.clear()
+        self._packed.clear()
 
 
 EncodeBatch = Callable[[list[str]], list[list[int]]]
@@ -232,6 +257,25 @@ class SegmentedEncoder:
                 out.extend(known[seg])
         return out
 
+    def encode_packed(self, text: str) -> tuple[tuple[int, ...], bytes]:
+        """``encode(text)`` as a tuple, with its packed bytes (`pack_ids`) joined from cached pieces."""
+        if not self.segmenter.enabled:
+            whole = tuple(self._encode_batch([text])[0]) if text else ()
+            return whole, pack_ids(whole)
+        segments = self.segmenter.split(text)
+        known = self._lookup(segments)
+        ids: list[int] = []
+        blobs: list[bytes] = []
+        for seg in segments:
+            if isinstance(seg, str):
+                part = known[seg]
+                ids += part
+                blobs.append(self.cache.packed(seg, part))
+            else:
+                ids.append(seg)
+                blobs.append(_packed_id(seg))
+        return tuple(ids), b"".join(blobs)
+
     def _lookup(self, segments: list[Segment]) -> dict[str, tuple[int, ...]]:
         # A local map as well as the cache: a text with more pieces than the bound must still resolve.
         known: dict[str, tuple[int, ...]] = {}
@@ -249,3 +293,14 @@ class SegmentedEncoder:
                 known[piece] = tuple(ids_list)
                 self.cache.put(piece, known[piece])
         return known
+
+
+_ID_BYTES: dict[int, bytes] = {}
+
+
+def _packed_id(token: int) -> bytes:
+    """One added token's id packed (memoized: there are few added tokens)."""
+    out = _ID_BYTES.get(token)
+    if out is None:
+        out = _ID_BYTES[token] = pack_ids((token,))
+    return out

@@ -11,7 +11,7 @@ from typing import Any
 
 from events.tokenization.base import Message, SpecialTokens
 from events.tokenization.chat_template import TemplateSet
-from events.tokenization.segment_cache import SegmentCache, SegmentedEncoder
+from events.tokenization.segment_cache import SegmentCache, SegmentedEncoder, pack_ids
 
 __all__ = ["TemplatedTokenizer"]
 
@@ -35,6 +35,22 @@ class TemplatedTokenizer:
 
     def encode_cached(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise NotImplementedError  # pragma: no cover
+
+    def special_wrap(self, add_special_tokens: bool) -> tuple[list[int], list[int]] | None:
+        """The ids ``encode`` puts before and after the text's own, or None when not known."""
+        raise NotImplementedError  # pragma: no cover
+
+    def encode_packed(self, text: str, add_special_tokens: bool = True) -> tuple[tuple[int, ...], bytes]:
+        """``encode_cached`` as a tuple, with its ids packed (`pack_ids`), mostly joined from the cache."""
+        wrap = self.special_wrap(add_special_tokens)
+        if wrap is None:
+            ids = tuple(self.encode_cached(text, add_special_tokens))
+            return ids, pack_ids(ids)
+        ids, packed = self.segments.encode_packed(text)
+        prefix, suffix = wrap
+        if prefix or suffix:
+            return (*prefix, *ids, *suffix), pack_ids(prefix) + packed + pack_ids(suffix)
+        return ids, packed
 
     def apply_chat_template(
         self,
