@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from router.ids import EngineId, RequestId
 from router.load import LoadSnapshot
@@ -87,3 +89,47 @@ def test_pending_on_a_stale_replica_is_ignored() -> None:
     decision = scorer.choose(RouteRequest("r"), [cand("a", hit=100), cand("b", pending=800, trust=STALE)])
     assert decision.engine == "a"
     assert msgspec.json.decode(msgspec.json.encode(decision.candidates[1]))["pending_tokens"] == 800
+
+
+def test_repeated_keys_count_twice_and_removed_keys_stay_swept() -> None:
+    p = PendingPrefixes(ttl_s=5.0)
+    p.add(R1, A, [7, 7, 8], now=0.0)
+    p.add(R2, A, [7], now=0.0)
+    p.answered(R2, now=0.0)
+    assert p.leading_run(A, [7, 8], limit=5, now=0.2) == 2  # r2 gone, r1 still holds 7 twice
+    p.answered(R1, now=0.0)
+    assert (p.leading_run(A, [7, 8], limit=5, now=0.2), p.size) == (0, 0)
+    for i in range(3000):  # many short-lived requests: dead keys are swept, not kept
+        p.add(RequestId(f"x{i}"), A, [i, i + 1], now=1.0)
+        p.answered(RequestId(f"x{i}"), now=1.0 - p.grace_s)
+    p.expire(1.0)
+    assert p.size == 0 and len(p._counts[A]) <= 1024 + 2
+
+
+@settings(max_examples=100, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.integers(0, 4), st.sampled_from([A, B]), st.lists(st.integers(0, 6), max_size=6)),
+        max_size=30,
+    )
+)
+def test_leading_run_equals_a_plain_multiset(ops: list[tuple[int, EngineId, list[int]]]) -> None:
+    p = PendingPrefixes(ttl_s=5.0)
+    live: dict[RequestId, tuple[EngineId, list[int]]] = {}
+    for who, replica, keys in ops:
+        request = RequestId(f"r{who}")
+        if keys and keys[0] == 0:  # answered: gone once the grace is over
+            p.answered(request, now=1.0 - p.grace_s)
+            p.expire(1.0)
+            live.pop(request, None)
+            continue
+        p.add(request, replica, keys, now=1.0)
+        live.pop(request, None)
+        if keys:
+            live[request] = (replica, keys)
+        for r in (A, B):
+            pending = {k for rep, ks in live.values() if rep == r for k in ks}
+            probe = [k for k in range(1, 7)]
+            want = next((i for i, k in enumerate(probe) if k not in pending), len(probe))
+            assert p.leading_run(r, probe, limit=6, now=1.0) == want
+        assert p.size == sum(len(ks) for _, ks in live.values())
