@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import heapq
 from collections.abc import Sequence
-from itertools import repeat
-from operator import add, sub
 
 from router.ids import EngineId, RequestId
 
@@ -40,7 +38,6 @@ class PendingPrefixes:
         self._entries: dict[RequestId, _Entry] = {}
         self._counts: dict[EngineId, dict[int, int]] = {}
         self._heap: list[tuple[float, RequestId]] = []
-        self._live: dict[EngineId, int] = {}  # per replica, the keys pending (counted with repeats)
         self.size = 0
 
     def add(self, request: RequestId, replica: EngineId, keys: Sequence[int], now: float) -> None:
@@ -52,13 +49,9 @@ class PendingPrefixes:
         entry = _Entry(replica, tuple(keys), now + self.ttl_s)
         self._entries[request] = entry
         counts = self._counts.setdefault(replica, {})
-        n = len(entry.keys)
-        # counts[key] += 1 for every key, in C; the pairs are made lazily, so a repeated key counts twice.
-        counts.update(
-            zip(entry.keys, map(add, map(counts.get, entry.keys, repeat(0, n)), repeat(1, n)), strict=True)
-        )
-        self.size += n
-        self._live[replica] = self._live.get(replica, 0) + n
+        for key in entry.keys:
+            counts[key] = counts.get(key, 0) + 1
+        self.size += len(entry.keys)
         heapq.heappush(self._heap, (entry.until, request))
 
     def answered(self, request: RequestId, now: float) -> None:
@@ -76,7 +69,7 @@ class PendingPrefixes:
             return 0
         run = 0
         for key in keys[:limit]:
-            if not counts.get(key):  # absent, or a zero not swept yet
+            if key not in counts:
                 break
             run += 1
         return run
@@ -93,20 +86,16 @@ class PendingPrefixes:
         """Forget a replica (removed, or its engine restarted)."""
         for request in [r for r, e in self._entries.items() if e.replica == replica]:
             self._remove(request)
-        self._counts.pop(replica, None)
-        self._live.pop(replica, None)
 
     def _remove(self, request: RequestId) -> None:
         entry = self._entries.pop(request, None)
         if entry is None:
             return
         counts = self._counts[entry.replica]
-        n = len(entry.keys)
-        counts.update(
-            zip(entry.keys, map(sub, map(counts.__getitem__, entry.keys), repeat(1, n)), strict=True)
-        )
-        self.size -= n
-        self._live[entry.replica] = live = self._live.get(entry.replica, 0) - n
-        # Keys left at zero are swept when they outnumber the live ones (amortized O(1) per key).
-        if len(counts) > 2 * live + 1024:
-            self._counts[entry.replica] = {k: c for k, c in counts.items() if c}
+        for key in entry.keys:
+            left = counts[key] - 1
+            if left:
+                counts[key] = left
+            else:
+                del counts[key]
+        self.size -= len(entry.keys)
