@@ -20,6 +20,7 @@ from hypothesis import strategies as st
 from engine_stub.config import CacheConfig, EngineCoreConfig, GroupKind, GroupSpec
 from engine_stub.request import SubmitParams
 from engine_stub.scheduler import Scheduler
+from engine_stub.server_config import StubConfig
 from events.block_hash import RequestExtras, VllmHasher, wire_hash
 from events.config import KVEventsConfig
 from events.publisher import EventPublisher
@@ -138,7 +139,6 @@ async def _wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> Non
 MODELS = {
     "fa_drop": ((FA,), True, 0),
     "fa_swa_drop": ((FA, GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8)), True, 0),
-    "fa4_swa8_drop": ((FA, GroupSpec(GroupKind.SLIDING_WINDOW, 8, sliding_window=16)), True, 0),
     "fa_swa_lookahead": ((FA, GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8)), False, 1),
     "fa_lookahead2": ((FA,), False, 2),
 }
@@ -209,6 +209,9 @@ async def _check_stream(
             if out.events:
                 seq = await publisher.publish(KVEventBatch(ts=0.0, events=out.events))
                 await _wait_for(lambda seq=seq: feed.last_seq >= seq)  # type: ignore[misc]
+                truth = sched.kv.pool.resident()
+                for g in range(len(sched.config.cache.groups)):
+                    assert feed.mirror.resident(ENGINE, 0, g) == truth.get(g, {}), f"group {g}"
         history.append(tokens)
 
 
@@ -227,3 +230,21 @@ def test_router_predicts_an_eagle_stub(
     name: str, hashing: HashingMode, blocks: int, prompts: list[tuple[int, int, list[int]]]
 ) -> None:
     asyncio.run(_run(name, hashing, blocks, prompts))
+
+
+def test_the_stub_config_file_takes_the_eagle_knobs() -> None:
+    text = b"""
+[engine.cache]
+eagle_block_drop = true
+[[engine.cache.groups]]
+block_size = 4
+[[engine.cache.groups]]
+kind = "sliding_window"
+block_size = 8
+sliding_window = 16
+eagle = true
+"""
+    config = msgspec.toml.decode(text, type=StubConfig)
+    config.validate()
+    assert config.engine.cache.eagle_groups() == (False, True)
+    assert config.engine.cache.scheduler_block_size == 8
