@@ -69,13 +69,20 @@ class Rig:
             assert (await self.client.post("/v1/completions", json=body)).status_code == 200
 
     async def warm_up(self) -> int:
-        """Produce until the raw SUB has joined; the seq it saw."""
+        """Produce until the raw SUB has joined, then read up to the last batch published; its seq.
+
+        Reading to the end matters on a loaded machine: a batch that took longer than one poll would
+        otherwise stay queued and be mistaken for the first batch of the test proper."""
         for _ in range(100):
             await self.produce()
             try:
-                return (await self.raw.next(timeout=0.2)).seq
+                seq = (await self.raw.next(timeout=0.2)).seq
             except TimeoutError:
                 continue
+            last = self.server.stub.publishers[0].stats.batches - 1
+            while seq < last:
+                seq = (await self.raw.next()).seq
+            return seq
         raise AssertionError("the raw subscriber never joined")
 
     async def live_seqs(self, count: int) -> list[int]:
