@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import socket
 from collections.abc import AsyncIterator, Callable
 
 import uvicorn
@@ -17,27 +16,13 @@ import uvicorn
 from events.tokenization import Tokenizer
 
 from .app import create_app
+from .listening import bind_listening
 from .server_config import StubConfig
 from .stub import ReadyInfo, Stub
 
 __all__ = ["StubServer", "running_stub"]
 
-_BACKLOG = 2048
 _WILDCARDS = ("0.0.0.0", "::", "")
-
-
-def bind_listening(host: str, port: int) -> socket.socket:
-    """A TCP socket bound to (host, port) and listening; port 0 picks a free port."""
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-        sock.listen(_BACKLOG)
-    except OSError:
-        sock.close()
-        raise
-    return sock
 
 
 class StubServer:

@@ -14,20 +14,19 @@ import argparse
 import asyncio
 import logging
 import os
-import socket
 import sys
 from pathlib import Path
 
 import msgspec
 import uvicorn
 
+from engine_stub.listening import bind_listening
 from router.config import ConfigError, RouterConfig
 from router.overrides import load_config
 
 __all__ = ["ReadyLine", "effective_config", "register", "run"]
 
 log = logging.getLogger(__name__)
-_BACKLOG = 2048
 
 
 class ReadyLine(msgspec.Struct, frozen=True):
@@ -74,19 +73,6 @@ def effective_config(args: argparse.Namespace, environ: dict[str, str]) -> Route
     return load_config(path, environ, flags)
 
 
-def _listen(host: str, port: int) -> socket.socket:
-    family, kind, proto, _, address = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0]
-    sock = socket.socket(family, kind, proto)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind(address)
-        sock.listen(_BACKLOG)
-    except OSError:
-        sock.close()
-        raise
-    return sock
-
-
 def _log_level(args: argparse.Namespace) -> str:
     return str(getattr(args, "log_level", "INFO"))
 
@@ -108,7 +94,7 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError(f"--record {args.record}: file exists (a recording is never overwritten)")
         if args.record is not None and config.listen.workers > 1:
             raise ConfigError("--record needs listen.workers = 1 (one recording holds one gateway's view)")
-        sock = _listen(config.listen.host, config.listen.port)
+        sock = bind_listening(config.listen.host, config.listen.port)
     except (ConfigError, OSError) as exc:
         sys.stderr.write(f"kvrouter serve: {exc}\n")
         return 2
