@@ -113,8 +113,8 @@ def bench_prepare(kind: str, n: int) -> None:
     t_keys = per_request_ms(lambda b: ref.keys(by_tokens[b]), payloads)
     t_ref = t_decode + t_render + t_encode + t_keys
     print(f"\nprepare, {kind}: {len(tokens[0])} tokens, {len(texts[0])} chars, {n} requests")
-    print(f"  reference: decode+conversation {t_decode:7.3f} ms")
-    print(f"             render template     {t_render:7.3f} ms")
+    print(f"  reference: decode body          {t_decode:7.3f} ms")
+    print(f"             conversation+render {t_render:7.3f} ms")
     print(f"             plain encode        {t_encode:7.3f} ms")
     print(f"             keys from scratch   {t_keys:7.3f} ms")
     print(f"             total               {t_ref:7.3f} ms   1.00x")
