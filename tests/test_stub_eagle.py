@@ -3,7 +3,8 @@
 Worked examples of the drop (kv-events §5.2-5.4, §5.8: FA gives back one block, SWA needs one more
 block and gives it back, the hybrid looks one block past the candidate, once per length), lookahead
 hashing (§4.3), and a property through real ZeroMQ: the router's lookup over a mirror fed by the
-stub's published events predicts every admission of an EAGLE stub.
+stub's published events predicts every admission of an EAGLE stub (including FA 4 + SWA 8, and the
+re-lookup of a preempted request, predicted again from its tokens at that step).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine_stub.config import CacheConfig, EngineCoreConfig, GroupKind, GroupSpec
-from engine_stub.request import SubmitParams
+from engine_stub.request import RequestStatus, SubmitParams
 from engine_stub.scheduler import Scheduler
 from engine_stub.server_config import StubConfig
 from events.block_hash import RequestExtras, VllmHasher, wire_hash
@@ -30,7 +31,7 @@ from events.subscriber import EngineSubscriber
 from events.wire import BlockStored, KVEventBatch, LazyKVEventBatch
 from router.ids import EngineId
 from router.keys import KeyHasher
-from router.lookup import LookupRequest, ReplicaId, lookup
+from router.lookup import LookupRequest, LookupResult, ReplicaId, lookup
 from router.mirror import Mirror
 from router.model_spec import GroupSpec as RouterGroup
 from router.model_spec import HashingMode, ModelSpec
@@ -110,6 +111,52 @@ def test_eagle_configurations_vllm_rejects_are_rejected() -> None:
         CacheConfig(groups=(FA, chunked), eagle_block_drop=True).validate()
 
 
+def test_fa4_swa8_eagle_looks_a_preempted_request_up_again_with_its_output() -> None:
+    """FA 4 + SWA 8 (w 16), EAGLE drop on both groups (none flagged), 12 blocks: hb = gcd = 4, A = lcm = 8.
+
+    The prompt stream of the property test that once "disagreed": the router and the stub agree on
+    both lookups of request 9 (Z = 28 zeros); the test had compared its re-lookup after preemption
+    (with its sampled token, against the cache its own prefill filled) to the first prediction.
+
+    First lookup: N = 28, maxlen 27; H = Z.0..Z.6. FA holds Z.0-Z.2, SWA (view = [Z.1, Z.3, Z.5])
+    holds Z.1. FA: lim = min(27 + 4, 28) = 28, run Z.0-Z.2 = 12, drop one block (4) -> 8 (aligned).
+    SWA: lim = min(8 + 8, 28) = 16 -> view blocks 0..1, need = ceil(15/8) + 1 = 3; Z.3 misses, Z.1 is
+    a run of 1 from block 0 -> 8 tokens, drop -> 0. Simple hybrid: hit 0, longest 8: (0, 8).
+    Prefill caches FA Z.0-Z.6 and SWA [Z.1 Z.3 Z.5]; the first decode step has no free block: preempted.
+    Re-lookup: N = 29, maxlen 28. FA: lim = min(28 + 4, 28) = 28, run 7 blocks = 28, drop -> 24.
+    SWA: lim = min(24 + 8, 28) = 28 -> view blocks 0..2, all cached: run 3 = need, keep 3, drop -> 2
+    blocks = 16. Hit 16, longest 24: (16, 24).
+    """
+    sched = _engine(FA, GroupSpec(GroupKind.SLIDING_WINDOW, 8, sliding_window=16), drop=True, blocks=12)
+    spec = _router_spec("fa4_swa8_drop", HashingMode.ENGINE)
+    mirror = Mirror()
+    mirror.add_engine(ENGINE, spec)
+    prompts = [[0] * 3, [0] * 5, [0] * 7, [1], [0] * 14, [1], [1], [1], [1]]
+    for i, tokens in enumerate(prompts):
+        rid = sched.submit(tokens, SubmitParams(max_tokens=1 + i % 5))
+        while rid in sched.requests:
+            mirror.apply(ENGINE, KVEventBatch(ts=0.0, events=sched.step(only={rid}).events))
+    rid = sched.submit([0] * 28, SubmitParams(max_tokens=5))
+    seen: list[tuple[tuple[int, int], tuple[int, int], int]] = []
+    while len(seen) < 2:
+        req = sched.requests[rid]
+        predicted = _predict(mirror, spec, req.all_token_ids) if req.status is RequestStatus.WAITING else None
+        num_tokens = req.num_tokens
+        out = sched.step(only={rid})
+        if rid in out.admissions:
+            got = out.admissions[rid]
+            assert predicted is not None
+            seen.append(
+                (
+                    (predicted.hit_tokens, predicted.shared_prefix_boundary),
+                    (got.hit_tokens, got.shared_prefix_boundary),
+                    num_tokens,
+                )
+            )
+        mirror.apply(ENGINE, KVEventBatch(ts=0.0, events=out.events))
+    assert seen == [((0, 8), (0, 8), 28), ((16, 24), (16, 24), 29)]
+
+
 # -- the router predicts an EAGLE stub through real ZeroMQ ---------------------------------------------
 
 
@@ -139,6 +186,7 @@ async def _wait_for(predicate: Callable[[], bool], timeout: float = 10.0) -> Non
 MODELS = {
     "fa_drop": ((FA,), True, 0),
     "fa_swa_drop": ((FA, GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8)), True, 0),
+    "fa4_swa8_drop": ((FA, GroupSpec(GroupKind.SLIDING_WINDOW, 8, sliding_window=16)), True, 0),
     "fa_swa_lookahead": ((FA, GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8)), False, 1),
     "fa_lookahead2": ((FA,), False, 2),
 }
@@ -191,19 +239,20 @@ async def _check_stream(
     for i, (base, cut, new) in enumerate(prompts):
         prefix = history[base % len(history)][: cut % 30] if history else []
         tokens = ([*prefix, *new] or [1])[:40]
-        keys = spec_keys(spec, feed.mirror.hasher, tuple(tokens), RequestExtras())
-        predicted = lookup(feed.mirror, spec, LookupRequest(keys, len(tokens)), [ENGINE])[
-            ReplicaId(ENGINE, 0)
-        ]
         rid = sched.submit(tokens, SubmitParams(max_tokens=1 + i % 5), request_id=f"r{i}")
         while rid in sched.requests:
+            req = sched.requests[rid]
+            # A preempted request is looked up again with its outputs, against the cache as it is then.
+            waiting = req.status is RequestStatus.WAITING
+            predicted = _predict(feed.mirror, spec, req.all_token_ids) if waiting else None
             out = sched.step(only={rid})
             if rid in out.admissions:
                 got = out.admissions[rid]
+                assert predicted is not None
                 assert (predicted.hit_tokens, predicted.shared_prefix_boundary) == (
                     got.hit_tokens,
                     got.shared_prefix_boundary,
-                ), f"request {i}: {tokens}"
+                ), f"request {i}: {req.all_token_ids}"
                 if not got.admitted:
                     sched.abort(rid)
             if out.events:
@@ -213,6 +262,11 @@ async def _check_stream(
                 for g in range(len(sched.config.cache.groups)):
                     assert feed.mirror.resident(ENGINE, 0, g) == truth.get(g, {}), f"group {g}"
         history.append(tokens)
+
+
+def _predict(mirror: Mirror, spec: ModelSpec, tokens: list[int]) -> LookupResult:
+    keys = spec_keys(spec, mirror.hasher, tuple(tokens), RequestExtras())
+    return lookup(mirror, spec, LookupRequest(keys, len(tokens)), [ENGINE])[ReplicaId(ENGINE, 0)]
 
 
 PROMPTS = st.lists(
