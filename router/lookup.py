@@ -68,12 +68,13 @@ class SpecGroup:
 
 @lru_cache(maxsize=64)
 def spec_groups(spec: ModelSpec) -> list[SpecGroup]:
-    """vLLM's spec groups: equal specs merged, non-cacheable ones skipped, full attention first."""
+    """vLLM's spec groups: equal specs merged (whatever their EAGLE flags: the merged group drops if any
+    member does), non-cacheable ones skipped, full attention first."""
     eagle = spec.eagle_groups()
     merged: dict[GroupSpec, list[int]] = {}
     for gid, g in enumerate(spec.groups):
         if finder_kind(g.kind) != "none" or len(spec.groups) == 1:
-            merged.setdefault(g, []).append(gid)
+            merged.setdefault(msgspec.structs.replace(g, eagle=False), []).append(gid)
     groups = [SpecGroup(g, tuple(gids), any(eagle[i] for i in gids)) for g, gids in merged.items()]
     return sorted(groups, key=lambda sg: sg.kind != "full")
 

@@ -171,6 +171,23 @@ def test_spec_groups_merge_equal_specs_and_sort_full_first() -> None:
     assert [g.gids for g in groups] == [(1,), (0, 2)]
 
 
+def test_spec_groups_merge_equal_specs_whatever_their_eagle_flag() -> None:
+    """vLLM merges groups whose specs are equal; the merged group drops if any member is an EAGLE group
+    (kv_cache_coordinator.py:729-745, SpecGroup docstring l.600-609)."""
+    swa = GroupSpec("sliding_window", 4, sliding_window=8)
+    spec = ModelSpec(
+        groups=(GroupSpec(block_size=4), swa, GroupSpec("sliding_window", 4, sliding_window=8, eagle=True)),
+        eagle_block_drop=True,
+    )
+    assert [(g.gids, g.eagle) for g in spec_groups(spec)] == [((0,), False), ((1, 2), True)]
+    # 24 tokens (maxlen 23); FA holds blocks 0-2 and is not flagged: 12. The merged SWA group needs a
+    # key in both members: blocks {0, 3, 4, 5} & all = {0, 3, 4, 5}. With the drop, need = 2 + 1 = 3 and
+    # the limit is 12 + 4 = 16 (view blocks 0-3): block 3 alone, blocks 2, 1 miss, block 0 is a run of 1
+    # from the start -> 4, dropped -> 0. Two spec groups, FA first: one pass. Hit 0, junction 12.
+    # (Unmerged, the plain member would settle at 4 without a drop and the flagged one verify 4.)
+    assert run(spec, {0: {0, 1, 2}, 1: {0, 3, 4, 5}, 2: {0, 1, 2, 3, 4, 5}}, 24) == (0, 12)
+
+
 def test_fan_out_matches_each_engine_alone() -> None:
     rng = random.Random(7)
     spec = ModelSpec(groups=(GroupSpec(block_size=4),))

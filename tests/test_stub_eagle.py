@@ -187,6 +187,8 @@ MODELS = {
     "fa_drop": ((FA,), True, 0),
     "fa_swa_drop": ((FA, GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8)), True, 0),
     "fa4_swa8_drop": ((FA, GroupSpec(GroupKind.SLIDING_WINDOW, 8, sliding_window=16)), True, 0),
+    # Two equal SWA specs, one flagged: vLLM merges them into one spec group that drops.
+    "fa_swa_swa_eagle": ((FA, SWA, msgspec.structs.replace(SWA, eagle=True)), True, 0),
     "fa_swa_lookahead": ((FA, GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8)), False, 1),
     "fa_lookahead2": ((FA,), False, 2),
 }
@@ -195,7 +197,7 @@ MODELS = {
 def _router_spec(name: str, hashing: HashingMode) -> ModelSpec:
     groups, drop, lookahead = MODELS[name]
     router_groups = tuple(
-        RouterGroup(kind=g.kind.value, block_size=g.block_size, sliding_window=g.sliding_window)
+        RouterGroup(g.kind.value, g.block_size, sliding_window=g.sliding_window, eagle=g.eagle)
         for g in groups
     )
     return ModelSpec(groups=router_groups, eagle_block_drop=drop, lookahead_tokens=lookahead, hashing=hashing)
