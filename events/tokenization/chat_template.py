@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, NoReturn
+from typing import Any, Final, NoReturn
 
 import jinja2
 import jinja2.ext
@@ -74,10 +74,36 @@ def _tojson(
     )
 
 
+# The request data a template reads: JSON values (and the tuples/bools the conversation builds).
+_PLAIN_TYPES: Final = frozenset({dict, list, tuple, str, int, float, bool, type(None)})
+_VERDICTS_MAX: Final = 4096
+
+
+class _Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with its attribute verdicts remembered for plain JSON types.
+
+    For those types jinja2's verdict depends only on the type and the attribute name (underscore
+    names, internal attributes, mutating methods), so remembering it changes no answer; it saves the
+    isinstance/ABC checks on every `message.get(...)` of every render."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._verdicts: dict[tuple[type, str], bool] = {}
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        kind = type(obj)
+        if kind not in _PLAIN_TYPES:
+            return super().is_safe_attribute(obj, attr, value)
+        verdict = self._verdicts.get((kind, attr))
+        if verdict is None:
+            verdict = super().is_safe_attribute(obj, attr, value)
+            if len(self._verdicts) < _VERDICTS_MAX:
+                self._verdicts[(kind, attr)] = verdict
+        return verdict
+
+
 def _make_environment(clock: Callable[[], datetime]) -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    env = jinja2.sandbox.ImmutableSandboxedEnvironment(
-        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
-    )
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: clock().strftime(fmt)
