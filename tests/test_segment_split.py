@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from events.tokenization import AddedToken, Segmenter
-from events.tokenization.segment_cache import Segment
+from events.tokenization.segmenter import Segment
 
 
 def _reference_scan(words: list[str], ids: dict[str, int], text: str) -> list[Segment]:
