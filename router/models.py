@@ -11,30 +11,25 @@ up with its variant's keys.
 
 from __future__ import annotations
 
-import hashlib
 import time
-from array import array
 from collections.abc import Callable, Mapping
 from pathlib import Path
 
 import msgspec
 
-from events.block_hash import HashAlgo, RequestExtras, VllmHasher, wire_hash
 from events.openai_request import ChatRequest, CompletionRequest, Endpoint, RequestError
 from events.request_tokens import RequestTokens, decode_request, tokens_of
 from events.tokenization import BuiltinTokenizer, ChatTemplate, HfTokenizer, TemplateSet, Tokenizer
 from router.config import EngineConfig, ModelConfig, RouterConfig
 from router.key_cache import PrefixKeyCache
-from router.keys import KeyHasher, pack_tokens
-from router.model_spec import HashingMode, ModelSpec
+from router.keys import KeyHasher
+from router.request_keys import session_key, spec_keys
 from router.variants import Variant, VariantId, engine_model, model_configs, resolve_variant
 
-__all__ = ["PROCESS_HASHER", "Models", "Prepared", "VariantKeys", "load_tokenizer", "spec_keys"]
+__all__ = ["PROCESS_HASHER", "Models", "Prepared", "VariantKeys", "load_tokenizer"]
 
 PROCESS_HASHER = KeyHasher()
 """The default hasher of both `Models` and the fleet's mirror, so their keys agree."""
-
-_SESSION_TOKENS = 256  # tokens of the prompt's head that make up the stable tie-break key
 
 
 class VariantKeys(msgspec.Struct, frozen=True):
@@ -108,46 +103,6 @@ def load_tokenizer(source: str | None, chat_template: str | None = None) -> Toke
         return HfTokenizer.from_dir(path, template)
     config = path.with_name("tokenizer_config.json")
     return HfTokenizer.from_files(path, config if config.is_file() else None, template)
-
-
-_VLLM_HASHERS: dict[tuple[str, str | None], VllmHasher] = {}
-
-
-def spec_keys(
-    spec: ModelSpec,
-    hasher: KeyHasher,
-    tokens: tuple[int, ...],
-    extras: RequestExtras,
-    *,
-    packed: bytes | None = None,
-    cache: PrefixKeyCache | None = None,
-) -> list[int]:
-    """The request's lookup keys at `spec.hash_block_size`: router keys, or vLLM's wire hashes.
-    `packed` (the tokens' `pack_tokens` bytes, if at hand) and `cache` make router keys cheaper,
-    never different."""
-    hb, lookahead = spec.hash_block_size, spec.lookahead_tokens
-    if spec.hashing is HashingMode.ROUTER:
-        if cache is not None and not lookahead and not extras.mm_items:
-            root = hasher.root(extras.lora_name, extras.cache_salt)
-            return list(cache.keys(root, packed if packed is not None else pack_tokens(tokens), hb))
-        return list(hasher.request_keys(tokens, hb, extras, lookahead))
-    vh = _VLLM_HASHERS.get((spec.hash_algo, spec.hash_seed))
-    if vh is None:
-        vh = _VLLM_HASHERS[(spec.hash_algo, spec.hash_seed)] = VllmHasher(
-            HashAlgo(spec.hash_algo), spec.hash_seed
-        )
-    return [wire_hash(d) for d in vh.block_hashes(tokens, hb, extras, lookahead)]
-
-
-def session_key(tokens: tuple[int, ...], extras: RequestExtras, packed: bytes | None = None) -> str:
-    """A process-independent key of the prompt's head (plus LoRA and salt) for stable tie-breaks."""
-    head = (
-        packed[: _SESSION_TOKENS * 4]
-        if packed is not None
-        else array("I", tokens[:_SESSION_TOKENS]).tobytes()
-    )
-    tail = msgspec.msgpack.encode((extras.lora_name, extras.cache_salt))
-    return hashlib.blake2b(head + tail, digest_size=8).hexdigest()
 
 
 class Models:

@@ -12,7 +12,8 @@ from router.config import ModelConfig, RouterConfig
 from router.key_cache import PrefixKeyCache
 from router.keys import KeyHasher, pack_tokens
 from router.model_spec import ModelSpec
-from router.models import Models, spec_keys
+from router.models import Models
+from router.request_keys import spec_keys
 
 HASHER = KeyHasher(b"test-key-cache")
 ROOT = HASHER.root()

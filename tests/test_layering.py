@@ -37,6 +37,7 @@ PURE = [
     "engine_stub/cost_model.py",
     "router/keys.py",
     "router/key_cache.py",
+    "router/request_keys.py",
     "router/pending.py",
     "router/mirror.py",
     "router/lookup.py",
