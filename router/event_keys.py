@@ -2,7 +2,10 @@
 
 Dense stores (full attention, chunked local: one hash per `block_size` tokens, contiguous after the
 parent) are keyed by chaining the router hash over `token_ids` from the parent's key, or from the root
-(LoRA name + cache salt) when the parent is None. Sparse stores (sliding window, Mamba) may list fewer
+(LoRA name + cache salt) when the parent is None. The chain runs at the model's hash block size `hb`,
+as the request's keys do, and a block of `bs = k * hb` tokens takes the key of its last hash unit (what
+vLLM's `BlockHashListWithBlockSize` view reads, kv-events §4.3); a partial-tail store (`block_size =
+hb`, one hash) is then an ordinary one-unit store. Sparse stores (sliding window, Mamba) may list fewer
 hashes than token blocks, so they are keyed through the engine-hash -> key map that the full-attention
 group's store of the same hash filled; a sparse store that is dense-shaped is keyed from its tokens
 when that map misses.
@@ -18,7 +21,7 @@ import msgspec
 from events.wire import BlockStored, EngineBlockHash, LazyBlockStored
 from router.keys import BlockExtra, BlockKey, KeyHasher, normalize_extra, split_event_extra
 
-__all__ = ["engine_key", "event_tokens", "keys_from_tokens"]
+__all__ = ["engine_key", "event_tokens", "keys_from_tokens", "store_salt"]
 
 _LOOKAHEAD = msgspec.msgpack.Decoder(list[list[int]])
 
@@ -56,15 +59,47 @@ def _block_extras(ev: BlockStored | LazyBlockStored, n: int) -> tuple[list[Block
     return (out if any(x is not None for x in out) else None), salt
 
 
+def store_salt(ev: BlockStored | LazyBlockStored) -> str | None:
+    """The cache salt a parentless store names on its first block, if any."""
+    if ev.parent_block_hash is not None or not ev.extra_keys:
+        return None
+    return split_event_extra(ev.extra_keys[0], ev.lora_name, True)[1]
+
+
+def _unit_extras(
+    tokens: list[int], lookahead: list[list[int]] | None, hb: int, n_units: int
+) -> list[BlockExtra] | None:
+    """Per-hash-unit extras of a coarse store: each unit's lookahead is the L tokens after it (the
+    last block's lookahead list supplies those past the store)."""
+    if not lookahead:
+        return None
+    width = len(lookahead[-1])
+    ext = [*tokens, *lookahead[-1]]
+    return [normalize_extra((), ext[(u + 1) * hb : (u + 1) * hb + width]) for u in range(n_units)]
+
+
 def keys_from_tokens(
-    hasher: KeyHasher, ev: BlockStored | LazyBlockStored, parent_key: int | None
+    hasher: KeyHasher,
+    ev: BlockStored | LazyBlockStored,
+    parent_key: int | None,
+    hash_block_size: int | None = None,
 ) -> list[BlockKey] | None:
-    """Keys of a dense store's blocks, or None when its shape does not match its token ids."""
-    n = len(ev.block_hashes)
+    """Keys of a dense store's blocks, chained at `hash_block_size` (default: the store's block size),
+    or None when its shape does not match its token ids (or a coarse block carries multimodal keys,
+    whose per-unit split the event does not give)."""
+    n, bs = len(ev.block_hashes), ev.block_size
+    hb = hash_block_size or bs
     tokens = event_tokens(ev)
-    if n == 0 or len(tokens) != n * ev.block_size:
+    if n == 0 or len(tokens) != n * bs or bs % hb:
         return None
     extras, salt = _block_extras(ev, n)
     if parent_key is None:
         parent_key = hasher.root(ev.lora_name, salt)
-    return hasher.chain(parent_key, tokens, ev.block_size, n, extras)
+    k = bs // hb
+    if k == 1:
+        return hasher.chain(parent_key, tokens, bs, n, extras)
+    lookahead = _lookahead(ev)
+    if extras is not None and any(e is not None and e[0] for e in extras):
+        return None
+    units = hasher.chain(parent_key, tokens, hb, n * k, _unit_extras(tokens, lookahead, hb, n * k))
+    return units[k - 1 :: k]

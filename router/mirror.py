@@ -36,16 +36,18 @@ from events.wire import (
     LazyBlockStored,
     LazyKVEventBatch,
 )
-from router.event_keys import engine_key, keys_from_tokens
+from router.event_keys import engine_key, keys_from_tokens, store_salt
 from router.ids import EngineId
 from router.keys import KeyHasher
 from router.mirror_state import GroupView, MirrorStats, ReplicaView
 from router.model_spec import HashingMode, ModelSpec, ReportMode, finder_kind
+from router.sparse_keys import run_shape, sparse_store_keys
 
 __all__ = ["EngineId", "Mirror", "MirrorConfig", "MirrorStats"]
 
 
 Stored = BlockStored | LazyBlockStored
+_SALTS = 64
 
 
 class MirrorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -74,6 +76,7 @@ class Mirror:
         self.engines: dict[EngineId, EngineState] = {}
         self.stats = MirrorStats()
         self._free_slots: list[int] = []
+        self._salts: dict[str, None] = {}  # recent cache salts, oldest first (sparse-store roots)
         self._next_slot = 0
 
     # -- engines -------------------------------------------------------------------------------
@@ -153,6 +156,8 @@ class Mirror:
         if gv is None:
             return
         rv.learn(gv, ev)
+        if ev.parent_block_hash is None and ev.extra_keys and rv.hashing is HashingMode.ROUTER:
+            self._remember_salt(ev)
         sparse = finder_kind(gv.spec.kind) in ("swa", "mamba")
         full_mode = rv.report_mode is ReportMode.FULL
         if sparse and (is_report or (full_mode and _report_shaped(ev))):
@@ -194,10 +199,14 @@ class Mirror:
         parent_key = None if parent is None else known.get(parent)
         keys = None
         if parent is None or parent_key is not None:
-            keys = keys_from_tokens(self.hasher, ev, parent_key)
+            keys = keys_from_tokens(self.hasher, ev, parent_key, rv.spec.hash_block_size)
         if keys is not None:
             return list(zip(hashes, keys, strict=True))
-        if sparse:  # keep what the full-attention group mapped; the rest is unknown (a conservative miss)
+        if sparse:
+            placed = self._place_sparse(rv, ev, parent, parent_key)
+            if placed is not None:
+                return placed
+            # Keep what the full-attention group mapped; the rest is unknown (a conservative miss).
             self.stats.unmapped_sparse += sum(k is None for _, k in mapped)
             return [(eh, k) for eh, k in mapped if k is not None]
         if parent is not None and parent_key is None:
@@ -205,6 +214,24 @@ class Mirror:
         else:
             self.stats.bad_store_shape += 1
         return []
+
+    def _place_sparse(
+        self, rv: ReplicaView, ev: Stored, parent: EngineBlockHash | None, parent_key: int | None
+    ) -> list[tuple[EngineBlockHash, int]] | None:
+        """A window store's keys with the hashes FA never named placed by the mask's run shape."""
+        shape = run_shape(rv.spec, ev.group_idx or 0)
+        if shape is None or (parent is not None and parent_key is None):
+            return None
+        start = (parent_key, list(reversed(self._salts)))
+        return sparse_store_keys(self.hasher, ev, self.ehash_to_key, start, rv.spec.hash_block_size, shape)
+
+    def _remember_salt(self, ev: Stored) -> None:
+        salt = store_salt(ev)
+        if salt is not None:
+            self._salts.pop(salt, None)
+            self._salts[salt] = None
+            if len(self._salts) > _SALTS:
+                del self._salts[next(iter(self._salts))]
 
     def _removed(self, rv: ReplicaView, ev: BlockRemoved) -> None:
         if ev.medium not in (None, "GPU"):

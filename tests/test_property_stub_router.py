@@ -7,8 +7,9 @@ fleet's real EngineSubscriber and into the mirror. Before the step that looks a 
 alone, so no other request's events precede its lookup), the router's `(hit, shared_prefix_boundary)`
 must equal the stub's admission lookup, and after every batch the mirror's copies per engine hash
 must equal the stub pool's. Single-group FA, FA+SWA and FA+Mamba layouts, and FA+SWA with
-mixed block sizes (4/8 and 8/4: hashes at the gcd, hits aligned to the lcm), router keys and
-engine-exact keys. Full-mode requests are announced to the fleet as a gateway would.
+mixed block sizes (4/8 and 8/4: hashes at the gcd, hits aligned to the lcm; FA 8 stores partial
+tails, SWA 4 keeps blocks FA never names), router keys and engine-exact keys. Full-mode requests are
+announced to the fleet as a gateway would.
 """
 
 from __future__ import annotations
@@ -229,15 +230,7 @@ async def run(layout: str, hashing: str, blocks: int, ops: list[Op]) -> int:
         ctx.destroy(linger=0)
 
 
-CASES = [
-    (layout, hashing)
-    for layout in LAYOUTS
-    for hashing in ("router", "engine")
-    # Router keys chain over each store's own block size, so a group coarser than the hash block
-    # size (FA 8 over hashes of 4) gets keys the request's hash-unit keys never match: the router
-    # mispredicts there (reported upstream); engine-exact keys cover that layout.
-    if (layout, hashing) != ("fa8_swa4", "router")
-]
+CASES = [(layout, hashing) for layout in LAYOUTS for hashing in ("router", "engine")]
 
 
 @pytest.mark.parametrize(("layout", "hashing"), CASES)
@@ -248,3 +241,18 @@ def test_router_predicts_every_admission(layout: str, hashing: str, blocks: int,
         ops = [msgspec.structs.replace(op, full=False) for op in ops]
     checked = asyncio.run(run(layout, hashing, blocks, ops))
     assert checked == len(ops)
+
+
+def test_coarse_full_attention_with_router_keys() -> None:
+    """The stream that once left the mirror missing an FA 8 block: router keys chained over 8 tokens
+    never matched the request's keys at hb = 4."""
+    plain = Op(0, False, 0, False, [], False, None, False, False, 1, 0)
+    ops = [
+        msgspec.structs.replace(plain, base=65, cut=8, new=[0, 1]),
+        msgspec.structs.replace(plain, base=588, cut=106, new=[2, 3, 0, 3, 2, 2], lora=True, full=True),
+        msgspec.structs.replace(
+            plain, base=51, whole=True, cut=724, aligned=True, new=[1, 2, 1, 2, 2], salt="s1", max_tokens=2
+        ),
+    ]
+    ops[1] = msgspec.structs.replace(ops[1], max_tokens=4, background=1)
+    assert asyncio.run(run("fa8_swa4", "router", 16, ops)) == 3
