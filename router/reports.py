@@ -4,12 +4,14 @@ A request sent with `kv_cache_report_mode=full` makes the engine announce its hi
 parentless store per group listing the hit's first `n` blocks (semantics doc §5.4). Such a report is
 byte-identical to a cold store, so the mirror must be told (`Mirror.apply(reports=...)`). The gateway
 tells the fleet every request it sends, with its keys, report mode and skip flag (`PendingReport`).
-At each dense parentless store of group 0, with the mirror exact up to that event:
+At each dense parentless store of group 0, with the mirror exact up to that event (keys compared at
+that group's block size, the last hash unit of each block):
 - if it covers the first `n` keys of a request not yet seen storing, whose hit is 0 now, it is that
   request's real store (a non-full request is then forgotten: its later stores have parents);
 - else, if it starts a run of one dense parentless store per group, in group order, over the same
-  `n` blocks, covering the first `n` keys of a full-mode request whose hit is exactly `n` blocks
-  now (first such run for it in the batch), the run is that request's report.
+  tokens (groups of different block sizes list different counts), covering the first `n` keys of a
+  full-mode request whose hit is exactly `n` blocks now (first such run for it in the batch), the
+  run is that request's report.
 Residual ambiguity: a request the router did not send (another router, a direct client) storing the
 same prefix is taken as a report while a matching full request is pending, and a full request looked
 up again (preempted) whose report coincides with a pending request's first store is taken as a store.
@@ -24,6 +26,7 @@ import msgspec
 
 from events.wire import BlockStored, KVEventBatch, LazyBlockStored, LazyKVEventBatch
 from router.event_keys import engine_key, event_tokens, keys_from_tokens
+from router.finders import view
 from router.ids import EngineId, RequestId
 from router.lookup import LookupRequest, ReplicaId, lookup
 from router.mirror import Mirror
@@ -85,7 +88,8 @@ def _apply(
 
 
 def _report_run(events: Sequence[object], i: int, groups: int) -> bool:
-    """Events i.. are one dense parentless store per group, in group order, over the same tokens."""
+    """Events i.. are one dense parentless store per group, in group order, over the same tokens (the
+    hit is aligned to every group's block size, so groups of different sizes list different counts)."""
     run = events[i : i + groups]
     if len(run) < groups:
         return False
@@ -93,7 +97,7 @@ def _report_run(events: Sequence[object], i: int, groups: int) -> bool:
     return (
         len(stores) == groups
         and all((ev.group_idx or 0) == g for g, ev in enumerate(stores))
-        and len({len(ev.block_hashes) for ev in stores}) == 1
+        and len({len(ev.block_hashes) * ev.block_size for ev in stores}) == 1
     )
 
 
@@ -108,11 +112,13 @@ def _dense_parentless(ev: BlockStored | LazyBlockStored) -> bool:
 
 
 def _store_keys(mirror: Mirror, spec: ModelSpec, ev: BlockStored | LazyBlockStored) -> list[int] | None:
-    if ev.block_size != spec.hash_block_size:
+    """The store's keys at its own block size (each block's last hash unit), comparable to a pending
+    request's keys through `view`."""
+    if ev.block_size % spec.hash_block_size:
         return None
     if spec.hashing is HashingMode.ENGINE:
         return [engine_key(h) for h in ev.block_hashes]
-    keys = keys_from_tokens(mirror.hasher, ev, None)
+    keys = keys_from_tokens(mirror.hasher, ev, None, spec.hash_block_size)
     return None if keys is None else list(keys)
 
 
@@ -128,8 +134,13 @@ def _is_report(
     keys = _store_keys(mirror, spec, ev)
     if keys is None:
         return False
-    n = len(keys)
-    hits = {rid: _hit(mirror, spec, replica, p) for rid, p in pending.items() if p.keys[:n] == keys}
+    n, bs = len(keys), ev.block_size
+    hb = spec.hash_block_size
+    hits = {
+        rid: _hit(mirror, spec, replica, p)
+        for rid, p in pending.items()
+        if list(view(p.keys, bs, hb)[:n]) == keys
+    }
     # A request not yet seen storing, whose hit is 0, caches its prefix from block 0: a real store.
     for rid, hit in hits.items():
         p = pending[rid]

@@ -12,9 +12,11 @@ from typing import Any
 from events.block_hash import RequestExtras, VllmHasher, wire_hash
 from events.wire import BlockStored, EngineBlockHash, KVEventBatch
 from router.event_keys import keys_from_tokens
+from router.ids import RequestId
 from router.keys import KeyHasher
 from router.mirror import EngineId, Mirror
-from router.model_spec import GroupSpec, ModelSpec
+from router.model_spec import GroupSpec, HashingMode, ModelSpec
+from router.reports import PendingReport, apply_batch
 from router.sparse_keys import RunShape, place_unknown, run_shape
 
 E = EngineId("e")
@@ -93,3 +95,23 @@ def test_unknown_hashes_are_placed_only_when_the_runs_say_so() -> None:
 
 def _salt(salt: str) -> RequestExtras:
     return RequestExtras(cache_salt=salt)
+
+
+def test_full_mode_reports_over_groups_of_different_block_sizes() -> None:
+    """FA 4 + SWA 8 (w 16), engine keys. A full-mode request of 12 tokens hits 8 (FA A.0 A.1, SWA
+    block 0 = A.1): its report is FA [A.0 A.1] and SWA [A.1], the same 8 tokens in different counts.
+    Both are recognised, so FA keeps one copy of each block."""
+    spec = ModelSpec(
+        groups=(GroupSpec(block_size=4), GroupSpec("sliding_window", 8, sliding_window=16)),
+        hashing=HashingMode.ENGINE,
+    )
+    m = Mirror(hasher=HASHER)
+    m.add_engine(E, spec)
+    a = UNITS[:3]
+    m.apply(E, KVEventBatch(0.0, [stored(a[:2], TOKENS[:8], 4, 0), stored([a[1]], TOKENS[:8], 8, 1)]))
+    pending = {RequestId("r"): PendingReport([int(h) for h in a], 12)}
+    report = [stored(a[:2], TOKENS[:8], 4, 0), stored([a[1]], TOKENS[:8], 8, 1)]
+    own = stored([a[2]], TOKENS[8:12], 4, 0, parent=a[1])
+    assert apply_batch(m, E, spec, KVEventBatch(0.0, [*report, own]), pending) == 2
+    assert m.resident(E, 0, 0) == {a[0]: 1, a[1]: 1, a[2]: 1}
+    assert m.resident(E, 0, 1) == {a[1]: 1}

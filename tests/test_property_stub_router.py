@@ -53,10 +53,6 @@ LAYOUTS = {
     "fa4_swa8": (GroupSpec(GroupKind.FULL_ATTENTION, BS), GroupSpec(GroupKind.SLIDING_WINDOW, 2 * BS, 16)),
     "fa8_swa4": (GroupSpec(GroupKind.FULL_ATTENTION, 2 * BS), GroupSpec(GroupKind.SLIDING_WINDOW, BS, 8)),
 }
-MIXED = frozenset({"fa4_swa8", "fa8_swa4"})
-"""Layouts whose groups differ in block size. The router's full-mode report detection
-(router/reports.py) expects one report per group over the same number of blocks, which mixed sizes
-never give, so these layouts run without full report mode."""
 MAX_PROMPT = 40
 
 
@@ -237,8 +233,6 @@ CASES = [(layout, hashing) for layout in LAYOUTS for hashing in ("router", "engi
 @settings(max_examples=28, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(blocks=st.integers(10, 40), ops=st.lists(OPS, min_size=1, max_size=24))
 def test_router_predicts_every_admission(layout: str, hashing: str, blocks: int, ops: list[Op]) -> None:
-    if layout in MIXED:
-        ops = [msgspec.structs.replace(op, full=False) for op in ops]
     checked = asyncio.run(run(layout, hashing, blocks, ops))
     assert checked == len(ops)
 
