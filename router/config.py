@@ -58,11 +58,16 @@ class Listen(_Table, frozen=True):
 
 
 class GroupConfig(_Table, frozen=True):
-    """One KV-cache group (vLLM spec kind, block size, sliding window), in group_idx order."""
+    """One KV-cache group (vLLM spec kind, block size, sliding window or local-attention chunk, and
+    whether it is an EAGLE draft group), in group_idx order."""
 
     kind: str = "full_attention"
     block_size: Count | None = None
     sliding_window: Count | None = None
+    chunk_size: Count | None = None
+    """`attention_chunk_size` of a chunked_local_attention group."""
+    eagle: bool = False
+    """vLLM's `is_eagle_group`: with `eagle_block_drop`, only flagged groups drop (all when none is)."""
 
 
 class EngineConfig(_Table, frozen=True):
@@ -91,6 +96,10 @@ class ModelConfig(_Table, frozen=True):
     hash_algo: Literal["sha256", "sha256_cbor"] = "sha256"
     remote_tokenize: bool = False
     loras: dict[str, str] = {}
+    eagle_block_drop: bool = False
+    """The engines run EAGLE/MTP without lookahead hashes: vLLM drops the last matched block."""
+    lookahead_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """The engines' lookahead block hashes (EAGLE's default): each block hash covers L more tokens."""
 
 
 class PolicyConfig(_Table, frozen=True):
@@ -247,8 +256,35 @@ def _engine_problems(engines: list[EngineConfig]) -> list[str]:
     return problems
 
 
-def _general_problems(config: RouterConfig) -> list[str]:
+def _group_problems(at: str, groups: list[GroupConfig], drop: bool) -> list[str]:
     problems = []
+    for j, g in enumerate(groups):
+        if g.kind in ("sliding_window", "sliding_window_mla") and g.sliding_window is None:
+            problems.append(f"{at}.groups[{j}].sliding_window: a {g.kind} group needs its window")
+        if g.kind == "chunked_local_attention" and g.chunk_size is None:
+            problems.append(f"{at}.groups[{j}].chunk_size: a chunked_local_attention group needs it")
+        if g.kind == "chunked_local_attention" and drop and (g.eagle or not any(o.eagle for o in groups)):
+            problems.append(f"{at}.groups[{j}]: vLLM has no EAGLE block drop for chunked local attention")
+    return problems
+
+
+def _model_problems(config: RouterConfig) -> list[str]:
+    problems = []
+    models = {m.name: m for m in config.models}
+    for i, m in enumerate(config.models):
+        at = f"$.models[{i}]"
+        if m.eagle_block_drop and m.lookahead_tokens:
+            problems.append(f"{at}.eagle_block_drop: vLLM turns the drop off when lookahead_tokens is set")
+        problems.extend(_group_problems(at, m.groups, m.eagle_block_drop))
+    for i, engine in enumerate(config.engines):
+        model = models.get(engine.model) or (config.models[0] if len(config.models) == 1 else None)
+        drop = model.eagle_block_drop if model is not None else False
+        problems.extend(_group_problems(f"$.engines[{i}]", engine.groups, drop))
+    return problems
+
+
+def _general_problems(config: RouterConfig) -> list[str]:
+    problems = _model_problems(config)
     names = [m.name for m in config.models]
     if len(set(names)) != len(names) or "" in names:
         problems.append(f"$.models: model names must be non-empty and unique, got {names}")

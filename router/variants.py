@@ -64,7 +64,13 @@ def _groups(groups: list[GroupConfig], block_size: int) -> tuple[GroupSpec, ...]
     if not groups:
         return (GroupSpec(block_size=block_size),)
     return tuple(
-        GroupSpec(kind=g.kind, block_size=g.block_size or block_size, sliding_window=g.sliding_window)
+        GroupSpec(
+            kind=g.kind,
+            block_size=g.block_size or block_size,
+            sliding_window=g.sliding_window,
+            chunk_size=g.chunk_size,
+            eagle=g.eagle,
+        )
         for g in groups
     )
 
@@ -72,7 +78,13 @@ def _groups(groups: list[GroupConfig], block_size: int) -> tuple[GroupSpec, ...]
 def _spec(model: ModelConfig, groups: list[GroupConfig], block_size: int) -> ModelSpec:
     hashing = HashingMode.ENGINE if model.hashing == "vllm" else HashingMode.ROUTER
     try:
-        return ModelSpec(groups=_groups(groups, block_size), hashing=hashing, hash_algo=model.hash_algo)
+        return ModelSpec(
+            groups=_groups(groups, block_size),
+            hashing=hashing,
+            hash_algo=model.hash_algo,
+            eagle_block_drop=model.eagle_block_drop,
+            lookahead_tokens=model.lookahead_tokens,
+        )
     except ValueError as exc:
         raise ValueError(f"model {model.name!r}: {exc}") from exc
 

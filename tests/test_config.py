@@ -11,6 +11,7 @@ import pytest
 from router.config import ConfigError, RouterConfig, decode_config, load_file
 from router.overrides import apply_overrides, env_overrides, load_config, parse_set_flags
 from router.secrets import load_secrets
+from router.variants import resolve_variant
 
 SHIPPED = Path(__file__).resolve().parents[1] / "config" / "router.toml"
 ENGINE = '[[engines]]\nname = "{name}"\nurl = "{url}"\n'
@@ -170,3 +171,64 @@ def test_secrets_from_env_and_files(tmp_path: Path) -> None:
     assert (none.api_keys, none.admin_token) == (frozenset(), None)
     with pytest.raises(ConfigError, match=r"auth\.api_keys_file: cannot read"):
         load_secrets(decode_config(f'[auth]\napi_keys_file = "{tmp_path}/missing"\n', "t").auth, {})
+
+
+EAGLE_MODEL = """
+[[models]]
+name = "m"
+block_size = 4
+eagle_block_drop = true
+[[models.groups]]
+[[models.groups]]
+kind = "sliding_window"
+block_size = 8
+sliding_window = 16
+eagle = true
+[[models.groups]]
+kind = "chunked_local_attention"
+chunk_size = 16
+"""
+
+
+def test_eagle_and_chunked_local_groups_reach_the_model_spec() -> None:
+    config = decode_config(EAGLE_MODEL, "eagle.toml")
+    spec = resolve_variant(config.models[0]).spec
+    assert spec.eagle_block_drop and spec.lookahead_tokens == 0
+    assert [(g.kind, g.block_size, g.sliding_window, g.chunk_size, g.eagle) for g in spec.groups] == [
+        ("full_attention", 4, None, None, False),
+        ("sliding_window", 8, 16, None, True),
+        ("chunked_local_attention", 4, None, 16, False),
+    ]
+    assert spec.eagle_groups() == (False, True, False)
+    lookahead = decode_config('[[models]]\nname = "m"\nlookahead_tokens = 2\n', "la.toml")
+    assert resolve_variant(lookahead.models[0]).spec.lookahead_tokens == 2
+
+
+@pytest.mark.parametrize(
+    ("toml", "words"),
+    [
+        (
+            '[[models]]\nname = "m"\neagle_block_drop = true\nlookahead_tokens = 1\n',
+            ["$.models[0]", "lookahead"],
+        ),
+        ('[[models]]\nname = "m"\nlookahead_tokens = -1\n', ["$.models[0].lookahead_tokens", ">= 0"]),
+        (
+            '[[models]]\nname = "m"\n[[models.groups]]\nkind = "chunked_local_attention"\n',
+            ["$.models[0].groups[0].chunk_size"],
+        ),
+        (
+            '[[models]]\nname = "m"\n[[models.groups]]\nkind = "sliding_window"\n',
+            ["$.models[0].groups[0].sliding_window"],
+        ),
+        (
+            EAGLE_MODEL.replace("eagle = true", "eagle = false"),
+            ["$.models[0].groups[2]", "EAGLE"],
+        ),
+        ('[[models]]\nname = "m"\n[[models.groups]]\nchunk_size = 0\n', ["$.models[0].groups[0].chunk_size"]),
+    ],
+)
+def test_invalid_eagle_and_group_keys(toml: str, words: list[str]) -> None:
+    with pytest.raises(ConfigError) as info:
+        decode_config(toml, "cfg.toml")
+    for word in words:
+        assert word in str(info.value)
