@@ -141,6 +141,7 @@ class Limits(_Table, frozen=True):
     pool_per_engine: Count = 256
     pool_total: Count = 1024
     keepalive_s: Positive = 4.0  # under uvicorn's (and so vLLM's) 5 s keep-alive: no stale reuse
+    key_cache_tokens: Annotated[int, msgspec.Meta(ge=0)] = 4_000_000  # router/key_cache.py; 0 = off
 
 
 class Retry(_Table, frozen=True):

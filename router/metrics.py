@@ -21,6 +21,7 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from events.sources import EngineStats
+from router.key_cache import PrefixKeyCache
 
 __all__ = ["MULTIPROCESS_ENV", "STAGES", "TRUST_STATES", "EngineView", "RouterMetrics"]
 
@@ -115,10 +116,36 @@ def _gauge(
     return family
 
 
+class _KeyCacheCollector(Collector):
+    def __init__(self, cache: PrefixKeyCache) -> None:
+        self._cache = cache
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        c = self._cache
+        yield CounterMetricFamily(
+            "kvrouter_key_cache_reused_blocks",
+            "block keys copied from a recent prompt sharing the prefix (this worker)",
+            value=c.reused_blocks,
+        )
+        yield CounterMetricFamily(
+            "kvrouter_key_cache_computed_blocks",
+            "block keys hashed because no recent prompt shared them (this worker)",
+            value=c.computed_blocks,
+        )
+        yield GaugeMetricFamily(
+            "kvrouter_key_cache_tokens", "prompt tokens held by the key cache (this worker)", value=c.tokens
+        )
+
+
 class RouterMetrics:
     """Every `kvrouter_*` metric of one gateway process."""
 
-    def __init__(self, views: Callable[[], Sequence[EngineView]], clock: Callable[[], float]) -> None:
+    def __init__(
+        self,
+        views: Callable[[], Sequence[EngineView]],
+        clock: Callable[[], float],
+        key_cache: PrefixKeyCache | None = None,
+    ) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -161,8 +188,11 @@ class RouterMetrics:
             "requests tokenized locally: no engine /tokenize answered",
             registry=r,
         )
-        self._engine_collector = _EngineCollector(views, clock)
-        r.register(self._engine_collector)
+        self._local: list[Collector] = [_EngineCollector(views, clock)]
+        if key_cache is not None:
+            self._local.append(_KeyCacheCollector(key_cache))
+        for collector in self._local:
+            r.register(collector)
         self._multiprocess_dir = os.environ.get(MULTIPROCESS_ENV) or None
 
     def observe_prediction(self, engine: str, predicted: int, actual: int) -> None:
@@ -177,5 +207,6 @@ class RouterMetrics:
             return generate_latest(self.registry)
         merged = CollectorRegistry()
         MultiProcessCollector(merged, path=self._multiprocess_dir)  # type: ignore[no-untyped-call]
-        merged.register(self._engine_collector)
+        for collector in self._local:
+            merged.register(collector)
         return generate_latest(merged)

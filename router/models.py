@@ -118,7 +118,9 @@ class Models:
         key_cache: PrefixKeyCache | None = None,
     ) -> None:
         self.hasher = hasher or PROCESS_HASHER
-        self.key_cache = key_cache if key_cache is not None else PrefixKeyCache()
+        self.key_cache = (
+            key_cache if key_cache is not None else PrefixKeyCache(config.limits.key_cache_tokens)
+        )
         self._config = config
         self._clock = clock
         self._models = model_configs(config)

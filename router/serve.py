@@ -134,7 +134,7 @@ class Service:
         if config.discovery.dns_name is not None:
             self.discovery = DnsDiscovery(config.discovery, self._on_discovery)
             self.discovery.start()
-        metrics = RouterMetrics(fleet.views, fleet.clock)
+        metrics = RouterMetrics(fleet.views, fleet.clock, fleet.models.key_cache)
         core = RoutingCore(fleet, fleet.models, Scorer(scorer_settings(config)))
         self.parts = GatewayParts(
             config, fleet, fleet.models, core, proxy, metrics, self.guard,

@@ -54,6 +54,7 @@ PURE = [
     "router/mirror_state.py",
     "router/finders.py",
     "router/event_keys.py",
+    "router/sparse_keys.py",
     "kvrouter/loadtest/workload.py",
     "kvrouter/loadtest/results.py",
 ]

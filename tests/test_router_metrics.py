@@ -5,6 +5,8 @@ from __future__ import annotations
 from prometheus_client.parser import text_string_to_metric_families
 
 from events.sources import EngineStats
+from router.key_cache import PrefixKeyCache
+from router.keys import KeyHasher, pack_tokens
 from router.metrics import EngineView, RouterMetrics
 
 
@@ -63,3 +65,16 @@ def test_every_metric_is_namespaced() -> None:
     m = RouterMetrics(lambda: [EngineView("e0", "fresh", link("e0"))], clock=lambda: 0.0)
     names = {f.name for f in text_string_to_metric_families(m.render().decode())}
     assert names and all(n.startswith("kvrouter_") for n in names)
+
+
+def test_key_cache_counters_are_read_at_scrape_time() -> None:
+    cache = PrefixKeyCache()
+    m = RouterMetrics(lambda: [], clock=lambda: 0.0, key_cache=cache)
+    hasher = KeyHasher(b"k" * 16)
+    first = list(range(64))
+    cache.keys(hasher.root(), pack_tokens(first), 16)  # 4 blocks hashed
+    cache.keys(hasher.root(), pack_tokens([*first, *range(100, 116)]), 16)  # 4 reused, 1 hashed
+    s = samples(m)
+    assert s[("kvrouter_key_cache_computed_blocks_total", ())] == 5
+    assert s[("kvrouter_key_cache_reused_blocks_total", ())] == 4
+    assert s[("kvrouter_key_cache_tokens", ())] == 64 + 80
