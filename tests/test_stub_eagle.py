@@ -35,7 +35,7 @@ from router.lookup import LookupRequest, LookupResult, ReplicaId, lookup
 from router.mirror import Mirror
 from router.model_spec import GroupSpec as RouterGroup
 from router.model_spec import HashingMode, ModelSpec
-from router.models import spec_keys
+from router.request_keys import spec_keys
 
 FA = GroupSpec(GroupKind.FULL_ATTENTION, 4)
 SWA = GroupSpec(GroupKind.SLIDING_WINDOW, 4, sliding_window=8)
