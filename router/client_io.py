@@ -18,15 +18,19 @@ from starlette.types import Receive, Send
 
 from router.errors import RequestTooLarge
 
-__all__ = ["ClientWatch", "read_asgi_body", "send_whole"]
+__all__ = ["ClientDisconnected", "ClientWatch", "read_asgi_body", "send_whole"]
 
 _CONTENT_LENGTH: Final = b"content-length"
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its request body was complete."""
 
 
 async def read_asgi_body(receive: Receive, headers: Iterable[tuple[bytes, bytes]], limit: int) -> bytes:
     """The whole request body, refusing (413) beyond `limit` bytes before reading more than that.
 
-    A disconnect while reading ends the body early; the caller's `ClientWatch` then reports it."""
+    Raises `ClientDisconnected` when the client leaves mid-body (a partial body is never routed)."""
     for key, value in headers:
         if key == _CONTENT_LENGTH and value.isdigit() and int(value) > limit:
             raise RequestTooLarge(f"request body of {value.decode()} bytes exceeds the limit of {limit}")
@@ -35,7 +39,7 @@ async def read_asgi_body(receive: Receive, headers: Iterable[tuple[bytes, bytes]
     while True:
         message = await receive()
         if message["type"] != "http.request":
-            break
+            raise ClientDisconnected()
         chunk = message.get("body", b"")
         size += len(chunk)
         if size > limit:

@@ -24,7 +24,7 @@ from starlette.types import Receive, Scope, Send
 
 from events.openai_request import Endpoint, RequestError
 from router.auth import Guard
-from router.client_io import ClientWatch, read_asgi_body, send_whole
+from router.client_io import ClientDisconnected, ClientWatch, read_asgi_body, send_whole
 from router.config import RouterConfig
 from router.debug import DecisionEntry, DecisionRing, Explanation, PreparedView
 from router.errors import BadRequest, RequestTooLarge, RouterError
@@ -183,17 +183,12 @@ class Gateway:
         relay: RelayResponse | None = None
         watch: ClientWatch | None = None
         try:
-            self.parts.guard.check_api(request.headers)
-            admission = self.parts.fleet.admission
-            if not admission.enter():
-                self.parts.metrics.rejected.labels("overloaded").inc()
-                raise admission.overloaded()
+            body = await self._admit(request, receive)
             try:
-                body = await read_asgi_body(receive, scope["headers"], self.max_body)
                 watch = ClientWatch(receive)
                 relay = await self._admitted(request, endpoint, body, rid, arrived)
             except BaseException:
-                admission.leave()
+                self.parts.fleet.admission.leave()
                 raise
             await relay.stream_to(send, watch)
         except RouterError as exc:
@@ -201,6 +196,8 @@ class Gateway:
                 await send_error(send, exc, rid)
             else:
                 raise
+        except ClientGone:
+            pass  # mid-body: counted, and nobody is listening for an answer
         except asyncio.CancelledError:
             if watch is None or not watch.absorb():
                 raise
@@ -210,11 +207,43 @@ class Gateway:
             if relay is not None:
                 relay.abandon()
 
+    async def _admit(self, request: Request, receive: Receive) -> bytes:
+        """Check the API key, take an admission slot, read the body; a refusal is counted, the slot freed."""
+        parts = self.parts
+        try:
+            parts.guard.check_api(request.headers)
+        except RouterError as exc:
+            self._refused(str(exc.http_status()))
+            raise
+        admission = parts.fleet.admission
+        if not admission.enter():
+            parts.metrics.rejected.labels("overloaded").inc()
+            self._refused(str(admission.overloaded().http_status()))
+            raise admission.overloaded()
+        try:
+            return await read_asgi_body(receive, request.scope["headers"], self.max_body)
+        except RouterError as exc:
+            admission.leave()
+            self._refused(str(exc.http_status()))
+            raise
+        except ClientDisconnected:
+            admission.leave()
+            self._refused("client_closed")
+            raise ClientGone() from None
+
+    def _refused(self, status: str) -> None:
+        """Count a request answered by the gateway itself, before any engine was chosen."""
+        self.parts.metrics.requests.labels("none", self.policy, status).inc()
+
     async def _admitted(
         self, request: Request, endpoint: Endpoint, body: bytes, rid: str, arrived: float
     ) -> RelayResponse:
         parts = self.parts
-        prepared = await self.prepare(body, endpoint)
+        try:
+            prepared = await self.prepare(body, endpoint)
+        except RouterError as exc:
+            self._refused(str(exc.http_status()))
+            raise
         entry = parts.ring.add(DecisionEntry(request_id=rid, time=time.time(), request=view_of(prepared)))
         proxied = ProxyRequest(request.method, endpoint.value, self._forward_headers(request), body)
         flight = Flight(parts.fleet, parts.core, proxied, entry, self.route_request(request, prepared))

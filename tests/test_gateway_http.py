@@ -52,6 +52,8 @@ async def test_malformed_bodies_are_400_in_openai_format(body: bytes, param_hint
         assert answer.headers["x-request-id"] == "bad-1"
         chat = await gw.client.post("/v1/chat/completions", content=b'{"messages": 3}')
         assert chat.status_code == 400 and "messages" in error_of(chat).error.message
+        text = (await gw.client.get("/metrics")).text
+        assert metric(text, "kvrouter_requests_total", engine="none", status="400") == 2
 
 
 async def test_limits_auth_and_overload() -> None:
@@ -80,6 +82,10 @@ async def test_limits_auth_and_overload() -> None:
                 assert refused.status_code == 429 and refused.headers["retry-after"] == "3"
                 assert error_of(refused).error.type == "rate_limit_error"
             assert (await c.get("/health")).status_code == 200
+            # Answers the gateway gave itself are counted too, with no engine.
+            text = (await c.get("/metrics")).text
+            for status, n in (("401", 2), ("413", 1), ("429", 1)):
+                assert metric(text, "kvrouter_requests_total", engine="none", status=status) == n, status
 
 
 async def test_admin_disabled_without_a_token() -> None:
@@ -202,6 +208,26 @@ async def test_client_disconnect_cancels_upstream_streaming_and_not() -> None:
 
 async def _async(value: bool) -> bool:
     return value
+
+
+async def test_a_client_gone_mid_body_is_never_routed() -> None:
+    async with running_stubs(1) as stubs, running_gateway(gateway_config([engine_of("e0", stubs[0])])) as gw:
+        host, port = gw.url.removeprefix("http://").split(":")
+        _, writer = await asyncio.open_connection(host, int(port))
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
+        writer.write(head + b"content-length: 10000\r\n\r\n" + b'{"model": "kvrouter-stub", "prompt": "')
+        await writer.drain()
+        writer.close()
+        await writer.wait_closed()
+
+        async def counted() -> bool:
+            text = (await gw.client.get("/metrics")).text
+            return metric(text, "kvrouter_requests_total", engine="none", status="client_closed") == 1
+
+        await wait_for(counted)
+        assert gw.parts.fleet.admission.total == 0
+        text = (await gw.client.get("/metrics")).text
+        assert metric(text, "kvrouter_requests_total", engine="e0") == 0  # the engine never saw it
 
 
 async def test_dns_discovery_adds_the_engines_behind_a_name() -> None:
