@@ -36,18 +36,14 @@ from events.wire import (
     LazyBlockStored,
     LazyKVEventBatch,
 )
-from router.event_keys import engine_key, keys_from_tokens, store_salt
+from router.event_keys import engine_key
 from router.ids import EngineId
 from router.keys import KeyHasher
 from router.mirror_state import GroupView, MirrorStats, ReplicaView
 from router.model_spec import HashingMode, ModelSpec, ReportMode, finder_kind
-from router.sparse_keys import run_shape, sparse_store_keys
+from router.store_keys import Stored, StoreKeys
 
 __all__ = ["EngineId", "Mirror", "MirrorConfig", "MirrorStats"]
-
-
-Stored = BlockStored | LazyBlockStored
-_SALTS = 64
 
 
 class MirrorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -72,12 +68,16 @@ class Mirror:
         self.config = config or MirrorConfig()
         self.hasher = hasher or KeyHasher()
         self.index: dict[int, int] = {}
-        self.ehash_to_key: dict[EngineBlockHash, int] = {}
         self.engines: dict[EngineId, EngineState] = {}
         self.stats = MirrorStats()
+        self.store_keys = StoreKeys(self.hasher, self.stats)
         self._free_slots: list[int] = []
-        self._salts: dict[str, None] = {}  # recent cache salts, oldest first (sparse-store roots)
         self._next_slot = 0
+
+    @property
+    def ehash_to_key(self) -> dict[EngineBlockHash, int]:
+        """Engine hash -> router key of every hash held in router-key mode."""
+        return self.store_keys.known
 
     # -- engines -------------------------------------------------------------------------------
 
@@ -157,13 +157,16 @@ class Mirror:
             return
         rv.learn(gv, ev)
         if ev.parent_block_hash is None and ev.extra_keys and rv.hashing is HashingMode.ROUTER:
-            self._remember_salt(ev)
+            self.store_keys.remember_salt(ev)
         sparse = finder_kind(gv.spec.kind) in ("swa", "mamba")
         full_mode = rv.report_mode is ReportMode.FULL
         if sparse and (is_report or (full_mode and _report_shaped(ev))):
             self.stats.reports_ignored += 1
             return
-        pairs = self._store_keys(rv, ev, sparse)
+        if rv.hashing is HashingMode.ENGINE:
+            pairs = [(eh, engine_key(eh)) for eh in ev.block_hashes]
+        else:
+            pairs = self.store_keys.pairs(rv, ev, sparse)
         if is_report or full_mode:
             for _, key in pairs:
                 self._add(rv, gv, key, True)
@@ -186,52 +189,6 @@ class Mirror:
             else:
                 self.stats.over_cap_drops += 1
                 rv.flags.add("over_capacity")
-
-    def _store_keys(self, rv: ReplicaView, ev: Stored, sparse: bool) -> list[tuple[EngineBlockHash, int]]:
-        hashes = ev.block_hashes
-        if rv.hashing is HashingMode.ENGINE:
-            return [(eh, engine_key(eh)) for eh in hashes]
-        known = self.ehash_to_key
-        mapped = [(eh, known.get(eh)) for eh in hashes]
-        if all(k is not None for _, k in mapped):
-            return [(eh, k) for eh, k in mapped if k is not None]
-        parent = ev.parent_block_hash
-        parent_key = None if parent is None else known.get(parent)
-        keys = None
-        if parent is None or parent_key is not None:
-            keys = keys_from_tokens(self.hasher, ev, parent_key, rv.spec.hash_block_size)
-        if keys is not None:
-            return list(zip(hashes, keys, strict=True))
-        if sparse:
-            placed = self._place_sparse(rv, ev, parent, parent_key)
-            if placed is not None:
-                return placed
-            # Keep what the full-attention group mapped; the rest is unknown (a conservative miss).
-            self.stats.unmapped_sparse += sum(k is None for _, k in mapped)
-            return [(eh, k) for eh, k in mapped if k is not None]
-        if parent is not None and parent_key is None:
-            self.stats.store_unknown_parent += 1
-        else:
-            self.stats.bad_store_shape += 1
-        return []
-
-    def _place_sparse(
-        self, rv: ReplicaView, ev: Stored, parent: EngineBlockHash | None, parent_key: int | None
-    ) -> list[tuple[EngineBlockHash, int]] | None:
-        """A window store's keys with the hashes FA never named placed by the mask's run shape."""
-        shape = run_shape(rv.spec, ev.group_idx or 0)
-        if shape is None or (parent is not None and parent_key is None):
-            return None
-        start = (parent_key, list(reversed(self._salts)))
-        return sparse_store_keys(self.hasher, ev, self.ehash_to_key, start, rv.spec.hash_block_size, shape)
-
-    def _remember_salt(self, ev: Stored) -> None:
-        salt = store_salt(ev)
-        if salt is not None:
-            self._salts.pop(salt, None)
-            self._salts[salt] = None
-            if len(self._salts) > _SALTS:
-                del self._salts[next(iter(self._salts))]
 
     def _removed(self, rv: ReplicaView, ev: BlockRemoved) -> None:
         if ev.medium not in (None, "GPU"):
@@ -295,7 +252,7 @@ class Mirror:
                     index[key] = mask & clear
                 else:
                     del index[key]
-        self.ehash_to_key = {eh: k for eh, k in self.ehash_to_key.items() if k in index}
+        self.store_keys.known = {eh: k for eh, k in self.ehash_to_key.items() if k in index}
         rv.clear()
 
     # -- registry ------------------------------------------------------------------------------

@@ -55,6 +55,7 @@ PURE = [
     "router/finders.py",
     "router/event_keys.py",
     "router/sparse_keys.py",
+    "router/store_keys.py",
     "kvrouter/loadtest/workload.py",
     "kvrouter/loadtest/results.py",
 ]

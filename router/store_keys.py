@@ -1,0 +1,78 @@
+"""Which lookup key each hash of a `BlockStored` gets, in router-key mode. Pure.
+
+An engine hash seen before keeps its key (`known`); a new run is keyed from its tokens, chained on its
+parent's key (a parentless store starts a chain from the request root the event's extra keys name).
+A sliding-window or Mamba store may skip blocks full attention never named: those are placed by the
+shape of vLLM's retention mask (`router.sparse_keys`), trying the most recent cache salts for a
+parentless run; what cannot be placed exactly stays unmapped (a conservative miss), counted in
+`MirrorStats`.
+"""
+
+from __future__ import annotations
+
+from events.wire import BlockStored, EngineBlockHash, LazyBlockStored
+from router.event_keys import keys_from_tokens, store_salt
+from router.keys import KeyHasher
+from router.mirror_state import MirrorStats, ReplicaView
+from router.sparse_keys import run_shape, sparse_store_keys
+
+__all__ = ["StoreKeys", "Stored"]
+
+Stored = BlockStored | LazyBlockStored
+_SALTS = 64
+
+
+class StoreKeys:
+    """Engine hash -> router key for every hash the mirror holds, and the keying of new stores."""
+
+    def __init__(self, hasher: KeyHasher, stats: MirrorStats) -> None:
+        self.hasher = hasher
+        self.stats = stats
+        self.known: dict[EngineBlockHash, int] = {}
+        self._salts: dict[str, None] = {}  # recent cache salts, oldest first (sparse-store roots)
+
+    def pairs(self, rv: ReplicaView, ev: Stored, sparse: bool) -> list[tuple[EngineBlockHash, int]]:
+        """(engine hash, key) for every hash of `ev` that can be keyed exactly; anomalies counted."""
+        hashes = ev.block_hashes
+        known = self.known
+        mapped = [(eh, known.get(eh)) for eh in hashes]
+        if all(k is not None for _, k in mapped):
+            return [(eh, k) for eh, k in mapped if k is not None]
+        parent = ev.parent_block_hash
+        parent_key = None if parent is None else known.get(parent)
+        keys = None
+        if parent is None or parent_key is not None:
+            keys = keys_from_tokens(self.hasher, ev, parent_key, rv.spec.hash_block_size)
+        if keys is not None:
+            return list(zip(hashes, keys, strict=True))
+        if sparse:
+            placed = self._place_sparse(rv, ev, parent, parent_key)
+            if placed is not None:
+                return placed
+            # Keep what the full-attention group mapped; the rest is unknown (a conservative miss).
+            self.stats.unmapped_sparse += sum(k is None for _, k in mapped)
+            return [(eh, k) for eh, k in mapped if k is not None]
+        if parent is not None and parent_key is None:
+            self.stats.store_unknown_parent += 1
+        else:
+            self.stats.bad_store_shape += 1
+        return []
+
+    def _place_sparse(
+        self, rv: ReplicaView, ev: Stored, parent: EngineBlockHash | None, parent_key: int | None
+    ) -> list[tuple[EngineBlockHash, int]] | None:
+        """A window store's keys with the hashes FA never named placed by the mask's run shape."""
+        shape = run_shape(rv.spec, ev.group_idx or 0)
+        if shape is None or (parent is not None and parent_key is None):
+            return None
+        start = (parent_key, list(reversed(self._salts)))
+        return sparse_store_keys(self.hasher, ev, self.known, start, rv.spec.hash_block_size, shape)
+
+    def remember_salt(self, ev: Stored) -> None:
+        """Note the cache salt a parentless store names (the roots a later sparse store may start from)."""
+        salt = store_salt(ev)
+        if salt is not None:
+            self._salts.pop(salt, None)
+            self._salts[salt] = None
+            if len(self._salts) > _SALTS:
+                del self._salts[next(iter(self._salts))]
