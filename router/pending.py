@@ -61,6 +61,10 @@ class PendingPrefixes:
             entry.until = now + self.grace_s
             heapq.heappush(self._heap, (entry.until, request))
 
+    def holds(self, replica: EngineId) -> bool:
+        """Whether any request may still be pending on `replica` (expiry aside): a cheap pre-check."""
+        return bool(self._counts.get(replica))
+
     def leading_run(self, replica: EngineId, keys: Sequence[int], limit: int, now: float) -> int:
         """How many of `keys`, from the first and at most `limit`, are pending on `replica`."""
         self.expire(now)

@@ -68,6 +68,8 @@ class RoutingCore:
 
     def pending_tokens(self, rid: EngineId, prepared: Prepared, now: float) -> int:
         """Tokens of `prepared` that requests just routed to `rid` will have cached (see router.pending)."""
+        if not self.fleet.pending.holds(rid):
+            return 0
         variant = self.fleet.replica(rid).variant
         spec, keys = variant.spec, prepared.keys_for(variant.id)
         if keys is None or prepared.skip_cache or not spec.unitary_full_attention:

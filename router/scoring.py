@@ -193,9 +193,10 @@ class Scorer:
         best = min(eligible, key=lambda s: s.predicted_ttft_s)
         tol = self.settings.tie_tolerance_s
         tied = [s for s in eligible if s.predicted_ttft_s <= best.predicted_ttft_s + tol]
-        chosen = min(
-            tied, key=lambda s: (not s.pins_junction, s.load.in_flight, stable_hash(request.key, s.engine))
-        )
+        # Lexicographic (pins, in-flight, hash), hashing only what the first two leave tied.
+        first = min((not s.pins_junction, s.load.in_flight) for s in tied)
+        tied_more = [s for s in tied if (not s.pins_junction, s.load.in_flight) == first]
+        chosen = min(tied_more, key=lambda s: stable_hash(request.key, s.engine))
         why = (
             f"kv: lowest predicted TTFT {chosen.predicted_ttft_s * 1000:.1f} ms "
             f"({chosen.trusted_hit_tokens} cached{_pending_words(chosen)}, "
