@@ -12,7 +12,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
+import signal
 import sys
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -42,6 +45,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--kv-events-config", help="vLLM's --kv-events-config JSON")
     p.add_argument("--data-parallel-size", type=int, help="data-parallel ranks in this server")
     p.add_argument("--speed-factor", type=float, help="simulated seconds per wall-clock second")
+    p.add_argument(
+        "--exit-with-stdin",
+        action="store_true",
+        help="stop when standard input closes: the parent holding the other end is gone (embedded stubs)",
+    )
     p.set_defaults(func=run)
 
 
@@ -83,8 +91,25 @@ def run(args: argparse.Namespace) -> int:
         log.error("engine stub configuration error", extra={"error": str(exc)})
         sys.stderr.write(f"kvrouter engine-stub: {exc}\n")
         return 2
+    if getattr(args, "exit_with_stdin", False):
+        _stop_when_stdin_closes()
     asyncio.run(server.serve())
     return 0
+
+
+def _stop_when_stdin_closes() -> None:
+    """SIGTERM this process (uvicorn then shuts down cleanly) once standard input reaches its end.
+
+    A parent that starts stubs keeps a pipe to their stdin; however it dies (SIGKILL, OOM), the pipe
+    closes, so its stubs never outlive it holding ports."""
+
+    def watch() -> None:
+        while sys.stdin.buffer.read(4096):
+            pass
+        log.warning("standard input closed (the parent is gone): stopping")
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
 
 
 def main(argv: Sequence[str] | None = None) -> int:

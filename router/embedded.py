@@ -90,6 +90,7 @@ def stub_argv(
         "--block-size", str(embedded.block_size),
         "--num-gpu-blocks", str(embedded.num_gpu_blocks),
         "--kv-events-config", msgspec.json.encode(events).decode(),
+        "--exit-with-stdin",  # _spawn keeps a pipe to stdin: the stub stops when this process is gone
     ]  # fmt: skip
 
 
@@ -181,6 +182,9 @@ class EmbeddedStubs:
             await asyncio.gather(*(p.wait() for p in self.processes))
             for task in pending:
                 task.cancel()
+        for process in self.processes:
+            if process.stdin is not None:
+                process.stdin.close()
         for drain in self._drains:
             drain.cancel()
         await asyncio.gather(*self._drains, return_exceptions=True)
@@ -192,9 +196,7 @@ class EmbeddedStubs:
 
 async def _spawn(argv: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
     pipe = asyncio.subprocess.PIPE
-    return await asyncio.create_subprocess_exec(
-        *argv, stdin=asyncio.subprocess.DEVNULL, stdout=pipe, env=env, limit=_MAX_LINE
-    )
+    return await asyncio.create_subprocess_exec(*argv, stdin=pipe, stdout=pipe, env=env, limit=_MAX_LINE)
 
 
 async def _drain(stream: asyncio.StreamReader) -> None:

@@ -120,3 +120,17 @@ def test_worker_count_must_be_positive(workers: str) -> None:
     done = subprocess.run(argv, cwd=ROOT, capture_output=True, timeout=60)
     assert done.returncode == 2
     assert b"workers" in done.stderr
+
+
+@pytest.mark.parametrize("n", [1, 2])
+def test_embedded_stubs_stop_when_the_gateway_is_killed(n: int) -> None:
+    """SIGKILL gives the gateway no chance to stop its children: they notice and exit by themselves."""
+    with serving(n) as (proc, _):
+        stubs = {c for c in children(proc.pid) if b"engine-stub" in Path(f"/proc/{c}/cmdline").read_bytes()}
+        assert len(stubs) == 2
+        served_by = workers(proc.pid)
+        assert len(served_by) == (n if n > 1 else 0)
+        proc.kill()
+        proc.wait(timeout=30)
+        left = stubs | served_by  # workers, too, stop once their supervisor is gone
+        wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in left), "the children to exit")
