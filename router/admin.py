@@ -16,10 +16,11 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from router.client_io import read_body, request_id_of
 from router.config import ConfigError, EngineConfig, validate
 from router.errors import BadRequest, RouterError
 from router.fleet import Fleet
-from router.gateway import GatewayParts, read_body, request_id_of
+from router.gateway import GatewayParts
 
 __all__ = ["AdminApi", "Conflict", "NotFound", "apply_discovery"]
 

@@ -23,9 +23,10 @@ from starlette.types import Receive, Scope, Send
 
 from events.openai_request import Endpoint
 from router.admin import AdminApi, NotFound
+from router.client_io import ClientGone, read_body, request_id_of, send_error
 from router.config import RouterConfig
 from router.errors import NoEngineAvailable, RouterError
-from router.gateway import ClientGone, Gateway, GatewayParts, read_body, request_id_of, send_error
+from router.gateway import Gateway, GatewayParts
 from router.passthrough import Passthrough
 from router.serve import ServeOptions, Service
 

@@ -1,4 +1,4 @@
-"""The client leg at the ASGI level: read a bounded body, watch for a disconnect, send a whole answer.
+"""The client leg: request ids, bounded bodies, disconnect watching, whole answers and error bodies.
 
 The hot routes (completions, chat) are served straight from ASGI messages rather than through
 Starlette's request/response machinery: it saves the middleware stack, route matching, and the task
@@ -11,14 +11,31 @@ cancels the upstream request or the relay, whichever is running.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Iterable
-from typing import Final
+import re
+import uuid
+from collections.abc import Awaitable, Iterable
+from typing import Final, TypeVar
 
+from starlette.requests import Request
 from starlette.types import Receive, Send
 
-from router.errors import RequestTooLarge
+from router.errors import RequestTooLarge, RouterError
 
-__all__ = ["ClientDisconnected", "ClientWatch", "read_asgi_body", "send_whole"]
+__all__ = [
+    "ClientDisconnected",
+    "ClientGone",
+    "ClientWatch",
+    "read_asgi_body",
+    "read_body",
+    "request_id_of",
+    "send_error",
+    "send_whole",
+    "until_disconnect",
+]
+
+T = TypeVar("T")
+_SANE_ID: Final = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+_JSON: Final = b"application/json"
 
 _CONTENT_LENGTH: Final = b"content-length"
 
@@ -92,3 +109,59 @@ async def send_whole(send: Send, status: int, headers: list[tuple[bytes, bytes]]
     headers = [*headers, (b"content-length", str(len(body)).encode())]
     await send({"type": "http.response.start", "status": status, "headers": headers})
     await send({"type": "http.response.body", "body": body, "more_body": False})
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer started; nothing is sent back."""
+
+
+def request_id_of(request: Request) -> str:
+    """The client's `x-request-id` when it is short and plain, else a fresh one (kept on request.state)."""
+    rid: str | None = getattr(request.state, "request_id", None)
+    if rid is None:
+        given = request.headers.get("x-request-id")
+        rid = given if given is not None and _SANE_ID.fullmatch(given) else uuid.uuid4().hex
+        request.state.request_id = rid
+    return rid
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    """The whole request body, refusing (413) beyond `limit` bytes before reading more than that."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise RequestTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def send_error(send: Send, exc: RouterError, request_id: str) -> None:
+    """Answer with `exc` as an OpenAI-format error body (its headers, Retry-After included)."""
+    headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
+    headers += [(b"content-type", _JSON), (b"x-request-id", request_id.encode())]
+    await send_whole(send, exc.http_status(), headers, exc.body())
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it and raising `ClientGone` if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, watch):
+            if not pending.done():
+                pending.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientGone()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -12,22 +12,26 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import re
 import time
-import uuid
-from collections.abc import Awaitable
 from dataclasses import dataclass
-from typing import Final, TypeVar
+from typing import Final
 
 from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
 from events.openai_request import Endpoint, RequestError
 from router.auth import Guard
-from router.client_io import ClientDisconnected, ClientWatch, read_asgi_body, send_whole
+from router.client_io import (
+    ClientDisconnected,
+    ClientGone,
+    ClientWatch,
+    read_asgi_body,
+    request_id_of,
+    send_error,
+)
 from router.config import RouterConfig
 from router.debug import DecisionEntry, DecisionRing, Explanation, PreparedView
-from router.errors import BadRequest, RequestTooLarge, RouterError
+from router.errors import BadRequest, RouterError
 from router.fleet import Fleet
 from router.flight import Flight
 from router.metrics import RouterMetrics
@@ -40,18 +44,11 @@ from router.routing import RoutingCore
 from router.scoring import RouteRequest
 from router.usage import UsageTap
 
-__all__ = ["ClientGone", "Gateway", "GatewayParts", "read_body", "request_id_of", "send_error"]
+__all__ = ["Gateway", "GatewayParts"]
 
 log = logging.getLogger(__name__)
-T = TypeVar("T")
 
-_SANE_ID: Final = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 _STAGES: Final = ("tokenize", "hash", "lookup", "score")
-_JSON: Final = b"application/json"
-
-
-class ClientGone(Exception):
-    """The client disconnected before the answer started; nothing is sent back."""
 
 
 @dataclass
@@ -67,58 +64,6 @@ class GatewayParts:
     guard: Guard
     ring: DecisionRing
     recorder: GatewayRecorder | None = None
-
-
-def request_id_of(request: Request) -> str:
-    """The client's `x-request-id` when it is short and plain, else a fresh one (kept on request.state)."""
-    rid: str | None = getattr(request.state, "request_id", None)
-    if rid is None:
-        given = request.headers.get("x-request-id")
-        rid = given if given is not None and _SANE_ID.fullmatch(given) else uuid.uuid4().hex
-        request.state.request_id = rid
-    return rid
-
-
-async def read_body(request: Request, limit: int) -> bytes:
-    """The whole request body, refusing (413) beyond `limit` bytes before reading more than that."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RequestTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
-
-
-async def send_error(send: Send, exc: RouterError, request_id: str) -> None:
-    """Answer with `exc` as an OpenAI-format error body (its headers, Retry-After included)."""
-    headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
-    headers += [(b"content-type", _JSON), (b"x-request-id", request_id.encode())]
-    await send_whole(send, exc.http_status(), headers, exc.body())
-
-
-async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
-    """Await `work`, cancelling it and raising `ClientGone` if the client disconnects first."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnected(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        for pending in (task, watch):
-            if not pending.done():
-                pending.cancel()
-    if task.done() and not task.cancelled():
-        return task.result()
-    await asyncio.gather(task, return_exceptions=True)
-    raise ClientGone()
-
-
-async def _disconnected(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
 
 
 def view_of(prepared: Prepared) -> PreparedView:

@@ -15,8 +15,9 @@ import msgspec
 from starlette.requests import Request
 from starlette.responses import Response
 
+from router.client_io import read_body, request_id_of, until_disconnect
 from router.errors import NoEngineAvailable, RouterError
-from router.gateway import GatewayParts, read_body, request_id_of, until_disconnect
+from router.gateway import GatewayParts
 from router.ids import EngineId
 from router.proxy import ProxyRequest, Target
 from router.relay import RelayResponse
