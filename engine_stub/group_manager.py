@@ -1,8 +1,7 @@
 """Per-group block tables: which blocks each request holds in one KV-cache group, and how they change.
 
 `GroupManager` covers full attention, sliding window and chunked local attention (they differ only
-in the pure rules of `kv_groups`); `MambaGroup` adds Mamba "align" mode, where only chunk-end states
-are real blocks and the previous running state is released as the request moves on (§6.5).
+in the pure rules of `kv_groups`); `engine_stub.mamba_group.MambaGroup` adds Mamba "align" mode.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ from .config import GroupKind, GroupSpec
 from .kv_groups import MaskArgs, cacheable_mask, num_skipped_tokens
 from .request import Request, RequestId
 
-__all__ = ["GroupManager", "SlotQuery", "make_group_manager"]
+__all__ = ["GroupManager", "SlotQuery", "cdiv", "make_group_manager"]
 
 
 class SlotQuery(NamedTuple):
@@ -28,7 +27,8 @@ class SlotQuery(NamedTuple):
     """The whole-sequence admission check: the admission cap applies and nothing is recorded."""
 
 
-def _cdiv(a: int, b: int) -> int:
+def cdiv(a: int, b: int) -> int:
+    """Ceiling division: blocks needed for `a` tokens of `b` per block."""
     return -(-a // b)
 
 
@@ -53,7 +53,7 @@ class GroupManager:
 
     def blocks_needed(self, rid: RequestId, query: SlotQuery, hits: Sequence[Block]) -> int:
         """Free blocks an allocation takes, counting hit blocks that must leave the free queue."""
-        required = _cdiv(query.num_tokens, self.block_size)
+        required = cdiv(query.num_tokens, self.block_size)
         if query.admission and self.admission_cap is not None:
             required = min(required, self.admission_cap)
         held = len(self.tables.get(rid, ()))
@@ -78,7 +78,7 @@ class GroupManager:
     def allocate(self, rid: RequestId, num_tokens: int) -> list[Block]:
         """Grow the table to cover `num_tokens` slots; evictions happen here."""
         table = self.tables.setdefault(rid, [])
-        n = _cdiv(num_tokens, self.block_size) - len(table)
+        n = cdiv(num_tokens, self.block_size) - len(table)
         if n <= 0:
             return []
         new = self.pool.get_new_blocks(n)
@@ -159,113 +159,6 @@ class GroupManager:
         return self.tables.get(rid, [])
 
 
-class MambaGroup(GroupManager):
-    """Mamba in "align" mode: one real state block per chunk end, nulls in between."""
-
-    def __init__(self, spec: GroupSpec, gid: int, pool: BlockPool, admission_cap: int | None) -> None:
-        super().__init__(spec, gid, pool, admission_cap)
-        self.cached_this_step: set[tuple[bytes, int]] = set()
-        self.last_state: dict[RequestId, int] = {}
-        self.retired: dict[RequestId, int] = {}
-        self.allocated: set[RequestId] = set()
-        self.checkpoints: dict[RequestId, int] = {}
-
-    def new_step(self) -> None:
-        self.cached_this_step.clear()
-
-    def blocks_needed(self, rid: RequestId, query: SlotQuery, hits: Sequence[Block]) -> int:
-        if hits and hits[-1].key in self.cached_this_step:
-            # A state cached by another request in this same step is not computed yet: wait a step.
-            return self.pool.num_gpu_blocks + 1
-        table = self.tables.get(rid, [])
-        new = _cdiv(query.num_tokens, self.block_size) - len(hits) - len(table)
-        checkpoint = self._checkpoint_position(rid, query.computed, query.num_tokens, query.prefill_end)
-        if not query.admission:
-            if checkpoint:
-                self.checkpoints[rid] = checkpoint
-            else:
-                self.checkpoints.pop(rid, None)
-        if new > 0:
-            new = min(new, 1 + int(checkpoint > 0))
-        return new + sum(1 for b in hits if b.ref_cnt == 0 and not b.is_null)
-
-    def _checkpoint_position(self, rid: RequestId, start: int, end: int, prefill_end: int) -> int:
-        """The in-chunk boundary whose state a prefill checkpoint block receives, or 0."""
-        if not self.spec.mamba_prefill_checkpoint or end < prefill_end:
-            return 0
-        bs = self.block_size
-        position = (end - 1) // bs * bs
-        column = _cdiv(end, bs) - 2
-        table = self.tables.get(rid, [])
-        valid = (
-            start % bs == 0
-            and column > (start - 1) // bs
-            and start + bs <= position
-            and start < position < end
-        )
-        free_column = column >= len(table) or table[column].is_null or rid in self.allocated
-        return position if valid and column >= 0 and free_column else 0
-
-    def allocate(self, rid: RequestId, num_tokens: int) -> list[Block]:
-        table = self.tables.setdefault(rid, [])
-        required = _cdiv(num_tokens, self.block_size)
-        checkpoint = int(rid in self.checkpoints)
-        if required <= len(table) and not checkpoint:
-            self.allocated.add(rid)
-            return []
-        if rid in self.allocated or table:
-            self.last_state[rid] = len(table) - 1
-        null_end = required - 1 - checkpoint
-        if len(table) < required - 1:
-            table.extend([self.pool.null_block] * (null_end - len(table)))
-        n = max(required - len(table), 0)
-        assert n <= 1 + checkpoint, f"mamba allocates at most {1 + checkpoint} blocks a step, asked {n}"
-        new = self.pool.get_new_blocks(n)
-        table.extend(new)
-        self.allocated.add(rid)
-        return new
-
-    def cache_blocks(
-        self, req: Request, num_tokens: int, retention: int | None, replay: Sequence[int]
-    ) -> None:
-        before = self.num_cached.get(req.request_id, 0)
-        super().cache_blocks(req, num_tokens, retention, replay)
-        table = self.tables.get(req.request_id, [])
-        for block in table[before : self.num_cached.get(req.request_id, 0)]:
-            if not block.is_null and block.key is not None:
-                self.cached_this_step.add(block.key)
-
-    def remove_skipped(self, rid: RequestId, processed: int) -> None:
-        super().remove_skipped(rid, processed)
-        last = self.last_state.get(rid)
-        if last is not None and last < _cdiv(processed, self.block_size) - 1:
-            table = self.tables[rid]
-            if not table[last].is_null:
-                self.pool.free_blocks([table[last]])
-                table[last] = self.pool.null_block
-
-    def _release_range(self, rid: RequestId, first: int, last: int) -> None:
-        table = self.tables[rid]
-        first = max(first, self.retired.get(rid, 0))
-        last = min(last, len(table))
-        if first >= last:
-            return
-        freed: list[Block] = []
-        # Prefill leaves null gaps between states, so skip nulls instead of stopping at them.
-        for i in range(last - 1, first - 1, -1):
-            if not table[i].is_null:
-                freed.append(table[i])
-                table[i] = self.pool.null_block
-        self.pool.free_blocks(freed)
-        self.retired[rid] = last
-
-    def pop_table(self, rid: RequestId) -> list[Block]:
-        for state in (self.last_state, self.retired, self.checkpoints):
-            state.pop(rid, None)
-        self.allocated.discard(rid)
-        return super().pop_table(rid)
-
-
 def make_group_manager(
     spec: GroupSpec, gid: int, pool: BlockPool, max_in_flight: int, max_model_len: int
 ) -> GroupManager:
@@ -273,10 +166,12 @@ def make_group_manager(
     cap: int | None = None
     if spec.kind is GroupKind.SLIDING_WINDOW:
         assert spec.sliding_window is not None
-        cap = _cdiv(min(spec.sliding_window - 1 + max_in_flight, max_model_len), spec.block_size)
+        cap = cdiv(min(spec.sliding_window - 1 + max_in_flight, max_model_len), spec.block_size)
     elif spec.kind is GroupKind.CHUNKED_LOCAL:
         assert spec.attention_chunk_size is not None
-        cap = _cdiv(min(spec.attention_chunk_size + max_in_flight, max_model_len), spec.block_size)
+        cap = cdiv(min(spec.attention_chunk_size + max_in_flight, max_model_len), spec.block_size)
     if spec.kind is GroupKind.MAMBA:
+        from .mamba_group import MambaGroup  # imported here: MambaGroup subclasses GroupManager
+
         return MambaGroup(spec, gid, pool, cap)
     return GroupManager(spec, gid, pool, cap)

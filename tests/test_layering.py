@@ -27,6 +27,8 @@ PURE = [
     "events/tokenization/segment_cache.py",
     "engine_stub/block_pool.py",
     "engine_stub/kv_groups.py",
+    "engine_stub/group_manager.py",
+    "engine_stub/mamba_group.py",
     "engine_stub/coordinator.py",
     "engine_stub/kv_manager.py",
     "engine_stub/scheduler.py",
