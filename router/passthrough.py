@@ -62,14 +62,22 @@ class Passthrough:
         """Forward any other `/v1/*` request to the least-loaded replica and relay the answer."""
         rid = request_id_of(request)
         parts = self.parts
-        parts.guard.check_api(request.headers)
+        try:
+            parts.guard.check_api(request.headers)
+        except RouterError as exc:
+            parts.metrics.requests.labels("none", _POLICY, str(exc.http_status())).inc()
+            raise
         if not parts.fleet.admission.enter():
             parts.metrics.rejected.labels("overloaded").inc()
-            raise parts.fleet.admission.overloaded()
+            overloaded = parts.fleet.admission.overloaded()
+            parts.metrics.requests.labels("none", _POLICY, str(overloaded.http_status())).inc()
+            raise overloaded
         try:
             body = await read_body(request, parts.config.limits.max_body_bytes)
             path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
             headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
+            if parts.guard.api_keys_required:  # the key was the router's; engines never see it
+                headers = [(k, v) for k, v in headers if k.lower() != "authorization"]
             proxied = ProxyRequest(request.method, path, headers, body)
             upstream = await until_disconnect(request, parts.proxy.forward(proxied, self.least_loaded))
         except BaseException as exc:

@@ -8,10 +8,11 @@ import httpx
 import msgspec
 import openai
 import pytest
+from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_stub.cost_model import CostModel
-from router.config import Discovery, Limits
+from router.config import Discovery, EngineConfig, Limits
 from router.debug import DecisionEntry, Explanation
 from router.errors import ErrorBody
 from tests.gateway_helpers import ADMIN, engine_of, gateway_config, running_gateway, running_stubs, wait_for
@@ -264,3 +265,41 @@ async def test_request_ids_and_passthrough_of_other_v1_paths() -> None:
         assert other.status_code == 404 and other.headers["x-kvrouter-engine"] == "e0"
         refused = await c.get("/v1//evil.example/x")
         assert refused.status_code in (400, 404)
+
+
+async def test_the_routers_api_key_never_reaches_an_engine() -> None:
+    """With API keys on, Authorization is the router's and is stripped; without, it passes through."""
+    seen: list[str | None] = []
+    embed = {"input": "x"}
+
+    async def answer(request: web.Request) -> web.Response:
+        await request.read()
+        seen.append(request.headers.get("authorization"))
+        usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+        return web.json_response({"object": "text_completion", "choices": [], "usage": usage})
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", answer)
+    app.router.add_post("/v1/embeddings", answer)
+    runner = web.AppRunner(app, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    try:
+        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+        config = gateway_config([EngineConfig(name="echo", url=url, model="kvrouter-stub")])
+        key = {"Authorization": "Bearer k1"}
+        async with running_gateway(config, environ={"KVROUTER_API_KEYS": "k1"}) as gw:
+            assert (await gw.client.post("/v1/completions", json=BODY, headers=key)).status_code == 200
+            assert (await gw.client.post("/v1/embeddings", json=embed, headers=key)).status_code == 200
+            refused = await gw.client.post("/v1/embeddings", json=embed)
+            assert refused.status_code == 401
+            text = (await gw.client.get("/metrics")).text
+            assert metric(text, "kvrouter_requests_total", engine="none", status="401") == 1
+        assert seen == [None, None]
+        async with running_gateway(config, environ={}) as gw:  # no router keys: the engine's own auth
+            assert (await gw.client.post("/v1/completions", json=BODY, headers=key)).status_code == 200
+            assert (await gw.client.post("/v1/embeddings", json=embed, headers=key)).status_code == 200
+        assert seen[2:] == ["Bearer k1", "Bearer k1"]
+    finally:
+        await runner.cleanup()
