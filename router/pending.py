@@ -9,11 +9,18 @@ truth, evictions included) plus a short `grace_s`, and at most `ttl_s`. Scoring 
 leading run like a hit, and decisions record it apart from the mirror's own hit, so what is known
 and what is expected stay distinguishable. Only full-attention-only models use it: a hybrid
 model's sparse groups keep blocks by rules a routed prompt does not decide alone.
+
+The pending run of a prompt on a replica is its longest common prefix (in keys) with one request
+pending there. Per replica the pending key tuples are kept sorted, so that request is next to the
+prompt's sorted position: one bisect and two C-level prefix comparisons, instead of a dict update
+per key on every add and remove. (Keys are chained, so this equals "the leading keys some pending
+request holds".)
 """
 
 from __future__ import annotations
 
 import heapq
+from bisect import bisect_left, insort
 from collections.abc import Sequence
 
 from router.ids import EngineId, RequestId
@@ -36,7 +43,7 @@ class PendingPrefixes:
             raise ValueError("ttl_s and grace_s must be >= 0")
         self.ttl_s, self.grace_s, self.max_keys = ttl_s, grace_s, max_keys
         self._entries: dict[RequestId, _Entry] = {}
-        self._counts: dict[EngineId, dict[int, int]] = {}
+        self._sorted: dict[EngineId, list[tuple[tuple[int, ...], RequestId]]] = {}
         self._heap: list[tuple[float, RequestId]] = []
         self.size = 0
 
@@ -48,9 +55,7 @@ class PendingPrefixes:
             return
         entry = _Entry(replica, tuple(keys), now + self.ttl_s)
         self._entries[request] = entry
-        counts = self._counts.setdefault(replica, {})
-        for key in entry.keys:
-            counts[key] = counts.get(key, 0) + 1
+        insort(self._sorted.setdefault(replica, []), (entry.keys, request))
         self.size += len(entry.keys)
         heapq.heappush(self._heap, (entry.until, request))
 
@@ -63,20 +68,18 @@ class PendingPrefixes:
 
     def holds(self, replica: EngineId) -> bool:
         """Whether any request may still be pending on `replica` (expiry aside): a cheap pre-check."""
-        return bool(self._counts.get(replica))
+        return bool(self._sorted.get(replica))
 
     def leading_run(self, replica: EngineId, keys: Sequence[int], limit: int, now: float) -> int:
-        """How many of `keys`, from the first and at most `limit`, are pending on `replica`."""
+        """The longest prefix of `keys` (at most `limit`) that a request pending on `replica` shares."""
         self.expire(now)
-        counts = self._counts.get(replica)
-        if not counts:
+        entries = self._sorted.get(replica)
+        if not entries or limit <= 0:
             return 0
-        run = 0
-        for key in keys[:limit]:
-            if key not in counts:
-                break
-            run += 1
-        return run
+        probe = tuple(keys[:limit])
+        i = bisect_left(entries, (probe,))
+        # In sorted order the entry sharing the longest prefix is a neighbour of the probe's position.
+        return max(_common_prefix(probe, entries[j][0]) for j in (i - 1, i) if 0 <= j < len(entries))
 
     def expire(self, now: float) -> None:
         """Forget every request whose time is up."""
@@ -95,11 +98,23 @@ class PendingPrefixes:
         entry = self._entries.pop(request, None)
         if entry is None:
             return
-        counts = self._counts[entry.replica]
-        for key in entry.keys:
-            left = counts[key] - 1
-            if left:
-                counts[key] = left
-            else:
-                del counts[key]
+        entries = self._sorted[entry.replica]
+        del entries[bisect_left(entries, (entry.keys, request))]
+        if not entries:
+            del self._sorted[entry.replica]
         self.size -= len(entry.keys)
+
+
+def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """Length of the longest common prefix of `a` and `b` (binary search over C-level slice compares)."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo

@@ -91,29 +91,45 @@ def test_pending_on_a_stale_replica_is_ignored() -> None:
     assert msgspec.json.decode(msgspec.json.encode(decision.candidates[1]))["pending_tokens"] == 800
 
 
-def test_repeated_keys_count_twice_and_removed_keys_stay_swept() -> None:
+def test_the_run_is_a_prefix_shared_with_one_request_and_nothing_is_kept_after() -> None:
     p = PendingPrefixes(ttl_s=5.0)
-    p.add(R1, A, [7, 7, 8], now=0.0)
-    p.add(R2, A, [7], now=0.0)
+    p.add(R1, A, [7, 9, 8], now=0.0)
+    p.add(R2, A, [7, 8], now=0.0)
+    p.add(RequestId("r3"), A, [7, 8], now=0.0)  # the same prompt twice: both held
+    assert p.leading_run(A, [7, 8, 5], limit=5, now=0.1) == 2
     p.answered(R2, now=0.0)
-    assert p.leading_run(A, [7, 8], limit=5, now=0.2) == 2  # r2 gone, r1 still holds 7 twice
+    assert p.leading_run(A, [7, 8], limit=5, now=0.2) == 2  # r3 still holds it
+    p.answered(RequestId("r3"), now=0.0)
+    # r1 holds 7 and 8, but not 8 right after 7: keys are chained, so only [7] is shared.
+    assert p.leading_run(A, [7, 8], limit=5, now=0.2) == 1
     p.answered(R1, now=0.0)
-    assert (p.leading_run(A, [7, 8], limit=5, now=0.2), p.size) == (0, 0)
-    for i in range(3000):  # many short-lived requests: dead keys are swept, not kept
+    assert (p.leading_run(A, [7, 8], limit=5, now=0.2), p.size, p.holds(A)) == (0, 0, False)
+    for i in range(3000):  # many short-lived requests: nothing is kept once they are gone
         p.add(RequestId(f"x{i}"), A, [i, i + 1], now=1.0)
         p.answered(RequestId(f"x{i}"), now=1.0 - p.grace_s)
     p.expire(1.0)
-    assert p.size == 0 and len(p._counts[A]) <= 1024 + 2
+    assert p.size == 0 and not p.holds(A)
 
 
-@settings(max_examples=100, deadline=None)
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@settings(max_examples=200, deadline=None)
 @given(
     ops=st.lists(
-        st.tuples(st.integers(0, 4), st.sampled_from([A, B]), st.lists(st.integers(0, 6), max_size=6)),
+        st.tuples(st.integers(0, 4), st.sampled_from([A, B]), st.lists(st.integers(0, 3), max_size=6)),
         max_size=30,
-    )
+    ),
+    probes=st.lists(st.lists(st.integers(1, 3), max_size=7), min_size=1, max_size=4),
+    limit=st.integers(0, 7),
 )
-def test_leading_run_equals_a_plain_multiset(ops: list[tuple[int, EngineId, list[int]]]) -> None:
+def test_leading_run_is_the_longest_prefix_shared_with_a_live_request(
+    ops: list[tuple[int, EngineId, list[int]]], probes: list[list[int]], limit: int
+) -> None:
     p = PendingPrefixes(ttl_s=5.0)
     live: dict[RequestId, tuple[EngineId, list[int]]] = {}
     for who, replica, keys in ops:
@@ -128,8 +144,9 @@ def test_leading_run_equals_a_plain_multiset(ops: list[tuple[int, EngineId, list
         if keys:
             live[request] = (replica, keys)
         for r in (A, B):
-            pending = {k for rep, ks in live.values() if rep == r for k in ks}
-            probe = [k for k in range(1, 7)]
-            want = next((i for i, k in enumerate(probe) if k not in pending), len(probe))
-            assert p.leading_run(r, probe, limit=6, now=1.0) == want
+            for probe in probes:
+                held = [ks for rep, ks in live.values() if rep == r]
+                want = max((common_prefix(probe[:limit], ks) for ks in held), default=0)
+                assert p.leading_run(r, probe, limit=limit, now=1.0) == want
+            assert p.holds(r) == any(rep == r for rep, _ in live.values())
         assert p.size == sum(len(ks) for _, ks in live.values())
