@@ -137,10 +137,11 @@ class Gateway:
                 raise
             await relay.stream_to(send, watch)
         except RouterError as exc:
-            if relay is None:  # nothing was sent yet
-                await send_error(send, exc, rid)
-            else:
+            if relay is not None:  # the answer had started: only dropping the connection is left
                 raise
+            if watch is not None:
+                watch.closing()  # completing this answer makes uvicorn report a disconnect
+            await send_error(send, exc, rid)
         except ClientGone:
             pass  # mid-body: counted, and nobody is listening for an answer
         except asyncio.CancelledError:
