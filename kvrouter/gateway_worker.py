@@ -12,14 +12,16 @@ import logging
 import os
 import signal
 import threading
+from pathlib import Path
 from typing import Final
 
 import msgspec
 
 from kvrouter.logs import configure_logging
-from kvrouter.serve_workers import CONFIG_ENV, LOG_ENV
+from kvrouter.serve_workers import CONFIG_ENV, LOG_ENV, PEERS_ENV
 from router.app import GatewayApp, create_app
 from router.config import RouterConfig
+from router.serve import ServeOptions
 
 __all__ = ["create_worker_app"]
 
@@ -33,7 +35,7 @@ def create_worker_app() -> GatewayApp:
     configure_logging(level, fmt or "json")
     config = msgspec.json.decode(os.environ[CONFIG_ENV], type=RouterConfig)
     _stop_when_orphaned(os.getppid())
-    return create_app(config)
+    return create_app(config, ServeOptions(peers_dir=Path(os.environ[PEERS_ENV])))
 
 
 def _stop_when_orphaned(parent: int) -> None:

@@ -5,9 +5,10 @@ and hands the resolved config to every worker through `KVROUTER_WORKER_CONFIG` (
 spawned and kept alive by uvicorn's own supervisor (`uvicorn.supervisors.Multiprocess`: health
 pings, restart of a dead worker, SIGHUP rolling restart, SIGTTIN/SIGTTOU to grow or shrink); the
 kernel spreads connections over them. Each worker is a whole gateway: its own subscribers and exact
-mirror of every engine, its own load view and decision ring. Request metrics are summed across
-workers through prometheus_client's multiprocess mode (a private directory the parent creates and
-removes). The ready line is printed once every worker has started.
+mirror of every engine, its own load view and decision ring (a decision lookup that misses asks the
+siblings, `router.decision_peers`). Request metrics are summed across workers through
+prometheus_client's multiprocess mode (a private directory the parent creates and removes). The
+ready line is printed once every worker has started.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ import socket
 import sys
 import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Final
 
 import msgspec
@@ -30,12 +32,14 @@ from router.config import RouterConfig
 from router.metrics import MULTIPROCESS_ENV
 from router.serve import ServeOptions, start_embedded
 
-__all__ = ["CONFIG_ENV", "LOG_ENV", "WorkerSupervisor", "run_workers"]
+__all__ = ["CONFIG_ENV", "LOG_ENV", "PEERS_ENV", "WorkerSupervisor", "run_workers"]
 
 log = logging.getLogger(__name__)
 
 CONFIG_ENV: Final = "KVROUTER_WORKER_CONFIG"
 """The resolved `RouterConfig` as JSON, for `kvrouter.gateway_worker.create_worker_app`."""
+PEERS_ENV: Final = "KVROUTER_WORKER_PEERS"
+"""The directory where workers answer each other's decision lookups (router.decision_peers)."""
 LOG_ENV: Final = "KVROUTER_WORKER_LOG"
 """The parent's log level and format ("LEVEL:FORMAT"), so workers log the same way."""
 _READY_TIMEOUT_S: Final = 120.0
@@ -84,6 +88,9 @@ async def run_workers(
             os.environ[MULTIPROCESS_ENV] = metrics_dir
             os.environ[CONFIG_ENV] = msgspec.json.encode(config).decode()
             os.environ[LOG_ENV] = f"{log_level}:{log_format}"
+            peers = Path(metrics_dir) / "peers"
+            peers.mkdir()
+            os.environ[PEERS_ENV] = str(peers)
             supervisor = WorkerSupervisor(worker_config(config), [sock], lambda: ready(config))
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):  # wake this loop at once, then tell the supervisor

@@ -59,7 +59,10 @@ class Handlers:
 
     async def decisions(self, request: Request) -> Response:
         self.admin_check(request)
-        entry = self.parts.ring.get(request.path_params["request_id"])
+        rid = request.path_params["request_id"]
+        entry = self.parts.ring.get(rid)
+        if entry is None and self.parts.peers is not None:  # routed by a sibling worker?
+            entry = await self.parts.peers.lookup(rid)
         if entry is None:
             raise NotFound("no decision recorded for this request id (unknown, or dropped from the ring)")
         return Response(msgspec.json.encode(entry), media_type=_JSON)

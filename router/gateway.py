@@ -31,6 +31,7 @@ from router.client_io import (
 )
 from router.config import RouterConfig
 from router.debug import DecisionEntry, DecisionRing, Explanation, PreparedView
+from router.decision_peers import DecisionPeers
 from router.errors import BadRequest, RouterError
 from router.fleet import Fleet
 from router.flight import Flight
@@ -64,6 +65,7 @@ class GatewayParts:
     guard: Guard
     ring: DecisionRing
     recorder: GatewayRecorder | None = None
+    peers: DecisionPeers | None = None
 
 
 def view_of(prepared: Prepared) -> PreparedView:

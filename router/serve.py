@@ -21,6 +21,7 @@ from router.admin import apply_discovery
 from router.auth import Guard
 from router.config import EngineConfig, RouterConfig
 from router.debug import DecisionRing
+from router.decision_peers import DecisionPeers
 from router.discovery import DnsDiscovery
 from router.embedded import EmbeddedStubs
 from router.fleet import Fleet
@@ -47,6 +48,7 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     """How to run beyond the config: recording file, embedded-stub command, phase timeouts, ring size."""
 
     record: Path | None = None
+    peers_dir: Path | None = None  # sibling workers' decision sockets (router.decision_peers)
     stub_command: list[str] | None = None
     stub_timeout_s: float = 60.0
     phase_timeout_s: float = 10.0
@@ -92,6 +94,7 @@ class Service:
         self._sync_task: asyncio.Task[None] | None = None
         self._fleet: Fleet | None = None
         self._proxy: Proxy | None = None
+        self.peers: DecisionPeers | None = None
 
     async def _phase(self, name: str, work: Awaitable[object], timeout_s: float) -> None:
         started = time.perf_counter()
@@ -136,9 +139,12 @@ class Service:
             self.discovery.start()
         metrics = RouterMetrics(fleet.views, fleet.clock, fleet.models.key_cache)
         core = RoutingCore(fleet, fleet.models, Scorer(scorer_settings(config)))
+        ring = DecisionRing(opts.decision_ring)
+        if opts.peers_dir is not None:
+            self.peers = DecisionPeers(opts.peers_dir, ring)
+            await self._phase("decision peers", self.peers.start(), opts.phase_timeout_s)
         self.parts = GatewayParts(
-            config, fleet, fleet.models, core, proxy, metrics, self.guard,
-            DecisionRing(opts.decision_ring), self.recorder,
+            config, fleet, fleet.models, core, proxy, metrics, self.guard, ring, self.recorder, self.peers,
         )  # fmt: skip
         return self.parts
 
@@ -163,6 +169,8 @@ class Service:
     async def stop(self) -> None:
         """Stop every started part in reverse order; each phase bounded and logged, none skipped."""
         timeout = self.options.phase_timeout_s
+        if self.peers is not None:
+            await self._stop_phase("decision peers", self.peers.close(), timeout)
         if self.discovery is not None:
             await self._stop_phase("discovery", self.discovery.close(), timeout)
         if self._proxy is not None:
@@ -176,7 +184,7 @@ class Service:
             await asyncio.gather(self._sync_task, return_exceptions=True)
         if self.recorder is not None:
             self.recorder.close()
-        self.discovery = self._proxy = self._fleet = self.embedded = self.recorder = None
+        self.discovery = self._proxy = self._fleet = self.embedded = self.recorder = self.peers = None
         self._sync_task, self.parts = None, None
 
     async def _stop_phase(self, name: str, work: Awaitable[object], timeout_s: float) -> None:

@@ -17,6 +17,7 @@ import msgspec
 import pytest
 
 from kvrouter.cmd_serve import ReadyLine
+from router.debug import DecisionEntry
 from tests.gateway_helpers import ADMIN
 from tests.test_gateway_http import metric
 
@@ -77,17 +78,24 @@ def test_two_workers_share_the_port_and_the_metrics_and_outlive_a_crash() -> Non
         assert ready.engines == ["embedded-0", "embedded-1"]
         first = workers(proc.pid)
         assert len(first) == 2
+        rids = []
         for _ in range(12):  # a fresh connection each: the kernel spreads them over the workers
             with httpx.Client(base_url=ready.url, timeout=30) as client:
                 answer = client.post("/v1/completions", json=BODY)
                 assert answer.status_code == 200, answer.text
+                rids.append(answer.headers["x-request-id"])
+        auth = {"Authorization": f"Bearer {ADMIN}"}
+        for rid in rids:  # whichever worker answers finds the decision, in its ring or a sibling's
+            with httpx.Client(base_url=ready.url, timeout=30) as client:
+                found = client.get(f"/debug/decisions/{rid}", headers=auth)
+            assert found.status_code == 200, found.text
+            assert msgspec.json.decode(found.content, type=DecisionEntry).request_id == rid
         for _ in range(4):  # whichever worker answers the scrape reports every worker's requests
             with httpx.Client(base_url=ready.url, timeout=30) as client:
                 text = client.get("/metrics").text
             assert metric(text, "kvrouter_requests_total", policy="kv", status="200") == 12
             assert metric(text, "kvrouter_engine_mirror_trust", state="fresh") == 2
         with httpx.Client(base_url=ready.url, timeout=30) as client:
-            auth = {"Authorization": f"Bearer {ADMIN}"}
             engine = {"name": "x", "url": "http://127.0.0.1:9"}
             added = client.post("/admin/engines", json=engine, headers=auth)
             assert added.status_code == 409 and "workers" in added.text
