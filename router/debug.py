@@ -13,8 +13,8 @@ from collections import OrderedDict
 import msgspec
 
 from router.ids import RequestId
-from router.proxy import Attempt
 from router.scoring import Decision
+from router.upstream import Attempt
 
 __all__ = ["DecisionEntry", "DecisionRing", "Explanation", "PreparedView"]
 

@@ -13,7 +13,7 @@
         └── UpstreamBroken              502 (the answer broke off; after bytes were sent, only logged)
 
 Engine 4xx answers are not errors here: they pass through with the engine's own body. aiohttp's
-exceptions are translated in exactly one place, `router.proxy.map_upstream_errors`.
+exceptions are translated in exactly one place, `router.upstream.map_upstream_errors`.
 """
 
 from __future__ import annotations

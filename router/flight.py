@@ -16,9 +16,9 @@ from router.debug import DecisionEntry
 from router.fleet import Fleet
 from router.ids import EngineId, RequestId
 from router.models import Prepared
-from router.proxy import ProxyRequest, Target
 from router.routing import RoutingCore
 from router.scoring import Decision, RouteRequest
+from router.upstream import ProxyRequest, Target
 
 __all__ = ["RANK_HEADER", "DecisionSink", "Flight"]
 

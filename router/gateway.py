@@ -37,12 +37,13 @@ from router.fleet import Fleet
 from router.flight import Flight
 from router.metrics import RouterMetrics
 from router.models import Models, Prepared
-from router.proxy import Proxy, ProxyRequest, UpstreamResponse
+from router.proxy import Proxy
 from router.record import GatewayRecorder
 from router.relay import RelayResponse
 from router.remote_tokenize import RemoteTokenizeError, RemoteTokenizer
 from router.routing import RoutingCore
 from router.scoring import RouteRequest
+from router.upstream import ProxyRequest, UpstreamResponse
 from router.usage import UsageTap
 
 __all__ = ["Gateway", "GatewayParts"]

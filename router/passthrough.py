@@ -19,8 +19,8 @@ from router.client_io import read_body, request_id_of, until_disconnect
 from router.errors import NoEngineAvailable, RouterError
 from router.gateway import GatewayParts
 from router.ids import EngineId
-from router.proxy import ProxyRequest, Target
 from router.relay import RelayResponse
+from router.upstream import ProxyRequest, Target
 
 __all__ = ["ModelList", "Passthrough"]
 

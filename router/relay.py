@@ -20,7 +20,7 @@ from starlette.types import Receive, Scope, Send
 
 from router.client_io import ClientWatch
 from router.errors import UpstreamError
-from router.proxy import UpstreamResponse
+from router.upstream import UpstreamResponse
 from router.usage import UsageTap
 
 __all__ = ["EndHook", "RelayResponse"]

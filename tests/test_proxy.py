@@ -29,8 +29,9 @@ from router.errors import (
 )
 from router.headers import response_headers, upstream_headers, upstream_url
 from router.ids import EngineId
-from router.proxy import Proxy, ProxyRequest, ProxySettings, Target, UpstreamResponse
+from router.proxy import Proxy, ProxySettings
 from router.retry import OutcomeKind, RetryPolicy
+from router.upstream import ProxyRequest, Target, UpstreamResponse
 
 Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 WAIT = 5.0  # generous bound for every wait on an event; none is expected to come close
