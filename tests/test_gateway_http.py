@@ -102,7 +102,11 @@ async def test_metrics_move_and_debug_endpoints_explain_decisions() -> None:
         config = gateway_config([engine_of(f"e{i}", s) for i, s in enumerate(stubs)])
         async with running_gateway(config) as gw:
             c = gw.client
-            assert (await c.get("/ready")).status_code == 200
+
+            async def ready() -> bool:  # a mirror is trusted once its replay has caught up
+                return (await c.get("/ready")).status_code == 200
+
+            await wait_for(ready)
             before = (await c.get("/metrics")).text
             stream = {**BODY, "stream": True, "stream_options": {"include_usage": True}}
             answers = [await c.post("/v1/completions", json=b) for b in (BODY, stream)]
