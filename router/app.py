@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from events.openai_request import Endpoint
 from router.admin import AdminApi, NotFound
-from router.client_io import ClientGone, read_body, request_id_of, send_error
+from router.client_io import ClientGone, error_answer, read_body, request_id_of
 from router.config import RouterConfig
 from router.errors import NoEngineAvailable, RouterError
 from router.gateway import Gateway, GatewayParts
@@ -106,15 +106,16 @@ class GatewayApp(FastAPI):
                 if self.handlers:
                     await self.handlers[0].gateway.handle(scope, receive, send, endpoint)
                 else:
-                    await send_error(send, NoEngineAvailable("the gateway is not started"), "none")
+                    await error_answer(NoEngineAvailable("the gateway is not started"), "none")(
+                        scope, receive, send
+                    )
                 return
         await super().__call__(scope, receive, send)
 
 
 def error_response(request: Request, exc: RouterError) -> Response:
     """The OpenAI-format answer to a gateway error."""
-    headers = {**exc.headers, "x-request-id": request_id_of(request)}
-    return Response(exc.body(), status_code=exc.http_status(), headers=headers, media_type=_JSON)
+    return error_answer(exc, request_id_of(request))
 
 
 def create_app(

@@ -5,7 +5,8 @@ Starlette's request/response machinery: it saves the middleware stack, route mat
 group `StreamingResponse` spawns per answer to notice a disconnect. One `ClientWatch` per request
 does that job instead, for the whole request: it cancels the serving task when the client goes away
 (uvicorn's `send` silently drops writes to a closed connection, so only `receive` tells), which
-cancels the upstream request or the relay, whichever is running.
+cancels the upstream request or the relay, whichever is running. Every error the gateway answers
+itself, on any route, is an `error_answer`.
 """
 
 from __future__ import annotations
@@ -17,7 +18,8 @@ from collections.abc import Awaitable, Iterable
 from typing import Final, TypeVar
 
 from starlette.requests import Request
-from starlette.types import Receive, Send
+from starlette.responses import Response
+from starlette.types import Receive
 
 from router.errors import RequestTooLarge, RouterError
 
@@ -25,17 +27,15 @@ __all__ = [
     "ClientDisconnected",
     "ClientGone",
     "ClientWatch",
+    "error_answer",
     "read_asgi_body",
     "read_body",
     "request_id_of",
-    "send_error",
-    "send_whole",
     "until_disconnect",
 ]
 
 T = TypeVar("T")
 _SANE_ID: Final = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
-_JSON: Final = b"application/json"
 
 _CONTENT_LENGTH: Final = b"content-length"
 
@@ -104,13 +104,6 @@ class ClientWatch:
         self._watcher.cancel()
 
 
-async def send_whole(send: Send, status: int, headers: list[tuple[bytes, bytes]], body: bytes) -> None:
-    """Send a complete answer in two ASGI messages, with its content-length."""
-    headers = [*headers, (b"content-length", str(len(body)).encode())]
-    await send({"type": "http.response.start", "status": status, "headers": headers})
-    await send({"type": "http.response.body", "body": body, "more_body": False})
-
-
 class ClientGone(Exception):
     """The client disconnected before the answer started; nothing is sent back."""
 
@@ -126,24 +119,17 @@ def request_id_of(request: Request) -> str:
 
 
 async def read_body(request: Request, limit: int) -> bytes:
-    """The whole request body, refusing (413) beyond `limit` bytes before reading more than that."""
-    declared = request.headers.get("content-length")
-    if declared is not None and declared.isdigit() and int(declared) > limit:
-        raise RequestTooLarge(f"request body of {declared} bytes exceeds the limit of {limit}")
-    chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    """`read_asgi_body` for a Starlette route; a client gone mid-body raises `ClientGone`."""
+    try:
+        return await read_asgi_body(request.receive, request.scope["headers"], limit)
+    except ClientDisconnected:
+        raise ClientGone() from None
 
 
-async def send_error(send: Send, exc: RouterError, request_id: str) -> None:
-    """Answer with `exc` as an OpenAI-format error body (its headers, Retry-After included)."""
-    headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in exc.headers.items()]
-    headers += [(b"content-type", _JSON), (b"x-request-id", request_id.encode())]
-    await send_whole(send, exc.http_status(), headers, exc.body())
+def error_answer(exc: RouterError, request_id: str) -> Response:
+    """The OpenAI-format answer to a gateway error: its status and headers (Retry-After included)."""
+    headers = {**exc.headers, "x-request-id": request_id}
+    return Response(exc.body(), status_code=exc.http_status(), headers=headers, media_type="application/json")
 
 
 async def until_disconnect(request: Request, work: Awaitable[T]) -> T:

@@ -25,9 +25,9 @@ from router.client_io import (
     ClientDisconnected,
     ClientGone,
     ClientWatch,
+    error_answer,
     read_asgi_body,
     request_id_of,
-    send_error,
 )
 from router.config import RouterConfig
 from router.debug import DecisionEntry, DecisionRing, Explanation, PreparedView
@@ -144,7 +144,7 @@ class Gateway:
                 raise
             if watch is not None:
                 watch.closing()  # completing this answer makes uvicorn report a disconnect
-            await send_error(send, exc, rid)
+            await error_answer(exc, rid)(scope, receive, send)
         except ClientGone:
             pass  # mid-body: counted, and nobody is listening for an answer
         except asyncio.CancelledError:
@@ -167,8 +167,9 @@ class Gateway:
         admission = parts.fleet.admission
         if not admission.enter():
             parts.metrics.rejected.labels("overloaded").inc()
-            self._refused(str(admission.overloaded().http_status()))
-            raise admission.overloaded()
+            overloaded = admission.overloaded()
+            self._refused(str(overloaded.http_status()))
+            raise overloaded
         try:
             return await read_asgi_body(receive, request.scope["headers"], self.max_body)
         except RouterError as exc:
