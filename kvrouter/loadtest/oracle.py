@@ -17,6 +17,7 @@ from collections.abc import Sequence
 import aiohttp
 import msgspec
 
+from engine_stub.stub import CacheHit
 from kvrouter.loadtest.client import Target
 from kvrouter.loadtest.results import RequestResult
 from kvrouter.loadtest.workload import RequestSpec
@@ -31,16 +32,7 @@ class StubEndpoint(msgspec.Struct, frozen=True):
     url: str
 
 
-class _CacheHit(msgspec.Struct):
-    rank: int
-    prompt_tokens: int
-    hit_tokens: int
-    shared_prefix_boundary: int
-    num_running: int
-    num_waiting: int
-
-
-_HITS = msgspec.json.Decoder(list[_CacheHit])
+_HITS = msgspec.json.Decoder(list[CacheHit])
 
 
 class Oracle:
@@ -58,7 +50,7 @@ class Oracle:
         self._sent: dict[int, tuple[tuple[str, int], int, list[int]]] = {}
         self._flying: dict[tuple[str, int], dict[int, int]] = {}  # slot -> prefix chain -> requests
 
-    async def _hits(self, stub: StubEndpoint, spec: RequestSpec) -> list[_CacheHit]:
+    async def _hits(self, stub: StubEndpoint, spec: RequestSpec) -> list[CacheHit]:
         body = msgspec.json.encode({"model": self.model, "prompt": spec.prompt, "max_tokens": 1})
         headers = {"content-type": "application/json"}
         async with self.session.post(f"{stub.url}/debug/cache_hit", data=body, headers=headers) as r:
@@ -85,7 +77,7 @@ class Oracle:
 
     async def choose(self, key: int, spec: RequestSpec) -> Target:
         """The best (stub, rank) for `spec`; `key` identifies the request when it is `done`."""
-        best: tuple[int, int, int, int, StubEndpoint, _CacheHit, int] | None = None
+        best: tuple[int, int, int, int, StubEndpoint, CacheHit, int] | None = None
         chains = self._chains(spec.prompt)
         answers = await asyncio.gather(*(self._hits(stub, spec) for stub in self.stubs))
         for order, (stub, hits) in enumerate(zip(self.stubs, answers, strict=True)):
