@@ -91,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
         log.error("engine stub configuration error", extra={"error": str(exc)})
         sys.stderr.write(f"kvrouter engine-stub: {exc}\n")
         return 2
-    if getattr(args, "exit_with_stdin", False):
+    if args.exit_with_stdin:
         _stop_when_stdin_closes()
     asyncio.run(server.serve())
     return 0

@@ -73,14 +73,6 @@ def effective_config(args: argparse.Namespace, environ: dict[str, str]) -> Route
     return load_config(path, environ, flags)
 
 
-def _log_level(args: argparse.Namespace) -> str:
-    return str(getattr(args, "log_level", "INFO"))
-
-
-def _log_format(args: argparse.Namespace) -> str:
-    return str(getattr(args, "log_format", "json"))
-
-
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM; 2 on a configuration error, 1 when start-up fails."""
     # Imported here: the gateway's stack (FastAPI, aiohttp, tokenizers) is not loaded for other commands.
@@ -112,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             ready = lambda resolved: announce([e.name for e in resolved.engines])  # noqa: E731
-            return asyncio.run(run_workers(config, sock, _log_level(args), _log_format(args), ready))
+            return asyncio.run(run_workers(config, sock, args.log_level, args.log_format, ready))
         finally:
             sock.close()
 
