@@ -110,8 +110,8 @@ class CandidateScore(msgspec.Struct, frozen=True):
 
     @property
     def credited_tokens(self) -> int:
-        """The cached prefix the predicted TTFT counted (see `credited_tokens`)."""
-        return credited_tokens(self.trusted_hit_tokens, self.pending_tokens, self.trust)
+        """The cached prefix the predicted TTFT counted (see `_credited_tokens`)."""
+        return _credited_tokens(self.trusted_hit_tokens, self.pending_tokens, self.trust)
 
 
 class Decision(msgspec.Struct, frozen=True):
@@ -128,7 +128,7 @@ class Decision(msgspec.Struct, frozen=True):
     candidates: list[CandidateScore]
 
 
-def credited_tokens(trusted_hit: int, pending: int, trust: TrustStatus) -> int:
+def _credited_tokens(trusted_hit: int, pending: int, trust: TrustStatus) -> int:
     """The cached prefix scoring counts: the trusted hit, or a longer prefix just routed there."""
     # A prefix the router itself just sent there is known without the mirror, unless the engine's
     # state is in doubt altogether (stale: restarted, history lost, silent).
@@ -153,7 +153,7 @@ def _why_not(c: Candidate, excluded: frozenset[EngineId]) -> str:
 
 def _score(c: Candidate, excluded: frozenset[EngineId], decode_penalty_s: float) -> CandidateScore:
     trusted_hit = c.hit_tokens if c.trust.trusted else 0
-    uncached = max(0, c.prompt_tokens - credited_tokens(trusted_hit, c.pending_tokens, c.trust))
+    uncached = max(0, c.prompt_tokens - _credited_tokens(trusted_hit, c.pending_tokens, c.trust))
     ttft = c.load.predicted_ttft_s(uncached) + decode_penalty_s * c.load.decoding
     pins = c.trust.trusted and c.warm_tokens > c.hit_tokens
     why_not = _why_not(c, excluded)
