@@ -18,6 +18,7 @@ import sys
 from pathlib import Path
 
 import msgspec
+import pytest
 
 from kvrouter.cli import main
 from kvrouter.loadtest.report import PLOTS, Report
@@ -55,12 +56,23 @@ def test_kv_beats_round_robin_and_the_oracle_bounds_it(tmp_path: Path) -> None:
     assert "round_robin" in (tmp_path / "report.html").read_text()
 
 
-def test_a_real_mooncake_trace_replays(tmp_path: Path) -> None:
+def test_a_real_mooncake_trace_replays_and_a_duration_cut_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     trace = SHARED / "traces" / "conversation_trace.jsonl"
     args = ["--workload", f"trace:{trace}", "--requests", "40", "--block-tokens", "16", "--time-scale", "20"]
-    (kv,) = run(tmp_path, *args, "--policies", "kv").policies
-    assert (kv.requests, kv.errors) == (40, 0)
+    # At 20x, the 40th request arrives at 0.6 s and the 38th at 0.45 s: 0.5 s cuts the last two.
+    report = run(tmp_path, *args, "--duration", "0.5", "--policies", "kv")
+    (kv,) = report.policies
+    assert (kv.requests, kv.errors) == (38, 0)
     assert kv.cached_tokens > 0 and kv.prompt_tokens > kv.cached_tokens
+    assert (report.requests_sent, report.truncated, report.requests_not_sent) == (38, True, 2)
+    assert "warning: --duration 0.5 cuts the workload short: 2 of 40 requests" in capsys.readouterr().err
+    settings = msgspec.json.decode((tmp_path / "summary.json").read_bytes())["settings"]
+    assert settings["requests"] == 40 and settings["duration"] == 0.5 and settings["time_scale"] == 20.0
+    assert settings["engines"] == 2 and settings["policies"] == ["kv"] and settings["out"] == str(tmp_path)
+    page = (tmp_path / "report.html").read_text()
+    assert "<tr><th>block_tokens</th><td>16</td></tr>" in page and "2 requests arriving later" in page
 
 
 def _free_port_range(n: int) -> int:

@@ -8,8 +8,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvrouter.loadtest.report import PLOTS, Report, write_report
-from kvrouter.loadtest.results import RequestResult, percentile, summarize
+from kvrouter.loadtest.report import PLOTS, Report, error_bins, write_report
+from kvrouter.loadtest.results import RequestResult, percentile, prediction_errors, summarize
+from kvrouter.loadtest.settings import LoadtestSettings
 
 
 def result(policy: str, i: int, **kw: object) -> RequestResult:
@@ -93,7 +94,9 @@ def test_report_files_are_written_and_parse(tmp_path: Path) -> None:
         for i in range(12)
     ]
     summaries = [summarize(p, [r for r in results if r.policy == p], 1.2) for p in ("kv", "round_robin")]
-    paths = write_report(tmp_path, Report(settings={"engines": "2"}, policies=summaries), results)
+    settings = LoadtestSettings(policies=["kv", "round_robin"], duration=1.5, out=str(tmp_path))
+    header = Report(settings=settings, requests_sent=12, truncated=True, requests_not_sent=3)
+    paths = write_report(tmp_path, msgspec.structs.replace(header, policies=summaries), results)
     assert {p.name for p in paths} == {"summary.json", "results.jsonl", "report.html", *PLOTS}
     report = msgspec.json.decode((tmp_path / "summary.json").read_bytes(), type=Report)
     assert [s.policy for s in report.policies] == ["kv", "round_robin"]
@@ -107,3 +110,52 @@ def test_report_files_are_written_and_parse(tmp_path: Path) -> None:
         assert width > 300 and height > 300
     page = (tmp_path / "report.html").read_text()
     assert "round_robin" in page and all(f'src="{name}"' in page for name in PLOTS)
+    # Every option, with its type: the page shows each, summary.json keeps numbers as numbers.
+    raw = msgspec.json.decode((tmp_path / "summary.json").read_bytes())
+    assert raw["settings"] == msgspec.to_builtins(settings) and set(raw["settings"]) == set(
+        LoadtestSettings.__struct_fields__
+    )
+    assert (raw["settings"]["engines"], raw["settings"]["duration"], raw["settings"]["requests"]) == (
+        2,
+        1.5,
+        None,
+    )
+    assert (raw["requests_sent"], raw["truncated"], raw["requests_not_sent"]) == (12, True, 3)
+    for name, value in msgspec.to_builtins(settings).items():
+        assert f"<tr><th>{name}</th><td>{msgspec.json.encode(value).decode()}</td></tr>" in page
+    assert "3 requests arriving later were not sent" in page
+
+
+def test_prediction_errors_are_signed_and_binned_with_exact_ones_apart() -> None:
+    results = [result("kv", i, cached_tokens=64, predicted_cached_tokens=64) for i in range(128)]
+    results += [
+        result("kv", 128, cached_tokens=80, predicted_cached_tokens=64),
+        result("kv", 129, cached_tokens=0, predicted_cached_tokens=32),
+        result("kv", 130, cached_tokens=9, predicted_cached_tokens=None),
+        result("kv", 131, cached_tokens=0, predicted_cached_tokens=16, error="upstream 503"),
+    ]
+    errors = prediction_errors(results)
+    assert sorted(errors) == [-32, *[0] * 128, 16]
+    assert error_bins(errors) == (2, {0: 128, 16: 1, -32: 1})
+    # Wide errors: at most 41 bins, and a miss of 1 token is never counted as exact.
+    width, bins = error_bins([0, 1, -1, 4000])
+    assert width == 196 and bins == {0: 1, 196: 1, -196: 1, 3920: 1}
+
+
+def test_the_error_plot_shows_every_policy_that_predicted(tmp_path: Path) -> None:
+    """128 exact predictions and a few misses per policy: one histogram panel per predicting policy."""
+    results = [
+        result(p, i, engine="e0", ttft_s=0.01, prompt_tokens=96, cached_tokens=80 if i % 40 == 1 else 64,
+               predicted_cached_tokens=64 if p != "round_robin" else None)
+        for p in ("kv", "session", "round_robin")
+        for i in range(128)
+    ]  # fmt: skip
+    summaries = [
+        summarize(p, [r for r in results if r.policy == p], 1.0) for p in ("kv", "session", "round_robin")
+    ]
+    write_report(
+        tmp_path, Report(settings=LoadtestSettings(), requests_sent=128, policies=summaries), results
+    )
+    png = (tmp_path / "prediction_error.png").read_bytes()
+    width, height = struct.unpack(">II", png[16:24])
+    assert png[:8] == b"\x89PNG\r\n\x1a\n" and width > 600 and height > 2 * 2.2 * 110  # two panels

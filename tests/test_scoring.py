@@ -88,7 +88,7 @@ TABLE: list[tuple[str, PolicyName, list[Candidate], set[str], str | None, str]] 
         [cand("a", hit=512, warm=512), cand("b", hit=512, warm=768, in_flight=3)],
         set(),
         "b",
-        "pin the hybrid junction at 768",
+        "decided by pinning the hybrid junction at 768 tokens",
     ),
     (
         "stale engine never pins the junction",
@@ -107,12 +107,12 @@ TABLE: list[tuple[str, PolicyName, list[Candidate], set[str], str | None, str]] 
         "fewer in-flight",
     ),
     (
-        "tie within tolerance",
+        "tie within tolerance: the larger hit first",
         KV,
         [cand("a", hit=10, in_flight=2), cand("b", in_flight=1)],
         set(),
-        "b",
-        "tied with a",
+        "a",
+        "tied with b within 2 ms; decided by the larger cached prefix (10 tokens)",
     ),
     ("tie: stable hash", KV, [cand("a"), cand("b")], set(), TIE_BY_HASH, "stable hash"),
     (
@@ -242,3 +242,53 @@ def test_session_table_is_bounded() -> None:
     # s1 was evicted, so it routes afresh to the now-warm b.
     decision = scorer.choose(RouteRequest(KEY, session="s1"), [cand("a"), cand("b", hit=900)])
     assert decision.engine == "b" and "new session" in decision.reason
+
+
+def test_readme_second_turn_goes_to_the_warm_engine_when_costs_tie() -> None:
+    """The README's second turn: a 16-token hit saves 1.6 ms at the learned 0.1 ms/token, inside the
+    2 ms tolerance, so warm and cold tie; a request key whose hash favours the cold engine must not win."""
+    engines = (EngineId("embedded-0"), EngineId("embedded-1"))
+    key = next(
+        k for k in (f"k{i}" for i in range(64)) if min(engines, key=lambda e: stable_hash(k, e)) == engines[1]
+    )
+    load = LoadSnapshot(0, 0, 0, 0, None, 0.032, 1.005e-4, False)
+    warm = Candidate(engines[0], 16, 0, 16, 44, FRESH, load, pending_tokens=16)
+    cold = Candidate(engines[1], 0, 0, 0, 44, FRESH, load)
+    decision = Scorer(ScorerSettings()).choose(RouteRequest(key), [warm, cold])
+    assert decision.engine == "embedded-0", decision.reason
+    assert decision.predicted_cached_tokens == 16
+    assert "tied with embedded-1 within 2 ms" in decision.reason
+    assert "decided by the larger cached prefix (16 tokens)" in decision.reason
+    assert "lowest predicted TTFT" in decision.reason  # the warm engine is the lowest, just not by enough
+
+
+def test_tie_reason_names_every_rule_that_narrowed_the_tie() -> None:
+    # c loses on the cached prefix, then a and b (equal prefixes) part on in-flight requests.
+    candidates = [cand("a", hit=10, in_flight=2), cand("b", hit=10, in_flight=1, queued=5), cand("c")]
+    decision = Scorer(ScorerSettings()).choose(RouteRequest(KEY), candidates)
+    assert decision.engine == "b", decision.reason
+    assert "tied with a, c within 2 ms" in decision.reason
+    assert (
+        "decided by the larger cached prefix (10 tokens), then fewer in-flight requests (1)"
+        in decision.reason
+    )
+    # b is not the cheapest (a is, by 0.5 ms): the reason must not call it the lowest.
+    assert "lowest" not in decision.reason
+
+
+@pytest.mark.parametrize(
+    ("pinner_hit", "pinner_warm", "other_hit", "want"),
+    [
+        (0, 768, 16, "b"),  # the pin makes 768 tokens reusable; the other offers 16
+        (0, 16, 16, "a"),  # same reusable prefix: the other's own hit decides
+        (0, 12, 16, "a"),  # the other already offers more than the pin would
+    ],
+)
+def test_the_hybrid_pin_and_the_hit_compete_on_the_prefix_they_leave(
+    pinner_hit: int, pinner_warm: int, other_hit: int, want: str
+) -> None:
+    candidates = [cand("a", hit=other_hit), cand("b", hit=pinner_hit, warm=pinner_warm)]
+    decision = Scorer(ScorerSettings()).choose(RouteRequest(KEY), candidates)
+    assert decision.engine == want, decision.reason
+    words = "pinning the hybrid junction at" if want == "b" else "the larger cached prefix (16 tokens)"
+    assert words in decision.reason

@@ -196,10 +196,10 @@ class _Context(msgspec.Struct):
 async def run_harness(
     spec: HarnessSpec,
     requests: Sequence[RequestSpec],
-    settings: dict[str, str],
+    header: Report,
     on_done: Callable[[RequestResult], None] = lambda r: None,
 ) -> tuple[Report, list[RequestResult]]:
-    """Run every policy over `requests` and write the report into `spec.out`."""
+    """Run every policy over `requests` and write the report (`header` with the policies' summaries)."""
     stub_config = Path(spec.stub_config) if spec.stub_config else None
     stubs = EmbeddedStubs(spec.embedded, config_file=stub_config, base_port=spec.stub_base_port)
     summaries: list[PolicySummary] = []
@@ -220,7 +220,7 @@ async def run_harness(
             every.extend(results)
     finally:
         await stubs.stop()
-    report = Report(settings=settings, policies=summaries)
+    report = msgspec.structs.replace(header, policies=summaries)
     write_report(out, report, every)
     return report, every
 

@@ -1,13 +1,17 @@
 """Load-test reports: `summary.json`, PNG plots and a `report.html` that shows them side by side.
 
 Plots: TTFT distribution (CDF per policy), cached-token ratio per policy, load balance over time
-(requests started per engine per time bucket, one panel per policy), and predicted vs actual cached
-tokens. matplotlib is used with the non-interactive Agg backend, so no display is needed.
+(requests started per engine per time bucket, one panel per policy), and the prediction error
+(a histogram of actual - predicted cached tokens per policy, log counts, so a handful of misses
+shows beside hundreds of exact predictions). matplotlib is used with the non-interactive Agg
+backend, so no display is needed. The page lists every setting of the run, typed as in `summary.json`.
 """
 
 from __future__ import annotations
 
 import html
+import math
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from pathlib import Path
 
@@ -16,20 +20,26 @@ import matplotlib
 matplotlib.use("Agg")  # before pyplot is imported: no display on servers and CI
 import matplotlib.pyplot as plt
 import msgspec
+from matplotlib.axes import Axes
 
-from kvrouter.loadtest.results import PolicySummary, RequestResult
+from kvrouter.loadtest.results import PolicySummary, RequestResult, prediction_errors
+from kvrouter.loadtest.settings import LoadtestSettings
 
-__all__ = ["Report", "write_report"]
-
-
-class Report(msgspec.Struct, frozen=True):
-    """What `summary.json` holds: the run's settings and one summary per policy."""
-
-    settings: dict[str, str]
-    policies: list[PolicySummary]
+__all__ = ["Report", "error_bins", "write_report"]
 
 
-PLOTS = ("ttft_cdf.png", "cached_ratio.png", "load_balance.png", "predicted_vs_actual.png")
+class Report(msgspec.Struct, frozen=True, kw_only=True):
+    """What `summary.json` holds: every option of the run, the requests each policy was sent (and
+    how many `--duration` left out of the workload), and one summary per policy."""
+
+    settings: LoadtestSettings
+    requests_sent: int
+    truncated: bool = False
+    requests_not_sent: int = 0
+    policies: list[PolicySummary] = []
+
+
+PLOTS = ("ttft_cdf.png", "cached_ratio.png", "load_balance.png", "prediction_error.png")
 
 
 def _ttft_cdf(by_policy: Mapping[str, Sequence[RequestResult]], path: Path) -> None:
@@ -89,20 +99,51 @@ def _load_balance(by_policy: Mapping[str, Sequence[RequestResult]], path: Path, 
     plt.close(fig)
 
 
-def _predicted_vs_actual(by_policy: Mapping[str, Sequence[RequestResult]], path: Path) -> None:
-    fig, ax = plt.subplots(figsize=(5.5, 5.5))
-    top = 1
-    for policy, results in by_policy.items():
-        pts = [(r.predicted_cached_tokens, r.cached_tokens) for r in results]
-        pairs = [(p, a) for p, a in pts if p is not None]
-        if pairs:
-            ax.scatter([p for p, _ in pairs], [a for _, a in pairs], s=10, alpha=0.6, label=policy)
-            top = max(top, *(max(p, a) for p, a in pairs))
-    ax.plot([0, top], [0, top], color="grey", linewidth=1, linestyle="--", label="exact")
-    ax.set_xlabel("predicted cached tokens (router)")
-    ax.set_ylabel("actual cached tokens (engine usage)")
-    ax.set_title("Prediction accuracy")
-    ax.legend(fontsize=8)
+def error_bins(errors: Sequence[int], max_bins: int = 41) -> tuple[int, Counter[int]]:
+    """Bin width and counts per bin centre of `errors`: at most `max_bins` bins, the centre-0 bin
+    holding the exact predictions only (a near miss goes to the first bin on its side)."""
+    span = max((abs(e) for e in errors), default=0)
+    width = max(1, math.ceil((2 * span + 1) / max_bins))
+    return width, Counter((round(e / width) or (1 if e > 0 else -1)) * width if e else 0 for e in errors)
+
+
+def _error_panel(ax: Axes, policy: str, errors: Sequence[int]) -> None:
+    width, counts = error_bins(errors)
+    xs = sorted(counts)
+    colors = ["tab:green" if x == 0 else "tab:blue" if x > 0 else "tab:red" for x in xs]
+    bars = ax.bar(xs, [counts[x] for x in xs], width=width * 0.9, color=colors, log=True)
+    ax.bar_label(bars, fontsize=7)
+    exact = sum(e == 0 for e in errors)
+    under, over = sum(e > 0 for e in errors), sum(e < 0 for e in errors)
+    mean_abs = sum(abs(e) for e in errors) / len(errors)
+    ax.set_title(
+        f"{policy}: {len(errors)} predictions, {exact} exact ({exact / len(errors) * 100:.1f}%), "
+        f"{under} under, {over} over, mean |error| {mean_abs:.1f} tokens",
+        fontsize=8.5,
+    )
+    ax.set_ylabel("requests (log)")
+    ax.set_ylim(0.7, max(counts.values()) * 4)
+    ax.grid(alpha=0.3, axis="y")
+
+
+def _prediction_error(by_policy: Mapping[str, Sequence[RequestResult]], path: Path) -> None:
+    errors = {p: e for p, rs in by_policy.items() if (e := prediction_errors(rs))}
+    n = max(1, len(errors))
+    fig, axes = plt.subplots(n, 1, figsize=(7, 2.2 * n + 0.9), squeeze=False, sharex=True)
+    for ax, (policy, values) in zip(axes[:, 0], errors.items(), strict=False):
+        _error_panel(ax, policy, values)
+    silent = [p for p in by_policy if p not in errors]
+    if not errors:
+        axes[0, 0].text(0.5, 0.5, "no request carried a prediction", ha="center", va="center")
+    elif silent:
+        fig.text(0.01, 0.01, f"no predictions: {', '.join(silent)}", fontsize=7, color="grey")
+    span = max((abs(e) for es in errors.values() for e in es), default=0)
+    reach = max(8.0, span * 1.1 + error_bins([span])[0])
+    axes[-1, 0].set_xlim(-reach, reach)
+    axes[-1, 0].set_xlabel(
+        "actual - predicted cached tokens (> 0: the engine had more cached than predicted)"
+    )
+    fig.suptitle("Prediction error (green: exact, blue: under-predicted, red: over-predicted)", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -110,6 +151,11 @@ def _predicted_vs_actual(by_policy: Mapping[str, Sequence[RequestResult]], path:
 
 def _fmt(value: float | None, scale: float = 1000.0) -> str:
     return "-" if value is None else f"{value * scale:.1f}"
+
+
+def _json_text(value: object) -> str:
+    """A setting as summary.json writes it (numbers as numbers, null when not given), HTML-escaped."""
+    return html.escape(msgspec.json.encode(value).decode(), quote=False)
 
 
 def _html(report: Report) -> str:
@@ -127,15 +173,23 @@ def _html(report: Report) -> str:
             f"<td>{s.cached_ratio * 100:.1f}%</td><td>{exact}</td></tr>"
         )
     settings = "".join(
-        f"<li><b>{html.escape(k)}</b>: {html.escape(v)}</li>" for k, v in sorted(report.settings.items())
+        f"<tr><th>{html.escape(name)}</th><td>{_json_text(value)}</td></tr>"
+        for name, value in msgspec.structs.asdict(report.settings).items()
     )
+    sent = f"<p>{report.requests_sent} requests sent to each policy.</p>"
+    if report.truncated:
+        sent += (
+            f"<p class='warn'><b>Truncated:</b> --duration cut the workload short; "
+            f"{report.requests_not_sent} requests arriving later were not sent.</p>"
+        )
     images = "".join(f'<figure><img src="{name}" alt="{name}"></figure>' for name in PLOTS)
     return (
         "<!doctype html><html><head><meta charset='utf-8'><title>kvrouter load test</title>"
         "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
         "td,th{border:1px solid #ccc;padding:4px 8px;text-align:right}figure{display:inline-block}"
-        "img{max-width:640px}</style></head><body><h1>kvrouter load test</h1>"
-        f"<ul>{settings}</ul><table>{head}{''.join(rows)}</table>{images}</body></html>"
+        "img{max-width:640px}.warn{color:#a00}</style></head><body><h1>kvrouter load test</h1>"
+        f"{sent}<table>{head}{''.join(rows)}</table>{images}"
+        f"<h2>Settings</h2><table class='settings'>{settings}</table></body></html>"
     )
 
 
@@ -152,7 +206,7 @@ def write_report(out_dir: Path, report: Report, results: Sequence[RequestResult]
     _ttft_cdf(by_policy, out_dir / PLOTS[0])
     _cached_ratio(report.policies, out_dir / PLOTS[1])
     _load_balance(by_policy, out_dir / PLOTS[2])
-    _predicted_vs_actual(by_policy, out_dir / PLOTS[3])
+    _prediction_error(by_policy, out_dir / PLOTS[3])
     page = out_dir / "report.html"
     page.write_text(_html(report))
     return [summary, raw, *(out_dir / p for p in PLOTS), page]

@@ -8,7 +8,7 @@ from collections.abc import Sequence
 
 import msgspec
 
-__all__ = ["Percentiles", "PolicySummary", "RequestResult", "percentile", "summarize"]
+__all__ = ["Percentiles", "PolicySummary", "RequestResult", "percentile", "prediction_errors", "summarize"]
 
 
 class RequestResult(msgspec.Struct, frozen=True):
@@ -71,13 +71,22 @@ def _percentiles(values: Sequence[float]) -> Percentiles:
     return Percentiles(percentile(values, 50), percentile(values, 90), percentile(values, 99), mean)
 
 
+def prediction_errors(results: Sequence[RequestResult]) -> list[int]:
+    """Actual minus predicted cached tokens of each answered request that carried a prediction
+    (> 0: the engine had more cached than the router predicted)."""
+    return [
+        r.cached_tokens - r.predicted_cached_tokens
+        for r in results
+        if r.error is None and r.predicted_cached_tokens is not None
+    ]
+
+
 def summarize(policy: str, results: Sequence[RequestResult], duration_s: float) -> PolicySummary:
     """Aggregate one policy's request results over a run of `duration_s` seconds."""
     ok = [r for r in results if r.error is None]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
-    predicted = [r for r in ok if r.predicted_cached_tokens is not None]
-    errors = [abs((r.predicted_cached_tokens or 0) - r.cached_tokens) for r in predicted]
+    errors = [abs(e) for e in prediction_errors(ok)]
     engines = Counter(r.engine for r in ok if r.engine is not None)
     total_engine = sum(engines.values())
     span = max(duration_s, 1e-9)
@@ -93,7 +102,7 @@ def summarize(policy: str, results: Sequence[RequestResult], duration_s: float) 
         prompt_tokens=prompt,
         cached_tokens=cached,
         cached_ratio=cached / prompt if prompt else 0.0,
-        predictions=len(predicted),
+        predictions=len(errors),
         prediction_exact=sum(e == 0 for e in errors) / len(errors) if errors else None,
         prediction_mean_abs_error=sum(errors) / len(errors) if errors else None,
         engine_share={e: n / total_engine for e, n in sorted(engines.items())},

@@ -22,6 +22,7 @@ __all__ = [
     "SyntheticWorkload",
     "TraceWorkload",
     "block_token_ids",
+    "cut_at_duration",
     "load_trace",
     "shared_prefix_tokens",
     "synthetic_requests",
@@ -151,6 +152,16 @@ def synthetic_requests(spec: SyntheticWorkload) -> list[RequestSpec]:
         out.append(RequestSpec(clock, list(histories[u]), spec.output_tokens, f"user-{u}"))
         histories[u].extend(block_token_ids(20_000_000 + u * 1000 + t, spec.output_tokens, spec.seed))
     return out
+
+
+def cut_at_duration(
+    requests: Sequence[RequestSpec], duration_s: float | None
+) -> tuple[list[RequestSpec], int]:
+    """The requests arriving in the first `duration_s` seconds (all when None), and how many are cut."""
+    if duration_s is None:
+        return list(requests), 0
+    kept = [r for r in requests if r.arrival_s <= duration_s]
+    return kept, len(requests) - len(kept)
 
 
 def shared_prefix_tokens(requests: Iterable[RequestSpec], block: int = 16) -> int:

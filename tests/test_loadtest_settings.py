@@ -1,0 +1,85 @@
+"""`kvrouter loadtest`'s options: one typed Struct holds every one; --duration counts what it cuts."""
+
+from __future__ import annotations
+
+import argparse
+
+import msgspec
+import pytest
+
+from kvrouter.cli import build_parser
+from kvrouter.cmd_loadtest import build_requests
+from kvrouter.loadtest.settings import LoadtestSettings
+from kvrouter.loadtest.workload import RequestSpec, SyntheticWorkload, cut_at_duration, synthetic_requests
+
+
+def _loadtest_parser() -> tuple[argparse.ArgumentParser, set[str]]:
+    """The loadtest subparser, and the dests the top-level parser owns (global flags, help)."""
+    parser = build_parser()
+    (sub,) = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    return sub.choices["loadtest"], {a.dest for a in parser._actions}
+
+
+def test_every_option_is_a_typed_setting_with_the_commands_default() -> None:
+    loadtest, global_dests = _loadtest_parser()
+    options = {a.dest for a in loadtest._actions} - global_dests - {"help"}
+    assert options == set(LoadtestSettings.__struct_fields__)
+    args = build_parser().parse_args(["loadtest"])
+    assert LoadtestSettings.from_args(vars(args)) == LoadtestSettings()
+
+
+def test_settings_keep_their_types() -> None:
+    argv = ["loadtest", "--engines", "3", "--duration", "2.5", "--policies", "kv, oracle", "--requests", "7",
+            "--engine-config", "stub.toml", "--rate", "5"]  # fmt: skip
+    settings = LoadtestSettings.from_args(vars(build_parser().parse_args(argv)))
+    raw = msgspec.json.decode(msgspec.json.encode(settings))
+    assert raw["engines"] == 3 and raw["duration"] == 2.5 and raw["requests"] == 7 and raw["rate"] == 5.0
+    assert raw["policies"] == ["kv", "oracle"] and raw["engine_config"] == "stub.toml"
+    assert raw["max_output_tokens"] is None and raw["router"] is None
+
+
+def _req(arrival: float) -> RequestSpec:
+    return RequestSpec(arrival, [1, 2, 3], 1, "s")
+
+
+@pytest.mark.parametrize(
+    ("duration", "kept", "cut"), [(None, 4, 0), (10.0, 4, 0), (1.5, 2, 2), (1.0, 2, 2), (-1.0, 0, 4)]
+)
+def test_cut_at_duration_counts_what_it_leaves_out(duration: float | None, kept: int, cut: int) -> None:
+    requests, not_sent = cut_at_duration([_req(t) for t in (0.0, 1.0, 2.0, 3.0)], duration)
+    assert (len(requests), not_sent) == (kept, cut)
+
+
+def test_duration_cuts_after_the_request_cap() -> None:
+    workload = synthetic_requests(SyntheticWorkload(users=4, turns=4, rate=4.0))
+    limit = workload[7].arrival_s
+    argv = [
+        "loadtest",
+        "--users",
+        "4",
+        "--turns",
+        "4",
+        "--rate",
+        "4",
+        "--requests",
+        "10",
+        "--duration",
+        str(limit),
+    ]
+    requests, not_sent = build_requests(build_parser().parse_args(argv))
+    assert (len(requests), not_sent) == (8, 2)  # of the 10 asked for, the last 2 arrive too late
+    roomy = [
+        "loadtest",
+        "--users",
+        "4",
+        "--turns",
+        "4",
+        "--rate",
+        "4",
+        "--requests",
+        "5",
+        "--duration",
+        str(limit),
+    ]
+    requests, not_sent = build_requests(build_parser().parse_args(roomy))
+    assert (len(requests), not_sent) == (5, 0)
