@@ -164,27 +164,27 @@ class Gateway:
         try:
             parts.guard.check_api(request.headers)
         except RouterError as exc:
-            self._refused(exc)
+            self._refused(str(exc.http_status()), exc.reason)
             raise
         admission = parts.fleet.admission
         if not admission.enter():
             overloaded = admission.overloaded()
-            self._refused(overloaded)
+            self._refused(str(overloaded.http_status()), overloaded.reason)
             raise overloaded
         try:
             return await read_asgi_body(receive, request.scope["headers"], self.max_body)
         except RouterError as exc:
             admission.leave()
-            self._refused(exc)
+            self._refused(str(exc.http_status()), exc.reason)
             raise
         except ClientDisconnected:
             admission.leave()
-            self.parts.metrics.refused(self.policy, "client_closed", None)
+            self._refused("client_closed")
             raise ClientGone() from None
 
-    def _refused(self, exc: RouterError) -> None:
-        """Count a request answered by the gateway itself, before any engine was chosen."""
-        self.parts.metrics.refused(self.policy, str(exc.http_status()), exc.reason)
+    def _refused(self, status: str, reason: str | None = None) -> None:
+        """Count a request answered by the gateway itself, before any engine was chosen (and why)."""
+        self.parts.metrics.refused(self.policy, status, reason)
 
     async def _admitted(
         self, request: Request, endpoint: Endpoint, body: bytes, rid: str, arrived: float
@@ -193,7 +193,7 @@ class Gateway:
         try:
             prepared = await self.prepare(body, endpoint)
         except RouterError as exc:
-            self._refused(exc)
+            self._refused(str(exc.http_status()), exc.reason)
             raise
         entry = parts.ring.add(DecisionEntry(request_id=rid, time=time.time(), request=view_of(prepared)))
         proxied = ProxyRequest(request.method, endpoint.value, self._forward_headers(request), body)
