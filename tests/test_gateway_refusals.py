@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import socket
 from contextlib import AsyncExitStack
 
@@ -60,9 +61,13 @@ async def test_every_engine_at_its_own_limit_is_a_429_naming_that_limit() -> Non
             assert error.type == "rate_limit_error" and error.code == "max_in_flight_per_engine"
             assert "max_in_flight_per_engine=1" in error.message and f"`{MODEL}`" in error.message
             assert "no engine available" not in error.message
+            burst = await asyncio.gather(*(c.post("/v1/completions", json=BODY) for _ in range(20)))
+            assert {(a.status_code, error_of(a).error.code) for a in burst} == {
+                (429, "max_in_flight_per_engine")
+            }
             counts = rejected((await c.get("/metrics")).text)
-            assert counts["max_in_flight_per_engine"] == 1
-            assert sum(counts.values()) == 1
+            assert counts["max_in_flight_per_engine"] == 21  # every refusal, counted
+            assert sum(counts.values()) == 21
 
 
 async def test_the_total_limit_is_named_and_counted() -> None:
