@@ -1,7 +1,8 @@
 """Admission control: bounded in-flight counters, total and per engine. Never a queue.
 
 The gateway calls `enter()` when a request arrives and refuses it with `overloaded()` (429/503 +
-Retry-After) when the total is reached; per-engine counts mark candidates `at_capacity` for scoring.
+Retry-After) when the total is reached; per-engine counts mark candidates `at_capacity` for scoring,
+and `engines_full()` is the refusal when every engine of the model is at its limit.
 Pure and synchronous: the event loop is single-threaded, so plain counters are enough.
 """
 
@@ -66,7 +67,20 @@ class Admission:
     def overloaded(self) -> Overloaded:
         """The error to answer a refused request with (status and Retry-After from the config)."""
         return Overloaded(
-            f"too many requests in flight (limit {self.max_total}); retry later",
+            f"total in-flight limit (max_in_flight_total={self.max_total}) reached; retry later",
             status=self.status,
             retry_after_s=self.retry_after_s,
+            reason="max_in_flight_total",
+        )
+
+    def engines_full(self, model: str, others: str = "") -> Overloaded:
+        """The error when every engine of `model` that could take the request is at its own limit;
+        `others` names the engines unavailable for other reasons."""
+        rest = f" ({others})" if others else ""
+        return Overloaded(
+            f"per-engine in-flight limit (max_in_flight_per_engine={self.max_per_engine}) reached on every "
+            f"available engine of model `{model}`{rest}; retry later",
+            status=self.status,
+            retry_after_s=self.retry_after_s,
+            reason="max_in_flight_per_engine",
         )

@@ -19,6 +19,7 @@ from fastapi import FastAPI
 from prometheus_client import CONTENT_TYPE_LATEST
 from starlette.requests import Request
 from starlette.responses import Response
+from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
 from events.openai_request import Endpoint
@@ -27,7 +28,7 @@ from router.client_io import ClientGone, error_answer, read_body, request_id_of
 from router.config import RouterConfig
 from router.errors import NoEngineAvailable, RouterError
 from router.gateway import Gateway, GatewayParts
-from router.passthrough import Passthrough
+from router.passthrough import PASSTHROUGH_PATHS, Passthrough
 from router.serve import ServeOptions, Service
 
 __all__ = ["GatewayApp", "Handlers", "create_app"]
@@ -35,6 +36,8 @@ __all__ = ["GatewayApp", "Handlers", "create_app"]
 _JSON: Final = "application/json"
 _EXPLAIN_LIMIT: Final = 64 << 20
 _HOT: Final = {"/v1/completions": Endpoint.COMPLETIONS, "/v1/chat/completions": Endpoint.CHAT}
+_V1_REST: Final = "/v1/{path:path}"
+_ANY_METHOD: Final = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
 
 class _Shape(msgspec.Struct):
@@ -171,10 +174,14 @@ def _add_routes(app: FastAPI, box: list[Handlers]) -> None:
     async def health(request: Request) -> Response:
         return Response(b'{"status":"ok"}', media_type=_JSON)
 
+    async def unknown_v1(request: Request) -> Response:
+        return await box[0].passthrough.unknown(request, _allowed(app, request.scope))
+
     add = app.router.add_route
     add("/v1/models", h(lambda x: x.passthrough.models), methods=["GET"])
-    methods = ["GET", "POST", "PUT", "PATCH", "DELETE"]
-    add("/v1/{path:path}", h(lambda x: x.passthrough.forward), methods=methods)
+    for path, methods in PASSTHROUGH_PATHS.items():
+        add(path, h(lambda x: x.passthrough.forward), methods=list(methods))
+    add(_V1_REST, unknown_v1, methods=list(_ANY_METHOD))  # the gateway's own 404 or 405
     add("/health", health, methods=["GET"])
     add("/ready", h(lambda x: x.ready), methods=["GET"])
     add("/metrics", h(lambda x: x.metrics), methods=["GET"])
@@ -184,3 +191,12 @@ def _add_routes(app: FastAPI, box: list[Handlers]) -> None:
     add("/admin/engines", h(lambda x: x.admin.list_engines), methods=["GET"])
     add("/admin/engines", h(lambda x: x.admin.add_engine), methods=["POST"])
     add("/admin/engines/{name:path}", h(lambda x: x.admin.remove_engine), methods=["DELETE"])
+
+
+def _allowed(app: FastAPI, scope: Scope) -> list[str]:
+    """The methods the gateway serves on the request's path (empty: the path is unknown)."""
+    allowed = {"POST"} if scope["path"] in _HOT else set()
+    for route in app.router.routes:
+        if isinstance(route, Route) and route.path != _V1_REST and route.matches(scope)[0] is Match.PARTIAL:
+            allowed |= route.methods or set()
+    return sorted(allowed)

@@ -45,6 +45,12 @@ class CircuitBreaker:
             return now >= self.opened_at + self.open_seconds
         return not self.probe_in_flight
 
+    def reopens_in(self, now: float) -> float:
+        """Seconds until an open breaker lets a probe through (0 when it admits traffic or a probe runs)."""
+        if self.state is BreakerState.OPEN:
+            return max(0.0, self.opened_at + self.open_seconds - now)
+        return 0.0
+
     def acquire(self, now: float) -> bool:
         """Admit a request now or refuse it; after the cool-down the first admitted one is the probe."""
         if not self.available(now):

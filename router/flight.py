@@ -3,7 +3,8 @@
 The proxy asks `Flight.choose(tried)` for each attempt: the first attempt takes the decision already
 made, each retry decides again without the replicas tried. Moving to a replica counts the request
 there (load tracker, per-engine admission, trust's "request sent"); leaving it (retry, end, failure)
-uncounts it. `first_byte` feeds the learned TTFT model; `finish` is idempotent and always called.
+uncounts it. No eligible replica for the first attempt is a refusal naming the limit that bound.
+`first_byte` feeds the learned TTFT model; `finish` is idempotent and always called.
 """
 
 from __future__ import annotations
@@ -13,9 +14,11 @@ from collections.abc import Callable
 import msgspec
 
 from router.debug import DecisionEntry
+from router.errors import RouterError
 from router.fleet import Fleet
 from router.ids import EngineId, RequestId
 from router.models import Prepared
+from router.refusal import refusal
 from router.routing import RoutingCore
 from router.scoring import Decision, RouteRequest
 from router.upstream import ProxyRequest, Target
@@ -61,7 +64,10 @@ class Flight:
         return decision
 
     def choose(self, tried: frozenset[EngineId]) -> Target | None:
-        """The proxy's chooser: the next replica to try, or None when no eligible one is left."""
+        """The proxy's chooser: the next replica to try, or None when no eligible one is left.
+
+        When no replica is eligible for the first attempt, raises the refusal naming the limit that
+        bound (router.refusal); on a retry, None lets the proxy report the failure it saw."""
         now = self.fleet_clock()
         decision = self.entry.decisions[-1] if not tried and self.engine is None else None
         if decision is None:
@@ -71,8 +77,17 @@ class Flight:
             self._note(decision)
         self._leave(now)
         if decision.engine is None:
+            if not tried:
+                raise self._refusal(decision, now)
             return None
         return self._enter(decision, decision.engine, now)
+
+    def _refusal(self, decision: Decision, now: float) -> RouterError:
+        assert self.prepared is not None
+        breakers = self.fleet.breakers
+        reopens = {c.engine: breakers.get(c.engine).reopens_in(now) for c in decision.candidates}
+        why_not = [(c.engine, c.why_not) for c in decision.candidates]
+        return refusal(self.prepared.model, why_not, self.fleet.admission, reopens)
 
     def fleet_clock(self) -> float:
         return self.fleet.clock()

@@ -36,7 +36,7 @@ from router.errors import BadRequest, RouterError
 from router.fleet import Fleet
 from router.flight import Flight
 from router.metrics import RouterMetrics
-from router.models import Models, Prepared
+from router.models import Models, Prepared, UnknownModel
 from router.proxy import Proxy
 from router.record import GatewayRecorder
 from router.relay import RelayResponse
@@ -99,6 +99,8 @@ class Gateway:
                 if tokens is not None:
                     return models.prepare_tokens(body, endpoint, tokens, model)
             return models.prepare(body, endpoint, model)
+        except UnknownModel as exc:  # the gateway's own 404 (or 400 when missing): no engine is asked
+            raise exc.answer() from None
         except RequestError as exc:
             raise BadRequest(str(exc)) from None
 
@@ -162,28 +164,27 @@ class Gateway:
         try:
             parts.guard.check_api(request.headers)
         except RouterError as exc:
-            self._refused(str(exc.http_status()))
+            self._refused(str(exc.http_status()), exc.reason)
             raise
         admission = parts.fleet.admission
         if not admission.enter():
-            parts.metrics.rejected.labels("overloaded").inc()
             overloaded = admission.overloaded()
-            self._refused(str(overloaded.http_status()))
+            self._refused(str(overloaded.http_status()), overloaded.reason)
             raise overloaded
         try:
             return await read_asgi_body(receive, request.scope["headers"], self.max_body)
         except RouterError as exc:
             admission.leave()
-            self._refused(str(exc.http_status()))
+            self._refused(str(exc.http_status()), exc.reason)
             raise
         except ClientDisconnected:
             admission.leave()
             self._refused("client_closed")
             raise ClientGone() from None
 
-    def _refused(self, status: str) -> None:
-        """Count a request answered by the gateway itself, before any engine was chosen."""
-        self.parts.metrics.requests.labels("none", self.policy, status).inc()
+    def _refused(self, status: str, reason: str | None = None) -> None:
+        """Count a request answered by the gateway itself, before any engine was chosen (and why)."""
+        self.parts.metrics.refused(self.policy, status, reason)
 
     async def _admitted(
         self, request: Request, endpoint: Endpoint, body: bytes, rid: str, arrived: float
@@ -192,7 +193,7 @@ class Gateway:
         try:
             prepared = await self.prepare(body, endpoint)
         except RouterError as exc:
-            self._refused(str(exc.http_status()))
+            self._refused(str(exc.http_status()), exc.reason)
             raise
         entry = parts.ring.add(DecisionEntry(request_id=rid, time=time.time(), request=view_of(prepared)))
         proxied = ProxyRequest(request.method, endpoint.value, self._forward_headers(request), body)
@@ -260,6 +261,8 @@ class Gateway:
         status = str(exc.http_status()) if isinstance(exc, RouterError) else "client_closed"
         entry.status = exc.http_status() if isinstance(exc, RouterError) else 499
         self.parts.metrics.requests.labels(engine, self.policy, status).inc()
+        if isinstance(exc, RouterError) and exc.reason is not None:  # refused: no engine could take it
+            self.parts.metrics.rejected.labels(exc.reason).inc()
         log.warning(
             "request failed",
             extra={"request_id": entry.request_id, "engine": engine, "status": status, "error": str(exc)},

@@ -23,13 +23,26 @@ from prometheus_client.registry import Collector
 from events.sources import EngineStats
 from router.key_cache import PrefixKeyCache
 
-__all__ = ["MULTIPROCESS_ENV", "STAGES", "TRUST_STATES", "EngineView", "RouterMetrics"]
+__all__ = ["MULTIPROCESS_ENV", "REJECT_REASONS", "STAGES", "TRUST_STATES", "EngineView", "RouterMetrics"]
 
 MULTIPROCESS_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 """prometheus_client reads it at import: set (by the worker supervisor) before any worker starts."""
 
 STAGES: Final = ("tokenize", "hash", "lookup", "score", "proxy")
 TRUST_STATES: Final = ("fresh", "catching_up", "stale")
+REJECT_REASONS: Final = (
+    "unauthorized",  # 401: missing or unknown API key
+    "bad_request",  # 400: a body the gateway cannot read (not JSON, a field missing or of the wrong type)
+    "body_too_large",  # 413: limits.max_body_bytes
+    "unknown_model",  # 404: no engine of the gateway serves the request's model
+    "unknown_path",  # 404: a /v1/* path that is neither served nor passed through
+    "method_not_allowed",  # 405: a known path asked with another method
+    "max_in_flight_total",  # 429/503: limits.max_in_flight_total requests in flight
+    "max_in_flight_per_engine",  # 429/503: every engine of the model at limits.max_in_flight_per_engine
+    "breaker_open",  # 503: every engine of the model has its circuit breaker open
+    "no_engine",  # 503: no engine serves the model (or the gateway is not started)
+)
+"""The `reason` label values of `kvrouter_rejected_requests_total` (router.errors `RouterError.reason`)."""
 # Router overhead lives between ~10 us (a warm lookup) and tens of ms (a cold 32k-token tokenization).
 _OVERHEAD_BUCKETS: Final = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1, 0.5)
 _TOKEN_ERROR_BUCKETS: Final = (0, 16, 64, 256, 1024, 4096, 16384)
@@ -178,8 +191,13 @@ class RouterMetrics:
             "kvrouter_upstream_retries", "attempts moved to another engine", ["reason"], registry=r
         )
         self.rejected = Counter(
-            "kvrouter_rejected_requests", "requests refused before routing", ["reason"], registry=r
+            "kvrouter_rejected_requests",
+            "requests the gateway refused itself, by reason",
+            ["reason"],
+            registry=r,
         )
+        for reason in REJECT_REASONS:  # present at 0 from the start, so rate() and alerts see them
+            self.rejected.labels(reason)
         self.engines = Gauge(
             "kvrouter_engines", "engines known to the router", registry=r, multiprocess_mode="max"
         )
@@ -194,6 +212,12 @@ class RouterMetrics:
         for collector in self._local:
             r.register(collector)
         self._multiprocess_dir = os.environ.get(MULTIPROCESS_ENV) or None
+
+    def refused(self, policy: str, status: str, reason: str | None) -> None:
+        """Count a request the gateway answered itself (no engine), and its refusal reason if any."""
+        self.requests.labels("none", policy, status).inc()
+        if reason is not None:
+            self.rejected.labels(reason).inc()
 
     def observe_prediction(self, engine: str, predicted: int, actual: int) -> None:
         """Record one request's predicted and engine-reported cached tokens."""

@@ -21,12 +21,13 @@ from events.openai_request import ChatRequest, CompletionRequest, Endpoint, Requ
 from events.request_tokens import RequestTokens, decode_request, tokens_of
 from events.tokenization import BuiltinTokenizer, ChatTemplate, HfTokenizer, TemplateSet, Tokenizer
 from router.config import EngineConfig, ModelConfig, RouterConfig
+from router.errors import BadRequest, ModelNotFound, RouterError
 from router.key_cache import PrefixKeyCache
 from router.keys import KeyHasher
 from router.request_keys import session_key, spec_keys
-from router.variants import Variant, VariantId, engine_model, model_configs, resolve_variant
+from router.variants import DEFAULT_MODEL, Variant, VariantId, engine_model, model_configs, resolve_variant
 
-__all__ = ["PROCESS_HASHER", "Models", "Prepared", "VariantKeys", "load_tokenizer"]
+__all__ = ["PROCESS_HASHER", "Models", "Prepared", "UnknownModel", "VariantKeys", "load_tokenizer"]
 
 PROCESS_HASHER = KeyHasher()
 """The default hasher of both `Models` and the fleet's mirror, so their keys agree."""
@@ -61,6 +62,21 @@ class Prepared(msgspec.Struct, kw_only=True):
         if variant == self.variant:
             return VariantKeys(self.prompt_tokens, self.keys)
         return self.variants.get(variant)
+
+
+class UnknownModel(RequestError):
+    """The request's `model` is served by no engine (`name`), or is missing while several are served."""
+
+    def __init__(self, name: str | None, served: list[str]) -> None:
+        self.name, self.served = name, served
+        what = "is required: several models are served" if name is None else f"{name!r} is not served"
+        super().__init__(f"`model`: {what} (served: {', '.join(served)})")
+
+    def answer(self) -> RouterError:
+        """The gateway's answer: OpenAI's 404 `model_not_found`, or a 400 naming `model` when missing."""
+        if self.name is None:
+            return BadRequest(str(self), param="model")
+        return ModelNotFound(self.name, self.served)
 
 
 class _ModelField(msgspec.Struct):
@@ -173,17 +189,24 @@ class Models:
             raise RequestError(f"invalid request: {exc}") from exc
         except msgspec.DecodeError as exc:
             raise RequestError(f"invalid JSON body: {exc}") from exc
-        return self._resolve_name(name)
+        return self.resolve_name(name)
 
-    def _resolve_name(self, name: str | None) -> str:
+    def served(self) -> list[str]:
+        """Every name a request may give as its `model`: the models and their LoRA adapters."""
+        return sorted({*self._models, *(a for adapters in self._loras.values() for a in adapters)})
+
+    def resolve_name(self, name: str | None) -> str:
+        """The model `name` (a model or one of its LoRA adapters) is served by; no name means the only
+        model. UnknownModel otherwise, except when the config names no model at all (the engines'
+        single model is then `DEFAULT_MODEL`, its real name unknown, and any name is passed on)."""
         if name in self._models:
             return name
         for base, adapters in self._loras.items():
             if name in adapters:
                 return base
-        if len(self._models) == 1:
+        if len(self._models) == 1 and (name is None or DEFAULT_MODEL in self._models):
             return next(iter(self._models))
-        raise RequestError(f"`model`: unknown model {name!r} (known: {sorted(self._models)})")
+        raise UnknownModel(name, self.served())
 
     def _decode(
         self, body: bytes, endpoint: Endpoint | str, model_hint: str | None
@@ -194,7 +217,7 @@ class Models:
         except RequestError:
             self.resolve(body, model_hint)  # a bad or unknown `model` is reported first
             raise
-        return req, self._resolve_name(req.model or model_hint)
+        return req, self.resolve_name(req.model or model_hint)
 
     def needs_remote(self, model: str) -> bool:
         """Whether the model is configured to take its prompt ids from an engine's /tokenize

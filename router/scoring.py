@@ -31,6 +31,10 @@ from router.load import LoadSnapshot
 from router.trust import TrustState, TrustStatus
 
 __all__ = [
+    "WHY_AT_CAPACITY",
+    "WHY_BREAKER_OPEN",
+    "WHY_TRIED",
+    "WHY_UNHEALTHY",
     "Candidate",
     "CandidateScore",
     "Decision",
@@ -141,14 +145,21 @@ def stable_hash(key: str, engine: EngineId) -> int:
     return int.from_bytes(digest, "big")
 
 
+WHY_TRIED: Final = "already tried for this request"
+WHY_UNHEALTHY: Final = "unhealthy"
+WHY_BREAKER_OPEN: Final = "circuit breaker open"
+WHY_AT_CAPACITY: Final = "at its in-flight limit"
+"""`CandidateScore.why_not` values (router.refusal reads them to name the limit that refused)."""
+
+
 def _why_not(c: Candidate, excluded: frozenset[EngineId]) -> str:
     if c.engine in excluded:
-        return "already tried for this request"
+        return WHY_TRIED
     if not c.healthy:
-        return "unhealthy"
+        return WHY_UNHEALTHY
     if c.breaker_open:
-        return "circuit breaker open"
-    return "at its in-flight limit" if c.at_capacity else ""
+        return WHY_BREAKER_OPEN
+    return WHY_AT_CAPACITY if c.at_capacity else ""
 
 
 def _score(c: Candidate, excluded: frozenset[EngineId], decode_penalty_s: float) -> CandidateScore:

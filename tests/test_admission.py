@@ -19,7 +19,7 @@ def test_total_limit_refuses_instead_of_queueing() -> None:
     error = admission.overloaded()
     assert (error.http_status(), error.headers) == (503, {"Retry-After": "3"})
     body = msgspec.json.decode(error.body(), type=ErrorBody)
-    assert body.error.type == "rate_limit_error" and "limit 2" in body.error.message
+    assert body.error.type == "rate_limit_error" and "max_in_flight_total=2" in body.error.message
     admission.leave()
     assert admission.enter()
 

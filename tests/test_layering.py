@@ -49,6 +49,7 @@ PURE = [
     "router/breaker.py",
     "router/retry.py",
     "router/admission.py",
+    "router/refusal.py",
     "router/headers.py",
     "router/ids.py",
     "router/errors.py",

@@ -16,8 +16,8 @@ from events.tokenization.hf_files import package_dir
 from router.config import EngineConfig, GroupConfig, ModelConfig, RouterConfig
 from router.keys import KeyHasher
 from router.model_spec import GroupSpec, HashingMode
-from router.models import Models, load_tokenizer
-from router.variants import resolve_variant
+from router.models import Models, UnknownModel, load_tokenizer
+from router.variants import DEFAULT_MODEL, resolve_variant
 
 HASHER = KeyHasher(b"test-models")
 CHAT = {
@@ -100,13 +100,25 @@ def test_bad_bodies_raise_request_errors_naming_the_problem(raw: bytes, words: s
         models().prepare(raw, Endpoint.COMPLETIONS)
 
 
-def test_unknown_model_among_several_is_an_error_and_the_only_model_is_the_default() -> None:
+def test_unknown_models_are_errors_and_a_missing_one_is_the_only_model() -> None:
     config = RouterConfig(models=[ModelConfig(name="a"), ModelConfig(name="b")])
-    with pytest.raises(RequestError, match="unknown model 'c'"):
+    with pytest.raises(UnknownModel, match="'c' is not served") as info:
         Models(config, HASHER).prepare(body(COMPLETION, model="c"), Endpoint.COMPLETIONS)
+    assert (info.value.answer().http_status(), info.value.answer().code) == (404, "model_not_found")
+    with pytest.raises(UnknownModel, match="required") as missing:
+        Models(config, HASHER).prepare(body({"prompt": "x"}), Endpoint.COMPLETIONS)
+    assert (missing.value.answer().http_status(), missing.value.answer().param) == (400, "model")
     assert Models(config, HASHER).prepare(body(COMPLETION, model="b"), Endpoint.COMPLETIONS).model == "b"
-    assert models().prepare(body(COMPLETION, model="other"), Endpoint.COMPLETIONS).model == "m"
+    # One model: another name is not sent to it anyway (#10 item 9), but a request naming none is.
+    with pytest.raises(UnknownModel):
+        models().prepare(body(COMPLETION, model="other"), Endpoint.COMPLETIONS)
+    assert models().prepare(body(COMPLETION, model="ad"), Endpoint.COMPLETIONS).model == "m"  # a LoRA of it
+    assert models().served() == ["ad", "m"]
+    assert models().prepare(body({"prompt": "x"}), Endpoint.COMPLETIONS).model == "m"
     assert models().prepare(body({"prompt": "x"}), Endpoint.COMPLETIONS, model_hint="m").model == "m"
+    # Engines naming no model, and no [[models]]: the served name is unknown, so any is passed on.
+    unnamed = Models(RouterConfig(engines=[EngineConfig(name="e", url="http://e")]), HASHER)
+    assert unnamed.prepare(body(COMPLETION, model="llama"), Endpoint.COMPLETIONS).model == DEFAULT_MODEL
 
 
 def test_engine_overrides_get_their_own_variant_and_keys() -> None:
