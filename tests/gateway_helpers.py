@@ -108,7 +108,9 @@ async def running_gateway(
     app = create_app(config, options, environ, started.set_result)
     uv = uvicorn.Config(app, http="httptools", lifespan="on", log_config=None, access_log=False)
     server = uvicorn.Server(uv)
-    sock = socket.socket()
+    # proto=IPPROTO_TCP, as getaddrinfo gives `kvrouter serve`: asyncio sets TCP_NODELAY on accepted
+    # sockets only then, and without it every reused connection waits out a delayed ACK (~40 ms).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
     task = asyncio.create_task(server.serve(sockets=[sock]))
