@@ -88,7 +88,8 @@ class Gateway:
         self.any_remote = any(m.remote_tokenize for m in parts.config.models)
 
     async def prepare(self, body: bytes, endpoint: Endpoint) -> Prepared:
-        """`Models.prepare` (with an engine's /tokenize for `remote_tokenize` models), errors as 400s."""
+        """`Models.prepare` (with an engine's /tokenize for `remote_tokenize` models); a bad request is a
+        400 naming the field, any other failure a logged 500 (`RouterError`)."""
         models = self.parts.models
         try:
             if not self.any_remote:  # one JSON decode less on the common path
@@ -100,7 +101,12 @@ class Gateway:
                     return models.prepare_tokens(body, endpoint, tokens, model)
             return models.prepare(body, endpoint, model)
         except RequestError as exc:
-            raise BadRequest(str(exc)) from None
+            raise BadRequest(str(exc), param=exc.param) from None
+        except RouterError:
+            raise
+        except Exception as exc:  # a bug, not the client's fault: an OpenAI-format 500, counted and traced
+            log.exception("preparing a request failed", extra={"endpoint": endpoint.value})
+            raise RouterError(f"internal error while preparing the request: {exc!r}") from exc
 
     async def _remote_tokens(self, body: bytes, model: str) -> list[int] | None:
         """The prompt ids from the first reachable replica of `model`; None (logged) when none answers."""
