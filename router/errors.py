@@ -4,6 +4,7 @@
     ├── BadRequest                      400 invalid_request_error
     ├── Unauthorized                    401 authentication_error
     ├── RequestTooLarge                 413 invalid_request_error
+    ├── RequestTimeout                  408 invalid_request_error + Connection: close (body too slow)
     ├── Overloaded                      429 or 503 + Retry-After (admission refused; never queued)
     ├── NoEngineAvailable               503 + Retry-After (every engine unhealthy, open or tried)
     └── UpstreamError                   502 upstream_error
@@ -28,6 +29,7 @@ __all__ = [
     "ErrorDetail",
     "NoEngineAvailable",
     "Overloaded",
+    "RequestTimeout",
     "RequestTooLarge",
     "RouterError",
     "Unauthorized",
@@ -92,6 +94,16 @@ class Unauthorized(RouterError):
 
 class RequestTooLarge(RouterError):
     status, error_type, code = 413, "invalid_request_error", "request_too_large"
+
+
+class RequestTimeout(RouterError):
+    """The client did not send its whole body in time; the rest of it is never read, so the
+    connection closes after the answer."""
+
+    status, error_type, code = 408, "invalid_request_error", "request_timeout"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"Connection": "close"})
 
 
 class Overloaded(RouterError):

@@ -32,7 +32,7 @@ from router.client_io import (
 from router.config import RouterConfig
 from router.debug import DecisionEntry, DecisionRing, Explanation, PreparedView
 from router.decision_peers import DecisionPeers
-from router.errors import BadRequest, RouterError
+from router.errors import BadRequest, RequestTimeout, RouterError
 from router.fleet import Fleet
 from router.flight import Flight
 from router.metrics import RouterMetrics
@@ -85,6 +85,7 @@ class Gateway:
         self.policy = parts.config.policy.name
         self.session_header = parts.config.policy.session_header.lower()
         self.max_body = parts.config.limits.max_body_bytes
+        self.body_timeout_s = parts.config.timeouts.client_body_s
         self.any_remote = any(m.remote_tokenize for m in parts.config.models)
 
     async def prepare(self, body: bytes, endpoint: Endpoint) -> Prepared:
@@ -163,29 +164,29 @@ class Gateway:
                 relay.abandon()
 
     async def _admit(self, request: Request, receive: Receive) -> bytes:
-        """Check the API key, take an admission slot, read the body; a refusal is counted, the slot freed."""
+        """Check the API key, read the body, then take an admission slot; a refusal is counted.
+
+        The slot is taken only once the body is in: a slow or stalled client holds a connection (until
+        `timeouts.client_body_s`, then 408), never a slot the engines' requests need."""
         parts = self.parts
         try:
             parts.guard.check_api(request.headers)
+            body = await read_asgi_body(receive, request.scope["headers"], self.max_body, self.body_timeout_s)
         except RouterError as exc:
+            if isinstance(exc, RequestTimeout):
+                parts.metrics.client_timeouts.labels("body").inc()
             self._refused(str(exc.http_status()))
             raise
+        except ClientDisconnected:
+            self._refused("client_closed")
+            raise ClientGone() from None
         admission = parts.fleet.admission
         if not admission.enter():
             parts.metrics.rejected.labels("overloaded").inc()
             overloaded = admission.overloaded()
             self._refused(str(overloaded.http_status()))
             raise overloaded
-        try:
-            return await read_asgi_body(receive, request.scope["headers"], self.max_body)
-        except RouterError as exc:
-            admission.leave()
-            self._refused(str(exc.http_status()))
-            raise
-        except ClientDisconnected:
-            admission.leave()
-            self._refused("client_closed")
-            raise ClientGone() from None
+        return body
 
     def _refused(self, status: str) -> None:
         """Count a request answered by the gateway itself, before any engine was chosen."""

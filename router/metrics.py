@@ -180,6 +180,12 @@ class RouterMetrics:
         self.rejected = Counter(
             "kvrouter_rejected_requests", "requests refused before routing", ["reason"], registry=r
         )
+        self.client_timeouts = Counter(
+            "kvrouter_client_timeouts",
+            "client connections timed out, by phase: header, body (answered 408) or idle (kept alive)",
+            ["phase"],
+            registry=r,
+        )
         self.engines = Gauge(
             "kvrouter_engines", "engines known to the router", registry=r, multiprocess_mode="max"
         )

@@ -73,7 +73,9 @@ class Passthrough:
             parts.metrics.requests.labels("none", _POLICY, str(overloaded.http_status())).inc()
             raise overloaded
         try:
-            body = await read_body(request, parts.config.limits.max_body_bytes)
+            body = await read_body(
+                request, parts.config.limits.max_body_bytes, parts.config.timeouts.client_body_s
+            )
             path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
             headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
             if parts.guard.api_keys_required:  # the key was the router's; engines never see it
