@@ -107,7 +107,8 @@ class Gateway:
             raise
         except Exception as exc:  # a bug, not the client's fault: an OpenAI-format 500, counted and traced
             log.exception("preparing a request failed", extra={"endpoint": endpoint.value})
-            raise RouterError(f"internal error while preparing the request: {exc!r}") from exc
+            failure = type(exc).__name__
+            raise RouterError(f"internal error while preparing the request ({failure}, logged)") from exc
 
     async def _remote_tokens(self, body: bytes, model: str) -> list[int] | None:
         """The prompt ids from the first reachable replica of `model`; None (logged) when none answers."""
