@@ -73,8 +73,15 @@ async def test_slow_bodies_and_idle_connections_time_out_counted_and_hold_no_slo
             assert (await until_closed(reader)).startswith(b"HTTP/1.1 200 ")
             writer.close()
 
+            # And one that starts a second request but never finishes its headers.
+            reader, writer = await connect(gw, request)
+            assert (await reader.readuntil(b"\r\n\r\n")).startswith(b"HTTP/1.1 200 ")
+            writer.write(b"GET /health HTTP/1.1\r\nhost:")
+            await until_closed(reader)
+            writer.close()
+
             await counted(gw, "kvrouter_client_timeouts_total", 4, phase="body")
-            await counted(gw, "kvrouter_client_timeouts_total", 2, phase="header")
+            await counted(gw, "kvrouter_client_timeouts_total", 3, phase="header")
             await wait_for(lambda: idle_closed(gw))  # this one, and maybe an idle connection of gw.client
             text = (await gw.client.get("/metrics")).text
             assert metric(text, "kvrouter_requests_total", engine="none", status="408") == 4
