@@ -7,8 +7,9 @@ same typed decoders. Unknown fields are ignored; a wrong type raises RequestErro
 
 from __future__ import annotations
 
+import re
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
 
@@ -19,14 +20,39 @@ __all__ = [
     "ContentPart",
     "Endpoint",
     "RequestError",
+    "TokenId",
     "Tool",
+    "decode_body",
     "decode_chat",
     "decode_completion",
 ]
 
+T = TypeVar("T")
+_AT: Final = re.compile(r" - at `\$\.?([^`]+)`$")
+
+TokenId = Annotated[int, msgspec.Meta(ge=0, le=2**32 - 1)]
+"""A prompt token id: engines carry ids as uint32, so anything outside can never be a token."""
+
 
 class RequestError(ValueError):
-    """The body is not a request we can tokenize; the message names the field (HTTP 400)."""
+    """The body is not a request we can tokenize; the message names the field (HTTP 400), and
+    `param` holds its path (`messages[0].content`) when the decoder knows it."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+def decode_body(decoder: msgspec.json.Decoder[T], body: bytes, what: str) -> T:
+    """`decoder.decode(body)`; RequestError (`what: ...`, naming the field) on bad JSON, a wrong type,
+    a value out of range, or JSON nested too deeply to decode (msgspec recurses, up to Python's limit)."""
+    try:
+        return decoder.decode(body)
+    except msgspec.DecodeError as exc:
+        at = _AT.search(str(exc))
+        raise RequestError(f"{what}: {exc}", at.group(1) if at else None) from None
+    except RecursionError:
+        raise RequestError(f"{what}: JSON nested too deeply") from None
 
 
 class Endpoint(StrEnum):
@@ -99,7 +125,7 @@ class Tool(msgspec.Struct):
 class CompletionRequest(msgspec.Struct):
     """``/v1/completions``: ``prompt`` is a string, a list of strings, token ids, or lists of token ids."""
 
-    prompt: str | list[str | int | list[int]] | None = None
+    prompt: str | list[str | TokenId | list[TokenId]] | None = None
     model: str | None = None
     stream: bool = False
     max_tokens: int | None = None
@@ -133,22 +159,16 @@ _CHAT = msgspec.json.Decoder(ChatRequest)
 
 
 def decode_completion(body: bytes) -> CompletionRequest:
-    """Decode a completions body; RequestError on bad JSON, wrong types or a missing prompt."""
-    try:
-        req = _COMPLETION.decode(body)
-    except msgspec.DecodeError as exc:
-        raise RequestError(f"invalid completions request: {exc}") from exc
+    """Decode a completions body; RequestError on bad JSON, wrong types, bad ids or a missing prompt."""
+    req = decode_body(_COMPLETION, body, "invalid completions request")
     if req.prompt is None:
-        raise RequestError("invalid completions request: `prompt` is required")
+        raise RequestError("invalid completions request: `prompt` is required", "prompt")
     return req
 
 
 def decode_chat(body: bytes) -> ChatRequest:
     """Decode a chat body; RequestError on bad JSON, wrong types or incompatible flags."""
-    try:
-        req = _CHAT.decode(body)
-    except msgspec.DecodeError as exc:
-        raise RequestError(f"invalid chat request: {exc}") from exc
+    req = decode_body(_CHAT, body, "invalid chat request")
     if req.continue_final_message and req.add_generation_prompt:
         raise RequestError("invalid chat request: both `continue_final_message` and `add_generation_prompt`")
     return req

@@ -72,7 +72,9 @@ def _completion_prompts(req: CompletionRequest, tok: Tokenizer) -> list[Packed]:
         return [tok.encode_packed(p, req.add_special_tokens) for p in items if isinstance(p, str)]
     if items and all(isinstance(p, list) for p in items):
         return [(tuple(p), None) for p in items if isinstance(p, list)]
-    raise RequestError("`prompt` must be a string, a non-empty list of strings, of ids, or of id lists")
+    raise RequestError(
+        "`prompt` must be a string, a non-empty list of strings, of ids, or of id lists", "prompt"
+    )
 
 
 def _chat_prompt(req: ChatRequest, tok: Tokenizer) -> Packed:
@@ -130,6 +132,8 @@ def tokens_of(
             max_tokens = req.max_tokens
     except TokenizationError as exc:
         raise RequestError(str(exc)) from exc
+    except RecursionError:  # e.g. tools nested within msgspec's limit, past the template's
+        raise RequestError("the request is nested too deeply to render its prompt") from None
     if any(len(p) == 0 for p, _ in prompts):
         raise RequestError("the prompt is empty after tokenization")
     return RequestTokens(

@@ -77,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM; 2 on a configuration error, 1 when start-up fails."""
     # Imported here: the gateway's stack (FastAPI, aiohttp, tokenizers) is not loaded for other commands.
     from router.app import create_app
+    from router.client_timeouts import TimedHttpToolsProtocol
     from router.gateway import GatewayParts
     from router.serve import ServeOptions
 
@@ -118,7 +119,7 @@ def run(args: argparse.Namespace) -> int:
         sock.close()
         return 2
     uv = uvicorn.Config(
-        app, loop="uvloop", http="httptools", lifespan="on", log_config=None, access_log=False,
+        app, loop="uvloop", http=TimedHttpToolsProtocol, lifespan="on", log_config=None, access_log=False,
         timeout_graceful_shutdown=5,
     )  # fmt: skip
     server = uvicorn.Server(uv)

@@ -28,6 +28,7 @@ import msgspec
 import uvicorn
 from uvicorn.supervisors import Multiprocess
 
+from router.client_timeouts import TimedHttpToolsProtocol
 from router.config import RouterConfig
 from router.metrics import MULTIPROCESS_ENV
 from router.serve import ServeOptions, start_embedded
@@ -66,7 +67,7 @@ class WorkerSupervisor(Multiprocess):
 def worker_config(config: RouterConfig) -> uvicorn.Config:
     """The uvicorn config each worker runs: the worker app factory, uvloop and httptools."""
     return uvicorn.Config(
-        "kvrouter.gateway_worker:create_worker_app", factory=True, loop="uvloop", http="httptools",
+        "kvrouter.gateway_worker:create_worker_app", factory=True, loop="uvloop", http=TimedHttpToolsProtocol,
         lifespan="on", log_config=None, access_log=False, timeout_graceful_shutdown=5,
         workers=config.listen.workers,
     )  # fmt: skip

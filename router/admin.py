@@ -82,7 +82,10 @@ class AdminApi:
         """Add the engine in the body (201 with the stored table)."""
         self._check(request)
         self._check_single_worker()
-        engine = decode_engine(await read_body(request, _ADMIN_BODY_LIMIT), self.parts.fleet)
+        engine = decode_engine(
+            await read_body(request, _ADMIN_BODY_LIMIT, self.parts.config.timeouts.client_body_s),
+            self.parts.fleet,
+        )
         try:
             await self.parts.fleet.add_engine(engine)
         except ValueError as exc:

@@ -25,8 +25,9 @@ from starlette.types import Receive, Scope, Send
 from events.openai_request import Endpoint
 from router.admin import AdminApi, NotFound
 from router.client_io import ClientGone, error_answer, read_body, request_id_of
+from router.client_timeouts import STATE_KEY, ClientTimeouts
 from router.config import RouterConfig
-from router.errors import NoEngineAvailable, RouterError
+from router.errors import NoEngineAvailable, RequestTimeout, RouterError
 from router.gateway import Gateway, GatewayParts
 from router.passthrough import PASSTHROUGH_PATHS, Passthrough
 from router.serve import ServeOptions, Service
@@ -72,10 +73,10 @@ class Handlers:
 
     async def explain(self, request: Request) -> Response:
         self.admin_check(request)
-        body = await read_body(request, _EXPLAIN_LIMIT)
+        body = await read_body(request, _EXPLAIN_LIMIT, self.parts.config.timeouts.client_body_s)
         try:
             chat = _SHAPE.decode(body).messages is not None
-        except msgspec.DecodeError:
+        except (msgspec.DecodeError, RecursionError):
             chat = False  # prepare() names the problem
         endpoint = Endpoint.CHAT if chat else Endpoint.COMPLETIONS
         session = request.headers.get(self.parts.config.policy.session_header)
@@ -132,14 +133,15 @@ def create_app(
     box: list[Handlers] = []
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, ClientTimeouts]]:
         parts = await service.start()
         box.append(Handlers(parts))
         app.state.handlers = box[0]
         if on_started is not None:
             on_started(parts)
-        try:
-            yield
+        counter = parts.metrics.client_timeouts
+        try:  # the lifespan state reaches every connection uvicorn accepts (router.client_timeouts)
+            yield {STATE_KEY: ClientTimeouts.of(config.timeouts, lambda phase: counter.labels(phase).inc())}
         finally:
             box.clear()
             await service.stop()
@@ -151,6 +153,8 @@ def create_app(
 
     async def router_error(request: Request, exc: Exception) -> Response:
         assert isinstance(exc, RouterError)
+        if isinstance(exc, RequestTimeout) and box:
+            box[0].parts.metrics.client_timeouts.labels("body").inc()
         return error_response(request, exc)
 
     async def client_gone(request: Request, exc: Exception) -> Response:

@@ -21,7 +21,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 from starlette.types import Receive
 
-from router.errors import RequestTooLarge, RouterError
+from router.errors import RequestTimeout, RequestTooLarge, RouterError
 
 __all__ = [
     "ClientDisconnected",
@@ -44,13 +44,24 @@ class ClientDisconnected(Exception):
     """The client went away before its request body was complete."""
 
 
-async def read_asgi_body(receive: Receive, headers: Iterable[tuple[bytes, bytes]], limit: int) -> bytes:
-    """The whole request body, refusing (413) beyond `limit` bytes before reading more than that.
+async def read_asgi_body(
+    receive: Receive, headers: Iterable[tuple[bytes, bytes]], limit: int, timeout_s: float
+) -> bytes:
+    """The whole request body, refusing (413) beyond `limit` bytes before reading more than that, and
+    (408, `RequestTimeout`) when it is not complete within `timeout_s` seconds.
 
     Raises `ClientDisconnected` when the client leaves mid-body (a partial body is never routed)."""
     for key, value in headers:
         if key == _CONTENT_LENGTH and value.isdigit() and int(value) > limit:
             raise RequestTooLarge(f"request body of {value.decode()} bytes exceeds the limit of {limit}")
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_body(receive, limit)
+    except TimeoutError:
+        raise RequestTimeout(f"the request body was not complete within {timeout_s:g} s") from None
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
     chunks: list[bytes] = []
     size = 0
     while True:
@@ -118,10 +129,10 @@ def request_id_of(request: Request) -> str:
     return rid
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
     """`read_asgi_body` for a Starlette route; a client gone mid-body raises `ClientGone`."""
     try:
-        return await read_asgi_body(request.receive, request.scope["headers"], limit)
+        return await read_asgi_body(request.receive, request.scope["headers"], limit, timeout_s)
     except ClientDisconnected:
         raise ClientGone() from None
 

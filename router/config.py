@@ -122,12 +122,20 @@ class PolicyConfig(_Table, frozen=True):
 
 
 class Timeouts(_Table, frozen=True):
-    """Upstream timeouts in seconds (see config/router.toml for each phase)."""
+    """Upstream and client timeouts in seconds (see config/router.toml for each phase)."""
 
     connect_s: Positive = 2.0
     first_byte_s: Positive = 60.0
     read_s: Positive = 60.0
     total_s: Positive = 600.0
+    # The client side (router/client_timeouts.py), at nginx's defaults: client_header_timeout 60 s,
+    # client_body_timeout 60 s, keepalive_timeout 75 s.
+    client_header_s: Positive = 60.0
+    """From connecting (or a kept-alive request's first byte) to the end of the request headers."""
+    client_body_s: Positive = 60.0
+    """From the end of the headers to the end of the body: one deadline, a trickle cannot extend it."""
+    client_keepalive_s: Positive = 75.0
+    """Idle time between requests on a kept-alive client connection."""
 
 
 class Limits(_Table, frozen=True):

@@ -7,6 +7,7 @@
     ├── UnknownPath                     404 invalid_request_error, code unknown_url
     ├── MethodNotAllowed                405 invalid_request_error + Allow
     ├── RequestTooLarge                 413 invalid_request_error
+    ├── RequestTimeout                  408 invalid_request_error + Connection: close (body too slow)
     ├── Overloaded                      429 or 503 + Retry-After (an in-flight limit bound; never queued)
     ├── NoEngineAvailable               503 + Retry-After (no engine serves the model, or all breakers open)
     └── UpstreamError                   502 upstream_error
@@ -35,6 +36,7 @@ __all__ = [
     "ModelNotFound",
     "NoEngineAvailable",
     "Overloaded",
+    "RequestTimeout",
     "RequestTooLarge",
     "RouterError",
     "Unauthorized",
@@ -135,6 +137,16 @@ class MethodNotAllowed(RouterError):
 
 class RequestTooLarge(RouterError):
     status, error_type, code, reason = 413, "invalid_request_error", "request_too_large", "body_too_large"
+
+
+class RequestTimeout(RouterError):
+    """The client did not send its whole body in time; the rest of it is never read, so the
+    connection closes after the answer."""
+
+    status, error_type, code, reason = 408, "invalid_request_error", "request_timeout", "body_timeout"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"Connection": "close"})
 
 
 class Overloaded(RouterError):

@@ -32,7 +32,7 @@ from router.client_io import (
 from router.config import RouterConfig
 from router.debug import DecisionEntry, DecisionRing, Explanation, PreparedView
 from router.decision_peers import DecisionPeers
-from router.errors import BadRequest, RouterError
+from router.errors import BadRequest, RequestTimeout, RouterError
 from router.fleet import Fleet
 from router.flight import Flight
 from router.metrics import RouterMetrics
@@ -85,10 +85,12 @@ class Gateway:
         self.policy = parts.config.policy.name
         self.session_header = parts.config.policy.session_header.lower()
         self.max_body = parts.config.limits.max_body_bytes
+        self.body_timeout_s = parts.config.timeouts.client_body_s
         self.any_remote = any(m.remote_tokenize for m in parts.config.models)
 
     async def prepare(self, body: bytes, endpoint: Endpoint) -> Prepared:
-        """`Models.prepare` (with an engine's /tokenize for `remote_tokenize` models), errors as 400s."""
+        """`Models.prepare` (with an engine's /tokenize for `remote_tokenize` models); a bad request is a
+        400 naming the field, any other failure a logged 500 (`RouterError`)."""
         models = self.parts.models
         try:
             if not self.any_remote:  # one JSON decode less on the common path
@@ -102,7 +104,13 @@ class Gateway:
         except UnknownModel as exc:  # the gateway's own 404 (or 400 when missing): no engine is asked
             raise exc.answer() from None
         except RequestError as exc:
-            raise BadRequest(str(exc)) from None
+            raise BadRequest(str(exc), param=exc.param) from None
+        except RouterError:
+            raise
+        except Exception as exc:  # a bug, not the client's fault: an OpenAI-format 500, counted and traced
+            log.exception("preparing a request failed", extra={"endpoint": endpoint.value})
+            failure = type(exc).__name__
+            raise RouterError(f"internal error while preparing the request ({failure}, logged)") from exc
 
     async def _remote_tokens(self, body: bytes, model: str) -> list[int] | None:
         """The prompt ids from the first reachable replica of `model`; None (logged) when none answers."""
@@ -159,28 +167,28 @@ class Gateway:
                 relay.abandon()
 
     async def _admit(self, request: Request, receive: Receive) -> bytes:
-        """Check the API key, take an admission slot, read the body; a refusal is counted, the slot freed."""
+        """Check the API key, read the body, then take an admission slot; a refusal is counted.
+
+        The slot is taken only once the body is in: a slow or stalled client holds a connection (until
+        `timeouts.client_body_s`, then 408), never a slot the engines' requests need."""
         parts = self.parts
         try:
             parts.guard.check_api(request.headers)
+            body = await read_asgi_body(receive, request.scope["headers"], self.max_body, self.body_timeout_s)
         except RouterError as exc:
+            if isinstance(exc, RequestTimeout):
+                parts.metrics.client_timeouts.labels("body").inc()
             self._refused(str(exc.http_status()), exc.reason)
             raise
+        except ClientDisconnected:
+            self._refused("client_closed")
+            raise ClientGone() from None
         admission = parts.fleet.admission
         if not admission.enter():
             overloaded = admission.overloaded()
             self._refused(str(overloaded.http_status()), overloaded.reason)
             raise overloaded
-        try:
-            return await read_asgi_body(receive, request.scope["headers"], self.max_body)
-        except RouterError as exc:
-            admission.leave()
-            self._refused(str(exc.http_status()), exc.reason)
-            raise
-        except ClientDisconnected:
-            admission.leave()
-            self._refused("client_closed")
-            raise ClientGone() from None
+        return body
 
     def _refused(self, status: str, reason: str | None = None) -> None:
         """Count a request answered by the gateway itself, before any engine was chosen (and why)."""

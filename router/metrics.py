@@ -34,6 +34,7 @@ REJECT_REASONS: Final = (
     "unauthorized",  # 401: missing or unknown API key
     "bad_request",  # 400: a body the gateway cannot read (not JSON, a field missing or of the wrong type)
     "body_too_large",  # 413: limits.max_body_bytes
+    "body_timeout",  # 408: the body did not arrive within timeouts.client_body_s
     "unknown_model",  # 404: no engine of the gateway serves the request's model
     "unknown_path",  # 404: a /v1/* path that is neither served nor passed through
     "method_not_allowed",  # 405: a known path asked with another method
@@ -198,6 +199,12 @@ class RouterMetrics:
         )
         for reason in REJECT_REASONS:  # present at 0 from the start, so rate() and alerts see them
             self.rejected.labels(reason)
+        self.client_timeouts = Counter(
+            "kvrouter_client_timeouts",
+            "client connections timed out, by phase: header, body (answered 408) or idle (kept alive)",
+            ["phase"],
+            registry=r,
+        )
         self.engines = Gauge(
             "kvrouter_engines", "engines known to the router", registry=r, multiprocess_mode="max"
         )

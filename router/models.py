@@ -17,7 +17,7 @@ from pathlib import Path
 
 import msgspec
 
-from events.openai_request import ChatRequest, CompletionRequest, Endpoint, RequestError
+from events.openai_request import ChatRequest, CompletionRequest, Endpoint, RequestError, decode_body
 from events.request_tokens import RequestTokens, decode_request, tokens_of
 from events.tokenization import BuiltinTokenizer, ChatTemplate, HfTokenizer, TemplateSet, Tokenizer
 from router.config import EngineConfig, ModelConfig, RouterConfig
@@ -97,10 +97,7 @@ class _IdFields(msgspec.Struct, omit_defaults=True):
 
     @staticmethod
     def decode_body(body: bytes) -> _IdFields:
-        try:
-            return _ID_FIELDS.decode(body)
-        except msgspec.DecodeError as exc:
-            raise RequestError(f"invalid request: {exc}") from exc
+        return decode_body(_ID_FIELDS, body, "invalid request")
 
 
 _ID_FIELDS = msgspec.json.Decoder(_IdFields)
@@ -183,12 +180,7 @@ class Models:
 
     def resolve(self, body: bytes, model_hint: str | None = None) -> str:
         """The model a request is for: its `model` (or a LoRA of it), else the hint, else the only model."""
-        try:
-            name = _MODEL_FIELD.decode(body).model or model_hint
-        except msgspec.ValidationError as exc:
-            raise RequestError(f"invalid request: {exc}") from exc
-        except msgspec.DecodeError as exc:
-            raise RequestError(f"invalid JSON body: {exc}") from exc
+        name = decode_body(_MODEL_FIELD, body, "invalid request").model or model_hint
         return self.resolve_name(name)
 
     def served(self) -> list[str]:

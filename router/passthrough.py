@@ -23,7 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from events.openai_request import RequestError
-from router.client_io import read_body, request_id_of, until_disconnect
+from router.client_io import ClientGone, read_body, request_id_of, until_disconnect
 from router.errors import BadRequest, MethodNotAllowed, NoEngineAvailable, RouterError, UnknownPath
 from router.gateway import GatewayParts
 from router.ids import EngineId
@@ -109,18 +109,23 @@ class Passthrough:
         """Forward a passthrough request to a replica of its model and relay the answer."""
         rid = request_id_of(request)
         parts = self.parts
-        try:
+        try:  # the body is read before a slot is taken: a slow upload holds only its connection
             parts.guard.check_api(request.headers)
+            body = await read_body(
+                request, parts.config.limits.max_body_bytes, parts.config.timeouts.client_body_s
+            )
+            choose = self.chooser(self.model_of(request, body))
         except RouterError as exc:
             parts.metrics.refused(_POLICY, str(exc.http_status()), exc.reason)
+            raise
+        except ClientGone:
+            parts.metrics.refused(_POLICY, "client_closed", None)
             raise
         if not parts.fleet.admission.enter():
             overloaded = parts.fleet.admission.overloaded()
             parts.metrics.refused(_POLICY, str(overloaded.http_status()), overloaded.reason)
             raise overloaded
         try:
-            body = await read_body(request, parts.config.limits.max_body_bytes)
-            choose = self.chooser(self.model_of(request, body))
             path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
             headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
             if parts.guard.api_keys_required:  # the key was the router's; engines never see it

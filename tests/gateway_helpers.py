@@ -16,6 +16,7 @@ import uvicorn
 from engine_stub.serve import StubServer, running_stub
 from engine_stub.server_config import StubConfig
 from router.app import create_app
+from router.client_timeouts import TimedHttpToolsProtocol
 from router.config import EngineConfig, Limits, PolicyConfig, RouterConfig
 from router.gateway import GatewayParts
 from router.ids import EngineId
@@ -106,9 +107,11 @@ async def running_gateway(
     started: asyncio.Future[GatewayParts] = asyncio.get_running_loop().create_future()
     environ = {"KVROUTER_ADMIN_TOKEN": ADMIN} if environ is None else environ
     app = create_app(config, options, environ, started.set_result)
-    uv = uvicorn.Config(app, http="httptools", lifespan="on", log_config=None, access_log=False)
+    uv = uvicorn.Config(app, http=TimedHttpToolsProtocol, lifespan="on", log_config=None, access_log=False)
     server = uvicorn.Server(uv)
-    sock = socket.socket()
+    # proto=IPPROTO_TCP, as getaddrinfo gives `kvrouter serve`: asyncio sets TCP_NODELAY on accepted
+    # sockets only then, and without it every reused connection waits out a delayed ACK (~40 ms).
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.bind(("127.0.0.1", 0))
     sock.listen(128)
     task = asyncio.create_task(server.serve(sockets=[sock]))
