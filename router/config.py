@@ -57,6 +57,8 @@ class Listen(_Table, frozen=True):
     port: Port = 8000
     workers: Count = 1
     """Gateway worker processes sharing the port; each keeps its own exact mirror of every engine."""
+    access_log: bool = True
+    """One INFO line per request on the `kvrouter.access` logger (router/access_log.py)."""
 
 
 class GroupConfig(_Table, frozen=True):

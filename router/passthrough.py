@@ -18,6 +18,7 @@ from starlette.responses import Response
 from router.client_io import read_body, request_id_of, until_disconnect
 from router.errors import NoEngineAvailable, RouterError
 from router.gateway import GatewayParts
+from router.headers import forwarded_headers
 from router.ids import EngineId
 from router.relay import RelayResponse
 from router.upstream import ProxyRequest, Target
@@ -75,9 +76,7 @@ class Passthrough:
         try:
             body = await read_body(request, parts.config.limits.max_body_bytes)
             path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-            headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
-            if parts.guard.api_keys_required:  # the key was the router's; engines never see it
-                headers = [(k, v) for k, v in headers if k.lower() != "authorization"]
+            headers = forwarded_headers(request.headers.raw, rid, parts.guard.api_keys_required)
             proxied = ProxyRequest(request.method, path, headers, body)
             upstream = await until_disconnect(request, parts.proxy.forward(proxied, self.least_loaded))
         except BaseException as exc:
