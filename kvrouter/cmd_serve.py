@@ -1,11 +1,11 @@
 """`kvrouter serve`: run the KV-aware OpenAI-compatible gateway (uvicorn, uvloop, httptools).
 
 Settings: `--config FILE` (or $KVROUTER_CONFIG; else defaults), then `KVROUTER_*` variables, then
-`--set table.key=value` flags, then `--host/--port/--policy/--workers`. With no engines and no
-discovery, engine stubs are started as child processes (`[embedded]`). With `--workers N` (N > 1),
-N gateway processes share the port (`kvrouter.serve_workers`). Once listening, one JSON line goes to
-stdout: `{"event": "ready", "host", "port", "url", "engines": [...]}`, so `--port 0` is usable by
-scripts.
+`--set table.key=value` flags, then `--host/--port/--policy/--workers/--[no-]access-log`. With no
+engines and no discovery, engine stubs are started as child processes (`[embedded]`). With
+`--workers N` (N > 1), N gateway processes share the port (`kvrouter.serve_workers`). Once
+listening, it logs where it serves in words, and one JSON line goes to stdout:
+`{"event": "ready", "host", "port", "url", "engines": [...]}`, so `--port 0` is usable by scripts.
 """
 
 from __future__ import annotations
