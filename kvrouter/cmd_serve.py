@@ -139,7 +139,13 @@ def run(args: argparse.Namespace) -> int:
         line = ReadyLine("ready", host, port, url, engines)
         sys.stdout.write(msgspec.json.encode(line).decode() + "\n")
         sys.stdout.flush()
-        log.info(startup_message(url, config, engines), extra={"url": url, "engines": engines})
+        fields = {
+            "url": url,
+            "engines": engines,
+            "policy": config.policy.name,
+            "workers": config.listen.workers,
+        }
+        log.info(startup_message(url, config, engines), extra=fields)
 
     if config.listen.workers > 1:
         from kvrouter.serve_workers import run_workers
