@@ -2,9 +2,10 @@
 
 `AccessLog` wraps the whole ASGI app, so every answer is logged from one place when it ends: the
 engines' answers the gateway relays and the gateway's own 4xx/5xx alike. It reads what the answer's
-headers already say (`x-request-id`, `x-kvrouter-engine`, `x-kvrouter-predicted-cached-tokens`);
-the engine-reported cached tokens, known only once the relay has read the answer's usage, are left
-on the request's `AccessNote` by the gateway. `listen.access_log = false` (`--no-access-log`) or a
+headers already say (`x-request-id`, `x-kvrouter-engine`, `x-kvrouter-predicted-cached-tokens`),
+or else the request id the route took (`request_id_of`) without answering with it. The
+engine-reported cached tokens, known only once the relay has read the answer's usage, are left on
+the request's `AccessNote` by the gateway. `listen.access_log = false` (`--no-access-log`) or a
 log level above INFO turns it off; then it costs one check per request.
 """
 
@@ -119,7 +120,7 @@ def _write(
             "predicted_cached_tokens": answer.predicted,
             "actual_cached_tokens": note.actual_cached_tokens,
             "duration_ms": round(took * 1000, 3),
-            "request_id": answer.request_id,
+            "request_id": answer.request_id or scope.get("state", {}).get("request_id"),
             "client": f"{client[0]}:{client[1]}" if client else None,
         },
     )

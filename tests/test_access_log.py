@@ -65,11 +65,12 @@ async def test_one_access_line_per_request_joins_the_engines_log(caplog: pytest.
         answered = await gw.client.post("/v1/completions", json=BODY)
         unauthorised = await gw.client.get("/debug/index")
         missing = await gw.client.get("/nowhere")
+        models = await gw.client.get("/v1/models", headers={"x-request-id": "list-1"})
         too_big = await gw.client.post(
             "/v1/completions", content=b"x" * (gw.parts.config.limits.max_body_bytes + 1)
         )
-    statuses = [r.status_code for r in (answered, unauthorised, missing, too_big)]
-    assert statuses == [200, 401, 404, 413]
+    statuses = [r.status_code for r in (answered, unauthorised, missing, models, too_big)]
+    assert statuses == [200, 401, 404, 200, 413]
     rid = answered.headers["x-request-id"]
     received = [r for r in caplog.records if r.name == "engine_stub.serving"]
     assert [r.__dict__["request_id"] for r in received] == [rid]  # the engine logged the gateway's id
@@ -78,6 +79,7 @@ async def test_one_access_line_per_request_joins_the_engines_log(caplog: pytest.
         ("POST", "/v1/completions", 200),
         ("GET", "/debug/index", 401),
         ("GET", "/nowhere", 404),
+        ("GET", "/v1/models", 200),
         ("POST", "/v1/completions", 413),
     ]
     first = lines[0]
@@ -87,7 +89,9 @@ async def test_one_access_line_per_request_joins_the_engines_log(caplog: pytest.
     assert first["actual_cached_tokens"] == cached and isinstance(cached, int)
     assert first["duration_ms"] > 0 and first["client"].startswith("127.0.0.1:")
     assert lines[1]["engine"] is None and lines[1]["actual_cached_tokens"] is None
-    assert lines[3]["request_id"] == too_big.headers["x-request-id"]
+    assert lines[2]["request_id"] is None  # no route took one
+    assert lines[3]["request_id"] == "list-1"  # taken, though the union answer does not carry it
+    assert lines[4]["request_id"] == too_big.headers["x-request-id"]
 
 
 async def test_the_access_log_can_be_turned_off(caplog: pytest.LogCaptureFixture) -> None:
