@@ -8,6 +8,7 @@ Environment mapping (documented in config/router.toml too):
 - a value starting with `[` or `{` is read as JSON, any other value as a string converted to the
   field's type (`"9000"` -> 9000, `"true"` -> True);
 - `KVROUTER_CONFIG` (the file) and the variables named by `auth.*_env` (secrets) are not overrides;
+  a default secret variable (`KVROUTER_API_KEYS`) set while `auth.*_env` names another is an error;
 - the variables Kubernetes injects into every pod for a Service named `kvrouter` or `kvrouter-<x>`
   (`KVROUTER[_X]_SERVICE_HOST`, `_SERVICE_PORT[_<PORT NAME>]`, `_PORT=tcp://IP:PORT`,
   `_PORT_<N>_<TCP|UDP|SCTP>[_PROTO|_PORT|_ADDR]`, recognised by name and value) are ignored. Where
