@@ -2,13 +2,15 @@
 
 The body is tokenized by the shared `events.request_tokens` (the router uses the same code). Each prompt
 becomes one engine request on one rank; tokens come back through a shared sink queue. A request that
-ends early (client gone, stream closed) is aborted in a `finally`, never in a background task.
+ends early (client gone, stream closed) is aborted in a `finally`, never in a background task. Each
+request is logged (INFO) with the `x-request-id` it came with, as the router's access log names it.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
@@ -43,6 +45,8 @@ from .streams import Emitted, RequestStream
 from .stub import Stub
 
 __all__ = ["ModelNotFound", "serve_openai"]
+
+log = logging.getLogger(__name__)
 
 T = TypeVar("T")
 DONE: Final = b"data: [DONE]\n\n"
@@ -101,6 +105,15 @@ async def serve_openai(stub: Stub, request: Request, endpoint: Endpoint) -> Resp
     except msgspec.ValidationError as exc:
         raise RequestError(f"invalid request: {exc}") from exc
     engine = stub.pick(request.headers.get(RANK_HEADER))
+    log.info(  # the request id a router sent joins this line to the router's access log
+        "request received",
+        extra={
+            "request_id": request.headers.get("x-request-id"),
+            "endpoint": endpoint.value,
+            "prompt_tokens": sum(len(p) for p in tokens.prompts),
+            "stream": tokens.stream,
+        },
+    )
     chat = endpoint is Endpoint.CHAT
     job = _submit(stub, engine, tokens, chat, options is not None and options.include_usage)
     if tokens.stream:

@@ -1,11 +1,11 @@
 """`kvrouter serve`: run the KV-aware OpenAI-compatible gateway (uvicorn, uvloop, httptools).
 
 Settings: `--config FILE` (or $KVROUTER_CONFIG; else defaults), then `KVROUTER_*` variables, then
-`--set table.key=value` flags, then `--host/--port/--policy/--workers`. With no engines and no
-discovery, engine stubs are started as child processes (`[embedded]`). With `--workers N` (N > 1),
-N gateway processes share the port (`kvrouter.serve_workers`). Once listening, one JSON line goes to
-stdout: `{"event": "ready", "host", "port", "url", "engines": [...]}`, so `--port 0` is usable by
-scripts.
+`--set table.key=value` flags, then `--host/--port/--policy/--workers/--[no-]access-log`. With no
+engines and no discovery, engine stubs are started as child processes (`[embedded]`). With
+`--workers N` (N > 1), N gateway processes share the port (`kvrouter.serve_workers`). Once
+listening, it logs where it serves in words, and one JSON line goes to stdout:
+`{"event": "ready", "host", "port", "url", "engines": [...]}`, so `--port 0` is usable by scripts.
 """
 
 from __future__ import annotations
@@ -16,15 +16,17 @@ import logging
 import os
 import sys
 from pathlib import Path
+from typing import get_args, get_type_hints
 
 import msgspec
 import uvicorn
 
 from engine_stub.listening import bind_listening
-from router.config import ConfigError, RouterConfig
+from kvrouter.cli import version
+from router.config import ConfigError, Listen, PolicyConfig, RouterConfig
 from router.overrides import load_config
 
-__all__ = ["ReadyLine", "effective_config", "register", "run"]
+__all__ = ["ReadyLine", "effective_config", "policy_names", "register", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -39,21 +41,49 @@ class ReadyLine(msgspec.Struct, frozen=True):
     engines: list[str]
 
 
+def policy_names() -> tuple[str, ...]:
+    """Every routing policy `policy.name` accepts, in the config's order."""
+    names: tuple[str, ...] = get_args(get_type_hints(PolicyConfig)["name"])
+    return names
+
+
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
-    """Add the `serve` subcommand."""
-    p = subparsers.add_parser("serve", help="run the KV-aware OpenAI-compatible gateway")
+    """Add the `serve` subcommand; each flag's help names its setting and default."""
+    listen, policy = Listen(), PolicyConfig()
+    p = subparsers.add_parser(
+        "serve",
+        help="run the KV-aware OpenAI-compatible gateway",
+        description="Run the KV-aware OpenAI-compatible gateway. Settings: defaults < --config FILE "
+        "(or $KVROUTER_CONFIG) < KVROUTER_<TABLE>_<KEY> variables < --set < the flags below.",
+    )
     p.add_argument("--config", type=Path, help="TOML settings (config/router.toml documents every key)")
-    p.add_argument("--host", help="listen address (listen.host)")
-    p.add_argument("--port", type=int, help="listen port (listen.port); 0 picks a free one")
-    p.add_argument("--policy", help="routing policy (policy.name): kv, round_robin, least_loaded, ...")
-    p.add_argument("--workers", type=int, help="gateway processes sharing the port (listen.workers)")
+    p.add_argument("--host", help=f"listen address (listen.host, default {listen.host})")
+    p.add_argument(
+        "--port", type=int, help=f"listen port (listen.port, default {listen.port}); 0 picks a free one"
+    )
+    p.add_argument(
+        "--policy",
+        metavar="NAME",
+        help=f"routing policy (policy.name, default {policy.name}): one of {', '.join(policy_names())}",
+    )
+    p.add_argument(
+        "--workers",
+        type=int,
+        help=f"gateway processes sharing the port (listen.workers, default {listen.workers})",
+    )
+    p.add_argument(
+        "--access-log",
+        action=argparse.BooleanOptionalAction,
+        help=f"one log line per request, logger kvrouter.access (listen.access_log, default "
+        f"{'on' if listen.access_log else 'off'})",
+    )
     p.add_argument(
         "--set",
         dest="sets",
         action="append",
         default=[],
         metavar="TABLE.KEY=VALUE",
-        help="override a setting",
+        help="override any setting (repeatable), e.g. --set limits.max_in_flight_total=64",
     )
     p.add_argument("--record", type=Path, help="record events, requests and decisions to this new file")
     p.set_defaults(func=run)
@@ -63,14 +93,26 @@ def effective_config(args: argparse.Namespace, environ: dict[str, str]) -> Route
     """The config from file, environment, `--set` and the shorthand flags (in that order)."""
     path = args.config or (Path(environ["KVROUTER_CONFIG"]) if environ.get("KVROUTER_CONFIG") else None)
     flags = list(args.sets)
+    access_log = None if args.access_log is None else str(args.access_log).lower()
     shorthand = (
         ("listen.host", args.host), ("listen.port", args.port), ("policy.name", args.policy),
-        ("listen.workers", args.workers),
+        ("listen.workers", args.workers), ("listen.access_log", access_log),
     )  # fmt: skip
     for key, value in shorthand:
         if value is not None:
             flags.append(f"{key}={value}")
     return load_config(path, environ, flags)
+
+
+def startup_message(url: str, config: RouterConfig, engines: list[str]) -> str:
+    """The human-readable line saying where the gateway serves, and how."""
+    workers = config.listen.workers
+    source = "embedded stubs" if config.uses_embedded else "engines"
+    access = "on" if config.listen.access_log else "off"
+    return (
+        f"kvrouter {version()} serving on {url} (policy {config.policy.name}, {len(engines)} {source}, "
+        f"{workers} worker{'s' if workers > 1 else ''}, access log {access})"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -98,7 +140,13 @@ def run(args: argparse.Namespace) -> int:
         line = ReadyLine("ready", host, port, url, engines)
         sys.stdout.write(msgspec.json.encode(line).decode() + "\n")
         sys.stdout.flush()
-        log.info("gateway ready", extra={"url": url, "engines": engines, "workers": config.listen.workers})
+        fields = {
+            "url": url,
+            "engines": engines,
+            "policy": config.policy.name,
+            "workers": config.listen.workers,
+        }
+        log.info(startup_message(url, config, engines), extra=fields)
 
     if config.listen.workers > 1:
         from kvrouter.serve_workers import run_workers

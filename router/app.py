@@ -23,6 +23,7 @@ from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
 from events.openai_request import Endpoint
+from router.access_log import AccessLog
 from router.admin import AdminApi, NotFound
 from router.client_io import ClientGone, error_answer, read_body, request_id_of
 from router.client_timeouts import STATE_KEY, ClientTimeouts
@@ -102,8 +103,17 @@ class GatewayApp(FastAPI):
     """The FastAPI app with the hot routes taken before Starlette (see the module docstring)."""
 
     handlers: list[Handlers]
+    access_log: AccessLog | None = None
+    """Set when `listen.access_log` is on: every request then goes through it."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.access_log is not None:
+            await self.access_log(scope, receive, send)
+        else:
+            await self.dispatch(scope, receive, send)
+
+    async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The hot routes to `Gateway.handle`, everything else to Starlette."""
         if scope["type"] == "http" and scope["method"] == "POST":
             endpoint = _HOT.get(scope["path"])
             if endpoint is not None:
@@ -148,6 +158,8 @@ def create_app(
 
     app = GatewayApp(title="kvrouter", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.handlers = box
+    if config.listen.access_log:
+        app.access_log = AccessLog(app.dispatch)
     app.state.service = service
     _add_routes(app, box)
 

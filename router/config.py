@@ -8,8 +8,9 @@ holding them, and `router.secrets` reads them. The override rules live in `route
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
 from urllib.parse import urlsplit
 
 import msgspec
@@ -30,6 +31,7 @@ __all__ = [
     "RouterConfig",
     "Timeouts",
     "decode_config",
+    "explain_invalid",
     "load_file",
     "validate",
 ]
@@ -55,6 +57,8 @@ class Listen(_Table, frozen=True):
     port: Port = 8000
     workers: Count = 1
     """Gateway worker processes sharing the port; each keeps its own exact mirror of every engine."""
+    access_log: bool = True
+    """One INFO line per request on the `kvrouter.access` logger (router/access_log.py)."""
 
 
 class GroupConfig(_Table, frozen=True):
@@ -218,12 +222,47 @@ class RouterConfig(_Table, frozen=True):
         return not self.engines and self.discovery.dns_name is None
 
 
+_AT_PATH = re.compile(r"- at `\$((?:\.\w+|\[\d+\])*)`$")
+_SEGMENT = re.compile(r"\.(\w+)|\[\d+\]")
+
+
+def explain_invalid(exc: msgspec.DecodeError) -> str:
+    """msgspec's message, plus the allowed values when the field at its path takes a fixed set of them."""
+    message = str(exc)
+    found = _AT_PATH.search(message)
+    if found is None:
+        return message
+    kind: Any = RouterConfig
+    for segment in _SEGMENT.finditer(found.group(1)):
+        kind = _unwrap(kind)
+        if segment.group(1) is None:  # [i]: the element type of a list
+            kind = get_args(kind)[0] if get_origin(kind) is list else None
+        elif isinstance(kind, type) and issubclass(kind, msgspec.Struct):
+            kind = get_type_hints(kind, include_extras=True).get(segment.group(1))
+        else:
+            return message
+    kind = _unwrap(kind)
+    if get_origin(kind) is Literal:
+        return f"{message} (one of: {', '.join(str(v) for v in get_args(kind))})"
+    return message
+
+
+def _unwrap(kind: Any) -> Any:
+    """The type inside `Annotated[...]` and `X | None`."""
+    if get_origin(kind) is Annotated:
+        kind = get_args(kind)[0]
+    if get_origin(kind) is Union:
+        rest = [arg for arg in get_args(kind) if arg is not type(None)]
+        kind = rest[0] if len(rest) == 1 else kind
+    return kind
+
+
 def decode_config(data: bytes | str, source: str) -> RouterConfig:
     """Decode TOML into a checked RouterConfig; errors name `source` and the field path."""
     try:
         config = msgspec.toml.decode(data, type=RouterConfig)
     except msgspec.DecodeError as exc:  # ValidationError is a subclass: both carry the path
-        raise ConfigError(f"{source}: {exc}") from None
+        raise ConfigError(f"{source}: {explain_invalid(exc)}") from None
     validate(config, source)
     return config
 

@@ -20,6 +20,7 @@ from starlette.requests import Request
 from starlette.types import Receive, Scope, Send
 
 from events.openai_request import Endpoint, RequestError
+from router.access_log import AccessNote, note_of
 from router.auth import Guard
 from router.client_io import (
     ClientDisconnected,
@@ -35,6 +36,7 @@ from router.decision_peers import DecisionPeers
 from router.errors import BadRequest, RequestTimeout, RouterError
 from router.fleet import Fleet
 from router.flight import Flight
+from router.headers import forwarded_headers
 from router.metrics import RouterMetrics
 from router.models import Models, Prepared, UnknownModel
 from router.proxy import Proxy
@@ -224,17 +226,18 @@ class Gateway:
             parts.metrics.retries.labels(reason).inc()
         own = sum(prepared.timings.get(stage, 0.0) for stage in _STAGES)
         pre_forward = max(0.0, forwarding - arrived - own)
-        return self._relay(upstream, flight, entry, pre_forward)
+        return self._relay(upstream, flight, entry, pre_forward, note_of(request.scope))
 
     def _forward_headers(self, request: Request) -> list[tuple[str, str]]:
-        pairs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
-        if self.parts.guard.api_keys_required:  # the key was the router's; engines never see it
-            pairs = [(k, v) for k, v in pairs if k.lower() != "authorization"]
-        return pairs
+        # the key was the router's (engines never see it); the request id is the gateway's
+        return forwarded_headers(
+            request.headers.raw, request_id_of(request), self.parts.guard.api_keys_required
+        )
 
     def _relay(
-        self, upstream: UpstreamResponse, flight: Flight, entry: DecisionEntry, pre_forward: float
-    ) -> RelayResponse:
+        self, upstream: UpstreamResponse, flight: Flight, entry: DecisionEntry, pre_forward: float,
+        note: AccessNote,
+    ) -> RelayResponse:  # fmt: skip
         parts, engine = self.parts, upstream.engine
         predicted = entry.predicted_cached_tokens or 0
         for stage in _STAGES:
@@ -254,7 +257,7 @@ class Gateway:
             flight.finish()
             parts.fleet.admission.leave()
             entry.status = upstream.status
-            entry.actual_cached_tokens = cached
+            entry.actual_cached_tokens = note.actual_cached_tokens = cached
             parts.metrics.requests.labels(engine, self.policy, status).inc()
             if cached is not None:
                 parts.metrics.observe_prediction(engine, predicted, cached)

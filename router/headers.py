@@ -10,7 +10,7 @@ from collections.abc import Iterable
 from typing import Final
 from urllib.parse import urlsplit
 
-__all__ = ["HOP_BY_HOP", "response_headers", "upstream_headers", "upstream_url"]
+__all__ = ["HOP_BY_HOP", "forwarded_headers", "response_headers", "upstream_headers", "upstream_url"]
 
 HOP_BY_HOP: Final = frozenset(
     {"connection", "keep-alive", "te", "trailer", "trailers", "transfer-encoding", "upgrade"}
@@ -31,6 +31,17 @@ def _strip(headers: Iterable[tuple[str, str]], also: frozenset[str]) -> list[tup
     }
     drop = HOP_BY_HOP | also | named
     return [(k, v) for k, v in pairs if k.lower() not in drop and not k.lower().startswith("proxy-")]
+
+
+def forwarded_headers(
+    raw: Iterable[tuple[bytes, bytes]], request_id: str, drop_authorization: bool
+) -> list[tuple[str, str]]:
+    """The client's (ASGI, lower-case) headers for the engine: `x-request-id` set to the gateway's id,
+    so the engine's logs join the gateway's, and `Authorization` dropped when the key was the gateway's."""
+    drop = (b"x-request-id", b"authorization") if drop_authorization else (b"x-request-id",)
+    pairs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k not in drop]
+    pairs.append(("x-request-id", request_id))
+    return pairs
 
 
 def upstream_headers(client_headers: Iterable[tuple[str, str]], base_url: str) -> list[tuple[str, str]]:

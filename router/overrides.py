@@ -8,20 +8,39 @@ Environment mapping (documented in config/router.toml too):
 - a value starting with `[` or `{` is read as JSON, any other value as a string converted to the
   field's type (`"9000"` -> 9000, `"true"` -> True);
 - `KVROUTER_CONFIG` (the file) and the variables named by `auth.*_env` (secrets) are not overrides;
-  any other unknown `KVROUTER_*` variable is an error, so a typo cannot be silently ignored.
+  a default secret variable (`KVROUTER_API_KEYS`) set while `auth.*_env` names another is an error;
+- the variables Kubernetes injects into every pod for a Service named `kvrouter` or `kvrouter-<x>`
+  (`KVROUTER[_X]_SERVICE_HOST`, `_SERVICE_PORT[_<PORT NAME>]`, `_PORT=tcp://IP:PORT`,
+  `_PORT_<N>_<TCP|UDP|SCTP>[_PROTO|_PORT|_ADDR]`, recognised by name and value) are ignored. Where
+  one has a setting's name (`KVROUTER_LISTEN_PORT=tcp://...` from a Service `kvrouter-listen`) its
+  value tells them apart: a service link is ignored with a warning, never read as the setting;
+- any other unknown name is an error when it looks like a misspelt setting (under a table's prefix,
+  or within a typo of a real name), so a typo is never silently ignored, and a warning otherwise.
 """
 
 from __future__ import annotations
 
+import difflib
+import logging
+import re
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 import msgspec
 
-from router.config import ConfigError, RouterConfig, load_file, validate
+from router.config import Auth, ConfigError, RouterConfig, explain_invalid, load_file, validate
 
-__all__ = ["ENV_PREFIX", "apply_overrides", "env_overrides", "load_config", "parse_set_flags"]
+__all__ = [
+    "ENV_PREFIX",
+    "apply_overrides",
+    "env_overrides",
+    "is_kubernetes_service_link",
+    "load_config",
+    "parse_set_flags",
+]
+
+log = logging.getLogger(__name__)
 
 ENV_PREFIX = "KVROUTER_"
 _LISTS = ("engines", "models")
@@ -44,17 +63,73 @@ def _known_keys(config: RouterConfig) -> dict[str, str]:
     return keys | _ALIASES
 
 
+# What kubelet injects per Service (pkg/kubelet/envvars/envvars.go; kubernetes.io, "Service",
+# Environment variables): name shape -> value shape. The Service's name, upper-cased with dashes as
+# underscores, is the prefix: `KVROUTER` for a Service `kvrouter`, `KVROUTER_METRICS` for `kvrouter-metrics`.
+_SERVICE = r"KVROUTER(?:_[A-Z0-9_]+?)?"
+_LINK = r"(?:tcp|udp|sctp)://(?:\[[0-9A-Fa-f:.]+\]|[^\s:/\[\]]+):\d{1,5}"
+_KUBERNETES: Final = tuple(
+    (re.compile(name), re.compile(value))
+    for name, value in (
+        (rf"{_SERVICE}_SERVICE_HOST", r"\S+"),
+        (rf"{_SERVICE}_SERVICE_PORT(?:_[A-Z0-9_]+)?", r"\d{1,5}"),
+        (rf"{_SERVICE}_PORT", _LINK),
+        (rf"{_SERVICE}_PORT_\d{{1,5}}_(?:TCP|UDP|SCTP)", _LINK),
+        (rf"{_SERVICE}_PORT_\d{{1,5}}_(?:TCP|UDP|SCTP)_PROTO", r"tcp|udp|sctp"),
+        (rf"{_SERVICE}_PORT_\d{{1,5}}_(?:TCP|UDP|SCTP)_PORT", r"\d{1,5}"),
+        (rf"{_SERVICE}_PORT_\d{{1,5}}_(?:TCP|UDP|SCTP)_ADDR", r"\S+"),
+    )
+)
+_DEFAULT_SECRETS: Final = {
+    Auth().api_keys_env: "auth.api_keys_env",
+    Auth().admin_token_env: "auth.admin_token_env",
+}
+_TYPO_CUTOFF: Final = 0.85  # difflib ratio: KVROUTER_LISTN_PORT ~ KVROUTER_LISTEN_PORT is 0.97
+
+
+def is_kubernetes_service_link(name: str, value: str) -> bool:
+    """True when `name=value` is one of the variables Kubernetes injects for a Service `kvrouter[-x]`."""
+    return any(n.fullmatch(name) and v.fullmatch(value) for n, v in _KUBERNETES)
+
+
+def _misspelt(name: str, known: Mapping[str, str]) -> str | None:
+    """The setting `name` most likely misspells (None: it looks like no setting at all)."""
+    close = difflib.get_close_matches(name, known, n=1, cutoff=_TYPO_CUTOFF)
+    if close:
+        return close[0]
+    tables = {_env_name(t.name) + "_" for t in msgspec.structs.fields(RouterConfig)}
+    return next((t + "*" for t in tables if name.startswith(t)), None)
+
+
 def env_overrides(config: RouterConfig, environ: Mapping[str, str]) -> dict[str, str]:
-    """The dotted-key overrides found in `environ` (values still strings); unknown names are errors."""
+    """The dotted-key overrides found in `environ` (values still strings); see the module docstring
+    for the variables that are skipped, warned about, or refused as misspelt settings."""
     known = _known_keys(config)
     secrets = {config.auth.api_keys_env, config.auth.admin_token_env}
     found: dict[str, str] = {}
     for name, value in sorted(environ.items()):
         if not name.startswith(ENV_PREFIX) or name in _NOT_OVERRIDES or name in secrets:
             continue
-        if name not in known:
-            raise ConfigError(f"environment {name}: no such setting (see config/router.toml for the names)")
-        found[known[name]] = value
+        if is_kubernetes_service_link(name, value):
+            if name in known:
+                log.warning(
+                    "environment %s=%s is a Kubernetes service link, not the setting %s: ignored "
+                    "(set it in the config or with --set, or give the pod enableServiceLinks: false)",
+                    name, value, known[name], extra={"variable": name},
+                )  # fmt: skip
+            continue
+        if name in known:
+            found[known[name]] = value
+            continue
+        moved = _DEFAULT_SECRETS.get(name)
+        if moved is not None:  # a secret left where the config no longer looks: refuse, never run open
+            where = getattr(config.auth, moved.partition(".")[2])
+            raise ConfigError(f"environment {name}: not read, because {moved} names {where} instead")
+        near = _misspelt(name, known)
+        if near is not None:
+            hint = f"did you mean {near}? config/router.toml lists the names"
+            raise ConfigError(f"environment {name}: no such setting ({hint})")
+        log.warning("environment %s: no such setting, ignored", name, extra={"variable": name})
     return found
 
 
@@ -78,7 +153,7 @@ def apply_overrides(config: RouterConfig, overrides: Mapping[str, object], sourc
         try:
             config = msgspec.convert(data, type=RouterConfig, strict=False)
         except msgspec.ValidationError as exc:
-            raise ConfigError(f"{source} {_label(source, key)}: {exc}") from None
+            raise ConfigError(f"{source} {_label(source, key)}: {explain_invalid(exc)}") from None
     validate(config, f"{source} overrides")
     return config
 

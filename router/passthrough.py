@@ -26,6 +26,7 @@ from events.openai_request import RequestError
 from router.client_io import ClientGone, read_body, request_id_of, until_disconnect
 from router.errors import BadRequest, MethodNotAllowed, NoEngineAvailable, RouterError, UnknownPath
 from router.gateway import GatewayParts
+from router.headers import forwarded_headers
 from router.ids import EngineId
 from router.models import UnknownModel
 from router.refusal import refusal
@@ -127,9 +128,7 @@ class Passthrough:
             raise overloaded
         try:
             path = request.url.path + (f"?{request.url.query}" if request.url.query else "")
-            headers = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in request.headers.raw]
-            if parts.guard.api_keys_required:  # the key was the router's; engines never see it
-                headers = [(k, v) for k, v in headers if k.lower() != "authorization"]
+            headers = forwarded_headers(request.headers.raw, rid, parts.guard.api_keys_required)
             proxied = ProxyRequest(request.method, path, headers, body)
             upstream = await until_disconnect(request, parts.proxy.forward(proxied, choose))
         except BaseException as exc:

@@ -2,7 +2,8 @@
 
 `RelayResponse` carries the proxy's `UpstreamResponse` to the client as raw ASGI messages: each
 chunk is written as soon as it arrives (SSE included, nothing buffered), the engine's headers pass
-through (duplicates kept) with the gateway's own added, and the upstream is always closed at the end.
+through (duplicates kept, the engine's copies of the gateway's own dropped) with the gateway's own
+added, and the upstream is always closed at the end.
 A client disconnect (seen by a `ClientWatch`) cancels the relay, which drops the upstream
 connection. `on_end` runs exactly once with the final status label and the actual cached tokens the
 answer reported (None when absent or cut short). It is also a Starlette `Response`, so routes served
@@ -44,7 +45,9 @@ class RelayResponse(Response):
     ) -> None:
         self.status_code = upstream.status
         self.background = None
-        pairs = [*((k, v) for k, v in upstream.headers if k.lower() not in _SERVER_OWN), *extra_headers]
+        # An engine's copy of a header the gateway sets (an echoed x-request-id) would repeat it.
+        own = _SERVER_OWN | {k.lower() for k, _ in extra_headers}
+        pairs = [*((k, v) for k, v in upstream.headers if k.lower() not in own), *extra_headers]
         self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in pairs]
         self.upstream = upstream
         self._tap = tap

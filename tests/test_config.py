@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
@@ -232,3 +233,98 @@ def test_invalid_eagle_and_group_keys(toml: str, words: list[str]) -> None:
         decode_config(toml, "cfg.toml")
     for word in words:
         assert word in str(info.value)
+
+
+# What kubelet injects into every pod of a namespace for `Service kvrouter` (cluster IP 10.0.0.1, one
+# TCP port 8000 named `http`): pkg/kubelet/envvars/envvars.go; kubernetes.io, "Service" >
+# "Environment variables" (the `redis-primary` example, here for the name kvrouter).
+KUBERNETES_SERVICE_LINKS = {
+    "KVROUTER_SERVICE_HOST": "10.0.0.1",
+    "KVROUTER_SERVICE_PORT": "8000",
+    "KVROUTER_SERVICE_PORT_HTTP": "8000",
+    "KVROUTER_PORT": "tcp://10.0.0.1:8000",
+    "KVROUTER_PORT_8000_TCP": "tcp://10.0.0.1:8000",
+    "KVROUTER_PORT_8000_TCP_PROTO": "tcp",
+    "KVROUTER_PORT_8000_TCP_PORT": "8000",
+    "KVROUTER_PORT_8000_TCP_ADDR": "10.0.0.1",
+}
+
+
+def _service_links(
+    service: str, ip: str, port: int, proto: str = "TCP", port_name: str = ""
+) -> dict[str, str]:
+    """The variables Kubernetes injects for a Service of that name, IP and (first and only) port."""
+    host = f"[{ip}]" if ":" in ip else ip  # net.JoinHostPort, as kubelet writes it
+    prefix, link = service.upper().replace("-", "_"), f"{proto.lower()}://{host}:{port}"
+    out = {f"{prefix}_SERVICE_HOST": ip, f"{prefix}_SERVICE_PORT": str(port), f"{prefix}_PORT": link}
+    if port_name:
+        out[f"{prefix}_SERVICE_PORT_{port_name.upper().replace('-', '_')}"] = str(port)
+    at = f"{prefix}_PORT_{port}_{proto}"
+    return out | {at: link, f"{at}_PROTO": proto.lower(), f"{at}_PORT": str(port), f"{at}_ADDR": ip}
+
+
+def test_kubernetes_service_links_are_ignored_silently(caplog: pytest.LogCaptureFixture) -> None:
+    assert _service_links("kvrouter", "10.0.0.1", 8000, port_name="http") == KUBERNETES_SERVICE_LINKS
+    environ = {
+        **KUBERNETES_SERVICE_LINKS,
+        **_service_links("kvrouter-metrics", "10.0.0.2", 9090, port_name="metrics"),
+        **_service_links("kvrouter-headless", "fd00::7", 5557, proto="UDP"),
+        "KVROUTER_LISTEN_PORT": "9000",  # a real setting beside them still applies
+    }
+    with caplog.at_level(logging.DEBUG, logger="router.overrides"):
+        assert env_overrides(RouterConfig(), environ) == {"listen.port": "9000"}
+        assert load_config(None, environ).listen.port == 9000
+    assert caplog.records == []
+
+
+@pytest.mark.parametrize(
+    ("service", "key"),
+    [("kvrouter-listen", "listen.port"), ("kvrouter-discovery", "discovery.port"),
+     ("kvrouter-discovery-events", "discovery.events_port")],
+)  # fmt: skip
+def test_a_service_link_named_like_a_setting_is_ignored_with_a_warning(
+    service: str, key: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A Service `kvrouter-listen` injects KVROUTER_LISTEN_PORT=tcp://...: its value says it is no port."""
+    links = _service_links(service, "10.0.0.3", 8000)
+    name = f"{service.upper().replace('-', '_')}_PORT"
+    assert links[name] == "tcp://10.0.0.3:8000"
+    with caplog.at_level(logging.WARNING, logger="router.overrides"):
+        assert env_overrides(RouterConfig(), links) == {}
+    assert [r.getMessage() for r in caplog.records] == [
+        f"environment {name}=tcp://10.0.0.3:8000 is a Kubernetes service link, not the setting {key}: "
+        "ignored (set it in the config or with --set, or give the pod enableServiceLinks: false)"
+    ]
+
+
+def test_unknown_variables_warn_and_misspelt_settings_are_errors(caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger="router.overrides"):
+        assert env_overrides(RouterConfig(), {"KVROUTER_FOO": "1", "KVROUTER_VERSION": "1.2"}) == {}
+    assert [r.getMessage() for r in caplog.records] == [
+        "environment KVROUTER_FOO: no such setting, ignored",
+        "environment KVROUTER_VERSION: no such setting, ignored",
+    ]
+    for typo, meant in [
+        ("KVROUTER_LISTEN_PROT", "KVROUTER_LISTEN_PORT"),
+        ("KVROUTER_POLICE", "KVROUTER_POLICY"),
+        ("KVROUTER_ENGINE", "KVROUTER_ENGINES"),
+        ("KVROUTER_LIMITS_MAX_BODY", "KVROUTER_LIMITS_MAX_BODY_BYTES"),
+        ("KVROUTER_LIMITS_NOPE", "KVROUTER_LIMITS_*"),
+        ("KVROUTER_LISTEN_SERVICE_PORT", "KVROUTER_LISTEN_*"),  # not a link: its value is no port number
+    ]:
+        with pytest.raises(
+            ConfigError, match=re.escape(f"environment {typo}: no such setting (did you mean {meant}?")
+        ):
+            env_overrides(RouterConfig(), {typo: "x"})
+
+
+def test_an_invalid_choice_lists_the_valid_ones(tmp_path: Path) -> None:
+    names = "kv, round_robin, least_loaded, random, session, prefix_approx"
+    with pytest.raises(ConfigError, match=re.escape(f"$.policy.name` (one of: {names})")):
+        load_config(None, {"KVROUTER_POLICY": "fastest"})
+    path = tmp_path / "r.toml"
+    path.write_text(ENGINE.format(name="e", url="http://127.0.0.1:1") + 'report_mode = "sometimes"\n')
+    with pytest.raises(ConfigError, match=re.escape("$.engines[0].report_mode` (one of: incremental, full)")):
+        load_file(path)
+    with pytest.raises(ConfigError, match=re.escape("$.limits.overload_status` (one of: 429, 503)")):
+        apply_overrides(RouterConfig(), {"limits.overload_status": "500"}, "--set")
