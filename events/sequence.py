@@ -194,6 +194,14 @@ class SequenceTracker(Generic[T]):
             return self._request(self._verify, verify=self._verify)
         return self._request(self._expected())
 
+    def verify(self) -> list[Action[T]]:
+        """The consumer doubts the link: replay from the last delivered seq to confirm the publisher
+        is the same lifetime (nothing while a replay is in flight or nothing was delivered)."""
+        if self._replay_from is not None or self._last is None or not self.config.can_replay:
+            return []
+        self.stats.verifications += 1
+        return self._request(self._last, verify=self._last)
+
     def on_disconnected(self) -> list[Action[T]]:
         """The link to the publisher went down: remember the last seq known to be this lifetime's
         (the last delivered one, or the one a verification in flight has not confirmed yet)."""

@@ -138,6 +138,11 @@ class EngineSubscriber:
             self._sub.close(linger=0)
             self._sub = None
 
+    def verify(self) -> None:
+        """The consumer doubts the link (it saw blocks whose stores never came): check that the
+        publisher did not restart, by a replay from the last delivered seq."""
+        self._act(self._tracker.verify())
+
     def stats(self) -> EngineStats:
         """The current counters."""
         seq, dec = self._tracker.stats, self._decoder.stats

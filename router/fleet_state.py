@@ -31,6 +31,7 @@ from router.trust import (
     TrustState,
     TrustStatus,
     TrustTracker,
+    UnseenBlocks,
 )
 from router.variants import Variant
 
@@ -40,7 +41,7 @@ LAYOUT_FLAGS: Final = frozenset({"kind_mismatch", "window_mismatch", "unknown_gr
 """Mirror flags (besides block size) meaning the events do not match the configured layout."""
 _NO_EVENTS: Final = "no KV event endpoint configured: the mirror is empty and hits are never trusted"
 MISMATCH_AFTER: Final = 3
-"""Consecutive ended requests whose first block never appeared before a tokenizer mismatch is declared."""
+"""Consecutive ended requests whose first block never appeared before a cause is declared."""
 
 
 @dataclass
@@ -63,6 +64,9 @@ class Replica:
     reports: int = 0
     resets: int = 0
     missing_stores: int = 0
+    root_stores: int = 0
+    """Parentless GPU stores of group 0 delivered so far: each starts a prompt's chain of blocks."""
+    missing_unstored: int = 0
 
     _cached: TrustStatus | None = None
     _awaiting_since: float | None = None
@@ -135,26 +139,51 @@ class Replica:
                     return groups[g].block_size, ev.block_size
         return groups[0].block_size, 0
 
-    def check_stored(self, mirror: Mirror, first_key: int, now: float) -> None:
+    def check_stored(self, mirror: Mirror, first_key: int, roots_at_sent: int, now: float) -> bool:
         """A request this router sent here has ended: its first block should be in the mirror by now.
 
         The engine stores every full prompt block it computes, so a trusted mirror that still lacks
-        the router's key for the first block means the engine tokenized (or hashed) the prompt
-        differently. One miss can be an eviction; `MISMATCH_AFTER` in a row is reported as a
-        tokenizer mismatch, and the replica stays stale until its engine restarts.
+        the router's key for the first block means one of two things, told apart by whether the
+        engine stored any first block (a parentless store) while the request ran (`roots_at_sent`
+        is `root_stores` when it was sent). If it did, it stored the prompt under other keys: it
+        tokenized (or hashed) the prompt differently. If it did not, it already held the prompt's
+        first block and the mirror never saw it stored: events were missed (an undetected restart,
+        a lost batch), not a tokenizer problem. One miss can be an eviction; `MISMATCH_AFTER` in a
+        row declare the cause, and the replica stays stale until its engine restarts (a tokenizer
+        mismatch) or its mirror is exact again (unseen blocks). Returns True when unseen blocks were
+        just declared, so the caller can have the link verified.
         """
         view = mirror.replica(self.id)
         if view is None or finder_kind(self.variant.spec.groups[0].kind) != "full":
-            return
+            return False
         if not self.status(now, mirror).trusted:
-            return
+            return False
         if mirror.count(view, 0, first_key):
-            self.missing_stores = 0
-            return
-        self.missing_stores += 1
-        if self.missing_stores == MISMATCH_AFTER:
-            detail = f"the last {MISMATCH_AFTER} requests sent here left no block with the router's keys"
-            self.observe(TokenizerMismatch(now, detail))
+            self.missing_stores = self.missing_unstored = 0
+            return False
+        if self.root_stores > roots_at_sent:
+            self.missing_stores += 1
+            if self.missing_stores == MISMATCH_AFTER:
+                detail = f"the last {MISMATCH_AFTER} requests sent here stored blocks under other keys"
+                self.observe(TokenizerMismatch(now, detail))
+            return False
+        self.missing_unstored += 1
+        if self.missing_unstored != MISMATCH_AFTER:
+            return False
+        detail = f"the engine held the first block of the last {MISMATCH_AFTER} requests, never seen stored"
+        self.observe(UnseenBlocks(now, detail))
+        return True
+
+    def count_roots(self, events: Iterable[object]) -> None:
+        """Count the parentless GPU stores of group 0 among delivered `events`."""
+        for ev in events:
+            if (
+                isinstance(ev, BlockStored | LazyBlockStored)
+                and ev.parent_block_hash is None
+                and not ev.group_idx
+                and ev.medium in (None, "GPU")
+            ):
+                self.root_stores += 1
 
     def blocks(self, mirror: Mirror) -> int:
         """GPU blocks (physical copies) in this replica's view, over all groups."""

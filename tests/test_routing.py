@@ -174,5 +174,23 @@ async def test_stores_that_never_match_the_routers_keys_mean_a_tokenizer_mismatc
         fleet.request_finished(b, RequestId(f"c{i}"), now)
         assert fleet.trust(a, now).state is (TrustState.STALE if i == 2 else TrustState.FRESH)
     status = fleet.trust(a, fleet.clock())
-    assert status.reason is TrustReason.TOKENIZER_MISMATCH and "router's keys" in status.detail
+    assert status.reason is TrustReason.TOKENIZER_MISMATCH and "under other keys" in status.detail
     assert fleet.trust(b, fleet.clock()).state is TrustState.FRESH
+
+
+async def test_first_blocks_the_engine_held_unseen_mean_missed_events_not_a_tokenizer_mismatch(
+    make: Build, tmp_path: Path
+) -> None:
+    """The engine answers from blocks it stored in batches the mirror never got: it stores no first
+    block for these requests, so the cause is missed events (e.g. an undetected restart)."""
+    fleet, core = await make(engine(tmp_path, "a"))
+    a = EngineId("a")
+    for i in range(3):
+        prepared = core.models.prepare(body([t + 1000 * i for t in PROMPT]), Endpoint.COMPLETIONS)
+        now = fleet.clock()
+        fleet.request_sent(a, RequestId(f"a{i}"), prepared, now)
+        fleet.request_answered(RequestId(f"a{i}"), now)  # no stores: the engine had the prompt cached
+        fleet.request_finished(a, RequestId(f"a{i}"), now)
+        assert fleet.trust(a, now).state is (TrustState.STALE if i == 2 else TrustState.FRESH)
+    status = fleet.trust(a, fleet.clock())
+    assert status.reason is TrustReason.UNSEEN_BLOCKS and "never seen stored" in status.detail

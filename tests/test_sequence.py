@@ -46,6 +46,8 @@ def run(tracker: SequenceTracker[str], steps: list[Step]) -> list[list[Action[st
                 out.append(tracker.on_disconnected())
             case ("connected",):
                 out.append(tracker.on_connected())
+            case ("verify",):
+                out.append(tracker.verify())
             case _:
                 raise AssertionError(f"bad step {step}")
     return out
@@ -243,6 +245,16 @@ CASES: dict[str, tuple[TrackerConfig, list[tuple[Step, list[Action[str]]]]]] = {
             (("end",), [Reset("restart"), RequestReplay(0)]),
             (("replay", 0, "b0"), [Deliver(0, "b0")]),
             (("end",), [CaughtUp(0)]),
+        ],
+    ),
+    "the consumer's doubt verifies the last seq, once": (
+        TrackerConfig(),
+        [
+            (("verify",), []),
+            (("live", 0, "a0"), [Deliver(0, "a0")]),
+            (("verify",), [RequestReplay(0)]),
+            (("verify",), []),
+            (("replay", 0, "b0"), [Reset("restart"), RequestReplay(0)]),
         ],
     ),
     "reconnection before anything was delivered, or without replay, verifies nothing": (
