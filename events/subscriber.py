@@ -101,6 +101,7 @@ class EngineSubscriber:
         self._timeout = self.config.replay_timeout_s
         self._frame_errors = 0
         self._consumer_errors = 0
+        self._event_lag_s: float | None = None
         self.endpoint = source.endpoint
 
     def start(self) -> None:
@@ -163,6 +164,7 @@ class EngineSubscriber:
             last_event_time=seq.last_event_time,
             stale=seq.stale,
             replaying=self._tracker.replaying,
+            event_lag_s=self._event_lag_s,
         )
 
     def _socket(self, kind: int) -> zmq.asyncio.Socket:
@@ -192,6 +194,7 @@ class EngineSubscriber:
 
     @staticmethod
     def _now() -> float:
+        # Replay deadlines only: receive times are the wall clock (`time.time()`), like batch `ts`.
         return asyncio.get_running_loop().time()
 
     async def _drain(self, sock: zmq.asyncio.Socket, handle: Callable[[list[bytes]], None]) -> None:
@@ -255,6 +258,9 @@ class EngineSubscriber:
         batch = self._decoder.decode(payload)
         if batch is None:
             return
+        received = self._tracker.stats.last_event_time  # the wall-clock `now` given with this batch
+        if received is not None:
+            self._event_lag_s = received - batch.ts
         try:
             self._consumer.on_batch(self.name, seq, batch)
         except Exception:
