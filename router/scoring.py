@@ -100,18 +100,26 @@ class CandidateScore(msgspec.Struct, frozen=True):
     eligible: bool
     why_not: str = ""
     pending_tokens: int = 0
+    counted_tokens: int = 0
 
     @property
     def expected_tokens(self) -> int:
-        """What the engine should report cached: the mirror's hit, or a longer pending prefix."""
+        """What the engine should report cached: the mirror's hit, or a longer pending prefix.
+
+        Trust does not enter: an untrusted mirror's hit is still the router's best estimate of the
+        engine's cache (after a reset or a lost batch the mirror holds a subset of it), while
+        `counted_tokens` is what scoring dared to count."""
         return max(self.hit_tokens, self.pending_tokens)
 
 
 class Decision(msgspec.Struct, frozen=True):
     """The chosen engine (None when none is eligible), every candidate's score, the policy, the reason.
 
-    `predicted_cached_tokens` is the chosen candidate's expected hit: the mirror's, or the leading run
-    of prefixes just routed there when that is longer (`CandidateScore.pending_tokens`).
+    For the chosen candidate: `predicted_cached_tokens` is what its engine is expected to report as
+    `usage.prompt_tokens_details.cached_tokens` (`CandidateScore.expected_tokens`: the mirror's hit,
+    or the leading run of prefixes just routed there when that is longer, trusted or not);
+    `mirror_hit_tokens` is the mirror's raw hit; `counted_cached_tokens` is what scoring counted
+    (0 from a mirror that is not fresh, unless a pending prefix counts).
     """
 
     engine: EngineId | None
@@ -119,6 +127,8 @@ class Decision(msgspec.Struct, frozen=True):
     reason: str
     predicted_cached_tokens: int
     candidates: list[CandidateScore]
+    mirror_hit_tokens: int = 0
+    counted_cached_tokens: int = 0
 
 
 def stable_hash(key: str, engine: EngineId) -> int:
@@ -142,13 +152,14 @@ def _score(c: Candidate, excluded: frozenset[EngineId], decode_penalty_s: float)
     # A prefix the router itself just sent there is known without the mirror, unless the engine's
     # state is in doubt altogether (stale: restarted, history lost, silent).
     pending = c.pending_tokens if c.trust.state is not TrustState.STALE else 0
-    uncached = max(0, c.prompt_tokens - max(trusted_hit, pending))
+    counted = max(trusted_hit, pending)
+    uncached = max(0, c.prompt_tokens - counted)
     ttft = c.load.predicted_ttft_s(uncached) + decode_penalty_s * c.load.decoding
     pins = c.trust.trusted and c.warm_tokens > c.hit_tokens
     why_not = _why_not(c, excluded)
     return CandidateScore(
         c.engine, c.hit_tokens, trusted_hit, c.boundary, c.warm_tokens, pins, uncached, ttft,
-        c.trust, c.load, not why_not, why_not, c.pending_tokens,
+        c.trust, c.load, not why_not, why_not, c.pending_tokens, counted,
     )  # fmt: skip
 
 
@@ -182,7 +193,10 @@ class Scorer:
             why = "; ".join(f"{s.engine}: {s.why_not}" for s in scores) or "no engines configured"
             return Decision(None, policy, f"no eligible engine ({why})", 0, scores)
         chosen, reason = self._policies[policy](request, eligible)
-        return Decision(chosen.engine, policy, reason, chosen.expected_tokens, scores)
+        return Decision(
+            chosen.engine, policy, reason, chosen.expected_tokens, scores,
+            chosen.hit_tokens, chosen.counted_tokens,
+        )  # fmt: skip
 
     def forget_engine(self, engine: EngineId) -> None:
         """Drop session affinities to an engine that left the fleet."""
