@@ -9,20 +9,30 @@ published, so the first live seq the gateway sees is the old last seq + 1: the c
 
 from __future__ import annotations
 
-from contextlib import AsyncExitStack
+import asyncio
+import json
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from pathlib import Path
 from urllib.parse import urlsplit
 
 import httpx
 import msgspec
 
 from engine_stub.serve import StubServer, running_stub
+from engine_stub.stub import ReadyInfo
 from events.config import KVEventsConfig
+from router.config import EngineConfig
 from router.debug import Explanation
 from router.ids import EngineId
 from router.trust import TrustReason, TrustState
 from tests.gateway_helpers import ADMIN, Gateway, engine_of, gateway_config, running_gateway, wait_for
 from tests.stub_helpers import BS, stub_config
 
+ROOT = Path(__file__).resolve().parents[1]
 ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
 OLD = [[1000 + 97 * i + t for t in range(4 * BS + 3)] for i in range(2)]  # served by the dead lifetime
 NEW = [[5000 + 89 * i + t for t in range(4 * BS + 3)] for i in range(4)]  # served by the new one
@@ -61,9 +71,10 @@ async def predicted(gw: Gateway, prompt: list[int]) -> int:
     return msgspec.json.decode(answer.content, type=Explanation).decision.candidates[0].hit_tokens
 
 
-async def true_hit(server: StubServer, prompt: list[int]) -> int:
-    assert server.info is not None
-    async with httpx.AsyncClient(base_url=server.info.url) as client:
+async def true_hit(server: StubServer | ReadyInfo, prompt: list[int]) -> int:
+    info = server.info if isinstance(server, StubServer) else server
+    assert info is not None
+    async with httpx.AsyncClient(base_url=info.url) as client:
         answer = await client.post("/debug/cache_hit", json={"model": "kvrouter-stub", "prompt": prompt})
         assert answer.status_code == 200, answer.text
         return int(answer.json()[0]["hit_tokens"])
@@ -114,3 +125,68 @@ async def test_a_restart_whose_first_batches_were_missed_resets_the_mirror() -> 
 async def _fresh(gw: Gateway) -> bool:
     status = gw.parts.fleet.trust(EngineId("e0"), gw.parts.fleet.clock())
     return status.state is TrustState.FRESH
+
+
+@asynccontextmanager
+async def stub_process(*argv: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, ReadyInfo]]:
+    """`kvrouter engine-stub ARGV` as a child process, and its ready line; killed at the end."""
+    env = {**os.environ, "VLLM_HOST_IP": "127.0.0.1"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "kvrouter.cmd_engine_stub", "engine-stub", "--speed-factor", "1000", *argv,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL, env=env, cwd=ROOT,
+    )  # fmt: skip
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), 30.0)
+        yield proc, msgspec.json.decode(line, type=ReadyInfo)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+        await proc.wait()
+
+
+def events_json(endpoint: str, replay: str) -> str:
+    return json.dumps({"enable_kv_cache_events": True, "endpoint": endpoint, "replay_endpoint": replay})
+
+
+async def test_a_killed_engine_process_restarted_on_the_same_ports_is_reset() -> None:
+    """The issue's case: SIGKILL, a new process on the same ports, requests at once; the gateway's
+    SUB socket is in its reconnect backoff, so it typically misses the new lifetime's first batches."""
+    async with AsyncExitStack() as first_lifetime:
+        proc, info = await first_lifetime.enter_async_context(
+            stub_process("--port", "0", "--kv-events-config", events_json("tcp://*:0", "tcp://*:0"))
+        )
+        source = info.kv_event_sources[0]
+        assert source.replay_endpoint is not None
+        engine = EngineConfig(
+            name="e0",
+            url=info.url,
+            model=info.model,
+            events=[source.endpoint],
+            replay=[source.replay_endpoint],
+        )
+        async with running_gateway(gateway_config([engine])) as gw:
+            for prompt in OLD:
+                await complete(gw.client, prompt)
+            await wait_for(lambda: _predicts(gw, info, OLD))
+            proc.send_signal(signal.SIGKILL)
+            await proc.wait()
+            await first_lifetime.aclose()
+            again = events_json(
+                f"tcp://*:{port_of(source.endpoint)}", f"tcp://*:{port_of(source.replay_endpoint)}"
+            )
+            async with stub_process("--port", str(info.port), "--kv-events-config", again) as (_, second):
+                async with httpx.AsyncClient(base_url=second.url) as direct:
+                    for prompt in NEW:
+                        await complete(direct, prompt)
+                await wait_for(lambda: _predicts(gw, second, [*OLD, *NEW]), timeout=30.0)
+                await wait_for(lambda: _fresh(gw))
+                assert gw.parts.fleet.replica(EngineId("e0")).resets == 1
+
+
+async def _predicts(gw: Gateway, info: ReadyInfo, prompts: list[list[int]]) -> bool:
+    """Whether the gateway's mirror predicts the engine's true hit for every prompt."""
+    for prompt in prompts:
+        if await predicted(gw, prompt) != await true_hit(info, prompt):
+            return False
+    return True
