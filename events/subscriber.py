@@ -139,10 +139,13 @@ class EngineSubscriber:
             self._sub.close(linger=0)
             self._sub = None
 
-    def verify(self) -> None:
+    def verify(self) -> bool:
         """The consumer doubts the link (it saw blocks whose stores never came): check that the
-        publisher did not restart, by a replay from the last delivered seq."""
-        self._act(self._tracker.verify())
+        publisher did not restart, by a replay from the last delivered seq. True when a replay (this
+        one, or one already in flight) will end in CaughtUp or a Reset; False when none can."""
+        actions = self._tracker.verify()
+        self._act(actions)
+        return bool(actions) or self._tracker.replaying
 
     def stats(self) -> EngineStats:
         """The current counters."""

@@ -262,8 +262,11 @@ class Fleet:
         self._first_keys.pop(request, None)
         first = self._answered_keys.pop(request, None)
         if rep is not None and first is not None and rep.check_stored(self.mirror, *first, at):
-            if rep.subscriber is not None:
-                rep.subscriber.verify()  # missed events: perhaps a restart the link has not seen
+            # Missed events (a restart the link has not seen?) or other keys: a verified link tells.
+            if rep.subscriber is not None and rep.subscriber.verify():
+                rep.verifying = True  # judged at CaughtUp, unless the replay finds a restart
+            else:
+                rep.judge(self.mirror, at, link_verified=False)
         if rep is not None and request in rep.pending:
             grace = self.report_grace_s if rep.pending[request].full else 0.0
             rep.finished[request] = at + grace
@@ -306,6 +309,8 @@ class Fleet:
             case CaughtUp():
                 rep.replaying = False
                 rep.observe(ReplayFinished(now))
+                if rep.verifying:
+                    rep.judge(self.mirror, now, link_verified=True)
             case Rebuilt():
                 rep.observe(Cleared(now))
 
@@ -316,5 +321,5 @@ class Fleet:
         if view is not None:
             view.flags.clear()  # a restarted engine is judged afresh
         rep.reported_flags.clear()
-        rep.missing_stores = rep.missing_unstored = 0
+        rep.forget_misses()
         rep.resets += 1
