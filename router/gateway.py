@@ -3,9 +3,10 @@
 `handle()` serves `/v1/completions` and `/v1/chat/completions` straight over ASGI (the app's
 `HotRoutes` sends them here before Starlette sees them): the body is read once (size limited) and
 forwarded byte for byte; routing reads only what `Models.prepare` needs. Answers carry
-`x-request-id`, `x-kvrouter-engine`, `x-kvrouter-predicted-cached-tokens` (what the engine is expected
-to report cached, trusted or not) and `x-kvrouter-mirror-trust` (whether scoring counted it). Every outcome is
-counted in the metrics, kept in the decision ring, and (with `--record`) written to the recording.
+`x-request-id`, `x-kvrouter-engine`, `x-kvrouter-predicted-cached-tokens` (what the engine is
+expected to report cached, trusted or not) and `x-kvrouter-mirror-trust` (whether scoring counted
+it). Every outcome is counted in the metrics, kept in the decision ring, and (with `--record`)
+written to the recording.
 Failures are `RouterError`s, answered as OpenAI-format bodies.
 """
 
