@@ -1,14 +1,21 @@
 """Per-publisher sequence tracking for the KV-event link (pure, sans-I/O: no sockets, no clock).
 
-`SequenceTracker` is fed every batch a subscriber receives, live or replayed, and answers with the
-actions to carry out: deliver it, drop a duplicate, request a replay, signal a reset. The rules
-(reference section 8.3):
+`SequenceTracker` is fed every batch a subscriber receives, live or replayed, and the link's
+disconnections and reconnections, and answers with the actions to carry out: deliver it, drop a
+duplicate, request a replay, signal a reset. The rules (reference section 8.3):
 
 - start-up: replay from 0, so a late subscriber (ZMQ's slow joiner) still sees the whole history;
-- seq == last+1: deliver; a gap: replay from last+1;
+- seq == last+1: deliver; a gap: replay from `last` (not last+1), so the replay's first batch
+  verifies that the publisher is still the one that sent `last`;
 - seq <= last: a duplicate when its fingerprint matches the batch delivered with that seq, otherwise
   the engine restarted (vLLM restarts seq at 0 and sends no other marker): Reset("restart"), then
   replay from 0;
+- the link went down and came back (the engine may have restarted on the same ports, and its first
+  batches may have been missed): replay from the last seq delivered before the disconnection. A
+  fresh publisher's replay buffer betrays it: under that seq it holds a different batch (a restart
+  whose new lifetime already passed the old last seq) or nothing at all (one that has not reached
+  it yet); either is Reset("restart"), then replay from 0. The same check runs on every gap replay,
+  so a new lifetime whose first seen seq continues the old numbering is caught too;
 - a replay that starts (or jumps) later than asked: the publisher's buffer no longer holds that
   history: Reset("history_lost") and the engine is *stale* until a full picture exists again (a
   delivered seq 0, i.e. a new publisher lifetime seen from its start, or `mark_rebuilt()` when the
@@ -19,8 +26,8 @@ in seq order when the replay ends, so a busy publisher does not cause a fresh ga
 Held batches already delivered by the replay are recognised by fingerprint and dropped. Without a
 replay endpoint (`can_replay=False`) a gap cannot be filled: it is reported as history lost.
 
-Known limit (vLLM 0.33.0 carries no publisher id): a restart is invisible if the subscriber misses
-every batch of the new lifetime until its seq exceeds the last one seen.
+Known limit (vLLM 0.33.0 carries no publisher id): without a replay endpoint, a restart is invisible
+if the subscriber misses every batch of the new lifetime until its seq exceeds the last one seen.
 """
 
 from __future__ import annotations
@@ -99,7 +106,8 @@ class TrackerConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class SequenceStats(msgspec.Struct):
-    """Counters of one tracker; `last_event_time` is the `now` given with the last delivered batch."""
+    """Counters of one tracker; `last_event_time` is the `now` given with the last delivered batch;
+    `verifications` counts replays asked for to confirm the publisher's identity (gaps, reconnections)."""
 
     batches: int = 0
     gaps: int = 0
@@ -110,6 +118,7 @@ class SequenceStats(msgspec.Struct):
     duplicates: int = 0
     stray_replies: int = 0
     held_dropped: int = 0
+    verifications: int = 0
     last_seq: int | None = None
     last_event_time: float | None = None
     stale: bool = False
@@ -127,6 +136,8 @@ class SequenceTracker(Generic[T]):
         self._replay_from: int | None = None
         self._requests = 0
         self._held: dict[int, tuple[T, int]] = {}  # seq -> (item, replay requests made when received)
+        self._verify: int | None = None  # the seq the replay in flight must confirm by fingerprint
+        self._anchor: int | None = None  # the last seq delivered before the link went down
 
     @property
     def replaying(self) -> bool:
@@ -149,6 +160,12 @@ class SequenceTracker(Generic[T]):
         if self._replay_from is None:
             self.stats.stray_replies += 1
             return []
+        if self._verify is not None:
+            verify, self._verify = self._verify, None
+            known = self._fingerprint_at(seq) if seq == verify else None
+            if known is not None and known != self._fingerprint(item):
+                return self._restarted()
+            # a later first seq: the publisher no longer holds `verify`, nothing to compare with
         expected = self._expected()
         if seq < expected:
             self.stats.duplicates += 1
@@ -161,15 +178,45 @@ class SequenceTracker(Generic[T]):
         if self._replay_from is None:
             self.stats.stray_replies += 1
             return []
+        if self._verify is not None:
+            # Asked from a seq this publisher sent us and got nothing: its buffer starts after our
+            # history, so it is a new lifetime that has not reached our last seq yet.
+            return self._restarted()
         self._replay_from = None
         return self._drain(now)
 
     def on_replay_failed(self) -> list[Action[T]]:
-        """The replay in flight timed out: ask again from the next seq still missing."""
+        """The replay in flight timed out: ask again from the next seq still missing (or still to verify)."""
         if self._replay_from is None:
             return []
         self.stats.replay_failures += 1
+        if self._verify is not None:
+            return self._request(self._verify, verify=self._verify)
         return self._request(self._expected())
+
+    def verify(self) -> list[Action[T]]:
+        """The consumer doubts the link: replay from the last delivered seq to confirm the publisher
+        is the same lifetime (nothing while a replay is in flight or nothing was delivered)."""
+        if self._replay_from is not None or self._last is None or not self.config.can_replay:
+            return []
+        self.stats.verifications += 1
+        return self._request(self._last, verify=self._last)
+
+    def on_disconnected(self) -> list[Action[T]]:
+        """The link to the publisher went down: remember the last seq known to be this lifetime's
+        (the last delivered one, or the one a verification in flight has not confirmed yet)."""
+        if self._anchor is None:
+            self._anchor = self._verify if self._verify is not None else self._last
+        return []
+
+    def on_connected(self) -> list[Action[T]]:
+        """The link is up (again): after a disconnection, replay from the seq remembered then, which
+        confirms the publisher is the same lifetime or reveals a restart (see the module docstring)."""
+        anchor, self._anchor = self._anchor, None
+        if anchor is None or not self.config.can_replay or self._fingerprint_at(anchor) is None:
+            return []
+        self.stats.verifications += 1
+        return self._request(anchor, verify=anchor)
 
     def mark_rebuilt(self) -> list[Action[T]]:
         """The consumer has a complete picture again (e.g. it saw AllBlocksCleared): clear `stale`."""
@@ -190,7 +237,10 @@ class SequenceTracker(Generic[T]):
             if not self.config.can_replay:
                 return [*self._history_lost(), *self._deliver(seq, item, now)]
             self._hold(seq, item)
-            return self._request(expected)
+            if self._last is None:
+                return self._request(expected)
+            self.stats.verifications += 1
+            return self._request(self._last, verify=self._last)
         if self._is_duplicate(seq, item):
             self.stats.duplicates += 1
             return [Duplicate(seq)]
@@ -213,14 +263,31 @@ class SequenceTracker(Generic[T]):
 
     def _is_duplicate(self, seq: int, item: T) -> bool:
         assert self._last is not None, "a seq below the expected one implies something was delivered"
-        back = self._last - seq
-        return back < len(self._fps) and self._fps[-1 - back] == self._fingerprint(item)
+        return self._fingerprint_at(seq) == self._fingerprint(item)
 
-    def _restart(self, seq: int, item: T, now: float) -> list[Action[T]]:
+    def _fingerprint_at(self, seq: int) -> Hashable | None:
+        """The fingerprint of the batch delivered with `seq`, if still in the window."""
+        if self._last is None or seq > self._last:
+            return None
+        back = self._last - seq
+        return self._fps[-1 - back] if back < len(self._fps) else None
+
+    def _forget(self) -> None:
         self.stats.resets += 1
         self._last = None
         self._fps.clear()
         self._held.clear()
+        self._verify = None
+        self._anchor = None
+
+    def _restarted(self) -> list[Action[T]]:
+        # Found by a verifying replay: whatever is held or still streaming belongs to a replay or a
+        # lifetime we no longer trust; the replay from 0 brings the new lifetime's batches again.
+        self._forget()
+        return [Reset("restart"), *self._request(0)]
+
+    def _restart(self, seq: int, item: T, now: float) -> list[Action[T]]:
+        self._forget()
         if not self.config.can_replay:
             return [Reset("restart"), *self._accept(seq, item, now)]
         self._hold(seq, item)
@@ -231,8 +298,9 @@ class SequenceTracker(Generic[T]):
         self.stats.stale = True
         return [Reset("history_lost")]
 
-    def _request(self, start: int) -> list[Action[T]]:
+    def _request(self, start: int, verify: int | None = None) -> list[Action[T]]:
         self._replay_from = start
+        self._verify = verify
         self._requests += 1
         self.stats.replays += 1
         return [RequestReplay(start)]

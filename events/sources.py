@@ -55,7 +55,9 @@ class SubscriberConfig(msgspec.Struct, frozen=True, kw_only=True):
 
 
 class EngineStats(msgspec.Struct):
-    """A snapshot of one engine subscriber's counters, for metrics."""
+    """A snapshot of one engine subscriber's counters, for metrics. Times are the wall clock
+    (`time.time()`, like the batches' `ts`): `last_event_time` is when the last delivered batch was
+    received, `event_lag_s` that time minus the batch's `ts` (the engine's clock: skew shows here)."""
 
     engine: str
     batches: int
@@ -73,6 +75,7 @@ class EngineStats(msgspec.Struct):
     last_event_time: float | None
     stale: bool
     replaying: bool
+    event_lag_s: float | None = None
 
 
 class Consumer(Protocol):

@@ -6,8 +6,12 @@ a `SequenceTracker` and carries out its actions: delivered payloads are decoded 
 counted) and handed to the `Consumer` as ``(engine, seq, batch)``; resets, caught-up and rebuilt
 signals follow in order. A replay that sees no reply for `replay_timeout_s` is retried on a fresh
 DEALER, with the timeout doubling up to `backoff_max_s`; ZeroMQ itself reconnects both sockets with
-exponential backoff while an engine is away. Nothing here raises on bad input: malformed frames,
-undecodable payloads and consumer exceptions are counted and logged.
+exponential backoff while an engine is away. A monitor on the SUB socket reports the live link's
+disconnections and reconnections to the tracker, which verifies after each one that the publisher
+did not restart meanwhile (`events.sequence`). A new replay request while another is in flight goes
+out on a fresh DEALER, so the abandoned replay's replies never mix with the new one's. Nothing here
+raises on bad input: malformed frames, undecodable payloads and consumer exceptions are counted and
+logged.
 
 Connect mode (vLLM's publisher connects when its endpoint has no `*`): set `EngineSource.bind` and
 the SUB socket binds instead; replay endpoints always belong to the publisher.
@@ -25,6 +29,7 @@ from typing import Final
 import msgspec
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from events.decode import BatchDecoder
 from events.frames import (
@@ -60,6 +65,7 @@ __all__ = ["EngineSubscriber"]
 log = logging.getLogger(__name__)
 
 _BURST: Final = 256  # messages handled per socket before polling again, so neither socket starves
+_LINK_EVENTS: Final = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 
 
 class EngineSubscriber:
@@ -88,12 +94,14 @@ class EngineSubscriber:
         )
         self._poller = zmq.asyncio.Poller()
         self._sub: zmq.asyncio.Socket | None = None
+        self._monitor: zmq.asyncio.Socket | None = None
         self._dealer: zmq.asyncio.Socket | None = None
         self._task: asyncio.Task[None] | None = None
         self._deadline: float | None = None
         self._timeout = self.config.replay_timeout_s
         self._frame_errors = 0
         self._consumer_errors = 0
+        self._event_lag_s: float | None = None
         self.endpoint = source.endpoint
 
     def start(self) -> None:
@@ -109,6 +117,8 @@ class EngineSubscriber:
             sub.connect(self.source.endpoint)
         self._sub = sub
         self._poller.register(sub, zmq.POLLIN)
+        self._monitor = sub.get_monitor_socket(_LINK_EVENTS)
+        self._poller.register(self._monitor, zmq.POLLIN)
         self._task = asyncio.create_task(self._run(), name=f"kv-sub-{self.name}")
 
     async def close(self) -> None:
@@ -119,10 +129,23 @@ class EngineSubscriber:
                 await self._task
             self._task = None
         self._close_dealer()
+        if self._sub is not None and self._monitor is not None:
+            self._poller.unregister(self._monitor)
+            self._sub.disable_monitor()
+            self._monitor.close(linger=0)
+            self._monitor = None
         if self._sub is not None:
             self._poller.unregister(self._sub)
             self._sub.close(linger=0)
             self._sub = None
+
+    def verify(self) -> bool:
+        """The consumer doubts the link (it saw blocks whose stores never came): check that the
+        publisher did not restart, by a replay from the last delivered seq. True when a replay (this
+        one, or one already in flight) will end in CaughtUp or a Reset; False when none can."""
+        actions = self._tracker.verify()
+        self._act(actions)
+        return bool(actions) or self._tracker.replaying
 
     def stats(self) -> EngineStats:
         """The current counters."""
@@ -144,6 +167,7 @@ class EngineSubscriber:
             last_event_time=seq.last_event_time,
             stale=seq.stale,
             replaying=self._tracker.replaying,
+            event_lag_s=self._event_lag_s,
         )
 
     def _socket(self, kind: int) -> zmq.asyncio.Socket:
@@ -161,6 +185,8 @@ class EngineSubscriber:
                 await self._drain(self._sub, self._on_live)
             if self._dealer is not None and self._dealer in ready:
                 await self._drain(self._dealer, self._on_replay)
+            if self._monitor is not None and self._monitor in ready:
+                await self._drain(self._monitor, self._on_link_event)
             if self._deadline is not None and self._now() >= self._deadline:
                 self._on_replay_timeout()
 
@@ -171,10 +197,13 @@ class EngineSubscriber:
 
     @staticmethod
     def _now() -> float:
+        # Replay deadlines only: receive times are the wall clock (`time.time()`), like batch `ts`.
         return asyncio.get_running_loop().time()
 
     async def _drain(self, sock: zmq.asyncio.Socket, handle: Callable[[list[bytes]], None]) -> None:
         for _ in range(_BURST):
+            if sock.closed:  # a restart found mid-replay replaced the DEALER
+                return
             try:
                 parts = await sock.recv_multipart(zmq.NOBLOCK)
             except zmq.Again:
@@ -207,6 +236,11 @@ class EngineSubscriber:
         self._tapped(reply, now)
         self._act(self._tracker.on_replay(reply.seq, reply.payload, now))
 
+    def _on_link_event(self, parts: list[bytes]) -> None:
+        down = parse_monitor_message(parts)["event"] == zmq.EVENT_DISCONNECTED
+        log.info("kv event link", extra={"engine": self.name, "link": "down" if down else "up"})
+        self._act(self._tracker.on_disconnected() if down else self._tracker.on_connected())
+
     def _on_replay_timeout(self) -> None:
         self._timeout = min(self._timeout * 2, self.config.backoff_max_s)
         log.warning("kv event replay timed out", extra={"engine": self.name, "next_timeout_s": self._timeout})
@@ -227,6 +261,9 @@ class EngineSubscriber:
         batch = self._decoder.decode(payload)
         if batch is None:
             return
+        received = self._tracker.stats.last_event_time  # the wall-clock `now` given with this batch
+        if received is not None:
+            self._event_lag_s = received - batch.ts
         try:
             self._consumer.on_batch(self.name, seq, batch)
         except Exception:
@@ -245,6 +282,8 @@ class EngineSubscriber:
 
     def _request_replay(self, start: int) -> None:
         assert self.source.replay_endpoint is not None, "the tracker replays only with an endpoint"
+        if self._deadline is not None:
+            self._close_dealer()  # a replay still in flight: its replies must not mix with this one's
         if self._dealer is None:
             self._dealer = self._socket(zmq.DEALER)
             self._dealer.connect(self.source.replay_endpoint)

@@ -80,8 +80,9 @@ class Fleet:
         )
         self.load = LoadTracker(prior)
         self.pending = PendingPrefixes(policy.pending_ttl_s)
-        self._first_keys: dict[RequestId, int] = {}  # sent, not answered yet
-        self._answered_keys: dict[RequestId, int] = {}
+        # request -> (its first block key, the replica's root stores when it was sent)
+        self._first_keys: dict[RequestId, tuple[int, int]] = {}  # sent, not answered yet
+        self._answered_keys: dict[RequestId, tuple[int, int]] = {}
         self.breakers = Breakers(config.breaker.failure_threshold, config.breaker.open_s)
         lim = config.limits
         self.admission = Admission(
@@ -241,7 +242,7 @@ class Fleet:
         if keys is not None and not prepared.skip_cache and rep.variant.spec.unitary_full_attention:
             self.pending.add(request, replica, keys.keys, at)
         if keys is not None and keys.keys and rep.engine.events:
-            self._first_keys[request] = keys.keys[0]
+            self._first_keys[request] = (keys.keys[0], rep.root_stores)
         if keys is not None and keys.keys:
             full = prepared.report_mode == "full" and not prepared.skip_cache
             rep.pending[request] = PendingReport(keys.keys, keys.num_tokens, full, prepared.skip_cache)
@@ -259,9 +260,13 @@ class Fleet:
         self.pending.answered(request, at)
         rep = self._replicas.get(replica)
         self._first_keys.pop(request, None)
-        first_key = self._answered_keys.pop(request, None)
-        if rep is not None and first_key is not None:
-            rep.check_stored(self.mirror, first_key, at)
+        first = self._answered_keys.pop(request, None)
+        if rep is not None and first is not None and rep.check_stored(self.mirror, *first, at):
+            # Missed events (a restart the link has not seen?) or other keys: a verified link tells.
+            if rep.subscriber is not None and rep.subscriber.verify():
+                rep.verifying = True  # judged at CaughtUp, unless the replay finds a restart
+            else:
+                rep.judge(self.mirror, at, link_verified=False)
         if rep is not None and request in rep.pending:
             grace = self.report_grace_s if rep.pending[request].full else 0.0
             rep.finished[request] = at + grace
@@ -277,6 +282,7 @@ class Fleet:
         now = self.clock()
         rep.poll(now)
         rep.reports += apply_batch(self.mirror, rep.id, rep.variant.spec, batch, rep.pending)
+        rep.count_roots(batch.events)
         rep.last_seq, rep.applied = seq, rep.applied + 1
         rep.observe(Delivered(now))
         rep.expire_pending(now)
@@ -303,6 +309,8 @@ class Fleet:
             case CaughtUp():
                 rep.replaying = False
                 rep.observe(ReplayFinished(now))
+                if rep.verifying:
+                    rep.judge(self.mirror, now, link_verified=True)
             case Rebuilt():
                 rep.observe(Cleared(now))
 
@@ -313,4 +321,5 @@ class Fleet:
         if view is not None:
             view.flags.clear()  # a restarted engine is judged afresh
         rep.reported_flags.clear()
+        rep.forget_misses()
         rep.resets += 1

@@ -31,6 +31,7 @@ from router.trust import (
     TrustState,
     TrustStatus,
     TrustTracker,
+    UnseenBlocks,
 )
 from router.variants import Variant
 
@@ -40,7 +41,7 @@ LAYOUT_FLAGS: Final = frozenset({"kind_mismatch", "window_mismatch", "unknown_gr
 """Mirror flags (besides block size) meaning the events do not match the configured layout."""
 _NO_EVENTS: Final = "no KV event endpoint configured: the mirror is empty and hits are never trusted"
 MISMATCH_AFTER: Final = 3
-"""Consecutive ended requests whose first block never appeared before a tokenizer mismatch is declared."""
+"""Consecutive ended requests whose first block never appeared before a cause is declared."""
 
 
 @dataclass
@@ -62,7 +63,14 @@ class Replica:
     applied: int = 0
     reports: int = 0
     resets: int = 0
-    missing_stores: int = 0
+    root_stores: int = 0
+    """Parentless GPU stores of group 0 delivered so far: each starts a prompt's chain of blocks."""
+    missing_keys: list[int] = field(default_factory=list)
+    """First keys of the requests that ended, in a row, without their first block in the mirror."""
+    stored_elsewhere: int = 0
+    """How many of those requests saw first blocks stored (under other keys) while they ran."""
+    verifying: bool = False
+    """A verdict on `missing_keys` waits for the link's verification replay to end."""
 
     _cached: TrustStatus | None = None
     _awaiting_since: float | None = None
@@ -135,26 +143,73 @@ class Replica:
                     return groups[g].block_size, ev.block_size
         return groups[0].block_size, 0
 
-    def check_stored(self, mirror: Mirror, first_key: int, now: float) -> None:
+    def check_stored(self, mirror: Mirror, first_key: int, roots_at_sent: int, now: float) -> bool:
         """A request this router sent here has ended: its first block should be in the mirror by now.
 
         The engine stores every full prompt block it computes, so a trusted mirror that still lacks
-        the router's key for the first block means the engine tokenized (or hashed) the prompt
-        differently. One miss can be an eviction; `MISMATCH_AFTER` in a row is reported as a
-        tokenizer mismatch, and the replica stays stale until its engine restarts.
+        the router's key for the first block means its stores were missed (an undetected restart,
+        a lost batch), or came late, or carry other keys (the engine tokenized or hashed the prompt
+        differently). One miss can be an eviction: returns True when `MISMATCH_AFTER` misses in a
+        row call for a verdict, which `judge` gives (after the link is verified, when it can be).
+        `roots_at_sent` is `root_stores` when the request was sent: whether the engine stored any
+        first block while it ran (if not, it already held the prompt).
         """
         view = mirror.replica(self.id)
-        if view is None or finder_kind(self.variant.spec.groups[0].kind) != "full":
-            return
+        if view is None or finder_kind(self.variant.spec.groups[0].kind) != "full" or self.verifying:
+            return False
         if not self.status(now, mirror).trusted:
-            return
+            return False
         if mirror.count(view, 0, first_key):
-            self.missing_stores = 0
+            self.forget_misses()
+            return False
+        self.missing_keys.append(first_key)
+        self.stored_elsewhere += self.root_stores > roots_at_sent
+        return len(self.missing_keys) == MISMATCH_AFTER
+
+    def judge(self, mirror: Mirror, now: float, link_verified: bool) -> None:
+        """Name the cause of the missing first blocks `check_stored` counted, only if it is known.
+
+        Stores that arrived since were late: no cause. With the link verified (a replay since
+        confirmed the publisher and every batch, and no restart was found) the mirror is complete,
+        so the engine keeps those prompts under keys the router does not compute: a tokenizer
+        mismatch. Unverified (no replay endpoint), it is one only when the engine stored first
+        blocks under other keys during every one of those requests; otherwise the engine held
+        blocks the mirror never saw stored, cause unknown: unseen blocks.
+        """
+        view = mirror.replica(self.id)
+        keys, elsewhere = self.missing_keys, self.stored_elsewhere
+        self.forget_misses()
+        if view is None or not keys or any(mirror.count(view, 0, key) for key in keys):
             return
-        self.missing_stores += 1
-        if self.missing_stores == MISMATCH_AFTER:
-            detail = f"the last {MISMATCH_AFTER} requests sent here left no block with the router's keys"
+        n = len(keys)
+        if link_verified:
+            detail = (
+                f"the last {n} requests sent here left no block with the router's keys on a verified link"
+            )
             self.observe(TokenizerMismatch(now, detail))
+        elif elsewhere == n:
+            detail = f"the last {n} requests sent here stored blocks under other keys"
+            self.observe(TokenizerMismatch(now, detail))
+        else:
+            detail = f"the engine held the first blocks of the last {n} requests, never seen stored"
+            self.observe(UnseenBlocks(now, f"{detail} (no replay endpoint to verify the link)"))
+
+    def forget_misses(self) -> None:
+        """Start counting missing first blocks afresh (a block seen, a verdict, a reset)."""
+        self.missing_keys = []
+        self.stored_elsewhere = 0
+        self.verifying = False
+
+    def count_roots(self, events: Iterable[object]) -> None:
+        """Count the parentless GPU stores of group 0 among delivered `events`."""
+        for ev in events:
+            if (
+                isinstance(ev, BlockStored | LazyBlockStored)
+                and ev.parent_block_hash is None
+                and not ev.group_idx
+                and ev.medium in (None, "GPU")
+            ):
+                self.root_stores += 1
 
     def blocks(self, mirror: Mirror) -> int:
         """GPU blocks (physical copies) in this replica's view, over all groups."""

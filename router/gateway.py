@@ -3,8 +3,10 @@
 `handle()` serves `/v1/completions` and `/v1/chat/completions` straight over ASGI (the app's
 `HotRoutes` sends them here before Starlette sees them): the body is read once (size limited) and
 forwarded byte for byte; routing reads only what `Models.prepare` needs. Answers carry
-`x-request-id`, `x-kvrouter-engine` and `x-kvrouter-predicted-cached-tokens`. Every outcome is
-counted in the metrics, kept in the decision ring, and (with `--record`) written to the recording.
+`x-request-id`, `x-kvrouter-engine`, `x-kvrouter-predicted-cached-tokens` (what the engine is
+expected to report cached, trusted or not) and `x-kvrouter-mirror-trust` (whether scoring counted
+it). Every outcome is counted in the metrics, kept in the decision ring, and (with `--record`)
+written to the recording.
 Failures are `RouterError`s, answered as OpenAI-format bodies.
 """
 
@@ -77,6 +79,15 @@ def view_of(prepared: Prepared) -> PreparedView:
         prepared.model, str(prepared.endpoint), prepared.stream, prepared.prompt_tokens,
         len(prepared.keys), prepared.skip_cache,
     )  # fmt: skip
+
+
+def _mirror_trust(entry: DecisionEntry, engine: str) -> str:
+    """The trust state of `engine`'s mirror when the last decision chose it (scoring counts hits
+    only from `fresh` ones); `unknown` if that decision did not score it."""
+    for candidate in entry.decisions[-1].candidates if entry.decisions else ():
+        if candidate.engine == engine:
+            return candidate.trust.state.value
+    return "unknown"
 
 
 class Gateway:
@@ -247,6 +258,7 @@ class Gateway:
             ("x-request-id", entry.request_id),
             ("x-kvrouter-engine", engine),
             ("x-kvrouter-predicted-cached-tokens", str(predicted)),
+            ("x-kvrouter-mirror-trust", _mirror_trust(entry, engine)),
         ]
 
         def first_byte(relay_s: float) -> None:

@@ -11,6 +11,7 @@ own exact mirror of every engine, so any one of them is a true view).
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from typing import Final
 
@@ -85,7 +86,13 @@ class _EngineCollector(Collector):
         linked = [v for v in views if v.link is not None]
         yield _gauge(
             "kvrouter_engine_event_lag_seconds",
-            "seconds since the engine's last event batch",
+            "receive time of the engine's last applied event batch minus its ts (both wall clock)",
+            [v for v in linked if v.link and v.link.event_lag_s is not None],
+            lambda v: (v.link.event_lag_s or 0.0) if v.link else 0.0,
+        )
+        yield _gauge(
+            "kvrouter_engine_event_age_seconds",
+            "seconds since the engine's last event batch was received (wall clock)",
             [v for v in linked if v.link and v.link.last_event_time is not None],
             lambda v: now - (v.link.last_event_time or now) if v.link else 0.0,
         )
@@ -157,9 +164,10 @@ class RouterMetrics:
     def __init__(
         self,
         views: Callable[[], Sequence[EngineView]],
-        clock: Callable[[], float],
+        clock: Callable[[], float] = time.time,
         key_cache: PrefixKeyCache | None = None,
     ) -> None:
+        """`clock` is the wall clock the links' receive times are read with (`time.time`)."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(

@@ -5,9 +5,9 @@ Policies (`PolicyName`):
   prompt tokens) + decode_penalty_s x decoding requests. Hits count only from FRESH mirrors (a stale
   or catching-up engine's hits are taken as 0). Candidates within `tie_tolerance_s` of the best
   cost tie, and ties break, in order, on: (1) the longer prefix left for the next request sharing
-  this one's head (the credited hit, or the warm full-attention prefix of an engine where routing
+  this one's head (the counted hit, or the warm full-attention prefix of an engine where routing
   pins a hybrid junction: a trusted engine whose warm prefix exceeds its hit), (2) the larger
-  credited hit, (3) fewer in-flight requests, (4) a stable hash of (request key, engine), which
+  counted hit, (3) fewer in-flight requests, (4) a stable hash of (request key, engine), which
   spreads ties over engines without randomness. The reason names the rules that decided.
 - `round_robin`, `least_loaded` (in-flight, then queued tokens, then the stable hash), `random`
   (seeded), `session` (header affinity; falls back to `kv` when the engine is gone or unavailable),
@@ -106,23 +106,26 @@ class CandidateScore(msgspec.Struct, frozen=True):
     eligible: bool
     why_not: str = ""
     pending_tokens: int = 0
+    counted_tokens: int = 0
 
     @property
     def expected_tokens(self) -> int:
-        """What the engine should report cached: the mirror's hit, or a longer pending prefix."""
-        return max(self.hit_tokens, self.pending_tokens)
+        """What the engine should report cached: the mirror's hit, or a longer pending prefix.
 
-    @property
-    def credited_tokens(self) -> int:
-        """The cached prefix the predicted TTFT counted (see `_credited_tokens`)."""
-        return _credited_tokens(self.trusted_hit_tokens, self.pending_tokens, self.trust)
+        Trust does not enter: an untrusted mirror's hit is still the router's best estimate of the
+        engine's cache (after a reset or a lost batch the mirror holds a subset of it), while
+        `counted_tokens` is what scoring dared to count."""
+        return max(self.hit_tokens, self.pending_tokens)
 
 
 class Decision(msgspec.Struct, frozen=True):
     """The chosen engine (None when none is eligible), every candidate's score, the policy, the reason.
 
-    `predicted_cached_tokens` is the chosen candidate's expected hit: the mirror's, or the leading run
-    of prefixes just routed there when that is longer (`CandidateScore.pending_tokens`).
+    For the chosen candidate: `predicted_cached_tokens` is what its engine is expected to report as
+    `usage.prompt_tokens_details.cached_tokens` (`CandidateScore.expected_tokens`: the mirror's hit,
+    or the leading run of prefixes just routed there when that is longer, trusted or not);
+    `mirror_hit_tokens` is the mirror's raw hit; `counted_cached_tokens` is what scoring counted
+    (0 from a mirror that is not fresh, unless a pending prefix counts).
     """
 
     engine: EngineId | None
@@ -130,13 +133,8 @@ class Decision(msgspec.Struct, frozen=True):
     reason: str
     predicted_cached_tokens: int
     candidates: list[CandidateScore]
-
-
-def _credited_tokens(trusted_hit: int, pending: int, trust: TrustStatus) -> int:
-    """The cached prefix scoring counts: the trusted hit, or a longer prefix just routed there."""
-    # A prefix the router itself just sent there is known without the mirror, unless the engine's
-    # state is in doubt altogether (stale: restarted, history lost, silent).
-    return max(trusted_hit, pending if trust.state is not TrustState.STALE else 0)
+    mirror_hit_tokens: int = 0
+    counted_cached_tokens: int = 0
 
 
 def stable_hash(key: str, engine: EngineId) -> int:
@@ -164,13 +162,17 @@ def _why_not(c: Candidate, excluded: frozenset[EngineId]) -> str:
 
 def _score(c: Candidate, excluded: frozenset[EngineId], decode_penalty_s: float) -> CandidateScore:
     trusted_hit = c.hit_tokens if c.trust.trusted else 0
-    uncached = max(0, c.prompt_tokens - _credited_tokens(trusted_hit, c.pending_tokens, c.trust))
+    # A prefix the router itself just sent there is known without the mirror, unless the engine's
+    # state is in doubt altogether (stale: restarted, history lost, silent).
+    pending = c.pending_tokens if c.trust.state is not TrustState.STALE else 0
+    counted = max(trusted_hit, pending)
+    uncached = max(0, c.prompt_tokens - counted)
     ttft = c.load.predicted_ttft_s(uncached) + decode_penalty_s * c.load.decoding
     pins = c.trust.trusted and c.warm_tokens > c.hit_tokens
     why_not = _why_not(c, excluded)
     return CandidateScore(
         c.engine, c.hit_tokens, trusted_hit, c.boundary, c.warm_tokens, pins, uncached, ttft,
-        c.trust, c.load, not why_not, why_not, c.pending_tokens,
+        c.trust, c.load, not why_not, why_not, c.pending_tokens, counted,
     )  # fmt: skip
 
 
@@ -204,7 +206,10 @@ class Scorer:
             why = "; ".join(f"{s.engine}: {s.why_not}" for s in scores) or "no engines configured"
             return Decision(None, policy, f"no eligible engine ({why})", 0, scores)
         chosen, reason = self._policies[policy](request, eligible)
-        return Decision(chosen.engine, policy, reason, chosen.expected_tokens, scores)
+        return Decision(
+            chosen.engine, policy, reason, chosen.expected_tokens, scores,
+            chosen.hit_tokens, chosen.counted_tokens,
+        )  # fmt: skip
 
     def forget_engine(self, engine: EngineId) -> None:
         """Drop session affinities to an engine that left the fleet."""
@@ -286,13 +291,13 @@ def _pending_words(s: CandidateScore) -> str:
 
 def _reusable_tokens(s: CandidateScore) -> int:
     """The prefix this engine will serve the next request sharing this one's head, if it takes this one."""
-    return s.warm_tokens if s.pins_junction else s.credited_tokens
+    return s.warm_tokens if s.pins_junction else s.counted_tokens
 
 
 def _reusable_words(s: CandidateScore) -> str:
     if s.pins_junction:
         return f"pinning the hybrid junction at {s.warm_tokens} tokens"
-    return f"the larger cached prefix ({s.credited_tokens} tokens)"
+    return f"the larger cached prefix ({s.counted_tokens} tokens)"
 
 
 # Tie-break rules in order: (key, words); each keeps the tied candidates with the least key, and
@@ -309,7 +314,7 @@ _TIE_RULES: Final[
     tuple[tuple[Callable[[str, CandidateScore], int], Callable[[CandidateScore], str]], ...]
 ] = (
     (lambda key, s: -_reusable_tokens(s), _reusable_words),
-    (lambda key, s: -s.credited_tokens, lambda s: f"the larger cached prefix ({s.credited_tokens} tokens)"),
+    (lambda key, s: -s.counted_tokens, lambda s: f"the larger cached prefix ({s.counted_tokens} tokens)"),
     (lambda key, s: s.load.in_flight, lambda s: f"fewer in-flight requests ({s.load.in_flight})"),
     (lambda key, s: stable_hash(key, s.engine), lambda s: "the stable hash of (request, engine)"),
 )

@@ -137,7 +137,7 @@ class Service:
         if config.discovery.dns_name is not None:
             self.discovery = DnsDiscovery(config.discovery, self._on_discovery)
             self.discovery.start()
-        metrics = RouterMetrics(fleet.views, fleet.clock, fleet.models.key_cache)
+        metrics = RouterMetrics(fleet.views, time.time, fleet.models.key_cache)  # the links' clock
         core = RoutingCore(fleet, fleet.models, Scorer(scorer_settings(config)))
         ring = DecisionRing(opts.decision_ring)
         if opts.peers_dir is not None:

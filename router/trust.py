@@ -4,15 +4,16 @@ A sans-I/O state machine per engine, fed by the signals a subscriber and the pro
 carrying its own time) and asked `status(now)`. Trust is the worst of the active conditions:
 
 - STALE: an unreplayed gap; lost history (replay started later than asked); an undecodable batch;
-  a block-size or tokenizer mismatch seen in the engine's events; silence while requests flow (the
-  router sent it a request that must have produced stores `silence_s` ago, and no events came since).
+  a block-size or tokenizer mismatch seen in the engine's events; blocks the engine holds but the
+  mirror never saw stored (its events were missed); silence while requests flow (the router sent it
+  a request that must have produced stores `silence_s` ago, and no events came since).
 - CATCHING_UP: a replay in flight; an engine reset (restart) whose mirror is not rebuilt yet.
 - FRESH: none of the above.
 
 Recovery: a gap ends when its replay starts (it becomes "replay in flight"), a replay and a reset end
 when the replay finishes or live events resume after the reset; lost history and decode errors end
-only when the mirror is exact again (the engine cleared all blocks, or restarted); a mismatch ends at
-a restart. Scoring trusts hits only from FRESH engines.
+only when the mirror is exact again (the engine cleared all blocks, or restarted), and so do unseen
+blocks; a mismatch ends at a restart. Scoring trusts hits only from FRESH engines.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = [
     "TrustState",
     "TrustStatus",
     "TrustTracker",
+    "UnseenBlocks",
 ]
 
 
@@ -55,6 +57,7 @@ class TrustReason(enum.Enum):
     BLOCK_SIZE_MISMATCH = "block_size_mismatch"
     TOKENIZER_MISMATCH = "tokenizer_mismatch"
     DECODE_ERROR = "decode_error"
+    UNSEEN_BLOCKS = "unseen_blocks"
     HISTORY_LOST = "history_lost"
     GAP = "gap"
     SILENT = "silent"
@@ -150,6 +153,13 @@ class TokenizerMismatch(msgspec.Struct, frozen=True):
     detail: str = ""
 
 
+class UnseenBlocks(msgspec.Struct, frozen=True):
+    """The engine held blocks whose stores never reached the mirror: some of its events were missed."""
+
+    at: float
+    detail: str = ""
+
+
 class RequestSent(msgspec.Struct, frozen=True):
     """The router sent the engine a request that must produce stores (at least one new full block)."""
 
@@ -167,10 +177,11 @@ Signal = (
     | DecodeError
     | BlockSizeMismatch
     | TokenizerMismatch
+    | UnseenBlocks
     | RequestSent
 )
 
-_CLEARED_BY_EXACT_MIRROR = (TrustReason.HISTORY_LOST, TrustReason.DECODE_ERROR)
+_CLEARED_BY_EXACT_MIRROR = (TrustReason.HISTORY_LOST, TrustReason.DECODE_ERROR, TrustReason.UNSEEN_BLOCKS)
 _CLEARED_BY_RESTART = (
     *_CLEARED_BY_EXACT_MIRROR,
     TrustReason.BLOCK_SIZE_MISMATCH,
@@ -216,6 +227,8 @@ class TrustTracker:
                 self._set(at, TrustReason.BLOCK_SIZE_MISMATCH, f"events say block size {got}, config {want}")
             case TokenizerMismatch(at=at, detail=detail):
                 self._set(at, TrustReason.TOKENIZER_MISMATCH, f"token ids differ: {detail}".rstrip(": "))
+            case UnseenBlocks(at=at, detail=detail):
+                self._set(at, TrustReason.UNSEEN_BLOCKS, f"events missed: {detail}".rstrip(": "))
 
     def status(self, now: float) -> TrustStatus:
         """The verdict at `now`: the worst active condition, silence included."""

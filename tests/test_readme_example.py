@@ -79,6 +79,6 @@ def test_readme_second_turn_goes_to_the_warm_engine_and_the_debug_endpoint_shows
     assert (entry.engine, entry.predicted_cached_tokens, entry.actual_cached_tokens) == (warm, 16, 16)
     (decision,) = entry.decisions
     by_engine: dict[str, CandidateScore] = {c.engine: c for c in decision.candidates}
-    assert by_engine[warm].credited_tokens == 16
-    assert [c.credited_tokens for e, c in by_engine.items() if e != warm] == [0]
+    assert by_engine[warm].counted_tokens == 16
+    assert [c.counted_tokens for e, c in by_engine.items() if e != warm] == [0]
     assert "16 cached" in decision.reason and "lowest predicted TTFT" in decision.reason

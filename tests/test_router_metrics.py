@@ -48,7 +48,7 @@ def test_engine_views_are_read_at_scrape_time() -> None:
     views[0] = EngineView(
         "e0",
         "stale",
-        link("e0", batches=7, gaps=1, events={"BlockStored": 5}, last_event_time=97.5),
+        link("e0", batches=7, gaps=1, events={"BlockStored": 5}, last_event_time=97.5, event_lag_s=0.25),
         mirror_blocks=12,
     )
     s = samples(m)
@@ -57,7 +57,8 @@ def test_engine_views_are_read_at_scrape_time() -> None:
     assert s[("kvrouter_engine_event_batches_total", (("engine", "e0"),))] == 7
     assert s[("kvrouter_engine_gaps_total", (("engine", "e0"),))] == 1
     assert s[("kvrouter_engine_events_total", (("engine", "e0"), ("type", "BlockStored")))] == 5
-    assert s[("kvrouter_engine_event_lag_seconds", (("engine", "e0"),))] == 2.5
+    assert s[("kvrouter_engine_event_lag_seconds", (("engine", "e0"),))] == 0.25
+    assert s[("kvrouter_engine_event_age_seconds", (("engine", "e0"),))] == 2.5
     assert s[("kvrouter_engine_mirror_blocks", (("engine", "e0"),))] == 12
 
 

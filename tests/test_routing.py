@@ -17,6 +17,7 @@ from engine_stub.request import ReportMode, SubmitParams
 from engine_stub.scheduler import Scheduler
 from events.openai_request import Endpoint
 from events.sequence import CaughtUp
+from events.sequence import Reset as LinkReset
 from events.sources import EngineName
 from events.wire import KVEventBatch
 from router.config import EngineConfig, ModelConfig, RouterConfig
@@ -26,6 +27,7 @@ from router.models import Models
 from router.routing import RoutingCore
 from router.scoring import RouteRequest, Scorer, ScorerSettings
 from router.trust import Gap, TrustReason, TrustState
+from tests.zmq_helpers import wait_until
 
 PROMPT = list(range(100, 140))  # 40 tokens: 10 blocks of 4
 Build = Callable[..., Awaitable[tuple[Fleet, RoutingCore]]]
@@ -174,5 +176,82 @@ async def test_stores_that_never_match_the_routers_keys_mean_a_tokenizer_mismatc
         fleet.request_finished(b, RequestId(f"c{i}"), now)
         assert fleet.trust(a, now).state is (TrustState.STALE if i == 2 else TrustState.FRESH)
     status = fleet.trust(a, fleet.clock())
-    assert status.reason is TrustReason.TOKENIZER_MISMATCH and "router's keys" in status.detail
+    assert status.reason is TrustReason.TOKENIZER_MISMATCH and "under other keys" in status.detail
     assert fleet.trust(b, fleet.clock()).state is TrustState.FRESH
+
+
+async def test_first_blocks_the_engine_held_unseen_mean_missed_events_not_a_tokenizer_mismatch(
+    make: Build, tmp_path: Path
+) -> None:
+    """The engine answers from blocks it stored in batches the mirror never got: it stores no first
+    block for these requests, so the cause is missed events (e.g. an undetected restart)."""
+    fleet, core = await make(engine(tmp_path, "a"))
+    a = EngineId("a")
+    for i in range(3):
+        prepared = core.models.prepare(body([t + 1000 * i for t in PROMPT]), Endpoint.COMPLETIONS)
+        now = fleet.clock()
+        fleet.request_sent(a, RequestId(f"a{i}"), prepared, now)
+        fleet.request_answered(RequestId(f"a{i}"), now)  # no stores: the engine had the prompt cached
+        fleet.request_finished(a, RequestId(f"a{i}"), now)
+        assert fleet.trust(a, now).state is (TrustState.STALE if i == 2 else TrustState.FRESH)
+    status = fleet.trust(a, fleet.clock())
+    assert status.reason is TrustReason.UNSEEN_BLOCKS and "never seen stored" in status.detail
+
+
+def miss_three(fleet: Fleet, core: RoutingCore, rid: EngineId) -> list[list[int]]:
+    """Three requests end on `rid` without their first block reaching the mirror; their prompts."""
+    prompts = [[t + 1000 * i for t in PROMPT] for i in range(3)]
+    for i, prompt in enumerate(prompts):
+        prepared = core.models.prepare(body(prompt), Endpoint.COMPLETIONS)
+        now = fleet.clock()
+        fleet.request_sent(rid, RequestId(f"m{i}"), prepared, now)
+        fleet.request_answered(RequestId(f"m{i}"), now)
+        fleet.request_finished(rid, RequestId(f"m{i}"), now)
+    return prompts
+
+
+async def replaying(make: Build, tmp: Path) -> tuple[Fleet, RoutingCore]:
+    """A fleet of one engine whose replay endpoint nobody serves: its start-up replay stays in flight."""
+    fleet, core = await make(engine(tmp, "a", replay=[f"ipc://{tmp}/a.replay"]))
+    subscriber = fleet.replica(EngineId("a")).subscriber
+    assert subscriber is not None
+    await wait_until(lambda: subscriber.stats().replaying, what="the start-up replay")
+    return fleet, core
+
+
+async def test_on_a_verified_link_first_blocks_never_seen_are_a_tokenizer_mismatch(
+    make: Build, tmp_path: Path
+) -> None:
+    fleet, core = await replaying(make, tmp_path)
+    a = EngineId("a")
+    miss_three(fleet, core, a)
+    assert fleet.replica(a).verifying  # no verdict until the link's replay ends
+    assert fleet.trust(a, fleet.clock()).reason is not TrustReason.TOKENIZER_MISMATCH
+    fleet.on_signal(EngineName("a"), CaughtUp(None))  # the replay found the same publisher
+    status = fleet.trust(a, fleet.clock())
+    assert status.reason is TrustReason.TOKENIZER_MISMATCH and "verified link" in status.detail
+
+
+async def test_a_restart_found_by_the_verification_is_the_only_cause_named(
+    make: Build, tmp_path: Path
+) -> None:
+    fleet, core = await replaying(make, tmp_path)
+    a = EngineId("a")
+    miss_three(fleet, core, a)
+    fleet.on_signal(EngineName("a"), LinkReset("restart"))
+    fleet.on_signal(EngineName("a"), CaughtUp(None))
+    assert (fleet.trust(a, fleet.clock()).reason, fleet.replica(a).resets) == (TrustReason.OK, 1)
+
+
+async def test_first_blocks_that_were_only_late_are_no_cause(make: Build, tmp_path: Path) -> None:
+    fleet, core = await replaying(make, tmp_path)
+    a = EngineId("a")
+    for prompt in miss_three(fleet, core, a):
+        serve(fleet, "a", prompt)  # the stores arrive after the requests ended
+    fleet.on_signal(EngineName("a"), CaughtUp(None))
+    rep = fleet.replica(a)
+    assert (fleet.trust(a, fleet.clock()).state, rep.verifying, rep.missing_keys) == (
+        TrustState.FRESH,
+        False,
+        [],
+    )

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgspec
 import pytest
 
 from router.ids import EngineId
@@ -182,6 +183,32 @@ def test_decision_records_every_candidate() -> None:
     assert (b.hit_tokens, b.trusted_hit_tokens, b.uncached_tokens) == (900, 0, 1000)
     assert b.trust.state is TrustState.STALE and b.eligible
     assert "kv: lowest predicted TTFT 80.0 ms" in decision.reason
+
+
+def test_the_prediction_is_the_mirrors_hit_and_the_record_says_what_scoring_counted() -> None:
+    scorer = Scorer(ScorerSettings())
+    stale = scorer.choose(RouteRequest(KEY), [cand("a", hit=304, trust=STALE)])
+    assert (stale.predicted_cached_tokens, stale.mirror_hit_tokens, stale.counted_cached_tokens) == (
+        304,
+        304,
+        0,
+    )
+    assert stale.candidates[0].uncached_tokens == 1000 and "(0 cached" in stale.reason
+    fresh = scorer.choose(RouteRequest(KEY), [cand("a", hit=304)])
+    assert (fresh.predicted_cached_tokens, fresh.mirror_hit_tokens, fresh.counted_cached_tokens) == (
+        304,
+        304,
+        304,
+    )
+    pending = msgspec.structs.replace(cand("a", hit=16), pending_tokens=400)
+    ahead = scorer.choose(RouteRequest(KEY), [pending])
+    assert (ahead.predicted_cached_tokens, ahead.mirror_hit_tokens, ahead.counted_cached_tokens) == (
+        400,
+        16,
+        400,
+    )
+    none = scorer.choose(RouteRequest(KEY), [cand("a", healthy=False)])
+    assert (none.engine, none.predicted_cached_tokens, none.counted_cached_tokens) == (None, 0, 0)
 
 
 def test_decode_penalty_weighs_decoding_requests() -> None:

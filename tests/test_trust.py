@@ -20,6 +20,7 @@ from router.trust import (
     TrustReason,
     TrustState,
     TrustTracker,
+    UnseenBlocks,
 )
 
 FRESH, CATCHING_UP, STALE = TrustState.FRESH, TrustState.CATCHING_UP, TrustState.STALE
@@ -85,6 +86,14 @@ CASES: dict[str, tuple[list[Signal], float, TrustState, TrustReason]] = {
         R.OK,
     ),
     "tokenizer mismatch": ([TokenizerMismatch(1.0, "first block")], 3.0, STALE, R.TOKENIZER_MISMATCH),
+    "unseen blocks": ([Delivered(0.5), UnseenBlocks(1.0, "x")], 3.0, STALE, R.UNSEEN_BLOCKS),
+    "unseen blocks outlive live events, end at a clear": (
+        [UnseenBlocks(1.0), Delivered(2.0), Cleared(2.5)],
+        3.0,
+        FRESH,
+        R.OK,
+    ),
+    "unseen blocks end at a restart": ([UnseenBlocks(1.0), Reset(2.0), Delivered(2.1)], 3.0, FRESH, R.OK),
     "request sent, within silence budget": ([RequestSent(1.0)], 5.9, FRESH, R.OK),
     "silent while requests flow": (
         [Delivered(0.5), RequestSent(1.0), RequestSent(4.0)],
