@@ -124,6 +124,14 @@ class EngineRuntime:
             self.scheduler.abort(rid)
             self._wake.set()  # it may have been the waiting request that blocked the queue
 
+    def abort_all(self) -> None:
+        """End every open request now (the server is stopping): blocks freed, readers told "abort"."""
+        for rid, stream in self._streams.items():
+            self.scheduler.abort(rid)
+            stream.end_aborted()
+        self._streams.clear()
+        self._wake.set()
+
     async def reset_prefix_cache(self) -> bool:
         """vLLM's reset: succeeds only when no block is in use; publishes its AllBlocksCleared as a batch."""
         ok = self.scheduler.reset_prefix_cache()

@@ -96,6 +96,11 @@ class Stub:
         for publisher in reversed(self.publishers):
             await publisher.close()
 
+    def abort_all(self) -> None:
+        """End every open request on every rank (the server is stopping), so no response waits on it."""
+        for engine in self.engines:
+            engine.abort_all()
+
     def pick(self, header: str | None) -> EngineRuntime:
         """The rank `X-data-parallel-rank` names, else the least-loaded one (see dp_balance)."""
         if header is not None:

@@ -21,6 +21,7 @@ import msgspec
 import uvicorn
 
 from engine_stub.listening import bind_listening
+from engine_stub.quiet_server import QuietServer
 from router.config import ConfigError, RouterConfig
 from router.overrides import load_config
 
@@ -74,7 +75,7 @@ def effective_config(args: argparse.Namespace, environ: dict[str, str]) -> Route
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve until SIGINT/SIGTERM; 2 on a configuration error, 1 when start-up fails."""
+    """Serve until SIGINT/SIGTERM (a clean stop: 0); 2 on a configuration error, 1 when start-up fails."""
     # Imported here: the gateway's stack (FastAPI, aiohttp, tokenizers) is not loaded for other commands.
     from router.app import create_app
     from router.gateway import GatewayParts
@@ -121,11 +122,11 @@ def run(args: argparse.Namespace) -> int:
         app, loop="uvloop", http="httptools", lifespan="on", log_config=None, access_log=False,
         timeout_graceful_shutdown=5,
     )  # fmt: skip
-    server = uvicorn.Server(uv)
+    server = QuietServer(uv)
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled once it has shut down
-        return 130
+    except KeyboardInterrupt:  # Ctrl-C before the server took the signals over: nothing was started
+        return 0
     finally:
         sock.close()
     return 0 if server.started else 1
