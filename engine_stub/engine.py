@@ -94,6 +94,11 @@ class EngineRuntime:
                     await task
 
     @property
+    def open_requests(self) -> int:
+        """Requests whose output stream is still open (finished and aborted ones are dropped)."""
+        return len(self._streams)
+
+    @property
     def load(self) -> tuple[int, int]:
         """(waiting, running) request counts."""
         return len(self.scheduler.waiting), len(self.scheduler.running)

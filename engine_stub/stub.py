@@ -77,7 +77,12 @@ class Stub:
         for rank in range(self.config.data_parallel_size):
             publisher = None
             if self.config.kv_events.publishes:
-                publisher = EventPublisher(self.config.kv_events, rank=rank, host_ip=self.config.host_ip)
+                publisher = EventPublisher(
+                    self.config.kv_events,
+                    rank=rank,
+                    host_ip=self.config.host_ip,
+                    max_buffer_bytes=self.config.replay_buffer_bytes,
+                )
                 publisher.start()
                 self.publishers.append(publisher)
             engine = EngineRuntime(rank, self.config, self.text, publisher, self.metrics.observe_ttft)
