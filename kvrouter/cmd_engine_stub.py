@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -93,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.exit_with_stdin:
         _stop_when_stdin_closes()
-    asyncio.run(server.serve())
+    with contextlib.suppress(KeyboardInterrupt):  # a Ctrl-C as the loop starts or ends, outside uvicorn's
+        asyncio.run(server.serve())
     return 0
 
 

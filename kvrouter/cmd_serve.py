@@ -125,7 +125,7 @@ def run(args: argparse.Namespace) -> int:
     server = QuietServer(uv)
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:  # Ctrl-C before the server took the signals over: nothing was started
+    except KeyboardInterrupt:  # a Ctrl-C as the loop starts or ends, outside the server's own handling
         return 0
     finally:
         sock.close()
