@@ -72,6 +72,7 @@ class EngineRuntime:
         self._task: asyncio.Task[None] | None = None
         self._timers: list[asyncio.TimerHandle] = []
         self._bg: set[asyncio.Task[None]] = set()
+        self._stopping = False
 
     def start(self) -> None:
         """Start the step loop."""
@@ -94,6 +95,11 @@ class EngineRuntime:
                     await task
 
     @property
+    def open_requests(self) -> int:
+        """Requests whose output stream is still open (finished and aborted ones are dropped)."""
+        return len(self._streams)
+
+    @property
     def load(self) -> tuple[int, int]:
         """(waiting, running) request counts."""
         return len(self.scheduler.waiting), len(self.scheduler.running)
@@ -101,10 +107,16 @@ class EngineRuntime:
     def submit(
         self, prompt: Sequence[int], params: SubmitParams, sink: asyncio.Queue[Emitted], index: int = 0
     ) -> RequestStream:
-        """Queue a request whose tokens go to `sink` tagged with `index`; ValueError if it cannot run."""
+        """Queue a request whose tokens go to `sink` tagged with `index`; ValueError if it cannot run.
+
+        Once `abort_all` has run (the server is stopping) the request is ended at once, as aborted."""
         self._check_fits(len(prompt) + params.max_tokens)
         rid = self.scheduler.submit(prompt, params)
         stream = RequestStream(rid, index, sink, len(prompt), params, asyncio.get_running_loop().time())
+        if self._stopping:
+            self.scheduler.abort(rid)
+            stream.end_aborted()
+            return stream
         self._streams[rid] = stream
         self._wake.set()
         return stream
@@ -123,6 +135,16 @@ class EngineRuntime:
         if self._streams.pop(rid, None) is not None:
             self.scheduler.abort(rid)
             self._wake.set()  # it may have been the waiting request that blocked the queue
+
+    def abort_all(self) -> None:
+        """End every open request now, and every later one on arrival (the server is stopping): blocks
+        freed, readers told "abort"."""
+        self._stopping = True
+        for rid, stream in self._streams.items():
+            self.scheduler.abort(rid)
+            stream.end_aborted()
+        self._streams.clear()
+        self._wake.set()
 
     async def reset_prefix_cache(self) -> bool:
         """vLLM's reset: succeeds only when no block is in use; publishes its AllBlocksCleared as a batch."""

@@ -24,6 +24,7 @@ __all__ = [
     "Delta",
     "ErrorBody",
     "ErrorInfo",
+    "FinishReason",
     "ModelCard",
     "ModelList",
     "PromptTokensDetails",

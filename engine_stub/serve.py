@@ -17,6 +17,7 @@ from events.tokenization import Tokenizer
 
 from .app import create_app
 from .listening import bind_listening
+from .quiet_server import QuietServer
 from .server_config import StubConfig
 from .stub import ReadyInfo, Stub
 
@@ -45,7 +46,7 @@ class StubServer:
         uv = uvicorn.Config(
             app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=2
         )
-        self._server = uvicorn.Server(uv)
+        self._server = QuietServer(uv, on_shutdown=self.stub.abort_all)
 
     def _started(self, stub: Stub) -> None:
         host = "127.0.0.1" if self.config.host in _WILDCARDS else self.config.host
@@ -63,7 +64,7 @@ class StubServer:
             self._on_ready(self.info)
 
     async def serve(self) -> None:
-        """Run until stopped (uvicorn handles SIGINT/SIGTERM when this is the main thread)."""
+        """Run until stopped; in the main thread SIGINT/SIGTERM stop it gracefully and it returns."""
         try:
             await self._server.serve(sockets=[self.sock])
         finally:

@@ -24,6 +24,7 @@ __all__ = ["StubConfig", "TokenizerChoice", "load_config", "load_tokenizer"]
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
+NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class TokenizerChoice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -57,6 +58,9 @@ class StubConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     cost: CostModel = CostModel()
     kv_events: KVEventsConfig = msgspec.field(default_factory=lambda: _default_kv_events())
     """Default: events on at vLLM's default endpoint (vLLM itself defaults to off)."""
+    replay_buffer_bytes: NonNegative = 32 << 20
+    """Payload bytes each rank's replay buffer keeps at most, besides `kv_events.buffer_steps` batches
+    (vLLM bounds only the count, so a churn of long prompts grew it to 10,000 large batches)."""
     tokenizer: TokenizerChoice = TokenizerChoice()
     faults: FaultConfig = FaultConfig()
 

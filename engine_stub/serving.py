@@ -14,7 +14,7 @@ import logging
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Final, TypeVar
 
 import msgspec
@@ -35,6 +35,7 @@ from .openai_io import (
     CompletionChoice,
     CompletionChunk,
     Delta,
+    FinishReason,
     PromptTokensDetails,
     Usage,
     encode,
@@ -81,6 +82,8 @@ class _Job:
     sink: asyncio.Queue[Emitted]
     streams: list[RequestStream]
     include_usage: bool
+    aborted: set[int] = field(default_factory=set)
+    """Indexes the server ended early (it is stopping): their finish reason is "abort"."""
 
     def abort_unfinished(self) -> None:
         for stream in self.streams:
@@ -91,7 +94,13 @@ class _Job:
         while pending:
             item = await self.sink.get()
             pending -= item.finished
+            if item.aborted:
+                self.aborted.add(item.index)
             yield item
+
+    def reason(self, index: int) -> FinishReason:
+        """The finish reason of a finished choice."""
+        return "abort" if index in self.aborted else "length"
 
 
 async def serve_openai(stub: Stub, request: Request, endpoint: Endpoint) -> Response:
@@ -201,20 +210,21 @@ async def _collect(job: _Job) -> dict[int, int]:
     counts = {s.index: 0 for s in job.streams}
     try:
         async for item in job.tokens():
-            counts[item.index] += 1
+            counts[item.index] += not item.aborted
     finally:
         job.abort_unfinished()
     return counts
 
 
 def _completion_result(stub: Stub, job: _Job, counts: dict[int, int]) -> Completion:
-    choices = [CompletionChoice(i, stub.text.text(n), finish_reason="length") for i, n in counts.items()]
+    choices = [CompletionChoice(i, stub.text.text(n), finish_reason=job.reason(i)) for i, n in counts.items()]
     return Completion(job.id, job.created, job.model, choices, _usage(stub, job))
 
 
 def _chat_result(stub: Stub, job: _Job, counts: dict[int, int]) -> ChatCompletion:
     choices = [
-        ChatChoice(i, ChatMessageOut(stub.text.text(n)), finish_reason="length") for i, n in counts.items()
+        ChatChoice(i, ChatMessageOut(stub.text.text(n)), finish_reason=job.reason(i))
+        for i, n in counts.items()
     ]
     return ChatCompletion(job.id, job.created, job.model, choices, _usage(stub, job))
 
@@ -222,11 +232,7 @@ def _chat_result(stub: Stub, job: _Job, counts: dict[int, int]) -> ChatCompletio
 async def _completion_events(stub: Stub, job: _Job) -> AsyncIterator[bytes]:
     try:
         async for item in job.tokens():
-            choice = CompletionChoice(
-                item.index,
-                stub.text.delta_at(item.output_index),
-                finish_reason="length" if item.finished else None,
-            )
+            choice = CompletionChoice(item.index, _delta(stub, item), finish_reason=_finish(job, item))
             yield sse(CompletionChunk(job.id, job.created, job.model, [choice]))
         if job.include_usage:
             yield sse(CompletionChunk(job.id, job.created, job.model, [], usage=_usage(stub, job)))
@@ -240,11 +246,19 @@ async def _chat_events(stub: Stub, job: _Job) -> AsyncIterator[bytes]:
         first = ChatChunkChoice(0, Delta(role="assistant", content=""))
         yield sse(ChatChunk(job.id, job.created, job.model, [first]))
         async for item in job.tokens():
-            delta = Delta(content=stub.text.delta_at(item.output_index))
-            choice = ChatChunkChoice(item.index, delta, finish_reason="length" if item.finished else None)
+            delta = Delta(content=_delta(stub, item))
+            choice = ChatChunkChoice(item.index, delta, finish_reason=_finish(job, item))
             yield sse(ChatChunk(job.id, job.created, job.model, [choice]))
         if job.include_usage:
             yield sse(ChatChunk(job.id, job.created, job.model, [], usage=_usage(stub, job)))
         yield DONE
     finally:
         job.abort_unfinished()
+
+
+def _delta(stub: Stub, item: Emitted) -> str:
+    return "" if item.aborted else stub.text.delta_at(item.output_index)
+
+
+def _finish(job: _Job, item: Emitted) -> FinishReason | None:
+    return job.reason(item.index) if item.finished else None

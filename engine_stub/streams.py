@@ -1,7 +1,8 @@
 """Per-request output streams between the engine runtime and the HTTP layer.
 
 The runtime puts an `Emitted` on a request's sink queue for every sampled token; several engine
-requests (a multi-prompt completion) may share one sink, told apart by `index`.
+requests (a multi-prompt completion) may share one sink, told apart by `index`. A server that stops
+ends each open request with one `aborted` item.
 """
 
 from __future__ import annotations
@@ -23,6 +24,8 @@ class Emitted:
     output_index: int
     finished: bool
     stream: RequestStream
+    aborted: bool = False
+    """The request was ended by the server (it is stopping); `token` is then -1, not an output token."""
 
 
 @dataclass(slots=True, eq=False)
@@ -44,3 +47,7 @@ class RequestStream:
         """Hand the next output token to the reader."""
         self.sink.put_nowait(Emitted(self.index, token, self.num_output_tokens, finished, self))
         self.num_output_tokens += 1
+
+    def end_aborted(self) -> None:
+        """Tell the reader the request ended without another token (vLLM's finish reason "abort")."""
+        self.sink.put_nowait(Emitted(self.index, -1, self.num_output_tokens, True, self, aborted=True))

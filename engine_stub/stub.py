@@ -77,7 +77,12 @@ class Stub:
         for rank in range(self.config.data_parallel_size):
             publisher = None
             if self.config.kv_events.publishes:
-                publisher = EventPublisher(self.config.kv_events, rank=rank, host_ip=self.config.host_ip)
+                publisher = EventPublisher(
+                    self.config.kv_events,
+                    rank=rank,
+                    host_ip=self.config.host_ip,
+                    max_buffer_bytes=self.config.replay_buffer_bytes,
+                )
                 publisher.start()
                 self.publishers.append(publisher)
             engine = EngineRuntime(rank, self.config, self.text, publisher, self.metrics.observe_ttft)
@@ -95,6 +100,11 @@ class Stub:
             await engine.close()
         for publisher in reversed(self.publishers):
             await publisher.close()
+
+    def abort_all(self) -> None:
+        """End every open request on every rank (the server is stopping), so no response waits on it."""
+        for engine in self.engines:
+            engine.abort_all()
 
     def pick(self, header: str | None) -> EngineRuntime:
         """The rank `X-data-parallel-rank` names, else the least-loaded one (see dp_balance)."""

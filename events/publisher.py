@@ -2,10 +2,11 @@
 
 `EventPublisher` owns a PUB socket (live frames ``[topic, seq, payload]``, seq from 0 per publisher
 lifetime) and, when `replay_endpoint` is set, a ROUTER socket answering replay requests from a ring
-buffer of the last `buffer_steps` frames, exactly as vLLM 0.33.0 does (reference section 2.2). A
-batch is buffered before it is sent live, so a replay asked for after a live frame was received
-always covers it. `faults` (a `LiveFaults`) can drop, duplicate, reorder or pause live frames;
-`reset_seq()` restarts numbering at 0 without clearing the buffer.
+buffer of the last `buffer_steps` frames, exactly as vLLM 0.33.0 does (reference section 2.2);
+`max_buffer_bytes`, when given, also bounds the payload bytes kept (vLLM has no such bound), the
+newest frame always kept. A batch is buffered before it is sent live, so a replay asked for after a
+live frame was received always covers it. `faults` (a `LiveFaults`) can drop, duplicate, reorder or
+pause live frames; `reset_seq()` restarts numbering at 0 without clearing the buffer.
 """
 
 from __future__ import annotations
@@ -65,7 +66,8 @@ def default_host_ip() -> str:
 class EventPublisher:
     """Publishes KV-event batches for one data-parallel rank; use `async with` or start()/close().
 
-    `host_ip` replaces `*` in ephemeral `tcp://*:0` endpoints (default: `default_host_ip()`).
+    `host_ip` replaces `*` in ephemeral `tcp://*:0` endpoints (default: `default_host_ip()`);
+    `max_buffer_bytes` bounds the replay buffer's payload bytes as well as its `buffer_steps`.
     """
 
     def __init__(
@@ -75,6 +77,7 @@ class EventPublisher:
         rank: int = 0,
         host_ip: str | None = None,
         context: zmq.asyncio.Context | None = None,
+        max_buffer_bytes: int | None = None,
     ) -> None:
         self.config = for_rank(config, rank)
         self.rank = rank
@@ -83,7 +86,9 @@ class EventPublisher:
         self._host_ip = host_ip
         self._ctx = context or zmq.asyncio.Context.instance()
         self._topic = config.topic.encode()
-        self._buffer: deque[Frame] = deque(maxlen=config.buffer_steps)
+        self._buffer: deque[Frame] = deque()
+        self._buffer_bytes = 0
+        self._max_buffer_bytes = max_buffer_bytes
         self._next_seq = 0
         self._pub: zmq.asyncio.Socket | None = None
         self._replay: zmq.asyncio.Socket | None = None
@@ -150,10 +155,30 @@ class EventPublisher:
             payload = batch
         frame = Frame(self._topic, self._next_seq, payload)
         self._next_seq += 1
-        self._buffer.append(frame)  # before sending: see the module docstring
+        self._keep(frame)  # before sending: see the module docstring
         self.stats.batches += 1
         await self._send_live(self.faults.outgoing(frame))
         return frame.seq
+
+    def _keep(self, frame: Frame) -> None:
+        buffer = self._buffer
+        buffer.append(frame)
+        self._buffer_bytes += len(frame.payload)
+        cap = self._max_buffer_bytes
+        while len(buffer) > self.config.buffer_steps or (
+            cap is not None and self._buffer_bytes > cap and len(buffer) > 1
+        ):
+            self._buffer_bytes -= len(buffer.popleft().payload)
+
+    @property
+    def buffer_bytes(self) -> int:
+        """Payload bytes in the replay buffer."""
+        return self._buffer_bytes
+
+    @property
+    def buffered_seqs(self) -> list[int]:
+        """The sequence numbers a replay can serve now, oldest first."""
+        return [frame.seq for frame in self._buffer]
 
     async def resume(self, drop_held: bool = False) -> None:
         """Resume a paused live stream, sending (or dropping) what was held."""

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import logging
 import os
 import signal
@@ -83,7 +84,7 @@ def _print_ready(info: ReadyInfo) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Load the config, apply the flags and serve until interrupted; 2 on a configuration error."""
+    """Load the config, apply the flags and serve until SIGINT/SIGTERM (then 0); 2 on a bad config."""
     try:
         config = apply_flags(load_config(args.config), args)
         server = StubServer(config, on_ready=_print_ready)
@@ -93,7 +94,8 @@ def run(args: argparse.Namespace) -> int:
         return 2
     if args.exit_with_stdin:
         _stop_when_stdin_closes()
-    asyncio.run(server.serve())
+    with contextlib.suppress(KeyboardInterrupt):  # a Ctrl-C as the loop starts or ends, outside uvicorn's
+        asyncio.run(server.serve())
     return 0
 
 
@@ -103,8 +105,12 @@ def _stop_when_stdin_closes() -> None:
     A parent that starts stubs keeps a pipe to their stdin; however it dies (SIGKILL, OOM), the pipe
     closes, so its stubs never outlive it holding ports."""
 
+    fd = sys.stdin.fileno()
+
     def watch() -> None:
-        while sys.stdin.buffer.read(4096):
+        # os.read on the descriptor, not sys.stdin: a daemon thread blocked inside the buffered
+        # reader holds its lock, and the interpreter aborts ("Fatal Python error") at exit.
+        while os.read(fd, 4096):
             pass
         log.warning("standard input closed (the parent is gone): stopping")
         os.kill(os.getpid(), signal.SIGTERM)

@@ -22,6 +22,7 @@ import msgspec
 import uvicorn
 
 from engine_stub.listening import bind_listening
+from engine_stub.quiet_server import QuietServer
 from kvrouter.cli import version
 from router.config import ConfigError, Listen, PolicyConfig, RouterConfig
 from router.overrides import load_config
@@ -116,7 +117,7 @@ def startup_message(url: str, config: RouterConfig, engines: list[str]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Serve until SIGINT/SIGTERM; 2 on a configuration error, 1 when start-up fails."""
+    """Serve until SIGINT/SIGTERM (a clean stop: 0); 2 on a configuration error, 1 when start-up fails."""
     # Imported here: the gateway's stack (FastAPI, aiohttp, tokenizers) is not loaded for other commands.
     from router.app import create_app
     from router.client_timeouts import TimedHttpToolsProtocol
@@ -170,11 +171,11 @@ def run(args: argparse.Namespace) -> int:
         app, loop="uvloop", http=TimedHttpToolsProtocol, lifespan="on", log_config=None, access_log=False,
         timeout_graceful_shutdown=5,
     )  # fmt: skip
-    server = uvicorn.Server(uv)
+    server = QuietServer(uv)
     try:
         server.run(sockets=[sock])
-    except KeyboardInterrupt:  # uvicorn re-raises the SIGINT it handled once it has shut down
-        return 130
+    except KeyboardInterrupt:  # a Ctrl-C as the loop starts or ends, outside the server's own handling
+        return 0
     finally:
         sock.close()
     return 0 if server.started else 1

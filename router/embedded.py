@@ -4,7 +4,8 @@ Each stub is `python -m kvrouter engine-stub --port 0` with vLLM-style `--kv-eve
 ephemeral `tcp://*:0` PUB and replay endpoints, and `VLLM_HOST_IP=127.0.0.1` so `*` binds loopback
 only. The stub prints one JSON ready line on stdout giving its URL and resolved event endpoints; the
 gateway waits for every line (with a timeout, and a clear error when a stub exits first), then routes
-to them as ordinary engines. `stop()` sends SIGTERM, waits, and kills what is left.
+to them as ordinary engines. Each stub runs in a session (process group) of its own, so a Ctrl-C
+at the terminal reaches only the gateway; `stop()` sends SIGTERM, waits, and kills what is left.
 """
 
 from __future__ import annotations
@@ -195,8 +196,12 @@ class EmbeddedStubs:
 
 
 async def _spawn(argv: list[str], env: dict[str, str]) -> asyncio.subprocess.Process:
+    # A session of its own: a terminal's Ctrl-C reaches the gateway alone, which stops its stubs
+    # after its own graceful shutdown (they stop quietly on SIGTERM, or when stdin closes).
     pipe = asyncio.subprocess.PIPE
-    return await asyncio.create_subprocess_exec(*argv, stdin=pipe, stdout=pipe, env=env, limit=_MAX_LINE)
+    return await asyncio.create_subprocess_exec(
+        *argv, stdin=pipe, stdout=pipe, env=env, limit=_MAX_LINE, start_new_session=True
+    )
 
 
 async def _drain(stream: asyncio.StreamReader) -> None:

@@ -47,7 +47,7 @@ async def test_serve_starts_embedded_stubs_answers_openai_and_stops_cleanly() ->
         with contextlib.suppress(ProcessLookupError):
             process.send_signal(signal.SIGTERM)
         code = await asyncio.wait_for(process.wait(), 30.0)
-    assert code in (0, -signal.SIGTERM)  # uvicorn re-raises the signal it handled, after shutting down
+    assert code == 0  # a clean stop: the signal is not raised again after the shutdown
     for pid in stubs:  # the stubs were stopped and reaped, not orphaned
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

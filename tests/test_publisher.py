@@ -104,6 +104,18 @@ async def test_replay_older_than_buffer_starts_at_oldest(ctx: TrackedContext) ->
     ]
 
 
+async def test_the_buffer_is_bounded_in_bytes_too_and_keeps_the_newest(ctx: TrackedContext) -> None:
+    # buffer_steps alone bounds a count: 10,000 large batches of a prompt churn held every one of them.
+    async with EventPublisher(EPHEMERAL, host_ip="127.0.0.1", context=ctx, max_buffer_bytes=25) as publisher:
+        for i in range(50):
+            await publisher.publish(b"%09d" % i)  # 9 bytes each: 2 fit
+            assert publisher.buffer_bytes <= 25 and len(publisher.buffered_seqs) == min(i + 1, 2)
+        await publisher.publish(b"x" * 40)  # larger than the cap: kept alone, a replay still covers it
+        assert publisher.buffered_seqs == [50] and publisher.buffer_bytes == 40
+        messages = await replay(dealer(ctx, publisher), 0)
+    assert messages == [[b"", b"kv-events", encode_seq(50), b"x" * 40], [b"", b"", END_SEQ, b""]]
+
+
 async def test_replay_past_the_head_is_only_the_end_marker(ctx: TrackedContext) -> None:
     async with EventPublisher(EPHEMERAL, host_ip="127.0.0.1", context=ctx) as publisher:
         await publisher.publish(b"p0")

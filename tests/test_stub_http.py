@@ -290,6 +290,24 @@ async def one_batch(client: httpx.AsyncClient, sub: RawSub, rank: int) -> Frame:
     return await sub.next()
 
 
+async def test_a_stopping_stub_ends_open_requests_and_any_that_arrive_with_abort() -> None:
+    config = stub_config(cost=CostModel(speed_factor=0.05))  # 120 ms per token: the stream stays open
+    async with live_stub(config) as (server, client):
+        body = {"prompt": "a long answer", "max_tokens": 1000, "stream": True}
+        async with client.stream("POST", "/v1/completions", json=body) as reply:
+            lines = reply.aiter_lines()
+            assert (await anext(lines)).startswith("data: ")
+            server.stub.abort_all()  # what the server does as its shutdown begins
+            rest = [line async for line in lines if line]
+        assert rest[-1] == "data: [DONE]"
+        last = msgspec.json.decode(rest[-2].removeprefix("data: "), type=CompletionChunk)
+        assert last.choices[0].finish_reason == "abort" and last.choices[0].text == ""
+        late_reply = await client.post("/v1/completions", json=body | {"stream": False})
+        late = COMPLETION.decode(late_reply.content)
+        assert late.choices[0].finish_reason == "abort" and late.usage.completion_tokens == 0
+        assert all(e.open_requests == 0 and not e.scheduler.requests for e in server.stub.engines)
+
+
 async def test_a_client_disconnect_aborts_the_request() -> None:
     slow = CostModel(speed_factor=1.0)
     async with live_stub(stub_config(cost=slow)) as (server, client):

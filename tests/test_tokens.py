@@ -121,6 +121,24 @@ def test_cache_is_lru_and_bounded() -> None:
         SegmentCache(max_entries=-1)
 
 
+def test_cache_bounds_the_token_ids_it_holds_not_only_its_entries() -> None:
+    # Distinct long prompts (a churn of new conversations) each make one large entry: an entry count
+    # alone let 8,192 of them hold whole prompts, the stub's memory growing with every new prompt.
+    cache = SegmentCache(max_entries=1000, max_tokens=100)
+    for i in range(50):
+        cache.put(f"prompt {i}", tuple(range(i, i + 30)))
+        assert cache.tokens <= 100 and cache.tokens == sum(30 for _ in range(len(cache)))
+    assert len(cache) == 3 and cache.get("prompt 49") is not None  # the most recent ones stay
+    cache.put("huge", tuple(range(101)))  # larger than the whole bound: not cached, nothing evicted
+    assert cache.get("huge") is None and len(cache) == 3
+    cache.put("prompt 49", (1, 2))  # replacing an entry replaces its count
+    assert cache.tokens == 62
+    cache.clear()
+    assert cache.tokens == 0
+    with pytest.raises(ValueError):
+        SegmentCache(max_tokens=-1)
+
+
 def test_multi_turn_reencodes_only_new_turns(ds: HfTokenizer) -> None:
     ds.cache.clear()
     turns = [{"role": "user", "content": f"question {i} " * 50} for i in range(4)]

@@ -16,7 +16,15 @@ from collections.abc import Callable, Sequence
 
 from events.tokenization.segmenter import AddedToken, Segment, Segmenter
 
-__all__ = ["TOKEN_BYTES", "AddedToken", "SegmentCache", "SegmentedEncoder", "Segmenter", "pack_ids"]
+__all__ = [
+    "DEFAULT_MAX_TOKENS",
+    "TOKEN_BYTES",
+    "AddedToken",
+    "SegmentCache",
+    "SegmentedEncoder",
+    "Segmenter",
+    "pack_ids",
+]
 
 TOKEN_BYTES = 4
 """Bytes per token id in packed form: native unsigned 32-bit ints (``array("I")``)."""
@@ -28,13 +36,21 @@ def pack_ids(ids: Sequence[int]) -> bytes:
     return array("I", ids).tobytes()
 
 
-class SegmentCache:
-    """A bounded LRU map from piece text to its token ids, with hit/miss counters."""
+DEFAULT_MAX_TOKENS = 1 << 20
+"""Token ids a `SegmentCache` holds at most, over all entries (about 40 MiB at worst, ~40 B per id)."""
 
-    def __init__(self, max_entries: int = 8192) -> None:
-        if max_entries < 0:
-            raise ValueError(f"max_entries must be >= 0, got {max_entries}")
+
+class SegmentCache:
+    """An LRU map from piece text to its token ids, bounded in entries and in token ids held, with
+    hit/miss counters. A piece longer than the whole token bound is not cached."""
+
+    def __init__(self, max_entries: int = 8192, max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
+        if max_entries < 0 or max_tokens < 0:
+            raise ValueError(f"max_entries and max_tokens must be >= 0, got {max_entries}, {max_tokens}")
         self.max_entries = max_entries
+        self.max_tokens = max_tokens
+        self.tokens = 0
+        """Token ids held over all entries."""
         self.hits = 0
         self.misses = 0
         self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
@@ -55,13 +71,17 @@ class SegmentCache:
 
     def put(self, piece: str, ids: tuple[int, ...]) -> None:
         """Store ``ids`` for ``piece``, evicting the least recently used entries beyond the bound."""
-        if self.max_entries == 0:
+        if self.max_entries == 0 or len(ids) > self.max_tokens:
             return
+        old = self._entries.get(piece)
+        self.tokens += len(ids) - (len(old) if old is not None else 0)
         self._entries[piece] = ids
         self._entries.move_to_end(piece)
         self._packed.pop(piece, None)
-        while len(self._entries) > self.max_entries:
-            self._packed.pop(self._entries.popitem(last=False)[0], None)
+        while len(self._entries) > self.max_entries or self.tokens > self.max_tokens:
+            evicted, evicted_ids = self._entries.popitem(last=False)
+            self.tokens -= len(evicted_ids)
+            self._packed.pop(evicted, None)
 
     def packed(self, piece: str, ids: tuple[int, ...]) -> bytes:
         """``pack_ids(ids)`` for a piece whose ids are ``ids``, kept with its entry while it is cached."""
@@ -76,6 +96,7 @@ class SegmentCache:
         """Forget every entry (the counters are kept)."""
         self._entries.clear()
         self._packed.clear()
+        self.tokens = 0
 
 
 EncodeBatch = Callable[[list[str]], list[list[int]]]
