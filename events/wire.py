@@ -12,15 +12,17 @@ Decoding with tolerance (legacy array events, unknown types and fields, malforme
 
 from __future__ import annotations
 
-from typing import Any, Final, TypeAlias
+from typing import Annotated, Any, Final, TypeAlias
 
 import msgspec
 
 __all__ = [
     "ENCODER",
+    "MEDIA",
     "MEDIUM_CPU",
     "MEDIUM_GPU",
     "MEDIUM_STORAGE",
+    "TOKEN_ID_LIMIT",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -41,6 +43,10 @@ Opaque to the router: it identifies a block for removals and nothing more."""
 MEDIUM_GPU: Final = "GPU"
 MEDIUM_CPU: Final = "CPU"
 MEDIUM_STORAGE: Final = "STORAGE"
+MEDIA: Final = frozenset({MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE})
+"""Every medium vLLM 0.33.0 names (`kv_events.py` l.51-53); None on the wire means GPU."""
+TOKEN_ID_LIMIT: Final = 1 << 32
+"""Token ids are non-negative ints below this (the router packs them as uint32)."""
 
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True, forbid_unknown_fields=True):
@@ -122,7 +128,7 @@ class LazyBlockStored(KVCacheEvent, tag="BlockStored"):
     lookahead_token_ids: list[list[int]] | None = None
 
     def tokens(self) -> list[int]:
-        """Decode and return `token_ids`."""
+        """Decode and return `token_ids`; msgspec.ValidationError unless they are a list of uint32."""
         return _TOKENS_DECODER.decode(self.token_ids)
 
 
@@ -138,4 +144,4 @@ class LazyKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
 
 ENCODER: Final = msgspec.msgpack.Encoder()
-_TOKENS_DECODER: Final = msgspec.msgpack.Decoder(list[int])
+_TOKENS_DECODER: Final = msgspec.msgpack.Decoder(list[Annotated[int, msgspec.Meta(ge=0, lt=TOKEN_ID_LIMIT)]])

@@ -18,6 +18,7 @@ from typing import Any
 
 import msgspec
 
+from events.validate import checked_tokens
 from events.wire import BlockStored, EngineBlockHash, LazyBlockStored
 from router.keys import BlockExtra, BlockKey, KeyHasher, normalize_extra, split_event_extra
 
@@ -32,8 +33,8 @@ def engine_key(ehash: EngineBlockHash) -> int:
 
 
 def event_tokens(ev: BlockStored | LazyBlockStored) -> list[int]:
-    """The event's token ids, decoding them if the event is lazy."""
-    return ev.tokens() if isinstance(ev, LazyBlockStored) else ev.token_ids
+    """The event's token ids, decoding them if the event is lazy; InvalidEvent unless all are uint32."""
+    return checked_tokens(ev)
 
 
 def _lookahead(ev: BlockStored | LazyBlockStored) -> list[list[int]] | None:
