@@ -21,7 +21,7 @@ from typing import Any, Final, Generic, TypeVar
 
 import msgspec
 
-from events.validate import MAX_ITEMS, event_problem
+from events.validate import MAX_ITEMS, event_problem, rejection_reason
 from events.wire import (
     AllBlocksCleared,
     BlockRemoved,
@@ -29,6 +29,7 @@ from events.wire import (
     KVEventBatch,
     LazyBlockStored,
     LazyKVEventBatch,
+    Medium,
 )
 
 __all__ = ["MAX_ITEMS", "BatchDecoder", "DecodeError", "DecodeStats"]
@@ -110,7 +111,7 @@ class _LegacyStored(msgspec.Struct, tag="BlockStored", array_like=True):
     token_ids: list[int]
     block_size: int
     lora_id: int | None = None
-    medium: str | None = None
+    medium: Medium | None = None
     lora_name: str | None = None
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
@@ -120,7 +121,7 @@ class _LegacyStored(msgspec.Struct, tag="BlockStored", array_like=True):
 
 class _LegacyRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
     block_hashes: list[int | bytes]
-    medium: str | None = None
+    medium: Medium | None = None
     group_idx: int | None = None
 
 
@@ -179,14 +180,18 @@ class BatchDecoder(Generic[B]):
 
     def _screen(self, batch: B) -> None:
         """Drop (and count) the events `event_problem` rejects; the rest of the batch stays."""
-        problems = [(i, p) for i, p in enumerate(map(event_problem, batch.events)) if p is not None]
-        if not problems:
+        if not any(map(event_problem, batch.events)):
             return
-        for _, reason in problems:
-            self.stats.reject(reason)
-        bad = {i for i, _ in problems}
-        batch.events = [ev for i, ev in enumerate(batch.events) if i not in bad]
-        log.warning("kv events rejected", extra={"reasons": sorted({p for _, p in problems})})
+        kept, reasons = [], []
+        for ev in batch.events:
+            reason = event_problem(ev)
+            if reason is None:
+                kept.append(ev)
+            else:
+                reasons.append(reason)
+                self.stats.reject(reason)
+        batch.events = kept
+        log.warning("kv events rejected", extra={"reasons": sorted(set(reasons))})
 
     def _make(self, ts: float, events: list[Any], rank: int | None) -> B:
         return self.batch_type(ts, events, rank)
@@ -206,8 +211,9 @@ class BatchDecoder(Generic[B]):
         try:
             return self._decode_one(raw)
         except (msgspec.DecodeError, DecodeError, RecursionError) as exc:
-            self.stats.reject("malformed")
-            log.warning("kv event rejected", extra={"reason": "malformed", "error": str(exc)})
+            reason = rejection_reason(exc)
+            self.stats.reject(reason)
+            log.warning("kv event rejected", extra={"reason": reason, "error": str(exc)})
             return None
 
     def _decode_one(self, raw: msgspec.Raw) -> Any:

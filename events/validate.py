@@ -1,9 +1,10 @@
-"""What makes a decoded KV event valid beyond its msgspec type, and the reasons one is rejected. Pure.
+"""What makes a decoded KV event valid, and the reasons one is rejected. Pure.
 
 vLLM 0.33.0 sends token ids that are non-negative ints below 2**32, a medium of "GPU", "CPU" or
 "STORAGE" (None means GPU), and untagged extra keys made of strings, ints and digests (LoRA name,
 cache salt, (multimodal identifier, offset), prompt-embeds digest). An event outside that is rejected
-alone: the rest of its batch is kept. `event_problem` holds the cheap checks, run by the decoder on
+alone: the rest of its batch is kept. The medium and lookahead tokens are checked by the event
+types themselves (`events.wire`), extra keys and sizes by `event_problem`, run by the decoder on
 every event; token ids, the bulk of a store, are checked where they are decoded (`checked_tokens`,
 lazily and once), which is before the event changes anything, so an event is applied whole or not at
 all. Every reason below is a label value of `kvrouter_engine_rejected_events_total`.
@@ -15,9 +16,16 @@ from typing import Any, Final
 
 import msgspec
 
-from events.wire import MEDIA, TOKEN_ID_LIMIT, AllBlocksCleared, BlockStored, LazyBlockStored
+from events.wire import TOKEN_ID_LIMIT, AllBlocksCleared, BlockRemoved, BlockStored, LazyBlockStored
 
-__all__ = ["MAX_ITEMS", "REJECT_REASONS", "InvalidEvent", "checked_tokens", "event_problem"]
+__all__ = [
+    "MAX_ITEMS",
+    "REJECT_REASONS",
+    "InvalidEvent",
+    "checked_tokens",
+    "event_problem",
+    "rejection_reason",
+]
 
 # The largest list a decoder accepts in one batch (events, or hashes in one event): 1M items. A sane
 # vLLM step is orders of magnitude smaller; this only bounds what a hostile payload can allocate.
@@ -28,10 +36,13 @@ REJECT_REASONS: Final = (
     "too_large",  # more than MAX_ITEMS block hashes
     "medium",  # a medium vLLM does not name
     "extra_keys",  # an extra_keys entry that is not None or a tuple of scalars (or flat lists of them)
-    "lookahead_token_ids",  # a lookahead token that is not a uint32
+    "lookahead_token_ids",  # lookahead tokens that are not lists of uint32
     "token_ids",  # token ids that are not a list of uint32
 )
-
+# The field a type error names (msgspec's "- at `$.field`") -> the reason it is counted under.
+_FIELD_REASONS: Final = tuple(
+    (f"`$.{r}", r) for r in ("medium", "extra_keys", "lookahead_token_ids", "token_ids")
+)
 _SCALARS: Final = frozenset({str, int, float, bool, bytes, type(None)})
 _SEQUENCES: Final = (list, tuple)
 
@@ -44,22 +55,37 @@ class InvalidEvent(ValueError):
         self.reason = reason
 
 
+def rejection_reason(exc: BaseException) -> str:
+    """The reason an event that failed to decode with `exc` is rejected under."""
+    if isinstance(exc, msgspec.ValidationError):
+        text = str(exc)
+        for field, reason in _FIELD_REASONS:
+            if field in text:
+                return reason
+    return "malformed"
+
+
 def event_problem(ev: object) -> str | None:
-    """The reason `ev` is invalid (token ids aside), or None. Cheap: no token is looked at."""
+    """The reason a decoded event is invalid beyond its type (sizes, extra keys), or None. Cheap."""
+    kind = type(ev)
+    if kind is LazyBlockStored or kind is BlockStored:  # the decoders' own classes: no getattr
+        stored: Any = ev
+        if len(stored.block_hashes) > MAX_ITEMS:
+            return "too_large"
+        extra = stored.extra_keys
+        if extra and any(extra) and not all(map(_extra_ok, extra)):
+            return "extra_keys"
+        return None
+    if kind is BlockRemoved:
+        return "too_large" if len(ev.block_hashes) > MAX_ITEMS else None  # type: ignore[attr-defined]
     hashes = getattr(ev, "block_hashes", None)
     if hashes is None:
         return None if isinstance(ev, AllBlocksCleared) else "malformed"
     if len(hashes) > MAX_ITEMS:
         return "too_large"
-    medium = getattr(ev, "medium", None)
-    if medium is not None and medium not in MEDIA:
-        return "medium"
     extra = getattr(ev, "extra_keys", None)
-    if extra and any(extra) and not all(_extra_ok(x) for x in extra):
+    if extra and any(extra) and not all(map(_extra_ok, extra)):
         return "extra_keys"
-    lookahead = getattr(ev, "lookahead_token_ids", None)
-    if lookahead and not all(_uint32s(t) for t in lookahead):
-        return "lookahead_token_ids"
     return None
 
 
@@ -79,10 +105,8 @@ def checked_tokens(ev: BlockStored | LazyBlockStored) -> list[int]:
 def _uint32s(tokens: Any) -> bool:
     if not isinstance(tokens, list):
         return False
-    if not tokens:
-        return True
     try:
-        return bool(min(tokens) >= 0 and max(tokens) < TOKEN_ID_LIMIT)
+        return not tokens or bool(min(tokens) >= 0 and max(tokens) < TOKEN_ID_LIMIT)
     except TypeError:
         return False
 

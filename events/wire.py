@@ -12,7 +12,7 @@ Decoding with tolerance (legacy array events, unknown types and fields, malforme
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Final, TypeAlias
+from typing import Annotated, Any, Final, Literal, TypeAlias
 
 import msgspec
 
@@ -33,6 +33,8 @@ __all__ = [
     "LazyBlockStored",
     "LazyKVEvent",
     "LazyKVEventBatch",
+    "Medium",
+    "TokenId",
 ]
 
 EngineBlockHash: TypeAlias = int | bytes
@@ -45,8 +47,11 @@ MEDIUM_CPU: Final = "CPU"
 MEDIUM_STORAGE: Final = "STORAGE"
 MEDIA: Final = frozenset({MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE})
 """Every medium vLLM 0.33.0 names (`kv_events.py` l.51-53); None on the wire means GPU."""
+Medium: TypeAlias = Literal["GPU", "CPU", "STORAGE"]
+"""`MEDIA` as a type: decoding rejects any other medium (in C, at no cost to the fast path)."""
 TOKEN_ID_LIMIT: Final = 1 << 32
 """Token ids are non-negative ints below this (the router packs them as uint32)."""
+TokenId: TypeAlias = Annotated[int, msgspec.Meta(ge=0, lt=TOKEN_ID_LIMIT)]
 
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True, forbid_unknown_fields=True):
@@ -66,7 +71,7 @@ class BlockStored(KVCacheEvent):
     token_ids: list[int]
     block_size: int
     lora_id: int | None
-    medium: str | None
+    medium: Medium | None
     lora_name: str | None
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
@@ -75,14 +80,14 @@ class BlockStored(KVCacheEvent):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
+    lookahead_token_ids: list[list[TokenId]] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     """Blocks evicted from one group (vLLM emits one hash per event)."""
 
     block_hashes: list[EngineBlockHash]
-    medium: str | None
+    medium: Medium | None
     group_idx: int | None = None
     locality: str | None = None
     ownership: str | None = None
@@ -116,7 +121,7 @@ class LazyBlockStored(KVCacheEvent, tag="BlockStored"):
     token_ids: msgspec.Raw
     block_size: int
     lora_id: int | None
-    medium: str | None
+    medium: Medium | None
     lora_name: str | None
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
@@ -125,7 +130,7 @@ class LazyBlockStored(KVCacheEvent, tag="BlockStored"):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
+    lookahead_token_ids: list[list[TokenId]] | None = None
 
     def tokens(self) -> list[int]:
         """Decode and return `token_ids`; msgspec.ValidationError unless they are a list of uint32."""
@@ -144,4 +149,4 @@ class LazyKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
 
 ENCODER: Final = msgspec.msgpack.Encoder()
-_TOKENS_DECODER: Final = msgspec.msgpack.Decoder(list[Annotated[int, msgspec.Meta(ge=0, lt=TOKEN_ID_LIMIT)]])
+_TOKENS_DECODER: Final = msgspec.msgpack.Decoder(list[TokenId])

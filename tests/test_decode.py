@@ -324,7 +324,7 @@ BAD_EVENTS: dict[str, tuple[Any, str]] = {
     "unknown medium on a removal": ({"type": "BlockRemoved", "block_hashes": [1], "medium": "x"}, "medium"),
     "a dict inside extra_keys": (stored_map(extra_keys=[["lora", {"a": 1}], None]), "extra_keys"),
     "a nested list inside extra_keys": (stored_map(extra_keys=[[["mm", [0]]], None]), "extra_keys"),
-    "extra_keys entry not a tuple": (stored_map(extra_keys=[{"a": 1}, None]), "malformed"),
+    "extra_keys entry not a tuple": (stored_map(extra_keys=[{"a": 1}, None]), "extra_keys"),
     "lookahead token out of range": (stored_map(lookahead_token_ids=[[2**32], [1]]), "lookahead_token_ids"),
 }
 
@@ -363,7 +363,7 @@ def test_bad_tokens_reject_eagerly_and_raise_on_demand_lazily(bad: Any) -> None:
             checked_tokens(decoded.events[0])  # type: ignore[arg-type]
     else:
         assert decoded is not None and [eager(ev) for ev in decoded.events] == [BlockRemoved([9], "GPU")]
-        assert eager_decoder.stats.rejected_events == {"malformed": 1}
+        assert eager_decoder.stats.rejected_events == {"token_ids": 1}
     lazy = BatchDecoder(LazyKVEventBatch).decode(payload)  # laziness: tokens are not looked at
     assert lazy is not None and isinstance(lazy.events[0], LazyBlockStored)
     with pytest.raises(msgspec.ValidationError):

@@ -7,7 +7,7 @@ import contextlib
 import itertools
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -301,7 +301,7 @@ async def test_cpu_blocks_are_accounted_and_emptied_by_a_clear(
         fleets.append(fleet)
         await fleet.start()
         cpu = BlockStored(list(range(1000)), None, [], 0, None, "CPU", None)
-        await publish(fleet, pub, E, cpu, BlockStored([1], None, [], 0, None, "HBM9", None))
+        await publish(fleet, pub, E, cpu, BlockStored([1], None, [], 0, None, cast(Any, "HBM9"), None))
         summary: Any = fleet.index_summary()
         assert summary["bytes_estimate"] >= 1000 * 50 and summary["replicas"][E]["bytes_estimate"] > 0
         assert summary["replicas"][E]["other_media_blocks"] == {"CPU": 1000}

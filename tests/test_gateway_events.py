@@ -33,7 +33,7 @@ def metric(text: str, name: str, **labels: str) -> float | None:
     return float(found.group(1)) if found else None
 
 
-def store(hashes: list[int], tokens: Any, medium: str = "GPU") -> BlockStored:
+def store(hashes: list[int], tokens: Any, medium: Any = "GPU") -> BlockStored:
     return BlockStored(list(hashes), None, tokens, 4, None, medium, None)
 
 

@@ -17,9 +17,11 @@ from events.wire import (
     KVEventBatch,
     LazyKVEventBatch,
 )
+from router.ids import RequestId
 from router.keys import KeyHasher
 from router.mirror import EngineId, Mirror, MirrorConfig
 from router.model_spec import GroupSpec, HashingMode, ModelSpec, ReportMode
+from router.reports import PendingReport, apply_batch
 
 Parent = EngineBlockHash | None
 BS = 4
@@ -35,7 +37,7 @@ def store(hashes: list[EngineBlockHash], tokens: list[int], parent: Parent = Non
     return BlockStored(hashes, parent, tokens, BS, None, fields.pop("medium"), None, **fields)
 
 
-def removed(*hashes: EngineBlockHash, group: int = 0, medium: str | None = "GPU") -> BlockRemoved:
+def removed(*hashes: EngineBlockHash, group: int = 0, medium: Any = "GPU") -> BlockRemoved:
     return BlockRemoved(list(hashes), medium, group_idx=group)
 
 
@@ -268,3 +270,14 @@ def test_other_media_hashes_are_bounded_by_max_keys() -> None:
     assert rv is not None and rv.other_media_hashes == 3 and m.stats.over_cap_drops == 2
     m.apply(E0, batch(removed(1, medium="CPU"), store([6], TOKENS[:4], medium="CPU")))
     assert set(rv.other_media["CPU"]) == {2, 3, 6}
+
+
+def test_bad_tokens_in_sparse_full_mode_and_report_matching_are_rejected_alone() -> None:
+    m = mirror(HYBRID, ReportMode.FULL)
+    bad_sparse = store([99], "abcd", group_idx=1)
+    m.apply(E0, lazy(batch(bad_sparse, full_store())))
+    rv = m.replica(E0)
+    assert rv is not None and rv.rejected == {"token_ids": 1} and len(m.resident(E0, 0, 0)) == 4
+    pending = {RequestId("r"): PendingReport(list(m.hasher.request_keys(TOKENS, BS)), len(TOKENS))}
+    reports = apply_batch(m, E0, HYBRID, lazy(batch(store([98], [2**32] * 4))), pending)
+    assert reports == 0 and rv.rejected == {"token_ids": 2}
