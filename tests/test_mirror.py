@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -274,7 +274,7 @@ def test_other_media_hashes_are_bounded_by_max_keys() -> None:
 
 def test_bad_tokens_in_sparse_full_mode_and_report_matching_are_rejected_alone() -> None:
     m = mirror(HYBRID, ReportMode.FULL)
-    bad_sparse = store([99], "abcd", group_idx=1)
+    bad_sparse = store([99], cast(Any, "abcd"), group_idx=1)
     m.apply(E0, lazy(batch(bad_sparse, full_store())))
     rv = m.replica(E0)
     assert rv is not None and rv.rejected == {"token_ids": 1} and len(m.resident(E0, 0, 0)) == 4
