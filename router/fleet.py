@@ -289,12 +289,12 @@ class Fleet:
         except Exception as exc:
             rep.observe(EventsRejected(now, f"batch {seq} could not be applied whole: {exc!r}"[:200]))
             raise  # the subscriber resyncs: this view is cleared and rebuilt from a replay
-        rep.check_rejected(self.mirror, now)
         rep.last_seq, rep.applied = seq, rep.applied + 1
         rep.observe(Delivered(now))
         rep.expire_pending(now)
         if any(isinstance(ev, AllBlocksCleared) for ev in batch.events):
             rep.observe(Cleared(now))
+        rep.check_rejected(self.mirror, now)
         rep.check_flags(self.mirror, batch.events, now)
 
     def on_signal(self, engine: EngineName, signal: LinkSignal) -> None:

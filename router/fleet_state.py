@@ -1,8 +1,8 @@
 """One replica's record in the fleet: its engine, variant, subscriber, trust tracker and link counters.
 
-`Replica.poll` turns what the subscriber reports only through its counters (decode errors, events
-the decoder rejected, a replay started after a gap) into trust signals, and `check_rejected` does the
-same for events the mirror rejected; the fleet polls on every delivered batch and every metrics
+`Replica.poll` turns what the subscriber reports only through its counters (decode errors, a replay
+started after a gap) into trust signals, and `check_rejected` does the same for the events the
+decoder and the mirror rejected; the fleet polls on every delivered batch and every metrics
 scrape, not per decision (reading the counters costs ~10 us). `Replica.status` folds in the layout
 flags the mirror raised.
 """
@@ -72,6 +72,7 @@ class Replica:
     missing_stores: int = 0
 
     _cached: TrustStatus | None = None
+    _link_rejected: dict[str, int] = field(default_factory=dict)
     _awaiting_since: float | None = None
 
     def observe(self, signal: Signal) -> None:
@@ -104,25 +105,28 @@ class Replica:
         if self.subscriber is None:
             return
         stats = self.subscriber.stats()
+        self._link_rejected = stats.rejected_events
         if stats.decode_errors > self.decode_errors:
             n, self.decode_errors = stats.decode_errors - self.decode_errors, stats.decode_errors
             self.observe(DecodeError(now, f"{n} undecodable batch(es)"))
-        rejected = sum(stats.rejected_events.values())
-        if rejected > self.decoder_rejected:
-            n, self.decoder_rejected = rejected - self.decoder_rejected, rejected
-            self.observe(EventsRejected(now, _rejected_detail(n, stats.rejected_events)))
         if stats.replaying and not self.replaying:
             self.replaying = True
             self.observe(ReplayStarted(now))
 
     def check_rejected(self, mirror: Mirror, now: float) -> None:
-        """Signal events the mirror rejected while applying the last batch (invalid token ids...)."""
+        """Signal the events the decoder and the mirror rejected in the last batch. Called after the
+        batch's AllBlocksCleared (if any) was observed: where in the batch they were is not known,
+        so a rejection next to a clear keeps the replica stale (the conservative side)."""
+        decoded = self._link_rejected  # as of the poll that preceded the batch (decoded before it)
         view = mirror.replica(self.id)
-        rejected = sum(view.rejected.values()) if view is not None else 0
-        if view is not None and rejected > self.mirror_rejected:
-            n, self.mirror_rejected = rejected - self.mirror_rejected, rejected
-            self.observe(EventsRejected(now, _rejected_detail(n, view.rejected)))
-            log.warning("kv events rejected", extra={"engine": self.id, "rejected": dict(view.rejected)})
+        applied = view.rejected if view is not None else {}
+        seen = sum(decoded.values()), sum(applied.values())
+        if seen[0] > self.decoder_rejected or seen[1] > self.mirror_rejected:
+            n = seen[0] - self.decoder_rejected + seen[1] - self.mirror_rejected
+            self.decoder_rejected, self.mirror_rejected = seen
+            by_reason = self.rejected_events(mirror)
+            self.observe(EventsRejected(now, _rejected_detail(n, by_reason)))
+            log.warning("kv events rejected", extra={"engine": self.id, "rejected": by_reason})
 
     def rejected_events(self, mirror: Mirror) -> dict[str, int]:
         """Events rejected so far, by reason: by the decoder (subscriber) and by the mirror."""

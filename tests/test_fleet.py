@@ -177,7 +177,8 @@ async def test_an_engine_without_replay_is_stale_when_it_joined_late(
             await pub.publish(KVEventBatch(0.0, [store(1)]))
             if rep.last_seq is not None:
                 break
-            await wait_until(lambda: rep.last_seq is not None or pub.stats.batches > 0, what="publish")
+            with contextlib.suppress(AssertionError):  # give the SUB a moment to join before the next
+                await wait_until(lambda: rep.last_seq is not None, timeout=0.05, what="a live batch")
         await wait_until(lambda: rep.last_seq is not None, what="a live batch")
         assert state(fleet) == (TrustState.STALE, TrustReason.HISTORY_LOST)
 
@@ -291,6 +292,8 @@ async def test_a_bad_event_costs_only_itself_and_makes_the_replica_stale(
         assert view.link is not None and view.link.consumer_errors == 0
         await publish(fleet, pub, E, AllBlocksCleared())  # the engine's cache is empty: exact again
         assert state(fleet) == (TrustState.FRESH, TrustReason.OK)
+        await publish(fleet, pub, E, AllBlocksCleared(), bad)  # a bad event after the clear
+        assert state(fleet) == (TrustState.STALE, TrustReason.EVENTS_REJECTED)
 
 
 async def test_cpu_blocks_are_accounted_and_emptied_by_a_clear(
