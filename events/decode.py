@@ -6,11 +6,12 @@ typed msgspec decode of the whole batch with strict Structs (unknown fields forb
 unusual falls back to a per-event path that accepts legacy positional-array events (vLLM <= 0.23),
 skips events of unknown type, ignores unknown fields, and counts each.
 
-A malformed batch (not a batch, truncated, more than `MAX_ITEMS` events) is rejected whole. A bad
-event is rejected alone (`events.validate`: wrong types, an unknown medium, unhashable extra keys),
-counted by reason in `DecodeStats.rejected_events`, and the rest of its batch is kept: dropping the
-good events after a bad one would lose removals the mirror must see. The consumer learns of
-rejections from the counters and treats the engine's mirror as inexact.
+A malformed batch (not a batch, truncated, more than `MAX_ITEMS` events) is rejected whole. An event
+that does not decode to its type (a wrong type, an unknown medium, more than `MAX_ITEMS` hashes:
+the types check all of it, in C) is rejected alone, counted by reason (`events.validate`) in
+`DecodeStats.rejected_events`, and the rest of its batch is kept: dropping the good events after a
+bad one would lose removals the mirror must see. The consumer learns of rejections from the
+counters and treats the engine's mirror as inexact.
 """
 
 from __future__ import annotations
@@ -21,11 +22,12 @@ from typing import Any, Final, Generic, TypeVar
 
 import msgspec
 
-from events.validate import MAX_ITEMS, event_problem, rejection_reason
+from events.validate import MAX_ITEMS, rejection_reason
 from events.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    Hashes,
     KVEventBatch,
     LazyBlockStored,
     LazyKVEventBatch,
@@ -106,7 +108,7 @@ class _Tag(msgspec.Struct):
 
 # Legacy (vLLM <= 0.23) events: positional arrays whose first element is the tag.
 class _LegacyStored(msgspec.Struct, tag="BlockStored", array_like=True):
-    block_hashes: list[int | bytes]
+    block_hashes: Hashes
     parent_block_hash: int | bytes | None
     token_ids: list[int]
     block_size: int
@@ -120,7 +122,7 @@ class _LegacyStored(msgspec.Struct, tag="BlockStored", array_like=True):
 
 
 class _LegacyRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
-    block_hashes: list[int | bytes]
+    block_hashes: Hashes
     medium: Medium | None = None
     group_idx: int | None = None
 
@@ -165,7 +167,6 @@ class BatchDecoder(Generic[B]):
             log.warning("kv event payload rejected", extra={"error": str(exc), "size": len(payload)})
             return None
         self.stats.batches += 1
-        self._screen(batch)
         for event in batch.events:
             self.stats.count_event(event.__struct_config__.tag)  # type: ignore[arg-type]
         return batch
@@ -177,21 +178,6 @@ class BatchDecoder(Generic[B]):
             return self._decode_slow(payload)
         _check_size(fast.events)
         return fast
-
-    def _screen(self, batch: B) -> None:
-        """Drop (and count) the events `event_problem` rejects; the rest of the batch stays."""
-        if not any(map(event_problem, batch.events)):
-            return
-        kept, reasons = [], []
-        for ev in batch.events:
-            reason = event_problem(ev)
-            if reason is None:
-                kept.append(ev)
-            else:
-                reasons.append(reason)
-                self.stats.reject(reason)
-        batch.events = kept
-        log.warning("kv events rejected", extra={"reasons": sorted(set(reasons))})
 
     def _make(self, ts: float, events: list[Any], rank: int | None) -> B:
         return self.batch_type(ts, events, rank)

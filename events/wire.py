@@ -18,6 +18,7 @@ import msgspec
 
 __all__ = [
     "ENCODER",
+    "MAX_ITEMS",
     "MEDIA",
     "MEDIUM_CPU",
     "MEDIUM_GPU",
@@ -41,6 +42,11 @@ EngineBlockHash: TypeAlias = int | bytes
 """An engine's block hash as published: the low 64 bits of the digest (uint64), or the raw digest.
 
 Opaque to the router: it identifies a block for removals and nothing more."""
+
+MAX_ITEMS: Final = 1 << 20
+"""The longest list a decoder accepts (events in a batch, hashes in an event): 1M. A sane vLLM step is
+orders of magnitude smaller; this only bounds what a hostile payload can allocate."""
+Hashes: TypeAlias = Annotated[list[EngineBlockHash], msgspec.Meta(max_length=MAX_ITEMS)]
 
 MEDIUM_GPU: Final = "GPU"
 MEDIUM_CPU: Final = "CPU"
@@ -66,7 +72,7 @@ class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True, forbi
 class BlockStored(KVCacheEvent):
     """Blocks newly cached in one KV-cache group, announced when they are scheduled."""
 
-    block_hashes: list[EngineBlockHash]
+    block_hashes: Hashes
     parent_block_hash: EngineBlockHash | None
     token_ids: list[int]
     block_size: int
@@ -86,7 +92,7 @@ class BlockStored(KVCacheEvent):
 class BlockRemoved(KVCacheEvent):
     """Blocks evicted from one group (vLLM emits one hash per event)."""
 
-    block_hashes: list[EngineBlockHash]
+    block_hashes: Hashes
     medium: Medium | None
     group_idx: int | None = None
     locality: str | None = None
@@ -116,7 +122,7 @@ class LazyBlockStored(KVCacheEvent, tag="BlockStored"):
     on demand.
     """
 
-    block_hashes: list[EngineBlockHash]
+    block_hashes: Hashes
     parent_block_hash: EngineBlockHash | None
     token_ids: msgspec.Raw
     block_size: int
@@ -133,7 +139,7 @@ class LazyBlockStored(KVCacheEvent, tag="BlockStored"):
     lookahead_token_ids: list[list[TokenId]] | None = None
 
     def tokens(self) -> list[int]:
-        """Decode and return `token_ids`; msgspec.ValidationError unless they are a list of uint32."""
+        """Decode and return `token_ids`; msgspec.ValidationError unless they are a list of ints."""
         return _TOKENS_DECODER.decode(self.token_ids)
 
 
@@ -149,4 +155,4 @@ class LazyKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
 
 ENCODER: Final = msgspec.msgpack.Encoder()
-_TOKENS_DECODER: Final = msgspec.msgpack.Decoder(list[TokenId])
+_TOKENS_DECODER: Final = msgspec.msgpack.Decoder(list[int])  # range: checked where packed (no cost here)

@@ -119,7 +119,10 @@ def _store_keys(mirror: Mirror, spec: ModelSpec, ev: BlockStored | LazyBlockStor
         return None
     if spec.hashing is HashingMode.ENGINE:
         return [engine_key(h) for h in ev.block_hashes]
-    keys = keys_from_tokens(mirror.hasher, ev, None, spec.hash_block_size)
+    try:
+        keys = keys_from_tokens(mirror.hasher, ev, None, spec.hash_block_size)
+    except InvalidEvent:
+        return None  # never a report: the mirror rejects it
     return None if keys is None else list(keys)
 
 

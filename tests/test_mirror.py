@@ -281,3 +281,12 @@ def test_bad_tokens_in_sparse_full_mode_and_report_matching_are_rejected_alone()
     pending = {RequestId("r"): PendingReport(list(m.hasher.request_keys(TOKENS, BS)), len(TOKENS))}
     reports = apply_batch(m, E0, HYBRID, lazy(batch(store([98], [2**32] * 4))), pending)
     assert reports == 0 and rv.rejected == {"token_ids": 2}
+
+
+@pytest.mark.parametrize("extra", [[("lora", {"a": 1})], [(("mm", [0]),)]])
+def test_extra_keys_the_router_cannot_hash_reject_their_store_alone(extra: Any) -> None:
+    m = mirror()
+    bad = store(HASHES[:1], TOKENS[:4], extra_keys=extra)
+    m.apply(E0, lazy(batch(bad, store(HASHES[:1], TOKENS[:4]))))  # the decoder keeps it: Any-typed
+    rv = m.replica(E0)
+    assert rv is not None and rv.rejected == {"extra_keys": 1} and set(m.resident(E0, 0, 0)) == {HASHES[0]}
