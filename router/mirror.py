@@ -21,10 +21,11 @@ bounded by `max_keys` hashes over all replicas too, and cleared with the GPU vie
 does not name is rejected. Anomalies (remove of an unknown hash, store with an unknown parent,
 unmapped sparse hash, group index outside the model) are counted in `MirrorStats`, never raised.
 
-An event is applied whole or not at all: its keys are computed (token ids decoded and checked)
-before it touches the index, and an invalid one (`events.validate.InvalidEvent`) is rejected alone,
-counted per replica (`ReplicaView.rejected`); the rest of the batch is applied. A later store whose
-parent was a rejected store cannot be keyed in router-key mode and counts as `store_unknown_parent`.
+An event is applied whole or not at all: its keys are computed (token ids decoded, packed as uint32
+and hashed with the extra keys: what checks them) before it touches the index, and an invalid one
+(`events.validate.InvalidEvent`) is rejected alone, counted per replica (`ReplicaView.rejected`);
+the rest of the batch is applied. A later store whose parent was a rejected store cannot be keyed in
+router-key mode and counts as `store_unknown_parent`.
 """
 
 from __future__ import annotations
