@@ -6,9 +6,12 @@ typed msgspec decode of the whole batch with strict Structs (unknown fields forb
 unusual falls back to a per-event path that accepts legacy positional-array events (vLLM <= 0.23),
 skips events of unknown type, ignores unknown fields, and counts each.
 
-A malformed event rejects its whole batch: applying part of a step would leave a mirror in a state
-the engine never had, while a rejected batch is visible as such (counted, and the consumer can mark
-the engine untrusted).
+A malformed batch (not a batch, truncated, more than `MAX_ITEMS` events) is rejected whole. An event
+that does not decode to its type (a wrong type, an unknown medium, more than `MAX_ITEMS` hashes:
+the types check all of it, in C) is rejected alone, counted by reason (`events.validate`) in
+`DecodeStats.rejected_events`, and the rest of its batch is kept: dropping the good events after a
+bad one would lose removals the mirror must see. The consumer learns of rejections from the
+counters and treats the engine's mirror as inexact.
 """
 
 from __future__ import annotations
@@ -19,22 +22,21 @@ from typing import Any, Final, Generic, TypeVar
 
 import msgspec
 
+from events.validate import MAX_ITEMS, rejection_reason
 from events.wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
+    Hashes,
     KVEventBatch,
     LazyBlockStored,
     LazyKVEventBatch,
+    Medium,
 )
 
-__all__ = ["BatchDecoder", "DecodeError", "DecodeStats"]
+__all__ = ["MAX_ITEMS", "BatchDecoder", "DecodeError", "DecodeStats"]
 
 log = logging.getLogger(__name__)
-
-# The largest list a decoder accepts in one batch (events, or hashes in one event): 1M items. A sane
-# vLLM step is orders of magnitude smaller; this only bounds what a hostile payload can allocate.
-MAX_ITEMS: Final = 1 << 20
 
 
 class DecodeError(ValueError):
@@ -51,9 +53,13 @@ class DecodeStats:
     unknown_fields: int = 0
     legacy_events: int = 0
     decode_errors: int = 0
+    rejected_events: dict[str, int] = field(default_factory=dict)
 
     def count_event(self, kind: str) -> None:
         self.events[kind] = self.events.get(kind, 0) + 1
+
+    def reject(self, reason: str) -> None:
+        self.rejected_events[reason] = self.rejected_events.get(reason, 0) + 1
 
 
 # Tolerant twins: same tag and fields, unknown fields ignored; the slow path converts them to the
@@ -102,12 +108,12 @@ class _Tag(msgspec.Struct):
 
 # Legacy (vLLM <= 0.23) events: positional arrays whose first element is the tag.
 class _LegacyStored(msgspec.Struct, tag="BlockStored", array_like=True):
-    block_hashes: list[int | bytes]
+    block_hashes: Hashes
     parent_block_hash: int | bytes | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None = None
-    medium: str | None = None
+    medium: Medium | None = None
     lora_name: str | None = None
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
@@ -116,8 +122,8 @@ class _LegacyStored(msgspec.Struct, tag="BlockStored", array_like=True):
 
 
 class _LegacyRemoved(msgspec.Struct, tag="BlockRemoved", array_like=True):
-    block_hashes: list[int | bytes]
-    medium: str | None = None
+    block_hashes: Hashes
+    medium: Medium | None = None
     group_idx: int | None = None
 
 
@@ -170,7 +176,7 @@ class BatchDecoder(Generic[B]):
             fast = self._fast.decode(payload)
         except msgspec.DecodeError:
             return self._decode_slow(payload)
-        _check_sizes(fast.events)
+        _check_size(fast.events)
         return fast
 
     def _make(self, ts: float, events: list[Any], rank: int | None) -> B:
@@ -182,11 +188,21 @@ class BatchDecoder(Generic[B]):
             raw = _RAW_MAP_BATCH.decode(payload)
         else:
             raw = _RAW_BATCH.decode(payload)
+        _check_size(raw.events)
         events = [ev for ev in (self._decode_event(r) for r in raw.events) if ev is not None]
-        _check_sizes(events)
         return self._make(raw.ts, events, raw.data_parallel_rank)
 
     def _decode_event(self, raw: msgspec.Raw) -> Any:
+        """One event of the slow path; None when skipped (unknown type) or rejected (malformed)."""
+        try:
+            return self._decode_one(raw)
+        except (msgspec.DecodeError, DecodeError, RecursionError) as exc:
+            reason = rejection_reason(exc)
+            self.stats.reject(reason)
+            log.warning("kv event rejected", extra={"reason": reason, "error": str(exc)})
+            return None
+
+    def _decode_one(self, raw: msgspec.Raw) -> Any:
         head = bytes(memoryview(raw)[:1])
         if head and (0x90 <= head[0] <= 0x9F or head in (b"\xdc", b"\xdd")):
             return self._decode_legacy(raw)
@@ -227,10 +243,6 @@ class BatchDecoder(Generic[B]):
         return self._stored_type(**fields)
 
 
-def _check_sizes(events: list[Any]) -> None:
+def _check_size(events: list[Any]) -> None:
     if len(events) > MAX_ITEMS:
         raise DecodeError(f"batch has {len(events)} events, more than {MAX_ITEMS}")
-    for ev in events:
-        hashes = getattr(ev, "block_hashes", ())
-        if len(hashes) > MAX_ITEMS:
-            raise DecodeError(f"event has {len(hashes)} block hashes, more than {MAX_ITEMS}")

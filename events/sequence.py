@@ -54,7 +54,7 @@ __all__ = [
 ]
 
 T = TypeVar("T")
-ResetReason: TypeAlias = Literal["restart", "history_lost"]
+ResetReason: TypeAlias = Literal["restart", "history_lost", "resync"]
 
 
 class Deliver(msgspec.Struct, Generic[T], frozen=True, gc=False):
@@ -217,6 +217,19 @@ class SequenceTracker(Generic[T]):
             return []
         self.stats.verifications += 1
         return self._request(anchor, verify=anchor)
+
+    def resync(self) -> list[Action[T]]:
+        """The consumer could not apply a delivered batch whole, so its picture is unknown: forget
+        everything, mark it stale and replay from 0 (`Reset("resync")`); without a replay endpoint it
+        stays stale until rebuilt, and live delivery goes on."""
+        self.stats.stale = True
+        if not self.config.can_replay:
+            return [Reset("resync")]
+        self._last = None
+        self._fps.clear()
+        self._held.clear()
+        self._anchor = None  # the replay from 0 checks the lifetime anyway
+        return [Reset("resync"), *self._request(0)]
 
     def mark_rebuilt(self) -> list[Action[T]]:
         """The consumer has a complete picture again (e.g. it saw AllBlocksCleared): clear `stale`."""

@@ -76,10 +76,15 @@ class EngineStats(msgspec.Struct):
     stale: bool
     replaying: bool
     event_lag_s: float | None = None
+    rejected_events: dict[str, int] = {}
+    resyncs: int = 0
 
 
 class Consumer(Protocol):
-    """What a subscriber hands its results to; called on the event loop, in order, per engine."""
+    """What a subscriber hands its results to; called on the event loop, in order, per engine.
+
+    `on_batch` raising means the batch was not applied whole: the subscriber resyncs (a
+    `Reset("resync")` signal, then the publisher's history replayed from 0)."""
 
     def on_batch(self, engine: EngineName, seq: int, batch: AnyBatch) -> None: ...
 

@@ -4,7 +4,10 @@
 accept only the first reply message: reference section 2.2). One task polls both, feeds every seq to
 a `SequenceTracker` and carries out its actions: delivered payloads are decoded (tolerantly, errors
 counted) and handed to the `Consumer` as ``(engine, seq, batch)``; resets, caught-up and rebuilt
-signals follow in order. A replay that sees no reply for `replay_timeout_s` is retried on a fresh
+signals follow in order. A consumer that raises on a batch did not apply it whole: the subscriber
+resyncs (`Reset("resync")`, then a fresh replay from 0 on a new DEALER, dropping what the old replay
+or the held batches still had to deliver), at most once per replay, so a batch that fails every
+time cannot make it loop. A replay that sees no reply for `replay_timeout_s` is retried on a fresh
 DEALER, with the timeout doubling up to `backoff_max_s`; ZeroMQ itself reconnects both sockets with
 exponential backoff while an engine is away. A monitor on the SUB socket reports the live link's
 disconnections and reconnections to the tracker, which verifies after each one that the publisher
@@ -102,6 +105,9 @@ class EngineSubscriber:
         self._frame_errors = 0
         self._consumer_errors = 0
         self._event_lag_s: float | None = None
+        self._resyncs = 0
+        self._resyncing = False  # a resync's replay is in flight: a failure now does not resync again
+        self._epoch = 0  # bumped by a resync: actions computed before it are void
         self.endpoint = source.endpoint
 
     def start(self) -> None:
@@ -163,6 +169,8 @@ class EngineSubscriber:
             decode_errors=dec.decode_errors,
             frame_errors=self._frame_errors,
             consumer_errors=self._consumer_errors,
+            rejected_events=dict(dec.rejected_events),
+            resyncs=self._resyncs,
             last_seq=seq.last_seq,
             last_event_time=seq.last_event_time,
             stale=seq.stale,
@@ -202,7 +210,7 @@ class EngineSubscriber:
 
     async def _drain(self, sock: zmq.asyncio.Socket, handle: Callable[[list[bytes]], None]) -> None:
         for _ in range(_BURST):
-            if sock.closed:  # a restart found mid-replay replaced the DEALER
+            if sock.closed:  # a restart found mid-replay, or a resync, replaced the DEALER
                 return
             try:
                 parts = await sock.recv_multipart(zmq.NOBLOCK)
@@ -248,13 +256,19 @@ class EngineSubscriber:
         self._act(self._tracker.on_replay_failed())
 
     def _act(self, actions: list[Action[bytes]]) -> None:
+        epoch = self._epoch
         for action in actions:
+            if self._epoch != epoch:
+                return  # a resync replaced the tracker's state these actions came from
             match action:
                 case Deliver(seq=seq, item=payload):
                     self._deliver(seq, payload)
                 case RequestReplay(start_seq=start):
                     self._request_replay(start)
-                case Reset() | CaughtUp() | Rebuilt():
+                case CaughtUp():
+                    self._resyncing = False
+                    self._signal(action)
+                case Reset() | Rebuilt():
                     self._signal(action)
 
     def _deliver(self, seq: int, payload: bytes) -> None:
@@ -269,8 +283,20 @@ class EngineSubscriber:
         except Exception:
             self._consumer_errors += 1
             log.exception("kv event consumer failed", extra={"engine": self.name, "seq": seq})
+            self._resync()
+            return
         if any(isinstance(event, AllBlocksCleared) for event in batch.events):
             self._act(self._tracker.mark_rebuilt())
+
+    def _resync(self) -> None:
+        if self._resyncing:
+            return
+        self._resyncing = self.source.replay_endpoint is not None
+        self._resyncs += 1
+        self._epoch += 1
+        self._close_dealer()  # replies to a replay in flight must not mix with the new one's
+        self._deadline = None
+        self._act(self._tracker.resync())
 
     def _signal(self, signal: Signal) -> None:
         log.info("kv event link signal", extra={"engine": self.name, "signal": repr(signal)})

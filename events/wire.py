@@ -12,15 +12,18 @@ Decoding with tolerance (legacy array events, unknown types and fields, malforme
 
 from __future__ import annotations
 
-from typing import Any, Final, TypeAlias
+from typing import Annotated, Any, Final, Literal, TypeAlias
 
 import msgspec
 
 __all__ = [
     "ENCODER",
+    "MAX_ITEMS",
+    "MEDIA",
     "MEDIUM_CPU",
     "MEDIUM_GPU",
     "MEDIUM_STORAGE",
+    "TOKEN_ID_LIMIT",
     "AllBlocksCleared",
     "BlockRemoved",
     "BlockStored",
@@ -31,6 +34,8 @@ __all__ = [
     "LazyBlockStored",
     "LazyKVEvent",
     "LazyKVEventBatch",
+    "Medium",
+    "TokenId",
 ]
 
 EngineBlockHash: TypeAlias = int | bytes
@@ -38,9 +43,21 @@ EngineBlockHash: TypeAlias = int | bytes
 
 Opaque to the router: it identifies a block for removals and nothing more."""
 
+MAX_ITEMS: Final = 1 << 20
+"""The longest list a decoder accepts (events in a batch, hashes in an event): 1M. A sane vLLM step is
+orders of magnitude smaller; this only bounds what a hostile payload can allocate."""
+Hashes: TypeAlias = Annotated[list[EngineBlockHash], msgspec.Meta(max_length=MAX_ITEMS)]
+
 MEDIUM_GPU: Final = "GPU"
 MEDIUM_CPU: Final = "CPU"
 MEDIUM_STORAGE: Final = "STORAGE"
+MEDIA: Final = frozenset({MEDIUM_GPU, MEDIUM_CPU, MEDIUM_STORAGE})
+"""Every medium vLLM 0.33.0 names (`kv_events.py` l.51-53); None on the wire means GPU."""
+Medium: TypeAlias = Literal["GPU", "CPU", "STORAGE"]
+"""`MEDIA` as a type: decoding rejects any other medium (in C, at no cost to the fast path)."""
+TOKEN_ID_LIMIT: Final = 1 << 32
+"""Token ids are non-negative ints below this (the router packs them as uint32)."""
+TokenId: TypeAlias = Annotated[int, msgspec.Meta(ge=0, lt=TOKEN_ID_LIMIT)]
 
 
 class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True, forbid_unknown_fields=True):
@@ -55,12 +72,12 @@ class KVCacheEvent(msgspec.Struct, omit_defaults=True, gc=False, tag=True, forbi
 class BlockStored(KVCacheEvent):
     """Blocks newly cached in one KV-cache group, announced when they are scheduled."""
 
-    block_hashes: list[EngineBlockHash]
+    block_hashes: Hashes
     parent_block_hash: EngineBlockHash | None
     token_ids: list[int]
     block_size: int
     lora_id: int | None
-    medium: str | None
+    medium: Medium | None
     lora_name: str | None
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
@@ -69,14 +86,14 @@ class BlockStored(KVCacheEvent):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
+    lookahead_token_ids: list[list[TokenId]] | None = None
 
 
 class BlockRemoved(KVCacheEvent):
     """Blocks evicted from one group (vLLM emits one hash per event)."""
 
-    block_hashes: list[EngineBlockHash]
-    medium: str | None
+    block_hashes: Hashes
+    medium: Medium | None
     group_idx: int | None = None
     locality: str | None = None
     ownership: str | None = None
@@ -105,12 +122,12 @@ class LazyBlockStored(KVCacheEvent, tag="BlockStored"):
     on demand.
     """
 
-    block_hashes: list[EngineBlockHash]
+    block_hashes: Hashes
     parent_block_hash: EngineBlockHash | None
     token_ids: msgspec.Raw
     block_size: int
     lora_id: int | None
-    medium: str | None
+    medium: Medium | None
     lora_name: str | None
     extra_keys: list[tuple[Any, ...] | None] | None = None
     group_idx: int | None = None
@@ -119,10 +136,10 @@ class LazyBlockStored(KVCacheEvent, tag="BlockStored"):
     locality: str | None = None
     ownership: str | None = None
     session_id: str | None = None
-    lookahead_token_ids: list[list[int]] | None = None
+    lookahead_token_ids: list[list[TokenId]] | None = None
 
     def tokens(self) -> list[int]:
-        """Decode and return `token_ids`."""
+        """Decode and return `token_ids`; msgspec.ValidationError unless they are a list of ints."""
         return _TOKENS_DECODER.decode(self.token_ids)
 
 
@@ -138,4 +155,4 @@ class LazyKVEventBatch(msgspec.Struct, array_like=True, omit_defaults=True, gc=F
 
 
 ENCODER: Final = msgspec.msgpack.Encoder()
-_TOKENS_DECODER: Final = msgspec.msgpack.Decoder(list[int])
+_TOKENS_DECODER: Final = msgspec.msgpack.Decoder(list[int])  # range: checked where packed (no cost here)

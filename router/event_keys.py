@@ -18,10 +18,11 @@ from typing import Any
 
 import msgspec
 
+from events.validate import InvalidEvent, checked_tokens
 from events.wire import BlockStored, EngineBlockHash, LazyBlockStored
 from router.keys import BlockExtra, BlockKey, KeyHasher, normalize_extra, split_event_extra
 
-__all__ = ["engine_key", "event_tokens", "keys_from_tokens", "store_salt"]
+__all__ = ["chain_tokens", "engine_key", "event_tokens", "keys_from_tokens", "store_salt"]
 
 _LOOKAHEAD = msgspec.msgpack.Decoder(list[list[int]])
 
@@ -32,8 +33,27 @@ def engine_key(ehash: EngineBlockHash) -> int:
 
 
 def event_tokens(ev: BlockStored | LazyBlockStored) -> list[int]:
-    """The event's token ids, decoding them if the event is lazy."""
-    return ev.tokens() if isinstance(ev, LazyBlockStored) else ev.token_ids
+    """The event's token ids, decoding them if the event is lazy; InvalidEvent unless they are ints."""
+    return checked_tokens(ev)
+
+
+def chain_tokens(
+    hasher: KeyHasher,
+    parent: int,
+    tokens: Sequence[int],
+    block_size: int,
+    n_blocks: int,
+    block_extras: Sequence[BlockExtra] | None = None,
+) -> list[BlockKey]:
+    """`KeyHasher.chain` over an event's tokens and extras; InvalidEvent("token_ids") when a token is
+    not a uint32, ("extra_keys") when an extra key cannot be hashed: the packing and hashing check
+    them, so valid events pay nothing for the checks."""
+    try:
+        return hasher.chain(parent, tokens, block_size, n_blocks, block_extras)
+    except ValueError as exc:
+        raise InvalidEvent("token_ids", str(exc)) from exc
+    except TypeError as exc:
+        raise InvalidEvent("extra_keys", str(exc)) from exc
 
 
 def _lookahead(ev: BlockStored | LazyBlockStored) -> list[list[int]] | None:
@@ -97,9 +117,9 @@ def keys_from_tokens(
         parent_key = hasher.root(ev.lora_name, salt)
     k = bs // hb
     if k == 1:
-        return hasher.chain(parent_key, tokens, bs, n, extras)
+        return chain_tokens(hasher, parent_key, tokens, bs, n, extras)
     lookahead = _lookahead(ev)
     if extras is not None and any(e is not None and e[0] for e in extras):
         return None
-    units = hasher.chain(parent_key, tokens, hb, n * k, _unit_extras(tokens, lookahead, hb, n * k))
+    units = chain_tokens(hasher, parent_key, tokens, hb, n * k, _unit_extras(tokens, lookahead, hb, n * k))
     return units[k - 1 :: k]

@@ -5,10 +5,13 @@ ranks); it is also the mirror's engine, so a restart of one rank resets only its
 signals become mirror resets and trust signals: the start-up replay and any later replay are
 "replay in flight" until CaughtUp; Reset("restart") clears the replica's view (the engine's cache is
 gone) and it is rebuilt from the replay; Reset("history_lost") clears it and the replica stays
-STALE until Rebuilt (a new lifetime seen from seq 0, or AllBlocksCleared); decode errors (read from
-the subscriber's counters) and layout flags from the events (block size, kind, window, unknown
-group) make it STALE. An engine without event endpoints is routable but always STALE: its hits are
-never trusted. Time is passed in (`now`) except where a signal arrives (the fleet's `clock`).
+STALE until Rebuilt (a new lifetime seen from seq 0, or AllBlocksCleared); decode errors and
+rejected events (read from the subscriber's and the mirror's counters) make it STALE until Rebuilt;
+a batch that raises while being applied marks it STALE and makes the subscriber resync
+(Reset("resync"): the view is cleared and rebuilt from a replay from seq 0); layout flags from the
+events (block size, kind, window, unknown group) make it STALE. An engine without event endpoints
+is routable but always STALE: its hits are never trusted. Time is passed in (`now`) except where a
+signal arrives (the fleet's `clock`).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from router.reports import PendingReport, apply_batch
 from router.trust import (
     Cleared,
     Delivered,
+    EventsRejected,
     HistoryLost,
     ReplayFinished,
     ReplayStarted,
@@ -207,6 +211,8 @@ class Fleet:
                 link=rep.subscriber.stats() if rep.subscriber is not None else None,
                 mirror_blocks=rep.blocks(self.mirror),
                 in_flight=self.load.snapshot(rid, now).in_flight,
+                rejected_events=rep.rejected_events(self.mirror),
+                other_media_blocks=rep.other_media_blocks(self.mirror),
             )
             for rid, rep in self._replicas.items()
         ]
@@ -224,9 +230,11 @@ class Fleet:
         }
 
     def mirror_bytes(self) -> int:
-        """A rough size of the shared index: dict slots plus the int objects they hold (~100 B/key)."""
+        """A rough size of the shared index and the other media's counts: dict slots plus the int
+        objects they hold (~100 B per key or hash)."""
         per_entry = 8 * 3 + 32 + 32  # hash table slot (hash, key, value) + two int objects
-        return per_entry * (len(self.mirror.index) + len(self.mirror.ehash_to_key))
+        entries = len(self.mirror.index) + len(self.mirror.ehash_to_key) + self.mirror.other_media_hashes
+        return per_entry * entries
 
     # -- gateway hooks -------------------------------------------------------------------------
 
@@ -281,13 +289,18 @@ class Fleet:
             return
         now = self.clock()
         rep.poll(now)
-        rep.reports += apply_batch(self.mirror, rep.id, rep.variant.spec, batch, rep.pending)
+        try:
+            rep.reports += apply_batch(self.mirror, rep.id, rep.variant.spec, batch, rep.pending)
+        except Exception as exc:
+            rep.observe(EventsRejected(now, f"batch {seq} could not be applied whole: {exc!r}"[:200]))
+            raise  # the subscriber resyncs: this view is cleared and rebuilt from a replay
         rep.count_roots(batch.events)
         rep.last_seq, rep.applied = seq, rep.applied + 1
         rep.observe(Delivered(now))
         rep.expire_pending(now)
         if any(isinstance(ev, AllBlocksCleared) for ev in batch.events):
             rep.observe(Cleared(now))
+        rep.check_rejected(self.mirror, now)
         rep.check_flags(self.mirror, batch.events, now)
 
     def on_signal(self, engine: EngineName, signal: LinkSignal) -> None:
@@ -300,6 +313,11 @@ class Fleet:
             case LinkReset(reason="restart"):
                 self._reset(rep)
                 rep.observe(Reset(now))
+                if rep.subscriber is not None and rep.subscriber.source.replay_endpoint is not None:
+                    rep.observe(ReplayStarted(now))
+                    rep.replaying = True
+            case LinkReset(reason="resync"):
+                self._reset(rep)  # stays STALE (EventsRejected) until Rebuilt
                 if rep.subscriber is not None and rep.subscriber.source.replay_endpoint is not None:
                     rep.observe(ReplayStarted(now))
                     rep.replaying = True

@@ -1,14 +1,16 @@
 """One replica's record in the fleet: its engine, variant, subscriber, trust tracker and link counters.
 
 `Replica.poll` turns what the subscriber reports only through its counters (decode errors, a replay
-started after a gap) into trust signals; the fleet polls on every delivered batch and every metrics
+started after a gap) into trust signals, and `check_rejected` does the same for the events the
+decoder and the mirror rejected; the fleet polls on every delivered batch and every metrics
 scrape, not per decision (reading the counters costs ~10 us). `Replica.status` folds in the layout
 flags the mirror raised.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import logging
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Final
 
@@ -23,6 +25,7 @@ from router.trust import (
     BlockSizeMismatch,
     DecodeError,
     Delivered,
+    EventsRejected,
     ReplayStarted,
     RequestSent,
     Signal,
@@ -36,6 +39,8 @@ from router.trust import (
 from router.variants import Variant
 
 __all__ = ["LAYOUT_FLAGS", "Replica", "replica_summary"]
+
+log = logging.getLogger(__name__)
 
 LAYOUT_FLAGS: Final = frozenset({"kind_mismatch", "window_mismatch", "unknown_group"})
 """Mirror flags (besides block size) meaning the events do not match the configured layout."""
@@ -58,6 +63,8 @@ class Replica:
     finished: dict[RequestId, float] = field(default_factory=dict)
     replaying: bool = False
     decode_errors: int = 0
+    decoder_rejected: int = 0
+    mirror_rejected: int = 0
     reported_flags: set[str] = field(default_factory=set)
     last_seq: int | None = None
     applied: int = 0
@@ -73,6 +80,7 @@ class Replica:
     """A verdict on `missing_keys` waits for the link's verification replay to end."""
 
     _cached: TrustStatus | None = None
+    _link_rejected: dict[str, int] = field(default_factory=dict)
     _awaiting_since: float | None = None
 
     def observe(self, signal: Signal) -> None:
@@ -105,12 +113,41 @@ class Replica:
         if self.subscriber is None:
             return
         stats = self.subscriber.stats()
+        self._link_rejected = stats.rejected_events
         if stats.decode_errors > self.decode_errors:
             n, self.decode_errors = stats.decode_errors - self.decode_errors, stats.decode_errors
             self.observe(DecodeError(now, f"{n} undecodable batch(es)"))
         if stats.replaying and not self.replaying:
             self.replaying = True
             self.observe(ReplayStarted(now))
+
+    def check_rejected(self, mirror: Mirror, now: float) -> None:
+        """Signal the events the decoder and the mirror rejected in the last batch. Called after the
+        batch's AllBlocksCleared (if any) was observed: where in the batch they were is not known,
+        so a rejection next to a clear keeps the replica stale (the conservative side)."""
+        decoded = self._link_rejected  # as of the poll that preceded the batch (decoded before it)
+        view = mirror.replica(self.id)
+        applied = view.rejected if view is not None else {}
+        seen = sum(decoded.values()), sum(applied.values())
+        if seen[0] > self.decoder_rejected or seen[1] > self.mirror_rejected:
+            n = seen[0] - self.decoder_rejected + seen[1] - self.mirror_rejected
+            self.decoder_rejected, self.mirror_rejected = seen
+            by_reason = self.rejected_events(mirror)
+            self.observe(EventsRejected(now, _rejected_detail(n, by_reason)))
+            log.warning("kv events rejected", extra={"engine": self.id, "rejected": by_reason})
+
+    def rejected_events(self, mirror: Mirror) -> dict[str, int]:
+        """Events rejected so far, by reason: by the decoder (subscriber) and by the mirror."""
+        out = dict(self.subscriber.stats().rejected_events) if self.subscriber is not None else {}
+        view = mirror.replica(self.id)
+        for reason, n in (view.rejected if view is not None else {}).items():
+            out[reason] = out.get(reason, 0) + n
+        return out
+
+    def other_media_blocks(self, mirror: Mirror) -> dict[str, int]:
+        """CPU/STORAGE hashes held apart from the GPU view, by medium."""
+        view = mirror.replica(self.id)
+        return {m: len(c) for m, c in view.other_media.items()} if view is not None else {}
 
     def status(self, now: float, mirror: Mirror) -> TrustStatus:
         """The trust verdict at `now`, with the link counters and layout flags folded in."""
@@ -236,6 +273,7 @@ def replica_summary(rep: Replica, mirror: Mirror, now: float) -> dict[str, objec
         )
     unique = sum(g.n_keys for g in view.groups) if view is not None else 0
     extra_entries = sum(len(g.extra) for g in view.groups) if view is not None else 0
+    other_media = rep.other_media_blocks(mirror)
     return {
         "engine": rep.engine.name,
         "rank": rep.rank,
@@ -251,6 +289,14 @@ def replica_summary(rep: Replica, mirror: Mirror, now: float) -> dict[str, objec
         "full_reports_recognised": rep.reports,
         "resets": rep.resets,
         "pending_full_requests": len(rep.pending),
+        "other_media_blocks": other_media,
+        "rejected_events": rep.rejected_events(mirror),
         # one bit of a shared mask per key (~8 B amortised) plus ~100 B per duplicate-count entry
-        "bytes_estimate": 8 * unique + 100 * extra_entries,
+        # and per other-media hash
+        "bytes_estimate": 8 * unique + 100 * (extra_entries + sum(other_media.values())),
     }
+
+
+def _rejected_detail(n: int, by_reason: Mapping[str, int]) -> str:
+    reasons = ", ".join(f"{k} {v}" for k, v in sorted(by_reason.items()))
+    return f"{n} event(s) rejected (so far, by reason: {reasons})"

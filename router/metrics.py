@@ -58,6 +58,8 @@ class EngineView(msgspec.Struct, frozen=True):
     link: EngineStats | None = None
     mirror_blocks: int = 0
     in_flight: int = 0
+    rejected_events: dict[str, int] = {}
+    other_media_blocks: dict[str, int] = {}
 
 
 class _EngineCollector(Collector):
@@ -108,6 +110,23 @@ class _EngineCollector(Collector):
             for kind, n in sorted(v.link.events.items()) if v.link else ():
                 events.add_metric([v.engine, kind], n)
         yield events
+        rejected = CounterMetricFamily(
+            "kvrouter_engine_rejected_events",
+            "invalid KV events rejected alone (the rest of their batch applied), by reason",
+            labels=["engine", "reason"],
+        )
+        media = GaugeMetricFamily(
+            "kvrouter_engine_other_media_blocks",
+            "CPU/STORAGE blocks counted apart from the GPU mirror, by medium",
+            labels=["engine", "medium"],
+        )
+        for v in views:
+            for reason, n in sorted(v.rejected_events.items()):
+                rejected.add_metric([v.engine, reason], n)
+            for medium, n in sorted(v.other_media_blocks.items()):
+                media.add_metric([v.engine, medium], n)
+        yield rejected
+        yield media
 
 
 _LINK_COUNTERS: Final = (
@@ -117,6 +136,9 @@ _LINK_COUNTERS: Final = (
     ("kvrouter_engine_resets", "mirror resets (engine restarts, lost history)", "resets"),
     ("kvrouter_engine_history_lost", "replays that could not cover a gap", "history_lost"),
     ("kvrouter_engine_decode_errors", "malformed payloads rejected", "decode_errors"),
+    ("kvrouter_engine_frame_errors", "ZeroMQ messages of the wrong shape dropped", "frame_errors"),
+    ("kvrouter_engine_handler_errors", "batches the router failed to apply whole", "consumer_errors"),
+    ("kvrouter_engine_resyncs", "mirror rebuilds from seq 0 after a batch failed to apply", "resyncs"),
 )
 
 

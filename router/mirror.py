@@ -16,8 +16,16 @@ block (a conservative miss), and a real report-shaped sparse store is dropped (c
 
 Memory is bounded by `MirrorConfig.max_keys` unique keys: a store of a new key beyond it is dropped,
 counted (`over_cap_drops`) and flags the engine "over_capacity", so its hits are conservative and the
-caller can distrust or reset it. Anomalies (remove of an unknown hash, store with an unknown parent,
+caller can distrust or reset it. CPU/STORAGE stores are counted per hash apart (never GPU hits),
+bounded by `max_keys` hashes over all replicas too, and cleared with the GPU view; a medium vLLM
+does not name is rejected. Anomalies (remove of an unknown hash, store with an unknown parent,
 unmapped sparse hash, group index outside the model) are counted in `MirrorStats`, never raised.
+
+An event is applied whole or not at all: its keys are computed (token ids decoded, packed as uint32
+and hashed with the extra keys: what checks them) before it touches the index, and an invalid one
+(`events.validate.InvalidEvent`) is rejected alone, counted per replica (`ReplicaView.rejected`);
+the rest of the batch is applied. A later store whose parent was a rejected store cannot be keyed in
+router-key mode and counts as `store_unknown_parent`.
 """
 
 from __future__ import annotations
@@ -27,7 +35,9 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from events.validate import InvalidEvent
 from events.wire import (
+    MEDIA,
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
@@ -36,7 +46,7 @@ from events.wire import (
     LazyBlockStored,
     LazyKVEventBatch,
 )
-from router.event_keys import engine_key
+from router.event_keys import engine_key, event_tokens
 from router.ids import EngineId
 from router.keys import KeyHasher
 from router.mirror_state import GroupView, MirrorStats, ReplicaView
@@ -73,6 +83,7 @@ class Mirror:
         self.store_keys = StoreKeys(self.hasher, self.stats)
         self._free_slots: list[int] = []
         self._next_slot = 0
+        self.other_media_hashes = 0  # over all replicas, bounded by max_keys
 
     @property
     def ehash_to_key(self) -> dict[EngineBlockHash, int]:
@@ -119,16 +130,21 @@ class Mirror:
         batch: KVEventBatch | LazyKVEventBatch,
         reports: Sequence[bool] | None = None,
     ) -> None:
-        """Apply one decoded batch; `reports[i]` marks event i as a known full-mode lookup report."""
+        """Apply one decoded batch; `reports[i]` marks event i as a known full-mode lookup report.
+        Invalid events are rejected one by one (counted in `ReplicaView.rejected`), the rest applied."""
         rv = self._replica(engine_id, batch.data_parallel_rank or 0)
         for i, ev in enumerate(batch.events):
-            if isinstance(ev, BlockStored | LazyBlockStored):
-                self._store(rv, ev, bool(reports and reports[i]))
-            elif isinstance(ev, BlockRemoved):
-                self._removed(rv, ev)
-            elif isinstance(ev, AllBlocksCleared):
-                self.stats.clears += 1
-                self._clear_replica(rv)
+            try:
+                if isinstance(ev, BlockStored | LazyBlockStored):
+                    self._store(rv, ev, bool(reports and reports[i]))
+                elif isinstance(ev, BlockRemoved):
+                    self._removed(rv, ev)
+                elif isinstance(ev, AllBlocksCleared):
+                    self.stats.clears += 1
+                    self._clear_replica(rv)
+            except InvalidEvent as exc:
+                self.stats.rejected_events += 1
+                rv.reject(exc.reason)
 
     def count(self, rv: ReplicaView, group: int, key: int) -> int:
         """Physical copies of `key` in one group of a replica."""
@@ -149,24 +165,24 @@ class Mirror:
 
     def _store(self, rv: ReplicaView, ev: Stored, is_report: bool) -> None:
         if ev.medium not in (None, "GPU"):
-            rv.count_other_medium(ev.medium, ev.block_hashes, +1)
-            self.stats.other_media_events += 1
+            self._other_medium(rv, ev.medium, ev.block_hashes, +1)
             return
         gv = self._group(rv, ev.group_idx or 0)
         if gv is None:
             return
-        rv.learn(gv, ev)
-        if ev.parent_block_hash is None and ev.extra_keys and rv.hashing is HashingMode.ROUTER:
-            self.store_keys.remember_salt(ev)
         sparse = finder_kind(gv.spec.kind) in ("swa", "mamba")
         full_mode = rv.report_mode is ReportMode.FULL
         if sparse and (is_report or (full_mode and _report_shaped(ev))):
+            rv.learn(gv, ev)
             self.stats.reports_ignored += 1
             return
+        if ev.parent_block_hash is None and ev.extra_keys and rv.hashing is HashingMode.ROUTER:
+            self.store_keys.remember_salt(ev)
         if rv.hashing is HashingMode.ENGINE:
             pairs = [(eh, engine_key(eh)) for eh in ev.block_hashes]
         else:
-            pairs = self.store_keys.pairs(rv, ev, sparse)
+            pairs = self.store_keys.pairs(rv, ev, sparse)  # may raise InvalidEvent: nothing changed yet
+        rv.learn(gv, ev)
         if is_report or full_mode:
             for _, key in pairs:
                 self._add(rv, gv, key, True)
@@ -192,8 +208,7 @@ class Mirror:
 
     def _removed(self, rv: ReplicaView, ev: BlockRemoved) -> None:
         if ev.medium not in (None, "GPU"):
-            rv.count_other_medium(ev.medium, ev.block_hashes, -1)
-            self.stats.other_media_events += 1
+            self._other_medium(rv, ev.medium, ev.block_hashes, -1)
             return
         gv = self._group(rv, ev.group_idx or 0)
         if gv is None:
@@ -206,6 +221,17 @@ class Mirror:
             self.stats.blocks_removed += 1
             if key not in self.index:
                 self.ehash_to_key.pop(eh, None)
+
+    def _other_medium(
+        self, rv: ReplicaView, medium: str, hashes: Sequence[EngineBlockHash], delta: int
+    ) -> None:
+        if medium not in MEDIA:
+            raise InvalidEvent("medium", f"unknown medium {medium[:32]!r}")
+        room = self.config.max_keys - self.other_media_hashes
+        change, dropped = rv.count_other_medium(medium, hashes, delta, room)
+        self.other_media_hashes += change
+        self.stats.over_cap_drops += dropped
+        self.stats.other_media_events += 1
 
     # -- index primitives ----------------------------------------------------------------------
 
@@ -253,6 +279,7 @@ class Mirror:
                 else:
                     del index[key]
         self.store_keys.known = {eh: k for eh, k in self.ehash_to_key.items() if k in index}
+        self.other_media_hashes -= rv.other_media_hashes
         rv.clear()
 
     # -- registry ------------------------------------------------------------------------------
@@ -293,6 +320,4 @@ def _report_shaped(ev: Stored) -> bool:
 
 
 def _n_tokens(ev: Stored) -> int:
-    if isinstance(ev, LazyBlockStored):
-        return len(ev.tokens())
-    return len(ev.token_ids)
+    return len(event_tokens(ev))

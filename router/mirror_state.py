@@ -2,7 +2,8 @@
 
 A `GroupView` owns one slot (a bit in the shared index) and the duplicate counts beyond one copy. A
 `ReplicaView` owns the engine-hash -> key map (router mode), what it learned about its groups from the
-stores (kind, block size, window), other media's counts and the trust flags its events raised.
+stores (kind, block size, window), other media's counts, the trust flags its events raised and the
+count of events rejected when applied.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ class MirrorStats:
     bad_store_shape: int = 0
     unknown_group: int = 0
     over_cap_drops: int = 0
+    rejected_events: int = 0
 
 
 @dataclass
@@ -60,6 +62,7 @@ class ReplicaView:
     slot_mask: int = 0
     other_media: dict[str, dict[EngineBlockHash, int]] = field(default_factory=dict)
     flags: set[str] = field(default_factory=set)
+    rejected: dict[str, int] = field(default_factory=dict)
 
     @classmethod
     def build(cls, spec: ModelSpec, report_mode: ReportMode, slots: Sequence[int]) -> ReplicaView:
@@ -91,18 +94,45 @@ class ReplicaView:
             if window != gv.spec.sliding_window:
                 self.flags.add("window_mismatch")
 
-    def count_other_medium(self, medium: str, hashes: Sequence[EngineBlockHash], delta: int) -> None:
-        """Count CPU/STORAGE (or other) tier stores and removes apart from the GPU mirror."""
-        counts = self.other_media.setdefault(medium, {})
+    def count_other_medium(
+        self, medium: str, hashes: Sequence[EngineBlockHash], delta: int, room: int
+    ) -> tuple[int, int]:
+        """Count CPU/STORAGE tier stores (`delta` +1) and removes (-1) apart from the GPU mirror, with
+        at most `room` new hashes; returns (change in hashes held, stores dropped for want of room)."""
+        counts = self.other_media.get(medium)
+        if counts is None:
+            if delta < 0:
+                return 0, 0
+            counts = self.other_media[medium] = {}
+        before, dropped = len(counts), 0
         for eh in hashes:
             n = counts.get(eh, 0) + delta
             if n > 0:
+                if n == 1 and delta > 0:
+                    if room <= 0:
+                        dropped += 1
+                        continue
+                    room -= 1
                 counts[eh] = n
             else:
                 counts.pop(eh, None)
+        if not counts:
+            del self.other_media[medium]
+        return len(counts) - before, dropped
+
+    @property
+    def other_media_hashes(self) -> int:
+        """Hashes held for other media, over all of them."""
+        return sum(len(counts) for counts in self.other_media.values())
+
+    def reject(self, reason: str) -> None:
+        """Count one event rejected when applied (kept across clears: it is a counter)."""
+        self.rejected[reason] = self.rejected.get(reason, 0) + 1
 
     def clear(self) -> None:
-        """Forget the GPU state (the caller has already cleared this replica's bits from the index)."""
+        """Forget the GPU state and other media's counts (the caller has already cleared this
+        replica's bits from the index)."""
         for g in self.groups:
             g.extra.clear()
             g.n_keys = 0
+        self.other_media.clear()

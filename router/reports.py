@@ -24,6 +24,7 @@ from collections.abc import MutableMapping, Sequence
 
 import msgspec
 
+from events.validate import InvalidEvent
 from events.wire import BlockStored, KVEventBatch, LazyBlockStored, LazyKVEventBatch
 from router.event_keys import engine_key, event_tokens, keys_from_tokens
 from router.finders import view
@@ -103,12 +104,12 @@ def _report_run(events: Sequence[object], i: int, groups: int) -> bool:
 
 def _dense_parentless(ev: BlockStored | LazyBlockStored) -> bool:
     n = len(ev.block_hashes)
-    return (
-        ev.parent_block_hash is None
-        and ev.medium in (None, "GPU")
-        and n > 0
-        and n * ev.block_size == len(event_tokens(ev))
-    )
+    if ev.parent_block_hash is not None or ev.medium not in (None, "GPU") or n == 0:
+        return False
+    try:
+        return n * ev.block_size == len(event_tokens(ev))
+    except InvalidEvent:
+        return False  # never a report: the mirror rejects it
 
 
 def _store_keys(mirror: Mirror, spec: ModelSpec, ev: BlockStored | LazyBlockStored) -> list[int] | None:
@@ -118,7 +119,10 @@ def _store_keys(mirror: Mirror, spec: ModelSpec, ev: BlockStored | LazyBlockStor
         return None
     if spec.hashing is HashingMode.ENGINE:
         return [engine_key(h) for h in ev.block_hashes]
-    keys = keys_from_tokens(mirror.hasher, ev, None, spec.hash_block_size)
+    try:
+        keys = keys_from_tokens(mirror.hasher, ev, None, spec.hash_block_size)
+    except InvalidEvent:
+        return None  # never a report: the mirror rejects it
     return None if keys is None else list(keys)
 
 

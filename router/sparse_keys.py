@@ -19,7 +19,7 @@ from typing import NamedTuple
 import msgspec
 
 from events.wire import BlockStored, EngineBlockHash, LazyBlockStored
-from router.event_keys import event_tokens
+from router.event_keys import chain_tokens, event_tokens
 from router.keys import KeyHasher, split_event_extra
 from router.model_spec import ModelSpec, finder_kind
 
@@ -139,7 +139,7 @@ def _place_from(
     bs = ev.block_size
     tokens = event_tokens(ev)
     n_blocks, k = len(tokens) // bs, bs // hb
-    keys = hasher.chain(root, tokens, hb, n_blocks * k)[k - 1 :: k]
+    keys = chain_tokens(hasher, root, tokens, hb, n_blocks * k)[k - 1 :: k]
     where: dict[int, int] = {key: i for i, key in enumerate(keys)}
     positions: list[int | None] = []
     for eh in ev.block_hashes:

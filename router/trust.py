@@ -4,6 +4,7 @@ A sans-I/O state machine per engine, fed by the signals a subscriber and the pro
 carrying its own time) and asked `status(now)`. Trust is the worst of the active conditions:
 
 - STALE: an unreplayed gap; lost history (replay started later than asked); an undecodable batch;
+  events rejected (invalid ones, or a batch the mirror could not apply whole);
   a block-size or tokenizer mismatch seen in the engine's events; blocks the engine holds but the
   mirror never saw stored (its events were missed); silence while requests flow (the router sent it
   a request that must have produced stores `silence_s` ago, and no events came since).
@@ -11,9 +12,10 @@ carrying its own time) and asked `status(now)`. Trust is the worst of the active
 - FRESH: none of the above.
 
 Recovery: a gap ends when its replay starts (it becomes "replay in flight"), a replay and a reset end
-when the replay finishes or live events resume after the reset; lost history and decode errors end
-only when the mirror is exact again (the engine cleared all blocks, or restarted), and so do unseen
-blocks; a mismatch ends at a restart. Scoring trusts hits only from FRESH engines.
+when the replay finishes or live events resume after the reset; lost history, decode errors and
+rejected events end only when the mirror is exact again (the engine cleared all blocks, or
+restarted), and so do unseen blocks; a mismatch ends at a restart. Scoring trusts hits only from
+FRESH engines.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ __all__ = [
     "Cleared",
     "DecodeError",
     "Delivered",
+    "EventsRejected",
     "Gap",
     "HistoryLost",
     "ReplayFinished",
@@ -57,6 +60,7 @@ class TrustReason(enum.Enum):
     BLOCK_SIZE_MISMATCH = "block_size_mismatch"
     TOKENIZER_MISMATCH = "tokenizer_mismatch"
     DECODE_ERROR = "decode_error"
+    EVENTS_REJECTED = "events_rejected"
     UNSEEN_BLOCKS = "unseen_blocks"
     HISTORY_LOST = "history_lost"
     GAP = "gap"
@@ -138,6 +142,14 @@ class DecodeError(msgspec.Struct, frozen=True):
     detail: str = ""
 
 
+class EventsRejected(msgspec.Struct, frozen=True):
+    """Events of this engine were rejected (invalid, or a batch not applied whole): the mirror may
+    differ from the engine's cache."""
+
+    at: float
+    detail: str = ""
+
+
 class BlockSizeMismatch(msgspec.Struct, frozen=True):
     """The engine's stores carry a block size other than the one configured for it."""
 
@@ -175,13 +187,19 @@ Signal = (
     | HistoryLost
     | Cleared
     | DecodeError
+    | EventsRejected
     | BlockSizeMismatch
     | TokenizerMismatch
     | UnseenBlocks
     | RequestSent
 )
 
-_CLEARED_BY_EXACT_MIRROR = (TrustReason.HISTORY_LOST, TrustReason.DECODE_ERROR, TrustReason.UNSEEN_BLOCKS)
+_CLEARED_BY_EXACT_MIRROR = (
+    TrustReason.HISTORY_LOST,
+    TrustReason.DECODE_ERROR,
+    TrustReason.EVENTS_REJECTED,
+    TrustReason.UNSEEN_BLOCKS,
+)
 _CLEARED_BY_RESTART = (
     *_CLEARED_BY_EXACT_MIRROR,
     TrustReason.BLOCK_SIZE_MISMATCH,
@@ -223,6 +241,8 @@ class TrustTracker:
                 self._clear(at, *_CLEARED_BY_EXACT_MIRROR)
             case DecodeError(at=at, detail=detail):
                 self._set(at, TrustReason.DECODE_ERROR, f"undecodable batch: {detail}".rstrip(": "))
+            case EventsRejected(at=at, detail=detail):
+                self._set(at, TrustReason.EVENTS_REJECTED, detail or "events rejected")
             case BlockSizeMismatch(at=at, expected=want, got=got):
                 self._set(at, TrustReason.BLOCK_SIZE_MISMATCH, f"events say block size {got}, config {want}")
             case TokenizerMismatch(at=at, detail=detail):

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from events.decode import MAX_ITEMS, BatchDecoder
+from events.validate import REJECT_REASONS, InvalidEvent, checked_tokens
 from events.wire import (
     ENCODER,
     AllBlocksCleared,
@@ -30,6 +31,7 @@ encode = msgspec.msgpack.encode
 hashes = st.integers(0, 2**64 - 1) | st.binary(min_size=1, max_size=32)
 tokens = st.lists(st.integers(0, 2**31 - 1), max_size=64)
 maybe_str = st.none() | st.sampled_from(["GPU", "CPU", "STORAGE", "x"])
+media = st.none() | st.sampled_from(["GPU", "CPU", "STORAGE"])  # vLLM's names: any other is rejected
 maybe_int = st.none() | st.integers(0, 2**31)
 extra_key = st.tuples(st.text(max_size=4), st.integers(-(2**63), 2**63 - 1))
 stored = st.builds(
@@ -39,7 +41,7 @@ stored = st.builds(
     token_ids=tokens,
     block_size=st.integers(0, 256),
     lora_id=maybe_int,
-    medium=maybe_str,
+    medium=media,
     lora_name=st.none() | st.text(max_size=8),
     extra_keys=st.none()
     | st.lists(st.none() | st.tuples(st.text(max_size=4), st.integers(-(2**63), 2**63 - 1)), max_size=4),
@@ -54,7 +56,7 @@ stored = st.builds(
 removed = st.builds(
     BlockRemoved,
     block_hashes=st.lists(hashes, min_size=1, max_size=8),
-    medium=maybe_str,
+    medium=media,
     group_idx=maybe_int,
     locality=st.none() | st.sampled_from(["LOCAL", "REMOTE"]),
     ownership=maybe_str,
@@ -295,16 +297,7 @@ WRONG_TYPES = {
     "not an array or map": encode(5),
     "ts is a string": encode(["now", [], 0]),
     "events is not a list": encode([1.0, {"a": 1}, 0]),
-    "event is an int": encode([1.0, [7], 0]),
-    "event without type": encode([1.0, [{"block_hashes": [1]}], 0]),
-    "type is not a string": encode([1.0, [{"type": 5}], 0]),
-    "hashes are a string": encode([1.0, [stored_map(block_hashes="abc")], 0]),
-    "hash is a float": encode([1.0, [stored_map(block_hashes=[1.5])], 0]),
-    "block_size missing": encode([1.0, [{k: v for k, v in stored_map().items() if k != "block_size"}], 0]),
-    "removed without hashes": encode([1.0, [{"type": "BlockRemoved", "medium": "GPU"}], 0]),
     "rank is a string": encode([1.0, [], "zero"]),
-    "legacy stored too short": encode([1.0, [["BlockStored", [1]]], 0]),
-    "legacy tag not a string": encode([1.0, [[5, 1, 2]], 0]),
     "empty batch array": encode([]),
     "trailing garbage": ENCODER.encode(KVEventBatch(1.0, [], 0)) + b"\x00",
 }
@@ -316,13 +309,68 @@ def test_wrong_types_are_rejected_and_counted(batch_type: type[Any], case: str) 
     assert_rejected(BatchDecoder(batch_type), WRONG_TYPES[case])
 
 
-def test_bad_tokens_reject_eagerly_and_raise_on_demand_lazily() -> None:
-    payload = encode([1.0, [stored_map(token_ids=[1, "x"])], 0])
-    assert_rejected(BatchDecoder(KVEventBatch), payload)
+GOOD_REMOVED = {"type": "BlockRemoved", "block_hashes": [9], "medium": "GPU"}
+BAD_EVENTS: dict[str, tuple[Any, str]] = {
+    "event is an int": (7, "malformed"),
+    "event without type": ({"block_hashes": [1]}, "malformed"),
+    "type is not a string": ({"type": 5}, "malformed"),
+    "hashes are a string": (stored_map(block_hashes="abc"), "malformed"),
+    "hash is a float": (stored_map(block_hashes=[1.5]), "malformed"),
+    "block_size missing": ({k: v for k, v in stored_map().items() if k != "block_size"}, "malformed"),
+    "removed without hashes": ({"type": "BlockRemoved", "medium": "GPU"}, "malformed"),
+    "legacy stored too short": (["BlockStored", [1]], "malformed"),
+    "legacy tag not a string": ([5, 1, 2], "malformed"),
+    "unknown medium": (stored_map(medium="NVME"), "medium"),
+    "unknown medium on a removal": ({"type": "BlockRemoved", "block_hashes": [1], "medium": "x"}, "medium"),
+    "extra_keys entry not a tuple": (stored_map(extra_keys=[{"a": 1}, None]), "extra_keys"),
+    "lookahead token out of range": (stored_map(lookahead_token_ids=[[2**32], [1]]), "lookahead_token_ids"),
+}
+
+
+@pytest.mark.parametrize("batch_type", BATCH_TYPES)
+@pytest.mark.parametrize("case", sorted(BAD_EVENTS))
+def test_a_bad_event_is_rejected_alone_and_its_neighbours_kept(batch_type: type[Any], case: str) -> None:
+    bad, reason = BAD_EVENTS[case]
+    decoder = BatchDecoder(batch_type)
+    batch = decoder.decode(encode([1.0, [stored_map(), bad, GOOD_REMOVED], 0]))
+    assert batch is not None, "a bad event must not cost its batch"
+    assert [eager(ev) for ev in batch.events] == [STORED, BlockRemoved([9], "GPU")]
+    assert decoder.stats.rejected_events == {reason: 1} and reason in REJECT_REASONS
+    assert decoder.stats.decode_errors == 0
+    assert decoder.stats.events == {"BlockStored": 1, "BlockRemoved": 1}
+
+
+@pytest.mark.parametrize("batch_type", BATCH_TYPES)
+def test_valid_extra_keys_and_media_are_kept(batch_type: type[Any]) -> None:
+    extra = [["adapter", ["mm-1", 0], "salt"], ["adapter", b"\x01" * 32], None]
+    events = [stored_map(extra_keys=extra, medium=m) for m in ("GPU", "CPU", "STORAGE", None)]
+    decoder = BatchDecoder(batch_type)
+    batch = decoder.decode(encode([1.0, events, 0]))
+    assert batch is not None and len(batch.events) == 4
+    assert decoder.stats.rejected_events == {}
+
+
+@pytest.mark.parametrize("bad", ["abc", [1, 2.5], [1, None]])
+def test_bad_tokens_reject_eagerly_and_raise_on_demand_lazily(bad: Any) -> None:
+    payload = encode([1.0, [stored_map(token_ids=bad), GOOD_REMOVED], 0])
+    eager_decoder = BatchDecoder(KVEventBatch)
+    decoded = eager_decoder.decode(payload)
+    assert decoded is not None and [eager(ev) for ev in decoded.events] == [BlockRemoved([9], "GPU")]
+    assert eager_decoder.stats.rejected_events == {"token_ids": 1}
     lazy = BatchDecoder(LazyKVEventBatch).decode(payload)  # laziness: tokens are not looked at
     assert lazy is not None and isinstance(lazy.events[0], LazyBlockStored)
     with pytest.raises(msgspec.ValidationError):
         lazy.events[0].tokens()
+    with pytest.raises(InvalidEvent, match="token_ids"):
+        checked_tokens(lazy.events[0])
+
+
+def test_out_of_range_token_ids_decode_and_are_rejected_where_packed() -> None:
+    """Their range is checked by the router's uint32 packing (tests/test_mirror.py), at no cost here."""
+    payload = encode([1.0, [stored_map(token_ids=[1, 2**32, -1, 2])], 0])
+    for batch_type in BATCH_TYPES:
+        batch = BatchDecoder(batch_type).decode(payload)
+        assert batch is not None and checked_tokens(batch.events[0]) == [1, 2**32, -1, 2]
 
 
 @pytest.mark.parametrize("batch_type", BATCH_TYPES)
@@ -345,7 +393,11 @@ def test_oversized_hash_list_is_rejected(batch_type: type[Any], shape: str) -> N
     event: Any = {"type": "BlockRemoved", "block_hashes": too_many, "medium": "GPU"}
     if shape == "legacy":
         event = ["BlockRemoved", too_many, "GPU"]
-    assert_rejected(BatchDecoder(batch_type), encode([1.0, [event], 0]))
+    decoder = BatchDecoder(batch_type)
+    batch = decoder.decode(encode([1.0, [event, GOOD_REMOVED], 0]))
+    assert batch is not None and [eager(ev) for ev in batch.events] == [BlockRemoved([9], "GPU")]
+    # a positional (legacy) event's type error names a position, not a field
+    assert decoder.stats.rejected_events == {"too_large" if shape == "map" else "malformed": 1}
 
 
 def test_a_decoder_keeps_going_after_rejections(vllm_fixtures: Path) -> None:

@@ -8,7 +8,7 @@ import contextlib
 import itertools
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import msgspec
 import pytest
@@ -270,3 +270,47 @@ async def test_engines_with_dp_ranks_are_added_and_removed_at_run_time(
         await fleet.remove_engine("dp")
         assert fleet.replicas() == [] and fleet.engines() == [] and fleet.mirror.index == {}
         assert all(s.closed for s in ctx.created if s.type in (zmq.SUB, zmq.DEALER))
+
+
+@pytest.mark.parametrize("bad_tokens", [[1, 2, 3, 2**32], [1, 2, 3, -1], "abcd"])
+async def test_a_bad_event_costs_only_itself_and_makes_the_replica_stale(
+    ctx: TrackedContext, endpoints: Any, fleets: list[Fleet], bad_tokens: Any
+) -> None:
+    async with EventPublisher(endpoints("a"), context=ctx) as pub:
+        fleet = fleet_for(ctx, engine("e", pub.resolved))
+        fleets.append(fleet)
+        await fleet.start()
+        await wait_until(lambda: fleet.trust(E, fleet.clock()).trusted, what="caught up")
+        a, b = store(1), store(1)
+        bad = BlockStored([next(_hashes)], None, bad_tokens, 4, None, "GPU", None)
+        await publish(fleet, pub, E, a, bad, b)  # waits for last_seq: the batch is handled whole
+        await publish(
+            fleet, pub, E, BlockRemoved([next(_hashes)], "GPU"), bad, BlockRemoved(a.block_hashes, "GPU")
+        )
+        assert blocks(fleet, E) == 1  # B stored, A removed despite the bad events around them
+        assert state(fleet) == (TrustState.STALE, TrustReason.EVENTS_REJECTED)
+        (view,) = fleet.views()
+        assert view.rejected_events == {"token_ids": 2}
+        assert view.link is not None and view.link.consumer_errors == 0
+        await publish(fleet, pub, E, AllBlocksCleared())  # the engine's cache is empty: exact again
+        assert state(fleet) == (TrustState.FRESH, TrustReason.OK)
+        await publish(fleet, pub, E, AllBlocksCleared(), bad)  # a bad event after the clear
+        assert state(fleet) == (TrustState.STALE, TrustReason.EVENTS_REJECTED)
+
+
+async def test_cpu_blocks_are_accounted_and_emptied_by_a_clear(
+    ctx: TrackedContext, endpoints: Any, fleets: list[Fleet]
+) -> None:
+    async with EventPublisher(endpoints("a"), context=ctx) as pub:
+        fleet = fleet_for(ctx, engine("e", pub.resolved))
+        fleets.append(fleet)
+        await fleet.start()
+        cpu = BlockStored(list(range(1000)), None, [], 0, None, "CPU", None)
+        await publish(fleet, pub, E, cpu, BlockStored([1], None, [], 0, None, cast(Any, "HBM9"), None))
+        summary: Any = fleet.index_summary()
+        assert summary["bytes_estimate"] >= 1000 * 50 and summary["replicas"][E]["bytes_estimate"] > 0
+        assert summary["replicas"][E]["other_media_blocks"] == {"CPU": 1000}
+        assert fleet.views()[0].rejected_events == {"medium": 1}
+        await publish(fleet, pub, E, AllBlocksCleared())
+        summary = fleet.index_summary()
+        assert summary["replicas"][E]["other_media_blocks"] == {} and summary["bytes_estimate"] == 0

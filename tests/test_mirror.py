@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
+import msgspec
 import pytest
 
 from events.block_hash import VllmHasher, wire_hash
@@ -16,9 +17,11 @@ from events.wire import (
     KVEventBatch,
     LazyKVEventBatch,
 )
+from router.ids import RequestId
 from router.keys import KeyHasher
 from router.mirror import EngineId, Mirror, MirrorConfig
 from router.model_spec import GroupSpec, HashingMode, ModelSpec, ReportMode
+from router.reports import PendingReport, apply_batch
 
 Parent = EngineBlockHash | None
 BS = 4
@@ -34,7 +37,7 @@ def store(hashes: list[EngineBlockHash], tokens: list[int], parent: Parent = Non
     return BlockStored(hashes, parent, tokens, BS, None, fields.pop("medium"), None, **fields)
 
 
-def removed(*hashes: EngineBlockHash, group: int = 0, medium: str | None = "GPU") -> BlockRemoved:
+def removed(*hashes: EngineBlockHash, group: int = 0, medium: Any = "GPU") -> BlockRemoved:
     return BlockRemoved(list(hashes), medium, group_idx=group)
 
 
@@ -205,3 +208,85 @@ def test_lazy_batches_apply_identically() -> None:
     m = mirror()
     m.apply(E0, lazy)
     assert m.resident(E0, 0, 0) == dict.fromkeys(HASHES[:3], 1)
+
+
+def lazy(b: KVEventBatch) -> LazyKVEventBatch:
+    """`b` as the gateway's subscriber hands it over: lazily decoded, token ids undecoded."""
+    return msgspec.msgpack.decode(ENCODER.encode(b), type=LazyKVEventBatch)
+
+
+@pytest.mark.parametrize("bad_tokens", [[1, 2, 3, 2**32], [1, 2, 3, -1], "abcd"])
+def test_a_bad_store_is_rejected_alone_and_the_rest_of_its_batch_applied(bad_tokens: Any) -> None:
+    m = mirror()
+    m.apply(E0, lazy(batch(store(HASHES[:1], TOKENS[:4]))))  # A
+    bad = store([4242], bad_tokens, parent=HASHES[0])
+    b = store(HASHES[1:2], TOKENS[4:8], parent=HASHES[0])
+    m.apply(E0, lazy(batch(bad, b, removed(HASHES[0]))))  # must not raise
+    assert set(m.resident(E0, 0, 0)) == {HASHES[1]}, "B applied and A removed, around the bad store"
+    rv = m.replica(E0)
+    assert rv is not None and rv.rejected == {"token_ids": 1} and m.stats.rejected_events == 1
+
+
+def test_a_store_chained_on_a_rejected_store_counts_as_unknown_parent() -> None:
+    m = mirror()
+    bad = store(HASHES[:1], [1, 2, 3, 2**32])
+    child = store(HASHES[1:2], TOKENS[4:8], parent=HASHES[0])
+    m.apply(E0, lazy(batch(bad, child)))
+    assert not m.index and m.stats.store_unknown_parent == 1
+    rv = m.replica(E0)
+    assert rv is not None and rv.rejected == {"token_ids": 1}
+
+
+def test_an_unknown_medium_is_rejected_not_kept() -> None:
+    m = mirror()
+    m.apply(E0, batch(*(store([i], TOKENS[:4], medium=f"M{i}") for i in range(50)), full_store()))
+    rv = m.replica(E0)
+    assert rv is not None and rv.other_media == {} and rv.rejected == {"medium": 50}
+    assert len(m.resident(E0, 0, 0)) == 4
+    m.apply(E0, batch(removed(1, medium="NVME")))
+    assert rv.rejected == {"medium": 51} and m.other_media_hashes == 0
+
+
+def test_other_media_are_emptied_by_a_clear_and_a_reset() -> None:
+    m = mirror()
+    cpu = [store(HASHES, TOKENS, medium="CPU"), store([7, 8], TOKENS[:8], medium="STORAGE")]
+    m.apply(E0, batch(*cpu))
+    rv = m.replica(E0)
+    assert rv is not None and rv.other_media_hashes == 6 == m.other_media_hashes
+    m.apply(E0, batch(AllBlocksCleared()))
+    assert rv.other_media == {} and m.other_media_hashes == 0
+    m.apply(E0, batch(*cpu))
+    m.reset_engine(E0)
+    assert rv.other_media == {} and m.other_media_hashes == 0
+    m.apply(E0, batch(*cpu))
+    m.drop_engine(E0)
+    assert m.other_media_hashes == 0
+
+
+def test_other_media_hashes_are_bounded_by_max_keys() -> None:
+    m = mirror(max_keys=3)
+    m.apply(E0, batch(store([1, 2, 3, 4, 5], TOKENS[:20], medium="CPU")))
+    rv = m.replica(E0)
+    assert rv is not None and rv.other_media_hashes == 3 and m.stats.over_cap_drops == 2
+    m.apply(E0, batch(removed(1, medium="CPU"), store([6], TOKENS[:4], medium="CPU")))
+    assert set(rv.other_media["CPU"]) == {2, 3, 6}
+
+
+def test_bad_tokens_in_sparse_full_mode_and_report_matching_are_rejected_alone() -> None:
+    m = mirror(HYBRID, ReportMode.FULL)
+    bad_sparse = store([99], cast(Any, "abcd"), group_idx=1)
+    m.apply(E0, lazy(batch(bad_sparse, full_store())))
+    rv = m.replica(E0)
+    assert rv is not None and rv.rejected == {"token_ids": 1} and len(m.resident(E0, 0, 0)) == 4
+    pending = {RequestId("r"): PendingReport(list(m.hasher.request_keys(TOKENS, BS)), len(TOKENS))}
+    reports = apply_batch(m, E0, HYBRID, lazy(batch(store([98], [2**32] * 4))), pending)
+    assert reports == 0 and rv.rejected == {"token_ids": 2}
+
+
+@pytest.mark.parametrize("extra", [[("lora", {"a": 1})], [(("mm", [0]),)]])
+def test_extra_keys_the_router_cannot_hash_reject_their_store_alone(extra: Any) -> None:
+    m = mirror()
+    bad = store(HASHES[:1], TOKENS[:4], extra_keys=extra)
+    m.apply(E0, lazy(batch(bad, store(HASHES[:1], TOKENS[:4]))))  # the decoder keeps it: Any-typed
+    rv = m.replica(E0)
+    assert rv is not None and rv.rejected == {"extra_keys": 1} and set(m.resident(E0, 0, 0)) == {HASHES[0]}

@@ -462,3 +462,24 @@ def test_delivered_stream_equals_published_stream(start_with_replay: bool, ops: 
         assert segment[: len(own)] == own and all(i[0] == epoch + 1 for i in segment[len(own) :])
         assert own == [(epoch, seq) for seq in range(len(own))] and own, "every lifetime has items 0..n"
     assert world.tracker.stats.history_lost == 0
+
+
+def test_resync_forgets_everything_and_replays_from_zero_stale_until_seq_0() -> None:
+    tracker: SequenceTracker[str] = SequenceTracker()
+    run(tracker, [("start",), ("replay", 0, "a0"), ("replay", 1, "a1"), ("end",), ("live", 2, "a2")])
+    assert tracker.resync() == [Reset("resync"), RequestReplay(0)]
+    assert tracker.stats.stale and tracker.replaying
+    assert tracker.on_live(3, "a3", 5.0) == []  # held while the replay is in flight
+    assert tracker.on_replay(0, "a0", 6.0) == [Deliver(0, "a0"), Rebuilt()]
+    assert tracker.on_replay(1, "a1", 6.0) == [Deliver(1, "a1")]
+    assert tracker.on_replay(2, "a2", 6.0) == [Deliver(2, "a2")]
+    assert tracker.on_replay_end(7.0) == [Deliver(3, "a3"), CaughtUp(3)]
+    assert not tracker.stats.stale
+
+
+def test_resync_without_replay_stays_stale_and_live_goes_on() -> None:
+    tracker: SequenceTracker[str] = SequenceTracker(TrackerConfig(can_replay=False))
+    assert tracker.on_live(0, "a0", 0.0) == [Deliver(0, "a0")]
+    assert tracker.resync() == [Reset("resync")]
+    assert tracker.on_live(1, "a1", 1.0) == [Deliver(1, "a1")]
+    assert tracker.stats.stale

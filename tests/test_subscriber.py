@@ -231,14 +231,15 @@ async def test_malformed_messages_are_counted_and_skipped(ctx: TrackedContext, r
         await publisher.publish(batch(2.0, BlockRemoved(block_hashes=[1], medium="GPU")))
         sub = running(source(publisher), out)
         await wait_until(out.has(CaughtUp(2)), what="caught up")
-        assert out.batches() == [(2, 2.0)]
+        assert out.batches() == [(1, 1.0), (2, 2.0)]  # a bad event costs only itself, not its batch
         stats = sub.stats()
         assert (stats.decode_errors, stats.batches, stats.last_seq, stats.events) == (
-            2,
             1,
+            2,
             2,
             {"BlockRemoved": 1},
         )
+        assert stats.rejected_events == {"malformed": 1}
 
 
 async def test_malformed_frames_do_not_stop_the_subscriber(ctx: TrackedContext, running: Any) -> None:
@@ -313,13 +314,41 @@ class Flaky(Collector):
             raise RuntimeError("consumer bug")
 
 
-async def test_consumer_errors_are_counted_not_fatal(ctx: TrackedContext, running: Any) -> None:
+async def test_a_consumer_error_resyncs_once_per_replay(ctx: TrackedContext, running: Any) -> None:
     out = Flaky()
     async with EventPublisher(EPHEMERAL, host_ip="127.0.0.1", context=ctx) as publisher:
         await publish_range(publisher, 0, 4)
         sub = running(source(publisher), out)
+        # seq 1 fails in the start-up replay: resync, replay from 0; seq 1 fails again: no new resync
         await wait_until(out.has(CaughtUp(3)), what="caught up")
-        await publish_range(publisher, 4, 6)
-        await wait_until(lambda: len(out.batches()) == 6, what="more batches")
-    assert [seq for seq, _ in out.batches()] == list(range(6))
-    assert sub.stats().consumer_errors == 3
+        assert out.signals()[:2] == [Reset("resync"), Rebuilt()]
+        assert [seq for seq, _ in out.batches()] == [0, 1, 0, 1, 2, 3]
+        assert (sub.stats().consumer_errors, sub.stats().resyncs) == (3, 1)
+        await publish_range(publisher, 4, 6)  # seq 5 fails live: a new resync replays all six
+        await wait_until(lambda: out.signals().count(Reset("resync")) == 2, what="second resync")
+        await wait_until(lambda: out.signals().count(CaughtUp(5)) == 1, what="caught up again")
+    assert [seq for seq, _ in out.batches()][6:] == [4, 5, 0, 1, 2, 3, 4, 5]
+    assert sub.stats().resyncs == 2
+
+
+class Failing(Collector):
+    """A consumer whose every batch fails."""
+
+    def on_batch(self, engine: EngineName, seq: int, batch: AnyBatch) -> None:
+        super().on_batch(engine, seq, batch)
+        raise RuntimeError("consumer bug")
+
+
+async def test_a_consumer_error_without_replay_resets_and_goes_on(ctx: TrackedContext, running: Any) -> None:
+    out = Failing()
+    pub = ctx.client(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    sub = running(EngineSource(name="e1", endpoint=f"tcp://127.0.0.1:{port}", topic="kv"), out)
+    for i in range(200):
+        await pub.send_multipart([b"kv", encode_seq(i), ENCODER.encode(batch(float(i)))])
+        await wait_until_or_not(lambda: len(out.batches()) >= 2, 0.02)
+        if len(out.batches()) >= 2:
+            break
+    resyncs = [signal for signal in out.signals() if signal != Reset("history_lost")]  # slow joiner
+    assert resyncs == [Reset("resync")] * len(out.batches())
+    assert sub.stats().stale and sub.stats().consumer_errors == sub.stats().resyncs

@@ -39,6 +39,7 @@ ANOMALIES = (
     "bad_store_shape",
     "unknown_group",
     "over_cap_drops",
+    "rejected_events",
 )
 """The `MirrorStats` counters that are anomalies (tolerated, counted) rather than plain work."""
 
