@@ -25,7 +25,7 @@ from engine_stub.listening import bind_listening
 from engine_stub.quiet_server import QuietServer
 from kvrouter.cli import version
 from router.config import ConfigError, Listen, PolicyConfig, RouterConfig
-from router.overrides import load_config
+from router.overrides import apply_overrides, load_config
 
 __all__ = ["ReadyLine", "effective_config", "policy_names", "register", "run"]
 
@@ -93,16 +93,17 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
 def effective_config(args: argparse.Namespace, environ: dict[str, str]) -> RouterConfig:
     """The config from file, environment, `--set` and the shorthand flags (in that order)."""
     path = args.config or (Path(environ["KVROUTER_CONFIG"]) if environ.get("KVROUTER_CONFIG") else None)
-    flags = list(args.sets)
     access_log = None if args.access_log is None else str(args.access_log).lower()
     shorthand = (
-        ("listen.host", args.host), ("listen.port", args.port), ("policy.name", args.policy),
-        ("listen.workers", args.workers), ("listen.access_log", access_log),
+        ("--host", "listen.host", args.host), ("--port", "listen.port", args.port),
+        ("--policy", "policy.name", args.policy), ("--workers", "listen.workers", args.workers),
+        ("--access-log", "listen.access_log", access_log),
     )  # fmt: skip
-    for key, value in shorthand:
+    config = load_config(path, environ, list(args.sets))
+    for flag, key, value in shorthand:  # applied one by one, so an error names the flag the user typed
         if value is not None:
-            flags.append(f"{key}={value}")
-    return load_config(path, environ, flags)
+            config = apply_overrides(config, {key: value}, flag)
+    return config
 
 
 def startup_message(url: str, config: RouterConfig, engines: list[str]) -> str:

@@ -80,6 +80,7 @@ def test_an_invalid_policy_lists_the_valid_ones() -> None:
     with contextlib.redirect_stderr(err):
         assert main(["serve", "--policy", "fastest", "--log-level", "ERROR"]) == 2
     assert f"(one of: {', '.join(policy_names())})" in err.getvalue()
+    assert "kvrouter serve: --policy " in err.getvalue()  # the flag the user typed, not --set
 
 
 @pytest.mark.parametrize(("flag", "on"), [([], True), (["--no-access-log"], False), (["--access-log"], True)])
