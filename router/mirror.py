@@ -41,7 +41,7 @@ from router.ids import EngineId
 from router.keys import KeyHasher
 from router.mirror_state import GroupView, MirrorStats, ReplicaView
 from router.model_spec import HashingMode, ModelSpec, ReportMode, finder_kind
-from router.store_keys import Stored, StoreKeys
+from router.store_keys import Event, Stored, StoreKeys
 
 __all__ = ["EngineId", "Mirror", "MirrorConfig", "MirrorStats"]
 
@@ -123,7 +123,7 @@ class Mirror:
         rv = self._replica(engine_id, batch.data_parallel_rank or 0)
         for i, ev in enumerate(batch.events):
             if isinstance(ev, BlockStored | LazyBlockStored):
-                self._store(rv, ev, bool(reports and reports[i]))
+                self._store(rv, ev, bool(reports and reports[i]), (batch.events, i))
             elif isinstance(ev, BlockRemoved):
                 self._removed(rv, ev)
             elif isinstance(ev, AllBlocksCleared):
@@ -147,7 +147,11 @@ class Mirror:
         out: dict[EngineBlockHash, int] = {eh: self.count(rv, group, key) for eh, key in pairs}
         return {eh: n for eh, n in out.items() if n}
 
-    def _store(self, rv: ReplicaView, ev: Stored, is_report: bool) -> None:
+    def _store(
+        self, rv: ReplicaView, ev: Stored, is_report: bool, place: tuple[Sequence[Event], int]
+    ) -> None:
+        """Apply one store; `place` is the batch and the store's index in it (a sparse store may be keyed
+        by the dense stores that follow it)."""
         if ev.medium not in (None, "GPU"):
             rv.count_other_medium(ev.medium, ev.block_hashes, +1)
             self.stats.other_media_events += 1
@@ -166,7 +170,7 @@ class Mirror:
         if rv.hashing is HashingMode.ENGINE:
             pairs = [(eh, engine_key(eh)) for eh in ev.block_hashes]
         else:
-            pairs = self.store_keys.pairs(rv, ev, sparse)
+            pairs = self.store_keys.pairs(rv, ev, sparse, *place)
         if is_report or full_mode:
             for _, key in pairs:
                 self._add(rv, gv, key, True)

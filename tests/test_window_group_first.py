@@ -1,0 +1,64 @@
+"""Router keys when the sliding-window group comes before full attention (Gemma-2, Gemma-3 layouts).
+
+vLLM numbers a Gemma-2 hybrid's KV-cache groups sliding window first (group 0) and full attention
+second (group 1), and emits a request's stores in group order, so a step's window store comes before
+the full-attention store of the same blocks. The window store is sparse (R = 0 keeps the `need` blocks
+ending at the replay boundary, semantics doc §6.4), so its new hashes cannot be keyed from its tokens
+alone; the full-attention store right after it names them in order. Router-key mode once dropped them
+(a conservative miss counted in `unmapped_sparse`): the next turn was predicted 0 cached tokens where
+vLLM, and engine-exact mode, give 288.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from events.block_hash import RequestExtras, VllmHasher, wire_hash
+from events.wire import BlockStored, EngineBlockHash, KVEventBatch
+from router.keys import KeyHasher
+from router.lookup import LookupRequest, lookup
+from router.mirror import EngineId, Mirror
+from router.model_spec import GroupSpec, HashingMode, ModelSpec
+from router.request_keys import spec_keys
+
+BS = 32
+E = EngineId("gemma2")
+GROUPS = (GroupSpec("sliding_window", BS, sliding_window=128), GroupSpec("full_attention", BS))
+PROMPT = [1000 + i for i in range(300)]  # 9 full blocks; maxlen 299 -> replay boundary 288
+NEXT_TURN = [*PROMPT, *range(5000, 5020)]
+HASHES: list[EngineBlockHash] = [wire_hash(d) for d in VllmHasher().block_hashes(PROMPT, BS)]
+
+
+def stored(hashes: list[EngineBlockHash], group: int, kind: str, window: int | None) -> BlockStored:
+    return BlockStored(hashes, None, PROMPT[: 9 * BS], BS, None, "GPU", None, None, group, kind, window)
+
+
+def first_turn() -> KVEventBatch:
+    """The prefill step of PROMPT, as vLLM 0.32 emits it: window group (blocks 5-8, the 4 = ceil(127/32)
+    blocks ending at 288) first, then full attention (blocks 0-8)."""
+    return KVEventBatch(
+        0.0,
+        [
+            stored(HASHES[5:9], 0, "sliding_window", 128),
+            stored(HASHES, 1, "full_attention", None),
+        ],
+    )
+
+
+def predict(hashing: HashingMode, tokens: list[int]) -> tuple[Mirror, int]:
+    spec = ModelSpec(groups=GROUPS, hashing=hashing)
+    m = Mirror(hasher=KeyHasher(b"k"))
+    m.add_engine(E, spec)
+    m.apply(E, first_turn())
+    keys = spec_keys(spec, m.hasher, tuple(tokens), RequestExtras())
+    (result,) = lookup(m, spec, LookupRequest(keys, len(tokens))).values()
+    return m, result.hit_tokens
+
+
+@pytest.mark.parametrize("hashing", list(HashingMode))
+def test_next_turn_hits_the_window_blocks_stored_before_full_attention(hashing: HashingMode) -> None:
+    m, hit = predict(hashing, NEXT_TURN)
+    assert hit == 288  # what vLLM serves: FA blocks 0-8, window blocks 5-8
+    assert m.resident(E, 0, 0) == dict.fromkeys(HASHES[5:9], 1)
+    assert m.resident(E, 0, 1) == dict.fromkeys(HASHES, 1)
+    assert (m.stats.unmapped_sparse, m.stats.store_unknown_parent, m.stats.bad_store_shape) == (0, 0, 0)
