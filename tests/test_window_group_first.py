@@ -29,20 +29,28 @@ NEXT_TURN = [*PROMPT, *range(5000, 5020)]
 HASHES: list[EngineBlockHash] = [wire_hash(d) for d in VllmHasher().block_hashes(PROMPT, BS)]
 
 
-def stored(hashes: list[EngineBlockHash], group: int, kind: str, window: int | None) -> BlockStored:
-    return BlockStored(hashes, None, PROMPT[: 9 * BS], BS, None, "GPU", None, None, group, kind, window)
+OTHER = [7000 + i for i in range(300)]
+OTHER_HASHES: list[EngineBlockHash] = [wire_hash(d) for d in VllmHasher().block_hashes(OTHER, BS)]
+
+
+def stored(
+    hashes: list[EngineBlockHash], group: int, kind: str, window: int | None, tokens: list[int] = PROMPT
+) -> BlockStored:
+    return BlockStored(hashes, None, tokens[: 9 * BS], BS, None, "GPU", None, None, group, kind, window)
+
+
+def prefill(hashes: list[EngineBlockHash], tokens: list[int]) -> list[BlockStored]:
+    """One request's prefill stores of a 300-token prompt, in vLLM's group order."""
+    return [
+        stored(hashes[5:9], 0, "sliding_window", 128, tokens),
+        stored(hashes, 1, "full_attention", None, tokens),
+    ]
 
 
 def first_turn() -> KVEventBatch:
     """The prefill step of PROMPT, as vLLM 0.32 emits it: window group (blocks 5-8, the 4 = ceil(127/32)
     blocks ending at 288) first, then full attention (blocks 0-8)."""
-    return KVEventBatch(
-        0.0,
-        [
-            stored(HASHES[5:9], 0, "sliding_window", 128),
-            stored(HASHES, 1, "full_attention", None),
-        ],
-    )
+    return KVEventBatch(0.0, prefill(HASHES, PROMPT))
 
 
 def predict(hashing: HashingMode, tokens: list[int]) -> tuple[Mirror, int]:
@@ -62,3 +70,32 @@ def test_next_turn_hits_the_window_blocks_stored_before_full_attention(hashing: 
     assert m.resident(E, 0, 0) == dict.fromkeys(HASHES[5:9], 1)
     assert m.resident(E, 0, 1) == dict.fromkeys(HASHES, 1)
     assert (m.stats.unmapped_sparse, m.stats.store_unknown_parent, m.stats.bad_store_shape) == (0, 0, 0)
+
+
+def router_mirror() -> Mirror:
+    m = Mirror(hasher=KeyHasher(b"k"))
+    m.add_engine(E, ModelSpec(groups=GROUPS))
+    return m
+
+
+def test_two_requests_prefilled_in_one_step_key_each_window_store_from_its_own_request() -> None:
+    m = router_mirror()
+    m.apply(E, KVEventBatch(0.0, [*prefill(HASHES, PROMPT), *prefill(OTHER_HASHES, OTHER)]))
+    assert m.resident(E, 0, 0) == dict.fromkeys([*HASHES[5:9], *OTHER_HASHES[5:9]], 1)
+    rv = m.replica(E)
+    assert rv is not None
+    for tokens in (PROMPT, OTHER):
+        keys = m.hasher.request_keys(tokens, BS)
+        assert [m.count(rv, 0, k) for k in keys] == [0] * 5 + [1] * 4
+    assert m.stats.unmapped_sparse == 0
+
+
+def test_a_window_store_no_dense_store_follows_stays_a_counted_conservative_miss() -> None:
+    """Only the (groups - 1) events after a window store are the same step's other groups of its request;
+    a full-attention store further on is not looked at, and nothing is guessed."""
+    m = router_mirror()
+    window, full = prefill(HASHES, PROMPT)
+    m.apply(E, KVEventBatch(0.0, [window, *prefill(OTHER_HASHES, OTHER), full]))
+    assert m.resident(E, 0, 0) == dict.fromkeys(OTHER_HASHES[5:9], 1)
+    assert m.resident(E, 0, 1) == dict.fromkeys([*HASHES, *OTHER_HASHES], 1)
+    assert m.stats.unmapped_sparse == 4
