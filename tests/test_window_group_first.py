@@ -50,7 +50,7 @@ def prefill(hashes: list[EngineBlockHash], tokens: list[int]) -> list[BlockStore
 def first_turn() -> KVEventBatch:
     """The prefill step of PROMPT, as vLLM 0.32 emits it: window group (blocks 5-8, the 4 = ceil(127/32)
     blocks ending at 288) first, then full attention (blocks 0-8)."""
-    return KVEventBatch(0.0, prefill(HASHES, PROMPT))
+    return KVEventBatch(0.0, [*prefill(HASHES, PROMPT)])
 
 
 def predict(hashing: HashingMode, tokens: list[int]) -> tuple[Mirror, int]:
