@@ -15,10 +15,12 @@ import pytest
 
 from events.block_hash import RequestExtras, VllmHasher, wire_hash
 from events.wire import BlockStored, EngineBlockHash, KVEventBatch
+from router.ids import RequestId
 from router.keys import KeyHasher
 from router.lookup import LookupRequest, lookup
 from router.mirror import EngineId, Mirror
 from router.model_spec import GroupSpec, HashingMode, ModelSpec
+from router.reports import PendingReport, apply_batch
 from router.request_keys import spec_keys
 
 BS = 32
@@ -99,3 +101,19 @@ def test_a_window_store_no_dense_store_follows_stays_a_counted_conservative_miss
     assert m.resident(E, 0, 0) == dict.fromkeys(OTHER_HASHES[5:9], 1)
     assert m.resident(E, 0, 1) == dict.fromkeys([*HASHES, *OTHER_HASHES], 1)
     assert m.stats.unmapped_sparse == 4
+
+
+def test_full_mode_report_is_told_apart_from_a_window_first_real_store() -> None:
+    """A request's real prefill store starts with the sparse window store, which is not dense: the
+    full-attention store after it is what shows the request has stored. Once the router took a later
+    full-mode report of the same prefix for that (cache-skipping) request's first store, counting it."""
+    m = router_mirror()
+    spec = ModelSpec(groups=GROUPS)
+    keys: list[int] = list(m.hasher.request_keys(PROMPT, BS))
+    pending = {RequestId("skip"): PendingReport(keys, len(PROMPT), full=False, skip_cache=True)}
+    assert apply_batch(m, E, spec, KVEventBatch(0.0, [*prefill(HASHES, PROMPT)]), pending) == 0
+    pending[RequestId("full")] = PendingReport(keys, len(PROMPT))
+    report = [stored(HASHES, 0, "sliding_window", 128), stored(HASHES, 1, "full_attention", None)]
+    assert apply_batch(m, E, spec, KVEventBatch(0.0, [*report]), pending) == 2
+    assert m.resident(E, 0, 0) == dict.fromkeys(HASHES[5:9], 1)
+    assert m.resident(E, 0, 1) == dict.fromkeys(HASHES, 1)
