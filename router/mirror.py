@@ -51,7 +51,7 @@ from router.ids import EngineId
 from router.keys import KeyHasher
 from router.mirror_state import GroupView, MirrorStats, ReplicaView
 from router.model_spec import HashingMode, ModelSpec, ReportMode, finder_kind
-from router.store_keys import Stored, StoreKeys
+from router.store_keys import Event, Stored, StoreKeys
 
 __all__ = ["EngineId", "Mirror", "MirrorConfig", "MirrorStats"]
 
@@ -136,7 +136,7 @@ class Mirror:
         for i, ev in enumerate(batch.events):
             try:
                 if isinstance(ev, BlockStored | LazyBlockStored):
-                    self._store(rv, ev, bool(reports and reports[i]))
+                    self._store(rv, ev, bool(reports and reports[i]), (batch.events, i))
                 elif isinstance(ev, BlockRemoved):
                     self._removed(rv, ev)
                 elif isinstance(ev, AllBlocksCleared):
@@ -163,7 +163,11 @@ class Mirror:
         out: dict[EngineBlockHash, int] = {eh: self.count(rv, group, key) for eh, key in pairs}
         return {eh: n for eh, n in out.items() if n}
 
-    def _store(self, rv: ReplicaView, ev: Stored, is_report: bool) -> None:
+    def _store(
+        self, rv: ReplicaView, ev: Stored, is_report: bool, place: tuple[Sequence[Event], int]
+    ) -> None:
+        """Apply one store; `place` is the batch and the store's index in it (a sparse store may be keyed
+        by the dense stores that follow it)."""
         if ev.medium not in (None, "GPU"):
             self._other_medium(rv, ev.medium, ev.block_hashes, +1)
             return
@@ -181,7 +185,7 @@ class Mirror:
         if rv.hashing is HashingMode.ENGINE:
             pairs = [(eh, engine_key(eh)) for eh in ev.block_hashes]
         else:
-            pairs = self.store_keys.pairs(rv, ev, sparse)  # may raise InvalidEvent: nothing changed yet
+            pairs = self.store_keys.pairs(rv, ev, sparse, *place)  # may raise InvalidEvent: nothing changed
         rv.learn(gv, ev)
         if is_report or full_mode:
             for _, key in pairs:

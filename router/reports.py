@@ -4,8 +4,10 @@ A request sent with `kv_cache_report_mode=full` makes the engine announce its hi
 parentless store per group listing the hit's first `n` blocks (semantics doc §5.4). Such a report is
 byte-identical to a cold store, so the mirror must be told (`Mirror.apply(reports=...)`). The gateway
 tells the fleet every request it sends, with its keys, report mode and skip flag (`PendingReport`).
-At each dense parentless store of group 0, with the mirror exact up to that event (keys compared at
-that group's block size, the last hash unit of each block):
+At each dense parentless store of group 0 (or, when group 0 is a sparse window group, at its
+parentless store, judged by the dense parentless store of a later group of the same step), with the
+mirror exact up to that event (keys compared at that store's block size, the last hash unit of each
+block):
 - if it covers the first `n` keys of a request not yet seen storing, whose hit is 0 now, it is that
   request's real store (a non-full request is then forgotten: its later stores have parents);
 - else, if it starts a run of one dense parentless store per group, in group order, over the same
@@ -31,7 +33,7 @@ from router.finders import view
 from router.ids import EngineId, RequestId
 from router.lookup import LookupRequest, ReplicaId, lookup
 from router.mirror import Mirror
-from router.model_spec import HashingMode, ModelSpec
+from router.model_spec import HashingMode, ModelSpec, finder_kind
 
 __all__ = ["PendingReport", "apply_batch"]
 
@@ -65,16 +67,20 @@ def apply_batch(
     reports = [False] * len(events)
     matched: set[RequestId] = set()
     groups = len(spec.groups)
+    sparse_first = finder_kind(spec.groups[0].kind) in ("swa", "mamba")
     start = 0
     for i, ev in enumerate(events):
         if reports[i] or not isinstance(ev, BlockStored | LazyBlockStored) or (ev.group_idx or 0) != 0:
             continue
-        if not _dense_parentless(ev):
+        dense = ev if _dense_parentless(ev) else None
+        if dense is None and sparse_first:
+            dense = _dense_partner(events, i, groups)
+        if dense is None:
             continue
         _apply(mirror, replica, batch, start, i, reports)
         start = i
-        run = _report_run(events, i, groups)
-        if _is_report(mirror, replica, spec, ev, pending, matched, run):
+        run = dense is ev and _report_run(events, i, groups)
+        if _is_report(mirror, replica, spec, dense, pending, matched, run):
             reports[i : i + groups] = [True] * groups
     _apply(mirror, replica, batch, start, len(events), reports)
     return sum(reports)
@@ -86,6 +92,20 @@ def _apply(
     if stop > start:
         part = msgspec.structs.replace(batch, events=batch.events[start:stop])
         mirror.apply(replica, part, reports[start:stop])
+
+
+def _dense_partner(events: Sequence[object], i: int, groups: int) -> BlockStored | LazyBlockStored | None:
+    """For a parentless sparse store of group 0 (a window group numbered first, as in Gemma-2), the dense
+    parentless store of the same request's next groups, which shows what it stores from block 0."""
+    ev = events[i]
+    if not isinstance(ev, BlockStored | LazyBlockStored) or ev.parent_block_hash is not None:
+        return None
+    if ev.medium not in (None, "GPU"):
+        return None
+    for other in events[i + 1 : i + groups]:
+        if isinstance(other, BlockStored | LazyBlockStored) and _dense_parentless(other):
+            return other
+    return None
 
 
 def _report_run(events: Sequence[object], i: int, groups: int) -> bool:

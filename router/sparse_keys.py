@@ -12,7 +12,7 @@ of runs; otherwise nothing is guessed (a conservative miss). Pure.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from itertools import pairwise
 from typing import NamedTuple
 
@@ -99,7 +99,7 @@ def _union_of_runs(kept: set[int], start: int, end: int, shape: RunShape, offset
 def sparse_store_keys(
     hasher: KeyHasher,
     ev: BlockStored | LazyBlockStored,
-    known: dict[EngineBlockHash, int],
+    known: Mapping[EngineBlockHash, int],
     start: tuple[int | None, Sequence[str]],
     hb: int,
     shape: RunShape,
@@ -131,7 +131,7 @@ def sparse_store_keys(
 def _place_from(
     hasher: KeyHasher,
     ev: BlockStored | LazyBlockStored,
-    known: dict[EngineBlockHash, int],
+    known: Mapping[EngineBlockHash, int],
     root: int,
     unit: tuple[int, RunShape],
 ) -> list[Pair] | None:

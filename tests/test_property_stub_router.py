@@ -6,9 +6,10 @@ Scheduler; each step's events go through a real EventPublisher over ZeroMQ on 12
 fleet's real EngineSubscriber and into the mirror. Before the step that looks a request up (scheduled
 alone, so no other request's events precede its lookup), the router's `(hit, shared_prefix_boundary)`
 must equal the stub's admission lookup, and after every batch the mirror's copies per engine hash
-must equal the stub pool's. Single-group FA, FA+SWA and FA+Mamba layouts, and FA+SWA with
-mixed block sizes (4/8 and 8/4: hashes at the gcd, hits aligned to the lcm; FA 8 stores partial
-tails, SWA 4 keeps blocks FA never names), router keys and engine-exact keys. Full-mode requests are
+must equal the stub pool's. Layouts: single-group FA; FA+SWA; SWA+FA and Mamba+FA (the sparse group
+first, as vLLM numbers Gemma-2's groups: its stores precede full attention's); FA+Mamba; FA+SWA with
+mixed block sizes (4/8 and 8/4: hashes at the gcd, hits aligned to the lcm; FA 8 stores partial tails,
+SWA 4 keeps blocks FA never names). Router keys and engine-exact keys. Full-mode requests are
 announced to the fleet as a gateway would.
 """
 
@@ -48,7 +49,10 @@ FAST = SubscriberConfig(replay_timeout_s=1.0, reconnect_ivl_ms=10, reconnect_ivl
 LAYOUTS = {
     "fa": (GroupSpec(GroupKind.FULL_ATTENTION, BS),),
     "fa_swa": (GroupSpec(GroupKind.FULL_ATTENTION, BS), GroupSpec(GroupKind.SLIDING_WINDOW, BS, 8)),
+    # Group 0 a sliding window, full attention second (vLLM's order for Gemma-2 / Gemma-3).
+    "swa_fa": (GroupSpec(GroupKind.SLIDING_WINDOW, BS, 8), GroupSpec(GroupKind.FULL_ATTENTION, BS)),
     "fa_mamba": (GroupSpec(GroupKind.FULL_ATTENTION, BS), GroupSpec(GroupKind.MAMBA, BS)),
+    "mamba_fa": (GroupSpec(GroupKind.MAMBA, BS), GroupSpec(GroupKind.FULL_ATTENTION, BS)),
     # Mixed block sizes: hashes at the gcd (4), hits aligned to the lcm (8).
     "fa4_swa8": (GroupSpec(GroupKind.FULL_ATTENTION, BS), GroupSpec(GroupKind.SLIDING_WINDOW, 2 * BS, 16)),
     "fa8_swa4": (GroupSpec(GroupKind.FULL_ATTENTION, 2 * BS), GroupSpec(GroupKind.SLIDING_WINDOW, BS, 8)),
