@@ -235,3 +235,11 @@ def test_the_image_installs_the_gateway_without_extras_as_a_non_root_user() -> N
     assert exposed == [router_config(RENDERED["base"]).listen.port]
     cmd = json.loads(next(line for line in lines if line.startswith("CMD "))[4:])
     assert cmd == gateway(RENDERED["base"])["args"]
+
+
+def test_every_toml_block_of_the_deploy_docs_decodes() -> None:
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    blocks = re.findall(r"```toml\n(.*?)```", text, re.DOTALL)
+    assert len(blocks) >= 2
+    for block in blocks:
+        decode_config(block, "docs/deploy.md")
