@@ -17,6 +17,7 @@ import msgspec
 from tqdm import tqdm
 
 from engine_stub.server_config import load_config as load_stub_config
+from kvrouter.extras import MissingExtra, require_extra
 from kvrouter.loadtest.harness import EXTERNAL, ORACLE, HarnessSpec, default_out_dir, run_harness
 from kvrouter.loadtest.report import Report
 from kvrouter.loadtest.results import PolicySummary, RequestResult
@@ -142,7 +143,13 @@ def _line(s: PolicySummary) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Run the load test; exit code 2 on bad arguments, 1 if any policy had errors."""
+    """Run the load test; exit code 2 on bad arguments or without the [loadtest] extra, 1 if any policy
+    had errors."""
+    try:  # before any stub starts: the report at the end needs matplotlib
+        require_extra("loadtest", "matplotlib", command="kvrouter loadtest")
+    except MissingExtra as exc:
+        print(exc, file=sys.stderr)
+        return 2
     policies = parse_policies(args.policies)
     unknown = [p for p in policies if p not in POLICIES]
     if unknown or not policies:

@@ -204,18 +204,24 @@ class Fleet:
         now = self.clock()
         for rep in self._replicas.values():
             rep.poll(now)
-        return [
-            EngineView(
-                engine=rid,
-                trust=rep.status(now, self.mirror).state.value,
-                link=rep.subscriber.stats() if rep.subscriber is not None else None,
-                mirror_blocks=rep.blocks(self.mirror),
-                in_flight=self.load.snapshot(rid, now).in_flight,
-                rejected_events=rep.rejected_events(self.mirror),
-                other_media_blocks=rep.other_media_blocks(self.mirror),
-            )
-            for rid, rep in self._replicas.items()
-        ]
+        return [self._view(rid, rep, now) for rid, rep in self._replicas.items()]
+
+    def _view(self, rid: EngineId, rep: Replica, now: float) -> EngineView:
+        load = self.load.snapshot(rid, now)
+        return EngineView(
+            engine=rid,
+            trust=rep.status(now, self.mirror).state.value,
+            link=rep.subscriber.stats() if rep.subscriber is not None else None,
+            mirror_blocks=rep.blocks(self.mirror),
+            in_flight=load.in_flight,
+            rejected_events=rep.rejected_events(self.mirror),
+            other_media_blocks=rep.other_media_blocks(self.mirror),
+            model=rep.variant.model,
+            breaker=self.breakers.get(rid).state.value,
+            queued_prefill_tokens=load.queued_prefill_tokens,
+            prefill_overhead_s=load.overhead_s,
+            prefill_token_s=load.per_token_s,
+        )
 
     def index_summary(self) -> dict[str, object]:
         """The mirror per replica (blocks per group, stats, trust, flags) and its memory estimate."""

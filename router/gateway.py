@@ -237,7 +237,7 @@ class Gateway:
             parts.metrics.retries.labels(reason).inc()
         own = sum(prepared.timings.get(stage, 0.0) for stage in _STAGES)
         pre_forward = max(0.0, forwarding - arrived - own)
-        return self._relay(upstream, flight, entry, pre_forward, note_of(request.scope))
+        return self._relay(upstream, flight, entry, (arrived, pre_forward), note_of(request.scope))
 
     def _forward_headers(self, request: Request) -> list[tuple[str, str]]:
         # the key was the router's (engines never see it); the request id is the gateway's
@@ -246,10 +246,15 @@ class Gateway:
         )
 
     def _relay(
-        self, upstream: UpstreamResponse, flight: Flight, entry: DecisionEntry, pre_forward: float,
-        note: AccessNote,
+        self, upstream: UpstreamResponse, flight: Flight, entry: DecisionEntry,
+        times: tuple[float, float], note: AccessNote,
     ) -> RelayResponse:  # fmt: skip
+        """The relay of `upstream` with its accounting hooks; `times` = (arrival on the perf_counter
+        clock, the gateway's own time before forwarding outside the routing stages)."""
         parts, engine = self.parts, upstream.engine
+        arrived, pre_forward = times
+        model = entry.request.model
+        streamed_ok = upstream.status == 200 and entry.request.stream
         predicted = entry.predicted_cached_tokens or 0
         for stage in _STAGES:
             if stage in entry.timings_s:
@@ -264,6 +269,8 @@ class Gateway:
         def first_byte(relay_s: float) -> None:
             flight.first_byte()
             parts.metrics.overhead.labels("proxy").observe(pre_forward + relay_s)
+            if streamed_ok:  # a JSON answer's first chunk is most of the answer: no TTFT to speak of
+                parts.metrics.ttft.labels(engine, model).observe(time.perf_counter() - arrived)
 
         def end(status: str, cached: int | None) -> None:
             flight.finish()
@@ -271,6 +278,8 @@ class Gateway:
             entry.status = upstream.status
             entry.actual_cached_tokens = note.actual_cached_tokens = cached
             parts.metrics.requests.labels(engine, self.policy, status).inc()
+            if status == "200":
+                parts.metrics.duration.labels(engine, model).observe(time.perf_counter() - arrived)
             if cached is not None:
                 parts.metrics.observe_prediction(engine, predicted, cached)
             self._log_end(entry, status)

@@ -6,6 +6,9 @@ double-booked: a collector reads the subscribers' and mirror's own counters at s
 `PROMETHEUS_MULTIPROC_DIR` and prometheus_client's multiprocess mode sums the request-path metrics
 of every worker; the per-engine figures come from the worker that answers the scrape (each keeps its
 own exact mirror of every engine, so any one of them is a true view).
+
+Every per-engine metric carries `engine` and `model` (the served model name, vLLM's `model_name`),
+so a dashboard can aggregate by model and join the router's figures to the engines' own `vllm:` ones.
 """
 
 from __future__ import annotations
@@ -22,15 +25,25 @@ from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
 from events.sources import EngineStats
+from router.breaker import BreakerState
 from router.key_cache import PrefixKeyCache
 
-__all__ = ["MULTIPROCESS_ENV", "REJECT_REASONS", "STAGES", "TRUST_STATES", "EngineView", "RouterMetrics"]
+__all__ = [
+    "BREAKER_STATES",
+    "MULTIPROCESS_ENV",
+    "REJECT_REASONS",
+    "STAGES",
+    "TRUST_STATES",
+    "EngineView",
+    "RouterMetrics",
+]
 
 MULTIPROCESS_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 """prometheus_client reads it at import: set (by the worker supervisor) before any worker starts."""
 
 STAGES: Final = ("tokenize", "hash", "lookup", "score", "proxy")
 TRUST_STATES: Final = ("fresh", "catching_up", "stale")
+BREAKER_STATES: Final = tuple(state.value for state in BreakerState)
 REJECT_REASONS: Final = (
     "unauthorized",  # 401: missing or unknown API key
     "bad_request",  # 400: a body the gateway cannot read (not JSON, a field missing or of the wrong type)
@@ -48,6 +61,10 @@ REJECT_REASONS: Final = (
 # Router overhead lives between ~10 us (a warm lookup) and tens of ms (a cold 32k-token tokenization).
 _OVERHEAD_BUCKETS: Final = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1, 0.5)
 _TOKEN_ERROR_BUCKETS: Final = (0, 16, 64, 256, 1024, 4096, 16384)
+# Client-seen latency: a first token within ~10 ms on a warm engine, whole answers up to minutes.
+_TTFT_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_DURATION_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_ENGINE_LABELS: Final = ["engine", "model"]
 
 
 class EngineView(msgspec.Struct, frozen=True):
@@ -60,6 +77,13 @@ class EngineView(msgspec.Struct, frozen=True):
     in_flight: int = 0
     rejected_events: dict[str, int] = {}
     other_media_blocks: dict[str, int] = {}
+    model: str = ""
+    breaker: str = "closed"
+    queued_prefill_tokens: int = 0
+    prefill_overhead_s: float = 0.0
+    """The learned TTFT fixed overhead (router.load.PrefillCostModel.overhead_s)."""
+    prefill_token_s: float = 0.0
+    """The learned prefill cost per uncached prompt token (PrefillCostModel.per_token_s)."""
 
 
 class _EngineCollector(Collector):
@@ -70,8 +94,19 @@ class _EngineCollector(Collector):
     def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
         views = self._views()
         now = self._clock()
-        yield _gauge(
-            "kvrouter_engine_mirror_trust", "1 for the engine's current mirror trust state", views, trust=True
+        yield _states(
+            "kvrouter_engine_mirror_trust",
+            "1 for the engine's current mirror trust state",
+            views,
+            lambda v: v.trust,
+            TRUST_STATES,
+        )
+        yield _states(
+            "kvrouter_engine_breaker_state",
+            "1 for the engine's circuit breaker state (closed admits traffic, open refuses it)",
+            views,
+            lambda v: v.breaker,
+            BREAKER_STATES,
         )
         yield _gauge(
             "kvrouter_engine_mirror_blocks",
@@ -84,6 +119,24 @@ class _EngineCollector(Collector):
             "requests the router has in flight",
             views,
             lambda v: v.in_flight,
+        )
+        yield _gauge(
+            "kvrouter_engine_queued_prefill_tokens",
+            "uncached prompt tokens of the router's requests not past their first token",
+            views,
+            lambda v: v.queued_prefill_tokens,
+        )
+        yield _gauge(
+            "kvrouter_engine_prefill_overhead_seconds",
+            "learned fixed part of the engine's predicted TTFT",
+            views,
+            lambda v: v.prefill_overhead_s,
+        )
+        yield _gauge(
+            "kvrouter_engine_prefill_token_seconds",
+            "learned prefill cost per uncached prompt token (seconds per token)",
+            views,
+            lambda v: v.prefill_token_s,
         )
         linked = [v for v in views if v.link is not None]
         yield _gauge(
@@ -99,32 +152,32 @@ class _EngineCollector(Collector):
             lambda v: now - (v.link.last_event_time or now) if v.link else 0.0,
         )
         for name, doc, attr in _LINK_COUNTERS:
-            family = CounterMetricFamily(name, doc, labels=["engine"])
+            family = CounterMetricFamily(name, doc, labels=_ENGINE_LABELS)
             for v in linked:
-                family.add_metric([v.engine], getattr(v.link, attr))
+                family.add_metric([v.engine, v.model], getattr(v.link, attr))
             yield family
         events = CounterMetricFamily(
-            "kvrouter_engine_events", "KV events ingested, by type", labels=["engine", "type"]
+            "kvrouter_engine_events", "KV events ingested, by type", labels=[*_ENGINE_LABELS, "type"]
         )
         for v in linked:
             for kind, n in sorted(v.link.events.items()) if v.link else ():
-                events.add_metric([v.engine, kind], n)
+                events.add_metric([v.engine, v.model, kind], n)
         yield events
         rejected = CounterMetricFamily(
             "kvrouter_engine_rejected_events",
             "invalid KV events rejected alone (the rest of their batch applied), by reason",
-            labels=["engine", "reason"],
+            labels=[*_ENGINE_LABELS, "reason"],
         )
         media = GaugeMetricFamily(
             "kvrouter_engine_other_media_blocks",
             "CPU/STORAGE blocks counted apart from the GPU mirror, by medium",
-            labels=["engine", "medium"],
+            labels=[*_ENGINE_LABELS, "medium"],
         )
         for v in views:
             for reason, n in sorted(v.rejected_events.items()):
-                rejected.add_metric([v.engine, reason], n)
+                rejected.add_metric([v.engine, v.model, reason], n)
             for medium, n in sorted(v.other_media_blocks.items()):
-                media.add_metric([v.engine, medium], n)
+                media.add_metric([v.engine, v.model, medium], n)
         yield rejected
         yield media
 
@@ -143,19 +196,27 @@ _LINK_COUNTERS: Final = (
 
 
 def _gauge(
+    name: str, doc: str, views: Iterable[EngineView], value: Callable[[EngineView], float]
+) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=_ENGINE_LABELS)
+    for v in views:
+        family.add_metric([v.engine, v.model], value(v))
+    return family
+
+
+def _states(
     name: str,
     doc: str,
     views: Iterable[EngineView],
-    value: Callable[[EngineView], float] | None = None,
-    trust: bool = False,
+    current: Callable[[EngineView], str],
+    states: Sequence[str],
 ) -> GaugeMetricFamily:
-    family = GaugeMetricFamily(name, doc, labels=["engine", "state"] if trust else ["engine"])
+    """A state set: one sample per engine and state, 1 for the current state and 0 for the others."""
+    family = GaugeMetricFamily(name, doc, labels=[*_ENGINE_LABELS, "state"])
     for v in views:
-        if trust:
-            for state in TRUST_STATES:
-                family.add_metric([v.engine, state], 1.0 if v.trust == state else 0.0)
-        elif value is not None:
-            family.add_metric([v.engine], value(v))
+        now = current(v)
+        for state in states:
+            family.add_metric([v.engine, v.model, state], 1.0 if now == state else 0.0)
     return family
 
 
@@ -212,10 +273,24 @@ class RouterMetrics:
             "kvrouter_actual_cached_tokens", "cached tokens engines reported in usage", ["engine"], registry=r
         )
         self.prediction_error = Histogram(
-            "kvrouter_cached_tokens_prediction_error",
+            "kvrouter_cached_tokens_prediction_error_tokens",
             "|actual - predicted| cached tokens per request",
             ["engine"],
             buckets=_TOKEN_ERROR_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvrouter_request_ttft_seconds",
+            "streamed answers: request arrival to the first chunk handed to the client",
+            _ENGINE_LABELS,
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "kvrouter_request_duration_seconds",
+            "answers an engine completed with 200: request arrival to the last byte handed to the client",
+            _ENGINE_LABELS,
+            buckets=_DURATION_BUCKETS,
             registry=r,
         )
         self.retries = Counter(

@@ -3,12 +3,12 @@ and /debug/index say so; CPU blocks are accounted and emptied by AllBlocksCleare
 
 from __future__ import annotations
 
-import re
 from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
 import zmq
+from prometheus_client.parser import text_string_to_metric_families
 
 from events.frames import encode_seq
 from events.wire import ENCODER, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -27,10 +27,16 @@ async def ctx() -> AsyncIterator[TrackedContext]:
 
 
 def metric(text: str, name: str, **labels: str) -> float | None:
-    """The value of one sample of the Prometheus text, or None when absent."""
-    want = ",".join(f'{k}="{v}"' for k, v in labels.items())
-    found = re.search(rf"^{re.escape(name)}\{{{re.escape(want)}\}} (\S+)$", text, re.MULTILINE)
-    return float(found.group(1)) if found else None
+    """The value of the one sample of the Prometheus text named `name` with these labels (and any
+    others, such as `model`), or None when absent."""
+    found = [
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items())
+    ]
+    assert len(found) <= 1, (name, labels, found)
+    return found[0] if found else None
 
 
 def store(hashes: list[int], tokens: Any, medium: Any = "GPU") -> BlockStored:

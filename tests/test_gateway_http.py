@@ -118,8 +118,14 @@ async def test_metrics_move_and_debug_endpoints_explain_decisions() -> None:
             )
             for stage in ("tokenize", "hash", "lookup", "score", "proxy"):
                 assert metric(after, "kvrouter_router_overhead_seconds_count", stage=stage) == 2
-            assert metric(after, "kvrouter_cached_tokens_prediction_error_count") == 2  # both carried usage
+            assert (
+                metric(after, "kvrouter_cached_tokens_prediction_error_tokens_count") == 2
+            )  # both carried usage
             assert metric(after, "kvrouter_engine_mirror_trust", state="fresh") == 2
+            model = str(BODY["model"])
+            assert metric(after, "kvrouter_request_duration_seconds_count", model=model) == 2
+            assert metric(after, "kvrouter_request_ttft_seconds_count", model=model) == 1  # the stream
+            assert metric(after, "kvrouter_engine_breaker_state", state="closed", model=model) == 2
 
             rid = answers[1].headers["x-request-id"]
             found = await c.get(f"/debug/decisions/{rid}", headers=ADMIN_AUTH)
