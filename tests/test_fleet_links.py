@@ -24,6 +24,7 @@ from router.fleet import FleetState
 from router.fleet_links import FleetLinks
 from router.fleet_views import engine_views, index_summary
 from router.ids import EngineId, RequestId
+from router.keys import KeyHasher
 from router.models import Models
 from router.trust import TrustReason, TrustState
 from tests.zmq_helpers import TrackedContext, tracked_context, wait_until
@@ -320,3 +321,10 @@ async def test_cpu_blocks_are_accounted_and_emptied_by_a_clear(
         await publish(fleet, pub, E, AllBlocksCleared())
         summary = index_summary(fleet.state)
         assert summary["replicas"][E]["other_media_blocks"] == {} and summary["bytes_estimate"] == 0
+
+
+def test_the_links_refuse_models_keyed_with_another_hasher_than_the_mirror() -> None:
+    config = RouterConfig(models=[ModelConfig(name="m", block_size=4)])
+    state = FleetState(config, KeyHasher(b"another"), time.monotonic)
+    with pytest.raises(ValueError, match="share one KeyHasher"):
+        FleetLinks(state, Models(config))
