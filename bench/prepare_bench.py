@@ -28,7 +28,8 @@ from events.tokenization import Tokenizer
 from events.tokenization.conversation import conversation
 from events.tokenization.hf_files import package_dir
 from router.config import EngineConfig, ModelConfig, RouterConfig
-from router.fleet import Fleet
+from router.fleet import FleetState
+from router.fleet_links import FleetLinks
 from router.ids import EngineId, RequestId
 from router.models import Models, Prepared
 from router.pending import PendingPrefixes
@@ -136,9 +137,10 @@ def _cold(payloads: list[bytes], cfg: RouterConfig, rounds: int = 3) -> float:
 async def bench_decide(engines: int, n: int) -> None:
     cfg = config(engines)
     models = Models(cfg)
-    fleet = Fleet(cfg, models=models)
-    await fleet.start()
-    core = RoutingCore(fleet, models, Scorer(ScorerSettings()))
+    fleet = FleetState(cfg, models.hasher, time.monotonic)
+    links = FleetLinks(fleet, models)
+    await links.start()
+    core = RoutingCore(fleet, Scorer(ScorerSettings()), time.perf_counter)
     payloads = bodies("warm", 4, False)
     prepared = [models.prepare(b, Endpoint.CHAT) for b in payloads]
     ids = iter(range(10**9))
@@ -164,7 +166,7 @@ async def bench_decide(engines: int, n: int) -> None:
     t_routed = per_request_ms(routed, samples)
     pend = fleet.pending
     t_pending = per_request_ms(lambda p: _pending_cycle(pend, p, next(ids), now + 1e3), samples)
-    await fleet.close()
+    await links.close()
     print(f"\ndecide, {engines} engine(s), {len(prepared[0].keys)} keys per request")
     print(f"  RoutingCore.decide                       {t_decide:7.3f} ms")
     print(f"  decide + sent/answered/finished          {t_routed:7.3f} ms")

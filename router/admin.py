@@ -3,7 +3,7 @@
 Every admin call needs the admin token (`router.auth`). A POST body is one `[[engines]]` table as JSON,
 decoded into `router.config.EngineConfig` and checked with the config's own rules against the engines
 already in the fleet (unique name, http(s) URL, event endpoints). Discovery changes go through the
-same two fleet calls. Engines are only ever added by an operator (admin API, config) or by the
+same two `FleetLinks` calls. Engines are only ever added by an operator (admin API, config) or by the
 configured DNS name; nothing in a proxied request can add or reach one.
 """
 
@@ -19,7 +19,8 @@ from starlette.responses import Response
 from router.client_io import read_body, request_id_of
 from router.config import ConfigError, EngineConfig, validate
 from router.errors import BadRequest, RouterError
-from router.fleet import Fleet
+from router.fleet import FleetState
+from router.fleet_links import FleetLinks
 from router.gateway import GatewayParts
 
 __all__ = ["AdminApi", "Conflict", "NotFound", "apply_discovery"]
@@ -39,7 +40,7 @@ class Conflict(RouterError):
     status, error_type, code = 409, "invalid_request_error", "conflict"
 
 
-def decode_engine(body: bytes, fleet: Fleet) -> EngineConfig:
+def decode_engine(body: bytes, fleet: FleetState) -> EngineConfig:
     """The engine table in `body`, checked alone and against the fleet; BadRequest/Conflict otherwise."""
     try:
         engine = _ENGINE.decode(body)
@@ -87,7 +88,7 @@ class AdminApi:
             self.parts.fleet,
         )
         try:
-            await self.parts.fleet.add_engine(engine)
+            await self.parts.links.add_engine(engine)
         except ValueError as exc:
             raise Conflict(str(exc)) from None
         log.info("engine added", extra={"engine": engine.name, "url": engine.url, "by": "admin API"})
@@ -99,22 +100,22 @@ class AdminApi:
         self._check_single_worker()
         name = request.path_params["name"]
         try:
-            await self.parts.fleet.remove_engine(name)
+            await self.parts.links.remove_engine(name)
         except KeyError:
             raise NotFound(f"no engine named {name!r}") from None
         log.info("engine removed", extra={"engine": name, "by": "admin API"})
         return Response(status_code=204)
 
 
-async def apply_discovery(fleet: Fleet, added: dict[str, EngineConfig], removed: set[str]) -> None:
+async def apply_discovery(links: FleetLinks, added: dict[str, EngineConfig], removed: set[str]) -> None:
     """Apply one DNS discovery change to the fleet; a refused change is logged, never raised."""
     for name in sorted(removed):
         try:
-            await fleet.remove_engine(name)
+            await links.remove_engine(name)
         except KeyError:
             log.warning("discovered engine already gone", extra={"engine": name})
     for name, engine in sorted(added.items()):
         try:
-            await fleet.add_engine(engine)
+            await links.add_engine(engine)
         except ValueError as exc:
             log.warning("discovered engine refused", extra={"engine": name, "error": str(exc)})

@@ -29,6 +29,7 @@ from router.client_io import ClientGone, error_answer, read_body, request_id_of
 from router.client_timeouts import STATE_KEY, ClientTimeouts
 from router.config import RouterConfig
 from router.errors import NoEngineAvailable, RequestTimeout, RouterError
+from router.fleet_views import index_summary
 from router.gateway import Gateway, GatewayParts
 from router.passthrough import PASSTHROUGH_PATHS, Passthrough
 from router.serve import ServeOptions, Service
@@ -86,7 +87,7 @@ class Handlers:
 
     async def index(self, request: Request) -> Response:
         self.admin_check(request)
-        return Response(msgspec.json.encode(self.parts.fleet.index_summary()), media_type=_JSON)
+        return Response(msgspec.json.encode(index_summary(self.parts.fleet)), media_type=_JSON)
 
     async def ready(self, request: Request) -> Response:
         fleet = self.parts.fleet

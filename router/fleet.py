@@ -1,44 +1,41 @@
-"""The fleet: engines and their DP-rank replicas, one KV-event subscriber per replica feeding the mirror.
+"""The fleet's pure state: replicas, the shared mirror, and per-replica trust, load, breakers and admission.
 
 A replica is one DP rank of one engine (`EngineId` = the engine name, or `name/dpN` with several
-ranks); it is also the mirror's engine, so a restart of one rank resets only its view. Subscriber
-signals become mirror resets and trust signals: the start-up replay and any later replay are
-"replay in flight" until CaughtUp; Reset("restart") clears the replica's view (the engine's cache is
-gone) and it is rebuilt from the replay; Reset("history_lost") clears it and the replica stays
-STALE until Rebuilt (a new lifetime seen from seq 0, or AllBlocksCleared); decode errors and
-rejected events (read from the subscriber's and the mirror's counters) make it STALE until Rebuilt;
-a batch that raises while being applied marks it STALE and makes the subscriber resync
-(Reset("resync"): the view is cleared and rebuilt from a replay from seq 0); layout flags from the
-events (block size, kind, window, unknown group) make it STALE. An engine without event endpoints
-is routable but always STALE: its hits are never trusted. Time is passed in (`now`) except where a
-signal arrives (the fleet's `clock`).
+ranks); it is also the mirror's engine, so a restart of one rank resets only its view. `FleetState`
+is the subscribers' `Consumer` (`events.sources`): link signals become mirror resets and trust
+signals. The start-up replay and any later replay are "replay in flight" until CaughtUp;
+Reset("restart") clears the replica's view (the engine's cache is gone) and it is rebuilt from the
+replay; Reset("history_lost") clears it and the replica stays STALE until Rebuilt (a new lifetime
+seen from seq 0, or AllBlocksCleared); decode errors and rejected events (read from the link's and
+the mirror's counters) make it STALE until Rebuilt; a batch that raises while being applied marks
+it STALE and makes the subscriber resync (Reset("resync"): the view is cleared and rebuilt from a
+replay from seq 0); layout flags from the events (block size, kind, window, unknown group) make it
+STALE. An engine without event endpoints is routable but always STALE: its hits are never trusted.
+
+No sockets, no asyncio: links are plugged in through `router.replica.Link` by `router.fleet_links`,
+and time is passed in (`now`, `at`) except where a signal arrives (the injected `clock`).
 """
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable
-
-import zmq.asyncio
 
 from events.sequence import CaughtUp, Rebuilt
 from events.sequence import Reset as LinkReset
 from events.sequence import Signal as LinkSignal
-from events.sources import AnyBatch, EngineName, EngineSource, FrameTap, SubscriberConfig
-from events.subscriber import EngineSubscriber
+from events.sources import AnyBatch, EngineName
 from events.wire import AllBlocksCleared
 from router.admission import Admission
 from router.breaker import Breakers
 from router.config import EngineConfig, RouterConfig
-from router.fleet_state import Replica, replica_summary
 from router.ids import EngineId, RequestId
 from router.keys import KeyHasher
 from router.load import CostPrior, LoadTracker
-from router.metrics import EngineView
 from router.mirror import Mirror, MirrorConfig
 from router.model_spec import ReportMode
-from router.models import PROCESS_HASHER, Models, Prepared
 from router.pending import PendingPrefixes
+from router.prepared import Prepared
+from router.replica import Link, Replica
 from router.reports import PendingReport, apply_batch
 from router.trust import (
     Cleared,
@@ -54,30 +51,25 @@ from router.trust import (
 )
 from router.variants import Variant
 
-__all__ = ["REPORT_GRACE_S", "Fleet"]
+__all__ = ["REPORT_GRACE_S", "FleetState"]
 
 REPORT_GRACE_S = 0.0
-"""Default time a finished full-mode request's reports are still recognised (`Fleet.report_grace_s`)."""
+"""Default time a finished full-mode request's reports are still recognised (`FleetState.report_grace_s`)."""
 
 
-class Fleet:
-    """Engines, replicas, subscribers, the shared mirror, and per-replica trust, load and breakers."""
+class FleetState:
+    """Replicas, the shared mirror, and per-replica trust, load, breakers and admission (pure)."""
 
     def __init__(
         self,
         config: RouterConfig,
+        hasher: KeyHasher,
+        clock: Callable[[], float],
         mirror_config: MirrorConfig | None = None,
-        clock: Callable[[], float] = time.monotonic,
-        *,
-        models: Models | None = None,
-        hasher: KeyHasher | None = None,
-        context: zmq.asyncio.Context | None = None,
-        subscriber_config: SubscriberConfig | None = None,
     ) -> None:
         self.config = config
         self.clock = clock
-        self.models = models or Models(config, hasher or PROCESS_HASHER)
-        self.mirror = Mirror(mirror_config, self.models.hasher)
+        self.mirror = Mirror(mirror_config, hasher)
         policy = config.policy
         prior = CostPrior(
             policy.prior_overhead_s, policy.prior_per_token_s, policy.prior_weight, policy.forgetting
@@ -88,83 +80,53 @@ class Fleet:
         self._first_keys: dict[RequestId, tuple[int, int]] = {}  # sent, not answered yet
         self._answered_keys: dict[RequestId, tuple[int, int]] = {}
         self.breakers = Breakers(config.breaker.failure_threshold, config.breaker.open_s)
-        lim = config.limits
+        limits = config.limits
         self.admission = Admission(
-            lim.max_in_flight_total, lim.max_in_flight_per_engine, lim.overload_status, lim.retry_after_s
-        )
-        self._context = context
-        self._sub_config = subscriber_config or SubscriberConfig()
+            limits.max_in_flight_total, limits.max_in_flight_per_engine, limits.overload_status,
+            limits.retry_after_s,
+        )  # fmt: skip
         self._engines: dict[str, EngineConfig] = {}
         self._replicas: dict[EngineId, Replica] = {}
-        self._taps: list[FrameTap] = []
         self.report_grace_s = REPORT_GRACE_S
-        self._started = False
 
-    # -- lifecycle -----------------------------------------------------------------------------
+    # -- the engine set ------------------------------------------------------------------------
 
-    async def start(self) -> None:
-        """Register the configured engines and start their subscribers."""
-        self._started = True
-        for engine in self.config.engines:
-            if engine.name not in self._engines:
-                await self.add_engine(engine)
-
-    async def close(self) -> None:
-        """Stop every subscriber (the mirror keeps its state)."""
-        for rep in self._replicas.values():
-            if rep.subscriber is not None:
-                await rep.subscriber.close()
-                rep.subscriber = None
-        self._started = False
-
-    async def add_engine(self, engine: EngineConfig) -> None:
-        """Add an engine at run time (admin API, discovery); ValueError if the name is taken."""
+    def add_engine(self, engine: EngineConfig, variant: Variant, now: float) -> list[EngineId]:
+        """Register an engine's replicas (one per DP rank) under `variant`; ValueError if the name is
+        taken. A replica with a replay endpoint starts in "replay in flight" (the start-up replay)."""
         if engine.name in self._engines:
             raise ValueError(f"engine {engine.name!r} is already in the fleet")
-        variant = self.models.learn(engine)
         self._engines[engine.name] = engine
         ranks = max(1, len(engine.events))
+        added = []
         for rank in range(ranks):
             rid = EngineId(engine.name if ranks == 1 else f"{engine.name}/dp{rank}")
-            self._add_replica(rid, engine, rank, variant)
+            self.mirror.add_engine(rid, variant.spec, ReportMode(engine.report_mode))
+            rep = Replica(rid, engine, rank, variant, TrustTracker(self.config.policy.trust_silence_s))
+            self._replicas[rid] = rep
+            if self.config.policy.shared_cost_model:
+                self.load.share_cost(rid, engine.model)
+            if engine.events and replay_endpoint(rep) is not None:
+                rep.observe(ReplayStarted(now))
+                rep.replaying = True
+            added.append(rid)
+        return added
 
-    def _add_replica(self, rid: EngineId, engine: EngineConfig, rank: int, variant: Variant) -> None:
-        self.mirror.add_engine(rid, variant.spec, ReportMode(engine.report_mode))
-        rep = Replica(rid, engine, rank, variant, TrustTracker(self.config.policy.trust_silence_s))
-        self._replicas[rid] = rep
-        if self.config.policy.shared_cost_model:
-            self.load.share_cost(rid, engine.model)
-        if not engine.events:
-            return
-        replay = engine.replay[rank] if engine.replay else None
-        source = EngineSource(name=rid, endpoint=engine.events[rank], replay_endpoint=replay)
-        rep.subscriber = EngineSubscriber(
-            source, self, self._sub_config, context=self._context, tap=self._tap
-        )
-        if replay is not None:
-            rep.observe(ReplayStarted(self.clock()))  # the start-up replay from seq 0
-            rep.replaying = True
-        rep.subscriber.start()
-
-    async def remove_engine(self, name: str) -> None:
-        """Remove an engine and everything known about its replicas; KeyError if unknown."""
+    def remove_engine(self, name: str) -> list[EngineId]:
+        """Forget an engine and everything known about its replicas; returns them; KeyError if unknown."""
         engine = self._engines.pop(name)
-        for rid in [r.id for r in self._replicas.values() if r.engine is engine]:
-            rep = self._replicas.pop(rid)
-            if rep.subscriber is not None:
-                await rep.subscriber.close()
+        removed = [r.id for r in self._replicas.values() if r.engine is engine]
+        for rid in removed:
+            del self._replicas[rid]
             self.mirror.drop_engine(rid)
             self.pending.drop(rid)
             self.load.drop(rid)
             self.breakers.drop(rid)
+        return removed
 
-    def on_frame(self, tap: FrameTap) -> None:
-        """Call `tap` with every frame any subscriber receives (for recordings)."""
-        self._taps.append(tap)
-
-    def _tap(self, name: EngineName, frame: object, now: float) -> None:
-        for tap in self._taps:
-            tap(name, frame, now)  # type: ignore[arg-type]
+    def attach(self, replica: EngineId, link: Link | None) -> None:
+        """Plug the replica's running link in (None: it stopped)."""
+        self._replicas[replica].link = link
 
     # -- queries -------------------------------------------------------------------------------
 
@@ -187,62 +149,18 @@ class Fleet:
 
     def trust(self, replica: EngineId, now: float) -> TrustStatus:
         """The replica's mirror trust at `now` (never trusted without event endpoints)."""
-        rep = self._replicas[replica]
-        return rep.status(now, self.mirror)
+        return self._replicas[replica].status(now, self.mirror)
 
     def ready(self, now: float) -> bool:
-        """True when at least one replica has a FRESH mirror and a breaker that admits requests."""
+        """True when at least one linked replica has a FRESH mirror and a breaker that admits requests."""
         return any(
-            rep.subscriber is not None
+            rep.link is not None
             and self.breakers.get(rid).available(now)
             and rep.status(now, self.mirror).trusted
             for rid, rep in self._replicas.items()
         )
 
-    def views(self) -> list[EngineView]:
-        """Per-replica figures for the metrics collector."""
-        now = self.clock()
-        for rep in self._replicas.values():
-            rep.poll(now)
-        return [self._view(rid, rep, now) for rid, rep in self._replicas.items()]
-
-    def _view(self, rid: EngineId, rep: Replica, now: float) -> EngineView:
-        load = self.load.snapshot(rid, now)
-        return EngineView(
-            engine=rid,
-            trust=rep.status(now, self.mirror).state.value,
-            link=rep.subscriber.stats() if rep.subscriber is not None else None,
-            mirror_blocks=rep.blocks(self.mirror),
-            in_flight=load.in_flight,
-            rejected_events=rep.rejected_events(self.mirror),
-            other_media_blocks=rep.other_media_blocks(self.mirror),
-            model=rep.variant.model,
-            breaker=self.breakers.get(rid).state.value,
-            queued_prefill_tokens=load.queued_prefill_tokens,
-            prefill_overhead_s=load.overhead_s,
-            prefill_token_s=load.per_token_s,
-        )
-
-    def index_summary(self) -> dict[str, object]:
-        """The mirror per replica (blocks per group, stats, trust, flags) and its memory estimate."""
-        now = self.clock()
-        index_bytes = self.mirror_bytes()
-        return {
-            "keys": len(self.mirror.index),
-            "engine_hashes": len(self.mirror.ehash_to_key),
-            "bytes_estimate": index_bytes,
-            "stats": self.mirror.stats,
-            "replicas": {rid: replica_summary(rep, self.mirror, now) for rid, rep in self._replicas.items()},
-        }
-
-    def mirror_bytes(self) -> int:
-        """A rough size of the shared index and the other media's counts: dict slots plus the int
-        objects they hold (~100 B per key or hash)."""
-        per_entry = 8 * 3 + 32 + 32  # hash table slot (hash, key, value) + two int objects
-        entries = len(self.mirror.index) + len(self.mirror.ehash_to_key) + self.mirror.other_media_hashes
-        return per_entry * entries
-
-    # -- gateway hooks -------------------------------------------------------------------------
+    # -- request hooks (the gateway's flights) -------------------------------------------------
 
     def request_sent(self, replica: EngineId, request: RequestId, prepared: Prepared, at: float) -> None:
         """The gateway sent `request` to `replica`: expect its stores, and in full mode its reports
@@ -277,7 +195,7 @@ class Fleet:
         first = self._answered_keys.pop(request, None)
         if rep is not None and first is not None and rep.check_stored(self.mirror, *first, at):
             # Missed events (a restart the link has not seen?) or other keys: a verified link tells.
-            if rep.subscriber is not None and rep.subscriber.verify():
+            if rep.link is not None and rep.link.verify():
                 rep.verifying = True  # judged at CaughtUp, unless the replay finds a restart
             else:
                 rep.judge(self.mirror, at, link_verified=False)
@@ -286,7 +204,7 @@ class Fleet:
             rep.finished[request] = at + grace
             rep.expire_pending(at)
 
-    # -- subscriber consumer -------------------------------------------------------------------
+    # -- the subscribers' consumer -------------------------------------------------------------
 
     def on_batch(self, engine: EngineName, seq: int, batch: AnyBatch) -> None:
         """A delivered batch: apply it to the replica's view, then update trust from it."""
@@ -319,14 +237,10 @@ class Fleet:
             case LinkReset(reason="restart"):
                 self._reset(rep)
                 rep.observe(Reset(now))
-                if rep.subscriber is not None and rep.subscriber.source.replay_endpoint is not None:
-                    rep.observe(ReplayStarted(now))
-                    rep.replaying = True
+                self._replay_started(rep, now)
             case LinkReset(reason="resync"):
                 self._reset(rep)  # stays STALE (EventsRejected) until Rebuilt
-                if rep.subscriber is not None and rep.subscriber.source.replay_endpoint is not None:
-                    rep.observe(ReplayStarted(now))
-                    rep.replaying = True
+                self._replay_started(rep, now)
             case LinkReset():
                 self._reset(rep)
                 rep.observe(HistoryLost(now))
@@ -338,6 +252,11 @@ class Fleet:
             case Rebuilt():
                 rep.observe(Cleared(now))
 
+    def _replay_started(self, rep: Replica, now: float) -> None:
+        if rep.link is not None and replay_endpoint(rep) is not None:
+            rep.observe(ReplayStarted(now))
+            rep.replaying = True
+
     def _reset(self, rep: Replica) -> None:
         self.mirror.reset_engine(rep.id)
         self.pending.drop(rep.id)
@@ -347,3 +266,8 @@ class Fleet:
         rep.reported_flags.clear()
         rep.forget_misses()
         rep.resets += 1
+
+
+def replay_endpoint(rep: Replica) -> str | None:
+    """The replica's replay endpoint (None: the engine has none)."""
+    return rep.engine.replay[rep.rank] if rep.engine.replay else None

@@ -15,11 +15,11 @@ import msgspec
 
 from router.debug import DecisionEntry
 from router.errors import RouterError
-from router.fleet import Fleet
+from router.fleet import FleetState
 from router.ids import EngineId, RequestId
-from router.models import Prepared
+from router.prepared import Prepared
 from router.refusal import refusal
-from router.routing import RoutingCore
+from router.routing import Routed, RoutingCore
 from router.scoring import Decision, RouteRequest
 from router.upstream import ProxyRequest, Target
 
@@ -36,7 +36,7 @@ class Flight:
 
     def __init__(
         self,
-        fleet: Fleet,
+        fleet: FleetState,
         core: RoutingCore,
         request: ProxyRequest,
         entry: DecisionEntry,
@@ -56,12 +56,12 @@ class Flight:
         self._admitted = False
         self._finished = False
 
-    def decide(self, prepared: Prepared, now: float) -> Decision:
+    def decide(self, prepared: Prepared, now: float) -> Routed:
         """The first decision (attempt 0), recorded in the entry and told to the sink."""
         self.prepared = prepared
-        decision = self.core.decide(prepared, self.route, now)
-        self._note(decision)
-        return decision
+        routed = self.core.route(prepared, self.route, now)
+        self._note(routed.decision)
+        return routed
 
     def choose(self, tried: frozenset[EngineId]) -> Target | None:
         """The proxy's chooser: the next replica to try, or None when no eligible one is left.

@@ -36,11 +36,13 @@ from router.config import RouterConfig
 from router.debug import DecisionEntry, DecisionRing, Explanation, PreparedView
 from router.decision_peers import DecisionPeers
 from router.errors import BadRequest, RequestTimeout, RouterError
-from router.fleet import Fleet
+from router.fleet import FleetState
+from router.fleet_links import FleetLinks
 from router.flight import Flight
 from router.headers import forwarded_headers
 from router.metrics import RouterMetrics
-from router.models import Models, Prepared, UnknownModel
+from router.models import Models, UnknownModel
+from router.prepared import Prepared
 from router.proxy import Proxy
 from router.record import GatewayRecorder
 from router.relay import RelayResponse
@@ -62,7 +64,8 @@ class GatewayParts:
     """Everything the request path uses, built and owned by `router.serve.Service`."""
 
     config: RouterConfig
-    fleet: Fleet
+    fleet: FleetState
+    links: FleetLinks
     models: Models
     core: RoutingCore
     proxy: Proxy
@@ -222,8 +225,8 @@ class Gateway:
         if parts.recorder is not None:
             parts.recorder.request(rid, endpoint.value, prepared.model, request.headers, body)
             flight.on_decision = parts.recorder.decision
-        flight.decide(prepared, parts.fleet.clock())
-        entry.timings_s = dict(prepared.timings)
+        routed = flight.decide(prepared, parts.fleet.clock())
+        entry.timings_s = {**prepared.timings, **routed.timings}
         forwarding = time.perf_counter()
         try:
             upstream = await parts.proxy.forward(proxied, flight.choose)
@@ -235,7 +238,7 @@ class Gateway:
         for attempt in upstream.attempts[:-1]:  # each earlier attempt was moved to another engine
             reason = attempt.outcome.value if attempt.status == 0 else f"http_{attempt.status}"
             parts.metrics.retries.labels(reason).inc()
-        own = sum(prepared.timings.get(stage, 0.0) for stage in _STAGES)
+        own = sum(entry.timings_s.get(stage, 0.0) for stage in _STAGES)  # before forwarding
         pre_forward = max(0.0, forwarding - arrived - own)
         return self._relay(upstream, flight, entry, (arrived, pre_forward), note_of(request.scope))
 
@@ -320,5 +323,5 @@ class Gateway:
         """What routing would decide for `body` now, without sending it (for `POST /debug/route`)."""
         prepared = await self.prepare(body, endpoint)
         route = RouteRequest(key=prepared.session_key, session=session)
-        decision = self.parts.core.decide(prepared, route, self.parts.fleet.clock())
-        return Explanation(view_of(prepared), decision, dict(prepared.timings))
+        routed = self.parts.core.route(prepared, route, self.parts.fleet.clock())
+        return Explanation(view_of(prepared), routed.decision, {**prepared.timings, **routed.timings})

@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import msgspec
 
@@ -24,6 +25,7 @@ from router.config import EngineConfig, ModelConfig, RouterConfig
 from router.errors import BadRequest, ModelNotFound, RouterError
 from router.key_cache import PrefixKeyCache
 from router.keys import KeyHasher
+from router.prepared import Prepared, VariantKeys
 from router.request_keys import session_key, spec_keys
 from router.variants import DEFAULT_MODEL, Variant, VariantId, engine_model, model_configs, resolve_variant
 
@@ -31,37 +33,6 @@ __all__ = ["PROCESS_HASHER", "Models", "Prepared", "UnknownModel", "VariantKeys"
 
 PROCESS_HASHER = KeyHasher()
 """The default hasher of both `Models` and the fleet's mirror, so their keys agree."""
-
-
-class VariantKeys(msgspec.Struct, frozen=True):
-    """A request's prompt length and block keys under one variant."""
-
-    num_tokens: int
-    keys: list[int]
-
-
-class Prepared(msgspec.Struct, kw_only=True):
-    """What routing needs of one request, computed once (see the router contract)."""
-
-    model: str
-    endpoint: Endpoint
-    stream: bool
-    prompt_tokens: int
-    keys: list[int]
-    skip_cache: bool
-    report_mode: str
-    session_key: str
-    timings: dict[str, float]
-    variant: str = ""
-    variants: dict[str, VariantKeys] = {}
-    lora_name: str | None = None
-    cache_salt: str | None = None
-
-    def keys_for(self, variant: str) -> VariantKeys | None:
-        """The keys under `variant` (None if it was not computed: routing treats that as no hit)."""
-        if variant == self.variant:
-            return VariantKeys(self.prompt_tokens, self.keys)
-        return self.variants.get(variant)
 
 
 class UnknownModel(RequestError):
@@ -225,9 +196,7 @@ class Models:
         ids_body = msgspec.json.encode({**msgspec.structs.asdict(fields), "prompt": tokens})
         model = self.resolve(body, model_hint)
         req = decode_request(ids_body, Endpoint.COMPLETIONS)
-        prepared = self._prepare(req, Endpoint.COMPLETIONS, model, single_tokenizer=True)
-        prepared.endpoint = Endpoint(endpoint)
-        return prepared
+        return self._prepare(req, endpoint, model, single_tokenizer=True)  # ids decoded as a completion
 
     def prepare(self, body: bytes, endpoint: Endpoint | str, model_hint: str | None = None) -> Prepared:
         """Tokenize and key a request body; RequestError (a 400 naming the field) on bad input."""
@@ -270,9 +239,9 @@ class Models:
             skip_cache=first.skip_cache,
             report_mode=first.report_mode.value,
             session_key=session_key(first.tokens, first.extras, first.packed),
-            timings={"tokenize": tokenize, "hash": hashing},
+            timings=MappingProxyType({"tokenize": tokenize, "hash": hashing}),
             variant=model,
-            variants=computed,
+            variants=MappingProxyType(computed),
             lora_name=first.extras.lora_name,
             cache_salt=first.extras.cache_salt,
         )

@@ -3,38 +3,40 @@
 For every replica serving the request's model, the mirror predicts `(hit, boundary)` in one lookup
 per variant (usually one: every replica of a model shares its keys), each replica becomes a
 `Candidate` with its trust, load, breaker and admission state, and the scorer chooses. Lookup and
-scoring times are added to `prepared.timings` next to tokenization and hashing.
+scoring times come back beside the decision (`Routed.timings`); `Prepared` is never changed.
+Depends only on the fleet's pure state: no sockets, no tokenizer; the clock is passed in.
 """
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 
-from router.fleet import Fleet
+import msgspec
+
+from router.fleet import FleetState
 from router.ids import EngineId
 from router.lookup import LookupRequest, LookupResult, ReplicaId, lookup
-from router.models import Models, Prepared
+from router.prepared import Prepared
 from router.scoring import Candidate, Decision, RouteRequest, Scorer
 
-__all__ = ["RoutingCore"]
+__all__ = ["Routed", "RoutingCore"]
 
 _NO_HIT = LookupResult(0, 0, (), 0)
+
+
+class Routed(msgspec.Struct, frozen=True):
+    """A decision and the seconds its stages took (`lookup`, `score`)."""
+
+    decision: Decision
+    timings: Mapping[str, float]
 
 
 class RoutingCore:
     """Looks up, builds candidates and scores; the gateway carries the decision out."""
 
-    def __init__(
-        self, fleet: Fleet, models: Models, scorer: Scorer, clock: Callable[[], float] = time.perf_counter
-    ) -> None:
-        if models.hasher is not fleet.mirror.hasher:
-            raise ValueError("Models and the fleet's mirror must share one KeyHasher")
-        self.fleet, self.models, self.scorer = fleet, models, scorer
-        self._clock = clock
-        for engine in fleet.engines():
-            models.learn(engine)
-        fleet.models = models
+    def __init__(self, fleet: FleetState, scorer: Scorer, clock: Callable[[], float]) -> None:
+        self.fleet, self.scorer = fleet, scorer
+        self._clock = clock  # for the stage timings only (a performance counter)
 
     def predict(self, prepared: Prepared) -> dict[EngineId, tuple[LookupResult, int]]:
         """Per replica of the model: the lookup result and the prompt length under its variant."""
@@ -55,6 +57,10 @@ class RoutingCore:
 
     def decide(self, prepared: Prepared, route: RouteRequest, now: float) -> Decision:
         """Choose a replica for `prepared`; `route.excluded` lists replicas already tried."""
+        return self.route(prepared, route, now).decision
+
+    def route(self, prepared: Prepared, route: RouteRequest, now: float) -> Routed:
+        """`decide`, with the time its lookup and scoring took."""
         t0 = self._clock()
         predicted = self.predict(prepared)
         t1 = self._clock()
@@ -62,9 +68,7 @@ class RoutingCore:
             self._candidate(rid, result, n, prepared, now) for rid, (result, n) in predicted.items()
         ]
         decision = self.scorer.choose(route, candidates)
-        prepared.timings["lookup"] = t1 - t0
-        prepared.timings["score"] = self._clock() - t1
-        return decision
+        return Routed(decision, {"lookup": t1 - t0, "score": self._clock() - t1})
 
     def pending_tokens(self, rid: EngineId, prepared: Prepared, now: float) -> int:
         """Tokens of `prepared` that requests just routed to `rid` will have cached (see router.pending)."""

@@ -1,7 +1,9 @@
 """The gateway's lifecycle: start and stop its parts in named phases, each under a timeout.
 
 Start: embedded stubs (only when no engine is configured or discovered; their engines then join the
-config), recorder, fleet (subscribers and mirror), proxy session, discovery. Stop, in reverse:
+config), recorder, fleet (its pure state, then the subscribers feeding it), proxy session, discovery.
+`_start` reads as the pipeline: engines -> subscribers (`FleetLinks`) -> state (`FleetState`: mirror,
+trust, load) -> routing (`RoutingCore`) -> proxy. Stop, in reverse:
 discovery, proxy, fleet, embedded stubs, recorder. A phase that fails or times out stops what was
 started before it and raises `StartupError` naming the phase; a stop phase that fails is logged and
 the next one still runs.
@@ -13,6 +15,7 @@ import asyncio
 import logging
 import time
 from collections.abc import Awaitable, Mapping
+from functools import partial
 from pathlib import Path
 
 import msgspec
@@ -24,9 +27,12 @@ from router.debug import DecisionRing
 from router.decision_peers import DecisionPeers
 from router.discovery import DnsDiscovery
 from router.embedded import EmbeddedStubs
-from router.fleet import Fleet
+from router.fleet import FleetState
+from router.fleet_links import FleetLinks
+from router.fleet_views import engine_views
 from router.gateway import GatewayParts
 from router.metrics import RouterMetrics
+from router.models import Models
 from router.proxy import Proxy, ProxySettings
 from router.record import GatewayRecorder
 from router.routing import RoutingCore
@@ -92,7 +98,7 @@ class Service:
         self.recorder: GatewayRecorder | None = None
         self.discovery: DnsDiscovery | None = None
         self._sync_task: asyncio.Task[None] | None = None
-        self._fleet: Fleet | None = None
+        self._links: FleetLinks | None = None
         self._proxy: Proxy | None = None
         self.peers: DecisionPeers | None = None
 
@@ -127,24 +133,26 @@ class Service:
             self.recorder = GatewayRecorder.create(
                 opts.record, self._metadata(), config.policy.session_header, config
             )
-        fleet = self._fleet = Fleet(config)
+        models = Models(config)  # request -> tokens -> block keys, under the mirror's hasher
+        state = FleetState(config, models.hasher, time.monotonic)  # mirror, trust, load, admission
+        links = self._links = FleetLinks(state, models)  # engines -> subscribers -> state
         if self.recorder is not None:
-            fleet.on_frame(self.recorder.tap)
+            links.on_frame(self.recorder.tap)
             self._sync_task = asyncio.create_task(self._sync_forever(), name="recording-sync")
-        await self._phase("fleet", fleet.start(), opts.phase_timeout_s)
-        proxy = self._proxy = Proxy(ProxySettings.from_config(config), fleet.breakers, fleet.clock)
+        await self._phase("fleet", links.start(), opts.phase_timeout_s)
+        core = RoutingCore(state, Scorer(scorer_settings(config)), time.perf_counter)  # state -> decision
+        proxy = self._proxy = Proxy(ProxySettings.from_config(config), state.breakers, state.clock)
         await self._phase("proxy session", proxy.start(), opts.phase_timeout_s)
         if config.discovery.dns_name is not None:
             self.discovery = DnsDiscovery(config.discovery, self._on_discovery)
             self.discovery.start()
-        metrics = RouterMetrics(fleet.views, time.time, fleet.models.key_cache)  # the links' clock
-        core = RoutingCore(fleet, fleet.models, Scorer(scorer_settings(config)))
+        metrics = RouterMetrics(partial(engine_views, state), time.time, models.key_cache)  # links' clock
         ring = DecisionRing(opts.decision_ring)
         if opts.peers_dir is not None:
             self.peers = DecisionPeers(opts.peers_dir, ring)
             await self._phase("decision peers", self.peers.start(), opts.phase_timeout_s)
         self.parts = GatewayParts(
-            config, fleet, fleet.models, core, proxy, metrics, self.guard, ring, self.recorder, self.peers,
+            config, state, links, models, core, proxy, metrics, self.guard, ring, self.recorder, self.peers,
         )  # fmt: skip
         return self.parts
 
@@ -158,8 +166,8 @@ class Service:
         return {"engines": engines, "policy": self.config.policy.name}
 
     async def _on_discovery(self, added: dict[str, EngineConfig], removed: set[str]) -> None:
-        if self._fleet is not None:
-            await apply_discovery(self._fleet, added, removed)
+        if self._links is not None:
+            await apply_discovery(self._links, added, removed)
 
     async def _sync_forever(self) -> None:
         while self.recorder is not None:
@@ -175,8 +183,8 @@ class Service:
             await self._stop_phase("discovery", self.discovery.close(), timeout)
         if self._proxy is not None:
             await self._stop_phase("proxy session", self._proxy.close(), timeout)
-        if self._fleet is not None:
-            await self._stop_phase("fleet", self._fleet.close(), timeout)
+        if self._links is not None:
+            await self._stop_phase("fleet", self._links.close(), timeout)
         if self.embedded is not None:
             await self._stop_phase("embedded stubs", self.embedded.stop(), timeout)
         if self._sync_task is not None:
@@ -184,7 +192,7 @@ class Service:
             await asyncio.gather(self._sync_task, return_exceptions=True)
         if self.recorder is not None:
             self.recorder.close()
-        self.discovery = self._proxy = self._fleet = self.embedded = self.recorder = self.peers = None
+        self.discovery = self._proxy = self._links = self.embedded = self.recorder = self.peers = None
         self._sync_task, self.parts = None, None
 
     async def _stop_phase(self, name: str, work: Awaitable[object], timeout_s: float) -> None:

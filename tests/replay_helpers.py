@@ -60,7 +60,7 @@ async def _fault(stub: StubServer, body: dict[str, object]) -> None:
 async def _forced_gap(gw: Gateway, stubs: dict[str, StubServer]) -> None:
     """Engine e0 publishes batches the gateway never receives live; the next one reveals the gap."""
     stub = stubs["e0"]
-    replays = gw.parts.fleet.replica(EngineId("e0")).subscriber
+    replays = gw.parts.fleet.replica(EngineId("e0")).link
     assert replays is not None
     before = replays.stats().replays
     await _fault(stub, {"drop_probability": 1.0})

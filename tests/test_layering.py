@@ -59,6 +59,10 @@ PURE = [
     "router/event_keys.py",
     "router/sparse_keys.py",
     "router/store_keys.py",
+    "router/fleet.py",
+    "router/replica.py",
+    "router/prepared.py",
+    "router/routing.py",
     "kvrouter/loadtest/workload.py",
     "kvrouter/loadtest/results.py",
 ]
@@ -97,3 +101,60 @@ def test_imports_flow_one_way(package: str) -> None:
 
 def test_the_pure_list_names_the_core_that_exists() -> None:
     assert sum((ROOT / p).exists() for p in PURE) >= 3
+
+
+# -- transitive: the fleet's pure state and the routing core ----------------------------------
+
+TRANSITIVE_IO = {"asyncio", "zmq", "aiohttp", "starlette", "uvicorn", "socket"}
+REPO_PACKAGES = {"events", "router", "engine_stub", "kvrouter"}
+PURE_ROOTS = ["router.fleet", "router.replica", "router.routing", "router.prepared"]
+
+
+def module_path(module: str) -> Path | None:
+    """The file of a repository module (`a.b` -> a/b.py or a/b/__init__.py), None if outside the repo."""
+    base = ROOT.joinpath(*module.split("."))
+    for candidate in (base.with_suffix(".py"), base / "__init__.py"):
+        if candidate.is_file():
+            return candidate
+    return None
+
+
+def imported_modules(path: Path) -> set[str]:
+    """Full names of every module `path` imports (`from a import b` counts `a` and `a.b`)."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    names: set[str] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def transitive_roots(module: str) -> dict[str, str]:
+    """Every top-level module `module` reaches through the repository's own modules, mapped to the
+    repository module that imports it first (for the failure message)."""
+    seen: set[str] = set()
+    reached: dict[str, str] = {}
+    todo = [module]
+    while todo:
+        name = todo.pop()
+        path = module_path(name)
+        if name in seen or path is None:
+            continue
+        seen.add(name)
+        for imported in imported_modules(path):
+            root = imported.split(".")[0]
+            reached.setdefault(root, name)
+            if root in REPO_PACKAGES:
+                parts = imported.split(".")
+                todo.extend(".".join(parts[:i]) for i in range(1, len(parts) + 1))
+    return reached
+
+
+@pytest.mark.parametrize("module", PURE_ROOTS)
+def test_fleet_state_and_routing_reach_no_io_transitively(module: str) -> None:
+    assert module_path(module) is not None, f"{module} does not exist"
+    reached = transitive_roots(module)
+    assert {root: reached[root] for root in reached.keys() & TRANSITIVE_IO} == {}

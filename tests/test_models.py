@@ -181,3 +181,12 @@ def test_session_key_is_stable_across_instances_and_changes_with_the_prompt() ->
     )
     c = models().prepare(body(COMPLETION, prompt="something else entirely"), Endpoint.COMPLETIONS)
     assert a.session_key == b.session_key != c.session_key
+
+
+def test_a_prepared_request_cannot_be_changed_after_it_is_built() -> None:
+    prepared = models().prepare(body(COMPLETION), Endpoint.COMPLETIONS)
+    with pytest.raises(AttributeError):
+        prepared.endpoint = Endpoint.CHAT  # type: ignore[misc]
+    with pytest.raises(TypeError):
+        prepared.timings["lookup"] = 0.0  # type: ignore[index]
+    assert set(prepared.timings) == {"tokenize", "hash"}

@@ -16,6 +16,7 @@ announced to the fleet as a gateway would.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import Callable
 
 import msgspec
@@ -34,7 +35,8 @@ from events.publisher import EventPublisher
 from events.sources import SubscriberConfig
 from events.wire import KVEventBatch
 from router.config import EngineConfig, GroupConfig, ModelConfig, RouterConfig
-from router.fleet import Fleet
+from router.fleet import FleetState
+from router.fleet_links import FleetLinks
 from router.ids import EngineId, RequestId
 from router.models import Models
 from router.routing import RoutingCore
@@ -155,8 +157,16 @@ async def wait_for(predicate: Callable[[], bool], what: str, timeout: float = 10
 class Harness:
     """The stub scheduler on one side of the wire, the fleet and routing core on the other."""
 
-    def __init__(self, sched: Scheduler, publisher: EventPublisher, fleet: Fleet, core: RoutingCore) -> None:
+    def __init__(
+        self,
+        sched: Scheduler,
+        publisher: EventPublisher,
+        fleet: FleetState,
+        models: Models,
+        core: RoutingCore,
+    ) -> None:
         self.sched, self.publisher, self.fleet, self.core = sched, publisher, fleet, core
+        self.models = models
         self.checked = 0
 
     async def publish(self, out: StepOutput) -> None:
@@ -177,7 +187,7 @@ class Harness:
             assert self.fleet.mirror.resident(REPLICA, 0, g) == truth.get(g, {}), f"group {g}"
 
     async def request(self, i: int, op: Op, tokens: list[int]) -> None:
-        prepared = self.core.models.prepare(op.body(tokens), Endpoint.COMPLETIONS)
+        prepared = self.models.prepare(op.body(tokens), Endpoint.COMPLETIONS)
         assert prepared.prompt_tokens == len(tokens)
         rid = self.sched.submit(tokens, op.params(), request_id=f"r{i}")
         self.fleet.request_sent(REPLICA, RequestId(rid), prepared, at=0.0)
@@ -209,12 +219,13 @@ async def run(layout: str, hashing: str, blocks: int, ops: list[Op]) -> int:
         async with EventPublisher(EPHEMERAL, host_ip="127.0.0.1", context=ctx) as publisher:
             config = router_config(layout, hashing, publisher.resolved)
             models = Models(config, loras={"m": {LORA: LORA_PATH}})
-            fleet = Fleet(config, models=models, context=ctx, subscriber_config=FAST)
-            core = RoutingCore(fleet, models, Scorer(ScorerSettings()))
-            await fleet.start()
+            fleet = FleetState(config, models.hasher, time.monotonic)
+            links = FleetLinks(fleet, models, context=ctx, subscriber_config=FAST)
+            core = RoutingCore(fleet, Scorer(ScorerSettings()), time.perf_counter)
+            await links.start()
             try:
                 await wait_for(lambda: fleet.trust(REPLICA, 0.0).trusted, "start-up replay")
-                harness = Harness(sched, publisher, fleet, core)
+                harness = Harness(sched, publisher, fleet, models, core)
                 history: list[list[int]] = []
                 for i, op in enumerate(ops):
                     tokens = op.tokens(history)
@@ -225,7 +236,7 @@ async def run(layout: str, hashing: str, blocks: int, ops: list[Op]) -> int:
                 assert (stats.remove_unknown, stats.store_unknown_parent) == (0, 0)
                 return harness.checked
             finally:
-                await fleet.close()
+                await links.close()
     finally:
         ctx.destroy(linger=0)
 

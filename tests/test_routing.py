@@ -1,11 +1,12 @@
 """RoutingCore: lookups across replicas and variants, candidates with trust, and the scorer's choice.
 
-The fleet is fed through its subscriber-consumer seam (`on_batch`/`on_signal`) with the events the
+The fleet's state is fed through its subscriber-consumer seam (`on_batch`/`on_signal`) with the events the
 engine stub's scheduler produced for the same prompts, so keys and hits are the engine's own.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from pathlib import Path
 
@@ -21,7 +22,8 @@ from events.sequence import Reset as LinkReset
 from events.sources import EngineName
 from events.wire import KVEventBatch
 from router.config import EngineConfig, ModelConfig, RouterConfig
-from router.fleet import Fleet
+from router.fleet import FleetState
+from router.fleet_links import FleetLinks
 from router.ids import EngineId, RequestId
 from router.models import Models
 from router.routing import RoutingCore
@@ -30,7 +32,17 @@ from router.trust import Gap, TrustReason, TrustState
 from tests.zmq_helpers import wait_until
 
 PROMPT = list(range(100, 140))  # 40 tokens: 10 blocks of 4
-Build = Callable[..., Awaitable[tuple[Fleet, RoutingCore]]]
+
+
+class Core(RoutingCore):
+    """The routing core beside the models that prepare its requests."""
+
+    def __init__(self, fleet: FleetState, models: Models) -> None:
+        super().__init__(fleet, Scorer(ScorerSettings()), time.perf_counter)
+        self.models = models
+
+
+Build = Callable[..., Awaitable[tuple[FleetState, Core]]]
 
 
 def engine(tmp: Path, name: str, ranks: int = 1, **kw: object) -> EngineConfig:
@@ -40,24 +52,27 @@ def engine(tmp: Path, name: str, ranks: int = 1, **kw: object) -> EngineConfig:
 
 @pytest.fixture
 async def make(tmp_path: Path) -> AsyncIterator[Build]:
-    fleets: list[Fleet] = []
+    fleets: list[FleetLinks] = []
 
-    async def build(*engines: EngineConfig) -> tuple[Fleet, RoutingCore]:
+    async def build(*engines: EngineConfig) -> tuple[FleetState, Core]:
         config = RouterConfig(engines=list(engines), models=[ModelConfig(name="m", block_size=4)])
         models = Models(config)
-        fleet = Fleet(config, models=models)
-        fleets.append(fleet)
-        await fleet.start()
+        fleet = FleetState(config, models.hasher, time.monotonic)
+        links = FleetLinks(fleet, models)
+        fleets.append(links)
+        await links.start()
         for rid in fleet.replicas():
             fleet.on_signal(EngineName(rid), CaughtUp(None))  # nothing to replay: the replicas are fresh
-        return fleet, RoutingCore(fleet, models, Scorer(ScorerSettings()))
+        return fleet, Core(fleet, models)
 
     yield build
-    for fleet in fleets:
-        await fleet.close()
+    for links in fleets:
+        await links.close()
 
 
-def serve(fleet: Fleet, rid: str, prompt: list[int], block_size: int = 4, rank: int | None = None) -> None:
+def serve(
+    fleet: FleetState, rid: str, prompt: list[int], block_size: int = 4, rank: int | None = None
+) -> None:
     """Run `prompt` to completion on a stub and feed its events to `rid` as that replica's batches."""
     cache = CacheConfig(num_gpu_blocks=64, groups=(GroupSpec(block_size=block_size),))
     sched = Scheduler(EngineCoreConfig(cache=cache))
@@ -78,7 +93,8 @@ async def test_a_request_goes_to_the_replica_holding_its_prefix(make: Build, tmp
     assert decision.engine == "b" and decision.predicted_cached_tokens == 24
     hits = {c.engine: (c.hit_tokens, c.trusted_hit_tokens, c.uncached_tokens) for c in decision.candidates}
     assert hits == {"a": (0, 0, 40), "b": (24, 24, 16)}
-    assert {"tokenize", "hash", "lookup", "score"} <= set(prepared.timings)
+    routed = core.route(prepared, RouteRequest(prepared.session_key), now=fleet.clock())
+    assert set(prepared.timings) == {"tokenize", "hash"} and set(routed.timings) == {"lookup", "score"}
     again = core.decide(
         prepared, RouteRequest(prepared.session_key, excluded=frozenset({EngineId("b")})), 0.0
     )
@@ -198,7 +214,7 @@ async def test_first_blocks_the_engine_held_unseen_mean_missed_events_not_a_toke
     assert status.reason is TrustReason.UNSEEN_BLOCKS and "never seen stored" in status.detail
 
 
-def miss_three(fleet: Fleet, core: RoutingCore, rid: EngineId) -> list[list[int]]:
+def miss_three(fleet: FleetState, core: Core, rid: EngineId) -> list[list[int]]:
     """Three requests end on `rid` without their first block reaching the mirror; their prompts."""
     prompts = [[t + 1000 * i for t in PROMPT] for i in range(3)]
     for i, prompt in enumerate(prompts):
@@ -210,10 +226,10 @@ def miss_three(fleet: Fleet, core: RoutingCore, rid: EngineId) -> list[list[int]
     return prompts
 
 
-async def replaying(make: Build, tmp: Path) -> tuple[Fleet, RoutingCore]:
+async def replaying(make: Build, tmp: Path) -> tuple[FleetState, Core]:
     """A fleet of one engine whose replay endpoint nobody serves: its start-up replay stays in flight."""
     fleet, core = await make(engine(tmp, "a", replay=[f"ipc://{tmp}/a.replay"]))
-    subscriber = fleet.replica(EngineId("a")).subscriber
+    subscriber = fleet.replica(EngineId("a")).link
     assert subscriber is not None
     await wait_until(lambda: subscriber.stats().replaying, what="the start-up replay")
     return fleet, core

@@ -209,7 +209,7 @@ class Replayer:
         return self.scorer.choose(route, candidates)
 
     def _sent(self, request_id: str, prepared: Prepared, recorded: Decision) -> None:
-        # Mirrors Fleet.request_sent for full report mode, on the engine the gateway really chose.
+        # Mirrors FleetState.request_sent for full report mode, on the engine the gateway really chose.
         if recorded.engine is None or prepared.report_mode != "full":
             return
         info = self.setup.replicas.get(recorded.engine)

@@ -3,7 +3,7 @@
 Each replica's frames go, in file order, through a `LinkReplay` (the gateway's sequence tracker with
 the replay stream inferred) and a tolerant `BatchDecoder`; delivered batches reach the shared
 `Mirror` through `router.reports.apply_batch`, resets clear the replica's view, AllBlocksCleared
-marks the link rebuilt: what `router.fleet.Fleet.on_batch`/`on_signal` do. Per replica it keeps
+marks the link rebuilt: what `router.fleet.FleetState.on_batch`/`on_signal` do. Per replica it keeps
 what `kvrouter replay` prints: seqs, resets, the mirror anomalies its batches caused, and the trust
 and load the gateway last recorded for it in a decision.
 """

@@ -4,7 +4,7 @@ The config comes, in order of preference, from the caller (`--config FILE`), fro
 header (`metadata.config`, written by `kvrouter serve --record` when it is given the config), or, for
 older recordings, from the header's engine list and policy name with every other setting at its
 default (`Setup.exact` is then False: model specs or policy weights may differ from the gateway's).
-Replicas are registered exactly as `router.fleet.Fleet` does: one per DP rank, named `name` or
+Replicas are registered exactly as `router.fleet.FleetState` does: one per DP rank, named `name` or
 `name/dpN`, each with its engine's model variant and report mode.
 """
 

@@ -1,10 +1,11 @@
-"""One replica's record in the fleet: its engine, variant, subscriber, trust tracker and link counters.
+"""One replica's record in the fleet: its engine, variant, event link, trust tracker and link counters.
 
-`Replica.poll` turns what the subscriber reports only through its counters (decode errors, a replay
-started after a gap) into trust signals, and `check_rejected` does the same for the events the
-decoder and the mirror rejected; the fleet polls on every delivered batch and every metrics
-scrape, not per decision (reading the counters costs ~10 us). `Replica.status` folds in the layout
-flags the mirror raised.
+Pure: the link is seen only through the `Link` protocol (the I/O shell, `router.fleet_links`, plugs
+an `EngineSubscriber` in). `Replica.poll` turns what the link reports only through its counters
+(decode errors, a replay started after a gap) into trust signals, and `check_rejected` does the
+same for the events the decoder and the mirror rejected; the fleet state polls on every delivered
+batch and every metrics scrape, not per decision (reading the counters costs ~10 us).
+`Replica.status` folds in the layout flags the mirror raised.
 """
 
 from __future__ import annotations
@@ -12,9 +13,9 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Final
+from typing import Final, Protocol
 
-from events.subscriber import EngineSubscriber
+from events.sources import EngineStats
 from events.wire import BlockStored, LazyBlockStored
 from router.config import EngineConfig
 from router.ids import EngineId, RequestId
@@ -38,7 +39,7 @@ from router.trust import (
 )
 from router.variants import Variant
 
-__all__ = ["LAYOUT_FLAGS", "Replica", "replica_summary"]
+__all__ = ["LAYOUT_FLAGS", "Link", "Replica"]
 
 log = logging.getLogger(__name__)
 
@@ -47,6 +48,18 @@ LAYOUT_FLAGS: Final = frozenset({"kind_mismatch", "window_mismatch", "unknown_gr
 _NO_EVENTS: Final = "no KV event endpoint configured: the mirror is empty and hits are never trusted"
 MISMATCH_AFTER: Final = 3
 """Consecutive ended requests whose first block never appeared before a cause is declared."""
+
+
+class Link(Protocol):
+    """What the fleet state reads of, and asks of, one replica's KV-event link (an `EngineSubscriber`)."""
+
+    def stats(self) -> EngineStats:
+        """The link's counters now."""
+        ...
+
+    def verify(self) -> bool:
+        """Ask for a replay that confirms the link; True when one will end in CaughtUp or a Reset."""
+        ...
 
 
 @dataclass
@@ -58,7 +71,8 @@ class Replica:
     rank: int
     variant: Variant
     tracker: TrustTracker
-    subscriber: EngineSubscriber | None = None
+    link: Link | None = None
+    """Set while a subscriber runs for this replica (never without event endpoints)."""
     pending: dict[RequestId, PendingReport] = field(default_factory=dict)
     finished: dict[RequestId, float] = field(default_factory=dict)
     replaying: bool = False
@@ -109,10 +123,10 @@ class Replica:
             self.pending.pop(request, None)
 
     def poll(self, now: float) -> None:
-        """Turn the subscriber's counters into signals: new decode errors, a replay after a gap."""
-        if self.subscriber is None:
+        """Turn the link's counters into signals: new decode errors, a replay after a gap."""
+        if self.link is None:
             return
-        stats = self.subscriber.stats()
+        stats = self.link.stats()
         self._link_rejected = stats.rejected_events
         if stats.decode_errors > self.decode_errors:
             n, self.decode_errors = stats.decode_errors - self.decode_errors, stats.decode_errors
@@ -138,7 +152,7 @@ class Replica:
 
     def rejected_events(self, mirror: Mirror) -> dict[str, int]:
         """Events rejected so far, by reason: by the decoder (subscriber) and by the mirror."""
-        out = dict(self.subscriber.stats().rejected_events) if self.subscriber is not None else {}
+        out = dict(self.link.stats().rejected_events) if self.link is not None else {}
         view = mirror.replica(self.id)
         for reason, n in (view.rejected if view is not None else {}).items():
             out[reason] = out.get(reason, 0) + n
@@ -254,47 +268,6 @@ class Replica:
         if view is None:
             return 0
         return sum(g.n_keys + sum(g.extra.values()) for g in view.groups)
-
-
-def replica_summary(rep: Replica, mirror: Mirror, now: float) -> dict[str, object]:
-    """What GET /debug/index shows of one replica (msgspec-encodable)."""
-    view = mirror.replica(rep.id)
-    groups = []
-    for g in view.groups if view is not None else []:
-        groups.append(
-            {
-                "kind": g.spec.kind,
-                "block_size": g.spec.block_size,
-                "unique_blocks": g.n_keys,
-                "extra_copies": sum(g.extra.values()),
-                "seen_kind": g.seen_kind,
-                "seen_block_size": g.seen_block_size,
-            }
-        )
-    unique = sum(g.n_keys for g in view.groups) if view is not None else 0
-    extra_entries = sum(len(g.extra) for g in view.groups) if view is not None else 0
-    other_media = rep.other_media_blocks(mirror)
-    return {
-        "engine": rep.engine.name,
-        "rank": rep.rank,
-        "url": rep.engine.url,
-        "model": rep.variant.model,
-        "variant": rep.variant.id,
-        "groups": groups,
-        "trust": rep.status(now, mirror),
-        "flags": sorted(view.flags) if view is not None else [],
-        "link": rep.subscriber.stats() if rep.subscriber is not None else None,
-        "last_seq": rep.last_seq,
-        "batches_applied": rep.applied,
-        "full_reports_recognised": rep.reports,
-        "resets": rep.resets,
-        "pending_full_requests": len(rep.pending),
-        "other_media_blocks": other_media,
-        "rejected_events": rep.rejected_events(mirror),
-        # one bit of a shared mask per key (~8 B amortised) plus ~100 B per duplicate-count entry
-        # and per other-media hash
-        "bytes_estimate": 8 * unique + 100 * (extra_entries + sum(other_media.values())),
-    }
 
 
 def _rejected_detail(n: int, by_reason: Mapping[str, int]) -> str:
