@@ -4,7 +4,8 @@ Restated from `vllm-kv-events.md` §5.3-5.6 (checked against semantics doc §8.1
 right, optional in-block probe with partial hits, EAGLE drop), sliding window (right to left, a run of
 `need` blocks, aligned right edges), chunked local (blocks before the current chunk are free) and
 Mamba (the last state that fits). `H` is the request's keys at hash-block granularity `hb`; every
-finder returns a hit in tokens.
+finder returns a hit in tokens. `router.group_kinds` picks the finder of each group kind. The engine
+stub's `engine_stub.kv_groups` restates the same rules independently, on purpose (it is the ground truth).
 """
 
 from __future__ import annotations

@@ -21,9 +21,8 @@ from collections.abc import Callable
 
 import zmq.asyncio
 
-from events.sequence import CaughtUp, Rebuilt
-from events.sequence import Reset as LinkReset
-from events.sequence import Signal as LinkSignal
+from events.request_tokens import ReportMode
+from events.sequence import CaughtUp, Rebuilt, Reset, Signal
 from events.sources import AnyBatch, EngineName, EngineSource, FrameTap, SubscriberConfig
 from events.subscriber import EngineSubscriber
 from events.wire import AllBlocksCleared
@@ -36,19 +35,18 @@ from router.keys import KeyHasher
 from router.load import CostPrior, LoadTracker
 from router.metrics import EngineView
 from router.mirror import Mirror, MirrorConfig
-from router.model_spec import ReportMode
 from router.models import PROCESS_HASHER, Models, Prepared
 from router.pending import PendingPrefixes
 from router.reports import PendingReport, apply_batch
 from router.trust import (
     Cleared,
     Delivered,
+    EngineRestarted,
     EventsRejected,
     HistoryLost,
     ReplayFinished,
     ReplayStarted,
     RequestSent,
-    Reset,
     TrustStatus,
     TrustTracker,
 )
@@ -303,25 +301,25 @@ class Fleet:
         rep.check_rejected(self.mirror, now)
         rep.check_flags(self.mirror, batch.events, now)
 
-    def on_signal(self, engine: EngineName, signal: LinkSignal) -> None:
+    def on_signal(self, engine: EngineName, signal: Signal) -> None:
         """A link signal: resets clear the replica's view; trust follows (see the module docstring)."""
         rep = self._replicas.get(EngineId(engine))
         if rep is None:
             return
         now = self.clock()
         match signal:
-            case LinkReset(reason="restart"):
+            case Reset(reason="restart"):
                 self._reset(rep)
-                rep.observe(Reset(now))
+                rep.observe(EngineRestarted(now))
                 if rep.subscriber is not None and rep.subscriber.source.replay_endpoint is not None:
                     rep.observe(ReplayStarted(now))
                     rep.replaying = True
-            case LinkReset(reason="resync"):
+            case Reset(reason="resync"):
                 self._reset(rep)  # stays STALE (EventsRejected) until Rebuilt
                 if rep.subscriber is not None and rep.subscriber.source.replay_endpoint is not None:
                     rep.observe(ReplayStarted(now))
                     rep.replaying = True
-            case LinkReset():
+            case Reset():
                 self._reset(rep)
                 rep.observe(HistoryLost(now))
             case CaughtUp():
