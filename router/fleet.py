@@ -95,6 +95,7 @@ class Fleet:
         self._engines: dict[str, EngineConfig] = {}
         self._replicas: dict[EngineId, Replica] = {}
         self._taps: list[FrameTap] = []
+        self._removal_hooks: list[Callable[[EngineId], None]] = []
         self.report_grace_s = REPORT_GRACE_S
         self._started = False
 
@@ -155,6 +156,12 @@ class Fleet:
             self.pending.drop(rid)
             self.load.drop(rid)
             self.breakers.drop(rid)
+            for forget in self._removal_hooks:
+                forget(rid)
+
+    def on_replica_removed(self, hook: Callable[[EngineId], None]) -> None:
+        """Call `hook` with the id of every replica `remove_engine` drops (the scorer forgets its pins)."""
+        self._removal_hooks.append(hook)
 
     def on_frame(self, tap: FrameTap) -> None:
         """Call `tap` with every frame any subscriber receives (for recordings)."""

@@ -138,7 +138,9 @@ class Service:
             self.discovery = DnsDiscovery(config.discovery, self._on_discovery)
             self.discovery.start()
         metrics = RouterMetrics(fleet.views, time.time, fleet.models.key_cache)  # the links' clock
-        core = RoutingCore(fleet, fleet.models, Scorer(scorer_settings(config)))
+        scorer = Scorer(scorer_settings(config))
+        fleet.on_replica_removed(scorer.forget_engine)  # a removed engine's session pins are dropped
+        core = RoutingCore(fleet, fleet.models, scorer)
         ring = DecisionRing(opts.decision_ring)
         if opts.peers_dir is not None:
             self.peers = DecisionPeers(opts.peers_dir, ring)
