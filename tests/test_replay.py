@@ -133,7 +133,8 @@ def frame(seq: int, payload: bytes | None = None) -> FrameRecord:
 
 def write(path: Path, records: list[Record], tail: bytes = b"") -> None:
     with RecordingWriter.create(path, FileHeader(0.0, {"config": msgspec.to_builtins(CONFIG)})) as writer:
-        writer.write_many(records)
+        for record in records:
+            writer.write(record)
     with open(path, "ab") as f:
         f.write(tail)
 
