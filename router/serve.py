@@ -30,7 +30,7 @@ from router.metrics import RouterMetrics
 from router.proxy import Proxy, ProxySettings
 from router.record import GatewayRecorder
 from router.routing import RoutingCore
-from router.scoring import PolicyName, Scorer, ScorerSettings
+from router.scoring import Scorer, ScorerSettings
 from router.secrets import load_secrets
 
 __all__ = ["ServeOptions", "Service", "StartupError", "start_embedded"]
@@ -53,14 +53,6 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     stub_timeout_s: float = 60.0
     phase_timeout_s: float = 10.0
     decision_ring: int = 4096
-
-
-def scorer_settings(config: RouterConfig) -> ScorerSettings:
-    """The `[policy]` table as scoring settings."""
-    p = config.policy
-    return ScorerSettings(
-        PolicyName(p.name), p.tie_tolerance_s, p.decode_penalty_s, p.seed, p.session_capacity
-    )
 
 
 async def start_embedded(config: RouterConfig, options: ServeOptions) -> tuple[EmbeddedStubs, RouterConfig]:
@@ -138,7 +130,7 @@ class Service:
             self.discovery = DnsDiscovery(config.discovery, self._on_discovery)
             self.discovery.start()
         metrics = RouterMetrics(fleet.views, time.time, fleet.models.key_cache)  # the links' clock
-        scorer = Scorer(scorer_settings(config))
+        scorer = Scorer(ScorerSettings.from_config(config))
         fleet.on_replica_removed(scorer.forget_engine)  # a removed engine's session pins are dropped
         core = RoutingCore(fleet, fleet.models, scorer)
         ring = DecisionRing(opts.decision_ring)
