@@ -93,15 +93,27 @@ def lookup(
         zero = LookupResult(0, 0, tuple(0 for _ in groups), 0)
         return {rid: zero for rid, _ in targets}
     needs = [[_need(rv, group) for group in groups] for _, rv in targets]
-    runs = _first_fa_runs(mirror.index, spec, groups, request.keys, maxlen, [n[0] for n in needs])
+    shared = _Shared(mirror.index, spec, groups, request.keys, maxlen)
+    runs = _first_fa_runs(shared, [n[0] for n in needs])
     if len(spec.groups) == 1 and groups[0].kind.full_attention and not spec.eagle_block_drop:
         block_size = groups[0].spec.block_size
         hits = [min(run, maxlen // block_size) * block_size for run in runs]
         return {rid: LookupResult(h, 0, (h,), h) for (rid, _), h in zip(targets, hits, strict=True)}
     return {
-        rid: _replica_lookup(mirror.index, spec, groups, request.keys, maxlen, need, run)
+        rid: _replica_lookup(shared, need, run)
         for (rid, _), need, run in zip(targets, needs, runs, strict=True)
     }
+
+
+class _Shared(NamedTuple):
+    """What every replica's lookup of one request shares: the index, the model and its spec groups,
+    the request's keys and the cap on the hit in tokens."""
+
+    mirror_index: dict[int, int]
+    spec: ModelSpec
+    groups: list[SpecGroup]
+    keys: Sequence[int]
+    max_tokens: int
 
 
 def _need(rv: ReplicaView, group: SpecGroup) -> int:
@@ -111,15 +123,9 @@ def _need(rv: ReplicaView, group: SpecGroup) -> int:
     return mask
 
 
-def _first_fa_runs(
-    index: dict[int, int],
-    spec: ModelSpec,
-    groups: list[SpecGroup],
-    keys: Sequence[int],
-    maxlen: int,
-    needs: list[int],
-) -> list[int]:
+def _first_fa_runs(shared: _Shared, needs: list[int]) -> list[int]:
     """The leading run of the first full-attention spec group, for every replica in one pass (-1: n/a)."""
+    index, spec, groups, keys, maxlen = shared
     if not groups[0].kind.full_attention or not needs:
         return [-1] * len(needs)
     block_size = groups[0].spec.block_size
@@ -154,15 +160,8 @@ def _run(index: dict[int, int], blocks: Sequence[int], limit: int, need: int) ->
     return n
 
 
-def _replica_lookup(
-    index: dict[int, int],
-    spec: ModelSpec,
-    groups: list[SpecGroup],
-    keys: Sequence[int],
-    maxlen: int,
-    needs: list[int],
-    run: int,
-) -> LookupResult:
+def _replica_lookup(shared: _Shared, needs: list[int], run: int) -> LookupResult:
+    index, spec, groups, keys, maxlen = shared
     finder = _Finder(index, spec, keys, needs, run)
     if len(spec.groups) == 1:
         group = groups[0]
