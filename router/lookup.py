@@ -5,7 +5,9 @@ For each (engine, DP rank) serving a model: `(hit_tokens, shared_prefix_boundary
 requests), the unitary coordinator for one group, the hybrid fixpoint (kv-events §5.8 with the ★
 precisions of semantics §8.3) otherwise, per-kind finders, alignment and the EAGLE block drop. The
 leading full-attention run of every engine is found in one pass over the prompt's keys: one index
-probe per key and a bitmask of the engines still matching, until it is empty.
+probe per key and a bitmask of the engines still matching, until it is empty. The engine stub's
+`engine_stub.coordinator` computes the same fixpoint independently, on purpose: it is the ground
+truth this prediction is checked against (tests/test_property_stub_router.py).
 """
 
 from __future__ import annotations
