@@ -174,10 +174,7 @@ async def main(quick: bool, workers: int) -> None:
         config.write_text(gateway_config(backend))
         argv = [sys.executable, "-m", "kvrouter", "--log-level", "WARNING", "serve", "--config", str(config)]
         argv += ["--workers", str(workers)]
-        gw_proc, gateway = await start_process(
-            argv,
-            lambda line: msgspec.json.decode(line, type=GatewayReady).url if line.startswith(b"{") else None,
-        )
+        gw_proc, gateway = await start_process(argv, _ready_url)
         try:
             await run_matrix(backend, gateway, quick, workers)
         finally:

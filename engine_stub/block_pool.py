@@ -142,13 +142,6 @@ class BlockPool:
         self.free_queue.prepend_n(first)
         self.free_queue.append_n(last)
 
-    def evict_blocks(self, block_ids: Iterable[int]) -> None:
-        """Strip the cache keys of the given blocks (connector-driven eviction); they stay allocated."""
-        for block_id in block_ids:
-            if not 0 <= block_id < self.num_gpu_blocks:
-                raise ValueError(f"invalid block id {block_id}")
-            self._evict(self.blocks[block_id])
-
     def reset_prefix_cache(self) -> bool:
         """Forget every cache key if no block is referenced; emits one `AllBlocksCleared`."""
         if self.num_free_blocks != self.num_gpu_blocks - 1:

@@ -18,7 +18,11 @@ __all__ = ["CacheConfig", "EngineCoreConfig", "GroupKind", "GroupSpec", "Schedul
 
 
 class GroupKind(StrEnum):
-    """A KV-cache group's spec kind, spelled as vLLM puts it in `kv_cache_spec_kind`."""
+    """A KV-cache group's spec kind, spelled as vLLM puts it in `kv_cache_spec_kind`.
+
+    Independent of the router's `router.group_kinds` on purpose: the stub is the ground truth the router
+    is checked against, so neither package imports the other.
+    """
 
     FULL_ATTENTION = "full_attention"
     SLIDING_WINDOW = "sliding_window"

@@ -6,6 +6,9 @@ is looked up first and once, each sparse group may only lower the candidate leng
 repeats until nothing lowers it. `num_uncached` = longest single-group hit - reconciled hit; the
 manager pins `shared_prefix_boundary` there. Hybrid hits are aligned to the scheduler block size;
 an EAGLE group looks one block past the candidate and drops it, once per candidate length.
+
+`router.lookup` predicts the same fixpoint from the mirror with its own `SpecGroup`; the two are
+independent on purpose (the stub is the ground truth the router is checked against).
 """
 
 from __future__ import annotations

@@ -6,6 +6,10 @@ looks up `view(H, bs)`, the request digest at each of its blocks' last hash unit
 multiples of `align` (the scheduler block size in hybrids, `bs` alone); with the EAGLE drop the
 finders give back their last block. Masks say which newly full blocks a sparse group keys (§6.4,
 §6.5); None = all. No fine-grained partial-hash hits.
+
+The router restates these rules in `router.group_kinds` and `router.finders`; the two are independent
+on purpose: the stub is the ground truth the router is checked against (tests/test_property_stub_router.py),
+and the packages may not import each other.
 """
 
 from __future__ import annotations

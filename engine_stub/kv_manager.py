@@ -11,13 +11,14 @@ from __future__ import annotations
 
 import msgspec
 
+from events.request_tokens import ReportMode
 from events.wire import BlockStored, KVEvent
 
 from .block_pool import Block, BlockPool
 from .config import CacheConfig, GroupKind
 from .coordinator import Lookup, empty_lookup, find_longest_hit, lookup_plan
 from .group_manager import GroupManager, SlotQuery, make_group_manager
-from .request import ReportMode, Request
+from .request import Request
 
 __all__ = ["KVCacheManager"]
 

@@ -9,25 +9,19 @@ A group whose blocks are k hash units wide uses every k-th digest (the one at it
 from __future__ import annotations
 
 from collections.abc import Sequence
-from enum import Enum, StrEnum
+from enum import Enum
 from typing import Any, NewType
 
 import msgspec
 
 from events.block_hash import BlockDigest, RequestExtras, VllmHasher, block_extra_keys, event_extra_keys
+from events.request_tokens import ReportMode
 
 from .block_pool import StoreRange
 
-__all__ = ["ReportMode", "Request", "RequestId", "RequestStatus", "SubmitParams"]
+__all__ = ["Request", "RequestId", "RequestStatus", "SubmitParams"]
 
 RequestId = NewType("RequestId", str)
-
-
-class ReportMode(StrEnum):
-    """vLLM's per-request `kv_cache_report_mode` (`vllm_xargs`)."""
-
-    INCREMENTAL = "incremental"
-    FULL = "full"
 
 
 class RequestStatus(Enum):

@@ -14,10 +14,11 @@ from typing import Any
 
 import msgspec
 
+from events.request_tokens import ReportMode
 from events.wire import KVEvent
 
 from .config import CacheConfig, EngineCoreConfig, GroupKind, GroupSpec, SchedulerConfig
-from .request import ReportMode, Request, RequestId, SubmitParams
+from .request import Request, RequestId, SubmitParams
 from .scheduler import Scheduler, StepOutput, pseudo_token
 
 __all__ = ["ScriptDriver", "config_from_script"]

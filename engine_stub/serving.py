@@ -22,7 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from events.openai_request import Endpoint, RequestError
-from events.request_tokens import RequestTokens, request_tokens
+from events.request_tokens import ReportMode, RequestTokens, request_tokens
 
 from .engine import EngineRuntime
 from .openai_io import (
@@ -41,7 +41,7 @@ from .openai_io import (
     encode,
     sse,
 )
-from .request import ReportMode, SubmitParams
+from .request import SubmitParams
 from .streams import Emitted, RequestStream
 from .stub import Stub
 

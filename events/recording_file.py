@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import logging
 import os
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import TracebackType
@@ -190,13 +190,6 @@ class RecordingWriter:
         self._stream.write(encode_record(record))
         self._stream.flush()
         self.records_written += 1
-
-    def write_many(self, records: Iterable[Record]) -> None:
-        """Append several records with one write: a crash loses at most this batch."""
-        encoded = [encode_record(r) for r in records]
-        self._stream.write(b"".join(encoded))
-        self._stream.flush()
-        self.records_written += len(encoded)
 
     def sync(self) -> None:
         """Flush and fsync: everything written so far survives an OS crash."""

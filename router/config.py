@@ -15,6 +15,8 @@ from urllib.parse import urlsplit
 
 import msgspec
 
+from router.group_kinds import group_kind
+
 __all__ = [
     "Auth",
     "Breaker",
@@ -307,11 +309,11 @@ def _engine_problems(engines: list[EngineConfig]) -> list[str]:
 def _group_problems(at: str, groups: list[GroupConfig], drop: bool) -> list[str]:
     problems = []
     for j, g in enumerate(groups):
-        if g.kind in ("sliding_window", "sliding_window_mla") and g.sliding_window is None:
-            problems.append(f"{at}.groups[{j}].sliding_window: a {g.kind} group needs its window")
-        if g.kind == "chunked_local_attention" and g.chunk_size is None:
-            problems.append(f"{at}.groups[{j}].chunk_size: a chunked_local_attention group needs it")
-        if g.kind == "chunked_local_attention" and drop and (g.eagle or not any(o.eagle for o in groups)):
+        kind = group_kind(g.kind)
+        if kind.required is not None and getattr(g, kind.required[0]) is None:
+            field, _, what = kind.required
+            problems.append(f"{at}.groups[{j}].{field}: a {g.kind} group needs {what}")
+        if not kind.eagle_allowed and drop and (g.eagle or not any(o.eagle for o in groups)):
             problems.append(f"{at}.groups[{j}]: vLLM has no EAGLE block drop for chunked local attention")
     return problems
 

@@ -20,9 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from events.sequence import CaughtUp, Rebuilt
-from events.sequence import Reset as LinkReset
-from events.sequence import Signal as LinkSignal
+from events.request_tokens import ReportMode
+from events.sequence import CaughtUp, Rebuilt, Reset, Signal
 from events.sources import AnyBatch, EngineName
 from events.wire import AllBlocksCleared
 from router.admission import Admission
@@ -32,7 +31,6 @@ from router.ids import EngineId, RequestId
 from router.keys import KeyHasher
 from router.load import CostPrior, LoadTracker
 from router.mirror import Mirror, MirrorConfig
-from router.model_spec import ReportMode
 from router.pending import PendingPrefixes
 from router.prepared import Prepared
 from router.replica import Link, Replica
@@ -40,12 +38,12 @@ from router.reports import PendingReport, apply_batch
 from router.trust import (
     Cleared,
     Delivered,
+    EngineRestarted,
     EventsRejected,
     HistoryLost,
     ReplayFinished,
     ReplayStarted,
     RequestSent,
-    Reset,
     TrustStatus,
     TrustTracker,
 )
@@ -87,6 +85,7 @@ class FleetState:
         )  # fmt: skip
         self._engines: dict[str, EngineConfig] = {}
         self._replicas: dict[EngineId, Replica] = {}
+        self._removal_hooks: list[Callable[[EngineId], None]] = []
         self.report_grace_s = REPORT_GRACE_S
 
     # -- the engine set ------------------------------------------------------------------------
@@ -122,7 +121,13 @@ class FleetState:
             self.pending.drop(rid)
             self.load.drop(rid)
             self.breakers.drop(rid)
+            for forget in self._removal_hooks:
+                forget(rid)
         return removed
+
+    def on_replica_removed(self, hook: Callable[[EngineId], None]) -> None:
+        """Call `hook` with the id of every replica `remove_engine` drops (the scorer forgets its pins)."""
+        self._removal_hooks.append(hook)
 
     def attach(self, replica: EngineId, link: Link | None) -> None:
         """Plug the replica's running link in (None: it stopped)."""
@@ -227,21 +232,21 @@ class FleetState:
         rep.check_rejected(self.mirror, now)
         rep.check_flags(self.mirror, batch.events, now)
 
-    def on_signal(self, engine: EngineName, signal: LinkSignal) -> None:
+    def on_signal(self, engine: EngineName, signal: Signal) -> None:
         """A link signal: resets clear the replica's view; trust follows (see the module docstring)."""
         rep = self._replicas.get(EngineId(engine))
         if rep is None:
             return
         now = self.clock()
         match signal:
-            case LinkReset(reason="restart"):
+            case Reset(reason="restart"):
                 self._reset(rep)
-                rep.observe(Reset(now))
+                rep.observe(EngineRestarted(now))
                 self._replay_started(rep, now)
-            case LinkReset(reason="resync"):
+            case Reset(reason="resync"):
                 self._reset(rep)  # stays STALE (EventsRejected) until Rebuilt
                 self._replay_started(rep, now)
-            case LinkReset():
+            case Reset():
                 self._reset(rep)
                 rep.observe(HistoryLost(now))
             case CaughtUp():

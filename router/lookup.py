@@ -5,7 +5,9 @@ For each (engine, DP rank) serving a model: `(hit_tokens, shared_prefix_boundary
 requests), the unitary coordinator for one group, the hybrid fixpoint (kv-events §5.8 with the ★
 precisions of semantics §8.3) otherwise, per-kind finders, alignment and the EAGLE block drop. The
 leading full-attention run of every engine is found in one pass over the prompt's keys: one index
-probe per key and a bitmask of the engines still matching, until it is empty.
+probe per key and a bitmask of the engines still matching, until it is empty. The engine stub's
+`engine_stub.coordinator` computes the same fixpoint independently, on purpose: it is the ground
+truth this prediction is checked against (tests/test_property_stub_router.py).
 """
 
 from __future__ import annotations
@@ -17,10 +19,11 @@ from typing import NamedTuple
 
 import msgspec
 
-from router.finders import find_chunked, find_full, find_mamba, find_swa, view
+from router.finders import view
+from router.group_kinds import GroupKind, HitQuery, group_kind
 from router.mirror import EngineId, Mirror
 from router.mirror_state import ReplicaView
-from router.model_spec import GroupSpec, ModelSpec, finder_kind
+from router.model_spec import GroupSpec, ModelSpec
 
 __all__ = ["LookupRequest", "LookupResult", "ReplicaId", "lookup", "spec_groups"]
 
@@ -55,15 +58,13 @@ class LookupResult(msgspec.Struct, frozen=True):
 
 @dataclass(frozen=True)
 class SpecGroup:
-    """Groups merged by vLLM because their specs are equal: a hit needs the key in every member."""
+    """vLLM's spec group: the `GroupSpec`s (one group each) that are equal, merged and looked up together;
+    a hit needs the key in every member (`gids`). `kind` holds the rules of their kind."""
 
     spec: GroupSpec
     gids: tuple[int, ...]
     eagle: bool
-
-    @property
-    def kind(self) -> str:
-        return finder_kind(self.spec.kind)
+    kind: GroupKind
 
 
 @lru_cache(maxsize=64)
@@ -72,11 +73,14 @@ def spec_groups(spec: ModelSpec) -> list[SpecGroup]:
     member does), non-cacheable ones skipped, full attention first."""
     eagle = spec.eagle_groups()
     merged: dict[GroupSpec, list[int]] = {}
-    for gid, g in enumerate(spec.groups):
-        if finder_kind(g.kind) != "none" or len(spec.groups) == 1:
-            merged.setdefault(msgspec.structs.replace(g, eagle=False), []).append(gid)
-    groups = [SpecGroup(g, tuple(gids), any(eagle[i] for i in gids)) for g, gids in merged.items()]
-    return sorted(groups, key=lambda sg: sg.kind != "full")
+    for gid, group in enumerate(spec.groups):
+        if group_kind(group.kind).cacheable or len(spec.groups) == 1:
+            merged.setdefault(msgspec.structs.replace(group, eagle=False), []).append(gid)
+    groups = [
+        SpecGroup(group, tuple(gids), any(eagle[i] for i in gids), group_kind(group.kind))
+        for group, gids in merged.items()
+    ]
+    return sorted(groups, key=lambda group: not group.kind.full_attention)
 
 
 def lookup(
@@ -90,39 +94,45 @@ def lookup(
     if maxlen == 0 or not groups:
         zero = LookupResult(0, 0, tuple(0 for _ in groups), 0)
         return {rid: zero for rid, _ in targets}
-    needs = [[_need(rv, sg) for sg in groups] for _, rv in targets]
-    runs = _first_fa_runs(mirror.index, spec, groups, request.keys, maxlen, [n[0] for n in needs])
-    if len(spec.groups) == 1 and groups[0].kind == "full" and not spec.eagle_block_drop:
-        cap = maxlen // groups[0].spec.block_size
-        hits = [min(run, cap) * groups[0].spec.block_size for run in runs]
+    needs = [[_need(rv, group) for group in groups] for _, rv in targets]
+    shared = _Shared(mirror.index, spec, groups, request.keys, maxlen)
+    runs = _first_fa_runs(shared, [n[0] for n in needs])
+    if len(spec.groups) == 1 and groups[0].kind.full_attention and not spec.eagle_block_drop:
+        block_size = groups[0].spec.block_size
+        hits = [min(run, maxlen // block_size) * block_size for run in runs]
         return {rid: LookupResult(h, 0, (h,), h) for (rid, _), h in zip(targets, hits, strict=True)}
     return {
-        rid: _replica_lookup(mirror.index, spec, groups, request.keys, maxlen, need, run)
+        rid: _replica_lookup(shared, need, run)
         for (rid, _), need, run in zip(targets, needs, runs, strict=True)
     }
 
 
-def _need(rv: ReplicaView, sg: SpecGroup) -> int:
+class _Shared(NamedTuple):
+    """What every replica's lookup of one request shares: the index, the model and its spec groups,
+    the request's keys and the cap on the hit in tokens."""
+
+    mirror_index: dict[int, int]
+    spec: ModelSpec
+    groups: list[SpecGroup]
+    keys: Sequence[int]
+    max_tokens: int
+
+
+def _need(rv: ReplicaView, group: SpecGroup) -> int:
     mask = 0
-    for gid in sg.gids:
+    for gid in group.gids:
         mask |= rv.groups[gid].bit
     return mask
 
 
-def _first_fa_runs(
-    index: dict[int, int],
-    spec: ModelSpec,
-    groups: list[SpecGroup],
-    keys: Sequence[int],
-    maxlen: int,
-    needs: list[int],
-) -> list[int]:
+def _first_fa_runs(shared: _Shared, needs: list[int]) -> list[int]:
     """The leading run of the first full-attention spec group, for every replica in one pass (-1: n/a)."""
-    if groups[0].kind != "full" or not needs:
+    index, spec, groups, keys, maxlen = shared
+    if not groups[0].kind.full_attention or not needs:
         return [-1] * len(needs)
-    bs = groups[0].spec.block_size
-    blocks = view(keys, bs, spec.hash_block_size)
-    limit = min(len(blocks), (maxlen + bs) // bs)  # covers the EAGLE margin of at most one block
+    block_size = groups[0].spec.block_size
+    blocks = view(keys, block_size, spec.hash_block_size)
+    limit = min(len(blocks), (maxlen + block_size) // block_size)  # covers the EAGLE margin of one block
     single = all(n and not n & (n - 1) for n in needs) and len(set(needs)) == len(needs)
     if not single:
         return [_run(index, blocks, limit, n) for n in needs]
@@ -152,44 +162,38 @@ def _run(index: dict[int, int], blocks: Sequence[int], limit: int, need: int) ->
     return n
 
 
-def _replica_lookup(
-    index: dict[int, int],
-    spec: ModelSpec,
-    groups: list[SpecGroup],
-    keys: Sequence[int],
-    maxlen: int,
-    needs: list[int],
-    run: int,
-) -> LookupResult:
+def _replica_lookup(shared: _Shared, needs: list[int], run: int) -> LookupResult:
+    index, spec, groups, keys, maxlen = shared
     finder = _Finder(index, spec, keys, needs, run)
     if len(spec.groups) == 1:
-        g = groups[0]
-        drop = spec.eagle_block_drop and g.kind in ("full", "swa")
-        hit = finder.find(0, g, maxlen, drop, g.spec.block_size)
+        group = groups[0]
+        drop = spec.eagle_block_drop and group.kind.eagle_drop
+        hit = finder.find(0, group, maxlen, drop, group.spec.block_size)
         return LookupResult(hit, 0, (hit,), hit)
     return _hybrid(finder, spec, groups, maxlen)
 
 
 def _hybrid(finder: _Finder, spec: ModelSpec, groups: list[SpecGroup], maxlen: int) -> LookupResult:
     """vLLM's `HybridKVCacheCoordinator.find_longest_cache_hit` fixpoint."""
-    hb, align, partial = spec.hash_block_size, spec.alignment, spec.partial_hits
-    total = len(finder.keys) * hb
-    simple = len(groups) == 2 and groups[0].kind == "full"
+    hash_block, align, partial = spec.hash_block_size, spec.alignment, spec.partial_hits
+    total = len(finder.keys) * hash_block
+    simple = len(groups) == 2 and groups[0].kind.full_attention
     lens: dict[int, int] = {}
     verified: set[int] = set()
     hit, longest = maxlen, 0
     while True:
         cur = hit
-        for idx, g in enumerate(groups):
-            if g.kind == "full" and idx in lens:
+        for idx, group in enumerate(groups):
+            if group.kind.full_attention and idx in lens:
                 cur = min(cur, lens[idx])  # downward-closed: no re-lookup, `longest` not updated
                 continue
-            drop = g.eagle and idx not in verified
-            lim = cur
-            if drop and g.kind != "mamba":
-                fine_capable = g.kind in ("full", "mamba") and g.spec.block_size > hb
-                lim = min(cur + (hb if partial and fine_capable else g.spec.block_size), total)
-            new = finder.find(idx, g, lim, drop, align)
+            drop = group.eagle and idx not in verified
+            limit = cur
+            if drop and group.kind.eagle_looks_past_hit:
+                block_size = group.spec.block_size
+                fine = partial and group.kind.full_attention and block_size > hash_block
+                limit = min(cur + (hash_block if fine else block_size), total)
+            new = finder.find(idx, group, limit, drop, align)
             if drop:
                 verified.add(idx)
             elif new < cur:
@@ -214,21 +218,15 @@ class _Finder:
     ) -> None:
         self.index, self.spec, self.keys, self.needs, self.run = index, spec, keys, needs, run
 
-    def find(self, idx: int, g: SpecGroup, maxlen: int, drop: bool, align: int) -> int:
+    def find(self, idx: int, group: SpecGroup, max_tokens: int, drop: bool, align: int) -> int:
         need = self.needs[idx]
         get = self.index.get
 
         def cached(key: int) -> bool:
             return get(key, 0) & need == need
 
-        keys, hb, bs = self.keys, self.spec.hash_block_size, g.spec.block_size
-        if g.kind == "full":
-            run, self.run = (self.run, -1) if idx == 0 else (-1, self.run)
-            return find_full(keys, hb, bs, maxlen, cached, drop, align, run)
-        if g.kind == "swa":
-            return find_swa(keys, hb, bs, g.spec.sliding_window or 0, maxlen, cached, drop, align)
-        if g.kind == "mamba":
-            return find_mamba(keys, hb, bs, maxlen, cached, align)
-        if g.kind == "chunked":
-            return find_chunked(keys, hb, bs, g.spec.chunk_size or 0, maxlen, cached)
-        return 0
+        run = -1
+        if group.kind.full_attention and idx == 0:
+            run, self.run = self.run, -1  # the precomputed leading run serves the first lookup only
+        query = HitQuery(self.keys, self.spec.hash_block_size, cached, max_tokens, align, drop, run)
+        return group.kind.find(group.spec, query)

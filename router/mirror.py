@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from events.request_tokens import ReportMode
 from events.validate import InvalidEvent
 from events.wire import (
     MEDIA,
@@ -47,10 +48,11 @@ from events.wire import (
     LazyKVEventBatch,
 )
 from router.event_keys import engine_key, event_tokens
+from router.group_kinds import group_kind
 from router.ids import EngineId
 from router.keys import KeyHasher
 from router.mirror_state import GroupView, MirrorStats, ReplicaView
-from router.model_spec import HashingMode, ModelSpec, ReportMode, finder_kind
+from router.model_spec import HashingMode, ModelSpec
 from router.store_keys import Event, Stored, StoreKeys
 
 __all__ = ["EngineId", "Mirror", "MirrorConfig", "MirrorStats"]
@@ -174,7 +176,7 @@ class Mirror:
         gv = self._group(rv, ev.group_idx or 0)
         if gv is None:
             return
-        sparse = finder_kind(gv.spec.kind) in ("swa", "mamba")
+        sparse = group_kind(gv.spec.kind).sparse_stores
         full_mode = rv.report_mode is ReportMode.FULL
         if sparse and (is_report or (full_mode and _report_shaped(ev))):
             rv.learn(gv, ev)

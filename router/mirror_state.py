@@ -11,8 +11,9 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from events.request_tokens import ReportMode
 from events.wire import BlockStored, EngineBlockHash, LazyBlockStored
-from router.model_spec import GroupSpec, HashingMode, ModelSpec, ReportMode
+from router.model_spec import GroupSpec, HashingMode, ModelSpec
 
 __all__ = ["GroupView", "MirrorStats", "ReplicaView"]
 

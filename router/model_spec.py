@@ -11,36 +11,16 @@ from __future__ import annotations
 import math
 from enum import StrEnum
 from functools import reduce
-from typing import Final
 
 import msgspec
 
+from router.group_kinds import Mamba, group_kind
+
 __all__ = [
-    "FA_KINDS",
     "GroupSpec",
     "HashingMode",
     "ModelSpec",
-    "ReportMode",
-    "finder_kind",
 ]
-
-FA_KINDS: Final = frozenset({"full_attention", "mla_attention", "sink_full_attention"})
-SWA_KINDS: Final = frozenset({"sliding_window", "sliding_window_mla"})
-SPARSE_KINDS: Final = SWA_KINDS | {"mamba"}
-CACHEABLE_KINDS: Final = FA_KINDS | SWA_KINDS | {"mamba", "chunked_local_attention"}
-
-
-def finder_kind(kind: str) -> str:
-    """The finder a spec kind uses: "full", "swa", "mamba", "chunked", or "none" (never a hit)."""
-    if kind in FA_KINDS:
-        return "full"
-    if kind in SWA_KINDS:
-        return "swa"
-    if kind == "mamba":
-        return "mamba"
-    if kind == "chunked_local_attention":
-        return "chunked"
-    return "none"
 
 
 class HashingMode(StrEnum):
@@ -50,15 +30,12 @@ class HashingMode(StrEnum):
     ENGINE = "engine"
 
 
-class ReportMode(StrEnum):
-    """An engine's `kv_cache_report_mode` as the router knows it (semantics doc §5.4, §10)."""
-
-    INCREMENTAL = "incremental"
-    FULL = "full"
-
-
 class GroupSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """One KV-cache group: spec kind, block size in tokens, window or chunk, EAGLE membership."""
+    """One KV-cache group: spec kind, block size in tokens, window or chunk, EAGLE membership.
+
+    The kind's rules are `router.group_kinds`. The engine stub's `engine_stub.config.GroupSpec` is
+    an independent restatement on purpose (the ground truth the router is checked against).
+    """
 
     kind: str = "full_attention"
     block_size: int = 16
@@ -69,10 +46,10 @@ class GroupSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if finder_kind(self.kind) == "swa" and not self.sliding_window:
-            raise ValueError("a sliding-window group needs sliding_window")
-        if self.kind == "chunked_local_attention" and not self.chunk_size:
-            raise ValueError("a chunked-local group needs chunk_size")
+        kind = group_kind(self.kind)
+        field = kind.missing(self)
+        if field is not None and kind.required is not None:
+            raise ValueError(f"a {kind.required[1]} group needs {field}")
 
 
 class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -98,7 +75,9 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def unitary_full_attention(self) -> bool:
         """One full-attention group and no EAGLE drop: a hit is simply the leading run of cached keys."""
         return (
-            len(self.groups) == 1 and finder_kind(self.groups[0].kind) == "full" and not self.eagle_block_drop
+            len(self.groups) == 1
+            and group_kind(self.groups[0].kind).full_attention
+            and not self.eagle_block_drop
         )
 
     @property
@@ -111,9 +90,9 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         """`hb`: the granularity of the request's block hashes."""
         if len(self.groups) == 1:
             return self.groups[0].block_size
-        if any(g.kind == "mamba" for g in self.groups) and not self.mamba_align:
+        if any(isinstance(group_kind(g.kind), Mamba) for g in self.groups) and not self.mamba_align:
             return self.scheduler_block_size
-        cacheable = [g.block_size for g in self.groups if g.kind in CACHEABLE_KINDS]
+        cacheable = [g.block_size for g in self.groups if group_kind(g.kind).cacheable]
         return self.prefix_match_unit or reduce(math.gcd, cacheable or [self.scheduler_block_size])
 
     @property
@@ -122,11 +101,11 @@ class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
         if len(self.groups) == 1:
             return False
         hb = self.hash_block_size
-        mamba = [g for g in self.groups if g.kind == "mamba"]
-        if not self.mamba_align or not any(g.block_size > hb for g in mamba):
+        kinds = [(g, group_kind(g.kind)) for g in self.groups]
+        if not self.mamba_align or not any(g.block_size > hb for g, k in kinds if isinstance(k, Mamba)):
             return False
-        others = [g for g in self.groups if g.kind in CACHEABLE_KINDS and g.kind != "mamba"]
-        return all(finder_kind(g.kind) == "full" or g.block_size == hb for g in others)
+        others = [(g, k) for g, k in kinds if k.cacheable and not isinstance(k, Mamba)]
+        return all(k.full_attention or g.block_size == hb for g, k in others)
 
     @property
     def alignment(self) -> int:

@@ -18,23 +18,23 @@ from typing import Final, Protocol
 from events.sources import EngineStats
 from events.wire import BlockStored, LazyBlockStored
 from router.config import EngineConfig
+from router.group_kinds import group_kind
 from router.ids import EngineId, RequestId
 from router.mirror import Mirror
-from router.model_spec import finder_kind
 from router.reports import PendingReport
 from router.trust import (
     BlockSizeMismatch,
-    DecodeError,
     Delivered,
     EventsRejected,
     ReplayStarted,
     RequestSent,
-    Signal,
     TokenizerMismatch,
     TrustReason,
+    TrustSignal,
     TrustState,
     TrustStatus,
     TrustTracker,
+    UndecodableBatch,
     UnseenBlocks,
 )
 from router.variants import Variant
@@ -97,7 +97,7 @@ class Replica:
     _link_rejected: dict[str, int] = field(default_factory=dict)
     _awaiting_since: float | None = None
 
-    def observe(self, signal: Signal) -> None:
+    def observe(self, signal: TrustSignal) -> None:
         """Feed one trust signal."""
         self.tracker.observe(signal)
         self._cached = None
@@ -130,7 +130,7 @@ class Replica:
         self._link_rejected = stats.rejected_events
         if stats.decode_errors > self.decode_errors:
             n, self.decode_errors = stats.decode_errors - self.decode_errors, stats.decode_errors
-            self.observe(DecodeError(now, f"{n} undecodable batch(es)"))
+            self.observe(UndecodableBatch(now, f"{n} undecodable batch(es)"))
         if stats.replaying and not self.replaying:
             self.replaying = True
             self.observe(ReplayStarted(now))
@@ -206,7 +206,7 @@ class Replica:
         first block while it ran (if not, it already held the prompt).
         """
         view = mirror.replica(self.id)
-        if view is None or finder_kind(self.variant.spec.groups[0].kind) != "full" or self.verifying:
+        if view is None or not group_kind(self.variant.spec.groups[0].kind).full_attention or self.verifying:
             return False
         if not self.status(now, mirror).trusted:
             return False

@@ -30,10 +30,11 @@ from events.validate import InvalidEvent
 from events.wire import BlockStored, KVEventBatch, LazyBlockStored, LazyKVEventBatch
 from router.event_keys import engine_key, event_tokens, keys_from_tokens
 from router.finders import view
+from router.group_kinds import group_kind
 from router.ids import EngineId, RequestId
 from router.lookup import LookupRequest, ReplicaId, lookup
 from router.mirror import Mirror
-from router.model_spec import HashingMode, ModelSpec, finder_kind
+from router.model_spec import HashingMode, ModelSpec
 
 __all__ = ["PendingReport", "apply_batch"]
 
@@ -67,7 +68,7 @@ def apply_batch(
     reports = [False] * len(events)
     matched: set[RequestId] = set()
     groups = len(spec.groups)
-    sparse_first = finder_kind(spec.groups[0].kind) in ("swa", "mamba")
+    sparse_first = group_kind(spec.groups[0].kind).sparse_stores
     start = 0
     for i, ev in enumerate(events):
         if reports[i] or not isinstance(ev, BlockStored | LazyBlockStored) or (ev.group_idx or 0) != 0:

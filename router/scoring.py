@@ -22,13 +22,16 @@ import hashlib
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from typing import Final
+from typing import TYPE_CHECKING, Final
 
 import msgspec
 
 from router.ids import EngineId
 from router.load import LoadSnapshot
 from router.trust import TrustState, TrustStatus
+
+if TYPE_CHECKING:
+    from router.config import RouterConfig
 
 __all__ = [
     "WHY_AT_CAPACITY",
@@ -88,6 +91,12 @@ class ScorerSettings(msgspec.Struct, frozen=True):
     decode_penalty_s: float = 0.0
     seed: int = 0
     session_capacity: int = 100_000
+
+    @classmethod
+    def from_config(cls, config: RouterConfig) -> ScorerSettings:
+        """The `[policy]` table as scoring settings (the gateway and `kvrouter replay` both use this)."""
+        p = config.policy
+        return cls(PolicyName(p.name), p.tie_tolerance_s, p.decode_penalty_s, p.seed, p.session_capacity)
 
 
 class CandidateScore(msgspec.Struct, frozen=True):

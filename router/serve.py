@@ -36,7 +36,7 @@ from router.models import Models
 from router.proxy import Proxy, ProxySettings
 from router.record import GatewayRecorder
 from router.routing import RoutingCore
-from router.scoring import PolicyName, Scorer, ScorerSettings
+from router.scoring import Scorer, ScorerSettings
 from router.secrets import load_secrets
 
 __all__ = ["ServeOptions", "Service", "StartupError", "start_embedded"]
@@ -59,14 +59,6 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     stub_timeout_s: float = 60.0
     phase_timeout_s: float = 10.0
     decision_ring: int = 4096
-
-
-def scorer_settings(config: RouterConfig) -> ScorerSettings:
-    """The `[policy]` table as scoring settings."""
-    p = config.policy
-    return ScorerSettings(
-        PolicyName(p.name), p.tie_tolerance_s, p.decode_penalty_s, p.seed, p.session_capacity
-    )
 
 
 async def start_embedded(config: RouterConfig, options: ServeOptions) -> tuple[EmbeddedStubs, RouterConfig]:
@@ -140,7 +132,9 @@ class Service:
             links.on_frame(self.recorder.tap)
             self._sync_task = asyncio.create_task(self._sync_forever(), name="recording-sync")
         await self._phase("fleet", links.start(), opts.phase_timeout_s)
-        core = RoutingCore(state, Scorer(scorer_settings(config)), time.perf_counter)  # state -> decision
+        scorer = Scorer(ScorerSettings.from_config(config))
+        state.on_replica_removed(scorer.forget_engine)  # a removed engine's session pins are dropped
+        core = RoutingCore(state, scorer, time.perf_counter)  # state -> decision
         proxy = self._proxy = Proxy(ProxySettings.from_config(config), state.breakers, state.clock)
         await self._phase("proxy session", proxy.start(), opts.phase_timeout_s)
         if config.discovery.dns_name is not None:

@@ -20,8 +20,9 @@ import msgspec
 
 from events.wire import BlockStored, EngineBlockHash, LazyBlockStored
 from router.event_keys import chain_tokens, event_tokens
+from router.group_kinds import SlidingWindow, group_kind
 from router.keys import KeyHasher, split_event_extra
-from router.model_spec import ModelSpec, finder_kind
+from router.model_spec import ModelSpec
 
 __all__ = ["RunShape", "place_unknown", "run_shape", "sparse_store_keys"]
 
@@ -40,7 +41,7 @@ def run_shape(spec: ModelSpec, gid: int) -> RunShape | None:
     """The kept-run shape of group `gid`, or None unless it is a sliding window with a sparse mask."""
     g = spec.groups[gid]
     align = spec.scheduler_block_size
-    if finder_kind(g.kind) != "swa" or align % g.block_size:
+    if not isinstance(group_kind(g.kind), SlidingWindow) or align % g.block_size:
         return None
     # vLLM merges equal specs whatever their EAGLE flag; the merged group drops if any member does.
     eagle = spec.eagle_groups()

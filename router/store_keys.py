@@ -18,9 +18,9 @@ from collections.abc import Mapping, Sequence
 from events.validate import InvalidEvent
 from events.wire import BlockStored, EngineBlockHash, KVEvent, LazyBlockStored, LazyKVEvent
 from router.event_keys import keys_from_tokens, store_salt
+from router.group_kinds import group_kind
 from router.keys import KeyHasher
 from router.mirror_state import MirrorStats, ReplicaView
-from router.model_spec import finder_kind
 from router.sparse_keys import run_shape, sparse_store_keys
 
 __all__ = ["StoreKeys", "Stored"]
@@ -87,7 +87,7 @@ class StoreKeys:
             if not isinstance(ev, BlockStored | LazyBlockStored) or ev.medium not in (None, "GPU"):
                 continue
             gid = ev.group_idx or 0
-            if not 0 <= gid < len(groups) or finder_kind(groups[gid].kind) in ("swa", "mamba"):
+            if not 0 <= gid < len(groups) or group_kind(groups[gid].kind).sparse_stores:
                 continue
             parent = ev.parent_block_hash
             parent_key = None if parent is None else self.known.get(parent)

@@ -27,21 +27,21 @@ import msgspec
 __all__ = [
     "BlockSizeMismatch",
     "Cleared",
-    "DecodeError",
     "Delivered",
+    "EngineRestarted",
     "EventsRejected",
     "Gap",
     "HistoryLost",
     "ReplayFinished",
     "ReplayStarted",
     "RequestSent",
-    "Reset",
-    "Signal",
     "TokenizerMismatch",
     "TrustReason",
+    "TrustSignal",
     "TrustState",
     "TrustStatus",
     "TrustTracker",
+    "UndecodableBatch",
     "UnseenBlocks",
 ]
 
@@ -117,7 +117,7 @@ class ReplayFinished(msgspec.Struct, frozen=True):
     at: float
 
 
-class Reset(msgspec.Struct, frozen=True):
+class EngineRestarted(msgspec.Struct, frozen=True):
     """The engine restarted (its seq went back); the mirror was cleared and is being rebuilt."""
 
     at: float
@@ -135,7 +135,7 @@ class Cleared(msgspec.Struct, frozen=True):
     at: float
 
 
-class DecodeError(msgspec.Struct, frozen=True):
+class UndecodableBatch(msgspec.Struct, frozen=True):
     """A batch from this engine could not be decoded; its events are missing from the mirror."""
 
     at: float
@@ -178,15 +178,15 @@ class RequestSent(msgspec.Struct, frozen=True):
     at: float
 
 
-Signal = (
+TrustSignal = (
     Delivered
     | Gap
     | ReplayStarted
     | ReplayFinished
-    | Reset
+    | EngineRestarted
     | HistoryLost
     | Cleared
-    | DecodeError
+    | UndecodableBatch
     | EventsRejected
     | BlockSizeMismatch
     | TokenizerMismatch
@@ -216,7 +216,7 @@ class TrustTracker:
         self._awaiting_events_since: float | None = None
         self._last_change = 0.0
 
-    def observe(self, signal: Signal) -> None:
+    def observe(self, signal: TrustSignal) -> None:
         """Apply one signal (see the module docstring for what each one sets and clears)."""
         match signal:
             case Delivered(at=at):
@@ -232,14 +232,14 @@ class TrustTracker:
                 self._set(at, TrustReason.REPLAY_IN_FLIGHT, "replay requested, not finished")
             case ReplayFinished(at=at):
                 self._clear(at, TrustReason.REPLAY_IN_FLIGHT, TrustReason.RESET_NOT_REBUILT)
-            case Reset(at=at):
+            case EngineRestarted(at=at):
                 self._clear(at, *_CLEARED_BY_RESTART)
                 self._set(at, TrustReason.RESET_NOT_REBUILT, "engine restarted; mirror being rebuilt")
             case HistoryLost(at=at):
                 self._set(at, TrustReason.HISTORY_LOST, "replay started past the missing batches")
             case Cleared(at=at):
                 self._clear(at, *_CLEARED_BY_EXACT_MIRROR)
-            case DecodeError(at=at, detail=detail):
+            case UndecodableBatch(at=at, detail=detail):
                 self._set(at, TrustReason.DECODE_ERROR, f"undecodable batch: {detail}".rstrip(": "))
             case EventsRejected(at=at, detail=detail):
                 self._set(at, TrustReason.EVENTS_REJECTED, detail or "events rejected")

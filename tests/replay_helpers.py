@@ -112,5 +112,6 @@ def read_records(path: Path) -> Iterator[Record]:
 def with_config_header(source: Path, target: Path, config: RouterConfig) -> None:
     """The recording as `GatewayRecorder.create(..., config=config)` writes it: the config in the header."""
     recorder = GatewayRecorder.create(target, {"policy": config.policy.name}, "x-session-id", config)
-    recorder.writer.write_many(read_records(source))
+    for record in read_records(source):
+        recorder.writer.write(record)
     recorder.close()

@@ -195,7 +195,8 @@ def test_events_reports_corruption_after_printing_what_precedes_it(
     path = tmp_path / "rec.kvr"
     records = [FrameRecord(10.0 + i, "e1", b"kv-events", i, ENCODER.encode(batch(1, i))) for i in range(3)]
     with RecordingWriter.create(path, FileHeader(1.0)) as writer:
-        writer.write_many(records)
+        for record in records:
+            writer.write(record)
     second = len(encode_header(FileHeader(1.0))) + len(encode_record(records[0]))
     data = bytearray(path.read_bytes())
     data[second + 20] ^= 0xFF

@@ -12,7 +12,7 @@ from aiohttp import web
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_stub.cost_model import CostModel
-from router.config import Discovery, EngineConfig, Limits
+from router.config import Discovery, EngineConfig, Limits, PolicyConfig
 from router.debug import DecisionEntry, Explanation
 from router.errors import ErrorBody
 from tests.gateway_helpers import ADMIN, engine_of, gateway_config, running_gateway, running_stubs, wait_for
@@ -313,3 +313,30 @@ async def test_the_routers_api_key_never_reaches_an_engine() -> None:
         assert seen[2:] == ["Bearer k1", "Bearer k1"]
     finally:
         await runner.cleanup()
+
+
+async def test_a_session_pinned_to_a_removed_engine_is_routed_afresh() -> None:
+    """Removing an engine drops the session pins to it: re-added under the same name, it is no
+    longer the session's affinity (the scorer forgot the pin when the engine left)."""
+    async with running_stubs(2) as stubs:
+        engines = [engine_of(f"e{i}", s) for i, s in enumerate(stubs)]
+        policy = PolicyConfig(name="session", trust_silence_s=30.0)
+        async with running_gateway(gateway_config(engines, policy=policy)) as gw:
+            c = gw.client
+            session = {"x-session-id": "s1"}
+
+            async def reason_of(answer: httpx.Response) -> str:
+                found = await c.get(f"/debug/decisions/{answer.headers['x-request-id']}", headers=ADMIN_AUTH)
+                return msgspec.json.decode(found.content, type=DecisionEntry).decisions[0].reason
+
+            first = await c.post("/v1/completions", json=BODY, headers=session)
+            assert first.status_code == 200 and "new session" in await reason_of(first)
+            pinned = first.headers["x-kvrouter-engine"]
+            sticky = await c.post("/v1/completions", json=BODY, headers=session)
+            assert "affinity" in await reason_of(sticky)
+            assert (await c.delete(f"/admin/engines/{pinned}", headers=ADMIN_AUTH)).status_code == 204
+            again = next(e for e in engines if e.name == pinned)
+            added = await c.post("/admin/engines", content=msgspec.json.encode(again), headers=ADMIN_AUTH)
+            assert added.status_code == 201, added.text
+            after = await c.post("/v1/completions", json=BODY, headers=session)
+            assert after.status_code == 200 and "new session" in await reason_of(after)

@@ -6,8 +6,9 @@ import pytest
 
 from engine_stub.config import CacheConfig, EngineCoreConfig, GroupKind, GroupSpec
 from engine_stub.kv_groups import MaskArgs, cacheable_mask
-from engine_stub.request import ReportMode, SubmitParams
+from engine_stub.request import SubmitParams
 from engine_stub.scheduler import Scheduler
+from events.request_tokens import ReportMode
 from events.wire import BlockStored
 
 BS = 4

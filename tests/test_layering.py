@@ -56,6 +56,7 @@ PURE = [
     "router/model_spec.py",
     "router/mirror_state.py",
     "router/finders.py",
+    "router/group_kinds.py",
     "router/event_keys.py",
     "router/sparse_keys.py",
     "router/store_keys.py",

@@ -8,6 +8,7 @@ import msgspec
 import pytest
 
 from events.block_hash import VllmHasher, wire_hash
+from events.request_tokens import ReportMode
 from events.wire import (
     ENCODER,
     AllBlocksCleared,
@@ -20,7 +21,7 @@ from events.wire import (
 from router.ids import RequestId
 from router.keys import KeyHasher
 from router.mirror import EngineId, Mirror, MirrorConfig
-from router.model_spec import GroupSpec, HashingMode, ModelSpec, ReportMode
+from router.model_spec import GroupSpec, HashingMode, ModelSpec
 from router.reports import PendingReport, apply_batch
 
 Parent = EngineBlockHash | None

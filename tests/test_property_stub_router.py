@@ -26,12 +26,13 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from engine_stub.config import CacheConfig, EngineCoreConfig, GroupKind, GroupSpec
-from engine_stub.request import ReportMode, SubmitParams
+from engine_stub.request import SubmitParams
 from engine_stub.scheduler import Scheduler, StepOutput
 from events.block_hash import RequestExtras
 from events.config import KVEventsConfig
 from events.openai_request import Endpoint
 from events.publisher import EventPublisher
+from events.request_tokens import ReportMode
 from events.sources import SubscriberConfig
 from events.wire import KVEventBatch
 from router.config import EngineConfig, GroupConfig, ModelConfig, RouterConfig

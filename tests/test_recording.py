@@ -76,11 +76,11 @@ def test_records_round_trip(records: list[FrameRecord]) -> None:
     assert reader.stats.end_offset == len(data)
 
 
-def test_file_round_trip_with_write_and_write_many(tmp_path: Path) -> None:
+def test_file_round_trip(tmp_path: Path) -> None:
     path = tmp_path / "rec.kvr"
     with RecordingWriter.create(path, HEADER) as writer:
-        writer.write(frame(0))
-        writer.write_many([frame(1, "b"), frame(2)])
+        for record in [frame(0), frame(1, "b"), frame(2)]:
+            writer.write(record)
         assert writer.records_written == 3
     with RecordingReader.open(path) as reader:
         assert list(reader.records()) == [frame(0), frame(1, "b"), frame(2)]
@@ -196,7 +196,8 @@ def test_bad_headers_are_rejected(data: bytes, message: str) -> None:
 def test_append_after_crash_truncates_the_torn_tail(tmp_path: Path) -> None:
     path = tmp_path / "rec.kvr"
     with RecordingWriter.create(path, HEADER) as writer:
-        writer.write_many([frame(0), frame(1)])
+        writer.write(frame(0))
+        writer.write(frame(1))
     good_size = path.stat().st_size
     with path.open("ab") as f:  # a crash in the middle of writing a third record
         f.write(encode_record(frame(2))[:11])

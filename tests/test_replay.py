@@ -26,13 +26,11 @@ from kvrouter.replay import (
     ReplayState,
     Setup,
     compare,
-    scorer_settings,
 )
 from router.config import EngineConfig, RouterConfig
 from router.ids import EngineId
 from router.record import GatewayRecorder
-from router.scoring import PolicyName
-from router.serve import scorer_settings as serve_scorer_settings
+from router.scoring import PolicyName, ScorerSettings
 from tests.gateway_helpers import running_stubs
 from tests.replay_helpers import TURNS, USERS, read_records, record_session, with_config_header
 
@@ -133,7 +131,8 @@ def frame(seq: int, payload: bytes | None = None) -> FrameRecord:
 
 def write(path: Path, records: list[Record], tail: bytes = b"") -> None:
     with RecordingWriter.create(path, FileHeader(0.0, {"config": msgspec.to_builtins(CONFIG)})) as writer:
-        writer.write_many(records)
+        for record in records:
+            writer.write(record)
     with open(path, "ab") as f:
         f.write(tail)
 
@@ -210,7 +209,7 @@ def test_setup_reads_the_config_from_the_header_and_matches_serve(tmp_path: Path
         setup = Setup.from_header(reader.header)
     assert setup.config == CONFIG and setup.source == "recording" and setup.exact
     assert list(setup.replicas) == ["e0"]
-    assert scorer_settings(CONFIG) == serve_scorer_settings(CONFIG)
+    assert setup.settings == ScorerSettings.from_config(CONFIG)
     old = FileHeader(
         0.0, {"engines": {"e0": {"url": ENGINE.url, "events": ENGINE.events}}, "policy": "random"}
     )

@@ -14,11 +14,11 @@ import msgspec
 import pytest
 
 from engine_stub.config import CacheConfig, EngineCoreConfig, GroupSpec
-from engine_stub.request import ReportMode, SubmitParams
+from engine_stub.request import SubmitParams
 from engine_stub.scheduler import Scheduler
 from events.openai_request import Endpoint
-from events.sequence import CaughtUp
-from events.sequence import Reset as LinkReset
+from events.request_tokens import ReportMode
+from events.sequence import CaughtUp, Reset
 from events.sources import EngineName
 from events.wire import KVEventBatch
 from router.config import EngineConfig, ModelConfig, RouterConfig
@@ -254,7 +254,7 @@ async def test_a_restart_found_by_the_verification_is_the_only_cause_named(
     fleet, core = await replaying(make, tmp_path)
     a = EngineId("a")
     miss_three(fleet, core, a)
-    fleet.on_signal(EngineName("a"), LinkReset("restart"))
+    fleet.on_signal(EngineName("a"), Reset("restart"))
     fleet.on_signal(EngineName("a"), CaughtUp(None))
     assert (fleet.trust(a, fleet.clock()).reason, fleet.replica(a).resets) == (TrustReason.OK, 1)
 

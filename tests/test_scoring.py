@@ -5,6 +5,7 @@ from __future__ import annotations
 import msgspec
 import pytest
 
+from router.config import PolicyConfig, RouterConfig
 from router.ids import EngineId
 from router.load import LoadSnapshot
 from router.scoring import Candidate, PolicyName, RouteRequest, Scorer, ScorerSettings, stable_hash
@@ -319,3 +320,12 @@ def test_the_hybrid_pin_and_the_hit_compete_on_the_prefix_they_leave(
     assert decision.engine == want, decision.reason
     words = "pinning the hybrid junction at" if want == "b" else "the larger cached prefix (16 tokens)"
     assert words in decision.reason
+
+
+def test_settings_from_the_policy_table() -> None:
+    """One mapping from `[policy]` to the scorer, used by the gateway and by `kvrouter replay`."""
+    policy = PolicyConfig(
+        name="session", tie_tolerance_s=0.5, decode_penalty_s=0.1, seed=7, session_capacity=3
+    )
+    settings = ScorerSettings.from_config(RouterConfig(policy=policy))
+    assert settings == ScorerSettings(PolicyName.SESSION, 0.5, 0.1, 7, 3)

@@ -29,11 +29,11 @@ from events.sequence import Signal
 from events.sources import EngineName, EngineSource, SubscriberConfig
 from events.subscriber import EngineSubscriber
 from events.wire import BlockStored, KVEventBatch, LazyKVEventBatch
+from router import model_spec
 from router.ids import EngineId
 from router.keys import KeyHasher
 from router.lookup import LookupRequest, LookupResult, ReplicaId, lookup
 from router.mirror import Mirror
-from router.model_spec import GroupSpec as RouterGroup
 from router.model_spec import HashingMode, ModelSpec
 from router.request_keys import spec_keys
 
@@ -197,7 +197,7 @@ MODELS = {
 def _router_spec(name: str, hashing: HashingMode) -> ModelSpec:
     groups, drop, lookahead = MODELS[name]
     router_groups = tuple(
-        RouterGroup(g.kind.value, g.block_size, sliding_window=g.sliding_window, eagle=g.eagle)
+        model_spec.GroupSpec(g.kind.value, g.block_size, sliding_window=g.sliding_window, eagle=g.eagle)
         for g in groups
     )
     return ModelSpec(groups=router_groups, eagle_block_drop=drop, lookahead_tokens=lookahead, hashing=hashing)

@@ -14,8 +14,15 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_stub.cost_model import CostModel
-from engine_stub.openai_io import ChatChunk, ChatCompletion, Completion, CompletionChunk, ErrorBody, ModelList
-from engine_stub.openai_io import TokenizeResponse as TokenizeReply
+from engine_stub.openai_io import (
+    ChatChunk,
+    ChatCompletion,
+    Completion,
+    CompletionChunk,
+    ErrorBody,
+    ModelList,
+    TokenizeResponse,
+)
 from engine_stub.pseudo_text import PseudoText
 from events.config import KVEventsConfig
 from events.decode import BatchDecoder
@@ -193,12 +200,14 @@ async def test_bad_bodies_get_openai_errors_naming_the_field(
 async def test_tokenize_matches_the_shared_request_tokens() -> None:
     async with live_stub() as (_, client):
         reply = msgspec.json.decode(
-            (await client.post("/tokenize", json={"prompt": "hey"})).content, type=TokenizeReply
+            (await client.post("/tokenize", json={"prompt": "hey"})).content, type=TokenizeResponse
         )
         assert reply.tokens == TOK.encode("hey") and reply.count == len(reply.tokens)
         assert reply.max_model_len == 4096 and reply.token_strs is None
         chat = {"messages": [{"role": "user", "content": "hey"}], "return_token_strs": True}
-        reply = msgspec.json.decode((await client.post("/tokenize", json=chat)).content, type=TokenizeReply)
+        reply = msgspec.json.decode(
+            (await client.post("/tokenize", json=chat)).content, type=TokenizeResponse
+        )
         assert (
             tuple(reply.tokens)
             == request_tokens(msgspec.json.encode(chat), "/v1/chat/completions", TOK).tokens

@@ -7,19 +7,19 @@ import pytest
 from router.trust import (
     BlockSizeMismatch,
     Cleared,
-    DecodeError,
     Delivered,
+    EngineRestarted,
     Gap,
     HistoryLost,
     ReplayFinished,
     ReplayStarted,
     RequestSent,
-    Reset,
-    Signal,
     TokenizerMismatch,
     TrustReason,
+    TrustSignal,
     TrustState,
     TrustTracker,
+    UndecodableBatch,
     UnseenBlocks,
 )
 
@@ -28,7 +28,7 @@ R = TrustReason
 MISMATCH = BlockSizeMismatch(1.0, expected=16, got=32)
 
 # name: (signals, now, expected state, expected reason); silence_s is 5 throughout.
-CASES: dict[str, tuple[list[Signal], float, TrustState, TrustReason]] = {
+CASES: dict[str, tuple[list[TrustSignal], float, TrustState, TrustReason]] = {
     "new engine": ([], 0.0, FRESH, R.OK),
     "live events": ([Delivered(1.0), Delivered(2.0)], 3.0, FRESH, R.OK),
     "gap not replayed": ([Delivered(1.0), Gap(2.0, 5, 8)], 3.0, STALE, R.GAP),
@@ -47,26 +47,26 @@ CASES: dict[str, tuple[list[Signal], float, TrustState, TrustReason]] = {
         R.OK,
     ),
     "history lost, then engine restarted and replayed": (
-        [HistoryLost(2.2), Reset(3.0), ReplayStarted(3.0), ReplayFinished(3.1)],
+        [HistoryLost(2.2), EngineRestarted(3.0), ReplayStarted(3.0), ReplayFinished(3.1)],
         4.0,
         FRESH,
         R.OK,
     ),
-    "reset not rebuilt": ([Delivered(1.0), Reset(2.0)], 3.0, CATCHING_UP, R.RESET_NOT_REBUILT),
-    "reset, live events resume": ([Reset(2.0), Delivered(2.5)], 3.0, FRESH, R.OK),
+    "reset not rebuilt": ([Delivered(1.0), EngineRestarted(2.0)], 3.0, CATCHING_UP, R.RESET_NOT_REBUILT),
+    "reset, live events resume": ([EngineRestarted(2.0), Delivered(2.5)], 3.0, FRESH, R.OK),
     "reset during replay waits for the replay": (
-        [Reset(2.0), ReplayStarted(2.0), Delivered(2.5)],
+        [EngineRestarted(2.0), ReplayStarted(2.0), Delivered(2.5)],
         3.0,
         CATCHING_UP,
         R.REPLAY_IN_FLIGHT,
     ),
     "decode error": (
-        [Delivered(1.0), DecodeError(2.0, "bad msgpack"), Delivered(3.0)],
+        [Delivered(1.0), UndecodableBatch(2.0, "bad msgpack"), Delivered(3.0)],
         4.0,
         STALE,
         R.DECODE_ERROR,
     ),
-    "decode error healed by clear": ([DecodeError(2.0), Cleared(3.0)], 4.0, FRESH, R.OK),
+    "decode error healed by clear": ([UndecodableBatch(2.0), Cleared(3.0)], 4.0, FRESH, R.OK),
     "block size mismatch": (
         [MISMATCH, Delivered(2.0)],
         3.0,
@@ -80,7 +80,7 @@ CASES: dict[str, tuple[list[Signal], float, TrustState, TrustReason]] = {
         R.BLOCK_SIZE_MISMATCH,
     ),
     "mismatch ends at restart": (
-        [MISMATCH, Reset(2.0), Delivered(2.1)],
+        [MISMATCH, EngineRestarted(2.0), Delivered(2.1)],
         3.0,
         FRESH,
         R.OK,
@@ -93,7 +93,12 @@ CASES: dict[str, tuple[list[Signal], float, TrustState, TrustReason]] = {
         FRESH,
         R.OK,
     ),
-    "unseen blocks end at a restart": ([UnseenBlocks(1.0), Reset(2.0), Delivered(2.1)], 3.0, FRESH, R.OK),
+    "unseen blocks end at a restart": (
+        [UnseenBlocks(1.0), EngineRestarted(2.0), Delivered(2.1)],
+        3.0,
+        FRESH,
+        R.OK,
+    ),
     "request sent, within silence budget": ([RequestSent(1.0)], 5.9, FRESH, R.OK),
     "silent while requests flow": (
         [Delivered(0.5), RequestSent(1.0), RequestSent(4.0)],

@@ -12,7 +12,7 @@ from kvrouter.replay.decisions import DecisionReplay, Replayer, candidates_now, 
 from kvrouter.replay.explain import NewPromptExplanation, explain_prompt, explain_request, render_decision
 from kvrouter.replay.link import LinkReplay
 from kvrouter.replay.rebuild import Rebuild, ReplicaReplay
-from kvrouter.replay.setup import ReplayConfigError, ReplicaInfo, Setup, config_of, scorer_settings
+from kvrouter.replay.setup import ReplayConfigError, ReplicaInfo, Setup, config_of
 from kvrouter.replay.source import Cut, parse_time, records
 from kvrouter.replay.state import ReplayState, ReplicaState, render_state, state_of
 
@@ -43,6 +43,5 @@ __all__ = [
     "render_comparison",
     "render_decision",
     "render_state",
-    "scorer_settings",
     "state_of",
 ]

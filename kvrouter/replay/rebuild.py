@@ -15,6 +15,7 @@ from dataclasses import dataclass, field, fields
 
 from events.decode import BatchDecoder
 from events.recording import FrameRecord
+from events.request_tokens import ReportMode
 from events.sequence import Action, CaughtUp, Deliver, Duplicate, Rebuilt, RequestReplay, Reset
 from events.wire import AllBlocksCleared, LazyKVEventBatch
 from kvrouter.replay.link import LinkReplay
@@ -23,7 +24,6 @@ from router.ids import EngineId, RequestId
 from router.load import LoadSnapshot
 from router.mirror import Mirror
 from router.mirror_state import MirrorStats
-from router.model_spec import ReportMode
 from router.reports import PendingReport, apply_batch
 from router.scoring import Decision
 from router.trust import TrustStatus

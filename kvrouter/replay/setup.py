@@ -19,10 +19,10 @@ from router.config import EngineConfig, RouterConfig
 from router.ids import EngineId
 from router.keys import KeyHasher
 from router.models import Models
-from router.scoring import PolicyName, ScorerSettings
+from router.scoring import ScorerSettings
 from router.variants import Variant
 
-__all__ = ["ReplayConfigError", "ReplicaInfo", "Setup", "config_of", "scorer_settings"]
+__all__ = ["ReplayConfigError", "ReplicaInfo", "Setup", "config_of"]
 
 
 class ReplayConfigError(ValueError):
@@ -81,14 +81,6 @@ def _metadata(metadata: dict[str, Any]) -> _HeaderMetadata:
         raise ReplayConfigError(f"the recording's header metadata is not a gateway's: {exc}") from None
 
 
-def scorer_settings(config: RouterConfig) -> ScorerSettings:
-    """The `[policy]` table as scoring settings (the same mapping as `router.serve.scorer_settings`)."""
-    p = config.policy
-    return ScorerSettings(
-        PolicyName(p.name), p.tie_tolerance_s, p.decode_penalty_s, p.seed, p.session_capacity
-    )
-
-
 class Setup:
     """The gateway's static picture: config, models (tokenizers, keys), replicas, scorer settings."""
 
@@ -97,7 +89,7 @@ class Setup:
         self.source = source
         self.exact = source != "recording metadata"
         self.models = Models(config, KeyHasher())
-        self.settings = scorer_settings(config)
+        self.settings = ScorerSettings.from_config(config)
         self.session_header = config.policy.session_header.lower()
         self.replicas: dict[EngineId, ReplicaInfo] = {}
         for engine in config.engines:
