@@ -15,10 +15,10 @@ from collections.abc import Callable
 
 from events.decode import BatchDecoder
 from events.wire import ENCODER, BlockStored, KVEventBatch, LazyKVEventBatch
-from router.keys import KeyHasher
-from router.lookup import LookupRequest, lookup
-from router.mirror import EngineId, Mirror
-from router.model_spec import GroupSpec, HashingMode, ModelSpec
+from router.core.keys.block_key import KeyHasher
+from router.core.kv_layout import GroupSpec, HashingMode, ModelSpec
+from router.core.lookup.computed_blocks import LookupRequest, lookup
+from router.core.mirror.shared_index import EngineId, Mirror
 
 BS = 16
 RNG = random.Random(1)

@@ -23,18 +23,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.proxy_bench import MODEL, bodies
 from bench.tokenize_bench import TEMPLATE
 from events.block_hash import RequestExtras
-from events.openai_request import Endpoint, decode_chat
-from events.tokenization import Tokenizer
-from events.tokenization.conversation import conversation
-from events.tokenization.hf_files import package_dir
-from router.config import EngineConfig, ModelConfig, RouterConfig
-from router.fleet import FleetState
-from router.fleet_links import FleetLinks
-from router.ids import EngineId, RequestId
-from router.models import Models, Prepared
-from router.pending import PendingPrefixes
-from router.routing import RoutingCore
-from router.scoring import RouteRequest, Scorer, ScorerSettings
+from router.core.fleet_state import FleetState
+from router.core.ids import EngineId, RequestId
+from router.core.mirror.pending import PendingPrefixes
+from router.core.policy.scoring import RouteRequest, Scorer, ScorerSettings
+from router.core.routing import RoutingCore
+from router.links.fleet_links import FleetLinks
+from router.prepare.served_models import Models, Prepared
+from router.settings.config import EngineConfig, ModelConfig, RouterConfig
+from tokenization import Tokenizer
+from tokenization.conversation import conversation
+from tokenization.hf_files import package_dir
+from tokenization.openai_request import Endpoint, decode_chat
 
 T = TypeVar("T")
 

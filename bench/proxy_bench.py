@@ -28,7 +28,7 @@ from aiohttp import web
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.tokenize_bench import TEMPLATE, conversation
-from events.tokenization.hf_files import package_dir
+from tokenization.hf_files import package_dir
 
 MODEL = "bench-model"
 JSON_ANSWER = msgspec.json.encode(

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from events.tokenization import BuiltinTokenizer, HfTokenizer, Tokenizer
+from tokenization import BuiltinTokenizer, HfTokenizer, Tokenizer
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "tests" / "data" / "deepseek_chat.jinja"
 WORDS = "the a cache block router engine prefix token 你好 世界 42 1999 , . ! ? \n def return (x) =".split(

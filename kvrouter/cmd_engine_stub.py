@@ -23,9 +23,9 @@ from typing import Any
 
 import msgspec
 
-from engine_stub.serve import StubServer
-from engine_stub.server_config import StubConfig, load_config
-from engine_stub.stub import ReadyInfo
+from engine_stub.runtime.stub_runtime import ReadyInfo
+from engine_stub.server.launch import StubServer
+from engine_stub.stub_config import StubConfig, load_config
 from events.config import decode_kv_events_config
 from kvrouter.logs import configure_logging
 

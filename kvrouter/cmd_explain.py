@@ -18,7 +18,6 @@ from typing import Any
 
 import msgspec
 
-from events.openai_request import Endpoint, RequestError
 from events.recording import CorruptRecordError, Record
 from kvrouter.replay import (
     Cut,
@@ -30,6 +29,7 @@ from kvrouter.replay import (
     render_decision,
 )
 from kvrouter.replay.opening import CannotReplay, open_recording, warn_about
+from tokenization.openai_request import Endpoint, RequestError
 
 __all__ = ["new_request_body", "register", "run"]
 

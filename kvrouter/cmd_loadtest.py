@@ -16,7 +16,7 @@ from pathlib import Path
 import msgspec
 from tqdm import tqdm
 
-from engine_stub.server_config import load_config as load_stub_config
+from engine_stub.stub_config import load_config as load_stub_config
 from kvrouter.extras import MissingExtra, require_extra
 from kvrouter.loadtest.harness import EXTERNAL, ORACLE, HarnessSpec, default_out_dir, run_harness
 from kvrouter.loadtest.report import Report
@@ -31,8 +31,8 @@ from kvrouter.loadtest.workload import (
     synthetic_requests,
     trace_requests,
 )
-from router.config import Embedded
-from router.scoring import PolicyName
+from router.core.policy.scoring import PolicyName
+from router.settings.config import Embedded
 
 __all__ = ["build_requests", "register", "run"]
 

@@ -17,7 +17,7 @@ import msgspec
 from events.recording import CorruptRecordError
 from kvrouter.replay import Comparison, Cut, Replayer, records, render_comparison, render_state, state_of
 from kvrouter.replay.opening import CannotReplay, open_recording, warn_about
-from router.scoring import PolicyName
+from router.core.policy.scoring import PolicyName
 
 __all__ = ["register", "run"]
 

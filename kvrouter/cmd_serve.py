@@ -21,11 +21,11 @@ from typing import get_args, get_type_hints
 import msgspec
 import uvicorn
 
-from engine_stub.listening import bind_listening
-from engine_stub.quiet_server import QuietServer
 from kvrouter.cli import version
-from router.config import ConfigError, Listen, PolicyConfig, RouterConfig
-from router.overrides import apply_overrides, load_config
+from router.settings.config import ConfigError, Listen, PolicyConfig, RouterConfig
+from router.settings.overrides import apply_overrides, load_config
+from serving.listening import bind_listening
+from serving.quiet_server import QuietServer
 
 __all__ = ["ReadyLine", "effective_config", "policy_names", "register", "run"]
 
@@ -120,10 +120,10 @@ def startup_message(url: str, config: RouterConfig, engines: list[str]) -> str:
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM (a clean stop: 0); 2 on a configuration error, 1 when start-up fails."""
     # Imported here: the gateway's stack (FastAPI, aiohttp, tokenizers) is not loaded for other commands.
-    from router.app import create_app
-    from router.client_timeouts import TimedHttpToolsProtocol
-    from router.gateway import GatewayParts
-    from router.serve import ServeOptions
+    from router.edge.asgi_app import create_app
+    from router.edge.client_timeouts import TimedHttpToolsProtocol
+    from router.edge.gateway import GatewayParts
+    from router.lifecycle import ServeOptions
 
     try:
         config = effective_config(args, dict(os.environ))

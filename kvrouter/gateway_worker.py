@@ -19,9 +19,9 @@ import msgspec
 
 from kvrouter.logs import configure_logging
 from kvrouter.serve_workers import CONFIG_ENV, LOG_ENV, PEERS_ENV
-from router.app import GatewayApp, create_app
-from router.config import RouterConfig
-from router.serve import ServeOptions
+from router.edge.asgi_app import GatewayApp, create_app
+from router.lifecycle import ServeOptions
+from router.settings.config import RouterConfig
 
 __all__ = ["create_worker_app"]
 

@@ -6,7 +6,7 @@ spawned and kept alive by uvicorn's own supervisor (`uvicorn.supervisors.Multipr
 pings, restart of a dead worker, SIGHUP rolling restart, SIGTTIN/SIGTTOU to grow or shrink); the
 kernel spreads connections over them. Each worker is a whole gateway: its own subscribers and exact
 mirror of every engine, its own load view and decision ring (a decision lookup that misses asks the
-siblings, `router.decision_peers`). Request metrics are summed across workers through
+siblings, `router.ops.decision_peers`). Request metrics are summed across workers through
 prometheus_client's multiprocess mode (a private directory the parent creates and removes). The
 ready line is printed once every worker has started.
 """
@@ -28,10 +28,10 @@ import msgspec
 import uvicorn
 from uvicorn.supervisors import Multiprocess
 
-from router.client_timeouts import TimedHttpToolsProtocol
-from router.config import RouterConfig
-from router.metrics import MULTIPROCESS_ENV
-from router.serve import ServeOptions, start_embedded
+from router.edge.client_timeouts import TimedHttpToolsProtocol
+from router.lifecycle import ServeOptions, start_embedded
+from router.ops.metrics import MULTIPROCESS_ENV
+from router.settings.config import RouterConfig
 
 __all__ = ["CONFIG_ENV", "LOG_ENV", "PEERS_ENV", "WorkerSupervisor", "run_workers"]
 
@@ -40,7 +40,7 @@ log = logging.getLogger(__name__)
 CONFIG_ENV: Final = "KVROUTER_WORKER_CONFIG"
 """The resolved `RouterConfig` as JSON, for `kvrouter.gateway_worker.create_worker_app`."""
 PEERS_ENV: Final = "KVROUTER_WORKER_PEERS"
-"""The directory where workers answer each other's decision lookups (router.decision_peers)."""
+"""The directory where workers answer each other's decision lookups (router.ops.decision_peers)."""
 LOG_ENV: Final = "KVROUTER_WORKER_LOG"
 """The parent's log level and format ("LEVEL:FORMAT"), so workers log the same way."""
 _READY_TIMEOUT_S: Final = 120.0

@@ -13,14 +13,14 @@ import httpx
 import msgspec
 import uvicorn
 
-from engine_stub.serve import StubServer, running_stub
-from engine_stub.server_config import StubConfig
-from router.app import create_app
-from router.client_timeouts import TimedHttpToolsProtocol
-from router.config import EngineConfig, Limits, PolicyConfig, RouterConfig
-from router.gateway import GatewayParts
-from router.ids import EngineId
-from router.serve import ServeOptions, Service
+from engine_stub.server.launch import StubServer, running_stub
+from engine_stub.stub_config import StubConfig
+from router.core.ids import EngineId
+from router.edge.asgi_app import create_app
+from router.edge.client_timeouts import TimedHttpToolsProtocol
+from router.edge.gateway import GatewayParts
+from router.lifecycle import ServeOptions, Service
+from router.settings.config import EngineConfig, Limits, PolicyConfig, RouterConfig
 from tests.stub_helpers import stub_config
 
 __all__ = [

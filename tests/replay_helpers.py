@@ -8,13 +8,13 @@ from pathlib import Path
 import httpx
 import msgspec
 
-from engine_stub.serve import StubServer
+from engine_stub.server.launch import StubServer
 from events.recording import Record
 from events.recording_file import RecordingReader
-from router.config import PolicyConfig, RouterConfig
-from router.ids import EngineId
-from router.record import GatewayRecorder
-from router.serve import ServeOptions
+from router.core.ids import EngineId
+from router.lifecycle import ServeOptions
+from router.ops.recording import GatewayRecorder
+from router.settings.config import PolicyConfig, RouterConfig
 from tests.gateway_helpers import (
     Gateway,
     engine_of,

@@ -12,10 +12,10 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from engine_stub.config import CacheConfig, EngineCoreConfig, GroupSpec
-from engine_stub.cost_model import CostModel
-from engine_stub.serve import StubServer, running_stub
-from engine_stub.server_config import StubConfig
+from engine_stub.core.engine_config import CacheConfig, EngineCoreConfig, GroupSpec
+from engine_stub.runtime.cost_model import CostModel
+from engine_stub.server.launch import StubServer, running_stub
+from engine_stub.stub_config import StubConfig
 from events.config import KVEventsConfig
 from events.frames import Frame, parse_frame
 

@@ -1,21 +1,36 @@
-"""Architecture rules, enforced: the pure core imports no I/O, and imports flow one way.
+"""Architecture rules, enforced by the tree: the pure core reaches no I/O, and imports flow one way.
 
-events/ imports nothing from router/ or engine_stub/; router/ and engine_stub/ never import each other.
-The pure modules (listed by name, and any module that exists among them) import no asyncio, sockets,
-HTTP or clock-reading helpers: time is passed in.
+Every module's imports are followed transitively (within the repository's packages, read with `ast`;
+imports under `if TYPE_CHECKING:` do not run and are not followed). From anything under a pure package
+(router/core/, engine_stub/core/) or a listed pure module, no module reached may import asyncio, sockets,
+ZeroMQ, an HTTP library or server, or call a clock: time is passed in. events/ and tokenization/ import
+neither router/ nor engine_stub/, and those two never import each other. A listed path that does not
+exist fails, and so does a module the README's module map does not name.
 """
 
 from __future__ import annotations
 
 import ast
+import re
+from collections.abc import Iterator
+from functools import cache
 from pathlib import Path
 
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-IO_MODULES = {"asyncio", "zmq", "httpx", "fastapi", "aiohttp", "uvicorn", "socket", "starlette", "time"}
-PURE = [
+PACKAGES = ("router", "events", "engine_stub", "tokenization", "serving", "kvrouter")
+IO_MODULES = {"asyncio", "socket", "zmq", "aiohttp", "starlette", "fastapi", "uvicorn", "httpx"}
+# Calls that read a clock: `time.time()`, `loop.time()`, `datetime.now()`, ... (module or object, attribute).
+CLOCK_ATTRS = {
+    "time": {"time", "time_ns", "monotonic", "monotonic_ns", "perf_counter", "perf_counter_ns"},
+    "datetime": {"now", "utcnow", "today"},
+    "loop": {"time"},
+}
+PURE_PACKAGES = ["router/core", "engine_stub/core"]
+PURE_MODULES = [
     "events/wire.py",
+    "events/validate.py",
     "events/decode.py",
     "events/block_hash.py",
     "events/frames.py",
@@ -23,139 +38,209 @@ PURE = [
     "events/faults.py",
     "events/sources.py",
     "events/recording.py",
-    "events/tokenization/segmenter.py",
-    "events/tokenization/segment_cache.py",
-    "engine_stub/block_pool.py",
-    "engine_stub/kv_groups.py",
-    "engine_stub/group_manager.py",
-    "engine_stub/mamba_group.py",
-    "engine_stub/coordinator.py",
-    "engine_stub/kv_manager.py",
-    "engine_stub/scheduler.py",
-    "engine_stub/faults.py",
-    "engine_stub/dp_balance.py",
-    "engine_stub/openai_io.py",
-    "engine_stub/pseudo_text.py",
-    "engine_stub/cost_model.py",
-    "router/keys.py",
-    "router/key_cache.py",
-    "router/request_keys.py",
-    "router/pending.py",
-    "router/mirror.py",
-    "router/lookup.py",
-    "router/trust.py",
-    "router/scoring.py",
-    "router/load.py",
-    "router/breaker.py",
-    "router/retry.py",
-    "router/admission.py",
-    "router/refusal.py",
-    "router/headers.py",
-    "router/ids.py",
-    "router/errors.py",
-    "router/model_spec.py",
-    "router/mirror_state.py",
-    "router/finders.py",
-    "router/group_kinds.py",
-    "router/event_keys.py",
-    "router/sparse_keys.py",
-    "router/store_keys.py",
-    "router/fleet.py",
-    "router/replica.py",
-    "router/prepared.py",
-    "router/routing.py",
+    "tokenization/segmenter.py",
+    "tokenization/segment_cache.py",
+    "engine_stub/runtime/faults.py",
+    "engine_stub/runtime/dp_balance.py",
+    "engine_stub/runtime/pseudo_text.py",
+    "engine_stub/runtime/cost_model.py",
+    "engine_stub/runtime/script_driver.py",
+    "engine_stub/server/openai_io.py",
+    "router/edge/headers.py",
+    "router/prepare/prepared.py",
     "kvrouter/loadtest/workload.py",
     "kvrouter/loadtest/results.py",
 ]
+# Violations being fixed elsewhere, expected to fail (strictly: delete the line once it passes).
+KNOWN_VIOLATIONS: dict[str, str] = {}
 FORBIDDEN_PACKAGES = {
     "events": {"router", "engine_stub", "kvrouter"},
+    "tokenization": {"router", "engine_stub", "kvrouter"},
+    "serving": {"router", "engine_stub", "kvrouter"},
     "router": {"engine_stub"},
     "engine_stub": {"router"},
 }
 
 
-def imported_roots(path: Path) -> set[str]:
-    """Top-level names of every module `path` imports."""
-    tree = ast.parse(path.read_text(), filename=str(path))
-    roots: set[str] = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.Import):
-            roots.update(alias.name.split(".")[0] for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            roots.add(node.module.split(".")[0])
-    return roots
-
-
-@pytest.mark.parametrize("relpath", [p for p in PURE if (ROOT / p).exists()])
-def test_pure_module_imports_no_io(relpath: str) -> None:
-    assert not imported_roots(ROOT / relpath) & IO_MODULES
-
-
-@pytest.mark.parametrize("package", sorted(FORBIDDEN_PACKAGES))
-def test_imports_flow_one_way(package: str) -> None:
-    offenders = {
-        str(path.relative_to(ROOT)): sorted(imported_roots(path) & FORBIDDEN_PACKAGES[package])
-        for path in (ROOT / package).rglob("*.py")
-    }
-    assert {k: v for k, v in offenders.items() if v} == {}
-
-
-def test_the_pure_list_names_the_core_that_exists() -> None:
-    assert sum((ROOT / p).exists() for p in PURE) >= 3
-
-
-# -- transitive: the fleet's pure state and the routing core ----------------------------------
-
-TRANSITIVE_IO = {"asyncio", "zmq", "aiohttp", "starlette", "uvicorn", "socket"}
-REPO_PACKAGES = {"events", "router", "engine_stub", "kvrouter"}
-PURE_ROOTS = ["router.fleet", "router.replica", "router.routing", "router.prepared"]
-
-
-def module_path(module: str) -> Path | None:
-    """The file of a repository module (`a.b` -> a/b.py or a/b/__init__.py), None if outside the repo."""
-    base = ROOT.joinpath(*module.split("."))
+def module_path(name: str) -> Path | None:
+    """The file of repository module `name` (a package's `__init__.py`), or None if it is not ours."""
+    if name.split(".")[0] not in PACKAGES:
+        return None
+    base = ROOT.joinpath(*name.split("."))
     for candidate in (base.with_suffix(".py"), base / "__init__.py"):
         if candidate.is_file():
             return candidate
     return None
 
 
-def imported_modules(path: Path) -> set[str]:
-    """Full names of every module `path` imports (`from a import b` counts `a` and `a.b`)."""
-    tree = ast.parse(path.read_text(), filename=str(path))
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _runtime_nodes(tree: ast.AST) -> Iterator[ast.AST]:
+    """Every node, except what sits under `if TYPE_CHECKING:` (never executed)."""
+    stack = [tree]
+    while stack:
+        node = stack.pop()
+        yield node
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.If) and _is_type_checking(child.test):
+                stack.extend(child.orelse)
+            else:
+                stack.append(child)
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+@cache
+def parsed(path: Path) -> ast.Module:
+    return ast.parse(path.read_text(), filename=str(path))
+
+
+@cache
+def imports_of(path: Path) -> frozenset[str]:
+    """Absolute names of every module `path` imports at run time, parents included (they run first)."""
+    is_package = path.name == "__init__.py"
+    here = module_name(path).split(".")
+    package = here if is_package else here[:-1]
     names: set[str] = set()
-    for node in ast.walk(tree):
+    for node in _runtime_nodes(parsed(path)):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names.add(node.module)
-            names.update(f"{node.module}.{alias.name}" for alias in node.names)
-    return names
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                prefix = package[: len(package) - (node.level - 1)]
+                base = ".".join([*prefix, *([base] if base else [])])
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)  # `from pkg import module`
+    with_parents = {".".join(n.split(".")[: i + 1]) for n in names if n for i in range(n.count(".") + 1)}
+    return frozenset(with_parents)
 
 
-def transitive_roots(module: str) -> dict[str, str]:
-    """Every top-level module `module` reaches through the repository's own modules, mapped to the
-    repository module that imports it first (for the failure message)."""
-    seen: set[str] = set()
-    reached: dict[str, str] = {}
-    todo = [module]
-    while todo:
-        name = todo.pop()
-        path = module_path(name)
-        if name in seen or path is None:
+def internal_imports(path: Path) -> list[Path]:
+    found = {module_path(name) for name in imports_of(path)}
+    return sorted(p for p in found if p is not None and p != path)
+
+
+def clock_calls(path: Path) -> list[str]:
+    """`module.attr` of every clock-reading call in `path` (`from time import monotonic` included)."""
+    imported: dict[str, str] = {}  # local name -> "time.monotonic"
+    calls: list[str] = []
+    nodes = list(_runtime_nodes(parsed(path)))
+    for node in nodes:
+        if isinstance(node, ast.ImportFrom) and node.module in CLOCK_ATTRS and not node.level:
+            for alias in node.names:
+                if alias.name in CLOCK_ATTRS[node.module]:
+                    imported[alias.asname or alias.name] = f"{node.module}.{alias.name}"
+    for node in nodes:
+        if not isinstance(node, ast.Call):
             continue
-        seen.add(name)
-        for imported in imported_modules(path):
-            root = imported.split(".")[0]
-            reached.setdefault(root, name)
-            if root in REPO_PACKAGES:
-                parts = imported.split(".")
-                todo.extend(".".join(parts[:i]) for i in range(1, len(parts) + 1))
-    return reached
+        func = node.func
+        if isinstance(func, ast.Name) and func.id in imported:
+            calls.append(f"{imported[func.id]} (line {node.lineno})")
+        elif isinstance(func, ast.Attribute):
+            owner = func.value
+            owner_name = owner.id if isinstance(owner, ast.Name) else getattr(owner, "attr", None)
+            if isinstance(owner, ast.Call):  # asyncio.get_running_loop().time()
+                owner_name = "loop" if "loop" in ast.unparse(owner.func) else None
+            if owner_name in CLOCK_ATTRS and func.attr in CLOCK_ATTRS[owner_name]:
+                calls.append(f"{owner_name}.{func.attr} (line {node.lineno})")
+    return calls
 
 
-@pytest.mark.parametrize("module", PURE_ROOTS)
-def test_fleet_state_and_routing_reach_no_io_transitively(module: str) -> None:
-    assert module_path(module) is not None, f"{module} does not exist"
-    reached = transitive_roots(module)
-    assert {root: reached[root] for root in reached.keys() & TRANSITIVE_IO} == {}
+def reach(start: Path) -> dict[Path, Path | None]:
+    """Every repository module `start` imports, directly or not, each with the module that imported it."""
+    parent: dict[Path, Path | None] = {start: None}
+    todo = [start]
+    while todo:
+        current = todo.pop()
+        for nxt in internal_imports(current):
+            if nxt not in parent:
+                parent[nxt] = current
+                todo.append(nxt)
+    return parent
+
+
+def chain(parent: dict[Path, Path | None], end: Path) -> str:
+    links: list[str] = []
+    node: Path | None = end
+    while node is not None:
+        links.append(str(node.relative_to(ROOT)))
+        node = parent[node]
+    return " <- ".join(links)
+
+
+def pure_files() -> list[str]:
+    files = [str(p.relative_to(ROOT)) for pkg in PURE_PACKAGES for p in sorted((ROOT / pkg).rglob("*.py"))]
+    return files + PURE_MODULES
+
+
+def io_reached(relpath: str) -> list[str]:
+    parent = reach(ROOT / relpath)
+    problems = []
+    for path in parent:
+        io = sorted(name for name in imports_of(path) if name.split(".")[0] in IO_MODULES)
+        clocks = clock_calls(path)
+        if io or clocks:
+            problems.append(f"{chain(parent, path)}: imports {io}, reads clock {clocks}")
+    return problems
+
+
+def test_every_listed_path_exists() -> None:
+    listed = [*PURE_PACKAGES, *PURE_MODULES, *FORBIDDEN_PACKAGES]
+    assert [p for p in listed if not (ROOT / p).exists()] == []
+    assert all(list((ROOT / pkg).rglob("*.py")) for pkg in PURE_PACKAGES)
+
+
+@pytest.mark.parametrize(
+    "relpath",
+    [
+        pytest.param(p, marks=pytest.mark.xfail(reason=KNOWN_VIOLATIONS[p], strict=True))
+        if p in KNOWN_VIOLATIONS
+        else p
+        for p in pure_files()
+    ],
+)
+def test_pure_module_reaches_no_io_and_no_clock(relpath: str) -> None:
+    assert io_reached(relpath) == []
+
+
+@pytest.mark.parametrize("package", sorted(FORBIDDEN_PACKAGES))
+def test_imports_flow_one_way(package: str) -> None:
+    offenders = {
+        str(path.relative_to(ROOT)): sorted(
+            name for name in imports_of(path) if name.split(".")[0] in FORBIDDEN_PACKAGES[package]
+        )
+        for path in sorted((ROOT / package).rglob("*.py"))
+    }
+    assert {k: v for k, v in offenders.items() if v} == {}
+
+
+def test_the_walk_sees_through_imports() -> None:
+    """The rules above would miss nothing: a module's reach includes what its imports import."""
+    root = ROOT / "router/lifecycle.py"  # the composition root
+    reached = {str(p.relative_to(ROOT)) for p in reach(root)}
+    assert "events/wire.py" in reached  # through the subscribers, never imported directly
+    assert any(name.split(".")[0] == "zmq" for p in reach(root) for name in imports_of(p))
+
+
+def test_every_module_is_in_the_readme_map() -> None:
+    """Each module has a line in the README's module map, and every module or test the README names exists."""
+    readme = (ROOT / "README.md").read_text()
+    named = set(re.findall(r"`([\w/]+\.py)`", readme))
+    modules = [
+        str(p.relative_to(ROOT))
+        for pkg in PACKAGES
+        if pkg != "kvrouter"
+        for p in sorted((ROOT / pkg).rglob("*.py"))
+        if p.name != "__init__.py"
+    ]
+    assert [m for m in modules if m not in named] == []
+    stale = [p for p in sorted(named) if p.split("/")[0] in (*PACKAGES, "tests") and not (ROOT / p).is_file()]
+    assert stale == []

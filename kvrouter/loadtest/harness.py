@@ -25,8 +25,8 @@ from kvrouter.loadtest.oracle import Oracle, StubEndpoint
 from kvrouter.loadtest.report import Report, write_report
 from kvrouter.loadtest.results import PolicySummary, RequestResult, summarize
 from kvrouter.loadtest.workload import RequestSpec, block_token_ids
-from router.config import Embedded, EngineConfig, ModelConfig
-from router.embedded import EmbeddedStubs
+from router.links.embedded_stubs import EmbeddedStubs
+from router.settings.config import Embedded, EngineConfig, ModelConfig
 
 __all__ = ["GatewayProcess", "HarnessSpec", "run_harness"]
 

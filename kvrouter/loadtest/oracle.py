@@ -17,7 +17,7 @@ from collections.abc import Sequence
 import aiohttp
 import msgspec
 
-from engine_stub.stub import CacheHit
+from engine_stub.runtime.stub_runtime import CacheHit
 from kvrouter.loadtest.client import Target
 from kvrouter.loadtest.results import RequestResult
 from kvrouter.loadtest.workload import RequestSpec

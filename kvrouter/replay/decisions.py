@@ -2,9 +2,9 @@
 
 `Replayer.feed` takes a recording's records in file order. Frames rebuild the mirror; a request is
 prepared again from its recorded body (`Models.prepare`: tokens, keys per variant, session key); a
-decision is recomputed: hits, boundaries and warm tokens come from `router.lookup` on the rebuilt
-mirror, while trust, load, breaker and admission state (inputs the mirror cannot know) come from the
-recorded candidates. A fresh `Scorer`, fed every decision in order, chooses: with the recorded
+decision is recomputed: hits, boundaries and warm tokens come from `router.core.lookup.computed_blocks` on
+the rebuilt mirror, while trust, load, breaker and admission state (inputs the mirror cannot know) come from
+the recorded candidates. A fresh `Scorer`, fed every decision in order, chooses: with the recorded
 settings its round-robin turn, seeded RNG and session table evolve exactly as the gateway's did.
 """
 
@@ -16,17 +16,24 @@ from typing import Any, Final
 
 import msgspec
 
-from events.openai_request import Endpoint, RequestError
 from events.recording import DecisionRecord, FrameRecord, Record, RequestRecord
 from kvrouter.replay.rebuild import Rebuild, ReplicaReplay
 from kvrouter.replay.setup import Setup
-from router.ids import EngineId, RequestId
-from router.load import LoadSnapshot
-from router.lookup import LookupRequest, LookupResult, ReplicaId, lookup
-from router.models import Prepared
-from router.reports import PendingReport
-from router.scoring import Candidate, CandidateScore, Decision, RouteRequest, Scorer, ScorerSettings
-from router.trust import TrustReason, TrustState, TrustStatus
+from router.core.ids import EngineId, RequestId
+from router.core.lookup.computed_blocks import LookupRequest, LookupResult, ReplicaId, lookup
+from router.core.mirror.full_reports import PendingReport
+from router.core.policy.load import LoadSnapshot
+from router.core.policy.scoring import (
+    Candidate,
+    CandidateScore,
+    Decision,
+    RouteRequest,
+    Scorer,
+    ScorerSettings,
+)
+from router.core.policy.trust import TrustReason, TrustState, TrustStatus
+from router.prepare.served_models import Prepared
+from tokenization.openai_request import Endpoint, RequestError
 
 __all__ = ["DecisionReplay", "Replayer", "candidates_now", "predict", "recorded_candidates"]
 
@@ -72,7 +79,7 @@ def predict(
     rebuild: Rebuild, prepared: Prepared, engines: Sequence[EngineId]
 ) -> dict[EngineId, tuple[LookupResult, int]]:
     """Per replica: the lookup result on the rebuilt mirror and the prompt length under its variant
-    (as `router.routing.RoutingCore.predict`; a replica the config does not name gets no hit)."""
+    (as `router.core.routing.RoutingCore.predict`; a replica the config does not name gets no hit)."""
     by_variant: dict[str, list[EngineId]] = {}
     out: dict[EngineId, tuple[LookupResult, int]] = {}
     for rid in engines:

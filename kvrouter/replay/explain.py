@@ -15,8 +15,8 @@ import msgspec
 
 from events.recording import DecisionRecord, Record
 from kvrouter.replay.decisions import DecisionReplay, Replayer, candidates_now
-from router.load import LoadSnapshot
-from router.scoring import Decision, RouteRequest
+from router.core.policy.load import LoadSnapshot
+from router.core.policy.scoring import Decision, RouteRequest
 
 __all__ = ["NewPromptExplanation", "explain_prompt", "explain_request", "render_decision"]
 

@@ -8,7 +8,7 @@ from pathlib import Path
 from events.recording import RecordingError
 from events.recording_file import ReadStats, RecordingReader
 from kvrouter.replay.setup import ReplayConfigError, Setup
-from router.config import ConfigError, load_file
+from router.settings.config import ConfigError, load_file
 
 __all__ = ["CannotReplay", "open_recording", "warn_about"]
 

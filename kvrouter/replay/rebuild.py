@@ -2,10 +2,10 @@
 
 Each replica's frames go, in file order, through a `LinkReplay` (the gateway's sequence tracker with
 the replay stream inferred) and a tolerant `BatchDecoder`; delivered batches reach the shared
-`Mirror` through `router.reports.apply_batch`, resets clear the replica's view, AllBlocksCleared
-marks the link rebuilt: what `router.fleet.FleetState.on_batch`/`on_signal` do. Per replica it keeps
-what `kvrouter replay` prints: seqs, resets, the mirror anomalies its batches caused, and the trust
-and load the gateway last recorded for it in a decision.
+`Mirror` through `router.core.mirror.full_reports.apply_batch`, resets clear the replica's view,
+AllBlocksCleared marks the link rebuilt: what `router.core.fleet_state.FleetState.on_batch`/`on_signal` do.
+Per replica it keeps what `kvrouter replay` prints: seqs, resets, the mirror anomalies its batches caused,
+and the trust and load the gateway last recorded for it in a decision.
 """
 
 from __future__ import annotations
@@ -15,18 +15,18 @@ from dataclasses import dataclass, field, fields
 
 from events.decode import BatchDecoder
 from events.recording import FrameRecord
-from events.request_tokens import ReportMode
 from events.sequence import Action, CaughtUp, Deliver, Duplicate, Rebuilt, RequestReplay, Reset
 from events.wire import AllBlocksCleared, LazyKVEventBatch
 from kvrouter.replay.link import LinkReplay
 from kvrouter.replay.setup import ReplicaInfo, Setup
-from router.ids import EngineId, RequestId
-from router.load import LoadSnapshot
-from router.mirror import Mirror
-from router.mirror_state import MirrorStats
-from router.reports import PendingReport, apply_batch
-from router.scoring import Decision
-from router.trust import TrustStatus
+from router.core.ids import EngineId, RequestId
+from router.core.mirror.full_reports import PendingReport, apply_batch
+from router.core.mirror.replica_views import MirrorStats
+from router.core.mirror.shared_index import Mirror
+from router.core.policy.load import LoadSnapshot
+from router.core.policy.scoring import Decision
+from router.core.policy.trust import TrustStatus
+from tokenization.request_tokens import ReportMode
 
 __all__ = ["ANOMALIES", "Rebuild", "ReplicaReplay"]
 

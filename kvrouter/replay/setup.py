@@ -4,7 +4,7 @@ The config comes, in order of preference, from the caller (`--config FILE`), fro
 header (`metadata.config`, written by `kvrouter serve --record` when it is given the config), or, for
 older recordings, from the header's engine list and policy name with every other setting at its
 default (`Setup.exact` is then False: model specs or policy weights may differ from the gateway's).
-Replicas are registered exactly as `router.fleet.FleetState` does: one per DP rank, named `name` or
+Replicas are registered exactly as `router.core.fleet_state.FleetState` does: one per DP rank, named `name` or
 `name/dpN`, each with its engine's model variant and report mode.
 """
 
@@ -15,12 +15,12 @@ from typing import Any
 import msgspec
 
 from events.recording import FileHeader
-from router.config import EngineConfig, RouterConfig
-from router.ids import EngineId
-from router.keys import KeyHasher
-from router.models import Models
-from router.scoring import ScorerSettings
-from router.variants import Variant
+from router.core.ids import EngineId
+from router.core.keys.block_key import KeyHasher
+from router.core.policy.scoring import ScorerSettings
+from router.prepare.engine_variants import Variant
+from router.prepare.served_models import Models
+from router.settings.config import EngineConfig, RouterConfig
 
 __all__ = ["ReplayConfigError", "ReplicaInfo", "Setup", "config_of"]
 

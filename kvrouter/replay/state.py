@@ -5,9 +5,9 @@ from __future__ import annotations
 import msgspec
 
 from kvrouter.replay.rebuild import Rebuild, ReplicaReplay
-from router.load import LoadSnapshot
-from router.mirror_state import ReplicaView
-from router.trust import TrustStatus
+from router.core.mirror.replica_views import ReplicaView
+from router.core.policy.load import LoadSnapshot
+from router.core.policy.trust import TrustStatus
 
 __all__ = ["GroupState", "ReplayState", "ReplicaState", "render_state", "state_of"]
 

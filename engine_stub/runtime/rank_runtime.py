@@ -1,0 +1,243 @@
+"""The asyncio runtime of one data-parallel rank: the pure `Scheduler` driven in simulated time.
+
+`EngineRuntime` owns a scheduler and (when events are enabled) an `EventPublisher`. Its step loop runs
+while there is work: it runs one scheduler step, prices it with the `CostModel` and waits that long
+(wall-clock = simulated time / speed_factor), then, as vLLM's `update_from_output` does, publishes the
+step's events as one `KVEventBatch` and hands each request its new token. An idle engine waits on an
+asyncio.Event. Requests stream through `RequestStream` queues; the HTTP layer aborts them when the
+client goes away. TTFT and vLLM's prefix-cache counters (first admissions only) are kept here.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import math
+import time
+from collections.abc import Callable, Sequence
+
+import msgspec
+
+from engine_stub.core.request import RequestId, SubmitParams
+from engine_stub.core.scheduler import Admission, Scheduler, StepOutput
+from engine_stub.runtime.cost_model import CostModel, StepWork
+from engine_stub.runtime.faults import FaultInjector, FaultState, FaultUpdate
+from engine_stub.runtime.output_streams import Emitted, RequestStream
+from engine_stub.runtime.pseudo_text import PseudoText
+from engine_stub.stub_config import StubConfig
+from events.publisher import EventPublisher
+from events.wire import KVEvent, KVEventBatch
+
+__all__ = ["EngineCounters", "EngineRuntime", "TtftObserver"]
+
+log = logging.getLogger(__name__)
+
+TtftObserver = Callable[[int, float], None]
+"""Called with (rank, seconds) when a request's first token is delivered."""
+
+
+class EngineCounters(msgspec.Struct):
+    """Cumulative counters of one rank, with vLLM's meaning (preempted re-admissions not counted)."""
+
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+    steps: int = 0
+    batches_published: int = 0
+    preemptions: int = 0
+
+
+class EngineRuntime:
+    """One rank: `start()`, then `submit()` requests and read their streams; `close()` stops it."""
+
+    def __init__(
+        self,
+        rank: int,
+        config: StubConfig,
+        text: PseudoText,
+        publisher: EventPublisher | None,
+        on_ttft: TtftObserver | None = None,
+    ) -> None:
+        self.rank = rank
+        self.config = config
+        self.scheduler = Scheduler(config.engine, text.next_token)
+        self.publisher = publisher
+        self.cost: CostModel = config.cost
+        self.faults = FaultInjector(config.faults, rank)
+        self.counters = EngineCounters()
+        self._on_ttft = on_ttft
+        self._streams: dict[RequestId, RequestStream] = {}
+        self._wake = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+        self._timers: list[asyncio.TimerHandle] = []
+        self._bg: set[asyncio.Task[None]] = set()
+        self._stopping = False
+
+    def start(self) -> None:
+        """Start the step loop."""
+        self._task = asyncio.create_task(self._run(), name=f"engine-rank-{self.rank}")
+        self._task.add_done_callback(self._stopped)
+
+    def _stopped(self, task: asyncio.Task[None]) -> None:
+        if not task.cancelled() and (exc := task.exception()) is not None:
+            # a bug in the pure core: say so loudly rather than leave every request hanging silently
+            log.error("engine step loop died", extra={"rank": self.rank}, exc_info=exc)
+
+    async def close(self) -> None:
+        """Stop the step loop and the fault timers (the publisher is closed by its owner)."""
+        for timer in self._timers:
+            timer.cancel()
+        for task in [self._task, *self._bg]:
+            if task is not None:
+                task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await task
+
+    @property
+    def open_requests(self) -> int:
+        """Requests whose output stream is still open (finished and aborted ones are dropped)."""
+        return len(self._streams)
+
+    @property
+    def load(self) -> tuple[int, int]:
+        """(waiting, running) request counts."""
+        return len(self.scheduler.waiting), len(self.scheduler.running)
+
+    def submit(
+        self, prompt: Sequence[int], params: SubmitParams, sink: asyncio.Queue[Emitted], index: int = 0
+    ) -> RequestStream:
+        """Queue a request whose tokens go to `sink` tagged with `index`; ValueError if it cannot run.
+
+        Once `abort_all` has run (the server is stopping) the request is ended at once, as aborted."""
+        self._check_fits(len(prompt) + params.max_tokens)
+        rid = self.scheduler.submit(prompt, params)
+        stream = RequestStream(rid, index, sink, len(prompt), params, asyncio.get_running_loop().time())
+        if self._stopping:
+            self.scheduler.abort(rid)
+            stream.end_aborted()
+            return stream
+        self._streams[rid] = stream
+        self._wake.set()
+        return stream
+
+    def _check_fits(self, total_tokens: int) -> None:
+        cache = self.config.engine.cache
+        needed = sum(math.ceil(total_tokens / g.block_size) for g in cache.groups)
+        if needed > cache.num_gpu_blocks - 1:  # block 0 is vLLM's null block
+            raise ValueError(
+                f"the request needs {needed} KV blocks over {len(cache.groups)} group(s), "
+                f"but the engine has {cache.num_gpu_blocks - 1}"
+            )
+
+    def abort(self, rid: RequestId) -> None:
+        """Stop a request (client gone); a finished or unknown id is ignored."""
+        if self._streams.pop(rid, None) is not None:
+            self.scheduler.abort(rid)
+            self._wake.set()  # it may have been the waiting request that blocked the queue
+
+    def abort_all(self) -> None:
+        """End every open request now, and every later one on arrival (the server is stopping): blocks
+        freed, readers told "abort"."""
+        self._stopping = True
+        for rid, stream in self._streams.items():
+            self.scheduler.abort(rid)
+            stream.end_aborted()
+        self._streams.clear()
+        self._wake.set()
+
+    async def reset_prefix_cache(self) -> bool:
+        """vLLM's reset: succeeds only when no block is in use; publishes its AllBlocksCleared as a batch."""
+        ok = self.scheduler.reset_prefix_cache()
+        await self._publish(self.scheduler.take_events())
+        return ok
+
+    async def inject(self, update: FaultUpdate) -> FaultState:
+        """Apply a fault request to this rank (everything but exiting the process)."""
+        self.faults.update(update)
+        if update.reset_seq:
+            self._restart_silently(update.forget_cache)
+        if update.pause_s is not None and self.publisher is not None:
+            self.publisher.faults.paused = True
+            self.faults.counters.pauses += 1
+            loop = asyncio.get_running_loop()
+            self._timers.append(loop.call_later(update.pause_s, self._resume, not update.deliver_held))
+        return self.fault_state()
+
+    def fault_state(self) -> FaultState:
+        """Current fault settings and counters."""
+        paused = self.publisher is not None and self.publisher.faults.paused
+        return self.faults.state(paused)
+
+    def _restart_silently(self, forget_cache: bool) -> None:
+        if forget_cache and self.scheduler.reset_prefix_cache():
+            self.scheduler.take_events()  # a restarted engine announces nothing
+        if self.publisher is not None:
+            self.publisher.reset_seq()
+        self.faults.counters.seq_resets += 1
+
+    def _resume(self, drop_held: bool) -> None:
+        assert self.publisher is not None
+        task = asyncio.create_task(self.publisher.resume(drop_held))
+        self._bg.add(task)
+        task.add_done_callback(self._bg.discard)
+
+    async def _run(self) -> None:
+        while True:
+            self._wake.clear()
+            if not self.scheduler.requests:
+                await self._wake.wait()
+                continue
+            out = self.scheduler.step()
+            self.counters.steps += 1
+            if not out.scheduled and not out.preempted:
+                await self._wake.wait()  # nothing fits until a request ends or arrives
+                continue
+            await asyncio.sleep(self.cost.step_seconds(self._work(out)))
+            await self._publish(out.events)
+            self._account(out)
+            self._deliver(out)
+
+    def _work(self, out: StepOutput) -> StepWork:
+        context = 0
+        for rid in out.scheduled:
+            req = self.scheduler.requests.get(rid)
+            context += req.num_computed_tokens if req is not None else 0
+        return StepWork(out.num_prefill_tokens, out.num_decode_tokens, context)
+
+    async def _publish(self, events: list[KVEvent]) -> None:
+        if not events or self.publisher is None:
+            return
+        self.faults.arm(self.publisher.faults)
+        await self.publisher.publish(KVEventBatch(time.time(), events, self.rank))
+        self.counters.batches_published += 1
+
+    def _account(self, out: StepOutput) -> None:
+        for rid in out.preempted:
+            self.counters.preemptions += 1
+            if (stream := self._streams.get(rid)) is not None:
+                stream.preempted = True
+        for rid, admission in out.admissions.items():
+            stream = self._streams.get(rid)
+            if admission.admitted and stream is not None and not stream.preempted:
+                self._first_admission(stream, admission)
+
+    def _first_admission(self, stream: RequestStream, admission: Admission) -> None:
+        stream.cached_tokens = admission.hit_tokens
+        if stream.params.skip_cache_read or not self.config.engine.cache.enable_prefix_caching:
+            return
+        self.counters.prefix_cache_queries += stream.num_prompt_tokens
+        self.counters.prefix_cache_hits += admission.hit_tokens
+
+    def _deliver(self, out: StepOutput) -> None:
+        finished = set(out.finished)
+        now = asyncio.get_running_loop().time()
+        for rid, token in out.new_tokens.items():
+            stream = self._streams.get(rid)
+            if stream is None:
+                continue
+            if stream.num_output_tokens == 0 and self._on_ttft is not None:
+                self._on_ttft(self.rank, now - stream.arrival)
+            done = rid in finished
+            stream.emit(token, done)
+            if done:
+                del self._streams[rid]

@@ -1,0 +1,1 @@
+"""The stub's OpenAI-compatible HTTP server (FastAPI under uvicorn)."""

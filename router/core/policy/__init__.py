@@ -1,0 +1,1 @@
+"""Choosing an engine: trust, load, scoring, and the limits (admission, breaker, retry)."""

@@ -1,0 +1,223 @@
+"""Per-engine load as the router sees it, and each engine's prefill cost learned from observed TTFTs.
+
+The router tracks its own in-flight requests per engine (started -> first token -> finished, times
+passed in), optionally merges scraped `vllm:` gauges (requests running/waiting, KV-cache usage) so
+traffic from other routers shows up, and learns `TTFT ~ overhead + cost x (queued + uncached prefill
+tokens)` per engine by robust recursive least squares from a configurable prior. Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from router.core.ids import EngineId, RequestId
+
+__all__ = ["CostPrior", "LoadSnapshot", "LoadTracker", "PrefillCostModel", "ScrapedMetrics"]
+
+_KTOK = 1000.0  # the model's token feature is in thousands, to keep the 2x2 problem well conditioned
+
+
+class CostPrior(msgspec.Struct, frozen=True):
+    """Starting belief about an engine's prefill speed, and how fast observations override it.
+
+    `weight` is roughly the number of observations the prior counts for; `forgetting` < 1 lets the
+    estimate follow an engine whose speed drifts (0.98 keeps about the last 50 observations)."""
+
+    overhead_s: float = 0.02
+    per_token_s: float = 1e-4
+    weight: float = 4.0
+    forgetting: float = 0.98
+
+
+class PrefillCostModel:
+    """Robust recursive least squares over (prefill tokens ahead of the first token) -> TTFT seconds.
+
+    Residuals beyond 3x the running mean absolute error are clipped (Huber-style), so one stalled
+    request cannot wreck the estimate; both parameters stay non-negative."""
+
+    def __init__(self, prior: CostPrior) -> None:
+        self.prior = prior
+        self.overhead_s = prior.overhead_s
+        self._per_ktok = prior.per_token_s * _KTOK
+        self._p = [[1.0 / prior.weight, 0.0], [0.0, 1.0 / prior.weight]]
+        self._p_trace_max = 2.0 / prior.weight
+        self._abs_err = 0.0
+        self.samples = 0
+
+    @property
+    def per_token_s(self) -> float:
+        """Current estimate of seconds per uncached prompt token."""
+        return self._per_ktok / _KTOK
+
+    def predict(self, tokens: float) -> float:
+        """Predicted TTFT in seconds when `tokens` prefill tokens must run before the first token."""
+        return self.overhead_s + self._per_ktok * tokens / _KTOK
+
+    def observe(self, tokens: float, ttft_s: float) -> None:
+        """Learn from one request: `tokens` prefill tokens ran before its first token, after `ttft_s`."""
+        x = (1.0, tokens / _KTOK)
+        err = ttft_s - self.predict(tokens)
+        if self.samples >= 3:
+            limit = 3.0 * max(self._abs_err, 1e-4)
+            err = max(-limit, min(limit, err))
+        self._abs_err = abs(err) if self.samples == 0 else 0.9 * self._abs_err + 0.1 * abs(err)
+        self._update(x, err)
+        self.samples += 1
+
+    def _update(self, x: tuple[float, float], err: float) -> None:
+        lam, p = self.prior.forgetting, self._p
+        px = (p[0][0] * x[0] + p[0][1] * x[1], p[1][0] * x[0] + p[1][1] * x[1])
+        denom = lam + x[0] * px[0] + x[1] * px[1]
+        gain = (px[0] / denom, px[1] / denom)
+        self.overhead_s = max(0.0, self.overhead_s + gain[0] * err)
+        self._per_ktok = max(1e-9, self._per_ktok + gain[1] * err)
+        new_p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(2)] for i in range(2)]
+        trace = new_p[0][0] + new_p[1][1]
+        # Forgetting inflates P when the token counts barely vary; bound it by the prior's spread.
+        scale = min(1.0, self._p_trace_max / trace) if trace > 0 else 1.0
+        self._p = [[v * scale for v in row] for row in new_p]
+
+
+class ScrapedMetrics(msgspec.Struct, frozen=True):
+    """The engine's own gauges from its /metrics (`vllm:num_requests_running` etc.), scraped at `at`."""
+
+    at: float
+    num_requests_running: int
+    num_requests_waiting: int
+    kv_cache_usage_perc: float | None = None
+
+
+class LoadSnapshot(msgspec.Struct, frozen=True):
+    """One engine's load at decision time, as recorded in a decision."""
+
+    in_flight: int
+    prefilling: int
+    decoding: int
+    queued_prefill_tokens: int
+    kv_cache_usage: float | None
+    overhead_s: float
+    per_token_s: float
+    scraped: bool
+
+    def predicted_ttft_s(self, uncached_tokens: int) -> float:
+        """TTFT if a request with `uncached_tokens` to prefill were sent now (queue first, then it)."""
+        return self.overhead_s + self.per_token_s * (self.queued_prefill_tokens + uncached_tokens)
+
+
+class _InFlight(msgspec.Struct):
+    engine: EngineId
+    started_at: float
+    uncached_tokens: int
+    work_tokens: int
+    first_token_at: float | None = None
+
+
+class _EngineLoad:
+    def __init__(self, model: PrefillCostModel) -> None:
+        self.model = model
+        self.in_flight = 0
+        self.prefilling = 0
+        self.prefill_tokens = 0
+        self.typical_uncached = 0.0
+        self.started = 0
+        self.scrape: ScrapedMetrics | None = None
+
+
+class LoadTracker:
+    """Router-side load and cost model for every engine; all times are passed in (seconds)."""
+
+    def __init__(self, prior: CostPrior, scrape_max_age_s: float = 10.0) -> None:
+        self.prior = prior
+        self.scrape_max_age_s = scrape_max_age_s
+        self._engines: dict[EngineId, _EngineLoad] = {}
+        self._requests: dict[RequestId, _InFlight] = {}
+        self._shared: dict[str, PrefillCostModel] = {}
+
+    def share_cost(self, engine: EngineId, group: str) -> None:
+        """Let `engine` learn one prefill cost model with every other engine of `group`.
+
+        Engines serving one model on one kind of hardware cost the same per token. Sharing lets each
+        learn from all, and keeps an engine that once looked slow (a cold start, say) from being
+        starved of the very requests that would correct its estimate.
+        """
+        model = self._shared.setdefault(group, PrefillCostModel(self.prior))
+        self._engine(engine).model = model
+
+    def _engine(self, engine: EngineId) -> _EngineLoad:
+        load = self._engines.get(engine)
+        if load is None:
+            load = self._engines[engine] = _EngineLoad(PrefillCostModel(self.prior))
+        return load
+
+    def drop(self, engine: EngineId) -> None:
+        """Forget an engine and its in-flight requests (it left the fleet)."""
+        self._engines.pop(engine, None)
+        self._requests = {rid: r for rid, r in self._requests.items() if r.engine != engine}
+
+    def started(self, request: RequestId, engine: EngineId, at: float, uncached_tokens: int) -> None:
+        """The request was sent to `engine` at `at` with `uncached_tokens` predicted to prefill."""
+        if request in self._requests:
+            raise ValueError(f"request {request} is already in flight; finish it before restarting it")
+        load = self._engine(engine)
+        work = load.prefill_tokens + uncached_tokens
+        self._requests[request] = _InFlight(engine, at, uncached_tokens, work)
+        load.in_flight += 1
+        load.prefilling += 1
+        load.prefill_tokens += uncached_tokens
+        rate = 1.0 if load.started == 0 else 0.1
+        load.typical_uncached += rate * (uncached_tokens - load.typical_uncached)
+        load.started += 1
+
+    def first_token(self, request: RequestId, at: float) -> float | None:
+        """The first byte of the answer arrived: learn from the TTFT and return it (None if unknown)."""
+        flight = self._requests.get(request)
+        if flight is None or flight.first_token_at is not None:
+            return None
+        flight.first_token_at = at
+        load = self._engine(flight.engine)
+        self._end_prefill(load, flight)
+        ttft = at - flight.started_at
+        load.model.observe(flight.work_tokens, ttft)
+        return ttft
+
+    def finished(self, request: RequestId, at: float) -> None:
+        """The request ended (done, failed or cancelled); unknown or finished ids are ignored."""
+        flight = self._requests.pop(request, None)
+        if flight is None:
+            return
+        load = self._engine(flight.engine)
+        load.in_flight -= 1
+        if flight.first_token_at is None:
+            self._end_prefill(load, flight)
+
+    def _end_prefill(self, load: _EngineLoad, flight: _InFlight) -> None:
+        load.prefilling -= 1
+        load.prefill_tokens -= flight.uncached_tokens
+
+    def scraped(self, engine: EngineId, metrics: ScrapedMetrics) -> None:
+        """Merge the engine's latest scraped gauges (used while younger than `scrape_max_age_s`)."""
+        self._engine(engine).scrape = metrics
+
+    def model(self, engine: EngineId) -> PrefillCostModel:
+        """The engine's learned prefill cost model."""
+        return self._engine(engine).model
+
+    def snapshot(self, engine: EngineId, now: float) -> LoadSnapshot:
+        """The engine's load at `now`: router counts, raised to the scraped gauges when those are fresh."""
+        load = self._engine(engine)
+        in_flight, prefilling = load.in_flight, load.prefilling
+        decoding, queued = in_flight - prefilling, load.prefill_tokens
+        scrape = load.scrape
+        fresh = scrape is not None and now - scrape.at <= self.scrape_max_age_s
+        usage = None
+        if scrape is not None and fresh:
+            # Requests the engine holds that this router did not send (other routers, direct clients).
+            extra_waiting = max(0, scrape.num_requests_waiting - prefilling)
+            queued += round(extra_waiting * load.typical_uncached)
+            decoding = max(decoding, scrape.num_requests_running - prefilling)
+            in_flight = max(in_flight, scrape.num_requests_running + scrape.num_requests_waiting)
+            usage = scrape.kv_cache_usage_perc
+        model = load.model
+        return LoadSnapshot(
+            in_flight, prefilling, decoding, queued, usage, model.overhead_s, model.per_token_s, fresh
+        )

@@ -1,0 +1,348 @@
+"""Choosing an engine: candidates in, a `Decision` value out, which the proxy only carries out.
+
+Policies (`PolicyName`):
+- `kv` (default): minimise predicted TTFT = overhead + prefill cost x (queued prefill tokens + uncached
+  prompt tokens) + decode_penalty_s x decoding requests. Hits count only from FRESH mirrors (a stale
+  or catching-up engine's hits are taken as 0). Candidates within `tie_tolerance_s` of the best
+  cost tie, and ties break, in order, on: (1) the longer prefix left for the next request sharing
+  this one's head (the counted hit, or the warm full-attention prefix of an engine where routing
+  pins a hybrid junction: a trusted engine whose warm prefix exceeds its hit), (2) the larger
+  counted hit, (3) fewer in-flight requests, (4) a stable hash of (request key, engine), which
+  spreads ties over engines without randomness. The reason names the rules that decided.
+- `round_robin`, `least_loaded` (in-flight, then queued tokens, then the stable hash), `random`
+  (seeded), `session` (header affinity; falls back to `kv` when the engine is gone or unavailable),
+  `prefix_approx` (longest warm full-attention prefix, ignoring trust and hybrid rules; for A/B).
+Pure: the scorer's only state is the round-robin counter, the seeded RNG and the session table.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING, Final
+
+import msgspec
+
+from router.core.ids import EngineId
+from router.core.policy.load import LoadSnapshot
+from router.core.policy.trust import TrustState, TrustStatus
+
+if TYPE_CHECKING:
+    from router.settings.config import RouterConfig
+
+__all__ = [
+    "WHY_AT_CAPACITY",
+    "WHY_BREAKER_OPEN",
+    "WHY_TRIED",
+    "WHY_UNHEALTHY",
+    "Candidate",
+    "CandidateScore",
+    "Decision",
+    "PolicyName",
+    "RouteRequest",
+    "Scorer",
+    "ScorerSettings",
+]
+
+
+class PolicyName(enum.Enum):
+    """The routing policies; see the module docstring."""
+
+    KV = "kv"
+    ROUND_ROBIN = "round_robin"
+    LEAST_LOADED = "least_loaded"
+    RANDOM = "random"
+    SESSION = "session"
+    PREFIX_APPROX = "prefix_approx"
+
+
+class Candidate(msgspec.Struct, frozen=True):
+    """One engine as scoring sees it: the lookup's prediction, its trust and load, its availability."""
+
+    engine: EngineId
+    hit_tokens: int
+    boundary: int
+    warm_tokens: int
+    prompt_tokens: int
+    trust: TrustStatus
+    load: LoadSnapshot
+    healthy: bool = True
+    breaker_open: bool = False
+    at_capacity: bool = False
+    pending_tokens: int = 0
+
+
+class RouteRequest(msgspec.Struct, frozen=True):
+    """What scoring needs of the request: a key for stable tie-breaks, the session, engines to avoid."""
+
+    key: str
+    session: str | None = None
+    excluded: frozenset[EngineId] = frozenset()
+
+
+class ScorerSettings(msgspec.Struct, frozen=True):
+    """Policy choice and weights (mirrors the `[policy]` config table)."""
+
+    policy: PolicyName = PolicyName.KV
+    tie_tolerance_s: float = 0.002
+    decode_penalty_s: float = 0.0
+    seed: int = 0
+    session_capacity: int = 100_000
+
+    @classmethod
+    def from_config(cls, config: RouterConfig) -> ScorerSettings:
+        """The `[policy]` table as scoring settings (the gateway and `kvrouter replay` both use this)."""
+        p = config.policy
+        return cls(PolicyName(p.name), p.tie_tolerance_s, p.decode_penalty_s, p.seed, p.session_capacity)
+
+
+class CandidateScore(msgspec.Struct, frozen=True):
+    """One candidate as the decision saw it (every field is recorded for /debug/decisions)."""
+
+    engine: EngineId
+    hit_tokens: int
+    trusted_hit_tokens: int
+    boundary: int
+    warm_tokens: int
+    pins_junction: bool
+    uncached_tokens: int
+    predicted_ttft_s: float
+    trust: TrustStatus
+    load: LoadSnapshot
+    eligible: bool
+    why_not: str = ""
+    pending_tokens: int = 0
+    counted_tokens: int = 0
+
+    @property
+    def expected_tokens(self) -> int:
+        """What the engine should report cached: the mirror's hit, or a longer pending prefix.
+
+        Trust does not enter: an untrusted mirror's hit is still the router's best estimate of the
+        engine's cache (after a reset or a lost batch the mirror holds a subset of it), while
+        `counted_tokens` is what scoring dared to count."""
+        return max(self.hit_tokens, self.pending_tokens)
+
+
+class Decision(msgspec.Struct, frozen=True):
+    """The chosen engine (None when none is eligible), every candidate's score, the policy, the reason.
+
+    For the chosen candidate: `predicted_cached_tokens` is what its engine is expected to report as
+    `usage.prompt_tokens_details.cached_tokens` (`CandidateScore.expected_tokens`: the mirror's hit,
+    or the leading run of prefixes just routed there when that is longer, trusted or not);
+    `mirror_hit_tokens` is the mirror's raw hit; `counted_cached_tokens` is what scoring counted
+    (0 from a mirror that is not fresh, unless a pending prefix counts).
+    """
+
+    engine: EngineId | None
+    policy: PolicyName
+    reason: str
+    predicted_cached_tokens: int
+    candidates: list[CandidateScore]
+    mirror_hit_tokens: int = 0
+    counted_cached_tokens: int = 0
+
+
+def stable_hash(key: str, engine: EngineId) -> int:
+    """A process-independent 64-bit hash of (request key, engine): the last tie-break."""
+    digest = hashlib.blake2b(f"{key}\0{engine}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "big")
+
+
+WHY_TRIED: Final = "already tried for this request"
+WHY_UNHEALTHY: Final = "unhealthy"
+WHY_BREAKER_OPEN: Final = "circuit breaker open"
+WHY_AT_CAPACITY: Final = "at its in-flight limit"
+"""`CandidateScore.why_not` values (router.core.policy.refusal reads them to name the limit that refused)."""
+
+
+def _why_not(c: Candidate, excluded: frozenset[EngineId]) -> str:
+    if c.engine in excluded:
+        return WHY_TRIED
+    if not c.healthy:
+        return WHY_UNHEALTHY
+    if c.breaker_open:
+        return WHY_BREAKER_OPEN
+    return WHY_AT_CAPACITY if c.at_capacity else ""
+
+
+def _score(c: Candidate, excluded: frozenset[EngineId], decode_penalty_s: float) -> CandidateScore:
+    trusted_hit = c.hit_tokens if c.trust.trusted else 0
+    # A prefix the router itself just sent there is known without the mirror, unless the engine's
+    # state is in doubt altogether (stale: restarted, history lost, silent).
+    pending = c.pending_tokens if c.trust.state is not TrustState.STALE else 0
+    counted = max(trusted_hit, pending)
+    uncached = max(0, c.prompt_tokens - counted)
+    ttft = c.load.predicted_ttft_s(uncached) + decode_penalty_s * c.load.decoding
+    pins = c.trust.trusted and c.warm_tokens > c.hit_tokens
+    why_not = _why_not(c, excluded)
+    return CandidateScore(
+        c.engine, c.hit_tokens, trusted_hit, c.boundary, c.warm_tokens, pins, uncached, ttft,
+        c.trust, c.load, not why_not, why_not, c.pending_tokens, counted,
+    )  # fmt: skip
+
+
+Pick = tuple[CandidateScore, str]
+
+
+class Scorer:
+    """Applies the configured policy to a request's candidates and returns a `Decision`."""
+
+    def __init__(self, settings: ScorerSettings) -> None:
+        self.settings = settings
+        self._turn = 0
+        self._rng = random.Random(settings.seed)
+        self._sessions: OrderedDict[str, EngineId] = OrderedDict()
+        self._policies: dict[PolicyName, Callable[[RouteRequest, list[CandidateScore]], Pick]] = {
+            PolicyName.KV: self._kv,
+            PolicyName.ROUND_ROBIN: self._round_robin,
+            PolicyName.LEAST_LOADED: self._least_loaded,
+            PolicyName.RANDOM: self._random,
+            PolicyName.SESSION: self._session,
+            PolicyName.PREFIX_APPROX: self._prefix_approx,
+        }
+
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+        """Score every candidate and pick one with the configured policy (deterministic given the seed)."""
+        policy = self.settings.policy
+        scores = [_score(c, request.excluded, self.settings.decode_penalty_s) for c in candidates]
+        scores.sort(key=lambda s: s.engine)
+        eligible = [s for s in scores if s.eligible]
+        if not eligible:
+            why = "; ".join(f"{s.engine}: {s.why_not}" for s in scores) or "no engines configured"
+            return Decision(None, policy, f"no eligible engine ({why})", 0, scores)
+        chosen, reason = self._policies[policy](request, eligible)
+        return Decision(
+            chosen.engine, policy, reason, chosen.expected_tokens, scores,
+            chosen.hit_tokens, chosen.counted_tokens,
+        )  # fmt: skip
+
+    def forget_engine(self, engine: EngineId) -> None:
+        """Drop session affinities to an engine that left the fleet."""
+        for session in [s for s, e in self._sessions.items() if e == engine]:
+            del self._sessions[session]
+
+    def _kv(self, request: RouteRequest, eligible: list[CandidateScore]) -> Pick:
+        best = min(eligible, key=lambda s: s.predicted_ttft_s)
+        tol = self.settings.tie_tolerance_s
+        tied = [s for s in eligible if s.predicted_ttft_s <= best.predicted_ttft_s + tol]
+        chosen, rules = _break_tie(request.key, tied)
+        lowest = (
+            "lowest predicted TTFT" if chosen.predicted_ttft_s == best.predicted_ttft_s else "predicted TTFT"
+        )
+        why = (
+            f"kv: {lowest} {chosen.predicted_ttft_s * 1000:.1f} ms "
+            f"({chosen.trusted_hit_tokens} cached{_pending_words(chosen)}, "
+            f"{chosen.uncached_tokens} to prefill, {chosen.load.queued_prefill_tokens} queued)"
+        )
+        if len(tied) == 1:
+            return chosen, why
+        others = ", ".join(s.engine for s in tied if s is not chosen)
+        return (
+            chosen,
+            f"{why}; tied with {others} within {tol * 1000:g} ms; decided by {', then '.join(rules)}",
+        )
+
+    def _round_robin(self, request: RouteRequest, eligible: list[CandidateScore]) -> Pick:
+        chosen = eligible[self._turn % len(eligible)]
+        self._turn += 1
+        return chosen, f"round_robin: turn {self._turn - 1} of {len(eligible)} eligible"
+
+    def _least_loaded(self, request: RouteRequest, eligible: list[CandidateScore]) -> Pick:
+        chosen = min(eligible, key=lambda s: _load_key(request, s))
+        return (
+            chosen,
+            f"least_loaded: {chosen.load.in_flight} in flight, {chosen.load.queued_prefill_tokens} queued",
+        )
+
+    def _random(self, request: RouteRequest, eligible: list[CandidateScore]) -> Pick:
+        return self._rng.choice(eligible), f"random: seeded choice among {len(eligible)} eligible"
+
+    def _prefix_approx(self, request: RouteRequest, eligible: list[CandidateScore]) -> Pick:
+        chosen = min(eligible, key=lambda s: (-s.warm_tokens, *_load_key(request, s)))
+        return chosen, f"prefix_approx: longest warm prefix {chosen.warm_tokens} tokens (trust ignored)"
+
+    def _session(self, request: RouteRequest, eligible: list[CandidateScore]) -> Pick:
+        if request.session is None:
+            chosen, why = self._kv(request, eligible)
+            return chosen, f"session: no session header; {why}"
+        pinned = self._sessions.get(request.session)
+        for s in eligible:
+            if s.engine == pinned:
+                self._sessions.move_to_end(request.session)
+                return s, f"session: affinity of session {request.session!r}"
+        chosen, why = self._kv(request, eligible)
+        self._remember(request.session, chosen.engine)
+        lost = "new session" if pinned is None else f"pinned engine {pinned} unavailable"
+        return chosen, f"session: {lost}; {why}"
+
+    def _remember(self, session: str, engine: EngineId) -> None:
+        self._sessions[session] = engine
+        self._sessions.move_to_end(session)
+        while len(self._sessions) > self.settings.session_capacity:
+            self._sessions.popitem(last=False)
+
+
+def _load_key(request: RouteRequest, s: CandidateScore) -> tuple[int, int, int]:
+    return s.load.in_flight, s.load.queued_prefill_tokens, stable_hash(request.key, s.engine)
+
+
+def _pending_words(s: CandidateScore) -> str:
+    return (
+        f", {s.pending_tokens} expected from requests just sent"
+        if s.pending_tokens > s.trusted_hit_tokens
+        else ""
+    )
+
+
+def _reusable_tokens(s: CandidateScore) -> int:
+    """The prefix this engine will serve the next request sharing this one's head, if it takes this one."""
+    return s.warm_tokens if s.pins_junction else s.counted_tokens
+
+
+def _reusable_words(s: CandidateScore) -> str:
+    if s.pins_junction:
+        return f"pinning the hybrid junction at {s.warm_tokens} tokens"
+    return f"the larger cached prefix ({s.counted_tokens} tokens)"
+
+
+# Tie-break rules in order: (key, words); each keeps the tied candidates with the least key, and
+# its words (said of the candidate finally chosen) go into the reason when it narrowed the tie.
+# The hit goes before the load and the hash: where a request's prefix already lives is where it adds
+# the fewest duplicate blocks and, next turn, finds the most, while the costs say both are as fast.
+# The hybrid junction pin and the hit are weighed in one unit, the prefix left for the next request
+# sharing this one's head: routing to an engine that pins stores the sparse groups' state at the
+# junction, turning its warm full-attention prefix into a hit for that next request; any other engine
+# offers its hit. Neither strictly first is right: pin-first would leave a 512-token hit for an
+# engine pinning 20 warm tokens, hit-first would pass over a 768-token pin for a 16-token hit. Rule 2
+# then prefers this request's own saving when the prefixes left are equal.
+_TIE_RULES: Final[
+    tuple[tuple[Callable[[str, CandidateScore], int], Callable[[CandidateScore], str]], ...]
+] = (
+    (lambda key, s: -_reusable_tokens(s), _reusable_words),
+    (lambda key, s: -s.counted_tokens, lambda s: f"the larger cached prefix ({s.counted_tokens} tokens)"),
+    (lambda key, s: s.load.in_flight, lambda s: f"fewer in-flight requests ({s.load.in_flight})"),
+    (lambda key, s: stable_hash(key, s.engine), lambda s: "the stable hash of (request, engine)"),
+)
+
+
+def _break_tie(key: str, tied: list[CandidateScore]) -> tuple[CandidateScore, list[str]]:
+    """Apply `_TIE_RULES` until one candidate is left; returns it and the words of each rule that narrowed."""
+    left, narrowed = tied, []
+    for rule, words in _TIE_RULES:
+        if len(left) == 1:
+            break
+        least = min(rule(key, s) for s in left)
+        kept = [s for s in left if rule(key, s) == least]
+        if len(kept) < len(left):
+            narrowed.append(words)
+        left = kept
+    chosen = left[0]
+    said: list[str] = []
+    for words in narrowed:
+        if (text := words(chosen)) not in said:
+            said.append(text)
+    return chosen, said

@@ -1,0 +1,1 @@
+"""The HTTP edge: the ASGI app, the client leg, the upstream leg and the admin routes."""

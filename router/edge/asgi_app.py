@@ -1,0 +1,219 @@
+"""The gateway's HTTP app: OpenAI routes, health, metrics, debug and admin, over one `Service`.
+
+The two hot routes (`POST /v1/completions`, `POST /v1/chat/completions`) go straight from ASGI to
+`Gateway.handle`, before Starlette's middleware and routing; everything else is a plain Starlette
+endpoint (no FastAPI dependency solving). The lifespan starts the `Service` and builds the handlers.
+Every `RouterError` becomes an OpenAI-format error body with its status and headers (Retry-After
+included) and the request's `x-request-id`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from typing import Final
+
+import msgspec
+from fastapi import FastAPI
+from prometheus_client import CONTENT_TYPE_LATEST
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.routing import Match, Route
+from starlette.types import Receive, Scope, Send
+
+from router.core.errors import NoEngineAvailable, RequestTimeout, RouterError
+from router.edge.access_log import AccessLog
+from router.edge.admin import AdminApi, NotFound
+from router.edge.client_io import ClientGone, error_answer, read_body, request_id_of
+from router.edge.client_timeouts import STATE_KEY, ClientTimeouts
+from router.edge.gateway import Gateway, GatewayParts
+from router.edge.passthrough import PASSTHROUGH_PATHS, Passthrough
+from router.lifecycle import ServeOptions, Service
+from router.ops.fleet_views import index_summary
+from router.settings.config import RouterConfig
+from tokenization.openai_request import Endpoint
+
+__all__ = ["GatewayApp", "Handlers", "create_app"]
+
+_JSON: Final = "application/json"
+_EXPLAIN_LIMIT: Final = 64 << 20
+_HOT: Final = {"/v1/completions": Endpoint.COMPLETIONS, "/v1/chat/completions": Endpoint.CHAT}
+_V1_REST: Final = "/v1/{path:path}"
+_ANY_METHOD: Final = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
+
+
+class _Shape(msgspec.Struct):
+    messages: list[msgspec.Raw] | None = None
+
+
+_SHAPE: Final = msgspec.json.Decoder(_Shape)
+
+
+class Handlers:
+    """The started gateway's request handlers (set by the lifespan)."""
+
+    def __init__(self, parts: GatewayParts) -> None:
+        self.parts = parts
+        self.gateway = Gateway(parts)
+        self.passthrough = Passthrough(parts)
+        self.admin = AdminApi(parts)
+
+    def admin_check(self, request: Request) -> None:
+        request_id_of(request)
+        self.parts.guard.check_admin(request.headers)
+
+    async def decisions(self, request: Request) -> Response:
+        self.admin_check(request)
+        rid = request.path_params["request_id"]
+        entry = self.parts.ring.get(rid)
+        if entry is None and self.parts.peers is not None:  # routed by a sibling worker?
+            entry = await self.parts.peers.lookup(rid)
+        if entry is None:
+            raise NotFound("no decision recorded for this request id (unknown, or dropped from the ring)")
+        return Response(msgspec.json.encode(entry), media_type=_JSON)
+
+    async def explain(self, request: Request) -> Response:
+        self.admin_check(request)
+        body = await read_body(request, _EXPLAIN_LIMIT, self.parts.config.timeouts.client_body_s)
+        try:
+            chat = _SHAPE.decode(body).messages is not None
+        except (msgspec.DecodeError, RecursionError):
+            chat = False  # prepare() names the problem
+        endpoint = Endpoint.CHAT if chat else Endpoint.COMPLETIONS
+        session = request.headers.get(self.parts.config.policy.session_header)
+        explained = await self.gateway.explain(body, endpoint, session)
+        return Response(msgspec.json.encode(explained), media_type=_JSON)
+
+    async def index(self, request: Request) -> Response:
+        self.admin_check(request)
+        return Response(msgspec.json.encode(index_summary(self.parts.fleet)), media_type=_JSON)
+
+    async def ready(self, request: Request) -> Response:
+        fleet = self.parts.fleet
+        ok = fleet.ready(fleet.clock())
+        body = b'{"status":"ready"}' if ok else b'{"status":"not ready"}'
+        return Response(body, status_code=200 if ok else 503, media_type=_JSON)
+
+    async def metrics(self, request: Request) -> Response:
+        self.parts.metrics.engines.set(len(self.parts.fleet.engines()))
+        return Response(self.parts.metrics.render(), media_type=CONTENT_TYPE_LATEST)
+
+
+class GatewayApp(FastAPI):
+    """The FastAPI app with the hot routes taken before Starlette (see the module docstring)."""
+
+    handlers: list[Handlers]
+    access_log: AccessLog | None = None
+    """Set when `listen.access_log` is on: every request then goes through it."""
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if self.access_log is not None:
+            await self.access_log(scope, receive, send)
+        else:
+            await self.dispatch(scope, receive, send)
+
+    async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
+        """The hot routes to `Gateway.handle`, everything else to Starlette."""
+        if scope["type"] == "http" and scope["method"] == "POST":
+            endpoint = _HOT.get(scope["path"])
+            if endpoint is not None:
+                if self.handlers:
+                    await self.handlers[0].gateway.handle(scope, receive, send, endpoint)
+                else:
+                    await error_answer(NoEngineAvailable("the gateway is not started"), "none")(
+                        scope, receive, send
+                    )
+                return
+        await super().__call__(scope, receive, send)
+
+
+def error_response(request: Request, exc: RouterError) -> Response:
+    """The OpenAI-format answer to a gateway error."""
+    return error_answer(exc, request_id_of(request))
+
+
+def create_app(
+    config: RouterConfig,
+    options: ServeOptions | None = None,
+    environ: Mapping[str, str] | None = None,
+    on_started: Callable[[GatewayParts], None] | None = None,
+) -> GatewayApp:
+    """The gateway app for `config`; its lifespan starts and stops the service."""
+    service = Service(config, options or ServeOptions(), os.environ if environ is None else environ)
+    box: list[Handlers] = []
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, ClientTimeouts]]:
+        parts = await service.start()
+        box.append(Handlers(parts))
+        app.state.handlers = box[0]
+        if on_started is not None:
+            on_started(parts)
+        counter = parts.metrics.client_timeouts
+        try:  # the lifespan state reaches every connection uvicorn accepts (router.edge.client_timeouts)
+            yield {STATE_KEY: ClientTimeouts.of(config.timeouts, lambda phase: counter.labels(phase).inc())}
+        finally:
+            box.clear()
+            await service.stop()
+
+    app = GatewayApp(title="kvrouter", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
+    app.handlers = box
+    if config.listen.access_log:
+        app.access_log = AccessLog(app.dispatch)
+    app.state.service = service
+    _add_routes(app, box)
+
+    async def router_error(request: Request, exc: Exception) -> Response:
+        assert isinstance(exc, RouterError)
+        if isinstance(exc, RequestTimeout) and box:
+            box[0].parts.metrics.client_timeouts.labels("body").inc()
+        return error_response(request, exc)
+
+    async def client_gone(request: Request, exc: Exception) -> Response:
+        return Response(status_code=499)  # nobody is listening; this only ends the ASGI call
+
+    app.add_exception_handler(RouterError, router_error)
+    app.add_exception_handler(ClientGone, client_gone)
+    return app
+
+
+Endpoint_ = Callable[[Request], Awaitable[Response]]
+
+
+def _add_routes(app: FastAPI, box: list[Handlers]) -> None:
+    def h(pick: Callable[[Handlers], Endpoint_]) -> Endpoint_:
+        async def endpoint(request: Request) -> Response:
+            return await pick(box[0])(request)
+
+        return endpoint
+
+    async def health(request: Request) -> Response:
+        return Response(b'{"status":"ok"}', media_type=_JSON)
+
+    async def unknown_v1(request: Request) -> Response:
+        return await box[0].passthrough.unknown(request, _allowed(app, request.scope))
+
+    add = app.router.add_route
+    add("/v1/models", h(lambda x: x.passthrough.models), methods=["GET"])
+    for path, methods in PASSTHROUGH_PATHS.items():
+        add(path, h(lambda x: x.passthrough.forward), methods=list(methods))
+    add(_V1_REST, unknown_v1, methods=list(_ANY_METHOD))  # the gateway's own 404 or 405
+    add("/health", health, methods=["GET"])
+    add("/ready", h(lambda x: x.ready), methods=["GET"])
+    add("/metrics", h(lambda x: x.metrics), methods=["GET"])
+    add("/debug/decisions/{request_id}", h(lambda x: x.decisions), methods=["GET"])
+    add("/debug/route", h(lambda x: x.explain), methods=["POST"])
+    add("/debug/index", h(lambda x: x.index), methods=["GET"])
+    add("/admin/engines", h(lambda x: x.admin.list_engines), methods=["GET"])
+    add("/admin/engines", h(lambda x: x.admin.add_engine), methods=["POST"])
+    add("/admin/engines/{name:path}", h(lambda x: x.admin.remove_engine), methods=["DELETE"])
+
+
+def _allowed(app: FastAPI, scope: Scope) -> list[str]:
+    """The methods the gateway serves on the request's path (empty: the path is unknown)."""
+    allowed = {"POST"} if scope["path"] in _HOT else set()
+    for route in app.router.routes:
+        if isinstance(route, Route) and route.path != _V1_REST and route.matches(scope)[0] is Match.PARTIAL:
+            allowed |= route.methods or set()
+    return sorted(allowed)

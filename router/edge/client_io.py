@@ -1,0 +1,164 @@
+"""The client leg: request ids, bounded bodies, disconnect watching, whole answers and error bodies.
+
+The hot routes (completions, chat) are served straight from ASGI messages rather than through
+Starlette's request/response machinery: it saves the middleware stack, route matching, and the task
+group `StreamingResponse` spawns per answer to notice a disconnect. One `ClientWatch` per request
+does that job instead, for the whole request: it cancels the serving task when the client goes away
+(uvicorn's `send` silently drops writes to a closed connection, so only `receive` tells), which
+cancels the upstream request or the relay, whichever is running. Every error the gateway answers
+itself, on any route, is an `error_answer`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import uuid
+from collections.abc import Awaitable, Iterable
+from typing import Final, TypeVar
+
+from starlette.requests import Request
+from starlette.responses import Response
+from starlette.types import Receive
+
+from router.core.errors import RequestTimeout, RequestTooLarge, RouterError
+
+__all__ = [
+    "ClientDisconnected",
+    "ClientGone",
+    "ClientWatch",
+    "error_answer",
+    "read_asgi_body",
+    "read_body",
+    "request_id_of",
+    "until_disconnect",
+]
+
+T = TypeVar("T")
+_SANE_ID: Final = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
+
+_CONTENT_LENGTH: Final = b"content-length"
+
+
+class ClientDisconnected(Exception):
+    """The client went away before its request body was complete."""
+
+
+async def read_asgi_body(
+    receive: Receive, headers: Iterable[tuple[bytes, bytes]], limit: int, timeout_s: float
+) -> bytes:
+    """The whole request body, refusing (413) beyond `limit` bytes before reading more than that, and
+    (408, `RequestTimeout`) when it is not complete within `timeout_s` seconds.
+
+    Raises `ClientDisconnected` when the client leaves mid-body (a partial body is never routed)."""
+    for key, value in headers:
+        if key == _CONTENT_LENGTH and value.isdigit() and int(value) > limit:
+            raise RequestTooLarge(f"request body of {value.decode()} bytes exceeds the limit of {limit}")
+    try:
+        async with asyncio.timeout(timeout_s):
+            return await _read_body(receive, limit)
+    except TimeoutError:
+        raise RequestTimeout(f"the request body was not complete within {timeout_s:g} s") from None
+
+
+async def _read_body(receive: Receive, limit: int) -> bytes:
+    chunks: list[bytes] = []
+    size = 0
+    while True:
+        message = await receive()
+        if message["type"] != "http.request":
+            raise ClientDisconnected()
+        chunk = message.get("body", b"")
+        size += len(chunk)
+        if size > limit:
+            raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
+        chunks.append(chunk)
+        if not message.get("more_body", False):
+            break
+    return chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
+
+class ClientWatch:
+    """Cancels the task that created it when the client disconnects before `closing()`.
+
+    Create it after the body is read (it consumes `receive`). When the cancellation it caused
+    reaches the task, `absorb()` says so and uncancels, so the request can end as "client closed"
+    while any other cancellation (shutdown) keeps propagating."""
+
+    def __init__(self, receive: Receive) -> None:
+        task = asyncio.current_task()
+        assert task is not None, "ClientWatch needs a running task"
+        self._task = task
+        self._receive = receive
+        self.gone = False
+        self._closing = False
+        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+
+    async def _watch(self) -> None:
+        while (await self._receive())["type"] != "http.disconnect":
+            pass
+        if not self._closing:
+            self.gone = True
+            self._task.cancel()
+
+    def closing(self) -> None:
+        """The answer is being completed: a disconnect from now on is the normal end of the exchange."""
+        self._closing = True
+
+    def absorb(self) -> bool:
+        """In an `except CancelledError`: True (and the task uncancelled) if the disconnect caused it."""
+        return self.gone and self._task.uncancel() == 0
+
+    def close(self) -> None:
+        """Stop watching (idempotent)."""
+        self._closing = True
+        self._watcher.cancel()
+
+
+class ClientGone(Exception):
+    """The client disconnected before the answer started; nothing is sent back."""
+
+
+def request_id_of(request: Request) -> str:
+    """The client's `x-request-id` when it is short and plain, else a fresh one (kept on request.state)."""
+    rid: str | None = getattr(request.state, "request_id", None)
+    if rid is None:
+        given = request.headers.get("x-request-id")
+        rid = given if given is not None and _SANE_ID.fullmatch(given) else uuid.uuid4().hex
+        request.state.request_id = rid
+    return rid
+
+
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """`read_asgi_body` for a Starlette route; a client gone mid-body raises `ClientGone`."""
+    try:
+        return await read_asgi_body(request.receive, request.scope["headers"], limit, timeout_s)
+    except ClientDisconnected:
+        raise ClientGone() from None
+
+
+def error_answer(exc: RouterError, request_id: str) -> Response:
+    """The OpenAI-format answer to a gateway error: its status and headers (Retry-After included)."""
+    headers = {**exc.headers, "x-request-id": request_id}
+    return Response(exc.body(), status_code=exc.http_status(), headers=headers, media_type="application/json")
+
+
+async def until_disconnect(request: Request, work: Awaitable[T]) -> T:
+    """Await `work`, cancelling it and raising `ClientGone` if the client disconnects first."""
+    task = asyncio.ensure_future(work)
+    watch = asyncio.ensure_future(_disconnected(request))
+    try:
+        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, watch):
+            if not pending.done():
+                pending.cancel()
+    if task.done() and not task.cancelled():
+        return task.result()
+    await asyncio.gather(task, return_exceptions=True)
+    raise ClientGone()
+
+
+async def _disconnected(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass

@@ -1,0 +1,103 @@
+"""Client-side connection timeouts: uvicorn's httptools protocol, with a header timeout and counts.
+
+uvicorn times out only the idle wait after an answer on a kept-alive connection; a client that
+connects and sends nothing, or part of its headers, would hold its connection forever. The
+`TimedHttpToolsProtocol` every gateway server runs adds nginx's `client_header_timeout` (from
+connecting, or from a kept-alive request's first byte, to the end of the headers: then the
+connection is closed, as there is no request to answer), sets the keep-alive idle time, and counts
+both in `kvrouter_client_timeouts_total{phase="header"|"idle"}`. Body reads are timed by the app
+(`router.edge.client_io.read_asgi_body`, answered 408, phase "body"). Settings and counter reach each
+connection through the ASGI lifespan state, which uvicorn hands to every protocol it creates.
+
+Defaults (`[timeouts]` `client_*`) are nginx's: client_header_timeout and client_body_timeout 60 s,
+keepalive_timeout 75 s (https://nginx.org/en/docs/http/ngx_http_core_module.html); Envoy's
+request_headers_timeout and stream_idle_timeout (5 min) bound the same phases.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from uvicorn.config import Config
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.server import ServerState
+
+from router.settings.config import Timeouts
+
+__all__ = ["STATE_KEY", "ClientTimeouts", "TimedHttpToolsProtocol"]
+
+STATE_KEY: Final = "kvrouter.client_timeouts"
+"""The lifespan-state key holding the running gateway's `ClientTimeouts`."""
+
+
+@dataclass(frozen=True)
+class ClientTimeouts:
+    """The connection timeouts and the callback counting one timeout by phase."""
+
+    header_s: float
+    keepalive_s: float
+    timed_out: Callable[[str], None]
+
+    @classmethod
+    def of(cls, timeouts: Timeouts, timed_out: Callable[[str], None]) -> ClientTimeouts:
+        """The `[timeouts]` table's client settings."""
+        return cls(timeouts.client_header_s, timeouts.client_keepalive_s, timed_out)
+
+
+class TimedHttpToolsProtocol(HttpToolsProtocol):
+    """uvicorn's httptools protocol with the timeouts of the app's `ClientTimeouts` (module docstring).
+
+    Without them in the lifespan state (an app that does not set them) it is uvicorn's protocol."""
+
+    def __init__(
+        self,
+        config: Config,
+        server_state: ServerState,
+        app_state: dict[str, Any],
+        _loop: asyncio.AbstractEventLoop | None = None,
+    ) -> None:
+        super().__init__(config, server_state, app_state, _loop)
+        self._timeouts: ClientTimeouts | None = app_state.get(STATE_KEY)
+        self._header_timer: asyncio.TimerHandle | None = None
+        if self._timeouts is not None:
+            self.timeout_keep_alive = self._timeouts.keepalive_s
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        self._arm_header_timer()
+
+    def data_received(self, data: bytes) -> None:
+        if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
+            self._arm_header_timer()  # the first byte of the next request on a kept-alive connection
+        super().data_received(data)
+
+    def on_headers_complete(self) -> None:
+        self._cancel_header_timer()
+        super().on_headers_complete()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._cancel_header_timer()
+        super().connection_lost(exc)
+
+    def timeout_keep_alive_handler(self) -> None:
+        if self._timeouts is not None and not self.transport.is_closing():
+            self._timeouts.timed_out("idle")
+        super().timeout_keep_alive_handler()
+
+    def _arm_header_timer(self) -> None:
+        if self._timeouts is not None:
+            self._header_timer = self.loop.call_later(self._timeouts.header_s, self._header_timeout)
+
+    def _cancel_header_timer(self) -> None:
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
+
+    def _header_timeout(self) -> None:
+        self._header_timer = None
+        if self._timeouts is not None and not self.transport.is_closing():
+            self._timeouts.timed_out("header")
+            self.transport.close()

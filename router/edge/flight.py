@@ -1,0 +1,138 @@
+"""One routed request in flight: which replica it is on, and the load and trust bookkeeping around it.
+
+The proxy asks `Flight.choose(tried)` for each attempt: the first attempt takes the decision already
+made, each retry decides again without the replicas tried. Moving to a replica counts the request
+there (load tracker, per-engine admission, trust's "request sent"); leaving it (retry, end, failure)
+uncounts it. No eligible replica for the first attempt is a refusal naming the limit that bound.
+`first_byte` feeds the learned TTFT model; `finish` is idempotent and always called.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import msgspec
+
+from router.core.errors import RouterError
+from router.core.fleet_state import FleetState
+from router.core.ids import EngineId, RequestId
+from router.core.policy.refusal import refusal
+from router.core.policy.scoring import Decision, RouteRequest
+from router.core.routing import Routed, RoutingCore
+from router.edge.upstream import ProxyRequest, Target
+from router.ops.debug import DecisionEntry
+from router.prepare.prepared import Prepared
+
+__all__ = ["RANK_HEADER", "DecisionSink", "Flight"]
+
+RANK_HEADER = "x-data-parallel-rank"
+
+DecisionSink = Callable[[RequestId, int, Decision], None]
+"""Told about every decision (request id, attempt number, decision): the recorder."""
+
+
+class Flight:
+    """The routing state of one request between its first decision and its end."""
+
+    def __init__(
+        self,
+        fleet: FleetState,
+        core: RoutingCore,
+        request: ProxyRequest,
+        entry: DecisionEntry,
+        route: RouteRequest,
+    ) -> None:
+        self.fleet = fleet
+        self.core = core
+        self.request = request
+        self.entry = entry
+        self.route = route
+        self.rid = RequestId(entry.request_id)
+        self.prepared: Prepared | None = None
+        self.engine: EngineId | None = None
+        self.decision: Decision | None = None
+        self.on_decision: DecisionSink = lambda rid, attempt, decision: None
+        self._counted = False
+        self._admitted = False
+        self._finished = False
+
+    def decide(self, prepared: Prepared, now: float) -> Routed:
+        """The first decision (attempt 0), recorded in the entry and told to the sink."""
+        self.prepared = prepared
+        routed = self.core.route(prepared, self.route, now)
+        self._note(routed.decision)
+        return routed
+
+    def choose(self, tried: frozenset[EngineId]) -> Target | None:
+        """The proxy's chooser: the next replica to try, or None when no eligible one is left.
+
+        When no replica is eligible for the first attempt, raises the refusal naming the limit that
+        bound (router.core.policy.refusal); on a retry, None lets the proxy report the failure it saw."""
+        now = self.fleet_clock()
+        decision = self.entry.decisions[-1] if not tried and self.engine is None else None
+        if decision is None:
+            assert self.prepared is not None, "decide() first"
+            route = msgspec.structs.replace(self.route, excluded=tried)
+            decision = self.core.decide(self.prepared, route, now)
+            self._note(decision)
+        self._leave(now)
+        if decision.engine is None:
+            if not tried:
+                raise self._refusal(decision, now)
+            return None
+        return self._enter(decision, decision.engine, now)
+
+    def _refusal(self, decision: Decision, now: float) -> RouterError:
+        assert self.prepared is not None
+        breakers = self.fleet.breakers
+        reopens = {c.engine: breakers.get(c.engine).reopens_in(now) for c in decision.candidates}
+        why_not = [(c.engine, c.why_not) for c in decision.candidates]
+        return refusal(self.prepared.model, why_not, self.fleet.admission, reopens)
+
+    def fleet_clock(self) -> float:
+        return self.fleet.clock()
+
+    def _note(self, decision: Decision) -> None:
+        self.entry.decisions.append(decision)
+        self.on_decision(self.rid, len(self.entry.decisions) - 1, decision)
+
+    def _enter(self, decision: Decision, engine: EngineId, now: float) -> Target:
+        chosen = next((c for c in decision.candidates if c.engine == engine), None)
+        uncached = chosen.uncached_tokens if chosen is not None else 0
+        self.fleet.load.started(self.rid, engine, now, uncached)
+        self._admitted = self.fleet.admission.enter_engine(engine)
+        assert self.prepared is not None
+        self.fleet.request_sent(engine, self.rid, self.prepared, now)
+        self.engine, self.decision, self._counted = engine, decision, True
+        base_url, rank = self.fleet.replica_target(engine)
+        self._set_rank(rank)
+        self.entry.engine = engine
+        self.entry.predicted_cached_tokens = decision.predicted_cached_tokens
+        return Target(engine, base_url)
+
+    def _set_rank(self, rank: int | None) -> None:
+        # The proxy sends the same header list to every attempt; the rank belongs to the replica.
+        headers = self.request.headers
+        headers[:] = [(k, v) for k, v in headers if k.lower() != RANK_HEADER]
+        if rank is not None:
+            headers.append((RANK_HEADER, str(rank)))
+
+    def _leave(self, now: float) -> None:
+        if self._counted and self.engine is not None:
+            self.fleet.load.finished(self.rid, now)
+            self.fleet.request_finished(self.engine, self.rid, now)
+            if self._admitted:
+                self.fleet.admission.leave_engine(self.engine)
+            self._counted = False
+
+    def first_byte(self) -> None:
+        """The answer's first bytes arrived: the request's TTFT as far as the router can see it."""
+        now = self.fleet_clock()
+        self.fleet.load.first_token(self.rid, now)
+        self.fleet.request_answered(self.rid, now)
+
+    def finish(self) -> None:
+        """The request ended (any way); uncounts it once."""
+        if not self._finished:
+            self._finished = True
+            self._leave(self.fleet_clock())

@@ -1,0 +1,327 @@
+"""The request path: admit, read, prepare, decide, forward, relay, account. One `Gateway` per process.
+
+`handle()` serves `/v1/completions` and `/v1/chat/completions` straight over ASGI (the app's
+`HotRoutes` sends them here before Starlette sees them): the body is read once (size limited) and
+forwarded byte for byte; routing reads only what `Models.prepare` needs. Answers carry
+`x-request-id`, `x-kvrouter-engine`, `x-kvrouter-predicted-cached-tokens` (what the engine is
+expected to report cached, trusted or not) and `x-kvrouter-mirror-trust` (whether scoring counted
+it). Every outcome is counted in the metrics, kept in the decision ring, and (with `--record`)
+written to the recording.
+Failures are `RouterError`s, answered as OpenAI-format bodies.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+from typing import Final
+
+from starlette.requests import Request
+from starlette.types import Receive, Scope, Send
+
+from router.core.errors import BadRequest, RequestTimeout, RouterError
+from router.core.fleet_state import FleetState
+from router.core.policy.scoring import RouteRequest
+from router.core.routing import RoutingCore
+from router.edge.access_log import AccessNote, note_of
+from router.edge.auth import Guard
+from router.edge.client_io import (
+    ClientDisconnected,
+    ClientGone,
+    ClientWatch,
+    error_answer,
+    read_asgi_body,
+    request_id_of,
+)
+from router.edge.flight import Flight
+from router.edge.headers import forwarded_headers
+from router.edge.proxy import Proxy
+from router.edge.relay import RelayResponse
+from router.edge.upstream import ProxyRequest, UpstreamResponse
+from router.edge.usage import UsageTap
+from router.links.fleet_links import FleetLinks
+from router.ops.debug import DecisionEntry, DecisionRing, Explanation, PreparedView
+from router.ops.decision_peers import DecisionPeers
+from router.ops.metrics import RouterMetrics
+from router.ops.recording import GatewayRecorder
+from router.prepare.prepared import Prepared
+from router.prepare.remote_tokenize import RemoteTokenizeError, RemoteTokenizer
+from router.prepare.served_models import Models, UnknownModel
+from router.settings.config import RouterConfig
+from tokenization.openai_request import Endpoint, RequestError
+
+__all__ = ["Gateway", "GatewayParts"]
+
+log = logging.getLogger(__name__)
+
+_STAGES: Final = ("tokenize", "hash", "lookup", "score")
+
+
+@dataclass
+class GatewayParts:
+    """Everything the request path uses, built and owned by `router.lifecycle.Service`."""
+
+    config: RouterConfig
+    fleet: FleetState
+    links: FleetLinks
+    models: Models
+    core: RoutingCore
+    proxy: Proxy
+    metrics: RouterMetrics
+    guard: Guard
+    ring: DecisionRing
+    recorder: GatewayRecorder | None = None
+    peers: DecisionPeers | None = None
+
+
+def view_of(prepared: Prepared) -> PreparedView:
+    """What the debug endpoints show of a prepared request."""
+    return PreparedView(
+        prepared.model, str(prepared.endpoint), prepared.stream, prepared.prompt_tokens,
+        len(prepared.keys), prepared.skip_cache,
+    )  # fmt: skip
+
+
+def _mirror_trust(entry: DecisionEntry, engine: str) -> str:
+    """The trust state of `engine`'s mirror when the last decision chose it (scoring counts hits
+    only from `fresh` ones); `unknown` if that decision did not score it."""
+    for candidate in entry.decisions[-1].candidates if entry.decisions else ():
+        if candidate.engine == engine:
+            return candidate.trust.state.value
+    return "unknown"
+
+
+class Gateway:
+    """Serves the OpenAI routes over the fleet (see the module docstring)."""
+
+    def __init__(self, parts: GatewayParts) -> None:
+        self.parts = parts
+        self.policy = parts.config.policy.name
+        self.session_header = parts.config.policy.session_header.lower()
+        self.max_body = parts.config.limits.max_body_bytes
+        self.body_timeout_s = parts.config.timeouts.client_body_s
+        self.any_remote = any(m.remote_tokenize for m in parts.config.models)
+
+    async def prepare(self, body: bytes, endpoint: Endpoint) -> Prepared:
+        """`Models.prepare` (with an engine's /tokenize for `remote_tokenize` models); a bad request is a
+        400 naming the field, any other failure a logged 500 (`RouterError`)."""
+        models = self.parts.models
+        try:
+            if not self.any_remote:  # one JSON decode less on the common path
+                return models.prepare(body, endpoint)
+            model = models.resolve(body)
+            if models.needs_remote(model):
+                tokens = await self._remote_tokens(body, model)
+                if tokens is not None:
+                    return models.prepare_tokens(body, endpoint, tokens, model)
+            return models.prepare(body, endpoint, model)
+        except UnknownModel as exc:  # the gateway's own 404 (or 400 when missing): no engine is asked
+            raise exc.answer() from None
+        except RequestError as exc:
+            raise BadRequest(str(exc), param=exc.param) from None
+        except RouterError:
+            raise
+        except Exception as exc:  # a bug, not the client's fault: an OpenAI-format 500, counted and traced
+            log.exception("preparing a request failed", extra={"endpoint": endpoint.value})
+            failure = type(exc).__name__
+            raise RouterError(f"internal error while preparing the request ({failure}, logged)") from exc
+
+    async def _remote_tokens(self, body: bytes, model: str) -> list[int] | None:
+        """The prompt ids from the first reachable replica of `model`; None (logged) when none answers."""
+        session = self.parts.proxy.session
+        replicas = self.parts.fleet.replicas(model) if session is not None else []
+        for replica in replicas:
+            assert session is not None
+            base_url, _ = self.parts.fleet.replica_target(replica)
+            try:
+                return await RemoteTokenizer(session).tokenize(base_url, body)
+            except RemoteTokenizeError as exc:
+                log.warning("remote tokenization failed", extra={"engine": replica, "error": str(exc)})
+        self.parts.metrics.remote_tokenize_failures.inc()
+        return None
+
+    def route_request(self, request: Request, prepared: Prepared) -> RouteRequest:
+        """The scoring view of the request: its stable key and session."""
+        return RouteRequest(key=prepared.session_key, session=request.headers.get(self.session_header))
+
+    async def handle(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        """Serve one completions or chat request straight over ASGI: route, forward, stream back.
+
+        A `RouterError` before the answer starts becomes its OpenAI-format body; a client that goes
+        away cancels whatever runs (the upstream request or the relay) and the request ends as 499."""
+        arrived = time.perf_counter()
+        request = Request(scope, receive)
+        rid = request_id_of(request)
+        relay: RelayResponse | None = None
+        watch: ClientWatch | None = None
+        try:
+            body = await self._admit(request, receive)
+            try:
+                watch = ClientWatch(receive)
+                relay = await self._admitted(request, endpoint, body, rid, arrived)
+            except BaseException:
+                self.parts.fleet.admission.leave()
+                raise
+            await relay.stream_to(send, watch)
+        except RouterError as exc:
+            if relay is not None:  # the answer had started: only dropping the connection is left
+                raise
+            if watch is not None:
+                watch.closing()  # completing this answer makes uvicorn report a disconnect
+            await error_answer(exc, rid)(scope, receive, send)
+        except ClientGone:
+            pass  # mid-body: counted, and nobody is listening for an answer
+        except asyncio.CancelledError:
+            if watch is None or not watch.absorb():
+                raise
+        finally:
+            if watch is not None:
+                watch.close()
+            if relay is not None:
+                relay.abandon()
+
+    async def _admit(self, request: Request, receive: Receive) -> bytes:
+        """Check the API key, read the body, then take an admission slot; a refusal is counted.
+
+        The slot is taken only once the body is in: a slow or stalled client holds a connection (until
+        `timeouts.client_body_s`, then 408), never a slot the engines' requests need."""
+        parts = self.parts
+        try:
+            parts.guard.check_api(request.headers)
+            body = await read_asgi_body(receive, request.scope["headers"], self.max_body, self.body_timeout_s)
+        except RouterError as exc:
+            if isinstance(exc, RequestTimeout):
+                parts.metrics.client_timeouts.labels("body").inc()
+            self._refused(str(exc.http_status()), exc.reason)
+            raise
+        except ClientDisconnected:
+            self._refused("client_closed")
+            raise ClientGone() from None
+        admission = parts.fleet.admission
+        if not admission.enter():
+            overloaded = admission.overloaded()
+            self._refused(str(overloaded.http_status()), overloaded.reason)
+            raise overloaded
+        return body
+
+    def _refused(self, status: str, reason: str | None = None) -> None:
+        """Count a request answered by the gateway itself, before any engine was chosen (and why)."""
+        self.parts.metrics.refused(self.policy, status, reason)
+
+    async def _admitted(
+        self, request: Request, endpoint: Endpoint, body: bytes, rid: str, arrived: float
+    ) -> RelayResponse:
+        parts = self.parts
+        try:
+            prepared = await self.prepare(body, endpoint)
+        except RouterError as exc:
+            self._refused(str(exc.http_status()), exc.reason)
+            raise
+        entry = parts.ring.add(DecisionEntry(request_id=rid, time=time.time(), request=view_of(prepared)))
+        proxied = ProxyRequest(request.method, endpoint.value, self._forward_headers(request), body)
+        flight = Flight(parts.fleet, parts.core, proxied, entry, self.route_request(request, prepared))
+        if parts.recorder is not None:
+            parts.recorder.request(rid, endpoint.value, prepared.model, request.headers, body)
+            flight.on_decision = parts.recorder.decision
+        routed = flight.decide(prepared, parts.fleet.clock())
+        entry.timings_s = {**prepared.timings, **routed.timings}
+        forwarding = time.perf_counter()
+        try:
+            upstream = await parts.proxy.forward(proxied, flight.choose)
+        except BaseException as exc:
+            flight.finish()
+            self._failed(entry, exc)
+            raise
+        entry.attempts = upstream.attempts
+        for attempt in upstream.attempts[:-1]:  # each earlier attempt was moved to another engine
+            reason = attempt.outcome.value if attempt.status == 0 else f"http_{attempt.status}"
+            parts.metrics.retries.labels(reason).inc()
+        own = sum(entry.timings_s.get(stage, 0.0) for stage in _STAGES)  # before forwarding
+        pre_forward = max(0.0, forwarding - arrived - own)
+        return self._relay(upstream, flight, entry, (arrived, pre_forward), note_of(request.scope))
+
+    def _forward_headers(self, request: Request) -> list[tuple[str, str]]:
+        # the key was the router's (engines never see it); the request id is the gateway's
+        return forwarded_headers(
+            request.headers.raw, request_id_of(request), self.parts.guard.api_keys_required
+        )
+
+    def _relay(
+        self, upstream: UpstreamResponse, flight: Flight, entry: DecisionEntry,
+        times: tuple[float, float], note: AccessNote,
+    ) -> RelayResponse:  # fmt: skip
+        """The relay of `upstream` with its accounting hooks; `times` = (arrival on the perf_counter
+        clock, the gateway's own time before forwarding outside the routing stages)."""
+        parts, engine = self.parts, upstream.engine
+        arrived, pre_forward = times
+        model = entry.request.model
+        streamed_ok = upstream.status == 200 and entry.request.stream
+        predicted = entry.predicted_cached_tokens or 0
+        for stage in _STAGES:
+            if stage in entry.timings_s:
+                parts.metrics.overhead.labels(stage).observe(entry.timings_s[stage])
+        headers = [
+            ("x-request-id", entry.request_id),
+            ("x-kvrouter-engine", engine),
+            ("x-kvrouter-predicted-cached-tokens", str(predicted)),
+            ("x-kvrouter-mirror-trust", _mirror_trust(entry, engine)),
+        ]
+
+        def first_byte(relay_s: float) -> None:
+            flight.first_byte()
+            parts.metrics.overhead.labels("proxy").observe(pre_forward + relay_s)
+            if streamed_ok:  # a JSON answer's first chunk is most of the answer: no TTFT to speak of
+                parts.metrics.ttft.labels(engine, model).observe(time.perf_counter() - arrived)
+
+        def end(status: str, cached: int | None) -> None:
+            flight.finish()
+            parts.fleet.admission.leave()
+            entry.status = upstream.status
+            entry.actual_cached_tokens = note.actual_cached_tokens = cached
+            parts.metrics.requests.labels(engine, self.policy, status).inc()
+            if status == "200":
+                parts.metrics.duration.labels(engine, model).observe(time.perf_counter() - arrived)
+            if cached is not None:
+                parts.metrics.observe_prediction(engine, predicted, cached)
+            self._log_end(entry, status)
+
+        stream = any(k.lower() == "content-type" and "event-stream" in v for k, v in upstream.headers)
+        tap = UsageTap(stream) if upstream.status == 200 else None
+        return RelayResponse(upstream, headers, tap, first_byte, end)
+
+    def _failed(self, entry: DecisionEntry, exc: BaseException) -> None:
+        engine = entry.engine or "none"
+        status = str(exc.http_status()) if isinstance(exc, RouterError) else "client_closed"
+        entry.status = exc.http_status() if isinstance(exc, RouterError) else 499
+        self.parts.metrics.requests.labels(engine, self.policy, status).inc()
+        if isinstance(exc, RouterError) and exc.reason is not None:  # refused: no engine could take it
+            self.parts.metrics.rejected.labels(exc.reason).inc()
+        log.warning(
+            "request failed",
+            extra={"request_id": entry.request_id, "engine": engine, "status": status, "error": str(exc)},
+        )
+
+    def _log_end(self, entry: DecisionEntry, status: str) -> None:
+        if log.isEnabledFor(logging.DEBUG) or status not in ("200", "client_closed"):
+            level = logging.DEBUG if status == "200" else logging.INFO
+            log.log(
+                level,
+                "request done",
+                extra={
+                    "request_id": entry.request_id,
+                    "engine": entry.engine,
+                    "status": status,
+                    "predicted_cached_tokens": entry.predicted_cached_tokens,
+                    "actual_cached_tokens": entry.actual_cached_tokens,
+                    "attempts": len(entry.attempts),
+                },
+            )
+
+    async def explain(self, body: bytes, endpoint: Endpoint, session: str | None) -> Explanation:
+        """What routing would decide for `body` now, without sending it (for `POST /debug/route`)."""
+        prepared = await self.prepare(body, endpoint)
+        route = RouteRequest(key=prepared.session_key, session=session)
+        routed = self.parts.core.route(prepared, route, self.parts.fleet.clock())
+        return Explanation(view_of(prepared), routed.decision, {**prepared.timings, **routed.timings})

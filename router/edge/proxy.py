@@ -1,0 +1,214 @@
+"""Carrying out a routing decision: forward the request to an engine and stream its answer back.
+
+One aiohttp `ClientSession` per process over a pooled keep-alive `TCPConnector` (limits from the
+config). TCP_NODELAY is on for every upstream socket: aiohttp's protocol sets it in
+`connection_made` (aiohttp/base_protocol.py, verified by test_proxy). The body goes out byte for
+byte; hop-by-hop headers are stripped both ways (`router.edge.headers`). Before any byte reaches the
+client, a failed connect, a connection closed without an answer, or a 5xx/429 answer is retried on
+another engine (the caller's `choose` callback decides which), with bounded attempts and backoff.
+aiohttp's exceptions become `RouterError`s in one place, `router.edge.upstream.map_upstream_errors`.
+
+The answer is an `UpstreamResponse` (router.edge.upstream), streamed as it arrives.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import aiohttp
+import msgspec
+from yarl import URL
+
+from router.core.errors import (
+    BadRequest,
+    NoEngineAvailable,
+    RequestTooLarge,
+    RouterError,
+    UpstreamConnectError,
+    UpstreamError,
+    UpstreamStatusError,
+)
+from router.core.ids import EngineId
+from router.core.policy.breaker import Breakers
+from router.core.policy.retry import Outcome, OutcomeKind, RetryPolicy, counts_as_failure, is_retryable
+from router.edge.headers import response_headers, upstream_headers, upstream_url
+from router.edge.upstream import (
+    Attempt,
+    ProxyRequest,
+    Target,
+    UpstreamResponse,
+    map_upstream_errors,
+    outcome_of,
+)
+from router.settings.config import RouterConfig
+
+__all__ = ["Chooser", "Proxy", "ProxySettings"]
+
+_ERROR_EXCERPT = 64 * 1024
+# aiohttp adds these when absent; the engine should see only what the client sent.
+_SKIP_AUTO = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
+
+
+class ProxySettings(msgspec.Struct, frozen=True):
+    """Timeouts (seconds), pool limits, body limit and retry policy of the upstream leg."""
+
+    connect_s: float = 2.0
+    first_byte_s: float = 60.0
+    read_s: float = 60.0
+    total_s: float = 600.0
+    pool_total: int = 1024
+    pool_per_engine: int = 256
+    keepalive_s: float = 4.0
+    max_body_bytes: int = 16 * 1024 * 1024
+    retry: RetryPolicy = RetryPolicy()
+
+    @classmethod
+    def from_config(cls, config: RouterConfig) -> ProxySettings:
+        """The proxy's settings from the `[timeouts]`, `[limits]` and `[retry]` tables."""
+        t, lim, r = config.timeouts, config.limits, config.retry
+        retry = RetryPolicy(attempts=r.attempts, backoff_s=r.backoff_s, backoff_max_s=r.backoff_max_s)
+        return cls(
+            t.connect_s, t.first_byte_s, t.read_s, t.total_s, lim.pool_total, lim.pool_per_engine,
+            lim.keepalive_s, lim.max_body_bytes, retry,
+        )  # fmt: skip
+
+
+Chooser = Callable[[frozenset[EngineId]], Target | None]
+"""Given the engines already tried for this request, the next target (None: no more candidates)."""
+
+
+class Proxy:
+    """The upstream leg: one pooled session, retries across engines, per-engine breakers."""
+
+    def __init__(
+        self, settings: ProxySettings, breakers: Breakers, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.settings = settings
+        self.breakers = breakers
+        self.clock = clock
+        self._session: aiohttp.ClientSession | None = None
+
+    @property
+    def session(self) -> aiohttp.ClientSession | None:
+        """The upstream session (None before `start`), shared with other calls to engines."""
+        return self._session
+
+    async def start(self) -> None:
+        """Create the session and its keep-alive connection pool (call from the running loop)."""
+        s = self.settings
+        connector = aiohttp.TCPConnector(
+            limit=s.pool_total, limit_per_host=s.pool_per_engine, keepalive_timeout=s.keepalive_s
+        )
+        timeout = aiohttp.ClientTimeout(total=s.total_s, sock_connect=s.connect_s, sock_read=s.read_s)
+        self._session = aiohttp.ClientSession(
+            connector=connector,
+            timeout=timeout,
+            auto_decompress=False,
+            cookie_jar=aiohttp.DummyCookieJar(),
+            skip_auto_headers=_SKIP_AUTO,
+            trust_env=False,
+        )
+
+    async def close(self) -> None:
+        """Close the session and every pooled connection."""
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+    async def forward(self, request: ProxyRequest, choose: Chooser) -> UpstreamResponse:
+        """Send `request` to the engine `choose` picks, retrying elsewhere while nothing reached the client.
+
+        Returns the first answer that is not retryable (2xx-4xx, or the last 429); raises a
+        `RouterError` when no engine gave one."""
+        if len(request.body) > self.settings.max_body_bytes:
+            raise RequestTooLarge(f"request body exceeds {self.settings.max_body_bytes} bytes")
+        try:
+            upstream_url("http://engine", request.path)
+        except ValueError as exc:
+            raise BadRequest(str(exc)) from None
+        attempts: list[Attempt] = []
+        last: RouterError | UpstreamResponse = NoEngineAvailable("no engine available for this request")
+        for n in range(self.settings.retry.attempts):
+            target = choose(frozenset(a.engine for a in attempts))
+            if target is None:
+                break
+            delay = self.settings.retry.delay_before(n) or 0.0
+            if delay:
+                await asyncio.sleep(delay)  # backoff between attempts
+            result = await self._attempt(target, request, attempts)
+            if isinstance(result, UpstreamResponse) and not is_retryable(
+                Outcome(OutcomeKind.ANSWERED, result.status)
+            ):
+                return result
+            if isinstance(result, UpstreamError) and not is_retryable(Outcome(outcome_of(result))):
+                raise result
+            last = result
+        if isinstance(last, UpstreamResponse):
+            return self._final_answer(last)
+        raise last
+
+    def _final_answer(self, response: UpstreamResponse) -> UpstreamResponse:
+        if response.status == 429:
+            return response  # the engine's own overload answer, Retry-After included
+        excerpt = response._buffered[:500].decode("utf-8", "replace")
+        raise UpstreamStatusError(
+            f"engine {response.engine} answered {response.status}: {excerpt}", engine=response.engine
+        )
+
+    async def _attempt(
+        self, target: Target, request: ProxyRequest, attempts: list[Attempt]
+    ) -> UpstreamResponse | UpstreamError:
+        breaker = self.breakers.get(target.engine)
+        if not breaker.acquire(self.clock()):
+            attempts.append(Attempt(target.engine, OutcomeKind.CONNECT_FAILED, error="circuit open"))
+            return UpstreamConnectError(f"engine {target.engine}: circuit open", engine=target.engine)
+        try:
+            response = await self._send(target, request)
+        except UpstreamError as error:
+            kind = outcome_of(error)
+            attempts.append(Attempt(target.engine, kind, error=error.message))
+            breaker.record_failure(self.clock())
+            return error
+        except asyncio.CancelledError:
+            breaker.record_abandoned(self.clock())
+            raise
+        outcome = Outcome(OutcomeKind.ANSWERED, response.status)
+        attempts.append(Attempt(target.engine, OutcomeKind.ANSWERED, response.status))
+        (breaker.record_failure if counts_as_failure(outcome) else breaker.record_success)(self.clock())
+        answer = UpstreamResponse(target, response.status, response_headers(_pairs(response)), attempts)
+        if is_retryable(outcome):
+            answer._buffered = await self._read_excerpt(target.engine, response)
+        else:
+            answer._response = response
+            answer._on_broken = lambda: breaker.record_failure(self.clock())
+        return answer
+
+    async def _send(self, target: Target, request: ProxyRequest) -> aiohttp.ClientResponse:
+        assert self._session is not None, "Proxy.start() was not called"
+        url = URL(upstream_url(target.base_url, request.path), encoded=True)
+        headers = upstream_headers(request.headers, target.base_url)
+        with map_upstream_errors(target.engine, "first byte"):
+            async with asyncio.timeout(self.settings.first_byte_s):
+                return await self._session.request(
+                    request.method, url, headers=headers, data=request.body, allow_redirects=False
+                )
+
+    async def _read_excerpt(self, engine: EngineId, response: aiohttp.ClientResponse) -> bytes:
+        body = b""
+        try:
+            with map_upstream_errors(engine, "error body"):
+                async for chunk in response.content.iter_any():
+                    body += chunk
+                    if len(body) >= _ERROR_EXCERPT:
+                        break
+        except UpstreamError:
+            pass  # the status already says what matters
+        finally:
+            response.close()
+        return body
+
+
+def _pairs(response: aiohttp.ClientResponse) -> list[tuple[str, str]]:
+    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.raw_headers]

@@ -1,0 +1,106 @@
+"""Sending an engine's answer on to the client: chunk by chunk, headers added, upstream closed in `finally`.
+
+`RelayResponse` carries the proxy's `UpstreamResponse` to the client as raw ASGI messages: each
+chunk is written as soon as it arrives (SSE included, nothing buffered), the engine's headers pass
+through (duplicates kept, the engine's copies of the gateway's own dropped) with the gateway's own
+added, and the upstream is always closed at the end.
+A client disconnect (seen by a `ClientWatch`) cancels the relay, which drops the upstream
+connection. `on_end` runs exactly once with the final status label and the actual cached tokens the
+answer reported (None when absent or cut short). It is also a Starlette `Response`, so routes served
+through Starlette (the `/v1/*` passthrough) can return it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from starlette.responses import Response
+from starlette.types import Receive, Scope, Send
+
+from router.core.errors import UpstreamError
+from router.edge.client_io import ClientWatch
+from router.edge.upstream import UpstreamResponse
+from router.edge.usage import UsageTap
+
+__all__ = ["EndHook", "RelayResponse"]
+
+_SERVER_OWN = frozenset({"date", "server"})  # uvicorn writes its own; the engine's would repeat them
+
+EndHook = Callable[[str, "int | None"], None]
+"""Called once when the answer ends: status label ("200", "broken", "client_closed") and cached tokens."""
+
+
+class RelayResponse(Response):
+    """The client's response carrying one upstream answer (see the module docstring)."""
+
+    def __init__(
+        self,
+        upstream: UpstreamResponse,
+        extra_headers: list[tuple[str, str]],
+        tap: UsageTap | None,
+        on_first_byte: Callable[[float], None],
+        on_end: EndHook,
+    ) -> None:
+        self.status_code = upstream.status
+        self.background = None
+        # An engine's copy of a header the gateway sets (an echoed x-request-id) would repeat it.
+        own = _SERVER_OWN | {k.lower() for k, _ in extra_headers}
+        pairs = [*((k, v) for k, v in upstream.headers if k.lower() not in own), *extra_headers]
+        self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in pairs]
+        self.upstream = upstream
+        self._tap = tap
+        self._on_first_byte = on_first_byte
+        self._on_end = on_end
+        self._ended = False
+
+    def _end(self, status: str, cached: int | None) -> None:
+        if not self._ended:
+            self._ended = True
+            self._on_end(status, cached)
+
+    async def stream_to(self, send: Send, watch: ClientWatch) -> None:
+        """Relay the whole answer through `send`; `watch` learns when the last message goes out."""
+        status, complete, tap = "client_closed", False, self._tap
+        try:
+            start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
+            await send(start)
+            first = True
+            async for chunk in self.upstream.body:
+                if tap is not None:
+                    tap.feed(chunk)
+                if first:
+                    received = time.perf_counter()
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                    # Time from the first chunk's arrival to its hand-over to the client transport.
+                    self._on_first_byte(time.perf_counter() - received)
+                    first = False
+                else:
+                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
+            status, complete = str(self.status_code), True
+            watch.closing()
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        except UpstreamError:
+            status = "broken"
+            raise
+        finally:
+            self.upstream.close()
+            cached = tap.cached_tokens() if complete and tap is not None else None
+            self._end(status, cached)
+
+    def abandon(self) -> None:
+        """The relay will not run (or was cut short before it started): release everything once."""
+        self.upstream.close()
+        self._end("client_closed", None)
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        watch = ClientWatch(receive)
+        try:
+            await self.stream_to(send, watch)
+        except asyncio.CancelledError:
+            if not watch.absorb():
+                raise
+        finally:
+            watch.close()
+            self.abandon()

@@ -1,0 +1,122 @@
+"""The upstream leg's vocabulary: a request as received, a target, an attempt, an engine's answer.
+
+`UpstreamResponse`'s body is an async iterator that yields chunks as they arrive (no buffering) and
+closes the upstream response in its `finally`, so cancelling the iteration (client disconnect)
+closes the upstream connection. Callers must also call `UpstreamResponse.close()` in their own
+`finally`: an iterator that was never started has no `finally` to run. aiohttp's exceptions become
+`RouterError`s in one place, `map_upstream_errors`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable, Iterator
+from contextlib import contextmanager
+
+import aiohttp
+import msgspec
+
+from router.core.errors import UpstreamBroken, UpstreamConnectError, UpstreamError, UpstreamTimeout
+from router.core.ids import EngineId
+from router.core.policy.retry import OutcomeKind
+
+__all__ = ["Attempt", "ProxyRequest", "Target", "UpstreamResponse", "map_upstream_errors", "outcome_of"]
+
+
+class Target(msgspec.Struct, frozen=True):
+    """Where an attempt goes: the engine and its configured base URL."""
+
+    engine: EngineId
+    base_url: str
+
+
+class ProxyRequest(msgspec.Struct, frozen=True):
+    """The client's request as received: method, origin-form path (with query), headers, raw body."""
+
+    method: str
+    path: str
+    headers: list[tuple[str, str]]
+    body: bytes
+
+
+class Attempt(msgspec.Struct, frozen=True):
+    """One try against one engine, for logs and decision records."""
+
+    engine: EngineId
+    outcome: OutcomeKind
+    status: int = 0
+    error: str = ""
+
+
+@contextmanager
+def map_upstream_errors(engine: EngineId, phase: str) -> Iterator[None]:
+    """Translate aiohttp and timeout exceptions raised inside into `UpstreamError`s naming the engine."""
+    try:
+        yield
+    except aiohttp.ConnectionTimeoutError as exc:
+        raise UpstreamTimeout(f"timed out connecting to engine {engine}", engine=engine) from exc
+    except aiohttp.ClientConnectorError as exc:
+        raise UpstreamConnectError(
+            f"cannot connect to engine {engine}: {exc.os_error}", engine=engine
+        ) from exc
+    except aiohttp.SocketTimeoutError as exc:
+        raise UpstreamTimeout(f"engine {engine} went silent (read timeout)", engine=engine) from exc
+    except TimeoutError as exc:
+        raise UpstreamTimeout(f"engine {engine}: {phase} timeout", engine=engine) from exc
+    except (aiohttp.ClientError, OSError) as exc:
+        raise UpstreamBroken(
+            f"engine {engine}: connection broke ({type(exc).__name__})", engine=engine
+        ) from exc
+
+
+def outcome_of(error: UpstreamError) -> OutcomeKind:
+    """How an attempt that raised `error` ended, for retry decisions and the decision record."""
+    if isinstance(error, UpstreamConnectError) or isinstance(error.__cause__, aiohttp.ConnectionTimeoutError):
+        return OutcomeKind.CONNECT_FAILED
+    if isinstance(error.__cause__, aiohttp.ServerDisconnectedError):
+        return OutcomeKind.DISCONNECTED
+    return OutcomeKind.FIRST_BYTE_TIMEOUT if isinstance(error, UpstreamTimeout) else OutcomeKind.BROKEN
+
+
+class UpstreamResponse:
+    """An engine's answer: status and end-to-end headers now, the body as chunks as they arrive."""
+
+    def __init__(
+        self, target: Target, status: int, headers: list[tuple[str, str]], attempts: list[Attempt]
+    ) -> None:
+        self.engine = target.engine
+        self.status = status
+        self.headers = headers
+        self.attempts = attempts
+        self._response: aiohttp.ClientResponse | None = None
+        self._buffered = b""
+        self._on_broken: Callable[[], None] = lambda: None
+        self.body: AsyncIterator[bytes] = self._stream()
+
+    async def _stream(self) -> AsyncIterator[bytes]:
+        response = self._response
+        if response is None:
+            if self._buffered:
+                yield self._buffered
+            return
+        complete = False
+        try:
+            with map_upstream_errors(self.engine, "total"):
+                async for chunk in response.content.iter_any():
+                    yield chunk
+            complete = True
+        except UpstreamError:
+            self._on_broken()
+            raise
+        finally:
+            # A fully read response returns its connection to the pool; anything else drops it,
+            # which is how the engine learns that the client went away.
+            response.release() if complete else response.close()
+
+    async def read(self) -> bytes:
+        """The whole body (for non-streaming answers)."""
+        return b"".join([chunk async for chunk in self.body])
+
+    def close(self) -> None:
+        """Drop the upstream response if it is still open (idempotent; safe before or after iterating)."""
+        if self._response is not None:
+            self._response.close()

@@ -1,0 +1,1 @@
+"""The links to engines: the fleet and its KV-event subscribers, discovery, embedded stubs."""

@@ -1,0 +1,1 @@
+"""Operations: metrics, recording, the debug views and the decision lookups across workers."""

@@ -1,0 +1,79 @@
+"""What the debug endpoints show: a bounded ring of recent decisions, and a request explained unsent.
+
+`DecisionRing` keeps the last `capacity` requests' `DecisionEntry`s by request id (oldest dropped
+first), for `GET /debug/decisions/{request_id}`. An entry is filled in as the request goes: its
+decisions (one per attempt), the attempts, the final engine and status, and the actual cached tokens
+when the engine reported them. `Explanation` is the body of `POST /debug/route`. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+
+import msgspec
+
+from router.core.ids import RequestId
+from router.core.policy.scoring import Decision
+from router.edge.upstream import Attempt
+
+__all__ = ["DecisionEntry", "DecisionRing", "Explanation", "PreparedView"]
+
+
+class PreparedView(msgspec.Struct, frozen=True):
+    """What routing read of the request: model, endpoint, stream flag, prompt tokens, block keys."""
+
+    model: str
+    endpoint: str
+    stream: bool
+    prompt_tokens: int
+    blocks: int
+    skip_cache: bool
+
+
+class DecisionEntry(msgspec.Struct, kw_only=True):
+    """One request's routing story, as `GET /debug/decisions/{request_id}` returns it."""
+
+    request_id: str
+    time: float
+    request: PreparedView
+    decisions: list[Decision] = []
+    attempts: list[Attempt] = []
+    engine: str | None = None
+    status: int | None = None
+    predicted_cached_tokens: int | None = None
+    actual_cached_tokens: int | None = None
+    timings_s: dict[str, float] = {}
+
+
+class Explanation(msgspec.Struct, frozen=True):
+    """`POST /debug/route`: what the router would do with a body, without sending it."""
+
+    request: PreparedView
+    decision: Decision
+    timings_s: dict[str, float]
+
+
+class DecisionRing:
+    """The last `capacity` requests' entries by id; adding beyond capacity drops the oldest."""
+
+    def __init__(self, capacity: int = 1024) -> None:
+        if capacity < 1:
+            raise ValueError("capacity must be >= 1")
+        self.capacity = capacity
+        self._entries: OrderedDict[RequestId, DecisionEntry] = OrderedDict()
+
+    def add(self, entry: DecisionEntry) -> DecisionEntry:
+        """Store `entry` under its request id (replacing an entry with the same id) and return it."""
+        rid = RequestId(entry.request_id)
+        self._entries.pop(rid, None)
+        self._entries[rid] = entry
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+        return entry
+
+    def get(self, request_id: str) -> DecisionEntry | None:
+        """The entry of `request_id`, or None when unknown or already dropped."""
+        return self._entries.get(RequestId(request_id))
+
+    def __len__(self) -> int:
+        return len(self._entries)

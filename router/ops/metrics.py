@@ -1,0 +1,349 @@
+"""The gateway's Prometheus metrics (`kvrouter_*`), on a registry of its own.
+
+Request-path metrics are updated as requests flow. Per-engine link and mirror figures are not
+double-booked: a collector reads the subscribers' and mirror's own counters at scrape time through
+`EngineView` snapshots. With several gateway workers (`listen.workers`), the supervisor sets
+`PROMETHEUS_MULTIPROC_DIR` and prometheus_client's multiprocess mode sums the request-path metrics
+of every worker; the per-engine figures come from the worker that answers the scrape (each keeps its
+own exact mirror of every engine, so any one of them is a true view).
+
+Every per-engine metric carries `engine` and `model` (the served model name, vLLM's `model_name`),
+so a dashboard can aggregate by model and join the router's figures to the engines' own `vllm:` ones.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from typing import Final
+
+import msgspec
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
+
+from events.sources import EngineStats
+from router.core.keys.recent_prompts import PrefixKeyCache
+from router.core.policy.breaker import BreakerState
+
+__all__ = [
+    "BREAKER_STATES",
+    "MULTIPROCESS_ENV",
+    "REJECT_REASONS",
+    "STAGES",
+    "TRUST_STATES",
+    "EngineView",
+    "RouterMetrics",
+]
+
+MULTIPROCESS_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
+"""prometheus_client reads it at import: set (by the worker supervisor) before any worker starts."""
+
+STAGES: Final = ("tokenize", "hash", "lookup", "score", "proxy")
+TRUST_STATES: Final = ("fresh", "catching_up", "stale")
+BREAKER_STATES: Final = tuple(state.value for state in BreakerState)
+REJECT_REASONS: Final = (
+    "unauthorized",  # 401: missing or unknown API key
+    "bad_request",  # 400: a body the gateway cannot read (not JSON, a field missing or of the wrong type)
+    "body_too_large",  # 413: limits.max_body_bytes
+    "body_timeout",  # 408: the body did not arrive within timeouts.client_body_s
+    "unknown_model",  # 404: no engine of the gateway serves the request's model
+    "unknown_path",  # 404: a /v1/* path that is neither served nor passed through
+    "method_not_allowed",  # 405: a known path asked with another method
+    "max_in_flight_total",  # 429/503: limits.max_in_flight_total requests in flight
+    "max_in_flight_per_engine",  # 429/503: every engine of the model at limits.max_in_flight_per_engine
+    "breaker_open",  # 503: every engine of the model has its circuit breaker open
+    "no_engine",  # 503: no engine serves the model (or the gateway is not started)
+)
+"""The `reason` label values of `kvrouter_rejected_requests_total` (router.core.errors
+`RouterError.reason`)."""
+# Router overhead lives between ~10 us (a warm lookup) and tens of ms (a cold 32k-token tokenization).
+_OVERHEAD_BUCKETS: Final = (1e-5, 2.5e-5, 5e-5, 1e-4, 2.5e-4, 5e-4, 1e-3, 2.5e-3, 5e-3, 0.01, 0.025, 0.1, 0.5)
+_TOKEN_ERROR_BUCKETS: Final = (0, 16, 64, 256, 1024, 4096, 16384)
+# Client-seen latency: a first token within ~10 ms on a warm engine, whole answers up to minutes.
+_TTFT_BUCKETS: Final = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+_DURATION_BUCKETS: Final = (0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0, 300.0, 600.0)
+_ENGINE_LABELS: Final = ["engine", "model"]
+
+
+class EngineView(msgspec.Struct, frozen=True):
+    """What the metrics read of one engine at scrape time."""
+
+    engine: str
+    trust: str
+    link: EngineStats | None = None
+    mirror_blocks: int = 0
+    in_flight: int = 0
+    rejected_events: dict[str, int] = {}
+    other_media_blocks: dict[str, int] = {}
+    model: str = ""
+    breaker: str = "closed"
+    queued_prefill_tokens: int = 0
+    prefill_overhead_s: float = 0.0
+    """The learned TTFT fixed overhead (router.core.policy.load.PrefillCostModel.overhead_s)."""
+    prefill_token_s: float = 0.0
+    """The learned prefill cost per uncached prompt token (PrefillCostModel.per_token_s)."""
+
+
+class _EngineCollector(Collector):
+    def __init__(self, views: Callable[[], Sequence[EngineView]], clock: Callable[[], float]) -> None:
+        self._views = views
+        self._clock = clock
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        views = self._views()
+        now = self._clock()
+        yield _states(
+            "kvrouter_engine_mirror_trust",
+            "1 for the engine's current mirror trust state",
+            views,
+            lambda v: v.trust,
+            TRUST_STATES,
+        )
+        yield _states(
+            "kvrouter_engine_breaker_state",
+            "1 for the engine's circuit breaker state (closed admits traffic, open refuses it)",
+            views,
+            lambda v: v.breaker,
+            BREAKER_STATES,
+        )
+        yield _gauge(
+            "kvrouter_engine_mirror_blocks",
+            "GPU blocks in the engine's mirror",
+            views,
+            lambda v: v.mirror_blocks,
+        )
+        yield _gauge(
+            "kvrouter_engine_in_flight_requests",
+            "requests the router has in flight",
+            views,
+            lambda v: v.in_flight,
+        )
+        yield _gauge(
+            "kvrouter_engine_queued_prefill_tokens",
+            "uncached prompt tokens of the router's requests not past their first token",
+            views,
+            lambda v: v.queued_prefill_tokens,
+        )
+        yield _gauge(
+            "kvrouter_engine_prefill_overhead_seconds",
+            "learned fixed part of the engine's predicted TTFT",
+            views,
+            lambda v: v.prefill_overhead_s,
+        )
+        yield _gauge(
+            "kvrouter_engine_prefill_token_seconds",
+            "learned prefill cost per uncached prompt token (seconds per token)",
+            views,
+            lambda v: v.prefill_token_s,
+        )
+        linked = [v for v in views if v.link is not None]
+        yield _gauge(
+            "kvrouter_engine_event_lag_seconds",
+            "receive time of the engine's last applied event batch minus its ts (both wall clock)",
+            [v for v in linked if v.link and v.link.event_lag_s is not None],
+            lambda v: (v.link.event_lag_s or 0.0) if v.link else 0.0,
+        )
+        yield _gauge(
+            "kvrouter_engine_event_age_seconds",
+            "seconds since the engine's last event batch was received (wall clock)",
+            [v for v in linked if v.link and v.link.last_event_time is not None],
+            lambda v: now - (v.link.last_event_time or now) if v.link else 0.0,
+        )
+        for name, doc, attr in _LINK_COUNTERS:
+            family = CounterMetricFamily(name, doc, labels=_ENGINE_LABELS)
+            for v in linked:
+                family.add_metric([v.engine, v.model], getattr(v.link, attr))
+            yield family
+        events = CounterMetricFamily(
+            "kvrouter_engine_events", "KV events ingested, by type", labels=[*_ENGINE_LABELS, "type"]
+        )
+        for v in linked:
+            for kind, n in sorted(v.link.events.items()) if v.link else ():
+                events.add_metric([v.engine, v.model, kind], n)
+        yield events
+        rejected = CounterMetricFamily(
+            "kvrouter_engine_rejected_events",
+            "invalid KV events rejected alone (the rest of their batch applied), by reason",
+            labels=[*_ENGINE_LABELS, "reason"],
+        )
+        media = GaugeMetricFamily(
+            "kvrouter_engine_other_media_blocks",
+            "CPU/STORAGE blocks counted apart from the GPU mirror, by medium",
+            labels=[*_ENGINE_LABELS, "medium"],
+        )
+        for v in views:
+            for reason, n in sorted(v.rejected_events.items()):
+                rejected.add_metric([v.engine, v.model, reason], n)
+            for medium, n in sorted(v.other_media_blocks.items()):
+                media.add_metric([v.engine, v.model, medium], n)
+        yield rejected
+        yield media
+
+
+_LINK_COUNTERS: Final = (
+    ("kvrouter_engine_event_batches", "KV event batches delivered", "batches"),
+    ("kvrouter_engine_gaps", "sequence gaps detected", "gaps"),
+    ("kvrouter_engine_replays", "replays requested", "replays"),
+    ("kvrouter_engine_resets", "mirror resets (engine restarts, lost history)", "resets"),
+    ("kvrouter_engine_history_lost", "replays that could not cover a gap", "history_lost"),
+    ("kvrouter_engine_decode_errors", "malformed payloads rejected", "decode_errors"),
+    ("kvrouter_engine_frame_errors", "ZeroMQ messages of the wrong shape dropped", "frame_errors"),
+    ("kvrouter_engine_handler_errors", "batches the router failed to apply whole", "consumer_errors"),
+    ("kvrouter_engine_resyncs", "mirror rebuilds from seq 0 after a batch failed to apply", "resyncs"),
+)
+
+
+def _gauge(
+    name: str, doc: str, views: Iterable[EngineView], value: Callable[[EngineView], float]
+) -> GaugeMetricFamily:
+    family = GaugeMetricFamily(name, doc, labels=_ENGINE_LABELS)
+    for v in views:
+        family.add_metric([v.engine, v.model], value(v))
+    return family
+
+
+def _states(
+    name: str,
+    doc: str,
+    views: Iterable[EngineView],
+    current: Callable[[EngineView], str],
+    states: Sequence[str],
+) -> GaugeMetricFamily:
+    """A state set: one sample per engine and state, 1 for the current state and 0 for the others."""
+    family = GaugeMetricFamily(name, doc, labels=[*_ENGINE_LABELS, "state"])
+    for v in views:
+        now = current(v)
+        for state in states:
+            family.add_metric([v.engine, v.model, state], 1.0 if now == state else 0.0)
+    return family
+
+
+class _KeyCacheCollector(Collector):
+    def __init__(self, cache: PrefixKeyCache) -> None:
+        self._cache = cache
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        c = self._cache
+        yield CounterMetricFamily(
+            "kvrouter_key_cache_reused_blocks",
+            "block keys copied from a recent prompt sharing the prefix (this worker)",
+            value=c.reused_blocks,
+        )
+        yield CounterMetricFamily(
+            "kvrouter_key_cache_computed_blocks",
+            "block keys hashed because no recent prompt shared them (this worker)",
+            value=c.computed_blocks,
+        )
+        yield GaugeMetricFamily(
+            "kvrouter_key_cache_tokens", "prompt tokens held by the key cache (this worker)", value=c.tokens
+        )
+
+
+class RouterMetrics:
+    """Every `kvrouter_*` metric of one gateway process."""
+
+    def __init__(
+        self,
+        views: Callable[[], Sequence[EngineView]],
+        clock: Callable[[], float] = time.time,
+        key_cache: PrefixKeyCache | None = None,
+    ) -> None:
+        """`clock` is the wall clock the links' receive times are read with (`time.time`)."""
+        self.registry = CollectorRegistry(auto_describe=True)
+        r = self.registry
+        self.requests = Counter(
+            "kvrouter_requests",
+            "requests routed, by engine, policy and status",
+            ["engine", "policy", "status"],
+            registry=r,
+        )
+        self.overhead = Histogram(
+            "kvrouter_router_overhead_seconds",
+            "router time per request, by stage",
+            ["stage"],
+            buckets=_OVERHEAD_BUCKETS,
+            registry=r,
+        )
+        self.predicted_cached = Counter(
+            "kvrouter_predicted_cached_tokens", "cached tokens the router predicted", ["engine"], registry=r
+        )
+        self.actual_cached = Counter(
+            "kvrouter_actual_cached_tokens", "cached tokens engines reported in usage", ["engine"], registry=r
+        )
+        self.prediction_error = Histogram(
+            "kvrouter_cached_tokens_prediction_error_tokens",
+            "|actual - predicted| cached tokens per request",
+            ["engine"],
+            buckets=_TOKEN_ERROR_BUCKETS,
+            registry=r,
+        )
+        self.ttft = Histogram(
+            "kvrouter_request_ttft_seconds",
+            "streamed answers: request arrival to the first chunk handed to the client",
+            _ENGINE_LABELS,
+            buckets=_TTFT_BUCKETS,
+            registry=r,
+        )
+        self.duration = Histogram(
+            "kvrouter_request_duration_seconds",
+            "answers an engine completed with 200: request arrival to the last byte handed to the client",
+            _ENGINE_LABELS,
+            buckets=_DURATION_BUCKETS,
+            registry=r,
+        )
+        self.retries = Counter(
+            "kvrouter_upstream_retries", "attempts moved to another engine", ["reason"], registry=r
+        )
+        self.rejected = Counter(
+            "kvrouter_rejected_requests",
+            "requests the gateway refused itself, by reason",
+            ["reason"],
+            registry=r,
+        )
+        for reason in REJECT_REASONS:  # present at 0 from the start, so rate() and alerts see them
+            self.rejected.labels(reason)
+        self.client_timeouts = Counter(
+            "kvrouter_client_timeouts",
+            "client connections timed out, by phase: header, body (answered 408) or idle (kept alive)",
+            ["phase"],
+            registry=r,
+        )
+        self.engines = Gauge(
+            "kvrouter_engines", "engines known to the router", registry=r, multiprocess_mode="max"
+        )
+        self.remote_tokenize_failures = Counter(
+            "kvrouter_remote_tokenize_failures",
+            "requests tokenized locally: no engine /tokenize answered",
+            registry=r,
+        )
+        self._local: list[Collector] = [_EngineCollector(views, clock)]
+        if key_cache is not None:
+            self._local.append(_KeyCacheCollector(key_cache))
+        for collector in self._local:
+            r.register(collector)
+        self._multiprocess_dir = os.environ.get(MULTIPROCESS_ENV) or None
+
+    def refused(self, policy: str, status: str, reason: str | None) -> None:
+        """Count a request the gateway answered itself (no engine), and its refusal reason if any."""
+        self.requests.labels("none", policy, status).inc()
+        if reason is not None:
+            self.rejected.labels(reason).inc()
+
+    def observe_prediction(self, engine: str, predicted: int, actual: int) -> None:
+        """Record one request's predicted and engine-reported cached tokens."""
+        self.predicted_cached.labels(engine).inc(predicted)
+        self.actual_cached.labels(engine).inc(actual)
+        self.prediction_error.labels(engine).observe(abs(actual - predicted))
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of every metric (every worker's, in multiprocess mode)."""
+        if self._multiprocess_dir is None:
+            return generate_latest(self.registry)
+        merged = CollectorRegistry()
+        MultiProcessCollector(merged, path=self._multiprocess_dir)  # type: ignore[no-untyped-call]
+        for collector in self._local:
+            merged.register(collector)
+        return generate_latest(merged)

@@ -1,0 +1,254 @@
+"""Per-model tokenization and block keys: an OpenAI request body -> `Prepared`, what routing needs.
+
+Each model has a tokenizer (an HF tokenizer.json + chat template, or the built-in tokenizer when none
+is configured), loaded once per distinct source so its segment cache is shared and multi-turn chats
+re-encode only their new turns. Keys are the router's keyed hash (`KeyHasher`, which must be the
+mirror's: both default to one per-process hasher) or, in engine-exact mode, vLLM's own block hash.
+Engines that override the tokenizer or layout get their own `Variant`; `prepare` computes keys for
+every variant of the model it knows (`learn` adds runtime engines), and routing looks each replica
+up with its variant's keys.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from types import MappingProxyType
+
+import msgspec
+
+from router.core.errors import BadRequest, ModelNotFound, RouterError
+from router.core.keys.block_key import KeyHasher
+from router.core.keys.recent_prompts import PrefixKeyCache
+from router.core.keys.request import session_key, spec_keys
+from router.prepare.engine_variants import (
+    DEFAULT_MODEL,
+    Variant,
+    VariantId,
+    engine_model,
+    model_configs,
+    resolve_variant,
+)
+from router.prepare.prepared import Prepared, VariantKeys
+from router.settings.config import EngineConfig, ModelConfig, RouterConfig
+from tokenization import BuiltinTokenizer, ChatTemplate, HfTokenizer, TemplateSet, Tokenizer
+from tokenization.openai_request import ChatRequest, CompletionRequest, Endpoint, RequestError, decode_body
+from tokenization.request_tokens import RequestTokens, decode_request, tokens_of
+
+__all__ = ["PROCESS_HASHER", "Models", "Prepared", "UnknownModel", "VariantKeys", "load_tokenizer"]
+
+PROCESS_HASHER = KeyHasher()
+"""The default hasher of both `Models` and the fleet's mirror, so their keys agree."""
+
+
+class UnknownModel(RequestError):
+    """The request's `model` is served by no engine (`name`), or is missing while several are served."""
+
+    def __init__(self, name: str | None, served: list[str]) -> None:
+        self.name, self.served = name, served
+        what = "is required: several models are served" if name is None else f"{name!r} is not served"
+        super().__init__(f"`model`: {what} (served: {', '.join(served)})")
+
+    def answer(self) -> RouterError:
+        """The gateway's answer: OpenAI's 404 `model_not_found`, or a 400 naming `model` when missing."""
+        if self.name is None:
+            return BadRequest(str(self), param="model")
+        return ModelNotFound(self.name, self.served)
+
+
+class _ModelField(msgspec.Struct):
+    model: str | None = None
+
+
+_MODEL_FIELD = msgspec.json.Decoder(_ModelField)
+
+
+class _IdFields(msgspec.Struct, omit_defaults=True):
+    """The body fields besides the prompt that decide keys and routing, re-sent with a prompt of ids."""
+
+    model: str | None = None
+    stream: bool = False
+    cache_salt: str | None = None
+    prompt_logprobs: int | None = None
+    vllm_xargs: dict[str, str] | None = None
+
+    @staticmethod
+    def decode_body(body: bytes) -> _IdFields:
+        return decode_body(_ID_FIELDS, body, "invalid request")
+
+
+_ID_FIELDS = msgspec.json.Decoder(_IdFields)
+
+
+def load_tokenizer(source: str | None, chat_template: str | None = None) -> Tokenizer:
+    """The built-in tokenizer (None), or an HF tokenizer from a directory or a tokenizer.json path."""
+    template = Path(chat_template) if chat_template else None
+    if source is None:
+        tok = BuiltinTokenizer()
+        if template is not None:
+            tok.templates = TemplateSet(default=ChatTemplate(template.read_text(encoding="utf-8")))
+        return tok
+    path = Path(source)
+    if path.is_dir():
+        return HfTokenizer.from_dir(path, template)
+    config = path.with_name("tokenizer_config.json")
+    return HfTokenizer.from_files(path, config if config.is_file() else None, template)
+
+
+class Models:
+    """Every model's tokenizer, variants and key function; `prepare` turns a body into `Prepared`."""
+
+    def __init__(
+        self,
+        config: RouterConfig,
+        hasher: KeyHasher | None = None,
+        loras: Mapping[str, Mapping[str, str]] | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+        *,
+        key_cache: PrefixKeyCache | None = None,
+    ) -> None:
+        self.hasher = hasher or PROCESS_HASHER
+        self.key_cache = (
+            key_cache if key_cache is not None else PrefixKeyCache(config.limits.key_cache_tokens)
+        )
+        self._config = config
+        self._clock = clock
+        self._models = model_configs(config)
+        self._loras = {name: dict(getattr(m, "loras", {}) or {}) for name, m in self._models.items()}
+        for name, adapters in (loras or {}).items():
+            self._loras.setdefault(name, {}).update(adapters)
+        self._tokenizers: dict[tuple[str | None, str | None], Tokenizer] = {}
+        self._variants: dict[str, dict[VariantId, Variant]] = {
+            name: {VariantId(name): resolve_variant(m)} for name, m in self._models.items()
+        }
+        for engine in config.engines:
+            self.learn(engine)
+
+    def names(self) -> list[str]:
+        """Every model name the router knows."""
+        return list(self._models)
+
+    def config(self, model: str) -> ModelConfig:
+        """A model's (configured or default) settings; KeyError if unknown."""
+        return self._models[model]
+
+    def variant(self, engine: EngineConfig) -> Variant:
+        """The variant an engine's replicas use (registering a model the config did not name)."""
+        name = engine_model(self._config, engine)
+        if name not in self._models:
+            self._models[name] = ModelConfig(name=name, block_size=engine.block_size or 16)
+            self._loras[name] = {}
+            self._variants[name] = {VariantId(name): resolve_variant(self._models[name])}
+        return resolve_variant(self._models[name], engine)
+
+    def learn(self, engine: EngineConfig) -> Variant:
+        """Register an engine's variant so `prepare` computes its keys too; returns it."""
+        v = self.variant(engine)
+        self._variants[v.model].setdefault(v.id, v)
+        return v
+
+    def tokenizer(self, variant: Variant) -> Tokenizer:
+        """The variant's tokenizer, loaded on first use and shared by every variant with its source."""
+        key = (variant.tokenizer, variant.chat_template)
+        tok = self._tokenizers.get(key)
+        if tok is None:
+            tok = self._tokenizers[key] = load_tokenizer(*key)
+        return tok
+
+    def resolve(self, body: bytes, model_hint: str | None = None) -> str:
+        """The model a request is for: its `model` (or a LoRA of it), else the hint, else the only model."""
+        name = decode_body(_MODEL_FIELD, body, "invalid request").model or model_hint
+        return self.resolve_name(name)
+
+    def served(self) -> list[str]:
+        """Every name a request may give as its `model`: the models and their LoRA adapters."""
+        return sorted({*self._models, *(a for adapters in self._loras.values() for a in adapters)})
+
+    def resolve_name(self, name: str | None) -> str:
+        """The model `name` (a model or one of its LoRA adapters) is served by; no name means the only
+        model. UnknownModel otherwise, except when the config names no model at all (the engines'
+        single model is then `DEFAULT_MODEL`, its real name unknown, and any name is passed on)."""
+        if name in self._models:
+            return name
+        for base, adapters in self._loras.items():
+            if name in adapters:
+                return base
+        if len(self._models) == 1 and (name is None or DEFAULT_MODEL in self._models):
+            return next(iter(self._models))
+        raise UnknownModel(name, self.served())
+
+    def _decode(
+        self, body: bytes, endpoint: Endpoint | str, model_hint: str | None
+    ) -> tuple[ChatRequest | CompletionRequest, str]:
+        """The request decoded once, and its model; errors as `resolve` then `request_tokens` raise them."""
+        try:
+            req = decode_request(body, endpoint)
+        except RequestError:
+            self.resolve(body, model_hint)  # a bad or unknown `model` is reported first
+            raise
+        return req, self.resolve_name(req.model or model_hint)
+
+    def needs_remote(self, model: str) -> bool:
+        """Whether the model is configured to take its prompt ids from an engine's /tokenize
+        (`ModelConfig.remote_tokenize`, when the config has that field)."""
+        return bool(getattr(self._models.get(model), "remote_tokenize", False))
+
+    def prepare_tokens(
+        self, body: bytes, endpoint: Endpoint | str, tokens: list[int], model_hint: str | None = None
+    ) -> Prepared:
+        """`prepare` with the prompt ids an engine's /tokenize returned (router.prepare.remote_tokenize);
+        every variant of the model is keyed from these ids, the other fields come from the body."""
+        fields = _IdFields.decode_body(body)
+        ids_body = msgspec.json.encode({**msgspec.structs.asdict(fields), "prompt": tokens})
+        model = self.resolve(body, model_hint)
+        req = decode_request(ids_body, Endpoint.COMPLETIONS)
+        return self._prepare(req, endpoint, model, single_tokenizer=True)  # ids decoded as a completion
+
+    def prepare(self, body: bytes, endpoint: Endpoint | str, model_hint: str | None = None) -> Prepared:
+        """Tokenize and key a request body; RequestError (a 400 naming the field) on bad input."""
+        req, model = self._decode(body, endpoint, model_hint)
+        return self._prepare(req, endpoint, model)
+
+    def _prepare(
+        self,
+        req: ChatRequest | CompletionRequest,
+        endpoint: Endpoint | str,
+        model: str,
+        single_tokenizer: bool = False,
+    ) -> Prepared:
+        variants = list(self._variants[model].values())
+        tokenize = hashing = 0.0
+        by_tokenizer: dict[tuple[str | None, str | None], RequestTokens] = {}
+        computed: dict[str, VariantKeys] = {}
+        first: RequestTokens | None = None
+        for v in variants:
+            t0 = self._clock()
+            source = (None, None) if single_tokenizer else (v.tokenizer, v.chat_template)
+            rt = by_tokenizer.get(source)
+            if rt is None:
+                rt = by_tokenizer[source] = tokens_of(req, self.tokenizer(v), self._loras[model])
+            t1 = self._clock()
+            keys = spec_keys(
+                v.spec, self.hasher, rt.tokens, rt.extras, packed=rt.packed, cache=self.key_cache
+            )
+            computed[v.id] = VariantKeys(len(rt.tokens), keys)
+            tokenize, hashing = tokenize + (t1 - t0), hashing + (self._clock() - t1)
+            first = first or rt
+        assert first is not None, "every model has its own variant"
+        main = computed.pop(model)
+        return Prepared(
+            model=model,
+            endpoint=Endpoint(endpoint),
+            stream=first.stream,
+            prompt_tokens=main.num_tokens,
+            keys=main.keys,
+            skip_cache=first.skip_cache,
+            report_mode=first.report_mode.value,
+            session_key=session_key(first.tokens, first.extras, first.packed),
+            timings=MappingProxyType({"tokenize": tokenize, "hash": hashing}),
+            variant=model,
+            variants=MappingProxyType(computed),
+            lora_name=first.extras.lora_name,
+            cache_salt=first.extras.cache_salt,
+        )

@@ -1,0 +1,1 @@
+"""The gateway's settings: config Structs, env/CLI overrides and secrets."""

@@ -1,0 +1,352 @@
+"""The gateway's configuration: TOML decoded into msgspec Structs, then env and CLI overrides, then checks.
+
+Precedence: defaults < the TOML file < `KVROUTER_*` environment variables < CLI overrides. Every
+error names the source (file, variable or flag) and the field path (msgspec's `$.section.field`).
+Secrets (API keys, admin token) are never config values: the config names the variable or file
+holding them, and `router.settings.secrets` reads them. The override rules live in
+`router.settings.overrides`.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
+from urllib.parse import urlsplit
+
+import msgspec
+
+from router.core.group_kinds import group_kind
+
+__all__ = [
+    "Auth",
+    "Breaker",
+    "ConfigError",
+    "Discovery",
+    "Embedded",
+    "EngineConfig",
+    "GroupConfig",
+    "Limits",
+    "Listen",
+    "ModelConfig",
+    "PolicyConfig",
+    "Retry",
+    "RouterConfig",
+    "Timeouts",
+    "decode_config",
+    "explain_invalid",
+    "load_file",
+    "validate",
+]
+
+Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
+Positive = Annotated[float, msgspec.Meta(gt=0)]
+NonNegative = Annotated[float, msgspec.Meta(ge=0)]
+Count = Annotated[int, msgspec.Meta(ge=1)]
+
+
+class ConfigError(ValueError):
+    """An invalid configuration; the message names the source and the field."""
+
+
+class _Table(msgspec.Struct, forbid_unknown_fields=True, frozen=True, kw_only=True):
+    """Base of every config table: a misspelt key is an error, not a silently ignored default."""
+
+
+class Listen(_Table, frozen=True):
+    """Where the gateway listens."""
+
+    host: str = "127.0.0.1"
+    port: Port = 8000
+    workers: Count = 1
+    """Gateway worker processes sharing the port; each keeps its own exact mirror of every engine."""
+    access_log: bool = True
+    """One INFO line per request on the `kvrouter.access` logger (router/edge/access_log.py)."""
+
+
+class GroupConfig(_Table, frozen=True):
+    """One KV-cache group (vLLM spec kind, block size, sliding window or local-attention chunk, and
+    whether it is an EAGLE draft group), in group_idx order."""
+
+    kind: str = "full_attention"
+    block_size: Count | None = None
+    sliding_window: Count | None = None
+    chunk_size: Count | None = None
+    """`attention_chunk_size` of a chunked_local_attention group."""
+    eagle: bool = False
+    """vLLM's `is_eagle_group`: with `eagle_block_drop`, only flagged groups drop (all when none is)."""
+
+
+class EngineConfig(_Table, frozen=True):
+    """One engine: where to send requests, where its events (one endpoint per DP rank) come from."""
+
+    name: str
+    url: str
+    model: str = ""
+    events: list[str] = []
+    replay: list[str] = []
+    tokenizer: str | None = None
+    block_size: Count | None = None
+    groups: list[GroupConfig] = []
+    report_mode: Literal["incremental", "full"] = "incremental"
+
+
+class ModelConfig(_Table, frozen=True):
+    """How the router reproduces a model's tokens and block keys."""
+
+    name: str
+    tokenizer: str | None = None
+    chat_template: str | None = None
+    block_size: Count = 16
+    groups: list[GroupConfig] = []
+    hashing: Literal["router", "vllm"] = "router"
+    hash_algo: Literal["sha256", "sha256_cbor"] = "sha256"
+    remote_tokenize: bool = False
+    loras: dict[str, str] = {}
+    eagle_block_drop: bool = False
+    """The engines run EAGLE/MTP without lookahead hashes: vLLM drops the last matched block."""
+    lookahead_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """The engines' lookahead block hashes (EAGLE's default): each block hash covers L more tokens."""
+
+
+class PolicyConfig(_Table, frozen=True):
+    """Routing policy, its weights, the cost-model prior and the trust settings."""
+
+    name: Literal["kv", "round_robin", "least_loaded", "random", "session", "prefix_approx"] = "kv"
+    tie_tolerance_s: NonNegative = 0.002
+    decode_penalty_s: NonNegative = 0.0
+    seed: int = 0
+    session_header: str = "x-session-id"
+    session_capacity: Count = 100_000
+    prior_overhead_s: NonNegative = 0.02
+    prior_per_token_s: Positive = 1e-4
+    prior_weight: Positive = 4.0
+    forgetting: Annotated[float, msgspec.Meta(gt=0, le=1)] = 0.98
+    trust_silence_s: Positive = 5.0
+    pending_ttl_s: NonNegative = 5.0
+    shared_cost_model: bool = True
+    scrape_period_s: NonNegative = 0.0
+
+
+class Timeouts(_Table, frozen=True):
+    """Upstream and client timeouts in seconds (see config/router.toml for each phase)."""
+
+    connect_s: Positive = 2.0
+    first_byte_s: Positive = 60.0
+    read_s: Positive = 60.0
+    total_s: Positive = 600.0
+    # The client side (router/edge/client_timeouts.py), at nginx's defaults: client_header_timeout 60 s,
+    # client_body_timeout 60 s, keepalive_timeout 75 s.
+    client_header_s: Positive = 60.0
+    """From connecting (or a kept-alive request's first byte) to the end of the request headers."""
+    client_body_s: Positive = 60.0
+    """From the end of the headers to the end of the body: one deadline, a trickle cannot extend it."""
+    client_keepalive_s: Positive = 75.0
+    """Idle time between requests on a kept-alive client connection."""
+
+
+class Limits(_Table, frozen=True):
+    """Request-size and concurrency limits, overload answer, connection pool sizes."""
+
+    max_body_bytes: Count = 16 * 1024 * 1024
+    max_in_flight_per_engine: Count = 256
+    max_in_flight_total: Count = 1024
+    overload_status: Literal[429, 503] = 429
+    retry_after_s: Count = 1
+    pool_per_engine: Count = 256
+    pool_total: Count = 1024
+    keepalive_s: Positive = 4.0  # under uvicorn's (and so vLLM's) 5 s keep-alive: no stale reuse
+    key_cache_tokens: Annotated[int, msgspec.Meta(ge=0)] = (
+        4_000_000  # router/core/keys/recent_prompts.py; 0 = off
+    )
+
+
+class Retry(_Table, frozen=True):
+    """Attempts on different engines before any byte reached the client, with backoff."""
+
+    attempts: Count = 3
+    backoff_s: NonNegative = 0.01
+    backoff_max_s: NonNegative = 0.2
+
+
+class Breaker(_Table, frozen=True):
+    """Per-engine circuit breaker: consecutive failures to open, cool-down before a probe."""
+
+    failure_threshold: Count = 5
+    open_s: NonNegative = 10.0
+
+
+class Auth(_Table, frozen=True):
+    """Where secrets live (never the secrets themselves): a variable name, or a file path."""
+
+    api_keys_env: str = "KVROUTER_API_KEYS"
+    api_keys_file: str | None = None
+    admin_token_env: str = "KVROUTER_ADMIN_TOKEN"
+    admin_token_file: str | None = None
+
+
+class Discovery(_Table, frozen=True):
+    """Engines from every A record of a DNS name (a headless service), re-resolved every period."""
+
+    dns_name: str | None = None
+    port: Port = 8000
+    events_port: Port | None = 5557
+    replay_port: Port | None = None
+    model: str = ""
+    period_s: Positive = 10.0
+
+
+class Embedded(_Table, frozen=True):
+    """Engine stubs started as child processes when no engines are configured or discovered."""
+
+    engines: Count = 2
+    num_gpu_blocks: Count = 2048
+    block_size: Count = 16
+    model: str = "kvrouter-stub"
+    tokenizer: str | None = None
+
+
+class RouterConfig(_Table, frozen=True):
+    """The whole gateway configuration (one table per section of config/router.toml)."""
+
+    listen: Listen = Listen()
+    engines: list[EngineConfig] = []
+    models: list[ModelConfig] = []
+    policy: PolicyConfig = PolicyConfig()
+    timeouts: Timeouts = Timeouts()
+    limits: Limits = Limits()
+    retry: Retry = Retry()
+    breaker: Breaker = Breaker()
+    auth: Auth = Auth()
+    discovery: Discovery = Discovery()
+    embedded: Embedded = Embedded()
+
+    @property
+    def uses_embedded(self) -> bool:
+        """True when neither engines nor discovery are configured: start stubs instead."""
+        return not self.engines and self.discovery.dns_name is None
+
+
+_AT_PATH = re.compile(r"- at `\$((?:\.\w+|\[\d+\])*)`$")
+_SEGMENT = re.compile(r"\.(\w+)|\[\d+\]")
+
+
+def explain_invalid(exc: msgspec.DecodeError) -> str:
+    """msgspec's message, plus the allowed values when the field at its path takes a fixed set of them."""
+    message = str(exc)
+    found = _AT_PATH.search(message)
+    if found is None:
+        return message
+    kind: Any = RouterConfig
+    for segment in _SEGMENT.finditer(found.group(1)):
+        kind = _unwrap(kind)
+        if segment.group(1) is None:  # [i]: the element type of a list
+            kind = get_args(kind)[0] if get_origin(kind) is list else None
+        elif isinstance(kind, type) and issubclass(kind, msgspec.Struct):
+            kind = get_type_hints(kind, include_extras=True).get(segment.group(1))
+        else:
+            return message
+    kind = _unwrap(kind)
+    if get_origin(kind) is Literal:
+        return f"{message} (one of: {', '.join(str(v) for v in get_args(kind))})"
+    return message
+
+
+def _unwrap(kind: Any) -> Any:
+    """The type inside `Annotated[...]` and `X | None`."""
+    if get_origin(kind) is Annotated:
+        kind = get_args(kind)[0]
+    if get_origin(kind) is Union:
+        rest = [arg for arg in get_args(kind) if arg is not type(None)]
+        kind = rest[0] if len(rest) == 1 else kind
+    return kind
+
+
+def decode_config(data: bytes | str, source: str) -> RouterConfig:
+    """Decode TOML into a checked RouterConfig; errors name `source` and the field path."""
+    try:
+        config = msgspec.toml.decode(data, type=RouterConfig)
+    except msgspec.DecodeError as exc:  # ValidationError is a subclass: both carry the path
+        raise ConfigError(f"{source}: {explain_invalid(exc)}") from None
+    validate(config, source)
+    return config
+
+
+def load_file(path: Path) -> RouterConfig:
+    """Read and decode a TOML config file (without env or CLI overrides)."""
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    return decode_config(data, str(path))
+
+
+def validate(config: RouterConfig, source: str) -> None:
+    """Checks beyond types: URLs, endpoints, unique names, consistent limits and timeouts."""
+    problems = [*_engine_problems(config.engines), *_general_problems(config)]
+    if problems:
+        raise ConfigError("\n".join(f"{source}: {p}" for p in problems))
+
+
+def _engine_problems(engines: list[EngineConfig]) -> list[str]:
+    problems, seen = [], set()
+    for i, engine in enumerate(engines):
+        at = f"$.engines[{i}]"
+        if not engine.name or engine.name in seen:
+            problems.append(f"{at}.name: engine names must be non-empty and unique, got {engine.name!r}")
+        seen.add(engine.name)
+        url = urlsplit(engine.url)
+        if url.scheme not in ("http", "https") or not url.hostname or url.query or url.fragment:
+            problems.append(f"{at}.url: must be an http(s) URL with a host, got {engine.url!r}")
+        for j, endpoint in enumerate([*engine.events, *engine.replay]):
+            field = f"events[{j}]" if j < len(engine.events) else f"replay[{j - len(engine.events)}]"
+            if urlsplit(endpoint).scheme not in ("tcp", "ipc", "inproc"):
+                problems.append(
+                    f"{at}.{field}: must be a tcp://, ipc:// or inproc:// endpoint, got {endpoint!r}"
+                )
+        if engine.replay and len(engine.replay) != len(engine.events):
+            problems.append(f"{at}.replay: one replay endpoint per events endpoint (DP rank), or none")
+    return problems
+
+
+def _group_problems(at: str, groups: list[GroupConfig], drop: bool) -> list[str]:
+    problems = []
+    for j, g in enumerate(groups):
+        kind = group_kind(g.kind)
+        if kind.required is not None and getattr(g, kind.required[0]) is None:
+            field, _, what = kind.required
+            problems.append(f"{at}.groups[{j}].{field}: a {g.kind} group needs {what}")
+        if not kind.eagle_allowed and drop and (g.eagle or not any(o.eagle for o in groups)):
+            problems.append(f"{at}.groups[{j}]: vLLM has no EAGLE block drop for chunked local attention")
+    return problems
+
+
+def _model_problems(config: RouterConfig) -> list[str]:
+    problems = []
+    models = {m.name: m for m in config.models}
+    for i, m in enumerate(config.models):
+        at = f"$.models[{i}]"
+        if m.eagle_block_drop and m.lookahead_tokens:
+            problems.append(f"{at}.eagle_block_drop: vLLM turns the drop off when lookahead_tokens is set")
+        problems.extend(_group_problems(at, m.groups, m.eagle_block_drop))
+    for i, engine in enumerate(config.engines):
+        model = models.get(engine.model) or (config.models[0] if len(config.models) == 1 else None)
+        drop = model.eagle_block_drop if model is not None else False
+        problems.extend(_group_problems(f"$.engines[{i}]", engine.groups, drop))
+    return problems
+
+
+def _general_problems(config: RouterConfig) -> list[str]:
+    problems = _model_problems(config)
+    names = [m.name for m in config.models]
+    if len(set(names)) != len(names) or "" in names:
+        problems.append(f"$.models: model names must be non-empty and unique, got {names}")
+    t = config.timeouts
+    if max(t.connect_s, t.first_byte_s) > t.total_s:
+        problems.append("$.timeouts.total_s: must be at least connect_s and first_byte_s")
+    lim = config.limits
+    if lim.max_in_flight_per_engine > lim.max_in_flight_total:
+        problems.append("$.limits.max_in_flight_per_engine: must not exceed max_in_flight_total")
+    if config.retry.backoff_max_s < config.retry.backoff_s:
+        problems.append("$.retry.backoff_max_s: must be at least backoff_s")
+    return problems

@@ -1,0 +1,245 @@
+"""deploy/: every manifest renders and validates offline, and every key, port, path and name in it
+exists in the code (config keys, the listen port, the probe paths, the secret variables, the image's
+install line, the engines' KV-events config).
+
+Kubernetes kinds are validated against the JSON schemas the `kubernetes-validate` wheel bundles
+(strict: unknown fields are errors), for the oldest and the newest Kubernetes the kit supports. The
+ServiceMonitor (a CRD) against tests/data/servicemonitor-v1.schema.json, a structural subset written
+from the Prometheus Operator's API reference. Docker is not available here: the Dockerfile is checked
+statically.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import shlex
+import tomllib
+from pathlib import Path
+from typing import Any, Final
+from urllib.parse import urlsplit
+
+import jsonschema
+import kubernetes_validate
+import pytest
+
+from events.config import decode_kv_events_config, is_bind_endpoint
+from kvrouter.cli import build_parser
+from router.edge.asgi_app import create_app
+from router.settings.config import RouterConfig, decode_config
+from router.settings.overrides import load_config
+from tests.kustomize import Resource, render
+
+ROOT: Final = Path(__file__).resolve().parents[2]
+DEPLOY: Final = ROOT / "deploy"
+KUSTOMIZATIONS: Final = {
+    "base": DEPLOY / "kubernetes" / "base",
+    "example": DEPLOY / "kubernetes" / "overlays" / "example",
+}
+K8S_VERSIONS: Final = ("1.29", kubernetes_validate.latest_version())
+SERVICE_MONITOR: Final = json.loads(
+    (Path(__file__).parents[1] / "data" / "servicemonitor-v1.schema.json").read_text()
+)
+RENDERED: Final = {name: render(path) for name, path in KUSTOMIZATIONS.items()}
+
+
+def one(resources: list[Resource], kind: str, name: str | None = None) -> Resource:
+    found = [r for r in resources if r["kind"] == kind and (name is None or r["metadata"]["name"] == name)]
+    assert len(found) == 1, (kind, name, len(found))
+    return found[0]
+
+
+def gateway(resources: list[Resource]) -> dict[str, Any]:
+    container: dict[str, Any] = one(resources, "Deployment", "kvrouter")["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    return container
+
+
+def router_config(resources: list[Resource]) -> RouterConfig:
+    toml = one(resources, "ConfigMap", "kvrouter-config")["data"]["router.toml"]
+    return decode_config(toml, "router.toml of the ConfigMap")
+
+
+@pytest.mark.parametrize("kustomization", sorted(RENDERED))
+def test_every_manifest_validates_against_the_schemas(kustomization: str) -> None:
+    resources = RENDERED[kustomization]
+    assert {r["kind"] for r in resources} >= {
+        "Deployment", "Service", "ConfigMap", "ServiceAccount", "Role", "RoleBinding",
+        "PodDisruptionBudget", "HorizontalPodAutoscaler", "ServiceMonitor",
+    }  # fmt: skip
+    for resource in resources:
+        if resource["apiVersion"] == "monitoring.coreos.com/v1":
+            jsonschema.validate(resource, SERVICE_MONITOR)
+            continue
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(resource, version, strict=True)
+
+
+def test_a_misspelt_field_is_caught() -> None:
+    deployment = json.loads(json.dumps(one(RENDERED["base"], "Deployment", "kvrouter")))
+    deployment["spec"]["template"]["spec"]["containers"][0]["livenesProbe"] = {}
+    with pytest.raises(kubernetes_validate.ValidationError):
+        kubernetes_validate.validate(deployment, K8S_VERSIONS[-1], strict=True)
+    monitor = json.loads(json.dumps(one(RENDERED["base"], "ServiceMonitor")))
+    monitor["spec"]["endpoints"][0]["intervall"] = "15s"
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(monitor, SERVICE_MONITOR)
+
+
+def pod_environ(container: dict[str, Any]) -> dict[str, str]:
+    """The container's environment, each secret reference standing for a value."""
+    return {e["name"]: e.get("value", f"<{e['name']}>") for e in container.get("env", [])}
+
+
+@pytest.mark.parametrize("kustomization", sorted(RENDERED))
+def test_the_config_and_environment_load_with_the_real_config(
+    kustomization: str, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    resources = RENDERED[kustomization]
+    container = gateway(resources)
+    args = build_parser().parse_args(container["args"])
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "config")
+    assert args.config.parent == Path(mount["mountPath"])
+    volume = next(
+        v
+        for v in one(resources, "Deployment", "kvrouter")["spec"]["template"]["spec"]["volumes"]
+        if v["name"] == "config"
+    )
+    configmap = one(resources, "ConfigMap", volume["configMap"]["name"])
+    assert args.config.name in configmap["data"]
+    path = tmp_path / args.config.name
+    path.write_text(configmap["data"][args.config.name])
+    with caplog.at_level(logging.WARNING):
+        config = load_config(path, pod_environ(container))
+    assert not caplog.records, [r.getMessage() for r in caplog.records]  # no unknown KVROUTER_* variable
+    assert config == router_config(resources) and not config.uses_embedded
+
+
+@pytest.mark.parametrize("kustomization", sorted(RENDERED))
+def test_ports_probes_and_secrets_are_the_codes(kustomization: str) -> None:
+    resources = RENDERED[kustomization]
+    config = router_config(resources)
+    pod = one(resources, "Deployment", "kvrouter")["spec"]["template"]["spec"]
+    container = gateway(resources)
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {"http": config.listen.port} and config.listen.host in ("0.0.0.0", "::")
+    routes = {getattr(r, "path", None) for r in create_app(RouterConfig(), environ={}).routes}
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        get = container[probe]["httpGet"]
+        assert get["path"] in routes and get["port"] in ports, probe
+    assert container["livenessProbe"]["httpGet"]["path"] == "/health"
+    assert container["readinessProbe"]["httpGet"]["path"] == "/ready"
+    service = one(resources, "Service", "kvrouter")
+    assert [p["targetPort"] for p in service["spec"]["ports"]] == ["http"]
+    monitor = one(resources, "ServiceMonitor")["spec"]
+    assert monitor["endpoints"][0]["path"] == "/metrics" in routes
+    assert monitor["endpoints"][0]["port"] in {p["name"] for p in service["spec"]["ports"]}
+    secrets = {e["name"] for e in container["env"] if "secretKeyRef" in e.get("valueFrom", {})}
+    assert secrets == {config.auth.api_keys_env, config.auth.admin_token_env}
+    assert pod["enableServiceLinks"] is False
+
+
+@pytest.mark.parametrize("kustomization", sorted(RENDERED))
+def test_selectors_rbac_and_the_drain_budget_fit_together(kustomization: str) -> None:
+    resources = RENDERED[kustomization]
+    deployment = one(resources, "Deployment", "kvrouter")
+    pod = deployment["spec"]["template"]
+    labels = pod["metadata"]["labels"]
+    for kind in ("Service", "PodDisruptionBudget", "ServiceMonitor"):
+        spec = one(resources, kind, "kvrouter")["spec"]
+        selector = spec["selector"].get("matchLabels", spec["selector"])
+        assert selector.items() <= labels.items(), kind
+    assert deployment["spec"]["selector"]["matchLabels"].items() <= labels.items()
+    hpa = one(resources, "HorizontalPodAutoscaler")["spec"]
+    assert (
+        hpa["scaleTargetRef"]["name"] == "kvrouter" and hpa["minReplicas"] <= deployment["spec"]["replicas"]
+    )
+    assert gateway(resources)["resources"]["requests"]["cpu"]  # CPU utilisation needs a request
+    binding = one(resources, "RoleBinding")
+    assert binding["subjects"][0]["name"] == pod["spec"]["serviceAccountName"]
+    rules = one(resources, "Role", binding["roleRef"]["name"])["rules"]
+    assert any(
+        "discovery.k8s.io" in r["apiGroups"] and "endpointslices" in r["resources"]
+        and {"list", "watch"} <= set(r["verbs"])
+        for r in rules
+    )  # fmt: skip
+    # The grace period covers the preStop sleep, then the gateway's wait for open answers after SIGTERM.
+    sleep = int(gateway(resources)["lifecycle"]["preStop"]["exec"]["command"][1])
+    drain = getattr(router_config(resources).limits, "drain_s", 5.0)  # today a fixed 5 s (docs/gateway.md)
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= sleep + drain + 5
+
+
+def flags(args: list[str]) -> dict[str, str]:
+    """`--name=value` and bare `--name` (value "") arguments."""
+    return {a.partition("=")[0]: a.partition("=")[2] for a in args}
+
+
+def test_the_example_engines_publish_what_the_discovery_config_expects() -> None:
+    resources = RENDERED["example"]
+    config = router_config(resources)
+    discovery = config.discovery
+    vllm = one(resources, "Deployment", "vllm")["spec"]["template"]["spec"]["containers"][0]
+    args = flags(vllm["args"])
+    assert {"--enable-prefix-caching", "--enable-prompt-tokens-details"} <= args.keys()
+    events = decode_kv_events_config(args["--kv-events-config"])
+    assert events.enable_kv_cache_events and events.publisher == "zmq" and events.topic
+    assert events.replay_endpoint is not None
+    for endpoint, port in (
+        (events.endpoint, discovery.events_port),
+        (events.replay_endpoint, discovery.replay_port),
+    ):
+        assert is_bind_endpoint(endpoint) and urlsplit(endpoint).port == port, endpoint
+    assert int(args["--port"]) == discovery.port
+    assert args["--served-model-name"] == discovery.model == config.models[0].name
+    assert int(args["--block-size"]) == config.models[0].block_size
+    ports = {p["name"]: p["containerPort"] for p in vllm["ports"]}
+    assert ports == {
+        "http": discovery.port,
+        "kv-events": discovery.events_port,
+        "kv-replay": discovery.replay_port,
+    }
+    headless = one(resources, "Service", discovery.dns_name)["spec"]
+    assert headless["clusterIP"] == "None"
+    assert {p["name"]: p["port"] for p in headless["ports"]} == ports
+
+
+def dockerfile_lines() -> list[str]:
+    """The Dockerfile's instructions, continuation lines joined, comments dropped."""
+    text = re.sub(r"\\\n", " ", (DEPLOY / "Dockerfile").read_text())
+    return [line.strip() for line in text.splitlines() if line.strip() and not line.lstrip().startswith("#")]
+
+
+def test_the_image_installs_the_gateway_without_extras_as_a_non_root_user() -> None:
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    lines = dockerfile_lines()
+    installs = [shlex.split(m) for line in lines if (m := line.partition("pip install --no-cache-dir ")[2])]
+    targets = [words[-1] for words in installs if not words[-1].startswith("-")]
+    assert targets == ["."]  # the project itself: its dependencies, no [loadtest] or [test] extra
+    extras = project["project"]["optional-dependencies"]
+    assert any(d.startswith("matplotlib") for d in extras["loadtest"])
+    assert not any(d.startswith("matplotlib") for d in project["project"]["dependencies"])
+    assert "'.[test,loadtest]'" in (ROOT / "Makefile").read_text()  # make test installs both
+    copied = {line.split()[1] for line in lines if line.startswith("COPY ") and "--from" not in line}
+    packages = {p.rstrip("*") for p in project["tool"]["setuptools"]["packages"]["find"]["include"]}
+    assert packages <= copied and "pyproject.toml" in copied
+    assert [line for line in lines if line.startswith("FROM")][-1].startswith("FROM python:3.11-slim")
+    assert project["project"]["requires-python"] == ">=3.11"
+    user = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert user and user[-1] not in ("0", "root")
+    assert gateway(RENDERED["base"])["image"].startswith("kvrouter:")
+    pod = one(RENDERED["base"], "Deployment", "kvrouter")["spec"]["template"]["spec"]
+    assert pod["securityContext"]["runAsUser"] == int(user[-1])
+    exposed = [int(line.split()[1]) for line in lines if line.startswith("EXPOSE ")]
+    assert exposed == [router_config(RENDERED["base"]).listen.port]
+    cmd = json.loads(next(line for line in lines if line.startswith("CMD "))[4:])
+    assert cmd == gateway(RENDERED["base"])["args"]
+
+
+def test_every_toml_block_of_the_deploy_docs_decodes() -> None:
+    text = (ROOT / "docs" / "deploy.md").read_text()
+    blocks = re.findall(r"```toml\n(.*?)```", text, re.DOTALL)
+    assert len(blocks) >= 2
+    for block in blocks:
+        decode_config(block, "docs/deploy.md")

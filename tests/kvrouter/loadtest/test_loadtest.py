@@ -1,0 +1,123 @@
+"""`kvrouter loadtest` end to end: real stubs, a real gateway per policy, the report files.
+
+The workload is built so prefix caching decides the outcome: 16 system prompts of 2048 tokens shared
+by 64 users at a rate low enough that queueing stays small. A cold prefill then costs ~33 ms of
+simulated time while a warm one costs ~2 ms, so kv must beat round robin on both cached tokens and
+TTFT p50 by a wide margin, and the oracle (perfect knowledge, cache first) must cache at least as
+much as kv.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import socket
+import struct
+import subprocess
+import sys
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from kvrouter.cli import main
+from kvrouter.loadtest.report import PLOTS, Report
+from kvrouter.loadtest.results import RequestResult
+from router.links.embedded_stubs import PORTS_PER_STUB
+from router.settings.config import EngineConfig, ModelConfig
+from tests.conftest import SHARED
+
+STUB = Path(__file__).parents[2] / "data" / "loadtest_stub.toml"
+
+
+def run(out: Path, *args: str) -> Report:
+    code = main(["--log-level", "WARNING", "loadtest", "--engines", "2", "--engine-config", str(STUB),
+                 "--max-output-tokens", "4", "--out", str(out), *args])  # fmt: skip
+    assert code == 0
+    return msgspec.json.decode((out / "summary.json").read_bytes(), type=Report)
+
+
+def test_kv_beats_round_robin_and_the_oracle_bounds_it(tmp_path: Path) -> None:
+    workload = ["--system-prompts", "16", "--system-prompt-tokens", "2048", "--users", "64", "--turns", "1"]
+    report = run(tmp_path, *workload, "--rate", "15", "--policies", "kv,round_robin,oracle")
+    kv, rr, oracle = report.policies
+    assert (kv.policy, rr.policy, oracle.policy) == ("kv", "round_robin", "oracle")
+    assert all(s.requests == 64 and s.errors == 0 for s in report.policies)
+    assert kv.cached_tokens > rr.cached_tokens
+    assert kv.ttft.p50 is not None and rr.ttft.p50 is not None and kv.ttft.p50 < rr.ttft.p50
+    assert oracle.cached_tokens >= kv.cached_tokens
+    assert kv.predictions == 64 and kv.prediction_exact is not None and kv.prediction_exact >= 0.9
+    assert set(kv.engine_share) == {"embedded-0", "embedded-1"}
+    lines = (tmp_path / "results.jsonl").read_bytes().splitlines()
+    assert len([msgspec.json.decode(line, type=RequestResult) for line in lines]) == 3 * 64
+    for name in PLOTS:
+        png = (tmp_path / name).read_bytes()
+        assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24])[0] > 300
+    assert "round_robin" in (tmp_path / "report.html").read_text()
+
+
+def test_a_real_mooncake_trace_replays_and_a_duration_cut_says_so(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    trace = SHARED / "traces" / "conversation_trace.jsonl"
+    args = ["--workload", f"trace:{trace}", "--requests", "40", "--block-tokens", "16", "--time-scale", "20"]
+    # At 20x, the 40th request arrives at 0.6 s and the 38th at 0.45 s: 0.5 s cuts the last two.
+    report = run(tmp_path, *args, "--duration", "0.5", "--policies", "kv")
+    (kv,) = report.policies
+    assert (kv.requests, kv.errors) == (38, 0)
+    assert kv.cached_tokens > 0 and kv.prompt_tokens > kv.cached_tokens
+    assert (report.requests_sent, report.truncated, report.requests_not_sent) == (38, True, 2)
+    assert "warning: --duration 0.5 cuts the workload short: 2 of 40 requests" in capsys.readouterr().err
+    settings = msgspec.json.decode((tmp_path / "summary.json").read_bytes())["settings"]
+    assert settings["requests"] == 40 and settings["duration"] == 0.5 and settings["time_scale"] == 20.0
+    assert settings["engines"] == 2 and settings["policies"] == ["kv"] and settings["out"] == str(tmp_path)
+    page = (tmp_path / "report.html").read_text()
+    assert "<tr><th>block_tokens</th><td>16</td></tr>" in page and "2 requests arriving later" in page
+
+
+def _free_port_range(n: int) -> int:
+    """A base port with `n` consecutive free ports on 127.0.0.1 (checked by binding each)."""
+    rng = random.Random()
+    for _ in range(100):
+        base = rng.randrange(20000, 60000 - n)
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                sock = socket.socket()
+                socks.append(sock)
+                sock.bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no free port range")
+
+
+def test_an_external_router_is_measured_on_the_same_stubs(tmp_path: Path) -> None:
+    base = _free_port_range(2 * PORTS_PER_STUB)
+    engines = [
+        EngineConfig(name=f"s{i}", url=f"http://127.0.0.1:{p}", model="kvrouter-stub",
+                     events=[f"tcp://127.0.0.1:{p + 1}"], replay=[f"tcp://127.0.0.1:{p + 2}"])
+        for i, p in enumerate((base, base + PORTS_PER_STUB))
+    ]  # fmt: skip
+    env = {
+        **os.environ,
+        "KVROUTER_ENGINES": msgspec.json.encode(engines).decode(),
+        "KVROUTER_MODELS": msgspec.json.encode([ModelConfig(name="kvrouter-stub")]).decode(),
+    }
+    argv = [sys.executable, "-m", "kvrouter", "--log-level", "WARNING", "serve", "--port", "0"]
+    with subprocess.Popen(argv, env=env, stdout=subprocess.PIPE, stdin=subprocess.DEVNULL) as gateway:
+        try:
+            assert gateway.stdout is not None
+            url = msgspec.json.decode(gateway.stdout.readline())["url"]  # the ready line
+            args = ["--requests", "20", "--rate", "20", "--stub-base-port", str(base), "--router", url]
+            (external,) = run(tmp_path, *args, "--policies", "external").policies
+        finally:
+            gateway.terminate()
+            gateway.wait(timeout=30)
+    assert (external.policy, external.requests, external.errors) == ("external", 20, 0)
+    assert set(external.engine_share) == {"s0", "s1"}  # the gateway's own engine names: it routed
+    stubs = msgspec.json.decode((tmp_path / "stubs.json").read_bytes(), type=list[EngineConfig])
+    assert [(e.url, e.events, e.replay) for e in stubs] == [(e.url, e.events, e.replay) for e in engines]

@@ -1,0 +1,120 @@
+"""Router block keys: same tokens same keys, every extra input changes them, events agree with requests."""
+
+from __future__ import annotations
+
+import pytest
+
+from events.block_hash import MultiModalItem, RequestExtras, VllmHasher, event_extra_keys, wire_hash
+from events.wire import BlockStored, EngineBlockHash
+from router.core.keys.block_key import KeyHasher
+from router.core.keys.event_tokens import keys_from_tokens
+
+BS = 4
+TOKENS = list(range(100, 117))  # 17 tokens: 4 full blocks
+HASHER = KeyHasher(b"test-secret")
+
+
+def keys(extras: RequestExtras | None = None, tokens: list[int] = TOKENS, lookahead: int = 0) -> list[int]:
+    return list(HASHER.request_keys(tokens, BS, extras, lookahead))
+
+
+def stored(
+    tokens: list[int], extras: RequestExtras, first_block: int, parent: EngineBlockHash | None
+) -> BlockStored:
+    """A BlockStored as vLLM emits it for blocks [first_block, ...) of `tokens`."""
+    digests = VllmHasher().block_hashes(tokens, BS, extras)
+    return BlockStored(
+        block_hashes=[wire_hash(d) for d in digests[first_block:]],
+        parent_block_hash=parent,
+        token_ids=tokens[first_block * BS : len(digests) * BS],
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=extras.lora_name,
+        extra_keys=[event_extra_keys(extras, i * BS, (i + 1) * BS) for i in range(first_block, len(digests))],
+    )
+
+
+def test_same_tokens_same_keys_and_chained_prefix() -> None:
+    assert keys() == keys()
+    assert len(keys()) == 4
+    other = keys(tokens=[*TOKENS[:8], 1, 2, 3, 4, 5, 6, 7, 8])
+    assert other[:2] == keys()[:2]
+    assert not set(other[2:]) & set(keys())
+
+
+def test_a_changed_early_block_changes_every_later_key() -> None:
+    changed = keys(tokens=[999, *TOKENS[1:]])
+    assert not set(changed) & set(keys())
+
+
+@pytest.mark.parametrize(
+    "extras",
+    [
+        RequestExtras(lora_name="sql"),
+        RequestExtras(cache_salt="tenant-a"),
+        RequestExtras(lora_name="sql", cache_salt="tenant-a"),
+    ],
+)
+def test_lora_and_salt_change_every_key(extras: RequestExtras) -> None:
+    assert not set(keys(extras)) & set(keys())
+
+
+def test_multimodal_changes_keys_from_the_overlapping_block_on() -> None:
+    mm = RequestExtras(mm_items=(MultiModalItem("img-1", offset=9, length=2),))
+    got = keys(mm)
+    assert got[:2] == keys()[:2]
+    assert not set(got[2:]) & set(keys())
+    other_image = keys(RequestExtras(mm_items=(MultiModalItem("img-2", offset=9, length=2),)))
+    assert other_image[:2] == got[:2] and other_image[2] != got[2]
+
+
+def test_secret_changes_keys() -> None:
+    assert KeyHasher(b"a").request_keys(TOKENS, BS) != KeyHasher(b"b").request_keys(TOKENS, BS)
+
+
+def test_token_out_of_range_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="token ids"):
+        HASHER.request_keys([-1, 2, 3, 4], BS)
+
+
+@pytest.mark.parametrize(
+    "extras",
+    [
+        RequestExtras(),
+        RequestExtras(lora_name="sql", lora_path="/adapters/sql"),
+        RequestExtras(cache_salt="tenant-a"),
+        RequestExtras(lora_name="sql", cache_salt="tenant-a"),
+        RequestExtras(cache_salt="s", mm_items=(MultiModalItem("img", offset=2, length=7),)),
+    ],
+)
+def test_keys_from_events_equal_keys_from_request_tokens(extras: RequestExtras) -> None:
+    want = keys(extras)
+    first = stored(TOKENS[:8], extras, 0, None)
+    head = keys_from_tokens(HASHER, first, None)
+    assert head == want[:2]
+    rest = stored(TOKENS, extras, 2, first.block_hashes[-1])
+    assert keys_from_tokens(HASHER, rest, head[-1]) == want[2:]
+
+
+def test_lookahead_keys_from_events_equal_request_keys() -> None:
+    want = keys(lookahead=1)
+    assert len(want) == 4  # 17 tokens: block 3 needs token 16, which exists
+    ev = BlockStored(
+        block_hashes=[1, 2, 3, 4],
+        parent_block_hash=None,
+        token_ids=TOKENS[:16],
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        lookahead_token_ids=[[TOKENS[(i + 1) * BS]] for i in range(4)],
+    )
+    assert keys_from_tokens(HASHER, ev, None) == want
+    assert want != keys()
+
+
+def test_dense_shape_mismatch_gives_none() -> None:
+    ev = stored(TOKENS[:8], RequestExtras(), 0, None)
+    ev.token_ids = ev.token_ids[:7]
+    assert keys_from_tokens(HASHER, ev, None) is None

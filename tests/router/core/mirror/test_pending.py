@@ -1,0 +1,152 @@
+"""Pending prefixes: a routed prompt counts as cached on its replica until its time is up."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from router.core.ids import EngineId, RequestId
+from router.core.mirror.pending import PendingPrefixes
+from router.core.policy.load import LoadSnapshot
+from router.core.policy.scoring import Candidate, PolicyName, RouteRequest, Scorer, ScorerSettings
+from router.core.policy.trust import TrustReason, TrustState, TrustStatus
+
+A, B = EngineId("a"), EngineId("b")
+
+
+R1, R2 = RequestId("r1"), RequestId("r2")
+
+
+def test_leading_run_of_a_routed_prompt() -> None:
+    p = PendingPrefixes(ttl_s=5.0)
+    p.add(R1, A, [1, 2, 3, 4], now=0.0)
+    assert p.leading_run(A, [1, 2, 3, 9], limit=10, now=1.0) == 3
+    assert p.leading_run(A, [1, 2, 3, 4, 5], limit=2, now=1.0) == 2  # capped (prompt length - 1)
+    assert p.leading_run(A, [9, 1, 2], limit=10, now=1.0) == 0  # a leading run, not any overlap
+    assert p.leading_run(B, [1, 2], limit=10, now=1.0) == 0  # only where it was sent
+
+
+def test_an_answer_hands_over_to_the_mirror_after_the_grace() -> None:
+    p = PendingPrefixes(ttl_s=5.0, grace_s=0.1)
+    p.add(R1, A, [1, 2], now=0.0)
+    p.add(R2, A, [1, 3], now=0.0)
+    p.answered(R1, now=1.0)
+    assert p.leading_run(A, [1, 2], limit=10, now=1.05) == 2
+    assert p.leading_run(A, [1, 2], limit=10, now=1.1) == 1  # r1 gone; key 1 still pending for r2
+    assert p.size == 2
+    assert p.leading_run(A, [1, 3], limit=10, now=5.0) == 0  # r2 hit its ttl
+    assert p.size == 0
+
+
+def test_zero_ttl_disables_and_drop_forgets() -> None:
+    off = PendingPrefixes(ttl_s=0.0)
+    off.add(R1, A, [1], now=0.0)
+    assert off.leading_run(A, [1], limit=1, now=0.0) == 0
+    p = PendingPrefixes(ttl_s=5.0)
+    p.add(R1, A, [1, 2], now=0.0)
+    p.add(R2, B, [1, 2], now=0.0)
+    p.drop(A)
+    assert (p.leading_run(A, [1], limit=1, now=0.0), p.size) == (0, 2)
+    with pytest.raises(ValueError):
+        PendingPrefixes(ttl_s=-1.0)
+
+
+def test_bounded_size_and_resend() -> None:
+    p = PendingPrefixes(ttl_s=5.0, max_keys=3)
+    p.add(R1, A, [1, 2], now=0.0)
+    p.add(R2, B, [3, 4], now=0.0)  # would exceed the bound: not recorded
+    assert (p.size, p.leading_run(B, [3], limit=1, now=0.0)) == (2, 0)
+    p.add(R1, B, [5], now=0.0)  # a retry on another replica replaces the first entry
+    assert (p.size, p.leading_run(A, [1], limit=1, now=0.0), p.leading_run(B, [5], limit=1, now=0.0)) == (
+        1,
+        0,
+        1,
+    )
+
+
+FRESH = TrustStatus(TrustState.FRESH, TrustReason.OK, "ok", 0.0)
+STALE = TrustStatus(TrustState.STALE, TrustReason.GAP, "gap", 0.0)
+LOAD = LoadSnapshot(0, 0, 0, 0, None, 0.01, 1e-4, False)
+
+
+def cand(name: str, pending: int = 0, trust: TrustStatus = FRESH, hit: int = 0) -> Candidate:
+    return Candidate(EngineId(name), hit, 0, hit, 1000, trust, LOAD, pending_tokens=pending)
+
+
+def test_kv_counts_pending_prefixes_and_predicts_them() -> None:
+    scorer = Scorer(ScorerSettings(policy=PolicyName.KV))
+    decision = scorer.choose(RouteRequest("r"), [cand("a"), cand("b", pending=800)])
+    assert decision.engine == "b" and decision.predicted_cached_tokens == 800
+    assert "800 expected from requests just sent" in decision.reason
+    (_, b) = decision.candidates
+    assert (b.hit_tokens, b.pending_tokens, b.uncached_tokens) == (0, 800, 200)
+
+
+def test_pending_on_a_stale_replica_is_ignored() -> None:
+    scorer = Scorer(ScorerSettings(policy=PolicyName.KV))
+    decision = scorer.choose(RouteRequest("r"), [cand("a", hit=100), cand("b", pending=800, trust=STALE)])
+    assert decision.engine == "a"
+    assert msgspec.json.decode(msgspec.json.encode(decision.candidates[1]))["pending_tokens"] == 800
+
+
+def test_the_run_is_a_prefix_shared_with_one_request_and_nothing_is_kept_after() -> None:
+    p = PendingPrefixes(ttl_s=5.0)
+    p.add(R1, A, [7, 9, 8], now=0.0)
+    p.add(R2, A, [7, 8], now=0.0)
+    p.add(RequestId("r3"), A, [7, 8], now=0.0)  # the same prompt twice: both held
+    assert p.leading_run(A, [7, 8, 5], limit=5, now=0.1) == 2
+    p.answered(R2, now=0.0)
+    assert p.leading_run(A, [7, 8], limit=5, now=0.2) == 2  # r3 still holds it
+    p.answered(RequestId("r3"), now=0.0)
+    # r1 holds 7 and 8, but not 8 right after 7: keys are chained, so only [7] is shared.
+    assert p.leading_run(A, [7, 8], limit=5, now=0.2) == 1
+    p.answered(R1, now=0.0)
+    assert (p.leading_run(A, [7, 8], limit=5, now=0.2), p.size, p.holds(A)) == (0, 0, False)
+    for i in range(3000):  # many short-lived requests: nothing is kept once they are gone
+        p.add(RequestId(f"x{i}"), A, [i, i + 1], now=1.0)
+        p.answered(RequestId(f"x{i}"), now=1.0 - p.grace_s)
+    p.expire(1.0)
+    assert p.size == 0 and not p.holds(A)
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    while n < min(len(a), len(b)) and a[n] == b[n]:
+        n += 1
+    return n
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(st.integers(0, 4), st.sampled_from([A, B]), st.lists(st.integers(0, 3), max_size=6)),
+        max_size=30,
+    ),
+    probes=st.lists(st.lists(st.integers(1, 3), max_size=7), min_size=1, max_size=4),
+    limit=st.integers(0, 7),
+)
+def test_leading_run_is_the_longest_prefix_shared_with_a_live_request(
+    ops: list[tuple[int, EngineId, list[int]]], probes: list[list[int]], limit: int
+) -> None:
+    p = PendingPrefixes(ttl_s=5.0)
+    live: dict[RequestId, tuple[EngineId, list[int]]] = {}
+    for who, replica, keys in ops:
+        request = RequestId(f"r{who}")
+        if keys and keys[0] == 0:  # answered: gone once the grace is over
+            p.answered(request, now=1.0 - p.grace_s)
+            p.expire(1.0)
+            live.pop(request, None)
+            continue
+        p.add(request, replica, keys, now=1.0)
+        live.pop(request, None)
+        if keys:
+            live[request] = (replica, keys)
+        for r in (A, B):
+            for probe in probes:
+                held = [ks for rep, ks in live.values() if rep == r]
+                want = max((common_prefix(probe[:limit], ks) for ks in held), default=0)
+                assert p.leading_run(r, probe, limit=limit, now=1.0) == want
+            assert p.holds(r) == any(rep == r for rep, _ in live.values())
+        assert p.size == sum(len(ks) for _, ks in live.values())

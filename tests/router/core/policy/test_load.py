@@ -1,0 +1,146 @@
+"""Router-tracked load, scraped-gauge merging and the online prefill cost model."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from router.core.ids import EngineId, RequestId
+from router.core.policy.load import CostPrior, LoadTracker, PrefillCostModel, ScrapedMetrics
+
+A, B = EngineId("a"), EngineId("b")
+PRIOR = CostPrior(overhead_s=0.02, per_token_s=1e-4, weight=4.0, forgetting=0.98)
+
+
+def rid(n: int) -> RequestId:
+    return RequestId(f"r{n}")
+
+
+def test_lifecycle_counts() -> None:
+    load = LoadTracker(PRIOR)
+    load.started(rid(1), A, at=0.0, uncached_tokens=1000)
+    load.started(rid(2), A, at=0.1, uncached_tokens=500)
+    snap = load.snapshot(A, now=0.2)
+    assert (snap.in_flight, snap.prefilling, snap.decoding, snap.queued_prefill_tokens) == (2, 2, 0, 1500)
+    assert load.first_token(rid(1), at=0.3) == pytest.approx(0.3)
+    assert load.first_token(rid(1), at=0.4) is None
+    snap = load.snapshot(A, now=0.4)
+    assert (snap.in_flight, snap.prefilling, snap.decoding, snap.queued_prefill_tokens) == (2, 1, 1, 500)
+    load.finished(rid(1), at=1.0)
+    load.finished(rid(2), at=1.0)  # never produced a token (failed): its prefill is released too
+    load.finished(rid(2), at=1.1)  # idempotent
+    snap = load.snapshot(A, now=1.2)
+    assert (snap.in_flight, snap.prefilling, snap.decoding, snap.queued_prefill_tokens) == (0, 0, 0, 0)
+    assert load.snapshot(B, now=1.2).in_flight == 0
+
+
+def test_restarting_an_in_flight_request_is_a_caller_error() -> None:
+    load = LoadTracker(PRIOR)
+    load.started(rid(1), A, at=0.0, uncached_tokens=10)
+    with pytest.raises(ValueError, match="already in flight"):
+        load.started(rid(1), B, at=0.1, uncached_tokens=10)
+    load.finished(rid(1), at=0.2)
+    load.started(rid(1), B, at=0.3, uncached_tokens=10)  # a retry on another engine
+    assert load.snapshot(B, now=0.3).in_flight == 1
+
+
+def test_prediction_includes_the_queue() -> None:
+    load = LoadTracker(PRIOR)
+    load.started(rid(1), A, at=0.0, uncached_tokens=2000)
+    snap = load.snapshot(A, now=0.0)
+    assert snap.predicted_ttft_s(1000) == pytest.approx(0.02 + 1e-4 * 3000)
+    assert load.snapshot(B, now=0.0).predicted_ttft_s(1000) == pytest.approx(0.02 + 1e-4 * 1000)
+
+
+def test_ttft_learning_uses_the_work_ahead_at_start() -> None:
+    load = LoadTracker(CostPrior(overhead_s=0.0, per_token_s=1e-4, weight=1e6))  # prior never moves
+    load.started(rid(1), A, at=0.0, uncached_tokens=1000)
+    load.started(rid(2), A, at=0.0, uncached_tokens=1000)
+    load.first_token(rid(2), at=0.2)
+    assert load.model(A).samples == 1
+    assert load.model(B).samples == 0
+
+
+def test_scraped_gauges_raise_the_router_counts_while_fresh() -> None:
+    load = LoadTracker(PRIOR, scrape_max_age_s=5.0)
+    load.started(rid(1), A, at=0.0, uncached_tokens=400)
+    load.scraped(
+        A, ScrapedMetrics(at=1.0, num_requests_running=3, num_requests_waiting=2, kv_cache_usage_perc=0.5)
+    )
+    snap = load.snapshot(A, now=2.0)
+    assert snap.scraped
+    assert snap.in_flight == 5
+    assert snap.decoding == 2  # 3 running minus our 1 prefilling
+    assert snap.queued_prefill_tokens == 400 + 1 * 400  # one waiting request we did not send, typical size
+    assert snap.kv_cache_usage == 0.5
+    stale = load.snapshot(A, now=6.1)
+    assert not stale.scraped
+    assert (stale.in_flight, stale.queued_prefill_tokens, stale.kv_cache_usage) == (1, 400, None)
+
+
+def test_drop_forgets_the_engine() -> None:
+    load = LoadTracker(PRIOR)
+    load.started(rid(1), A, at=0.0, uncached_tokens=400)
+    load.drop(A)
+    assert load.snapshot(A, now=0.0).in_flight == 0
+    load.finished(rid(1), at=1.0)
+    assert load.snapshot(A, now=1.0).in_flight == 0
+
+
+def _feed(model: PrefillCostModel, overhead: float, per_token: float, n: int, seed: int) -> None:
+    rng = random.Random(seed)
+    for _ in range(n):
+        tokens = rng.randint(100, 16000)
+        model.observe(tokens, overhead + per_token * tokens + rng.gauss(0, 0.002))
+
+
+def test_cost_model_starts_at_the_prior() -> None:
+    model = PrefillCostModel(PRIOR)
+    assert (model.overhead_s, model.samples) == (0.02, 0)
+    assert model.per_token_s == pytest.approx(1e-4)
+    assert model.predict(5000) == pytest.approx(0.52)
+
+
+def test_cost_model_learns_from_a_far_prior() -> None:
+    model = PrefillCostModel(PRIOR)
+    _feed(model, overhead=0.05, per_token=3e-5, n=200, seed=1)
+    assert model.per_token_s == pytest.approx(3e-5, rel=0.05)
+    assert model.overhead_s == pytest.approx(0.05, abs=0.005)
+
+
+def test_cost_model_shrugs_off_an_outlier() -> None:
+    model = PrefillCostModel(PRIOR)
+    _feed(model, overhead=0.05, per_token=3e-5, n=100, seed=2)
+    model.observe(8000, 30.0)  # a request stuck behind a preemption
+    assert model.per_token_s == pytest.approx(3e-5, rel=0.1)
+    assert model.predict(8000) == pytest.approx(0.05 + 3e-5 * 8000, rel=0.1)
+
+
+def test_cost_model_follows_drift() -> None:
+    model = PrefillCostModel(PRIOR)
+    _feed(model, overhead=0.05, per_token=3e-5, n=200, seed=3)
+    _feed(model, overhead=0.05, per_token=9e-5, n=300, seed=4)
+    assert model.per_token_s == pytest.approx(9e-5, rel=0.1)
+
+
+def test_cost_model_stays_non_negative() -> None:
+    model = PrefillCostModel(PRIOR)
+    for _ in range(50):
+        model.observe(10000, 0.0)
+    assert model.overhead_s >= 0.0
+    assert model.per_token_s > 0.0
+
+
+def test_engines_of_one_group_share_what_they_learn() -> None:
+    tracker = LoadTracker(CostPrior(0.02, 1e-4, 4.0, 0.98))
+    a, b, c = EngineId("a"), EngineId("b"), EngineId("c")
+    tracker.share_cost(a, "m")
+    tracker.share_cost(b, "m")
+    for i in range(20):
+        rid = RequestId(f"r{i}")
+        tracker.started(rid, a, 0.0, 1000)
+        tracker.first_token(rid, 0.5)  # a looks slow
+    assert tracker.model(b) is tracker.model(a)
+    assert tracker.snapshot(b, 1.0).per_token_s == tracker.snapshot(a, 1.0).per_token_s
+    assert tracker.snapshot(c, 1.0).per_token_s == pytest.approx(1e-4)  # not in the group

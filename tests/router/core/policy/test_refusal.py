@@ -1,0 +1,43 @@
+"""refusal(): the limit that bound, named, when no candidate was eligible (#10 item 8)."""
+
+from __future__ import annotations
+
+from router.core.errors import NoEngineAvailable, Overloaded
+from router.core.ids import EngineId
+from router.core.policy.admission import Admission
+from router.core.policy.breaker import CircuitBreaker
+from router.core.policy.refusal import refusal
+from router.core.policy.scoring import WHY_AT_CAPACITY, WHY_BREAKER_OPEN, WHY_UNHEALTHY
+
+A, B = EngineId("a"), EngineId("b")
+ADMISSION = Admission(max_total=10, max_per_engine=3, status=503, retry_after_s=2)
+
+
+def test_engines_at_their_limit_are_the_per_engine_limit_even_beside_open_breakers() -> None:
+    error = refusal("m", [(A, WHY_AT_CAPACITY), (B, WHY_BREAKER_OPEN)], ADMISSION, {B: 9.0})
+    assert isinstance(error, Overloaded) and error.reason == error.code == "max_in_flight_per_engine"
+    assert (error.http_status(), error.headers["Retry-After"]) == (503, "2")  # the configured answer
+    assert "max_in_flight_per_engine=3" in error.message and "`m`" in error.message
+    assert "b: circuit breaker open" in error.message
+
+
+def test_open_breakers_wait_for_the_first_probe() -> None:
+    error = refusal("m", [(A, WHY_BREAKER_OPEN), (B, WHY_BREAKER_OPEN)], ADMISSION, {A: 7.2, B: 3.1})
+    assert isinstance(error, NoEngineAvailable) and error.reason == "breaker_open"
+    assert (error.http_status(), error.headers["Retry-After"]) == (503, "4")
+    soon = refusal("m", [(A, WHY_BREAKER_OPEN)], ADMISSION, {A: 0.0})
+    assert soon.headers["Retry-After"] == "2"  # never below limits.retry_after_s
+
+
+def test_no_engine_for_the_model_or_none_healthy() -> None:
+    none = refusal("lonely", [], ADMISSION, {})
+    assert none.reason == "no_engine" and "no engine serves model `lonely`" in none.message
+    sick = refusal("m", [(A, WHY_UNHEALTHY)], ADMISSION, {})
+    assert sick.reason == "no_engine" and "a: unhealthy" in sick.message
+
+
+def test_breaker_reopens_in_counts_down_the_cool_down() -> None:
+    breaker = CircuitBreaker(failure_threshold=1, open_seconds=10.0)
+    assert breaker.reopens_in(0.0) == 0.0
+    breaker.record_failure(5.0)
+    assert (breaker.reopens_in(6.0), breaker.reopens_in(20.0)) == (9.0, 0.0)

@@ -1,0 +1,338 @@
+"""Scoring examples pinned by a table, plus the stateful policies (round robin, random, session)."""
+
+from __future__ import annotations
+
+import msgspec
+import pytest
+
+from router.core.ids import EngineId
+from router.core.policy.load import LoadSnapshot
+from router.core.policy.scoring import (
+    Candidate,
+    PolicyName,
+    RouteRequest,
+    Scorer,
+    ScorerSettings,
+    stable_hash,
+)
+from router.core.policy.trust import TrustReason, TrustState, TrustStatus
+from router.settings.config import PolicyConfig, RouterConfig
+
+FRESH = TrustStatus(TrustState.FRESH, TrustReason.OK, "ok", 0.0)
+STALE = TrustStatus(TrustState.STALE, TrustReason.GAP, "gap", 0.0)
+CATCHING = TrustStatus(TrustState.CATCHING_UP, TrustReason.REPLAY_IN_FLIGHT, "replay", 0.0)
+
+# Cost model in every row: 10 ms overhead + 0.1 ms per token (so 100 tokens = 10 ms).
+OVERHEAD, PER_TOKEN = 0.010, 1e-4
+
+
+def cand(
+    name: str,
+    hit: int = 0,
+    prompt: int = 1000,
+    warm: int | None = None,
+    in_flight: int = 0,
+    queued: int = 0,
+    decoding: int = 0,
+    trust: TrustStatus = FRESH,
+    healthy: bool = True,
+    breaker_open: bool = False,
+    full: bool = False,
+) -> Candidate:
+    load = LoadSnapshot(in_flight, in_flight - decoding, decoding, queued, None, OVERHEAD, PER_TOKEN, False)
+    warm_tokens = hit if warm is None else warm
+    boundary = warm_tokens if warm_tokens > hit else 0
+    return Candidate(
+        EngineId(name), hit, boundary, warm_tokens, prompt, trust, load, healthy, breaker_open, full
+    )
+
+
+KV = PolicyName.KV
+KEY = "req-1"
+TIE_BY_HASH = min("ab", key=lambda e: stable_hash(KEY, EngineId(e)))
+
+# (name, policy, candidates, excluded, expected engine, words expected in the reason)
+TABLE: list[tuple[str, PolicyName, list[Candidate], set[str], str | None, str]] = [
+    (
+        "warm engine wins",
+        KV,
+        [cand("a", hit=0), cand("b", hit=800)],
+        set(),
+        "b",
+        "800 cached, 200 to prefill",
+    ),
+    ("queue outweighs a small hit", KV, [cand("a", hit=100, queued=5000), cand("b")], set(), "b", "lowest"),
+    ("big hit outweighs a queue", KV, [cand("a", hit=900, queued=500), cand("b")], set(), "a", "500 queued"),
+    (
+        "stale hits are not trusted",
+        KV,
+        [cand("a", hit=900, trust=STALE, in_flight=1), cand("b")],
+        set(),
+        "b",
+        "",
+    ),
+    (
+        "catching-up hits are not trusted",
+        KV,
+        [cand("a", hit=900, trust=CATCHING), cand("b", hit=100)],
+        set(),
+        "b",
+        "",
+    ),
+    ("unhealthy skipped", KV, [cand("a", hit=900, healthy=False), cand("b")], set(), "b", ""),
+    ("breaker open skipped", KV, [cand("a", hit=900, breaker_open=True), cand("b")], set(), "b", ""),
+    ("at capacity skipped", KV, [cand("a", hit=900, full=True), cand("b")], set(), "b", ""),
+    ("excluded after a failed attempt", KV, [cand("a", hit=900), cand("b")], {"a"}, "b", ""),
+    (
+        "decode penalty is zero by default",
+        KV,
+        [cand("a", hit=100, decoding=50, in_flight=50), cand("b")],
+        set(),
+        "a",
+        "",
+    ),
+    (
+        "tie: hybrid junction first",
+        KV,
+        [cand("a", hit=512, warm=512), cand("b", hit=512, warm=768, in_flight=3)],
+        set(),
+        "b",
+        "decided by pinning the hybrid junction at 768 tokens",
+    ),
+    (
+        "stale engine never pins the junction",
+        KV,
+        [cand("a", hit=0, warm=0, in_flight=1), cand("b", hit=0, warm=768, trust=STALE, in_flight=2)],
+        set(),
+        "a",
+        "fewer in-flight",
+    ),
+    (
+        "tie: fewer in flight",
+        KV,
+        [cand("a", in_flight=2), cand("b", in_flight=1)],
+        set(),
+        "b",
+        "fewer in-flight",
+    ),
+    (
+        "tie within tolerance: the larger hit first",
+        KV,
+        [cand("a", hit=10, in_flight=2), cand("b", in_flight=1)],
+        set(),
+        "a",
+        "tied with b within 2 ms; decided by the larger cached prefix (10 tokens)",
+    ),
+    ("tie: stable hash", KV, [cand("a"), cand("b")], set(), TIE_BY_HASH, "stable hash"),
+    (
+        "nothing eligible",
+        KV,
+        [cand("a", healthy=False), cand("b", breaker_open=True)],
+        set(),
+        None,
+        "a: unhealthy",
+    ),
+    ("no engines", KV, [], set(), None, "no engines configured"),
+    (
+        "least_loaded",
+        PolicyName.LEAST_LOADED,
+        [cand("a", hit=900, in_flight=2), cand("b", in_flight=1, queued=9000), cand("c", in_flight=1)],
+        set(),
+        "c",
+        "1 in flight, 0 queued",
+    ),
+    (
+        "prefix_approx ignores trust",
+        PolicyName.PREFIX_APPROX,
+        [cand("a", hit=0, warm=900, trust=STALE, in_flight=5), cand("b", hit=500)],
+        set(),
+        "a",
+        "longest warm prefix 900",
+    ),
+    (
+        "prefix_approx tie on load",
+        PolicyName.PREFIX_APPROX,
+        [cand("a", in_flight=1), cand("b")],
+        set(),
+        "b",
+        "",
+    ),
+    (
+        "session without a header is kv",
+        PolicyName.SESSION,
+        [cand("a"), cand("b", hit=700)],
+        set(),
+        "b",
+        "no session",
+    ),
+]
+
+
+@pytest.mark.parametrize("row", TABLE, ids=[row[0] for row in TABLE])
+def test_scoring_table(row: tuple[str, PolicyName, list[Candidate], set[str], str | None, str]) -> None:
+    _, policy, candidates, excluded, want, words = row
+    scorer = Scorer(ScorerSettings(policy=policy, tie_tolerance_s=0.002))
+    request = RouteRequest(KEY, excluded=frozenset(EngineId(e) for e in excluded))
+    decision = scorer.choose(request, candidates)
+    assert decision.engine == want, decision.reason
+    assert words in decision.reason
+    assert decision.policy is policy
+    assert [s.engine for s in decision.candidates] == sorted(c.engine for c in candidates)
+
+
+def test_decision_records_every_candidate() -> None:
+    scorer = Scorer(ScorerSettings())
+    decision = scorer.choose(RouteRequest(KEY), [cand("b", hit=900, trust=STALE), cand("a", hit=300)])
+    a, b = decision.candidates
+    assert decision.engine == "a"
+    assert decision.predicted_cached_tokens == 300
+    assert (a.hit_tokens, a.trusted_hit_tokens, a.uncached_tokens) == (300, 300, 700)
+    assert a.predicted_ttft_s == pytest.approx(OVERHEAD + 700 * PER_TOKEN)
+    assert (b.hit_tokens, b.trusted_hit_tokens, b.uncached_tokens) == (900, 0, 1000)
+    assert b.trust.state is TrustState.STALE and b.eligible
+    assert "kv: lowest predicted TTFT 80.0 ms" in decision.reason
+
+
+def test_the_prediction_is_the_mirrors_hit_and_the_record_says_what_scoring_counted() -> None:
+    scorer = Scorer(ScorerSettings())
+    stale = scorer.choose(RouteRequest(KEY), [cand("a", hit=304, trust=STALE)])
+    assert (stale.predicted_cached_tokens, stale.mirror_hit_tokens, stale.counted_cached_tokens) == (
+        304,
+        304,
+        0,
+    )
+    assert stale.candidates[0].uncached_tokens == 1000 and "(0 cached" in stale.reason
+    fresh = scorer.choose(RouteRequest(KEY), [cand("a", hit=304)])
+    assert (fresh.predicted_cached_tokens, fresh.mirror_hit_tokens, fresh.counted_cached_tokens) == (
+        304,
+        304,
+        304,
+    )
+    pending = msgspec.structs.replace(cand("a", hit=16), pending_tokens=400)
+    ahead = scorer.choose(RouteRequest(KEY), [pending])
+    assert (ahead.predicted_cached_tokens, ahead.mirror_hit_tokens, ahead.counted_cached_tokens) == (
+        400,
+        16,
+        400,
+    )
+    none = scorer.choose(RouteRequest(KEY), [cand("a", healthy=False)])
+    assert (none.engine, none.predicted_cached_tokens, none.counted_cached_tokens) == (None, 0, 0)
+
+
+def test_decode_penalty_weighs_decoding_requests() -> None:
+    scorer = Scorer(ScorerSettings(decode_penalty_s=0.01))
+    decision = scorer.choose(RouteRequest(KEY), [cand("a", hit=100, decoding=50, in_flight=50), cand("b")])
+    assert decision.engine == "b"
+
+
+def test_ties_spread_over_engines_by_request_key() -> None:
+    scorer = Scorer(ScorerSettings())
+    engines = [cand(name) for name in "abcd"]
+    chosen = {scorer.choose(RouteRequest(f"k{i}"), engines).engine for i in range(64)}
+    assert chosen == set("abcd")
+    again = Scorer(ScorerSettings())
+    assert [scorer.choose(RouteRequest(f"k{i}"), engines).engine for i in range(8)] == [
+        again.choose(RouteRequest(f"k{i}"), engines).engine for i in range(8)
+    ]
+
+
+def test_round_robin_cycles_over_eligible_engines() -> None:
+    scorer = Scorer(ScorerSettings(policy=PolicyName.ROUND_ROBIN))
+    engines = [cand("c"), cand("a"), cand("b"), cand("d", healthy=False)]
+    picks = [scorer.choose(RouteRequest(KEY), engines).engine for _ in range(6)]
+    assert picks == ["a", "b", "c", "a", "b", "c"]
+
+
+def test_random_is_deterministic_given_the_seed() -> None:
+    engines = [cand(name) for name in "abcd"]
+
+    def run(seed: int) -> list[EngineId | None]:
+        scorer = Scorer(ScorerSettings(policy=PolicyName.RANDOM, seed=seed))
+        return [scorer.choose(RouteRequest(KEY), engines).engine for _ in range(32)]
+
+    assert run(7) == run(7)
+    assert run(7) != run(8)
+    assert set(run(7)) == set("abcd")
+
+
+def test_session_affinity_and_fallback() -> None:
+    scorer = Scorer(ScorerSettings(policy=PolicyName.SESSION, session_capacity=2))
+    first = scorer.choose(RouteRequest(KEY, session="s1"), [cand("a"), cand("b", hit=900)])
+    assert first.engine == "b" and "new session" in first.reason
+    # The warm engine moved, but the session stays where it was.
+    sticky = scorer.choose(RouteRequest(KEY, session="s1"), [cand("a", hit=900), cand("b")])
+    assert sticky.engine == "b" and "affinity" in sticky.reason
+    moved = scorer.choose(RouteRequest(KEY, session="s1"), [cand("a", hit=900), cand("b", breaker_open=True)])
+    assert moved.engine == "a" and "pinned engine b unavailable" in moved.reason
+    assert scorer.choose(RouteRequest(KEY, session="s1"), [cand("a"), cand("b", hit=900)]).engine == "a"
+    scorer.forget_engine(EngineId("a"))
+    assert scorer.choose(RouteRequest(KEY, session="s1"), [cand("a"), cand("b", hit=900)]).engine == "b"
+
+
+def test_session_table_is_bounded() -> None:
+    scorer = Scorer(ScorerSettings(policy=PolicyName.SESSION, session_capacity=2))
+    scorer.choose(RouteRequest(KEY, session="s1"), [cand("a", hit=900), cand("b")])
+    scorer.choose(RouteRequest(KEY, session="s2"), [cand("a", hit=900), cand("b")])
+    scorer.choose(RouteRequest(KEY, session="s3"), [cand("a", hit=900), cand("b")])
+    # s1 was evicted, so it routes afresh to the now-warm b.
+    decision = scorer.choose(RouteRequest(KEY, session="s1"), [cand("a"), cand("b", hit=900)])
+    assert decision.engine == "b" and "new session" in decision.reason
+
+
+def test_readme_second_turn_goes_to_the_warm_engine_when_costs_tie() -> None:
+    """The README's second turn: a 16-token hit saves 1.6 ms at the learned 0.1 ms/token, inside the
+    2 ms tolerance, so warm and cold tie; a request key whose hash favours the cold engine must not win."""
+    engines = (EngineId("embedded-0"), EngineId("embedded-1"))
+    key = next(
+        k for k in (f"k{i}" for i in range(64)) if min(engines, key=lambda e: stable_hash(k, e)) == engines[1]
+    )
+    load = LoadSnapshot(0, 0, 0, 0, None, 0.032, 1.005e-4, False)
+    warm = Candidate(engines[0], 16, 0, 16, 44, FRESH, load, pending_tokens=16)
+    cold = Candidate(engines[1], 0, 0, 0, 44, FRESH, load)
+    decision = Scorer(ScorerSettings()).choose(RouteRequest(key), [warm, cold])
+    assert decision.engine == "embedded-0", decision.reason
+    assert decision.predicted_cached_tokens == 16
+    assert "tied with embedded-1 within 2 ms" in decision.reason
+    assert "decided by the larger cached prefix (16 tokens)" in decision.reason
+    assert "lowest predicted TTFT" in decision.reason  # the warm engine is the lowest, just not by enough
+
+
+def test_tie_reason_names_every_rule_that_narrowed_the_tie() -> None:
+    # c loses on the cached prefix, then a and b (equal prefixes) part on in-flight requests.
+    candidates = [cand("a", hit=10, in_flight=2), cand("b", hit=10, in_flight=1, queued=5), cand("c")]
+    decision = Scorer(ScorerSettings()).choose(RouteRequest(KEY), candidates)
+    assert decision.engine == "b", decision.reason
+    assert "tied with a, c within 2 ms" in decision.reason
+    assert (
+        "decided by the larger cached prefix (10 tokens), then fewer in-flight requests (1)"
+        in decision.reason
+    )
+    # b is not the cheapest (a is, by 0.5 ms): the reason must not call it the lowest.
+    assert "lowest" not in decision.reason
+
+
+@pytest.mark.parametrize(
+    ("pinner_hit", "pinner_warm", "other_hit", "want"),
+    [
+        (0, 768, 16, "b"),  # the pin makes 768 tokens reusable; the other offers 16
+        (0, 16, 16, "a"),  # same reusable prefix: the other's own hit decides
+        (0, 12, 16, "a"),  # the other already offers more than the pin would
+    ],
+)
+def test_the_hybrid_pin_and_the_hit_compete_on_the_prefix_they_leave(
+    pinner_hit: int, pinner_warm: int, other_hit: int, want: str
+) -> None:
+    candidates = [cand("a", hit=other_hit), cand("b", hit=pinner_hit, warm=pinner_warm)]
+    decision = Scorer(ScorerSettings()).choose(RouteRequest(KEY), candidates)
+    assert decision.engine == want, decision.reason
+    words = "pinning the hybrid junction at" if want == "b" else "the larger cached prefix (16 tokens)"
+    assert words in decision.reason
+
+
+def test_settings_from_the_policy_table() -> None:
+    """One mapping from `[policy]` to the scorer, used by the gateway and by `kvrouter replay`."""
+    policy = PolicyConfig(
+        name="session", tie_tolerance_s=0.5, decode_penalty_s=0.1, seed=7, session_capacity=3
+    )
+    settings = ScorerSettings.from_config(RouterConfig(policy=policy))
+    assert settings == ScorerSettings(PolicyName.SESSION, 0.5, 0.1, 7, 3)

@@ -1,0 +1,124 @@
+"""FleetState without sockets: batches, link signals and request hooks as plain calls, time passed in.
+
+The pure state is driven exactly as its subscribers and the gateway's flights drive it, with a fake
+clock and a fake link: no ZeroMQ context, no event loop.
+"""
+
+from __future__ import annotations
+
+import itertools
+
+from events.sequence import CaughtUp
+from events.sequence import Reset as LinkReset
+from events.sources import EngineName, EngineStats
+from events.wire import BlockStored, KVEventBatch
+from router.core.fleet_state import FleetState
+from router.core.ids import EngineId, RequestId
+from router.core.keys.block_key import KeyHasher
+from router.core.policy.trust import TrustReason, TrustState
+from router.prepare.engine_variants import resolve_variant
+from router.prepare.prepared import Prepared
+from router.settings.config import EngineConfig, ModelConfig, RouterConfig
+from tokenization.openai_request import Endpoint
+
+MODEL = ModelConfig(name="m", block_size=4)
+E = EngineId("e")
+_hashes = itertools.count(1)
+_tokens = itertools.count(1000)
+
+
+class Clock:
+    """A clock the test moves."""
+
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeLink:
+    """A link whose counters never change; records the verifications asked of it."""
+
+    def __init__(self) -> None:
+        self.verified = 0
+
+    def stats(self) -> EngineStats:
+        return EngineStats(
+            engine="e", batches=0, events={}, gaps=0, replays=0, replay_failures=0, resets=0,
+            history_lost=0, duplicates=0, decode_errors=0, frame_errors=0, consumer_errors=0,
+            last_seq=None, last_event_time=None, stale=False, replaying=False,
+        )  # fmt: skip
+
+    def verify(self) -> bool:
+        self.verified += 1
+        return True
+
+
+def engine(replay: bool = True) -> EngineConfig:
+    replays = ["ipc://e.rep"] if replay else []
+    return EngineConfig(name="e", url="http://e:8000", model="m", events=["ipc://e.pub"], replay=replays)
+
+
+def fleet_of(*engines: EngineConfig) -> tuple[FleetState, Clock]:
+    clock = Clock()
+    fleet = FleetState(RouterConfig(engines=list(engines), models=[MODEL]), KeyHasher(b"t"), clock)
+    for e in engines:
+        fleet.add_engine(e, resolve_variant(MODEL, e), clock())
+    return fleet, clock
+
+
+def store(n: int) -> BlockStored:
+    tokens = [next(_tokens) for _ in range(4 * n)]
+    return BlockStored([next(_hashes) for _ in range(n)], None, tokens, 4, None, "GPU", None)
+
+
+def prepared(fleet: FleetState, tokens: list[int]) -> Prepared:
+    keys = [int(k) for k in fleet.mirror.hasher.request_keys(tokens, 4)]
+    return Prepared(
+        model="m", endpoint=Endpoint.COMPLETIONS, stream=False, prompt_tokens=len(tokens), keys=keys,
+        skip_cache=False, report_mode="incremental", session_key="s", timings={}, variant="m",
+    )  # fmt: skip
+
+
+def status(fleet: FleetState, clock: Clock) -> tuple[TrustState, TrustReason]:
+    s = fleet.trust(E, clock())
+    return s.state, s.reason
+
+
+def test_batches_and_signals_drive_the_mirror_and_trust_without_any_socket() -> None:
+    fleet, clock = fleet_of(engine())
+    assert status(fleet, clock) == (TrustState.CATCHING_UP, TrustReason.REPLAY_IN_FLIGHT)
+    fleet.on_batch(EngineName("e"), 0, KVEventBatch(0.0, [store(3)]))
+    fleet.on_signal(EngineName("e"), CaughtUp(None))
+    assert status(fleet, clock)[0] is TrustState.FRESH
+    assert fleet.replica(E).blocks(fleet.mirror) == 3 and fleet.replica(E).last_seq == 0
+    assert not fleet.ready(clock())  # no link is running
+    fleet.attach(E, FakeLink())
+    assert fleet.ready(clock())
+    fleet.on_signal(EngineName("e"), LinkReset(reason="restart"))
+    assert fleet.replica(E).blocks(fleet.mirror) == 0 and fleet.replica(E).resets == 1
+    assert status(fleet, clock)[1] is TrustReason.REPLAY_IN_FLIGHT  # a link with a replay endpoint
+
+
+def test_three_requests_whose_first_blocks_never_appear_ask_the_link_to_verify() -> None:
+    fleet, clock = fleet_of(engine())
+    fleet.on_signal(EngineName("e"), CaughtUp(None))
+    link = FakeLink()
+    fleet.attach(E, link)
+    for i in range(3):
+        request = RequestId(f"r{i}")
+        fleet.request_sent(E, request, prepared(fleet, list(range(10 * i, 10 * i + 8))), clock())
+        fleet.request_answered(request, clock())
+        fleet.request_finished(E, request, clock())
+    assert link.verified == 1 and fleet.replica(E).verifying
+    fleet.on_signal(EngineName("e"), CaughtUp(None))  # the verification replay found no restart
+    assert status(fleet, clock) == (TrustState.STALE, TrustReason.TOKENIZER_MISMATCH)
+
+
+def test_removing_an_engine_forgets_its_replicas() -> None:
+    fleet, _ = fleet_of(engine(replay=False))
+    fleet.on_batch(EngineName("e"), 0, KVEventBatch(0.0, [store(2)]))
+    assert fleet.remove_engine("e") == [E]
+    assert fleet.replicas() == [] and fleet.engines() == [] and fleet.mirror.index == {}
+    fleet.on_batch(EngineName("e"), 1, KVEventBatch(0.0, [store(1)]))  # a late batch is ignored

@@ -1,0 +1,136 @@
+"""The gateway's pure pieces: credentials, reading usage from answers, the decision ring, recordings."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from events.frames import Frame
+from events.recording import DecisionRecord, FrameRecord, RequestRecord
+from events.recording_file import RecordingReader
+from events.sources import EngineName
+from router.core.errors import Unauthorized
+from router.core.ids import EngineId, RequestId
+from router.core.policy.scoring import Decision, PolicyName
+from router.edge.auth import AdminDisabled, Guard, bearer_token
+from router.edge.usage import UsageTap, cached_tokens_of_json, cached_tokens_of_sse
+from router.ops.debug import DecisionEntry, DecisionRing, PreparedView
+from router.ops.recording import GatewayRecorder
+from router.settings.secrets import Secrets
+
+
+@pytest.mark.parametrize(
+    ("header", "token"),
+    [("Bearer abc", "abc"), ("bearer  abc ", "abc"), ("Basic abc", None), ("Bearer ", None), (None, None)],
+)
+def test_bearer_token(header: str | None, token: str | None) -> None:
+    headers = {} if header is None else {"authorization": header}
+    assert bearer_token(headers) == token
+
+
+def test_api_keys_enforced_only_when_configured() -> None:
+    Guard(Secrets(frozenset(), None)).check_api({})
+    guard = Guard(Secrets(frozenset({"k1", "k2"}), "adm"))
+    guard.check_api({"authorization": "Bearer k2"})
+    for headers in ({}, {"authorization": "Bearer k3"}, {"authorization": "Bearer adm"}):
+        with pytest.raises(Unauthorized):
+            guard.check_api(headers)
+
+
+def test_admin_token_required_and_admin_disabled_without_one() -> None:
+    guard = Guard(Secrets(frozenset({"k1"}), "adm"))
+    guard.check_admin({"authorization": "Bearer adm"})
+    with pytest.raises(Unauthorized):
+        guard.check_admin({"authorization": "Bearer k1"})  # an API key is not an admin token
+    with pytest.raises(AdminDisabled) as info:
+        Guard(Secrets(frozenset(), None)).check_admin({"authorization": "Bearer anything"})
+    assert info.value.http_status() == 403
+
+
+USAGE = b'"usage":{"prompt_tokens":40,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":32}}'
+
+
+def test_cached_tokens_from_a_json_answer() -> None:
+    assert cached_tokens_of_json(b'{"id":"x","choices":[],' + USAGE + b"}") == 32
+    assert cached_tokens_of_json(b'{"usage":{"prompt_tokens":4,"prompt_tokens_details":null}}') is None
+    assert cached_tokens_of_json(b'{"id":"x"}') is None
+    assert cached_tokens_of_json(b"not json") is None
+
+
+def sse(*events: bytes) -> bytes:
+    return b"".join(b"data: " + e + b"\n\n" for e in events)
+
+
+def test_cached_tokens_from_the_final_usage_chunk_of_a_stream() -> None:
+    stream = sse(b'{"choices":[{"delta":{}}],"usage":null}', b'{"choices":[],' + USAGE + b"}", b"[DONE]")
+    assert cached_tokens_of_sse(stream) == 32
+    assert cached_tokens_of_sse(sse(b'{"choices":[{"delta":{}}]}', b"[DONE]")) is None
+    assert cached_tokens_of_sse(stream.replace(b"\n", b"\r\n")) == 32
+
+
+def test_usage_tap_keeps_only_the_tail_of_a_long_stream_and_finds_usage_split_across_chunks() -> None:
+    tap = UsageTap(stream=True)
+    filler = sse(b'{"choices":[{"delta":{"content":"' + b"x" * 1000 + b'"}}]}')
+    for _ in range(500):
+        tap.feed(filler)
+    final = sse(b'{"choices":[],' + USAGE + b"}", b"[DONE]")
+    tap.feed(final[:17])
+    tap.feed(final[17:])
+    assert tap.cached_tokens() == 32
+    assert sum(len(c) for c in tap._chunks) < 80_000
+    json_tap = UsageTap(stream=False)
+    body = b'{"id":"x",' + USAGE + b"}"
+    for i in range(0, len(body), 7):
+        json_tap.feed(body[i : i + 7])
+    assert json_tap.cached_tokens() == 32
+
+
+def entry(rid: str) -> DecisionEntry:
+    return DecisionEntry(
+        request_id=rid, time=1.0, request=PreparedView("m", "/v1/completions", False, 3, 0, False)
+    )
+
+
+def test_decision_ring_is_bounded_and_drops_the_oldest() -> None:
+    ring = DecisionRing(capacity=3)
+    for i in range(5):
+        ring.add(entry(f"r{i}"))
+    assert len(ring) == 3
+    assert ring.get("r0") is None and ring.get("r1") is None
+    assert [ring.get(f"r{i}") is not None for i in (2, 3, 4)] == [True, True, True]
+    ring.add(entry("r2"))  # re-adding refreshes: r3 is now the oldest
+    ring.add(entry("r5"))
+    assert ring.get("r3") is None and ring.get("r2") is not None
+
+
+def test_recorder_writes_frames_requests_and_decisions_that_read_back(tmp_path: Path) -> None:
+    path = tmp_path / "gw.kvrec"
+    recorder = GatewayRecorder.create(path, {"policy": "kv"}, "X-Session-Id")
+    recorder.clock = lambda: 5.0
+    recorder.tap(EngineName("e0"), Frame(b"kv", 0, b"\x93"), 4.0)
+    headers = {"content-type": "application/json", "authorization": "Bearer secret", "x-session-id": "s1"}
+    recorder.request("r1", "/v1/completions", "m", headers, b'{"prompt":"hi"}')
+    decision = Decision(EngineId("e0"), PolicyName.KV, "why", 16, [])
+    recorder.decision(RequestId("r1"), 0, decision)
+    recorder.close()
+    with RecordingReader.open(path) as reader:
+        records = list(reader.records())
+        assert reader.header.metadata["policy"] == "kv"
+    assert records[0] == FrameRecord(4.0, "e0", b"kv", 0, b"\x93")
+    assert records[1] == RequestRecord(
+        5.0,
+        "r1",
+        "/v1/completions",
+        "m",
+        [("content-type", "application/json"), ("x-session-id", "s1")],
+        b'{"prompt":"hi"}',
+    )
+    stored = records[2]
+    assert isinstance(stored, DecisionRecord) and (stored.request_id, stored.attempt, stored.engine) == (
+        "r1",
+        0,
+        "e0",
+    )
+    assert msgspec.msgpack.decode(stored.decision, type=Decision) == decision

@@ -1,0 +1,124 @@
+"""The gateway's metrics: names follow Prometheus conventions and move with what they count."""
+
+from __future__ import annotations
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from events.sources import EngineStats
+from router.core.keys.block_key import KeyHasher, pack_tokens
+from router.core.keys.recent_prompts import PrefixKeyCache
+from router.ops.metrics import BREAKER_STATES, EngineView, RouterMetrics
+
+
+def samples(metrics: RouterMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    out = {}
+    for family in text_string_to_metric_families(metrics.render().decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def link(engine: str, **kw: object) -> EngineStats:
+    base: dict[str, object] = dict(
+        engine=engine, batches=0, events={}, gaps=0, replays=0, replay_failures=0, resets=0, history_lost=0,
+        duplicates=0, decode_errors=0, frame_errors=0, consumer_errors=0, last_seq=None, last_event_time=None,
+        stale=False, replaying=False,
+    )  # fmt: skip
+    base.update(kw)
+    return EngineStats(**base)  # type: ignore[arg-type]
+
+
+def test_request_path_metrics_move() -> None:
+    m = RouterMetrics(lambda: [], clock=lambda: 0.0)
+    m.requests.labels("e0", "kv", "200").inc()
+    m.overhead.labels("lookup").observe(3e-5)
+    m.observe_prediction("e0", predicted=64, actual=48)
+    s = samples(m)
+    assert s[("kvrouter_requests_total", (("engine", "e0"), ("policy", "kv"), ("status", "200")))] == 1
+    assert s[("kvrouter_router_overhead_seconds_count", (("stage", "lookup"),))] == 1
+    assert s[("kvrouter_predicted_cached_tokens_total", (("engine", "e0"),))] == 64
+    assert s[("kvrouter_actual_cached_tokens_total", (("engine", "e0"),))] == 48
+    assert s[("kvrouter_cached_tokens_prediction_error_tokens_sum", (("engine", "e0"),))] == 16
+
+
+E0 = (("engine", "e0"), ("model", "m"))
+
+
+def test_engine_views_are_read_at_scrape_time() -> None:
+    views = [EngineView("e0", "fresh", link("e0"), mirror_blocks=10, in_flight=2, model="m")]
+    m = RouterMetrics(lambda: views, clock=lambda: 100.0)
+    assert samples(m)[("kvrouter_engine_mirror_blocks", E0)] == 10
+    views[0] = EngineView(
+        "e0",
+        "stale",
+        link("e0", batches=7, gaps=1, events={"BlockStored": 5}, last_event_time=97.5, event_lag_s=0.25),
+        mirror_blocks=12,
+        model="m",
+    )
+    s = samples(m)
+    assert s[("kvrouter_engine_mirror_trust", (*E0, ("state", "stale")))] == 1
+    assert s[("kvrouter_engine_mirror_trust", (*E0, ("state", "fresh")))] == 0
+    assert s[("kvrouter_engine_event_batches_total", E0)] == 7
+    assert s[("kvrouter_engine_gaps_total", E0)] == 1
+    assert s[("kvrouter_engine_events_total", (*E0, ("type", "BlockStored")))] == 5
+    assert s[("kvrouter_engine_event_lag_seconds", E0)] == 0.25
+    assert s[("kvrouter_engine_event_age_seconds", E0)] == 2.5
+    assert s[("kvrouter_engine_mirror_blocks", E0)] == 12
+
+
+def test_breaker_state_load_and_learned_cost_per_engine_and_model() -> None:
+    view = EngineView(
+        "e0", "fresh", model="m", breaker="half_open", queued_prefill_tokens=640,
+        prefill_overhead_s=0.015, prefill_token_s=2e-4,
+    )  # fmt: skip
+    s = samples(RouterMetrics(lambda: [view], clock=lambda: 0.0))
+    states = {
+        state: s[("kvrouter_engine_breaker_state", (*E0, ("state", state)))] for state in BREAKER_STATES
+    }
+    assert states == {"closed": 0, "open": 0, "half_open": 1}
+    assert s[("kvrouter_engine_queued_prefill_tokens", E0)] == 640
+    assert s[("kvrouter_engine_prefill_overhead_seconds", E0)] == 0.015
+    assert s[("kvrouter_engine_prefill_token_seconds", E0)] == 2e-4
+
+
+def test_request_latency_histograms_by_engine_and_model() -> None:
+    m = RouterMetrics(lambda: [], clock=lambda: 0.0)
+    m.ttft.labels("e0", "m").observe(0.02)
+    m.duration.labels("e0", "m").observe(1.5)
+    s = samples(m)
+    assert s[("kvrouter_request_ttft_seconds_count", E0)] == 1
+    assert s[("kvrouter_request_duration_seconds_sum", E0)] == 1.5
+
+
+# The last word of every metric's name: a base unit (Prometheus naming), what it counts, or a state set.
+_UNITS = {"seconds", "bytes", "tokens", "blocks", "requests", "engines", "total", "trust", "state"}
+
+
+def test_every_metric_name_ends_in_a_unit() -> None:
+    m = RouterMetrics(lambda: [EngineView("e0", "fresh", link("e0"))], clock=lambda: 0.0)
+    families = list(text_string_to_metric_families(m.render().decode()))
+    assert len(families) > 20
+    for family in families:
+        if family.name.endswith("_created"):  # prometheus_client's creation time of a counter or histogram
+            continue
+        name = family.name + ("_total" if family.type == "counter" else "")
+        assert name.rsplit("_", 1)[1] in _UNITS, name
+
+
+def test_every_metric_is_namespaced() -> None:
+    m = RouterMetrics(lambda: [EngineView("e0", "fresh", link("e0"))], clock=lambda: 0.0)
+    names = {f.name for f in text_string_to_metric_families(m.render().decode())}
+    assert names and all(n.startswith("kvrouter_") for n in names)
+
+
+def test_key_cache_counters_are_read_at_scrape_time() -> None:
+    cache = PrefixKeyCache()
+    m = RouterMetrics(lambda: [], clock=lambda: 0.0, key_cache=cache)
+    hasher = KeyHasher(b"k" * 16)
+    first = list(range(64))
+    cache.keys(hasher.root(), pack_tokens(first), 16)  # 4 blocks hashed
+    cache.keys(hasher.root(), pack_tokens([*first, *range(100, 116)]), 16)  # 4 reused, 1 hashed
+    s = samples(m)
+    assert s[("kvrouter_key_cache_computed_blocks_total", ())] == 5
+    assert s[("kvrouter_key_cache_reused_blocks_total", ())] == 4
+    assert s[("kvrouter_key_cache_tokens", ())] == 64 + 80

@@ -1,0 +1,30 @@
+"""Tokenization shared by the router and the engine stub: one contract, two implementations.
+
+``HfTokenizer`` (a real tokenizer.json + Jinja chat template from local files) and ``BuiltinTokenizer``
+(byte-level, zero dependencies on model files). See docs/tokenization.md.
+"""
+
+from __future__ import annotations
+
+from tokenization.base import Message, SpecialTokens, TokenizationError, Tokenizer
+from tokenization.builtin import BuiltinTokenizer
+from tokenization.chat_template import ChatOptions, ChatTemplate, ContentFormat, TemplateSet
+from tokenization.hf import HfTokenizer
+from tokenization.segment_cache import AddedToken, SegmentCache, SegmentedEncoder, Segmenter
+
+__all__ = [
+    "AddedToken",
+    "BuiltinTokenizer",
+    "ChatOptions",
+    "ChatTemplate",
+    "ContentFormat",
+    "HfTokenizer",
+    "Message",
+    "SegmentCache",
+    "SegmentedEncoder",
+    "Segmenter",
+    "SpecialTokens",
+    "TemplateSet",
+    "TokenizationError",
+    "Tokenizer",
+]

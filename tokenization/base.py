@@ -1,0 +1,104 @@
+"""The tokenizer contract shared by the router and the engine stub.
+
+Both sides must turn a request into the same token ids (the router predicts the engine's cache hits from
+them), so every implementation follows vLLM 0.33.0: completions encode the prompt with
+``add_special_tokens=True``, chat renders the template and encodes the text with
+``add_special_tokens=False`` (the template already emits BOS). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any, Protocol
+
+import msgspec
+
+if TYPE_CHECKING:
+    from tokenization.chat_template import TemplateSet
+    from tokenization.segment_cache import SegmentCache
+
+__all__ = ["Message", "SpecialTokens", "TokenizationError", "Tokenizer"]
+
+Message = Mapping[str, Any]
+"""One conversation message as the chat template sees it (role, content, tool_calls, ...)."""
+
+
+class TokenizationError(ValueError):
+    """A request cannot be turned into tokens: bad content, a template that raised, unsupported parts."""
+
+
+class SpecialTokens(msgspec.Struct, frozen=True):
+    """The named special tokens a chat template may reference, with their ids when known."""
+
+    bos_token: str | None = None
+    eos_token: str | None = None
+    pad_token: str | None = None
+    unk_token: str | None = None
+    bos_token_id: int | None = None
+    eos_token_id: int | None = None
+
+    def template_context(self) -> dict[str, str]:
+        """The variables HF transformers passes to a chat template (only the tokens that are set)."""
+        names = {"bos_token": self.bos_token, "eos_token": self.eos_token}
+        names |= {"pad_token": self.pad_token, "unk_token": self.unk_token}
+        return {k: v for k, v in names.items() if v is not None}
+
+
+class Tokenizer(Protocol):
+    """What the router and the stub need from a tokenizer: text <-> ids and chat rendering."""
+
+    @property
+    def templates(self) -> TemplateSet:
+        """The chat templates (request preparation reads their content format and developer-role support)."""
+        ...
+
+    @property
+    def cache(self) -> SegmentCache:
+        """The segment cache behind ``encode_cached`` (size, hit/miss counters, ``clear``)."""
+        ...
+
+    @property
+    def name(self) -> str:
+        """A short description for logs and /debug (source path or ``builtin``)."""
+        ...
+
+    @property
+    def special_tokens(self) -> SpecialTokens:
+        """BOS/EOS/PAD/UNK strings and ids."""
+        ...
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Plain, uncached encoding (HF ``Tokenizer.encode``); the reference the fast path must equal."""
+        ...
+
+    def encode_cached(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Same ids as ``encode``, computed per special-token segment through the segment cache."""
+        ...
+
+    def encode_packed(self, text: str, add_special_tokens: bool = True) -> tuple[tuple[int, ...], bytes]:
+        """``encode_cached`` as a tuple, plus the ids packed as native uint32 (``array("I")`` bytes)."""
+        ...
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        """Ids back to text."""
+        ...
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        """Render a conversation as HF transformers' ``apply_chat_template(tokenize=False)`` does."""
+        ...
+
+    def chat_tokens(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> list[int]:
+        """vLLM's chat prompt ids: the rendered text encoded with ``add_special_tokens`` (default False)."""
+        ...

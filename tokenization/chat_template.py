@@ -1,0 +1,217 @@
+"""Jinja chat templates rendered the way HF transformers renders them.
+
+Same environment (sandboxed, ``trim_blocks``, ``lstrip_blocks``, loop controls, the ``{% generation %}``
+tag), the same helpers (``raise_exception``, ``tojson`` as ``json.dumps(ensure_ascii=False)``,
+``strftime_now``) and the same call (``messages``, ``tools``, ``documents``, ``add_generation_prompt``,
+the special tokens, then the caller's kwargs), plus transformers' ``continue_final_message`` cut.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping, Sequence
+from datetime import datetime
+from enum import StrEnum
+from typing import Any, Final, NoReturn
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.sandbox
+import msgspec
+
+from tokenization.base import Message, TokenizationError
+
+__all__ = ["ChatOptions", "ChatTemplate", "ContentFormat", "TemplateSet"]
+
+
+class ContentFormat(StrEnum):
+    """How message content reaches the template: vLLM's "string" (parts joined) or "openai" (part list)."""
+
+    STRING = "string"
+    OPENAI = "openai"
+
+
+class ChatOptions(msgspec.Struct, frozen=True):
+    """Everything besides the messages that changes the rendered text."""
+
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    tools: list[Mapping[str, Any]] | None = None
+    documents: list[Mapping[str, Any]] | None = None
+    kwargs: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """transformers' ``{% generation %}`` block: renders its body unchanged (we need no assistant mask)."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        call = self.call_method("_body")
+        return jinja2.nodes.CallBlock(call, [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Callable[[], str]) -> str:
+        return caller()
+
+
+def _raise_exception(message: str) -> NoReturn:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(
+    value: Any,
+    ensure_ascii: bool = False,
+    indent: int | None = None,
+    separators: tuple[str, str] | None = None,
+    sort_keys: bool = False,
+) -> str:
+    # json.dumps, not msgspec: templates are written against Python's exact spacing and float repr.
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
+
+
+# The request data a template reads: JSON values (and the tuples/bools the conversation builds).
+_PLAIN_TYPES: Final = frozenset({dict, list, tuple, str, int, float, bool, type(None)})
+_VERDICTS_MAX: Final = 4096
+
+
+class _Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
+    """transformers' sandbox, with its attribute verdicts remembered for plain JSON types.
+
+    For those types jinja2's verdict depends only on the type and the attribute name (underscore
+    names, internal attributes, mutating methods), so remembering it changes no answer; it saves the
+    isinstance/ABC checks on every `message.get(...)` of every render."""
+
+    def __init__(self, **options: Any) -> None:
+        super().__init__(**options)
+        self._verdicts: dict[tuple[type, str], bool] = {}
+
+    def is_safe_attribute(self, obj: Any, attr: str, value: Any) -> bool:
+        kind = type(obj)
+        if kind not in _PLAIN_TYPES:
+            return super().is_safe_attribute(obj, attr, value)
+        verdict = self._verdicts.get((kind, attr))
+        if verdict is None:
+            verdict = super().is_safe_attribute(obj, attr, value)
+            if len(self._verdicts) < _VERDICTS_MAX:
+                self._verdicts[(kind, attr)] = verdict
+        return verdict
+
+
+def _make_environment(clock: Callable[[], datetime]) -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = lambda fmt: clock().strftime(fmt)
+    return env
+
+
+def _iterates_content(ast: jinja2.nodes.Template) -> bool:
+    """True when some ``for`` loop walks ``x['content']``, ``x.content`` or a variable named content."""
+    for loop in ast.find_all(jinja2.nodes.For):
+        it = loop.iter
+        if isinstance(it, jinja2.nodes.Name) and it.name == "content":
+            return True
+        if isinstance(it, jinja2.nodes.Getattr) and it.attr == "content":
+            return True
+        if isinstance(it, jinja2.nodes.Getitem) and isinstance(it.arg, jinja2.nodes.Const):
+            if it.arg.value == "content":
+                return True
+    return False
+
+
+class ChatTemplate:
+    """A compiled chat template: ``render(messages, options, special)`` -> the prompt text."""
+
+    def __init__(self, source: str, clock: Callable[[], datetime] = datetime.now) -> None:
+        env = _make_environment(clock)
+        try:
+            self._template = env.from_string(source)
+            ast = env.parse(source)
+        except jinja2.exceptions.TemplateSyntaxError as exc:
+            raise TokenizationError(f"chat template does not compile: {exc}") from exc
+        self.source = source
+        self.detected_format = ContentFormat.OPENAI if _iterates_content(ast) else ContentFormat.STRING
+        self.supports_developer_role = '"developer"' in source or "'developer'" in source
+
+    def render(self, messages: Sequence[Message], options: ChatOptions, special: Mapping[str, str]) -> str:
+        """Render as ``apply_chat_template(tokenize=False)``; a template error -> TokenizationError."""
+        if options.continue_final_message and options.add_generation_prompt:
+            raise TokenizationError("continue_final_message and add_generation_prompt cannot both be set")
+        context = {**special, **options.kwargs}
+        try:
+            text = self._template.render(
+                messages=list(messages),
+                tools=options.tools,
+                documents=options.documents,
+                add_generation_prompt=options.add_generation_prompt,
+                **context,
+            )
+        except jinja2.exceptions.TemplateError as exc:
+            raise TokenizationError(f"chat template rejected the request: {exc}") from exc
+        if options.continue_final_message:
+            text = _cut_after_final_message(text, messages)
+        return text
+
+
+def _final_text(messages: Sequence[Message]) -> str:
+    if not messages:
+        raise TokenizationError("continue_final_message needs at least one message")
+    content = messages[-1].get("content")
+    if isinstance(content, str):
+        return content
+    for part in reversed(content if isinstance(content, list) else []):
+        if isinstance(part, Mapping) and "text" in part:
+            return str(part["text"])
+    raise TokenizationError("continue_final_message: the final message has no text content")
+
+
+def _cut_after_final_message(text: str, messages: Sequence[Message]) -> str:
+    """Drop what the template put after the final message (end-of-turn markers), as transformers does."""
+    final = _final_text(messages)
+    stripped = final.strip()
+    if stripped not in text:
+        raise TokenizationError("continue_final_message: the final message is not in the rendered chat")
+    loc = text.rindex(stripped)
+    if text[loc : loc + len(final.lstrip())] == final:
+        # The template kept the message's spacing (or it has none at either end): cut right after it.
+        return text[: loc + len(final.lstrip())]
+    return text[: loc + len(stripped)]
+
+
+class TemplateSet(msgspec.Struct, frozen=True):
+    """A model's templates: the default one and, when it ships one, transformers' ``tool_use`` variant."""
+
+    default: ChatTemplate | None = None
+    tool_use: ChatTemplate | None = None
+
+    def select(self, tools: object) -> ChatTemplate:
+        """transformers' choice: ``tool_use`` when tools are given and it exists, else ``default``."""
+        if tools and self.tool_use is not None:
+            return self.tool_use
+        if self.default is None:
+            raise TokenizationError("the tokenizer has no chat template: configure a .jinja file")
+        return self.default
+
+    def render_chat(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None,
+        special: Mapping[str, str],
+        kwargs: Mapping[str, Any],
+    ) -> str:
+        """HF's ``apply_chat_template``; ``continue_final_message`` and ``documents`` come in kwargs."""
+        rest = dict(kwargs)
+        options = ChatOptions(
+            add_generation_prompt=add_generation_prompt,
+            continue_final_message=bool(rest.pop("continue_final_message", False)),
+            tools=list(tools) if tools is not None else None,
+            documents=rest.pop("documents", None),
+            kwargs=rest,
+        )
+        return self.select(tools).render(messages, options, special)

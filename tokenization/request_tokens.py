@@ -1,0 +1,148 @@
+"""An OpenAI request body -> the token ids and cache inputs vLLM 0.33.0 derives from it.
+
+Used by the router (to predict cache hits) and the engine stub (to serve), so both see the same ids.
+Completions: each prompt string is encoded with ``add_special_tokens`` (default True); id prompts pass
+through. Chat: the messages are prepared as vLLM does (tokenization.conversation), rendered with
+the template, and the text is encoded with ``add_special_tokens`` (default False: the template already
+emits BOS). A multi-prompt completion is several engine requests; ``tokens`` is the first one, which
+the router scores by (docs/tokenization.md).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Any
+
+import msgspec
+
+from events.block_hash import RequestExtras
+from tokenization.base import TokenizationError, Tokenizer
+from tokenization.conversation import conversation, tool_dicts
+from tokenization.openai_request import (
+    ChatRequest,
+    CompletionRequest,
+    Endpoint,
+    RequestError,
+    decode_chat,
+    decode_completion,
+)
+
+__all__ = ["ReportMode", "RequestTokens", "decode_request", "request_tokens", "tokens_of"]
+
+
+class ReportMode(StrEnum):
+    """``vllm_xargs.kv_cache_report_mode``: whether the engine re-announces reused prefix blocks."""
+
+    INCREMENTAL = "incremental"
+    FULL = "full"
+
+
+class RequestTokens(msgspec.Struct, frozen=True):
+    """The prompt ids of a request and the request fields that change its cache behaviour."""
+
+    prompts: tuple[tuple[int, ...], ...]
+    extras: RequestExtras
+    skip_cache: bool
+    report_mode: ReportMode
+    model: str | None = None
+    stream: bool = False
+    max_tokens: int | None = None
+    packed: bytes | None = None
+    """The first prompt's ids packed as native uint32 when the tokenizer made them (else None)."""
+
+    @property
+    def tokens(self) -> tuple[int, ...]:
+        """The first (usually only) prompt's ids: what the router scores."""
+        return self.prompts[0]
+
+
+Packed = tuple[tuple[int, ...], bytes | None]
+"""A prompt's ids and, when the tokenizer made them, their packed bytes."""
+
+
+def _completion_prompts(req: CompletionRequest, tok: Tokenizer) -> list[Packed]:
+    prompt = req.prompt
+    if isinstance(prompt, str):
+        return [tok.encode_packed(prompt, req.add_special_tokens)]
+    items = prompt or []
+    if items and all(isinstance(p, int) for p in items):
+        return [(tuple(p for p in items if isinstance(p, int)), None)]
+    if items and all(isinstance(p, str) for p in items):
+        return [tok.encode_packed(p, req.add_special_tokens) for p in items if isinstance(p, str)]
+    if items and all(isinstance(p, list) for p in items):
+        return [(tuple(p), None) for p in items if isinstance(p, list)]
+    raise RequestError(
+        "`prompt` must be a string, a non-empty list of strings, of ids, or of id lists", "prompt"
+    )
+
+
+def _chat_prompt(req: ChatRequest, tok: Tokenizer) -> Packed:
+    kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
+    if reserved := {"chat_template", "tokenize"} & kwargs.keys():
+        raise RequestError(f"`chat_template_kwargs` may not set {sorted(reserved)}")
+    # vLLM merges request fields over chat_template_kwargs, except unset (None) ones.
+    tools = tool_dicts(req.tools)
+    tools = tools if tools is not None else kwargs.pop("tools", None)
+    kwargs.pop("tools", None)
+    if req.documents is not None:
+        kwargs["documents"] = req.documents
+    kwargs.pop("add_generation_prompt", None)
+    kwargs["continue_final_message"] = req.continue_final_message
+    template = tok.templates.select(tools)
+    conv = conversation(req.messages, template.detected_format, template.supports_developer_role)
+    text = tok.apply_chat_template(conv, req.add_generation_prompt, tools, **kwargs)
+    return tok.encode_packed(text, req.add_special_tokens)
+
+
+def _extras(model: str | None, salt: str | None, lora: Mapping[str, str]) -> RequestExtras:
+    if model is not None and model in lora:
+        return RequestExtras(lora_name=model, lora_path=lora[model], cache_salt=salt)
+    return RequestExtras(cache_salt=salt)
+
+
+def decode_request(body: bytes, endpoint: Endpoint | str) -> ChatRequest | CompletionRequest:
+    """The typed view of ``body`` for ``endpoint``; RequestError (a 400 naming the field) on bad input."""
+    if Endpoint(endpoint) is Endpoint.CHAT:
+        return decode_chat(body)
+    return decode_completion(body)
+
+
+def request_tokens(
+    body: bytes, endpoint: Endpoint | str, tokenizer: Tokenizer, lora: Mapping[str, str] | None = None
+) -> RequestTokens:
+    """Decode ``body`` for ``endpoint`` and compute its prompt ids; RequestError (a 400) on bad input.
+
+    ``lora`` maps served LoRA adapter names to their paths (both enter vLLM's block hash).
+    """
+    return tokens_of(decode_request(body, endpoint), tokenizer, lora)
+
+
+def tokens_of(
+    req: ChatRequest | CompletionRequest, tokenizer: Tokenizer, lora: Mapping[str, str] | None = None
+) -> RequestTokens:
+    """`request_tokens` of an already decoded request (one decode serves several tokenizers)."""
+    try:
+        if isinstance(req, ChatRequest):
+            prompts = [_chat_prompt(req, tokenizer)]
+            max_tokens = req.max_completion_tokens
+            max_tokens = max_tokens if max_tokens is not None else req.max_tokens
+        else:
+            prompts = _completion_prompts(req, tokenizer)
+            max_tokens = req.max_tokens
+    except TokenizationError as exc:
+        raise RequestError(str(exc)) from exc
+    except RecursionError:  # e.g. tools nested within msgspec's limit, past the template's
+        raise RequestError("the request is nested too deeply to render its prompt") from None
+    if any(len(p) == 0 for p, _ in prompts):
+        raise RequestError("the prompt is empty after tokenization")
+    return RequestTokens(
+        prompts=tuple(p for p, _ in prompts),
+        extras=_extras(req.model, req.cache_salt, lora or {}),
+        skip_cache=req.prompt_logprobs is not None,
+        report_mode=ReportMode(req.vllm_xargs.kv_cache_report_mode if req.vllm_xargs else "incremental"),
+        model=req.model,
+        stream=req.stream,
+        max_tokens=max_tokens,
+        packed=prompts[0][1],
+    )

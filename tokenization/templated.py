@@ -1,0 +1,73 @@
+"""What every Tokenizer implementation shares: special tokens, the chat template and the segment cache.
+
+Subclasses set `_special`, `_context` (the template's special-token variables), `templates` and
+`segments`, and implement `encode`, `encode_cached`, `decode` and `name`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+from tokenization.base import Message, SpecialTokens
+from tokenization.chat_template import TemplateSet
+from tokenization.segment_cache import SegmentCache, SegmentedEncoder, pack_ids
+
+__all__ = ["TemplatedTokenizer"]
+
+
+class TemplatedTokenizer:
+    """Chat rendering and chat tokenization on top of a subclass's `encode_cached`."""
+
+    _special: SpecialTokens
+    _context: dict[str, str]
+    templates: TemplateSet
+    segments: SegmentedEncoder
+
+    @property
+    def special_tokens(self) -> SpecialTokens:
+        return self._special
+
+    @property
+    def cache(self) -> SegmentCache:
+        """The segment cache (size and hit/miss counters for metrics)."""
+        return self.segments.cache
+
+    def encode_cached(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        raise NotImplementedError  # pragma: no cover
+
+    def special_wrap(self, add_special_tokens: bool) -> tuple[list[int], list[int]] | None:
+        """The ids ``encode`` puts before and after the text's own, or None when not known."""
+        raise NotImplementedError  # pragma: no cover
+
+    def encode_packed(self, text: str, add_special_tokens: bool = True) -> tuple[tuple[int, ...], bytes]:
+        """``encode_cached`` as a tuple, with its ids packed (`pack_ids`), mostly joined from the cache."""
+        wrap = self.special_wrap(add_special_tokens)
+        if wrap is None:
+            ids = tuple(self.encode_cached(text, add_special_tokens))
+            return ids, pack_ids(ids)
+        ids, packed = self.segments.encode_packed(text)
+        prefix, suffix = wrap
+        if prefix or suffix:
+            return (*prefix, *ids, *suffix), pack_ids(prefix) + packed + pack_ids(suffix)
+        return ids, packed
+
+    def apply_chat_template(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> str:
+        return self.templates.render_chat(messages, add_generation_prompt, tools, self._context, kwargs)
+
+    def chat_tokens(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool = True,
+        tools: Sequence[Mapping[str, Any]] | None = None,
+        **kwargs: Any,
+    ) -> list[int]:
+        add_special = bool(kwargs.pop("add_special_tokens", False))
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
+        return self.encode_cached(text, add_special_tokens=add_special)
