@@ -17,9 +17,8 @@ from engine_stub.core.engine_config import EngineCoreConfig
 from engine_stub.runtime.cost_model import CostModel
 from engine_stub.runtime.faults import FaultConfig
 from events.config import KVEventsConfig, for_rank
-from tokenization import BuiltinTokenizer, HfTokenizer, Tokenizer
 
-__all__ = ["StubConfig", "TokenizerChoice", "load_config", "load_tokenizer"]
+__all__ = ["StubConfig", "TokenizerChoice", "load_config"]
 
 Port = Annotated[int, msgspec.Meta(ge=0, le=65535)]
 Positive = Annotated[int, msgspec.Meta(ge=1)]
@@ -76,15 +75,3 @@ def load_config(path: Path | None) -> StubConfig:
     if path is None:
         return StubConfig()
     return msgspec.toml.decode(path.read_bytes(), type=StubConfig)
-
-
-def load_tokenizer(choice: TokenizerChoice) -> Tokenizer:
-    """The tokenizer `choice` names; TokenizationError or OSError when its files cannot be read."""
-    template = Path(choice.chat_template) if choice.chat_template else None
-    if choice.path is None:
-        return BuiltinTokenizer()
-    path = Path(choice.path)
-    if path.is_dir():
-        return HfTokenizer.from_dir(path, template)
-    config = path.parent / "tokenizer_config.json"
-    return HfTokenizer.from_files(path, config if config.is_file() else None, template)

@@ -19,10 +19,11 @@ from engine_stub.runtime.faults import FaultState, FaultUpdate
 from engine_stub.runtime.pseudo_text import PseudoText
 from engine_stub.runtime.rank_runtime import EngineRuntime
 from engine_stub.server.metrics import EngineGauges, StubMetrics
-from engine_stub.stub_config import StubConfig, load_tokenizer
+from engine_stub.stub_config import StubConfig
 from events.config import KVEventsConfig
 from events.publisher import EventPublisher
 from tokenization import Tokenizer
+from tokenization.loading import load_tokenizer
 from tokenization.request_tokens import RequestTokens
 
 __all__ = ["RankError", "ReadyInfo", "Stub"]
@@ -63,7 +64,11 @@ class Stub:
     def __init__(self, config: StubConfig, tokenizer: Tokenizer | None = None) -> None:
         config.validate()
         self.config = config
-        self.tokenizer = tokenizer if tokenizer is not None else load_tokenizer(config.tokenizer)
+        self.tokenizer = (
+            tokenizer
+            if tokenizer is not None
+            else load_tokenizer(config.tokenizer.path, config.tokenizer.chat_template)
+        )
         self.text = PseudoText(self.tokenizer)
         self.metrics = StubMetrics(config.model, config.data_parallel_size, self.gauges)
         self.engines: list[EngineRuntime] = []

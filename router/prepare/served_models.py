@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Mapping
-from pathlib import Path
 from types import MappingProxyType
 
 import msgspec
@@ -32,11 +31,12 @@ from router.prepare.engine_variants import (
 )
 from router.prepare.prepared import Prepared, VariantKeys
 from router.settings.config import EngineConfig, ModelConfig, RouterConfig
-from tokenization import BuiltinTokenizer, ChatTemplate, HfTokenizer, TemplateSet, Tokenizer
+from tokenization import Tokenizer
+from tokenization.loading import load_tokenizer
 from tokenization.openai_request import ChatRequest, CompletionRequest, Endpoint, RequestError, decode_body
 from tokenization.request_tokens import RequestTokens, decode_request, tokens_of
 
-__all__ = ["PROCESS_HASHER", "Models", "Prepared", "UnknownModel", "VariantKeys", "load_tokenizer"]
+__all__ = ["PROCESS_HASHER", "Models", "Prepared", "UnknownModel", "VariantKeys"]
 
 PROCESS_HASHER = KeyHasher()
 """The default hasher of both `Models` and the fleet's mirror, so their keys agree."""
@@ -79,21 +79,6 @@ class _IdFields(msgspec.Struct, omit_defaults=True):
 
 
 _ID_FIELDS = msgspec.json.Decoder(_IdFields)
-
-
-def load_tokenizer(source: str | None, chat_template: str | None = None) -> Tokenizer:
-    """The built-in tokenizer (None), or an HF tokenizer from a directory or a tokenizer.json path."""
-    template = Path(chat_template) if chat_template else None
-    if source is None:
-        tok = BuiltinTokenizer()
-        if template is not None:
-            tok.templates = TemplateSet(default=ChatTemplate(template.read_text(encoding="utf-8")))
-        return tok
-    path = Path(source)
-    if path.is_dir():
-        return HfTokenizer.from_dir(path, template)
-    config = path.with_name("tokenizer_config.json")
-    return HfTokenizer.from_files(path, config if config.is_file() else None, template)
 
 
 class Models:

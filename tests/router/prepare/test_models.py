@@ -12,10 +12,11 @@ from events.block_hash import RequestExtras, VllmHasher, wire_hash
 from router.core.keys.block_key import KeyHasher
 from router.core.kv_layout import GroupSpec, HashingMode
 from router.prepare.engine_variants import DEFAULT_MODEL, resolve_variant
-from router.prepare.served_models import Models, UnknownModel, load_tokenizer
+from router.prepare.served_models import Models, UnknownModel
 from router.settings.config import EngineConfig, GroupConfig, ModelConfig, RouterConfig
 from tokenization import BuiltinTokenizer
 from tokenization.hf_files import package_dir
+from tokenization.loading import load_tokenizer
 from tokenization.openai_request import Endpoint, RequestError
 from tokenization.request_tokens import request_tokens
 
