@@ -33,7 +33,7 @@ from router.config import EngineConfig, RouterConfig
 from router.fleet_state import Replica, replica_summary
 from router.ids import EngineId, RequestId
 from router.keys import KeyHasher
-from router.load import CostPrior, LoadTracker
+from router.load import CostPrior, LoadTracker, ScrapedMetrics, StepCost
 from router.metrics import EngineView
 from router.mirror import Mirror, MirrorConfig
 from router.model_spec import ReportMode
@@ -82,7 +82,8 @@ class Fleet:
         prior = CostPrior(
             policy.prior_overhead_s, policy.prior_per_token_s, policy.prior_weight, policy.forgetting
         )
-        self.load = LoadTracker(prior)
+        step = StepCost(policy.decode_step_s, policy.decode_penalty_s, policy.max_num_batched_tokens)
+        self.load = LoadTracker(prior, policy.scrape_max_age_s, step)
         self.pending = PendingPrefixes(policy.pending_ttl_s)
         # request -> (its first block key, the replica's root stores when it was sent)
         self._first_keys: dict[RequestId, tuple[int, int]] = {}  # sent, not answered yet
@@ -279,6 +280,16 @@ class Fleet:
             grace = self.report_grace_s if rep.pending[request].full else 0.0
             rep.finished[request] = at + grace
             rep.expire_pending(at)
+
+    def engine_scraped(self, name: str, by_rank: dict[int, ScrapedMetrics]) -> None:
+        """An engine's scraped `vllm:` gauges, per DP rank, go to the load model of its replicas."""
+        engine = self._engines.get(name)
+        if engine is None:
+            return
+        ranks = max(1, len(engine.events))
+        for rank, metrics in by_rank.items():
+            if rank < ranks:
+                self.load.scraped(EngineId(name if ranks == 1 else f"{name}/dp{rank}"), metrics)
 
     # -- subscriber consumer -------------------------------------------------------------------
 

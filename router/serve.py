@@ -23,6 +23,7 @@ from router.config import EngineConfig, RouterConfig
 from router.debug import DecisionRing
 from router.decision_peers import DecisionPeers
 from router.discovery import DnsDiscovery
+from router.scraper import EngineScraper
 from router.embedded import EmbeddedStubs
 from router.fleet import Fleet
 from router.gateway import GatewayParts
@@ -59,8 +60,9 @@ def scorer_settings(config: RouterConfig) -> ScorerSettings:
     """The `[policy]` table as scoring settings."""
     p = config.policy
     return ScorerSettings(
-        PolicyName(p.name), p.tie_tolerance_s, p.decode_penalty_s, p.seed, p.session_capacity
-    )
+        PolicyName(p.name), p.tie_tolerance_s, p.seed, p.session_capacity,
+        max_predicted_ttft_s=p.max_predicted_ttft_s, max_scraped_waiting=p.max_scraped_waiting,
+    )  # fmt: skip
 
 
 async def start_embedded(config: RouterConfig, options: ServeOptions) -> tuple[EmbeddedStubs, RouterConfig]:
@@ -95,6 +97,7 @@ class Service:
         self._fleet: Fleet | None = None
         self._proxy: Proxy | None = None
         self.peers: DecisionPeers | None = None
+        self.scraper: EngineScraper | None = None
 
     async def _phase(self, name: str, work: Awaitable[object], timeout_s: float) -> None:
         started = time.perf_counter()
@@ -138,6 +141,10 @@ class Service:
             self.discovery = DnsDiscovery(config.discovery, self._on_discovery)
             self.discovery.start()
         metrics = RouterMetrics(fleet.views, time.time, fleet.models.key_cache)  # the links' clock
+        if config.policy.scrape_period_s > 0:
+            p = config.policy
+            self.scraper = EngineScraper(fleet, p.scrape_period_s, p.scrape_timeout_s, metrics.scraped)
+            self.scraper.start()
         core = RoutingCore(fleet, fleet.models, Scorer(scorer_settings(config)))
         ring = DecisionRing(opts.decision_ring)
         if opts.peers_dir is not None:
@@ -171,6 +178,8 @@ class Service:
         timeout = self.options.phase_timeout_s
         if self.peers is not None:
             await self._stop_phase("decision peers", self.peers.close(), timeout)
+        if self.scraper is not None:
+            await self._stop_phase("engine scraper", self.scraper.close(), timeout)
         if self.discovery is not None:
             await self._stop_phase("discovery", self.discovery.close(), timeout)
         if self._proxy is not None:
@@ -184,6 +193,7 @@ class Service:
             await asyncio.gather(self._sync_task, return_exceptions=True)
         if self.recorder is not None:
             self.recorder.close()
+        self.scraper = None
         self.discovery = self._proxy = self._fleet = self.embedded = self.recorder = self.peers = None
         self._sync_task, self.parts = None, None
 

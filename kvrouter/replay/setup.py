@@ -85,8 +85,9 @@ def scorer_settings(config: RouterConfig) -> ScorerSettings:
     """The `[policy]` table as scoring settings (the same mapping as `router.serve.scorer_settings`)."""
     p = config.policy
     return ScorerSettings(
-        PolicyName(p.name), p.tie_tolerance_s, p.decode_penalty_s, p.seed, p.session_capacity
-    )
+        PolicyName(p.name), p.tie_tolerance_s, p.seed, p.session_capacity,
+        max_predicted_ttft_s=p.max_predicted_ttft_s, max_scraped_waiting=p.max_scraped_waiting,
+    )  # fmt: skip
 
 
 class Setup:
