@@ -117,6 +117,8 @@ class PolicyConfig(_Table, frozen=True):
     """kv: seconds a step takes longer when it decodes anything (the weights streamed once more)."""
     max_num_batched_tokens: Count = 8192
     """kv: the engines' token budget per step (vLLM's `max_num_batched_tokens`), for chunked prefill."""
+    max_num_seqs: Count = 256
+    """kv: the engines' running-batch limit (vLLM's `max_num_seqs`); past it requests wait for slots."""
     seed: int = 0
     session_header: str = "x-session-id"
     session_capacity: Count = 100_000

@@ -82,7 +82,9 @@ class Fleet:
         prior = CostPrior(
             policy.prior_overhead_s, policy.prior_per_token_s, policy.prior_weight, policy.forgetting
         )
-        step = StepCost(policy.decode_step_s, policy.decode_penalty_s, policy.max_num_batched_tokens)
+        step = StepCost(
+            policy.decode_step_s, policy.decode_penalty_s, policy.max_num_batched_tokens, policy.max_num_seqs
+        )
         self.load = LoadTracker(prior, policy.scrape_max_age_s, step)
         self.pending = PendingPrefixes(policy.pending_ttl_s)
         # request -> (its first block key, the replica's root stores when it was sent)

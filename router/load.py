@@ -6,7 +6,10 @@ traffic from other routers shows up, and predicts a new request's TTFT in the sh
 own step time (engine_stub/cost_model.py): under chunked prefill the queued prefill plus this
 request's uncached tokens run in `ceil(tokens / (max_num_batched_tokens - decoding))` steps, and each
 of those steps also decodes every running sequence, costing `decode_step_s` (when any decodes) plus
-`decode_penalty_s` per decoding sequence (`StepCost`). The prefill part, `overhead + cost x tokens`,
+`decode_penalty_s` per decoding sequence (`StepCost`); and when the engine already holds
+`max_num_seqs` requests, a new one waits for slots to free, one every `residency / max_num_seqs`
+seconds on average (residency: how long the engine's requests decode, learned from the requests that
+finished), so long outputs keep an engine busy. The prefill part, `overhead + cost x tokens`,
 is learned per engine by robust recursive least squares from a configurable prior, from TTFTs with
 the decode part predicted at send time taken out. Pure: no clock, no I/O.
 """
@@ -94,6 +97,7 @@ class StepCost(msgspec.Struct, frozen=True):
     decode_step_s: float = 6e-3
     decode_penalty_s: float = 40e-6
     max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
 
 
 class ScrapedMetrics(msgspec.Struct, frozen=True):
@@ -122,6 +126,16 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
     scraped: bool
     step: StepCost = StepCost(0.0, 0.0)
     scrape: ScrapedMetrics | None = None
+    residency_s: float = 0.0
+    """How long the engine's requests decode (first token to end), on average: how busy it stays."""
+
+    def slot_wait_s(self) -> float:
+        """Time until the engine can admit one more request: `max_num_seqs` requests already running
+        free a slot every `residency_s / max_num_seqs` seconds, and each one past the limit waits too."""
+        excess = self.in_flight - self.step.max_num_seqs + 1
+        if excess <= 0 or self.step.max_num_seqs <= 0:
+            return 0.0
+        return excess * self.residency_s / self.step.max_num_seqs
 
     def prefill_steps(self, uncached_tokens: int) -> int:
         """Engine steps until this request's prefill is done: the queue's and its own tokens, chunked
@@ -143,7 +157,7 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
 
     def predicted_ttft_s(self, uncached_tokens: int) -> float:
         """TTFT if a request with `uncached_tokens` to prefill were sent now (queue first, then it)."""
-        return self.prefill_s(uncached_tokens) + self.decode_s(uncached_tokens)
+        return self.prefill_s(uncached_tokens) + self.decode_s(uncached_tokens) + self.slot_wait_s()
 
 
 class _InFlight(msgspec.Struct):
@@ -151,7 +165,7 @@ class _InFlight(msgspec.Struct):
     started_at: float
     uncached_tokens: int
     work_tokens: int
-    decode_s: float = 0.0
+    other_s: float = 0.0
     first_token_at: float | None = None
 
 
@@ -163,6 +177,8 @@ class _EngineLoad:
         self.prefill_tokens = 0
         self.typical_uncached = 0.0
         self.started = 0
+        self.residency_s = 0.0
+        self.finished = 0
         self.scrape: ScrapedMetrics | None = None
 
 
@@ -206,9 +222,10 @@ class LoadTracker:
             raise ValueError(f"request {request} is already in flight; finish it before restarting it")
         load = self._engine(engine)
         work = load.prefill_tokens + uncached_tokens
-        # The decode part predicted now is taken out of the TTFT the prefill model learns from.
-        decode_s = self.snapshot(engine, at).decode_s(uncached_tokens)
-        self._requests[request] = _InFlight(engine, at, uncached_tokens, work, decode_s)
+        # What is predicted now besides prefill is taken out of the TTFT the prefill model learns from.
+        snap = self.snapshot(engine, at)
+        other_s = snap.decode_s(uncached_tokens) + snap.slot_wait_s()
+        self._requests[request] = _InFlight(engine, at, uncached_tokens, work, other_s)
         load.in_flight += 1
         load.prefilling += 1
         load.prefill_tokens += uncached_tokens
@@ -225,7 +242,7 @@ class LoadTracker:
         load = self._engine(flight.engine)
         self._end_prefill(load, flight)
         ttft = at - flight.started_at
-        load.model.observe(flight.work_tokens, max(0.0, ttft - flight.decode_s))
+        load.model.observe(flight.work_tokens, max(0.0, ttft - flight.other_s))
         return ttft
 
     def finished(self, request: RequestId, at: float) -> None:
@@ -237,6 +254,10 @@ class LoadTracker:
         load.in_flight -= 1
         if flight.first_token_at is None:
             self._end_prefill(load, flight)
+        else:
+            rate = 1.0 if load.finished == 0 else 0.1
+            load.residency_s += rate * (at - flight.first_token_at - load.residency_s)
+            load.finished += 1
 
     def _end_prefill(self, load: _EngineLoad, flight: _InFlight) -> None:
         load.prefilling -= 1
@@ -274,5 +295,5 @@ class LoadTracker:
         model = load.model
         return LoadSnapshot(
             in_flight, prefilling, decoding, queued, usage, model.overhead_s, model.per_token_s, fresh,
-            self.step, scrape,
+            self.step, scrape, load.residency_s,
         )  # fmt: skip

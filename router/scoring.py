@@ -3,7 +3,9 @@
 Policies (`PolicyName`):
 - `kv` (default): minimise predicted TTFT = overhead + prefill cost x (queued prefill tokens + uncached
   prompt tokens) + the decode part (`LoadSnapshot.decode_s`: the prefill's chunked steps, each also
-  decoding every running sequence). Hits count only from FRESH mirrors (a stale
+  decoding every running sequence) + the wait for a free slot in a full running batch
+  (`LoadSnapshot.slot_wait_s`). An engine past `max_predicted_ttft_s` or `max_scraped_waiting` is
+  saturated and not eligible under any policy. Hits count only from FRESH mirrors (a stale
   or catching-up engine's hits are taken as 0). Candidates within `tie_tolerance_s` of the best
   cost tie, and ties break, in order, on: (1) the longer prefix left for the next request sharing
   this one's head (the counted hit, or the warm full-attention prefix of an engine where routing
@@ -114,6 +116,7 @@ class CandidateScore(msgspec.Struct, frozen=True):
     counted_tokens: int = 0
     prefill_steps: int = 0
     decode_s: float = 0.0
+    slot_wait_s: float = 0.0
 
     @property
     def expected_tokens(self) -> int:
@@ -189,7 +192,7 @@ def _score(c: Candidate, excluded: frozenset[EngineId], settings: ScorerSettings
     return CandidateScore(
         c.engine, c.hit_tokens, trusted_hit, c.boundary, c.warm_tokens, pins, uncached, ttft,
         c.trust, c.load, not why_not, why_not, c.pending_tokens, counted,
-        c.load.prefill_steps(uncached), c.load.decode_s(uncached),
+        c.load.prefill_steps(uncached), c.load.decode_s(uncached), c.load.slot_wait_s(),
     )  # fmt: skip
 
 

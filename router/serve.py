@@ -23,7 +23,6 @@ from router.config import EngineConfig, RouterConfig
 from router.debug import DecisionRing
 from router.decision_peers import DecisionPeers
 from router.discovery import DnsDiscovery
-from router.scraper import EngineScraper
 from router.embedded import EmbeddedStubs
 from router.fleet import Fleet
 from router.gateway import GatewayParts
@@ -32,6 +31,7 @@ from router.proxy import Proxy, ProxySettings
 from router.record import GatewayRecorder
 from router.routing import RoutingCore
 from router.scoring import PolicyName, Scorer, ScorerSettings
+from router.scraper import EngineScraper
 from router.secrets import load_secrets
 
 __all__ = ["ServeOptions", "Service", "StartupError", "start_embedded"]

@@ -186,3 +186,17 @@ def test_a_stale_scrape_is_not_recorded_and_the_prefix_counters_pass_through() -
     load.scraped(A, scrape)
     assert load.snapshot(A, now=2.0).scrape == scrape
     assert load.snapshot(A, now=7.0).scrape is None
+
+
+def test_a_full_running_batch_makes_a_new_request_wait_for_a_slot() -> None:
+    load = LoadTracker(PRIOR, step=StepCost(0.0, 0.0, max_num_seqs=2))
+    load.started(rid(1), A, at=0.0, uncached_tokens=10)
+    load.first_token(rid(1), at=0.1)
+    load.finished(rid(1), at=2.1)  # decoded for 2 s: the engine's requests stay about that long
+    assert load.snapshot(A, now=2.1).residency_s == pytest.approx(2.0)
+    load.started(rid(2), A, at=3.0, uncached_tokens=10)
+    assert load.snapshot(A, now=3.0).slot_wait_s() == 0.0  # one of two slots taken
+    load.started(rid(3), A, at=3.0, uncached_tokens=10)
+    full = load.snapshot(A, now=3.0)
+    assert full.slot_wait_s() == pytest.approx(2.0 / 2)  # a slot frees every residency / max_num_seqs
+    assert full.predicted_ttft_s(0) == pytest.approx(full.prefill_s(0) + 1.0)
