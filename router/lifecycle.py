@@ -29,6 +29,7 @@ from router.edge.gateway import GatewayParts
 from router.edge.proxy import Proxy, ProxySettings
 from router.links.discovery import DnsDiscovery
 from router.links.embedded_stubs import EmbeddedStubs
+from router.links.engine_scraper import EngineScraper
 from router.links.fleet_links import FleetLinks
 from router.ops.debug import DecisionRing
 from router.ops.decision_peers import DecisionPeers
@@ -93,6 +94,7 @@ class Service:
         self._links: FleetLinks | None = None
         self._proxy: Proxy | None = None
         self.peers: DecisionPeers | None = None
+        self.scraper: EngineScraper | None = None
 
     async def _phase(self, name: str, work: Awaitable[object], timeout_s: float) -> None:
         started = time.perf_counter()
@@ -141,6 +143,10 @@ class Service:
             self.discovery = DnsDiscovery(config.discovery, self._on_discovery)
             self.discovery.start()
         metrics = RouterMetrics(partial(engine_views, state), time.time, models.key_cache)  # links' clock
+        if config.policy.scrape_period_s > 0:
+            p = config.policy
+            self.scraper = EngineScraper(state, p.scrape_period_s, p.scrape_timeout_s, metrics.scraped)
+            self.scraper.start()
         ring = DecisionRing(opts.decision_ring)
         if opts.peers_dir is not None:
             self.peers = DecisionPeers(opts.peers_dir, ring)
@@ -173,6 +179,8 @@ class Service:
         timeout = self.options.phase_timeout_s
         if self.peers is not None:
             await self._stop_phase("decision peers", self.peers.close(), timeout)
+        if self.scraper is not None:
+            await self._stop_phase("engine scraper", self.scraper.close(), timeout)
         if self.discovery is not None:
             await self._stop_phase("discovery", self.discovery.close(), timeout)
         if self._proxy is not None:
@@ -186,6 +194,7 @@ class Service:
             await asyncio.gather(self._sync_task, return_exceptions=True)
         if self.recorder is not None:
             self.recorder.close()
+        self.scraper = None
         self.discovery = self._proxy = self._links = self.embedded = self.recorder = self.peers = None
         self._sync_task, self.parts = None, None
 

@@ -30,7 +30,7 @@ from router.core.mirror.pending import PendingPrefixes
 from router.core.mirror.shared_index import Mirror, MirrorConfig
 from router.core.policy.admission import Admission
 from router.core.policy.breaker import Breakers
-from router.core.policy.load import CostPrior, LoadTracker
+from router.core.policy.load import CostPrior, LoadTracker, ScrapedMetrics, StepCost
 from router.core.policy.trust import (
     Cleared,
     Delivered,
@@ -72,7 +72,10 @@ class FleetState:
         prior = CostPrior(
             policy.prior_overhead_s, policy.prior_per_token_s, policy.prior_weight, policy.forgetting
         )
-        self.load = LoadTracker(prior)
+        step = StepCost(
+            policy.decode_step_s, policy.decode_penalty_s, policy.max_num_batched_tokens, policy.max_num_seqs
+        )
+        self.load = LoadTracker(prior, policy.scrape_max_age_s, step)
         self.pending = PendingPrefixes(policy.pending_ttl_s)
         # request -> (its first block key, the replica's root stores when it was sent)
         self._first_keys: dict[RequestId, tuple[int, int]] = {}  # sent, not answered yet
@@ -208,6 +211,16 @@ class FleetState:
             grace = self.report_grace_s if rep.pending[request].full else 0.0
             rep.finished[request] = at + grace
             rep.expire_pending(at)
+
+    def engine_scraped(self, name: str, by_rank: dict[int, ScrapedMetrics]) -> None:
+        """An engine's scraped `vllm:` gauges, per DP rank, go to the load model of its replicas."""
+        engine = self._engines.get(name)
+        if engine is None:
+            return
+        ranks = max(1, len(engine.events))
+        for rank, metrics in by_rank.items():
+            if rank < ranks:
+                self.load.scraped(EngineId(name if ranks == 1 else f"{name}/dp{rank}"), metrics)
 
     # -- the subscribers' consumer -------------------------------------------------------------
 

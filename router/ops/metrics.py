@@ -55,6 +55,7 @@ REJECT_REASONS: Final = (
     "max_in_flight_total",  # 429/503: limits.max_in_flight_total requests in flight
     "max_in_flight_per_engine",  # 429/503: every engine of the model at limits.max_in_flight_per_engine
     "breaker_open",  # 503: every engine of the model has its circuit breaker open
+    "saturated",  # 503: every engine of the model past policy.max_predicted_ttft_s / max_scraped_waiting
     "no_engine",  # 503: no engine serves the model (or the gateway is not started)
 )
 """The `reason` label values of `kvrouter_rejected_requests_total` (router.core.errors
@@ -319,6 +320,12 @@ class RouterMetrics:
             "requests tokenized locally: no engine /tokenize answered",
             registry=r,
         )
+        self.scrapes = Counter(
+            "kvrouter_engine_scrapes",
+            "scrapes of the engines' /metrics (policy.scrape_period_s), by engine and result (ok, error)",
+            ["engine", "result"],
+            registry=r,
+        )
         self._local: list[Collector] = [_EngineCollector(views, clock)]
         if key_cache is not None:
             self._local.append(_KeyCacheCollector(key_cache))
@@ -337,6 +344,10 @@ class RouterMetrics:
         self.predicted_cached.labels(engine).inc(predicted)
         self.actual_cached.labels(engine).inc(actual)
         self.prediction_error.labels(engine).observe(abs(actual - predicted))
+
+    def scraped(self, engine: str, ok: bool) -> None:
+        """Count one scrape of an engine's /metrics."""
+        self.scrapes.labels(engine, "ok" if ok else "error").inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (every worker's, in multiprocess mode)."""

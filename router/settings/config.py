@@ -114,7 +114,14 @@ class PolicyConfig(_Table, frozen=True):
 
     name: Literal["kv", "round_robin", "least_loaded", "random", "session", "prefix_approx"] = "kv"
     tie_tolerance_s: NonNegative = 0.002
-    decode_penalty_s: NonNegative = 0.0
+    decode_penalty_s: NonNegative = 40e-6
+    """kv: seconds each engine step takes longer per decoding sequence (engine_stub/runtime/cost_model.py)."""
+    decode_step_s: NonNegative = 6e-3
+    """kv: seconds a step takes longer when it decodes anything (the weights streamed once more)."""
+    max_num_batched_tokens: Count = 8192
+    """kv: the engines' token budget per step (vLLM's `max_num_batched_tokens`), for chunked prefill."""
+    max_num_seqs: Count = 256
+    """kv: the engines' running-batch limit (vLLM's `max_num_seqs`); past it requests wait for slots."""
     seed: int = 0
     session_header: str = "x-session-id"
     session_capacity: Count = 100_000
@@ -126,6 +133,15 @@ class PolicyConfig(_Table, frozen=True):
     pending_ttl_s: NonNegative = 5.0
     shared_cost_model: bool = True
     scrape_period_s: NonNegative = 0.0
+    """Scrape every engine's `vllm:` gauges from its /metrics this often (0: off)."""
+    scrape_timeout_s: Positive = 1.0
+    """One scrape's bound; a slow or failed scrape is counted and the last good one ages out."""
+    scrape_max_age_s: Positive = 10.0
+    """A scrape older than this is ignored (the router's own counts stand alone)."""
+    max_predicted_ttft_s: NonNegative = 0.0
+    """An engine predicted slower than this to first token is saturated; when all are, 503 (0: off)."""
+    max_scraped_waiting: Annotated[int, msgspec.Meta(ge=0)] = 0
+    """An engine whose scraped waiting queue is longer than this is saturated (0: off)."""
 
 
 class Timeouts(_Table, frozen=True):

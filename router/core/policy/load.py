@@ -2,17 +2,27 @@
 
 The router tracks its own in-flight requests per engine (started -> first token -> finished, times
 passed in), optionally merges scraped `vllm:` gauges (requests running/waiting, KV-cache usage) so
-traffic from other routers shows up, and learns `TTFT ~ overhead + cost x (queued + uncached prefill
-tokens)` per engine by robust recursive least squares from a configurable prior. Pure: no clock, no I/O.
+traffic from other routers shows up, and predicts a new request's TTFT in the shape of the engine's
+own step time (engine_stub/runtime/cost_model.py): under chunked prefill the queued prefill plus this
+request's uncached tokens run in `ceil(tokens / (max_num_batched_tokens - decoding))` steps, and each
+of those steps also decodes every running sequence, costing `decode_step_s` (when any decodes) plus
+`decode_penalty_s` per decoding sequence (`StepCost`); and when the engine already holds
+`max_num_seqs` requests, a new one waits for slots to free, one every `residency / max_num_seqs`
+seconds on average (residency: how long the engine's requests decode, learned from the requests that
+finished), so long outputs keep an engine busy. The prefill part, `overhead + cost x tokens`,
+is learned per engine by robust recursive least squares from a configurable prior, from TTFTs with
+the decode part predicted at send time taken out. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
+
+import math
 
 import msgspec
 
 from router.core.ids import EngineId, RequestId
 
-__all__ = ["CostPrior", "LoadSnapshot", "LoadTracker", "PrefillCostModel", "ScrapedMetrics"]
+__all__ = ["CostPrior", "LoadSnapshot", "LoadTracker", "PrefillCostModel", "ScrapedMetrics", "StepCost"]
 
 _KTOK = 1000.0  # the model's token feature is in thousands, to keep the 2x2 problem well conditioned
 
@@ -78,13 +88,29 @@ class PrefillCostModel:
         self._p = [[v * scale for v in row] for row in new_p]
 
 
+class StepCost(msgspec.Struct, frozen=True):
+    """How decoding lengthens the engine steps a new request's prefill runs in (configured, not learned).
+
+    Defaults are the stub's cost model (an 8B model on one H100): a step that decodes anything costs
+    ~6 ms more, plus ~40 us per decoding sequence; vLLM's default token budget per step is 8192."""
+
+    decode_step_s: float = 6e-3
+    decode_penalty_s: float = 40e-6
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+
+
 class ScrapedMetrics(msgspec.Struct, frozen=True):
-    """The engine's own gauges from its /metrics (`vllm:num_requests_running` etc.), scraped at `at`."""
+    """The engine's own gauges from its /metrics (`vllm:num_requests_running` etc.), scraped at `at`.
+
+    The prefix-cache counters are cumulative token counts (None when the engine does not export them)."""
 
     at: float
     num_requests_running: int
     num_requests_waiting: int
     kv_cache_usage_perc: float | None = None
+    prefix_cache_queries: float | None = None
+    prefix_cache_hits: float | None = None
 
 
 class LoadSnapshot(msgspec.Struct, frozen=True):
@@ -98,10 +124,40 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
     overhead_s: float
     per_token_s: float
     scraped: bool
+    step: StepCost = StepCost(0.0, 0.0)
+    scrape: ScrapedMetrics | None = None
+    residency_s: float = 0.0
+    """How long the engine's requests decode (first token to end), on average: how busy it stays."""
+
+    def slot_wait_s(self) -> float:
+        """Time until the engine can admit one more request: `max_num_seqs` requests already running
+        free a slot every `residency_s / max_num_seqs` seconds, and each one past the limit waits too."""
+        excess = self.in_flight - self.step.max_num_seqs + 1
+        if excess <= 0 or self.step.max_num_seqs <= 0:
+            return 0.0
+        return excess * self.residency_s / self.step.max_num_seqs
+
+    def prefill_steps(self, uncached_tokens: int) -> int:
+        """Engine steps until this request's prefill is done: the queue's and its own tokens, chunked
+        by the step budget that the decoding sequences leave (one token each)."""
+        tokens = self.queued_prefill_tokens + uncached_tokens
+        budget = max(1, self.step.max_num_batched_tokens - self.decoding)
+        return max(1, math.ceil(tokens / budget))
+
+    def decode_s(self, uncached_tokens: int) -> float:
+        """The decode part of the predicted TTFT: every prefill step also decodes every running sequence."""
+        if self.decoding <= 0:
+            return 0.0
+        per_step = self.step.decode_step_s + self.step.decode_penalty_s * self.decoding
+        return self.prefill_steps(uncached_tokens) * per_step
+
+    def prefill_s(self, uncached_tokens: int) -> float:
+        """The learned prefill part: overhead + cost per token x (queued + uncached tokens)."""
+        return self.overhead_s + self.per_token_s * (self.queued_prefill_tokens + uncached_tokens)
 
     def predicted_ttft_s(self, uncached_tokens: int) -> float:
         """TTFT if a request with `uncached_tokens` to prefill were sent now (queue first, then it)."""
-        return self.overhead_s + self.per_token_s * (self.queued_prefill_tokens + uncached_tokens)
+        return self.prefill_s(uncached_tokens) + self.decode_s(uncached_tokens) + self.slot_wait_s()
 
 
 class _InFlight(msgspec.Struct):
@@ -109,6 +165,7 @@ class _InFlight(msgspec.Struct):
     started_at: float
     uncached_tokens: int
     work_tokens: int
+    other_s: float = 0.0
     first_token_at: float | None = None
 
 
@@ -120,15 +177,20 @@ class _EngineLoad:
         self.prefill_tokens = 0
         self.typical_uncached = 0.0
         self.started = 0
+        self.residency_s = 0.0
+        self.finished = 0
         self.scrape: ScrapedMetrics | None = None
 
 
 class LoadTracker:
     """Router-side load and cost model for every engine; all times are passed in (seconds)."""
 
-    def __init__(self, prior: CostPrior, scrape_max_age_s: float = 10.0) -> None:
+    def __init__(
+        self, prior: CostPrior, scrape_max_age_s: float = 10.0, step: StepCost | None = None
+    ) -> None:
         self.prior = prior
         self.scrape_max_age_s = scrape_max_age_s
+        self.step = step if step is not None else StepCost(0.0, 0.0)
         self._engines: dict[EngineId, _EngineLoad] = {}
         self._requests: dict[RequestId, _InFlight] = {}
         self._shared: dict[str, PrefillCostModel] = {}
@@ -160,7 +222,10 @@ class LoadTracker:
             raise ValueError(f"request {request} is already in flight; finish it before restarting it")
         load = self._engine(engine)
         work = load.prefill_tokens + uncached_tokens
-        self._requests[request] = _InFlight(engine, at, uncached_tokens, work)
+        # What is predicted now besides prefill is taken out of the TTFT the prefill model learns from.
+        snap = self.snapshot(engine, at)
+        other_s = snap.decode_s(uncached_tokens) + snap.slot_wait_s()
+        self._requests[request] = _InFlight(engine, at, uncached_tokens, work, other_s)
         load.in_flight += 1
         load.prefilling += 1
         load.prefill_tokens += uncached_tokens
@@ -177,7 +242,7 @@ class LoadTracker:
         load = self._engine(flight.engine)
         self._end_prefill(load, flight)
         ttft = at - flight.started_at
-        load.model.observe(flight.work_tokens, ttft)
+        load.model.observe(flight.work_tokens, max(0.0, ttft - flight.other_s))
         return ttft
 
     def finished(self, request: RequestId, at: float) -> None:
@@ -189,6 +254,10 @@ class LoadTracker:
         load.in_flight -= 1
         if flight.first_token_at is None:
             self._end_prefill(load, flight)
+        else:
+            rate = 1.0 if load.finished == 0 else 0.1
+            load.residency_s += rate * (at - flight.first_token_at - load.residency_s)
+            load.finished += 1
 
     def _end_prefill(self, load: _EngineLoad, flight: _InFlight) -> None:
         load.prefilling -= 1
@@ -203,14 +272,20 @@ class LoadTracker:
         return self._engine(engine).model
 
     def snapshot(self, engine: EngineId, now: float) -> LoadSnapshot:
-        """The engine's load at `now`: router counts, raised to the scraped gauges when those are fresh."""
+        """The engine's load at `now`: router counts, raised to the scraped gauges when those are fresh.
+
+        Each count is the larger of the two because each is a lower bound of the truth: the router's
+        is exact but only its own traffic, the scrape holds every gateway's (and direct clients')
+        but is up to a period old. Adding them would count this router's requests twice."""
         load = self._engine(engine)
         in_flight, prefilling = load.in_flight, load.prefilling
         decoding, queued = in_flight - prefilling, load.prefill_tokens
         scrape = load.scrape
         fresh = scrape is not None and now - scrape.at <= self.scrape_max_age_s
         usage = None
-        if scrape is not None and fresh:
+        if scrape is not None and not fresh:
+            scrape = None
+        if scrape is not None:
             # Requests the engine holds that this router did not send (other routers, direct clients).
             extra_waiting = max(0, scrape.num_requests_waiting - prefilling)
             queued += round(extra_waiting * load.typical_uncached)
@@ -219,5 +294,6 @@ class LoadTracker:
             usage = scrape.kv_cache_usage_perc
         model = load.model
         return LoadSnapshot(
-            in_flight, prefilling, decoding, queued, usage, model.overhead_s, model.per_token_s, fresh
-        )
+            in_flight, prefilling, decoding, queued, usage, model.overhead_s, model.per_token_s, fresh,
+            self.step, scrape, load.residency_s,
+        )  # fmt: skip

@@ -3,7 +3,9 @@
 Given the first decision's candidates (none eligible): if any engine of the model is at its own
 in-flight limit, the answer is the per-engine limit's 429 (capacity frees as requests end, so retrying
 helps); otherwise, if breakers are open, a 503 whose Retry-After is the time until the first one lets a
-probe through; a model no engine serves (or none healthy) is a 503 `no_engine`. Pure: time passed in.
+probe through; when every engine is saturated (`policy.max_predicted_ttft_s`, `max_scraped_waiting`),
+a 503 `saturated` with Retry-After, rather than piling onto one; a model no engine serves (or none
+healthy) is a 503 `no_engine`. Pure: time passed in.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Mapping, Sequence
 from router.core.errors import NoEngineAvailable, RouterError
 from router.core.ids import EngineId
 from router.core.policy.admission import Admission
-from router.core.policy.scoring import WHY_AT_CAPACITY, WHY_BREAKER_OPEN
+from router.core.policy.scoring import WHY_AT_CAPACITY, WHY_BREAKER_OPEN, WHY_SATURATED
 
 __all__ = ["refusal"]
 
@@ -41,6 +43,13 @@ def refusal(
             "failures; retry later",
             retry_after_s=max(admission.retry_after_s, math.ceil(wait)),
             reason="breaker_open",
+        )
+    if why_not and all(why == WHY_SATURATED for _e, why in why_not):
+        return NoEngineAvailable(
+            f"every engine of model `{model}` is saturated (predicted time to first token or waiting "
+            "queue past the policy's limit); retry later",
+            retry_after_s=admission.retry_after_s,
+            reason="saturated",
         )
     if not why_not:
         return NoEngineAvailable(f"no engine serves model `{model}`", retry_after_s=admission.retry_after_s)

@@ -2,7 +2,10 @@
 
 Policies (`PolicyName`):
 - `kv` (default): minimise predicted TTFT = overhead + prefill cost x (queued prefill tokens + uncached
-  prompt tokens) + decode_penalty_s x decoding requests. Hits count only from FRESH mirrors (a stale
+  prompt tokens) + the decode part (`LoadSnapshot.decode_s`: the prefill's chunked steps, each also
+  decoding every running sequence) + the wait for a free slot in a full running batch
+  (`LoadSnapshot.slot_wait_s`). An engine past `max_predicted_ttft_s` or `max_scraped_waiting` is
+  saturated and not eligible under any policy. Hits count only from FRESH mirrors (a stale
   or catching-up engine's hits are taken as 0). Candidates within `tie_tolerance_s` of the best
   cost tie, and ties break, in order, on: (1) the longer prefix left for the next request sharing
   this one's head (the counted hit, or the warm full-attention prefix of an engine where routing
@@ -36,6 +39,7 @@ if TYPE_CHECKING:
 __all__ = [
     "WHY_AT_CAPACITY",
     "WHY_BREAKER_OPEN",
+    "WHY_SATURATED",
     "WHY_TRIED",
     "WHY_UNHEALTHY",
     "Candidate",
@@ -88,15 +92,21 @@ class ScorerSettings(msgspec.Struct, frozen=True):
 
     policy: PolicyName = PolicyName.KV
     tie_tolerance_s: float = 0.002
-    decode_penalty_s: float = 0.0
     seed: int = 0
     session_capacity: int = 100_000
+    max_predicted_ttft_s: float = 0.0
+    """An engine whose predicted TTFT exceeds this is saturated and not chosen (0: no limit)."""
+    max_scraped_waiting: int = 0
+    """An engine whose scraped `vllm:num_requests_waiting` exceeds this is saturated (0: no limit)."""
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> ScorerSettings:
         """The `[policy]` table as scoring settings (the gateway and `kvrouter replay` both use this)."""
         p = config.policy
-        return cls(PolicyName(p.name), p.tie_tolerance_s, p.decode_penalty_s, p.seed, p.session_capacity)
+        return cls(
+            PolicyName(p.name), p.tie_tolerance_s, p.seed, p.session_capacity,
+            max_predicted_ttft_s=p.max_predicted_ttft_s, max_scraped_waiting=p.max_scraped_waiting,
+        )  # fmt: skip
 
 
 class CandidateScore(msgspec.Struct, frozen=True):
@@ -116,6 +126,9 @@ class CandidateScore(msgspec.Struct, frozen=True):
     why_not: str = ""
     pending_tokens: int = 0
     counted_tokens: int = 0
+    prefill_steps: int = 0
+    decode_s: float = 0.0
+    slot_wait_s: float = 0.0
 
     @property
     def expected_tokens(self) -> int:
@@ -156,6 +169,7 @@ WHY_TRIED: Final = "already tried for this request"
 WHY_UNHEALTHY: Final = "unhealthy"
 WHY_BREAKER_OPEN: Final = "circuit breaker open"
 WHY_AT_CAPACITY: Final = "at its in-flight limit"
+WHY_SATURATED: Final = "saturated"
 """`CandidateScore.why_not` values (router.core.policy.refusal reads them to name the limit that refused)."""
 
 
@@ -169,19 +183,28 @@ def _why_not(c: Candidate, excluded: frozenset[EngineId]) -> str:
     return WHY_AT_CAPACITY if c.at_capacity else ""
 
 
-def _score(c: Candidate, excluded: frozenset[EngineId], decode_penalty_s: float) -> CandidateScore:
+def _saturated(load: LoadSnapshot, ttft_s: float, settings: ScorerSettings) -> bool:
+    """Past a configured limit, a request sent there would wait in the engine's queue rather than in ours."""
+    if settings.max_predicted_ttft_s > 0 and ttft_s > settings.max_predicted_ttft_s:
+        return True
+    waiting = load.scrape.num_requests_waiting if load.scrape is not None else 0
+    return settings.max_scraped_waiting > 0 and waiting > settings.max_scraped_waiting
+
+
+def _score(c: Candidate, excluded: frozenset[EngineId], settings: ScorerSettings) -> CandidateScore:
     trusted_hit = c.hit_tokens if c.trust.trusted else 0
     # A prefix the router itself just sent there is known without the mirror, unless the engine's
     # state is in doubt altogether (stale: restarted, history lost, silent).
     pending = c.pending_tokens if c.trust.state is not TrustState.STALE else 0
     counted = max(trusted_hit, pending)
     uncached = max(0, c.prompt_tokens - counted)
-    ttft = c.load.predicted_ttft_s(uncached) + decode_penalty_s * c.load.decoding
+    ttft = c.load.predicted_ttft_s(uncached)
     pins = c.trust.trusted and c.warm_tokens > c.hit_tokens
-    why_not = _why_not(c, excluded)
+    why_not = _why_not(c, excluded) or (WHY_SATURATED if _saturated(c.load, ttft, settings) else "")
     return CandidateScore(
         c.engine, c.hit_tokens, trusted_hit, c.boundary, c.warm_tokens, pins, uncached, ttft,
         c.trust, c.load, not why_not, why_not, c.pending_tokens, counted,
+        c.load.prefill_steps(uncached), c.load.decode_s(uncached), c.load.slot_wait_s(),
     )  # fmt: skip
 
 
@@ -208,7 +231,7 @@ class Scorer:
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         """Score every candidate and pick one with the configured policy (deterministic given the seed)."""
         policy = self.settings.policy
-        scores = [_score(c, request.excluded, self.settings.decode_penalty_s) for c in candidates]
+        scores = [_score(c, request.excluded, self.settings) for c in candidates]
         scores.sort(key=lambda s: s.engine)
         eligible = [s for s in scores if s.eligible]
         if not eligible:
@@ -236,7 +259,8 @@ class Scorer:
         why = (
             f"kv: {lowest} {chosen.predicted_ttft_s * 1000:.1f} ms "
             f"({chosen.trusted_hit_tokens} cached{_pending_words(chosen)}, "
-            f"{chosen.uncached_tokens} to prefill, {chosen.load.queued_prefill_tokens} queued)"
+            f"{chosen.uncached_tokens} to prefill, {chosen.load.queued_prefill_tokens} queued, "
+            f"{chosen.load.decoding} decoding)"
         )
         if len(tied) == 1:
             return chosen, why

@@ -7,7 +7,7 @@ import random
 import pytest
 
 from router.core.ids import EngineId, RequestId
-from router.core.policy.load import CostPrior, LoadTracker, PrefillCostModel, ScrapedMetrics
+from router.core.policy.load import CostPrior, LoadTracker, PrefillCostModel, ScrapedMetrics, StepCost
 
 A, B = EngineId("a"), EngineId("b")
 PRIOR = CostPrior(overhead_s=0.02, per_token_s=1e-4, weight=4.0, forgetting=0.98)
@@ -144,3 +144,59 @@ def test_engines_of_one_group_share_what_they_learn() -> None:
     assert tracker.model(b) is tracker.model(a)
     assert tracker.snapshot(b, 1.0).per_token_s == tracker.snapshot(a, 1.0).per_token_s
     assert tracker.snapshot(c, 1.0).per_token_s == pytest.approx(1e-4)  # not in the group
+
+
+STEP = StepCost(decode_step_s=0.006, decode_penalty_s=0.001, max_num_batched_tokens=1000)
+
+
+def test_decoding_lengthens_every_chunked_prefill_step() -> None:
+    load = LoadTracker(PRIOR, step=STEP)
+    for n in range(10):  # ten requests past their first token: decoding
+        load.started(rid(n), A, at=0.0, uncached_tokens=100)
+        load.first_token(rid(n), at=0.01)
+    load.started(rid(99), A, at=0.02, uncached_tokens=1500)  # queued prefill
+    snap = load.snapshot(A, now=0.03)
+    assert (snap.decoding, snap.queued_prefill_tokens, snap.step) == (10, 1500, STEP)
+    # 1500 queued + 1000 new over a budget of 1000 - 10 decoders: 3 steps, each decoding 10.
+    assert snap.prefill_steps(1000) == 3
+    assert snap.decode_s(1000) == pytest.approx(3 * (0.006 + 10 * 0.001))
+    assert snap.predicted_ttft_s(1000) == pytest.approx(snap.prefill_s(1000) + snap.decode_s(1000))
+    idle = load.snapshot(B, now=0.03)
+    assert (idle.decode_s(1000), idle.prefill_steps(0)) == (0.0, 1)
+
+
+def test_the_prefill_model_learns_from_ttfts_without_the_predicted_decode_part() -> None:
+    load = LoadTracker(CostPrior(0.0, 1e-4, weight=1.0, forgetting=1.0), step=STEP)
+    for n in range(5):
+        load.started(rid(n), A, at=0.0, uncached_tokens=10)
+        load.first_token(rid(n), at=0.001)
+    decode_s = load.snapshot(A, now=1.0).decode_s(500)  # 5 decoding: 0.011 s per step, 1 step
+    for n in range(10, 60):
+        load.started(rid(n), A, at=1.0, uncached_tokens=500)
+        # The engine takes 20 ms + 0.05 ms per token of prefill, plus the decode part.
+        load.first_token(rid(n), at=1.0 + 0.02 + 500 * 5e-5 + decode_s)
+        load.finished(rid(n), at=1.1)
+    model = load.model(A)
+    assert model.predict(500) == pytest.approx(0.045, rel=0.05)
+
+
+def test_a_stale_scrape_is_not_recorded_and_the_prefix_counters_pass_through() -> None:
+    load = LoadTracker(PRIOR, scrape_max_age_s=5.0)
+    scrape = ScrapedMetrics(1.0, 4, 1, 0.25, prefix_cache_queries=1000.0, prefix_cache_hits=600.0)
+    load.scraped(A, scrape)
+    assert load.snapshot(A, now=2.0).scrape == scrape
+    assert load.snapshot(A, now=7.0).scrape is None
+
+
+def test_a_full_running_batch_makes_a_new_request_wait_for_a_slot() -> None:
+    load = LoadTracker(PRIOR, step=StepCost(0.0, 0.0, max_num_seqs=2))
+    load.started(rid(1), A, at=0.0, uncached_tokens=10)
+    load.first_token(rid(1), at=0.1)
+    load.finished(rid(1), at=2.1)  # decoded for 2 s: the engine's requests stay about that long
+    assert load.snapshot(A, now=2.1).residency_s == pytest.approx(2.0)
+    load.started(rid(2), A, at=3.0, uncached_tokens=10)
+    assert load.snapshot(A, now=3.0).slot_wait_s() == 0.0  # one of two slots taken
+    load.started(rid(3), A, at=3.0, uncached_tokens=10)
+    full = load.snapshot(A, now=3.0)
+    assert full.slot_wait_s() == pytest.approx(2.0 / 2)  # a slot frees every residency / max_num_seqs
+    assert full.predicted_ttft_s(0) == pytest.approx(full.prefill_s(0) + 1.0)

@@ -7,7 +7,7 @@ from router.core.ids import EngineId
 from router.core.policy.admission import Admission
 from router.core.policy.breaker import CircuitBreaker
 from router.core.policy.refusal import refusal
-from router.core.policy.scoring import WHY_AT_CAPACITY, WHY_BREAKER_OPEN, WHY_UNHEALTHY
+from router.core.policy.scoring import WHY_AT_CAPACITY, WHY_BREAKER_OPEN, WHY_SATURATED, WHY_UNHEALTHY
 
 A, B = EngineId("a"), EngineId("b")
 ADMISSION = Admission(max_total=10, max_per_engine=3, status=503, retry_after_s=2)
@@ -41,3 +41,12 @@ def test_breaker_reopens_in_counts_down_the_cool_down() -> None:
     assert breaker.reopens_in(0.0) == 0.0
     breaker.record_failure(5.0)
     assert (breaker.reopens_in(6.0), breaker.reopens_in(20.0)) == (9.0, 0.0)
+
+
+def test_every_engine_saturated_is_a_503_saturated_with_retry_after() -> None:
+    error = refusal("m", [(A, WHY_SATURATED), (B, WHY_SATURATED)], ADMISSION, {})
+    assert isinstance(error, NoEngineAvailable) and error.reason == "saturated"
+    assert (error.http_status(), error.headers["Retry-After"]) == (503, "2")
+    assert "saturated" in error.message and "`m`" in error.message
+    mixed = refusal("m", [(A, WHY_SATURATED), (B, WHY_UNHEALTHY)], ADMISSION, {})
+    assert mixed.reason == "no_engine" and "a: saturated" in mixed.message

@@ -6,7 +6,7 @@ import msgspec
 import pytest
 
 from router.core.ids import EngineId
-from router.core.policy.load import LoadSnapshot
+from router.core.policy.load import LoadSnapshot, StepCost
 from router.core.policy.scoring import (
     Candidate,
     PolicyName,
@@ -219,10 +219,30 @@ def test_the_prediction_is_the_mirrors_hit_and_the_record_says_what_scoring_coun
     assert (none.engine, none.predicted_cached_tokens, none.counted_cached_tokens) == (None, 0, 0)
 
 
-def test_decode_penalty_weighs_decoding_requests() -> None:
-    scorer = Scorer(ScorerSettings(decode_penalty_s=0.01))
-    decision = scorer.choose(RouteRequest(KEY), [cand("a", hit=100, decoding=50, in_flight=50), cand("b")])
-    assert decision.engine == "b"
+def _decoding(name: str, decoding: int, hit: int = 0) -> Candidate:
+    step = StepCost(decode_step_s=0.006, decode_penalty_s=0.001, max_num_batched_tokens=8192)
+    load = LoadSnapshot(decoding, 0, decoding, 0, None, OVERHEAD, PER_TOKEN, False, step)
+    return Candidate(EngineId(name), hit, 0, hit, 1000, FRESH, load)
+
+
+def test_decoding_sequences_lengthen_the_predicted_ttft_and_are_recorded() -> None:
+    # b: 10 ms + 100 ms of prefill; a: 10 ms + 90 ms of prefill + one step decoding 50 (6 + 50 ms).
+    decision = Scorer(ScorerSettings()).choose(
+        RouteRequest(KEY), [_decoding("a", 50, hit=100), _decoding("b", 0)]
+    )
+    assert decision.engine == "b" and "0 decoding" in decision.reason
+    a = decision.candidates[0]
+    assert a.prefill_steps == 1 and a.decode_s == pytest.approx(0.056)
+    assert a.predicted_ttft_s == pytest.approx(0.010 + 0.090 + 0.056)
+
+
+def test_every_engine_saturated_leaves_none_eligible_and_says_why() -> None:
+    settings = ScorerSettings(max_predicted_ttft_s=0.05)
+    both = Scorer(settings).choose(RouteRequest(KEY), [_decoding("a", 50), _decoding("b", 60)])
+    assert both.engine is None and [c.why_not for c in both.candidates] == ["saturated", "saturated"]
+    one = Scorer(ScorerSettings(policy=PolicyName.ROUND_ROBIN, max_predicted_ttft_s=0.2))
+    picks = {one.choose(RouteRequest(KEY), [_decoding("a", 200), _decoding("b", 0)]).engine for _ in range(4)}
+    assert picks == {"b"}  # a saturated engine is skipped by every policy
 
 
 def test_ties_spread_over_engines_by_request_key() -> None:
@@ -332,7 +352,12 @@ def test_the_hybrid_pin_and_the_hit_compete_on_the_prefix_they_leave(
 def test_settings_from_the_policy_table() -> None:
     """One mapping from `[policy]` to the scorer, used by the gateway and by `kvrouter replay`."""
     policy = PolicyConfig(
-        name="session", tie_tolerance_s=0.5, decode_penalty_s=0.1, seed=7, session_capacity=3
+        name="session",
+        tie_tolerance_s=0.5,
+        seed=7,
+        session_capacity=3,
+        max_predicted_ttft_s=2.0,
+        max_scraped_waiting=9,
     )
     settings = ScorerSettings.from_config(RouterConfig(policy=policy))
-    assert settings == ScorerSettings(PolicyName.SESSION, 0.5, 0.1, 7, 3)
+    assert settings == ScorerSettings(PolicyName.SESSION, 0.5, 7, 3, 2.0, 9)
