@@ -37,7 +37,7 @@ EXAMPLE = EngineSpec(
 
 
 def kv_events_config(spec: EngineSpec) -> str:
-    """`--kv-events-config`: ZeroMQ PUB and replay ROUTER on all interfaces (`*` makes vLLM bind, not connect)."""
+    """`--kv-events-config`: ZeroMQ PUB and replay ROUTER on every interface (`*`: vLLM binds)."""
     return json.dumps(
         {
             "enable_kv_cache_events": True,
@@ -50,7 +50,7 @@ def kv_events_config(spec: EngineSpec) -> str:
 
 
 def engine_command(spec: EngineSpec) -> list[str]:
-    """The argv of vLLM's OpenAI server for `spec` (dummy weights, prefix caching, KV events, cached-token usage)."""
+    """The argv of vLLM's OpenAI server for `spec`: dummy weights, prefix caching, KV events, cached usage."""
     return [
         spec.python, "-m", "vllm.entrypoints.openai.api_server",
         "--model", spec.model_dir, "--served-model-name", spec.served_name,

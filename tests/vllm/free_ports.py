@@ -1,4 +1,4 @@
-"""Free TCP ports for servers that cannot take port 0 (vLLM binds the port it is given, and must be told it)."""
+"""Free TCP ports for servers that cannot take port 0 (vLLM binds the port it is told, and must be told)."""
 
 from __future__ import annotations
 

