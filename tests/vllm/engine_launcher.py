@@ -19,7 +19,7 @@ from tests.vllm.engine_command import EngineSpec, engine_command, engine_environ
 
 __all__ = ["START_TIMEOUT_S", "EngineStartError", "VllmEngine"]
 
-START_TIMEOUT_S = 300.0
+START_TIMEOUT_S = 600.0
 STOP_TIMEOUT_S = 30.0
 POLL_S = 0.5
 
