@@ -17,7 +17,7 @@ at once, and measures every target interleaved, for `--reps` repetitions:
 
 ``direct`` is the load generator against one backend. "Added" latency = target - direct in the same
 repetition. Prints raw rows, a Markdown table of ranges over repetitions and kvrouter/peer ratios;
-``--out FILE`` writes every row as JSON.
+``--out FILE`` writes every row as JSON; ``--from-json FILE`` prints the tables of such a file again.
 """
 
 from __future__ import annotations
@@ -289,12 +289,14 @@ def metric(rows: list[Row], streams: list[Stream], key: str) -> dict[str, dict[i
 
 METRICS = [
     ("8.5k-token chat, CPU per request (ms, c=32)", "chat:cpu_ms_per_req:32", ".2f"),
+    ("same, CPU per request at c=1 (ms)", "chat:cpu_ms_per_req:1", ".2f"),
     ("same, req/s at c=1", "chat:rps:1", ".0f"),
     ("same, req/s at c=32", "chat:rps:32", ".0f"),
     ("same, req/s at c=64", "chat:rps:64", ".0f"),
     ("same, added p50 at c=1 (ms)", "chat:added_p50:1", ".2f"),
     ("same, added p99 at c=1 (ms)", "chat:added_p99:1", ".2f"),
     ("~3 KB completions, CPU per request (ms, c=32)", "completions:cpu_ms_per_req:32", ".2f"),
+    ("same, CPU per request at c=1 (ms)", "completions:cpu_ms_per_req:1", ".2f"),
     ("same, req/s at c=1", "completions:rps:1", ".0f"),
     ("same, req/s at c=32", "completions:rps:32", ".0f"),
     ("same, req/s at c=64", "completions:rps:64", ".0f"),
@@ -345,6 +347,7 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     skip = "leave a target out (kvrouter-2w, sglang-round_robin, ...); repeatable"
     parser.add_argument("--skip", action="append", default=[], metavar="TARGET", help=skip)
     parser.add_argument("--out", help="write every measured row as JSON here")
+    parser.add_argument("--from-json", metavar="FILE", help="only print the tables of an earlier --out")
     parser.add_argument("--no-install", action="store_true", help="use the venvs in .bench-venvs as they are")
     parser.add_argument("--inside-netns", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -357,8 +360,20 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def load(path: str) -> tuple[list[Row], list[Stream], list[str]]:
+    """Rows, streams and target names (in measuring order) from an ``--out`` file."""
+    data = json.loads(Path(path).read_text())
+    rows, streams = [Row(**r) for r in data["rows"]], [Stream(**s) for s in data["streams"]]
+    return rows, streams, list(dict.fromkeys(r.target for r in rows))
+
+
 def main() -> None:
     args = parse_args()
+    if args.from_json:
+        rows, streams, names = load(args.from_json)
+        args.quick = not any(r.conc == 64 for r in rows)
+        report(rows, streams, names, args)
+        return
     if not args.inside_netns:
         for tool in ("wrk", "unshare", "ip"):
             if shutil.which(tool) is None:
