@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import statistics
 import sys
@@ -55,6 +56,8 @@ class Stream(msgspec.Struct):
 
 async def backend_main() -> None:
     """The minimal engine: reads the body, answers at once."""
+    # A peer router probes its workers with an HTTP/2 preface; aiohttp answers 400 and would log a traceback.
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.read()
