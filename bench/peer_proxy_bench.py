@@ -196,8 +196,7 @@ async def start_targets(tmp: Path, skip: set[str], stops: list[Stop]) -> list[Ta
         if name in skip:
             continue
         peer = peers.PEERS[peer_name]
-        script = peers.venv_python(peer).parent / peer.script
-        running = await asyncio.to_thread(peers.start, peer, script, backends, policy, tmp)
+        running = await asyncio.to_thread(peers.start, peer, peers.script_path(peer), backends, policy, tmp)
         stops.append(_peer_stopper(running))
         targets.append(Target(name, running.url, running.proc.pid))
     return targets

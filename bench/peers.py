@@ -49,6 +49,11 @@ def venv_python(peer: Peer, root: Path = VENVS) -> Path:
     return root / peer.name / "bin" / "python"
 
 
+def script_path(peer: Peer, root: Path = VENVS) -> Path:
+    """Where `peer`'s console script lives once installed."""
+    return venv_python(peer, root).parent / peer.script
+
+
 def install(peer: Peer, root: Path = VENVS) -> Path:
     """Make sure `peer`'s pinned version is installed in its own venv under `root`; its console script."""
     python = venv_python(peer, root)
@@ -57,7 +62,7 @@ def install(peer: Peer, root: Path = VENVS) -> Path:
             subprocess.run([sys.executable, "-m", "venv", str(root / peer.name)], check=True)
         pip = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check"]
         subprocess.run([*pip, f"{peer.name}=={peer.version}"], check=True)
-    script = python.parent / peer.script
+    script = script_path(peer, root)
     if not script.exists():
         raise RuntimeError(f"{peer.name} {peer.version} installed but has no console script {script}")
     return script

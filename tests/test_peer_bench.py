@@ -148,3 +148,9 @@ def test_an_out_file_reloads(tmp_path: Path) -> None:
     out = tmp_path / "out.json"
     out.write_text(json.dumps({"rows": [asdict(r) for r in rows], "streams": [asdict(s) for s in streams]}))
     assert load(str(out)) == (rows, streams, ["direct", "kvrouter-1w"])
+
+
+def test_each_peer_has_its_own_venv(tmp_path: Path) -> None:
+    assert peers.script_path(SGLANG, tmp_path) == tmp_path / "sglang-router" / "bin" / "sglang-router"
+    assert peers.script_path(VLLM, tmp_path) == tmp_path / "vllm-router" / "bin" / "vllm-router"
+    assert peers.installed_version(tmp_path / "none" / "bin" / "python", SGLANG) is None
