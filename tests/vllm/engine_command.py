@@ -1,7 +1,7 @@
 """The vLLM command line and environment kvrouter needs on each engine (the one docs/vllm.md shows).
 
 One definition for both: the real-engine tests start their engines with `engine_command` and
-`engine_environ`, and `tests/test_vllm_doc.py` checks that docs/vllm.md's command is exactly
+`engine_environ`, and `tests/vllm_harness/test_vllm_doc.py` checks that docs/vllm.md's command is exactly
 `shell_command(EXAMPLE)`, so the documented flags are the tested ones.
 """
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import httpx
 
-from router.config import EngineConfig, GroupConfig, ModelConfig
+from router.settings.config import EngineConfig, GroupConfig, ModelConfig
 from tests.vllm.engine_command import EngineSpec
 from tests.vllm.engine_launcher import VllmEngine
 from tests.vllm.free_ports import free_ports

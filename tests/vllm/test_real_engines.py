@@ -21,9 +21,9 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from router.config import PolicyConfig
-from router.debug import DecisionEntry
-from router.ids import EngineId
+from router.core.ids import EngineId
+from router.ops.debug import DecisionEntry
+from router.settings.config import PolicyConfig
 from tests.gateway_helpers import ADMIN, gateway_config, running_gateway, wait_for
 from tests.vllm.doc_blocks import code_blocks
 from tests.vllm.engine_pair import EnginePair

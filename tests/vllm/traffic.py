@@ -12,7 +12,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
-from router.ids import EngineId
+from router.core.ids import EngineId
 from tests.gateway_helpers import Gateway, wait_for
 from tests.vllm.engine_pair import EnginePair
 from tests.vllm.replay_probe import last_published_seq

@@ -57,7 +57,7 @@ def install_commands(venv: Path, base_python: str = "python3") -> list[tuple[str
     `--no-compile`: byte-compiling 3.4 GB of packages up front costs minutes; Python compiles the
     modules vLLM actually imports on first use.
 
-    docs/vllm.md shows them for `V` (tests/test_vllm_doc.py checks it)."""
+    docs/vllm.md shows them for `V` (tests/vllm_harness/test_vllm_doc.py checks it)."""
     pip = [str(venv_python(venv)), "-m", "pip"]
     return [
         ("creating the virtualenv", [base_python, "-m", "venv", str(venv)]),

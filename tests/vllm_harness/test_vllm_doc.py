@@ -7,7 +7,7 @@ from pathlib import Path
 
 import msgspec
 
-from router.config import decode_config
+from router.settings.config import decode_config
 from tests.vllm.doc_blocks import code_blocks, shell_words
 from tests.vllm.engine_command import EXAMPLE, shell_command
 from tests.vllm.engine_launcher import VllmEngine
