@@ -24,8 +24,9 @@ from events.wire import KVEvent, KVEventBatch
 
 from .cost_model import CostModel, StepWork
 from .faults import FaultInjector, FaultState, FaultUpdate
+from .forecast import Forecast, QueuedSeq, forecast_ttft
 from .pseudo_text import PseudoText
-from .request import RequestId, SubmitParams
+from .request import Request, RequestId, SubmitParams
 from .scheduler import Admission, Scheduler, StepOutput
 from .server_config import StubConfig
 from .streams import Emitted, RequestStream
@@ -46,6 +47,15 @@ class EngineCounters(msgspec.Struct):
     steps: int = 0
     batches_published: int = 0
     preemptions: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    prompt_tokens: int = 0
+
+
+def _seq(req: Request, computed: int) -> QueuedSeq:
+    return QueuedSeq(
+        req.num_prompt_tokens, req.num_tokens, computed, req.params.max_tokens - req.num_output_tokens
+    )
 
 
 class EngineRuntime:
@@ -73,6 +83,7 @@ class EngineRuntime:
         self._timers: list[asyncio.TimerHandle] = []
         self._bg: set[asyncio.Task[None]] = set()
         self._stopping = False
+        self._step_ends = 0.0  # loop time at which the step being slept through ends
 
     def start(self) -> None:
         """Start the step loop."""
@@ -130,9 +141,29 @@ class EngineRuntime:
                 f"but the engine has {cache.num_gpu_blocks - 1}"
             )
 
+    def forecast(
+        self, prompt: Sequence[int], ahead: Sequence[tuple[Sequence[int], int]], params: SubmitParams
+    ) -> Forecast:
+        """When `prompt` would get its first token if queued now behind `ahead` ((prompt, max_tokens)
+        pairs on their way here), from this rank's true queues, hits and cost model (see forecast)."""
+        sched = self.scheduler
+        running = [_seq(r, r.num_computed_tokens) for r in sched.running]
+        waiting = [_seq(r, sched.kv.peek(r).hit_tokens) for r in sched.waiting]
+        for tokens, max_tokens in ahead:
+            hit = sched.peek_hit(tokens, msgspec.structs.replace(params, max_tokens=max_tokens)).hit_tokens
+            waiting.append(QueuedSeq(len(tokens), len(tokens), hit, max_tokens))
+        hit = sched.peek_hit(prompt, params).hit_tokens
+        waiting.append(QueuedSeq(len(prompt), len(prompt), hit, 1))
+        num_running, num_waiting = len(running), len(sched.waiting)
+        ttft = forecast_ttft(running, waiting, self.config.engine.scheduler, self.cost)
+        if ttft is not None and self.scheduler.requests:
+            ttft += max(0.0, self._step_ends - asyncio.get_running_loop().time())
+        return Forecast(self.rank, ttft, len(prompt), hit, num_running, num_waiting)
+
     def abort(self, rid: RequestId) -> None:
         """Stop a request (client gone); a finished or unknown id is ignored."""
         if self._streams.pop(rid, None) is not None:
+            self.counters.requests_aborted += 1
             self.scheduler.abort(rid)
             self._wake.set()  # it may have been the waiting request that blocked the queue
 
@@ -141,6 +172,7 @@ class EngineRuntime:
         freed, readers told "abort"."""
         self._stopping = True
         for rid, stream in self._streams.items():
+            self.counters.requests_aborted += 1
             self.scheduler.abort(rid)
             stream.end_aborted()
         self._streams.clear()
@@ -193,7 +225,9 @@ class EngineRuntime:
             if not out.scheduled and not out.preempted:
                 await self._wake.wait()  # nothing fits until a request ends or arrives
                 continue
-            await asyncio.sleep(self.cost.step_seconds(self._work(out)))
+            seconds = self.cost.step_seconds(self._work(out))
+            self._step_ends = asyncio.get_running_loop().time() + seconds
+            await asyncio.sleep(seconds)
             await self._publish(out.events)
             self._account(out)
             self._deliver(out)
@@ -241,4 +275,6 @@ class EngineRuntime:
             done = rid in finished
             stream.emit(token, done)
             if done:
+                self.counters.requests_finished += 1
+                self.counters.prompt_tokens += stream.num_prompt_tokens
                 del self._streams[rid]

@@ -25,12 +25,35 @@ from .coordinator import Lookup
 from .kv_manager import KVCacheManager
 from .request import Request, RequestId, RequestStatus, SubmitParams
 
-__all__ = ["Admission", "EngineStats", "Sampler", "Scheduler", "StepOutput", "pseudo_token"]
+__all__ = [
+    "Admission",
+    "EngineStats",
+    "Sampler",
+    "Scheduler",
+    "StepOutput",
+    "chunk_tokens",
+    "pseudo_token",
+    "step_threshold",
+]
 
 Sampler = Callable[[Request], int]
 """Chooses the next output token of a request (deterministic in the stub)."""
 
 PSEUDO_TOKEN_BASE = 50000
+
+
+def chunk_tokens(remaining: int, threshold: int, budget_left: int) -> int:
+    """Tokens a request with `remaining` uncomputed tokens gets this step (before any Mamba split):
+    at most the long-prefill `threshold` (when > 0) and what the step's budget has left."""
+    n = remaining
+    if 0 < threshold < n:
+        n = threshold
+    return min(n, budget_left)
+
+
+def step_threshold(config: SchedulerConfig, live: int) -> int:
+    """The long-prefill threshold of a step with `live` requests (vLLM applies it only when others wait)."""
+    return config.long_prefill_token_threshold if live > 1 else 0
 
 
 def pseudo_token(req: Request) -> int:
@@ -117,8 +140,7 @@ class Scheduler:
         self.kv.new_step()
         out = StepOutput({}, {}, [], [], {}, [])
         budget = _Budget(self.config.scheduler)
-        live = len(self.running) + len(self.waiting)
-        threshold = self.config.scheduler.long_prefill_token_threshold if live > 1 else 0
+        threshold = step_threshold(self.config.scheduler, len(self.running) + len(self.waiting))
         self._schedule_running(out, budget, threshold, only)
         if not out.preempted:
             self._schedule_waiting(out, budget, threshold, only)
@@ -127,10 +149,7 @@ class Scheduler:
         return out
 
     def _chunk(self, req: Request, start: int, threshold: int, budget: _Budget) -> int:
-        n = req.num_tokens - start
-        if 0 < threshold < n:
-            n = threshold
-        n = min(n, budget.left())
+        n = chunk_tokens(req.num_tokens - start, threshold, budget.left())
         if self._split is not None and n > 0:
             chunk = ChunkRequest(start, n, req.num_prompt_tokens, req.num_tokens, req.shared_prefix_boundary)
             n = mamba_chunk_tokens(self._split, chunk)

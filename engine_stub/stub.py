@@ -21,6 +21,7 @@ from events.tokenization import Tokenizer
 from .dp_balance import RankLoad, RoundRobinStart, choose_rank
 from .engine import EngineRuntime
 from .faults import FaultState, FaultUpdate
+from .forecast import Forecast
 from .metrics import EngineGauges, StubMetrics
 from .pseudo_text import PseudoText
 from .request import SubmitParams
@@ -130,6 +131,11 @@ class Stub:
                                 running, waiting))  # fmt: skip
         return out
 
+    def forecast(self, tokens: RequestTokens, ahead: list[tuple[list[int], int]]) -> list[Forecast]:
+        """Every rank's forecast TTFT for the request's first prompt queued now behind `ahead`."""
+        params = SubmitParams(max_tokens=1, extras=tokens.extras, skip_cache_read=tokens.skip_cache)
+        return [e.forecast(tokens.tokens, ahead, params) for e in self.engines]
+
     def kv_event_sources(self) -> dict[int, KVEventsConfig]:
         """The resolved publisher config per rank, as vLLM's /kv_event_sources returns it ({} when off)."""
         return {p.rank: p.resolved for p in self.publishers}
@@ -147,6 +153,10 @@ class Stub:
                 stats.kv_cache_usage,
                 c.prefix_cache_queries,
                 c.prefix_cache_hits,
+                c.requests_finished,
+                c.requests_aborted,
+                c.prompt_tokens,
+                e.scheduler.kv.pool.num_cached_blocks,
             )
             out.append(gauge)
         return out
