@@ -5,7 +5,8 @@ POST /reset_prefix_cache, /kv_event_sources, GET/POST /admin/faults, and POST /d
 true hit per rank for a completions or chat body, without admitting it; the load-test oracle uses
 it), and POST /debug/forecast (each rank's forecast time to first token for such a body queued now,
 after the `ahead` requests it lists: the TTFT oracle's ground truth). Bodies are decoded with msgspec;
-a bad body is a 400 in OpenAI's error format whose message names the field. The lifespan starts and stops the `Stub` (every rank's publisher and step loop).
+a bad body is a 400 in OpenAI's error format whose message names the field. The lifespan starts and
+stops the `Stub` (every rank's publisher and step loop).
 """
 
 from __future__ import annotations

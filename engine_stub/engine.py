@@ -13,7 +13,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 
@@ -134,7 +133,7 @@ class EngineRuntime:
 
     def _check_fits(self, total_tokens: int) -> None:
         cache = self.config.engine.cache
-        needed = sum(math.ceil(total_tokens / g.block_size) for g in cache.groups)
+        needed = cache.blocks_for(total_tokens)
         if needed > cache.num_gpu_blocks - 1:  # block 0 is vLLM's null block
             raise ValueError(
                 f"the request needs {needed} KV blocks over {len(cache.groups)} group(s), "
