@@ -27,6 +27,7 @@ from events.request_tokens import request_tokens
 from events.tokenization import TokenizationError
 
 from .faults import FaultUpdate
+from .forecast import QueuedSeq
 from .metrics import CONTENT_TYPE
 from .openai_io import ErrorBody, ErrorInfo, ModelCard, ModelList, ResetResult, TokenizeResponse, encode
 from .serving import ModelNotFound, serve_openai
@@ -45,9 +46,10 @@ class _TokenizeFields(msgspec.Struct):
 
 
 class _Ahead(msgspec.Struct):
-    """A request on its way to this stub (routed, not yet received): its prompt ids and output length."""
+    """A request on its way to this stub (routed, not yet received): its lengths and expected hit."""
 
-    prompt: list[int]
+    prompt_tokens: int
+    hit_tokens: int = 0
     max_tokens: int = 1
 
 
@@ -163,7 +165,10 @@ def _add_engine_routes(app: FastAPI, stub: Stub) -> None:
         body = await request.body()
         tokens = request_tokens(body, Endpoint.COMPLETIONS, stub.tokenizer)
         try:
-            ahead = [(a.prompt, a.max_tokens) for a in _FORECAST.decode(body).ahead]
+            ahead = [
+                QueuedSeq(a.prompt_tokens, a.prompt_tokens, a.hit_tokens, a.max_tokens)
+                for a in _FORECAST.decode(body).ahead
+            ]
         except msgspec.DecodeError as exc:
             raise RequestError(f"invalid forecast request: {exc}") from exc
         return Response(msgspec.json.encode(stub.forecast(tokens, ahead)), media_type=_JSON)

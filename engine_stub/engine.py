@@ -140,19 +140,15 @@ class EngineRuntime:
                 f"but the engine has {cache.num_gpu_blocks - 1}"
             )
 
-    def forecast(
-        self, prompt: Sequence[int], ahead: Sequence[tuple[Sequence[int], int]], params: SubmitParams
-    ) -> Forecast:
-        """When `prompt` would get its first token if queued now behind `ahead` ((prompt, max_tokens)
-        pairs on their way here), from this rank's true queues, hits and cost model (see forecast)."""
+    def forecast(self, prompt: Sequence[int], ahead: Sequence[QueuedSeq], params: SubmitParams) -> Forecast:
+        """When `prompt` would get its first token if queued now behind `ahead` (requests on their way
+        here, with the hits expected for them), from this rank's true queues, hits and cost model."""
         sched = self.scheduler
         running = [_seq(r, r.num_computed_tokens) for r in sched.running]
         waiting = [_seq(r, sched.kv.peek(r).hit_tokens) for r in sched.waiting]
-        for tokens, max_tokens in ahead:
-            hit = sched.peek_hit(tokens, msgspec.structs.replace(params, max_tokens=max_tokens)).hit_tokens
-            waiting.append(QueuedSeq(len(tokens), len(tokens), hit, max_tokens))
+        waiting += [msgspec.structs.replace(a) for a in ahead]  # copies: the forecast consumes them
         hit = sched.peek_hit(prompt, params).hit_tokens
-        waiting.append(QueuedSeq(len(prompt), len(prompt), hit, 1))
+        waiting.append(QueuedSeq(len(prompt), len(prompt), hit, params.max_tokens))
         num_running, num_waiting = len(running), len(sched.waiting)
         ttft = forecast_ttft(running, waiting, self.config.engine.scheduler, self.cost)
         if ttft is not None and self.scheduler.requests:

@@ -59,16 +59,26 @@ def forecast_ttft(
         scheduled = _schedule(running, queue, config)
         if not scheduled:
             return None
-        elapsed += cost.step_seconds(_work(scheduled))
+        prefill = decode = context = 0
+        for seq, n in scheduled:
+            if seq.num_computed_tokens < seq.num_prompt_tokens:
+                prefill += n
+            else:
+                decode += n
+            seq.num_computed_tokens += n
+        first_token = False
         for seq, _n in scheduled:
-            if seq.num_computed_tokens < seq.num_tokens:
-                continue
-            if seq is candidate:
-                return elapsed
-            seq.num_tokens += 1
-            seq.outputs_left -= 1
-            if seq.outputs_left <= 0:
-                running.remove(seq)
+            if seq.num_computed_tokens >= seq.num_tokens:  # it samples a token this step
+                first_token = first_token or seq is candidate
+                seq.num_tokens += 1
+                seq.outputs_left -= 1
+                if seq.outputs_left <= 0:
+                    running.remove(seq)
+                    continue  # the engine reads a finished request's context as 0
+            context += seq.num_computed_tokens
+        elapsed += cost.step_seconds(StepWork(prefill, decode, context))
+        if first_token:
+            return elapsed
     return None
 
 
@@ -98,16 +108,3 @@ def _schedule(
         scheduled.append((seq, n))
         left -= n
     return scheduled
-
-
-def _work(scheduled: list[tuple[QueuedSeq, int]]) -> StepWork:
-    """The step's work as the engine prices it: prefill and decode tokens, context after the step."""
-    prefill = decode = context = 0
-    for seq, n in scheduled:
-        if seq.num_computed_tokens < seq.num_prompt_tokens:
-            prefill += n
-        else:
-            decode += n
-        seq.num_computed_tokens += n
-        context += seq.num_computed_tokens
-    return StepWork(prefill, decode, context)

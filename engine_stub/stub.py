@@ -21,7 +21,7 @@ from events.tokenization import Tokenizer
 from .dp_balance import RankLoad, RoundRobinStart, choose_rank
 from .engine import EngineRuntime
 from .faults import FaultState, FaultUpdate
-from .forecast import Forecast
+from .forecast import Forecast, QueuedSeq
 from .metrics import EngineGauges, StubMetrics
 from .pseudo_text import PseudoText
 from .request import SubmitParams
@@ -131,9 +131,10 @@ class Stub:
                                 running, waiting))  # fmt: skip
         return out
 
-    def forecast(self, tokens: RequestTokens, ahead: list[tuple[list[int], int]]) -> list[Forecast]:
+    def forecast(self, tokens: RequestTokens, ahead: list[QueuedSeq]) -> list[Forecast]:
         """Every rank's forecast TTFT for the request's first prompt queued now behind `ahead`."""
-        params = SubmitParams(max_tokens=1, extras=tokens.extras, skip_cache_read=tokens.skip_cache)
+        max_tokens = tokens.max_tokens or 1
+        params = SubmitParams(max_tokens=max_tokens, extras=tokens.extras, skip_cache_read=tokens.skip_cache)
         return [e.forecast(tokens.tokens, ahead, params) for e in self.engines]
 
     def kv_event_sources(self) -> dict[int, KVEventsConfig]:

@@ -285,6 +285,7 @@ def run(args: argparse.Namespace) -> int:
         stub_base_port=args.stub_base_port,
         ready_timeout_s=args.ready_timeout,
         text_prompts=args.prompt_format == "text",
+        cost=stub.cost,
     )
     header = Report(
         settings=settings,

@@ -3,6 +3,8 @@
 Open loop: each request is sent at its arrival time whether or not earlier ones finished, so a slow
 policy shows up as queueing, not as a lower offered load. Every request streams
 (`stream_options.include_usage`), which gives the time to first token from the first content chunk
+(counted from when it is sent: a gateway's routing is inside that time, an oracle's questions to
+the stubs before it are not, since an oracle is a bound on routing, not a router)
 and the engine's `cached_tokens` from the final usage chunk. The prompt goes to `/v1/completions` as
 token ids, or as its text when the request carries one (`--prompt-format text`: the same ids once
 tokenized), so every policy and engine sees exactly the same tokens.

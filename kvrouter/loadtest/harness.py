@@ -24,6 +24,7 @@ from pathlib import Path
 import aiohttp
 import msgspec
 
+from engine_stub.cost_model import CostModel
 from kvrouter.loadtest.client import Choose, DriverSettings, Started, Target, run_open_loop
 from kvrouter.loadtest.oracle import CACHE_ORACLE, CacheOracle, StubEndpoint
 from kvrouter.loadtest.report import Report, write_report
@@ -54,6 +55,8 @@ class HarnessSpec(msgspec.Struct, frozen=True):
     max_in_flight: int = 1024
     ready_timeout_s: float = 60.0
     text_prompts: bool = False
+    cost: CostModel = CostModel()
+    """The stubs' cost model (the TTFT oracle prices requests routed while it asks the stubs)."""
 
 
 class _GatewayReady(msgspec.Struct):
@@ -227,7 +230,7 @@ def _router(
         cache = CacheOracle(ctx.stubs, session, spec.embedded.model, spec.embedded.block_size)
         return cache.choose, None, _both(cache.done, on_done)
     if policy == TTFT_ORACLE:
-        ttft = TtftOracle(ctx.stubs, session, spec.embedded.model)
+        ttft = TtftOracle(ctx.stubs, session, spec.embedded.model, spec.cost)
         return ttft.choose, ttft.started, _both(ttft.done, on_done)
 
     async def choose(index: int, req: RequestSpec) -> Target:

@@ -5,8 +5,11 @@ forward from its real state (running batch, waiting queue, cached blocks) with t
 model (`engine_stub.forecast`), and picks the rank with the earliest forecast first token; ties go
 to the larger true hit, then the lower (stub, rank). Requests it routed that have not reached their
 stub yet (no response headers) are sent along as `ahead`, so a burst does not all land on the rank
-that looked idlest. Decisions are taken one at a time, so each sees the ones before it; the time a
-decision takes is not part of the measured TTFT (the client starts its clock when it sends).
+that looked idlest. Decisions run concurrently (taking them one at a time would queue a burst behind
+the stubs' answers); a request routed to a stub while a decision's question was out is added to that
+stub's forecast as its uncached prefill time by the cost model. The time a decision takes is not
+in the measured TTFT (the client's clock starts when it sends): the oracle bounds routing, it is not
+a router; concurrent decisions keep the arrivals' rate.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections.abc import Sequence
 import aiohttp
 import msgspec
 
+from engine_stub.cost_model import CostModel, StepWork
 from engine_stub.forecast import Forecast
 from kvrouter.loadtest.client import Target
 from kvrouter.loadtest.oracle import StubEndpoint
@@ -30,23 +34,32 @@ TTFT_ORACLE = "ttft_oracle"
 _FORECASTS = msgspec.json.Decoder(list[Forecast])
 
 
+class _Ahead(msgspec.Struct, frozen=True):
+    """A routed request not yet at its stub, as `/debug/forecast` takes it: lengths and expected hit."""
+
+    prompt_tokens: int
+    hit_tokens: int
+    max_tokens: int
+
+
 class TtftOracle:
     """Chooses the soonest first token; call `started` once a request reached its stub, `done` at its end."""
 
-    def __init__(self, stubs: Sequence[StubEndpoint], session: aiohttp.ClientSession, model: str) -> None:
+    def __init__(
+        self, stubs: Sequence[StubEndpoint], session: aiohttp.ClientSession, model: str, cost: CostModel
+    ) -> None:
         self.stubs = list(stubs)
         self.session = session
         self.model = model
-        self.in_transit: dict[str, dict[int, RequestSpec]] = {s.name: {} for s in self.stubs}
+        self.cost = cost
+        self.in_transit: dict[str, dict[int, _Ahead]] = {s.name: {} for s in self.stubs}
         self._where: dict[int, str] = {}
-        self._lock = asyncio.Lock()
+        self._routed: list[tuple[str, float]] = []  # every decision's (stub, prefill seconds), in order
 
     async def _forecast(self, stub: StubEndpoint, spec: RequestSpec) -> list[Forecast]:
-        ahead = [
-            {"prompt": r.prompt, "max_tokens": r.max_tokens} for r in self.in_transit[stub.name].values()
-        ]
+        ahead = list(self.in_transit[stub.name].values())
         body = msgspec.json.encode(
-            {"model": self.model, "prompt": spec.prompt, "max_tokens": 1, "ahead": ahead}
+            {"model": self.model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "ahead": ahead}
         )
         headers = {"content-type": "application/json"}
         async with self.session.post(f"{stub.url}/debug/forecast", data=body, headers=headers) as r:
@@ -55,18 +68,30 @@ class TtftOracle:
 
     async def choose(self, key: int, spec: RequestSpec) -> Target:
         """The (stub, rank) whose forecast first token for `spec` is the soonest."""
-        async with self._lock:
-            answers = await asyncio.gather(*(self._forecast(stub, spec) for stub in self.stubs))
-            ranked = [
-                (math.inf if f.ttft_s is None else f.ttft_s, -f.hit_tokens, order, f.rank, stub)
-                for order, (stub, forecasts) in enumerate(zip(self.stubs, answers, strict=True))
-                for f in forecasts
-            ]
-            if not ranked:
-                raise RuntimeError("the ttft oracle has no stub to route to")
-            *_, rank, stub = min(ranked, key=lambda c: c[:4])
-            self.in_transit[stub.name][key] = spec
-            self._where[key] = stub.name
+        mark = len(self._routed)
+        answers = await asyncio.gather(*(self._forecast(stub, spec) for stub in self.stubs))
+        late: dict[str, float] = {}
+        for name, seconds in self._routed[mark:]:
+            late[name] = late.get(name, 0.0) + seconds
+        ranked = [
+            (
+                math.inf if f.ttft_s is None else f.ttft_s + late.get(stub.name, 0.0),
+                -f.hit_tokens,
+                order,
+                f.rank,
+                stub,
+                f,
+            )
+            for order, (stub, forecasts) in enumerate(zip(self.stubs, answers, strict=True))
+            for f in forecasts
+        ]
+        if not ranked:
+            raise RuntimeError("the ttft oracle has no stub to route to")
+        *_, rank, stub, chosen = min(ranked, key=lambda c: c[:4])
+        uncached = chosen.prompt_tokens - chosen.hit_tokens
+        self._routed.append((stub.name, self.cost.step_seconds(StepWork(uncached))))
+        self.in_transit[stub.name][key] = _Ahead(chosen.prompt_tokens, chosen.hit_tokens, spec.max_tokens)
+        self._where[key] = stub.name
         return Target(TTFT_ORACLE, stub.url, engine=stub.name, headers={"x-data-parallel-rank": str(rank)})
 
     def started(self, key: int) -> None:
