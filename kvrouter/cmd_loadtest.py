@@ -302,6 +302,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         report, _ = asyncio.run(run_harness(spec, requests, header, done))
+    except RuntimeError as exc:  # a gateway, stub or --router that never became ready
+        bar.close()
+        print(f"kvrouter loadtest: {exc}")
+        return 1
     finally:
         bar.close()
     for summary in report.policies:
