@@ -40,7 +40,7 @@ def test_offered_load_is_uncached_prefill_over_capacity_and_load_scales_arrivals
     assert offered.capacity_tokens_per_s == 2 * 2.0 / 1e-4
     assert offered.load == pytest.approx(64 / 40_000 / 4.0)
     scaled, factor = at_load(requests, 0.5, COST, 2, 16)
-    assert factor == pytest.approx(offered.load / 0.5)
+    assert factor == pytest.approx(64 / 40_000 / 4.0 / 0.5)
     assert [r.arrival_s for r in scaled] == pytest.approx([0.0, factor, 4 * factor])
     assert offered_load(scaled, COST, 2, 16).load == pytest.approx(0.5)
     with pytest.raises(ValueError, match="arrive over time"):
