@@ -140,14 +140,17 @@ class EngineRuntime:
                 f"but the engine has {cache.num_gpu_blocks - 1}"
             )
 
-    def forecast(self, prompt: Sequence[int], ahead: Sequence[QueuedSeq], params: SubmitParams) -> Forecast:
+    def forecast(
+        self, prompt: Sequence[int], ahead: Sequence[QueuedSeq], params: SubmitParams, min_hit: int = 0
+    ) -> Forecast:
         """When `prompt` would get its first token if queued now behind `ahead` (requests on their way
-        here, with the hits expected for them), from this rank's true queues, hits and cost model."""
+        here, with the hits expected for them), from this rank's true queues, hits and cost model. Its
+        hit counts the prefix a queued request shares with it, and `min_hit` (what `ahead` share)."""
         sched = self.scheduler
         running = [_seq(r, r.num_computed_tokens) for r in sched.running]
         waiting = [_seq(r, sched.kv.peek(r).hit_tokens) for r in sched.waiting]
         waiting += [msgspec.structs.replace(a) for a in ahead]  # copies: the forecast consumes them
-        hit = sched.peek_hit(prompt, params).hit_tokens
+        hit = max(sched.peek_hit(prompt, params).hit_tokens, sched.queued_prefix(prompt, params), min_hit)
         waiting.append(QueuedSeq(len(prompt), len(prompt), hit, params.max_tokens))
         num_running, num_waiting = len(running), len(sched.waiting)
         ttft = forecast_ttft(running, waiting, self.config.engine.scheduler, self.cost)

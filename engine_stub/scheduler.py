@@ -129,6 +129,21 @@ class Scheduler:
         """What admitting `prompt` would hit right now; nothing is queued, cached or reported."""
         return self.kv.peek(self._request(RequestId("peek"), prompt, params))
 
+    def queued_prefix(self, prompt: Sequence[int], params: SubmitParams) -> int:
+        """Tokens of `prompt`'s leading blocks that a queued or running request also starts with (they
+        will be cached once that request is scheduled), capped as a hit is; nothing is changed."""
+        digests = self._request(RequestId("peek"), prompt, params).block_hashes
+        best = 0
+        for other in self.requests.values():
+            n = 0
+            for mine, theirs in zip(digests, other.block_hashes, strict=False):
+                if mine != theirs:
+                    break
+                n += 1
+            best = max(best, n)
+        align = self.config.cache.scheduler_block_size
+        return min(best * self.config.cache.hash_block_size, (len(prompt) - 1) // align * align)
+
     def _request(self, rid: RequestId, prompt: Sequence[int], params: SubmitParams) -> Request:
         cache = self.config.cache
         return Request(

@@ -131,11 +131,11 @@ class Stub:
                                 running, waiting))  # fmt: skip
         return out
 
-    def forecast(self, tokens: RequestTokens, ahead: list[QueuedSeq]) -> list[Forecast]:
+    def forecast(self, tokens: RequestTokens, ahead: list[QueuedSeq], min_hit: int = 0) -> list[Forecast]:
         """Every rank's forecast TTFT for the request's first prompt queued now behind `ahead`."""
         max_tokens = tokens.max_tokens or 1
         params = SubmitParams(max_tokens=max_tokens, extras=tokens.extras, skip_cache_read=tokens.skip_cache)
-        return [e.forecast(tokens.tokens, ahead, params) for e in self.engines]
+        return [e.forecast(tokens.tokens, ahead, params, min_hit) for e in self.engines]
 
     def kv_event_sources(self) -> dict[int, KVEventsConfig]:
         """The resolved publisher config per rank, as vLLM's /kv_event_sources returns it ({} when off)."""

@@ -5,8 +5,10 @@ forward from its real state (running batch, waiting queue, cached blocks) with t
 model (`engine_stub.forecast`), and picks the rank with the earliest forecast first token; ties go
 to the larger true hit, then the lower (stub, rank). Requests it routed that have not reached their
 stub yet (no response headers) are sent along as `ahead`, so a burst does not all land on the rank
-that looked idlest. Decisions run concurrently (taking them one at a time would queue a burst behind
-the stubs' answers); a request routed to a stub while a decision's question was out is added to that
+that looked idlest, and the prefix a request shares with one in transit counts as a hit (the stub
+itself counts prefixes its queued requests share). Decisions run concurrently (one at a time would
+queue a burst behind the stubs' answers); a request routed to a stub while a question was out is
+added to that
 stub's forecast as its uncached prefill time by the cost model. The time a decision takes is not
 in the measured TTFT (the client's clock starts when it sends): the oracle bounds routing, it is not
 a router; concurrent decisions keep the arrivals' rate.
@@ -32,22 +34,31 @@ __all__ = ["TTFT_ORACLE", "TtftOracle"]
 
 TTFT_ORACLE = "ttft_oracle"
 _FORECASTS = msgspec.json.Decoder(list[Forecast])
+_FORECAST_QUERY = msgspec.json.Encoder()
 
 
 class _Ahead(msgspec.Struct, frozen=True):
-    """A routed request not yet at its stub, as `/debug/forecast` takes it: lengths and expected hit."""
+    """A routed request not yet at its stub: what `/debug/forecast` takes (lengths, expected hit)."""
 
     prompt_tokens: int
     hit_tokens: int
     max_tokens: int
+    chains: list[int]
+    """One value per full block standing for the prefix up to it (not sent)."""
 
 
 class TtftOracle:
     """Chooses the soonest first token; call `started` once a request reached its stub, `done` at its end."""
 
     def __init__(
-        self, stubs: Sequence[StubEndpoint], session: aiohttp.ClientSession, model: str, cost: CostModel
+        self,
+        stubs: Sequence[StubEndpoint],
+        session: aiohttp.ClientSession,
+        model: str,
+        cost: CostModel,
+        block_size: int = 16,
     ) -> None:
+        self.block_size = block_size
         self.stubs = list(stubs)
         self.session = session
         self.model = model
@@ -56,10 +67,38 @@ class TtftOracle:
         self._where: dict[int, str] = {}
         self._routed: list[tuple[str, float]] = []  # every decision's (stub, prefill seconds), in order
 
-    async def _forecast(self, stub: StubEndpoint, spec: RequestSpec) -> list[Forecast]:
-        ahead = list(self.in_transit[stub.name].values())
-        body = msgspec.json.encode(
-            {"model": self.model, "prompt": spec.prompt, "max_tokens": spec.max_tokens, "ahead": ahead}
+    def _chains(self, prompt: list[int]) -> list[int]:
+        bs, chain, out = self.block_size, 0, []
+        for end in range(bs, len(prompt) + 1, bs):
+            chain = hash((chain, tuple(prompt[end - bs : end])))
+            out.append(chain)
+        return out
+
+    def _shared(self, chains: list[int], transit: list[_Ahead], prompt_len: int) -> int:
+        """The block-aligned prefix shared with a request in transit (capped as a hit is)."""
+        best = 0
+        for other in transit:
+            n = 0
+            for mine, theirs in zip(chains, other.chains, strict=False):
+                if mine != theirs:
+                    break
+                n += 1
+            best = max(best, n)
+        return min(best * self.block_size, (prompt_len - 1) // self.block_size * self.block_size)
+
+    async def _forecast(self, stub: StubEndpoint, spec: RequestSpec, chains: list[int]) -> list[Forecast]:
+        transit = list(self.in_transit[stub.name].values())
+        body = _FORECAST_QUERY.encode(
+            {
+                "model": self.model,
+                "prompt": spec.prompt,
+                "max_tokens": spec.max_tokens,
+                "ahead": [
+                    {"prompt_tokens": a.prompt_tokens, "hit_tokens": a.hit_tokens, "max_tokens": a.max_tokens}
+                    for a in transit
+                ],
+                "ahead_shared_tokens": self._shared(chains, transit, len(spec.prompt)),
+            }
         )
         headers = {"content-type": "application/json"}
         async with self.session.post(f"{stub.url}/debug/forecast", data=body, headers=headers) as r:
@@ -69,7 +108,8 @@ class TtftOracle:
     async def choose(self, key: int, spec: RequestSpec) -> Target:
         """The (stub, rank) whose forecast first token for `spec` is the soonest."""
         mark = len(self._routed)
-        answers = await asyncio.gather(*(self._forecast(stub, spec) for stub in self.stubs))
+        chains = self._chains(spec.prompt)
+        answers = await asyncio.gather(*(self._forecast(stub, spec, chains) for stub in self.stubs))
         late: dict[str, float] = {}
         for name, seconds in self._routed[mark:]:
             late[name] = late.get(name, 0.0) + seconds
@@ -90,7 +130,9 @@ class TtftOracle:
         *_, rank, stub, chosen = min(ranked, key=lambda c: c[:4])
         uncached = chosen.prompt_tokens - chosen.hit_tokens
         self._routed.append((stub.name, self.cost.step_seconds(StepWork(uncached))))
-        self.in_transit[stub.name][key] = _Ahead(chosen.prompt_tokens, chosen.hit_tokens, spec.max_tokens)
+        self.in_transit[stub.name][key] = _Ahead(
+            chosen.prompt_tokens, chosen.hit_tokens, spec.max_tokens, chains
+        )
         self._where[key] = stub.name
         return Target(TTFT_ORACLE, stub.url, engine=stub.name, headers={"x-data-parallel-rank": str(rank)})
 
