@@ -8,8 +8,7 @@ stub yet (no response headers) are sent along as `ahead`, so a burst does not al
 that looked idlest, and the prefix a request shares with one in transit counts as a hit (the stub
 itself counts prefixes its queued requests share). Decisions run concurrently (one at a time would
 queue a burst behind the stubs' answers); a request routed to a stub while a question was out is
-added to that
-stub's forecast as its uncached prefill time by the cost model. The time a decision takes is not
+added to that stub's forecast as its uncached prefill time by the cost model. The time a decision takes is not
 in the measured TTFT (the client's clock starts when it sends): the oracle bounds routing, it is not
 a router; concurrent decisions keep the arrivals' rate.
 """
