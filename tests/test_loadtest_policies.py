@@ -51,7 +51,7 @@ def test_every_policy_starts_on_cold_caches_oracles_included(tmp_path: Path) -> 
 
 @pytest.mark.xfail(
     strict=False,
-    reason="not reliable yet: on the shared 2-core machine the TTFT oracle won 2 of 6 runs on p90 "
+    reason="not reliable yet: on the shared 2-core machine the TTFT oracle won 1 of 5 runs on p90 "
     "(the forecast is greedy per request and run-to-run noise is ~2x); see BENCHMARKS.md",
 )
 def test_the_ttft_oracle_is_at_least_as_good_as_kv_on_a_decode_heavy_high_load(tmp_path: Path) -> None:
