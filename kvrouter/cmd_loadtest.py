@@ -1,9 +1,11 @@
 """`kvrouter loadtest`: compare routing policies on the same workload against simulated engines.
 
-Writes `summary.json`, `results.jsonl`, PNG plots and `report.html` into `--out`, and prints one
-line per policy. A live progress bar (stderr) counts finished requests per policy. `summary.json`
-records every option, typed (`LoadtestSettings`), and whether `--duration` left requests unsent
-(also a warning line on stderr before the run).
+Writes `summary.json`, `results.jsonl`, PNG plots, `report.html` and the stubs' config (`stub.toml`)
+into `--out`, and prints one line per policy. Before the run it sizes the stubs (a context as long as
+the longest request, the pool of a real engine), reports and leaves out the requests no stub could
+hold, applies `--load` and prints the offered load (`plan.py`). A live progress bar (stderr) counts
+finished requests per policy. `summary.json` records every option, typed (`LoadtestSettings`), what
+was derived (`plan`), and whether `--duration` left requests unsent (also a warning before the run).
 """
 
 from __future__ import annotations
@@ -11,17 +13,22 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import tomllib
 from pathlib import Path
+from typing import Any
 
 import msgspec
 from tqdm import tqdm
 
-from engine_stub.stub_config import load_config as load_stub_config
+from engine_stub.runtime.cost_model import H100_8B
+from engine_stub.stub_config import StubConfig
 from kvrouter.extras import MissingExtra, require_extra
-from kvrouter.loadtest.harness import EXTERNAL, ORACLE, HarnessSpec, default_out_dir, run_harness
+from kvrouter.loadtest.harness import EXTERNAL, ORACLES, HarnessSpec, default_out_dir, run_harness
+from kvrouter.loadtest.plan import RunPlan, at_load, context_needed, describe, not_fitting, offered_load
 from kvrouter.loadtest.report import Report
 from kvrouter.loadtest.results import PolicySummary, RequestResult
 from kvrouter.loadtest.settings import LoadtestSettings, parse_policies
+from kvrouter.loadtest.text_prompts import TextPrompts
 from kvrouter.loadtest.workload import (
     RequestSpec,
     SyntheticWorkload,
@@ -33,10 +40,11 @@ from kvrouter.loadtest.workload import (
 )
 from router.core.policy.scoring import PolicyName
 from router.settings.config import Embedded
+from tokenization.loading import load_tokenizer
 
 __all__ = ["build_requests", "register", "run"]
 
-POLICIES = [p.value for p in PolicyName] + [ORACLE, EXTERNAL]
+POLICIES = [p.value for p in PolicyName] + [*ORACLES, EXTERNAL]
 
 
 def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -48,7 +56,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("--engine-config", type=Path, help="stub TOML: pool, groups, time model")
     p.add_argument(
-        "--num-gpu-blocks", type=int, default=d.num_gpu_blocks, help="blocks per stub (default %(default)s)"
+        "--num-gpu-blocks",
+        type=int,
+        default=d.num_gpu_blocks,
+        help=f"blocks per stub (default: H100 80 GB, 8B model: {H100_8B.num_gpu_blocks(16):,} of 16)",
     )
     p.add_argument(
         "--block-size", type=int, default=d.block_size, help="tokens per block (default %(default)s)"
@@ -56,6 +67,23 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--workload", default=d.workload, help="'synthetic' or 'trace:PATH' (Mooncake JSONL)")
     p.add_argument("--policies", default=",".join(d.policies), help="comma-separated (default %(default)s)")
     p.add_argument("--router", help="URL of an external OpenAI-compatible router (policy 'external')")
+    p.add_argument(
+        "--ready-timeout",
+        type=float,
+        default=d.ready_timeout,
+        help="seconds to wait for a gateway or --router to answer (default %(default)s)",
+    )
+    p.add_argument(
+        "--prompt-format",
+        choices=["ids", "text"],
+        default=d.prompt_format,
+        help="send prompts as token ids, or as text that tokenizes to the same ids (default %(default)s)",
+    )
+    p.add_argument(
+        "--load",
+        type=float,
+        help="scale arrivals so the offered uncached prefill work is X times the stubs' prefill capacity",
+    )
     p.add_argument(
         "--stub-base-port",
         type=int,
@@ -71,7 +99,10 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--rate", type=float, default=d.rate, help="synthetic: arrivals per second (default %(default)s)"
     )
     p.add_argument(
-        "--time-scale", type=float, default=d.time_scale, help="trace: replay this many times faster"
+        "--time-scale",
+        type=float,
+        default=d.time_scale,
+        help="trace: replay this many times faster (default 1)",
     )
     p.add_argument(
         "--block-tokens",
@@ -93,13 +124,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.set_defaults(func=run)
 
 
-def build_requests(args: argparse.Namespace) -> tuple[list[RequestSpec], int]:
-    """The workload's requests, cut by --requests then --duration and capped by --max-output-tokens;
-    with how many requests --duration left out."""
+def build_requests(args: argparse.Namespace, cut: bool = True) -> tuple[list[RequestSpec], int]:
+    """The workload's requests, cut by --requests then (when `cut`) --duration and capped by
+    --max-output-tokens; with how many requests --duration left out."""
     if args.workload.startswith("trace:"):
         path = args.workload.removeprefix("trace:")
         records = load_trace(Path(path), limit=args.requests)
-        spec = TraceWorkload(path, args.time_scale, args.block_tokens, args.requests, args.max_output_tokens)
+        scale = 1.0 if args.time_scale is None else args.time_scale
+        spec = TraceWorkload(path, scale, args.block_tokens, args.requests, args.max_output_tokens)
         requests = trace_requests(records, spec)
     elif args.workload == "synthetic":
         synthetic = SyntheticWorkload(
@@ -117,21 +149,83 @@ def build_requests(args: argparse.Namespace) -> tuple[list[RequestSpec], int]:
         raise ValueError(f"--workload must be 'synthetic' or 'trace:PATH', got {args.workload!r}")
     if args.requests is not None:
         requests = requests[: args.requests]
-    return cut_at_duration(requests, args.duration)
+    return cut_at_duration(requests, args.duration if cut else None)
 
 
-def _embedded(args: argparse.Namespace) -> Embedded:
-    """The stubs to start; with --engine-config, pool and block size come from that file."""
-    if args.engine_config is None:
-        return Embedded(engines=args.engines, num_gpu_blocks=args.num_gpu_blocks, block_size=args.block_size)
-    stub = load_stub_config(args.engine_config)
-    cache = stub.engine.cache
-    return Embedded(
+def _base_stub_toml(args: argparse.Namespace) -> dict[str, Any]:
+    """The stubs' TOML as given (--engine-config), or the pool layout the flags ask for."""
+    if args.engine_config is not None:
+        with Path(args.engine_config).open("rb") as f:
+            return tomllib.load(f)
+    return {"engine": {"cache": {"groups": [{"kind": "full_attention", "block_size": args.block_size}]}}}
+
+
+def _decode_stub(raw: dict[str, Any]) -> StubConfig:
+    return msgspec.toml.decode(msgspec.toml.encode(raw), type=StubConfig)
+
+
+def _sized_stub(
+    args: argparse.Namespace, raw: dict[str, Any], requests: list[RequestSpec]
+) -> tuple[dict[str, Any], str]:
+    """The stubs' TOML with a context for the longest request and a pool (and where the pool came from)."""
+    cache_raw = raw.setdefault("engine", {}).setdefault("cache", {})
+    base = _decode_stub(raw).engine.cache
+    if args.num_gpu_blocks is not None:
+        cache_raw["num_gpu_blocks"], source = args.num_gpu_blocks, "--num-gpu-blocks"
+    elif "num_gpu_blocks" in cache_raw:
+        source = "--engine-config"
+    else:
+        cache_raw["num_gpu_blocks"] = H100_8B.num_gpu_blocks(base.block_size)
+        source = "H100 80 GB, Llama-3-8B BF16: 0.9 x 80 GiB - 16 GiB weights at 128 KiB/token"
+    cache_raw["max_model_len"] = max(base.max_model_len, context_needed(requests, base.block_size))
+    return raw, source
+
+
+def _plan(
+    args: argparse.Namespace, requests: list[RequestSpec]
+) -> tuple[list[RequestSpec], RunPlan, dict[str, Any]]:
+    """Text prompts, stub sizing, the requests left out, --load and the offered load, before the run."""
+    raw = _base_stub_toml(args)
+    if args.prompt_format == "text":
+        choice = _decode_stub(raw).tokenizer
+        texts = TextPrompts(load_tokenizer(choice.path, choice.chat_template))
+        requests = texts.rewrite(requests)
+        if texts.mismatched:
+            print(
+                f"kvrouter loadtest: warning: {texts.mismatched} text prompts changed length once tokenized"
+            )
+    raw, source = _sized_stub(args, raw, requests)
+    stub = _decode_stub(raw)
+    dropped = not_fitting(requests, stub.engine.cache)
+    if dropped:
+        cache = stub.engine.cache
+        print(
+            f"kvrouter loadtest: {len(dropped)} of {len(requests)} requests cannot fit a stub's pool of "
+            f"{cache.num_gpu_blocks:,} blocks of {cache.block_size} tokens and are left out of every "
+            f"policy's run (workload indexes {dropped[:10]}{' ...' if len(dropped) > 10 else ''})"
+        )
+        keep = set(range(len(requests))) - set(dropped)
+        requests = [r for i, r in enumerate(requests) if i in keep]
+    scale = 1.0
+    block_size = stub.engine.cache.block_size
+    if args.load is not None:
+        if args.time_scale is not None:
+            raise ValueError("give --load or --time-scale, not both")
+        requests, scale = at_load(requests, args.load, stub.cost, args.engines, block_size)
+    plan = RunPlan(
         engines=args.engines,
-        num_gpu_blocks=cache.num_gpu_blocks,
-        block_size=cache.block_size,
-        model=stub.model,
+        block_size=block_size,
+        num_gpu_blocks=stub.engine.cache.num_gpu_blocks,
+        pool_source=source,
+        max_model_len=stub.engine.cache.max_model_len,
+        prefill_s_per_token=stub.cost.prefill_s_per_token,
+        speed_factor=stub.cost.speed_factor,
+        prompt_format=args.prompt_format,
+        arrival_scale=scale,
+        offered=offered_load(requests, stub.cost, args.engines, block_size),
+        not_fitting=dropped,
     )
+    return requests, plan, raw
 
 
 def _line(s: PolicySummary) -> str:
@@ -155,18 +249,36 @@ def run(args: argparse.Namespace) -> int:
     if unknown or not policies:
         print(f"kvrouter loadtest: unknown policies {unknown}; choose from {POLICIES}")
         return 2
-    try:
-        requests, not_sent = build_requests(args)
-    except (ValueError, OSError) as exc:
-        print(f"kvrouter loadtest: {exc}")
-        return 2
     out = str(args.out or default_out_dir())
     try:
-        embedded = _embedded(args)
+        workload, _ = build_requests(args, cut=False)
+        workload, plan, raw = _plan(args, workload)
+        requests, not_sent = cut_at_duration(workload, args.duration)
         settings = msgspec.structs.replace(LoadtestSettings.from_args(vars(args)), out=out)
-    except (ValueError, OSError, msgspec.ValidationError) as exc:
+    except (
+        ValueError,
+        OSError,
+        msgspec.ValidationError,
+        msgspec.DecodeError,
+        tomllib.TOMLDecodeError,
+    ) as exc:
         print(f"kvrouter loadtest: {exc}")
         return 2
+    if not requests:
+        print("kvrouter loadtest: no request left to send")
+        return 2
+    print(f"kvrouter loadtest: {describe(plan)}")
+    Path(out).mkdir(parents=True, exist_ok=True)
+    stub_toml = Path(out) / "stub.toml"
+    stub_toml.write_bytes(msgspec.toml.encode(raw))
+    stub = _decode_stub(raw)
+    embedded = Embedded(
+        engines=args.engines,
+        num_gpu_blocks=plan.num_gpu_blocks,
+        block_size=plan.block_size,
+        model=stub.model,
+        tokenizer=stub.tokenizer.path,
+    )
     if not_sent:
         print(
             f"kvrouter loadtest: warning: --duration {args.duration:g} cuts the workload short: "
@@ -177,12 +289,19 @@ def run(args: argparse.Namespace) -> int:
         policies=policies,
         out=out,
         embedded=embedded,
-        stub_config=str(args.engine_config) if args.engine_config else None,
+        stub_config=str(stub_toml),
         router_url=args.router,
         stub_base_port=args.stub_base_port,
+        ready_timeout_s=args.ready_timeout,
+        text_prompts=args.prompt_format == "text",
+        cost=stub.cost,
     )
     header = Report(
-        settings=settings, requests_sent=len(requests), truncated=not_sent > 0, requests_not_sent=not_sent
+        settings=settings,
+        requests_sent=len(requests),
+        truncated=not_sent > 0,
+        requests_not_sent=not_sent,
+        plan=plan,
     )
     bar = tqdm(total=len(requests) * len(policies), unit="req", desc="loadtest", dynamic_ncols=True)
 
@@ -192,6 +311,10 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         report, _ = asyncio.run(run_harness(spec, requests, header, done))
+    except RuntimeError as exc:  # a gateway, stub or --router that never became ready
+        bar.close()
+        print(f"kvrouter loadtest: {exc}")
+        return 1
     finally:
         bar.close()
     for summary in report.policies:

@@ -99,6 +99,11 @@ class BlockPool:
         return out
 
     @property
+    def num_cached_blocks(self) -> int:
+        """Physical blocks holding a prefix-cache key (in use or free): 0 right after a reset."""
+        return sum(len(copies) for copies in self._cache.values())
+
+    @property
     def num_free_blocks(self) -> int:
         """Blocks in the free queue (cached-but-unreferenced blocks included)."""
         return self.free_queue.size

@@ -84,6 +84,10 @@ class CacheConfig(msgspec.Struct, frozen=True):
         """`hb`: the granularity of a request's block hashes, the gcd of the group block sizes."""
         return reduce(math.gcd, (g.block_size for g in self.groups))
 
+    def blocks_for(self, num_tokens: int) -> int:
+        """Pool blocks a request of `num_tokens` (prompt plus output) holds at most, over all groups."""
+        return sum(math.ceil(num_tokens / g.block_size) for g in self.groups)
+
     def eagle_groups(self) -> tuple[bool, ...]:
         """Per group, whether the EAGLE drop applies (every group when none is flagged)."""
         if not self.eagle_block_drop:

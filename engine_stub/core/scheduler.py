@@ -24,12 +24,35 @@ from engine_stub.core.request import Request, RequestId, RequestStatus, SubmitPa
 from events.block_hash import VllmHasher
 from events.wire import KVEvent
 
-__all__ = ["Admission", "EngineStats", "Sampler", "Scheduler", "StepOutput", "pseudo_token"]
+__all__ = [
+    "Admission",
+    "EngineStats",
+    "Sampler",
+    "Scheduler",
+    "StepOutput",
+    "chunk_tokens",
+    "pseudo_token",
+    "step_threshold",
+]
 
 Sampler = Callable[[Request], int]
 """Chooses the next output token of a request (deterministic in the stub)."""
 
 PSEUDO_TOKEN_BASE = 50000
+
+
+def chunk_tokens(remaining: int, threshold: int, budget_left: int) -> int:
+    """Tokens a request with `remaining` uncomputed tokens gets this step (before any Mamba split):
+    at most the long-prefill `threshold` (when > 0) and what the step's budget has left."""
+    n = remaining
+    if 0 < threshold < n:
+        n = threshold
+    return min(n, budget_left)
+
+
+def step_threshold(config: SchedulerConfig, live: int) -> int:
+    """The long-prefill threshold of a step with `live` requests (vLLM applies it only when others wait)."""
+    return config.long_prefill_token_threshold if live > 1 else 0
 
 
 def pseudo_token(req: Request) -> int:
@@ -105,6 +128,21 @@ class Scheduler:
         """What admitting `prompt` would hit right now; nothing is queued, cached or reported."""
         return self.kv.peek(self._request(RequestId("peek"), prompt, params))
 
+    def queued_prefix(self, prompt: Sequence[int], params: SubmitParams) -> int:
+        """Tokens of `prompt`'s leading blocks that a queued or running request also starts with (they
+        will be cached once that request is scheduled), capped as a hit is; nothing is changed."""
+        digests = self._request(RequestId("peek"), prompt, params).block_hashes
+        best = 0
+        for other in self.requests.values():
+            n = 0
+            for mine, theirs in zip(digests, other.block_hashes, strict=False):
+                if mine != theirs:
+                    break
+                n += 1
+            best = max(best, n)
+        align = self.config.cache.scheduler_block_size
+        return min(best * self.config.cache.hash_block_size, (len(prompt) - 1) // align * align)
+
     def _request(self, rid: RequestId, prompt: Sequence[int], params: SubmitParams) -> Request:
         cache = self.config.cache
         return Request(
@@ -116,8 +154,7 @@ class Scheduler:
         self.kv.new_step()
         out = StepOutput({}, {}, [], [], {}, [])
         budget = _Budget(self.config.scheduler)
-        live = len(self.running) + len(self.waiting)
-        threshold = self.config.scheduler.long_prefill_token_threshold if live > 1 else 0
+        threshold = step_threshold(self.config.scheduler, len(self.running) + len(self.waiting))
         self._schedule_running(out, budget, threshold, only)
         if not out.preempted:
             self._schedule_waiting(out, budget, threshold, only)
@@ -126,10 +163,7 @@ class Scheduler:
         return out
 
     def _chunk(self, req: Request, start: int, threshold: int, budget: _Budget) -> int:
-        n = req.num_tokens - start
-        if 0 < threshold < n:
-            n = threshold
-        n = min(n, budget.left())
+        n = chunk_tokens(req.num_tokens - start, threshold, budget.left())
         if self._split is not None and n > 0:
             chunk = ChunkRequest(start, n, req.num_prompt_tokens, req.num_tokens, req.shared_prefix_boundary)
             n = mamba_chunk_tokens(self._split, chunk)

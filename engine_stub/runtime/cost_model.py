@@ -8,13 +8,48 @@ benchmark (so the derivation is checkable):
   scheduling and sampling overhead, so ~6 ms per step at small batch, growing slowly with batch size
   (KV reads: ~128 KiB per token of context for this model, ~38 ns per cached token of context read).
 These are estimates, not measurements; a deployment that knows its engines sets its own numbers.
+
+The KV pool of that engine (`H100_8B`, the load test's default pool): Llama-3-8B has 32 layers, 8 KV
+heads of dimension 128, in BF16, so one token's K and V take 2 x 32 x 8 x 128 x 2 B = 131,072 B
+(128 KiB, `KV_BYTES_PER_TOKEN`). vLLM gives the KV cache what `gpu_memory_utilization` (0.9) of the
+80 GiB leaves after the weights (8.03e9 parameters x 2 B, ~16 GiB with activations rounded in):
+0.9 x 80 - 16 = 56 GiB, i.e. 458,752 tokens, or 28,672 blocks of 16 tokens (vLLM's
+`num_gpu_blocks` counts the null block among them).
 """
 
 from __future__ import annotations
 
+from typing import Final
+
 import msgspec
 
-__all__ = ["CostModel", "StepWork"]
+__all__ = ["H100_8B", "KV_BYTES_PER_TOKEN", "CostModel", "GpuMemory", "StepWork"]
+
+GIB: Final = 1 << 30
+KV_BYTES_PER_TOKEN: Final = 2 * 32 * 8 * 128 * 2
+"""K and V x 32 layers x 8 KV heads x head dim 128 x 2 bytes (BF16): Llama-3-8B's 128 KiB per token."""
+
+
+class GpuMemory(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
+    """What sizes an engine's KV pool: GPU memory, vLLM's utilisation cap, weights, KV bytes per token."""
+
+    total_bytes: int = 80 * GIB
+    utilization: float = 0.9
+    weight_bytes: int = 16 * GIB
+    kv_bytes_per_token: int = KV_BYTES_PER_TOKEN
+
+    def kv_tokens(self) -> int:
+        """Tokens of KV the pool holds: what the utilisation cap leaves after the weights."""
+        free = int(self.total_bytes * self.utilization) - self.weight_bytes
+        return max(0, free // self.kv_bytes_per_token)
+
+    def num_gpu_blocks(self, block_size: int) -> int:
+        """vLLM's `num_gpu_blocks` for `block_size`-token blocks (the null block among them)."""
+        return self.kv_tokens() // block_size
+
+
+H100_8B: Final = GpuMemory()
+"""An H100 80 GB serving Llama-3-8B in BF16: 458,752 tokens of KV, 28,672 blocks of 16."""
 
 
 class CostModel(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -13,16 +13,16 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import math
 import time
 from collections.abc import Callable, Sequence
 
 import msgspec
 
-from engine_stub.core.request import RequestId, SubmitParams
+from engine_stub.core.request import Request, RequestId, SubmitParams
 from engine_stub.core.scheduler import Admission, Scheduler, StepOutput
 from engine_stub.runtime.cost_model import CostModel, StepWork
 from engine_stub.runtime.faults import FaultInjector, FaultState, FaultUpdate
+from engine_stub.runtime.forecast import Forecast, QueuedSeq, forecast_ttft
 from engine_stub.runtime.output_streams import Emitted, RequestStream
 from engine_stub.runtime.pseudo_text import PseudoText
 from engine_stub.stub_config import StubConfig
@@ -45,6 +45,15 @@ class EngineCounters(msgspec.Struct):
     steps: int = 0
     batches_published: int = 0
     preemptions: int = 0
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    prompt_tokens: int = 0
+
+
+def _seq(req: Request, computed: int) -> QueuedSeq:
+    return QueuedSeq(
+        req.num_prompt_tokens, req.num_tokens, computed, req.params.max_tokens - req.num_output_tokens
+    )
 
 
 class EngineRuntime:
@@ -72,6 +81,7 @@ class EngineRuntime:
         self._timers: list[asyncio.TimerHandle] = []
         self._bg: set[asyncio.Task[None]] = set()
         self._stopping = False
+        self._step_ends = 0.0  # loop time at which the step being slept through ends
 
     def start(self) -> None:
         """Start the step loop."""
@@ -122,16 +132,35 @@ class EngineRuntime:
 
     def _check_fits(self, total_tokens: int) -> None:
         cache = self.config.engine.cache
-        needed = sum(math.ceil(total_tokens / g.block_size) for g in cache.groups)
+        needed = cache.blocks_for(total_tokens)
         if needed > cache.num_gpu_blocks - 1:  # block 0 is vLLM's null block
             raise ValueError(
                 f"the request needs {needed} KV blocks over {len(cache.groups)} group(s), "
                 f"but the engine has {cache.num_gpu_blocks - 1}"
             )
 
+    def forecast(
+        self, prompt: Sequence[int], ahead: Sequence[QueuedSeq], params: SubmitParams, min_hit: int = 0
+    ) -> Forecast:
+        """When `prompt` would get its first token if queued now behind `ahead` (requests on their way
+        here, with the hits expected for them), from this rank's true queues, hits and cost model. Its
+        hit counts the prefix a queued request shares with it, and `min_hit` (what `ahead` share)."""
+        sched = self.scheduler
+        running = [_seq(r, r.num_computed_tokens) for r in sched.running]
+        waiting = [_seq(r, sched.kv.peek(r).hit_tokens) for r in sched.waiting]
+        waiting += [msgspec.structs.replace(a) for a in ahead]  # copies: the forecast consumes them
+        hit = max(sched.peek_hit(prompt, params).hit_tokens, sched.queued_prefix(prompt, params), min_hit)
+        waiting.append(QueuedSeq(len(prompt), len(prompt), hit, params.max_tokens))
+        num_running, num_waiting = len(running), len(sched.waiting)
+        ttft = forecast_ttft(running, waiting, self.config.engine.scheduler, self.cost)
+        if ttft is not None and self.scheduler.requests:
+            ttft += max(0.0, self._step_ends - asyncio.get_running_loop().time())
+        return Forecast(self.rank, ttft, len(prompt), hit, num_running, num_waiting)
+
     def abort(self, rid: RequestId) -> None:
         """Stop a request (client gone); a finished or unknown id is ignored."""
         if self._streams.pop(rid, None) is not None:
+            self.counters.requests_aborted += 1
             self.scheduler.abort(rid)
             self._wake.set()  # it may have been the waiting request that blocked the queue
 
@@ -140,6 +169,7 @@ class EngineRuntime:
         freed, readers told "abort"."""
         self._stopping = True
         for rid, stream in self._streams.items():
+            self.counters.requests_aborted += 1
             self.scheduler.abort(rid)
             stream.end_aborted()
         self._streams.clear()
@@ -192,7 +222,9 @@ class EngineRuntime:
             if not out.scheduled and not out.preempted:
                 await self._wake.wait()  # nothing fits until a request ends or arrives
                 continue
-            await asyncio.sleep(self.cost.step_seconds(self._work(out)))
+            seconds = self.cost.step_seconds(self._work(out))
+            self._step_ends = asyncio.get_running_loop().time() + seconds
+            await asyncio.sleep(seconds)
             await self._publish(out.events)
             self._account(out)
             self._deliver(out)
@@ -240,4 +272,6 @@ class EngineRuntime:
             done = rid in finished
             stream.emit(token, done)
             if done:
+                self.counters.requests_finished += 1
+                self.counters.prompt_tokens += stream.num_prompt_tokens
                 del self._streams[rid]

@@ -16,6 +16,7 @@ import msgspec
 from engine_stub.core.request import SubmitParams
 from engine_stub.runtime.dp_balance import RankLoad, RoundRobinStart, choose_rank
 from engine_stub.runtime.faults import FaultState, FaultUpdate
+from engine_stub.runtime.forecast import Forecast, QueuedSeq
 from engine_stub.runtime.pseudo_text import PseudoText
 from engine_stub.runtime.rank_runtime import EngineRuntime
 from engine_stub.server.metrics import EngineGauges, StubMetrics
@@ -134,6 +135,12 @@ class Stub:
                                 running, waiting))  # fmt: skip
         return out
 
+    def forecast(self, tokens: RequestTokens, ahead: list[QueuedSeq], min_hit: int = 0) -> list[Forecast]:
+        """Every rank's forecast TTFT for the request's first prompt queued now behind `ahead`."""
+        max_tokens = tokens.max_tokens or 1
+        params = SubmitParams(max_tokens=max_tokens, extras=tokens.extras, skip_cache_read=tokens.skip_cache)
+        return [e.forecast(tokens.tokens, ahead, params, min_hit) for e in self.engines]
+
     def kv_event_sources(self) -> dict[int, KVEventsConfig]:
         """The resolved publisher config per rank, as vLLM's /kv_event_sources returns it ({} when off)."""
         return {p.rank: p.resolved for p in self.publishers}
@@ -151,6 +158,10 @@ class Stub:
                 stats.kv_cache_usage,
                 c.prefix_cache_queries,
                 c.prefix_cache_hits,
+                c.requests_finished,
+                c.requests_aborted,
+                c.prompt_tokens,
+                e.scheduler.kv.pool.num_cached_blocks,
             )
             out.append(gauge)
         return out

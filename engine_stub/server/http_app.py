@@ -3,8 +3,10 @@
 Routes: /v1/models, /v1/completions, /v1/chat/completions (JSON and SSE), /tokenize, /health, /metrics,
 POST /reset_prefix_cache, /kv_event_sources, GET/POST /admin/faults, and POST /debug/cache_hit (the
 true hit per rank for a completions or chat body, without admitting it; the load-test oracle uses
-it). Bodies are decoded with msgspec; a bad body is a 400 in OpenAI's error format whose message
-names the field. The lifespan starts and stops the `Stub` (every rank's publisher and step loop).
+it), and POST /debug/forecast (each rank's forecast time to first token for such a body queued now,
+after the `ahead` requests it lists: the TTFT oracle's ground truth). Bodies are decoded with msgspec;
+a bad body is a 400 in OpenAI's error format whose message names the field. The lifespan starts and
+stops the `Stub` (every rank's publisher and step loop).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from engine_stub.runtime.faults import FaultUpdate
+from engine_stub.runtime.forecast import QueuedSeq
 from engine_stub.runtime.stub_runtime import RankError, Stub, exit_now
 from engine_stub.server.completions import ModelNotFound, serve_openai
 from engine_stub.server.metrics import CONTENT_TYPE
@@ -49,7 +52,20 @@ class _TokenizeFields(msgspec.Struct):
     return_token_strs: bool | None = False
 
 
+class _Ahead(msgspec.Struct):
+    """A request on its way to this stub (routed, not yet received): its lengths and expected hit."""
+
+    prompt_tokens: int
+    hit_tokens: int = 0
+    max_tokens: int = 1
+
+
+class _ForecastFields(msgspec.Struct):
+    ahead: list[_Ahead] = []
+
+
 _TOKENIZE: Final = msgspec.json.Decoder(_TokenizeFields)
+_FORECAST: Final = msgspec.json.Decoder(_ForecastFields)
 _FAULT_UPDATE: Final = msgspec.json.Decoder(FaultUpdate)
 _JSON: Final = "application/json"
 
@@ -150,6 +166,19 @@ def _add_engine_routes(app: FastAPI, stub: Stub) -> None:
         endpoint = Endpoint.CHAT if request.query_params.get("endpoint") == "chat" else Endpoint.COMPLETIONS
         tokens = request_tokens(await request.body(), endpoint, stub.tokenizer)
         return Response(msgspec.json.encode(stub.peek(tokens)), media_type=_JSON)
+
+    @app.post("/debug/forecast")
+    async def forecast(request: Request) -> Response:
+        body = await request.body()
+        tokens = request_tokens(body, Endpoint.COMPLETIONS, stub.tokenizer)
+        try:
+            ahead = [
+                QueuedSeq(a.prompt_tokens, a.prompt_tokens, a.hit_tokens, a.max_tokens)
+                for a in _FORECAST.decode(body).ahead
+            ]
+        except msgspec.DecodeError as exc:
+            raise RequestError(f"invalid forecast request: {exc}") from exc
+        return Response(msgspec.json.encode(stub.forecast(tokens, ahead)), media_type=_JSON)
 
     @app.get("/admin/faults")
     async def get_faults() -> Response:

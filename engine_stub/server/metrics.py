@@ -3,7 +3,10 @@
 Labels are `model_name` and `engine` (the data-parallel rank as a string). Gauges and counters are read
 from the engines at scrape time; TTFT is a histogram with vLLM's buckets. Counters follow vLLM's
 meaning: a prefix-cache query is counted when a request is first admitted (skipped-cache and
-re-admitted preempted requests are not counted).
+re-admitted preempted requests are not counted). `vllm:request_success_total{finished_reason}` and
+`vllm:prompt_tokens_total` count finished requests as vLLM does, so a load test can attribute traffic
+to engines from their own counters; `kvrouter_stub_cached_blocks` (the stub's own, no vLLM
+equivalent) counts the pool's blocks holding a prefix-cache key, 0 right after a reset.
 """
 
 from __future__ import annotations
@@ -35,6 +38,10 @@ class EngineGauges(msgspec.Struct, frozen=True):
     kv_cache_usage: float
     prefix_cache_queries: int
     prefix_cache_hits: int
+    requests_finished: int = 0
+    requests_aborted: int = 0
+    prompt_tokens: int = 0
+    cached_blocks: int = 0
 
 
 class _EngineCollector(Collector):
@@ -60,6 +67,19 @@ class _EngineCollector(Collector):
         hits = CounterMetricFamily(
             "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens.", labels=LABELS
         )
+        success = CounterMetricFamily(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            labels=(*LABELS, "finished_reason"),
+        )
+        prompt = CounterMetricFamily(
+            "vllm:prompt_tokens", "Number of prefill tokens processed.", labels=LABELS
+        )
+        cached = GaugeMetricFamily(
+            "kvrouter_stub_cached_blocks",
+            "KV blocks holding a prefix-cache key, referenced or free (0 after a reset).",
+            labels=LABELS,
+        )
         for g in self._read():
             labels = [self._model, str(g.rank)]
             running.add_metric(labels, g.running)
@@ -67,7 +87,11 @@ class _EngineCollector(Collector):
             usage.add_metric(labels, g.kv_cache_usage)
             queries.add_metric(labels, g.prefix_cache_queries)
             hits.add_metric(labels, g.prefix_cache_hits)
-        yield from (running, waiting, usage, queries, hits)
+            success.add_metric([*labels, "length"], g.requests_finished)
+            success.add_metric([*labels, "abort"], g.requests_aborted)
+            prompt.add_metric(labels, g.prompt_tokens)
+            cached.add_metric(labels, g.cached_blocks)
+        yield from (running, waiting, usage, queries, hits, success, prompt, cached)
 
 
 class StubMetrics:

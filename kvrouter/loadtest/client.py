@@ -3,8 +3,11 @@
 Open loop: each request is sent at its arrival time whether or not earlier ones finished, so a slow
 policy shows up as queueing, not as a lower offered load. Every request streams
 (`stream_options.include_usage`), which gives the time to first token from the first content chunk
-and the engine's `cached_tokens` from the final usage chunk. The prompt goes as token ids to
-`/v1/completions`, so every policy and engine sees exactly the same tokens.
+(counted from when it is sent: a gateway's routing is inside that time, an oracle's questions to
+the stubs before it are not, since an oracle is a bound on routing, not a router)
+and the engine's `cached_tokens` from the final usage chunk. The prompt goes to `/v1/completions` as
+token ids, or as its text when the request carries one (`--prompt-format text`: the same ids once
+tokenized), so every policy and engine sees exactly the same tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ import msgspec
 from kvrouter.loadtest.results import RequestResult
 from kvrouter.loadtest.workload import RequestSpec
 
-__all__ = ["Choose", "DriverSettings", "Target", "run_open_loop"]
+__all__ = ["Choose", "DriverSettings", "Started", "Target", "run_open_loop"]
 
 
 class Target(msgspec.Struct, frozen=True):
@@ -54,13 +57,15 @@ class _Chunk(msgspec.Struct):
 
 _CHUNK_DECODER: Final = msgspec.json.Decoder(_Chunk)
 Choose = Callable[[int, RequestSpec], Awaitable[Target]]
+Started = Callable[[int], None]
+"""Called with a request's index once its response headers arrived (the engine has it)."""
 
 
 def _body(spec: RequestSpec, model: str) -> bytes:
     return msgspec.json.encode(
         {
             "model": model,
-            "prompt": spec.prompt,
+            "prompt": spec.text if spec.text is not None else spec.prompt,
             "max_tokens": spec.max_tokens,
             "stream": True,
             "stream_options": {"include_usage": True},
@@ -90,6 +95,7 @@ async def _one(
     target: Target,
     settings: DriverSettings,
     start: float,
+    on_started: Started | None = None,
 ) -> RequestResult:
     headers = {"content-type": "application/json", settings.session_header: spec.session, **target.headers}
     sent = time.perf_counter()
@@ -98,6 +104,8 @@ async def _one(
         async with session.post(
             f"{target.base_url}/v1/completions", data=_body(spec, settings.model), headers=headers
         ) as r:
+            if on_started is not None:
+                on_started(index)
             if r.status != 200:
                 text = (await r.text())[:200]
                 return msgspec.structs.replace(base, error=f"HTTP {r.status}: {text}")
@@ -124,6 +132,7 @@ async def run_open_loop(
     choose: Choose,
     settings: DriverSettings,
     on_done: Callable[[RequestResult], None] | None = None,
+    on_started: Started | None = None,
 ) -> list[RequestResult]:
     """Send every request at its arrival time to `choose(spec)`; return results in request order."""
     timeout = aiohttp.ClientTimeout(total=settings.timeout_s)
@@ -137,7 +146,8 @@ async def run_open_loop(
             if delay > 0:
                 await asyncio.sleep(delay)  # pacing the workload, not synchronisation
             async with gate:
-                result = await _one(session, index, spec, await choose(index, spec), settings, start)
+                target = await choose(index, spec)
+                result = await _one(session, index, spec, target, settings, start, on_started)
             if on_done is not None:
                 on_done(result)
             return result

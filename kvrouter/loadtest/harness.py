@@ -1,10 +1,14 @@
 """`kvrouter loadtest`'s orchestration: stubs, one gateway per policy, the same workload for each.
 
 The stubs start once (child processes, as `kvrouter serve`'s embedded mode starts them) and their
-prefix caches are reset between policies, so every policy starts cold on identical engines. Each
-policy gets a fresh gateway process (`kvrouter serve --port 0`, learned state and all), except
-`oracle`, which routes itself from the stubs' true caches, and `external`, an OpenAI-compatible
-router the user started and pointed at the stubs.
+prefix caches are reset right before every policy, oracles included, so every policy starts cold on
+identical engines; the stubs' cached-block gauge is read then and recorded per policy
+(`cached_blocks_at_start`, 0 when cold). Each policy gets a fresh gateway process (`kvrouter serve
+--port 0`, learned state and all), except the oracles (`cache_oracle`, `ttft_oracle`), which route
+themselves from the stubs' true state, and `external`, an OpenAI-compatible router the user started
+and pointed at the stubs: it is polled until it answers `GET /v1/models` (bounded by
+`ready_timeout_s`) and warmed up like a gateway. `engine_share` comes from the stubs' own request
+counters, read before and after each policy, so an external router's traffic is attributed too.
 """
 
 from __future__ import annotations
@@ -20,10 +24,13 @@ from pathlib import Path
 import aiohttp
 import msgspec
 
-from kvrouter.loadtest.client import Choose, DriverSettings, Target, run_open_loop
-from kvrouter.loadtest.oracle import Oracle, StubEndpoint
+from engine_stub.runtime.cost_model import CostModel
+from kvrouter.loadtest.client import Choose, DriverSettings, Started, Target, run_open_loop
+from kvrouter.loadtest.oracle import CACHE_ORACLE, CacheOracle, StubEndpoint
 from kvrouter.loadtest.report import Report, write_report
 from kvrouter.loadtest.results import PolicySummary, RequestResult, summarize
+from kvrouter.loadtest.stub_counters import engine_share, read_counters
+from kvrouter.loadtest.ttft_oracle import TTFT_ORACLE, TtftOracle
 from kvrouter.loadtest.workload import RequestSpec, block_token_ids
 from router.links.embedded_stubs import EmbeddedStubs
 from router.settings.config import Embedded, EngineConfig, ModelConfig
@@ -32,8 +39,8 @@ __all__ = ["GatewayProcess", "HarnessSpec", "run_harness"]
 
 OnDone = Callable[[RequestResult], None]
 
-ORACLE = "oracle"
 EXTERNAL = "external"
+ORACLES = (CACHE_ORACLE, TTFT_ORACLE)
 
 
 class HarnessSpec(msgspec.Struct, frozen=True):
@@ -47,6 +54,9 @@ class HarnessSpec(msgspec.Struct, frozen=True):
     stub_base_port: int | None = None
     max_in_flight: int = 1024
     ready_timeout_s: float = 60.0
+    text_prompts: bool = False
+    cost: CostModel = CostModel()
+    """The stubs' cost model (the TTFT oracle prices requests routed while it asks the stubs)."""
 
 
 class _GatewayReady(msgspec.Struct):
@@ -124,11 +134,29 @@ async def _until_ready(url: str) -> None:
             await asyncio.sleep(0.05)  # polling a condition; the caller's timeout bounds it
 
 
-async def _warm_up(url: str, model: str, n: int = 4) -> None:
+async def _await_router(url: str, timeout_s: float) -> None:
+    """Poll an external router until `GET /v1/models` answers 200; RuntimeError after `timeout_s`."""
+    async with aiohttp.ClientSession() as session:
+        try:
+            async with asyncio.timeout(timeout_s):
+                while True:
+                    with contextlib.suppress(aiohttp.ClientError):
+                        async with session.get(f"{url}/v1/models") as r:
+                            if r.status == 200:
+                                return
+                    await asyncio.sleep(0.1)  # polling a condition under the timeout above
+        except TimeoutError:
+            raise RuntimeError(
+                f"the router at {url} did not answer GET /v1/models within {timeout_s:g} s"
+            ) from None
+
+
+async def _warm_up(url: str, model: str, text: bool = False, n: int = 4) -> None:
     """A few requests through `url` so no policy pays for cold processes (imports, first connections)."""
     async with aiohttp.ClientSession() as session:
         for i in range(n):
-            body = {"model": model, "prompt": block_token_ids(-1000 - i, 64), "max_tokens": 2}
+            prompt: str | list[int] = f"warm-up request {i}: " * 4 if text else block_token_ids(-1000 - i, 64)
+            body = {"model": model, "prompt": prompt, "max_tokens": 2}
             async with session.post(f"{url}/v1/completions", json=body) as r:
                 r.raise_for_status()
                 await r.read()
@@ -146,45 +174,77 @@ async def _reset(stubs: Sequence[StubEndpoint], timeout_s: float = 30.0) -> None
 
 
 async def _drive(
-    requests: Sequence[RequestSpec], choose: Choose, settings: DriverSettings, on_done: OnDone
+    requests: Sequence[RequestSpec],
+    choose: Choose,
+    settings: DriverSettings,
+    on_done: OnDone,
+    on_started: Started | None,
 ) -> tuple[list[RequestResult], float]:
     start = time.perf_counter()
-    results = await run_open_loop(requests, choose, settings, on_done)
+    results = await run_open_loop(requests, choose, settings, on_done, on_started)
     return results, time.perf_counter() - start
+
+
+class _PolicyRun(msgspec.Struct):
+    results: list[RequestResult]
+    elapsed_s: float
+    cached_blocks_at_start: int
+    engine_share: dict[str, float]
 
 
 async def _run_policy(
     policy: str, requests: Sequence[RequestSpec], spec: HarnessSpec, ctx: _Context, on_done: OnDone
-) -> tuple[list[RequestResult], float]:
+) -> _PolicyRun:
     settings = DriverSettings(model=spec.embedded.model, max_in_flight=spec.max_in_flight)
-    if policy == ORACLE:
-        async with aiohttp.ClientSession() as session:
-            oracle = Oracle(ctx.stubs, session, spec.embedded.model, spec.embedded.block_size)
-
-            def finish(result: RequestResult) -> None:
-                oracle.done(result)
-                on_done(result)
-
-            return await _drive(requests, oracle.choose, settings, finish)
     gateway: GatewayProcess | None = None
+    url = ""
     if policy == EXTERNAL:
         if spec.router_url is None:
             raise ValueError("policy 'external' needs --router URL")
         url = spec.router_url.rstrip("/")
-    else:
+        await _await_router(url, spec.ready_timeout_s)
+        await _warm_up(url, spec.embedded.model, spec.text_prompts)
+    elif policy not in ORACLES:
         gateway = GatewayProcess(policy, ctx.engines, ctx.model)
         url = await gateway.start(spec.ready_timeout_s)
-        await _warm_up(url, spec.embedded.model)
-    await _reset(ctx.stubs)  # every policy starts on cold caches
+        await _warm_up(url, spec.embedded.model, spec.text_prompts)
+    try:
+        async with aiohttp.ClientSession() as session:
+            await _reset(ctx.stubs)  # every policy, oracles included, starts on cold caches
+            before = await read_counters(session, ctx.stubs)
+            choose, started, finish = _router(policy, url, session, spec, ctx, on_done)
+            results, elapsed = await _drive(requests, choose, settings, finish, started)
+            after = await read_counters(session, ctx.stubs)
+    finally:
+        if gateway is not None:
+            await gateway.stop()
+    cold = sum(c.cached_blocks for c in before.values())
+    return _PolicyRun(results, elapsed, cold, engine_share(before, after))
+
+
+def _router(
+    policy: str, url: str, session: aiohttp.ClientSession, spec: HarnessSpec, ctx: _Context, on_done: OnDone
+) -> tuple[Choose, Started | None, OnDone]:
+    """How `policy` picks each request's target, is told it started, and is told it finished."""
+    if policy == CACHE_ORACLE:
+        cache = CacheOracle(ctx.stubs, session, spec.embedded.model, spec.embedded.block_size)
+        return cache.choose, None, _both(cache.done, on_done)
+    if policy == TTFT_ORACLE:
+        ttft = TtftOracle(ctx.stubs, session, spec.embedded.model, spec.cost)
+        return ttft.choose, ttft.started, _both(ttft.done, on_done)
 
     async def choose(index: int, req: RequestSpec) -> Target:
         return Target(policy, url)
 
-    try:
-        return await _drive(requests, choose, settings, on_done)
-    finally:
-        if gateway is not None:
-            await gateway.stop()
+    return choose, None, on_done
+
+
+def _both(first: OnDone, then: OnDone) -> OnDone:
+    def call(result: RequestResult) -> None:
+        first(result)
+        then(result)
+
+    return call
 
 
 class _Context(msgspec.Struct):
@@ -213,11 +273,13 @@ async def run_harness(
         endpoints = [StubEndpoint(e.name, e.url) for e in engines]
         ctx = _Context(endpoints, engines, stubs.model())
         for stub in endpoints:
-            await _warm_up(stub.url, spec.embedded.model)
+            await _warm_up(stub.url, spec.embedded.model, spec.text_prompts)
         for policy in spec.policies:
-            results, elapsed = await _run_policy(policy, requests, spec, ctx, on_done)
-            summaries.append(summarize(policy, results, elapsed))
-            every.extend(results)
+            run = await _run_policy(policy, requests, spec, ctx, on_done)
+            summaries.append(
+                summarize(policy, run.results, run.elapsed_s, run.engine_share, run.cached_blocks_at_start)
+            )
+            every.extend(run.results)
     finally:
         await stubs.stop()
     report = msgspec.structs.replace(header, policies=summaries)

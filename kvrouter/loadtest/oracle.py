@@ -1,4 +1,4 @@
-"""The oracle policy: routing with the engines' true prefix caches, the load test's upper bound.
+"""The `cache_oracle` policy: routing with the engines' true prefix caches, the cached-ratio bound.
 
 For every request it asks each stub's `POST /debug/cache_hit` for every rank's true hit (the same
 finder admission runs, without admitting), extended by the prefixes of requests the oracle itself
@@ -22,7 +22,9 @@ from kvrouter.loadtest.client import Target
 from kvrouter.loadtest.results import RequestResult
 from kvrouter.loadtest.workload import RequestSpec
 
-__all__ = ["Oracle", "StubEndpoint"]
+__all__ = ["CACHE_ORACLE", "CacheOracle", "StubEndpoint"]
+
+CACHE_ORACLE = "cache_oracle"
 
 
 class StubEndpoint(msgspec.Struct, frozen=True):
@@ -35,7 +37,7 @@ class StubEndpoint(msgspec.Struct, frozen=True):
 _HITS = msgspec.json.Decoder(list[CacheHit])
 
 
-class Oracle:
+class CacheOracle:
     """Chooses targets from the stubs' ground truth; call `done` with each finished result."""
 
     def __init__(
@@ -100,7 +102,7 @@ class Oracle:
         for chain in chains:
             flying[chain] = flying.get(chain, 0) + 1
         headers = {"x-data-parallel-rank": str(hit.rank)}
-        return Target("oracle", stub.url, engine=stub.name, headers=headers)
+        return Target(CACHE_ORACLE, stub.url, engine=stub.name, headers=headers)
 
     def done(self, result: RequestResult) -> None:
         """A request `choose` routed finished (or failed): its prefill work is no longer pending."""

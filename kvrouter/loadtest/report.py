@@ -19,6 +19,7 @@ from pathlib import Path
 import msgspec
 
 from kvrouter.extras import require_extra
+from kvrouter.loadtest.plan import RunPlan, describe
 from kvrouter.loadtest.results import PolicySummary, RequestResult
 from kvrouter.loadtest.settings import LoadtestSettings
 
@@ -26,13 +27,15 @@ __all__ = ["Report", "error_bins", "write_report"]
 
 
 class Report(msgspec.Struct, frozen=True, kw_only=True):
-    """What `summary.json` holds: every option of the run, the requests each policy was sent (and
-    how many `--duration` left out of the workload), and one summary per policy."""
+    """What `summary.json` holds: every option of the run, what was derived from them (`plan`: the
+    stubs, the requests left out, the offered load), the requests each policy was sent (and how many
+    `--duration` left out of the workload), and one summary per policy."""
 
     settings: LoadtestSettings
     requests_sent: int
     truncated: bool = False
     requests_not_sent: int = 0
+    plan: RunPlan | None = None
     policies: list[PolicySummary] = []
 
 
@@ -59,7 +62,8 @@ def _json_text(value: object) -> str:
 def _html(report: Report) -> str:
     head = (
         "<tr><th>policy</th><th>requests</th><th>errors</th><th>TTFT p50/p90/p99 (ms)</th>"
-        "<th>E2E p50/p99 (ms)</th><th>req/s</th><th>cached ratio</th><th>prediction exact</th></tr>"
+        "<th>E2E p50/p99 (ms)</th><th>req/s</th><th>cached ratio</th><th>prediction exact</th>"
+        "<th>cached blocks at start</th></tr>"
     )
     rows = []
     for s in report.policies:
@@ -68,13 +72,15 @@ def _html(report: Report) -> str:
             f"<tr><td>{html.escape(s.policy)}</td><td>{s.requests}</td><td>{s.errors}</td>"
             f"<td>{_fmt(s.ttft.p50)} / {_fmt(s.ttft.p90)} / {_fmt(s.ttft.p99)}</td>"
             f"<td>{_fmt(s.e2e.p50)} / {_fmt(s.e2e.p99)}</td><td>{s.throughput_rps:.1f}</td>"
-            f"<td>{s.cached_ratio * 100:.1f}%</td><td>{exact}</td></tr>"
+            f"<td>{s.cached_ratio * 100:.1f}%</td><td>{exact}</td><td>{s.cached_blocks_at_start}</td></tr>"
         )
     settings = "".join(
         f"<tr><th>{html.escape(name)}</th><td>{_json_text(value)}</td></tr>"
         for name, value in msgspec.structs.asdict(report.settings).items()
     )
     sent = f"<p>{report.requests_sent} requests sent to each policy.</p>"
+    if report.plan is not None:
+        sent += f"<p>{html.escape(describe(report.plan))}.</p>"
     if report.truncated:
         sent += (
             f"<p class='warn'><b>Truncated:</b> --duration cut the workload short; "

@@ -55,6 +55,9 @@ class PolicySummary(msgspec.Struct, frozen=True):
     prediction_exact: float | None
     prediction_mean_abs_error: float | None
     engine_share: dict[str, float]
+    """Each engine's fraction of the requests, from the engines' own counters when the harness read them."""
+    cached_blocks_at_start: int = 0
+    """Blocks holding a prefix-cache key on all stubs when the policy started (0: cold caches)."""
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -81,8 +84,15 @@ def prediction_errors(results: Sequence[RequestResult]) -> list[int]:
     ]
 
 
-def summarize(policy: str, results: Sequence[RequestResult], duration_s: float) -> PolicySummary:
-    """Aggregate one policy's request results over a run of `duration_s` seconds."""
+def summarize(
+    policy: str,
+    results: Sequence[RequestResult],
+    duration_s: float,
+    engine_share: dict[str, float] | None = None,
+    cached_blocks_at_start: int = 0,
+) -> PolicySummary:
+    """Aggregate one policy's request results over a run of `duration_s` seconds; `engine_share`
+    (from the engines' counters) replaces the share computed from the results' engine names."""
     ok = [r for r in results if r.error is None]
     prompt = sum(r.prompt_tokens for r in ok)
     cached = sum(r.cached_tokens for r in ok)
@@ -105,5 +115,10 @@ def summarize(policy: str, results: Sequence[RequestResult], duration_s: float) 
         predictions=len(errors),
         prediction_exact=sum(e == 0 for e in errors) / len(errors) if errors else None,
         prediction_mean_abs_error=sum(errors) / len(errors) if errors else None,
-        engine_share={e: n / total_engine for e, n in sorted(engines.items())},
+        engine_share=(
+            engine_share
+            if engine_share is not None
+            else {e: n / total_engine for e, n in sorted(engines.items())}
+        ),
+        cached_blocks_at_start=cached_blocks_at_start,
     )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Literal
 
 import msgspec
 
@@ -18,24 +19,36 @@ __all__ = ["LoadtestSettings", "parse_policies"]
 class LoadtestSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     """The options of one load test as given (None: not given); field names are the flags' dests.
 
-    With `engine_config`, the stubs' pool and block size come from that file, not from
-    `num_gpu_blocks` and `block_size`.
+    With `engine_config`, the stubs' block size comes from that file, not from `block_size`, and so
+    does their pool unless `num_gpu_blocks` is given; with neither, the pool is an H100 80 GB's for
+    an 8B model (`engine_stub.runtime.cost_model.H100_8B`). `time_scale` (trace timing, default 1) and `load`
+    (arrivals scaled to an offered prefill load) exclude each other.
     """
 
     engines: int = 2
     engine_config: str | None = None
-    num_gpu_blocks: int = 2048
+    num_gpu_blocks: int | None = None
     block_size: int = 16
     workload: str = "synthetic"
     policies: list[str] = msgspec.field(
-        default_factory=lambda: ["kv", "round_robin", "least_loaded", "oracle"]
+        default_factory=lambda: [
+            "kv",
+            "round_robin",
+            "least_loaded",
+            "prefix_approx",
+            "cache_oracle",
+            "ttft_oracle",
+        ]
     )
     router: str | None = None
+    ready_timeout: float = 60.0
+    prompt_format: Literal["ids", "text"] = "ids"
+    load: float | None = None
     stub_base_port: int | None = None
     requests: int | None = None
     duration: float | None = None
     rate: float = 20.0
-    time_scale: float = 1.0
+    time_scale: float | None = None
     block_tokens: int = 512
     max_output_tokens: int | None = None
     seed: int = 0

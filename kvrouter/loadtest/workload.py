@@ -24,6 +24,7 @@ __all__ = [
     "block_token_ids",
     "cut_at_duration",
     "load_trace",
+    "scale_arrivals",
     "shared_prefix_tokens",
     "synthetic_requests",
     "trace_requests",
@@ -52,6 +53,8 @@ class RequestSpec(msgspec.Struct, frozen=True):
     prompt: list[int]
     max_tokens: int
     session: str
+    text: str | None = None
+    """The prompt as text that the served tokenizer encodes to `prompt` (sent instead, when set)."""
 
 
 class TraceWorkload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -154,6 +157,11 @@ def synthetic_requests(spec: SyntheticWorkload) -> list[RequestSpec]:
     return out
 
 
+def scale_arrivals(requests: Sequence[RequestSpec], factor: float) -> list[RequestSpec]:
+    """The same requests with every arrival time multiplied by `factor` (< 1: sent faster)."""
+    return [msgspec.structs.replace(r, arrival_s=r.arrival_s * factor) for r in requests]
+
+
 def cut_at_duration(
     requests: Sequence[RequestSpec], duration_s: float | None
 ) -> tuple[list[RequestSpec], int]:
@@ -167,15 +175,16 @@ def cut_at_duration(
 def shared_prefix_tokens(requests: Iterable[RequestSpec], block: int = 16) -> int:
     """Prompt tokens, in whole `block`s, that repeat a prefix an earlier request already sent.
 
-    This is what a single engine with an unbounded cache would save: the upper bound of any policy.
+    This is what a single engine with an unbounded cache would save, the upper bound of any policy:
+    as vLLM, a hit stops at the first unseen block and leaves at least the prompt's last token to compute.
     """
     seen: set[int] = set()
     shared = 0
     for req in requests:
-        chain = 0
+        chain, hit, limit = 0, True, (len(req.prompt) - 1) // block * block
         for end in range(block, len(req.prompt) + 1, block):
             chain = hash((chain, tuple(req.prompt[end - block : end])))
-            if chain in seen:
-                shared += block
+            hit = hit and chain in seen and end <= limit
+            shared += block if hit else 0
             seen.add(chain)
     return shared

@@ -39,9 +39,9 @@ def run(out: Path, *args: str) -> Report:
 
 def test_kv_beats_round_robin_and_the_oracle_bounds_it(tmp_path: Path) -> None:
     workload = ["--system-prompts", "16", "--system-prompt-tokens", "2048", "--users", "64", "--turns", "1"]
-    report = run(tmp_path, *workload, "--rate", "15", "--policies", "kv,round_robin,oracle")
+    report = run(tmp_path, *workload, "--rate", "15", "--policies", "kv,round_robin,cache_oracle")
     kv, rr, oracle = report.policies
-    assert (kv.policy, rr.policy, oracle.policy) == ("kv", "round_robin", "oracle")
+    assert (kv.policy, rr.policy, oracle.policy) == ("kv", "round_robin", "cache_oracle")
     assert all(s.requests == 64 and s.errors == 0 for s in report.policies)
     assert kv.cached_tokens > rr.cached_tokens
     assert kv.ttft.p50 is not None and rr.ttft.p50 is not None and kv.ttft.p50 < rr.ttft.p50
@@ -118,6 +118,6 @@ def test_an_external_router_is_measured_on_the_same_stubs(tmp_path: Path) -> Non
             gateway.terminate()
             gateway.wait(timeout=30)
     assert (external.policy, external.requests, external.errors) == ("external", 20, 0)
-    assert set(external.engine_share) == {"s0", "s1"}  # the gateway's own engine names: it routed
+    assert set(external.engine_share) == {"embedded-0", "embedded-1"}  # from the stubs' own counters
     stubs = msgspec.json.decode((tmp_path / "stubs.json").read_bytes(), type=list[EngineConfig])
     assert [(e.url, e.events, e.replay) for e in stubs] == [(e.url, e.events, e.replay) for e in engines]

@@ -5,7 +5,7 @@ from __future__ import annotations
 import aiohttp
 
 from engine_stub.server.launch import running_stub
-from kvrouter.loadtest.oracle import Oracle, StubEndpoint
+from kvrouter.loadtest.oracle import CacheOracle, StubEndpoint
 from kvrouter.loadtest.results import RequestResult
 from kvrouter.loadtest.workload import RequestSpec, block_token_ids
 from tests.stub_helpers import stub_config
@@ -20,7 +20,7 @@ async def test_oracle_prefers_the_true_cache_then_spreads_pending_work() -> None
             warm = {"model": "kvrouter-stub", "prompt": prefix, "max_tokens": 1}
             async with session.post(f"{b.info.url}/v1/completions", json=warm) as r:
                 assert r.status == 200
-            oracle = Oracle(stubs, session, "kvrouter-stub")
+            oracle = CacheOracle(stubs, session, "kvrouter-stub")
             shared = RequestSpec(0.0, [*prefix, *block_token_ids(8, 16)], 1, "s")
             first = await oracle.choose(0, shared)
             assert (first.engine, first.headers) == ("b", {"x-data-parallel-rank": "0"})

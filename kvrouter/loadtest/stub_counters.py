@@ -1,0 +1,60 @@
+"""The stubs' own counters, read from their `/metrics`: cached blocks, and requests each finished.
+
+The harness reads them at each policy's start (the cached blocks must be 0: caches are cold) and
+around each policy's run, so `engine_share` comes from what the engines themselves served, whatever
+the router says (an external router names no engine). The request count is vLLM's own
+`vllm:request_success_total` (every finished reason), so the same reading works on real engines.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+
+import aiohttp
+import msgspec
+from prometheus_client.parser import text_string_to_metric_families
+
+from kvrouter.loadtest.oracle import StubEndpoint
+
+__all__ = ["StubCounters", "engine_share", "parse_counters", "read_counters"]
+
+CACHED_BLOCKS = "kvrouter_stub_cached_blocks"
+FINISHED = "vllm:request_success_total"
+
+
+class StubCounters(msgspec.Struct, frozen=True):
+    """One stub's figures, summed over its data-parallel ranks."""
+
+    cached_blocks: int = 0
+    requests_finished: int = 0
+
+
+def parse_counters(text: str) -> StubCounters:
+    """The figures in one `/metrics` text exposition."""
+    cached = finished = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == CACHED_BLOCKS:
+                cached += sample.value
+            elif sample.name == FINISHED:
+                finished += sample.value
+    return StubCounters(int(cached), int(finished))
+
+
+async def read_counters(
+    session: aiohttp.ClientSession, stubs: Sequence[StubEndpoint]
+) -> dict[str, StubCounters]:
+    """Every stub's figures now, by stub name."""
+    out: dict[str, StubCounters] = {}
+    for stub in stubs:
+        async with session.get(f"{stub.url}/metrics") as r:
+            r.raise_for_status()
+            out[stub.name] = parse_counters(await r.text())
+    return out
+
+
+def engine_share(before: Mapping[str, StubCounters], after: Mapping[str, StubCounters]) -> dict[str, float]:
+    """Each stub's fraction of the requests finished between the two readings."""
+    done = {name: after[name].requests_finished - before[name].requests_finished for name in after}
+    total = sum(done.values())
+    return {name: n / total for name, n in sorted(done.items())} if total else {}

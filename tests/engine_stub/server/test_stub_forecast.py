@@ -1,0 +1,45 @@
+"""The stub's counters for load tests (requests finished, cached blocks) and its TTFT forecast route."""
+
+from __future__ import annotations
+
+import msgspec
+from prometheus_client.parser import text_string_to_metric_families
+
+from engine_stub.runtime.cost_model import CostModel, StepWork
+from engine_stub.runtime.forecast import Forecast
+from tests.stub_helpers import live_stub
+
+FORECASTS = msgspec.json.Decoder(list[Forecast])
+
+
+def _sum(text: str, name: str) -> float:
+    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples if s.name == name)
+
+
+async def test_finished_requests_prompt_tokens_and_cached_blocks_are_counted_and_reset_empties_the_pool() -> (
+    None
+):
+    async with live_stub() as (_, client):
+        for n in (40, 70):
+            r = await client.post("/v1/completions", json={"prompt": "z" * n, "max_tokens": 2})
+            assert r.status_code == 200
+        text = (await client.get("/metrics")).text
+        assert _sum(text, "vllm:request_success_total") == 2
+        assert _sum(text, "vllm:prompt_tokens_total") == 41 + 71
+        assert _sum(text, "kvrouter_stub_cached_blocks") == 4  # 71 tokens: 4 full blocks, 2 shared with 41
+        assert (await client.post("/reset_prefix_cache")).json() == {"success": True}
+        assert _sum((await client.get("/metrics")).text, "kvrouter_stub_cached_blocks") == 0
+
+
+async def test_an_idle_stub_forecasts_one_prefill_step_and_work_ahead_delays_it() -> None:
+    async with live_stub() as (server, client):
+        cost: CostModel = server.config.cost
+        body = {"prompt": list(range(1000, 1100)), "max_tokens": 3}
+        (alone,) = FORECASTS.decode((await client.post("/debug/forecast", json=body)).content)
+        assert (alone.rank, alone.prompt_tokens, alone.hit_tokens, alone.num_running) == (0, 100, 0, 0)
+        assert alone.ttft_s == cost.step_seconds(StepWork(prefill_tokens=100, context_tokens=100))
+        ahead = {**body, "ahead": [{"prompt_tokens": 3000, "hit_tokens": 0, "max_tokens": 8}]}
+        (behind,) = FORECASTS.decode((await client.post("/debug/forecast", json=ahead)).content)
+        assert behind.ttft_s is not None and behind.ttft_s > alone.ttft_s
+        bad = await client.post("/debug/forecast", json={**body, "ahead": [{"hit_tokens": 1}]})
+        assert bad.status_code == 400 and "prompt_tokens" in bad.json()["error"]["message"]
