@@ -22,9 +22,19 @@ from kvrouter.loadtest.client import Target
 from kvrouter.loadtest.results import RequestResult
 from kvrouter.loadtest.workload import RequestSpec
 
-__all__ = ["CACHE_ORACLE", "CacheOracle", "StubEndpoint"]
+__all__ = ["CACHE_ORACLE", "CacheOracle", "StubEndpoint", "prefix_chains"]
 
 CACHE_ORACLE = "cache_oracle"
+
+
+def prefix_chains(prompt: list[int], block_size: int) -> list[int]:
+    """One value per full block of `prompt`, standing for the whole prefix up to that block's end
+    (both oracles' in-flight matching; a process-local hash, never sent anywhere)."""
+    chain, out = 0, []
+    for end in range(block_size, len(prompt) + 1, block_size):
+        chain = hash((chain, tuple(prompt[end - block_size : end])))
+        out.append(chain)
+    return out
 
 
 class StubEndpoint(msgspec.Struct, frozen=True):
@@ -59,14 +69,6 @@ class CacheOracle:
             r.raise_for_status()
             return _HITS.decode(await r.read())
 
-    def _chains(self, prompt: list[int]) -> list[int]:
-        """One value per full block standing for the whole prefix up to that block's end."""
-        bs, chain, out = self.block_size, 0, []
-        for end in range(bs, len(prompt) + 1, bs):
-            chain = hash((chain, tuple(prompt[end - bs : end])))
-            out.append(chain)
-        return out
-
     def _in_flight_hit(self, slot: tuple[str, int], chains: list[int], prompt_len: int) -> int:
         """Block-aligned prefix shared with a request in flight on `slot` (capped at length - 1)."""
         flying = self._flying.get(slot, {})
@@ -80,7 +82,7 @@ class CacheOracle:
     async def choose(self, key: int, spec: RequestSpec) -> Target:
         """The best (stub, rank) for `spec`; `key` identifies the request when it is `done`."""
         best: tuple[int, int, int, int, StubEndpoint, CacheHit, int] | None = None
-        chains = self._chains(spec.prompt)
+        chains = prefix_chains(spec.prompt, self.block_size)
         answers = await asyncio.gather(*(self._hits(stub, spec) for stub in self.stubs))
         for order, (stub, hits) in enumerate(zip(self.stubs, answers, strict=True)):
             for hit in hits:

@@ -25,7 +25,7 @@ import msgspec
 from engine_stub.runtime.cost_model import CostModel, StepWork
 from engine_stub.runtime.forecast import Forecast
 from kvrouter.loadtest.client import Target
-from kvrouter.loadtest.oracle import StubEndpoint
+from kvrouter.loadtest.oracle import StubEndpoint, prefix_chains
 from kvrouter.loadtest.results import RequestResult
 from kvrouter.loadtest.workload import RequestSpec
 
@@ -66,13 +66,6 @@ class TtftOracle:
         self._where: dict[int, str] = {}
         self._routed: list[tuple[str, float]] = []  # every decision's (stub, prefill seconds), in order
 
-    def _chains(self, prompt: list[int]) -> list[int]:
-        bs, chain, out = self.block_size, 0, []
-        for end in range(bs, len(prompt) + 1, bs):
-            chain = hash((chain, tuple(prompt[end - bs : end])))
-            out.append(chain)
-        return out
-
     def _shared(self, chains: list[int], transit: list[_Ahead], prompt_len: int) -> int:
         """The block-aligned prefix shared with a request in transit (capped as a hit is)."""
         best = 0
@@ -107,7 +100,7 @@ class TtftOracle:
     async def choose(self, key: int, spec: RequestSpec) -> Target:
         """The (stub, rank) whose forecast first token for `spec` is the soonest."""
         mark = len(self._routed)
-        chains = self._chains(spec.prompt)
+        chains = prefix_chains(spec.prompt, self.block_size)
         answers = await asyncio.gather(*(self._forecast(stub, spec, chains) for stub in self.stubs))
         late: dict[str, float] = {}
         for name, seconds in self._routed[mark:]:
