@@ -94,9 +94,7 @@ class Setup:
         self.replicas: dict[EngineId, ReplicaInfo] = {}
         for engine in config.engines:
             variant = self.models.learn(engine)
-            ranks = max(1, len(engine.events))
-            for rank in range(ranks):
-                rid = EngineId(engine.name if ranks == 1 else f"{engine.name}/dp{rank}")
+            for rank, rid in enumerate(engine.replica_ids()):
                 self.replicas[rid] = ReplicaInfo(rid, engine, rank, variant)
 
     @classmethod

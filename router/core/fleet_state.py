@@ -99,10 +99,8 @@ class FleetState:
         if engine.name in self._engines:
             raise ValueError(f"engine {engine.name!r} is already in the fleet")
         self._engines[engine.name] = engine
-        ranks = max(1, len(engine.events))
         added = []
-        for rank in range(ranks):
-            rid = EngineId(engine.name if ranks == 1 else f"{engine.name}/dp{rank}")
+        for rank, rid in enumerate(engine.replica_ids()):
             self.mirror.add_engine(rid, variant.spec, ReportMode(engine.report_mode))
             rep = Replica(rid, engine, rank, variant, TrustTracker(self.config.policy.trust_silence_s))
             self._replicas[rid] = rep
@@ -217,10 +215,10 @@ class FleetState:
         engine = self._engines.get(name)
         if engine is None:
             return
-        ranks = max(1, len(engine.events))
+        ids = engine.replica_ids()
         for rank, metrics in by_rank.items():
-            if rank < ranks:
-                self.load.scraped(EngineId(name if ranks == 1 else f"{name}/dp{rank}"), metrics)
+            if rank < len(ids):
+                self.load.scraped(ids[rank], metrics)
 
     # -- the subscribers' consumer -------------------------------------------------------------
 

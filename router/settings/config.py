@@ -17,6 +17,7 @@ from urllib.parse import urlsplit
 import msgspec
 
 from router.core.group_kinds import group_kind
+from router.core.ids import EngineId
 
 __all__ = [
     "Auth",
@@ -89,6 +90,12 @@ class EngineConfig(_Table, frozen=True):
     block_size: Count | None = None
     groups: list[GroupConfig] = []
     report_mode: Literal["incremental", "full"] = "incremental"
+
+    def replica_ids(self) -> list[EngineId]:
+        """Its replicas' ids, one per DP rank in rank order: the engine's name, or `name/dpN` when
+        it has several ranks."""
+        ranks = max(1, len(self.events))
+        return [EngineId(self.name if ranks == 1 else f"{self.name}/dp{rank}") for rank in range(ranks)]
 
 
 class ModelConfig(_Table, frozen=True):
