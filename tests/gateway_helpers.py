@@ -12,6 +12,7 @@ from typing import Any
 import httpx
 import msgspec
 import uvicorn
+from aiohttp import web
 
 from engine_stub.server.launch import StubServer, running_stub
 from engine_stub.stub_config import StubConfig
@@ -26,7 +27,9 @@ from tests.stub_helpers import stub_config
 __all__ = [
     "ADMIN",
     "Gateway",
+    "Handler",
     "engine_of",
+    "fake_engine",
     "gateway_config",
     "mirrors_caught_up",
     "running_gateway",
@@ -36,6 +39,24 @@ __all__ = [
 
 WAIT = 10.0
 ADMIN = "admin-secret"
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@asynccontextmanager
+async def fake_engine(handler: Handler) -> AsyncIterator[str]:
+    """A real HTTP server on 127.0.0.1:0 answering every path with `handler` (cancelled when its client
+    disconnects); yields its URL."""
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", handler)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    host, port = runner.addresses[0][:2]
+    try:
+        yield f"http://{host}:{port}"
+    finally:
+        await runner.cleanup()
 
 
 async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout: float = WAIT) -> None:

@@ -15,7 +15,15 @@ from engine_stub.runtime.cost_model import CostModel
 from router.core.errors import ErrorBody
 from router.ops.debug import DecisionEntry, Explanation
 from router.settings.config import Discovery, EngineConfig, Limits, PolicyConfig
-from tests.gateway_helpers import ADMIN, engine_of, gateway_config, running_gateway, running_stubs, wait_for
+from tests.gateway_helpers import (
+    ADMIN,
+    engine_of,
+    fake_engine,
+    gateway_config,
+    running_gateway,
+    running_stubs,
+    wait_for,
+)
 from tests.stub_helpers import stub_config
 
 ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
@@ -288,15 +296,7 @@ async def test_the_routers_api_key_never_reaches_an_engine() -> None:
         usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
         return web.json_response({"object": "text_completion", "choices": [], "usage": usage})
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", answer)
-    app.router.add_post("/v1/embeddings", answer)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    async with fake_engine(answer) as url:
         config = gateway_config([EngineConfig(name="echo", url=url, model="kvrouter-stub")])
         key = {"Authorization": "Bearer k1"}
         async with running_gateway(config, environ={"KVROUTER_API_KEYS": "k1"}) as gw:
@@ -311,8 +311,6 @@ async def test_the_routers_api_key_never_reaches_an_engine() -> None:
             assert (await gw.client.post("/v1/completions", json=BODY, headers=key)).status_code == 200
             assert (await gw.client.post("/v1/embeddings", json=embed, headers=key)).status_code == 200
         assert seen[2:] == ["Bearer k1", "Bearer k1"]
-    finally:
-        await runner.cleanup()
 
 
 async def test_a_session_pinned_to_a_removed_engine_is_routed_afresh() -> None:

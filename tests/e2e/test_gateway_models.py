@@ -15,9 +15,15 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine_stub.server.launch import running_stub
 from router.core.errors import ErrorBody
 from router.core.ids import EngineId
-from router.edge.passthrough import PASSTHROUGH_PATHS
 from router.settings.config import EngineConfig
-from tests.gateway_helpers import Gateway, engine_of, gateway_config, running_gateway, running_stubs
+from tests.gateway_helpers import (
+    Gateway,
+    engine_of,
+    fake_engine,
+    gateway_config,
+    running_gateway,
+    running_stubs,
+)
 from tests.stub_helpers import stub_config
 
 
@@ -117,17 +123,8 @@ async def echo_engine(name: str, seen: list[tuple[str, str, str]]) -> AsyncItera
         seen.append((name, request.method, request.path))
         return web.json_response({"engine": name})
 
-    app = web.Application()
-    for path in PASSTHROUGH_PATHS:
-        app.router.add_route("*", path, answer)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        yield f"http://127.0.0.1:{runner.addresses[0][1]}"
-    finally:
-        await runner.cleanup()
+    async with fake_engine(answer) as url:
+        yield url
 
 
 async def test_passthrough_paths_go_to_an_engine_of_the_requests_model() -> None:

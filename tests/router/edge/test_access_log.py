@@ -10,7 +10,7 @@ from aiohttp import web
 
 from router.edge.access_log import ACCESS_LOGGER
 from router.settings.config import EngineConfig, Listen
-from tests.gateway_helpers import engine_of, gateway_config, running_gateway, running_stubs
+from tests.gateway_helpers import engine_of, fake_engine, gateway_config, running_gateway, running_stubs
 
 BODY = {
     "model": "kvrouter-stub",
@@ -35,15 +35,7 @@ async def test_the_engine_sees_the_gateways_request_id_on_every_route() -> None:
         body = {"object": "text_completion", "choices": [], "usage": usage}
         return web.json_response(body, headers={"x-request-id": "the-engine-echo"})
 
-    app = web.Application()
-    app.router.add_post("/v1/completions", answer)
-    app.router.add_post("/v1/embeddings", answer)
-    runner = web.AppRunner(app, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    try:
-        url = f"http://127.0.0.1:{runner.addresses[0][1]}"
+    async with fake_engine(answer) as url:
         async with running_gateway(gateway_config([EngineConfig(name="echo", url=url)])) as gw:
             ids = []
             for path in ("/v1/completions", "/v1/embeddings"):
@@ -52,8 +44,6 @@ async def test_the_engine_sees_the_gateways_request_id_on_every_route() -> None:
                     assert answered.status_code == 200
                     assert len(answered.headers.get_list("x-request-id")) == 1  # the engine's echo dropped
                     ids.append(answered.headers["x-request-id"])
-    finally:
-        await runner.cleanup()
     assert seen == ids
     assert ids[2] == ids[5] == "mine-1" and len(set(ids)) == 5
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 import msgspec
@@ -32,25 +32,9 @@ from router.core.policy.retry import OutcomeKind, RetryPolicy
 from router.edge.headers import response_headers, upstream_headers, upstream_url
 from router.edge.proxy import Proxy, ProxySettings
 from router.edge.upstream import ProxyRequest, Target, UpstreamResponse
+from tests.gateway_helpers import fake_engine
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 WAIT = 5.0  # generous bound for every wait on an event; none is expected to come close
-
-
-@asynccontextmanager
-async def serve(handler: Handler) -> AsyncIterator[str]:
-    """A real HTTP server on 127.0.0.1:0 whose handler is cancelled when its client disconnects."""
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", handler)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    host, port = runner.addresses[0][:2]
-    try:
-        yield f"http://{host}:{port}"
-    finally:
-        await runner.cleanup()
 
 
 def closed_port_url() -> str:
@@ -155,7 +139,7 @@ async def test_json_forwarded_byte_for_byte() -> None:
         return web.json_response({"ok": True}, headers={"X-Engine": "a"})
 
     body = b'{"prompt":  "caf\xc3\xa9",\n "max_tokens": 1 }'
-    async with serve(echo) as url, proxy() as p:
+    async with fake_engine(echo) as url, proxy() as p:
         request = post("/v1/completions?trace=1", body, Connection="X-Private", X_Private="no", X_Keep="yes")
         answer = await p.forward(request, Fleet(p, {"a": url}))
         assert answer.status == 200 and answer.engine == "a"
@@ -182,7 +166,7 @@ async def test_sse_chunks_arrive_one_by_one_with_nodelay() -> None:
         await response.write(b"data: [DONE]\n\n")
         return response
 
-    async with serve(sse) as url, proxy() as p:
+    async with fake_engine(sse) as url, proxy() as p:
         answer = await p.forward(post(), Fleet(p, {"a": url}))
         assert answer.status == 200
         assert answer._response is not None and answer._response.connection is not None
@@ -205,7 +189,7 @@ async def test_5xx_retried_on_another_engine() -> None:
     async def fine(request: web.Request) -> web.Response:
         return web.json_response({"engine": "b"})
 
-    async with serve(broken) as bad, serve(fine) as good, proxy() as p:
+    async with fake_engine(broken) as bad, fake_engine(fine) as good, proxy() as p:
         fleet = Fleet(p, {"a": bad, "b": good})
         answer = await p.forward(post(), fleet)
         assert (answer.engine, answer.status) == ("b", 200)
@@ -219,7 +203,7 @@ async def test_5xx_everywhere_maps_to_502_within_the_attempt_budget() -> None:
     async def broken(request: web.Request) -> web.Response:
         return web.Response(status=503, text="engine draining")
 
-    async with serve(broken) as u1, serve(broken) as u2, serve(broken) as u3, proxy() as p:
+    async with fake_engine(broken) as u1, fake_engine(broken) as u2, fake_engine(broken) as u3, proxy() as p:
         p.settings = msgspec.structs.replace(p.settings, retry=RetryPolicy(attempts=2, backoff_s=0.001))
         fleet = Fleet(p, {"a": u1, "b": u2, "c": u3})
         with pytest.raises(UpstreamStatusError) as info:
@@ -238,7 +222,7 @@ async def test_429_retried_then_passed_through() -> None:
     async def fine(request: web.Request) -> web.Response:
         return web.json_response({"ok": 1})
 
-    async with serve(busy) as b1, serve(busy) as b2, serve(fine) as ok, proxy() as p:
+    async with fake_engine(busy) as b1, fake_engine(busy) as b2, fake_engine(fine) as ok, proxy() as p:
         answer = await p.forward(post(), Fleet(p, {"a": b1, "b": ok}))
         assert (answer.engine, answer.status) == ("b", 200)
         answer = await p.forward(post(), Fleet(p, {"a": b1, "c": b2}))
@@ -254,7 +238,7 @@ async def test_engine_4xx_passes_through() -> None:
             {"error": {"message": "bad model", "type": "invalid_request_error"}}, status=404
         )
 
-    async with serve(reject) as url, proxy() as p:
+    async with fake_engine(reject) as url, proxy() as p:
         fleet = Fleet(p, {"a": url, "b": url})
         answer = await p.forward(post(), fleet)
         assert (answer.engine, answer.status) == ("a", 404)
@@ -267,7 +251,7 @@ async def test_connect_failure_retried_then_mapped_to_502() -> None:
         return web.json_response({"ok": 1})
 
     closed = closed_port_url()
-    async with serve(fine) as ok, proxy() as p:
+    async with fake_engine(fine) as ok, proxy() as p:
         answer = await p.forward(post(), Fleet(p, {"dead": closed, "b": ok}))
         assert answer.engine == "b"
         assert answer.attempts[0].outcome is OutcomeKind.CONNECT_FAILED
@@ -299,7 +283,7 @@ async def test_first_byte_timeout_is_504_not_retried_and_cancels_upstream() -> N
             raise
         raise AssertionError("unreachable")
 
-    async with serve(slow) as url, proxy(first_byte_s=0.2) as p:
+    async with fake_engine(slow) as url, proxy(first_byte_s=0.2) as p:
         fleet = Fleet(p, {"a": url, "b": url})
         with pytest.raises(UpstreamTimeout) as info:
             await p.forward(post(), fleet)
@@ -323,7 +307,7 @@ async def test_client_stopping_mid_stream_disconnects_upstream() -> None:
             raise
         return response
 
-    async with serve(endless) as url, proxy() as p:
+    async with fake_engine(endless) as url, proxy() as p:
         answer = await p.forward(post(), Fleet(p, {"a": url}))
         assert await asyncio.wait_for(anext(answer.body), WAIT) == b"data: 0\n\n"
         reader = asyncio.ensure_future(anext(answer.body))
@@ -349,7 +333,7 @@ async def test_close_before_iterating_releases_upstream() -> None:
             raise
         return response
 
-    async with serve(endless) as url, proxy() as p:
+    async with fake_engine(endless) as url, proxy() as p:
         answer = await p.forward(post(), Fleet(p, {"a": url}))
         answer.close()
         await asyncio.wait_for(cancelled.wait(), WAIT)
@@ -365,7 +349,7 @@ async def test_upstream_breaking_mid_stream_raises_broken() -> None:
         request.transport.close()
         return response
 
-    async with serve(cut) as url, proxy() as p:
+    async with fake_engine(cut) as url, proxy() as p:
         answer = await p.forward(post(), Fleet(p, {"a": url}))
         assert await asyncio.wait_for(anext(answer.body), WAIT) == b"data: 0\n\n"
         with pytest.raises(UpstreamBroken):
@@ -398,7 +382,7 @@ async def test_consumer_closing_the_iterator_disconnects_upstream() -> None:
             raise
         return response
 
-    async with serve(endless) as url, proxy() as p:
+    async with fake_engine(endless) as url, proxy() as p:
         answer = await p.forward(post(), Fleet(p, {"a": url}))
         assert await asyncio.wait_for(anext(answer.body), WAIT) == b"data: 0\n\n"
         await answer.body.aclose()  # type: ignore[attr-defined]
@@ -460,7 +444,7 @@ async def test_client_disconnect_through_uvicorn_cancels_upstream() -> None:
             raise
         return response
 
-    async with serve(endless) as url, proxy() as p:
+    async with fake_engine(endless) as url, proxy() as p:
         async with serve_gateway(p, Fleet(p, {"a": url})) as port:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n\r\n{}")
