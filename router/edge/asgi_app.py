@@ -23,6 +23,7 @@ from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
 from router.core.errors import NoEngineAvailable, RequestTimeout, RouterError
+from router.core.fleet_state import ModelReadiness
 from router.edge.access_log import AccessLog
 from router.edge.admin import AdminApi, NotFound
 from router.edge.client_io import ClientGone, error_answer, read_body, request_id_of
@@ -32,6 +33,7 @@ from router.edge.passthrough import PASSTHROUGH_PATHS, Passthrough
 from router.lifecycle import ServeOptions, Service
 from router.ops.fleet_views import index_summary
 from router.settings.config import RouterConfig
+from serving.drain import DrainFlag
 from tokenization.openai_request import Endpoint
 
 __all__ = ["GatewayApp", "Handlers", "create_app"]
@@ -50,11 +52,19 @@ class _Shape(msgspec.Struct):
 _SHAPE: Final = msgspec.json.Decoder(_Shape)
 
 
+class Readiness(msgspec.Struct):
+    """The body of `GET /ready`: ready, not ready (a served model has no healthy replica) or draining."""
+
+    status: str
+    models: dict[str, ModelReadiness]
+
+
 class Handlers:
     """The started gateway's request handlers (set by the lifespan)."""
 
-    def __init__(self, parts: GatewayParts) -> None:
+    def __init__(self, parts: GatewayParts, drain: DrainFlag) -> None:
         self.parts = parts
+        self.drain = drain
         self.gateway = Gateway(parts)
         self.passthrough = Passthrough(parts)
         self.admin = AdminApi(parts)
@@ -91,9 +101,11 @@ class Handlers:
 
     async def ready(self, request: Request) -> Response:
         fleet = self.parts.fleet
-        ok = fleet.ready(fleet.clock())
-        body = b'{"status":"ready"}' if ok else b'{"status":"not ready"}'
-        return Response(body, status_code=200 if ok else 503, media_type=_JSON)
+        now = fleet.clock()
+        models = fleet.readiness(now)
+        status = "draining" if self.drain.draining else "ready" if fleet.ready(now) else "not ready"
+        body = msgspec.json.encode(Readiness(status, models))
+        return Response(body, status_code=200 if status == "ready" else 503, media_type=_JSON)
 
     async def metrics(self, request: Request) -> Response:
         self.parts.metrics.engines.set(len(self.parts.fleet.engines()))
@@ -104,6 +116,8 @@ class GatewayApp(FastAPI):
     """The FastAPI app with the hot routes taken before Starlette (see the module docstring)."""
 
     handlers: list[Handlers]
+    drain: DrainFlag
+    """Set on the first stop signal (or by the worker supervisor): `/ready` then answers 503."""
     access_log: AccessLog | None = None
     """Set when `listen.access_log` is on: every request then goes through it."""
 
@@ -140,13 +154,15 @@ def create_app(
     on_started: Callable[[GatewayParts], None] | None = None,
 ) -> GatewayApp:
     """The gateway app for `config`; its lifespan starts and stops the service."""
-    service = Service(config, options or ServeOptions(), os.environ if environ is None else environ)
+    options = options or ServeOptions()
+    service = Service(config, options, os.environ if environ is None else environ)
     box: list[Handlers] = []
+    drain = DrainFlag(options.drain_marker)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, ClientTimeouts]]:
         parts = await service.start()
-        box.append(Handlers(parts))
+        box.append(Handlers(parts, drain))
         app.state.handlers = box[0]
         if on_started is not None:
             on_started(parts)
@@ -159,6 +175,7 @@ def create_app(
 
     app = GatewayApp(title="kvrouter", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.handlers = box
+    app.drain = drain
     if config.listen.access_log:
         app.access_log = AccessLog(app.dispatch)
     app.state.service = service
