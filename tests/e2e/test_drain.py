@@ -64,7 +64,12 @@ async def gateway(engine_url: str, *sets: str) -> AsyncIterator[tuple[asyncio.su
     for s in sets:
         argv += ["--set", s]
     process = await asyncio.create_subprocess_exec(
-        sys.executable, *argv, cwd=ROOT, env=env, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        sys.executable,
+        *argv,
+        cwd=ROOT,
+        env=env,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
     )
     try:
         assert process.stdout is not None
@@ -100,7 +105,9 @@ async def exit_code(process: asyncio.subprocess.Process) -> tuple[int, str]:
 
 
 @pytest.mark.parametrize("workers", [1, 2])
-async def test_sigterm_turns_not_ready_then_refuses_connections_and_lets_the_stream_finish(workers: int) -> None:
+async def test_sigterm_turns_not_ready_then_refuses_connections_and_lets_the_stream_finish(
+    workers: int,
+) -> None:
     engine = StreamingEngine()
     async with fake_engine(engine.handle) as engine_url:
         sets = ("limits.drain_grace_s=3", "limits.drain_s=60", f"listen.workers={workers}")
