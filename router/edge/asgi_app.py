@@ -108,7 +108,9 @@ class Handlers:
         return Response(body, status_code=200 if status == "ready" else 503, media_type=_JSON)
 
     async def metrics(self, request: Request) -> Response:
-        self.parts.metrics.engines.set(len(self.parts.fleet.engines()))
+        fleet = self.parts.fleet
+        self.parts.metrics.engines.set(len(fleet.engines()))
+        self.parts.metrics.ready.set(not self.drain.draining and fleet.ready(fleet.clock()))
         return Response(self.parts.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 

@@ -315,6 +315,12 @@ class RouterMetrics:
         self.engines = Gauge(
             "kvrouter_engines", "engines known to the router", registry=r, multiprocess_mode="max"
         )
+        self.ready = Gauge(
+            "kvrouter_ready",
+            "1 when GET /ready answers 200: a healthy replica for every served model, not draining",
+            registry=r,
+            multiprocess_mode="livemostrecent",  # the answering worker's, set as it renders
+        )
         self.remote_tokenize_failures = Counter(
             "kvrouter_remote_tokenize_failures",
             "requests tokenized locally: no engine /tokenize answered",
