@@ -31,6 +31,7 @@ from router.edge.client_timeouts import STATE_KEY, ClientTimeouts
 from router.edge.gateway import Gateway, GatewayParts
 from router.edge.passthrough import PASSTHROUGH_PATHS, Passthrough
 from router.lifecycle import ServeOptions, Service
+from router.ops.digests import fleet_digests
 from router.ops.fleet_views import index_summary
 from router.settings.config import RouterConfig
 from serving.drain import DrainFlag
@@ -98,6 +99,10 @@ class Handlers:
     async def index(self, request: Request) -> Response:
         self.admin_check(request)
         return Response(msgspec.json.encode(index_summary(self.parts.fleet)), media_type=_JSON)
+
+    async def digests(self, request: Request) -> Response:
+        self.admin_check(request)
+        return Response(msgspec.json.encode(fleet_digests(self.parts.fleet)), media_type=_JSON)
 
     async def ready(self, request: Request) -> Response:
         fleet = self.parts.fleet
@@ -224,6 +229,7 @@ def _add_routes(app: FastAPI, box: list[Handlers]) -> None:
     add("/debug/decisions/{request_id}", h(lambda x: x.decisions), methods=["GET"])
     add("/debug/route", h(lambda x: x.explain), methods=["POST"])
     add("/debug/index", h(lambda x: x.index), methods=["GET"])
+    add("/debug/digests", h(lambda x: x.digests), methods=["GET"])
     add("/admin/engines", h(lambda x: x.admin.list_engines), methods=["GET"])
     add("/admin/engines", h(lambda x: x.admin.add_engine), methods=["POST"])
     add("/admin/engines/{name:path}", h(lambda x: x.admin.remove_engine), methods=["DELETE"])

@@ -10,21 +10,16 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import signal
-import sys
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
-from pathlib import Path
+from contextlib import AbstractAsyncContextManager
 
 import httpx
-import msgspec
 import pytest
 from aiohttp import web
 
 from tests.gateway_helpers import fake_engine
+from tests.serve_helpers import serve_process
 
-ROOT = Path(__file__).resolve().parents[2]
 WAIT_S = 60.0
 BODY = {"model": "m", "prompt": "drain me " * 8, "max_tokens": 100, "stream": True}
 
@@ -56,30 +51,11 @@ class StreamingEngine:
         return reply
 
 
-@asynccontextmanager
-async def gateway(engine_url: str, *sets: str) -> AsyncIterator[tuple[asyncio.subprocess.Process, str]]:
+def gateway(
+    engine_url: str, *sets: str
+) -> AbstractAsyncContextManager[tuple[asyncio.subprocess.Process, str]]:
     engines = json.dumps([{"name": "e", "url": engine_url, "model": "m"}])  # no events: never trusted
-    env = {**os.environ, "KVROUTER_ENGINES": engines}
-    argv = ["-m", "kvrouter", "--log-level", "WARNING", "serve", "--port", "0"]
-    for s in sets:
-        argv += ["--set", s]
-    process = await asyncio.create_subprocess_exec(
-        sys.executable,
-        *argv,
-        cwd=ROOT,
-        env=env,
-        stdout=asyncio.subprocess.PIPE,
-        stderr=asyncio.subprocess.PIPE,
-    )
-    try:
-        assert process.stdout is not None
-        line = await asyncio.wait_for(process.stdout.readline(), WAIT_S)
-        assert line, "the gateway exited before its ready line"
-        yield process, msgspec.json.decode(line)["url"]
-    finally:
-        if process.returncode is None:
-            process.kill()
-            await process.wait()
+    return serve_process({"KVROUTER_ENGINES": engines}, *sets)
 
 
 async def ready_status(url: str) -> tuple[int, str] | None:
