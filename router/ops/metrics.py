@@ -324,7 +324,7 @@ class RouterMetrics:
             "kvrouter_engines", "engines known to the router", registry=r, multiprocess_mode="max"
         )
         self.ready = Gauge(
-            "kvrouter_ready",
+            "kvrouter_ready_state",
             "1 when GET /ready answers 200: a healthy replica for every served model, not draining",
             registry=r,
             multiprocess_mode="livemostrecent",  # the answering worker's, set as it renders

@@ -90,7 +90,7 @@ async def test_sigterm_turns_not_ready_then_refuses_connections_and_lets_the_str
         async with gateway(engine_url, *sets) as (process, url):
             await until(url, (200, "ready"))  # a mirror that is never trusted does not hold it back
             async with httpx.AsyncClient(base_url=url) as client:
-                assert "kvrouter_ready 1.0" in (await client.get("/metrics")).text
+                assert "kvrouter_ready_state 1.0" in (await client.get("/metrics")).text
             async with httpx.AsyncClient(base_url=url, timeout=WAIT_S) as client:
                 async with client.stream("POST", "/v1/completions", json=BODY) as stream:
                     assert stream.status_code == 200
