@@ -92,11 +92,12 @@ class WorkerSupervisor(Multiprocess):
             self.should_exit.set()
 
     def keep_subprocess_alive(self) -> None:
-        """uvicorn's worker check, run every 0.5 s; also ends the drain grace once it is over."""
-        if self._stop_at is not None and time.monotonic() >= self._stop_at:
+        """uvicorn's worker check, run every 0.5 s, but not while draining (a worker that stopped on
+        its own signal, e.g. a Ctrl-C to the process group, is not replaced); ends the grace."""
+        if self._stop_at is None:
+            super().keep_subprocess_alive()
+        elif time.monotonic() >= self._stop_at:
             self.should_exit.set()
-            return
-        super().keep_subprocess_alive()
 
     def terminate_all(self) -> None:
         """SIGTERM every worker and close the parent's copy of the listening socket: once the workers
