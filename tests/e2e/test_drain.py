@@ -65,6 +65,8 @@ async def ready_status(url: str) -> tuple[int, str] | None:
             answer = await client.get("/ready")
     except httpx.ConnectError:
         return None
+    except (httpx.RemoteProtocolError, httpx.ReadError):  # accepted as the listener closed, then dropped
+        return 0, "dropped"
     return answer.status_code, answer.json()["status"]
 
 
