@@ -26,6 +26,7 @@ COMMAND_MODULES: Final = (
     "kvrouter.cmd_loadtest",
     "kvrouter.cmd_replay",
     "kvrouter.cmd_explain",
+    "kvrouter.cmd_fleet_check",
 )
 _DEFAULT_LEVEL: Final = "INFO"
 _DEFAULT_FORMAT: Final = "auto"

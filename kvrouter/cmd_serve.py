@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import get_args, get_type_hints
+from typing import cast, get_args, get_type_hints
 
 import msgspec
 import uvicorn
@@ -27,7 +27,7 @@ from router.settings.overrides import apply_overrides, load_config
 from serving.listening import bind_listening
 from serving.quiet_server import QuietServer
 
-__all__ = ["ReadyLine", "effective_config", "policy_names", "register", "run"]
+__all__ = ["ReadyLine", "drain_timeout", "effective_config", "policy_names", "register", "run"]
 
 log = logging.getLogger(__name__)
 
@@ -106,6 +106,12 @@ def effective_config(args: argparse.Namespace, environ: dict[str, str]) -> Route
     return config
 
 
+def drain_timeout(config: RouterConfig) -> int:
+    """`limits.drain_s` as uvicorn's `timeout_graceful_shutdown` (typed int there, but any number of
+    seconds works: it is an `asyncio.wait_for` timeout)."""
+    return cast(int, config.limits.drain_s)
+
+
 def startup_message(url: str, config: RouterConfig, engines: list[str]) -> str:
     """The human-readable line saying where the gateway serves, and how."""
     workers = config.listen.workers
@@ -170,9 +176,9 @@ def run(args: argparse.Namespace) -> int:
         return 2
     uv = uvicorn.Config(
         app, loop="uvloop", http=TimedHttpToolsProtocol, lifespan="on", log_config=None, access_log=False,
-        timeout_graceful_shutdown=5,
+        timeout_graceful_shutdown=drain_timeout(config),
     )  # fmt: skip
-    server = QuietServer(uv)
+    server = QuietServer(uv, grace_s=config.limits.drain_grace_s, on_drain=app.drain.begin)
     try:
         server.run(sockets=[sock])
     except KeyboardInterrupt:  # a Ctrl-C as the loop starts or ends, outside the server's own handling

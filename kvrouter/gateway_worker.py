@@ -18,7 +18,7 @@ from typing import Final
 import msgspec
 
 from kvrouter.logs import configure_logging
-from kvrouter.serve_workers import CONFIG_ENV, LOG_ENV, PEERS_ENV
+from kvrouter.serve_workers import CONFIG_ENV, DRAIN_ENV, LOG_ENV, PEERS_ENV
 from router.edge.asgi_app import GatewayApp, create_app
 from router.lifecycle import ServeOptions
 from router.settings.config import RouterConfig
@@ -35,7 +35,8 @@ def create_worker_app() -> GatewayApp:
     configure_logging(level, fmt or "json")
     config = msgspec.json.decode(os.environ[CONFIG_ENV], type=RouterConfig)
     _stop_when_orphaned(os.getppid())
-    return create_app(config, ServeOptions(peers_dir=Path(os.environ[PEERS_ENV])))
+    options = ServeOptions(peers_dir=Path(os.environ[PEERS_ENV]), drain_marker=Path(os.environ[DRAIN_ENV]))
+    return create_app(config, options)
 
 
 def _stop_when_orphaned(parent: int) -> None:

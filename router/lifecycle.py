@@ -56,6 +56,7 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
 
     record: Path | None = None
     peers_dir: Path | None = None  # sibling workers' decision sockets (router.ops.decision_peers)
+    drain_marker: Path | None = None  # the supervisor creates it on SIGTERM: /ready turns 503 (serving.drain)
     stub_command: list[str] | None = None
     stub_timeout_s: float = 60.0
     phase_timeout_s: float = 10.0

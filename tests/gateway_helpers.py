@@ -28,6 +28,7 @@ __all__ = [
     "ADMIN",
     "Gateway",
     "Handler",
+    "all_fresh",
     "engine_of",
     "fake_engine",
     "gateway_config",
@@ -78,6 +79,13 @@ def engine_of(name: str, server: StubServer) -> EngineConfig:
         events=[r.endpoint for r in ranks],
         replay=[r.replay_endpoint for r in ranks if r.replay_endpoint is not None],
     )
+
+
+async def all_fresh(client: httpx.AsyncClient) -> bool:
+    """The gateway is ready and every replica's mirror is trusted (as `GET /ready` reports them)."""
+    answer = await client.get("/ready")
+    models = answer.json()["models"].values()
+    return answer.status_code == 200 and all(m["fresh"] == m["replicas"] for m in models)
 
 
 def mirrors_caught_up(gw: Gateway, stubs: dict[str, StubServer]) -> Callable[[], Awaitable[bool]]:

@@ -128,8 +128,9 @@ async def _until_ready(url: str) -> None:
     async with aiohttp.ClientSession() as session:
         while True:
             with contextlib.suppress(aiohttp.ClientError):
-                async with session.get(f"{url}/ready") as r:
-                    if r.status == 200:
+                async with session.get(f"{url}/ready") as r:  # ready, and every mirror trusted
+                    models = (await r.json())["models"].values() if r.status == 200 else [None]
+                    if all(m is not None and m["fresh"] == m["replicas"] for m in models):
                         return
             await asyncio.sleep(0.05)  # polling a condition; the caller's timeout bounds it
 

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+import msgspec
+
 from events.sequence import CaughtUp, Rebuilt, Reset, Signal
 from events.sources import AnyBatch, EngineName
 from events.wire import AllBlocksCleared
@@ -49,10 +51,20 @@ from router.prepare.prepared import Prepared
 from router.settings.config import EngineConfig, RouterConfig
 from tokenization.request_tokens import ReportMode
 
-__all__ = ["REPORT_GRACE_S", "FleetState"]
+__all__ = ["REPORT_GRACE_S", "FleetState", "ModelReadiness"]
 
 REPORT_GRACE_S = 0.0
 """Default time a finished full-mode request's reports are still recognised (`FleetState.report_grace_s`)."""
+
+
+class ModelReadiness(msgspec.Struct):
+    """One served model's replicas as `/ready` reports them."""
+
+    replicas: int = 0
+    healthy: int = 0
+    """Replicas whose breaker admits requests."""
+    fresh: int = 0
+    """Healthy replicas whose mirror is trusted (their hits count)."""
 
 
 class FleetState:
@@ -158,13 +170,22 @@ class FleetState:
         return self._replicas[replica].status(now, self.mirror)
 
     def ready(self, now: float) -> bool:
-        """True when at least one linked replica has a FRESH mirror and a breaker that admits requests."""
-        return any(
-            rep.link is not None
-            and self.breakers.get(rid).available(now)
-            and rep.status(now, self.mirror).trusted
-            for rid, rep in self._replicas.items()
-        )
+        """True when every served model has a healthy replica (its breaker admits requests), whatever
+        its mirror's trust: a stale mirror only loses its hits, the request is still routed."""
+        models = self.readiness(now)
+        return bool(models) and all(m.healthy for m in models.values())
+
+    def readiness(self, now: float) -> dict[str, ModelReadiness]:
+        """Per served model (every configured `[[models]]` name and every engine's model): its
+        replicas, how many are healthy, and how many of those have a trusted (fresh) mirror."""
+        out = {m.name: ModelReadiness() for m in self.config.models}
+        for rid, rep in self._replicas.items():
+            m = out.setdefault(rep.variant.model, ModelReadiness())
+            m.replicas += 1
+            if self.breakers.get(rid).available(now):
+                m.healthy += 1
+                m.fresh += rep.status(now, self.mirror).trusted
+        return out
 
     # -- request hooks (the gateway's flights) -------------------------------------------------
 

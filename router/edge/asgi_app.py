@@ -23,6 +23,7 @@ from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
 from router.core.errors import NoEngineAvailable, RequestTimeout, RouterError
+from router.core.fleet_state import ModelReadiness
 from router.edge.access_log import AccessLog
 from router.edge.admin import AdminApi, NotFound
 from router.edge.client_io import ClientGone, error_answer, read_body, request_id_of
@@ -30,8 +31,10 @@ from router.edge.client_timeouts import STATE_KEY, ClientTimeouts
 from router.edge.gateway import Gateway, GatewayParts
 from router.edge.passthrough import PASSTHROUGH_PATHS, Passthrough
 from router.lifecycle import ServeOptions, Service
+from router.ops.digests import fleet_digests
 from router.ops.fleet_views import index_summary
 from router.settings.config import RouterConfig
+from serving.drain import DrainFlag
 from tokenization.openai_request import Endpoint
 
 __all__ = ["GatewayApp", "Handlers", "create_app"]
@@ -50,11 +53,19 @@ class _Shape(msgspec.Struct):
 _SHAPE: Final = msgspec.json.Decoder(_Shape)
 
 
+class Readiness(msgspec.Struct):
+    """The body of `GET /ready`: ready, not ready (a served model has no healthy replica) or draining."""
+
+    status: str
+    models: dict[str, ModelReadiness]
+
+
 class Handlers:
     """The started gateway's request handlers (set by the lifespan)."""
 
-    def __init__(self, parts: GatewayParts) -> None:
+    def __init__(self, parts: GatewayParts, drain: DrainFlag) -> None:
         self.parts = parts
+        self.drain = drain
         self.gateway = Gateway(parts)
         self.passthrough = Passthrough(parts)
         self.admin = AdminApi(parts)
@@ -89,14 +100,22 @@ class Handlers:
         self.admin_check(request)
         return Response(msgspec.json.encode(index_summary(self.parts.fleet)), media_type=_JSON)
 
+    async def digests(self, request: Request) -> Response:
+        self.admin_check(request)
+        return Response(msgspec.json.encode(fleet_digests(self.parts.fleet)), media_type=_JSON)
+
     async def ready(self, request: Request) -> Response:
         fleet = self.parts.fleet
-        ok = fleet.ready(fleet.clock())
-        body = b'{"status":"ready"}' if ok else b'{"status":"not ready"}'
-        return Response(body, status_code=200 if ok else 503, media_type=_JSON)
+        now = fleet.clock()
+        models = fleet.readiness(now)
+        status = "draining" if self.drain.draining else "ready" if fleet.ready(now) else "not ready"
+        body = msgspec.json.encode(Readiness(status, models))
+        return Response(body, status_code=200 if status == "ready" else 503, media_type=_JSON)
 
     async def metrics(self, request: Request) -> Response:
-        self.parts.metrics.engines.set(len(self.parts.fleet.engines()))
+        fleet = self.parts.fleet
+        self.parts.metrics.engines.set(len(fleet.engines()))
+        self.parts.metrics.ready.set(not self.drain.draining and fleet.ready(fleet.clock()))
         return Response(self.parts.metrics.render(), media_type=CONTENT_TYPE_LATEST)
 
 
@@ -104,6 +123,8 @@ class GatewayApp(FastAPI):
     """The FastAPI app with the hot routes taken before Starlette (see the module docstring)."""
 
     handlers: list[Handlers]
+    drain: DrainFlag
+    """Set on the first stop signal (or by the worker supervisor): `/ready` then answers 503."""
     access_log: AccessLog | None = None
     """Set when `listen.access_log` is on: every request then goes through it."""
 
@@ -140,13 +161,15 @@ def create_app(
     on_started: Callable[[GatewayParts], None] | None = None,
 ) -> GatewayApp:
     """The gateway app for `config`; its lifespan starts and stops the service."""
-    service = Service(config, options or ServeOptions(), os.environ if environ is None else environ)
+    options = options or ServeOptions()
+    service = Service(config, options, os.environ if environ is None else environ)
     box: list[Handlers] = []
+    drain = DrainFlag(options.drain_marker)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, ClientTimeouts]]:
         parts = await service.start()
-        box.append(Handlers(parts))
+        box.append(Handlers(parts, drain))
         app.state.handlers = box[0]
         if on_started is not None:
             on_started(parts)
@@ -159,6 +182,7 @@ def create_app(
 
     app = GatewayApp(title="kvrouter", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.handlers = box
+    app.drain = drain
     if config.listen.access_log:
         app.access_log = AccessLog(app.dispatch)
     app.state.service = service
@@ -205,6 +229,7 @@ def _add_routes(app: FastAPI, box: list[Handlers]) -> None:
     add("/debug/decisions/{request_id}", h(lambda x: x.decisions), methods=["GET"])
     add("/debug/route", h(lambda x: x.explain), methods=["POST"])
     add("/debug/index", h(lambda x: x.index), methods=["GET"])
+    add("/debug/digests", h(lambda x: x.digests), methods=["GET"])
     add("/admin/engines", h(lambda x: x.admin.list_engines), methods=["GET"])
     add("/admin/engines", h(lambda x: x.admin.add_engine), methods=["POST"])
     add("/admin/engines/{name:path}", h(lambda x: x.admin.remove_engine), methods=["DELETE"])

@@ -39,6 +39,7 @@ def _view(fleet: FleetState, rep: Replica, now: float) -> EngineView:
         queued_prefill_tokens=load.queued_prefill_tokens,
         prefill_overhead_s=load.overhead_s,
         prefill_token_s=load.per_token_s,
+        last_seq=rep.last_seq,
     )
 
 

@@ -86,6 +86,8 @@ class EngineView(msgspec.Struct, frozen=True):
     """The learned TTFT fixed overhead (router.core.policy.load.PrefillCostModel.overhead_s)."""
     prefill_token_s: float = 0.0
     """The learned prefill cost per uncached prompt token (PrefillCostModel.per_token_s)."""
+    last_seq: int | None = None
+    """The seq of the last batch applied to the engine's mirror (None: none yet)."""
 
 
 class _EngineCollector(Collector):
@@ -115,6 +117,12 @@ class _EngineCollector(Collector):
             "GPU blocks in the engine's mirror",
             views,
             lambda v: v.mirror_blocks,
+        )
+        yield _gauge(
+            "kvrouter_engine_last_applied_seq",
+            "seq of the last KV-event batch applied to the engine's mirror (equal in agreeing replicas)",
+            [v for v in views if v.last_seq is not None],
+            lambda v: v.last_seq or 0,
         )
         yield _gauge(
             "kvrouter_engine_in_flight_requests",
@@ -314,6 +322,12 @@ class RouterMetrics:
         )
         self.engines = Gauge(
             "kvrouter_engines", "engines known to the router", registry=r, multiprocess_mode="max"
+        )
+        self.ready = Gauge(
+            "kvrouter_ready_state",
+            "1 when GET /ready answers 200: a healthy replica for every served model, not draining",
+            registry=r,
+            multiprocess_mode="livemostrecent",  # the answering worker's, set as it renders
         )
         self.remote_tokenize_failures = Counter(
             "kvrouter_remote_tokenize_failures",

@@ -182,6 +182,10 @@ class Limits(_Table, frozen=True):
     key_cache_tokens: Annotated[int, msgspec.Meta(ge=0)] = (
         4_000_000  # router/core/keys/recent_prompts.py; 0 = off
     )
+    drain_grace_s: NonNegative = 0.0
+    """After SIGTERM: not ready at once, but new connections still accepted this long (endpoints update)."""
+    drain_s: NonNegative = 30.0
+    """Then: no new connections; open requests and streams may finish this long before they are cut."""
 
 
 class Retry(_Table, frozen=True):

@@ -14,7 +14,14 @@ import httpx
 import promql_parser as promql
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests.gateway_helpers import engine_of, gateway_config, running_gateway, running_stubs, wait_for
+from tests.gateway_helpers import (
+    all_fresh,
+    engine_of,
+    gateway_config,
+    running_gateway,
+    running_stubs,
+    wait_for,
+)
 
 DASHBOARD: Final = Path(__file__).resolve().parents[2] / "deploy" / "grafana" / "kvrouter.json"
 # Grafana's interval variables stand where PromQL wants a duration; $model and $engine sit in strings.
@@ -103,7 +110,7 @@ async def test_every_metric_the_dashboard_names_is_exported() -> None:
             c = gw.client
 
             async def ready() -> bool:
-                return (await c.get("/ready")).status_code == 200
+                return await all_fresh(c)
 
             await wait_for(ready)
             body = {"model": "kvrouter-stub", "prompt": "the quick brown fox " * 8, "max_tokens": 3}

@@ -167,8 +167,8 @@ def test_selectors_rbac_and_the_drain_budget_fit_together(kustomization: str) ->
     )  # fmt: skip
     # The grace period covers the preStop sleep, then the gateway's wait for open answers after SIGTERM.
     sleep = int(gateway(resources)["lifecycle"]["preStop"]["exec"]["command"][1])
-    drain = getattr(router_config(resources).limits, "drain_s", 5.0)  # today a fixed 5 s (docs/gateway.md)
-    assert pod["spec"]["terminationGracePeriodSeconds"] >= sleep + drain + 5
+    limits = router_config(resources).limits
+    assert pod["spec"]["terminationGracePeriodSeconds"] >= sleep + limits.drain_grace_s + limits.drain_s + 5
 
 
 def flags(args: list[str]) -> dict[str, str]:

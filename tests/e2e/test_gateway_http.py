@@ -17,6 +17,7 @@ from router.ops.debug import DecisionEntry, Explanation
 from router.settings.config import Discovery, EngineConfig, Limits, PolicyConfig
 from tests.gateway_helpers import (
     ADMIN,
+    all_fresh,
     engine_of,
     fake_engine,
     gateway_config,
@@ -112,7 +113,7 @@ async def test_metrics_move_and_debug_endpoints_explain_decisions() -> None:
             c = gw.client
 
             async def ready() -> bool:  # a mirror is trusted once its replay has caught up
-                return (await c.get("/ready")).status_code == 200
+                return await all_fresh(c)
 
             await wait_for(ready)
             before = (await c.get("/metrics")).text

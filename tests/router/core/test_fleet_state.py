@@ -12,7 +12,7 @@ from events.sequence import CaughtUp
 from events.sequence import Reset as LinkReset
 from events.sources import EngineName, EngineStats
 from events.wire import BlockStored, KVEventBatch
-from router.core.fleet_state import FleetState
+from router.core.fleet_state import FleetState, ModelReadiness
 from router.core.ids import EngineId, RequestId
 from router.core.keys.block_key import KeyHasher
 from router.core.policy.trust import TrustReason, TrustState
@@ -93,12 +93,32 @@ def test_batches_and_signals_drive_the_mirror_and_trust_without_any_socket() -> 
     fleet.on_signal(EngineName("e"), CaughtUp(None))
     assert status(fleet, clock)[0] is TrustState.FRESH
     assert fleet.replica(E).blocks(fleet.mirror) == 3 and fleet.replica(E).last_seq == 0
-    assert not fleet.ready(clock())  # no link is running
     fleet.attach(E, FakeLink())
-    assert fleet.ready(clock())
     fleet.on_signal(EngineName("e"), LinkReset(reason="restart"))
     assert fleet.replica(E).blocks(fleet.mirror) == 0 and fleet.replica(E).resets == 1
     assert status(fleet, clock)[1] is TrustReason.REPLAY_IN_FLIGHT  # a link with a replay endpoint
+
+
+def test_ready_means_a_healthy_replica_for_every_served_model_trusted_or_not() -> None:
+    fleet, clock = fleet_of(engine())
+    assert status(fleet, clock)[0] is TrustState.CATCHING_UP  # the start-up replay is in flight
+    assert fleet.ready(clock()) and fleet.readiness(clock())["m"] == ModelReadiness(1, 1, 0)
+    fleet.on_signal(EngineName("e"), CaughtUp(None))
+    assert fleet.readiness(clock())["m"] == ModelReadiness(1, 1, 1)
+    for _ in range(fleet.config.breaker.failure_threshold):
+        fleet.breakers.get(E).record_failure(clock())
+    assert not fleet.ready(clock()) and fleet.readiness(clock())["m"] == ModelReadiness(1, 0, 0)
+    clock.now += fleet.config.breaker.open_s  # the breaker lets a probe through: routable again
+    assert fleet.ready(clock())
+    other = ModelConfig(name="other")  # configured, but no engine serves it
+    alone = FleetState(RouterConfig(models=[MODEL, other]), KeyHasher(b"t"), clock)
+    assert not alone.ready(clock()) and alone.readiness(clock()) == {
+        "m": ModelReadiness(),
+        "other": ModelReadiness(),
+    }
+    alone.add_engine(engine(), resolve_variant(MODEL, engine()), clock())
+    assert not alone.ready(clock())  # "other" still has no replica
+    assert not FleetState(RouterConfig(), KeyHasher(b"t"), clock).ready(clock())  # nothing to route to
 
 
 def test_three_requests_whose_first_blocks_never_appear_ask_the_link_to_verify() -> None:

@@ -111,9 +111,9 @@ async def test_events_land_in_the_mirror_after_the_start_up_replay(
         fleets.append(fleet)
         await fleet.start()
         assert state(fleet) == (TrustState.CATCHING_UP, TrustReason.REPLAY_IN_FLIGHT)
-        assert not fleet.state.ready(fleet.state.clock())
+        assert fleet.state.ready(fleet.state.clock())  # routable while its mirror catches up
         await wait_until(lambda: fleet.state.trust(E, fleet.state.clock()).trusted, what="caught up")
-        assert blocks(fleet, E) == 3 and fleet.state.ready(fleet.state.clock())
+        assert blocks(fleet, E) == 3 and fleet.state.readiness(fleet.state.clock())["m"].fresh == 1
         first = store(2)
         await publish(fleet, pub, E, first)
         await publish(fleet, pub, E, BlockRemoved([first.block_hashes[0]], "GPU"))

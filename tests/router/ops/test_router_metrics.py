@@ -91,11 +91,12 @@ def test_request_latency_histograms_by_engine_and_model() -> None:
 
 
 # The last word of every metric's name: a base unit (Prometheus naming), what it counts, or a state set.
-_UNITS = {"seconds", "bytes", "tokens", "blocks", "requests", "engines", "total", "trust", "state"}
+_UNITS = {"seconds", "bytes", "tokens", "blocks", "requests", "engines", "total", "trust", "state", "seq"}
+# "seq": a KV-event sequence number has no unit; the suffix names what the value is.
 
 
 def test_every_metric_name_ends_in_a_unit() -> None:
-    m = RouterMetrics(lambda: [EngineView("e0", "fresh", link("e0"))], clock=lambda: 0.0)
+    m = RouterMetrics(lambda: [EngineView("e0", "fresh", link("e0"), last_seq=3)], clock=lambda: 0.0)
     families = list(text_string_to_metric_families(m.render().decode()))
     assert len(families) > 20
     for family in families:
