@@ -82,6 +82,7 @@ def _spec(model: ModelConfig, groups: list[GroupConfig], block_size: int) -> Mod
             groups=_groups(groups, block_size),
             hashing=hashing,
             hash_algo=model.hash_algo,
+            hash_seed=model.hash_seed,
             eagle_block_drop=model.eagle_block_drop,
             lookahead_tokens=model.lookahead_tokens,
         )

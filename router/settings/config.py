@@ -108,6 +108,9 @@ class ModelConfig(_Table, frozen=True):
     groups: list[GroupConfig] = []
     hashing: Literal["router", "vllm"] = "router"
     hash_algo: Literal["sha256", "sha256_cbor"] = "sha256"
+    hash_seed: str | None = None
+    """hashing = "vllm": the engines' PYTHONHASHSEED, which vLLM's NONE_HASH is derived from (unset: its
+    fixed "vllm-none-hash")."""
     remote_tokenize: bool = False
     loras: dict[str, str] = {}
     eagle_block_drop: bool = False

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -191,3 +193,21 @@ def test_a_prepared_request_cannot_be_changed_after_it_is_built() -> None:
     with pytest.raises(TypeError):
         prepared.timings["lookup"] = 0.0  # type: ignore[index]
     assert set(prepared.timings) == {"tokenize", "hash"}
+
+
+SEED_VECTORS = Path(__file__).resolve().parents[2] / "data" / "vllm-0.32.0-hash-seed-vectors.json"
+"""Block hashes computed by vLLM 0.32.0's own `init_none_hash`/`hash_block_tokens` with PYTHONHASHSEED
+set to "0", "42" and unset (0.33.0's functions are unchanged: docs/vllm.md "vLLM versions")."""
+
+
+@pytest.mark.parametrize("vector", msgspec.json.decode(SEED_VECTORS.read_bytes()))
+def test_engine_exact_keys_follow_the_engines_pythonhashseed(vector: dict[str, Any]) -> None:
+    tokens = [t for block in vector["blocks"] for t in block["tokens"]]
+    raw = body({"model": "m", "prompt": tokens})
+    seed = vector["PYTHONHASHSEED"]
+    prepared = models("vllm", hash_algo=vector["hash_algo"], hash_seed=seed).prepare(raw, Endpoint.COMPLETIONS)
+    assert prepared.keys == [block["wire_int"] for block in vector["blocks"]]
+    if seed is not None:  # the unset seed's keys differ: a router without the setting misses every block
+        assert models("vllm", hash_algo=vector["hash_algo"]).prepare(raw, Endpoint.COMPLETIONS).keys[0] != (
+            prepared.keys[0]
+        )
