@@ -117,6 +117,8 @@ class ModelConfig(_Table, frozen=True):
     """The engines run EAGLE/MTP without lookahead hashes: vLLM drops the last matched block."""
     lookahead_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     """The engines' lookahead block hashes (EAGLE's default): each block hash covers L more tokens."""
+    vllm_version: Literal["0.32", "0.33"] = "0.33"
+    """The engines' vLLM minor version; 0.32 has no lookahead hashes (docs/vllm.md "vLLM versions")."""
 
 
 class PolicyConfig(_Table, frozen=True):

@@ -211,3 +211,13 @@ def test_engine_exact_keys_follow_the_engines_pythonhashseed(vector: dict[str, A
         assert models("vllm", hash_algo=vector["hash_algo"]).prepare(raw, Endpoint.COMPLETIONS).keys[0] != (
             prepared.keys[0]
         )
+
+
+def test_a_vllm_0_32_model_has_no_lookahead_hashes() -> None:
+    """vLLM 0.32 has no lookahead block hashes (0.33 added them, EAGLE's default there): its EAGLE
+    engines drop the last matched block instead, so lookahead_tokens on a 0.32 model is refused."""
+    eagle_032 = ModelConfig(name="e", vllm_version="0.32", eagle_block_drop=True)
+    assert resolve_variant(eagle_032).spec.eagle_block_drop
+    assert resolve_variant(ModelConfig(name="e", lookahead_tokens=1)).spec.lookahead_tokens == 1
+    with pytest.raises(ValueError, match="model 'e'.*0.32.*eagle_block_drop"):
+        resolve_variant(ModelConfig(name="e", vllm_version="0.32", lookahead_tokens=1))
