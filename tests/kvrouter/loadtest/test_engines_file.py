@@ -51,7 +51,7 @@ async def test_policies_run_against_engines_from_a_file_on_cold_caches(tmp_path:
         await stubs.stop()
     report = msgspec.json.decode((tmp_path / "summary.json").read_bytes(), type=Report)
     kv, rr = report.policies
-    assert [(s.policy, s.requests, s.errors) for s in report.policies] == [("kv", 12, 0), ("round_robin", 12, 0)]
+    assert [(s.policy, s.requests, s.errors) for s in (kv, rr)] == [("kv", 12, 0), ("round_robin", 12, 0)]
     assert kv.cached_blocks_at_start == rr.cached_blocks_at_start == 0  # the gateway's mirror was cold
     assert set(kv.engine_share) == {e.name for e in engines}  # the engines' own request counters
     assert kv.cached_tokens >= rr.cached_tokens > 0
@@ -61,7 +61,10 @@ async def test_policies_run_against_engines_from_a_file_on_cold_caches(tmp_path:
 
 def test_the_file_needs_one_model_served_by_every_engine(tmp_path: Path) -> None:
     model = ModelConfig(name="m", block_size=32)
-    good = [EngineConfig(name="a", url="http://h:1/", events=["tcp://h:2"]), EngineConfig(name="b", url="http://h:3")]
+    good = [
+        EngineConfig(name="a", url="http://h:1/", events=["tcp://h:2"]),
+        EngineConfig(name="b", url="http://h:3"),
+    ]
     path = tmp_path / "engines.json"
     path.write_bytes(msgspec.json.encode({"models": [model], "engines": good}))
     loaded = load_engines_file(path)

@@ -205,11 +205,13 @@ def test_engine_exact_keys_follow_the_engines_pythonhashseed(vector: dict[str, A
     tokens = [t for block in vector["blocks"] for t in block["tokens"]]
     raw = body({"model": "m", "prompt": tokens})
     seed = vector["PYTHONHASHSEED"]
-    prepared = models("vllm", hash_algo=vector["hash_algo"], hash_seed=seed).prepare(raw, Endpoint.COMPLETIONS)
+    seeded = models("vllm", hash_algo=vector["hash_algo"], hash_seed=seed)
+    prepared = seeded.prepare(raw, Endpoint.COMPLETIONS)
     assert prepared.keys == [block["wire_int"] for block in vector["blocks"]]
     if seed is not None:  # the unset seed's keys differ: a router without the setting misses every block
-        assert models("vllm", hash_algo=vector["hash_algo"]).prepare(raw, Endpoint.COMPLETIONS).keys[0] != (
-            prepared.keys[0]
+        assert (
+            models("vllm", hash_algo=vector["hash_algo"]).prepare(raw, Endpoint.COMPLETIONS).keys[0]
+            != (prepared.keys[0])
         )
 
 
@@ -219,5 +221,5 @@ def test_a_vllm_0_32_model_has_no_lookahead_hashes() -> None:
     eagle_032 = ModelConfig(name="e", vllm_version="0.32", eagle_block_drop=True)
     assert resolve_variant(eagle_032).spec.eagle_block_drop
     assert resolve_variant(ModelConfig(name="e", lookahead_tokens=1)).spec.lookahead_tokens == 1
-    with pytest.raises(ValueError, match="model 'e'.*0.32.*eagle_block_drop"):
+    with pytest.raises(ValueError, match=r"model 'e'.*0\.32.*eagle_block_drop"):
         resolve_variant(ModelConfig(name="e", vllm_version="0.32", lookahead_tokens=1))
