@@ -91,6 +91,8 @@ def test_oracles_are_refused_and_the_cli_says_why(tmp_path: Path, capsys: pytest
     argv = ["loadtest", "--engines-from", str(path), "--policies", "kv,cache_oracle", "--out", str(tmp_path)]
     assert main(argv) == 2
     assert "['cache_oracle'] read engine stubs' true caches" in capsys.readouterr().out
+    assert main([*argv[:4], "kv", "--load", "0.5", *argv[5:]]) == 2
+    assert "--load prices requests with the stubs' cost model" in capsys.readouterr().out
 
 
 async def test_an_engine_without_the_reset_endpoint_is_reported() -> None:
