@@ -23,6 +23,7 @@ from tqdm import tqdm
 from engine_stub.runtime.cost_model import H100_8B
 from engine_stub.stub_config import StubConfig
 from kvrouter.extras import MissingExtra, require_extra
+from kvrouter.loadtest.engines_file import EnginesFile, load_engines_file, refuse_stub_policies
 from kvrouter.loadtest.harness import EXTERNAL, ORACLES, HarnessSpec, default_out_dir, run_harness
 from kvrouter.loadtest.plan import RunPlan, at_load, context_needed, describe, not_fitting, offered_load
 from kvrouter.loadtest.report import Report
@@ -55,6 +56,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--engines", type=int, default=d.engines, help="engine stubs to start (default %(default)s)"
     )
     p.add_argument("--engine-config", type=Path, help="stub TOML: pool, groups, time model")
+    p.add_argument(
+        "--engines-from",
+        type=Path,
+        help="TOML/JSON of running engines ([[models]], [[engines]]): drive them instead of stubs",
+    )
     p.add_argument(
         "--num-gpu-blocks",
         type=int,
@@ -228,6 +234,18 @@ def _plan(
     return requests, plan, raw
 
 
+def _external_plan(
+    args: argparse.Namespace, external: EnginesFile, requests: list[RequestSpec]
+) -> list[RequestSpec]:
+    """--engines-from: the user's engines are not sized or priced here, so only text prompts apply."""
+    if args.load is not None:
+        raise ValueError("--load prices requests with the stubs' cost model; not with --engines-from")
+    if args.prompt_format == "text":
+        model = external.model
+        requests = TextPrompts(load_tokenizer(model.tokenizer, model.chat_template)).rewrite(requests)
+    return requests
+
+
 def _line(s: PolicySummary) -> str:
     p50 = "-" if s.ttft.p50 is None else f"{s.ttft.p50 * 1000:.1f} ms"
     return (
@@ -250,9 +268,15 @@ def run(args: argparse.Namespace) -> int:
         print(f"kvrouter loadtest: unknown policies {unknown}; choose from {POLICIES}")
         return 2
     out = str(args.out or default_out_dir())
+    plan: RunPlan | None = None
     try:
+        external = load_engines_file(args.engines_from) if args.engines_from else None
         workload, _ = build_requests(args, cut=False)
-        workload, plan, raw = _plan(args, workload)
+        if external is not None:
+            refuse_stub_policies(policies)
+            workload = _external_plan(args, external, workload)
+        else:
+            workload, plan, raw = _plan(args, workload)
         requests, not_sent = cut_at_duration(workload, args.duration)
         settings = msgspec.structs.replace(LoadtestSettings.from_args(vars(args)), out=out)
     except (
@@ -267,8 +291,42 @@ def run(args: argparse.Namespace) -> int:
     if not requests:
         print("kvrouter loadtest: no request left to send")
         return 2
-    print(f"kvrouter loadtest: {describe(plan)}")
     Path(out).mkdir(parents=True, exist_ok=True)
+    if external is not None:
+        names = ", ".join(f"{e.name} ({e.url})" for e in external.engines)
+        print(f"kvrouter loadtest: {len(external.engines)} engines from {args.engines_from}: {names}")
+        spec = HarnessSpec(
+            policies=policies,
+            out=out,
+            router_url=args.router,
+            ready_timeout_s=args.ready_timeout,
+            text_prompts=args.prompt_format == "text",
+            engines_from=external,
+        )
+    else:
+        assert plan is not None
+        spec = _stub_spec(args, policies, out, plan, raw)
+    if not_sent:
+        print(
+            f"kvrouter loadtest: warning: --duration {args.duration:g} cuts the workload short: "
+            f"{not_sent} of {len(requests) + not_sent} requests arrive later and are not sent",
+            file=sys.stderr,
+        )
+    header = Report(
+        settings=settings,
+        requests_sent=len(requests),
+        truncated=not_sent > 0,
+        requests_not_sent=not_sent,
+        plan=plan,
+    )
+    return _execute(spec, requests, header)
+
+
+def _stub_spec(
+    args: argparse.Namespace, policies: list[str], out: str, plan: RunPlan, raw: dict[str, Any]
+) -> HarnessSpec:
+    """The harness over stubs sized by `plan` (their TOML written to `out`/stub.toml)."""
+    print(f"kvrouter loadtest: {describe(plan)}")
     stub_toml = Path(out) / "stub.toml"
     stub_toml.write_bytes(msgspec.toml.encode(raw))
     stub = _decode_stub(raw)
@@ -279,13 +337,7 @@ def run(args: argparse.Namespace) -> int:
         model=stub.model,
         tokenizer=stub.tokenizer.path,
     )
-    if not_sent:
-        print(
-            f"kvrouter loadtest: warning: --duration {args.duration:g} cuts the workload short: "
-            f"{not_sent} of {len(requests) + not_sent} requests arrive later and are not sent",
-            file=sys.stderr,
-        )
-    spec = HarnessSpec(
+    return HarnessSpec(
         policies=policies,
         out=out,
         embedded=embedded,
@@ -296,14 +348,11 @@ def run(args: argparse.Namespace) -> int:
         text_prompts=args.prompt_format == "text",
         cost=stub.cost,
     )
-    header = Report(
-        settings=settings,
-        requests_sent=len(requests),
-        truncated=not_sent > 0,
-        requests_not_sent=not_sent,
-        plan=plan,
-    )
-    bar = tqdm(total=len(requests) * len(policies), unit="req", desc="loadtest", dynamic_ncols=True)
+
+
+def _execute(spec: HarnessSpec, requests: list[RequestSpec], header: Report) -> int:
+    """Run the harness under a progress bar and print one line per policy; 1 if any had errors."""
+    bar = tqdm(total=len(requests) * len(spec.policies), unit="req", desc="loadtest", dynamic_ncols=True)
 
     def done(result: RequestResult) -> None:
         bar.set_postfix_str(result.policy, refresh=False)
@@ -319,5 +368,5 @@ def run(args: argparse.Namespace) -> int:
         bar.close()
     for summary in report.policies:
         print(_line(summary))
-    print(f"report: {Path(out) / 'report.html'}")
+    print(f"report: {Path(spec.out) / 'report.html'}")
     return 1 if any(s.errors for s in report.policies) else 0

@@ -9,6 +9,9 @@ themselves from the stubs' true state, and `external`, an OpenAI-compatible rout
 and pointed at the stubs: it is polled until it answers `GET /v1/models` (bounded by
 `ready_timeout_s`) and warmed up like a gateway. `engine_share` comes from the stubs' own request
 counters, read before and after each policy, so an external router's traffic is attributed too.
+With `engines_from` no stub starts: the user's engines are driven, reset before every policy
+(`engines_file.py`), and a gateway's run starts once its mirror holds no block (or records how many
+it holds when an engine cannot reset); the oracles are refused there.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import msgspec
 
 from engine_stub.runtime.cost_model import CostModel
 from kvrouter.loadtest.client import Choose, DriverSettings, Started, Target, run_open_loop
+from kvrouter.loadtest.engines_file import EnginesFile, await_cold_mirror, mirror_blocks, reset_caches
 from kvrouter.loadtest.oracle import CACHE_ORACLE, CacheOracle, StubEndpoint
 from kvrouter.loadtest.report import Report, write_report
 from kvrouter.loadtest.results import PolicySummary, RequestResult, summarize
@@ -57,6 +61,8 @@ class HarnessSpec(msgspec.Struct, frozen=True):
     text_prompts: bool = False
     cost: CostModel = CostModel()
     """The stubs' cost model (the TTFT oracle prices requests routed while it asks the stubs)."""
+    engines_from: EnginesFile | None = None
+    """Engines the user runs (`--engines-from`), driven instead of stubs (`engines_file.py`)."""
 
 
 class _GatewayReady(msgspec.Struct):
@@ -196,7 +202,7 @@ class _PolicyRun(msgspec.Struct):
 async def _run_policy(
     policy: str, requests: Sequence[RequestSpec], spec: HarnessSpec, ctx: _Context, on_done: OnDone
 ) -> _PolicyRun:
-    settings = DriverSettings(model=spec.embedded.model, max_in_flight=spec.max_in_flight)
+    settings = DriverSettings(model=ctx.model.name, max_in_flight=spec.max_in_flight)
     gateway: GatewayProcess | None = None
     url = ""
     if policy == EXTERNAL:
@@ -204,14 +210,15 @@ async def _run_policy(
             raise ValueError("policy 'external' needs --router URL")
         url = spec.router_url.rstrip("/")
         await _await_router(url, spec.ready_timeout_s)
-        await _warm_up(url, spec.embedded.model, spec.text_prompts)
+        await _warm_up(url, ctx.model.name, spec.text_prompts)
     elif policy not in ORACLES:
         gateway = GatewayProcess(policy, ctx.engines, ctx.model)
         url = await gateway.start(spec.ready_timeout_s)
-        await _warm_up(url, spec.embedded.model, spec.text_prompts)
+        await _warm_up(url, ctx.model.name, spec.text_prompts)
     try:
         async with aiohttp.ClientSession() as session:
-            await _reset(ctx.stubs)  # every policy, oracles included, starts on cold caches
+            # every policy, oracles included, starts on cold caches
+            mirrored = await _cold_start(policy, session, spec, ctx, url if gateway else None)
             before = await read_counters(session, ctx.stubs)
             choose, started, finish = _router(policy, url, session, spec, ctx, on_done)
             results, elapsed = await _drive(requests, choose, settings, finish, started)
@@ -219,8 +226,30 @@ async def _run_policy(
     finally:
         if gateway is not None:
             await gateway.stop()
-    cold = sum(c.cached_blocks for c in before.values())
+    cold = sum(c.cached_blocks for c in before.values()) if mirrored is None else mirrored
     return _PolicyRun(results, elapsed, cold, engine_share(before, after))
+
+
+async def _cold_start(
+    policy: str, session: aiohttp.ClientSession, spec: HarnessSpec, ctx: _Context, gateway_url: str | None
+) -> int | None:
+    """Reset the stubs; or the user's engines, and then the blocks the gateway's mirror still holds
+    (None: count the stubs' own gauge)."""
+    if spec.engines_from is None:
+        await _reset(ctx.stubs)
+        return None
+    unavailable = await reset_caches(session, ctx.stubs, ctx.model.name)
+    if unavailable:
+        print(
+            f"kvrouter loadtest: warning: {unavailable} answer 404 to POST /reset_prefix_cache (vLLM "
+            f"serves it with VLLM_SERVER_DEV_MODE=1): policy {policy!r} starts on their warm caches",
+            file=sys.stderr,
+        )
+    if gateway_url is None:
+        return None
+    if not unavailable:
+        await await_cold_mirror(session, gateway_url)
+    return await mirror_blocks(session, gateway_url)
 
 
 def _router(
@@ -265,16 +294,17 @@ async def run_harness(
     stubs = EmbeddedStubs(spec.embedded, config_file=stub_config, base_port=spec.stub_base_port)
     summaries: list[PolicySummary] = []
     every: list[RequestResult] = []
-    engines = await stubs.start()
+    external = spec.engines_from
+    engines = external.engines if external else await stubs.start()
     out = Path(spec.out)
     out.mkdir(parents=True, exist_ok=True)
     # The stubs as KVROUTER_ENGINES-style JSON, for pointing an external router at them.
     (out / "stubs.json").write_bytes(msgspec.json.format(msgspec.json.encode(engines)))
     try:
         endpoints = [StubEndpoint(e.name, e.url) for e in engines]
-        ctx = _Context(endpoints, engines, stubs.model())
+        ctx = _Context(endpoints, engines, external.model if external else stubs.model())
         for stub in endpoints:
-            await _warm_up(stub.url, spec.embedded.model, spec.text_prompts)
+            await _warm_up(stub.url, ctx.model.name, spec.text_prompts)
         for policy in spec.policies:
             run = await _run_policy(policy, requests, spec, ctx, on_done)
             summaries.append(
@@ -282,7 +312,8 @@ async def run_harness(
             )
             every.extend(run.results)
     finally:
-        await stubs.stop()
+        if external is None:
+            await stubs.stop()
     report = msgspec.structs.replace(header, policies=summaries)
     write_report(out, report, every)
     return report, every

@@ -27,6 +27,7 @@ class LoadtestSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     engines: int = 2
     engine_config: str | None = None
+    engines_from: str | None = None
     num_gpu_blocks: int | None = None
     block_size: int = 16
     workload: str = "synthetic"

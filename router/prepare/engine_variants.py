@@ -77,11 +77,17 @@ def _groups(groups: list[GroupConfig], block_size: int) -> tuple[GroupSpec, ...]
 
 def _spec(model: ModelConfig, groups: list[GroupConfig], block_size: int) -> ModelSpec:
     hashing = HashingMode.ENGINE if model.hashing == "vllm" else HashingMode.ROUTER
+    if model.vllm_version == "0.32" and model.lookahead_tokens:
+        raise ValueError(
+            f"model {model.name!r}: vLLM 0.32 has no lookahead block hashes; "
+            "its EAGLE engines drop the last block: set eagle_block_drop = true, lookahead_tokens = 0"
+        )
     try:
         return ModelSpec(
             groups=_groups(groups, block_size),
             hashing=hashing,
             hash_algo=model.hash_algo,
+            hash_seed=model.hash_seed,
             eagle_block_drop=model.eagle_block_drop,
             lookahead_tokens=model.lookahead_tokens,
         )

@@ -108,12 +108,17 @@ class ModelConfig(_Table, frozen=True):
     groups: list[GroupConfig] = []
     hashing: Literal["router", "vllm"] = "router"
     hash_algo: Literal["sha256", "sha256_cbor"] = "sha256"
+    hash_seed: str | None = None
+    """hashing = "vllm": the engines' PYTHONHASHSEED, which vLLM's NONE_HASH is derived from (unset: its
+    fixed "vllm-none-hash")."""
     remote_tokenize: bool = False
     loras: dict[str, str] = {}
     eagle_block_drop: bool = False
     """The engines run EAGLE/MTP without lookahead hashes: vLLM drops the last matched block."""
     lookahead_tokens: Annotated[int, msgspec.Meta(ge=0)] = 0
     """The engines' lookahead block hashes (EAGLE's default): each block hash covers L more tokens."""
+    vllm_version: Literal["0.32", "0.33"] = "0.33"
+    """The engines' vLLM minor version; 0.32 has no lookahead hashes (docs/vllm.md "vLLM versions")."""
 
 
 class PolicyConfig(_Table, frozen=True):

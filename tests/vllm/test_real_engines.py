@@ -21,11 +21,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from kvrouter.cli import main
+from kvrouter.loadtest.report import Report
 from router.core.ids import EngineId
 from router.ops.debug import DecisionEntry
 from router.settings.config import PolicyConfig
 from tests.gateway_helpers import ADMIN, gateway_config, running_gateway, wait_for
-from tests.vllm.doc_blocks import code_blocks
+from tests.vllm.doc_blocks import code_blocks, shell_words
 from tests.vllm.engine_pair import EnginePair
 from tests.vllm.traffic import Outcome, Traffic, caught_up
 
@@ -211,3 +213,19 @@ async def test_the_docs_check_commands_show_exact_predictions(pair: EnginePair) 
     exact = {k.split("{")[1]: v for k, v in values.items() if "prediction_error" in k and 'le="0.0"' in k}
     assert sum(counts.values()) >= 2
     assert sorted(exact.values()) == sorted(counts.values())  # every observation in the 0 bucket
+
+
+async def test_the_docs_loadtest_compares_policies_on_these_engines(pair: EnginePair, tmp_path: Path) -> None:
+    """docs/vllm.md's `kvrouter loadtest --engines-from` on this pair: every policy on cold caches."""
+    (command,) = shell_words(code_blocks("sh")[3])
+    engines = tmp_path / "engines.json"
+    tables = {"models": [pair.model_config("router")], "engines": pair.engine_configs()}
+    engines.write_bytes(msgspec.json.encode(tables))
+    argv = [str(engines) if a == "engines.toml" else a for a in command[1:]] + ["--out", str(tmp_path)]
+    assert await asyncio.to_thread(main, ["--log-level", "WARNING", *argv]) == 0
+    report = msgspec.json.decode((tmp_path / "summary.json").read_bytes(), type=Report)
+    assert [s.policy for s in report.policies] == ["kv", "round_robin"]
+    for s in report.policies:
+        assert (s.requests, s.errors, s.cached_blocks_at_start) == (8, 0, 0)
+        assert set(s.engine_share) <= {"vllm-0", "vllm-1"} and s.predictions == 8
+    assert report.policies[0].cached_tokens > 0

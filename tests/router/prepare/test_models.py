@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -191,3 +193,33 @@ def test_a_prepared_request_cannot_be_changed_after_it_is_built() -> None:
     with pytest.raises(TypeError):
         prepared.timings["lookup"] = 0.0  # type: ignore[index]
     assert set(prepared.timings) == {"tokenize", "hash"}
+
+
+SEED_VECTORS = Path(__file__).resolve().parents[2] / "data" / "vllm-0.32.0-hash-seed-vectors.json"
+"""Block hashes computed by vLLM 0.32.0's own `init_none_hash`/`hash_block_tokens` with PYTHONHASHSEED
+set to "0", "42" and unset (0.33.0's functions are unchanged: docs/vllm.md "vLLM versions")."""
+
+
+@pytest.mark.parametrize("vector", msgspec.json.decode(SEED_VECTORS.read_bytes()))
+def test_engine_exact_keys_follow_the_engines_pythonhashseed(vector: dict[str, Any]) -> None:
+    tokens = [t for block in vector["blocks"] for t in block["tokens"]]
+    raw = body({"model": "m", "prompt": tokens})
+    seed = vector["PYTHONHASHSEED"]
+    seeded = models("vllm", hash_algo=vector["hash_algo"], hash_seed=seed)
+    prepared = seeded.prepare(raw, Endpoint.COMPLETIONS)
+    assert prepared.keys == [block["wire_int"] for block in vector["blocks"]]
+    if seed is not None:  # the unset seed's keys differ: a router without the setting misses every block
+        assert (
+            models("vllm", hash_algo=vector["hash_algo"]).prepare(raw, Endpoint.COMPLETIONS).keys[0]
+            != (prepared.keys[0])
+        )
+
+
+def test_a_vllm_0_32_model_has_no_lookahead_hashes() -> None:
+    """vLLM 0.32 has no lookahead block hashes (0.33 added them, EAGLE's default there): its EAGLE
+    engines drop the last matched block instead, so lookahead_tokens on a 0.32 model is refused."""
+    eagle_032 = ModelConfig(name="e", vllm_version="0.32", eagle_block_drop=True)
+    assert resolve_variant(eagle_032).spec.eagle_block_drop
+    assert resolve_variant(ModelConfig(name="e", lookahead_tokens=1)).spec.lookahead_tokens == 1
+    with pytest.raises(ValueError, match=r"model 'e'.*0\.32.*eagle_block_drop"):
+        resolve_variant(ModelConfig(name="e", vllm_version="0.32", lookahead_tokens=1))
