@@ -90,9 +90,17 @@ def test_two_workers_share_the_port_and_the_metrics_and_outlive_a_crash() -> Non
                 found = client.get(f"/debug/decisions/{rid}", headers=auth)
             assert found.status_code == 200, found.text
             assert msgspec.json.decode(found.content, type=DecisionEntry).request_id == rid
-        for _ in range(4):  # whichever worker answers the scrape reports every worker's requests
+
+        def scrape() -> str:
             with httpx.Client(base_url=ready.url, timeout=30) as client:
-                text = client.get("/metrics").text
+                return client.get("/metrics").text
+
+        # Under load a worker's mirror can trail the engine's events for a moment (unseen blocks of the
+        # requests just sent): freshness is a condition to wait for, not a snapshot.
+        fresh = "kvrouter_engine_mirror_trust"
+        wait_until(lambda: metric(scrape(), fresh, state="fresh") == 2, "fresh mirrors")
+        for _ in range(4):  # whichever worker answers the scrape reports every worker's requests
+            text = scrape()
             assert metric(text, "kvrouter_requests_total", policy="kv", status="200") == 12
             assert metric(text, "kvrouter_engine_mirror_trust", state="fresh") == 2
         with httpx.Client(base_url=ready.url, timeout=30) as client:
