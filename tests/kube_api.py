@@ -17,6 +17,7 @@ import json
 import re
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
+from functools import partial
 from typing import Any
 
 from aiohttp import web
@@ -67,6 +68,11 @@ def endpoint_slice(
         "endpoints": endpoints,
         "ports": [{"name": n, "port": p, "protocol": "TCP"} for n, p in (ports or {}).items()],
     }
+
+
+def _go_bool(value: str) -> bool:
+    """A query flag as the API server reads it (Go's strconv.ParseBool; the Python client sends "True")."""
+    return value in ("1", "t", "T", "TRUE", "true", "True")
 
 
 def _matches(selector: str, labels: Mapping[str, str]) -> bool:
@@ -124,7 +130,11 @@ class FakeKubeApi:
         """Send a BOOKMARK at the current version to every watch that allowed bookmarks."""
         async with self._changed:
             self.version += 1
-            mark = {"kind": "EndpointSlice", "apiVersion": _API, "metadata": {"resourceVersion": str(self.version)}}
+            mark = {
+                "kind": "EndpointSlice",
+                "apiVersion": _API,
+                "metadata": {"resourceVersion": str(self.version)},
+            }
             self.history.append((self.version, "BOOKMARK", mark))
             self._changed.notify_all()
 
@@ -141,7 +151,7 @@ class FakeKubeApi:
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         query = dict(request.query)
-        if query.get("watch") in ("true", "1"):
+        if _go_bool(query.get("watch", "")):
             self.watches.append(query)
             return await self._watch(request, query)
         self.lists.append(query)
@@ -156,7 +166,9 @@ class FakeKubeApi:
         meta: Obj = {"resourceVersion": str(self.version)}
         if start + limit < len(items):
             meta["continue"] = str(start + limit)
-        return web.json_response({"kind": "EndpointSliceList", "apiVersion": _API, "metadata": meta, "items": page})
+        return web.json_response(
+            {"kind": "EndpointSliceList", "apiVersion": _API, "metadata": meta, "items": page}
+        )
 
     async def _watch(self, request: web.Request, query: Mapping[str, str]) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
@@ -168,7 +180,7 @@ class FakeKubeApi:
                       "reason": "Expired", "code": 410}  # fmt: skip
             await response.write(json.dumps({"type": "ERROR", "object": status}).encode() + b"\n")
             return response
-        selector, bookmarks = query.get("labelSelector", ""), query.get("allowWatchBookmarks") == "true"
+        selector, bookmarks = query.get("labelSelector", ""), _go_bool(query.get("allowWatchBookmarks", ""))
         self.open_watches += 1
         try:
             await self._stream(response, since, selector, bookmarks)
@@ -180,8 +192,8 @@ class FakeKubeApi:
         generation = self._generation
         while True:
             async with self._changed:
-                await self._changed.wait_for(lambda: self._generation != generation or self._after(since))
-                if self._generation != generation:
+                await self._changed.wait_for(partial(self._due, generation, since))
+                if self._ended(generation):
                     return
                 events = [e for e in self.history if e[0] > since]
             for version, kind, obj in events:
@@ -191,6 +203,12 @@ class FakeKubeApi:
                 if kind != "BOOKMARK" and not _matches(selector, obj["metadata"]["labels"]):
                     continue
                 await response.write(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
+
+    def _due(self, generation: int, since: int) -> bool:
+        return self._ended(generation) or self._after(since)
+
+    def _ended(self, generation: int) -> bool:
+        return self._generation != generation
 
     def _after(self, since: int) -> bool:
         return bool(self.history) and self.history[-1][0] > since

@@ -199,9 +199,9 @@ def engines_from_slices(discovery: Discovery, slices: Iterable[EndpointSlice]) -
     Slices of an address type not in `kubernetes.address_types` are skipped; a pod in several slices
     (dual stack, or moving between slices) is one engine, from the slice of the preferred address type,
     then the first by name."""
-    preference = discovery.kubernetes.address_types
-    usable = [s for s in slices if s.address_type in preference]
-    usable.sort(key=lambda s: (preference.index(s.address_type), s.metadata.namespace, s.metadata.name))
+    rank: dict[str, int] = {kind: i for i, kind in enumerate(discovery.kubernetes.address_types)}
+    usable = [s for s in slices if s.address_type in rank]
+    usable.sort(key=lambda s: (rank[s.address_type], s.metadata.namespace, s.metadata.name))
     out: dict[str, EngineConfig] = {}
     for item in usable:
         for engine in _slice_engines(discovery, item):

@@ -210,7 +210,7 @@ class Auth(_Table, frozen=True):
 
 
 class KubernetesDiscovery(_Table, frozen=True):
-    """Engines from EndpointSlices, listed then watched through the Kubernetes API (router/links/kube_discovery.py)."""
+    """Engines from EndpointSlices, listed then watched through the Kubernetes API (kube_discovery.py)."""
 
     services: list[str] = []
     """Services whose EndpointSlices (label kubernetes.io/service-name) are the engines; one pool each."""

@@ -71,7 +71,9 @@ def test_an_endpoint_without_addresses_or_a_slice_without_endpoints_is_nothing()
 
 
 def test_ports_named_first_then_annotations_then_the_discovery_defaults() -> None:
-    defaults = Discovery(kubernetes=KubernetesDiscovery(services=["x"]), port=9000, events_port=6000, replay_port=None)
+    defaults = Discovery(
+        kubernetes=KubernetesDiscovery(services=["x"]), port=9000, events_port=6000, replay_port=None
+    )
     named = endpoint_slice("a", "named", [endpoint("10.0.0.1", "p")], ports={"http": 8001, "kv-events": 7001})
     annotated = endpoint_slice(
         "b", "annotated", [endpoint("10.0.0.2", "p")], ports={"web": 8080},
@@ -79,10 +81,15 @@ def test_ports_named_first_then_annotations_then_the_discovery_defaults() -> Non
                      "kvrouter.io/replay-port": "7003"},
     )  # fmt: skip
     bad = endpoint_slice(
-        "c", "bad", [endpoint("10.0.0.3", "p")], annotations={"kvrouter.io/http-port": "http", "kvrouter.io/events-port": "0"}
+        "c",
+        "bad",
+        [endpoint("10.0.0.3", "p")],
+        annotations={"kvrouter.io/http-port": "http", "kvrouter.io/events-port": "0"},
     )
     found = engines(named, annotated, bad, discovery=defaults)
-    assert found["named/p"].url == "http://10.0.0.1:8001" and found["named/p"].events == ["tcp://10.0.0.1:7001"]
+    assert found["named/p"].url == "http://10.0.0.1:8001" and found["named/p"].events == [
+        "tcp://10.0.0.1:7001"
+    ]
     assert found["named/p"].replay == []
     assert found["annotated/p"].url == "http://10.0.0.2:8002"
     assert found["annotated/p"].events == ["tcp://10.0.0.2:7002"]
@@ -91,7 +98,9 @@ def test_ports_named_first_then_annotations_then_the_discovery_defaults() -> Non
 
 
 def test_the_port_names_are_configurable() -> None:
-    k = KubernetesDiscovery(services=["x"], http_port_name="api", events_port_name="zmq", replay_port_name="zmq-replay")
+    k = KubernetesDiscovery(
+        services=["x"], http_port_name="api", events_port_name="zmq", replay_port_name="zmq-replay"
+    )
     obj = endpoint_slice("a", "x", [endpoint("10.0.0.1", "p")], ports={"api": 1, "zmq": 2, "zmq-replay": 3})
     e = engines(obj, discovery=Discovery(kubernetes=k))["x/p"]
     assert (e.url, e.events, e.replay) == ("http://10.0.0.1:1", ["tcp://10.0.0.1:2"], ["tcp://10.0.0.1:3"])
@@ -137,7 +146,9 @@ def test_a_pod_moving_between_slices_is_one_engine_and_fqdn_and_unnamed_endpoint
     a = endpoint_slice("qwen-a", "qwen", [endpoint("10.0.0.1", "p")])
     b = endpoint_slice("qwen-b", "qwen", [endpoint("10.0.0.1", "p")])
     assert list(engines(b, a)) == ["qwen/p"]
-    fqdn = endpoint_slice("f", "ext", [{"addresses": ["vllm.example.internal"], "conditions": {}}], address_type="FQDN")
+    fqdn = endpoint_slice(
+        "f", "ext", [{"addresses": ["vllm.example.internal"], "conditions": {}}], address_type="FQDN"
+    )
     no_pod = endpoint_slice("n", "bare", [{"addresses": ["10.0.0.9"], "hostname": "h0"}])
     found = engines(fqdn, no_pod)
     assert found["ext/vllm.example.internal"].url == "http://vllm.example.internal:8000"
