@@ -6,8 +6,8 @@ lines `{"type": ADDED|MODIFIED|DELETED|BOOKMARK|ERROR, "object": ...}` of the ch
 resourceVersion, as the API reference describes. A watch from a version older than the last
 `compact()` gets an `ERROR` event carrying a 410 `Status` (Expired), as the real server does. The test
 drives it: `put` and `delete` slices, `bookmark()` (sent to watches that allowed bookmarks),
-`end_watches()` (the server closing every open watch), and reads `lists` and `watches` (each watch's
-query). Label selectors: `k=v`, `k!=v`, `k in (a,b)`, `k`, comma-joined.
+`end_watches()` (the server closing every open watch), `token` (a bearer token required), and reads
+`lists` and `watches` (each call's query). Label selectors: `k=v`, `k!=v`, `k in (a,b)`, `k`, comma-joined.
 """
 
 from __future__ import annotations
@@ -104,6 +104,7 @@ class FakeKubeApi:
         self.lists: list[Mapping[str, str]] = []
         self.watches: list[Mapping[str, str]] = []
         self.open_watches = 0
+        self.token: str | None = None  # set: every call needs `Authorization: Bearer <token>`
         self._changed = asyncio.Condition()
         self._generation = 0
 
@@ -150,6 +151,9 @@ class FakeKubeApi:
             self._changed.notify_all()
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
+        if self.token is not None and request.headers.get("Authorization") != f"Bearer {self.token}":
+            status = {"kind": "Status", "status": "Failure", "reason": "Unauthorized", "code": 401}
+            return web.json_response(status, status=401)
         query = dict(request.query)
         if _go_bool(query.get("watch", "")):
             self.watches.append(query)

@@ -4,10 +4,19 @@ from __future__ import annotations
 
 from urllib.parse import urlsplit
 
+from events.config import KVEventsConfig
 from router.core.ids import EngineId
 from router.settings.config import Discovery, EngineConfig, KubernetesDiscovery, PolicyConfig
-from tests.gateway_helpers import engine_of, gateway_config, running_gateway, running_stubs, wait_for
+from tests.gateway_helpers import (
+    engine_of,
+    gateway_config,
+    mirrors_caught_up,
+    running_gateway,
+    running_stubs,
+    wait_for,
+)
 from tests.kube_api import endpoint, endpoint_slice, running_kube_api
+from tests.stub_helpers import stub_config
 
 BODY = {"model": "kvrouter-stub", "prompt": "the quick brown fox " * 8, "max_tokens": 3}
 
@@ -77,3 +86,38 @@ async def test_the_gateway_routes_to_discovered_pods_and_drops_a_removed_one() -
             await wait_for(only_first)
             answer = await gw.client.post("/v1/completions", json=BODY)
             assert answer.status_code == 200 and answer.headers["x-kvrouter-engine"] == first
+
+
+async def test_an_ipv6_pod_is_discovered_mirrored_and_routed_to() -> None:
+    v6_events = KVEventsConfig(
+        enable_kv_cache_events=True, endpoint="tcp://[::1]:0", replay_endpoint="tcp://[::1]:0"
+    )
+    async with running_stubs(1, stub_config(host="::1", host_ip="::1", kv_events=v6_events)) as stubs:
+        info = stubs[0].info
+        assert info is not None
+        source = info.kv_event_sources[0]
+        assert source.endpoint.startswith("tcp://[::1]:") and source.replay_endpoint is not None
+        ports = {
+            "http": stubs[0].port,
+            "kv-events": int(source.endpoint.rpartition(":")[2]),
+            "kv-replay": int(source.replay_endpoint.rpartition(":")[2]),
+        }
+        v6 = endpoint_slice(
+            "v6", "stubs", [endpoint("::1", "vllm-0")], ports=ports, address_type="IPv6",
+            labels={"kvrouter.io/model": "kvrouter-stub"},
+        )  # fmt: skip
+        async with running_kube_api() as (api, url):
+            await api.put(v6)
+            kube = KubernetesDiscovery(services=["stubs"], namespace="llm", api_url=url, backoff_s=0.01)
+            async with running_gateway(gateway_config([], discovery=Discovery(kubernetes=kube))) as gw:
+
+                async def found() -> bool:
+                    return [e.name for e in gw.parts.fleet.engines()] == ["stubs/vllm-0"]
+
+                await wait_for(found)
+                engine = gw.parts.fleet.replica(EngineId("stubs/vllm-0")).engine
+                assert engine.url == f"http://[::1]:{stubs[0].port}"
+                assert engine.events == [f"tcp://[::1]:{ports['kv-events']}"]
+                answer = await gw.client.post("/v1/completions", json=BODY)
+                assert answer.status_code == 200 and answer.headers["x-kvrouter-engine"] == "stubs/vllm-0"
+                await wait_for(mirrors_caught_up(gw, {"stubs/vllm-0": stubs[0]}))  # events over IPv6

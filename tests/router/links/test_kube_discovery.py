@@ -9,7 +9,7 @@ from typing import Any
 
 from aiohttp import web
 
-from router.links.kube_discovery import KubeDiscovery, namespace_of
+from router.links.kube_discovery import KubeDiscovery, api_client, namespace_of
 from router.settings.config import Discovery, EngineConfig, KubernetesDiscovery
 from tests.gateway_helpers import fake_engine, wait_for
 from tests.kube_api import FakeKubeApi, endpoint, endpoint_slice, running_kube_api
@@ -221,6 +221,36 @@ async def test_a_long_list_is_read_page_by_page() -> None:
             assert fleet.calls == [(sorted(fleet.engines), [])]  # applied once, after the last page
         finally:
             await disco.close()
+
+
+async def test_a_kubeconfig_names_the_server_and_the_token(tmp_path: Path) -> None:
+    async with running_kube_api() as (api, url):
+        api.token = "s3cret"
+        await api.put(qwen(endpoint("10.0.0.1", "a")))
+        kubeconfig = tmp_path / "config"
+        kubeconfig.write_text(
+            "apiVersion: v1\nkind: Config\ncurrent-context: test\n"
+            f"clusters:\n- name: fake\n  cluster:\n    server: {url}\n"
+            "users:\n- name: router\n  user:\n    token: s3cret\n"
+            "contexts:\n- name: test\n  context:\n    cluster: fake\n    user: router\n    namespace: llm\n"
+        )
+        k = KubernetesDiscovery(services=["qwen"], kubeconfig=str(kubeconfig), backoff_s=0.01)
+        client = await api_client(k, environ={})  # not in a cluster: the kubeconfig
+        fleet = Fleet()
+        disco = KubeDiscovery(Discovery(kubernetes=k), fleet.on_change, client)
+        disco.start()
+        try:
+            await wait_for(lambda: _has(fleet, "qwen/a"))
+            assert disco.counts["failures"] == 0
+        finally:
+            await disco.close()
+        api.token = "other"
+        wrong = KubeDiscovery(Discovery(kubernetes=k), fleet.on_change, await api_client(k, environ={}))
+        wrong.start()
+        try:
+            await wait_for(lambda: _true(wrong.counts["failures"] >= 1))  # 401: counted, retried
+        finally:
+            await wrong.close()
 
 
 def test_the_namespace_is_configured_or_the_service_accounts(tmp_path: Path) -> None:
