@@ -143,6 +143,7 @@ class Service:
         core = RoutingCore(state, scorer, time.perf_counter)  # state -> decision
         proxy = self._proxy = Proxy(ProxySettings.from_config(config), state.breakers, state.clock)
         await self._phase("proxy session", proxy.start(), opts.phase_timeout_s)
+        kube: KubeDiscovery | None = None
         if config.discovery.dns_name is not None:
             self.discovery = DnsDiscovery(config.discovery, self._on_discovery)
             self.discovery.start()
@@ -150,9 +151,11 @@ class Service:
             # Imported here: the Kubernetes client takes ~1 s to import, paid only by who uses it.
             from router.links.kube_discovery import KubeDiscovery
 
-            self.discovery = KubeDiscovery(config.discovery, self._on_discovery)
-            self.discovery.start()
+            self.discovery = kube = KubeDiscovery(config.discovery, self._on_discovery)
+            kube.start()
         metrics = RouterMetrics(partial(engine_views, state), time.time, models.key_cache)  # links' clock
+        if kube is not None:
+            metrics.count_discovery(kube.counts)
         if config.policy.scrape_period_s > 0:
             p = config.policy
             self.scraper = EngineScraper(state, p.scrape_period_s, p.scrape_timeout_s, metrics.scraped)

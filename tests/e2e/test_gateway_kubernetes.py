@@ -86,6 +86,10 @@ async def test_the_gateway_routes_to_discovered_pods_and_drops_a_removed_one() -
             await wait_for(only_first)
             answer = await gw.client.post("/v1/completions", json=BODY)
             assert answer.status_code == 200 and answer.headers["x-kvrouter-engine"] == first
+            text = (await gw.client.get("/metrics")).text
+            assert 'kvrouter_discovery_operations_total{kind="lists"} 1.0' in text
+            assert 'kvrouter_discovery_operations_total{kind="events"} 3.0' in text
+            assert 'kvrouter_discovery_operations_total{kind="failures"} 0.0' in text
 
 
 async def test_an_ipv6_pod_is_discovered_mirrored_and_routed_to() -> None:
