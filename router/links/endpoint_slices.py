@@ -5,7 +5,8 @@ API grows). `SliceSet` is the watched state: a LIST replaces it, each watch even
 `engines_from_slices` turns the slices into the engine set: one engine per ready endpoint, named
 `<service>/<pod>`, its ports from the slice's named ports, else its annotations, else `[discovery]`;
 its model from the slice's model label (the EndpointSlice controller copies the Service's labels onto
-its slices), else `discovery.model`, else "" (the engine is then asked, `router.links.kube_discovery`).
+its slices), else `discovery.model`, else "" (the engine is then asked, `router.links.kube_discovery`);
+with the label `kvrouter.io/data-parallel-size: N`, one event (and replay) endpoint per rank.
 `changes` is the difference the fleet applies. No I/O here.
 """
 
@@ -19,6 +20,7 @@ import msgspec
 from router.settings.config import Discovery, EngineConfig
 
 __all__ = [
+    "DATA_PARALLEL_LABEL",
     "EVENTS_PORT_ANNOTATION",
     "HTTP_PORT_ANNOTATION",
     "REPLAY_PORT_ANNOTATION",
@@ -37,6 +39,7 @@ SERVICE_NAME_LABEL: Final = "kubernetes.io/service-name"
 HTTP_PORT_ANNOTATION: Final = "kvrouter.io/http-port"
 EVENTS_PORT_ANNOTATION: Final = "kvrouter.io/events-port"
 REPLAY_PORT_ANNOTATION: Final = "kvrouter.io/replay-port"
+DATA_PARALLEL_LABEL: Final = "kvrouter.io/data-parallel-size"
 
 
 class _Wire(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -177,6 +180,8 @@ def _slice_engines(discovery: Discovery, item: EndpointSlice) -> Iterable[Engine
     events = _port(item, k.events_port_name, EVENTS_PORT_ANNOTATION, discovery.events_port)
     replay = _port(item, k.replay_port_name, REPLAY_PORT_ANNOTATION, discovery.replay_port)
     model = labels.get(k.model_label, discovery.model)
+    dp = labels.get(DATA_PARALLEL_LABEL, "")
+    ranks = int(dp) if dp.isdigit() and int(dp) > 0 else 1
     for endpoint in item.endpoints or []:
         if not _is_ready(endpoint):
             continue
@@ -188,9 +193,9 @@ def _slice_engines(discovery: Discovery, item: EndpointSlice) -> Iterable[Engine
             name=f"{pool}/{pod}",
             url=f"http://{host}:{http}",
             model=model,
-            events=[f"tcp://{host}:{events}"] if events else [],
-            replay=[f"tcp://{host}:{replay}"] if events and replay else [],
-        )
+            events=[f"tcp://{host}:{events + r}" for r in range(ranks)] if events else [],
+            replay=[f"tcp://{host}:{replay + r}" for r in range(ranks)] if events and replay else [],
+        )  # rank r publishes on port + r, and replays on replay port + r (vLLM's offset_endpoint)
 
 
 def engines_from_slices(discovery: Discovery, slices: Iterable[EndpointSlice]) -> dict[str, EngineConfig]:

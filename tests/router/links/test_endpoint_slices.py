@@ -212,3 +212,17 @@ def test_changes_remove_then_add_an_engine_whose_table_changed() -> None:
     assert added == {"x/p": moved, "x/r": new} and removed == {"x/p"}
     assert changes({"x/q": kept}, {}) == ({}, {"x/q"})
     assert changes({"x/q": kept}, {"x/q": kept}) == ({}, set())
+
+
+def test_a_data_parallel_pool_gets_one_event_endpoint_per_rank_at_vllms_offsets() -> None:
+    labels = {"kvrouter.io/model": "m", "kvrouter.io/data-parallel-size": "3"}
+    obj = endpoint_slice("dp", "dp", [endpoint("10.0.0.1", "p")], ports={"http": 8000, "kv-events": 5557,
+                         "kv-replay": 5600}, labels=labels)  # fmt: skip
+    e = engines(obj)["dp/p"]
+    assert e.events == ["tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "tcp://10.0.0.1:5559"]
+    assert e.replay == ["tcp://10.0.0.1:5600", "tcp://10.0.0.1:5601", "tcp://10.0.0.1:5602"]
+    assert e.replica_ids() == ["dp/p/dp0", "dp/p/dp1", "dp/p/dp2"]
+    for bad in ("0", "x", ""):
+        labels["kvrouter.io/data-parallel-size"] = bad
+        obj["metadata"]["labels"] = {**obj["metadata"]["labels"], **labels}
+        assert len(engines(obj)["dp/p"].events) == 1  # not a positive count: one rank
