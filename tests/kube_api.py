@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import ssl
 from collections.abc import AsyncIterator, Mapping
 from contextlib import asynccontextmanager
 from functools import partial
@@ -219,18 +220,18 @@ class FakeKubeApi:
 
 
 @asynccontextmanager
-async def running_kube_api() -> AsyncIterator[tuple[FakeKubeApi, str]]:
-    """The fake API under a real aiohttp server on 127.0.0.1:0; yields it and its base URL."""
+async def running_kube_api(tls: ssl.SSLContext | None = None) -> AsyncIterator[tuple[FakeKubeApi, str]]:
+    """The fake API under a real aiohttp server on 127.0.0.1:0 (HTTPS with `tls`); yields it and its URL."""
     api = FakeKubeApi()
     app = web.Application()
     app.router.add_get("/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices", api.handle)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
     await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
+    site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls)
     await site.start()
     host, port = runner.addresses[0][:2]
     try:
-        yield api, f"http://{host}:{port}"
+        yield api, f"{'https' if tls else 'http'}://{host}:{port}"
     finally:
         await api.end_watches()
         await runner.cleanup()

@@ -16,7 +16,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from pathlib import Path
 from typing import Any, Final, cast
 
@@ -38,13 +38,13 @@ from router.links.endpoint_slices import (
 )
 from router.settings.config import Discovery, EngineConfig, KubernetesDiscovery
 
-__all__ = ["KubeDiscovery", "api_client", "namespace_of"]
+__all__ = ["SERVICE_ACCOUNT", "KubeDiscovery", "api_client", "namespace_of"]
 
 log = logging.getLogger(__name__)
 
 _LIST: Final = msgspec.json.Decoder(EndpointSliceList)
 _PAGE: Final = 500
-_SERVICE_ACCOUNT_NAMESPACE: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount/namespace")
+SERVICE_ACCOUNT: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount")  # token, ca.crt, namespace
 
 
 class _Model(msgspec.Struct, frozen=True):
@@ -61,14 +61,23 @@ _MODELS: Final = msgspec.json.Decoder(_Models)
 OnChange = Callable[[dict[str, EngineConfig], set[str]], Awaitable[None]]
 
 
-async def api_client(k: KubernetesDiscovery, environ: dict[str, str] | None = None) -> ApiClient:
-    """A client for `api_url` (no auth), else in-cluster service-account auth, else the kubeconfig."""
+async def api_client(
+    k: KubernetesDiscovery, environ: Mapping[str, str] | None = None, account: Path = SERVICE_ACCOUNT
+) -> ApiClient:
+    """A client for `api_url` (no auth), else in-cluster service-account auth (the API server from
+    $KUBERNETES_SERVICE_HOST/PORT, the token and CA from `account`, the token re-read as it rotates),
+    else the kubeconfig."""
     env = os.environ if environ is None else environ
     configuration = Configuration()
     if k.api_url:
         configuration.host = k.api_url.rstrip("/")
     elif env.get("KUBERNETES_SERVICE_HOST"):
-        kube_config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+        kube_config.load_incluster_config(  # type: ignore[no-untyped-call]
+            client_configuration=configuration,
+            token_filename=str(account / "token"),
+            cert_filename=str(account / "ca.crt"),
+            environ=dict(env),
+        )
     else:
         await kube_config.load_kube_config(
             config_file=k.kubeconfig or None, client_configuration=configuration
@@ -76,7 +85,7 @@ async def api_client(k: KubernetesDiscovery, environ: dict[str, str] | None = No
     return ApiClient(configuration)
 
 
-def namespace_of(k: KubernetesDiscovery, account_file: Path = _SERVICE_ACCOUNT_NAMESPACE) -> str:
+def namespace_of(k: KubernetesDiscovery, account_file: Path = SERVICE_ACCOUNT / "namespace") -> str:
     """The configured namespace, else the pod's own (from its service account), else "default"."""
     if k.namespace:
         return k.namespace

@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import shutil
+import ssl
+import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
+import pytest
 from aiohttp import web
 
 from router.links.kube_discovery import KubeDiscovery, api_client, namespace_of
@@ -251,6 +255,46 @@ async def test_a_kubeconfig_names_the_server_and_the_token(tmp_path: Path) -> No
             await wait_for(lambda: _true(wrong.counts["failures"] >= 1))  # 401: counted, retried
         finally:
             await wrong.close()
+
+
+def self_signed(directory: Path) -> tuple[Path, Path]:
+    """A certificate for IP 127.0.0.1 and its key, made by the openssl command (skip without it)."""
+    if shutil.which("openssl") is None:
+        pytest.skip("needs the openssl command to make a server certificate")
+    cert, key = directory / "server.crt", directory / "server.key"
+    subprocess.run(
+        ["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj", "/CN=kube",
+         "-addext", "subjectAltName=IP:127.0.0.1", "-keyout", str(key), "-out", str(cert)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    return cert, key
+
+
+async def test_in_cluster_service_account_auth_over_tls(tmp_path: Path) -> None:
+    cert, key = self_signed(tmp_path)
+    tls = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+    tls.load_cert_chain(cert, key)
+    account = tmp_path / "serviceaccount"
+    account.mkdir()
+    (account / "token").write_text("pod-token")
+    (account / "ca.crt").write_text(cert.read_text())  # the cluster CA: here the server's own cert
+    (account / "namespace").write_text("llm")
+    async with running_kube_api(tls) as (api, url):
+        api.token = "pod-token"
+        await api.put(qwen(endpoint("10.0.0.1", "a")))
+        port = url.rpartition(":")[2]
+        env = {"KUBERNETES_SERVICE_HOST": "127.0.0.1", "KUBERNETES_SERVICE_PORT": port}
+        k = KubernetesDiscovery(services=["qwen"], backoff_s=0.01)
+        client = await api_client(k, env, account)
+        assert client.configuration.host == f"https://127.0.0.1:{port}"
+        fleet = Fleet()
+        disco = KubeDiscovery(Discovery(kubernetes=k), fleet.on_change, client)
+        disco.start()
+        try:
+            await wait_for(lambda: _has(fleet, "qwen/a"))
+            assert disco.counts["failures"] == 0
+        finally:
+            await disco.close()
 
 
 def test_the_namespace_is_configured_or_the_service_accounts(tmp_path: Path) -> None:
