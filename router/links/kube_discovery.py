@@ -219,8 +219,12 @@ class KubeDiscovery:
                 timeout_seconds=self.k.watch_timeout_s,
                 _request_timeout=self._timeout(),
             )
+            quiet = True
             async for event in stream:
+                quiet = False
                 await self._on_event(event["type"], event["raw_object"])
+        if quiet:  # a server (or proxy) ending watches at once must not be asked again in a busy loop
+            await asyncio.sleep(self.k.backoff_s)  # pacing, not synchronisation
 
     async def _on_event(self, kind: str, raw: object) -> None:
         if kind == "BOOKMARK":
@@ -253,6 +257,7 @@ class KubeDiscovery:
                 else:
                     ready[name] = resolved
             self.known = current
+            self.models = {key: m for key, m in self.models.items() if key[0] in current}  # pods come and go
             removed &= self.present
             self.present = (self.present - removed) | set(ready)
             if ready or removed:
