@@ -142,12 +142,12 @@ class KubeDiscovery:
             self._client = None
 
     async def _run(self) -> None:
-        if self._client is None:
-            self._client = await api_client(self.k)
-        api = DiscoveryV1Api(self._client)
         failures = 0
         while True:
             try:
+                if self._client is None:  # no credentials yet (no kubeconfig, no service account): retried
+                    self._client = await api_client(self.k)
+                api = DiscoveryV1Api(self._client)
                 if not self.slices.resource_version:
                     await self._list(api)
                 await self._watch(api)

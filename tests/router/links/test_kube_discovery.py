@@ -257,6 +257,20 @@ async def test_a_kubeconfig_names_the_server_and_the_token(tmp_path: Path) -> No
             await wrong.close()
 
 
+async def test_missing_credentials_are_logged_counted_and_retried(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
+    k = KubernetesDiscovery(services=["qwen"], kubeconfig=str(tmp_path / "absent"), backoff_s=0.01)
+    disco = KubeDiscovery(Discovery(kubernetes=k), Fleet().on_change)
+    disco.start()
+    try:
+        await wait_for(lambda: _true(disco.counts["failures"] >= 2))  # the loop lives on
+        assert "kubernetes discovery failed" in caplog.text
+    finally:
+        await disco.close()
+
+
 def self_signed(directory: Path) -> tuple[Path, Path]:
     """A certificate for IP 127.0.0.1 and its key, made by the openssl command (skip without it)."""
     if shutil.which("openssl") is None:
