@@ -18,6 +18,7 @@ __all__ = [
     "for_rank",
     "is_bind_endpoint",
     "is_ephemeral_tcp",
+    "is_ipv6_endpoint",
     "offset_endpoint",
 ]
 
@@ -61,6 +62,12 @@ def decode_kv_events_config(text: str | bytes) -> KVEventsConfig:
 def is_bind_endpoint(endpoint: str) -> bool:
     """vLLM's rule: bind when the endpoint has `*` or `::` or is ipc/inproc; otherwise connect."""
     return "*" in endpoint or "::" in endpoint or endpoint.startswith(("ipc://", "inproc://"))
+
+
+def is_ipv6_endpoint(endpoint: str) -> bool:
+    """True for `tcp://[addr]:port`: its socket needs ZMQ_IPV6, without which a connect is accepted and
+    silently never meets (set only then, since it makes IPv4 addresses read back as `[::ffff:a.b.c.d]`)."""
+    return endpoint.startswith("tcp://[")
 
 
 def is_ephemeral_tcp(endpoint: str) -> bool:

@@ -24,7 +24,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from events.config import KVEventsConfig, for_rank, is_bind_endpoint, is_ephemeral_tcp
+from events.config import KVEventsConfig, for_rank, is_bind_endpoint, is_ephemeral_tcp, is_ipv6_endpoint
 from events.faults import LiveFaults
 from events.frames import (
     Frame,
@@ -129,6 +129,7 @@ class EventPublisher:
         return self.resolved
 
     def _attach(self, sock: zmq.asyncio.Socket, endpoint: str, *, bind: bool) -> str:
+        sock.ipv6 = is_ipv6_endpoint(endpoint)
         if not bind:
             sock.connect(endpoint)
             return endpoint

@@ -34,6 +34,7 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
+from events.config import is_ipv6_endpoint
 from events.decode import BatchDecoder
 from events.frames import (
     Frame,
@@ -113,6 +114,7 @@ class EngineSubscriber:
     def start(self) -> None:
         """Open the sockets (binding the SUB in connect mode) and start the receive task."""
         sub = self._socket(zmq.SUB)
+        sub.ipv6 = is_ipv6_endpoint(self.source.endpoint)
         sub.rcvhwm = self.config.rcvhwm
         sub.subscribe(self.source.topic.encode())
         if self.source.bind:
@@ -312,6 +314,7 @@ class EngineSubscriber:
             self._close_dealer()  # a replay still in flight: its replies must not mix with this one's
         if self._dealer is None:
             self._dealer = self._socket(zmq.DEALER)
+            self._dealer.ipv6 = is_ipv6_endpoint(self.source.replay_endpoint)
             self._dealer.connect(self.source.replay_endpoint)
             self._poller.register(self._dealer, zmq.POLLIN)
         self._deadline = self._now() + self._timeout

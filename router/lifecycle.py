@@ -17,6 +17,7 @@ import time
 from collections.abc import Awaitable, Mapping
 from functools import partial
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import msgspec
 
@@ -39,6 +40,9 @@ from router.ops.recording import GatewayRecorder
 from router.prepare.served_models import Models
 from router.settings.config import EngineConfig, RouterConfig
 from router.settings.secrets import load_secrets
+
+if TYPE_CHECKING:
+    from router.links.kube_discovery import KubeDiscovery
 
 __all__ = ["ServeOptions", "Service", "StartupError", "start_embedded"]
 
@@ -90,7 +94,7 @@ class Service:
         self.parts: GatewayParts | None = None
         self.embedded: EmbeddedStubs | None = None
         self.recorder: GatewayRecorder | None = None
-        self.discovery: DnsDiscovery | None = None
+        self.discovery: DnsDiscovery | KubeDiscovery | None = None
         self._sync_task: asyncio.Task[None] | None = None
         self._links: FleetLinks | None = None
         self._proxy: Proxy | None = None
@@ -140,10 +144,19 @@ class Service:
         core = RoutingCore(state, scorer, time.perf_counter)  # state -> decision
         proxy = self._proxy = Proxy(ProxySettings.from_config(config), state.breakers, state.clock)
         await self._phase("proxy session", proxy.start(), opts.phase_timeout_s)
+        kube: KubeDiscovery | None = None
         if config.discovery.dns_name is not None:
             self.discovery = DnsDiscovery(config.discovery, self._on_discovery)
             self.discovery.start()
+        elif config.discovery.kubernetes.enabled:
+            # Imported here: the Kubernetes client takes ~1 s to import, paid only by who uses it.
+            from router.links.kube_discovery import KubeDiscovery
+
+            self.discovery = kube = KubeDiscovery(config.discovery, self._on_discovery)
+            kube.start()
         metrics = RouterMetrics(partial(engine_views, state), time.time, models.key_cache)  # links' clock
+        if kube is not None:
+            metrics.count_discovery(kube.counts)
         if config.policy.scrape_period_s > 0:
             p = config.policy
             self.scraper = EngineScraper(state, p.scrape_period_s, p.scrape_timeout_s, metrics.scraped)

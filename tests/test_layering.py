@@ -47,6 +47,7 @@ PURE_MODULES = [
     "engine_stub/runtime/script_driver.py",
     "engine_stub/server/openai_io.py",
     "router/edge/headers.py",
+    "router/links/endpoint_slices.py",
     "router/prepare/prepared.py",
     "kvrouter/loadtest/workload.py",
     "kvrouter/loadtest/results.py",

@@ -4,7 +4,7 @@ Every admin call needs the admin token (`router.edge.auth`). A POST body is one 
 decoded into `router.settings.config.EngineConfig` and checked with the config's own rules against the engines
 already in the fleet (unique name, http(s) URL, event endpoints). Discovery changes go through the
 same two `FleetLinks` calls. Engines are only ever added by an operator (admin API, config) or by the
-configured DNS name; nothing in a proxied request can add or reach one.
+configured DNS name or Kubernetes discovery; nothing in a proxied request can add or reach one.
 """
 
 from __future__ import annotations
@@ -108,7 +108,7 @@ class AdminApi:
 
 
 async def apply_discovery(links: FleetLinks, added: dict[str, EngineConfig], removed: set[str]) -> None:
-    """Apply one DNS discovery change to the fleet; a refused change is logged, never raised."""
+    """Apply one discovery change (DNS or Kubernetes) to the fleet; a refused change is logged, not raised."""
     for name in sorted(removed):
         try:
             await links.remove_engine(name)

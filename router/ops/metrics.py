@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import time
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Final
 
 import msgspec
@@ -251,6 +251,24 @@ class _KeyCacheCollector(Collector):
         )
 
 
+class _DiscoveryCollector(Collector):
+    """`kvrouter_discovery_operations_total{kind}`: the Kubernetes discovery's own counts, read at scrape."""
+
+    def __init__(self, counts: Mapping[str, int]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = CounterMetricFamily(
+            "kvrouter_discovery_operations",
+            "Kubernetes discovery: lists, watches, resyncs (410 Gone), failures, bookmarks, events, "
+            "rejected slices (this worker)",
+            labels=["kind"],
+        )
+        for kind, value in sorted(self._counts.items()):
+            family.add_metric([kind], value)
+        yield family
+
+
 class RouterMetrics:
     """Every `kvrouter_*` metric of one gateway process."""
 
@@ -362,6 +380,12 @@ class RouterMetrics:
     def scraped(self, engine: str, ok: bool) -> None:
         """Count one scrape of an engine's /metrics."""
         self.scrapes.labels(engine, "ok" if ok else "error").inc()
+
+    def count_discovery(self, counts: Mapping[str, int]) -> None:
+        """Export the Kubernetes discovery's counters (router/links/kube_discovery.py)."""
+        collector = _DiscoveryCollector(counts)
+        self._local.append(collector)
+        self.registry.register(collector)
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (every worker's, in multiprocess mode)."""

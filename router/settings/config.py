@@ -27,6 +27,7 @@ __all__ = [
     "Embedded",
     "EngineConfig",
     "GroupConfig",
+    "KubernetesDiscovery",
     "Limits",
     "Listen",
     "ModelConfig",
@@ -217,8 +218,45 @@ class Auth(_Table, frozen=True):
     admin_token_file: str | None = None
 
 
+class KubernetesDiscovery(_Table, frozen=True):
+    """Engines from EndpointSlices, listed then watched through the Kubernetes API (kube_discovery.py)."""
+
+    services: list[str] = []
+    """Services whose EndpointSlices (label kubernetes.io/service-name) are the engines; one pool each."""
+    label_selector: str = ""
+    """A label selector on EndpointSlices, with or instead of `services` (either one turns this on)."""
+    namespace: str = ""
+    """Empty: the gateway pod's own namespace (its service account), else "default"."""
+    api_url: str = ""
+    """Empty: in-cluster service-account auth, else the kubeconfig. Set: this API server, no auth
+    (tests, `kubectl proxy`)."""
+    kubeconfig: str = ""
+    """Outside a cluster: this kubeconfig (empty: $KUBECONFIG, else ~/.kube/config)."""
+    model_label: str = "kvrouter.io/model"
+    """The slice label naming its pool's model; without it `discovery.model`, else the engine's /v1/models."""
+    http_port_name: str = "http"
+    events_port_name: str = "kv-events"
+    replay_port_name: str = "kv-replay"
+    address_types: list[Literal["IPv4", "IPv6", "FQDN"]] = msgspec.field(
+        default_factory=lambda: ["IPv4", "IPv6", "FQDN"]
+    )
+    """Slices of these address types are read; a dual-stack pod is one engine, of the first type listed."""
+    watch_timeout_s: Annotated[int, msgspec.Meta(ge=1)] = 300
+    """The API server ends each watch after this; it is then resumed from the last resourceVersion."""
+    backoff_s: Positive = 0.5
+    backoff_max_s: Positive = 30.0
+    model_timeout_s: Positive = 5.0
+    """One /v1/models question to an engine whose model no label names."""
+
+    @property
+    def enabled(self) -> bool:
+        """True when a Service or a label selector is configured."""
+        return bool(self.services or self.label_selector)
+
+
 class Discovery(_Table, frozen=True):
-    """Engines from every A record of a DNS name (a headless service), re-resolved every period."""
+    """Engines from every A record of a DNS name (a headless service), re-resolved every period, or
+    from the Kubernetes API (`[discovery.kubernetes]`); the ports and model here are the defaults."""
 
     dns_name: str | None = None
     port: Port = 8000
@@ -226,6 +264,7 @@ class Discovery(_Table, frozen=True):
     replay_port: Port | None = None
     model: str = ""
     period_s: Positive = 10.0
+    kubernetes: KubernetesDiscovery = KubernetesDiscovery()
 
 
 class Embedded(_Table, frozen=True):
@@ -256,7 +295,7 @@ class RouterConfig(_Table, frozen=True):
     @property
     def uses_embedded(self) -> bool:
         """True when neither engines nor discovery are configured: start stubs instead."""
-        return not self.engines and self.discovery.dns_name is None
+        return not self.engines and self.discovery.dns_name is None and not self.discovery.kubernetes.enabled
 
 
 _AT_PATH = re.compile(r"- at `\$((?:\.\w+|\[\d+\])*)`$")
@@ -381,4 +420,9 @@ def _general_problems(config: RouterConfig) -> list[str]:
         problems.append("$.limits.max_in_flight_per_engine: must not exceed max_in_flight_total")
     if config.retry.backoff_max_s < config.retry.backoff_s:
         problems.append("$.retry.backoff_max_s: must be at least backoff_s")
+    kube = config.discovery.kubernetes
+    if kube.enabled and config.discovery.dns_name is not None:
+        problems.append("$.discovery.kubernetes: use either dns_name or the Kubernetes API, not both")
+    if kube.backoff_max_s < kube.backoff_s:
+        problems.append("$.discovery.kubernetes.backoff_max_s: must be at least backoff_s")
     return problems

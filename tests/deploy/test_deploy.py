@@ -22,12 +22,19 @@ from urllib.parse import urlsplit
 
 import jsonschema
 import kubernetes_validate
+import msgspec
 import pytest
 
 from events.config import decode_kv_events_config, is_bind_endpoint
 from kvrouter.cli import build_parser
 from router.edge.asgi_app import create_app
-from router.settings.config import RouterConfig, decode_config
+from router.links.endpoint_slices import (
+    SERVICE_NAME_LABEL,
+    EndpointSlice,
+    engines_from_slices,
+    label_selector,
+)
+from router.settings.config import EngineConfig, RouterConfig, decode_config
 from router.settings.overrides import load_config
 from tests.kustomize import Resource, render
 
@@ -176,33 +183,61 @@ def flags(args: list[str]) -> dict[str, str]:
     return {a.partition("=")[0]: a.partition("=")[2] for a in args}
 
 
+def controller_slice(service: Resource, pod_labels: dict[str, str], ports: dict[str, int]) -> EndpointSlice:
+    """The EndpointSlice the EndpointSlice controller writes for `service` and one ready pod of the
+    Deployment: the Service's labels plus the service-name label, its port names with the pod's numbers."""
+    assert service["spec"]["selector"].items() <= pod_labels.items()
+    labels = {**service["metadata"]["labels"], SERVICE_NAME_LABEL: service["metadata"]["name"]}
+    named = [
+        {"name": p["name"], "port": ports[p["targetPort"]], "protocol": "TCP"}
+        for p in service["spec"]["ports"]
+    ]
+    obj = {
+        "metadata": {"name": f"{service['metadata']['name']}-x1", "namespace": "llm", "labels": labels},
+        "addressType": "IPv4",
+        "endpoints": [{"addresses": ["10.1.2.3"], "conditions": {"ready": True},
+                       "targetRef": {"kind": "Pod", "name": "vllm-0"}}],
+        "ports": named,
+    }  # fmt: skip
+    return msgspec.convert(obj, EndpointSlice)
+
+
 def test_the_example_engines_publish_what_the_discovery_config_expects() -> None:
     resources = RENDERED["example"]
     config = router_config(resources)
-    discovery = config.discovery
-    vllm = one(resources, "Deployment", "vllm")["spec"]["template"]["spec"]["containers"][0]
+    kube = config.discovery.kubernetes
+    deployment = one(resources, "Deployment", "vllm")["spec"]["template"]
+    vllm = deployment["spec"]["containers"][0]
     args = flags(vllm["args"])
     assert {"--enable-prefix-caching", "--enable-prompt-tokens-details"} <= args.keys()
     events = decode_kv_events_config(args["--kv-events-config"])
     assert events.enable_kv_cache_events and events.publisher == "zmq" and events.topic
     assert events.replay_endpoint is not None
-    for endpoint, port in (
-        (events.endpoint, discovery.events_port),
-        (events.replay_endpoint, discovery.replay_port),
-    ):
-        assert is_bind_endpoint(endpoint) and urlsplit(endpoint).port == port, endpoint
-    assert int(args["--port"]) == discovery.port
-    assert args["--served-model-name"] == discovery.model == config.models[0].name
-    assert int(args["--block-size"]) == config.models[0].block_size
     ports = {p["name"]: p["containerPort"] for p in vllm["ports"]}
     assert ports == {
-        "http": discovery.port,
-        "kv-events": discovery.events_port,
-        "kv-replay": discovery.replay_port,
+        kube.http_port_name: int(args["--port"]),
+        kube.events_port_name: urlsplit(events.endpoint).port,
+        kube.replay_port_name: urlsplit(events.replay_endpoint).port,
     }
-    headless = one(resources, "Service", discovery.dns_name)["spec"]
-    assert headless["clusterIP"] == "None"
-    assert {p["name"]: p["port"] for p in headless["ports"]} == ports
+    assert is_bind_endpoint(events.endpoint) and is_bind_endpoint(events.replay_endpoint)
+    (service_name,) = kube.services
+    service = one(resources, "Service", service_name)
+    assert label_selector(config.discovery) == f"{SERVICE_NAME_LABEL}={service_name}"
+    # What the gateway makes of the slice the cluster would write for one ready vLLM pod.
+    found = engines_from_slices(
+        config.discovery, [controller_slice(service, deployment["metadata"]["labels"], ports)]
+    )
+    assert found == {
+        f"{service_name}/vllm-0": EngineConfig(
+            name=f"{service_name}/vllm-0",
+            url=f"http://10.1.2.3:{args['--port']}",
+            model=args["--served-model-name"],
+            events=[f"tcp://10.1.2.3:{urlsplit(events.endpoint).port}"],
+            replay=[f"tcp://10.1.2.3:{urlsplit(events.replay_endpoint).port}"],
+        )
+    }
+    assert args["--served-model-name"] == config.models[0].name
+    assert int(args["--block-size"]) == config.models[0].block_size
 
 
 def dockerfile_lines() -> list[str]:

@@ -352,3 +352,20 @@ async def test_a_consumer_error_without_replay_resets_and_goes_on(ctx: TrackedCo
     resyncs = [signal for signal in out.signals() if signal != Reset("history_lost")]  # slow joiner
     assert resyncs == [Reset("resync")] * len(out.batches())
     assert sub.stats().stale and sub.stats().consumer_errors == sub.stats().resyncs
+
+
+async def test_an_ipv6_publisher_and_subscriber_meet_on_the_loopback(
+    ctx: TrackedContext, running: Any
+) -> None:
+    """IPv6 pods (Kubernetes discovery gives tcp://[addr]:port): both ends must enable ZMQ_IPV6."""
+    v6 = KVEventsConfig(
+        enable_kv_cache_events=True, endpoint="tcp://[::1]:0", replay_endpoint="tcp://[::1]:0", topic="kv"
+    )
+    out = Collector()
+    async with EventPublisher(v6, context=ctx) as publisher:
+        assert publisher.resolved.endpoint.startswith("tcp://[::1]:")
+        await publish_range(publisher, 0, 5)
+        running(source(publisher), out)
+        await wait_until(out.has(CaughtUp(4)), what="caught up over IPv6")
+        await publish_range(publisher, 5, 10)
+        await wait_until(lambda: len(out.batches()) == 10, what="live batches over IPv6")

@@ -43,7 +43,7 @@ def test_shipped_file_mentions_every_key() -> None:
     for table in tables:
         for field in msgspec.structs.fields(table):
             if table is not RouterConfig:
-                pattern = rf"^#? ?({field.name} = |\[\[\w+\.{field.name}\]\])"
+                pattern = rf"^#? ?({field.name} = |\[\[?\w+\.{field.name}\]\]?)"
                 assert re.search(pattern, text, re.M), f"{table.__name__}.{field.name}"
 
 
@@ -328,3 +328,15 @@ def test_an_invalid_choice_lists_the_valid_ones(tmp_path: Path) -> None:
         load_file(path)
     with pytest.raises(ConfigError, match=re.escape("$.limits.overload_status` (one of: 429, 503)")):
         apply_overrides(RouterConfig(), {"limits.overload_status": "500"}, "--set")
+
+
+def test_kubernetes_discovery_from_the_environment_and_its_checks() -> None:
+    env = {"KVROUTER_DISCOVERY_KUBERNETES": '{"services": ["qwen", "llama"], "namespace": "llm"}'}
+    config = apply_overrides(RouterConfig(), env_overrides(RouterConfig(), env), "environment")
+    assert config.discovery.kubernetes.services == ["qwen", "llama"] and not config.uses_embedded
+    with pytest.raises(ConfigError, match="either dns_name or the Kubernetes API"):
+        decode_config('[discovery]\ndns_name = "x"\n[discovery.kubernetes]\nservices = ["y"]\n', "t.toml")
+    with pytest.raises(ConfigError, match="backoff_max_s"):
+        decode_config('[discovery.kubernetes]\nservices = ["a"]\nbackoff_s = 5\nbackoff_max_s = 1\n', "t")
+    with pytest.raises(ConfigError, match="address_types"):
+        decode_config('[discovery.kubernetes]\naddress_types = ["IPv5"]\n', "t.toml")

@@ -1,0 +1,297 @@
+"""Engines found through the Kubernetes API: EndpointSlices LISTed, then WATCHed (never polled).
+
+`KubeDiscovery` runs one loop: LIST the selected slices (every page), then WATCH from the list's
+resourceVersion with bookmarks on. Every event updates the `SliceSet`; the engine set is recomputed by
+the pure `router.links.endpoint_slices` and the difference handed to `on_change` (the fleet drops a
+removed engine's mirror, subscriber and session pins). A watch the server ends is resumed from the
+last resourceVersion seen (an event's or a bookmark's); 410 Gone means that version was compacted
+away, so the loop LISTs again (a full resync); any other failure is counted, logged and retried after
+an exponential backoff, the engine set kept as it is. An engine whose model no label names is asked
+its `/v1/models` once per engine table; until it answers it is left out and asked again after a backoff.
+The client is kubernetes_asyncio: in-cluster service-account auth, a kubeconfig, or `api_url`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+from collections.abc import Awaitable, Callable, Mapping
+from pathlib import Path
+from typing import Any, Final, cast
+
+import aiohttp
+import msgspec
+from kubernetes_asyncio import config as kube_config
+from kubernetes_asyncio.client import ApiClient, Configuration, DiscoveryV1Api
+from kubernetes_asyncio.client.exceptions import ApiException
+from kubernetes_asyncio.watch import Watch
+
+from router.links.endpoint_slices import (
+    BookmarkObject,
+    EndpointSlice,
+    EndpointSliceList,
+    SliceSet,
+    changes,
+    engines_from_slices,
+    label_selector,
+)
+from router.settings.config import Discovery, EngineConfig, KubernetesDiscovery
+
+__all__ = ["SERVICE_ACCOUNT", "KubeDiscovery", "api_client", "namespace_of"]
+
+log = logging.getLogger(__name__)
+
+_LIST: Final = msgspec.json.Decoder(EndpointSliceList)
+_PAGE: Final = 500
+SERVICE_ACCOUNT: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount")  # token, ca.crt, namespace
+
+
+class _Model(msgspec.Struct, frozen=True):
+    id: str
+    parent: str | None = None
+
+
+class _Models(msgspec.Struct, frozen=True):
+    data: list[_Model]
+
+
+_MODELS: Final = msgspec.json.Decoder(_Models)
+
+OnChange = Callable[[dict[str, EngineConfig], set[str]], Awaitable[None]]
+
+
+async def api_client(
+    k: KubernetesDiscovery, environ: Mapping[str, str] | None = None, account: Path = SERVICE_ACCOUNT
+) -> ApiClient:
+    """A client for `api_url` (no auth), else in-cluster service-account auth (the API server from
+    $KUBERNETES_SERVICE_HOST/PORT, the token and CA from `account`, the token re-read as it rotates),
+    else the kubeconfig."""
+    env = os.environ if environ is None else environ
+    configuration = Configuration()
+    if k.api_url:
+        configuration.host = k.api_url.rstrip("/")
+    elif env.get("KUBERNETES_SERVICE_HOST"):
+        kube_config.load_incluster_config(  # type: ignore[no-untyped-call]
+            client_configuration=configuration,
+            token_filename=str(account / "token"),
+            cert_filename=str(account / "ca.crt"),
+            environ=dict(env),
+        )
+    else:
+        await kube_config.load_kube_config(
+            config_file=k.kubeconfig or None, client_configuration=configuration
+        )
+    return ApiClient(configuration)
+
+
+def namespace_of(k: KubernetesDiscovery, account_file: Path = SERVICE_ACCOUNT / "namespace") -> str:
+    """The configured namespace, else the pod's own (from its service account), else "default"."""
+    if k.namespace:
+        return k.namespace
+    try:
+        return account_file.read_text().strip() or "default"
+    except OSError:
+        return "default"
+
+
+class KubeDiscovery:
+    """Lists and watches the selected EndpointSlices and calls `on_change(added, removed_names)`."""
+
+    def __init__(self, discovery: Discovery, on_change: OnChange, client: ApiClient | None = None) -> None:
+        if not discovery.kubernetes.enabled:
+            raise ValueError("discovery.kubernetes names no services and no label_selector")
+        self.discovery, self._on_change, self._client = discovery, on_change, client
+        self.k = discovery.kubernetes
+        self.namespace = namespace_of(self.k)
+        self.selector = label_selector(discovery)
+        self.slices = SliceSet()
+        self.known: dict[str, EngineConfig] = {}  # the pure engine set, minus engines of unknown model
+        self.present: set[str] = set()  # names handed to the fleet
+        self.models: dict[tuple[str, str], str] = {}  # /v1/models answers, by engine name and URL
+        self.counts = {
+            "lists": 0,
+            "watches": 0,
+            "resyncs": 0,
+            "failures": 0,
+            "bookmarks": 0,
+            "events": 0,
+            "rejected": 0,
+        }
+        self._lock = asyncio.Lock()
+        self._task: asyncio.Task[None] | None = None
+        self._retry: asyncio.Task[None] | None = None
+        self._http: aiohttp.ClientSession | None = None
+
+    def start(self) -> None:
+        """Start the list/watch loop."""
+        self._task = asyncio.create_task(self._run(), name="kubernetes-discovery")
+
+    async def close(self) -> None:
+        """Stop watching and close the API client."""
+        for task in (self._task, self._retry):
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        self._task = self._retry = None
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+        if self._client is not None:
+            await self._client.close()
+            self._client = None
+
+    async def _run(self) -> None:
+        failures = 0
+        while True:
+            try:
+                if self._client is None:  # no credentials yet (no kubeconfig, no service account): retried
+                    self._client = await api_client(self.k)
+                api = DiscoveryV1Api(self._client)
+                if not self.slices.resource_version:
+                    await self._list(api)
+                await self._watch(api)
+                failures = 0
+            except ApiException as exc:
+                if exc.status == 410:  # compacted: the version is gone, only a LIST gets a new one
+                    self.counts["resyncs"] += 1
+                    log.info("kubernetes watch expired, listing again", extra={"reason": exc.reason})
+                    self.slices.resource_version = ""
+                    continue
+                failures = await self._failed(exc, failures)
+            except Exception as exc:  # the client raises bare Exception for a malformed line: never die
+                failures = await self._failed(exc, failures)
+
+    async def _failed(self, exc: Exception, failures: int) -> int:
+        self.counts["failures"] += 1
+        delay = min(self.k.backoff_max_s, self.k.backoff_s * 2**failures)
+        log.warning(
+            "kubernetes discovery failed",
+            extra={
+                "namespace": self.namespace,
+                "selector": self.selector,
+                "error": repr(exc),
+                "retry_s": delay,
+            },
+        )
+        await asyncio.sleep(delay)  # a backoff, not synchronisation
+        return failures + 1
+
+    def _timeout(self) -> aiohttp.ClientTimeout:
+        # A server that stops answering mid-watch is noticed: it owes a line (or the end) by then.
+        return aiohttp.ClientTimeout(sock_connect=10, sock_read=self.k.watch_timeout_s + 30)
+
+    async def _list(self, api: DiscoveryV1Api) -> None:
+        items: list[EndpointSlice] = []
+        token: str | None = None
+        while True:
+            # _preload_content=False: the raw answer, decoded by our own Structs, not the client's models.
+            response: Any = await api.list_namespaced_endpoint_slice(
+                self.namespace,
+                label_selector=self.selector,
+                limit=_PAGE,
+                _continue=cast(str, token),  # None is not sent (the generated code skips it)
+                _preload_content=False,
+                _request_timeout=self._timeout(),
+            )
+            try:
+                page = _LIST.decode(await response.read())
+            finally:
+                response.release()
+            items.extend(page.items or [])
+            token = page.metadata.continue_
+            if not token:
+                break
+        self.counts["lists"] += 1
+        self.slices.replace(items, page.metadata.resource_version)
+        await self._apply()
+
+    async def _watch(self, api: DiscoveryV1Api) -> None:
+        """One watch from the current resourceVersion, until the server ends it."""
+        self.counts["watches"] += 1
+        async with Watch(return_type="object") as watch:  # "object": the raw dicts, decoded here
+            stream = watch.stream(
+                api.list_namespaced_endpoint_slice,
+                self.namespace,
+                resource_version=self.slices.resource_version,
+                label_selector=self.selector,
+                allow_watch_bookmarks=True,
+                timeout_seconds=self.k.watch_timeout_s,
+                _request_timeout=self._timeout(),
+            )
+            quiet = True
+            async for event in stream:
+                quiet = False
+                await self._on_event(event["type"], event["raw_object"])
+        if quiet:  # a server (or proxy) ending watches at once must not be asked again in a busy loop
+            await asyncio.sleep(self.k.backoff_s)  # pacing, not synchronisation
+
+    async def _on_event(self, kind: str, raw: object) -> None:
+        if kind == "BOOKMARK":
+            self.counts["bookmarks"] += 1
+            self.slices.resource_version = msgspec.convert(raw, BookmarkObject).metadata.resource_version
+            return
+        self.counts["events"] += 1
+        try:
+            item = msgspec.convert(raw, EndpointSlice)
+        except msgspec.ValidationError as exc:
+            # Rejected alone: the slice keeps its last good state, and the watch moves past it (a
+            # resume from before it would meet it again).
+            self.counts["rejected"] += 1
+            log.warning("kubernetes endpointslice rejected", extra={"type": kind, "error": str(exc)})
+            self.slices.resource_version = msgspec.convert(raw, BookmarkObject).metadata.resource_version
+            return
+        self.slices.apply(kind, item)
+        await self._apply()
+
+    async def _apply(self) -> None:
+        """Recompute the engine set and hand the difference to the fleet."""
+        async with self._lock:
+            current = engines_from_slices(self.discovery, self.slices.slices.values())
+            added, removed = changes(self.known, current)
+            ready: dict[str, EngineConfig] = {}
+            for name, engine in added.items():
+                resolved = await self._with_model(engine)
+                if resolved is None:
+                    del current[name]  # not known yet: asked again after a backoff
+                else:
+                    ready[name] = resolved
+            self.known = current
+            self.models = {key: m for key, m in self.models.items() if key[0] in current}  # pods come and go
+            removed &= self.present
+            self.present = (self.present - removed) | set(ready)
+            if ready or removed:
+                log.info(
+                    "kubernetes discovery changed", extra={"added": sorted(ready), "removed": sorted(removed)}
+                )
+                await self._on_change(ready, removed)
+
+    async def _with_model(self, engine: EngineConfig) -> EngineConfig | None:
+        if engine.model:
+            return engine
+        model = self.models.get((engine.name, engine.url)) or await self._ask_model(engine)
+        if model is None:
+            if self._retry is None or self._retry.done():
+                self._retry = asyncio.create_task(self._apply_later(), name="kubernetes-discovery-retry")
+            return None
+        self.models = {k: m for k, m in self.models.items() if k[0] != engine.name}  # one per engine
+        self.models[engine.name, engine.url] = model
+        return msgspec.structs.replace(engine, model=model)
+
+    async def _ask_model(self, engine: EngineConfig) -> str | None:
+        """The engine's served model (its first /v1/models entry that is not an adapter); None on failure."""
+        if self._http is None:
+            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.k.model_timeout_s))
+        try:
+            async with self._http.get(f"{engine.url}/v1/models") as response:
+                response.raise_for_status()
+                models = _MODELS.decode(await response.read()).data
+            return next(m.id for m in models if m.parent is None)
+        except (aiohttp.ClientError, OSError, TimeoutError, msgspec.DecodeError, StopIteration) as exc:
+            self.counts["failures"] += 1
+            log.warning("engine model unknown", extra={"engine": engine.name, "error": repr(exc)})
+            return None
+
+    async def _apply_later(self) -> None:
+        await asyncio.sleep(self.k.backoff_s)  # a backoff, not synchronisation
+        await self._apply()
