@@ -1,0 +1,432 @@
+"""A keep-alive HTTP/1.1 client on asyncio protocols and httptools' parser: the proxy's upstream leg.
+
+It does only what forwarding needs, which is why it costs a fraction of aiohttp's client per request
+(BENCHMARKS.md, "Gateway"): one pooled connection per exchange (no pipelining), the request head and
+body written with one `transport.write`, the answer's headers awaited, then its body read chunk by
+chunk as it arrives (chunked and length-framed bodies decoded by httptools, or up to EOF). A fully
+read answer with keep-alive returns its connection to the pool; any other end (close, cancellation,
+error) drops it, which is how an engine learns that the client went away. Failures are this
+module's `HttpClientError`s; `router.edge.upstream.map_upstream_errors` translates them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+import ssl
+from collections import deque
+from typing import Final
+from urllib.parse import urlsplit
+
+import httptools
+import msgspec
+
+__all__ = [
+    "BadResponse",
+    "ClientSettings",
+    "ConnectFailed",
+    "ConnectTimedOut",
+    "Http1Client",
+    "Http1Response",
+    "HttpClientError",
+    "ResponseCut",
+    "ServerDisconnected",
+    "TimedOut",
+]
+
+_HIGH_WATER: Final = 256 * 1024  # buffered body bytes before the socket stops being read
+_NO_BODY_METHODS: Final = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
+
+
+class HttpClientError(Exception):
+    """Base of the client's failures: connect failed or timed out; disconnected, cut, bad, timed out."""
+
+
+class ConnectFailed(HttpClientError):
+    """The TCP (or TLS) connection could not be made; `os_error` says why."""
+
+    def __init__(self, os_error: OSError) -> None:
+        super().__init__(str(os_error))
+        self.os_error = os_error
+
+
+class ConnectTimedOut(HttpClientError):
+    """The connection was not made within `connect_s`."""
+
+
+class ServerDisconnected(HttpClientError):
+    """The connection closed before the answer's headers were complete."""
+
+
+class ResponseCut(HttpClientError):
+    """The connection closed in the middle of the answer's body."""
+
+
+class BadResponse(HttpClientError):
+    """The engine's bytes are not a valid HTTP/1.1 answer."""
+
+
+class TimedOut(HttpClientError):
+    """A deadline passed: `phase` is "first byte" (no headers yet), "read" (silent) or "total"."""
+
+    def __init__(self, phase: str) -> None:
+        super().__init__(f"{phase} timeout")
+        self.phase = phase
+
+
+class ClientSettings(msgspec.Struct, frozen=True):
+    """Pool limits and the timeouts the client itself enforces (seconds)."""
+
+    connect_s: float = 2.0
+    first_byte_s: float = 60.0
+    read_s: float = 60.0
+    total_s: float = 600.0
+    keepalive_s: float = 4.0
+    pool_total: int = 1024
+    pool_per_host: int = 256
+
+
+class _Origin(msgspec.Struct, frozen=True):
+    scheme: str
+    host: str
+    port: int
+    prefix: str
+    """The base URL's path, put before every request's path."""
+
+    @classmethod
+    def of(cls, base_url: str) -> _Origin:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) engine URL: {base_url!r}")
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        return cls(parts.scheme, parts.hostname, port, parts.path.rstrip("/"))
+
+
+class _Connection(asyncio.Protocol):
+    """One socket to an engine and the exchange currently on it (parser callbacks fill it)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.headers: list[tuple[str, str]] = []
+        self.headers_done = False
+        self.keep_alive = False
+        self.complete = False
+        self.error: HttpClientError | None = None
+        self.chunks: deque[bytes] = deque()
+        self.buffered = 0
+        self.paused = False
+        self.waiter: asyncio.Future[None] | None = None
+        self.idle_since = 0.0
+        self.lost = False
+        self.active = True
+        self.reused = False
+        self.received = False
+
+    # -- asyncio.Protocol --
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        assert isinstance(transport, asyncio.Transport)
+        self.transport = transport
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # Each SSE chunk is a small write; Nagle would hold it for the engine's ACK.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.active:  # bytes on an idle connection belong to no request: it cannot be reused
+            self.close()
+            return
+        self.received = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(BadResponse(f"invalid HTTP answer: {exc}"))
+            assert self.transport is not None
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self.complete:
+            return
+        if self.headers_done and self.parser.get_status_code() and self._until_eof():
+            self.on_message_complete()  # a body framed by the end of the connection
+            return
+        cut = ResponseCut if self.headers_done else ServerDisconnected
+        self._fail(cut("the engine closed the connection" + (f" ({exc})" if exc else "")))
+
+    def pause_writing(self) -> None:  # the single request write is never waited on
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # -- httptools callbacks --
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        self.headers_done = True
+        self.keep_alive = self.parser.should_keep_alive()  # valid only inside the parser's callbacks
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self._wake()
+
+    # -- the exchange --
+    def _until_eof(self) -> bool:
+        names = {k.lower() for k, _ in self.headers}
+        return "content-length" not in names and "transfer-encoding" not in names
+
+    def _fail(self, error: HttpClientError) -> None:
+        if self.error is None:
+            self.error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def reusable(self, now: float, keepalive_s: float) -> bool:
+        return not self.lost and now - self.idle_since < keepalive_s
+
+    def reset(self) -> None:
+        """Ready for the next exchange on the same socket (idle until taken again)."""
+        self.parser = httptools.HttpResponseParser(self)
+        self.headers = []
+        self.headers_done = self.keep_alive = self.complete = self.active = self.received = False
+        self.buffered = 0
+
+    async def wait(self, timeout_s: float, phase: str) -> None:
+        """Until a parser callback or the connection's end wakes it; `TimedOut(phase)` after `timeout_s`."""
+        waiter = self.waiter = self.loop.create_future()
+        timer = self.loop.call_later(max(0.0, timeout_s), _expire, waiter, phase)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self.waiter = None
+
+    def close(self) -> None:
+        self.lost = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _expire(waiter: asyncio.Future[None], phase: str) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimedOut(phase))
+
+
+class Http1Response:
+    """An answer: status and raw header pairs now, the body through `next_chunk` until it returns b""."""
+
+    def __init__(self, pool: _Pool, conn: _Connection, deadline: float, reuse: bool) -> None:
+        self.status: int = conn.parser.get_status_code()
+        self.headers = conn.headers
+        self._pool, self._conn, self._deadline = pool, conn, deadline
+        self._read_s = pool.client.settings.read_s
+        self._reuse = reuse and conn.keep_alive
+        self._done = False
+
+    async def next_chunk(self) -> bytes:
+        """The next body bytes as they arrived; b"" once the body is complete (the connection released)."""
+        conn = self._conn
+        while not conn.chunks:
+            if conn.complete or self._done:
+                self.release()
+                return b""
+            if conn.error is not None:
+                self.close()
+                raise conn.error
+            left = self._deadline - conn.loop.time()
+            try:
+                await conn.wait(min(self._read_s, left), "read" if self._read_s < left else "total")
+            except BaseException:
+                self.close()
+                raise
+        chunk = conn.chunks.popleft()
+        conn.buffered -= len(chunk)
+        if conn.paused and conn.buffered <= _HIGH_WATER // 2 and conn.transport is not None:
+            conn.paused = False
+            conn.transport.resume_reading()
+        return chunk
+
+    def release(self) -> None:
+        """Give the connection back to the pool if the body was read to its end, else drop it."""
+        if self._done:
+            return
+        self._done = True
+        conn = self._conn
+        if conn.complete and self._reuse and not conn.lost and not conn.chunks:
+            self._pool.put(conn)
+        else:
+            conn.close()
+            self._pool.forget()
+
+    def close(self) -> None:
+        """Drop the connection unless the answer was already fully read (idempotent)."""
+        if not self._done:
+            self._done = True
+            self._conn.close()
+            self._pool.forget()
+
+
+class _Pool:
+    """Idle keep-alive connections to one origin (most recent first) and the count of those in use."""
+
+    def __init__(self, client: Http1Client, origin: _Origin) -> None:
+        self.client, self.origin = client, origin
+        self.idle: list[_Connection] = []
+        self.in_use = 0
+
+    def take(self, now: float) -> _Connection | None:
+        keepalive = self.client.settings.keepalive_s
+        while self.idle:
+            conn = self.idle.pop()
+            if conn.reusable(now, keepalive):
+                self.in_use += 1
+                conn.active = conn.reused = True
+                return conn
+            conn.close()
+        return None
+
+    def put(self, conn: _Connection) -> None:
+        conn.reset()
+        conn.idle_since = conn.loop.time()
+        self.idle.append(conn)
+        self.forget()
+
+    def forget(self) -> None:
+        self.in_use -= 1
+        self.client.returned()
+
+
+class Http1Client:
+    """Pooled keep-alive HTTP/1.1 connections per engine origin (see the module docstring)."""
+
+    def __init__(self, settings: ClientSettings) -> None:
+        self.settings = settings
+        self._pools: dict[str, _Pool] = {}
+        self._in_use = 0
+        self._waiting: deque[asyncio.Future[None]] = deque()
+        self._tls: ssl.SSLContext | None = None
+
+    async def request(
+        self, method: str, base_url: str, path: str, headers: list[tuple[str, str]], body: bytes
+    ) -> Http1Response:
+        """Send one request to `base_url`'s origin and return once the answer's headers are in.
+
+        `path` is the origin-form path (after the base URL's own path); `headers` go out as given (the
+        caller sets Host) plus Content-Length. A cancellation or failure drops the connection."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        pool = self._pool(base_url)
+        request = _head(method, pool.origin.prefix + path, headers, body) + body
+        conn = await self._acquire(pool, loop)
+        try:
+            try:
+                await self._exchange(conn, request, start)
+            except ServerDisconnected:
+                # A kept connection the engine closed just as it was taken (its idle timeout): the
+                # request met a closed socket, so it goes once more on a fresh connection.
+                if not conn.reused or conn.received:
+                    raise
+                conn.close()
+                pool.forget()
+                conn = await self._acquire(pool, loop, fresh=True)
+                await self._exchange(conn, request, start)
+        except BaseException:
+            conn.close()
+            pool.forget()
+            raise
+        # A HEAD answer's length describes a body that never comes: its connection is not reused.
+        return Http1Response(pool, conn, start + self.settings.total_s, reuse=method != "HEAD")
+
+    async def _exchange(self, conn: _Connection, request: bytes, start: float) -> None:
+        assert conn.transport is not None
+        conn.transport.write(request)
+        while not conn.headers_done:
+            if conn.error is not None:
+                raise conn.error
+            await conn.wait(start + self.settings.first_byte_s - conn.loop.time(), "first byte")
+
+    def _pool(self, base_url: str) -> _Pool:
+        pool = self._pools.get(base_url)
+        if pool is None:
+            pool = self._pools[base_url] = _Pool(self, _Origin.of(base_url))
+        return pool
+
+    async def _acquire(
+        self, pool: _Pool, loop: asyncio.AbstractEventLoop, fresh: bool = False
+    ) -> _Connection:
+        s = self.settings
+        while self._in_use >= s.pool_total or pool.in_use >= s.pool_per_host:
+            waiter = loop.create_future()
+            self._waiting.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiting:
+                    self._waiting.remove(waiter)
+        conn = None if fresh else pool.take(loop.time())
+        if conn is not None:
+            self._in_use += 1
+            return conn
+        pool.in_use += 1
+        self._in_use += 1
+        try:
+            return await self._connect(loop, pool.origin)
+        except BaseException:
+            pool.forget()
+            raise
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop, origin: _Origin) -> _Connection:
+        tls = None
+        if origin.scheme == "https":
+            tls = self._tls = self._tls or ssl.create_default_context()
+        try:
+            async with asyncio.timeout(self.settings.connect_s):
+                _, conn = await loop.create_connection(
+                    lambda: _Connection(loop), origin.host, origin.port, ssl=tls
+                )
+        except TimeoutError:
+            raise ConnectTimedOut(f"no connection to {origin.host}:{origin.port} in time") from None
+        except OSError as exc:
+            raise ConnectFailed(exc) from exc
+        return conn
+
+    def returned(self) -> None:
+        """A connection stopped being in use: wake one request waiting for room in the pool."""
+        self._in_use -= 1
+        # Every waiter looks again: the one whose pool has room now may not be first in line.
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def close(self) -> None:
+        """Close every idle connection (those in use close when their answers end)."""
+        for pool in self._pools.values():
+            for conn in pool.idle:
+                conn.close()
+            pool.idle.clear()
+
+
+def _head(method: str, target: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
+    lines = [f"{method} {target} HTTP/1.1"]
+    lines.extend(f"{k}: {v}" for k, v in headers)
+    if body or method not in _NO_BODY_METHODS:
+        lines.append(f"Content-Length: {len(body)}")
+    lines.append("\r\n")
+    return "\r\n".join(lines).encode("latin-1")
