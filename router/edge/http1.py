@@ -15,7 +15,7 @@ import asyncio
 import socket
 import ssl
 from collections import deque
-from typing import Final
+from typing import Final, cast
 from urllib.parse import urlsplit
 
 import httptools
@@ -126,8 +126,7 @@ class _Connection(asyncio.Protocol):
 
     # -- asyncio.Protocol --
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self.transport = transport
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
         sock = transport.get_extra_info("socket")
         if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
             # Each SSE chunk is a small write; Nagle would hold it for the engine's ACK.

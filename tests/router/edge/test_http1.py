@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 
 import pytest
+import uvloop
 from aiohttp import web
 
 from router.edge import http1
@@ -227,3 +228,21 @@ async def test_pool_limit_makes_requests_wait_for_a_connection() -> None:
         assert await body_of(await asyncio.wait_for(held, WAIT)) == b"ok"
         assert await body_of(await asyncio.wait_for(waiting, WAIT)) == b"ok"
         assert server.connections == 1  # the second request took the first one's kept connection
+
+
+def test_keep_alive_on_uvloop() -> None:
+    """The gateway runs on uvloop, whose transports are not asyncio's classes."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(2):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async def main() -> int:
+        async with raw_server(handler) as server, client() as c:
+            for _ in range(2):
+                assert await body_of(await c.request("POST", server.url, "/", [], b"{}")) == b"ok"
+            return server.connections
+
+    assert uvloop.run(main()) == 1
