@@ -10,18 +10,19 @@ leading run like a hit, and decisions record it apart from the mirror's own hit,
 and what is expected stay distinguishable. Only full-attention-only models use it: a hybrid
 model's sparse groups keep blocks by rules a routed prompt does not decide alone.
 
-The pending run of a prompt on a replica is its longest common prefix (in keys) with one request
-pending there. Per replica the pending key tuples are kept sorted, so that request is next to the
-prompt's sorted position: one bisect and two C-level prefix comparisons, instead of a dict update
-per key on every add and remove. (Keys are chained, so this equals "the leading keys some pending
-request holds".)
+The pending run of a prompt on a replica is the longest prefix of its keys that a request pending
+there shares. Keys are chained (key i determines keys 0..i), so "a pending request shares the first
+n keys" is "key n-1 is held by a pending request there": per replica, a count of the pending requests
+holding each key, and the run is a binary search over single-key lookups (O(log n), no tuple
+compares). Counts are added and taken with C-level `map`/`dict.update`, not a Python loop per key.
 """
 
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left, insort
 from collections.abc import Sequence
+from itertools import compress, repeat
+from operator import add, not_, sub
 
 from router.core.ids import EngineId, RequestId
 
@@ -31,7 +32,7 @@ __all__ = ["PendingPrefixes"]
 class _Entry:
     __slots__ = ("keys", "replica", "until")
 
-    def __init__(self, replica: EngineId, keys: tuple[int, ...], until: float) -> None:
+    def __init__(self, replica: EngineId, keys: list[int], until: float) -> None:
         self.replica, self.keys, self.until = replica, keys, until
 
 
@@ -43,19 +44,20 @@ class PendingPrefixes:
             raise ValueError("ttl_s and grace_s must be >= 0")
         self.ttl_s, self.grace_s, self.max_keys = ttl_s, grace_s, max_keys
         self._entries: dict[RequestId, _Entry] = {}
-        self._sorted: dict[EngineId, list[tuple[tuple[int, ...], RequestId]]] = {}
+        self._held: dict[EngineId, dict[int, int]] = {}  # per replica: key -> pending requests holding it
         self._heap: list[tuple[float, RequestId]] = []
         self.size = 0
 
     def add(self, request: RequestId, replica: EngineId, keys: Sequence[int], now: float) -> None:
-        """`request`, whose prompt has these full-block keys (in order), was just sent to `replica`."""
+        """`request`, whose prompt has these chained full-block keys, was just sent to `replica`."""
         self.expire(now)
         self._remove(request)
         if self.ttl_s == 0 or not keys or self.size + len(keys) > self.max_keys:
             return
-        entry = _Entry(replica, tuple(keys), now + self.ttl_s)
+        entry = _Entry(replica, list(keys), now + self.ttl_s)
         self._entries[request] = entry
-        insort(self._sorted.setdefault(replica, []), (entry.keys, request))
+        held = self._held.setdefault(replica, {})
+        held.update(zip(entry.keys, map(add, map(held.get, entry.keys, repeat(0)), repeat(1)), strict=False))
         self.size += len(entry.keys)
         heapq.heappush(self._heap, (entry.until, request))
 
@@ -68,18 +70,26 @@ class PendingPrefixes:
 
     def holds(self, replica: EngineId) -> bool:
         """Whether any request may still be pending on `replica` (expiry aside): a cheap pre-check."""
-        return bool(self._sorted.get(replica))
+        return bool(self._held.get(replica))
 
     def leading_run(self, replica: EngineId, keys: Sequence[int], limit: int, now: float) -> int:
-        """The longest prefix of `keys` (at most `limit`) that a request pending on `replica` shares."""
+        """The longest prefix of the chained `keys` (at most `limit`) that a request pending on
+        `replica` shares."""
         self.expire(now)
-        entries = self._sorted.get(replica)
-        if not entries or limit <= 0:
+        held = self._held.get(replica)
+        hi = min(limit, len(keys))
+        if not held or hi <= 0:
             return 0
-        probe = tuple(keys[:limit])
-        i = bisect_left(entries, (probe,))
-        # In sorted order the entry sharing the longest prefix is a neighbour of the probe's position.
-        return max(_common_prefix(probe, entries[j][0]) for j in (i - 1, i) if 0 <= j < len(entries))
+        if keys[hi - 1] in held:
+            return hi
+        lo = 0  # invariant: keys[lo - 1] is held (or lo == 0), keys[hi - 1] is not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if keys[mid - 1] in held:
+                lo = mid
+            else:
+                hi = mid
+        return lo
 
     def expire(self, now: float) -> None:
         """Forget every request whose time is up."""
@@ -98,23 +108,10 @@ class PendingPrefixes:
         entry = self._entries.pop(request, None)
         if entry is None:
             return
-        entries = self._sorted[entry.replica]
-        del entries[bisect_left(entries, (entry.keys, request))]
-        if not entries:
-            del self._sorted[entry.replica]
-        self.size -= len(entry.keys)
-
-
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """Length of the longest common prefix of `a` and `b` (binary search over C-level slice compares)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+        held, keys = self._held[entry.replica], entry.keys
+        held.update(zip(keys, map(sub, map(held.__getitem__, keys), repeat(1)), strict=False))
+        for gone in compress(keys, map(not_, map(held.get, keys))):
+            held.pop(gone, None)  # a key no pending request holds any more
+        if not held:
+            del self._held[entry.replica]
+        self.size -= len(keys)

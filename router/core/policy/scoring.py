@@ -63,6 +63,16 @@ class PolicyName(enum.Enum):
     PREFIX_APPROX = "prefix_approx"
 
 
+PENDING_READERS: Final = frozenset({PolicyName.KV, PolicyName.SESSION})
+"""The policies whose choice reads pending prefixes (router.core.mirror.pending)."""
+
+
+def reads_pending(policy: str, max_predicted_ttft_s: float) -> bool:
+    """Whether routing under `policy` reads pending prefixes: its choice does, or saturation does (a
+    predicted-TTFT limit counts pending tokens as cached). Otherwise the overlay is not kept at all."""
+    return PolicyName(policy) in PENDING_READERS or max_predicted_ttft_s > 0
+
+
 class Candidate(msgspec.Struct, frozen=True):
     """One engine as scoring sees it: the lookup's prediction, its trust and load, its availability."""
 
