@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
+
 from events.sequence import CaughtUp
 from events.sequence import Reset as LinkReset
 from events.sources import EngineName, EngineStats
@@ -136,7 +138,7 @@ def test_pending_prefixes_are_kept_only_for_policies_that_read_them() -> None:
         config = RouterConfig(
             engines=[engine()],
             models=[MODEL],
-            policy=PolicyConfig(name=policy, max_predicted_ttft_s=ttft_limit),
+            policy=msgspec.convert({"name": policy, "max_predicted_ttft_s": ttft_limit}, PolicyConfig),
         )
         fleet = FleetState(config, KeyHasher(b"t"), clock)
         fleet.add_engine(engine(), resolve_variant(MODEL, engine()), clock())
