@@ -79,6 +79,7 @@ class _IdFields(msgspec.Struct, omit_defaults=True):
 
 
 _ID_FIELDS = msgspec.json.Decoder(_IdFields)
+_NO_TIMINGS: Mapping[str, float] = MappingProxyType({})
 
 
 class Models:
@@ -189,6 +190,20 @@ class Models:
         model = self.resolve(body, model_hint)
         req = decode_request(ids_body, Endpoint.COMPLETIONS)
         return self._prepare(req, endpoint, model, single_tokenizer=True)  # ids decoded as a completion
+
+    def prepare_unread(self, body: bytes, endpoint: Endpoint | str) -> Prepared | None:
+        """What routing needs when it reads no prompt: the model and stream flag (the body's JSON is
+        still checked whole), nothing tokenized. None when the request asks for full cache reports,
+        which the mirror must tell apart from stores by the request's keys (`prepare` then)."""
+        fields = _IdFields.decode_body(body)
+        if fields.vllm_xargs and fields.vllm_xargs.get("kv_cache_report_mode") == "full":
+            return None
+        model = self.resolve_name(fields.model)
+        return Prepared(
+            model=model, endpoint=Endpoint(endpoint), stream=fields.stream, prompt_tokens=0, keys=[],
+            skip_cache=False, report_mode="incremental", session_key="", timings=_NO_TIMINGS, variant=model,
+            cache_salt=fields.cache_salt, unread=True,
+        )  # fmt: skip
 
     def prepare(self, body: bytes, endpoint: Endpoint | str, model_hint: str | None = None) -> Prepared:
         """Tokenize and key a request body; RequestError (a 400 naming the field) on bad input."""

@@ -67,6 +67,16 @@ PENDING_READERS: Final = frozenset({PolicyName.KV, PolicyName.SESSION})
 """The policies whose choice reads pending prefixes (router.core.mirror.pending)."""
 
 
+PROMPT_FREE: Final = frozenset({PolicyName.ROUND_ROBIN, PolicyName.RANDOM})
+"""The policies whose choice reads nothing of the prompt (no tokens, keys, hits or pending prefixes)."""
+
+
+def reads_prompt(policy: str, max_predicted_ttft_s: float) -> bool:
+    """Whether routing under `policy` reads the prompt: its choice does, or saturation does (a
+    predicted-TTFT limit needs the uncached tokens). Recording needs it too (the gateway's rule)."""
+    return PolicyName(policy) not in PROMPT_FREE or max_predicted_ttft_s > 0
+
+
 def reads_pending(policy: str, max_predicted_ttft_s: float) -> bool:
     """Whether routing under `policy` reads pending prefixes: its choice does, or saturation does (a
     predicted-TTFT limit counts pending tokens as cached). Otherwise the overlay is not kept at all."""
