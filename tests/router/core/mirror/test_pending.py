@@ -159,3 +159,22 @@ def test_leading_run_is_the_longest_prefix_shared_with_a_live_request(
                 assert p.leading_run(r, chain(probe), limit=limit, now=1.0) == want
             assert p.holds(r) == any(rep == r for rep, _ in live.values())
         assert p.size == sum(len(ks) for _, ks in live.values())
+
+
+def test_requests_sharing_a_prefix_share_its_run() -> None:
+    """A request that extends or shares a pending prefix adds only its own keys to the tree."""
+    p = PendingPrefixes(ttl_s=5.0)
+    base = list(range(500))
+    p.add(R1, A, chain([*base, 1, 2]), now=0.0)
+    p.add(R2, A, chain([*base, 3]), now=0.0)  # splits r1's run after the shared 500 keys
+    p.add(RequestId("r3"), A, chain(base[:10]), now=0.0)  # ends inside the shared run: splits it again
+    tree = p._trees[A]
+    assert len(tree.held) == 503 and [len(r.keys) for r in tree.roots.values()] == [10]
+    assert p.leading_run(A, chain([*base, 3, 9]), limit=600, now=0.0) == 501
+    p.answered(R2, now=0.0)
+    p.answered(RequestId("r3"), now=0.0)
+    p.expire(1.0)
+    assert len(tree.held) == 502 and p.leading_run(A, chain([*base, 1, 2]), limit=600, now=1.0) == 502
+    p.answered(R1, now=1.0)
+    p.expire(2.0)
+    assert not p.holds(A) and p.size == 0
