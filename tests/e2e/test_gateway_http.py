@@ -360,6 +360,11 @@ async def test_a_policy_that_reads_no_prompt_tokenizes_nothing(policy: str) -> N
             assert metric(text, "kvrouter_cached_tokens_prediction_error_tokens_count") == 0
             explained = await c.post("/debug/route", json=BODY, headers=ADMIN_AUTH)
             assert msgspec.json.decode(explained.content, type=Explanation).request.prompt_tokens > 0
+            full = await c.post(
+                "/v1/completions", json={**BODY, "vllm_xargs": {"kv_cache_report_mode": "full"}}
+            )
+            found = await c.get(f"/debug/decisions/{full.headers['x-request-id']}", headers=ADMIN_AUTH)
+            assert msgspec.json.decode(found.content, type=DecisionEntry).request.prompt_tokens > 0
         saturation = PolicyConfig(name=policy, trust_silence_s=30.0, max_predicted_ttft_s=60.0)  # type: ignore[arg-type]
         async with running_gateway(gateway_config(engines, policy=saturation)) as gw:
             answer = await gw.client.post("/v1/completions", json=BODY)
