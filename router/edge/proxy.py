@@ -139,7 +139,7 @@ class Proxy:
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         attempts: list[Attempt] = []
-        last: RouterError | UpstreamResponse = NoEngineAvailable("no engine available for this request")
+        last: RouterError | UpstreamResponse | None = None  # an exception built only when raised
         for n in range(self.settings.retry.attempts):
             target = choose(frozenset(a.engine for a in attempts))
             if target is None:
@@ -157,7 +157,7 @@ class Proxy:
             last = result
         if isinstance(last, UpstreamResponse):
             return self._final_answer(last)
-        raise last
+        raise last if last is not None else NoEngineAvailable("no engine available for this request")
 
     def _final_answer(self, response: UpstreamResponse) -> UpstreamResponse:
         if response.status == 429:
