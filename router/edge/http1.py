@@ -111,6 +111,7 @@ class _Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.headers: list[tuple[str, str]] = []
         self.headers_done = False
+        self.status = 0
         self.keep_alive = False
         self.complete = False
         self.error: HttpClientError | None = None
@@ -148,7 +149,7 @@ class _Connection(asyncio.Protocol):
         self.lost = True
         if self.complete:
             return
-        if self.headers_done and self.parser.get_status_code() and self._until_eof():
+        if self.headers_done and self._until_eof():
             self.on_message_complete()  # a body framed by the end of the connection
             return
         cut = ResponseCut if self.headers_done else ServerDisconnected
@@ -166,7 +167,8 @@ class _Connection(asyncio.Protocol):
 
     def on_headers_complete(self) -> None:
         self.headers_done = True
-        self.keep_alive = self.parser.should_keep_alive()  # valid only inside the parser's callbacks
+        # Both are valid only inside the parser's callbacks (reset once the message is complete).
+        self.status, self.keep_alive = self.parser.get_status_code(), self.parser.should_keep_alive()
         self._wake()
 
     def on_body(self, body: bytes) -> None:
@@ -230,12 +232,12 @@ def _expire(waiter: asyncio.Future[None], phase: str) -> None:
 class Http1Response:
     """An answer: status and raw header pairs now, the body through `next_chunk` until it returns b""."""
 
-    def __init__(self, pool: _Pool, conn: _Connection, deadline: float, reuse: bool) -> None:
-        self.status: int = conn.parser.get_status_code()
+    def __init__(self, pool: _Pool, conn: _Connection, deadline: float) -> None:
+        self.status = conn.status
         self.headers = conn.headers
         self._pool, self._conn, self._deadline = pool, conn, deadline
         self._read_s = pool.client.settings.read_s
-        self._reuse = reuse and conn.keep_alive
+        self._reuse = conn.keep_alive
         self._done = False
 
     async def next_chunk(self) -> bytes:
@@ -334,31 +336,31 @@ class Http1Client:
         request = _head(method, pool.origin.prefix + path, headers, body) + body
         conn = await self._acquire(pool, loop)
         try:
-            try:
-                await self._exchange(conn, request, start)
-            except ServerDisconnected:
-                # A kept connection the engine closed just as it was taken (its idle timeout): the
-                # request met a closed socket, so it goes once more on a fresh connection.
-                if not conn.reused or conn.received:
-                    raise
-                conn.close()
-                pool.forget()
-                conn = await self._acquire(pool, loop, fresh=True)
-                await self._exchange(conn, request, start)
+            await self._exchange(pool, conn, request, start)
+        except ServerDisconnected:
+            # A kept connection the engine closed just as it was taken (its idle timeout): the
+            # request met a closed socket, so it goes once more on a fresh connection.
+            if not conn.reused or conn.received:
+                raise
+            conn = await self._acquire(pool, loop, fresh=True)
+            await self._exchange(pool, conn, request, start)
+        if method == "HEAD":  # the answer's length describes a body that never comes
+            conn.complete, conn.keep_alive = True, False
+        return Http1Response(pool, conn, start + self.settings.total_s)
+
+    async def _exchange(self, pool: _Pool, conn: _Connection, request: bytes, start: float) -> None:
+        """Write the request and wait for the answer's headers; any failure drops the connection."""
+        try:
+            assert conn.transport is not None
+            conn.transport.write(request)
+            while not conn.headers_done:
+                if conn.error is not None:
+                    raise conn.error
+                await conn.wait(start + self.settings.first_byte_s - conn.loop.time(), "first byte")
         except BaseException:
             conn.close()
             pool.forget()
             raise
-        # A HEAD answer's length describes a body that never comes: its connection is not reused.
-        return Http1Response(pool, conn, start + self.settings.total_s, reuse=method != "HEAD")
-
-    async def _exchange(self, conn: _Connection, request: bytes, start: float) -> None:
-        assert conn.transport is not None
-        conn.transport.write(request)
-        while not conn.headers_done:
-            if conn.error is not None:
-                raise conn.error
-            await conn.wait(start + self.settings.first_byte_s - conn.loop.time(), "first byte")
 
     def _pool(self, base_url: str) -> _Pool:
         pool = self._pools.get(base_url)

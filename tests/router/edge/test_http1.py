@@ -246,3 +246,31 @@ def test_keep_alive_on_uvloop() -> None:
             return server.connections
 
     assert uvloop.run(main()) == 1
+
+
+async def test_a_head_answer_ends_at_its_headers() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n")  # the length of a GET's body
+        await writer.drain()
+        await reader.read()
+
+    async with raw_server(handler) as server, client(read_s=WAIT) as c:
+        response = await c.request("HEAD", server.url, "/v1/responses/r1", [], b"")
+        assert response.status == 200 and await asyncio.wait_for(body_of(response), WAIT) == b""
+        assert c._pools[server.url].idle == [] and c._in_use == 0  # not reused: its framing is unknown
+
+
+async def test_a_closed_kept_connection_and_a_refused_retry_leave_the_pool_consistent() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()  # then close: the kept connection dies while idle
+
+    async with client() as c:
+        async with raw_server(handler) as server:
+            assert await body_of(await c.request("POST", server.url, "/", [], b"{}")) == b"ok"
+            url = server.url
+        with pytest.raises((http1.ConnectFailed, http1.ServerDisconnected)):
+            await c.request("POST", url, "/", [], b"{}")  # the kept one is gone, a new one refused
+        assert c._in_use == 0 and c._pools[url].in_use == 0
