@@ -35,7 +35,7 @@ def create_worker_app() -> GatewayApp:
     configure_logging(level, fmt or "json")
     config = msgspec.json.decode(os.environ[CONFIG_ENV], type=RouterConfig)
     _stop_when_orphaned(os.getppid())
-    return create_app(config, ServeOptions(peers_dir=Path(os.environ[PEERS_ENV])))
+    return create_app(config, ServeOptions(peers_dir=Path(os.environ[PEERS_ENV]), settle_gc=True))
 
 
 def _stop_when_orphaned(parent: int) -> None:

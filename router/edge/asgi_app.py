@@ -167,7 +167,8 @@ def create_app(
         app.state.handlers = box[0]
         if on_started is not None:
             on_started(parts)
-        settle_gc()
+        if service.options.settle_gc:
+            settle_gc()
         counter = parts.metrics.client_timeouts
         try:  # the lifespan state reaches every connection uvicorn accepts (router.edge.client_timeouts)
             yield {STATE_KEY: ClientTimeouts.of(config.timeouts, lambda phase: counter.labels(phase).inc())}
