@@ -5,21 +5,31 @@ It does only what forwarding needs, which is why it costs a fraction of aiohttp'
 body written with one `transport.write`, the answer's headers awaited, then its body read chunk by
 chunk as it arrives (chunked and length-framed bodies decoded by httptools, or up to EOF). A fully
 read answer with keep-alive returns its connection to the pool; any other end (close, cancellation,
-error) drops it, which is how an engine learns that the client went away. Failures are this
-module's `HttpClientError`s; `router.edge.upstream.map_upstream_errors` translates them.
+error) drops it, which is how an engine learns that the client went away. The connection is
+router.edge.http1_connection's; failures are router.edge.http1_errors' `HttpClientError`s (re-exported
+here), which `router.edge.upstream.map_upstream_errors` translates.
 """
 
 from __future__ import annotations
 
 import asyncio
-import socket
 import ssl
 from collections import deque
-from typing import Final, cast
+from typing import Final
 from urllib.parse import urlsplit
 
-import httptools
 import msgspec
+
+from router.edge.http1_connection import HIGH_WATER, Connection
+from router.edge.http1_errors import (
+    BadResponse,
+    ConnectFailed,
+    ConnectTimedOut,
+    HttpClientError,
+    ResponseCut,
+    ServerDisconnected,
+    TimedOut,
+)
 
 __all__ = [
     "BadResponse",
@@ -34,44 +44,7 @@ __all__ = [
     "TimedOut",
 ]
 
-_HIGH_WATER: Final = 256 * 1024  # buffered body bytes before the socket stops being read
 _NO_BODY_METHODS: Final = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
-
-
-class HttpClientError(Exception):
-    """Base of the client's failures: connect failed or timed out; disconnected, cut, bad, timed out."""
-
-
-class ConnectFailed(HttpClientError):
-    """The TCP (or TLS) connection could not be made; `os_error` says why."""
-
-    def __init__(self, os_error: OSError) -> None:
-        super().__init__(str(os_error))
-        self.os_error = os_error
-
-
-class ConnectTimedOut(HttpClientError):
-    """The connection was not made within `connect_s`."""
-
-
-class ServerDisconnected(HttpClientError):
-    """The connection closed before the answer's headers were complete."""
-
-
-class ResponseCut(HttpClientError):
-    """The connection closed in the middle of the answer's body."""
-
-
-class BadResponse(HttpClientError):
-    """The engine's bytes are not a valid HTTP/1.1 answer."""
-
-
-class TimedOut(HttpClientError):
-    """A deadline passed: `phase` is "first byte" (no headers yet), "read" (silent) or "total"."""
-
-    def __init__(self, phase: str) -> None:
-        super().__init__(f"{phase} timeout")
-        self.phase = phase
 
 
 class ClientSettings(msgspec.Struct, frozen=True):
@@ -102,137 +75,10 @@ class _Origin(msgspec.Struct, frozen=True):
         return cls(parts.scheme, parts.hostname, port, parts.path.rstrip("/"))
 
 
-class _Connection(asyncio.Protocol):
-    """One socket to an engine and the exchange currently on it (parser callbacks fill it)."""
-
-    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
-        self.loop = loop
-        self.transport: asyncio.Transport | None = None
-        self.parser = httptools.HttpResponseParser(self)
-        self.headers: list[tuple[str, str]] = []
-        self.headers_done = False
-        self.status = 0
-        self.keep_alive = False
-        self.complete = False
-        self.error: HttpClientError | None = None
-        self.chunks: deque[bytes] = deque()
-        self.buffered = 0
-        self.paused = False
-        self.waiter: asyncio.Future[None] | None = None
-        self.idle_since = 0.0
-        self.lost = False
-        self.active = True
-        self.reused = False
-        self.received = False
-
-    # -- asyncio.Protocol --
-    def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
-        sock = transport.get_extra_info("socket")
-        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
-            # Each SSE chunk is a small write; Nagle would hold it for the engine's ACK.
-            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-
-    def data_received(self, data: bytes) -> None:
-        if not self.active:  # bytes on an idle connection belong to no request: it cannot be reused
-            self.close()
-            return
-        self.received = True
-        try:
-            self.parser.feed_data(data)
-        except httptools.HttpParserError as exc:
-            self._fail(BadResponse(f"invalid HTTP answer: {exc}"))
-            assert self.transport is not None
-            self.transport.close()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
-        if self.complete:
-            return
-        if self.headers_done and self._until_eof():
-            self.on_message_complete()  # a body framed by the end of the connection
-            return
-        cut = ResponseCut if self.headers_done else ServerDisconnected
-        self._fail(cut("the engine closed the connection" + (f" ({exc})" if exc else "")))
-
-    def pause_writing(self) -> None:  # the single request write is never waited on
-        pass
-
-    def resume_writing(self) -> None:
-        pass
-
-    # -- httptools callbacks --
-    def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.decode("latin-1"), value.decode("latin-1")))
-
-    def on_headers_complete(self) -> None:
-        self.headers_done = True
-        # Both are valid only inside the parser's callbacks (reset once the message is complete).
-        self.status, self.keep_alive = self.parser.get_status_code(), self.parser.should_keep_alive()
-        self._wake()
-
-    def on_body(self, body: bytes) -> None:
-        self.chunks.append(body)
-        self.buffered += len(body)
-        if self.buffered > _HIGH_WATER and not self.paused and self.transport is not None:
-            self.paused = True
-            self.transport.pause_reading()
-        self._wake()
-
-    def on_message_complete(self) -> None:
-        self.complete = True
-        self._wake()
-
-    # -- the exchange --
-    def _until_eof(self) -> bool:
-        names = {k.lower() for k, _ in self.headers}
-        return "content-length" not in names and "transfer-encoding" not in names
-
-    def _fail(self, error: HttpClientError) -> None:
-        if self.error is None:
-            self.error = error
-        self._wake()
-
-    def _wake(self) -> None:
-        waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
-
-    def reusable(self, now: float, keepalive_s: float) -> bool:
-        return not self.lost and now - self.idle_since < keepalive_s
-
-    def reset(self) -> None:
-        """Ready for the next exchange on the same socket (idle until taken again)."""
-        self.parser = httptools.HttpResponseParser(self)
-        self.headers = []
-        self.headers_done = self.keep_alive = self.complete = self.active = self.received = False
-        self.buffered = 0
-
-    async def wait(self, timeout_s: float, phase: str) -> None:
-        """Until a parser callback or the connection's end wakes it; `TimedOut(phase)` after `timeout_s`."""
-        waiter = self.waiter = self.loop.create_future()
-        timer = self.loop.call_later(max(0.0, timeout_s), _expire, waiter, phase)
-        try:
-            await waiter
-        finally:
-            timer.cancel()
-            self.waiter = None
-
-    def close(self) -> None:
-        self.lost = True
-        if self.transport is not None:
-            self.transport.close()
-
-
-def _expire(waiter: asyncio.Future[None], phase: str) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimedOut(phase))
-
-
 class Http1Response:
     """An answer: status and raw header pairs now, the body through `next_chunk` until it returns b""."""
 
-    def __init__(self, pool: _Pool, conn: _Connection, deadline: float) -> None:
+    def __init__(self, pool: _Pool, conn: Connection, deadline: float) -> None:
         self.status = conn.status
         self.headers = conn.headers
         self._pool, self._conn, self._deadline = pool, conn, deadline
@@ -258,7 +104,7 @@ class Http1Response:
                 raise
         chunk = conn.chunks.popleft()
         conn.buffered -= len(chunk)
-        if conn.paused and conn.buffered <= _HIGH_WATER // 2 and conn.transport is not None:
+        if conn.paused and conn.buffered <= HIGH_WATER // 2 and conn.transport is not None:
             conn.paused = False
             conn.transport.resume_reading()
         return chunk
@@ -288,10 +134,10 @@ class _Pool:
 
     def __init__(self, client: Http1Client, origin: _Origin) -> None:
         self.client, self.origin = client, origin
-        self.idle: list[_Connection] = []
+        self.idle: list[Connection] = []
         self.in_use = 0
 
-    def take(self, now: float) -> _Connection | None:
+    def take(self, now: float) -> Connection | None:
         keepalive = self.client.settings.keepalive_s
         while self.idle:
             conn = self.idle.pop()
@@ -302,7 +148,7 @@ class _Pool:
             conn.close()
         return None
 
-    def put(self, conn: _Connection) -> None:
+    def put(self, conn: Connection) -> None:
         conn.reset()
         conn.idle_since = conn.loop.time()
         self.idle.append(conn)
@@ -348,7 +194,7 @@ class Http1Client:
             conn.complete, conn.keep_alive = True, False
         return Http1Response(pool, conn, start + self.settings.total_s)
 
-    async def _exchange(self, pool: _Pool, conn: _Connection, request: bytes, start: float) -> None:
+    async def _exchange(self, pool: _Pool, conn: Connection, request: bytes, start: float) -> None:
         """Write the request and wait for the answer's headers; any failure drops the connection."""
         try:
             assert conn.transport is not None
@@ -368,9 +214,7 @@ class Http1Client:
             pool = self._pools[base_url] = _Pool(self, _Origin.of(base_url))
         return pool
 
-    async def _acquire(
-        self, pool: _Pool, loop: asyncio.AbstractEventLoop, fresh: bool = False
-    ) -> _Connection:
+    async def _acquire(self, pool: _Pool, loop: asyncio.AbstractEventLoop, fresh: bool = False) -> Connection:
         s = self.settings
         while self._in_use >= s.pool_total or pool.in_use >= s.pool_per_host:
             waiter = loop.create_future()
@@ -392,14 +236,14 @@ class Http1Client:
             pool.forget()
             raise
 
-    async def _connect(self, loop: asyncio.AbstractEventLoop, origin: _Origin) -> _Connection:
+    async def _connect(self, loop: asyncio.AbstractEventLoop, origin: _Origin) -> Connection:
         tls = None
         if origin.scheme == "https":
             tls = self._tls = self._tls or ssl.create_default_context()
         try:
             async with asyncio.timeout(self.settings.connect_s):
                 _, conn = await loop.create_connection(
-                    lambda: _Connection(loop), origin.host, origin.port, ssl=tls
+                    lambda: Connection(loop), origin.host, origin.port, ssl=tls
                 )
         except TimeoutError:
             raise ConnectTimedOut(f"no connection to {origin.host}:{origin.port} in time") from None

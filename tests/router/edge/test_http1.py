@@ -11,7 +11,7 @@ import pytest
 import uvloop
 from aiohttp import web
 
-from router.edge import http1
+from router.edge import http1, http1_connection
 from router.edge.http1 import ClientSettings, Http1Client, Http1Response
 from tests.gateway_helpers import fake_engine
 
@@ -112,9 +112,9 @@ async def test_chunked_and_eof_framed_bodies_are_decoded() -> None:
 
 async def test_head_and_body_go_out_in_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
     writes: list[bytes] = []
-    made = http1._Connection.connection_made
+    made = http1_connection.Connection.connection_made
 
-    def counting(self: http1._Connection, transport: asyncio.BaseTransport) -> None:
+    def counting(self: http1_connection.Connection, transport: asyncio.BaseTransport) -> None:
         made(self, transport)
         assert isinstance(transport, asyncio.Transport)
         real = transport.write
@@ -125,7 +125,7 @@ async def test_head_and_body_go_out_in_one_write(monkeypatch: pytest.MonkeyPatch
 
         transport.write = write  # type: ignore[method-assign]
 
-    monkeypatch.setattr(http1._Connection, "connection_made", counting)
+    monkeypatch.setattr(http1_connection.Connection, "connection_made", counting)
     seen: list[bytes] = []
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
