@@ -169,7 +169,7 @@ def run(args: argparse.Namespace) -> int:
         announce([e.name for e in parts.fleet.engines()])
 
     try:
-        app = create_app(config, ServeOptions(record=args.record), on_started=started)
+        app = create_app(config, ServeOptions(record=args.record, settle_gc=True), on_started=started)
     except ConfigError as exc:
         sys.stderr.write(f"kvrouter serve: {exc}\n")
         sock.close()

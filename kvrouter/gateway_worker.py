@@ -35,8 +35,8 @@ def create_worker_app() -> GatewayApp:
     configure_logging(level, fmt or "json")
     config = msgspec.json.decode(os.environ[CONFIG_ENV], type=RouterConfig)
     _stop_when_orphaned(os.getppid())
-    options = ServeOptions(peers_dir=Path(os.environ[PEERS_ENV]), drain_marker=Path(os.environ[DRAIN_ENV]))
-    return create_app(config, options)
+    peers, marker = Path(os.environ[PEERS_ENV]), Path(os.environ[DRAIN_ENV])
+    return create_app(config, ServeOptions(peers_dir=peers, drain_marker=marker, settle_gc=True))
 
 
 def _stop_when_orphaned(parent: int) -> None:

@@ -65,6 +65,9 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     stub_timeout_s: float = 60.0
     phase_timeout_s: float = 10.0
     decision_ring: int = 4096
+    settle_gc: bool = False
+    """Freeze the start-up heap and collect less often once started (a serving process; not in tests
+    that start many apps in one process: frozen objects are never collected)."""
 
 
 async def start_embedded(config: RouterConfig, options: ServeOptions) -> tuple[EmbeddedStubs, RouterConfig]:

@@ -33,6 +33,7 @@ from router.core.mirror.shared_index import Mirror, MirrorConfig
 from router.core.policy.admission import Admission
 from router.core.policy.breaker import Breakers
 from router.core.policy.load import CostPrior, LoadTracker, ScrapedMetrics, StepCost
+from router.core.policy.scoring import reads_pending
 from router.core.policy.trust import (
     Cleared,
     Delivered,
@@ -88,7 +89,8 @@ class FleetState:
             policy.decode_step_s, policy.decode_penalty_s, policy.max_num_batched_tokens, policy.max_num_seqs
         )
         self.load = LoadTracker(prior, policy.scrape_max_age_s, step)
-        self.pending = PendingPrefixes(policy.pending_ttl_s)
+        pending = reads_pending(policy.name, policy.max_predicted_ttft_s)
+        self.pending = PendingPrefixes(policy.pending_ttl_s if pending else 0.0)
         # request -> (its first block key, the replica's root stores when it was sent)
         self._first_keys: dict[RequestId, tuple[int, int]] = {}  # sent, not answered yet
         self._answered_keys: dict[RequestId, tuple[int, int]] = {}

@@ -6,7 +6,9 @@ connects and sends nothing, or part of its headers, would hold its connection fo
 connecting, or from a kept-alive request's first byte, to the end of the headers: then the
 connection is closed, as there is no request to answer), sets the keep-alive idle time, and counts
 both in `kvrouter_client_timeouts_total{phase="header"|"idle"}`. Body reads are timed by the app
-(`router.edge.client_io.read_asgi_body`, answered 408, phase "body"). Settings and counter reach each
+(`router.edge.client_io.read_asgi_body`, answered 408, phase "body"). It also gives each request's
+cycle a `router.edge.client_writes.HeadHold`, so an answer's head and first body bytes leave in one
+write. Settings and counter reach each
 connection through the ASGI lifespan state, which uvicorn hands to every protocol it creates.
 
 Defaults (`[timeouts]` `client_*`) are nginx's: client_header_timeout and client_body_timeout 60 s,
@@ -19,12 +21,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, cast
 
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
+from router.edge.client_writes import HeadHold
 from router.settings.config import Timeouts
 
 __all__ = ["STATE_KEY", "ClientTimeouts", "TimedHttpToolsProtocol"]
@@ -77,6 +80,9 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
     def on_headers_complete(self) -> None:
         self._cancel_header_timer()
         super().on_headers_complete()
+        cycle = self.cycle
+        if cycle is not None and cycle.transport is self.transport:  # head + first body in one write
+            cycle.transport = cast(asyncio.Transport, HeadHold(self.transport, self.loop))
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()

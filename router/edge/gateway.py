@@ -23,7 +23,7 @@ from starlette.types import Receive, Scope, Send
 
 from router.core.errors import BadRequest, RequestTimeout, RouterError
 from router.core.fleet_state import FleetState
-from router.core.policy.scoring import RouteRequest
+from router.core.policy.scoring import RouteRequest, reads_prompt
 from router.core.routing import RoutingCore
 from router.edge.access_log import AccessNote, note_of
 from router.edge.auth import Guard
@@ -80,7 +80,7 @@ def view_of(prepared: Prepared) -> PreparedView:
     """What the debug endpoints show of a prepared request."""
     return PreparedView(
         prepared.model, str(prepared.endpoint), prepared.stream, prepared.prompt_tokens,
-        len(prepared.keys), prepared.skip_cache,
+        len(prepared.keys), prepared.skip_cache, prepared.unread,
     )  # fmt: skip
 
 
@@ -103,12 +103,20 @@ class Gateway:
         self.max_body = parts.config.limits.max_body_bytes
         self.body_timeout_s = parts.config.timeouts.client_body_s
         self.any_remote = any(m.remote_tokenize for m in parts.config.models)
+        policy = parts.config.policy
+        # Nothing reads the prompt: the policy does not, saturation does not, no recording is made.
+        self.prompt_free = (
+            not reads_prompt(policy.name, policy.max_predicted_ttft_s) and parts.recorder is None
+        )
 
-    async def prepare(self, body: bytes, endpoint: Endpoint) -> Prepared:
-        """`Models.prepare` (with an engine's /tokenize for `remote_tokenize` models); a bad request is a
-        400 naming the field, any other failure a logged 500 (`RouterError`)."""
+    async def prepare(self, body: bytes, endpoint: Endpoint, full: bool = False) -> Prepared:
+        """`Models.prepare` (with an engine's /tokenize for `remote_tokenize` models), or only the
+        fields routing reads when nothing reads the prompt (unless `full`); a bad request is a 400
+        naming the field, any other failure a logged 500 (`RouterError`)."""
         models = self.parts.models
         try:
+            if self.prompt_free and not full and (unread := models.prepare_unread(body, endpoint)):
+                return unread
             if not self.any_remote:  # one JSON decode less on the common path
                 return models.prepare(body, endpoint)
             model = models.resolve(body)
@@ -283,7 +291,7 @@ class Gateway:
             parts.metrics.requests.labels(engine, self.policy, status).inc()
             if status == "200":
                 parts.metrics.duration.labels(engine, model).observe(time.perf_counter() - arrived)
-            if cached is not None:
+            if cached is not None and not entry.request.unread:
                 parts.metrics.observe_prediction(engine, predicted, cached)
             self._log_end(entry, status)
 
@@ -321,7 +329,7 @@ class Gateway:
 
     async def explain(self, body: bytes, endpoint: Endpoint, session: str | None) -> Explanation:
         """What routing would decide for `body` now, without sending it (for `POST /debug/route`)."""
-        prepared = await self.prepare(body, endpoint)
+        prepared = await self.prepare(body, endpoint, full=True)
         route = RouteRequest(key=prepared.session_key, session=session)
         routed = self.parts.core.route(prepared, route, self.parts.fleet.clock())
         return Explanation(view_of(prepared), routed.decision, {**prepared.timings, **routed.timings})

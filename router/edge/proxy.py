@@ -1,12 +1,14 @@
 """Carrying out a routing decision: forward the request to an engine and stream its answer back.
 
-One aiohttp `ClientSession` per process over a pooled keep-alive `TCPConnector` (limits from the
-config). TCP_NODELAY is on for every upstream socket: aiohttp's protocol sets it in
-`connection_made` (aiohttp/base_protocol.py, verified by test_proxy). The body goes out byte for
-byte; hop-by-hop headers are stripped both ways (`router.edge.headers`). Before any byte reaches the
-client, a failed connect, a connection closed without an answer, or a 5xx/429 answer is retried on
-another engine (the caller's `choose` callback decides which), with bounded attempts and backoff.
-aiohttp's exceptions become `RouterError`s in one place, `router.edge.upstream.map_upstream_errors`.
+Requests go out on one `router.edge.http1.Http1Client` per process: pooled keep-alive HTTP/1.1
+connections (limits from the config), TCP_NODELAY on every socket, head and body in one write. It
+replaced aiohttp's client here at a fraction of its CPU per request (BENCHMARKS.md, "Gateway"); one
+aiohttp `ClientSession` remains for the gateway's other calls to engines (`session`: remote
+tokenization). The body goes out byte for byte; hop-by-hop headers are stripped both ways
+(`router.edge.headers`). Before any byte reaches the client, a failed connect, a connection closed
+without an answer, or a 5xx/429 answer is retried on another engine (the caller's `choose` callback
+decides which), with bounded attempts and backoff. The client's exceptions become `RouterError`s
+in one place, `router.edge.upstream.map_upstream_errors`.
 
 The answer is an `UpstreamResponse` (router.edge.upstream), streamed as it arrives.
 """
@@ -19,7 +21,6 @@ from collections.abc import Callable
 
 import aiohttp
 import msgspec
-from yarl import URL
 
 from router.core.errors import (
     BadRequest,
@@ -34,6 +35,7 @@ from router.core.ids import EngineId
 from router.core.policy.breaker import Breakers
 from router.core.policy.retry import Outcome, OutcomeKind, RetryPolicy, counts_as_failure, is_retryable
 from router.edge.headers import response_headers, upstream_headers, upstream_url
+from router.edge.http1 import ClientSettings, Http1Client, Http1Response
 from router.edge.upstream import (
     Attempt,
     ProxyRequest,
@@ -89,6 +91,7 @@ class Proxy:
         self.breakers = breakers
         self.clock = clock
         self._session: aiohttp.ClientSession | None = None
+        self._client: Http1Client | None = None
 
     @property
     def session(self) -> aiohttp.ClientSession | None:
@@ -110,9 +113,16 @@ class Proxy:
             skip_auto_headers=_SKIP_AUTO,
             trust_env=False,
         )
+        self._client = Http1Client(
+            ClientSettings(s.connect_s, s.first_byte_s, s.read_s, s.total_s, s.keepalive_s, s.pool_total,
+                           s.pool_per_engine)
+        )  # fmt: skip
 
     async def close(self) -> None:
-        """Close the session and every pooled connection."""
+        """Close the session, the client and every pooled connection."""
+        if self._client is not None:
+            self._client.close()
+            self._client = None
         if self._session is not None:
             await self._session.close()
             self._session = None
@@ -129,7 +139,7 @@ class Proxy:
         except ValueError as exc:
             raise BadRequest(str(exc)) from None
         attempts: list[Attempt] = []
-        last: RouterError | UpstreamResponse = NoEngineAvailable("no engine available for this request")
+        last: RouterError | UpstreamResponse | None = None  # an exception built only when raised
         for n in range(self.settings.retry.attempts):
             target = choose(frozenset(a.engine for a in attempts))
             if target is None:
@@ -147,7 +157,7 @@ class Proxy:
             last = result
         if isinstance(last, UpstreamResponse):
             return self._final_answer(last)
-        raise last
+        raise last if last is not None else NoEngineAvailable("no engine available for this request")
 
     def _final_answer(self, response: UpstreamResponse) -> UpstreamResponse:
         if response.status == 429:
@@ -177,7 +187,7 @@ class Proxy:
         outcome = Outcome(OutcomeKind.ANSWERED, response.status)
         attempts.append(Attempt(target.engine, OutcomeKind.ANSWERED, response.status))
         (breaker.record_failure if counts_as_failure(outcome) else breaker.record_success)(self.clock())
-        answer = UpstreamResponse(target, response.status, response_headers(_pairs(response)), attempts)
+        answer = UpstreamResponse(target, response.status, response_headers(response.headers), attempts)
         if is_retryable(outcome):
             answer._buffered = await self._read_excerpt(target.engine, response)
         else:
@@ -185,30 +195,22 @@ class Proxy:
             answer._on_broken = lambda: breaker.record_failure(self.clock())
         return answer
 
-    async def _send(self, target: Target, request: ProxyRequest) -> aiohttp.ClientResponse:
-        assert self._session is not None, "Proxy.start() was not called"
-        url = URL(upstream_url(target.base_url, request.path), encoded=True)
+    async def _send(self, target: Target, request: ProxyRequest) -> Http1Response:
+        assert self._client is not None, "Proxy.start() was not called"
         headers = upstream_headers(request.headers, target.base_url)
         with map_upstream_errors(target.engine, "first byte"):
-            async with asyncio.timeout(self.settings.first_byte_s):
-                return await self._session.request(
-                    request.method, url, headers=headers, data=request.body, allow_redirects=False
-                )
+            return await self._client.request(
+                request.method, target.base_url, request.path, headers, request.body
+            )
 
-    async def _read_excerpt(self, engine: EngineId, response: aiohttp.ClientResponse) -> bytes:
+    async def _read_excerpt(self, engine: EngineId, response: Http1Response) -> bytes:
         body = b""
         try:
             with map_upstream_errors(engine, "error body"):
-                async for chunk in response.content.iter_any():
+                while (chunk := await response.next_chunk()) and len(body) < _ERROR_EXCERPT:
                     body += chunk
-                    if len(body) >= _ERROR_EXCERPT:
-                        break
         except UpstreamError:
             pass  # the status already says what matters
         finally:
             response.close()
         return body
-
-
-def _pairs(response: aiohttp.ClientResponse) -> list[tuple[str, str]]:
-    return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in response.raw_headers]

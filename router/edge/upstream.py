@@ -3,8 +3,8 @@
 `UpstreamResponse`'s body is an async iterator that yields chunks as they arrive (no buffering) and
 closes the upstream response in its `finally`, so cancelling the iteration (client disconnect)
 closes the upstream connection. Callers must also call `UpstreamResponse.close()` in their own
-`finally`: an iterator that was never started has no `finally` to run. aiohttp's exceptions become
-`RouterError`s in one place, `map_upstream_errors`.
+`finally`: an iterator that was never started has no `finally` to run. The upstream client's
+(router.edge.http1) and aiohttp's exceptions become `RouterError`s in one place, `map_upstream_errors`.
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ import msgspec
 from router.core.errors import UpstreamBroken, UpstreamConnectError, UpstreamError, UpstreamTimeout
 from router.core.ids import EngineId
 from router.core.policy.retry import OutcomeKind
+from router.edge import http1
 
 __all__ = ["Attempt", "ProxyRequest", "Target", "UpstreamResponse", "map_upstream_errors", "outcome_of"]
 
@@ -49,12 +50,16 @@ class Attempt(msgspec.Struct, frozen=True):
 
 @contextmanager
 def map_upstream_errors(engine: EngineId, phase: str) -> Iterator[None]:
-    """Translate aiohttp and timeout exceptions raised inside into `UpstreamError`s naming the engine."""
+    """Translate the client's, aiohttp's and timeout exceptions raised inside into `UpstreamError`s
+    naming the engine."""
     try:
         yield
-    except aiohttp.ConnectionTimeoutError as exc:
+    except (http1.ConnectTimedOut, aiohttp.ConnectionTimeoutError) as exc:
         raise UpstreamTimeout(f"timed out connecting to engine {engine}", engine=engine) from exc
-    except aiohttp.ClientConnectorError as exc:
+    except http1.TimedOut as exc:
+        what = " went silent (read timeout)" if exc.phase == "read" else f": {exc.phase} timeout"
+        raise UpstreamTimeout(f"engine {engine}{what}", engine=engine) from exc
+    except (http1.ConnectFailed, aiohttp.ClientConnectorError) as exc:
         raise UpstreamConnectError(
             f"cannot connect to engine {engine}: {exc.os_error}", engine=engine
         ) from exc
@@ -62,7 +67,7 @@ def map_upstream_errors(engine: EngineId, phase: str) -> Iterator[None]:
         raise UpstreamTimeout(f"engine {engine} went silent (read timeout)", engine=engine) from exc
     except TimeoutError as exc:
         raise UpstreamTimeout(f"engine {engine}: {phase} timeout", engine=engine) from exc
-    except (aiohttp.ClientError, OSError) as exc:
+    except (http1.HttpClientError, aiohttp.ClientError, OSError) as exc:
         raise UpstreamBroken(
             f"engine {engine}: connection broke ({type(exc).__name__})", engine=engine
         ) from exc
@@ -70,9 +75,12 @@ def map_upstream_errors(engine: EngineId, phase: str) -> Iterator[None]:
 
 def outcome_of(error: UpstreamError) -> OutcomeKind:
     """How an attempt that raised `error` ended, for retry decisions and the decision record."""
-    if isinstance(error, UpstreamConnectError) or isinstance(error.__cause__, aiohttp.ConnectionTimeoutError):
+    cause = error.__cause__
+    if isinstance(error, UpstreamConnectError) or isinstance(
+        cause, (aiohttp.ConnectionTimeoutError, http1.ConnectTimedOut)
+    ):
         return OutcomeKind.CONNECT_FAILED
-    if isinstance(error.__cause__, aiohttp.ServerDisconnectedError):
+    if isinstance(cause, (aiohttp.ServerDisconnectedError, http1.ServerDisconnected)):
         return OutcomeKind.DISCONNECTED
     return OutcomeKind.FIRST_BYTE_TIMEOUT if isinstance(error, UpstreamTimeout) else OutcomeKind.BROKEN
 
@@ -87,7 +95,7 @@ class UpstreamResponse:
         self.status = status
         self.headers = headers
         self.attempts = attempts
-        self._response: aiohttp.ClientResponse | None = None
+        self._response: http1.Http1Response | None = None
         self._buffered = b""
         self._on_broken: Callable[[], None] = lambda: None
         self.body: AsyncIterator[bytes] = self._stream()
@@ -101,7 +109,7 @@ class UpstreamResponse:
         complete = False
         try:
             with map_upstream_errors(self.engine, "total"):
-                async for chunk in response.content.iter_any():
+                while chunk := await response.next_chunk():
                     yield chunk
             complete = True
         except UpstreamError:

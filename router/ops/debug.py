@@ -28,6 +28,8 @@ class PreparedView(msgspec.Struct, frozen=True):
     prompt_tokens: int
     blocks: int
     skip_cache: bool
+    unread: bool = False
+    """The policy read no prompt, so it was not tokenized (router.prepare.prepared.Prepared.unread)."""
 
 
 class DecisionEntry(msgspec.Struct, kw_only=True):

@@ -41,6 +41,8 @@ class Prepared(msgspec.Struct, frozen=True, kw_only=True):
     variants: Mapping[str, VariantKeys] = {}
     lora_name: str | None = None
     cache_salt: str | None = None
+    unread: bool = False
+    """The prompt was not read (a policy that reads none): no tokens, no keys, nothing predicted."""
 
     def keys_for(self, variant: str) -> VariantKeys | None:
         """The keys under `variant` (None if it was not computed: routing treats that as no hit)."""

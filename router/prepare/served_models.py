@@ -33,7 +33,14 @@ from router.prepare.prepared import Prepared, VariantKeys
 from router.settings.config import EngineConfig, ModelConfig, RouterConfig
 from tokenization import Tokenizer
 from tokenization.loading import load_tokenizer
-from tokenization.openai_request import ChatRequest, CompletionRequest, Endpoint, RequestError, decode_body
+from tokenization.openai_request import (
+    ChatRequest,
+    CompletionRequest,
+    Endpoint,
+    RequestError,
+    VllmXargs,
+    decode_body,
+)
 from tokenization.request_tokens import RequestTokens, decode_request, tokens_of
 
 __all__ = ["PROCESS_HASHER", "Models", "Prepared", "UnknownModel", "VariantKeys"]
@@ -79,6 +86,19 @@ class _IdFields(msgspec.Struct, omit_defaults=True):
 
 
 _ID_FIELDS = msgspec.json.Decoder(_IdFields)
+
+
+class _RouteFields(msgspec.Struct):
+    """The body fields a policy that reads no prompt still needs (typed as the full decode types them)."""
+
+    model: str | None = None
+    stream: bool = False
+    cache_salt: str | None = None
+    vllm_xargs: VllmXargs | None = None
+
+
+_ROUTE_FIELDS = msgspec.json.Decoder(_RouteFields)
+_NO_TIMINGS: Mapping[str, float] = MappingProxyType({})
 
 
 class Models:
@@ -189,6 +209,20 @@ class Models:
         model = self.resolve(body, model_hint)
         req = decode_request(ids_body, Endpoint.COMPLETIONS)
         return self._prepare(req, endpoint, model, single_tokenizer=True)  # ids decoded as a completion
+
+    def prepare_unread(self, body: bytes, endpoint: Endpoint | str) -> Prepared | None:
+        """What routing needs when it reads no prompt: the model and stream flag (the body's JSON is
+        still checked whole), nothing tokenized. None when the request asks for full cache reports,
+        which the mirror must tell apart from stores by the request's keys (`prepare` then)."""
+        fields = decode_body(_ROUTE_FIELDS, body, "invalid request")
+        if fields.vllm_xargs is not None and fields.vllm_xargs.kv_cache_report_mode == "full":
+            return None
+        model = self.resolve_name(fields.model)
+        return Prepared(
+            model=model, endpoint=Endpoint(endpoint), stream=fields.stream, prompt_tokens=0, keys=[],
+            skip_cache=False, report_mode="incremental", session_key="", timings=_NO_TIMINGS, variant=model,
+            cache_salt=fields.cache_salt, unread=True,
+        )  # fmt: skip
 
     def prepare(self, body: bytes, endpoint: Endpoint | str, model_hint: str | None = None) -> Prepared:
         """Tokenize and key a request body; RequestError (a 400 naming the field) on bad input."""

@@ -339,3 +339,37 @@ async def test_a_session_pinned_to_a_removed_engine_is_routed_afresh() -> None:
             assert added.status_code == 201, added.text
             after = await c.post("/v1/completions", json=BODY, headers=session)
             assert after.status_code == 200 and "new session" in await reason_of(after)
+
+
+@pytest.mark.parametrize("policy", ["round_robin", "random"])
+async def test_a_policy_that_reads_no_prompt_tokenizes_nothing(policy: str) -> None:
+    """round_robin and random route on no prompt: nothing is tokenized, keyed or predicted (no
+    prediction is counted against the engine's report), unless a feature that reads it is on; the
+    debug endpoint still explains with the full prediction."""
+    async with running_stubs(2) as stubs:
+        engines = [engine_of(f"e{i}", s) for i, s in enumerate(stubs)]
+        table = PolicyConfig(name=policy, trust_silence_s=30.0)  # type: ignore[arg-type]
+        async with running_gateway(gateway_config(engines, policy=table)) as gw:
+            c = gw.client
+            answer = await c.post("/v1/completions", json=BODY)
+            assert answer.status_code == 200 and answer.headers["x-kvrouter-predicted-cached-tokens"] == "0"
+            found = await c.get(f"/debug/decisions/{answer.headers['x-request-id']}", headers=ADMIN_AUTH)
+            entry = msgspec.json.decode(found.content, type=DecisionEntry)
+            assert (entry.request.prompt_tokens, entry.request.blocks) == (0, 0)
+            assert "tokenize" not in entry.timings_s and entry.actual_cached_tokens is not None
+            text = (await c.get("/metrics")).text
+            assert metric(text, "kvrouter_cached_tokens_prediction_error_tokens_count") == 0
+            explained = await c.post("/debug/route", json=BODY, headers=ADMIN_AUTH)
+            assert msgspec.json.decode(explained.content, type=Explanation).request.prompt_tokens > 0
+            full = await c.post(
+                "/v1/completions", json={**BODY, "vllm_xargs": {"kv_cache_report_mode": "full"}}
+            )
+            found = await c.get(f"/debug/decisions/{full.headers['x-request-id']}", headers=ADMIN_AUTH)
+            assert msgspec.json.decode(found.content, type=DecisionEntry).request.prompt_tokens > 0
+        saturation = PolicyConfig(name=policy, trust_silence_s=30.0, max_predicted_ttft_s=60.0)  # type: ignore[arg-type]
+        async with running_gateway(gateway_config(engines, policy=saturation)) as gw:
+            answer = await gw.client.post("/v1/completions", json=BODY)
+            found = await gw.client.get(
+                f"/debug/decisions/{answer.headers['x-request-id']}", headers=ADMIN_AUTH
+            )
+            assert msgspec.json.decode(found.content, type=DecisionEntry).request.prompt_tokens > 0

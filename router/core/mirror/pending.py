@@ -10,17 +10,18 @@ leading run like a hit, and decisions record it apart from the mirror's own hit,
 and what is expected stay distinguishable. Only full-attention-only models use it: a hybrid
 model's sparse groups keep blocks by rules a routed prompt does not decide alone.
 
-The pending run of a prompt on a replica is its longest common prefix (in keys) with one request
-pending there. Per replica the pending key tuples are kept sorted, so that request is next to the
-prompt's sorted position: one bisect and two C-level prefix comparisons, instead of a dict update
-per key on every add and remove. (Keys are chained, so this equals "the leading keys some pending
-request holds".)
+The pending run of a prompt on a replica is the longest prefix of its keys that a request pending
+there shares. Keys are chained (key i determines keys 0..i), so "a pending request shares the first
+n keys" is "key n-1 is held there": the run is a binary search over single-key lookups in the set
+of held keys (O(log n), no tuple compares). Per replica the pending requests form a prefix tree of
+*runs* (edges: keys held by the same requests), each counting the requests through it, so a request
+that shares most of its prompt with ones already pending costs only its new keys and the few runs
+on its path, when added and when removed, not a count per key.
 """
 
 from __future__ import annotations
 
 import heapq
-from bisect import bisect_left, insort
 from collections.abc import Sequence
 
 from router.core.ids import EngineId, RequestId
@@ -28,11 +29,88 @@ from router.core.ids import EngineId, RequestId
 __all__ = ["PendingPrefixes"]
 
 
-class _Entry:
-    __slots__ = ("keys", "replica", "until")
+class _Run:
+    """Consecutive keys every request through this edge of the prefix tree holds."""
 
-    def __init__(self, replica: EngineId, keys: tuple[int, ...], until: float) -> None:
-        self.replica, self.keys, self.until = replica, keys, until
+    __slots__ = ("children", "holders", "keys", "parent")
+
+    def __init__(self, keys: list[int], holders: int, parent: _Run | None) -> None:
+        self.keys, self.holders, self.parent = keys, holders, parent
+        self.children: dict[int, _Run] = {}  # by first key
+
+
+class _Tree:
+    """One replica's pending requests: the held keys and the runs they form."""
+
+    __slots__ = ("held", "roots")
+
+    def __init__(self) -> None:
+        self.held: set[int] = set()
+        self.roots: dict[int, _Run] = {}
+
+    def insert(self, keys: list[int], shared: int) -> _Run:
+        """Count one more request through `keys` (its first `shared` are held already); returns the
+        run its path ends with."""
+        path: list[_Run] = []
+        parent: _Run | None = None
+        depth = 0
+        siblings = self.roots
+        while depth < shared:
+            run = siblings[keys[depth]]
+            if depth + len(run.keys) > shared:  # the request leaves this run part way: split it
+                run = self._split(run, shared - depth, siblings)
+            path.append(run)
+            depth += len(run.keys)
+            parent, siblings = run, run.children
+        for run in path:
+            run.holders += 1
+        if shared == len(keys):
+            return path[-1]
+        tail = _Run(keys[shared:], 1, parent)
+        siblings[tail.keys[0]] = tail
+        self.held.update(tail.keys)
+        return tail
+
+    def _split(self, run: _Run, at: int, siblings: dict[int, _Run]) -> _Run:
+        """A new parent run holding `run`'s first `at` keys; `run` (the object every request ending
+        in it points at) keeps the rest."""
+        head = _Run(run.keys[:at], run.holders, run.parent)
+        run.keys, run.parent = run.keys[at:], head
+        head.children[run.keys[0]] = run
+        siblings[head.keys[0]] = head
+        return head
+
+    def release(self, leaf: _Run) -> None:
+        """Count one request less along the path ending with `leaf`; forget runs nobody holds."""
+        run: _Run | None = leaf
+        while run is not None:
+            run.holders -= 1
+            if run.holders == 0:  # a child never has more holders than its parent: none is left
+                siblings = run.parent.children if run.parent is not None else self.roots
+                del siblings[run.keys[0]]
+                self.held.difference_update(run.keys)
+            run = run.parent
+
+    def leading_run(self, keys: Sequence[int], limit: int) -> int:
+        """The longest held prefix of `keys`, at most `limit` (chained: held keys form prefixes)."""
+        held, hi = self.held, min(limit, len(keys))
+        if hi <= 0 or keys[hi - 1] in held:
+            return max(hi, 0)
+        lo = 0  # invariant: keys[lo - 1] is held (or lo == 0), keys[hi - 1] is not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if keys[mid - 1] in held:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+
+
+class _Entry:
+    __slots__ = ("leaf", "replica", "size", "until")
+
+    def __init__(self, replica: EngineId, leaf: _Run, size: int, until: float) -> None:
+        self.replica, self.leaf, self.size, self.until = replica, leaf, size, until
 
 
 class PendingPrefixes:
@@ -43,20 +121,21 @@ class PendingPrefixes:
             raise ValueError("ttl_s and grace_s must be >= 0")
         self.ttl_s, self.grace_s, self.max_keys = ttl_s, grace_s, max_keys
         self._entries: dict[RequestId, _Entry] = {}
-        self._sorted: dict[EngineId, list[tuple[tuple[int, ...], RequestId]]] = {}
+        self._trees: dict[EngineId, _Tree] = {}
         self._heap: list[tuple[float, RequestId]] = []
         self.size = 0
 
     def add(self, request: RequestId, replica: EngineId, keys: Sequence[int], now: float) -> None:
-        """`request`, whose prompt has these full-block keys (in order), was just sent to `replica`."""
+        """`request`, whose prompt has these chained full-block keys, was just sent to `replica`."""
         self.expire(now)
         self._remove(request)
         if self.ttl_s == 0 or not keys or self.size + len(keys) > self.max_keys:
             return
-        entry = _Entry(replica, tuple(keys), now + self.ttl_s)
-        self._entries[request] = entry
-        insort(self._sorted.setdefault(replica, []), (entry.keys, request))
-        self.size += len(entry.keys)
+        tree = self._trees.setdefault(replica, _Tree())
+        held = list(keys)
+        leaf = tree.insert(held, tree.leading_run(held, len(held)))
+        entry = self._entries[request] = _Entry(replica, leaf, len(held), now + self.ttl_s)
+        self.size += entry.size
         heapq.heappush(self._heap, (entry.until, request))
 
     def answered(self, request: RequestId, now: float) -> None:
@@ -68,18 +147,14 @@ class PendingPrefixes:
 
     def holds(self, replica: EngineId) -> bool:
         """Whether any request may still be pending on `replica` (expiry aside): a cheap pre-check."""
-        return bool(self._sorted.get(replica))
+        return replica in self._trees
 
     def leading_run(self, replica: EngineId, keys: Sequence[int], limit: int, now: float) -> int:
-        """The longest prefix of `keys` (at most `limit`) that a request pending on `replica` shares."""
+        """The longest prefix of the chained `keys` (at most `limit`) that a request pending on
+        `replica` shares."""
         self.expire(now)
-        entries = self._sorted.get(replica)
-        if not entries or limit <= 0:
-            return 0
-        probe = tuple(keys[:limit])
-        i = bisect_left(entries, (probe,))
-        # In sorted order the entry sharing the longest prefix is a neighbour of the probe's position.
-        return max(_common_prefix(probe, entries[j][0]) for j in (i - 1, i) if 0 <= j < len(entries))
+        tree = self._trees.get(replica)
+        return tree.leading_run(keys, limit) if tree is not None else 0
 
     def expire(self, now: float) -> None:
         """Forget every request whose time is up."""
@@ -98,23 +173,8 @@ class PendingPrefixes:
         entry = self._entries.pop(request, None)
         if entry is None:
             return
-        entries = self._sorted[entry.replica]
-        del entries[bisect_left(entries, (entry.keys, request))]
-        if not entries:
-            del self._sorted[entry.replica]
-        self.size -= len(entry.keys)
-
-
-def _common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
-    """Length of the longest common prefix of `a` and `b` (binary search over C-level slice compares)."""
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:
-        return n
-    lo, hi = 0, n  # a[:lo] == b[:lo] and a[:hi] != b[:hi]
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid
-    return lo
+        tree = self._trees[entry.replica]
+        tree.release(entry.leaf)
+        if not tree.roots:
+            del self._trees[entry.replica]
+        self.size -= entry.size

@@ -63,6 +63,26 @@ class PolicyName(enum.Enum):
     PREFIX_APPROX = "prefix_approx"
 
 
+PENDING_READERS: Final = frozenset({PolicyName.KV, PolicyName.SESSION})
+"""The policies whose choice reads pending prefixes (router.core.mirror.pending)."""
+
+
+PROMPT_FREE: Final = frozenset({PolicyName.ROUND_ROBIN, PolicyName.RANDOM})
+"""The policies whose choice reads nothing of the prompt (no tokens, keys, hits or pending prefixes)."""
+
+
+def reads_prompt(policy: str, max_predicted_ttft_s: float) -> bool:
+    """Whether routing under `policy` reads the prompt: its choice does, or saturation does (a
+    predicted-TTFT limit needs the uncached tokens). Recording needs it too (the gateway's rule)."""
+    return PolicyName(policy) not in PROMPT_FREE or max_predicted_ttft_s > 0
+
+
+def reads_pending(policy: str, max_predicted_ttft_s: float) -> bool:
+    """Whether routing under `policy` reads pending prefixes: its choice does, or saturation does (a
+    predicted-TTFT limit counts pending tokens as cached). Otherwise the overlay is not kept at all."""
+    return PolicyName(policy) in PENDING_READERS or max_predicted_ttft_s > 0
+
+
 class Candidate(msgspec.Struct, frozen=True):
     """One engine as scoring sees it: the lookup's prediction, its trust and load, its availability."""
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import itertools
 
+import msgspec
+
 from events.sequence import CaughtUp
 from events.sequence import Reset as LinkReset
 from events.sources import EngineName, EngineStats
@@ -142,3 +144,23 @@ def test_removing_an_engine_forgets_its_replicas() -> None:
     assert fleet.remove_engine("e") == [E]
     assert fleet.replicas() == [] and fleet.engines() == [] and fleet.mirror.index == {}
     fleet.on_batch(EngineName("e"), 1, KVEventBatch(0.0, [store(1)]))  # a late batch is ignored
+
+
+def test_pending_prefixes_are_kept_only_for_policies_that_read_them() -> None:
+    from router.settings.config import PolicyConfig
+
+    for policy, ttft_limit, kept in [
+        ("kv", 0.0, True), ("session", 0.0, True), ("round_robin", 0.0, False),
+        ("least_loaded", 0.0, False), ("random", 0.0, False), ("prefix_approx", 0.0, False),
+        ("round_robin", 2.0, True),  # saturation reads the predicted TTFT, pending included
+    ]:  # fmt: skip
+        clock = Clock()
+        config = RouterConfig(
+            engines=[engine()],
+            models=[MODEL],
+            policy=msgspec.convert({"name": policy, "max_predicted_ttft_s": ttft_limit}, PolicyConfig),
+        )
+        fleet = FleetState(config, KeyHasher(b"t"), clock)
+        fleet.add_engine(engine(), resolve_variant(MODEL, engine()), clock())
+        fleet.request_sent(E, RequestId("r"), prepared(fleet, list(range(12))), clock())
+        assert fleet.pending.holds(E) is kept, policy

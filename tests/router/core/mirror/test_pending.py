@@ -19,47 +19,56 @@ A, B = EngineId("a"), EngineId("b")
 R1, R2 = RequestId("r1"), RequestId("r2")
 
 
+def chain(blocks: list[int]) -> list[int]:
+    """Chained keys of these blocks, as the router's are: key i stands for blocks 0..i."""
+    return [hash(("chain", *blocks[: i + 1])) for i in range(len(blocks))]
+
+
 def test_leading_run_of_a_routed_prompt() -> None:
     p = PendingPrefixes(ttl_s=5.0)
-    p.add(R1, A, [1, 2, 3, 4], now=0.0)
-    assert p.leading_run(A, [1, 2, 3, 9], limit=10, now=1.0) == 3
-    assert p.leading_run(A, [1, 2, 3, 4, 5], limit=2, now=1.0) == 2  # capped (prompt length - 1)
-    assert p.leading_run(A, [9, 1, 2], limit=10, now=1.0) == 0  # a leading run, not any overlap
-    assert p.leading_run(B, [1, 2], limit=10, now=1.0) == 0  # only where it was sent
+    p.add(R1, A, chain([1, 2, 3, 4]), now=0.0)
+    assert p.leading_run(A, chain([1, 2, 3, 9]), limit=10, now=1.0) == 3
+    assert p.leading_run(A, chain([1, 2, 3, 4, 5]), limit=2, now=1.0) == 2  # capped (prompt length - 1)
+    assert p.leading_run(A, chain([9, 1, 2]), limit=10, now=1.0) == 0  # a leading run, not any overlap
+    assert p.leading_run(B, chain([1, 2]), limit=10, now=1.0) == 0  # only where it was sent
 
 
 def test_an_answer_hands_over_to_the_mirror_after_the_grace() -> None:
     p = PendingPrefixes(ttl_s=5.0, grace_s=0.1)
-    p.add(R1, A, [1, 2], now=0.0)
-    p.add(R2, A, [1, 3], now=0.0)
+    p.add(R1, A, chain([1, 2]), now=0.0)
+    p.add(R2, A, chain([1, 3]), now=0.0)
     p.answered(R1, now=1.0)
-    assert p.leading_run(A, [1, 2], limit=10, now=1.05) == 2
-    assert p.leading_run(A, [1, 2], limit=10, now=1.1) == 1  # r1 gone; key 1 still pending for r2
+    assert p.leading_run(A, chain([1, 2]), limit=10, now=1.05) == 2
+    assert p.leading_run(A, chain([1, 2]), limit=10, now=1.1) == 1  # r1 gone; key 1 still pending for r2
     assert p.size == 2
-    assert p.leading_run(A, [1, 3], limit=10, now=5.0) == 0  # r2 hit its ttl
+    assert p.leading_run(A, chain([1, 3]), limit=10, now=5.0) == 0  # r2 hit its ttl
     assert p.size == 0
 
 
 def test_zero_ttl_disables_and_drop_forgets() -> None:
     off = PendingPrefixes(ttl_s=0.0)
-    off.add(R1, A, [1], now=0.0)
-    assert off.leading_run(A, [1], limit=1, now=0.0) == 0
+    off.add(R1, A, chain([1]), now=0.0)
+    assert off.leading_run(A, chain([1]), limit=1, now=0.0) == 0
     p = PendingPrefixes(ttl_s=5.0)
-    p.add(R1, A, [1, 2], now=0.0)
-    p.add(R2, B, [1, 2], now=0.0)
+    p.add(R1, A, chain([1, 2]), now=0.0)
+    p.add(R2, B, chain([1, 2]), now=0.0)
     p.drop(A)
-    assert (p.leading_run(A, [1], limit=1, now=0.0), p.size) == (0, 2)
+    assert (p.leading_run(A, chain([1]), limit=1, now=0.0), p.size) == (0, 2)
     with pytest.raises(ValueError):
         PendingPrefixes(ttl_s=-1.0)
 
 
 def test_bounded_size_and_resend() -> None:
     p = PendingPrefixes(ttl_s=5.0, max_keys=3)
-    p.add(R1, A, [1, 2], now=0.0)
-    p.add(R2, B, [3, 4], now=0.0)  # would exceed the bound: not recorded
-    assert (p.size, p.leading_run(B, [3], limit=1, now=0.0)) == (2, 0)
-    p.add(R1, B, [5], now=0.0)  # a retry on another replica replaces the first entry
-    assert (p.size, p.leading_run(A, [1], limit=1, now=0.0), p.leading_run(B, [5], limit=1, now=0.0)) == (
+    p.add(R1, A, chain([1, 2]), now=0.0)
+    p.add(R2, B, chain([3, 4]), now=0.0)  # would exceed the bound: not recorded
+    assert (p.size, p.leading_run(B, chain([3]), limit=1, now=0.0)) == (2, 0)
+    p.add(R1, B, chain([5]), now=0.0)  # a retry on another replica replaces the first entry
+    assert (
+        p.size,
+        p.leading_run(A, chain([1]), limit=1, now=0.0),
+        p.leading_run(B, chain([5]), limit=1, now=0.0),
+    ) == (
         1,
         0,
         1,
@@ -93,19 +102,19 @@ def test_pending_on_a_stale_replica_is_ignored() -> None:
 
 def test_the_run_is_a_prefix_shared_with_one_request_and_nothing_is_kept_after() -> None:
     p = PendingPrefixes(ttl_s=5.0)
-    p.add(R1, A, [7, 9, 8], now=0.0)
-    p.add(R2, A, [7, 8], now=0.0)
-    p.add(RequestId("r3"), A, [7, 8], now=0.0)  # the same prompt twice: both held
-    assert p.leading_run(A, [7, 8, 5], limit=5, now=0.1) == 2
+    p.add(R1, A, chain([7, 9, 8]), now=0.0)
+    p.add(R2, A, chain([7, 8]), now=0.0)
+    p.add(RequestId("r3"), A, chain([7, 8]), now=0.0)  # the same prompt twice: both held
+    assert p.leading_run(A, chain([7, 8, 5]), limit=5, now=0.1) == 2
     p.answered(R2, now=0.0)
-    assert p.leading_run(A, [7, 8], limit=5, now=0.2) == 2  # r3 still holds it
+    assert p.leading_run(A, chain([7, 8]), limit=5, now=0.2) == 2  # r3 still holds it
     p.answered(RequestId("r3"), now=0.0)
-    # r1 holds 7 and 8, but not 8 right after 7: keys are chained, so only [7] is shared.
-    assert p.leading_run(A, [7, 8], limit=5, now=0.2) == 1
+    # r1's blocks are 7, 9, 8: it shares only the first with 7, 8.
+    assert p.leading_run(A, chain([7, 8]), limit=5, now=0.2) == 1
     p.answered(R1, now=0.0)
-    assert (p.leading_run(A, [7, 8], limit=5, now=0.2), p.size, p.holds(A)) == (0, 0, False)
+    assert (p.leading_run(A, chain([7, 8]), limit=5, now=0.2), p.size, p.holds(A)) == (0, 0, False)
     for i in range(3000):  # many short-lived requests: nothing is kept once they are gone
-        p.add(RequestId(f"x{i}"), A, [i, i + 1], now=1.0)
+        p.add(RequestId(f"x{i}"), A, chain([i, i + 1]), now=1.0)
         p.answered(RequestId(f"x{i}"), now=1.0 - p.grace_s)
     p.expire(1.0)
     assert p.size == 0 and not p.holds(A)
@@ -139,7 +148,7 @@ def test_leading_run_is_the_longest_prefix_shared_with_a_live_request(
             p.expire(1.0)
             live.pop(request, None)
             continue
-        p.add(request, replica, keys, now=1.0)
+        p.add(request, replica, chain(keys), now=1.0)
         live.pop(request, None)
         if keys:
             live[request] = (replica, keys)
@@ -147,6 +156,25 @@ def test_leading_run_is_the_longest_prefix_shared_with_a_live_request(
             for probe in probes:
                 held = [ks for rep, ks in live.values() if rep == r]
                 want = max((common_prefix(probe[:limit], ks) for ks in held), default=0)
-                assert p.leading_run(r, probe, limit=limit, now=1.0) == want
+                assert p.leading_run(r, chain(probe), limit=limit, now=1.0) == want
             assert p.holds(r) == any(rep == r for rep, _ in live.values())
         assert p.size == sum(len(ks) for _, ks in live.values())
+
+
+def test_requests_sharing_a_prefix_share_its_run() -> None:
+    """A request that extends or shares a pending prefix adds only its own keys to the tree."""
+    p = PendingPrefixes(ttl_s=5.0)
+    base = list(range(500))
+    p.add(R1, A, chain([*base, 1, 2]), now=0.0)
+    p.add(R2, A, chain([*base, 3]), now=0.0)  # splits r1's run after the shared 500 keys
+    p.add(RequestId("r3"), A, chain(base[:10]), now=0.0)  # ends inside the shared run: splits it again
+    tree = p._trees[A]
+    assert len(tree.held) == 503 and [len(r.keys) for r in tree.roots.values()] == [10]
+    assert p.leading_run(A, chain([*base, 3, 9]), limit=600, now=0.0) == 501
+    p.answered(R2, now=0.0)
+    p.answered(RequestId("r3"), now=0.0)
+    p.expire(1.0)
+    assert len(tree.held) == 502 and p.leading_run(A, chain([*base, 1, 2]), limit=600, now=1.0) == 502
+    p.answered(R1, now=1.0)
+    p.expire(2.0)
+    assert not p.holds(A) and p.size == 0

@@ -1,0 +1,277 @@
+"""A keep-alive HTTP/1.1 client on asyncio protocols and httptools' parser: the proxy's upstream leg.
+
+It does only what forwarding needs, which is why it costs a fraction of aiohttp's client per request
+(BENCHMARKS.md, "Gateway"): one pooled connection per exchange (no pipelining), the request head and
+body written with one `transport.write`, the answer's headers awaited, then its body read chunk by
+chunk as it arrives (chunked and length-framed bodies decoded by httptools, or up to EOF). A fully
+read answer with keep-alive returns its connection to the pool; any other end (close, cancellation,
+error) drops it, which is how an engine learns that the client went away. The connection is
+router.edge.http1_connection's; failures are router.edge.http1_errors' `HttpClientError`s (re-exported
+here), which `router.edge.upstream.map_upstream_errors` translates.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import ssl
+from collections import deque
+from typing import Final
+from urllib.parse import urlsplit
+
+import msgspec
+
+from router.edge.http1_connection import HIGH_WATER, Connection
+from router.edge.http1_errors import (
+    BadResponse,
+    ConnectFailed,
+    ConnectTimedOut,
+    HttpClientError,
+    ResponseCut,
+    ServerDisconnected,
+    TimedOut,
+)
+
+__all__ = [
+    "BadResponse",
+    "ClientSettings",
+    "ConnectFailed",
+    "ConnectTimedOut",
+    "Http1Client",
+    "Http1Response",
+    "HttpClientError",
+    "ResponseCut",
+    "ServerDisconnected",
+    "TimedOut",
+]
+
+_NO_BODY_METHODS: Final = frozenset({"GET", "HEAD", "DELETE", "OPTIONS"})
+
+
+class ClientSettings(msgspec.Struct, frozen=True):
+    """Pool limits and the timeouts the client itself enforces (seconds)."""
+
+    connect_s: float = 2.0
+    first_byte_s: float = 60.0
+    read_s: float = 60.0
+    total_s: float = 600.0
+    keepalive_s: float = 4.0
+    pool_total: int = 1024
+    pool_per_host: int = 256
+
+
+class _Origin(msgspec.Struct, frozen=True):
+    scheme: str
+    host: str
+    port: int
+    prefix: str
+    """The base URL's path, put before every request's path."""
+
+    @classmethod
+    def of(cls, base_url: str) -> _Origin:
+        parts = urlsplit(base_url)
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError(f"not an http(s) engine URL: {base_url!r}")
+        port = parts.port or (443 if parts.scheme == "https" else 80)
+        return cls(parts.scheme, parts.hostname, port, parts.path.rstrip("/"))
+
+
+class Http1Response:
+    """An answer: status and raw header pairs now, the body through `next_chunk` until it returns b""."""
+
+    def __init__(self, pool: _Pool, conn: Connection, deadline: float) -> None:
+        self.status = conn.status
+        self.headers = conn.headers
+        self._pool, self._conn, self._deadline = pool, conn, deadline
+        self._read_s = pool.client.settings.read_s
+        self._reuse = conn.keep_alive
+        self._done = False
+
+    async def next_chunk(self) -> bytes:
+        """The next body bytes as they arrived; b"" once the body is complete (the connection released)."""
+        conn = self._conn
+        while not conn.chunks:
+            if conn.complete or self._done:
+                self.release()
+                return b""
+            if conn.error is not None:
+                self.close()
+                raise conn.error
+            left = self._deadline - conn.loop.time()
+            try:
+                await conn.wait(min(self._read_s, left), "read" if self._read_s < left else "total")
+            except BaseException:
+                self.close()
+                raise
+        chunk = conn.chunks.popleft()
+        conn.buffered -= len(chunk)
+        if conn.paused and conn.buffered <= HIGH_WATER // 2 and conn.transport is not None:
+            conn.paused = False
+            conn.transport.resume_reading()
+        return chunk
+
+    def release(self) -> None:
+        """Give the connection back to the pool if the body was read to its end, else drop it."""
+        if self._done:
+            return
+        self._done = True
+        conn = self._conn
+        if conn.complete and self._reuse and not conn.lost and not conn.chunks:
+            self._pool.put(conn)
+        else:
+            conn.close()
+            self._pool.forget()
+
+    def close(self) -> None:
+        """Drop the connection unless the answer was already fully read (idempotent)."""
+        if not self._done:
+            self._done = True
+            self._conn.close()
+            self._pool.forget()
+
+
+class _Pool:
+    """Idle keep-alive connections to one origin (most recent first) and the count of those in use."""
+
+    def __init__(self, client: Http1Client, origin: _Origin) -> None:
+        self.client, self.origin = client, origin
+        self.idle: list[Connection] = []
+        self.in_use = 0
+
+    def take(self, now: float) -> Connection | None:
+        keepalive = self.client.settings.keepalive_s
+        while self.idle:
+            conn = self.idle.pop()
+            if conn.reusable(now, keepalive):
+                self.in_use += 1
+                conn.active = conn.reused = True
+                return conn
+            conn.close()
+        return None
+
+    def put(self, conn: Connection) -> None:
+        conn.reset()
+        conn.idle_since = conn.loop.time()
+        self.idle.append(conn)
+        self.forget()
+
+    def forget(self) -> None:
+        self.in_use -= 1
+        self.client.returned()
+
+
+class Http1Client:
+    """Pooled keep-alive HTTP/1.1 connections per engine origin (see the module docstring)."""
+
+    def __init__(self, settings: ClientSettings) -> None:
+        self.settings = settings
+        self._pools: dict[str, _Pool] = {}
+        self._in_use = 0
+        self._waiting: deque[asyncio.Future[None]] = deque()
+        self._tls: ssl.SSLContext | None = None
+
+    async def request(
+        self, method: str, base_url: str, path: str, headers: list[tuple[str, str]], body: bytes
+    ) -> Http1Response:
+        """Send one request to `base_url`'s origin and return once the answer's headers are in.
+
+        `path` is the origin-form path (after the base URL's own path); `headers` go out as given (the
+        caller sets Host) plus Content-Length. A cancellation or failure drops the connection."""
+        loop = asyncio.get_running_loop()
+        start = loop.time()
+        pool = self._pool(base_url)
+        request = _head(method, pool.origin.prefix + path, headers, body) + body
+        conn = await self._acquire(pool, loop)
+        try:
+            await self._exchange(pool, conn, request, start)
+        except ServerDisconnected:
+            # A kept connection the engine closed just as it was taken (its idle timeout): the
+            # request met a closed socket, so it goes once more on a fresh connection.
+            if not conn.reused or conn.received:
+                raise
+            conn = await self._acquire(pool, loop, fresh=True)
+            await self._exchange(pool, conn, request, start)
+        if method == "HEAD":  # the answer's length describes a body that never comes
+            conn.complete, conn.keep_alive = True, False
+        return Http1Response(pool, conn, start + self.settings.total_s)
+
+    async def _exchange(self, pool: _Pool, conn: Connection, request: bytes, start: float) -> None:
+        """Write the request and wait for the answer's headers; any failure drops the connection."""
+        try:
+            assert conn.transport is not None
+            conn.transport.write(request)
+            while not conn.headers_done:
+                if conn.error is not None:
+                    raise conn.error
+                await conn.wait(start + self.settings.first_byte_s - conn.loop.time(), "first byte")
+        except BaseException:
+            conn.close()
+            pool.forget()
+            raise
+
+    def _pool(self, base_url: str) -> _Pool:
+        pool = self._pools.get(base_url)
+        if pool is None:
+            pool = self._pools[base_url] = _Pool(self, _Origin.of(base_url))
+        return pool
+
+    async def _acquire(self, pool: _Pool, loop: asyncio.AbstractEventLoop, fresh: bool = False) -> Connection:
+        s = self.settings
+        while self._in_use >= s.pool_total or pool.in_use >= s.pool_per_host:
+            waiter = loop.create_future()
+            self._waiting.append(waiter)
+            try:
+                await waiter
+            finally:
+                if waiter in self._waiting:
+                    self._waiting.remove(waiter)
+        conn = None if fresh else pool.take(loop.time())
+        if conn is not None:
+            self._in_use += 1
+            return conn
+        pool.in_use += 1
+        self._in_use += 1
+        try:
+            return await self._connect(loop, pool.origin)
+        except BaseException:
+            pool.forget()
+            raise
+
+    async def _connect(self, loop: asyncio.AbstractEventLoop, origin: _Origin) -> Connection:
+        tls = None
+        if origin.scheme == "https":
+            tls = self._tls = self._tls or ssl.create_default_context()
+        try:
+            async with asyncio.timeout(self.settings.connect_s):
+                _, conn = await loop.create_connection(
+                    lambda: Connection(loop), origin.host, origin.port, ssl=tls
+                )
+        except TimeoutError:
+            raise ConnectTimedOut(f"no connection to {origin.host}:{origin.port} in time") from None
+        except OSError as exc:
+            raise ConnectFailed(exc) from exc
+        return conn
+
+    def returned(self) -> None:
+        """A connection stopped being in use: wake one request waiting for room in the pool."""
+        self._in_use -= 1
+        # Every waiter looks again: the one whose pool has room now may not be first in line.
+        while self._waiting:
+            waiter = self._waiting.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def close(self) -> None:
+        """Close every idle connection (those in use close when their answers end)."""
+        for pool in self._pools.values():
+            for conn in pool.idle:
+                conn.close()
+            pool.idle.clear()
+
+
+def _head(method: str, target: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
+    lines = [f"{method} {target} HTTP/1.1"]
+    lines.extend(f"{k}: {v}" for k, v in headers)
+    if body or method not in _NO_BODY_METHODS:
+        lines.append(f"Content-Length: {len(body)}")
+    lines.append("\r\n")
+    return "\r\n".join(lines).encode("latin-1")

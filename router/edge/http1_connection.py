@@ -1,0 +1,149 @@
+"""One keep-alive HTTP/1.1 connection to an engine: the asyncio protocol and httptools' callbacks.
+
+The parser's callbacks fill the exchange in progress (status, headers, body chunks, completion);
+the client (router.edge.http1) waits on it with `wait`, one timer per wait. Reading pauses while
+more than `HIGH_WATER` body bytes wait for the consumer. Bytes on an idle connection make it
+unusable; a body with neither length nor chunked framing ends with the connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections import deque
+from typing import Final, cast
+
+import httptools
+
+from router.edge.http1_errors import BadResponse, HttpClientError, ResponseCut, ServerDisconnected, TimedOut
+
+__all__ = ["HIGH_WATER", "Connection"]
+
+HIGH_WATER: Final = 256 * 1024  # buffered body bytes before the socket stops being read
+
+
+class Connection(asyncio.Protocol):
+    """One socket to an engine and the exchange currently on it (parser callbacks fill it)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.headers: list[tuple[str, str]] = []
+        self.headers_done = False
+        self.status = 0
+        self.keep_alive = False
+        self.complete = False
+        self.error: HttpClientError | None = None
+        self.chunks: deque[bytes] = deque()
+        self.buffered = 0
+        self.paused = False
+        self.waiter: asyncio.Future[None] | None = None
+        self.idle_since = 0.0
+        self.lost = False
+        self.active = True
+        self.reused = False
+        self.received = False
+
+    # -- asyncio.Protocol --
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = cast(asyncio.Transport, transport)  # uvloop's are not asyncio.Transport subclasses
+        sock = transport.get_extra_info("socket")
+        if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+            # Each SSE chunk is a small write; Nagle would hold it for the engine's ACK.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def data_received(self, data: bytes) -> None:
+        if not self.active:  # bytes on an idle connection belong to no request: it cannot be reused
+            self.close()
+            return
+        self.received = True
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError as exc:
+            self._fail(BadResponse(f"invalid HTTP answer: {exc}"))
+            assert self.transport is not None
+            self.transport.close()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.lost = True
+        if self.complete:
+            return
+        if self.headers_done and self._until_eof():
+            self.on_message_complete()  # a body framed by the end of the connection
+            return
+        cut = ResponseCut if self.headers_done else ServerDisconnected
+        self._fail(cut("the engine closed the connection" + (f" ({exc})" if exc else "")))
+
+    def pause_writing(self) -> None:  # the single request write is never waited on
+        pass
+
+    def resume_writing(self) -> None:
+        pass
+
+    # -- httptools callbacks --
+    def on_header(self, name: bytes, value: bytes) -> None:
+        self.headers.append((name.decode("latin-1"), value.decode("latin-1")))
+
+    def on_headers_complete(self) -> None:
+        self.headers_done = True
+        # Both are valid only inside the parser's callbacks (reset once the message is complete).
+        self.status, self.keep_alive = self.parser.get_status_code(), self.parser.should_keep_alive()
+        self._wake()
+
+    def on_body(self, body: bytes) -> None:
+        self.chunks.append(body)
+        self.buffered += len(body)
+        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+        self._wake()
+
+    def on_message_complete(self) -> None:
+        self.complete = True
+        self._wake()
+
+    # -- the exchange --
+    def _until_eof(self) -> bool:
+        names = {k.lower() for k, _ in self.headers}
+        return "content-length" not in names and "transfer-encoding" not in names
+
+    def _fail(self, error: HttpClientError) -> None:
+        if self.error is None:
+            self.error = error
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self.waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    def reusable(self, now: float, keepalive_s: float) -> bool:
+        return not self.lost and now - self.idle_since < keepalive_s
+
+    def reset(self) -> None:
+        """Ready for the next exchange on the same socket (idle until taken again)."""
+        self.parser = httptools.HttpResponseParser(self)
+        self.headers = []
+        self.headers_done = self.keep_alive = self.complete = self.active = self.received = False
+        self.buffered = 0
+
+    async def wait(self, timeout_s: float, phase: str) -> None:
+        """Until a parser callback or the connection's end wakes it; `TimedOut(phase)` after `timeout_s`."""
+        waiter = self.waiter = self.loop.create_future()
+        timer = self.loop.call_later(max(0.0, timeout_s), _expire, waiter, phase)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self.waiter = None
+
+    def close(self) -> None:
+        self.lost = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _expire(waiter: asyncio.Future[None], phase: str) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimedOut(phase))

@@ -1,0 +1,58 @@
+"""The upstream HTTP/1.1 client's failures (router.edge.http1); mapped to `RouterError`s in one place,
+`router.edge.upstream.map_upstream_errors`.
+
+    HttpClientError
+    ├── ConnectFailed, ConnectTimedOut     no connection to the engine
+    ├── ServerDisconnected                 closed before the answer's headers were complete
+    ├── ResponseCut                        closed in the middle of the body
+    ├── BadResponse                        not a valid HTTP/1.1 answer
+    └── TimedOut(phase)                    "first byte", "read" (silence) or "total"
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "BadResponse",
+    "ConnectFailed",
+    "ConnectTimedOut",
+    "HttpClientError",
+    "ResponseCut",
+    "ServerDisconnected",
+    "TimedOut",
+]
+
+
+class HttpClientError(Exception):
+    """Base of the client's failures: connect failed or timed out; disconnected, cut, bad, timed out."""
+
+
+class ConnectFailed(HttpClientError):
+    """The TCP (or TLS) connection could not be made; `os_error` says why."""
+
+    def __init__(self, os_error: OSError) -> None:
+        super().__init__(str(os_error))
+        self.os_error = os_error
+
+
+class ConnectTimedOut(HttpClientError):
+    """The connection was not made within `connect_s`."""
+
+
+class ServerDisconnected(HttpClientError):
+    """The connection closed before the answer's headers were complete."""
+
+
+class ResponseCut(HttpClientError):
+    """The connection closed in the middle of the answer's body."""
+
+
+class BadResponse(HttpClientError):
+    """The engine's bytes are not a valid HTTP/1.1 answer."""
+
+
+class TimedOut(HttpClientError):
+    """A deadline passed: `phase` is "first byte" (no headers yet), "read" (silent) or "total"."""
+
+    def __init__(self, phase: str) -> None:
+        super().__init__(f"{phase} timeout")
+        self.phase = phase

@@ -1,0 +1,94 @@
+"""The client leg's writes through a real uvicorn on 127.0.0.1:0: head and body in one write, and a
+head whose body is not ready goes out alone without waiting for it."""
+
+from __future__ import annotations
+
+import asyncio
+import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import uvicorn
+from starlette.types import Receive, Scope, Send
+
+from router.edge.client_timeouts import TimedHttpToolsProtocol
+
+WAIT = 5.0
+
+
+@asynccontextmanager
+async def serving(app: object, writes: list[bytes], monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[int]:
+    made = TimedHttpToolsProtocol.connection_made
+
+    def counting(self: TimedHttpToolsProtocol, transport: asyncio.Transport) -> None:
+        real = transport.write
+
+        def write(data: bytes | bytearray | memoryview) -> None:
+            writes.append(bytes(data))
+            real(data)
+
+        transport.write = write  # type: ignore[method-assign]
+        made(self, transport)
+
+    monkeypatch.setattr(TimedHttpToolsProtocol, "connection_made", counting)
+    config = uvicorn.Config(app, http=TimedHttpToolsProtocol, lifespan="off", log_config=None)  # type: ignore[arg-type]
+    server = uvicorn.Server(config)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(WAIT):
+            while not server.started:
+                await asyncio.sleep(0.005)  # polling a predicate under a deadline
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
+async def exchange(port: int, until: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"POST /x HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n\r\n{}")
+    received = b""
+    async with asyncio.timeout(WAIT):
+        while until not in received:
+            received += await reader.read(65536)
+    return reader, writer, received
+
+
+async def test_a_json_answer_is_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"11")]})
+        await send({"type": "http.response.body", "body": b'{"ok": true}'[:11]})
+
+    writes: list[bytes] = []
+    async with serving(app, writes, monkeypatch) as port:
+        _, writer, received = await exchange(port, b'{"ok": true'[:11])
+        writer.close()
+    assert received.startswith(b"HTTP/1.1 200") and len(writes) == 1 and writes[0] == received
+
+
+async def test_a_head_whose_body_waits_goes_out_alone(monkeypatch: pytest.MonkeyPatch) -> None:
+    release = asyncio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        headers = [(b"content-type", b"text/event-stream")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await release.wait()  # the engine has not produced a first token yet
+        await send({"type": "http.response.body", "body": b"data: 0\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    writes: list[bytes] = []
+    async with serving(app, writes, monkeypatch) as port:
+        reader, writer, received = await exchange(port, b"\r\n\r\n")
+        assert received.startswith(b"HTTP/1.1 200") and not release.is_set()
+        release.set()
+        async with asyncio.timeout(WAIT):
+            while b"0\r\n\r\n" not in received:
+                received += await reader.read(65536)
+        writer.close()
+    assert b"data: 0" in received and len(writes) == 3  # head, then each body write as it comes

@@ -1,0 +1,276 @@
+"""The upstream HTTP/1.1 client against real servers on 127.0.0.1:0: framing, keep-alive, timeouts,
+cancellation, broken engines, and one write per request."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+import uvloop
+from aiohttp import web
+
+from router.edge import http1, http1_connection
+from router.edge.http1 import ClientSettings, Http1Client, Http1Response
+from tests.gateway_helpers import fake_engine
+
+WAIT = 5.0  # generous bound for every wait on an event; none is expected to come close
+RawHandler = Callable[[asyncio.StreamReader, asyncio.StreamWriter], Awaitable[None]]
+
+
+class RawServer:
+    """A TCP server on 127.0.0.1:0 running `handler` per connection; counts connections."""
+
+    def __init__(self, handler: RawHandler) -> None:
+        self.handler = handler
+        self.connections = 0
+        self.url = ""
+
+    async def _serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            await self.handler(reader, writer)
+        finally:
+            writer.close()
+
+
+@asynccontextmanager
+async def raw_server(handler: RawHandler) -> AsyncIterator[RawServer]:
+    state = RawServer(handler)
+    server = await asyncio.start_server(state._serve, "127.0.0.1", 0)
+    state.url = f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    try:
+        yield state
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
+async def read_request(reader: asyncio.StreamReader) -> tuple[bytes, bytes]:
+    """One request's head and its Content-Length body."""
+    head = await reader.readuntil(b"\r\n\r\n")
+    length = 0
+    for line in head.split(b"\r\n"):
+        if line.lower().startswith(b"content-length:"):
+            length = int(line.split(b":", 1)[1])
+    return head, await reader.readexactly(length)
+
+
+@asynccontextmanager
+async def client(**overrides: float) -> AsyncIterator[Http1Client]:
+    c = Http1Client(ClientSettings(**overrides))  # type: ignore[arg-type]
+    try:
+        yield c
+    finally:
+        c.close()
+
+
+async def body_of(response: Http1Response) -> bytes:
+    out = b""
+    while chunk := await response.next_chunk():
+        out += chunk
+    return out
+
+
+async def test_keep_alive_reuses_one_connection_for_sequential_requests() -> None:
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(body=await request.read())
+
+    async with fake_engine(answer) as url, client() as c:
+        peers = set()
+        for i in range(3):
+            response = await c.request("POST", url, "/v1/x", [("Host", "e")], b"body %d" % i)
+            assert response.status == 200 and await body_of(response) == b"body %d" % i
+            peers.add(response._conn.transport.get_extra_info("sockname"))  # type: ignore[union-attr]
+        assert len(peers) == 1
+
+
+async def test_chunked_and_eof_framed_bodies_are_decoded() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head, _ = await read_request(reader)
+        if b"/chunked" in head:
+            writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+            writer.write(b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n")
+            await writer.drain()
+            await read_request(reader)  # the connection was kept: a second request arrives on it
+            writer.write(b"HTTP/1.1 204 No Content\r\n\r\n")
+        else:
+            writer.write(b"HTTP/1.1 200 OK\r\nConnection: close\r\n\r\nuntil the end")
+        await writer.drain()
+
+    async with raw_server(handler) as server, client() as c:
+        response = await c.request("POST", server.url, "/chunked", [], b"{}")
+        assert await body_of(response) == b"abcde"
+        assert ("Transfer-Encoding", "chunked") in response.headers
+        again = await c.request("POST", server.url, "/chunked", [], b"{}")
+        assert again.status == 204 and await body_of(again) == b""
+        assert server.connections == 1
+        eof = await c.request("GET", server.url, "/eof", [], b"")
+        assert await body_of(eof) == b"until the end"
+
+
+async def test_head_and_body_go_out_in_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
+    writes: list[bytes] = []
+    made = http1_connection.Connection.connection_made
+
+    def counting(self: http1_connection.Connection, transport: asyncio.BaseTransport) -> None:
+        made(self, transport)
+        assert isinstance(transport, asyncio.Transport)
+        real = transport.write
+
+        def write(data: bytes | bytearray | memoryview) -> None:
+            writes.append(bytes(data))
+            real(data)
+
+        transport.write = write  # type: ignore[method-assign]
+
+    monkeypatch.setattr(http1_connection.Connection, "connection_made", counting)
+    seen: list[bytes] = []
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head, body = await read_request(reader)
+        seen.append(head + body)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()
+
+    body = b'{"prompt": "' + b"x" * 100_000 + b'"}'
+    async with raw_server(handler) as server, client() as c:
+        response = await c.request("POST", server.url + "/base/", "/v1/completions", [("Host", "e")], body)
+        assert await body_of(response) == b"ok"
+    assert len(writes) == 1 and writes == seen
+    head = b"POST /base/v1/completions HTTP/1.1\r\nHost: e\r\nContent-Length: 100014\r\n\r\n"
+    assert writes[0].startswith(head)
+
+
+async def test_first_byte_and_read_timeouts_name_their_phase() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head, _ = await read_request(reader)
+        if b"/partial" in head:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nabc")
+            await writer.drain()
+        await reader.read()  # then silence until the client goes away
+
+    async with raw_server(handler) as server, client(first_byte_s=0.05, read_s=0.05) as c:
+        with pytest.raises(http1.TimedOut) as silent:
+            await c.request("POST", server.url, "/silent", [], b"{}")
+        response = await c.request("POST", server.url, "/partial", [], b"{}")
+        assert await response.next_chunk() == b"abc"
+        with pytest.raises(http1.TimedOut) as stalled:
+            await response.next_chunk()
+    assert (silent.value.phase, stalled.value.phase) == ("first byte", "read")
+
+
+async def test_connect_failures_and_broken_engines_raise_their_kind() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head, _ = await read_request(reader)
+        if b"/garbage" in head:
+            writer.write(b"NOT HTTP AT ALL\r\n\r\n")
+        elif b"/cut" in head:
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\r\npartial")
+        await writer.drain()  # and close (also what "/silent-close" gets: no answer at all)
+
+    async with raw_server(handler) as server, client() as c:
+        with pytest.raises(http1.BadResponse):
+            await c.request("POST", server.url, "/garbage", [], b"{}")
+        with pytest.raises(http1.ServerDisconnected):
+            await c.request("POST", server.url, "/silent-close", [], b"{}")
+        response = await c.request("POST", server.url, "/cut", [], b"{}")
+        with pytest.raises(http1.ResponseCut):
+            await body_of(response)
+        closed = server.url
+    with pytest.raises(http1.ConnectFailed):
+        async with client() as c:
+            await c.request("POST", closed, "/", [], b"{}")
+
+
+async def test_cancelling_a_read_mid_stream_drops_the_connection() -> None:
+    gone = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n9\r\ndata: 0\n\n\r\n")
+        await writer.drain()
+        assert await reader.read() == b""  # EOF: the client dropped the connection
+        gone.set()
+
+    async with raw_server(handler) as server, client() as c:
+        response = await c.request("POST", server.url, "/", [], b"{}")
+        assert await response.next_chunk() == b"data: 0\n\n"
+        reader = asyncio.ensure_future(response.next_chunk())
+        await asyncio.sleep(0)  # one scheduling turn: the read blocks on the socket
+        reader.cancel()  # what a client disconnect does to the relay
+        with pytest.raises(asyncio.CancelledError):
+            await reader
+        await asyncio.wait_for(gone.wait(), WAIT)
+        assert c._pools[server.url].idle == [] and c._in_use == 0
+
+
+async def test_pool_limit_makes_requests_wait_for_a_connection() -> None:
+    release, holding = asyncio.Event(), asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head, _ = await read_request(reader)
+            if b"/hold" in head:
+                holding.set()
+                await release.wait()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async with raw_server(handler) as server, client(pool_per_host=1) as c:
+        held = asyncio.ensure_future(c.request("POST", server.url, "/hold", [], b"{}"))
+        await asyncio.wait_for(holding.wait(), WAIT)
+        waiting = asyncio.ensure_future(c.request("POST", server.url, "/next", [], b"{}"))
+        await asyncio.sleep(0)
+        assert not waiting.done() and server.connections == 1
+        release.set()
+        assert await body_of(await asyncio.wait_for(held, WAIT)) == b"ok"
+        assert await body_of(await asyncio.wait_for(waiting, WAIT)) == b"ok"
+        assert server.connections == 1  # the second request took the first one's kept connection
+
+
+def test_keep_alive_on_uvloop() -> None:
+    """The gateway runs on uvloop, whose transports are not asyncio's classes."""
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for _ in range(2):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async def main() -> int:
+        async with raw_server(handler) as server, client() as c:
+            for _ in range(2):
+                assert await body_of(await c.request("POST", server.url, "/", [], b"{}")) == b"ok"
+            return server.connections
+
+    assert uvloop.run(main()) == 1
+
+
+async def test_a_head_answer_ends_at_its_headers() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 1234\r\n\r\n")  # the length of a GET's body
+        await writer.drain()
+        await reader.read()
+
+    async with raw_server(handler) as server, client(read_s=WAIT) as c:
+        response = await c.request("HEAD", server.url, "/v1/responses/r1", [], b"")
+        assert response.status == 200 and await asyncio.wait_for(body_of(response), WAIT) == b""
+        assert c._pools[server.url].idle == [] and c._in_use == 0  # not reused: its framing is unknown
+
+
+async def test_a_closed_kept_connection_and_a_refused_retry_leave_the_pool_consistent() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+        await writer.drain()  # then close: the kept connection dies while idle
+
+    async with client() as c:
+        async with raw_server(handler) as server:
+            assert await body_of(await c.request("POST", server.url, "/", [], b"{}")) == b"ok"
+            url = server.url
+        with pytest.raises((http1.ConnectFailed, http1.ServerDisconnected)):
+            await c.request("POST", url, "/", [], b"{}")  # the kept one is gone, a new one refused
+        assert c._in_use == 0 and c._pools[url].in_use == 0
