@@ -57,6 +57,8 @@ class HarnessSpec(msgspec.Struct, frozen=True):
     text_prompts: bool = False
     cost: CostModel = CostModel()
     """The stubs' cost model (the TTFT oracle prices requests routed while it asks the stubs)."""
+    record_decisions: bool = False
+    """Each gateway records events, requests and decisions to `<out>/<policy>.kvrec` (`serve --record`)."""
 
 
 class _GatewayReady(msgspec.Struct):
@@ -67,8 +69,11 @@ class _GatewayReady(msgspec.Struct):
 class GatewayProcess:
     """A `kvrouter serve` child process on a free port, routing to `engines` with `policy`."""
 
-    def __init__(self, policy: str, engines: Sequence[EngineConfig], model: ModelConfig) -> None:
+    def __init__(
+        self, policy: str, engines: Sequence[EngineConfig], model: ModelConfig, record: Path | None = None
+    ) -> None:
         self.policy = policy
+        self.record = record
         # Engines and models go in as KVROUTER_ENGINES / KVROUTER_MODELS (JSON), the documented
         # environment overrides, so no config file has to be written.
         self.env = {
@@ -84,6 +89,8 @@ class GatewayProcess:
         """Start the gateway and wait for its ready line and a 200 from /ready; returns its URL."""
         argv = [sys.executable, "-m", "kvrouter", "--log-level", "WARNING", "serve"]
         argv += ["--host", "127.0.0.1", "--port", "0", "--policy", self.policy]
+        if self.record is not None:
+            argv += ["--record", str(self.record)]
         pipe = asyncio.subprocess.PIPE
         self.process = await asyncio.create_subprocess_exec(
             *argv, stdout=pipe, stdin=asyncio.subprocess.DEVNULL, env=self.env
@@ -205,7 +212,10 @@ async def _run_policy(
         await _await_router(url, spec.ready_timeout_s)
         await _warm_up(url, spec.embedded.model, spec.text_prompts)
     elif policy not in ORACLES:
-        gateway = GatewayProcess(policy, ctx.engines, ctx.model)
+        record = Path(spec.out) / f"{policy}.kvrec" if spec.record_decisions else None
+        if record is not None:
+            record.unlink(missing_ok=True)  # a recording is never overwritten; this one is the run's own
+        gateway = GatewayProcess(policy, ctx.engines, ctx.model, record)
         url = await gateway.start(spec.ready_timeout_s)
         await _warm_up(url, spec.embedded.model, spec.text_prompts)
     try:
