@@ -17,7 +17,15 @@ from router.core.ids import EngineId
 from router.core.policy.trust import TrustReason, TrustState
 from router.settings.config import PolicyConfig
 from tests.e2e.test_engine_restart import complete, predicted, true_hit
-from tests.gateway_helpers import Gateway, engine_of, gateway_config, running_gateway, running_stubs, wait_for
+from tests.gateway_helpers import (
+    Gateway,
+    engine_of,
+    gateway_config,
+    mirrors_caught_up,
+    running_gateway,
+    running_stubs,
+    wait_for,
+)
 from tests.stub_helpers import BS
 
 PROMPTS = [[20_000 + 131 * i + t for t in range(3 * BS + 5)] for i in range(8)]
@@ -67,3 +75,18 @@ def _resumed(stub: httpx.AsyncClient) -> Callable[[], Awaitable[bool]]:
         return not any(s["paused"] for s in states)
 
     return check
+
+
+async def test_a_prompt_the_engine_already_holds_is_not_awaited_as_events() -> None:
+    """A prompt whose every full block is cached stores nothing, so the engine publishes nothing for
+    it: the silence that follows is no sign of lost events (before, the mirror went `silent` stale
+    `trust_silence_s` after such a request whenever nothing else was flowing)."""
+    async with running_stubs(1) as stubs:
+        policy = PolicyConfig(trust_silence_s=SILENCE_S)
+        async with running_gateway(gateway_config([engine_of("e0", stubs[0])], policy=policy)) as gw:
+            await complete(gw.client, PROMPTS[0])
+            await wait_for(lambda: _is(gw, TrustState.FRESH))
+            await wait_for(mirrors_caught_up(gw, {"e0": stubs[0]}))
+            assert await complete(gw.client, PROMPTS[0]) == 3 * BS  # all of it cached: no new block
+            later = gw.parts.fleet.clock() + 10 * SILENCE_S  # trust is pure: ask it about a later time
+            assert gw.parts.fleet.trust(EngineId("e0"), later).state is TrustState.FRESH
