@@ -4,10 +4,13 @@ Policies (`PolicyName`):
 - `kv` (default): minimise predicted TTFT = overhead + prefill cost x (queued prefill tokens + uncached
   prompt tokens) + the decode part (`LoadSnapshot.decode_s`: the prefill's chunked steps, each also
   decoding every running sequence) + the wait for a free slot in a full running batch
-  (`LoadSnapshot.slot_wait_s`). An engine past `max_predicted_ttft_s` or `max_scraped_waiting` is
+  (`LoadSnapshot.slot_wait_s`), plus the prefill work the request adds to that engine
+  (`prefill_work_weight` x its own uncached prefill time: `CandidateScore.work_s`), which the requests
+  queued there after it wait for; a greedy TTFT alone trades a long hit behind a queue for an idle
+  engine's whole prefill. An engine past `max_predicted_ttft_s` or `max_scraped_waiting` is
   saturated and not eligible under any policy. Hits count only from FRESH mirrors (a stale
-  or catching-up engine's hits are taken as 0). Candidates within `tie_tolerance_s` of the best
-  cost tie, and ties break, in order, on: (1) the longer prefix left for the next request sharing
+  or catching-up engine's hits are taken as 0). Candidates within `tie_tolerance_s` x (1 + weight) of the
+  best cost tie, and ties break, in order, on: (1) the longer prefix left for the next request sharing
   this one's head (the counted hit, or the warm full-attention prefix of an engine where routing
   pins a hybrid junction: a trusted engine whose warm prefix exceeds its hit), (2) the larger
   counted hit, (3) fewer in-flight requests, (4) a stable hash of (request key, engine), which
