@@ -95,21 +95,31 @@ class GatewayProcess:
         self.process = await asyncio.create_subprocess_exec(
             *argv, stdout=pipe, stdin=asyncio.subprocess.DEVNULL, env=self.env
         )
-        assert self.process.stdout is not None
-        async with asyncio.timeout(timeout_s):
-            while line := await self.process.stdout.readline():
-                with contextlib.suppress(msgspec.DecodeError):
-                    ready = msgspec.json.decode(line, type=_GatewayReady)
-                    if ready.event == "ready":
-                        self.url = ready.url
-                        # Keep reading stdout: a full pipe would block the gateway if it ever wrote.
-                        self._drain = asyncio.create_task(_drain(self.process.stdout))
-                        break
-            if not self.url:
-                code = await self.process.wait()
-                raise RuntimeError(f"gateway for policy {self.policy!r} exited with code {code}")
-            await _until_ready(self.url)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._await_ready()
+        except TimeoutError:
+            await self.stop()  # a gateway left running would hold its stubs' links and a CPU
+            raise RuntimeError(
+                f"gateway for policy {self.policy!r} was not ready within {timeout_s:g} s"
+            ) from None
         return self.url
+
+    async def _await_ready(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        # the ready line, then /ready 200 (the mirrors are fresh)
+        while line := await self.process.stdout.readline():
+            with contextlib.suppress(msgspec.DecodeError):
+                ready = msgspec.json.decode(line, type=_GatewayReady)
+                if ready.event == "ready":
+                    self.url = ready.url
+                    # Keep reading stdout: a full pipe would block the gateway if it ever wrote.
+                    self._drain = asyncio.create_task(_drain(self.process.stdout))
+                    break
+        if not self.url:
+            code = await self.process.wait()
+            raise RuntimeError(f"gateway for policy {self.policy!r} exited with code {code}")
+        await _until_ready(self.url)
 
     async def stop(self) -> None:
         """SIGTERM, then SIGKILL after 10 s."""
