@@ -127,6 +127,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument("--users", type=int, default=d.users, help="synthetic: users (conversations)")
     p.add_argument("--turns", type=int, default=d.turns, help="synthetic: turns per user")
     p.add_argument("--out", type=Path, help="output directory (default out/loadtest-<time>)")
+    p.add_argument(
+        "--record-decisions",
+        action="store_true",
+        help="each gateway records events, requests and decisions to OUT/<policy>.kvrec (kvrouter explain)",
+    )
     p.set_defaults(func=run)
 
 
@@ -347,6 +352,7 @@ def _stub_spec(
         ready_timeout_s=args.ready_timeout,
         text_prompts=args.prompt_format == "text",
         cost=stub.cost,
+        record_decisions=args.record_decisions,
     )
 
 

@@ -63,6 +63,8 @@ class HarnessSpec(msgspec.Struct, frozen=True):
     """The stubs' cost model (the TTFT oracle prices requests routed while it asks the stubs)."""
     engines_from: EnginesFile | None = None
     """Engines the user runs (`--engines-from`), driven instead of stubs (`engines_file.py`)."""
+    record_decisions: bool = False
+    """Each gateway records events, requests and decisions to `<out>/<policy>.kvrec` (`serve --record`)."""
 
 
 class _GatewayReady(msgspec.Struct):
@@ -73,8 +75,11 @@ class _GatewayReady(msgspec.Struct):
 class GatewayProcess:
     """A `kvrouter serve` child process on a free port, routing to `engines` with `policy`."""
 
-    def __init__(self, policy: str, engines: Sequence[EngineConfig], model: ModelConfig) -> None:
+    def __init__(
+        self, policy: str, engines: Sequence[EngineConfig], model: ModelConfig, record: Path | None = None
+    ) -> None:
         self.policy = policy
+        self.record = record
         # Engines and models go in as KVROUTER_ENGINES / KVROUTER_MODELS (JSON), the documented
         # environment overrides, so no config file has to be written.
         self.env = {
@@ -90,25 +95,37 @@ class GatewayProcess:
         """Start the gateway and wait for its ready line and a 200 from /ready; returns its URL."""
         argv = [sys.executable, "-m", "kvrouter", "--log-level", "WARNING", "serve"]
         argv += ["--host", "127.0.0.1", "--port", "0", "--policy", self.policy]
+        if self.record is not None:
+            argv += ["--record", str(self.record)]
         pipe = asyncio.subprocess.PIPE
         self.process = await asyncio.create_subprocess_exec(
             *argv, stdout=pipe, stdin=asyncio.subprocess.DEVNULL, env=self.env
         )
-        assert self.process.stdout is not None
-        async with asyncio.timeout(timeout_s):
-            while line := await self.process.stdout.readline():
-                with contextlib.suppress(msgspec.DecodeError):
-                    ready = msgspec.json.decode(line, type=_GatewayReady)
-                    if ready.event == "ready":
-                        self.url = ready.url
-                        # Keep reading stdout: a full pipe would block the gateway if it ever wrote.
-                        self._drain = asyncio.create_task(_drain(self.process.stdout))
-                        break
-            if not self.url:
-                code = await self.process.wait()
-                raise RuntimeError(f"gateway for policy {self.policy!r} exited with code {code}")
-            await _until_ready(self.url)
+        try:
+            async with asyncio.timeout(timeout_s):
+                await self._await_ready()
+        except TimeoutError:
+            await self.stop()  # a gateway left running would hold its stubs' links and a CPU
+            raise RuntimeError(
+                f"gateway for policy {self.policy!r} was not ready within {timeout_s:g} s"
+            ) from None
         return self.url
+
+    async def _await_ready(self) -> None:
+        assert self.process is not None and self.process.stdout is not None
+        # the ready line, then /ready 200 (the mirrors are fresh)
+        while line := await self.process.stdout.readline():
+            with contextlib.suppress(msgspec.DecodeError):
+                ready = msgspec.json.decode(line, type=_GatewayReady)
+                if ready.event == "ready":
+                    self.url = ready.url
+                    # Keep reading stdout: a full pipe would block the gateway if it ever wrote.
+                    self._drain = asyncio.create_task(_drain(self.process.stdout))
+                    break
+        if not self.url:
+            code = await self.process.wait()
+            raise RuntimeError(f"gateway for policy {self.policy!r} exited with code {code}")
+        await _until_ready(self.url)
 
     async def stop(self) -> None:
         """SIGTERM, then SIGKILL after 10 s."""
@@ -212,7 +229,10 @@ async def _run_policy(
         await _await_router(url, spec.ready_timeout_s)
         await _warm_up(url, ctx.model.name, spec.text_prompts)
     elif policy not in ORACLES:
-        gateway = GatewayProcess(policy, ctx.engines, ctx.model)
+        record = Path(spec.out) / f"{policy}.kvrec" if spec.record_decisions else None
+        if record is not None:
+            record.unlink(missing_ok=True)  # a recording is never overwritten; this one is the run's own
+        gateway = GatewayProcess(policy, ctx.engines, ctx.model, record)
         url = await gateway.start(spec.ready_timeout_s)
         await _warm_up(url, ctx.model.name, spec.text_prompts)
     try:

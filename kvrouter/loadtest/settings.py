@@ -58,6 +58,7 @@ class LoadtestSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     users: int = 16
     turns: int = 4
     out: str | None = None
+    record_decisions: bool = False
 
     @classmethod
     def from_args(cls, args: Mapping[str, object]) -> LoadtestSettings:

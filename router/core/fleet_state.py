@@ -18,7 +18,7 @@ and time is passed in (`now`, `at`) except where a signal arrives (the injected 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import msgspec
 
@@ -199,7 +199,8 @@ class FleetState:
             return
         keys = prepared.keys_for(rep.variant.id)
         if keys is not None and keys.num_tokens >= rep.variant.spec.hash_block_size:
-            rep.observe(RequestSent(at))
+            if self._must_store(rep, keys.keys, keys.num_tokens):
+                rep.observe(RequestSent(at))
         if keys is not None and not prepared.skip_cache and rep.variant.spec.unitary_full_attention:
             self.pending.add(request, replica, keys.keys, at)
         if keys is not None and keys.keys and rep.engine.events:
@@ -207,6 +208,16 @@ class FleetState:
         if keys is not None and keys.keys:
             full = prepared.report_mode == "full" and not prepared.skip_cache
             rep.pending[request] = PendingReport(keys.keys, keys.num_tokens, full, prepared.skip_cache)
+
+    def _must_store(self, rep: Replica, keys: Sequence[int], num_tokens: int) -> bool:
+        """Whether the engine must store a new full block for this prompt: not when the mirror holds
+        every full block of it already (and the last one is within the hit), for then only its output
+        could fill one, which it need not; the silence after such a request is no sign of lost events."""
+        view = self.mirror.replica(rep.id)
+        spec = rep.variant.spec
+        if view is None or not spec.unitary_full_attention or num_tokens % spec.hash_block_size == 0:
+            return True
+        return not all(self.mirror.count(view, 0, key) for key in keys)
 
     def request_answered(self, request: RequestId, at: float) -> None:
         """The replica's first bytes for `request` arrived: its stores are published by now."""

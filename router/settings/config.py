@@ -155,6 +155,8 @@ class PolicyConfig(_Table, frozen=True):
     """An engine predicted slower than this to first token is saturated; when all are, 503 (0: off)."""
     max_scraped_waiting: Annotated[int, msgspec.Meta(ge=0)] = 0
     """An engine whose scraped waiting queue is longer than this is saturated (0: off)."""
+    prefill_work_weight: NonNegative = 1.0
+    """kv: cost = predicted TTFT + this x the request's own uncached prefill time (the work it adds)."""
 
 
 class Timeouts(_Table, frozen=True):

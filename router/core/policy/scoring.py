@@ -4,10 +4,13 @@ Policies (`PolicyName`):
 - `kv` (default): minimise predicted TTFT = overhead + prefill cost x (queued prefill tokens + uncached
   prompt tokens) + the decode part (`LoadSnapshot.decode_s`: the prefill's chunked steps, each also
   decoding every running sequence) + the wait for a free slot in a full running batch
-  (`LoadSnapshot.slot_wait_s`). An engine past `max_predicted_ttft_s` or `max_scraped_waiting` is
+  (`LoadSnapshot.slot_wait_s`), plus the prefill work the request adds to that engine
+  (`prefill_work_weight` x its own uncached prefill time: `CandidateScore.work_s`), which the requests
+  queued there after it wait for; a greedy TTFT alone trades a long hit behind a queue for an idle
+  engine's whole prefill. An engine past `max_predicted_ttft_s` or `max_scraped_waiting` is
   saturated and not eligible under any policy. Hits count only from FRESH mirrors (a stale
-  or catching-up engine's hits are taken as 0). Candidates within `tie_tolerance_s` of the best
-  cost tie, and ties break, in order, on: (1) the longer prefix left for the next request sharing
+  or catching-up engine's hits are taken as 0). Candidates within `tie_tolerance_s` x (1 + weight) of the
+  best cost tie, and ties break, in order, on: (1) the longer prefix left for the next request sharing
   this one's head (the counted hit, or the warm full-attention prefix of an engine where routing
   pins a hybrid junction: a trusted engine whose warm prefix exceeds its hit), (2) the larger
   counted hit, (3) fewer in-flight requests, (4) a stable hash of (request key, engine), which
@@ -118,6 +121,8 @@ class ScorerSettings(msgspec.Struct, frozen=True):
     """An engine whose predicted TTFT exceeds this is saturated and not chosen (0: no limit)."""
     max_scraped_waiting: int = 0
     """An engine whose scraped `vllm:num_requests_waiting` exceeds this is saturated (0: no limit)."""
+    prefill_work_weight: float = 1.0
+    """kv: the cost adds this many times the request's own uncached prefill time (`work_s`)."""
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> ScorerSettings:
@@ -126,6 +131,7 @@ class ScorerSettings(msgspec.Struct, frozen=True):
         return cls(
             PolicyName(p.name), p.tie_tolerance_s, p.seed, p.session_capacity,
             max_predicted_ttft_s=p.max_predicted_ttft_s, max_scraped_waiting=p.max_scraped_waiting,
+            prefill_work_weight=p.prefill_work_weight,
         )  # fmt: skip
 
 
@@ -149,6 +155,10 @@ class CandidateScore(msgspec.Struct, frozen=True):
     prefill_steps: int = 0
     decode_s: float = 0.0
     slot_wait_s: float = 0.0
+    work_s: float = 0.0
+    """The prefill work this request adds to the engine, weighted (`prefill_work_weight`)."""
+    cost_s: float = 0.0
+    """What kv minimises: `predicted_ttft_s + work_s`."""
 
     @property
     def expected_tokens(self) -> int:
@@ -177,6 +187,10 @@ class Decision(msgspec.Struct, frozen=True):
     candidates: list[CandidateScore]
     mirror_hit_tokens: int = 0
     counted_cached_tokens: int = 0
+    runner_up: EngineId | None = None
+    """The eligible candidate with the lowest kv cost besides the chosen one (None: it was alone)."""
+    margin_s: float = 0.0
+    """The runner-up's kv cost minus the chosen one's (negative: kv's cost preferred the runner-up)."""
 
 
 def stable_hash(key: str, engine: EngineId) -> int:
@@ -219,12 +233,13 @@ def _score(c: Candidate, excluded: frozenset[EngineId], settings: ScorerSettings
     counted = max(trusted_hit, pending)
     uncached = max(0, c.prompt_tokens - counted)
     ttft = c.load.predicted_ttft_s(uncached)
+    work = settings.prefill_work_weight * c.load.per_token_s * uncached
     pins = c.trust.trusted and c.warm_tokens > c.hit_tokens
     why_not = _why_not(c, excluded) or (WHY_SATURATED if _saturated(c.load, ttft, settings) else "")
     return CandidateScore(
         c.engine, c.hit_tokens, trusted_hit, c.boundary, c.warm_tokens, pins, uncached, ttft,
         c.trust, c.load, not why_not, why_not, c.pending_tokens, counted,
-        c.load.prefill_steps(uncached), c.load.decode_s(uncached), c.load.slot_wait_s(),
+        c.load.prefill_steps(uncached), c.load.decode_s(uncached), c.load.slot_wait_s(), work, ttft + work,
     )  # fmt: skip
 
 
@@ -258,9 +273,12 @@ class Scorer:
             why = "; ".join(f"{s.engine}: {s.why_not}" for s in scores) or "no engines configured"
             return Decision(None, policy, f"no eligible engine ({why})", 0, scores)
         chosen, reason = self._policies[policy](request, eligible)
+        others = [s for s in eligible if s is not chosen]
+        runner = min(others, key=lambda s: s.cost_s) if others else None
         return Decision(
             chosen.engine, policy, reason, chosen.expected_tokens, scores,
             chosen.hit_tokens, chosen.counted_tokens,
+            runner.engine if runner else None, runner.cost_s - chosen.cost_s if runner else 0.0,
         )  # fmt: skip
 
     def forget_engine(self, engine: EngineId) -> None:
@@ -269,15 +287,17 @@ class Scorer:
             del self._sessions[session]
 
     def _kv(self, request: RouteRequest, eligible: list[CandidateScore]) -> Pick:
-        best = min(eligible, key=lambda s: s.predicted_ttft_s)
+        best = min(eligible, key=lambda s: s.cost_s)
         tol = self.settings.tie_tolerance_s
-        tied = [s for s in eligible if s.predicted_ttft_s <= best.predicted_ttft_s + tol]
+        # The cost counts a prefill difference 1 + weight times; so does the tolerance, which keeps
+        # "TTFTs within tie_tolerance_s tie" true of candidates that differ only in their hit.
+        cost_tol = tol * (1.0 + self.settings.prefill_work_weight)
+        tied = [s for s in eligible if s.cost_s <= best.cost_s + cost_tol]
         chosen, rules = _break_tie(request.key, tied)
-        lowest = (
-            "lowest predicted TTFT" if chosen.predicted_ttft_s == best.predicted_ttft_s else "predicted TTFT"
-        )
+        lowest = "lowest predicted TTFT" if chosen.cost_s == best.cost_s else "predicted TTFT"
         why = (
             f"kv: {lowest} {chosen.predicted_ttft_s * 1000:.1f} ms "
+            f"+ {chosen.work_s * 1000:.1f} ms prefill work "
             f"({chosen.trusted_hit_tokens} cached{_pending_words(chosen)}, "
             f"{chosen.uncached_tokens} to prefill, {chosen.load.queued_prefill_tokens} queued, "
             f"{chosen.load.decoding} decoding)"

@@ -361,3 +361,24 @@ def test_settings_from_the_policy_table() -> None:
     )
     settings = ScorerSettings.from_config(RouterConfig(policy=policy))
     assert settings == ScorerSettings(PolicyName.SESSION, 0.5, 7, 3, 2.0, 9)
+
+
+def test_kv_keeps_a_long_hit_on_a_queued_engine_rather_than_add_its_whole_prefill_elsewhere() -> None:
+    """#15 item 4, from a load test's decision record: the warm engine held 31k of a 32k-token prompt
+    behind 43k queued tokens, an idle engine held nothing. Its own TTFT alone says go cold (1.6 s
+    against 2.2 s), and kv did, giving up the hit; the cost also counts the prefill work each choice
+    adds to its engine (`prefill_work_weight`): 32k tokens more for everyone queued there next."""
+    load = LoadSnapshot(4, 4, 0, 43_000, None, 0.02, 5e-5, False)
+    warm = Candidate(EngineId("a"), 31_232, 0, 31_232, 32_000, FRESH, load)
+    cold = Candidate(EngineId("b"), 0, 0, 0, 32_000, FRESH, LoadSnapshot(0, 0, 0, 0, None, 0.02, 5e-5, False))
+    greedy = Scorer(ScorerSettings(prefill_work_weight=0.0)).choose(RouteRequest(KEY), [warm, cold])
+    assert greedy.engine == "b", greedy.reason  # the TTFT-only choice the load test showed
+    decision = Scorer(ScorerSettings()).choose(RouteRequest(KEY), [warm, cold])
+    assert decision.engine == "a", decision.reason
+    chosen, other = decision.candidates
+    assert chosen.work_s == pytest.approx(5e-5 * 768) and other.work_s == pytest.approx(5e-5 * 32_000)
+    assert chosen.cost_s == pytest.approx(chosen.predicted_ttft_s + chosen.work_s)
+    assert "ms prefill work (31232 cached, 768 to prefill, 43000 queued" in decision.reason
+    # the record names the runner-up and by how much it lost
+    assert decision.runner_up == "b" and decision.margin_s == pytest.approx(other.cost_s - chosen.cost_s)
+    assert greedy.runner_up == "a" and greedy.margin_s > 0

@@ -1,0 +1,92 @@
+"""An engine whose KV events pause while requests flow, then resume (issue #15 item 4), end to end.
+
+The stub stops publishing live for a while (`POST /admin/faults {"pause_s": ...}`, held batches
+dropped, so the gateway sees a gap when it resumes) while the gateway keeps sending it requests. The
+mirror lags, so it is stale for a while (silent, then a gap and its replay), but nothing is wrong with
+the engine's tokens: once events flow again the mirror must be fresh and exact again, and the cause
+named on the way must never be `tokenizer_mismatch`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import httpx
+
+from router.core.ids import EngineId
+from router.core.policy.trust import TrustReason, TrustState
+from router.settings.config import PolicyConfig
+from tests.e2e.test_engine_restart import complete, predicted, true_hit
+from tests.gateway_helpers import (
+    Gateway,
+    engine_of,
+    gateway_config,
+    mirrors_caught_up,
+    running_gateway,
+    running_stubs,
+    wait_for,
+)
+from tests.stub_helpers import BS
+
+PROMPTS = [[20_000 + 131 * i + t for t in range(3 * BS + 5)] for i in range(8)]
+AFTER = [30_000 + t for t in range(3 * BS + 5)]
+SILENCE_S = 0.3
+PAUSE_S = 2.0  # the issue paused for 12 s; what matters is a pause several times the silence limit
+
+
+def _status(gw: Gateway) -> tuple[TrustState, TrustReason]:
+    status = gw.parts.fleet.trust(EngineId("e0"), gw.parts.fleet.clock())
+    return status.state, status.reason
+
+
+async def test_events_that_pause_and_resume_leave_the_mirror_fresh_and_never_blame_the_tokenizer() -> None:
+    async with running_stubs(1) as stubs:
+        policy = PolicyConfig(trust_silence_s=SILENCE_S)
+        async with running_gateway(gateway_config([engine_of("e0", stubs[0])], policy=policy)) as gw:
+            await complete(gw.client, PROMPTS[0])
+            await wait_for(lambda: _is(gw, TrustState.FRESH))
+            assert stubs[0].info is not None
+            async with httpx.AsyncClient(base_url=stubs[0].info.url) as stub:
+                paused = await stub.post("/admin/faults", json={"pause_s": PAUSE_S})
+                assert paused.status_code == 200, paused.text
+                seen: set[tuple[TrustState, TrustReason]] = set()
+                # requests flow through the pause (each one leaves blocks the mirror cannot see yet)
+                for prompt in PROMPTS[1:]:
+                    await complete(gw.client, prompt)
+                    seen.add(_status(gw))
+                await wait_for(lambda: _is(gw, TrustState.STALE), timeout=PAUSE_S * 5)
+                seen.add(_status(gw))
+                await wait_for(_resumed(stub), timeout=PAUSE_S * 5)
+            # events flow again (a new prompt stores blocks), and the mirror must follow the engine
+            await complete(gw.client, AFTER)
+            await wait_for(lambda: _is(gw, TrustState.FRESH), timeout=PAUSE_S * 5)
+            assert TrustReason.TOKENIZER_MISMATCH not in {reason for _, reason in seen}, seen
+            for prompt in [*PROMPTS, AFTER]:
+                assert await predicted(gw, prompt) == await true_hit(stubs[0], prompt)
+
+
+async def _is(gw: Gateway, state: TrustState) -> bool:
+    return _status(gw)[0] is state
+
+
+def _resumed(stub: httpx.AsyncClient) -> Callable[[], Awaitable[bool]]:
+    async def check() -> bool:
+        states = (await stub.get("/admin/faults")).json()
+        return not any(s["paused"] for s in states)
+
+    return check
+
+
+async def test_a_prompt_the_engine_already_holds_is_not_awaited_as_events() -> None:
+    """A prompt whose every full block is cached stores nothing, so the engine publishes nothing for
+    it: the silence that follows is no sign of lost events (before, the mirror went `silent` stale
+    `trust_silence_s` after such a request whenever nothing else was flowing)."""
+    async with running_stubs(1) as stubs:
+        policy = PolicyConfig(trust_silence_s=SILENCE_S)
+        async with running_gateway(gateway_config([engine_of("e0", stubs[0])], policy=policy)) as gw:
+            await complete(gw.client, PROMPTS[0])
+            await wait_for(lambda: _is(gw, TrustState.FRESH))
+            await wait_for(mirrors_caught_up(gw, {"e0": stubs[0]}))
+            assert await complete(gw.client, PROMPTS[0]) == 3 * BS  # all of it cached: no new block
+            later = gw.parts.fleet.clock() + 10 * SILENCE_S  # trust is pure: ask it about a later time
+            assert gw.parts.fleet.trust(EngineId("e0"), later).state is TrustState.FRESH
