@@ -30,8 +30,10 @@ router-key mode and counts as `store_unknown_parent`.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import msgspec
 
@@ -56,6 +58,8 @@ from router.core.mirror.replica_views import GroupView, MirrorStats, ReplicaView
 from tokenization.request_tokens import ReportMode
 
 __all__ = ["EngineId", "Mirror", "MirrorConfig", "MirrorStats"]
+
+_BULK = 4  # below this many keys a store is cheaper to add one key at a time
 
 
 class MirrorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -184,24 +188,45 @@ class Mirror:
             return
         if ev.parent_block_hash is None and ev.extra_keys and rv.hashing is HashingMode.ROUTER:
             self.store_keys.remember_salt(ev)
-        if rv.hashing is HashingMode.ENGINE:
-            pairs = [(eh, engine_key(eh)) for eh in ev.block_hashes]
+        router = rv.hashing is HashingMode.ROUTER
+        if router:
+            # May raise InvalidEvent: nothing has changed yet.
+            hashes, keys = self.store_keys.keyed(rv, ev, sparse, *place)
         else:
-            pairs = self.store_keys.pairs(rv, ev, sparse, *place)  # may raise InvalidEvent: nothing changed
+            hashes, keys = ev.block_hashes, [engine_key(eh) for eh in ev.block_hashes]
         rv.learn(gv, ev)
         if is_report or full_mode:
-            for _, key in pairs:
+            for key in keys:
                 self._add(rv, gv, key, True)
-        else:
-            self._add_counted(rv, gv, pairs)
-        if rv.hashing is HashingMode.ROUTER:
-            self.ehash_to_key.update(pairs)
-        self.stats.blocks_stored += len(pairs)
+        elif not self._add_fresh(gv, keys):
+            self._add_counted(rv, gv, keys)
+        if router:
+            self.ehash_to_key.update(zip(hashes, keys, strict=True))
+        self.stats.blocks_stored += len(keys)
 
-    def _add_counted(self, rv: ReplicaView, gv: GroupView, pairs: list[tuple[EngineBlockHash, int]]) -> None:
-        """`_add` for a batch of incremental stores, inlined: this is the ingest hot loop."""
+    def _add_fresh(self, gv: GroupView, keys: list[int]) -> bool:
+        """Add incremental stores of keys no replica holds yet, in C-level passes (the ingest hot path);
+        False, having changed nothing, when one is held already or the cap might bind: `_add_counted`
+        then counts them one by one."""
+        index = self.index
+        n_before = len(index)
+        if len(keys) < _BULK or n_before + len(keys) > self.config.max_keys:
+            return False
+        if any(map(index.__contains__, keys)):
+            return False
+        index.update(zip(keys, repeat(gv.bit)))
+        added = len(index) - n_before
+        gv.n_keys += added
+        if added != len(keys):  # a key repeated within the store: the repeats are extra copies
+            for key, n in Counter(keys).items():
+                if n > 1:
+                    gv.extra[key] = gv.extra.get(key, 0) + n - 1
+        return True
+
+    def _add_counted(self, rv: ReplicaView, gv: GroupView, keys: list[int]) -> None:
+        """`_add` for a batch of incremental stores, inlined."""
         index, bit, extra, cap = self.index, gv.bit, gv.extra, self.config.max_keys
-        for _, key in pairs:
+        for key in keys:
             mask = index.get(key, 0)
             if mask & bit:
                 extra[key] = extra.get(key, 0) + 1
