@@ -90,6 +90,9 @@ class Mirror:
         self._free_slots: list[int] = []
         self._next_slot = 0
         self.other_media_hashes = 0  # over all replicas, bounded by max_keys
+        # What readers derive from the replica layout (the lookup's plans), dropped when a replica is
+        # added or dropped: anything else an event changes leaves the layout alone.
+        self.layout_memo: dict[object, object] = {}
 
     @property
     def ehash_to_key(self) -> dict[EngineBlockHash, int]:
@@ -105,6 +108,7 @@ class Mirror:
         if engine_id in self.engines:
             raise ValueError(f"engine {engine_id!r} is already registered")
         self.engines[engine_id] = EngineState(spec, report_mode)
+        self.layout_memo.clear()
         self._replica(engine_id, 0)
 
     def reset_engine(self, engine_id: EngineId) -> None:
@@ -119,6 +123,7 @@ class Mirror:
             self._clear_replica(rv)
             self._free_slots.extend(g.slot for g in rv.groups)
         del self.engines[engine_id]
+        self.layout_memo.clear()
 
     def replica(self, engine_id: EngineId, rank: int = 0) -> ReplicaView | None:
         """The view of one DP rank of an engine, if it exists."""
@@ -328,6 +333,7 @@ class Mirror:
             slots = [self._take_slot() for _ in state.spec.groups]
             rv = ReplicaView.build(state.spec, state.report_mode, slots)
             state.replicas[rank] = rv
+            self.layout_memo.clear()
         return rv
 
     def _take_slot(self) -> int:
