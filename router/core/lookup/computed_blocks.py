@@ -5,7 +5,9 @@ For each (engine, DP rank) serving a model: `(hit_tokens, shared_prefix_boundary
 requests), the unitary coordinator for one group, the hybrid fixpoint (kv-events §5.8 with the ★
 precisions of semantics §8.3) otherwise, per-kind finders, alignment and the EAGLE block drop. The
 leading full-attention run of every engine is found in one pass over the prompt's keys: one index
-probe per key and a bitmask of the engines still matching, until it is empty. The engine stub's
+probe per key and a bitmask of the engines still matching, until it is empty. What does not depend on
+the request (the replicas, their masks per spec group) is a plan memoized in the mirror's
+`layout_memo` until its replica layout changes. The engine stub's
 `engine_stub.core.kv_cache_coordinator` computes the same fixpoint independently, on purpose: it is the ground
 truth this prediction is checked against (tests/e2e/test_property_stub_router.py).
 """

@@ -26,6 +26,11 @@ and hashed with the extra keys: what checks them) before it touches the index, a
 (`events.validate.InvalidEvent`) is rejected alone, counted per replica (`ReplicaView.rejected`);
 the rest of the batch is applied. A later store whose parent was a rejected store cannot be keyed in
 router-key mode and counts as `store_unknown_parent`.
+
+Ingest is the hot path: a store whose keys no replica holds (the usual new prefix) is added in C-level
+passes over its keys, anything else one key at a time with exact copy counts; both give the same
+state. `layout_memo` holds what readers derive from the replica layout (the lookup's per-model plan);
+it is emptied whenever a replica is added or dropped, which is all that changes the layout.
 """
 
 from __future__ import annotations
