@@ -66,7 +66,7 @@ class StoreKeys:
         parent_key = None if parent is None else known.get(parent)
         keys = None
         if parent is None or parent_key is not None:
-            keys = keys_from_tokens(self.hasher, ev, parent_key, rv.spec.hash_block_size)
+            keys = keys_from_tokens(self.hasher, ev, parent_key, rv.hash_block)
         if keys is not None:
             return hashes, cast(list[int], keys)
         if sparse:

@@ -53,7 +53,6 @@ from events.wire import (
     LazyBlockStored,
     LazyKVEventBatch,
 )
-from router.core.group_kinds import group_kind
 from router.core.ids import EngineId
 from router.core.keys.block_key import KeyHasher
 from router.core.keys.event_tokens import engine_key, event_tokens
@@ -65,6 +64,7 @@ from tokenization.request_tokens import ReportMode
 __all__ = ["EngineId", "Mirror", "MirrorConfig", "MirrorStats"]
 
 _BULK = 4  # below this many keys a store is cheaper to add one key at a time
+_STORES = (BlockStored, LazyBlockStored)  # a tuple: `A | B` would build a union object per event
 
 
 class MirrorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -151,7 +151,7 @@ class Mirror:
         rv = self._replica(engine_id, batch.data_parallel_rank or 0)
         for i, ev in enumerate(batch.events):
             try:
-                if isinstance(ev, BlockStored | LazyBlockStored):
+                if isinstance(ev, _STORES):
                     self._store(rv, ev, bool(reports and reports[i]), (batch.events, i))
                 elif isinstance(ev, BlockRemoved):
                     self._removed(rv, ev)
@@ -190,7 +190,7 @@ class Mirror:
         gv = self._group(rv, ev.group_idx or 0)
         if gv is None:
             return
-        sparse = group_kind(gv.spec.kind).sparse_stores
+        sparse = gv.sparse
         full_mode = rv.report_mode is ReportMode.FULL
         if sparse and (is_report or (full_mode and _report_shaped(ev))):
             rv.learn(gv, ev)
