@@ -167,8 +167,10 @@ class BatchDecoder(Generic[B]):
             log.warning("kv event payload rejected", extra={"error": str(exc), "size": len(payload)})
             return None
         self.stats.batches += 1
+        counts = self.stats.events
         for event in batch.events:
-            self.stats.count_event(event.__struct_config__.tag)  # type: ignore[arg-type]
+            tag: str = event.__struct_config__.tag  # type: ignore[assignment]
+            counts[tag] = counts.get(tag, 0) + 1
         return batch
 
     def _decode(self, payload: bytes) -> B:

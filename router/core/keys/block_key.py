@@ -61,7 +61,13 @@ def _block_hashes(tokens: Sequence[int], block_size: int, n_blocks: int) -> list
     """Keyed SipHash of each of the first `n_blocks` full blocks of `tokens`."""
     if n_blocks <= 0:
         return []
-    return packed_block_hashes(pack_tokens(tokens[: n_blocks * block_size]), block_size, 0, n_blocks)
+    return packed_block_hashes(_packed_blocks(tokens, block_size, n_blocks), block_size, 0, n_blocks)
+
+
+def _packed_blocks(tokens: Sequence[int], block_size: int, n_blocks: int) -> bytes:
+    """The first `n_blocks` full blocks of `tokens`, packed (no copy of the list when that is all of it)."""
+    n = n_blocks * block_size
+    return pack_tokens(tokens if len(tokens) == n else tokens[:n])
 
 
 def packed_block_hashes(packed: bytes, block_size: int, start: int, stop: int) -> list[int]:
@@ -113,9 +119,9 @@ class KeyHasher:
         block_extras: Sequence[BlockExtra] | None = None,
     ) -> list[BlockKey]:
         """Keys of `n_blocks` blocks of `tokens`, chained from `parent` (a root or a parent key)."""
-        hashes = _block_hashes(tokens, block_size, n_blocks)
         if block_extras is None:
-            return chain_hashes(parent, hashes)
+            return _chain_plain(parent, tokens, block_size, n_blocks)
+        hashes = _block_hashes(tokens, block_size, n_blocks)
         out: list[int] = []
         append = out.append
         prev = parent
@@ -123,6 +129,17 @@ class KeyHasher:
             prev = hash((prev, h) if extra is None else (prev, h, extra))
             append(prev)
         return cast(list[BlockKey], out)
+
+
+def _chain_plain(parent: int, tokens: Sequence[int], block_size: int, n_blocks: int) -> list[BlockKey]:
+    """`chain_hashes(parent, _block_hashes(...))` fused: the ingest and request hot path (no extras), with
+    no intermediate list and no per-block function call."""
+    if n_blocks <= 0:
+        return []
+    packed = _packed_blocks(tokens, block_size, n_blocks)
+    prev = parent
+    blocks = _splitter(n_blocks, block_size * _TOKEN_BYTES).unpack_from(packed)
+    return cast(list[BlockKey], [prev := hash((prev, hash(b))) for b in blocks])
 
 
 def _request_extra(

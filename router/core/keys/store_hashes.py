@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections import ChainMap
 from collections.abc import Mapping, Sequence
+from typing import cast
 
 from events.validate import InvalidEvent
 from events.wire import BlockStored, EngineBlockHash, KVEvent, LazyBlockStored, LazyKVEvent
@@ -39,42 +40,47 @@ class StoreKeys:
         self.known: dict[EngineBlockHash, int] = {}
         self._salts: dict[str, None] = {}  # recent cache salts, oldest first (sparse-store roots)
 
-    def pairs(
+    def keyed(
         self, rv: ReplicaView, ev: Stored, sparse: bool, batch: Sequence[Event] = (), at: int = -1
-    ) -> list[tuple[EngineBlockHash, int]]:
-        """(engine hash, key) for every hash of `ev` (event `at` of `batch`, when given) that can be keyed
-        exactly; anomalies counted."""
+    ) -> tuple[Sequence[EngineBlockHash], list[int]]:
+        """(engine hashes, their keys), aligned, for every hash of `ev` (event `at` of `batch`, when
+        given) that can be keyed exactly; anomalies counted. The usual store is all new: its first hash
+        is unknown, and it goes straight to its tokens (only a store whose hashes are all known keeps
+        their keys, and only a sparse one reads which of them are)."""
         hashes = ev.block_hashes
+        if not hashes:
+            return hashes, []
         known: Mapping[EngineBlockHash, int] = self.known
-        mapped = [(eh, known.get(eh)) for eh in hashes]
-        if all(k is not None for _, k in mapped):
-            return [(eh, k) for eh, k in mapped if k is not None]
+        if sparse or hashes[0] in known:
+            mapped = [known.get(eh) for eh in hashes]
+            if None not in mapped:
+                return hashes, cast(list[int], mapped)
         if sparse:
             ahead = self._dense_ahead(rv, batch, at)
             if ahead:
                 known = ChainMap(ahead, self.known)
-                mapped = [(eh, known.get(eh)) for eh in hashes]
-                if all(k is not None for _, k in mapped):
-                    return [(eh, k) for eh, k in mapped if k is not None]
+                mapped = [known.get(eh) for eh in hashes]
+                if None not in mapped:
+                    return hashes, cast(list[int], mapped)
         parent = ev.parent_block_hash
         parent_key = None if parent is None else known.get(parent)
         keys = None
         if parent is None or parent_key is not None:
-            keys = keys_from_tokens(self.hasher, ev, parent_key, rv.spec.hash_block_size)
+            keys = keys_from_tokens(self.hasher, ev, parent_key, rv.hash_block)
         if keys is not None:
-            return list(zip(hashes, keys, strict=True))
+            return hashes, cast(list[int], keys)
         if sparse:
             placed = self._place_sparse(rv, ev, (parent, parent_key), known)
-            if placed is not None:
-                return placed
-            # Keep what the full-attention group mapped; the rest is unknown (a conservative miss).
-            self.stats.unmapped_sparse += sum(k is None for _, k in mapped)
-            return [(eh, k) for eh, k in mapped if k is not None]
+            if placed is None:
+                # Keep what the full-attention group mapped; the rest is unknown (a conservative miss).
+                self.stats.unmapped_sparse += mapped.count(None)
+                placed = [(eh, k) for eh, k in zip(hashes, mapped, strict=True) if k is not None]
+            return [eh for eh, _ in placed], [k for _, k in placed]
         if parent is not None and parent_key is None:
             self.stats.store_unknown_parent += 1
         else:
             self.stats.bad_store_shape += 1
-        return []
+        return (), []
 
     def _dense_ahead(self, rv: ReplicaView, batch: Sequence[Event], at: int) -> dict[EngineBlockHash, int]:
         """Engine hash -> key for the dense-group stores among the (groups - 1) events after event `at`:

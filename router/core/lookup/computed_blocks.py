@@ -5,7 +5,9 @@ For each (engine, DP rank) serving a model: `(hit_tokens, shared_prefix_boundary
 requests), the unitary coordinator for one group, the hybrid fixpoint (kv-events §5.8 with the ★
 precisions of semantics §8.3) otherwise, per-kind finders, alignment and the EAGLE block drop. The
 leading full-attention run of every engine is found in one pass over the prompt's keys: one index
-probe per key and a bitmask of the engines still matching, until it is empty. The engine stub's
+probe per key and a bitmask of the engines still matching, until it is empty. What does not depend on
+the request (the replicas, their masks per spec group) is a plan memoized in the mirror's
+`layout_memo` until its replica layout changes. The engine stub's
 `engine_stub.core.kv_cache_coordinator` computes the same fixpoint independently, on purpose: it is the ground
 truth this prediction is checked against (tests/e2e/test_property_stub_router.py).
 """
@@ -87,24 +89,84 @@ def lookup(
     mirror: Mirror, spec: ModelSpec, request: LookupRequest, engines: Iterable[EngineId] | None = None
 ) -> dict[ReplicaId, LookupResult]:
     """Predicted hit and boundary for every replica of `engines` (default: all engines with `spec`)."""
-    names = list(engines) if engines is not None else [e for e, s in mirror.engines.items() if s.spec == spec]
-    targets = [(ReplicaId(e, r), rv) for e in names for r, rv in sorted(mirror.engines[e].replicas.items())]
-    groups = spec_groups(spec)
+    plan = _plan(mirror, spec, engines)
+    groups = plan.groups
     maxlen = 0 if request.skip_cache else max(0, request.num_tokens - 1)
     if maxlen == 0 or not groups:
-        zero = LookupResult(0, 0, tuple(0 for _ in groups), 0)
-        return {rid: zero for rid, _ in targets}
-    needs = [[_need(rv, group) for group in groups] for _, rv in targets]
+        return dict.fromkeys(plan.targets, LookupResult(0, 0, tuple(0 for _ in groups), 0))
     shared = _Shared(mirror.index, spec, groups, request.keys, maxlen)
-    runs = _first_fa_runs(shared, [n[0] for n in needs])
-    if len(spec.groups) == 1 and groups[0].kind.full_attention and not spec.eagle_block_drop:
-        block_size = groups[0].spec.block_size
-        hits = [min(run, maxlen // block_size) * block_size for run in runs]
-        return {rid: LookupResult(h, 0, (h,), h) for (rid, _), h in zip(targets, hits, strict=True)}
+    runs = _first_fa_runs(shared, plan)
+    if plan.unitary_block:
+        block_size = plan.unitary_block
+        cap = maxlen // block_size
+        hits = [min(run, cap) * block_size for run in runs]
+        made = {h: LookupResult(h, 0, (h,), h) for h in set(hits)}  # equal hits share one result
+        return dict(zip(plan.targets, map(made.__getitem__, hits), strict=True))
     return {
         rid: _replica_lookup(shared, need, run)
-        for (rid, _), need, run in zip(targets, needs, runs, strict=True)
+        for rid, need, run in zip(plan.targets, plan.needs, runs, strict=True)
     }
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """What every lookup of one model over one set of engines shares while the mirror's replica layout
+    stays the same: the targets, each one's mask per spec group, and the one-pass walk's set-up."""
+
+    spec: ModelSpec
+    groups: list[SpecGroup]
+    targets: list[ReplicaId]
+    needs: list[list[int]]
+    first: list[int]  # each target's mask of the first spec group
+    alive: int  # the union of `first`
+    position: dict[int, int] | None  # bit -> target, when every `first` is a bit of its own
+    unitary_block: int  # the block size when a hit is the leading run alone (one FA group, no drop)
+    hash_block: int
+
+
+_MAX_PLANS = 256
+
+
+def _plan(mirror: Mirror, spec: ModelSpec, engines: Iterable[EngineId] | None) -> _Plan:
+    """The lookup plan of `spec` over `engines`, memoized in the mirror until its layout changes (the
+    plan holds `spec`, so its id stays unique while the entry lives)."""
+    names = None if engines is None else tuple(engines)
+    memo = mirror.layout_memo
+    key = (id(spec), names)
+    plan = memo.get(key)
+    if not isinstance(plan, _Plan) or plan.spec is not spec:
+        plan = _build_plan(mirror, spec, names)
+        if len(memo) >= _MAX_PLANS:
+            memo.clear()
+        memo[key] = plan
+    return plan
+
+
+def _build_plan(mirror: Mirror, spec: ModelSpec, names: tuple[EngineId, ...] | None) -> _Plan:
+    if names is None:
+        names = tuple(e for e, s in mirror.engines.items() if s.spec == spec)
+    views = [(ReplicaId(e, r), rv) for e in names for r, rv in sorted(mirror.engines[e].replicas.items())]
+    groups = spec_groups(spec)
+    needs = [[_need(rv, group) for group in groups] for _, rv in views]
+    first = [n[0] for n in needs] if groups else []
+    alive = 0
+    for n in first:
+        alive |= n
+    single = all(n and not n & (n - 1) for n in first) and len(set(first)) == len(first)
+    unitary = (
+        len(spec.groups) == 1 and bool(groups) and groups[0].kind.full_attention and not spec.eagle_block_drop
+    )
+    return _Plan(
+        spec,
+        groups,
+        [rid for rid, _ in views],
+        needs,
+        first,
+        alive,
+        {n: i for i, n in enumerate(first)} if single else None,
+        groups[0].spec.block_size if unitary else 0,
+        spec.hash_block_size,
+    )
 
 
 class _Shared(NamedTuple):
@@ -125,22 +187,20 @@ def _need(rv: ReplicaView, group: SpecGroup) -> int:
     return mask
 
 
-def _first_fa_runs(shared: _Shared, needs: list[int]) -> list[int]:
+def _first_fa_runs(shared: _Shared, plan: _Plan) -> list[int]:
     """The leading run of the first full-attention spec group, for every replica in one pass (-1: n/a)."""
-    index, spec, groups, keys, maxlen = shared
+    index, _, groups, keys, maxlen = shared
+    needs = plan.first
     if not groups[0].kind.full_attention or not needs:
         return [-1] * len(needs)
     block_size = groups[0].spec.block_size
-    blocks = view(keys, block_size, spec.hash_block_size)
+    blocks = view(keys, block_size, plan.hash_block)
     limit = min(len(blocks), (maxlen + block_size) // block_size)  # covers the EAGLE margin of one block
-    single = all(n and not n & (n - 1) for n in needs) and len(set(needs)) == len(needs)
-    if not single:
+    position = plan.position
+    if position is None:
         return [_run(index, blocks, limit, n) for n in needs]
-    position = {n: i for i, n in enumerate(needs)}
     runs = [limit] * len(needs)
-    alive = 0
-    for n in needs:
-        alive |= n
+    alive = plan.alive
     get = index.get
     for i in range(limit):
         dead = alive & ~get(blocks[i], 0)

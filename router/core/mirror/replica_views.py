@@ -12,6 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from events.wire import BlockStored, EngineBlockHash, LazyBlockStored
+from router.core.group_kinds import group_kind
 from router.core.kv_layout import GroupSpec, HashingMode, ModelSpec
 from tokenization.request_tokens import ReportMode
 
@@ -48,9 +49,11 @@ class GroupView:
     seen_block_size: int | None = None
     seen_window: int | None = None
     bit: int = 0
+    sparse: bool = False  # its kind stores only the blocks it keeps (sliding window, Mamba)
 
     def __post_init__(self) -> None:
         self.bit = 1 << self.slot
+        self.sparse = group_kind(self.spec.kind).sparse_stores
 
 
 @dataclass
@@ -61,9 +64,13 @@ class ReplicaView:
     report_mode: ReportMode
     groups: list[GroupView]
     slot_mask: int = 0
+    hash_block: int = 0  # the spec's hash block size, read on every store
     other_media: dict[str, dict[EngineBlockHash, int]] = field(default_factory=dict)
     flags: set[str] = field(default_factory=set)
     rejected: dict[str, int] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        self.hash_block = self.spec.hash_block_size
 
     @classmethod
     def build(cls, spec: ModelSpec, report_mode: ReportMode, slots: Sequence[int]) -> ReplicaView:
@@ -84,7 +91,7 @@ class ReplicaView:
             gv.seen_kind = ev.kv_cache_spec_kind
             if ev.kv_cache_spec_kind != gv.spec.kind:
                 self.flags.add("kind_mismatch")
-        partial_unit = ev.block_size == self.spec.hash_block_size and len(ev.block_hashes) <= 1
+        partial_unit = ev.block_size == self.hash_block and len(ev.block_hashes) <= 1
         if ev.block_size != gv.spec.block_size and not partial_unit:
             self.flags.add("block_size_mismatch")
         else:

@@ -26,12 +26,19 @@ and hashed with the extra keys: what checks them) before it touches the index, a
 (`events.validate.InvalidEvent`) is rejected alone, counted per replica (`ReplicaView.rejected`);
 the rest of the batch is applied. A later store whose parent was a rejected store cannot be keyed in
 router-key mode and counts as `store_unknown_parent`.
+
+Ingest is the hot path: a store whose keys no replica holds (the usual new prefix) is added in C-level
+passes over its keys, anything else one key at a time with exact copy counts; both give the same
+state. `layout_memo` holds what readers derive from the replica layout (the lookup's per-model plan);
+it is emptied whenever a replica is added or dropped, which is all that changes the layout.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from itertools import repeat
 
 import msgspec
 
@@ -46,7 +53,6 @@ from events.wire import (
     LazyBlockStored,
     LazyKVEventBatch,
 )
-from router.core.group_kinds import group_kind
 from router.core.ids import EngineId
 from router.core.keys.block_key import KeyHasher
 from router.core.keys.event_tokens import engine_key, event_tokens
@@ -56,6 +62,9 @@ from router.core.mirror.replica_views import GroupView, MirrorStats, ReplicaView
 from tokenization.request_tokens import ReportMode
 
 __all__ = ["EngineId", "Mirror", "MirrorConfig", "MirrorStats"]
+
+_BULK = 4  # below this many keys a store is cheaper to add one key at a time
+_STORES = (BlockStored, LazyBlockStored)  # a tuple: `A | B` would build a union object per event
 
 
 class MirrorConfig(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -86,6 +95,9 @@ class Mirror:
         self._free_slots: list[int] = []
         self._next_slot = 0
         self.other_media_hashes = 0  # over all replicas, bounded by max_keys
+        # What readers derive from the replica layout (the lookup's plans), dropped when a replica is
+        # added or dropped: anything else an event changes leaves the layout alone.
+        self.layout_memo: dict[object, object] = {}
 
     @property
     def ehash_to_key(self) -> dict[EngineBlockHash, int]:
@@ -101,6 +113,7 @@ class Mirror:
         if engine_id in self.engines:
             raise ValueError(f"engine {engine_id!r} is already registered")
         self.engines[engine_id] = EngineState(spec, report_mode)
+        self.layout_memo.clear()
         self._replica(engine_id, 0)
 
     def reset_engine(self, engine_id: EngineId) -> None:
@@ -115,6 +128,7 @@ class Mirror:
             self._clear_replica(rv)
             self._free_slots.extend(g.slot for g in rv.groups)
         del self.engines[engine_id]
+        self.layout_memo.clear()
 
     def replica(self, engine_id: EngineId, rank: int = 0) -> ReplicaView | None:
         """The view of one DP rank of an engine, if it exists."""
@@ -137,7 +151,7 @@ class Mirror:
         rv = self._replica(engine_id, batch.data_parallel_rank or 0)
         for i, ev in enumerate(batch.events):
             try:
-                if isinstance(ev, BlockStored | LazyBlockStored):
+                if isinstance(ev, _STORES):
                     self._store(rv, ev, bool(reports and reports[i]), (batch.events, i))
                 elif isinstance(ev, BlockRemoved):
                     self._removed(rv, ev)
@@ -176,7 +190,7 @@ class Mirror:
         gv = self._group(rv, ev.group_idx or 0)
         if gv is None:
             return
-        sparse = group_kind(gv.spec.kind).sparse_stores
+        sparse = gv.sparse
         full_mode = rv.report_mode is ReportMode.FULL
         if sparse and (is_report or (full_mode and _report_shaped(ev))):
             rv.learn(gv, ev)
@@ -184,24 +198,45 @@ class Mirror:
             return
         if ev.parent_block_hash is None and ev.extra_keys and rv.hashing is HashingMode.ROUTER:
             self.store_keys.remember_salt(ev)
-        if rv.hashing is HashingMode.ENGINE:
-            pairs = [(eh, engine_key(eh)) for eh in ev.block_hashes]
+        router = rv.hashing is HashingMode.ROUTER
+        if router:
+            # May raise InvalidEvent: nothing has changed yet.
+            hashes, keys = self.store_keys.keyed(rv, ev, sparse, *place)
         else:
-            pairs = self.store_keys.pairs(rv, ev, sparse, *place)  # may raise InvalidEvent: nothing changed
+            hashes, keys = ev.block_hashes, [engine_key(eh) for eh in ev.block_hashes]
         rv.learn(gv, ev)
         if is_report or full_mode:
-            for _, key in pairs:
+            for key in keys:
                 self._add(rv, gv, key, True)
-        else:
-            self._add_counted(rv, gv, pairs)
-        if rv.hashing is HashingMode.ROUTER:
-            self.ehash_to_key.update(pairs)
-        self.stats.blocks_stored += len(pairs)
+        elif not self._add_fresh(gv, keys):
+            self._add_counted(rv, gv, keys)
+        if router:
+            self.ehash_to_key.update(zip(hashes, keys, strict=True))
+        self.stats.blocks_stored += len(keys)
 
-    def _add_counted(self, rv: ReplicaView, gv: GroupView, pairs: list[tuple[EngineBlockHash, int]]) -> None:
-        """`_add` for a batch of incremental stores, inlined: this is the ingest hot loop."""
+    def _add_fresh(self, gv: GroupView, keys: list[int]) -> bool:
+        """Add incremental stores of keys no replica holds yet, in C-level passes (the ingest hot path);
+        False, having changed nothing, when one is held already or the cap might bind: `_add_counted`
+        then counts them one by one."""
+        index = self.index
+        n_before = len(index)
+        if len(keys) < _BULK or n_before + len(keys) > self.config.max_keys:
+            return False
+        if any(map(index.__contains__, keys)):
+            return False
+        index.update(zip(keys, repeat(gv.bit)))
+        added = len(index) - n_before
+        gv.n_keys += added
+        if added != len(keys):  # a key repeated within the store: the repeats are extra copies
+            for key, n in Counter(keys).items():
+                if n > 1:
+                    gv.extra[key] = gv.extra.get(key, 0) + n - 1
+        return True
+
+    def _add_counted(self, rv: ReplicaView, gv: GroupView, keys: list[int]) -> None:
+        """`_add` for a batch of incremental stores, inlined."""
         index, bit, extra, cap = self.index, gv.bit, gv.extra, self.config.max_keys
-        for _, key in pairs:
+        for key in keys:
             mask = index.get(key, 0)
             if mask & bit:
                 extra[key] = extra.get(key, 0) + 1
@@ -303,6 +338,7 @@ class Mirror:
             slots = [self._take_slot() for _ in state.spec.groups]
             rv = ReplicaView.build(state.spec, state.report_mode, slots)
             state.replicas[rank] = rv
+            self.layout_memo.clear()
         return rv
 
     def _take_slot(self) -> int:

@@ -7,6 +7,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from events.wire import KVEventBatch
 from router.core.keys.block_key import KeyHasher
 from router.core.kv_layout import GroupSpec, ModelSpec
 from router.core.lookup.computed_blocks import LookupRequest, ReplicaId, lookup, spec_groups
@@ -212,3 +213,37 @@ def test_fan_out_matches_each_engine_alone() -> None:
         while n < 15 and m.index.get(keys[n], 0) & rv.groups[0].bit:
             n += 1
         assert alone.hit_tokens == 4 * n
+
+
+def test_lookups_follow_the_replica_layout_as_it_changes() -> None:
+    """The lookup's memoized plan is rebuilt when engines come and go, a dropped engine's slot is reused,
+    or a DP rank appears: every answer equals one from a mirror that never looked up before."""
+    spec = ModelSpec(groups=(GroupSpec(block_size=4),))
+    tokens = list(range(64))
+    keys = list(HASHER.request_keys(tokens, 4))
+    request = LookupRequest(keys, 64)
+    m = Mirror(hasher=HASHER)
+
+    def hold(engine: str, depth: int, rank: int = 0) -> None:
+        rv = m.replica(EngineId(engine), rank)
+        assert rv is not None
+        for k in keys[:depth]:
+            m.index[k] = m.index.get(k, 0) | rv.groups[0].bit
+
+    def hits(engines: list[str] | None = None) -> dict[tuple[str, int], int]:
+        names = None if engines is None else [EngineId(e) for e in engines]
+        return {(r.engine, r.rank): v.hit_tokens for r, v in lookup(m, spec, request, names).items()}
+
+    m.add_engine(EngineId("a"), spec)
+    hold("a", 3)
+    assert hits() == {("a", 0): 12}
+    m.add_engine(EngineId("b"), spec)
+    hold("b", 5)
+    assert hits() == {("a", 0): 12, ("b", 0): 20} and hits(["b"]) == {("b", 0): 20}
+    m.drop_engine(EngineId("a"))
+    m.add_engine(EngineId("c"), spec)  # takes a's slot, holding nothing yet
+    assert hits() == {("b", 0): 20, ("c", 0): 0}
+    m.apply(EngineId("b"), KVEventBatch(0.0, [], 1))  # rank 1 of b appears with its first batch
+    hold("b", 2, rank=1)
+    assert hits() == {("b", 0): 20, ("b", 1): 8, ("c", 0): 0}
+    assert hits(["b"]) == {("b", 0): 20, ("b", 1): 8}

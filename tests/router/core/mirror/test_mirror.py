@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import random
 from typing import Any, cast
 
 import msgspec
@@ -291,3 +292,35 @@ def test_extra_keys_the_router_cannot_hash_reject_their_store_alone(extra: Any) 
     m.apply(E0, lazy(batch(bad, store(HASHES[:1], TOKENS[:4]))))  # the decoder keeps it: Any-typed
     rv = m.replica(E0)
     assert rv is not None and rv.rejected == {"extra_keys": 1} and set(m.resident(E0, 0, 0)) == {HASHES[0]}
+
+
+def _split(ev: BlockStored) -> list[BlockStored]:
+    return [store([h], [], medium=ev.medium) for h in ev.block_hashes]
+
+
+def _state(m: Mirror) -> tuple[object, ...]:
+    groups = [(g.n_keys, dict(g.extra)) for e in sorted(m.engines) for g in m.engines[e].replicas[0].groups]
+    return dict(m.index), groups, m.stats, m.flags(E0) | m.flags(E1)
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("cap", [6, 1000])
+def test_bulk_stores_count_exactly_as_one_block_at_a_time(seed: int, cap: int) -> None:
+    """A many-block store (the bulk ingest path) leaves the index, copies, counters and flags exactly as
+    its blocks stored one by one would: repeats inside a store, keys held by another engine, the cap."""
+    rng = random.Random(seed)
+    engine = ModelSpec(groups=(GroupSpec(block_size=BS),), hashing=HashingMode.ENGINE)
+    bulk, single = (mirror(engine, max_keys=cap) for _ in range(2))
+    for m in (bulk, single):
+        m.add_engine(E1, engine)
+    for _ in range(40):
+        target = rng.choice((E0, E1))
+        if rng.random() < 0.7:
+            ev = store([rng.randrange(12) for _ in range(rng.randrange(1, 9))], [])
+            bulk.apply(target, batch(ev))
+            single.apply(target, batch(*_split(ev)))
+        else:
+            gone = removed(*(rng.randrange(12) for _ in range(rng.randrange(1, 4))))
+            for m in (bulk, single):
+                m.apply(target, batch(gone))
+    assert _state(bulk) == _state(single)
