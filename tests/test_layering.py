@@ -40,6 +40,8 @@ PURE_MODULES = [
     "events/recording.py",
     "tokenization/segmenter.py",
     "tokenization/segment_cache.py",
+    "tokenization/prefix_reuse.py",
+    "tokenization/safe_cuts.py",
     "engine_stub/runtime/faults.py",
     "engine_stub/runtime/dp_balance.py",
     "engine_stub/runtime/pseudo_text.py",
