@@ -42,6 +42,7 @@ PURE_MODULES = [
     "tokenization/segment_cache.py",
     "tokenization/prefix_reuse.py",
     "tokenization/safe_cuts.py",
+    "tokenization/skeletons.py",
     "engine_stub/runtime/faults.py",
     "engine_stub/runtime/dp_balance.py",
     "engine_stub/runtime/pseudo_text.py",
