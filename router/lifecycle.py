@@ -142,7 +142,9 @@ class Service:
         if config.discovery.dns_name is not None:
             self.discovery = DnsDiscovery(config.discovery, self._on_discovery)
             self.discovery.start()
-        metrics = RouterMetrics(partial(engine_views, state), time.time, models.key_cache)  # links' clock
+        metrics = RouterMetrics(  # the links' clock
+            partial(engine_views, state), time.time, models.key_cache, models.tokenizer_stats
+        )
         if config.policy.scrape_period_s > 0:
             p = config.policy
             self.scraper = EngineScraper(state, p.scrape_period_s, p.scrape_timeout_s, metrics.scraped)

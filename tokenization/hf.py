@@ -31,6 +31,7 @@ __all__ = ["HfTokenizer"]
 log = logging.getLogger(__name__)
 
 _PROBES = ("a", " hello\n", "12", "  x  ")
+_SEQUENTIAL_PIECES = 4
 _REUSE_PROBES = ("Once upon a time", "x = f(a, b)\n", "你好 world 123", "tail  \t")
 
 
@@ -124,6 +125,8 @@ class HfTokenizer(TemplatedTokenizer):
         return self._name
 
     def _encode_pieces(self, pieces: list[str]) -> list[list[int]]:
+        if len(pieces) <= _SEQUENTIAL_PIECES:  # a batch wakes the thread pool: dearer for a few pieces
+            return [self._tok.encode(p, add_special_tokens=False).ids for p in pieces]
         return [e.ids for e in self._tok.encode_batch(pieces, add_special_tokens=False)]
 
     def _split_holds(self, header: TokenizerJsonHeader) -> bool:

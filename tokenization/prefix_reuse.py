@@ -28,6 +28,9 @@ EncodePacked = Callable[[str], tuple[tuple[int, ...], bytes]]
 """Encodes a text without special tokens: its ids and their packed native uint32 bytes."""
 
 _TOKEN_BYTES = 4
+_REPLACE_SLACK = 256
+"""A stored text that a new one reuses to within this many bytes of its end is replaced by the new one
+(the next turn of a conversation, or the same prompt with a new suffix): it could only serve less."""
 _ENTRY_BYTES_PER_TOKEN = 8 + 8 + _TOKEN_BYTES  # a tuple slot, an int64 end, a packed id
 
 
@@ -93,6 +96,9 @@ class PrefixReuse:
             self.stats.encoded_bytes += len(data)
         else:
             ids, packed, ends = self._extend(prior, data, cut, encode)
+            if len(prior.data) - cut <= _REPLACE_SLACK and prior.data != data:
+                self._remove(prior)
+                at = bisect_left(self._sorted, data)
         self._store(at, data, ids, packed, ends)
         return ids, packed
 
@@ -153,7 +159,10 @@ class PrefixReuse:
             self._evict()
 
     def _evict(self) -> None:
-        _, entry = self._entries.popitem(last=False)
+        self._remove(next(iter(self._entries.values())))
+
+    def _remove(self, entry: _Entry) -> None:
+        del self._entries[id(entry.data)]
         at = bisect_left(self._sorted, entry.data)
         assert self._sorted[at] is entry.data, "an entry's bytes are stored once"
         del self._sorted[at]

@@ -107,6 +107,7 @@ def token_byte_lengths(
     return out
 
 
+_FIND_FIRST_BYTES: Final = 8  # up to this many distinct first bytes, `_spanned` finds them instead of looping
 _ASCII_LETTERS: Final = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 
 
@@ -125,6 +126,8 @@ class CutFinder:
         self._edge_last = frozenset(w[-1] for w in self._edges)
         self._max_len = max((len(w) for w in words), default=0)
         self._prefixes = {w[:i] for w in words for i in range(1, len(w))}
+        first = sorted({w[:1] for w in words})
+        self._first_bytes = first if len(first) <= _FIND_FIRST_BYTES else None
         self.pretokenizer_rule = pretokenizer_rule
         self.search_bytes = search_bytes
 
@@ -161,5 +164,13 @@ class CutFinder:
     def _spanned(self, data: bytes, q: int) -> bool:
         """Whether an added token could start before ``q`` and end after it (conservative: a proper
         prefix of some token ends at ``q``)."""
-        prefixes = self._prefixes
-        return any(data[s:q] in prefixes for s in range(max(0, q - self._max_len + 1), q))
+        prefixes, lo = self._prefixes, max(0, q - self._max_len + 1)
+        if self._first_bytes is None:
+            return any(data[s:q] in prefixes for s in range(lo, q))
+        for first in self._first_bytes:  # a token can only start where its first byte is
+            s = data.find(first, lo, q)
+            while s >= 0:
+                if data[s:q] in prefixes:
+                    return True
+                s = data.find(first, s + 1, q)
+        return False

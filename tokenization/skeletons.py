@@ -201,12 +201,16 @@ def type_test(test: Callable[..., Any], name: str) -> Callable[..., Any]:
 def _stand_in(message: Mapping[str, Any], texts: list[str]) -> dict[str, Any]:
     """``message`` with its texts replaced by stand-ins (appended to ``texts`` in slot order)."""
     out = dict(message)
-    for key in _TEXT_KEYS:
+    content = out.get("content")
+    if type(content) is str:
+        texts.append(content)
+        out["content"] = Opaque((len(texts) - 1,), content != "")
+    elif isinstance(content, list):
+        out["content"] = [_part(p, texts) for p in content]
+    for key in _TEXT_KEYS[1:]:
         value = out.get(key)
         if isinstance(value, str):
             out[key] = _slot(value, texts)
-        elif key == "content" and isinstance(value, list):
-            out[key] = [_part(p, texts) for p in value]
     return out
 
 
