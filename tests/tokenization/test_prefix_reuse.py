@@ -232,3 +232,17 @@ def test_a_text_whose_byte_lengths_do_not_add_up_is_not_stored() -> None:
     ids, _ = reuse.encode_packed("hello world", tok.segments.encode_packed)
     assert ids == tuple(tok.encode("hello world", False))
     assert len(reuse) == 0 and reuse.stats.unverified == 1
+
+
+def test_a_text_reused_to_near_its_end_is_replaced_by_the_new_one() -> None:
+    tok = _deepseek()
+    own = tok.segments.reuse
+    assert own is not None
+    reuse = PrefixReuse(CutFinder([], True), own._lengths)
+    prompt = "A shared instruction for every request. " * 40
+    for i in range(6):  # the same prompt with a new suffix: one entry, not six
+        ids, _ = reuse.encode_packed(f"{prompt}request {i}", tok.segments.encode_packed)
+        assert ids == tuple(tok.encode(f"{prompt}request {i}", False))
+    assert len(reuse) == 1 and reuse.stats.hits == 5
+    reuse.encode_packed("A shared instruction, then something else entirely", tok.segments.encode_packed)
+    assert len(reuse) == 2  # reused far from its end: both kept
