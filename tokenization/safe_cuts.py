@@ -98,12 +98,12 @@ def token_byte_lengths(
     in_alphabet = re.compile("[" + "".join(re.escape(c) for c in _byte_decoder()) + "]*").fullmatch
     out = [UNKNOWN_LENGTH] * (max(vocab.values()) + 1)
     for text, i in vocab.items():
-        if in_alphabet(text):
+        if text and in_alphabet(text):  # an empty token would make two tokens end at one offset
             out[i] = len(text)
     for token in added:
         if token.id >= len(out):
             out.extend([UNKNOWN_LENGTH] * (token.id + 1 - len(out)))
-        out[token.id] = len(token.content.encode("utf-8"))
+        out[token.id] = len(token.content.encode("utf-8")) or UNKNOWN_LENGTH
     return out
 
 
