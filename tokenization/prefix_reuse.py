@@ -91,7 +91,7 @@ class PrefixReuse:
         prior, cut = self._best_cut(data, at)
         if prior is None:
             ids, packed = encode(text)
-            ends = array("q", accumulate(self._lengths[i] for i in ids))
+            ends = array("q", accumulate(map(self._lengths.__getitem__, ids)))
             self.stats.misses += 1
             self.stats.encoded_bytes += len(data)
         else:
@@ -133,7 +133,7 @@ class PrefixReuse:
         ids = prior.ids[:n] + tail_ids
         packed = prior.packed[: n * _TOKEN_BYTES] + tail_packed
         ends = prior.ends[:n]
-        ends.extend(accumulate((self._lengths[i] for i in tail_ids), initial=cut))
+        ends.extend(accumulate(map(self._lengths.__getitem__, tail_ids), initial=cut))
         del ends[n]  # the `initial` value
         self.stats.hits += n > 0
         self.stats.misses += n == 0
