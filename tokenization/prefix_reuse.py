@@ -4,9 +4,10 @@ A completions prompt with a new suffix, or a chat rendered again with one more t
 of an earlier text. The cache keeps recent texts' UTF-8 bytes sorted, so the one sharing the longest
 prefix with a new text is a neighbour of its sorted position (one bisect, then memcmp); the ids up to
 the last offset where both texts may be cut (`CutFinder`) are copied and only the rest is encoded.
-Each entry keeps the byte offset where every token ends, so the token count at a cut is a bisect, and a
-cut that does not fall on a token end is refused. An entry is stored only when its tokens' bytes add up
-to the text's, which checks the byte-length table on every text. Bounded LRU in entries and bytes. Pure.
+Each entry keeps the byte offset where every token ends (computed when the entry is first reused, so
+texts never reused do not pay for it), so the token count at a cut is a bisect, and a cut that does
+not fall on a token end is refused. An entry is reused only when its tokens' bytes add up to the
+text's, which checks the byte-length table on every text. Bounded LRU in entries and bytes. Pure.
 """
 
 from __future__ import annotations
@@ -48,14 +49,16 @@ class ReuseStats:
         self.encoded_bytes = 0
         """Bytes of text actually encoded (the new parts of hits, and every miss)."""
         self.unverified = 0
-        """Texts not stored because their tokens' byte lengths did not add up to the text's."""
+        """Stored texts dropped unused because their tokens' byte lengths did not add up to the text's."""
 
 
 class _Entry:
     __slots__ = ("data", "ends", "ids", "packed", "size")
 
-    def __init__(self, data: bytes, ids: tuple[int, ...], packed: bytes, ends: array[int]) -> None:
-        self.data, self.ids, self.packed, self.ends = data, ids, packed, ends
+    def __init__(self, data: bytes, ids: tuple[int, ...], packed: bytes, ends: array[int] | None) -> None:
+        self.data, self.ids, self.packed = data, ids, packed
+        self.ends = ends
+        """Where each token ends, in bytes; None until the entry is first reused."""
         self.size = len(data) + _ENTRY_BYTES_PER_TOKEN * len(ids)
 
 
@@ -89,13 +92,18 @@ class PrefixReuse:
         data = text.encode("utf-8")
         at = bisect_left(self._sorted, data)
         prior, cut = self._best_cut(data, at)
-        if prior is None:
+        prior_ends = self._ends(prior) if prior is not None else None
+        if prior is None or prior_ends is None:
+            if prior is not None:  # its bytes did not add up: never reuse it
+                self.stats.unverified += 1
+                self._remove(prior)
+                at = bisect_left(self._sorted, data)
             ids, packed = encode(text)
-            ends = array("q", accumulate(map(self._lengths.__getitem__, ids)))
+            ends = None
             self.stats.misses += 1
             self.stats.encoded_bytes += len(data)
         else:
-            ids, packed, ends = self._extend(prior, data, cut, encode)
+            ids, packed, ends = self._extend(prior, prior_ends, data, cut, encode)
             if len(prior.data) - cut <= _REPLACE_SLACK and prior.data != data:
                 self._remove(prior)
                 at = bisect_left(self._sorted, data)
@@ -121,31 +129,39 @@ class PrefixReuse:
                 best, best_cut = entry, cut
         return best, best_cut
 
+    def _ends(self, entry: _Entry) -> array[int] | None:
+        """The entry's token ends (made on first use), or None when they do not add up to its text."""
+        if entry.ends is None:
+            ends = array("q", accumulate(map(self._lengths.__getitem__, entry.ids)))
+            if (ends[-1] if ends else 0) != len(entry.data):
+                return None
+            entry.ends = ends
+        return entry.ends
+
     def _extend(
-        self, prior: _Entry, data: bytes, cut: int, encode: EncodePacked
-    ) -> tuple[tuple[int, ...], bytes, array[int]]:
+        self, prior: _Entry, prior_ends: array[int], data: bytes, cut: int, encode: EncodePacked
+    ) -> tuple[tuple[int, ...], bytes, array[int] | None]:
         """``prior``'s ids up to ``cut`` and the encoding of the rest of ``data``."""
-        n = bisect_left(prior.ends, cut) + 1
-        if n > len(prior.ends) or prior.ends[n - 1] != cut:
+        n = bisect_left(prior_ends, cut) + 1
+        if n > len(prior_ends) or prior_ends[n - 1] != cut:
             n = 0  # the cut is no token end of the prior text: reuse nothing (never expected)
             cut = 0
         tail_ids, tail_packed = encode(data[cut:].decode("utf-8"))
         ids = prior.ids[:n] + tail_ids
         packed = prior.packed[: n * _TOKEN_BYTES] + tail_packed
-        ends = prior.ends[:n]
+        ends = prior_ends[:n]
         ends.extend(accumulate(map(self._lengths.__getitem__, tail_ids), initial=cut))
         del ends[n]  # the `initial` value
         self.stats.hits += n > 0
         self.stats.misses += n == 0
         self.stats.reused_tokens += n
         self.stats.encoded_bytes += len(data) - cut
-        return ids, packed, ends
+        return ids, packed, ends if (ends[-1] if ends else 0) == len(data) else None
 
-    def _store(self, at: int, data: bytes, ids: tuple[int, ...], packed: bytes, ends: array[int]) -> None:
-        """Keep ``data`` at its sorted position ``at`` (unless stored already, unverified or too big)."""
-        if (ends[-1] if ends else 0) != len(data):
-            self.stats.unverified += 1
-            return
+    def _store(
+        self, at: int, data: bytes, ids: tuple[int, ...], packed: bytes, ends: array[int] | None
+    ) -> None:
+        """Keep ``data`` at its sorted position ``at`` (unless stored already or too big)."""
         if at < len(self._sorted) and self._sorted[at] == data:
             self._entries.move_to_end(id(self._sorted[at]))
             return

@@ -222,13 +222,15 @@ def test_the_cache_is_lru_and_bounded_in_entries_and_bytes() -> None:
         PrefixReuse(CutFinder([], True), [], max_entries=-1)
 
 
-def test_a_text_whose_byte_lengths_do_not_add_up_is_not_stored() -> None:
+def test_a_text_whose_byte_lengths_do_not_add_up_is_never_reused() -> None:
     tok = _deepseek()
     wrong = [2] * 200_000  # every token claimed 2 bytes long
     reuse = PrefixReuse(CutFinder([], True), wrong)
-    ids, _ = reuse.encode_packed("hello world", tok.segments.encode_packed)
-    assert ids == tuple(tok.encode("hello world", False))
-    assert len(reuse) == 0 and reuse.stats.unverified == 1
+    for text in ("hello world", "hello there"):
+        ids, _ = reuse.encode_packed(text, tok.segments.encode_packed)
+        assert ids == tuple(tok.encode(text, False))
+    # The first text was kept, found wrong when the second tried to reuse it, and dropped.
+    assert reuse.stats.unverified == 1 and reuse.stats.hits == 0 and len(reuse) == 1
 
 
 def test_a_text_reused_to_near_its_end_is_replaced_by_the_new_one() -> None:
