@@ -149,13 +149,15 @@ class PrefixReuse:
         tail_ids, tail_packed = encode(data[cut:].decode("utf-8"))
         ids = prior.ids[:n] + tail_ids
         packed = prior.packed[: n * _TOKEN_BYTES] + tail_packed
-        ends = prior_ends[:n]
-        ends.extend(accumulate(map(self._lengths.__getitem__, tail_ids), initial=cut))
-        del ends[n]  # the `initial` value
         self.stats.hits += n > 0
         self.stats.misses += n == 0
         self.stats.reused_tokens += n
         self.stats.encoded_bytes += len(data) - cut
+        if len(tail_ids) > n:  # mostly new text: its ends are made if it is ever reused (`_ends`)
+            return ids, packed, None
+        ends = prior_ends[:n]
+        ends.extend(accumulate(map(self._lengths.__getitem__, tail_ids), initial=cut))
+        del ends[n]  # the `initial` value
         return ids, packed, ends if (ends[-1] if ends else 0) == len(data) else None
 
     def _store(
