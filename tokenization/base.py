@@ -17,7 +17,7 @@ if TYPE_CHECKING:
     from tokenization.chat_template import TemplateSet
     from tokenization.segment_cache import SegmentCache
 
-__all__ = ["Message", "SpecialTokens", "TokenizationError", "Tokenizer"]
+__all__ = ["CacheStats", "Message", "SpecialTokens", "TokenizationError", "Tokenizer"]
 
 Message = Mapping[str, Any]
 """One conversation message as the chat template sees it (role, content, tool_calls, ...)."""
@@ -44,6 +44,19 @@ class SpecialTokens(msgspec.Struct, frozen=True):
         return {k: v for k, v in names.items() if v is not None}
 
 
+class CacheStats(msgspec.Struct, frozen=True):
+    """A tokenizer's reuse counters (tokenization.prefix_reuse, tokenization.skeletons), for metrics."""
+
+    reuse_hits: int = 0
+    reuse_misses: int = 0
+    reused_tokens: int = 0
+    encoded_bytes: int = 0
+    reuse_held_bytes: int = 0
+    skeleton_hits: int = 0
+    skeleton_misses: int = 0
+    skeleton_refused: int = 0
+
+
 class Tokenizer(Protocol):
     """What the router and the stub need from a tokenizer: text <-> ids and chat rendering."""
 
@@ -55,6 +68,10 @@ class Tokenizer(Protocol):
     @property
     def cache(self) -> SegmentCache:
         """The segment cache behind ``encode_cached`` (size, hit/miss counters, ``clear``)."""
+        ...
+
+    def cache_stats(self) -> CacheStats:
+        """The prefix-reuse and chat-skeleton counters so far."""
         ...
 
     @property

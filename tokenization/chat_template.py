@@ -12,7 +12,7 @@ import json
 from collections.abc import Callable, Mapping, Sequence
 from datetime import datetime
 from enum import StrEnum
-from typing import Any, Final, NoReturn
+from typing import Any, Final, NoReturn, cast
 
 import jinja2
 import jinja2.ext
@@ -21,6 +21,7 @@ import jinja2.sandbox
 import msgspec
 
 from tokenization.base import Message, TokenizationError
+from tokenization.skeletons import Skeletons, skeletons_apply, type_test
 
 __all__ = ["ChatOptions", "ChatTemplate", "ContentFormat", "TemplateSet"]
 
@@ -102,8 +103,18 @@ class _Sandbox(jinja2.sandbox.ImmutableSandboxedEnvironment):
         return verdict
 
 
-def _make_environment(clock: Callable[[], datetime]) -> jinja2.sandbox.ImmutableSandboxedEnvironment:
-    env = _Sandbox(trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols])
+def _make_environment(
+    clock: Callable[[], datetime], skeletons: Skeletons | None = None
+) -> jinja2.sandbox.ImmutableSandboxedEnvironment:
+    """transformers' environment; with ``skeletons``, the variant that renders their stand-ins."""
+    options: dict[str, Any] = {"finalize": skeletons.finalize} if skeletons is not None else {}
+    env = _Sandbox(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols], **options
+    )
+    if skeletons is not None:
+        env.tests = {
+            name: type_test(cast(Callable[..., Any], test), name) for name, test in env.tests.items()
+        }
     env.filters["tojson"] = _tojson
     env.globals["raise_exception"] = _raise_exception
     env.globals["strftime_now"] = lambda fmt: clock().strftime(fmt)
@@ -137,25 +148,44 @@ class ChatTemplate:
         self.source = source
         self.detected_format = ContentFormat.OPENAI if _iterates_content(ast) else ContentFormat.STRING
         self.supports_developer_role = '"developer"' in source or "'developer'" in source
+        self.skeletons = Skeletons()
+        self._skeleton_template: jinja2.Template | None = None
+        if skeletons_apply(ast, source):
+            self._skeleton_template = _make_environment(clock, self.skeletons).from_string(source)
 
     def render(self, messages: Sequence[Message], options: ChatOptions, special: Mapping[str, str]) -> str:
-        """Render as ``apply_chat_template(tokenize=False)``; a template error -> TokenizationError."""
+        """Render as ``apply_chat_template(tokenize=False)``; a template error -> TokenizationError.
+        A structure rendered before is filled in from its skeleton (tokenization.skeletons)."""
         if options.continue_final_message and options.add_generation_prompt:
             raise TokenizationError("continue_final_message and add_generation_prompt cannot both be set")
         context = {**special, **options.kwargs}
-        try:
-            text = self._template.render(
-                messages=list(messages),
-                tools=options.tools,
-                documents=options.documents,
-                add_generation_prompt=options.add_generation_prompt,
-                **context,
+        text = None
+        skeleton_template = self._skeleton_template
+        if skeleton_template is not None:
+            inputs = (options.add_generation_prompt, options.tools, options.documents, context)
+            text = self.skeletons.render(
+                messages, inputs, lambda stand_ins: _render(skeleton_template, stand_ins, options, context)
             )
-        except jinja2.exceptions.TemplateError as exc:
-            raise TokenizationError(f"chat template rejected the request: {exc}") from exc
+        if text is None:
+            try:
+                text = _render(self._template, list(messages), options, context)
+            except jinja2.exceptions.TemplateError as exc:
+                raise TokenizationError(f"chat template rejected the request: {exc}") from exc
         if options.continue_final_message:
             text = _cut_after_final_message(text, messages)
         return text
+
+
+def _render(
+    template: jinja2.Template, messages: list[Any], options: ChatOptions, context: Mapping[str, Any]
+) -> str:
+    return template.render(
+        messages=messages,
+        tools=options.tools,
+        documents=options.documents,
+        add_generation_prompt=options.add_generation_prompt,
+        **context,
+    )
 
 
 def _final_text(messages: Sequence[Message]) -> str:

@@ -21,6 +21,8 @@ from tokenization.hf_files import (
     read_struct,
     token_text,
 )
+from tokenization.prefix_reuse import PrefixReuse
+from tokenization.safe_cuts import UNKNOWN_LENGTH, CutFinder, pretokenizer_cuts, token_byte_lengths
 from tokenization.segment_cache import SegmentCache, SegmentedEncoder, Segmenter
 from tokenization.templated import TemplatedTokenizer
 
@@ -29,6 +31,8 @@ __all__ = ["HfTokenizer"]
 log = logging.getLogger(__name__)
 
 _PROBES = ("a", " hello\n", "12", "  x  ")
+_SEQUENTIAL_PIECES = 4
+_REUSE_PROBES = ("Once upon a time", "x = f(a, b)\n", "你好 world 123", "tail  \t")
 
 
 def _templates(config: TokenizerConfig, template_file: Path | None) -> TemplateSet:
@@ -84,6 +88,8 @@ class HfTokenizer(TemplatedTokenizer):
         if segmenter.enabled and not self._split_holds(header):
             log.warning("segment split does not hold; segment cache off", extra={"source": source})
             segmenter.enabled = False
+        if segmenter.enabled and header.identity_normalizer:  # the cut rules assume unnormalized text
+            self.segments.reuse = self._prefix_reuse(header)
 
     @classmethod
     def from_dir(cls, path: Path, chat_template: Path | None = None) -> HfTokenizer:
@@ -119,6 +125,8 @@ class HfTokenizer(TemplatedTokenizer):
         return self._name
 
     def _encode_pieces(self, pieces: list[str]) -> list[list[int]]:
+        if len(pieces) <= _SEQUENTIAL_PIECES:  # a batch wakes the thread pool: dearer for a few pieces
+            return [self._tok.encode(p, add_special_tokens=False).ids for p in pieces]
         return [e.ids for e in self._tok.encode_batch(pieces, add_special_tokens=False)]
 
     def _split_holds(self, header: TokenizerJsonHeader) -> bool:
@@ -129,6 +137,25 @@ class HfTokenizer(TemplatedTokenizer):
                 if self.segments.encode(text) != self.encode(text, add_special_tokens=False):
                     return False
         return True
+
+    def _prefix_reuse(self, header: TokenizerJsonHeader) -> PrefixReuse | None:
+        """Prefix reuse when every token's byte length is known and a probe of it holds, else None."""
+        vocab = header.bpe_vocab()
+        lengths = token_byte_lengths(vocab, header.added_tokens, header.decoder) if vocab else None
+        if lengths is None:
+            return None
+        lengths.extend([UNKNOWN_LENGTH] * (self._tok.get_vocab_size() - len(lengths)))
+        cuts = CutFinder(header.added_tokens, pretokenizer_cuts(header.pre_tokenizer))
+        probe = PrefixReuse(cuts, lengths)
+        marker = header.added_tokens[0].content if header.added_tokens else ""
+        for a in _REUSE_PROBES:
+            for text in (a, *(t for b in _REUSE_PROBES for t in (a + b, a[:-1] + b, a + marker + b))):
+                if probe.encode_packed(text, self.segments.encode_packed)[0] != tuple(
+                    self.encode(text, False)
+                ):
+                    log.warning("prefix reuse does not hold; off", extra={"source": self._name})
+                    return None
+        return PrefixReuse(cuts, lengths)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import msgspec
 
@@ -34,11 +34,28 @@ class NormalizerSpec(msgspec.Struct):
     normalizers: list[msgspec.Raw] = msgspec.field(default_factory=list)
 
 
+class _BpeModel(msgspec.Struct):
+    type: str
+    vocab: dict[str, int] = msgspec.field(default_factory=dict)
+
+
 class TokenizerJsonHeader(msgspec.Struct):
-    """tokenizer.json without the model: the added vocabulary and the normalizer."""
+    """tokenizer.json without the model: the added vocabulary, the normalizer, and the pre-tokenizer and
+    decoder (which decide where text may be cut and how long each token is in bytes)."""
 
     added_tokens: list[AddedToken] = msgspec.field(default_factory=list)
     normalizer: NormalizerSpec | None = None
+    pre_tokenizer: msgspec.Raw = msgspec.Raw(b"null")
+    decoder: dict[str, Any] | None = None
+    model: msgspec.Raw = msgspec.Raw(b"null")
+
+    def bpe_vocab(self) -> dict[str, int] | None:
+        """The model's vocabulary (token text -> id) when the model is BPE, else None."""
+        try:
+            model = msgspec.json.decode(self.model, type=_BpeModel)
+        except msgspec.DecodeError:
+            return None
+        return model.vocab if model.type == "BPE" else None
 
     @property
     def identity_normalizer(self) -> bool:

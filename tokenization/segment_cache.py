@@ -13,8 +13,12 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
 
 from tokenization.segmenter import AddedToken, Segment, Segmenter
+
+if TYPE_CHECKING:
+    from tokenization.prefix_reuse import PrefixReuse
 
 __all__ = [
     "DEFAULT_MAX_TOKENS",
@@ -104,15 +108,26 @@ EncodeBatch = Callable[[list[str]], list[list[int]]]
 
 
 class SegmentedEncoder:
-    """``encode(text)`` through a Segmenter and a SegmentCache; only pieces not seen before are encoded."""
+    """``encode(text)`` through a Segmenter and a SegmentCache; only pieces not seen before are encoded.
+    With a `PrefixReuse`, a text first reuses the ids of a recent text's prefix, and only the rest is
+    split and looked up."""
 
-    def __init__(self, segmenter: Segmenter, encode_batch: EncodeBatch, cache: SegmentCache) -> None:
+    def __init__(
+        self,
+        segmenter: Segmenter,
+        encode_batch: EncodeBatch,
+        cache: SegmentCache,
+        reuse: PrefixReuse | None = None,
+    ) -> None:
         self.segmenter = segmenter
         self.cache = cache
+        self.reuse = reuse
         self._encode_batch = encode_batch
 
     def encode(self, text: str) -> list[int]:
         """The ids of ``text`` without special tokens added; equal to the tokenizer's plain encode."""
+        if self.reuse is not None and self.segmenter.enabled:
+            return list(self.encode_packed(text)[0])
         if not self.segmenter.enabled:
             return self._encode_batch([text])[0] if text else []
         segments = self.segmenter.split(text)
@@ -127,6 +142,11 @@ class SegmentedEncoder:
 
     def encode_packed(self, text: str) -> tuple[tuple[int, ...], bytes]:
         """``encode(text)`` as a tuple, with its packed bytes (`pack_ids`) joined from cached pieces."""
+        if self.reuse is not None and self.segmenter.enabled:
+            return self.reuse.encode_packed(text, self._encode_segments)
+        return self._encode_segments(text)
+
+    def _encode_segments(self, text: str) -> tuple[tuple[int, ...], bytes]:
         if not self.segmenter.enabled:
             whole = tuple(self._encode_batch([text])[0]) if text else ()
             return whole, pack_ids(whole)

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from tokenization.base import Message, SpecialTokens
+from tokenization.base import CacheStats, Message, SpecialTokens
 from tokenization.chat_template import TemplateSet
 from tokenization.segment_cache import SegmentCache, SegmentedEncoder, pack_ids
 
@@ -32,6 +32,23 @@ class TemplatedTokenizer:
     def cache(self) -> SegmentCache:
         """The segment cache (size and hit/miss counters for metrics)."""
         return self.segments.cache
+
+    def cache_stats(self) -> CacheStats:
+        """The prefix-reuse and chat-skeleton counters so far (zeros where a cache is off)."""
+        reuse = self.segments.reuse
+        templates = [t for t in (self.templates.default, self.templates.tool_use) if t is not None]
+        skeletons = [t.skeletons for t in templates]
+        st = reuse.stats if reuse is not None else None
+        return CacheStats(
+            reuse_hits=st.hits if st else 0,
+            reuse_misses=st.misses if st else 0,
+            reused_tokens=st.reused_tokens if st else 0,
+            encoded_bytes=st.encoded_bytes if st else 0,
+            reuse_held_bytes=reuse.bytes if reuse is not None else 0,
+            skeleton_hits=sum(s.hits for s in skeletons),
+            skeleton_misses=sum(s.misses for s in skeletons),
+            skeleton_refused=sum(s.refused for s in skeletons),
+        )
 
     def encode_cached(self, text: str, add_special_tokens: bool = True) -> list[int]:
         raise NotImplementedError  # pragma: no cover

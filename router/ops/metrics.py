@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from events.sources import EngineStats
 from router.core.keys.recent_prompts import PrefixKeyCache
 from router.core.policy.breaker import BreakerState
+from tokenization.base import CacheStats
 
 __all__ = [
     "BREAKER_STATES",
@@ -269,6 +270,55 @@ class _DiscoveryCollector(Collector):
         yield family
 
 
+class _TokenizerCacheCollector(Collector):
+    """Prefix reuse and chat skeletons, summed over this worker's tokenizers, read at scrape time."""
+
+    def __init__(self, stats: Callable[[], Iterable[CacheStats]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        all_stats = list(self._stats())
+
+        def total(field: str) -> int:
+            return sum(int(getattr(s, field)) for s in all_stats)
+
+        texts = CounterMetricFamily(
+            "kvrouter_prefix_reuse_texts",
+            "texts tokenized by prefix reuse: hit = a recent text's prefix ids were copied (this worker)",
+            labels=["result"],
+        )
+        texts.add_metric(["hit"], total("reuse_hits"))
+        texts.add_metric(["miss"], total("reuse_misses"))
+        yield texts
+        yield CounterMetricFamily(
+            "kvrouter_prefix_reuse_reused_tokens",
+            "token ids copied from recent texts",
+            value=total("reused_tokens"),
+        )
+        yield CounterMetricFamily(
+            "kvrouter_prefix_reuse_encoded_bytes",
+            "text bytes the tokenizer still encoded",
+            value=total("encoded_bytes"),
+        )
+        yield GaugeMetricFamily(
+            "kvrouter_prefix_reuse_held_bytes",
+            "bytes held by the prefix-reuse caches",
+            value=total("reuse_held_bytes"),
+        )
+        renders = CounterMetricFamily(
+            "kvrouter_chat_skeleton_renders",
+            "chat renders: hit = filled in from a known structure, miss = template run, refused = not reused",
+            labels=["result"],
+        )
+        for result, field in (
+            ("hit", "skeleton_hits"),
+            ("miss", "skeleton_misses"),
+            ("refused", "skeleton_refused"),
+        ):
+            renders.add_metric([result], total(field))
+        yield renders
+
+
 class RouterMetrics:
     """Every `kvrouter_*` metric of one gateway process."""
 
@@ -277,8 +327,10 @@ class RouterMetrics:
         views: Callable[[], Sequence[EngineView]],
         clock: Callable[[], float] = time.time,
         key_cache: PrefixKeyCache | None = None,
+        tokenizer_stats: Callable[[], Iterable[CacheStats]] | None = None,
     ) -> None:
-        """`clock` is the wall clock the links' receive times are read with (`time.time`)."""
+        """`clock` is the wall clock the links' receive times are read with (`time.time`);
+        `tokenizer_stats` gives the reuse counters of every tokenizer the worker loaded."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
         self.requests = Counter(
@@ -361,6 +413,8 @@ class RouterMetrics:
         self._local: list[Collector] = [_EngineCollector(views, clock)]
         if key_cache is not None:
             self._local.append(_KeyCacheCollector(key_cache))
+        if tokenizer_stats is not None:
+            self._local.append(_TokenizerCacheCollector(tokenizer_stats))
         for collector in self._local:
             r.register(collector)
         self._multiprocess_dir = os.environ.get(MULTIPROCESS_ENV) or None

@@ -32,6 +32,7 @@ from router.prepare.engine_variants import (
 from router.prepare.prepared import Prepared, VariantKeys
 from router.settings.config import EngineConfig, ModelConfig, RouterConfig
 from tokenization import Tokenizer
+from tokenization.base import CacheStats
 from tokenization.loading import load_tokenizer
 from tokenization.openai_request import (
     ChatRequest,
@@ -160,6 +161,10 @@ class Models:
         if tok is None:
             tok = self._tokenizers[key] = load_tokenizer(*key)
         return tok
+
+    def tokenizer_stats(self) -> list[CacheStats]:
+        """The reuse counters of every tokenizer loaded so far (for metrics)."""
+        return [tok.cache_stats() for tok in self._tokenizers.values()]
 
     def resolve(self, body: bytes, model_hint: str | None = None) -> str:
         """The model a request is for: its `model` (or a LoRA of it), else the hint, else the only model."""

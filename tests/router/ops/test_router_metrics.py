@@ -8,6 +8,7 @@ from events.sources import EngineStats
 from router.core.keys.block_key import KeyHasher, pack_tokens
 from router.core.keys.recent_prompts import PrefixKeyCache
 from router.ops.metrics import BREAKER_STATES, EngineView, RouterMetrics
+from tokenization import BuiltinTokenizer
 
 
 def samples(metrics: RouterMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -123,3 +124,19 @@ def test_key_cache_counters_are_read_at_scrape_time() -> None:
     assert s[("kvrouter_key_cache_computed_blocks_total", ())] == 5
     assert s[("kvrouter_key_cache_reused_blocks_total", ())] == 4
     assert s[("kvrouter_key_cache_tokens", ())] == 64 + 80
+
+
+def test_tokenizer_reuse_counters_are_read_at_scrape_time() -> None:
+    tok = BuiltinTokenizer()
+    m = RouterMetrics(
+        lambda: [], clock=lambda: 0.0, tokenizer_stats=lambda: [tok.cache_stats(), tok.cache_stats()]
+    )
+    s = samples(m)
+    assert s[("kvrouter_chat_skeleton_renders_total", (("result", "hit"),))] == 0
+    tok.chat_tokens([{"role": "user", "content": "a"}])
+    tok.chat_tokens([{"role": "user", "content": "b"}])  # the same structure: filled in
+    s = samples(m)  # two tokenizers reported: the sum
+    assert s[("kvrouter_chat_skeleton_renders_total", (("result", "miss"),))] == 2
+    assert s[("kvrouter_chat_skeleton_renders_total", (("result", "hit"),))] == 2
+    assert s[("kvrouter_prefix_reuse_texts_total", (("result", "hit"),))] == 0  # builtin: no prefix reuse
+    assert ("kvrouter_prefix_reuse_held_bytes", ()) in s

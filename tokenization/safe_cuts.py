@@ -1,0 +1,176 @@
+"""Where a text may be cut so that ``encode(a + b) == encode(a) + encode(b)``, proven per tokenizer.
+
+Two kinds of cut, both checked on the UTF-8 bytes around the cut only (docs/tokenization.md, "Prefix
+reuse", gives the argument):
+
+- after an added token that no other added-token occurrence overlaps (a normalized one only when no
+  raw token can occur inside it): the library cuts there before anything else runs;
+- between an ASCII letter and an ASCII non-letter that no added-token occurrence spans, for a
+  pre-tokenizer this module recognises (`pretokenizer_cuts`): the regex pieces of that pre-tokenizer
+  always end there, and no piece reads across it.
+
+`token_byte_lengths` gives each id's length in bytes for byte-level BPE vocabularies, so the token count
+at a byte offset of an encoded text can be found (and checked). Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any, Final
+
+import msgspec
+
+from tokenization.segmenter import AddedToken
+
+__all__ = ["UNKNOWN_LENGTH", "CutFinder", "pretokenizer_cuts", "token_byte_lengths"]
+
+UNKNOWN_LENGTH: Final = 1 << 40
+"""The byte length given to an id whose bytes are unknown: no text's byte count can add up with it."""
+
+# DeepSeek-V3/V4's pre-tokenizer, the one tokenizer.json this rule was proven for (see the module doc):
+# digits in runs of 1-3, CJK runs, then the word/punctuation/whitespace regex, then ByteLevel bytes.
+_DEEPSEEK_SPLITS: Final = (
+    "\\p{N}{1,3}",
+    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
+    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+|"
+    " ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
+)
+
+
+class _Split(msgspec.Struct):
+    type: str
+    pattern: dict[str, str] = {}
+    behavior: str = ""
+    invert: bool = False
+    add_prefix_space: bool = False
+    use_regex: bool = True
+
+
+class _PreTokenizer(msgspec.Struct):
+    type: str
+    pretokenizers: list[_Split] = []
+    add_prefix_space: bool = False
+    use_regex: bool = True
+
+
+def _is_byte_level_tail(step: _Split) -> bool:
+    return step.type == "ByteLevel" and not step.add_prefix_space and not step.use_regex
+
+
+def pretokenizer_cuts(pre_tokenizer: msgspec.Raw) -> bool:
+    """Whether the letter|non-letter cut is proven for this tokenizer.json ``pre_tokenizer``: DeepSeek's
+    Split sequence, or GPT-2's ByteLevel regex (``use_regex``), in both cases without a prefix space."""
+    try:
+        spec = msgspec.json.decode(pre_tokenizer, type=_PreTokenizer)
+    except msgspec.DecodeError:
+        return False
+    if spec.type == "ByteLevel":
+        return spec.use_regex and not spec.add_prefix_space
+    if spec.type != "Sequence" or not spec.pretokenizers:
+        return False
+    *splits, last = spec.pretokenizers
+    patterns = tuple(s.pattern.get("Regex") for s in splits)
+    isolated = all(s.type == "Split" and s.behavior == "Isolated" and not s.invert for s in splits)
+    return isolated and patterns == _DEEPSEEK_SPLITS and _is_byte_level_tail(last)
+
+
+def _byte_decoder() -> dict[str, int]:
+    """The byte-level alphabet (GPT-2's): printable Latin-1 bytes stand for themselves, the other bytes
+    for the characters from U+0100 on, in byte order."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(0xA1, 0xAC + 1), *range(0xAE, 0xFF + 1)]
+    chars = {b: chr(b) for b in printable}
+    extra = 0
+    for b in range(256):
+        if b not in chars:
+            chars[b] = chr(256 + extra)
+            extra += 1
+    return {c: b for b, c in chars.items()}
+
+
+def token_byte_lengths(
+    vocab: Mapping[str, int], added: Iterable[AddedToken], decoder: Mapping[str, Any] | None
+) -> list[int] | None:
+    """Each id's length in UTF-8 bytes (`UNKNOWN_LENGTH` where it cannot be known), for a BPE model
+    under a ByteLevel decoder; None for any other tokenizer."""
+    if decoder is None or decoder.get("type") != "ByteLevel" or not vocab:
+        return None
+    in_alphabet = re.compile("[" + "".join(re.escape(c) for c in _byte_decoder()) + "]*").fullmatch
+    out = [UNKNOWN_LENGTH] * (max(vocab.values()) + 1)
+    for text, i in vocab.items():
+        if text and in_alphabet(text):  # an empty token would make two tokens end at one offset
+            out[i] = len(text)
+    for token in added:
+        if token.id >= len(out):
+            out.extend([UNKNOWN_LENGTH] * (token.id + 1 - len(out)))
+        out[token.id] = len(token.content.encode("utf-8")) or UNKNOWN_LENGTH
+    return out
+
+
+_FIND_FIRST_BYTES: Final = 8  # up to this many distinct first bytes, `_spanned` finds them instead of looping
+_ASCII_LETTERS: Final = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+
+
+class CutFinder:
+    """Finds the last byte offset at or before a limit where two texts may both be cut (see module doc)."""
+
+    def __init__(
+        self, added: Sequence[AddedToken], pretokenizer_rule: bool, search_bytes: int = 4096
+    ) -> None:
+        words = [t.content.encode("utf-8") for t in added if t.content]
+        raw = [w for t, w in zip([t for t in added if t.content], words, strict=True) if not t.normalized]
+        # A normalized token is matched only inside the pieces between raw matches: it is a cut edge when
+        # no raw token can occur inside it.
+        self._edges = {w for w in words if w in raw or not any(r in w for r in raw)}
+        self._edge_lengths = sorted({len(w) for w in self._edges})
+        self._edge_last = frozenset(w[-1] for w in self._edges)
+        self._max_len = max((len(w) for w in words), default=0)
+        self._prefixes = {w[:i] for w in words for i in range(1, len(w))}
+        first = sorted({w[:1] for w in words})
+        self._first_bytes = first if len(first) <= _FIND_FIRST_BYTES else None
+        self.pretokenizer_rule = pretokenizer_rule
+        self.search_bytes = search_bytes
+
+    def last_cut(self, a: bytes, b: bytes, limit: int) -> int:
+        """The largest offset ``q <= limit`` (searched back ``search_bytes``) safe to cut in both ``a``
+        and ``b``, which must share their first ``limit`` bytes; 0 when there is none."""
+        stop = max(0, limit - self.search_bytes)
+        for q in range(limit, stop, -1):
+            if self.safe(a, q) and self.safe(b, q):
+                return q
+        return 0
+
+    def safe(self, data: bytes, q: int) -> bool:
+        """Whether ``encode(data) == encode(data[:q]) + encode(data[q:])`` by one of the two rules."""
+        if q >= len(data):
+            return q == len(data)
+        if q <= 0:
+            return False
+        if self.pretokenizer_rule and data[q - 1] in _ASCII_LETTERS and data[q] < 0x80:
+            if data[q] not in _ASCII_LETTERS and not self._spanned(data, q):
+                return True
+        return data[q - 1] in self._edge_last and self._after_token(data, q)
+
+    def _after_token(self, data: bytes, q: int) -> bool:
+        """An edge token (see `__init__`) ends at ``q`` and no added-token occurrence spans its start or
+        ``q``: the library's leftmost-longest split then matches exactly it (a longer one would span
+        ``q``), whichever pass matches it."""
+        for n in self._edge_lengths:
+            s = q - n
+            if s >= 0 and data[s:q] in self._edges:
+                return not self._spanned(data, s) and not self._spanned(data, q)
+        return False
+
+    def _spanned(self, data: bytes, q: int) -> bool:
+        """Whether an added token could start before ``q`` and end after it (conservative: a proper
+        prefix of some token ends at ``q``)."""
+        prefixes, lo = self._prefixes, max(0, q - self._max_len + 1)
+        if self._first_bytes is None:
+            return any(data[s:q] in prefixes for s in range(lo, q))
+        for first in self._first_bytes:  # a token can only start where its first byte is
+            s = data.find(first, lo, q)
+            while s >= 0:
+                if data[s:q] in prefixes:
+                    return True
+                s = data.find(first, s + 1, q)
+        return False

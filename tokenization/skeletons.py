@@ -1,0 +1,232 @@
+"""Chat renders reused across conversations of one structure: the template runs once per structure.
+
+A chat template's output is its literal text with the messages' contents placed in it. Rendering the
+template with every message text (``content``, text parts, ``reasoning_content``/``reasoning``)
+replaced by an opaque stand-in gives a *skeleton*: literal fragments and numbered slots. A stand-in
+supports only what cannot depend on the text beyond its emptiness: being passed around and output,
+truthiness (``{{ content or '' }}``; emptiness is part of the key), ``+`` with strings or stand-ins
+(it stays opaque), and the type-only tests (``is string``, ``is defined``, ...). Anything else —
+``str()``, ``~``, filters, methods, comparisons, ``len``, iteration, ``tojson`` — raises, and a render
+that raised is never used. So a render that completes followed the path the real render takes for any
+texts with the same emptiness and the same everything else (the key), and the real text is the
+skeleton with each slot filled. Templates that capture output into values (``{% set %}`` blocks,
+macros, filter blocks, call blocks) or read a clock or randomness get no skeletons. A conversation
+whose structure was rendered before (any conversation: structures repeat across users) then pays a
+key and a join instead of the template; docs/tokenization.md has the argument. Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Final
+
+import jinja2
+import jinja2.nodes
+import msgspec
+
+__all__ = ["Inspected", "Opaque", "Skeletons", "skeletons_apply", "type_test"]
+
+_TEXT_KEYS: Final = ("content", "reasoning_content", "reasoning")
+# Tests whose answer is the same for every str: a stand-in gets the answer of any str.
+_TYPE_TESTS: Final = frozenset(
+    {"defined", "undefined", "none", "string", "mapping", "number", "integer", "float", "boolean",
+     "iterable", "sequence", "callable", "true", "false", "escaped"}
+)  # fmt: skip
+_NONDETERMINISTIC: Final = ("strftime_now", "lipsum", "random")
+
+
+class Inspected(Exception):
+    """A skeleton render did something with a message text that depends on more than its emptiness."""
+
+
+class Opaque:
+    """A message text (or a concatenation with one) during a skeleton render; see the module doc."""
+
+    __slots__ = ("_parts", "_truthy")
+
+    def __init__(self, parts: tuple[str | int, ...], truthy: bool) -> None:
+        self._parts, self._truthy = parts, truthy
+
+    def __bool__(self) -> bool:
+        return self._truthy
+
+    def __add__(self, other: object) -> Opaque:
+        if isinstance(other, Opaque):
+            return Opaque(self._parts + other._parts, self._truthy or other._truthy)
+        if isinstance(other, str):
+            return Opaque((*self._parts, other), self._truthy or bool(other))
+        raise Inspected("+")
+
+    def __radd__(self, other: object) -> Opaque:
+        if isinstance(other, str):
+            return Opaque((other, *self._parts), self._truthy or bool(other))
+        raise Inspected("+")
+
+    def __getattr__(self, name: str) -> Any:
+        raise Inspected(name)
+
+    def _refuse(self, *args: object, **kwargs: object) -> Any:
+        raise Inspected("operation")
+
+    __str__ = __repr__ = __len__ = __iter__ = __contains__ = __getitem__ = _refuse
+    __eq__ = __ne__ = __lt__ = __le__ = __gt__ = __ge__ = __hash__ = __format__ = _refuse
+    __mul__ = __rmul__ = __mod__ = __rmod__ = __html__ = _refuse
+
+    def _marked(self, marker: Callable[[int], str]) -> str:
+        """The output text with each slot as its marker."""
+        return "".join(p if isinstance(p, str) else marker(p) for p in self._parts)
+
+
+def skeletons_apply(ast: jinja2.nodes.Template, source: str) -> bool:
+    """Whether a template's skeletons are exact: no output captured into a value, no clock, no randomness."""
+    if any(word in source for word in _NONDETERMINISTIC):
+        return False
+    captures = (jinja2.nodes.AssignBlock, jinja2.nodes.Macro, jinja2.nodes.FilterBlock)
+    if any(True for _ in ast.find_all(captures)):
+        return False
+    for block in ast.find_all(jinja2.nodes.CallBlock):
+        # The {% generation %} tag renders its body unchanged; any other call block is a macro call.
+        node = block.call.node if isinstance(block.call, jinja2.nodes.Call) else None
+        if not (isinstance(node, jinja2.nodes.ExtensionAttribute) and node.name == "_body"):
+            return False
+    return True
+
+
+class _Skeleton:
+    __slots__ = ("fragments", "size", "slots")
+
+    def __init__(self, fragments: list[str], slots: list[int]) -> None:
+        self.fragments, self.slots = fragments, slots
+        self.size = sum(len(f) for f in fragments) + 8 * len(slots)
+
+    def fill(self, texts: Sequence[str]) -> str:
+        out = [self.fragments[0]]
+        for slot, fragment in zip(self.slots, self.fragments[1:], strict=True):
+            out.append(texts[slot])
+            out.append(fragment)
+        return "".join(out)
+
+
+Render = Callable[[list[dict[str, Any]]], str]
+"""Renders the (stand-in) messages with everything else fixed; raises on a template error."""
+
+
+class Skeletons:
+    """A bounded LRU of skeletons by structure key, with hit/miss counters; off after repeated refusals."""
+
+    def __init__(self, max_entries: int = 1024, max_bytes: int = 16 << 20, give_up_after: int = 16) -> None:
+        self.max_entries, self.max_bytes, self.give_up_after = max_entries, max_bytes, give_up_after
+        self.enabled = True
+        self.hits = self.misses = self.refused = 0
+        self.bytes = 0
+        self._entries: OrderedDict[bytes, _Skeleton] = OrderedDict()
+        self._nonce = secrets.token_hex(8)
+        self._marker_re = re.compile("\x00" + self._nonce + ":([0-9]+)\x00")
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def render(
+        self, messages: Sequence[Mapping[str, Any]], context: object, skeleton_render: Render
+    ) -> str | None:
+        """The rendered text from a skeleton (made with ``skeleton_render`` on a miss), or None when this
+        request or template cannot use one (the caller then renders normally). ``context`` is every
+        other input of the render (tools, options, special tokens), JSON-encodable."""
+        if not self.enabled:
+            return None
+        texts: list[str] = []
+        stand_ins = [_stand_in(m, texts) for m in messages]
+        try:
+            key = msgspec.json.encode((stand_ins, context), enc_hook=_key_of)
+        except (TypeError, msgspec.EncodeError):
+            return None
+        skeleton = self._entries.get(key)
+        if skeleton is not None:
+            self.hits += 1
+            self._entries.move_to_end(key)
+            return skeleton.fill(texts)
+        self.misses += 1
+        skeleton = self._make(stand_ins, skeleton_render)
+        if skeleton is None:
+            return None
+        self._store(key, skeleton)
+        return skeleton.fill(texts)
+
+    def marker(self, slot: int) -> str:
+        """The text a slot renders as in a skeleton render (a per-process nonce: requests cannot forge it)."""
+        return f"\x00{self._nonce}:{slot}\x00"
+
+    def finalize(self, value: object) -> object:
+        """The skeleton environment's ``finalize``: a stand-in is output as its markers."""
+        return value._marked(self.marker) if isinstance(value, Opaque) else value
+
+    def _make(self, stand_ins: list[dict[str, Any]], skeleton_render: Render) -> _Skeleton | None:
+        try:
+            marked = skeleton_render(stand_ins)
+        except Exception:
+            self.refused += 1
+            if self.refused >= self.give_up_after and not self._entries and not self.hits:
+                self.enabled = False
+            return None
+        pieces = self._marker_re.split(marked)
+        return _Skeleton(pieces[0::2], [int(i) for i in pieces[1::2]])
+
+    def _store(self, key: bytes, skeleton: _Skeleton) -> None:
+        if self.max_entries == 0 or skeleton.size > self.max_bytes:
+            return
+        self._entries[key] = skeleton
+        self.bytes += skeleton.size
+        while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
+            _, old = self._entries.popitem(last=False)
+            self.bytes -= old.size
+
+
+def type_test(test: Callable[..., Any], name: str) -> Callable[..., Any]:
+    """A Jinja test for the skeleton environment: type-only tests answer for a stand-in as for a str,
+    every other test refuses one."""
+
+    def wrapped(value: object, *args: object, **kwargs: object) -> Any:
+        if isinstance(value, Opaque) or any(isinstance(a, Opaque) for a in args):
+            if name not in _TYPE_TESTS or args:
+                raise Inspected(name)
+            value = ""
+        return test(value, *args, **kwargs)
+
+    return wrapped
+
+
+def _stand_in(message: Mapping[str, Any], texts: list[str]) -> dict[str, Any]:
+    """``message`` with its texts replaced by stand-ins (appended to ``texts`` in slot order)."""
+    out = dict(message)
+    content = out.get("content")
+    if type(content) is str:
+        texts.append(content)
+        out["content"] = Opaque((len(texts) - 1,), content != "")
+    elif isinstance(content, list):
+        out["content"] = [_part(p, texts) for p in content]
+    for key in _TEXT_KEYS[1:]:
+        value = out.get(key)
+        if isinstance(value, str):
+            out[key] = _slot(value, texts)
+    return out
+
+
+def _part(part: object, texts: list[str]) -> object:
+    if isinstance(part, Mapping) and isinstance(part.get("text"), str):
+        return {**part, "text": _slot(part["text"], texts)}
+    return part
+
+
+def _slot(text: str, texts: list[str]) -> Opaque:
+    texts.append(text)
+    return Opaque((len(texts) - 1,), bool(text))
+
+
+def _key_of(value: object) -> object:
+    """How a stand-in enters the structure key: its emptiness only."""
+    if isinstance(value, Opaque):
+        return ["\x00text", bool(value)]
+    raise TypeError(f"not part of a structure key: {type(value).__name__}")
