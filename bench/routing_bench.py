@@ -20,6 +20,7 @@ import argparse
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -31,7 +32,7 @@ from typing import TypeVar
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import peers
 from bench.peer_proxy_bench import netns_argv, only_loopback
-from bench.routing_verdicts import Row, markdown, noise, rows_from_summary
+from bench.routing_verdicts import Row, markdown, noise, rows_from_summary, span
 from router.links.embedded_stubs import PORTS_PER_STUB  # HTTP P+3i, KV events P+3i+1, replay P+3i+2
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -233,10 +234,26 @@ def times_table(times: Sequence[CellTime]) -> list[str]:
     return lines
 
 
+def durations_table(out: Path) -> list[str]:
+    """Markdown: each target's driving time (first arrival to last answer) per cell, median and range by
+    stub count, from the cells' summary.json: where a cell's wall time goes."""
+    by: dict[tuple[str, int], list[float]] = {}
+    for summary in sorted(out.glob("*/summary.json")):
+        data = json.loads(summary.read_text())
+        for p in data["policies"]:
+            by.setdefault((p["policy"], data["settings"]["engines"]), []).append(p["duration_s"])
+    lines = ["| target | stubs | cells | driving time, median (range) |", "|---|---|---|---|"]
+    for (target, stubs), values in sorted(by.items(), key=lambda kv: (kv[0][1], kv[0][0])):
+        median = statistics.median(values)
+        lines.append(f"| {target} | {stubs} | {len(values)} | {median:.0f} s ({span(values, '.0f')} s) |")
+    return lines
+
+
 def write_report(out: Path, settings: str) -> str:
     """Rewrite `out`/report.md and the plots from everything measured so far; returns the Markdown."""
     rows, times = load_rows(out)
-    text = "\n".join([f"Settings: {settings}", "", markdown(rows, noise(rows)), *times_table(times), ""])
+    parts = [f"Settings: {settings}", "", markdown(rows, noise(rows)), *times_table(times), ""]
+    text = "\n".join([*parts, *durations_table(out), ""])
     (out / "report.md").write_text(text)
     if rows:
         plot(rows, out / "ttft_p50.png", "p50_ms")

@@ -181,3 +181,5 @@ def test_a_tiny_cell_of_kvrouter_policies_end_to_end(tmp_path: Path, monkeypatch
     routing_bench.append(out / "cells.jsonl", [took])
     text = routing_bench.write_report(out, "test")
     assert "| tiny | 2 | 0.5 | kv | 1 |" in text and (out / "ttft_p50.png").stat().st_size > 0
+    assert "| kv | 2 | 1 | " in text  # its driving time, from the cell's summary.json
+    assert routing_bench.load_rows(out) == (rows, [took])
