@@ -199,6 +199,8 @@ def run_cell(
             )
     finally:
         for r in running:
+            if r.proc.poll() is not None:  # a peer that died fails the whole cell: say which
+                print(f"{cell.name}: {r.log.stem} exited with {r.proc.returncode}:\n{peers.log_tail(r)}")
             peers.stop(r)
     wall = time.monotonic() - start
     summary = out / "summary.json"
