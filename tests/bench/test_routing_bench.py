@@ -57,6 +57,7 @@ def test_every_target_of_item_6_is_judged_per_repetition() -> None:
 def test_verdict_words_and_missing_figures() -> None:
     rows = rep_rows(0, (50, 100)) + rep_rows(1, (60, 120))
     assert checks(rows, 0.1)[0].cell() == "p50 0.50-0.60x, p90 0.50-0.60x: **met**"
+    assert checks(rep_rows(0, (50, 100), cached=0.0968), 0.1)[2].cell() == "cached 0.968x: **missed**"
     slow = rep_rows(0, (150, 300))
     assert checks(slow, 0.1)[0].verdict() == "missed"
     alone = [row("kv", 10, 20), row("round_robin", 10, 20, errors=0)]
