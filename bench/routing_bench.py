@@ -271,7 +271,8 @@ def plot(rows: Sequence[Row], path: Path, metric: str) -> None:
     import matplotlib.pyplot as plt
 
     panels = sorted({(r.trace, r.stubs) for r in rows})
-    fig, axes = plt.subplots(1, len(panels), figsize=(5 * len(panels), 4.5), squeeze=False)
+    colors = plt.get_cmap("tab20")  # 11+ targets: the default cycle of 10 would repeat kv's colour
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels) + 2, 4.5), squeeze=False)
     for ax, (trace, stubs) in zip(axes[0], panels, strict=True):
         series: dict[str, dict[float, list[float]]] = {}
         for r in rows:
@@ -281,14 +282,15 @@ def plot(rows: Sequence[Row], path: Path, metric: str) -> None:
         for target, by_load in series.items():
             loads = sorted(by_load)
             style = "-" if target in KVROUTER else (":" if target in ORACLES else "--")
+            color = colors(TARGETS.index(target) if target in TARGETS else len(TARGETS))
             ax.plot(loads, [sorted(by_load[x])[len(by_load[x]) // 2] for x in loads], style, marker="o",
-                    label=target, linewidth=2.5 if target == "kv" else 1.2)  # fmt: skip
+                    color=color, label=target, linewidth=2.5 if target == "kv" else 1.2)  # fmt: skip
         ax.set_yscale("log")
         ax.set_title(f"{trace}, {stubs} stubs")
         ax.set_xlabel("offered load")
         ax.set_ylabel(f"TTFT {metric.removesuffix('_ms')} (ms)")
         ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7)
+    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
     fig.tight_layout()
     fig.savefig(path, dpi=100)
     plt.close(fig)
