@@ -5,7 +5,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-vllm lint typecheck pytest bench peer-bench clean
+.PHONY: install run test test-vllm lint typecheck pytest bench peer-bench routing-bench clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -53,6 +53,11 @@ bench: install
 # kvrouter vs sglang-router and vllm-router (installed into .bench-venvs/ from PyPI; root, netns, wrk).
 peer-bench: install
 	$(BIN)/python bench/peer_proxy_bench.py
+
+# Routing quality on the Mooncake traces: kvrouter's policies, both oracles and the peers in one loadtest
+# per cell (root, netns); ROUTING_BENCH_ARGS e.g. "--requests 100 --speed-factor 2 --budget-min 60".
+routing-bench: install
+	$(BIN)/python bench/routing_bench.py $(ROUTING_BENCH_ARGS)
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

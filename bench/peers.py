@@ -41,7 +41,10 @@ class Peer:
 PEERS = {
     # sglang-router binds 0.0.0.0 and puts Prometheus on 0.0.0.0 unless told otherwise.
     "sglang-router": Peer("sglang-router", "0.3.2", "sglang-router", ("launch",), "warn"),
-    "vllm-router": Peer("vllm-router", "0.1.17", "vllm-router", (), "warning"),
+    # kv_aware also needs --kv-event-source per worker (bench/routing_bench.py adds them).
+    "vllm-router": Peer(
+        "vllm-router", "0.1.17", "vllm-router", (), "warning", ("cache_aware", "round_robin", "kv_aware")
+    ),
 }
 
 

@@ -28,7 +28,7 @@ from kvrouter.loadtest.harness import EXTERNAL, ORACLES, HarnessSpec, default_ou
 from kvrouter.loadtest.plan import RunPlan, at_load, context_needed, describe, not_fitting, offered_load
 from kvrouter.loadtest.report import Report
 from kvrouter.loadtest.results import PolicySummary, RequestResult
-from kvrouter.loadtest.settings import LoadtestSettings, parse_policies
+from kvrouter.loadtest.settings import LoadtestSettings, parse_policies, parse_routers
 from kvrouter.loadtest.text_prompts import TextPrompts
 from kvrouter.loadtest.workload import (
     RequestSpec,
@@ -72,7 +72,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     )
     p.add_argument("--workload", default=d.workload, help="'synthetic' or 'trace:PATH' (Mooncake JSONL)")
     p.add_argument("--policies", default=",".join(d.policies), help="comma-separated (default %(default)s)")
-    p.add_argument("--router", help="URL of an external OpenAI-compatible router (policy 'external')")
+    p.add_argument(
+        "--router",
+        action="append",
+        metavar="[NAME=]URL",
+        help="an external OpenAI-compatible router: policy NAME, or 'external' when unnamed; repeatable",
+    )
     p.add_argument(
         "--ready-timeout",
         type=float,
@@ -268,9 +273,15 @@ def run(args: argparse.Namespace) -> int:
         print(exc, file=sys.stderr)
         return 2
     policies = parse_policies(args.policies)
-    unknown = [p for p in policies if p not in POLICIES]
+    try:
+        routers = parse_routers(args.router, reserved=POLICIES)
+    except ValueError as exc:
+        print(f"kvrouter loadtest: {exc}")
+        return 2
+    known = POLICIES + [name for name in routers if name != EXTERNAL]
+    unknown = [p for p in policies if p not in known]
     if unknown or not policies:
-        print(f"kvrouter loadtest: unknown policies {unknown}; choose from {POLICIES}")
+        print(f"kvrouter loadtest: unknown policies {unknown}; choose from {known}")
         return 2
     out = str(args.out or default_out_dir())
     plan: RunPlan | None = None
@@ -303,14 +314,15 @@ def run(args: argparse.Namespace) -> int:
         spec = HarnessSpec(
             policies=policies,
             out=out,
-            router_url=args.router,
+            routers=routers,
             ready_timeout_s=args.ready_timeout,
             text_prompts=args.prompt_format == "text",
             engines_from=external,
+            record_decisions=args.record_decisions,
         )
     else:
         assert plan is not None
-        spec = _stub_spec(args, policies, out, plan, raw)
+        spec = msgspec.structs.replace(_stub_spec(args, policies, out, plan, raw), routers=routers)
     if not_sent:
         print(
             f"kvrouter loadtest: warning: --duration {args.duration:g} cuts the workload short: "
@@ -347,7 +359,6 @@ def _stub_spec(
         out=out,
         embedded=embedded,
         stub_config=str(stub_toml),
-        router_url=args.router,
         stub_base_port=args.stub_base_port,
         ready_timeout_s=args.ready_timeout,
         text_prompts=args.prompt_format == "text",

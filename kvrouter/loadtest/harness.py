@@ -7,8 +7,9 @@ identical engines; the stubs' cached-block gauge is read then and recorded per p
 --port 0`, learned state and all), except the oracles (`cache_oracle`, `ttft_oracle`), which route
 themselves from the stubs' true state, and `external`, an OpenAI-compatible router the user started
 and pointed at the stubs: it is polled until it answers `GET /v1/models` (bounded by
-`ready_timeout_s`) and warmed up like a gateway. `engine_share` comes from the stubs' own request
-counters, read before and after each policy, so an external router's traffic is attributed too.
+`ready_timeout_s`) and warmed up like a gateway; several such routers, each under its own policy
+name (`routers`), run one after another on the same stubs. `engine_share` comes from the stubs' own
+request counters, read before and after each policy, so an external router's traffic is attributed too.
 With `engines_from` no stub starts: the user's engines are driven, reset before every policy
 (`engines_file.py`), and a gateway's run starts once its mirror holds no block (or records how many
 it holds when an engine cannot reset); the oracles are refused there.
@@ -54,7 +55,8 @@ class HarnessSpec(msgspec.Struct, frozen=True):
     out: str
     embedded: Embedded = Embedded()
     stub_config: str | None = None
-    router_url: str | None = None
+    routers: dict[str, str] = {}
+    """External routers by policy name (`external` for an unnamed `--router URL`)."""
     stub_base_port: int | None = None
     max_in_flight: int = 1024
     ready_timeout_s: float = 60.0
@@ -222,10 +224,10 @@ async def _run_policy(
     settings = DriverSettings(model=ctx.model.name, max_in_flight=spec.max_in_flight)
     gateway: GatewayProcess | None = None
     url = ""
-    if policy == EXTERNAL:
-        if spec.router_url is None:
+    if policy == EXTERNAL or policy in spec.routers:
+        if policy not in spec.routers:
             raise ValueError("policy 'external' needs --router URL")
-        url = spec.router_url.rstrip("/")
+        url = spec.routers[policy].rstrip("/")
         await _await_router(url, spec.ready_timeout_s)
         await _warm_up(url, ctx.model.name, spec.text_prompts)
     elif policy not in ORACLES:

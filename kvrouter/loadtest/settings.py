@@ -7,13 +7,13 @@ parser takes its defaults from it, and a run's settings are its parsed arguments
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping, Sequence
 from pathlib import Path
 from typing import Literal
 
 import msgspec
 
-__all__ = ["LoadtestSettings", "parse_policies"]
+__all__ = ["LoadtestSettings", "parse_policies", "parse_routers"]
 
 
 class LoadtestSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -41,7 +41,7 @@ class LoadtestSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
             "ttft_oracle",
         ]
     )
-    router: str | None = None
+    router: list[str] | None = None
     ready_timeout: float = 60.0
     prompt_format: Literal["ids", "text"] = "ids"
     load: float | None = None
@@ -73,3 +73,19 @@ class LoadtestSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 def parse_policies(text: str) -> list[str]:
     """`--policies a,b` as a list (blanks dropped)."""
     return [p.strip() for p in text.split(",") if p.strip()]
+
+
+def parse_routers(values: Sequence[str] | None, reserved: Collection[str] = ()) -> dict[str, str]:
+    """Repeated `--router [NAME=]URL` as {policy name: URL}: an unnamed URL is policy `external`.
+    ValueError for a name given twice, a name in `reserved` (the built-in policies) or a bad URL."""
+    routers: dict[str, str] = {}
+    for value in values or ():
+        name, sep, url = value.partition("=")
+        if not sep or "/" in name or ":" in name:
+            name, url = "external", value
+        if not url.startswith(("http://", "https://")):
+            raise ValueError(f"--router {value!r}: give [NAME=]URL with an http:// or https:// URL")
+        if name in routers or (name in reserved and name != "external"):
+            raise ValueError(f"--router {value!r}: the policy name {name!r} is already taken")
+        routers[name] = url
+    return routers

@@ -113,11 +113,13 @@ def test_an_external_router_is_measured_on_the_same_stubs(tmp_path: Path) -> Non
             assert gateway.stdout is not None
             url = msgspec.json.decode(gateway.stdout.readline())["url"]  # the ready line
             args = ["--requests", "20", "--rate", "20", "--stub-base-port", str(base), "--router", url]
-            (external,) = run(tmp_path, *args, "--policies", "external").policies
+            args += ["--router", f"again={url}"]  # a second, named router: its own policy, same stubs
+            external, again = run(tmp_path, *args, "--policies", "external,again").policies
         finally:
             gateway.terminate()
             gateway.wait(timeout=30)
     assert (external.policy, external.requests, external.errors) == ("external", 20, 0)
+    assert (again.policy, again.requests, again.errors, again.cached_blocks_at_start) == ("again", 20, 0, 0)
     assert set(external.engine_share) == {"embedded-0", "embedded-1"}  # from the stubs' own counters
     stubs = msgspec.json.decode((tmp_path / "stubs.json").read_bytes(), type=list[EngineConfig])
     assert [(e.url, e.events, e.replay) for e in stubs] == [(e.url, e.events, e.replay) for e in engines]

@@ -9,7 +9,7 @@ import pytest
 
 from kvrouter.cli import build_parser
 from kvrouter.cmd_loadtest import build_requests
-from kvrouter.loadtest.settings import LoadtestSettings
+from kvrouter.loadtest.settings import LoadtestSettings, parse_routers
 from kvrouter.loadtest.workload import RequestSpec, SyntheticWorkload, cut_at_duration, synthetic_requests
 
 
@@ -83,3 +83,30 @@ def test_duration_cuts_after_the_request_cap() -> None:
     ]
     requests, not_sent = build_requests(build_parser().parse_args(roomy))
     assert (len(requests), not_sent) == (5, 0)
+
+
+def test_routers_are_named_policies_and_an_unnamed_one_is_external() -> None:
+    values = ["http://127.0.0.1:1", "sglang-cache_aware=http://127.0.0.1:2/", "vr=https://h:3/x?a=b"]
+    assert parse_routers(values, reserved=["kv", "external"]) == {
+        "external": "http://127.0.0.1:1",
+        "sglang-cache_aware": "http://127.0.0.1:2/",
+        "vr": "https://h:3/x?a=b",
+    }
+    assert parse_routers(None) == {}
+    args = build_parser().parse_args(["loadtest", "--router", values[1]])
+    settings = LoadtestSettings.from_args(vars(args))
+    assert settings.router == [values[1]]
+
+
+@pytest.mark.parametrize(
+    ("values", "error"),
+    [
+        (["a=http://x", "a=http://y"], "'a' is already taken"),
+        (["http://x", "http://y"], "'external' is already taken"),
+        (["kv=http://x"], "'kv' is already taken"),
+        (["a=127.0.0.1:8000"], "http:// or https://"),
+    ],
+)
+def test_bad_routers_are_refused(values: list[str], error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        parse_routers(values, reserved=["kv", "external"])

@@ -1,0 +1,186 @@
+"""The routing bench (bench/routing_bench.py, bench/routing_verdicts.py): its arithmetic (rows, ranges,
+issue #15 item 6's verdicts), its command lines and arguments, and one tiny cell of kvrouter policies
+run for real (no peers, no network namespace)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from bench import peers, routing_bench
+from bench.routing_bench import (
+    Cell,
+    CellRun,
+    cells,
+    engine_toml,
+    loadtest_argv,
+    parse_args,
+    peer_argv,
+    rotated,
+)
+from bench.routing_verdicts import Row, checks, markdown, noise, rows_from_summary, span
+from engine_stub.stub_config import StubConfig
+
+
+def row(target: str, p50: float, p90: float, cached: float = 0.1, rep: int = 0, errors: int = 0) -> Row:
+    return Row("conversation", 4, 0.7, rep, target, 200, errors, cached, p50, p90, p90 * 2)
+
+
+def rep_rows(rep: int, kv: tuple[float, float], cached: float = 0.1) -> list[Row]:
+    return [
+        row("kv", *kv, cached=cached, rep=rep),
+        row("round_robin", 100, 200, rep=rep),
+        row("least_loaded", 80, 160, rep=rep),
+        row("cache_oracle", 500, 900, cached=0.1, rep=rep),
+        row("ttft_oracle", 60, 120, rep=rep),
+        row("sglang-cache_aware", 70, 300, rep=rep),
+        row("vllm-kv_aware", 90, 150, rep=rep),
+    ]
+
+
+def test_every_target_of_item_6_is_judged_per_repetition() -> None:
+    # rep 0: kv beats everything; rep 1: kv is 0.9x round robin and loses to the best peer's p50.
+    rows = rep_rows(0, (50, 100)) + rep_rows(1, (90, 140), cached=0.095)
+    rr, peer, cached, oracle, least = checks(rows, noise_ratio=0.1)
+    assert rr.ratios == {"p50": [0.5, 0.9], "p90": [0.5, 0.7]} and rr.verdict() == "1/2"
+    # the best peer per percentile: p50 70 (sglang), p90 150 (vllm)
+    assert peer.ratios["p50"] == pytest.approx([50 / 70, 90 / 70]) and peer.held == [True, False]
+    assert cached.ratios["cached"] == pytest.approx([1.0, 0.95]) and cached.verdict() == "1/2"
+    assert oracle.ratios["p50"] == pytest.approx([50 / 60, 1.5]) and oracle.held == [True, False]
+    assert least.ratios["p50"] == pytest.approx([50 / 80, 90 / 80]) and least.held == [True, False]
+    assert checks(rows, noise_ratio=0.2)[4].held == [True, True]  # 1.125x is within a noise of 0.2
+
+
+def test_verdict_words_and_missing_figures() -> None:
+    rows = rep_rows(0, (50, 100)) + rep_rows(1, (60, 120))
+    assert checks(rows, 0.1)[0].cell() == "p50 0.50-0.60x, p90 0.50-0.60x: **met**"
+    assert checks(rep_rows(0, (50, 100), cached=0.0968), 0.1)[2].cell() == "cached 0.968x: **missed**"
+    slow = rep_rows(0, (150, 300))
+    assert checks(slow, 0.1)[0].verdict() == "missed"
+    alone = [row("kv", 10, 20), row("round_robin", 10, 20, errors=0)]
+    assert [c.verdict() for c in checks(alone, 0.1)] == ["missed", "n/a", "n/a", "n/a", "n/a"]
+    broken = [row("kv", 10, 20, errors=3), row("round_robin", 100, 200)]
+    assert all(c.verdict() == "n/a" for c in checks(broken, 0.1))  # a kv with errors is not judged
+
+
+def test_noise_is_the_median_spread_of_p50_over_repetitions() -> None:
+    rows = [row("kv", 100, 1, rep=0), row("kv", 110, 1, rep=1), row("round_robin", 200, 1, rep=0),
+            row("round_robin", 260, 1, rep=1), row("x", 10, 1, rep=0), row("x", 10, 1, rep=1)]  # fmt: skip
+    assert noise(rows) == pytest.approx(0.1)
+    assert noise(rows[:1], default=0.2) == 0.2
+
+
+def test_rows_from_a_loadtest_summary() -> None:
+    summary = {
+        "policies": [
+            {"policy": "kv", "requests": 5, "errors": 1, "cached_ratio": 0.25,
+             "ttft": {"p50": 0.012, "p90": 0.05, "p99": 0.1, "mean": 0.02}},
+            {"policy": "vllm-kv_aware", "requests": 5, "errors": 5, "cached_ratio": 0.0,
+             "ttft": {"p50": None, "p90": None, "p99": None, "mean": None}},
+        ]
+    }  # fmt: skip
+    kv, peer = rows_from_summary(summary, "synthetic", 8, 0.4, 1)
+    assert kv == Row("synthetic", 8, 0.4, 1, "kv", 5, 1, 0.25, 12.0, 50.0, 100.0)
+    assert (peer.p50_ms, peer.errors) == (None, 5)
+
+
+def test_the_markdown_report_has_results_and_verdicts() -> None:
+    text = markdown(rep_rows(0, (50, 100)) + rep_rows(1, (60, 120)), 0.1)
+    assert "| conversation | 4 | 0.7 | kv | 2 | 0.100 | 50-60 | 100-120 | 200-240 | 0 |" in text
+    assert "noise 0.10" in text and "**met**" in text
+    assert span([], ".1f") == "-" and span([1.0, 1.04], ".1f") == "1.0"
+
+
+def test_cells_are_repetition_major_and_targets_rotate() -> None:
+    matrix = cells(["conversation", "synthetic"], [4, 8], [0.4, 0.7, 0.9], 2)
+    assert len(matrix) == 24 and matrix[0] == Cell("conversation", 4, 0.4, 0) and matrix[12].rep == 1
+    assert {c.rep for c in matrix[:12]} == {0}
+    assert rotated(["a", "b", "c"], 1) == ["b", "c", "a"] and rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
+    assert matrix[5].name == "conversation-s8-l0.9-r0"
+
+
+def flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_peers_listen_on_loopback_and_kv_aware_subscribes_to_every_stub() -> None:
+    addresses = routing_bench.stub_addresses(20000, 2)
+    assert addresses[1] == ("http://127.0.0.1:20003", "tcp://127.0.0.1:20004", "tcp://127.0.0.1:20005")
+    sglang = routing_bench.PEERS_BY_NAME["sglang-cache_aware"]
+    argv = peer_argv(sglang, "/s", addresses, (31000, 31001))
+    assert (flag(argv, "--host"), flag(argv, "--prometheus-host")) == ("127.0.0.1", "127.0.0.1")
+    assert "--kv-event-source" not in argv
+    kv_aware = routing_bench.PEERS_BY_NAME["vllm-kv_aware"]
+    argv = peer_argv(kv_aware, "/v", addresses, (31000, 31001))
+    assert flag(argv, "--policy") == "kv_aware" and flag(argv, "--host") == "127.0.0.1"
+    sources = [argv[i + 1] for i, a in enumerate(argv) if a == "--kv-event-source"]
+    assert sources == [
+        "http://127.0.0.1:20000=tcp://127.0.0.1:20001",
+        "http://127.0.0.1:20003=tcp://127.0.0.1:20004",
+    ]
+    assert flag(argv, "--kv-event-replay-source") == "http://127.0.0.1:20000=tcp://127.0.0.1:20002"
+    assert (flag(argv, "--kv-event-block-size"), flag(argv, "--kv-event-model")) == ("16", "kvrouter-stub")
+    assert {t.peer for t in routing_bench.PEER_TARGETS} == set(peers.PEERS.values())
+
+
+def test_one_loadtest_per_cell_with_every_router_named(tmp_path: Path) -> None:
+    args = parse_args(["--requests", "50"])
+    run = CellRun(Cell("synthetic", 8, 0.9, 1), ["kv", "sglang-round_robin"],
+                  {"sglang-round_robin": "http://127.0.0.1:5"}, 20100, tmp_path)  # fmt: skip
+    argv = loadtest_argv(args, run, tmp_path / "engine.toml")
+    assert argv[argv.index("loadtest") + 1 :][:2] == ["--engines", "8"]
+    assert flag(argv, "--workload") == f"trace:{routing_bench.TRACES['synthetic']}"
+    assert (flag(argv, "--requests"), flag(argv, "--load"), flag(argv, "--max-output-tokens")) == (
+        "50",
+        "0.9",
+        "256",
+    )
+    assert (flag(argv, "--prompt-format"), flag(argv, "--stub-base-port")) == ("text", "20100")
+    assert flag(argv, "--policies") == "kv,sglang-round_robin"
+    assert flag(argv, "--router") == "sglang-round_robin=http://127.0.0.1:5"
+
+
+def test_the_stubs_toml_carries_the_speed_factor() -> None:
+    config = msgspec.toml.decode(engine_toml(2.5).encode(), type=StubConfig)
+    assert config.cost.speed_factor == 2.5 and config.engine.cache.block_size == 16
+
+
+def test_arguments() -> None:
+    args = parse_args([])
+    assert (args.traces, args.stubs, args.loads, args.reps) == (
+        ["conversation", "synthetic"], [4, 8], [0.4, 0.7, 0.9], 2)  # fmt: skip
+    assert args.targets == list(routing_bench.TARGETS) and len(args.targets) == 11
+    args = parse_args(["--skip", "cache_oracle,vllm-kv_aware", "--stubs", "4", "--loads", "0.5"])
+    assert "cache_oracle" not in args.targets and "vllm-kv_aware" not in args.targets
+    assert (args.stubs, args.loads) == ([4], [0.5])
+    for bad in (["--targets", "kv,nope"], ["--traces", "toolagent"], ["--targets", "round_robin"]):
+        with pytest.raises(SystemExit):
+            parse_args(bad)
+
+
+def test_a_tiny_cell_of_kvrouter_policies_end_to_end(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    trace = tmp_path / "trace.jsonl"
+    lines = [
+        {"timestamp": 200 * i, "input_length": 600, "output_length": 4, "hash_ids": [0, i + 1]}
+        for i in range(6)
+    ]
+    trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
+    monkeypatch.setitem(routing_bench.TRACES, "tiny", trace)
+    out = tmp_path / "bench"
+    args = parse_args(["--traces", "tiny", "--targets", "kv,round_robin", "--requests", "6",
+                       "--max-output-tokens", "4", "--out", str(out), "--ready-timeout", "60"])  # fmt: skip
+    rows, took = routing_bench.run_cell(args, Cell("tiny", 2, 0.5, 1), 0, {})
+    assert took.ok and {r.target for r in rows} == {"kv", "round_robin"}
+    assert all((r.requests, r.errors, r.stubs, r.rep) == (6, 0, 2, 1) for r in rows)
+    summary = json.loads((out / "tiny-s2-l0.5-r1" / "summary.json").read_text())
+    assert [p["policy"] for p in summary["policies"]] == ["round_robin", "kv"]  # rotated by the repetition
+    assert summary["settings"]["prompt_format"] == "text" and summary["plan"]["speed_factor"] == 1.0
+    routing_bench.append(out / "rows.jsonl", rows)
+    routing_bench.append(out / "cells.jsonl", [took])
+    text = routing_bench.write_report(out, "test")
+    assert "| tiny | 2 | 0.5 | kv | 1 |" in text and (out / "ttft_p50.png").stat().st_size > 0
+    assert "| kv | 2 | 1 | " in text  # its driving time, from the cell's summary.json
+    assert routing_bench.load_rows(out) == (rows, [took])
