@@ -15,7 +15,7 @@ import pytest
 
 from events.config import KVEventsConfig
 from events.publisher import EventPublisher
-from events.recording import FileHeader, FrameRecord, encode_header, encode_record
+from events.recording import FileHeader, FrameRecord, RecordingError, encode_header, encode_record
 from events.recording_file import RecordingReader, RecordingWriter
 from events.sources import EngineSource
 from events.wire import ENCODER, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
@@ -55,7 +55,11 @@ def recorded(path: Path) -> list[FrameRecord]:
     """What a recording holds so far (a record still being written reads as a torn tail)."""
     if not path.exists():
         return []
-    with RecordingReader.open(path) as reader:
+    try:
+        reader = RecordingReader.open(path)
+    except RecordingError:  # created, its header not written yet: nothing recorded so far
+        return []
+    with reader:
         return [r for r in reader.records() if isinstance(r, FrameRecord)]
 
 
