@@ -4,6 +4,8 @@ rate the engines-per-core column divides by. The timed parts never run here."""
 from __future__ import annotations
 
 import random
+import re
+from pathlib import Path
 
 from bench.scaling_bench import CHUNK_BLOCKS, MODES, EngineStream, engine_rate, fill_batches, ingest
 from engine_stub.runtime.cost_model import CostModel
@@ -11,6 +13,8 @@ from events.decode import BatchDecoder
 from events.wire import LazyKVEventBatch
 from router.core.keys.block_key import KeyHasher
 from router.core.mirror.shared_index import EngineId, Mirror
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_stream_keeps_the_mirrored_pool_full_at_steady_state() -> None:
@@ -31,3 +35,10 @@ def test_stream_keeps_the_mirrored_pool_full_at_steady_state() -> None:
 def test_a_saturated_engine_stores_and_evicts_at_its_prefill_rate() -> None:
     # 2048 tokens of prefill take 65.5 ms at 32 us/token: 128 blocks stored and 128 evicted per chunk.
     assert round(engine_rate(CostModel())) == round(2 * 128 / (2048 * 32e-6)) == 3906
+
+
+def test_the_scaling_doc_names_benches_that_exist_and_the_engine_rate_they_use() -> None:
+    doc = (ROOT / "docs" / "scaling.md").read_text()
+    for path in set(re.findall(r"bench/[a-z_]+\.py", doc)):
+        assert (ROOT / path).is_file(), path
+    assert f"~{round(engine_rate(CostModel()), -2):,.0f} block events/s" in doc
