@@ -109,6 +109,24 @@ async def running_stubs(n: int, config: StubConfig | None = None) -> AsyncIterat
         yield [await stack.enter_async_context(running_stub(config or stub_config())) for _ in range(n)]
 
 
+@asynccontextmanager
+async def uvicorn_on_port_0(config: uvicorn.Config) -> AsyncIterator[int]:
+    """`config`'s app under a real uvicorn on 127.0.0.1 (TCP_NODELAY, like `kvrouter serve`); its port."""
+    server = uvicorn.Server(config)
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.bind(("127.0.0.1", 0))
+    task = asyncio.create_task(server.serve(sockets=[sock]))
+    try:
+        async with asyncio.timeout(WAIT):
+            while not server.started:
+                await asyncio.sleep(0.005)  # polling a predicate under a deadline
+        yield sock.getsockname()[1]
+    finally:
+        server.should_exit = True
+        await task
+        sock.close()
+
+
 @dataclass
 class Gateway:
     """A running gateway: its URL, its parts (to wait on internal state), an httpx client."""

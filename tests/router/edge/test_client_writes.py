@@ -4,7 +4,6 @@ head whose body is not ready goes out alone without waiting for it."""
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -13,6 +12,7 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from router.edge.client_timeouts import TimedHttpToolsProtocol
+from tests.gateway_helpers import uvicorn_on_port_0
 
 WAIT = 5.0
 
@@ -33,19 +33,8 @@ async def serving(app: object, writes: list[bytes], monkeypatch: pytest.MonkeyPa
 
     monkeypatch.setattr(TimedHttpToolsProtocol, "connection_made", counting)
     config = uvicorn.Config(app, http=TimedHttpToolsProtocol, lifespan="off", log_config=None)  # type: ignore[arg-type]
-    server = uvicorn.Server(config)
-    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-    sock.bind(("127.0.0.1", 0))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        async with asyncio.timeout(WAIT):
-            while not server.started:
-                await asyncio.sleep(0.005)  # polling a predicate under a deadline
-        yield sock.getsockname()[1]
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
+    async with uvicorn_on_port_0(config) as port:
+        yield port
 
 
 async def exchange(port: int, until: bytes) -> tuple[asyncio.StreamReader, asyncio.StreamWriter, bytes]:

@@ -32,7 +32,7 @@ from router.core.policy.retry import OutcomeKind, RetryPolicy
 from router.edge.headers import response_headers, upstream_headers, upstream_url
 from router.edge.proxy import Proxy, ProxySettings
 from router.edge.upstream import ProxyRequest, Target, UpstreamResponse
-from tests.gateway_helpers import fake_engine
+from tests.gateway_helpers import fake_engine, uvicorn_on_port_0
 
 WAIT = 5.0  # generous bound for every wait on an event; none is expected to come close
 
@@ -415,19 +415,8 @@ async def serve_gateway(p: Proxy, fleet: Fleet) -> AsyncIterator[int]:
         return ClosingStreamingResponse(upstream)
 
     app = Starlette(routes=[Route("/v1/completions", route, methods=["POST"])])
-    server = uvicorn.Server(uvicorn.Config(app, log_level="warning", lifespan="off"))
-    sock = socket.socket()
-    sock.bind(("127.0.0.1", 0))
-    task = asyncio.create_task(server.serve(sockets=[sock]))
-    try:
-        async with asyncio.timeout(WAIT):
-            while not server.started:
-                await asyncio.sleep(0.005)  # polling a predicate under a deadline
-        yield sock.getsockname()[1]
-    finally:
-        server.should_exit = True
-        await task
-        sock.close()
+    async with uvicorn_on_port_0(uvicorn.Config(app, log_level="warning", lifespan="off")) as port:
+        yield port
 
 
 async def test_client_disconnect_through_uvicorn_cancels_upstream() -> None:
