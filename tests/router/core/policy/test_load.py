@@ -200,3 +200,37 @@ def test_a_full_running_batch_makes_a_new_request_wait_for_a_slot() -> None:
     full = load.snapshot(A, now=3.0)
     assert full.slot_wait_s() == pytest.approx(2.0 / 2)  # a slot frees every residency / max_num_seqs
     assert full.predicted_ttft_s(0) == pytest.approx(full.prefill_s(0) + 1.0)
+
+
+def test_draining_counts_the_oldest_unanswered_request_prefilled_as_time_passes() -> None:
+    """FCFS: only the queue's head progresses (since it was sent, after the step it waits to join),
+    at the learned pace plus each chunk's decode part; requests behind it count whole."""
+    step = StepCost(decode_step_s=0.0, decode_penalty_s=0.0, max_num_batched_tokens=8192, max_num_seqs=4)
+    load = LoadTracker(CostPrior(0.0, 1e-4, weight=1e6), step=step, drain=True)  # prior never moves
+    load.started(rid(0), A, at=0.0, uncached_tokens=10)
+    load.first_token(rid(0), at=0.001)  # something learned: draining starts
+    load.started(rid(1), A, at=1.0, uncached_tokens=4000)  # head: 0.4 s to prefill at 1e-4 s/token
+    load.started(rid(2), A, at=1.0, uncached_tokens=2000)
+    assert load.snapshot(A, now=1.0).drained_tokens == 0
+    half = load.snapshot(A, now=1.2)
+    assert (half.queued_prefill_tokens, half.drained_tokens, half.queue_left()) == (6000, 2000, 4000)
+    assert half.prefill_s(0) == pytest.approx(0.0 + 1e-4 * 4000, rel=1e-3)
+    assert load.snapshot(A, now=9.0).drained_tokens == 4000  # never past the head: it answers first
+    load.first_token(rid(1), at=9.0)
+    assert load.snapshot(A, now=9.0).drained_tokens == 0  # the next head starts when the head answers
+    assert load.snapshot(A, now=9.1).drained_tokens == 1000
+
+
+def test_no_draining_while_the_running_batch_is_full_or_when_off() -> None:
+    step = StepCost(0.0, 0.0, max_num_seqs=2)
+    load = LoadTracker(CostPrior(0.0, 1e-4, weight=1e6), step=step, drain=True)
+    for n in range(2):  # two decoding: the batch is full, the head waits for a slot
+        load.started(rid(n), A, at=0.0, uncached_tokens=10)
+        load.first_token(rid(n), at=0.001)
+    load.started(rid(9), A, at=1.0, uncached_tokens=4000)
+    assert load.snapshot(A, now=1.2).drained_tokens == 0
+    off = LoadTracker(CostPrior(0.0, 1e-4, weight=1e6))
+    off.started(rid(0), A, at=0.0, uncached_tokens=10)
+    off.first_token(rid(0), at=0.001)
+    off.started(rid(1), A, at=1.0, uncached_tokens=4000)
+    assert off.snapshot(A, now=1.2).drained_tokens == 0
