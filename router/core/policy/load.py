@@ -195,7 +195,7 @@ class _EngineLoad:
         self.finished = 0
         self.scrape: ScrapedMetrics | None = None
         self.unanswered: dict[RequestId, _InFlight] = {}  # in send order: the engine's FCFS order
-        self.answered_at = 0.0
+        self.head_since = 0.0  # the earliest the queue's head can have started: an answer or a freed slot
 
 
 class LoadTracker:
@@ -263,7 +263,7 @@ class LoadTracker:
         flight.first_token_at = at
         load = self._engine(flight.engine)
         self._end_prefill(load, request, flight)
-        load.answered_at = at
+        load.head_since = at
         ttft = at - flight.started_at
         load.model.observe(flight.work_tokens, max(0.0, ttft - flight.other_s))
         return ttft
@@ -274,6 +274,8 @@ class LoadTracker:
         if flight is None:
             return
         load = self._engine(flight.engine)
+        if load.in_flight - load.prefilling >= self.step.max_num_seqs > 0:
+            load.head_since = at  # the batch was full: the head waited for this slot
         load.in_flight -= 1
         if flight.first_token_at is None:
             self._end_prefill(load, request, flight)
@@ -289,10 +291,10 @@ class LoadTracker:
 
     def _drained(self, load: _EngineLoad, decoding: int, now: float) -> int:
         """Of the queue, the tokens prefilled by `now` (`drain` on): FCFS, only the oldest unanswered
-        request can have progressed (the engine answers it before any later one), since it was sent
-        or the one before it answered, less the step it waited to join, at the learned pace with each
-        chunk's decode part; none while the running batch is full (it waits for a slot) or before any
-        TTFT was learned."""
+        request can have progressed (the engine answers it before any later one), since it was sent,
+        the one before it answered or a slot freed for it, less the step it waited to join, at the
+        learned pace with each chunk's decode part; none while the running batch is full (it waits
+        for a slot) or before any TTFT was learned."""
         if not self.drain or not load.unanswered or load.model.samples == 0:
             return 0
         if self.step.max_num_seqs > 0 and decoding >= self.step.max_num_seqs:
@@ -302,7 +304,7 @@ class LoadTracker:
         budget = max(1, self.step.max_num_batched_tokens - decoding)
         steps = max(1, math.ceil(head.uncached_tokens / budget))
         full_s = load.model.predict(head.uncached_tokens) + steps * per_step
-        elapsed = now - max(head.started_at, load.answered_at) - per_step
+        elapsed = now - max(head.started_at, load.head_since) - per_step
         if full_s <= 0:
             return head.uncached_tokens
         return round(head.uncached_tokens * min(1.0, max(0.0, elapsed) / full_s))

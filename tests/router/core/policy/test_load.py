@@ -234,3 +234,14 @@ def test_no_draining_while_the_running_batch_is_full_or_when_off() -> None:
     off.first_token(rid(0), at=0.001)
     off.started(rid(1), A, at=1.0, uncached_tokens=4000)
     assert off.snapshot(A, now=1.2).drained_tokens == 0
+
+
+def test_a_head_that_waited_for_a_slot_drains_from_when_the_slot_freed() -> None:
+    step = StepCost(0.0, 0.0, max_num_seqs=1)
+    load = LoadTracker(CostPrior(0.0, 1e-4, weight=1e6), step=step, drain=True)
+    load.started(rid(0), A, at=0.0, uncached_tokens=10)
+    load.first_token(rid(0), at=0.001)  # decoding: the one slot is taken
+    load.started(rid(1), A, at=1.0, uncached_tokens=4000)
+    load.finished(rid(0), at=5.0)  # the slot frees: only now can the head prefill
+    assert load.snapshot(A, now=5.0).drained_tokens == 0
+    assert load.snapshot(A, now=5.2).drained_tokens == 2000
