@@ -44,8 +44,8 @@ class SimEngines(msgspec.Struct, frozen=True):
     cost: CostModel
     step: StepCost
     prior: CostPrior = CostPrior()
-    drain: bool = False
-    """The router's `policy.drain_queued_prefill` (`LoadTracker` `drain`)."""
+    drain: bool = True
+    """The router's `policy.drain_queued_prefill` (`LoadTracker` `drain`), on as by default."""
 
 
 class SimResult(msgspec.Struct, frozen=True):
