@@ -9,7 +9,9 @@ of those steps also decodes every running sequence, costing `decode_step_s` (whe
 `decode_penalty_s` per decoding sequence (`StepCost`); and when the engine already holds
 `max_num_seqs` requests, a new one waits for slots to free, one every `residency / max_num_seqs`
 seconds on average (residency: how long the engine's requests decode, learned from the requests that
-finished), so long outputs keep an engine busy. The prefill part, `overhead + cost x tokens`,
+finished), so long outputs keep an engine busy. With `drain` on, the queue's head (the oldest
+request sent and not answered: FCFS, the one the engine is prefilling) counts as partly done as time
+passes (`LoadSnapshot.drained_tokens`). The prefill part, `overhead + cost x tokens`,
 is learned per engine by robust recursive least squares from a configurable prior, from TTFTs with
 the decode part predicted at send time taken out. Pure: no clock, no I/O.
 """
@@ -166,7 +168,7 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
         return _decode_step_s(self.step, self.decoding)
 
     def prefill_s(self, uncached_tokens: int) -> float:
-        """The learned prefill part: overhead + cost per token x (queued + uncached tokens)."""
+        """The learned prefill part: overhead + cost per token x (queue left + uncached tokens)."""
         return self.overhead_s + self.per_token_s * (self.queue_left() + uncached_tokens)
 
     def predicted_ttft_s(self, uncached_tokens: int) -> float:
