@@ -295,8 +295,9 @@ class LoadTracker:
         """Of the queue, the tokens prefilled by `now` (`drain` on): FCFS, only the oldest unanswered
         request can have progressed (the engine answers it before any later one), since it was sent,
         the one before it answered or a slot freed for it, less the step it waited to join, at the
-        learned pace with each chunk's decode part; none while the running batch is full (it waits
-        for a slot) or before any TTFT was learned."""
+        learned pace with each chunk's decode part, short of its last chunk (the engine answers at the
+        end of the step that prefills it, so an unanswered head still has that ahead); none while the
+        running batch is full (it waits for a slot) or before any TTFT was learned."""
         if not self.drain or not load.unanswered or load.model.samples == 0:
             return 0
         if self.step.max_num_seqs > 0 and decoding >= self.step.max_num_seqs:
@@ -309,7 +310,8 @@ class LoadTracker:
         elapsed = now - max(head.started_at, load.head_since) - per_step
         if full_s <= 0:
             return head.uncached_tokens
-        return round(head.uncached_tokens * min(1.0, max(0.0, elapsed) / full_s))
+        done = round(head.uncached_tokens * min(1.0, max(0.0, elapsed) / full_s))
+        return min(done, max(0, head.uncached_tokens - budget))
 
     def scraped(self, engine: EngineId, metrics: ScrapedMetrics) -> None:
         """Merge the engine's latest scraped gauges (used while younger than `scrape_max_age_s`)."""
