@@ -157,6 +157,8 @@ class PolicyConfig(_Table, frozen=True):
     """An engine whose scraped waiting queue is longer than this is saturated (0: off)."""
     prefill_work_weight: NonNegative = 1.0
     """kv: cost = predicted TTFT + this x the request's own uncached prefill time (the work it adds)."""
+    drain_queued_prefill: bool = True
+    """kv: count the oldest unanswered request per engine as prefilled at the learned pace as time passes."""
 
 
 class Timeouts(_Table, frozen=True):

@@ -9,7 +9,9 @@ of those steps also decodes every running sequence, costing `decode_step_s` (whe
 `decode_penalty_s` per decoding sequence (`StepCost`); and when the engine already holds
 `max_num_seqs` requests, a new one waits for slots to free, one every `residency / max_num_seqs`
 seconds on average (residency: how long the engine's requests decode, learned from the requests that
-finished), so long outputs keep an engine busy. The prefill part, `overhead + cost x tokens`,
+finished), so long outputs keep an engine busy. With `drain` on, the queue's head (the oldest
+request sent and not answered: FCFS, the one the engine is prefilling) counts as partly done as time
+passes (`LoadSnapshot.drained_tokens`). The prefill part, `overhead + cost x tokens`,
 is learned per engine by robust recursive least squares from a configurable prior, from TTFTs with
 the decode part predicted at send time taken out. Pure: no clock, no I/O.
 """
@@ -100,6 +102,13 @@ class StepCost(msgspec.Struct, frozen=True):
     max_num_seqs: int = 256
 
 
+def _decode_step_s(step: StepCost, decoding: int) -> float:
+    """What decoding `decoding` sequences adds to one engine step: nothing, or the step cost and each's."""
+    if decoding <= 0:
+        return 0.0
+    return step.decode_step_s + step.decode_penalty_s * decoding
+
+
 class ScrapedMetrics(msgspec.Struct, frozen=True):
     """The engine's own gauges from its /metrics (`vllm:num_requests_running` etc.), scraped at `at`.
 
@@ -128,6 +137,12 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
     scrape: ScrapedMetrics | None = None
     residency_s: float = 0.0
     """How long the engine's requests decode (first token to end), on average: how busy it stays."""
+    drained_tokens: int = 0
+    """Of `queued_prefill_tokens`, those the engine has prefilled by now (`LoadTracker` `drain`)."""
+
+    def queue_left(self) -> int:
+        """Prefill tokens still queued ahead of a new request: those sent and not answered, less drained."""
+        return max(0, self.queued_prefill_tokens - self.drained_tokens)
 
     def slot_wait_s(self) -> float:
         """Time until the engine can admit one more request: `max_num_seqs` requests already running
@@ -140,20 +155,21 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
     def prefill_steps(self, uncached_tokens: int) -> int:
         """Engine steps until this request's prefill is done: the queue's and its own tokens, chunked
         by the step budget that the decoding sequences leave (one token each)."""
-        tokens = self.queued_prefill_tokens + uncached_tokens
+        tokens = self.queue_left() + uncached_tokens
         budget = max(1, self.step.max_num_batched_tokens - self.decoding)
         return max(1, math.ceil(tokens / budget))
 
     def decode_s(self, uncached_tokens: int) -> float:
         """The decode part of the predicted TTFT: every prefill step also decodes every running sequence."""
-        if self.decoding <= 0:
-            return 0.0
-        per_step = self.step.decode_step_s + self.step.decode_penalty_s * self.decoding
-        return self.prefill_steps(uncached_tokens) * per_step
+        return self.prefill_steps(uncached_tokens) * self.decode_step_s()
+
+    def decode_step_s(self) -> float:
+        """What decoding adds to each engine step now (`StepCost`, for `decoding` sequences)."""
+        return _decode_step_s(self.step, self.decoding)
 
     def prefill_s(self, uncached_tokens: int) -> float:
-        """The learned prefill part: overhead + cost per token x (queued + uncached tokens)."""
-        return self.overhead_s + self.per_token_s * (self.queued_prefill_tokens + uncached_tokens)
+        """The learned prefill part: overhead + cost per token x (queue left + uncached tokens)."""
+        return self.overhead_s + self.per_token_s * (self.queue_left() + uncached_tokens)
 
     def predicted_ttft_s(self, uncached_tokens: int) -> float:
         """TTFT if a request with `uncached_tokens` to prefill were sent now (queue first, then it)."""
@@ -180,17 +196,24 @@ class _EngineLoad:
         self.residency_s = 0.0
         self.finished = 0
         self.scrape: ScrapedMetrics | None = None
+        self.unanswered: dict[RequestId, _InFlight] = {}  # in send order: the engine's FCFS order
+        self.head_since = 0.0  # the earliest the queue's head can have started: an answer or a freed slot
 
 
 class LoadTracker:
     """Router-side load and cost model for every engine; all times are passed in (seconds)."""
 
     def __init__(
-        self, prior: CostPrior, scrape_max_age_s: float = 10.0, step: StepCost | None = None
+        self,
+        prior: CostPrior,
+        scrape_max_age_s: float = 10.0,
+        step: StepCost | None = None,
+        drain: bool = False,
     ) -> None:
         self.prior = prior
         self.scrape_max_age_s = scrape_max_age_s
         self.step = step if step is not None else StepCost(0.0, 0.0)
+        self.drain = drain
         self._engines: dict[EngineId, _EngineLoad] = {}
         self._requests: dict[RequestId, _InFlight] = {}
         self._shared: dict[str, PrefillCostModel] = {}
@@ -221,11 +244,12 @@ class LoadTracker:
         if request in self._requests:
             raise ValueError(f"request {request} is already in flight; finish it before restarting it")
         load = self._engine(engine)
-        work = load.prefill_tokens + uncached_tokens
         # What is predicted now besides prefill is taken out of the TTFT the prefill model learns from.
         snap = self.snapshot(engine, at)
+        work = load.prefill_tokens + uncached_tokens
         other_s = snap.decode_s(uncached_tokens) + snap.slot_wait_s()
-        self._requests[request] = _InFlight(engine, at, uncached_tokens, work, other_s)
+        flight = self._requests[request] = _InFlight(engine, at, uncached_tokens, work, other_s)
+        load.unanswered[request] = flight
         load.in_flight += 1
         load.prefilling += 1
         load.prefill_tokens += uncached_tokens
@@ -240,7 +264,8 @@ class LoadTracker:
             return None
         flight.first_token_at = at
         load = self._engine(flight.engine)
-        self._end_prefill(load, flight)
+        self._end_prefill(load, request, flight)
+        load.head_since = at
         ttft = at - flight.started_at
         load.model.observe(flight.work_tokens, max(0.0, ttft - flight.other_s))
         return ttft
@@ -251,17 +276,42 @@ class LoadTracker:
         if flight is None:
             return
         load = self._engine(flight.engine)
+        if load.in_flight - load.prefilling >= self.step.max_num_seqs > 0:
+            load.head_since = at  # the batch was full: the head waited for this slot
         load.in_flight -= 1
         if flight.first_token_at is None:
-            self._end_prefill(load, flight)
+            self._end_prefill(load, request, flight)
         else:
             rate = 1.0 if load.finished == 0 else 0.1
             load.residency_s += rate * (at - flight.first_token_at - load.residency_s)
             load.finished += 1
 
-    def _end_prefill(self, load: _EngineLoad, flight: _InFlight) -> None:
+    def _end_prefill(self, load: _EngineLoad, request: RequestId, flight: _InFlight) -> None:
         load.prefilling -= 1
         load.prefill_tokens -= flight.uncached_tokens
+        load.unanswered.pop(request, None)
+
+    def _drained(self, load: _EngineLoad, decoding: int, now: float) -> int:
+        """Of the queue, the tokens prefilled by `now` (`drain` on): FCFS, only the oldest unanswered
+        request can have progressed (the engine answers it before any later one), since it was sent,
+        the one before it answered or a slot freed for it, less the step it waited to join, at the
+        learned pace with each chunk's decode part, short of its last chunk (the engine answers at the
+        end of the step that prefills it, so an unanswered head still has that ahead); none while the
+        running batch is full (it waits for a slot) or before any TTFT was learned."""
+        if not self.drain or not load.unanswered or load.model.samples == 0:
+            return 0
+        if self.step.max_num_seqs > 0 and decoding >= self.step.max_num_seqs:
+            return 0
+        head = next(iter(load.unanswered.values()))
+        per_step = _decode_step_s(self.step, decoding)
+        budget = max(1, self.step.max_num_batched_tokens - decoding)
+        steps = max(1, math.ceil(head.uncached_tokens / budget))
+        full_s = load.model.predict(head.uncached_tokens) + steps * per_step
+        elapsed = now - max(head.started_at, load.head_since) - per_step
+        if full_s <= 0:
+            return head.uncached_tokens
+        done = round(head.uncached_tokens * min(1.0, max(0.0, elapsed) / full_s))
+        return min(done, max(0, head.uncached_tokens - budget))
 
     def scraped(self, engine: EngineId, metrics: ScrapedMetrics) -> None:
         """Merge the engine's latest scraped gauges (used while younger than `scrape_max_age_s`)."""
@@ -295,5 +345,5 @@ class LoadTracker:
         model = load.model
         return LoadSnapshot(
             in_flight, prefilling, decoding, queued, usage, model.overhead_s, model.per_token_s, fresh,
-            self.step, scrape, load.residency_s,
+            self.step, scrape, load.residency_s, self._drained(load, decoding, now),
         )  # fmt: skip

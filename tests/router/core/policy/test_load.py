@@ -200,3 +200,59 @@ def test_a_full_running_batch_makes_a_new_request_wait_for_a_slot() -> None:
     full = load.snapshot(A, now=3.0)
     assert full.slot_wait_s() == pytest.approx(2.0 / 2)  # a slot frees every residency / max_num_seqs
     assert full.predicted_ttft_s(0) == pytest.approx(full.prefill_s(0) + 1.0)
+
+
+def test_draining_counts_the_oldest_unanswered_request_prefilled_as_time_passes() -> None:
+    """FCFS: only the queue's head progresses (since it was sent, after the step it waits to join),
+    at the learned pace plus each chunk's decode part, short of its last chunk (it is answered at the
+    end of the step that prefills that); requests behind it count whole."""
+    step = StepCost(decode_step_s=0.0, decode_penalty_s=0.0, max_num_batched_tokens=1000, max_num_seqs=4)
+    load = LoadTracker(CostPrior(0.0, 1e-4, weight=1e6), step=step, drain=True)  # prior never moves
+    load.started(rid(0), A, at=0.0, uncached_tokens=10)
+    load.first_token(rid(0), at=0.001)  # something learned: draining starts
+    load.finished(rid(0), at=0.002)  # nothing decoding: the whole 1000-token budget prefills
+    load.started(rid(1), A, at=1.0, uncached_tokens=4000)  # head: 0.4 s to prefill at 1e-4 s/token
+    load.started(rid(2), A, at=1.0, uncached_tokens=2000)
+    assert load.snapshot(A, now=1.0).drained_tokens == 0
+    half = load.snapshot(A, now=1.2)
+    assert (half.queued_prefill_tokens, half.drained_tokens, half.queue_left()) == (6000, 2000, 4000)
+    assert half.prefill_s(0) == pytest.approx(0.0 + 1e-4 * 4000, rel=1e-3)
+    assert load.snapshot(A, now=9.0).drained_tokens == 3000  # never into the head's last chunk
+    load.first_token(rid(1), at=9.0)
+    assert load.snapshot(A, now=9.0).drained_tokens == 0  # the next head starts when the head answers
+    assert load.snapshot(A, now=9.1).drained_tokens == 1000
+
+
+def test_no_draining_while_the_running_batch_is_full_or_when_off() -> None:
+    step = StepCost(0.0, 0.0, max_num_seqs=2)
+    load = LoadTracker(CostPrior(0.0, 1e-4, weight=1e6), step=step, drain=True)
+    for n in range(2):  # two decoding: the batch is full, the head waits for a slot
+        load.started(rid(n), A, at=0.0, uncached_tokens=10)
+        load.first_token(rid(n), at=0.001)
+    load.started(rid(9), A, at=1.0, uncached_tokens=4000)
+    assert load.snapshot(A, now=1.2).drained_tokens == 0
+    off = LoadTracker(CostPrior(0.0, 1e-4, weight=1e6))
+    off.started(rid(0), A, at=0.0, uncached_tokens=10)
+    off.first_token(rid(0), at=0.001)
+    off.started(rid(1), A, at=1.0, uncached_tokens=4000)
+    assert off.snapshot(A, now=1.2).drained_tokens == 0
+
+
+def test_a_head_that_waited_for_a_slot_drains_from_when_the_slot_freed() -> None:
+    step = StepCost(0.0, 0.0, max_num_batched_tokens=1000, max_num_seqs=1)
+    load = LoadTracker(CostPrior(0.0, 1e-4, weight=1e6), step=step, drain=True)
+    load.started(rid(0), A, at=0.0, uncached_tokens=10)
+    load.first_token(rid(0), at=0.001)  # decoding: the one slot is taken
+    load.started(rid(1), A, at=1.0, uncached_tokens=4000)
+    load.finished(rid(0), at=5.0)  # the slot frees: only now can the head prefill
+    assert load.snapshot(A, now=5.0).drained_tokens == 0
+    assert load.snapshot(A, now=5.2).drained_tokens == 2000
+
+
+def test_a_head_within_one_step_budget_does_not_drain() -> None:
+    """Its whole prefill is one chunk, whose end is its answer: until then it is all still queued."""
+    load = LoadTracker(CostPrior(0.0, 1e-4, weight=1e6), step=StepCost(0.0, 0.0), drain=True)
+    load.started(rid(0), A, at=0.0, uncached_tokens=10)
+    load.first_token(rid(0), at=0.001)
+    load.started(rid(1), A, at=1.0, uncached_tokens=4000)  # within the 8192-token budget
+    assert load.snapshot(A, now=9.0).drained_tokens == 0
