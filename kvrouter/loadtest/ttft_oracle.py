@@ -10,12 +10,15 @@ itself counts prefixes its queued requests share). Decisions run concurrently (o
 queue a burst behind the stubs' answers); a request routed to a stub while a question was out is
 added to that stub's forecast as its uncached prefill time by the cost model. The time a decision takes is not
 in the measured TTFT (the client's clock starts when it sends): the oracle bounds routing, it is not
-a router; concurrent decisions keep the arrivals' rate.
+a router; concurrent decisions keep the arrivals' rate. A forecast query that fails is asked once
+more; a stub that still does not answer is left out of that one decision (counted in
+`forecast_failures`, logged), so one dropped connection does not end the run.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import math
 from collections.abc import Sequence
 
@@ -28,6 +31,8 @@ from kvrouter.loadtest.client import Target
 from kvrouter.loadtest.oracle import StubEndpoint, prefix_chains
 from kvrouter.loadtest.results import RequestResult
 from kvrouter.loadtest.workload import RequestSpec
+
+log = logging.getLogger(__name__)
 
 __all__ = ["TTFT_ORACLE", "TtftOracle"]
 
@@ -65,6 +70,8 @@ class TtftOracle:
         self.in_transit: dict[str, dict[int, _Ahead]] = {s.name: {} for s in self.stubs}
         self._where: dict[int, str] = {}
         self._routed: list[tuple[str, float]] = []  # every decision's (stub, prefill seconds), in order
+        self.forecast_failures: dict[str, int] = {}
+        """Decisions made without a stub whose forecast query failed twice, by stub."""
 
     def _shared(self, chains: list[int], transit: list[_Ahead], prompt_len: int) -> int:
         """The block-aligned prefix shared with a request in transit (capped as a hit is)."""
@@ -93,9 +100,17 @@ class TtftOracle:
             }
         )
         headers = {"content-type": "application/json"}
-        async with self.session.post(f"{stub.url}/debug/forecast", data=body, headers=headers) as r:
-            r.raise_for_status()
-            return _FORECASTS.decode(await r.read())
+        for _ in range(2):  # once more: a kept-alive connection the stub closed as it was reused
+            try:
+                async with self.session.post(f"{stub.url}/debug/forecast", data=body, headers=headers) as r:
+                    r.raise_for_status()
+                    return _FORECASTS.decode(await r.read())
+            except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
+                failure = exc
+        # This decision goes without that stub rather than ending the run; counted, and logged.
+        self.forecast_failures[stub.name] = self.forecast_failures.get(stub.name, 0) + 1
+        log.warning("ttft oracle: no forecast from %s (%s: %s)", stub.name, type(failure).__name__, failure)
+        return []
 
     async def choose(self, key: int, spec: RequestSpec) -> Target:
         """The (stub, rank) whose forecast first token for `spec` is the soonest."""
@@ -118,7 +133,7 @@ class TtftOracle:
             for f in forecasts
         ]
         if not ranked:
-            raise RuntimeError("the ttft oracle has no stub to route to")
+            raise RuntimeError("the ttft oracle: no stub answered its forecast query")
         *_, rank, stub, chosen = min(ranked, key=lambda c: c[:4])
         uncached = chosen.prompt_tokens - chosen.hit_tokens
         self._routed.append((stub.name, self.cost.step_seconds(StepWork(uncached))))
