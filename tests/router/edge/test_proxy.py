@@ -32,7 +32,7 @@ from router.core.policy.retry import OutcomeKind, RetryPolicy
 from router.edge.headers import response_headers, upstream_headers, upstream_url
 from router.edge.proxy import Proxy, ProxySettings
 from router.edge.upstream import ProxyRequest, Target, UpstreamResponse
-from tests.gateway_helpers import fake_engine, uvicorn_on_port_0
+from tests.gateway_helpers import Handler, fake_engine, uvicorn_on_port_0
 
 WAIT = 5.0  # generous bound for every wait on an event; none is expected to come close
 
@@ -127,6 +127,25 @@ def test_upstream_url_keeps_path_and_query() -> None:
 
 
 # ---- against real servers ----
+
+
+def endless_stream(cancelled: asyncio.Event, first: bytes | None = None, sse: bool = False) -> Handler:
+    """An engine answer that never ends: headers (SSE's when `sse`), then `first` if given, then
+    nothing until the client goes away, which sets `cancelled`."""
+
+    async def endless(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"} if sse else None)
+        await response.prepare(request)
+        if first is not None:
+            await response.write(first)
+        try:
+            await asyncio.Event().wait()
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return response
+
+    return endless
 
 
 async def test_json_forwarded_byte_for_byte() -> None:
@@ -296,18 +315,7 @@ async def test_first_byte_timeout_is_504_not_retried_and_cancels_upstream() -> N
 async def test_client_stopping_mid_stream_disconnects_upstream() -> None:
     cancelled = asyncio.Event()
 
-    async def endless(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        await response.write(b"data: 0\n\n")
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-        return response
-
-    async with fake_engine(endless) as url, proxy() as p:
+    async with fake_engine(endless_stream(cancelled, b"data: 0\n\n", sse=True)) as url, proxy() as p:
         answer = await p.forward(post(), Fleet(p, {"a": url}))
         assert await asyncio.wait_for(anext(answer.body), WAIT) == b"data: 0\n\n"
         reader = asyncio.ensure_future(anext(answer.body))
@@ -323,17 +331,7 @@ async def test_client_stopping_mid_stream_disconnects_upstream() -> None:
 async def test_close_before_iterating_releases_upstream() -> None:
     cancelled = asyncio.Event()
 
-    async def endless(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse()
-        await response.prepare(request)
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-        return response
-
-    async with fake_engine(endless) as url, proxy() as p:
+    async with fake_engine(endless_stream(cancelled)) as url, proxy() as p:
         answer = await p.forward(post(), Fleet(p, {"a": url}))
         answer.close()
         await asyncio.wait_for(cancelled.wait(), WAIT)
@@ -371,18 +369,7 @@ async def test_request_limits_checked_before_connecting() -> None:
 async def test_consumer_closing_the_iterator_disconnects_upstream() -> None:
     cancelled = asyncio.Event()
 
-    async def endless(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse()
-        await response.prepare(request)
-        await response.write(b"data: 0\n\n")
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-        return response
-
-    async with fake_engine(endless) as url, proxy() as p:
+    async with fake_engine(endless_stream(cancelled, b"data: 0\n\n")) as url, proxy() as p:
         answer = await p.forward(post(), Fleet(p, {"a": url}))
         assert await asyncio.wait_for(anext(answer.body), WAIT) == b"data: 0\n\n"
         await answer.body.aclose()  # type: ignore[attr-defined]
@@ -422,18 +409,7 @@ async def serve_gateway(p: Proxy, fleet: Fleet) -> AsyncIterator[int]:
 async def test_client_disconnect_through_uvicorn_cancels_upstream() -> None:
     cancelled = asyncio.Event()
 
-    async def endless(request: web.Request) -> web.StreamResponse:
-        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
-        await response.prepare(request)
-        await response.write(b"data: first\n\n")
-        try:
-            await asyncio.Event().wait()
-        except asyncio.CancelledError:
-            cancelled.set()
-            raise
-        return response
-
-    async with fake_engine(endless) as url, proxy() as p:
+    async with fake_engine(endless_stream(cancelled, b"data: first\n\n", sse=True)) as url, proxy() as p:
         async with serve_gateway(p, Fleet(p, {"a": url})) as port:
             reader, writer = await asyncio.open_connection("127.0.0.1", port)
             writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Length: 2\r\n\r\n{}")
