@@ -245,7 +245,9 @@ async def test_silence_while_requests_flow_and_engines_without_events(
         fleet.state.request_sent(E, RequestId("r1"), prepared, now)
         silent = fleet.state.trust(E, now + fleet.state.config.policy.trust_silence_s)
         assert (silent.state, silent.reason) == (TrustState.STALE, TrustReason.SILENT)
-        await publish(fleet, pub, E, store(1))
+        await publish(fleet, pub, E, store(1))  # another prompt's block: the request's are still missing
+        assert not fleet.state.trust(E, now + 100.0).trusted
+        await publish(fleet, pub, E, BlockStored([next(_hashes)], None, [1, 2, 3, 4], 4, None, "GPU", None))
         assert fleet.state.trust(E, now + 100.0).trusted
         blind = fleet.state.trust(EngineId("blind"), now)
         assert blind.state is TrustState.STALE and "no KV event endpoint" in blind.detail
