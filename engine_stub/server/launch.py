@@ -14,6 +14,7 @@ from collections.abc import AsyncIterator, Callable
 import uvicorn
 
 from engine_stub.runtime.stub_runtime import ReadyInfo, Stub
+from engine_stub.server.h2_preface import refusing_http2
 from engine_stub.server.http_app import create_app
 from engine_stub.stub_config import StubConfig
 from serving.listening import bind_listening
@@ -43,8 +44,9 @@ class StubServer:
         self._on_ready = on_ready
         app = create_app(self.stub, self._started)
         uv = uvicorn.Config(
-            app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=2
-        )
+            app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=2,
+            http=refusing_http2(self.stub.metrics.http2_refused.inc),  # peers' gRPC probes: see h2_preface
+        )  # fmt: skip
         self._server = QuietServer(uv, on_shutdown=self.stub.abort_all)
 
     def _started(self, stub: Stub) -> None:
