@@ -5,7 +5,8 @@ holds every one of its full blocks. A batch that brings other requests' stores, 
 ends nobody's wait, so the clock runs from the oldest request still awaited, not from the last batch.
 A request that ended unanswered computed nothing and is dropped; one answered but never seen stays
 awaited until its miss is accounted for (`forgive`: a verdict on it, or a later request's first block
-seen). Pure: time is passed in.
+seen). After a batch only the oldest requests are checked (they set the clock); any other is checked
+when it ends. Pure: time is passed in.
 """
 
 from __future__ import annotations
@@ -50,24 +51,28 @@ class AwaitedStores:
         return next(iter(self._by_request.values())).sent_at if self._by_request else None
 
     def seen(self, held: Callable[[int], bool] | None) -> None:
-        """Drop every request whose blocks are all `held` now (None: every request, for layouts whose
-        keys do not name one block each)."""
+        """Drop the oldest requests while their blocks are all `held` (None: every request, for layouts
+        whose keys do not name one block each). Only the oldest sets the clock, so a newer one seen
+        earlier waits its turn (or its end, see `ended`): a batch costs O(1), not O(awaited)."""
         if held is None:
             self._by_request.clear()
             return
-        done = [r for r, a in self._by_request.items() if all(held(k) for k in reversed(a.keys))]
-        for request in done:  # reversed: the last block is the last stored, the likeliest missing
-            del self._by_request[request]
+        while self._by_request:
+            oldest, awaited = next(iter(self._by_request.items()))
+            if not _all_held(awaited.keys, held):
+                return
+            del self._by_request[oldest]
 
-    def ended(self, request: RequestId, answered: bool) -> None:
-        """`request` ended; unanswered, it computed nothing (or nothing knowable) and is dropped."""
+    def ended(self, request: RequestId, answered: bool, held: Callable[[int], bool] | None) -> None:
+        """`request` ended: dropped if unanswered (it computed nothing, or nothing knowable) or if its
+        blocks are all `held` (checked now, before an eviction can take them), else marked ended."""
         awaited = self._by_request.get(request)
         if awaited is None:
             return
-        if answered:
-            awaited.ended = True
-        else:
+        if not answered or held is None or _all_held(awaited.keys, held):
             del self._by_request[request]
+        else:
+            awaited.ended = True
 
     def forgive(self, requests: Iterable[RequestId] | None = None) -> None:
         """Stop awaiting ended requests whose miss was accounted for: `requests`, or every ended one."""
@@ -81,3 +86,8 @@ class AwaitedStores:
     def clear(self) -> None:
         """Forget every request (the replica's view was reset)."""
         self._by_request.clear()
+
+
+def _all_held(keys: Sequence[int], held: Callable[[int], bool]) -> bool:
+    # from the last: the last block is the last stored, so the likeliest to be missing
+    return all(held(k) for k in reversed(keys))

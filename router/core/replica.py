@@ -11,7 +11,7 @@ batch and every metrics scrape, not per decision (reading the counters costs ~10
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
@@ -117,19 +117,21 @@ class Replica:
         """After a batch: stop awaiting the requests whose every block the mirror now holds. Layouts
         whose keys do not each name one group-0 block (several groups, other kinds) fall back to any
         batch ending every wait."""
-        view = mirror.replica(self.id)
-        if view is not None and self.variant.spec.unitary_full_attention:
-            self.awaited.seen(lambda key: bool(mirror.count(view, 0, key)))
-        else:
-            self.awaited.seen(None)
+        self.awaited.seen(self._held(mirror))
         self._awaited_changed(now)
+
+    def _held(self, mirror: Mirror) -> Callable[[int], bool] | None:
+        view = mirror.replica(self.id)
+        if view is None or not self.variant.spec.unitary_full_attention:
+            return None
+        return lambda key: bool(mirror.count(view, 0, key))
 
     def request_ended(self, mirror: Mirror, request: RequestId, answered: bool, now: float) -> None:
         """`request` ended (after `check_stored` counted it): unanswered, its stores are awaited no more,
         nor while a named cause already keeps the mirror stale (its own recovery brings the mirror back)."""
         status = self.status(now, mirror)
         named = status.state is TrustState.STALE and status.reason is not TrustReason.SILENT
-        self.awaited.ended(request, answered and not named)
+        self.awaited.ended(request, answered and not named, self._held(mirror))
         self._awaited_changed(now)
 
     def _awaited_changed(self, now: float) -> None:
