@@ -317,7 +317,7 @@ class FleetState:
             view.flags.clear()  # a restarted engine is judged afresh
         rep.reported_flags.clear()
         rep.forget_misses()
-        rep.awaited.clear()  # what the replay from 0 brings is seen again; a lost history is stale anyway
+        rep.forget_awaited(self.clock())  # the engine's cache went with the view; a lost history is stale
         rep.resets += 1
 
 

@@ -134,6 +134,11 @@ class Replica:
         self.awaited.ended(request, answered and not named, self._held(mirror))
         self._awaited_changed(now)
 
+    def forget_awaited(self, now: float) -> None:
+        """Await no request's stores any more (the replica's view was reset)."""
+        self.awaited.clear()
+        self._awaited_changed(now)
+
     def _awaited_changed(self, now: float) -> None:
         since = self.awaited.since()
         if since != self._awaiting_since:

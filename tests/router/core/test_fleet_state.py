@@ -268,3 +268,14 @@ def test_a_request_that_stored_nothing_is_awaited_no_longer_once_it_is_accounted
     fleet.request_finished(E, RequestId("good"), clock())
     clock.now += SILENCE_S
     assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
+
+
+def test_a_restart_forgets_the_awaited_stores_with_the_view() -> None:
+    fleet, clock = fleet_of(engine())
+    fleet.on_signal(EngineName("e"), CaughtUp(None))
+    fleet.attach(E, FakeLink())
+    sent(fleet, clock, "r", list(range(10)))
+    fleet.on_signal(EngineName("e"), LinkReset(reason="restart"))  # the engine's cache is gone with it
+    fleet.on_signal(EngineName("e"), CaughtUp(None))
+    clock.now += SILENCE_S
+    assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
