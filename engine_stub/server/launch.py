@@ -10,17 +10,22 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import AsyncIterator, Callable
+from typing import Final
 
 import uvicorn
 
 from engine_stub.runtime.stub_runtime import ReadyInfo, Stub
+from engine_stub.server.h2_preface import refusing_http2
 from engine_stub.server.http_app import create_app
 from engine_stub.stub_config import StubConfig
 from serving.listening import bind_listening
 from serving.quiet_server import QuietServer
 from tokenization import Tokenizer
 
-__all__ = ["StubServer", "running_stub"]
+__all__ = ["STUB_KEEPALIVE_S", "StubServer", "running_stub"]
+
+STUB_KEEPALIVE_S: Final = 5
+"""Seconds an idle HTTP/1.1 connection is kept open: vLLM's `--timeout-keep-alive` default (uvicorn's too)."""
 
 _WILDCARDS = ("0.0.0.0", "::", "")
 
@@ -43,8 +48,10 @@ class StubServer:
         self._on_ready = on_ready
         app = create_app(self.stub, self._started)
         uv = uvicorn.Config(
-            app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=2
-        )
+            app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=2,
+            timeout_keep_alive=STUB_KEEPALIVE_S,
+            http=refusing_http2(self.stub.metrics.http2_refused.inc),  # peers' gRPC probes: see h2_preface
+        )  # fmt: skip
         self._server = QuietServer(uv, on_shutdown=self.stub.abort_all)
 
     def _started(self, stub: Stub) -> None:

@@ -6,7 +6,8 @@ meaning: a prefix-cache query is counted when a request is first admitted (skipp
 re-admitted preempted requests are not counted). `vllm:request_success_total{finished_reason}` and
 `vllm:prompt_tokens_total` count finished requests as vLLM does, so a load test can attribute traffic
 to engines from their own counters; `kvrouter_stub_cached_blocks` (the stub's own, no vLLM
-equivalent) counts the pool's blocks holding a prefix-cache key, 0 right after a reset.
+equivalent) counts the pool's blocks holding a prefix-cache key, 0 right after a reset;
+`kvrouter_stub_http2_refused_total` counts HTTP/2 prior-knowledge connections refused.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Final
 
 import msgspec
-from prometheus_client import CollectorRegistry, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -109,6 +110,11 @@ class StubMetrics:
         )
         for rank in range(ranks):
             self.ttft.labels(model, str(rank))  # vLLM creates every rank's series up front
+        self.http2_refused = Counter(
+            "kvrouter_stub_http2_refused",
+            "HTTP/2 prior-knowledge connections refused with GOAWAY HTTP_1_1_REQUIRED.",
+            registry=self.registry,
+        )
         self.registry.register(_EngineCollector(model, read))
 
     def observe_ttft(self, rank: int, seconds: float) -> None:

@@ -23,7 +23,22 @@ import msgspec
 from kvrouter.loadtest.results import RequestResult
 from kvrouter.loadtest.workload import RequestSpec
 
-__all__ = ["Choose", "DriverSettings", "Started", "Target", "run_open_loop"]
+__all__ = [
+    "POOL_KEEPALIVE_S", "Choose", "DriverSettings", "Started", "Target", "pooled_session", "run_open_loop",
+]  # fmt: skip
+
+POOL_KEEPALIVE_S: Final = 2.0
+"""How long the harness reuses an idle pooled connection: well under the 5 s after which uvicorn (the
+stub's server, and vLLM's `--timeout-keep-alive`) closes it, so no request goes out on a connection
+the server is closing at that moment ("Server disconnected", "Connection reset by peer")."""
+
+
+def pooled_session(
+    timeout: aiohttp.ClientTimeout = aiohttp.client.DEFAULT_TIMEOUT, limit: int = 100
+) -> aiohttp.ClientSession:
+    """An aiohttp session pooling at most `limit` connections, none reused after `POOL_KEEPALIVE_S` idle."""
+    connector = aiohttp.TCPConnector(limit=limit, keepalive_timeout=POOL_KEEPALIVE_S)
+    return aiohttp.ClientSession(timeout=timeout, connector=connector)
 
 
 class Target(msgspec.Struct, frozen=True):
@@ -136,9 +151,8 @@ async def run_open_loop(
 ) -> list[RequestResult]:
     """Send every request at its arrival time to `choose(spec)`; return results in request order."""
     timeout = aiohttp.ClientTimeout(total=settings.timeout_s)
-    connector = aiohttp.TCPConnector(limit=settings.max_in_flight)
     gate = asyncio.Semaphore(settings.max_in_flight)
-    async with aiohttp.ClientSession(timeout=timeout, connector=connector) as session:
+    async with pooled_session(timeout, settings.max_in_flight) as session:
         start = time.perf_counter()
 
         async def fire(index: int, spec: RequestSpec) -> RequestResult:

@@ -29,7 +29,7 @@ import aiohttp
 import msgspec
 
 from engine_stub.runtime.cost_model import CostModel
-from kvrouter.loadtest.client import Choose, DriverSettings, Started, Target, run_open_loop
+from kvrouter.loadtest.client import Choose, DriverSettings, Started, Target, pooled_session, run_open_loop
 from kvrouter.loadtest.engines_file import EnginesFile, await_cold_mirror, mirror_blocks, reset_caches
 from kvrouter.loadtest.oracle import CACHE_ORACLE, CacheOracle, StubEndpoint
 from kvrouter.loadtest.report import Report, write_report
@@ -238,7 +238,7 @@ async def _run_policy(
         url = await gateway.start(spec.ready_timeout_s)
         await _warm_up(url, ctx.model.name, spec.text_prompts)
     try:
-        async with aiohttp.ClientSession() as session:
+        async with pooled_session() as session:  # the oracles' and counters' queries to the stubs
             # every policy, oracles included, starts on cold caches
             mirrored = await _cold_start(policy, session, spec, ctx, url if gateway else None)
             before = await read_counters(session, ctx.stubs)

@@ -42,7 +42,6 @@ from router.core.policy.trust import (
     HistoryLost,
     ReplayFinished,
     ReplayStarted,
-    RequestSent,
     TrustStatus,
     TrustTracker,
 )
@@ -200,7 +199,7 @@ class FleetState:
         keys = prepared.keys_for(rep.variant.id)
         if keys is not None and keys.num_tokens >= rep.variant.spec.hash_block_size:
             if self._must_store(rep, keys.keys, keys.num_tokens):
-                rep.observe(RequestSent(at))
+                rep.await_stores(request, keys.keys, at)
         if keys is not None and not prepared.skip_cache and rep.variant.spec.unitary_full_attention:
             self.pending.add(request, replica, keys.keys, at)
         if keys is not None and keys.keys and rep.engine.events:
@@ -233,12 +232,14 @@ class FleetState:
         rep = self._replicas.get(replica)
         self._first_keys.pop(request, None)
         first = self._answered_keys.pop(request, None)
-        if rep is not None and first is not None and rep.check_stored(self.mirror, *first, at):
+        if rep is not None and first is not None and rep.check_stored(self.mirror, request, *first, at):
             # Missed events (a restart the link has not seen?) or other keys: a verified link tells.
             if rep.link is not None and rep.link.verify():
                 rep.verifying = True  # judged at CaughtUp, unless the replay finds a restart
             else:
                 rep.judge(self.mirror, at, link_verified=False)
+        if rep is not None:
+            rep.request_ended(self.mirror, request, first is not None, at)
         if rep is not None and request in rep.pending:
             grace = self.report_grace_s if rep.pending[request].full else 0.0
             rep.finished[request] = at + grace
@@ -271,6 +272,7 @@ class FleetState:
         rep.count_roots(batch.events)
         rep.last_seq, rep.applied = seq, rep.applied + 1
         rep.observe(Delivered(now))
+        rep.stores_seen(self.mirror, now)
         rep.expire_pending(now)
         if any(isinstance(ev, AllBlocksCleared) for ev in batch.events):
             rep.observe(Cleared(now))
@@ -315,6 +317,7 @@ class FleetState:
             view.flags.clear()  # a restarted engine is judged afresh
         rep.reported_flags.clear()
         rep.forget_misses()
+        rep.forget_awaited(self.clock())  # the engine's cache went with the view; a lost history is stale
         rep.resets += 1
 
 

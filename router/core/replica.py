@@ -11,22 +11,22 @@ batch and every metrics scrape, not per decision (reading the counters costs ~10
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Final, Protocol
 
 from events.sources import EngineStats
 from events.wire import BlockStored, LazyBlockStored
+from router.core.awaited_stores import AwaitedStores
 from router.core.group_kinds import group_kind
 from router.core.ids import EngineId, RequestId
 from router.core.mirror.full_reports import PendingReport
 from router.core.mirror.shared_index import Mirror
 from router.core.policy.trust import (
     BlockSizeMismatch,
-    Delivered,
     EventsRejected,
     ReplayStarted,
-    RequestSent,
+    StoresAwaited,
     TokenizerMismatch,
     TrustReason,
     TrustSignal,
@@ -88,6 +88,10 @@ class Replica:
     """Parentless GPU stores of group 0 delivered so far: each starts a prompt's chain of blocks."""
     missing_keys: list[int] = field(default_factory=list)
     """First keys of the requests that ended, in a row, without their first block in the mirror."""
+    missing_requests: list[RequestId] = field(default_factory=list)
+    """Those requests (still awaited until a verdict on them)."""
+    awaited: AwaitedStores = field(default_factory=AwaitedStores)
+    """Requests sent here whose stores the mirror has not seen yet (the silence clock's input)."""
     stored_elsewhere: int = 0
     """How many of those requests saw first blocks stored (under other keys) while they ran."""
     verifying: bool = False
@@ -101,10 +105,44 @@ class Replica:
         """Feed one trust signal."""
         self.tracker.observe(signal)
         self._cached = None
-        if isinstance(signal, Delivered):
-            self._awaiting_since = None
-        elif isinstance(signal, RequestSent) and self._awaiting_since is None:
-            self._awaiting_since = signal.at
+        if isinstance(signal, StoresAwaited):
+            self._awaiting_since = signal.since
+
+    def await_stores(self, request: RequestId, keys: Sequence[int], at: float) -> None:
+        """`request`, sent at `at`, must store new blocks of `keys`: the silence clock waits for them."""
+        self.awaited.add(request, keys, at)
+        self._awaited_changed(at)
+
+    def stores_seen(self, mirror: Mirror, now: float) -> None:
+        """After a batch: stop awaiting the requests whose every block the mirror now holds. Layouts
+        whose keys do not each name one group-0 block (several groups, other kinds) fall back to any
+        batch ending every wait."""
+        self.awaited.seen(self._held(mirror))
+        self._awaited_changed(now)
+
+    def _held(self, mirror: Mirror) -> Callable[[int], bool] | None:
+        view = mirror.replica(self.id)
+        if view is None or not self.variant.spec.unitary_full_attention:
+            return None
+        return lambda key: bool(mirror.count(view, 0, key))
+
+    def request_ended(self, mirror: Mirror, request: RequestId, answered: bool, now: float) -> None:
+        """`request` ended (after `check_stored` counted it): unanswered, its stores are awaited no more,
+        nor while a named cause already keeps the mirror stale (its own recovery brings the mirror back)."""
+        status = self.status(now, mirror)
+        named = status.state is TrustState.STALE and status.reason is not TrustReason.SILENT
+        self.awaited.ended(request, answered and not named, self._held(mirror))
+        self._awaited_changed(now)
+
+    def forget_awaited(self, now: float) -> None:
+        """Await no request's stores any more (the replica's view was reset)."""
+        self.awaited.clear()
+        self._awaited_changed(now)
+
+    def _awaited_changed(self, now: float) -> None:
+        since = self.awaited.since()
+        if since != self._awaiting_since:
+            self.observe(StoresAwaited(now, since))
 
     def _tracker_status(self, now: float) -> TrustStatus:
         # TrustTracker.status costs ~9 us; its answer changes only on a signal or when silence sets in.
@@ -194,7 +232,9 @@ class Replica:
                     return groups[g].block_size, ev.block_size
         return groups[0].block_size, 0
 
-    def check_stored(self, mirror: Mirror, first_key: int, roots_at_sent: int, now: float) -> bool:
+    def check_stored(
+        self, mirror: Mirror, request: RequestId, first_key: int, roots_at_sent: int, now: float
+    ) -> bool:
         """A request this router sent here has ended: its first block should be in the mirror by now.
 
         The engine stores every full prompt block it computes, so a trusted mirror that still lacks
@@ -208,12 +248,16 @@ class Replica:
         view = mirror.replica(self.id)
         if view is None or not group_kind(self.variant.spec.groups[0].kind).full_attention or self.verifying:
             return False
-        if not self.status(now, mirror).trusted:
+        status = self.status(now, mirror)
+        if not status.trusted and status.reason is not TrustReason.SILENT:  # silence: what a verdict explains
             return False
         if mirror.count(view, 0, first_key):
             self.forget_misses()
+            self.awaited.forgive()  # earlier misses: evictions, or answers that stored nothing
+            self._awaited_changed(now)
             return False
         self.missing_keys.append(first_key)
+        self.missing_requests.append(request)
         self.stored_elsewhere += self.root_stores > roots_at_sent
         return len(self.missing_keys) == MISMATCH_AFTER
 
@@ -229,7 +273,9 @@ class Replica:
         """
         view = mirror.replica(self.id)
         keys, elsewhere = self.missing_keys, self.stored_elsewhere
+        self.awaited.forgive(self.missing_requests)  # a verdict accounts for them, or they were late
         self.forget_misses()
+        self._awaited_changed(now)
         if view is None or not keys or any(mirror.count(view, 0, key) for key in keys):
             return
         n = len(keys)
@@ -248,6 +294,7 @@ class Replica:
     def forget_misses(self) -> None:
         """Start counting missing first blocks afresh (a block seen, a verdict, a reset)."""
         self.missing_keys = []
+        self.missing_requests = []
         self.stored_elsewhere = 0
         self.verifying = False
 

@@ -6,8 +6,9 @@ carrying its own time) and asked `status(now)`. Trust is the worst of the active
 - STALE: an unreplayed gap; lost history (replay started later than asked); an undecodable batch;
   events rejected (invalid ones, or a batch the mirror could not apply whole);
   a block-size or tokenizer mismatch seen in the engine's events; blocks the engine holds but the
-  mirror never saw stored (its events were missed); silence while requests flow (the router sent it
-  a request that must have produced stores `silence_s` ago, and no events came since).
+  mirror never saw stored (its events were missed); silence while requests flow (the oldest request
+  the router sent it that must produce stores was sent `silence_s` ago, and the mirror has still not
+  seen them: any other batch, an earlier request's stores included, ends no request's wait).
 - CATCHING_UP: a replay in flight; an engine reset (restart) whose mirror is not rebuilt yet.
 - FRESH: none of the above.
 
@@ -34,7 +35,7 @@ __all__ = [
     "HistoryLost",
     "ReplayFinished",
     "ReplayStarted",
-    "RequestSent",
+    "StoresAwaited",
     "TokenizerMismatch",
     "TrustReason",
     "TrustSignal",
@@ -172,10 +173,12 @@ class UnseenBlocks(msgspec.Struct, frozen=True):
     detail: str = ""
 
 
-class RequestSent(msgspec.Struct, frozen=True):
-    """The router sent the engine a request that must produce stores (at least one new full block)."""
+class StoresAwaited(msgspec.Struct, frozen=True):
+    """The oldest request sent to the engine whose stores the mirror has not seen yet was sent at
+    `since` (None: no request is awaited); the silence clock runs from it."""
 
     at: float
+    since: float | None
 
 
 TrustSignal = (
@@ -191,7 +194,7 @@ TrustSignal = (
     | BlockSizeMismatch
     | TokenizerMismatch
     | UnseenBlocks
-    | RequestSent
+    | StoresAwaited
 )
 
 _CLEARED_BY_EXACT_MIRROR = (
@@ -220,11 +223,9 @@ class TrustTracker:
         """Apply one signal (see the module docstring for what each one sets and clears)."""
         match signal:
             case Delivered(at=at):
-                self._awaiting_events_since = None
                 self._clear(at, TrustReason.RESET_NOT_REBUILT)
-            case RequestSent(at=at):
-                if self._awaiting_events_since is None:
-                    self._awaiting_events_since = at
+            case StoresAwaited(since=since):
+                self._awaiting_events_since = since
             case Gap(at=at, from_seq=lo, to_seq=hi):
                 self._set(at, TrustReason.GAP, f"batches {lo}..{hi - 1} missing, not replayed")
             case ReplayStarted(at=at):
@@ -255,7 +256,7 @@ class TrustTracker:
         silent_since = self._silent_since(now)
         for reason in TrustReason:
             if reason is TrustReason.SILENT and silent_since is not None:
-                detail = f"no events for {now - silent_since:.1f}s while requests were sent"
+                detail = f"the stores of a request sent {now - silent_since:.1f}s ago have not arrived"
                 return TrustStatus(TrustState.STALE, reason, detail, silent_since + self.silence_s)
             if reason in self._active:
                 since, detail = self._active[reason]

@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import msgspec
 import pytest
 from aiohttp import web
 
-from kvrouter.loadtest.client import DriverSettings, Target, run_open_loop
+from engine_stub.server.launch import STUB_KEEPALIVE_S
+from kvrouter.loadtest.client import POOL_KEEPALIVE_S, DriverSettings, Target, pooled_session, run_open_loop
 from kvrouter.loadtest.results import RequestResult
 from kvrouter.loadtest.workload import RequestSpec
 
@@ -86,3 +88,32 @@ async def test_connection_failure_is_a_result_not_a_crash() -> None:
 
     (r,) = await run_open_loop([RequestSpec(0.0, [1, 2], 1, "s")], choose, DriverSettings(timeout_s=5))
     assert r.error is not None and r.engine is None
+
+
+async def test_a_pooled_connection_idle_past_the_pool_keepalive_is_not_reused() -> None:
+    """uvicorn (the stub's server, and vLLM's) closes a connection idle for its keep-alive (5 s); a
+    request sent on it as it closes fails ("Server disconnected", "Connection reset by peer": the TTFT
+    oracle's forecast errors). The harness's pool stops reusing connections well before that."""
+    peers: list[object] = []
+
+    async def handle(request: web.Request) -> web.Response:
+        assert request.transport is not None
+        peers.append(request.transport.get_extra_info("peername"))
+        return web.Response(text="ok")
+
+    app = web.Application()
+    app.router.add_get("/", handle)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    await web.TCPSite(runner, "127.0.0.1", 0).start()
+    port = runner.addresses[0][1]
+    try:
+        async with pooled_session() as session:
+            for idle_s in (0.0, POOL_KEEPALIVE_S + 0.2):
+                await asyncio.sleep(idle_s)  # the idle time under test, not synchronisation
+                async with session.get(f"http://127.0.0.1:{port}/") as r:
+                    assert r.status == 200
+    finally:
+        await runner.cleanup()
+    assert len(peers) == 2 and peers[0] != peers[1]  # the second request opened a new connection
+    assert POOL_KEEPALIVE_S < STUB_KEEPALIVE_S / 2  # margin for a starved event loop on either side

@@ -75,6 +75,12 @@ def store(n: int) -> BlockStored:
     return BlockStored([next(_hashes) for _ in range(n)], None, tokens, 4, None, "GPU", None)
 
 
+def stored(tokens: list[int]) -> BlockStored:
+    """The engine's store of the full blocks of a prompt of `tokens`."""
+    n = len(tokens) // 4
+    return BlockStored([next(_hashes) for _ in range(n)], None, tokens[: 4 * n], 4, None, "GPU", None)
+
+
 def prepared(fleet: FleetState, tokens: list[int]) -> Prepared:
     keys = [int(k) for k in fleet.mirror.hasher.request_keys(tokens, 4)]
     return Prepared(
@@ -164,3 +170,112 @@ def test_pending_prefixes_are_kept_only_for_policies_that_read_them() -> None:
         fleet.add_engine(engine(), resolve_variant(MODEL, engine()), clock())
         fleet.request_sent(E, RequestId("r"), prepared(fleet, list(range(12))), clock())
         assert fleet.pending.holds(E) is kept, policy
+
+
+SILENCE_S = RouterConfig().policy.trust_silence_s
+
+
+def sent(fleet: FleetState, clock: Clock, request: str, tokens: list[int], answered: bool = True) -> None:
+    fleet.request_sent(E, RequestId(request), prepared(fleet, tokens), clock())
+    if answered:
+        fleet.request_answered(RequestId(request), clock())
+
+
+def test_stores_of_an_earlier_request_do_not_end_the_silence_of_a_later_one() -> None:
+    """The silence clock runs from the oldest request whose stores the mirror has not seen: a batch
+    that brings only an earlier request's stores leaves a later one's missing (before, any delivered
+    batch reset the clock, so a pause right after it kept the mirror fresh for good)."""
+    fleet, clock = fleet_of(engine())
+    fleet.on_signal(EngineName("e"), CaughtUp(None))
+    first, second = list(range(10)), list(range(100, 110))
+    sent(fleet, clock, "a", first)
+    clock.now += 0.1
+    sent(fleet, clock, "b", second)
+    clock.now += 0.1
+    fleet.on_batch(EngineName("e"), 0, KVEventBatch(0.0, [stored(first)]))  # a's stores; then b's are lost
+    clock.now += SILENCE_S - 0.2
+    assert status(fleet, clock)[0] is TrustState.FRESH  # b was sent less than silence_s ago
+    clock.now += 0.2
+    assert status(fleet, clock) == (TrustState.STALE, TrustReason.SILENT)
+    assert "sent 5.1s ago" in fleet.trust(E, clock()).detail  # counted from b's send
+    fleet.on_batch(EngineName("e"), 1, KVEventBatch(0.0, [stored(second)]))  # b's stores after all
+    assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
+
+
+def test_a_verification_replay_answered_before_the_last_request_stored_leaves_it_awaited() -> None:
+    """test_event_pause's race, step by step: three requests end without their blocks (the engine's
+    events are paused), the verification replay is asked, a fourth request is sent, and the replay
+    brings the first three requests' stores (held in the engine's buffer) but not the fourth's, which
+    the engine computed after answering the replay. The fourth's stores are still missing, so the
+    mirror must go stale `silence_s` after it was sent (it stayed fresh for the rest of the pause)."""
+    fleet, clock = fleet_of(engine())
+    fleet.on_signal(EngineName("e"), CaughtUp(None))
+    link = FakeLink()
+    fleet.attach(E, link)
+    prompts = [list(range(100 * i, 100 * i + 10)) for i in range(4)]
+    for i, prompt in enumerate(prompts[:3]):
+        sent(fleet, clock, f"r{i}", prompt)
+        fleet.request_finished(E, RequestId(f"r{i}"), clock())
+        clock.now += 0.01
+    assert link.verified == 1
+    sent(fleet, clock, "r3", prompts[3])
+    fleet.request_finished(E, RequestId("r3"), clock())  # while the verification is in flight
+    last_sent = clock()
+    clock.now += 0.01
+    for seq, prompt in enumerate(prompts[:3]):  # the replay: the held batches of the first three
+        fleet.on_batch(EngineName("e"), seq, KVEventBatch(0.0, [stored(prompt)]))
+    fleet.on_signal(EngineName("e"), CaughtUp(2))
+    assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)  # late stores are no cause
+    clock.now = last_sent + SILENCE_S
+    assert status(fleet, clock) == (TrustState.STALE, TrustReason.SILENT)
+    fleet.on_batch(EngineName("e"), 3, KVEventBatch(0.0, [stored(prompts[3])]))  # events flow again
+    assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
+
+
+def test_silence_does_not_hide_a_tokenizer_mismatch() -> None:
+    """Stores under other keys never end a request's wait, so with slow traffic the mirror is silent
+    first; the requests that end meanwhile are still counted, and the verified link names the cause."""
+    fleet, clock = fleet_of(engine())
+    fleet.on_signal(EngineName("e"), CaughtUp(None))
+    link = FakeLink()
+    fleet.attach(E, link)
+    for i in range(3):
+        sent(fleet, clock, f"r{i}", list(range(100 * i, 100 * i + 10)))
+        fleet.on_batch(EngineName("e"), i, KVEventBatch(0.0, [store(2)]))  # the engine's own keys
+        clock.now += SILENCE_S
+        assert status(fleet, clock) == (TrustState.STALE, TrustReason.SILENT)
+        fleet.request_finished(E, RequestId(f"r{i}"), clock())
+    assert link.verified == 1
+    fleet.on_signal(EngineName("e"), CaughtUp(2))
+    assert status(fleet, clock) == (TrustState.STALE, TrustReason.TOKENIZER_MISMATCH)
+
+
+def test_a_request_that_stored_nothing_is_awaited_no_longer_once_it_is_accounted_for() -> None:
+    """A request that ended without an answer computed nothing; one answered without stores (an
+    engine error, an eviction) is forgiven when a later request's first block is seen."""
+    fleet, clock = fleet_of(engine())
+    fleet.on_signal(EngineName("e"), CaughtUp(None))
+    sent(fleet, clock, "refused", list(range(10)), answered=False)
+    fleet.request_finished(E, RequestId("refused"), clock())
+    clock.now += SILENCE_S
+    assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
+    sent(fleet, clock, "error", list(range(100, 110)))
+    fleet.request_finished(E, RequestId("error"), clock())
+    clock.now += 1.0
+    good = list(range(200, 210))
+    sent(fleet, clock, "good", good)
+    fleet.on_batch(EngineName("e"), 0, KVEventBatch(0.0, [stored(good)]))
+    fleet.request_finished(E, RequestId("good"), clock())
+    clock.now += SILENCE_S
+    assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
+
+
+def test_a_restart_forgets_the_awaited_stores_with_the_view() -> None:
+    fleet, clock = fleet_of(engine())
+    fleet.on_signal(EngineName("e"), CaughtUp(None))
+    fleet.attach(E, FakeLink())
+    sent(fleet, clock, "r", list(range(10)))
+    fleet.on_signal(EngineName("e"), LinkReset(reason="restart"))  # the engine's cache is gone with it
+    fleet.on_signal(EngineName("e"), CaughtUp(None))
+    clock.now += SILENCE_S
+    assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)

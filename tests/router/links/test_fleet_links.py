@@ -71,6 +71,18 @@ def fleet_for(ctx: TrackedContext, *engines: EngineConfig) -> FleetLinks:
     return FleetLinks(state, models, context=ctx, subscriber_config=FAST)
 
 
+async def start_fleet(
+    fleets: list[FleetLinks], ctx: TrackedContext, *engines: EngineConfig, caught_up: bool = False
+) -> FleetLinks:
+    """A started fleet of `engines` (closed by the `fleets` fixture); `caught_up`: once e is trusted."""
+    fleet = fleet_for(ctx, *engines)
+    fleets.append(fleet)
+    await fleet.start()
+    if caught_up:
+        await wait_until(lambda: fleet.state.trust(E, fleet.state.clock()).trusted, what="caught up")
+    return fleet
+
+
 @pytest.fixture
 async def fleets() -> AsyncIterator[list[FleetLinks]]:
     started: list[FleetLinks] = []
@@ -107,9 +119,7 @@ async def test_events_land_in_the_mirror_after_the_start_up_replay(
 ) -> None:
     async with EventPublisher(endpoints("a"), context=ctx) as pub:
         await pub.publish(KVEventBatch(0.0, [store(3)]))  # before the router starts: only the replay has it
-        fleet = fleet_for(ctx, engine("e", pub.resolved))
-        fleets.append(fleet)
-        await fleet.start()
+        fleet = await start_fleet(fleets, ctx, engine("e", pub.resolved))
         assert state(fleet) == (TrustState.CATCHING_UP, TrustReason.REPLAY_IN_FLIGHT)
         assert fleet.state.ready(fleet.state.clock())  # routable while its mirror catches up
         await wait_until(lambda: fleet.state.trust(E, fleet.state.clock()).trusted, what="caught up")
@@ -132,9 +142,7 @@ async def test_restart_resets_the_replica_and_the_replay_rebuilds_it(
 ) -> None:
     config = endpoints("a")
     async with EventPublisher(config, context=ctx) as pub:
-        fleet = fleet_for(ctx, engine("e", pub.resolved))
-        fleets.append(fleet)
-        await fleet.start()
+        fleet = await start_fleet(fleets, ctx, engine("e", pub.resolved))
         for _ in range(3):
             await publish(fleet, pub, E, store(2))
         await wait_until(lambda: fleet.state.trust(E, fleet.state.clock()).trusted, what="caught up")
@@ -158,9 +166,7 @@ async def test_lost_history_is_stale_until_the_engine_clears(
     async with EventPublisher(endpoints("a", buffer_steps=2), context=ctx) as pub:
         for _ in range(5):
             await pub.publish(KVEventBatch(0.0, [store(1)]))
-        fleet = fleet_for(ctx, engine("e", pub.resolved))
-        fleets.append(fleet)
-        await fleet.start()
+        fleet = await start_fleet(fleets, ctx, engine("e", pub.resolved))
         rep = fleet.state.replica(E)
         await wait_until(lambda: rep.resets == 1 and not rep.replaying, what="history lost, replay over")
         assert state(fleet) == (TrustState.STALE, TrustReason.HISTORY_LOST)
@@ -176,9 +182,7 @@ async def test_an_engine_without_replay_is_stale_when_it_joined_late(
 ) -> None:
     async with EventPublisher(endpoints("a"), context=ctx) as pub:
         await pub.publish(KVEventBatch(0.0, [store(1)]))
-        fleet = fleet_for(ctx, engine("e", pub.resolved, replay=False))
-        fleets.append(fleet)
-        await fleet.start()
+        fleet = await start_fleet(fleets, ctx, engine("e", pub.resolved, replay=False))
         assert state(fleet) == (TrustState.FRESH, TrustReason.OK)  # nothing known yet, nothing claimed
         rep = fleet.state.replica(E)
         # Beat ZeroMQ's slow joiner: publish one batch at a time, each given up to 50 ms to arrive, until
@@ -196,10 +200,7 @@ async def test_decode_errors_and_block_size_mismatches_make_a_replica_stale(
     ctx: TrackedContext, endpoints: Any, fleets: list[FleetLinks]
 ) -> None:
     async with EventPublisher(endpoints("a"), context=ctx) as pub:
-        fleet = fleet_for(ctx, engine("e", pub.resolved))
-        fleets.append(fleet)
-        await fleet.start()
-        await wait_until(lambda: fleet.state.trust(E, fleet.state.clock()).trusted, what="caught up")
+        fleet = await start_fleet(fleets, ctx, engine("e", pub.resolved), caught_up=True)
         await pub.publish(b"\xc1 not msgpack")
         await publish(fleet, pub, E, store(1))
         assert state(fleet) == (TrustState.STALE, TrustReason.DECODE_ERROR)
@@ -217,10 +218,7 @@ async def test_a_gap_is_replayed_while_catching_up(
     ctx: TrackedContext, endpoints: Any, fleets: list[FleetLinks]
 ) -> None:
     async with EventPublisher(endpoints("a"), context=ctx) as pub:
-        fleet = fleet_for(ctx, engine("e", pub.resolved))
-        fleets.append(fleet)
-        await fleet.start()
-        await wait_until(lambda: fleet.state.trust(E, fleet.state.clock()).trusted, what="caught up")
+        fleet = await start_fleet(fleets, ctx, engine("e", pub.resolved), caught_up=True)
         await publish(fleet, pub, E, store(1))
         pub.faults.drop_next = 1
         await pub.publish(KVEventBatch(0.0, [store(1)]))
@@ -234,21 +232,19 @@ async def test_silence_while_requests_flow_and_engines_without_events(
     ctx: TrackedContext, endpoints: Any, fleets: list[FleetLinks]
 ) -> None:
     async with EventPublisher(endpoints("a"), context=ctx) as pub:
-        fleet = fleet_for(
-            ctx, engine("e", pub.resolved), EngineConfig(name="blind", url="http://blind:1", model="m")
-        )
-        fleets.append(fleet)
-        await fleet.start()
-        await wait_until(lambda: fleet.state.trust(E, fleet.state.clock()).trusted, what="caught up")
+        blind = EngineConfig(name="blind", url="http://blind:1", model="m")
+        fleet = await start_fleet(fleets, ctx, engine("e", pub.resolved), blind, caught_up=True)
         prepared = fleet.models.prepare(b'{"model": "m", "prompt": [1, 2, 3, 4, 5, 6]}', "/v1/completions")
         now = fleet.state.clock()
         fleet.state.request_sent(E, RequestId("r1"), prepared, now)
         silent = fleet.state.trust(E, now + fleet.state.config.policy.trust_silence_s)
         assert (silent.state, silent.reason) == (TrustState.STALE, TrustReason.SILENT)
-        await publish(fleet, pub, E, store(1))
+        await publish(fleet, pub, E, store(1))  # another prompt's block: the request's are still missing
+        assert not fleet.state.trust(E, now + 100.0).trusted
+        await publish(fleet, pub, E, BlockStored([next(_hashes)], None, [1, 2, 3, 4], 4, None, "GPU", None))
         assert fleet.state.trust(E, now + 100.0).trusted
-        blind = fleet.state.trust(EngineId("blind"), now)
-        assert blind.state is TrustState.STALE and "no KV event endpoint" in blind.detail
+        unseen = fleet.state.trust(EngineId("blind"), now)
+        assert unseen.state is TrustState.STALE and "no KV event endpoint" in unseen.detail
         assert fleet.state.replica_target(EngineId("blind")) == ("http://blind:1", None)
         assert sorted(fleet.state.replicas("m")) == ["blind", "e"] and fleet.state.replicas("other") == []
 
@@ -261,9 +257,7 @@ async def test_engines_with_dp_ranks_are_added_and_removed_at_run_time(
         EventPublisher(tcp, host_ip="127.0.0.1", context=ctx) as p0,
         EventPublisher(tcp, rank=1, host_ip="127.0.0.1", context=ctx) as p1,
     ):
-        fleet = fleet_for(ctx)
-        fleets.append(fleet)
-        await fleet.start()
+        fleet = await start_fleet(fleets, ctx)
         assert fleet.state.replicas() == []
         await fleet.add_engine(engine("dp", p0.resolved, p1.resolved))
         r0, r1 = EngineId("dp/dp0"), EngineId("dp/dp1")
@@ -284,10 +278,7 @@ async def test_a_bad_event_costs_only_itself_and_makes_the_replica_stale(
     ctx: TrackedContext, endpoints: Any, fleets: list[FleetLinks], bad_tokens: Any
 ) -> None:
     async with EventPublisher(endpoints("a"), context=ctx) as pub:
-        fleet = fleet_for(ctx, engine("e", pub.resolved))
-        fleets.append(fleet)
-        await fleet.start()
-        await wait_until(lambda: fleet.state.trust(E, fleet.state.clock()).trusted, what="caught up")
+        fleet = await start_fleet(fleets, ctx, engine("e", pub.resolved), caught_up=True)
         a, b = store(1), store(1)
         bad = BlockStored([next(_hashes)], None, bad_tokens, 4, None, "GPU", None)
         await publish(fleet, pub, E, a, bad, b)  # waits for last_seq: the batch is handled whole
@@ -309,9 +300,7 @@ async def test_cpu_blocks_are_accounted_and_emptied_by_a_clear(
     ctx: TrackedContext, endpoints: Any, fleets: list[FleetLinks]
 ) -> None:
     async with EventPublisher(endpoints("a"), context=ctx) as pub:
-        fleet = fleet_for(ctx, engine("e", pub.resolved))
-        fleets.append(fleet)
-        await fleet.start()
+        fleet = await start_fleet(fleets, ctx, engine("e", pub.resolved))
         cpu = BlockStored(list(range(1000)), None, [], 0, None, "CPU", None)
         await publish(fleet, pub, E, cpu, BlockStored([1], None, [], 0, None, cast(Any, "HBM9"), None))
         summary: Any = index_summary(fleet.state)

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from aiohttp import web
+from kubernetes_asyncio.client import ApiClient
 
 from router.links.kube_discovery import KubeDiscovery, api_client, namespace_of
 from router.settings.config import Discovery, EngineConfig, KubernetesDiscovery
@@ -44,15 +45,23 @@ def settings(url: str) -> Discovery:
 
 
 @asynccontextmanager
+async def discovering(
+    discovery: Discovery, client: ApiClient | None = None, fleet: Fleet | None = None
+) -> AsyncIterator[tuple[KubeDiscovery, Fleet]]:
+    """A started `KubeDiscovery` feeding `fleet` (a new one by default), closed on the way out."""
+    fleet = fleet or Fleet()
+    disco = KubeDiscovery(discovery, fleet.on_change, client)
+    disco.start()
+    try:
+        yield disco, fleet
+    finally:
+        await disco.close()
+
+
+@asynccontextmanager
 async def watching() -> AsyncIterator[tuple[FakeKubeApi, KubeDiscovery, Fleet]]:
-    async with running_kube_api() as (api, url):
-        fleet = Fleet()
-        disco = KubeDiscovery(settings(url), fleet.on_change)
-        disco.start()
-        try:
-            yield api, disco, fleet
-        finally:
-            await disco.close()
+    async with running_kube_api() as (api, url), discovering(settings(url)) as (disco, fleet):
+        yield api, disco, fleet
 
 
 def qwen(*endpoints: dict[str, Any], name: str = "qwen-1") -> dict[str, Any]:
@@ -63,10 +72,7 @@ async def test_list_then_watch_adds_and_removes_engines_as_pods_come_and_go() ->
     async with running_kube_api() as (api, url):
         await api.put(qwen(endpoint("10.0.0.1", "vllm-0")))
         await api.put(endpoint_slice("other", "llama", [endpoint("10.0.0.9", "x")], labels=MODEL))
-        fleet = Fleet()
-        disco = KubeDiscovery(settings(url), fleet.on_change)
-        disco.start()
-        try:
+        async with discovering(settings(url)) as (_, fleet):
             await wait_for(lambda: _has(fleet, "qwen/vllm-0"))
             assert api.lists[0]["labelSelector"] == "kubernetes.io/service-name=qwen"
             await wait_for(lambda: _true(api.open_watches == 1))
@@ -83,8 +89,6 @@ async def test_list_then_watch_adds_and_removes_engines_as_pods_come_and_go() ->
             await wait_for(lambda: _true(fleet.engines == {}))
             assert len(api.lists) == 1 and len(api.watches) == 1  # watched, never polled
             assert "llama" not in str(fleet.calls)  # another Service's slices are not selected
-        finally:
-            await disco.close()
 
 
 async def test_a_watch_the_server_ends_is_resumed_from_the_last_version() -> None:
@@ -216,15 +220,10 @@ async def test_a_long_list_is_read_page_by_page() -> None:
     async with running_kube_api() as (api, url):
         for i in range(501):
             await api.put(qwen(endpoint(f"10.0.{i // 250}.{i % 250 + 1}", f"p{i:03}"), name=f"qwen-{i:03}"))
-        fleet = Fleet()
-        disco = KubeDiscovery(settings(url), fleet.on_change)
-        disco.start()
-        try:
+        async with discovering(settings(url)) as (_, fleet):
             await wait_for(lambda: _true(len(fleet.engines) == 501))
             assert [q.get("continue") for q in api.lists] == [None, "500"]
             assert fleet.calls == [(sorted(fleet.engines), [])]  # applied once, after the last page
-        finally:
-            await disco.close()
 
 
 async def test_a_kubeconfig_names_the_server_and_the_token(tmp_path: Path) -> None:
@@ -240,21 +239,12 @@ async def test_a_kubeconfig_names_the_server_and_the_token(tmp_path: Path) -> No
         )
         k = KubernetesDiscovery(services=["qwen"], kubeconfig=str(kubeconfig), backoff_s=0.01)
         client = await api_client(k, environ={})  # not in a cluster: the kubeconfig
-        fleet = Fleet()
-        disco = KubeDiscovery(Discovery(kubernetes=k), fleet.on_change, client)
-        disco.start()
-        try:
+        async with discovering(Discovery(kubernetes=k), client) as (disco, fleet):
             await wait_for(lambda: _has(fleet, "qwen/a"))
             assert disco.counts["failures"] == 0
-        finally:
-            await disco.close()
         api.token = "other"
-        wrong = KubeDiscovery(Discovery(kubernetes=k), fleet.on_change, await api_client(k, environ={}))
-        wrong.start()
-        try:
+        async with discovering(Discovery(kubernetes=k), await api_client(k, environ={}), fleet) as (wrong, _):
             await wait_for(lambda: _true(wrong.counts["failures"] >= 1))  # 401: counted, retried
-        finally:
-            await wrong.close()
 
 
 async def test_missing_credentials_are_logged_counted_and_retried(
@@ -262,13 +252,9 @@ async def test_missing_credentials_are_logged_counted_and_retried(
 ) -> None:
     monkeypatch.delenv("KUBERNETES_SERVICE_HOST", raising=False)
     k = KubernetesDiscovery(services=["qwen"], kubeconfig=str(tmp_path / "absent"), backoff_s=0.01)
-    disco = KubeDiscovery(Discovery(kubernetes=k), Fleet().on_change)
-    disco.start()
-    try:
+    async with discovering(Discovery(kubernetes=k)) as (disco, _):
         await wait_for(lambda: _true(disco.counts["failures"] >= 2))  # the loop lives on
         assert "kubernetes discovery failed" in caplog.text
-    finally:
-        await disco.close()
 
 
 def self_signed(directory: Path) -> tuple[Path, Path]:
@@ -301,14 +287,9 @@ async def test_in_cluster_service_account_auth_over_tls(tmp_path: Path) -> None:
         k = KubernetesDiscovery(services=["qwen"], backoff_s=0.01)
         client = await api_client(k, env, account)
         assert client.configuration.host == f"https://127.0.0.1:{port}"
-        fleet = Fleet()
-        disco = KubeDiscovery(Discovery(kubernetes=k), fleet.on_change, client)
-        disco.start()
-        try:
+        async with discovering(Discovery(kubernetes=k), client) as (disco, fleet):
             await wait_for(lambda: _has(fleet, "qwen/a"))
             assert disco.counts["failures"] == 0
-        finally:
-            await disco.close()
 
 
 def test_the_namespace_is_configured_or_the_service_accounts(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ from router.core.policy.trust import (
     HistoryLost,
     ReplayFinished,
     ReplayStarted,
-    RequestSent,
+    StoresAwaited,
     TokenizerMismatch,
     TrustReason,
     TrustSignal,
@@ -99,14 +99,31 @@ CASES: dict[str, tuple[list[TrustSignal], float, TrustState, TrustReason]] = {
         FRESH,
         R.OK,
     ),
-    "request sent, within silence budget": ([RequestSent(1.0)], 5.9, FRESH, R.OK),
+    "request sent, within silence budget": ([StoresAwaited(1.0, 1.0)], 5.9, FRESH, R.OK),
     "silent while requests flow": (
-        [Delivered(0.5), RequestSent(1.0), RequestSent(4.0)],
+        [Delivered(0.5), StoresAwaited(1.0, 1.0), StoresAwaited(4.0, 1.0)],
         6.0,
         STALE,
         R.SILENT,
     ),
-    "events after the request end the silence": ([RequestSent(1.0), Delivered(2.0)], 60.0, FRESH, R.OK),
+    "a batch without the awaited stores does not end the silence": (
+        [StoresAwaited(1.0, 1.0), Delivered(2.0)],
+        6.0,
+        STALE,
+        R.SILENT,
+    ),
+    "the awaited stores end the silence": (
+        [StoresAwaited(1.0, 1.0), Delivered(2.0), StoresAwaited(2.0, None)],
+        60.0,
+        FRESH,
+        R.OK,
+    ),
+    "the next request awaited sets the clock": (
+        [StoresAwaited(1.0, 1.0), StoresAwaited(2.0, 1.5)],
+        6.2,
+        FRESH,
+        R.OK,
+    ),
     "idle engine is not silent": ([Delivered(1.0)], 600.0, FRESH, R.OK),
     "worst reason wins": (
         [Gap(1.0, 3, 4), BlockSizeMismatch(1.5, 16, 32), ReplayStarted(2.0)],
@@ -137,7 +154,7 @@ def test_trust_table(name: str) -> None:
 
 def test_silence_reports_when_it_began_and_how_long() -> None:
     tracker = TrustTracker(silence_s=5.0)
-    tracker.observe(RequestSent(10.0))
+    tracker.observe(StoresAwaited(10.0, 10.0))
     status = tracker.status(17.0)
     assert status.since == 15.0
     assert "7.0s" in status.detail
