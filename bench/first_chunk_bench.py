@@ -5,7 +5,9 @@ A raw asyncio backend (httptools; keep-alive, chunked SSE) answers each streamed
 once, then after `--delay-ms` (the engine's prefill) a first chunk stamped with the backend's
 `time.perf_counter_ns()` (CLOCK_MONOTONIC, the same clock in every process on Linux), then three more
 and `[DONE]`. The client (aiohttp, c=1) takes, per request: `first` (request sent to first body bytes
-in), `hop` (the first chunk's stamp to its arrival: upstream first byte to client first byte), `total`.
+in), `hop` (the first chunk's stamp to its arrival: upstream first byte to client first byte), `total`,
+the stalls (requests over the cell's median + 10 ms), and from each gateway's /metrics its own time per
+request by stage (kvrouter_router_overhead_seconds: tokenize, hash, lookup, score, proxy).
 Targets: `direct` (the backend itself), this tree's gateway with the kv and round_robin policies, and
 with `--base REV` the same gateways of another revision (git archive, as gateway_cpu_bench). Every
 repetition runs every target once in a rotating order; "added" = target - direct in the same
@@ -21,6 +23,7 @@ import asyncio
 import json
 import os
 import re
+import statistics
 import sys
 import tempfile
 import time
@@ -37,6 +40,7 @@ from bench.proxy_bench import MODEL, _ready_url, bodies, gateway_config, pct, st
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
 _STAMP = re.compile(rb'"t":(\d+)')
+_STAGE = re.compile(r'^kvrouter_router_overhead_seconds_(sum|count)\{stage="(\w+)"\} (\S+)$', re.M)
 _HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
 _MODELS = b'{"object":"list","data":[{"id":"' + MODEL.encode() + b'","object":"model"}]}'
 
@@ -106,6 +110,10 @@ class Cell:
     hop_p99: float
     total_p50: float
     total_p99: float
+    stalls: int
+    """Requests whose total took more than 10 ms longer than the cell's median."""
+    stages_us: dict[str, float]
+    """The gateway's own time per request by stage (its kvrouter_router_overhead_seconds), mean in us."""
 
 
 async def drive(url: str, payloads: list[bytes]) -> tuple[list[float], list[float], list[float]]:
@@ -130,6 +138,28 @@ async def drive(url: str, payloads: list[bytes]) -> tuple[list[float], list[floa
             hop.append(seen - int(stamp.group(1)) / 1e9)
             total.append(end - start)
     return first, hop, total
+
+
+async def stage_totals(url: str) -> dict[str, tuple[float, float]]:
+    """Per stage (sum of seconds, count) of a gateway's overhead histogram; empty for the backend."""
+    async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as r:
+        text = await r.text() if r.status == 200 else ""
+    out: dict[str, tuple[float, float]] = {}
+    for kind, stage, value in _STAGE.findall(text):
+        total, count = out.get(stage, (0.0, 0.0))
+        out[stage] = (float(value), count) if kind == "sum" else (total, float(value))
+    return out
+
+
+def stage_means(
+    before: dict[str, tuple[float, float]], after: dict[str, tuple[float, float]]
+) -> dict[str, float]:
+    means = {}
+    for stage, (total, count) in after.items():
+        total0, count0 = before.get(stage, (0.0, 0.0))
+        if count > count0:
+            means[stage] = round((total - total0) / (count - count0) * 1e6, 1)
+    return means
 
 
 async def start_gateway(tree: Path, config: Path, trace: bool) -> tuple[asyncio.subprocess.Process, str]:
@@ -167,6 +197,7 @@ async def run(args: argparse.Namespace) -> list[Cell]:
                 for name, tree in trees:
                     proc, url = await start_gateway(tree, config, args.gc_trace)
                     procs.append(proc)
+                    print(f"{name}-{policy}: pid {proc.pid}", flush=True)
                     targets.append((f"{name}-{policy}", url))
             payloads = bodies("warm", args.requests, True)
             for _, url in targets:  # warm-up: segment caches, pools
@@ -175,9 +206,14 @@ async def run(args: argparse.Namespace) -> list[Cell]:
             for rep in range(args.reps):
                 k = rep % len(targets)
                 for name, url in targets[k:] + targets[:k]:
+                    before = await stage_totals(url)
                     first, hop, total = await drive(url, payloads)
-                    ms = [1e3 * pct(v, q) for v in (first, hop, total) for q in (50, 99)]
-                    cells.append(Cell(rep, name, *ms))
+                    stages = stage_means(before, await stage_totals(url))
+                    f50, f99, h50, h99, t50, t99 = (
+                        1e3 * pct(v, q) for v in (first, hop, total) for q in (50, 99)
+                    )
+                    stalls = sum(1 for t in total if t * 1e3 > t50 + 10.0)
+                    cells.append(Cell(rep, name, f50, f99, h50, h99, t50, t99, stalls, stages))
                     print(json.dumps(asdict(cells[-1])), flush=True)
             print(f"load1 at the end={os.getloadavg()[0]:.2f}", flush=True)
         finally:
@@ -189,7 +225,8 @@ async def run(args: argparse.Namespace) -> list[Cell]:
 
 
 def report(cells: list[Cell]) -> None:
-    """Per target: ranges over repetitions of the added percentiles (target - direct, same repetition)."""
+    """Per target: ranges (and medians) over repetitions of the added percentiles (target - direct, same
+    repetition), the stalls per cell and the gateway's stage times."""
     direct = {c.rep: c for c in cells if c.target == "direct"}
     fields = ("first_p50", "first_p99", "hop_p50", "hop_p99", "total_p50", "total_p99")
     print("| target | " + " | ".join(f"added {f} (ms)" for f in fields) + " |")
@@ -200,10 +237,22 @@ def report(cells: list[Cell]) -> None:
         mine = [c for c in cells if c.target == target and c.rep in direct]
         added = [_span([getattr(c, f) - getattr(direct[c.rep], f) for c in mine]) for f in fields]
         print(f"| {target} | " + " | ".join(added) + " |")
+    print()
+    print("| target | requests over median + 10 ms, per cell | gateway stages, mean us per request |")
+    print("|---|---|---|")
+    for target in dict.fromkeys(c.target for c in cells):
+        mine = [c for c in cells if c.target == target]
+        stalls = f"{min(c.stalls for c in mine)}-{max(c.stalls for c in mine)}"
+        names = dict.fromkeys(s for c in mine for s in c.stages_us)
+        stages = ", ".join(f"{s} {_span([c.stages_us.get(s, 0.0) for c in mine], '.0f')}" for s in names)
+        print(f"| {target} | {stalls} | {stages or '-'} |")
 
 
-def _span(values: list[float]) -> str:
-    return f"{min(values):.3f}-{max(values):.3f}" if values else "-"
+def _span(values: list[float], fmt: str = ".3f") -> str:
+    """min-max (median) of `values`."""
+    if not values:
+        return "-"
+    return f"{min(values):{fmt}}-{max(values):{fmt}} ({statistics.median(values):{fmt}})"
 
 
 def main() -> None:
