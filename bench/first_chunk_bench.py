@@ -4,7 +4,8 @@ Run: ``.venv/bin/python bench/first_chunk_bench.py [--base REV] [--reps 5] [--re
 A raw asyncio backend (httptools; keep-alive, chunked SSE) answers each streamed chat with its head at
 once, then after `--delay-ms` (the engine's prefill) a first chunk stamped with the backend's
 `time.perf_counter_ns()` (CLOCK_MONOTONIC, the same clock in every process on Linux), then three more
-and `[DONE]`. The client (aiohttp, c=1) takes, per request: `first` (request sent to first body bytes
+and `[DONE]`. The client (an asyncio protocol on httptools, one kept-alive connection, c=1) takes, per
+request, each time stamped as the bytes come off its socket: `first` (request sent to first body bytes
 in), `hop` (the first chunk's stamp to its arrival: upstream first byte to client first byte), `total`,
 the stalls (requests over the cell's median + 10 ms), and from each gateway's /metrics its own time per
 request by stage (kvrouter_router_overhead_seconds: tokenize, hash, lookup, score, proxy).
@@ -13,7 +14,9 @@ with `--base REV` the same gateways of another revision (git archive, as gateway
 repetition runs every target once in a rotating order; "added" = target - direct in the same
 repetition. Bodies are proxy_bench's ~8.5k-token warm chat with a new last turn.
 `--gc-trace` runs each gateway under bench/stall_probe.py: its collections (count and pause by
-generation) are printed when it stops.
+generation) are printed when it stops. `--timeline` runs it under bench/timeline_probe.py: the median
+time of each step of a request's path (arrival, body, prepared, forwarded, engine head and first
+bytes in, relay, first client body write, end), printed when it stops.
 """
 
 from __future__ import annotations
@@ -116,27 +119,69 @@ class Cell:
     """The gateway's own time per request by stage (its kvrouter_router_overhead_seconds), mean in us."""
 
 
+class _Client(asyncio.Protocol):
+    """A keep-alive HTTP/1.1 client connection that stamps, in `data_received`, the first body bytes and
+    the answer's end as they come off the socket (no client library's own work before the stamp)."""
+
+    def __init__(self) -> None:
+        self.transport: asyncio.Transport | None = None
+        self.parser = httptools.HttpResponseParser(self)
+        self.now = 0.0
+        self.first_at = self.end_at = 0.0
+        self.first = b""
+        self.done: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]
+
+    def data_received(self, data: bytes) -> None:
+        self.now = time.perf_counter()
+        self.parser.feed_data(data)
+
+    def on_body(self, body: bytes) -> None:
+        if not self.first:
+            self.first_at, self.first = self.now, body
+
+    def on_message_complete(self) -> None:
+        self.end_at = self.now
+        assert self.parser.get_status_code() == 200, self.parser.get_status_code()
+        if self.done is not None and not self.done.done():
+            self.done.set_result(None)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        if self.done is not None and not self.done.done():
+            self.done.set_exception(ConnectionError("the connection closed mid-answer"))
+
+    async def post(self, head: bytes, body: bytes) -> None:
+        assert self.transport is not None
+        self.first, self.done = b"", asyncio.get_running_loop().create_future()
+        self.parser = httptools.HttpResponseParser(self)
+        self.transport.write(head % len(body) + body)
+        await asyncio.wait_for(self.done, 30)
+
+
 async def drive(url: str, payloads: list[bytes]) -> tuple[list[float], list[float], list[float]]:
-    """c=1 streamed requests; (first, hop, total) in seconds per request."""
+    """c=1 streamed requests on one kept-alive connection; (first, hop, total) in seconds per request."""
+    host, port = url.removeprefix("http://").split(":")
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: %s\r\nContent-Type: application/json\r\n"
+        % host.encode()
+    )
+    head += b"Content-Length: %d\r\n\r\n"
     first, hop, total = [], [], []
-    async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=1)) as session:
+    _, client = await asyncio.get_running_loop().create_connection(_Client, host, int(port))
+    try:
         for body in payloads:
             start = time.perf_counter()
-            async with session.post(
-                url + "/v1/chat/completions", data=body, headers={"Content-Type": "application/json"}
-            ) as r:
-                seen, head = None, b""
-                async for data in r.content.iter_any():
-                    if seen is None:
-                        seen, head = time.perf_counter(), data
-                assert r.status == 200, r.status
-            end = time.perf_counter()
-            assert seen is not None
-            stamp = _STAMP.search(head)
-            assert stamp is not None, head[:200]
-            first.append(seen - start)
-            hop.append(seen - int(stamp.group(1)) / 1e9)
-            total.append(end - start)
+            await client.post(head, body)
+            stamp = _STAMP.search(client.first)
+            assert stamp is not None, client.first[:200]
+            first.append(client.first_at - start)
+            hop.append(client.first_at - int(stamp.group(1)) / 1e9)
+            total.append(client.end_at - start)
+    finally:
+        assert client.transport is not None
+        client.transport.close()
     return first, hop, total
 
 
@@ -162,9 +207,10 @@ def stage_means(
     return means
 
 
-async def start_gateway(tree: Path, config: Path, trace: bool) -> tuple[asyncio.subprocess.Process, str]:
-    probe = [sys.executable, str(HERE.parent / "stall_probe.py")]
-    head = probe if trace else [sys.executable, "-m", "kvrouter"]
+async def start_gateway(
+    tree: Path, config: Path, probe: str | None
+) -> tuple[asyncio.subprocess.Process, str]:
+    head = [sys.executable, str(HERE.parent / probe)] if probe else [sys.executable, "-m", "kvrouter"]
     argv = [*head, "--log-level", "ERROR", "serve", "--config", str(config)]
     proc = await asyncio.create_subprocess_exec(
         *argv, stdout=asyncio.subprocess.PIPE, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}
@@ -195,7 +241,10 @@ async def run(args: argparse.Namespace) -> list[Cell]:
                 config = tmp / f"{policy}.toml"
                 config.write_text(gateway_config(backend_url) + f'[policy]\nname = "{policy}"\n')
                 for name, tree in trees:
-                    proc, url = await start_gateway(tree, config, args.gc_trace)
+                    probe = (
+                        "stall_probe.py" if args.gc_trace else "timeline_probe.py" if args.timeline else None
+                    )
+                    proc, url = await start_gateway(tree, config, probe)
                     procs.append(proc)
                     print(f"{name}-{policy}: pid {proc.pid}", flush=True)
                     targets.append((f"{name}-{policy}", url))
@@ -265,6 +314,9 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=300, help="requests per target per repetition")
     parser.add_argument("--delay-ms", type=float, default=2.0, help="the backend's head-to-first-chunk delay")
     parser.add_argument("--gc-trace", action="store_true", help="run the gateways under bench/stall_probe.py")
+    parser.add_argument(
+        "--timeline", action="store_true", help="run the gateways under bench/timeline_probe.py"
+    )
     parser.add_argument("--from-json", help="report the rows of an earlier run's output (JSON lines)")
     args = parser.parse_args()
     if args.backend:
