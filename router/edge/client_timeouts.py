@@ -5,7 +5,8 @@ connects and sends nothing, or part of its headers, would hold its connection fo
 `TimedHttpToolsProtocol` every gateway server runs adds nginx's `client_header_timeout` (from
 connecting, or from a kept-alive request's first byte, to the end of the headers: then the
 connection is closed, as there is no request to answer), sets the keep-alive idle time, and counts
-both in `kvrouter_client_timeouts_total{phase="header"|"idle"}`. Body reads are timed by the app
+both in `kvrouter_client_timeouts_total{phase="header"|"idle"}`, and sets TCP_NODELAY on every client
+connection, whatever made the listening socket. Body reads are timed by the app
 (`router.edge.client_io.read_asgi_body`, answered 408, phase "body"). It also gives each request's
 cycle a `router.edge.client_writes.HeadHold`, so an answer's head and first body bytes leave in one
 write. Settings and counter reach each
@@ -19,6 +20,7 @@ request_headers_timeout and stream_idle_timeout (5 min) bound the same phases.
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, cast
@@ -70,6 +72,7 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        _no_delay(transport)
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:
@@ -107,3 +110,12 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         if self._timeouts is not None and not self.transport.is_closing():
             self._timeouts.timed_out("header")
             self.transport.close()
+
+
+def _no_delay(transport: asyncio.Transport) -> None:
+    """TCP_NODELAY on a client connection: asyncio sets it only on sockets accepted from a listening
+    socket made with proto=IPPROTO_TCP (uvloop always does), and under Nagle each SSE chunk after the
+    first would wait for the client's delayed ACK."""
+    sock = transport.get_extra_info("socket")
+    if sock is not None and sock.family in (socket.AF_INET, socket.AF_INET6):
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)

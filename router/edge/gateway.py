@@ -103,6 +103,8 @@ class Gateway:
         self.max_body = parts.config.limits.max_body_bytes
         self.body_timeout_s = parts.config.timeouts.client_body_s
         self.any_remote = any(m.remote_tokenize for m in parts.config.models)
+        # The stages' histogram children, looked up once rather than per request (a lock and a dict each).
+        self._overhead = {stage: parts.metrics.overhead.labels(stage) for stage in (*_STAGES, "proxy")}
         policy = parts.config.policy
         # Nothing reads the prompt: the policy does not, saturation does not, no recording is made.
         self.prompt_free = (
@@ -267,9 +269,6 @@ class Gateway:
         model = entry.request.model
         streamed_ok = upstream.status == 200 and entry.request.stream
         predicted = entry.predicted_cached_tokens or 0
-        for stage in _STAGES:
-            if stage in entry.timings_s:
-                parts.metrics.overhead.labels(stage).observe(entry.timings_s[stage])
         headers = [
             ("x-request-id", entry.request_id),
             ("x-kvrouter-engine", engine),
@@ -279,12 +278,15 @@ class Gateway:
 
         def first_byte(relay_s: float) -> None:
             flight.first_byte()
-            parts.metrics.overhead.labels("proxy").observe(pre_forward + relay_s)
+            self._overhead["proxy"].observe(pre_forward + relay_s)
             if streamed_ok:  # a JSON answer's first chunk is most of the answer: no TTFT to speak of
                 parts.metrics.ttft.labels(engine, model).observe(time.perf_counter() - arrived)
 
         def end(status: str, cached: int | None) -> None:
             flight.finish()
+            for stage in _STAGES:  # observed once the answer is out, not on its first byte's path
+                if stage in entry.timings_s:
+                    self._overhead[stage].observe(entry.timings_s[stage])
             parts.fleet.admission.leave()
             entry.status = upstream.status
             entry.actual_cached_tokens = note.actual_cached_tokens = cached

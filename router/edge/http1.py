@@ -76,7 +76,9 @@ class _Origin(msgspec.Struct, frozen=True):
 
 
 class Http1Response:
-    """An answer: status and raw header pairs now, the body through `next_chunk` until it returns b""."""
+    """An answer: status and raw header pairs now, the body through `next_chunk` until it returns b"".
+
+    Each `next_chunk` hands over every body byte that has arrived, joined, without waiting for more."""
 
     def __init__(self, pool: _Pool, conn: Connection, deadline: float) -> None:
         self.status = conn.status
@@ -102,12 +104,18 @@ class Http1Response:
             except BaseException:
                 self.close()
                 raise
-        chunk = conn.chunks.popleft()
+        # Everything that has arrived goes on as one chunk: one client write, not one per chunk.
+        chunk = conn.chunks.popleft() if len(conn.chunks) == 1 else b"".join(conn.chunks)
+        conn.chunks.clear()
         conn.buffered -= len(chunk)
         if conn.paused and conn.buffered <= HIGH_WATER // 2 and conn.transport is not None:
             conn.paused = False
             conn.transport.resume_reading()
         return chunk
+
+    def at_end(self) -> bool:
+        """Whether the body has been read to its end: the next `next_chunk` returns b"" at once."""
+        return self._done or (self._conn.complete and not self._conn.chunks)
 
     def release(self) -> None:
         """Give the connection back to the pool if the body was read to its end, else drop it."""

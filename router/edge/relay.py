@@ -1,7 +1,8 @@
 """Sending an engine's answer on to the client: chunk by chunk, headers added, upstream closed in `finally`.
 
 `RelayResponse` carries the proxy's `UpstreamResponse` to the client as raw ASGI messages: each
-chunk is written as soon as it arrives (SSE included, nothing buffered), the engine's headers pass
+chunk is written as soon as it arrives (SSE included, nothing buffered; what arrived together goes
+in one write, and the answer's last bytes carry its end), the engine's headers pass
 through (duplicates kept, the engine's copies of the gateway's own dropped) with the gateway's own
 added, and the upstream is always closed at the end.
 A client disconnect (seen by a `ClientWatch`) cancels the relay, which drops the upstream
@@ -66,21 +67,23 @@ class RelayResponse(Response):
         try:
             start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             await send(start)
-            first = True
-            async for chunk in self.upstream.body:
+            first, ended, upstream = True, False, self.upstream
+            async for chunk in upstream.body:
                 if tap is not None:
                     tap.feed(chunk)
+                received = time.perf_counter() if first else 0.0
+                if upstream.at_end():  # the stream's end leaves with its last bytes, in one write
+                    ended = True
+                    watch.closing()
+                await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
                 if first:
-                    received = time.perf_counter()
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
                     # Time from the first chunk's arrival to its hand-over to the client transport.
                     self._on_first_byte(time.perf_counter() - received)
                     first = False
-                else:
-                    await send({"type": "http.response.body", "body": chunk, "more_body": True})
             status, complete = str(self.status_code), True
-            watch.closing()
-            await send({"type": "http.response.body", "body": b"", "more_body": False})
+            if not ended:
+                watch.closing()
+                await send({"type": "http.response.body", "body": b"", "more_body": False})
         except UpstreamError:
             status = "broken"
             raise

@@ -120,6 +120,10 @@ class UpstreamResponse:
             # which is how the engine learns that the client went away.
             response.release() if complete else response.close()
 
+    def at_end(self) -> bool:
+        """Whether the last chunk has been yielded (the stream will end without waiting for anything)."""
+        return self._response is not None and self._response.at_end()
+
     async def read(self) -> bytes:
         """The whole body (for non-streaming answers)."""
         return b"".join([chunk async for chunk in self.body])

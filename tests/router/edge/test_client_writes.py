@@ -4,6 +4,7 @@ head whose body is not ready goes out alone without waiting for it."""
 from __future__ import annotations
 
 import asyncio
+import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -81,3 +82,41 @@ async def test_a_head_whose_body_waits_goes_out_alone(monkeypatch: pytest.Monkey
                 received += await reader.read(65536)
         writer.close()
     assert b"data: 0" in received and len(writes) == 3  # head, then each body write as it comes
+
+
+async def test_client_connections_have_nodelay_whatever_made_the_listening_socket(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """asyncio sets TCP_NODELAY on accepted sockets only when the listening one was made with
+    proto=IPPROTO_TCP; one made with proto 0 (a socket handed over by a supervisor) would leave Nagle
+    on, and each SSE chunk after the first would wait for the client's delayed ACK."""
+    sockets: list[socket.socket] = []
+    made = TimedHttpToolsProtocol.connection_made
+
+    def seen(self: TimedHttpToolsProtocol, transport: asyncio.Transport) -> None:
+        made(self, transport)
+        sockets.append(transport.get_extra_info("socket"))
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await receive()
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
+        await send({"type": "http.response.body", "body": b"{}"})
+
+    monkeypatch.setattr(TimedHttpToolsProtocol, "connection_made", seen)
+    listening = socket.socket(socket.AF_INET, socket.SOCK_STREAM, 0)
+    listening.bind(("127.0.0.1", 0))
+    config = uvicorn.Config(app, http=TimedHttpToolsProtocol, lifespan="off", log_config=None)
+    server = uvicorn.Server(config)
+    task = asyncio.create_task(server.serve(sockets=[listening]))
+    try:
+        async with asyncio.timeout(WAIT):
+            while not server.started:
+                await asyncio.sleep(0.005)  # polling a predicate under a deadline
+        _, writer, received = await exchange(listening.getsockname()[1], b"{}")
+        assert received.startswith(b"HTTP/1.1 200")
+        assert sockets and sockets[0].getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0
+        writer.close()
+    finally:
+        server.should_exit = True
+        await task
+        listening.close()

@@ -1,0 +1,169 @@
+"""The relay through the real gateway under uvicorn on 127.0.0.1:0, counting the client leg's writes: what
+the engine sent together leaves together (the stream's end with its last bytes), nothing waits for more,
+and a stream the engine breaks or the client leaves still ends as before.
+
+The engine is a raw asyncio server, so the test decides which bytes arrive in one segment."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+
+import pytest
+
+from router.edge.client_timeouts import TimedHttpToolsProtocol
+from router.settings.config import EngineConfig
+from tests.gateway_helpers import gateway_config, running_gateway
+from tests.router.edge.test_client_writes import WAIT
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+REQUEST = b'{"model": "m", "prompt": "hi", "max_tokens": 2, "stream": true}'
+Script = Callable[[asyncio.StreamWriter], Awaitable[None]]
+
+
+def chunked(*events: bytes) -> bytes:
+    return b"".join(b"%x\r\n%s\r\n" % (len(e), e) for e in events)
+
+
+def event(i: int) -> bytes:
+    return b'data: {"choices":[{"index":0,"text":"%d"}]}\n\n' % i
+
+
+@asynccontextmanager
+async def raw_engine(script: Script) -> AsyncIterator[str]:
+    """An engine that reads one request per connection and answers it with `script`; yields its URL."""
+
+    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        head = await reader.readuntil(b"\r\n\r\n")
+        length = next(
+            int(v)
+            for k, _, v in (h.partition(b":") for h in head.split(b"\r\n"))
+            if k.lower() == b"content-length"
+        )
+        await reader.readexactly(length)
+        try:
+            await script(writer)
+        finally:
+            writer.close()
+
+    server = await asyncio.start_server(serve, "127.0.0.1", 0)
+    try:
+        yield f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
+    finally:
+        server.close()
+
+
+@asynccontextmanager
+async def gateway_writes(url: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[str, list[bytes]]]:
+    """The gateway in front of `url`, and every write it makes on its client connections."""
+    writes: list[bytes] = []
+    made = TimedHttpToolsProtocol.connection_made
+
+    def counting(self: TimedHttpToolsProtocol, transport: asyncio.Transport) -> None:
+        real = transport.write
+
+        def write(data: bytes | bytearray | memoryview) -> None:
+            writes.append(bytes(data))
+            real(data)
+
+        transport.write = write  # type: ignore[method-assign]
+        made(self, transport)
+
+    monkeypatch.setattr(TimedHttpToolsProtocol, "connection_made", counting)
+    async with running_gateway(gateway_config([EngineConfig(name="e0", url=url, model="m")])) as gw:
+        yield gw.url, writes
+
+
+async def post(url: str) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    host, port = url.removeprefix("http://").split(":")
+    reader, writer = await asyncio.open_connection(host, int(port))
+    writer.write(b"POST /v1/completions HTTP/1.1\r\nHost: gw\r\nContent-Type: application/json\r\n")
+    writer.write(b"Content-Length: %d\r\n\r\n%s" % (len(REQUEST), REQUEST))
+    return reader, writer
+
+
+async def read_until(reader: asyncio.StreamReader, received: bytes, marker: bytes) -> bytes:
+    async with asyncio.timeout(WAIT):
+        while marker not in received:
+            data = await reader.read(65536)
+            if not data:
+                break
+            received += data
+    return received
+
+
+async def test_chunks_that_arrive_together_leave_in_one_write_with_the_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def all_at_once(writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + chunked(event(0), event(1), b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    async with raw_engine(all_at_once) as url, gateway_writes(url, monkeypatch) as (gw, writes):
+        reader, writer = await post(gw)
+        received = await read_until(reader, b"", b"\r\n0\r\n\r\n")
+        writer.close()
+    assert received.startswith(b"HTTP/1.1 200") and received.endswith(b"\r\n0\r\n\r\n")
+    body = received.partition(b"\r\n\r\n")[2]
+    assert body == chunked(event(0) + event(1) + b"data: [DONE]\n\n") + b"0\r\n\r\n"
+    assert len(writes) == 1  # head, every event and the end of the stream
+
+
+async def test_a_first_chunk_leaves_before_the_rest_exists_and_the_end_rides_the_last(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    go = asyncio.Event()
+
+    async def first_then_rest(writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + chunked(event(0)))
+        await writer.drain()
+        await go.wait()  # the engine decodes the next token only once the client holds the first
+        writer.write(chunked(event(1), b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    async with raw_engine(first_then_rest) as url, gateway_writes(url, monkeypatch) as (gw, writes):
+        reader, writer = await post(gw)
+        received = await read_until(reader, b"", event(0))
+        assert not go.is_set() and len(writes) == 1  # the head and the first chunk, together
+        go.set()
+        received = await read_until(reader, received, b"\r\n0\r\n\r\n")
+        writer.close()
+    assert received.endswith(chunked(event(1) + b"data: [DONE]\n\n") + b"0\r\n\r\n")
+    assert len(writes) == 2  # the rest and the end of the stream in one
+
+
+async def test_an_engine_breaking_mid_stream_cuts_the_client_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    async def breaks(writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + chunked(event(0)))
+        await writer.drain()  # then the connection closes with the stream unfinished
+
+    async with raw_engine(breaks) as url, gateway_writes(url, monkeypatch) as (gw, _):
+        reader, writer = await post(gw)
+        received = await read_until(reader, b"", b"\r\n0\r\n\r\n")  # returns at EOF
+        writer.close()
+    assert event(0) in received and not received.endswith(b"0\r\n\r\n")  # cut, never a clean end
+
+
+async def test_a_client_leaving_mid_stream_drops_the_engine_connection(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    dropped = asyncio.Event()
+
+    async def endless(writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + chunked(event(0)))
+        try:
+            while True:  # an engine decoding until its client is gone
+                await asyncio.sleep(0.01)  # the engine's pace, not synchronisation
+                writer.write(chunked(event(1)))
+                await writer.drain()
+        except ConnectionError:
+            dropped.set()
+
+    async with raw_engine(endless) as url, gateway_writes(url, monkeypatch) as (gw, _):
+        reader, writer = await post(gw)
+        await read_until(reader, b"", event(0))
+        writer.close()
+        await asyncio.wait_for(dropped.wait(), WAIT)
