@@ -46,6 +46,8 @@ class SimEngines(msgspec.Struct, frozen=True):
     prior: CostPrior = CostPrior()
     drain: bool = True
     """The router's `policy.drain_queued_prefill` (`LoadTracker` `drain`), on as by default."""
+    service: bool = False
+    """The router's `policy.learn_prefill_from_service` (`LoadTracker` `service`), off as by default."""
 
 
 class SimResult(msgspec.Struct, frozen=True):
@@ -109,7 +111,7 @@ def run(
     """Replay `requests` under `policy` (a scorer policy with `settings`, or `TTFT_ORACLE`)."""
     names = [EngineId(f"e{i}") for i in range(sim.engines)]
     engines = {name: _Engine(sim) for name in names}
-    load = LoadTracker(sim.prior, step=sim.step, drain=sim.drain)
+    load = LoadTracker(sim.prior, step=sim.step, drain=sim.drain, service=sim.service)
     for name in names:
         load.share_cost(name, "model")
     oracle = policy == TTFT_ORACLE

@@ -87,7 +87,8 @@ class FleetState:
         step = StepCost(
             policy.decode_step_s, policy.decode_penalty_s, policy.max_num_batched_tokens, policy.max_num_seqs
         )
-        self.load = LoadTracker(prior, policy.scrape_max_age_s, step, policy.drain_queued_prefill)
+        drain, service = policy.drain_queued_prefill, policy.learn_prefill_from_service
+        self.load = LoadTracker(prior, policy.scrape_max_age_s, step, drain, service)
         pending = reads_pending(policy.name, policy.max_predicted_ttft_s)
         self.pending = PendingPrefixes(policy.pending_ttl_s if pending else 0.0)
         # request -> (its first block key, the replica's root stores when it was sent)

@@ -159,6 +159,9 @@ class PolicyConfig(_Table, frozen=True):
     """kv: cost = predicted TTFT + this x the request's own uncached prefill time (the work it adds)."""
     drain_queued_prefill: bool = True
     """kv: count the oldest unanswered request per engine as prefilled at the learned pace as time passes."""
+    learn_prefill_from_service: bool = False
+    """Learn the prefill cost from each answer's own service (since the engine could start it), not
+    from its TTFT against the queue as sent (docs/gateway.md "The load model"; off: see BENCHMARKS.md)."""
 
 
 class Timeouts(_Table, frozen=True):

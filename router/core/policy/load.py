@@ -13,7 +13,9 @@ finished), so long outputs keep an engine busy. With `drain` on, the queue's hea
 request sent and not answered: FCFS, the one the engine is prefilling) counts as partly done as time
 passes (`LoadSnapshot.drained_tokens`). The prefill part, `overhead + cost x tokens`,
 is learned per engine by robust recursive least squares from a configurable prior, from TTFTs with
-the decode part predicted at send time taken out. Pure: no clock, no I/O.
+the decode part predicted at send time taken out, against the queue as sent plus the request's own
+tokens; or, with `service` on, from each answer's own service (the time since the engine could start
+it, against its own tokens). Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -185,6 +187,16 @@ class _InFlight(msgspec.Struct):
     first_token_at: float | None = None
 
 
+class _Service(msgspec.Struct):
+    """Answers out of the same engine steps (`LoadTracker` `service`): their tokens, the time since the
+    engine could start the first, and the requests decoding meanwhile; learned from once no more join."""
+
+    at: float
+    tokens: int
+    busy_s: float
+    decoding: int
+
+
 class _EngineLoad:
     def __init__(self, model: PrefillCostModel) -> None:
         self.model = model
@@ -198,6 +210,15 @@ class _EngineLoad:
         self.scrape: ScrapedMetrics | None = None
         self.unanswered: dict[RequestId, _InFlight] = {}  # in send order: the engine's FCFS order
         self.head_since = 0.0  # the earliest the queue's head can have started: an answer or a freed slot
+        self.service: _Service | None = None  # the latest answers, not yet learned from
+
+
+def _same_steps(model: PrefillCostModel, service: _Service, flight: _InFlight, at: float) -> bool:
+    """Whether an answer came out of the steps of the answers before it: it was queued when they came,
+    and came after them sooner than half its own prefill would take (a step prefills the next request
+    in what the one finishing left of the token budget)."""
+    queued = flight.started_at <= service.at
+    return queued and at - service.at <= 0.5 * model.per_token_s * flight.uncached_tokens
 
 
 class LoadTracker:
@@ -209,11 +230,13 @@ class LoadTracker:
         scrape_max_age_s: float = 10.0,
         step: StepCost | None = None,
         drain: bool = False,
+        service: bool = False,
     ) -> None:
         self.prior = prior
         self.scrape_max_age_s = scrape_max_age_s
         self.step = step if step is not None else StepCost(0.0, 0.0)
         self.drain = drain
+        self.service = service
         self._engines: dict[EngineId, _EngineLoad] = {}
         self._requests: dict[RequestId, _InFlight] = {}
         self._shared: dict[str, PrefillCostModel] = {}
@@ -264,11 +287,38 @@ class LoadTracker:
             return None
         flight.first_token_at = at
         load = self._engine(flight.engine)
+        if self.service:
+            self._served(load, flight, at)
+        else:
+            load.model.observe(flight.work_tokens, max(0.0, at - flight.started_at - flight.other_s))
         self._end_prefill(load, request, flight)
         load.head_since = at
-        ttft = at - flight.started_at
-        load.model.observe(flight.work_tokens, max(0.0, ttft - flight.other_s))
-        return ttft
+        return at - flight.started_at
+
+    def _served(self, load: _EngineLoad, flight: _InFlight, at: float) -> None:
+        """`service` on: join this answer to the service before it when it came out of the same steps,
+        else learn from that one and start a new one, from when the engine could start this request."""
+        service = load.service
+        if service is not None and _same_steps(load.model, service, flight, at):
+            service.tokens += flight.uncached_tokens
+            service.busy_s += at - service.at
+            service.at = at
+            return
+        if service is not None:
+            self._learn(load.model, service)
+        since = max(flight.started_at, load.head_since)
+        load.service = _Service(at, flight.uncached_tokens, at - since, load.in_flight - load.prefilling)
+
+    def _learn(self, model: PrefillCostModel, service: _Service) -> None:
+        """Learn the prefill cost from one service: its time less the decode part of its steps.
+
+        FCFS, what a request waits before the engine can start it is the work ahead of it, partly done
+        already when it was sent, so the queue's tokens as sent against its TTFT read as a too-cheap
+        prefill (19 against the stub's 32 us/token on the routing simulator)."""
+        budget = max(1, self.step.max_num_batched_tokens - service.decoding)
+        steps = max(1, math.ceil(service.tokens / budget))
+        decode_s = steps * _decode_step_s(self.step, service.decoding)
+        model.observe(service.tokens, max(0.0, service.busy_s - decode_s))
 
     def finished(self, request: RequestId, at: float) -> None:
         """The request ended (done, failed or cancelled); unknown or finished ids are ignored."""
@@ -298,7 +348,7 @@ class LoadTracker:
         learned pace with each chunk's decode part, short of its last chunk (the engine answers at the
         end of the step that prefills it, so an unanswered head still has that ahead); none while the
         running batch is full (it waits for a slot) or before any TTFT was learned."""
-        if not self.drain or not load.unanswered or load.model.samples == 0:
+        if not self.drain or not load.unanswered or (load.model.samples == 0 and load.service is None):
             return 0
         if self.step.max_num_seqs > 0 and decoding >= self.step.max_num_seqs:
             return 0

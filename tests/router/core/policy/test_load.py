@@ -256,3 +256,67 @@ def test_a_head_within_one_step_budget_does_not_drain() -> None:
     load.first_token(rid(0), at=0.001)
     load.started(rid(1), A, at=1.0, uncached_tokens=4000)  # within the 8192-token budget
     assert load.snapshot(A, now=9.0).drained_tokens == 0
+
+
+def _serve_fcfs(load: LoadTracker, bursts: int, sizes: tuple[int, ...], gap_s: float) -> None:
+    """An engine that prefills FCFS at 5 ms + 32 us per token per request: each burst sends `sizes`
+    `gap_s` apart, every request answered when the ones before it are done and then its own work."""
+    n = 0
+    for burst in range(bursts):
+        t = burst * 10.0
+        free_at = t
+        for k, tokens in enumerate(sizes):
+            sent = t + k * gap_s
+            load.started(rid(n), A, at=sent, uncached_tokens=tokens)
+            free_at = max(free_at, sent) + 0.005 + 32e-6 * tokens
+            load.first_token(rid(n), at=free_at)
+            load.finished(rid(n), at=free_at)
+            n += 1
+
+
+@pytest.mark.parametrize(("service", "per_token_s"), [(False, 19.6e-6), (True, 32e-6)])
+def test_learning_from_each_answer_s_service_is_not_biased_by_the_queue_as_sent(
+    service: bool, per_token_s: float
+) -> None:
+    """A request queued behind a partly prefilled one waits less than the queue's tokens as sent say:
+    fitting those (the first 8000-token request three quarters done when the next was sent) learns
+    ~19.6 us/token against the engine's 32. With `service`, each answer's service since the engine
+    could start it (its send or the answer before it) is what its own tokens cost."""
+    load = LoadTracker(CostPrior(0.02, 1e-4, weight=4.0), step=StepCost(0.0, 0.0), service=service)
+    _serve_fcfs(load, bursts=40, sizes=(8000, 6000, 4000), gap_s=0.2)
+    assert load.model(A).per_token_s == pytest.approx(per_token_s, rel=0.03)
+    if service:
+        assert load.model(A).overhead_s == pytest.approx(0.005, abs=0.002)
+
+
+def test_answers_out_of_one_step_are_learned_as_one_service() -> None:
+    """Two requests answered at the same instant were prefilled in the same steps: their tokens
+    together cost the time since the engine could start the first (the second had none of its own)."""
+    load = LoadTracker(CostPrior(0.02, 1e-4, weight=4.0), step=StepCost(0.0, 0.0), service=True)
+    for n in range(40):
+        t = n * 10.0
+        tokens = (3000, 1000 + 100 * (n % 7))
+        load.started(rid(2 * n), A, at=t, uncached_tokens=tokens[0])
+        load.started(rid(2 * n + 1), A, at=t, uncached_tokens=tokens[1])
+        done = t + 0.005 + 32e-6 * sum(tokens)
+        for k in (2 * n, 2 * n + 1):
+            load.first_token(rid(k), at=done)
+            load.finished(rid(k), at=done)
+    model = load.model(A)
+    assert model.per_token_s == pytest.approx(32e-6, rel=0.03)
+    assert model.overhead_s == pytest.approx(0.005, abs=0.002)
+
+
+def test_a_service_is_learned_once_the_next_answer_shows_it_ended_and_drains_before_that() -> None:
+    step = StepCost(0.0, 0.0, max_num_batched_tokens=1000, max_num_seqs=4)
+    load = LoadTracker(CostPrior(0.0, 1e-4, weight=1e6), step=step, drain=True, service=True)
+    for n in range(3):
+        load.started(rid(n), A, at=0.0, uncached_tokens=2000)
+    load.first_token(rid(0), at=0.2)
+    assert load.model(A).samples == 0  # r1 may still come out of the same step
+    # r1, the head since r0's answer, drains already: an answer came, so the engine is known to be working
+    assert load.snapshot(A, now=0.2).drained_tokens == 0
+    assert load.snapshot(A, now=0.25).drained_tokens == 500
+    load.first_token(rid(1), at=0.4)  # 0.2 s later: its own steps, so r0's service is learned
+    assert load.model(A).samples == 1
+    assert load.model(B).samples == 0
