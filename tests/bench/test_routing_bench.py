@@ -126,6 +126,16 @@ def test_peers_listen_on_loopback_and_kv_aware_subscribes_to_every_stub() -> Non
     assert {t.peer for t in routing_bench.PEER_TARGETS} == set(peers.PEERS.values())
 
 
+def test_a_peer_subscribing_to_the_stubs_events_runs_alone_on_stubs_of_its_own() -> None:
+    order = ["round_robin", "vllm-kv_aware", "kv", "sglang-cache_aware", "ttft_oracle"]
+    assert routing_bench.groups(order) == [
+        ["round_robin", "kv", "sglang-cache_aware", "ttft_oracle"],
+        ["vllm-kv_aware"],
+    ]
+    assert routing_bench.groups(["vllm-kv_aware"]) == [["vllm-kv_aware"]]
+    assert [t.name for t in routing_bench.PEER_TARGETS if t.subscribes] == ["vllm-kv_aware"]
+
+
 def test_one_loadtest_per_cell_with_every_router_named(tmp_path: Path) -> None:
     args = parse_args(["--requests", "50"])
     run = CellRun(Cell("synthetic", 8, 0.9, 1), ["kv", "sglang-round_robin"],
