@@ -102,12 +102,13 @@ class _Skeleton:
         self.fragments, self.slots = fragments, slots
         self.size = sum(len(f) for f in fragments) + 8 * len(slots)
 
-    def fill(self, texts: Sequence[str]) -> str:
+    def fill(self, texts: Sequence[str]) -> list[str]:
+        """The rendered text's pieces: the fragments with each slot's text between them."""
         out = [self.fragments[0]]
         for slot, fragment in zip(self.slots, self.fragments[1:], strict=True):
             out.append(texts[slot])
             out.append(fragment)
-        return "".join(out)
+        return out
 
 
 Render = Callable[[list[dict[str, Any]]], str]
@@ -135,6 +136,14 @@ class Skeletons:
         """The rendered text from a skeleton (made with ``skeleton_render`` on a miss), or None when this
         request or template cannot use one (the caller then renders normally). ``context`` is every
         other input of the render (tools, options, special tokens), JSON-encodable."""
+        pieces = self.pieces(messages, context, skeleton_render)
+        return "".join(pieces) if pieces is not None else None
+
+    def pieces(
+        self, messages: Sequence[Mapping[str, Any]], context: object, skeleton_render: Render
+    ) -> list[str] | None:
+        """`render`'s text as the pieces it joins (literal fragments and message texts, alternating),
+        so a caller can compare two renders piece by piece."""
         if not self.enabled:
             return None
         texts: list[str] = []
@@ -154,6 +163,14 @@ class Skeletons:
             return None
         self._store(key, skeleton)
         return skeleton.fill(texts)
+
+    def carry_key(self, messages: Sequence[Mapping[str, Any]], context: object) -> bytes | None:
+        """What a conversation's later turns share with it (this template, the other render inputs and
+        the first two messages), to find its last render by; None when not JSON-encodable."""
+        try:
+            return msgspec.json.encode((self._nonce, messages[:2], context))
+        except (TypeError, msgspec.EncodeError):
+            return None
 
     def marker(self, slot: int) -> str:
         """The text a slot renders as in a skeleton render (a per-process nonce: requests cannot forge it)."""
