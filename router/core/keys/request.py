@@ -78,7 +78,7 @@ def spec_keys(
             packed = packed if packed is not None else pack_tokens(tokens)
             carried = carried_keys(root, packed, hb, carry) if carry is not None else None
             if carried is not None:
-                return carried
+                return cast(list[int], carried)
             keys = cache.keys(root, packed, hb)
             if carry is not None:
                 carry.own[(root, hb)] = tuple(keys)
