@@ -85,12 +85,13 @@ class ChatCarry:
         return len(self._turns)
 
     def encode(
-        self, key: bytes, pieces: list[str], encode_text: EncodePacked, encode_tail: EncodePacked
+        self, key: bytes, pieces: list[str], encode: EncodePacked
     ) -> tuple[tuple[int, ...], bytes, CarryLink]:
         """The ids and packed ids of the joined ``pieces`` and their link to the previous turn.
-        ``encode_text`` encodes a whole text (a miss), ``encode_tail`` the text after a reused prefix."""
+        ``encode`` encodes text without prefix reuse: the part after a carried prefix, or on a miss the
+        part after what `PrefixReuse` finds (the whole text goes through it)."""
         prior = self._turns.get(key)
-        carried = self._extend(prior, pieces, encode_tail) if prior is not None else None
+        carried = self._extend(prior, pieces, encode) if prior is not None else None
         if prior is not None and carried is not None:
             turn, shared = carried
             self.stats.hits += 1
@@ -99,9 +100,10 @@ class ChatCarry:
         else:
             self.stats.misses += 1
             text = "".join(pieces)
-            ids, packed = encode_text(text)
+            data = text.encode("utf-8")
+            ids, packed = self._reuse.encode_packed(text, encode, data)
             starts = [0, *accumulate(len(p) if p.isascii() else len(p.encode("utf-8")) for p in pieces)]
-            turn = _Turn(pieces, starts, ReuseEntry(text.encode("utf-8"), ids, packed, None), {})
+            turn = _Turn(pieces, starts, ReuseEntry(data, ids, packed, None), {})
             link = CarryLink(0, {}, turn.derived)
         if turn is prior:
             self._turns.move_to_end(key)
@@ -114,7 +116,7 @@ class ChatCarry:
         self._turns.clear()
         self.bytes = 0
 
-    def _extend(self, prior: _Turn, pieces: list[str], encode_tail: EncodePacked) -> tuple[_Turn, int] | None:
+    def _extend(self, prior: _Turn, pieces: list[str], encode: EncodePacked) -> tuple[_Turn, int] | None:
         """The new turn made from ``prior`` and how many ids it copied; None when nothing can be reused."""
         old = prior.pieces
         i, n = 0, min(len(old), len(pieces))
@@ -132,7 +134,7 @@ class ChatCarry:
         ends = self._reuse.ends(prior.entry) if cut else None
         if ends is None:
             return None
-        ids, packed, new_ends, copied = self._reuse.extend(prior.entry, ends, new_data, cut, encode_tail)
+        ids, packed, new_ends, copied = self._reuse.extend(prior.entry, ends, new_data, cut, encode)
         if not copied:
             return None
         starts = [*prior.starts[:i], *accumulate(map(len, rest), initial=start)]

@@ -88,10 +88,13 @@ class PrefixReuse:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def encode_packed(self, text: str, encode: EncodePacked) -> tuple[tuple[int, ...], bytes]:
+    def encode_packed(
+        self, text: str, encode: EncodePacked, data: bytes | None = None
+    ) -> tuple[tuple[int, ...], bytes]:
         """The ids of ``text`` (no special tokens added) and their packed bytes; ``encode`` runs on the
-        part after the reused prefix only (on the whole text when nothing is reused)."""
-        data = text.encode("utf-8")
+        part after the reused prefix only (on the whole text when nothing is reused). ``data``: the
+        text's UTF-8, when the caller has it."""
+        data = data if data is not None else text.encode("utf-8")
         at = bisect_left(self._sorted, data)
         prior, cut = self._best_cut(data, at)
         prior_ends = self.ends(prior) if prior is not None else None

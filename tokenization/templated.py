@@ -102,8 +102,7 @@ class TemplatedTokenizer:
             )
             if rendered is not None:
                 pieces, key = rendered
-                segments = self.segments
-                return carry.encode(key, pieces, segments.encode_packed, segments.encode_segments)
+                return carry.encode(key, pieces, self.segments.encode_segments)
         text = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
         return (*self.encode_packed(text, add_special_tokens), None)
 
