@@ -21,7 +21,7 @@ import msgspec
 
 from tokenization.prefix_reuse import EncodePacked, PrefixReuse, ReuseEntry, shared_prefix
 
-__all__ = ["DEFAULT_MAX_BYTES", "CarryLink", "CarryStats", "ChatCarry"]
+__all__ = ["DEFAULT_MAX_BYTES", "LONG_TAIL", "CarryLink", "CarryStats", "ChatCarry"]
 
 DEFAULT_MAX_BYTES = 32 << 20
 """Bytes the turns of a `ChatCarry` may hold (see `_Turn.size` for what is counted)."""
@@ -29,6 +29,8 @@ DEFAULT_MAX_BYTES = 32 << 20
 Derived = dict[tuple[int, int], tuple[int, ...]]
 """Values a caller computed from a turn's ids, by (chain root, block size): its block keys."""
 
+LONG_TAIL = 1024
+"""Bytes after the carried cut beyond which prefix reuse's search over all recent texts is tried too."""
 _PIECE_BYTES = 2  # a carried piece's str, per byte of its UTF-8 (compact strings: 1, 2 or 4 per char)
 _DERIVED_BYTES_PER_TOKEN = 8  # room for keys: ~40 B per key at 16 tokens per block, two groups
 
@@ -76,6 +78,7 @@ class ChatCarry:
         if max_entries < 0 or max_bytes < 0:
             raise ValueError(f"max_entries and max_bytes must be >= 0, got {max_entries}, {max_bytes}")
         self.max_entries, self.max_bytes = max_entries, max_bytes
+        self.long_tail = LONG_TAIL
         self.bytes = 0
         self.stats = CarryStats()
         self._reuse = reuse
@@ -132,12 +135,17 @@ class ChatCarry:
         new_data = data[:start] + new_rest
         cut = self._reuse.cuts.last_cut(data, new_data, limit)
         ends = self._reuse.ends(prior.entry) if cut else None
-        if ends is None:
-            return None
-        ids, packed, new_ends, copied = self._reuse.extend(prior.entry, ends, new_data, cut, encode)
-        if not copied:
+        copied = self._reuse.tokens_before(ends, cut) if ends is not None else 0
+        if ends is None or not copied:
             return None
         starts = [*prior.starts[:i], *accumulate(map(len, rest), initial=start)]
+        if len(new_data) - cut > self.long_tail:
+            # Mostly new text: an older text than this conversation's last turn may share more (a branch,
+            # a regenerated turn), so prefix reuse searches them all, and keeps this one for later. Its
+            # ids still start with the `copied` ids (both are the text's exact ids), so keys carry.
+            ids, packed = self._reuse.encode_packed("".join(pieces), encode, new_data)
+            return _Turn(pieces, starts, ReuseEntry(new_data, ids, packed, None), {}), copied
+        ids, packed, new_ends, _ = self._reuse.extend(prior.entry, ends, new_data, cut, encode)
         return _Turn(pieces, starts, ReuseEntry(new_data, ids, packed, new_ends), {}), copied
 
     def _store(self, key: bytes, turn: _Turn) -> None:

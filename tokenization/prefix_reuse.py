@@ -143,16 +143,20 @@ class PrefixReuse:
             entry.ends = ends
         return entry.ends
 
+    @staticmethod
+    def tokens_before(ends: array[int], cut: int) -> int:
+        """How many tokens end by byte ``cut`` when one ends exactly there, else 0 (token ends ``ends``)."""
+        n = bisect_left(ends, cut) + 1
+        return n if n <= len(ends) and ends[n - 1] == cut else 0
+
     def extend(
         self, prior: ReuseEntry, prior_ends: array[int], data: bytes, cut: int, encode: EncodePacked
     ) -> tuple[tuple[int, ...], bytes, array[int] | None, int]:
         """``prior``'s ids up to ``cut`` (a safe cut of both texts, `CutFinder.last_cut`) and the
         encoding of the rest of ``data``: the ids, packed ids, token ends (None when not made) and how
         many ids were copied. ``prior_ends`` are `ends` (prior)."""
-        n = bisect_left(prior_ends, cut) + 1
-        if n > len(prior_ends) or prior_ends[n - 1] != cut:
-            n = 0  # the cut is no token end of the prior text: reuse nothing (never expected)
-            cut = 0
+        n = self.tokens_before(prior_ends, cut)
+        cut = cut if n else 0  # the cut is no token end of the prior text: reuse nothing (never expected)
         tail_ids, tail_packed = encode(data[cut:].decode("utf-8"))
         ids = prior.ids[:n] + tail_ids
         packed = prior.packed[: n * _TOKEN_BYTES] + tail_packed

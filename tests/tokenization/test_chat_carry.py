@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenization import HfTokenizer
-from tokenization.chat_carry import ChatCarry
+from tokenization.chat_carry import LONG_TAIL, ChatCarry
 from tokenization.segment_cache import pack_ids
 
 DATA = Path(__file__).parents[1] / "data"
@@ -119,11 +119,14 @@ def _apply(conversations: list[list[dict[str, Any]]], op: tuple[str, Any, str]) 
 @given(
     starts=st.lists(st.tuples(TEXT, TEXT), min_size=2, max_size=2),
     ops=st.lists(OPS, min_size=1, max_size=10),
+    long_tail=st.sampled_from([LONG_TAIL, 0]),
 )
 def test_every_carried_turn_equals_a_full_render_and_plain_encode(
-    starts: list[tuple[str, str]], ops: list[tuple[str, Any, str]]
+    starts: list[tuple[str, str]], ops: list[tuple[str, Any, str]], long_tail: int
 ) -> None:
     tok = _deepseek()
+    assert tok.carry is not None
+    tok.carry.long_tail = long_tail  # 0: every tail is "long", prefix reuse searches all texts too
     conversations = [
         [{"role": "system", "content": "You help. " + s}, {"role": "user", "content": "Q: " + u}]
         for s, u in starts
@@ -201,3 +204,21 @@ def test_the_carry_is_lru_and_bounded_in_turns_and_bytes(ds: HfTokenizer) -> Non
     assert len(small) == 2 and small.bytes <= 2 * one
     with pytest.raises(ValueError):
         ChatCarry(reuse, max_entries=-1)
+
+
+def test_a_long_new_tail_also_searches_older_texts(ds: HfTokenizer) -> None:
+    # A conversation that branched: the carry's last turn shares only the head, an older text all but
+    # the last question. Prefix reuse's search finds the older one, so only the question is encoded.
+    reuse = ds.segments.reuse
+    assert reuse is not None
+    head = [{"role": "system", "content": "branching"}, {"role": "user", "content": "start " * 50}]
+    long_a = [{"role": "assistant", "content": "path a " * 300}, {"role": "user", "content": "more a"}]
+    long_b = [{"role": "assistant", "content": "path b " * 300}, {"role": "user", "content": "more b"}]
+    carried_ids(ds, [*head, *long_a, {"role": "user", "content": "q1"}])
+    carried_ids(ds, [*head, *long_b])  # the conversation's last turn now
+    encoded = reuse.stats.encoded_bytes
+    msgs = [*head, *long_a, {"role": "user", "content": "q2"}]
+    ids, shared = carried_ids(ds, msgs)
+    assert ids == plain_ids(ds, msgs)
+    assert shared < 200 < len(ids)  # carried from the branch: its head only
+    assert reuse.stats.encoded_bytes - encoded < 64  # but encoded only past the older text's prefix

@@ -23,7 +23,7 @@ from router.prepare.served_models import Models
 from router.settings.config import ModelConfig, RouterConfig
 from tests.tokenization.test_chat_carry import DATA, OPS, TEXT, _apply, plain_ids
 from tokenization import HfTokenizer
-from tokenization.chat_carry import CarryLink
+from tokenization.chat_carry import LONG_TAIL, CarryLink
 from tokenization.hf_files import package_dir
 from tokenization.openai_request import Endpoint
 
@@ -64,11 +64,18 @@ def _check(models: Models, block_size: int, msgs: list[dict[str, Any]], salt: st
     block_size=st.sampled_from(BLOCK_SIZES),
     start=st.tuples(TEXT, TEXT),
     ops=st.lists(st.tuples(OPS, st.sampled_from([None, None, "s1"])), min_size=1, max_size=8),
+    long_tail=st.sampled_from([LONG_TAIL, 0]),
 )
 def test_every_turns_keys_equal_keys_from_scratch(
-    block_size: int, start: tuple[str, str], ops: list[tuple[tuple[str, Any, str], str | None]]
+    block_size: int,
+    start: tuple[str, str],
+    ops: list[tuple[tuple[str, Any, str], str | None]],
+    long_tail: int,
 ) -> None:
     models = _models(block_size)
+    carry = _tokenizer(models).carry
+    assert carry is not None
+    carry.long_tail = long_tail
     first = [{"role": "system", "content": "S " + start[0]}, {"role": "user", "content": "Q " + start[1]}]
     conversations = [first, [{"role": "system", "content": "other"}, {"role": "user", "content": "x"}]]
     _check(models, block_size, first, None)
