@@ -147,9 +147,10 @@ class Skeletons:
         if not self.enabled:
             return None
         texts: list[str] = []
-        stand_ins = [_stand_in(m, texts) for m in messages]
+        # The key holds each text as its emptiness mark; stand-ins are made only on a miss, to render.
+        marked = [_stand_in(m, texts, _mark) for m in messages]
         try:
-            key = msgspec.json.encode((stand_ins, context), enc_hook=_key_of)
+            key = msgspec.json.encode((marked, context))
         except (TypeError, msgspec.EncodeError):
             return None
         skeleton = self._entries.get(key)
@@ -158,6 +159,8 @@ class Skeletons:
             self._entries.move_to_end(key)
             return skeleton.fill(texts)
         self.misses += 1
+        numbered: list[str] = []  # the same slot numbers as `texts`
+        stand_ins = [_stand_in(m, numbered, _opaque) for m in messages]
         skeleton = self._make(stand_ins, skeleton_render)
         if skeleton is None:
             return None
@@ -215,35 +218,40 @@ def type_test(test: Callable[..., Any], name: str) -> Callable[..., Any]:
     return wrapped
 
 
-def _stand_in(message: Mapping[str, Any], texts: list[str]) -> dict[str, Any]:
-    """``message`` with its texts replaced by stand-ins (appended to ``texts`` in slot order)."""
+def _stand_in(
+    message: Mapping[str, Any], texts: list[str], make: Callable[[str, int], object]
+) -> dict[str, Any]:
+    """``message`` with each text replaced by ``make(text, slot)`` (the texts appended to ``texts`` in
+    slot order)."""
     out = dict(message)
     content = out.get("content")
     if type(content) is str:
         texts.append(content)
-        out["content"] = Opaque((len(texts) - 1,), content != "")
+        out["content"] = make(content, len(texts) - 1)
     elif isinstance(content, list):
-        out["content"] = [_part(p, texts) for p in content]
+        out["content"] = [_part(p, texts, make) for p in content]
     for key in _TEXT_KEYS[1:]:
         value = out.get(key)
         if isinstance(value, str):
-            out[key] = _slot(value, texts)
+            texts.append(value)
+            out[key] = make(value, len(texts) - 1)
     return out
 
 
-def _part(part: object, texts: list[str]) -> object:
+def _part(part: object, texts: list[str], make: Callable[[str, int], object]) -> object:
     if isinstance(part, Mapping) and isinstance(part.get("text"), str):
-        return {**part, "text": _slot(part["text"], texts)}
+        texts.append(part["text"])
+        return {**part, "text": make(part["text"], len(texts) - 1)}
     return part
 
 
-def _slot(text: str, texts: list[str]) -> Opaque:
-    texts.append(text)
-    return Opaque((len(texts) - 1,), bool(text))
+def _opaque(text: str, slot: int) -> Opaque:
+    return Opaque((slot,), text != "")
 
 
-def _key_of(value: object) -> object:
-    """How a stand-in enters the structure key: its emptiness only."""
-    if isinstance(value, Opaque):
-        return ["\x00text", bool(value)]
-    raise TypeError(f"not part of a structure key: {type(value).__name__}")
+_MARKS: Final = (("\x00text", False), ("\x00text", True))
+
+
+def _mark(text: str, slot: int) -> tuple[str, bool]:
+    """A text's place in the structure key: its emptiness only."""
+    return _MARKS[text != ""]
