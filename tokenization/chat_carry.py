@@ -30,7 +30,9 @@ Derived = dict[tuple[int, int], tuple[int, ...]]
 """Values a caller computed from a turn's ids, by (chain root, block size): its block keys."""
 
 LONG_TAIL = 1024
-"""Bytes after the carried cut beyond which prefix reuse's search over all recent texts is tried too."""
+"""New bytes (past the prefix shared with the conversation's last turn) beyond which the text goes
+through prefix reuse's search over all recent texts instead."""
+_ID_BYTES = 4  # a packed token id
 _PIECE_BYTES = 2  # a carried piece's str, per byte of its UTF-8 (compact strings: 1, 2 or 4 per char)
 _DERIVED_BYTES_PER_TOKEN = 8  # room for keys: ~40 B per key at 16 tokens per block, two groups
 
@@ -97,16 +99,17 @@ class ChatCarry:
         carried = self._extend(prior, pieces, encode) if prior is not None else None
         if prior is not None and carried is not None:
             turn, shared = carried
-            self.stats.hits += 1
+            self.stats.hits += shared > 0
+            self.stats.misses += shared == 0
             self.stats.carried_tokens += shared
             link = CarryLink(shared, prior.derived, turn.derived)
         else:
             self.stats.misses += 1
             text = "".join(pieces)
             data = text.encode("utf-8")
-            ids, packed = self._reuse.encode_packed(text, encode, data)
+            entry = self._reuse.encode_entry(text, encode, data)
             starts = [0, *accumulate(len(p) if p.isascii() else len(p.encode("utf-8")) for p in pieces)]
-            turn = _Turn(pieces, starts, ReuseEntry(data, ids, packed, None), {})
+            turn = _Turn(pieces, starts, entry, {})
             link = CarryLink(0, {}, turn.derived)
         if turn is prior:
             self._turns.move_to_end(key)
@@ -133,19 +136,19 @@ class ChatCarry:
         data = prior.entry.data
         limit = start + shared_prefix(new_rest, memoryview(data)[start:])
         new_data = data[:start] + new_rest
+        starts = [*prior.starts[:i], *accumulate(map(len, rest), initial=start)]
+        if len(new_data) - limit > self.long_tail:
+            # Mostly new text: an older text than this conversation's last turn may share more (a branch,
+            # a regenerated turn), so prefix reuse searches them all, and keeps this one for later. The
+            # ids both turns start with (compared packed) are what the keys carry.
+            entry = self._reuse.encode_entry("".join(pieces), encode, new_data)
+            same = shared_prefix(entry.packed, memoryview(prior.entry.packed)) // _ID_BYTES
+            return _Turn(pieces, starts, entry, {}), same
         cut = self._reuse.cuts.last_cut(data, new_data, limit)
         ends = self._reuse.ends(prior.entry) if cut else None
-        copied = self._reuse.tokens_before(ends, cut) if ends is not None else 0
-        if ends is None or not copied:
+        if ends is None or not self._reuse.tokens_before(ends, cut):
             return None
-        starts = [*prior.starts[:i], *accumulate(map(len, rest), initial=start)]
-        if len(new_data) - cut > self.long_tail:
-            # Mostly new text: an older text than this conversation's last turn may share more (a branch,
-            # a regenerated turn), so prefix reuse searches them all, and keeps this one for later. Its
-            # ids still start with the `copied` ids (both are the text's exact ids), so keys carry.
-            ids, packed = self._reuse.encode_packed("".join(pieces), encode, new_data)
-            return _Turn(pieces, starts, ReuseEntry(new_data, ids, packed, None), {}), copied
-        ids, packed, new_ends, _ = self._reuse.extend(prior.entry, ends, new_data, cut, encode)
+        ids, packed, new_ends, copied = self._reuse.extend(prior.entry, ends, new_data, cut, encode)
         return _Turn(pieces, starts, ReuseEntry(new_data, ids, packed, new_ends), {}), copied
 
     def _store(self, key: bytes, turn: _Turn) -> None:

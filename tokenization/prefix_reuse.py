@@ -94,7 +94,12 @@ class PrefixReuse:
         """The ids of ``text`` (no special tokens added) and their packed bytes; ``encode`` runs on the
         part after the reused prefix only (on the whole text when nothing is reused). ``data``: the
         text's UTF-8, when the caller has it."""
-        data = data if data is not None else text.encode("utf-8")
+        entry = self.encode_entry(text, encode, data if data is not None else text.encode("utf-8"))
+        return entry.ids, entry.packed
+
+    def encode_entry(self, text: str, encode: EncodePacked, data: bytes) -> ReuseEntry:
+        """`encode_packed` as the entry it stores (shared with the caller: token ends made later by
+        either are made once)."""
         at = bisect_left(self._sorted, data)
         prior, cut = self._best_cut(data, at)
         prior_ends = self.ends(prior) if prior is not None else None
@@ -112,8 +117,7 @@ class PrefixReuse:
             if len(prior.data) - cut <= _REPLACE_SLACK and prior.data != data:
                 self._remove(prior)
                 at = bisect_left(self._sorted, data)
-        self._store(at, data, ids, packed, ends)
-        return ids, packed
+        return self._store(at, data, ids, packed, ends)
 
     def clear(self) -> None:
         """Forget every entry (the counters are kept)."""
@@ -173,19 +177,20 @@ class PrefixReuse:
 
     def _store(
         self, at: int, data: bytes, ids: tuple[int, ...], packed: bytes, ends: array[int] | None
-    ) -> None:
-        """Keep ``data`` at its sorted position ``at`` (unless stored already or too big)."""
+    ) -> ReuseEntry:
+        """Keep ``data`` at its sorted position ``at`` (unless stored already or too big); its entry."""
         if at < len(self._sorted) and self._sorted[at] == data:
             self._entries.move_to_end(id(self._sorted[at]))
-            return
+            return self._entries[id(self._sorted[at])]
         entry = ReuseEntry(data, ids, packed, ends)
         if self.max_entries == 0 or entry.size > self.max_bytes or not ids:
-            return
+            return entry
         self._sorted.insert(at, data)
         self._entries[id(data)] = entry
         self.bytes += entry.size
         while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
             self._evict()
+        return entry
 
     def _evict(self) -> None:
         self._remove(next(iter(self._entries.values())))
