@@ -148,8 +148,8 @@ class ChatCarry:
         ends = self._reuse.ends(prior.entry) if cut else None
         if ends is None or not self._reuse.tokens_before(ends, cut):
             return None
-        ids, packed, new_ends, copied = self._reuse.extend(prior.entry, ends, new_data, cut, encode)
-        return _Turn(pieces, starts, ReuseEntry(new_data, ids, packed, new_ends), {}), copied
+        entry, copied = self._reuse.extend(prior.entry, ends, new_data, cut, encode)
+        return _Turn(pieces, starts, entry, {}), copied
 
     def _store(self, key: bytes, turn: _Turn) -> None:
         old = self._turns.pop(key, None)

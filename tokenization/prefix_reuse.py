@@ -55,13 +55,23 @@ class ReuseStats:
 class ReuseEntry:
     """One text's UTF-8 bytes, ids, packed ids and (once known) the byte offset where each token ends."""
 
-    __slots__ = ("data", "ends", "ids", "packed", "size")
+    __slots__ = ("data", "ends", "head", "ids", "packed", "size")
 
-    def __init__(self, data: bytes, ids: tuple[int, ...], packed: bytes, ends: array[int] | None) -> None:
+    def __init__(
+        self,
+        data: bytes,
+        ids: tuple[int, ...],
+        packed: bytes,
+        ends: array[int] | None,
+        head: tuple[int, ...] = (),
+    ) -> None:
         self.data, self.ids, self.packed = data, ids, packed
         self.ends = ends
         """Where each token ends, in bytes; None until the entry is first reused."""
-        self.size = len(data) + _ENTRY_BYTES_PER_TOKEN * len(ids)
+        self.head = head
+        """``ids[:len(head)]``, kept when they were copied from another text: a next text cut at the same
+        place copies them once (into its ids) instead of twice (a slice, then the concatenation)."""
+        self.size = len(data) + _ENTRY_BYTES_PER_TOKEN * len(ids) + 8 * len(head)
 
 
 class PrefixReuse:
@@ -108,16 +118,14 @@ class PrefixReuse:
                 self.stats.unverified += 1
                 self._remove(prior)
                 at = bisect_left(self._sorted, data)
-            ids, packed = encode(text)
-            ends = None
             self.stats.misses += 1
             self.stats.encoded_bytes += len(data)
-        else:
-            ids, packed, ends, _ = self.extend(prior, prior_ends, data, cut, encode)
-            if len(prior.data) - cut <= _REPLACE_SLACK and prior.data != data:
-                self._remove(prior)
-                at = bisect_left(self._sorted, data)
-        return self._store(at, data, ids, packed, ends)
+            return self._store(at, ReuseEntry(data, *encode(text), None))
+        entry, _ = self.extend(prior, prior_ends, data, cut, encode)
+        if len(prior.data) - cut <= _REPLACE_SLACK and prior.data != data:
+            self._remove(prior)
+            at = bisect_left(self._sorted, data)
+        return self._store(at, entry)
 
     def clear(self) -> None:
         """Forget every entry (the counters are kept)."""
@@ -155,35 +163,37 @@ class PrefixReuse:
 
     def extend(
         self, prior: ReuseEntry, prior_ends: array[int], data: bytes, cut: int, encode: EncodePacked
-    ) -> tuple[tuple[int, ...], bytes, array[int] | None, int]:
-        """``prior``'s ids up to ``cut`` (a safe cut of both texts, `CutFinder.last_cut`) and the
-        encoding of the rest of ``data``: the ids, packed ids, token ends (None when not made) and how
-        many ids were copied. ``prior_ends`` are `ends` (prior)."""
+    ) -> tuple[ReuseEntry, int]:
+        """``data``'s entry: ``prior``'s ids up to ``cut`` (a safe cut of both texts,
+        `CutFinder.last_cut`) and the encoding of the rest, with token ends when made; and how many ids
+        were copied. ``prior_ends`` are `ends` (prior)."""
         n = self.tokens_before(prior_ends, cut)
         cut = cut if n else 0  # the cut is no token end of the prior text: reuse nothing (never expected)
         tail_ids, tail_packed = encode(data[cut:].decode("utf-8"))
-        ids = prior.ids[:n] + tail_ids
+        head = prior.head if len(prior.head) == n else prior.ids[:n]
+        ids = head + tail_ids
         packed = prior.packed[: n * _TOKEN_BYTES] + tail_packed
         self.stats.hits += n > 0
         self.stats.misses += n == 0
         self.stats.reused_tokens += n
         self.stats.encoded_bytes += len(data) - cut
         if len(tail_ids) > n:  # mostly new text: its ends are made if it is ever reused (`ends`)
-            return ids, packed, None, n
+            return ReuseEntry(data, ids, packed, None, head), n
         ends = prior_ends[:n]
         ends.extend(accumulate(map(self._lengths.__getitem__, tail_ids), initial=cut))
         del ends[n]  # the `initial` value
-        return ids, packed, ends if (ends[-1] if ends else 0) == len(data) else None, n
+        return ReuseEntry(
+            data, ids, packed, ends if (ends[-1] if ends else 0) == len(data) else None, head
+        ), n
 
-    def _store(
-        self, at: int, data: bytes, ids: tuple[int, ...], packed: bytes, ends: array[int] | None
-    ) -> ReuseEntry:
-        """Keep ``data`` at its sorted position ``at`` (unless stored already or too big); its entry."""
+    def _store(self, at: int, entry: ReuseEntry) -> ReuseEntry:
+        """Keep ``entry`` at its sorted position ``at`` (unless its text is stored already or it is too
+        big); the entry kept."""
+        data = entry.data
         if at < len(self._sorted) and self._sorted[at] == data:
             self._entries.move_to_end(id(self._sorted[at]))
             return self._entries[id(self._sorted[at])]
-        entry = ReuseEntry(data, ids, packed, ends)
-        if self.max_entries == 0 or entry.size > self.max_bytes or not ids:
+        if self.max_entries == 0 or entry.size > self.max_bytes or not entry.ids:
             return entry
         self._sorted.insert(at, data)
         self._entries[id(data)] = entry

@@ -222,3 +222,17 @@ def test_a_long_new_tail_also_searches_older_texts(ds: HfTokenizer) -> None:
     assert ids == plain_ids(ds, msgs)
     assert shared < 200 < len(ids)  # carried from the branch: its head only
     assert reuse.stats.encoded_bytes - encoded < 64  # but encoded only past the older text's prefix
+
+
+def test_turns_cut_at_the_same_place_share_one_head_tuple(ds: HfTokenizer) -> None:
+    carry = ds.carry
+    assert carry is not None
+    base = [{"role": "system", "content": "heads"}, {"role": "user", "content": "a shared question " * 40}]
+    heads = []
+    for i in range(3):
+        msgs = [*base, {"role": "assistant", "content": "ok"}, {"role": "user", "content": f"then {i}?"}]
+        ids, _ = carried_ids(ds, msgs)
+        assert ids == plain_ids(ds, msgs)
+        turn = next(t for t in carry._turns.values() if list(t.entry.ids) == ids)
+        heads.append(turn.entry.head)
+    assert len(heads[1]) == len(heads[2]) > 0 and heads[2] is heads[1]  # copied once, then reused
