@@ -152,13 +152,14 @@ class ChatCarry:
         return _Turn(pieces, starts, entry, {}), copied
 
     def _store(self, key: bytes, turn: _Turn) -> None:
+        """Keep ``turn`` as ``key``'s last turn (the key's bytes count too: it holds two messages)."""
         old = self._turns.pop(key, None)
         if old is not None:
-            self.bytes -= old.size
-        if self.max_entries == 0 or turn.size > self.max_bytes:
+            self.bytes -= old.size + len(key)
+        if self.max_entries == 0 or turn.size + len(key) > self.max_bytes:
             return
         self._turns[key] = turn
-        self.bytes += turn.size
+        self.bytes += turn.size + len(key)
         while len(self._turns) > self.max_entries or self.bytes > self.max_bytes:
-            _, evicted = self._turns.popitem(last=False)
-            self.bytes -= evicted.size
+            evicted_key, evicted = self._turns.popitem(last=False)
+            self.bytes -= evicted.size + len(evicted_key)

@@ -196,8 +196,8 @@ def test_the_carry_is_lru_and_bounded_in_turns_and_bytes(ds: HfTokenizer) -> Non
     for i in range(5):
         carry.encode(f"k{i}".encode(), [f"conversation {i} "] * 3, enc.encode_segments)
     assert len(carry) == 3 and carry.stats.misses == 5
-    assert carry.bytes == sum(t.size for t in carry._turns.values())
-    one = carry._turns[b"k4"].size
+    assert carry.bytes == sum(t.size + len(k) for k, t in carry._turns.items())
+    one = carry._turns[b"k4"].size + 2
     small = ChatCarry(reuse, max_bytes=2 * one)
     for i in range(4):
         small.encode(f"k{i}".encode(), [f"conversation {i} "] * 3, enc.encode_segments)
