@@ -27,6 +27,7 @@ import msgspec
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench.proxy_bench import MODEL, bodies
 from bench.tokenize_bench import TEMPLATE, alternate, completions_prompt, previous_behaviour, report
+from bench.tokenize_bench import conversation as chat_conversation
 from events.block_hash import RequestExtras
 from router.core.fleet_state import FleetState
 from router.core.ids import EngineId, RequestId
@@ -171,6 +172,60 @@ def bench_reuse(n: int) -> None:
         report(name, olds, news)
 
 
+def bench_carry(n: int) -> None:
+    """`Models.prepare` without the chat carry (main's path before it: prefix reuse and skeletons) and
+    with it, interleaved request by request in CPU time, on multi-turn chats; keys asserted equal."""
+    old, new = Models(config(1)), Models(config(1))
+    tok = old.tokenizer(next(iter(old._variants[MODEL].values())))
+    assert isinstance(tok, HfTokenizer)
+    tok.carry = None
+    base = conversation_of(bodies("warm", 1, False)[0])
+
+    def last_turn(i: int) -> bytes:  # the peer bench's long chat: one conversation, a new last question
+        return _chat_body([*base[:-1], {"role": "user", "content": f"question number {i}: why?"}])
+
+    def growing(users: int, i: int) -> bytes:  # `users` conversations, each two messages longer per turn
+        user, turn = i % users, (i // users) % 14
+        msgs = chat_conversation(turns=2 + 2 * turn, words_per_turn=120, seed=500 + user)
+        return _chat_body([*msgs, {"role": "user", "content": f"and then {i}?"}])
+
+    def fresh(i: int) -> bytes:  # nothing to carry: every request a new conversation
+        return _chat_body(chat_conversation(turns=8, words_per_turn=120, seed=10_000 + i))
+
+    cases: list[tuple[str, Callable[[int], bytes]]] = [
+        ("chat 8.5k tokens, new last turn", last_turn),
+        ("chat growing by a turn, 1 user", partial(growing, 1)),
+        ("chat growing by a turn, 8 users", partial(growing, 8)),
+        ("chat, a new user per request", fresh),
+    ]
+    print(
+        f"\nprepare, chat carry off (main) -> on (CPU ms, median of 5 rounds of {n}, ratio range per round)"
+    )
+    for name, make in cases:
+        for i in range(3):
+            a, b = old.prepare(make(i), Endpoint.CHAT), new.prepare(make(i), Endpoint.CHAT)
+            assert (a.prompt_tokens, a.keys) == (b.prompt_tokens, b.keys), "the carry changed a key"
+        olds, news = alternate(
+            partial(_prepare_nth, old, make, Endpoint.CHAT),
+            partial(_prepare_nth, new, make, Endpoint.CHAT),
+            n,
+        )
+        report(name, olds, news)
+    st = new.tokenizer_stats()[0]
+    print(f"  carry: {st.carry_hits} hits, {st.carry_misses} misses, {st.carried_tokens} tokens carried,")
+    held, computed = st.carry_held_bytes / 2**20, new.key_cache.computed_blocks
+    print(f"  {held:.1f} MiB held; the key cache computed {computed} blocks")
+
+
+def conversation_of(body: bytes) -> list[dict[str, str]]:
+    messages: list[dict[str, str]] = msgspec.json.decode(body)["messages"]
+    return messages
+
+
+def _chat_body(messages: list[dict[str, str]]) -> bytes:
+    return msgspec.json.encode({"model": MODEL, "messages": messages, "max_tokens": 1})
+
+
 def _prepare_nth(models: Models, make: Callable[[int], bytes], endpoint: Endpoint, i: int) -> Prepared:
     return models.prepare(make(i), endpoint)
 
@@ -225,12 +280,17 @@ def _pending_cycle(pend: PendingPrefixes, p: Prepared, i: int, now: float) -> No
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="fewer requests")
+    parser.add_argument("--carry", action="store_true", help="only the chat-carry section")
     args = parser.parse_args()
     scale = 0.3 if args.quick else 1.0
     print(f"python={sys.version.split()[0]}")
+    if args.carry:
+        bench_carry(int(60 * scale))
+        return
     bench_prepare("warm", int(250 * scale))
     bench_prepare("cold", int(30 * scale))
     bench_reuse(int(60 * scale))
+    bench_carry(int(60 * scale))
     for engines in (1, 16):
         asyncio.run(bench_decide(engines, int(300 * scale)))
 

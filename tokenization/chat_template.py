@@ -175,6 +175,25 @@ class ChatTemplate:
             text = _cut_after_final_message(text, messages)
         return text
 
+    def render_pieces(
+        self, messages: Sequence[Message], options: ChatOptions, special: Mapping[str, str]
+    ) -> tuple[list[str], bytes] | None:
+        """`render`'s text as a skeleton's pieces (joined, they are that text) and the conversation's
+        carry key (`Skeletons.carry_key`); None when no skeleton serves this request, or with
+        ``continue_final_message`` (its cut is made on the text). Errors as `render` raises them."""
+        skeleton_template = self._skeleton_template
+        if skeleton_template is None or options.continue_final_message:
+            return None
+        context = {**special, **options.kwargs}
+        inputs = (options.add_generation_prompt, options.tools, options.documents, context)
+        key = self.skeletons.carry_key(messages, inputs)
+        if key is None:
+            return None
+        pieces = self.skeletons.pieces(
+            messages, inputs, lambda stand_ins: _render(skeleton_template, stand_ins, options, context)
+        )
+        return (pieces, key) if pieces is not None else None
+
 
 def _render(
     template: jinja2.Template, messages: list[Any], options: ChatOptions, context: Mapping[str, Any]
@@ -236,12 +255,32 @@ class TemplateSet(msgspec.Struct, frozen=True):
         kwargs: Mapping[str, Any],
     ) -> str:
         """HF's ``apply_chat_template``; ``continue_final_message`` and ``documents`` come in kwargs."""
-        rest = dict(kwargs)
-        options = ChatOptions(
-            add_generation_prompt=add_generation_prompt,
-            continue_final_message=bool(rest.pop("continue_final_message", False)),
-            tools=list(tools) if tools is not None else None,
-            documents=rest.pop("documents", None),
-            kwargs=rest,
-        )
+        options = _options(add_generation_prompt, tools, kwargs)
         return self.select(tools).render(messages, options, special)
+
+    def render_chat_pieces(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None,
+        special: Mapping[str, str],
+        kwargs: Mapping[str, Any],
+    ) -> tuple[list[str], bytes] | None:
+        """`render_chat` as `ChatTemplate.render_pieces` gives it (None: call `render_chat`)."""
+        options = _options(add_generation_prompt, tools, kwargs)
+        return self.select(tools).render_pieces(messages, options, special)
+
+
+def _options(
+    add_generation_prompt: bool, tools: Sequence[Mapping[str, Any]] | None, kwargs: Mapping[str, Any]
+) -> ChatOptions:
+    """HF's apply_chat_template arguments as `ChatOptions` (``continue_final_message`` and
+    ``documents`` come in kwargs)."""
+    rest = dict(kwargs)
+    return ChatOptions(
+        add_generation_prompt=add_generation_prompt,
+        continue_final_message=bool(rest.pop("continue_final_message", False)),
+        tools=list(tools) if tools is not None else None,
+        documents=rest.pop("documents", None),
+        kwargs=rest,
+    )

@@ -13,6 +13,7 @@ from pathlib import Path
 import tokenizers
 
 from tokenization.base import SpecialTokens, TokenizationError
+from tokenization.chat_carry import ChatCarry
 from tokenization.chat_template import ChatTemplate, TemplateSet
 from tokenization.hf_files import (
     TokenizerConfig,
@@ -90,6 +91,8 @@ class HfTokenizer(TemplatedTokenizer):
             segmenter.enabled = False
         if segmenter.enabled and header.identity_normalizer:  # the cut rules assume unnormalized text
             self.segments.reuse = self._prefix_reuse(header)
+        if self.segments.reuse is not None:
+            self.carry = ChatCarry(self.segments.reuse)
 
     @classmethod
     def from_dir(cls, path: Path, chat_template: Path | None = None) -> HfTokenizer:

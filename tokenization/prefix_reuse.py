@@ -20,7 +20,7 @@ from itertools import accumulate
 
 from tokenization.safe_cuts import CutFinder
 
-__all__ = ["DEFAULT_MAX_BYTES", "PrefixReuse", "ReuseStats"]
+__all__ = ["DEFAULT_MAX_BYTES", "PrefixReuse", "ReuseEntry", "ReuseStats", "shared_prefix"]
 
 DEFAULT_MAX_BYTES = 32 << 20
 """Bytes the entries of a `PrefixReuse` may hold (text, ids, packed ids, token ends): ~20 B per token."""
@@ -52,14 +52,26 @@ class ReuseStats:
         """Stored texts dropped unused because their tokens' byte lengths did not add up to the text's."""
 
 
-class _Entry:
-    __slots__ = ("data", "ends", "ids", "packed", "size")
+class ReuseEntry:
+    """One text's UTF-8 bytes, ids, packed ids and (once known) the byte offset where each token ends."""
 
-    def __init__(self, data: bytes, ids: tuple[int, ...], packed: bytes, ends: array[int] | None) -> None:
+    __slots__ = ("data", "ends", "head", "ids", "packed", "size")
+
+    def __init__(
+        self,
+        data: bytes,
+        ids: tuple[int, ...],
+        packed: bytes,
+        ends: array[int] | None,
+        head: tuple[int, ...] = (),
+    ) -> None:
         self.data, self.ids, self.packed = data, ids, packed
         self.ends = ends
         """Where each token ends, in bytes; None until the entry is first reused."""
-        self.size = len(data) + _ENTRY_BYTES_PER_TOKEN * len(ids)
+        self.head = head
+        """``ids[:len(head)]``, kept when they were copied from another text: a next text cut at the same
+        place copies them once (into its ids) instead of twice (a slice, then the concatenation)."""
+        self.size = len(data) + _ENTRY_BYTES_PER_TOKEN * len(ids) + 8 * len(head)
 
 
 class PrefixReuse:
@@ -80,35 +92,40 @@ class PrefixReuse:
         """Bytes held over all entries (`DEFAULT_MAX_BYTES` explains what is counted)."""
         self.stats = ReuseStats()
         self._lengths = byte_lengths
-        self._entries: OrderedDict[int, _Entry] = OrderedDict()  # by id(entry.data)
+        self._entries: OrderedDict[int, ReuseEntry] = OrderedDict()  # by id(entry.data)
         self._sorted: list[bytes] = []
 
     def __len__(self) -> int:
         return len(self._entries)
 
-    def encode_packed(self, text: str, encode: EncodePacked) -> tuple[tuple[int, ...], bytes]:
+    def encode_packed(
+        self, text: str, encode: EncodePacked, data: bytes | None = None
+    ) -> tuple[tuple[int, ...], bytes]:
         """The ids of ``text`` (no special tokens added) and their packed bytes; ``encode`` runs on the
-        part after the reused prefix only (on the whole text when nothing is reused)."""
-        data = text.encode("utf-8")
+        part after the reused prefix only (on the whole text when nothing is reused). ``data``: the
+        text's UTF-8, when the caller has it."""
+        entry = self.encode_entry(text, encode, data if data is not None else text.encode("utf-8"))
+        return entry.ids, entry.packed
+
+    def encode_entry(self, text: str, encode: EncodePacked, data: bytes) -> ReuseEntry:
+        """`encode_packed` as the entry it stores (shared with the caller: token ends made later by
+        either are made once)."""
         at = bisect_left(self._sorted, data)
         prior, cut = self._best_cut(data, at)
-        prior_ends = self._ends(prior) if prior is not None else None
+        prior_ends = self.ends(prior) if prior is not None else None
         if prior is None or prior_ends is None:
             if prior is not None:  # its bytes did not add up: never reuse it
                 self.stats.unverified += 1
                 self._remove(prior)
                 at = bisect_left(self._sorted, data)
-            ids, packed = encode(text)
-            ends = None
             self.stats.misses += 1
             self.stats.encoded_bytes += len(data)
-        else:
-            ids, packed, ends = self._extend(prior, prior_ends, data, cut, encode)
-            if len(prior.data) - cut <= _REPLACE_SLACK and prior.data != data:
-                self._remove(prior)
-                at = bisect_left(self._sorted, data)
-        self._store(at, data, ids, packed, ends)
-        return ids, packed
+            return self._store(at, ReuseEntry(data, *encode(text), None))
+        entry, _ = self.extend(prior, prior_ends, data, cut, encode)
+        if len(prior.data) - cut <= _REPLACE_SLACK and prior.data != data:
+            self._remove(prior)
+            at = bisect_left(self._sorted, data)
+        return self._store(at, entry)
 
     def clear(self) -> None:
         """Forget every entry (the counters are kept)."""
@@ -116,12 +133,12 @@ class PrefixReuse:
         self._sorted.clear()
         self.bytes = 0
 
-    def _best_cut(self, data: bytes, at: int) -> tuple[_Entry | None, int]:
+    def _best_cut(self, data: bytes, at: int) -> tuple[ReuseEntry | None, int]:
         """The neighbour of sorted position ``at`` with the latest safe cut shared with ``data``."""
         best, best_cut = None, 0
         for other in self._sorted[max(0, at - 1) : at + 1]:
             entry = self._entries[id(other)]
-            shared = _shared_prefix(data, other)
+            shared = shared_prefix(data, other)
             if shared <= best_cut:
                 continue
             cut = self.cuts.last_cut(other, data, shared)
@@ -129,7 +146,7 @@ class PrefixReuse:
                 best, best_cut = entry, cut
         return best, best_cut
 
-    def _ends(self, entry: _Entry) -> array[int] | None:
+    def ends(self, entry: ReuseEntry) -> array[int] | None:
         """The entry's token ends (made on first use), or None when they do not add up to its text."""
         if entry.ends is None:
             ends = array("q", accumulate(map(self._lengths.__getitem__, entry.ids)))
@@ -138,48 +155,57 @@ class PrefixReuse:
             entry.ends = ends
         return entry.ends
 
-    def _extend(
-        self, prior: _Entry, prior_ends: array[int], data: bytes, cut: int, encode: EncodePacked
-    ) -> tuple[tuple[int, ...], bytes, array[int] | None]:
-        """``prior``'s ids up to ``cut`` and the encoding of the rest of ``data``."""
-        n = bisect_left(prior_ends, cut) + 1
-        if n > len(prior_ends) or prior_ends[n - 1] != cut:
-            n = 0  # the cut is no token end of the prior text: reuse nothing (never expected)
-            cut = 0
+    @staticmethod
+    def tokens_before(ends: array[int], cut: int) -> int:
+        """How many tokens end by byte ``cut`` when one ends exactly there, else 0 (token ends ``ends``)."""
+        n = bisect_left(ends, cut) + 1
+        return n if n <= len(ends) and ends[n - 1] == cut else 0
+
+    def extend(
+        self, prior: ReuseEntry, prior_ends: array[int], data: bytes, cut: int, encode: EncodePacked
+    ) -> tuple[ReuseEntry, int]:
+        """``data``'s entry: ``prior``'s ids up to ``cut`` (a safe cut of both texts,
+        `CutFinder.last_cut`) and the encoding of the rest, with token ends when made; and how many ids
+        were copied. ``prior_ends`` are `ends` (prior)."""
+        n = self.tokens_before(prior_ends, cut)
+        cut = cut if n else 0  # the cut is no token end of the prior text: reuse nothing (never expected)
         tail_ids, tail_packed = encode(data[cut:].decode("utf-8"))
-        ids = prior.ids[:n] + tail_ids
+        head = prior.head if len(prior.head) == n else prior.ids[:n]
+        ids = head + tail_ids
         packed = prior.packed[: n * _TOKEN_BYTES] + tail_packed
         self.stats.hits += n > 0
         self.stats.misses += n == 0
         self.stats.reused_tokens += n
         self.stats.encoded_bytes += len(data) - cut
-        if len(tail_ids) > n:  # mostly new text: its ends are made if it is ever reused (`_ends`)
-            return ids, packed, None
+        if len(tail_ids) > n:  # mostly new text: its ends are made if it is ever reused (`ends`)
+            return ReuseEntry(data, ids, packed, None, head), n
         ends = prior_ends[:n]
         ends.extend(accumulate(map(self._lengths.__getitem__, tail_ids), initial=cut))
         del ends[n]  # the `initial` value
-        return ids, packed, ends if (ends[-1] if ends else 0) == len(data) else None
+        return ReuseEntry(
+            data, ids, packed, ends if (ends[-1] if ends else 0) == len(data) else None, head
+        ), n
 
-    def _store(
-        self, at: int, data: bytes, ids: tuple[int, ...], packed: bytes, ends: array[int] | None
-    ) -> None:
-        """Keep ``data`` at its sorted position ``at`` (unless stored already or too big)."""
+    def _store(self, at: int, entry: ReuseEntry) -> ReuseEntry:
+        """Keep ``entry`` at its sorted position ``at`` (unless its text is stored already or it is too
+        big); the entry kept."""
+        data = entry.data
         if at < len(self._sorted) and self._sorted[at] == data:
             self._entries.move_to_end(id(self._sorted[at]))
-            return
-        entry = _Entry(data, ids, packed, ends)
-        if self.max_entries == 0 or entry.size > self.max_bytes or not ids:
-            return
+            return self._entries[id(self._sorted[at])]
+        if self.max_entries == 0 or entry.size > self.max_bytes or not entry.ids:
+            return entry
         self._sorted.insert(at, data)
         self._entries[id(data)] = entry
         self.bytes += entry.size
         while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
             self._evict()
+        return entry
 
     def _evict(self) -> None:
         self._remove(next(iter(self._entries.values())))
 
-    def _remove(self, entry: _Entry) -> None:
+    def _remove(self, entry: ReuseEntry) -> None:
         del self._entries[id(entry.data)]
         at = bisect_left(self._sorted, entry.data)
         assert self._sorted[at] is entry.data, "an entry's bytes are stored once"
@@ -187,7 +213,7 @@ class PrefixReuse:
         self.bytes -= entry.size
 
 
-def _shared_prefix(a: bytes, b: bytes) -> int:
+def shared_prefix(a: bytes, b: bytes | memoryview) -> int:
     """The length of the longest common prefix of ``a`` and ``b``: a binary search on prefix
     equality, each step one memcmp on a view (no copies)."""
     limit = min(len(a), len(b))

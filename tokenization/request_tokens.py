@@ -18,6 +18,7 @@ import msgspec
 
 from events.block_hash import RequestExtras
 from tokenization.base import TokenizationError, Tokenizer
+from tokenization.chat_carry import CarryLink
 from tokenization.conversation import conversation, tool_dicts
 from tokenization.openai_request import (
     ChatRequest,
@@ -50,6 +51,8 @@ class RequestTokens(msgspec.Struct, frozen=True):
     max_tokens: int | None = None
     packed: bytes | None = None
     """The first prompt's ids packed as native uint32 when the tokenizer made them (else None)."""
+    carry: CarryLink | None = None
+    """A chat's link to its conversation's previous turn (tokenization.chat_carry), when carried."""
 
     @property
     def tokens(self) -> tuple[int, ...]:
@@ -77,7 +80,7 @@ def _completion_prompts(req: CompletionRequest, tok: Tokenizer) -> list[Packed]:
     )
 
 
-def _chat_prompt(req: ChatRequest, tok: Tokenizer) -> Packed:
+def _chat_prompt(req: ChatRequest, tok: Tokenizer) -> tuple[tuple[int, ...], bytes, CarryLink | None]:
     kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
     if reserved := {"chat_template", "tokenize"} & kwargs.keys():
         raise RequestError(f"`chat_template_kwargs` may not set {sorted(reserved)}")
@@ -91,8 +94,7 @@ def _chat_prompt(req: ChatRequest, tok: Tokenizer) -> Packed:
     kwargs["continue_final_message"] = req.continue_final_message
     template = tok.templates.select(tools)
     conv = conversation(req.messages, template.detected_format, template.supports_developer_role)
-    text = tok.apply_chat_template(conv, req.add_generation_prompt, tools, **kwargs)
-    return tok.encode_packed(text, req.add_special_tokens)
+    return tok.chat_packed(conv, req.add_generation_prompt, tools, req.add_special_tokens, kwargs)
 
 
 def _extras(model: str | None, salt: str | None, lora: Mapping[str, str]) -> RequestExtras:
@@ -122,9 +124,11 @@ def tokens_of(
     req: ChatRequest | CompletionRequest, tokenizer: Tokenizer, lora: Mapping[str, str] | None = None
 ) -> RequestTokens:
     """`request_tokens` of an already decoded request (one decode serves several tokenizers)."""
+    carry = None
     try:
         if isinstance(req, ChatRequest):
-            prompts = [_chat_prompt(req, tokenizer)]
+            ids, packed, carry = _chat_prompt(req, tokenizer)
+            prompts: list[Packed] = [(ids, packed)]
             max_tokens = req.max_completion_tokens
             max_tokens = max_tokens if max_tokens is not None else req.max_tokens
         else:
@@ -145,4 +149,5 @@ def tokens_of(
         stream=req.stream,
         max_tokens=max_tokens,
         packed=prompts[0][1],
+        carry=carry,
     )

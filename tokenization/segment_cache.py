@@ -143,10 +143,11 @@ class SegmentedEncoder:
     def encode_packed(self, text: str) -> tuple[tuple[int, ...], bytes]:
         """``encode(text)`` as a tuple, with its packed bytes (`pack_ids`) joined from cached pieces."""
         if self.reuse is not None and self.segmenter.enabled:
-            return self.reuse.encode_packed(text, self._encode_segments)
-        return self._encode_segments(text)
+            return self.reuse.encode_packed(text, self.encode_segments)
+        return self.encode_segments(text)
 
-    def _encode_segments(self, text: str) -> tuple[tuple[int, ...], bytes]:
+    def encode_segments(self, text: str) -> tuple[tuple[int, ...], bytes]:
+        """`encode_packed` without prefix reuse: split, cached pieces, the rest encoded."""
         if not self.segmenter.enabled:
             whole = tuple(self._encode_batch([text])[0]) if text else ()
             return whole, pack_ids(whole)

@@ -102,12 +102,13 @@ class _Skeleton:
         self.fragments, self.slots = fragments, slots
         self.size = sum(len(f) for f in fragments) + 8 * len(slots)
 
-    def fill(self, texts: Sequence[str]) -> str:
+    def fill(self, texts: Sequence[str]) -> list[str]:
+        """The rendered text's pieces: the fragments with each slot's text between them."""
         out = [self.fragments[0]]
         for slot, fragment in zip(self.slots, self.fragments[1:], strict=True):
             out.append(texts[slot])
             out.append(fragment)
-        return "".join(out)
+        return out
 
 
 Render = Callable[[list[dict[str, Any]]], str]
@@ -135,12 +136,21 @@ class Skeletons:
         """The rendered text from a skeleton (made with ``skeleton_render`` on a miss), or None when this
         request or template cannot use one (the caller then renders normally). ``context`` is every
         other input of the render (tools, options, special tokens), JSON-encodable."""
+        pieces = self.pieces(messages, context, skeleton_render)
+        return "".join(pieces) if pieces is not None else None
+
+    def pieces(
+        self, messages: Sequence[Mapping[str, Any]], context: object, skeleton_render: Render
+    ) -> list[str] | None:
+        """`render`'s text as the pieces it joins (literal fragments and message texts, alternating),
+        so a caller can compare two renders piece by piece."""
         if not self.enabled:
             return None
         texts: list[str] = []
-        stand_ins = [_stand_in(m, texts) for m in messages]
+        # The key holds each text as its emptiness mark; stand-ins are made only on a miss, to render.
+        marked = [_stand_in(m, texts, _mark) for m in messages]
         try:
-            key = msgspec.json.encode((stand_ins, context), enc_hook=_key_of)
+            key = msgspec.json.encode((marked, context))
         except (TypeError, msgspec.EncodeError):
             return None
         skeleton = self._entries.get(key)
@@ -149,11 +159,21 @@ class Skeletons:
             self._entries.move_to_end(key)
             return skeleton.fill(texts)
         self.misses += 1
+        numbered: list[str] = []  # the same slot numbers as `texts`
+        stand_ins = [_stand_in(m, numbered, _opaque) for m in messages]
         skeleton = self._make(stand_ins, skeleton_render)
         if skeleton is None:
             return None
         self._store(key, skeleton)
         return skeleton.fill(texts)
+
+    def carry_key(self, messages: Sequence[Mapping[str, Any]], context: object) -> bytes | None:
+        """What a conversation's later turns share with it (this template, the other render inputs and
+        the first two messages), to find its last render by; None when not JSON-encodable."""
+        try:
+            return msgspec.json.encode((self._nonce, messages[:2], context))
+        except (TypeError, msgspec.EncodeError):
+            return None
 
     def marker(self, slot: int) -> str:
         """The text a slot renders as in a skeleton render (a per-process nonce: requests cannot forge it)."""
@@ -198,35 +218,40 @@ def type_test(test: Callable[..., Any], name: str) -> Callable[..., Any]:
     return wrapped
 
 
-def _stand_in(message: Mapping[str, Any], texts: list[str]) -> dict[str, Any]:
-    """``message`` with its texts replaced by stand-ins (appended to ``texts`` in slot order)."""
+def _stand_in(
+    message: Mapping[str, Any], texts: list[str], make: Callable[[str, int], object]
+) -> dict[str, Any]:
+    """``message`` with each text replaced by ``make(text, slot)`` (the texts appended to ``texts`` in
+    slot order)."""
     out = dict(message)
     content = out.get("content")
     if type(content) is str:
         texts.append(content)
-        out["content"] = Opaque((len(texts) - 1,), content != "")
+        out["content"] = make(content, len(texts) - 1)
     elif isinstance(content, list):
-        out["content"] = [_part(p, texts) for p in content]
+        out["content"] = [_part(p, texts, make) for p in content]
     for key in _TEXT_KEYS[1:]:
         value = out.get(key)
         if isinstance(value, str):
-            out[key] = _slot(value, texts)
+            texts.append(value)
+            out[key] = make(value, len(texts) - 1)
     return out
 
 
-def _part(part: object, texts: list[str]) -> object:
+def _part(part: object, texts: list[str], make: Callable[[str, int], object]) -> object:
     if isinstance(part, Mapping) and isinstance(part.get("text"), str):
-        return {**part, "text": _slot(part["text"], texts)}
+        texts.append(part["text"])
+        return {**part, "text": make(part["text"], len(texts) - 1)}
     return part
 
 
-def _slot(text: str, texts: list[str]) -> Opaque:
-    texts.append(text)
-    return Opaque((len(texts) - 1,), bool(text))
+def _opaque(text: str, slot: int) -> Opaque:
+    return Opaque((slot,), text != "")
 
 
-def _key_of(value: object) -> object:
-    """How a stand-in enters the structure key: its emptiness only."""
-    if isinstance(value, Opaque):
-        return ["\x00text", bool(value)]
-    raise TypeError(f"not part of a structure key: {type(value).__name__}")
+_MARKS: Final = (("\x00text", False), ("\x00text", True))
+
+
+def _mark(text: str, slot: int) -> tuple[str, bool]:
+    """A text's place in the structure key: its emptiness only."""
+    return _MARKS[text != ""]

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tokenization.base import CacheStats, Message, SpecialTokens
+from tokenization.chat_carry import CarryLink, ChatCarry
 from tokenization.chat_template import TemplateSet
 from tokenization.segment_cache import SegmentCache, SegmentedEncoder, pack_ids
 
@@ -23,6 +24,8 @@ class TemplatedTokenizer:
     _context: dict[str, str]
     templates: TemplateSet
     segments: SegmentedEncoder
+    carry: ChatCarry | None = None
+    """Chats' previous turns (tokenization.chat_carry), when the tokenizer has prefix reuse."""
 
     @property
     def special_tokens(self) -> SpecialTokens:
@@ -48,6 +51,10 @@ class TemplatedTokenizer:
             skeleton_hits=sum(s.hits for s in skeletons),
             skeleton_misses=sum(s.misses for s in skeletons),
             skeleton_refused=sum(s.refused for s in skeletons),
+            carry_hits=self.carry.stats.hits if self.carry else 0,
+            carry_misses=self.carry.stats.misses if self.carry else 0,
+            carried_tokens=self.carry.stats.carried_tokens if self.carry else 0,
+            carry_held_bytes=self.carry.bytes if self.carry else 0,
         )
 
     def encode_cached(self, text: str, add_special_tokens: bool = True) -> list[int]:
@@ -77,6 +84,27 @@ class TemplatedTokenizer:
         **kwargs: Any,
     ) -> str:
         return self.templates.render_chat(messages, add_generation_prompt, tools, self._context, kwargs)
+
+    def chat_packed(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_special_tokens: bool,
+        template_kwargs: Mapping[str, Any],
+    ) -> tuple[tuple[int, ...], bytes, CarryLink | None]:
+        """`chat_tokens` as `encode_packed` gives them, with their link to the conversation's previous
+        turn when it was carried (`ChatCarry`; only without special tokens around the text)."""
+        carry, kwargs = self.carry, template_kwargs
+        if carry is not None and self.special_wrap(add_special_tokens) == ([], []):
+            rendered = self.templates.render_chat_pieces(
+                messages, add_generation_prompt, tools, self._context, kwargs
+            )
+            if rendered is not None:
+                pieces, key = rendered
+                return carry.encode(key, pieces, self.segments.encode_segments)
+        text = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
+        return (*self.encode_packed(text, add_special_tokens), None)
 
     def chat_tokens(
         self,

@@ -317,6 +317,24 @@ class _TokenizerCacheCollector(Collector):
         ):
             renders.add_metric([result], total(field))
         yield renders
+        turns = CounterMetricFamily(
+            "kvrouter_chat_carry_turns",
+            "chats tokenized by the chat carry: hit = extended the conversation's last turn (this worker)",
+            labels=["result"],
+        )
+        turns.add_metric(["hit"], total("carry_hits"))
+        turns.add_metric(["miss"], total("carry_misses"))
+        yield turns
+        yield CounterMetricFamily(
+            "kvrouter_chat_carry_carried_tokens",
+            "token ids carried from conversations' previous turns",
+            value=total("carried_tokens"),
+        )
+        yield GaugeMetricFamily(
+            "kvrouter_chat_carry_held_bytes",
+            "bytes held by the chat carries (previous turns' text, ids and keys)",
+            value=total("carry_held_bytes"),
+        )
 
 
 class RouterMetrics:

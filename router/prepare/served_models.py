@@ -254,7 +254,13 @@ class Models:
                 rt = by_tokenizer[source] = tokens_of(req, self.tokenizer(v), self._loras[model])
             t1 = self._clock()
             keys = spec_keys(
-                v.spec, self.hasher, rt.tokens, rt.extras, packed=rt.packed, cache=self.key_cache
+                v.spec,
+                self.hasher,
+                rt.tokens,
+                rt.extras,
+                packed=rt.packed,
+                cache=self.key_cache,
+                carry=rt.carry,
             )
             computed[v.id] = VariantKeys(len(rt.tokens), keys)
             tokenize, hashing = tokenize + (t1 - t0), hashing + (self._clock() - t1)

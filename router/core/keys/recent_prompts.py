@@ -42,9 +42,10 @@ class PrefixKeyCache:
         self.tokens = 0  # stored, over every entry
         self.reused_blocks = 0
         self.computed_blocks = 0
-        # By the id of the stored bytes (kept alive by the entry): hashing a long prompt costs more
-        # than the bisect that finds it.
-        self._entries: OrderedDict[int, _Entry] = OrderedDict()
+        # By group and the id of the stored bytes (kept alive by the entry): hashing a long prompt costs
+        # more than the bisect that finds it. The group is part of the key because one bytes object may
+        # be stored in several groups (a request keyed for variants of two block sizes or roots).
+        self._entries: OrderedDict[tuple[_Group, int], _Entry] = OrderedDict()
         self._sorted: dict[_Group, list[bytes]] = {}
 
     def __len__(self) -> int:
@@ -81,12 +82,12 @@ class PrefixKeyCache:
         at = bisect_left(stored, packed)
         best, best_keys = 0, cast(tuple[BlockKey, ...], ())
         for other in stored[max(0, at - 1) : at + 1]:
-            entry = self._entries[id(other)]
+            entry = self._entries[(group, id(other))]
             shared = _shared_blocks(packed, other, block_bytes, min(n_blocks, len(entry.keys)))
             if shared > best:
                 best, best_keys = shared, entry.keys
             if other == packed:
-                self._entries.move_to_end(id(other))
+                self._entries.move_to_end((group, id(other)))
         return at, best, best_keys
 
     def _store(self, group: _Group, packed: bytes, at: int, keys: tuple[BlockKey, ...]) -> None:
@@ -98,7 +99,7 @@ class PrefixKeyCache:
         if at < len(stored) and stored[at] == packed:
             return
         stored.insert(at, packed)
-        self._entries[id(packed)] = _Entry(group, packed, keys)
+        self._entries[(group, id(packed))] = _Entry(group, packed, keys)
         self.tokens += len(packed) // _TOKEN_BYTES
         while self.tokens > self.max_tokens:
             self._evict()

