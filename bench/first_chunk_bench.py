@@ -37,8 +37,8 @@ import aiohttp
 import httptools
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.gateway_cpu_bench import unpack
-from bench.proxy_bench import MODEL, _ready_url, bodies, gateway_config, pct, start_process
+from bench.gateway_cpu_bench import KVROUTER, start_gateway, unpack
+from bench.proxy_bench import MODEL, bodies, gateway_config, pct, start_process
 
 HERE = Path(__file__).resolve()
 ROOT = HERE.parents[1]
@@ -207,21 +207,6 @@ def stage_means(
     return means
 
 
-async def start_gateway(
-    tree: Path, config: Path, probe: str | None
-) -> tuple[asyncio.subprocess.Process, str]:
-    head = [sys.executable, str(HERE.parent / probe)] if probe else [sys.executable, "-m", "kvrouter"]
-    argv = [*head, "--log-level", "ERROR", "serve", "--config", str(config)]
-    proc = await asyncio.create_subprocess_exec(
-        *argv, stdout=asyncio.subprocess.PIPE, cwd=tree, env={**os.environ, "PYTHONPATH": str(tree)}
-    )
-    assert proc.stdout is not None
-    while line := await asyncio.wait_for(proc.stdout.readline(), 120):
-        if (url := _ready_url(line)) is not None:
-            return proc, url
-    raise RuntimeError(f"the gateway of {tree} exited before it was ready")
-
-
 async def run(args: argparse.Namespace) -> list[Cell]:
     cells: list[Cell] = []
     procs: list[asyncio.subprocess.Process] = []
@@ -244,7 +229,8 @@ async def run(args: argparse.Namespace) -> list[Cell]:
                     probe = (
                         "stall_probe.py" if args.gc_trace else "timeline_probe.py" if args.timeline else None
                     )
-                    proc, url = await start_gateway(tree, config, probe)
+                    head = (sys.executable, str(HERE.parent / probe)) if probe else KVROUTER
+                    proc, url = await start_gateway(tree, config, dict(os.environ), head)
                     procs.append(proc)
                     print(f"{name}-{policy}: pid {proc.pid}", flush=True)
                     targets.append((f"{name}-{policy}", url))

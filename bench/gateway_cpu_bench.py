@@ -18,6 +18,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import asdict
 from pathlib import Path
 
@@ -36,10 +37,16 @@ def unpack(rev: str, into: Path) -> Path:
     return into
 
 
+KVROUTER = (sys.executable, "-m", "kvrouter")
+"""How `start_gateway` runs kvrouter unless given a wrapper."""
+
+
 async def start_gateway(
-    tree: Path, config: Path, env: dict[str, str]
+    tree: Path, config: Path, env: dict[str, str], head: Sequence[str] = KVROUTER
 ) -> tuple[asyncio.subprocess.Process, str]:
-    argv = [sys.executable, "-m", "kvrouter", "--log-level", "ERROR", "serve", "--config", str(config)]
+    """`kvrouter serve` of the source `tree` (or `head`: a wrapper taking kvrouter's arguments) with
+    `config`; the process and its URL once it printed its ready line."""
+    argv = [*head, "--log-level", "ERROR", "serve", "--config", str(config)]
     proc = await asyncio.create_subprocess_exec(
         *argv, stdout=asyncio.subprocess.PIPE, cwd=tree, env={**env, "PYTHONPATH": str(tree)}
     )
