@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import msgspec
+import pytest
 import uvicorn
 from aiohttp import web
 
@@ -176,3 +177,21 @@ async def running_gateway(
         server.should_exit = True
         await task
         sock.close()
+
+
+def record_client_writes(monkeypatch: pytest.MonkeyPatch, writes: list[bytes]) -> None:
+    """From now on, every write a gateway (or any app served with `TimedHttpToolsProtocol`) makes on its
+    client connections is appended to `writes`."""
+    made = TimedHttpToolsProtocol.connection_made
+
+    def counting(self: TimedHttpToolsProtocol, transport: asyncio.Transport) -> None:
+        real = transport.write
+
+        def write(data: bytes | bytearray | memoryview) -> None:
+            writes.append(bytes(data))
+            real(data)
+
+        transport.write = write  # type: ignore[method-assign]
+        made(self, transport)
+
+    monkeypatch.setattr(TimedHttpToolsProtocol, "connection_made", counting)

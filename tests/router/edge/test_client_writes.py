@@ -13,26 +13,14 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from router.edge.client_timeouts import TimedHttpToolsProtocol
-from tests.gateway_helpers import uvicorn_on_port_0
+from tests.gateway_helpers import record_client_writes, uvicorn_on_port_0
 
 WAIT = 5.0
 
 
 @asynccontextmanager
 async def serving(app: object, writes: list[bytes], monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[int]:
-    made = TimedHttpToolsProtocol.connection_made
-
-    def counting(self: TimedHttpToolsProtocol, transport: asyncio.Transport) -> None:
-        real = transport.write
-
-        def write(data: bytes | bytearray | memoryview) -> None:
-            writes.append(bytes(data))
-            real(data)
-
-        transport.write = write  # type: ignore[method-assign]
-        made(self, transport)
-
-    monkeypatch.setattr(TimedHttpToolsProtocol, "connection_made", counting)
+    record_client_writes(monkeypatch, writes)
     config = uvicorn.Config(app, http=TimedHttpToolsProtocol, lifespan="off", log_config=None)  # type: ignore[arg-type]
     async with uvicorn_on_port_0(config) as port:
         yield port

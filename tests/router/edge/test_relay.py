@@ -12,9 +12,8 @@ from contextlib import asynccontextmanager
 
 import pytest
 
-from router.edge.client_timeouts import TimedHttpToolsProtocol
 from router.settings.config import EngineConfig
-from tests.gateway_helpers import gateway_config, running_gateway
+from tests.gateway_helpers import gateway_config, record_client_writes, running_gateway
 from tests.router.edge.test_client_writes import WAIT
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
@@ -58,19 +57,7 @@ async def raw_engine(script: Script) -> AsyncIterator[str]:
 async def gateway_writes(url: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[str, list[bytes]]]:
     """The gateway in front of `url`, and every write it makes on its client connections."""
     writes: list[bytes] = []
-    made = TimedHttpToolsProtocol.connection_made
-
-    def counting(self: TimedHttpToolsProtocol, transport: asyncio.Transport) -> None:
-        real = transport.write
-
-        def write(data: bytes | bytearray | memoryview) -> None:
-            writes.append(bytes(data))
-            real(data)
-
-        transport.write = write  # type: ignore[method-assign]
-        made(self, transport)
-
-    monkeypatch.setattr(TimedHttpToolsProtocol, "connection_made", counting)
+    record_client_writes(monkeypatch, writes)
     async with running_gateway(gateway_config([EngineConfig(name="e0", url=url, model="m")])) as gw:
         yield gw.url, writes
 
