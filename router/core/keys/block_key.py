@@ -25,7 +25,7 @@ import msgspec
 
 from events.block_hash import RequestExtras
 
-__all__ = ["BlockExtra", "BlockKey", "KeyHasher", "hash_randomized", "pack_tokens"]
+__all__ = ["TOKEN_BYTES", "BlockExtra", "BlockKey", "KeyHasher", "hash_randomized", "pack_tokens"]
 
 BlockKey = NewType("BlockKey", int)
 """The router's block key (distinct from the engine's opaque `EngineBlockHash`)."""
@@ -34,9 +34,10 @@ BlockExtra = tuple[Any, ...] | None
 """A block's normalized extra keys for the router key: multimodal (identifier, offset) pairs, lookahead."""
 
 _TOKEN_FMT = "I"
-_TOKEN_BYTES = 4
+TOKEN_BYTES = 4
+"""Bytes per token id in `pack_tokens`' packing."""
 # array("I") packs exactly as struct's native "I" (native order and size), and several times faster.
-assert array(_TOKEN_FMT).itemsize == struct.calcsize(_TOKEN_FMT) == _TOKEN_BYTES
+assert array(_TOKEN_FMT).itemsize == struct.calcsize(_TOKEN_FMT) == TOKEN_BYTES
 
 
 def hash_randomized() -> bool:
@@ -74,7 +75,7 @@ def packed_block_hashes(packed: bytes, block_size: int, start: int, stop: int) -
     """Keyed SipHash of blocks `start` to `stop` (exclusive) of packed token bytes."""
     if stop <= start:
         return []
-    bb = block_size * _TOKEN_BYTES
+    bb = block_size * TOKEN_BYTES
     return list(map(hash, _splitter(stop - start, bb).unpack_from(packed, start * bb)))
 
 
@@ -138,7 +139,7 @@ def _chain_plain(parent: int, tokens: Sequence[int], block_size: int, n_blocks: 
         return []
     packed = _packed_blocks(tokens, block_size, n_blocks)
     prev = parent
-    blocks = _splitter(n_blocks, block_size * _TOKEN_BYTES).unpack_from(packed)
+    blocks = _splitter(n_blocks, block_size * TOKEN_BYTES).unpack_from(packed)
     return cast(list[BlockKey], [prev := hash((prev, hash(b))) for b in blocks])
 
 

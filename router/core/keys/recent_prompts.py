@@ -15,11 +15,10 @@ from bisect import bisect_left
 from collections import OrderedDict
 from typing import cast
 
-from router.core.keys.block_key import BlockKey, chain_hashes, packed_block_hashes
+from router.core.keys.block_key import TOKEN_BYTES, BlockKey, chain_hashes, packed_block_hashes
 
 __all__ = ["PrefixKeyCache"]
 
-_TOKEN_BYTES = 4
 
 _Group = tuple[int, int]
 """(chain root, block size): prompts whose keys can be shared."""
@@ -53,7 +52,7 @@ class PrefixKeyCache:
 
     def keys(self, root: int, packed: bytes, block_size: int) -> list[BlockKey]:
         """The keys of every full block of the packed prompt, chained from `root`."""
-        block_bytes = block_size * _TOKEN_BYTES
+        block_bytes = block_size * TOKEN_BYTES
         n_blocks = len(packed) // block_bytes
         group = (root, block_size)
         at, shared, prefix = self._longest_prefix(group, packed, block_bytes, n_blocks)
@@ -93,14 +92,14 @@ class PrefixKeyCache:
     def _store(self, group: _Group, packed: bytes, at: int, keys: tuple[BlockKey, ...]) -> None:
         """Remember a prompt at its sorted position `at` (unless stored already or too long),
         evicting beyond the bound."""
-        if len(packed) // _TOKEN_BYTES > self.max_tokens or not keys:
+        if len(packed) // TOKEN_BYTES > self.max_tokens or not keys:
             return
         stored = self._sorted.setdefault(group, [])
         if at < len(stored) and stored[at] == packed:
             return
         stored.insert(at, packed)
         self._entries[(group, id(packed))] = _Entry(group, packed, keys)
-        self.tokens += len(packed) // _TOKEN_BYTES
+        self.tokens += len(packed) // TOKEN_BYTES
         while self.tokens > self.max_tokens:
             self._evict()
 
@@ -112,7 +111,7 @@ class PrefixKeyCache:
         del stored[at]
         if not stored:
             del self._sorted[entry.group]
-        self.tokens -= len(entry.packed) // _TOKEN_BYTES
+        self.tokens -= len(entry.packed) // TOKEN_BYTES
 
 
 def _shared_blocks(a: bytes, b: bytes, block_bytes: int, limit: int) -> int:

@@ -14,7 +14,14 @@ from typing import Protocol, cast
 import msgspec
 
 from events.block_hash import HashAlgo, RequestExtras, VllmHasher, wire_hash
-from router.core.keys.block_key import BlockKey, KeyHasher, chain_hashes, pack_tokens, packed_block_hashes
+from router.core.keys.block_key import (
+    TOKEN_BYTES,
+    BlockKey,
+    KeyHasher,
+    chain_hashes,
+    pack_tokens,
+    packed_block_hashes,
+)
 from router.core.keys.recent_prompts import PrefixKeyCache
 from router.core.kv_layout import HashingMode, ModelSpec
 
@@ -50,7 +57,7 @@ def carried_keys(root: int, packed: bytes, block_size: int, carry: KeyCarry) -> 
     prior = cast(tuple[BlockKey, ...] | None, carry.prior.get(group))
     if prior is None:
         return None
-    n_blocks = len(packed) // (block_size * 4)
+    n_blocks = len(packed) // (block_size * TOKEN_BYTES)
     shared = min(carry.shared_tokens // block_size, len(prior), n_blocks)
     parent = prior[shared - 1] if shared else root
     keys = [*prior[:shared], *chain_hashes(parent, packed_block_hashes(packed, block_size, shared, n_blocks))]
