@@ -259,15 +259,13 @@ class _DiscoveryCollector(Collector):
         self._counts = counts
 
     def collect(self) -> Iterator[CounterMetricFamily]:
-        family = CounterMetricFamily(
+        yield _labelled(
             "kvrouter_discovery_operations",
             "Kubernetes discovery: lists, watches, resyncs (410 Gone), failures, bookmarks, events, "
             "rejected slices (this worker)",
-            labels=["kind"],
+            dict(sorted(self._counts.items())),
+            label="kind",
         )
-        for kind, value in sorted(self._counts.items()):
-            family.add_metric([kind], value)
-        yield family
 
 
 class _TokenizerCacheCollector(Collector):
@@ -282,14 +280,11 @@ class _TokenizerCacheCollector(Collector):
         def total(field: str) -> int:
             return sum(int(getattr(s, field)) for s in all_stats)
 
-        texts = CounterMetricFamily(
+        yield _labelled(
             "kvrouter_prefix_reuse_texts",
             "texts tokenized by prefix reuse: hit = a recent text's prefix ids were copied (this worker)",
-            labels=["result"],
+            {"hit": total("reuse_hits"), "miss": total("reuse_misses")},
         )
-        texts.add_metric(["hit"], total("reuse_hits"))
-        texts.add_metric(["miss"], total("reuse_misses"))
-        yield texts
         yield CounterMetricFamily(
             "kvrouter_prefix_reuse_reused_tokens",
             "token ids copied from recent texts",
@@ -305,26 +300,20 @@ class _TokenizerCacheCollector(Collector):
             "bytes held by the prefix-reuse caches",
             value=total("reuse_held_bytes"),
         )
-        renders = CounterMetricFamily(
+        yield _labelled(
             "kvrouter_chat_skeleton_renders",
             "chat renders: hit = filled in from a known structure, miss = template run, refused = not reused",
-            labels=["result"],
+            {
+                "hit": total("skeleton_hits"),
+                "miss": total("skeleton_misses"),
+                "refused": total("skeleton_refused"),
+            },
         )
-        for result, field in (
-            ("hit", "skeleton_hits"),
-            ("miss", "skeleton_misses"),
-            ("refused", "skeleton_refused"),
-        ):
-            renders.add_metric([result], total(field))
-        yield renders
-        turns = CounterMetricFamily(
+        yield _labelled(
             "kvrouter_chat_carry_turns",
             "chats tokenized by the chat carry: hit = extended the conversation's last turn (this worker)",
-            labels=["result"],
+            {"hit": total("carry_hits"), "miss": total("carry_misses")},
         )
-        turns.add_metric(["hit"], total("carry_hits"))
-        turns.add_metric(["miss"], total("carry_misses"))
-        yield turns
         yield CounterMetricFamily(
             "kvrouter_chat_carry_carried_tokens",
             "token ids carried from conversations' previous turns",
@@ -335,6 +324,16 @@ class _TokenizerCacheCollector(Collector):
             "bytes held by the chat carries (previous turns' text, ids and keys)",
             value=total("carry_held_bytes"),
         )
+
+
+def _labelled(
+    name: str, documentation: str, counts: Mapping[str, int], label: str = "result"
+) -> CounterMetricFamily:
+    """A counter family with one sample per value of `label`, in `counts`' order."""
+    family = CounterMetricFamily(name, documentation, labels=[label])
+    for value, count in counts.items():
+        family.add_metric([value], count)
+    return family
 
 
 class RouterMetrics:
