@@ -37,7 +37,7 @@ import aiohttp
 import httptools
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from bench.gateway_cpu_bench import KVROUTER, start_gateway, unpack
+from bench.gateway_cpu_bench import KVROUTER, start_gateway, stop_all, unpack
 from bench.proxy_bench import MODEL, bodies, gateway_config, pct, start_process
 
 HERE = Path(__file__).resolve()
@@ -252,10 +252,7 @@ async def run(args: argparse.Namespace) -> list[Cell]:
                     print(json.dumps(asdict(cells[-1])), flush=True)
             print(f"load1 at the end={os.getloadavg()[0]:.2f}", flush=True)
         finally:
-            for proc in procs:
-                if proc.returncode is None:
-                    proc.terminate()
-                    await proc.wait()
+            await stop_all(procs)
     return cells
 
 

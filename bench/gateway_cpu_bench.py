@@ -57,6 +57,14 @@ async def start_gateway(
     raise RuntimeError(f"the gateway of {tree} exited before it was ready")
 
 
+async def stop_all(procs: Sequence[asyncio.subprocess.Process]) -> None:
+    """Terminate every process still running and wait for each."""
+    for proc in procs:
+        if proc.returncode is None:
+            proc.terminate()
+            await proc.wait()
+
+
 async def run(args: argparse.Namespace) -> list[Row]:
     rows: list[Row] = []
     procs: list[asyncio.subprocess.Process] = []
@@ -98,10 +106,7 @@ async def run(args: argparse.Namespace) -> list[Row]:
                             print(json.dumps(asdict(row)), flush=True)
             print(f"load1 at the end={os.getloadavg()[0]:.2f}", flush=True)
         finally:
-            for proc in procs:
-                if proc.returncode is None:
-                    proc.terminate()
-                    await proc.wait()
+            await stop_all(procs)
     return rows
 
 
