@@ -36,6 +36,7 @@ from kvrouter.loadtest.workload import (
     TraceWorkload,
     cut_at_duration,
     load_trace,
+    spread_arrivals,
     synthetic_requests,
     trace_requests,
 )
@@ -114,6 +115,14 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         type=float,
         default=d.time_scale,
         help="trace: replay this many times faster (default 1)",
+    )
+    p.add_argument(
+        "--min-gap-ms",
+        type=float,
+        default=d.min_gap_ms,
+        help="send each request at least this long after the one before it, in arrival order, so "
+        "requests a trace gives one timestamp reach every router in the same order (default "
+        "%(default)s; 0: all at once)",
     )
     p.add_argument(
         "--block-tokens",
@@ -228,6 +237,7 @@ def _plan(
         if args.time_scale is not None:
             raise ValueError("give --load or --time-scale, not both")
         requests, scale = at_load(requests, args.load, stub.cost, args.engines, block_size)
+    requests = _spread(args, requests)
     plan = RunPlan(
         engines=args.engines,
         block_size=block_size,
@@ -253,7 +263,14 @@ def _external_plan(
     if args.prompt_format == "text":
         model = external.model
         requests = TextPrompts(load_tokenizer(model.tokenizer, model.chat_template)).rewrite(requests)
-    return requests
+    return _spread(args, requests)
+
+
+def _spread(args: argparse.Namespace, requests: list[RequestSpec]) -> list[RequestSpec]:
+    """--min-gap-ms applied to the arrivals as they will be sent (after --load or --time-scale)."""
+    if args.min_gap_ms < 0:
+        raise ValueError(f"--min-gap-ms must be >= 0, got {args.min_gap_ms:g}")
+    return spread_arrivals(requests, args.min_gap_ms / 1000.0)
 
 
 def _line(s: PolicySummary) -> str:

@@ -50,6 +50,7 @@ class LoadtestSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     duration: float | None = None
     rate: float = 20.0
     time_scale: float | None = None
+    min_gap_ms: float = 10.0
     block_tokens: int = 512
     max_output_tokens: int | None = None
     seed: int = 0

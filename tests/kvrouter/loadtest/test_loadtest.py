@@ -56,13 +56,26 @@ def test_kv_beats_round_robin_and_the_oracle_bounds_it(tmp_path: Path) -> None:
     assert "round_robin" in (tmp_path / "report.html").read_text()
 
 
+def test_requests_a_trace_gives_one_timestamp_go_out_in_trace_order_a_gap_apart(tmp_path: Path) -> None:
+    trace = SHARED / "traces" / "conversation_trace.jsonl"  # its first 10 requests share timestamp 0
+    args = ["--workload", f"trace:{trace}", "--requests", "10", "--block-tokens", "16", "--time-scale", "20"]
+    run(tmp_path, *args, "--min-gap-ms", "30", "--policies", "round_robin")
+    lines = (tmp_path / "results.jsonl").read_bytes().splitlines()
+    results = sorted((msgspec.json.decode(line, type=RequestResult) for line in lines), key=lambda r: r.index)
+    sent = [r.arrival_s for r in results]
+    assert all(s >= 0.03 * i for i, s in enumerate(sent))  # never before its turn
+    assert sent == sorted(sent)  # and in trace order
+    settings = msgspec.json.decode((tmp_path / "summary.json").read_bytes())["settings"]
+    assert settings["min_gap_ms"] == 30.0
+
+
 def test_a_real_mooncake_trace_replays_and_a_duration_cut_says_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     trace = SHARED / "traces" / "conversation_trace.jsonl"
     args = ["--workload", f"trace:{trace}", "--requests", "40", "--block-tokens", "16", "--time-scale", "20"]
     # At 20x, the 40th request arrives at 0.6 s and the 38th at 0.45 s: 0.5 s cuts the last two.
-    report = run(tmp_path, *args, "--duration", "0.5", "--policies", "kv")
+    report = run(tmp_path, *args, "--duration", "0.5", "--min-gap-ms", "0", "--policies", "kv")
     (kv,) = report.policies
     assert (kv.requests, kv.errors) == (38, 0)
     assert kv.cached_tokens > 0 and kv.prompt_tokens > kv.cached_tokens
@@ -70,6 +83,7 @@ def test_a_real_mooncake_trace_replays_and_a_duration_cut_says_so(
     assert "warning: --duration 0.5 cuts the workload short: 2 of 40 requests" in capsys.readouterr().err
     settings = msgspec.json.decode((tmp_path / "summary.json").read_bytes())["settings"]
     assert settings["requests"] == 40 and settings["duration"] == 0.5 and settings["time_scale"] == 20.0
+    assert settings["min_gap_ms"] == 0.0
     assert settings["engines"] == 2 and settings["policies"] == ["kv"] and settings["out"] == str(tmp_path)
     page = (tmp_path / "report.html").read_text()
     assert "<tr><th>block_tokens</th><td>16</td></tr>" in page and "2 requests arriving later" in page

@@ -42,7 +42,8 @@ def test_every_policy_starts_on_cold_caches_oracles_included(tmp_path: Path) -> 
     # the oracles ran after kv and round robin: their caches were reset too (before the fix the
     # oracles started on 2544 and 2928 warm blocks)
     assert [s.cached_blocks_at_start for s in report.policies] == [0, 0, 0, 0]
-    assert report.plan is not None and report.plan.offered.load == pytest.approx(0.9)
+    # --min-gap-ms pushes a few of the 48 arrivals (a 0.8 s span) later, which the load printed counts
+    assert report.plan is not None and report.plan.offered.load == pytest.approx(0.9, rel=0.01)
     assert cache.cached_tokens >= rr.cached_tokens
     assert set(ttft.engine_share) == set(rr.engine_share) == {"embedded-0", "embedded-1"}
     assert kv.ttft.p90 is not None and ttft.ttft.p90 is not None

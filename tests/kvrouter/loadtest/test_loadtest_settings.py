@@ -10,7 +10,13 @@ import pytest
 from kvrouter.cli import build_parser
 from kvrouter.cmd_loadtest import build_requests
 from kvrouter.loadtest.settings import LoadtestSettings, parse_routers
-from kvrouter.loadtest.workload import RequestSpec, SyntheticWorkload, cut_at_duration, synthetic_requests
+from kvrouter.loadtest.workload import (
+    RequestSpec,
+    SyntheticWorkload,
+    cut_at_duration,
+    spread_arrivals,
+    synthetic_requests,
+)
 
 
 def _loadtest_parser() -> tuple[argparse.ArgumentParser, set[str]]:
@@ -48,6 +54,21 @@ def _req(arrival: float) -> RequestSpec:
 def test_cut_at_duration_counts_what_it_leaves_out(duration: float | None, kept: int, cut: int) -> None:
     requests, not_sent = cut_at_duration([_req(t) for t in (0.0, 1.0, 2.0, 3.0)], duration)
     assert (len(requests), not_sent) == (kept, cut)
+
+
+def test_spread_arrivals_sends_ties_in_list_order_gap_apart() -> None:
+    arrivals = [0.0, 0.0, 0.0, 1.0, 1.0, 0.5, 3.0]  # 0.5 is listed late: arrival order, not list order
+    spread = spread_arrivals([_req(t) for t in arrivals], 0.01)
+    assert [round(r.arrival_s, 6) for r in spread] == [0.0, 0.01, 0.02, 1.0, 1.01, 0.5, 3.0]
+    assert [r.prompt for r in spread] == [[1, 2, 3]] * len(arrivals)
+
+
+def test_spread_arrivals_pushes_a_run_of_close_requests_and_zero_keeps_them() -> None:
+    arrivals = [0.0, 0.004, 0.008, 0.05]
+    assert [round(r.arrival_s, 6) for r in spread_arrivals([_req(t) for t in arrivals], 0.01)] == [
+        0.0, 0.01, 0.02, 0.05,
+    ]  # fmt: skip
+    assert [r.arrival_s for r in spread_arrivals([_req(t) for t in arrivals], 0.0)] == arrivals
 
 
 def test_duration_cuts_after_the_request_cap() -> None:
