@@ -6,14 +6,26 @@ answer. `HeadHold` stands between one request-response cycle and the connection'
 holds the cycle's first write and sends it with the next one, or alone at the loop's next turn if
 the body is not ready in the same turn (an SSE stream waiting for its first token), so nothing is
 delayed behind an engine. Every other transport call passes straight through.
+
+`BodyWriter` (offered in the scope: `scope["extensions"][BODY_WRITER]["writer"]`) writes a chunked
+answer's body bytes straight to the cycle's transport, framed as uvicorn frames them, once the head
+and a first body message are out: a streamed answer then costs one `write()` per engine read and no
+ASGI `send` per chunk. It keeps uvicorn's rules: writes after a disconnect are dropped, and a paused
+transport (the client is not reading) is reported so the caller stops reading its source.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import weakref
+from typing import Any, Final
 
-__all__ = ["HeadHold"]
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+__all__ = ["BODY_WRITER", "BodyWriter", "HeadHold"]
+
+BODY_WRITER: Final = "kvrouter.body_writer"
+"""The ASGI extension under which the gateway's HTTP protocol offers the request's `BodyWriter`."""
 
 
 class HeadHold:
@@ -53,3 +65,40 @@ class HeadHold:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
+
+
+class BodyWriter:
+    """Body bytes of one cycle's chunked answer written straight to its transport (module docstring).
+
+    It holds its cycle weakly: the cycle's scope holds the writer, and a request must be freed by
+    reference counting, not left in a cycle for the collector (tests/router/edge/test_request_garbage.py)."""
+
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self._cycle = weakref.ref(cycle)
+
+    def usable(self) -> bool:
+        """Whether the answer is a chunked body under way: its head out, its end not yet sent."""
+        cycle = self._cycle()
+        return (
+            cycle is not None
+            and cycle.response_started
+            and bool(cycle.chunked_encoding)
+            and not cycle.response_complete
+        )
+
+    def write(self, body: bytes) -> bool:
+        """Send `body` as one chunk (dropped once the client is gone); False when the client's transport
+        is paused, i.e. the caller should stop producing until `drain()` returns."""
+        cycle = self._cycle()
+        if cycle is None or cycle.disconnected:
+            return True  # as uvicorn's send: the disconnect watch ends the relay
+        cycle.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+        return not cycle.flow.write_paused
+
+    async def drain(self) -> None:
+        """Until the client's transport takes writes again (at once after a disconnect)."""
+        cycle = self._cycle()
+        if cycle is not None:
+            await cycle.flow.drain()

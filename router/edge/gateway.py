@@ -38,7 +38,7 @@ from router.edge.client_io import (
 from router.edge.flight import Flight
 from router.edge.headers import forwarded_headers
 from router.edge.proxy import Proxy
-from router.edge.relay import RelayResponse
+from router.edge.relay import RelayResponse, body_writer
 from router.edge.upstream import ProxyRequest, UpstreamResponse
 from router.edge.usage import UsageTap
 from router.links.fleet_links import FleetLinks
@@ -174,7 +174,7 @@ class Gateway:
             except BaseException:
                 self.parts.fleet.admission.leave()
                 raise
-            await relay.stream_to(send, watch)
+            await relay.stream_to(send, watch, body_writer(scope))
         except RouterError as exc:
             if relay is not None:  # the answer had started: only dropping the connection is left
                 raise
