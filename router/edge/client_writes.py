@@ -10,7 +10,8 @@ delayed behind an engine. Every other transport call passes straight through.
 `BodyWriter` (offered in the scope: `scope["extensions"][BODY_WRITER]["writer"]`) writes a chunked
 answer's body bytes straight to the cycle's transport, framed as uvicorn frames them, once the head
 and a first body message are out: a streamed answer then costs one `write()` per engine read and no
-ASGI `send` per chunk. It keeps uvicorn's rules: writes after a disconnect are dropped, and a paused
+ASGI `send` per chunk, or, with a coalescing window (`[listen] stream_coalesce_s`, off by default),
+at most one per window. It keeps uvicorn's rules: writes after a disconnect are dropped, and a paused
 transport (the client is not reading) is reported so the caller stops reading its source.
 """
 
@@ -70,13 +71,24 @@ class HeadHold:
 class BodyWriter:
     """Body bytes of one cycle's chunked answer written straight to its transport (module docstring).
 
-    It holds its cycle weakly: the cycle's scope holds the writer, and a request must be freed by
-    reference counting, not left in a cycle for the collector (tests/router/edge/test_request_garbage.py)."""
+    With a coalescing window (`coalesce`), bytes that come within the window of the last write are
+    held and leave together at its end: at most one write per window, and bytes after a quiet spell
+    (the first token after the head) leave at once. It holds its cycle weakly: the cycle's scope holds
+    the writer, and a request must be freed by reference counting, not left in a cycle for the
+    collector (tests/router/edge/test_request_garbage.py)."""
 
-    __slots__ = ("_cycle",)
+    __slots__ = ("_cycle", "_held", "_last", "_timer", "_window")
 
     def __init__(self, cycle: RequestResponseCycle) -> None:
         self._cycle = weakref.ref(cycle)
+        self._window = 0.0
+        self._held: list[bytes] = []
+        self._last = float("-inf")
+        self._timer: asyncio.TimerHandle | None = None
+
+    def coalesce(self, window_s: float) -> None:
+        """Hold bytes that come within `window_s` seconds of the last write (0: never hold)."""
+        self._window = window_s
 
     def usable(self) -> bool:
         """Whether the answer is a chunked body under way: its head out, its end not yet sent."""
@@ -94,8 +106,34 @@ class BodyWriter:
         cycle = self._cycle()
         if cycle is None or cycle.disconnected:
             return True  # as uvicorn's send: the disconnect watch ends the relay
-        cycle.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+        if not (self._window > 0.0 and self._hold(body)):
+            cycle.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
         return not cycle.flow.write_paused
+
+    def _hold(self, body: bytes) -> bool:
+        """Keep `body` for the window's end if the last write was less than a window ago."""
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        if not self._held and now - self._last >= self._window:
+            self._last = now
+            return False
+        self._held.append(body)
+        if self._timer is None:
+            self._timer = loop.call_at(self._last + self._window, self.flush)
+        return True
+
+    def flush(self) -> None:
+        """Write what is held now (before the answer's end goes through ASGI `send`; dropped once the
+        client is gone)."""
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
+        cycle = self._cycle()
+        if self._held and cycle is not None and not cycle.disconnected:
+            body = self._held[0] if len(self._held) == 1 else b"".join(self._held)
+            self._last = asyncio.get_running_loop().time()
+            cycle.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+        self._held = []
 
     async def drain(self) -> None:
         """Until the client's transport takes writes again (at once after a disconnect)."""

@@ -35,10 +35,14 @@ EndHook = Callable[[str, "int | None"], None]
 """Called once when the answer ends: status label ("200", "broken", "client_closed") and cached tokens."""
 
 
-def body_writer(scope: Scope) -> BodyWriter | None:
-    """The request's `BodyWriter`, when the server offers one (the gateway's HTTP protocol does)."""
+def body_writer(scope: Scope, coalesce_s: float = 0.0) -> BodyWriter | None:
+    """The request's `BodyWriter`, when the server offers one (the gateway's HTTP protocol does), with
+    its coalescing window (`[listen] stream_coalesce_s`)."""
     writer = scope.get("extensions", {}).get(BODY_WRITER, {}).get("writer")
-    return writer if isinstance(writer, BodyWriter) else None
+    if not isinstance(writer, BodyWriter):
+        return None
+    writer.coalesce(coalesce_s)
+    return writer
 
 
 class RelayResponse(Response):
@@ -107,15 +111,16 @@ class RelayResponse(Response):
         """The body up to its end straight from the upstream connection's reads to the client transport,
         one write per read and no task wake-up per chunk; the end's bytes are left for the ASGI send."""
         tap = self._tap
-        if tap is None:
-            await self.upstream.pump(direct.write, direct.drain)
-            return
 
         def tapped(body: bytes) -> bool:
+            assert tap is not None
             tap.feed(body)
             return direct.write(body)
 
-        await self.upstream.pump(tapped, direct.drain)
+        try:
+            await self.upstream.pump(direct.write if tap is None else tapped, direct.drain)
+        finally:
+            direct.flush()  # what a coalescing window holds leaves before anything else
 
     def abandon(self) -> None:
         """The relay will not run (or was cut short before it started): release everything once."""

@@ -64,6 +64,10 @@ class Listen(_Table, frozen=True):
     """Gateway worker processes sharing the port; each keeps its own exact mirror of every engine."""
     access_log: bool = True
     """One INFO line per request on the `kvrouter.access` logger (router/edge/access_log.py)."""
+    stream_coalesce_s: Annotated[float, msgspec.Meta(ge=0.0, le=0.05)] = 0.0
+    """After a streamed answer's first chunk, bytes that come within this long of the last client write
+    wait up to this long to leave with the next ones (fewer writes, each token up to this much later);
+    0, the default: every engine read is written at once. The first chunk is never held."""
 
 
 class GroupConfig(_Table, frozen=True):

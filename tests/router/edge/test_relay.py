@@ -15,7 +15,8 @@ import pytest
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from router.edge import http1_connection
-from router.settings.config import EngineConfig
+from router.edge.client_writes import BodyWriter
+from router.settings.config import EngineConfig, Listen
 from tests.gateway_helpers import gateway_config, record_client_writes, running_gateway
 from tests.router.edge.test_client_writes import WAIT
 
@@ -57,11 +58,16 @@ async def raw_engine(script: Script) -> AsyncIterator[str]:
 
 
 @asynccontextmanager
-async def gateway_writes(url: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[str, list[bytes]]]:
-    """The gateway in front of `url`, and every write it makes on its client connections."""
+async def gateway_writes(
+    url: str, monkeypatch: pytest.MonkeyPatch, coalesce_s: float = 0.0
+) -> AsyncIterator[tuple[str, list[bytes]]]:
+    """The gateway in front of `url` (with `[listen] stream_coalesce_s`), and every write it makes on
+    its client connections."""
     writes: list[bytes] = []
     record_client_writes(monkeypatch, writes)
-    async with running_gateway(gateway_config([EngineConfig(name="e0", url=url, model="m")])) as gw:
+    listen = Listen(port=0, stream_coalesce_s=coalesce_s)  # not decoded: the window's cap not applied
+    config = gateway_config([EngineConfig(name="e0", url=url, model="m")], listen=listen)
+    async with running_gateway(config) as gw:
         yield gw.url, writes
 
 
@@ -241,3 +247,85 @@ async def test_a_client_that_stops_reading_pauses_the_engine_read_and_loses_noth
         decoded.append(rest[: int(size, 16)])
         rest = rest[int(size, 16) + 2 :]
     assert b"".join(decoded) == b"".join(events)  # every byte, in order, and a clean end
+
+
+def watch_body_writes(monkeypatch: pytest.MonkeyPatch) -> list[asyncio.Event]:
+    """Events set as the relay hands its 1st, 2nd, ... pumped engine read to the `BodyWriter`."""
+    calls = [asyncio.Event() for _ in range(8)]
+    write = BodyWriter.write
+
+    def spied(self: BodyWriter, body: bytes) -> bool:
+        next(e for e in calls if not e.is_set()).set()
+        return write(self, body)
+
+    monkeypatch.setattr(BodyWriter, "write", spied)
+    return calls
+
+
+async def test_a_coalescing_window_holds_reads_after_the_first_and_flushes_them_before_the_end(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls = watch_body_writes(monkeypatch)
+    first_in = asyncio.Event()
+
+    async def three_reads(writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + chunked(event(0)))
+        await writer.drain()
+        await first_in.wait()  # the first chunk is never held: the client has it already
+        for i in range(1, 4):
+            writer.write(chunked(event(i)))
+            await writer.drain()
+            await calls[i - 1].wait()  # each event a read of its own
+        writer.write(chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    async with (
+        raw_engine(three_reads) as url,
+        gateway_writes(url, monkeypatch, coalesce_s=30.0) as (gw, writes),
+    ):
+        reader, writer = await post(gw)
+        received = await read_until(reader, b"", event(0))
+        first_in.set()
+        received = await read_until(reader, received, b"\r\n0\r\n\r\n")
+        writer.close()
+    end = chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+    assert received.endswith(chunked(event(0)) + chunked(event(1)) + chunked(event(2) + event(3)) + end)
+    # head + event 0; event 1 after a quiet spell, at once; events 2 and 3, held, together before the
+    # end (long before the window's 30 s were up); [DONE] with the end.
+    assert writes[1:] == [
+        chunked(event(1)),
+        chunked(event(2) + event(3)),
+        chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n",
+    ]
+
+
+async def test_held_bytes_leave_when_the_window_ends(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls = watch_body_writes(monkeypatch)
+    first_in, second_in = asyncio.Event(), asyncio.Event()
+
+    async def waits_for_the_client(writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + chunked(event(0)))
+        await writer.drain()
+        await first_in.wait()
+        writer.write(chunked(event(1)))
+        await writer.drain()
+        await calls[0].wait()
+        writer.write(chunked(event(2)))  # within the window of event 1's write: held
+        await writer.drain()
+        await second_in.wait()  # nothing more comes until the client has event 2
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async with (
+        raw_engine(waits_for_the_client) as url,
+        gateway_writes(url, monkeypatch, coalesce_s=0.5) as (gw, writes),
+    ):
+        reader, writer = await post(gw)
+        received = await read_until(reader, b"", event(0))
+        first_in.set()
+        received = await read_until(reader, received, event(2))
+        second_in.set()
+        received = await read_until(reader, received, b"\r\n0\r\n\r\n")
+        writer.close()
+    assert received.endswith(chunked(event(1)) + chunked(event(2)) + b"0\r\n\r\n")
+    assert writes[1:] == [chunked(event(1)), chunked(event(2)), b"0\r\n\r\n"]
