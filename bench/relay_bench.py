@@ -1,15 +1,17 @@
 """The SSE relay's cost: CPU per streamed request and client writes per request, this tree against another.
 
-Run: ``.venv/bin/python bench/relay_bench.py --base REV [--tokens 128] [--token-ms 1] [--conc 1,32]``.
+Run: ``.venv/bin/python bench/relay_bench.py --base REV [--tokens 128] [--token-ms 1] [--conc 1,32]
+[--coalesce-ms W]``.
 A raw asyncio engine (its own process; keep-alive, chunked SSE) answers each streamed completions
 request with its head at once, then `--tokens` events, one `write()` each, `--token-ms` apart (an
 engine decoding; 0: all at once, in separate writes), then `[DONE]` and the end. `kvrouter serve` of
-`--base REV` (git archive, as gateway_cpu_bench) and of this tree, round_robin (the relay, not
-tokenization), one worker each, stand in front of it. A raw httptools client (in this process) keeps
+`--base REV` (git archive, as gateway_cpu_bench) and of this tree (with `--coalesce-ms W`, a third:
+this tree with `[listen] stream_coalesce_s` = W ms), round_robin (the relay, not tokenization), one
+worker each, stand in front of it. A raw httptools client (in this process) keeps
 `c` connections streaming for `--seconds` per cell; per cell: CPU per request (the gateway's user+sys
 from /proc over its requests), the client's socket reads per request (an upper bound of the gateway's
 body writes: one read can hold several writes), and the first body bytes' latency. Every
-repetition runs both gateways at every concurrency, in rotating order. Prints JSON rows, then a table.
+repetition runs every gateway at every concurrency, in rotating order. Prints JSON rows, then a table.
 """
 
 from __future__ import annotations
@@ -195,10 +197,15 @@ async def run(args: argparse.Namespace) -> list[Row]:
                 [*argv, "--token-ms", str(args.token_ms)], lambda line: line.decode().strip()
             )
             procs.append(engine)
-            config = tmp / "relay.toml"
-            config.write_text(gateway_config(f"http://127.0.0.1:{port}") + '[policy]\nname = "round_robin"\n')
+            text = gateway_config(f"http://127.0.0.1:{port}") + '[policy]\nname = "round_robin"\n'
+            gateways = [("base", base, text), ("new", ROOT, text)]
+            if args.coalesce_ms > 0:
+                window = f"stream_coalesce_s = {args.coalesce_ms / 1e3}\n"
+                gateways.append(("new-coalesce", ROOT, text.replace("port = 0\n", "port = 0\n" + window, 1)))
             targets: list[tuple[str, str, int]] = []
-            for name, tree in (("base", base), ("new", ROOT)):
+            for name, tree, config_text in gateways:
+                config = tmp / f"{name}.toml"
+                config.write_text(config_text)
                 proc, url = await start_gateway(tree, config, dict(os.environ))
                 procs.append(proc)
                 targets.append((name, url, proc.pid))
@@ -207,7 +214,7 @@ async def run(args: argparse.Namespace) -> list[Row]:
                 await measure(name, url, pid, 4, 0.5, -1)
             for rep in range(args.reps):
                 for conc in args.conc:
-                    order = targets[rep % 2 :] + targets[: rep % 2]
+                    order = targets[rep % len(targets) :] + targets[: rep % len(targets)]
                     for name, url, pid in order:
                         row = await measure(name, url, pid, conc, args.seconds, rep)
                         rows.append(row)
@@ -219,19 +226,19 @@ async def run(args: argparse.Namespace) -> list[Row]:
 
 
 def report(rows: list[Row]) -> None:
-    """Per concurrency: ranges over repetitions for each gateway, and new/base per repetition."""
-    print("| c | gateway | CPU ms/req | reads/req | req/s | first p50 ms | new/base CPU per rep |")
+    """Per concurrency and gateway: ranges over repetitions, and the CPU ratio to base per repetition."""
+    print("| c | gateway | CPU ms/req | reads/req | req/s | first p50 ms | CPU / base's, per rep |")
     print("|---|---|---|---|---|---|---|")
+    names = list(dict.fromkeys(r.target for r in rows))
     for conc in sorted({r.conc for r in rows}):
-        cell = {s: [r for r in rows if r.conc == conc and r.target == s] for s in ("base", "new")}
-        pairs = zip(cell["new"], cell["base"], strict=False)
-        ratios = [n.cpu_ms_per_req / b.cpu_ms_per_req for n, b in pairs]
+        cell = {s: [r for r in rows if r.conc == conc and r.target == s] for s in names}
         for side, got in cell.items():
+            ratios = [n.cpu_ms_per_req / b.cpu_ms_per_req for n, b in zip(got, cell["base"], strict=False)]
             cols = [_span([r.cpu_ms_per_req for r in got], ".3f")]
             cols.append(_span([r.reads_per_req for r in got], ".1f"))
             cols += [_span([r.rps for r in got], ".0f"), _span([r.first_p50_ms for r in got], ".2f")]
             median = f" (median {statistics.median(ratios):.2f})"
-            extra = _span(ratios, ".2f") + median if side == "new" else ""
+            extra = _span(ratios, ".2f") + median if side != "base" else ""
             print(f"| {conc} | {side} | " + " | ".join(cols) + f" | {extra} |")
 
 
@@ -247,6 +254,9 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=128)
     parser.add_argument("--token-ms", type=float, default=1.0)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--coalesce-ms", type=float, default=0.0, help="also this tree with [listen] stream_coalesce_s"
+    )
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--conc", type=lambda s: [int(c) for c in s.split(",")], default=[1, 32])
     parser.add_argument("--engine", action="store_true", help=argparse.SUPPRESS)
