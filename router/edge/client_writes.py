@@ -11,8 +11,9 @@ delayed behind an engine. Every other transport call passes straight through.
 answer's body bytes straight to the cycle's transport, framed as uvicorn frames them, once the head
 and a first body message are out: a streamed answer then costs one `write()` per engine read and no
 ASGI `send` per chunk, or, with a coalescing window (`[listen] stream_coalesce_s`, off by default),
-at most one per window. It keeps uvicorn's rules: writes after a disconnect are dropped, and a paused
-transport (the client is not reading) is reported so the caller stops reading its source.
+at most one write and one read per window. It keeps uvicorn's rules: writes after a disconnect are
+dropped, and a paused transport (the client is not reading) is reported so the caller stops reading
+its source.
 """
 
 from __future__ import annotations
@@ -71,23 +72,22 @@ class HeadHold:
 class BodyWriter:
     """Body bytes of one cycle's chunked answer written straight to its transport (module docstring).
 
-    With a coalescing window (`coalesce`), bytes that come within the window of the last write are
-    held and leave together at its end: at most one write per window, and bytes after a quiet spell
-    (the first token after the head) leave at once. It holds its cycle weakly: the cycle's scope holds
-    the writer, and a request must be freed by reference counting, not left in a cycle for the
-    collector (tests/router/edge/test_request_garbage.py)."""
+    With a coalescing window (`coalesce`), every write asks its caller to stop reading until the
+    window from that write is over (`drain`), so what the engine sends meanwhile waits in the socket
+    and leaves in the next write: at most one write, one read and one wake-up per window, and nothing
+    is held here. It holds its cycle weakly: the cycle's scope holds the writer, and a request must be
+    freed by reference counting, not left in a cycle for the collector
+    (tests/router/edge/test_request_garbage.py)."""
 
-    __slots__ = ("_cycle", "_held", "_last", "_timer", "_window")
+    __slots__ = ("_cycle", "_last", "_window")
 
     def __init__(self, cycle: RequestResponseCycle) -> None:
         self._cycle = weakref.ref(cycle)
         self._window = 0.0
-        self._held: list[bytes] = []
-        self._last = float("-inf")
-        self._timer: asyncio.TimerHandle | None = None
+        self._last = 0.0
 
     def coalesce(self, window_s: float) -> None:
-        """Hold bytes that come within `window_s` seconds of the last write (0: never hold)."""
+        """After each write, ask for a pause of `window_s` seconds before the next (0: never)."""
         self._window = window_s
 
     def usable(self) -> bool:
@@ -101,42 +101,24 @@ class BodyWriter:
         )
 
     def write(self, body: bytes) -> bool:
-        """Send `body` as one chunk (dropped once the client is gone); False when the client's transport
-        is paused, i.e. the caller should stop producing until `drain()` returns."""
+        """Send `body` as one chunk (dropped once the client is gone); False when the caller should stop
+        producing until `drain()` returns: the client's transport is paused, or a window runs."""
         cycle = self._cycle()
         if cycle is None or cycle.disconnected:
             return True  # as uvicorn's send: the disconnect watch ends the relay
-        if not (self._window > 0.0 and self._hold(body)):
-            cycle.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+        cycle.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+        if self._window > 0.0:
+            self._last = asyncio.get_running_loop().time()
+            return False
         return not cycle.flow.write_paused
 
-    def _hold(self, body: bytes) -> bool:
-        """Keep `body` for the window's end if the last write was less than a window ago."""
-        loop = asyncio.get_running_loop()
-        now = loop.time()
-        if not self._held and now - self._last >= self._window:
-            self._last = now
-            return False
-        self._held.append(body)
-        if self._timer is None:
-            self._timer = loop.call_at(self._last + self._window, self.flush)
-        return True
-
-    def flush(self) -> None:
-        """Write what is held now (before the answer's end goes through ASGI `send`; dropped once the
-        client is gone)."""
-        if self._timer is not None:
-            self._timer.cancel()
-            self._timer = None
-        cycle = self._cycle()
-        if self._held and cycle is not None and not cycle.disconnected:
-            body = self._held[0] if len(self._held) == 1 else b"".join(self._held)
-            self._last = asyncio.get_running_loop().time()
-            cycle.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
-        self._held = []
-
     async def drain(self) -> None:
-        """Until the client's transport takes writes again (at once after a disconnect)."""
+        """Until the window from the last write is over and the client's transport takes writes again
+        (at once after a disconnect)."""
+        if self._window > 0.0:
+            left = self._last + self._window - asyncio.get_running_loop().time()
+            if left > 0.0:
+                await asyncio.sleep(left)
         cycle = self._cycle()
         if cycle is not None:
             await cycle.flow.drain()

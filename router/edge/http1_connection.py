@@ -166,6 +166,7 @@ class Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.headers = []
         self.headers_done = self.keep_alive = self.complete = self.active = self.received = False
+        self.sink_full = False
         self.buffered = 0
 
     async def wait(self, timeout_s: float, phase: str) -> None:

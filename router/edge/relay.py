@@ -117,10 +117,7 @@ class RelayResponse(Response):
             tap.feed(body)
             return direct.write(body)
 
-        try:
-            await self.upstream.pump(direct.write if tap is None else tapped, direct.drain)
-        finally:
-            direct.flush()  # what a coalescing window holds leaves before anything else
+        await self.upstream.pump(direct.write if tap is None else tapped, direct.drain)
 
     def abandon(self) -> None:
         """The relay will not run (or was cut short before it started): release everything once."""

@@ -15,7 +15,6 @@ import pytest
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from router.edge import http1_connection
-from router.edge.client_writes import BodyWriter
 from router.settings.config import EngineConfig, Listen
 from tests.gateway_helpers import gateway_config, record_client_writes, running_gateway
 from tests.router.edge.test_client_writes import WAIT
@@ -249,83 +248,39 @@ async def test_a_client_that_stops_reading_pauses_the_engine_read_and_loses_noth
     assert b"".join(decoded) == b"".join(events)  # every byte, in order, and a clean end
 
 
-def watch_body_writes(monkeypatch: pytest.MonkeyPatch) -> list[asyncio.Event]:
-    """Events set as the relay hands its 1st, 2nd, ... pumped engine read to the `BodyWriter`."""
-    calls = [asyncio.Event() for _ in range(8)]
-    write = BodyWriter.write
-
-    def spied(self: BodyWriter, body: bytes) -> bool:
-        next(e for e in calls if not e.is_set()).set()
-        return write(self, body)
-
-    monkeypatch.setattr(BodyWriter, "write", spied)
-    return calls
-
-
-async def test_a_coalescing_window_holds_reads_after_the_first_and_flushes_them_before_the_end(
+async def test_a_coalescing_window_reads_what_came_during_it_at_once_and_writes_it_together(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    calls = watch_body_writes(monkeypatch)
-    first_in = asyncio.Event()
+    first_in, second_in, last_in = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    done = chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n"
 
-    async def three_reads(writer: asyncio.StreamWriter) -> None:
+    async def during_the_window(writer: asyncio.StreamWriter) -> None:
         writer.write(HEAD + chunked(event(0)))
         await writer.drain()
         await first_in.wait()  # the first chunk is never held: the client has it already
-        for i in range(1, 4):
-            writer.write(chunked(event(i)))
-            await writer.drain()
-            await calls[i - 1].wait()  # each event a read of its own
-        writer.write(chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
-        await writer.drain()
-
-    async with (
-        raw_engine(three_reads) as url,
-        gateway_writes(url, monkeypatch, coalesce_s=30.0) as (gw, writes),
-    ):
-        reader, writer = await post(gw)
-        received = await read_until(reader, b"", event(0))
-        first_in.set()
-        received = await read_until(reader, received, b"\r\n0\r\n\r\n")
-        writer.close()
-    end = chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n"
-    assert received.endswith(chunked(event(0)) + chunked(event(1)) + chunked(event(2) + event(3)) + end)
-    # head + event 0; event 1 after a quiet spell, at once; events 2 and 3, held, together before the
-    # end (long before the window's 30 s were up); [DONE] with the end.
-    assert writes[1:] == [
-        chunked(event(1)),
-        chunked(event(2) + event(3)),
-        chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n",
-    ]
-
-
-async def test_held_bytes_leave_when_the_window_ends(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls = watch_body_writes(monkeypatch)
-    first_in, second_in = asyncio.Event(), asyncio.Event()
-
-    async def waits_for_the_client(writer: asyncio.StreamWriter) -> None:
-        writer.write(HEAD + chunked(event(0)))
-        await writer.drain()
-        await first_in.wait()
         writer.write(chunked(event(1)))
         await writer.drain()
-        await calls[0].wait()
-        writer.write(chunked(event(2)))  # within the window of event 1's write: held
+        await second_in.wait()  # written at once: it came after a quiet spell
+        writer.write(chunked(event(2)))  # two writes within the window of event 1's client write
         await writer.drain()
-        await second_in.wait()  # nothing more comes until the client has event 2
-        writer.write(b"0\r\n\r\n")
+        writer.write(chunked(event(3)))
+        await writer.drain()
+        await last_in.wait()
+        writer.write(done)
         await writer.drain()
 
     async with (
-        raw_engine(waits_for_the_client) as url,
-        gateway_writes(url, monkeypatch, coalesce_s=0.5) as (gw, writes),
+        raw_engine(during_the_window) as url,
+        gateway_writes(url, monkeypatch, coalesce_s=1.0) as (gw, writes),
     ):
         reader, writer = await post(gw)
         received = await read_until(reader, b"", event(0))
         first_in.set()
-        received = await read_until(reader, received, event(2))
+        received = await read_until(reader, received, event(1))
         second_in.set()
+        received = await read_until(reader, received, event(3))
+        last_in.set()
         received = await read_until(reader, received, b"\r\n0\r\n\r\n")
         writer.close()
-    assert received.endswith(chunked(event(1)) + chunked(event(2)) + b"0\r\n\r\n")
-    assert writes[1:] == [chunked(event(1)), chunked(event(2)), b"0\r\n\r\n"]
+    assert received.endswith(chunked(event(0)) + chunked(event(1)) + chunked(event(2) + event(3)) + done)
+    assert writes[1:] == [chunked(event(1)), chunked(event(2) + event(3)), done]
