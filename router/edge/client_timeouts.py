@@ -9,8 +9,9 @@ both in `kvrouter_client_timeouts_total{phase="header"|"idle"}`, and sets TCP_NO
 connection, whatever made the listening socket. Body reads are timed by the app
 (`router.edge.client_io.read_asgi_body`, answered 408, phase "body"). It also gives each request's
 cycle a `router.edge.client_writes.HeadHold`, so an answer's head and first body bytes leave in one
-write. Settings and counter reach each
-connection through the ASGI lifespan state, which uvicorn hands to every protocol it creates.
+write, and offers the app a `BodyWriter` for the cycle in the scope's extensions. Settings and
+counter reach each connection through the ASGI lifespan state, which uvicorn hands to every
+protocol it creates.
 
 Defaults (`[timeouts]` `client_*`) are nginx's: client_header_timeout and client_body_timeout 60 s,
 keepalive_timeout 75 s (https://nginx.org/en/docs/http/ngx_http_core_module.html); Envoy's
@@ -29,7 +30,7 @@ from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
 from uvicorn.server import ServerState
 
-from router.edge.client_writes import HeadHold
+from router.edge.client_writes import BODY_WRITER, BodyWriter, HeadHold
 from router.settings.config import Timeouts
 
 __all__ = ["STATE_KEY", "ClientTimeouts", "TimedHttpToolsProtocol"]
@@ -86,6 +87,7 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is not None and cycle.transport is self.transport:  # head + first body in one write
             cycle.transport = cast(asyncio.Transport, HeadHold(self.transport, self.loop))
+            self.scope.setdefault("extensions", {})[BODY_WRITER] = {"writer": BodyWriter(cycle)}
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()

@@ -6,14 +6,28 @@ answer. `HeadHold` stands between one request-response cycle and the connection'
 holds the cycle's first write and sends it with the next one, or alone at the loop's next turn if
 the body is not ready in the same turn (an SSE stream waiting for its first token), so nothing is
 delayed behind an engine. Every other transport call passes straight through.
+
+`BodyWriter` (offered in the scope: `scope["extensions"][BODY_WRITER]["writer"]`) writes a chunked
+answer's body bytes straight to the cycle's transport, framed as uvicorn frames them, once the head
+and a first body message are out: a streamed answer then costs one `write()` per engine read and no
+ASGI `send` per chunk, or, with a coalescing window (`[listen] stream_coalesce_s`, off by default),
+at most one write and one read per window. It keeps uvicorn's rules: writes after a disconnect are
+dropped, and a paused transport (the client is not reading) is reported so the caller stops reading
+its source.
 """
 
 from __future__ import annotations
 
 import asyncio
-from typing import Any
+import weakref
+from typing import Any, Final
 
-__all__ = ["HeadHold"]
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+__all__ = ["BODY_WRITER", "BodyWriter", "HeadHold"]
+
+BODY_WRITER: Final = "kvrouter.body_writer"
+"""The ASGI extension under which the gateway's HTTP protocol offers the request's `BodyWriter`."""
 
 
 class HeadHold:
@@ -53,3 +67,58 @@ class HeadHold:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self._transport, name)
+
+
+class BodyWriter:
+    """Body bytes of one cycle's chunked answer written straight to its transport (module docstring).
+
+    With a coalescing window (`coalesce`), every write asks its caller to stop reading until the
+    window from that write is over (`drain`), so what the engine sends meanwhile waits in the socket
+    and leaves in the next write: at most one write, one read and one wake-up per window, and nothing
+    is held here. It holds its cycle weakly: the cycle's scope holds the writer, and a request must be
+    freed by reference counting, not left in a cycle for the collector
+    (tests/router/edge/test_request_garbage.py)."""
+
+    __slots__ = ("_cycle", "_last", "_window")
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        self._cycle = weakref.ref(cycle)
+        self._window = 0.0
+        self._last = 0.0
+
+    def coalesce(self, window_s: float) -> None:
+        """After each write, ask for a pause of `window_s` seconds before the next (0: never)."""
+        self._window = window_s
+
+    def usable(self) -> bool:
+        """Whether the answer is a chunked body under way: its head out, its end not yet sent."""
+        cycle = self._cycle()
+        return (
+            cycle is not None
+            and cycle.response_started
+            and bool(cycle.chunked_encoding)
+            and not cycle.response_complete
+        )
+
+    def write(self, body: bytes) -> bool:
+        """Send `body` as one chunk (dropped once the client is gone); False when the caller should stop
+        producing until `drain()` returns: the client's transport is paused, or a window runs."""
+        cycle = self._cycle()
+        if cycle is None or cycle.disconnected:
+            return True  # as uvicorn's send: the disconnect watch ends the relay
+        cycle.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+        if self._window > 0.0:
+            self._last = asyncio.get_running_loop().time()
+            return False
+        return not cycle.flow.write_paused
+
+    async def drain(self) -> None:
+        """Until the window from the last write is over and the client's transport takes writes again
+        (at once after a disconnect)."""
+        if self._window > 0.0:
+            left = self._last + self._window - asyncio.get_running_loop().time()
+            if left > 0.0:
+                await asyncio.sleep(left)
+        cycle = self._cycle()
+        if cycle is not None:
+            await cycle.flow.drain()

@@ -38,7 +38,7 @@ from router.edge.client_io import (
 from router.edge.flight import Flight
 from router.edge.headers import forwarded_headers
 from router.edge.proxy import Proxy
-from router.edge.relay import RelayResponse
+from router.edge.relay import RelayResponse, body_writer
 from router.edge.upstream import ProxyRequest, UpstreamResponse
 from router.edge.usage import UsageTap
 from router.links.fleet_links import FleetLinks
@@ -102,6 +102,7 @@ class Gateway:
         self.session_header = parts.config.policy.session_header.lower()
         self.max_body = parts.config.limits.max_body_bytes
         self.body_timeout_s = parts.config.timeouts.client_body_s
+        self.coalesce_s = parts.config.listen.stream_coalesce_s
         self.any_remote = any(m.remote_tokenize for m in parts.config.models)
         # The stages' histogram children, looked up once rather than per request (a lock and a dict each).
         self._overhead = {stage: parts.metrics.overhead.labels(stage) for stage in (*_STAGES, "proxy")}
@@ -174,7 +175,7 @@ class Gateway:
             except BaseException:
                 self.parts.fleet.admission.leave()
                 raise
-            await relay.stream_to(send, watch)
+            await relay.stream_to(send, watch, body_writer(scope, self.coalesce_s))
         except RouterError as exc:
             if relay is not None:  # the answer had started: only dropping the connection is left
                 raise

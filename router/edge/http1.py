@@ -15,12 +15,13 @@ from __future__ import annotations
 import asyncio
 import ssl
 from collections import deque
+from collections.abc import Awaitable, Callable
 from typing import Final
 from urllib.parse import urlsplit
 
 import msgspec
 
-from router.edge.http1_connection import HIGH_WATER, Connection
+from router.edge.http1_connection import HIGH_WATER, Connection, Sink
 from router.edge.http1_errors import (
     BadResponse,
     ConnectFailed,
@@ -41,6 +42,7 @@ __all__ = [
     "HttpClientError",
     "ResponseCut",
     "ServerDisconnected",
+    "Sink",
     "TimedOut",
 ]
 
@@ -108,10 +110,48 @@ class Http1Response:
         chunk = conn.chunks.popleft() if len(conn.chunks) == 1 else b"".join(conn.chunks)
         conn.chunks.clear()
         conn.buffered -= len(chunk)
-        if conn.paused and conn.buffered <= HIGH_WATER // 2 and conn.transport is not None:
-            conn.paused = False
-            conn.transport.resume_reading()
+        if conn.paused and conn.buffered <= HIGH_WATER // 2:
+            conn.resume()
         return chunk
+
+    async def pump(self, sink: Sink, drained: Callable[[], Awaitable[None]]) -> None:
+        """Hand the body to `sink` from the connection's callbacks, each read's bytes in one call, until
+        the body is complete; the bytes that came with its end stay for `next_chunk` (so the caller
+        sends them with the end). When `sink` answers False, reading pauses until `drained()` returns.
+        Timeouts and errors are `next_chunk`'s; any failure or cancellation drops the connection."""
+        conn = self._conn
+        loop = conn.loop
+        conn.sink, conn.sink_full, conn.last_read = sink, False, loop.time()
+        try:
+            if conn.chunks and not conn.complete:
+                conn.to_sink(sink)
+            while not (conn.complete or self._done):
+                if conn.error is not None:
+                    raise conn.error
+                if conn.sink_full:
+                    await drained()
+                    conn.sink_full = False
+                    conn.resume()
+                    continue
+                await self._idle_wait(loop.time())
+        except BaseException:
+            self.close()
+            raise
+        finally:
+            conn.sink = None
+
+    async def _idle_wait(self, now: float) -> None:
+        """Wait for the body's end, a failure or a full sink; `TimedOut` once the engine has sent nothing
+        for `read_s` (from the sink's last bytes) or the answer's total time is up."""
+        conn = self._conn
+        idle, left = conn.last_read + self._read_s - now, self._deadline - now
+        phase = "read" if idle < left else "total"
+        if min(idle, left) <= 0:
+            raise TimedOut(phase)
+        try:
+            await conn.wait(min(idle, left), phase)
+        except TimedOut:
+            pass  # bytes may have reached the sink meanwhile: the caller's loop looks again
 
     def at_end(self) -> bool:
         """Whether the body has been read to its end: the next `next_chunk` returns b"" at once."""

@@ -2,8 +2,11 @@
 
 The parser's callbacks fill the exchange in progress (status, headers, body chunks, completion);
 the client (router.edge.http1) waits on it with `wait`, one timer per wait. Reading pauses while
-more than `HIGH_WATER` body bytes wait for the consumer. Bytes on an idle connection make it
-unusable; a body with neither length nor chunked framing ends with the connection.
+more than `HIGH_WATER` body bytes wait for the consumer. With a `sink` set, the body bytes of each
+read go to it from `data_received` itself (no wake-up, future or timer per chunk) until the body's
+end, whose bytes stay for the consumer; a sink that answers False pauses reading until the consumer
+resumes it. Bytes on an idle connection make it unusable; a body with neither length nor chunked
+framing ends with the connection.
 """
 
 from __future__ import annotations
@@ -11,13 +14,17 @@ from __future__ import annotations
 import asyncio
 import socket
 from collections import deque
+from collections.abc import Callable
 from typing import Final, cast
 
 import httptools
 
 from router.edge.http1_errors import BadResponse, HttpClientError, ResponseCut, ServerDisconnected, TimedOut
 
-__all__ = ["HIGH_WATER", "Connection"]
+__all__ = ["HIGH_WATER", "Connection", "Sink"]
+
+Sink = Callable[[bytes], bool]
+"""Takes body bytes as they arrive; False asks for reading to pause (the consumer is full)."""
 
 HIGH_WATER: Final = 256 * 1024  # buffered body bytes before the socket stops being read
 
@@ -44,6 +51,10 @@ class Connection(asyncio.Protocol):
         self.active = True
         self.reused = False
         self.received = False
+        self.sink: Sink | None = None
+        self.sink_full = False
+        self.last_read = 0.0
+        """The loop time at which the sink last got bytes (its read timeout runs from there)."""
 
     # -- asyncio.Protocol --
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -64,6 +75,23 @@ class Connection(asyncio.Protocol):
             self._fail(BadResponse(f"invalid HTTP answer: {exc}"))
             assert self.transport is not None
             self.transport.close()
+            return
+        if self.sink is not None and self.chunks and not self.complete:
+            self.to_sink(self.sink)
+
+    def to_sink(self, sink: Sink) -> None:
+        """What this read brought goes to the sink as one piece (one client write, not one per event)."""
+        chunks = self.chunks
+        chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self.buffered = 0
+        self.last_read = self.loop.time()
+        if not sink(chunk):
+            self.sink_full = True
+            self.pause()
+            self._wake()
+        elif self.paused:
+            self.resume()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
@@ -94,16 +122,28 @@ class Connection(asyncio.Protocol):
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
         self.buffered += len(body)
-        if self.buffered > HIGH_WATER and not self.paused and self.transport is not None:
-            self.paused = True
-            self.transport.pause_reading()
-        self._wake()
+        if self.buffered > HIGH_WATER:
+            self.pause()
+        if self.sink is None:  # a sink gets the bytes at the end of data_received, with no wake-up
+            self._wake()
 
     def on_message_complete(self) -> None:
         self.complete = True
         self._wake()
 
     # -- the exchange --
+    def pause(self) -> None:
+        """Stop reading the socket (idempotent)."""
+        if not self.paused and self.transport is not None:
+            self.paused = True
+            self.transport.pause_reading()
+
+    def resume(self) -> None:
+        """Read the socket again (idempotent)."""
+        if self.paused and self.transport is not None:
+            self.paused = False
+            self.transport.resume_reading()
+
     def _until_eof(self) -> bool:
         names = {k.lower() for k, _ in self.headers}
         return "content-length" not in names and "transfer-encoding" not in names
@@ -126,6 +166,7 @@ class Connection(asyncio.Protocol):
         self.parser = httptools.HttpResponseParser(self)
         self.headers = []
         self.headers_done = self.keep_alive = self.complete = self.active = self.received = False
+        self.sink_full = False
         self.buffered = 0
 
     async def wait(self, timeout_s: float, phase: str) -> None:

@@ -2,7 +2,8 @@
 
 `RelayResponse` carries the proxy's `UpstreamResponse` to the client as raw ASGI messages: each
 chunk is written as soon as it arrives (SSE included, nothing buffered; what arrived together goes
-in one write, and the answer's last bytes carry its end), the engine's headers pass
+in one write, and the answer's last bytes carry its end; after the first chunk, through the server's
+`BodyWriter` when it offers one, straight from the upstream reads), the engine's headers pass
 through (duplicates kept, the engine's copies of the gateway's own dropped) with the gateway's own
 added, and the upstream is always closed at the end.
 A client disconnect (seen by a `ClientWatch`) cancels the relay, which drops the upstream
@@ -22,15 +23,26 @@ from starlette.types import Receive, Scope, Send
 
 from router.core.errors import UpstreamError
 from router.edge.client_io import ClientWatch
+from router.edge.client_writes import BODY_WRITER, BodyWriter
 from router.edge.upstream import UpstreamResponse
 from router.edge.usage import UsageTap
 
-__all__ = ["EndHook", "RelayResponse"]
+__all__ = ["EndHook", "RelayResponse", "body_writer"]
 
 _SERVER_OWN = frozenset({"date", "server"})  # uvicorn writes its own; the engine's would repeat them
 
 EndHook = Callable[[str, "int | None"], None]
 """Called once when the answer ends: status label ("200", "broken", "client_closed") and cached tokens."""
+
+
+def body_writer(scope: Scope, coalesce_s: float = 0.0) -> BodyWriter | None:
+    """The request's `BodyWriter`, when the server offers one (the gateway's HTTP protocol does), with
+    its coalescing window (`[listen] stream_coalesce_s`)."""
+    writer = scope.get("extensions", {}).get(BODY_WRITER, {}).get("writer")
+    if not isinstance(writer, BodyWriter):
+        return None
+    writer.coalesce(coalesce_s)
+    return writer
 
 
 class RelayResponse(Response):
@@ -61,14 +73,15 @@ class RelayResponse(Response):
             self._ended = True
             self._on_end(status, cached)
 
-    async def stream_to(self, send: Send, watch: ClientWatch) -> None:
-        """Relay the whole answer through `send`; `watch` learns when the last message goes out."""
+    async def stream_to(self, send: Send, watch: ClientWatch, direct: BodyWriter | None = None) -> None:
+        """Relay the whole answer through `send`; `watch` learns when the last message goes out. With
+        `direct`, the body after the first chunk goes straight to the client transport (`_pump`)."""
         status, complete, tap = "client_closed", False, self._tap
         try:
             start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             await send(start)
             first, ended, upstream = True, False, self.upstream
-            async for chunk in upstream.body:
+            while chunk := await upstream.next_chunk():
                 if tap is not None:
                     tap.feed(chunk)
                 received = time.perf_counter() if first else 0.0
@@ -80,6 +93,8 @@ class RelayResponse(Response):
                     # Time from the first chunk's arrival to its hand-over to the client transport.
                     self._on_first_byte(time.perf_counter() - received)
                     first = False
+                    if direct is not None and not ended and direct.usable():
+                        await self._pump(direct)
             status, complete = str(self.status_code), True
             if not ended:
                 watch.closing()
@@ -92,6 +107,18 @@ class RelayResponse(Response):
             cached = tap.cached_tokens() if complete and tap is not None else None
             self._end(status, cached)
 
+    async def _pump(self, direct: BodyWriter) -> None:
+        """The body up to its end straight from the upstream connection's reads to the client transport,
+        one write per read and no task wake-up per chunk; the end's bytes are left for the ASGI send."""
+        tap = self._tap
+
+        def tapped(body: bytes) -> bool:
+            assert tap is not None
+            tap.feed(body)
+            return direct.write(body)
+
+        await self.upstream.pump(direct.write if tap is None else tapped, direct.drain)
+
     def abandon(self) -> None:
         """The relay will not run (or was cut short before it started): release everything once."""
         self.upstream.close()
@@ -100,7 +127,7 @@ class RelayResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = ClientWatch(receive)
         try:
-            await self.stream_to(send, watch)
+            await self.stream_to(send, watch, body_writer(scope))
         except asyncio.CancelledError:
             if not watch.absorb():
                 raise

@@ -9,7 +9,7 @@ closes the upstream connection. Callers must also call `UpstreamResponse.close()
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 
 import aiohttp
@@ -101,24 +101,38 @@ class UpstreamResponse:
         self.body: AsyncIterator[bytes] = self._stream()
 
     async def _stream(self) -> AsyncIterator[bytes]:
+        try:
+            while chunk := await self.next_chunk():
+                yield chunk
+        finally:
+            self.close()
+
+    async def next_chunk(self) -> bytes:
+        """The body bytes that have arrived (waiting for some), b"" once the body is complete. A fully
+        read response returns its connection to the pool; a failure drops it, which is how the engine
+        learns that the client went away (as does `close()` after a cancellation)."""
         response = self._response
         if response is None:
-            if self._buffered:
-                yield self._buffered
-            return
-        complete = False
+            chunk, self._buffered = self._buffered, b""
+            return chunk
+        with self._mapped():
+            return await response.next_chunk()
+
+    async def pump(self, sink: http1.Sink, drained: Callable[[], Awaitable[None]]) -> None:
+        """Hand the body to `sink` as it arrives, straight from the connection's callbacks, until its
+        end, whose bytes stay for `next_chunk` (`http1.Http1Response.pump`); errors as `next_chunk`'s."""
+        if self._response is not None:
+            with self._mapped():
+                await self._response.pump(sink, drained)
+
+    @contextmanager
+    def _mapped(self) -> Iterator[None]:
         try:
             with map_upstream_errors(self.engine, "total"):
-                while chunk := await response.next_chunk():
-                    yield chunk
-            complete = True
+                yield
         except UpstreamError:
             self._on_broken()
             raise
-        finally:
-            # A fully read response returns its connection to the pool; anything else drops it,
-            # which is how the engine learns that the client went away.
-            response.release() if complete else response.close()
 
     def at_end(self) -> bool:
         """Whether the last chunk has been yielded (the stream will end without waiting for anything)."""

@@ -38,6 +38,8 @@ _DECODER: Final = msgspec.json.Decoder(_WithUsage)
 
 def _cached(data: bytes) -> tuple[bool, int | None]:
     """(whether `data` carried a usage object, its cached tokens if reported)."""
+    if b"usage" not in data and b"\\u" not in data:  # no such key, even spelt with escapes: no decode
+        return False, None
     try:
         usage = _DECODER.decode(data).usage
     except msgspec.DecodeError:

@@ -64,6 +64,11 @@ class Listen(_Table, frozen=True):
     """Gateway worker processes sharing the port; each keeps its own exact mirror of every engine."""
     access_log: bool = True
     """One INFO line per request on the `kvrouter.access` logger (router/edge/access_log.py)."""
+    stream_coalesce_s: Annotated[float, msgspec.Meta(ge=0.0, le=0.05)] = 0.0
+    """After each client write of a streamed answer's body (the first chunk's excepted), the engine's
+    connection is not read for this long, so what it sends meanwhile leaves in one read and one write
+    (fewer wake-ups and writes; each token up to this much later). 0, the default: every engine read is
+    written at once. The first chunk is never held."""
 
 
 class GroupConfig(_Table, frozen=True):

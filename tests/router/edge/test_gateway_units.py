@@ -14,6 +14,7 @@ from events.sources import EngineName
 from router.core.errors import Unauthorized
 from router.core.ids import EngineId, RequestId
 from router.core.policy.scoring import Decision, PolicyName
+from router.edge import usage
 from router.edge.auth import AdminDisabled, Guard, bearer_token
 from router.edge.usage import UsageTap, cached_tokens_of_json, cached_tokens_of_sse
 from router.ops.debug import DecisionEntry, DecisionRing, PreparedView
@@ -68,6 +69,28 @@ def test_cached_tokens_from_the_final_usage_chunk_of_a_stream() -> None:
     assert cached_tokens_of_sse(stream) == 32
     assert cached_tokens_of_sse(sse(b'{"choices":[{"delta":{}}]}', b"[DONE]")) is None
     assert cached_tokens_of_sse(stream.replace(b"\n", b"\r\n")) == 32
+
+
+class CountingDecoder:
+    """Stands in for usage._DECODER, counting the decodes the tap attempts."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+        self.real = usage._DECODER
+
+    def decode(self, data: bytes) -> object:
+        self.calls += 1
+        return self.real.decode(data)
+
+
+def test_events_that_cannot_carry_usage_are_not_decoded(monkeypatch: pytest.MonkeyPatch) -> None:
+    decoder = CountingDecoder()
+    monkeypatch.setattr(usage, "_DECODER", decoder)
+    tokens = sse(*[b'{"choices":[{"index":0,"text":"x"}]}'] * 20, b"[DONE]")
+    assert cached_tokens_of_sse(tokens) is None and decoder.calls == 0  # no event names usage
+    escaped = b'{"choices":[],"\\u0075sage":{"prompt_tokens_details":{"cached_tokens":16}}}'
+    assert cached_tokens_of_sse(sse(escaped, b"[DONE]")) == 16  # a key spelt with escapes still counts
+    assert cached_tokens_of_sse(sse(b'{"choices":[],' + USAGE + b"}", b"[DONE]")) == 32
 
 
 def test_usage_tap_keeps_only_the_tail_of_a_long_stream_and_finds_usage_split_across_chunks() -> None:

@@ -274,3 +274,118 @@ async def test_a_closed_kept_connection_and_a_refused_retry_leave_the_pool_consi
         with pytest.raises((http1.ConnectFailed, http1.ServerDisconnected)):
             await c.request("POST", url, "/", [], b"{}")  # the kept one is gone, a new one refused
         assert c._in_use == 0 and c._pools[url].in_use == 0
+
+
+def chunk(data: bytes) -> bytes:
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+CHUNKED_HEAD = b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n"
+
+
+async def test_a_pump_gets_each_read_whole_and_leaves_the_end_for_next_chunk() -> None:
+    got: list[bytes] = []
+    took = [asyncio.Event() for _ in range(3)]
+
+    def sink(data: bytes) -> bool:
+        took[len(got)].set()
+        got.append(data)
+        return True
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(CHUNKED_HEAD + chunk(b"a"))
+        await writer.drain()
+        for i, data in enumerate((chunk(b"b") + chunk(b"c"), chunk(b"d"))):
+            await took[i].wait()  # the next bytes are a read of their own
+            writer.write(data)
+            await writer.drain()
+        await took[2].wait()
+        writer.write(chunk(b"e") + b"0\r\n\r\n")
+        await writer.drain()
+        await reader.read()
+
+    async with raw_server(handler) as server, client() as c:
+        response = await c.request("POST", server.url, "/", [], b"{}")
+        assert await response.next_chunk() == b"a"
+        took[0].set()  # "a" went the ordinary way; the pump starts with the next read
+        got.append(b"a")
+        await asyncio.wait_for(response.pump(sink, _never_called), WAIT)
+        assert got == [b"a", b"bc", b"d"]  # one call per read, the events of a read joined
+        assert await response.next_chunk() == b"e" and response.at_end()
+        assert await response.next_chunk() == b""
+        assert c._pools[server.url].idle != []  # read to its end: the connection is kept
+
+
+async def _never_called() -> None:
+    raise AssertionError("the sink never asked to pause")
+
+
+async def test_a_full_sink_pauses_reading_until_drained() -> None:
+    full, drained, done = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    got: list[bytes] = []
+
+    def sink(data: bytes) -> bool:
+        got.append(data)
+        return len(got) > 1  # the first read fills the consumer
+
+    async def drain() -> None:
+        full.set()
+        await drained.wait()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(CHUNKED_HEAD + chunk(b"a"))
+        await writer.drain()
+        await full.wait()
+        writer.write(chunk(b"b") + b"0\r\n\r\n")
+        await writer.drain()
+        done.set()
+        await reader.read()
+
+    async with raw_server(handler) as server, client() as c:
+        response = await c.request("POST", server.url, "/", [], b"{}")
+        conn = response._conn
+        pump = asyncio.ensure_future(response.pump(sink, drain))
+        await asyncio.wait_for(full.wait(), WAIT)
+        assert got == [b"a"] and conn.paused  # the socket is not read while the consumer is full
+        await asyncio.wait_for(done.wait(), WAIT)
+        drained.set()
+        await asyncio.wait_for(pump, WAIT)
+        assert not conn.paused and await body_of(response) == b"b"
+
+
+async def test_a_pumped_body_times_out_only_after_read_s_of_silence() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(CHUNKED_HEAD + chunk(b"a"))
+        for _ in range(12):  # bytes for longer than read_s, never read_s apart
+            await asyncio.sleep(0.05)  # the engine's pace, not synchronisation
+            writer.write(chunk(b"b"))
+            await writer.drain()
+        await reader.read()  # then silence
+
+    got: list[bytes] = []
+
+    def sink(data: bytes) -> bool:
+        got.append(data)
+        return True
+
+    async with raw_server(handler) as server, client(read_s=0.4) as c:
+        response = await c.request("POST", server.url, "/", [], b"{}")
+        with pytest.raises(http1.TimedOut) as silent:
+            await response.pump(sink, _never_called)
+    assert silent.value.phase == "read" and b"".join(got).count(b"b") == 12
+
+
+async def test_an_engine_breaking_mid_pump_raises_and_drops_the_connection() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        writer.write(CHUNKED_HEAD + chunk(b"a"))
+        await writer.drain()  # and close, the body unfinished
+
+    async with raw_server(handler) as server, client() as c:
+        response = await c.request("POST", server.url, "/", [], b"{}")
+        with pytest.raises(http1.ResponseCut):
+            await response.pump(lambda data: True, _never_called)
+        assert c._pools[server.url].idle == [] and c._in_use == 0

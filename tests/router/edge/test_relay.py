@@ -9,10 +9,13 @@ from __future__ import annotations
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
+from typing import Any
 
 import pytest
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from router.settings.config import EngineConfig
+from router.edge import http1_connection
+from router.settings.config import EngineConfig, Listen
 from tests.gateway_helpers import gateway_config, record_client_writes, running_gateway
 from tests.router.edge.test_client_writes import WAIT
 
@@ -54,11 +57,16 @@ async def raw_engine(script: Script) -> AsyncIterator[str]:
 
 
 @asynccontextmanager
-async def gateway_writes(url: str, monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[tuple[str, list[bytes]]]:
-    """The gateway in front of `url`, and every write it makes on its client connections."""
+async def gateway_writes(
+    url: str, monkeypatch: pytest.MonkeyPatch, coalesce_s: float = 0.0
+) -> AsyncIterator[tuple[str, list[bytes]]]:
+    """The gateway in front of `url` (with `[listen] stream_coalesce_s`), and every write it makes on
+    its client connections."""
     writes: list[bytes] = []
     record_client_writes(monkeypatch, writes)
-    async with running_gateway(gateway_config([EngineConfig(name="e0", url=url, model="m")])) as gw:
+    listen = Listen(port=0, stream_coalesce_s=coalesce_s)  # not decoded: the window's cap not applied
+    config = gateway_config([EngineConfig(name="e0", url=url, model="m")], listen=listen)
+    async with running_gateway(config) as gw:
         yield gw.url, writes
 
 
@@ -154,3 +162,125 @@ async def test_a_client_leaving_mid_stream_drops_the_engine_connection(
         await read_until(reader, b"", event(0))
         writer.close()
         await asyncio.wait_for(dropped.wait(), WAIT)
+
+
+def count_asgi_sends(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """From now on, the type of every ASGI message any request cycle sends is appended to the list."""
+    sent: list[str] = []
+    real = RequestResponseCycle.send
+
+    async def send(self: RequestResponseCycle, message: Any) -> None:
+        sent.append(message["type"])
+        await real(self, message)
+
+    monkeypatch.setattr(RequestResponseCycle, "send", send)
+    return sent
+
+
+async def test_after_the_first_chunk_each_engine_read_is_one_write_with_no_asgi_send(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    sent = count_asgi_sends(monkeypatch)
+    held = [asyncio.Event() for _ in range(6)]
+
+    async def one_event_per_read(writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + chunked(event(0)))
+        await writer.drain()
+        for i in range(1, 6):
+            await held[i - 1].wait()  # the client holds the previous event: this one is a read of its own
+            writer.write(chunked(event(i)))
+            await writer.drain()
+        await held[5].wait()
+        writer.write(chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    async with raw_engine(one_event_per_read) as url, gateway_writes(url, monkeypatch) as (gw, writes):
+        reader, writer = await post(gw)
+        received = b""
+        for i in range(6):
+            received = await read_until(reader, received, event(i))
+            held[i].set()
+        received = await read_until(reader, received, b"\r\n0\r\n\r\n")
+        writer.close()
+    body = received.partition(b"\r\n\r\n")[2]
+    assert body == b"".join(chunked(event(i)) for i in range(6)) + chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+    assert len(writes) == 7  # head with event 0, events 1-5 one write each, [DONE] with the end
+    # The head, the first chunk, and [DONE] with the end: events 1-5 went from the engine's reads
+    # straight to the client transport (one ASGI send per chunk before).
+    assert sent == ["http.response.start", "http.response.body", "http.response.body"]
+
+
+async def test_a_client_that_stops_reading_pauses_the_engine_read_and_loses_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    events = [b"data: %d %s\n\n" % (i, b"x" * 16_000) for i in range(1024)]  # ~16 MB in 16 kB events
+    paused = asyncio.Event()
+    pause = http1_connection.Connection.pause
+
+    def spied(self: http1_connection.Connection) -> None:
+        if self.sink is not None and self.sink_full:
+            paused.set()  # the client's transport is full: the engine's socket is no longer read
+        pause(self)
+
+    monkeypatch.setattr(http1_connection.Connection, "pause", spied)
+
+    async def flood(writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + chunked(events[0]))
+        await writer.drain()
+        for e in events[1:]:
+            writer.write(chunked(e))
+            await writer.drain()
+        writer.write(b"0\r\n\r\n")
+        await writer.drain()
+
+    async with raw_engine(flood) as url, gateway_writes(url, monkeypatch) as (gw, _):
+        reader, writer = await post(gw)
+        await asyncio.wait_for(paused.wait(), WAIT)  # the client has read nothing yet
+        received = await read_until(reader, b"", b"\r\n0\r\n\r\n")
+        writer.close()
+    head, _, body = received.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200")
+    decoded, rest = [], body
+    while rest != b"0\r\n\r\n":
+        size, _, rest = rest.partition(b"\r\n")
+        decoded.append(rest[: int(size, 16)])
+        rest = rest[int(size, 16) + 2 :]
+    assert b"".join(decoded) == b"".join(events)  # every byte, in order, and a clean end
+
+
+async def test_a_coalescing_window_reads_what_came_during_it_at_once_and_writes_it_together(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    first_in, second_in, last_in = asyncio.Event(), asyncio.Event(), asyncio.Event()
+    done = chunked(b"data: [DONE]\n\n") + b"0\r\n\r\n"
+
+    async def during_the_window(writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + chunked(event(0)))
+        await writer.drain()
+        await first_in.wait()  # the first chunk is never held: the client has it already
+        writer.write(chunked(event(1)))
+        await writer.drain()
+        await second_in.wait()  # written at once: it came after a quiet spell
+        writer.write(chunked(event(2)))  # two writes within the window of event 1's client write
+        await writer.drain()
+        writer.write(chunked(event(3)))
+        await writer.drain()
+        await last_in.wait()
+        writer.write(done)
+        await writer.drain()
+
+    async with (
+        raw_engine(during_the_window) as url,
+        gateway_writes(url, monkeypatch, coalesce_s=1.0) as (gw, writes),
+    ):
+        reader, writer = await post(gw)
+        received = await read_until(reader, b"", event(0))
+        first_in.set()
+        received = await read_until(reader, received, event(1))
+        second_in.set()
+        received = await read_until(reader, received, event(3))
+        last_in.set()
+        received = await read_until(reader, received, b"\r\n0\r\n\r\n")
+        writer.close()
+    assert received.endswith(chunked(event(0)) + chunked(event(1)) + chunked(event(2) + event(3)) + done)
+    assert writes[1:] == [chunked(event(1)), chunked(event(2) + event(3)), done]
