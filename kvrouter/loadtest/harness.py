@@ -248,19 +248,24 @@ async def _run_policy(
     finally:
         if gateway is not None:
             await gateway.stop()
-    cold = sum(c.cached_blocks for c in before.values()) if mirrored is None else mirrored
+    # the engines' own gauge (stubs; vLLM has none) and what the gateway's mirror still held
+    cold = sum(c.cached_blocks for c in before.values()) + (mirrored or 0)
     return _PolicyRun(results, elapsed, cold, engine_share(before, after))
 
 
 async def _cold_start(
     policy: str, session: aiohttp.ClientSession, spec: HarnessSpec, ctx: _Context, gateway_url: str | None
 ) -> int | None:
-    """Reset the stubs; or the user's engines, and then the blocks the gateway's mirror still holds
-    (None: count the stubs' own gauge)."""
+    """Reset the stubs (or the user's engines), then wait until the gateway's mirror applied the
+    clears; the blocks the mirror still holds (None without a gateway).
+
+    Without the wait a fresh gateway, whose start-up replay mirrored the previous policy's blocks,
+    was still dropping them when the first requests arrived, and its first answers paid for it."""
     if spec.engines_from is None:
         await _reset(ctx.stubs)
-        return None
-    unavailable = await reset_caches(session, ctx.stubs, ctx.model.name)
+        unavailable: list[str] = []
+    else:
+        unavailable = await reset_caches(session, ctx.stubs, ctx.model.name)
     if unavailable:
         print(
             f"kvrouter loadtest: warning: {unavailable} answer 404 to POST /reset_prefix_cache (vLLM "

@@ -15,6 +15,7 @@ from aiohttp import web
 
 from kvrouter.cli import main
 from kvrouter.loadtest.engines_file import load_engines_file, refuse_stub_policies, reset_caches
+from kvrouter.loadtest.harness import HarnessSpec, _cold_start, _Context
 from kvrouter.loadtest.oracle import StubEndpoint
 from kvrouter.loadtest.report import Report
 from router.links.embedded_stubs import EmbeddedStubs
@@ -101,3 +102,23 @@ async def test_an_engine_without_the_reset_endpoint_is_reported() -> None:
 
     async with fake_engine(not_dev_mode) as url, aiohttp.ClientSession() as session:
         assert await reset_caches(session, [StubEndpoint("plain-vllm", url)], "m") == ["plain-vllm"]
+
+
+async def test_a_stub_policy_starts_only_once_the_gateways_mirror_applied_the_reset() -> None:
+    """A fresh gateway mirrors the previous policy's blocks from its start-up replay; the run must not
+    begin while it is still dropping them (its first answers paid for that clear)."""
+    left = [3, 2, 1]  # blocks the gateway's mirror still holds at each poll, then none
+    resets: list[str] = []
+
+    async def engine_and_gateway(request: web.Request) -> web.StreamResponse:
+        if request.path == "/reset_prefix_cache":
+            resets.append(request.path)
+            return web.json_response({"success": True})
+        blocks = left.pop(0) if left else 0
+        return web.Response(text=f'kvrouter_engine_mirror_blocks{{engine="e"}} {blocks}\n')
+
+    async with fake_engine(engine_and_gateway) as url, aiohttp.ClientSession() as session:
+        spec = HarnessSpec(policies=["round_robin"], out="")
+        ctx = _Context([StubEndpoint("e", url)], [], ModelConfig(name=MODEL))
+        mirrored = await _cold_start("round_robin", session, spec, ctx, url)
+    assert resets == ["/reset_prefix_cache"] and left == [] and mirrored == 0
