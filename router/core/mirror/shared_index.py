@@ -36,7 +36,7 @@ it is emptied whenever a replica is added or dropped, which is all that changes 
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from itertools import repeat
 
@@ -310,18 +310,27 @@ class Mirror:
         return True
 
     def _clear_replica(self, rv: ReplicaView) -> None:
-        # No per-replica key list is kept (memory): a clear scans the index once. Clears are rare
-        # (reset_prefix_cache, engine restart, lost history).
-        clear, held, index = ~rv.slot_mask, rv.slot_mask, self.index
-        for key, mask in list(index.items()):
-            if mask & held:
-                if mask & clear:
-                    index[key] = mask & clear
-                else:
-                    del index[key]
-        self.store_keys.known = {eh: k for eh, k in self.ehash_to_key.items() if k in index}
+        # No per-replica key list is kept (memory): a clear rebuilds the index in one pass. Clears
+        # are rare (reset_prefix_cache, engine restart, lost history) but come in bursts: a fleet
+        # reset clears every replica at once, and each pass stalls the event loop, so a replica
+        # holding nothing costs nothing and the last one holding anything empties the index outright.
+        if any(g.n_keys for g in rv.groups):
+            index = self.index
+            if any(g.n_keys for other in self._replicas() if other is not rv for g in other.groups):
+                clear = ~rv.slot_mask
+                kept = {key: mask & clear for key, mask in index.items() if mask & clear}
+                index.clear()
+                index.update(kept)
+                self.store_keys.known = {eh: k for eh, k in self.ehash_to_key.items() if k in index}
+            else:
+                index.clear()
+                self.store_keys.known = {}
         self.other_media_hashes -= rv.other_media_hashes
         rv.clear()
+
+    def _replicas(self) -> Iterator[ReplicaView]:
+        for state in self.engines.values():
+            yield from state.replicas.values()
 
     # -- registry ------------------------------------------------------------------------------
 

@@ -227,8 +227,10 @@ def test_lookups_follow_the_replica_layout_as_it_changes() -> None:
     def hold(engine: str, depth: int, rank: int = 0) -> None:
         rv = m.replica(EngineId(engine), rank)
         assert rv is not None
+        gv = rv.groups[0]
         for k in keys[:depth]:
-            m.index[k] = m.index.get(k, 0) | rv.groups[0].bit
+            gv.n_keys += not m.index.get(k, 0) & gv.bit  # as a store keeps the count
+            m.index[k] = m.index.get(k, 0) | gv.bit
 
     def hits(engines: list[str] | None = None) -> dict[tuple[str, int], int]:
         names = None if engines is None else [EngineId(e) for e in engines]

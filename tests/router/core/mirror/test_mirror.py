@@ -324,3 +324,42 @@ def test_bulk_stores_count_exactly_as_one_block_at_a_time(seed: int, cap: int) -
             for m in (bulk, single):
                 m.apply(target, batch(gone))
     assert _state(bulk) == _state(single)
+
+
+def _held(m: Mirror, engine: EngineId) -> set[int]:
+    rv = m.replica(engine)
+    assert rv is not None
+    bit = rv.groups[0].bit
+    return {k for k, mask in m.index.items() if mask & bit}
+
+
+@pytest.mark.parametrize("seed", range(8))
+@pytest.mark.parametrize("mode", [HashingMode.ENGINE, HashingMode.ROUTER])
+def test_a_clear_drops_its_replica_alone_whoever_else_holds_what(seed: int, mode: HashingMode) -> None:
+    """Clears mixed with stores and removes over three engines: each clear leaves the other replicas'
+    keys exactly as they were and none of its own, and every group's key count matches the index
+    (the clear's shortcuts, an empty replica and the last replica holding anything, rely on it)."""
+    rng = random.Random(seed)
+    spec = ModelSpec(groups=(GroupSpec(block_size=BS),), hashing=mode)
+    m = mirror(spec)
+    engines = [E0, E1, EngineId("e2")]
+    for e in engines[1:]:
+        m.add_engine(e, spec)
+    for _ in range(60):
+        target = rng.choice(engines)
+        roll = rng.random()
+        if roll < 0.15:
+            others = {e: _held(m, e) for e in engines if e != target}
+            m.apply(target, batch(AllBlocksCleared()))
+            assert _held(m, target) == set()
+            assert {e: _held(m, e) for e in engines if e != target} == others
+        elif roll < 0.8:
+            hashes: list[EngineBlockHash] = [rng.randrange(10) for _ in range(rng.randrange(1, 5))]
+            tokens = TOKENS[: BS * len(hashes)] if mode is HashingMode.ROUTER else []
+            m.apply(target, batch(store(hashes, tokens)))
+        else:
+            m.apply(target, batch(removed(rng.randrange(10))))
+        for e in engines:
+            rv = m.replica(e)
+            assert rv is not None and rv.groups[0].n_keys == len(_held(m, e))
+        assert all(m.index.values())  # no key is left with no holder
