@@ -1,0 +1,78 @@
+"""A subscriber's ZeroMQ sockets, read synchronously and waited on together from the event loop.
+
+`zmq.asyncio` builds a future per `recv` and re-arms its poller per wake-up, which cost a KV-event
+subscriber more CPU than the batches it receives. Here each socket made by the (asyncio) context is
+used only through a synchronous shadow of it, whose ``ZMQ_FD`` is registered with the loop once.
+`wait()` first asks every socket's ``ZMQ_EVENTS`` (which also re-arms its edge-triggered FD) and
+sleeps on the FDs only when none is readable, so no message is missed and none costs a future; the
+caller then drains each readable socket with non-blocking receives. The asyncio API of the sockets
+is never used, so pyzmq registers nothing of its own with the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Final
+
+import zmq
+import zmq.asyncio
+
+__all__ = ["SocketSet"]
+
+_EVENTS: Final = int(zmq.EVENTS)  # plain ints: the enum members cost a conversion per call
+_POLLIN: Final = int(zmq.POLLIN)
+
+
+class SocketSet:
+    """The sockets one task reads: `add` returns the sync view to use, `close` removes and closes it."""
+
+    def __init__(self) -> None:
+        self._owners: dict[zmq.Socket[bytes], tuple[zmq.asyncio.Socket, int]] = {}
+        self._waiter: asyncio.Future[None] | None = None
+
+    def add(self, owner: zmq.asyncio.Socket) -> zmq.Socket[bytes]:
+        """Watch `owner` (still the context's, closed through `close`) and return its sync view."""
+        view: zmq.Socket[bytes] = zmq.Socket.shadow(owner.underlying)
+        fd = view.getsockopt(zmq.FD)
+        assert isinstance(fd, int)
+        asyncio.get_running_loop().add_reader(fd, self.wake)
+        self._owners[view] = (owner, fd)
+        return view
+
+    def close(self, view: zmq.Socket[bytes]) -> None:
+        """Stop watching `view` and close its socket (linger 0)."""
+        owner, fd = self._owners.pop(view)
+        asyncio.get_running_loop().remove_reader(fd)
+        owner.close(linger=0)
+
+    def owner(self, view: zmq.Socket[bytes]) -> zmq.asyncio.Socket:
+        """The context's socket behind `view` (for socket-level calls such as the monitor)."""
+        return self._owners[view][0]
+
+    def readable(self) -> list[zmq.Socket[bytes]]:
+        """The watched sockets that have a message now (asking each re-arms its FD)."""
+        return [view for view in self._owners if view.getsockopt(_EVENTS) & _POLLIN]  # type: ignore[operator]
+
+    def wake(self) -> None:
+        """End the current `wait()`: a socket's FD fired, or the caller sent on a socket (a send can
+        consume the FD's edge) or changed the timeout from outside the waiting task."""
+        if self._waiter is not None and not self._waiter.done():
+            self._waiter.set_result(None)
+
+    async def wait(self, timeout_s: float | None) -> list[zmq.Socket[bytes]]:
+        """The readable sockets, once there are any (at once, after one yield, when some already
+        are); fewer, or none, after `wake()` or `timeout_s` (None: no limit)."""
+        ready = self.readable()
+        if ready or (timeout_s is not None and timeout_s <= 0):
+            await asyncio.sleep(0)  # one yield per pass, so a long backlog never starves the loop
+            return ready
+        loop = asyncio.get_running_loop()
+        self._waiter = loop.create_future()
+        timer = None if timeout_s is None else loop.call_later(timeout_s, self.wake)
+        try:
+            await self._waiter
+        finally:
+            self._waiter = None
+            if timer is not None:
+                timer.cancel()
+        return self.readable()
