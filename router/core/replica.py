@@ -103,8 +103,8 @@ class Replica:
 
     def observe(self, signal: TrustSignal) -> None:
         """Feed one trust signal."""
-        self.tracker.observe(signal)
-        self._cached = None
+        if self.tracker.observe(signal):
+            self._cached = None
         if isinstance(signal, StoresAwaited):
             self._awaiting_since = signal.since
 
