@@ -5,7 +5,10 @@ A child process publishes (a plain sync PUB, no replay endpoint) while this proc
 ZeroMQ's I/O thread) per delivered batch, from the first measured batch to the last. Batches are what
 a decoding engine stub sends most: one `BlockStored` of 1 or 2 blocks (16 tokens each) continuing a
 chain, a parentless 8-block store every 64 batches. Modes: `burst` (the child sends as fast as it can:
-many messages per wake-up) or `paced` (one message every `--pace-us`: about one per wake-up); the
+many messages per wake-up), `paced` (one message every `--pace-us`: about one per wake-up of an
+otherwise idle loop, so the figure includes the cost of waking an idle process), or `busy` (paced,
+while another task keeps the loop busy in 50 us slices, as a loaded gateway's requests do: the
+figure is the CPU beyond those slices, at their cost measured alone in the same process); the
 consumer is `null` (counts only: the subscriber alone) or `fleet` (the gateway's `FleetState`,
 router-key mode: frame to mirror).
 
@@ -33,7 +36,37 @@ import zmq
 
 ROOT: Final = Path(__file__).resolve().parents[1]
 BS: Final = 16
-CELLS: Final = (("burst", "null"), ("paced", "null"), ("burst", "fleet"), ("paced", "fleet"))
+CELLS: Final = (
+    ("burst", "null"),
+    ("paced", "null"),
+    ("busy", "null"),
+    ("burst", "fleet"),
+    ("paced", "fleet"),
+    ("busy", "fleet"),
+)
+SLICE_S: Final = 50e-6  # the busy mode's slices of other work between yields
+
+
+async def busy_work(stop: asyncio.Event, slices: list[int]) -> None:
+    """Keep the loop busy like a loaded gateway: ~50 us of Python work, then a yield; counts slices."""
+    while not stop.is_set():
+        end = time.thread_time() + SLICE_S
+        while time.thread_time() < end:
+            pass
+        slices[0] += 1
+        await asyncio.sleep(0)
+
+
+async def slice_cost() -> float:
+    """CPU seconds per `busy_work` slice with nothing else on the loop (measured in this process)."""
+    stop, slices = asyncio.Event(), [0]
+    task = asyncio.create_task(busy_work(stop, slices))
+    t0 = time.process_time()
+    await asyncio.sleep(0.5)
+    t1, n = time.process_time(), slices[0]
+    stop.set()
+    await task
+    return (t1 - t0) / n
 
 
 def batches(n: int, marker: float) -> list[bytes]:
@@ -85,6 +118,7 @@ class Counting:
 
     def __init__(self, n: int, inner: Any = None) -> None:
         self.n, self.inner, self.seen = n, inner, 0
+        self.slices, self.slices_window = [0], 0
         self.t0 = self.t1 = self.w0 = self.w1 = self.m0 = self.m1 = 0.0
         self.any = asyncio.Event()
         self.done = asyncio.Event()
@@ -96,9 +130,11 @@ class Counting:
         if batch.ts == 1.0:
             if self.seen == 0:
                 self.t0, self.w0, self.m0 = time.process_time(), time.perf_counter(), time.thread_time()
+                self.slices_window = -self.slices[0]
             self.seen += 1
             if self.seen == self.n:
                 self.t1, self.w1, self.m1 = time.process_time(), time.perf_counter(), time.thread_time()
+                self.slices_window += self.slices[0]
                 self.done.set()
 
     def on_signal(self, engine: Any, signal: Any) -> None:
@@ -124,9 +160,10 @@ async def measure(mode: str, consumer: str, n: int, pace_us: int) -> dict[str, f
     from events.sources import EngineSource
     from events.subscriber import EngineSubscriber
 
+    per_slice = await slice_cost() if mode == "busy" else 0.0
     parent, child = multiprocessing.get_context("spawn").Pipe()
     proc = multiprocessing.get_context("spawn").Process(
-        target=publish, args=(child, n, pace_us if mode == "paced" else 0)
+        target=publish, args=(child, n, 0 if mode == "burst" else pace_us)
     )
     proc.start()
     port = await asyncio.to_thread(parent.recv)
@@ -137,13 +174,19 @@ async def measure(mode: str, consumer: str, n: int, pace_us: int) -> dict[str, f
         inner.attach(name, sub)
     sub.start()
     await asyncio.wait_for(out.any.wait(), 30)
+    stop = asyncio.Event()
+    busy = asyncio.create_task(busy_work(stop, out.slices)) if mode == "busy" else None
     parent.send("go")
     await asyncio.wait_for(out.done.wait(), 300)
+    stop.set()
+    if busy is not None:
+        await busy
     parent.send("stop")
     await sub.close()
     proc.join(10)
-    cpu_us = (out.t1 - out.t0) / (n - 1) * 1e6
-    loop_us = (out.m1 - out.m0) / (n - 1) * 1e6
+    other = out.slices_window * per_slice  # the busy slices' own CPU
+    cpu_us = (out.t1 - out.t0 - other) / (n - 1) * 1e6
+    loop_us = (out.m1 - out.m0 - other) / (n - 1) * 1e6
     return {"cpu_us": cpu_us, "loop_us": loop_us, "wall_s": out.w1 - out.w0}
 
 
