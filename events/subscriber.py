@@ -284,7 +284,7 @@ class EngineSubscriber:
             log.exception("kv event consumer failed", extra={"engine": self.name, "seq": seq})
             self._resync()
             return
-        if any(isinstance(event, AllBlocksCleared) for event in batch.events):
+        if AllBlocksCleared in map(type, batch.events):  # the decoder yields `events.wire`'s own classes
             self._act(self._tracker.mark_rebuilt())
 
     def _resync(self) -> None:
