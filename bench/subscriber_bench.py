@@ -14,7 +14,8 @@ router-key mode: frame to mirror).
 
 Run: `.venv/bin/python bench/subscriber_bench.py` (this tree), or `--compare DIR` to alternate this
 tree with another checkout (e.g. `git archive BASE | tar -x -C DIR`) in child processes, `--rounds`
-times, and print each cell's per-round figures and ratios. Uses ephemeral ports only.
+times, and print each cell's per-round figures and ratios. `--loop`: uvloop (the default, as
+`kvrouter serve` runs) or asyncio's own loop. Uses ephemeral ports only.
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any, Final
 
+import uvloop
 import zmq
 
 ROOT: Final = Path(__file__).resolve().parents[1]
@@ -190,8 +192,13 @@ async def measure(mode: str, consumer: str, n: int, pace_us: int) -> dict[str, f
     return {"cpu_us": cpu_us, "loop_us": loop_us, "wall_s": out.w1 - out.w0}
 
 
-def run_here(n: int, pace_us: int, cells: list[tuple[str, str]]) -> dict[str, dict[str, float]]:
-    return {f"{m}/{c}": asyncio.run(measure(m, c, n, pace_us)) for m, c in cells}
+def run_here(n: int, pace_us: int, cells: list[tuple[str, str]], loop: str) -> dict[str, dict[str, float]]:
+    factory = uvloop.new_event_loop if loop == "uvloop" else None
+    results = {}
+    for m, c in cells:
+        with asyncio.Runner(loop_factory=factory) as runner:
+            results[f"{m}/{c}"] = runner.run(measure(m, c, n, pace_us))
+    return results
 
 
 def compare(base: Path, rounds: int, argv: list[str]) -> None:
@@ -226,13 +233,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compare", type=Path, help="another checkout to alternate with")
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--json", action="store_true", help="print one JSON line (for --compare)")
+    parser.add_argument("--loop", choices=("uvloop", "asyncio"), default="uvloop", help="uvloop: as serve")
     args = parser.parse_args(argv)
     if args.compare is not None:
         passed = ["-n", str(args.n), "--pace-us", str(args.pace_us), "--cells", args.cells]
+        passed += ["--loop", args.loop]
         compare(args.compare, args.rounds, passed)
         return
     cells = [(c.split("/")[0], c.split("/")[1]) for c in args.cells.split(",")]
-    results = run_here(args.n, args.pace_us, cells)
+    results = run_here(args.n, args.pace_us, cells, args.loop)
     if args.json:
         print(json.dumps(results))
         return
