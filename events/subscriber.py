@@ -55,7 +55,7 @@ from events.sequence import (
     SequenceTracker,
     Signal,
 )
-from events.socket_set import SocketSet
+from events.socket_set import SocketSet, recv_parts
 from events.sources import (
     Consumer,
     EngineName,
@@ -207,10 +207,9 @@ class EngineSubscriber:
         return asyncio.get_running_loop().time()
 
     def _drain(self, sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], None]) -> None:
-        recv = sock.recv_multipart
         for _ in range(_BURST):
             try:
-                parts = recv(zmq.NOBLOCK)
+                parts = recv_parts(sock)
             except zmq.Again:
                 return
             handle(parts)
