@@ -79,7 +79,8 @@ class SocketSet:
 
     async def wait(self, timeout_s: float | None) -> list[zmq.Socket[bytes]]:
         """The readable sockets, once there are any (at once, after one yield, when some already
-        are); fewer, or none, after `wake()` or `timeout_s` (None: no limit)."""
+        are); none after `wake()`, `timeout_s` (None: no limit), or an FD that fired for ZeroMQ's own
+        commands rather than a message (the caller just waits again)."""
         ready = self.readable()
         if ready or (timeout_s is not None and timeout_s <= 0):
             await asyncio.sleep(0)  # one yield per pass, so a long backlog never starves the loop
