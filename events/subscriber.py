@@ -1,7 +1,8 @@
 """The router end of the KV-event link: an asyncio subscriber per engine publisher.
 
 `EngineSubscriber` owns a SUB socket for the live stream and a DEALER for replay (a REQ socket would
-accept only the first reply message: reference section 2.2). One task polls both, feeds every seq to
+accept only the first reply message: reference section 2.2). One task waits on both (`events.socket_set`:
+sync non-blocking receives, no future per message), drains each in bursts, feeds every seq to
 a `SequenceTracker` and carries out its actions: delivered payloads are decoded (tolerantly, errors
 counted) and handed to the `Consumer` as ``(engine, seq, batch)``; resets, caught-up and rebuilt
 signals follow in order. A consumer that raises on a batch did not apply it whole: the subscriber
@@ -54,6 +55,7 @@ from events.sequence import (
     SequenceTracker,
     Signal,
 )
+from events.socket_set import SocketSet, recv_parts
 from events.sources import (
     Consumer,
     EngineName,
@@ -68,7 +70,7 @@ __all__ = ["EngineSubscriber"]
 
 log = logging.getLogger(__name__)
 
-_BURST: Final = 256  # messages handled per socket before polling again, so neither socket starves
+_BURST: Final = 256  # messages handled per socket per pass (then one yield), so nothing starves
 _LINK_EVENTS: Final = zmq.EVENT_CONNECTED | zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED
 
 
@@ -96,10 +98,10 @@ class EngineSubscriber:
         self._decoder: BatchDecoder[KVEventBatch] | BatchDecoder[LazyKVEventBatch] = (
             BatchDecoder(LazyKVEventBatch) if self.config.lazy else BatchDecoder(KVEventBatch)
         )
-        self._poller = zmq.asyncio.Poller()
-        self._sub: zmq.asyncio.Socket | None = None
-        self._monitor: zmq.asyncio.Socket | None = None
-        self._dealer: zmq.asyncio.Socket | None = None
+        self._sockets = SocketSet()
+        self._sub: zmq.Socket[bytes] | None = None
+        self._monitor: zmq.Socket[bytes] | None = None
+        self._dealer: zmq.Socket[bytes] | None = None
         self._task: asyncio.Task[None] | None = None
         self._deadline: float | None = None
         self._timeout = self.config.replay_timeout_s
@@ -123,10 +125,8 @@ class EngineSubscriber:
             self.endpoint = last.decode() if isinstance(last, bytes) else self.source.endpoint
         else:
             sub.connect(self.source.endpoint)
-        self._sub = sub
-        self._poller.register(sub, zmq.POLLIN)
-        self._monitor = sub.get_monitor_socket(_LINK_EVENTS)
-        self._poller.register(self._monitor, zmq.POLLIN)
+        self._sub = self._sockets.add(sub)
+        self._monitor = self._sockets.add(sub.get_monitor_socket(_LINK_EVENTS))
         self._task = asyncio.create_task(self._run(), name=f"kv-sub-{self.name}")
 
     async def close(self) -> None:
@@ -138,13 +138,11 @@ class EngineSubscriber:
             self._task = None
         self._close_dealer()
         if self._sub is not None and self._monitor is not None:
-            self._poller.unregister(self._monitor)
-            self._sub.disable_monitor()
-            self._monitor.close(linger=0)
+            self._sockets.owner(self._sub).disable_monitor()
+            self._sockets.close(self._monitor)
             self._monitor = None
         if self._sub is not None:
-            self._poller.unregister(self._sub)
-            self._sub.close(linger=0)
+            self._sockets.close(self._sub)
             self._sub = None
 
     def verify(self) -> bool:
@@ -190,35 +188,33 @@ class EngineSubscriber:
     async def _run(self) -> None:
         self._act(self._tracker.start())
         while True:
-            ready = dict(await self._poller.poll(self._poll_timeout_ms()))
+            ready = await self._sockets.wait(self._wait_timeout_s())
             if self._sub is not None and self._sub in ready:
-                await self._drain(self._sub, self._on_live)
-            if self._dealer is not None and self._dealer in ready:
-                await self._drain(self._dealer, self._on_replay)
+                self._drain(self._sub, self._on_live)
+            if self._dealer is not None and self._dealer in ready:  # not a DEALER a resync just made
+                self._drain(self._dealer, self._on_replay)
             if self._monitor is not None and self._monitor in ready:
-                await self._drain(self._monitor, self._on_link_event)
+                self._drain(self._monitor, self._on_link_event)
             if self._deadline is not None and self._now() >= self._deadline:
                 self._on_replay_timeout()
 
-    def _poll_timeout_ms(self) -> int | None:
-        if self._deadline is None:
-            return None
-        return max(0, int((self._deadline - self._now()) * 1000) + 1)
+    def _wait_timeout_s(self) -> float | None:
+        return None if self._deadline is None else self._deadline - self._now()
 
     @staticmethod
     def _now() -> float:
         # Replay deadlines only: receive times are the wall clock (`time.time()`), like batch `ts`.
         return asyncio.get_running_loop().time()
 
-    async def _drain(self, sock: zmq.asyncio.Socket, handle: Callable[[list[bytes]], None]) -> None:
+    def _drain(self, sock: zmq.Socket[bytes], handle: Callable[[list[bytes]], None]) -> None:
         for _ in range(_BURST):
-            if sock.closed:  # a restart found mid-replay, or a resync, replaced the DEALER
-                return
             try:
-                parts = await sock.recv_multipart(zmq.NOBLOCK)
+                parts = recv_parts(sock)
             except zmq.Again:
                 return
             handle(parts)
+            if sock is not self._dealer and sock is not self._sub and sock is not self._monitor:
+                return  # a restart found mid-replay, or a resync, closed the DEALER
 
     def _on_live(self, parts: list[bytes]) -> None:
         try:
@@ -287,7 +283,7 @@ class EngineSubscriber:
             log.exception("kv event consumer failed", extra={"engine": self.name, "seq": seq})
             self._resync()
             return
-        if any(isinstance(event, AllBlocksCleared) for event in batch.events):
+        if AllBlocksCleared in map(type, batch.events):  # the decoder yields `events.wire`'s own classes
             self._act(self._tracker.mark_rebuilt())
 
     def _resync(self) -> None:
@@ -313,21 +309,20 @@ class EngineSubscriber:
         if self._deadline is not None:
             self._close_dealer()  # a replay still in flight: its replies must not mix with this one's
         if self._dealer is None:
-            self._dealer = self._socket(zmq.DEALER)
-            self._dealer.ipv6 = is_ipv6_endpoint(self.source.replay_endpoint)
-            self._dealer.connect(self.source.replay_endpoint)
-            self._poller.register(self._dealer, zmq.POLLIN)
+            dealer = self._socket(zmq.DEALER)
+            dealer.ipv6 = is_ipv6_endpoint(self.source.replay_endpoint)
+            dealer.connect(self.source.replay_endpoint)
+            self._dealer = self._sockets.add(dealer)
         self._deadline = self._now() + self._timeout
-        # a non-blocking send completes at once; its outcome is in the returned future
-        sent = self._dealer.send_multipart(replay_request_parts(start), zmq.NOBLOCK)
-        assert isinstance(sent, asyncio.Future) and sent.done()
-        if sent.exception() is not None:
+        try:
+            self._dealer.send_multipart(replay_request_parts(start), zmq.NOBLOCK)
+        except zmq.ZMQError:
             log.warning("kv event replay request not sent", extra={"engine": self.name})  # retried on timeout
+        self._sockets.wake()  # the send may have taken the FD's edge; `verify()` may set a deadline
 
     def _close_dealer(self) -> None:
         if self._dealer is not None:
-            self._poller.unregister(self._dealer)
-            self._dealer.close(linger=0)
+            self._sockets.close(self._dealer)
             self._dealer = None
 
     def _bad_frame(self, stream: str, exc: FrameError) -> None:

@@ -103,8 +103,8 @@ class Replica:
 
     def observe(self, signal: TrustSignal) -> None:
         """Feed one trust signal."""
-        self.tracker.observe(signal)
-        self._cached = None
+        if self.tracker.observe(signal):
+            self._cached = None
         if isinstance(signal, StoresAwaited):
             self._awaiting_since = signal.since
 
@@ -117,6 +117,8 @@ class Replica:
         """After a batch: stop awaiting the requests whose every block the mirror now holds. Layouts
         whose keys do not each name one group-0 block (several groups, other kinds) fall back to any
         batch ending every wait."""
+        if not self.awaited and self._awaiting_since is None:
+            return  # nothing awaited and the clock already stopped: the usual batch, at no cost
         self.awaited.seen(self._held(mirror))
         self._awaited_changed(now)
 
@@ -156,6 +158,8 @@ class Replica:
 
     def expire_pending(self, now: float) -> None:
         """Forget full-mode requests that finished more than the grace period before `now`."""
+        if not self.finished:
+            return
         for request in [r for r, until in self.finished.items() if until <= now or r not in self.pending]:
             del self.finished[request]
             self.pending.pop(request, None)

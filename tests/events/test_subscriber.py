@@ -369,3 +369,31 @@ async def test_an_ipv6_publisher_and_subscriber_meet_on_the_loopback(
         await wait_until(out.has(CaughtUp(4)), what="caught up over IPv6")
         await publish_range(publisher, 5, 10)
         await wait_until(lambda: len(out.batches()) == 10, what="live batches over IPv6")
+
+
+async def test_a_verification_asked_on_a_quiet_link_times_out_and_is_retried(
+    ctx: TrackedContext, running: Any
+) -> None:
+    """`verify()` comes from outside the subscriber's task (the fleet's trust checks): its replay's
+    timeout must run even when no message arrives meanwhile."""
+    out = Collector()
+    pub = ctx.client(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    router = ctx.client(zmq.ROUTER)
+    replay_port = router.bind_to_random_port("tcp://127.0.0.1")
+    src = EngineSource(
+        name="e1", endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay_port}"
+    )
+    sub = running(src, out, SubscriberConfig(replay_timeout_s=0.05, backoff_max_s=0.2))
+    startup = await recv_within(router)
+    await router.send_multipart([startup[0], b"", b"", END_SEQ, b""])
+    await wait_until(out.has(CaughtUp(None)), what="start-up replay")
+    for _ in range(200):
+        await pub.send_multipart([b"kv", encode_seq(0), ENCODER.encode(batch(0.0))])
+        await wait_until_or_not(lambda: bool(out.batches()), 0.02)
+        if out.batches():
+            break
+    assert sub.verify()
+    asked, retried = await recv_within(router), await recv_within(router)  # the first is left unanswered
+    assert asked[1:] == retried[1:] == [b"", encode_seq(0)] and asked[0] != retried[0]
+    assert sub.stats().replay_failures >= 1

@@ -138,6 +138,8 @@ def _chain_plain(parent: int, tokens: Sequence[int], block_size: int, n_blocks: 
     if n_blocks <= 0:
         return []
     packed = _packed_blocks(tokens, block_size, n_blocks)
+    if n_blocks == 1:  # a decoding engine's usual store: the packed bytes are the block
+        return [cast(BlockKey, hash((parent, hash(packed))))]
     prev = parent
     blocks = _splitter(n_blocks, block_size * TOKEN_BYTES).unpack_from(packed)
     return cast(list[BlockKey], [prev := hash((prev, hash(b))) for b in blocks])

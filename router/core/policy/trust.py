@@ -218,13 +218,21 @@ class TrustTracker:
         self._active: dict[TrustReason, tuple[float, str]] = {}
         self._awaiting_events_since: float | None = None
         self._last_change = 0.0
+        self._changes = 0
 
-    def observe(self, signal: TrustSignal) -> None:
-        """Apply one signal (see the module docstring for what each one sets and clears)."""
+    def observe(self, signal: TrustSignal) -> bool:
+        """Apply one signal (see the module docstring for what each one sets and clears); False when
+        it changed nothing, so a `status` computed before it still holds (a FRESH engine's batches)."""
+        changes = self._changes
+        self._apply(signal)
+        return self._changes != changes
+
+    def _apply(self, signal: TrustSignal) -> None:
         match signal:
             case Delivered(at=at):
                 self._clear(at, TrustReason.RESET_NOT_REBUILT)
             case StoresAwaited(since=since):
+                self._changes += since != self._awaiting_events_since
                 self._awaiting_events_since = since
             case Gap(at=at, from_seq=lo, to_seq=hi):
                 self._set(at, TrustReason.GAP, f"batches {lo}..{hi - 1} missing, not replayed")
@@ -273,8 +281,10 @@ class TrustTracker:
         if reason not in self._active:
             self._active[reason] = (at, detail)
             self._last_change = at
+            self._changes += 1
 
     def _clear(self, at: float, *reasons: TrustReason) -> None:
         for reason in reasons:
             if self._active.pop(reason, None) is not None:
                 self._last_change = at
+                self._changes += 1

@@ -6,7 +6,7 @@ import pytest
 
 from events.block_hash import MultiModalItem, RequestExtras, VllmHasher, event_extra_keys, wire_hash
 from events.wire import BlockStored, EngineBlockHash
-from router.core.keys.block_key import KeyHasher
+from router.core.keys.block_key import KeyHasher, _block_hashes, chain_hashes
 from router.core.keys.event_tokens import keys_from_tokens
 
 BS = 4
@@ -118,3 +118,13 @@ def test_dense_shape_mismatch_gives_none() -> None:
     ev = stored(TOKENS[:8], RequestExtras(), 0, None)
     ev.token_ids = ev.token_ids[:7]
     assert keys_from_tokens(HASHER, ev, None) is None
+
+
+@pytest.mark.parametrize("n_blocks", [0, 1, 2, 4])
+def test_the_fused_chain_equals_hashing_then_chaining_block_by_block(n_blocks: int) -> None:
+    """The ingest hot path (`chain` without extras, one-block stores included) against the two steps
+    it fuses: per-block hashes, then the chain over them."""
+    parent = HASHER.root()
+    fused = HASHER.chain(parent, TOKENS, BS, n_blocks)
+    assert fused == chain_hashes(parent, _block_hashes(TOKENS, BS, n_blocks))
+    assert fused == HASHER.chain(parent, TOKENS, BS, n_blocks, [None] * n_blocks)  # the extras loop

@@ -168,3 +168,18 @@ def test_status_details_name_the_cause() -> None:
     tracker = TrustTracker(silence_s=5.0)
     tracker.observe(MISMATCH)
     assert "32" in tracker.status(2.0).detail and "16" in tracker.status(2.0).detail
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_observe_says_whether_the_status_can_have_changed(name: str) -> None:
+    """A replica caches its status until a signal changes it: a Delivered batch of a FRESH engine (the
+    stream's usual signal) must not, and every signal that changes a verdict must say so."""
+    signals, now, _, _ = CASES[name]
+    tracker = TrustTracker(silence_s=5.0)
+    for signal in signals:
+        before = [tracker.status(t) for t in (0.0, now, now + 100.0)]
+        changed = tracker.observe(signal)
+        after = [tracker.status(t) for t in (0.0, now, now + 100.0)]
+        assert changed or after == before, signal
+    tracker.observe(Delivered(now + 1.0))
+    assert tracker.observe(Delivered(now + 2.0)) is False  # the first cleared what a batch clears
