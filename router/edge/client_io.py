@@ -15,19 +15,21 @@ import asyncio
 import itertools
 import os
 import re
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Final, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive
+from starlette.types import Receive, Scope
 
 from router.core.errors import RequestTimeout, RequestTooLarge, RouterError
 
 __all__ = [
+    "LOST_SIGNAL",
     "ClientDisconnected",
     "ClientGone",
     "ClientWatch",
+    "LostSignal",
     "error_answer",
     "fresh_request_id",
     "read_asgi_body",
@@ -105,21 +107,59 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+LOST_SIGNAL: Final = "kvrouter.lost_signal"
+"""The ASGI extension under which the gateway's HTTP protocol offers the cycle's `LostSignal`."""
+
+
+class LostSignal:
+    """One request cycle's connection was lost before its answer completed: the protocol `fire`s it
+    (router.edge.client_timeouts), and the cycle's `ClientWatch` is called back, with no task of its
+    own waiting on `receive`."""
+
+    __slots__ = ("callback", "lost", "resume")
+
+    def __init__(self, resume: Callable[[], None] | None = None) -> None:
+        self.lost = False
+        self.callback: Callable[[], None] | None = None
+        self.resume = resume
+        """Resumes reading the connection (paused by a body past uvicorn's high-water mark), as a
+        watcher's `receive()` would: a client's FIN is seen only while the socket is read."""
+
+    def fire(self) -> None:
+        """The connection is gone: call the watcher back once (later watchers are called at once)."""
+        self.lost = True
+        callback, self.callback = self.callback, None
+        if callback is not None:
+            callback()
+
+
 class ClientWatch:
     """Cancels the task that created it when the client disconnects before `closing()`.
 
     Create it after the body is read (it consumes `receive`). When the cancellation it caused
     reaches the task, `absorb()` says so and uncancels, so the request can end as "client closed"
-    while any other cancellation (shutdown) keeps propagating."""
+    while any other cancellation (shutdown) keeps propagating. Under the gateway's protocol (a
+    `LostSignal` in `scope`'s extensions) it waits on that signal; otherwise a watcher task reads
+    `receive` for the disconnect."""
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, receive: Receive, scope: Scope | None = None) -> None:
         task = asyncio.current_task()
         assert task is not None, "ClientWatch needs a running task"
         self._task = task
         self._receive = receive
         self.gone = False
         self._closing = False
-        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        signal = (scope or {}).get("extensions", {}).get(LOST_SIGNAL, {}).get("signal")
+        self._signal = signal if isinstance(signal, LostSignal) else None
+        self._watcher: asyncio.Task[None] | None = None
+        if self._signal is None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        elif self._signal.lost:  # lost while the body's last message was on its way to this task
+            asyncio.get_running_loop().call_soon(self._disconnected)
+        else:
+            self._signal.callback = self._disconnected
+            if self._signal.resume is not None:
+                self._signal.resume()
 
     async def _watch(self) -> None:
         try:
@@ -130,6 +170,9 @@ class ClientWatch:
             # holds this frame, so this watch, its task and the server's request cycle would form a
             # reference cycle per request, left to the collector (tens of ms at c=1: issue #13).
             return
+        self._disconnected()
+
+    def _disconnected(self) -> None:
         if not self._closing:
             self.gone = True
             self._task.cancel()
@@ -143,9 +186,13 @@ class ClientWatch:
         return self.gone and self._task.uncancel() == 0
 
     def close(self) -> None:
-        """Stop watching (idempotent)."""
+        """Stop watching (idempotent); the signal lets go of this watch (the scope holds the signal,
+        and this watch the task whose frame holds the scope: no reference cycle is left)."""
         self._closing = True
-        self._watcher.cancel()
+        if self._signal is not None:
+            self._signal.callback = None
+        if self._watcher is not None:
+            self._watcher.cancel()
 
 
 class ClientGone(Exception):

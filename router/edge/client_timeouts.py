@@ -22,14 +22,16 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
 from uvicorn.config import Config
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
+from router.edge.client_io import LOST_SIGNAL, LostSignal
 from router.edge.client_writes import BODY_WRITER, BodyWriter, HeadHold
 from router.settings.config import Timeouts
 
@@ -68,6 +70,7 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(config, server_state, app_state, _loop)
         self._timeouts: ClientTimeouts | None = app_state.get(STATE_KEY)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._lost: LostSignal | None = None
         if self._timeouts is not None:
             self.timeout_keep_alive = self._timeouts.keepalive_s
 
@@ -87,11 +90,17 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is not None and cycle.transport is self.transport:  # head + first body in one write
             cycle.transport = cast(asyncio.Transport, HeadHold(self.transport, self.loop))
-            self.scope.setdefault("extensions", {})[BODY_WRITER] = {"writer": BodyWriter(cycle)}
+            extensions = self.scope.setdefault("extensions", {})
+            extensions[BODY_WRITER] = {"writer": BodyWriter(cycle)}
+            self._lost = LostSignal(_resumer(weakref.ref(cycle)))
+            extensions[LOST_SIGNAL] = {"signal": self._lost}
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
         super().connection_lost(exc)
+        lost, self._lost = self._lost, None
+        if lost is not None and self.cycle is not None and self.cycle.disconnected:  # before its answer ended
+            lost.fire()
 
     def timeout_keep_alive_handler(self) -> None:
         if self._timeouts is not None and not self.transport.is_closing():
@@ -112,6 +121,18 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         if self._timeouts is not None and not self.transport.is_closing():
             self._timeouts.timed_out("header")
             self.transport.close()
+
+
+def _resumer(cycle_ref: weakref.ref[RequestResponseCycle]) -> Callable[[], None]:
+    """What `receive()` does first while the answer is under way: resume reading the connection. The
+    cycle is held weakly (its scope holds the signal holding this)."""
+
+    def resume() -> None:
+        cycle = cycle_ref()
+        if cycle is not None and not cycle.disconnected and not cycle.response_complete:
+            cycle.flow.resume_reading()
+
+    return resume
 
 
 def _no_delay(transport: asyncio.Transport) -> None:

@@ -170,7 +170,7 @@ class Gateway:
         try:
             body = await self._admit(request, receive)
             try:
-                watch = ClientWatch(receive)
+                watch = ClientWatch(receive, scope)
                 relay = await self._admitted(request, endpoint, body, rid, arrived)
             except BaseException:
                 self.parts.fleet.admission.leave()
