@@ -4,8 +4,9 @@ The hot routes (completions, chat) are served straight from ASGI messages rather
 Starlette's request/response machinery: it saves the middleware stack, route matching, and the task
 group `StreamingResponse` spawns per answer to notice a disconnect. One `ClientWatch` per request
 does that job instead, for the whole request: it cancels the serving task when the client goes away
-(uvicorn's `send` silently drops writes to a closed connection, so only `receive` tells), which
-cancels the upstream request or the relay, whichever is running. Every error the gateway answers
+(uvicorn's `send` silently drops writes to a closed connection, so only `receive` tells, or, under the
+gateway's protocol, its `LostSignal`: no task per request), which cancels the upstream request or
+the relay, whichever is running. Every error the gateway answers
 itself, on any route, is an `error_answer`.
 """
 

@@ -9,9 +9,10 @@ both in `kvrouter_client_timeouts_total{phase="header"|"idle"}`, and sets TCP_NO
 connection, whatever made the listening socket. Body reads are timed by the app
 (`router.edge.client_io.read_asgi_body`, answered 408, phase "body"). It also gives each request's
 cycle a `router.edge.client_writes.HeadHold`, so an answer's head and first body bytes leave in one
-write, and offers the app a `BodyWriter` for the cycle in the scope's extensions. Settings and
-counter reach each connection through the ASGI lifespan state, which uvicorn hands to every
-protocol it creates.
+write, and offers the app a `BodyWriter` and a `LostSignal` (fired when the connection is lost before
+the answer ended: `ClientWatch` needs no task reading `receive`) for the cycle in the scope's
+extensions. Settings and counter reach each connection through the ASGI lifespan state, which
+uvicorn hands to every protocol it creates.
 
 Defaults (`[timeouts]` `client_*`) are nginx's: client_header_timeout and client_body_timeout 60 s,
 keepalive_timeout 75 s (https://nginx.org/en/docs/http/ngx_http_core_module.html); Envoy's
