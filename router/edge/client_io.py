@@ -33,6 +33,7 @@ __all__ = [
     "LostSignal",
     "error_answer",
     "fresh_request_id",
+    "lost_signal_of",
     "read_asgi_body",
     "read_body",
     "request_id_of",
@@ -75,15 +76,22 @@ class ClientDisconnected(Exception):
 
 
 async def read_asgi_body(
-    receive: Receive, headers: Iterable[tuple[bytes, bytes]], limit: int, timeout_s: float
+    receive: Receive,
+    headers: Iterable[tuple[bytes, bytes]],
+    limit: int,
+    timeout_s: float,
+    signal: LostSignal | None = None,
 ) -> bytes:
     """The whole request body, refusing (413) beyond `limit` bytes before reading more than that, and
-    (408, `RequestTimeout`) when it is not complete within `timeout_s` seconds.
+    (408, `RequestTimeout`) when it is not complete within `timeout_s` seconds. When the protocol's
+    `signal` says the body is already in (`LostSignal.body_in`), no timer is armed: nothing waits.
 
     Raises `ClientDisconnected` when the client leaves mid-body (a partial body is never routed)."""
     for key, value in headers:
         if key == _CONTENT_LENGTH and value.isdigit() and int(value) > limit:
             raise RequestTooLarge(f"request body of {value.decode()} bytes exceeds the limit of {limit}")
+    if signal is not None and signal.body_in is not None and signal.body_in():
+        return await _read_body(receive, limit)
     try:
         async with asyncio.timeout(timeout_s):
             return await _read_body(receive, limit)
@@ -117,14 +125,19 @@ class LostSignal:
     (router.edge.client_timeouts), and the cycle's `ClientWatch` is called back, with no task of its
     own waiting on `receive`."""
 
-    __slots__ = ("callback", "lost", "resume")
+    __slots__ = ("body_in", "callback", "lost", "resume")
 
-    def __init__(self, resume: Callable[[], None] | None = None) -> None:
+    def __init__(
+        self, resume: Callable[[], None] | None = None, body_in: Callable[[], bool] | None = None
+    ) -> None:
         self.lost = False
         self.callback: Callable[[], None] | None = None
         self.resume = resume
         """Resumes reading the connection (paused by a body past uvicorn's high-water mark), as a
         watcher's `receive()` would: a client's FIN is seen only while the socket is read."""
+        self.body_in = body_in
+        """Whether the whole request body is parsed and not yet taken: `receive()` then returns it
+        without waiting."""
 
     def fire(self) -> None:
         """The connection is gone: call the watcher back once (later watchers are called at once)."""
@@ -132,6 +145,12 @@ class LostSignal:
         callback, self.callback = self.callback, None
         if callback is not None:
             callback()
+
+
+def lost_signal_of(scope: Scope) -> LostSignal | None:
+    """The cycle's `LostSignal`, when the gateway's protocol offers one in `scope`'s extensions."""
+    signal = scope.get("extensions", {}).get(LOST_SIGNAL, {}).get("signal")
+    return signal if isinstance(signal, LostSignal) else None
 
 
 class ClientWatch:
@@ -150,8 +169,7 @@ class ClientWatch:
         self._receive = receive
         self.gone = False
         self._closing = False
-        signal = (scope or {}).get("extensions", {}).get(LOST_SIGNAL, {}).get("signal")
-        self._signal = signal if isinstance(signal, LostSignal) else None
+        self._signal = lost_signal_of(scope) if scope is not None else None
         self._watcher: asyncio.Task[None] | None = None
         if self._signal is None:
             self._watcher = asyncio.get_running_loop().create_task(self._watch())

@@ -93,7 +93,7 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             cycle.transport = cast(asyncio.Transport, HeadHold(self.transport, self.loop))
             extensions = self.scope.setdefault("extensions", {})
             extensions[BODY_WRITER] = {"writer": BodyWriter(cycle)}
-            self._lost = LostSignal(_resumer(weakref.ref(cycle)))
+            self._lost = _signal(weakref.ref(cycle))
             extensions[LOST_SIGNAL] = {"signal": self._lost}
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -124,16 +124,19 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
 
 
-def _resumer(cycle_ref: weakref.ref[RequestResponseCycle]) -> Callable[[], None]:
-    """What `receive()` does first while the answer is under way: resume reading the connection. The
-    cycle is held weakly (its scope holds the signal holding this)."""
+def _signal(cycle_ref: weakref.ref[RequestResponseCycle]) -> LostSignal:
+    """The cycle's `LostSignal`, reading the cycle weakly (its scope holds the signal holding these)."""
 
-    def resume() -> None:
+    def resume() -> None:  # what `receive()` does first while the answer is under way
         cycle = cycle_ref()
         if cycle is not None and not cycle.disconnected and not cycle.response_complete:
             cycle.flow.resume_reading()
 
-    return resume
+    def body_in() -> bool:  # `receive()` returns at once: the body's end is parsed, its event still set
+        cycle = cycle_ref()
+        return cycle is not None and not cycle.more_body and cycle.message_event.is_set()
+
+    return LostSignal(resume, body_in)
 
 
 def _no_delay(transport: asyncio.Transport) -> None:

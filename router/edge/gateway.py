@@ -32,6 +32,7 @@ from router.edge.client_io import (
     ClientGone,
     ClientWatch,
     error_answer,
+    lost_signal_of,
     read_asgi_body,
     request_id_of,
 )
@@ -201,7 +202,10 @@ class Gateway:
         parts = self.parts
         try:
             parts.guard.check_api(request.headers)
-            body = await read_asgi_body(receive, request.scope["headers"], self.max_body, self.body_timeout_s)
+            scope = request.scope
+            body = await read_asgi_body(
+                receive, scope["headers"], self.max_body, self.body_timeout_s, lost_signal_of(scope)
+            )
         except RouterError as exc:
             if isinstance(exc, RequestTimeout):
                 parts.metrics.client_timeouts.labels("body").inc()

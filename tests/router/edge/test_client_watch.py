@@ -10,7 +10,7 @@ import pytest
 import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from router.edge.client_io import LOST_SIGNAL, ClientWatch, LostSignal, read_asgi_body
+from router.edge.client_io import LOST_SIGNAL, ClientWatch, LostSignal, lost_signal_of, read_asgi_body
 from router.edge.client_timeouts import TimedHttpToolsProtocol
 from tests.gateway_helpers import uvicorn_on_port_0
 
@@ -98,3 +98,33 @@ async def test_a_closed_watch_ignores_a_later_loss_and_drops_its_callback() -> N
 
     await serve()
     signal.fire()  # after the request ended: nothing to cancel
+
+
+async def test_a_body_already_in_is_read_without_arming_the_body_timeout(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The protocol parsed the whole body before the app asked: `receive` cannot wait, so no timer
+    is armed (one `asyncio.timeout` less per request); a body still arriving keeps its 408 timeout
+    (tests/router/edge/test_client_timeouts.py)."""
+    got: list[bytes] = []
+    done = asyncio.Event()
+
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        def no_timer(delay: float | None) -> asyncio.Timeout:
+            raise AssertionError("a body already received needs no timeout")
+
+        with monkeypatch.context() as patch:  # nothing else runs meanwhile: the read does not wait
+            patch.setattr(asyncio, "timeout", no_timer)
+            got.append(await read_asgi_body(receive, scope["headers"], 1 << 20, WAIT, lost_signal_of(scope)))
+        done.set()
+        await send({"type": "http.response.start", "status": 204, "headers": []})
+        await send({"type": "http.response.body", "body": b""})
+
+    config = uvicorn.Config(app, lifespan="off", http=TimedHttpToolsProtocol, log_level="error")
+    async with uvicorn_on_port_0(config) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")
+        await asyncio.wait_for(done.wait(), WAIT)
+        assert (await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), WAIT)).startswith(b"HTTP/1.1 204")
+        writer.close()
+    assert got == [b"{}"]
