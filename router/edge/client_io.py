@@ -4,30 +4,36 @@ The hot routes (completions, chat) are served straight from ASGI messages rather
 Starlette's request/response machinery: it saves the middleware stack, route matching, and the task
 group `StreamingResponse` spawns per answer to notice a disconnect. One `ClientWatch` per request
 does that job instead, for the whole request: it cancels the serving task when the client goes away
-(uvicorn's `send` silently drops writes to a closed connection, so only `receive` tells), which
-cancels the upstream request or the relay, whichever is running. Every error the gateway answers
+(uvicorn's `send` silently drops writes to a closed connection, so only `receive` tells, or, under the
+gateway's protocol, its `LostSignal`: no task per request), which cancels the upstream request or
+the relay, whichever is running. Every error the gateway answers
 itself, on any route, is an `error_answer`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import itertools
+import os
 import re
-import uuid
-from collections.abc import Awaitable, Iterable
+from collections.abc import Awaitable, Callable, Iterable
 from typing import Final, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
-from starlette.types import Receive
+from starlette.types import Receive, Scope
 
 from router.core.errors import RequestTimeout, RequestTooLarge, RouterError
 
 __all__ = [
+    "LOST_SIGNAL",
     "ClientDisconnected",
     "ClientGone",
     "ClientWatch",
+    "LostSignal",
     "error_answer",
+    "fresh_request_id",
+    "lost_signal_of",
     "read_asgi_body",
     "read_body",
     "request_id_of",
@@ -37,6 +43,31 @@ __all__ = [
 T = TypeVar("T")
 _SANE_ID: Final = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
+
+class _IdSource:
+    """32 hex digits like `uuid4().hex`: 16 random ones per process, then a counter. One random read
+    per process rather than a `getrandom` syscall per request; a forked child draws its own."""
+
+    def __init__(self) -> None:
+        self.reseed()
+        os.register_at_fork(after_in_child=self.reseed)
+
+    def reseed(self) -> None:
+        self.prefix = os.urandom(8).hex()
+        self.counter = itertools.count()
+
+    def next(self) -> str:
+        return f"{self.prefix}{next(self.counter):016x}"
+
+
+_IDS: Final = _IdSource()
+
+
+def fresh_request_id() -> str:
+    """A request id unique to this process (and to every worker forked from it)."""
+    return _IDS.next()
+
+
 _CONTENT_LENGTH: Final = b"content-length"
 
 
@@ -45,15 +76,22 @@ class ClientDisconnected(Exception):
 
 
 async def read_asgi_body(
-    receive: Receive, headers: Iterable[tuple[bytes, bytes]], limit: int, timeout_s: float
+    receive: Receive,
+    headers: Iterable[tuple[bytes, bytes]],
+    limit: int,
+    timeout_s: float,
+    signal: LostSignal | None = None,
 ) -> bytes:
     """The whole request body, refusing (413) beyond `limit` bytes before reading more than that, and
-    (408, `RequestTimeout`) when it is not complete within `timeout_s` seconds.
+    (408, `RequestTimeout`) when it is not complete within `timeout_s` seconds. When the protocol's
+    `signal` says the body is already in (`LostSignal.body_in`), no timer is armed: nothing waits.
 
     Raises `ClientDisconnected` when the client leaves mid-body (a partial body is never routed)."""
     for key, value in headers:
         if key == _CONTENT_LENGTH and value.isdigit() and int(value) > limit:
             raise RequestTooLarge(f"request body of {value.decode()} bytes exceeds the limit of {limit}")
+    if signal is not None and signal.body_in is not None and signal.body_in():
+        return await _read_body(receive, limit)
     try:
         async with asyncio.timeout(timeout_s):
             return await _read_body(receive, limit)
@@ -78,21 +116,69 @@ async def _read_body(receive: Receive, limit: int) -> bytes:
     return chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
 
+LOST_SIGNAL: Final = "kvrouter.lost_signal"
+"""The ASGI extension under which the gateway's HTTP protocol offers the cycle's `LostSignal`."""
+
+
+class LostSignal:
+    """One request cycle's connection was lost before its answer completed: the protocol `fire`s it
+    (router.edge.client_timeouts), and the cycle's `ClientWatch` is called back, with no task of its
+    own waiting on `receive`."""
+
+    __slots__ = ("body_in", "callback", "lost", "resume")
+
+    def __init__(
+        self, resume: Callable[[], None] | None = None, body_in: Callable[[], bool] | None = None
+    ) -> None:
+        self.lost = False
+        self.callback: Callable[[], None] | None = None
+        self.resume = resume
+        """Resumes reading the connection (paused by a body past uvicorn's high-water mark), as a
+        watcher's `receive()` would: a client's FIN is seen only while the socket is read."""
+        self.body_in = body_in
+        """Whether the whole request body is parsed and not yet taken: `receive()` then returns it
+        without waiting."""
+
+    def fire(self) -> None:
+        """The connection is gone: call the watcher back once (later watchers are called at once)."""
+        self.lost = True
+        callback, self.callback = self.callback, None
+        if callback is not None:
+            callback()
+
+
+def lost_signal_of(scope: Scope) -> LostSignal | None:
+    """The cycle's `LostSignal`, when the gateway's protocol offers one in `scope`'s extensions."""
+    signal = scope.get("extensions", {}).get(LOST_SIGNAL, {}).get("signal")
+    return signal if isinstance(signal, LostSignal) else None
+
+
 class ClientWatch:
     """Cancels the task that created it when the client disconnects before `closing()`.
 
     Create it after the body is read (it consumes `receive`). When the cancellation it caused
     reaches the task, `absorb()` says so and uncancels, so the request can end as "client closed"
-    while any other cancellation (shutdown) keeps propagating."""
+    while any other cancellation (shutdown) keeps propagating. Under the gateway's protocol (a
+    `LostSignal` in `scope`'s extensions) it waits on that signal; otherwise a watcher task reads
+    `receive` for the disconnect."""
 
-    def __init__(self, receive: Receive) -> None:
+    def __init__(self, receive: Receive, scope: Scope | None = None) -> None:
         task = asyncio.current_task()
         assert task is not None, "ClientWatch needs a running task"
         self._task = task
         self._receive = receive
         self.gone = False
         self._closing = False
-        self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        self._signal = lost_signal_of(scope) if scope is not None else None
+        self._watcher: asyncio.Task[None] | None = None
+        if self._signal is None:
+            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+        elif self._signal.lost:  # lost while the body's last message was on its way to this task
+            asyncio.get_running_loop().call_soon(self._disconnected)
+        else:
+            self._signal.callback = self._disconnected
+            if self._signal.resume is not None:
+                self._signal.resume()
 
     async def _watch(self) -> None:
         try:
@@ -103,6 +189,9 @@ class ClientWatch:
             # holds this frame, so this watch, its task and the server's request cycle would form a
             # reference cycle per request, left to the collector (tens of ms at c=1: issue #13).
             return
+        self._disconnected()
+
+    def _disconnected(self) -> None:
         if not self._closing:
             self.gone = True
             self._task.cancel()
@@ -116,9 +205,13 @@ class ClientWatch:
         return self.gone and self._task.uncancel() == 0
 
     def close(self) -> None:
-        """Stop watching (idempotent)."""
+        """Stop watching (idempotent); the signal lets go of this watch (the scope holds the signal,
+        and this watch the task whose frame holds the scope: no reference cycle is left)."""
         self._closing = True
-        self._watcher.cancel()
+        if self._signal is not None:
+            self._signal.callback = None
+        if self._watcher is not None:
+            self._watcher.cancel()
 
 
 class ClientGone(Exception):
@@ -130,7 +223,7 @@ def request_id_of(request: Request) -> str:
     rid: str | None = getattr(request.state, "request_id", None)
     if rid is None:
         given = request.headers.get("x-request-id")
-        rid = given if given is not None and _SANE_ID.fullmatch(given) else uuid.uuid4().hex
+        rid = given if given is not None and _SANE_ID.fullmatch(given) else _IDS.next()
         request.state.request_id = rid
     return rid
 

@@ -9,9 +9,10 @@ both in `kvrouter_client_timeouts_total{phase="header"|"idle"}`, and sets TCP_NO
 connection, whatever made the listening socket. Body reads are timed by the app
 (`router.edge.client_io.read_asgi_body`, answered 408, phase "body"). It also gives each request's
 cycle a `router.edge.client_writes.HeadHold`, so an answer's head and first body bytes leave in one
-write, and offers the app a `BodyWriter` for the cycle in the scope's extensions. Settings and
-counter reach each connection through the ASGI lifespan state, which uvicorn hands to every
-protocol it creates.
+write, and offers the app a `BodyWriter` and a `LostSignal` (fired when the connection is lost before
+the answer ended: `ClientWatch` needs no task reading `receive`) for the cycle in the scope's
+extensions. Settings and counter reach each connection through the ASGI lifespan state, which
+uvicorn hands to every protocol it creates.
 
 Defaults (`[timeouts]` `client_*`) are nginx's: client_header_timeout and client_body_timeout 60 s,
 keepalive_timeout 75 s (https://nginx.org/en/docs/http/ngx_http_core_module.html); Envoy's
@@ -22,14 +23,16 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
 from uvicorn.config import Config
-from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
 
+from router.edge.client_io import LOST_SIGNAL, LostSignal
 from router.edge.client_writes import BODY_WRITER, BodyWriter, HeadHold
 from router.settings.config import Timeouts
 
@@ -68,6 +71,7 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(config, server_state, app_state, _loop)
         self._timeouts: ClientTimeouts | None = app_state.get(STATE_KEY)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._lost: LostSignal | None = None
         if self._timeouts is not None:
             self.timeout_keep_alive = self._timeouts.keepalive_s
 
@@ -87,11 +91,17 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is not None and cycle.transport is self.transport:  # head + first body in one write
             cycle.transport = cast(asyncio.Transport, HeadHold(self.transport, self.loop))
-            self.scope.setdefault("extensions", {})[BODY_WRITER] = {"writer": BodyWriter(cycle)}
+            extensions = self.scope.setdefault("extensions", {})
+            extensions[BODY_WRITER] = {"writer": BodyWriter(cycle)}
+            self._lost = _signal(weakref.ref(cycle))
+            extensions[LOST_SIGNAL] = {"signal": self._lost}
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
         super().connection_lost(exc)
+        lost, self._lost = self._lost, None
+        if lost is not None and self.cycle is not None and self.cycle.disconnected:  # before its answer ended
+            lost.fire()
 
     def timeout_keep_alive_handler(self) -> None:
         if self._timeouts is not None and not self.transport.is_closing():
@@ -112,6 +122,21 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         if self._timeouts is not None and not self.transport.is_closing():
             self._timeouts.timed_out("header")
             self.transport.close()
+
+
+def _signal(cycle_ref: weakref.ref[RequestResponseCycle]) -> LostSignal:
+    """The cycle's `LostSignal`, reading the cycle weakly (its scope holds the signal holding these)."""
+
+    def resume() -> None:  # what `receive()` does first while the answer is under way
+        cycle = cycle_ref()
+        if cycle is not None and not cycle.disconnected and not cycle.response_complete:
+            cycle.flow.resume_reading()
+
+    def body_in() -> bool:  # `receive()` returns at once: the body's end is parsed, its event still set
+        cycle = cycle_ref()
+        return cycle is not None and not cycle.more_body and cycle.message_event.is_set()
+
+    return LostSignal(resume, body_in)
 
 
 def _no_delay(transport: asyncio.Transport) -> None:

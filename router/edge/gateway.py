@@ -32,6 +32,7 @@ from router.edge.client_io import (
     ClientGone,
     ClientWatch,
     error_answer,
+    lost_signal_of,
     read_asgi_body,
     request_id_of,
 )
@@ -170,7 +171,7 @@ class Gateway:
         try:
             body = await self._admit(request, receive)
             try:
-                watch = ClientWatch(receive)
+                watch = ClientWatch(receive, scope)
                 relay = await self._admitted(request, endpoint, body, rid, arrived)
             except BaseException:
                 self.parts.fleet.admission.leave()
@@ -201,7 +202,10 @@ class Gateway:
         parts = self.parts
         try:
             parts.guard.check_api(request.headers)
-            body = await read_asgi_body(receive, request.scope["headers"], self.max_body, self.body_timeout_s)
+            scope = request.scope
+            body = await read_asgi_body(
+                receive, scope["headers"], self.max_body, self.body_timeout_s, lost_signal_of(scope)
+            )
         except RouterError as exc:
             if isinstance(exc, RequestTimeout):
                 parts.metrics.client_timeouts.labels("body").inc()

@@ -7,6 +7,7 @@ configured base URL plus the request's origin-form path, and `Host` is the engin
 from __future__ import annotations
 
 from collections.abc import Iterable
+from functools import lru_cache
 from typing import Final
 from urllib.parse import urlsplit
 
@@ -19,18 +20,30 @@ HOP_BY_HOP: Final = frozenset(
 
 # Recomputed for the upstream leg from the engine's URL and the forwarded bytes.
 _REQUEST_RECOMPUTED: Final = frozenset({"host", "content-length"})
+_REQUEST_DROP: Final = HOP_BY_HOP | _REQUEST_RECOMPUTED
 
 
-def _strip(headers: Iterable[tuple[str, str]], also: frozenset[str]) -> list[tuple[str, str]]:
-    pairs = list(headers)
-    named = {
-        token.strip().lower()
-        for key, value in pairs
-        if key.lower() == "connection"
-        for token in value.split(",")
-    }
-    drop = HOP_BY_HOP | also | named
-    return [(k, v) for k, v in pairs if k.lower() not in drop and not k.lower().startswith("proxy-")]
+def _strip(headers: Iterable[tuple[str, str]], drop: frozenset[str]) -> list[tuple[str, str]]:
+    """`headers` without those named in `drop` (lower-case), `Proxy-*` ones and those Connection names."""
+    kept: list[tuple[str, str]] = []
+    named: list[str] = []  # the Connection headers' values
+    for pair in headers:  # one pass, each name lowered once: this runs on every request and answer
+        key = pair[0].lower()
+        if key in drop or key.startswith("proxy-"):
+            if key == "connection":
+                named.append(pair[1])
+        else:
+            kept.append(pair)
+    if not named:
+        return kept
+    also = {token.strip().lower() for value in named for token in value.split(",")}
+    return [(k, v) for k, v in kept if k.lower() not in also]
+
+
+@lru_cache(maxsize=1024)
+def _host_of(base_url: str) -> str:
+    """The `Host` of an engine's base URL (an engine's URL is fixed: parsed once, not per request)."""
+    return urlsplit(base_url).netloc
 
 
 def forwarded_headers(
@@ -46,12 +59,12 @@ def forwarded_headers(
 
 def upstream_headers(client_headers: Iterable[tuple[str, str]], base_url: str) -> list[tuple[str, str]]:
     """The client's headers without hop-by-hop ones, Host set to the engine's host[:port]."""
-    return [*_strip(client_headers, _REQUEST_RECOMPUTED), ("Host", urlsplit(base_url).netloc)]
+    return [*_strip(client_headers, _REQUEST_DROP), ("Host", _host_of(base_url))]
 
 
 def response_headers(engine_headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:
     """The engine's response headers without hop-by-hop ones (the client leg sets its own framing)."""
-    return _strip(engine_headers, frozenset())
+    return _strip(engine_headers, HOP_BY_HOP)
 
 
 def upstream_url(base_url: str, path: str) -> str:

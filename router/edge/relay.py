@@ -125,7 +125,7 @@ class RelayResponse(Response):
         self._end("client_closed", None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        watch = ClientWatch(receive)
+        watch = ClientWatch(receive, scope)
         try:
             await self.stream_to(send, watch, body_writer(scope))
         except asyncio.CancelledError:

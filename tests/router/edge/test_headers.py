@@ -1,0 +1,72 @@
+"""The proxy's header plumbing against its from-scratch reading (router/edge/headers.py), and request ids."""
+
+from __future__ import annotations
+
+import multiprocessing
+import re
+from urllib.parse import urlsplit
+
+from hypothesis import given
+from hypothesis import strategies as st
+
+from router.edge.client_io import fresh_request_id
+from router.edge.headers import HOP_BY_HOP, response_headers, upstream_headers
+
+_NAMES = st.sampled_from(
+    ["Connection", "connection", "Keep-Alive", "TE", "Trailer", "Transfer-Encoding", "Upgrade", "Host",
+     "host", "Content-Length", "Proxy-Authorization", "proxy-x", "X-Custom", "x-custom", "Authorization",
+     "content-type", "X-Request-Id"]
+)  # fmt: skip
+_VALUES = st.sampled_from(
+    ["close", "keep-alive", "X-Custom", " x-custom , upgrade", "Authorization,te", "v", ""]
+)
+_HEADERS = st.lists(st.tuples(_NAMES, _VALUES), max_size=12)
+_URLS = st.sampled_from(["http://10.0.0.7:8100", "http://engine:1/", "http://[::1]:9000/base", "https://e"])
+
+
+def _reference_strip(headers: list[tuple[str, str]], also: frozenset[str]) -> list[tuple[str, str]]:
+    """The rule as first written: hop-by-hop, `also`, `Proxy-*` and those Connection names dropped."""
+    named = {t.strip().lower() for k, v in headers if k.lower() == "connection" for t in v.split(",")}
+    drop = HOP_BY_HOP | also | named
+    return [(k, v) for k, v in headers if k.lower() not in drop and not k.lower().startswith("proxy-")]
+
+
+@given(_HEADERS, _URLS)
+def test_upstream_headers_match_the_reference(headers: list[tuple[str, str]], url: str) -> None:
+    expected = [
+        *_reference_strip(headers, frozenset({"host", "content-length"})),
+        ("Host", urlsplit(url).netloc),
+    ]
+    assert upstream_headers(headers, url) == expected
+    assert upstream_headers(iter(headers), url) == expected  # any iterable, as before
+
+
+@given(_HEADERS)
+def test_response_headers_match_the_reference(headers: list[tuple[str, str]]) -> None:
+    assert response_headers(headers) == _reference_strip(headers, frozenset())
+
+
+def test_fresh_request_ids_are_unique_and_uuid_shaped() -> None:
+    ids = [fresh_request_id() for _ in range(10_000)]
+    assert len(set(ids)) == len(ids)
+    assert all(re.fullmatch(r"[0-9a-f]{32}", rid) for rid in ids)
+
+
+def _child_ids(queue: multiprocessing.Queue[list[str]]) -> None:
+    queue.put([fresh_request_id() for _ in range(100)])
+
+
+def test_a_forked_worker_makes_ids_of_its_own() -> None:
+    """Gateway workers are forked from one parent: their ids must not repeat the parent's or each other's."""
+    fresh_request_id()  # the parent has made ids before forking
+    ctx = multiprocessing.get_context("fork")
+    queue: multiprocessing.Queue[list[str]] = ctx.Queue()
+    children = [ctx.Process(target=_child_ids, args=(queue,)) for _ in range(2)]
+    for child in children:
+        child.start()
+    got = [queue.get(timeout=30) for _ in children]
+    for child in children:
+        child.join(timeout=30)
+    mine = [fresh_request_id() for _ in range(100)]
+    every = [*mine, *got[0], *got[1]]
+    assert len(set(every)) == len(every)
