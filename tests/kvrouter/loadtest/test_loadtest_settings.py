@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 import msgspec
 import pytest
 
-from kvrouter.cli import build_parser
+from kvrouter.cli import build_parser, main
 from kvrouter.cmd_loadtest import build_requests
 from kvrouter.loadtest.settings import LoadtestSettings, parse_routers
 from kvrouter.loadtest.workload import (
@@ -131,3 +132,11 @@ def test_routers_are_named_policies_and_an_unnamed_one_is_external() -> None:
 def test_bad_routers_are_refused(values: list[str], error: str) -> None:
     with pytest.raises(ValueError, match=error):
         parse_routers(values, reserved=["kv", "external"])
+
+
+def test_a_negative_min_gap_is_refused_before_anything_starts(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["loadtest", "--min-gap-ms", "-1", "--requests", "2", "--out", str(tmp_path)]) == 2
+    assert "--min-gap-ms must be >= 0, got -1" in capsys.readouterr().out
+    assert not (tmp_path / "summary.json").exists()
