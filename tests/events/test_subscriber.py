@@ -9,6 +9,7 @@ from typing import Any
 import msgspec
 import pytest
 import zmq
+import zmq.asyncio
 
 from events.config import KVEventsConfig
 from events.frames import END_SEQ, Frame, encode_seq
@@ -56,6 +57,18 @@ async def ctx() -> AsyncIterator[TrackedContext]:
 
 def batch(ts: float, *events: Any) -> KVEventBatch:
     return KVEventBatch(ts=ts, events=list(events))
+
+
+def bare_engine(ctx: TrackedContext) -> tuple[zmq.asyncio.Socket, zmq.asyncio.Socket, EngineSource]:
+    """A PUB and a replay ROUTER the test drives by hand, and the source naming them."""
+    pub = ctx.client(zmq.PUB)
+    port = pub.bind_to_random_port("tcp://127.0.0.1")
+    router = ctx.client(zmq.ROUTER)
+    replay_port = router.bind_to_random_port("tcp://127.0.0.1")
+    src = EngineSource(
+        name="e1", endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay_port}"
+    )
+    return pub, router, src
 
 
 def source(publisher: EventPublisher) -> EngineSource:
@@ -272,13 +285,7 @@ async def test_malformed_frames_do_not_stop_the_subscriber(ctx: TrackedContext, 
 
 async def test_replay_timeout_retries_on_a_fresh_socket(ctx: TrackedContext, running: Any) -> None:
     out = Collector()
-    pub = ctx.client(zmq.PUB)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
-    router = ctx.client(zmq.ROUTER)
-    replay_port = router.bind_to_random_port("tcp://127.0.0.1")
-    src = EngineSource(
-        name="e1", endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay_port}"
-    )
+    _pub, router, src = bare_engine(ctx)  # the PUB only has to be bound
     sub = running(src, out, SubscriberConfig(replay_timeout_s=0.05, backoff_max_s=0.2))
     requests = [await recv_within(router) for _ in range(3)]  # the first two are left unanswered
     assert [r[1:] for r in requests] == [[b"", encode_seq(0)]] * 3
@@ -377,13 +384,7 @@ async def test_a_verification_asked_on_a_quiet_link_times_out_and_is_retried(
     """`verify()` comes from outside the subscriber's task (the fleet's trust checks): its replay's
     timeout must run even when no message arrives meanwhile."""
     out = Collector()
-    pub = ctx.client(zmq.PUB)
-    port = pub.bind_to_random_port("tcp://127.0.0.1")
-    router = ctx.client(zmq.ROUTER)
-    replay_port = router.bind_to_random_port("tcp://127.0.0.1")
-    src = EngineSource(
-        name="e1", endpoint=f"tcp://127.0.0.1:{port}", replay_endpoint=f"tcp://127.0.0.1:{replay_port}"
-    )
+    pub, router, src = bare_engine(ctx)
     sub = running(src, out, SubscriberConfig(replay_timeout_s=0.05, backoff_max_s=0.2))
     startup = await recv_within(router)
     await router.send_multipart([startup[0], b"", b"", END_SEQ, b""])
