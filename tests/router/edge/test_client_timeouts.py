@@ -15,7 +15,9 @@ from tests.gateway_helpers import Gateway, engine_of, gateway_config, running_ga
 HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
 PARTIAL = b'{"model": "kvrouter-stub", "prompt": "'
 # Short client timeouts so the test is quick; the slow clients below never finish, so any value works.
-TIMEOUTS = Timeouts(client_header_s=0.3, client_body_s=0.3, client_keepalive_s=1.0)
+# The body timeout is the longer one: all four slow bodies must still be under way together when
+# the normal request is sent, and on a loaded machine their four connects can take longer than 0.3 s.
+TIMEOUTS = Timeouts(client_header_s=0.3, client_body_s=2.0, client_keepalive_s=1.0)
 LIMITS = Limits(max_in_flight_total=4, max_in_flight_per_engine=4)
 
 
@@ -91,7 +93,8 @@ async def test_slow_bodies_and_idle_connections_time_out_counted_and_hold_no_slo
 
 async def test_a_slow_body_on_a_passthrough_path_times_out_too() -> None:
     async with running_stubs(1) as stubs:
-        config = gateway_config([engine_of("e0", stubs[0])], limits=LIMITS, timeouts=TIMEOUTS)
+        timeouts = Timeouts(client_header_s=0.3, client_body_s=0.3, client_keepalive_s=1.0)  # one body
+        config = gateway_config([engine_of("e0", stubs[0])], limits=LIMITS, timeouts=timeouts)
         async with running_gateway(config) as gw:
             head = b"POST /v1/embeddings HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
             reader, writer = await connect(gw, head + b"content-length: 100\r\n\r\n{")
