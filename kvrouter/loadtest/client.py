@@ -25,6 +25,7 @@ from kvrouter.loadtest.workload import RequestSpec
 
 __all__ = [
     "POOL_KEEPALIVE_S", "Choose", "DriverSettings", "Started", "Target", "pooled_session", "run_open_loop",
+    "send_in_turn",
 ]  # fmt: skip
 
 POOL_KEEPALIVE_S: Final = 2.0
@@ -167,3 +168,13 @@ async def run_open_loop(
             return result
 
         return list(await asyncio.gather(*(fire(i, s) for i, s in enumerate(requests))))
+
+
+async def send_in_turn(
+    requests: Sequence[RequestSpec], target: Target, settings: DriverSettings
+) -> list[RequestResult]:
+    """Send each request to `target` once the one before it answered (no pacing): the results in order."""
+    timeout = aiohttp.ClientTimeout(total=settings.timeout_s)
+    async with pooled_session(timeout, 1) as session:
+        start = time.perf_counter()
+        return [await _one(session, i, spec, target, settings, start) for i, spec in enumerate(requests)]

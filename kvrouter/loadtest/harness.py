@@ -2,7 +2,8 @@
 
 The stubs start once (child processes, as `kvrouter serve`'s embedded mode starts them) and their
 prefix caches are reset right before every policy, oracles included, so every policy starts cold on
-identical engines; the stubs' cached-block gauge is read then and recorded per policy
+identical engines (before the first policy each engine serves the workload's first prompts, so the
+first policy meets engines as warm as every later one does); the stubs' cached-block gauge is read then and recorded per policy
 (`cached_blocks_at_start`, 0 when cold). Each policy gets a fresh gateway process (`kvrouter serve
 --port 0`, learned state and all), except the oracles (`cache_oracle`, `ttft_oracle`), which route
 themselves from the stubs' true state, and `external`, an OpenAI-compatible router the user started
@@ -24,12 +25,21 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Final
 
 import aiohttp
 import msgspec
 
 from engine_stub.runtime.cost_model import CostModel
-from kvrouter.loadtest.client import Choose, DriverSettings, Started, Target, pooled_session, run_open_loop
+from kvrouter.loadtest.client import (
+    Choose,
+    DriverSettings,
+    Started,
+    Target,
+    pooled_session,
+    run_open_loop,
+    send_in_turn,
+)
 from kvrouter.loadtest.engines_file import EnginesFile, await_cold_mirror, mirror_blocks, reset_caches
 from kvrouter.loadtest.oracle import CACHE_ORACLE, CacheOracle, StubEndpoint
 from kvrouter.loadtest.report import Report, write_report
@@ -188,6 +198,28 @@ async def _warm_up(url: str, model: str, text: bool = False, n: int = 4) -> None
                 await r.read()
 
 
+WARM_PROMPTS: Final = 4
+"""How many of the workload's first prompts each engine serves before the first policy's run."""
+
+
+async def _warm_engines(stubs: Sequence[StubEndpoint], requests: Sequence[RequestSpec], model: str) -> None:
+    """Each engine serves the workload's first prompts (one output token each), one at a time, before
+    any policy runs; the caches are reset before every policy anyway.
+
+    Short warm-up prompts left the engines' first long prompts slow: without this, whichever policy
+    ran first had its first answers 60-100 ms behind every later policy's (kvrouter's or a peer's)."""
+    first = [msgspec.structs.replace(r, max_tokens=1) for r in requests[:WARM_PROMPTS]]
+    settings = DriverSettings(model=model)
+    for stub in stubs:
+        failed = [
+            r.error
+            for r in await send_in_turn(first, Target("warm-up", stub.url, stub.name), settings)
+            if r.error
+        ]
+        if failed:
+            raise RuntimeError(f"engine {stub.name} failed a warm-up prompt: {failed[0]}")
+
+
 async def _reset(stubs: Sequence[StubEndpoint], timeout_s: float = 30.0) -> None:
     """Clear every stub's prefix cache (retried while finishing requests still hold blocks)."""
     async with aiohttp.ClientSession() as session, asyncio.timeout(timeout_s):
@@ -332,6 +364,7 @@ async def run_harness(
         ctx = _Context(endpoints, engines, external.model if external else stubs.model())
         for stub in endpoints:
             await _warm_up(stub.url, ctx.model.name, spec.text_prompts)
+        await _warm_engines(endpoints, requests, ctx.model.name)
         for policy in spec.policies:
             run = await _run_policy(policy, requests, spec, ctx, on_done)
             summaries.append(

@@ -5,6 +5,7 @@ would start vLLM) are driven instead of stubs the harness starts; the file's che
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import Any
 
@@ -15,9 +16,10 @@ from aiohttp import web
 
 from kvrouter.cli import main
 from kvrouter.loadtest.engines_file import load_engines_file, refuse_stub_policies, reset_caches
-from kvrouter.loadtest.harness import HarnessSpec, _cold_start, _Context
+from kvrouter.loadtest.harness import WARM_PROMPTS, HarnessSpec, _cold_start, _Context, _warm_engines
 from kvrouter.loadtest.oracle import StubEndpoint
 from kvrouter.loadtest.report import Report
+from kvrouter.loadtest.workload import RequestSpec
 from router.links.embedded_stubs import EmbeddedStubs
 from router.settings.config import Embedded, EngineConfig, ModelConfig
 from tests.gateway_helpers import fake_engine
@@ -122,3 +124,28 @@ async def test_a_stub_policy_starts_only_once_the_gateways_mirror_applied_the_re
         ctx = _Context([StubEndpoint("e", url)], [], ModelConfig(name=MODEL))
         mirrored = await _cold_start("round_robin", session, spec, ctx, url)
     assert resets == ["/reset_prefix_cache"] and left == [] and mirrored == 0
+
+
+async def test_every_engine_serves_the_workloads_first_prompts_before_any_policy() -> None:
+    """Short warm-up prompts left the engines' first long prompts slow, and whichever policy ran
+    first paid for it: each engine now serves the workload's first prompts, one output token each."""
+    served: dict[str, list[tuple[Any, int]]] = {"a": [], "b": []}
+
+    def engine(name: str) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+        async def answer(request: web.Request) -> web.StreamResponse:
+            body = await request.json()
+            served[name].append((body["prompt"], body["max_tokens"]))
+            if name == "b" and body["prompt"] == "too long":
+                return web.json_response({"error": {"message": "context"}}, status=400)
+            return web.Response(text="data: [DONE]\n\n", content_type="text/event-stream")
+
+        return answer
+
+    requests = [RequestSpec(i, [i] * 8, 64, f"s{i}", text=f"prompt {i}") for i in range(WARM_PROMPTS + 2)]
+    async with fake_engine(engine("a")) as a, fake_engine(engine("b")) as b:
+        await _warm_engines([StubEndpoint("a", a), StubEndpoint("b", b)], requests, MODEL)
+        first = [(f"prompt {i}", 1) for i in range(WARM_PROMPTS)]
+        assert served == {"a": first, "b": first}
+        bad = [msgspec.structs.replace(requests[0], text="too long")]
+        with pytest.raises(RuntimeError, match="engine b failed a warm-up prompt: HTTP 400"):
+            await _warm_engines([StubEndpoint("a", a), StubEndpoint("b", b)], bad, MODEL)
