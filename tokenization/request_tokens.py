@@ -19,6 +19,7 @@ import msgspec
 from events.block_hash import RequestExtras
 from tokenization.base import TokenizationError, Tokenizer
 from tokenization.chat_carry import CarryLink
+from tokenization.chat_decoder import ChatDecoder
 from tokenization.conversation import conversation, tool_dicts
 from tokenization.openai_request import (
     ChatRequest,
@@ -103,10 +104,13 @@ def _extras(model: str | None, salt: str | None, lora: Mapping[str, str]) -> Req
     return RequestExtras(cache_salt=salt)
 
 
-def decode_request(body: bytes, endpoint: Endpoint | str) -> ChatRequest | CompletionRequest:
-    """The typed view of ``body`` for ``endpoint``; RequestError (a 400 naming the field) on bad input."""
+def decode_request(
+    body: bytes, endpoint: Endpoint | str, chat: ChatDecoder | None = None
+) -> ChatRequest | CompletionRequest:
+    """The typed view of ``body`` for ``endpoint``; RequestError (a 400 naming the field) on bad input.
+    ``chat`` decodes chats reusing earlier requests' messages (the same value, see its module)."""
     if Endpoint(endpoint) is Endpoint.CHAT:
-        return decode_chat(body)
+        return chat.decode(body) if chat is not None else decode_chat(body)
     return decode_completion(body)
 
 

@@ -33,6 +33,7 @@ from router.prepare.prepared import Prepared, VariantKeys
 from router.settings.config import EngineConfig, ModelConfig, RouterConfig
 from tokenization import Tokenizer
 from tokenization.base import CacheStats
+from tokenization.chat_decoder import ChatDecoder
 from tokenization.loading import load_tokenizer
 from tokenization.openai_request import (
     ChatRequest,
@@ -125,6 +126,7 @@ class Models:
         for name, adapters in (loras or {}).items():
             self._loras.setdefault(name, {}).update(adapters)
         self._tokenizers: dict[tuple[str | None, str | None], Tokenizer] = {}
+        self._chat = ChatDecoder()
         self._variants: dict[str, dict[VariantId, Variant]] = {
             name: {VariantId(name): resolve_variant(m)} for name, m in self._models.items()
         }
@@ -193,7 +195,7 @@ class Models:
     ) -> tuple[ChatRequest | CompletionRequest, str]:
         """The request decoded once, and its model; errors as `resolve` then `request_tokens` raise them."""
         try:
-            req = decode_request(body, endpoint)
+            req = decode_request(body, endpoint, self._chat)
         except RequestError:
             self.resolve(body, model_hint)  # a bad or unknown `model` is reported first
             raise
