@@ -22,10 +22,11 @@ from tokenization.openai_request import ChatMessage, ChatRequest, check_chat, de
 __all__ = ["DEFAULT_MAX_BYTES", "ChatDecoder"]
 
 DEFAULT_MAX_BYTES = 32 << 20
-"""Bytes the kept messages of a `ChatDecoder` may hold (see `_BYTES_PER_RAW_BYTE`)."""
-_BYTES_PER_RAW_BYTE = 4  # the raw bytes, the decoded strs, the template dicts' and texts' references
+"""Bytes the kept messages of a `ChatDecoder` may hold (estimated from their bodies' sizes)."""
+_BYTES_PER_BODY_BYTE = 4  # the raw bytes, the decoded strs, the template dicts' and texts' references
 
-_FIELDS: Final = [f for f in msgspec.structs.fields(ChatRequest) if f.name != "messages"]
+_FIELDS: Final = msgspec.structs.fields(ChatRequest)[1:]
+assert msgspec.structs.fields(ChatRequest)[0].name == "messages", "decode() builds ChatRequest by position"
 _RawChat: Any = msgspec.defstruct(
     "_RawChat",
     [("messages", list[msgspec.Raw])]
@@ -34,7 +35,6 @@ _RawChat: Any = msgspec.defstruct(
 """`ChatRequest` with each message left raw: every other field typed (and defaulted) as there."""
 _RAW_CHAT: Final = msgspec.json.Decoder(_RawChat)
 _MESSAGE: Final = msgspec.json.Decoder(ChatMessage)
-_NAMES: Final = tuple(f.name for f in _FIELDS)
 
 _Turn = list[tuple[bytes, ChatMessage]]
 
@@ -61,25 +61,29 @@ class ChatDecoder:
             raw = _RAW_CHAT.decode(body)
         except (msgspec.DecodeError, RecursionError):
             return decode_chat(body)
-        raws = [bytes(m) for m in raw.messages]
-        key = b"".join(raws[:2])
+        fields = msgspec.structs.astuple(raw)  # messages first, then ChatRequest's other fields in order
+        raws: list[msgspec.Raw] = fields[0]
+        key = b"".join(map(bytes, raws[:2]))
         prior = self._turns.get(key)
         old = prior[0] if prior is not None else []
         turn: _Turn = []
-        for i, data in enumerate(raws):
-            if i < len(old) and old[i][0] == data:
-                message = old[i][1]
-                self.reused += 1
-            else:
-                try:
-                    message = _MESSAGE.decode(data)
-                except (msgspec.DecodeError, RecursionError):
-                    return decode_chat(body)
-                self.decoded += 1
-            turn.append((data, message))
-        req = ChatRequest([m for _, m in turn], **{name: getattr(raw, name) for name in _NAMES})
-        check_chat(req)
-        self._store(key, turn, _BYTES_PER_RAW_BYTE * sum(map(len, raws)) + len(key))
+        decoded = 0
+        for i, piece in enumerate(raws):
+            if i < len(old):
+                kept = old[i]
+                if len(kept[0]) == len(piece) and kept[0].startswith(piece):  # memcmp, no copy
+                    turn.append(kept)
+                    continue
+            data = bytes(piece)
+            try:
+                turn.append((data, _MESSAGE.decode(data)))
+            except (msgspec.DecodeError, RecursionError):
+                return decode_chat(body)
+            decoded += 1
+        self.decoded += decoded
+        self.reused += len(turn) - decoded
+        req = check_chat(ChatRequest([m for _, m in turn], *fields[1:]))
+        self._store(key, turn, _BYTES_PER_BODY_BYTE * len(body) + len(key))
         return req
 
     def clear(self) -> None:
