@@ -101,6 +101,13 @@ class Tokenizer(Protocol):
         """``encode_cached`` as a tuple, plus the ids packed as native uint32 (``array("I")`` bytes)."""
         ...
 
+    def encode_linked(
+        self, text: str, add_special_tokens: bool = True
+    ) -> tuple[tuple[int, ...], bytes, CarryLink | None]:
+        """`encode_packed`, and the ids' link to the earlier text they were copied from, whose derived
+        block keys the caller may extend (tokenization.chat_carry.CarryLink); None when not known."""
+        ...
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Ids back to text."""
         ...

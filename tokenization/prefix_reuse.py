@@ -32,7 +32,7 @@ _TOKEN_BYTES = 4
 _REPLACE_SLACK = 256
 """A stored text that a new one reuses to within this many bytes of its end is replaced by the new one
 (the next turn of a conversation, or the same prompt with a new suffix): it could only serve less."""
-_ENTRY_BYTES_PER_TOKEN = 8 + 8 + _TOKEN_BYTES  # a tuple slot, an int64 end, a packed id
+_ENTRY_BYTES_PER_TOKEN = 8 + 8 + _TOKEN_BYTES + 3  # a tuple slot, an int64 end, a packed id, derived keys
 
 
 class ReuseStats:
@@ -55,7 +55,7 @@ class ReuseStats:
 class ReuseEntry:
     """One text's UTF-8 bytes, ids, packed ids and (once known) the byte offset where each token ends."""
 
-    __slots__ = ("data", "ends", "head", "ids", "packed", "size")
+    __slots__ = ("data", "derived", "ends", "head", "ids", "packed", "size")
 
     def __init__(
         self,
@@ -71,6 +71,9 @@ class ReuseEntry:
         self.head = head
         """``ids[:len(head)]``, kept when they were copied from another text: a next text cut at the same
         place copies them once (into its ids) instead of twice (a slice, then the concatenation)."""
+        self.derived: dict[object, dict[tuple[int, int], tuple[int, ...]]] = {}
+        """What callers derived from the ids, by their own key (the completions path: block keys per
+        special-token wrap, then per chain root and block size; tokenization.templated)."""
         self.size = len(data) + _ENTRY_BYTES_PER_TOKEN * len(ids) + 8 * len(head)
 
 
@@ -110,6 +113,13 @@ class PrefixReuse:
     def encode_entry(self, text: str, encode: EncodePacked, data: bytes) -> ReuseEntry:
         """`encode_packed` as the entry it stores (shared with the caller: token ends made later by
         either are made once)."""
+        return self.encode_from(text, encode, data)[0]
+
+    def encode_from(
+        self, text: str, encode: EncodePacked, data: bytes
+    ) -> tuple[ReuseEntry, ReuseEntry | None, int]:
+        """`encode_entry`, with the stored text its ids were copied from (None when none was) and how
+        many leading ids were copied: those equal that text's."""
         at = bisect_left(self._sorted, data)
         prior, cut = self._best_cut(data, at)
         prior_ends = self.ends(prior) if prior is not None else None
@@ -120,12 +130,12 @@ class PrefixReuse:
                 at = bisect_left(self._sorted, data)
             self.stats.misses += 1
             self.stats.encoded_bytes += len(data)
-            return self._store(at, ReuseEntry(data, *encode(text), None))
-        entry, _ = self.extend(prior, prior_ends, data, cut, encode)
+            return self._store(at, ReuseEntry(data, *encode(text), None)), None, 0
+        entry, copied = self.extend(prior, prior_ends, data, cut, encode)
         if len(prior.data) - cut <= _REPLACE_SLACK and prior.data != data:
             self._remove(prior)
             at = bisect_left(self._sorted, data)
-        return self._store(at, entry)
+        return self._store(at, entry), prior, copied
 
     def clear(self) -> None:
         """Forget every entry (the counters are kept)."""

@@ -130,9 +130,13 @@ def tokens_of(
     """`request_tokens` of an already decoded request (one decode serves several tokenizers)."""
     carry = None
     try:
-        if isinstance(req, ChatRequest):
-            ids, packed, carry = _chat_prompt(req, tokenizer)
+        if isinstance(req, CompletionRequest) and isinstance(req.prompt, str):
+            ids, packed, carry = tokenizer.encode_linked(req.prompt, req.add_special_tokens)
             prompts: list[Packed] = [(ids, packed)]
+            max_tokens = req.max_tokens
+        elif isinstance(req, ChatRequest):
+            ids, packed, carry = _chat_prompt(req, tokenizer)
+            prompts = [(ids, packed)]
             max_tokens = req.max_completion_tokens
             max_tokens = max_tokens if max_tokens is not None else req.max_tokens
         else:

@@ -76,6 +76,26 @@ class TemplatedTokenizer:
             return (*prefix, *ids, *suffix), pack_ids(prefix) + packed + pack_ids(suffix)
         return ids, packed
 
+    def encode_linked(
+        self, text: str, add_special_tokens: bool = True
+    ) -> tuple[tuple[int, ...], bytes, CarryLink | None]:
+        """`encode_packed`, with the ids' link to the recent text prefix reuse copied them from (its
+        block keys are kept on its entry, per special-token wrap), or None without prefix reuse."""
+        wrap = self.special_wrap(add_special_tokens)
+        reuse = self.segments.reuse
+        if wrap is None or reuse is None or not self.segments.segmenter.enabled:
+            return (*self.encode_packed(text, add_special_tokens), None)
+        entry, prior, copied = reuse.encode_from(text, self.segments.encode_segments, text.encode("utf-8"))
+        prefix, suffix = wrap
+        group = (tuple(prefix), tuple(suffix))
+        own = entry.derived.setdefault(group, {})
+        # The wrapped ids start with the prefix, then the copied ids: both equal the prior text's.
+        shared, prior_keys = (len(prefix) + copied, prior.derived.get(group, {})) if prior else (0, {})
+        link = CarryLink(shared, prior_keys, own)
+        if prefix or suffix:
+            return (*prefix, *entry.ids, *suffix), pack_ids(prefix) + entry.packed + pack_ids(suffix), link
+        return entry.ids, entry.packed, link
+
     def apply_chat_template(
         self,
         messages: Sequence[Message],
