@@ -26,6 +26,7 @@ from tokenization import HfTokenizer
 from tokenization.chat_carry import LONG_TAIL, CarryLink
 from tokenization.hf_files import package_dir
 from tokenization.openai_request import Endpoint
+from tokenization.request_tokens import request_tokens
 
 HASHER = KeyHasher(b"test-carried-keys")
 BLOCK_SIZES = (1, 3, 16)
@@ -177,3 +178,18 @@ def test_a_completions_prompt_with_a_new_suffix_hashes_only_its_new_blocks() -> 
     computed, searched = models.key_cache.computed_blocks, models.key_cache.reused_blocks
     send(base + "second?")
     assert (models.key_cache.computed_blocks, models.key_cache.reused_blocks) == (computed, searched)
+
+
+def test_a_carried_chat_is_keyed_without_building_its_ids_and_the_stub_still_gets_them() -> None:
+    models = _models(16)
+    tok = _tokenizer(models)
+    base = [{"role": "system", "content": "lazy"}, {"role": "user", "content": "ids " * 200}]
+    for question in ("one?", "two?"):
+        msgs = [*base, {"role": "assistant", "content": "ok"}, {"role": "user", "content": question}]
+        _check(models, 16, msgs, None)
+    carry = tok.carry
+    assert carry is not None
+    last = next(reversed(carry._turns.values())).entry
+    assert last.head and last._ids is None  # keyed from the packed ids: the tuple was never joined
+    raw = msgspec.json.encode({"model": "m", "messages": msgs})
+    assert request_tokens(raw, Endpoint.CHAT, tok).tokens == tuple(plain_ids(tok, msgs))
