@@ -94,7 +94,8 @@ class TemplatedTokenizer:
         shared, prior_keys = (len(prefix) + copied, prior.derived.get(group, {})) if prior else (0, {})
         link = CarryLink(shared, prior_keys, own)
         if prefix or suffix:
-            return (*prefix, *entry.ids, *suffix), pack_ids(prefix) + entry.packed + pack_ids(suffix), link
+            ids = (*prefix, *entry.iter_ids(), *suffix)  # not joined on the entry: it would hold them twice
+            return ids, pack_ids(prefix) + entry.packed + pack_ids(suffix), link
         return entry.ids, entry.packed, link
 
     def apply_chat_template(
