@@ -44,6 +44,8 @@ PURE_MODULES = [
     "tokenization/safe_cuts.py",
     "tokenization/skeletons.py",
     "tokenization/chat_carry.py",
+    "tokenization/chat_decoder.py",
+    "tokenization/template_message.py",
     "engine_stub/runtime/faults.py",
     "engine_stub/runtime/dp_balance.py",
     "engine_stub/runtime/pseudo_text.py",

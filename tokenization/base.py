@@ -16,6 +16,7 @@ import msgspec
 if TYPE_CHECKING:
     from tokenization.chat_carry import CarryLink
     from tokenization.chat_template import TemplateSet
+    from tokenization.prefix_reuse import ReuseEntry
     from tokenization.segment_cache import SegmentCache
 
 __all__ = ["CacheStats", "Message", "SpecialTokens", "TokenizationError", "Tokenizer"]
@@ -101,6 +102,13 @@ class Tokenizer(Protocol):
         """``encode_cached`` as a tuple, plus the ids packed as native uint32 (``array("I")`` bytes)."""
         ...
 
+    def encode_linked(
+        self, text: str, add_special_tokens: bool = True
+    ) -> tuple[tuple[int, ...], bytes, CarryLink | None]:
+        """`encode_packed`, and the ids' link to the earlier text they were copied from, whose derived
+        block keys the caller may extend (tokenization.chat_carry.CarryLink); None when not known."""
+        ...
+
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """Ids back to text."""
         ...
@@ -136,4 +144,15 @@ class Tokenizer(Protocol):
         """`chat_tokens` as a tuple with its packed ids, and its link to the conversation's previous
         turn when the ids were carried from it (tokenization.chat_carry), else None.
         ``template_kwargs`` are `apply_chat_template`'s keyword arguments."""
+        ...
+
+    def chat_prompt(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_special_tokens: bool,
+        template_kwargs: Mapping[str, Any],
+    ) -> tuple[tuple[int, ...] | ReuseEntry, bytes, CarryLink | None]:
+        """`chat_packed`, a carried chat's ids given as their prefix-reuse entry (joined when read)."""
         ...

@@ -67,7 +67,7 @@ class _Turn:
         self.pieces, self.starts, self.entry, self.derived = pieces, starts, entry, derived
         """``starts[i]``: the byte offset of piece i in ``entry.data``; ``starts[-1]`` is its length."""
         size = entry.size + _PIECE_BYTES * len(entry.data) + 8 * len(starts)
-        self.size = size + _DERIVED_BYTES_PER_TOKEN * len(entry.ids)
+        self.size = size + _DERIVED_BYTES_PER_TOKEN * entry.count
 
 
 class ChatCarry:
@@ -95,6 +95,13 @@ class ChatCarry:
         """The ids and packed ids of the joined ``pieces`` and their link to the previous turn.
         ``encode`` encodes text without prefix reuse: the part after a carried prefix, or on a miss the
         part after what `PrefixReuse` finds (the whole text goes through it)."""
+        entry, link = self.encode_entry(key, pieces, encode)
+        return entry.ids, entry.packed, link
+
+    def encode_entry(
+        self, key: bytes, pieces: list[str], encode: EncodePacked
+    ) -> tuple[ReuseEntry, CarryLink]:
+        """`encode` as the text's entry (its ids joined only when read) and the link."""
         prior = self._turns.get(key)
         carried = self._extend(prior, pieces, encode) if prior is not None else None
         if prior is not None and carried is not None:
@@ -115,7 +122,7 @@ class ChatCarry:
             self._turns.move_to_end(key)
         else:
             self._store(key, turn)
-        return turn.entry.ids, turn.entry.packed, link
+        return turn.entry, link
 
     def clear(self) -> None:
         """Forget every turn (the counters are kept)."""
@@ -129,7 +136,7 @@ class ChatCarry:
         while i < n and pieces[i] == old[i]:
             i += 1
         if i == len(old) == len(pieces):
-            return prior, len(prior.entry.ids)  # the same text
+            return prior, prior.entry.count  # the same text
         start = prior.starts[i]
         rest = [p.encode("utf-8") for p in pieces[i:]]
         new_rest = b"".join(rest)

@@ -22,6 +22,7 @@ import msgspec
 
 from tokenization.base import Message, TokenizationError
 from tokenization.skeletons import Skeletons, skeletons_apply, type_test
+from tokenization.template_message import plain
 
 __all__ = ["ChatOptions", "ChatTemplate", "ContentFormat", "TemplateSet"]
 
@@ -168,7 +169,7 @@ class ChatTemplate:
             )
         if text is None:
             try:
-                text = _render(self._template, list(messages), options, context)
+                text = _render(self._template, plain(list(messages)), options, context)
             except jinja2.exceptions.TemplateError as exc:
                 raise TokenizationError(f"chat template rejected the request: {exc}") from exc
         if options.continue_final_message:

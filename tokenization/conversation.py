@@ -16,6 +16,7 @@ import msgspec
 
 from tokenization.chat_template import ContentFormat
 from tokenization.openai_request import ChatMessage, ContentPart, RequestError, Tool, ToolCall
+from tokenization.template_message import TemplateMessage
 
 __all__ = ["conversation", "tool_dicts"]
 
@@ -118,11 +119,20 @@ def _joined(m: dict[str, Any]) -> str:
     return content if isinstance(content, str) else "\n".join(p["text"] for p in content)
 
 
+def _kept_message(msg: ChatMessage, fmt: ContentFormat, i: int) -> TemplateMessage:
+    """`_message`, made once per message and format and kept on the (frozen) message."""
+    kept = msg.__dict__
+    out: TemplateMessage | None = kept.get(fmt)
+    if out is None:
+        out = kept[fmt] = TemplateMessage(_message(msg, fmt, f"messages[{i}]"))
+    return out
+
+
 def conversation(
     messages: Sequence[ChatMessage], fmt: ContentFormat, template_knows_developer: bool
 ) -> list[dict[str, Any]]:
     """The template's ``messages`` for a request; RequestError names the offending message or part."""
-    conv = [_message(m, fmt, f"messages[{i}]") for i, m in enumerate(messages)]
+    conv: list[dict[str, Any]] = [_kept_message(m, fmt, i) for i, m in enumerate(messages)]
     if not template_knows_developer and any(m["role"] == "developer" for m in conv):
         conv = _developer_to_system(conv)
     return conv

@@ -22,6 +22,7 @@ __all__ = [
     "RequestError",
     "TokenId",
     "Tool",
+    "check_chat",
     "decode_body",
     "decode_chat",
     "decode_completion",
@@ -92,8 +93,12 @@ class ToolCall(msgspec.Struct):
     type: str = "function"
 
 
-class ChatMessage(msgspec.Struct):
-    """A chat message: text or content parts, plus the tool and reasoning fields templates read."""
+class ChatMessage(msgspec.Struct, frozen=True, dict=True):
+    """A chat message: text or content parts, plus the tool and reasoning fields templates read.
+
+    Frozen, with a ``__dict__`` where `conversation()` keeps the template dicts it made of it: a
+    message reused from the conversation's previous request (tokenization.chat_decoder) is not
+    prepared again."""
 
     role: str
     content: str | list[ContentPart] | None = None
@@ -168,7 +173,11 @@ def decode_completion(body: bytes) -> CompletionRequest:
 
 def decode_chat(body: bytes) -> ChatRequest:
     """Decode a chat body; RequestError on bad JSON, wrong types or incompatible flags."""
-    req = decode_body(_CHAT, body, "invalid chat request")
+    return check_chat(decode_body(_CHAT, body, "invalid chat request"))
+
+
+def check_chat(req: ChatRequest) -> ChatRequest:
+    """``req``, or RequestError when its flags cannot go together (what `decode_chat` checks past types)."""
     if req.continue_final_message and req.add_generation_prompt:
         raise RequestError("invalid chat request: both `continue_final_message` and `add_generation_prompt`")
     return req

@@ -15,8 +15,8 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Callable, Sequence
-from itertools import accumulate
+from collections.abc import Callable, Iterator, Sequence
+from itertools import accumulate, chain
 
 from tokenization.safe_cuts import CutFinder
 
@@ -32,7 +32,7 @@ _TOKEN_BYTES = 4
 _REPLACE_SLACK = 256
 """A stored text that a new one reuses to within this many bytes of its end is replaced by the new one
 (the next turn of a conversation, or the same prompt with a new suffix): it could only serve less."""
-_ENTRY_BYTES_PER_TOKEN = 8 + 8 + _TOKEN_BYTES  # a tuple slot, an int64 end, a packed id
+_ENTRY_BYTES_PER_TOKEN = 8 + 8 + _TOKEN_BYTES + 3  # a tuple slot, an int64 end, a packed id, derived keys
 
 
 class ReuseStats:
@@ -53,25 +53,53 @@ class ReuseStats:
 
 
 class ReuseEntry:
-    """One text's UTF-8 bytes, ids, packed ids and (once known) the byte offset where each token ends."""
+    """One text's UTF-8 bytes, ids, packed ids and (once known) the byte offset where each token ends.
 
-    __slots__ = ("data", "ends", "head", "ids", "packed", "size")
+    The ids are ``head + tail``, joined on the first read of `ids`: a caller that needs only the packed
+    ids and their `count` (the router keys a carried chat from its packed ids) never builds the tuple."""
+
+    __slots__ = ("_ids", "count", "data", "derived", "ends", "head", "packed", "size", "tail")
 
     def __init__(
         self,
         data: bytes,
-        ids: tuple[int, ...],
+        head: tuple[int, ...],
+        tail: tuple[int, ...],
         packed: bytes,
         ends: array[int] | None,
-        head: tuple[int, ...] = (),
     ) -> None:
-        self.data, self.ids, self.packed = data, ids, packed
+        self.data, self.head, self.tail, self.packed = data, head, tail, packed
+        """``head``: ids copied from another text (a next text cut at the same place shares the tuple);
+        ``tail``: the ids encoded for this one."""
+        self._ids: tuple[int, ...] | None = None if head else tail
+        self.count = len(head) + len(tail)
         self.ends = ends
         """Where each token ends, in bytes; None until the entry is first reused."""
-        self.head = head
-        """``ids[:len(head)]``, kept when they were copied from another text: a next text cut at the same
-        place copies them once (into its ids) instead of twice (a slice, then the concatenation)."""
-        self.size = len(data) + _ENTRY_BYTES_PER_TOKEN * len(ids) + 8 * len(head)
+        self.derived: dict[object, dict[tuple[int, int], tuple[int, ...]]] = {}
+        """What callers derived from the ids, by their own key (the completions path: block keys per
+        special-token wrap, then per chain root and block size; tokenization.templated)."""
+        self.size = len(data) + _ENTRY_BYTES_PER_TOKEN * self.count + 8 * len(head)
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        """The text's ids (``head + tail``, joined once)."""
+        ids = self._ids
+        if ids is None:
+            ids = self._ids = self.head + self.tail
+        return ids
+
+    def prefix(self, n: int) -> tuple[int, ...]:
+        """``ids[:n]``, without joining the ids when the head holds them."""
+        if self._ids is not None:
+            return self._ids[:n]
+        cut = len(self.head)
+        if n <= cut:
+            return self.head if n == cut else self.head[:n]
+        return self.head + self.tail[: n - cut]
+
+    def iter_ids(self) -> Iterator[int]:
+        """The ids in order, without joining them."""
+        return iter(self._ids) if self._ids is not None else chain(self.head, self.tail)
 
 
 class PrefixReuse:
@@ -110,6 +138,13 @@ class PrefixReuse:
     def encode_entry(self, text: str, encode: EncodePacked, data: bytes) -> ReuseEntry:
         """`encode_packed` as the entry it stores (shared with the caller: token ends made later by
         either are made once)."""
+        return self.encode_from(text, encode, data)[0]
+
+    def encode_from(
+        self, text: str, encode: EncodePacked, data: bytes
+    ) -> tuple[ReuseEntry, ReuseEntry | None, int]:
+        """`encode_entry`, with the stored text its ids were copied from (None when none was) and how
+        many leading ids were copied: those equal that text's."""
         at = bisect_left(self._sorted, data)
         prior, cut = self._best_cut(data, at)
         prior_ends = self.ends(prior) if prior is not None else None
@@ -120,12 +155,13 @@ class PrefixReuse:
                 at = bisect_left(self._sorted, data)
             self.stats.misses += 1
             self.stats.encoded_bytes += len(data)
-            return self._store(at, ReuseEntry(data, *encode(text), None))
-        entry, _ = self.extend(prior, prior_ends, data, cut, encode)
+            ids, packed = encode(text)
+            return self._store(at, ReuseEntry(data, (), ids, packed, None)), None, 0
+        entry, copied = self.extend(prior, prior_ends, data, cut, encode)
         if len(prior.data) - cut <= _REPLACE_SLACK and prior.data != data:
             self._remove(prior)
             at = bisect_left(self._sorted, data)
-        return self._store(at, entry)
+        return self._store(at, entry), prior, copied
 
     def clear(self) -> None:
         """Forget every entry (the counters are kept)."""
@@ -149,7 +185,7 @@ class PrefixReuse:
     def ends(self, entry: ReuseEntry) -> array[int] | None:
         """The entry's token ends (made on first use), or None when they do not add up to its text."""
         if entry.ends is None:
-            ends = array("q", accumulate(map(self._lengths.__getitem__, entry.ids)))
+            ends = array("q", accumulate(map(self._lengths.__getitem__, entry.iter_ids())))
             if (ends[-1] if ends else 0) != len(entry.data):
                 return None
             entry.ends = ends
@@ -170,20 +206,19 @@ class PrefixReuse:
         n = self.tokens_before(prior_ends, cut)
         cut = cut if n else 0  # the cut is no token end of the prior text: reuse nothing (never expected)
         tail_ids, tail_packed = encode(data[cut:].decode("utf-8"))
-        head = prior.head if len(prior.head) == n else prior.ids[:n]
-        ids = head + tail_ids
+        head = prior.head if len(prior.head) == n else prior.prefix(n)
         packed = prior.packed[: n * _TOKEN_BYTES] + tail_packed
         self.stats.hits += n > 0
         self.stats.misses += n == 0
         self.stats.reused_tokens += n
         self.stats.encoded_bytes += len(data) - cut
         if len(tail_ids) > n:  # mostly new text: its ends are made if it is ever reused (`ends`)
-            return ReuseEntry(data, ids, packed, None, head), n
+            return ReuseEntry(data, head, tail_ids, packed, None), n
         ends = prior_ends[:n]
         ends.extend(accumulate(map(self._lengths.__getitem__, tail_ids), initial=cut))
         del ends[n]  # the `initial` value
         return ReuseEntry(
-            data, ids, packed, ends if (ends[-1] if ends else 0) == len(data) else None, head
+            data, head, tail_ids, packed, ends if (ends[-1] if ends else 0) == len(data) else None
         ), n
 
     def _store(self, at: int, entry: ReuseEntry) -> ReuseEntry:
@@ -193,7 +228,7 @@ class PrefixReuse:
         if at < len(self._sorted) and self._sorted[at] == data:
             self._entries.move_to_end(id(self._sorted[at]))
             return self._entries[id(self._sorted[at])]
-        if self.max_entries == 0 or entry.size > self.max_bytes or not entry.ids:
+        if self.max_entries == 0 or entry.size > self.max_bytes or not entry.count:
             return entry
         self._sorted.insert(at, data)
         self._entries[id(data)] = entry

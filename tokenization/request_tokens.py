@@ -12,6 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from enum import StrEnum
+from functools import cached_property
 from typing import Any
 
 import msgspec
@@ -19,6 +20,7 @@ import msgspec
 from events.block_hash import RequestExtras
 from tokenization.base import TokenizationError, Tokenizer
 from tokenization.chat_carry import CarryLink
+from tokenization.chat_decoder import ChatDecoder
 from tokenization.conversation import conversation, tool_dicts
 from tokenization.openai_request import (
     ChatRequest,
@@ -28,6 +30,7 @@ from tokenization.openai_request import (
     decode_chat,
     decode_completion,
 )
+from tokenization.prefix_reuse import ReuseEntry
 
 __all__ = ["ReportMode", "RequestTokens", "decode_request", "request_tokens", "tokens_of"]
 
@@ -39,10 +42,14 @@ class ReportMode(StrEnum):
     FULL = "full"
 
 
-class RequestTokens(msgspec.Struct, frozen=True):
+class RequestTokens(msgspec.Struct, frozen=True, dict=True):
     """The prompt ids of a request and the request fields that change its cache behaviour."""
 
-    prompts: tuple[tuple[int, ...], ...]
+    first: tuple[int, ...] | ReuseEntry
+    """The first prompt's ids, or a carried chat's prefix-reuse entry (its ids joined when read: the
+    router keys it from `packed` and `num_tokens` and never needs them)."""
+    rest: tuple[tuple[int, ...], ...]
+    """The other prompts' ids (a multi-prompt completion)."""
     extras: RequestExtras
     skip_cache: bool
     report_mode: ReportMode
@@ -57,11 +64,24 @@ class RequestTokens(msgspec.Struct, frozen=True):
     @property
     def tokens(self) -> tuple[int, ...]:
         """The first (usually only) prompt's ids: what the router scores."""
-        return self.prompts[0]
+        first = self.first
+        return first if isinstance(first, tuple) else first.ids
+
+    @cached_property
+    def prompts(self) -> tuple[tuple[int, ...], ...]:
+        """Every prompt's ids, the first one first."""
+        return (self.tokens, *self.rest)
+
+    @property
+    def num_tokens(self) -> int:
+        """How many ids the first prompt has."""
+        first = self.first
+        return len(first) if isinstance(first, tuple) else first.count
 
 
-Packed = tuple[tuple[int, ...], bytes | None]
-"""A prompt's ids and, when the tokenizer made them, their packed bytes."""
+Packed = tuple[tuple[int, ...] | ReuseEntry, bytes | None]
+"""A prompt's ids (or their entry, `RequestTokens.first`) and, when the tokenizer made them, their
+packed bytes."""
 
 
 def _completion_prompts(req: CompletionRequest, tok: Tokenizer) -> list[Packed]:
@@ -80,7 +100,9 @@ def _completion_prompts(req: CompletionRequest, tok: Tokenizer) -> list[Packed]:
     )
 
 
-def _chat_prompt(req: ChatRequest, tok: Tokenizer) -> tuple[tuple[int, ...], bytes, CarryLink | None]:
+def _chat_prompt(
+    req: ChatRequest, tok: Tokenizer
+) -> tuple[tuple[int, ...] | ReuseEntry, bytes, CarryLink | None]:
     kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
     if reserved := {"chat_template", "tokenize"} & kwargs.keys():
         raise RequestError(f"`chat_template_kwargs` may not set {sorted(reserved)}")
@@ -94,7 +116,7 @@ def _chat_prompt(req: ChatRequest, tok: Tokenizer) -> tuple[tuple[int, ...], byt
     kwargs["continue_final_message"] = req.continue_final_message
     template = tok.templates.select(tools)
     conv = conversation(req.messages, template.detected_format, template.supports_developer_role)
-    return tok.chat_packed(conv, req.add_generation_prompt, tools, req.add_special_tokens, kwargs)
+    return tok.chat_prompt(conv, req.add_generation_prompt, tools, req.add_special_tokens, kwargs)
 
 
 def _extras(model: str | None, salt: str | None, lora: Mapping[str, str]) -> RequestExtras:
@@ -103,10 +125,13 @@ def _extras(model: str | None, salt: str | None, lora: Mapping[str, str]) -> Req
     return RequestExtras(cache_salt=salt)
 
 
-def decode_request(body: bytes, endpoint: Endpoint | str) -> ChatRequest | CompletionRequest:
-    """The typed view of ``body`` for ``endpoint``; RequestError (a 400 naming the field) on bad input."""
+def decode_request(
+    body: bytes, endpoint: Endpoint | str, chat: ChatDecoder | None = None
+) -> ChatRequest | CompletionRequest:
+    """The typed view of ``body`` for ``endpoint``; RequestError (a 400 naming the field) on bad input.
+    ``chat`` decodes chats reusing earlier requests' messages (the same value, see its module)."""
     if Endpoint(endpoint) is Endpoint.CHAT:
-        return decode_chat(body)
+        return chat.decode(body) if chat is not None else decode_chat(body)
     return decode_completion(body)
 
 
@@ -126,9 +151,13 @@ def tokens_of(
     """`request_tokens` of an already decoded request (one decode serves several tokenizers)."""
     carry = None
     try:
-        if isinstance(req, ChatRequest):
-            ids, packed, carry = _chat_prompt(req, tokenizer)
+        if isinstance(req, CompletionRequest) and isinstance(req.prompt, str):
+            ids, packed, carry = tokenizer.encode_linked(req.prompt, req.add_special_tokens)
             prompts: list[Packed] = [(ids, packed)]
+            max_tokens = req.max_tokens
+        elif isinstance(req, ChatRequest):
+            chat_ids, packed, carry = _chat_prompt(req, tokenizer)
+            prompts = [(chat_ids, packed)]
             max_tokens = req.max_completion_tokens
             max_tokens = max_tokens if max_tokens is not None else req.max_tokens
         else:
@@ -138,10 +167,12 @@ def tokens_of(
         raise RequestError(str(exc)) from exc
     except RecursionError:  # e.g. tools nested within msgspec's limit, past the template's
         raise RequestError("the request is nested too deeply to render its prompt") from None
-    if any(len(p) == 0 for p, _ in prompts):
+    if any((len(p) if isinstance(p, tuple) else p.count) == 0 for p, _ in prompts):
         raise RequestError("the prompt is empty after tokenization")
+    rest = tuple(p for p, _ in prompts[1:] if isinstance(p, tuple))
     return RequestTokens(
-        prompts=tuple(p for p, _ in prompts),
+        first=prompts[0][0],
+        rest=rest,
         extras=_extras(req.model, req.cache_salt, lora or {}),
         skip_cache=req.prompt_logprobs is not None,
         report_mode=ReportMode(req.vllm_xargs.kv_cache_report_mode if req.vllm_xargs else "incremental"),

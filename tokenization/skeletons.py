@@ -27,6 +27,8 @@ import jinja2
 import jinja2.nodes
 import msgspec
 
+from tokenization.template_message import TemplateMessage
+
 __all__ = ["Inspected", "Opaque", "Skeletons", "skeletons_apply", "type_test"]
 
 _TEXT_KEYS: Final = ("content", "reasoning_content", "reasoning")
@@ -148,7 +150,7 @@ class Skeletons:
             return None
         texts: list[str] = []
         # The key holds each text as its emptiness mark; stand-ins are made only on a miss, to render.
-        marked = [_stand_in(m, texts, _mark) for m in messages]
+        marked = [_marked(m, texts) for m in messages]
         try:
             key = msgspec.json.encode((marked, context))
         except (TypeError, msgspec.EncodeError):
@@ -236,6 +238,19 @@ def _stand_in(
             texts.append(value)
             out[key] = make(value, len(texts) - 1)
     return out
+
+
+def _marked(message: Mapping[str, Any], texts: list[str]) -> dict[str, Any]:
+    """``_stand_in(message, texts, _mark)``; of a `TemplateMessage` made once and kept on it (it never
+    changes, and marks depend on nothing else)."""
+    if type(message) is not TemplateMessage:
+        return _stand_in(message, texts, _mark)
+    kept = message._skeleton_marks
+    if kept is None:
+        own: list[str] = []
+        kept = message._skeleton_marks = (_stand_in(message, own, _mark), tuple(own))
+    texts.extend(kept[1])
+    return kept[0]
 
 
 def _part(part: object, texts: list[str], make: Callable[[str, int], object]) -> object:

@@ -12,6 +12,7 @@ from typing import Any
 from tokenization.base import CacheStats, Message, SpecialTokens
 from tokenization.chat_carry import CarryLink, ChatCarry
 from tokenization.chat_template import TemplateSet
+from tokenization.prefix_reuse import ReuseEntry
 from tokenization.segment_cache import SegmentCache, SegmentedEncoder, pack_ids
 
 __all__ = ["TemplatedTokenizer"]
@@ -76,6 +77,27 @@ class TemplatedTokenizer:
             return (*prefix, *ids, *suffix), pack_ids(prefix) + packed + pack_ids(suffix)
         return ids, packed
 
+    def encode_linked(
+        self, text: str, add_special_tokens: bool = True
+    ) -> tuple[tuple[int, ...], bytes, CarryLink | None]:
+        """`encode_packed`, with the ids' link to the recent text prefix reuse copied them from (its
+        block keys are kept on its entry, per special-token wrap), or None without prefix reuse."""
+        wrap = self.special_wrap(add_special_tokens)
+        reuse = self.segments.reuse
+        if wrap is None or reuse is None or not self.segments.segmenter.enabled:
+            return (*self.encode_packed(text, add_special_tokens), None)
+        entry, prior, copied = reuse.encode_from(text, self.segments.encode_segments, text.encode("utf-8"))
+        prefix, suffix = wrap
+        group = (tuple(prefix), tuple(suffix))
+        own = entry.derived.setdefault(group, {})
+        # The wrapped ids start with the prefix, then the copied ids: both equal the prior text's.
+        shared, prior_keys = (len(prefix) + copied, prior.derived.get(group, {})) if prior else (0, {})
+        link = CarryLink(shared, prior_keys, own)
+        if prefix or suffix:
+            ids = (*prefix, *entry.iter_ids(), *suffix)  # not joined on the entry: it would hold them twice
+            return ids, pack_ids(prefix) + entry.packed + pack_ids(suffix), link
+        return entry.ids, entry.packed, link
+
     def apply_chat_template(
         self,
         messages: Sequence[Message],
@@ -95,6 +117,21 @@ class TemplatedTokenizer:
     ) -> tuple[tuple[int, ...], bytes, CarryLink | None]:
         """`chat_tokens` as `encode_packed` gives them, with their link to the conversation's previous
         turn when it was carried (`ChatCarry`; only without special tokens around the text)."""
+        ids, packed, link = self.chat_prompt(
+            messages, add_generation_prompt, tools, add_special_tokens, template_kwargs
+        )
+        return ids if isinstance(ids, tuple) else ids.ids, packed, link
+
+    def chat_prompt(
+        self,
+        messages: Sequence[Message],
+        add_generation_prompt: bool,
+        tools: Sequence[Mapping[str, Any]] | None,
+        add_special_tokens: bool,
+        template_kwargs: Mapping[str, Any],
+    ) -> tuple[tuple[int, ...] | ReuseEntry, bytes, CarryLink | None]:
+        """`chat_packed` with a carried chat's ids as its entry (`ReuseEntry.ids` joins them when read):
+        a caller that keys from the packed ids never builds the tuple."""
         carry, kwargs = self.carry, template_kwargs
         if carry is not None and self.special_wrap(add_special_tokens) == ([], []):
             rendered = self.templates.render_chat_pieces(
@@ -102,7 +139,8 @@ class TemplatedTokenizer:
             )
             if rendered is not None:
                 pieces, key = rendered
-                return carry.encode(key, pieces, self.segments.encode_segments)
+                entry, link = carry.encode_entry(key, pieces, self.segments.encode_segments)
+                return entry, entry.packed, link
         text = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
         return (*self.encode_packed(text, add_special_tokens), None)
 

@@ -33,6 +33,7 @@ from router.prepare.prepared import Prepared, VariantKeys
 from router.settings.config import EngineConfig, ModelConfig, RouterConfig
 from tokenization import Tokenizer
 from tokenization.base import CacheStats
+from tokenization.chat_decoder import ChatDecoder
 from tokenization.loading import load_tokenizer
 from tokenization.openai_request import (
     ChatRequest,
@@ -102,6 +103,11 @@ _ROUTE_FIELDS = msgspec.json.Decoder(_RouteFields)
 _NO_TIMINGS: Mapping[str, float] = MappingProxyType({})
 
 
+def _ids_of(rt: RequestTokens) -> Callable[[], tuple[int, ...]]:
+    """The request's ids as `spec_keys` takes them: built only if the keys need more than the packed ids."""
+    return lambda: rt.tokens
+
+
 class Models:
     """Every model's tokenizer, variants and key function; `prepare` turns a body into `Prepared`."""
 
@@ -125,6 +131,7 @@ class Models:
         for name, adapters in (loras or {}).items():
             self._loras.setdefault(name, {}).update(adapters)
         self._tokenizers: dict[tuple[str | None, str | None], Tokenizer] = {}
+        self._chat = ChatDecoder()
         self._variants: dict[str, dict[VariantId, Variant]] = {
             name: {VariantId(name): resolve_variant(m)} for name, m in self._models.items()
         }
@@ -193,7 +200,7 @@ class Models:
     ) -> tuple[ChatRequest | CompletionRequest, str]:
         """The request decoded once, and its model; errors as `resolve` then `request_tokens` raise them."""
         try:
-            req = decode_request(body, endpoint)
+            req = decode_request(body, endpoint, self._chat)
         except RequestError:
             self.resolve(body, model_hint)  # a bad or unknown `model` is reported first
             raise
@@ -256,13 +263,13 @@ class Models:
             keys = spec_keys(
                 v.spec,
                 self.hasher,
-                rt.tokens,
+                _ids_of(rt),
                 rt.extras,
                 packed=rt.packed,
                 cache=self.key_cache,
                 carry=rt.carry,
             )
-            computed[v.id] = VariantKeys(len(rt.tokens), keys)
+            computed[v.id] = VariantKeys(rt.num_tokens, keys)
             tokenize, hashing = tokenize + (t1 - t0), hashing + (self._clock() - t1)
             first = first or rt
         assert first is not None, "every model has its own variant"
@@ -275,7 +282,7 @@ class Models:
             keys=main.keys,
             skip_cache=first.skip_cache,
             report_mode=first.report_mode.value,
-            session_key=session_key(first.tokens, first.extras, first.packed),
+            session_key=session_key(_ids_of(first), first.extras, first.packed),
             timings=MappingProxyType({"tokenize": tokenize, "hash": hashing}),
             variant=model,
             variants=MappingProxyType(computed),

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenization import HfTokenizer
-from tokenization.prefix_reuse import PrefixReuse
+from tokenization.prefix_reuse import PrefixReuse, ReuseEntry
 from tokenization.safe_cuts import CutFinder, pretokenizer_cuts, token_byte_lengths
 from tokenization.segmenter import AddedToken
 
@@ -245,3 +245,15 @@ def test_a_text_reused_to_near_its_end_is_replaced_by_the_new_one() -> None:
     assert len(reuse) == 1 and reuse.stats.hits == 5
     reuse.encode_packed("A shared instruction, then something else entirely", tok.segments.encode_packed)
     assert len(reuse) == 2  # reused far from its end: both kept
+
+
+@given(head=st.lists(st.integers(0, 9), max_size=6), tail=st.lists(st.integers(0, 9), max_size=6))
+def test_an_entrys_ids_are_its_head_and_tail_however_read(head: list[int], tail: list[int]) -> None:
+    ids = (*head, *tail)
+    for joined in (False, True):
+        entry = ReuseEntry(b"", tuple(head), tuple(tail), b"", None)
+        if joined:
+            assert entry.ids == ids
+        assert entry.count == len(ids) and list(entry.iter_ids()) == list(ids)
+        assert all(entry.prefix(n) == ids[:n] for n in range(len(ids) + 1))
+        assert entry.ids == ids

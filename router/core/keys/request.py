@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 from array import array
+from collections.abc import Callable
 from typing import Protocol, cast
 
 import msgspec
@@ -25,7 +26,7 @@ from router.core.keys.block_key import (
 from router.core.keys.recent_prompts import PrefixKeyCache
 from router.core.kv_layout import HashingMode, ModelSpec
 
-__all__ = ["KeyCarry", "carried_keys", "session_key", "spec_keys"]
+__all__ = ["Ids", "KeyCarry", "carried_keys", "session_key", "spec_keys"]
 
 _SESSION_TOKENS = 256  # tokens of the prompt's head that make up the stable tie-break key
 
@@ -65,10 +66,14 @@ def carried_keys(root: int, packed: bytes, block_size: int, carry: KeyCarry) -> 
     return keys
 
 
+Ids = tuple[int, ...] | Callable[[], tuple[int, ...]]
+"""A prompt's ids, or a function giving them (called only when the packed ids do not suffice)."""
+
+
 def spec_keys(
     spec: ModelSpec,
     hasher: KeyHasher,
-    tokens: tuple[int, ...],
+    tokens: Ids,
     extras: RequestExtras,
     *,
     packed: bytes | None = None,
@@ -77,12 +82,12 @@ def spec_keys(
 ) -> list[int]:
     """The request's lookup keys at `spec.hash_block_size`: router keys, or vLLM's wire hashes.
     `packed` (the tokens' `pack_tokens` bytes, if at hand), `cache` and `carry` (`carried_keys`)
-    make router keys cheaper, never different."""
+    make router keys cheaper, never different; with all three, `tokens` is not read."""
     hb, lookahead = spec.hash_block_size, spec.lookahead_tokens
     if spec.hashing is HashingMode.ROUTER:
         if cache is not None and not lookahead and not extras.mm_items:
             root = hasher.root(extras.lora_name, extras.cache_salt)
-            packed = packed if packed is not None else pack_tokens(tokens)
+            packed = packed if packed is not None else pack_tokens(_ids(tokens))
             carried = carried_keys(root, packed, hb, carry) if carry is not None else None
             if carried is not None:
                 return cast(list[int], carried)
@@ -90,21 +95,25 @@ def spec_keys(
             if carry is not None:
                 carry.own[(root, hb)] = tuple(keys)
             return list(keys)
-        return list(hasher.request_keys(tokens, hb, extras, lookahead))
+        return list(hasher.request_keys(_ids(tokens), hb, extras, lookahead))
     vh = _VLLM_HASHERS.get((spec.hash_algo, spec.hash_seed))
     if vh is None:
         vh = _VLLM_HASHERS[(spec.hash_algo, spec.hash_seed)] = VllmHasher(
             HashAlgo(spec.hash_algo), spec.hash_seed
         )
-    return [wire_hash(d) for d in vh.block_hashes(tokens, hb, extras, lookahead)]
+    return [wire_hash(d) for d in vh.block_hashes(_ids(tokens), hb, extras, lookahead)]
 
 
-def session_key(tokens: tuple[int, ...], extras: RequestExtras, packed: bytes | None = None) -> str:
+def _ids(tokens: Ids) -> tuple[int, ...]:
+    return tokens if isinstance(tokens, tuple) else tokens()
+
+
+def session_key(tokens: Ids, extras: RequestExtras, packed: bytes | None = None) -> str:
     """A process-independent key of the prompt's head (plus LoRA and salt) for stable tie-breaks."""
     head = (
         packed[: _SESSION_TOKENS * 4]
         if packed is not None
-        else array("I", tokens[:_SESSION_TOKENS]).tobytes()
+        else array("I", _ids(tokens)[:_SESSION_TOKENS]).tobytes()
     )
     tail = msgspec.msgpack.encode((extras.lora_name, extras.cache_salt))
     return hashlib.blake2b(head + tail, digest_size=8).hexdigest()

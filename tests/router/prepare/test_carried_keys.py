@@ -26,6 +26,7 @@ from tokenization import HfTokenizer
 from tokenization.chat_carry import LONG_TAIL, CarryLink
 from tokenization.hf_files import package_dir
 from tokenization.openai_request import Endpoint
+from tokenization.request_tokens import request_tokens
 
 HASHER = KeyHasher(b"test-carried-keys")
 BLOCK_SIZES = (1, 3, 16)
@@ -123,3 +124,72 @@ def test_carried_keys_at_and_around_block_boundaries(shared: int) -> None:
     assert carried_keys(root, pack_tokens(b), 16, link) == HASHER.request_keys(
         b, 16, RequestExtras(cache_salt="s")
     )
+
+
+PROMPT_OPS = st.tuples(
+    st.sampled_from(["suffix", "cut", "same", "other"]),
+    st.integers(0, 400),
+    TEXT,
+    st.booleans(),  # add_special_tokens
+    st.sampled_from([None, None, "s1"]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(block_size=st.sampled_from(BLOCK_SIZES), start=TEXT, ops=st.lists(PROMPT_OPS, min_size=1, max_size=8))
+def test_every_completions_prompts_keys_equal_keys_from_scratch(
+    block_size: int, start: str, ops: list[tuple[str, int, str, bool, str | None]]
+) -> None:
+    """Completions prompts extend the keys of the recent prompt prefix reuse copied their ids from
+    (kept per special-token wrap, chain root and block size): always the keys from scratch."""
+    models = _models(block_size)
+    tok = _tokenizer(models)
+    prompt = "P " + start * 20
+    for op, at, text, special, salt in ops:
+        if op == "suffix":
+            prompt += text
+        elif op == "cut":
+            prompt = prompt[: at % (len(prompt) + 1)] + text
+        elif op == "other":
+            prompt = text + prompt
+        raw = msgspec.json.encode(
+            {"model": "m", "prompt": prompt, "add_special_tokens": special, "cache_salt": salt}
+        )
+        try:
+            prepared = models.prepare(raw, Endpoint.COMPLETIONS)
+        except ValueError:
+            assert not tok.encode(prompt, special)  # an empty prompt is refused
+            continue
+        ids = tok.encode(prompt, special)
+        assert prepared.prompt_tokens == len(ids)
+        assert prepared.keys == HASHER.request_keys(ids, block_size, RequestExtras(cache_salt=salt))
+
+
+def test_a_completions_prompt_with_a_new_suffix_hashes_only_its_new_blocks() -> None:
+    models = _models(16)
+    base = "blocks and more blocks " * 200
+
+    def send(prompt: str) -> None:
+        raw = msgspec.json.encode({"model": "m", "prompt": prompt})
+        ids = _tokenizer(models).encode(prompt, True)
+        assert models.prepare(raw, Endpoint.COMPLETIONS).keys == HASHER.request_keys(ids, 16)
+
+    send(base + "first?")
+    computed, searched = models.key_cache.computed_blocks, models.key_cache.reused_blocks
+    send(base + "second?")
+    assert (models.key_cache.computed_blocks, models.key_cache.reused_blocks) == (computed, searched)
+
+
+def test_a_carried_chat_is_keyed_without_building_its_ids_and_the_stub_still_gets_them() -> None:
+    models = _models(16)
+    tok = _tokenizer(models)
+    base = [{"role": "system", "content": "lazy"}, {"role": "user", "content": "ids " * 200}]
+    for question in ("one?", "two?"):
+        msgs = [*base, {"role": "assistant", "content": "ok"}, {"role": "user", "content": question}]
+        _check(models, 16, msgs, None)
+    carry = tok.carry
+    assert carry is not None
+    last = next(reversed(carry._turns.values())).entry
+    assert last.head and last._ids is None  # keyed from the packed ids: the tuple was never joined
+    raw = msgspec.json.encode({"model": "m", "messages": msgs})
+    assert request_tokens(raw, Endpoint.CHAT, tok).tokens == tuple(plain_ids(tok, msgs))

@@ -1,0 +1,184 @@
+"""Chat bodies decoded reusing the previous request's messages: always what `decode_chat` gives.
+
+Random conversations are re-sent turn after turn (with messages edited, re-spaced, dropped, made
+invalid), and every body's decode is compared with `decode_chat`'s: the same request field for
+field, or the same error with the same field path. The template dicts and skeleton marks kept on
+reused messages are compared with ones made from scratch.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tokenization.chat_decoder import ChatDecoder
+from tokenization.chat_template import ContentFormat
+from tokenization.conversation import _message, conversation
+from tokenization.openai_request import ChatRequest, RequestError, decode_chat
+from tokenization.skeletons import _mark, _marked, _stand_in
+from tokenization.template_message import TemplateMessage, plain
+
+TEXT = st.text(alphabet=st.sampled_from('ab \n"\\é中\x00'), max_size=8)
+PART = st.one_of(
+    st.fixed_dictionaries({"type": st.sampled_from(["text", "input_text", "refusal"]), "text": TEXT}),
+    st.fixed_dictionaries({"type": st.just("image_url")}),
+    st.just({"type": "text", "text": 5}),
+)
+MESSAGE = st.fixed_dictionaries(
+    {"role": st.sampled_from(["system", "user", "assistant", "developer", "tool"])},
+    optional={
+        "content": st.one_of(TEXT, st.none(), st.lists(PART, max_size=3), st.just(7)),
+        "name": TEXT,
+        "reasoning_content": TEXT,
+        "tool_call_id": TEXT,
+        "tool_calls": st.lists(
+            st.fixed_dictionaries({"function": st.fixed_dictionaries({"name": TEXT, "arguments": TEXT})}),
+            max_size=2,
+        ),
+        "extra": st.integers(),
+    },
+)
+FIELDS = st.fixed_dictionaries(
+    {},
+    optional={
+        "model": st.sampled_from(["m", "n"]),
+        "add_generation_prompt": st.booleans(),
+        "continue_final_message": st.booleans(),
+        "max_tokens": st.one_of(st.integers(0, 9), st.just("x")),
+        "stream": st.booleans(),
+        "unknown": TEXT,
+    },
+)
+STEP: st.SearchStrategy[tuple[str, list[dict[str, Any]]]] = st.one_of(
+    st.tuples(st.just("append"), st.lists(MESSAGE, min_size=1, max_size=3)),
+    st.tuples(st.just("replace_last"), st.lists(MESSAGE, min_size=1, max_size=1)),
+    st.tuples(st.just("drop_last"), st.just([])),
+    st.tuples(st.just("respace"), st.just([])),
+    st.tuples(st.just("same"), st.just([])),
+)
+
+
+def _body(messages: list[dict[str, Any]], fields: dict[str, Any], spaced: bool) -> bytes:
+    doc = {"messages": messages, **fields}
+    return json.dumps(doc, indent=1 if spaced else None, ensure_ascii=spaced).encode()
+
+
+def _outcome(decode: Any, body: bytes) -> ChatRequest | tuple[str, str | None]:
+    try:
+        result: ChatRequest = decode(body)
+    except RequestError as exc:
+        return str(exc), exc.param
+    return result
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    start=st.lists(MESSAGE, min_size=0, max_size=4),
+    steps=st.lists(st.tuples(STEP, FIELDS), min_size=1, max_size=8),
+    max_entries=st.sampled_from([0, 1, 512]),
+)
+def test_every_body_decodes_as_decode_chat_decodes_it(
+    start: list[dict[str, Any]], steps: list[tuple[tuple[str, list[dict[str, Any]]], dict[str, Any]]],
+    max_entries: int,
+) -> None:  # fmt: skip
+    decoder = ChatDecoder(max_entries=max_entries)
+    messages, spaced = list(start), False
+    for (op, new), fields in steps:
+        if op == "append":
+            messages += new
+        elif op == "replace_last":
+            messages = [*messages[:-1], *new]
+        elif op == "drop_last":
+            messages = messages[:-1]
+        elif op == "respace":
+            spaced = not spaced
+        body = _body(messages, fields, spaced)
+        assert _outcome(decoder.decode, body) == _outcome(decode_chat, body)
+    assert len(decoder) <= max_entries
+
+
+@pytest.mark.parametrize(
+    "body",
+    [b"", b"{", b"[]", b'{"messages": 3}', b'{"messages": [{"role": 1}]}', b'{"messages": [3]}',
+     b'{"model": 3, "messages": []}', b'{"messages": [], "add_generation_prompt": true, '
+     b'"continue_final_message": true}', b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+     b"[" * 100_000 + b"]" * 100_000, b'{"messages": [' + b"[" * 100_000 + b"]" * 100_000 + b"]}"],
+)  # fmt: skip
+def test_bad_bodies_raise_what_decode_chat_raises(body: bytes) -> None:
+    decoder = ChatDecoder()
+    decoder.decode(b'{"messages": [{"role": "user", "content": "hi"}]}')
+    assert _outcome(decoder.decode, body) == _outcome(decode_chat, body)
+
+
+def _chat(*texts: str) -> bytes:
+    roles = ["user", "assistant"]
+    return json.dumps(
+        {"messages": [{"role": roles[i % 2], "content": t} for i, t in enumerate(texts)]}
+    ).encode()
+
+
+def test_a_new_turn_reuses_the_earlier_messages_objects() -> None:
+    decoder = ChatDecoder()
+    first = decoder.decode(_chat("a", "b", "c"))
+    second = decoder.decode(_chat("a", "b", "c", "d", "e"))
+    assert all(x is y for x, y in zip(first.messages, second.messages[:3], strict=False))
+    assert (decoder.reused, decoder.decoded) == (3, 5)
+    edited = decoder.decode(_chat("a", "b", "X", "d", "e"))
+    assert edited.messages[2] is not second.messages[2] and edited.messages[3] is second.messages[3]
+    assert edited == decode_chat(_chat("a", "b", "X", "d", "e"))
+
+
+def test_conversations_are_lru_and_bounded_in_entries_and_bytes() -> None:
+    decoder = ChatDecoder(max_entries=2)
+    for first in ("a", "b", "c"):
+        decoder.decode(_chat(first, "x"))
+    assert len(decoder) == 2
+    decoder.decode(_chat("a", "x"))  # evicted: decoded again
+    assert decoder.reused == 0
+    small = ChatDecoder(max_bytes=100)
+    small.decode(_chat("a" * 200))
+    assert len(small) == 0 and small.bytes == 0
+    with pytest.raises(ValueError):
+        ChatDecoder(max_entries=-1)
+
+
+@settings(max_examples=60, deadline=None)
+@given(message=MESSAGE, fmt=st.sampled_from(list(ContentFormat)))
+def test_kept_template_dicts_and_marks_equal_fresh_ones(message: dict[str, Any], fmt: ContentFormat) -> None:
+    body = json.dumps({"messages": [message]}).encode()
+    try:
+        (msg,) = decode_chat(body).messages
+        fresh = _message(msg, fmt, "messages[0]")
+    except RequestError:
+        return
+    kept = conversation([msg], fmt, True)[0]
+    assert type(kept) is TemplateMessage and kept == fresh
+    assert conversation([msg], fmt, True)[0] is kept  # made once per message and format
+    texts: list[str] = []
+    again: list[str] = []
+    assert _marked(kept, texts) == _stand_in(fresh, again, _mark) and texts == again
+    assert _marked(kept, texts) is _marked(kept, [])  # kept on the message
+
+
+def test_a_template_message_cannot_change_and_renders_as_a_plain_dict() -> None:
+    kept = TemplateMessage({"role": "user", "content": "hi"})
+    changes: list[Callable[[], object]] = [
+        lambda: kept.__setitem__("role", "x"),
+        lambda: kept.update(role="x"),
+        lambda: kept.pop("role"),
+        lambda: kept.setdefault("name", "x"),
+        lambda: kept.clear(),
+    ]
+    for change in changes:
+        with pytest.raises(TypeError):
+            change()
+    assert kept == {"role": "user", "content": "hi"}
+    copies = plain([kept, {"role": "assistant"}])
+    assert [type(m) for m in copies] == [dict, dict] and copies[0] == kept
+    assert msgspec.json.encode(kept) == b'{"role":"user","content":"hi"}'

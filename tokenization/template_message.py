@@ -1,0 +1,34 @@
+"""A chat template's message dict that never changes once made, so values derived from it can be kept.
+
+`conversation()` makes one per decoded message and keeps it on that message; a message reused from
+the conversation's previous request (tokenization.chat_decoder) brings it along, and with it the
+skeleton marks of it `Skeletons` made last time. Every mutating dict method raises, so nothing
+derived from it can go stale. The real (non-skeleton) render gets plain dict copies: a template
+then sees exactly the dicts it always saw. Pure.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NoReturn
+
+__all__ = ["TemplateMessage", "plain"]
+
+
+class TemplateMessage(dict[str, Any]):
+    """A frozen message dict; ``_skeleton_marks`` is `Skeletons`' (marked message, texts), once made."""
+
+    __slots__ = ("_skeleton_marks",)
+
+    def __init__(self, fields: dict[str, Any]) -> None:
+        super().__init__(fields)
+        self._skeleton_marks: tuple[dict[str, Any], tuple[str, ...]] | None = None
+
+    def _frozen(self, *args: object, **kwargs: object) -> NoReturn:
+        raise TypeError("a TemplateMessage is never changed: copy it with dict(message)")
+
+    __setitem__ = __delitem__ = __ior__ = update = pop = popitem = clear = setdefault = _frozen
+
+
+def plain(messages: list[Any]) -> list[Any]:
+    """``messages`` with every `TemplateMessage` as a plain dict copy (what a real render is given)."""
+    return [dict(m) if type(m) is TemplateMessage else m for m in messages]
