@@ -8,7 +8,7 @@ tokenization). The body goes out byte for byte; hop-by-hop headers are stripped 
 (`router.edge.headers`). Before any byte reaches the client, a failed connect, a connection closed
 without an answer, or a 5xx/429 answer is retried on another engine (the caller's `choose` callback
 decides which), with bounded attempts and backoff. The client's exceptions become `RouterError`s
-in one place, `router.edge.upstream.map_upstream_errors`.
+in one place, `router.edge.upstream.upstream_error`.
 
 The answer is an `UpstreamResponse` (router.edge.upstream), streamed as it arrives.
 """
@@ -37,12 +37,14 @@ from router.core.policy.retry import Outcome, OutcomeKind, RetryPolicy, counts_a
 from router.edge.headers import response_headers, upstream_headers, upstream_url
 from router.edge.http1 import ClientSettings, Http1Client, Http1Response
 from router.edge.upstream import (
+    UPSTREAM_FAILURES,
     Attempt,
     ProxyRequest,
     Target,
     UpstreamResponse,
     map_upstream_errors,
     outcome_of,
+    upstream_error,
 )
 from router.settings.config import RouterConfig
 
@@ -198,10 +200,12 @@ class Proxy:
     async def _send(self, target: Target, request: ProxyRequest) -> Http1Response:
         assert self._client is not None, "Proxy.start() was not called"
         headers = upstream_headers(request.headers, target.base_url)
-        with map_upstream_errors(target.engine, "first byte"):
+        try:
             return await self._client.request(
                 request.method, target.base_url, request.path, headers, request.body
             )
+        except UPSTREAM_FAILURES as exc:
+            raise upstream_error(target.engine, "first byte", exc) from exc
 
     async def _read_excerpt(self, engine: EngineId, response: Http1Response) -> bytes:
         body = b""
