@@ -148,6 +148,12 @@ class GatewayApp(FastAPI):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.access_log is not None:
             await self.access_log(scope, receive, send)
+            return
+        # `dispatch`'s hot-route test inline: a served completions or chat request reaches
+        # `Gateway.handle` with one coroutine frame between it and uvicorn's cycle, not two.
+        endpoint = _HOT.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if endpoint is not None and self.handlers:
+            await self.handlers[0].gateway.handle(scope, receive, send, endpoint)
         else:
             await self.dispatch(scope, receive, send)
 
