@@ -116,7 +116,15 @@ class UpstreamResponse:
         self._response: http1.Http1Response | None = None
         self._buffered = b""
         self._on_broken: Callable[[], None] = lambda: None
-        self.body: AsyncIterator[bytes] = self._stream()
+        self._body: AsyncIterator[bytes] | None = None
+
+    @property
+    def body(self) -> AsyncIterator[bytes]:
+        """The body as an async iterator of chunks (one per answer, made on first use: the gateway's
+        relay reads `next_chunk` and never needs it)."""
+        if self._body is None:
+            self._body = self._stream()
+        return self._body
 
     async def _stream(self) -> AsyncIterator[bytes]:
         try:
