@@ -34,7 +34,7 @@ from router.core.errors import (
 from router.core.ids import EngineId
 from router.core.policy.breaker import Breakers
 from router.core.policy.retry import Outcome, OutcomeKind, RetryPolicy, counts_as_failure, is_retryable
-from router.edge.headers import response_headers, upstream_headers, upstream_url
+from router.edge.headers import is_origin_form, response_headers, upstream_headers
 from router.edge.http1 import ClientSettings, Http1Client, Http1Response
 from router.edge.upstream import (
     UPSTREAM_FAILURES,
@@ -136,10 +136,8 @@ class Proxy:
         `RouterError` when no engine gave one."""
         if len(request.body) > self.settings.max_body_bytes:
             raise RequestTooLarge(f"request body exceeds {self.settings.max_body_bytes} bytes")
-        try:
-            upstream_url("http://engine", request.path)
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
+        if not is_origin_form(request.path):
+            raise BadRequest(f"not an origin-form request path: {request.path!r}")
         attempts: list[Attempt] = []
         last: RouterError | UpstreamResponse | None = None  # an exception built only when raised
         for n in range(self.settings.retry.attempts):

@@ -10,7 +10,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router.edge.client_io import fresh_request_id
-from router.edge.headers import HOP_BY_HOP, response_headers, upstream_headers
+from router.edge.headers import HOP_BY_HOP, is_origin_form, response_headers, upstream_headers
 from router.edge.relay import relayed_headers
 
 _NAMES = st.sampled_from(
@@ -96,3 +96,10 @@ def test_relayed_headers_match_the_from_scratch_rule(
     pairs = [*((k, v) for k, v in engine if k.lower() not in own), *extra]
     expected = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in pairs]
     assert relayed_headers(engine, extra) == expected
+
+
+@given(st.text(st.sampled_from("/v1?a=#\\ \t\r\nx"), max_size=8))
+def test_the_cached_origin_form_check_is_the_rule(path: str) -> None:
+    rule = not path.startswith("/") or path.startswith("//") or any(c in path for c in "#\\ \t\r\n")
+    assert is_origin_form(path) is not rule
+    assert is_origin_form(path) is is_origin_form(path)  # cached or not, the same answer
