@@ -15,7 +15,7 @@ from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
 from kvrouter.cmd_serve import server_config
 from kvrouter.serve_workers import worker_config
-from router.edge.access_log import ACCESS_LOGGER
+from router.edge.access_log import ACCESS_LOGGER, AccessLog
 from router.edge.asgi_app import Handlers, create_app
 from router.settings.config import Listen, RouterConfig
 from tests.gateway_helpers import engine_of, gateway_config, running_stubs, uvicorn_on_port_0
@@ -72,8 +72,21 @@ class _Gateway:
         self.calls.append((scope["path"], endpoint))
 
 
-async def test_the_hot_routes_go_straight_to_the_gateway_and_the_rest_to_starlette() -> None:
-    app = create_app(RouterConfig(listen=Listen(access_log=False)))
+@pytest.mark.parametrize("access_log", [False, True])
+async def test_the_hot_routes_go_straight_to_the_gateway_and_the_rest_to_starlette(
+    access_log: bool, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With the access log off, or on under a log level above INFO (no line to write), no layer
+    stands between the app and `Gateway.handle`."""
+    caplog.set_level(logging.WARNING, ACCESS_LOGGER)
+    app = create_app(RouterConfig(listen=Listen(access_log=access_log)))
+    assert (app.access_log is not None) is access_log
+    passed: list[str] = []
+
+    async def through(self: AccessLog, scope: Scope, receive: Receive, send: Send) -> None:
+        passed.append(scope["path"])
+
+    monkeypatch.setattr(AccessLog, "__call__", through)
     gateway = _Gateway()
     app.handlers = [cast(Handlers, SimpleNamespace(gateway=gateway))]
     sent: list[Message] = []
@@ -96,3 +109,8 @@ async def test_the_hot_routes_go_straight_to_the_gateway_and_the_rest_to_starlet
         ("/v1/completions", Endpoint.COMPLETIONS),
     ]
     assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [200]  # Starlette's route
+    assert passed == []
+    if access_log:  # at INFO, every request goes through the access log
+        caplog.set_level(logging.INFO, ACCESS_LOGGER)
+        await app({"type": "http", "method": "POST", "path": "/v1/completions", "headers": []}, receive, send)
+        assert passed == ["/v1/completions"]
