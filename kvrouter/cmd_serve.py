@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import cast, get_args, get_type_hints
+from typing import TYPE_CHECKING, cast, get_args, get_type_hints
 
 import msgspec
 import uvicorn
@@ -27,7 +27,18 @@ from router.settings.overrides import apply_overrides, load_config
 from serving.listening import bind_listening
 from serving.quiet_server import QuietServer
 
-__all__ = ["ReadyLine", "drain_timeout", "effective_config", "policy_names", "register", "run"]
+if TYPE_CHECKING:
+    from starlette.types import ASGIApp
+
+__all__ = [
+    "ReadyLine",
+    "drain_timeout",
+    "effective_config",
+    "policy_names",
+    "register",
+    "run",
+    "server_config",
+]
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +123,20 @@ def drain_timeout(config: RouterConfig) -> int:
     return cast(int, config.limits.drain_s)
 
 
+def server_config(app: ASGIApp, config: RouterConfig) -> uvicorn.Config:
+    """The uvicorn config of a one-process gateway: uvloop, the gateway's httptools protocol, no
+    uvicorn access log, and uvicorn's proxy-headers layer only when `listen.forwarded_allow_ips`
+    names a trusted proxy."""
+    from router.edge.client_timeouts import TimedHttpToolsProtocol
+
+    trusted = config.listen.forwarded_allow_ips
+    return uvicorn.Config(
+        app, loop="uvloop", http=TimedHttpToolsProtocol, lifespan="on", log_config=None, access_log=False,
+        timeout_graceful_shutdown=drain_timeout(config), proxy_headers=bool(trusted),
+        forwarded_allow_ips=trusted or None,
+    )  # fmt: skip
+
+
 def startup_message(url: str, config: RouterConfig, engines: list[str]) -> str:
     """The human-readable line saying where the gateway serves, and how."""
     workers = config.listen.workers
@@ -127,7 +152,6 @@ def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM (a clean stop: 0); 2 on a configuration error, 1 when start-up fails."""
     # Imported here: the gateway's stack (FastAPI, aiohttp, tokenizers) is not loaded for other commands.
     from router.edge.asgi_app import create_app
-    from router.edge.client_timeouts import TimedHttpToolsProtocol
     from router.edge.gateway import GatewayParts
     from router.lifecycle import ServeOptions
 
@@ -174,10 +198,7 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"kvrouter serve: {exc}\n")
         sock.close()
         return 2
-    uv = uvicorn.Config(
-        app, loop="uvloop", http=TimedHttpToolsProtocol, lifespan="on", log_config=None, access_log=False,
-        timeout_graceful_shutdown=drain_timeout(config),
-    )  # fmt: skip
+    uv = server_config(app, config)
     server = QuietServer(uv, grace_s=config.limits.drain_grace_s, on_drain=app.drain.begin)
     try:
         server.run(sockets=[sock])

@@ -117,11 +117,13 @@ class WorkerSupervisor(Multiprocess):
 
 
 def worker_config(config: RouterConfig) -> uvicorn.Config:
-    """The uvicorn config each worker runs: the worker app factory, uvloop and httptools."""
+    """The uvicorn config each worker runs: the worker app factory, uvloop and httptools; uvicorn's
+    proxy-headers layer only for `listen.forwarded_allow_ips` (as `cmd_serve.server_config`)."""
+    trusted = config.listen.forwarded_allow_ips
     return uvicorn.Config(
         "kvrouter.gateway_worker:create_worker_app", factory=True, loop="uvloop", http=TimedHttpToolsProtocol,
         lifespan="on", log_config=None, access_log=False, timeout_graceful_shutdown=drain_timeout(config),
-        workers=config.listen.workers,
+        workers=config.listen.workers, proxy_headers=bool(trusted), forwarded_allow_ips=trusted or None,
     )  # fmt: skip
 
 

@@ -72,8 +72,13 @@ class AccessLog:
     def __init__(self, app: ASGIApp) -> None:
         self.app = app
 
+    @staticmethod
+    def writes(scope: Scope) -> bool:
+        """Whether this request gets an access line: an HTTP request, with the logger at INFO or lower."""
+        return scope["type"] == "http" and _log.isEnabledFor(logging.INFO)
+
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or not _log.isEnabledFor(logging.INFO):
+        if not self.writes(scope):
             await self.app(scope, receive, send)
             return
         started = time.perf_counter()

@@ -143,11 +143,18 @@ class GatewayApp(FastAPI):
     drain: DrainFlag
     """Set on the first stop signal (or by the worker supervisor): `/ready` then answers 503."""
     access_log: AccessLog | None = None
-    """Set when `listen.access_log` is on: every request then goes through it."""
+    """Set when `listen.access_log` is on: every request it writes a line for goes through it."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self.access_log is not None:
+        if self.access_log is not None and self.access_log.writes(scope):
             await self.access_log(scope, receive, send)
+            return
+        # `dispatch`'s hot-route test inline: with no access line to write (off, or the log level
+        # above INFO), a served completions or chat request reaches `Gateway.handle` with one
+        # coroutine frame between it and uvicorn's cycle, not three.
+        endpoint = _HOT.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        if endpoint is not None and self.handlers:
+            await self.handlers[0].gateway.handle(scope, receive, send, endpoint)
         else:
             await self.dispatch(scope, receive, send)
 

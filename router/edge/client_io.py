@@ -33,9 +33,11 @@ __all__ = [
     "LostSignal",
     "error_answer",
     "fresh_request_id",
+    "header_in",
     "lost_signal_of",
     "read_asgi_body",
     "read_body",
+    "request_id_in",
     "request_id_of",
     "until_disconnect",
 ]
@@ -218,14 +220,31 @@ class ClientGone(Exception):
     """The client disconnected before the answer started; nothing is sent back."""
 
 
-def request_id_of(request: Request) -> str:
-    """The client's `x-request-id` when it is short and plain, else a fresh one (kept on request.state)."""
-    rid: str | None = getattr(request.state, "request_id", None)
-    if rid is None:
-        given = request.headers.get("x-request-id")
+def header_in(scope: Scope, name: bytes) -> str | None:
+    """The first value of the header `name` (lower-case) in an ASGI `scope`, as Starlette's
+    `request.headers.get` reads it, without building a `Request` and its `Headers`."""
+    headers: Iterable[tuple[bytes, bytes]] = scope["headers"]
+    for key, value in headers:
+        if key == name:
+            return value.decode("latin-1")
+    return None
+
+
+def request_id_in(scope: Scope) -> str:
+    """The client's `x-request-id` when it is short and plain, else a fresh one; kept in
+    `scope["state"]`, where Starlette's `request.state` keeps it, so every reader gets the same id."""
+    state: dict[str, object] = scope.setdefault("state", {})
+    rid = state.get("request_id")
+    if not isinstance(rid, str):
+        given = header_in(scope, b"x-request-id")
         rid = given if given is not None and _SANE_ID.fullmatch(given) else _IDS.next()
-        request.state.request_id = rid
+        state["request_id"] = rid
     return rid
+
+
+def request_id_of(request: Request) -> str:
+    """`request_id_in` for a Starlette route's request (kept on request.state)."""
+    return request_id_in(request.scope)
 
 
 async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass
 from typing import Final
 
-from starlette.requests import Request
+from starlette.datastructures import Headers
 from starlette.types import Receive, Scope, Send
 
 from router.core.errors import BadRequest, RequestTimeout, RouterError
@@ -32,9 +32,10 @@ from router.edge.client_io import (
     ClientGone,
     ClientWatch,
     error_answer,
+    header_in,
     lost_signal_of,
     read_asgi_body,
-    request_id_of,
+    request_id_in,
 )
 from router.edge.flight import Flight
 from router.edge.headers import forwarded_headers
@@ -100,7 +101,7 @@ class Gateway:
     def __init__(self, parts: GatewayParts) -> None:
         self.parts = parts
         self.policy = parts.config.policy.name
-        self.session_header = parts.config.policy.session_header.lower()
+        self.session_header = parts.config.policy.session_header.lower().encode("latin-1")
         self.max_body = parts.config.limits.max_body_bytes
         self.body_timeout_s = parts.config.timeouts.client_body_s
         self.coalesce_s = parts.config.listen.stream_coalesce_s
@@ -154,25 +155,25 @@ class Gateway:
         self.parts.metrics.remote_tokenize_failures.inc()
         return None
 
-    def route_request(self, request: Request, prepared: Prepared) -> RouteRequest:
+    def route_request(self, scope: Scope, prepared: Prepared) -> RouteRequest:
         """The scoring view of the request: its stable key and session."""
-        return RouteRequest(key=prepared.session_key, session=request.headers.get(self.session_header))
+        return RouteRequest(key=prepared.session_key, session=header_in(scope, self.session_header))
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
         """Serve one completions or chat request straight over ASGI: route, forward, stream back.
 
         A `RouterError` before the answer starts becomes its OpenAI-format body; a client that goes
-        away cancels whatever runs (the upstream request or the relay) and the request ends as 499."""
+        away cancels whatever runs (the upstream request or the relay) and the request ends as 499.
+        The scope is read directly: no Starlette `Request` (nor `Headers`, `State`) per request."""
         arrived = time.perf_counter()
-        request = Request(scope, receive)
-        rid = request_id_of(request)
+        rid = request_id_in(scope)
         relay: RelayResponse | None = None
         watch: ClientWatch | None = None
         try:
-            body = await self._admit(request, receive)
+            body = await self._admit(scope, receive)
             try:
                 watch = ClientWatch(receive, scope)
-                relay = await self._admitted(request, endpoint, body, rid, arrived)
+                relay = await self._admitted(scope, endpoint, body, rid, arrived)
             except BaseException:
                 self.parts.fleet.admission.leave()
                 raise
@@ -194,15 +195,15 @@ class Gateway:
             if relay is not None:
                 relay.abandon()
 
-    async def _admit(self, request: Request, receive: Receive) -> bytes:
+    async def _admit(self, scope: Scope, receive: Receive) -> bytes:
         """Check the API key, read the body, then take an admission slot; a refusal is counted.
 
         The slot is taken only once the body is in: a slow or stalled client holds a connection (until
         `timeouts.client_body_s`, then 408), never a slot the engines' requests need."""
         parts = self.parts
         try:
-            parts.guard.check_api(request.headers)
-            scope = request.scope
+            if parts.guard.api_keys_required:
+                parts.guard.check_api(Headers(scope=scope))
             body = await read_asgi_body(
                 receive, scope["headers"], self.max_body, self.body_timeout_s, lost_signal_of(scope)
             )
@@ -226,7 +227,7 @@ class Gateway:
         self.parts.metrics.refused(self.policy, status, reason)
 
     async def _admitted(
-        self, request: Request, endpoint: Endpoint, body: bytes, rid: str, arrived: float
+        self, scope: Scope, endpoint: Endpoint, body: bytes, rid: str, arrived: float
     ) -> RelayResponse:
         parts = self.parts
         try:
@@ -235,10 +236,10 @@ class Gateway:
             self._refused(str(exc.http_status()), exc.reason)
             raise
         entry = parts.ring.add(DecisionEntry(request_id=rid, time=time.time(), request=view_of(prepared)))
-        proxied = ProxyRequest(request.method, endpoint.value, self._forward_headers(request), body)
-        flight = Flight(parts.fleet, parts.core, proxied, entry, self.route_request(request, prepared))
+        proxied = ProxyRequest(scope["method"], endpoint.value, self._forward_headers(scope, rid), body)
+        flight = Flight(parts.fleet, parts.core, proxied, entry, self.route_request(scope, prepared))
         if parts.recorder is not None:
-            parts.recorder.request(rid, endpoint.value, prepared.model, request.headers, body)
+            parts.recorder.request(rid, endpoint.value, prepared.model, Headers(scope=scope), body)
             flight.on_decision = parts.recorder.decision
         routed = flight.decide(prepared, parts.fleet.clock())
         entry.timings_s = {**prepared.timings, **routed.timings}
@@ -255,13 +256,11 @@ class Gateway:
             parts.metrics.retries.labels(reason).inc()
         own = sum(entry.timings_s.get(stage, 0.0) for stage in _STAGES)  # before forwarding
         pre_forward = max(0.0, forwarding - arrived - own)
-        return self._relay(upstream, flight, entry, (arrived, pre_forward), note_of(request.scope))
+        return self._relay(upstream, flight, entry, (arrived, pre_forward), note_of(scope))
 
-    def _forward_headers(self, request: Request) -> list[tuple[str, str]]:
+    def _forward_headers(self, scope: Scope, rid: str) -> list[tuple[str, str]]:
         # the key was the router's (engines never see it); the request id is the gateway's
-        return forwarded_headers(
-            request.headers.raw, request_id_of(request), self.parts.guard.api_keys_required
-        )
+        return forwarded_headers(scope["headers"], rid, self.parts.guard.api_keys_required)
 
     def _relay(
         self, upstream: UpstreamResponse, flight: Flight, entry: DecisionEntry,
@@ -285,7 +284,7 @@ class Gateway:
             flight.first_byte()
             self._overhead["proxy"].observe(pre_forward + relay_s)
             if streamed_ok:  # a JSON answer's first chunk is most of the answer: no TTFT to speak of
-                parts.metrics.ttft.labels(engine, model).observe(time.perf_counter() - arrived)
+                parts.metrics.ttft_of(engine, model).observe(time.perf_counter() - arrived)
 
         def end(status: str, cached: int | None) -> None:
             flight.finish()
@@ -295,9 +294,9 @@ class Gateway:
             parts.fleet.admission.leave()
             entry.status = upstream.status
             entry.actual_cached_tokens = note.actual_cached_tokens = cached
-            parts.metrics.requests.labels(engine, self.policy, status).inc()
+            parts.metrics.requests_of(engine, self.policy, status).inc()
             if status == "200":
-                parts.metrics.duration.labels(engine, model).observe(time.perf_counter() - arrived)
+                parts.metrics.duration_of(engine, model).observe(time.perf_counter() - arrived)
             if cached is not None and not entry.request.unread:
                 parts.metrics.observe_prediction(engine, predicted, cached)
             self._log_end(entry, status)
@@ -310,7 +309,7 @@ class Gateway:
         engine = entry.engine or "none"
         status = str(exc.http_status()) if isinstance(exc, RouterError) else "client_closed"
         entry.status = exc.http_status() if isinstance(exc, RouterError) else 499
-        self.parts.metrics.requests.labels(engine, self.policy, status).inc()
+        self.parts.metrics.requests_of(engine, self.policy, status).inc()
         if isinstance(exc, RouterError) and exc.reason is not None:  # refused: no engine could take it
             self.parts.metrics.rejected.labels(exc.reason).inc()
         log.warning(

@@ -11,7 +11,14 @@ from functools import lru_cache
 from typing import Final
 from urllib.parse import urlsplit
 
-__all__ = ["HOP_BY_HOP", "forwarded_headers", "response_headers", "upstream_headers", "upstream_url"]
+__all__ = [
+    "HOP_BY_HOP",
+    "forwarded_headers",
+    "is_origin_form",
+    "response_headers",
+    "upstream_headers",
+    "upstream_url",
+]
 
 HOP_BY_HOP: Final = frozenset(
     {"connection", "keep-alive", "te", "trailer", "trailers", "transfer-encoding", "upgrade"}
@@ -67,8 +74,15 @@ def response_headers(engine_headers: Iterable[tuple[str, str]]) -> list[tuple[st
     return _strip(engine_headers, HOP_BY_HOP)
 
 
+@lru_cache(maxsize=256)
+def is_origin_form(path: str) -> bool:
+    """Whether `path` is an origin-form request path (`/v1/...?query`): the only kind ever forwarded.
+    Cached: every request is checked, and the hot routes send a handful of paths."""
+    return path.startswith("/") and not path.startswith("//") and not any(c in path for c in "#\\ \t\r\n")
+
+
 def upstream_url(base_url: str, path: str) -> str:
     """The engine's base URL + an origin-form request path (`/v1/...?query`); anything else is refused."""
-    if not path.startswith("/") or path.startswith("//") or any(c in path for c in "#\\ \t\r\n"):
+    if not is_origin_form(path):
         raise ValueError(f"not an origin-form request path: {path!r}")
     return base_url.rstrip("/") + path

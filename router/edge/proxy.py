@@ -8,7 +8,7 @@ tokenization). The body goes out byte for byte; hop-by-hop headers are stripped 
 (`router.edge.headers`). Before any byte reaches the client, a failed connect, a connection closed
 without an answer, or a 5xx/429 answer is retried on another engine (the caller's `choose` callback
 decides which), with bounded attempts and backoff. The client's exceptions become `RouterError`s
-in one place, `router.edge.upstream.map_upstream_errors`.
+in one place, `router.edge.upstream.upstream_error`.
 
 The answer is an `UpstreamResponse` (router.edge.upstream), streamed as it arrives.
 """
@@ -34,15 +34,17 @@ from router.core.errors import (
 from router.core.ids import EngineId
 from router.core.policy.breaker import Breakers
 from router.core.policy.retry import Outcome, OutcomeKind, RetryPolicy, counts_as_failure, is_retryable
-from router.edge.headers import response_headers, upstream_headers, upstream_url
+from router.edge.headers import is_origin_form, response_headers, upstream_headers
 from router.edge.http1 import ClientSettings, Http1Client, Http1Response
 from router.edge.upstream import (
+    UPSTREAM_FAILURES,
     Attempt,
     ProxyRequest,
     Target,
     UpstreamResponse,
     map_upstream_errors,
     outcome_of,
+    upstream_error,
 )
 from router.settings.config import RouterConfig
 
@@ -134,10 +136,8 @@ class Proxy:
         `RouterError` when no engine gave one."""
         if len(request.body) > self.settings.max_body_bytes:
             raise RequestTooLarge(f"request body exceeds {self.settings.max_body_bytes} bytes")
-        try:
-            upstream_url("http://engine", request.path)
-        except ValueError as exc:
-            raise BadRequest(str(exc)) from None
+        if not is_origin_form(request.path):
+            raise BadRequest(f"not an origin-form request path: {request.path!r}")
         attempts: list[Attempt] = []
         last: RouterError | UpstreamResponse | None = None  # an exception built only when raised
         for n in range(self.settings.retry.attempts):
@@ -198,10 +198,12 @@ class Proxy:
     async def _send(self, target: Target, request: ProxyRequest) -> Http1Response:
         assert self._client is not None, "Proxy.start() was not called"
         headers = upstream_headers(request.headers, target.base_url)
-        with map_upstream_errors(target.engine, "first byte"):
+        try:
             return await self._client.request(
                 request.method, target.base_url, request.path, headers, request.body
             )
+        except UPSTREAM_FAILURES as exc:
+            raise upstream_error(target.engine, "first byte", exc) from exc
 
     async def _read_excerpt(self, engine: EngineId, response: Http1Response) -> bytes:
         body = b""

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Callable
+from functools import lru_cache
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -27,7 +28,7 @@ from router.edge.client_writes import BODY_WRITER, BodyWriter
 from router.edge.upstream import UpstreamResponse
 from router.edge.usage import UsageTap
 
-__all__ = ["EndHook", "RelayResponse", "body_writer"]
+__all__ = ["EndHook", "RelayResponse", "body_writer", "relayed_headers"]
 
 _SERVER_OWN = frozenset({"date", "server"})  # uvicorn writes its own; the engine's would repeat them
 
@@ -45,6 +46,28 @@ def body_writer(scope: Scope, coalesce_s: float = 0.0) -> BodyWriter | None:
     return writer
 
 
+@lru_cache(maxsize=64)
+def _dropped(extra_names: tuple[str, ...]) -> frozenset[str]:
+    """The engine's headers the client must not get twice: the server's own and the gateway's
+    (an echoed x-request-id would repeat it). The gateway adds the same names to every answer."""
+    return _SERVER_OWN | {k.lower() for k in extra_names}
+
+
+def relayed_headers(
+    engine_headers: list[tuple[str, str]], extra_headers: list[tuple[str, str]]
+) -> list[tuple[bytes, bytes]]:
+    """The answer's ASGI headers: the engine's (duplicates kept, those the gateway or the server
+    set dropped), then the gateway's `extra_headers`; names lower-cased, each lowered once."""
+    dropped = _dropped(tuple(k for k, _ in extra_headers))
+    raw = [
+        (name.encode("latin-1"), v.encode("latin-1"))
+        for k, v in engine_headers
+        if (name := k.lower()) not in dropped
+    ]
+    raw.extend((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra_headers)
+    return raw
+
+
 class RelayResponse(Response):
     """The client's response carrying one upstream answer (see the module docstring)."""
 
@@ -58,10 +81,7 @@ class RelayResponse(Response):
     ) -> None:
         self.status_code = upstream.status
         self.background = None
-        # An engine's copy of a header the gateway sets (an echoed x-request-id) would repeat it.
-        own = _SERVER_OWN | {k.lower() for k, _ in extra_headers}
-        pairs = [*((k, v) for k, v in upstream.headers if k.lower() not in own), *extra_headers]
-        self.raw_headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in pairs]
+        self.raw_headers = relayed_headers(upstream.headers, extra_headers)
         self.upstream = upstream
         self._tap = tap
         self._on_first_byte = on_first_byte

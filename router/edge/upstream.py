@@ -4,13 +4,14 @@
 closes the upstream response in its `finally`, so cancelling the iteration (client disconnect)
 closes the upstream connection. Callers must also call `UpstreamResponse.close()` in their own
 `finally`: an iterator that was never started has no `finally` to run. The upstream client's
-(router.edge.http1) and aiohttp's exceptions become `RouterError`s in one place, `map_upstream_errors`.
+(router.edge.http1) and aiohttp's exceptions become `RouterError`s in one place, `upstream_error`.
 """
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
+from typing import Final
 
 import aiohttp
 import msgspec
@@ -20,7 +21,16 @@ from router.core.ids import EngineId
 from router.core.policy.retry import OutcomeKind
 from router.edge import http1
 
-__all__ = ["Attempt", "ProxyRequest", "Target", "UpstreamResponse", "map_upstream_errors", "outcome_of"]
+__all__ = [
+    "UPSTREAM_FAILURES",
+    "Attempt",
+    "ProxyRequest",
+    "Target",
+    "UpstreamResponse",
+    "map_upstream_errors",
+    "outcome_of",
+    "upstream_error",
+]
 
 
 class Target(msgspec.Struct, frozen=True):
@@ -48,29 +58,37 @@ class Attempt(msgspec.Struct, frozen=True):
     error: str = ""
 
 
+UPSTREAM_FAILURES: Final = (http1.HttpClientError, aiohttp.ClientError, OSError)
+"""What the upstream clients raise for a failed exchange (timeouts are `OSError`s): what
+`upstream_error` translates."""
+
+
+def upstream_error(engine: EngineId, phase: str, exc: BaseException) -> UpstreamError:
+    """The `UpstreamError` naming `engine` for one of `UPSTREAM_FAILURES` raised in `phase`: the one
+    translation of the clients' exceptions. The hot paths call it from a plain `except` (no context
+    manager per exchange and per chunk); `map_upstream_errors` wraps it for the others."""
+    if isinstance(exc, (http1.ConnectTimedOut, aiohttp.ConnectionTimeoutError)):
+        return UpstreamTimeout(f"timed out connecting to engine {engine}", engine=engine)
+    if isinstance(exc, http1.TimedOut):
+        what = " went silent (read timeout)" if exc.phase == "read" else f": {exc.phase} timeout"
+        return UpstreamTimeout(f"engine {engine}{what}", engine=engine)
+    if isinstance(exc, (http1.ConnectFailed, aiohttp.ClientConnectorError)):
+        return UpstreamConnectError(f"cannot connect to engine {engine}: {exc.os_error}", engine=engine)
+    if isinstance(exc, aiohttp.SocketTimeoutError):
+        return UpstreamTimeout(f"engine {engine} went silent (read timeout)", engine=engine)
+    if isinstance(exc, TimeoutError):
+        return UpstreamTimeout(f"engine {engine}: {phase} timeout", engine=engine)
+    return UpstreamBroken(f"engine {engine}: connection broke ({type(exc).__name__})", engine=engine)
+
+
 @contextmanager
 def map_upstream_errors(engine: EngineId, phase: str) -> Iterator[None]:
     """Translate the client's, aiohttp's and timeout exceptions raised inside into `UpstreamError`s
-    naming the engine."""
+    naming the engine (`upstream_error`)."""
     try:
         yield
-    except (http1.ConnectTimedOut, aiohttp.ConnectionTimeoutError) as exc:
-        raise UpstreamTimeout(f"timed out connecting to engine {engine}", engine=engine) from exc
-    except http1.TimedOut as exc:
-        what = " went silent (read timeout)" if exc.phase == "read" else f": {exc.phase} timeout"
-        raise UpstreamTimeout(f"engine {engine}{what}", engine=engine) from exc
-    except (http1.ConnectFailed, aiohttp.ClientConnectorError) as exc:
-        raise UpstreamConnectError(
-            f"cannot connect to engine {engine}: {exc.os_error}", engine=engine
-        ) from exc
-    except aiohttp.SocketTimeoutError as exc:
-        raise UpstreamTimeout(f"engine {engine} went silent (read timeout)", engine=engine) from exc
-    except TimeoutError as exc:
-        raise UpstreamTimeout(f"engine {engine}: {phase} timeout", engine=engine) from exc
-    except (http1.HttpClientError, aiohttp.ClientError, OSError) as exc:
-        raise UpstreamBroken(
-            f"engine {engine}: connection broke ({type(exc).__name__})", engine=engine
-        ) from exc
+    except UPSTREAM_FAILURES as exc:
+        raise upstream_error(engine, phase, exc) from exc
 
 
 def outcome_of(error: UpstreamError) -> OutcomeKind:
@@ -98,7 +116,15 @@ class UpstreamResponse:
         self._response: http1.Http1Response | None = None
         self._buffered = b""
         self._on_broken: Callable[[], None] = lambda: None
-        self.body: AsyncIterator[bytes] = self._stream()
+        self._body: AsyncIterator[bytes] | None = None
+
+    @property
+    def body(self) -> AsyncIterator[bytes]:
+        """The body as an async iterator of chunks (one per answer, made on first use: the gateway's
+        relay reads `next_chunk` and never needs it)."""
+        if self._body is None:
+            self._body = self._stream()
+        return self._body
 
     async def _stream(self) -> AsyncIterator[bytes]:
         try:
@@ -115,24 +141,21 @@ class UpstreamResponse:
         if response is None:
             chunk, self._buffered = self._buffered, b""
             return chunk
-        with self._mapped():
+        try:
             return await response.next_chunk()
+        except UPSTREAM_FAILURES as exc:
+            self._on_broken()
+            raise upstream_error(self.engine, "total", exc) from exc
 
     async def pump(self, sink: http1.Sink, drained: Callable[[], Awaitable[None]]) -> None:
         """Hand the body to `sink` as it arrives, straight from the connection's callbacks, until its
         end, whose bytes stay for `next_chunk` (`http1.Http1Response.pump`); errors as `next_chunk`'s."""
         if self._response is not None:
-            with self._mapped():
+            try:
                 await self._response.pump(sink, drained)
-
-    @contextmanager
-    def _mapped(self) -> Iterator[None]:
-        try:
-            with map_upstream_errors(self.engine, "total"):
-                yield
-        except UpstreamError:
-            self._on_broken()
-            raise
+            except UPSTREAM_FAILURES as exc:
+                self._on_broken()
+                raise upstream_error(self.engine, "total", exc) from exc
 
     def at_end(self) -> bool:
         """Whether the last chunk has been yielded (the stream will end without waiting for anything)."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Final
+from typing import Final, Generic, TypeVar
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -35,6 +35,7 @@ __all__ = [
     "REJECT_REASONS",
     "STAGES",
     "TRUST_STATES",
+    "Children",
     "EngineView",
     "RouterMetrics",
 ]
@@ -336,6 +337,27 @@ def _labelled(
     return family
 
 
+_M = TypeVar("_M", Counter, Gauge, Histogram)
+
+
+class Children(Generic[_M]):
+    """A labelled metric's children by label values, each looked up once: prometheus_client's
+    `labels()` validates the values and takes the metric's lock on every call, several times per
+    request. The gateway never removes a child, so a cached one stays the metric's."""
+
+    __slots__ = ("_by_values", "_metric")
+
+    def __init__(self, metric: _M) -> None:
+        self._metric: _M = metric
+        self._by_values: dict[tuple[str, ...], _M] = {}
+
+    def __call__(self, *values: str) -> _M:
+        child = self._by_values.get(values)
+        if child is None:
+            child = self._by_values[values] = self._metric.labels(*values)
+        return child
+
+
 class RouterMetrics:
     """Every `kvrouter_*` metric of one gateway process."""
 
@@ -435,18 +457,25 @@ class RouterMetrics:
         for collector in self._local:
             r.register(collector)
         self._multiprocess_dir = os.environ.get(MULTIPROCESS_ENV) or None
+        # The request path's children, each looked up once (see `Children`).
+        self.requests_of = Children(self.requests)
+        self.ttft_of = Children(self.ttft)
+        self.duration_of = Children(self.duration)
+        self._predicted_of = Children(self.predicted_cached)
+        self._actual_of = Children(self.actual_cached)
+        self._error_of = Children(self.prediction_error)
 
     def refused(self, policy: str, status: str, reason: str | None) -> None:
         """Count a request the gateway answered itself (no engine), and its refusal reason if any."""
-        self.requests.labels("none", policy, status).inc()
+        self.requests_of("none", policy, status).inc()
         if reason is not None:
             self.rejected.labels(reason).inc()
 
     def observe_prediction(self, engine: str, predicted: int, actual: int) -> None:
         """Record one request's predicted and engine-reported cached tokens."""
-        self.predicted_cached.labels(engine).inc(predicted)
-        self.actual_cached.labels(engine).inc(actual)
-        self.prediction_error.labels(engine).observe(abs(actual - predicted))
+        self._predicted_of(engine).inc(predicted)
+        self._actual_of(engine).inc(actual)
+        self._error_of(engine).observe(abs(actual - predicted))
 
     def scraped(self, engine: str, ok: bool) -> None:
         """Count one scrape of an engine's /metrics."""

@@ -69,6 +69,10 @@ class Listen(_Table, frozen=True):
     connection is not read for this long, so what it sends meanwhile leaves in one read and one write
     (fewer wake-ups and writes; each token up to this much later). 0, the default: every engine read is
     written at once. The first chunk is never held."""
+    forwarded_allow_ips: list[str] = []
+    """Proxies trusted for `X-Forwarded-For`/`-Proto` (uvicorn's `forwarded_allow_ips`: addresses,
+    networks, or "*"): the access log's client is then the one they name. Empty, the default: no proxy
+    is trusted and uvicorn's `ProxyHeadersMiddleware` is not installed (one ASGI layer less per request)."""
 
 
 class GroupConfig(_Table, frozen=True):

@@ -10,7 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router.edge.client_io import fresh_request_id
-from router.edge.headers import HOP_BY_HOP, response_headers, upstream_headers
+from router.edge.headers import HOP_BY_HOP, is_origin_form, response_headers, upstream_headers
+from router.edge.relay import relayed_headers
 
 _NAMES = st.sampled_from(
     ["Connection", "connection", "Keep-Alive", "TE", "Trailer", "Transfer-Encoding", "Upgrade", "Host",
@@ -70,3 +71,35 @@ def test_a_forked_worker_makes_ids_of_its_own() -> None:
     mine = [fresh_request_id() for _ in range(100)]
     every = [*mine, *got[0], *got[1]]
     assert len(set(every)) == len(every)
+
+
+GATEWAY_OWN = [
+    "x-request-id",
+    "x-kvrouter-engine",
+    "x-kvrouter-predicted-cached-tokens",
+    "x-kvrouter-mirror-trust",
+]
+RELAY_NAMES = st.sampled_from(
+    ["Content-Type", "content-length", "Date", "SERVER", "X-Request-Id", "x-kvrouter-engine", "x-other"]
+)
+
+
+@given(
+    st.lists(st.tuples(RELAY_NAMES, st.text(st.characters(max_codepoint=255), max_size=8)), max_size=8),
+    st.lists(st.sampled_from(GATEWAY_OWN), unique=True, max_size=4),
+)
+def test_relayed_headers_match_the_from_scratch_rule(
+    engine: list[tuple[str, str]], extra_names: list[str]
+) -> None:
+    extra = [(name, "v") for name in extra_names]
+    own = {"date", "server"} | {k.lower() for k, _ in extra}
+    pairs = [*((k, v) for k, v in engine if k.lower() not in own), *extra]
+    expected = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in pairs]
+    assert relayed_headers(engine, extra) == expected
+
+
+@given(st.text(st.sampled_from("/v1?a=#\\ \t\r\nx"), max_size=8))
+def test_the_cached_origin_form_check_is_the_rule(path: str) -> None:
+    rule = not path.startswith("/") or path.startswith("//") or any(c in path for c in "#\\ \t\r\n")
+    assert is_origin_form(path) is not rule
+    assert is_origin_form(path) is is_origin_form(path)  # cached or not, the same answer

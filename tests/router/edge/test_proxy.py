@@ -422,3 +422,11 @@ async def test_client_disconnect_through_uvicorn_cancels_upstream() -> None:
             writer.close()  # the client goes away mid-stream
             await writer.wait_closed()
             await asyncio.wait_for(cancelled.wait(), WAIT)
+
+
+async def test_the_body_iterator_is_made_once_on_first_use() -> None:
+    answer = UpstreamResponse(Target(EngineId("e1"), "http://e1"), 200, [], [])
+    answer._buffered = b"whole answer"
+    assert answer._body is None  # the relay reads next_chunk: no iterator per answer
+    assert answer.body is answer.body
+    assert await answer.read() == b"whole answer"
