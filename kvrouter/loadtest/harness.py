@@ -3,17 +3,18 @@
 The stubs start once (child processes, as `kvrouter serve`'s embedded mode starts them) and their
 prefix caches are reset right before every policy, oracles included, so every policy starts cold on
 identical engines (before the first policy each engine serves the workload's first prompts, so the
-first policy meets engines as warm as every later one does); the stubs' cached-block gauge is read then and recorded per policy
-(`cached_blocks_at_start`, 0 when cold). Each policy gets a fresh gateway process (`kvrouter serve
---port 0`, learned state and all), except the oracles (`cache_oracle`, `ttft_oracle`), which route
-themselves from the stubs' true state, and `external`, an OpenAI-compatible router the user started
-and pointed at the stubs: it is polled until it answers `GET /v1/models` (bounded by
-`ready_timeout_s`) and warmed up like a gateway; several such routers, each under its own policy
-name (`routers`), run one after another on the same stubs. `engine_share` comes from the stubs' own
-request counters, read before and after each policy, so an external router's traffic is attributed too.
-With `engines_from` no stub starts: the user's engines are driven, reset before every policy
-(`engines_file.py`), and a gateway's run starts once its mirror holds no block (or records how many
-it holds when an engine cannot reset); the oracles are refused there.
+first policy meets engines as warm as every later one does); the stubs' cached-block gauge is read
+then and recorded per policy (`cached_blocks_at_start`, 0 when cold). Each policy gets a fresh
+gateway process (`kvrouter serve --port 0`, learned state and all), except the oracles
+(`cache_oracle`, `ttft_oracle`), which route themselves from the stubs' true state, and `external`,
+an OpenAI-compatible router the user started and pointed at the stubs: it is polled until it
+answers `GET /v1/models` (bounded by `ready_timeout_s`) and warmed up like a gateway; several such
+routers, each under its own policy name (`routers`), run one after another on the same stubs.
+`engine_share` comes from the stubs' own request counters, read before and after each policy, so an
+external router's traffic is attributed too. With `engines_from` no stub starts: the user's engines
+are driven, reset before every policy (`engines_file.py`), and a gateway's run starts once its
+mirror holds no block (or records how many it holds when an engine cannot reset); the oracles are
+refused there.
 """
 
 from __future__ import annotations
