@@ -16,7 +16,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, cast, get_args, get_type_hints
+from typing import TYPE_CHECKING, Any, cast, get_args, get_type_hints
 
 import msgspec
 import uvicorn
@@ -123,17 +123,17 @@ def drain_timeout(config: RouterConfig) -> int:
     return cast(int, config.limits.drain_s)
 
 
-def server_config(app: ASGIApp, config: RouterConfig) -> uvicorn.Config:
-    """The uvicorn config of a one-process gateway: uvloop, the gateway's httptools protocol, no
-    uvicorn access log, and uvicorn's proxy-headers layer only when `listen.forwarded_allow_ips`
-    names a trusted proxy."""
+def server_config(app: ASGIApp | str, config: RouterConfig, **extra: Any) -> uvicorn.Config:
+    """The uvicorn config every gateway process runs (`extra`: the worker supervisor's own options):
+    uvloop, the gateway's httptools protocol, no uvicorn access log, and uvicorn's proxy-headers layer
+    only when `listen.forwarded_allow_ips` names a trusted proxy."""
     from router.edge.client_timeouts import TimedHttpToolsProtocol
 
     trusted = config.listen.forwarded_allow_ips
     return uvicorn.Config(
         app, loop="uvloop", http=TimedHttpToolsProtocol, lifespan="on", log_config=None, access_log=False,
         timeout_graceful_shutdown=drain_timeout(config), proxy_headers=bool(trusted),
-        forwarded_allow_ips=trusted or None,
+        forwarded_allow_ips=trusted or None, **extra,
     )  # fmt: skip
 
 

@@ -35,8 +35,7 @@ import msgspec
 import uvicorn
 from uvicorn.supervisors import Multiprocess
 
-from kvrouter.cmd_serve import drain_timeout
-from router.edge.client_timeouts import TimedHttpToolsProtocol
+from kvrouter.cmd_serve import server_config
 from router.lifecycle import ServeOptions, start_embedded
 from router.ops.metrics import MULTIPROCESS_ENV
 from router.settings.config import RouterConfig
@@ -117,14 +116,10 @@ class WorkerSupervisor(Multiprocess):
 
 
 def worker_config(config: RouterConfig) -> uvicorn.Config:
-    """The uvicorn config each worker runs: the worker app factory, uvloop and httptools; uvicorn's
-    proxy-headers layer only for `listen.forwarded_allow_ips` (as `cmd_serve.server_config`)."""
-    trusted = config.listen.forwarded_allow_ips
-    return uvicorn.Config(
-        "kvrouter.gateway_worker:create_worker_app", factory=True, loop="uvloop", http=TimedHttpToolsProtocol,
-        lifespan="on", log_config=None, access_log=False, timeout_graceful_shutdown=drain_timeout(config),
-        workers=config.listen.workers, proxy_headers=bool(trusted), forwarded_allow_ips=trusted or None,
-    )  # fmt: skip
+    """The uvicorn config each worker runs: `cmd_serve.server_config` for the worker app factory."""
+    return server_config(
+        "kvrouter.gateway_worker:create_worker_app", config, factory=True, workers=config.listen.workers
+    )
 
 
 async def run_workers(
