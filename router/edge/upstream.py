@@ -144,8 +144,7 @@ class UpstreamResponse:
         try:
             return await response.next_chunk()
         except UPSTREAM_FAILURES as exc:
-            self._on_broken()
-            raise upstream_error(self.engine, "total", exc) from exc
+            raise self._broken(exc) from exc
 
     async def pump(self, sink: http1.Sink, drained: Callable[[], Awaitable[None]]) -> None:
         """Hand the body to `sink` as it arrives, straight from the connection's callbacks, until its
@@ -154,8 +153,12 @@ class UpstreamResponse:
             try:
                 await self._response.pump(sink, drained)
             except UPSTREAM_FAILURES as exc:
-                self._on_broken()
-                raise upstream_error(self.engine, "total", exc) from exc
+                raise self._broken(exc) from exc
+
+    def _broken(self, exc: BaseException) -> UpstreamError:
+        """The answer broke mid-body: the broken hook is told, and `exc` becomes its `UpstreamError`."""
+        self._on_broken()
+        return upstream_error(self.engine, "total", exc)
 
     def at_end(self) -> bool:
         """Whether the last chunk has been yielded (the stream will end without waiting for anything)."""
