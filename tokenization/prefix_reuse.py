@@ -20,7 +20,16 @@ from itertools import accumulate, chain
 
 from tokenization.safe_cuts import CutFinder
 
-__all__ = ["DEFAULT_MAX_BYTES", "PrefixReuse", "ReuseEntry", "ReuseStats", "shared_prefix"]
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "PrefixReuse",
+    "PromptIds",
+    "ReuseEntry",
+    "ReuseStats",
+    "count_of",
+    "ids_of",
+    "shared_prefix",
+]
 
 DEFAULT_MAX_BYTES = 32 << 20
 """Bytes the entries of a `PrefixReuse` may hold (text, ids, packed ids, token ends): ~20 B per token."""
@@ -100,6 +109,20 @@ class ReuseEntry:
     def iter_ids(self) -> Iterator[int]:
         """The ids in order, without joining them."""
         return iter(self._ids) if self._ids is not None else chain(self.head, self.tail)
+
+
+PromptIds = tuple[int, ...] | ReuseEntry
+"""A prompt's ids, or the prefix-reuse entry holding them (joined only when read)."""
+
+
+def ids_of(prompt: PromptIds) -> tuple[int, ...]:
+    """The prompt's ids (an entry's joined)."""
+    return prompt if isinstance(prompt, tuple) else prompt.ids
+
+
+def count_of(prompt: PromptIds) -> int:
+    """How many ids the prompt has, without joining an entry's."""
+    return len(prompt) if isinstance(prompt, tuple) else prompt.count
 
 
 class PrefixReuse:

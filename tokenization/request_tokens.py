@@ -30,7 +30,7 @@ from tokenization.openai_request import (
     decode_chat,
     decode_completion,
 )
-from tokenization.prefix_reuse import ReuseEntry
+from tokenization.prefix_reuse import PromptIds, count_of, ids_of
 
 __all__ = ["ReportMode", "RequestTokens", "decode_request", "request_tokens", "tokens_of"]
 
@@ -45,7 +45,7 @@ class ReportMode(StrEnum):
 class RequestTokens(msgspec.Struct, frozen=True, dict=True):
     """The prompt ids of a request and the request fields that change its cache behaviour."""
 
-    first: tuple[int, ...] | ReuseEntry
+    first: PromptIds
     """The first prompt's ids, or a carried chat's prefix-reuse entry (its ids joined when read: the
     router keys it from `packed` and `num_tokens` and never needs them)."""
     rest: tuple[tuple[int, ...], ...]
@@ -64,8 +64,7 @@ class RequestTokens(msgspec.Struct, frozen=True, dict=True):
     @property
     def tokens(self) -> tuple[int, ...]:
         """The first (usually only) prompt's ids: what the router scores."""
-        first = self.first
-        return first if isinstance(first, tuple) else first.ids
+        return ids_of(self.first)
 
     @cached_property
     def prompts(self) -> tuple[tuple[int, ...], ...]:
@@ -75,11 +74,10 @@ class RequestTokens(msgspec.Struct, frozen=True, dict=True):
     @property
     def num_tokens(self) -> int:
         """How many ids the first prompt has."""
-        first = self.first
-        return len(first) if isinstance(first, tuple) else first.count
+        return count_of(self.first)
 
 
-Packed = tuple[tuple[int, ...] | ReuseEntry, bytes | None]
+Packed = tuple[PromptIds, bytes | None]
 """A prompt's ids (or their entry, `RequestTokens.first`) and, when the tokenizer made them, their
 packed bytes."""
 
@@ -100,9 +98,7 @@ def _completion_prompts(req: CompletionRequest, tok: Tokenizer) -> list[Packed]:
     )
 
 
-def _chat_prompt(
-    req: ChatRequest, tok: Tokenizer
-) -> tuple[tuple[int, ...] | ReuseEntry, bytes, CarryLink | None]:
+def _chat_prompt(req: ChatRequest, tok: Tokenizer) -> tuple[PromptIds, bytes, CarryLink | None]:
     kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
     if reserved := {"chat_template", "tokenize"} & kwargs.keys():
         raise RequestError(f"`chat_template_kwargs` may not set {sorted(reserved)}")
@@ -167,7 +163,7 @@ def tokens_of(
         raise RequestError(str(exc)) from exc
     except RecursionError:  # e.g. tools nested within msgspec's limit, past the template's
         raise RequestError("the request is nested too deeply to render its prompt") from None
-    if any((len(p) if isinstance(p, tuple) else p.count) == 0 for p, _ in prompts):
+    if any(count_of(p) == 0 for p, _ in prompts):
         raise RequestError("the prompt is empty after tokenization")
     rest = tuple(p for p, _ in prompts[1:] if isinstance(p, tuple))
     return RequestTokens(

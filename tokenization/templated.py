@@ -12,7 +12,7 @@ from typing import Any
 from tokenization.base import CacheStats, Message, SpecialTokens
 from tokenization.chat_carry import CarryLink, ChatCarry
 from tokenization.chat_template import TemplateSet
-from tokenization.prefix_reuse import ReuseEntry
+from tokenization.prefix_reuse import ReuseEntry, ids_of
 from tokenization.segment_cache import SegmentCache, SegmentedEncoder, pack_ids
 
 __all__ = ["TemplatedTokenizer"]
@@ -120,7 +120,7 @@ class TemplatedTokenizer:
         ids, packed, link = self.chat_prompt(
             messages, add_generation_prompt, tools, add_special_tokens, template_kwargs
         )
-        return ids if isinstance(ids, tuple) else ids.ids, packed, link
+        return ids_of(ids), packed, link
 
     def chat_prompt(
         self,
