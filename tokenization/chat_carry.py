@@ -89,19 +89,13 @@ class ChatCarry:
     def __len__(self) -> int:
         return len(self._turns)
 
-    def encode(
-        self, key: bytes, pieces: list[str], encode: EncodePacked
-    ) -> tuple[tuple[int, ...], bytes, CarryLink]:
-        """The ids and packed ids of the joined ``pieces`` and their link to the previous turn.
-        ``encode`` encodes text without prefix reuse: the part after a carried prefix, or on a miss the
-        part after what `PrefixReuse` finds (the whole text goes through it)."""
-        entry, link = self.encode_entry(key, pieces, encode)
-        return entry.ids, entry.packed, link
-
     def encode_entry(
         self, key: bytes, pieces: list[str], encode: EncodePacked
     ) -> tuple[ReuseEntry, CarryLink]:
-        """`encode` as the text's entry (its ids joined only when read) and the link."""
+        """The entry of the joined ``pieces`` (ids and packed ids; the ids joined only when read) and
+        its link to the previous turn. ``encode`` encodes text without prefix reuse: the part after a
+        carried prefix, or on a miss the part after what `PrefixReuse` finds (the whole text goes
+        through it)."""
         prior = self._turns.get(key)
         carried = self._extend(prior, pieces, encode) if prior is not None else None
         if prior is not None and carried is not None:

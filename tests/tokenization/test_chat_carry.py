@@ -194,13 +194,13 @@ def test_the_carry_is_lru_and_bounded_in_turns_and_bytes(ds: HfTokenizer) -> Non
     carry = ChatCarry(reuse, max_entries=3)
     enc = ds.segments
     for i in range(5):
-        carry.encode(f"k{i}".encode(), [f"conversation {i} "] * 3, enc.encode_segments)
+        carry.encode_entry(f"k{i}".encode(), [f"conversation {i} "] * 3, enc.encode_segments)
     assert len(carry) == 3 and carry.stats.misses == 5
     assert carry.bytes == sum(t.size + len(k) for k, t in carry._turns.items())
     one = carry._turns[b"k4"].size + 2
     small = ChatCarry(reuse, max_bytes=2 * one)
     for i in range(4):
-        small.encode(f"k{i}".encode(), [f"conversation {i} "] * 3, enc.encode_segments)
+        small.encode_entry(f"k{i}".encode(), [f"conversation {i} "] * 3, enc.encode_segments)
     assert len(small) == 2 and small.bytes <= 2 * one
     with pytest.raises(ValueError):
         ChatCarry(reuse, max_entries=-1)
