@@ -212,7 +212,7 @@ class Replica:
             return _NO_EVENTS_STATUS
         status = self._tracker_status(now)
         view = mirror.replica(self.id)
-        layout = sorted(LAYOUT_FLAGS & view.flags) if view is not None else []
+        layout = sorted(LAYOUT_FLAGS & view.flags) if view is not None and view.flags else []
         if layout and status.trusted:
             detail = f"events disagree with the configured layout: {', '.join(layout)}"
             return TrustStatus(TrustState.STALE, TrustReason.BLOCK_SIZE_MISMATCH, detail, now)
