@@ -15,10 +15,9 @@ import msgspec
 
 from router.core.fleet_state import FleetState
 from router.core.ids import EngineId
-from router.core.kv_layout import ModelSpec
 from router.core.lookup.computed_blocks import LookupRequest, LookupResult, ReplicaId, lookup
 from router.core.policy.scoring import Candidate, Decision, RouteRequest, Scorer
-from router.prepare.prepared import Prepared, VariantKeys
+from router.prepare.prepared import Prepared
 
 __all__ = ["Routed", "RoutingCore"]
 
@@ -62,7 +61,10 @@ class RoutingCore:
         t0 = self._clock()
         predicted = self.predict(prepared)
         t1 = self._clock()
-        decision = self.scorer.choose(route, self._candidates(predicted, prepared, now))
+        candidates = [
+            self._candidate(rid, result, n, prepared, now) for rid, (result, n) in predicted.items()
+        ]
+        decision = self.scorer.choose(route, candidates)
         return Routed(decision, {"lookup": t1 - t0, "score": self._clock() - t1})
 
     def pending_tokens(self, rid: EngineId, prepared: Prepared, now: float) -> int:
@@ -71,46 +73,25 @@ class RoutingCore:
         if not self.fleet.pending.holds(rid):
             return 0
         variant = self.fleet.replica(rid).variant
-        return self._pending_run(rid, variant.spec, prepared.keys_for(variant.id), prepared, now)
-
-    def _pending_run(
-        self, rid: EngineId, spec: ModelSpec, keys: VariantKeys | None, prepared: Prepared, now: float
-    ) -> int:
+        spec, keys = variant.spec, prepared.keys_for(variant.id)
         if keys is None or prepared.skip_cache or not spec.unitary_full_attention:
             return 0
         bs = spec.hash_block_size
         return self.fleet.pending.leading_run(rid, keys.keys, (keys.num_tokens - 1) // bs, now) * bs
 
-    def _candidates(
-        self, predicted: dict[EngineId, tuple[LookupResult, int]], prepared: Prepared, now: float
-    ) -> list[Candidate]:
-        """One `Candidate` per predicted replica; the fleet's records are looked up once per request
-        and the prompt's keys once per variant (`keys_for` builds a value on every call)."""
+    def _candidate(
+        self, rid: EngineId, result: LookupResult, prompt_tokens: int, prepared: Prepared, now: float
+    ) -> Candidate:
         fleet = self.fleet
-        pending, snapshot = fleet.pending, fleet.load.snapshot
-        breaker, at_capacity = fleet.breakers.get, fleet.admission.at_capacity
-        keys_by_variant: dict[str, VariantKeys | None] = {}
-        out: list[Candidate] = []
-        for rid, (result, n) in predicted.items():
-            pend = 0
-            if pending.holds(rid):
-                variant = fleet.replica(rid).variant
-                if variant.id not in keys_by_variant:
-                    keys_by_variant[variant.id] = prepared.keys_for(variant.id)
-                keys = keys_by_variant[variant.id]
-                pend = self._pending_run(rid, variant.spec, keys, prepared, now)
-            out.append(
-                Candidate(
-                    engine=rid,
-                    hit_tokens=result.hit_tokens,
-                    pending_tokens=pend,
-                    boundary=result.shared_prefix_boundary,
-                    warm_tokens=result.fa_warm_tokens,
-                    prompt_tokens=n,
-                    trust=fleet.trust(rid, now),
-                    load=snapshot(rid, now),
-                    breaker_open=not breaker(rid).available(now),
-                    at_capacity=at_capacity(rid),
-                )
-            )
-        return out
+        return Candidate(
+            engine=rid,
+            hit_tokens=result.hit_tokens,
+            pending_tokens=self.pending_tokens(rid, prepared, now),
+            boundary=result.shared_prefix_boundary,
+            warm_tokens=result.fa_warm_tokens,
+            prompt_tokens=prompt_tokens,
+            trust=fleet.trust(rid, now),
+            load=fleet.load.snapshot(rid, now),
+            breaker_open=not fleet.breakers.get(rid).available(now),
+            at_capacity=fleet.admission.at_capacity(rid),
+        )
