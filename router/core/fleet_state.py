@@ -102,6 +102,7 @@ class FleetState:
         )  # fmt: skip
         self._engines: dict[str, EngineConfig] = {}
         self._replicas: dict[EngineId, Replica] = {}
+        self._by_variant: dict[str, tuple[tuple[Variant, tuple[EngineId, ...]], ...]] = {}  # by model
         self._removal_hooks: list[Callable[[EngineId], None]] = []
         self.report_grace_s = REPORT_GRACE_S
 
@@ -113,6 +114,7 @@ class FleetState:
         if engine.name in self._engines:
             raise ValueError(f"engine {engine.name!r} is already in the fleet")
         self._engines[engine.name] = engine
+        self._by_variant.clear()
         added = []
         for rank, rid in enumerate(engine.replica_ids()):
             self.mirror.add_engine(rid, variant.spec, ReportMode(engine.report_mode))
@@ -129,6 +131,7 @@ class FleetState:
     def remove_engine(self, name: str) -> list[EngineId]:
         """Forget an engine and everything known about its replicas; returns them; KeyError if unknown."""
         engine = self._engines.pop(name)
+        self._by_variant.clear()
         removed = [r.id for r in self._replicas.values() if r.engine is engine]
         for rid in removed:
             del self._replicas[rid]
@@ -157,6 +160,18 @@ class FleetState:
     def replicas(self, model: str | None = None) -> list[EngineId]:
         """Every replica, or those serving `model`."""
         return [r.id for r in self._replicas.values() if model is None or r.variant.model == model]
+
+    def variant_groups(self, model: str) -> tuple[tuple[Variant, tuple[EngineId, ...]], ...]:
+        """The replicas serving `model` grouped by variant id (each with its first replica's variant),
+        in fleet order: what `replicas(model)` holds, kept until the engine set changes."""
+        groups = self._by_variant.get(model)
+        if groups is None:
+            by_id: dict[str, tuple[Variant, list[EngineId]]] = {}
+            for rid, rep in self._replicas.items():
+                if rep.variant.model == model:
+                    by_id.setdefault(rep.variant.id, (rep.variant, []))[1].append(rid)
+            groups = self._by_variant[model] = tuple((v, tuple(rids)) for v, rids in by_id.values())
+        return groups
 
     def replica(self, replica: EngineId) -> Replica:
         """A replica's record; KeyError if unknown."""
@@ -195,17 +210,18 @@ class FleetState:
         """The gateway sent `request` to `replica`: expect its stores, and in full mode its reports
         (every request is remembered until it finishes or stores, to tell its stores from reports)."""
         rep = self._replicas.get(replica)
-        if rep is None:
+        keys = prepared.keys_for(rep.variant.id) if rep is not None else None
+        if rep is None or keys is None:
             return
-        keys = prepared.keys_for(rep.variant.id)
-        if keys is not None and keys.num_tokens >= rep.variant.spec.hash_block_size:
-            if self._must_store(rep, keys.keys, keys.num_tokens):
-                rep.await_stores(request, keys.keys, at)
-        if keys is not None and not prepared.skip_cache and rep.variant.spec.unitary_full_attention:
+        spec = rep.variant.spec
+        if not prepared.skip_cache and spec.unitary_full_attention:
             self.pending.add(request, replica, keys.keys, at)
-        if keys is not None and keys.keys and rep.engine.events:
+        if not rep.engine.events:
+            return  # no events: no stores to await, no reports to recognise, hits never trusted
+        if keys.num_tokens >= spec.hash_block_size and self._must_store(rep, keys.keys, keys.num_tokens):
+            rep.await_stores(request, keys.keys, at)
+        if keys.keys:
             self._first_keys[request] = (keys.keys[0], rep.root_stores)
-        if keys is not None and keys.keys:
             full = prepared.report_mode == "full" and not prepared.skip_cache
             rep.pending[request] = PendingReport(keys.keys, keys.num_tokens, full, prepared.skip_cache)
 
@@ -233,15 +249,16 @@ class FleetState:
         rep = self._replicas.get(replica)
         self._first_keys.pop(request, None)
         first = self._answered_keys.pop(request, None)
-        if rep is not None and first is not None and rep.check_stored(self.mirror, request, *first, at):
+        if rep is None or not rep.engine.events:
+            return  # `request_sent` awaited nothing there and kept no reports
+        if first is not None and rep.check_stored(self.mirror, request, *first, at):
             # Missed events (a restart the link has not seen?) or other keys: a verified link tells.
             if rep.link is not None and rep.link.verify():
                 rep.verifying = True  # judged at CaughtUp, unless the replay finds a restart
             else:
                 rep.judge(self.mirror, at, link_verified=False)
-        if rep is not None:
-            rep.request_ended(self.mirror, request, first is not None, at)
-        if rep is not None and request in rep.pending:
+        rep.request_ended(self.mirror, request, first is not None, at)
+        if request in rep.pending:
             grace = self.report_grace_s if rep.pending[request].full else 0.0
             rep.finished[request] = at + grace
             rep.expire_pending(at)

@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 LAYOUT_FLAGS: Final = frozenset({"kind_mismatch", "window_mismatch", "unknown_group"})
 """Mirror flags (besides block size) meaning the events do not match the configured layout."""
 _NO_EVENTS: Final = "no KV event endpoint configured: the mirror is empty and hits are never trusted"
+_NO_EVENTS_STATUS: Final = TrustStatus(TrustState.STALE, TrustReason.HISTORY_LOST, _NO_EVENTS, 0.0)
 MISMATCH_AFTER: Final = 3
 """Consecutive ended requests whose first block never appeared before a cause is declared."""
 
@@ -208,10 +209,10 @@ class Replica:
     def status(self, now: float, mirror: Mirror) -> TrustStatus:
         """The trust verdict at `now`, with the link counters and layout flags folded in."""
         if not self.engine.events:
-            return TrustStatus(TrustState.STALE, TrustReason.HISTORY_LOST, _NO_EVENTS, 0.0)
+            return _NO_EVENTS_STATUS
         status = self._tracker_status(now)
         view = mirror.replica(self.id)
-        layout = sorted(LAYOUT_FLAGS & view.flags) if view is not None else []
+        layout = sorted(LAYOUT_FLAGS & view.flags) if view is not None and view.flags else []
         if layout and status.trusted:
             detail = f"events disagree with the configured layout: {', '.join(layout)}"
             return TrustStatus(TrustState.STALE, TrustReason.BLOCK_SIZE_MISMATCH, detail, now)

@@ -40,19 +40,16 @@ class RoutingCore:
 
     def predict(self, prepared: Prepared) -> dict[EngineId, tuple[LookupResult, int]]:
         """Per replica of the model: the lookup result and the prompt length under its variant."""
-        by_variant: dict[str, list[EngineId]] = {}
-        for rid in self.fleet.replicas(prepared.model):
-            by_variant.setdefault(self.fleet.replica(rid).variant.id, []).append(rid)
+        mirror = self.fleet.mirror
         out: dict[EngineId, tuple[LookupResult, int]] = {}
-        for vid, rids in by_variant.items():
-            keys = prepared.keys_for(vid)
+        for variant, rids in self.fleet.variant_groups(prepared.model):
+            keys = prepared.keys_for(variant.id)
             if keys is None:  # an engine added after this request was prepared
                 out.update((rid, (_NO_HIT, prepared.prompt_tokens)) for rid in rids)
                 continue
-            spec = self.fleet.replica(rids[0]).variant.spec
-            request = LookupRequest(keys.keys, keys.num_tokens, prepared.skip_cache)
-            results = lookup(self.fleet.mirror, spec, request, rids)
-            out.update((rid, (results[ReplicaId(rid, 0)], keys.num_tokens)) for rid in rids)
+            n = keys.num_tokens
+            results = lookup(mirror, variant.spec, LookupRequest(keys.keys, n, prepared.skip_cache), rids)
+            out.update((rid, (results[ReplicaId(rid, 0)], n)) for rid in rids)
         return out
 
     def decide(self, prepared: Prepared, route: RouteRequest, now: float) -> Decision:

@@ -31,6 +31,10 @@ DecisionSink = Callable[[RequestId, int, Decision], None]
 """Told about every decision (request id, attempt number, decision): the recorder."""
 
 
+def _untold(request: RequestId, attempt: int, decision: Decision) -> None:
+    """The sink when nobody records decisions."""
+
+
 class Flight:
     """The routing state of one request between its first decision and its end."""
 
@@ -51,7 +55,7 @@ class Flight:
         self.prepared: Prepared | None = None
         self.engine: EngineId | None = None
         self.decision: Decision | None = None
-        self.on_decision: DecisionSink = lambda rid, attempt, decision: None
+        self.on_decision: DecisionSink = _untold
         self._counted = False
         self._admitted = False
         self._finished = False

@@ -254,7 +254,9 @@ class Gateway:
         for attempt in upstream.attempts[:-1]:  # each earlier attempt was moved to another engine
             reason = attempt.outcome.value if attempt.status == 0 else f"http_{attempt.status}"
             parts.metrics.retries.labels(reason).inc()
-        own = sum(entry.timings_s.get(stage, 0.0) for stage in _STAGES)  # before forwarding
+        own = 0.0  # the routing stages' time, before forwarding
+        for stage in _STAGES:
+            own += entry.timings_s.get(stage, 0.0)
         pre_forward = max(0.0, forwarding - arrived - own)
         return self._relay(upstream, flight, entry, (arrived, pre_forward), note_of(scope))
 

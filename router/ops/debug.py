@@ -66,11 +66,12 @@ class DecisionRing:
 
     def add(self, entry: DecisionEntry) -> DecisionEntry:
         """Store `entry` under its request id (replacing an entry with the same id) and return it."""
-        rid = RequestId(entry.request_id)
-        self._entries.pop(rid, None)
-        self._entries[rid] = entry
-        while len(self._entries) > self.capacity:
-            self._entries.popitem(last=False)
+        entries, rid = self._entries, RequestId(entry.request_id)
+        if rid in entries:  # a reused id: its entry moves to the newest place
+            del entries[rid]
+        entries[rid] = entry
+        while len(entries) > self.capacity:
+            entries.popitem(last=False)
         return entry
 
     def get(self, request_id: str) -> DecisionEntry | None:

@@ -132,7 +132,8 @@ class PendingPrefixes:
         if self.ttl_s == 0 or not keys or self.size + len(keys) > self.max_keys:
             return
         tree = self._trees.setdefault(replica, _Tree())
-        held = list(keys)
+        # The tree keeps slices, never the list itself: a prompt's key list needs no copy.
+        held = keys if isinstance(keys, list) else list(keys)
         leaf = tree.insert(held, tree.leading_run(held, len(held)))
         entry = self._entries[request] = _Entry(replica, leaf, len(held), now + self.ttl_s)
         self.size += entry.size

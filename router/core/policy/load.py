@@ -53,7 +53,7 @@ class PrefillCostModel:
         self.prior = prior
         self.overhead_s = prior.overhead_s
         self._per_ktok = prior.per_token_s * _KTOK
-        self._p = [[1.0 / prior.weight, 0.0], [0.0, 1.0 / prior.weight]]
+        self._p = (1.0 / prior.weight, 0.0, 0.0, 1.0 / prior.weight)  # P, row by row
         self._p_trace_max = 2.0 / prior.weight
         self._abs_err = 0.0
         self.samples = 0
@@ -79,17 +79,21 @@ class PrefillCostModel:
         self.samples += 1
 
     def _update(self, x: tuple[float, float], err: float) -> None:
-        lam, p = self.prior.forgetting, self._p
-        px = (p[0][0] * x[0] + p[0][1] * x[1], p[1][0] * x[0] + p[1][1] * x[1])
-        denom = lam + x[0] * px[0] + x[1] * px[1]
-        gain = (px[0] / denom, px[1] / denom)
-        self.overhead_s = max(0.0, self.overhead_s + gain[0] * err)
-        self._per_ktok = max(1e-9, self._per_ktok + gain[1] * err)
-        new_p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(2)] for i in range(2)]
-        trace = new_p[0][0] + new_p[1][1]
+        # The 2x2 algebra written out in scalars (one per request's first token): the same operations
+        # in the same order as the matrix form, so the estimate is bit for bit the same.
+        lam, (p00, p01, p10, p11) = self.prior.forgetting, self._p
+        x0, x1 = x
+        px0, px1 = p00 * x0 + p01 * x1, p10 * x0 + p11 * x1
+        denom = lam + x0 * px0 + x1 * px1
+        g0, g1 = px0 / denom, px1 / denom
+        self.overhead_s = max(0.0, self.overhead_s + g0 * err)
+        self._per_ktok = max(1e-9, self._per_ktok + g1 * err)
+        n00, n01 = (p00 - g0 * px0) / lam, (p01 - g0 * px1) / lam
+        n10, n11 = (p10 - g1 * px0) / lam, (p11 - g1 * px1) / lam
+        trace = n00 + n11
         # Forgetting inflates P when the token counts barely vary; bound it by the prior's spread.
         scale = min(1.0, self._p_trace_max / trace) if trace > 0 else 1.0
-        self._p = [[v * scale for v in row] for row in new_p]
+        self._p = (n00 * scale, n01 * scale, n10 * scale, n11 * scale)
 
 
 class StepCost(msgspec.Struct, frozen=True):
@@ -176,6 +180,13 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
     def predicted_ttft_s(self, uncached_tokens: int) -> float:
         """TTFT if a request with `uncached_tokens` to prefill were sent now (queue first, then it)."""
         return self.prefill_s(uncached_tokens) + self.decode_s(uncached_tokens) + self.slot_wait_s()
+
+    def ttft_terms(self, uncached_tokens: int) -> tuple[int, float, float, float]:
+        """`(prefill_steps, decode_s, slot_wait_s, predicted_ttft_s)` for `uncached_tokens`, each equal
+        to its own method's value, computed once (scoring records all four for every candidate)."""
+        steps, slot_s = self.prefill_steps(uncached_tokens), self.slot_wait_s()
+        decode_s = steps * self.decode_step_s()
+        return steps, decode_s, slot_s, self.prefill_s(uncached_tokens) + decode_s + slot_s
 
 
 class _InFlight(msgspec.Struct):

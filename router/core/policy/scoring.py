@@ -226,20 +226,21 @@ def _saturated(load: LoadSnapshot, ttft_s: float, settings: ScorerSettings) -> b
 
 
 def _score(c: Candidate, excluded: frozenset[EngineId], settings: ScorerSettings) -> CandidateScore:
-    trusted_hit = c.hit_tokens if c.trust.trusted else 0
+    trusted = c.trust.trusted
+    trusted_hit = c.hit_tokens if trusted else 0
     # A prefix the router itself just sent there is known without the mirror, unless the engine's
     # state is in doubt altogether (stale: restarted, history lost, silent).
     pending = c.pending_tokens if c.trust.state is not TrustState.STALE else 0
     counted = max(trusted_hit, pending)
     uncached = max(0, c.prompt_tokens - counted)
-    ttft = c.load.predicted_ttft_s(uncached)
+    steps, decode_s, slot_s, ttft = c.load.ttft_terms(uncached)
     work = settings.prefill_work_weight * c.load.per_token_s * uncached
-    pins = c.trust.trusted and c.warm_tokens > c.hit_tokens
+    pins = trusted and c.warm_tokens > c.hit_tokens
     why_not = _why_not(c, excluded) or (WHY_SATURATED if _saturated(c.load, ttft, settings) else "")
     return CandidateScore(
         c.engine, c.hit_tokens, trusted_hit, c.boundary, c.warm_tokens, pins, uncached, ttft,
         c.trust, c.load, not why_not, why_not, c.pending_tokens, counted,
-        c.load.prefill_steps(uncached), c.load.decode_s(uncached), c.load.slot_wait_s(), work, ttft + work,
+        steps, decode_s, slot_s, work, ttft + work,
     )  # fmt: skip
 
 

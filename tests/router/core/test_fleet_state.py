@@ -279,3 +279,56 @@ def test_a_restart_forgets_the_awaited_stores_with_the_view() -> None:
     fleet.on_signal(EngineName("e"), CaughtUp(None))
     clock.now += SILENCE_S
     assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
+
+
+def test_variant_groups_are_the_replicas_of_the_model_by_variant_as_the_engine_set_changes() -> None:
+    other = ModelConfig(name="o", block_size=4)
+    config = RouterConfig(models=[MODEL, other])
+    fleet = FleetState(config, KeyHasher(b"t"), Clock())
+
+    def add(name: str, model: ModelConfig, ranks: int = 1) -> None:
+        events = [f"ipc://{name}{r}.pub" for r in range(ranks)]
+        cfg = EngineConfig(name=name, url=f"http://{name}:1", model=model.name, events=events)
+        fleet.add_engine(cfg, resolve_variant(model, cfg), 0.0)
+
+    def plain(model: str) -> list[tuple[str, list[EngineId]]]:
+        out: dict[str, list[EngineId]] = {}
+        for rid in fleet.replicas(model):
+            out.setdefault(fleet.replica(rid).variant.id, []).append(rid)
+        return list(out.items())
+
+    def grouped(model: str) -> list[tuple[str, list[EngineId]]]:
+        return [(variant.id, list(rids)) for variant, rids in fleet.variant_groups(model)]
+
+    assert grouped("m") == plain("m") == []
+    add("a", MODEL, ranks=2)
+    add("x", other)
+    assert grouped("m") == plain("m") and len(grouped("m")[0][1]) == 2
+    add("b", MODEL)
+    assert grouped("m") == plain("m") and grouped("o") == plain("o")
+    fleet.remove_engine("a")
+    assert grouped("m") == plain("m") == [("m", [EngineId("b")])]
+    for variant, rids in fleet.variant_groups("m"):
+        assert all(fleet.replica(rid).variant.spec == variant.spec for rid in rids)
+
+
+def test_a_replica_without_events_awaits_no_stores_and_keeps_no_reports_but_its_pending_prefixes() -> None:
+    blind = EngineConfig(name="e", url="http://e:8000", model="m")
+    fleet, clock = fleet_of(blind)
+    rep = fleet.replica(E)
+    before = fleet.trust(E, clock())
+    sent(fleet, clock, "a", list(range(10)))
+    assert len(rep.awaited) == 0 and rep.pending == {} and fleet.pending.holds(E)
+    clock.now += 2 * SILENCE_S
+    fleet.request_finished(E, RequestId("a"), clock())
+    assert fleet.trust(E, clock()) == before  # stale for want of events, never silent
+    assert (before.state, before.reason) == (TrustState.STALE, TrustReason.HISTORY_LOST)
+
+
+def test_a_replica_with_events_awaits_the_stores_and_keeps_the_reports_of_a_request_sent() -> None:
+    fleet, clock = fleet_of(engine())
+    rep = fleet.replica(E)
+    sent(fleet, clock, "a", list(range(10)))
+    assert len(rep.awaited) == 1 and list(rep.pending) == [RequestId("a")]
+    fleet.request_finished(E, RequestId("a"), clock())
+    assert rep.pending == {}

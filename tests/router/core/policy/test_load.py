@@ -5,9 +5,18 @@ from __future__ import annotations
 import random
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from router.core.ids import EngineId, RequestId
-from router.core.policy.load import CostPrior, LoadTracker, PrefillCostModel, ScrapedMetrics, StepCost
+from router.core.policy.load import (
+    CostPrior,
+    LoadSnapshot,
+    LoadTracker,
+    PrefillCostModel,
+    ScrapedMetrics,
+    StepCost,
+)
 
 A, B = EngineId("a"), EngineId("b")
 PRIOR = CostPrior(overhead_s=0.02, per_token_s=1e-4, weight=4.0, forgetting=0.98)
@@ -320,3 +329,56 @@ def test_a_service_is_learned_once_the_next_answer_shows_it_ended_and_drains_bef
     load.first_token(rid(1), at=0.4)  # 0.2 s later: its own steps, so r0's service is learned
     assert load.model(A).samples == 1
     assert load.model(B).samples == 0
+
+
+class _MatrixForm(PrefillCostModel):
+    """The update in its 2x2 matrix form (the model's before its scalar rewrite): the reference."""
+
+    def _update(self, x: tuple[float, float], err: float) -> None:
+        lam, flat = self.prior.forgetting, self._p
+        p = [[flat[0], flat[1]], [flat[2], flat[3]]]
+        px = (p[0][0] * x[0] + p[0][1] * x[1], p[1][0] * x[0] + p[1][1] * x[1])
+        denom = lam + x[0] * px[0] + x[1] * px[1]
+        gain = (px[0] / denom, px[1] / denom)
+        self.overhead_s = max(0.0, self.overhead_s + gain[0] * err)
+        self._per_ktok = max(1e-9, self._per_ktok + gain[1] * err)
+        new_p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(2)] for i in range(2)]
+        trace = new_p[0][0] + new_p[1][1]
+        scale = min(1.0, self._p_trace_max / trace) if trace > 0 else 1.0
+        q = [[v * scale for v in row] for row in new_p]
+        self._p = (q[0][0], q[0][1], q[1][0], q[1][1])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_the_scalar_update_learns_bit_for_bit_what_the_matrix_form_does(seed: int) -> None:
+    rng = random.Random(seed)
+    fast, reference = PrefillCostModel(PRIOR), _MatrixForm(PRIOR)
+    for _ in range(300):
+        tokens = rng.choice([rng.randint(0, 20000), 8192, 0])  # repeats inflate P, hitting the bound
+        ttft = rng.choice([0.0, 30.0, rng.uniform(0.0, 2.0)])
+        fast.observe(tokens, ttft)
+        reference.observe(tokens, ttft)
+        assert (fast.overhead_s, fast.per_token_s, fast._p) == (
+            reference.overhead_s, reference.per_token_s, reference._p,
+        )  # fmt: skip
+
+
+@given(
+    in_flight=st.integers(0, 600), prefilling=st.integers(0, 50), decoding=st.integers(0, 600),
+    queued=st.integers(0, 100_000), drained=st.integers(0, 100_000), uncached=st.integers(0, 50_000),
+    per_token=st.floats(0, 1e-3), residency=st.floats(0, 100), max_seqs=st.integers(0, 512),
+    budget=st.integers(0, 16384),
+)  # fmt: skip
+def test_ttft_terms_are_each_term_s_own_method(
+    in_flight: int, prefilling: int, decoding: int, queued: int, drained: int, uncached: int,
+    per_token: float, residency: float, max_seqs: int, budget: int,
+) -> None:  # fmt: skip
+    step = StepCost(6e-3, 40e-6, budget, max_seqs)
+    snap = LoadSnapshot(
+        in_flight, prefilling, decoding, queued, None, 0.02, per_token, False, step,
+        residency_s=residency, drained_tokens=drained,
+    )  # fmt: skip
+    assert snap.ttft_terms(uncached) == (
+        snap.prefill_steps(uncached), snap.decode_s(uncached), snap.slot_wait_s(),
+        snap.predicted_ttft_s(uncached),
+    )  # fmt: skip
