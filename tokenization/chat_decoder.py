@@ -130,8 +130,8 @@ class ChatDecoder:
             return None
         fields = msgspec.structs.astuple(raw)
         raws: list[msgspec.Raw] = fields[0]
-        spans = _spans(part, raws)
-        if spans is None or spans[0] != kept.opening or len(raws[0]) != len(_PLACEHOLDER):
+        spans = _spans(part, raws, kept.opening)  # the same opening bytes: no second match
+        if spans is None or len(raws[0]) != len(_PLACEHOLDER):
             return None  # the array parsed is not the one the placeholder is in, or ``0.5`` made a number
         if not _rest_is_plain(part, spans[1][-1]):
             return None
@@ -213,13 +213,16 @@ def _shared_messages(body: bytes, kept: _Kept) -> int:
     return lo
 
 
-def _spans(body: bytes, raws: list[msgspec.Raw]) -> _Spans | None:
+def _spans(body: bytes, raws: list[msgspec.Raw], opening: int | None = None) -> _Spans | None:
     """Where ``raws`` (the decoded messages) start and each ends in ``body``, when its opening is
-    plain and they follow it one after another up to the array's end; else None."""
-    opening = _OPENING.match(body)
+    plain (``opening``: where a plain opening is known to end) and they follow it one after another
+    up to the array's end; else None."""
     if opening is None:
-        return None
-    pos, ends = opening.end(), []
+        plain = _OPENING.match(body)
+        if plain is None:
+            return None
+        opening = plain.end()
+    pos, ends = opening, []
     for i, piece in enumerate(raws):
         if i:
             sep = _SEPARATOR.match(body, pos)
@@ -230,7 +233,7 @@ def _spans(body: bytes, raws: list[msgspec.Raw]) -> _Spans | None:
             return None
         pos += len(piece)
         ends.append(pos)
-    return (opening.end(), ends) if ends and _CLOSING.match(body, pos) else None
+    return (opening, ends) if ends and _CLOSING.match(body, pos) else None
 
 
 def _one_messages_key(body: bytes) -> bool:
