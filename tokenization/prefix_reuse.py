@@ -26,6 +26,7 @@ __all__ = [
     "PromptIds",
     "ReuseEntry",
     "ReuseStats",
+    "WrappedIds",
     "count_of",
     "ids_of",
     "shared_prefix",
@@ -111,7 +112,27 @@ class ReuseEntry:
         return iter(self._ids) if self._ids is not None else chain(self.head, self.tail)
 
 
-PromptIds = tuple[int, ...] | ReuseEntry
+class WrappedIds:
+    """An entry's ids between the ids a special-token wrap adds (``prefix``, ``suffix``: a BOS), joined
+    only when read: the router keys a completions prompt from its packed ids and `count`."""
+
+    __slots__ = ("_ids", "count", "entry", "prefix", "suffix")
+
+    def __init__(self, prefix: tuple[int, ...], entry: ReuseEntry, suffix: tuple[int, ...]) -> None:
+        self.prefix, self.entry, self.suffix = prefix, entry, suffix
+        self._ids: tuple[int, ...] | None = None
+        self.count = len(prefix) + entry.count + len(suffix)
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        """``prefix + entry.ids + suffix``, joined once (here, not on the entry: it would hold them twice)."""
+        ids = self._ids
+        if ids is None:
+            ids = self._ids = (*self.prefix, *self.entry.iter_ids(), *self.suffix)
+        return ids
+
+
+PromptIds = tuple[int, ...] | ReuseEntry | WrappedIds
 """A prompt's ids, or the prefix-reuse entry holding them (joined only when read)."""
 
 

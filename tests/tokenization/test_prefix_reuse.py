@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenization import HfTokenizer
-from tokenization.prefix_reuse import PrefixReuse, ReuseEntry
+from tokenization.prefix_reuse import PrefixReuse, ReuseEntry, WrappedIds, count_of, ids_of
 from tokenization.safe_cuts import CutFinder, pretokenizer_cuts, token_byte_lengths
 from tokenization.segmenter import AddedToken
 
@@ -257,3 +257,29 @@ def test_an_entrys_ids_are_its_head_and_tail_however_read(head: list[int], tail:
         assert entry.count == len(ids) and list(entry.iter_ids()) == list(ids)
         assert all(entry.prefix(n) == ids[:n] for n in range(len(ids) + 1))
         assert entry.ids == ids
+
+
+@given(
+    head=st.lists(st.integers(0, 9), max_size=6),
+    tail=st.lists(st.integers(0, 9), max_size=6),
+    wrap=st.tuples(st.lists(st.integers(10, 12), max_size=2), st.lists(st.integers(10, 12), max_size=2)),
+)
+def test_wrapped_ids_are_the_wrap_around_the_entrys_ids(
+    head: list[int], tail: list[int], wrap: tuple[list[int], list[int]]
+) -> None:
+    entry = ReuseEntry(b"", tuple(head), tuple(tail), b"", None)
+    wrapped = WrappedIds(tuple(wrap[0]), entry, tuple(wrap[1]))
+    ids = (*wrap[0], *head, *tail, *wrap[1])
+    assert count_of(wrapped) == len(ids) and wrapped._ids is None  # counted without joining
+    assert ids_of(wrapped) == ids and wrapped.ids is ids_of(wrapped)  # joined once
+    assert entry._ids is (None if head else entry.tail)  # not joined on the entry
+
+
+def test_a_completions_prompt_keeps_its_ids_unjoined_until_read(tok: HfTokenizer) -> None:
+    prompt = "A shared instruction for every request. " * 20
+    for i in range(3):
+        text = f"{prompt}request {i}"
+        ids, packed, _ = tok.encode_linked(text, True)
+        expected = tuple(tok.encode(text, True))
+        assert not isinstance(ids, tuple) and ids_of(ids) == expected and count_of(ids) == len(expected)
+        assert packed == array("I", expected).tobytes()
