@@ -131,6 +131,29 @@ def test_cut_rules_on_bytes() -> None:
     assert cuts.last_cut(b"hello world", b"hello there", 6) == 5
 
 
+CUT_TEXT = st.lists(
+    st.sampled_from(["a", "b", " ", "  ", ".", "1", "é", "<|end|>", "<|end|>x", "<|", "x"]), max_size=12
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(shared=CUT_TEXT, a_rest=CUT_TEXT, b_rest=CUT_TEXT, rule=st.booleans(), search=st.integers(1, 12))
+def test_last_cut_is_the_latest_offset_safe_in_both_texts(
+    shared: list[str], a_rest: list[str], b_rest: list[str], rule: bool, search: int
+) -> None:
+    added = [
+        AddedToken(1, "<|end|>", normalized=False, special=True),
+        AddedToken(2, "<|end|>x", normalized=False),
+    ]
+    cuts = CutFinder(added, pretokenizer_rule=rule, search_bytes=search)
+    a, b = "".join(shared + a_rest).encode(), "".join(shared + b_rest).encode()
+    limit = 0
+    while limit < min(len(a), len(b)) and a[limit] == b[limit]:
+        limit += 1  # the whole shared prefix
+    both = [q for q in range(limit, max(0, limit - search), -1) if cuts.safe(a, q) and cuts.safe(b, q)]
+    assert cuts.last_cut(a, b, limit) == (both[0] if both else 0)
+
+
 # --- Exactness: the reuse path equals a plain encode ------------------------------------------------------
 
 ADVERSARIAL = st.sampled_from(
