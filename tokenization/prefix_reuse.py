@@ -293,13 +293,19 @@ class PrefixReuse:
 
 
 def shared_prefix(a: bytes, b: bytes | memoryview) -> int:
-    """The length of the longest common prefix of ``a`` and ``b``: a binary search on prefix
-    equality, each step one memcmp on a view (no copies)."""
+    """The length of the longest common prefix of ``a`` and ``b``: memcmps on views (no copies),
+    galloping back from the end (a new suffix on an old text differs near its end), then a binary
+    search in the last gap."""
     limit = min(len(a), len(b))
     view = memoryview(b)
     if a.startswith(view[:limit]):
         return limit
-    lo, hi = 0, limit  # a prefix of lo bytes is shared, one of hi bytes is not
+    lo, hi, step = 0, limit, 1  # a prefix of lo bytes is shared, one of hi bytes is not
+    while hi - step > lo:
+        if a.startswith(view[: hi - step]):
+            lo = hi - step
+            break
+        hi, step = hi - step, step * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if a.startswith(view[:mid]):

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenization import HfTokenizer
-from tokenization.prefix_reuse import PrefixReuse, ReuseEntry, WrappedIds, count_of, ids_of
+from tokenization.prefix_reuse import PrefixReuse, ReuseEntry, WrappedIds, count_of, ids_of, shared_prefix
 from tokenization.safe_cuts import CutFinder, pretokenizer_cuts, token_byte_lengths
 from tokenization.segmenter import AddedToken
 
@@ -306,3 +306,13 @@ def test_a_completions_prompt_keeps_its_ids_unjoined_until_read(tok: HfTokenizer
         expected = tuple(tok.encode(text, True))
         assert not isinstance(ids, tuple) and ids_of(ids) == expected and count_of(ids) == len(expected)
         assert packed == array("I", expected).tobytes()
+
+
+@settings(max_examples=300, deadline=None)
+@given(shared=st.binary(max_size=70), a=st.binary(max_size=70), b=st.binary(max_size=70))
+def test_shared_prefix_is_the_longest_common_prefix(shared: bytes, a: bytes, b: bytes) -> None:
+    x, y = shared + a, shared + b
+    n = 0
+    while n < min(len(x), len(y)) and x[n] == y[n]:
+        n += 1
+    assert shared_prefix(x, y) == n == shared_prefix(y, memoryview(x))
