@@ -16,7 +16,7 @@ import msgspec
 if TYPE_CHECKING:
     from tokenization.chat_carry import CarryLink
     from tokenization.chat_template import TemplateSet
-    from tokenization.prefix_reuse import ReuseEntry
+    from tokenization.prefix_reuse import PromptIds, ReuseEntry
     from tokenization.segment_cache import SegmentCache
 
 __all__ = ["CacheStats", "Message", "SpecialTokens", "TokenizationError", "Tokenizer"]
@@ -104,9 +104,10 @@ class Tokenizer(Protocol):
 
     def encode_linked(
         self, text: str, add_special_tokens: bool = True
-    ) -> tuple[tuple[int, ...], bytes, CarryLink | None]:
+    ) -> tuple[PromptIds, bytes, CarryLink | None]:
         """`encode_packed`, and the ids' link to the earlier text they were copied from, whose derived
-        block keys the caller may extend (tokenization.chat_carry.CarryLink); None when not known."""
+        block keys the caller may extend (tokenization.chat_carry.CarryLink); None when not known.
+        The ids may come unjoined (`ids_of` joins them)."""
         ...
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:

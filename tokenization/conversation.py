@@ -10,6 +10,7 @@ engine's placeholder expansion, so it must not guess their tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import itemgetter
 from typing import Any, Final
 
 import msgspec
@@ -119,6 +120,9 @@ def _joined(m: dict[str, Any]) -> str:
     return content if isinstance(content, str) else "\n".join(p["text"] for p in content)
 
 
+_ROLE = itemgetter("role")
+
+
 def _kept_message(msg: ChatMessage, fmt: ContentFormat, i: int) -> TemplateMessage:
     """`_message`, made once per message and format and kept on the (frozen) message."""
     kept = msg.__dict__
@@ -132,8 +136,11 @@ def conversation(
     messages: Sequence[ChatMessage], fmt: ContentFormat, template_knows_developer: bool
 ) -> list[dict[str, Any]]:
     """The template's ``messages`` for a request; RequestError names the offending message or part."""
-    conv: list[dict[str, Any]] = [_kept_message(m, fmt, i) for i, m in enumerate(messages)]
-    if not template_knows_developer and any(m["role"] == "developer" for m in conv):
+    conv: list[dict[str, Any]] = [
+        kept if (kept := m.__dict__.get(fmt)) is not None else _kept_message(m, fmt, i)
+        for i, m in enumerate(messages)
+    ]  # a reused message's dict read in place: a call per message is most of this on a long chat
+    if not template_knows_developer and "developer" in map(_ROLE, conv):
         conv = _developer_to_system(conv)
     return conv
 

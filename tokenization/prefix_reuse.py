@@ -26,6 +26,7 @@ __all__ = [
     "PromptIds",
     "ReuseEntry",
     "ReuseStats",
+    "WrappedIds",
     "count_of",
     "ids_of",
     "shared_prefix",
@@ -111,7 +112,27 @@ class ReuseEntry:
         return iter(self._ids) if self._ids is not None else chain(self.head, self.tail)
 
 
-PromptIds = tuple[int, ...] | ReuseEntry
+class WrappedIds:
+    """An entry's ids between the ids a special-token wrap adds (``prefix``, ``suffix``: a BOS), joined
+    only when read: the router keys a completions prompt from its packed ids and `count`."""
+
+    __slots__ = ("_ids", "count", "entry", "prefix", "suffix")
+
+    def __init__(self, prefix: tuple[int, ...], entry: ReuseEntry, suffix: tuple[int, ...]) -> None:
+        self.prefix, self.entry, self.suffix = prefix, entry, suffix
+        self._ids: tuple[int, ...] | None = None
+        self.count = len(prefix) + entry.count + len(suffix)
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        """``prefix + entry.ids + suffix``, joined once (here, not on the entry: it would hold them twice)."""
+        ids = self._ids
+        if ids is None:
+            ids = self._ids = (*self.prefix, *self.entry.iter_ids(), *self.suffix)
+        return ids
+
+
+PromptIds = tuple[int, ...] | ReuseEntry | WrappedIds
 """A prompt's ids, or the prefix-reuse entry holding them (joined only when read)."""
 
 
@@ -272,13 +293,19 @@ class PrefixReuse:
 
 
 def shared_prefix(a: bytes, b: bytes | memoryview) -> int:
-    """The length of the longest common prefix of ``a`` and ``b``: a binary search on prefix
-    equality, each step one memcmp on a view (no copies)."""
+    """The length of the longest common prefix of ``a`` and ``b``: memcmps on views (no copies),
+    galloping back from the end (a new suffix on an old text differs near its end), then a binary
+    search in the last gap."""
     limit = min(len(a), len(b))
     view = memoryview(b)
     if a.startswith(view[:limit]):
         return limit
-    lo, hi = 0, limit  # a prefix of lo bytes is shared, one of hi bytes is not
+    lo, hi, step = 0, limit, 1  # a prefix of lo bytes is shared, one of hi bytes is not
+    while hi - step > lo:
+        if a.startswith(view[: hi - step]):
+            lo = hi - step
+            break
+        hi, step = hi - step, step * 2
     while hi - lo > 1:
         mid = (lo + hi) // 2
         if a.startswith(view[:mid]):

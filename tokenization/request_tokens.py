@@ -77,6 +77,9 @@ class RequestTokens(msgspec.Struct, frozen=True, dict=True):
         return count_of(self.first)
 
 
+_REPORT_MODES = {mode.value: mode for mode in ReportMode}
+"""`ReportMode` by value: a dict lookup instead of an enum call per request."""
+
 Packed = tuple[PromptIds, bytes | None]
 """A prompt's ids (or their entry, `RequestTokens.first`) and, when the tokenizer made them, their
 packed bytes."""
@@ -121,12 +124,17 @@ def _extras(model: str | None, salt: str | None, lora: Mapping[str, str]) -> Req
     return RequestExtras(cache_salt=salt)
 
 
+def _report_mode(value: str) -> ReportMode:
+    mode = _REPORT_MODES.get(value)
+    return mode if mode is not None else ReportMode(value)  # raises what the enum raises
+
+
 def decode_request(
     body: bytes, endpoint: Endpoint | str, chat: ChatDecoder | None = None
 ) -> ChatRequest | CompletionRequest:
     """The typed view of ``body`` for ``endpoint``; RequestError (a 400 naming the field) on bad input.
     ``chat`` decodes chats reusing earlier requests' messages (the same value, see its module)."""
-    if Endpoint(endpoint) is Endpoint.CHAT:
+    if endpoint is Endpoint.CHAT or (type(endpoint) is not Endpoint and Endpoint(endpoint) is Endpoint.CHAT):
         return chat.decode(body) if chat is not None else decode_chat(body)
     return decode_completion(body)
 
@@ -171,7 +179,7 @@ def tokens_of(
         rest=rest,
         extras=_extras(req.model, req.cache_salt, lora or {}),
         skip_cache=req.prompt_logprobs is not None,
-        report_mode=ReportMode(req.vllm_xargs.kv_cache_report_mode if req.vllm_xargs else "incremental"),
+        report_mode=_report_mode(req.vllm_xargs.kv_cache_report_mode if req.vllm_xargs else "incremental"),
         model=req.model,
         stream=req.stream,
         max_tokens=max_tokens,

@@ -135,13 +135,17 @@ class CutFinder:
         """The largest offset ``q <= limit`` (searched back ``search_bytes``) safe to cut in both ``a``
         and ``b``, which must share their first ``limit`` bytes; 0 when there is none."""
         stop = max(0, limit - self.search_bytes)
-        for q in range(limit, stop, -1):
-            if self.safe(a, q) and self.safe(b, q):
+        if limit > stop and self.safe(a, limit) and self.safe(b, limit):
+            return limit
+        # Below the limit one text answers for both: `safe(data, q)` reads only data[:q + 1], shared.
+        for q in range(limit - 1, stop, -1):
+            if self.safe(a, q):
                 return q
         return 0
 
     def safe(self, data: bytes, q: int) -> bool:
-        """Whether ``encode(data) == encode(data[:q]) + encode(data[q:])`` by one of the two rules."""
+        """Whether ``encode(data) == encode(data[:q]) + encode(data[q:])`` by one of the two rules;
+        for ``0 < q < len(data)`` the answer depends on ``data[:q + 1]`` only."""
         if q >= len(data):
             return q == len(data)
         if q <= 0:

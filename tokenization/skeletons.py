@@ -150,7 +150,14 @@ class Skeletons:
             return None
         texts: list[str] = []
         # The key holds each text as its emptiness mark; stand-ins are made only on a miss, to render.
-        marked = [_marked(m, texts) for m in messages]
+        marked: list[dict[str, Any]] = []
+        for m in messages:
+            kept = m._skeleton_marks if type(m) is TemplateMessage else None  # `_marked`, inlined
+            if kept is None:
+                marked.append(_marked(m, texts))
+            else:
+                marked.append(kept[0])
+                texts.extend(kept[1])
         try:
             key = msgspec.json.encode((marked, context))
         except (TypeError, msgspec.EncodeError):

@@ -12,7 +12,7 @@ from typing import Any
 from tokenization.base import CacheStats, Message, SpecialTokens
 from tokenization.chat_carry import CarryLink, ChatCarry
 from tokenization.chat_template import TemplateSet
-from tokenization.prefix_reuse import ReuseEntry, ids_of
+from tokenization.prefix_reuse import PromptIds, ReuseEntry, WrappedIds, ids_of
 from tokenization.segment_cache import SegmentCache, SegmentedEncoder, pack_ids
 
 __all__ = ["TemplatedTokenizer"]
@@ -79,9 +79,10 @@ class TemplatedTokenizer:
 
     def encode_linked(
         self, text: str, add_special_tokens: bool = True
-    ) -> tuple[tuple[int, ...], bytes, CarryLink | None]:
+    ) -> tuple[PromptIds, bytes, CarryLink | None]:
         """`encode_packed`, with the ids' link to the recent text prefix reuse copied them from (its
-        block keys are kept on its entry, per special-token wrap), or None without prefix reuse."""
+        block keys are kept on its entry, per special-token wrap), or None without prefix reuse. With
+        prefix reuse the ids are given unjoined (`WrappedIds`, or the entry), joined when read."""
         wrap = self.special_wrap(add_special_tokens)
         reuse = self.segments.reuse
         if wrap is None or reuse is None or not self.segments.segmenter.enabled:
@@ -94,9 +95,12 @@ class TemplatedTokenizer:
         shared, prior_keys = (len(prefix) + copied, prior.derived.get(group, {})) if prior else (0, {})
         link = CarryLink(shared, prior_keys, own)
         if prefix or suffix:
-            ids = (*prefix, *entry.iter_ids(), *suffix)  # not joined on the entry: it would hold them twice
-            return ids, pack_ids(prefix) + entry.packed + pack_ids(suffix), link
-        return entry.ids, entry.packed, link
+            return (
+                WrappedIds(group[0], entry, group[1]),
+                pack_ids(prefix) + entry.packed + pack_ids(suffix),
+                link,
+            )
+        return entry, entry.packed, link
 
     def apply_chat_template(
         self,

@@ -276,7 +276,7 @@ class Models:
         main = computed.pop(model)
         return Prepared(
             model=model,
-            endpoint=Endpoint(endpoint),
+            endpoint=endpoint if type(endpoint) is Endpoint else Endpoint(endpoint),
             stream=first.stream,
             prompt_tokens=main.num_tokens,
             keys=main.keys,

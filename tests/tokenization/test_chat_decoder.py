@@ -66,7 +66,34 @@ STEP: st.SearchStrategy[tuple[str, list[dict[str, Any]]]] = st.one_of(
 
 def _body(messages: list[dict[str, Any]], fields: dict[str, Any], spaced: bool) -> bytes:
     doc = {"messages": messages, **fields}
+    if "model" in fields and spaced:  # the other opening the shared-bytes path takes
+        doc = {"model": fields["model"], **doc}
     return json.dumps(doc, indent=1 if spaced else None, ensure_ascii=spaced).encode()
+
+
+TAMPER: st.SearchStrategy[bytes | None] = st.one_of(
+    st.none(),
+    st.sampled_from(
+        [b', "messages": []', b', "messages": [0]', b', "\\u006dessages": [0]', b', "tools": 1',
+         b', "x": "messages"', b', "model": 3', b', "model": "z"']
+    ),
+)  # fmt: skip
+"""Text put after the messages array (a second ``messages`` key among them: the last one counts)."""
+SPLICE: st.SearchStrategy[bytes | None] = st.one_of(
+    st.none(), st.sampled_from([b".5", b"5", b" ", b"e1,", b"]"])
+)
+"""Bytes put right after the first message (where a body sharing it may be cut)."""
+
+
+def _tampered(body: bytes, tamper: bytes | None, splice: bytes | None, first: dict[str, Any] | None) -> bytes:
+    if tamper is not None and body.endswith(b"}"):
+        body = body[:-1] + tamper + b"}"
+    if splice is not None and first is not None:
+        head = json.dumps(first).encode()
+        at = body.find(head)
+        if at >= 0:
+            body = body[: at + len(head)] + splice + body[at + len(head) :]
+    return body
 
 
 def _outcome(decode: Any, body: bytes) -> ChatRequest | tuple[str, str | None]:
@@ -77,19 +104,20 @@ def _outcome(decode: Any, body: bytes) -> ChatRequest | tuple[str, str | None]:
     return result
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     start=st.lists(MESSAGE, min_size=0, max_size=4),
-    steps=st.lists(st.tuples(STEP, FIELDS), min_size=1, max_size=8),
+    steps=st.lists(st.tuples(STEP, FIELDS, TAMPER, SPLICE), min_size=1, max_size=8),
     max_entries=st.sampled_from([0, 1, 512]),
 )
 def test_every_body_decodes_as_decode_chat_decodes_it(
-    start: list[dict[str, Any]], steps: list[tuple[tuple[str, list[dict[str, Any]]], dict[str, Any]]],
+    start: list[dict[str, Any]],
+    steps: list[tuple[tuple[str, list[dict[str, Any]]], dict[str, Any], bytes | None, bytes | None]],
     max_entries: int,
 ) -> None:  # fmt: skip
     decoder = ChatDecoder(max_entries=max_entries)
     messages, spaced = list(start), False
-    for (op, new), fields in steps:
+    for (op, new), fields, tamper, splice in steps:
         if op == "append":
             messages += new
         elif op == "replace_last":
@@ -98,7 +126,7 @@ def test_every_body_decodes_as_decode_chat_decodes_it(
             messages = messages[:-1]
         elif op == "respace":
             spaced = not spaced
-        body = _body(messages, fields, spaced)
+        body = _tampered(_body(messages, fields, spaced), tamper, splice, messages[0] if messages else None)
         assert _outcome(decoder.decode, body) == _outcome(decode_chat, body)
     assert len(decoder) <= max_entries
 
@@ -108,6 +136,7 @@ def test_every_body_decodes_as_decode_chat_decodes_it(
     [b"", b"{", b"[]", b'{"messages": 3}', b'{"messages": [{"role": 1}]}', b'{"messages": [3]}',
      b'{"model": 3, "messages": []}', b'{"messages": [], "add_generation_prompt": true, '
      b'"continue_final_message": true}', b'{"messages": [{"role": "user", "content": "\\ud800"}]}',
+     b'{"messages": [{"role": 1}], "messages": []}', b'{"messages": [{"role": 1}], "\\u006dessages": []}',
      b"[" * 100_000 + b"]" * 100_000, b'{"messages": [' + b"[" * 100_000 + b"]" * 100_000 + b"]}"],
 )  # fmt: skip
 def test_bad_bodies_raise_what_decode_chat_raises(body: bytes) -> None:
@@ -132,6 +161,21 @@ def test_a_new_turn_reuses_the_earlier_messages_objects() -> None:
     edited = decoder.decode(_chat("a", "b", "X", "d", "e"))
     assert edited.messages[2] is not second.messages[2] and edited.messages[3] is second.messages[3]
     assert edited == decode_chat(_chat("a", "b", "X", "d", "e"))
+
+
+def test_a_new_turn_parses_only_what_follows_the_shared_messages() -> None:
+    decoder = ChatDecoder()
+    first = decoder.decode(_chat("a" * 50, "b", "c"))
+    body = _chat("a" * 50, "b", "c", "d")
+    second = decoder.decode(body)
+    assert decoder.skipped_bytes == len(_chat("a" * 50, "b", "c")) - len('{"messages": [') - 2
+    assert all(x is y for x, y in zip(first.messages, second.messages[:3], strict=False))
+    edited = _chat("a" * 50, "b", "X", "d")
+    assert decoder.decode(edited) == decode_chat(edited) and decoder.skipped_bytes > len(body)
+    other_opening = b'{"stream": false, ' + body[1:]  # messages not first: parsed whole, still equal
+    skipped = decoder.skipped_bytes
+    assert decoder.decode(other_opening) == decode_chat(other_opening)
+    assert decoder.decode(other_opening) == decode_chat(other_opening) and decoder.skipped_bytes == skipped
 
 
 def test_conversations_are_lru_and_bounded_in_entries_and_bytes() -> None:

@@ -19,7 +19,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenization import HfTokenizer
-from tokenization.prefix_reuse import PrefixReuse, ReuseEntry
+from tokenization.prefix_reuse import PrefixReuse, ReuseEntry, WrappedIds, count_of, ids_of, shared_prefix
 from tokenization.safe_cuts import CutFinder, pretokenizer_cuts, token_byte_lengths
 from tokenization.segmenter import AddedToken
 
@@ -129,6 +129,29 @@ def test_cut_rules_on_bytes() -> None:
     assert only_end.safe(b"a<|end|>y", 8) and only_end.safe(b"a<|end|><|end|>", 8)  # after a raw token
     assert not only_end.safe(b"<|<|end|>", 2) and not only_end.safe(b"ab cd", 2)
     assert cuts.last_cut(b"hello world", b"hello there", 6) == 5
+
+
+CUT_TEXT = st.lists(
+    st.sampled_from(["a", "b", " ", "  ", ".", "1", "é", "<|end|>", "<|end|>x", "<|", "x"]), max_size=12
+)
+
+
+@settings(max_examples=300, deadline=None)
+@given(shared=CUT_TEXT, a_rest=CUT_TEXT, b_rest=CUT_TEXT, rule=st.booleans(), search=st.integers(1, 12))
+def test_last_cut_is_the_latest_offset_safe_in_both_texts(
+    shared: list[str], a_rest: list[str], b_rest: list[str], rule: bool, search: int
+) -> None:
+    added = [
+        AddedToken(1, "<|end|>", normalized=False, special=True),
+        AddedToken(2, "<|end|>x", normalized=False),
+    ]
+    cuts = CutFinder(added, pretokenizer_rule=rule, search_bytes=search)
+    a, b = "".join(shared + a_rest).encode(), "".join(shared + b_rest).encode()
+    limit = 0
+    while limit < min(len(a), len(b)) and a[limit] == b[limit]:
+        limit += 1  # the whole shared prefix
+    both = [q for q in range(limit, max(0, limit - search), -1) if cuts.safe(a, q) and cuts.safe(b, q)]
+    assert cuts.last_cut(a, b, limit) == (both[0] if both else 0)
 
 
 # --- Exactness: the reuse path equals a plain encode ------------------------------------------------------
@@ -257,3 +280,39 @@ def test_an_entrys_ids_are_its_head_and_tail_however_read(head: list[int], tail:
         assert entry.count == len(ids) and list(entry.iter_ids()) == list(ids)
         assert all(entry.prefix(n) == ids[:n] for n in range(len(ids) + 1))
         assert entry.ids == ids
+
+
+@given(
+    head=st.lists(st.integers(0, 9), max_size=6),
+    tail=st.lists(st.integers(0, 9), max_size=6),
+    wrap=st.tuples(st.lists(st.integers(10, 12), max_size=2), st.lists(st.integers(10, 12), max_size=2)),
+)
+def test_wrapped_ids_are_the_wrap_around_the_entrys_ids(
+    head: list[int], tail: list[int], wrap: tuple[list[int], list[int]]
+) -> None:
+    entry = ReuseEntry(b"", tuple(head), tuple(tail), b"", None)
+    wrapped = WrappedIds(tuple(wrap[0]), entry, tuple(wrap[1]))
+    ids = (*wrap[0], *head, *tail, *wrap[1])
+    assert count_of(wrapped) == len(ids) and wrapped._ids is None  # counted without joining
+    assert ids_of(wrapped) == ids and wrapped.ids is ids_of(wrapped)  # joined once
+    assert entry._ids is (None if head else entry.tail)  # not joined on the entry
+
+
+def test_a_completions_prompt_keeps_its_ids_unjoined_until_read(tok: HfTokenizer) -> None:
+    prompt = "A shared instruction for every request. " * 20
+    for i in range(3):
+        text = f"{prompt}request {i}"
+        ids, packed, _ = tok.encode_linked(text, True)
+        expected = tuple(tok.encode(text, True))
+        assert not isinstance(ids, tuple) and ids_of(ids) == expected and count_of(ids) == len(expected)
+        assert packed == array("I", expected).tobytes()
+
+
+@settings(max_examples=300, deadline=None)
+@given(shared=st.binary(max_size=70), a=st.binary(max_size=70), b=st.binary(max_size=70))
+def test_shared_prefix_is_the_longest_common_prefix(shared: bytes, a: bytes, b: bytes) -> None:
+    x, y = shared + a, shared + b
+    n = 0
+    while n < min(len(x), len(y)) and x[n] == y[n]:
+        n += 1
+    assert shared_prefix(x, y) == n == shared_prefix(y, memoryview(x))
