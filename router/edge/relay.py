@@ -101,12 +101,12 @@ class RelayResponse(Response):
             start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             await send(start)
             first, ended, upstream = True, False, self.upstream
-            while chunk := await upstream.next_chunk():
+            while not ended and (chunk := await upstream.next_chunk()):
                 if tap is not None:
                     tap.feed(chunk)
                 received = time.perf_counter() if first else 0.0
                 if upstream.at_end():  # the stream's end leaves with its last bytes, in one write
-                    ended = True
+                    ended = True  # and the connection is already released: no call for b"" follows
                     watch.closing()
                 await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
                 if first:
