@@ -28,7 +28,7 @@ from router.edge.client_writes import BODY_WRITER, BodyWriter
 from router.edge.upstream import UpstreamResponse
 from router.edge.usage import UsageTap
 
-__all__ = ["EndHook", "RelayResponse", "body_writer", "relayed_headers"]
+__all__ = ["EndHook", "RawHeaders", "RelayResponse", "body_writer", "relayed_headers"]
 
 _SERVER_OWN = frozenset({"date", "server"})  # uvicorn writes its own; the engine's would repeat them
 
@@ -46,25 +46,28 @@ def body_writer(scope: Scope, coalesce_s: float = 0.0) -> BodyWriter | None:
     return writer
 
 
+RawHeaders = list[tuple[bytes, bytes]]
+"""ASGI headers: lower-case names, latin-1 bytes."""
+
+
 @lru_cache(maxsize=64)
-def _dropped(extra_names: tuple[str, ...]) -> frozenset[str]:
+def _dropped(extra_names: tuple[bytes, ...]) -> frozenset[str]:
     """The engine's headers the client must not get twice: the server's own and the gateway's
     (an echoed x-request-id would repeat it). The gateway adds the same names to every answer."""
-    return _SERVER_OWN | {k.lower() for k in extra_names}
+    return _SERVER_OWN | {k.decode("latin-1") for k in extra_names}
 
 
-def relayed_headers(
-    engine_headers: list[tuple[str, str]], extra_headers: list[tuple[str, str]]
-) -> list[tuple[bytes, bytes]]:
+def relayed_headers(engine_headers: list[tuple[str, str]], extra: RawHeaders) -> RawHeaders:
     """The answer's ASGI headers: the engine's (duplicates kept, those the gateway or the server
-    set dropped), then the gateway's `extra_headers`; names lower-cased, each lowered once."""
-    dropped = _dropped(tuple(k for k, _ in extra_headers))
+    set dropped; names lower-cased, each lowered once), then the gateway's `extra`, already ASGI
+    (built as bytes by the caller: nothing to lower or encode per request)."""
+    dropped = _dropped(tuple([k for k, _ in extra]))
     raw = [
         (name.encode("latin-1"), v.encode("latin-1"))
         for k, v in engine_headers
         if (name := k.lower()) not in dropped
     ]
-    raw.extend((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra_headers)
+    raw += extra
     return raw
 
 
@@ -74,7 +77,7 @@ class RelayResponse(Response):
     def __init__(
         self,
         upstream: UpstreamResponse,
-        extra_headers: list[tuple[str, str]],
+        extra_headers: RawHeaders,
         tap: UsageTap | None,
         on_first_byte: Callable[[float], None],
         on_end: EndHook,
