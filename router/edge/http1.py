@@ -339,9 +339,6 @@ class Http1Client:
 
 
 def _head(method: str, target: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
-    lines = [f"{method} {target} HTTP/1.1"]
-    lines.extend(f"{k}: {v}" for k, v in headers)
-    if body or method not in _NO_BODY_METHODS:
-        lines.append(f"Content-Length: {len(body)}")
-    lines.append("\r\n")
-    return "\r\n".join(lines).encode("latin-1")
+    fields = "".join([f"{k}: {v}\r\n" for k, v in headers])
+    length = f"Content-Length: {len(body)}\r\n" if body or method not in _NO_BODY_METHODS else ""
+    return f"{method} {target} HTTP/1.1\r\n{fields}{length}\r\n".encode("latin-1")

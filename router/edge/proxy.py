@@ -53,6 +53,7 @@ __all__ = ["Chooser", "Proxy", "ProxySettings"]
 _ERROR_EXCERPT = 64 * 1024
 # aiohttp adds these when absent; the engine should see only what the client sent.
 _SKIP_AUTO = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
+_NONE_TRIED: frozenset[EngineId] = frozenset()
 
 
 class ProxySettings(msgspec.Struct, frozen=True):
@@ -141,11 +142,10 @@ class Proxy:
         attempts: list[Attempt] = []
         last: RouterError | UpstreamResponse | None = None  # an exception built only when raised
         for n in range(self.settings.retry.attempts):
-            target = choose(frozenset(a.engine for a in attempts))
+            target = choose(frozenset([a.engine for a in attempts]) if attempts else _NONE_TRIED)
             if target is None:
                 break
-            delay = self.settings.retry.delay_before(n) or 0.0
-            if delay:
+            if n and (delay := self.settings.retry.delay_before(n)):
                 await asyncio.sleep(delay)  # backoff between attempts
             result = await self._attempt(target, request, attempts)
             if isinstance(result, UpstreamResponse) and not is_retryable(

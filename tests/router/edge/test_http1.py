@@ -423,3 +423,17 @@ async def test_the_last_bytes_release_the_connection_and_a_later_call_takes_noth
         assert server.connections == 1
         assert await first.next_chunk() == b""  # the kept connection's bytes are the second answer's
         assert await body_of(second) == b"second"
+
+
+@pytest.mark.parametrize(
+    ("method", "body", "length"),
+    [("POST", b"{}", b"Content-Length: 2\r\n"), ("POST", b"", b"Content-Length: 0\r\n"), ("GET", b"", b"")],
+)
+def test_the_request_head_names_the_body_length_unless_a_bodiless_method_sends_none(
+    method: str, body: bytes, length: bytes
+) -> None:
+    head = http1._head(method, "/v1/x?a=1", [("Host", "e:1"), ("x-request-id", "r")], body)
+    assert head == b"%s /v1/x?a=1 HTTP/1.1\r\nHost: e:1\r\nx-request-id: r\r\n%s\r\n" % (
+        method.encode(),
+        length,
+    )
