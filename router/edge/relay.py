@@ -144,8 +144,9 @@ class RelayResponse(Response):
 
     def abandon(self) -> None:
         """The relay will not run (or was cut short before it started): release everything once."""
-        self.upstream.close()
-        self._end("client_closed", None)
+        if not self._ended:  # ended: `stream_to` closed the upstream before telling the hook
+            self.upstream.close()
+            self._end("client_closed", None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = ClientWatch(receive, scope)
