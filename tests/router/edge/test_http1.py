@@ -437,3 +437,25 @@ def test_the_request_head_names_the_body_length_unless_a_bodiless_method_sends_n
         method.encode(),
         length,
     )
+
+
+async def test_a_body_that_paused_reading_leaves_its_pooled_connection_reading_again() -> None:
+    big = b"x" * (http1_connection.HIGH_WATER + 1000)  # past the mark only with its last bytes
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for answer in (big, b"next"):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(answer), answer))
+            await writer.drain()
+
+    async with raw_server(handler) as server, client() as c:
+        first = await c.request("POST", server.url, "/", [], b"{}")
+        conn = first._conn
+        async with asyncio.timeout(WAIT):  # nothing consumed: the bytes pile up until reading pauses
+            while not conn.paused:
+                await asyncio.sleep(0.001)
+        assert await body_of(first) == big
+        async with asyncio.timeout(WAIT):
+            second = await c.request("POST", server.url, "/", [], b"{}")
+            assert await body_of(second) == b"next"
+        assert server.connections == 1
