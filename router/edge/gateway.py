@@ -95,6 +95,11 @@ def _mirror_trust(entry: DecisionEntry, engine: str) -> str:
     return "unknown"
 
 
+def _event_stream(upstream: UpstreamResponse) -> bool:
+    """Whether the answer is SSE (its usage sits in the last events, not in one JSON body)."""
+    return any(k.lower() == "content-type" and "event-stream" in v for k, v in upstream.headers)
+
+
 class Gateway:
     """Serves the OpenAI routes over the fleet (see the module docstring)."""
 
@@ -276,10 +281,10 @@ class Gateway:
         streamed_ok = upstream.status == 200 and entry.request.stream
         predicted = entry.predicted_cached_tokens or 0
         headers = [
-            ("x-request-id", entry.request_id),
-            ("x-kvrouter-engine", engine),
-            ("x-kvrouter-predicted-cached-tokens", str(predicted)),
-            ("x-kvrouter-mirror-trust", _mirror_trust(entry, engine)),
+            (b"x-request-id", entry.request_id.encode("latin-1")),
+            (b"x-kvrouter-engine", engine.encode("latin-1")),
+            (b"x-kvrouter-predicted-cached-tokens", b"%d" % predicted),
+            (b"x-kvrouter-mirror-trust", _mirror_trust(entry, engine).encode("latin-1")),
         ]
 
         def first_byte(relay_s: float) -> None:
@@ -303,8 +308,7 @@ class Gateway:
                 parts.metrics.observe_prediction(engine, predicted, cached)
             self._log_end(entry, status)
 
-        stream = any(k.lower() == "content-type" and "event-stream" in v for k, v in upstream.headers)
-        tap = UsageTap(stream) if upstream.status == 200 else None
+        tap = UsageTap(_event_stream(upstream)) if upstream.status == 200 else None
         return RelayResponse(upstream, headers, tap, first_byte, end)
 
     def _failed(self, entry: DecisionEntry, exc: BaseException) -> None:

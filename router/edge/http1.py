@@ -2,12 +2,13 @@
 
 It does only what forwarding needs, which is why it costs a fraction of aiohttp's client per request
 (BENCHMARKS.md, "Gateway"): one pooled connection per exchange (no pipelining), the request head and
-body written with one `transport.write`, the answer's headers awaited, then its body read chunk by
-chunk as it arrives (chunked and length-framed bodies decoded by httptools, or up to EOF). A fully
-read answer with keep-alive returns its connection to the pool; any other end (close, cancellation,
+body written with one `transport.writelines` (one writev on uvloop, the body not copied), the
+answer's headers awaited, then its body read chunk by chunk as it arrives (chunked and length-framed
+bodies decoded by httptools, or up to EOF). A fully read answer with keep-alive returns its
+connection to the pool as its last bytes are handed over; any other end (close, cancellation,
 error) drops it, which is how an engine learns that the client went away. The connection is
-router.edge.http1_connection's; failures are router.edge.http1_errors' `HttpClientError`s (re-exported
-here), which `router.edge.upstream.map_upstream_errors` translates.
+router.edge.http1_connection's; failures are router.edge.http1_errors' `HttpClientError`s
+(re-exported here), which `router.edge.upstream.map_upstream_errors` translates.
 """
 
 from __future__ import annotations
@@ -91,10 +92,13 @@ class Http1Response:
         self._done = False
 
     async def next_chunk(self) -> bytes:
-        """The next body bytes as they arrived; b"" once the body is complete (the connection released)."""
+        """The next body bytes as they arrived; b"" once the body is complete. The connection is
+        released with the body's last bytes (`at_end()` is then True), so no further call is needed."""
+        if self._done:  # released or dropped: a pooled connection's bytes are another answer's now
+            return b""
         conn = self._conn
         while not conn.chunks:
-            if conn.complete or self._done:
+            if conn.complete:
                 self.release()
                 return b""
             if conn.error is not None:
@@ -112,6 +116,8 @@ class Http1Response:
         conn.buffered -= len(chunk)
         if conn.paused and conn.buffered <= HIGH_WATER // 2:
             conn.resume()
+        if conn.complete:
+            self.release()
         return chunk
 
     async def pump(self, sink: Sink, drained: Callable[[], Awaitable[None]]) -> None:
@@ -227,26 +233,31 @@ class Http1Client:
         loop = asyncio.get_running_loop()
         start = loop.time()
         pool = self._pool(base_url)
-        request = _head(method, pool.origin.prefix + path, headers, body) + body
-        conn = await self._acquire(pool, loop)
+        head = _head(method, pool.origin.prefix + path, headers, body)
+        conn = self._take(pool, start) or await self._acquire(pool, loop)
         try:
-            await self._exchange(pool, conn, request, start)
+            await self._exchange(pool, conn, head, body, start)
         except ServerDisconnected:
             # A kept connection the engine closed just as it was taken (its idle timeout): the
             # request met a closed socket, so it goes once more on a fresh connection.
             if not conn.reused or conn.received:
                 raise
             conn = await self._acquire(pool, loop, fresh=True)
-            await self._exchange(pool, conn, request, start)
+            await self._exchange(pool, conn, head, body, start)
         if method == "HEAD":  # the answer's length describes a body that never comes
             conn.complete, conn.keep_alive = True, False
         return Http1Response(pool, conn, start + self.settings.total_s)
 
-    async def _exchange(self, pool: _Pool, conn: Connection, request: bytes, start: float) -> None:
-        """Write the request and wait for the answer's headers; any failure drops the connection."""
+    async def _exchange(self, pool: _Pool, conn: Connection, head: bytes, body: bytes, start: float) -> None:
+        """Write the request and wait for the answer's headers; any failure drops the connection.
+
+        Head and body go out in one `writelines`: one writev on uvloop, the body never copied."""
         try:
             assert conn.transport is not None
-            conn.transport.write(request)
+            if body:
+                conn.transport.writelines((head, body))
+            else:
+                conn.transport.write(head)
             while not conn.headers_done:
                 if conn.error is not None:
                     raise conn.error
@@ -261,6 +272,17 @@ class Http1Client:
         if pool is None:
             pool = self._pools[base_url] = _Pool(self, _Origin.of(base_url))
         return pool
+
+    def _take(self, pool: _Pool, now: float) -> Connection | None:
+        """An idle kept connection of `pool` when the limits leave room, with no await (the common
+        case); None sends the caller to `_acquire`."""
+        s = self.settings
+        if self._in_use >= s.pool_total or pool.in_use >= s.pool_per_host:
+            return None
+        conn = pool.take(now)
+        if conn is not None:
+            self._in_use += 1
+        return conn
 
     async def _acquire(self, pool: _Pool, loop: asyncio.AbstractEventLoop, fresh: bool = False) -> Connection:
         s = self.settings
@@ -317,9 +339,6 @@ class Http1Client:
 
 
 def _head(method: str, target: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
-    lines = [f"{method} {target} HTTP/1.1"]
-    lines.extend(f"{k}: {v}" for k, v in headers)
-    if body or method not in _NO_BODY_METHODS:
-        lines.append(f"Content-Length: {len(body)}")
-    lines.append("\r\n")
-    return "\r\n".join(lines).encode("latin-1")
+    fields = "".join([f"{k}: {v}\r\n" for k, v in headers])
+    length = f"Content-Length: {len(body)}\r\n" if body or method not in _NO_BODY_METHODS else ""
+    return f"{method} {target} HTTP/1.1\r\n{fields}{length}\r\n".encode("latin-1")

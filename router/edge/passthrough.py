@@ -143,7 +143,10 @@ class Passthrough:
             parts.fleet.admission.leave()
             parts.metrics.requests.labels(upstream.engine, _POLICY, status).inc()
 
-        extra = [("x-request-id", rid), ("x-kvrouter-engine", upstream.engine)]
+        extra = [
+            (b"x-request-id", rid.encode("latin-1")),
+            (b"x-kvrouter-engine", upstream.engine.encode("latin-1")),
+        ]
         return RelayResponse(upstream, extra, None, lambda s: None, end)
 
     async def unknown(self, request: Request, allowed: list[str]) -> Response:

@@ -53,6 +53,7 @@ __all__ = ["Chooser", "Proxy", "ProxySettings"]
 _ERROR_EXCERPT = 64 * 1024
 # aiohttp adds these when absent; the engine should see only what the client sent.
 _SKIP_AUTO = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
+_NONE_TRIED: frozenset[EngineId] = frozenset()
 
 
 class ProxySettings(msgspec.Struct, frozen=True):
@@ -141,11 +142,10 @@ class Proxy:
         attempts: list[Attempt] = []
         last: RouterError | UpstreamResponse | None = None  # an exception built only when raised
         for n in range(self.settings.retry.attempts):
-            target = choose(frozenset(a.engine for a in attempts))
+            target = choose(frozenset([a.engine for a in attempts]) if attempts else _NONE_TRIED)
             if target is None:
                 break
-            delay = self.settings.retry.delay_before(n) or 0.0
-            if delay:
+            if n and (delay := self.settings.retry.delay_before(n)):
                 await asyncio.sleep(delay)  # backoff between attempts
             result = await self._attempt(target, request, attempts)
             if isinstance(result, UpstreamResponse) and not is_retryable(
@@ -174,11 +174,16 @@ class Proxy:
         if not breaker.acquire(self.clock()):
             attempts.append(Attempt(target.engine, OutcomeKind.CONNECT_FAILED, error="circuit open"))
             return UpstreamConnectError(f"engine {target.engine}: circuit open", engine=target.engine)
-        try:
-            response = await self._send(target, request)
-        except UpstreamError as error:
-            kind = outcome_of(error)
-            attempts.append(Attempt(target.engine, kind, error=error.message))
+        assert self._client is not None, "Proxy.start() was not called"
+        headers = upstream_headers(request.headers, target.base_url)
+        try:  # the client is awaited here directly: no coroutine of its own per attempt
+            response = await self._client.request(
+                request.method, target.base_url, request.path, headers, request.body
+            )
+        except UPSTREAM_FAILURES as exc:
+            error = upstream_error(target.engine, "first byte", exc)
+            error.__cause__ = exc  # what `outcome_of` reads, as `raise ... from exc` would set it
+            attempts.append(Attempt(target.engine, outcome_of(error), error=error.message))
             breaker.record_failure(self.clock())
             return error
         except asyncio.CancelledError:
@@ -194,16 +199,6 @@ class Proxy:
             answer._response = response
             answer._on_broken = lambda: breaker.record_failure(self.clock())
         return answer
-
-    async def _send(self, target: Target, request: ProxyRequest) -> Http1Response:
-        assert self._client is not None, "Proxy.start() was not called"
-        headers = upstream_headers(request.headers, target.base_url)
-        try:
-            return await self._client.request(
-                request.method, target.base_url, request.path, headers, request.body
-            )
-        except UPSTREAM_FAILURES as exc:
-            raise upstream_error(target.engine, "first byte", exc) from exc
 
     async def _read_excerpt(self, engine: EngineId, response: Http1Response) -> bytes:
         body = b""

@@ -28,7 +28,7 @@ from router.edge.client_writes import BODY_WRITER, BodyWriter
 from router.edge.upstream import UpstreamResponse
 from router.edge.usage import UsageTap
 
-__all__ = ["EndHook", "RelayResponse", "body_writer", "relayed_headers"]
+__all__ = ["EndHook", "RawHeaders", "RelayResponse", "body_writer", "relayed_headers"]
 
 _SERVER_OWN = frozenset({"date", "server"})  # uvicorn writes its own; the engine's would repeat them
 
@@ -46,25 +46,28 @@ def body_writer(scope: Scope, coalesce_s: float = 0.0) -> BodyWriter | None:
     return writer
 
 
+RawHeaders = list[tuple[bytes, bytes]]
+"""ASGI headers: lower-case names, latin-1 bytes."""
+
+
 @lru_cache(maxsize=64)
-def _dropped(extra_names: tuple[str, ...]) -> frozenset[str]:
+def _dropped(extra_names: tuple[bytes, ...]) -> frozenset[str]:
     """The engine's headers the client must not get twice: the server's own and the gateway's
     (an echoed x-request-id would repeat it). The gateway adds the same names to every answer."""
-    return _SERVER_OWN | {k.lower() for k in extra_names}
+    return _SERVER_OWN | {k.decode("latin-1") for k in extra_names}
 
 
-def relayed_headers(
-    engine_headers: list[tuple[str, str]], extra_headers: list[tuple[str, str]]
-) -> list[tuple[bytes, bytes]]:
+def relayed_headers(engine_headers: list[tuple[str, str]], extra: RawHeaders) -> RawHeaders:
     """The answer's ASGI headers: the engine's (duplicates kept, those the gateway or the server
-    set dropped), then the gateway's `extra_headers`; names lower-cased, each lowered once."""
-    dropped = _dropped(tuple(k for k, _ in extra_headers))
+    set dropped; names lower-cased, each lowered once), then the gateway's `extra`, already ASGI
+    (built as bytes by the caller: nothing to lower or encode per request)."""
+    dropped = _dropped(tuple([k for k, _ in extra]))
     raw = [
         (name.encode("latin-1"), v.encode("latin-1"))
         for k, v in engine_headers
         if (name := k.lower()) not in dropped
     ]
-    raw.extend((k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in extra_headers)
+    raw += extra
     return raw
 
 
@@ -74,7 +77,7 @@ class RelayResponse(Response):
     def __init__(
         self,
         upstream: UpstreamResponse,
-        extra_headers: list[tuple[str, str]],
+        extra_headers: RawHeaders,
         tap: UsageTap | None,
         on_first_byte: Callable[[float], None],
         on_end: EndHook,
@@ -101,12 +104,12 @@ class RelayResponse(Response):
             start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             await send(start)
             first, ended, upstream = True, False, self.upstream
-            while chunk := await upstream.next_chunk():
+            while not ended and (chunk := await upstream.next_chunk()):
                 if tap is not None:
                     tap.feed(chunk)
                 received = time.perf_counter() if first else 0.0
                 if upstream.at_end():  # the stream's end leaves with its last bytes, in one write
-                    ended = True
+                    ended = True  # and the connection is already released: no call for b"" follows
                     watch.closing()
                 await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
                 if first:
@@ -141,8 +144,9 @@ class RelayResponse(Response):
 
     def abandon(self) -> None:
         """The relay will not run (or was cut short before it started): release everything once."""
-        self.upstream.close()
-        self._end("client_closed", None)
+        if not self._ended:  # ended: `stream_to` closed the upstream before telling the hook
+            self.upstream.close()
+            self._end("client_closed", None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = ClientWatch(receive, scope)

@@ -4,7 +4,7 @@ cancellation, broken engines, and one write per request."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 
 import pytest
@@ -110,20 +110,35 @@ async def test_chunked_and_eof_framed_bodies_are_decoded() -> None:
         assert await body_of(eof) == b"until the end"
 
 
-async def test_head_and_body_go_out_in_one_write(monkeypatch: pytest.MonkeyPatch) -> None:
-    writes: list[bytes] = []
+async def test_head_and_body_go_out_in_one_write_without_copying_the_body(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    calls: list[list[bytes]] = []  # the pieces of each transport call (write: one; writelines: several)
     made = http1_connection.Connection.connection_made
 
     def counting(self: http1_connection.Connection, transport: asyncio.BaseTransport) -> None:
         made(self, transport)
         assert isinstance(transport, asyncio.Transport)
-        real = transport.write
+        real_write, real_lines = transport.write, transport.writelines
+
+        inside = [False]  # asyncio's writelines calls write: that is still the one call
 
         def write(data: bytes | bytearray | memoryview) -> None:
-            writes.append(bytes(data))
-            real(data)
+            if not inside[0]:
+                calls.append([bytes(data)])
+            real_write(data)
+
+        def writelines(pieces: Iterable[bytes | bytearray | memoryview]) -> None:
+            kept = list(pieces)
+            calls.append(kept)  # type: ignore[arg-type]
+            inside[0] = True
+            try:
+                real_lines(kept)
+            finally:
+                inside[0] = False
 
         transport.write = write  # type: ignore[method-assign]
+        transport.writelines = writelines  # type: ignore[method-assign,assignment]
 
     monkeypatch.setattr(http1_connection.Connection, "connection_made", counting)
     seen: list[bytes] = []
@@ -138,9 +153,9 @@ async def test_head_and_body_go_out_in_one_write(monkeypatch: pytest.MonkeyPatch
     async with raw_server(handler) as server, client() as c:
         response = await c.request("POST", server.url + "/base/", "/v1/completions", [("Host", "e")], body)
         assert await body_of(response) == b"ok"
-    assert len(writes) == 1 and writes == seen
     head = b"POST /base/v1/completions HTTP/1.1\r\nHost: e\r\nContent-Length: 100014\r\n\r\n"
-    assert writes[0].startswith(head)
+    assert len(calls) == 1 and [b"".join(calls[0])] == seen
+    assert calls[0][0] == head and calls[0][1] is body  # handed over as given, not joined to the head
 
 
 async def test_first_byte_and_read_timeouts_name_their_phase() -> None:
@@ -389,3 +404,58 @@ async def test_an_engine_breaking_mid_pump_raises_and_drops_the_connection() -> 
         with pytest.raises(http1.ResponseCut):
             await response.pump(lambda data: True, _never_called)
         assert c._pools[server.url].idle == [] and c._in_use == 0
+
+
+async def test_the_last_bytes_release_the_connection_and_a_later_call_takes_nothing_of_the_next() -> None:
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for answer in (b"first", b"second"):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(answer), answer))
+            await writer.drain()
+
+    async with raw_server(handler) as server, client() as c:
+        first = await c.request("POST", server.url, "/", [], b"{}")
+        got = b""
+        while not first.at_end():
+            got += await first.next_chunk()
+        assert got == b"first"  # no call returned b"": the last bytes alone handed the connection back
+        second = await c.request("POST", server.url, "/", [], b"{}")
+        assert server.connections == 1
+        assert await first.next_chunk() == b""  # the kept connection's bytes are the second answer's
+        assert await body_of(second) == b"second"
+
+
+@pytest.mark.parametrize(
+    ("method", "body", "length"),
+    [("POST", b"{}", b"Content-Length: 2\r\n"), ("POST", b"", b"Content-Length: 0\r\n"), ("GET", b"", b"")],
+)
+def test_the_request_head_names_the_body_length_unless_a_bodiless_method_sends_none(
+    method: str, body: bytes, length: bytes
+) -> None:
+    head = http1._head(method, "/v1/x?a=1", [("Host", "e:1"), ("x-request-id", "r")], body)
+    assert head == b"%s /v1/x?a=1 HTTP/1.1\r\nHost: e:1\r\nx-request-id: r\r\n%s\r\n" % (
+        method.encode(),
+        length,
+    )
+
+
+async def test_a_body_that_paused_reading_leaves_its_pooled_connection_reading_again() -> None:
+    big = b"x" * (http1_connection.HIGH_WATER + 1000)  # past the mark only with its last bytes
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for answer in (big, b"next"):
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n%s" % (len(answer), answer))
+            await writer.drain()
+
+    async with raw_server(handler) as server, client() as c:
+        first = await c.request("POST", server.url, "/", [], b"{}")
+        conn = first._conn
+        async with asyncio.timeout(WAIT):  # nothing consumed: the bytes pile up until reading pauses
+            while not conn.paused:
+                await asyncio.sleep(0.001)
+        assert await body_of(first) == big
+        async with asyncio.timeout(WAIT):
+            second = await c.request("POST", server.url, "/", [], b"{}")
+            assert await body_of(second) == b"next"
+        assert server.connections == 1

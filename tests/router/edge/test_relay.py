@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-from router.edge import http1_connection
+from router.edge import http1, http1_connection
 from router.settings.config import EngineConfig, Listen
 from tests.gateway_helpers import gateway_config, record_client_writes, running_gateway
 from tests.router.edge.test_client_writes import WAIT
@@ -103,6 +103,28 @@ async def test_chunks_that_arrive_together_leave_in_one_write_with_the_end(
     body = received.partition(b"\r\n\r\n")[2]
     assert body == chunked(event(0) + event(1) + b"data: [DONE]\n\n") + b"0\r\n\r\n"
     assert len(writes) == 1  # head, every event and the end of the stream
+
+
+async def test_an_answer_that_arrived_whole_is_read_with_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
+    calls: list[bytes] = []
+    real = http1.Http1Response.next_chunk
+
+    async def counted(self: http1.Http1Response) -> bytes:
+        calls.append(chunk := await real(self))
+        return chunk
+
+    monkeypatch.setattr(http1.Http1Response, "next_chunk", counted)
+
+    async def all_at_once(writer: asyncio.StreamWriter) -> None:
+        writer.write(HEAD + chunked(event(0), b"data: [DONE]\n\n") + b"0\r\n\r\n")
+        await writer.drain()
+
+    async with raw_engine(all_at_once) as url, gateway_writes(url, monkeypatch) as (gw, _):
+        reader, writer = await post(gw)
+        received = await read_until(reader, b"", b"\r\n0\r\n\r\n")
+        writer.close()
+    assert received.endswith(chunked(event(0) + b"data: [DONE]\n\n") + b"0\r\n\r\n")
+    assert calls == [event(0) + b"data: [DONE]\n\n"]  # its last bytes ended it: no call for b"" after
 
 
 async def test_a_first_chunk_leaves_before_the_rest_exists_and_the_end_rides_the_last(
