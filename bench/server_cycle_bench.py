@@ -116,7 +116,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--body-kb", type=int, default=40)
-    parser.add_argument("--kinds", default="uvicorn,timed,hot")
+    parser.add_argument("--kinds", default="timed,hot,uvicorn")
     args = parser.parse_args()
     body = b'{"messages":[{"role":"user","content":"' + b"w" * (args.body_kb * 1024) + b'"}]}'
     request = (

@@ -142,6 +142,13 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             self.flow.pause_reading()
             self.pipeline.appendleft((cycle, self.app))
 
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        if type(cycle) is not HotCycle:
+            super().on_body(body)
+        elif not cycle.response_complete and cycle.take(body):  # a hot head is never an upgrade
+            self.flow.pause_reading()
+
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
         super().connection_lost(exc)

@@ -7,9 +7,10 @@ head is exactly `POST /v1/completions` or `POST /v1/chat/completions` (no query,
 `HotCycle` instead of uvicorn's `RequestResponseCycle`: its task calls `Gateway.handle` directly
 (not uvicorn's app wrapper, `GatewayApp.__call__`), and its `send` builds the head in one pass,
 checking the header names and values with one search each over all of them instead of two per
-header, and holds the head for the first body bytes itself (what `HeadHold` does for other routes).
-Everything else is uvicorn's cycle: the body's collection and `receive` (100-continue, chunked
-bodies, flow control), keep-alive and pipelining, disconnects. Every other request keeps uvicorn's
+header, and holds the head for the first body bytes itself (what `HeadHold` does for other routes);
+the request body is kept as the parser's pieces and handed over joined (one piece: as parsed), not
+copied into a bytearray and out. Everything else is uvicorn's: `receive`'s rules (100-continue,
+chunked bodies, flow control), keep-alive and pipelining, disconnects. Every other request keeps uvicorn's
 path unchanged.
 """
 
@@ -21,6 +22,7 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import (
     HEADER_RE,
     HEADER_VALUE_RE,
@@ -69,6 +71,36 @@ class HotCycle(RequestResponseCycle):
     serve: HotHandler
     endpoint: Endpoint
     _held: bytes | None = None
+    _chunks: list[bytes] | None = None
+    """The body bytes parsed and not yet received, as the parser gave them (`take`)."""
+    _size = 0
+
+    def take(self, body: bytes) -> bool:
+        """Keep a parsed piece of the request body for `receive`; True when more than uvicorn's
+        high-water mark waits (the protocol then pauses reading, as uvicorn's does)."""
+        if self._chunks is None:
+            self._chunks = [body]
+        else:
+            self._chunks.append(body)
+        self._size += len(body)
+        self.message_event.set()
+        return self._size > HIGH_WATER_LIMIT
+
+    async def receive(self) -> Any:
+        """uvicorn's `receive`, handing over the body's pieces joined (one piece: as it was parsed),
+        not copied into a bytearray and out again."""
+        if self.waiting_for_100_continue and not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.waiting_for_100_continue = False
+        if not self.disconnected and not self.response_complete:
+            self.flow.resume_reading()
+            await self.message_event.wait()
+            self.message_event.clear()
+        if self.disconnected or self.response_complete:
+            return {"type": "http.disconnect"}
+        chunks, self._chunks, self._size = self._chunks, None, 0
+        body = b"" if chunks is None else chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return {"type": "http.request", "body": body, "more_body": self.more_body}
 
     async def run_asgi(self, app: Any) -> None:
         """Serve the request; an exception is logged and answered 500 (or the connection closed once

@@ -251,3 +251,31 @@ async def test_the_gateway_serves_its_hot_routes_from_the_protocol(monkeypatch: 
         assert answer.status_code == 200 and answer.headers["x-kvrouter-engine"] == "e0"
         assert (await gw.client.get("/health")).status_code == 200
     assert cycles == ["/v1/completions"]
+
+
+async def test_hot_bodies_arrive_whole_in_pieces_chunked_and_past_the_high_water_mark(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The body is kept as the parser's pieces: sent in several writes, chunked, or far past uvicorn's
+    high-water mark (reading paused, then resumed by `receive`), it is the same bytes."""
+    big = bytes(range(256)) * 1200  # ~300 KB: several reads, past the 64 KB mark
+
+    async def digest(scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        body = await read_asgi_body(receive, scope["headers"], 1 << 20, WAIT)
+        await _answer(send, b"%d %r" % (len(body), body == big))
+
+    async with serving(digest, monkeypatch) as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        data = _post(b"/v1/chat/completions", big)
+        for start in range(0, len(data), 100_000):
+            writer.write(data[start : start + 100_000])
+            await writer.drain()
+        chunked = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in (big[:70_000], big[70_000:]))
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ntransfer-encoding: chunked\r\n\r\n"
+            + chunked
+            + b"0\r\n\r\n"
+        )
+        answers = await _read_answers(reader, 2)
+        writer.close()
+    assert [body for _, body in answers] == [b"%d True" % len(big)] * 2
