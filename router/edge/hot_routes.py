@@ -58,6 +58,9 @@ class HotRoutes:
     taken: Callable[[], bool] = _always
 
 
+_FRAMING: Final = frozenset({b"content-length", b"transfer-encoding", b"connection"})
+
+
 def _nothing() -> None:
     pass
 
@@ -145,18 +148,32 @@ class HotCycle(RequestResponseCycle):
         self.response_started = True
         self.waiting_for_100_continue = False
         headers = [*self.default_headers, *given]
+        names = b"".join([name for name, _ in headers])
         # Both patterns match single bytes, so one search over all names (values) is one per header.
-        if HEADER_RE.search(b"".join([name for name, _ in headers])):
+        if HEADER_RE.search(names):
             raise RuntimeError("Invalid HTTP header name.")
         if HEADER_VALUE_RE.search(b"".join([value for _, value in headers])):
             raise RuntimeError("Invalid HTTP header value.")
+        if not names.islower():  # the gateway's own are lower-case already
+            headers = [(name.lower(), value) for name, value in headers]
         if self.access_log:
             client, version = get_client_addr(self.scope), self.scope["http_version"]
             self.access_logger.info('%s - "POST %s HTTP/%s" %d', client, self.scope["path"], version, status)
-        head = [STATUS_LINE[status]]
+        lines = [b": ".join(header) for header in headers]
+        if self._frame([header for header in headers if header[0] in _FRAMING]):
+            lines.append(b"connection: close")
+        if self.chunked_encoding is None and status not in (204, 304):
+            self.chunked_encoding = True
+            lines.append(b"transfer-encoding: chunked")
+        lines.append(b"\r\n")
+        self._held = STATUS_LINE[status] + b"\r\n".join(lines)
+        asyncio.get_running_loop().call_soon(self._flush)
+
+    def _frame(self, framing: list[tuple[bytes, bytes]]) -> bool:
+        """Take the answer's framing from its Content-Length, Transfer-Encoding and Connection headers
+        by uvicorn's rules; True when `connection: close` must be added to the head."""
         close_sent = False
-        for name, value in headers:
-            name = name.lower()
+        for name, value in framing:
             if name == b"content-length" and self.chunked_encoding is None:
                 self.expected_content_length = int(value.decode())
                 self.chunked_encoding = False
@@ -166,15 +183,7 @@ class HotCycle(RequestResponseCycle):
             elif name == b"connection" and b"close" in [token.lower().strip() for token in value.split(b",")]:
                 self.keep_alive = False
                 close_sent = True
-            head += (name, b": ", value, b"\r\n")
-        if not self.keep_alive and not close_sent:
-            head.append(b"connection: close\r\n")
-        if self.chunked_encoding is None and status not in (204, 304):
-            self.chunked_encoding = True
-            head.append(b"transfer-encoding: chunked\r\n")
-        head.append(b"\r\n")
-        self._held = b"".join(head)
-        asyncio.get_running_loop().call_soon(self._flush)
+        return not self.keep_alive and not close_sent
 
     def _body(self, body: bytes, more_body: bool) -> None:
         if self.chunked_encoding:
