@@ -60,7 +60,7 @@ async def _outcome(
 ) -> tuple[Any, ...]:
     transport = Recording()
     cycle = kind(
-        scope={"method": "POST", "path": "/v1/completions", "http_version": "1.1", "client": None},  # type: ignore[arg-type]
+        scope={"method": "POST", "path": "/v1/completions", "http_version": "1.1", "client": None},  # type: ignore[typeddict-item]
         transport=transport,  # type: ignore[arg-type]
         flow=FlowControl(transport),  # type: ignore[arg-type]
         logger=logging.getLogger("test"), access_logger=logging.getLogger("test"), access_log=False,
