@@ -74,6 +74,7 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(config, server_state, app_state, _loop)
         self._timeouts: ClientTimeouts | None = app_state.get(STATE_KEY)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._header_by: float | None = None  # the deadline of the head being read (None: none is)
         self._lost: LostSignal | None = None
         self._hot: HotRoutes | None = app_state.get(HOT_KEY)
         if self._timeouts is not None:
@@ -85,12 +86,12 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:
-        if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
+        if self._header_by is None and (self.cycle is None or self.cycle.response_complete):
             self._arm_header_timer()  # the first byte of the next request on a kept-alive connection
         super().data_received(data)
 
     def on_headers_complete(self) -> None:
-        self._cancel_header_timer()
+        self._header_by = None
         endpoint = self._hot_endpoint()
         if endpoint is not None:
             self._start_hot(endpoint)
@@ -150,7 +151,10 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             self.flow.pause_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_header_timer()
+        self._header_by = None
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
         super().connection_lost(exc)
         lost, self._lost = self._lost, None
         if lost is not None and self.cycle is not None and self.cycle.disconnected:  # before its answer ended
@@ -162,17 +166,21 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         super().timeout_keep_alive_handler()
 
     def _arm_header_timer(self) -> None:
+        """A head starts: its deadline is set, and the connection's one timer armed if it is not. The
+        timer is not cancelled when the head is in (`_header_by` cleared): a kept-alive connection's
+        requests cost no timer each, only a wake-up per `header_s` while it is in use."""
         if self._timeouts is not None:
-            self._header_timer = self.loop.call_later(self._timeouts.header_s, self._header_timeout)
-
-    def _cancel_header_timer(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
+            self._header_by = by = self.loop.time() + self._timeouts.header_s
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_at(by, self._header_timeout)
 
     def _header_timeout(self) -> None:
-        self._header_timer = None
-        if self._timeouts is not None and not self.transport.is_closing():
+        by = self._header_by
+        if by is not None and self.loop.time() < by:  # a later head's deadline: wait for it
+            self._header_timer = self.loop.call_at(by, self._header_timeout)
+            return
+        self._header_timer = self._header_by = None
+        if by is not None and self._timeouts is not None and not self.transport.is_closing():
             self._timeouts.timed_out("header")
             self.transport.close()
 
