@@ -1,6 +1,8 @@
 """The server side's CPU per request: uvicorn's httptools cycle, the gateway's protocol, its hot path.
 
-Run: ``.venv/bin/python bench/server_cycle_bench.py [--requests 20000] [--reps 5] [--body-kb 40]``.
+Run: ``.venv/bin/python bench/server_cycle_bench.py [--requests 20000] [--reps 5] [--body-kb 40]
+[--kinds timed,hot,uvicorn]``; for another revision's protocol, run it with ``PYTHONPATH=<its tree>``
+from that tree (kind `timed`: the gateway's protocol with the hot routes off, or before them).
 In one process, on uvloop, with no socket: a protocol under test is fed one kept-alive POST
 /v1/chat/completions (the long chat's size of body, `--body-kb`) per turn through a transport that
 only records writes; a gateway-shaped ASGI app reads the body as `Gateway.handle` does
@@ -27,7 +29,6 @@ from uvicorn.server import ServerState
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from router.edge.client_io import lost_signal_of, read_asgi_body
 from router.edge.client_timeouts import STATE_KEY, ClientTimeouts, TimedHttpToolsProtocol
-from router.edge.hot_routes import HOT_KEY, HotRoutes
 
 _ANSWER = b'{"id":"chatcmpl-1","object":"chat.completion","choices":[' + b"x" * 900 + b"]}"
 _HEADERS = [
@@ -87,7 +88,9 @@ def _state(kind: str) -> dict[str, Any]:
     if kind == "uvicorn":
         return {}
     state: dict[str, Any] = {STATE_KEY: ClientTimeouts(60.0, 75.0, lambda phase: None)}
-    if kind == "hot":
+    if kind == "hot":  # imported here: `--tree` of a revision before the hot routes runs the others
+        from router.edge.hot_routes import HOT_KEY, HotRoutes
+
         state[HOT_KEY] = HotRoutes(_hot)
     return state
 
