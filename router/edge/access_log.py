@@ -75,7 +75,12 @@ class AccessLog:
     @staticmethod
     def writes(scope: Scope) -> bool:
         """Whether this request gets an access line: an HTTP request, with the logger at INFO or lower."""
-        return scope["type"] == "http" and _log.isEnabledFor(logging.INFO)
+        return scope["type"] == "http" and AccessLog.on()
+
+    @staticmethod
+    def on() -> bool:
+        """Whether HTTP requests get access lines now (the logger at INFO or lower)."""
+        return _log.isEnabledFor(logging.INFO)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if not self.writes(scope):

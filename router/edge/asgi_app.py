@@ -1,7 +1,9 @@
 """The gateway's HTTP app: OpenAI routes, health, metrics, debug and admin, over one `Service`.
 
 The two hot routes (`POST /v1/completions`, `POST /v1/chat/completions`) go straight from ASGI to
-`Gateway.handle`, before Starlette's middleware and routing; everything else is a plain Starlette
+`Gateway.handle`, before Starlette's middleware and routing (or, offered as `HotRoutes` in the
+lifespan state while no access line or trusted proxy needs the ASGI layers, straight from the
+gateway's HTTP protocol: router.edge.hot_routes); everything else is a plain Starlette
 endpoint (no FastAPI dependency solving). The lifespan starts the `Service`, builds the handlers and
 settles the garbage collector (`settle_gc`).
 Every `RouterError` becomes an OpenAI-format error body with its status and headers (Retry-After
@@ -31,6 +33,7 @@ from router.edge.admin import AdminApi, NotFound
 from router.edge.client_io import ClientGone, error_answer, read_body, request_id_of
 from router.edge.client_timeouts import STATE_KEY, ClientTimeouts
 from router.edge.gateway import Gateway, GatewayParts
+from router.edge.hot_routes import HOT_KEY, HotRoutes
 from router.edge.passthrough import PASSTHROUGH_PATHS, Passthrough
 from router.lifecycle import ServeOptions, Service
 from router.ops.digests import fleet_digests
@@ -191,7 +194,7 @@ def create_app(
     drain = DrainFlag(options.drain_marker)
 
     @asynccontextmanager
-    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, ClientTimeouts]]:
+    async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, object]]:
         parts = await service.start()
         box.append(Handlers(parts, drain))
         app.state.handlers = box[0]
@@ -200,8 +203,14 @@ def create_app(
         if service.options.settle_gc:
             settle_gc()
         counter = parts.metrics.client_timeouts
+        state: dict[str, object] = {
+            STATE_KEY: ClientTimeouts.of(config.timeouts, lambda phase: counter.labels(phase).inc())
+        }
+        if not config.listen.forwarded_allow_ips:  # uvicorn's ProxyHeadersMiddleware must see every request
+            quiet = (lambda: not AccessLog.on()) if config.listen.access_log else (lambda: True)
+            state[HOT_KEY] = HotRoutes(box[0].gateway.handle, quiet)
         try:  # the lifespan state reaches every connection uvicorn accepts (router.edge.client_timeouts)
-            yield {STATE_KEY: ClientTimeouts.of(config.timeouts, lambda phase: counter.labels(phase).inc())}
+            yield state
         finally:
             box.clear()
             await service.stop()

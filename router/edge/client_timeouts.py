@@ -12,7 +12,8 @@ cycle a `router.edge.client_writes.HeadHold`, so an answer's head and first body
 write, and offers the app a `BodyWriter` and a `LostSignal` (fired when the connection is lost before
 the answer ended: `ClientWatch` needs no task reading `receive`) for the cycle in the scope's
 extensions. Settings and counter reach each connection through the ASGI lifespan state, which
-uvicorn hands to every protocol it creates.
+uvicorn hands to every protocol it creates; so does the gateway's `HotRoutes`, with which the two
+hot routes get a `router.edge.hot_routes.HotCycle` (no app call chain, a leaner `send`).
 
 Defaults (`[timeouts]` `client_*`) are nginx's: client_header_timeout and client_body_timeout 60 s,
 keepalive_timeout 75 s (https://nginx.org/en/docs/http/ngx_http_core_module.html); Envoy's
@@ -34,7 +35,9 @@ from uvicorn.server import ServerState
 
 from router.edge.client_io import LOST_SIGNAL, LostSignal
 from router.edge.client_writes import BODY_WRITER, BodyWriter, HeadHold
+from router.edge.hot_routes import HOT_KEY, HOT_PATHS, HotCycle, HotRoutes
 from router.settings.config import Timeouts
+from tokenization.openai_request import Endpoint
 
 __all__ = ["STATE_KEY", "ClientTimeouts", "TimedHttpToolsProtocol"]
 
@@ -71,7 +74,9 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         super().__init__(config, server_state, app_state, _loop)
         self._timeouts: ClientTimeouts | None = app_state.get(STATE_KEY)
         self._header_timer: asyncio.TimerHandle | None = None
+        self._header_by: float | None = None  # the deadline of the head being read (None: none is)
         self._lost: LostSignal | None = None
+        self._hot: HotRoutes | None = app_state.get(HOT_KEY)
         if self._timeouts is not None:
             self.timeout_keep_alive = self._timeouts.keepalive_s
 
@@ -81,23 +86,75 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:
-        if self._header_timer is None and (self.cycle is None or self.cycle.response_complete):
+        if self._header_by is None and (self.cycle is None or self.cycle.response_complete):
             self._arm_header_timer()  # the first byte of the next request on a kept-alive connection
         super().data_received(data)
 
     def on_headers_complete(self) -> None:
-        self._cancel_header_timer()
-        super().on_headers_complete()
+        self._header_by = None
+        endpoint = self._hot_endpoint()
+        if endpoint is not None:
+            self._start_hot(endpoint)
+        else:
+            super().on_headers_complete()
+            cycle = self.cycle
+            if cycle is None or cycle.transport is not self.transport:  # an upgrade: no new cycle
+                return
+            cycle.transport = cast(asyncio.Transport, HeadHold(self.transport, self.loop))  # head + body
         cycle = self.cycle
-        if cycle is not None and cycle.transport is self.transport:  # head + first body in one write
-            cycle.transport = cast(asyncio.Transport, HeadHold(self.transport, self.loop))
-            extensions = self.scope.setdefault("extensions", {})
-            extensions[BODY_WRITER] = {"writer": BodyWriter(cycle)}
-            self._lost = _signal(weakref.ref(cycle))
-            extensions[LOST_SIGNAL] = {"signal": self._lost}
+        extensions = self.scope.setdefault("extensions", {})
+        extensions[BODY_WRITER] = {"writer": BodyWriter(cycle)}
+        self._lost = _signal(weakref.ref(cycle))
+        extensions[LOST_SIGNAL] = {"signal": self._lost}
+
+    def _hot_endpoint(self) -> Endpoint | None:
+        """The hot route this request's head names, when `HotRoutes` may serve it (module docstring)."""
+        if self._hot is None or self.limit_concurrency is not None or self.root_path:
+            return None
+        endpoint = HOT_PATHS.get(self.url)
+        if endpoint is None or self.parser.get_method() != b"POST" or self.parser.should_upgrade():
+            return None
+        return endpoint if self._hot.taken() else None
+
+    def _start_hot(self, endpoint: Endpoint) -> None:
+        """uvicorn's scope completion and cycle start (or queueing behind a pipelined request), with a
+        `HotCycle` serving `endpoint` for the cycle."""
+        assert self._hot is not None
+        version = self.parser.get_http_version()
+        scope = self.scope
+        scope["method"] = "POST"
+        if version != "1.1":
+            scope["http_version"] = version
+        scope["path"] = self.url.decode("ascii")
+        scope["raw_path"] = self.url
+        scope["query_string"] = b""
+        previous = self.cycle
+        self.cycle = cycle = HotCycle(
+            scope=scope, transport=self.transport, flow=self.flow, logger=self.logger,
+            access_logger=self.access_logger, access_log=self.access_log,
+            default_headers=self.server_state.default_headers, message_event=asyncio.Event(),
+            expect_100_continue=self.expect_100_continue, on_response=self.on_response_complete,
+            keep_alive=version != "1.0" and self.parser.should_keep_alive(),
+        )  # fmt: skip
+        cycle.serve, cycle.endpoint = self._hot.serve, endpoint
+        if previous is None or previous.response_complete:
+            self._start_asgi_task(cycle, self.app)
+        else:
+            self.flow.pause_reading()
+            self.pipeline.appendleft((cycle, self.app))
+
+    def on_body(self, body: bytes) -> None:
+        cycle = self.cycle
+        if type(cycle) is not HotCycle:
+            super().on_body(body)
+        elif not cycle.response_complete and cycle.take(body):  # a hot head is never an upgrade
+            self.flow.pause_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._cancel_header_timer()
+        self._header_by = None
+        if self._header_timer is not None:
+            self._header_timer.cancel()
+            self._header_timer = None
         super().connection_lost(exc)
         lost, self._lost = self._lost, None
         if lost is not None and self.cycle is not None and self.cycle.disconnected:  # before its answer ended
@@ -109,17 +166,21 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         super().timeout_keep_alive_handler()
 
     def _arm_header_timer(self) -> None:
+        """A head starts: its deadline is set, and the connection's one timer armed if it is not. The
+        timer is not cancelled when the head is in (`_header_by` cleared): a kept-alive connection's
+        requests cost no timer each, only a wake-up per `header_s` while it is in use."""
         if self._timeouts is not None:
-            self._header_timer = self.loop.call_later(self._timeouts.header_s, self._header_timeout)
-
-    def _cancel_header_timer(self) -> None:
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
+            self._header_by = by = self.loop.time() + self._timeouts.header_s
+            if self._header_timer is None:
+                self._header_timer = self.loop.call_at(by, self._header_timeout)
 
     def _header_timeout(self) -> None:
-        self._header_timer = None
-        if self._timeouts is not None and not self.transport.is_closing():
+        by = self._header_by
+        if by is not None and self.loop.time() < by:  # a later head's deadline: wait for it
+            self._header_timer = self.loop.call_at(by, self._header_timeout)
+            return
+        self._header_timer = self._header_by = None
+        if by is not None and self._timeouts is not None and not self.transport.is_closing():
             self._timeouts.timed_out("header")
             self.transport.close()
 

@@ -110,3 +110,26 @@ async def _now(value: bool) -> bool:
 
 async def idle_closed(gw: Gateway) -> bool:
     return metric((await gw.client.get("/metrics")).text, "kvrouter_client_timeouts_total", phase="idle") >= 1
+
+
+async def test_a_busy_kept_alive_connection_outlives_the_header_timeout() -> None:
+    """The header deadline is each head's own: a connection sending one request after another for
+    several header timeouts is never closed for the first head's deadline (the connection keeps one
+    timer, re-armed to the latest head's deadline), and nothing is counted."""
+    async with running_stubs(1) as stubs:
+        config = gateway_config([engine_of("e0", stubs[0])], timeouts=TIMEOUTS)
+        async with running_gateway(config) as gw:
+            request = b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n"
+            reader, writer = await connect(gw, b"")
+            loop = asyncio.get_running_loop()
+            until, answered = loop.time() + 4 * TIMEOUTS.client_header_s, 0
+            while loop.time() < until or answered < 3:
+                writer.write(request)
+                async with asyncio.timeout(10.0):
+                    head = await reader.readuntil(b"\r\n\r\n")
+                    await reader.readexactly(15)  # {"status":"ok"}
+                assert head.startswith(b"HTTP/1.1 200 "), head
+                answered += 1
+            writer.close()
+            text = (await gw.client.get("/metrics")).text
+            assert metric(text, "kvrouter_client_timeouts_total", phase="header") == 0

@@ -15,6 +15,7 @@ import pytest
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from router.edge import http1, http1_connection
+from router.edge.hot_routes import HotCycle
 from router.settings.config import EngineConfig, Listen
 from tests.gateway_helpers import gateway_config, record_client_writes, running_gateway
 from tests.router.edge.test_client_writes import WAIT
@@ -189,13 +190,14 @@ async def test_a_client_leaving_mid_stream_drops_the_engine_connection(
 def count_asgi_sends(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """From now on, the type of every ASGI message any request cycle sends is appended to the list."""
     sent: list[str] = []
-    real = RequestResponseCycle.send
+    for cycle in (RequestResponseCycle, HotCycle):  # uvicorn's, and the hot routes' (router.edge.hot_routes)
+        real = cycle.send
 
-    async def send(self: RequestResponseCycle, message: Any) -> None:
-        sent.append(message["type"])
-        await real(self, message)
+        async def send(self: RequestResponseCycle, message: Any, real: Any = real) -> None:
+            sent.append(message["type"])
+            await real(self, message)
 
-    monkeypatch.setattr(RequestResponseCycle, "send", send)
+        monkeypatch.setattr(cycle, "send", send)
     return sent
 
 

@@ -1,0 +1,217 @@
+"""The two hot routes served from the gateway's HTTP protocol: no app call chain, a leaner `send`.
+
+When the running gateway offers `HotRoutes` in its lifespan state (it does unless trusted proxy
+headers need uvicorn's middleware; `taken` is false while the access log writes lines, as its
+middleware must see the request), `TimedHttpToolsProtocol` gives a request whose
+head is exactly `POST /v1/completions` or `POST /v1/chat/completions` (no query, no upgrade) a
+`HotCycle` instead of uvicorn's `RequestResponseCycle`: its task calls `Gateway.handle` directly
+(not uvicorn's app wrapper, `GatewayApp.__call__`), and its `send` builds the head in one pass,
+checking the header names and values with one search each over all of them instead of two per
+header, and holds the head for the first body bytes itself (what `HeadHold` does for other routes);
+the request body is kept as the parser's pieces and handed over joined (one piece: as parsed), not
+copied into a bytearray and out. Everything else is uvicorn's: `receive`'s rules (100-continue,
+chunked bodies, flow control), keep-alive and pipelining, disconnects. Every other request keeps uvicorn's
+path unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Final
+
+from starlette.types import Receive, Scope, Send
+from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
+from uvicorn.protocols.http.httptools_impl import (
+    HEADER_RE,
+    HEADER_VALUE_RE,
+    STATUS_LINE,
+    RequestResponseCycle,
+)
+from uvicorn.protocols.utils import get_client_addr
+
+from tokenization.openai_request import Endpoint
+
+__all__ = ["HOT_KEY", "HOT_PATHS", "HotCycle", "HotHandler", "HotRoutes"]
+
+HOT_KEY: Final = "kvrouter.hot_routes"
+"""The lifespan-state key holding the running gateway's `HotRoutes` (absent: every route is ASGI)."""
+
+HOT_PATHS: Final = {b"/v1/completions": Endpoint.COMPLETIONS, b"/v1/chat/completions": Endpoint.CHAT}
+"""The request targets served by a `HotCycle`, exactly as they appear on the request line."""
+
+HotHandler = Callable[[Scope, Receive, Send, Endpoint], Awaitable[None]]
+"""`Gateway.handle`: serves one hot-route request over its cycle's `receive` and `send`."""
+
+
+def _always() -> bool:
+    return True
+
+
+@dataclass(frozen=True)
+class HotRoutes:
+    """What serves the hot routes straight from the protocol, and whether it may now (`taken`: asked
+    per request; false sends the request through the ASGI app, as for an access line to write)."""
+
+    serve: HotHandler
+    taken: Callable[[], bool] = _always
+
+
+_FRAMING: Final = frozenset({b"content-length", b"transfer-encoding", b"connection"})
+
+
+def _nothing() -> None:
+    pass
+
+
+class HotCycle(RequestResponseCycle):
+    """uvicorn's cycle for one hot-route request, run by `HotRoutes.serve` with a leaner `send`.
+
+    `send` keeps uvicorn's rules (the message order, framing by Content-Length or chunked,
+    `Connection: close`, the default headers, flow control, nothing written after a disconnect)."""
+
+    serve: HotHandler
+    endpoint: Endpoint
+    _held: bytes | None = None
+    _chunks: list[bytes] | None = None
+    """The body bytes parsed and not yet received, as the parser gave them (`take`)."""
+    _size = 0
+
+    def take(self, body: bytes) -> bool:
+        """Keep a parsed piece of the request body for `receive`; True when more than uvicorn's
+        high-water mark waits (the protocol then pauses reading, as uvicorn's does)."""
+        if self._chunks is None:
+            self._chunks = [body]
+        else:
+            self._chunks.append(body)
+        self._size += len(body)
+        self.message_event.set()
+        return self._size > HIGH_WATER_LIMIT
+
+    async def receive(self) -> Any:
+        """uvicorn's `receive`, handing over the body's pieces joined (one piece: as it was parsed),
+        not copied into a bytearray and out again."""
+        if self.waiting_for_100_continue and not self.transport.is_closing():
+            self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")
+            self.waiting_for_100_continue = False
+        if not self.disconnected and not self.response_complete:
+            self.flow.resume_reading()
+            await self.message_event.wait()
+            self.message_event.clear()
+        if self.disconnected or self.response_complete:
+            return {"type": "http.disconnect"}
+        chunks, self._chunks, self._size = self._chunks, None, 0
+        body = b"" if chunks is None else chunks[0] if len(chunks) == 1 else b"".join(chunks)
+        return {"type": "http.request", "body": body, "more_body": self.more_body}
+
+    async def run_asgi(self, app: Any) -> None:
+        """Serve the request; an exception is logged and answered 500 (or the connection closed once
+        the answer started), as uvicorn's cycle does for its app."""
+        try:
+            await self.serve(self.scope, self.receive, self.send, self.endpoint)  # type: ignore[arg-type]
+        except BaseException as exc:
+            self.logger.error("Exception in ASGI application\n", exc_info=exc)
+            if not self.response_started:
+                await self.send_500_response()
+            else:
+                self._close()
+        else:
+            if not self.response_started and not self.disconnected:
+                self.logger.error("ASGI callable returned without starting response.")
+                await self.send_500_response()
+            elif not self.response_complete and not self.disconnected:
+                self.logger.error("ASGI callable returned without completing response.")
+                self._close()
+        finally:
+            self.on_response = _nothing
+
+    async def send(self, message: Any) -> None:
+        if self.flow.write_paused and not self.disconnected:
+            await self.flow.drain()
+        if self.disconnected:
+            return
+        kind = message["type"]
+        if not self.response_started:
+            if kind != "http.response.start":
+                raise RuntimeError(f"Expected ASGI message 'http.response.start', but got '{kind}'.")
+            self._start(message["status"], message.get("headers", ()))
+        elif not self.response_complete:
+            if kind != "http.response.body":
+                raise RuntimeError(f"Expected ASGI message 'http.response.body', but got '{kind}'.")
+            self._body(message.get("body", b""), message.get("more_body", False))
+        else:
+            raise RuntimeError(f"Unexpected ASGI message '{kind}' sent, after response already completed.")
+
+    def _start(self, status: int, given: Iterable[tuple[bytes, bytes]]) -> None:
+        """Build the head and hold it for the first body bytes (or the loop's next turn)."""
+        self.response_started = True
+        self.waiting_for_100_continue = False
+        headers = [*self.default_headers, *given]
+        names = b"".join([name for name, _ in headers])
+        # Both patterns match single bytes, so one search over all names (values) is one per header.
+        if HEADER_RE.search(names):
+            raise RuntimeError("Invalid HTTP header name.")
+        if HEADER_VALUE_RE.search(b"".join([value for _, value in headers])):
+            raise RuntimeError("Invalid HTTP header value.")
+        if not names.islower():  # the gateway's own are lower-case already
+            headers = [(name.lower(), value) for name, value in headers]
+        if self.access_log:
+            client, version = get_client_addr(self.scope), self.scope["http_version"]
+            self.access_logger.info('%s - "POST %s HTTP/%s" %d', client, self.scope["path"], version, status)
+        lines = [b": ".join(header) for header in headers]
+        if self._frame([header for header in headers if header[0] in _FRAMING]):
+            lines.append(b"connection: close")
+        if self.chunked_encoding is None and status not in (204, 304):
+            self.chunked_encoding = True
+            lines.append(b"transfer-encoding: chunked")
+        lines.append(b"\r\n")
+        self._held = STATUS_LINE[status] + b"\r\n".join(lines)
+        asyncio.get_running_loop().call_soon(self._flush)
+
+    def _frame(self, framing: list[tuple[bytes, bytes]]) -> bool:
+        """Take the answer's framing from its Content-Length, Transfer-Encoding and Connection headers
+        by uvicorn's rules; True when `connection: close` must be added to the head."""
+        close_sent = False
+        for name, value in framing:
+            if name == b"content-length" and self.chunked_encoding is None:
+                self.expected_content_length = int(value.decode())
+                self.chunked_encoding = False
+            elif name == b"transfer-encoding" and value.lower() == b"chunked":
+                self.expected_content_length = 0
+                self.chunked_encoding = True
+            elif name == b"connection" and b"close" in [token.lower().strip() for token in value.split(b",")]:
+                self.keep_alive = False
+                close_sent = True
+        return not self.keep_alive and not close_sent
+
+    def _body(self, body: bytes, more_body: bool) -> None:
+        if self.chunked_encoding:
+            data = b"%x\r\n%s\r\n" % (len(body), body) if body else b""
+            if not more_body:
+                data += b"0\r\n\r\n"
+        else:
+            if len(body) > self.expected_content_length:
+                raise RuntimeError("Response content longer than Content-Length")
+            self.expected_content_length -= len(body)
+            data = body
+        held, self._held = self._held, None
+        self.transport.write(data if held is None else held + data)
+        if not more_body:
+            if self.expected_content_length != 0:
+                raise RuntimeError("Response content shorter than Content-Length")
+            self.response_complete = True
+            self.message_event.set()
+            if not self.keep_alive:
+                self.transport.close()
+            self.on_response()
+
+    def _flush(self) -> None:
+        """The held head alone: its body was not ready in the turn the head was sent."""
+        held, self._held = self._held, None
+        if held is not None and not self.transport.is_closing():
+            self.transport.write(held)
+
+    def _close(self) -> None:
+        self._flush()
+        self.transport.close()

@@ -1,0 +1,94 @@
+"""`HotCycle.send` writes what uvicorn's `RequestResponseCycle.send` writes, for any head and body:
+the same bytes (head and body joined), the same framing and keep-alive, the same refusals."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any
+
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from uvicorn.protocols.http.flow_control import FlowControl
+from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+
+from router.edge.hot_routes import HotCycle
+
+NAMES = st.sampled_from(
+    [
+        b"content-type",
+        b"Content-Length",
+        b"content-length",
+        b"transfer-encoding",
+        b"connection",
+        b"X-Id",
+        b"bad name",
+    ]
+)
+VALUES = st.sampled_from(
+    [b"2", b"3", b"chunked", b"close", b"keep-alive, Close", b"text/plain", b"a\tb", b"a\nb"]
+)
+HEADS = st.lists(st.tuples(NAMES, VALUES), max_size=6)
+DEFAULTS = [(b"server", b"uvicorn"), (b"date", b"Wed, 02 Dec 2026 00:00:00 GMT")]
+
+
+class Recording:
+    """A transport that keeps what is written; never paused."""
+
+    def __init__(self) -> None:
+        self.written = b""
+        self.closed = False
+
+    def write(self, data: bytes) -> None:
+        self.written += data
+
+    def is_closing(self) -> bool:
+        return self.closed
+
+    def close(self) -> None:
+        self.closed = True
+
+    def pause_reading(self) -> None:
+        pass
+
+    def resume_reading(self) -> None:
+        pass
+
+
+async def _outcome(
+    kind: type[RequestResponseCycle], status: int, headers: Any, keep_alive: bool
+) -> tuple[Any, ...]:
+    transport = Recording()
+    cycle = kind(
+        scope={"method": "POST", "path": "/v1/completions", "http_version": "1.1", "client": None},  # type: ignore[typeddict-item]
+        transport=transport,  # type: ignore[arg-type]
+        flow=FlowControl(transport),  # type: ignore[arg-type]
+        logger=logging.getLogger("test"), access_logger=logging.getLogger("test"), access_log=False,
+        default_headers=DEFAULTS, message_event=asyncio.Event(), expect_100_continue=False,
+        keep_alive=keep_alive, on_response=lambda: None,
+    )  # fmt: skip
+    error = None
+    try:
+        await cycle.send({"type": "http.response.start", "status": status, "headers": headers})
+        await cycle.send({"type": "http.response.body", "body": b"ab", "more_body": True})
+        await cycle.send({"type": "http.response.body", "body": b"c", "more_body": False})
+    except (RuntimeError, ValueError) as exc:
+        error = str(exc)
+    await asyncio.sleep(0)  # a held head alone goes out at the loop's next turn
+    return transport.written, transport.closed, cycle.keep_alive, cycle.chunked_encoding, error
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.sampled_from([200, 204, 404]), HEADS, st.booleans())
+def test_the_hot_cycles_head_and_body_are_uvicorns(status: int, headers: Any, keep_alive: bool) -> None:
+    async def both() -> tuple[Any, Any]:
+        return (
+            await _outcome(RequestResponseCycle, status, headers, keep_alive),
+            await _outcome(HotCycle, status, headers, keep_alive),
+        )
+
+    uvicorns, hot = asyncio.run(both())
+    if uvicorns[-1] is not None:  # refused: the same bytes are out and the answer is dropped
+        assert hot[0] == uvicorns[0] and hot[-1] is not None
+    else:
+        assert hot == uvicorns

@@ -1,0 +1,281 @@
+"""The hot routes served from the gateway's protocol (`HotCycle`), over real sockets on 127.0.0.1:0
+against a real uvicorn: only exact hot heads take it, and what they get is uvicorn's HTTP/1.1
+(framing, keep-alive, pipelining order, 100-continue, HTTP/1.0, errors), with the head and a JSON
+body in one write."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import asynccontextmanager
+from typing import Any
+
+import pytest
+import uvicorn
+from starlette.types import Receive, Scope, Send
+
+from router.edge.client_io import read_asgi_body
+from router.edge.client_timeouts import TimedHttpToolsProtocol
+from router.edge.hot_routes import HOT_KEY, HotCycle, HotRoutes
+from tests.gateway_helpers import record_client_writes, uvicorn_on_port_0
+from tests.router.edge.test_client_writes import WAIT
+from tokenization.openai_request import Endpoint
+
+Serve = Callable[[Scope, Receive, Send, Endpoint], Awaitable[None]]
+
+
+async def _answer(send: Send, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
+    extra = headers or []
+    head = [(b"content-type", b"text/plain"), (b"content-length", str(len(body)).encode()), *extra]
+    await send({"type": "http.response.start", "status": 200, "headers": head})
+    await send({"type": "http.response.body", "body": body})
+
+
+async def _hot_echo(scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+    body = await read_asgi_body(receive, scope["headers"], 1 << 20, WAIT)
+    await _answer(send, b"hot %s %s" % (endpoint.value.encode(), body))
+
+
+def _app_of(served: list[str]) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "lifespan":
+            return  # lifespan="off" below: the state is given to the protocol directly
+        body = await read_asgi_body(receive, scope["headers"], 1 << 20, WAIT)
+        served.append(f"{scope['method']} {scope['path']}")
+        await _answer(send, b"app %s" % body)
+
+    return app
+
+
+@asynccontextmanager
+async def serving(
+    serve: Serve, monkeypatch: pytest.MonkeyPatch, writes: list[bytes] | None = None
+) -> AsyncIterator[tuple[int, list[str]]]:
+    """A uvicorn with the gateway's protocol, `serve` offered as `HotRoutes`, and an app that
+    records every request it serves."""
+    served: list[str] = []
+    state: dict[str, Any] = {HOT_KEY: HotRoutes(serve)}
+    original = TimedHttpToolsProtocol.__init__
+
+    def with_state(
+        self: TimedHttpToolsProtocol, config: Any, server_state: Any, app_state: Any, _loop: Any = None
+    ) -> None:
+        app_state.update(state)  # what the gateway's lifespan yields
+        original(self, config, server_state, app_state, _loop)
+
+    monkeypatch.setattr(TimedHttpToolsProtocol, "__init__", with_state)
+    if writes is not None:
+        record_client_writes(monkeypatch, writes)
+    config = uvicorn.Config(_app_of(served), http=TimedHttpToolsProtocol, lifespan="off", log_config=None)
+    async with uvicorn_on_port_0(config) as port:
+        yield port, served
+
+
+def _post(target: bytes, body: bytes, extra: bytes = b"") -> bytes:
+    head = b"POST %s HTTP/1.1\r\nhost: gw\r\ncontent-length: %d\r\n%s\r\n" % (target, len(body), extra)
+    return head + body
+
+
+async def _read_answers(reader: asyncio.StreamReader, count: int) -> list[tuple[bytes, bytes]]:
+    """`count` Content-Length answers read off one connection: (head, body) each."""
+    answers = []
+    async with asyncio.timeout(WAIT):
+        for _ in range(count):
+            head = await reader.readuntil(b"\r\n\r\n")
+            length = next(
+                int(line.split(b":")[1])
+                for line in head.lower().split(b"\r\n")
+                if line.startswith(b"content-length")
+            )
+            answers.append((head, await reader.readexactly(length)))
+    return answers
+
+
+async def _exchange(port: int, data: bytes, count: int) -> list[tuple[bytes, bytes]]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    try:
+        return await _read_answers(reader, count)
+    finally:
+        writer.close()
+
+
+async def _until_closed(port: int, data: bytes) -> bytes:
+    """Everything the server sends on a connection `data` is written to, until it closes it."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(data)
+    try:
+        async with asyncio.timeout(WAIT):
+            return await reader.read()
+    finally:
+        writer.close()
+
+
+async def test_only_the_exact_hot_heads_are_served_from_the_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    writes: list[bytes] = []
+    async with serving(_hot_echo, monkeypatch, writes) as (port, served):
+        hot = await _exchange(
+            port, _post(b"/v1/chat/completions", b"{1}") + _post(b"/v1/completions", b"{2}"), 2
+        )
+        assert [body for _, body in hot] == [b"hot /v1/chat/completions {1}", b"hot /v1/completions {2}"]
+        assert hot[0][0].startswith(b"HTTP/1.1 200 OK\r\n") and b"date: " in hot[0][0]
+        assert writes[0] == hot[0][0] + hot[0][1]  # the head and the body in one write
+        others = (
+            _post(b"/v1/completions?x=1", b"{3}")
+            + b"GET /v1/completions HTTP/1.1\r\nhost: gw\r\n\r\n"
+            + _post(b"/v1/models", b"{4}")
+            + _post(b"http://gw/v1/completions", b"{5}")
+        )
+        answers = await _exchange(port, others, 4)
+        assert [body for _, body in answers] == [b"app {3}", b"app ", b"app {4}", b"app {5}"]
+        assert served == [
+            "POST /v1/completions",
+            "GET /v1/completions",
+            "POST /v1/models",
+            "POST /v1/completions",
+        ]
+
+
+async def test_pipelined_hot_and_other_requests_are_answered_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    started, gate = asyncio.Event(), asyncio.Event()
+
+    async def slow_hot(scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        body = await read_asgi_body(receive, scope["headers"], 1 << 20, WAIT)
+        if body == b"first":
+            started.set()
+            await gate.wait()  # everything behind it waits in the pipeline
+        await _answer(send, b"hot " + body)
+
+    async with serving(slow_hot, monkeypatch) as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            _post(b"/v1/chat/completions", b"first")
+            + _post(b"/x", b"second")
+            + _post(b"/v1/completions", b"3")
+        )
+        async with asyncio.timeout(WAIT):
+            await started.wait()
+        gate.set()  # the two behind it were parsed meanwhile (one write) and wait in the pipeline
+        answers = await _read_answers(reader, 3)
+        writer.close()
+    assert [body for _, body in answers] == [b"hot first", b"app second", b"hot 3"]
+
+
+async def test_a_streamed_hot_answer_holds_its_head_only_within_a_turn(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    release = asyncio.Event()
+
+    async def stream(scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        await receive()
+        await send(
+            {
+                "type": "http.response.start",
+                "status": 200,
+                "headers": [(b"content-type", b"text/event-stream")],
+            }
+        )
+        await release.wait()  # the engine's first token is not there yet: the head goes out alone
+        await send({"type": "http.response.body", "body": b"data: 0\n\n", "more_body": True})
+        await send({"type": "http.response.body", "body": b"", "more_body": False})
+
+    writes: list[bytes] = []
+    async with serving(stream, monkeypatch, writes) as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(_post(b"/v1/chat/completions", b"{}"))
+        async with asyncio.timeout(WAIT):
+            head = await reader.readuntil(b"\r\n\r\n")
+        assert b"transfer-encoding: chunked" in head and not release.is_set()
+        release.set()
+        async with asyncio.timeout(WAIT):
+            assert await reader.readuntil(b"0\r\n\r\n") == b"9\r\ndata: 0\n\n\r\n0\r\n\r\n"
+        writer.write(_post(b"/v1/chat/completions", b"{}"))  # kept alive: the next request is served
+        async with asyncio.timeout(WAIT):
+            assert (await reader.readuntil(b"0\r\n\r\n")).startswith(b"HTTP/1.1 200 OK")
+        writer.close()
+    assert len(writes) >= 3 and writes[0] == head
+
+
+async def test_close_http10_and_100_continue_as_uvicorn(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with serving(_hot_echo, monkeypatch) as (port, _):
+        answer = await _until_closed(port, _post(b"/v1/completions", b"{}", b"connection: close\r\n"))
+        assert b"\r\nconnection: close\r\n" in answer and answer.endswith(b"hot /v1/completions {}")
+        answer = await _until_closed(port, b"POST /v1/completions HTTP/1.0\r\ncontent-length: 2\r\n\r\n{}")
+        assert answer.startswith(b"HTTP/1.1 200") and b"connection: close" in answer
+
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(
+            b"POST /v1/chat/completions HTTP/1.1\r\nexpect: 100-continue\r\ncontent-length: 2\r\n\r\n"
+        )
+        async with asyncio.timeout(WAIT):
+            assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(b"{}")
+        [(head, body)] = await _read_answers(reader, 1)
+        assert head.startswith(b"HTTP/1.1 200") and body == b"hot /v1/chat/completions {}"
+        writer.close()
+
+
+async def test_hot_failures_end_as_under_uvicorns_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
+    async def failing(scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        body = await read_asgi_body(receive, scope["headers"], 1 << 20, WAIT)
+        if body == b"raise":
+            raise RuntimeError("a bug")
+        if body == b"bad header":
+            await _answer(send, b"x", [(b"x-bad", b"a\r\nb")])
+        # otherwise: returns without an answer
+
+    async with serving(failing, monkeypatch) as (port, _):
+        for body in (b"raise", b"nothing"):
+            [(head, text)] = await _exchange(port, _post(b"/v1/completions", body), 1)
+            assert head.startswith(b"HTTP/1.1 500") and text == b"Internal Server Error"
+        # the head was refused: the connection is closed, as uvicorn's cycle does
+        assert await _until_closed(port, _post(b"/v1/completions", b"bad header")) == b""
+
+
+async def test_the_gateway_serves_its_hot_routes_from_the_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests.e2e.test_gateway_http import BODY
+    from tests.gateway_helpers import engine_of, gateway_config, running_gateway, running_stubs
+
+    cycles: list[str] = []
+    run = HotCycle.run_asgi
+
+    async def counted(self: HotCycle, app: Any) -> None:
+        cycles.append(self.scope["path"])
+        await run(self, app)
+
+    monkeypatch.setattr(HotCycle, "run_asgi", counted)
+    async with running_stubs(1) as stubs, running_gateway(gateway_config([engine_of("e0", stubs[0])])) as gw:
+        answer = await gw.client.post("/v1/completions", json=BODY)
+        assert answer.status_code == 200 and answer.headers["x-kvrouter-engine"] == "e0"
+        assert (await gw.client.get("/health")).status_code == 200
+    assert cycles == ["/v1/completions"]
+
+
+async def test_hot_bodies_arrive_whole_in_pieces_chunked_and_past_the_high_water_mark(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The body is kept as the parser's pieces: sent in several writes, chunked, or far past uvicorn's
+    high-water mark (reading paused, then resumed by `receive`), it is the same bytes."""
+    big = bytes(range(256)) * 1200  # ~300 KB: several reads, past the 64 KB mark
+
+    async def digest(scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        body = await read_asgi_body(receive, scope["headers"], 1 << 20, WAIT)
+        await _answer(send, b"%d %r" % (len(body), body == big))
+
+    async with serving(digest, monkeypatch) as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        data = _post(b"/v1/chat/completions", big)
+        for start in range(0, len(data), 100_000):
+            writer.write(data[start : start + 100_000])
+            await writer.drain()
+        chunked = b"".join(b"%x\r\n%s\r\n" % (len(piece), piece) for piece in (big[:70_000], big[70_000:]))
+        writer.write(
+            b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ntransfer-encoding: chunked\r\n\r\n"
+            + chunked
+            + b"0\r\n\r\n"
+        )
+        answers = await _read_answers(reader, 2)
+        writer.close()
+    assert [body for _, body in answers] == [b"%d True" % len(big)] * 2
