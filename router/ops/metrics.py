@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Final, Generic, TypeVar
+from typing import Final, Generic, Protocol, TypeVar
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from events.sources import EngineStats
 from router.core.keys.recent_prompts import PrefixKeyCache
 from router.core.policy.breaker import BreakerState
+from router.ops.bucket_histogram import BucketHistogram
 from tokenization.base import CacheStats
 
 __all__ = [
@@ -337,25 +338,55 @@ def _labelled(
     return family
 
 
-_M = TypeVar("_M", Counter, Gauge, Histogram)
+_C = TypeVar("_C", covariant=True)
 
 
-class Children(Generic[_M]):
+class Labelled(Protocol[_C]):
+    """A labelled metric: its child for some label values."""
+
+    def labels(self, *values: str) -> _C: ...
+
+
+class Observer(Protocol):
+    """A histogram child."""
+
+    def observe(self, amount: float) -> None: ...
+
+
+class Children(Generic[_C]):
     """A labelled metric's children by label values, each looked up once: prometheus_client's
     `labels()` validates the values and takes the metric's lock on every call, several times per
     request. The gateway never removes a child, so a cached one stays the metric's."""
 
     __slots__ = ("_by_values", "_metric")
 
-    def __init__(self, metric: _M) -> None:
-        self._metric: _M = metric
-        self._by_values: dict[tuple[str, ...], _M] = {}
+    def __init__(self, metric: Labelled[_C]) -> None:
+        self._metric: Labelled[_C] = metric
+        self._by_values: dict[tuple[str, ...], _C] = {}
 
-    def __call__(self, *values: str) -> _M:
+    def __call__(self, *values: str) -> _C:
         child = self._by_values.get(values)
         if child is None:
             child = self._by_values[values] = self._metric.labels(*values)
         return child
+
+
+AnyHistogram = Labelled[Observer]
+"""A request-path histogram: ours in one process, prometheus_client's across workers."""
+_HistogramMaker = Callable[[str, str, Sequence[str], Sequence[float]], AnyHistogram]
+
+
+def _histograms(registry: CollectorRegistry, one_process: bool) -> _HistogramMaker:
+    """What makes the request-path histograms: `BucketHistogram` in one process (a quarter of
+    prometheus_client's cost per request, bench/histogram_bench.py), prometheus_client's `Histogram`
+    in multiprocess mode, whose values the workers share through its files."""
+
+    def make(name: str, documentation: str, labels: Sequence[str], buckets: Sequence[float]) -> AnyHistogram:
+        if one_process:
+            return BucketHistogram(name, documentation, labels, buckets, registry)
+        return Histogram(name, documentation, labels, buckets=buckets, registry=registry)
+
+    return make
 
 
 class RouterMetrics:
@@ -372,18 +403,19 @@ class RouterMetrics:
         `tokenizer_stats` gives the reuse counters of every tokenizer the worker loaded."""
         self.registry = CollectorRegistry(auto_describe=True)
         r = self.registry
+        self._multiprocess_dir = os.environ.get(MULTIPROCESS_ENV) or None
+        histogram = _histograms(r, self._multiprocess_dir is None)
         self.requests = Counter(
             "kvrouter_requests",
             "requests routed, by engine, policy and status",
             ["engine", "policy", "status"],
             registry=r,
         )
-        self.overhead = Histogram(
+        self.overhead = histogram(
             "kvrouter_router_overhead_seconds",
             "router time per request, by stage",
             ["stage"],
-            buckets=_OVERHEAD_BUCKETS,
-            registry=r,
+            _OVERHEAD_BUCKETS,
         )
         self.predicted_cached = Counter(
             "kvrouter_predicted_cached_tokens", "cached tokens the router predicted", ["engine"], registry=r
@@ -391,26 +423,23 @@ class RouterMetrics:
         self.actual_cached = Counter(
             "kvrouter_actual_cached_tokens", "cached tokens engines reported in usage", ["engine"], registry=r
         )
-        self.prediction_error = Histogram(
+        self.prediction_error = histogram(
             "kvrouter_cached_tokens_prediction_error_tokens",
             "|actual - predicted| cached tokens per request",
             ["engine"],
-            buckets=_TOKEN_ERROR_BUCKETS,
-            registry=r,
+            _TOKEN_ERROR_BUCKETS,
         )
-        self.ttft = Histogram(
+        self.ttft = histogram(
             "kvrouter_request_ttft_seconds",
             "streamed answers: request arrival to the first chunk handed to the client",
             _ENGINE_LABELS,
-            buckets=_TTFT_BUCKETS,
-            registry=r,
+            _TTFT_BUCKETS,
         )
-        self.duration = Histogram(
+        self.duration = histogram(
             "kvrouter_request_duration_seconds",
             "answers an engine completed with 200: request arrival to the last byte handed to the client",
             _ENGINE_LABELS,
-            buckets=_DURATION_BUCKETS,
-            registry=r,
+            _DURATION_BUCKETS,
         )
         self.retries = Counter(
             "kvrouter_upstream_retries", "attempts moved to another engine", ["reason"], registry=r
@@ -456,7 +485,6 @@ class RouterMetrics:
             self._local.append(_TokenizerCacheCollector(tokenizer_stats))
         for collector in self._local:
             r.register(collector)
-        self._multiprocess_dir = os.environ.get(MULTIPROCESS_ENV) or None
         # The request path's children, each looked up once (see `Children`).
         self.requests_of = Children(self.requests)
         self.ttft_of = Children(self.ttft)
