@@ -179,11 +179,12 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
 
     def predicted_ttft_s(self, uncached_tokens: int) -> float:
         """TTFT if a request with `uncached_tokens` to prefill were sent now (queue first, then it)."""
-        return self.prefill_s(uncached_tokens) + self.decode_s(uncached_tokens) + self.slot_wait_s()
+        return self.ttft_terms(uncached_tokens)[3]
 
     def ttft_terms(self, uncached_tokens: int) -> tuple[int, float, float, float]:
         """`(prefill_steps, decode_s, slot_wait_s, predicted_ttft_s)` for `uncached_tokens`, each equal
-        to its own method's value, computed once (scoring records all four for every candidate)."""
+        to its own method's value, computed once (scoring records all four for every candidate). The
+        one place the TTFT is composed: prefill, then the decode its steps carry, then the slot wait."""
         steps, slot_s = self.prefill_steps(uncached_tokens), self.slot_wait_s()
         decode_s = steps * self.decode_step_s()
         return steps, decode_s, slot_s, self.prefill_s(uncached_tokens) + decode_s + slot_s

@@ -378,7 +378,8 @@ def test_ttft_terms_are_each_term_s_own_method(
         in_flight, prefilling, decoding, queued, None, 0.02, per_token, False, step,
         residency_s=residency, drained_tokens=drained,
     )  # fmt: skip
+    ttft = snap.prefill_s(uncached) + snap.decode_s(uncached) + snap.slot_wait_s()
     assert snap.ttft_terms(uncached) == (
-        snap.prefill_steps(uncached), snap.decode_s(uncached), snap.slot_wait_s(),
-        snap.predicted_ttft_s(uncached),
+        snap.prefill_steps(uncached), snap.decode_s(uncached), snap.slot_wait_s(), ttft,
     )  # fmt: skip
+    assert snap.predicted_ttft_s(uncached) == ttft
