@@ -123,12 +123,10 @@ def _joined(m: dict[str, Any]) -> str:
 _ROLE = itemgetter("role")
 
 
-def _kept_message(msg: ChatMessage, fmt: ContentFormat, i: int) -> TemplateMessage:
-    """`_message`, made once per message and format and kept on the (frozen) message."""
-    kept = msg.__dict__
-    out: TemplateMessage | None = kept.get(fmt)
-    if out is None:
-        out = kept[fmt] = TemplateMessage(_message(msg, fmt, f"messages[{i}]"))
+def _keep_message(msg: ChatMessage, fmt: ContentFormat, i: int) -> TemplateMessage:
+    """`_message`, made and kept on the (frozen) message under its format: `conversation` reads it
+    there for every later request that carries the message."""
+    out = msg.__dict__[fmt] = TemplateMessage(_message(msg, fmt, f"messages[{i}]"))
     return out
 
 
@@ -137,7 +135,7 @@ def conversation(
 ) -> list[dict[str, Any]]:
     """The template's ``messages`` for a request; RequestError names the offending message or part."""
     conv: list[dict[str, Any]] = [
-        kept if (kept := m.__dict__.get(fmt)) is not None else _kept_message(m, fmt, i)
+        kept if (kept := m.__dict__.get(fmt)) is not None else _keep_message(m, fmt, i)
         for i, m in enumerate(messages)
     ]  # a reused message's dict read in place: a call per message is most of this on a long chat
     if not template_knows_developer and "developer" in map(_ROLE, conv):
