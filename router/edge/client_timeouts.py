@@ -23,12 +23,14 @@ request_headers_timeout and stream_idle_timeout (5 min) bound the same phases.
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import socket
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
+from uvicorn._types import ASGI3Application
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
@@ -77,6 +79,7 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         self._header_by: float | None = None  # the deadline of the head being read (None: none is)
         self._lost: LostSignal | None = None
         self._hot: HotRoutes | None = app_state.get(HOT_KEY)
+        self._fresh_context = bool(getattr(config, "reset_contextvars", False))  # uvicorn's opt-in
         if self._timeouts is not None:
             self.timeout_keep_alive = self._timeouts.keepalive_s
 
@@ -129,19 +132,19 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         scope["raw_path"] = self.url
         scope["query_string"] = b""
         previous = self.cycle
-        self.cycle = cycle = HotCycle(
-            scope=scope, transport=self.transport, flow=self.flow, logger=self.logger,
-            access_logger=self.access_logger, access_log=self.access_log,
-            default_headers=self.server_state.default_headers, message_event=asyncio.Event(),
-            expect_100_continue=self.expect_100_continue, on_response=self.on_response_complete,
-            keep_alive=version != "1.0" and self.parser.should_keep_alive(),
-        )  # fmt: skip
-        cycle.serve, cycle.endpoint = self._hot.serve, endpoint
+        keep_alive = version != "1.0" and self.parser.should_keep_alive()
+        self.cycle = cycle = HotCycle(self, scope, keep_alive, self._hot.serve, endpoint)
         if previous is None or previous.response_complete:
-            self._start_asgi_task(cycle, self.app)
+            cycle.begin(self.loop, self.tasks, contextvars.Context() if self._fresh_context else None)
         else:
             self.flow.pause_reading()
             self.pipeline.appendleft((cycle, self.app))
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+        if type(cycle) is HotCycle:  # a pipelined hot request's turn
+            cycle.begin(self.loop, self.tasks, contextvars.Context() if self._fresh_context else None)
+        else:
+            super()._start_asgi_task(cycle, app)
 
     def on_body(self, body: bytes) -> None:
         cycle = self.cycle

@@ -4,8 +4,10 @@ When the running gateway offers `HotRoutes` in its lifespan state (it does unles
 headers need uvicorn's middleware; `taken` is false while the access log writes lines, as its
 middleware must see the request), `TimedHttpToolsProtocol` gives a request whose
 head is exactly `POST /v1/completions` or `POST /v1/chat/completions` (no query, no upgrade) a
-`HotCycle` instead of uvicorn's `RequestResponseCycle`: its task calls `Gateway.handle` directly
-(not uvicorn's app wrapper, `GatewayApp.__call__`), and its `send` builds the head in one pass,
+`HotCycle` instead of uvicorn's `RequestResponseCycle`: its task is `Gateway.handle` itself (not
+uvicorn's `run_asgi` around the app wrapper, `GatewayApp.__call__`: what `run_asgi` does when the app
+ends is a done callback), the body's arrival is a flag (`_Ready`, no `asyncio.Event` to set, wait on
+and clear when the body came with the head), and its `send` builds the head in one pass,
 checking the header names and values with one search each over all of them instead of two per
 header, and holds the head for the first body bytes itself (what `HeadHold` does for other routes);
 the request body is kept as the parser's pieces and handed over joined (one piece: as parsed), not
@@ -17,16 +19,19 @@ path unchanged.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable
+import contextvars
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from starlette.types import Receive, Scope, Send
+from uvicorn._types import HTTPScope
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import (
     HEADER_RE,
     HEADER_VALUE_RE,
     STATUS_LINE,
+    HttpToolsProtocol,
     RequestResponseCycle,
 )
 from uvicorn.protocols.utils import get_client_addr
@@ -41,7 +46,7 @@ HOT_KEY: Final = "kvrouter.hot_routes"
 HOT_PATHS: Final = {b"/v1/completions": Endpoint.COMPLETIONS, b"/v1/chat/completions": Endpoint.CHAT}
 """The request targets served by a `HotCycle`, exactly as they appear on the request line."""
 
-HotHandler = Callable[[Scope, Receive, Send, Endpoint], Awaitable[None]]
+HotHandler = Callable[[Scope, Receive, Send, Endpoint], Coroutine[Any, Any, None]]
 """`Gateway.handle`: serves one hot-route request over its cycle's `receive` and `send`."""
 
 
@@ -58,6 +63,12 @@ class HotRoutes:
     taken: Callable[[], bool] = _always
 
 
+_INTERNAL_ERROR: Final = [
+    (b"content-type", b"text/plain; charset=utf-8"),
+    (b"content-length", b"21"),
+    (b"connection", b"close"),
+]
+"""uvicorn's `send_500_response` head."""
 _FRAMING: Final = frozenset({b"content-length", b"transfer-encoding", b"connection"})
 
 
@@ -65,18 +76,124 @@ def _nothing() -> None:
     pass
 
 
+class _Ready(asyncio.Event):
+    """A cycle's `message_event` as uvicorn's protocol uses it (set when body bytes or the body's end
+    are parsed or the connection is lost; waited on and cleared by `receive`), without the loop
+    binding and waiter deque an `asyncio.Event` builds per request: a flag, and a future only for a
+    `receive` that has to wait."""
+
+    def __init__(self) -> None:
+        self.flag = False
+        self._waiting: list[asyncio.Future[None]] | None = None
+
+    def set(self) -> None:
+        self.flag = True
+        waiting, self._waiting = self._waiting, None
+        for waiter in waiting or ():
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def is_set(self) -> bool:
+        return self.flag
+
+    def clear(self) -> None:
+        self.flag = False
+
+    async def wait(self) -> Literal[True]:
+        if not self.flag:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            if self._waiting is None:
+                self._waiting = [waiter]
+            else:
+                self._waiting.append(waiter)
+            try:
+                await waiter
+            finally:
+                if self._waiting is not None and waiter in self._waiting:
+                    self._waiting.remove(waiter)
+        return True
+
+
 class HotCycle(RequestResponseCycle):
-    """uvicorn's cycle for one hot-route request, run by `HotRoutes.serve` with a leaner `send`.
+    """uvicorn's cycle for one hot-route request, served by `HotRoutes.serve` with a leaner `send`.
 
     `send` keeps uvicorn's rules (the message order, framing by Content-Length or chunked,
-    `Connection: close`, the default headers, flow control, nothing written after a disconnect)."""
+    `Connection: close`, the default headers, flow control, nothing written after a disconnect).
+    Built with only what differs per request: the rest of uvicorn's cycle state starts as the class
+    defaults below."""
 
-    serve: HotHandler
-    endpoint: Endpoint
+    disconnected = False
+    more_body = True
+    response_started = False
+    response_complete = False
+    chunked_encoding: bool | None = None
+    expected_content_length = 0
+    message_event: _Ready
     _held: bytes | None = None
     _chunks: list[bytes] | None = None
     """The body bytes parsed and not yet received, as the parser gave them (`take`)."""
     _size = 0
+
+    def __init__(
+        self,
+        protocol: HttpToolsProtocol,
+        scope: HTTPScope,
+        keep_alive: bool,
+        serve: HotHandler,
+        endpoint: Endpoint,
+    ) -> None:
+        self.scope = scope
+        self.transport = protocol.transport
+        self.flow = protocol.flow
+        self.logger = protocol.logger
+        self.access_logger = protocol.access_logger
+        self.access_log = protocol.access_log
+        self.default_headers = protocol.server_state.default_headers
+        self.message_event = _Ready()
+        self.on_response = protocol.on_response_complete
+        self.keep_alive = keep_alive
+        self.waiting_for_100_continue = protocol.expect_100_continue
+        self.serve = serve
+        self.endpoint = endpoint
+
+    def begin(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        tasks: set[asyncio.Task[None]],
+        context: contextvars.Context | None,
+    ) -> None:
+        """Start serving: a task running `serve` itself (in `context`, when given), in the server's
+        `tasks` until it ends, its end handled by `_served` as uvicorn's `run_asgi` handles its app's."""
+        coro = self.serve(self.scope, self.receive, self.send, self.endpoint)  # type: ignore[arg-type]
+        task = loop.create_task(coro) if context is None else loop.create_task(coro, context=context)
+        self._tasks = tasks
+        task.add_done_callback(self._served)
+        tasks.add(task)
+
+    def _served(self, task: asyncio.Task[None]) -> None:
+        """An exception is logged and answered 500 (or the connection closed once the answer started),
+        an answer not started or not completed likewise, as uvicorn's `run_asgi` does."""
+        self._tasks.discard(task)
+        failure: BaseException | None = asyncio.CancelledError() if task.cancelled() else task.exception()
+        if failure is not None:
+            self.logger.error("Exception in ASGI application\n", exc_info=failure)
+            if not self.response_started:
+                self._answer_500()
+            else:
+                self._close()
+        elif not self.response_started and not self.disconnected:
+            self.logger.error("ASGI callable returned without starting response.")
+            self._answer_500()
+        elif not self.response_complete and not self.disconnected:
+            self.logger.error("ASGI callable returned without completing response.")
+            self._close()
+        self.on_response = _nothing
+
+    def _answer_500(self) -> None:
+        """uvicorn's `send_500_response`, written at once (the task is over: nothing awaits a drain)."""
+        if not self.disconnected:
+            self._start(500, _INTERNAL_ERROR)
+            self._body(b"Internal Server Error", False)
 
     def take(self, body: bytes) -> bool:
         """Keep a parsed piece of the request body for `receive`; True when more than uvicorn's
@@ -97,34 +214,15 @@ class HotCycle(RequestResponseCycle):
             self.waiting_for_100_continue = False
         if not self.disconnected and not self.response_complete:
             self.flow.resume_reading()
-            await self.message_event.wait()
-            self.message_event.clear()
+            ready = self.message_event
+            if not ready.flag:
+                await ready.wait()
+            ready.flag = False
         if self.disconnected or self.response_complete:
             return {"type": "http.disconnect"}
         chunks, self._chunks, self._size = self._chunks, None, 0
         body = b"" if chunks is None else chunks[0] if len(chunks) == 1 else b"".join(chunks)
         return {"type": "http.request", "body": body, "more_body": self.more_body}
-
-    async def run_asgi(self, app: Any) -> None:
-        """Serve the request; an exception is logged and answered 500 (or the connection closed once
-        the answer started), as uvicorn's cycle does for its app."""
-        try:
-            await self.serve(self.scope, self.receive, self.send, self.endpoint)  # type: ignore[arg-type]
-        except BaseException as exc:
-            self.logger.error("Exception in ASGI application\n", exc_info=exc)
-            if not self.response_started:
-                await self.send_500_response()
-            else:
-                self._close()
-        else:
-            if not self.response_started and not self.disconnected:
-                self.logger.error("ASGI callable returned without starting response.")
-                await self.send_500_response()
-            elif not self.response_complete and not self.disconnected:
-                self.logger.error("ASGI callable returned without completing response.")
-                self._close()
-        finally:
-            self.on_response = _nothing
 
     async def send(self, message: Any) -> None:
         if self.flow.write_paused and not self.disconnected:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from types import SimpleNamespace
 from typing import Any
 
 from hypothesis import given, settings
@@ -13,6 +14,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from router.edge.hot_routes import HotCycle
+from tokenization.openai_request import Endpoint
 
 NAMES = st.sampled_from(
     [
@@ -30,6 +32,10 @@ VALUES = st.sampled_from(
 )
 HEADS = st.lists(st.tuples(NAMES, VALUES), max_size=6)
 DEFAULTS = [(b"server", b"uvicorn"), (b"date", b"Wed, 02 Dec 2026 00:00:00 GMT")]
+
+
+async def _never(*_: Any) -> None:
+    raise AssertionError("the cycle is driven by the test, not served")
 
 
 class Recording:
@@ -59,14 +65,24 @@ async def _outcome(
     kind: type[RequestResponseCycle], status: int, headers: Any, keep_alive: bool
 ) -> tuple[Any, ...]:
     transport = Recording()
-    cycle = kind(
-        scope={"method": "POST", "path": "/v1/completions", "http_version": "1.1", "client": None},  # type: ignore[typeddict-item]
-        transport=transport,  # type: ignore[arg-type]
-        flow=FlowControl(transport),  # type: ignore[arg-type]
-        logger=logging.getLogger("test"), access_logger=logging.getLogger("test"), access_log=False,
-        default_headers=DEFAULTS, message_event=asyncio.Event(), expect_100_continue=False,
-        keep_alive=keep_alive, on_response=lambda: None,
-    )  # fmt: skip
+    scope = {"method": "POST", "path": "/v1/completions", "http_version": "1.1", "client": None}
+    flow, logger = FlowControl(transport), logging.getLogger("test")  # type: ignore[arg-type]
+    cycle: RequestResponseCycle
+    if kind is HotCycle:
+        protocol = SimpleNamespace(
+            transport=transport, flow=flow, logger=logger, access_logger=logger, access_log=False,
+            server_state=SimpleNamespace(default_headers=DEFAULTS), on_response_complete=lambda: None,
+            expect_100_continue=False,
+        )  # fmt: skip
+        cycle = HotCycle(protocol, scope, keep_alive, _never, Endpoint.COMPLETIONS)  # type: ignore[arg-type]
+    else:
+        cycle = kind(
+            scope=scope,  # type: ignore[arg-type]
+            transport=transport,  # type: ignore[arg-type]
+            flow=flow, logger=logger, access_logger=logger, access_log=False,
+            default_headers=DEFAULTS, message_event=asyncio.Event(), expect_100_continue=False,
+            keep_alive=keep_alive, on_response=lambda: None,
+        )  # fmt: skip
     error = None
     try:
         await cycle.send({"type": "http.response.start", "status": status, "headers": headers})

@@ -6,7 +6,7 @@ body in one write."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -21,7 +21,7 @@ from tests.gateway_helpers import record_client_writes, uvicorn_on_port_0
 from tests.router.edge.test_client_writes import WAIT
 from tokenization.openai_request import Endpoint
 
-Serve = Callable[[Scope, Receive, Send, Endpoint], Awaitable[None]]
+Serve = Callable[[Scope, Receive, Send, Endpoint], Coroutine[Any, Any, None]]
 
 
 async def _answer(send: Send, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -224,14 +224,26 @@ async def test_hot_failures_end_as_under_uvicorns_cycle(monkeypatch: pytest.Monk
             raise RuntimeError("a bug")
         if body == b"bad header":
             await _answer(send, b"x", [(b"x-bad", b"a\r\nb")])
+        if body == b"half":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+        if body == b"cancelled":
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+            await asyncio.sleep(0)
         # otherwise: returns without an answer
 
     async with serving(failing, monkeypatch) as (port, _):
-        for body in (b"raise", b"nothing"):
+        for body in (b"raise", b"nothing", b"cancelled"):
             [(head, text)] = await _exchange(port, _post(b"/v1/completions", body), 1)
             assert head.startswith(b"HTTP/1.1 500") and text == b"Internal Server Error"
         # the head was refused: the connection is closed, as uvicorn's cycle does
         assert await _until_closed(port, _post(b"/v1/completions", b"bad header")) == b""
+        # started and not completed: the head is out, then the connection is closed
+        half = await _until_closed(port, _post(b"/v1/completions", b"half"))
+        assert half.startswith(b"HTTP/1.1 200 OK\r\n") and half.endswith(
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
 
 
 async def test_the_gateway_serves_its_hot_routes_from_the_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -239,13 +251,13 @@ async def test_the_gateway_serves_its_hot_routes_from_the_protocol(monkeypatch: 
     from tests.gateway_helpers import engine_of, gateway_config, running_gateway, running_stubs
 
     cycles: list[str] = []
-    run = HotCycle.run_asgi
+    begin = HotCycle.begin
 
-    async def counted(self: HotCycle, app: Any) -> None:
+    def counted(self: HotCycle, *args: Any) -> None:
         cycles.append(self.scope["path"])
-        await run(self, app)
+        begin(self, *args)
 
-    monkeypatch.setattr(HotCycle, "run_asgi", counted)
+    monkeypatch.setattr(HotCycle, "begin", counted)
     async with running_stubs(1) as stubs, running_gateway(gateway_config([engine_of("e0", stubs[0])])) as gw:
         answer = await gw.client.post("/v1/completions", json=BODY)
         assert answer.status_code == 200 and answer.headers["x-kvrouter-engine"] == "e0"
