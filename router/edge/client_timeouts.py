@@ -107,7 +107,7 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle
         extensions = self.scope.setdefault("extensions", {})
         extensions[BODY_WRITER] = {"writer": BodyWriter(cycle)}
-        self._lost = _signal(weakref.ref(cycle))
+        self._lost = _CycleSignal(cycle)
         extensions[LOST_SIGNAL] = {"signal": self._lost}
 
     def _hot_endpoint(self) -> Endpoint | None:
@@ -188,19 +188,27 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             self.transport.close()
 
 
-def _signal(cycle_ref: weakref.ref[RequestResponseCycle]) -> LostSignal:
-    """The cycle's `LostSignal`, reading the cycle weakly (its scope holds the signal holding these)."""
+class _CycleSignal(LostSignal):
+    """The cycle's `LostSignal`, reading the cycle weakly (its scope holds the signal)."""
 
-    def resume() -> None:  # what `receive()` does first while the answer is under way
-        cycle = cycle_ref()
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:
+        super().__init__()
+        self._cycle = weakref.ref(cycle)
+
+    def resume(self) -> None:  # what `receive()` does first while the answer is under way
+        cycle = self._cycle()
         if cycle is not None and not cycle.disconnected and not cycle.response_complete:
             cycle.flow.resume_reading()
 
-    def body_in() -> bool:  # `receive()` returns at once: the body's end is parsed, its event still set
-        cycle = cycle_ref()
+    def body_in(self) -> bool:  # `receive()` returns at once: the body's end is parsed, its event still set
+        cycle = self._cycle()
         return cycle is not None and not cycle.more_body and cycle.message_event.is_set()
 
-    return LostSignal(resume, body_in)
+    def take_body(self, limit: int) -> bytes | None:
+        cycle = self._cycle()
+        return cycle.take_body(limit) if type(cycle) is HotCycle else None
 
 
 def _no_delay(transport: asyncio.Transport) -> None:

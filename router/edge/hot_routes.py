@@ -206,6 +206,23 @@ class HotCycle(RequestResponseCycle):
         self.message_event.set()
         return self._size > HIGH_WATER_LIMIT
 
+    def take_body(self, limit: int) -> bytes | None:
+        """The whole body, taken as `receive` takes it, when `receive` would return it at once with no
+        100 Continue to write and it is at most `limit` bytes; else None, nothing taken."""
+        if (
+            self.more_body
+            or not self.message_event.flag
+            or self.waiting_for_100_continue
+            or self.disconnected
+            or self.response_complete
+            or self._size > limit
+        ):
+            return None
+        self.flow.resume_reading()
+        self.message_event.flag = False
+        chunks, self._chunks, self._size = self._chunks, None, 0
+        return b"" if chunks is None else chunks[0] if len(chunks) == 1 else b"".join(chunks)
+
     async def receive(self) -> Any:
         """uvicorn's `receive`, handing over the body's pieces joined (one piece: as it was parsed),
         not copied into a bytearray and out again."""

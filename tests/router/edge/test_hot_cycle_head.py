@@ -108,3 +108,46 @@ def test_the_hot_cycles_head_and_body_are_uvicorns(status: int, headers: Any, ke
         assert hot[0] == uvicorns[0] and hot[-1] is not None
     else:
         assert hot == uvicorns
+
+
+def _hot_cycle(transport: Recording, expect_100_continue: bool = False) -> HotCycle:
+    logger = logging.getLogger("test")
+    protocol = SimpleNamespace(
+        transport=transport, flow=FlowControl(transport), logger=logger, access_logger=logger,  # type: ignore[arg-type]
+        access_log=False, server_state=SimpleNamespace(default_headers=DEFAULTS),
+        on_response_complete=lambda: None, expect_100_continue=expect_100_continue,
+    )  # fmt: skip
+    scope = {"method": "POST", "path": "/v1/completions", "http_version": "1.1", "client": None}
+    return HotCycle(protocol, scope, True, _never, Endpoint.COMPLETIONS)  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=40), max_size=5), st.integers(0, 120), st.booleans(), st.booleans())
+def test_take_body_hands_over_what_receive_would(
+    pieces: list[bytes], limit: int, complete: bool, expect_100: bool
+) -> None:
+    """`take_body` (the hot path's body with no `receive`) is `receive`'s message when that would come
+    at once with nothing written first and within `limit`; otherwise it takes nothing and `receive`
+    still returns every byte."""
+
+    async def run() -> tuple[bytes | None, Any, bytes]:
+        transport = Recording()
+        cycle = _hot_cycle(transport, expect_100)
+        for piece in pieces:
+            cycle.take(piece)
+        if complete:
+            cycle.more_body = False
+            cycle.message_event.set()
+        taken = cycle.take_body(limit)
+        if taken is not None or not (complete or pieces):
+            return taken, None, transport.written
+        return taken, await cycle.receive(), transport.written
+
+    taken, message, written = asyncio.run(run())
+    whole = b"".join(pieces)
+    if complete and not expect_100 and len(whole) <= limit:
+        assert taken == whole and written == b""
+    else:
+        assert taken is None
+        if message is not None:
+            assert message == {"type": "http.request", "body": whole, "more_body": not complete}

@@ -14,7 +14,7 @@ import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from router.edge.client_io import read_asgi_body
+from router.edge.client_io import lost_signal_of, read_asgi_body
 from router.edge.client_timeouts import TimedHttpToolsProtocol
 from router.edge.hot_routes import HOT_KEY, HotCycle, HotRoutes
 from tests.gateway_helpers import record_client_writes, uvicorn_on_port_0
@@ -196,6 +196,37 @@ async def test_a_streamed_hot_answer_holds_its_head_only_within_a_turn(
             assert (await reader.readuntil(b"0\r\n\r\n")).startswith(b"HTTP/1.1 200 OK")
         writer.close()
     assert len(writes) >= 3 and writes[0] == head
+
+
+async def test_a_body_that_came_with_its_head_is_handed_over_without_receive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`read_asgi_body` with the cycle's `LostSignal` takes a body already parsed from the cycle; one
+    still arriving, or awaited behind a 100 Continue, is read with `receive` (the same bytes)."""
+    receives: list[int] = []
+
+    async def counted(scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        calls = [0]
+
+        async def counting() -> Any:
+            calls[0] += 1
+            return await receive()
+
+        body = await read_asgi_body(counting, scope["headers"], 1 << 20, WAIT, lost_signal_of(scope))
+        receives.append(calls[0])
+        await _answer(send, b"hot " + body)
+
+    async with serving(counted, monkeypatch) as (port, _):
+        [(_, body)] = await _exchange(port, _post(b"/v1/completions", b"{}"), 1)
+        assert body == b"hot {}" and receives == [0]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nexpect: 100-continue\r\ncontent-length: 2\r\n\r\n")
+        async with asyncio.timeout(WAIT):
+            assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(b"{}")
+        [(_, body)] = await _read_answers(reader, 1)
+        writer.close()
+        assert body == b"hot {}" and receives[1] >= 1
 
 
 async def test_close_http10_and_100_continue_as_uvicorn(monkeypatch: pytest.MonkeyPatch) -> None:
