@@ -30,6 +30,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
+import httptools
 from uvicorn._types import ASGI3Application
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -75,13 +76,16 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
     ) -> None:
         super().__init__(config, server_state, app_state, _loop)
         self._timeouts: ClientTimeouts | None = app_state.get(STATE_KEY)
-        self._header_timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the connection's one timer (`_arm`)
         self._header_by: float | None = None  # the deadline of the head being read (None: none is)
+        self._idle_by: float | None = None  # the end of the keep-alive wait (None: no wait runs)
+        self._step = 0.0  # the shorter timeout: the timer never waits past a deadline set later
         self._lost: LostSignal | None = None
         self._hot: HotRoutes | None = app_state.get(HOT_KEY)
         self._fresh_context = bool(getattr(config, "reset_contextvars", False))  # uvicorn's opt-in
         if self._timeouts is not None:
             self.timeout_keep_alive = self._timeouts.keepalive_s
+            self._step = min(self._timeouts.header_s, self._timeouts.keepalive_s)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -89,9 +93,42 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:
+        """uvicorn's, one layer: the keep-alive wait ends (its deadline cleared, or uvicorn's own timer
+        cancelled without the gateway's timeouts), and a kept-alive connection's next head starts."""
+        if self._timeouts is None:
+            super().data_received(data)
+            return
+        self._idle_by = None
         if self._header_by is None and (self.cycle is None or self.cycle.response_complete):
             self._arm_header_timer()  # the first byte of the next request on a kept-alive connection
-        super().data_received(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+
+    def on_response_complete(self) -> None:
+        """uvicorn's, with the keep-alive wait a deadline of the connection's one timer rather than a
+        timer armed and cancelled per request."""
+        if self._timeouts is None:
+            super().on_response_complete()
+            return
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        else:
+            self._idle_by = by = self.loop.time() + self.timeout_keep_alive
+            self._arm(by)
 
     def on_headers_complete(self) -> None:
         self._header_by = None
@@ -154,10 +191,10 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             self.flow.pause_reading()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self._header_by = None
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
+        self._header_by = self._idle_by = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         super().connection_lost(exc)
         lost, self._lost = self._lost, None
         if lost is not None and self.cycle is not None and self.cycle.disconnected:  # before its answer ended
@@ -169,23 +206,36 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         super().timeout_keep_alive_handler()
 
     def _arm_header_timer(self) -> None:
-        """A head starts: its deadline is set, and the connection's one timer armed if it is not. The
-        timer is not cancelled when the head is in (`_header_by` cleared): a kept-alive connection's
-        requests cost no timer each, only a wake-up per `header_s` while it is in use."""
+        """A head starts: its deadline is set, and the connection's timer armed if it is not."""
         if self._timeouts is not None:
             self._header_by = by = self.loop.time() + self._timeouts.header_s
-            if self._header_timer is None:
-                self._header_timer = self.loop.call_at(by, self._header_timeout)
+            self._arm(by)
 
-    def _header_timeout(self) -> None:
-        by = self._header_by
-        if by is not None and self.loop.time() < by:  # a later head's deadline: wait for it
-            self._header_timer = self.loop.call_at(by, self._header_timeout)
-            return
-        self._header_timer = self._header_by = None
-        if by is not None and self._timeouts is not None and not self.transport.is_closing():
-            self._timeouts.timed_out("header")
-            self.transport.close()
+    def _arm(self, by: float) -> None:
+        """The connection's one timer, for the head and keep-alive deadlines: armed if it is not, never
+        cancelled when a deadline is cleared (the head is in, the next request came), so a kept-alive
+        connection's requests cost no timer each, only a wake-up per shorter timeout while in use. It
+        is armed no later than one shorter timeout from now: no deadline set later comes before it."""
+        if self._timer is None:
+            self._timer = self.loop.call_at(min(by, self.loop.time() + self._step), self._timed_out)
+
+    def _timed_out(self) -> None:
+        """A deadline passed: the head's closes the connection (counted "header"), the keep-alive
+        wait's is uvicorn's idle close (counted "idle"); otherwise the timer waits for the next one."""
+        self._timer = None
+        now = self.loop.time()
+        header_by, idle_by = self._header_by, self._idle_by
+        if header_by is not None and now >= header_by:
+            self._header_by = None
+            if self._timeouts is not None and not self.transport.is_closing():
+                self._timeouts.timed_out("header")
+                self.transport.close()
+        elif idle_by is not None and now >= idle_by:
+            self._idle_by = None
+            self.timeout_keep_alive_handler()
+        pending = [by for by in (self._header_by, self._idle_by) if by is not None]
+        if pending and not self.transport.is_closing():
+            self._arm(min(pending))
 
 
 class _CycleSignal(LostSignal):

@@ -15,7 +15,7 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from router.edge.client_io import lost_signal_of, read_asgi_body
-from router.edge.client_timeouts import TimedHttpToolsProtocol
+from router.edge.client_timeouts import STATE_KEY, ClientTimeouts, TimedHttpToolsProtocol
 from router.edge.hot_routes import HOT_KEY, HotCycle, HotRoutes
 from tests.gateway_helpers import record_client_writes, uvicorn_on_port_0
 from tests.router.edge.test_client_writes import WAIT
@@ -54,7 +54,8 @@ async def serving(
     """A uvicorn with the gateway's protocol, `serve` offered as `HotRoutes`, and an app that
     records every request it serves."""
     served: list[str] = []
-    state: dict[str, Any] = {HOT_KEY: HotRoutes(serve)}
+    timeouts = ClientTimeouts(60.0, 75.0, lambda phase: None)  # as the gateway's lifespan gives them
+    state: dict[str, Any] = {HOT_KEY: HotRoutes(serve), STATE_KEY: timeouts}
     original = TimedHttpToolsProtocol.__init__
 
     def with_state(
@@ -246,6 +247,13 @@ async def test_close_http10_and_100_continue_as_uvicorn(monkeypatch: pytest.Monk
         [(head, body)] = await _read_answers(reader, 1)
         assert head.startswith(b"HTTP/1.1 200") and body == b"hot /v1/chat/completions {}"
         writer.close()
+
+
+async def test_a_malformed_request_gets_uvicorns_400_and_a_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with serving(_hot_echo, monkeypatch) as (port, served):
+        answer = await _until_closed(port, b"NOT HTTP\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n") and served == []
+    assert answer.endswith(b"connection: close\r\n\r\nInvalid HTTP request received.")
 
 
 async def test_hot_failures_end_as_under_uvicorns_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
