@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 import socket
 import weakref
 from collections.abc import Callable
@@ -132,8 +133,8 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         self._header_by = None
-        endpoint = self._hot_endpoint()
-        if endpoint is not None:
+        endpoint = HOT_PATHS.get(self.url) if self._hot is not None else None
+        if endpoint is not None and self._may_serve_hot():
             self._start_hot(endpoint)
         else:
             super().on_headers_complete()
@@ -147,14 +148,16 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         self._lost = _CycleSignal(cycle)
         extensions[LOST_SIGNAL] = {"signal": self._lost}
 
-    def _hot_endpoint(self) -> Endpoint | None:
-        """The hot route this request's head names, when `HotRoutes` may serve it (module docstring)."""
-        if self._hot is None or self.limit_concurrency is not None or self.root_path:
-            return None
-        endpoint = HOT_PATHS.get(self.url)
-        if endpoint is None or self.parser.get_method() != b"POST" or self.parser.should_upgrade():
-            return None
-        return endpoint if self._hot.taken() else None
+    def _may_serve_hot(self) -> bool:
+        """Whether `HotRoutes` may serve a head naming a hot route (module docstring): a plain POST,
+        no concurrency limit or root path, no access line to write."""
+        assert self._hot is not None
+        if self.limit_concurrency is not None or self.root_path:
+            return False
+        if self.parser.get_method() != b"POST" or self.parser.should_upgrade():
+            return False
+        access = self._hot.access
+        return access is None or not access.isEnabledFor(logging.INFO)
 
     def _start_hot(self, endpoint: Endpoint) -> None:
         """uvicorn's scope completion and cycle start (or queueing behind a pipelined request), with a
@@ -189,6 +192,14 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             super().on_body(body)
         elif not cycle.response_complete and cycle.take(body):  # a hot head is never an upgrade
             self.flow.pause_reading()
+
+    def on_message_complete(self) -> None:
+        cycle = self.cycle
+        if type(cycle) is not HotCycle:
+            super().on_message_complete()
+        elif not cycle.response_complete:  # a hot head is never an upgrade
+            cycle.more_body = False
+            cycle.ready()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._header_by = self._idle_by = None
@@ -243,8 +254,9 @@ class _CycleSignal(LostSignal):
 
     __slots__ = ("_cycle",)
 
-    def __init__(self, cycle: RequestResponseCycle) -> None:
-        super().__init__()
+    def __init__(self, cycle: RequestResponseCycle) -> None:  # LostSignal's state, set here: one call
+        self.lost = False
+        self.callback: Callable[[], None] | None = None
         self._cycle = weakref.ref(cycle)
 
     def resume(self) -> None:  # what `receive()` does first while the answer is under way

@@ -1,8 +1,8 @@
 """The two hot routes served from the gateway's HTTP protocol: no app call chain, a leaner `send`.
 
 When the running gateway offers `HotRoutes` in its lifespan state (it does unless trusted proxy
-headers need uvicorn's middleware; `taken` is false while the access log writes lines, as its
-middleware must see the request), `TimedHttpToolsProtocol` gives a request whose
+headers need uvicorn's middleware; not while the access log writes lines, as its middleware must
+see the request), `TimedHttpToolsProtocol` gives a request whose
 head is exactly `POST /v1/completions` or `POST /v1/chat/completions` (no query, no upgrade) a
 `HotCycle` instead of uvicorn's `RequestResponseCycle`: its task is `Gateway.handle` itself (not
 uvicorn's `run_asgi` around the app wrapper, `GatewayApp.__call__`: what `run_asgi` does when the app
@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import logging
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, Final, Literal
@@ -50,17 +51,14 @@ HotHandler = Callable[[Scope, Receive, Send, Endpoint], Coroutine[Any, Any, None
 """`Gateway.handle`: serves one hot-route request over its cycle's `receive` and `send`."""
 
 
-def _always() -> bool:
-    return True
-
-
 @dataclass(frozen=True)
 class HotRoutes:
-    """What serves the hot routes straight from the protocol, and whether it may now (`taken`: asked
-    per request; false sends the request through the ASGI app, as for an access line to write)."""
+    """What serves the hot routes straight from the protocol, and when it may not: while the `access`
+    logger (the access log's, when it is on) writes INFO lines, asked per request, a request goes
+    through the ASGI app, whose middleware writes its line."""
 
     serve: HotHandler
-    taken: Callable[[], bool] = _always
+    access: logging.Logger | None = None
 
 
 _INTERNAL_ERROR: Final = [
@@ -70,6 +68,35 @@ _INTERNAL_ERROR: Final = [
 ]
 """uvicorn's `send_500_response` head."""
 _FRAMING: Final = frozenset({b"content-length", b"transfer-encoding", b"connection"})
+
+
+class _Defaults:
+    """The server's default headers (`date`, `server`, `--header`s) as head lines, encoded and checked
+    once per list: uvicorn's server replaces the list when the date changes (once a second), so
+    the last one is kept, and compared by identity (kept alive here, it cannot be another's id)."""
+
+    def __init__(self) -> None:
+        self.source: list[tuple[bytes, bytes]] | None = None
+        self.lines = b""
+        self.framing: list[tuple[bytes, bytes]] = []
+        """Those of them that frame the answer (uvicorn reads them before the app's own)."""
+
+    def of(self, defaults: list[tuple[bytes, bytes]]) -> _Defaults:
+        """These encoded (uvicorn's refusal of an invalid one is raised, and nothing kept)."""
+        if defaults is not self.source:
+            for name, value in defaults:
+                if HEADER_RE.search(name):
+                    raise RuntimeError("Invalid HTTP header name.")
+                if HEADER_VALUE_RE.search(value):
+                    raise RuntimeError("Invalid HTTP header value.")
+            lowered = [(name.lower(), value) for name, value in defaults]
+            self.lines = b"".join([b"%s: %s\r\n" % header for header in lowered])
+            self.framing = [header for header in lowered if header[0] in _FRAMING]
+            self.source = defaults
+        return self
+
+
+_DEFAULTS: Final = _Defaults()
 
 
 def _nothing() -> None:
@@ -84,11 +111,12 @@ class _Ready(asyncio.Event):
 
     def __init__(self) -> None:
         self.flag = False
-        self._waiting: list[asyncio.Future[None]] | None = None
+        self.waiting: list[asyncio.Future[None]] | None = None
+        """The futures of the `wait`s under way (None: nobody waits, setting `flag` is all `set` does)."""
 
     def set(self) -> None:
         self.flag = True
-        waiting, self._waiting = self._waiting, None
+        waiting, self.waiting = self.waiting, None
         for waiter in waiting or ():
             if not waiter.done():
                 waiter.set_result(None)
@@ -102,15 +130,15 @@ class _Ready(asyncio.Event):
     async def wait(self) -> Literal[True]:
         if not self.flag:
             waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-            if self._waiting is None:
-                self._waiting = [waiter]
+            if self.waiting is None:
+                self.waiting = [waiter]
             else:
-                self._waiting.append(waiter)
+                self.waiting.append(waiter)
             try:
                 await waiter
             finally:
-                if self._waiting is not None and waiter in self._waiting:
-                    self._waiting.remove(waiter)
+                if self.waiting is not None and waiter in self.waiting:
+                    self.waiting.remove(waiter)
         return True
 
 
@@ -203,8 +231,16 @@ class HotCycle(RequestResponseCycle):
         else:
             self._chunks.append(body)
         self._size += len(body)
-        self.message_event.set()
+        self.ready()
         return self._size > HIGH_WATER_LIMIT
+
+    def ready(self) -> None:
+        """`message_event.set()`: body bytes or the body's end are parsed (one call when nobody waits)."""
+        ready = self.message_event
+        if ready.waiting is None:
+            ready.flag = True
+        else:
+            ready.set()
 
     def take_body(self, limit: int) -> bytes | None:
         """The whole body, taken as `receive` takes it, when `receive` would return it at once with no
@@ -259,10 +295,12 @@ class HotCycle(RequestResponseCycle):
             raise RuntimeError(f"Unexpected ASGI message '{kind}' sent, after response already completed.")
 
     def _start(self, status: int, given: Iterable[tuple[bytes, bytes]]) -> None:
-        """Build the head and hold it for the first body bytes (or the loop's next turn)."""
+        """Build the head (the server's default headers encoded once per list: `_Defaults`) and hold it
+        for the first body bytes (or the loop's next turn)."""
         self.response_started = True
         self.waiting_for_100_continue = False
-        headers = [*self.default_headers, *given]
+        defaults = _DEFAULTS.of(self.default_headers)
+        headers = given if type(given) is list else list(given)
         names = b"".join([name for name, _ in headers])
         # Both patterns match single bytes, so one search over all names (values) is one per header.
         if HEADER_RE.search(names):
@@ -275,13 +313,13 @@ class HotCycle(RequestResponseCycle):
             client, version = get_client_addr(self.scope), self.scope["http_version"]
             self.access_logger.info('%s - "POST %s HTTP/%s" %d', client, self.scope["path"], version, status)
         lines = [b": ".join(header) for header in headers]
-        if self._frame([header for header in headers if header[0] in _FRAMING]):
+        if self._frame([*defaults.framing, *[header for header in headers if header[0] in _FRAMING]]):
             lines.append(b"connection: close")
         if self.chunked_encoding is None and status not in (204, 304):
             self.chunked_encoding = True
             lines.append(b"transfer-encoding: chunked")
         lines.append(b"\r\n")
-        self._held = STATUS_LINE[status] + b"\r\n".join(lines)
+        self._held = STATUS_LINE[status] + defaults.lines + b"\r\n".join(lines)
         asyncio.get_running_loop().call_soon(self._flush)
 
     def _frame(self, framing: list[tuple[bytes, bytes]]) -> bool:
@@ -316,7 +354,7 @@ class HotCycle(RequestResponseCycle):
             if self.expected_content_length != 0:
                 raise RuntimeError("Response content shorter than Content-Length")
             self.response_complete = True
-            self.message_event.set()
+            self.ready()
             if not self.keep_alive:
                 self.transport.close()
             self.on_response()

@@ -32,6 +32,10 @@ VALUES = st.sampled_from(
 )
 HEADS = st.lists(st.tuples(NAMES, VALUES), max_size=6)
 DEFAULTS = [(b"server", b"uvicorn"), (b"date", b"Wed, 02 Dec 2026 00:00:00 GMT")]
+SERVER_DEFAULTS = st.sampled_from(
+    [DEFAULTS, [], [*DEFAULTS, (b"X-Via", b"gw")], [(b"Connection", b"close")], [(b"bad name", b"x")]]
+)
+"""Default header lists as uvicorn's server keeps them (a new list each second; `--header`s too)."""
 
 
 async def _never(*_: Any) -> None:
@@ -62,7 +66,7 @@ class Recording:
 
 
 async def _outcome(
-    kind: type[RequestResponseCycle], status: int, headers: Any, keep_alive: bool
+    kind: type[RequestResponseCycle], status: int, headers: Any, keep_alive: bool, defaults: Any = DEFAULTS
 ) -> tuple[Any, ...]:
     transport = Recording()
     scope = {"method": "POST", "path": "/v1/completions", "http_version": "1.1", "client": None}
@@ -71,7 +75,7 @@ async def _outcome(
     if kind is HotCycle:
         protocol = SimpleNamespace(
             transport=transport, flow=flow, logger=logger, access_logger=logger, access_log=False,
-            server_state=SimpleNamespace(default_headers=DEFAULTS), on_response_complete=lambda: None,
+            server_state=SimpleNamespace(default_headers=defaults), on_response_complete=lambda: None,
             expect_100_continue=False,
         )  # fmt: skip
         cycle = HotCycle(protocol, scope, keep_alive, _never, Endpoint.COMPLETIONS)  # type: ignore[arg-type]
@@ -80,7 +84,7 @@ async def _outcome(
             scope=scope,  # type: ignore[arg-type]
             transport=transport,  # type: ignore[arg-type]
             flow=flow, logger=logger, access_logger=logger, access_log=False,
-            default_headers=DEFAULTS, message_event=asyncio.Event(), expect_100_continue=False,
+            default_headers=defaults, message_event=asyncio.Event(), expect_100_continue=False,
             keep_alive=keep_alive, on_response=lambda: None,
         )  # fmt: skip
     error = None
@@ -95,15 +99,23 @@ async def _outcome(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from([200, 204, 404]), HEADS, st.booleans())
-def test_the_hot_cycles_head_and_body_are_uvicorns(status: int, headers: Any, keep_alive: bool) -> None:
-    async def both() -> tuple[Any, Any]:
+@given(st.sampled_from([200, 204, 404]), HEADS, st.booleans(), SERVER_DEFAULTS, st.booleans())
+def test_the_hot_cycles_head_and_body_are_uvicorns(
+    status: int, headers: Any, keep_alive: bool, defaults: Any, as_tuple: bool
+) -> None:
+    """With the server's default headers encoded once per list (`_Defaults`: the same list answers
+    twice, a new one is encoded anew) and the app's headers a list or any iterable."""
+    given = tuple(headers) if as_tuple else headers
+
+    async def both() -> tuple[Any, Any, Any]:
         return (
-            await _outcome(RequestResponseCycle, status, headers, keep_alive),
-            await _outcome(HotCycle, status, headers, keep_alive),
+            await _outcome(RequestResponseCycle, status, given, keep_alive, defaults),
+            await _outcome(HotCycle, status, given, keep_alive, defaults),
+            await _outcome(HotCycle, status, given, keep_alive, defaults),
         )
 
-    uvicorns, hot = asyncio.run(both())
+    uvicorns, hot, again = asyncio.run(both())
+    assert again == hot
     if uvicorns[-1] is not None:  # refused: the same bytes are out and the answer is dropped
         assert hot[0] == uvicorns[0] and hot[-1] is not None
     else:
