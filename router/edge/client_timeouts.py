@@ -129,12 +129,25 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             self._start_asgi_task(cycle, app)
         else:
             self._idle_by = by = self.loop.time() + self.timeout_keep_alive
-            self._arm(by)
+            if self._timer is None:
+                self._arm(by)
 
     def on_headers_complete(self) -> None:
+        """uvicorn's, or for a head naming a hot route a `HotCycle` (`_start_hot`) when `HotRoutes` may
+        serve it (module docstring): a plain POST, no concurrency limit or root path, no access line
+        to write (asked per request)."""
         self._header_by = None
-        endpoint = HOT_PATHS.get(self.url) if self._hot is not None else None
-        if endpoint is not None and self._may_serve_hot():
+        hot = self._hot
+        endpoint = HOT_PATHS.get(self.url) if hot is not None else None
+        if (
+            endpoint is not None
+            and hot is not None
+            and self.limit_concurrency is None
+            and not self.root_path
+            and self.parser.get_method() == b"POST"
+            and not self.parser.should_upgrade()
+            and (hot.access is None or not hot.access.isEnabledFor(logging.INFO))
+        ):
             self._start_hot(endpoint)
         else:
             super().on_headers_complete()
@@ -147,17 +160,6 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         extensions[BODY_WRITER] = {"writer": BodyWriter(cycle)}
         self._lost = _CycleSignal(cycle)
         extensions[LOST_SIGNAL] = {"signal": self._lost}
-
-    def _may_serve_hot(self) -> bool:
-        """Whether `HotRoutes` may serve a head naming a hot route (module docstring): a plain POST,
-        no concurrency limit or root path, no access line to write."""
-        assert self._hot is not None
-        if self.limit_concurrency is not None or self.root_path:
-            return False
-        if self.parser.get_method() != b"POST" or self.parser.should_upgrade():
-            return False
-        access = self._hot.access
-        return access is None or not access.isEnabledFor(logging.INFO)
 
     def _start_hot(self, endpoint: Endpoint) -> None:
         """uvicorn's scope completion and cycle start (or queueing behind a pipelined request), with a
@@ -220,15 +222,16 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         """A head starts: its deadline is set, and the connection's timer armed if it is not."""
         if self._timeouts is not None:
             self._header_by = by = self.loop.time() + self._timeouts.header_s
-            self._arm(by)
+            if self._timer is None:
+                self._arm(by)
 
     def _arm(self, by: float) -> None:
-        """The connection's one timer, for the head and keep-alive deadlines: armed if it is not, never
-        cancelled when a deadline is cleared (the head is in, the next request came), so a kept-alive
-        connection's requests cost no timer each, only a wake-up per shorter timeout while in use. It
-        is armed no later than one shorter timeout from now: no deadline set later comes before it."""
-        if self._timer is None:
-            self._timer = self.loop.call_at(min(by, self.loop.time() + self._step), self._timed_out)
+        """The connection's one timer, for the head and keep-alive deadlines, armed when there is none
+        (its callers check), never cancelled when a deadline is cleared (the head is in, the next
+        request came), so a kept-alive connection's requests cost no timer each, only a wake-up per
+        shorter timeout while in use. It is armed no later than one shorter timeout from now: no
+        deadline set later comes before it."""
+        self._timer = self.loop.call_at(min(by, self.loop.time() + self._step), self._timed_out)
 
     def _timed_out(self) -> None:
         """A deadline passed: the head's closes the connection (counted "header"), the keep-alive
@@ -245,7 +248,7 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             self._idle_by = None
             self.timeout_keep_alive_handler()
         pending = [by for by in (self._header_by, self._idle_by) if by is not None]
-        if pending and not self.transport.is_closing():
+        if pending and self._timer is None and not self.transport.is_closing():
             self._arm(min(pending))
 
 

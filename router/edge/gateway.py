@@ -212,7 +212,11 @@ class Gateway:
         try:
             if parts.guard.api_keys_required:
                 parts.guard.check_api(Headers(scope=scope))
-            body = await read_asgi_body(receive, scope["headers"], self.max_body, self.body_timeout_s, signal)
+            body = signal.take_body(self.max_body) if signal is not None else None  # no read: it is in
+            if body is None:
+                body = await read_asgi_body(
+                    receive, scope["headers"], self.max_body, self.body_timeout_s, signal
+                )
         except RouterError as exc:
             if isinstance(exc, RequestTimeout):
                 parts.metrics.client_timeouts.labels("body").inc()

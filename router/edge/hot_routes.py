@@ -109,10 +109,12 @@ class _Ready(asyncio.Event):
     binding and waiter deque an `asyncio.Event` builds per request: a flag, and a future only for a
     `receive` that has to wait."""
 
-    def __init__(self) -> None:
-        self.flag = False
-        self.waiting: list[asyncio.Future[None]] | None = None
-        """The futures of the `wait`s under way (None: nobody waits, setting `flag` is all `set` does)."""
+    flag = False
+    waiting: list[asyncio.Future[None]] | None = None
+    """The futures of the `wait`s under way (None: nobody waits, setting `flag` is all `set` does)."""
+
+    def __init__(self) -> None:  # the class defaults are the state: `_Ready.__new__(_Ready)` is one too
+        pass
 
     def set(self) -> None:
         self.flag = True
@@ -177,7 +179,7 @@ class HotCycle(RequestResponseCycle):
         self.access_logger = protocol.access_logger
         self.access_log = protocol.access_log
         self.default_headers = protocol.server_state.default_headers
-        self.message_event = _Ready()
+        self.message_event = _Ready.__new__(_Ready)  # its state is its class defaults: no __init__ call
         self.on_response = protocol.on_response_complete
         self.keep_alive = keep_alive
         self.waiting_for_100_continue = protocol.expect_100_continue
@@ -231,7 +233,11 @@ class HotCycle(RequestResponseCycle):
         else:
             self._chunks.append(body)
         self._size += len(body)
-        self.ready()
+        ready = self.message_event
+        if ready.waiting is None:  # `ready()`, inline: once per piece
+            ready.flag = True
+        else:
+            ready.set()
         return self._size > HIGH_WATER_LIMIT
 
     def ready(self) -> None:
