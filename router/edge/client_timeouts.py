@@ -4,14 +4,16 @@ uvicorn times out only the idle wait after an answer on a kept-alive connection;
 connects and sends nothing, or part of its headers, would hold its connection forever. The
 `TimedHttpToolsProtocol` every gateway server runs adds nginx's `client_header_timeout` (from
 connecting, or from a kept-alive request's first byte, to the end of the headers: then the
-connection is closed, as there is no request to answer), sets the keep-alive idle time, and counts
+connection is closed, as there is no request to answer), sets the keep-alive idle time (both
+deadlines kept by one timer per connection, not a timer armed and cancelled per request), counts
 both in `kvrouter_client_timeouts_total{phase="header"|"idle"}`, and sets TCP_NODELAY on every client
 connection, whatever made the listening socket. Body reads are timed by the app
 (`router.edge.client_io.read_asgi_body`, answered 408, phase "body"). It also gives each request's
 cycle a `router.edge.client_writes.HeadHold`, so an answer's head and first body bytes leave in one
 write, and offers the app a `BodyWriter` and a `LostSignal` (fired when the connection is lost before
 the answer ended: `ClientWatch` needs no task reading `receive`) for the cycle in the scope's
-extensions. Settings and counter reach each connection through the ASGI lifespan state, which
+extensions (the signal also hands over a hot request's body when it came with its head: no
+`receive`). Settings and counter reach each connection through the ASGI lifespan state, which
 uvicorn hands to every protocol it creates; so does the gateway's `HotRoutes`, with which the two
 hot routes get a `router.edge.hot_routes.HotCycle` (no app call chain, a leaner `send`).
 
