@@ -37,10 +37,14 @@ class AccessNote:
         """The engine's `usage.prompt_tokens_details.cached_tokens`; None when the answer had none."""
 
 
+_UNREAD: Final = AccessNote()
+"""The note of every request that writes no access line: written to, never read."""
+
+
 def note_of(scope: Scope) -> AccessNote:
-    """The request's note (a throwaway one when the access log is off)."""
+    """The request's note (when the access log is off, one that nobody reads, shared)."""
     note = scope.get(_NOTE)
-    return note if isinstance(note, AccessNote) else AccessNote()
+    return note if isinstance(note, AccessNote) else _UNREAD
 
 
 class _Answer:

@@ -86,13 +86,17 @@ async def read_asgi_body(
 ) -> bytes:
     """The whole request body, refusing (413) beyond `limit` bytes before reading more than that, and
     (408, `RequestTimeout`) when it is not complete within `timeout_s` seconds. When the protocol's
-    `signal` says the body is already in (`LostSignal.body_in`), no timer is armed: nothing waits.
+    `signal` has the whole body (`LostSignal.take_body`: within `limit`, so no refusal is due), it is
+    handed over with no `receive`; when it says the body is in (`LostSignal.body_in`), no timer is
+    armed: nothing waits.
 
     Raises `ClientDisconnected` when the client leaves mid-body (a partial body is never routed)."""
+    if signal is not None and (body := signal.take_body(limit)) is not None:
+        return body
     for key, value in headers:
         if key == _CONTENT_LENGTH and value.isdigit() and int(value) > limit:
             raise RequestTooLarge(f"request body of {value.decode()} bytes exceeds the limit of {limit}")
-    if signal is not None and signal.body_in is not None and signal.body_in():
+    if signal is not None and signal.body_in():
         return await _read_body(receive, limit)
     try:
         async with asyncio.timeout(timeout_s):
@@ -125,21 +129,29 @@ LOST_SIGNAL: Final = "kvrouter.lost_signal"
 class LostSignal:
     """One request cycle's connection was lost before its answer completed: the protocol `fire`s it
     (router.edge.client_timeouts), and the cycle's `ClientWatch` is called back, with no task of its
-    own waiting on `receive`."""
+    own waiting on `receive`. The protocol's signal also reads its cycle (`resume`, `body_in`,
+    `take_body`); this base knows no cycle: its reads say nothing is parsed yet."""
 
-    __slots__ = ("body_in", "callback", "lost", "resume")
+    __slots__ = ("callback", "lost")
 
-    def __init__(
-        self, resume: Callable[[], None] | None = None, body_in: Callable[[], bool] | None = None
-    ) -> None:
+    def __init__(self) -> None:
         self.lost = False
         self.callback: Callable[[], None] | None = None
-        self.resume = resume
-        """Resumes reading the connection (paused by a body past uvicorn's high-water mark), as a
+
+    def resume(self) -> None:
+        """Resume reading the connection (paused by a body past uvicorn's high-water mark), as a
         watcher's `receive()` would: a client's FIN is seen only while the socket is read."""
-        self.body_in = body_in
+
+    def body_in(self) -> bool:
         """Whether the whole request body is parsed and not yet taken: `receive()` then returns it
         without waiting."""
+        return False
+
+    def take_body(self, limit: int) -> bytes | None:
+        """The whole request body, taken as `receive()` takes it, when `receive()` would hand it over at
+        once with nothing written first (no 100 Continue) and it is at most `limit` bytes; else None,
+        and nothing is taken."""
+        return None
 
     def fire(self) -> None:
         """The connection is gone: call the watcher back once (later watchers are called at once)."""
@@ -161,17 +173,21 @@ class ClientWatch:
     Create it after the body is read (it consumes `receive`). When the cancellation it caused
     reaches the task, `absorb()` says so and uncancels, so the request can end as "client closed"
     while any other cancellation (shutdown) keeps propagating. Under the gateway's protocol (a
-    `LostSignal` in `scope`'s extensions) it waits on that signal; otherwise a watcher task reads
-    `receive` for the disconnect."""
+    `LostSignal` in `scope`'s extensions, or the `signal` given, already looked up there) it waits on
+    that signal; otherwise a watcher task reads `receive` for the disconnect."""
 
-    def __init__(self, receive: Receive, scope: Scope | None = None) -> None:
+    def __init__(
+        self, receive: Receive, scope: Scope | None = None, signal: LostSignal | None = None
+    ) -> None:
         task = asyncio.current_task()
         assert task is not None, "ClientWatch needs a running task"
         self._task = task
         self._receive = receive
         self.gone = False
         self._closing = False
-        self._signal = lost_signal_of(scope) if scope is not None else None
+        if signal is None and scope is not None:
+            signal = lost_signal_of(scope)
+        self._signal = signal
         self._watcher: asyncio.Task[None] | None = None
         if self._signal is None:
             self._watcher = asyncio.get_running_loop().create_task(self._watch())
@@ -179,8 +195,7 @@ class ClientWatch:
             asyncio.get_running_loop().call_soon(self._disconnected)
         else:
             self._signal.callback = self._disconnected
-            if self._signal.resume is not None:
-                self._signal.resume()
+            self._signal.resume()
 
     async def _watch(self) -> None:
         try:

@@ -4,14 +4,16 @@ uvicorn times out only the idle wait after an answer on a kept-alive connection;
 connects and sends nothing, or part of its headers, would hold its connection forever. The
 `TimedHttpToolsProtocol` every gateway server runs adds nginx's `client_header_timeout` (from
 connecting, or from a kept-alive request's first byte, to the end of the headers: then the
-connection is closed, as there is no request to answer), sets the keep-alive idle time, and counts
+connection is closed, as there is no request to answer), sets the keep-alive idle time (both
+deadlines kept by one timer per connection, not a timer armed and cancelled per request), counts
 both in `kvrouter_client_timeouts_total{phase="header"|"idle"}`, and sets TCP_NODELAY on every client
 connection, whatever made the listening socket. Body reads are timed by the app
 (`router.edge.client_io.read_asgi_body`, answered 408, phase "body"). It also gives each request's
 cycle a `router.edge.client_writes.HeadHold`, so an answer's head and first body bytes leave in one
 write, and offers the app a `BodyWriter` and a `LostSignal` (fired when the connection is lost before
 the answer ended: `ClientWatch` needs no task reading `receive`) for the cycle in the scope's
-extensions. Settings and counter reach each connection through the ASGI lifespan state, which
+extensions (the signal also hands over a hot request's body when it came with its head: no
+`receive`). Settings and counter reach each connection through the ASGI lifespan state, which
 uvicorn hands to every protocol it creates; so does the gateway's `HotRoutes`, with which the two
 hot routes get a `router.edge.hot_routes.HotCycle` (no app call chain, a leaner `send`).
 
@@ -23,12 +25,16 @@ request_headers_timeout and stream_idle_timeout (5 min) bound the same phases.
 from __future__ import annotations
 
 import asyncio
+import contextvars
+import logging
 import socket
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, cast
 
+import httptools
+from uvicorn._types import ASGI3Application
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
@@ -73,12 +79,16 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
     ) -> None:
         super().__init__(config, server_state, app_state, _loop)
         self._timeouts: ClientTimeouts | None = app_state.get(STATE_KEY)
-        self._header_timer: asyncio.TimerHandle | None = None
+        self._timer: asyncio.TimerHandle | None = None  # the connection's one timer (`_arm`)
         self._header_by: float | None = None  # the deadline of the head being read (None: none is)
+        self._idle_by: float | None = None  # the end of the keep-alive wait (None: no wait runs)
+        self._step = 0.0  # the shorter timeout: the timer never waits past a deadline set later
         self._lost: LostSignal | None = None
         self._hot: HotRoutes | None = app_state.get(HOT_KEY)
+        self._fresh_context = bool(getattr(config, "reset_contextvars", False))  # uvicorn's opt-in
         if self._timeouts is not None:
             self.timeout_keep_alive = self._timeouts.keepalive_s
+            self._step = min(self._timeouts.header_s, self._timeouts.keepalive_s)
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -86,14 +96,60 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:
+        """uvicorn's, one layer: the keep-alive wait ends (its deadline cleared, or uvicorn's own timer
+        cancelled without the gateway's timeouts), and a kept-alive connection's next head starts."""
+        if self._timeouts is None:
+            super().data_received(data)
+            return
+        self._idle_by = None
         if self._header_by is None and (self.cycle is None or self.cycle.response_complete):
             self._arm_header_timer()  # the first byte of the next request on a kept-alive connection
-        super().data_received(data)
+        try:
+            self.parser.feed_data(data)
+        except httptools.HttpParserError:
+            msg = "Invalid HTTP request received."
+            self.logger.warning(msg)
+            self.send_400_response(msg)
+        except httptools.HttpParserUpgrade:
+            if self._should_upgrade():
+                self.handle_websocket_upgrade()
+            else:
+                self._unsupported_upgrade_warning()
+
+    def on_response_complete(self) -> None:
+        """uvicorn's, with the keep-alive wait a deadline of the connection's one timer rather than a
+        timer armed and cancelled per request."""
+        if self._timeouts is None:
+            super().on_response_complete()
+            return
+        self.server_state.total_requests += 1
+        if self.transport.is_closing():
+            return
+        self.flow.resume_reading()
+        if self.pipeline:
+            cycle, app = self.pipeline.pop()
+            self._start_asgi_task(cycle, app)
+        else:
+            self._idle_by = by = self.loop.time() + self.timeout_keep_alive
+            if self._timer is None:
+                self._arm(by)
 
     def on_headers_complete(self) -> None:
+        """uvicorn's, or for a head naming a hot route a `HotCycle` (`_start_hot`) when `HotRoutes` may
+        serve it (module docstring): a plain POST, no concurrency limit or root path, no access line
+        to write (asked per request)."""
         self._header_by = None
-        endpoint = self._hot_endpoint()
-        if endpoint is not None:
+        hot = self._hot
+        endpoint = HOT_PATHS.get(self.url) if hot is not None else None
+        if (
+            endpoint is not None
+            and hot is not None
+            and self.limit_concurrency is None
+            and not self.root_path
+            and self.parser.get_method() == b"POST"
+            and not self.parser.should_upgrade()
+            and (hot.access is None or not hot.access.isEnabledFor(logging.INFO))
+        ):
             self._start_hot(endpoint)
         else:
             super().on_headers_complete()
@@ -104,17 +160,8 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle
         extensions = self.scope.setdefault("extensions", {})
         extensions[BODY_WRITER] = {"writer": BodyWriter(cycle)}
-        self._lost = _signal(weakref.ref(cycle))
+        self._lost = _CycleSignal(cycle)
         extensions[LOST_SIGNAL] = {"signal": self._lost}
-
-    def _hot_endpoint(self) -> Endpoint | None:
-        """The hot route this request's head names, when `HotRoutes` may serve it (module docstring)."""
-        if self._hot is None or self.limit_concurrency is not None or self.root_path:
-            return None
-        endpoint = HOT_PATHS.get(self.url)
-        if endpoint is None or self.parser.get_method() != b"POST" or self.parser.should_upgrade():
-            return None
-        return endpoint if self._hot.taken() else None
 
     def _start_hot(self, endpoint: Endpoint) -> None:
         """uvicorn's scope completion and cycle start (or queueing behind a pipelined request), with a
@@ -129,19 +176,19 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         scope["raw_path"] = self.url
         scope["query_string"] = b""
         previous = self.cycle
-        self.cycle = cycle = HotCycle(
-            scope=scope, transport=self.transport, flow=self.flow, logger=self.logger,
-            access_logger=self.access_logger, access_log=self.access_log,
-            default_headers=self.server_state.default_headers, message_event=asyncio.Event(),
-            expect_100_continue=self.expect_100_continue, on_response=self.on_response_complete,
-            keep_alive=version != "1.0" and self.parser.should_keep_alive(),
-        )  # fmt: skip
-        cycle.serve, cycle.endpoint = self._hot.serve, endpoint
+        keep_alive = version != "1.0" and self.parser.should_keep_alive()
+        self.cycle = cycle = HotCycle(self, scope, keep_alive, self._hot.serve, endpoint)
         if previous is None or previous.response_complete:
-            self._start_asgi_task(cycle, self.app)
+            cycle.begin(self.loop, self.tasks, contextvars.Context() if self._fresh_context else None)
         else:
             self.flow.pause_reading()
             self.pipeline.appendleft((cycle, self.app))
+
+    def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
+        if type(cycle) is HotCycle:  # a pipelined hot request's turn
+            cycle.begin(self.loop, self.tasks, contextvars.Context() if self._fresh_context else None)
+        else:
+            super()._start_asgi_task(cycle, app)
 
     def on_body(self, body: bytes) -> None:
         cycle = self.cycle
@@ -150,11 +197,19 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         elif not cycle.response_complete and cycle.take(body):  # a hot head is never an upgrade
             self.flow.pause_reading()
 
+    def on_message_complete(self) -> None:
+        cycle = self.cycle
+        if type(cycle) is not HotCycle:
+            super().on_message_complete()
+        elif not cycle.response_complete:  # a hot head is never an upgrade
+            cycle.more_body = False
+            cycle.ready()
+
     def connection_lost(self, exc: Exception | None) -> None:
-        self._header_by = None
-        if self._header_timer is not None:
-            self._header_timer.cancel()
-            self._header_timer = None
+        self._header_by = self._idle_by = None
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
         super().connection_lost(exc)
         lost, self._lost = self._lost, None
         if lost is not None and self.cycle is not None and self.cycle.disconnected:  # before its answer ended
@@ -166,38 +221,61 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         super().timeout_keep_alive_handler()
 
     def _arm_header_timer(self) -> None:
-        """A head starts: its deadline is set, and the connection's one timer armed if it is not. The
-        timer is not cancelled when the head is in (`_header_by` cleared): a kept-alive connection's
-        requests cost no timer each, only a wake-up per `header_s` while it is in use."""
+        """A head starts: its deadline is set, and the connection's timer armed if it is not."""
         if self._timeouts is not None:
             self._header_by = by = self.loop.time() + self._timeouts.header_s
-            if self._header_timer is None:
-                self._header_timer = self.loop.call_at(by, self._header_timeout)
+            if self._timer is None:
+                self._arm(by)
 
-    def _header_timeout(self) -> None:
-        by = self._header_by
-        if by is not None and self.loop.time() < by:  # a later head's deadline: wait for it
-            self._header_timer = self.loop.call_at(by, self._header_timeout)
-            return
-        self._header_timer = self._header_by = None
-        if by is not None and self._timeouts is not None and not self.transport.is_closing():
-            self._timeouts.timed_out("header")
-            self.transport.close()
+    def _arm(self, by: float) -> None:
+        """The connection's one timer, for the head and keep-alive deadlines, armed when there is none
+        (its callers check), never cancelled when a deadline is cleared (the head is in, the next
+        request came), so a kept-alive connection's requests cost no timer each, only a wake-up per
+        shorter timeout while in use. It is armed no later than one shorter timeout from now: no
+        deadline set later comes before it."""
+        self._timer = self.loop.call_at(min(by, self.loop.time() + self._step), self._timed_out)
+
+    def _timed_out(self) -> None:
+        """A deadline passed: the head's closes the connection (counted "header"), the keep-alive
+        wait's is uvicorn's idle close (counted "idle"); otherwise the timer waits for the next one."""
+        self._timer = None
+        now = self.loop.time()
+        header_by, idle_by = self._header_by, self._idle_by
+        if header_by is not None and now >= header_by:
+            self._header_by = None
+            if self._timeouts is not None and not self.transport.is_closing():
+                self._timeouts.timed_out("header")
+                self.transport.close()
+        elif idle_by is not None and now >= idle_by:
+            self._idle_by = None
+            self.timeout_keep_alive_handler()
+        pending = [by for by in (self._header_by, self._idle_by) if by is not None]
+        if pending and self._timer is None and not self.transport.is_closing():
+            self._arm(min(pending))
 
 
-def _signal(cycle_ref: weakref.ref[RequestResponseCycle]) -> LostSignal:
-    """The cycle's `LostSignal`, reading the cycle weakly (its scope holds the signal holding these)."""
+class _CycleSignal(LostSignal):
+    """The cycle's `LostSignal`, reading the cycle weakly (its scope holds the signal)."""
 
-    def resume() -> None:  # what `receive()` does first while the answer is under way
-        cycle = cycle_ref()
+    __slots__ = ("_cycle",)
+
+    def __init__(self, cycle: RequestResponseCycle) -> None:  # LostSignal's state, set here: one call
+        self.lost = False
+        self.callback: Callable[[], None] | None = None
+        self._cycle = weakref.ref(cycle)
+
+    def resume(self) -> None:  # what `receive()` does first while the answer is under way
+        cycle = self._cycle()
         if cycle is not None and not cycle.disconnected and not cycle.response_complete:
             cycle.flow.resume_reading()
 
-    def body_in() -> bool:  # `receive()` returns at once: the body's end is parsed, its event still set
-        cycle = cycle_ref()
+    def body_in(self) -> bool:  # `receive()` returns at once: the body's end is parsed, its event still set
+        cycle = self._cycle()
         return cycle is not None and not cycle.more_body and cycle.message_event.is_set()
 
-    return LostSignal(resume, body_in)
+    def take_body(self, limit: int) -> bytes | None:
+        cycle = self._cycle()
+        return cycle.take_body(limit) if type(cycle) is HotCycle else None
 
 
 def _no_delay(transport: asyncio.Transport) -> None:

@@ -31,6 +31,7 @@ from router.edge.client_io import (
     ClientDisconnected,
     ClientGone,
     ClientWatch,
+    LostSignal,
     error_answer,
     header_in,
     lost_signal_of,
@@ -174,10 +175,11 @@ class Gateway:
         rid = request_id_in(scope)
         relay: RelayResponse | None = None
         watch: ClientWatch | None = None
+        signal = lost_signal_of(scope)
         try:
-            body = await self._admit(scope, receive)
+            body = await self._admit(scope, receive, signal)
             try:
-                watch = ClientWatch(receive, scope)
+                watch = ClientWatch(receive, scope, signal)
                 relay = await self._admitted(scope, endpoint, body, rid, arrived)
             except BaseException:
                 self.parts.fleet.admission.leave()
@@ -200,8 +202,9 @@ class Gateway:
             if relay is not None:
                 relay.abandon()
 
-    async def _admit(self, scope: Scope, receive: Receive) -> bytes:
-        """Check the API key, read the body, then take an admission slot; a refusal is counted.
+    async def _admit(self, scope: Scope, receive: Receive, signal: LostSignal | None) -> bytes:
+        """Check the API key, read the body (handed over by the protocol's `signal` when it is in),
+        then take an admission slot; a refusal is counted.
 
         The slot is taken only once the body is in: a slow or stalled client holds a connection (until
         `timeouts.client_body_s`, then 408), never a slot the engines' requests need."""
@@ -209,9 +212,11 @@ class Gateway:
         try:
             if parts.guard.api_keys_required:
                 parts.guard.check_api(Headers(scope=scope))
-            body = await read_asgi_body(
-                receive, scope["headers"], self.max_body, self.body_timeout_s, lost_signal_of(scope)
-            )
+            body = signal.take_body(self.max_body) if signal is not None else None  # no read: it is in
+            if body is None:
+                body = await read_asgi_body(
+                    receive, scope["headers"], self.max_body, self.body_timeout_s, signal
+                )
         except RouterError as exc:
             if isinstance(exc, RequestTimeout):
                 parts.metrics.client_timeouts.labels("body").inc()

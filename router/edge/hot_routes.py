@@ -1,11 +1,13 @@
 """The two hot routes served from the gateway's HTTP protocol: no app call chain, a leaner `send`.
 
 When the running gateway offers `HotRoutes` in its lifespan state (it does unless trusted proxy
-headers need uvicorn's middleware; `taken` is false while the access log writes lines, as its
-middleware must see the request), `TimedHttpToolsProtocol` gives a request whose
+headers need uvicorn's middleware; not while the access log writes lines, as its middleware must
+see the request), `TimedHttpToolsProtocol` gives a request whose
 head is exactly `POST /v1/completions` or `POST /v1/chat/completions` (no query, no upgrade) a
-`HotCycle` instead of uvicorn's `RequestResponseCycle`: its task calls `Gateway.handle` directly
-(not uvicorn's app wrapper, `GatewayApp.__call__`), and its `send` builds the head in one pass,
+`HotCycle` instead of uvicorn's `RequestResponseCycle`: its task is `Gateway.handle` itself (not
+uvicorn's `run_asgi` around the app wrapper, `GatewayApp.__call__`: what `run_asgi` does when the app
+ends is a done callback), the body's arrival is a flag (`_Ready`, no `asyncio.Event` to set, wait on
+and clear when the body came with the head), and its `send` builds the head in one pass,
 checking the header names and values with one search each over all of them instead of two per
 header, and holds the head for the first body bytes itself (what `HeadHold` does for other routes);
 the request body is kept as the parser's pieces and handed over joined (one piece: as parsed), not
@@ -17,16 +19,20 @@ path unchanged.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Awaitable, Callable, Iterable
+import contextvars
+import logging
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Any, Final
+from typing import Any, Final, Literal
 
 from starlette.types import Receive, Scope, Send
+from uvicorn._types import HTTPScope
 from uvicorn.protocols.http.flow_control import HIGH_WATER_LIMIT
 from uvicorn.protocols.http.httptools_impl import (
     HEADER_RE,
     HEADER_VALUE_RE,
     STATUS_LINE,
+    HttpToolsProtocol,
     RequestResponseCycle,
 )
 from uvicorn.protocols.utils import get_client_addr
@@ -41,42 +47,183 @@ HOT_KEY: Final = "kvrouter.hot_routes"
 HOT_PATHS: Final = {b"/v1/completions": Endpoint.COMPLETIONS, b"/v1/chat/completions": Endpoint.CHAT}
 """The request targets served by a `HotCycle`, exactly as they appear on the request line."""
 
-HotHandler = Callable[[Scope, Receive, Send, Endpoint], Awaitable[None]]
+HotHandler = Callable[[Scope, Receive, Send, Endpoint], Coroutine[Any, Any, None]]
 """`Gateway.handle`: serves one hot-route request over its cycle's `receive` and `send`."""
-
-
-def _always() -> bool:
-    return True
 
 
 @dataclass(frozen=True)
 class HotRoutes:
-    """What serves the hot routes straight from the protocol, and whether it may now (`taken`: asked
-    per request; false sends the request through the ASGI app, as for an access line to write)."""
+    """What serves the hot routes straight from the protocol, and when it may not: while the `access`
+    logger (the access log's, when it is on) writes INFO lines, asked per request, a request goes
+    through the ASGI app, whose middleware writes its line."""
 
     serve: HotHandler
-    taken: Callable[[], bool] = _always
+    access: logging.Logger | None = None
 
 
+_INTERNAL_ERROR: Final = [
+    (b"content-type", b"text/plain; charset=utf-8"),
+    (b"content-length", b"21"),
+    (b"connection", b"close"),
+]
+"""uvicorn's `send_500_response` head."""
 _FRAMING: Final = frozenset({b"content-length", b"transfer-encoding", b"connection"})
+
+
+class _Defaults:
+    """The server's default headers (`date`, `server`, `--header`s) as head lines, encoded and checked
+    once per list: uvicorn's server replaces the list when the date changes (once a second), so
+    the last one is kept, and compared by identity (kept alive here, it cannot be another's id)."""
+
+    def __init__(self) -> None:
+        self.source: list[tuple[bytes, bytes]] | None = None
+        self.lines = b""
+        self.framing: list[tuple[bytes, bytes]] = []
+        """Those of them that frame the answer (uvicorn reads them before the app's own)."""
+
+    def of(self, defaults: list[tuple[bytes, bytes]]) -> _Defaults:
+        """These encoded (uvicorn's refusal of an invalid one is raised, and nothing kept)."""
+        if defaults is not self.source:
+            for name, value in defaults:
+                if HEADER_RE.search(name):
+                    raise RuntimeError("Invalid HTTP header name.")
+                if HEADER_VALUE_RE.search(value):
+                    raise RuntimeError("Invalid HTTP header value.")
+            lowered = [(name.lower(), value) for name, value in defaults]
+            self.lines = b"".join([b"%s: %s\r\n" % header for header in lowered])
+            self.framing = [header for header in lowered if header[0] in _FRAMING]
+            self.source = defaults
+        return self
+
+
+_DEFAULTS: Final = _Defaults()
 
 
 def _nothing() -> None:
     pass
 
 
+class _Ready(asyncio.Event):
+    """A cycle's `message_event` as uvicorn's protocol uses it (set when body bytes or the body's end
+    are parsed or the connection is lost; waited on and cleared by `receive`), without the loop
+    binding and waiter deque an `asyncio.Event` builds per request: a flag, and a future only for a
+    `receive` that has to wait."""
+
+    flag = False
+    waiting: list[asyncio.Future[None]] | None = None
+    """The futures of the `wait`s under way (None: nobody waits, setting `flag` is all `set` does)."""
+
+    def __init__(self) -> None:  # the class defaults are the state: `_Ready.__new__(_Ready)` is one too
+        pass
+
+    def set(self) -> None:
+        self.flag = True
+        waiting, self.waiting = self.waiting, None
+        for waiter in waiting or ():
+            if not waiter.done():
+                waiter.set_result(None)
+
+    def is_set(self) -> bool:
+        return self.flag
+
+    def clear(self) -> None:
+        self.flag = False
+
+    async def wait(self) -> Literal[True]:
+        if not self.flag:
+            waiter: asyncio.Future[None] = asyncio.get_running_loop().create_future()
+            if self.waiting is None:
+                self.waiting = [waiter]
+            else:
+                self.waiting.append(waiter)
+            try:
+                await waiter
+            finally:
+                if self.waiting is not None and waiter in self.waiting:
+                    self.waiting.remove(waiter)
+        return True
+
+
 class HotCycle(RequestResponseCycle):
-    """uvicorn's cycle for one hot-route request, run by `HotRoutes.serve` with a leaner `send`.
+    """uvicorn's cycle for one hot-route request, served by `HotRoutes.serve` with a leaner `send`.
 
     `send` keeps uvicorn's rules (the message order, framing by Content-Length or chunked,
-    `Connection: close`, the default headers, flow control, nothing written after a disconnect)."""
+    `Connection: close`, the default headers, flow control, nothing written after a disconnect).
+    Built with only what differs per request: the rest of uvicorn's cycle state starts as the class
+    defaults below."""
 
-    serve: HotHandler
-    endpoint: Endpoint
+    disconnected = False
+    more_body = True
+    response_started = False
+    response_complete = False
+    chunked_encoding: bool | None = None
+    expected_content_length = 0
+    message_event: _Ready
     _held: bytes | None = None
     _chunks: list[bytes] | None = None
     """The body bytes parsed and not yet received, as the parser gave them (`take`)."""
     _size = 0
+
+    def __init__(
+        self,
+        protocol: HttpToolsProtocol,
+        scope: HTTPScope,
+        keep_alive: bool,
+        serve: HotHandler,
+        endpoint: Endpoint,
+    ) -> None:
+        self.scope = scope
+        self.transport = protocol.transport
+        self.flow = protocol.flow
+        self.logger = protocol.logger
+        self.access_logger = protocol.access_logger
+        self.access_log = protocol.access_log
+        self.default_headers = protocol.server_state.default_headers
+        self.message_event = _Ready.__new__(_Ready)  # its state is its class defaults: no __init__ call
+        self.on_response = protocol.on_response_complete
+        self.keep_alive = keep_alive
+        self.waiting_for_100_continue = protocol.expect_100_continue
+        self.serve = serve
+        self.endpoint = endpoint
+
+    def begin(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        tasks: set[asyncio.Task[None]],
+        context: contextvars.Context | None,
+    ) -> None:
+        """Start serving: a task running `serve` itself (in `context`, when given), in the server's
+        `tasks` until it ends, its end handled by `_served` as uvicorn's `run_asgi` handles its app's."""
+        coro = self.serve(self.scope, self.receive, self.send, self.endpoint)  # type: ignore[arg-type]
+        task = loop.create_task(coro) if context is None else loop.create_task(coro, context=context)
+        self._tasks = tasks
+        task.add_done_callback(self._served)
+        tasks.add(task)
+
+    def _served(self, task: asyncio.Task[None]) -> None:
+        """An exception is logged and answered 500 (or the connection closed once the answer started),
+        an answer not started or not completed likewise, as uvicorn's `run_asgi` does."""
+        self._tasks.discard(task)
+        failure: BaseException | None = asyncio.CancelledError() if task.cancelled() else task.exception()
+        if failure is not None:
+            self.logger.error("Exception in ASGI application\n", exc_info=failure)
+            if not self.response_started:
+                self._answer_500()
+            else:
+                self._close()
+        elif not self.response_started and not self.disconnected:
+            self.logger.error("ASGI callable returned without starting response.")
+            self._answer_500()
+        elif not self.response_complete and not self.disconnected:
+            self.logger.error("ASGI callable returned without completing response.")
+            self._close()
+        self.on_response = _nothing
+
+    def _answer_500(self) -> None:
+        """uvicorn's `send_500_response`, written at once (the task is over: nothing awaits a drain)."""
+        if not self.disconnected:
+            self._start(500, _INTERNAL_ERROR)
+            self._body(b"Internal Server Error", False)
 
     def take(self, body: bytes) -> bool:
         """Keep a parsed piece of the request body for `receive`; True when more than uvicorn's
@@ -86,8 +233,37 @@ class HotCycle(RequestResponseCycle):
         else:
             self._chunks.append(body)
         self._size += len(body)
-        self.message_event.set()
+        ready = self.message_event
+        if ready.waiting is None:  # `ready()`, inline: once per piece
+            ready.flag = True
+        else:
+            ready.set()
         return self._size > HIGH_WATER_LIMIT
+
+    def ready(self) -> None:
+        """`message_event.set()`: body bytes or the body's end are parsed (one call when nobody waits)."""
+        ready = self.message_event
+        if ready.waiting is None:
+            ready.flag = True
+        else:
+            ready.set()
+
+    def take_body(self, limit: int) -> bytes | None:
+        """The whole body, taken as `receive` takes it, when `receive` would return it at once with no
+        100 Continue to write and it is at most `limit` bytes; else None, nothing taken."""
+        if (
+            self.more_body
+            or not self.message_event.flag
+            or self.waiting_for_100_continue
+            or self.disconnected
+            or self.response_complete
+            or self._size > limit
+        ):
+            return None
+        self.flow.resume_reading()
+        self.message_event.flag = False
+        chunks, self._chunks, self._size = self._chunks, None, 0
+        return b"" if chunks is None else chunks[0] if len(chunks) == 1 else b"".join(chunks)
 
     async def receive(self) -> Any:
         """uvicorn's `receive`, handing over the body's pieces joined (one piece: as it was parsed),
@@ -97,34 +273,15 @@ class HotCycle(RequestResponseCycle):
             self.waiting_for_100_continue = False
         if not self.disconnected and not self.response_complete:
             self.flow.resume_reading()
-            await self.message_event.wait()
-            self.message_event.clear()
+            ready = self.message_event
+            if not ready.flag:
+                await ready.wait()
+            ready.flag = False
         if self.disconnected or self.response_complete:
             return {"type": "http.disconnect"}
         chunks, self._chunks, self._size = self._chunks, None, 0
         body = b"" if chunks is None else chunks[0] if len(chunks) == 1 else b"".join(chunks)
         return {"type": "http.request", "body": body, "more_body": self.more_body}
-
-    async def run_asgi(self, app: Any) -> None:
-        """Serve the request; an exception is logged and answered 500 (or the connection closed once
-        the answer started), as uvicorn's cycle does for its app."""
-        try:
-            await self.serve(self.scope, self.receive, self.send, self.endpoint)  # type: ignore[arg-type]
-        except BaseException as exc:
-            self.logger.error("Exception in ASGI application\n", exc_info=exc)
-            if not self.response_started:
-                await self.send_500_response()
-            else:
-                self._close()
-        else:
-            if not self.response_started and not self.disconnected:
-                self.logger.error("ASGI callable returned without starting response.")
-                await self.send_500_response()
-            elif not self.response_complete and not self.disconnected:
-                self.logger.error("ASGI callable returned without completing response.")
-                self._close()
-        finally:
-            self.on_response = _nothing
 
     async def send(self, message: Any) -> None:
         if self.flow.write_paused and not self.disconnected:
@@ -144,10 +301,12 @@ class HotCycle(RequestResponseCycle):
             raise RuntimeError(f"Unexpected ASGI message '{kind}' sent, after response already completed.")
 
     def _start(self, status: int, given: Iterable[tuple[bytes, bytes]]) -> None:
-        """Build the head and hold it for the first body bytes (or the loop's next turn)."""
+        """Build the head (the server's default headers encoded once per list: `_Defaults`) and hold it
+        for the first body bytes (or the loop's next turn)."""
         self.response_started = True
         self.waiting_for_100_continue = False
-        headers = [*self.default_headers, *given]
+        defaults = _DEFAULTS.of(self.default_headers)
+        headers = given if type(given) is list else list(given)
         names = b"".join([name for name, _ in headers])
         # Both patterns match single bytes, so one search over all names (values) is one per header.
         if HEADER_RE.search(names):
@@ -160,13 +319,13 @@ class HotCycle(RequestResponseCycle):
             client, version = get_client_addr(self.scope), self.scope["http_version"]
             self.access_logger.info('%s - "POST %s HTTP/%s" %d', client, self.scope["path"], version, status)
         lines = [b": ".join(header) for header in headers]
-        if self._frame([header for header in headers if header[0] in _FRAMING]):
+        if self._frame([*defaults.framing, *[header for header in headers if header[0] in _FRAMING]]):
             lines.append(b"connection: close")
         if self.chunked_encoding is None and status not in (204, 304):
             self.chunked_encoding = True
             lines.append(b"transfer-encoding: chunked")
         lines.append(b"\r\n")
-        self._held = STATUS_LINE[status] + b"\r\n".join(lines)
+        self._held = STATUS_LINE[status] + defaults.lines + b"\r\n".join(lines)
         asyncio.get_running_loop().call_soon(self._flush)
 
     def _frame(self, framing: list[tuple[bytes, bytes]]) -> bool:
@@ -201,7 +360,7 @@ class HotCycle(RequestResponseCycle):
             if self.expected_content_length != 0:
                 raise RuntimeError("Response content shorter than Content-Length")
             self.response_complete = True
-            self.message_event.set()
+            self.ready()
             if not self.keep_alive:
                 self.transport.close()
             self.on_response()

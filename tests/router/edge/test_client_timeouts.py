@@ -133,3 +133,23 @@ async def test_a_busy_kept_alive_connection_outlives_the_header_timeout() -> Non
             writer.close()
             text = (await gw.client.get("/metrics")).text
             assert metric(text, "kvrouter_client_timeouts_total", phase="header") == 0
+
+
+async def test_a_keep_alive_wait_shorter_than_the_header_timeout_still_ends_on_its_own() -> None:
+    """The head and keep-alive deadlines share the connection's one timer: a keep-alive wait much
+    shorter than the header timeout ends (counted "idle") long before the header timeout could."""
+    timeouts = Timeouts(client_header_s=600.0, client_body_s=600.0, client_keepalive_s=0.2)
+    async with running_stubs(1) as stubs:
+        config = gateway_config([engine_of("e0", stubs[0])], timeouts=timeouts)
+        async with running_gateway(config) as gw:
+            reader, writer = await connect(gw, b"GET /health HTTP/1.1\r\nhost: x\r\n\r\n")
+            answer = await until_closed(reader)  # the answer, then the idle close
+            assert answer.startswith(b"HTTP/1.1 200 ") and answer.endswith(b'{"status":"ok"}')
+            writer.close()
+            await counted(gw, "kvrouter_client_timeouts_total", 1, phase="idle")
+            assert (
+                metric(
+                    (await gw.client.get("/metrics")).text, "kvrouter_client_timeouts_total", phase="header"
+                )
+                == 0
+            )

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+from types import SimpleNamespace
 from typing import Any
 
 from hypothesis import given, settings
@@ -13,6 +14,7 @@ from uvicorn.protocols.http.flow_control import FlowControl
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from router.edge.hot_routes import HotCycle
+from tokenization.openai_request import Endpoint
 
 NAMES = st.sampled_from(
     [
@@ -30,6 +32,14 @@ VALUES = st.sampled_from(
 )
 HEADS = st.lists(st.tuples(NAMES, VALUES), max_size=6)
 DEFAULTS = [(b"server", b"uvicorn"), (b"date", b"Wed, 02 Dec 2026 00:00:00 GMT")]
+SERVER_DEFAULTS = st.sampled_from(
+    [DEFAULTS, [], [*DEFAULTS, (b"X-Via", b"gw")], [(b"Connection", b"close")], [(b"bad name", b"x")]]
+)
+"""Default header lists as uvicorn's server keeps them (a new list each second; `--header`s too)."""
+
+
+async def _never(*_: Any) -> None:
+    raise AssertionError("the cycle is driven by the test, not served")
 
 
 class Recording:
@@ -56,17 +66,27 @@ class Recording:
 
 
 async def _outcome(
-    kind: type[RequestResponseCycle], status: int, headers: Any, keep_alive: bool
+    kind: type[RequestResponseCycle], status: int, headers: Any, keep_alive: bool, defaults: Any = DEFAULTS
 ) -> tuple[Any, ...]:
     transport = Recording()
-    cycle = kind(
-        scope={"method": "POST", "path": "/v1/completions", "http_version": "1.1", "client": None},  # type: ignore[typeddict-item]
-        transport=transport,  # type: ignore[arg-type]
-        flow=FlowControl(transport),  # type: ignore[arg-type]
-        logger=logging.getLogger("test"), access_logger=logging.getLogger("test"), access_log=False,
-        default_headers=DEFAULTS, message_event=asyncio.Event(), expect_100_continue=False,
-        keep_alive=keep_alive, on_response=lambda: None,
-    )  # fmt: skip
+    scope = {"method": "POST", "path": "/v1/completions", "http_version": "1.1", "client": None}
+    flow, logger = FlowControl(transport), logging.getLogger("test")  # type: ignore[arg-type]
+    cycle: RequestResponseCycle
+    if kind is HotCycle:
+        protocol = SimpleNamespace(
+            transport=transport, flow=flow, logger=logger, access_logger=logger, access_log=False,
+            server_state=SimpleNamespace(default_headers=defaults), on_response_complete=lambda: None,
+            expect_100_continue=False,
+        )  # fmt: skip
+        cycle = HotCycle(protocol, scope, keep_alive, _never, Endpoint.COMPLETIONS)  # type: ignore[arg-type]
+    else:
+        cycle = kind(
+            scope=scope,  # type: ignore[arg-type]
+            transport=transport,  # type: ignore[arg-type]
+            flow=flow, logger=logger, access_logger=logger, access_log=False,
+            default_headers=defaults, message_event=asyncio.Event(), expect_100_continue=False,
+            keep_alive=keep_alive, on_response=lambda: None,
+        )  # fmt: skip
     error = None
     try:
         await cycle.send({"type": "http.response.start", "status": status, "headers": headers})
@@ -79,16 +99,67 @@ async def _outcome(
 
 
 @settings(max_examples=300, deadline=None)
-@given(st.sampled_from([200, 204, 404]), HEADS, st.booleans())
-def test_the_hot_cycles_head_and_body_are_uvicorns(status: int, headers: Any, keep_alive: bool) -> None:
-    async def both() -> tuple[Any, Any]:
+@given(st.sampled_from([200, 204, 404]), HEADS, st.booleans(), SERVER_DEFAULTS, st.booleans())
+def test_the_hot_cycles_head_and_body_are_uvicorns(
+    status: int, headers: Any, keep_alive: bool, defaults: Any, as_tuple: bool
+) -> None:
+    """With the server's default headers encoded once per list (`_Defaults`: the same list answers
+    twice, a new one is encoded anew) and the app's headers a list or any iterable."""
+    given = tuple(headers) if as_tuple else headers
+
+    async def both() -> tuple[Any, Any, Any]:
         return (
-            await _outcome(RequestResponseCycle, status, headers, keep_alive),
-            await _outcome(HotCycle, status, headers, keep_alive),
+            await _outcome(RequestResponseCycle, status, given, keep_alive, defaults),
+            await _outcome(HotCycle, status, given, keep_alive, defaults),
+            await _outcome(HotCycle, status, given, keep_alive, defaults),
         )
 
-    uvicorns, hot = asyncio.run(both())
+    uvicorns, hot, again = asyncio.run(both())
+    assert again == hot
     if uvicorns[-1] is not None:  # refused: the same bytes are out and the answer is dropped
         assert hot[0] == uvicorns[0] and hot[-1] is not None
     else:
         assert hot == uvicorns
+
+
+def _hot_cycle(transport: Recording, expect_100_continue: bool = False) -> HotCycle:
+    logger = logging.getLogger("test")
+    protocol = SimpleNamespace(
+        transport=transport, flow=FlowControl(transport), logger=logger, access_logger=logger,  # type: ignore[arg-type]
+        access_log=False, server_state=SimpleNamespace(default_headers=DEFAULTS),
+        on_response_complete=lambda: None, expect_100_continue=expect_100_continue,
+    )  # fmt: skip
+    scope = {"method": "POST", "path": "/v1/completions", "http_version": "1.1", "client": None}
+    return HotCycle(protocol, scope, True, _never, Endpoint.COMPLETIONS)  # type: ignore[arg-type]
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.binary(max_size=40), max_size=5), st.integers(0, 120), st.booleans(), st.booleans())
+def test_take_body_hands_over_what_receive_would(
+    pieces: list[bytes], limit: int, complete: bool, expect_100: bool
+) -> None:
+    """`take_body` (the hot path's body with no `receive`) is `receive`'s message when that would come
+    at once with nothing written first and within `limit`; otherwise it takes nothing and `receive`
+    still returns every byte."""
+
+    async def run() -> tuple[bytes | None, Any, bytes]:
+        transport = Recording()
+        cycle = _hot_cycle(transport, expect_100)
+        for piece in pieces:
+            cycle.take(piece)
+        if complete:
+            cycle.more_body = False
+            cycle.message_event.set()
+        taken = cycle.take_body(limit)
+        if taken is not None or not (complete or pieces):
+            return taken, None, transport.written
+        return taken, await cycle.receive(), transport.written
+
+    taken, message, written = asyncio.run(run())
+    whole = b"".join(pieces)
+    if complete and not expect_100 and len(whole) <= limit:
+        assert taken == whole and written == b""
+    else:
+        assert taken is None
+        if message is not None:
+            assert message == {"type": "http.request", "body": whole, "more_body": not complete}

@@ -6,7 +6,7 @@ body in one write."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
 
@@ -14,14 +14,14 @@ import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from router.edge.client_io import read_asgi_body
-from router.edge.client_timeouts import TimedHttpToolsProtocol
+from router.edge.client_io import lost_signal_of, read_asgi_body
+from router.edge.client_timeouts import STATE_KEY, ClientTimeouts, TimedHttpToolsProtocol
 from router.edge.hot_routes import HOT_KEY, HotCycle, HotRoutes
 from tests.gateway_helpers import record_client_writes, uvicorn_on_port_0
 from tests.router.edge.test_client_writes import WAIT
 from tokenization.openai_request import Endpoint
 
-Serve = Callable[[Scope, Receive, Send, Endpoint], Awaitable[None]]
+Serve = Callable[[Scope, Receive, Send, Endpoint], Coroutine[Any, Any, None]]
 
 
 async def _answer(send: Send, body: bytes, headers: list[tuple[bytes, bytes]] | None = None) -> None:
@@ -54,7 +54,8 @@ async def serving(
     """A uvicorn with the gateway's protocol, `serve` offered as `HotRoutes`, and an app that
     records every request it serves."""
     served: list[str] = []
-    state: dict[str, Any] = {HOT_KEY: HotRoutes(serve)}
+    timeouts = ClientTimeouts(60.0, 75.0, lambda phase: None)  # as the gateway's lifespan gives them
+    state: dict[str, Any] = {HOT_KEY: HotRoutes(serve), STATE_KEY: timeouts}
     original = TimedHttpToolsProtocol.__init__
 
     def with_state(
@@ -198,6 +199,37 @@ async def test_a_streamed_hot_answer_holds_its_head_only_within_a_turn(
     assert len(writes) >= 3 and writes[0] == head
 
 
+async def test_a_body_that_came_with_its_head_is_handed_over_without_receive(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`read_asgi_body` with the cycle's `LostSignal` takes a body already parsed from the cycle; one
+    still arriving, or awaited behind a 100 Continue, is read with `receive` (the same bytes)."""
+    receives: list[int] = []
+
+    async def counted(scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        calls = [0]
+
+        async def counting() -> Any:
+            calls[0] += 1
+            return await receive()
+
+        body = await read_asgi_body(counting, scope["headers"], 1 << 20, WAIT, lost_signal_of(scope))
+        receives.append(calls[0])
+        await _answer(send, b"hot " + body)
+
+    async with serving(counted, monkeypatch) as (port, _):
+        [(_, body)] = await _exchange(port, _post(b"/v1/completions", b"{}"), 1)
+        assert body == b"hot {}" and receives == [0]
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(b"POST /v1/completions HTTP/1.1\r\nexpect: 100-continue\r\ncontent-length: 2\r\n\r\n")
+        async with asyncio.timeout(WAIT):
+            assert await reader.readuntil(b"\r\n\r\n") == b"HTTP/1.1 100 Continue\r\n\r\n"
+        writer.write(b"{}")
+        [(_, body)] = await _read_answers(reader, 1)
+        writer.close()
+        assert body == b"hot {}" and receives[1] >= 1
+
+
 async def test_close_http10_and_100_continue_as_uvicorn(monkeypatch: pytest.MonkeyPatch) -> None:
     async with serving(_hot_echo, monkeypatch) as (port, _):
         answer = await _until_closed(port, _post(b"/v1/completions", b"{}", b"connection: close\r\n"))
@@ -217,6 +249,13 @@ async def test_close_http10_and_100_continue_as_uvicorn(monkeypatch: pytest.Monk
         writer.close()
 
 
+async def test_a_malformed_request_gets_uvicorns_400_and_a_close(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with serving(_hot_echo, monkeypatch) as (port, served):
+        answer = await _until_closed(port, b"NOT HTTP\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 400 Bad Request\r\n") and served == []
+    assert answer.endswith(b"connection: close\r\n\r\nInvalid HTTP request received.")
+
+
 async def test_hot_failures_end_as_under_uvicorns_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
     async def failing(scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
         body = await read_asgi_body(receive, scope["headers"], 1 << 20, WAIT)
@@ -224,14 +263,26 @@ async def test_hot_failures_end_as_under_uvicorns_cycle(monkeypatch: pytest.Monk
             raise RuntimeError("a bug")
         if body == b"bad header":
             await _answer(send, b"x", [(b"x-bad", b"a\r\nb")])
+        if body == b"half":
+            await send({"type": "http.response.start", "status": 200, "headers": []})
+        if body == b"cancelled":
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+            await asyncio.sleep(0)
         # otherwise: returns without an answer
 
     async with serving(failing, monkeypatch) as (port, _):
-        for body in (b"raise", b"nothing"):
+        for body in (b"raise", b"nothing", b"cancelled"):
             [(head, text)] = await _exchange(port, _post(b"/v1/completions", body), 1)
             assert head.startswith(b"HTTP/1.1 500") and text == b"Internal Server Error"
         # the head was refused: the connection is closed, as uvicorn's cycle does
         assert await _until_closed(port, _post(b"/v1/completions", b"bad header")) == b""
+        # started and not completed: the head is out, then the connection is closed
+        half = await _until_closed(port, _post(b"/v1/completions", b"half"))
+        assert half.startswith(b"HTTP/1.1 200 OK\r\n") and half.endswith(
+            b"transfer-encoding: chunked\r\n\r\n"
+        )
 
 
 async def test_the_gateway_serves_its_hot_routes_from_the_protocol(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -239,18 +290,24 @@ async def test_the_gateway_serves_its_hot_routes_from_the_protocol(monkeypatch: 
     from tests.gateway_helpers import engine_of, gateway_config, running_gateway, running_stubs
 
     cycles: list[str] = []
-    run = HotCycle.run_asgi
+    receives: list[str] = []
+    begin, receive = HotCycle.begin, HotCycle.receive
 
-    async def counted(self: HotCycle, app: Any) -> None:
+    def counted(self: HotCycle, *args: Any) -> None:
         cycles.append(self.scope["path"])
-        await run(self, app)
+        begin(self, *args)
 
-    monkeypatch.setattr(HotCycle, "run_asgi", counted)
+    async def received(self: HotCycle) -> Any:  # the body came with the head: it is never called
+        receives.append(self.scope["path"])
+        return await receive(self)
+
+    monkeypatch.setattr(HotCycle, "begin", counted)
+    monkeypatch.setattr(HotCycle, "receive", received)
     async with running_stubs(1) as stubs, running_gateway(gateway_config([engine_of("e0", stubs[0])])) as gw:
         answer = await gw.client.post("/v1/completions", json=BODY)
         assert answer.status_code == 200 and answer.headers["x-kvrouter-engine"] == "e0"
         assert (await gw.client.get("/health")).status_code == 200
-    assert cycles == ["/v1/completions"]
+    assert cycles == ["/v1/completions"] and receives == []
 
 
 async def test_hot_bodies_arrive_whole_in_pieces_chunked_and_past_the_high_water_mark(
