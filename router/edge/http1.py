@@ -235,37 +235,43 @@ class Http1Client:
         pool = self._pool(base_url)
         head = _head(method, pool.origin.prefix + path, headers, body)
         conn = self._take(pool, start) or await self._acquire(pool, loop)
-        try:
-            await self._exchange(pool, conn, head, body, start)
-        except ServerDisconnected:
-            # A kept connection the engine closed just as it was taken (its idle timeout): the
-            # request met a closed socket, so it goes once more on a fresh connection.
-            if not conn.reused or conn.received:
-                raise
+        first_byte_at = start + self.settings.first_byte_s
+        while True:
+            # The wait for the answer's head is inlined (no coroutine per exchange or per wait): one
+            # future the parser's callbacks (or the connection's end) resolve, one timer.
+            try:
+                waiter = self._send(conn, head, body, first_byte_at)
+                try:
+                    await waiter
+                finally:
+                    conn.disarm()
+                if not conn.headers_done:
+                    assert conn.error is not None, "woken before the answer's head without an error"
+                    raise conn.error
+                break
+            except BaseException as exc:
+                conn.close()
+                pool.forget()
+                # A kept connection the engine closed just as it was taken (its idle timeout): the
+                # request met a closed socket, so it goes once more on a fresh connection.
+                if not isinstance(exc, ServerDisconnected) or not conn.reused or conn.received:
+                    raise
             conn = await self._acquire(pool, loop, fresh=True)
-            await self._exchange(pool, conn, head, body, start)
         if method == "HEAD":  # the answer's length describes a body that never comes
             conn.complete, conn.keep_alive = True, False
         return Http1Response(pool, conn, start + self.settings.total_s)
 
-    async def _exchange(self, pool: _Pool, conn: Connection, head: bytes, body: bytes, start: float) -> None:
-        """Write the request and wait for the answer's headers; any failure drops the connection.
+    def _send(self, conn: Connection, head: bytes, body: bytes, first_byte_at: float) -> asyncio.Future[None]:
+        """Write the request and arm the wait for its answer's head (resolved by the parser's callbacks,
+        the connection's end or `TimedOut("first byte")` at `first_byte_at`).
 
         Head and body go out in one `writelines`: one writev on uvloop, the body never copied."""
-        try:
-            assert conn.transport is not None
-            if body:
-                conn.transport.writelines((head, body))
-            else:
-                conn.transport.write(head)
-            while not conn.headers_done:
-                if conn.error is not None:
-                    raise conn.error
-                await conn.wait(start + self.settings.first_byte_s - conn.loop.time(), "first byte")
-        except BaseException:
-            conn.close()
-            pool.forget()
-            raise
+        assert conn.transport is not None
+        if body:
+            conn.transport.writelines((head, body))
+        else:
+            conn.transport.write(head)
+        return conn.arm(first_byte_at - conn.loop.time(), "first byte")
 
     def _pool(self, base_url: str) -> _Pool:
         pool = self._pools.get(base_url)

@@ -46,6 +46,7 @@ class Connection(asyncio.Protocol):
         self.buffered = 0
         self.paused = False
         self.waiter: asyncio.Future[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
         self.idle_since = 0.0
         self.lost = False
         self.active = True
@@ -168,6 +169,23 @@ class Connection(asyncio.Protocol):
         self.headers_done = self.keep_alive = self.complete = self.active = self.received = False
         self.sink_full = False
         self.buffered = 0
+
+    def arm(self, timeout_s: float, phase: str) -> asyncio.Future[None]:
+        """The future the next parser callback or the connection's end resolves, failed with
+        `TimedOut(phase)` after `timeout_s`; the caller awaits it, then calls `disarm`. An error
+        already there resolves it at once."""
+        waiter = self.waiter = self.loop.create_future()
+        self.timer = self.loop.call_later(max(0.0, timeout_s), _expire, waiter, phase)
+        if self.error is not None:
+            waiter.set_result(None)
+        return waiter
+
+    def disarm(self) -> None:
+        """The armed wait is over (resolved, timed out or cancelled): its timer goes."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.waiter = None
 
     async def wait(self, timeout_s: float, phase: str) -> None:
         """Until a parser callback or the connection's end wakes it; `TimedOut(phase)` after `timeout_s`."""
