@@ -42,7 +42,6 @@ from router.edge.headers import forwarded_headers
 from router.edge.proxy import Proxy
 from router.edge.relay import RelayResponse, body_writer
 from router.edge.upstream import ProxyRequest, UpstreamResponse
-from router.edge.usage import UsageTap
 from router.links.fleet_links import FleetLinks
 from router.ops.debug import DecisionEntry, DecisionRing, Explanation, PreparedView
 from router.ops.decision_peers import DecisionPeers
@@ -93,11 +92,6 @@ def _mirror_trust(entry: DecisionEntry, engine: str) -> str:
         if candidate.engine == engine:
             return candidate.trust.state.value
     return "unknown"
-
-
-def _event_stream(upstream: UpstreamResponse) -> bool:
-    """Whether the answer is SSE (its usage sits in the last events, not in one JSON body)."""
-    return any(k.lower() == "content-type" and "event-stream" in v for k, v in upstream.headers)
 
 
 class Gateway:
@@ -308,8 +302,10 @@ class Gateway:
                 parts.metrics.observe_prediction(engine, predicted, cached)
             self._log_end(entry, status)
 
-        tap = UsageTap(_event_stream(upstream)) if upstream.status == 200 else None
-        return RelayResponse(upstream, headers, tap, first_byte, end)
+        relay = RelayResponse(upstream, headers, None, first_byte, end)
+        if upstream.status == 200:
+            relay.watch_usage()
+        return relay
 
     def _failed(self, entry: DecisionEntry, exc: BaseException) -> None:
         engine = entry.engine or "none"

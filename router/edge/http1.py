@@ -79,17 +79,36 @@ class _Origin(msgspec.Struct, frozen=True):
 
 
 class Http1Response:
-    """An answer: status and raw header pairs now, the body through `next_chunk` until it returns b"".
+    """An answer: status and header pairs now, the body through `next_chunk` until it returns b"".
 
     Each `next_chunk` hands over every body byte that has arrived, joined, without waiting for more."""
 
     def __init__(self, pool: _Pool, conn: Connection, deadline: float) -> None:
         self.status = conn.status
-        self.headers = conn.headers
+        self.raw_headers = conn.headers
+        """The header pairs as received, latin-1 bytes (what the relay reads, nothing decoded)."""
         self._pool, self._conn, self._deadline = pool, conn, deadline
         self._read_s = pool.client.settings.read_s
         self._reuse = conn.keep_alive
         self._done = False
+
+    @property
+    def headers(self) -> list[tuple[str, str]]:
+        """The header pairs as received, decoded (latin-1)."""
+        return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self.raw_headers]
+
+    def ready(self) -> bytes | None:
+        """What `next_chunk` would return now without waiting (b"" at the body's end), or None when it
+        would have to wait or raise: the relay's synchronous path, no coroutine per chunk."""
+        if self._done:
+            return b""
+        conn = self._conn
+        if conn.chunks:
+            return self._hand_over()
+        if conn.complete:
+            self.release()
+            return b""
+        return None
 
     async def next_chunk(self) -> bytes:
         """The next body bytes as they arrived; b"" once the body is complete. The connection is
@@ -110,6 +129,11 @@ class Http1Response:
             except BaseException:
                 self.close()
                 raise
+        return self._hand_over()
+
+    def _hand_over(self) -> bytes:
+        """The body bytes that have arrived (some have), releasing the connection after the last ones."""
+        conn = self._conn
         # Everything that has arrived goes on as one chunk: one client write, not one per chunk.
         chunk = conn.chunks.popleft() if len(conn.chunks) == 1 else b"".join(conn.chunks)
         conn.chunks.clear()

@@ -36,7 +36,8 @@ class Connection(asyncio.Protocol):
         self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.headers: list[tuple[str, str]] = []
+        self.headers: list[tuple[bytes, bytes]] = []
+        """The answer's header pairs as received (names in their case, latin-1 bytes)."""
         self.headers_done = False
         self.status = 0
         self.keep_alive = False
@@ -112,7 +113,7 @@ class Connection(asyncio.Protocol):
 
     # -- httptools callbacks --
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        self.headers.append((name, value))  # as bytes: the relay passes them on without decoding
 
     def on_headers_complete(self) -> None:
         self.headers_done = True
@@ -147,7 +148,7 @@ class Connection(asyncio.Protocol):
 
     def _until_eof(self) -> bool:
         names = {k.lower() for k, _ in self.headers}
-        return "content-length" not in names and "transfer-encoding" not in names
+        return b"content-length" not in names and b"transfer-encoding" not in names
 
     def _fail(self, error: HttpClientError) -> None:
         if self.error is None:

@@ -34,7 +34,7 @@ from router.core.errors import (
 from router.core.ids import EngineId
 from router.core.policy.breaker import Breakers, CircuitBreaker
 from router.core.policy.retry import Outcome, OutcomeKind, RetryPolicy, counts_as_failure, is_retryable
-from router.edge.headers import is_origin_form, response_headers, upstream_headers
+from router.edge.headers import is_origin_form, upstream_headers
 from router.edge.http1 import ClientSettings, Http1Client, Http1Response
 from router.edge.upstream import (
     UPSTREAM_FAILURES,
@@ -172,7 +172,7 @@ class Proxy:
             answer = self._answered(target, response, attempts, breaker)
             if answer is not None:
                 return answer
-            last = UpstreamResponse(target, response.status, response_headers(response.headers), attempts)
+            last = UpstreamResponse(target, response.status, response.raw_headers, attempts)
             last._buffered = await self._read_excerpt(target.engine, response)
         if isinstance(last, UpstreamResponse):
             return self._final_answer(last)
@@ -199,7 +199,7 @@ class Proxy:
         (breaker.record_failure if counts_as_failure(outcome) else breaker.record_success)(self.clock())
         if is_retryable(outcome):
             return None
-        answer = UpstreamResponse(target, status, response_headers(response.headers), attempts)
+        answer = UpstreamResponse(target, status, response.raw_headers, attempts)
         answer._response = response
         answer._on_broken = lambda: breaker.record_failure(self.clock())
         return answer

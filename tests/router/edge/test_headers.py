@@ -6,12 +6,14 @@ import multiprocessing
 import re
 from urllib.parse import urlsplit
 
+import httptools
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from router.edge.client_io import fresh_request_id
 from router.edge.headers import HOP_BY_HOP, is_origin_form, response_headers, upstream_headers
-from router.edge.relay import relayed_headers
+from router.edge.relay import relayed_headers, relayed_raw_headers
 
 _NAMES = st.sampled_from(
     ["Connection", "connection", "Keep-Alive", "TE", "Trailer", "Transfer-Encoding", "Upgrade", "Host",
@@ -103,3 +105,36 @@ def test_the_cached_origin_form_check_is_the_rule(path: str) -> None:
     rule = not path.startswith("/") or path.startswith("//") or any(c in path for c in "#\\ \t\r\n")
     assert is_origin_form(path) is not rule
     assert is_origin_form(path) is is_origin_form(path)  # cached or not, the same answer
+
+
+ANSWER_NAMES = st.sampled_from(
+    ["Content-Type", "content-type", "Content-Length", "Date", "SERVER", "X-Request-Id", "x-kvrouter-engine",
+     "x-other", "Connection", "Keep-Alive", "Transfer-Encoding", "Proxy-X", "TE", "Trailer"]
+)  # fmt: skip
+ANSWER_VALUES = st.sampled_from(
+    ["text/event-stream", "application/json", "close", "keep-alive", "x-other", " X-Other , date", "v", "\xa0"]
+)
+
+
+@given(
+    st.lists(st.tuples(ANSWER_NAMES, ANSWER_VALUES), max_size=8),
+    st.lists(st.sampled_from(GATEWAY_OWN), unique=True, max_size=4),
+)
+def test_relaying_the_raw_answer_headers_is_the_decoded_rule(
+    engine: list[tuple[str, str]], extra_names: list[str]
+) -> None:
+    """The relay's one pass over the parser's bytes gives what stripping the decoded headers
+    (`response_headers`), then `relayed_headers`, gives; and the SSE flag the content type says."""
+    extra = [(name.encode(), b"v") for name in extra_names]
+    end_to_end = response_headers(engine)
+    expected = relayed_headers(end_to_end, extra)
+    sse = any(k.lower() == "content-type" and "event-stream" in v for k, v in end_to_end)
+    raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in engine]
+    assert relayed_raw_headers(raw, extra) == (expected, sse)
+
+
+def test_the_parser_refuses_header_names_that_are_not_ascii() -> None:
+    """What lets the relay lower-case header names as bytes: httptools hands over tokens only."""
+    parser = httptools.HttpResponseParser(object())
+    with pytest.raises(httptools.HttpParserError):
+        parser.feed_data(b"HTTP/1.1 200 OK\r\nX-\xc0: v\r\nContent-Length: 0\r\n\r\n")
