@@ -164,8 +164,9 @@ class Connection(asyncio.Protocol):
         return not self.lost and now - self.idle_since < keepalive_s
 
     def reset(self) -> None:
-        """Ready for the next exchange on the same socket (idle until taken again)."""
-        self.parser = httptools.HttpResponseParser(self)
+        """Ready for the next exchange on the same socket (idle until taken again). The parser is kept:
+        after a complete keep-alive answer (the only kind whose connection is reused) it waits for the
+        next message, so none is built per exchange."""
         self.headers = []
         self.headers_done = self.keep_alive = self.complete = self.active = self.received = False
         self.sink_full = False

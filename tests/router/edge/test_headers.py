@@ -112,8 +112,9 @@ ANSWER_NAMES = st.sampled_from(
      "x-other", "Connection", "Keep-Alive", "Transfer-Encoding", "Proxy-X", "TE", "Trailer"]
 )  # fmt: skip
 ANSWER_VALUES = st.sampled_from(
-    ["text/event-stream", "application/json", "close", "keep-alive", "x-other", " X-Other , date", "v", "\xa0"]
-)
+    ["text/event-stream", "application/json", "close", "keep-alive", "x-other", " X-Other , date", "v",
+     "\xa0"]
+)  # fmt: skip
 
 
 @given(

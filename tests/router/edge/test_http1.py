@@ -86,6 +86,37 @@ async def test_keep_alive_reuses_one_connection_for_sequential_requests() -> Non
         assert len(peers) == 1
 
 
+async def test_a_kept_connection_parses_each_answer_with_its_one_parser() -> None:
+    """The parser is not rebuilt per exchange: each answer on a kept connection still gets its own
+    status, headers and body, whatever the framing of the one before."""
+    answers = [
+        b"HTTP/1.1 200 OK\r\nX-A: 1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        b"HTTP/1.1 404 Not Found\r\nContent-Length: 2\r\n\r\nno",
+        b"HTTP/1.1 204 No Content\r\nX-C: 3\r\n\r\n",
+        b"HTTP/1.1 201 Created\r\nContent-Length: 5\r\n\r\nfifth",
+    ]
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for answer in answers:
+            await read_request(reader)
+            writer.write(answer)
+            await writer.drain()
+
+    expected = [
+        (200, [("X-A", "1"), ("Transfer-Encoding", "chunked")], b"abc"),
+        (404, [("Content-Length", "2")], b"no"),
+        (204, [("X-C", "3")], b""),
+        (201, [("Content-Length", "5")], b"fifth"),
+    ]
+    async with raw_server(handler) as server, client() as c:
+        parsers = []
+        for status, headers, body in expected:
+            response = await c.request("POST", server.url, "/", [], b"{}")
+            parsers.append(response._conn.parser)
+            assert (response.status, response.headers, await body_of(response)) == (status, headers, body)
+        assert server.connections == 1 and all(p is parsers[0] for p in parsers)
+
+
 async def test_chunked_and_eof_framed_bodies_are_decoded() -> None:
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         head, _ = await read_request(reader)
