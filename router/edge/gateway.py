@@ -235,7 +235,7 @@ class Gateway:
             self._refused(str(exc.http_status()), exc.reason)
             raise
         entry = parts.ring.add(DecisionEntry(request_id=rid, time=time.time(), request=view_of(prepared)))
-        proxied = ProxyRequest(scope["method"], endpoint.value, self._forward_headers(scope, rid), body)
+        proxied = ProxyRequest(scope["method"], endpoint.value, self._forward_headers(scope, rid), body, True)
         flight = Flight(parts.fleet, parts.core, proxied, entry, self.route_request(scope, prepared))
         if parts.recorder is not None:
             parts.recorder.request(rid, endpoint.value, prepared.model, Headers(scope=scope), body)

@@ -155,7 +155,7 @@ class Proxy:
                 attempts.append(Attempt(target.engine, OutcomeKind.CONNECT_FAILED, error="circuit open"))
                 last = UpstreamConnectError(f"engine {target.engine}: circuit open", engine=target.engine)
                 continue
-            headers = upstream_headers(request.headers, target.base_url)
+            headers = upstream_headers(request.headers, target.base_url, request.end_to_end)
             try:
                 response = await client.request(
                     request.method, target.base_url, request.path, headers, request.body

@@ -48,6 +48,9 @@ class ProxyRequest(msgspec.Struct, frozen=True):
     path: str
     headers: list[tuple[str, str]]
     body: bytes
+    end_to_end: bool = False
+    """The headers have no hop-by-hop ones, nor Host or Content-Length (`forwarded_headers` made
+    them): the proxy only adds Host."""
 
 
 class Attempt(msgspec.Struct, frozen=True):

@@ -12,7 +12,13 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from router.edge.client_io import fresh_request_id
-from router.edge.headers import HOP_BY_HOP, is_origin_form, response_headers, upstream_headers
+from router.edge.headers import (
+    HOP_BY_HOP,
+    forwarded_headers,
+    is_origin_form,
+    response_headers,
+    upstream_headers,
+)
 from router.edge.relay import relayed_headers, relayed_raw_headers
 
 _NAMES = st.sampled_from(
@@ -139,3 +145,32 @@ def test_the_parser_refuses_header_names_that_are_not_ascii() -> None:
     parser = httptools.HttpResponseParser(object())
     with pytest.raises(httptools.HttpParserError):
         parser.feed_data(b"HTTP/1.1 200 OK\r\nX-\xc0: v\r\nContent-Length: 0\r\n\r\n")
+
+
+CLIENT_NAMES = st.sampled_from(
+    [b"connection", b"keep-alive", b"te", b"transfer-encoding", b"upgrade", b"host", b"content-length",
+     b"proxy-authorization", b"proxy-x", b"x-custom", b"authorization", b"content-type", b"x-request-id"]
+)  # fmt: skip
+CLIENT_VALUES = st.sampled_from(
+    [b"close", b"x-custom", b" X-Request-Id , upgrade", b"authorization,te", b"v"]
+)
+
+
+def _forwarded_as_first_written(
+    raw: list[tuple[bytes, bytes]], rid: str, drop_authorization: bool
+) -> list[tuple[str, str]]:
+    drop = (b"x-request-id", b"authorization") if drop_authorization else (b"x-request-id",)
+    pairs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k not in drop]
+    return [*pairs, ("x-request-id", rid)]
+
+
+@given(st.lists(st.tuples(CLIENT_NAMES, CLIENT_VALUES), max_size=10), st.booleans(), _URLS)
+def test_forwarded_headers_are_end_to_end_already(
+    raw: list[tuple[bytes, bytes]], drop_authorization: bool, url: str
+) -> None:
+    """What the engine gets from the gateway's pre-stripped headers (the proxy only adding Host) is
+    what it got when the proxy stripped the forwarded headers itself."""
+    expected = upstream_headers(_forwarded_as_first_written(raw, "rid", drop_authorization), url)
+    forwarded = forwarded_headers(raw, "rid", drop_authorization)
+    assert upstream_headers(forwarded, url, end_to_end=True) == expected
+    assert upstream_headers(forwarded, url) == expected  # stripping them again changes nothing
