@@ -124,11 +124,15 @@ class Http1Response:
                 self.close()
                 raise conn.error
             left = self._deadline - conn.loop.time()
+            # The connection's future is awaited here: no coroutine of its own per wait.
+            waiter = conn.arm(min(self._read_s, left), "read" if self._read_s < left else "total")
             try:
-                await conn.wait(min(self._read_s, left), "read" if self._read_s < left else "total")
+                await waiter
             except BaseException:
                 self.close()
                 raise
+            finally:
+                conn.disarm()
         return self._hand_over()
 
     def _hand_over(self) -> bytes:
@@ -163,25 +167,28 @@ class Http1Response:
                     conn.sink_full = False
                     conn.resume()
                     continue
-                await self._idle_wait(loop.time())
+                idle, left = self._idle_left(loop.time())
+                waiter = conn.arm(min(idle, left), "read" if idle < left else "total")
+                try:
+                    await waiter
+                except TimedOut:
+                    pass  # bytes may have reached the sink meanwhile: the loop looks again
+                finally:
+                    conn.disarm()
         except BaseException:
             self.close()
             raise
         finally:
             conn.sink = None
 
-    async def _idle_wait(self, now: float) -> None:
-        """Wait for the body's end, a failure or a full sink; `TimedOut` once the engine has sent nothing
-        for `read_s` (from the sink's last bytes) or the answer's total time is up."""
+    def _idle_left(self, now: float) -> tuple[float, float]:
+        """(seconds until the read timeout, counted from the sink's last bytes; seconds until the
+        answer's total time is up); `TimedOut` when either is spent."""
         conn = self._conn
         idle, left = conn.last_read + self._read_s - now, self._deadline - now
-        phase = "read" if idle < left else "total"
         if min(idle, left) <= 0:
-            raise TimedOut(phase)
-        try:
-            await conn.wait(min(idle, left), phase)
-        except TimedOut:
-            pass  # bytes may have reached the sink meanwhile: the caller's loop looks again
+            raise TimedOut("read" if idle < left else "total")
+        return idle, left
 
     def at_end(self) -> bool:
         """Whether the body has been read to its end: the next `next_chunk` returns b"" at once."""

@@ -1,7 +1,7 @@
 """One keep-alive HTTP/1.1 connection to an engine: the asyncio protocol and httptools' callbacks.
 
 The parser's callbacks fill the exchange in progress (status, headers, body chunks, completion);
-the client (router.edge.http1) waits on it with `wait`, one timer per wait. Reading pauses while
+the client (router.edge.http1) awaits the future `arm` makes, one timer per wait. Reading pauses while
 more than `HIGH_WATER` body bytes wait for the consumer. With a `sink` set, the body bytes of each
 read go to it from `data_received` itself (no wake-up, future or timer per chunk) until the body's
 end, whose bytes stay for the consumer; a sink that answers False pauses reading until the consumer
@@ -188,16 +188,6 @@ class Connection(asyncio.Protocol):
             self.timer.cancel()
             self.timer = None
         self.waiter = None
-
-    async def wait(self, timeout_s: float, phase: str) -> None:
-        """Until a parser callback or the connection's end wakes it; `TimedOut(phase)` after `timeout_s`."""
-        waiter = self.waiter = self.loop.create_future()
-        timer = self.loop.call_later(max(0.0, timeout_s), _expire, waiter, phase)
-        try:
-            await waiter
-        finally:
-            timer.cancel()
-            self.waiter = None
 
     def close(self) -> None:
         self.lost = True
