@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from router.core.errors import BadRequest, RequestTimeout, RouterError
 from router.core.fleet_state import FleetState
 from router.core.policy.scoring import RouteRequest, reads_prompt
+from router.core.policy.trust import TrustState
 from router.core.routing import RoutingCore
 from router.edge.access_log import AccessNote, note_of
 from router.edge.auth import Guard
@@ -85,13 +86,16 @@ def view_of(prepared: Prepared) -> PreparedView:
     )  # fmt: skip
 
 
-def _mirror_trust(entry: DecisionEntry, engine: str) -> str:
+_TRUST_RAW: Final = {state: state.value.encode("latin-1") for state in TrustState}
+
+
+def _mirror_trust(entry: DecisionEntry, engine: str) -> bytes:
     """The trust state of `engine`'s mirror when the last decision chose it (scoring counts hits
-    only from `fresh` ones); `unknown` if that decision did not score it."""
+    only from `fresh` ones), as the header's bytes; `unknown` if that decision did not score it."""
     for candidate in entry.decisions[-1].candidates if entry.decisions else ():
         if candidate.engine == engine:
-            return candidate.trust.state.value
-    return "unknown"
+            return _TRUST_RAW[candidate.trust.state]
+    return b"unknown"
 
 
 class Gateway:
@@ -278,7 +282,7 @@ class Gateway:
             (b"x-request-id", entry.request_id.encode("latin-1")),
             (b"x-kvrouter-engine", engine.encode("latin-1")),
             (b"x-kvrouter-predicted-cached-tokens", b"%d" % predicted),
-            (b"x-kvrouter-mirror-trust", _mirror_trust(entry, engine).encode("latin-1")),
+            (b"x-kvrouter-mirror-trust", _mirror_trust(entry, engine)),
         ]
 
         def first_byte(relay_s: float) -> None:
