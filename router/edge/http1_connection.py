@@ -126,12 +126,14 @@ class Connection(asyncio.Protocol):
         self.buffered += len(body)
         if self.buffered > HIGH_WATER:
             self.pause()
-        if self.sink is None:  # a sink gets the bytes at the end of data_received, with no wake-up
+        # A sink gets the bytes at the end of data_received, with no wake-up; nobody waiting, no call.
+        if self.sink is None and self.waiter is not None:
             self._wake()
 
     def on_message_complete(self) -> None:
         self.complete = True
-        self._wake()
+        if self.waiter is not None:  # a body that came with its head: nobody waits for it
+            self._wake()
 
     # -- the exchange --
     def pause(self) -> None:
