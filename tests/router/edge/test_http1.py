@@ -252,6 +252,47 @@ async def test_cancelling_a_read_mid_stream_drops_the_connection() -> None:
         assert c._pools[server.url].idle == [] and c._in_use == 0
 
 
+async def test_cancelling_a_request_waiting_for_its_head_drops_the_connection_and_its_timer() -> None:
+    gone, asked = asyncio.Event(), asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        asked.set()
+        assert await reader.read() == b""  # no answer, then EOF: the client dropped the connection
+        gone.set()
+
+    async with raw_server(handler) as server, client() as c:
+        task = asyncio.ensure_future(c.request("POST", server.url, "/", [], b"{}"))
+        await asyncio.wait_for(asked.wait(), WAIT)
+        task.cancel()  # what a client disconnect does while the engine prefills
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(gone.wait(), WAIT)
+        assert c._pools[server.url].idle == [] and c._in_use == 0
+
+
+async def test_an_answered_request_leaves_no_wait_armed() -> None:
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(body=b"ok")
+
+    async with fake_engine(answer) as url, client() as c:
+        response = await c.request("POST", url, "/", [("Host", "e")], b"{}")
+        conn = response._conn
+        assert conn.timer is None and conn.waiter is None  # the first-byte timer went with its wait
+        assert await body_of(response) == b"ok"
+        assert conn.timer is None and conn.waiter is None
+
+
+async def test_arming_on_a_failed_connection_resolves_at_once() -> None:
+    loop = asyncio.get_running_loop()
+    conn = http1_connection.Connection(loop)
+    conn.error = http1.ServerDisconnected("gone")
+    waiter = conn.arm(WAIT, "first byte")
+    assert waiter.done() and waiter.exception() is None  # the caller reads conn.error: no wait
+    conn.disarm()
+    assert conn.timer is None and conn.waiter is None
+
+
 async def test_pool_limit_makes_requests_wait_for_a_connection() -> None:
     release, holding = asyncio.Event(), asyncio.Event()
 
