@@ -239,7 +239,10 @@ class Gateway:
             self._refused(str(exc.http_status()), exc.reason)
             raise
         entry = parts.ring.add(DecisionEntry(request_id=rid, time=time.time(), request=view_of(prepared)))
-        proxied = ProxyRequest(scope["method"], endpoint.value, self._forward_headers(scope, rid), body, True)
+        # The key was the router's (engines never see it); the request id is the gateway's. The path is
+        # str(endpoint): a C call, where Enum.value is a Python-level property.
+        headers = forwarded_headers(scope["headers"], rid, parts.guard.api_keys_required)
+        proxied = ProxyRequest(scope["method"], str(endpoint), headers, body, True)
         flight = Flight(parts.fleet, parts.core, proxied, entry, self.route_request(scope, prepared))
         if parts.recorder is not None:
             parts.recorder.request(rid, endpoint.value, prepared.model, Headers(scope=scope), body)
@@ -262,10 +265,6 @@ class Gateway:
             own += entry.timings_s.get(stage, 0.0)
         pre_forward = max(0.0, forwarding - arrived - own)
         return self._relay(upstream, flight, entry, (arrived, pre_forward), note_of(scope))
-
-    def _forward_headers(self, scope: Scope, rid: str) -> list[tuple[str, str]]:
-        # the key was the router's (engines never see it); the request id is the gateway's
-        return forwarded_headers(scope["headers"], rid, self.parts.guard.api_keys_required)
 
     def _relay(
         self, upstream: UpstreamResponse, flight: Flight, entry: DecisionEntry,
