@@ -240,8 +240,12 @@ class _Pool:
         self.forget()
 
     def forget(self) -> None:
+        """A connection of this pool stopped being in use (back in `idle`, or dropped)."""
         self.in_use -= 1
-        self.client.returned()
+        client = self.client
+        client._in_use -= 1
+        if client._waiting:  # the common case has nobody waiting: no call
+            client.wake_waiters()
 
 
 class Http1Client:
@@ -358,9 +362,8 @@ class Http1Client:
             raise ConnectFailed(exc) from exc
         return conn
 
-    def returned(self) -> None:
-        """A connection stopped being in use: wake one request waiting for room in the pool."""
-        self._in_use -= 1
+    def wake_waiters(self) -> None:
+        """A connection stopped being in use: wake the requests waiting for room in the pool."""
         # Every waiter looks again: the one whose pool has room now may not be first in line.
         while self._waiting:
             waiter = self._waiting.popleft()
@@ -376,6 +379,7 @@ class Http1Client:
 
 
 def _head(method: str, target: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
-    fields = "".join([f"{k}: {v}\r\n" for k, v in headers])
+    # Joined by C code alone (no comprehension frame per request): "k: v" lines, CRLF between them.
+    fields = "\r\n".join(map(": ".join, headers)) + "\r\n" if headers else ""
     length = f"Content-Length: {len(body)}\r\n" if body or method not in _NO_BODY_METHODS else ""
     return f"{method} {target} HTTP/1.1\r\n{fields}{length}\r\n".encode("latin-1")
