@@ -276,13 +276,16 @@ class Http1Client:
             # future the parser's callbacks (or the connection's end) resolve, one timer.
             try:
                 waiter = self._send(conn, head, body, first_byte_at)
-                try:
-                    await waiter
-                finally:
-                    conn.disarm()
-                if not conn.headers_done:
-                    assert conn.error is not None, "woken before the answer's head without an error"
-                    raise conn.error
+                while True:
+                    try:
+                        await waiter
+                    finally:
+                        conn.disarm()
+                    if conn.headers_done:
+                        break
+                    if conn.error is not None:
+                        raise conn.error
+                    waiter = conn.arm(first_byte_at - conn.loop.time(), "first byte")  # woken early
                 break
             except BaseException as exc:
                 conn.close()
