@@ -159,8 +159,12 @@ class Connection(asyncio.Protocol):
 
     def _wake(self) -> None:
         waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is not None:
+            # Woken once: the callbacks that follow in the same read (the body and end that came with
+            # the head) see nobody waiting and make no call. The waiting code holds its own reference.
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def reusable(self, now: float, keepalive_s: float) -> bool:
         return not self.lost and now - self.idle_since < keepalive_s
