@@ -68,7 +68,7 @@ def _install() -> None:
     _stamp_async(gateway.Gateway, "_admit", after="1 body in")
     _stamp_async(gateway.Gateway, "prepare", after="2 prepared")
     _stamp_async(proxy.Proxy, "forward", before="3 forwarding")
-    _stamp_sync(http1.Http1Client, "_exchange", "4 written upstream")
+    _stamp_sync(http1.Http1Client, "_send", "4 written upstream")
     _stamp_sync(http1_connection.Connection, "on_headers_complete", "5 engine head in")
     _stamp_sync(http1_connection.Connection, "on_body", "6 engine body in")
     _stamp_async(relay.RelayResponse, "stream_to", before="7 relay starts")

@@ -24,6 +24,7 @@ from starlette.types import Receive, Scope, Send
 from router.core.errors import BadRequest, RequestTimeout, RouterError
 from router.core.fleet_state import FleetState
 from router.core.policy.scoring import RouteRequest, reads_prompt
+from router.core.policy.trust import TrustState
 from router.core.routing import RoutingCore
 from router.edge.access_log import AccessNote, note_of
 from router.edge.auth import Guard
@@ -43,7 +44,6 @@ from router.edge.headers import forwarded_headers
 from router.edge.proxy import Proxy
 from router.edge.relay import RelayResponse, body_writer
 from router.edge.upstream import ProxyRequest, UpstreamResponse
-from router.edge.usage import UsageTap
 from router.links.fleet_links import FleetLinks
 from router.ops.debug import DecisionEntry, DecisionRing, Explanation, PreparedView
 from router.ops.decision_peers import DecisionPeers
@@ -87,18 +87,16 @@ def view_of(prepared: Prepared) -> PreparedView:
     )  # fmt: skip
 
 
-def _mirror_trust(entry: DecisionEntry, engine: str) -> str:
+_TRUST_RAW: Final = {state: state.value.encode("latin-1") for state in TrustState}
+
+
+def _mirror_trust(entry: DecisionEntry, engine: str) -> bytes:
     """The trust state of `engine`'s mirror when the last decision chose it (scoring counts hits
-    only from `fresh` ones); `unknown` if that decision did not score it."""
+    only from `fresh` ones), as the header's bytes; `unknown` if that decision did not score it."""
     for candidate in entry.decisions[-1].candidates if entry.decisions else ():
         if candidate.engine == engine:
-            return candidate.trust.state.value
-    return "unknown"
-
-
-def _event_stream(upstream: UpstreamResponse) -> bool:
-    """Whether the answer is SSE (its usage sits in the last events, not in one JSON body)."""
-    return any(k.lower() == "content-type" and "event-stream" in v for k, v in upstream.headers)
+            return _TRUST_RAW[candidate.trust.state]
+    return b"unknown"
 
 
 class Gateway:
@@ -246,7 +244,10 @@ class Gateway:
             self._refused(str(exc.http_status()), exc.reason)
             raise
         entry = parts.ring.add(DecisionEntry(request_id=rid, time=time.time(), request=view_of(prepared)))
-        proxied = ProxyRequest(scope["method"], endpoint.value, self._forward_headers(scope, rid), body)
+        # The key was the router's (engines never see it); the request id is the gateway's. The path is
+        # str(endpoint): a C call, where Enum.value is a Python-level property.
+        headers = forwarded_headers(scope["headers"], rid, parts.guard.api_keys_required)
+        proxied = ProxyRequest(scope["method"], str(endpoint), headers, body, True)
         flight = Flight(parts.fleet, parts.core, proxied, entry, self.route_request(scope, prepared))
         if parts.recorder is not None:
             parts.recorder.request(rid, endpoint.value, prepared.model, Headers(scope=scope), body)
@@ -270,10 +271,6 @@ class Gateway:
         pre_forward = max(0.0, forwarding - arrived - own)
         return self._relay(upstream, flight, entry, (arrived, pre_forward), note_of(scope))
 
-    def _forward_headers(self, scope: Scope, rid: str) -> list[tuple[str, str]]:
-        # the key was the router's (engines never see it); the request id is the gateway's
-        return forwarded_headers(scope["headers"], rid, self.parts.guard.api_keys_required)
-
     def _relay(
         self, upstream: UpstreamResponse, flight: Flight, entry: DecisionEntry,
         times: tuple[float, float], note: AccessNote,
@@ -289,7 +286,7 @@ class Gateway:
             (b"x-request-id", entry.request_id.encode("latin-1")),
             (b"x-kvrouter-engine", engine.encode("latin-1")),
             (b"x-kvrouter-predicted-cached-tokens", b"%d" % predicted),
-            (b"x-kvrouter-mirror-trust", _mirror_trust(entry, engine).encode("latin-1")),
+            (b"x-kvrouter-mirror-trust", _mirror_trust(entry, engine)),
         ]
 
         def first_byte(relay_s: float) -> None:
@@ -313,8 +310,10 @@ class Gateway:
                 parts.metrics.observe_prediction(engine, predicted, cached)
             self._log_end(entry, status)
 
-        tap = UsageTap(_event_stream(upstream)) if upstream.status == 200 else None
-        return RelayResponse(upstream, headers, tap, first_byte, end)
+        relay = RelayResponse(upstream, headers, None, first_byte, end)
+        if upstream.status == 200:
+            relay.watch_usage()
+        return relay
 
     def _failed(self, entry: DecisionEntry, exc: BaseException) -> None:
         engine = entry.engine or "none"

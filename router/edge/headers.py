@@ -6,7 +6,7 @@ configured base URL plus the request's origin-form path, and `Host` is the engin
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from functools import lru_cache
 from typing import Final
 from urllib.parse import urlsplit
@@ -53,19 +53,47 @@ def _host_of(base_url: str) -> str:
     return urlsplit(base_url).netloc
 
 
+_FORWARD_DROP: Final = frozenset({n.encode("latin-1") for n in _REQUEST_DROP} | {b"x-request-id"})
+_FORWARD_DROP_AUTH: Final = _FORWARD_DROP | {b"authorization"}
+
+
 def forwarded_headers(
-    raw: Iterable[tuple[bytes, bytes]], request_id: str, drop_authorization: bool
+    raw: Sequence[tuple[bytes, bytes]], request_id: str, drop_authorization: bool
 ) -> list[tuple[str, str]]:
     """The client's (ASGI, lower-case) headers for the engine: `x-request-id` set to the gateway's id,
-    so the engine's logs join the gateway's, and `Authorization` dropped when the key was the gateway's."""
-    drop = (b"x-request-id", b"authorization") if drop_authorization else (b"x-request-id",)
-    pairs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k not in drop]
+    so the engine's logs join the gateway's, and `Authorization` dropped when the key was the gateway's.
+
+    They are end-to-end already: hop-by-hop ones, Host and Content-Length dropped in the same pass
+    (names compared as the bytes they are), so `upstream_headers(..., end_to_end=True)` only adds
+    Host. A Connection header (it may name others to drop) takes the general path."""
+    drop = _FORWARD_DROP_AUTH if drop_authorization else _FORWARD_DROP
+    pairs: list[tuple[str, str]] = []
+    for name, value in raw:
+        if name in drop or name.startswith(b"proxy-"):
+            if name == b"connection":
+                return _forwarded_in_general(raw, request_id, drop_authorization)
+            continue
+        pairs.append((name.decode("latin-1"), value.decode("latin-1")))
     pairs.append(("x-request-id", request_id))
     return pairs
 
 
-def upstream_headers(client_headers: Iterable[tuple[str, str]], base_url: str) -> list[tuple[str, str]]:
-    """The client's headers without hop-by-hop ones, Host set to the engine's host[:port]."""
+def _forwarded_in_general(
+    raw: Sequence[tuple[bytes, bytes]], request_id: str, drop_authorization: bool
+) -> list[tuple[str, str]]:
+    drop = (b"x-request-id", b"authorization") if drop_authorization else (b"x-request-id",)
+    pairs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k not in drop]
+    return _strip([*pairs, ("x-request-id", request_id)], _REQUEST_DROP)
+
+
+def upstream_headers(
+    client_headers: Iterable[tuple[str, str]], base_url: str, end_to_end: bool = False
+) -> list[tuple[str, str]]:
+    """The client's headers without hop-by-hop ones, Host set to the engine's host[:port].
+    `end_to_end`: they have none, nor Host or Content-Length (`forwarded_headers`' own): only Host
+    is added."""
+    if end_to_end:
+        return [*client_headers, ("Host", _host_of(base_url))]
     return [*_strip(client_headers, _REQUEST_DROP), ("Host", _host_of(base_url))]
 
 

@@ -79,17 +79,36 @@ class _Origin(msgspec.Struct, frozen=True):
 
 
 class Http1Response:
-    """An answer: status and raw header pairs now, the body through `next_chunk` until it returns b"".
+    """An answer: status and header pairs now, the body through `next_chunk` until it returns b"".
 
     Each `next_chunk` hands over every body byte that has arrived, joined, without waiting for more."""
 
     def __init__(self, pool: _Pool, conn: Connection, deadline: float) -> None:
         self.status = conn.status
-        self.headers = conn.headers
+        self.raw_headers = conn.headers
+        """The header pairs as received, latin-1 bytes (what the relay reads, nothing decoded)."""
         self._pool, self._conn, self._deadline = pool, conn, deadline
         self._read_s = pool.client.settings.read_s
         self._reuse = conn.keep_alive
         self._done = False
+
+    @property
+    def headers(self) -> list[tuple[str, str]]:
+        """The header pairs as received, decoded (latin-1)."""
+        return [(k.decode("latin-1"), v.decode("latin-1")) for k, v in self.raw_headers]
+
+    def ready(self) -> bytes | None:
+        """What `next_chunk` would return now without waiting (b"" at the body's end), or None when it
+        would have to wait or raise: the relay's synchronous path, no coroutine per chunk."""
+        if self._done:
+            return b""
+        conn = self._conn
+        if conn.chunks:
+            return self._hand_over()
+        if conn.complete:
+            self.release()
+            return b""
+        return None
 
     async def next_chunk(self) -> bytes:
         """The next body bytes as they arrived; b"" once the body is complete. The connection is
@@ -105,11 +124,20 @@ class Http1Response:
                 self.close()
                 raise conn.error
             left = self._deadline - conn.loop.time()
+            # The connection's future is awaited here: no coroutine of its own per wait.
+            waiter = conn.arm(min(self._read_s, left), "read" if self._read_s < left else "total")
             try:
-                await conn.wait(min(self._read_s, left), "read" if self._read_s < left else "total")
+                await waiter
             except BaseException:
                 self.close()
                 raise
+            finally:
+                conn.disarm()
+        return self._hand_over()
+
+    def _hand_over(self) -> bytes:
+        """The body bytes that have arrived (some have), releasing the connection after the last ones."""
+        conn = self._conn
         # Everything that has arrived goes on as one chunk: one client write, not one per chunk.
         chunk = conn.chunks.popleft() if len(conn.chunks) == 1 else b"".join(conn.chunks)
         conn.chunks.clear()
@@ -139,25 +167,28 @@ class Http1Response:
                     conn.sink_full = False
                     conn.resume()
                     continue
-                await self._idle_wait(loop.time())
+                idle, left = self._idle_left(loop.time())
+                waiter = conn.arm(min(idle, left), "read" if idle < left else "total")
+                try:
+                    await waiter
+                except TimedOut:
+                    pass  # bytes may have reached the sink meanwhile: the loop looks again
+                finally:
+                    conn.disarm()
         except BaseException:
             self.close()
             raise
         finally:
             conn.sink = None
 
-    async def _idle_wait(self, now: float) -> None:
-        """Wait for the body's end, a failure or a full sink; `TimedOut` once the engine has sent nothing
-        for `read_s` (from the sink's last bytes) or the answer's total time is up."""
+    def _idle_left(self, now: float) -> tuple[float, float]:
+        """(seconds until the read timeout, counted from the sink's last bytes; seconds until the
+        answer's total time is up); `TimedOut` when either is spent."""
         conn = self._conn
         idle, left = conn.last_read + self._read_s - now, self._deadline - now
-        phase = "read" if idle < left else "total"
         if min(idle, left) <= 0:
-            raise TimedOut(phase)
-        try:
-            await conn.wait(min(idle, left), phase)
-        except TimedOut:
-            pass  # bytes may have reached the sink meanwhile: the caller's loop looks again
+            raise TimedOut("read" if idle < left else "total")
+        return idle, left
 
     def at_end(self) -> bool:
         """Whether the body has been read to its end: the next `next_chunk` returns b"" at once."""
@@ -209,8 +240,12 @@ class _Pool:
         self.forget()
 
     def forget(self) -> None:
+        """A connection of this pool stopped being in use (back in `idle`, or dropped)."""
         self.in_use -= 1
-        self.client.returned()
+        client = self.client
+        client._in_use -= 1
+        if client._waiting:  # the common case has nobody waiting: no call
+            client.wake_waiters()
 
 
 class Http1Client:
@@ -235,37 +270,46 @@ class Http1Client:
         pool = self._pool(base_url)
         head = _head(method, pool.origin.prefix + path, headers, body)
         conn = self._take(pool, start) or await self._acquire(pool, loop)
-        try:
-            await self._exchange(pool, conn, head, body, start)
-        except ServerDisconnected:
-            # A kept connection the engine closed just as it was taken (its idle timeout): the
-            # request met a closed socket, so it goes once more on a fresh connection.
-            if not conn.reused or conn.received:
-                raise
+        first_byte_at = start + self.settings.first_byte_s
+        while True:
+            # The wait for the answer's head is inlined (no coroutine per exchange or per wait): one
+            # future the parser's callbacks (or the connection's end) resolve, one timer.
+            try:
+                waiter = self._send(conn, head, body, first_byte_at)
+                while True:
+                    try:
+                        await waiter
+                    finally:
+                        conn.disarm()
+                    if conn.headers_done:
+                        break
+                    if conn.error is not None:
+                        raise conn.error
+                    waiter = conn.arm(first_byte_at - conn.loop.time(), "first byte")  # woken early
+                break
+            except BaseException as exc:
+                conn.close()
+                pool.forget()
+                # A kept connection the engine closed just as it was taken (its idle timeout): the
+                # request met a closed socket, so it goes once more on a fresh connection.
+                if not isinstance(exc, ServerDisconnected) or not conn.reused or conn.received:
+                    raise
             conn = await self._acquire(pool, loop, fresh=True)
-            await self._exchange(pool, conn, head, body, start)
         if method == "HEAD":  # the answer's length describes a body that never comes
             conn.complete, conn.keep_alive = True, False
         return Http1Response(pool, conn, start + self.settings.total_s)
 
-    async def _exchange(self, pool: _Pool, conn: Connection, head: bytes, body: bytes, start: float) -> None:
-        """Write the request and wait for the answer's headers; any failure drops the connection.
+    def _send(self, conn: Connection, head: bytes, body: bytes, first_byte_at: float) -> asyncio.Future[None]:
+        """Write the request and arm the wait for its answer's head (resolved by the parser's callbacks,
+        the connection's end or `TimedOut("first byte")` at `first_byte_at`).
 
         Head and body go out in one `writelines`: one writev on uvloop, the body never copied."""
-        try:
-            assert conn.transport is not None
-            if body:
-                conn.transport.writelines((head, body))
-            else:
-                conn.transport.write(head)
-            while not conn.headers_done:
-                if conn.error is not None:
-                    raise conn.error
-                await conn.wait(start + self.settings.first_byte_s - conn.loop.time(), "first byte")
-        except BaseException:
-            conn.close()
-            pool.forget()
-            raise
+        assert conn.transport is not None
+        if body:
+            conn.transport.writelines((head, body))
+        else:
+            conn.transport.write(head)
+        return conn.arm(first_byte_at - conn.loop.time(), "first byte")
 
     def _pool(self, base_url: str) -> _Pool:
         pool = self._pools.get(base_url)
@@ -321,9 +365,8 @@ class Http1Client:
             raise ConnectFailed(exc) from exc
         return conn
 
-    def returned(self) -> None:
-        """A connection stopped being in use: wake one request waiting for room in the pool."""
-        self._in_use -= 1
+    def wake_waiters(self) -> None:
+        """A connection stopped being in use: wake the requests waiting for room in the pool."""
         # Every waiter looks again: the one whose pool has room now may not be first in line.
         while self._waiting:
             waiter = self._waiting.popleft()
@@ -339,6 +382,7 @@ class Http1Client:
 
 
 def _head(method: str, target: str, headers: list[tuple[str, str]], body: bytes) -> bytes:
-    fields = "".join([f"{k}: {v}\r\n" for k, v in headers])
+    # Joined by C code alone (no comprehension frame per request): "k: v" lines, CRLF between them.
+    fields = "\r\n".join(map(": ".join, headers)) + "\r\n" if headers else ""
     length = f"Content-Length: {len(body)}\r\n" if body or method not in _NO_BODY_METHODS else ""
     return f"{method} {target} HTTP/1.1\r\n{fields}{length}\r\n".encode("latin-1")

@@ -1,7 +1,7 @@
 """One keep-alive HTTP/1.1 connection to an engine: the asyncio protocol and httptools' callbacks.
 
 The parser's callbacks fill the exchange in progress (status, headers, body chunks, completion);
-the client (router.edge.http1) waits on it with `wait`, one timer per wait. Reading pauses while
+the client (router.edge.http1) awaits the future `arm` makes, one timer per wait. Reading pauses while
 more than `HIGH_WATER` body bytes wait for the consumer. With a `sink` set, the body bytes of each
 read go to it from `data_received` itself (no wake-up, future or timer per chunk) until the body's
 end, whose bytes stay for the consumer; a sink that answers False pauses reading until the consumer
@@ -36,7 +36,8 @@ class Connection(asyncio.Protocol):
         self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.headers: list[tuple[str, str]] = []
+        self.headers: list[tuple[bytes, bytes]] = []
+        """The answer's header pairs as received (names in their case, latin-1 bytes)."""
         self.headers_done = False
         self.status = 0
         self.keep_alive = False
@@ -46,6 +47,7 @@ class Connection(asyncio.Protocol):
         self.buffered = 0
         self.paused = False
         self.waiter: asyncio.Future[None] | None = None
+        self.timer: asyncio.TimerHandle | None = None
         self.idle_since = 0.0
         self.lost = False
         self.active = True
@@ -111,7 +113,7 @@ class Connection(asyncio.Protocol):
 
     # -- httptools callbacks --
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name.decode("latin-1"), value.decode("latin-1")))
+        self.headers.append((name, value))  # as bytes: the relay passes them on without decoding
 
     def on_headers_complete(self) -> None:
         self.headers_done = True
@@ -124,12 +126,14 @@ class Connection(asyncio.Protocol):
         self.buffered += len(body)
         if self.buffered > HIGH_WATER:
             self.pause()
-        if self.sink is None:  # a sink gets the bytes at the end of data_received, with no wake-up
+        # A sink gets the bytes at the end of data_received, with no wake-up; nobody waiting, no call.
+        if self.sink is None and self.waiter is not None:
             self._wake()
 
     def on_message_complete(self) -> None:
         self.complete = True
-        self._wake()
+        if self.waiter is not None:  # a body that came with its head: nobody waits for it
+            self._wake()
 
     # -- the exchange --
     def pause(self) -> None:
@@ -146,7 +150,7 @@ class Connection(asyncio.Protocol):
 
     def _until_eof(self) -> bool:
         names = {k.lower() for k, _ in self.headers}
-        return "content-length" not in names and "transfer-encoding" not in names
+        return b"content-length" not in names and b"transfer-encoding" not in names
 
     def _fail(self, error: HttpClientError) -> None:
         if self.error is None:
@@ -155,29 +159,41 @@ class Connection(asyncio.Protocol):
 
     def _wake(self) -> None:
         waiter = self.waiter
-        if waiter is not None and not waiter.done():
-            waiter.set_result(None)
+        if waiter is not None:
+            # Woken once: the callbacks that follow in the same read (the body and end that came with
+            # the head) see nobody waiting and make no call. The waiting code holds its own reference.
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def reusable(self, now: float, keepalive_s: float) -> bool:
         return not self.lost and now - self.idle_since < keepalive_s
 
     def reset(self) -> None:
-        """Ready for the next exchange on the same socket (idle until taken again)."""
-        self.parser = httptools.HttpResponseParser(self)
+        """Ready for the next exchange on the same socket (idle until taken again). The parser is kept:
+        after a complete keep-alive answer (the only kind whose connection is reused) it waits for the
+        next message, so none is built per exchange."""
         self.headers = []
         self.headers_done = self.keep_alive = self.complete = self.active = self.received = False
         self.sink_full = False
         self.buffered = 0
 
-    async def wait(self, timeout_s: float, phase: str) -> None:
-        """Until a parser callback or the connection's end wakes it; `TimedOut(phase)` after `timeout_s`."""
+    def arm(self, timeout_s: float, phase: str) -> asyncio.Future[None]:
+        """The future the next parser callback or the connection's end resolves, failed with
+        `TimedOut(phase)` after `timeout_s`; the caller awaits it, then calls `disarm`. An error
+        already there resolves it at once."""
         waiter = self.waiter = self.loop.create_future()
-        timer = self.loop.call_later(max(0.0, timeout_s), _expire, waiter, phase)
-        try:
-            await waiter
-        finally:
-            timer.cancel()
-            self.waiter = None
+        self.timer = self.loop.call_later(max(0.0, timeout_s), _expire, waiter, phase)
+        if self.error is not None:
+            waiter.set_result(None)
+        return waiter
+
+    def disarm(self) -> None:
+        """The armed wait is over (resolved, timed out or cancelled): its timer goes."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
+        self.waiter = None
 
     def close(self) -> None:
         self.lost = True

@@ -32,9 +32,9 @@ from router.core.errors import (
     UpstreamStatusError,
 )
 from router.core.ids import EngineId
-from router.core.policy.breaker import Breakers
+from router.core.policy.breaker import Breakers, CircuitBreaker
 from router.core.policy.retry import Outcome, OutcomeKind, RetryPolicy, counts_as_failure, is_retryable
-from router.edge.headers import is_origin_form, response_headers, upstream_headers
+from router.edge.headers import is_origin_form, upstream_headers
 from router.edge.http1 import ClientSettings, Http1Client, Http1Response
 from router.edge.upstream import (
     UPSTREAM_FAILURES,
@@ -141,23 +141,68 @@ class Proxy:
             raise BadRequest(f"not an origin-form request path: {request.path!r}")
         attempts: list[Attempt] = []
         last: RouterError | UpstreamResponse | None = None  # an exception built only when raised
+        client = self._client
+        assert client is not None, "Proxy.start() was not called"
         for n in range(self.settings.retry.attempts):
             target = choose(frozenset([a.engine for a in attempts]) if attempts else _NONE_TRIED)
             if target is None:
                 break
             if n and (delay := self.settings.retry.delay_before(n)):
                 await asyncio.sleep(delay)  # backoff between attempts
-            result = await self._attempt(target, request, attempts)
-            if isinstance(result, UpstreamResponse) and not is_retryable(
-                Outcome(OutcomeKind.ANSWERED, result.status)
-            ):
-                return result
-            if isinstance(result, UpstreamError) and not is_retryable(Outcome(outcome_of(result))):
-                raise result
-            last = result
+            # The attempt runs inline (no coroutine of its own): one layer less on every wake-up.
+            breaker = self.breakers.get(target.engine)
+            if not breaker.acquire(self.clock()):
+                attempts.append(Attempt(target.engine, OutcomeKind.CONNECT_FAILED, error="circuit open"))
+                last = UpstreamConnectError(f"engine {target.engine}: circuit open", engine=target.engine)
+                continue
+            headers = upstream_headers(request.headers, target.base_url, request.end_to_end)
+            try:
+                response = await client.request(
+                    request.method, target.base_url, request.path, headers, request.body
+                )
+            except UPSTREAM_FAILURES as exc:
+                error = self._failed(target, exc, attempts, breaker)
+                if not is_retryable(Outcome(outcome_of(error))):
+                    raise error from exc
+                last = error
+                continue
+            except asyncio.CancelledError:
+                breaker.record_abandoned(self.clock())
+                raise
+            answer = self._answered(target, response, attempts, breaker)
+            if answer is not None:
+                return answer
+            last = UpstreamResponse(target, response.status, response.raw_headers, attempts)
+            last._buffered = await self._read_excerpt(target.engine, response)
         if isinstance(last, UpstreamResponse):
             return self._final_answer(last)
         raise last if last is not None else NoEngineAvailable("no engine available for this request")
+
+    def _failed(
+        self, target: Target, exc: BaseException, attempts: list[Attempt], breaker: CircuitBreaker
+    ) -> UpstreamError:
+        """An attempt that got no answer: recorded, counted by the breaker, translated."""
+        error = upstream_error(target.engine, "first byte", exc)
+        error.__cause__ = exc  # what `outcome_of` reads, as `raise ... from exc` would set it
+        attempts.append(Attempt(target.engine, outcome_of(error), error=error.message))
+        breaker.record_failure(self.clock())
+        return error
+
+    def _answered(
+        self, target: Target, response: Http1Response, attempts: list[Attempt], breaker: CircuitBreaker
+    ) -> UpstreamResponse | None:
+        """An attempt the engine answered: recorded and counted; the answer to return, or None when
+        it is retryable (5xx/429: the caller reads its excerpt and tries elsewhere)."""
+        status = response.status
+        outcome = Outcome(OutcomeKind.ANSWERED, status)
+        attempts.append(Attempt(target.engine, OutcomeKind.ANSWERED, status))
+        (breaker.record_failure if counts_as_failure(outcome) else breaker.record_success)(self.clock())
+        if is_retryable(outcome):
+            return None
+        answer = UpstreamResponse(target, status, response.raw_headers, attempts)
+        answer._response = response
+        answer._on_broken = lambda: breaker.record_failure(self.clock())
+        return answer
 
     def _final_answer(self, response: UpstreamResponse) -> UpstreamResponse:
         if response.status == 429:
@@ -166,39 +211,6 @@ class Proxy:
         raise UpstreamStatusError(
             f"engine {response.engine} answered {response.status}: {excerpt}", engine=response.engine
         )
-
-    async def _attempt(
-        self, target: Target, request: ProxyRequest, attempts: list[Attempt]
-    ) -> UpstreamResponse | UpstreamError:
-        breaker = self.breakers.get(target.engine)
-        if not breaker.acquire(self.clock()):
-            attempts.append(Attempt(target.engine, OutcomeKind.CONNECT_FAILED, error="circuit open"))
-            return UpstreamConnectError(f"engine {target.engine}: circuit open", engine=target.engine)
-        assert self._client is not None, "Proxy.start() was not called"
-        headers = upstream_headers(request.headers, target.base_url)
-        try:  # the client is awaited here directly: no coroutine of its own per attempt
-            response = await self._client.request(
-                request.method, target.base_url, request.path, headers, request.body
-            )
-        except UPSTREAM_FAILURES as exc:
-            error = upstream_error(target.engine, "first byte", exc)
-            error.__cause__ = exc  # what `outcome_of` reads, as `raise ... from exc` would set it
-            attempts.append(Attempt(target.engine, outcome_of(error), error=error.message))
-            breaker.record_failure(self.clock())
-            return error
-        except asyncio.CancelledError:
-            breaker.record_abandoned(self.clock())
-            raise
-        outcome = Outcome(OutcomeKind.ANSWERED, response.status)
-        attempts.append(Attempt(target.engine, OutcomeKind.ANSWERED, response.status))
-        (breaker.record_failure if counts_as_failure(outcome) else breaker.record_success)(self.clock())
-        answer = UpstreamResponse(target, response.status, response_headers(response.headers), attempts)
-        if is_retryable(outcome):
-            answer._buffered = await self._read_excerpt(target.engine, response)
-        else:
-            answer._response = response
-            answer._on_broken = lambda: breaker.record_failure(self.clock())
-        return answer
 
     async def _read_excerpt(self, engine: EngineId, response: Http1Response) -> bytes:
         body = b""

@@ -15,6 +15,7 @@ through Starlette (the `/v1/*` passthrough) can return it.
 from __future__ import annotations
 
 import asyncio
+import operator
 import time
 from collections.abc import Callable
 from functools import lru_cache
@@ -25,12 +26,15 @@ from starlette.types import Receive, Scope, Send
 from router.core.errors import UpstreamError
 from router.edge.client_io import ClientWatch
 from router.edge.client_writes import BODY_WRITER, BodyWriter
+from router.edge.headers import HOP_BY_HOP, response_headers
 from router.edge.upstream import UpstreamResponse
 from router.edge.usage import UsageTap
 
-__all__ = ["EndHook", "RawHeaders", "RelayResponse", "body_writer", "relayed_headers"]
+__all__ = ["EndHook", "RawHeaders", "RelayResponse", "body_writer", "relayed_headers", "relayed_raw_headers"]
 
 _SERVER_OWN = frozenset({"date", "server"})  # uvicorn writes its own; the engine's would repeat them
+_HOP_BY_HOP_RAW = frozenset({name.encode("latin-1") for name in HOP_BY_HOP})
+_NAME = operator.itemgetter(0)
 
 EndHook = Callable[[str, "int | None"], None]
 """Called once when the answer ends: status label ("200", "broken", "client_closed") and cached tokens."""
@@ -71,6 +75,42 @@ def relayed_headers(engine_headers: list[tuple[str, str]], extra: RawHeaders) ->
     return raw
 
 
+@lru_cache(maxsize=64)
+def _dropped_raw(extra_names: tuple[bytes, ...]) -> frozenset[bytes]:
+    """`_dropped` as the bytes of lower-case names."""
+    return frozenset({name.encode("latin-1") for name in _dropped(extra_names)})
+
+
+def relayed_raw_headers(engine_raw: list[tuple[bytes, bytes]], extra: RawHeaders) -> tuple[RawHeaders, bool]:
+    """`relayed_headers` of the engine's end-to-end headers (`response_headers`) straight from the
+    bytes the parser gave, in one pass with nothing decoded; and whether the answer is SSE (its
+    content type says `event-stream`). An answer whose Connection header names others (rare) takes
+    the general path. Header names are tokens (ASCII: the parser refuses others), so lower-casing the
+    bytes is lower-casing the names."""
+    dropped = _dropped_raw(tuple(map(_NAME, extra)))  # no Python-level comprehension per request
+    raw: RawHeaders = []
+    sse = False
+    for name, value in engine_raw:
+        key = name.lower()
+        if key in dropped:
+            continue
+        if key in _HOP_BY_HOP_RAW or key.startswith(b"proxy-"):
+            if key == b"connection":
+                return _relayed_in_general(engine_raw, extra)
+            continue
+        if key == b"content-type" and b"event-stream" in value:
+            sse = True
+        raw.append((key, value))
+    raw += extra
+    return raw, sse
+
+
+def _relayed_in_general(engine_raw: list[tuple[bytes, bytes]], extra: RawHeaders) -> tuple[RawHeaders, bool]:
+    decoded = response_headers([(k.decode("latin-1"), v.decode("latin-1")) for k, v in engine_raw])
+    sse = any(k.lower() == "content-type" and "event-stream" in v for k, v in decoded)
+    return relayed_headers(decoded, extra), sse
+
+
 class RelayResponse(Response):
     """The client's response carrying one upstream answer (see the module docstring)."""
 
@@ -84,12 +124,17 @@ class RelayResponse(Response):
     ) -> None:
         self.status_code = upstream.status
         self.background = None
-        self.raw_headers = relayed_headers(upstream.headers, extra_headers)
+        self.raw_headers, self.event_stream = relayed_raw_headers(upstream.raw_headers, extra_headers)
         self.upstream = upstream
         self._tap = tap
         self._on_first_byte = on_first_byte
         self._on_end = on_end
         self._ended = False
+
+    def watch_usage(self) -> None:
+        """Read the answer's cached tokens as it passes (a `UsageTap` for SSE or JSON, as the answer's
+        content type says), for `on_end`."""
+        self._tap = UsageTap(self.event_stream)
 
     def _end(self, status: str, cached: int | None) -> None:
         if not self._ended:
@@ -104,7 +149,12 @@ class RelayResponse(Response):
             start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             await send(start)
             first, ended, upstream = True, False, self.upstream
-            while not ended and (chunk := await upstream.next_chunk()):
+            while not ended:
+                chunk = upstream.ready()  # what has arrived, with no coroutine; None: wait for it
+                if chunk is None:
+                    chunk = await upstream.next_chunk()
+                if not chunk:
+                    break
                 if tap is not None:
                     tap.feed(chunk)
                 received = time.perf_counter() if first else 0.0

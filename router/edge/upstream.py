@@ -20,6 +20,7 @@ from router.core.errors import UpstreamBroken, UpstreamConnectError, UpstreamErr
 from router.core.ids import EngineId
 from router.core.policy.retry import OutcomeKind
 from router.edge import http1
+from router.edge.headers import response_headers
 
 __all__ = [
     "UPSTREAM_FAILURES",
@@ -47,6 +48,9 @@ class ProxyRequest(msgspec.Struct, frozen=True):
     path: str
     headers: list[tuple[str, str]]
     body: bytes
+    end_to_end: bool = False
+    """The headers have no hop-by-hop ones, nor Host or Content-Length (`forwarded_headers` made
+    them): the proxy only adds Host."""
 
 
 class Attempt(msgspec.Struct, frozen=True):
@@ -107,16 +111,22 @@ class UpstreamResponse:
     """An engine's answer: status and end-to-end headers now, the body as chunks as they arrive."""
 
     def __init__(
-        self, target: Target, status: int, headers: list[tuple[str, str]], attempts: list[Attempt]
+        self, target: Target, status: int, raw_headers: list[tuple[bytes, bytes]], attempts: list[Attempt]
     ) -> None:
         self.engine = target.engine
         self.status = status
-        self.headers = headers
+        self.raw_headers = raw_headers
+        """The engine's header pairs as received (hop-by-hop ones included), latin-1 bytes."""
         self.attempts = attempts
         self._response: http1.Http1Response | None = None
         self._buffered = b""
         self._on_broken: Callable[[], None] = lambda: None
         self._body: AsyncIterator[bytes] | None = None
+
+    @property
+    def headers(self) -> list[tuple[str, str]]:
+        """The engine's end-to-end headers, decoded (hop-by-hop ones stripped: `response_headers`)."""
+        return response_headers([(k.decode("latin-1"), v.decode("latin-1")) for k, v in self.raw_headers])
 
     @property
     def body(self) -> AsyncIterator[bytes]:
@@ -132,6 +142,15 @@ class UpstreamResponse:
                 yield chunk
         finally:
             self.close()
+
+    def ready(self) -> bytes | None:
+        """What `next_chunk` would return now without waiting (b"" at the end), or None when it would
+        wait or raise (`http1.Http1Response.ready`)."""
+        response = self._response
+        if response is None:
+            chunk, self._buffered = self._buffered, b""
+            return chunk
+        return response.ready()
 
     async def next_chunk(self) -> bytes:
         """The body bytes that have arrived (waiting for some), b"" once the body is complete. A fully

@@ -6,12 +6,20 @@ import multiprocessing
 import re
 from urllib.parse import urlsplit
 
+import httptools
+import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
 from router.edge.client_io import fresh_request_id
-from router.edge.headers import HOP_BY_HOP, is_origin_form, response_headers, upstream_headers
-from router.edge.relay import relayed_headers
+from router.edge.headers import (
+    HOP_BY_HOP,
+    forwarded_headers,
+    is_origin_form,
+    response_headers,
+    upstream_headers,
+)
+from router.edge.relay import relayed_headers, relayed_raw_headers
 
 _NAMES = st.sampled_from(
     ["Connection", "connection", "Keep-Alive", "TE", "Trailer", "Transfer-Encoding", "Upgrade", "Host",
@@ -103,3 +111,66 @@ def test_the_cached_origin_form_check_is_the_rule(path: str) -> None:
     rule = not path.startswith("/") or path.startswith("//") or any(c in path for c in "#\\ \t\r\n")
     assert is_origin_form(path) is not rule
     assert is_origin_form(path) is is_origin_form(path)  # cached or not, the same answer
+
+
+ANSWER_NAMES = st.sampled_from(
+    ["Content-Type", "content-type", "Content-Length", "Date", "SERVER", "X-Request-Id", "x-kvrouter-engine",
+     "x-other", "Connection", "Keep-Alive", "Transfer-Encoding", "Proxy-X", "TE", "Trailer"]
+)  # fmt: skip
+ANSWER_VALUES = st.sampled_from(
+    ["text/event-stream", "application/json", "close", "keep-alive", "x-other", " X-Other , date", "v",
+     "\xa0"]
+)  # fmt: skip
+
+
+@given(
+    st.lists(st.tuples(ANSWER_NAMES, ANSWER_VALUES), max_size=8),
+    st.lists(st.sampled_from(GATEWAY_OWN), unique=True, max_size=4),
+)
+def test_relaying_the_raw_answer_headers_is_the_decoded_rule(
+    engine: list[tuple[str, str]], extra_names: list[str]
+) -> None:
+    """The relay's one pass over the parser's bytes gives what stripping the decoded headers
+    (`response_headers`), then `relayed_headers`, gives; and the SSE flag the content type says."""
+    extra = [(name.encode(), b"v") for name in extra_names]
+    end_to_end = response_headers(engine)
+    expected = relayed_headers(end_to_end, extra)
+    sse = any(k.lower() == "content-type" and "event-stream" in v for k, v in end_to_end)
+    raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in engine]
+    assert relayed_raw_headers(raw, extra) == (expected, sse)
+
+
+def test_the_parser_refuses_header_names_that_are_not_ascii() -> None:
+    """What lets the relay lower-case header names as bytes: httptools hands over tokens only."""
+    parser = httptools.HttpResponseParser(object())
+    with pytest.raises(httptools.HttpParserError):
+        parser.feed_data(b"HTTP/1.1 200 OK\r\nX-\xc0: v\r\nContent-Length: 0\r\n\r\n")
+
+
+CLIENT_NAMES = st.sampled_from(
+    [b"connection", b"keep-alive", b"te", b"transfer-encoding", b"upgrade", b"host", b"content-length",
+     b"proxy-authorization", b"proxy-x", b"x-custom", b"authorization", b"content-type", b"x-request-id"]
+)  # fmt: skip
+CLIENT_VALUES = st.sampled_from(
+    [b"close", b"x-custom", b" X-Request-Id , upgrade", b"authorization,te", b"v"]
+)
+
+
+def _forwarded_as_first_written(
+    raw: list[tuple[bytes, bytes]], rid: str, drop_authorization: bool
+) -> list[tuple[str, str]]:
+    drop = (b"x-request-id", b"authorization") if drop_authorization else (b"x-request-id",)
+    pairs = [(k.decode("latin-1"), v.decode("latin-1")) for k, v in raw if k not in drop]
+    return [*pairs, ("x-request-id", rid)]
+
+
+@given(st.lists(st.tuples(CLIENT_NAMES, CLIENT_VALUES), max_size=10), st.booleans(), _URLS)
+def test_forwarded_headers_are_end_to_end_already(
+    raw: list[tuple[bytes, bytes]], drop_authorization: bool, url: str
+) -> None:
+    """What the engine gets from the gateway's pre-stripped headers (the proxy only adding Host) is
+    what it got when the proxy stripped the forwarded headers itself."""
+    expected = upstream_headers(_forwarded_as_first_written(raw, "rid", drop_authorization), url)
+    forwarded = forwarded_headers(raw, "rid", drop_authorization)
+    assert upstream_headers(forwarded, url, end_to_end=True) == expected
+    assert upstream_headers(forwarded, url) == expected  # stripping them again changes nothing

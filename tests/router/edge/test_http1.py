@@ -10,6 +10,8 @@ from contextlib import asynccontextmanager
 import pytest
 import uvloop
 from aiohttp import web
+from hypothesis import given
+from hypothesis import strategies as st
 
 from router.edge import http1, http1_connection
 from router.edge.http1 import ClientSettings, Http1Client, Http1Response
@@ -84,6 +86,37 @@ async def test_keep_alive_reuses_one_connection_for_sequential_requests() -> Non
             assert response.status == 200 and await body_of(response) == b"body %d" % i
             peers.add(response._conn.transport.get_extra_info("sockname"))  # type: ignore[union-attr]
         assert len(peers) == 1
+
+
+async def test_a_kept_connection_parses_each_answer_with_its_one_parser() -> None:
+    """The parser is not rebuilt per exchange: each answer on a kept connection still gets its own
+    status, headers and body, whatever the framing of the one before."""
+    answers = [
+        b"HTTP/1.1 200 OK\r\nX-A: 1\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n",
+        b"HTTP/1.1 404 Not Found\r\nContent-Length: 2\r\n\r\nno",
+        b"HTTP/1.1 204 No Content\r\nX-C: 3\r\n\r\n",
+        b"HTTP/1.1 201 Created\r\nContent-Length: 5\r\n\r\nfifth",
+    ]
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        for answer in answers:
+            await read_request(reader)
+            writer.write(answer)
+            await writer.drain()
+
+    expected = [
+        (200, [("X-A", "1"), ("Transfer-Encoding", "chunked")], b"abc"),
+        (404, [("Content-Length", "2")], b"no"),
+        (204, [("X-C", "3")], b""),
+        (201, [("Content-Length", "5")], b"fifth"),
+    ]
+    async with raw_server(handler) as server, client() as c:
+        parsers = []
+        for status, headers, body in expected:
+            response = await c.request("POST", server.url, "/", [], b"{}")
+            parsers.append(response._conn.parser)
+            assert (response.status, response.headers, await body_of(response)) == (status, headers, body)
+        assert server.connections == 1 and all(p is parsers[0] for p in parsers)
 
 
 async def test_chunked_and_eof_framed_bodies_are_decoded() -> None:
@@ -219,6 +252,47 @@ async def test_cancelling_a_read_mid_stream_drops_the_connection() -> None:
             await reader
         await asyncio.wait_for(gone.wait(), WAIT)
         assert c._pools[server.url].idle == [] and c._in_use == 0
+
+
+async def test_cancelling_a_request_waiting_for_its_head_drops_the_connection_and_its_timer() -> None:
+    gone, asked = asyncio.Event(), asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await read_request(reader)
+        asked.set()
+        assert await reader.read() == b""  # no answer, then EOF: the client dropped the connection
+        gone.set()
+
+    async with raw_server(handler) as server, client() as c:
+        task = asyncio.ensure_future(c.request("POST", server.url, "/", [], b"{}"))
+        await asyncio.wait_for(asked.wait(), WAIT)
+        task.cancel()  # what a client disconnect does while the engine prefills
+        with pytest.raises(asyncio.CancelledError):
+            await task
+        await asyncio.wait_for(gone.wait(), WAIT)
+        assert c._pools[server.url].idle == [] and c._in_use == 0
+
+
+async def test_an_answered_request_leaves_no_wait_armed() -> None:
+    async def answer(request: web.Request) -> web.Response:
+        return web.Response(body=b"ok")
+
+    async with fake_engine(answer) as url, client() as c:
+        response = await c.request("POST", url, "/", [("Host", "e")], b"{}")
+        conn = response._conn
+        assert conn.timer is None and conn.waiter is None  # the first-byte timer went with its wait
+        assert await body_of(response) == b"ok"
+        assert conn.timer is None and conn.waiter is None
+
+
+async def test_arming_on_a_failed_connection_resolves_at_once() -> None:
+    loop = asyncio.get_running_loop()
+    conn = http1_connection.Connection(loop)
+    conn.error = http1.ServerDisconnected("gone")
+    waiter = conn.arm(WAIT, "first byte")
+    assert waiter.done() and waiter.exception() is None  # the caller reads conn.error: no wait
+    conn.disarm()
+    assert conn.timer is None and conn.waiter is None
 
 
 async def test_pool_limit_makes_requests_wait_for_a_connection() -> None:
@@ -459,3 +533,25 @@ async def test_a_body_that_paused_reading_leaves_its_pooled_connection_reading_a
             second = await c.request("POST", server.url, "/", [], b"{}")
             assert await body_of(second) == b"next"
         assert server.connections == 1
+
+
+_TEXT = st.text(st.characters(min_codepoint=32, max_codepoint=255), max_size=6)
+
+
+@given(
+    st.sampled_from(["GET", "POST", "HEAD", "DELETE", "PUT"]),
+    st.lists(st.tuples(_TEXT, _TEXT), max_size=6),
+    st.binary(max_size=3),
+)
+def test_the_request_head_is_the_one_first_written(
+    method: str, headers: list[tuple[str, str]], body: bytes
+) -> None:
+    """The head joined by C code (map and str.join) is the f-string comprehension's, byte for byte."""
+    fields = "".join([f"{k}: {v}\r\n" for k, v in headers])
+    length = (
+        f"Content-Length: {len(body)}\r\n"
+        if body or method not in ("GET", "HEAD", "DELETE", "OPTIONS")
+        else ""
+    )
+    expected = f"{method} /v1/x HTTP/1.1\r\n{fields}{length}\r\n".encode("latin-1")
+    assert http1._head(method, "/v1/x", headers, body) == expected

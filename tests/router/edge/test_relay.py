@@ -113,14 +113,20 @@ async def test_chunks_that_arrive_together_leave_in_one_write_with_the_end(
 
 
 async def test_an_answer_that_arrived_whole_is_read_with_one_call(monkeypatch: pytest.MonkeyPatch) -> None:
-    calls: list[bytes] = []
-    real = http1.Http1Response.next_chunk
+    calls: list[bytes | None] = []
+    awaited: list[bytes] = []
+    real, real_ready = http1.Http1Response.next_chunk, http1.Http1Response.ready
 
     async def counted(self: http1.Http1Response) -> bytes:
-        calls.append(chunk := await real(self))
+        awaited.append(chunk := await real(self))
+        return chunk
+
+    def counted_ready(self: http1.Http1Response) -> bytes | None:
+        calls.append(chunk := real_ready(self))
         return chunk
 
     monkeypatch.setattr(http1.Http1Response, "next_chunk", counted)
+    monkeypatch.setattr(http1.Http1Response, "ready", counted_ready)
 
     async def all_at_once(writer: asyncio.StreamWriter) -> None:
         writer.write(HEAD + chunked(event(0), b"data: [DONE]\n\n") + b"0\r\n\r\n")
@@ -132,6 +138,7 @@ async def test_an_answer_that_arrived_whole_is_read_with_one_call(monkeypatch: p
         writer.close()
     assert received.endswith(chunked(event(0) + b"data: [DONE]\n\n") + b"0\r\n\r\n")
     assert calls == [event(0) + b"data: [DONE]\n\n"]  # its last bytes ended it: no call for b"" after
+    assert awaited == []  # and it was there: taken with no coroutine, nothing awaited
 
 
 async def test_a_first_chunk_leaves_before_the_rest_exists_and_the_end_rides_the_last(
