@@ -18,7 +18,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenization import HfTokenizer
-from tokenization.chat_carry import LONG_TAIL, ChatCarry
+from tokenization.chat_carry import LONG_TAIL, ChatCarry, _shared_pieces
 from tokenization.segment_cache import pack_ids
 
 DATA = Path(__file__).parents[1] / "data"
@@ -236,3 +236,16 @@ def test_turns_cut_at_the_same_place_share_one_head_tuple(ds: HfTokenizer) -> No
         turn = next(t for t in carry._turns.values() if list(t.entry.ids) == ids)
         heads.append(turn.entry.head)
     assert len(heads[1]) == len(heads[2]) > 0 and heads[2] is heads[1]  # copied once, then reused
+
+
+@given(
+    old=st.lists(st.sampled_from(["a", "b", "", "ab"]), max_size=12),
+    new=st.lists(st.sampled_from(["a", "b", "", "ab"]), max_size=12),
+)
+def test_shared_pieces_is_the_first_difference(old: list[str], new: list[str]) -> None:
+    """`_shared_pieces` (slices compared, then a binary search) counts what a piece-by-piece walk counts."""
+    i = 0
+    while i < min(len(old), len(new)) and old[i] == new[i]:
+        i += 1
+    assert _shared_pieces(old, new) == i
+    assert _shared_pieces(old, [*old[:-1], "z"]) == max(0, len(old) - 1)
