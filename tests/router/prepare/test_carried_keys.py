@@ -190,6 +190,6 @@ def test_a_carried_chat_is_keyed_without_building_its_ids_and_the_stub_still_get
     carry = tok.carry
     assert carry is not None
     last = next(reversed(carry._turns.values())).entry
-    assert last.head and last._ids is None  # keyed from the packed ids: the tuple was never joined
+    assert last.copied and last._ids is None  # keyed from the packed ids: the tuple was never built
     raw = msgspec.json.encode({"model": "m", "messages": msgs})
     assert request_tokens(raw, Endpoint.CHAT, tok).tokens == tuple(plain_ids(tok, msgs))
