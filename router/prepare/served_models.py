@@ -315,7 +315,9 @@ class Models:
             keys=keys,
             skip_cache=rt.skip_cache,
             report_mode=rt.report_mode.value,
-            session_key=session_key(ids, extras, rt.packed),
+            session_key=session_key(
+                ids, extras, rt.packed, rt.carry, self.hasher.root(extras.lora_name, extras.cache_salt)
+            ),
             timings=MappingProxyType({"tokenize": t1 - t0, "hash": t2 - t1}),
             variant=model,
             lora_name=extras.lora_name,
