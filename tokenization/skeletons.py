@@ -134,6 +134,7 @@ class Skeletons:
         self.bytes = 0
         self._entries: OrderedDict[bytes, _Skeleton] = OrderedDict()
         self._nonce = secrets.token_hex(8)
+        self._nonce_json = msgspec.json.encode(self._nonce)
         self._marker_re = re.compile("\x00" + self._nonce + ":([0-9]+)\x00")
 
     def __len__(self) -> int:
@@ -182,9 +183,11 @@ class Skeletons:
 
     def carry_key(self, messages: Sequence[Mapping[str, Any]], context: object) -> bytes | None:
         """What a conversation's later turns share with it (this template, the other render inputs and
-        the first two messages), to find its last render by; None when not JSON-encodable."""
+        the first two messages), to find its last render by; None when not JSON-encodable. Three JSON
+        values joined (each delimits itself); the messages' encoding is kept on the second message
+        when it is a `TemplateMessage` (a later turn carries the same two objects)."""
         try:
-            return msgspec.json.encode((self._nonce, messages[:2], context))
+            return b"".join((self._nonce_json, msgspec.json.encode(context), _head_json(messages)))
         except (TypeError, msgspec.EncodeError):
             return None
 
@@ -261,6 +264,18 @@ def _marks(message: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]
         if type(message) is TemplateMessage:
             message._skeleton_marks = kept
     return kept
+
+
+def _head_json(messages: Sequence[Mapping[str, Any]]) -> bytes:
+    """``msgspec.json.encode(messages[:2])``, kept on the second message when it is a `TemplateMessage`
+    (with the first message it was encoded with: frozen, so the bytes stay right)."""
+    second = messages[1] if len(messages) > 1 else None
+    if type(second) is not TemplateMessage:
+        return msgspec.json.encode(messages[:2])
+    kept = second._carry_head
+    if kept is None or kept[0] is not messages[0]:
+        kept = second._carry_head = (messages[0], msgspec.json.encode(messages[:2]))
+    return kept[1]
 
 
 def _part(part: object, texts: list[str], make: Callable[[str, int], object]) -> object:
