@@ -92,8 +92,7 @@ class WordEncoder:
         if not piece.isascii():
             return None
         words = WORDS.findall(piece)
-        known = self._words
-        found = [known.get(w) for w in words]
+        found = list(map(self._words.get, words))
         if None in found:
             found = [ids if ids is not None else self._miss(w) for w, ids in zip(words, found, strict=True)]
         return list(chain.from_iterable(found))  # type: ignore[arg-type]
