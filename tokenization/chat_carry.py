@@ -126,9 +126,7 @@ class ChatCarry:
     def _extend(self, prior: _Turn, pieces: list[str], encode: EncodePacked) -> tuple[_Turn, int] | None:
         """The new turn made from ``prior`` and how many ids it copied; None when nothing can be reused."""
         old = prior.pieces
-        i, n = 0, min(len(old), len(pieces))
-        while i < n and pieces[i] == old[i]:
-            i += 1
+        i = _shared_pieces(old, pieces)
         if i == len(old) == len(pieces):
             return prior, prior.entry.count  # the same text
         start = prior.starts[i]
@@ -164,3 +162,23 @@ class ChatCarry:
         while len(self._turns) > self.max_entries or self.bytes > self.max_bytes:
             evicted_key, evicted = self._turns.popitem(last=False)
             self.bytes -= evicted.size + len(evicted_key)
+
+
+def _shared_pieces(old: list[str], new: list[str]) -> int:
+    """How many leading pieces ``old`` and ``new`` share: list slices compared in C (a reused message's
+    text is the same object, so each equal piece costs a pointer compare), all but the last two first
+    (a new turn changes the end), then a binary search."""
+    n = min(len(old), len(new))
+    lo = max(0, n - 2)
+    if old[:lo] != new[:lo]:
+        hi, lo = lo, 0  # lo pieces are shared, hi are not
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            if old[:mid] == new[:mid]:
+                lo = mid
+            else:
+                hi = mid
+        return lo
+    while lo < n and old[lo] == new[lo]:
+        lo += 1
+    return lo

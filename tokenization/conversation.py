@@ -135,9 +135,8 @@ def conversation(
 ) -> list[dict[str, Any]]:
     """The template's ``messages`` for a request; RequestError names the offending message or part."""
     conv: list[dict[str, Any]] = [
-        kept if (kept := m.__dict__.get(fmt)) is not None else _keep_message(m, fmt, i)
-        for i, m in enumerate(messages)
-    ]  # a reused message's dict read in place: a call per message is most of this on a long chat
+        d[fmt] if fmt in (d := m.__dict__) else _keep_message(m, fmt, i) for i, m in enumerate(messages)
+    ]  # a reused message's dict read in place, no call: a call per message is most of this on a long chat
     if not template_knows_developer and "developer" in map(_ROLE, conv):
         conv = _developer_to_system(conv)
     return conv

@@ -23,9 +23,16 @@ from tokenization.hf_files import (
     token_text,
 )
 from tokenization.prefix_reuse import PrefixReuse
-from tokenization.safe_cuts import UNKNOWN_LENGTH, CutFinder, pretokenizer_cuts, token_byte_lengths
+from tokenization.safe_cuts import (
+    UNKNOWN_LENGTH,
+    CutFinder,
+    deepseek_splits,
+    pretokenizer_cuts,
+    token_byte_lengths,
+)
 from tokenization.segment_cache import SegmentCache, SegmentedEncoder, Segmenter
 from tokenization.templated import TemplatedTokenizer
+from tokenization.word_encoder import WordEncoder
 
 __all__ = ["HfTokenizer"]
 
@@ -34,6 +41,12 @@ log = logging.getLogger(__name__)
 _PROBES = ("a", " hello\n", "12", "  x  ")
 _SEQUENTIAL_PIECES = 4
 _REUSE_PROBES = ("Once upon a time", "x = f(a, b)\n", "你好 world 123", "tail  \t")
+_WORD_PROBES = (
+    "".join(map(chr, range(128))),
+    " 12345 x1y22  \n\n\t a\r\n  b  !!a  \x01\x02c\x7f 'll 's's",
+    *_REUSE_PROBES[:2],
+    _REUSE_PROBES[3],
+)
 
 
 def _templates(config: TokenizerConfig, template_file: Path | None) -> TemplateSet:
@@ -84,11 +97,15 @@ class HfTokenizer(TemplatedTokenizer):
         self._context = self._special.template_context()
         self.templates = TemplateSet()
         self._wrap = _special_wrap(tok)
+        self._words: WordEncoder | None = None
         segmenter = Segmenter(header.added_tokens, header.identity_normalizer)
         self.segments = SegmentedEncoder(segmenter, self._encode_pieces, SegmentCache())
         if segmenter.enabled and not self._split_holds(header):
             log.warning("segment split does not hold; segment cache off", extra={"source": source})
             segmenter.enabled = False
+        if segmenter.enabled:  # its pieces hold no added token: what the word encoder needs
+            self._words = self._word_encoder(header)
+            self.segments.encode_short = self._words.encode if self._words is not None else None
         if segmenter.enabled and header.identity_normalizer:  # the cut rules assume unnormalized text
             self.segments.reuse = self._prefix_reuse(header)
         if self.segments.reuse is not None:
@@ -128,9 +145,34 @@ class HfTokenizer(TemplatedTokenizer):
         return self._name
 
     def _encode_pieces(self, pieces: list[str]) -> list[list[int]]:
+        """Pieces without special tokens added: ASCII ones word by word (`WordEncoder`, when the
+        segmenter guarantees they hold no added token), the rest by the library."""
+        words = self._words
+        if words is None:
+            return self._encode_plain(pieces)
+        out = [words.encode(p) for p in pieces]
+        if None not in out:
+            return out  # type: ignore[return-value]
+        rest = iter(self._encode_plain([p for p, ids in zip(pieces, out, strict=True) if ids is None]))
+        return [ids if ids is not None else next(rest) for ids in out]
+
+    def _encode_plain(self, pieces: list[str]) -> list[list[int]]:
         if len(pieces) <= _SEQUENTIAL_PIECES:  # a batch wakes the thread pool: dearer for a few pieces
             return [self._tok.encode(p, add_special_tokens=False).ids for p in pieces]
         return [e.ids for e in self._tok.encode_batch(pieces, add_special_tokens=False)]
+
+    def _word_encoder(self, header: TokenizerJsonHeader) -> WordEncoder | None:
+        """Word-by-word encoding of ASCII pieces for DeepSeek's pre-tokenizer under an identity
+        normalizer, when a probe of every ASCII character holds; else None."""
+        if not (header.identity_normalizer and deepseek_splits(header.pre_tokenizer)):
+            return None
+        model = self._tok.model
+        words = WordEncoder(lambda word: [t.id for t in model.tokenize(word)])
+        for probe in _WORD_PROBES:
+            if words.encode(probe) != self.encode(probe, add_special_tokens=False):
+                log.warning("word encoding does not hold; off", extra={"source": self._name})
+                return None
+        return words
 
     def _split_holds(self, header: TokenizerJsonHeader) -> bool:
         """Probe the split identity around a few added tokens (catches position-dependent pretokenizers)."""

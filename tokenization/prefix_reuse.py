@@ -16,7 +16,7 @@ from array import array
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from itertools import accumulate, chain
+from itertools import accumulate
 
 from tokenization.safe_cuts import CutFinder
 
@@ -42,7 +42,9 @@ _TOKEN_BYTES = 4
 _REPLACE_SLACK = 256
 """A stored text that a new one reuses to within this many bytes of its end is replaced by the new one
 (the next turn of a conversation, or the same prompt with a new suffix): it could only serve less."""
-_ENTRY_BYTES_PER_TOKEN = 8 + 8 + _TOKEN_BYTES + 3  # a tuple slot, an int64 end, a packed id, derived keys
+_ENTRY_BYTES_PER_TOKEN = (
+    8 + _TOKEN_BYTES + 3
+)  # an int64 end, a packed id, derived keys (+ a tuple slot per tail id)
 
 
 class ReuseStats:
@@ -65,51 +67,49 @@ class ReuseStats:
 class ReuseEntry:
     """One text's UTF-8 bytes, ids, packed ids and (once known) the byte offset where each token ends.
 
-    The ids are ``head + tail``, joined on the first read of `ids`: a caller that needs only the packed
-    ids and their `count` (the router keys a carried chat from its packed ids) never builds the tuple."""
+    The first ``copied`` ids were copied from another text and are held only packed; the ids are
+    built on the first read of `ids`: a caller that needs only the packed ids and their `count` (the
+    router keys a prompt from its packed ids) never builds the tuple, and a turn that extends a long
+    text allocates no tuple of its ids."""
 
-    __slots__ = ("_ids", "count", "data", "derived", "ends", "head", "packed", "size", "tail")
+    __slots__ = ("_ids", "copied", "count", "data", "derived", "ends", "packed", "size", "tail")
 
     def __init__(
         self,
         data: bytes,
-        head: tuple[int, ...],
         tail: tuple[int, ...],
         packed: bytes,
         ends: array[int] | None,
+        copied: int = 0,
     ) -> None:
-        self.data, self.head, self.tail, self.packed = data, head, tail, packed
-        """``head``: ids copied from another text (a next text cut at the same place shares the tuple);
-        ``tail``: the ids encoded for this one."""
-        self._ids: tuple[int, ...] | None = None if head else tail
-        self.count = len(head) + len(tail)
+        self.data, self.tail, self.packed, self.copied = data, tail, packed, copied
+        """``tail``: the ids encoded for this text; ``packed``: all its ids (the copied ones first)."""
+        self._ids: tuple[int, ...] | None = None if copied else tail
+        self.count = copied + len(tail)
         self.ends = ends
         """Where each token ends, in bytes; None until the entry is first reused."""
         self.derived: dict[object, dict[tuple[int, int], tuple[int, ...]]] = {}
         """What callers derived from the ids, by their own key (the completions path: block keys per
         special-token wrap, then per chain root and block size; tokenization.templated)."""
-        self.size = len(data) + _ENTRY_BYTES_PER_TOKEN * self.count + 8 * len(head)
+        self.size = len(data) + _ENTRY_BYTES_PER_TOKEN * self.count + 8 * len(tail)
 
     @property
     def ids(self) -> tuple[int, ...]:
-        """The text's ids (``head + tail``, joined once)."""
+        """The text's ids (unpacked once)."""
         ids = self._ids
         if ids is None:
-            ids = self._ids = self.head + self.tail
+            ids = self._ids = tuple(memoryview(self.packed).cast("I"))
         return ids
 
     def prefix(self, n: int) -> tuple[int, ...]:
-        """``ids[:n]``, without joining the ids when the head holds them."""
+        """``ids[:n]``, without building the ids."""
         if self._ids is not None:
             return self._ids[:n]
-        cut = len(self.head)
-        if n <= cut:
-            return self.head if n == cut else self.head[:n]
-        return self.head + self.tail[: n - cut]
+        return tuple(memoryview(self.packed)[: n * _TOKEN_BYTES].cast("I"))
 
     def iter_ids(self) -> Iterator[int]:
-        """The ids in order, without joining them."""
-        return iter(self._ids) if self._ids is not None else chain(self.head, self.tail)
+        """The ids in order, without building them."""
+        return iter(self._ids) if self._ids is not None else iter(memoryview(self.packed).cast("I"))
 
 
 class WrappedIds:
@@ -200,7 +200,7 @@ class PrefixReuse:
             self.stats.misses += 1
             self.stats.encoded_bytes += len(data)
             ids, packed = encode(text)
-            return self._store(at, ReuseEntry(data, (), ids, packed, None)), None, 0
+            return self._store(at, ReuseEntry(data, ids, packed, None)), None, 0
         entry, copied = self.extend(prior, prior_ends, data, cut, encode)
         if len(prior.data) - cut <= _REPLACE_SLACK and prior.data != data:
             self._remove(prior)
@@ -250,19 +250,18 @@ class PrefixReuse:
         n = self.tokens_before(prior_ends, cut)
         cut = cut if n else 0  # the cut is no token end of the prior text: reuse nothing (never expected)
         tail_ids, tail_packed = encode(data[cut:].decode("utf-8"))
-        head = prior.head if len(prior.head) == n else prior.prefix(n)
         packed = prior.packed[: n * _TOKEN_BYTES] + tail_packed
         self.stats.hits += n > 0
         self.stats.misses += n == 0
         self.stats.reused_tokens += n
         self.stats.encoded_bytes += len(data) - cut
         if len(tail_ids) > n:  # mostly new text: its ends are made if it is ever reused (`ends`)
-            return ReuseEntry(data, head, tail_ids, packed, None), n
+            return ReuseEntry(data, tail_ids, packed, None, n), n
         ends = prior_ends[:n]
         ends.extend(accumulate(map(self._lengths.__getitem__, tail_ids), initial=cut))
         del ends[n]  # the `initial` value
         return ReuseEntry(
-            data, head, tail_ids, packed, ends if (ends[-1] if ends else 0) == len(data) else None
+            data, tail_ids, packed, ends if (ends[-1] if ends else 0) == len(data) else None, n
         ), n
 
     def _store(self, at: int, entry: ReuseEntry) -> ReuseEntry:

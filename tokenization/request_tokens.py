@@ -171,9 +171,14 @@ def tokens_of(
         raise RequestError(str(exc)) from exc
     except RecursionError:  # e.g. tools nested within msgspec's limit, past the template's
         raise RequestError("the request is nested too deeply to render its prompt") from None
-    if any(count_of(p) == 0 for p, _ in prompts):
-        raise RequestError("the prompt is empty after tokenization")
-    rest = tuple(p for p, _ in prompts[1:] if isinstance(p, tuple))
+    if len(prompts) == 1:  # the common case, without a generator per check
+        rest: tuple[tuple[int, ...], ...] = ()
+        if not count_of(prompts[0][0]):
+            raise RequestError("the prompt is empty after tokenization")
+    else:
+        if any(count_of(p) == 0 for p, _ in prompts):
+            raise RequestError("the prompt is empty after tokenization")
+        rest = tuple(p for p, _ in prompts[1:] if isinstance(p, tuple))
     return RequestTokens(
         first=prompts[0][0],
         rest=rest,

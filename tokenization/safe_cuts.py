@@ -23,7 +23,7 @@ import msgspec
 
 from tokenization.segmenter import AddedToken
 
-__all__ = ["UNKNOWN_LENGTH", "CutFinder", "pretokenizer_cuts", "token_byte_lengths"]
+__all__ = ["UNKNOWN_LENGTH", "CutFinder", "deepseek_splits", "pretokenizer_cuts", "token_byte_lengths"]
 
 UNKNOWN_LENGTH: Final = 1 << 40
 """The byte length given to an id whose bytes are unknown: no text's byte count can add up with it."""
@@ -58,16 +58,27 @@ def _is_byte_level_tail(step: _Split) -> bool:
     return step.type == "ByteLevel" and not step.add_prefix_space and not step.use_regex
 
 
+def _decoded(pre_tokenizer: msgspec.Raw) -> _PreTokenizer | None:
+    try:
+        return msgspec.json.decode(pre_tokenizer, type=_PreTokenizer)
+    except msgspec.DecodeError:
+        return None
+
+
 def pretokenizer_cuts(pre_tokenizer: msgspec.Raw) -> bool:
     """Whether the letter|non-letter cut is proven for this tokenizer.json ``pre_tokenizer``: DeepSeek's
     Split sequence, or GPT-2's ByteLevel regex (``use_regex``), in both cases without a prefix space."""
-    try:
-        spec = msgspec.json.decode(pre_tokenizer, type=_PreTokenizer)
-    except msgspec.DecodeError:
-        return False
-    if spec.type == "ByteLevel":
+    spec = _decoded(pre_tokenizer)
+    if spec is not None and spec.type == "ByteLevel":
         return spec.use_regex and not spec.add_prefix_space
-    if spec.type != "Sequence" or not spec.pretokenizers:
+    return deepseek_splits(pre_tokenizer)
+
+
+def deepseek_splits(pre_tokenizer: msgspec.Raw) -> bool:
+    """Whether this tokenizer.json ``pre_tokenizer`` is DeepSeek's Split sequence (`_DEEPSEEK_SPLITS`,
+    isolated, then ByteLevel without regex or prefix space), the one tokenization.word_encoder reproduces."""
+    spec = _decoded(pre_tokenizer)
+    if spec is None or spec.type != "Sequence" or not spec.pretokenizers:
         return False
     *splits, last = spec.pretokenizers
     patterns = tuple(s.pattern.get("Regex") for s in splits)

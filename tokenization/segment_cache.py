@@ -105,6 +105,11 @@ class SegmentCache:
 
 EncodeBatch = Callable[[list[str]], list[list[int]]]
 """Encodes pieces that contain no splittable added token, without adding special tokens."""
+EncodeShort = Callable[[str], "list[int] | None"]
+"""Encodes one text holding no added token without special tokens, or None when it cannot."""
+SHORT_TEXT = 256
+"""Texts up to this many characters holding no added token skip the segment cache when the tokenizer
+encodes them cheaply (`SegmentedEncoder.encode_short`): the tails prefix reuse leaves, mostly new."""
 
 
 class SegmentedEncoder:
@@ -122,6 +127,9 @@ class SegmentedEncoder:
         self.segmenter = segmenter
         self.cache = cache
         self.reuse = reuse
+        self.encode_short: EncodeShort | None = None
+        """Encodes a short text holding no added token more cheaply than a cache miss and put, or
+        returns None (tokenization.word_encoder): set by the tokenizer when it has one."""
         self._encode_batch = encode_batch
 
     def encode(self, text: str) -> list[int]:
@@ -151,6 +159,11 @@ class SegmentedEncoder:
         if not self.segmenter.enabled:
             whole = tuple(self._encode_batch([text])[0]) if text else ()
             return whole, pack_ids(whole)
+        short = self.encode_short
+        if short is not None and len(text) <= SHORT_TEXT and self.segmenter.holds_none(text):
+            found = short(text)  # a new tail: one piece, mostly never seen again, not worth a cache entry
+            if found is not None:
+                return tuple(found), pack_ids(found)
         segments = self.segmenter.split(text)
         known = self._lookup(segments)
         ids: list[int] = []

@@ -139,6 +139,17 @@ class Segmenter:
         self._ids = {t.content: t.id for t in normalized} | {t.content: t.id for t in raw}
         self._raw = _compile(raw) if self.enabled else None
         self._normalized = _compile(normalized) if self.enabled else None
+        self._firsts = tuple(sorted({t.content[0] for t in [*raw, *normalized] if t.content}))
+
+    def holds_none(self, text: str) -> bool:
+        """Whether no added token can occur in ``text`` (no token's first character does), so that it is
+        one piece; False when the segmenter is off."""
+        if not self.enabled:
+            return False
+        for ch in self._firsts:
+            if ch in text:
+                return False
+        return True
 
     def split(self, text: str) -> list[Segment]:
         """The pieces of ``text`` in order; concatenating their encodings gives the whole text's encoding."""

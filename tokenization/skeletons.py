@@ -21,6 +21,7 @@ import re
 import secrets
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
+from operator import itemgetter
 from typing import Any, Final
 
 import jinja2
@@ -98,18 +99,24 @@ def skeletons_apply(ast: jinja2.nodes.Template, source: str) -> bool:
 
 
 class _Skeleton:
-    __slots__ = ("fragments", "size", "slots")
+    __slots__ = ("_texts_of", "fragments", "pieces", "size", "slots")
 
     def __init__(self, fragments: list[str], slots: list[int]) -> None:
+        assert len(fragments) == len(slots) + 1, "a split on markers alternates fragments and slots"
         self.fragments, self.slots = fragments, slots
         self.size = sum(len(f) for f in fragments) + 8 * len(slots)
+        self.pieces = len(fragments) + len(slots)
+        # The slots' texts taken in one C call (itemgetter gives a tuple from two slots on).
+        self._texts_of = itemgetter(*slots) if len(slots) > 1 else None
 
     def fill(self, texts: Sequence[str]) -> list[str]:
         """The rendered text's pieces: the fragments with each slot's text between them."""
-        out = [self.fragments[0]]
-        for slot, fragment in zip(self.slots, self.fragments[1:], strict=True):
-            out.append(texts[slot])
-            out.append(fragment)
+        fragments = self.fragments
+        if self._texts_of is None:
+            return [fragments[0], texts[self.slots[0]], fragments[1]] if self.slots else [fragments[0]]
+        out = [""] * self.pieces
+        out[0::2] = fragments
+        out[1::2] = self._texts_of(texts)
         return out
 
 
@@ -127,6 +134,7 @@ class Skeletons:
         self.bytes = 0
         self._entries: OrderedDict[bytes, _Skeleton] = OrderedDict()
         self._nonce = secrets.token_hex(8)
+        self._nonce_json = msgspec.json.encode(self._nonce)
         self._marker_re = re.compile("\x00" + self._nonce + ":([0-9]+)\x00")
 
     def __len__(self) -> int:
@@ -148,16 +156,13 @@ class Skeletons:
         so a caller can compare two renders piece by piece."""
         if not self.enabled:
             return None
-        texts: list[str] = []
         # The key holds each text as its emptiness mark; stand-ins are made only on a miss, to render.
-        marked: list[dict[str, Any]] = []
-        for m in messages:
-            kept = m._skeleton_marks if type(m) is TemplateMessage else None  # `_marked`, inlined
-            if kept is None:
-                marked.append(_marked(m, texts))
-            else:
-                marked.append(kept[0])
-                texts.extend(kept[1])
+        # Each message's marks are read in place (a call per message is most of this on a long chat).
+        kept = [m._skeleton_marks if type(m) is TemplateMessage else None for m in messages]
+        if None in kept:
+            kept = [k if k is not None else _marks(m) for m, k in zip(messages, kept, strict=True)]
+        marked = [k[0] for k in kept]  # type: ignore[index]
+        texts = [text for k in kept for text in k[1]]  # type: ignore[index]
         try:
             key = msgspec.json.encode((marked, context))
         except (TypeError, msgspec.EncodeError):
@@ -178,9 +183,11 @@ class Skeletons:
 
     def carry_key(self, messages: Sequence[Mapping[str, Any]], context: object) -> bytes | None:
         """What a conversation's later turns share with it (this template, the other render inputs and
-        the first two messages), to find its last render by; None when not JSON-encodable."""
+        the first two messages), to find its last render by; None when not JSON-encodable. Three JSON
+        values joined (each delimits itself); the messages' encoding is kept on the second message
+        when it is a `TemplateMessage` (a later turn carries the same two objects)."""
         try:
-            return msgspec.json.encode((self._nonce, messages[:2], context))
+            return b"".join((self._nonce_json, msgspec.json.encode(context), _head_json(messages)))
         except (TypeError, msgspec.EncodeError):
             return None
 
@@ -247,17 +254,28 @@ def _stand_in(
     return out
 
 
-def _marked(message: Mapping[str, Any], texts: list[str]) -> dict[str, Any]:
-    """``_stand_in(message, texts, _mark)``; of a `TemplateMessage` made once and kept on it (it never
-    changes, and marks depend on nothing else)."""
-    if type(message) is not TemplateMessage:
-        return _stand_in(message, texts, _mark)
-    kept = message._skeleton_marks
+def _marks(message: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
+    """``_stand_in(message, texts, _mark)`` and the texts it took; of a `TemplateMessage` made once and
+    kept on it (it never changes, and marks depend on nothing else)."""
+    kept = message._skeleton_marks if type(message) is TemplateMessage else None
     if kept is None:
         own: list[str] = []
-        kept = message._skeleton_marks = (_stand_in(message, own, _mark), tuple(own))
-    texts.extend(kept[1])
-    return kept[0]
+        kept = (_stand_in(message, own, _mark), tuple(own))
+        if type(message) is TemplateMessage:
+            message._skeleton_marks = kept
+    return kept
+
+
+def _head_json(messages: Sequence[Mapping[str, Any]]) -> bytes:
+    """``msgspec.json.encode(messages[:2])``, kept on the second message when it is a `TemplateMessage`
+    (with the first message it was encoded with: frozen, so the bytes stay right)."""
+    second = messages[1] if len(messages) > 1 else None
+    if type(second) is not TemplateMessage:
+        return msgspec.json.encode(messages[:2])
+    kept = second._carry_head
+    if kept is None or kept[0] is not messages[0]:
+        kept = second._carry_head = (messages[0], msgspec.json.encode(messages[:2]))
+    return kept[1]
 
 
 def _part(part: object, texts: list[str], make: Callable[[str, int], object]) -> object:

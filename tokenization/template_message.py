@@ -15,13 +15,16 @@ __all__ = ["TemplateMessage", "plain"]
 
 
 class TemplateMessage(dict[str, Any]):
-    """A frozen message dict; ``_skeleton_marks`` is `Skeletons`' (marked message, texts), once made."""
+    """A frozen message dict; ``_skeleton_marks`` is `Skeletons`' (marked message, texts), once made;
+    ``_carry_head`` the JSON of the conversation's first two messages when this is the second (with
+    the first), for `Skeletons.carry_key`."""
 
-    __slots__ = ("_skeleton_marks",)
+    __slots__ = ("_carry_head", "_skeleton_marks")
 
     def __init__(self, fields: dict[str, Any]) -> None:
         super().__init__(fields)
         self._skeleton_marks: tuple[dict[str, Any], tuple[str, ...]] | None = None
+        self._carry_head: tuple[object, bytes] | None = None
 
     def _frozen(self, *args: object, **kwargs: object) -> NoReturn:
         raise TypeError("a TemplateMessage is never changed: copy it with dict(message)")

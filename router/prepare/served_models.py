@@ -248,7 +248,10 @@ class Models:
         model: str,
         single_tokenizer: bool = False,
     ) -> Prepared:
-        variants = list(self._variants[model].values())
+        by_id = self._variants[model]
+        if len(by_id) == 1:
+            return self._prepare_one(req, endpoint, model, by_id[VariantId(model)])
+        variants = list(by_id.values())
         tokenize = hashing = 0.0
         by_tokenizer: dict[tuple[str | None, str | None], RequestTokens] = {}
         computed: dict[str, VariantKeys] = {}
@@ -288,4 +291,35 @@ class Models:
             variants=MappingProxyType(computed),
             lora_name=first.extras.lora_name,
             cache_salt=first.extras.cache_salt,
+        )
+
+    def _prepare_one(
+        self, req: ChatRequest | CompletionRequest, endpoint: Endpoint | str, model: str, v: Variant
+    ) -> Prepared:
+        """`_prepare` for a model with its own variant only (the common case): the same `Prepared`,
+        without the per-variant maps (a request's ids are the same from either tokenizer source)."""
+        clock = self._clock
+        t0 = clock()
+        rt = tokens_of(req, self.tokenizer(v), self._loras[model])
+        t1 = clock()
+        ids, extras = _ids_of(rt), rt.extras
+        keys = spec_keys(
+            v.spec, self.hasher, ids, extras, packed=rt.packed, cache=self.key_cache, carry=rt.carry
+        )
+        t2 = clock()
+        return Prepared(
+            model=model,
+            endpoint=endpoint if type(endpoint) is Endpoint else Endpoint(endpoint),
+            stream=rt.stream,
+            prompt_tokens=rt.num_tokens,
+            keys=keys,
+            skip_cache=rt.skip_cache,
+            report_mode=rt.report_mode.value,
+            session_key=session_key(
+                ids, extras, rt.packed, rt.carry, self.hasher.root(extras.lora_name, extras.cache_salt)
+            ),
+            timings=MappingProxyType({"tokenize": t1 - t0, "hash": t2 - t1}),
+            variant=model,
+            lora_name=extras.lora_name,
+            cache_salt=extras.cache_salt,
         )

@@ -18,7 +18,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenization import HfTokenizer
-from tokenization.chat_carry import LONG_TAIL, ChatCarry
+from tokenization.chat_carry import LONG_TAIL, ChatCarry, _shared_pieces
+from tokenization.prefix_reuse import ReuseEntry
 from tokenization.segment_cache import pack_ids
 
 DATA = Path(__file__).parents[1] / "data"
@@ -224,15 +225,29 @@ def test_a_long_new_tail_also_searches_older_texts(ds: HfTokenizer) -> None:
     assert reuse.stats.encoded_bytes - encoded < 64  # but encoded only past the older text's prefix
 
 
-def test_turns_cut_at_the_same_place_share_one_head_tuple(ds: HfTokenizer) -> None:
+def test_a_carried_turn_holds_its_copied_ids_packed_only(ds: HfTokenizer) -> None:
+    """A turn that extends the last one copies its ids as packed bytes: no tuple of the long shared
+    head is built per turn, and the ids read back (unpacked) are a plain encode's."""
     carry = ds.carry
     assert carry is not None
     base = [{"role": "system", "content": "heads"}, {"role": "user", "content": "a shared question " * 40}]
-    heads = []
     for i in range(3):
         msgs = [*base, {"role": "assistant", "content": "ok"}, {"role": "user", "content": f"then {i}?"}]
-        ids, _ = carried_ids(ds, msgs)
-        assert ids == plain_ids(ds, msgs)
-        turn = next(t for t in carry._turns.values() if list(t.entry.ids) == ids)
-        heads.append(turn.entry.head)
-    assert len(heads[1]) == len(heads[2]) > 0 and heads[2] is heads[1]  # copied once, then reused
+        entry, _, _ = ds.chat_prompt(msgs, True, None, False, {})
+        assert isinstance(entry, ReuseEntry)
+        if i:
+            assert entry.copied > len(entry.tail) and entry._ids is None
+        assert list(entry.ids) == plain_ids(ds, msgs)
+
+
+@given(
+    old=st.lists(st.sampled_from(["a", "b", "", "ab"]), max_size=12),
+    new=st.lists(st.sampled_from(["a", "b", "", "ab"]), max_size=12),
+)
+def test_shared_pieces_is_the_first_difference(old: list[str], new: list[str]) -> None:
+    """`_shared_pieces` (slices compared, then a binary search) counts what a piece-by-piece walk counts."""
+    i = 0
+    while i < min(len(old), len(new)) and old[i] == new[i]:
+        i += 1
+    assert _shared_pieces(old, new) == i
+    assert _shared_pieces(old, [*old[:-1], "z"]) == max(0, len(old) - 1)

@@ -21,7 +21,7 @@ from tokenization.chat_decoder import ChatDecoder
 from tokenization.chat_template import ContentFormat
 from tokenization.conversation import _message, conversation
 from tokenization.openai_request import ChatRequest, RequestError, decode_chat
-from tokenization.skeletons import _mark, _marked, _stand_in
+from tokenization.skeletons import _mark, _marks, _stand_in
 from tokenization.template_message import TemplateMessage, plain
 
 TEXT = st.text(alphabet=st.sampled_from('ab \n"\\é中\x00'), max_size=8)
@@ -204,10 +204,10 @@ def test_kept_template_dicts_and_marks_equal_fresh_ones(message: dict[str, Any],
     kept = conversation([msg], fmt, True)[0]
     assert type(kept) is TemplateMessage and kept == fresh
     assert conversation([msg], fmt, True)[0] is kept  # made once per message and format
-    texts: list[str] = []
     again: list[str] = []
-    assert _marked(kept, texts) == _stand_in(fresh, again, _mark) and texts == again
-    assert _marked(kept, texts) is _marked(kept, [])  # kept on the message
+    marked, texts = _marks(kept)
+    assert marked == _stand_in(fresh, again, _mark) and list(texts) == again
+    assert _marks(kept) is _marks(kept)  # kept on the message
 
 
 def test_a_template_message_cannot_change_and_renders_as_a_plain_dict() -> None:

@@ -272,9 +272,10 @@ def test_a_text_reused_to_near_its_end_is_replaced_by_the_new_one() -> None:
 
 @given(head=st.lists(st.integers(0, 9), max_size=6), tail=st.lists(st.integers(0, 9), max_size=6))
 def test_an_entrys_ids_are_its_head_and_tail_however_read(head: list[int], tail: list[int]) -> None:
+    """The copied head is held packed only: read whole, in part or iterated, the ids are head + tail."""
     ids = (*head, *tail)
     for joined in (False, True):
-        entry = ReuseEntry(b"", tuple(head), tuple(tail), b"", None)
+        entry = ReuseEntry(b"", tuple(tail), array("I", ids).tobytes(), None, len(head))
         if joined:
             assert entry.ids == ids
         assert entry.count == len(ids) and list(entry.iter_ids()) == list(ids)
@@ -290,7 +291,7 @@ def test_an_entrys_ids_are_its_head_and_tail_however_read(head: list[int], tail:
 def test_wrapped_ids_are_the_wrap_around_the_entrys_ids(
     head: list[int], tail: list[int], wrap: tuple[list[int], list[int]]
 ) -> None:
-    entry = ReuseEntry(b"", tuple(head), tuple(tail), b"", None)
+    entry = ReuseEntry(b"", tuple(tail), array("I", (*head, *tail)).tobytes(), None, len(head))
     wrapped = WrappedIds(tuple(wrap[0]), entry, tuple(wrap[1]))
     ids = (*wrap[0], *head, *tail, *wrap[1])
     assert count_of(wrapped) == len(ids) and wrapped._ids is None  # counted without joining

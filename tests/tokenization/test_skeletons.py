@@ -19,7 +19,8 @@ from hypothesis import strategies as st
 from tokenization import BuiltinTokenizer, HfTokenizer
 from tokenization.builtin import BUILTIN_CHAT_TEMPLATE
 from tokenization.chat_template import ChatOptions, ChatTemplate
-from tokenization.skeletons import Inspected, Opaque, Skeletons, skeletons_apply
+from tokenization.skeletons import Inspected, Opaque, Skeletons, _Skeleton, skeletons_apply
+from tokenization.template_message import TemplateMessage
 
 DATA = Path(__file__).parents[1] / "data"
 SPECIAL = {"bos_token": "<s>", "eos_token": "</s>"}
@@ -178,3 +179,35 @@ def test_tokenizers_chat_tokens_stay_exact_through_skeletons() -> None:
             assert tok.apply_chat_template(messages) == text
             assert tok.chat_tokens(messages) == tok.encode(text, add_special_tokens=False)
         assert tok.templates.select(None).skeletons.hits >= 1
+
+
+@given(
+    slots=st.lists(st.integers(0, 5), max_size=8),
+    texts=st.lists(st.text(max_size=3), min_size=6, max_size=6),
+)
+def test_fill_places_each_slots_text_between_the_fragments(slots: list[int], texts: list[str]) -> None:
+    """`_Skeleton.fill` (one itemgetter call and two slice assignments) is the plain interleaving, for
+    no slot, one slot (itemgetter's scalar) and more."""
+    fragments = [f"<{i}>" for i in range(len(slots) + 1)]
+    expected = [fragments[0]]
+    for slot, fragment in zip(slots, fragments[1:], strict=True):
+        expected += [texts[slot], fragment]
+    assert _Skeleton(fragments, slots).fill(texts) == expected
+
+
+@given(
+    texts=st.lists(st.text(max_size=6), min_size=1, max_size=3),
+    context=st.sampled_from([None, {"a": 1}, [True, None]]),
+)
+def test_carry_keys_from_kept_messages_equal_fresh_ones(texts: list[str], context: object) -> None:
+    """`Skeletons.carry_key` keeps the first two messages' JSON on the second `TemplateMessage`: the
+    key equals the one from plain dicts, and another first message (or context) gives another key."""
+    skeletons = Skeletons()
+    plain = [{"role": "user", "content": t} for t in texts]
+    kept = [TemplateMessage(m) for m in plain]
+    key = skeletons.carry_key(kept, context)
+    assert key == skeletons.carry_key(kept, context) == skeletons.carry_key(plain, context)
+    changed = [TemplateMessage({"role": "user", "content": texts[0] + "!"}), *kept[1:]]
+    assert skeletons.carry_key(changed, context) != key
+    assert skeletons.carry_key(kept, context) == key  # the kept bytes follow the first message back
+    assert skeletons.carry_key(kept, {"other": context}) != key

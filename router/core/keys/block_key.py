@@ -53,6 +53,10 @@ def pack_tokens(tokens: Sequence[int]) -> bytes:
         raise ValueError(f"token ids must be integers in [0, 2**32): {exc}") from exc
 
 
+_ROOTS = 1024
+"""(LoRA name, cache salt) pairs whose chain roots a `KeyHasher` keeps (all forgotten when full)."""
+
+
 @lru_cache(maxsize=256)
 def _splitter(n_blocks: int, block_bytes: int) -> struct.Struct:
     return struct.Struct(f"{block_bytes}s" * n_blocks)
@@ -91,10 +95,18 @@ class KeyHasher:
 
     def __init__(self, secret: bytes | None = None) -> None:
         self._secret = secret if secret is not None else os.urandom(16)
+        self._roots: dict[tuple[str | None, str | None], int] = {}
 
     def root(self, lora_name: str | None = None, cache_salt: str | None = None) -> int:
-        """The chain's starting value for a request with this LoRA name and cache salt."""
-        return hash(self._secret + msgspec.msgpack.encode((lora_name, cache_salt)))
+        """The chain's starting value for a request with this LoRA name and cache salt (kept for the
+        last `_ROOTS` pairs seen: every request asks, and most share a few)."""
+        key = (lora_name, cache_salt)
+        root = self._roots.get(key)
+        if root is None:
+            if len(self._roots) >= _ROOTS:
+                self._roots.clear()
+            root = self._roots[key] = hash(self._secret + msgspec.msgpack.encode(key))
+        return root
 
     def request_keys(
         self, tokens: Sequence[int], block_size: int, extras: RequestExtras | None = None, lookahead: int = 0

@@ -108,12 +108,30 @@ def _ids(tokens: Ids) -> tuple[int, ...]:
     return tokens if isinstance(tokens, tuple) else tokens()
 
 
-def session_key(tokens: Ids, extras: RequestExtras, packed: bytes | None = None) -> str:
-    """A process-independent key of the prompt's head (plus LoRA and salt) for stable tie-breaks."""
+def session_key(
+    tokens: Ids,
+    extras: RequestExtras,
+    packed: bytes | None = None,
+    carry: KeyCarry | None = None,
+    root: int | None = None,
+) -> str:
+    """A process-independent key of the prompt's head (plus LoRA and salt) for stable tie-breaks.
+    With ``carry`` (`carried_keys`) and the prompt's chain ``root`` (which stands for its LoRA and
+    salt), a prompt whose head is the earlier prompt's takes the key kept with that prompt's derived
+    values (under block size 0, as an int), and keeps its own there for the next."""
+    group = (root, 0) if carry is not None and root is not None else None
+    if group is not None and carry is not None and carry.shared_tokens >= _SESSION_TOKENS:
+        kept = carry.prior.get(group)
+        if kept is not None:
+            carry.own[group] = kept
+            return f"{kept[0]:016x}"
     head = (
         packed[: _SESSION_TOKENS * 4]
         if packed is not None
         else array("I", _ids(tokens)[:_SESSION_TOKENS]).tobytes()
     )
     tail = msgspec.msgpack.encode((extras.lora_name, extras.cache_salt))
-    return hashlib.blake2b(head + tail, digest_size=8).hexdigest()
+    digest = hashlib.blake2b(head + tail, digest_size=8).digest()
+    if group is not None and carry is not None:
+        carry.own[group] = (int.from_bytes(digest, "big"),)
+    return digest.hex()

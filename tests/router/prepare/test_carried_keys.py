@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 from events.block_hash import RequestExtras
 from router.core.keys.block_key import KeyHasher, pack_tokens
-from router.core.keys.request import carried_keys
+from router.core.keys.request import carried_keys, session_key
 from router.prepare.served_models import Models
 from router.settings.config import ModelConfig, RouterConfig
 from tests.tokenization.test_chat_carry import DATA, OPS, TEXT, _apply, plain_ids
@@ -58,6 +58,7 @@ def _check(models: Models, block_size: int, msgs: list[dict[str, Any]], salt: st
     ids = plain_ids(_tokenizer(models), msgs)
     assert prepared.prompt_tokens == len(ids)
     assert prepared.keys == HASHER.request_keys(ids, block_size, RequestExtras(cache_salt=salt))
+    assert prepared.session_key == session_key(tuple(ids), RequestExtras(cache_salt=salt))
 
 
 @settings(max_examples=60, deadline=None)
@@ -163,6 +164,7 @@ def test_every_completions_prompts_keys_equal_keys_from_scratch(
         ids = tok.encode(prompt, special)
         assert prepared.prompt_tokens == len(ids)
         assert prepared.keys == HASHER.request_keys(ids, block_size, RequestExtras(cache_salt=salt))
+        assert prepared.session_key == session_key(tuple(ids), RequestExtras(cache_salt=salt))
 
 
 def test_a_completions_prompt_with_a_new_suffix_hashes_only_its_new_blocks() -> None:
@@ -190,6 +192,23 @@ def test_a_carried_chat_is_keyed_without_building_its_ids_and_the_stub_still_get
     carry = tok.carry
     assert carry is not None
     last = next(reversed(carry._turns.values())).entry
-    assert last.head and last._ids is None  # keyed from the packed ids: the tuple was never joined
+    assert last.copied and last._ids is None  # keyed from the packed ids: the tuple was never built
     raw = msgspec.json.encode({"model": "m", "messages": msgs})
     assert request_tokens(raw, Endpoint.CHAT, tok).tokens == tuple(plain_ids(tok, msgs))
+
+
+def test_a_turn_sharing_the_head_takes_the_session_key_kept_with_the_last_turn() -> None:
+    """The session key of a prompt whose first 256 ids are the last turn's is read from that turn's
+    derived values (under block size 0), equal to the key computed from scratch, per LoRA and salt."""
+    models = _models(16)
+    base = [{"role": "system", "content": "head " * 300}, {"role": "user", "content": "q"}]
+    for salt in (None, "s", None):
+        for question in ("one?", "two?"):
+            msgs = [*base, {"role": "assistant", "content": "ok"}, {"role": "user", "content": question}]
+            _check(models, 16, msgs, salt)
+    carry = _tokenizer(models).carry
+    assert carry is not None
+    derived = next(reversed(carry._turns.values())).derived
+    root = HASHER.root(None, None)
+    ids = tuple(plain_ids(_tokenizer(models), msgs))
+    assert f"{derived[(root, 0)][0]:016x}" == session_key(ids, RequestExtras())

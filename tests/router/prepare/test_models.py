@@ -223,3 +223,27 @@ def test_a_vllm_0_32_model_has_no_lookahead_hashes() -> None:
     assert resolve_variant(ModelConfig(name="e", lookahead_tokens=1)).spec.lookahead_tokens == 1
     with pytest.raises(ValueError, match=r"model 'e'.*0\.32.*eagle_block_drop"):
         resolve_variant(ModelConfig(name="e", vllm_version="0.32", lookahead_tokens=1))
+
+
+@pytest.mark.parametrize(
+    ("data", "endpoint"),
+    [
+        (CHAT, Endpoint.CHAT),
+        (COMPLETION, Endpoint.COMPLETIONS),
+        ({**COMPLETION, "model": "ad"}, Endpoint.COMPLETIONS),
+    ],
+)
+def test_a_model_of_one_variant_is_prepared_as_by_the_general_path(
+    data: Mapping[str, object], endpoint: Endpoint
+) -> None:
+    """`_prepare_one` (a model with its own variant only) gives the `Prepared` of the general path,
+    which a second variant makes the model take, less that variant's keys."""
+    one = models()
+    two = models()
+    two.learn(EngineConfig(name="b", url="http://b", model="m", block_size=8))
+    for _ in range(2):  # the second time from the tokenizer's caches
+        a = one.prepare(body(data, cache_salt="s"), endpoint)
+        b = two.prepare(body(data, cache_salt="s"), endpoint)
+        assert len(b.variants) == 1 and not a.variants
+        assert msgspec.structs.replace(b, variants={}, timings={}) == msgspec.structs.replace(a, timings={})
+        assert set(a.timings) == set(b.timings) == {"tokenize", "hash"}

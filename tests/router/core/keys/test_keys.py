@@ -3,9 +3,12 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from events.block_hash import MultiModalItem, RequestExtras, VllmHasher, event_extra_keys, wire_hash
 from events.wire import BlockStored, EngineBlockHash
+from router.core.keys import block_key
 from router.core.keys.block_key import KeyHasher, _block_hashes, chain_hashes
 from router.core.keys.event_tokens import keys_from_tokens
 
@@ -128,3 +131,15 @@ def test_the_fused_chain_equals_hashing_then_chaining_block_by_block(n_blocks: i
     fused = HASHER.chain(parent, TOKENS, BS, n_blocks)
     assert fused == chain_hashes(parent, _block_hashes(TOKENS, BS, n_blocks))
     assert fused == HASHER.chain(parent, TOKENS, BS, n_blocks, [None] * n_blocks)  # the extras loop
+
+
+@settings(max_examples=20, deadline=None)
+@given(pairs=st.lists(st.tuples(st.none() | st.sampled_from(["lora", ""]), st.none() | st.text(max_size=4))))
+def test_kept_roots_equal_fresh_ones(pairs: list[tuple[str | None, str | None]]) -> None:
+    """`KeyHasher.root` keeps roots per (LoRA, salt): the same value as a hasher that never saw the
+    pair, also once the kept roots were forgotten (`_ROOTS`)."""
+    secret = b"s" * 16
+    kept = KeyHasher(secret)
+    for lora, salt in [*pairs, *((None, str(i)) for i in range(block_key._ROOTS + 1)), *pairs]:
+        assert kept.root(lora, salt) == KeyHasher(secret).root(lora, salt)
+    assert len(kept._roots) <= block_key._ROOTS
