@@ -272,6 +272,7 @@ class Scorer:
             PolicyName.SESSION: self._session,
             PolicyName.PREFIX_APPROX: self._prefix_approx,
         }
+        self._policy = self._policies[settings.policy]  # (an enum's hash is a Python call per lookup)
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         """Score every candidate and pick one with the configured policy (deterministic given the seed)."""
@@ -282,7 +283,7 @@ class Scorer:
         if not eligible:
             why = "; ".join(f"{s.engine}: {s.why_not}" for s in scores) or "no engines configured"
             return Decision(None, policy, f"no eligible engine ({why})", 0, scores)
-        chosen, reason = self._policies[policy](request, eligible)
+        chosen, reason = self._policy(request, eligible)
         others = [s for s in eligible if s is not chosen]
         runner = min(others, key=_COST) if others else None
         return Decision(
@@ -409,8 +410,9 @@ def _break_tie(key: str, tied: list[CandidateScore]) -> tuple[CandidateScore, li
     for rule, words in _TIE_RULES:
         if len(left) == 1:
             break
-        least = min(rule(key, s) for s in left)
-        kept = [s for s in left if rule(key, s) == least]
+        values = [rule(key, s) for s in left]  # once each (the last rule hashes)
+        least = min(values)
+        kept = [s for s, value in zip(left, values, strict=True) if value == least]
         if len(kept) < len(left):
             narrowed.append(words)
         left = kept
