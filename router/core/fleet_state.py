@@ -213,12 +213,11 @@ class FleetState:
         keys = prepared.keys_for(rep.variant.id) if rep is not None else None
         if rep is None or keys is None:
             return
-        spec = rep.variant.spec
-        if not prepared.skip_cache and spec.unitary_full_attention:
+        if not prepared.skip_cache and rep.unitary:
             self.pending.add(request, replica, keys.keys, at)
         if not rep.engine.events:
             return  # no events: no stores to await, no reports to recognise, hits never trusted
-        if keys.num_tokens >= spec.hash_block_size and self._must_store(rep, keys.keys, keys.num_tokens):
+        if keys.num_tokens >= rep.hash_block and self._must_store(rep, keys.keys, keys.num_tokens):
             rep.await_stores(request, keys.keys, at)
         if keys.keys:
             self._first_keys[request] = (keys.keys[0], rep.root_stores)
@@ -230,8 +229,7 @@ class FleetState:
         every full block of it already (and the last one is within the hit), for then only its output
         could fill one, which it need not; the silence after such a request is no sign of lost events."""
         view = self.mirror.replica(rep.id)
-        spec = rep.variant.spec
-        if view is None or not spec.unitary_full_attention or num_tokens % spec.hash_block_size == 0:
+        if view is None or not rep.unitary or num_tokens % rep.hash_block == 0:
             return True
         return not all(self.mirror.count(view, 0, key) for key in keys)
 

@@ -112,9 +112,9 @@ class RoutingCore:
         return self._pending_tokens(rid, prepared, now) if self.fleet.pending.holds(rid) else 0
 
     def _pending_tokens(self, rid: EngineId, prepared: Prepared, now: float) -> int:
-        variant = self.fleet.replica(rid).variant
-        spec, keys = variant.spec, prepared.keys_for(variant.id)
-        if keys is None or prepared.skip_cache or not spec.unitary_full_attention:
+        rep = self.fleet.replica(rid)
+        keys = prepared.keys_for(rep.variant.id)
+        if keys is None or prepared.skip_cache or not rep.unitary:
             return 0
-        bs = spec.hash_block_size
+        bs = rep.hash_block
         return self.fleet.pending.leading_run(rid, keys.keys, (keys.num_tokens - 1) // bs, now) * bs

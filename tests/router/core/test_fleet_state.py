@@ -17,7 +17,9 @@ from events.wire import BlockStored, KVEventBatch
 from router.core.fleet_state import FleetState, ModelReadiness
 from router.core.ids import EngineId, RequestId
 from router.core.keys.block_key import KeyHasher
-from router.core.policy.trust import TrustReason, TrustState
+from router.core.kv_layout import GroupSpec, ModelSpec
+from router.core.policy.trust import TrustReason, TrustState, TrustTracker
+from router.core.replica import Replica
 from router.prepare.engine_variants import resolve_variant
 from router.prepare.prepared import Prepared
 from router.settings.config import EngineConfig, ModelConfig, RouterConfig
@@ -332,3 +334,17 @@ def test_a_replica_with_events_awaits_the_stores_and_keeps_the_reports_of_a_requ
     assert len(rep.awaited) == 1 and list(rep.pending) == [RequestId("a")]
     fleet.request_finished(E, RequestId("a"), clock())
     assert rep.pending == {}
+
+
+def test_a_replica_keeps_its_specs_layout_facts() -> None:
+    """What the request hooks read of the layout per request is the spec's own, for every kind."""
+    for groups in (
+        (GroupSpec(),),
+        (GroupSpec(block_size=16), GroupSpec(kind="sliding_window", block_size=16, sliding_window=64)),
+        (GroupSpec(kind="sliding_window", block_size=32, sliding_window=128),),
+    ):
+        spec = ModelSpec(groups=groups)
+        e = engine()
+        variant = resolve_variant(MODEL, e)
+        rep = Replica(E, e, 0, msgspec.structs.replace(variant, spec=spec), TrustTracker(1.0))
+        assert (rep.unitary, rep.hash_block) == (spec.unitary_full_attention, spec.hash_block_size)
