@@ -389,6 +389,8 @@ class LoadTracker:
             return 0
         head = next(iter(load.unanswered.values()))  # the first: FCFS order
         tokens = head.uncached_tokens
+        if tokens == 0:  # (both returns below are 0 then)
+            return 0
         budget = step.max_num_batched_tokens - decoding
         if budget < 1:
             budget = 1
@@ -443,7 +445,8 @@ class LoadTracker:
             in_flight = max(in_flight, scrape.num_requests_running + scrape.num_requests_waiting)
             usage = scrape.kv_cache_usage_perc
         model = load.model
+        per_token_s = model._per_ktok / _KTOK  # `model.per_token_s`, without the property's call
         return LoadSnapshot(
-            in_flight, prefilling, decoding, queued, usage, model.overhead_s, model.per_token_s, fresh,
+            in_flight, prefilling, decoding, queued, usage, model.overhead_s, per_token_s, fresh,
             self.step, scrape, load.residency_s, self._drained(load, decoding, now),
         )  # fmt: skip

@@ -431,6 +431,7 @@ def test_drained_equals_its_reference_arithmetic(
     assert tracker._drained(load, decoding, now) == _drained_reference(tracker, A, decoding, now)
     snap = tracker.snapshot(A, now)
     assert snap.drained_tokens == _drained_reference(tracker, A, snap.decoding, now)
+    assert (snap.overhead_s, snap.per_token_s) == (tracker.model(A).overhead_s, tracker.model(A).per_token_s)
 
 
 @given(
