@@ -79,7 +79,8 @@ class Flight:
             route = msgspec.structs.replace(self.route, excluded=tried)
             decision = self.core.decide(self.prepared, route, now)
             self._note(decision)
-        self._leave(now)
+        if self._counted:  # a retry leaves the replica it was on
+            self._leave(now)
         if decision.engine is None:
             if not tried:
                 raise self._refusal(decision, now)

@@ -284,7 +284,7 @@ class Scorer:
             why = "; ".join(f"{s.engine}: {s.why_not}" for s in scores) or "no engines configured"
             return Decision(None, policy, f"no eligible engine ({why})", 0, scores)
         chosen, reason = self._policy(request, eligible)
-        others = [s for s in eligible if s is not chosen]
+        others = [s for s in eligible if s is not chosen] if len(eligible) > 1 else None
         runner = min(others, key=_COST) if others else None
         return Decision(
             chosen.engine, policy, reason, chosen.expected_tokens, scores,
