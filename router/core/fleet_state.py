@@ -210,10 +210,13 @@ class FleetState:
         """The gateway sent `request` to `replica`: expect its stores, and in full mode its reports
         (every request is remembered until it finishes or stores, to tell its stores from reports)."""
         rep = self._replicas.get(replica)
-        keys = prepared.keys_for(rep.variant.id) if rep is not None else None
-        if rep is None or keys is None:
+        pending = self.pending.ttl_s > 0  # (with no time to live, `add` keeps nothing)
+        if rep is None or not (pending or rep.engine.events):
+            return  # nothing below would be kept
+        keys = prepared.keys_for(rep.variant.id)
+        if keys is None:
             return
-        if not prepared.skip_cache and rep.unitary:
+        if pending and not prepared.skip_cache and rep.unitary:
             self.pending.add(request, replica, keys.keys, at)
         if not rep.engine.events:
             return  # no events: no stores to await, no reports to recognise, hits never trusted
@@ -235,7 +238,8 @@ class FleetState:
 
     def request_answered(self, request: RequestId, at: float) -> None:
         """The replica's first bytes for `request` arrived: its stores are published by now."""
-        self.pending.answered(request, at)
+        if self.pending.ttl_s > 0:  # (otherwise nothing is pending)
+            self.pending.answered(request, at)
         if request in self._first_keys:  # only answered requests must have left their blocks
             self._answered_keys[request] = self._first_keys.pop(request)
 
@@ -243,7 +247,8 @@ class FleetState:
         """The request ended at `at`. Its full-mode reports are still recognised for `report_grace_s`
         (the batch holding its last lookup may reach the mirror after the response ended), at the
         price of taking another request's identical real store in that window for a report."""
-        self.pending.answered(request, at)
+        if self.pending.ttl_s > 0:
+            self.pending.answered(request, at)
         rep = self._replicas.get(replica)
         self._first_keys.pop(request, None)
         first = self._answered_keys.pop(request, None)

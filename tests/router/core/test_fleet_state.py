@@ -348,3 +348,31 @@ def test_a_replica_keeps_its_specs_layout_facts() -> None:
         variant = resolve_variant(MODEL, e)
         rep = Replica(E, e, 0, msgspec.structs.replace(variant, spec=spec), TrustTracker(1.0))
         assert (rep.unitary, rep.hash_block) == (spec.unitary_full_attention, spec.hash_block_size)
+
+
+def test_request_hooks_keep_the_same_reports_and_waits_with_or_without_pending_prefixes() -> None:
+    """With no pending prefixes to keep (round_robin) the hooks skip the overlay, and only it: the
+    awaited stores, first keys and full-mode reports are those kv's hooks keep."""
+    from router.settings.config import PolicyConfig
+
+    fleets = []
+    for policy in ("kv", "round_robin"):
+        clock = Clock()
+        config = RouterConfig(engines=[engine()], models=[MODEL], policy=PolicyConfig(name=policy))
+        fleet = FleetState(config, KeyHasher(b"t"), clock)
+        fleet.add_engine(engine(), resolve_variant(MODEL, engine()), clock())
+        for i in range(6):
+            clock.now += 0.01
+            request = RequestId(f"r{i}")
+            fleet.request_sent(E, request, prepared(fleet, list(range(i, i + 4 * i + 3))), clock())
+            if i % 2:
+                fleet.request_answered(request, clock())
+            if i % 3 == 2:
+                fleet.request_finished(E, request, clock())
+        fleets.append(fleet)
+    kv, rr = fleets
+    assert kv.pending.size > 0 and rr.pending.size == 0 and not rr.pending.holds(E)
+    assert (kv._first_keys, kv._answered_keys) == (rr._first_keys, rr._answered_keys)
+    kv_rep, rr_rep = kv.replica(E), rr.replica(E)
+    assert (kv_rep.pending, kv_rep.finished) == (rr_rep.pending, rr_rep.finished)
+    assert kv_rep.awaited._by_request == rr_rep.awaited._by_request and len(kv_rep.awaited) > 0
