@@ -10,9 +10,9 @@ warm-up, then ``wrk -t1`` at `--conc` connections. Modes:
   summarises an earlier recording.
 - ``--calls``: the gateway runs under cProfile twice, once for `--seconds` / 4 and once for
   `--seconds`; the difference of the two profiles over the difference of their request counts is each
-  function's calls and own time per request, start-up and warm-up cancelled out (whole seconds: wrk's). The times are
-  cProfile's (inflated, and C methods of extension types are folded into their callers); the call
-  counts are exact, and comparable between trees on any machine.
+  function's calls and own time per request, start-up and warm-up cancelled out (whole seconds:
+  wrk's). The times are cProfile's (inflated, and C methods of extension types are folded into
+  their callers); the call counts are exact, and comparable between trees on any machine.
 """
 
 from __future__ import annotations
