@@ -210,15 +210,17 @@ class FleetState:
         """The gateway sent `request` to `replica`: expect its stores, and in full mode its reports
         (every request is remembered until it finishes or stores, to tell its stores from reports)."""
         rep = self._replicas.get(replica)
-        keys = prepared.keys_for(rep.variant.id) if rep is not None else None
-        if rep is None or keys is None:
+        pending = self.pending.ttl_s > 0  # (with no time to live, `add` keeps nothing)
+        if rep is None or not (pending or rep.engine.events):
+            return  # nothing below would be kept
+        keys = prepared.keys_for(rep.variant.id)
+        if keys is None:
             return
-        spec = rep.variant.spec
-        if not prepared.skip_cache and spec.unitary_full_attention:
+        if pending and not prepared.skip_cache and rep.unitary:
             self.pending.add(request, replica, keys.keys, at)
         if not rep.engine.events:
             return  # no events: no stores to await, no reports to recognise, hits never trusted
-        if keys.num_tokens >= spec.hash_block_size and self._must_store(rep, keys.keys, keys.num_tokens):
+        if keys.num_tokens >= rep.hash_block and self._must_store(rep, keys.keys, keys.num_tokens):
             rep.await_stores(request, keys.keys, at)
         if keys.keys:
             self._first_keys[request] = (keys.keys[0], rep.root_stores)
@@ -230,14 +232,14 @@ class FleetState:
         every full block of it already (and the last one is within the hit), for then only its output
         could fill one, which it need not; the silence after such a request is no sign of lost events."""
         view = self.mirror.replica(rep.id)
-        spec = rep.variant.spec
-        if view is None or not spec.unitary_full_attention or num_tokens % spec.hash_block_size == 0:
+        if view is None or not rep.unitary or num_tokens % rep.hash_block == 0:
             return True
         return not all(self.mirror.count(view, 0, key) for key in keys)
 
     def request_answered(self, request: RequestId, at: float) -> None:
         """The replica's first bytes for `request` arrived: its stores are published by now."""
-        self.pending.answered(request, at)
+        if self.pending.ttl_s > 0:  # (otherwise nothing is pending)
+            self.pending.answered(request, at)
         if request in self._first_keys:  # only answered requests must have left their blocks
             self._answered_keys[request] = self._first_keys.pop(request)
 
@@ -245,7 +247,8 @@ class FleetState:
         """The request ended at `at`. Its full-mode reports are still recognised for `report_grace_s`
         (the batch holding its last lookup may reach the mirror after the response ended), at the
         price of taking another request's identical real store in that window for a report."""
-        self.pending.answered(request, at)
+        if self.pending.ttl_s > 0:
+            self.pending.answered(request, at)
         rep = self._replicas.get(replica)
         self._first_keys.pop(request, None)
         first = self._answered_keys.pop(request, None)

@@ -97,10 +97,18 @@ class Replica:
     """How many of those requests saw first blocks stored (under other keys) while they ran."""
     verifying: bool = False
     """A verdict on `missing_keys` waits for the link's verification replay to end."""
+    unitary: bool = field(init=False, default=False)
+    """The variant's `spec.unitary_full_attention`, read per request (the property walks the groups)."""
+    hash_block: int = field(init=False, default=0)
+    """The variant's `spec.hash_block_size`, read per request."""
 
     _cached: TrustStatus | None = None
     _link_rejected: dict[str, int] = field(default_factory=dict)
     _awaiting_since: float | None = None
+
+    def __post_init__(self) -> None:
+        spec = self.variant.spec
+        self.unitary, self.hash_block = spec.unitary_full_attention, spec.hash_block_size
 
     def observe(self, signal: TrustSignal) -> None:
         """Feed one trust signal."""

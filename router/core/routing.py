@@ -15,7 +15,8 @@ import msgspec
 
 from router.core.fleet_state import FleetState
 from router.core.ids import EngineId
-from router.core.lookup.computed_blocks import LookupRequest, LookupResult, ReplicaId, lookup
+from router.core.kv_layout import ModelSpec
+from router.core.lookup.computed_blocks import LookupRequest, LookupResult, ReplicaId, lookup, spec_groups
 from router.core.policy.scoring import Candidate, Decision, RouteRequest, Scorer
 from router.prepare.prepared import Prepared
 
@@ -37,6 +38,8 @@ class RoutingCore:
     def __init__(self, fleet: FleetState, scorer: Scorer, clock: Callable[[], float]) -> None:
         self.fleet, self.scorer = fleet, scorer
         self._clock = clock  # for the stage timings only (a performance counter)
+        self._no_hits: dict[int, tuple[ModelSpec, LookupResult]] = {}  # by id(spec), the spec kept
+        self._lookup_ids: dict[tuple[EngineId, ...], tuple[ReplicaId, ...]] = {}  # by variant group
 
     def predict(self, prepared: Prepared) -> dict[EngineId, tuple[LookupResult, int]]:
         """Per replica of the model: the lookup result and the prompt length under its variant."""
@@ -48,9 +51,35 @@ class RoutingCore:
                 out.update((rid, (_NO_HIT, prepared.prompt_tokens)) for rid in rids)
                 continue
             n = keys.num_tokens
+            if n <= 1 or prepared.skip_cache:  # `lookup`'s own answer then (nothing to look up)
+                none = self._no_hit(variant.spec)
+                out.update((rid, (none, n)) for rid in rids)
+                continue
             results = lookup(mirror, variant.spec, LookupRequest(keys.keys, n, prepared.skip_cache), rids)
-            out.update((rid, (results[ReplicaId(rid, 0)], n)) for rid in rids)
+            for rid, key in zip(rids, self._ids_of(rids), strict=True):
+                out[rid] = (results[key], n)
         return out
+
+    def _no_hit(self, spec: ModelSpec) -> LookupResult:
+        """What `lookup` answers for every replica when there is nothing to look up (a prompt of at
+        most one token, or one that skips the cache), kept per spec."""
+        known = self._no_hits.get(id(spec))
+        if known is None or known[0] is not spec:
+            if len(self._no_hits) >= 64:
+                self._no_hits.clear()
+            none = LookupResult(0, 0, tuple(0 for _ in spec_groups(spec)), 0)
+            known = self._no_hits[id(spec)] = (spec, none)
+        return known[1]
+
+    def _ids_of(self, rids: tuple[EngineId, ...]) -> tuple[ReplicaId, ...]:
+        """The lookup's keys of a variant group's replicas (each its own mirror engine, rank 0), made
+        once per group rather than per request."""
+        ids = self._lookup_ids.get(rids)
+        if ids is None:
+            if len(self._lookup_ids) >= 64:  # groups change with the engine set: keep the few current
+                self._lookup_ids.clear()
+            ids = self._lookup_ids[rids] = tuple(ReplicaId(rid, 0) for rid in rids)
+        return ids
 
     def decide(self, prepared: Prepared, route: RouteRequest, now: float) -> Decision:
         """Choose a replica for `prepared`; `route.excluded` lists replicas already tried."""
@@ -61,37 +90,31 @@ class RoutingCore:
         t0 = self._clock()
         predicted = self.predict(prepared)
         t1 = self._clock()
-        candidates = [
-            self._candidate(rid, result, n, prepared, now) for rid, (result, n) in predicted.items()
-        ]
+        fleet = self.fleet
+        load, breakers, admission, pending = fleet.load, fleet.breakers, fleet.admission, fleet.pending
+        reads_pending = pending.ttl_s > 0  # with no time to live, nothing is ever pending
+        candidates = []
+        for rid, (result, n) in predicted.items():
+            held = reads_pending and pending.holds(rid)  # (pending_tokens' own first check)
+            candidate = Candidate(
+                rid, result.hit_tokens, result.shared_prefix_boundary, result.fa_warm_tokens, n,
+                fleet.trust(rid, now), load.snapshot(rid, now), True,
+                not breakers.get(rid).available(now), admission.at_capacity(rid),
+                self._pending_tokens(rid, prepared, now) if held else 0,
+            )  # fmt: skip
+            candidates.append(candidate)
         decision = self.scorer.choose(route, candidates)
         return Routed(decision, {"lookup": t1 - t0, "score": self._clock() - t1})
 
     def pending_tokens(self, rid: EngineId, prepared: Prepared, now: float) -> int:
         """Tokens of `prepared` that requests just routed to `rid` will have cached (see
         router.core.mirror.pending)."""
-        if not self.fleet.pending.holds(rid):
-            return 0
-        variant = self.fleet.replica(rid).variant
-        spec, keys = variant.spec, prepared.keys_for(variant.id)
-        if keys is None or prepared.skip_cache or not spec.unitary_full_attention:
-            return 0
-        bs = spec.hash_block_size
-        return self.fleet.pending.leading_run(rid, keys.keys, (keys.num_tokens - 1) // bs, now) * bs
+        return self._pending_tokens(rid, prepared, now) if self.fleet.pending.holds(rid) else 0
 
-    def _candidate(
-        self, rid: EngineId, result: LookupResult, prompt_tokens: int, prepared: Prepared, now: float
-    ) -> Candidate:
-        fleet = self.fleet
-        return Candidate(
-            engine=rid,
-            hit_tokens=result.hit_tokens,
-            pending_tokens=self.pending_tokens(rid, prepared, now),
-            boundary=result.shared_prefix_boundary,
-            warm_tokens=result.fa_warm_tokens,
-            prompt_tokens=prompt_tokens,
-            trust=fleet.trust(rid, now),
-            load=fleet.load.snapshot(rid, now),
-            breaker_open=not fleet.breakers.get(rid).available(now),
-            at_capacity=fleet.admission.at_capacity(rid),
-        )
+    def _pending_tokens(self, rid: EngineId, prepared: Prepared, now: float) -> int:
+        rep = self.fleet.replica(rid)
+        keys = prepared.keys_for(rep.variant.id)
+        if keys is None or prepared.skip_cache or not rep.unitary:
+            return 0
+        bs = rep.hash_block
+        return self.fleet.pending.leading_run(rid, keys.keys, (keys.num_tokens - 1) // bs, now) * bs

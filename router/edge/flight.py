@@ -72,14 +72,15 @@ class Flight:
 
         When no replica is eligible for the first attempt, raises the refusal naming the limit that
         bound (router.core.policy.refusal); on a retry, None lets the proxy report the failure it saw."""
-        now = self.fleet_clock()
+        now = self.fleet.clock()
         decision = self.entry.decisions[-1] if not tried and self.engine is None else None
         if decision is None:
             assert self.prepared is not None, "decide() first"
             route = msgspec.structs.replace(self.route, excluded=tried)
             decision = self.core.decide(self.prepared, route, now)
             self._note(decision)
-        self._leave(now)
+        if self._counted:  # a retry leaves the replica it was on
+            self._leave(now)
         if decision.engine is None:
             if not tried:
                 raise self._refusal(decision, now)
@@ -94,6 +95,7 @@ class Flight:
         return refusal(self.prepared.model, why_not, self.fleet.admission, reopens)
 
     def fleet_clock(self) -> float:
+        """The fleet's clock now (what every load, trust and pending time is read on)."""
         return self.fleet.clock()
 
     def _note(self, decision: Decision) -> None:
@@ -101,8 +103,11 @@ class Flight:
         self.on_decision(self.rid, len(self.entry.decisions) - 1, decision)
 
     def _enter(self, decision: Decision, engine: EngineId, now: float) -> Target:
-        chosen = next((c for c in decision.candidates if c.engine == engine), None)
-        uncached = chosen.uncached_tokens if chosen is not None else 0
+        uncached = 0
+        for candidate in decision.candidates:
+            if candidate.engine == engine:
+                uncached = candidate.uncached_tokens
+                break
         self.fleet.load.started(self.rid, engine, now, uncached)
         self._admitted = self.fleet.admission.enter_engine(engine)
         assert self.prepared is not None
@@ -131,7 +136,7 @@ class Flight:
 
     def first_byte(self) -> None:
         """The answer's first bytes arrived: the request's TTFT as far as the router can see it."""
-        now = self.fleet_clock()
+        now = self.fleet.clock()
         self.fleet.load.first_token(self.rid, now)
         self.fleet.request_answered(self.rid, now)
 
@@ -139,4 +144,4 @@ class Flight:
         """The request ended (any way); uncounts it once."""
         if not self._finished:
             self._finished = True
-            self._leave(self.fleet_clock())
+            self._leave(self.fleet.clock())

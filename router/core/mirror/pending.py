@@ -22,6 +22,7 @@ on its path, when added and when removed, not a count per key.
 from __future__ import annotations
 
 import heapq
+import math
 from collections.abc import Sequence
 
 from router.core.ids import EngineId, RequestId
@@ -123,12 +124,17 @@ class PendingPrefixes:
         self._entries: dict[RequestId, _Entry] = {}
         self._trees: dict[EngineId, _Tree] = {}
         self._heap: list[tuple[float, RequestId]] = []
+        # Every entry due at this time is expired already (expire's last time, unless something
+        # due by then was scheduled since): expiring again at it finds nothing.
+        self._expired_at = -math.inf
         self.size = 0
 
     def add(self, request: RequestId, replica: EngineId, keys: Sequence[int], now: float) -> None:
         """`request`, whose prompt has these chained full-block keys, was just sent to `replica`."""
-        self.expire(now)
-        self._remove(request)
+        if now != self._expired_at:
+            self.expire(now)
+        if request in self._entries:
+            self._remove(request)
         if self.ttl_s == 0 or not keys or self.size + len(keys) > self.max_keys:
             return
         tree = self._trees.setdefault(replica, _Tree())
@@ -138,6 +144,8 @@ class PendingPrefixes:
         entry = self._entries[request] = _Entry(replica, leaf, len(held), now + self.ttl_s)
         self.size += entry.size
         heapq.heappush(self._heap, (entry.until, request))
+        if entry.until <= self._expired_at:  # (a ttl too small to move the clock's float)
+            self._expired_at = -math.inf
 
     def answered(self, request: RequestId, now: float) -> None:
         """The replica answered `request`: its events are out, so the mirror takes over after `grace_s`."""
@@ -145,6 +153,8 @@ class PendingPrefixes:
         if entry is not None and now + self.grace_s < entry.until:
             entry.until = now + self.grace_s
             heapq.heappush(self._heap, (entry.until, request))
+            if entry.until <= self._expired_at:  # due already at the last expiry's time
+                self._expired_at = -math.inf
 
     def holds(self, replica: EngineId) -> bool:
         """Whether any request may still be pending on `replica` (expiry aside): a cheap pre-check."""
@@ -153,7 +163,8 @@ class PendingPrefixes:
     def leading_run(self, replica: EngineId, keys: Sequence[int], limit: int, now: float) -> int:
         """The longest prefix of the chained `keys` (at most `limit`) that a request pending on
         `replica` shares."""
-        self.expire(now)
+        if now != self._expired_at:  # scoring asks once per candidate, at one time
+            self.expire(now)
         tree = self._trees.get(replica)
         return tree.leading_run(keys, limit) if tree is not None else 0
 
@@ -164,6 +175,7 @@ class PendingPrefixes:
             entry = self._entries.get(request)
             if entry is not None and entry.until == until:
                 self._remove(request)
+        self._expired_at = now
 
     def drop(self, replica: EngineId) -> None:
         """Forget a replica (removed, or its engine restarted)."""

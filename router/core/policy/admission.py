@@ -48,9 +48,10 @@ class Admission:
 
     def enter_engine(self, engine: EngineId) -> bool:
         """Count one more request on `engine`, or refuse (False) at its limit."""
-        if self.at_capacity(engine):
+        count = self._per_engine.get(engine, 0)
+        if count >= self.max_per_engine:  # at_capacity(engine)
             return False
-        self._per_engine[engine] = self._per_engine.get(engine, 0) + 1
+        self._per_engine[engine] = count + 1
         return True
 
     def leave_engine(self, engine: EngineId) -> None:

@@ -72,8 +72,11 @@ class PrefillCostModel:
         x = (1.0, tokens / _KTOK)
         err = ttft_s - self.predict(tokens)
         if self.samples >= 3:
-            limit = 3.0 * max(self._abs_err, 1e-4)
-            err = max(-limit, min(limit, err))
+            # max(a, b) and min(a, b) written as Python evaluates them (`b if b > a else a`, NaN alike).
+            abs_err = self._abs_err
+            limit = 3.0 * (1e-4 if 1e-4 > abs_err else abs_err)
+            err = err if err < limit else limit
+            err = err if err > -limit else -limit
         self._abs_err = abs(err) if self.samples == 0 else 0.9 * self._abs_err + 0.1 * abs(err)
         self._update(x, err)
         self.samples += 1
@@ -86,13 +89,16 @@ class PrefillCostModel:
         px0, px1 = p00 * x0 + p01 * x1, p10 * x0 + p11 * x1
         denom = lam + x0 * px0 + x1 * px1
         g0, g1 = px0 / denom, px1 / denom
-        self.overhead_s = max(0.0, self.overhead_s + g0 * err)
-        self._per_ktok = max(1e-9, self._per_ktok + g1 * err)
+        overhead, per_ktok = self.overhead_s + g0 * err, self._per_ktok + g1 * err
+        self.overhead_s = overhead if overhead > 0.0 else 0.0  # max(0.0, overhead), NaN alike
+        self._per_ktok = per_ktok if per_ktok > 1e-9 else 1e-9
         n00, n01 = (p00 - g0 * px0) / lam, (p01 - g0 * px1) / lam
         n10, n11 = (p10 - g1 * px0) / lam, (p11 - g1 * px1) / lam
         trace = n00 + n11
         # Forgetting inflates P when the token counts barely vary; bound it by the prior's spread.
-        scale = min(1.0, self._p_trace_max / trace) if trace > 0 else 1.0
+        scale = self._p_trace_max / trace if trace > 0 else 1.0
+        if not scale < 1.0:  # min(1.0, scale)
+            scale = 1.0
         self._p = (n00 * scale, n01 * scale, n10 * scale, n11 * scale)
 
 
@@ -185,9 +191,21 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
         """`(prefill_steps, decode_s, slot_wait_s, predicted_ttft_s)` for `uncached_tokens`, each equal
         to its own method's value, computed once (scoring records all four for every candidate). The
         one place the TTFT is composed: prefill, then the decode its steps carry, then the slot wait."""
-        steps, slot_s = self.prefill_steps(uncached_tokens), self.slot_wait_s()
-        decode_s = steps * self.decode_step_s()
-        return steps, decode_s, slot_s, self.prefill_s(uncached_tokens) + decode_s + slot_s
+        # The methods' arithmetic written out once (scoring calls this per candidate, the tracker per
+        # send): `x if x > 0 else 0` is `max(0, x)`, and `-(-a // b)` is `ceil(a / b)` for ints.
+        step, decoding = self.step, self.decoding
+        left = self.queued_prefill_tokens - self.drained_tokens
+        tokens = (left if left > 0 else 0) + uncached_tokens
+        budget = step.max_num_batched_tokens - decoding
+        steps = -(-tokens // (budget if budget > 1 else 1))
+        if steps < 1:
+            steps = 1
+        per_step = step.decode_step_s + step.decode_penalty_s * decoding if decoding > 0 else 0.0
+        decode_s = steps * per_step
+        max_seqs = step.max_num_seqs
+        excess = self.in_flight - max_seqs + 1
+        slot_s = excess * self.residency_s / max_seqs if excess > 0 and max_seqs > 0 else 0.0
+        return steps, decode_s, slot_s, self.overhead_s + self.per_token_s * tokens + decode_s + slot_s
 
 
 class _InFlight(msgspec.Struct):
@@ -264,10 +282,11 @@ class LoadTracker:
         self._engine(engine).model = model
 
     def _engine(self, engine: EngineId) -> _EngineLoad:
-        load = self._engines.get(engine)
-        if load is None:
+        try:
+            return self._engines[engine]
+        except KeyError:
             load = self._engines[engine] = _EngineLoad(PrefillCostModel(self.prior))
-        return load
+            return load
 
     def drop(self, engine: EngineId) -> None:
         """Forget an engine and its in-flight requests (it left the fleet)."""
@@ -280,9 +299,9 @@ class LoadTracker:
             raise ValueError(f"request {request} is already in flight; finish it before restarting it")
         load = self._engine(engine)
         # What is predicted now besides prefill is taken out of the TTFT the prefill model learns from.
-        snap = self.snapshot(engine, at)
+        _, decode_s, slot_s, _ = self._snapshot(load, at).ttft_terms(uncached_tokens)
         work = load.prefill_tokens + uncached_tokens
-        other_s = snap.decode_s(uncached_tokens) + snap.slot_wait_s()
+        other_s = decode_s + slot_s
         flight = self._requests[request] = _InFlight(engine, at, uncached_tokens, work, other_s)
         load.unanswered[request] = flight
         load.in_flight += 1
@@ -302,7 +321,8 @@ class LoadTracker:
         if self.service:
             self._served(load, flight, at)
         else:
-            load.model.observe(flight.work_tokens, max(0.0, at - flight.started_at - flight.other_s))
+            ttft = at - flight.started_at - flight.other_s
+            load.model.observe(flight.work_tokens, ttft if ttft > 0.0 else 0.0)  # max(0.0, ttft)
         self._end_prefill(load, request, flight)
         load.head_since = at
         return at - flight.started_at
@@ -360,20 +380,36 @@ class LoadTracker:
         learned pace with each chunk's decode part, short of its last chunk (the engine answers at the
         end of the step that prefills it, so an unanswered head still has that ahead); none while the
         running batch is full (it waits for a slot) or before any TTFT was learned."""
-        if not self.drain or not load.unanswered or (load.model.samples == 0 and load.service is None):
+        if not self.drain or not load.unanswered:
             return 0
-        if self.step.max_num_seqs > 0 and decoding >= self.step.max_num_seqs:
+        model, step = load.model, self.step
+        if model.samples == 0 and load.service is None:
             return 0
-        head = next(iter(load.unanswered.values()))
-        per_step = _decode_step_s(self.step, decoding)
-        budget = max(1, self.step.max_num_batched_tokens - decoding)
-        steps = max(1, math.ceil(head.uncached_tokens / budget))
-        full_s = load.model.predict(head.uncached_tokens) + steps * per_step
-        elapsed = now - max(head.started_at, load.head_since) - per_step
+        if step.max_num_seqs > 0 and decoding >= step.max_num_seqs:
+            return 0
+        head = next(iter(load.unanswered.values()))  # the first: FCFS order
+        tokens = head.uncached_tokens
+        if tokens == 0:  # (both returns below are 0 then)
+            return 0
+        budget = step.max_num_batched_tokens - decoding
+        if budget < 1:
+            budget = 1
+        # `max`, `min` and `ceil` written as comparisons (`max(a, b)` is `b if b > a else a`).
+        per_step = step.decode_step_s + step.decode_penalty_s * decoding if decoding > 0 else 0.0
+        steps = -(-tokens // budget)
+        full_s = model.predict(tokens) + (steps if steps > 1 else 1) * per_step
         if full_s <= 0:
-            return head.uncached_tokens
-        done = round(head.uncached_tokens * min(1.0, max(0.0, elapsed) / full_s))
-        return min(done, max(0, head.uncached_tokens - budget))
+            return tokens
+        if 0 <= tokens <= budget:
+            # A head within one step's budget is all last chunk: none of it counts as drained (the
+            # result below is min(done >= 0, 0)); the usual case, at no clock arithmetic.
+            return 0
+        since = load.head_since if load.head_since > head.started_at else head.started_at
+        elapsed = now - since - per_step
+        share = (elapsed if elapsed > 0.0 else 0.0) / full_s
+        done = round(tokens * (share if share < 1.0 else 1.0))
+        cap = tokens - budget
+        return cap if cap < done else done
 
     def scraped(self, engine: EngineId, metrics: ScrapedMetrics) -> None:
         """Merge the engine's latest scraped gauges (used while younger than `scrape_max_age_s`)."""
@@ -389,14 +425,18 @@ class LoadTracker:
         Each count is the larger of the two because each is a lower bound of the truth: the router's
         is exact but only its own traffic, the scrape holds every gateway's (and direct clients')
         but is up to a period old. Adding them would count this router's requests twice."""
-        load = self._engine(engine)
+        return self._snapshot(self._engine(engine), now)
+
+    def _snapshot(self, load: _EngineLoad, now: float) -> LoadSnapshot:
         in_flight, prefilling = load.in_flight, load.prefilling
         decoding, queued = in_flight - prefilling, load.prefill_tokens
         scrape = load.scrape
-        fresh = scrape is not None and now - scrape.at <= self.scrape_max_age_s
+        fresh = False
         usage = None
-        if scrape is not None and not fresh:
-            scrape = None
+        if scrape is not None:
+            fresh = now - scrape.at <= self.scrape_max_age_s
+            if not fresh:
+                scrape = None
         if scrape is not None:
             # Requests the engine holds that this router did not send (other routers, direct clients).
             extra_waiting = max(0, scrape.num_requests_waiting - prefilling)
@@ -405,7 +445,8 @@ class LoadTracker:
             in_flight = max(in_flight, scrape.num_requests_running + scrape.num_requests_waiting)
             usage = scrape.kv_cache_usage_perc
         model = load.model
+        per_token_s = model._per_ktok / _KTOK  # `model.per_token_s`, without the property's call
         return LoadSnapshot(
-            in_flight, prefilling, decoding, queued, usage, model.overhead_s, model.per_token_s, fresh,
+            in_flight, prefilling, decoding, queued, usage, model.overhead_s, per_token_s, fresh,
             self.step, scrape, load.residency_s, self._drained(load, decoding, now),
         )  # fmt: skip

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import enum
 import hashlib
+import operator
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
@@ -226,17 +227,23 @@ def _saturated(load: LoadSnapshot, ttft_s: float, settings: ScorerSettings) -> b
 
 
 def _score(c: Candidate, excluded: frozenset[EngineId], settings: ScorerSettings) -> CandidateScore:
-    trusted = c.trust.trusted
+    state = c.trust.state
+    trusted = state is TrustState.FRESH  # TrustStatus.trusted
     trusted_hit = c.hit_tokens if trusted else 0
     # A prefix the router itself just sent there is known without the mirror, unless the engine's
     # state is in doubt altogether (stale: restarted, history lost, silent).
-    pending = c.pending_tokens if c.trust.state is not TrustState.STALE else 0
-    counted = max(trusted_hit, pending)
-    uncached = max(0, c.prompt_tokens - counted)
-    steps, decode_s, slot_s, ttft = c.load.ttft_terms(uncached)
-    work = settings.prefill_work_weight * c.load.per_token_s * uncached
+    pending = c.pending_tokens if state is not TrustState.STALE else 0
+    counted = pending if pending > trusted_hit else trusted_hit  # max(trusted_hit, pending)
+    uncached = c.prompt_tokens - counted
+    if uncached < 0:
+        uncached = 0
+    load = c.load
+    steps, decode_s, slot_s, ttft = load.ttft_terms(uncached)
+    work = settings.prefill_work_weight * load.per_token_s * uncached
     pins = trusted and c.warm_tokens > c.hit_tokens
-    why_not = _why_not(c, excluded) or (WHY_SATURATED if _saturated(c.load, ttft, settings) else "")
+    why_not = _why_not(c, excluded)
+    if not why_not and (settings.max_predicted_ttft_s > 0 or settings.max_scraped_waiting > 0):
+        why_not = WHY_SATURATED if _saturated(load, ttft, settings) else ""  # (no limit: never)
     return CandidateScore(
         c.engine, c.hit_tokens, trusted_hit, c.boundary, c.warm_tokens, pins, uncached, ttft,
         c.trust, c.load, not why_not, why_not, c.pending_tokens, counted,
@@ -245,6 +252,8 @@ def _score(c: Candidate, excluded: frozenset[EngineId], settings: ScorerSettings
 
 
 Pick = tuple[CandidateScore, str]
+_ENGINE: Final = operator.attrgetter("engine")
+_COST: Final = operator.attrgetter("cost_s")
 
 
 class Scorer:
@@ -263,19 +272,20 @@ class Scorer:
             PolicyName.SESSION: self._session,
             PolicyName.PREFIX_APPROX: self._prefix_approx,
         }
+        self._policy = self._policies[settings.policy]  # (an enum's hash is a Python call per lookup)
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         """Score every candidate and pick one with the configured policy (deterministic given the seed)."""
         policy = self.settings.policy
         scores = [_score(c, request.excluded, self.settings) for c in candidates]
-        scores.sort(key=lambda s: s.engine)
+        scores.sort(key=_ENGINE)
         eligible = [s for s in scores if s.eligible]
         if not eligible:
             why = "; ".join(f"{s.engine}: {s.why_not}" for s in scores) or "no engines configured"
             return Decision(None, policy, f"no eligible engine ({why})", 0, scores)
-        chosen, reason = self._policies[policy](request, eligible)
-        others = [s for s in eligible if s is not chosen]
-        runner = min(others, key=lambda s: s.cost_s) if others else None
+        chosen, reason = self._policy(request, eligible)
+        others = [s for s in eligible if s is not chosen] if len(eligible) > 1 else None
+        runner = min(others, key=_COST) if others else None
         return Decision(
             chosen.engine, policy, reason, chosen.expected_tokens, scores,
             chosen.hit_tokens, chosen.counted_tokens,
@@ -288,7 +298,7 @@ class Scorer:
             del self._sessions[session]
 
     def _kv(self, request: RouteRequest, eligible: list[CandidateScore]) -> Pick:
-        best = min(eligible, key=lambda s: s.cost_s)
+        best = min(eligible, key=_COST)
         tol = self.settings.tie_tolerance_s
         # The cost counts a prefill difference 1 + weight times; so does the tolerance, which keeps
         # "TTFTs within tie_tolerance_s tie" true of candidates that differ only in their hit.
@@ -400,8 +410,9 @@ def _break_tie(key: str, tied: list[CandidateScore]) -> tuple[CandidateScore, li
     for rule, words in _TIE_RULES:
         if len(left) == 1:
             break
-        least = min(rule(key, s) for s in left)
-        kept = [s for s in left if rule(key, s) == least]
+        values = [rule(key, s) for s in left]  # once each (the last rule hashes)
+        least = min(values)
+        kept = [s for s, value in zip(left, values, strict=True) if value == least]
         if len(kept) < len(left):
             narrowed.append(words)
         left = kept

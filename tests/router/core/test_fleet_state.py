@@ -17,7 +17,9 @@ from events.wire import BlockStored, KVEventBatch
 from router.core.fleet_state import FleetState, ModelReadiness
 from router.core.ids import EngineId, RequestId
 from router.core.keys.block_key import KeyHasher
-from router.core.policy.trust import TrustReason, TrustState
+from router.core.kv_layout import GroupSpec, ModelSpec
+from router.core.policy.trust import TrustReason, TrustState, TrustTracker
+from router.core.replica import Replica
 from router.prepare.engine_variants import resolve_variant
 from router.prepare.prepared import Prepared
 from router.settings.config import EngineConfig, ModelConfig, RouterConfig
@@ -332,3 +334,45 @@ def test_a_replica_with_events_awaits_the_stores_and_keeps_the_reports_of_a_requ
     assert len(rep.awaited) == 1 and list(rep.pending) == [RequestId("a")]
     fleet.request_finished(E, RequestId("a"), clock())
     assert rep.pending == {}
+
+
+def test_a_replica_keeps_its_specs_layout_facts() -> None:
+    """What the request hooks read of the layout per request is the spec's own, for every kind."""
+    for groups in (
+        (GroupSpec(),),
+        (GroupSpec(block_size=16), GroupSpec(kind="sliding_window", block_size=16, sliding_window=64)),
+        (GroupSpec(kind="sliding_window", block_size=32, sliding_window=128),),
+    ):
+        spec = ModelSpec(groups=groups)
+        e = engine()
+        variant = resolve_variant(MODEL, e)
+        rep = Replica(E, e, 0, msgspec.structs.replace(variant, spec=spec), TrustTracker(1.0))
+        assert (rep.unitary, rep.hash_block) == (spec.unitary_full_attention, spec.hash_block_size)
+
+
+def test_request_hooks_keep_the_same_reports_and_waits_with_or_without_pending_prefixes() -> None:
+    """With no pending prefixes to keep (round_robin) the hooks skip the overlay, and only it: the
+    awaited stores, first keys and full-mode reports are those kv's hooks keep."""
+    from router.settings.config import PolicyConfig
+
+    fleets = []
+    for policy in ("kv", "round_robin"):
+        clock = Clock()
+        config = RouterConfig(engines=[engine()], models=[MODEL], policy=PolicyConfig(name=policy))
+        fleet = FleetState(config, KeyHasher(b"t"), clock)
+        fleet.add_engine(engine(), resolve_variant(MODEL, engine()), clock())
+        for i in range(6):
+            clock.now += 0.01
+            request = RequestId(f"r{i}")
+            fleet.request_sent(E, request, prepared(fleet, list(range(i, i + 4 * i + 3))), clock())
+            if i % 2:
+                fleet.request_answered(request, clock())
+            if i % 3 == 2:
+                fleet.request_finished(E, request, clock())
+        fleets.append(fleet)
+    kv, rr = fleets
+    assert kv.pending.size > 0 and rr.pending.size == 0 and not rr.pending.holds(E)
+    assert (kv._first_keys, kv._answered_keys) == (rr._first_keys, rr._answered_keys)
+    kv_rep, rr_rep = kv.replica(E), rr.replica(E)
+    assert (kv_rep.pending, kv_rep.finished) == (rr_rep.pending, rr_rep.finished)
+    assert kv_rep.awaited._by_request == rr_rep.awaited._by_request and len(kv_rep.awaited) > 0

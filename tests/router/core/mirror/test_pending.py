@@ -178,3 +178,48 @@ def test_requests_sharing_a_prefix_share_its_run() -> None:
     p.answered(R1, now=1.0)
     p.expire(2.0)
     assert not p.holds(A) and p.size == 0
+
+
+class _AlwaysExpiring(PendingPrefixes):
+    """The general path: every call expires afresh (no memo of the last expiry's time)."""
+
+    def add(self, request: RequestId, replica: EngineId, keys: list[int], now: float) -> None:  # type: ignore[override]
+        self._expired_at = -float("inf")
+        super().add(request, replica, keys, now)
+
+    def leading_run(self, replica: EngineId, keys: list[int], limit: int, now: float) -> int:  # type: ignore[override]
+        self._expired_at = -float("inf")
+        return super().leading_run(replica, keys, limit, now)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["add", "answered", "run", "expire"]), st.integers(0, 3), st.sampled_from([A, B]),
+            st.lists(st.integers(1, 3), max_size=5), st.sampled_from([0.0, 0.05, 0.1, 0.1, 0.3, 1.0]),
+        ),
+        max_size=40,
+    ),
+    ttl=st.sampled_from([0.05, 0.1, 0.5]), grace=st.sampled_from([0.0, 0.05, 0.1]),
+)  # fmt: skip
+def test_expiry_skipped_at_the_last_expirys_time_changes_nothing(
+    ops: list[tuple[str, int, EngineId, list[int], float]], ttl: float, grace: float
+) -> None:
+    """Asked again at the time it last expired at (scoring's candidates share one `now`), with
+    answers and sends due at once in between, the overlay answers what expiring every time would."""
+    fast, general = PendingPrefixes(ttl, grace), _AlwaysExpiring(ttl, grace)
+    for op, who, replica, blocks, now in ops:
+        request = RequestId(f"r{who}")
+        for p in (fast, general):
+            if op == "add":
+                p.add(request, replica, chain(blocks), now)
+            elif op == "answered":
+                p.answered(request, now)
+            elif op == "expire":
+                p.expire(now)
+        if op == "run":
+            for r in (A, B):
+                got = fast.leading_run(r, chain(blocks), 5, now)
+                assert got == general.leading_run(r, chain(blocks), 5, now)
+        assert (fast.size, fast.holds(A), fast.holds(B)) == (general.size, general.holds(A), general.holds(B))

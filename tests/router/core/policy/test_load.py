@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -383,3 +384,70 @@ def test_ttft_terms_are_each_term_s_own_method(
         snap.prefill_steps(uncached), snap.decode_s(uncached), snap.slot_wait_s(), ttft,
     )  # fmt: skip
     assert snap.predicted_ttft_s(uncached) == ttft
+
+
+def _drained_reference(tracker: LoadTracker, engine: EngineId, decoding: int, now: float) -> int:
+    """`LoadTracker._drained` as first written (max, min, ceil calls), which the fast one must equal."""
+    load, step = tracker._engine(engine), tracker.step
+    if not tracker.drain or not load.unanswered or (load.model.samples == 0 and load.service is None):
+        return 0
+    if step.max_num_seqs > 0 and decoding >= step.max_num_seqs:
+        return 0
+    head = next(iter(load.unanswered.values()))
+    per_step = 0.0 if decoding <= 0 else step.decode_step_s + step.decode_penalty_s * decoding
+    budget = max(1, step.max_num_batched_tokens - decoding)
+    steps = max(1, math.ceil(head.uncached_tokens / budget))
+    full_s = load.model.predict(head.uncached_tokens) + steps * per_step
+    elapsed = now - max(head.started_at, load.head_since) - per_step
+    if full_s <= 0:
+        return head.uncached_tokens
+    done = round(head.uncached_tokens * min(1.0, max(0.0, elapsed) / full_s))
+    return min(done, max(0, head.uncached_tokens - budget))
+
+
+@given(
+    sends=st.lists(st.tuples(st.integers(0, 40_000), st.floats(0, 0.5), st.booleans()), min_size=1,
+                   max_size=8),
+    budget=st.integers(0, 16384), max_seqs=st.integers(0, 8), decoding=st.integers(-2, 20),
+    later=st.floats(-1.0, 30.0), overhead=st.floats(0, 0.05), per_token=st.floats(0, 1e-3),
+    service=st.booleans(),
+)  # fmt: skip
+def test_drained_equals_its_reference_arithmetic(
+    sends: list[tuple[int, float, bool]], budget: int, max_seqs: int, decoding: int, later: float,
+    overhead: float, per_token: float, service: bool,
+) -> None:  # fmt: skip
+    """The drained head (and so every snapshot) is the old max/min/ceil arithmetic exactly, the
+    within-one-step shortcut included, for any queue, step budget, batch limit and clock."""
+    tracker = LoadTracker(CostPrior(overhead, per_token), step=StepCost(6e-3, 40e-6, budget, max_seqs),
+                          drain=True, service=service)  # fmt: skip
+    at = 0.0
+    for n, (tokens, gap, answered) in enumerate(sends):
+        at += gap
+        tracker.started(rid(n), A, at, tokens)
+        if answered:
+            tracker.first_token(rid(n), at + gap / 2)
+    load = tracker._engine(A)
+    now = at + later
+    assert tracker._drained(load, decoding, now) == _drained_reference(tracker, A, decoding, now)
+    snap = tracker.snapshot(A, now)
+    assert snap.drained_tokens == _drained_reference(tracker, A, snap.decoding, now)
+    assert (snap.overhead_s, snap.per_token_s) == (tracker.model(A).overhead_s, tracker.model(A).per_token_s)
+
+
+@given(
+    uncached=st.lists(st.integers(0, 30_000), min_size=1, max_size=6), gap=st.floats(0, 0.2),
+    budget=st.integers(0, 16384), max_seqs=st.integers(0, 4),
+)  # fmt: skip
+def test_started_takes_out_the_decode_and_slot_wait_of_its_own_snapshot(
+    uncached: list[int], gap: float, budget: int, max_seqs: int
+) -> None:  # fmt: skip
+    """`started` reads its snapshot's TTFT terms once; what it takes out of the TTFT to learn from is
+    still that snapshot's `decode_s(uncached) + slot_wait_s()`."""
+    tracker = LoadTracker(PRIOR, step=StepCost(6e-3, 40e-6, budget, max_seqs), drain=True)
+    for n, tokens in enumerate(uncached):
+        at = n * gap
+        snap = tracker.snapshot(A, at)
+        tracker.started(rid(n), A, at, tokens)
+        assert tracker._requests[rid(n)].other_s == snap.decode_s(tokens) + snap.slot_wait_s()
+        if n % 2:
+            tracker.first_token(rid(n - 1), at + gap / 3)

@@ -4,15 +4,22 @@ from __future__ import annotations
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from router.core.ids import EngineId
-from router.core.policy.load import LoadSnapshot, StepCost
+from router.core.policy.load import LoadSnapshot, ScrapedMetrics, StepCost
 from router.core.policy.scoring import (
+    WHY_SATURATED,
     Candidate,
+    CandidateScore,
     PolicyName,
     RouteRequest,
     Scorer,
     ScorerSettings,
+    _saturated,
+    _score,
+    _why_not,
     stable_hash,
 )
 from router.core.policy.trust import TrustReason, TrustState, TrustStatus
@@ -382,3 +389,45 @@ def test_kv_keeps_a_long_hit_on_a_queued_engine_rather_than_add_its_whole_prefil
     # the record names the runner-up and by how much it lost
     assert decision.runner_up == "b" and decision.margin_s == pytest.approx(other.cost_s - chosen.cost_s)
     assert greedy.runner_up == "a" and greedy.margin_s > 0
+
+
+def _score_reference(c: Candidate, excluded: frozenset[EngineId], settings: ScorerSettings) -> CandidateScore:
+    """`scoring._score` as first written (max calls, the saturation check always made)."""
+    trusted = c.trust.trusted
+    trusted_hit = c.hit_tokens if trusted else 0
+    pending = c.pending_tokens if c.trust.state is not TrustState.STALE else 0
+    counted = max(trusted_hit, pending)
+    uncached = max(0, c.prompt_tokens - counted)
+    steps, decode_s, slot_s, ttft = c.load.ttft_terms(uncached)
+    work = settings.prefill_work_weight * c.load.per_token_s * uncached
+    pins = trusted and c.warm_tokens > c.hit_tokens
+    why_not = _why_not(c, excluded) or (WHY_SATURATED if _saturated(c.load, ttft, settings) else "")
+    return CandidateScore(
+        c.engine, c.hit_tokens, trusted_hit, c.boundary, c.warm_tokens, pins, uncached, ttft,
+        c.trust, c.load, not why_not, why_not, c.pending_tokens, counted,
+        steps, decode_s, slot_s, work, ttft + work,
+    )  # fmt: skip
+
+
+@given(
+    hit=st.integers(0, 4000), prompt=st.integers(0, 4000), warm=st.integers(0, 4000),
+    pending=st.integers(0, 4000), queued=st.integers(0, 20_000), in_flight=st.integers(0, 40),
+    trust=st.sampled_from([FRESH, STALE, CATCHING]), healthy=st.booleans(), breaker=st.booleans(),
+    full=st.booleans(), tried=st.booleans(), max_ttft=st.sampled_from([0.0, 0.05, 0.5]),
+    max_waiting=st.sampled_from([0, 3]), waiting=st.integers(0, 6), scraped=st.booleans(),
+)  # fmt: skip
+def test_score_equals_its_reference_arithmetic(
+    hit: int, prompt: int, warm: int, pending: int, queued: int, in_flight: int, trust: TrustStatus,
+    healthy: bool, breaker: bool, full: bool, tried: bool, max_ttft: float, max_waiting: int,
+    waiting: int, scraped: bool,
+) -> None:  # fmt: skip
+    """The score of any candidate, under any limits, is the one the first-written arithmetic gives
+    (the saturation check skipped only when no limit is configured)."""
+    scrape = ScrapedMetrics(0.0, in_flight, waiting) if scraped else None
+    load = LoadSnapshot(
+        in_flight, 1, in_flight - 1, queued, None, OVERHEAD, PER_TOKEN, scraped, scrape=scrape
+    )  # fmt: skip
+    c = Candidate(EngineId("a"), hit, 0, warm, prompt, trust, load, healthy, breaker, full, pending)
+    settings = ScorerSettings(max_predicted_ttft_s=max_ttft, max_scraped_waiting=max_waiting)
+    excluded = frozenset({EngineId("a")}) if tried else frozenset()
+    assert _score(c, excluded, settings) == _score_reference(c, excluded, settings)
