@@ -42,13 +42,19 @@ KVROUTER = (sys.executable, "-m", "kvrouter")
 
 
 async def start_gateway(
-    tree: Path, config: Path, env: dict[str, str], head: Sequence[str] = KVROUTER
+    tree: Path,
+    config: Path,
+    env: dict[str, str],
+    head: Sequence[str] = KVROUTER,
+    log_level: str = "ERROR",
 ) -> tuple[asyncio.subprocess.Process, str]:
     """`kvrouter serve` of the source `tree` (or `head`: a wrapper taking kvrouter's arguments) with
-    `config`; the process and its URL once it printed its ready line."""
-    argv = [*head, "--log-level", "ERROR", "serve", "--config", str(config)]
+    `config` at `log_level` (below ERROR its log, the access lines at INFO, goes to /dev/null); the
+    process and its URL once it printed its ready line."""
+    argv = [*head, "--log-level", log_level, "serve", "--config", str(config)]
+    stderr = None if log_level == "ERROR" else asyncio.subprocess.DEVNULL
     proc = await asyncio.create_subprocess_exec(
-        *argv, stdout=asyncio.subprocess.PIPE, cwd=tree, env={**env, "PYTHONPATH": str(tree)}
+        *argv, stdout=asyncio.subprocess.PIPE, stderr=stderr, cwd=tree, env={**env, "PYTHONPATH": str(tree)}
     )
     assert proc.stdout is not None
     while line := await asyncio.wait_for(proc.stdout.readline(), 120):
@@ -72,7 +78,7 @@ async def run(args: argparse.Namespace) -> list[Row]:
         tmp = Path(tmp_name)
         (tmp / "base").mkdir()
         base = unpack(args.base, (tmp / "base").resolve())
-        cases = [chat_case(), completions_case()]
+        cases = [case for case in (chat_case(), completions_case()) if case.name in args.cases.split(",")]
         files = {}
         for case in cases:
             files[case.name] = (tmp / f"{case.name}.head", tmp / f"{case.name}.tail")
@@ -89,7 +95,7 @@ async def run(args: argparse.Namespace) -> list[Row]:
                     gateway_config(f"http://127.0.0.1:{port}") + f'[policy]\nname = "{policy}"\n'
                 )
                 for name, tree in (("base", base), ("new", ROOT)):
-                    proc, url = await start_gateway(tree, config, dict(os.environ))
+                    proc, url = await start_gateway(tree, config, dict(os.environ), log_level=args.log_level)
                     procs.append(proc)
                     targets.append((policy, Target(f"{name}-{policy}", url, proc.pid)))
             print(f"cpus={os.cpu_count()} load1={os.getloadavg()[0]:.2f} base={args.base}", flush=True)
@@ -141,6 +147,8 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--conc", type=lambda s: [int(c) for c in s.split(",")], default=[1, 32])
+    parser.add_argument("--log-level", default="ERROR", help="the gateways' (INFO: with access lines)")
+    parser.add_argument("--cases", default="chat,completions", help="of chat,completions")
     parser.add_argument("--from-json", help="report the rows of an earlier run's output (JSON lines)")
     args = parser.parse_args()
     if args.from_json:

@@ -65,7 +65,7 @@ async def loaded(args: argparse.Namespace, tmp: Path, head: Sequence[str], secon
         config = tmp / "gateway.toml"
         policy = f'[policy]\nname = "{args.policy}"\n'
         config.write_text(gateway_config(f"http://127.0.0.1:{port}") + policy)
-        proc, url = await start_gateway(HERE.parents[1], config, dict(os.environ), head)
+        proc, url = await start_gateway(HERE.parents[1], config, dict(os.environ), head, args.log_level)
         procs.append(proc)
         target = Target("gateway", url, proc.pid)
         await measure(target, case, files, 8, 2, -1)
@@ -172,6 +172,7 @@ def main() -> None:
     parser.add_argument("--conc", type=int, default=32)
     parser.add_argument("--seconds", type=float, default=8.0)
     parser.add_argument("--top", type=int, default=60)
+    parser.add_argument("--log-level", default="ERROR", help="the gateway's (INFO: with access lines)")
     mode = parser.add_mutually_exclusive_group(required=True)
     mode.add_argument("--spy", metavar="F.raw", help="record with py-spy into F.raw, then summarise")
     mode.add_argument("--summary", metavar="F.raw", help="only summarise an earlier py-spy recording")

@@ -1,25 +1,25 @@
 """The access log: one structured INFO line per HTTP request, on the `kvrouter.access` logger.
 
-`AccessLog` wraps the whole ASGI app, so every answer is logged from one place when it ends: the
-engines' answers the gateway relays and the gateway's own 4xx/5xx alike. It reads what the answer's
-headers already say (`x-request-id`, `x-kvrouter-engine`, `x-kvrouter-predicted-cached-tokens`),
-or else the request id the route took (`request_id_of`) without answering with it. The
-engine-reported cached tokens, known only once the relay has read the answer's usage, are left on
-the request's `AccessNote` by the gateway. `listen.access_log = false` (`--no-access-log`) or a
-log level above INFO turns it off; then it costs one check per request.
-"""
+Every answer is logged when it ends, the engines' answers the gateway relays and the gateway's own
+4xx/5xx alike, by one definition, `AccessLine`: for the hot routes from their cycle
+(`router.edge.hot_routes.HotCycle`), for every other request by `AccessLog`, which wraps the whole
+ASGI app. It reads what the answer's headers already say (`x-request-id`, `x-kvrouter-engine`,
+`x-kvrouter-predicted-cached-tokens`), or else the request id the route took (`request_id_of`)
+without answering with it. The engine-reported cached tokens, known only once the relay has read
+the answer's usage, are left on the request's `AccessNote` by the gateway. `listen.access_log =
+false` (`--no-access-log`) or a log level above INFO turns it off; then it costs one check per
+request."""
 
 from __future__ import annotations
 
 import asyncio
 import logging
 import time
-from collections.abc import Iterable
 from typing import Final
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-__all__ = ["ACCESS_LOGGER", "AccessLog", "AccessNote", "note_of"]
+__all__ = ["ACCESS_LOGGER", "AccessLine", "AccessLog", "AccessNote", "note_of"]
 
 ACCESS_LOGGER: Final = "kvrouter.access"
 _log = logging.getLogger(ACCESS_LOGGER)
@@ -47,27 +47,64 @@ def note_of(scope: Scope) -> AccessNote:
     return note if isinstance(note, AccessNote) else _UNREAD
 
 
-class _Answer:
-    """What went out: status, the gateway's headers, whether the last body message was sent."""
+class AccessLine:
+    """One request's access line in the making, the one definition both paths write it with (the
+    `AccessLog` middleware, and the hot routes' cycle, `router.edge.hot_routes.HotCycle`): begun when
+    the request's handling starts (leaving its `AccessNote` on the scope), shown every message its
+    answer sends (`saw`, before it goes out), written once when the handling ends (`write`)."""
 
-    __slots__ = ("complete", "engine", "predicted", "request_id", "status")
+    __slots__ = ("began", "complete", "engine", "note", "predicted", "request_id", "status")
 
-    def __init__(self) -> None:
+    def __init__(self, scope: Scope) -> None:
+        self.began = time.perf_counter()
+        self.note = scope[_NOTE] = AccessNote()
         self.status = 0
         self.complete = False
         self.engine: str | None = None
         self.predicted: int | None = None
         self.request_id: str | None = None
 
-    def started(self, status: int, headers: Iterable[tuple[bytes, bytes]]) -> None:
-        self.status = status
-        for key, value in headers:  # the gateway's own come last, so the last of each name wins
-            if key == b"x-request-id":
-                self.request_id = value.decode("latin-1")
-            elif key == b"x-kvrouter-engine":
-                self.engine = value.decode("latin-1")
-            elif key == b"x-kvrouter-predicted-cached-tokens" and value.isdigit():
-                self.predicted = int(value)
+    def saw(self, message: Message) -> None:
+        """Note what `message` says about the answer: its status and the gateway's headers, or that
+        it is the last body message."""
+        kind = message["type"]
+        if kind == "http.response.start":
+            self.status = message["status"]
+            for key, value in message.get("headers", ()):  # the gateway's own come last: the last wins
+                if key == b"x-request-id":
+                    self.request_id = value.decode("latin-1")
+                elif key == b"x-kvrouter-engine":
+                    self.engine = value.decode("latin-1")
+                elif key == b"x-kvrouter-predicted-cached-tokens" and value.isdigit():
+                    self.predicted = int(value)
+        elif kind == "http.response.body" and not message.get("more_body", False):
+            self.complete = True
+
+    def write(self, scope: Scope, failure: BaseException | None) -> None:
+        """Log the line of the request of `scope`, whose handling ended (raising `failure`, if given)."""
+        status = self.status
+        if not status:  # nothing was sent: the client left, or the server answers 500 for the exception
+            error = failure is not None and not isinstance(failure, asyncio.CancelledError)
+            status = 500 if error else _CLIENT_LEFT
+        client = scope.get("client")
+        _log.info(
+            "%s %s %d",
+            scope["method"],
+            scope["path"],
+            status,
+            extra={
+                "method": scope["method"],
+                "path": scope["path"],
+                "status": status,
+                "complete": self.complete,
+                "engine": self.engine,
+                "predicted_cached_tokens": self.predicted,
+                "actual_cached_tokens": self.note.actual_cached_tokens,
+                "duration_ms": round((time.perf_counter() - self.began) * 1000, 3),
+                "request_id": self.request_id or scope.get("state", {}).get("request_id"),
+                "client": f"{client[0]}:{client[1]}" if client else None,
+            },
+        )
 
 
 class AccessLog:
@@ -90,16 +127,10 @@ class AccessLog:
         if not self.writes(scope):
             await self.app(scope, receive, send)
             return
-        started = time.perf_counter()
-        note = AccessNote()
-        scope[_NOTE] = note
-        answer = _Answer()
+        line = AccessLine(scope)
 
         async def watched(message: Message) -> None:
-            if message["type"] == "http.response.start":
-                answer.started(message["status"], message.get("headers", ()))
-            elif message["type"] == "http.response.body" and not message.get("more_body", False):
-                answer.complete = True
+            line.saw(message)
             await send(message)
 
         failure: BaseException | None = None
@@ -109,32 +140,4 @@ class AccessLog:
             failure = exc
             raise
         finally:
-            _write(scope, answer, note, failure, time.perf_counter() - started)
-
-
-def _write(
-    scope: Scope, answer: _Answer, note: AccessNote, failure: BaseException | None, took: float
-) -> None:
-    status = answer.status
-    if not status:  # nothing was sent: the client left, or uvicorn answers 500 for the exception
-        error = failure is not None and not isinstance(failure, asyncio.CancelledError)
-        status = 500 if error else _CLIENT_LEFT
-    client = scope.get("client")
-    _log.info(
-        "%s %s %d",
-        scope["method"],
-        scope["path"],
-        status,
-        extra={
-            "method": scope["method"],
-            "path": scope["path"],
-            "status": status,
-            "complete": answer.complete,
-            "engine": answer.engine,
-            "predicted_cached_tokens": answer.predicted,
-            "actual_cached_tokens": note.actual_cached_tokens,
-            "duration_ms": round(took * 1000, 3),
-            "request_id": answer.request_id or scope.get("state", {}).get("request_id"),
-            "client": f"{client[0]}:{client[1]}" if client else None,
-        },
-    )
+            line.write(scope, failure)

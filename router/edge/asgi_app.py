@@ -13,7 +13,6 @@ included) and the request's `x-request-id`.
 from __future__ import annotations
 
 import gc
-import logging
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 from contextlib import asynccontextmanager
@@ -29,7 +28,7 @@ from starlette.types import Receive, Scope, Send
 
 from router.core.errors import NoEngineAvailable, RequestTimeout, RouterError
 from router.core.fleet_state import ModelReadiness
-from router.edge.access_log import ACCESS_LOGGER, AccessLog
+from router.edge.access_log import AccessLog
 from router.edge.admin import AdminApi, NotFound
 from router.edge.client_io import ClientGone, error_answer, read_body, request_id_of
 from router.edge.client_timeouts import STATE_KEY, ClientTimeouts
@@ -208,8 +207,7 @@ def create_app(
             STATE_KEY: ClientTimeouts.of(config.timeouts, lambda phase: counter.labels(phase).inc())
         }
         if not config.listen.forwarded_allow_ips:  # uvicorn's ProxyHeadersMiddleware must see every request
-            access = logging.getLogger(ACCESS_LOGGER) if config.listen.access_log else None
-            state[HOT_KEY] = HotRoutes(box[0].gateway.handle, access)
+            state[HOT_KEY] = HotRoutes(box[0].gateway.handle, config.listen.access_log)
         try:  # the lifespan state reaches every connection uvicorn accepts (router.edge.client_timeouts)
             yield state
         finally:

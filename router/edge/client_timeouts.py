@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
-import logging
 import socket
 import weakref
 from collections.abc import Callable
@@ -136,8 +135,7 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         """uvicorn's, or for a head naming a hot route a `HotCycle` (`_start_hot`) when `HotRoutes` may
-        serve it (module docstring): a plain POST, no concurrency limit or root path, no access line
-        to write (asked per request)."""
+        serve it (module docstring): a plain POST, no concurrency limit or root path."""
         self._header_by = None
         hot = self._hot
         endpoint = HOT_PATHS.get(self.url) if hot is not None else None
@@ -148,7 +146,6 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             and not self.root_path
             and self.parser.get_method() == b"POST"
             and not self.parser.should_upgrade()
-            and (hot.access is None or not hot.access.isEnabledFor(logging.INFO))
         ):
             self._start_hot(endpoint)
         else:
@@ -166,7 +163,8 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
     def _start_hot(self, endpoint: Endpoint) -> None:
         """uvicorn's scope completion and cycle start (or queueing behind a pipelined request), with a
         `HotCycle` serving `endpoint` for the cycle."""
-        assert self._hot is not None
+        hot = self._hot
+        assert hot is not None
         version = self.parser.get_http_version()
         scope = self.scope
         scope["method"] = "POST"
@@ -177,7 +175,7 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         scope["query_string"] = b""
         previous = self.cycle
         keep_alive = version != "1.0" and self.parser.should_keep_alive()
-        self.cycle = cycle = HotCycle(self, scope, keep_alive, self._hot.serve, endpoint)
+        self.cycle = cycle = HotCycle(self, scope, keep_alive, hot.serve, endpoint, hot.access_log)
         if previous is None or previous.response_complete:
             cycle.begin(self.loop, self.tasks, contextvars.Context() if self._fresh_context else None)
         else:

@@ -1,8 +1,7 @@
 """The two hot routes served from the gateway's HTTP protocol: no app call chain, a leaner `send`.
 
 When the running gateway offers `HotRoutes` in its lifespan state (it does unless trusted proxy
-headers need uvicorn's middleware; not while the access log writes lines, as its middleware must
-see the request), `TimedHttpToolsProtocol` gives a request whose
+headers need uvicorn's middleware), `TimedHttpToolsProtocol` gives a request whose
 head is exactly `POST /v1/completions` or `POST /v1/chat/completions` (no query, no upgrade) a
 `HotCycle` instead of uvicorn's `RequestResponseCycle`: its task is `Gateway.handle` itself (not
 uvicorn's `run_asgi` around the app wrapper, `GatewayApp.__call__`: what `run_asgi` does when the app
@@ -11,19 +10,20 @@ and clear when the body came with the head), and its `send` builds the head in o
 checking the header names and values with one search each over all of them instead of two per
 header, and holds the head for the first body bytes itself (what `HeadHold` does for other routes);
 the request body is kept as the parser's pieces and handed over joined (one piece: as parsed), not
-copied into a bytearray and out. Everything else is uvicorn's: `receive`'s rules (100-continue,
-chunked bodies, flow control), keep-alive and pipelining, disconnects. Every other request keeps uvicorn's
-path unchanged.
+copied into a bytearray and out. While the access log writes lines, the cycle writes the request's
+itself (`router.edge.access_log.AccessLine`, shown every message `send` is given, written when the
+task ends), as the `AccessLog` middleware does for every other route. Everything else is uvicorn's:
+`receive`'s rules (100-continue, chunked bodies, flow control), keep-alive and pipelining,
+disconnects. Every other request keeps uvicorn's path unchanged.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextvars
-import logging
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
-from typing import Any, Final, Literal
+from typing import Any, Final, Literal, cast
 
 from starlette.types import Receive, Scope, Send
 from uvicorn._types import HTTPScope
@@ -37,6 +37,7 @@ from uvicorn.protocols.http.httptools_impl import (
 )
 from uvicorn.protocols.utils import get_client_addr
 
+from router.edge.access_log import AccessLine, AccessLog
 from tokenization.openai_request import Endpoint
 
 __all__ = ["HOT_KEY", "HOT_PATHS", "HotCycle", "HotHandler", "HotRoutes"]
@@ -53,12 +54,12 @@ HotHandler = Callable[[Scope, Receive, Send, Endpoint], Coroutine[Any, Any, None
 
 @dataclass(frozen=True)
 class HotRoutes:
-    """What serves the hot routes straight from the protocol, and when it may not: while the `access`
-    logger (the access log's, when it is on) writes INFO lines, asked per request, a request goes
-    through the ASGI app, whose middleware writes its line."""
+    """What serves the hot routes straight from the protocol, and whether `listen.access_log` is on
+    (then a request's cycle writes its access line while the access logger is at INFO, asked per
+    request)."""
 
     serve: HotHandler
-    access: logging.Logger | None = None
+    access_log: bool = False
 
 
 _INTERNAL_ERROR: Final = [
@@ -163,6 +164,8 @@ class HotCycle(RequestResponseCycle):
     _chunks: list[bytes] | None = None
     """The body bytes parsed and not yet received, as the parser gave them (`take`)."""
     _size = 0
+    _line: AccessLine | None = None
+    """The request's access line, while the access log writes one (`begin`)."""
 
     def __init__(
         self,
@@ -171,6 +174,7 @@ class HotCycle(RequestResponseCycle):
         keep_alive: bool,
         serve: HotHandler,
         endpoint: Endpoint,
+        access_log: bool = False,
     ) -> None:
         self.scope = scope
         self.transport = protocol.transport
@@ -185,6 +189,7 @@ class HotCycle(RequestResponseCycle):
         self.waiting_for_100_continue = protocol.expect_100_continue
         self.serve = serve
         self.endpoint = endpoint
+        self.access_on = access_log
 
     def begin(
         self,
@@ -193,7 +198,10 @@ class HotCycle(RequestResponseCycle):
         context: contextvars.Context | None,
     ) -> None:
         """Start serving: a task running `serve` itself (in `context`, when given), in the server's
-        `tasks` until it ends, its end handled by `_served` as uvicorn's `run_asgi` handles its app's."""
+        `tasks` until it ends, its end handled by `_served` as uvicorn's `run_asgi` handles its app's;
+        the access line begun here when the access log writes one now, as `AccessLog` begins it."""
+        if self.access_on and AccessLog.on():
+            self._line = AccessLine(cast(Scope, self.scope))
         coro = self.serve(self.scope, self.receive, self.send, self.endpoint)  # type: ignore[arg-type]
         task = loop.create_task(coro) if context is None else loop.create_task(coro, context=context)
         self._tasks = tasks
@@ -202,9 +210,12 @@ class HotCycle(RequestResponseCycle):
 
     def _served(self, task: asyncio.Task[None]) -> None:
         """An exception is logged and answered 500 (or the connection closed once the answer started),
-        an answer not started or not completed likewise, as uvicorn's `run_asgi` does."""
+        an answer not started or not completed likewise, as uvicorn's `run_asgi` does; the access
+        line, if any, is written first, as `AccessLog` writes it before the exception reaches uvicorn."""
         self._tasks.discard(task)
         failure: BaseException | None = asyncio.CancelledError() if task.cancelled() else task.exception()
+        if self._line is not None:
+            self._line.write(cast(Scope, self.scope), failure)
         if failure is not None:
             self.logger.error("Exception in ASGI application\n", exc_info=failure)
             if not self.response_started:
@@ -284,6 +295,8 @@ class HotCycle(RequestResponseCycle):
         return {"type": "http.request", "body": body, "more_body": self.more_body}
 
     async def send(self, message: Any) -> None:
+        if self._line is not None:  # shown what the app sends, as `AccessLog` is (even if not written)
+            self._line.saw(message)
         if self.flow.write_paused and not self.disconnected:
             await self.flow.drain()
         if self.disconnected:

@@ -2,15 +2,27 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Awaitable, Callable
 
 import msgspec
 import pytest
 from aiohttp import web
+from starlette.types import Receive, Scope, Send
 
 from router.edge.access_log import ACCESS_LOGGER, note_of
+from router.edge.asgi_app import GatewayApp
 from router.settings.config import EngineConfig, Listen
-from tests.gateway_helpers import engine_of, fake_engine, gateway_config, running_gateway, running_stubs
+from tests.gateway_helpers import (
+    WAIT,
+    engine_of,
+    fake_engine,
+    gateway_config,
+    running_gateway,
+    running_stubs,
+    wait_for,
+)
 
 BODY = {
     "model": "kvrouter-stub",
@@ -97,3 +109,115 @@ async def test_the_access_log_can_be_turned_off(caplog: pytest.LogCaptureFixture
 def test_requests_without_an_access_line_share_one_unread_note() -> None:
     """No `AccessNote` is made per request while the access log is off (the hot routes' case)."""
     assert note_of({"type": "http"}) is note_of({"type": "http", "path": "/v1/completions"})
+
+
+def _engine(held: asyncio.Event) -> Callable[[web.Request], Awaitable[web.StreamResponse]]:
+    """An engine answering completions as JSON or SSE (`stream`), with usage; a prompt of "hold" is
+    never answered (`held` is set when it arrives)."""
+
+    async def answer(request: web.Request) -> web.StreamResponse:
+        body = await request.json()
+        if body.get("prompt") == "hold":
+            held.set()
+            await asyncio.Event().wait()  # cancelled when the gateway drops the request
+        usage = {"prompt_tokens": 9, "completion_tokens": 1, "total_tokens": 10}
+        details = {"prompt_tokens_details": {"cached_tokens": 4}}
+        choice = {"index": 0, "text": "x", "finish_reason": "length"}
+        answer = {"object": "text_completion", "choices": [choice], "usage": {**usage, **details}}
+        if not body.get("stream"):
+            return web.json_response(answer)
+        stream = web.StreamResponse(headers={"content-type": "text/event-stream"})
+        await stream.prepare(request)
+        await stream.write(b"data: " + msgspec.json.encode(answer) + b"\n\n")
+        await stream.write(b"data: [DONE]\n\n")
+        await stream.write_eof()
+        return stream
+
+    return answer
+
+
+async def _lines_of_the_same_requests(
+    caplog: pytest.LogCaptureFixture, hot: bool
+) -> tuple[list[dict[str, object]], list[str]]:
+    """The access lines of a JSON, an SSE, a refused (400) answer and a client that leaves before its
+    answer, from a gateway serving its hot routes from the protocol (`hot`) or through the ASGI app
+    (as when trusted proxies are set); and the paths the ASGI app was called for."""
+    called: list[str] = []
+    app_call = GatewayApp.__call__
+
+    async def recorded(self: GatewayApp, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            called.append(scope["path"])
+        await app_call(self, scope, receive, send)
+
+    listen = Listen() if hot else Listen(forwarded_allow_ips=["127.0.0.1"])
+    caplog.clear()
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(GatewayApp, "__call__", recorded)
+        held = asyncio.Event()
+        async with fake_engine(_engine(held)) as url:
+            config = gateway_config([EngineConfig(name="e0", url=url)], listen=listen)
+            async with running_gateway(config) as gw:
+                post = gw.client.post
+                plain = await post("/v1/completions", json=BODY, headers={"x-request-id": "json"})
+                assert plain.status_code == 200
+                streamed = {**BODY, "stream": True}
+                sse = await post("/v1/completions", json=streamed, headers={"x-request-id": "sse"})
+                assert sse.status_code == 200 and sse.text.endswith("data: [DONE]\n\n")
+                refused = await post("/v1/completions", content=b"{", headers={"x-request-id": "bad"})
+                assert refused.status_code == 400
+                await _leave_before_the_answer(gw.url, held)
+                await wait_for(_logged(caplog, "left"))
+                assert (await gw.client.get("/health")).status_code == 200
+    lines = [dict(r.__dict__) for r in _access(caplog) if r.__dict__["path"] == "/v1/completions"]
+    for line in lines:
+        assert isinstance(line.pop("duration_ms"), float)
+        client = line.pop("client")
+        assert isinstance(client, str) and client.startswith("127.0.0.1:")
+    fields = ("method", "path", "status", "complete", "engine", "predicted_cached_tokens")
+    keep = (*fields, "actual_cached_tokens", "request_id", "msg", "args", "levelno")
+    return [{key: line[key] for key in keep} for line in lines], called
+
+
+async def _leave_before_the_answer(url: str, held: asyncio.Event) -> None:
+    """POST a held completions request with the id "left" and close the connection once the engine
+    has it."""
+    host, port = url.removeprefix("http://").split(":")
+    body = msgspec.json.encode({**BODY, "prompt": "hold"})
+    _, writer = await asyncio.open_connection(host, int(port))
+    head = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\nx-request-id: left\r\n"
+    writer.write(head + b"content-type: application/json\r\ncontent-length: %d\r\n\r\n" % len(body) + body)
+    await writer.drain()
+    async with asyncio.timeout(WAIT):
+        await held.wait()
+    writer.close()
+    await writer.wait_closed()
+
+
+def _logged(caplog: pytest.LogCaptureFixture, rid: str) -> Callable[[], Awaitable[bool]]:
+    async def logged() -> bool:
+        return any(r.__dict__.get("request_id") == rid for r in _access(caplog))
+
+    return logged
+
+
+async def test_hot_requests_write_the_middlewares_access_line_from_their_cycle(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """With the access log at INFO the hot routes keep their hot path (the ASGI app is called only for
+    the other routes), and each request's line is the one `AccessLog` writes for it (200 as JSON and
+    as SSE, a 400, 499 for a client that left), but for its duration and client port."""
+    caplog.set_level(logging.INFO)
+    hot, hot_called = await _lines_of_the_same_requests(caplog, hot=True)
+    asgi, asgi_called = await _lines_of_the_same_requests(caplog, hot=False)
+    assert "/v1/completions" not in hot_called and "/health" in hot_called
+    assert asgi_called.count("/v1/completions") == 4
+    assert [(x["request_id"], x["status"], x["complete"]) for x in hot] == [
+        ("json", 200, True),
+        ("sse", 200, True),
+        ("bad", 400, True),
+        ("left", 499, False),
+    ]
+    assert hot[0]["actual_cached_tokens"] == hot[1]["actual_cached_tokens"] == 4
+    assert hot[0]["engine"] == "e0"
+    assert hot == asgi

@@ -6,6 +6,7 @@ body in one write."""
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
@@ -14,6 +15,7 @@ import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
+from router.edge.access_log import ACCESS_LOGGER, AccessLog
 from router.edge.client_io import lost_signal_of, read_asgi_body
 from router.edge.client_timeouts import STATE_KEY, ClientTimeouts, TimedHttpToolsProtocol
 from router.edge.hot_routes import HOT_KEY, HotCycle, HotRoutes
@@ -47,15 +49,31 @@ def _app_of(served: list[str]) -> Callable[[Scope, Receive, Send], Awaitable[Non
     return app
 
 
+def _asgi(serve: Serve) -> Callable[[Scope, Receive, Send], Awaitable[None]]:
+    async def app(scope: Scope, receive: Receive, send: Send) -> None:
+        await serve(scope, receive, send, Endpoint.COMPLETIONS)
+
+    return app
+
+
 @asynccontextmanager
 async def serving(
-    serve: Serve, monkeypatch: pytest.MonkeyPatch, writes: list[bytes] | None = None
+    serve: Serve,
+    monkeypatch: pytest.MonkeyPatch,
+    writes: list[bytes] | None = None,
+    *,
+    access_log: bool = False,
+    hot: bool = True,
 ) -> AsyncIterator[tuple[int, list[str]]]:
     """A uvicorn with the gateway's protocol, `serve` offered as `HotRoutes`, and an app that
-    records every request it serves."""
+    records every request it serves; or (not `hot`) no `HotRoutes`, and `serve` as the app. With
+    `access_log`, as the gateway has it on: the app wrapped in `AccessLog`."""
     served: list[str] = []
     timeouts = ClientTimeouts(60.0, 75.0, lambda phase: None)  # as the gateway's lifespan gives them
-    state: dict[str, Any] = {HOT_KEY: HotRoutes(serve), STATE_KEY: timeouts}
+    state: dict[str, Any] = {STATE_KEY: timeouts}
+    if hot:
+        state[HOT_KEY] = HotRoutes(serve, access_log)
+    app = _app_of(served) if hot else _asgi(serve)
     original = TimedHttpToolsProtocol.__init__
 
     def with_state(
@@ -67,7 +85,8 @@ async def serving(
     monkeypatch.setattr(TimedHttpToolsProtocol, "__init__", with_state)
     if writes is not None:
         record_client_writes(monkeypatch, writes)
-    config = uvicorn.Config(_app_of(served), http=TimedHttpToolsProtocol, lifespan="off", log_config=None)
+    served_app = AccessLog(app) if access_log else app
+    config = uvicorn.Config(served_app, http=TimedHttpToolsProtocol, lifespan="off", log_config=None)
     async with uvicorn_on_port_0(config) as port:
         yield port, served
 
@@ -336,3 +355,67 @@ async def test_hot_bodies_arrive_whole_in_pieces_chunked_and_past_the_high_water
         answers = await _read_answers(reader, 2)
         writer.close()
     assert [body for _, body in answers] == [b"%d True" % len(big)] * 2
+
+
+async def test_hot_failures_write_the_access_line_the_middleware_writes(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Served from the cycle with the access log on, every request (answered, failed, cancelled,
+    refused or half answered) gets exactly one line, the one `AccessLog` writes for it around the
+    same handler served as an ASGI app, but for its duration and client port."""
+
+    async def handler(scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        body = await read_asgi_body(receive, scope["headers"], 1 << 20, WAIT)
+        if body == b"raise":
+            raise RuntimeError("a bug")
+        if body == b"bad header":
+            await _answer(send, b"x", [(b"x-bad", b"a\r\nb")])
+        if body == b"half":
+            await send({"type": "http.response.start", "status": 201, "headers": []})
+        if body == b"cancelled":
+            task = asyncio.current_task()
+            assert task is not None
+            task.cancel()
+            await asyncio.sleep(0)
+        if body == b"ok":
+            await _answer(send, b"ok", [(b"x-request-id", b"r-1"), (b"x-kvrouter-engine", b"e-1")])
+        # otherwise: returns without an answer
+
+    async def lines(hot: bool) -> list[dict[str, Any]]:
+        caplog.clear()
+        with pytest.MonkeyPatch.context() as patch:  # each server its own state
+            async with serving(handler, patch, access_log=True, hot=hot) as (port, served):
+                for body in (b"ok", b"raise", b"nothing", b"cancelled"):
+                    await _exchange(port, _post(b"/v1/completions", body), 1)
+                for body in (b"bad header", b"half"):
+                    await _until_closed(port, _post(b"/v1/completions", body))
+                assert served == []
+        keep = ["method", "path", "status", "complete", "engine", "predicted_cached_tokens"]
+        keep += ["actual_cached_tokens", "request_id", "msg", "args"]
+        records = [r.__dict__ for r in caplog.records if r.name == ACCESS_LOGGER]
+        assert all(r["duration_ms"] >= 0 and r["client"].startswith("127.0.0.1:") for r in records)
+        return [{key: record[key] for key in keep} for record in records]
+
+    caplog.set_level(logging.INFO)
+    cycled: list[str] = []
+    begin = HotCycle.begin
+
+    def counted(self: HotCycle, *args: Any) -> None:
+        cycled.append(self.scope["path"])
+        begin(self, *args)
+
+    monkeypatch.setattr(HotCycle, "begin", counted)
+    hot = await lines(hot=True)
+    assert len(cycled) == 6
+    asgi = await lines(hot=False)
+    assert len(cycled) == 6
+    assert [(x["status"], x["complete"]) for x in hot] == [
+        (200, True),
+        (500, False),
+        (499, False),
+        (499, False),
+        (200, False),
+        (201, False),
+    ]
+    assert (hot[0]["request_id"], hot[0]["engine"]) == ("r-1", "e-1")
+    assert hot == asgi
