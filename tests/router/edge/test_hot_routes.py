@@ -275,23 +275,27 @@ async def test_a_malformed_request_gets_uvicorns_400_and_a_close(monkeypatch: py
     assert answer.endswith(b"connection: close\r\n\r\nInvalid HTTP request received.")
 
 
-async def test_hot_failures_end_as_under_uvicorns_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
-    async def failing(scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
-        body = await read_asgi_body(receive, scope["headers"], 1 << 20, WAIT)
-        if body == b"raise":
-            raise RuntimeError("a bug")
-        if body == b"bad header":
-            await _answer(send, b"x", [(b"x-bad", b"a\r\nb")])
-        if body == b"half":
-            await send({"type": "http.response.start", "status": 200, "headers": []})
-        if body == b"cancelled":
-            task = asyncio.current_task()
-            assert task is not None
-            task.cancel()
-            await asyncio.sleep(0)
-        # otherwise: returns without an answer
+async def _failing(scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+    """A handler failing as its request body says: raise, a bad header, half an answer (status 201),
+    cancelled, "ok" (a whole answer); otherwise it returns without an answer."""
+    body = await read_asgi_body(receive, scope["headers"], 1 << 20, WAIT)
+    if body == b"raise":
+        raise RuntimeError("a bug")
+    if body == b"bad header":
+        await _answer(send, b"x", [(b"x-bad", b"a\r\nb")])
+    if body == b"half":
+        await send({"type": "http.response.start", "status": 201, "headers": []})
+    if body == b"cancelled":
+        task = asyncio.current_task()
+        assert task is not None
+        task.cancel()
+        await asyncio.sleep(0)
+    if body == b"ok":
+        await _answer(send, b"ok", [(b"x-request-id", b"r-1"), (b"x-kvrouter-engine", b"e-1")])
 
-    async with serving(failing, monkeypatch) as (port, _):
+
+async def test_hot_failures_end_as_under_uvicorns_cycle(monkeypatch: pytest.MonkeyPatch) -> None:
+    async with serving(_failing, monkeypatch) as (port, _):
         for body in (b"raise", b"nothing", b"cancelled"):
             [(head, text)] = await _exchange(port, _post(b"/v1/completions", body), 1)
             assert head.startswith(b"HTTP/1.1 500") and text == b"Internal Server Error"
@@ -299,7 +303,7 @@ async def test_hot_failures_end_as_under_uvicorns_cycle(monkeypatch: pytest.Monk
         assert await _until_closed(port, _post(b"/v1/completions", b"bad header")) == b""
         # started and not completed: the head is out, then the connection is closed
         half = await _until_closed(port, _post(b"/v1/completions", b"half"))
-        assert half.startswith(b"HTTP/1.1 200 OK\r\n") and half.endswith(
+        assert half.startswith(b"HTTP/1.1 201 Created\r\n") and half.endswith(
             b"transfer-encoding: chunked\r\n\r\n"
         )
 
@@ -364,27 +368,10 @@ async def test_hot_failures_write_the_access_line_the_middleware_writes(
     refused or half answered) gets exactly one line, the one `AccessLog` writes for it around the
     same handler served as an ASGI app, but for its duration and client port."""
 
-    async def handler(scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
-        body = await read_asgi_body(receive, scope["headers"], 1 << 20, WAIT)
-        if body == b"raise":
-            raise RuntimeError("a bug")
-        if body == b"bad header":
-            await _answer(send, b"x", [(b"x-bad", b"a\r\nb")])
-        if body == b"half":
-            await send({"type": "http.response.start", "status": 201, "headers": []})
-        if body == b"cancelled":
-            task = asyncio.current_task()
-            assert task is not None
-            task.cancel()
-            await asyncio.sleep(0)
-        if body == b"ok":
-            await _answer(send, b"ok", [(b"x-request-id", b"r-1"), (b"x-kvrouter-engine", b"e-1")])
-        # otherwise: returns without an answer
-
     async def lines(hot: bool) -> list[dict[str, Any]]:
         caplog.clear()
         with pytest.MonkeyPatch.context() as patch:  # each server its own state
-            async with serving(handler, patch, access_log=True, hot=hot) as (port, served):
+            async with serving(_failing, patch, access_log=True, hot=hot) as (port, served):
                 for body in (b"ok", b"raise", b"nothing", b"cancelled"):
                     await _exchange(port, _post(b"/v1/completions", body), 1)
                 for body in (b"bad header", b"half"):
