@@ -83,11 +83,11 @@ def stored(tokens: list[int]) -> BlockStored:
     return BlockStored([next(_hashes) for _ in range(n)], None, tokens[: 4 * n], 4, None, "GPU", None)
 
 
-def prepared(fleet: FleetState, tokens: list[int]) -> Prepared:
+def prepared(fleet: FleetState, tokens: list[int], skip_cache: bool = False) -> Prepared:
     keys = [int(k) for k in fleet.mirror.hasher.request_keys(tokens, 4)]
     return Prepared(
         model="m", endpoint=Endpoint.COMPLETIONS, stream=False, prompt_tokens=len(tokens), keys=keys,
-        skip_cache=False, report_mode="incremental", session_key="s", timings={}, variant="m",
+        skip_cache=skip_cache, report_mode="incremental", session_key="s", timings={}, variant="m",
     )  # fmt: skip
 
 

@@ -21,7 +21,7 @@ from router.core.routing import RoutingCore
 from router.prepare.engine_variants import resolve_variant
 from router.prepare.prepared import Prepared
 from router.settings.config import EngineConfig, ModelConfig, PolicyConfig, RouterConfig
-from tokenization.openai_request import Endpoint
+from tests.router.core.test_fleet_state import prepared
 
 MODEL = ModelConfig(name="m", block_size=4)
 NAMES = ("e0", "e1", "e2")
@@ -61,14 +61,6 @@ def build(policy: Policy, events: bool) -> tuple[FleetState, RoutingCore, Record
         fleet.on_signal(EngineName(e.name), CaughtUp(None))
     scorer = Recording(ScorerSettings(PolicyName(policy)))
     return fleet, RoutingCore(fleet, scorer, clock), scorer, clock
-
-
-def prepared(fleet: FleetState, tokens: list[int], skip_cache: bool = False) -> Prepared:
-    keys = [int(k) for k in fleet.mirror.hasher.request_keys(tokens, 4)]
-    return Prepared(
-        model="m", endpoint=Endpoint.COMPLETIONS, stream=False, prompt_tokens=len(tokens), keys=keys,
-        skip_cache=skip_cache, report_mode="incremental", session_key="s", timings={}, variant="m",
-    )  # fmt: skip
 
 
 def general_predict(fleet: FleetState, p: Prepared) -> dict[EngineId, object]:
