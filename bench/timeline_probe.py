@@ -4,7 +4,7 @@ Run: ``.venv/bin/python bench/first_chunk_bench.py --timeline`` (at c=1, which t
 request at a time). Wrappers put around the gateway's own methods stamp `time.perf_counter()` when a
 request arrives, its body is in, it is prepared, forwarded, written upstream, when the engine's head
 and first body bytes come in, the relay starts, its first body bytes are written to the client and
-the request ends. On stop one line ``TIMELINE {"a->b": median us, ...}`` goes to stderr (the first
+the request ends. On stop one line ``TIMELINE {"a->b": median us, ...} (tree)`` goes to stderr (the first
 fifth of the requests, the warm-up, left out). The wrappers cost a few us each: read the steps
 against each other, not as absolute costs.
 """
@@ -15,6 +15,7 @@ import atexit
 import functools
 import itertools
 import json
+import os
 import runpy
 import statistics
 import sys
@@ -90,7 +91,8 @@ def _summary() -> None:
         spans = [(row[b] - row[a]) * 1e6 for row in rows if a in row and b in row]
         if spans:
             out[f"{a} -> {b}"] = round(statistics.median(spans), 1)
-    print("TIMELINE " + json.dumps(out), file=sys.stderr, flush=True)
+    # The tree the gateway runs (its working directory), so the lines of a `--base` run tell apart.
+    print("TIMELINE " + json.dumps(out) + f" ({os.getcwd()})", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,21 @@
 """One routed request in flight: which replica it is on, and the load and trust bookkeeping around it.
 
 The proxy asks `Flight.choose(tried)` for each attempt: the first attempt takes the decision already
-made, each retry decides again without the replicas tried. Moving to a replica counts the request
-there (load tracker, per-engine admission, trust's "request sent"); leaving it (retry, end, failure)
-uncounts it. No eligible replica for the first attempt is a refusal naming the limit that bound.
-`first_byte` feeds the learned TTFT model; `finish` is idempotent and always called.
+made, each retry decides again without the replicas tried. `choose` does only what the request's
+bytes need (the replica's address and DP-rank header); `sent()` then counts the request on that
+replica (load tracker, per-engine admission, trust's "request sent", the pending prefix), and leaving
+it (retry, end, failure) uncounts it. No eligible replica for the first attempt is a refusal naming
+the limit that bound. `first_byte` feeds the learned TTFT model; `finish` is idempotent and always
+called.
+
+Why `sent()` is apart from `choose`: the counting is for the *next* requests' decisions, not for
+this one's bytes, so it runs just after they are written (while the engine computes) rather than on
+the way to the write. The proxy guarantees it runs before control can return to the event loop after
+`choose` (right after the write, or before any await that comes first: a backoff, a wait for a
+pooled connection, a connect; and before a retry's `choose` when the breaker refused the attempt),
+so no other request can route between `choose` and `sent()`: every decision sees exactly the state
+it saw when both were one step. The times counted are `choose`'s (`now` read there), so the counts
+are the same numbers too.
 """
 
 from __future__ import annotations
@@ -59,6 +70,7 @@ class Flight:
         self._counted = False
         self._admitted = False
         self._finished = False
+        self._chosen_at = 0.0  # the fleet time `choose` read, which `sent()` counts the request at
 
     def decide(self, prepared: Prepared, now: float) -> Routed:
         """The first decision (attempt 0), recorded in the entry and told to the sink."""
@@ -85,7 +97,7 @@ class Flight:
             if not tried:
                 raise self._refusal(decision, now)
             return None
-        return self._enter(decision, decision.engine, now)
+        return self._target(decision, decision.engine, now)
 
     def _refusal(self, decision: Decision, now: float) -> RouterError:
         assert self.prepared is not None
@@ -102,7 +114,22 @@ class Flight:
         self.entry.decisions.append(decision)
         self.on_decision(self.rid, len(self.entry.decisions) - 1, decision)
 
-    def _enter(self, decision: Decision, engine: EngineId, now: float) -> Target:
+    def _target(self, decision: Decision, engine: EngineId, now: float) -> Target:
+        """Where the attempt goes (the DP-rank header set for it); `sent()` counts it there."""
+        self.engine, self.decision, self._chosen_at = engine, decision, now
+        base_url, rank = self.fleet.replica_target(engine)
+        self._set_rank(rank)
+        self.entry.engine = engine
+        self.entry.predicted_cached_tokens = decision.predicted_cached_tokens
+        return Target(engine, base_url)
+
+    def sent(self) -> None:
+        """The chosen attempt went out (or is about to wait for its way out): count the request on its
+        replica, at the time `choose` read. Once per attempt; see the module docstring for when."""
+        engine, decision = self.engine, self.decision
+        if self._counted or engine is None or decision is None:
+            return
+        now = self._chosen_at
         uncached = 0
         for candidate in decision.candidates:
             if candidate.engine == engine:
@@ -112,12 +139,7 @@ class Flight:
         self._admitted = self.fleet.admission.enter_engine(engine)
         assert self.prepared is not None
         self.fleet.request_sent(engine, self.rid, self.prepared, now)
-        self.engine, self.decision, self._counted = engine, decision, True
-        base_url, rank = self.fleet.replica_target(engine)
-        self._set_rank(rank)
-        self.entry.engine = engine
-        self.entry.predicted_cached_tokens = decision.predicted_cached_tokens
-        return Target(engine, base_url)
+        self._counted = True
 
     def _set_rank(self, rank: int | None) -> None:
         # The proxy sends the same header list to every attempt; the rank belongs to the replica.

@@ -25,7 +25,7 @@ from router.core.errors import BadRequest, RequestTimeout, RouterError
 from router.core.fleet_state import FleetState
 from router.core.policy.scoring import RouteRequest, reads_prompt
 from router.core.policy.trust import TrustState
-from router.core.routing import RoutingCore
+from router.core.routing import Routed, RoutingCore
 from router.edge.access_log import AccessNote, note_of
 from router.edge.auth import Guard
 from router.edge.client_io import (
@@ -243,21 +243,37 @@ class Gateway:
         except RouterError as exc:
             self._refused(str(exc.http_status()), exc.reason)
             raise
-        entry = parts.ring.add(DecisionEntry(request_id=rid, time=time.time(), request=view_of(prepared)))
+        entry = DecisionEntry(request_id=rid, time=time.time(), request=view_of(prepared))
         # The key was the router's (engines never see it); the request id is the gateway's. The path is
         # str(endpoint): a C call, where Enum.value is a Python-level property.
         headers = forwarded_headers(scope["headers"], rid, parts.guard.api_keys_required)
         proxied = ProxyRequest(scope["method"], str(endpoint), headers, body, True)
         flight = Flight(parts.fleet, parts.core, proxied, entry, self.route_request(scope, prepared))
-        if parts.recorder is not None:
+        if parts.recorder is not None:  # (kept before the decision: the recording's order and times)
             parts.recorder.request(rid, endpoint.value, prepared.model, Headers(scope=scope), body)
             flight.on_decision = parts.recorder.decision
         routed = flight.decide(prepared, parts.fleet.clock())
-        entry.timings_s = {**prepared.timings, **routed.timings}
         forwarding = time.perf_counter()
+        # Only the decision is made before the request is written to the engine. What later requests'
+        # routing reads (the flight's counts: load, admission, pending prefix, awaited stores) and the
+        # debug record (its timings, its place in the ring) are done by `sent`, which the proxy runs
+        # right after the write, before control returns to the event loop (Proxy.forward), so they
+        # cost the engine's time, not the first chunk's, and no other request routes without them.
+        kept = False
+
+        def sent() -> None:
+            nonlocal kept
+            flight.sent()
+            if not kept:
+                kept = True
+                self._keep(entry, prepared, routed)
+
         try:
-            upstream = await parts.proxy.forward(proxied, flight.choose)
+            upstream = await parts.proxy.forward(proxied, flight.choose, sent)
         except BaseException as exc:
+            if not kept:  # refused, or failed before any attempt went out: recorded all the same
+                kept = True
+                self._keep(entry, prepared, routed)
             flight.finish()
             self._failed(entry, exc)
             raise
@@ -270,6 +286,11 @@ class Gateway:
             own += entry.timings_s.get(stage, 0.0)
         pre_forward = max(0.0, forwarding - arrived - own)
         return self._relay(upstream, flight, entry, (arrived, pre_forward), note_of(scope))
+
+    def _keep(self, entry: DecisionEntry, prepared: Prepared, routed: Routed) -> None:
+        """Complete the request's debug record (its stages' timings) and keep it in the ring."""
+        entry.timings_s = {**prepared.timings, **routed.timings}
+        self.parts.ring.add(entry)
 
     def _relay(
         self, upstream: UpstreamResponse, flight: Flight, entry: DecisionEntry,

@@ -259,23 +259,40 @@ class Http1Client:
         self._tls: ssl.SSLContext | None = None
 
     async def request(
-        self, method: str, base_url: str, path: str, headers: list[tuple[str, str]], body: bytes
+        self,
+        method: str,
+        base_url: str,
+        path: str,
+        headers: list[tuple[str, str]],
+        body: bytes,
+        sent: Callable[[], None] | None = None,
     ) -> Http1Response:
         """Send one request to `base_url`'s origin and return once the answer's headers are in.
 
         `path` is the origin-form path (after the base URL's own path); `headers` go out as given (the
-        caller sets Host) plus Content-Length. A cancellation or failure drops the connection."""
+        caller sets Host) plus Content-Length. A cancellation or failure drops the connection. `sent`
+        runs once, before control first returns to the event loop: right after the request is
+        written when a kept connection is free (the common case: the caller's bookkeeping then runs
+        while the engine works), else before waiting for or opening one."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         pool = self._pool(base_url)
         head = _head(method, pool.origin.prefix + path, headers, body)
-        conn = self._take(pool, start) or await self._acquire(pool, loop)
+        conn = self._take(pool, start)
+        if conn is None:
+            if sent is not None:  # the wait below lets other requests run
+                sent()
+                sent = None
+            conn = await self._acquire(pool, loop)
         first_byte_at = start + self.settings.first_byte_s
         while True:
             # The wait for the answer's head is inlined (no coroutine per exchange or per wait): one
             # future the parser's callbacks (or the connection's end) resolve, one timer.
             try:
                 waiter = self._send(conn, head, body, first_byte_at)
+                if sent is not None:  # the bytes are out: the caller's bookkeeping, before the wait
+                    sent()
+                    sent = None
                 while True:
                     try:
                         await waiter

@@ -83,6 +83,10 @@ class ProxySettings(msgspec.Struct, frozen=True):
 Chooser = Callable[[frozenset[EngineId]], Target | None]
 """Given the engines already tried for this request, the next target (None: no more candidates)."""
 
+Sent = Callable[[], None]
+"""The chosen attempt's bookkeeping for later requests (router.edge.flight.Flight.sent), run once per
+attempt `Proxy.forward` makes, before control can return to the event loop after the choice."""
+
 
 class Proxy:
     """The upstream leg: one pooled session, retries across engines, per-engine breakers."""
@@ -130,11 +134,18 @@ class Proxy:
             await self._session.close()
             self._session = None
 
-    async def forward(self, request: ProxyRequest, choose: Chooser) -> UpstreamResponse:
+    async def forward(
+        self, request: ProxyRequest, choose: Chooser, sent: Sent | None = None
+    ) -> UpstreamResponse:
         """Send `request` to the engine `choose` picks, retrying elsewhere while nothing reached the client.
 
         Returns the first answer that is not retryable (2xx-4xx, or the last 429); raises a
-        `RouterError` when no engine gave one."""
+        `RouterError` when no engine gave one. `sent` runs once per chosen attempt: right after its
+        bytes are written (the client runs it), or before whatever comes first that could let another
+        request route or choose again (a backoff, a wait for a connection, a breaker's refusal), so
+        between a `choose` and its `sent` nothing else runs. What only later requests read is thus
+        off the way to the engine, and every decision sees the state it would have seen had `sent`
+        run inside `choose`."""
         if len(request.body) > self.settings.max_body_bytes:
             raise RequestTooLarge(f"request body exceeds {self.settings.max_body_bytes} bytes")
         if not is_origin_form(request.path):
@@ -147,18 +158,24 @@ class Proxy:
             target = choose(frozenset([a.engine for a in attempts]) if attempts else _NONE_TRIED)
             if target is None:
                 break
+            hook = sent  # this attempt's, not run yet
             if n and (delay := self.settings.retry.delay_before(n)):
+                if hook is not None:  # other requests route during the backoff
+                    hook()
+                    hook = None
                 await asyncio.sleep(delay)  # backoff between attempts
             # The attempt runs inline (no coroutine of its own): one layer less on every wake-up.
             breaker = self.breakers.get(target.engine)
             if not breaker.acquire(self.clock()):
+                if hook is not None:  # counted as it always was, so the next choice reads the same state
+                    hook()
                 attempts.append(Attempt(target.engine, OutcomeKind.CONNECT_FAILED, error="circuit open"))
                 last = UpstreamConnectError(f"engine {target.engine}: circuit open", engine=target.engine)
                 continue
             headers = upstream_headers(request.headers, target.base_url, request.end_to_end)
             try:
                 response = await client.request(
-                    request.method, target.base_url, request.path, headers, request.body
+                    request.method, target.base_url, request.path, headers, request.body, hook
                 )
             except UPSTREAM_FAILURES as exc:
                 error = self._failed(target, exc, attempts, breaker)

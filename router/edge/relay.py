@@ -155,13 +155,13 @@ class RelayResponse(Response):
                     chunk = await upstream.next_chunk()
                 if not chunk:
                     break
-                if tap is not None:
-                    tap.feed(chunk)
                 received = time.perf_counter() if first else 0.0
                 if upstream.at_end():  # the stream's end leaves with its last bytes, in one write
                     ended = True  # and the connection is already released: no call for b"" follows
                     watch.closing()
                 await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+                if tap is not None:  # looked at once it is on its way (read only if the answer completes)
+                    tap.feed(chunk)
                 if first:
                     # Time from the first chunk's arrival to its hand-over to the client transport.
                     self._on_first_byte(time.perf_counter() - received)

@@ -365,6 +365,34 @@ async def test_a_closed_kept_connection_and_a_refused_retry_leave_the_pool_consi
         assert c._in_use == 0 and c._pools[url].in_use == 0
 
 
+async def test_sent_runs_once_right_after_the_write_or_before_any_wait(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The caller's `sent` bookkeeping: after the bytes went out on a kept connection (the engine's
+    time), before opening one (the connect lets other requests run); once, whatever the path."""
+    order: list[str] = []
+    send = Http1Client._send
+
+    def recorded(self: Http1Client, *args: object) -> object:
+        order.append("write")
+        return send(self, *args)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Http1Client, "_send", recorded)
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            await read_request(reader)
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async with raw_server(handler) as server, client() as c:
+        for _ in range(2):
+            response = await c.request("POST", server.url, "/", [], b"{}", lambda: order.append("sent"))
+            assert await body_of(response) == b"ok"
+        assert order == ["sent", "write", "write", "sent"]  # a new connection first, then the kept one
+        assert server.connections == 1
+
+
 def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 

@@ -282,6 +282,34 @@ async def test_connect_failure_retried_then_mapped_to_502() -> None:
     assert "cannot connect to engine dead" in error_of(info.value).error.message
 
 
+async def test_each_chosen_attempt_is_sent_once_before_the_next_choice() -> None:
+    """`sent` (the flight's counts) runs once per chosen attempt and before anything that lets another
+    choice happen: an open breaker's refusal, a backoff, the wait for the engine's answer."""
+
+    async def broken(request: web.Request) -> web.Response:
+        return web.Response(status=500, text="boom")
+
+    async def fine(request: web.Request) -> web.Response:
+        log.append("engine answers")
+        return web.json_response({"ok": 1})
+
+    log: list[str] = []
+    async with fake_engine(broken) as bad, fake_engine(fine) as good, proxy() as p:
+        targets = {"open": closed_port_url(), "bad": bad, "good": good}
+        for _ in range(2):
+            p.breakers.get(EngineId("open")).record_failure(p.clock())  # its breaker refuses it
+
+        def choose(tried: frozenset[EngineId]) -> Target | None:
+            name = next(n for n in targets if n not in tried)
+            log.append(f"choose {name}")
+            return Target(EngineId(name), targets[name])
+
+        answer = await p.forward(post(), choose, lambda: log.append("sent"))
+        assert answer.engine == "good" and [a.engine for a in answer.attempts] == ["open", "bad", "good"]
+        assert log == ["choose open", "sent", "choose bad", "sent", "choose good", "sent", "engine answers"]
+        answer.close()
+
+
 async def test_no_engine_left_is_503() -> None:
     from router.core.errors import NoEngineAvailable
 

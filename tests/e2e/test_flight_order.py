@@ -1,0 +1,121 @@
+"""The order of the request path: only the decision before the upstream write, the rest after it.
+
+A request's counts (in-flight load, per-engine admission, pending prefix) and its debug record are
+done after its bytes are written (router.edge.flight, `Proxy.forward`'s `sent`), yet before control
+returns to the event loop: a second request routed while the first one's engine is still computing
+must see the first one on its engine, and the first one's record must be whole by then."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import msgspec
+from aiohttp import web
+
+from router.core.ids import EngineId
+from router.ops.debug import DecisionEntry
+from router.settings.config import EngineConfig, Limits
+from tests.gateway_helpers import Gateway, fake_engine, gateway_config, running_gateway
+
+WAIT = 10.0  # a bound on every wait for an event; none is expected to come close
+MODEL = "kvrouter-stub"
+PREFIX = "the quick brown fox jumps over the lazy dog " * 24  # many full blocks, shared
+ANSWER = {"id": "x", "object": "text_completion", "model": MODEL, "choices": []}
+
+
+class HeldEngines:
+    """Fake engines that hold every request whose prompt says "hold" until `release` is set."""
+
+    def __init__(self) -> None:
+        self.arrived = asyncio.Event()
+        self.release = asyncio.Event()
+        self.bodies: list[bytes] = []
+
+    async def handle(self, request: web.Request) -> web.Response:
+        body = await request.read()
+        self.bodies.append(body)
+        if b"hold" in body:
+            self.arrived.set()
+            await asyncio.wait_for(self.release.wait(), WAIT)
+        return web.json_response(ANSWER)
+
+
+@asynccontextmanager
+async def held_gateway(
+    engines: int, limits: Limits | None = None
+) -> AsyncIterator[tuple[Gateway, HeldEngines]]:
+    held = HeldEngines()
+    async with fake_engine(held.handle) as a, fake_engine(held.handle) as b:
+        urls = [a, b][:engines]
+        configs = [EngineConfig(name=f"e{i}", url=url, model=MODEL) for i, url in enumerate(urls)]
+        config = gateway_config(configs, limits=limits or Limits())
+        async with running_gateway(config) as gw:
+            yield gw, held
+
+
+def body(suffix: str) -> dict[str, object]:
+    return {"model": MODEL, "prompt": PREFIX + suffix, "max_tokens": 4}
+
+
+def entry_of(gw: Gateway, rid: str) -> DecisionEntry:
+    entry = gw.parts.ring.get(rid)
+    assert entry is not None, f"{rid} is not in the decision ring"
+    return entry
+
+
+async def test_a_request_routed_while_the_first_is_computing_sees_it_on_its_engine() -> None:
+    async with held_gateway(2) as (gw, held):
+        fleet = gw.parts.fleet
+        first = asyncio.ensure_future(
+            gw.client.post("/v1/completions", json=body("hold"), headers={"x-request-id": "first"})
+        )
+        await asyncio.wait_for(held.arrived.wait(), WAIT)  # written, the engine "computing"
+        one = entry_of(gw, "first")  # the record is whole while the engine computes
+        assert one.engine is not None and one.status is None
+        engine = EngineId(one.engine)
+        assert len(one.decisions) == 1 and one.decisions[0].engine == engine
+        assert {"tokenize", "hash", "lookup", "score"} <= set(one.timings_s)
+        assert one.predicted_cached_tokens == one.decisions[0].predicted_cached_tokens
+        now = fleet.clock()
+        assert fleet.load.snapshot(engine, now).in_flight == 1
+        assert fleet.admission.in_flight(engine) == 1
+        assert fleet.pending.holds(engine)
+
+        second = await gw.client.post(
+            "/v1/completions", json=body("next"), headers={"x-request-id": "second"}
+        )
+        assert second.status_code == 200, second.text
+        two = entry_of(gw, "second")
+        seen = {c.engine: c for c in two.decisions[0].candidates}
+        assert seen[engine].load.in_flight == 1  # the first one, still in flight there
+        assert seen[engine].pending_tokens > 0  # and its prefix, pending there
+        others = [c for e, c in seen.items() if e != engine]
+        assert [c.load.in_flight for c in others] == [0] and [c.pending_tokens for c in others] == [0]
+        assert two.status == 200 and {"tokenize", "lookup", "score"} <= set(two.timings_s)
+
+        held.release.set()
+        answer = await asyncio.wait_for(first, WAIT)
+        assert answer.status_code == 200 and answer.headers["x-kvrouter-engine"] == engine
+        assert entry_of(gw, "first").status == 200
+        assert fleet.load.snapshot(engine, fleet.clock()).in_flight == 0
+        assert fleet.admission.in_flight(engine) == 0
+
+
+async def test_a_refused_request_is_recorded_whole() -> None:
+    """No attempt goes out (the only engine is at its limit): the record is kept all the same."""
+    async with held_gateway(1, Limits(max_in_flight_per_engine=1)) as (gw, held):
+        first = asyncio.ensure_future(gw.client.post("/v1/completions", json=body("hold")))
+        await asyncio.wait_for(held.arrived.wait(), WAIT)
+        refused = await gw.client.post("/v1/completions", json=body("next"), headers={"x-request-id": "no"})
+        assert refused.status_code == 429, refused.text
+        entry = entry_of(gw, "no")
+        assert entry.status == 429 and entry.engine is None and len(entry.decisions) == 1
+        assert entry.decisions[0].engine is None
+        assert {"tokenize", "hash", "lookup", "score"} <= set(entry.timings_s)
+        assert gw.parts.fleet.admission.in_flight(EngineId("e0")) == 1  # the refusal counted nothing
+        held.release.set()
+        assert (await asyncio.wait_for(first, WAIT)).status_code == 200
+        assert len(held.bodies) == 1
+        assert msgspec.json.decode(held.bodies[0])["prompt"].endswith("hold")
