@@ -145,7 +145,9 @@ class PendingPrefixes:
             self._remove(request)
         if self.ttl_s == 0 or not keys or self.size + len(keys) > self.max_keys:
             return
-        tree = self._trees.setdefault(replica, _Tree())
+        tree = self._trees.get(replica)
+        if tree is None:  # (not `setdefault`: it would build a tree, set and dict per request to drop)
+            tree = self._trees[replica] = _Tree()
         # The tree keeps slices, never the list itself: a prompt's key list needs no copy.
         held = keys if isinstance(keys, list) else list(keys)
         leaf = tree.insert(held, tree.leading_run(held, len(held)))
