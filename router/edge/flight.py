@@ -20,6 +20,7 @@ are the same numbers too.
 
 from __future__ import annotations
 
+import operator
 from collections.abc import Callable
 
 import msgspec
@@ -37,6 +38,7 @@ from router.prepare.prepared import Prepared
 __all__ = ["RANK_HEADER", "DecisionSink", "Flight"]
 
 RANK_HEADER = "x-data-parallel-rank"
+_NAME = operator.itemgetter(0)
 
 DecisionSink = Callable[[RequestId, int, Decision], None]
 """Told about every decision (request id, attempt number, decision): the recorder."""
@@ -144,6 +146,8 @@ class Flight:
     def _set_rank(self, rank: int | None) -> None:
         # The proxy sends the same header list to every attempt; the rank belongs to the replica.
         headers = self.request.headers
+        if rank is None and RANK_HEADER not in map(str.lower, map(_NAME, headers)):
+            return  # nothing to set or strip (the check in C: no Python step per header)
         headers[:] = [(k, v) for k, v in headers if k.lower() != RANK_HEADER]
         if rank is not None:
             headers.append((RANK_HEADER, str(rank)))

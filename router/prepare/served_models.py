@@ -284,7 +284,7 @@ class Models:
             prompt_tokens=main.num_tokens,
             keys=main.keys,
             skip_cache=first.skip_cache,
-            report_mode=first.report_mode.value,
+            report_mode=str(first.report_mode),  # a C call (Enum.value is a Python-level property)
             session_key=session_key(_ids_of(first), first.extras, first.packed),
             timings=MappingProxyType({"tokenize": tokenize, "hash": hashing}),
             variant=model,
@@ -314,7 +314,7 @@ class Models:
             prompt_tokens=rt.num_tokens,
             keys=keys,
             skip_cache=rt.skip_cache,
-            report_mode=rt.report_mode.value,
+            report_mode=str(rt.report_mode),  # a C call (Enum.value is a Python-level property)
             session_key=session_key(
                 ids, extras, rt.packed, rt.carry, self.hasher.root(extras.lora_name, extras.cache_salt)
             ),

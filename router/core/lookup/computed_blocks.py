@@ -99,6 +99,9 @@ def lookup(
     if plan.unitary_block:
         block_size = plan.unitary_block
         cap = maxlen // block_size
+        if len(runs) == 1:  # one replica (a one-engine model, or its own variant): no sharing to find
+            h = (runs[0] if runs[0] < cap else cap) * block_size
+            return {plan.targets[0]: LookupResult(h, 0, (h,), h)}
         hits = [min(run, cap) * block_size for run in runs]
         made = {h: LookupResult(h, 0, (h,), h) for h in set(hits)}  # equal hits share one result
         return dict(zip(plan.targets, map(made.__getitem__, hits), strict=True))

@@ -273,6 +273,7 @@ class Scorer:
             PolicyName.PREFIX_APPROX: self._prefix_approx,
         }
         self._policy = self._policies[settings.policy]  # (an enum's hash is a Python call per lookup)
+        self._alone_kv = settings.policy is PolicyName.KV  # one eligible candidate: `_kv` without a tie
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         """Score every candidate and pick one with the configured policy (deterministic given the seed)."""
@@ -283,6 +284,12 @@ class Scorer:
         if not eligible:
             why = "; ".join(f"{s.engine}: {s.why_not}" for s in scores) or "no engines configured"
             return Decision(None, policy, f"no eligible engine ({why})", 0, scores)
+        if len(eligible) == 1 and self._alone_kv:  # what `_kv` answers alone: no tie, no runner-up
+            chosen = eligible[0]
+            return Decision(
+                chosen.engine, policy, _kv_words(chosen, True), chosen.expected_tokens, scores,
+                chosen.hit_tokens, chosen.counted_tokens,
+            )  # fmt: skip
         chosen, reason = self._policy(request, eligible)
         others = [s for s in eligible if s is not chosen] if len(eligible) > 1 else None
         runner = min(others, key=_COST) if others else None
@@ -305,14 +312,7 @@ class Scorer:
         cost_tol = tol * (1.0 + self.settings.prefill_work_weight)
         tied = [s for s in eligible if s.cost_s <= best.cost_s + cost_tol]
         chosen, rules = _break_tie(request.key, tied)
-        lowest = "lowest predicted TTFT" if chosen.cost_s == best.cost_s else "predicted TTFT"
-        why = (
-            f"kv: {lowest} {chosen.predicted_ttft_s * 1000:.1f} ms "
-            f"+ {chosen.work_s * 1000:.1f} ms prefill work "
-            f"({chosen.trusted_hit_tokens} cached{_pending_words(chosen)}, "
-            f"{chosen.uncached_tokens} to prefill, {chosen.load.queued_prefill_tokens} queued, "
-            f"{chosen.load.decoding} decoding)"
-        )
+        why = _kv_words(chosen, chosen.cost_s == best.cost_s)
         if len(tied) == 1:
             return chosen, why
         others = ", ".join(s.engine for s in tied if s is not chosen)
@@ -359,6 +359,18 @@ class Scorer:
         self._sessions.move_to_end(session)
         while len(self._sessions) > self.settings.session_capacity:
             self._sessions.popitem(last=False)
+
+
+def _kv_words(chosen: CandidateScore, lowest: bool) -> str:
+    """kv's reason for `chosen` (`lowest`: its cost is the least), before any tie's words."""
+    ttft = "lowest predicted TTFT" if lowest else "predicted TTFT"
+    return (
+        f"kv: {ttft} {chosen.predicted_ttft_s * 1000:.1f} ms "
+        f"+ {chosen.work_s * 1000:.1f} ms prefill work "
+        f"({chosen.trusted_hit_tokens} cached{_pending_words(chosen)}, "
+        f"{chosen.uncached_tokens} to prefill, {chosen.load.queued_prefill_tokens} queued, "
+        f"{chosen.load.decoding} decoding)"
+    )
 
 
 def _load_key(request: RouteRequest, s: CandidateScore) -> tuple[int, int, int]:

@@ -87,6 +87,7 @@ def test_prompt_logprobs_skip_the_cache_and_full_mode_is_reported() -> None:
         body(COMPLETION, vllm_xargs={"kv_cache_report_mode": "full"}), Endpoint.COMPLETIONS
     )
     assert full.report_mode == "full" and not full.skip_cache
+    assert type(full.report_mode) is str  # the value itself, not the enum member (recordings encode it)
 
 
 @pytest.mark.parametrize(

@@ -249,3 +249,25 @@ def test_lookups_follow_the_replica_layout_as_it_changes() -> None:
     hold("b", 2, rank=1)
     assert hits() == {("b", 0): 20, ("b", 1): 8, ("c", 0): 0}
     assert hits(["b"]) == {("b", 0): 20, ("b", 1): 8}
+
+
+@pytest.mark.parametrize("n_tokens", [2, 5, 17, 37, 63, 64])
+def test_one_replica_alone_matches_the_fan_out_at_any_prompt_length(n_tokens: int) -> None:
+    """The one-replica shortcut of a unitary lookup (its hit capped by the prompt, as every replica's
+    is) gives what the same replica gets in a lookup over many."""
+    rng = random.Random(n_tokens)
+    spec = ModelSpec(groups=(GroupSpec(block_size=4),))
+    m = Mirror(hasher=HASHER)
+    keys = list(HASHER.request_keys(list(range(64)), 4))
+    engines = [EngineId(f"e{i}") for i in range(4)]
+    for e in engines:
+        m.add_engine(e, spec)
+        rv = m.replica(e)
+        assert rv is not None
+        for i in range(16):
+            if rng.random() < 0.9:
+                m.index[keys[i]] = m.index.get(keys[i], 0) | rv.groups[0].bit
+    request = LookupRequest(keys[: (n_tokens + 3) // 4], n_tokens)
+    together = lookup(m, spec, request)
+    for e in engines:
+        assert lookup(m, spec, request, [e]) == {ReplicaId(e, 0): together[ReplicaId(e, 0)]}

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import heapq
+from collections import deque
+
 import msgspec
 import pytest
 from hypothesis import given, settings
@@ -223,3 +226,53 @@ def test_expiry_skipped_at_the_last_expirys_time_changes_nothing(
                 got = fast.leading_run(r, chain(blocks), 5, now)
                 assert got == general.leading_run(r, chain(blocks), 5, now)
         assert (fast.size, fast.holds(A), fast.holds(B)) == (general.size, general.holds(A), general.holds(B))
+
+
+class _HeapOnly(PendingPrefixes):
+    """Every due time on the heap, as before the in-order queues."""
+
+    def _due(self, queue: deque[tuple[float, RequestId]], until: float, request: RequestId) -> None:
+        heapq.heappush(self._heap, (until, request))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["add", "answered", "run", "expire"]), st.integers(0, 4), st.sampled_from([A, B]),
+            st.lists(st.integers(1, 3), max_size=5), st.sampled_from([0.0, 0.01, 0.05, 0.1, 0.3]),
+        ),
+        max_size=60,
+    ),
+    ttl=st.sampled_from([0.05, 0.1, 0.5]), grace=st.sampled_from([0.0, 0.05, 0.1]), forward=st.booleans(),
+)  # fmt: skip
+def test_in_order_queues_expire_what_the_heap_did(
+    ops: list[tuple[str, int, EngineId, list[int], float]], ttl: float, grace: float, forward: bool
+) -> None:
+    """With a clock that only moves forward (the gateway's: due times arrive in order) and with one
+    that jumps back and forth (out-of-order times go to the heap), the overlay answers, holds and
+    counts what it did when every due time went on one heap."""
+    queued, heaped = PendingPrefixes(ttl, grace), _HeapOnly(ttl, grace)
+    clock = 0.0
+    for op, who, replica, blocks, step in ops:
+        clock = clock + step if forward else step * 3
+        request = RequestId(f"r{who}")
+        for p in (queued, heaped):
+            if op == "add":
+                p.add(request, replica, chain(blocks), clock)
+            elif op == "answered":
+                p.answered(request, clock)
+            elif op == "expire":
+                p.expire(clock)
+        if op == "run":
+            for r in (A, B):
+                got = queued.leading_run(r, chain(blocks), 5, clock)
+                assert got == heaped.leading_run(r, chain(blocks), 5, clock)
+        assert (queued.size, queued.holds(A), queued.holds(B)) == (
+            heaped.size,
+            heaped.holds(A),
+            heaped.holds(B),
+        )
+        assert queued._entries.keys() == heaped._entries.keys()
+    if forward:
+        assert not queued._heap  # in order: nothing needed the heap

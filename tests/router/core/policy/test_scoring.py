@@ -13,6 +13,7 @@ from router.core.policy.scoring import (
     WHY_SATURATED,
     Candidate,
     CandidateScore,
+    Decision,
     PolicyName,
     RouteRequest,
     Scorer,
@@ -431,3 +432,44 @@ def test_score_equals_its_reference_arithmetic(
     settings = ScorerSettings(max_predicted_ttft_s=max_ttft, max_scraped_waiting=max_waiting)
     excluded = frozenset({EngineId("a")}) if tried else frozenset()
     assert _score(c, excluded, settings) == _score_reference(c, excluded, settings)
+
+
+def _general_decision(scorer: Scorer, request: RouteRequest, candidates: list[Candidate]) -> Decision:
+    """`Scorer.choose` as it reads with no shortcut for a lone eligible candidate."""
+    settings = scorer.settings
+    scores = sorted((_score(c, request.excluded, settings) for c in candidates), key=lambda s: s.engine)
+    eligible = [s for s in scores if s.eligible]
+    chosen, reason = scorer._kv(request, eligible)
+    others = [s for s in eligible if s is not chosen]
+    runner = min(others, key=lambda s: s.cost_s) if others else None
+    return Decision(
+        chosen.engine, settings.policy, reason, chosen.expected_tokens, scores,
+        chosen.hit_tokens, chosen.counted_tokens,
+        runner.engine if runner else None, runner.cost_s - chosen.cost_s if runner else 0.0,
+    )  # fmt: skip
+
+
+@given(
+    hit=st.integers(0, 4000), prompt=st.integers(0, 4000), warm=st.integers(0, 4000),
+    pending=st.integers(0, 4000), queued=st.integers(0, 20_000), in_flight=st.integers(0, 40),
+    trust=st.sampled_from([FRESH, STALE, CATCHING]), others=st.integers(0, 3),
+    why=st.sampled_from(["tried", "unhealthy", "breaker", "full"]),
+)  # fmt: skip
+def test_a_lone_eligible_candidate_gets_the_general_kv_decision(
+    hit: int, prompt: int, warm: int, pending: int, queued: int, in_flight: int, trust: TrustStatus,
+    others: int, why: str,
+) -> None:  # fmt: skip
+    """`choose`'s shortcut for one eligible candidate (the rest ineligible, for any reason) gives the
+    decision the general kv path gives: the same reason, prediction and no runner-up."""
+    load = LoadSnapshot(in_flight, 1, in_flight - 1, queued, None, OVERHEAD, PER_TOKEN, False)
+    alone = Candidate(EngineId("m"), hit, 0, warm, prompt, trust, load, pending_tokens=pending)
+    rest = [
+        cand(f"o{i}", healthy=why != "unhealthy", breaker_open=why == "breaker", full=why == "full")
+        for i in range(others)
+    ]
+    excluded = frozenset(c.engine for c in rest) if why == "tried" else frozenset()
+    request = RouteRequest(KEY, excluded=excluded)
+    scorer = Scorer(ScorerSettings())
+    decision = scorer.choose(request, [*rest, alone])
+    assert decision.engine == EngineId("m")
+    assert decision == _general_decision(scorer, request, [*rest, alone])
