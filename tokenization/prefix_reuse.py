@@ -8,6 +8,11 @@ Each entry keeps the byte offset where every token ends (computed when the entry
 texts never reused do not pay for it), so the token count at a cut is a bisect, and a cut that does
 not fall on a token end is refused. An entry is reused only when its tokens' bytes add up to the
 text's, which checks the byte-length table on every text. Bounded LRU in entries and bytes. Pure.
+
+What a text's own encoding reads is found at once (the neighbours, the stored entry of an equal
+text, which is returned); with `later` set, filing the new entry (and removing the one it replaces,
+refreshing an equal one) is appended there, for whoever set it to run before the next text is
+encoded (router.prepare.served_models).
 """
 
 from __future__ import annotations
@@ -16,6 +21,7 @@ from array import array
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from itertools import accumulate
 
 from tokenization.safe_cuts import CutFinder
@@ -166,6 +172,8 @@ class PrefixReuse:
         self._lengths = byte_lengths
         self._entries: OrderedDict[int, ReuseEntry] = OrderedDict()  # by id(entry.data)
         self._sorted: list[bytes] = []
+        self.later: list[Callable[[], None]] | None = None
+        """Where the filing of entries goes when deferred (see the module docstring); None: at once."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -200,12 +208,10 @@ class PrefixReuse:
             self.stats.misses += 1
             self.stats.encoded_bytes += len(data)
             ids, packed = encode(text)
-            return self._store(at, ReuseEntry(data, ids, packed, None)), None, 0
+            return self._keep(at, ReuseEntry(data, ids, packed, None)), None, 0
         entry, copied = self.extend(prior, prior_ends, data, cut, encode)
-        if len(prior.data) - cut <= _REPLACE_SLACK and prior.data != data:
-            self._remove(prior)
-            at = bisect_left(self._sorted, data)
-        return self._store(at, entry), prior, copied
+        replaced = prior if len(prior.data) - cut <= _REPLACE_SLACK and prior.data != data else None
+        return self._keep(at, entry, replaced), prior, copied
 
     def clear(self) -> None:
         """Forget every entry (the counters are kept)."""
@@ -264,21 +270,36 @@ class PrefixReuse:
             data, tail_ids, packed, ends if (ends[-1] if ends else 0) == len(data) else None, n
         ), n
 
-    def _store(self, at: int, entry: ReuseEntry) -> ReuseEntry:
-        """Keep ``entry`` at its sorted position ``at`` (unless its text is stored already or it is too
-        big); the entry kept."""
+    def _keep(self, at: int, entry: ReuseEntry, replaced: ReuseEntry | None = None) -> ReuseEntry:
+        """The entry kept for ``entry``'s text (sorted position ``at``): the stored one when its text is
+        stored already, else ``entry``; filed (`_file`) now or, with `later`, when that runs."""
+        data, stored = entry.data, self._sorted
+        if at < len(stored) and stored[at] == data:  # (``replaced``'s text differs: not this one)
+            entry = self._entries[id(stored[at])]
+        if self.later is None:
+            self._file(entry, replaced)
+        else:
+            self.later.append(partial(self._file, entry, replaced))
+        return entry
+
+    def _file(self, entry: ReuseEntry, replaced: ReuseEntry | None) -> None:
+        """Remove ``replaced`` (if still stored), then keep ``entry`` at its sorted position (only
+        refreshed when its text is stored already; not kept when it is too big), evicting beyond the
+        bounds."""
+        if replaced is not None and self._entries.get(id(replaced.data)) is replaced:
+            self._remove(replaced)
         data = entry.data
+        at = bisect_left(self._sorted, data)
         if at < len(self._sorted) and self._sorted[at] == data:
             self._entries.move_to_end(id(self._sorted[at]))
-            return self._entries[id(self._sorted[at])]
+            return
         if self.max_entries == 0 or entry.size > self.max_bytes or not entry.count:
-            return entry
+            return
         self._sorted.insert(at, data)
         self._entries[id(data)] = entry
         self.bytes += entry.size
         while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
             self._evict()
-        return entry
 
     def _evict(self) -> None:
         self._remove(next(iter(self._entries.values())))
