@@ -10,9 +10,10 @@ not fall on a token end is refused. An entry is reused only when its tokens' byt
 text's, which checks the byte-length table on every text. Bounded LRU in entries and bytes. Pure.
 
 What a text's own encoding reads is found at once (the neighbours, the stored entry of an equal
-text, which is returned); with `later` set, filing the new entry (and removing the one it replaces,
-refreshing an equal one) is appended there, for whoever set it to run before the next text is
-encoded (router.prepare.served_models).
+text, which is returned); with `later` set, what only later texts read is appended there instead:
+filing the new entry (removing the one it replaces, refreshing an equal one) and the token ends of
+an extended text, for whoever set it to run before the next text is encoded
+(router.prepare.served_models).
 """
 
 from __future__ import annotations
@@ -93,7 +94,8 @@ class ReuseEntry:
         self._ids: tuple[int, ...] | None = None if copied else tail
         self.count = copied + len(tail)
         self.ends = ends
-        """Where each token ends, in bytes; None until the entry is first reused."""
+        """Where each token ends, in bytes; None until the entry is first reused (or, for a text
+        extending another, until its deferred stores run: `PrefixReuse.later`)."""
         self.derived: dict[object, dict[tuple[int, int], tuple[int, ...]]] = {}
         """What callers derived from the ids, by their own key (the completions path: block keys per
         special-token wrap, then per chain root and block size; tokenization.templated)."""
@@ -261,14 +263,23 @@ class PrefixReuse:
         self.stats.misses += n == 0
         self.stats.reused_tokens += n
         self.stats.encoded_bytes += len(data) - cut
+        entry = ReuseEntry(data, tail_ids, packed, None, n)
         if len(tail_ids) > n:  # mostly new text: its ends are made if it is ever reused (`ends`)
-            return ReuseEntry(data, tail_ids, packed, None, n), n
+            return entry, n
+        if self.later is None:  # (only a later text reads them)
+            self._extend_ends(entry, prior_ends, cut)
+        else:
+            self.later.append(partial(self._extend_ends, entry, prior_ends, cut))
+        return entry, n
+
+    def _extend_ends(self, entry: ReuseEntry, prior_ends: array[int], cut: int) -> None:
+        """``entry``'s token ends from those of the text its ids up to byte ``cut`` were copied from
+        (``prior_ends``) and its tail's; left None when they do not add up to its text."""
+        n = entry.copied
         ends = prior_ends[:n]
-        ends.extend(accumulate(map(self._lengths.__getitem__, tail_ids), initial=cut))
+        ends.extend(accumulate(map(self._lengths.__getitem__, entry.tail), initial=cut))
         del ends[n]  # the `initial` value
-        return ReuseEntry(
-            data, tail_ids, packed, ends if (ends[-1] if ends else 0) == len(data) else None, n
-        ), n
+        entry.ends = ends if (ends[-1] if ends else 0) == len(entry.data) else None
 
     def _keep(self, at: int, entry: ReuseEntry, replaced: ReuseEntry | None = None) -> ReuseEntry:
         """The entry kept for ``entry``'s text (sorted position ``at``): the stored one when its text is

@@ -4,10 +4,13 @@ The chat decoder's messages, the chat carry's turn, the segment cache's pieces, 
 and the recent prompts' keys are kept only once `run_stores` runs (the gateway: right after the
 upstream write). Pinned here: nothing is kept before, everything after; a second request prepared
 after them reuses what the first kept (the hits happen) and gets the keys a cold preparation gets; a
-preparation with stores still pending runs them first; a preparation that fails runs its own.
+preparation with stores still pending runs them first; a preparation that fails runs its own; an
+extended text's token ends, made by a store, equal those made from its ids whole.
 """
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -19,6 +22,7 @@ from tests.tokenization.test_chat_carry import DATA
 from tokenization import HfTokenizer
 from tokenization.hf_files import package_dir
 from tokenization.openai_request import Endpoint
+from tokenization.prefix_reuse import ReuseEntry
 
 HASHER = KeyHasher(b"test-deferred-stores")
 SYSTEM = {"role": "system", "content": "You answer questions about prefix caches, briefly."}
@@ -130,3 +134,25 @@ def test_a_preparation_that_fails_runs_its_stores_before_raising() -> None:
     models.prepare(chat(TURN_2), Endpoint.CHAT, defer=True)
     assert models._chat.reused == reused + len(TURN_1)
     models.run_stores()
+
+
+def test_an_extended_texts_token_ends_are_made_when_its_stores_run_and_equal_those_made_whole() -> None:
+    tok = _tokenizer(_models())
+    reuse = tok.segments.reuse
+    assert reuse is not None
+    later: list[Callable[[], None]] = []
+    tok.defer_stores(later)
+    first = reuse.encode_entry(PROMPT, tok.segments.encode_segments, PROMPT.encode())
+    assert len(reuse) == 0 and later
+    for store in later:
+        store()
+    later.clear()
+    text = PROMPT + " A new suffix."
+    entry = reuse.encode_entry(text, tok.segments.encode_segments, text.encode())
+    assert entry.copied > 0 and first.ends is not None  # extended from the first text
+    assert entry.ends is None and later  # made by a store
+    for store in later:
+        store()
+    whole = reuse.ends(ReuseEntry(entry.data, entry.ids, entry.packed, None))
+    assert entry.ends is not None and whole is not None and entry.ends == whole
+    assert len(reuse) == 1  # the new text replaced the one it extends
