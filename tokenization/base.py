@@ -8,7 +8,7 @@ them), so every implementation follows vLLM 0.33.0: completions encode the promp
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
@@ -74,6 +74,12 @@ class Tokenizer(Protocol):
     @property
     def cache(self) -> SegmentCache:
         """The segment cache behind ``encode_cached`` (size, hit/miss counters, ``clear``)."""
+        ...
+
+    def defer_stores(self, later: list[Callable[[], None]] | None) -> None:
+        """Append what encoding keeps for later texts (segment cache, prefix reuse, chat carry) to
+        ``later`` instead of keeping it at once; the caller runs them before the next encode (None:
+        at once again)."""
         ...
 
     def cache_stats(self) -> CacheStats:

@@ -10,11 +10,17 @@ to the last safe cut inside the shared prefix are the old text's, the rest is en
 keeps what callers derived from its ids (block keys per chain root and block size, `CarryLink`), so
 the next turn's keys extend the old chain from the last shared full block. Bounded LRU in turns and
 bytes, with hit/miss counters. Pure.
+
+A turn's own encoding never reads what it keeps, so with `later` set the keeping (the turn stored,
+or the conversation's last turn refreshed in the LRU) is appended there instead, for whoever set it
+to run before the next encoding (router.prepare.served_models). The counters count at once.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
+from functools import partial
 from itertools import accumulate
 
 import msgspec
@@ -85,6 +91,8 @@ class ChatCarry:
         self.stats = CarryStats()
         self._reuse = reuse
         self._turns: OrderedDict[bytes, _Turn] = OrderedDict()
+        self.later: list[Callable[[], None]] | None = None
+        """Where an encoding's keeping goes when deferred (see the module docstring); None: at once."""
 
     def __len__(self) -> int:
         return len(self._turns)
@@ -112,10 +120,10 @@ class ChatCarry:
             starts = [0, *accumulate(len(p) if p.isascii() else len(p.encode("utf-8")) for p in pieces)]
             turn = _Turn(pieces, starts, entry, {})
             link = CarryLink(0, {}, turn.derived)
-        if turn is prior:
-            self._turns.move_to_end(key)
+        if self.later is None:
+            self._keep(key, turn)
         else:
-            self._store(key, turn)
+            self.later.append(partial(self._keep, key, turn))
         return turn.entry, link
 
     def clear(self) -> None:
@@ -149,6 +157,13 @@ class ChatCarry:
             return None
         entry, copied = self._reuse.extend(prior.entry, ends, new_data, cut, encode)
         return _Turn(pieces, starts, entry, {}), copied
+
+    def _keep(self, key: bytes, turn: _Turn) -> None:
+        """``turn`` as ``key``'s last turn: refreshed in the LRU when it is that already, else stored."""
+        if self._turns.get(key) is turn:
+            self._turns.move_to_end(key)
+        else:
+            self._store(key, turn)
 
     def _store(self, key: bytes, turn: _Turn) -> None:
         """Keep ``turn`` as ``key``'s last turn (the key's bytes count too: it holds two messages)."""

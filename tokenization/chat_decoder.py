@@ -11,6 +11,10 @@ always raised, and so does a body that may hold a second ``messages`` key (the l
 but `decode_chat` checks the earlier ones' messages too). Bounded LRU in conversations and bytes.
 Pure.
 
+A request's own decode never reads what it keeps, so with `later` set the keeping (the `_Kept`
+made, the LRU updated) is appended there instead, for whoever set it to run before the next decode
+(router.prepare.served_models: right after the request is written to its engine).
+
 Before that, a body whose bytes start like a kept request's (found by its first `HEAD_BYTES`) is not
 parsed whole: the leading messages it shares byte for byte with that request stand in as one
 placeholder, and only the rest is parsed (`_after_shared`). This holds only where the shared bytes
@@ -23,6 +27,7 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from collections.abc import Callable
+from functools import partial
 from typing import Any, Final
 
 import msgspec
@@ -89,6 +94,8 @@ class ChatDecoder:
         """Body bytes not parsed: leading messages shared byte for byte with a kept request."""
         self._turns: OrderedDict[bytes, _Kept] = OrderedDict()
         self._heads: dict[bytes, _Kept] = {}
+        self.later: list[Callable[[], None]] | None = None
+        """Where a decode's keeping goes when deferred (see the module docstring); None: kept at once."""
 
     def __len__(self) -> int:
         return len(self._turns)
@@ -173,8 +180,15 @@ class ChatDecoder:
         self.decoded += len(turn) - reused
         self.reused += reused
         req = check_chat(ChatRequest([m for _, m in turn], *fields))
-        self._store(key, _Kept(key, turn, _BYTES_PER_BODY_BYTE * len(body) + len(key), body, spans()))
+        if self.later is None:
+            self._keep(key, turn, body, spans)
+        else:
+            self.later.append(partial(self._keep, key, turn, body, spans))
         return req
+
+    def _keep(self, key: bytes, turn: _Turn, body: bytes, spans: _SpansOf) -> None:
+        """Keep a decoded request as its conversation's last (``spans()``: where its messages are)."""
+        self._store(key, _Kept(key, turn, _BYTES_PER_BODY_BYTE * len(body) + len(key), body, spans()))
 
     def _store(self, key: bytes, kept: _Kept) -> None:
         old = self._turns.pop(key, None)

@@ -8,6 +8,12 @@ Each entry keeps the byte offset where every token ends (computed when the entry
 texts never reused do not pay for it), so the token count at a cut is a bisect, and a cut that does
 not fall on a token end is refused. An entry is reused only when its tokens' bytes add up to the
 text's, which checks the byte-length table on every text. Bounded LRU in entries and bytes. Pure.
+
+What a text's own encoding reads is found at once (the neighbours, the stored entry of an equal
+text, which is returned); with `later` set, what only later texts read is appended there instead:
+filing the new entry (removing the one it replaces, refreshing an equal one) and the token ends of
+an extended text, for whoever set it to run before the next text is encoded
+(router.prepare.served_models).
 """
 
 from __future__ import annotations
@@ -16,6 +22,7 @@ from array import array
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
+from functools import partial
 from itertools import accumulate
 
 from tokenization.safe_cuts import CutFinder
@@ -87,7 +94,8 @@ class ReuseEntry:
         self._ids: tuple[int, ...] | None = None if copied else tail
         self.count = copied + len(tail)
         self.ends = ends
-        """Where each token ends, in bytes; None until the entry is first reused."""
+        """Where each token ends, in bytes; None until the entry is first reused (or, for a text
+        extending another, until its deferred stores run: `PrefixReuse.later`)."""
         self.derived: dict[object, dict[tuple[int, int], tuple[int, ...]]] = {}
         """What callers derived from the ids, by their own key (the completions path: block keys per
         special-token wrap, then per chain root and block size; tokenization.templated)."""
@@ -166,6 +174,8 @@ class PrefixReuse:
         self._lengths = byte_lengths
         self._entries: OrderedDict[int, ReuseEntry] = OrderedDict()  # by id(entry.data)
         self._sorted: list[bytes] = []
+        self.later: list[Callable[[], None]] | None = None
+        """Where the filing of entries goes when deferred (see the module docstring); None: at once."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -200,12 +210,10 @@ class PrefixReuse:
             self.stats.misses += 1
             self.stats.encoded_bytes += len(data)
             ids, packed = encode(text)
-            return self._store(at, ReuseEntry(data, ids, packed, None)), None, 0
+            return self._keep(at, ReuseEntry(data, ids, packed, None)), None, 0
         entry, copied = self.extend(prior, prior_ends, data, cut, encode)
-        if len(prior.data) - cut <= _REPLACE_SLACK and prior.data != data:
-            self._remove(prior)
-            at = bisect_left(self._sorted, data)
-        return self._store(at, entry), prior, copied
+        replaced = prior if len(prior.data) - cut <= _REPLACE_SLACK and prior.data != data else None
+        return self._keep(at, entry, replaced), prior, copied
 
     def clear(self) -> None:
         """Forget every entry (the counters are kept)."""
@@ -255,30 +263,54 @@ class PrefixReuse:
         self.stats.misses += n == 0
         self.stats.reused_tokens += n
         self.stats.encoded_bytes += len(data) - cut
+        entry = ReuseEntry(data, tail_ids, packed, None, n)
         if len(tail_ids) > n:  # mostly new text: its ends are made if it is ever reused (`ends`)
-            return ReuseEntry(data, tail_ids, packed, None, n), n
-        ends = prior_ends[:n]
-        ends.extend(accumulate(map(self._lengths.__getitem__, tail_ids), initial=cut))
-        del ends[n]  # the `initial` value
-        return ReuseEntry(
-            data, tail_ids, packed, ends if (ends[-1] if ends else 0) == len(data) else None, n
-        ), n
+            return entry, n
+        if self.later is None:  # (only a later text reads them)
+            self._extend_ends(entry, prior_ends, cut)
+        else:
+            self.later.append(partial(self._extend_ends, entry, prior_ends, cut))
+        return entry, n
 
-    def _store(self, at: int, entry: ReuseEntry) -> ReuseEntry:
-        """Keep ``entry`` at its sorted position ``at`` (unless its text is stored already or it is too
-        big); the entry kept."""
+    def _extend_ends(self, entry: ReuseEntry, prior_ends: array[int], cut: int) -> None:
+        """``entry``'s token ends from those of the text its ids up to byte ``cut`` were copied from
+        (``prior_ends``) and its tail's; left None when they do not add up to its text."""
+        n = entry.copied
+        ends = prior_ends[:n]
+        ends.extend(accumulate(map(self._lengths.__getitem__, entry.tail), initial=cut))
+        del ends[n]  # the `initial` value
+        entry.ends = ends if (ends[-1] if ends else 0) == len(entry.data) else None
+
+    def _keep(self, at: int, entry: ReuseEntry, replaced: ReuseEntry | None = None) -> ReuseEntry:
+        """The entry kept for ``entry``'s text (sorted position ``at``): the stored one when its text is
+        stored already, else ``entry``; filed (`_file`) now or, with `later`, when that runs."""
+        data, stored = entry.data, self._sorted
+        if at < len(stored) and stored[at] == data:  # (``replaced``'s text differs: not this one)
+            entry = self._entries[id(stored[at])]
+        if self.later is None:
+            self._file(entry, replaced)
+        else:
+            self.later.append(partial(self._file, entry, replaced))
+        return entry
+
+    def _file(self, entry: ReuseEntry, replaced: ReuseEntry | None) -> None:
+        """Remove ``replaced`` (if still stored), then keep ``entry`` at its sorted position (only
+        refreshed when its text is stored already; not kept when it is too big), evicting beyond the
+        bounds."""
+        if replaced is not None and self._entries.get(id(replaced.data)) is replaced:
+            self._remove(replaced)
         data = entry.data
+        at = bisect_left(self._sorted, data)
         if at < len(self._sorted) and self._sorted[at] == data:
             self._entries.move_to_end(id(self._sorted[at]))
-            return self._entries[id(self._sorted[at])]
+            return
         if self.max_entries == 0 or entry.size > self.max_bytes or not entry.count:
-            return entry
+            return
         self._sorted.insert(at, data)
         self._entries[id(data)] = entry
         self.bytes += entry.size
         while len(self._entries) > self.max_entries or self.bytes > self.max_bytes:
             self._evict()
-        return entry
 
     def _evict(self) -> None:
         self._remove(next(iter(self._entries.values())))

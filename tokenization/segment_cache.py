@@ -13,6 +13,7 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
 from tokenization.segmenter import AddedToken, Segment, Segmenter
@@ -46,7 +47,9 @@ DEFAULT_MAX_TOKENS = 1 << 20
 
 class SegmentCache:
     """An LRU map from piece text to its token ids, bounded in entries and in token ids held, with
-    hit/miss counters. A piece longer than the whole token bound is not cached."""
+    hit/miss counters. A piece longer than the whole token bound is not cached. With `later` set, a
+    `put` is appended there, for whoever set it to run before the next text is encoded (the text
+    being encoded has its ids already: router.prepare.served_models runs them after the write)."""
 
     def __init__(self, max_entries: int = 8192, max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         if max_entries < 0 or max_tokens < 0:
@@ -59,6 +62,8 @@ class SegmentCache:
         self.misses = 0
         self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._packed: dict[str, bytes] = {}  # the packed form of each entry's ids, made once
+        self.later: list[Callable[[], None]] | None = None
+        """Where `put`s go when deferred (see the class docstring); None: stored at once."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -74,7 +79,14 @@ class SegmentCache:
         return ids
 
     def put(self, piece: str, ids: tuple[int, ...]) -> None:
-        """Store ``ids`` for ``piece``, evicting the least recently used entries beyond the bound."""
+        """Store ``ids`` for ``piece``, evicting the least recently used entries beyond the bound
+        (or append that to `later`)."""
+        if self.later is not None:
+            self.later.append(partial(self._put, piece, ids))
+        else:
+            self._put(piece, ids)
+
+    def _put(self, piece: str, ids: tuple[int, ...]) -> None:
         if self.max_entries == 0 or len(ids) > self.max_tokens:
             return
         old = self._entries.get(piece)

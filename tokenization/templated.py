@@ -6,7 +6,7 @@ Subclasses set `_special`, `_context` (the template's special-token variables), 
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from tokenization.base import CacheStats, Message, SpecialTokens
@@ -36,6 +36,13 @@ class TemplatedTokenizer:
     def cache(self) -> SegmentCache:
         """The segment cache (size and hit/miss counters for metrics)."""
         return self.segments.cache
+
+    def defer_stores(self, later: list[Callable[[], None]] | None) -> None:
+        self.segments.cache.later = later
+        if self.segments.reuse is not None:
+            self.segments.reuse.later = later
+        if self.carry is not None:
+            self.carry.later = later
 
     def cache_stats(self) -> CacheStats:
         """The prefix-reuse and chat-skeleton counters so far (zeros where a cache is off)."""

@@ -118,22 +118,25 @@ class Gateway:
             not reads_prompt(policy.name, policy.max_predicted_ttft_s) and parts.recorder is None
         )
 
-    async def prepare(self, body: bytes, endpoint: Endpoint, full: bool = False) -> Prepared:
+    async def prepare(
+        self, body: bytes, endpoint: Endpoint, full: bool = False, defer: bool = False
+    ) -> Prepared:
         """`Models.prepare` (with an engine's /tokenize for `remote_tokenize` models), or only the
         fields routing reads when nothing reads the prompt (unless `full`); a bad request is a 400
-        naming the field, any other failure a logged 500 (`RouterError`)."""
+        naming the field, any other failure a logged 500 (`RouterError`). With `defer`, the stores
+        for later requests are left for `Models.run_stores` (router.prepare.served_models)."""
         models = self.parts.models
         try:
             if self.prompt_free and not full and (unread := models.prepare_unread(body, endpoint)):
                 return unread
             if not self.any_remote:  # one JSON decode less on the common path
-                return models.prepare(body, endpoint)
+                return models.prepare(body, endpoint, defer=defer)
             model = models.resolve(body)
             if models.needs_remote(model):
                 tokens = await self._remote_tokens(body, model)
                 if tokens is not None:
-                    return models.prepare_tokens(body, endpoint, tokens, model)
-            return models.prepare(body, endpoint, model)
+                    return models.prepare_tokens(body, endpoint, tokens, model, defer=defer)
+            return models.prepare(body, endpoint, model, defer=defer)
         except UnknownModel as exc:  # the gateway's own 404 (or 400 when missing): no engine is asked
             raise exc.answer() from None
         except RequestError as exc:
@@ -239,7 +242,7 @@ class Gateway:
     ) -> RelayResponse:
         parts = self.parts
         try:
-            prepared = await self.prepare(body, endpoint)
+            prepared = await self.prepare(body, endpoint, defer=True)  # its stores: `sent`, below
         except RouterError as exc:
             self._refused(str(exc.http_status()), exc.reason)
             raise
@@ -255,10 +258,12 @@ class Gateway:
         routed = flight.decide(prepared, parts.fleet.clock())
         forwarding = time.perf_counter()
         # Only the decision is made before the request is written to the engine. What later requests'
-        # routing reads (the flight's counts: load, admission, pending prefix, awaited stores) and the
-        # debug record (its timings, its place in the ring) are done by `sent`, which the proxy runs
-        # right after the write, before control returns to the event loop (Proxy.forward), so they
-        # cost the engine's time, not the first chunk's, and no other request routes without them.
+        # routing reads (the flight's counts: load, admission, pending prefix, awaited stores), what
+        # their preparation reads (the tokenization and key caches' stores, `Models.run_stores`) and
+        # the debug record (its timings, its place in the ring) are done by `sent`, which the proxy
+        # runs right after the write, before control returns to the event loop (Proxy.forward), so
+        # they cost the engine's time, not the first chunk's, and no other request routes or is
+        # prepared without them. A refusal or a failure before the write runs them all the same.
         kept = False
 
         def sent() -> None:
@@ -288,7 +293,9 @@ class Gateway:
         return self._relay(upstream, flight, entry, (arrived, pre_forward), note_of(scope))
 
     def _keep(self, entry: DecisionEntry, prepared: Prepared, routed: Routed) -> None:
-        """Complete the request's debug record (its stages' timings) and keep it in the ring."""
+        """Run the preparation's stores for later requests; complete the request's debug record (its
+        stages' timings) and keep it in the ring."""
+        self.parts.models.run_stores()
         entry.timings_s = {**prepared.timings, **routed.timings}
         self.parts.ring.add(entry)
 

@@ -7,6 +7,21 @@ mirror's: both default to one per-process hasher) or, in engine-exact mode, vLLM
 Engines that override the tokenizer or layout get their own `Variant`; `prepare` computes keys for
 every variant of the model it knows (`learn` adds runtime engines), and routing looks each replica
 up with its variant's keys.
+
+What a preparation keeps for later requests (the chat decoder's messages, the chat carry's turn, the
+segment cache's pieces, prefix reuse's text, the recent prompts' keys) is never read by that
+preparation itself, so every cache appends it to `later` instead. `prepare` runs them before it
+returns, unless asked to defer them (`defer=True`: the gateway, whose upstream write then comes
+first): then `run_stores` runs them, and must, before control returns to the event loop, so no
+other request is prepared without them. Whatever the request's fate they all run, in the order they
+were made: on an error while preparing `prepare` runs them before raising, and the gateway runs
+them on a refusal or a failure before the write as after the write. The caches then hold exactly
+what storing at once would have left (the entries are exact whatever becomes of the request that
+made them), where dropping them would make a later request's cost depend on an earlier one's
+refusal. As a safeguard, a preparation first runs any stores still pending. Within one preparation
+its own stores are not yet visible: a multi-prompt completion or a second variant of the same
+block size does not reuse what its first prompt or variant computed (the same ids and keys, made
+again).
 """
 
 from __future__ import annotations
@@ -131,7 +146,10 @@ class Models:
         for name, adapters in (loras or {}).items():
             self._loras.setdefault(name, {}).update(adapters)
         self._tokenizers: dict[tuple[str | None, str | None], Tokenizer] = {}
+        self.later: list[Callable[[], None]] = []
+        """The stores of the last preparation, not run yet (see the module docstring)."""
         self._chat = ChatDecoder()
+        self._chat.later = self.key_cache.later = self.later
         self._variants: dict[str, dict[VariantId, Variant]] = {
             name: {VariantId(name): resolve_variant(m)} for name, m in self._models.items()
         }
@@ -167,7 +185,17 @@ class Models:
         tok = self._tokenizers.get(key)
         if tok is None:
             tok = self._tokenizers[key] = load_tokenizer(*key)
+            tok.defer_stores(self.later)
         return tok
+
+    def run_stores(self) -> None:
+        """Run the stores the last preparation left in `later` (none left pending if one raises)."""
+        later = self.later
+        if later:
+            stores = later.copy()
+            later.clear()
+            for store in stores:
+                store()
 
     def tokenizer_stats(self) -> list[CacheStats]:
         """The reuse counters of every tokenizer loaded so far (for metrics)."""
@@ -212,15 +240,29 @@ class Models:
         return bool(getattr(self._models.get(model), "remote_tokenize", False))
 
     def prepare_tokens(
-        self, body: bytes, endpoint: Endpoint | str, tokens: list[int], model_hint: str | None = None
+        self,
+        body: bytes,
+        endpoint: Endpoint | str,
+        tokens: list[int],
+        model_hint: str | None = None,
+        *,
+        defer: bool = False,
     ) -> Prepared:
         """`prepare` with the prompt ids an engine's /tokenize returned (router.prepare.remote_tokenize);
         every variant of the model is keyed from these ids, the other fields come from the body."""
-        fields = _IdFields.decode_body(body)
-        ids_body = msgspec.json.encode({**msgspec.structs.asdict(fields), "prompt": tokens})
-        model = self.resolve(body, model_hint)
-        req = decode_request(ids_body, Endpoint.COMPLETIONS)
-        return self._prepare(req, endpoint, model, single_tokenizer=True)  # ids decoded as a completion
+        self.run_stores()
+        try:
+            fields = _IdFields.decode_body(body)
+            ids_body = msgspec.json.encode({**msgspec.structs.asdict(fields), "prompt": tokens})
+            model = self.resolve(body, model_hint)
+            req = decode_request(ids_body, Endpoint.COMPLETIONS)
+            prepared = self._prepare(req, endpoint, model, single_tokenizer=True)  # ids as a completion
+        except BaseException:
+            self.run_stores()
+            raise
+        if not defer:
+            self.run_stores()
+        return prepared
 
     def prepare_unread(self, body: bytes, endpoint: Endpoint | str) -> Prepared | None:
         """What routing needs when it reads no prompt: the model and stream flag (the body's JSON is
@@ -236,10 +278,22 @@ class Models:
             cache_salt=fields.cache_salt, unread=True,
         )  # fmt: skip
 
-    def prepare(self, body: bytes, endpoint: Endpoint | str, model_hint: str | None = None) -> Prepared:
-        """Tokenize and key a request body; RequestError (a 400 naming the field) on bad input."""
-        req, model = self._decode(body, endpoint, model_hint)
-        return self._prepare(req, endpoint, model)
+    def prepare(
+        self, body: bytes, endpoint: Endpoint | str, model_hint: str | None = None, *, defer: bool = False
+    ) -> Prepared:
+        """Tokenize and key a request body; RequestError (a 400 naming the field) on bad input. With
+        `defer`, what it keeps for later requests is left in `later` for `run_stores` (module docstring)."""
+        if self.later:  # an earlier deferred preparation's: this one reads what they keep
+            self.run_stores()
+        try:
+            req, model = self._decode(body, endpoint, model_hint)
+            prepared = self._prepare(req, endpoint, model)
+        except BaseException:
+            self.run_stores()
+            raise
+        if not defer:
+            self.run_stores()
+        return prepared
 
     def _prepare(
         self,

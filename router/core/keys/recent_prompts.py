@@ -7,12 +7,16 @@ prefix with a new prompt sits next to the new prompt's sorted position, so one b
 comparisons (memcmp) find it. A block's key depends only on the root and the bytes of the blocks up to
 it, so a reused key is exactly the key the hasher would compute. Prompts with multimodal items or
 lookahead tokens are not cached (their keys carry per-block extras). Bounded LRU by stored tokens. Pure.
+With `later` set, storing a prompt's keys is appended there (its keys are computed at once), for
+whoever set it to run before the next prompt is keyed (router.prepare.served_models).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections import OrderedDict
+from collections.abc import Callable
+from functools import partial
 from typing import cast
 
 from router.core.keys.block_key import TOKEN_BYTES, BlockKey, chain_hashes, packed_block_hashes
@@ -46,6 +50,8 @@ class PrefixKeyCache:
         # be stored in several groups (a request keyed for variants of two block sizes or roots).
         self._entries: OrderedDict[tuple[_Group, int], _Entry] = OrderedDict()
         self._sorted: dict[_Group, list[bytes]] = {}
+        self.later: list[Callable[[], None]] | None = None
+        """Where stores go when deferred (see the module docstring); None: stored at once."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -61,7 +67,10 @@ class PrefixKeyCache:
         keys = [*prefix[:shared], *computed]
         self.reused_blocks += shared
         self.computed_blocks += n_blocks - shared
-        self._store(group, packed, at, tuple(keys))
+        if self.later is None:
+            self._store(group, packed, tuple(keys), at)
+        else:
+            self.later.append(partial(self._store, group, packed, tuple(keys)))
         return keys
 
     def clear(self) -> None:
@@ -89,12 +98,14 @@ class PrefixKeyCache:
                 self._entries.move_to_end((group, id(other)))
         return at, best, best_keys
 
-    def _store(self, group: _Group, packed: bytes, at: int, keys: tuple[BlockKey, ...]) -> None:
-        """Remember a prompt at its sorted position `at` (unless stored already or too long),
-        evicting beyond the bound."""
+    def _store(self, group: _Group, packed: bytes, keys: tuple[BlockKey, ...], at: int | None = None) -> None:
+        """Remember a prompt at its sorted position (`at`, when known to be current) unless stored
+        already or too long, evicting beyond the bound."""
         if len(packed) // TOKEN_BYTES > self.max_tokens or not keys:
             return
         stored = self._sorted.setdefault(group, [])
+        if at is None:
+            at = bisect_left(stored, packed)
         if at < len(stored) and stored[at] == packed:
             return
         stored.insert(at, packed)
