@@ -250,19 +250,15 @@ class Models:
     ) -> Prepared:
         """`prepare` with the prompt ids an engine's /tokenize returned (router.prepare.remote_tokenize);
         every variant of the model is keyed from these ids, the other fields come from the body."""
-        self.run_stores()
-        try:
+
+        def prepare() -> Prepared:
             fields = _IdFields.decode_body(body)
             ids_body = msgspec.json.encode({**msgspec.structs.asdict(fields), "prompt": tokens})
             model = self.resolve(body, model_hint)
             req = decode_request(ids_body, Endpoint.COMPLETIONS)
-            prepared = self._prepare(req, endpoint, model, single_tokenizer=True)  # ids as a completion
-        except BaseException:
-            self.run_stores()
-            raise
-        if not defer:
-            self.run_stores()
-        return prepared
+            return self._prepare(req, endpoint, model, single_tokenizer=True)  # ids as a completion
+
+        return self._storing(prepare, defer)
 
     def prepare_unread(self, body: bytes, endpoint: Endpoint | str) -> Prepared | None:
         """What routing needs when it reads no prompt: the model and stream flag (the body's JSON is
@@ -283,11 +279,21 @@ class Models:
     ) -> Prepared:
         """Tokenize and key a request body; RequestError (a 400 naming the field) on bad input. With
         `defer`, what it keeps for later requests is left in `later` for `run_stores` (module docstring)."""
-        if self.later:  # an earlier deferred preparation's: this one reads what they keep
+
+        def prepare() -> Prepared:
+            req, model = self._decode(body, endpoint, model_hint)
+            return self._prepare(req, endpoint, model)
+
+        return self._storing(prepare, defer)
+
+    def _storing(self, prepare: Callable[[], Prepared], defer: bool) -> Prepared:
+        """`prepare()` between the stores: an earlier deferred preparation's run first (this one reads
+        what they keep), its own after it (or left in `later` with `defer`), and on an error before it
+        propagates (module docstring)."""
+        if self.later:
             self.run_stores()
         try:
-            req, model = self._decode(body, endpoint, model_hint)
-            prepared = self._prepare(req, endpoint, model)
+            prepared = prepare()
         except BaseException:
             self.run_stores()
             raise

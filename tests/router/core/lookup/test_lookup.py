@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import pytest
 
 from events.wire import KVEventBatch
-from router.core.keys.block_key import KeyHasher
+from router.core.keys.block_key import BlockKey, KeyHasher
 from router.core.kv_layout import GroupSpec, ModelSpec
 from router.core.lookup.computed_blocks import LookupRequest, ReplicaId, lookup, spec_groups
 from router.core.lookup.finders import find_chunked, find_full, find_mamba, find_swa
@@ -189,20 +189,27 @@ def test_spec_groups_merge_equal_specs_whatever_their_eagle_flag() -> None:
     assert run(spec, {0: {0, 1, 2}, 1: {0, 3, 4, 5}, 2: {0, 1, 2, 3, 4, 5}}, 24) == (0, 12)
 
 
-def test_fan_out_matches_each_engine_alone() -> None:
-    rng = random.Random(7)
-    spec = ModelSpec(groups=(GroupSpec(block_size=4),))
+def _random_holders(
+    spec: ModelSpec, rng: random.Random, n_engines: int, p: float
+) -> tuple[Mirror, list[BlockKey], list[EngineId]]:
+    """A mirror of `n_engines` engines, each holding each of the 16 keys of a 64-token prompt with
+    probability `p`; the mirror, the keys and the engines."""
     m = Mirror(hasher=HASHER)
-    tokens = list(range(64))
-    keys = list(HASHER.request_keys(tokens, 4))
-    engines = [EngineId(f"e{i}") for i in range(20)]
+    keys = list(HASHER.request_keys(list(range(64)), 4))
+    engines = [EngineId(f"e{i}") for i in range(n_engines)]
     for e in engines:
         m.add_engine(e, spec)
         rv = m.replica(e)
         assert rv is not None
         for i in range(16):
-            if rng.random() < 0.85:
+            if rng.random() < p:
                 m.index[keys[i]] = m.index.get(keys[i], 0) | rv.groups[0].bit
+    return m, keys, engines
+
+
+def test_fan_out_matches_each_engine_alone() -> None:
+    spec = ModelSpec(groups=(GroupSpec(block_size=4),))
+    m, keys, engines = _random_holders(spec, random.Random(7), 20, 0.85)
     together = lookup(m, spec, LookupRequest(keys, 64))
     for e in engines:
         alone = lookup(m, spec, LookupRequest(keys, 64), [e])[ReplicaId(e, 0)]
@@ -255,18 +262,8 @@ def test_lookups_follow_the_replica_layout_as_it_changes() -> None:
 def test_one_replica_alone_matches_the_fan_out_at_any_prompt_length(n_tokens: int) -> None:
     """The one-replica shortcut of a unitary lookup (its hit capped by the prompt, as every replica's
     is) gives what the same replica gets in a lookup over many."""
-    rng = random.Random(n_tokens)
     spec = ModelSpec(groups=(GroupSpec(block_size=4),))
-    m = Mirror(hasher=HASHER)
-    keys = list(HASHER.request_keys(list(range(64)), 4))
-    engines = [EngineId(f"e{i}") for i in range(4)]
-    for e in engines:
-        m.add_engine(e, spec)
-        rv = m.replica(e)
-        assert rv is not None
-        for i in range(16):
-            if rng.random() < 0.9:
-                m.index[keys[i]] = m.index.get(keys[i], 0) | rv.groups[0].bit
+    m, keys, engines = _random_holders(spec, random.Random(n_tokens), 4, 0.9)
     request = LookupRequest(keys[: (n_tokens + 3) // 4], n_tokens)
     together = lookup(m, spec, request)
     for e in engines:

@@ -214,18 +214,26 @@ def test_expiry_skipped_at_the_last_expirys_time_changes_nothing(
     fast, general = PendingPrefixes(ttl, grace), _AlwaysExpiring(ttl, grace)
     for op, who, replica, blocks, now in ops:
         request = RequestId(f"r{who}")
-        for p in (fast, general):
-            if op == "add":
-                p.add(request, replica, chain(blocks), now)
-            elif op == "answered":
-                p.answered(request, now)
-            elif op == "expire":
-                p.expire(now)
-        if op == "run":
-            for r in (A, B):
-                got = fast.leading_run(r, chain(blocks), 5, now)
-                assert got == general.leading_run(r, chain(blocks), 5, now)
-        assert (fast.size, fast.holds(A), fast.holds(B)) == (general.size, general.holds(A), general.holds(B))
+        _step_both(fast, general, op, request, replica, blocks, now)
+
+
+def _step_both(
+    a: PendingPrefixes, b: PendingPrefixes, op: str, request: RequestId, replica: EngineId,
+    blocks: list[int], now: float,
+) -> None:  # fmt: skip
+    """One step of a property test's script on both overlays, then what they answer compared: the
+    leading runs ("run"), their sizes and what each replica holds."""
+    for p in (a, b):
+        if op == "add":
+            p.add(request, replica, chain(blocks), now)
+        elif op == "answered":
+            p.answered(request, now)
+        elif op == "expire":
+            p.expire(now)
+    if op == "run":
+        for r in (A, B):
+            assert a.leading_run(r, chain(blocks), 5, now) == b.leading_run(r, chain(blocks), 5, now)
+    assert (a.size, a.holds(A), a.holds(B)) == (b.size, b.holds(A), b.holds(B))
 
 
 class _HeapOnly(PendingPrefixes):
@@ -257,22 +265,7 @@ def test_in_order_queues_expire_what_the_heap_did(
     for op, who, replica, blocks, step in ops:
         clock = clock + step if forward else step * 3
         request = RequestId(f"r{who}")
-        for p in (queued, heaped):
-            if op == "add":
-                p.add(request, replica, chain(blocks), clock)
-            elif op == "answered":
-                p.answered(request, clock)
-            elif op == "expire":
-                p.expire(clock)
-        if op == "run":
-            for r in (A, B):
-                got = queued.leading_run(r, chain(blocks), 5, clock)
-                assert got == heaped.leading_run(r, chain(blocks), 5, clock)
-        assert (queued.size, queued.holds(A), queued.holds(B)) == (
-            heaped.size,
-            heaped.holds(A),
-            heaped.holds(B),
-        )
+        _step_both(queued, heaped, op, request, replica, blocks, clock)
         assert queued._entries.keys() == heaped._entries.keys()
     if forward:
         assert not queued._heap  # in order: nothing needed the heap
