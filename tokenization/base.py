@@ -8,10 +8,12 @@ them), so every implementation follows vLLM 0.33.0: completions encode the promp
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
+
+from tokenization.deferred import Later
 
 if TYPE_CHECKING:
     from tokenization.chat_carry import CarryLink
@@ -76,7 +78,7 @@ class Tokenizer(Protocol):
         """The segment cache behind ``encode_cached`` (size, hit/miss counters, ``clear``)."""
         ...
 
-    def defer_stores(self, later: list[Callable[[], None]] | None) -> None:
+    def defer_stores(self, later: Later | None) -> None:
         """Append what encoding keeps for later texts (segment cache, prefix reuse, chat carry) to
         ``later`` instead of keeping it at once; the caller runs them before the next encode (None:
         at once again)."""

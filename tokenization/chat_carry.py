@@ -19,12 +19,11 @@ to run before the next encoding (router.prepare.served_models). The counters cou
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Callable
-from functools import partial
 from itertools import accumulate
 
 import msgspec
 
+from tokenization.deferred import Later, keep_or_defer
 from tokenization.prefix_reuse import EncodePacked, PrefixReuse, ReuseEntry, shared_prefix
 
 __all__ = ["DEFAULT_MAX_BYTES", "LONG_TAIL", "CarryLink", "CarryStats", "ChatCarry"]
@@ -91,7 +90,7 @@ class ChatCarry:
         self.stats = CarryStats()
         self._reuse = reuse
         self._turns: OrderedDict[bytes, _Turn] = OrderedDict()
-        self.later: list[Callable[[], None]] | None = None
+        self.later: Later | None = None
         """Where an encoding's keeping goes when deferred (see the module docstring); None: at once."""
 
     def __len__(self) -> int:
@@ -120,10 +119,7 @@ class ChatCarry:
             starts = [0, *accumulate(len(p) if p.isascii() else len(p.encode("utf-8")) for p in pieces)]
             turn = _Turn(pieces, starts, entry, {})
             link = CarryLink(0, {}, turn.derived)
-        if self.later is None:
-            self._keep(key, turn)
-        else:
-            self.later.append(partial(self._keep, key, turn))
+        keep_or_defer(self.later, self._keep, key, turn)
         return turn.entry, link
 
     def clear(self) -> None:

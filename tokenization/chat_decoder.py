@@ -27,11 +27,11 @@ from __future__ import annotations
 import re
 from collections import OrderedDict
 from collections.abc import Callable
-from functools import partial
 from typing import Any, Final
 
 import msgspec
 
+from tokenization.deferred import Later, keep_or_defer
 from tokenization.openai_request import ChatMessage, ChatRequest, check_chat, decode_chat
 
 __all__ = ["DEFAULT_MAX_BYTES", "HEAD_BYTES", "ChatDecoder"]
@@ -94,7 +94,7 @@ class ChatDecoder:
         """Body bytes not parsed: leading messages shared byte for byte with a kept request."""
         self._turns: OrderedDict[bytes, _Kept] = OrderedDict()
         self._heads: dict[bytes, _Kept] = {}
-        self.later: list[Callable[[], None]] | None = None
+        self.later: Later | None = None
         """Where a decode's keeping goes when deferred (see the module docstring); None: kept at once."""
 
     def __len__(self) -> int:
@@ -180,10 +180,7 @@ class ChatDecoder:
         self.decoded += len(turn) - reused
         self.reused += reused
         req = check_chat(ChatRequest([m for _, m in turn], *fields))
-        if self.later is None:
-            self._keep(key, turn, body, spans)
-        else:
-            self.later.append(partial(self._keep, key, turn, body, spans))
+        keep_or_defer(self.later, self._keep, key, turn, body, spans)
         return req
 
     def _keep(self, key: bytes, turn: _Turn, body: bytes, spans: _SpansOf) -> None:

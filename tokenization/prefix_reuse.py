@@ -22,9 +22,9 @@ from array import array
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Sequence
-from functools import partial
 from itertools import accumulate
 
+from tokenization.deferred import Later, keep_or_defer
 from tokenization.safe_cuts import CutFinder
 
 __all__ = [
@@ -174,7 +174,7 @@ class PrefixReuse:
         self._lengths = byte_lengths
         self._entries: OrderedDict[int, ReuseEntry] = OrderedDict()  # by id(entry.data)
         self._sorted: list[bytes] = []
-        self.later: list[Callable[[], None]] | None = None
+        self.later: Later | None = None
         """Where the filing of entries goes when deferred (see the module docstring); None: at once."""
 
     def __len__(self) -> int:
@@ -266,10 +266,7 @@ class PrefixReuse:
         entry = ReuseEntry(data, tail_ids, packed, None, n)
         if len(tail_ids) > n:  # mostly new text: its ends are made if it is ever reused (`ends`)
             return entry, n
-        if self.later is None:  # (only a later text reads them)
-            self._extend_ends(entry, prior_ends, cut)
-        else:
-            self.later.append(partial(self._extend_ends, entry, prior_ends, cut))
+        keep_or_defer(self.later, self._extend_ends, entry, prior_ends, cut)  # (only a later text reads them)
         return entry, n
 
     def _extend_ends(self, entry: ReuseEntry, prior_ends: array[int], cut: int) -> None:
@@ -287,10 +284,7 @@ class PrefixReuse:
         data, stored = entry.data, self._sorted
         if at < len(stored) and stored[at] == data:  # (``replaced``'s text differs: not this one)
             entry = self._entries[id(stored[at])]
-        if self.later is None:
-            self._file(entry, replaced)
-        else:
-            self.later.append(partial(self._file, entry, replaced))
+        keep_or_defer(self.later, self._file, entry, replaced)
         return entry
 
     def _file(self, entry: ReuseEntry, replaced: ReuseEntry | None) -> None:

@@ -13,9 +13,9 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import TYPE_CHECKING
 
+from tokenization.deferred import Later, keep_or_defer
 from tokenization.segmenter import AddedToken, Segment, Segmenter
 
 if TYPE_CHECKING:
@@ -62,7 +62,7 @@ class SegmentCache:
         self.misses = 0
         self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._packed: dict[str, bytes] = {}  # the packed form of each entry's ids, made once
-        self.later: list[Callable[[], None]] | None = None
+        self.later: Later | None = None
         """Where `put`s go when deferred (see the class docstring); None: stored at once."""
 
     def __len__(self) -> int:
@@ -81,10 +81,7 @@ class SegmentCache:
     def put(self, piece: str, ids: tuple[int, ...]) -> None:
         """Store ``ids`` for ``piece``, evicting the least recently used entries beyond the bound
         (or append that to `later`)."""
-        if self.later is not None:
-            self.later.append(partial(self._put, piece, ids))
-        else:
-            self._put(piece, ids)
+        keep_or_defer(self.later, self._put, piece, ids)
 
     def _put(self, piece: str, ids: tuple[int, ...]) -> None:
         if self.max_entries == 0 or len(ids) > self.max_tokens:

@@ -6,12 +6,13 @@ Subclasses set `_special`, `_context` (the template's special-token variables), 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from tokenization.base import CacheStats, Message, SpecialTokens
 from tokenization.chat_carry import CarryLink, ChatCarry
 from tokenization.chat_template import TemplateSet
+from tokenization.deferred import Later
 from tokenization.prefix_reuse import PromptIds, ReuseEntry, WrappedIds, ids_of
 from tokenization.segment_cache import SegmentCache, SegmentedEncoder, pack_ids
 
@@ -37,7 +38,8 @@ class TemplatedTokenizer:
         """The segment cache (size and hit/miss counters for metrics)."""
         return self.segments.cache
 
-    def defer_stores(self, later: list[Callable[[], None]] | None) -> None:
+    def defer_stores(self, later: Later | None) -> None:
+        """`Tokenizer.defer_stores`: the segment cache's, prefix reuse's and the chat carry's stores."""
         self.segments.cache.later = later
         if self.segments.reuse is not None:
             self.segments.reuse.later = later

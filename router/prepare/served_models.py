@@ -49,6 +49,7 @@ from router.settings.config import EngineConfig, ModelConfig, RouterConfig
 from tokenization import Tokenizer
 from tokenization.base import CacheStats
 from tokenization.chat_decoder import ChatDecoder
+from tokenization.deferred import Later
 from tokenization.loading import load_tokenizer
 from tokenization.openai_request import (
     ChatRequest,
@@ -146,7 +147,7 @@ class Models:
         for name, adapters in (loras or {}).items():
             self._loras.setdefault(name, {}).update(adapters)
         self._tokenizers: dict[tuple[str | None, str | None], Tokenizer] = {}
-        self.later: list[Callable[[], None]] = []
+        self.later: Later = []
         """The stores of the last preparation, not run yet (see the module docstring)."""
         self._chat = ChatDecoder()
         self._chat.later = self.key_cache.later = self.later

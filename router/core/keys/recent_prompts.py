@@ -15,11 +15,10 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Callable
-from functools import partial
 from typing import cast
 
 from router.core.keys.block_key import TOKEN_BYTES, BlockKey, chain_hashes, packed_block_hashes
+from tokenization.deferred import Later, keep_or_defer
 
 __all__ = ["PrefixKeyCache"]
 
@@ -50,7 +49,7 @@ class PrefixKeyCache:
         # be stored in several groups (a request keyed for variants of two block sizes or roots).
         self._entries: OrderedDict[tuple[_Group, int], _Entry] = OrderedDict()
         self._sorted: dict[_Group, list[bytes]] = {}
-        self.later: list[Callable[[], None]] | None = None
+        self.later: Later | None = None
         """Where stores go when deferred (see the module docstring); None: stored at once."""
 
     def __len__(self) -> int:
@@ -67,10 +66,10 @@ class PrefixKeyCache:
         keys = [*prefix[:shared], *computed]
         self.reused_blocks += shared
         self.computed_blocks += n_blocks - shared
-        if self.later is None:
+        if self.later is None:  # (the position found is current only when stored at once)
             self._store(group, packed, tuple(keys), at)
         else:
-            self.later.append(partial(self._store, group, packed, tuple(keys)))
+            keep_or_defer(self.later, self._store, group, packed, tuple(keys))
         return keys
 
     def clear(self) -> None:
