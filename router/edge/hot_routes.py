@@ -166,6 +166,9 @@ class HotCycle(RequestResponseCycle):
     _size = 0
     _line: AccessLine | None = None
     """The request's access line, while the access log writes one (`begin`)."""
+    _loop: asyncio.AbstractEventLoop | None = None
+    """The loop running `serve` (`begin`): asking asyncio for the running loop is a getpid syscall
+    per call on CPython 3.11."""
 
     def __init__(
         self,
@@ -204,7 +207,7 @@ class HotCycle(RequestResponseCycle):
             self._line = AccessLine(cast(Scope, self.scope))
         coro = self.serve(self.scope, self.receive, self.send, self.endpoint)  # type: ignore[arg-type]
         task = loop.create_task(coro) if context is None else loop.create_task(coro, context=context)
-        self._tasks = tasks
+        self._tasks, self._loop = tasks, loop
         task.add_done_callback(self._served)
         tasks.add(task)
 
@@ -339,7 +342,7 @@ class HotCycle(RequestResponseCycle):
             lines.append(b"transfer-encoding: chunked")
         lines.append(b"\r\n")
         self._held = STATUS_LINE[status] + defaults.lines + b"\r\n".join(lines)
-        asyncio.get_running_loop().call_soon(self._flush)
+        (self._loop or asyncio.get_running_loop()).call_soon(self._flush)
 
     def _frame(self, framing: list[tuple[bytes, bytes]]) -> bool:
         """Take the answer's framing from its Content-Length, Transfer-Encoding and Connection headers
