@@ -321,7 +321,7 @@ class Gateway:
             flight.first_byte()
             self._overhead["proxy"].observe(pre_forward + relay_s)
             if streamed_ok:  # a JSON answer's first chunk is most of the answer: no TTFT to speak of
-                parts.metrics.ttft_of(engine, model).observe(time.perf_counter() - arrived)
+                parts.metrics.ttft_of[engine, model].observe(time.perf_counter() - arrived)
 
         def end(status: str, cached: int | None) -> None:
             flight.finish()
@@ -331,9 +331,9 @@ class Gateway:
             parts.fleet.admission.leave()
             entry.status = upstream.status
             entry.actual_cached_tokens = note.actual_cached_tokens = cached
-            parts.metrics.requests_of(engine, self.policy, status).inc()
+            parts.metrics.requests_of[engine, self.policy, status].inc()
             if status == "200":
-                parts.metrics.duration_of(engine, model).observe(time.perf_counter() - arrived)
+                parts.metrics.duration_of[engine, model].observe(time.perf_counter() - arrived)
             if cached is not None and not entry.request.unread:
                 parts.metrics.observe_prediction(engine, predicted, cached)
             self._log_end(entry, status)
@@ -347,7 +347,7 @@ class Gateway:
         engine = entry.engine or "none"
         status = str(exc.http_status()) if isinstance(exc, RouterError) else "client_closed"
         entry.status = exc.http_status() if isinstance(exc, RouterError) else 499
-        self.parts.metrics.requests_of(engine, self.policy, status).inc()
+        self.parts.metrics.requests_of[engine, self.policy, status].inc()
         if isinstance(exc, RouterError) and exc.reason is not None:  # refused: no engine could take it
             self.parts.metrics.rejected.labels(exc.reason).inc()
         log.warning(
