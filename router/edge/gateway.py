@@ -87,7 +87,8 @@ def view_of(prepared: Prepared) -> PreparedView:
     )  # fmt: skip
 
 
-_TRUST_RAW: Final = {state: state.value.encode("latin-1") for state in TrustState}
+_TRUST_RAW: Final = tuple((state, state.value.encode("latin-1")) for state in TrustState)
+"""Each trust state and its header bytes, found by identity: hashing an `Enum` member is a Python call."""
 
 
 def _mirror_trust(entry: DecisionEntry, engine: str) -> bytes:
@@ -95,7 +96,10 @@ def _mirror_trust(entry: DecisionEntry, engine: str) -> bytes:
     only from `fresh` ones), as the header's bytes; `unknown` if that decision did not score it."""
     for candidate in entry.decisions[-1].candidates if entry.decisions else ():
         if candidate.engine == engine:
-            return _TRUST_RAW[candidate.trust.state]
+            state = candidate.trust.state
+            for member, raw in _TRUST_RAW:
+                if member is state:
+                    return raw
     return b"unknown"
 
 
