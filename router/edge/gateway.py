@@ -15,7 +15,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass
+from types import MappingProxyType
 from typing import Final
 
 from starlette.datastructures import Headers
@@ -85,6 +87,15 @@ def view_of(prepared: Prepared) -> PreparedView:
         prepared.model, str(prepared.endpoint), prepared.stream, prepared.prompt_tokens,
         len(prepared.keys), prepared.skip_cache, prepared.unread,
     )  # fmt: skip
+
+
+def stage_timings(first: Mapping[str, float], then: Mapping[str, float]) -> dict[str, float]:
+    """`{**first, **then}`: the preparation's stage timings, then routing's. By `|` when `first` is
+    a dict or a mapping proxy (as `Prepared` keeps them) and `then` a dict: one C call, where `**`
+    reads a proxy key by key (~3x the time)."""
+    if type(then) is dict and (type(first) is MappingProxyType or type(first) is dict):
+        return first | then
+    return {**first, **then}
 
 
 _TRUST_RAW: Final = tuple((state, state.value.encode("latin-1")) for state in TrustState)
@@ -300,7 +311,7 @@ class Gateway:
         """Run the preparation's stores for later requests; complete the request's debug record (its
         stages' timings) and keep it in the ring."""
         self.parts.models.run_stores()
-        entry.timings_s = {**prepared.timings, **routed.timings}
+        entry.timings_s = stage_timings(prepared.timings, routed.timings)
         self.parts.ring.add(entry)
 
     def _relay(
@@ -380,4 +391,6 @@ class Gateway:
         prepared = await self.prepare(body, endpoint, full=True)
         route = RouteRequest(key=prepared.session_key, session=session)
         routed = self.parts.core.route(prepared, route, self.parts.fleet.clock())
-        return Explanation(view_of(prepared), routed.decision, {**prepared.timings, **routed.timings})
+        return Explanation(
+            view_of(prepared), routed.decision, stage_timings(prepared.timings, routed.timings)
+        )
