@@ -274,7 +274,7 @@ class Http1Client:
         runs once, before control first returns to the event loop: right after the request is
         written when a kept connection is free (the common case: the caller's bookkeeping then runs
         while the engine works), else before waiting for or opening one."""
-        pool = self._pool(base_url)
+        pool = self._pools.get(base_url) or self._pool(base_url)
         # A kept connection's loop is the running one (a connection serves only its own loop); asking
         # asyncio is a getpid syscall per call on CPython 3.11.
         loop = pool.idle[-1].loop if pool.idle else asyncio.get_running_loop()
