@@ -62,6 +62,8 @@ __all__ = ["Gateway", "GatewayParts"]
 log = logging.getLogger(__name__)
 
 _STAGES: Final = ("tokenize", "hash", "lookup", "score")
+_QUIET: Final = ("200", "client_closed")
+"""The ends logged only at DEBUG."""
 
 
 @dataclass
@@ -177,10 +179,6 @@ class Gateway:
         self.parts.metrics.remote_tokenize_failures.inc()
         return None
 
-    def route_request(self, scope: Scope, prepared: Prepared) -> RouteRequest:
-        """The scoring view of the request: its stable key and session."""
-        return RouteRequest(key=prepared.session_key, session=header_in(scope, self.session_header))
-
     async def handle(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
         """Serve one completions or chat request straight over ASGI: route, forward, stream back.
 
@@ -266,7 +264,8 @@ class Gateway:
         # str(endpoint): a C call, where Enum.value is a Python-level property.
         headers = forwarded_headers(scope["headers"], rid, parts.guard.api_keys_required)
         proxied = ProxyRequest(scope["method"], str(endpoint), headers, body, True)
-        flight = Flight(parts.fleet, parts.core, proxied, entry, self.route_request(scope, prepared))
+        route = RouteRequest(key=prepared.session_key, session=header_in(scope, self.session_header))
+        flight = Flight(parts.fleet, parts.core, proxied, entry, route)
         if parts.recorder is not None:  # (kept before the decision: the recording's order and times)
             parts.recorder.request(rid, endpoint.value, prepared.model, Headers(scope=scope), body)
             flight.on_decision = parts.recorder.decision
@@ -351,12 +350,10 @@ class Gateway:
                 parts.metrics.duration_of[engine, model].observe(time.perf_counter() - arrived)
             if cached is not None and not entry.request.unread:
                 parts.metrics.observe_prediction(engine, predicted, cached)
-            self._log_end(entry, status)
+            if status not in _QUIET or log.isEnabledFor(logging.DEBUG):
+                self._log_end(entry, status)
 
-        relay = RelayResponse(upstream, headers, None, first_byte, end)
-        if upstream.status == 200:
-            relay.watch_usage()
-        return relay
+        return RelayResponse(upstream, headers, None, first_byte, end, upstream.status == 200)
 
     def _failed(self, entry: DecisionEntry, exc: BaseException) -> None:
         engine = entry.engine or "none"
@@ -371,20 +368,20 @@ class Gateway:
         )
 
     def _log_end(self, entry: DecisionEntry, status: str) -> None:
-        if log.isEnabledFor(logging.DEBUG) or status not in ("200", "client_closed"):
-            level = logging.DEBUG if status == "200" else logging.INFO
-            log.log(
-                level,
-                "request done",
-                extra={
-                    "request_id": entry.request_id,
-                    "engine": entry.engine,
-                    "status": status,
-                    "predicted_cached_tokens": entry.predicted_cached_tokens,
-                    "actual_cached_tokens": entry.actual_cached_tokens,
-                    "attempts": len(entry.attempts),
-                },
-            )
+        """Log the request's end: its caller asks first (`_QUIET` ends only at DEBUG), with no call."""
+        level = logging.DEBUG if status == "200" else logging.INFO
+        log.log(
+            level,
+            "request done",
+            extra={
+                "request_id": entry.request_id,
+                "engine": entry.engine,
+                "status": status,
+                "predicted_cached_tokens": entry.predicted_cached_tokens,
+                "actual_cached_tokens": entry.actual_cached_tokens,
+                "attempts": len(entry.attempts),
+            },
+        )
 
     async def explain(self, body: bytes, endpoint: Endpoint, session: str | None) -> Explanation:
         """What routing would decide for `body` now, without sending it (for `POST /debug/route`)."""
