@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hmac
 from collections.abc import Mapping
+from typing import Final
 
 from router.core.errors import RouterError, Unauthorized
 from router.settings.secrets import Secrets
@@ -45,12 +46,14 @@ class Guard:
     """Checks credentials against the loaded secrets; raises a `RouterError` to refuse."""
 
     def __init__(self, secrets: Secrets) -> None:
-        self.secrets = secrets
+        self._secrets = secrets
+        self.api_keys_required: Final = bool(secrets.api_keys)
+        """Whether `/v1/*` needs an API key (read per request: an attribute, not a property's call)."""
 
     @property
-    def api_keys_required(self) -> bool:
-        """Whether `/v1/*` needs an API key."""
-        return bool(self.secrets.api_keys)
+    def secrets(self) -> Secrets:
+        """The secrets checked against, fixed at construction."""
+        return self._secrets
 
     def check_api(self, headers: Mapping[str, str]) -> None:
         """Admit a `/v1/*` request, or raise `Unauthorized` (401) for a missing or unknown key."""

@@ -48,18 +48,16 @@ _SANE_ID: Final = re.compile(r"[A-Za-z0-9._:\-]{1,128}")
 
 class _IdSource:
     """32 hex digits like `uuid4().hex`: 16 random ones per process, then a counter. One random read
-    per process rather than a `getrandom` syscall per request; a forked child draws its own."""
+    per process rather than a `getrandom` syscall per request; a forked child draws its own. `next`
+    is C's (a `map` of the counter through `str.format`): no Python call per id."""
 
     def __init__(self) -> None:
         self.reseed()
         os.register_at_fork(after_in_child=self.reseed)
 
     def reseed(self) -> None:
-        self.prefix = os.urandom(8).hex()
-        self.counter = itertools.count()
-
-    def next(self) -> str:
-        return f"{self.prefix}{next(self.counter):016x}"
+        self.prefix = os.urandom(8).hex()  # hex digits: nothing `format` would read as a field
+        self.next: Callable[[], str] = map((self.prefix + "{:016x}").format, itertools.count()).__next__
 
 
 _IDS: Final = _IdSource()
@@ -130,13 +128,15 @@ class LostSignal:
     """One request cycle's connection was lost before its answer completed: the protocol `fire`s it
     (router.edge.client_timeouts), and the cycle's `ClientWatch` is called back, with no task of its
     own waiting on `receive`. The protocol's signal also reads its cycle (`resume`, `body_in`,
-    `take_body`); this base knows no cycle: its reads say nothing is parsed yet."""
+    `take_body`); this base knows no cycle: its reads say nothing is parsed yet. `loop` is the loop
+    running the cycle's task when the protocol knows it (None: `ClientWatch` asks asyncio)."""
 
-    __slots__ = ("callback", "lost")
+    __slots__ = ("callback", "loop", "lost")
 
-    def __init__(self) -> None:
+    def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.lost = False
         self.callback: Callable[[], None] | None = None
+        self.loop = loop
 
     def resume(self) -> None:
         """Resume reading the connection (paused by a body past uvicorn's high-water mark), as a
@@ -179,20 +179,22 @@ class ClientWatch:
     def __init__(
         self, receive: Receive, scope: Scope | None = None, signal: LostSignal | None = None
     ) -> None:
-        task = asyncio.current_task()
+        if signal is None and scope is not None:
+            signal = lost_signal_of(scope)
+        # Given its loop, asyncio finds the task without asking for the running loop, which on CPython
+        # 3.11 is a getpid syscall per call (issue #13).
+        task = asyncio.current_task(signal.loop if signal is not None else None)
         assert task is not None, "ClientWatch needs a running task"
         self._task = task
         self._receive = receive
         self.gone = False
         self._closing = False
-        if signal is None and scope is not None:
-            signal = lost_signal_of(scope)
         self._signal = signal
         self._watcher: asyncio.Task[None] | None = None
         if self._signal is None:
-            self._watcher = asyncio.get_running_loop().create_task(self._watch())
+            self._watcher = task.get_loop().create_task(self._watch())
         elif self._signal.lost:  # lost while the body's last message was on its way to this task
-            asyncio.get_running_loop().call_soon(self._disconnected)
+            task.get_loop().call_soon(self._disconnected)
         else:
             self._signal.callback = self._disconnected
             self._signal.resume()

@@ -157,7 +157,7 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle
         extensions = self.scope.setdefault("extensions", {})
         extensions[BODY_WRITER] = {"writer": BodyWriter(cycle)}
-        self._lost = _CycleSignal(cycle)
+        self._lost = _CycleSignal(cycle, self.loop)
         extensions[LOST_SIGNAL] = {"signal": self._lost}
 
     def _start_hot(self, endpoint: Endpoint) -> None:
@@ -257,9 +257,11 @@ class _CycleSignal(LostSignal):
 
     __slots__ = ("_cycle",)
 
-    def __init__(self, cycle: RequestResponseCycle) -> None:  # LostSignal's state, set here: one call
+    def __init__(self, cycle: RequestResponseCycle, loop: asyncio.AbstractEventLoop) -> None:
+        # LostSignal's state, set here: one call
         self.lost = False
         self.callback: Callable[[], None] | None = None
+        self.loop = loop
         self._cycle = weakref.ref(cycle)
 
     def resume(self) -> None:  # what `receive()` does first while the answer is under way

@@ -274,9 +274,11 @@ class Http1Client:
         runs once, before control first returns to the event loop: right after the request is
         written when a kept connection is free (the common case: the caller's bookkeeping then runs
         while the engine works), else before waiting for or opening one."""
-        loop = asyncio.get_running_loop()
+        pool = self._pools.get(base_url) or self._pool(base_url)
+        # A kept connection's loop is the running one (a connection serves only its own loop); asking
+        # asyncio is a getpid syscall per call on CPython 3.11.
+        loop = pool.idle[-1].loop if pool.idle else asyncio.get_running_loop()
         start = loop.time()
-        pool = self._pool(base_url)
         head = _head(method, pool.origin.prefix + path, headers, body)
         conn = self._take(pool, start)
         if conn is None:

@@ -47,7 +47,13 @@ class Connection(asyncio.Protocol):
         self.buffered = 0
         self.paused = False
         self.waiter: asyncio.Future[None] | None = None
+        """The armed wait, until a callback resolves it (or `disarm`)."""
+        self._armed: asyncio.Future[None] | None = None
+        """The armed wait, until `disarm`: what the timer fails when its deadline comes."""
+        self._deadline = self._timer_at = 0.0
+        self._phase = ""
         self.timer: asyncio.TimerHandle | None = None
+        """The connection's timer, set for `_timer_at`, no later than the armed deadline (`arm`)."""
         self.idle_since = 0.0
         self.lost = False
         self.active = True
@@ -97,6 +103,8 @@ class Connection(asyncio.Protocol):
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.lost = True
+        if self._armed is None:  # a wait under way keeps its timer until its caller disarms it
+            self._stop_timer()
         if self.complete:
             return
         if self.headers_done and self._until_eof():
@@ -181,26 +189,56 @@ class Connection(asyncio.Protocol):
     def arm(self, timeout_s: float, phase: str) -> asyncio.Future[None]:
         """The future the next parser callback or the connection's end resolves, failed with
         `TimedOut(phase)` after `timeout_s`; the caller awaits it, then calls `disarm`. An error
-        already there resolves it at once."""
-        waiter = self.waiter = self.loop.create_future()
-        self.timer = self.loop.call_later(max(0.0, timeout_s), _expire, waiter, phase)
+        already there resolves it at once.
+
+        The connection's one timer outlives the waits: a wait whose deadline is no earlier than the
+        timer's keeps it (the timeouts are fixed, so each exchange's deadline is later than the last
+        one's) and `_expire` moves it on to the deadline then armed, if any. A request costs no timer
+        of its own, only a wake-up per timeout while the connection is in use."""
+        loop = self.loop
+        waiter = self.waiter = self._armed = loop.create_future()
+        self._phase = phase
+        self._deadline = deadline = loop.time() + max(0.0, timeout_s)
+        if self.timer is None or self._timer_at > deadline:
+            if self.timer is not None:
+                self.timer.cancel()
+            self._timer_at = deadline
+            self.timer = loop.call_at(deadline, self._expire)
         if self.error is not None:
             waiter.set_result(None)
         return waiter
 
     def disarm(self) -> None:
-        """The armed wait is over (resolved, timed out or cancelled): its timer goes."""
-        if self.timer is not None:
-            self.timer.cancel()
-            self.timer = None
-        self.waiter = None
+        """The armed wait is over (resolved, timed out or cancelled): nothing expires any more (the
+        timer lapses when it fires, unless a later wait is armed by then)."""
+        self.waiter = self._armed = None
+
+    def _expire(self) -> None:
+        """The timer fired: the armed wait fails with `TimedOut` if its deadline has come (within the
+        loop clock's millisecond, as `call_later` rounds it), or the timer is set for that deadline."""
+        self.timer = None
+        waiter = self._armed
+        if waiter is None:
+            return
+        if self.loop.time() + _CLOCK_RESOLUTION >= self._deadline:
+            if not waiter.done():
+                waiter.set_exception(TimedOut(self._phase))
+        else:
+            self._timer_at = self._deadline
+            self.timer = self.loop.call_at(self._deadline, self._expire)
 
     def close(self) -> None:
         self.lost = True
+        self._stop_timer()
         if self.transport is not None:
             self.transport.close()
 
+    def _stop_timer(self) -> None:
+        """The connection is done with: its timer goes (it holds the connection until it fires)."""
+        if self.timer is not None:
+            self.timer.cancel()
+            self.timer = None
 
-def _expire(waiter: asyncio.Future[None], phase: str) -> None:
-    if not waiter.done():
-        waiter.set_exception(TimedOut(phase))
+
+_CLOCK_RESOLUTION: Final = 1e-3
+"""uvloop's loop clock counts milliseconds: a timer may fire up to one before its deadline."""

@@ -80,6 +80,20 @@ class ProxySettings(msgspec.Struct, frozen=True):
         )  # fmt: skip
 
 
+_VERDICTS: dict[int, tuple[bool, bool]] = {}
+"""The retry policy's verdicts on an answer by its status: whether it counts as the engine's failure,
+whether it is retried (`counts_as_failure`, `is_retryable`: pure functions of the status)."""
+
+
+def _verdicts(status: int) -> tuple[bool, bool]:
+    """The retry policy's verdicts on an answer with `status`, kept for the next one (`_VERDICTS`)."""
+    outcome = Outcome(OutcomeKind.ANSWERED, status)
+    verdicts = counts_as_failure(outcome), is_retryable(outcome)
+    if 0 <= status < 1000:  # the parser gives three digits: nothing else is kept
+        _VERDICTS[status] = verdicts
+    return verdicts
+
+
 Chooser = Callable[[frozenset[EngineId]], Target | None]
 """Given the engines already tried for this request, the next target (None: no more candidates)."""
 
@@ -211,10 +225,10 @@ class Proxy:
         """An attempt the engine answered: recorded and counted; the answer to return, or None when
         it is retryable (5xx/429: the caller reads its excerpt and tries elsewhere)."""
         status = response.status
-        outcome = Outcome(OutcomeKind.ANSWERED, status)
         attempts.append(Attempt(target.engine, OutcomeKind.ANSWERED, status))
-        (breaker.record_failure if counts_as_failure(outcome) else breaker.record_success)(self.clock())
-        if is_retryable(outcome):
+        failure, retryable = _VERDICTS.get(status) or _verdicts(status)
+        (breaker.record_failure if failure else breaker.record_success)(self.clock())
+        if retryable:
             return None
         answer = UpstreamResponse(target, status, response.raw_headers, attempts)
         answer._response = response

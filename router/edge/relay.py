@@ -121,12 +121,14 @@ class RelayResponse(Response):
         tap: UsageTap | None,
         on_first_byte: Callable[[float], None],
         on_end: EndHook,
+        watch_usage: bool = False,
     ) -> None:
+        """With `watch_usage`, the answer's cached tokens are read as it passes (`watch_usage()`)."""
         self.status_code = upstream.status
         self.background = None
         self.raw_headers, self.event_stream = relayed_raw_headers(upstream.raw_headers, extra_headers)
         self.upstream = upstream
-        self._tap = tap
+        self._tap = UsageTap(self.event_stream) if watch_usage else tap
         self._on_first_byte = on_first_byte
         self._on_end = on_end
         self._ended = False

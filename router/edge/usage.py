@@ -94,7 +94,8 @@ class UsageTap:
 
     def cached_tokens(self) -> int | None:
         """The engine-reported cached tokens, or None when the answer did not carry them."""
-        data = b"".join(self._chunks)
+        chunks = self._chunks
+        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)  # a whole answer in one read: as it is
         if self.stream:
             return cached_tokens_of_sse(data)
-        return None if self._overflow else cached_tokens_of_json(data)
+        return None if self._overflow else _cached(data)[1]  # `cached_tokens_of_json`, one call less

@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Final, Generic, Protocol, TypeVar
+from typing import Final, Protocol, TypeVar
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -28,6 +28,7 @@ from events.sources import EngineStats
 from router.core.keys.recent_prompts import PrefixKeyCache
 from router.core.policy.breaker import BreakerState
 from router.ops.bucket_histogram import BucketHistogram
+from router.ops.local_counter import LocalCounter
 from tokenization.base import CacheStats
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "Children",
     "EngineView",
     "RouterMetrics",
+    "children_of",
 ]
 
 MULTIPROCESS_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
@@ -353,22 +355,36 @@ class Observer(Protocol):
     def observe(self, amount: float) -> None: ...
 
 
-class Children(Generic[_C]):
-    """A labelled metric's children by label values, each looked up once: prometheus_client's
-    `labels()` validates the values and takes the metric's lock on every call, several times per
-    request. The gateway never removes a child, so a cached one stays the metric's."""
+class _Counting(Protocol):
+    """A counter child."""
 
-    __slots__ = ("_by_values", "_metric")
+    def inc(self, amount: float = 1) -> None: ...
 
-    def __init__(self, metric: Labelled[_C]) -> None:
-        self._metric: Labelled[_C] = metric
-        self._by_values: dict[tuple[str, ...], _C] = {}
 
-    def __call__(self, *values: str) -> _C:
-        child = self._by_values.get(values)
-        if child is None:
-            child = self._by_values[values] = self._metric.labels(*values)
-        return child
+_K = TypeVar("_K")
+_V = TypeVar("_V")
+
+
+class Children(dict[_K, _V]):
+    """A labelled metric's children (or anything made per key) by key, each made once by `make` on
+    first use: prometheus_client's `labels()` validates the values and takes the metric's lock on
+    every call, several times per request, and a hit here is a dict lookup with no Python call. The
+    gateway never removes a child, so a cached one stays the metric's."""
+
+    __slots__ = ("_make",)
+
+    def __init__(self, make: Callable[[_K], _V]) -> None:
+        super().__init__()
+        self._make = make
+
+    def __missing__(self, key: _K) -> _V:
+        made = self[key] = self._make(key)
+        return made
+
+
+def children_of(metric: Labelled[_C]) -> Children[tuple[str, ...], _C]:
+    """`metric`'s children by their label values (`Children`)."""
+    return Children(lambda values: metric.labels(*values))
 
 
 AnyHistogram = Labelled[Observer]
@@ -389,6 +405,22 @@ def _histograms(registry: CollectorRegistry, one_process: bool) -> _HistogramMak
     return make
 
 
+_CounterMaker = Callable[[str, str, Sequence[str]], Labelled[_Counting]]
+
+
+def _counters(registry: CollectorRegistry, one_process: bool) -> _CounterMaker:
+    """What makes the request-path counters: `LocalCounter` in one process (no lock, one Python call
+    per `inc`), prometheus_client's `Counter` in multiprocess mode, whose values the workers share
+    through its files."""
+
+    def make(name: str, documentation: str, labels: Sequence[str]) -> Labelled[_Counting]:
+        if one_process:
+            return LocalCounter(name, documentation, labels, registry)
+        return Counter(name, documentation, labels, registry=registry)
+
+    return make
+
+
 class RouterMetrics:
     """Every `kvrouter_*` metric of one gateway process."""
 
@@ -405,11 +437,11 @@ class RouterMetrics:
         r = self.registry
         self._multiprocess_dir = os.environ.get(MULTIPROCESS_ENV) or None
         histogram = _histograms(r, self._multiprocess_dir is None)
-        self.requests = Counter(
+        counter = _counters(r, self._multiprocess_dir is None)
+        self.requests = counter(
             "kvrouter_requests",
             "requests routed, by engine, policy and status",
             ["engine", "policy", "status"],
-            registry=r,
         )
         self.overhead = histogram(
             "kvrouter_router_overhead_seconds",
@@ -417,11 +449,11 @@ class RouterMetrics:
             ["stage"],
             _OVERHEAD_BUCKETS,
         )
-        self.predicted_cached = Counter(
-            "kvrouter_predicted_cached_tokens", "cached tokens the router predicted", ["engine"], registry=r
+        self.predicted_cached = counter(
+            "kvrouter_predicted_cached_tokens", "cached tokens the router predicted", ["engine"]
         )
-        self.actual_cached = Counter(
-            "kvrouter_actual_cached_tokens", "cached tokens engines reported in usage", ["engine"], registry=r
+        self.actual_cached = counter(
+            "kvrouter_actual_cached_tokens", "cached tokens engines reported in usage", ["engine"]
         )
         self.prediction_error = histogram(
             "kvrouter_cached_tokens_prediction_error_tokens",
@@ -486,24 +518,29 @@ class RouterMetrics:
         for collector in self._local:
             r.register(collector)
         # The request path's children, each looked up once (see `Children`).
-        self.requests_of = Children(self.requests)
-        self.ttft_of = Children(self.ttft)
-        self.duration_of = Children(self.duration)
-        self._predicted_of = Children(self.predicted_cached)
-        self._actual_of = Children(self.actual_cached)
-        self._error_of = Children(self.prediction_error)
+        self.requests_of = children_of(self.requests)
+        self.ttft_of = children_of(self.ttft)
+        self.duration_of = children_of(self.duration)
+        self._prediction_of: Children[str, tuple[_Counting, _Counting, Observer]] = Children(
+            lambda engine: (
+                self.predicted_cached.labels(engine),
+                self.actual_cached.labels(engine),
+                self.prediction_error.labels(engine),
+            )
+        )
 
     def refused(self, policy: str, status: str, reason: str | None) -> None:
         """Count a request the gateway answered itself (no engine), and its refusal reason if any."""
-        self.requests_of("none", policy, status).inc()
+        self.requests_of["none", policy, status].inc()
         if reason is not None:
             self.rejected.labels(reason).inc()
 
     def observe_prediction(self, engine: str, predicted: int, actual: int) -> None:
         """Record one request's predicted and engine-reported cached tokens."""
-        self._predicted_of(engine).inc(predicted)
-        self._actual_of(engine).inc(actual)
-        self._error_of(engine).observe(abs(actual - predicted))
+        predicted_of, actual_of, error_of = self._prediction_of[engine]
+        predicted_of.inc(predicted)
+        actual_of.inc(actual)
+        error_of.observe(abs(actual - predicted))
 
     def scraped(self, engine: str, ok: bool) -> None:
         """Count one scrape of an engine's /metrics."""

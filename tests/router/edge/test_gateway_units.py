@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+from collections import OrderedDict
+from collections.abc import Callable, Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import msgspec
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from events.frames import Frame
 from events.recording import DecisionRecord, FrameRecord, RequestRecord
@@ -16,6 +21,7 @@ from router.core.ids import EngineId, RequestId
 from router.core.policy.scoring import Decision, PolicyName
 from router.edge import usage
 from router.edge.auth import AdminDisabled, Guard, bearer_token
+from router.edge.gateway import stage_timings
 from router.edge.usage import UsageTap, cached_tokens_of_json, cached_tokens_of_sse
 from router.ops.debug import DecisionEntry, DecisionRing, PreparedView
 from router.ops.recording import GatewayRecorder
@@ -157,3 +163,22 @@ def test_recorder_writes_frames_requests_and_decisions_that_read_back(tmp_path: 
         "e0",
     )
     assert msgspec.msgpack.decode(stored.decision, type=Decision) == decision
+
+
+STAGES = st.dictionaries(
+    st.sampled_from(["tokenize", "hash", "lookup", "score", "x"]), st.floats(0, 1), max_size=5
+)
+AS: list[Callable[[dict[str, float]], Mapping[str, float]]] = [dict, MappingProxyType, OrderedDict]
+
+
+@given(STAGES, STAGES, st.sampled_from(AS), st.sampled_from(AS))
+def test_stage_timings_are_the_merge_of_both_in_order(
+    first: dict[str, float],
+    then: dict[str, float],
+    as_first: Callable[[dict[str, float]], Mapping[str, float]],
+    as_then: Callable[[dict[str, float]], Mapping[str, float]],
+) -> None:
+    """Merged by `|` or by `**`: the same plain dict, the same keys in the same order."""
+    expected = {**first, **then}
+    merged = stage_timings(as_first(first), as_then(then))
+    assert type(merged) is dict and list(merged.items()) == list(expected.items())

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from router.edge.client_io import fresh_request_id
+from router.edge.client_io import _IDS, fresh_request_id
 from router.edge.headers import (
     HOP_BY_HOP,
     forwarded_headers,
@@ -59,6 +59,15 @@ def test_fresh_request_ids_are_unique_and_uuid_shaped() -> None:
     ids = [fresh_request_id() for _ in range(10_000)]
     assert len(set(ids)) == len(ids)
     assert all(re.fullmatch(r"[0-9a-f]{32}", rid) for rid in ids)
+
+
+@given(st.integers(0, 300))
+def test_ids_are_the_prefix_then_the_counter_in_16_hex_digits(count: int) -> None:
+    """`next` (C's map of the counter through `format`) spells what f"{prefix}{n:016x}" spells."""
+    first = _IDS.next()
+    n = int(first[16:], 16)
+    ids = [first, *(_IDS.next() for _ in range(count))]
+    assert ids == [f"{_IDS.prefix}{i:016x}" for i in range(n, n + count + 1)]
 
 
 def _child_ids(queue: multiprocessing.Queue[list[str]]) -> None:

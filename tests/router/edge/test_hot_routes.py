@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
@@ -406,3 +407,35 @@ async def test_hot_failures_write_the_access_line_the_middleware_writes(
     ]
     assert (hot[0]["request_id"], hot[0]["engine"]) == ("r-1", "e-1")
     assert hot == asgi
+
+
+async def test_a_hot_request_on_kept_connections_never_asks_asyncio_for_its_loop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Asking asyncio for the running loop (`get_running_loop`, `current_task()` with no loop) is a
+    getpid syscall per call on CPython 3.11: a request whose client and engine connections are kept
+    asks none from the gateway's code (the loop is the protocol's, the cycle's, the connection's)."""
+    from tests.e2e.test_gateway_http import BODY
+    from tests.gateway_helpers import engine_of, gateway_config, running_gateway, running_stubs
+
+    asked: list[str] = []
+    running, current = asyncio.get_running_loop, asyncio.current_task
+
+    def get_running_loop() -> asyncio.AbstractEventLoop:
+        asked.append(sys._getframe(1).f_code.co_filename)
+        return running()
+
+    def current_task(loop: asyncio.AbstractEventLoop | None = None) -> asyncio.Task[Any] | None:
+        if loop is None:
+            asked.append(sys._getframe(1).f_code.co_filename)
+        return current(loop)
+
+    async with running_stubs(1) as stubs, running_gateway(gateway_config([engine_of("e0", stubs[0])])) as gw:
+        assert (await gw.client.post("/v1/completions", json=BODY)).status_code == 200  # connections made
+        monkeypatch.setattr(asyncio, "get_running_loop", get_running_loop)
+        monkeypatch.setattr(asyncio, "current_task", current_task)
+        for _ in range(3):
+            answer = await gw.client.post("/v1/completions", json=BODY)
+            assert answer.status_code == 200 and answer.headers["x-kvrouter-engine"] == "e0"
+        monkeypatch.undo()
+    assert [path for path in asked if "/router/" in path] == []

@@ -10,7 +10,7 @@ from contextlib import asynccontextmanager
 import pytest
 import uvloop
 from aiohttp import web
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.edge import http1, http1_connection
@@ -280,9 +280,9 @@ async def test_an_answered_request_leaves_no_wait_armed() -> None:
     async with fake_engine(answer) as url, client() as c:
         response = await c.request("POST", url, "/", [("Host", "e")], b"{}")
         conn = response._conn
-        assert conn.timer is None and conn.waiter is None  # the first-byte timer went with its wait
+        assert conn.waiter is None and conn._armed is None  # nothing expires: the timer will lapse
         assert await body_of(response) == b"ok"
-        assert conn.timer is None and conn.waiter is None
+        assert conn.waiter is None and conn._armed is None
 
 
 async def test_arming_on_a_failed_connection_resolves_at_once() -> None:
@@ -292,7 +292,9 @@ async def test_arming_on_a_failed_connection_resolves_at_once() -> None:
     waiter = conn.arm(WAIT, "first byte")
     assert waiter.done() and waiter.exception() is None  # the caller reads conn.error: no wait
     conn.disarm()
-    assert conn.timer is None and conn.waiter is None
+    assert conn.waiter is None and conn._armed is None
+    conn.close()
+    assert conn.timer is None  # a connection done with lets go of its timer
 
 
 async def test_pool_limit_makes_requests_wait_for_a_connection() -> None:
@@ -583,3 +585,38 @@ def test_the_request_head_is_the_one_first_written(
     )
     expected = f"{method} /v1/x HTTP/1.1\r\n{fields}{length}\r\n".encode("latin-1")
     assert http1._head(method, "/v1/x", headers, body) == expected
+
+
+@settings(max_examples=15, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 30), st.booleans()), min_size=1, max_size=6))
+def test_waits_on_one_timer_expire_at_their_own_deadlines(waits: list[tuple[int, bool]]) -> None:
+    """Each wait (`timeout` ms; woken before it, or not) on the connection's one timer ends as a wait
+    with a timer of its own would: woken, or `TimedOut` no earlier than its deadline (to the loop
+    clock's millisecond); the timer is made again only for a deadline earlier than the one set."""
+
+    async def run() -> None:
+        loop = asyncio.get_running_loop()
+        conn = http1_connection.Connection(loop)
+        timer_at = None
+        for timeout_ms, woken in waits:
+            armed_at = loop.time()
+            timer = conn.timer
+            waiter = conn.arm(timeout_ms / 1000, "read")
+            if timer is not None and timer_at is not None and timer_at <= armed_at + timeout_ms / 1000:
+                assert conn.timer is timer  # kept: it fires first, then moves on
+            timer_at = conn._timer_at
+            if woken:
+                conn._wake()
+            try:
+                await waiter
+                assert woken
+            except http1.TimedOut as exc:
+                assert not woken and exc.phase == "read"
+                assert loop.time() + 1e-3 >= armed_at + timeout_ms / 1000
+            finally:
+                conn.disarm()
+        conn.close()
+        assert conn.timer is None
+
+    asyncio.run(run())
+    uvloop.run(run())  # the gateway's loop, whose clock counts milliseconds

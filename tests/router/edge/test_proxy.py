@@ -11,6 +11,8 @@ import msgspec
 import pytest
 import uvicorn
 from aiohttp import web
+from hypothesis import given
+from hypothesis import strategies as st
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import StreamingResponse
@@ -28,9 +30,9 @@ from router.core.errors import (
 )
 from router.core.ids import EngineId
 from router.core.policy.breaker import Breakers
-from router.core.policy.retry import OutcomeKind, RetryPolicy
+from router.core.policy.retry import Outcome, OutcomeKind, RetryPolicy, counts_as_failure, is_retryable
 from router.edge.headers import response_headers, upstream_headers, upstream_url
-from router.edge.proxy import Proxy, ProxySettings
+from router.edge.proxy import _VERDICTS, Proxy, ProxySettings, _verdicts
 from router.edge.upstream import ProxyRequest, Target, UpstreamResponse
 from tests.gateway_helpers import Handler, fake_engine, uvicorn_on_port_0
 
@@ -458,3 +460,13 @@ async def test_the_body_iterator_is_made_once_on_first_use() -> None:
     assert answer._body is None  # the relay reads next_chunk: no iterator per answer
     assert answer.body is answer.body
     assert await answer.read() == b"whole answer"
+
+
+@given(st.lists(st.one_of(st.integers(100, 599), st.integers(-5, 2000)), max_size=20))
+def test_an_answers_kept_verdicts_are_the_retry_policys(statuses: list[int]) -> None:
+    """Kept per status (three digits only), asked any number of times: the policy's own answers."""
+    for status in statuses:
+        outcome = Outcome(OutcomeKind.ANSWERED, status)
+        expected = (counts_as_failure(outcome), is_retryable(outcome))
+        assert (_VERDICTS.get(status) or _verdicts(status)) == expected == _verdicts(status)
+    assert all(0 <= status < 1000 for status in _VERDICTS)

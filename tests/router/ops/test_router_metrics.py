@@ -170,13 +170,13 @@ def test_chat_carry_counters_are_read_at_scrape_time() -> None:
 def test_children_are_the_metrics_own_children_looked_up_once() -> None:
     """The request path's cached children count into the metric as `labels()` children do."""
     metrics = RouterMetrics(lambda: [])
-    child = metrics.requests_of("e0", "kv", "200")
-    assert child is metrics.requests_of("e0", "kv", "200") is metrics.requests.labels("e0", "kv", "200")
+    child = metrics.requests_of["e0", "kv", "200"]
+    assert child is metrics.requests_of["e0", "kv", "200"] is metrics.requests.labels("e0", "kv", "200")
     child.inc()
-    metrics.requests_of("e0", "kv", "200").inc()
+    metrics.requests_of["e0", "kv", "200"].inc()
     metrics.requests.labels("e0", "kv", "200").inc()
-    assert metrics.requests.labels("e0", "kv", "200")._value.get() == 3
-    assert metrics.requests_of("e1", "kv", "200") is not child
+    assert 'kvrouter_requests_total{engine="e0",policy="kv",status="200"} 3.0' in metrics.render().decode()
+    assert metrics.requests_of["e1", "kv", "200"] is not child
     metrics.observe_prediction("e0", 16, 32)
     text = metrics.render().decode()
     assert 'kvrouter_predicted_cached_tokens_total{engine="e0"} 16.0' in text
