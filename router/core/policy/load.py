@@ -210,6 +210,7 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
 
 class _InFlight(msgspec.Struct):
     engine: EngineId
+    load: _EngineLoad  # the engine's (`drop` forgets the engine's requests with it)
     started_at: float
     uncached_tokens: int
     work_tokens: int
@@ -297,12 +298,15 @@ class LoadTracker:
         """The request was sent to `engine` at `at` with `uncached_tokens` predicted to prefill."""
         if request in self._requests:
             raise ValueError(f"request {request} is already in flight; finish it before restarting it")
-        load = self._engine(engine)
+        try:  # (`_engine` without its call when the engine is known)
+            load = self._engines[engine]
+        except KeyError:
+            load = self._engine(engine)
         # What is predicted now besides prefill is taken out of the TTFT the prefill model learns from.
         _, decode_s, slot_s, _ = self._snapshot(load, at).ttft_terms(uncached_tokens)
         work = load.prefill_tokens + uncached_tokens
         other_s = decode_s + slot_s
-        flight = self._requests[request] = _InFlight(engine, at, uncached_tokens, work, other_s)
+        flight = self._requests[request] = _InFlight(engine, load, at, uncached_tokens, work, other_s)
         load.unanswered[request] = flight
         load.in_flight += 1
         load.prefilling += 1
@@ -317,7 +321,7 @@ class LoadTracker:
         if flight is None or flight.first_token_at is not None:
             return None
         flight.first_token_at = at
-        load = self._engine(flight.engine)
+        load = flight.load
         if self.service:
             self._served(load, flight, at)
         else:
@@ -357,7 +361,7 @@ class LoadTracker:
         flight = self._requests.pop(request, None)
         if flight is None:
             return
-        load = self._engine(flight.engine)
+        load = flight.load
         if load.in_flight - load.prefilling >= self.step.max_num_seqs > 0:
             load.head_since = at  # the batch was full: the head waited for this slot
         load.in_flight -= 1
@@ -397,7 +401,8 @@ class LoadTracker:
         # `max`, `min` and `ceil` written as comparisons (`max(a, b)` is `b if b > a else a`).
         per_step = step.decode_step_s + step.decode_penalty_s * decoding if decoding > 0 else 0.0
         steps = -(-tokens // budget)
-        full_s = model.predict(tokens) + (steps if steps > 1 else 1) * per_step
+        # `model.predict(tokens)` written out (its arithmetic, without its call).
+        full_s = model.overhead_s + model._per_ktok * tokens / _KTOK + (steps if steps > 1 else 1) * per_step
         if full_s <= 0:
             return tokens
         if 0 <= tokens <= budget:
@@ -425,7 +430,11 @@ class LoadTracker:
         Each count is the larger of the two because each is a lower bound of the truth: the router's
         is exact but only its own traffic, the scrape holds every gateway's (and direct clients')
         but is up to a period old. Adding them would count this router's requests twice."""
-        return self._snapshot(self._engine(engine), now)
+        try:  # (`_engine` without its call when the engine is known)
+            load = self._engines[engine]
+        except KeyError:
+            load = self._engine(engine)
+        return self._snapshot(load, now)
 
     def _snapshot(self, load: _EngineLoad, now: float) -> LoadSnapshot:
         in_flight, prefilling = load.in_flight, load.prefilling
