@@ -242,6 +242,12 @@ class _EngineLoad:
         self.unanswered: dict[RequestId, _InFlight] = {}  # in send order: the engine's FCFS order
         self.head_since = 0.0  # the earliest the queue's head can have started: an answer or a freed slot
         self.service: _Service | None = None  # the latest answers, not yet learned from
+        # The last snapshot taken, until anything it read changes here (None) or in its model (a
+        # shared model learns from other engines' answers: `samples` counts what it learned).
+        self.seen: LoadSnapshot | None = None
+        self.seen_at = 0.0
+        self.seen_samples = 0
+        self.seen_timed = False  # whether its drained head was a function of its time
 
 
 def _same_steps(model: PrefillCostModel, service: _Service, flight: _InFlight, at: float) -> bool:
@@ -280,7 +286,8 @@ class LoadTracker:
         starved of the very requests that would correct its estimate.
         """
         model = self._shared.setdefault(group, PrefillCostModel(self.prior))
-        self._engine(engine).model = model
+        load = self._engine(engine)
+        load.model, load.seen = model, None
 
     def _engine(self, engine: EngineId) -> _EngineLoad:
         try:
@@ -303,7 +310,18 @@ class LoadTracker:
         except KeyError:
             load = self._engine(engine)
         # What is predicted now besides prefill is taken out of the TTFT the prefill model learns from.
-        _, decode_s, slot_s, _ = self._snapshot(load, at).ttft_terms(uncached_tokens)
+        # The engine's last snapshot (its decision's, microseconds before) serves when nothing it read
+        # has changed and `at` cannot change it: no later, its drained head not a function of time,
+        # its scrape stale already (it stays stale) or still fresh.
+        seen = load.seen
+        scrape = seen.scrape if seen is not None else None
+        if (
+            seen is None or load.seen_timed or load.seen_samples != load.model.samples
+            or not at >= load.seen_at or (scrape is not None and not at - scrape.at <= self.scrape_max_age_s)
+        ):  # fmt: skip
+            seen = self._snapshot(load, at)
+        _, decode_s, slot_s, _ = seen.ttft_terms(uncached_tokens)
+        load.seen = None
         work = load.prefill_tokens + uncached_tokens
         other_s = decode_s + slot_s
         flight = self._requests[request] = _InFlight(engine, load, at, uncached_tokens, work, other_s)
@@ -322,6 +340,7 @@ class LoadTracker:
             return None
         flight.first_token_at = at
         load = flight.load
+        load.seen = None
         if self.service:
             self._served(load, flight, at)
         else:
@@ -362,6 +381,7 @@ class LoadTracker:
         if flight is None:
             return
         load = flight.load
+        load.seen = None
         if load.in_flight - load.prefilling >= self.step.max_num_seqs > 0:
             load.head_since = at  # the batch was full: the head waited for this slot
         load.in_flight -= 1
@@ -409,6 +429,7 @@ class LoadTracker:
             # A head within one step's budget is all last chunk: none of it counts as drained (the
             # result below is min(done >= 0, 0)); the usual case, at no clock arithmetic.
             return 0
+        load.seen_timed = True  # (what follows reads `now`: a send cannot reuse this snapshot)
         since = load.head_since if load.head_since > head.started_at else head.started_at
         elapsed = now - since - per_step
         share = (elapsed if elapsed > 0.0 else 0.0) / full_s
@@ -418,7 +439,8 @@ class LoadTracker:
 
     def scraped(self, engine: EngineId, metrics: ScrapedMetrics) -> None:
         """Merge the engine's latest scraped gauges (used while younger than `scrape_max_age_s`)."""
-        self._engine(engine).scrape = metrics
+        load = self._engine(engine)
+        load.scrape, load.seen = metrics, None
 
     def model(self, engine: EngineId) -> PrefillCostModel:
         """The engine's learned prefill cost model."""
@@ -455,7 +477,10 @@ class LoadTracker:
             usage = scrape.kv_cache_usage_perc
         model = load.model
         per_token_s = model._per_ktok / _KTOK  # `model.per_token_s`, without the property's call
-        return LoadSnapshot(
+        load.seen_timed = False  # (`_drained` sets it when its answer reads the time)
+        seen = load.seen = LoadSnapshot(
             in_flight, prefilling, decoding, queued, usage, model.overhead_s, per_token_s, fresh,
             self.step, scrape, load.residency_s, self._drained(load, decoding, now),
         )  # fmt: skip
+        load.seen_at, load.seen_samples = now, model.samples
+        return seen
