@@ -17,12 +17,15 @@ from router.core.fleet_state import FleetState
 from router.core.ids import EngineId
 from router.core.kv_layout import ModelSpec
 from router.core.lookup.computed_blocks import LookupRequest, LookupResult, ReplicaId, lookup, spec_groups
+from router.core.policy.breaker import BreakerState
 from router.core.policy.scoring import Candidate, Decision, RouteRequest, Scorer
+from router.core.replica import Replica
 from router.prepare.prepared import Prepared
 
 __all__ = ["Routed", "RoutingCore"]
 
 _NO_HIT = LookupResult(0, 0, (), 0)
+_CLOSED = BreakerState.CLOSED  # (a closed breaker is available: no call to ask it)
 
 
 class Routed(msgspec.Struct, frozen=True):
@@ -56,7 +59,8 @@ class RoutingCore:
                 out.update((rid, (none, n)) for rid in rids)
                 continue
             results = lookup(mirror, variant.spec, LookupRequest(keys.keys, n, prepared.skip_cache), rids)
-            for rid, key in zip(rids, self._ids_of(rids), strict=True):
+            ids = self._lookup_ids.get(rids) or self._ids_of(rids)  # (a known group without the call)
+            for rid, key in zip(rids, ids, strict=True):
                 out[rid] = (results[key], n)
         return out
 
@@ -96,11 +100,12 @@ class RoutingCore:
         candidates = []
         for rid, (result, n) in predicted.items():
             held = reads_pending and pending.holds(rid)  # (pending_tokens' own first check)
+            rep, breaker = fleet.replica(rid), breakers.get(rid)  # (`fleet.trust` is rep's status)
             candidate = Candidate(
                 rid, result.hit_tokens, result.shared_prefix_boundary, result.fa_warm_tokens, n,
-                fleet.trust(rid, now), load.snapshot(rid, now), True,
-                not breakers.get(rid).available(now), admission.at_capacity(rid),
-                self._pending_tokens(rid, prepared, now) if held else 0,
+                rep.status(now, fleet.mirror), load.snapshot(rid, now), True,
+                breaker.state is not _CLOSED and not breaker.available(now), admission.at_capacity(rid),
+                self._pending_tokens(rep, prepared, now) if held else 0,
             )  # fmt: skip
             candidates.append(candidate)
         decision = self.scorer.choose(route, candidates)
@@ -109,12 +114,12 @@ class RoutingCore:
     def pending_tokens(self, rid: EngineId, prepared: Prepared, now: float) -> int:
         """Tokens of `prepared` that requests just routed to `rid` will have cached (see
         router.core.mirror.pending)."""
-        return self._pending_tokens(rid, prepared, now) if self.fleet.pending.holds(rid) else 0
+        held = self.fleet.pending.holds(rid)
+        return self._pending_tokens(self.fleet.replica(rid), prepared, now) if held else 0
 
-    def _pending_tokens(self, rid: EngineId, prepared: Prepared, now: float) -> int:
-        rep = self.fleet.replica(rid)
+    def _pending_tokens(self, rep: Replica, prepared: Prepared, now: float) -> int:
         keys = prepared.keys_for(rep.variant.id)
         if keys is None or prepared.skip_cache or not rep.unitary:
             return 0
         bs = rep.hash_block
-        return self.fleet.pending.leading_run(rid, keys.keys, (keys.num_tokens - 1) // bs, now) * bs
+        return self.fleet.pending.leading_run(rep.id, keys.keys, (keys.num_tokens - 1) // bs, now) * bs
