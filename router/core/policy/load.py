@@ -70,7 +70,7 @@ class PrefillCostModel:
     def observe(self, tokens: float, ttft_s: float) -> None:
         """Learn from one request: `tokens` prefill tokens ran before its first token, after `ttft_s`."""
         x = (1.0, tokens / _KTOK)
-        err = ttft_s - self.predict(tokens)
+        err = ttft_s - (self.overhead_s + self._per_ktok * tokens / _KTOK)  # `predict(tokens)`, no call
         if self.samples >= 3:
             # max(a, b) and min(a, b) written as Python evaluates them (`b if b > a else a`, NaN alike).
             abs_err = self._abs_err
@@ -346,7 +346,10 @@ class LoadTracker:
         else:
             ttft = at - flight.started_at - flight.other_s
             load.model.observe(flight.work_tokens, ttft if ttft > 0.0 else 0.0)  # max(0.0, ttft)
-        self._end_prefill(load, request, flight)
+        # `_end_prefill`, without its call (every answered request's)
+        load.prefilling -= 1
+        load.prefill_tokens -= flight.uncached_tokens
+        load.unanswered.pop(request, None)
         load.head_since = at
         return at - flight.started_at
 

@@ -580,3 +580,35 @@ def test_a_send_reuses_the_last_snapshot_only_while_nothing_it_read_changed(chan
     tracker.snapshot(A, 100.0)
     tracker.started(rid(1), A, 100.5, 300)  # later, the scrape still fresh: reused
     assert _Checked.reused == before + 1 + (change == "later")
+
+
+class _PredictFirst(PrefillCostModel):
+    """`observe` as first written: the error against `predict(tokens)`, a call of its own."""
+
+    def observe(self, tokens: float, ttft_s: float) -> None:
+        x = (1.0, tokens / 1000.0)
+        err = ttft_s - self.predict(tokens)
+        if self.samples >= 3:
+            limit = 3.0 * max(1e-4, self._abs_err)
+            err = max(-limit, min(limit, err))
+        self._abs_err = abs(err) if self.samples == 0 else 0.9 * self._abs_err + 0.1 * abs(err)
+        self._update(x, err)
+        self.samples += 1
+
+
+@given(
+    seen=st.lists(st.tuples(st.floats(0, 50_000), st.floats(0, 5)), max_size=20),
+    overhead=st.floats(0, 0.05), per_token=st.floats(0, 1e-3),
+)  # fmt: skip
+def test_observe_learns_bit_for_bit_what_predicting_first_did(
+    seen: list[tuple[float, float]], overhead: float, per_token: float
+) -> None:
+    """`observe` with `predict`'s arithmetic written out learns exactly what calling it did."""
+    prior = CostPrior(overhead, per_token)
+    fast, first = PrefillCostModel(prior), _PredictFirst(prior)
+    for tokens, ttft in seen:
+        fast.observe(tokens, ttft)
+        first.observe(tokens, ttft)
+        assert (fast.overhead_s, fast._per_ktok, fast._p, fast._abs_err) == (
+            first.overhead_s, first._per_ktok, first._p, first._abs_err,
+        )  # fmt: skip
