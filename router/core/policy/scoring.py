@@ -290,19 +290,17 @@ class Scorer:
         if not eligible:
             why = "; ".join(f"{s.engine}: {s.why_not}" for s in scores) or "no engines configured"
             return Decision(None, policy, f"no eligible engine ({why})", 0, scores)
+        runner = None
         if len(eligible) == 1 and self._alone_kv:  # what `_kv` answers alone: no tie, no runner-up
-            chosen = eligible[0]
-            hit, pending = chosen.hit_tokens, chosen.pending_tokens  # `expected_tokens`, without its call
-            return Decision(
-                chosen.engine, policy, _kv_words(chosen, True), pending if pending > hit else hit, scores,
-                hit, chosen.counted_tokens,
-            )  # fmt: skip
-        chosen, reason = self._policy(request, eligible)
-        others = [s for s in eligible if s is not chosen] if len(eligible) > 1 else None
-        runner = min(others, key=_COST) if others else None
+            chosen, reason = eligible[0], _kv_words(eligible[0], True)
+        else:
+            chosen, reason = self._policy(request, eligible)
+            others = [s for s in eligible if s is not chosen] if len(eligible) > 1 else None
+            runner = min(others, key=_COST) if others else None
+        hit, pending = chosen.hit_tokens, chosen.pending_tokens  # `expected_tokens`, without its call
         return Decision(
-            chosen.engine, policy, reason, chosen.expected_tokens, scores,
-            chosen.hit_tokens, chosen.counted_tokens,
+            chosen.engine, policy, reason, pending if pending > hit else hit, scores,
+            hit, chosen.counted_tokens,
             runner.engine if runner else None, runner.cost_s - chosen.cost_s if runner else 0.0,
         )  # fmt: skip
 

@@ -507,3 +507,26 @@ def test_kv_words_and_the_lone_prediction_equal_their_first_writing(
     assert _kv_words(score, lowest) == _kv_words_reference(score, lowest)
     decision = Scorer(ScorerSettings()).choose(RouteRequest(KEY), [c])
     assert decision.predicted_cached_tokens == score.expected_tokens == max(hit, pending)
+
+
+@given(
+    policy=st.sampled_from(list(PolicyName)),
+    engines=st.lists(
+        st.tuples(st.integers(0, 4000), st.integers(0, 4000), st.booleans()), min_size=1, max_size=4
+    ),
+)  # fmt: skip
+def test_every_policys_prediction_is_the_chosen_candidates_expected_tokens(
+    policy: PolicyName, engines: list[tuple[int, int, bool]]
+) -> None:
+    """Under every policy, alone or not, the decision's prediction (written inline) is the chosen
+    candidate's `expected_tokens`, and its mirror hit the chosen's hit."""
+    candidates = [
+        msgspec.structs.replace(
+            cand(f"e{i}", hit=hit, trust=FRESH if fresh else STALE), pending_tokens=pending
+        )
+        for i, (hit, pending, fresh) in enumerate(engines)
+    ]
+    decision = Scorer(ScorerSettings(policy=policy)).choose(RouteRequest(KEY, session="s"), candidates)
+    chosen = next(s for s in decision.candidates if s.engine == decision.engine)
+    assert decision.predicted_cached_tokens == chosen.expected_tokens
+    assert decision.mirror_hit_tokens == chosen.hit_tokens
