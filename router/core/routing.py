@@ -55,12 +55,12 @@ class RoutingCore:
         for variant, rids in self.fleet.variant_groups(prepared.model):
             keys = prepared.keys_for(variant.id)
             if keys is None:  # an engine added after this request was prepared
-                out.update((rid, (_NO_HIT, prepared.prompt_tokens, None)) for rid in rids)
+                out.update(dict.fromkeys(rids, (_NO_HIT, prepared.prompt_tokens, None)))
                 continue
             n = keys.num_tokens
             if n <= 1 or prepared.skip_cache:  # `lookup`'s own answer then (nothing to look up)
                 none = self._no_hit(variant.spec)
-                out.update((rid, (none, n, keys)) for rid in rids)
+                out.update(dict.fromkeys(rids, (none, n, keys)))  # (no generator's frame)
                 continue
             results = lookup(mirror, variant.spec, LookupRequest(keys.keys, n, prepared.skip_cache), rids)
             ids = self._lookup_ids.get(rids) or self._ids_of(rids)  # (a known group without the call)
