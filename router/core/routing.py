@@ -17,12 +17,15 @@ from router.core.fleet_state import FleetState
 from router.core.ids import EngineId
 from router.core.kv_layout import ModelSpec
 from router.core.lookup.computed_blocks import LookupRequest, LookupResult, ReplicaId, lookup, spec_groups
+from router.core.policy.breaker import BreakerState
 from router.core.policy.scoring import Candidate, Decision, RouteRequest, Scorer
-from router.prepare.prepared import Prepared
+from router.core.replica import Replica
+from router.prepare.prepared import Prepared, VariantKeys
 
 __all__ = ["Routed", "RoutingCore"]
 
 _NO_HIT = LookupResult(0, 0, (), 0)
+_CLOSED = BreakerState.CLOSED  # (a closed breaker is available: no call to ask it)
 
 
 class Routed(msgspec.Struct, frozen=True):
@@ -43,21 +46,26 @@ class RoutingCore:
 
     def predict(self, prepared: Prepared) -> dict[EngineId, tuple[LookupResult, int]]:
         """Per replica of the model: the lookup result and the prompt length under its variant."""
+        return {rid: (result, n) for rid, (result, n, _) in self._predict(prepared).items()}
+
+    def _predict(self, prepared: Prepared) -> dict[EngineId, tuple[LookupResult, int, VariantKeys | None]]:
+        """`predict`, each replica's keys beside (its variant's: routing reads its pending run with them)."""
         mirror = self.fleet.mirror
-        out: dict[EngineId, tuple[LookupResult, int]] = {}
+        out: dict[EngineId, tuple[LookupResult, int, VariantKeys | None]] = {}
         for variant, rids in self.fleet.variant_groups(prepared.model):
             keys = prepared.keys_for(variant.id)
             if keys is None:  # an engine added after this request was prepared
-                out.update((rid, (_NO_HIT, prepared.prompt_tokens)) for rid in rids)
+                out.update(dict.fromkeys(rids, (_NO_HIT, prepared.prompt_tokens, None)))
                 continue
             n = keys.num_tokens
             if n <= 1 or prepared.skip_cache:  # `lookup`'s own answer then (nothing to look up)
                 none = self._no_hit(variant.spec)
-                out.update((rid, (none, n)) for rid in rids)
+                out.update(dict.fromkeys(rids, (none, n, keys)))  # (no generator's frame)
                 continue
             results = lookup(mirror, variant.spec, LookupRequest(keys.keys, n, prepared.skip_cache), rids)
-            for rid, key in zip(rids, self._ids_of(rids), strict=True):
-                out[rid] = (results[key], n)
+            ids = self._lookup_ids.get(rids) or self._ids_of(rids)  # (a known group without the call)
+            for rid, key in zip(rids, ids, strict=True):
+                out[rid] = (results[key], n, keys)
         return out
 
     def _no_hit(self, spec: ModelSpec) -> LookupResult:
@@ -88,19 +96,20 @@ class RoutingCore:
     def route(self, prepared: Prepared, route: RouteRequest, now: float) -> Routed:
         """`decide`, with the time its lookup and scoring took."""
         t0 = self._clock()
-        predicted = self.predict(prepared)
+        predicted = self._predict(prepared)
         t1 = self._clock()
         fleet = self.fleet
         load, breakers, admission, pending = fleet.load, fleet.breakers, fleet.admission, fleet.pending
         reads_pending = pending.ttl_s > 0  # with no time to live, nothing is ever pending
         candidates = []
-        for rid, (result, n) in predicted.items():
+        for rid, (result, n, keys) in predicted.items():
             held = reads_pending and pending.holds(rid)  # (pending_tokens' own first check)
+            rep, breaker = fleet.replica(rid), breakers.get(rid)  # (`fleet.trust` is rep's status)
             candidate = Candidate(
                 rid, result.hit_tokens, result.shared_prefix_boundary, result.fa_warm_tokens, n,
-                fleet.trust(rid, now), load.snapshot(rid, now), True,
-                not breakers.get(rid).available(now), admission.at_capacity(rid),
-                self._pending_tokens(rid, prepared, now) if held else 0,
+                rep.status(now, fleet.mirror), load.snapshot(rid, now), True,
+                breaker.state is not _CLOSED and not breaker.available(now), admission.at_capacity(rid),
+                self._pending_tokens(rep, keys, prepared, now) if held else 0,
             )  # fmt: skip
             candidates.append(candidate)
         decision = self.scorer.choose(route, candidates)
@@ -109,12 +118,14 @@ class RoutingCore:
     def pending_tokens(self, rid: EngineId, prepared: Prepared, now: float) -> int:
         """Tokens of `prepared` that requests just routed to `rid` will have cached (see
         router.core.mirror.pending)."""
-        return self._pending_tokens(rid, prepared, now) if self.fleet.pending.holds(rid) else 0
-
-    def _pending_tokens(self, rid: EngineId, prepared: Prepared, now: float) -> int:
+        if not self.fleet.pending.holds(rid):
+            return 0
         rep = self.fleet.replica(rid)
-        keys = prepared.keys_for(rep.variant.id)
+        return self._pending_tokens(rep, prepared.keys_for(rep.variant.id), prepared, now)
+
+    def _pending_tokens(self, rep: Replica, keys: VariantKeys | None, prepared: Prepared, now: float) -> int:
+        """`pending_tokens` of `rep`, given `prepared`'s keys under its variant."""
         if keys is None or prepared.skip_cache or not rep.unitary:
             return 0
         bs = rep.hash_block
-        return self.fleet.pending.leading_run(rid, keys.keys, (keys.num_tokens - 1) // bs, now) * bs
+        return self.fleet.pending.leading_run(rep.id, keys.keys, (keys.num_tokens - 1) // bs, now) * bs

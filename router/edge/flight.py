@@ -44,10 +44,6 @@ DecisionSink = Callable[[RequestId, int, Decision], None]
 """Told about every decision (request id, attempt number, decision): the recorder."""
 
 
-def _untold(request: RequestId, attempt: int, decision: Decision) -> None:
-    """The sink when nobody records decisions."""
-
-
 class Flight:
     """The routing state of one request between its first decision and its end."""
 
@@ -68,7 +64,7 @@ class Flight:
         self.prepared: Prepared | None = None
         self.engine: EngineId | None = None
         self.decision: Decision | None = None
-        self.on_decision: DecisionSink = _untold
+        self.on_decision: DecisionSink | None = None  # (None: nobody records decisions)
         self._counted = False
         self._admitted = False
         self._finished = False
@@ -78,7 +74,9 @@ class Flight:
         """The first decision (attempt 0), recorded in the entry and told to the sink."""
         self.prepared = prepared
         routed = self.core.route(prepared, self.route, now)
-        self._note(routed.decision)
+        self.entry.decisions.append(routed.decision)  # `_note`, without its call
+        if self.on_decision is not None:
+            self.on_decision(self.rid, len(self.entry.decisions) - 1, routed.decision)
         return routed
 
     def choose(self, tried: frozenset[EngineId]) -> Target | None:
@@ -95,11 +93,20 @@ class Flight:
             self._note(decision)
         if self._counted:  # a retry leaves the replica it was on
             self._leave(now)
-        if decision.engine is None:
+        engine = decision.engine
+        if engine is None:
             if not tried:
                 raise self._refusal(decision, now)
             return None
-        return self._target(decision, decision.engine, now)
+        # Where the attempt goes, with its replica's DP-rank header; `sent()` counts it there.
+        self.engine, self.decision, self._chosen_at = engine, decision, now
+        base_url, rank = self.fleet.replica_target(engine)
+        headers = self.request.headers
+        if rank is not None or RANK_HEADER in map(str.lower, map(_NAME, headers)):
+            self._set_rank(rank)  # (the check in C: no Python step per header, nor a call for none)
+        self.entry.engine = engine
+        self.entry.predicted_cached_tokens = decision.predicted_cached_tokens
+        return Target(engine, base_url)
 
     def _refusal(self, decision: Decision, now: float) -> RouterError:
         assert self.prepared is not None
@@ -114,16 +121,8 @@ class Flight:
 
     def _note(self, decision: Decision) -> None:
         self.entry.decisions.append(decision)
-        self.on_decision(self.rid, len(self.entry.decisions) - 1, decision)
-
-    def _target(self, decision: Decision, engine: EngineId, now: float) -> Target:
-        """Where the attempt goes (the DP-rank header set for it); `sent()` counts it there."""
-        self.engine, self.decision, self._chosen_at = engine, decision, now
-        base_url, rank = self.fleet.replica_target(engine)
-        self._set_rank(rank)
-        self.entry.engine = engine
-        self.entry.predicted_cached_tokens = decision.predicted_cached_tokens
-        return Target(engine, base_url)
+        if self.on_decision is not None:
+            self.on_decision(self.rid, len(self.entry.decisions) - 1, decision)
 
     def sent(self) -> None:
         """The chosen attempt went out (or is about to wait for its way out): count the request on its
@@ -146,8 +145,6 @@ class Flight:
     def _set_rank(self, rank: int | None) -> None:
         # The proxy sends the same header list to every attempt; the rank belongs to the replica.
         headers = self.request.headers
-        if rank is None and RANK_HEADER not in map(str.lower, map(_NAME, headers)):
-            return  # nothing to set or strip (the check in C: no Python step per header)
         headers[:] = [(k, v) for k, v in headers if k.lower() != RANK_HEADER]
         if rank is not None:
             headers.append((RANK_HEADER, str(rank)))

@@ -89,7 +89,10 @@ def lookup(
     mirror: Mirror, spec: ModelSpec, request: LookupRequest, engines: Iterable[EngineId] | None = None
 ) -> dict[ReplicaId, LookupResult]:
     """Predicted hit and boundary for every replica of `engines` (default: all engines with `spec`)."""
-    plan = _plan(mirror, spec, engines)
+    names = None if engines is None else tuple(engines)
+    plan = mirror.layout_memo.get((id(spec), names))  # `_plan`'s memo, read without its call
+    if not isinstance(plan, _Plan) or plan.spec is not spec:
+        plan = _plan(mirror, spec, names)
     groups = plan.groups
     maxlen = 0 if request.skip_cache else max(0, request.num_tokens - 1)
     if maxlen == 0 or not groups:
@@ -130,18 +133,15 @@ class _Plan:
 _MAX_PLANS = 256
 
 
-def _plan(mirror: Mirror, spec: ModelSpec, engines: Iterable[EngineId] | None) -> _Plan:
-    """The lookup plan of `spec` over `engines`, memoized in the mirror until its layout changes (the
-    plan holds `spec`, so its id stays unique while the entry lives)."""
-    names = None if engines is None else tuple(engines)
+def _plan(mirror: Mirror, spec: ModelSpec, names: tuple[EngineId, ...] | None) -> _Plan:
+    """A new lookup plan of `spec` over the engines `names` (None: all), memoized in the mirror until its
+    layout changes (the plan holds `spec`, so its id stays unique while the entry lives); `lookup`
+    reads the memo."""
+    plan = _build_plan(mirror, spec, names)
     memo = mirror.layout_memo
-    key = (id(spec), names)
-    plan = memo.get(key)
-    if not isinstance(plan, _Plan) or plan.spec is not spec:
-        plan = _build_plan(mirror, spec, names)
-        if len(memo) >= _MAX_PLANS:
-            memo.clear()
-        memo[key] = plan
+    if len(memo) >= _MAX_PLANS:
+        memo.clear()
+    memo[(id(spec), names)] = plan
     return plan
 
 

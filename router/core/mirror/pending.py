@@ -26,6 +26,8 @@ import math
 from collections import deque
 from collections.abc import Sequence
 
+import msgspec
+
 from router.core.ids import EngineId, RequestId
 
 __all__ = ["PendingPrefixes"]
@@ -108,11 +110,13 @@ class _Tree:
         return lo
 
 
-class _Entry:
-    __slots__ = ("leaf", "replica", "size", "until")
+class _Entry(msgspec.Struct, gc=False):
+    """One pending request (a struct: made without a Python call per send)."""
 
-    def __init__(self, replica: EngineId, leaf: _Run, size: int, until: float) -> None:
-        self.replica, self.leaf, self.size, self.until = replica, leaf, size, until
+    replica: EngineId
+    leaf: _Run
+    size: int
+    until: float
 
 
 class PendingPrefixes:
@@ -132,14 +136,15 @@ class PendingPrefixes:
         self._sent: deque[tuple[float, RequestId]] = deque()
         self._answered: deque[tuple[float, RequestId]] = deque()
         self._heap: list[tuple[float, RequestId]] = []
-        # Every entry due at this time is expired already (expire's last time, unless something
-        # due by then was scheduled since): expiring again at it finds nothing.
-        self._expired_at = -math.inf
+        # No entry is due before this time (at most the queues' and the heap's first): expiring
+        # earlier finds nothing, so a send and the decision before it, or scoring's candidates, expire
+        # once between two due times rather than at every call.
+        self._next_due = math.inf
         self.size = 0
 
     def add(self, request: RequestId, replica: EngineId, keys: Sequence[int], now: float) -> None:
         """`request`, whose prompt has these chained full-block keys, was just sent to `replica`."""
-        if now != self._expired_at:
+        if now >= self._next_due:
             self.expire(now)
         if request in self._entries:
             self._remove(request)
@@ -154,8 +159,6 @@ class PendingPrefixes:
         entry = self._entries[request] = _Entry(replica, leaf, len(held), now + self.ttl_s)
         self.size += entry.size
         self._due(self._sent, entry.until, request)
-        if entry.until <= self._expired_at:  # (a ttl too small to move the clock's float)
-            self._expired_at = -math.inf
 
     def answered(self, request: RequestId, now: float) -> None:
         """The replica answered `request`: its events are out, so the mirror takes over after `grace_s`."""
@@ -163,8 +166,6 @@ class PendingPrefixes:
         if entry is not None and now + self.grace_s < entry.until:
             entry.until = now + self.grace_s
             self._due(self._answered, entry.until, request)
-            if entry.until <= self._expired_at:  # due already at the last expiry's time
-                self._expired_at = -math.inf
 
     def holds(self, replica: EngineId) -> bool:
         """Whether any request may still be pending on `replica` (expiry aside): a cheap pre-check."""
@@ -173,7 +174,7 @@ class PendingPrefixes:
     def leading_run(self, replica: EngineId, keys: Sequence[int], limit: int, now: float) -> int:
         """The longest prefix of the chained `keys` (at most `limit`) that a request pending on
         `replica` shares."""
-        if now != self._expired_at:  # scoring asks once per candidate, at one time
+        if now >= self._next_due:
             self.expire(now)
         tree = self._trees.get(replica)
         return tree.leading_run(keys, limit) if tree is not None else 0
@@ -184,23 +185,27 @@ class PendingPrefixes:
             queue.append((until, request))
         else:
             heapq.heappush(self._heap, (until, request))
+        if until < self._next_due:
+            self._next_due = until
 
     def expire(self, now: float) -> None:
         """Forget every request whose time is up."""
-        entries = self._entries
+        entries, due = self._entries, math.inf
         for queue in (self._sent, self._answered):
             while queue and queue[0][0] <= now:
                 until, request = queue.popleft()
                 entry = entries.get(request)
                 if entry is not None and entry.until == until:
                     self._remove(request)
+            if queue and queue[0][0] < due:
+                due = queue[0][0]
         heap = self._heap
         while heap and heap[0][0] <= now:
             until, request = heapq.heappop(heap)
             entry = entries.get(request)
             if entry is not None and entry.until == until:
                 self._remove(request)
-        self._expired_at = now
+        self._next_due = heap[0][0] if heap and heap[0][0] < due else due
 
     def drop(self, replica: EngineId) -> None:
         """Forget a replica (removed, or its engine restarted)."""

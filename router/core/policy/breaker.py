@@ -53,11 +53,12 @@ class CircuitBreaker:
 
     def acquire(self, now: float) -> bool:
         """Admit a request now or refuse it; after the cool-down the first admitted one is the probe."""
+        if self.state is BreakerState.CLOSED:  # (`available`'s first answer, without its call)
+            return True
         if not self.available(now):
             return False
-        if self.state is not BreakerState.CLOSED:
-            self.state = BreakerState.HALF_OPEN
-            self.probe_in_flight = True
+        self.state = BreakerState.HALF_OPEN
+        self.probe_in_flight = True
         return True
 
     def record_success(self, now: float) -> None:

@@ -70,7 +70,7 @@ class PrefillCostModel:
     def observe(self, tokens: float, ttft_s: float) -> None:
         """Learn from one request: `tokens` prefill tokens ran before its first token, after `ttft_s`."""
         x = (1.0, tokens / _KTOK)
-        err = ttft_s - self.predict(tokens)
+        err = ttft_s - (self.overhead_s + self._per_ktok * tokens / _KTOK)  # `predict(tokens)`, no call
         if self.samples >= 3:
             # max(a, b) and min(a, b) written as Python evaluates them (`b if b > a else a`, NaN alike).
             abs_err = self._abs_err
@@ -210,6 +210,7 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
 
 class _InFlight(msgspec.Struct):
     engine: EngineId
+    load: _EngineLoad  # the engine's (`drop` forgets the engine's requests with it)
     started_at: float
     uncached_tokens: int
     work_tokens: int
@@ -241,6 +242,12 @@ class _EngineLoad:
         self.unanswered: dict[RequestId, _InFlight] = {}  # in send order: the engine's FCFS order
         self.head_since = 0.0  # the earliest the queue's head can have started: an answer or a freed slot
         self.service: _Service | None = None  # the latest answers, not yet learned from
+        # The last snapshot taken, until anything it read changes here (None) or in its model (a
+        # shared model learns from other engines' answers: `samples` counts what it learned).
+        self.seen: LoadSnapshot | None = None
+        self.seen_at = 0.0
+        self.seen_samples = 0
+        self.seen_timed = False  # whether its drained head was a function of its time
 
 
 def _same_steps(model: PrefillCostModel, service: _Service, flight: _InFlight, at: float) -> bool:
@@ -279,7 +286,8 @@ class LoadTracker:
         starved of the very requests that would correct its estimate.
         """
         model = self._shared.setdefault(group, PrefillCostModel(self.prior))
-        self._engine(engine).model = model
+        load = self._engine(engine)
+        load.model, load.seen = model, None
 
     def _engine(self, engine: EngineId) -> _EngineLoad:
         try:
@@ -297,12 +305,26 @@ class LoadTracker:
         """The request was sent to `engine` at `at` with `uncached_tokens` predicted to prefill."""
         if request in self._requests:
             raise ValueError(f"request {request} is already in flight; finish it before restarting it")
-        load = self._engine(engine)
+        try:  # (`_engine` without its call when the engine is known)
+            load = self._engines[engine]
+        except KeyError:
+            load = self._engine(engine)
         # What is predicted now besides prefill is taken out of the TTFT the prefill model learns from.
-        _, decode_s, slot_s, _ = self._snapshot(load, at).ttft_terms(uncached_tokens)
+        # The engine's last snapshot (its decision's, microseconds before) serves when nothing it read
+        # has changed and `at` cannot change it: no later, its drained head not a function of time,
+        # its scrape stale already (it stays stale) or still fresh.
+        seen = load.seen
+        scrape = seen.scrape if seen is not None else None
+        if (
+            seen is None or load.seen_timed or load.seen_samples != load.model.samples
+            or not at >= load.seen_at or (scrape is not None and not at - scrape.at <= self.scrape_max_age_s)
+        ):  # fmt: skip
+            seen = self._snapshot(load, at)
+        _, decode_s, slot_s, _ = seen.ttft_terms(uncached_tokens)
+        load.seen = None
         work = load.prefill_tokens + uncached_tokens
         other_s = decode_s + slot_s
-        flight = self._requests[request] = _InFlight(engine, at, uncached_tokens, work, other_s)
+        flight = self._requests[request] = _InFlight(engine, load, at, uncached_tokens, work, other_s)
         load.unanswered[request] = flight
         load.in_flight += 1
         load.prefilling += 1
@@ -317,13 +339,17 @@ class LoadTracker:
         if flight is None or flight.first_token_at is not None:
             return None
         flight.first_token_at = at
-        load = self._engine(flight.engine)
+        load = flight.load
+        load.seen = None
         if self.service:
             self._served(load, flight, at)
         else:
             ttft = at - flight.started_at - flight.other_s
             load.model.observe(flight.work_tokens, ttft if ttft > 0.0 else 0.0)  # max(0.0, ttft)
-        self._end_prefill(load, request, flight)
+        # `_end_prefill`, without its call (every answered request's)
+        load.prefilling -= 1
+        load.prefill_tokens -= flight.uncached_tokens
+        load.unanswered.pop(request, None)
         load.head_since = at
         return at - flight.started_at
 
@@ -357,7 +383,8 @@ class LoadTracker:
         flight = self._requests.pop(request, None)
         if flight is None:
             return
-        load = self._engine(flight.engine)
+        load = flight.load
+        load.seen = None
         if load.in_flight - load.prefilling >= self.step.max_num_seqs > 0:
             load.head_since = at  # the batch was full: the head waited for this slot
         load.in_flight -= 1
@@ -397,13 +424,15 @@ class LoadTracker:
         # `max`, `min` and `ceil` written as comparisons (`max(a, b)` is `b if b > a else a`).
         per_step = step.decode_step_s + step.decode_penalty_s * decoding if decoding > 0 else 0.0
         steps = -(-tokens // budget)
-        full_s = model.predict(tokens) + (steps if steps > 1 else 1) * per_step
+        # `model.predict(tokens)` written out (its arithmetic, without its call).
+        full_s = model.overhead_s + model._per_ktok * tokens / _KTOK + (steps if steps > 1 else 1) * per_step
         if full_s <= 0:
             return tokens
         if 0 <= tokens <= budget:
             # A head within one step's budget is all last chunk: none of it counts as drained (the
             # result below is min(done >= 0, 0)); the usual case, at no clock arithmetic.
             return 0
+        load.seen_timed = True  # (what follows reads `now`: a send cannot reuse this snapshot)
         since = load.head_since if load.head_since > head.started_at else head.started_at
         elapsed = now - since - per_step
         share = (elapsed if elapsed > 0.0 else 0.0) / full_s
@@ -413,7 +442,8 @@ class LoadTracker:
 
     def scraped(self, engine: EngineId, metrics: ScrapedMetrics) -> None:
         """Merge the engine's latest scraped gauges (used while younger than `scrape_max_age_s`)."""
-        self._engine(engine).scrape = metrics
+        load = self._engine(engine)
+        load.scrape, load.seen = metrics, None
 
     def model(self, engine: EngineId) -> PrefillCostModel:
         """The engine's learned prefill cost model."""
@@ -425,7 +455,11 @@ class LoadTracker:
         Each count is the larger of the two because each is a lower bound of the truth: the router's
         is exact but only its own traffic, the scrape holds every gateway's (and direct clients')
         but is up to a period old. Adding them would count this router's requests twice."""
-        return self._snapshot(self._engine(engine), now)
+        try:  # (`_engine` without its call when the engine is known)
+            load = self._engines[engine]
+        except KeyError:
+            load = self._engine(engine)
+        return self._snapshot(load, now)
 
     def _snapshot(self, load: _EngineLoad, now: float) -> LoadSnapshot:
         in_flight, prefilling = load.in_flight, load.prefilling
@@ -446,7 +480,10 @@ class LoadTracker:
             usage = scrape.kv_cache_usage_perc
         model = load.model
         per_token_s = model._per_ktok / _KTOK  # `model.per_token_s`, without the property's call
-        return LoadSnapshot(
+        load.seen_timed = False  # (`_drained` sets it when its answer reads the time)
+        seen = load.seen = LoadSnapshot(
             in_flight, prefilling, decoding, queued, usage, model.overhead_s, per_token_s, fresh,
             self.step, scrape, load.residency_s, self._drained(load, decoding, now),
         )  # fmt: skip
+        load.seen_at, load.seen_samples = now, model.samples
+        return seen

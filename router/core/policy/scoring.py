@@ -29,6 +29,7 @@ import operator
 import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from itertools import repeat
 from typing import TYPE_CHECKING, Final
 
 import msgspec
@@ -241,7 +242,10 @@ def _score(c: Candidate, excluded: frozenset[EngineId], settings: ScorerSettings
     steps, decode_s, slot_s, ttft = load.ttft_terms(uncached)
     work = settings.prefill_work_weight * load.per_token_s * uncached
     pins = trusted and c.warm_tokens > c.hit_tokens
-    why_not = _why_not(c, excluded)
+    # `_why_not`'s answer for the usual candidate (nothing tried yet, healthy, closed, below its
+    # limit) without its call.
+    usual = not excluded and c.healthy and not c.breaker_open and not c.at_capacity
+    why_not = "" if usual else _why_not(c, excluded)
     if not why_not and (settings.max_predicted_ttft_s > 0 or settings.max_scraped_waiting > 0):
         why_not = WHY_SATURATED if _saturated(load, ttft, settings) else ""  # (no limit: never)
     return CandidateScore(
@@ -253,6 +257,7 @@ def _score(c: Candidate, excluded: frozenset[EngineId], settings: ScorerSettings
 
 Pick = tuple[CandidateScore, str]
 _ENGINE: Final = operator.attrgetter("engine")
+_ELIGIBLE: Final = operator.attrgetter("eligible")
 _COST: Final = operator.attrgetter("cost_s")
 
 
@@ -278,24 +283,24 @@ class Scorer:
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         """Score every candidate and pick one with the configured policy (deterministic given the seed)."""
         policy = self.settings.policy
-        scores = [_score(c, request.excluded, self.settings) for c in candidates]
+        # (`map` and `filter` rather than comprehensions: no Python frame of their own)
+        scores = list(map(_score, candidates, repeat(request.excluded), repeat(self.settings)))
         scores.sort(key=_ENGINE)
-        eligible = [s for s in scores if s.eligible]
+        eligible = list(filter(_ELIGIBLE, scores))
         if not eligible:
             why = "; ".join(f"{s.engine}: {s.why_not}" for s in scores) or "no engines configured"
             return Decision(None, policy, f"no eligible engine ({why})", 0, scores)
+        runner = None
         if len(eligible) == 1 and self._alone_kv:  # what `_kv` answers alone: no tie, no runner-up
-            chosen = eligible[0]
-            return Decision(
-                chosen.engine, policy, _kv_words(chosen, True), chosen.expected_tokens, scores,
-                chosen.hit_tokens, chosen.counted_tokens,
-            )  # fmt: skip
-        chosen, reason = self._policy(request, eligible)
-        others = [s for s in eligible if s is not chosen] if len(eligible) > 1 else None
-        runner = min(others, key=_COST) if others else None
+            chosen, reason = eligible[0], _kv_words(eligible[0], True)
+        else:
+            chosen, reason = self._policy(request, eligible)
+            others = [s for s in eligible if s is not chosen] if len(eligible) > 1 else None
+            runner = min(others, key=_COST) if others else None
+        hit, pending = chosen.hit_tokens, chosen.pending_tokens  # `expected_tokens`, without its call
         return Decision(
-            chosen.engine, policy, reason, chosen.expected_tokens, scores,
-            chosen.hit_tokens, chosen.counted_tokens,
+            chosen.engine, policy, reason, pending if pending > hit else hit, scores,
+            hit, chosen.counted_tokens,
             runner.engine if runner else None, runner.cost_s - chosen.cost_s if runner else 0.0,
         )  # fmt: skip
 
@@ -364,10 +369,12 @@ class Scorer:
 def _kv_words(chosen: CandidateScore, lowest: bool) -> str:
     """kv's reason for `chosen` (`lowest`: its cost is the least), before any tie's words."""
     ttft = "lowest predicted TTFT" if lowest else "predicted TTFT"
+    pending, cached = chosen.pending_tokens, chosen.trusted_hit_tokens  # (`_pending_words` inline)
+    expected = f", {pending} expected from requests just sent" if pending > cached else ""
     return (
         f"kv: {ttft} {chosen.predicted_ttft_s * 1000:.1f} ms "
         f"+ {chosen.work_s * 1000:.1f} ms prefill work "
-        f"({chosen.trusted_hit_tokens} cached{_pending_words(chosen)}, "
+        f"({cached} cached{expected}, "
         f"{chosen.uncached_tokens} to prefill, {chosen.load.queued_prefill_tokens} queued, "
         f"{chosen.load.decoding} decoding)"
     )
@@ -375,14 +382,6 @@ def _kv_words(chosen: CandidateScore, lowest: bool) -> str:
 
 def _load_key(request: RouteRequest, s: CandidateScore) -> tuple[int, int, int]:
     return s.load.in_flight, s.load.queued_prefill_tokens, stable_hash(request.key, s.engine)
-
-
-def _pending_words(s: CandidateScore) -> str:
-    return (
-        f", {s.pending_tokens} expected from requests just sent"
-        if s.pending_tokens > s.trusted_hit_tokens
-        else ""
-    )
 
 
 def _reusable_tokens(s: CandidateScore) -> int:

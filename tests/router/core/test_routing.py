@@ -98,13 +98,18 @@ _serial = itertools.count(1)
     policy=st.sampled_from(["kv", "round_robin", "session"]), events=st.booleans(),
     stored=st.lists(st.tuples(st.integers(0, 2), st.integers(0, 6)), max_size=4),
     prompts=st.lists(st.tuples(st.integers(0, 24), st.booleans(), st.booleans()), min_size=1, max_size=6),
+    breakers=st.lists(
+        st.tuples(st.integers(0, 2), st.sampled_from(["fail", "acquire", "success", "wait"])), max_size=6
+    ),
 )  # fmt: skip
 def test_route_builds_the_candidates_and_predictions_of_the_general_path(
-    policy: Policy, events: bool, stored: list[tuple[int, int]], prompts: list[tuple[int, bool, bool]]
-) -> None:
+    policy: Policy, events: bool, stored: list[tuple[int, int]], prompts: list[tuple[int, bool, bool]],
+    breakers: list[tuple[int, str]],
+) -> None:  # fmt: skip
     """Whatever is stored and pending, for prompts of 0 or 1 token (nothing to look up), skipping the
-    cache or not: `predict` is one `lookup` per group, and the candidates scoring sees are those one
-    public call per field builds (pending tokens read only where pending prefixes are kept)."""
+    cache or not, with breakers closed, open, cooled down or probing: `predict` is one `lookup` per
+    group, and the candidates scoring sees are those one public call per field builds (pending tokens
+    read only where pending prefixes are kept)."""
     fleet, core, scorer, clock = build(policy, events)
     base = [1000 + i for i in range(24)]
     for engine, blocks in stored:
@@ -112,8 +117,19 @@ def test_route_builds_the_candidates_and_predictions_of_the_general_path(
         hashes: list[int | bytes] = list(range(1, blocks + 1))
         batch = KVEventBatch(0.0, [BlockStored(hashes, None, tokens, 4, None, "GPU", None)])
         fleet.on_batch(EngineName(NAMES[engine]), 1, batch)
-    for n, skip, send in prompts:
+    for step, (n, skip, send) in enumerate(prompts):
         clock.now += 0.01
+        for engine, action in breakers[step : step + 1]:
+            breaker = fleet.breakers.get(EngineId(NAMES[engine]))
+            if action == "fail":
+                for _ in range(breaker.failure_threshold):
+                    breaker.record_failure(clock.now)
+            elif action == "acquire":
+                breaker.acquire(clock.now)
+            elif action == "success":
+                breaker.record_success(clock.now)
+            else:
+                clock.now += breaker.open_seconds
         p = prepared(fleet, base[:n], skip)
         assert core.predict(p) == general_predict(fleet, p)
         expected = general_candidates(core, fleet, p, clock.now)

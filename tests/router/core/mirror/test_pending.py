@@ -184,18 +184,18 @@ def test_requests_sharing_a_prefix_share_its_run() -> None:
 
 
 class _AlwaysExpiring(PendingPrefixes):
-    """The general path: every call expires afresh (no memo of the last expiry's time)."""
+    """The general path: every call expires afresh (no lower bound of the next due time)."""
 
     def add(self, request: RequestId, replica: EngineId, keys: list[int], now: float) -> None:  # type: ignore[override]
-        self._expired_at = -float("inf")
+        self._next_due = -float("inf")
         super().add(request, replica, keys, now)
 
     def leading_run(self, replica: EngineId, keys: list[int], limit: int, now: float) -> int:  # type: ignore[override]
-        self._expired_at = -float("inf")
+        self._next_due = -float("inf")
         return super().leading_run(replica, keys, limit, now)
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=300, deadline=None)
 @given(
     ops=st.lists(
         st.tuples(
@@ -204,17 +204,23 @@ class _AlwaysExpiring(PendingPrefixes):
         ),
         max_size=40,
     ),
-    ttl=st.sampled_from([0.05, 0.1, 0.5]), grace=st.sampled_from([0.0, 0.05, 0.1]),
+    ttl=st.sampled_from([0.0, 1e-300, 0.05, 0.1, 0.5]), grace=st.sampled_from([0.0, 0.05, 0.1]),
+    forward=st.booleans(),
 )  # fmt: skip
-def test_expiry_skipped_at_the_last_expirys_time_changes_nothing(
-    ops: list[tuple[str, int, EngineId, list[int], float]], ttl: float, grace: float
+def test_expiry_skipped_before_the_next_due_time_changes_nothing(
+    ops: list[tuple[str, int, EngineId, list[int], float]], ttl: float, grace: float, forward: bool
 ) -> None:
-    """Asked again at the time it last expired at (scoring's candidates share one `now`), with
-    answers and sends due at once in between, the overlay answers what expiring every time would."""
+    """Asked before anything is due (scoring's candidates share one `now`; a send follows its
+    decision by microseconds), with answers and sends due at once in between, a clock moving forward
+    or back and forth, and a time to live too small to move the clock, the overlay answers what
+    expiring at every call would."""
     fast, general = PendingPrefixes(ttl, grace), _AlwaysExpiring(ttl, grace)
-    for op, who, replica, blocks, now in ops:
+    clock = 1000.0
+    for op, who, replica, blocks, step in ops:
+        clock = clock + step if forward else 1000.0 + step
         request = RequestId(f"r{who}")
-        _step_both(fast, general, op, request, replica, blocks, now)
+        _step_both(fast, general, op, request, replica, blocks, clock)
+        assert fast._entries.keys() == general._entries.keys()
 
 
 def _step_both(
@@ -241,6 +247,7 @@ class _HeapOnly(PendingPrefixes):
 
     def _due(self, queue: deque[tuple[float, RequestId]], until: float, request: RequestId) -> None:
         heapq.heappush(self._heap, (until, request))
+        self._next_due = min(self._next_due, until)
 
 
 @settings(max_examples=300, deadline=None)

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 
 from router.core.ids import EngineId
 from router.core.policy.breaker import Breakers, BreakerState, CircuitBreaker
@@ -132,3 +134,33 @@ def test_backoff_schedule(attempt: int, delay: float | None) -> None:
     policy = RetryPolicy(attempts=5, backoff_s=0.01, backoff_max_s=0.05)
     got = policy.delay_before(attempt)
     assert got == (None if delay is None else pytest.approx(delay))
+
+
+class _FirstWritten(CircuitBreaker):
+    """`acquire` as first written: `available` asked whatever the state."""
+
+    def acquire(self, now: float) -> bool:
+        if not self.available(now):
+            return False
+        if self.state is not BreakerState.CLOSED:
+            self.state = BreakerState.HALF_OPEN
+            self.probe_in_flight = True
+        return True
+
+
+@given(
+    ops=st.lists(
+        st.tuples(st.sampled_from(["acquire", "success", "failure", "abandoned"]), st.floats(0, 3)),
+        max_size=30,
+    )
+)
+def test_acquire_answers_and_moves_as_first_written(ops: list[tuple[str, float]]) -> None:
+    """`acquire` (a closed breaker admitting without asking `available`) admits, refuses and moves
+    the state exactly as the first-written one, through any sequence of verdicts and times."""
+    fast, first = CircuitBreaker(2, 1.0), _FirstWritten(2, 1.0)
+    now = 0.0
+    for op, dt in ops:
+        now += dt
+        answers = [getattr(b, "record_" + op if op != "acquire" else op)(now) for b in (fast, first)]
+        assert answers[0] == answers[1]
+        assert vars(fast) == vars(first)

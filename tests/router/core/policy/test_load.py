@@ -6,7 +6,7 @@ import math
 import random
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.core.ids import EngineId, RequestId
@@ -17,6 +17,7 @@ from router.core.policy.load import (
     PrefillCostModel,
     ScrapedMetrics,
     StepCost,
+    _EngineLoad,
 )
 
 A, B = EngineId("a"), EngineId("b")
@@ -451,3 +452,163 @@ def test_started_takes_out_the_decode_and_slot_wait_of_its_own_snapshot(
         assert tracker._requests[rid(n)].other_s == snap.decode_s(tokens) + snap.slot_wait_s()
         if n % 2:
             tracker.first_token(rid(n - 1), at + gap / 3)
+
+
+class _AlwaysAfresh(LoadTracker):
+    """`started` takes a new snapshot every time, as before the last one was reused."""
+
+    def started(self, request: RequestId, engine: EngineId, at: float, uncached_tokens: int) -> None:
+        self._engine(engine).seen = None
+        super().started(request, engine, at, uncached_tokens)
+
+
+class _Checked(LoadTracker):
+    """Every snapshot `started` reuses is the one a new snapshot then would be."""
+
+    reused = 0
+    taken = 0
+
+    def started(self, request: RequestId, engine: EngineId, at: float, uncached_tokens: int) -> None:
+        load = self._engine(engine)
+        memo = load.seen, load.seen_at, load.seen_samples, load.seen_timed
+        want = self._snapshot(load, at)
+        load.seen, load.seen_at, load.seen_samples, load.seen_timed = memo
+        self.taken = 0
+        super().started(request, engine, at, uncached_tokens)
+        if not self.taken:  # reused: what the new snapshot would have said
+            _Checked.reused += 1
+            assert memo[0] == want
+
+    def _snapshot(self, load: _EngineLoad, now: float) -> LoadSnapshot:
+        self.taken += 1
+        return super()._snapshot(load, now)
+
+
+_LOAD_OPS = ["snapshot", "started", "started", "first_token", "finished", "scraped", "observe"]
+
+
+@settings(max_examples=600, deadline=None)
+@given(
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(_LOAD_OPS),
+            st.integers(0, 3), st.sampled_from([A, B]), st.sampled_from([-5, 0, 1, 300, 5000, 12_000]),
+            st.sampled_from([0.0, 0.0, 1e-6, 0.003, 0.05, 2.0, 11.0, -0.01]),
+            st.sampled_from([None, None, 0.0, 1e-6, 0.003, 0.5, 11.0, -0.01]),
+        ),
+        max_size=40,
+    ),
+    budget=st.sampled_from([0, 1, 512, 8192]), max_seqs=st.integers(0, 4),
+    drain=st.sampled_from([True, True, False]), service=st.booleans(), shared=st.booleans(),
+    learned=st.booleans(),
+)  # fmt: skip
+def test_a_send_reusing_the_last_snapshot_counts_what_a_new_one_would(
+    ops: list[tuple[str, int, EngineId, int, float, float | None]], budget: int, max_seqs: int, drain: bool,
+    service: bool, shared: bool, learned: bool,
+) -> None:  # fmt: skip
+    """`started` reading the engine's last snapshot (a decision's, microseconds before) learns,
+    counts and snapshots exactly what taking a new one did: with sends, answers, ends and scrapes in
+    between, a cost model shared with another engine learning meanwhile, heads past the step budget
+    draining with time, scrapes going stale, and a clock standing still, moving on or going back."""
+    step = StepCost(6e-3, 40e-6, budget, max_seqs)
+    fast, fresh = (cls(PRIOR, 10.0, step, drain, service) for cls in (_Checked, _AlwaysAfresh))
+    if shared:
+        for tracker in (fast, fresh):
+            tracker.share_cost(A, "m")
+            tracker.share_cost(B, "m")
+    clock = 100.0
+    if learned:  # a prefill cost learned: the queue's head drains as time passes
+        for tracker in (fast, fresh):
+            tracker.model(A).observe(1000, 0.1)
+    for op, n, engine, tokens, dt, lag in ops:
+        clock += dt
+        for tracker in (fast, fresh):
+            if op == "snapshot":
+                tracker.snapshot(engine, clock)
+            elif op == "started" and rid(n) not in tracker._requests:
+                if lag is not None:  # else the last snapshot, taken before the ops since
+                    tracker.snapshot(engine, clock - lag)  # the decision's, `lag` before the send
+                tracker.started(rid(n), engine, clock, max(tokens, 0))
+            elif op == "first_token":
+                tracker.first_token(rid(n), clock)
+            elif op == "finished":
+                tracker.finished(rid(n), clock)
+            elif op == "scraped":
+                tracker.scraped(engine, ScrapedMetrics(clock - dt, n, tokens % 7))
+            elif op == "observe":
+                tracker.model(engine).observe(max(tokens, 0), dt % 1.0)
+        assert {r: f.other_s for r, f in fast._requests.items()} == {
+            r: f.other_s for r, f in fresh._requests.items()
+        }
+        for e in (A, B):
+            assert (fast.model(e).overhead_s, fast.model(e).per_token_s) == (
+                fresh.model(e).overhead_s, fresh.model(e).per_token_s,
+            )  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    "change",
+    ["observe", "other_engine_answered", "scraped", "stale_scrape", "share_cost", "first_token", "later"],
+)
+def test_a_send_reuses_the_last_snapshot_only_while_nothing_it_read_changed(change: str) -> None:
+    """Between the decision's snapshot and the send, anything the snapshot read (its model learning,
+    also from another engine sharing it; a scrape; a model shared anew; an answer; the time going past
+    its scrape's freshness) makes the send take a new one, which `_Checked` compares."""
+    tracker = _Checked(PRIOR, 10.0, StepCost(6e-3, 40e-6, 512, 4), drain=True)
+    tracker.share_cost(A, "m")
+    tracker.share_cost(B, "m")
+    tracker.scraped(A, ScrapedMetrics(95.0, 3, 2))
+    tracker.started(rid(9), B, 99.0, 100)
+    tracker.started(rid(8), A, 99.0, 100)
+    before = _Checked.reused
+    tracker.snapshot(A, 100.0)
+    at = 100.001
+    if change == "observe":
+        tracker.model(A).observe(1000, 0.5)
+    elif change == "other_engine_answered":
+        tracker.first_token(rid(9), 100.0)
+    elif change == "scraped":
+        tracker.scraped(A, ScrapedMetrics(100.0, 9, 9))
+    elif change == "stale_scrape":
+        at = 105.0 + 1e-9
+    elif change == "share_cost":
+        tracker.share_cost(A, "n")
+    elif change == "first_token":
+        tracker.first_token(rid(8), 100.0)
+    tracker.started(rid(0), A, at, 300)
+    assert _Checked.reused == before + (change == "later")
+    tracker.snapshot(A, 100.0)
+    tracker.started(rid(1), A, 100.5, 300)  # later, the scrape still fresh: reused
+    assert _Checked.reused == before + 1 + (change == "later")
+
+
+class _PredictFirst(PrefillCostModel):
+    """`observe` as first written: the error against `predict(tokens)`, a call of its own."""
+
+    def observe(self, tokens: float, ttft_s: float) -> None:
+        x = (1.0, tokens / 1000.0)
+        err = ttft_s - self.predict(tokens)
+        if self.samples >= 3:
+            limit = 3.0 * max(1e-4, self._abs_err)
+            err = max(-limit, min(limit, err))
+        self._abs_err = abs(err) if self.samples == 0 else 0.9 * self._abs_err + 0.1 * abs(err)
+        self._update(x, err)
+        self.samples += 1
+
+
+@given(
+    seen=st.lists(st.tuples(st.floats(0, 50_000), st.floats(0, 5)), max_size=20),
+    overhead=st.floats(0, 0.05), per_token=st.floats(0, 1e-3),
+)  # fmt: skip
+def test_observe_learns_bit_for_bit_what_predicting_first_did(
+    seen: list[tuple[float, float]], overhead: float, per_token: float
+) -> None:
+    """`observe` with `predict`'s arithmetic written out learns exactly what calling it did."""
+    prior = CostPrior(overhead, per_token)
+    fast, first = PrefillCostModel(prior), _PredictFirst(prior)
+    for tokens, ttft in seen:
+        fast.observe(tokens, ttft)
+        first.observe(tokens, ttft)
+        assert (fast.overhead_s, fast._per_ktok, fast._p, fast._abs_err) == (
+            first.overhead_s, first._per_ktok, first._p, first._abs_err,
+        )  # fmt: skip

@@ -18,6 +18,7 @@ from router.core.policy.scoring import (
     RouteRequest,
     Scorer,
     ScorerSettings,
+    _kv_words,
     _saturated,
     _score,
     _why_not,
@@ -473,3 +474,59 @@ def test_a_lone_eligible_candidate_gets_the_general_kv_decision(
     decision = scorer.choose(request, [*rest, alone])
     assert decision.engine == EngineId("m")
     assert decision == _general_decision(scorer, request, [*rest, alone])
+
+
+def _kv_words_reference(chosen: CandidateScore, lowest: bool) -> str:
+    """kv's reason as first written (the pending words in a function of their own)."""
+    pending = (
+        f", {chosen.pending_tokens} expected from requests just sent"
+        if chosen.pending_tokens > chosen.trusted_hit_tokens
+        else ""
+    )
+    ttft = "lowest predicted TTFT" if lowest else "predicted TTFT"
+    return (
+        f"kv: {ttft} {chosen.predicted_ttft_s * 1000:.1f} ms + {chosen.work_s * 1000:.1f} ms prefill work "
+        f"({chosen.trusted_hit_tokens} cached{pending}, {chosen.uncached_tokens} to prefill, "
+        f"{chosen.load.queued_prefill_tokens} queued, {chosen.load.decoding} decoding)"
+    )
+
+
+@given(
+    hit=st.integers(0, 4000), prompt=st.integers(0, 4000), pending=st.integers(0, 4000),
+    queued=st.integers(0, 20_000), in_flight=st.integers(0, 40),
+    trust=st.sampled_from([FRESH, STALE, CATCHING]), lowest=st.booleans(),
+)  # fmt: skip
+def test_kv_words_and_the_lone_prediction_equal_their_first_writing(
+    hit: int, prompt: int, pending: int, queued: int, in_flight: int, trust: TrustStatus, lowest: bool
+) -> None:  # fmt: skip
+    """kv's reason (the pending words written inline) and the lone candidate's prediction (the
+    expected tokens written inline) are what the first-written functions give."""
+    load = LoadSnapshot(in_flight, 1, in_flight - 1, queued, None, OVERHEAD, PER_TOKEN, False)
+    c = Candidate(EngineId("m"), hit, 0, 0, prompt, trust, load, pending_tokens=pending)
+    score = _score(c, frozenset(), ScorerSettings())
+    assert _kv_words(score, lowest) == _kv_words_reference(score, lowest)
+    decision = Scorer(ScorerSettings()).choose(RouteRequest(KEY), [c])
+    assert decision.predicted_cached_tokens == score.expected_tokens == max(hit, pending)
+
+
+@given(
+    policy=st.sampled_from(list(PolicyName)),
+    engines=st.lists(
+        st.tuples(st.integers(0, 4000), st.integers(0, 4000), st.booleans()), min_size=1, max_size=4
+    ),
+)  # fmt: skip
+def test_every_policys_prediction_is_the_chosen_candidates_expected_tokens(
+    policy: PolicyName, engines: list[tuple[int, int, bool]]
+) -> None:
+    """Under every policy, alone or not, the decision's prediction (written inline) is the chosen
+    candidate's `expected_tokens`, and its mirror hit the chosen's hit."""
+    candidates = [
+        msgspec.structs.replace(
+            cand(f"e{i}", hit=hit, trust=FRESH if fresh else STALE), pending_tokens=pending
+        )
+        for i, (hit, pending, fresh) in enumerate(engines)
+    ]
+    decision = Scorer(ScorerSettings(policy=policy)).choose(RouteRequest(KEY, session="s"), candidates)
+    chosen = next(s for s in decision.candidates if s.engine == decision.engine)
+    assert decision.predicted_cached_tokens == chosen.expected_tokens
+    assert decision.mirror_hit_tokens == chosen.hit_tokens
