@@ -205,8 +205,9 @@ def test_kept_template_dicts_and_marks_equal_fresh_ones(message: dict[str, Any],
     assert type(kept) is TemplateMessage and kept == fresh
     assert conversation([msg], fmt, True)[0] is kept  # made once per message and format
     again: list[str] = []
-    marked, texts = _marks(kept)
+    marked, texts, marked_json = _marks(kept)
     assert marked == _stand_in(fresh, again, _mark) and list(texts) == again
+    assert marked_json == msgspec.json.encode(marked)
     assert _marks(kept) is _marks(kept)  # kept on the message
 
 
