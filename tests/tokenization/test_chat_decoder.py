@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from tokenization.chat_decoder import ChatDecoder
 from tokenization.chat_template import ContentFormat
 from tokenization.conversation import _message, conversation
-from tokenization.openai_request import ChatRequest, RequestError, decode_chat
+from tokenization.openai_request import ChatMessage, ChatRequest, RequestError, decode_chat
 from tokenization.skeletons import _mark, _marks, _stand_in
 from tokenization.template_message import TemplateMessage, plain
 
@@ -227,3 +227,48 @@ def test_a_template_message_cannot_change_and_renders_as_a_plain_dict() -> None:
     copies = plain([kept, {"role": "assistant"}])
     assert [type(m) for m in copies] == [dict, dict] and copies[0] == kept
     assert msgspec.json.encode(kept) == b'{"role":"user","content":"hi"}'
+
+
+def _conversation_or_error(
+    messages: list[ChatMessage], fmt: ContentFormat, knows_developer: bool
+) -> list[dict[str, Any]] | str:
+    try:
+        return conversation(messages, fmt, knows_developer)
+    except RequestError as exc:
+        return str(exc)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    first=st.lists(MESSAGE, max_size=4),
+    turns=st.lists(st.tuples(st.integers(0, 3), st.lists(MESSAGE, max_size=3)), min_size=1, max_size=6),
+    fmt=st.sampled_from(list(ContentFormat)),
+    knows_developer=st.booleans(),
+)
+def test_conversations_kept_across_turns_equal_fresh_ones(
+    first: list[dict[str, Any]],
+    turns: list[tuple[int, list[dict[str, Any]]]],
+    fmt: ContentFormat,
+    knows_developer: bool,
+) -> None:
+    """A conversation's turns carry its earlier messages' objects (each turn drops up to 3 last
+    messages and adds new ones): what `conversation` reads from the earlier turns' kept dicts always
+    equals what fresh messages give, errors included."""
+    valid = [m for m in first + [m for _, new in turns for m in new] if _decodes(m)]
+    objects = {id(m): decode_chat(json.dumps({"messages": [m]}).encode()).messages[0] for m in valid}
+    docs = [m for m in first if id(m) in objects]
+    for drop, new in [(0, []), *turns]:
+        docs = [*docs[: max(0, len(docs) - drop)], *(m for m in new if id(m) in objects)]
+        messages = [objects[id(m)] for m in docs]
+        fresh = decode_chat(json.dumps({"messages": docs}).encode()).messages
+        expected = _conversation_or_error(fresh, fmt, knows_developer)
+        assert _conversation_or_error(messages, fmt, knows_developer) == expected
+        assert _conversation_or_error(messages, fmt, knows_developer) == expected  # from what it kept
+
+
+def _decodes(message: dict[str, Any]) -> bool:
+    try:
+        decode_chat(json.dumps({"messages": [message]}).encode())
+    except RequestError:
+        return False
+    return True
