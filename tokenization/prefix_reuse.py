@@ -87,8 +87,9 @@ class TokenEnds:
 
     @staticmethod
     def of(lengths: Iterable[int], start: int = 0) -> TokenEnds:
-        """The ends of tokens of byte lengths ``lengths`` from byte ``start`` on."""
-        return TokenEnds(_NO_ENDS, 0, _ends_from(start, lengths))
+        """The ends of tokens of byte lengths ``lengths`` from byte ``start`` on (all shareable)."""
+        ends = _ends_from(start, lengths)
+        return TokenEnds(ends, len(ends), _NO_ENDS)
 
     def __len__(self) -> int:
         return self.n + len(self.tail)
