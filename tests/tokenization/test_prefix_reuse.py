@@ -318,6 +318,22 @@ def test_a_completions_prompt_keeps_its_ids_unjoined_until_read(tok: HfTokenizer
         assert packed == array("I", expected).tobytes()
 
 
+def test_linked_prompts_with_and_without_special_tokens_interleaved_stay_exact(tok: HfTokenizer) -> None:
+    """`encode_linked` keeps the last special-token wrap's parts: alternating wraps each get theirs
+    (ids, packed ids, and a link keyed by its own wrap, sharing its prefix's ids)."""
+    prompt = "Another shared instruction, for linked prompts. " * 10
+    for i in range(6):
+        special = i % 3 != 0
+        text = f"{prompt}request {i}"
+        ids, packed, link = tok.encode_linked(text, special)
+        expected = tuple(tok.encode(text, special))
+        assert ids_of(ids) == expected and packed == array("I", expected).tobytes()
+        wrap = tok.special_wrap(special)
+        assert link is not None and wrap is not None
+        assert link.shared_tokens <= len(expected) and link.own is not link.prior
+        assert link.shared_tokens == 0 or expected[: len(wrap[0])] == tuple(wrap[0])
+
+
 @settings(max_examples=300, deadline=None)
 @given(shared=st.binary(max_size=70), a=st.binary(max_size=70), b=st.binary(max_size=70))
 def test_shared_prefix_is_the_longest_common_prefix(shared: bytes, a: bytes, b: bytes) -> None:
