@@ -149,7 +149,7 @@ class ChatCarry:
             return _Turn(pieces, starts, entry, {}), same
         cut = self._reuse.cuts.last_cut(data, new_data, limit)
         ends = self._reuse.ends(prior.entry) if cut else None
-        if ends is None or not self._reuse.tokens_before(ends, cut):
+        if ends is None or not ends.tokens_before(cut):
             return None
         entry, copied = self._reuse.extend(prior.entry, ends, new_data, cut, encode)
         return _Turn(pieces, starts, entry, {}), copied

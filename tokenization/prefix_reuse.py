@@ -88,7 +88,8 @@ class TokenEnds:
     @staticmethod
     def of(lengths: Iterable[int], start: int = 0) -> TokenEnds:
         """The ends of tokens of byte lengths ``lengths`` from byte ``start`` on (all shareable)."""
-        ends = _ends_from(start, lengths)
+        ends = array("q", accumulate(lengths, initial=start))
+        del ends[0]  # the `initial` value
         return TokenEnds(ends, len(ends), _NO_ENDS)
 
     def __len__(self) -> int:
@@ -112,7 +113,8 @@ class TokenEnds:
     def extended(self, k: int, cut: int, lengths: Iterable[int]) -> TokenEnds:
         """The ends of a text whose first ``k`` tokens are these ones' (ending at byte ``cut``),
         followed by tokens of byte lengths ``lengths``."""
-        n, new = self.n, _ends_from(cut, lengths)
+        n, new = self.n, array("q", accumulate(lengths, initial=cut))
+        del new[0]  # the `initial` value
         if k <= n:
             return TokenEnds(self.base, k, new)
         own = self.tail[: k - n]
@@ -128,12 +130,6 @@ class TokenEnds:
         out = self.base[: self.n]
         out.extend(self.tail)
         return out
-
-
-def _ends_from(start: int, lengths: Iterable[int]) -> array[int]:
-    ends = array("q", accumulate(lengths, initial=start))
-    del ends[0]  # the `initial` value
-    return ends
 
 
 _NO_ENDS: Final = array("q")
@@ -310,11 +306,6 @@ class PrefixReuse:
                 return None
             entry.ends = ends
         return entry.ends
-
-    @staticmethod
-    def tokens_before(ends: TokenEnds, cut: int) -> int:
-        """How many tokens end by byte ``cut`` when one ends exactly there, else 0 (token ends ``ends``)."""
-        return ends.tokens_before(cut)
 
     def extend(
         self, prior: ReuseEntry, prior_ends: TokenEnds, data: bytes, cut: int, encode: EncodePacked
