@@ -138,7 +138,7 @@ class ChatCarry:
         new_rest = b"".join(rest)
         data = prior.entry.data
         limit = start + shared_prefix(new_rest, memoryview(data)[start:])
-        new_data = data[:start] + new_rest
+        new_data = b"".join((memoryview(data)[:start], new_rest))  # one copy: a slice would be a second
         starts = [*prior.starts[:i], *accumulate(map(len, rest), initial=start)]
         if len(new_data) - limit > self.long_tail:
             # Mostly new text: an older text than this conversation's last turn may share more (a branch,
