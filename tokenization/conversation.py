@@ -16,7 +16,7 @@ import msgspec
 
 from tokenization.chat_template import ContentFormat
 from tokenization.openai_request import ChatMessage, ContentPart, RequestError, Tool, ToolCall
-from tokenization.template_message import TemplateMessage
+from tokenization.template_message import TemplateMessage, same_objects
 
 __all__ = ["conversation", "tool_dicts"]
 
@@ -152,7 +152,7 @@ def _template_messages(
     developer = False
     for back in (2, 3):
         memo = messages[n - back].__dict__.get(key) if n >= back else None
-        if memo is not None and memo[0] == messages[: n - back]:  # equal messages give equal dicts
+        if memo is not None and same_objects(memo[0], messages[: n - back]):
             start, conv, developer = n - back + 1, [*memo[1]], memo[2]
             break
     for i in range(start, n):

@@ -28,7 +28,7 @@ import jinja2
 import jinja2.nodes
 import msgspec
 
-from tokenization.template_message import TemplateMessage
+from tokenization.template_message import TemplateMessage, same_objects
 
 __all__ = ["Inspected", "Opaque", "Skeletons", "skeletons_apply", "type_test"]
 
@@ -287,7 +287,7 @@ def _structure(messages: Sequence[Mapping[str, Any]]) -> tuple[bytes, list[str]]
     for back in (2, 3):
         m = messages[n - back] if n >= back else None
         memo = m._marks_prefix if type(m) is TemplateMessage else None
-        if memo is not None and memo[0] == messages[: n - back]:  # equal dicts mark equally
+        if memo is not None and same_objects(memo[0], messages[: n - back]):
             start, parts, texts = n - back + 1, [memo[1]], [*memo[2]]
             break
     for i in range(start, n):

@@ -10,9 +10,10 @@ then sees exactly the dicts it always saw. Pure.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from operator import is_
 from typing import Any, NoReturn
 
-__all__ = ["TemplateMessage", "plain"]
+__all__ = ["TemplateMessage", "plain", "same_objects"]
 
 
 class TemplateMessage(dict[str, Any]):
@@ -39,3 +40,9 @@ class TemplateMessage(dict[str, Any]):
 def plain(messages: list[Any]) -> list[Any]:
     """``messages`` with every `TemplateMessage` as a plain dict copy (what a real render is given)."""
     return [dict(m) if type(m) is TemplateMessage else m for m in messages]
+
+
+def same_objects(a: Sequence[object], b: Sequence[object]) -> bool:
+    """Whether ``a`` and ``b`` hold the same objects in order: identity, not equality (``1 == 1.0``,
+    yet a template renders them apart), compared in C."""
+    return len(a) == len(b) and all(map(is_, a, b))

@@ -272,3 +272,21 @@ def _decodes(message: dict[str, Any]) -> bool:
     except RequestError:
         return False
     return True
+
+
+def test_a_kept_conversation_prefix_is_read_only_for_the_same_message_objects() -> None:
+    """Equal is not enough: arguments ``{"a": 1}`` and ``{"a": 1.0}`` are equal, yet a template
+    renders them apart, so a later message's kept prefix is not read after an earlier message changed."""
+
+    def messages(number: str) -> list[ChatMessage]:
+        call = {"function": {"name": "f", "arguments": "ARGS"}}
+        doc = {"messages": [{"role": "assistant", "tool_calls": [call]}, {"role": "user", "content": "x"}]}
+        body = json.dumps(doc).replace('"ARGS"', '{"a": ' + number + "}")
+        return decode_chat(body.encode()).messages
+
+    first, second = messages("1"), messages("1.0")
+    shared = first[1]
+    last = decode_chat(b'{"messages": [{"role": "user", "content": "y"}]}').messages[0]
+    conversation([first[0], shared, last], ContentFormat.STRING, True)
+    conv = conversation([second[0], shared, last], ContentFormat.STRING, True)
+    assert type(conv[0]["tool_calls"][0]["function"]["arguments"]["a"]) is float

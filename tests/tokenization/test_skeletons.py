@@ -248,3 +248,12 @@ def test_structures_kept_across_turns_equal_fresh_ones(
         conv = [*kept, *(TemplateMessage(m) for m in new)]
         assert _structure(conv) == _fresh_structure(conv)
         assert _structure(conv) == _fresh_structure(conv)  # again, from what it kept
+
+
+def test_kept_marks_are_read_only_for_the_same_message_objects() -> None:
+    """A later message's kept marks are not read once an earlier message is another object, even an
+    equal one: ``{"n": 1} == {"n": 1.0}``, yet they render apart."""
+    shared, last = TemplateMessage({"role": "user", "content": "x"}), TemplateMessage({"role": "user"})
+    _structure([TemplateMessage({"role": "tool", "n": 1}), shared, last])
+    later = [TemplateMessage({"role": "tool", "n": 1.0}), shared, last]
+    assert _structure(later) == _fresh_structure(later) and b"1.0" in _structure(later)[0]
