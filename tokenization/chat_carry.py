@@ -138,7 +138,7 @@ class ChatCarry:
         new_rest = b"".join(rest)
         data = prior.entry.data
         limit = start + shared_prefix(new_rest, memoryview(data)[start:])
-        new_data = data[:start] + new_rest
+        new_data = b"".join((memoryview(data)[:start], new_rest))  # one copy: a slice would be a second
         starts = [*prior.starts[:i], *accumulate(map(len, rest), initial=start)]
         if len(new_data) - limit > self.long_tail:
             # Mostly new text: an older text than this conversation's last turn may share more (a branch,
@@ -149,7 +149,7 @@ class ChatCarry:
             return _Turn(pieces, starts, entry, {}), same
         cut = self._reuse.cuts.last_cut(data, new_data, limit)
         ends = self._reuse.ends(prior.entry) if cut else None
-        if ends is None or not self._reuse.tokens_before(ends, cut):
+        if ends is None or not ends.tokens_before(cut):
             return None
         entry, copied = self._reuse.extend(prior.entry, ends, new_data, cut, encode)
         return _Turn(pieces, starts, entry, {}), copied

@@ -71,10 +71,19 @@ class _Kept:
     """A conversation's last request: its messages, and when its opening is plain (`_OPENING`) its
     body and where each message ends in it."""
 
-    __slots__ = ("body", "ends", "head", "key", "opening", "size", "turn")
+    __slots__ = ("body", "ends", "head", "key", "messages", "opening", "size", "turn")
 
-    def __init__(self, key: bytes, turn: _Turn, size: int, body: bytes, spans: _Spans | None) -> None:
-        self.key, self.turn, self.size, self.body = key, turn, size, body
+    def __init__(
+        self,
+        key: bytes,
+        turn: _Turn,
+        messages: list[ChatMessage],
+        size: int,
+        body: bytes,
+        spans: _Spans | None,
+    ) -> None:
+        self.key, self.turn, self.messages, self.size, self.body = key, turn, messages, size, body
+        """``messages``: the request's (``turn``'s messages, never changed)."""
         self.opening, self.ends = spans if spans is not None else (0, [])
         self.head = body[:HEAD_BYTES]
 
@@ -118,7 +127,7 @@ class ChatDecoder:
         spans = _spans(body, raws)
         if (spans is None or not _rest_is_plain(body, spans[1][-1])) and not _one_messages_key(body):
             return decode_chat(body)  # the messages kept may not be the first array, which it checks too
-        return self._finish(body, [], raws, fields[1:], lambda: spans)
+        return self._finish(body, [], [], raws, fields[1:], lambda: spans)
 
     def clear(self) -> None:
         """Forget every conversation."""
@@ -145,21 +154,23 @@ class ChatDecoder:
         shift = cut - kept.opening - len(_PLACEHOLDER)
         ends = [*kept.ends[:shared], *(end + shift for end in spans[1][1:])]
         self.skipped_bytes += cut - kept.opening
-        turn = kept.turn[:shared]
+        turn, messages = kept.turn[:shared], kept.messages[:shared]
         key = kept.key if shared >= 2 else None  # its first two messages are kept's
-        return self._finish(body, turn, raws[1:], fields[1:], lambda: (kept.opening, ends), key)
+        return self._finish(body, turn, messages, raws[1:], fields[1:], lambda: (kept.opening, ends), key)
 
     def _finish(
         self,
         body: bytes,
         turn: _Turn,
+        messages: list[ChatMessage],
         raws: list[msgspec.Raw],
         fields: tuple[Any, ...],
         spans: _SpansOf,
         key: bytes | None = None,
     ) -> ChatRequest:
-        """The request whose messages are ``turn`` then ``raws`` (each reused from the conversation's
-        last request when its bytes are equal, else decoded); kept with ``spans()`` for later bodies."""
+        """The request whose messages are ``turn`` (``messages`` theirs) then ``raws`` (each reused from
+        the conversation's last request when its bytes are equal, else decoded); kept with ``spans()``
+        for later bodies."""
         if key is None:
             key = b"".join([*(data for data, _ in turn[:2]), *map(bytes, raws[: max(0, 2 - len(turn))])])
         prior = self._turns.get(key)
@@ -170,22 +181,28 @@ class ChatDecoder:
                 same = old[i]
                 if len(same[0]) == len(piece) and same[0].startswith(piece):  # memcmp, no copy
                     turn.append(same)
+                    messages.append(same[1])
                     reused += 1
                     continue
             data = bytes(piece)
             try:
-                turn.append((data, _MESSAGE.decode(data)))
+                message = _MESSAGE.decode(data)
             except (msgspec.DecodeError, RecursionError):
                 return decode_chat(body)
+            turn.append((data, message))
+            messages.append(message)
         self.decoded += len(turn) - reused
         self.reused += reused
-        req = check_chat(ChatRequest([m for _, m in turn], *fields))
-        keep_or_defer(self.later, self._keep, key, turn, body, spans)
+        req = check_chat(ChatRequest(messages, *fields))
+        keep_or_defer(self.later, self._keep, key, turn, messages, body, spans)
         return req
 
-    def _keep(self, key: bytes, turn: _Turn, body: bytes, spans: _SpansOf) -> None:
+    def _keep(
+        self, key: bytes, turn: _Turn, messages: list[ChatMessage], body: bytes, spans: _SpansOf
+    ) -> None:
         """Keep a decoded request as its conversation's last (``spans()``: where its messages are)."""
-        self._store(key, _Kept(key, turn, _BYTES_PER_BODY_BYTE * len(body) + len(key), body, spans()))
+        size = _BYTES_PER_BODY_BYTE * len(body) + len(key)
+        self._store(key, _Kept(key, turn, messages, size, body, spans()))
 
     def _store(self, key: bytes, kept: _Kept) -> None:
         old = self._turns.pop(key, None)

@@ -187,11 +187,18 @@ class ChatTemplate:
             return None
         context = {**special, **options.kwargs}
         inputs = (options.add_generation_prompt, options.tools, options.documents, context)
-        key = self.skeletons.carry_key(messages, inputs)
+        try:
+            inputs_json = msgspec.json.encode(inputs)  # once for both keys
+        except (TypeError, msgspec.EncodeError):
+            return None
+        key = self.skeletons.carry_key(messages, inputs, inputs_json)
         if key is None:
             return None
         pieces = self.skeletons.pieces(
-            messages, inputs, lambda stand_ins: _render(skeleton_template, stand_ins, options, context)
+            messages,
+            inputs,
+            lambda stand_ins: _render(skeleton_template, stand_ins, options, context),
+            inputs_json,
         )
         return (pieces, key) if pieces is not None else None
 

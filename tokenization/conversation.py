@@ -10,14 +10,13 @@ engine's placeholder expansion, so it must not guess their tokens.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from operator import itemgetter
 from typing import Any, Final
 
 import msgspec
 
 from tokenization.chat_template import ContentFormat
 from tokenization.openai_request import ChatMessage, ContentPart, RequestError, Tool, ToolCall
-from tokenization.template_message import TemplateMessage
+from tokenization.template_message import TemplateMessage, same_objects
 
 __all__ = ["conversation", "tool_dicts"]
 
@@ -120,9 +119,6 @@ def _joined(m: dict[str, Any]) -> str:
     return content if isinstance(content, str) else "\n".join(p["text"] for p in content)
 
 
-_ROLE = itemgetter("role")
-
-
 def _keep_message(msg: ChatMessage, fmt: ContentFormat, i: int) -> TemplateMessage:
     """`_message`, made and kept on the (frozen) message under its format: `conversation` reads it
     there for every later request that carries the message."""
@@ -134,12 +130,39 @@ def conversation(
     messages: Sequence[ChatMessage], fmt: ContentFormat, template_knows_developer: bool
 ) -> list[dict[str, Any]]:
     """The template's ``messages`` for a request; RequestError names the offending message or part."""
-    conv: list[dict[str, Any]] = [
-        d[fmt] if fmt in (d := m.__dict__) else _keep_message(m, fmt, i) for i, m in enumerate(messages)
-    ]  # a reused message's dict read in place, no call: a call per message is most of this on a long chat
-    if not template_knows_developer and "developer" in map(_ROLE, conv):
-        conv = _developer_to_system(conv)
+    conv, developer = _template_messages(messages, fmt)
+    if developer and not template_knows_developer:
+        return _developer_to_system(conv)
     return conv
+
+
+_PREFIX_KEYS: Final = {fmt: f"prefix_{fmt.value}" for fmt in ContentFormat}
+"""Under which name a message keeps the template dicts of the messages up to it, per format."""
+
+
+def _template_messages(
+    messages: Sequence[ChatMessage], fmt: ContentFormat
+) -> tuple[list[dict[str, Any]], bool]:
+    """Each message's `_message` dict (kept on the message), and whether a message has the developer
+    role. What a conversation's leading messages give is also kept on the last of them, so a later turn
+    that re-sends them (found by its second or third message from the end) reads the list instead of
+    each message: a step per message is most of this on a long chat."""
+    n, start, key = len(messages), 0, _PREFIX_KEYS[fmt]
+    conv: list[dict[str, Any]] = []
+    developer = False
+    for back in (2, 3):
+        memo = messages[n - back].__dict__.get(key) if n >= back else None
+        if memo is not None and same_objects(memo[0], messages[: n - back]):
+            start, conv, developer = n - back + 1, [*memo[1]], memo[2]
+            break
+    for i in range(start, n):
+        m = messages[i]
+        d = m.__dict__
+        conv.append(d[fmt] if fmt in d else _keep_message(m, fmt, i))
+        developer = developer or m.role == "developer"
+        if i >= n - 2:
+            d[key] = (messages[:i], tuple(conv), developer)
+    return conv, developer
 
 
 def tool_dicts(tools: Sequence[Tool] | None) -> list[dict[str, Any]] | None:

@@ -6,8 +6,10 @@ prefix with a new text is a neighbour of its sorted position (one bisect, then m
 the last offset where both texts may be cut (`CutFinder`) are copied and only the rest is encoded.
 Each entry keeps the byte offset where every token ends (computed when the entry is first reused, so
 texts never reused do not pay for it), so the token count at a cut is a bisect, and a cut that does
-not fall on a token end is refused. An entry is reused only when its tokens' bytes add up to the
-text's, which checks the byte-length table on every text. Bounded LRU in entries and bytes. Pure.
+not fall on a token end is refused. A text extending another shares that text's ends up to the cut
+(`TokenEnds`: not copied, so a conversation's turns do not each copy its whole history's ends). An
+entry is reused only when its tokens' bytes add up to the text's, which checks the byte-length
+table on every text. Bounded LRU in entries and bytes. Pure.
 
 What a text's own encoding reads is found at once (the neighbours, the stored entry of an equal
 text, which is returned); with `later` set, what only later texts read is appended there instead:
@@ -21,8 +23,9 @@ from __future__ import annotations
 from array import array
 from bisect import bisect_left
 from collections import OrderedDict
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from itertools import accumulate
+from typing import Final
 
 from tokenization.deferred import Later, keep_or_defer
 from tokenization.safe_cuts import CutFinder
@@ -33,6 +36,7 @@ __all__ = [
     "PromptIds",
     "ReuseEntry",
     "ReuseStats",
+    "TokenEnds",
     "WrappedIds",
     "count_of",
     "ids_of",
@@ -71,6 +75,66 @@ class ReuseStats:
         """Stored texts dropped unused because their tokens' byte lengths did not add up to the text's."""
 
 
+class TokenEnds:
+    """Where each token of a text ends, in bytes: the first ``n`` of ``base`` then ``tail``. A text
+    extending another shares its ``base`` (arrays are never changed once made), so extending a long
+    text copies only the ends past the shared part's, never the shared part's."""
+
+    __slots__ = ("base", "n", "tail")
+
+    def __init__(self, base: array[int], n: int, tail: array[int]) -> None:
+        self.base, self.n, self.tail = base, n, tail
+
+    @staticmethod
+    def of(lengths: Iterable[int], start: int = 0) -> TokenEnds:
+        """The ends of tokens of byte lengths ``lengths`` from byte ``start`` on (all shareable)."""
+        ends = array("q", accumulate(lengths, initial=start))
+        del ends[0]  # the `initial` value
+        return TokenEnds(ends, len(ends), _NO_ENDS)
+
+    def __len__(self) -> int:
+        return self.n + len(self.tail)
+
+    def last(self) -> int:
+        """Where the last token ends (0 for none): the text's length when the ends add up."""
+        tail, n = self.tail, self.n
+        return tail[-1] if tail else self.base[n - 1] if n else 0
+
+    def tokens_before(self, cut: int) -> int:
+        """How many tokens end by byte ``cut`` when one ends exactly there, else 0."""
+        base, n = self.base, self.n
+        if n and cut <= base[n - 1]:
+            i = bisect_left(base, cut, 0, n) + 1
+            return i if base[i - 1] == cut else 0
+        tail = self.tail
+        i = bisect_left(tail, cut) + 1
+        return n + i if i <= len(tail) and tail[i - 1] == cut else 0
+
+    def extended(self, k: int, cut: int, lengths: Iterable[int]) -> TokenEnds:
+        """The ends of a text whose first ``k`` tokens are these ones' (ending at byte ``cut``),
+        followed by tokens of byte lengths ``lengths``."""
+        n, new = self.n, array("q", accumulate(lengths, initial=cut))
+        del new[0]  # the `initial` value
+        if k <= n:
+            return TokenEnds(self.base, k, new)
+        own = self.tail[: k - n]
+        if len(own) > n:  # the part not shared is the longer: one flat array from now on (amortised)
+            flat = self.base[:n]
+            flat.extend(own)
+            return TokenEnds(flat, k, new)
+        own.extend(new)
+        return TokenEnds(self.base, n, own)
+
+    def flat(self) -> array[int]:
+        """Every end, in one array (a copy)."""
+        out = self.base[: self.n]
+        out.extend(self.tail)
+        return out
+
+
+_NO_ENDS: Final = array("q")
+
+
 class ReuseEntry:
     """One text's UTF-8 bytes, ids, packed ids and (once known) the byte offset where each token ends.
 
@@ -86,7 +150,7 @@ class ReuseEntry:
         data: bytes,
         tail: tuple[int, ...],
         packed: bytes,
-        ends: array[int] | None,
+        ends: TokenEnds | None,
         copied: int = 0,
     ) -> None:
         self.data, self.tail, self.packed, self.copied = data, tail, packed, copied
@@ -234,31 +298,25 @@ class PrefixReuse:
                 best, best_cut = entry, cut
         return best, best_cut
 
-    def ends(self, entry: ReuseEntry) -> array[int] | None:
+    def ends(self, entry: ReuseEntry) -> TokenEnds | None:
         """The entry's token ends (made on first use), or None when they do not add up to its text."""
         if entry.ends is None:
-            ends = array("q", accumulate(map(self._lengths.__getitem__, entry.iter_ids())))
-            if (ends[-1] if ends else 0) != len(entry.data):
+            ends = TokenEnds.of(map(self._lengths.__getitem__, entry.iter_ids()))
+            if ends.last() != len(entry.data):
                 return None
             entry.ends = ends
         return entry.ends
 
-    @staticmethod
-    def tokens_before(ends: array[int], cut: int) -> int:
-        """How many tokens end by byte ``cut`` when one ends exactly there, else 0 (token ends ``ends``)."""
-        n = bisect_left(ends, cut) + 1
-        return n if n <= len(ends) and ends[n - 1] == cut else 0
-
     def extend(
-        self, prior: ReuseEntry, prior_ends: array[int], data: bytes, cut: int, encode: EncodePacked
+        self, prior: ReuseEntry, prior_ends: TokenEnds, data: bytes, cut: int, encode: EncodePacked
     ) -> tuple[ReuseEntry, int]:
         """``data``'s entry: ``prior``'s ids up to ``cut`` (a safe cut of both texts,
         `CutFinder.last_cut`) and the encoding of the rest, with token ends when made; and how many ids
         were copied. ``prior_ends`` are `ends` (prior)."""
-        n = self.tokens_before(prior_ends, cut)
+        n = prior_ends.tokens_before(cut)
         cut = cut if n else 0  # the cut is no token end of the prior text: reuse nothing (never expected)
         tail_ids, tail_packed = encode(data[cut:].decode("utf-8"))
-        packed = prior.packed[: n * _TOKEN_BYTES] + tail_packed
+        packed = b"".join((memoryview(prior.packed)[: n * _TOKEN_BYTES], tail_packed))  # one copy, not two
         self.stats.hits += n > 0
         self.stats.misses += n == 0
         self.stats.reused_tokens += n
@@ -269,14 +327,11 @@ class PrefixReuse:
         keep_or_defer(self.later, self._extend_ends, entry, prior_ends, cut)  # (only a later text reads them)
         return entry, n
 
-    def _extend_ends(self, entry: ReuseEntry, prior_ends: array[int], cut: int) -> None:
+    def _extend_ends(self, entry: ReuseEntry, prior_ends: TokenEnds, cut: int) -> None:
         """``entry``'s token ends from those of the text its ids up to byte ``cut`` were copied from
-        (``prior_ends``) and its tail's; left None when they do not add up to its text."""
-        n = entry.copied
-        ends = prior_ends[:n]
-        ends.extend(accumulate(map(self._lengths.__getitem__, entry.tail), initial=cut))
-        del ends[n]  # the `initial` value
-        entry.ends = ends if (ends[-1] if ends else 0) == len(entry.data) else None
+        (``prior_ends``, shared) and its tail's; left None when they do not add up to its text."""
+        ends = prior_ends.extended(entry.copied, cut, map(self._lengths.__getitem__, entry.tail))
+        entry.ends = ends if ends.last() == len(entry.data) else None
 
     def _keep(self, at: int, entry: ReuseEntry, replaced: ReuseEntry | None = None) -> ReuseEntry:
         """The entry kept for ``entry``'s text (sorted position ``at``): the stored one when its text is

@@ -102,6 +102,16 @@ def _completion_prompts(req: CompletionRequest, tok: Tokenizer) -> list[Packed]:
 
 
 def _chat_prompt(req: ChatRequest, tok: Tokenizer) -> tuple[PromptIds, bytes, CarryLink | None]:
+    if req.chat_template_kwargs is None and req.tools is None and req.documents is None:
+        kwargs = {"continue_final_message": req.continue_final_message}  # the common case, in one dict
+        template = tok.templates.select(None)
+        conv = conversation(req.messages, template.detected_format, template.supports_developer_role)
+        return tok.chat_prompt(conv, req.add_generation_prompt, None, req.add_special_tokens, kwargs)
+    return _chat_prompt_with_kwargs(req, tok)
+
+
+def _chat_prompt_with_kwargs(req: ChatRequest, tok: Tokenizer) -> tuple[PromptIds, bytes, CarryLink | None]:
+    """`_chat_prompt` of a request with template kwargs, tools or documents."""
     kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
     if reserved := {"chat_template", "tokenize"} & kwargs.keys():
         raise RequestError(f"`chat_template_kwargs` may not set {sorted(reserved)}")

@@ -117,8 +117,8 @@ EncodeBatch = Callable[[list[str]], list[list[int]]]
 EncodeShort = Callable[[str], "list[int] | None"]
 """Encodes one text holding no added token without special tokens, or None when it cannot."""
 SHORT_TEXT = 256
-"""Texts up to this many characters holding no added token skip the segment cache when the tokenizer
-encodes them cheaply (`SegmentedEncoder.encode_short`): the tails prefix reuse leaves, mostly new."""
+"""Texts up to this many characters skip the segment cache when the tokenizer encodes their pieces
+cheaply (`SegmentedEncoder.encode_short`): the tails prefix reuse leaves, mostly new."""
 
 
 class SegmentedEncoder:
@@ -168,12 +168,18 @@ class SegmentedEncoder:
         if not self.segmenter.enabled:
             whole = tuple(self._encode_batch([text])[0]) if text else ()
             return whole, pack_ids(whole)
-        short = self.encode_short
-        if short is not None and len(text) <= SHORT_TEXT and self.segmenter.holds_none(text):
-            found = short(text)  # a new tail: one piece, mostly never seen again, not worth a cache entry
+        # A short text is mostly a new tail, never seen again: not worth cache entries.
+        short = self.encode_short if len(text) <= SHORT_TEXT else None
+        if short is not None and self.segmenter.holds_none(text):
+            found = short(text)  # one piece
             if found is not None:
                 return tuple(found), pack_ids(found)
+            short = None  # it cannot encode the piece: the cache then
         segments = self.segmenter.split(text)
+        if short is not None:
+            found = _short_pieces(segments, short)
+            if found is not None:
+                return tuple(found), pack_ids(found)
         known = self._lookup(segments)
         ids: list[int] = []
         blobs: list[bytes] = []
@@ -204,6 +210,20 @@ class SegmentedEncoder:
                 known[piece] = tuple(ids_list)
                 self.cache.put(piece, known[piece])
         return known
+
+
+def _short_pieces(segments: list[Segment], short: EncodeShort) -> list[int] | None:
+    """The ids of ``segments`` with each piece encoded by ``short``; None when it cannot encode one."""
+    ids: list[int] = []
+    for seg in segments:
+        if isinstance(seg, int):
+            ids.append(seg)
+        else:
+            found = short(seg)
+            if found is None:
+                return None
+            ids += found
+    return ids
 
 
 _ID_BYTES: dict[int, bytes] = {}

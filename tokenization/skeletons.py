@@ -28,7 +28,7 @@ import jinja2
 import jinja2.nodes
 import msgspec
 
-from tokenization.template_message import TemplateMessage
+from tokenization.template_message import TemplateMessage, same_objects
 
 __all__ = ["Inspected", "Opaque", "Skeletons", "skeletons_apply", "type_test"]
 
@@ -150,23 +150,24 @@ class Skeletons:
         return "".join(pieces) if pieces is not None else None
 
     def pieces(
-        self, messages: Sequence[Mapping[str, Any]], context: object, skeleton_render: Render
+        self,
+        messages: Sequence[Mapping[str, Any]],
+        context: object,
+        skeleton_render: Render,
+        context_json: bytes | None = None,
     ) -> list[str] | None:
         """`render`'s text as the pieces it joins (literal fragments and message texts, alternating),
-        so a caller can compare two renders piece by piece."""
+        so a caller can compare two renders piece by piece. ``context_json``: ``context``'s JSON, when
+        the caller has it."""
         if not self.enabled:
             return None
         # The key holds each text as its emptiness mark; stand-ins are made only on a miss, to render.
-        # Each message's marks are read in place (a call per message is most of this on a long chat).
-        kept = [m._skeleton_marks if type(m) is TemplateMessage else None for m in messages]
-        if None in kept:
-            kept = [k if k is not None else _marks(m) for m, k in zip(messages, kept, strict=True)]
-        marked = [k[0] for k in kept]  # type: ignore[index]
-        texts = [text for k in kept for text in k[1]]  # type: ignore[index]
+        marks, texts = _structure(messages)
         try:
-            key = msgspec.json.encode((marked, context))
+            context_json = context_json if context_json is not None else msgspec.json.encode(context)
         except (TypeError, msgspec.EncodeError):
             return None
+        key = b"%b]%b" % (marks, context_json)  # the marks' JSON values, then the context's: injective
         skeleton = self._entries.get(key)
         if skeleton is not None:
             self.hits += 1
@@ -181,13 +182,17 @@ class Skeletons:
         self._store(key, skeleton)
         return skeleton.fill(texts)
 
-    def carry_key(self, messages: Sequence[Mapping[str, Any]], context: object) -> bytes | None:
+    def carry_key(
+        self, messages: Sequence[Mapping[str, Any]], context: object, context_json: bytes | None = None
+    ) -> bytes | None:
         """What a conversation's later turns share with it (this template, the other render inputs and
         the first two messages), to find its last render by; None when not JSON-encodable. Three JSON
         values joined (each delimits itself); the messages' encoding is kept on the second message
-        when it is a `TemplateMessage` (a later turn carries the same two objects)."""
+        when it is a `TemplateMessage` (a later turn carries the same two objects). ``context_json``:
+        ``context``'s JSON, when the caller has it."""
         try:
-            return b"".join((self._nonce_json, msgspec.json.encode(context), _head_json(messages)))
+            context_json = context_json if context_json is not None else msgspec.json.encode(context)
+            return b"".join((self._nonce_json, context_json, _head_json(messages)))
         except (TypeError, msgspec.EncodeError):
             return None
 
@@ -254,16 +259,45 @@ def _stand_in(
     return out
 
 
-def _marks(message: Mapping[str, Any]) -> tuple[dict[str, Any], tuple[str, ...]]:
-    """``_stand_in(message, texts, _mark)`` and the texts it took; of a `TemplateMessage` made once and
-    kept on it (it never changes, and marks depend on nothing else)."""
+Marks = tuple[dict[str, Any], tuple[str, ...], bytes]
+"""A message's marked copy (`_stand_in` with `_mark`), its texts in slot order, and the marked copy's JSON."""
+
+
+def _marks(message: Mapping[str, Any]) -> Marks:
+    """``_stand_in(message, texts, _mark)``, the texts it took and its JSON; of a `TemplateMessage` made
+    once and kept on it (it never changes, and marks depend on nothing else)."""
     kept = message._skeleton_marks if type(message) is TemplateMessage else None
     if kept is None:
         own: list[str] = []
-        kept = (_stand_in(message, own, _mark), tuple(own))
+        marked = _stand_in(message, own, _mark)
+        kept = (marked, tuple(own), msgspec.json.encode(marked))
         if type(message) is TemplateMessage:
             message._skeleton_marks = kept
     return kept
+
+
+def _structure(messages: Sequence[Mapping[str, Any]]) -> tuple[bytes, list[str]]:
+    """The messages' marks' JSON values joined by commas (the structure a skeleton is found by) and
+    their texts in slot order. Those of a conversation's leading messages are kept on the last of them
+    when it is a `TemplateMessage` (`TemplateMessage._marks_prefix`), so a later turn that re-sends
+    them (found by its second or third message from the end) reads them instead of each message's."""
+    n, start = len(messages), 0
+    parts: list[bytes] = []
+    texts: list[str] = []
+    for back in (2, 3):
+        m = messages[n - back] if n >= back else None
+        memo = m._marks_prefix if type(m) is TemplateMessage else None
+        if memo is not None and same_objects(memo[0], messages[: n - back]):
+            start, parts, texts = n - back + 1, [memo[1]], [*memo[2]]
+            break
+    for i in range(start, n):
+        m = messages[i]
+        marked = _marks(m)
+        parts.append(marked[2])
+        texts += marked[1]
+        if i >= n - 2 and type(m) is TemplateMessage:
+            m._marks_prefix = (messages[:i], b",".join(parts), tuple(texts))
+    return b",".join(parts), texts
 
 
 def _head_json(messages: Sequence[Mapping[str, Any]]) -> bytes:

@@ -9,22 +9,27 @@ then sees exactly the dicts it always saw. Pure.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from operator import is_
 from typing import Any, NoReturn
 
-__all__ = ["TemplateMessage", "plain"]
+__all__ = ["TemplateMessage", "plain", "same_objects"]
 
 
 class TemplateMessage(dict[str, Any]):
-    """A frozen message dict; ``_skeleton_marks`` is `Skeletons`' (marked message, texts), once made;
-    ``_carry_head`` the JSON of the conversation's first two messages when this is the second (with
-    the first), for `Skeletons.carry_key`."""
+    """A frozen message dict; ``_skeleton_marks`` is `Skeletons`' (marked message, texts, its JSON),
+    once made; ``_carry_head`` the JSON of the conversation's first two messages when this is the
+    second (with the first), for `Skeletons.carry_key`; ``_marks_prefix`` the marks of the messages
+    up to this one (the ones before it, their and its marks' JSON joined, their texts), for
+    `Skeletons.pieces`."""
 
-    __slots__ = ("_carry_head", "_skeleton_marks")
+    __slots__ = ("_carry_head", "_marks_prefix", "_skeleton_marks")
 
     def __init__(self, fields: dict[str, Any]) -> None:
         super().__init__(fields)
-        self._skeleton_marks: tuple[dict[str, Any], tuple[str, ...]] | None = None
+        self._skeleton_marks: tuple[dict[str, Any], tuple[str, ...], bytes] | None = None
         self._carry_head: tuple[object, bytes] | None = None
+        self._marks_prefix: tuple[Sequence[object], bytes, tuple[str, ...]] | None = None
 
     def _frozen(self, *args: object, **kwargs: object) -> NoReturn:
         raise TypeError("a TemplateMessage is never changed: copy it with dict(message)")
@@ -35,3 +40,9 @@ class TemplateMessage(dict[str, Any]):
 def plain(messages: list[Any]) -> list[Any]:
     """``messages`` with every `TemplateMessage` as a plain dict copy (what a real render is given)."""
     return [dict(m) if type(m) is TemplateMessage else m for m in messages]
+
+
+def same_objects(a: Sequence[object], b: Sequence[object]) -> bool:
+    """Whether ``a`` and ``b`` hold the same objects in order: identity, not equality (``1 == 1.0``,
+    yet a template renders them apart), compared in C."""
+    return len(a) == len(b) and all(map(is_, a, b))

@@ -18,6 +18,9 @@ from tokenization.segment_cache import SegmentCache, SegmentedEncoder, pack_ids
 
 __all__ = ["TemplatedTokenizer"]
 
+_WrapParts = tuple[tuple[tuple[int, ...], tuple[int, ...]], bytes, bytes]
+"""A special-token wrap as a tuple pair, and its prefix and suffix packed."""
+
 
 class TemplatedTokenizer:
     """Chat rendering and chat tokenization on top of a subclass's `encode_cached`."""
@@ -28,6 +31,7 @@ class TemplatedTokenizer:
     segments: SegmentedEncoder
     carry: ChatCarry | None = None
     """Chats' previous turns (tokenization.chat_carry), when the tokenizer has prefix reuse."""
+    _last_wrap: tuple[tuple[list[int], list[int]], _WrapParts] | None = None
 
     @property
     def special_tokens(self) -> SpecialTokens:
@@ -97,19 +101,25 @@ class TemplatedTokenizer:
         if wrap is None or reuse is None or not self.segments.segmenter.enabled:
             return (*self.encode_packed(text, add_special_tokens), None)
         entry, prior, copied = reuse.encode_from(text, self.segments.encode_segments, text.encode("utf-8"))
-        prefix, suffix = wrap
-        group = (tuple(prefix), tuple(suffix))
+        group, packed_prefix, packed_suffix = self._wrap_parts(wrap)
         own = entry.derived.setdefault(group, {})
         # The wrapped ids start with the prefix, then the copied ids: both equal the prior text's.
-        shared, prior_keys = (len(prefix) + copied, prior.derived.get(group, {})) if prior else (0, {})
+        shared, prior_keys = (len(group[0]) + copied, prior.derived.get(group, {})) if prior else (0, {})
         link = CarryLink(shared, prior_keys, own)
-        if prefix or suffix:
-            return (
-                WrappedIds(group[0], entry, group[1]),
-                pack_ids(prefix) + entry.packed + pack_ids(suffix),
-                link,
-            )
+        if packed_prefix or packed_suffix:
+            packed = b"".join((packed_prefix, entry.packed, packed_suffix))
+            return WrappedIds(group[0], entry, group[1]), packed, link
         return entry, entry.packed, link
+
+    def _wrap_parts(self, wrap: tuple[list[int], list[int]]) -> _WrapParts:
+        """A special-token wrap as `encode_linked` uses it: as a tuple pair (its derived values' key),
+        and its prefix and suffix packed; the last wrap's are kept (a tokenizer has one or two)."""
+        kept = self._last_wrap
+        if kept is None or kept[0] != wrap:
+            prefix, suffix = wrap
+            parts = ((tuple(prefix), tuple(suffix)), pack_ids(prefix), pack_ids(suffix))
+            kept = self._last_wrap = ((list(prefix), list(suffix)), parts)
+        return kept[1]
 
     def apply_chat_template(
         self,

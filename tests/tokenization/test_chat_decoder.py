@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from tokenization.chat_decoder import ChatDecoder
 from tokenization.chat_template import ContentFormat
 from tokenization.conversation import _message, conversation
-from tokenization.openai_request import ChatRequest, RequestError, decode_chat
+from tokenization.openai_request import ChatMessage, ChatRequest, RequestError, decode_chat
 from tokenization.skeletons import _mark, _marks, _stand_in
 from tokenization.template_message import TemplateMessage, plain
 
@@ -205,8 +205,9 @@ def test_kept_template_dicts_and_marks_equal_fresh_ones(message: dict[str, Any],
     assert type(kept) is TemplateMessage and kept == fresh
     assert conversation([msg], fmt, True)[0] is kept  # made once per message and format
     again: list[str] = []
-    marked, texts = _marks(kept)
+    marked, texts, marked_json = _marks(kept)
     assert marked == _stand_in(fresh, again, _mark) and list(texts) == again
+    assert marked_json == msgspec.json.encode(marked)
     assert _marks(kept) is _marks(kept)  # kept on the message
 
 
@@ -226,3 +227,66 @@ def test_a_template_message_cannot_change_and_renders_as_a_plain_dict() -> None:
     copies = plain([kept, {"role": "assistant"}])
     assert [type(m) for m in copies] == [dict, dict] and copies[0] == kept
     assert msgspec.json.encode(kept) == b'{"role":"user","content":"hi"}'
+
+
+def _conversation_or_error(
+    messages: list[ChatMessage], fmt: ContentFormat, knows_developer: bool
+) -> list[dict[str, Any]] | str:
+    try:
+        return conversation(messages, fmt, knows_developer)
+    except RequestError as exc:
+        return str(exc)
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    first=st.lists(MESSAGE, max_size=4),
+    turns=st.lists(st.tuples(st.integers(0, 3), st.lists(MESSAGE, max_size=3)), min_size=1, max_size=6),
+    fmt=st.sampled_from(list(ContentFormat)),
+    knows_developer=st.booleans(),
+)
+def test_conversations_kept_across_turns_equal_fresh_ones(
+    first: list[dict[str, Any]],
+    turns: list[tuple[int, list[dict[str, Any]]]],
+    fmt: ContentFormat,
+    knows_developer: bool,
+) -> None:
+    """A conversation's turns carry its earlier messages' objects (each turn drops up to 3 last
+    messages and adds new ones): what `conversation` reads from the earlier turns' kept dicts always
+    equals what fresh messages give, errors included."""
+    valid = [m for m in first + [m for _, new in turns for m in new] if _decodes(m)]
+    objects = {id(m): decode_chat(json.dumps({"messages": [m]}).encode()).messages[0] for m in valid}
+    docs = [m for m in first if id(m) in objects]
+    for drop, new in [(0, []), *turns]:
+        docs = [*docs[: max(0, len(docs) - drop)], *(m for m in new if id(m) in objects)]
+        messages = [objects[id(m)] for m in docs]
+        fresh = decode_chat(json.dumps({"messages": docs}).encode()).messages
+        expected = _conversation_or_error(fresh, fmt, knows_developer)
+        assert _conversation_or_error(messages, fmt, knows_developer) == expected
+        assert _conversation_or_error(messages, fmt, knows_developer) == expected  # from what it kept
+
+
+def _decodes(message: dict[str, Any]) -> bool:
+    try:
+        decode_chat(json.dumps({"messages": [message]}).encode())
+    except RequestError:
+        return False
+    return True
+
+
+def test_a_kept_conversation_prefix_is_read_only_for_the_same_message_objects() -> None:
+    """Equal is not enough: arguments ``{"a": 1}`` and ``{"a": 1.0}`` are equal, yet a template
+    renders them apart, so a later message's kept prefix is not read after an earlier message changed."""
+
+    def messages(number: str) -> list[ChatMessage]:
+        call = {"function": {"name": "f", "arguments": "ARGS"}}
+        doc = {"messages": [{"role": "assistant", "tool_calls": [call]}, {"role": "user", "content": "x"}]}
+        body = json.dumps(doc).replace('"ARGS"', '{"a": ' + number + "}")
+        return decode_chat(body.encode()).messages
+
+    first, second = messages("1"), messages("1.0")
+    shared = first[1]
+    last = decode_chat(b'{"messages": [{"role": "user", "content": "y"}]}').messages[0]
+    conversation([first[0], shared, last], ContentFormat.STRING, True)
+    conv = conversation([second[0], shared, last], ContentFormat.STRING, True)
+    assert type(conv[0]["tool_calls"][0]["function"]["arguments"]["a"]) is float

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from array import array
+from itertools import accumulate
 from pathlib import Path
 
 import msgspec
@@ -19,7 +20,15 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenization import HfTokenizer
-from tokenization.prefix_reuse import PrefixReuse, ReuseEntry, WrappedIds, count_of, ids_of, shared_prefix
+from tokenization.prefix_reuse import (
+    PrefixReuse,
+    ReuseEntry,
+    TokenEnds,
+    WrappedIds,
+    count_of,
+    ids_of,
+    shared_prefix,
+)
 from tokenization.safe_cuts import CutFinder, pretokenizer_cuts, token_byte_lengths
 from tokenization.segmenter import AddedToken
 
@@ -309,6 +318,22 @@ def test_a_completions_prompt_keeps_its_ids_unjoined_until_read(tok: HfTokenizer
         assert packed == array("I", expected).tobytes()
 
 
+def test_linked_prompts_with_and_without_special_tokens_interleaved_stay_exact(tok: HfTokenizer) -> None:
+    """`encode_linked` keeps the last special-token wrap's parts: alternating wraps each get theirs
+    (ids, packed ids, and a link keyed by its own wrap, sharing its prefix's ids)."""
+    prompt = "Another shared instruction, for linked prompts. " * 10
+    for i in range(6):
+        special = i % 3 != 0
+        text = f"{prompt}request {i}"
+        ids, packed, link = tok.encode_linked(text, special)
+        expected = tuple(tok.encode(text, special))
+        assert ids_of(ids) == expected and packed == array("I", expected).tobytes()
+        wrap = tok.special_wrap(special)
+        assert link is not None and wrap is not None
+        assert link.shared_tokens <= len(expected) and link.own is not link.prior
+        assert link.shared_tokens == 0 or expected[: len(wrap[0])] == tuple(wrap[0])
+
+
 @settings(max_examples=300, deadline=None)
 @given(shared=st.binary(max_size=70), a=st.binary(max_size=70), b=st.binary(max_size=70))
 def test_shared_prefix_is_the_longest_common_prefix(shared: bytes, a: bytes, b: bytes) -> None:
@@ -317,3 +342,32 @@ def test_shared_prefix_is_the_longest_common_prefix(shared: bytes, a: bytes, b: 
     while n < min(len(x), len(y)) and x[n] == y[n]:
         n += 1
     assert shared_prefix(x, y) == n == shared_prefix(y, memoryview(x))
+
+
+def _flat_tokens_before(ends: list[int], cut: int) -> int:
+    return next((i + 1 for i, end in enumerate(ends) if end == cut), 0)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    first=st.lists(st.integers(1, 5), max_size=30),
+    turns=st.lists(
+        st.tuples(st.integers(0, 60), st.lists(st.integers(1, 5), max_size=30)), min_size=1, max_size=8
+    ),
+    cuts=st.lists(st.integers(0, 200), max_size=10),
+)
+def test_token_ends_shared_across_extensions_equal_the_ends_made_flat(
+    first: list[int], turns: list[tuple[int, list[int]]], cuts: list[int]
+) -> None:
+    """A chain of texts each keeping some leading tokens of the last and adding new ones: the shared
+    ends read (count, last end, tokens before any cut) as the flat list of every token's end."""
+    ends, flat = TokenEnds.of(first), list(accumulate(first))
+    for keep, lengths in turns:
+        k = min(keep, len(flat))
+        cut = flat[k - 1] if k else 0
+        ends = ends.extended(k, cut, lengths)
+        flat = [*flat[:k], *list(accumulate(lengths, initial=cut))[1:]]
+        assert list(ends.flat()) == flat and len(ends) == len(flat)
+        assert ends.last() == (flat[-1] if flat else 0)
+        for c in [*cuts, *flat]:
+            assert ends.tokens_before(c) == _flat_tokens_before(flat, c)

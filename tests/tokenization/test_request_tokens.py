@@ -10,8 +10,9 @@ import pytest
 
 from events.block_hash import RequestExtras
 from tokenization import BuiltinTokenizer, HfTokenizer, Tokenizer
-from tokenization.openai_request import Endpoint, RequestError
-from tokenization.request_tokens import ReportMode, request_tokens
+from tokenization.openai_request import Endpoint, RequestError, decode_chat
+from tokenization.prefix_reuse import ids_of
+from tokenization.request_tokens import ReportMode, _chat_prompt, _chat_prompt_with_kwargs, request_tokens
 
 DATA = Path(__file__).parents[1] / "data"
 
@@ -196,3 +197,23 @@ def test_billing_header_line_is_dropped_from_system_text(builtin: BuiltinTokeniz
     assert chat(builtin, messages=with_header) == chat(
         builtin, messages=[{"role": "system", "content": "Be brief."}]
     )
+
+
+@pytest.mark.parametrize(
+    "fields",
+    [
+        {},
+        {"add_generation_prompt": False, "continue_final_message": True},
+        {"add_special_tokens": True},
+        {"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": "hi"}]},
+    ],
+)
+def test_a_chat_without_kwargs_tools_or_documents_renders_as_the_general_path(
+    ds: HfTokenizer, fields: dict[str, Any]
+) -> None:
+    """`_chat_prompt`'s path for a request with no template kwargs, tools or documents gives the ids
+    the general path gives."""
+    doc = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], **fields}
+    req = decode_chat(msgspec.json.encode(doc))
+    fast, general = _chat_prompt(req, ds), _chat_prompt_with_kwargs(req, ds)
+    assert ids_of(fast[0]) == ids_of(general[0]) and fast[1] == general[1]

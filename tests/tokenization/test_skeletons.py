@@ -7,11 +7,13 @@ whitespace only, marker-like NULs, text that looks like the template's own marku
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
 import jinja2.nodes
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -19,7 +21,16 @@ from hypothesis import strategies as st
 from tokenization import BuiltinTokenizer, HfTokenizer
 from tokenization.builtin import BUILTIN_CHAT_TEMPLATE
 from tokenization.chat_template import ChatOptions, ChatTemplate
-from tokenization.skeletons import Inspected, Opaque, Skeletons, _Skeleton, skeletons_apply
+from tokenization.skeletons import (
+    Inspected,
+    Opaque,
+    Skeletons,
+    _mark,
+    _Skeleton,
+    _stand_in,
+    _structure,
+    skeletons_apply,
+)
 from tokenization.template_message import TemplateMessage
 
 DATA = Path(__file__).parents[1] / "data"
@@ -211,3 +222,38 @@ def test_carry_keys_from_kept_messages_equal_fresh_ones(texts: list[str], contex
     assert skeletons.carry_key(changed, context) != key
     assert skeletons.carry_key(kept, context) == key  # the kept bytes follow the first message back
     assert skeletons.carry_key(kept, {"other": context}) != key
+
+
+def _fresh_structure(messages: Sequence[Mapping[str, Any]]) -> tuple[bytes, list[str]]:
+    texts: list[str] = []
+    marks = [msgspec.json.encode(_stand_in(dict(m), texts, _mark)) for m in messages]
+    return b",".join(marks), texts
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    first=st.lists(MESSAGE, max_size=5),
+    turns=st.lists(st.tuples(st.integers(0, 3), st.lists(MESSAGE, max_size=3), BOOL), min_size=1, max_size=6),
+)
+def test_structures_kept_across_turns_equal_fresh_ones(
+    first: list[dict[str, Any]], turns: list[tuple[int, list[dict[str, Any]], bool]]
+) -> None:
+    """`_structure` reads the marks a conversation's earlier turn kept on its messages (a turn drops
+    up to 3 last messages, adds new ones, sometimes as equal copies): always what fresh dicts give."""
+    conv = [TemplateMessage(m) for m in first]
+    assert _structure(conv) == _fresh_structure(conv)
+    for drop, new, copy in turns:
+        kept = conv[: max(0, len(conv) - drop)]
+        kept = [TemplateMessage(dict(m)) for m in kept] if copy else kept
+        conv = [*kept, *(TemplateMessage(m) for m in new)]
+        assert _structure(conv) == _fresh_structure(conv)
+        assert _structure(conv) == _fresh_structure(conv)  # again, from what it kept
+
+
+def test_kept_marks_are_read_only_for_the_same_message_objects() -> None:
+    """A later message's kept marks are not read once an earlier message is another object, even an
+    equal one: ``{"n": 1} == {"n": 1.0}``, yet they render apart."""
+    shared, last = TemplateMessage({"role": "user", "content": "x"}), TemplateMessage({"role": "user"})
+    _structure([TemplateMessage({"role": "tool", "n": 1}), shared, last])
+    later = [TemplateMessage({"role": "tool", "n": 1.0}), shared, last]
+    assert _structure(later) == _fresh_structure(later) and b"1.0" in _structure(later)[0]

@@ -120,11 +120,13 @@ def test_other_pre_tokenizers_get_no_word_encoder(tmp_path: Path) -> None:
 
 
 def test_a_short_tail_skips_the_segment_cache() -> None:
-    """A short text holding no added token is encoded word by word and not cached (a new tail is
-    mostly never seen again); one with an added token, or a long one, goes through the cache."""
+    """A short text is encoded word by word, piece by piece around its added tokens, and not cached
+    (a new tail is mostly never seen again); a long one, or one with a non-ASCII piece, goes through
+    the cache."""
     tok = _deepseek()
     seg = tok.segments
-    for text, cached in ((" 1234: why?", False), (f" 5: why?{USER}", True), ("why " * 100, True)):
+    cases = ((" 1234: why?", False), (f" 5: why?{USER}", False), (f"é{USER}", True), ("why " * 100, True))
+    for text, cached in cases:
         seg.cache.clear()
         assert seg.encode_segments(text)[0] == tuple(tok.encode(text, add_special_tokens=False))
         assert bool(len(seg.cache)) is cached

@@ -61,7 +61,9 @@ def carried_keys(root: int, packed: bytes, block_size: int, carry: KeyCarry) -> 
     n_blocks = len(packed) // (block_size * TOKEN_BYTES)
     shared = min(carry.shared_tokens // block_size, len(prior), n_blocks)
     parent = prior[shared - 1] if shared else root
-    keys = [*prior[:shared], *chain_hashes(parent, packed_block_hashes(packed, block_size, shared, n_blocks))]
+    keys = list(prior)  # then cut: one copy of the shared keys, where a slice first would be a second
+    del keys[shared:]
+    keys += chain_hashes(parent, packed_block_hashes(packed, block_size, shared, n_blocks))
     carry.own[group] = tuple(keys)
     return keys
 
