@@ -177,7 +177,7 @@ class ChatDecoder:
         prior = self._turns.get(key)
         old = prior.turn if prior is not None else []
         reused = len(turn)
-        for i, piece in enumerate(raws, len(turn)):
+        for i, piece in enumerate(raws, reused):
             if i < len(old):
                 same = old[i]
                 if len(same[0]) == len(piece) and same[0].startswith(piece):  # memcmp, no copy
