@@ -164,12 +164,14 @@ class ChatCarry:
     def _store(self, key: bytes, turn: _Turn) -> None:
         """Keep ``turn`` as ``key``'s last turn (the key's bytes count too: it holds two messages)."""
         old = self._turns.pop(key, None)
+        key_size = len(key)  # once: an old turn under this key has it too
         if old is not None:
-            self.bytes -= old.size + len(key)
-        if self.max_entries == 0 or turn.size + len(key) > self.max_bytes:
+            self.bytes -= old.size + key_size
+        size = turn.size + key_size
+        if self.max_entries == 0 or size > self.max_bytes:
             return
         self._turns[key] = turn
-        self.bytes += turn.size + len(key)
+        self.bytes += size
         while len(self._turns) > self.max_entries or self.bytes > self.max_bytes:
             evicted_key, evicted = self._turns.popitem(last=False)
             self.bytes -= evicted.size + len(evicted_key)

@@ -152,7 +152,8 @@ class ChatDecoder:
         if not _rest_is_plain(part, spans[1][-1]):
             return None
         shift = cut - kept.opening - len(_PLACEHOLDER)
-        ends = [*kept.ends[:shared], *(end + shift for end in spans[1][1:])]
+        ends = kept.ends[:shared]
+        ends += [end + shift for end in spans[1][1:]]  # a list comprehension: one call, a generator two
         self.skipped_bytes += cut - kept.opening
         turn, messages = kept.turn[:shared], kept.messages[:shared]
         key = kept.key if shared >= 2 else None  # its first two messages are kept's
@@ -176,7 +177,7 @@ class ChatDecoder:
         prior = self._turns.get(key)
         old = prior.turn if prior is not None else []
         reused = len(turn)
-        for i, piece in enumerate(raws, len(turn)):
+        for i, piece in enumerate(raws, reused):
             if i < len(old):
                 same = old[i]
                 if len(same[0]) == len(piece) and same[0].startswith(piece):  # memcmp, no copy

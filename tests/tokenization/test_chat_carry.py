@@ -198,7 +198,9 @@ def test_the_carry_is_lru_and_bounded_in_turns_and_bytes(ds: HfTokenizer) -> Non
         carry.encode_entry(f"k{i}".encode(), [f"conversation {i} "] * 3, enc.encode_segments)
     assert len(carry) == 3 and carry.stats.misses == 5
     assert carry.bytes == sum(t.size + len(k) for k, t in carry._turns.items())
-    one = carry._turns[b"k4"].size + 2
+    carry.encode_entry(b"k4", ["conversation 4 "] * 3 + ["and a next turn"], enc.encode_segments)
+    assert carry.bytes == sum(t.size + len(k) for k, t in carry._turns.items())  # the old turn's bytes gone
+    one = carry._turns[b"k3"].size + 2
     small = ChatCarry(reuse, max_bytes=2 * one)
     for i in range(4):
         small.encode_entry(f"k{i}".encode(), [f"conversation {i} "] * 3, enc.encode_segments)

@@ -8,7 +8,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from tokenization import AddedToken, Segmenter
-from tokenization.segmenter import Segment
+from tokenization.segmenter import Segment, _Finder
 
 
 def _reference_scan(words: list[str], ids: dict[str, int], text: str) -> list[Segment]:
@@ -60,3 +60,30 @@ def test_many_first_characters_and_a_rare_one() -> None:
     tokens.append(AddedToken(3, BAR, normalized=False))
     text = "x<a" * 200 + "<a>|b" + BAR + "y" * 50
     assert Segmenter(tokens, identity_normalizer=True).split(text) == ["x<a" * 200, 1, 2, 3, "y" * 50]
+
+
+def _old_spans(finder: _Finder, text: str, pos: int, end: int) -> list[tuple[int, int]]:
+    """The multi-character scan as it was: positions by a generator over a helper, then sorted."""
+    patterns = finder._patterns
+    starts = sorted(i for ch in patterns for i in range(pos, end) if text[i] == ch)
+    out: list[tuple[int, int]] = []
+    for i in starts:
+        if i < pos:
+            continue
+        match = patterns[text[i]].match(text, i, end)
+        if match is not None:
+            pos = match.end()
+            out.append((i, pos))
+    return out
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    words=WORDS, text=st.text(ALPHABET, max_size=60), bounds=st.tuples(st.integers(0, 60), st.integers(0, 60))
+)
+def test_spans_find_every_start_inline_as_the_sorted_positions_did(
+    words: list[str], text: str, bounds: tuple[int, int]
+) -> None:
+    pos, end = min(bounds[0], len(text)), min(bounds[1], len(text))
+    finder = _Finder(words)
+    assert finder.spans(text, pos, end) == _old_spans(finder, text, pos, end)

@@ -10,14 +10,13 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import Protocol
 
 import msgspec
 
 from events.block_hash import HashAlgo, RequestExtras, VllmHasher, wire_hash
 from router.core.keys.block_key import (
     TOKEN_BYTES,
-    BlockKey,
     KeyHasher,
     chain_hashes,
     pack_tokens,
@@ -49,13 +48,13 @@ class KeyCarry(Protocol):
     def own(self) -> dict[tuple[int, int], tuple[int, ...]]: ...
 
 
-def carried_keys(root: int, packed: bytes, block_size: int, carry: KeyCarry) -> list[BlockKey] | None:
+def carried_keys(root: int, packed: bytes, block_size: int, carry: KeyCarry) -> list[int] | None:
     """The keys of every full block of ``packed``: the earlier prompt's chain up to the last full block
     the two share, extended by hashing only the blocks after it (keys are chained, so the shared
     ones are the same); None when the earlier prompt's keys for this root and block size are unknown.
     Also stored as the prompt's ``own`` keys."""
     group = (root, block_size)
-    prior = cast(tuple[BlockKey, ...] | None, carry.prior.get(group))
+    prior = carry.prior.get(group)
     if prior is None:
         return None
     n_blocks = len(packed) // (block_size * TOKEN_BYTES)
@@ -92,7 +91,7 @@ def spec_keys(
             packed = packed if packed is not None else pack_tokens(_ids(tokens))
             carried = carried_keys(root, packed, hb, carry) if carry is not None else None
             if carried is not None:
-                return cast(list[int], carried)
+                return carried
             keys = cache.keys(root, packed, hb)
             if carry is not None:
                 carry.own[(root, hb)] = tuple(keys)
