@@ -31,13 +31,13 @@ from router.core.routing import Routed, RoutingCore
 from router.edge.access_log import AccessNote, note_of
 from router.edge.auth import Guard
 from router.edge.client_io import (
+    LOST_SIGNAL,
     ClientDisconnected,
     ClientGone,
     ClientWatch,
     LostSignal,
     error_answer,
     header_in,
-    lost_signal_of,
     read_asgi_body,
     request_id_in,
 )
@@ -191,7 +191,10 @@ class Gateway:
         rid = request_id_in(scope)
         relay: RelayResponse | None = None
         watch: ClientWatch | None = None
-        signal = lost_signal_of(scope)
+        # lost_signal_of(scope), inline: one Python call fewer per request.
+        signal = scope.get("extensions", {}).get(LOST_SIGNAL, {}).get("signal")
+        if not isinstance(signal, LostSignal):
+            signal = None
         try:
             body = await self._admit(scope, receive, signal)
             try:
