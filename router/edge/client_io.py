@@ -17,7 +17,7 @@ import itertools
 import os
 import re
 from collections.abc import Awaitable, Callable, Iterable
-from typing import Final, TypeVar
+from typing import Any, Final, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -129,14 +129,16 @@ class LostSignal:
     (router.edge.client_timeouts), and the cycle's `ClientWatch` is called back, with no task of its
     own waiting on `receive`. The protocol's signal also reads its cycle (`resume`, `body_in`,
     `take_body`); this base knows no cycle: its reads say nothing is parsed yet. `loop` is the loop
-    running the cycle's task when the protocol knows it (None: `ClientWatch` asks asyncio)."""
+    running the cycle's task when the protocol knows it, `task` that task once it is made (None:
+    `ClientWatch` asks asyncio)."""
 
-    __slots__ = ("callback", "loop", "lost")
+    __slots__ = ("callback", "loop", "lost", "task")
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.lost = False
         self.callback: Callable[[], None] | None = None
         self.loop = loop
+        self.task: asyncio.Task[None] | None = None
 
     def resume(self) -> None:
         """Resume reading the connection (paused by a body past uvicorn's high-water mark), as a
@@ -181,9 +183,12 @@ class ClientWatch:
     ) -> None:
         if signal is None and scope is not None:
             signal = lost_signal_of(scope)
-        # Given its loop, asyncio finds the task without asking for the running loop, which on CPython
-        # 3.11 is a getpid syscall per call (issue #13).
-        task = asyncio.current_task(signal.loop if signal is not None else None)
+        if signal is not None and signal.task is not None:  # the protocol's cycle handed it over
+            task: asyncio.Task[Any] | None = signal.task
+        else:
+            # Given its loop, asyncio finds the task without asking for the running loop, which on
+            # CPython 3.11 is a getpid syscall per call (issue #13).
+            task = asyncio.current_task(signal.loop if signal is not None else None)
         assert task is not None, "ClientWatch needs a running task"
         self._task = task
         self._receive = receive

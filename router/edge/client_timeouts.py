@@ -159,6 +159,8 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         extensions[BODY_WRITER] = {"writer": BodyWriter(cycle)}
         self._lost = _CycleSignal(cycle, self.loop)
         extensions[LOST_SIGNAL] = {"signal": self._lost}
+        if type(cycle) is HotCycle:  # a pipelined cycle begins later: `begin` hands the signal its task
+            cycle.lost = self._lost
 
     def _start_hot(self, endpoint: Endpoint) -> None:
         """uvicorn's scope completion and cycle start (or queueing behind a pipelined request), with a
@@ -262,6 +264,8 @@ class _CycleSignal(LostSignal):
         self.lost = False
         self.callback: Callable[[], None] | None = None
         self.loop = loop
+        # A hot cycle's task, the one its ClientWatch runs in (`HotCycle.begin`): no asyncio lookup.
+        self.task = cycle.task if type(cycle) is HotCycle else None
         self._cycle = weakref.ref(cycle)
 
     def resume(self) -> None:  # what `receive()` does first while the answer is under way

@@ -31,13 +31,13 @@ from router.core.routing import Routed, RoutingCore
 from router.edge.access_log import AccessNote, note_of
 from router.edge.auth import Guard
 from router.edge.client_io import (
+    LOST_SIGNAL,
     ClientDisconnected,
     ClientGone,
     ClientWatch,
     LostSignal,
     error_answer,
     header_in,
-    lost_signal_of,
     read_asgi_body,
     request_id_in,
 )
@@ -47,6 +47,7 @@ from router.edge.proxy import Proxy
 from router.edge.relay import RelayResponse, body_writer
 from router.edge.upstream import ProxyRequest, UpstreamResponse
 from router.links.fleet_links import FleetLinks
+from router.ops.bucket_histogram import observe_present
 from router.ops.debug import DecisionEntry, DecisionRing, Explanation, PreparedView
 from router.ops.decision_peers import DecisionPeers
 from router.ops.metrics import RouterMetrics
@@ -129,6 +130,7 @@ class Gateway:
         self.any_remote = any(m.remote_tokenize for m in parts.config.models)
         # The stages' histogram children, looked up once rather than per request (a lock and a dict each).
         self._overhead = {stage: parts.metrics.overhead.labels(stage) for stage in (*_STAGES, "proxy")}
+        self._stage_children = tuple((stage, self._overhead[stage]) for stage in _STAGES)
         policy = parts.config.policy
         # Nothing reads the prompt: the policy does not, saturation does not, no recording is made.
         self.prompt_free = (
@@ -189,7 +191,10 @@ class Gateway:
         rid = request_id_in(scope)
         relay: RelayResponse | None = None
         watch: ClientWatch | None = None
-        signal = lost_signal_of(scope)
+        # lost_signal_of(scope), inline: one Python call fewer per request.
+        signal = scope.get("extensions", {}).get(LOST_SIGNAL, {}).get("signal")
+        if not isinstance(signal, LostSignal):
+            signal = None
         try:
             body = await self._admit(scope, receive, signal)
             try:
@@ -339,9 +344,8 @@ class Gateway:
 
         def end(status: str, cached: int | None) -> None:
             flight.finish()
-            for stage in _STAGES:  # observed once the answer is out, not on its first byte's path
-                if stage in entry.timings_s:
-                    self._overhead[stage].observe(entry.timings_s[stage])
+            # Observed once the answer is out, not on its first byte's path.
+            observe_present(self._stage_children, entry.timings_s)
             parts.fleet.admission.leave()
             entry.status = upstream.status
             entry.actual_cached_tokens = note.actual_cached_tokens = cached

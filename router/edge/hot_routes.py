@@ -39,6 +39,7 @@ from uvicorn.protocols.http.httptools_impl import (
 from uvicorn.protocols.utils import get_client_addr
 
 from router.edge.access_log import AccessLine, AccessLog
+from router.edge.client_io import LostSignal
 from tokenization.openai_request import Endpoint
 
 __all__ = ["HOT_KEY", "HOT_PATHS", "HotCycle", "HotHandler", "HotRoutes"]
@@ -171,6 +172,10 @@ class HotCycle(RequestResponseCycle):
     _line: AccessLine | None = None
     """The request's access line, while the access log writes one (`begin`)."""
     _loop: asyncio.AbstractEventLoop | None = None
+    task: asyncio.Task[None] | None = None
+    """The task serving the cycle (`begin`)."""
+    lost: LostSignal | None = None
+    """The cycle's `LostSignal`, set by the protocol after it: `begin` hands it `task`."""
     """The loop running `serve` (`begin`): asking asyncio for the running loop is a getpid syscall
     per call on CPython 3.11."""
 
@@ -214,6 +219,9 @@ class HotCycle(RequestResponseCycle):
         self._tasks, self._loop = tasks, loop
         task.add_done_callback(self._served)
         tasks.add(task)
+        self.task = task
+        if self.lost is not None:
+            self.lost.task = task
 
     def _served(self, task: asyncio.Task[None]) -> None:
         """An exception is logged and answered 500 (or the connection closed once the answer started),

@@ -226,7 +226,7 @@ class _Pool:
         keepalive = self.client.settings.keepalive_s
         while self.idle:
             conn = self.idle.pop()
-            if conn.reusable(now, keepalive):
+            if not conn.lost and now - conn.idle_since < keepalive:  # reusable: not lost, not kept too long
                 self.in_use += 1
                 conn.active = conn.reused = True
                 return conn

@@ -174,9 +174,6 @@ class Connection(asyncio.Protocol):
             if not waiter.done():
                 waiter.set_result(None)
 
-    def reusable(self, now: float, keepalive_s: float) -> bool:
-        return not self.lost and now - self.idle_since < keepalive_s
-
     def reset(self) -> None:
         """Ready for the next exchange on the same socket (idle until taken again). The parser is kept:
         after a complete keep-alive answer (the only kind whose connection is reused) it waits for the

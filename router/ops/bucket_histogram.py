@@ -15,14 +15,15 @@ from __future__ import annotations
 import math
 import time
 from bisect import bisect_left
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Protocol
 
 from prometheus_client import metrics as _client_metrics
 from prometheus_client.core import Metric
 from prometheus_client.registry import Collector, CollectorRegistry
 from prometheus_client.utils import floatToGoString
 
-__all__ = ["BucketHistogram", "BucketHistogramChild"]
+__all__ = ["BucketHistogram", "BucketHistogramChild", "Observes", "observe_present"]
 
 
 class BucketHistogramChild:
@@ -42,6 +43,26 @@ class BucketHistogramChild:
         self.sum += amount
         if amount == amount:  # not NaN
             self.counts[bisect_left(self._bounds, amount)] += 1
+
+
+class Observes(Protocol):
+    """A histogram child: this module's or prometheus_client's."""
+
+    def observe(self, amount: float) -> None: ...
+
+
+def observe_present(children: Sequence[tuple[str, Observes]], amounts: Mapping[str, float]) -> None:
+    """`child.observe(amounts[key])` for each `(key, child)` in order whose key is in `amounts`: one
+    Python call for the lot, a `BucketHistogramChild` counted inline as its `observe` counts."""
+    for key, child in children:
+        if key in amounts:
+            amount = amounts[key]
+            if type(child) is BucketHistogramChild:
+                child.sum += amount
+                if amount == amount:  # not NaN
+                    child.counts[bisect_left(child._bounds, amount)] += 1
+            else:
+                child.observe(amount)
 
 
 class BucketHistogram(Collector):

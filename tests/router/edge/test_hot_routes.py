@@ -17,7 +17,7 @@ import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from router.edge.access_log import ACCESS_LOGGER, AccessLog
-from router.edge.client_io import lost_signal_of, read_asgi_body
+from router.edge.client_io import ClientWatch, lost_signal_of, read_asgi_body
 from router.edge.client_timeouts import STATE_KEY, ClientTimeouts, TimedHttpToolsProtocol
 from router.edge.hot_routes import HOT_KEY, HotCycle, HotRoutes
 from tests.gateway_helpers import record_client_writes, uvicorn_on_port_0
@@ -439,3 +439,37 @@ async def test_a_hot_request_on_kept_connections_never_asks_asyncio_for_its_loop
             assert answer.status_code == 200 and answer.headers["x-kvrouter-engine"] == "e0"
         monkeypatch.undo()
     assert [path for path in asked if "/router/" in path] == []
+
+
+async def test_a_hot_cycles_signal_holds_the_task_serving_it_begun_at_once_or_pipelined(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The task the protocol hands the cycle's `LostSignal` (so `ClientWatch` asks asyncio for none)
+    is the one asyncio reports as running the request, for a cycle begun at once and one that waited
+    in the pipeline."""
+    started, gate = asyncio.Event(), asyncio.Event()
+    seen: list[tuple[bytes, bool, bool]] = []
+
+    async def hot(scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        body = await read_asgi_body(receive, scope["headers"], 1 << 20, WAIT)
+        signal = lost_signal_of(scope)
+        assert signal is not None
+        watch = ClientWatch(receive, scope)
+        current = asyncio.current_task()
+        seen.append((body, signal.task is current, watch._task is current))
+        watch.close()
+        if body == b"first":
+            started.set()
+            await gate.wait()  # the next one waits in the pipeline
+        await _answer(send, b"hot " + body)
+
+    async with serving(hot, monkeypatch) as (port, _):
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        writer.write(_post(b"/v1/chat/completions", b"first") + _post(b"/v1/completions", b"second"))
+        async with asyncio.timeout(WAIT):
+            await started.wait()
+        gate.set()
+        answers = await _read_answers(reader, 2)
+        writer.close()
+    assert [body for _, body in answers] == [b"hot first", b"hot second"]
+    assert seen == [(b"first", True, True), (b"second", True, True)]

@@ -620,3 +620,41 @@ def test_waits_on_one_timer_expire_at_their_own_deadlines(waits: list[tuple[int,
 
     asyncio.run(run())
     uvloop.run(run())  # the gateway's loop, whose clock counts milliseconds
+
+
+class _Idle:
+    """An idle pooled connection's fields the pool reads, and whether it was closed."""
+
+    def __init__(self, lost: bool, idle_since: float) -> None:
+        self.lost, self.idle_since = lost, idle_since
+        self.active = self.reused = self.closed = False
+
+    def close(self) -> None:
+        self.closed = True
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.tuples(st.booleans(), st.floats(min_value=0.0, max_value=20.0)), max_size=8),
+    st.floats(min_value=0.0, max_value=20.0),
+)
+def test_the_pool_takes_the_most_recent_connection_not_lost_nor_kept_past_the_keepalive(
+    idle: list[tuple[bool, float]], now: float
+) -> None:
+    """`_Pool.take` as with Connection.reusable (not lost, idle less than keepalive_s): the most recent
+    such connection, in use, every later one popped and closed, the earlier ones left idle."""
+    client = Http1Client(ClientSettings(keepalive_s=5.0))
+    pool = http1._Pool(client, http1._Origin.of("http://127.0.0.1:1"))
+    conns = [_Idle(lost, since) for lost, since in idle]
+    pool.idle = list(conns)  # type: ignore[arg-type]
+    taken = pool.take(now)
+    usable = [i for i, c in enumerate(conns) if not c.lost and now - c.idle_since < 5.0]
+    expected = usable[-1] if usable else None
+    if expected is None:
+        assert taken is None and pool.idle == [] and pool.in_use == 0
+        assert all(c.closed for c in conns)
+    else:
+        assert taken is conns[expected] and pool.in_use == 1  # type: ignore[comparison-overlap]
+        assert conns[expected].active and conns[expected].reused and not conns[expected].closed
+        assert pool.idle == conns[:expected]  # type: ignore[comparison-overlap]
+        assert [c.closed for c in conns] == [False] * (expected + 1) + [True] * (len(conns) - expected - 1)

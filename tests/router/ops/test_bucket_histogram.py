@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Histogram, generate_latest
 
-from router.ops.bucket_histogram import BucketHistogram
+from router.ops.bucket_histogram import BucketHistogram, observe_present
 from router.ops.metrics import MULTIPROCESS_ENV, RouterMetrics
 
 BUCKETS = (1e-5, 2.5e-5, 1e-4, 1e-3, 0.01, 0.5, 10.0)
@@ -37,6 +37,34 @@ def test_the_exposition_is_prometheus_clients_for_the_same_observations(
         fast.labels(stage).observe(value)
         plain.labels(stage).observe(value)
     assert without_created(generate_latest(ours)) == without_created(generate_latest(theirs))
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    st.lists(st.sampled_from(["a", "b", "c"]), unique=True),
+    st.lists(st.dictionaries(st.sampled_from(["a", "b", "c", "d"]), values), max_size=10),
+)
+def test_observe_present_observes_as_a_loop_of_observe_calls(
+    keys: list[str], rounds: list[dict[str, float]]
+) -> None:
+    """The batched observe counts what each child's `observe` counts, for both kinds of child."""
+    for kind in ("ours", "theirs"):
+        batched, looped = CollectorRegistry(), CollectorRegistry()
+        if kind == "ours":
+            one = BucketHistogram("x_seconds", "doc", ["stage"], BUCKETS, batched)
+            two = BucketHistogram("x_seconds", "doc", ["stage"], BUCKETS, looped)
+        else:
+            one = Histogram("x_seconds", "doc", ["stage"], buckets=BUCKETS, registry=batched)  # type: ignore[assignment]
+            two = Histogram("x_seconds", "doc", ["stage"], buckets=BUCKETS, registry=looped)  # type: ignore[assignment]
+        children = [(key, one.labels(key)) for key in keys]
+        for key in keys:  # each side's children made up front
+            two.labels(key)
+        for amounts in rounds:
+            observe_present(children, amounts)
+            for key in keys:
+                if key in amounts:
+                    two.labels(key).observe(amounts[key])
+        assert without_created(generate_latest(batched)) == without_created(generate_latest(looped))
 
 
 def test_each_child_has_a_created_sample_and_label_values_are_checked() -> None:
