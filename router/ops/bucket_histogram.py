@@ -18,10 +18,11 @@ from bisect import bisect_left
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Protocol
 
-from prometheus_client import metrics as _client_metrics
 from prometheus_client.core import Metric
-from prometheus_client.registry import Collector, CollectorRegistry
+from prometheus_client.registry import CollectorRegistry
 from prometheus_client.utils import floatToGoString
+
+from router.ops.local_family import LocalFamily, created_series
 
 __all__ = ["BucketHistogram", "BucketHistogramChild", "Observes", "observe_present"]
 
@@ -65,7 +66,7 @@ def observe_present(children: Sequence[tuple[str, Observes]], amounts: Mapping[s
                 child.observe(amount)
 
 
-class BucketHistogram(Collector):
+class BucketHistogram(LocalFamily[BucketHistogramChild]):
     """A histogram named `name` with `labelnames`, its children made by `labels(*values)`, registered
     in `registry`; `buckets` as prometheus_client takes them (+Inf appended when missing)."""
 
@@ -82,29 +83,18 @@ class BucketHistogram(Collector):
             bounds.append(math.inf)
         if bounds != sorted(bounds):
             raise ValueError(f"{name}: buckets not in sorted order")
-        self.name, self.documentation = name, documentation
-        self.labelnames = tuple(labelnames)
         self.bounds = tuple(bounds)
         self._les: list[str] = [floatToGoString(b) for b in bounds]  # type: ignore[no-untyped-call]
-        self._children: dict[tuple[str, ...], BucketHistogramChild] = {}
-        registry.register(self)
+        super().__init__(name, documentation, labelnames, registry)
 
-    def labels(self, *values: str) -> BucketHistogramChild:
-        """The child for these label values (made on first use, then the same one)."""
-        if len(values) != len(self.labelnames):
-            raise ValueError(f"{self.name}: expected {len(self.labelnames)} label values, got {len(values)}")
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = BucketHistogramChild(self.bounds, time.time())
-        return child
+    def _new_child(self) -> BucketHistogramChild:
+        return BucketHistogramChild(self.bounds, time.time())
 
     def collect(self) -> Iterable[Metric]:
         """One histogram family with every child's samples, in the order prometheus_client writes them."""
         metric = Metric(self.name, self.documentation, "histogram")
-        # prometheus_client's own switch (PROMETHEUS_DISABLE_CREATED_SERIES, disable_created_metrics()).
-        created = getattr(_client_metrics, "_use_created", True)
-        for values, child in list(self._children.items()):
-            labels = dict(zip(self.labelnames, values, strict=True))
+        created = created_series()
+        for labels, child in self.labelled():
             acc = 0
             for le, n in zip(self._les, list(child.counts), strict=True):
                 acc += n

@@ -11,11 +11,11 @@ prometheus_client's `Counter`, whose values live in the shared multiprocess file
 from __future__ import annotations
 
 import time
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 
-from prometheus_client import metrics as _client_metrics
 from prometheus_client.core import Metric
-from prometheus_client.registry import Collector, CollectorRegistry
+
+from router.ops.local_family import LocalFamily, created_series
 
 __all__ = ["LocalCounter", "LocalCounterChild"]
 
@@ -36,34 +36,18 @@ class LocalCounterChild:
         self.value += amount
 
 
-class LocalCounter(Collector):
+class LocalCounter(LocalFamily[LocalCounterChild]):
     """A counter named `name` (without `_total`) with `labelnames`, its children made by
     `labels(*values)`, registered in `registry`."""
 
-    def __init__(
-        self, name: str, documentation: str, labelnames: Sequence[str], registry: CollectorRegistry
-    ) -> None:
-        self.name, self.documentation = name, documentation
-        self.labelnames = tuple(labelnames)
-        self._children: dict[tuple[str, ...], LocalCounterChild] = {}
-        registry.register(self)
-
-    def labels(self, *values: str) -> LocalCounterChild:
-        """The child for these label values (made on first use, then the same one)."""
-        if len(values) != len(self.labelnames):
-            raise ValueError(f"{self.name}: expected {len(self.labelnames)} label values, got {len(values)}")
-        child = self._children.get(values)
-        if child is None:
-            child = self._children[values] = LocalCounterChild(time.time())
-        return child
+    def _new_child(self) -> LocalCounterChild:
+        return LocalCounterChild(time.time())
 
     def collect(self) -> Iterable[Metric]:
         """One counter family with every child's samples, in the order prometheus_client writes them."""
         metric = Metric(self.name, self.documentation, "counter")
-        # prometheus_client's own switch (PROMETHEUS_DISABLE_CREATED_SERIES, disable_created_metrics()).
-        created = getattr(_client_metrics, "_use_created", True)
-        for values, child in list(self._children.items()):
-            labels = dict(zip(self.labelnames, values, strict=True))
+        created = created_series()
+        for labels, child in self.labelled():
             metric.add_sample(self.name + "_total", labels, child.value)
             if created:
                 metric.add_sample(self.name + "_created", labels, child.created)
