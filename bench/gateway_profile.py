@@ -72,8 +72,9 @@ async def loaded(args: argparse.Namespace, tmp: Path, head: Sequence[str], secon
         sampler = None
         if spy_out is not None:
             spy = [py_spy(), "record", "--pid", str(proc.pid), "--rate", str(args.rate), "--format", "raw"]
-            spy += ["--duration", str(int(seconds)), "--nonblocking", "-o", spy_out]
-            spy += ["--native"] if args.native else []
+            spy += ["--duration", str(int(seconds)), "-o", spy_out]
+            # py-spy reads C stacks only from a stopped process; Python-only sampling need not stop it
+            spy += ["--native"] if args.native else ["--nonblocking"]
             sampler = await asyncio.create_subprocess_exec(*spy, stdout=asyncio.subprocess.DEVNULL)
         row = await measure(target, case, files, args.conc, seconds + (sampler is not None), 0)
         if sampler is not None:
