@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Final, cast
 
 import httptools
-from uvicorn._types import ASGI3Application
+from uvicorn._types import ASGI3Application, HTTPScope
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
@@ -88,6 +88,12 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         if self._timeouts is not None:
             self.timeout_keep_alive = self._timeouts.keepalive_s
             self._step = min(self._timeouts.header_s, self._timeouts.keepalive_s)
+        # A parser with fewer Python callbacks per request than uvicorn's (`_Callbacks`); what uvicorn's
+        # `on_message_begin` resets, `on_message_complete` resets for the next message.
+        self.headers = []
+        self._url: list[bytes] = []
+        self.parser = httptools.HttpRequestParser(_Callbacks(self, self._url.append))
+        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)  # as uvicorn's
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -124,7 +130,8 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         self.server_state.total_requests += 1
         if self.transport.is_closing():
             return
-        self.flow.resume_reading()
+        if self.flow.read_paused:  # `flow.resume_reading()` only when it has something to do
+            self.flow.resume_reading()
         if self.pipeline:
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)
@@ -137,8 +144,11 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         """uvicorn's, or for a head naming a hot route a `HotCycle` (`_start_hot`) when `HotRoutes` may
         serve it (module docstring): a plain POST, no concurrency limit or root path."""
         self._header_by = None
+        parts = self._url  # the target's pieces (`on_url` is their list's `append`)
+        url = self.url = b"".join(parts)  # one piece: that piece itself, no copy
+        del parts[:]
         hot = self._hot
-        endpoint = HOT_PATHS.get(self.url) if hot is not None else None
+        endpoint = HOT_PATHS.get(url) if hot is not None else None
         if (
             endpoint is not None
             and hot is not None
@@ -149,6 +159,17 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         ):
             self._start_hot(endpoint)
         else:
+            self.scope = {  # type: ignore[typeddict-item]  # uvicorn's `on_message_begin` scope
+                "type": "http",
+                "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+                "http_version": "1.1",
+                "server": self.server,
+                "client": self.client,
+                "scheme": self.scheme,  # type: ignore[typeddict-item]
+                "root_path": self.root_path,
+                "headers": self.headers,
+                "state": self.app_state.copy(),
+            }
             super().on_headers_complete()
             cycle = self.cycle
             if cycle is None or cycle.transport is not self.transport:  # an upgrade: no new cycle
@@ -163,18 +184,28 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             cycle.lost = self._lost
 
     def _start_hot(self, endpoint: Endpoint) -> None:
-        """uvicorn's scope completion and cycle start (or queueing behind a pipelined request), with a
-        `HotCycle` serving `endpoint` for the cycle."""
+        """uvicorn's scope (built at once: the target is a hot path, plain ASCII) and cycle start (or
+        queueing behind a pipelined request), with a `HotCycle` serving `endpoint` for the cycle."""
         hot = self._hot
         assert hot is not None
         version = self.parser.get_http_version()
-        scope = self.scope
-        scope["method"] = "POST"
-        if version != "1.1":
-            scope["http_version"] = version
-        scope["path"] = self.url.decode("ascii")
-        scope["raw_path"] = self.url
-        scope["query_string"] = b""
+        url = self.url
+        scope: HTTPScope = {
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": version,
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,  # type: ignore[typeddict-item]
+            "root_path": self.root_path,
+            "headers": self.headers,
+            "state": self.app_state.copy(),
+            "method": "POST",
+            "path": url.decode("ascii"),
+            "raw_path": url,
+            "query_string": b"",
+        }
+        self.scope = scope
         previous = self.cycle
         keep_alive = version != "1.0" and self.parser.should_keep_alive()
         self.cycle = cycle = HotCycle(self, scope, keep_alive, hot.serve, endpoint, hot.access_log)
@@ -198,12 +229,20 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             self.flow.pause_reading()
 
     def on_message_complete(self) -> None:
+        """uvicorn's, then what its `on_message_begin` would reset for the next message (its headers
+        list and 100-continue flag: a chunked body's trailers still join this message's headers)."""
         cycle = self.cycle
         if type(cycle) is not HotCycle:
             super().on_message_complete()
         elif not cycle.response_complete:  # a hot head is never an upgrade
             cycle.more_body = False
-            cycle.ready()
+            ready = cycle.message_event  # `message_event.set()`, inline: one call when nobody waits
+            if ready.waiting is None:
+                ready.flag = True
+            else:
+                ready.set()
+        self.headers = []
+        self.expect_100_continue = False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._header_by = self._idle_by = None
@@ -254,6 +293,21 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             self._arm(min(pending))
 
 
+class _Callbacks:
+    """What the connection's parser calls (it looks them up once, when made): the protocol's, but for
+    `on_url`, the `append` of a list (no Python call per request), and no `on_message_begin` (its
+    scope is built once the head is in, its resets done when the previous message completes)."""
+
+    __slots__ = ("on_body", "on_header", "on_headers_complete", "on_message_complete", "on_url")
+
+    def __init__(self, protocol: TimedHttpToolsProtocol, on_url: Callable[[bytes], None]) -> None:
+        self.on_url = on_url
+        self.on_header = protocol.on_header
+        self.on_headers_complete = protocol.on_headers_complete
+        self.on_body = protocol.on_body
+        self.on_message_complete = protocol.on_message_complete
+
+
 class _CycleSignal(LostSignal):
     """The cycle's `LostSignal`, reading the cycle weakly (its scope holds the signal)."""
 
@@ -270,7 +324,12 @@ class _CycleSignal(LostSignal):
 
     def resume(self) -> None:  # what `receive()` does first while the answer is under way
         cycle = self._cycle()
-        if cycle is not None and not cycle.disconnected and not cycle.response_complete:
+        if (
+            cycle is not None
+            and not cycle.disconnected
+            and not cycle.response_complete
+            and cycle.flow.read_paused
+        ):
             cycle.flow.resume_reading()
 
     def body_in(self) -> bool:  # `receive()` returns at once: the body's end is parsed, its event still set

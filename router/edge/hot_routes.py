@@ -260,19 +260,11 @@ class HotCycle(RequestResponseCycle):
             self._chunks.append(body)
         self._size += len(body)
         ready = self.message_event
-        if ready.waiting is None:  # `ready()`, inline: once per piece
+        if ready.waiting is None:  # `message_event.set()`, inline: one call when nobody waits
             ready.flag = True
         else:
             ready.set()
         return self._size > HIGH_WATER_LIMIT
-
-    def ready(self) -> None:
-        """`message_event.set()`: body bytes or the body's end are parsed (one call when nobody waits)."""
-        ready = self.message_event
-        if ready.waiting is None:
-            ready.flag = True
-        else:
-            ready.set()
 
     def take_body(self, limit: int) -> bytes | None:
         """The whole body, taken as `receive` takes it, when `receive` would return it at once with no
@@ -286,7 +278,9 @@ class HotCycle(RequestResponseCycle):
             or self._size > limit
         ):
             return None
-        self.flow.resume_reading()
+        flow = self.flow
+        if flow.read_paused:  # `flow.resume_reading()`, inline: a Python call per request otherwise
+            flow.resume_reading()
         self.message_event.flag = False
         chunks, self._chunks, self._size = self._chunks, None, 0
         return b"" if chunks is None else chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -396,7 +390,11 @@ class HotCycle(RequestResponseCycle):
             if self.expected_content_length != 0:
                 raise RuntimeError("Response content shorter than Content-Length")
             self.response_complete = True
-            self.ready()
+            ready = self.message_event  # `message_event.set()`, inline
+            if ready.waiting is None:
+                ready.flag = True
+            else:
+                ready.set()
             if not self.keep_alive:
                 self.transport.close()
             self.on_response()
