@@ -158,30 +158,27 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             and not self.parser.should_upgrade()
         ):
             self._start_hot(endpoint)
-        else:
-            self.scope = {  # type: ignore[typeddict-item]  # uvicorn's `on_message_begin` scope
-                "type": "http",
-                "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
-                "http_version": "1.1",
-                "server": self.server,
-                "client": self.client,
-                "scheme": self.scheme,  # type: ignore[typeddict-item]
-                "root_path": self.root_path,
-                "headers": self.headers,
-                "state": self.app_state.copy(),
-            }
-            super().on_headers_complete()
-            cycle = self.cycle
-            if cycle is None or cycle.transport is not self.transport:  # an upgrade: no new cycle
-                return
-            cycle.transport = cast(asyncio.Transport, HeadHold(self.transport, self.loop))  # head + body
+            return
+        self.scope = {  # type: ignore[typeddict-item]  # uvicorn's `on_message_begin` scope
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": "1.1",
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,  # type: ignore[typeddict-item]
+            "root_path": self.root_path,
+            "headers": self.headers,
+            "state": self.app_state.copy(),
+        }
+        super().on_headers_complete()
         cycle = self.cycle
+        if cycle is None or cycle.transport is not self.transport:  # an upgrade: no new cycle
+            return
+        cycle.transport = cast(asyncio.Transport, HeadHold(self.transport, self.loop))  # head + body
         extensions = self.scope.setdefault("extensions", {})
         extensions[BODY_WRITER] = {"writer": BodyWriter(cycle)}
         self._lost = _CycleSignal(cycle, self.loop)
         extensions[LOST_SIGNAL] = {"signal": self._lost}
-        if type(cycle) is HotCycle:  # a pipelined cycle begins later: `begin` hands the signal its task
-            cycle.lost = self._lost
 
     def _start_hot(self, endpoint: Endpoint) -> None:
         """uvicorn's scope (built at once: the target is a hot path, plain ASCII) and cycle start (or
@@ -209,6 +206,8 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         previous = self.cycle
         keep_alive = version != "1.0" and self.parser.should_keep_alive()
         self.cycle = cycle = HotCycle(self, scope, keep_alive, hot.serve, endpoint, hot.access_log)
+        scope["extensions"] = {BODY_WRITER: {"writer": cycle}, LOST_SIGNAL: {"signal": cycle}}  # itself
+        self._lost = cycle
         if previous is None or previous.response_complete:
             cycle.begin(self.loop, self.tasks, contextvars.Context() if self._fresh_context else None)
         else:
@@ -318,8 +317,7 @@ class _CycleSignal(LostSignal):
         self.lost = False
         self.callback: Callable[[], None] | None = None
         self.loop = loop
-        # A hot cycle's task, the one its ClientWatch runs in (`HotCycle.begin`): no asyncio lookup.
-        self.task = cycle.task if type(cycle) is HotCycle else None
+        self.task = None
         self._cycle = weakref.ref(cycle)
 
     def resume(self) -> None:  # what `receive()` does first while the answer is under way
@@ -335,10 +333,6 @@ class _CycleSignal(LostSignal):
     def body_in(self) -> bool:  # `receive()` returns at once: the body's end is parsed, its event still set
         cycle = self._cycle()
         return cycle is not None and not cycle.more_body and cycle.message_event.is_set()
-
-    def take_body(self, limit: int) -> bytes | None:
-        cycle = self._cycle()
-        return cycle.take_body(limit) if type(cycle) is HotCycle else None
 
 
 def _no_delay(transport: asyncio.Transport) -> None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import operator
+import weakref
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, Final, Literal, cast
@@ -40,6 +41,7 @@ from uvicorn.protocols.utils import get_client_addr
 
 from router.edge.access_log import AccessLine, AccessLog
 from router.edge.client_io import LostSignal
+from router.edge.client_writes import BodyWriter
 from tokenization.openai_request import Endpoint
 
 __all__ = ["HOT_KEY", "HOT_PATHS", "HotCycle", "HotHandler", "HotRoutes"]
@@ -103,6 +105,8 @@ class _Defaults:
 
 
 _DEFAULTS: Final = _Defaults()
+_ENDED: Final = cast(HTTPScope, {})
+"""A served cycle's scope: nothing reads it once its task has ended."""
 
 
 def _nothing() -> None:
@@ -150,13 +154,16 @@ class _Ready(asyncio.Event):
         return True
 
 
-class HotCycle(RequestResponseCycle):
+class HotCycle(RequestResponseCycle, LostSignal, BodyWriter):
     """uvicorn's cycle for one hot-route request, served by `HotRoutes.serve` with a leaner `send`.
 
     `send` keeps uvicorn's rules (the message order, framing by Content-Length or chunked,
     `Connection: close`, the default headers, flow control, nothing written after a disconnect).
     Built with only what differs per request: the rest of uvicorn's cycle state starts as the class
-    defaults below."""
+    defaults below. The cycle is also the request's `LostSignal` and `BodyWriter` (the protocol offers
+    it as both in the scope's extensions): no object of each per request. The reference cycle that
+    makes (its scope offers it, it holds its scope) is broken when its task ends (`_served`), so a
+    request is still freed by reference counting."""
 
     disconnected = False
     more_body = True
@@ -171,13 +178,8 @@ class HotCycle(RequestResponseCycle):
     _size = 0
     _line: AccessLine | None = None
     """The request's access line, while the access log writes one (`begin`)."""
-    _loop: asyncio.AbstractEventLoop | None = None
-    task: asyncio.Task[None] | None = None
-    """The task serving the cycle (`begin`)."""
-    lost: LostSignal | None = None
-    """The cycle's `LostSignal`, set by the protocol after it: `begin` hands it `task`."""
-    """The loop running `serve` (`begin`): asking asyncio for the running loop is a getpid syscall
-    per call on CPython 3.11."""
+    _window = 0.0  # `BodyWriter`'s state, as its `__init__` would set it
+    _last = 0.0
 
     def __init__(
         self,
@@ -202,6 +204,13 @@ class HotCycle(RequestResponseCycle):
         self.serve = serve
         self.endpoint = endpoint
         self.access_on = access_log
+        # `LostSignal`'s state (slots: no class defaults); `loop` and `task` are `begin`'s. Asking
+        # asyncio for the running loop is a getpid syscall per call on CPython 3.11.
+        self.lost = False
+        self.callback = None
+        self.loop = None
+        self.task = None
+        self._cycle = weakref.ref(self)  # what `BodyWriter`'s methods write through: this cycle
 
     def begin(
         self,
@@ -216,12 +225,10 @@ class HotCycle(RequestResponseCycle):
             self._line = AccessLine(cast(Scope, self.scope))
         coro = self.serve(self.scope, self.receive, self.send, self.endpoint)  # type: ignore[arg-type]
         task = loop.create_task(coro) if context is None else loop.create_task(coro, context=context)
-        self._tasks, self._loop = tasks, loop
+        self._tasks, self.loop = tasks, loop
         task.add_done_callback(self._served)
         tasks.add(task)
-        self.task = task
-        if self.lost is not None:
-            self.lost.task = task
+        self.task = task  # the task its `ClientWatch` runs in: no asyncio lookup
 
     def _served(self, task: asyncio.Task[None]) -> None:
         """An exception is logged and answered 500 (or the connection closed once the answer started),
@@ -244,6 +251,7 @@ class HotCycle(RequestResponseCycle):
             self.logger.error("ASGI callable returned without completing response.")
             self._close()
         self.on_response = _nothing
+        self.scope = _ENDED  # its extensions offer this cycle: the reference cycle ends here
 
     def _answer_500(self) -> None:
         """uvicorn's `send_500_response`, written at once (the task is over: nothing awaits a drain)."""
@@ -266,9 +274,19 @@ class HotCycle(RequestResponseCycle):
             ready.set()
         return self._size > HIGH_WATER_LIMIT
 
+    def resume(self) -> None:
+        """`LostSignal.resume`: reading resumed (if paused) while the answer is under way."""
+        if not self.disconnected and not self.response_complete and self.flow.read_paused:
+            self.flow.resume_reading()
+
+    def body_in(self) -> bool:
+        """`LostSignal.body_in`: the body's end is parsed and not yet received."""
+        return not self.more_body and self.message_event.flag
+
     def take_body(self, limit: int) -> bytes | None:
-        """The whole body, taken as `receive` takes it, when `receive` would return it at once with no
-        100 Continue to write and it is at most `limit` bytes; else None, nothing taken."""
+        """`LostSignal.take_body`: the whole body, taken as `receive` takes it, when `receive` would
+        return it at once with no 100 Continue to write and it is at most `limit` bytes; else None,
+        nothing taken."""
         if (
             self.more_body
             or not self.message_event.flag
@@ -356,7 +374,7 @@ class HotCycle(RequestResponseCycle):
             lines.append(b"transfer-encoding: chunked")
         lines.append(b"\r\n")
         self._held = STATUS_LINE[status] + defaults.lines + b"\r\n".join(lines)
-        (self._loop or asyncio.get_running_loop()).call_soon(self._flush)
+        (self.loop or asyncio.get_running_loop()).call_soon(self._flush)
 
     def _frame(self, framing: list[tuple[bytes, bytes]]) -> bool:
         """Take the answer's framing from its Content-Length, Transfer-Encoding and Connection headers
