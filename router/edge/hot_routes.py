@@ -105,6 +105,39 @@ class _Defaults:
 
 
 _DEFAULTS: Final = _Defaults()
+
+_BAD_VALUE: Final = bytes([byte for byte in range(256) if HEADER_VALUE_RE.match(bytes([byte]))])
+"""The bytes uvicorn refuses in a header value (its pattern is one of single bytes): deleting them
+(`bytes.translate`, one C pass) shortens a value only if the pattern would find one in it."""
+
+
+class _Plan(tuple[bool, tuple[int, ...]]):
+    """What an answer's head needs from its header names alone: whether they are lower-case already,
+    and where the framing ones are (Content-Length, Transfer-Encoding, Connection). The gateway's
+    answers have a handful of name tuples, so each is checked and planned once (`_plan_of`)."""
+
+    __slots__ = ()
+
+
+_PLANS: Final[dict[tuple[bytes, ...], _Plan]] = {}
+_PLANS_MAX: Final = 512
+"""At most this many name tuples kept (the gateway's answers have a few; a peculiar engine's
+headers could vary without end): when full, the cache starts over."""
+
+
+def _plan_of(names: tuple[bytes, ...]) -> _Plan:
+    """The plan of `names` (then kept), after uvicorn's check of every name (its refusal raised, nothing
+    kept): one search over them all, its pattern being one of single bytes."""
+    joined = b"".join(names)
+    if HEADER_RE.search(joined):
+        raise RuntimeError("Invalid HTTP header name.")
+    framing = tuple([at for at, name in enumerate(names) if name.lower() in _FRAMING])
+    if len(_PLANS) >= _PLANS_MAX:
+        _PLANS.clear()
+    plan = _PLANS[names] = _Plan((joined.islower(), framing))
+    return plan
+
+
 _ENDED: Final = cast(HTTPScope, {})
 """A served cycle's scope: nothing reads it once its task has ended."""
 
@@ -351,22 +384,18 @@ class HotCycle(RequestResponseCycle, LostSignal, BodyWriter):
             _DEFAULTS if self.default_headers is _DEFAULTS.source else _DEFAULTS.of(self.default_headers)
         )
         headers = given if type(given) is list else list(given)
-        names = b"".join(map(_NAME, headers))
-        # Both patterns match single bytes, so one search over all names (values) is one per header.
-        if HEADER_RE.search(names):
-            raise RuntimeError("Invalid HTTP header name.")
-        if HEADER_VALUE_RE.search(b"".join(map(_VALUE, headers))):
+        names = tuple(map(_NAME, headers))
+        lower, at = _PLANS.get(names) or _plan_of(names)  # names checked once per tuple of them
+        values = b"".join(map(_VALUE, headers))
+        if len(values.translate(None, _BAD_VALUE)) != len(values):  # uvicorn's check, one C pass
             raise RuntimeError("Invalid HTTP header value.")
-        if not names.islower():  # the gateway's own are lower-case already
+        if not lower:  # the gateway's own are lower-case already
             headers = [(name.lower(), value) for name, value in headers]
         if self.access_log:
             client, version = get_client_addr(self.scope), self.scope["http_version"]
             self.access_logger.info('%s - "POST %s HTTP/%s" %d', client, self.scope["path"], version, status)
         lines = list(map(_FIELD.join, headers))
-        framing = defaults.framing.copy()
-        for header in headers:
-            if header[0] in _FRAMING:
-                framing.append(header)
+        framing = [*defaults.framing, *map(headers.__getitem__, at)] if at else defaults.framing
         if self._frame(framing):
             lines.append(b"connection: close")
         if self.chunked_encoding is None and status not in (204, 304):
