@@ -178,6 +178,8 @@ class ClientWatch:
     `LostSignal` in `scope`'s extensions, or the `signal` given, already looked up there) it waits on
     that signal; otherwise a watcher task reads `receive` for the disconnect."""
 
+    __slots__ = ("_closing", "_receive", "_signal", "_task", "_watcher", "gone")  # no dict per request
+
     def __init__(
         self, receive: Receive, scope: Scope | None = None, signal: LostSignal | None = None
     ) -> None:

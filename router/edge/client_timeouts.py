@@ -108,7 +108,11 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._idle_by = None
         if self._header_by is None and (self.cycle is None or self.cycle.response_complete):
-            self._arm_header_timer()  # the first byte of the next request on a kept-alive connection
+            # The first byte of the next request on a kept-alive connection: `_arm_header_timer()`,
+            # inline (a call less per request).
+            self._header_by = by = self.loop.time() + self._timeouts.header_s
+            if self._timer is None:
+                self._arm(by)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
