@@ -171,7 +171,7 @@ def test_take_body_hands_over_what_receive_would(
 @given(st.binary(max_size=60))
 def test_the_value_check_refuses_what_uvicorns_pattern_finds(value: bytes) -> None:
     """`_BAD_VALUE`'s deletion shortens a value exactly when uvicorn's `HEADER_VALUE_RE` finds a byte."""
-    refused = len(value.translate(None, hot_routes._BAD_VALUE)) != len(value)
+    refused = value.translate(None, hot_routes._BAD_VALUE) != value
     assert refused is (HEADER_VALUE_RE.search(value) is not None)
 
 
