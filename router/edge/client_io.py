@@ -178,6 +178,8 @@ class ClientWatch:
     `LostSignal` in `scope`'s extensions, or the `signal` given, already looked up there) it waits on
     that signal; otherwise a watcher task reads `receive` for the disconnect."""
 
+    __slots__ = ("_closing", "_receive", "_signal", "_task", "_watcher", "gone")  # no dict per request
+
     def __init__(
         self, receive: Receive, scope: Scope | None = None, signal: LostSignal | None = None
     ) -> None:
@@ -255,10 +257,16 @@ def header_in(scope: Scope, name: bytes) -> str | None:
 def request_id_in(scope: Scope) -> str:
     """The client's `x-request-id` when it is short and plain, else a fresh one; kept in
     `scope["state"]`, where Starlette's `request.state` keeps it, so every reader gets the same id."""
-    state: dict[str, object] = scope.setdefault("state", {})
+    state: dict[str, object] | None = scope.get("state")
+    if state is None:
+        state = scope["state"] = {}
     rid = state.get("request_id")
     if not isinstance(rid, str):
-        given = header_in(scope, b"x-request-id")
+        given: str | None = None
+        for key, value in scope["headers"]:  # `header_in(scope, b"x-request-id")`, inline: a call less
+            if key == b"x-request-id":
+                given = value.decode("latin-1")
+                break
         rid = given if given is not None and _SANE_ID.fullmatch(given) else _IDS.next()
         state["request_id"] = rid
     return rid

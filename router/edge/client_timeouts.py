@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Final, cast
 
 import httptools
-from uvicorn._types import ASGI3Application
+from uvicorn._types import ASGI3Application, HTTPScope
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
@@ -88,6 +88,12 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         if self._timeouts is not None:
             self.timeout_keep_alive = self._timeouts.keepalive_s
             self._step = min(self._timeouts.header_s, self._timeouts.keepalive_s)
+        # A parser with fewer Python callbacks per request than uvicorn's (`_Callbacks`); what uvicorn's
+        # `on_message_begin` resets, `on_message_complete` resets for the next message.
+        self.headers = []
+        self._url: list[bytes] = []
+        self.parser = httptools.HttpRequestParser(_Callbacks(self, self._url.append))
+        self.parser.set_dangerous_leniencies(lenient_data_after_close=True)  # as uvicorn's
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -102,7 +108,11 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             return
         self._idle_by = None
         if self._header_by is None and (self.cycle is None or self.cycle.response_complete):
-            self._arm_header_timer()  # the first byte of the next request on a kept-alive connection
+            # The first byte of the next request on a kept-alive connection: `_arm_header_timer()`,
+            # inline (a call less per request).
+            self._header_by = by = self.loop.time() + self._timeouts.header_s
+            if self._timer is None:
+                self._arm(by)
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
@@ -124,7 +134,8 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         self.server_state.total_requests += 1
         if self.transport.is_closing():
             return
-        self.flow.resume_reading()
+        if self.flow.read_paused:  # `flow.resume_reading()` only when it has something to do
+            self.flow.resume_reading()
         if self.pipeline:
             cycle, app = self.pipeline.pop()
             self._start_asgi_task(cycle, app)
@@ -137,8 +148,11 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         """uvicorn's, or for a head naming a hot route a `HotCycle` (`_start_hot`) when `HotRoutes` may
         serve it (module docstring): a plain POST, no concurrency limit or root path."""
         self._header_by = None
+        parts = self._url  # the target's pieces (`on_url` is their list's `append`)
+        url = self.url = b"".join(parts)  # one piece: that piece itself, no copy
+        del parts[:]
         hot = self._hot
-        endpoint = HOT_PATHS.get(self.url) if hot is not None else None
+        endpoint = HOT_PATHS.get(url) if hot is not None else None
         if (
             endpoint is not None
             and hot is not None
@@ -148,36 +162,56 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             and not self.parser.should_upgrade()
         ):
             self._start_hot(endpoint)
-        else:
-            super().on_headers_complete()
-            cycle = self.cycle
-            if cycle is None or cycle.transport is not self.transport:  # an upgrade: no new cycle
-                return
-            cycle.transport = cast(asyncio.Transport, HeadHold(self.transport, self.loop))  # head + body
+            return
+        self.scope = {  # type: ignore[typeddict-item]  # uvicorn's `on_message_begin` scope
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": "1.1",
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,  # type: ignore[typeddict-item]
+            "root_path": self.root_path,
+            "headers": self.headers,
+            "state": self.app_state.copy(),
+        }
+        super().on_headers_complete()
         cycle = self.cycle
+        if cycle is None or cycle.transport is not self.transport:  # an upgrade: no new cycle
+            return
+        cycle.transport = cast(asyncio.Transport, HeadHold(self.transport, self.loop))  # head + body
         extensions = self.scope.setdefault("extensions", {})
         extensions[BODY_WRITER] = {"writer": BodyWriter(cycle)}
         self._lost = _CycleSignal(cycle, self.loop)
         extensions[LOST_SIGNAL] = {"signal": self._lost}
-        if type(cycle) is HotCycle:  # a pipelined cycle begins later: `begin` hands the signal its task
-            cycle.lost = self._lost
 
     def _start_hot(self, endpoint: Endpoint) -> None:
-        """uvicorn's scope completion and cycle start (or queueing behind a pipelined request), with a
-        `HotCycle` serving `endpoint` for the cycle."""
+        """uvicorn's scope (built at once: the target is a hot path, plain ASCII) and cycle start (or
+        queueing behind a pipelined request), with a `HotCycle` serving `endpoint` for the cycle."""
         hot = self._hot
         assert hot is not None
         version = self.parser.get_http_version()
-        scope = self.scope
-        scope["method"] = "POST"
-        if version != "1.1":
-            scope["http_version"] = version
-        scope["path"] = self.url.decode("ascii")
-        scope["raw_path"] = self.url
-        scope["query_string"] = b""
+        url = self.url
+        scope: HTTPScope = {
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": version,
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,  # type: ignore[typeddict-item]
+            "root_path": self.root_path,
+            "headers": self.headers,
+            "state": self.app_state.copy(),
+            "method": "POST",
+            "path": url.decode("ascii"),
+            "raw_path": url,
+            "query_string": b"",
+        }
+        self.scope = scope
         previous = self.cycle
         keep_alive = version != "1.0" and self.parser.should_keep_alive()
         self.cycle = cycle = HotCycle(self, scope, keep_alive, hot.serve, endpoint, hot.access_log)
+        scope["extensions"] = {BODY_WRITER: {"writer": cycle}, LOST_SIGNAL: {"signal": cycle}}  # itself
+        self._lost = cycle
         if previous is None or previous.response_complete:
             cycle.begin(self.loop, self.tasks, contextvars.Context() if self._fresh_context else None)
         else:
@@ -198,12 +232,20 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             self.flow.pause_reading()
 
     def on_message_complete(self) -> None:
+        """uvicorn's, then what its `on_message_begin` would reset for the next message (its headers
+        list and 100-continue flag: a chunked body's trailers still join this message's headers)."""
         cycle = self.cycle
         if type(cycle) is not HotCycle:
             super().on_message_complete()
         elif not cycle.response_complete:  # a hot head is never an upgrade
             cycle.more_body = False
-            cycle.ready()
+            ready = cycle.message_event  # `message_event.set()`, inline: one call when nobody waits
+            if ready.waiting is None:
+                ready.flag = True
+            else:
+                ready.set()
+        self.headers = []
+        self.expect_100_continue = False
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._header_by = self._idle_by = None
@@ -254,6 +296,21 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             self._arm(min(pending))
 
 
+class _Callbacks:
+    """What the connection's parser calls (it looks them up once, when made): the protocol's, but for
+    `on_url`, the `append` of a list (no Python call per request), and no `on_message_begin` (its
+    scope is built once the head is in, its resets done when the previous message completes)."""
+
+    __slots__ = ("on_body", "on_header", "on_headers_complete", "on_message_complete", "on_url")
+
+    def __init__(self, protocol: TimedHttpToolsProtocol, on_url: Callable[[bytes], None]) -> None:
+        self.on_url = on_url
+        self.on_header = protocol.on_header
+        self.on_headers_complete = protocol.on_headers_complete
+        self.on_body = protocol.on_body
+        self.on_message_complete = protocol.on_message_complete
+
+
 class _CycleSignal(LostSignal):
     """The cycle's `LostSignal`, reading the cycle weakly (its scope holds the signal)."""
 
@@ -264,22 +321,22 @@ class _CycleSignal(LostSignal):
         self.lost = False
         self.callback: Callable[[], None] | None = None
         self.loop = loop
-        # A hot cycle's task, the one its ClientWatch runs in (`HotCycle.begin`): no asyncio lookup.
-        self.task = cycle.task if type(cycle) is HotCycle else None
+        self.task = None
         self._cycle = weakref.ref(cycle)
 
     def resume(self) -> None:  # what `receive()` does first while the answer is under way
         cycle = self._cycle()
-        if cycle is not None and not cycle.disconnected and not cycle.response_complete:
+        if (
+            cycle is not None
+            and not cycle.disconnected
+            and not cycle.response_complete
+            and cycle.flow.read_paused
+        ):
             cycle.flow.resume_reading()
 
     def body_in(self) -> bool:  # `receive()` returns at once: the body's end is parsed, its event still set
         cycle = self._cycle()
         return cycle is not None and not cycle.more_body and cycle.message_event.is_set()
-
-    def take_body(self, limit: int) -> bytes | None:
-        cycle = self._cycle()
-        return cycle.take_body(limit) if type(cycle) is HotCycle else None
 
 
 def _no_delay(transport: asyncio.Transport) -> None:

@@ -77,14 +77,14 @@ class BodyWriter:
     and leaves in the next write: at most one write, one read and one wake-up per window, and nothing
     is held here. It holds its cycle weakly: the cycle's scope holds the writer, and a request must be
     freed by reference counting, not left in a cycle for the collector
-    (tests/router/edge/test_request_garbage.py)."""
+    (tests/router/edge/test_request_garbage.py). No slots: a hot route's cycle is its own writer
+    (`router.edge.hot_routes.HotCycle`), and a class can have one base with slots only."""
 
-    __slots__ = ("_cycle", "_last", "_window")
+    _window = 0.0
+    _last = 0.0
 
     def __init__(self, cycle: RequestResponseCycle) -> None:
         self._cycle = weakref.ref(cycle)
-        self._window = 0.0
-        self._last = 0.0
 
     def coalesce(self, window_s: float) -> None:
         """After each write, ask for a pause of `window_s` seconds before the next (0: never)."""

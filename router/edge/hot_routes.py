@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import operator
+import weakref
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, Final, Literal, cast
@@ -40,6 +41,7 @@ from uvicorn.protocols.utils import get_client_addr
 
 from router.edge.access_log import AccessLine, AccessLog
 from router.edge.client_io import LostSignal
+from router.edge.client_writes import BodyWriter
 from tokenization.openai_request import Endpoint
 
 __all__ = ["HOT_KEY", "HOT_PATHS", "HotCycle", "HotHandler", "HotRoutes"]
@@ -104,6 +106,41 @@ class _Defaults:
 
 _DEFAULTS: Final = _Defaults()
 
+_BAD_VALUE: Final = bytes([byte for byte in range(256) if HEADER_VALUE_RE.match(bytes([byte]))])
+"""The bytes uvicorn refuses in a header value (its pattern is one of single bytes): deleting them
+(`bytes.translate`, one C pass) changes a value only if the pattern would find one in it."""
+
+
+class _Plan(tuple[bool, tuple[int, ...]]):
+    """What an answer's head needs from its header names alone: whether they are lower-case already,
+    and where the framing ones are (Content-Length, Transfer-Encoding, Connection). The gateway's
+    answers have a handful of name tuples, so each is checked and planned once (`_plan_of`)."""
+
+    __slots__ = ()
+
+
+_PLANS: Final[dict[tuple[bytes, ...], _Plan]] = {}
+_PLANS_MAX: Final = 512
+"""At most this many name tuples kept (the gateway's answers have a few; a peculiar engine's
+headers could vary without end): when full, the cache starts over."""
+
+
+def _plan_of(names: tuple[bytes, ...]) -> _Plan:
+    """The plan of `names` (then kept), after uvicorn's check of every name (its refusal raised, nothing
+    kept): one search over them all, its pattern being one of single bytes."""
+    joined = b"".join(names)
+    if HEADER_RE.search(joined):
+        raise RuntimeError("Invalid HTTP header name.")
+    framing = tuple([at for at, name in enumerate(names) if name.lower() in _FRAMING])
+    if len(_PLANS) >= _PLANS_MAX:
+        _PLANS.clear()
+    plan = _PLANS[names] = _Plan((joined.islower(), framing))
+    return plan
+
+
+_ENDED: Final = cast(HTTPScope, {})
+"""A served cycle's scope: nothing reads it once its task has ended."""
+
 
 def _nothing() -> None:
     pass
@@ -150,13 +187,16 @@ class _Ready(asyncio.Event):
         return True
 
 
-class HotCycle(RequestResponseCycle):
+class HotCycle(RequestResponseCycle, LostSignal, BodyWriter):
     """uvicorn's cycle for one hot-route request, served by `HotRoutes.serve` with a leaner `send`.
 
     `send` keeps uvicorn's rules (the message order, framing by Content-Length or chunked,
     `Connection: close`, the default headers, flow control, nothing written after a disconnect).
     Built with only what differs per request: the rest of uvicorn's cycle state starts as the class
-    defaults below."""
+    defaults below. The cycle is also the request's `LostSignal` and `BodyWriter` (the protocol offers
+    it as both in the scope's extensions): no object of each per request. The reference cycle that
+    makes (its scope offers it, it holds its scope) is broken when its task ends (`_served`), so a
+    request is still freed by reference counting."""
 
     disconnected = False
     more_body = True
@@ -171,13 +211,8 @@ class HotCycle(RequestResponseCycle):
     _size = 0
     _line: AccessLine | None = None
     """The request's access line, while the access log writes one (`begin`)."""
-    _loop: asyncio.AbstractEventLoop | None = None
-    task: asyncio.Task[None] | None = None
-    """The task serving the cycle (`begin`)."""
-    lost: LostSignal | None = None
-    """The cycle's `LostSignal`, set by the protocol after it: `begin` hands it `task`."""
-    """The loop running `serve` (`begin`): asking asyncio for the running loop is a getpid syscall
-    per call on CPython 3.11."""
+    _window = 0.0  # `BodyWriter`'s state, as its `__init__` would set it
+    _last = 0.0
 
     def __init__(
         self,
@@ -202,6 +237,13 @@ class HotCycle(RequestResponseCycle):
         self.serve = serve
         self.endpoint = endpoint
         self.access_on = access_log
+        # `LostSignal`'s state (slots: no class defaults); `loop` and `task` are `begin`'s. Asking
+        # asyncio for the running loop is a getpid syscall per call on CPython 3.11.
+        self.lost = False
+        self.callback = None
+        self.loop = None
+        self.task = None
+        self._cycle = weakref.ref(self)  # what `BodyWriter`'s methods write through: this cycle
 
     def begin(
         self,
@@ -216,12 +258,10 @@ class HotCycle(RequestResponseCycle):
             self._line = AccessLine(cast(Scope, self.scope))
         coro = self.serve(self.scope, self.receive, self.send, self.endpoint)  # type: ignore[arg-type]
         task = loop.create_task(coro) if context is None else loop.create_task(coro, context=context)
-        self._tasks, self._loop = tasks, loop
+        self._tasks, self.loop = tasks, loop
         task.add_done_callback(self._served)
         tasks.add(task)
-        self.task = task
-        if self.lost is not None:
-            self.lost.task = task
+        self.task = task  # the task its `ClientWatch` runs in: no asyncio lookup
 
     def _served(self, task: asyncio.Task[None]) -> None:
         """An exception is logged and answered 500 (or the connection closed once the answer started),
@@ -244,6 +284,7 @@ class HotCycle(RequestResponseCycle):
             self.logger.error("ASGI callable returned without completing response.")
             self._close()
         self.on_response = _nothing
+        self.scope = _ENDED  # its extensions offer this cycle: the reference cycle ends here
 
     def _answer_500(self) -> None:
         """uvicorn's `send_500_response`, written at once (the task is over: nothing awaits a drain)."""
@@ -260,23 +301,25 @@ class HotCycle(RequestResponseCycle):
             self._chunks.append(body)
         self._size += len(body)
         ready = self.message_event
-        if ready.waiting is None:  # `ready()`, inline: once per piece
+        if ready.waiting is None:  # `message_event.set()`, inline: one call when nobody waits
             ready.flag = True
         else:
             ready.set()
         return self._size > HIGH_WATER_LIMIT
 
-    def ready(self) -> None:
-        """`message_event.set()`: body bytes or the body's end are parsed (one call when nobody waits)."""
-        ready = self.message_event
-        if ready.waiting is None:
-            ready.flag = True
-        else:
-            ready.set()
+    def resume(self) -> None:
+        """`LostSignal.resume`: reading resumed (if paused) while the answer is under way."""
+        if not self.disconnected and not self.response_complete and self.flow.read_paused:
+            self.flow.resume_reading()
+
+    def body_in(self) -> bool:
+        """`LostSignal.body_in`: the body's end is parsed and not yet received."""
+        return not self.more_body and self.message_event.flag
 
     def take_body(self, limit: int) -> bytes | None:
-        """The whole body, taken as `receive` takes it, when `receive` would return it at once with no
-        100 Continue to write and it is at most `limit` bytes; else None, nothing taken."""
+        """`LostSignal.take_body`: the whole body, taken as `receive` takes it, when `receive` would
+        return it at once with no 100 Continue to write and it is at most `limit` bytes; else None,
+        nothing taken."""
         if (
             self.more_body
             or not self.message_event.flag
@@ -286,7 +329,9 @@ class HotCycle(RequestResponseCycle):
             or self._size > limit
         ):
             return None
-        self.flow.resume_reading()
+        flow = self.flow
+        if flow.read_paused:  # `flow.resume_reading()`, inline: a Python call per request otherwise
+            flow.resume_reading()
         self.message_event.flag = False
         chunks, self._chunks, self._size = self._chunks, None, 0
         return b"" if chunks is None else chunks[0] if len(chunks) == 1 else b"".join(chunks)
@@ -339,22 +384,18 @@ class HotCycle(RequestResponseCycle):
             _DEFAULTS if self.default_headers is _DEFAULTS.source else _DEFAULTS.of(self.default_headers)
         )
         headers = given if type(given) is list else list(given)
-        names = b"".join(map(_NAME, headers))
-        # Both patterns match single bytes, so one search over all names (values) is one per header.
-        if HEADER_RE.search(names):
-            raise RuntimeError("Invalid HTTP header name.")
-        if HEADER_VALUE_RE.search(b"".join(map(_VALUE, headers))):
+        names = tuple(map(_NAME, headers))
+        lower, at = _PLANS.get(names) or _plan_of(names)  # names checked once per tuple of them
+        values = b"".join(map(_VALUE, headers))
+        if values.translate(None, _BAD_VALUE) != values:  # uvicorn's check, one C pass (no len calls)
             raise RuntimeError("Invalid HTTP header value.")
-        if not names.islower():  # the gateway's own are lower-case already
+        if not lower:  # the gateway's own are lower-case already
             headers = [(name.lower(), value) for name, value in headers]
         if self.access_log:
             client, version = get_client_addr(self.scope), self.scope["http_version"]
             self.access_logger.info('%s - "POST %s HTTP/%s" %d', client, self.scope["path"], version, status)
         lines = list(map(_FIELD.join, headers))
-        framing = defaults.framing.copy()
-        for header in headers:
-            if header[0] in _FRAMING:
-                framing.append(header)
+        framing = [*defaults.framing, *map(headers.__getitem__, at)] if at else defaults.framing
         if self._frame(framing):
             lines.append(b"connection: close")
         if self.chunked_encoding is None and status not in (204, 304):
@@ -362,7 +403,7 @@ class HotCycle(RequestResponseCycle):
             lines.append(b"transfer-encoding: chunked")
         lines.append(b"\r\n")
         self._held = STATUS_LINE[status] + defaults.lines + b"\r\n".join(lines)
-        (self._loop or asyncio.get_running_loop()).call_soon(self._flush)
+        (self.loop or asyncio.get_running_loop()).call_soon(self._flush)
 
     def _frame(self, framing: list[tuple[bytes, bytes]]) -> bool:
         """Take the answer's framing from its Content-Length, Transfer-Encoding and Connection headers
@@ -396,7 +437,11 @@ class HotCycle(RequestResponseCycle):
             if self.expected_content_length != 0:
                 raise RuntimeError("Response content shorter than Content-Length")
             self.response_complete = True
-            self.ready()
+            ready = self.message_event  # `message_event.set()`, inline
+            if ready.waiting is None:
+                ready.flag = True
+            else:
+                ready.set()
             if not self.keep_alive:
                 self.transport.close()
             self.on_response()

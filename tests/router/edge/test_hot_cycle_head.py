@@ -8,11 +8,13 @@ import logging
 from types import SimpleNamespace
 from typing import Any
 
+import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from uvicorn.protocols.http.flow_control import FlowControl
-from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
+from uvicorn.protocols.http.httptools_impl import HEADER_RE, HEADER_VALUE_RE, RequestResponseCycle
 
+from router.edge import hot_routes
 from router.edge.hot_routes import HotCycle
 from tokenization.openai_request import Endpoint
 
@@ -163,3 +165,37 @@ def test_take_body_hands_over_what_receive_would(
         assert taken is None
         if message is not None:
             assert message == {"type": "http.request", "body": whole, "more_body": not complete}
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.binary(max_size=60))
+def test_the_value_check_refuses_what_uvicorns_pattern_finds(value: bytes) -> None:
+    """`_BAD_VALUE`'s deletion shortens a value exactly when uvicorn's `HEADER_VALUE_RE` finds a byte."""
+    refused = value.translate(None, hot_routes._BAD_VALUE) != value
+    assert refused is (HEADER_VALUE_RE.search(value) is not None)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.one_of(NAMES, st.binary(max_size=12)), max_size=8))
+def test_a_plan_is_its_names_checked_and_planned_anew(names: list[bytes]) -> None:
+    """Kept or new, a plan is what the names say (lower-case, where the framing ones are), and names
+    uvicorn refuses are refused every time, never kept; the cache starts over when full."""
+    key = tuple(names)
+    invalid = any(HEADER_RE.search(name) for name in names)
+    framing = tuple(i for i, name in enumerate(names) if name.lower() in hot_routes._FRAMING)
+    for _ in range(2):
+        if invalid:
+            with pytest.raises(RuntimeError, match=r"Invalid HTTP header name\."):
+                hot_routes._plan_of(key)
+            assert key not in hot_routes._PLANS
+        else:
+            plan = hot_routes._PLANS.get(key) or hot_routes._plan_of(key)
+            assert plan == (b"".join(names).islower(), framing)
+    assert len(hot_routes._PLANS) <= hot_routes._PLANS_MAX
+
+
+def test_the_plans_start_over_when_full(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(hot_routes, "_PLANS", {})
+    for n in range(hot_routes._PLANS_MAX + 3):
+        hot_routes._plan_of((b"x-%d" % n,))
+    assert len(hot_routes._PLANS) == 3

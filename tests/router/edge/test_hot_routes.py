@@ -20,7 +20,8 @@ from router.edge.access_log import ACCESS_LOGGER, AccessLog
 from router.edge.client_io import ClientWatch, lost_signal_of, read_asgi_body
 from router.edge.client_timeouts import STATE_KEY, ClientTimeouts, TimedHttpToolsProtocol
 from router.edge.hot_routes import HOT_KEY, HotCycle, HotRoutes
-from tests.gateway_helpers import record_client_writes, uvicorn_on_port_0
+from router.edge.relay import body_writer
+from tests.gateway_helpers import record_client_writes, uvicorn_on_port_0, wait_for
 from tests.router.edge.test_client_writes import WAIT
 from tokenization.openai_request import Endpoint
 
@@ -473,3 +474,30 @@ async def test_a_hot_cycles_signal_holds_the_task_serving_it_begun_at_once_or_pi
         writer.close()
     assert [body for _, body in answers] == [b"hot first", b"hot second"]
     assert seen == [(b"first", True, True), (b"second", True, True)]
+
+
+async def test_a_hot_cycle_is_its_own_signal_and_writer_and_lets_go_of_its_scope_when_served(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The scope offers the cycle itself as the request's `LostSignal` and `BodyWriter` (no object of
+    each per request); once its task has ended, the cycle no longer holds the scope that offers it,
+    so no reference cycle is left (tests/router/edge/test_request_garbage.py serves real requests)."""
+    cycles: list[tuple[HotCycle, Any]] = []
+
+    async def hot(scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        signal, writer = lost_signal_of(scope), body_writer(scope)
+        assert type(signal) is HotCycle and writer is signal and signal.task is asyncio.current_task()
+        assert signal.scope is scope
+        cycles.append((signal, scope))
+        await read_asgi_body(receive, scope["headers"], 1 << 20, WAIT, signal)
+        await _answer(send, b"hot")
+
+    async with serving(hot, monkeypatch) as (port, _):
+        answers = await _exchange(port, _post(b"/v1/completions", b"{}") * 2, 2)
+        assert [body for _, body in answers] == [b"hot", b"hot"]
+
+        async def served() -> bool:  # `_served` runs once the task is done
+            return all(cycle.scope is not scope for cycle, scope in cycles)
+
+        await wait_for(served)
+    assert len(cycles) == 2 and all(len(cycle.scope) == 0 for cycle, _ in cycles)
