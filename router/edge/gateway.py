@@ -44,7 +44,7 @@ from router.edge.client_io import (
 from router.edge.flight import Flight
 from router.edge.headers import forwarded_headers
 from router.edge.proxy import Proxy
-from router.edge.relay import RelayResponse, body_writer
+from router.edge.relay import RelayResponse, answer_names, body_writer
 from router.edge.upstream import ProxyRequest, UpstreamResponse
 from router.links.fleet_links import FleetLinks
 from router.ops.bucket_histogram import observe_present
@@ -65,6 +65,14 @@ log = logging.getLogger(__name__)
 _STAGES: Final = ("tokenize", "hash", "lookup", "score")
 _QUIET: Final = ("200", "client_closed")
 """The ends logged only at DEBUG."""
+_OWN: Final = (
+    b"x-request-id",
+    b"x-kvrouter-engine",
+    b"x-kvrouter-predicted-cached-tokens",
+    b"x-kvrouter-mirror-trust",
+)
+"""The names of the headers the gateway adds to every answer, in their order."""
+_OWN_NAMES: Final = answer_names(_OWN)
 
 
 @dataclass
@@ -218,7 +226,7 @@ class Gateway:
         finally:
             if watch is not None:
                 watch.close()
-            if relay is not None:
+            if relay is not None and not relay.ended:  # (ended: the common case, no call)
                 relay.abandon()
 
     async def _admit(self, scope: Scope, receive: Receive, signal: LostSignal | None) -> bytes:
@@ -329,11 +337,12 @@ class Gateway:
         model = entry.request.model
         streamed_ok = upstream.status == 200 and entry.request.stream
         predicted = entry.predicted_cached_tokens or 0
+        rid_name, engine_name, predicted_name, trust_name = _OWN
         headers = [
-            (b"x-request-id", entry.request_id.encode("latin-1")),
-            (b"x-kvrouter-engine", engine.encode("latin-1")),
-            (b"x-kvrouter-predicted-cached-tokens", b"%d" % predicted),
-            (b"x-kvrouter-mirror-trust", _mirror_trust(entry, engine)),
+            (rid_name, entry.request_id.encode("latin-1")),
+            (engine_name, engine.encode("latin-1")),
+            (predicted_name, b"%d" % predicted),
+            (trust_name, _mirror_trust(entry, engine)),
         ]
 
         def first_byte(relay_s: float) -> None:
@@ -357,7 +366,7 @@ class Gateway:
             if status not in _QUIET or log.isEnabledFor(logging.DEBUG):
                 self._log_end(entry, status)
 
-        return RelayResponse(upstream, headers, None, first_byte, end, upstream.status == 200)
+        return RelayResponse(upstream, headers, None, first_byte, end, upstream.status == 200, _OWN_NAMES)
 
     def _failed(self, entry: DecisionEntry, exc: BaseException) -> None:
         engine = entry.engine or "none"

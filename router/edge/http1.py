@@ -123,9 +123,10 @@ class Http1Response:
             if conn.error is not None:
                 self.close()
                 raise conn.error
-            left = self._deadline - conn.loop.time()
+            now = conn.loop.time()
+            left = self._deadline - now
             # The connection's future is awaited here: no coroutine of its own per wait.
-            waiter = conn.arm(min(self._read_s, left), "read" if self._read_s < left else "total")
+            waiter = conn.arm_at(now + min(self._read_s, left), "read" if self._read_s < left else "total")
             try:
                 await waiter
             except BaseException:
@@ -167,8 +168,9 @@ class Http1Response:
                     conn.sink_full = False
                     conn.resume()
                     continue
-                idle, left = self._idle_left(loop.time())
-                waiter = conn.arm(min(idle, left), "read" if idle < left else "total")
+                now = loop.time()
+                idle, left = self._idle_left(now)
+                waiter = conn.arm_at(now + min(idle, left), "read" if idle < left else "total")
                 try:
                     await waiter
                 except TimedOut:
@@ -280,18 +282,29 @@ class Http1Client:
         loop = pool.idle[-1].loop if pool.idle else asyncio.get_running_loop()
         start = loop.time()
         head = _head(method, pool.origin.prefix + path, headers, body)
-        conn = self._take(pool, start)
+        s = self.settings
+        conn = None  # an idle kept connection when the limits leave room, with no await (the common case)
+        if self._in_use < s.pool_total and pool.in_use < s.pool_per_host:
+            conn = pool.take(start)
+            if conn is not None:
+                self._in_use += 1
         if conn is None:
             if sent is not None:  # the wait below lets other requests run
                 sent()
                 sent = None
             conn = await self._acquire(pool, loop)
-        first_byte_at = start + self.settings.first_byte_s
+        first_byte_at = start + s.first_byte_s
         while True:
             # The wait for the answer's head is inlined (no coroutine per exchange or per wait): one
             # future the parser's callbacks (or the connection's end) resolve, one timer.
             try:
-                waiter = self._send(conn, head, body, first_byte_at)
+                # Head and body in one `writelines`: one writev on uvloop, the body never copied.
+                assert conn.transport is not None
+                if body:
+                    conn.transport.writelines((head, body))
+                else:
+                    conn.transport.write(head)
+                waiter = conn.arm_at(first_byte_at, "first byte")
                 if sent is not None:  # the bytes are out: the caller's bookkeeping, before the wait
                     sent()
                     sent = None
@@ -304,7 +317,7 @@ class Http1Client:
                         break
                     if conn.error is not None:
                         raise conn.error
-                    waiter = conn.arm(first_byte_at - conn.loop.time(), "first byte")  # woken early
+                    waiter = conn.arm_at(first_byte_at, "first byte")  # woken early
                 break
             except BaseException as exc:
                 conn.close()
@@ -316,36 +329,13 @@ class Http1Client:
             conn = await self._acquire(pool, loop, fresh=True)
         if method == "HEAD":  # the answer's length describes a body that never comes
             conn.complete, conn.keep_alive = True, False
-        return Http1Response(pool, conn, start + self.settings.total_s)
-
-    def _send(self, conn: Connection, head: bytes, body: bytes, first_byte_at: float) -> asyncio.Future[None]:
-        """Write the request and arm the wait for its answer's head (resolved by the parser's callbacks,
-        the connection's end or `TimedOut("first byte")` at `first_byte_at`).
-
-        Head and body go out in one `writelines`: one writev on uvloop, the body never copied."""
-        assert conn.transport is not None
-        if body:
-            conn.transport.writelines((head, body))
-        else:
-            conn.transport.write(head)
-        return conn.arm(first_byte_at - conn.loop.time(), "first byte")
+        return Http1Response(pool, conn, start + s.total_s)
 
     def _pool(self, base_url: str) -> _Pool:
         pool = self._pools.get(base_url)
         if pool is None:
             pool = self._pools[base_url] = _Pool(self, _Origin.of(base_url))
         return pool
-
-    def _take(self, pool: _Pool, now: float) -> Connection | None:
-        """An idle kept connection of `pool` when the limits leave room, with no await (the common
-        case); None sends the caller to `_acquire`."""
-        s = self.settings
-        if self._in_use >= s.pool_total or pool.in_use >= s.pool_per_host:
-            return None
-        conn = pool.take(now)
-        if conn is not None:
-            self._in_use += 1
-        return conn
 
     async def _acquire(self, pool: _Pool, loop: asyncio.AbstractEventLoop, fresh: bool = False) -> Connection:
         s = self.settings
