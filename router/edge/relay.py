@@ -204,14 +204,16 @@ class RelayResponse(Response):
             start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             await send(start)
             first, ended, upstream = True, False, self.upstream
+            reader = upstream.response  # read directly: no wrapper call per chunk
             while not ended:
-                chunk = upstream.ready()  # what has arrived, with no coroutine; None: wait for it
+                # What has arrived, with no coroutine; None: wait for it.
+                chunk = reader.ready() if reader is not None else upstream.ready()
                 if chunk is None:
                     chunk = await upstream.next_chunk()
                 if not chunk:
                     break
                 received = time.perf_counter() if first else 0.0
-                if upstream.at_end():  # the stream's end leaves with its last bytes, in one write
+                if reader is not None and reader.at_end():  # the end leaves with its last bytes, in one write
                     ended = True  # and the connection is already released: no call for b"" follows
                     watch.closing()
                 await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
