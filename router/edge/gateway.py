@@ -44,7 +44,7 @@ from router.edge.client_io import (
 from router.edge.flight import Flight
 from router.edge.headers import forwarded_headers
 from router.edge.proxy import Proxy
-from router.edge.relay import RelayResponse, answer_names, body_writer
+from router.edge.relay import RelayResponse, answer_names
 from router.edge.upstream import ProxyRequest, UpstreamResponse
 from router.links.fleet_links import FleetLinks
 from router.ops.bucket_histogram import observe_present
@@ -230,7 +230,7 @@ class Gateway:
             except BaseException:
                 self.parts.fleet.admission.leave()
                 raise
-            await relay.stream_to(send, watch, body_writer(scope, self.coalesce_s))
+            await relay.stream_to(send, watch, None, scope, self.coalesce_s)
         except RouterError as exc:
             if relay is not None:  # the answer had started: only dropping the connection is left
                 raise

@@ -90,7 +90,9 @@ class Http1Response:
         self._pool, self._conn, self._deadline = pool, conn, deadline
         self._read_s = pool.client.settings.read_s
         self._reuse = conn.keep_alive
-        self._done = False
+        self.done = False
+        """Released or dropped (`release`, `close`): after `ready` or `next_chunk` handed over body
+        bytes, True exactly when they were the body's last (the connection goes with them)."""
 
     @property
     def headers(self) -> list[tuple[str, str]]:
@@ -100,7 +102,7 @@ class Http1Response:
     def ready(self) -> bytes | None:
         """What `next_chunk` would return now without waiting (b"" at the body's end), or None when it
         would have to wait or raise: the relay's synchronous path, no coroutine per chunk."""
-        if self._done:
+        if self.done:
             return b""
         conn = self._conn
         if conn.chunks:
@@ -113,7 +115,7 @@ class Http1Response:
     async def next_chunk(self) -> bytes:
         """The next body bytes as they arrived; b"" once the body is complete. The connection is
         released with the body's last bytes (`at_end()` is then True), so no further call is needed."""
-        if self._done:  # released or dropped: a pooled connection's bytes are another answer's now
+        if self.done:  # released or dropped: a pooled connection's bytes are another answer's now
             return b""
         conn = self._conn
         while not conn.chunks:
@@ -160,7 +162,7 @@ class Http1Response:
         try:
             if conn.chunks and not conn.complete:
                 conn.to_sink(sink)
-            while not (conn.complete or self._done):
+            while not (conn.complete or self.done):
                 if conn.error is not None:
                     raise conn.error
                 if conn.sink_full:
@@ -194,13 +196,13 @@ class Http1Response:
 
     def at_end(self) -> bool:
         """Whether the body has been read to its end: the next `next_chunk` returns b"" at once."""
-        return self._done or (self._conn.complete and not self._conn.chunks)
+        return self.done or (self._conn.complete and not self._conn.chunks)
 
     def release(self) -> None:
         """Give the connection back to the pool if the body was read to its end, else drop it."""
-        if self._done:
+        if self.done:
             return
-        self._done = True
+        self.done = True
         conn = self._conn
         if conn.complete and self._reuse and not conn.lost and not conn.chunks:
             self._pool.put(conn)
@@ -210,8 +212,8 @@ class Http1Response:
 
     def close(self) -> None:
         """Drop the connection unless the answer was already fully read (idempotent)."""
-        if not self._done:
-            self._done = True
+        if not self.done:
+            self.done = True
             self._conn.close()
             self._pool.forget()
 

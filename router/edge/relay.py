@@ -196,14 +196,19 @@ class RelayResponse(Response):
         content type says, made once a second chunk comes), for `on_end`."""
         self._tap, self._watch = None, True
 
-    async def stream_to(self, send: Send, watch: ClientWatch, direct: BodyWriter | None = None) -> None:
+    async def stream_to(
+        self, send: Send, watch: ClientWatch, direct: BodyWriter | None = None, scope: Scope | None = None,
+        coalesce_s: float = 0.0,
+    ) -> None:  # fmt: skip
         """Relay the whole answer through `send`; `watch` learns when the last message goes out. With
-        `direct`, the body after the first chunk goes straight to the client transport (`_pump`)."""
-        status, complete, tap, whole = "client_closed", False, self._tap, b""
+        `direct`, the body after the first chunk goes straight to the client transport (`_pump`); with
+        `scope` instead, its `body_writer` (with `coalesce_s`) is looked up for that, only if the body
+        goes on after its first chunk (an answer that came whole needs none)."""
+        status, complete, tap, whole, ended = "client_closed", False, self._tap, b"", False
         try:
             start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             await send(start)
-            first, ended, upstream = True, False, self.upstream
+            first, upstream = True, self.upstream
             reader = upstream.response  # read directly: no wrapper call per chunk
             while not ended:
                 # What has arrived, with no coroutine; None: wait for it.
@@ -213,7 +218,8 @@ class RelayResponse(Response):
                 if not chunk:
                     break
                 received = time.perf_counter() if first else 0.0
-                if reader is not None and reader.at_end():  # the end leaves with its last bytes, in one write
+                # `reader.at_end()` as the attribute it reads after a hand-over: no call per chunk.
+                if reader is not None and reader.done:  # the end leaves with its last bytes, in one write
                     ended = True  # and the connection is already released: no call for b"" follows
                     watch.closing()
                 await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
@@ -228,6 +234,8 @@ class RelayResponse(Response):
                     # Time from the first chunk's arrival to its hand-over to the client transport.
                     self._on_first_byte(time.perf_counter() - received)
                     first = False
+                    if direct is None and scope is not None and not ended:
+                        direct = body_writer(scope, coalesce_s)
                     if direct is not None and not ended and direct.usable():
                         await self._pump(direct)
             status, complete = str(self.status_code), True
@@ -238,7 +246,8 @@ class RelayResponse(Response):
             status = "broken"
             raise
         finally:
-            self.upstream.close()
+            if not ended:  # (ended: the connection went back to the pool with the last bytes)
+                self.upstream.close()
             cached = None
             if complete:
                 if tap is not None:
@@ -271,7 +280,7 @@ class RelayResponse(Response):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = ClientWatch(receive, scope)
         try:
-            await self.stream_to(send, watch, body_writer(scope))
+            await self.stream_to(send, watch, None, scope)
         except asyncio.CancelledError:
             if not watch.absorb():
                 raise
