@@ -63,6 +63,7 @@ __all__ = ["Gateway", "GatewayParts"]
 log = logging.getLogger(__name__)
 
 _STAGES: Final = ("tokenize", "hash", "lookup", "score")
+_NO_TIMES: Final = (0.0,) * len(_STAGES)
 _QUIET: Final = ("200", "client_closed")
 """The ends logged only at DEBUG."""
 _OWN: Final = (
@@ -153,6 +154,7 @@ class Gateway:
         # The stages' histogram children, looked up once rather than per request (a lock and a dict each).
         self._overhead = {stage: parts.metrics.overhead.labels(stage) for stage in (*_STAGES, "proxy")}
         self._stage_children = tuple((stage, self._overhead[stage]) for stage in _STAGES)
+        self._proxy_overhead = self._overhead["proxy"]
         policy = parts.config.policy
         # Nothing reads the prompt: the policy does not, saturation does not, no recording is made.
         self.prompt_free = (
@@ -226,7 +228,18 @@ class Gateway:
             body = await self._admit(scope, receive, signal)
             try:
                 watch = ClientWatch(receive, scope, signal)
-                relay = await self._admitted(scope, endpoint, body, rid, arrived)
+                # Prepared and decided with no coroutine of their own (unless an engine tokenizes),
+                # forwarded from here: no layer between this coroutine and the proxy's per request.
+                prepared = await self._prepare_remote(body, endpoint) if self.any_remote else None
+                exchange = self._decide(scope, endpoint, body, rid, arrived, prepared)
+                try:
+                    upstream = await self.parts.proxy.forward(
+                        exchange.proxied, exchange.flight.choose, exchange.sent
+                    )
+                except BaseException as exc:
+                    exchange.failed(exc)
+                    raise
+                relay = exchange.relay(upstream, note_of(scope))
             except BaseException:
                 self.parts.fleet.admission.leave()
                 raise
@@ -282,19 +295,32 @@ class Gateway:
         """Count a request answered by the gateway itself, before any engine was chosen (and why)."""
         self.parts.metrics.refused(self.policy, status, reason)
 
-    async def _admitted(
-        self, scope: Scope, endpoint: Endpoint, body: bytes, rid: str, arrived: float
-    ) -> RelayResponse:
-        parts = self.parts
+    async def _prepare_remote(self, body: bytes, endpoint: Endpoint) -> Prepared:
+        """`prepare` (deferring its stores) when some model tokenizes on an engine; a refusal is counted."""
         try:
-            prepared = (  # its stores: `sent`, below
-                self.prepare_local(body, endpoint, False, True)
-                if not self.any_remote
-                else await self.prepare(body, endpoint, defer=True)
-            )
+            return await self.prepare(body, endpoint, defer=True)
         except RouterError as exc:
             self._refused(str(exc.http_status()), exc.reason)
             raise
+
+    def _decide(
+        self,
+        scope: Scope,
+        endpoint: Endpoint,
+        body: bytes,
+        rid: str,
+        arrived: float,
+        prepared: Prepared | None,
+    ) -> _Exchange:
+        """Prepare the request (unless `prepared`; its stores deferred to `_Exchange.sent`) and decide
+        where it goes: the exchange that forwards it. A refusal is counted."""
+        parts = self.parts
+        if prepared is None:
+            try:
+                prepared = self.prepare_local(body, endpoint, False, True)
+            except RouterError as exc:
+                self._refused(str(exc.http_status()), exc.reason)
+                raise
         entry = DecisionEntry(request_id=rid, time=time.time(), request=view_of(prepared))
         # The key was the router's (engines never see it); the request id is the gateway's. The path is
         # str(endpoint): a C call, where Enum.value is a Python-level property.
@@ -306,41 +332,7 @@ class Gateway:
             parts.recorder.request(rid, endpoint.value, prepared.model, Headers(scope=scope), body)
             flight.on_decision = parts.recorder.decision
         routed = flight.decide(prepared, parts.fleet.clock())
-        forwarding = time.perf_counter()
-        # Only the decision is made before the request is written to the engine. What later requests'
-        # routing reads (the flight's counts: load, admission, pending prefix, awaited stores), what
-        # their preparation reads (the tokenization and key caches' stores, `Models.run_stores`) and
-        # the debug record (its timings, its place in the ring) are done by `sent`, which the proxy
-        # runs right after the write, before control returns to the event loop (Proxy.forward), so
-        # they cost the engine's time, not the first chunk's, and no other request routes or is
-        # prepared without them. A refusal or a failure before the write runs them all the same.
-        kept = False
-
-        def sent() -> None:
-            nonlocal kept
-            flight.sent()
-            if not kept:
-                kept = True
-                self._keep(entry, prepared, routed)
-
-        try:
-            upstream = await parts.proxy.forward(proxied, flight.choose, sent)
-        except BaseException as exc:
-            if not kept:  # refused, or failed before any attempt went out: recorded all the same
-                kept = True
-                self._keep(entry, prepared, routed)
-            flight.finish()
-            self._failed(entry, exc)
-            raise
-        entry.attempts = upstream.attempts
-        for attempt in upstream.attempts[:-1]:  # each earlier attempt was moved to another engine
-            reason = attempt.outcome.value if attempt.status == 0 else f"http_{attempt.status}"
-            parts.metrics.retries.labels(reason).inc()
-        own = 0.0  # the routing stages' time, before forwarding
-        for stage in _STAGES:
-            own += entry.timings_s.get(stage, 0.0)
-        pre_forward = max(0.0, forwarding - arrived - own)
-        return self._relay(upstream, flight, entry, (arrived, pre_forward), note_of(scope))
+        return _Exchange(self, flight, entry, (prepared, routed), (arrived, time.perf_counter()))
 
     def _keep(self, entry: DecisionEntry, prepared: Prepared, routed: Routed) -> None:
         """Run the preparation's stores for later requests; complete the request's debug record (its
@@ -351,46 +343,6 @@ class Gateway:
         fast = type(then) is dict and (type(first) is MappingProxyType or type(first) is dict)
         entry.timings_s = first | then if fast else stage_timings(first, then)  # type: ignore[operator]
         self.parts.ring.add(entry)
-
-    def _relay(
-        self, upstream: UpstreamResponse, flight: Flight, entry: DecisionEntry,
-        times: tuple[float, float], note: AccessNote,
-    ) -> RelayResponse:  # fmt: skip
-        """The relay of `upstream` with its accounting hooks; `times` = (arrival on the perf_counter
-        clock, the gateway's own time before forwarding outside the routing stages)."""
-        parts, engine = self.parts, upstream.engine
-        arrived, pre_forward = times
-        model = entry.request.model
-        streamed_ok = upstream.status == 200 and entry.request.stream
-        predicted = entry.predicted_cached_tokens or 0
-        rid_name, engine_name, predicted_name, trust_name = _OWN
-        headers = [
-            (rid_name, entry.request_id.encode("latin-1")),
-            (engine_name, engine.encode("latin-1")),
-            (predicted_name, b"%d" % predicted),
-            (trust_name, _mirror_trust(entry, engine)),
-        ]
-
-        def first_byte(relay_s: float) -> None:
-            flight.first_byte()
-            self._overhead["proxy"].observe(pre_forward + relay_s)
-            if streamed_ok:  # a JSON answer's first chunk is most of the answer: no TTFT to speak of
-                parts.metrics.ttft_of[engine, model].observe(time.perf_counter() - arrived)
-
-        def end(status: str, cached: int | None) -> None:
-            flight.finish()
-            # Observed once the answer is out, not on its first byte's path.
-            observe_present(self._stage_children, entry.timings_s)
-            parts.fleet.admission.leave()
-            entry.status = upstream.status
-            entry.actual_cached_tokens = note.actual_cached_tokens = cached
-            reported = None if entry.request.unread else cached  # no prompt read: nothing predicted
-            took_s = time.perf_counter() - arrived
-            parts.metrics.answered(engine, self.policy, status, model, took_s, predicted, reported)
-            if status not in _QUIET or log.isEnabledFor(logging.DEBUG):
-                self._log_end(entry, status)
-
-        return RelayResponse(upstream, headers, None, first_byte, end, upstream.status == 200, _OWN_NAMES)
 
     def _failed(self, entry: DecisionEntry, exc: BaseException) -> None:
         engine = entry.engine or "none"
@@ -428,3 +380,103 @@ class Gateway:
         return Explanation(
             view_of(prepared), routed.decision, stage_timings(prepared.timings, routed.timings)
         )
+
+
+class _Exchange:
+    """One decided request from its forwarding to its end: the proxy's `sent` hook, then its relay's
+    `first_byte` and `end` hooks, as methods of one object (no closures and cells per request). It
+    holds no reference to its relay, so relay and exchange are freed by reference counting.
+
+    Only the decision is made before the request is written to the engine. What later requests'
+    routing reads (the flight's counts: load, admission, pending prefix, awaited stores), what their
+    preparation reads (the tokenization and key caches' stores, `Models.run_stores`) and the debug
+    record (its timings, its place in the ring) are done by `sent`, which the proxy runs right after
+    the write, before control returns to the event loop (Proxy.forward), so they cost the engine's
+    time, not the first chunk's, and no other request routes or is prepared without them. A refusal
+    or a failure before the write runs them all the same (`failed`)."""
+
+    __slots__ = (
+        "arrived", "engine", "entry", "flight", "forwarding", "gateway", "kept", "model", "note",
+        "pre_forward", "predicted", "prepared", "proxied", "routed", "streamed_ok", "upstream",
+    )  # fmt: skip
+
+    def __init__(
+        self, gateway: Gateway, flight: Flight, entry: DecisionEntry, decided: tuple[Prepared, Routed],
+        times: tuple[float, float],
+    ) -> None:  # fmt: skip
+        """`decided` = (the preparation, the routing); `times` = (arrival, the decision's end) on the
+        perf_counter clock."""
+        self.gateway, self.flight, self.entry = gateway, flight, entry
+        self.proxied = flight.request
+        self.prepared, self.routed = decided
+        self.arrived, self.forwarding = times
+        self.kept = False
+
+    def sent(self) -> None:
+        """The chosen attempt went out (or is about to wait): its flight's counts; the first time,
+        the stores and the debug record too."""
+        self.flight.sent()
+        if not self.kept:
+            self.kept = True
+            self.gateway._keep(self.entry, self.prepared, self.routed)
+
+    def failed(self, exc: BaseException) -> None:
+        """No answer to relay (`exc` ends the request): recorded and counted all the same."""
+        if not self.kept:  # refused, or failed before any attempt went out
+            self.kept = True
+            self.gateway._keep(self.entry, self.prepared, self.routed)
+        self.flight.finish()
+        self.gateway._failed(self.entry, exc)
+
+    def relay(self, upstream: UpstreamResponse, note: AccessNote) -> RelayResponse:
+        """The relay of `upstream` with this exchange's accounting hooks (retries counted now)."""
+        entry, engine = self.entry, upstream.engine
+        attempts = entry.attempts = upstream.attempts
+        if len(attempts) > 1:
+            for attempt in attempts[:-1]:  # each earlier attempt was moved to another engine
+                reason = attempt.outcome.value if attempt.status == 0 else f"http_{attempt.status}"
+                self.gateway.parts.metrics.retries.labels(reason).inc()
+        # The routing stages' time, before forwarding (each stage's `get(stage, 0.0)`, summed in C),
+        # and the gateway's own time before forwarding outside them.
+        own = sum(map(entry.timings_s.get, _STAGES, _NO_TIMES), 0.0)
+        self.pre_forward = max(0.0, self.forwarding - self.arrived - own)
+        self.upstream, self.note, self.engine, self.model = upstream, note, engine, entry.request.model
+        self.streamed_ok = upstream.status == 200 and entry.request.stream
+        predicted = self.predicted = entry.predicted_cached_tokens or 0
+        rid_name, engine_name, predicted_name, trust_name = _OWN
+        headers = [
+            (rid_name, entry.request_id.encode("latin-1")),
+            (engine_name, engine.encode("latin-1")),
+            (predicted_name, b"%d" % predicted),
+            (trust_name, _mirror_trust(entry, engine)),
+        ]
+        ok = upstream.status == 200
+        return RelayResponse(upstream, headers, None, self.first_byte, self.end, ok, _OWN_NAMES)
+
+    def first_byte(self, relay_s: float) -> None:
+        """The answer's first chunk was handed to the client, `relay_s` after it arrived."""
+        self.flight.first_byte()
+        gateway = self.gateway
+        gateway._proxy_overhead.observe(self.pre_forward + relay_s)
+        if self.streamed_ok:  # a JSON answer's first chunk is most of the answer: no TTFT to speak of
+            ttft_s = time.perf_counter() - self.arrived
+            gateway.parts.metrics.ttft_of[self.engine, self.model].observe(ttft_s)
+
+    def end(self, status: str, cached: int | None) -> None:
+        """The relay ended with `status` ("200", "broken", "client_closed") and the engine's reported
+        cached tokens: counted, recorded, logged (`_QUIET` ends only at DEBUG)."""
+        self.flight.finish()
+        gateway, entry = self.gateway, self.entry
+        parts = gateway.parts
+        # Observed once the answer is out, not on its first byte's path.
+        observe_present(gateway._stage_children, entry.timings_s)
+        parts.fleet.admission.leave()
+        entry.status = self.upstream.status
+        entry.actual_cached_tokens = self.note.actual_cached_tokens = cached
+        reported = None if entry.request.unread else cached  # no prompt read: nothing predicted
+        took_s = time.perf_counter() - self.arrived
+        parts.metrics.answered(
+            self.engine, gateway.policy, status, self.model, took_s, self.predicted, reported
+        )
+        if status not in _QUIET or log.isEnabledFor(logging.DEBUG):
+            gateway._log_end(entry, status)
