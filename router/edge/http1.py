@@ -241,7 +241,12 @@ class _Pool:
         conn.reset()
         conn.idle_since = conn.loop.time()
         self.idle.append(conn)
-        self.forget()
+        # `forget()` inline: every answer read to its end comes here.
+        self.in_use -= 1
+        client = self.client
+        client._in_use -= 1
+        if client._waiting:
+            client.wake_waiters()
 
     def forget(self) -> None:
         """A connection of this pool stopped being in use (back in `idle`, or dropped)."""

@@ -127,7 +127,11 @@ class Connection(asyncio.Protocol):
         self.headers_done = True
         # Both are valid only inside the parser's callbacks (reset once the message is complete).
         self.status, self.keep_alive = self.parser.get_status_code(), self.parser.should_keep_alive()
-        self._wake()
+        waiter = self.waiter  # `_wake()` inline: every answer's head comes here
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
