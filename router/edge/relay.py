@@ -1,11 +1,12 @@
-"""Sending an engine's answer on to the client: chunk by chunk, headers added, upstream closed in `finally`.
+"""Sending an engine's answer on to the client: chunk by chunk, headers added, upstream let go in `finally`.
 
 `RelayResponse` carries the proxy's `UpstreamResponse` to the client as raw ASGI messages: each
 chunk is written as soon as it arrives (SSE included, nothing buffered; what arrived together goes
 in one write, and the answer's last bytes carry its end; after the first chunk, through the server's
 `BodyWriter` when it offers one, straight from the upstream reads), the engine's headers pass
 through (duplicates kept, the engine's copies of the gateway's own dropped) with the gateway's own
-added, and the upstream is always closed at the end.
+added, and the upstream is always done with at the end (its connection released with the last
+bytes, else closed).
 A client disconnect (seen by a `ClientWatch`) cancels the relay, which drops the upstream
 connection. `on_end` runs exactly once with the final status label and the actual cached tokens the
 answer reported (None when absent or cut short). It is also a Starlette `Response`, so routes served
