@@ -9,7 +9,7 @@ per repetition):
 - ``client``: `Http1Client.request` and `next_chunk` to the end (the HTTP/1.1 leg alone);
 - ``proxy``: `Proxy.forward` (headers stripped, breaker, retry bookkeeping) and `UpstreamResponse.read`;
 - ``relay``: `Proxy.forward`, then `RelayResponse.stream_to` into a null ASGI `send` (the gateway's
-  answer headers, the usage tap, the end hook), as `Gateway._relay` builds it.
+  four answer headers, the usage read, the end hook), as `Gateway._relay` builds it.
 
 CPU per request = this process's user+sys time over the requests (the backend's is not counted); a
 stage's own cost is its row minus the row above it, in the same repetition.
@@ -33,16 +33,22 @@ from bench.peer_proxy_bench import chat_case, completions_case
 from bench.proxy_bench import start_process
 from router.core.ids import EngineId
 from router.core.policy.breaker import Breakers
+from router.edge import relay as relay_module
 from router.edge.client_io import LOST_SIGNAL, ClientWatch, LostSignal
 from router.edge.http1 import ClientSettings, Http1Client
 from router.edge.proxy import Proxy, ProxySettings
 from router.edge.relay import RelayResponse
 from router.edge.upstream import ProxyRequest, Target
-from router.edge.usage import UsageTap
 
 HERE = Path(__file__).resolve()
 HEADERS = [("content-type", "application/json"), ("x-request-id", "0123456789abcdef0123456789abcdef")]
 Send = Callable[[int], Awaitable[None]]
+OWN = (
+    b"x-request-id",
+    b"x-kvrouter-engine",
+    b"x-kvrouter-predicted-cached-tokens",
+    b"x-kvrouter-mirror-trust",
+)
 
 
 async def _null_send(message: Message) -> None:
@@ -69,14 +75,20 @@ def stages(client: Http1Client, proxy: Proxy, url: str, path: str, body: bytes) 
     async def via_proxy(i: int) -> None:
         await (await proxy.forward(request(), lambda tried: None if tried else target)).read()
 
+    # The gateway's relay: its four headers (their names' `AnswerNames` kept, in a tree that has
+    # them: this file also runs against older trees), the usage read from the answer.
+    names = relay_module.answer_names(OWN) if hasattr(relay_module, "answer_names") else None
+    kept = {"names": names} if names is not None else {}
+
     async def via_relay(i: int) -> None:
         upstream = await proxy.forward(request(), lambda tried: None if tried else target)
-        extra = [(b"x-request-id", b"%032d" % i), (b"x-kvrouter-engine", b"e0")]
-        relay = RelayResponse(upstream, extra, UsageTap(False), lambda s: None, lambda s, c: None)
+        extra = list(zip(OWN, (b"%032d" % i, b"e0", b"%d" % i, b"fresh"), strict=True))
+        relay = RelayResponse(upstream, extra, None, lambda s: None, lambda s, c: None, True, **kept)
         try:
             await relay.stream_to(_null_send, ClientWatch(_null_receive, scope))
         finally:
-            relay.abandon()
+            if not getattr(relay, "ended", False):
+                relay.abandon()
 
     return {"client": via_client, "proxy": via_proxy, "relay": via_relay}
 

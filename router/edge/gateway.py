@@ -18,7 +18,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Final
+from typing import Final, NoReturn
 
 from starlette.datastructures import Headers
 from starlette.types import Receive, Scope, Send
@@ -44,7 +44,7 @@ from router.edge.client_io import (
 from router.edge.flight import Flight
 from router.edge.headers import forwarded_headers
 from router.edge.proxy import Proxy
-from router.edge.relay import RelayResponse, body_writer
+from router.edge.relay import RelayResponse, answer_names
 from router.edge.upstream import ProxyRequest, UpstreamResponse
 from router.links.fleet_links import FleetLinks
 from router.ops.bucket_histogram import observe_present
@@ -63,8 +63,17 @@ __all__ = ["Gateway", "GatewayParts"]
 log = logging.getLogger(__name__)
 
 _STAGES: Final = ("tokenize", "hash", "lookup", "score")
+_NO_TIMES: Final = (0.0,) * len(_STAGES)
 _QUIET: Final = ("200", "client_closed")
 """The ends logged only at DEBUG."""
+_OWN: Final = (
+    b"x-request-id",
+    b"x-kvrouter-engine",
+    b"x-kvrouter-predicted-cached-tokens",
+    b"x-kvrouter-mirror-trust",
+)
+"""The names of the headers the gateway adds to every answer, in their order."""
+_OWN_NAMES: Final = answer_names(_OWN)
 
 
 @dataclass
@@ -117,6 +126,20 @@ def _mirror_trust(entry: DecisionEntry, engine: str) -> bytes:
     return b"unknown"
 
 
+def _prepare_failed(exc: Exception, endpoint: Endpoint) -> NoReturn:
+    """Raise what a failed preparation is answered with (`Gateway.prepare`): the model's 404 (or 400),
+    a 400 naming the field, a `RouterError` as it is, or a logged 500 for anything else (a bug)."""
+    if isinstance(exc, UnknownModel):  # the gateway's own answer: no engine is asked
+        raise exc.answer() from None
+    if isinstance(exc, RequestError):
+        raise BadRequest(str(exc), param=exc.param) from None
+    if isinstance(exc, RouterError):
+        raise exc
+    log.exception("preparing a request failed", extra={"endpoint": endpoint.value})
+    failure = type(exc).__name__
+    raise RouterError(f"internal error while preparing the request ({failure}, logged)") from exc
+
+
 class Gateway:
     """Serves the OpenAI routes over the fleet (see the module docstring)."""
 
@@ -131,6 +154,7 @@ class Gateway:
         # The stages' histogram children, looked up once rather than per request (a lock and a dict each).
         self._overhead = {stage: parts.metrics.overhead.labels(stage) for stage in (*_STAGES, "proxy")}
         self._stage_children = tuple((stage, self._overhead[stage]) for stage in _STAGES)
+        self._proxy_overhead = self._overhead["proxy"]
         policy = parts.config.policy
         # Nothing reads the prompt: the policy does not, saturation does not, no recording is made.
         self.prompt_free = (
@@ -144,28 +168,33 @@ class Gateway:
         fields routing reads when nothing reads the prompt (unless `full`); a bad request is a 400
         naming the field, any other failure a logged 500 (`RouterError`). With `defer`, the stores
         for later requests are left for `Models.run_stores` (router.prepare.served_models)."""
+        if not self.any_remote:
+            return self.prepare_local(body, endpoint, full, defer)
         models = self.parts.models
         try:
             if self.prompt_free and not full and (unread := models.prepare_unread(body, endpoint)):
                 return unread
-            if not self.any_remote:  # one JSON decode less on the common path
-                return models.prepare(body, endpoint, defer=defer)
             model = models.resolve(body)
             if models.needs_remote(model):
                 tokens = await self._remote_tokens(body, model)
                 if tokens is not None:
                     return models.prepare_tokens(body, endpoint, tokens, model, defer=defer)
             return models.prepare(body, endpoint, model, defer=defer)
-        except UnknownModel as exc:  # the gateway's own 404 (or 400 when missing): no engine is asked
-            raise exc.answer() from None
-        except RequestError as exc:
-            raise BadRequest(str(exc), param=exc.param) from None
-        except RouterError:
-            raise
-        except Exception as exc:  # a bug, not the client's fault: an OpenAI-format 500, counted and traced
-            log.exception("preparing a request failed", extra={"endpoint": endpoint.value})
-            failure = type(exc).__name__
-            raise RouterError(f"internal error while preparing the request ({failure}, logged)") from exc
+        except Exception as exc:
+            _prepare_failed(exc, endpoint)
+
+    def prepare_local(
+        self, body: bytes, endpoint: Endpoint, full: bool = False, defer: bool = False
+    ) -> Prepared:
+        """`prepare` when no model tokenizes remotely (`any_remote` False), with no coroutine: it
+        never waits (and skips the model lookup the remote path makes first: one JSON decode)."""
+        models = self.parts.models
+        try:
+            if self.prompt_free and not full and (unread := models.prepare_unread(body, endpoint)):
+                return unread
+            return models.prepare(body, endpoint, defer=defer)
+        except Exception as exc:
+            _prepare_failed(exc, endpoint)
 
     async def _remote_tokens(self, body: bytes, model: str) -> list[int] | None:
         """The prompt ids from the first reachable replica of `model`; None (logged) when none answers."""
@@ -199,11 +228,22 @@ class Gateway:
             body = await self._admit(scope, receive, signal)
             try:
                 watch = ClientWatch(receive, scope, signal)
-                relay = await self._admitted(scope, endpoint, body, rid, arrived)
+                # Prepared and decided with no coroutine of their own (unless an engine tokenizes),
+                # forwarded from here: no layer between this coroutine and the proxy's per request.
+                prepared = await self._prepare_remote(body, endpoint) if self.any_remote else None
+                exchange = self._decide(scope, endpoint, body, rid, arrived, prepared)
+                try:
+                    upstream = await self.parts.proxy.forward(
+                        exchange.proxied, exchange.flight.choose, exchange.sent
+                    )
+                except BaseException as exc:
+                    exchange.failed(exc)
+                    raise
+                relay = exchange.relay(upstream, note_of(scope))
             except BaseException:
                 self.parts.fleet.admission.leave()
                 raise
-            await relay.stream_to(send, watch, body_writer(scope, self.coalesce_s))
+            await relay.stream_to(send, watch, None, scope, self.coalesce_s)
         except RouterError as exc:
             if relay is not None:  # the answer had started: only dropping the connection is left
                 raise
@@ -218,7 +258,7 @@ class Gateway:
         finally:
             if watch is not None:
                 watch.close()
-            if relay is not None:
+            if relay is not None and not relay.ended:  # (ended: the common case, no call)
                 relay.abandon()
 
     async def _admit(self, scope: Scope, receive: Receive, signal: LostSignal | None) -> bytes:
@@ -255,15 +295,32 @@ class Gateway:
         """Count a request answered by the gateway itself, before any engine was chosen (and why)."""
         self.parts.metrics.refused(self.policy, status, reason)
 
-    async def _admitted(
-        self, scope: Scope, endpoint: Endpoint, body: bytes, rid: str, arrived: float
-    ) -> RelayResponse:
-        parts = self.parts
+    async def _prepare_remote(self, body: bytes, endpoint: Endpoint) -> Prepared:
+        """`prepare` (deferring its stores) when some model tokenizes on an engine; a refusal is counted."""
         try:
-            prepared = await self.prepare(body, endpoint, defer=True)  # its stores: `sent`, below
+            return await self.prepare(body, endpoint, defer=True)
         except RouterError as exc:
             self._refused(str(exc.http_status()), exc.reason)
             raise
+
+    def _decide(
+        self,
+        scope: Scope,
+        endpoint: Endpoint,
+        body: bytes,
+        rid: str,
+        arrived: float,
+        prepared: Prepared | None,
+    ) -> _Exchange:
+        """Prepare the request (unless `prepared`; its stores deferred to `_Exchange.sent`) and decide
+        where it goes: the exchange that forwards it. A refusal is counted."""
+        parts = self.parts
+        if prepared is None:
+            try:
+                prepared = self.prepare_local(body, endpoint, False, True)
+            except RouterError as exc:
+                self._refused(str(exc.http_status()), exc.reason)
+                raise
         entry = DecisionEntry(request_id=rid, time=time.time(), request=view_of(prepared))
         # The key was the router's (engines never see it); the request id is the gateway's. The path is
         # str(endpoint): a C call, where Enum.value is a Python-level property.
@@ -275,89 +332,17 @@ class Gateway:
             parts.recorder.request(rid, endpoint.value, prepared.model, Headers(scope=scope), body)
             flight.on_decision = parts.recorder.decision
         routed = flight.decide(prepared, parts.fleet.clock())
-        forwarding = time.perf_counter()
-        # Only the decision is made before the request is written to the engine. What later requests'
-        # routing reads (the flight's counts: load, admission, pending prefix, awaited stores), what
-        # their preparation reads (the tokenization and key caches' stores, `Models.run_stores`) and
-        # the debug record (its timings, its place in the ring) are done by `sent`, which the proxy
-        # runs right after the write, before control returns to the event loop (Proxy.forward), so
-        # they cost the engine's time, not the first chunk's, and no other request routes or is
-        # prepared without them. A refusal or a failure before the write runs them all the same.
-        kept = False
-
-        def sent() -> None:
-            nonlocal kept
-            flight.sent()
-            if not kept:
-                kept = True
-                self._keep(entry, prepared, routed)
-
-        try:
-            upstream = await parts.proxy.forward(proxied, flight.choose, sent)
-        except BaseException as exc:
-            if not kept:  # refused, or failed before any attempt went out: recorded all the same
-                kept = True
-                self._keep(entry, prepared, routed)
-            flight.finish()
-            self._failed(entry, exc)
-            raise
-        entry.attempts = upstream.attempts
-        for attempt in upstream.attempts[:-1]:  # each earlier attempt was moved to another engine
-            reason = attempt.outcome.value if attempt.status == 0 else f"http_{attempt.status}"
-            parts.metrics.retries.labels(reason).inc()
-        own = 0.0  # the routing stages' time, before forwarding
-        for stage in _STAGES:
-            own += entry.timings_s.get(stage, 0.0)
-        pre_forward = max(0.0, forwarding - arrived - own)
-        return self._relay(upstream, flight, entry, (arrived, pre_forward), note_of(scope))
+        return _Exchange(self, flight, entry, (prepared, routed), (arrived, time.perf_counter()))
 
     def _keep(self, entry: DecisionEntry, prepared: Prepared, routed: Routed) -> None:
         """Run the preparation's stores for later requests; complete the request's debug record (its
         stages' timings) and keep it in the ring."""
         self.parts.models.run_stores()
-        entry.timings_s = stage_timings(prepared.timings, routed.timings)
+        first, then = prepared.timings, routed.timings
+        # `stage_timings`' common case inline: one call less per request.
+        fast = type(then) is dict and (type(first) is MappingProxyType or type(first) is dict)
+        entry.timings_s = first | then if fast else stage_timings(first, then)  # type: ignore[operator]
         self.parts.ring.add(entry)
-
-    def _relay(
-        self, upstream: UpstreamResponse, flight: Flight, entry: DecisionEntry,
-        times: tuple[float, float], note: AccessNote,
-    ) -> RelayResponse:  # fmt: skip
-        """The relay of `upstream` with its accounting hooks; `times` = (arrival on the perf_counter
-        clock, the gateway's own time before forwarding outside the routing stages)."""
-        parts, engine = self.parts, upstream.engine
-        arrived, pre_forward = times
-        model = entry.request.model
-        streamed_ok = upstream.status == 200 and entry.request.stream
-        predicted = entry.predicted_cached_tokens or 0
-        headers = [
-            (b"x-request-id", entry.request_id.encode("latin-1")),
-            (b"x-kvrouter-engine", engine.encode("latin-1")),
-            (b"x-kvrouter-predicted-cached-tokens", b"%d" % predicted),
-            (b"x-kvrouter-mirror-trust", _mirror_trust(entry, engine)),
-        ]
-
-        def first_byte(relay_s: float) -> None:
-            flight.first_byte()
-            self._overhead["proxy"].observe(pre_forward + relay_s)
-            if streamed_ok:  # a JSON answer's first chunk is most of the answer: no TTFT to speak of
-                parts.metrics.ttft_of[engine, model].observe(time.perf_counter() - arrived)
-
-        def end(status: str, cached: int | None) -> None:
-            flight.finish()
-            # Observed once the answer is out, not on its first byte's path.
-            observe_present(self._stage_children, entry.timings_s)
-            parts.fleet.admission.leave()
-            entry.status = upstream.status
-            entry.actual_cached_tokens = note.actual_cached_tokens = cached
-            parts.metrics.requests_of[engine, self.policy, status].inc()
-            if status == "200":
-                parts.metrics.duration_of[engine, model].observe(time.perf_counter() - arrived)
-            if cached is not None and not entry.request.unread:
-                parts.metrics.observe_prediction(engine, predicted, cached)
-            if status not in _QUIET or log.isEnabledFor(logging.DEBUG):
-                self._log_end(entry, status)
-
-        return RelayResponse(upstream, headers, None, first_byte, end, upstream.status == 200)
 
     def _failed(self, entry: DecisionEntry, exc: BaseException) -> None:
         engine = entry.engine or "none"
@@ -395,3 +380,103 @@ class Gateway:
         return Explanation(
             view_of(prepared), routed.decision, stage_timings(prepared.timings, routed.timings)
         )
+
+
+class _Exchange:
+    """One decided request from its forwarding to its end: the proxy's `sent` hook, then its relay's
+    `first_byte` and `end` hooks, as methods of one object (no closures and cells per request). It
+    holds no reference to its relay, so relay and exchange are freed by reference counting.
+
+    Only the decision is made before the request is written to the engine. What later requests'
+    routing reads (the flight's counts: load, admission, pending prefix, awaited stores), what their
+    preparation reads (the tokenization and key caches' stores, `Models.run_stores`) and the debug
+    record (its timings, its place in the ring) are done by `sent`, which the proxy runs right after
+    the write, before control returns to the event loop (Proxy.forward), so they cost the engine's
+    time, not the first chunk's, and no other request routes or is prepared without them. A refusal
+    or a failure before the write runs them all the same (`failed`)."""
+
+    __slots__ = (
+        "arrived", "engine", "entry", "flight", "forwarding", "gateway", "kept", "model", "note",
+        "pre_forward", "predicted", "prepared", "proxied", "routed", "streamed_ok", "upstream",
+    )  # fmt: skip
+
+    def __init__(
+        self, gateway: Gateway, flight: Flight, entry: DecisionEntry, decided: tuple[Prepared, Routed],
+        times: tuple[float, float],
+    ) -> None:  # fmt: skip
+        """`decided` = (the preparation, the routing); `times` = (arrival, the decision's end) on the
+        perf_counter clock."""
+        self.gateway, self.flight, self.entry = gateway, flight, entry
+        self.proxied = flight.request
+        self.prepared, self.routed = decided
+        self.arrived, self.forwarding = times
+        self.kept = False
+
+    def sent(self) -> None:
+        """The chosen attempt went out (or is about to wait): its flight's counts; the first time,
+        the stores and the debug record too."""
+        self.flight.sent()
+        if not self.kept:
+            self.kept = True
+            self.gateway._keep(self.entry, self.prepared, self.routed)
+
+    def failed(self, exc: BaseException) -> None:
+        """No answer to relay (`exc` ends the request): recorded and counted all the same."""
+        if not self.kept:  # refused, or failed before any attempt went out
+            self.kept = True
+            self.gateway._keep(self.entry, self.prepared, self.routed)
+        self.flight.finish()
+        self.gateway._failed(self.entry, exc)
+
+    def relay(self, upstream: UpstreamResponse, note: AccessNote) -> RelayResponse:
+        """The relay of `upstream` with this exchange's accounting hooks (retries counted now)."""
+        entry, engine = self.entry, upstream.engine
+        attempts = entry.attempts = upstream.attempts
+        if len(attempts) > 1:
+            for attempt in attempts[:-1]:  # each earlier attempt was moved to another engine
+                reason = attempt.outcome.value if attempt.status == 0 else f"http_{attempt.status}"
+                self.gateway.parts.metrics.retries.labels(reason).inc()
+        # The routing stages' time, before forwarding (each stage's `get(stage, 0.0)`, summed in C),
+        # and the gateway's own time before forwarding outside them.
+        own = sum(map(entry.timings_s.get, _STAGES, _NO_TIMES), 0.0)
+        self.pre_forward = max(0.0, self.forwarding - self.arrived - own)
+        self.upstream, self.note, self.engine, self.model = upstream, note, engine, entry.request.model
+        self.streamed_ok = upstream.status == 200 and entry.request.stream
+        predicted = self.predicted = entry.predicted_cached_tokens or 0
+        rid_name, engine_name, predicted_name, trust_name = _OWN
+        headers = [
+            (rid_name, entry.request_id.encode("latin-1")),
+            (engine_name, engine.encode("latin-1")),
+            (predicted_name, b"%d" % predicted),
+            (trust_name, _mirror_trust(entry, engine)),
+        ]
+        ok = upstream.status == 200
+        return RelayResponse(upstream, headers, None, self.first_byte, self.end, ok, _OWN_NAMES)
+
+    def first_byte(self, relay_s: float) -> None:
+        """The answer's first chunk was handed to the client, `relay_s` after it arrived."""
+        self.flight.first_byte()
+        gateway = self.gateway
+        gateway._proxy_overhead.observe(self.pre_forward + relay_s)
+        if self.streamed_ok:  # a JSON answer's first chunk is most of the answer: no TTFT to speak of
+            ttft_s = time.perf_counter() - self.arrived
+            gateway.parts.metrics.ttft_of[self.engine, self.model].observe(ttft_s)
+
+    def end(self, status: str, cached: int | None) -> None:
+        """The relay ended with `status` ("200", "broken", "client_closed") and the engine's reported
+        cached tokens: counted, recorded, logged (`_QUIET` ends only at DEBUG)."""
+        self.flight.finish()
+        gateway, entry = self.gateway, self.entry
+        parts = gateway.parts
+        # Observed once the answer is out, not on its first byte's path.
+        observe_present(gateway._stage_children, entry.timings_s)
+        parts.fleet.admission.leave()
+        entry.status = self.upstream.status
+        entry.actual_cached_tokens = self.note.actual_cached_tokens = cached
+        reported = None if entry.request.unread else cached  # no prompt read: nothing predicted
+        took_s = time.perf_counter() - self.arrived
+        parts.metrics.answered(
+            self.engine, gateway.policy, status, self.model, took_s, self.predicted, reported
+        )
+        if status not in _QUIET or log.isEnabledFor(logging.DEBUG):
+            gateway._log_end(entry, status)

@@ -14,6 +14,7 @@ from urllib.parse import urlsplit
 __all__ = [
     "HOP_BY_HOP",
     "forwarded_headers",
+    "host_of",
     "is_origin_form",
     "response_headers",
     "upstream_headers",
@@ -48,7 +49,7 @@ def _strip(headers: Iterable[tuple[str, str]], drop: frozenset[str]) -> list[tup
 
 
 @lru_cache(maxsize=1024)
-def _host_of(base_url: str) -> str:
+def host_of(base_url: str) -> str:
     """The `Host` of an engine's base URL (an engine's URL is fixed: parsed once, not per request)."""
     return urlsplit(base_url).netloc
 
@@ -93,8 +94,8 @@ def upstream_headers(
     `end_to_end`: they have none, nor Host or Content-Length (`forwarded_headers`' own): only Host
     is added."""
     if end_to_end:
-        return [*client_headers, ("Host", _host_of(base_url))]
-    return [*_strip(client_headers, _REQUEST_DROP), ("Host", _host_of(base_url))]
+        return [*client_headers, ("Host", host_of(base_url))]
+    return [*_strip(client_headers, _REQUEST_DROP), ("Host", host_of(base_url))]
 
 
 def response_headers(engine_headers: Iterable[tuple[str, str]]) -> list[tuple[str, str]]:

@@ -90,7 +90,9 @@ class Http1Response:
         self._pool, self._conn, self._deadline = pool, conn, deadline
         self._read_s = pool.client.settings.read_s
         self._reuse = conn.keep_alive
-        self._done = False
+        self.done = False
+        """Released or dropped (`release`, `close`): after `ready` or `next_chunk` handed over body
+        bytes, True exactly when they were the body's last (the connection goes with them)."""
 
     @property
     def headers(self) -> list[tuple[str, str]]:
@@ -100,7 +102,7 @@ class Http1Response:
     def ready(self) -> bytes | None:
         """What `next_chunk` would return now without waiting (b"" at the body's end), or None when it
         would have to wait or raise: the relay's synchronous path, no coroutine per chunk."""
-        if self._done:
+        if self.done:
             return b""
         conn = self._conn
         if conn.chunks:
@@ -113,7 +115,7 @@ class Http1Response:
     async def next_chunk(self) -> bytes:
         """The next body bytes as they arrived; b"" once the body is complete. The connection is
         released with the body's last bytes (`at_end()` is then True), so no further call is needed."""
-        if self._done:  # released or dropped: a pooled connection's bytes are another answer's now
+        if self.done:  # released or dropped: a pooled connection's bytes are another answer's now
             return b""
         conn = self._conn
         while not conn.chunks:
@@ -123,9 +125,10 @@ class Http1Response:
             if conn.error is not None:
                 self.close()
                 raise conn.error
-            left = self._deadline - conn.loop.time()
+            now = conn.loop.time()
+            left = self._deadline - now
             # The connection's future is awaited here: no coroutine of its own per wait.
-            waiter = conn.arm(min(self._read_s, left), "read" if self._read_s < left else "total")
+            waiter = conn.arm_at(now + min(self._read_s, left), "read" if self._read_s < left else "total")
             try:
                 await waiter
             except BaseException:
@@ -159,7 +162,7 @@ class Http1Response:
         try:
             if conn.chunks and not conn.complete:
                 conn.to_sink(sink)
-            while not (conn.complete or self._done):
+            while not (conn.complete or self.done):
                 if conn.error is not None:
                     raise conn.error
                 if conn.sink_full:
@@ -167,8 +170,9 @@ class Http1Response:
                     conn.sink_full = False
                     conn.resume()
                     continue
-                idle, left = self._idle_left(loop.time())
-                waiter = conn.arm(min(idle, left), "read" if idle < left else "total")
+                now = loop.time()
+                idle, left = self._idle_left(now)
+                waiter = conn.arm_at(now + min(idle, left), "read" if idle < left else "total")
                 try:
                     await waiter
                 except TimedOut:
@@ -192,13 +196,13 @@ class Http1Response:
 
     def at_end(self) -> bool:
         """Whether the body has been read to its end: the next `next_chunk` returns b"" at once."""
-        return self._done or (self._conn.complete and not self._conn.chunks)
+        return self.done or (self._conn.complete and not self._conn.chunks)
 
     def release(self) -> None:
         """Give the connection back to the pool if the body was read to its end, else drop it."""
-        if self._done:
+        if self.done:
             return
-        self._done = True
+        self.done = True
         conn = self._conn
         if conn.complete and self._reuse and not conn.lost and not conn.chunks:
             self._pool.put(conn)
@@ -208,8 +212,8 @@ class Http1Response:
 
     def close(self) -> None:
         """Drop the connection unless the answer was already fully read (idempotent)."""
-        if not self._done:
-            self._done = True
+        if not self.done:
+            self.done = True
             self._conn.close()
             self._pool.forget()
 
@@ -237,7 +241,12 @@ class _Pool:
         conn.reset()
         conn.idle_since = conn.loop.time()
         self.idle.append(conn)
-        self.forget()
+        # `forget()` inline: every answer read to its end comes here.
+        self.in_use -= 1
+        client = self.client
+        client._in_use -= 1
+        if client._waiting:
+            client.wake_waiters()
 
     def forget(self) -> None:
         """A connection of this pool stopped being in use (back in `idle`, or dropped)."""
@@ -280,18 +289,29 @@ class Http1Client:
         loop = pool.idle[-1].loop if pool.idle else asyncio.get_running_loop()
         start = loop.time()
         head = _head(method, pool.origin.prefix + path, headers, body)
-        conn = self._take(pool, start)
+        s = self.settings
+        conn = None  # an idle kept connection when the limits leave room, with no await (the common case)
+        if self._in_use < s.pool_total and pool.in_use < s.pool_per_host:
+            conn = pool.take(start)
+            if conn is not None:
+                self._in_use += 1
         if conn is None:
             if sent is not None:  # the wait below lets other requests run
                 sent()
                 sent = None
             conn = await self._acquire(pool, loop)
-        first_byte_at = start + self.settings.first_byte_s
+        first_byte_at = start + s.first_byte_s
         while True:
             # The wait for the answer's head is inlined (no coroutine per exchange or per wait): one
             # future the parser's callbacks (or the connection's end) resolve, one timer.
             try:
-                waiter = self._send(conn, head, body, first_byte_at)
+                # Head and body in one `writelines`: one writev on uvloop, the body never copied.
+                assert conn.transport is not None
+                if body:
+                    conn.transport.writelines((head, body))
+                else:
+                    conn.transport.write(head)
+                waiter = conn.arm_at(first_byte_at, "first byte")
                 if sent is not None:  # the bytes are out: the caller's bookkeeping, before the wait
                     sent()
                     sent = None
@@ -304,7 +324,7 @@ class Http1Client:
                         break
                     if conn.error is not None:
                         raise conn.error
-                    waiter = conn.arm(first_byte_at - conn.loop.time(), "first byte")  # woken early
+                    waiter = conn.arm_at(first_byte_at, "first byte")  # woken early
                 break
             except BaseException as exc:
                 conn.close()
@@ -316,36 +336,13 @@ class Http1Client:
             conn = await self._acquire(pool, loop, fresh=True)
         if method == "HEAD":  # the answer's length describes a body that never comes
             conn.complete, conn.keep_alive = True, False
-        return Http1Response(pool, conn, start + self.settings.total_s)
-
-    def _send(self, conn: Connection, head: bytes, body: bytes, first_byte_at: float) -> asyncio.Future[None]:
-        """Write the request and arm the wait for its answer's head (resolved by the parser's callbacks,
-        the connection's end or `TimedOut("first byte")` at `first_byte_at`).
-
-        Head and body go out in one `writelines`: one writev on uvloop, the body never copied."""
-        assert conn.transport is not None
-        if body:
-            conn.transport.writelines((head, body))
-        else:
-            conn.transport.write(head)
-        return conn.arm(first_byte_at - conn.loop.time(), "first byte")
+        return Http1Response(pool, conn, start + s.total_s)
 
     def _pool(self, base_url: str) -> _Pool:
         pool = self._pools.get(base_url)
         if pool is None:
             pool = self._pools[base_url] = _Pool(self, _Origin.of(base_url))
         return pool
-
-    def _take(self, pool: _Pool, now: float) -> Connection | None:
-        """An idle kept connection of `pool` when the limits leave room, with no await (the common
-        case); None sends the caller to `_acquire`."""
-        s = self.settings
-        if self._in_use >= s.pool_total or pool.in_use >= s.pool_per_host:
-            return None
-        conn = pool.take(now)
-        if conn is not None:
-            self._in_use += 1
-        return conn
 
     async def _acquire(self, pool: _Pool, loop: asyncio.AbstractEventLoop, fresh: bool = False) -> Connection:
         s = self.settings

@@ -127,7 +127,11 @@ class Connection(asyncio.Protocol):
         self.headers_done = True
         # Both are valid only inside the parser's callbacks (reset once the message is complete).
         self.status, self.keep_alive = self.parser.get_status_code(), self.parser.should_keep_alive()
-        self._wake()
+        waiter = self.waiter  # `_wake()` inline: every answer's head comes here
+        if waiter is not None:
+            self.waiter = None
+            if not waiter.done():
+                waiter.set_result(None)
 
     def on_body(self, body: bytes) -> None:
         self.chunks.append(body)
@@ -192,10 +196,15 @@ class Connection(asyncio.Protocol):
         timer's keeps it (the timeouts are fixed, so each exchange's deadline is later than the last
         one's) and `_expire` moves it on to the deadline then armed, if any. A request costs no timer
         of its own, only a wake-up per timeout while the connection is in use."""
+        return self.arm_at(self.loop.time() + max(0.0, timeout_s), phase)
+
+    def arm_at(self, deadline: float, phase: str) -> asyncio.Future[None]:
+        """`arm` with the deadline as a loop time (one past already fails the wait on the next timer
+        run): the request's first-byte deadline is known, so no clock reading is needed."""
         loop = self.loop
         waiter = self.waiter = self._armed = loop.create_future()
         self._phase = phase
-        self._deadline = deadline = loop.time() + max(0.0, timeout_s)
+        self._deadline = deadline
         if self.timer is None or self._timer_at > deadline:
             if self.timer is not None:
                 self.timer.cancel()

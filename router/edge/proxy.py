@@ -34,7 +34,7 @@ from router.core.errors import (
 from router.core.ids import EngineId
 from router.core.policy.breaker import Breakers, CircuitBreaker
 from router.core.policy.retry import Outcome, OutcomeKind, RetryPolicy, counts_as_failure, is_retryable
-from router.edge.headers import is_origin_form, upstream_headers
+from router.edge.headers import host_of, is_origin_form, upstream_headers
 from router.edge.http1 import ClientSettings, Http1Client, Http1Response
 from router.edge.upstream import (
     UPSTREAM_FAILURES,
@@ -186,7 +186,10 @@ class Proxy:
                 attempts.append(Attempt(target.engine, OutcomeKind.CONNECT_FAILED, error="circuit open"))
                 last = UpstreamConnectError(f"engine {target.engine}: circuit open", engine=target.engine)
                 continue
-            headers = upstream_headers(request.headers, target.base_url, request.end_to_end)
+            if request.end_to_end:  # `upstream_headers`' common case inline: one call less per request
+                headers = [*request.headers, ("Host", host_of(target.base_url))]
+            else:
+                headers = upstream_headers(request.headers, target.base_url)
             try:
                 response = await client.request(
                     request.method, target.base_url, request.path, headers, request.body, hook
@@ -231,7 +234,7 @@ class Proxy:
         if retryable:
             return None
         answer = UpstreamResponse(target, status, response.raw_headers, attempts)
-        answer._response = response
+        answer.response = response
         answer._on_broken = lambda: breaker.record_failure(self.clock())
         return answer
 

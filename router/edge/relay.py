@@ -1,11 +1,12 @@
-"""Sending an engine's answer on to the client: chunk by chunk, headers added, upstream closed in `finally`.
+"""Sending an engine's answer on to the client: chunk by chunk, headers added, upstream let go in `finally`.
 
 `RelayResponse` carries the proxy's `UpstreamResponse` to the client as raw ASGI messages: each
 chunk is written as soon as it arrives (SSE included, nothing buffered; what arrived together goes
 in one write, and the answer's last bytes carry its end; after the first chunk, through the server's
 `BodyWriter` when it offers one, straight from the upstream reads), the engine's headers pass
 through (duplicates kept, the engine's copies of the gateway's own dropped) with the gateway's own
-added, and the upstream is always closed at the end.
+added, and the upstream is always done with at the end (its connection released with the last
+bytes, else closed).
 A client disconnect (seen by a `ClientWatch`) cancels the relay, which drops the upstream
 connection. `on_end` runs exactly once with the final status label and the actual cached tokens the
 answer reported (None when absent or cut short). It is also a Starlette `Response`, so routes served
@@ -19,6 +20,7 @@ import operator
 import time
 from collections.abc import Callable
 from functools import lru_cache
+from typing import Final
 
 from starlette.responses import Response
 from starlette.types import Receive, Scope, Send
@@ -28,9 +30,18 @@ from router.edge.client_io import ClientWatch
 from router.edge.client_writes import BODY_WRITER, BodyWriter
 from router.edge.headers import HOP_BY_HOP, response_headers
 from router.edge.upstream import UpstreamResponse
-from router.edge.usage import UsageTap
+from router.edge.usage import UsageTap, cached_tokens_of
 
-__all__ = ["EndHook", "RawHeaders", "RelayResponse", "body_writer", "relayed_headers", "relayed_raw_headers"]
+__all__ = [
+    "AnswerNames",
+    "EndHook",
+    "RawHeaders",
+    "RelayResponse",
+    "answer_names",
+    "body_writer",
+    "relayed_headers",
+    "relayed_raw_headers",
+]
 
 _SERVER_OWN = frozenset({"date", "server"})  # uvicorn writes its own; the engine's would repeat them
 _HOP_BY_HOP_RAW = frozenset({name.encode("latin-1") for name in HOP_BY_HOP})
@@ -81,24 +92,68 @@ def _dropped_raw(extra_names: tuple[bytes, ...]) -> frozenset[bytes]:
     return frozenset({name.encode("latin-1") for name in _dropped(extra_names)})
 
 
-def relayed_raw_headers(engine_raw: list[tuple[bytes, bytes]], extra: RawHeaders) -> tuple[RawHeaders, bool]:
+_CONNECTION: Final = b"connection"
+_CONTENT_TYPE: Final = b"content-type"
+_UNSEEN: Final = bytes(2)
+"""`AnswerNames.keys`' default: found by identity (a learnt key is a lowered name or one of the above)."""
+_KEYS_MAX: Final = 256  # engines send a handful of names; past this bound an odd one is learnt afresh
+
+
+class AnswerNames:
+    """What the relay does with each header name an engine sends, learnt once per name, for answers
+    to which the gateway adds headers named `extra_names`: `keys` maps a name as received to its
+    ASGI key (lower-case; `_CONTENT_TYPE` and `_CONNECTION` are the constants), or None (dropped)."""
+
+    __slots__ = ("dropped", "keys")
+
+    def __init__(self, extra_names: tuple[bytes, ...]) -> None:
+        self.dropped = _dropped_raw(extra_names)
+        self.keys: dict[bytes, bytes | None] = {}
+
+    def learn(self, name: bytes) -> bytes | None:
+        """`name`'s key (None: dropped), kept for its next answers while the bound leaves room."""
+        lowered = name.lower()
+        key: bytes | None = lowered
+        if lowered in self.dropped:
+            key = None
+        elif lowered in _HOP_BY_HOP_RAW or lowered.startswith(b"proxy-"):
+            key = _CONNECTION if lowered == _CONNECTION else None
+        elif lowered == _CONTENT_TYPE:
+            key = _CONTENT_TYPE
+        if len(self.keys) < _KEYS_MAX:
+            self.keys[name] = key
+        return key
+
+
+@lru_cache(maxsize=64)
+def answer_names(extra_names: tuple[bytes, ...]) -> AnswerNames:
+    """The `AnswerNames` of answers with the gateway's headers named `extra_names` (one per set)."""
+    return AnswerNames(extra_names)
+
+
+def relayed_raw_headers(
+    engine_raw: list[tuple[bytes, bytes]], extra: RawHeaders, names: AnswerNames | None = None
+) -> tuple[RawHeaders, bool]:
     """`relayed_headers` of the engine's end-to-end headers (`response_headers`) straight from the
     bytes the parser gave, in one pass with nothing decoded; and whether the answer is SSE (its
     content type says `event-stream`). An answer whose Connection header names others (rare) takes
     the general path. Header names are tokens (ASCII: the parser refuses others), so lower-casing the
-    bytes is lower-casing the names."""
-    dropped = _dropped_raw(tuple(map(_NAME, extra)))  # no Python-level comprehension per request
+    bytes is lower-casing the names. `names` is `answer_names` of `extra`'s names (the caller's, kept:
+    none looked up per answer); what becomes of a name is learnt once, then read from a dict."""
+    if names is None:
+        names = answer_names(tuple(map(_NAME, extra)))  # no Python-level comprehension per request
+    keys = names.keys
     raw: RawHeaders = []
     sse = False
     for name, value in engine_raw:
-        key = name.lower()
-        if key in dropped:
+        key = keys.get(name, _UNSEEN)
+        if key is _UNSEEN:
+            key = names.learn(name)
+        if key is None:
             continue
-        if key in _HOP_BY_HOP_RAW or key.startswith(b"proxy-"):
-            if key == b"connection":
-                return _relayed_in_general(engine_raw, extra)
-            continue
-        if key == b"content-type" and b"event-stream" in value:
+        if key is _CONNECTION:
+            return _relayed_in_general(engine_raw, extra)
+        if key is _CONTENT_TYPE and b"event-stream" in value:
             sse = True
         raw.append((key, value))
     raw += extra
@@ -122,52 +177,66 @@ class RelayResponse(Response):
         on_first_byte: Callable[[float], None],
         on_end: EndHook,
         watch_usage: bool = False,
+        names: AnswerNames | None = None,
     ) -> None:
-        """With `watch_usage`, the answer's cached tokens are read as it passes (`watch_usage()`)."""
+        """With `watch_usage`, the answer's cached tokens are read as it passes (`watch_usage()`);
+        `names`: `answer_names` of `extra_headers`' names, when the caller keeps it."""
         self.status_code = upstream.status
         self.background = None
-        self.raw_headers, self.event_stream = relayed_raw_headers(upstream.raw_headers, extra_headers)
+        self.raw_headers, self.event_stream = relayed_raw_headers(upstream.raw_headers, extra_headers, names)
         self.upstream = upstream
-        self._tap = UsageTap(self.event_stream) if watch_usage else tap
+        self._tap = None if watch_usage else tap
+        self._watch = watch_usage
         self._on_first_byte = on_first_byte
         self._on_end = on_end
-        self._ended = False
+        self.ended = False
+        """`on_end` has run (it runs once)."""
 
     def watch_usage(self) -> None:
         """Read the answer's cached tokens as it passes (a `UsageTap` for SSE or JSON, as the answer's
-        content type says), for `on_end`."""
-        self._tap = UsageTap(self.event_stream)
+        content type says, made once a second chunk comes), for `on_end`."""
+        self._tap, self._watch = None, True
 
-    def _end(self, status: str, cached: int | None) -> None:
-        if not self._ended:
-            self._ended = True
-            self._on_end(status, cached)
-
-    async def stream_to(self, send: Send, watch: ClientWatch, direct: BodyWriter | None = None) -> None:
+    async def stream_to(
+        self, send: Send, watch: ClientWatch, direct: BodyWriter | None = None, scope: Scope | None = None,
+        coalesce_s: float = 0.0,
+    ) -> None:  # fmt: skip
         """Relay the whole answer through `send`; `watch` learns when the last message goes out. With
-        `direct`, the body after the first chunk goes straight to the client transport (`_pump`)."""
-        status, complete, tap = "client_closed", False, self._tap
+        `direct`, the body after the first chunk goes straight to the client transport (`_pump`); with
+        `scope` instead, its `body_writer` (with `coalesce_s`) is looked up for that, only if the body
+        goes on after its first chunk (an answer that came whole needs none)."""
+        status, complete, tap, whole, ended = "client_closed", False, self._tap, b"", False
         try:
             start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             await send(start)
-            first, ended, upstream = True, False, self.upstream
+            first, upstream = True, self.upstream
+            reader = upstream.response  # read directly: no wrapper call per chunk
             while not ended:
-                chunk = upstream.ready()  # what has arrived, with no coroutine; None: wait for it
+                # What has arrived, with no coroutine; None: wait for it.
+                chunk = reader.ready() if reader is not None else upstream.ready()
                 if chunk is None:
                     chunk = await upstream.next_chunk()
                 if not chunk:
                     break
                 received = time.perf_counter() if first else 0.0
-                if upstream.at_end():  # the stream's end leaves with its last bytes, in one write
+                # `reader.at_end()` as the attribute it reads after a hand-over: no call per chunk.
+                if reader is not None and reader.done:  # the end leaves with its last bytes, in one write
                     ended = True  # and the connection is already released: no call for b"" follows
                     watch.closing()
                 await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
+                if first and tap is None and self._watch:
+                    if ended:  # the whole answer in one read: read at the end as it is, no tap
+                        whole = chunk
+                    else:
+                        tap = self._tap = UsageTap(self.event_stream)
                 if tap is not None:  # looked at once it is on its way (read only if the answer completes)
                     tap.feed(chunk)
                 if first:
                     # Time from the first chunk's arrival to its hand-over to the client transport.
                     self._on_first_byte(time.perf_counter() - received)
                     first = False
+                    if direct is None and scope is not None and not ended:
+                        direct = body_writer(scope, coalesce_s)
                     if direct is not None and not ended and direct.usable():
                         await self._pump(direct)
             status, complete = str(self.status_code), True
@@ -178,9 +247,17 @@ class RelayResponse(Response):
             status = "broken"
             raise
         finally:
-            self.upstream.close()
-            cached = tap.cached_tokens() if complete and tap is not None else None
-            self._end(status, cached)
+            if not ended:  # (ended: the connection went back to the pool with the last bytes)
+                self.upstream.close()
+            cached = None
+            if complete:
+                if tap is not None:
+                    cached = tap.cached_tokens()
+                elif whole:
+                    cached = cached_tokens_of(whole, self.event_stream)
+            if not self.ended:
+                self.ended = True
+                self._on_end(status, cached)
 
     async def _pump(self, direct: BodyWriter) -> None:
         """The body up to its end straight from the upstream connection's reads to the client transport,
@@ -196,14 +273,15 @@ class RelayResponse(Response):
 
     def abandon(self) -> None:
         """The relay will not run (or was cut short before it started): release everything once."""
-        if not self._ended:  # ended: `stream_to` closed the upstream before telling the hook
+        if not self.ended:  # ended: `stream_to` closed the upstream before telling the hook
+            self.ended = True
             self.upstream.close()
-            self._end("client_closed", None)
+            self._on_end("client_closed", None)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         watch = ClientWatch(receive, scope)
         try:
-            await self.stream_to(send, watch, body_writer(scope))
+            await self.stream_to(send, watch, None, scope)
         except asyncio.CancelledError:
             if not watch.absorb():
                 raise

@@ -107,6 +107,10 @@ def outcome_of(error: UpstreamError) -> OutcomeKind:
     return OutcomeKind.FIRST_BYTE_TIMEOUT if isinstance(error, UpstreamTimeout) else OutcomeKind.BROKEN
 
 
+def _nothing() -> None:
+    """The broken hook of an answer nobody counts (no lambda made per answer)."""
+
+
 class UpstreamResponse:
     """An engine's answer: status and end-to-end headers now, the body as chunks as they arrive."""
 
@@ -118,9 +122,11 @@ class UpstreamResponse:
         self.raw_headers = raw_headers
         """The engine's header pairs as received (hop-by-hop ones included), latin-1 bytes."""
         self.attempts = attempts
-        self._response: http1.Http1Response | None = None
+        self.response: http1.Http1Response | None = None
+        """The client's answer whose body this is (None: the body is the excerpt already read); the
+        relay reads its `ready` and `at_end` directly (they raise nothing to translate)."""
         self._buffered = b""
-        self._on_broken: Callable[[], None] = lambda: None
+        self._on_broken: Callable[[], None] = _nothing
         self._body: AsyncIterator[bytes] | None = None
 
     @property
@@ -146,7 +152,7 @@ class UpstreamResponse:
     def ready(self) -> bytes | None:
         """What `next_chunk` would return now without waiting (b"" at the end), or None when it would
         wait or raise (`http1.Http1Response.ready`)."""
-        response = self._response
+        response = self.response
         if response is None:
             chunk, self._buffered = self._buffered, b""
             return chunk
@@ -156,7 +162,7 @@ class UpstreamResponse:
         """The body bytes that have arrived (waiting for some), b"" once the body is complete. A fully
         read response returns its connection to the pool; a failure drops it, which is how the engine
         learns that the client went away (as does `close()` after a cancellation)."""
-        response = self._response
+        response = self.response
         if response is None:
             chunk, self._buffered = self._buffered, b""
             return chunk
@@ -168,9 +174,9 @@ class UpstreamResponse:
     async def pump(self, sink: http1.Sink, drained: Callable[[], Awaitable[None]]) -> None:
         """Hand the body to `sink` as it arrives, straight from the connection's callbacks, until its
         end, whose bytes stay for `next_chunk` (`http1.Http1Response.pump`); errors as `next_chunk`'s."""
-        if self._response is not None:
+        if self.response is not None:
             try:
-                await self._response.pump(sink, drained)
+                await self.response.pump(sink, drained)
             except UPSTREAM_FAILURES as exc:
                 raise self._broken(exc) from exc
 
@@ -181,7 +187,7 @@ class UpstreamResponse:
 
     def at_end(self) -> bool:
         """Whether the last chunk has been yielded (the stream will end without waiting for anything)."""
-        return self._response is not None and self._response.at_end()
+        return self.response is not None and self.response.at_end()
 
     async def read(self) -> bytes:
         """The whole body (for non-streaming answers)."""
@@ -189,5 +195,5 @@ class UpstreamResponse:
 
     def close(self) -> None:
         """Drop the upstream response if it is still open (idempotent; safe before or after iterating)."""
-        if self._response is not None:
-            self._response.close()
+        if self.response is not None:
+            self.response.close()

@@ -14,7 +14,7 @@ from typing import Final
 
 import msgspec
 
-__all__ = ["UsageTap", "cached_tokens_of_json", "cached_tokens_of_sse"]
+__all__ = ["UsageTap", "cached_tokens_of", "cached_tokens_of_json", "cached_tokens_of_sse"]
 
 _JSON_CAP: Final = 4 << 20
 _SSE_TAIL: Final = 64 << 10
@@ -40,6 +40,12 @@ def _cached(data: bytes) -> tuple[bool, int | None]:
     """(whether `data` carried a usage object, its cached tokens if reported)."""
     if b"usage" not in data and b"\\u" not in data:  # no such key, even spelt with escapes: no decode
         return False, None
+    return _decoded(data)
+
+
+def _decoded(data: bytes) -> tuple[bool, int | None]:
+    """`_cached` by decoding alone: the search first saves the decode of an event without usage, and
+    costs a JSON answer (which carries it) about as much as the decode."""
     try:
         usage = _DECODER.decode(data).usage
     except msgspec.DecodeError:
@@ -52,7 +58,7 @@ def _cached(data: bytes) -> tuple[bool, int | None]:
 
 def cached_tokens_of_json(body: bytes) -> int | None:
     """`usage.prompt_tokens_details.cached_tokens` of a JSON answer, or None when absent."""
-    return _cached(body)[1]
+    return _decoded(body)[1]
 
 
 def cached_tokens_of_sse(tail: bytes) -> int | None:
@@ -70,6 +76,14 @@ def cached_tokens_of_sse(tail: bytes) -> int | None:
         if seen >= _MAX_EVENTS_BACK:
             return None
     return None
+
+
+def cached_tokens_of(answer: bytes, stream: bool) -> int | None:
+    """What a `UsageTap(stream)` fed the whole `answer` as one chunk reports: an answer that arrived
+    in one read needs no tap."""
+    if stream:
+        return cached_tokens_of_sse(answer)
+    return None if len(answer) > _JSON_CAP else _decoded(answer)[1]
 
 
 class UsageTap:
@@ -98,4 +112,4 @@ class UsageTap:
         data = chunks[0] if len(chunks) == 1 else b"".join(chunks)  # a whole answer in one read: as it is
         if self.stream:
             return cached_tokens_of_sse(data)
-        return None if self._overflow else _cached(data)[1]  # `cached_tokens_of_json`, one call less
+        return None if self._overflow else _decoded(data)[1]  # `cached_tokens_of_json`, one call less

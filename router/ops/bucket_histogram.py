@@ -30,10 +30,10 @@ __all__ = ["BucketHistogram", "BucketHistogramChild", "Observes", "observe_prese
 class BucketHistogramChild:
     """One label set's counts: `observe` as prometheus_client's histogram child counts a value."""
 
-    __slots__ = ("_bounds", "counts", "created", "sum")
+    __slots__ = ("bounds", "counts", "created", "sum")
 
     def __init__(self, bounds: tuple[float, ...], created: float) -> None:
-        self._bounds = bounds
+        self.bounds = bounds
         self.counts = [0] * len(bounds)
         self.sum = 0.0
         self.created = created
@@ -43,7 +43,7 @@ class BucketHistogramChild:
         prometheus_client does)."""
         self.sum += amount
         if amount == amount:  # not NaN
-            self.counts[bisect_left(self._bounds, amount)] += 1
+            self.counts[bisect_left(self.bounds, amount)] += 1
 
 
 class Observes(Protocol):
@@ -61,7 +61,7 @@ def observe_present(children: Sequence[tuple[str, Observes]], amounts: Mapping[s
             if type(child) is BucketHistogramChild:
                 child.sum += amount
                 if amount == amount:  # not NaN
-                    child.counts[bisect_left(child._bounds, amount)] += 1
+                    child.counts[bisect_left(child.bounds, amount)] += 1
             else:
                 child.observe(amount)
 

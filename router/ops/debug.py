@@ -12,7 +12,6 @@ from collections import OrderedDict
 
 import msgspec
 
-from router.core.ids import RequestId
 from router.core.policy.scoring import Decision
 from router.edge.upstream import Attempt
 
@@ -62,21 +61,21 @@ class DecisionRing:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         self.capacity = capacity
-        self._entries: OrderedDict[RequestId, DecisionEntry] = OrderedDict()
+        self._entries: OrderedDict[str, DecisionEntry] = OrderedDict()
 
     def add(self, entry: DecisionEntry) -> DecisionEntry:
         """Store `entry` under its request id (replacing an entry with the same id) and return it."""
-        entries, rid = self._entries, RequestId(entry.request_id)
+        entries, rid = self._entries, entry.request_id  # (a `RequestId`: the NewType call is a no-op)
         if rid in entries:  # a reused id: its entry moves to the newest place
             del entries[rid]
         entries[rid] = entry
-        while len(entries) > self.capacity:
+        if len(entries) > self.capacity:  # one in, at most one out
             entries.popitem(last=False)
         return entry
 
     def get(self, request_id: str) -> DecisionEntry | None:
         """The entry of `request_id`, or None when unknown or already dropped."""
-        return self._entries.get(RequestId(request_id))
+        return self._entries.get(request_id)
 
     def __len__(self) -> int:
         return len(self._entries)

@@ -22,7 +22,7 @@ from router.core.policy.scoring import Decision, PolicyName
 from router.edge import usage
 from router.edge.auth import AdminDisabled, Guard, bearer_token
 from router.edge.gateway import stage_timings
-from router.edge.usage import UsageTap, cached_tokens_of_json, cached_tokens_of_sse
+from router.edge.usage import UsageTap, cached_tokens_of, cached_tokens_of_json, cached_tokens_of_sse
 from router.ops.debug import DecisionEntry, DecisionRing, PreparedView
 from router.ops.recording import GatewayRecorder
 from router.settings.secrets import Secrets
@@ -114,6 +114,40 @@ def test_usage_tap_keeps_only_the_tail_of_a_long_stream_and_finds_usage_split_ac
     for i in range(0, len(body), 7):
         json_tap.feed(body[i : i + 7])
     assert json_tap.cached_tokens() == 32
+
+
+_ANSWER_PARTS = st.sampled_from(
+    [b"{", b"}", b",", b'"usage":', b'"\\u0075sage":', USAGE, b'"id":"x"', b"null", b"1", b'"usage"', b"[",
+     b"]", b'"prompt_tokens_details":{"cached_tokens":7}', b"{}", b'"x":"\\u"', b"data: ", b"\n\n",
+     b"[DONE]"]
+)  # fmt: skip
+ANSWERS = st.lists(_ANSWER_PARTS, max_size=12).map(b"".join) | st.binary(max_size=40)
+
+
+@given(ANSWERS)
+def test_reading_usage_by_decoding_alone_is_reading_it_after_the_search(data: bytes) -> None:
+    """The JSON answer's read skips `_cached`'s search (it spares only decodes of answers without
+    usage): the same verdict on anything, usage or not, valid JSON or not."""
+    assert usage._decoded(data) == usage._cached(data)
+
+
+@given(ANSWERS, st.booleans())
+def test_an_answer_read_whole_reports_what_a_tap_fed_it_reports(data: bytes, stream: bool) -> None:
+    """The relay reads an answer that came in one read with no tap (`cached_tokens_of`)."""
+    tap = UsageTap(stream)
+    tap.feed(data)
+    assert cached_tokens_of(data, stream) == tap.cached_tokens()
+
+
+def test_an_answer_read_whole_past_the_json_cap_reports_nothing_as_a_tap_does(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(usage, "_JSON_CAP", 16)
+    body = b'{"id":"x",' + USAGE + b"}"
+    tap = UsageTap(False)
+    tap.feed(body)
+    assert cached_tokens_of(body, False) is None is tap.cached_tokens()
+    assert cached_tokens_of(body, True) is None  # a stream keeps its tail, whatever its length
 
 
 def entry(rid: str) -> DecisionEntry:

@@ -11,6 +11,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from router.edge import relay
 from router.edge.client_io import _IDS, fresh_request_id
 from router.edge.headers import (
     HOP_BY_HOP,
@@ -19,7 +20,7 @@ from router.edge.headers import (
     response_headers,
     upstream_headers,
 )
-from router.edge.relay import relayed_headers, relayed_raw_headers
+from router.edge.relay import AnswerNames, relayed_headers, relayed_raw_headers
 
 _NAMES = st.sampled_from(
     ["Connection", "connection", "Keep-Alive", "TE", "Trailer", "Transfer-Encoding", "Upgrade", "Host",
@@ -147,6 +148,29 @@ def test_relaying_the_raw_answer_headers_is_the_decoded_rule(
     sse = any(k.lower() == "content-type" and "event-stream" in v for k, v in end_to_end)
     raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in engine]
     assert relayed_raw_headers(raw, extra) == (expected, sse)
+
+
+@given(
+    st.lists(st.tuples(ANSWER_NAMES, ANSWER_VALUES), max_size=8),
+    st.lists(st.tuples(ANSWER_NAMES, ANSWER_VALUES), max_size=8),
+    st.lists(st.sampled_from(GATEWAY_OWN), unique=True, max_size=4),
+    st.integers(0, 3),
+)
+def test_names_learnt_once_relay_as_the_rule_does(
+    first: list[tuple[str, str]], then: list[tuple[str, str]], extra_names: list[str], bound: int
+) -> None:
+    """A kept `AnswerNames` (what the gateway passes) relays each answer as the decoded rule does,
+    whether its names were learnt by an earlier answer, are new, or the bound left no room."""
+    extra = [(name.encode(), b"v") for name in extra_names]
+    names = AnswerNames(tuple(k for k, _ in extra))
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(relay, "_KEYS_MAX", bound)
+        for engine in (first, then, first):
+            end_to_end = response_headers(engine)
+            sse = any(k.lower() == "content-type" and "event-stream" in v for k, v in end_to_end)
+            raw = [(k.encode("latin-1"), v.encode("latin-1")) for k, v in engine]
+            assert relayed_raw_headers(raw, extra, names) == (relayed_headers(end_to_end, extra), sse)
+    assert len(names.keys) <= bound
 
 
 def test_the_parser_refuses_header_names_that_are_not_ascii() -> None:

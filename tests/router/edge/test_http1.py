@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from router.edge import http1, http1_connection
 from router.edge.http1 import ClientSettings, Http1Client, Http1Response
+from router.edge.http1_connection import Connection
 from tests.gateway_helpers import fake_engine
 
 WAIT = 5.0  # generous bound for every wait on an event; none is expected to come close
@@ -373,13 +374,13 @@ async def test_sent_runs_once_right_after_the_write_or_before_any_wait(
     """The caller's `sent` bookkeeping: after the bytes went out on a kept connection (the engine's
     time), before opening one (the connect lets other requests run); once, whatever the path."""
     order: list[str] = []
-    send = Http1Client._send
+    arm_at = Connection.arm_at
 
-    def recorded(self: Http1Client, *args: object) -> object:
-        order.append("write")
-        return send(self, *args)  # type: ignore[arg-type]
+    def recorded(self: Connection, deadline: float, phase: str) -> asyncio.Future[None]:
+        order.append("write")  # the wait for the head is armed right after the write
+        return arm_at(self, deadline, phase)
 
-    monkeypatch.setattr(Http1Client, "_send", recorded)
+    monkeypatch.setattr(Connection, "arm_at", recorded)
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:

@@ -190,8 +190,8 @@ async def test_sse_chunks_arrive_one_by_one_with_nodelay() -> None:
     async with fake_engine(sse) as url, proxy() as p:
         answer = await p.forward(post(), Fleet(p, {"a": url}))
         assert answer.status == 200
-        assert answer._response is not None
-        transport = answer._response._conn.transport
+        assert answer.response is not None
+        transport = answer.response._conn.transport
         assert transport is not None
         sock = transport.get_extra_info("socket")
         assert sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY) != 0

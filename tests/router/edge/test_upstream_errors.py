@@ -65,7 +65,7 @@ async def test_a_failed_chunk_is_translated_and_reported_broken(
 ) -> None:
     answer = UpstreamResponse(Target(E, "http://e1"), 200, [], [])
     broken: list[bool] = []
-    answer._response = _Broken(exc)  # type: ignore[assignment]
+    answer.response = _Broken(exc)  # type: ignore[assignment]
     answer._on_broken = lambda: broken.append(True)
     with pytest.raises(kind) as raised:
         await answer.next_chunk()

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
 from prometheus_client.parser import text_string_to_metric_families
 
 from events.sources import EngineStats
@@ -181,3 +184,42 @@ def test_children_are_the_metrics_own_children_looked_up_once() -> None:
     text = metrics.render().decode()
     assert 'kvrouter_predicted_cached_tokens_total{engine="e0"} 16.0' in text
     assert 'kvrouter_actual_cached_tokens_total{engine="e0"} 32.0' in text
+
+
+def _without_created(metrics: RouterMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    return {key: value for key, value in samples(metrics).items() if not key[0].endswith("_created")}
+
+
+_ENDS = st.lists(
+    st.tuples(
+        st.sampled_from(["e0", "e1"]),
+        st.sampled_from(["200", "broken", "client_closed", "429"]),
+        st.sampled_from([0.0, 1e-4, 0.3, 7.0, 1e9, float("nan")]),
+        st.integers(0, 5000),
+        st.none() | st.integers(0, 5000),
+    ),
+    max_size=6,
+)
+
+
+@given(_ENDS)
+def test_one_call_at_the_end_counts_what_the_separate_calls_count(
+    ends: list[tuple[str, str, float, int, int | None]],
+) -> None:
+    """`answered` (the gateway's end hook, one call) moves every sample as the request counter's
+    `inc`, the duration's `observe` (status "200") and `observe_prediction` (usage reported) did."""
+    one, separate = RouterMetrics(lambda: [], clock=lambda: 0.0), RouterMetrics(lambda: [], clock=lambda: 0.0)
+    for engine, status, took_s, predicted, cached in ends:
+        one.answered(engine, "kv", status, "m", took_s, predicted, cached)
+        separate.requests_of[engine, "kv", status].inc()
+        if status == "200":
+            separate.duration_of[engine, "m"].observe(took_s)
+        if cached is not None:
+            separate.observe_prediction(engine, predicted, cached)
+    assert str(_without_created(one)) == str(_without_created(separate))  # (as text: NaN sums compare)
+
+
+def test_a_negative_cached_count_is_refused_at_the_end_as_inc_refuses_it() -> None:
+    m = RouterMetrics(lambda: [], clock=lambda: 0.0)
+    with pytest.raises(ValueError, match="non-negative"):
+        m.answered("e0", "kv", "200", "m", 0.1, 3, -1)
