@@ -18,6 +18,8 @@ from router.core.policy.scoring import (
     RouteRequest,
     Scorer,
     ScorerSettings,
+    _break_pair,
+    _break_tie,
     _kv_words,
     _saturated,
     _score,
@@ -530,3 +532,83 @@ def test_every_policys_prediction_is_the_chosen_candidates_expected_tokens(
     chosen = next(s for s in decision.candidates if s.engine == decision.engine)
     assert decision.predicted_cached_tokens == chosen.expected_tokens
     assert decision.mirror_hit_tokens == chosen.hit_tokens
+
+
+def _kv_first_written(
+    scorer: Scorer, request: RouteRequest, eligible: list[CandidateScore]
+) -> tuple[CandidateScore, str]:
+    """kv's choice as first written: every tie broken by the rule loop, the others joined."""
+    best = min(eligible, key=lambda s: s.cost_s)
+    tol = scorer.settings.tie_tolerance_s
+    cost_tol = tol * (1.0 + scorer.settings.prefill_work_weight)
+    tied = [s for s in eligible if s.cost_s <= best.cost_s + cost_tol]
+    chosen, rules = _break_tie(request.key, tied)
+    why = _kv_words(chosen, chosen.cost_s == best.cost_s)
+    if len(tied) == 1:
+        return chosen, why
+    others = ", ".join(s.engine for s in tied if s is not chosen)
+    return chosen, f"{why}; tied with {others} within {tol * 1000:g} ms; decided by {', then '.join(rules)}"
+
+
+def _choose_first_written(scorer: Scorer, request: RouteRequest, candidates: list[Candidate]) -> Decision:
+    """kv's `choose` as first written (the runner-up the least cost of the others, whatever their number)."""
+    settings = scorer.settings
+    scores = sorted((_score(c, request.excluded, settings) for c in candidates), key=lambda s: s.engine)
+    eligible = [s for s in scores if s.eligible]
+    if not eligible:
+        return scorer.choose(request, candidates)  # (no engine: not what this pins)
+    chosen, reason = _kv_first_written(scorer, request, eligible)
+    others = [s for s in eligible if s is not chosen]
+    runner = min(others, key=lambda s: s.cost_s) if others else None
+    return Decision(
+        chosen.engine, settings.policy, reason, chosen.expected_tokens, scores,
+        chosen.hit_tokens, chosen.counted_tokens,
+        runner.engine if runner else None, runner.cost_s - chosen.cost_s if runner else 0.0,
+    )  # fmt: skip
+
+
+# Few values, so that candidates tie on the cost and on each rule often.
+Tied = tuple[str, int, int, int, int, int, TrustStatus, bool]
+_TIED = st.tuples(
+    st.sampled_from("abc"), st.sampled_from([0, 16, 32]), st.sampled_from([0, 16, 48]),
+    st.sampled_from([0, 16]), st.integers(0, 2), st.sampled_from([0, 9000]),
+    st.sampled_from([FRESH, STALE, CATCHING]), st.booleans(),
+)  # fmt: skip
+
+
+def _tied_candidate(engine: str, hit: int, warm: int, pending: int, in_flight: int, queued: int,
+                    trust: TrustStatus, healthy: bool) -> Candidate:  # fmt: skip
+    load = LoadSnapshot(in_flight, in_flight, 0, queued, None, OVERHEAD, PER_TOKEN, False)
+    return Candidate(EngineId(engine), hit, 0, warm, 64, trust, load, healthy, pending_tokens=pending)
+
+
+@given(a=_TIED, b=_TIED, key=st.sampled_from(["k1", "k2", "k3"]))
+def test_a_pair_s_tie_is_broken_as_the_rule_loop_breaks_it(a: Tied, b: Tied, key: str) -> None:
+    """`_break_pair` chooses and words exactly what `_break_tie`'s loop does with the same two."""
+    x, y = (_score(_tied_candidate(*t), frozenset(), ScorerSettings()) for t in (a, b))
+    assert _break_pair(key, x, y) == _break_tie(key, [x, y])
+
+
+@given(
+    engines=st.lists(_TIED, min_size=1, max_size=4), key=st.sampled_from(["k1", "k2"]),
+    tol=st.sampled_from([0.0, 0.002, 0.05]), weight=st.sampled_from([0.0, 1.0]),
+    session=st.booleans(),
+)  # fmt: skip
+def test_kv_decisions_equal_their_first_writing(
+    engines: list[Tied], key: str, tol: float, weight: float, session: bool
+) -> None:
+    """kv's decision (a lone tied candidate and a tied pair without the rule loop, a pair's runner-up
+    without a list of one) is the one first written, reason, runner-up and margin included."""
+    settings = ScorerSettings(tie_tolerance_s=tol, prefill_work_weight=weight)
+    candidates = [_tied_candidate(*t) for t in engines]
+    request = RouteRequest(key)
+    scorer = Scorer(settings)
+    assert scorer.choose(request, candidates) == _choose_first_written(scorer, request, candidates)
+    if session:  # the session policy's fallback is kv's choice
+        alone = Scorer(
+            ScorerSettings(policy=PolicyName.SESSION, tie_tolerance_s=tol, prefill_work_weight=weight)
+        )
+        eligible = [s for s in (_score(c, frozenset(), settings) for c in candidates) if s.eligible]
+        if eligible:
+            eligible.sort(key=lambda s: s.engine)
+            assert alone._kv(request, eligible) == _kv_first_written(alone, request, eligible)
