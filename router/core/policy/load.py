@@ -310,20 +310,9 @@ class LoadTracker:
         except KeyError:
             load = self._engine(engine)
         # What is predicted now besides prefill is taken out of the TTFT the prefill model learns from.
-        # The engine's last snapshot (its decision's, microseconds before) serves when nothing it read
-        # has changed and `at` cannot change it: no later, its drained head not a function of time,
-        # its scrape stale already (it stays stale) or still fresh.
-        seen = load.seen
-        scrape = seen.scrape if seen is not None else None
-        if (
-            seen is None or load.seen_timed or load.seen_samples != load.model.samples
-            or not at >= load.seen_at or (scrape is not None and not at - scrape.at <= self.scrape_max_age_s)
-        ):  # fmt: skip
-            seen = self._snapshot(load, at)
-        _, decode_s, slot_s, _ = seen.ttft_terms(uncached_tokens)
+        other_s = self._other_s(load, at, uncached_tokens)
         load.seen = None
         work = load.prefill_tokens + uncached_tokens
-        other_s = decode_s + slot_s
         flight = self._requests[request] = _InFlight(engine, load, at, uncached_tokens, work, other_s)
         load.unanswered[request] = flight
         load.in_flight += 1
@@ -332,6 +321,34 @@ class LoadTracker:
         rate = 1.0 if load.started == 0 else 0.1
         load.typical_uncached += rate * (uncached_tokens - load.typical_uncached)
         load.started += 1
+
+    def _other_s(self, load: _EngineLoad, at: float, uncached_tokens: int) -> float:
+        """`decode_s + slot_s` of `ttft_terms(uncached_tokens)` of the engine's snapshot at `at`.
+
+        The engine's last snapshot (its decision's, microseconds before) serves when nothing it read
+        has changed and `at` cannot change it: no later, its scrape stale already (it stays stale) or
+        still fresh; when its drained head was a function of time, that alone is found again at `at`
+        (no new snapshot: every other field would be the same)."""
+        seen, timed = load.seen, load.seen_timed
+        scrape = seen.scrape if seen is not None else None
+        if (
+            seen is None or load.seen_samples != load.model.samples or not at >= load.seen_at
+            or (scrape is not None and not at - scrape.at <= self.scrape_max_age_s)
+        ):  # fmt: skip
+            seen, timed = self._snapshot(load, at), False  # (its drained head is at `at` already)
+        step, decoding = seen.step, seen.decoding
+        max_seqs = step.max_num_seqs
+        excess = seen.in_flight - max_seqs + 1
+        slot_s = excess * seen.residency_s / max_seqs if excess > 0 and max_seqs > 0 else 0.0
+        if decoding <= 0:  # no decode part, however many steps (the drained head need not be found)
+            return 0.0 + slot_s
+        # `ttft_terms`' decode part written out, its drained head found again at `at` when timed.
+        drained = self._drained(load, decoding, at) if timed else seen.drained_tokens
+        left = seen.queued_prefill_tokens - drained
+        budget = step.max_num_batched_tokens - decoding
+        steps = -(-((left if left > 0 else 0) + uncached_tokens) // (budget if budget > 1 else 1))
+        per_step = step.decode_step_s + step.decode_penalty_s * decoding
+        return (steps if steps > 1 else 1) * per_step + slot_s
 
     def first_token(self, request: RequestId, at: float) -> float | None:
         """The first byte of the answer arrived: learn from the TTFT and return it (None if unknown)."""
