@@ -53,7 +53,10 @@ class RoutingCore:
         mirror = self.fleet.mirror
         out: dict[EngineId, tuple[LookupResult, int, VariantKeys | None]] = {}
         for variant, rids in self.fleet.variant_groups(prepared.model):
-            keys = prepared.keys_for(variant.id)
+            vid = variant.id  # (`prepared.keys_for(vid)` without its call)
+            keys = VariantKeys(prepared.prompt_tokens, prepared.keys) if vid == prepared.variant else None
+            if keys is None:
+                keys = prepared.variants.get(vid)
             if keys is None:  # an engine added after this request was prepared
                 out.update(dict.fromkeys(rids, (_NO_HIT, prepared.prompt_tokens, None)))
                 continue
@@ -100,16 +103,19 @@ class RoutingCore:
         t1 = self._clock()
         fleet = self.fleet
         load, breakers, admission, pending = fleet.load, fleet.breakers, fleet.admission, fleet.pending
-        reads_pending = pending.ttl_s > 0  # with no time to live, nothing is ever pending
+        reads_pending, skip = pending.ttl_s > 0, prepared.skip_cache  # (no time to live: none pending)
         candidates = []
         for rid, (result, n, keys) in predicted.items():
-            held = reads_pending and pending.holds(rid)  # (pending_tokens' own first check)
             rep, breaker = fleet.replica(rid), breakers.get(rid)  # (`fleet.trust` is rep's status)
+            # `_pending_tokens` without its call (`holds`: a cheap first check)
+            run = 0
+            if reads_pending and keys is not None and not skip and rep.unitary and pending.holds(rid):
+                bs = rep.hash_block
+                run = pending.leading_run(rid, keys.keys, (keys.num_tokens - 1) // bs, now) * bs
             candidate = Candidate(
                 rid, result.hit_tokens, result.shared_prefix_boundary, result.fa_warm_tokens, n,
                 rep.status(now, fleet.mirror), load.snapshot(rid, now), True,
-                breaker.state is not _CLOSED and not breaker.available(now), admission.at_capacity(rid),
-                self._pending_tokens(rep, keys, prepared, now) if held else 0,
+                breaker.state is not _CLOSED and not breaker.available(now), admission.at_capacity(rid), run,
             )  # fmt: skip
             candidates.append(candidate)
         decision = self.scorer.choose(route, candidates)
