@@ -69,7 +69,7 @@ class PrefillCostModel:
 
     def observe(self, tokens: float, ttft_s: float) -> None:
         """Learn from one request: `tokens` prefill tokens ran before its first token, after `ttft_s`."""
-        x = (1.0, tokens / _KTOK)
+        x1 = tokens / _KTOK  # (the feature vector is (1, x1))
         err = ttft_s - (self.overhead_s + self._per_ktok * tokens / _KTOK)  # `predict(tokens)`, no call
         if self.samples >= 3:
             # max(a, b) and min(a, b) written as Python evaluates them (`b if b > a else a`, NaN alike).
@@ -78,16 +78,13 @@ class PrefillCostModel:
             err = err if err < limit else limit
             err = err if err > -limit else -limit
         self._abs_err = abs(err) if self.samples == 0 else 0.9 * self._abs_err + 0.1 * abs(err)
-        self._update(x, err)
         self.samples += 1
-
-    def _update(self, x: tuple[float, float], err: float) -> None:
-        # The 2x2 algebra written out in scalars (one per request's first token): the same operations
-        # in the same order as the matrix form, so the estimate is bit for bit the same.
+        # The update: the 2x2 algebra written out in scalars (one per request's first token), the same
+        # operations in the same order as the matrix form, so the estimate is bit for bit the same; a
+        # product by the feature's constant 1.0 is its other factor exactly, so it is left out.
         lam, (p00, p01, p10, p11) = self.prior.forgetting, self._p
-        x0, x1 = x
-        px0, px1 = p00 * x0 + p01 * x1, p10 * x0 + p11 * x1
-        denom = lam + x0 * px0 + x1 * px1
+        px0, px1 = p00 + p01 * x1, p10 + p11 * x1
+        denom = lam + px0 + x1 * px1
         g0, g1 = px0 / denom, px1 / denom
         overhead, per_ktok = self.overhead_s + g0 * err, self._per_ktok + g1 * err
         self.overhead_s = overhead if overhead > 0.0 else 0.0  # max(0.0, overhead), NaN alike

@@ -335,7 +335,18 @@ def test_a_service_is_learned_once_the_next_answer_shows_it_ended_and_drains_bef
 
 
 class _MatrixForm(PrefillCostModel):
-    """The update in its 2x2 matrix form (the model's before its scalar rewrite): the reference."""
+    """`observe` as first written: the error against `predict(tokens)` (a call of its own), clipped
+    by `max` and `min`, and the update in its 2x2 matrix form (a method of its own): the reference."""
+
+    def observe(self, tokens: float, ttft_s: float) -> None:
+        x = (1.0, tokens / 1000.0)
+        err = ttft_s - self.predict(tokens)
+        if self.samples >= 3:
+            limit = 3.0 * max(1e-4, self._abs_err)
+            err = max(-limit, min(limit, err))
+        self._abs_err = abs(err) if self.samples == 0 else 0.9 * self._abs_err + 0.1 * abs(err)
+        self._update(x, err)
+        self.samples += 1
 
     def _update(self, x: tuple[float, float], err: float) -> None:
         lam, flat = self.prior.forgetting, self._p
@@ -586,20 +597,6 @@ def test_a_send_reuses_the_last_snapshot_only_while_nothing_it_read_changed(chan
     assert _Checked.reused == before + 1 + (change == "later")
 
 
-class _PredictFirst(PrefillCostModel):
-    """`observe` as first written: the error against `predict(tokens)`, a call of its own."""
-
-    def observe(self, tokens: float, ttft_s: float) -> None:
-        x = (1.0, tokens / 1000.0)
-        err = ttft_s - self.predict(tokens)
-        if self.samples >= 3:
-            limit = 3.0 * max(1e-4, self._abs_err)
-            err = max(-limit, min(limit, err))
-        self._abs_err = abs(err) if self.samples == 0 else 0.9 * self._abs_err + 0.1 * abs(err)
-        self._update(x, err)
-        self.samples += 1
-
-
 @given(
     seen=st.lists(st.tuples(st.floats(0, 50_000), st.floats(0, 5)), max_size=20),
     overhead=st.floats(0, 0.05), per_token=st.floats(0, 1e-3),
@@ -607,9 +604,10 @@ class _PredictFirst(PrefillCostModel):
 def test_observe_learns_bit_for_bit_what_predicting_first_did(
     seen: list[tuple[float, float]], overhead: float, per_token: float
 ) -> None:
-    """`observe` with `predict`'s arithmetic written out learns exactly what calling it did."""
+    """`observe` with `predict`'s arithmetic and the update written out (one call, no feature
+    tuple, no product by its 1.0) learns exactly what its first writing did."""
     prior = CostPrior(overhead, per_token)
-    fast, first = PrefillCostModel(prior), _PredictFirst(prior)
+    fast, first = PrefillCostModel(prior), _MatrixForm(prior)
     for tokens, ttft in seen:
         fast.observe(tokens, ttft)
         first.observe(tokens, ttft)
