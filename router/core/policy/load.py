@@ -307,7 +307,7 @@ class LoadTracker:
         except KeyError:
             load = self._engine(engine)
         # What is predicted now besides prefill is taken out of the TTFT the prefill model learns from.
-        other_s = self._other_s(load, at, uncached_tokens)
+        other_s = self._other_s(load, engine, at, uncached_tokens)
         load.seen = None
         work = load.prefill_tokens + uncached_tokens
         flight = self._requests[request] = _InFlight(engine, load, at, uncached_tokens, work, other_s)
@@ -319,7 +319,7 @@ class LoadTracker:
         load.typical_uncached += rate * (uncached_tokens - load.typical_uncached)
         load.started += 1
 
-    def _other_s(self, load: _EngineLoad, at: float, uncached_tokens: int) -> float:
+    def _other_s(self, load: _EngineLoad, engine: EngineId, at: float, uncached_tokens: int) -> float:
         """`decode_s + slot_s` of `ttft_terms(uncached_tokens)` of the engine's snapshot at `at`.
 
         The engine's last snapshot (its decision's, microseconds before) serves when nothing it read
@@ -332,7 +332,7 @@ class LoadTracker:
             seen is None or load.seen_samples != load.model.samples or not at >= load.seen_at
             or (scrape is not None and not at - scrape.at <= self.scrape_max_age_s)
         ):  # fmt: skip
-            seen, timed = self._snapshot(load, at), False  # (its drained head is at `at` already)
+            seen, timed = self.snapshot(engine, at), False  # (its drained head is at `at` already)
         step, decoding = seen.step, seen.decoding
         max_seqs = step.max_num_seqs
         excess = seen.in_flight - max_seqs + 1
@@ -473,9 +473,6 @@ class LoadTracker:
             load = self._engines[engine]
         except KeyError:
             load = self._engine(engine)
-        return self._snapshot(load, now)
-
-    def _snapshot(self, load: _EngineLoad, now: float) -> LoadSnapshot:
         in_flight, prefilling = load.in_flight, load.prefilling
         decoding, queued = in_flight - prefilling, load.prefill_tokens
         scrape = load.scrape

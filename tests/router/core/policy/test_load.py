@@ -18,7 +18,6 @@ from router.core.policy.load import (
     PrefillCostModel,
     ScrapedMetrics,
     StepCost,
-    _EngineLoad,
 )
 
 A, B = EngineId("a"), EngineId("b")
@@ -484,7 +483,7 @@ class _Checked(LoadTracker):
     def started(self, request: RequestId, engine: EngineId, at: float, uncached_tokens: int) -> None:
         load = self._engine(engine)
         memo = load.seen, load.seen_at, load.seen_samples, load.seen_timed
-        want = self._snapshot(load, at)
+        want = self.snapshot(engine, at)
         load.seen, load.seen_at, load.seen_samples, load.seen_timed = memo
         self.taken = 0
         super().started(request, engine, at, uncached_tokens)
@@ -494,9 +493,9 @@ class _Checked(LoadTracker):
             drained = want.drained_tokens if memo[3] else memo[0].drained_tokens
             assert msgspec.structs.replace(memo[0], drained_tokens=drained) == want
 
-    def _snapshot(self, load: _EngineLoad, now: float) -> LoadSnapshot:
+    def snapshot(self, engine: EngineId, now: float) -> LoadSnapshot:
         self.taken += 1
-        return super()._snapshot(load, now)
+        return super().snapshot(engine, now)
 
 
 _LOAD_OPS = ["snapshot", "started", "started", "first_token", "finished", "scraped", "observe"]
