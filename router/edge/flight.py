@@ -47,6 +47,12 @@ DecisionSink = Callable[[RequestId, int, Decision], None]
 class Flight:
     """The routing state of one request between its first decision and its end."""
 
+    # (one per request: no instance dict to make)
+    __slots__ = (
+        "_admitted", "_chosen_at", "_counted", "_finished", "core", "decision", "engine", "entry", "fleet",
+        "on_decision", "prepared", "request", "rid", "route",
+    )  # fmt: skip
+
     def __init__(
         self,
         fleet: FleetState,
