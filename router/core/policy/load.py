@@ -186,8 +186,9 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
 
     def ttft_terms(self, uncached_tokens: int) -> tuple[int, float, float, float]:
         """`(prefill_steps, decode_s, slot_wait_s, predicted_ttft_s)` for `uncached_tokens`, each equal
-        to its own method's value, computed once (scoring records all four for every candidate). The
-        one place the TTFT is composed: prefill, then the decode its steps carry, then the slot wait."""
+        to its own method's value, computed once (scoring records all four for every candidate): the
+        TTFT is prefill, then the decode its steps carry, then the slot wait. Scoring's `_score` and a
+        send's `_other_s` write this arithmetic out; tests pin both to it."""
         # The methods' arithmetic written out once (scoring calls this per candidate, the tracker per
         # send): `x if x > 0 else 0` is `max(0, x)`, and `-(-a // b)` is `ceil(a / b)` for ints.
         step, decoding = self.step, self.decoding

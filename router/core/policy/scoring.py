@@ -241,7 +241,19 @@ def _score(c: Candidate, excluded: frozenset[EngineId], settings: ScorerSettings
     if uncached < 0:
         uncached = 0
     load = c.load
-    steps, decode_s, slot_s, ttft = load.ttft_terms(uncached)
+    # `load.ttft_terms(uncached)` written out (no call, no tuple per candidate): its arithmetic, in order.
+    step, decoding = load.step, load.decoding
+    left = load.queued_prefill_tokens - load.drained_tokens
+    tokens = (left if left > 0 else 0) + uncached
+    budget = step.max_num_batched_tokens - decoding
+    steps = -(-tokens // (budget if budget > 1 else 1))
+    if steps < 1:
+        steps = 1
+    decode_s = steps * (step.decode_step_s + step.decode_penalty_s * decoding if decoding > 0 else 0.0)
+    max_seqs = step.max_num_seqs
+    excess = load.in_flight - max_seqs + 1
+    slot_s = excess * load.residency_s / max_seqs if excess > 0 and max_seqs > 0 else 0.0
+    ttft = load.overhead_s + load.per_token_s * tokens + decode_s + slot_s
     work = settings.prefill_work_weight * load.per_token_s * uncached
     pins = trusted and c.warm_tokens > c.hit_tokens
     # `_why_not`'s answer for the usual candidate (nothing tried yet, healthy, closed, below its

@@ -419,17 +419,21 @@ def _score_reference(c: Candidate, excluded: frozenset[EngineId], settings: Scor
     trust=st.sampled_from([FRESH, STALE, CATCHING]), healthy=st.booleans(), breaker=st.booleans(),
     full=st.booleans(), tried=st.booleans(), max_ttft=st.sampled_from([0.0, 0.05, 0.5]),
     max_waiting=st.sampled_from([0, 3]), waiting=st.integers(0, 6), scraped=st.booleans(),
+    budget=st.sampled_from([0, 1, 512, 8192]), max_seqs=st.integers(0, 40), decoding=st.integers(-1, 40),
+    drained=st.integers(0, 25_000), residency=st.sampled_from([0.0, 0.3, 7.0]),
 )  # fmt: skip
 def test_score_equals_its_reference_arithmetic(
     hit: int, prompt: int, warm: int, pending: int, queued: int, in_flight: int, trust: TrustStatus,
     healthy: bool, breaker: bool, full: bool, tried: bool, max_ttft: float, max_waiting: int,
-    waiting: int, scraped: bool,
+    waiting: int, scraped: bool, budget: int, max_seqs: int, decoding: int, drained: int, residency: float,
 ) -> None:  # fmt: skip
-    """The score of any candidate, under any limits, is the one the first-written arithmetic gives
-    (the saturation check skipped only when no limit is configured)."""
+    """The score of any candidate, under any limits, steps and queues (its TTFT terms written out),
+    is the one the first-written arithmetic gives (`ttft_terms`; the saturation check skipped only
+    when no limit is configured)."""
     scrape = ScrapedMetrics(0.0, in_flight, waiting) if scraped else None
     load = LoadSnapshot(
-        in_flight, 1, in_flight - 1, queued, None, OVERHEAD, PER_TOKEN, scraped, scrape=scrape
+        in_flight, 1, decoding, queued, None, OVERHEAD, PER_TOKEN, scraped,
+        StepCost(6e-3, 40e-6, budget, max_seqs), scrape, residency, drained,
     )  # fmt: skip
     c = Candidate(EngineId("a"), hit, 0, warm, prompt, trust, load, healthy, breaker, full, pending)
     settings = ScorerSettings(max_predicted_ttft_s=max_ttft, max_scraped_waiting=max_waiting)
