@@ -2,13 +2,13 @@
 
 Run: ``.venv/bin/python bench/bookkeeping_bench.py --base REV [--engines 1,4,16] [--rounds 30]``.
 What one request costs the gateway around its preparation and its forwarding: the decision ring's
-entry, `Flight.decide` (lookup, candidates, scoring), `Flight.choose` (load, admission, fleet state,
-pending prefixes), `first_byte` and `finish`, on proxy_bench's warm ~8.5k-token chats with engines
-that have no event endpoints (as the peer bench's backends). `git archive REV` is unpacked into a
-temporary directory; one worker process per tree prepares the requests, warms up, then runs a round
-of 400 requests each time it is told to, the two trees taking turns (order alternating), so both
-see the same machine load. Prints per tree the median and least CPU microseconds per request and the
-median and quartiles of the per-round new/base ratios.
+entry, `Flight.decide` (lookup, candidates, scoring), `Flight.choose` (the target), `Flight.sent`
+(load, admission, fleet state, pending prefixes), `first_byte` and `finish`, on proxy_bench's warm
+~8.5k-token chats with engines that have no event endpoints (as the peer bench's backends).
+`git archive REV` is unpacked into a temporary directory; one worker process per tree prepares the
+requests, warms up, then runs a round of 400 requests each time it is told to, the two trees taking
+turns (order alternating), so both see the same machine load. Prints per tree the median and least
+CPU microseconds per request and the median and quartiles of the per-round new/base ratios.
 """
 
 from __future__ import annotations
@@ -62,6 +62,7 @@ async def _worker(engines: int) -> None:
         routed = flight.decide(p, fleet.clock())
         entry.timings_s = {**p.timings, **routed.timings}
         flight.choose(frozenset())
+        flight.sent()
         flight.first_byte()
         flight.finish()
 

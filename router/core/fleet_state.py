@@ -213,19 +213,23 @@ class FleetState:
         pending = self.pending.ttl_s > 0  # (with no time to live, `add` keeps nothing)
         if rep is None or not (pending or rep.engine.events):
             return  # nothing below would be kept
-        keys = prepared.keys_for(rep.variant.id)
+        vid = rep.variant.id  # (`prepared.keys_for(vid)` without its call, nor its struct)
+        keys, n = (prepared.keys, prepared.prompt_tokens) if vid == prepared.variant else (None, 0)
         if keys is None:
-            return
+            other = prepared.variants.get(vid)
+            if other is None:
+                return
+            keys, n = other.keys, other.num_tokens
         if pending and not prepared.skip_cache and rep.unitary:
-            self.pending.add(request, replica, keys.keys, at)
+            self.pending.add(request, replica, keys, at)
         if not rep.engine.events:
             return  # no events: no stores to await, no reports to recognise, hits never trusted
-        if keys.num_tokens >= rep.hash_block and self._must_store(rep, keys.keys, keys.num_tokens):
-            rep.await_stores(request, keys.keys, at)
-        if keys.keys:
-            self._first_keys[request] = (keys.keys[0], rep.root_stores)
+        if n >= rep.hash_block and self._must_store(rep, keys, n):
+            rep.await_stores(request, keys, at)
+        if keys:
+            self._first_keys[request] = (keys[0], rep.root_stores)
             full = prepared.report_mode == "full" and not prepared.skip_cache
-            rep.pending[request] = PendingReport(keys.keys, keys.num_tokens, full, prepared.skip_cache)
+            rep.pending[request] = PendingReport(keys, n, full, prepared.skip_cache)
 
     def _must_store(self, rep: Replica, keys: Sequence[int], num_tokens: int) -> bool:
         """Whether the engine must store a new full block for this prompt: not when the mirror holds

@@ -17,7 +17,7 @@ from router.core.fleet_state import FleetState
 from router.core.ids import EngineId
 from router.core.kv_layout import ModelSpec
 from router.core.lookup.computed_blocks import LookupRequest, LookupResult, ReplicaId, lookup, spec_groups
-from router.core.policy.breaker import BreakerState
+from router.core.policy.breaker import BreakerState, CircuitBreaker
 from router.core.policy.scoring import Candidate, Decision, RouteRequest, Scorer
 from router.core.replica import Replica
 from router.prepare.prepared import Prepared, VariantKeys
@@ -43,6 +43,10 @@ class RoutingCore:
         self._clock = clock  # for the stage timings only (a performance counter)
         self._no_hits: dict[int, tuple[ModelSpec, LookupResult]] = {}  # by id(spec), the spec kept
         self._lookup_ids: dict[tuple[EngineId, ...], tuple[ReplicaId, ...]] = {}  # by variant group
+        # Each replica's record and breaker, which stay the same objects while it is in the fleet
+        # (forgotten when it leaves): no two calls per candidate to find them.
+        self._members: dict[EngineId, tuple[Replica, CircuitBreaker]] = {}
+        fleet.on_replica_removed(self._forget)
 
     def predict(self, prepared: Prepared) -> dict[EngineId, tuple[LookupResult, int]]:
         """Per replica of the model: the lookup result and the prompt length under its variant."""
@@ -53,7 +57,10 @@ class RoutingCore:
         mirror = self.fleet.mirror
         out: dict[EngineId, tuple[LookupResult, int, VariantKeys | None]] = {}
         for variant, rids in self.fleet.variant_groups(prepared.model):
-            keys = prepared.keys_for(variant.id)
+            vid = variant.id  # (`prepared.keys_for(vid)` without its call)
+            keys = VariantKeys(prepared.prompt_tokens, prepared.keys) if vid == prepared.variant else None
+            if keys is None:
+                keys = prepared.variants.get(vid)
             if keys is None:  # an engine added after this request was prepared
                 out.update(dict.fromkeys(rids, (_NO_HIT, prepared.prompt_tokens, None)))
                 continue
@@ -89,6 +96,15 @@ class RoutingCore:
             ids = self._lookup_ids[rids] = tuple(ReplicaId(rid, 0) for rid in rids)
         return ids
 
+    def _member(self, rid: EngineId) -> tuple[Replica, CircuitBreaker]:
+        """The replica's record and breaker (`fleet.replica`, `fleet.breakers.get`), kept until it
+        leaves the fleet; KeyError if unknown."""
+        member = self._members[rid] = (self.fleet.replica(rid), self.fleet.breakers.get(rid))
+        return member
+
+    def _forget(self, rid: EngineId) -> None:
+        self._members.pop(rid, None)
+
     def decide(self, prepared: Prepared, route: RouteRequest, now: float) -> Decision:
         """Choose a replica for `prepared`; `route.excluded` lists replicas already tried."""
         return self.route(prepared, route, now).decision
@@ -99,17 +115,20 @@ class RoutingCore:
         predicted = self._predict(prepared)
         t1 = self._clock()
         fleet = self.fleet
-        load, breakers, admission, pending = fleet.load, fleet.breakers, fleet.admission, fleet.pending
-        reads_pending = pending.ttl_s > 0  # with no time to live, nothing is ever pending
+        load, members, admission, pending = fleet.load, self._members, fleet.admission, fleet.pending
+        reads_pending, skip = pending.ttl_s > 0, prepared.skip_cache  # (no time to live: none pending)
         candidates = []
         for rid, (result, n, keys) in predicted.items():
-            held = reads_pending and pending.holds(rid)  # (pending_tokens' own first check)
-            rep, breaker = fleet.replica(rid), breakers.get(rid)  # (`fleet.trust` is rep's status)
+            rep, breaker = members.get(rid) or self._member(rid)  # (`fleet.trust` is rep's status)
+            # `_pending_tokens` without its call (`holds`: a cheap first check)
+            run = 0
+            if reads_pending and keys is not None and not skip and rep.unitary and pending.holds(rid):
+                bs = rep.hash_block
+                run = pending.leading_run(rid, keys.keys, (keys.num_tokens - 1) // bs, now) * bs
             candidate = Candidate(
                 rid, result.hit_tokens, result.shared_prefix_boundary, result.fa_warm_tokens, n,
                 rep.status(now, fleet.mirror), load.snapshot(rid, now), True,
-                breaker.state is not _CLOSED and not breaker.available(now), admission.at_capacity(rid),
-                self._pending_tokens(rep, keys, prepared, now) if held else 0,
+                breaker.state is not _CLOSED and not breaker.available(now), admission.at_capacity(rid), run,
             )  # fmt: skip
             candidates.append(candidate)
         decision = self.scorer.choose(route, candidates)

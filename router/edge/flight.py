@@ -47,6 +47,12 @@ DecisionSink = Callable[[RequestId, int, Decision], None]
 class Flight:
     """The routing state of one request between its first decision and its end."""
 
+    # (one per request: no instance dict to make)
+    __slots__ = (
+        "_admitted", "_chosen_at", "_counted", "_finished", "core", "decision", "engine", "entry", "fleet",
+        "on_decision", "prepared", "request", "rid", "route",
+    )  # fmt: skip
+
     def __init__(
         self,
         fleet: FleetState,
@@ -165,6 +171,14 @@ class Flight:
 
     def finish(self) -> None:
         """The request ended (any way); uncounts it once."""
-        if not self._finished:
-            self._finished = True
-            self._leave(self.fleet.clock())
+        if self._finished:
+            return
+        self._finished = True
+        fleet = self.fleet
+        now = fleet.clock()
+        if self._counted and self.engine is not None:  # `_leave(now)`, without its call
+            fleet.load.finished(self.rid, now)
+            fleet.request_finished(self.engine, self.rid, now)
+            if self._admitted:
+                fleet.admission.leave_engine(self.engine)
+            self._counted = False

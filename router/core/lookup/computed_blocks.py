@@ -97,17 +97,23 @@ def lookup(
     maxlen = 0 if request.skip_cache else max(0, request.num_tokens - 1)
     if maxlen == 0 or not groups:
         return dict.fromkeys(plan.targets, LookupResult(0, 0, tuple(0 for _ in groups), 0))
-    shared = _Shared(mirror.index, spec, groups, request.keys, maxlen)
-    runs = _first_fa_runs(shared, plan)
+    runs = _first_fa_runs(mirror.index, groups, request.keys, maxlen, plan)
     if plan.unitary_block:
         block_size = plan.unitary_block
         cap = maxlen // block_size
         if len(runs) == 1:  # one replica (a one-engine model, or its own variant): no sharing to find
             h = (runs[0] if runs[0] < cap else cap) * block_size
             return {plan.targets[0]: LookupResult(h, 0, (h,), h)}
-        hits = [min(run, cap) * block_size for run in runs]
-        made = {h: LookupResult(h, 0, (h,), h) for h in set(hits)}  # equal hits share one result
-        return dict(zip(plan.targets, map(made.__getitem__, hits), strict=True))
+        out: dict[ReplicaId, LookupResult] = {}
+        made: dict[int, LookupResult] = {}  # equal hits share one result
+        for rid, run in zip(plan.targets, runs, strict=True):  # (no comprehension's frame)
+            h = (run if run < cap else cap) * block_size  # min(run, cap)
+            result = made.get(h)
+            if result is None:
+                result = made[h] = LookupResult(h, 0, (h,), h)
+            out[rid] = result
+        return out
+    shared = _Shared(mirror.index, spec, groups, request.keys, maxlen)
     return {
         rid: _replica_lookup(shared, need, run)
         for rid, need, run in zip(plan.targets, plan.needs, runs, strict=True)
@@ -190,9 +196,10 @@ def _need(rv: ReplicaView, group: SpecGroup) -> int:
     return mask
 
 
-def _first_fa_runs(shared: _Shared, plan: _Plan) -> list[int]:
+def _first_fa_runs(
+    index: dict[int, int], groups: list[SpecGroup], keys: Sequence[int], maxlen: int, plan: _Plan
+) -> list[int]:
     """The leading run of the first full-attention spec group, for every replica in one pass (-1: n/a)."""
-    index, _, groups, keys, maxlen = shared
     needs = plan.first
     if not groups[0].kind.full_attention or not needs:
         return [-1] * len(needs)

@@ -156,16 +156,33 @@ class PendingPrefixes:
         # The tree keeps slices, never the list itself: a prompt's key list needs no copy.
         held = keys if isinstance(keys, list) else list(keys)
         leaf = tree.insert(held, tree.leading_run(held, len(held)))
-        entry = self._entries[request] = _Entry(replica, leaf, len(held), now + self.ttl_s)
-        self.size += entry.size
-        self._due(self._sent, entry.until, request)
+        until = now + self.ttl_s
+        self._entries[request] = _Entry(replica, leaf, len(held), until)
+        self.size += len(held)
+        sent = self._sent
+        if sent and not sent[-1][0] <= until:  # (out of order: `_due` puts it on the heap)
+            self._due(sent, until, request)
+            return
+        sent.append((until, request))  # `_due`'s usual case, without its call
+        if until < self._next_due:
+            self._next_due = until
 
     def answered(self, request: RequestId, now: float) -> None:
         """The replica answered `request`: its events are out, so the mirror takes over after `grace_s`."""
         entry = self._entries.get(request)
-        if entry is not None and now + self.grace_s < entry.until:
-            entry.until = now + self.grace_s
-            self._due(self._answered, entry.until, request)
+        if entry is None:
+            return
+        until = now + self.grace_s
+        if not until < entry.until:
+            return
+        entry.until = until
+        answered = self._answered
+        if answered and not answered[-1][0] <= until:  # (out of order: `_due` puts it on the heap)
+            self._due(answered, until, request)
+            return
+        answered.append((until, request))  # `_due`'s usual case, without its call
+        if until < self._next_due:
+            self._next_due = until
 
     def holds(self, replica: EngineId) -> bool:
         """Whether any request may still be pending on `replica` (expiry aside): a cheap pre-check."""

@@ -69,7 +69,7 @@ class PrefillCostModel:
 
     def observe(self, tokens: float, ttft_s: float) -> None:
         """Learn from one request: `tokens` prefill tokens ran before its first token, after `ttft_s`."""
-        x = (1.0, tokens / _KTOK)
+        x1 = tokens / _KTOK  # (the feature vector is (1, x1))
         err = ttft_s - (self.overhead_s + self._per_ktok * tokens / _KTOK)  # `predict(tokens)`, no call
         if self.samples >= 3:
             # max(a, b) and min(a, b) written as Python evaluates them (`b if b > a else a`, NaN alike).
@@ -78,16 +78,13 @@ class PrefillCostModel:
             err = err if err < limit else limit
             err = err if err > -limit else -limit
         self._abs_err = abs(err) if self.samples == 0 else 0.9 * self._abs_err + 0.1 * abs(err)
-        self._update(x, err)
         self.samples += 1
-
-    def _update(self, x: tuple[float, float], err: float) -> None:
-        # The 2x2 algebra written out in scalars (one per request's first token): the same operations
-        # in the same order as the matrix form, so the estimate is bit for bit the same.
+        # The update: the 2x2 algebra written out in scalars (one per request's first token), the same
+        # operations in the same order as the matrix form, so the estimate is bit for bit the same; a
+        # product by the feature's constant 1.0 is its other factor exactly, so it is left out.
         lam, (p00, p01, p10, p11) = self.prior.forgetting, self._p
-        x0, x1 = x
-        px0, px1 = p00 * x0 + p01 * x1, p10 * x0 + p11 * x1
-        denom = lam + x0 * px0 + x1 * px1
+        px0, px1 = p00 + p01 * x1, p10 + p11 * x1
+        denom = lam + px0 + x1 * px1
         g0, g1 = px0 / denom, px1 / denom
         overhead, per_ktok = self.overhead_s + g0 * err, self._per_ktok + g1 * err
         self.overhead_s = overhead if overhead > 0.0 else 0.0  # max(0.0, overhead), NaN alike
@@ -189,8 +186,9 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
 
     def ttft_terms(self, uncached_tokens: int) -> tuple[int, float, float, float]:
         """`(prefill_steps, decode_s, slot_wait_s, predicted_ttft_s)` for `uncached_tokens`, each equal
-        to its own method's value, computed once (scoring records all four for every candidate). The
-        one place the TTFT is composed: prefill, then the decode its steps carry, then the slot wait."""
+        to its own method's value, computed once (scoring records all four for every candidate): the
+        TTFT is prefill, then the decode its steps carry, then the slot wait. Scoring's `_score` and a
+        send's `_other_s` write this arithmetic out; tests pin both to it."""
         # The methods' arithmetic written out once (scoring calls this per candidate, the tracker per
         # send): `x if x > 0 else 0` is `max(0, x)`, and `-(-a // b)` is `ceil(a / b)` for ints.
         step, decoding = self.step, self.decoding
@@ -310,20 +308,9 @@ class LoadTracker:
         except KeyError:
             load = self._engine(engine)
         # What is predicted now besides prefill is taken out of the TTFT the prefill model learns from.
-        # The engine's last snapshot (its decision's, microseconds before) serves when nothing it read
-        # has changed and `at` cannot change it: no later, its drained head not a function of time,
-        # its scrape stale already (it stays stale) or still fresh.
-        seen = load.seen
-        scrape = seen.scrape if seen is not None else None
-        if (
-            seen is None or load.seen_timed or load.seen_samples != load.model.samples
-            or not at >= load.seen_at or (scrape is not None and not at - scrape.at <= self.scrape_max_age_s)
-        ):  # fmt: skip
-            seen = self._snapshot(load, at)
-        _, decode_s, slot_s, _ = seen.ttft_terms(uncached_tokens)
+        other_s = self._other_s(load, engine, at, uncached_tokens)
         load.seen = None
         work = load.prefill_tokens + uncached_tokens
-        other_s = decode_s + slot_s
         flight = self._requests[request] = _InFlight(engine, load, at, uncached_tokens, work, other_s)
         load.unanswered[request] = flight
         load.in_flight += 1
@@ -332,6 +319,34 @@ class LoadTracker:
         rate = 1.0 if load.started == 0 else 0.1
         load.typical_uncached += rate * (uncached_tokens - load.typical_uncached)
         load.started += 1
+
+    def _other_s(self, load: _EngineLoad, engine: EngineId, at: float, uncached_tokens: int) -> float:
+        """`decode_s + slot_s` of `ttft_terms(uncached_tokens)` of the engine's snapshot at `at`.
+
+        The engine's last snapshot (its decision's, microseconds before) serves when nothing it read
+        has changed and `at` cannot change it: no later, its scrape stale already (it stays stale) or
+        still fresh; when its drained head was a function of time, that alone is found again at `at`
+        (no new snapshot: every other field would be the same)."""
+        seen, timed = load.seen, load.seen_timed
+        scrape = seen.scrape if seen is not None else None
+        if (
+            seen is None or load.seen_samples != load.model.samples or not at >= load.seen_at
+            or (scrape is not None and not at - scrape.at <= self.scrape_max_age_s)
+        ):  # fmt: skip
+            seen, timed = self.snapshot(engine, at), False  # (its drained head is at `at` already)
+        step, decoding = seen.step, seen.decoding
+        max_seqs = step.max_num_seqs
+        excess = seen.in_flight - max_seqs + 1
+        slot_s = excess * seen.residency_s / max_seqs if excess > 0 and max_seqs > 0 else 0.0
+        if decoding <= 0:  # no decode part, however many steps (the drained head need not be found)
+            return 0.0 + slot_s
+        # `ttft_terms`' decode part written out, its drained head found again at `at` when timed.
+        drained = self._drained(load, decoding, at) if timed else seen.drained_tokens
+        left = seen.queued_prefill_tokens - drained
+        budget = step.max_num_batched_tokens - decoding
+        steps = -(-((left if left > 0 else 0) + uncached_tokens) // (budget if budget > 1 else 1))
+        per_step = step.decode_step_s + step.decode_penalty_s * decoding
+        return (steps if steps > 1 else 1) * per_step + slot_s
 
     def first_token(self, request: RequestId, at: float) -> float | None:
         """The first byte of the answer arrived: learn from the TTFT and return it (None if unknown)."""
@@ -459,9 +474,6 @@ class LoadTracker:
             load = self._engines[engine]
         except KeyError:
             load = self._engine(engine)
-        return self._snapshot(load, now)
-
-    def _snapshot(self, load: _EngineLoad, now: float) -> LoadSnapshot:
         in_flight, prefilling = load.in_flight, load.prefilling
         decoding, queued = in_flight - prefilling, load.prefill_tokens
         scrape = load.scrape

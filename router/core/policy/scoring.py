@@ -24,6 +24,7 @@ Pure: the scorer's only state is the round-robin counter, the seeded RNG and the
 from __future__ import annotations
 
 import enum
+import functools
 import hashlib
 import operator
 import random
@@ -195,6 +196,7 @@ class Decision(msgspec.Struct, frozen=True):
     """The runner-up's kv cost minus the chosen one's (negative: kv's cost preferred the runner-up)."""
 
 
+@functools.lru_cache(maxsize=4096)  # (a session's requests share their key: its ties hash the same pairs)
 def stable_hash(key: str, engine: EngineId) -> int:
     """A process-independent 64-bit hash of (request key, engine): the last tie-break."""
     digest = hashlib.blake2b(f"{key}\0{engine}".encode(), digest_size=8).digest()
@@ -239,7 +241,19 @@ def _score(c: Candidate, excluded: frozenset[EngineId], settings: ScorerSettings
     if uncached < 0:
         uncached = 0
     load = c.load
-    steps, decode_s, slot_s, ttft = load.ttft_terms(uncached)
+    # `load.ttft_terms(uncached)` written out (no call, no tuple per candidate): its arithmetic, in order.
+    step, decoding = load.step, load.decoding
+    left = load.queued_prefill_tokens - load.drained_tokens
+    tokens = (left if left > 0 else 0) + uncached
+    budget = step.max_num_batched_tokens - decoding
+    steps = -(-tokens // (budget if budget > 1 else 1))
+    if steps < 1:
+        steps = 1
+    decode_s = steps * (step.decode_step_s + step.decode_penalty_s * decoding if decoding > 0 else 0.0)
+    max_seqs = step.max_num_seqs
+    excess = load.in_flight - max_seqs + 1
+    slot_s = excess * load.residency_s / max_seqs if excess > 0 and max_seqs > 0 else 0.0
+    ttft = load.overhead_s + load.per_token_s * tokens + decode_s + slot_s
     work = settings.prefill_work_weight * load.per_token_s * uncached
     pins = trusted and c.warm_tokens > c.hit_tokens
     # `_why_not`'s answer for the usual candidate (nothing tried yet, healthy, closed, below its
@@ -295,8 +309,11 @@ class Scorer:
             chosen, reason = eligible[0], _kv_words(eligible[0], True)
         else:
             chosen, reason = self._policy(request, eligible)
-            others = [s for s in eligible if s is not chosen] if len(eligible) > 1 else None
-            runner = min(others, key=_COST) if others else None
+            if len(eligible) == 2:  # the other one (every policy chooses among the eligible)
+                runner = eligible[1] if chosen is eligible[0] else eligible[0]
+            else:
+                others = [s for s in eligible if s is not chosen] if len(eligible) > 1 else None
+                runner = min(others, key=_COST) if others else None
         hit, pending = chosen.hit_tokens, chosen.pending_tokens  # `expected_tokens`, without its call
         return Decision(
             chosen.engine, policy, reason, pending if pending > hit else hit, scores,
@@ -316,11 +333,16 @@ class Scorer:
         # "TTFTs within tie_tolerance_s tie" true of candidates that differ only in their hit.
         cost_tol = tol * (1.0 + self.settings.prefill_work_weight)
         tied = [s for s in eligible if s.cost_s <= best.cost_s + cost_tol]
-        chosen, rules = _break_tie(request.key, tied)
+        others: str
+        if len(tied) == 1:  # (what `_break_tie` answers for one: no rule narrows)
+            return tied[0], _kv_words(tied[0], tied[0].cost_s == best.cost_s)
+        if len(tied) == 2:  # (two engines' usual tie: `_break_tie` without its rule loop)
+            chosen, rules = _break_pair(request.key, tied[0], tied[1])
+            others = tied[1].engine if chosen is tied[0] else tied[0].engine
+        else:
+            chosen, rules = _break_tie(request.key, tied)
+            others = ", ".join(s.engine for s in tied if s is not chosen)
         why = _kv_words(chosen, chosen.cost_s == best.cost_s)
-        if len(tied) == 1:
-            return chosen, why
-        others = ", ".join(s.engine for s in tied if s is not chosen)
         return (
             chosen,
             f"{why}; tied with {others} within {tol * 1000:g} ms; decided by {', then '.join(rules)}",
@@ -413,6 +435,25 @@ _TIE_RULES: Final[
     (lambda key, s: s.load.in_flight, lambda s: f"fewer in-flight requests ({s.load.in_flight})"),
     (lambda key, s: stable_hash(key, s.engine), lambda s: "the stable hash of (request, engine)"),
 )
+
+
+def _break_pair(key: str, a: CandidateScore, b: CandidateScore) -> tuple[CandidateScore, list[str]]:
+    """`_break_tie` of two: the first rule whose values differ keeps the one with the lesser value and
+    says its words; when none does, the first (each rule's value written out, the hash taken last)."""
+    ra = a.warm_tokens if a.pins_junction else a.counted_tokens  # `_reusable_tokens`
+    rb = b.warm_tokens if b.pins_junction else b.counted_tokens
+    if ra != rb:
+        rule, chosen = 0, a if ra > rb else b  # (the value is its negation)
+    elif a.counted_tokens != b.counted_tokens:
+        rule, chosen = 1, a if a.counted_tokens > b.counted_tokens else b
+    elif a.load.in_flight != b.load.in_flight:
+        rule, chosen = 2, a if a.load.in_flight < b.load.in_flight else b
+    else:
+        ha, hb = stable_hash(key, a.engine), stable_hash(key, b.engine)
+        if ha == hb:
+            return a, []
+        rule, chosen = 3, a if ha < hb else b
+    return chosen, [_TIE_RULES[rule][1](chosen)]
 
 
 def _break_tie(key: str, tied: list[CandidateScore]) -> tuple[CandidateScore, list[str]]:

@@ -146,3 +146,24 @@ def test_a_prompt_with_nothing_to_look_up_keeps_lookups_group_hits() -> None:
         predicted = core.predict(p)
         assert predicted == general_predict(fleet, p)
         assert all(result.group_hits == (0,) for result, _ in predicted.values())
+
+
+def test_a_replica_removed_and_added_again_is_routed_with_its_new_record_and_breaker() -> None:
+    """The replicas' records and breakers routing keeps are forgotten when they leave the fleet: one
+    added again under the same name is routed with its new record and closed breaker."""
+    fleet, core, scorer, clock = build("kv", True)
+    p = prepared(fleet, list(range(24)))
+    core.route(p, RouteRequest(key="s"), clock.now)  # every replica's record and breaker kept
+    e0 = EngineId(NAMES[0])
+    old = fleet.breakers.get(e0)
+    for _ in range(old.failure_threshold):
+        old.record_failure(clock.now)
+    core.route(p, RouteRequest(key="s"), clock.now)
+    assert scorer.seen[0].breaker_open
+    config = next(e for e in fleet.engines() if e.name == NAMES[0])
+    fleet.remove_engine(NAMES[0])
+    fleet.add_engine(config, resolve_variant(MODEL, config), clock.now)  # replaying again
+    core.route(p, RouteRequest(key="s"), clock.now)
+    assert scorer.seen == general_candidates(core, fleet, p, clock.now)
+    assert not next(c for c in scorer.seen if c.engine == e0).breaker_open
+    assert core._members[e0][0] is fleet.replica(e0)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import heapq
 from collections import deque
+from collections.abc import Sequence
 
 import msgspec
 import pytest
@@ -243,11 +244,25 @@ def _step_both(
 
 
 class _HeapOnly(PendingPrefixes):
-    """Every due time on the heap, as before the in-order queues."""
+    """Every due time on the heap, as before the in-order queues (those `add` and `answered` queue
+    without a call are moved there at once)."""
 
     def _due(self, queue: deque[tuple[float, RequestId]], until: float, request: RequestId) -> None:
         heapq.heappush(self._heap, (until, request))
         self._next_due = min(self._next_due, until)
+
+    def add(self, request: RequestId, replica: EngineId, keys: Sequence[int], now: float) -> None:
+        super().add(request, replica, keys, now)
+        self._heap_all()
+
+    def answered(self, request: RequestId, now: float) -> None:
+        super().answered(request, now)
+        self._heap_all()
+
+    def _heap_all(self) -> None:
+        for queue in (self._sent, self._answered):
+            while queue:
+                heapq.heappush(self._heap, queue.popleft())
 
 
 @settings(max_examples=300, deadline=None)

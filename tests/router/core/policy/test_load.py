@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import random
 
+import msgspec
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -17,7 +18,6 @@ from router.core.policy.load import (
     PrefillCostModel,
     ScrapedMetrics,
     StepCost,
-    _EngineLoad,
 )
 
 A, B = EngineId("a"), EngineId("b")
@@ -334,7 +334,18 @@ def test_a_service_is_learned_once_the_next_answer_shows_it_ended_and_drains_bef
 
 
 class _MatrixForm(PrefillCostModel):
-    """The update in its 2x2 matrix form (the model's before its scalar rewrite): the reference."""
+    """`observe` as first written: the error against `predict(tokens)` (a call of its own), clipped
+    by `max` and `min`, and the update in its 2x2 matrix form (a method of its own): the reference."""
+
+    def observe(self, tokens: float, ttft_s: float) -> None:
+        x = (1.0, tokens / 1000.0)
+        err = ttft_s - self.predict(tokens)
+        if self.samples >= 3:
+            limit = 3.0 * max(1e-4, self._abs_err)
+            err = max(-limit, min(limit, err))
+        self._abs_err = abs(err) if self.samples == 0 else 0.9 * self._abs_err + 0.1 * abs(err)
+        self._update(x, err)
+        self.samples += 1
 
     def _update(self, x: tuple[float, float], err: float) -> None:
         lam, flat = self.prior.forgetting, self._p
@@ -463,7 +474,8 @@ class _AlwaysAfresh(LoadTracker):
 
 
 class _Checked(LoadTracker):
-    """Every snapshot `started` reuses is the one a new snapshot then would be."""
+    """Every snapshot `started` reuses is the one a new snapshot then would be, but for its drained
+    head when that was a function of time (`started` finds it again at its own time)."""
 
     reused = 0
     taken = 0
@@ -471,17 +483,19 @@ class _Checked(LoadTracker):
     def started(self, request: RequestId, engine: EngineId, at: float, uncached_tokens: int) -> None:
         load = self._engine(engine)
         memo = load.seen, load.seen_at, load.seen_samples, load.seen_timed
-        want = self._snapshot(load, at)
+        want = self.snapshot(engine, at)
         load.seen, load.seen_at, load.seen_samples, load.seen_timed = memo
         self.taken = 0
         super().started(request, engine, at, uncached_tokens)
         if not self.taken:  # reused: what the new snapshot would have said
             _Checked.reused += 1
-            assert memo[0] == want
+            assert memo[0] is not None
+            drained = want.drained_tokens if memo[3] else memo[0].drained_tokens
+            assert msgspec.structs.replace(memo[0], drained_tokens=drained) == want
 
-    def _snapshot(self, load: _EngineLoad, now: float) -> LoadSnapshot:
+    def snapshot(self, engine: EngineId, now: float) -> LoadSnapshot:
         self.taken += 1
-        return super()._snapshot(load, now)
+        return super().snapshot(engine, now)
 
 
 _LOAD_OPS = ["snapshot", "started", "started", "first_token", "finished", "scraped", "observe"]
@@ -582,20 +596,6 @@ def test_a_send_reuses_the_last_snapshot_only_while_nothing_it_read_changed(chan
     assert _Checked.reused == before + 1 + (change == "later")
 
 
-class _PredictFirst(PrefillCostModel):
-    """`observe` as first written: the error against `predict(tokens)`, a call of its own."""
-
-    def observe(self, tokens: float, ttft_s: float) -> None:
-        x = (1.0, tokens / 1000.0)
-        err = ttft_s - self.predict(tokens)
-        if self.samples >= 3:
-            limit = 3.0 * max(1e-4, self._abs_err)
-            err = max(-limit, min(limit, err))
-        self._abs_err = abs(err) if self.samples == 0 else 0.9 * self._abs_err + 0.1 * abs(err)
-        self._update(x, err)
-        self.samples += 1
-
-
 @given(
     seen=st.lists(st.tuples(st.floats(0, 50_000), st.floats(0, 5)), max_size=20),
     overhead=st.floats(0, 0.05), per_token=st.floats(0, 1e-3),
@@ -603,12 +603,35 @@ class _PredictFirst(PrefillCostModel):
 def test_observe_learns_bit_for_bit_what_predicting_first_did(
     seen: list[tuple[float, float]], overhead: float, per_token: float
 ) -> None:
-    """`observe` with `predict`'s arithmetic written out learns exactly what calling it did."""
+    """`observe` with `predict`'s arithmetic and the update written out (one call, no feature
+    tuple, no product by its 1.0) learns exactly what its first writing did."""
     prior = CostPrior(overhead, per_token)
-    fast, first = PrefillCostModel(prior), _PredictFirst(prior)
+    fast, first = PrefillCostModel(prior), _MatrixForm(prior)
     for tokens, ttft in seen:
         fast.observe(tokens, ttft)
         first.observe(tokens, ttft)
         assert (fast.overhead_s, fast._per_ktok, fast._p, fast._abs_err) == (
             first.overhead_s, first._per_ktok, first._p, first._abs_err,
         )  # fmt: skip
+
+
+@given(
+    head=st.integers(0, 40_000), uncached=st.integers(0, 20_000), lag=st.floats(0, 3.0),
+    budget=st.sampled_from([1, 512, 8192]), max_seqs=st.integers(0, 4), decoding=st.integers(0, 2),
+)  # fmt: skip
+def test_a_send_after_a_timed_snapshot_counts_the_head_drained_by_its_own_time(
+    head: int, uncached: int, lag: float, budget: int, max_seqs: int, decoding: int
+) -> None:  # fmt: skip
+    """A decision's snapshot whose queue head drains with time, reused by a send `lag` later: the
+    send takes out the decode part of the head drained at its own time, as a new snapshot did."""
+    step = StepCost(6e-3, 40e-6, budget, max_seqs)
+    fast, fresh = (cls(PRIOR, 10.0, step, drain=True) for cls in (_Checked, _AlwaysAfresh))
+    for tracker in (fast, fresh):
+        tracker.model(A).observe(1000, 0.1)
+        for n in range(decoding):  # answered, still decoding
+            tracker.started(rid(10 + n), A, 99.0, 100)
+            tracker.first_token(rid(10 + n), 99.5)
+        tracker.started(rid(0), A, 100.0, head)  # the queue's head
+        tracker.snapshot(A, 100.2)
+        tracker.started(rid(1), A, 100.2 + lag, uncached)
+    assert fast._requests[rid(1)].other_s == fresh._requests[rid(1)].other_s

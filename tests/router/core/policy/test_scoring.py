@@ -18,6 +18,8 @@ from router.core.policy.scoring import (
     RouteRequest,
     Scorer,
     ScorerSettings,
+    _break_pair,
+    _break_tie,
     _kv_words,
     _saturated,
     _score,
@@ -417,17 +419,21 @@ def _score_reference(c: Candidate, excluded: frozenset[EngineId], settings: Scor
     trust=st.sampled_from([FRESH, STALE, CATCHING]), healthy=st.booleans(), breaker=st.booleans(),
     full=st.booleans(), tried=st.booleans(), max_ttft=st.sampled_from([0.0, 0.05, 0.5]),
     max_waiting=st.sampled_from([0, 3]), waiting=st.integers(0, 6), scraped=st.booleans(),
+    budget=st.sampled_from([0, 1, 512, 8192]), max_seqs=st.integers(0, 40), decoding=st.integers(-1, 40),
+    drained=st.integers(0, 25_000), residency=st.sampled_from([0.0, 0.3, 7.0]),
 )  # fmt: skip
 def test_score_equals_its_reference_arithmetic(
     hit: int, prompt: int, warm: int, pending: int, queued: int, in_flight: int, trust: TrustStatus,
     healthy: bool, breaker: bool, full: bool, tried: bool, max_ttft: float, max_waiting: int,
-    waiting: int, scraped: bool,
+    waiting: int, scraped: bool, budget: int, max_seqs: int, decoding: int, drained: int, residency: float,
 ) -> None:  # fmt: skip
-    """The score of any candidate, under any limits, is the one the first-written arithmetic gives
-    (the saturation check skipped only when no limit is configured)."""
+    """The score of any candidate, under any limits, steps and queues (its TTFT terms written out),
+    is the one the first-written arithmetic gives (`ttft_terms`; the saturation check skipped only
+    when no limit is configured)."""
     scrape = ScrapedMetrics(0.0, in_flight, waiting) if scraped else None
     load = LoadSnapshot(
-        in_flight, 1, in_flight - 1, queued, None, OVERHEAD, PER_TOKEN, scraped, scrape=scrape
+        in_flight, 1, decoding, queued, None, OVERHEAD, PER_TOKEN, scraped,
+        StepCost(6e-3, 40e-6, budget, max_seqs), scrape, residency, drained,
     )  # fmt: skip
     c = Candidate(EngineId("a"), hit, 0, warm, prompt, trust, load, healthy, breaker, full, pending)
     settings = ScorerSettings(max_predicted_ttft_s=max_ttft, max_scraped_waiting=max_waiting)
@@ -530,3 +536,83 @@ def test_every_policys_prediction_is_the_chosen_candidates_expected_tokens(
     chosen = next(s for s in decision.candidates if s.engine == decision.engine)
     assert decision.predicted_cached_tokens == chosen.expected_tokens
     assert decision.mirror_hit_tokens == chosen.hit_tokens
+
+
+def _kv_first_written(
+    scorer: Scorer, request: RouteRequest, eligible: list[CandidateScore]
+) -> tuple[CandidateScore, str]:
+    """kv's choice as first written: every tie broken by the rule loop, the others joined."""
+    best = min(eligible, key=lambda s: s.cost_s)
+    tol = scorer.settings.tie_tolerance_s
+    cost_tol = tol * (1.0 + scorer.settings.prefill_work_weight)
+    tied = [s for s in eligible if s.cost_s <= best.cost_s + cost_tol]
+    chosen, rules = _break_tie(request.key, tied)
+    why = _kv_words(chosen, chosen.cost_s == best.cost_s)
+    if len(tied) == 1:
+        return chosen, why
+    others = ", ".join(s.engine for s in tied if s is not chosen)
+    return chosen, f"{why}; tied with {others} within {tol * 1000:g} ms; decided by {', then '.join(rules)}"
+
+
+def _choose_first_written(scorer: Scorer, request: RouteRequest, candidates: list[Candidate]) -> Decision:
+    """kv's `choose` as first written (the runner-up the least cost of the others, whatever their number)."""
+    settings = scorer.settings
+    scores = sorted((_score(c, request.excluded, settings) for c in candidates), key=lambda s: s.engine)
+    eligible = [s for s in scores if s.eligible]
+    if not eligible:
+        return scorer.choose(request, candidates)  # (no engine: not what this pins)
+    chosen, reason = _kv_first_written(scorer, request, eligible)
+    others = [s for s in eligible if s is not chosen]
+    runner = min(others, key=lambda s: s.cost_s) if others else None
+    return Decision(
+        chosen.engine, settings.policy, reason, chosen.expected_tokens, scores,
+        chosen.hit_tokens, chosen.counted_tokens,
+        runner.engine if runner else None, runner.cost_s - chosen.cost_s if runner else 0.0,
+    )  # fmt: skip
+
+
+# Few values, so that candidates tie on the cost and on each rule often.
+Tied = tuple[str, int, int, int, int, int, TrustStatus, bool]
+_TIED = st.tuples(
+    st.sampled_from("abc"), st.sampled_from([0, 16, 32]), st.sampled_from([0, 16, 48]),
+    st.sampled_from([0, 16]), st.integers(0, 2), st.sampled_from([0, 9000]),
+    st.sampled_from([FRESH, STALE, CATCHING]), st.booleans(),
+)  # fmt: skip
+
+
+def _tied_candidate(engine: str, hit: int, warm: int, pending: int, in_flight: int, queued: int,
+                    trust: TrustStatus, healthy: bool) -> Candidate:  # fmt: skip
+    load = LoadSnapshot(in_flight, in_flight, 0, queued, None, OVERHEAD, PER_TOKEN, False)
+    return Candidate(EngineId(engine), hit, 0, warm, 64, trust, load, healthy, pending_tokens=pending)
+
+
+@given(a=_TIED, b=_TIED, key=st.sampled_from(["k1", "k2", "k3"]))
+def test_a_pair_s_tie_is_broken_as_the_rule_loop_breaks_it(a: Tied, b: Tied, key: str) -> None:
+    """`_break_pair` chooses and words exactly what `_break_tie`'s loop does with the same two."""
+    x, y = (_score(_tied_candidate(*t), frozenset(), ScorerSettings()) for t in (a, b))
+    assert _break_pair(key, x, y) == _break_tie(key, [x, y])
+
+
+@given(
+    engines=st.lists(_TIED, min_size=1, max_size=4), key=st.sampled_from(["k1", "k2"]),
+    tol=st.sampled_from([0.0, 0.002, 0.05]), weight=st.sampled_from([0.0, 1.0]),
+    session=st.booleans(),
+)  # fmt: skip
+def test_kv_decisions_equal_their_first_writing(
+    engines: list[Tied], key: str, tol: float, weight: float, session: bool
+) -> None:
+    """kv's decision (a lone tied candidate and a tied pair without the rule loop, a pair's runner-up
+    without a list of one) is the one first written, reason, runner-up and margin included."""
+    settings = ScorerSettings(tie_tolerance_s=tol, prefill_work_weight=weight)
+    candidates = [_tied_candidate(*t) for t in engines]
+    request = RouteRequest(key)
+    scorer = Scorer(settings)
+    assert scorer.choose(request, candidates) == _choose_first_written(scorer, request, candidates)
+    if session:  # the session policy's fallback is kv's choice
+        alone = Scorer(
+            ScorerSettings(policy=PolicyName.SESSION, tie_tolerance_s=tol, prefill_work_weight=weight)
+        )
+        eligible = [s for s in (_score(c, frozenset(), settings) for c in candidates) if s.eligible]
+        if eligible:
+            eligible.sort(key=lambda s: s.engine)
+            assert alone._kv(request, eligible) == _kv_first_written(alone, request, eligible)
