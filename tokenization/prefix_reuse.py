@@ -48,6 +48,9 @@ DEFAULT_MAX_BYTES = 32 << 20
 
 EncodePacked = Callable[[str], tuple[tuple[int, ...], bytes]]
 """Encodes a text without special tokens: its ids and their packed native uint32 bytes."""
+Suffix = tuple[int, int, tuple[int, ...], bytes]
+"""A text a new text may end with, encoded once: its UTF-8 length, the length of the edge token it
+starts with (`CutFinder.token_start`), its ids and their packed bytes."""
 
 _TOKEN_BYTES = 4
 _REPLACE_SLACK = 256
@@ -308,15 +311,29 @@ class PrefixReuse:
         return entry.ends
 
     def extend(
-        self, prior: ReuseEntry, prior_ends: TokenEnds, data: bytes, cut: int, encode: EncodePacked
+        self,
+        prior: ReuseEntry,
+        prior_ends: TokenEnds,
+        data: bytes,
+        cut: int,
+        encode: EncodePacked,
+        suffix: Suffix | None = None,
     ) -> tuple[ReuseEntry, int]:
         """``data``'s entry: ``prior``'s ids up to ``cut`` (a safe cut of both texts,
         `CutFinder.last_cut`) and the encoding of the rest, with token ends when made; and how many ids
-        were copied. ``prior_ends`` are `ends` (prior)."""
+        were copied. ``prior_ends`` are `ends` (prior). ``suffix``: what ``data`` ends with, whose ids
+        are taken as they are when the rest may be cut before it (only the part between is encoded)."""
         n = prior_ends.tokens_before(cut)
         cut = cut if n else 0  # the cut is no token end of the prior text: reuse nothing (never expected)
-        tail_ids, tail_packed = encode(data[cut:].decode("utf-8"))
-        packed = b"".join((memoryview(prior.packed)[: n * _TOKEN_BYTES], tail_packed))  # one copy, not two
+        head = memoryview(prior.packed)[: n * _TOKEN_BYTES]
+        split = len(data) - suffix[0] if suffix is not None else 0
+        if suffix is not None and split > cut and self.cuts.token_start(data, split, suffix[1], cut):
+            tail_ids, tail_packed = encode(data[cut:split].decode("utf-8"))
+            tail_ids += suffix[2]
+            packed = b"".join((head, tail_packed, suffix[3]))
+        else:
+            tail_ids, tail_packed = encode(data[cut:].decode("utf-8"))
+            packed = b"".join((head, tail_packed))  # one copy, not two
         self.stats.hits += n > 0
         self.stats.misses += n == 0
         self.stats.reused_tokens += n
