@@ -120,6 +120,7 @@ def token_byte_lengths(
 
 _FIND_FIRST_BYTES: Final = 8  # up to this many distinct first bytes, `_spanned` finds them instead of looping
 _ASCII_LETTERS: Final = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+_NO_BYTES: Final[frozenset[int]] = frozenset()
 
 
 class CutFinder:
@@ -149,8 +150,13 @@ class CutFinder:
         if limit > stop and self.safe(a, limit) and self.safe(b, limit):
             return limit
         # Below the limit one text answers for both: `safe(data, q)` reads only data[:q + 1], shared.
+        # `safe` can hold only after a letter (with the pre-tokenizer rule) or an edge token's last
+        # byte: other offsets are passed over here, without a call each (a number's digits, spaces).
+        letters = _ASCII_LETTERS if self.pretokenizer_rule else _NO_BYTES
+        edge_last = self._edge_last
         for q in range(limit - 1, stop, -1):
-            if self.safe(a, q):
+            before = a[q - 1]
+            if (before in letters or before in edge_last) and self.safe(a, q):
                 return q
         return 0
 
