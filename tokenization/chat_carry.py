@@ -156,7 +156,7 @@ class ChatCarry:
             return None
         last = pieces[-1]
         suffix = self._suffix(last, encode) if i < len(pieces) - 1 and last == old[-1] else None
-        entry, copied = self._reuse.extend(prior.entry, ends, new_data, cut, encode, suffix)
+        entry, copied = self._reuse.extend(prior.entry, ends, new_data, cut, encode, suffix, lazy=True)
         return _Turn(pieces, starts, entry, {}), copied
 
     def _suffix(self, fragment: str, encode: EncodePacked) -> Suffix | None:
@@ -173,15 +173,12 @@ class ChatCarry:
         return kept
 
     def _keep(self, key: bytes, turn: _Turn) -> None:
-        """``turn`` as ``key``'s last turn: refreshed in the LRU when it is that already, else stored."""
-        if self._turns.get(key) is turn:
-            self._turns.move_to_end(key)
-        else:
-            self._store(key, turn)
-
-    def _store(self, key: bytes, turn: _Turn) -> None:
-        """Keep ``turn`` as ``key``'s last turn (the key's bytes count too: it holds two messages)."""
+        """``turn`` as ``key``'s last turn: refreshed in the LRU when it is that already, else stored
+        (the key's bytes count too: it holds two messages)."""
         old = self._turns.pop(key, None)
+        if old is turn:
+            self._turns[key] = turn  # to the end, as move_to_end would
+            return
         key_size = len(key)  # once: an old turn under this key has it too
         if old is not None:
             self.bytes -= old.size + key_size

@@ -163,6 +163,21 @@ def test_last_cut_is_the_latest_offset_safe_in_both_texts(
     assert cuts.last_cut(a, b, limit) == (both[0] if both else 0)
 
 
+@given(ids=st.lists(st.integers(0, 2**32 - 1), max_size=40), cut=st.integers(0, 40), at=st.integers(0, 200))
+def test_an_entrys_packed_ids_from_a_view_read_as_the_joined_ones(ids: list[int], cut: int, at: int) -> None:
+    """An entry whose copied ids are a view of another's packed ids (`PrefixReuse.extend`, lazy) reads
+    its head, its end and its ids as the joined bytes give them, joining only on `packed`."""
+    cut = min(cut, len(ids))
+    whole = array("I", ids).tobytes()
+    tail = array("I", ids[cut:]).tobytes()
+    entry = ReuseEntry(b"", tuple(ids[cut:]), tail, None, cut, memoryview(whole)[: 4 * cut])
+    assert bytes(entry.packed_head(at)) == whole[:at] and bytes(entry.packed_from(at)) == whole[at:]
+    assert entry.prefix(at // 4) == tuple(ids[: at // 4])
+    assert entry._head is not None  # read, but not joined
+    assert entry.packed == whole and entry.ids == tuple(ids) and entry.count == len(ids)
+    assert bytes(entry.packed_from(at)) == whole[at:] and bytes(entry.packed_head(at)) == whole[:at]
+
+
 @settings(max_examples=300, deadline=None)
 @given(head=CUT_TEXT, before=CUT_TEXT, after=CUT_TEXT, rule=st.booleans())
 def test_a_cut_before_a_token_is_a_cut_before_and_after_it(
