@@ -216,6 +216,8 @@ def test_a_completions_prompt_with_a_new_suffix_hashes_only_its_new_blocks() -> 
 def test_a_carried_chat_is_keyed_without_building_its_ids_and_the_stub_still_gets_them() -> None:
     models = _models(16)
     tok = _tokenizer(models)
+    assert tok.carry is not None
+    tok.carry.long_tail = LONG_TAIL  # (shared tokenizer: another test may have left every tail long)
     base = [{"role": "system", "content": "lazy"}, {"role": "user", "content": "ids " * 200}]
     for question in ("one?", "two?"):
         msgs = [*base, {"role": "assistant", "content": "ok"}, {"role": "user", "content": question}]
