@@ -162,6 +162,7 @@ class Tokenizer(Protocol):
         tools: Sequence[Mapping[str, Any]] | None,
         add_special_tokens: bool,
         template_kwargs: Mapping[str, Any],
-    ) -> tuple[tuple[int, ...] | ReuseEntry, bytes, CarryLink | None]:
-        """`chat_packed`, a carried chat's ids given as their prefix-reuse entry (joined when read)."""
+    ) -> tuple[tuple[int, ...] | ReuseEntry, bytes | None, CarryLink | None]:
+        """`chat_packed`, a carried chat's ids given as their prefix-reuse entry (joined when read) and
+        its packed ids as None (the entry's, joined when read)."""
         ...

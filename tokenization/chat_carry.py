@@ -24,7 +24,7 @@ from itertools import accumulate
 import msgspec
 
 from tokenization.deferred import Later, keep_or_defer
-from tokenization.prefix_reuse import EncodePacked, PrefixReuse, ReuseEntry, shared_prefix
+from tokenization.prefix_reuse import EncodePacked, PrefixReuse, ReuseEntry, Suffix, shared_prefix
 
 __all__ = ["DEFAULT_MAX_BYTES", "LONG_TAIL", "CarryLink", "CarryStats", "ChatCarry"]
 
@@ -40,6 +40,8 @@ through prefix reuse's search over all recent texts instead."""
 _ID_BYTES = 4  # a packed token id
 _PIECE_BYTES = 2  # a carried piece's str, per byte of its UTF-8 (compact strings: 1, 2 or 4 per char)
 _DERIVED_BYTES_PER_TOKEN = 8  # room for keys: ~40 B per key at 16 tokens per block, two groups
+_MAX_SUFFIXES = 64  # a template has a few closing fragments; more means some other text: start over
+_UNKNOWN: Suffix = (-1, 0, (), b"")
 
 
 class CarryLink(msgspec.Struct):
@@ -90,6 +92,7 @@ class ChatCarry:
         self.stats = CarryStats()
         self._reuse = reuse
         self._turns: OrderedDict[bytes, _Turn] = OrderedDict()
+        self._suffixes: dict[str, Suffix | None] = {}
         self.later: Later | None = None
         """Where an encoding's keeping goes when deferred (see the module docstring); None: at once."""
 
@@ -151,19 +154,31 @@ class ChatCarry:
         ends = self._reuse.ends(prior.entry) if cut else None
         if ends is None or not ends.tokens_before(cut):
             return None
-        entry, copied = self._reuse.extend(prior.entry, ends, new_data, cut, encode)
+        last = pieces[-1]
+        suffix = self._suffix(last, encode) if i < len(pieces) - 1 and last == old[-1] else None
+        entry, copied = self._reuse.extend(prior.entry, ends, new_data, cut, encode, suffix, lazy=True)
         return _Turn(pieces, starts, entry, {}), copied
 
-    def _keep(self, key: bytes, turn: _Turn) -> None:
-        """``turn`` as ``key``'s last turn: refreshed in the LRU when it is that already, else stored."""
-        if self._turns.get(key) is turn:
-            self._turns.move_to_end(key)
-        else:
-            self._store(key, turn)
+    def _suffix(self, fragment: str, encode: EncodePacked) -> Suffix | None:
+        """``fragment`` as a `Suffix` (the template's closing text, the same every turn: its ids are
+        encoded once, not with each turn's new text), or None when it starts with no edge token."""
+        kept = self._suffixes.get(fragment, _UNKNOWN)
+        if kept is _UNKNOWN:
+            data = fragment.encode("utf-8")
+            n = self._reuse.cuts.edge_length(data)
+            kept = (len(data), n, *encode(fragment)) if n else None
+            if len(self._suffixes) >= _MAX_SUFFIXES:
+                self._suffixes.clear()
+            self._suffixes[fragment] = kept
+        return kept
 
-    def _store(self, key: bytes, turn: _Turn) -> None:
-        """Keep ``turn`` as ``key``'s last turn (the key's bytes count too: it holds two messages)."""
+    def _keep(self, key: bytes, turn: _Turn) -> None:
+        """``turn`` as ``key``'s last turn: refreshed in the LRU when it is that already, else stored
+        (the key's bytes count too: it holds two messages)."""
         old = self._turns.pop(key, None)
+        if old is turn:
+            self._turns[key] = turn  # to the end, as move_to_end would
+            return
         key_size = len(key)  # once: an old turn under this key has it too
         if old is not None:
             self.bytes -= old.size + key_size

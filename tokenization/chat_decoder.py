@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from collections.abc import Callable
 from typing import Any, Final
 
 import msgspec
@@ -64,7 +63,6 @@ _PLACEHOLDER: Final = b"0"
 _Turn = list[tuple[bytes, ChatMessage]]
 _Spans = tuple[int, list[int]]
 """Where a body's first message starts, and where each of its messages ends."""
-_SpansOf = Callable[[], "_Spans | None"]
 
 
 class _Kept:
@@ -127,7 +125,7 @@ class ChatDecoder:
         spans = _spans(body, raws)
         if (spans is None or not _rest_is_plain(body, spans[1][-1])) and not _one_messages_key(body):
             return decode_chat(body)  # the messages kept may not be the first array, which it checks too
-        return self._finish(body, [], [], raws, fields[1:], lambda: spans)
+        return self._finish(body, [], [], raws, fields[1:], spans)
 
     def clear(self) -> None:
         """Forget every conversation."""
@@ -157,7 +155,7 @@ class ChatDecoder:
         self.skipped_bytes += cut - kept.opening
         turn, messages = kept.turn[:shared], kept.messages[:shared]
         key = kept.key if shared >= 2 else None  # its first two messages are kept's
-        return self._finish(body, turn, messages, raws[1:], fields[1:], lambda: (kept.opening, ends), key)
+        return self._finish(body, turn, messages, raws[1:], fields[1:], (kept.opening, ends), key)
 
     def _finish(
         self,
@@ -166,11 +164,11 @@ class ChatDecoder:
         messages: list[ChatMessage],
         raws: list[msgspec.Raw],
         fields: tuple[Any, ...],
-        spans: _SpansOf,
+        spans: _Spans | None,
         key: bytes | None = None,
     ) -> ChatRequest:
         """The request whose messages are ``turn`` (``messages`` theirs) then ``raws`` (each reused from
-        the conversation's last request when its bytes are equal, else decoded); kept with ``spans()``
+        the conversation's last request when its bytes are equal, else decoded); kept with ``spans``
         for later bodies."""
         if key is None:
             key = b"".join([*(data for data, _ in turn[:2]), *map(bytes, raws[: max(0, 2 - len(turn))])])
@@ -199,16 +197,18 @@ class ChatDecoder:
         return req
 
     def _keep(
-        self, key: bytes, turn: _Turn, messages: list[ChatMessage], body: bytes, spans: _SpansOf
+        self, key: bytes, turn: _Turn, messages: list[ChatMessage], body: bytes, spans: _Spans | None
     ) -> None:
-        """Keep a decoded request as its conversation's last (``spans()``: where its messages are)."""
+        """Keep a decoded request as its conversation's last (``spans``: where its messages are)."""
         size = _BYTES_PER_BODY_BYTE * len(body) + len(key)
-        self._store(key, _Kept(key, turn, messages, size, body, spans()))
+        self._store(key, _Kept(key, turn, messages, size, body, spans))
 
     def _store(self, key: bytes, kept: _Kept) -> None:
         old = self._turns.pop(key, None)
-        if old is not None:
-            self._forget(old)
+        if old is not None:  # `_forget` inline: the conversation's last request, replaced every turn
+            self.bytes -= old.size
+            if self._heads.get(old.head) is old:
+                del self._heads[old.head]
         if self.max_entries == 0 or kept.size > self.max_bytes:
             return
         self._turns[key] = kept

@@ -151,6 +151,7 @@ class ChatTemplate:
         self.supports_developer_role = '"developer"' in source or "'developer'" in source
         self.skeletons = Skeletons()
         self._skeleton_template: jinja2.Template | None = None
+        self._last_inputs: tuple[ChatOptions, Mapping[str, str], tuple[Any, ...], _Inputs] | None = None
         if skeletons_apply(ast, source):
             self._skeleton_template = _make_environment(clock, self.skeletons).from_string(source)
 
@@ -185,12 +186,10 @@ class ChatTemplate:
         skeleton_template = self._skeleton_template
         if skeleton_template is None or options.continue_final_message:
             return None
-        context = {**special, **options.kwargs}
-        inputs = (options.add_generation_prompt, options.tools, options.documents, context)
-        try:
-            inputs_json = msgspec.json.encode(inputs)  # once for both keys
-        except (TypeError, msgspec.EncodeError):
+        made = self._inputs(options, special)
+        if made is None:
             return None
+        context, inputs, inputs_json = made
         key = self.skeletons.carry_key(messages, inputs, inputs_json)
         if key is None:
             return None
@@ -201,6 +200,26 @@ class ChatTemplate:
             inputs_json,
         )
         return (pieces, key) if pieces is not None else None
+
+    def _inputs(self, options: ChatOptions, special: Mapping[str, str]) -> _Inputs | None:
+        """The render's context, the other inputs of its keys and their JSON (once for both keys); None
+        when not JSON-encodable. The last ones are given again for the same ``options`` object and
+        ``special`` (the same object, its items the same in order): the same keys' bytes, one object."""
+        items = tuple(special.items())
+        kept = self._last_inputs
+        if kept is not None and kept[0] is options and kept[1] is special and kept[2] == items:
+            return kept[3]
+        context = {**special, **options.kwargs}
+        inputs = (options.add_generation_prompt, options.tools, options.documents, context)
+        try:
+            made = (context, inputs, msgspec.json.encode(inputs))
+        except (TypeError, msgspec.EncodeError):
+            return None
+        self._last_inputs = (options, special, items, made)
+        return made
+
+
+_Inputs = tuple[dict[str, Any], tuple[Any, ...], bytes]
 
 
 def _render(
@@ -283,7 +302,11 @@ def _options(
     add_generation_prompt: bool, tools: Sequence[Mapping[str, Any]] | None, kwargs: Mapping[str, Any]
 ) -> ChatOptions:
     """HF's apply_chat_template arguments as `ChatOptions` (``continue_final_message`` and
-    ``documents`` come in kwargs)."""
+    ``documents`` come in kwargs). A chat with neither tools nor other arguments (most) gets one
+    shared object per ``add_generation_prompt`` (frozen, never changed)."""
+    if tools is None and len(kwargs) == 1 and kwargs.get("continue_final_message") is False:
+        if add_generation_prompt is True or add_generation_prompt is False:
+            return _PLAIN_OPTIONS[add_generation_prompt]
     rest = dict(kwargs)
     return ChatOptions(
         add_generation_prompt=add_generation_prompt,
@@ -292,3 +315,6 @@ def _options(
         documents=rest.pop("documents", None),
         kwargs=rest,
     )
+
+
+_PLAIN_OPTIONS: Final = {agp: ChatOptions(add_generation_prompt=agp) for agp in (False, True)}

@@ -121,8 +121,23 @@ def _joined(m: dict[str, Any]) -> str:
 
 def _keep_message(msg: ChatMessage, fmt: ContentFormat, i: int) -> TemplateMessage:
     """`_message`, made and kept on the (frozen) message under its format: `conversation` reads it
-    there for every later request that carries the message."""
-    out = msg.__dict__[fmt] = TemplateMessage(_message(msg, fmt, f"messages[{i}]"))
+    there for every later request that carries the message. A role and a string content alone (most
+    messages; not a system one, whose text may lose a header) is that dict directly."""
+    content = msg.content
+    if (
+        type(content) is str
+        and fmt is ContentFormat.STRING
+        and msg.role != "system"
+        and msg.name is None
+        and msg.tool_calls is None
+        and msg.reasoning is None
+        and msg.reasoning_content is None
+        and msg.tool_call_id is None
+    ):
+        fields = {"role": msg.role, "content": content}
+    else:
+        fields = _message(msg, fmt, f"messages[{i}]")
+    out = msg.__dict__[fmt] = TemplateMessage(fields)
     return out
 
 

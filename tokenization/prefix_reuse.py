@@ -48,6 +48,9 @@ DEFAULT_MAX_BYTES = 32 << 20
 
 EncodePacked = Callable[[str], tuple[tuple[int, ...], bytes]]
 """Encodes a text without special tokens: its ids and their packed native uint32 bytes."""
+Suffix = tuple[int, int, tuple[int, ...], bytes]
+"""A text a new text may end with, encoded once: its UTF-8 length, the length of the edge token it
+starts with (`CutFinder.token_start`), its ids and their packed bytes."""
 
 _TOKEN_BYTES = 4
 _REPLACE_SLACK = 256
@@ -143,7 +146,7 @@ class ReuseEntry:
     router keys a prompt from its packed ids) never builds the tuple, and a turn that extends a long
     text allocates no tuple of its ids."""
 
-    __slots__ = ("_ids", "copied", "count", "data", "derived", "ends", "packed", "size", "tail")
+    __slots__ = ("_head", "_ids", "_packed", "copied", "count", "data", "derived", "ends", "size", "tail")
 
     def __init__(
         self,
@@ -152,9 +155,13 @@ class ReuseEntry:
         packed: bytes,
         ends: TokenEnds | None,
         copied: int = 0,
+        head: memoryview | None = None,
     ) -> None:
-        self.data, self.tail, self.packed, self.copied = data, tail, packed, copied
-        """``tail``: the ids encoded for this text; ``packed``: all its ids (the copied ones first)."""
+        """``tail``: the ids encoded for this text; ``packed``: all its ids (the copied ones first), or
+        with ``head`` (the copied ids packed: a view of another entry's) the tail's only, the two
+        joined when `packed` is first read."""
+        self.data, self.tail, self.copied = data, tail, copied
+        self._packed, self._head = packed, head
         self._ids: tuple[int, ...] | None = None if copied else tail
         self.count = copied + len(tail)
         self.ends = ends
@@ -164,6 +171,35 @@ class ReuseEntry:
         """What callers derived from the ids, by their own key (the completions path: block keys per
         special-token wrap, then per chain root and block size; tokenization.templated)."""
         self.size = len(data) + _ENTRY_BYTES_PER_TOKEN * self.count + 8 * len(tail)
+
+    @property
+    def packed(self) -> bytes:
+        """All the ids, packed (joined once from the copied head's view and the tail's)."""
+        head = self._head
+        if head is not None:
+            self._packed = b"".join((head, self._packed))
+            self._head = None
+        return self._packed
+
+    def packed_head(self, size: int) -> memoryview:
+        """``packed[:size]`` as a view, without joining the packed ids (past the copied head, only
+        what is read of the tail's is copied after it)."""
+        head = self._head
+        if head is None:
+            return memoryview(self._packed)[:size]
+        if size <= len(head):
+            return head[:size]
+        return memoryview(b"".join((head, memoryview(self._packed)[: size - len(head)])))
+
+    def packed_from(self, start: int) -> bytes | memoryview:
+        """``packed[start:]``, without joining the packed ids (only the part of the head after
+        ``start`` is copied, with the tail's)."""
+        head = self._head
+        if head is None:
+            return memoryview(self._packed)[start:]
+        if start >= len(head):
+            return memoryview(self._packed)[start - len(head) :]
+        return b"".join((head[start:], self._packed))
 
     @property
     def ids(self) -> tuple[int, ...]:
@@ -177,7 +213,7 @@ class ReuseEntry:
         """``ids[:n]``, without building the ids."""
         if self._ids is not None:
             return self._ids[:n]
-        return tuple(memoryview(self.packed)[: n * _TOKEN_BYTES].cast("I"))
+        return tuple(self.packed_head(n * _TOKEN_BYTES).cast("I"))
 
     def iter_ids(self) -> Iterator[int]:
         """The ids in order, without building them."""
@@ -308,20 +344,45 @@ class PrefixReuse:
         return entry.ends
 
     def extend(
-        self, prior: ReuseEntry, prior_ends: TokenEnds, data: bytes, cut: int, encode: EncodePacked
+        self,
+        prior: ReuseEntry,
+        prior_ends: TokenEnds,
+        data: bytes,
+        cut: int,
+        encode: EncodePacked,
+        suffix: Suffix | None = None,
+        lazy: bool = False,
     ) -> tuple[ReuseEntry, int]:
         """``data``'s entry: ``prior``'s ids up to ``cut`` (a safe cut of both texts,
         `CutFinder.last_cut`) and the encoding of the rest, with token ends when made; and how many ids
-        were copied. ``prior_ends`` are `ends` (prior)."""
+        were copied. ``prior_ends`` are `ends` (prior). ``suffix``: what ``data`` ends with, whose ids
+        are taken as they are when the rest may be cut before it (only the part between is encoded).
+        ``lazy``: the copied ids stay a view of the prior's until the packed ids are read (never for
+        an entry stored here: it would hold another's packed ids)."""
         n = prior_ends.tokens_before(cut)
         cut = cut if n else 0  # the cut is no token end of the prior text: reuse nothing (never expected)
-        tail_ids, tail_packed = encode(data[cut:].decode("utf-8"))
-        packed = b"".join((memoryview(prior.packed)[: n * _TOKEN_BYTES], tail_packed))  # one copy, not two
+        split = len(data) - suffix[0] if suffix is not None else 0
+        if suffix is not None and split > cut and self.cuts.token_start(data, split, suffix[1], cut):
+            tail_ids, tail_packed = encode(data[cut:split].decode("utf-8"))
+            tail_ids += suffix[2]
+            tail_packed += suffix[3]
+        else:
+            tail_ids, tail_packed = encode(data[cut:].decode("utf-8"))
+        # A chat turn's keys read only its last blocks (`ReuseEntry.packed_from`): lazily, its ~35 KB
+        # of packed ids are not copied per turn.
+        size, kept = n * _TOKEN_BYTES, prior._head
+        head: memoryview | None
+        if kept is None:
+            head = memoryview(prior._packed)[:size]  # (flat: `packed` without the property's call)
+        else:
+            head = kept[:size] if size <= len(kept) else memoryview(prior.packed)[:size]
+        if not lazy:
+            tail_packed, head = b"".join((head, tail_packed)), None  # one copy, not two
         self.stats.hits += n > 0
         self.stats.misses += n == 0
         self.stats.reused_tokens += n
         self.stats.encoded_bytes += len(data) - cut
-        entry = ReuseEntry(data, tail_ids, packed, None, n)
+        entry = ReuseEntry(data, tail_ids, tail_packed, None, n, head)
         if len(tail_ids) > n:  # mostly new text: its ends are made if it is ever reused (`ends`)
             return entry, n
         keep_or_defer(self.later, self._extend_ends, entry, prior_ends, cut)  # (only a later text reads them)
@@ -331,7 +392,9 @@ class PrefixReuse:
         """``entry``'s token ends from those of the text its ids up to byte ``cut`` were copied from
         (``prior_ends``, shared) and its tail's; left None when they do not add up to its text."""
         ends = prior_ends.extended(entry.copied, cut, map(self._lengths.__getitem__, entry.tail))
-        entry.ends = ends if ends.last() == len(entry.data) else None
+        tail = ends.tail
+        last = tail[-1] if tail else ends.last()  # (the common case without a call)
+        entry.ends = ends if last == len(entry.data) else None
 
     def _keep(self, at: int, entry: ReuseEntry, replaced: ReuseEntry | None = None) -> ReuseEntry:
         """The entry kept for ``entry``'s text (sorted position ``at``): the stored one when its text is

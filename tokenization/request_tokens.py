@@ -30,7 +30,7 @@ from tokenization.openai_request import (
     decode_chat,
     decode_completion,
 )
-from tokenization.prefix_reuse import PromptIds, count_of, ids_of
+from tokenization.prefix_reuse import PromptIds, ReuseEntry, count_of, ids_of
 
 __all__ = ["ReportMode", "RequestTokens", "decode_request", "request_tokens", "tokens_of"]
 
@@ -57,7 +57,8 @@ class RequestTokens(msgspec.Struct, frozen=True, dict=True):
     stream: bool = False
     max_tokens: int | None = None
     packed: bytes | None = None
-    """The first prompt's ids packed as native uint32 when the tokenizer made them (else None)."""
+    """The first prompt's ids packed as native uint32 when the tokenizer made them (else None; None
+    too for a carried chat, whose entry holds them: `packed_ids`)."""
     carry: CarryLink | None = None
     """A chat's link to its conversation's previous turn (tokenization.chat_carry), when carried."""
 
@@ -70,6 +71,13 @@ class RequestTokens(msgspec.Struct, frozen=True, dict=True):
     def prompts(self) -> tuple[tuple[int, ...], ...]:
         """Every prompt's ids, the first one first."""
         return (self.tokens, *self.rest)
+
+    @property
+    def packed_ids(self) -> bytes | ReuseEntry | None:
+        """`packed`, or the carried chat's entry holding its packed ids (`ReuseEntry.packed`, joined
+        when read; `ReuseEntry.packed_from` reads the end without joining)."""
+        packed, first = self.packed, self.first
+        return packed if packed is not None or type(first) is not ReuseEntry else first
 
     @property
     def num_tokens(self) -> int:
@@ -101,7 +109,7 @@ def _completion_prompts(req: CompletionRequest, tok: Tokenizer) -> list[Packed]:
     )
 
 
-def _chat_prompt(req: ChatRequest, tok: Tokenizer) -> tuple[PromptIds, bytes, CarryLink | None]:
+def _chat_prompt(req: ChatRequest, tok: Tokenizer) -> tuple[PromptIds, bytes | None, CarryLink | None]:
     if req.chat_template_kwargs is None and req.tools is None and req.documents is None:
         kwargs = {"continue_final_message": req.continue_final_message}  # the common case, in one dict
         template = tok.templates.select(None)
@@ -110,7 +118,9 @@ def _chat_prompt(req: ChatRequest, tok: Tokenizer) -> tuple[PromptIds, bytes, Ca
     return _chat_prompt_with_kwargs(req, tok)
 
 
-def _chat_prompt_with_kwargs(req: ChatRequest, tok: Tokenizer) -> tuple[PromptIds, bytes, CarryLink | None]:
+def _chat_prompt_with_kwargs(
+    req: ChatRequest, tok: Tokenizer
+) -> tuple[PromptIds, bytes | None, CarryLink | None]:
     """`_chat_prompt` of a request with template kwargs, tools or documents."""
     kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
     if reserved := {"chat_template", "tokenize"} & kwargs.keys():
@@ -170,8 +180,8 @@ def tokens_of(
             prompts: list[Packed] = [(ids, packed)]
             max_tokens = req.max_tokens
         elif isinstance(req, ChatRequest):
-            chat_ids, packed, carry = _chat_prompt(req, tokenizer)
-            prompts = [(chat_ids, packed)]
+            chat_ids, chat_packed, carry = _chat_prompt(req, tokenizer)
+            prompts = [(chat_ids, chat_packed)]
             max_tokens = req.max_completion_tokens
             max_tokens = max_tokens if max_tokens is not None else req.max_tokens
         else:

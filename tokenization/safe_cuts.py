@@ -120,6 +120,7 @@ def token_byte_lengths(
 
 _FIND_FIRST_BYTES: Final = 8  # up to this many distinct first bytes, `_spanned` finds them instead of looping
 _ASCII_LETTERS: Final = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
+_NO_BYTES: Final[frozenset[int]] = frozenset()
 
 
 class CutFinder:
@@ -149,8 +150,13 @@ class CutFinder:
         if limit > stop and self.safe(a, limit) and self.safe(b, limit):
             return limit
         # Below the limit one text answers for both: `safe(data, q)` reads only data[:q + 1], shared.
+        # `safe` can hold only after a letter (with the pre-tokenizer rule) or an edge token's last
+        # byte: other offsets are passed over here, without a call each (a number's digits, spaces).
+        letters = _ASCII_LETTERS if self.pretokenizer_rule else _NO_BYTES
+        edge_last = self._edge_last
         for q in range(limit - 1, stop, -1):
-            if self.safe(a, q):
+            before = a[q - 1]
+            if (before in letters or before in edge_last) and self.safe(a, q):
                 return q
         return 0
 
@@ -176,10 +182,25 @@ class CutFinder:
                 return not self._spanned(data, s) and not self._spanned(data, q)
         return False
 
-    def _spanned(self, data: bytes, q: int) -> bool:
-        """Whether an added token could start before ``q`` and end after it (conservative: a proper
-        prefix of some token ends at ``q``)."""
-        prefixes, lo = self._prefixes, max(0, q - self._max_len + 1)
+    def edge_length(self, token: bytes) -> int:
+        """The length of the shortest edge token (see `__init__`) ``token`` starts with, else 0."""
+        for n in self._edge_lengths:
+            if token[:n] in self._edges:
+                return n
+        return 0
+
+    def token_start(self, data: bytes, q: int, n: int, floor: int = 0) -> bool:
+        """Whether ``t = data[floor:]`` may be cut where an edge token of ``n`` bytes starts at ``q``
+        (``encode(t) == encode(t[:q - floor]) + encode(t[q - floor:])``): the `_after_token` rule,
+        whose proof makes both ends of the token cuts."""
+        if data[q : q + n] not in self._edges:
+            return False
+        return not self._spanned(data, q, floor) and not self._spanned(data, q + n, floor)
+
+    def _spanned(self, data: bytes, q: int, floor: int = 0) -> bool:
+        """Whether an added token could start before ``q`` (at ``floor`` or later) and end after it
+        (conservative: a proper prefix of some token ends at ``q``)."""
+        prefixes, lo = self._prefixes, max(floor, q - self._max_len + 1)
         if self._first_bytes is None:
             return any(data[s:q] in prefixes for s in range(lo, q))
         for first in self._first_bytes:  # a token can only start where its first byte is

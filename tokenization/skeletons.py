@@ -188,13 +188,23 @@ class Skeletons:
         """What a conversation's later turns share with it (this template, the other render inputs and
         the first two messages), to find its last render by; None when not JSON-encodable. Three JSON
         values joined (each delimits itself); the messages' encoding is kept on the second message
-        when it is a `TemplateMessage` (a later turn carries the same two objects). ``context_json``:
-        ``context``'s JSON, when the caller has it."""
+        when it is a `TemplateMessage` (a later turn carries the same two objects), and so is the key,
+        given again for the same first message and the same ``context_json`` object (the caller's kept
+        one, `ChatTemplate.render_pieces`). ``context_json``: ``context``'s JSON, when the caller has
+        it."""
+        second = messages[1] if len(messages) > 1 else None
+        if context_json is not None and type(second) is TemplateMessage:
+            kept = second._carry_key
+            if kept is not None and kept[0] is self and kept[1] is messages[0] and kept[2] is context_json:
+                return kept[3]  # the same object: found by identity, its hash made once
         try:
             context_json = context_json if context_json is not None else msgspec.json.encode(context)
-            return b"".join((self._nonce_json, context_json, _head_json(messages)))
+            key = b"".join((self._nonce_json, context_json, _head_json(messages)))
         except (TypeError, msgspec.EncodeError):
             return None
+        if type(second) is TemplateMessage:
+            second._carry_key = (self, messages[0], context_json, key)
+        return key
 
     def marker(self, slot: int) -> str:
         """The text a slot renders as in a skeleton render (a per-process nonce: requests cannot forge it)."""
@@ -268,12 +278,35 @@ def _marks(message: Mapping[str, Any]) -> Marks:
     once and kept on it (it never changes, and marks depend on nothing else)."""
     kept = message._skeleton_marks if type(message) is TemplateMessage else None
     if kept is None:
-        own: list[str] = []
-        marked = _stand_in(message, own, _mark)
-        kept = (marked, tuple(own), msgspec.json.encode(marked))
+        kept = _plain_marks(message)
+        if kept is None:
+            own: list[str] = []
+            marked = _stand_in(message, own, _mark)
+            kept = (marked, tuple(own), msgspec.json.encode(marked))
         if type(message) is TemplateMessage:
             message._skeleton_marks = kept
     return kept
+
+
+_ROLE_CONTENT: Final = ("role", "content")
+_PLAIN_MARKS: dict[tuple[str, bool], tuple[dict[str, Any], bytes]] = {}
+_PLAIN_MARKS_MAX: Final = 64  # roles are a handful; more are odd requests, marked the long way
+
+
+def _plain_marks(message: Mapping[str, Any]) -> Marks | None:
+    """`_marks` of a message that is only a role and a text content (most are), its marked copy and JSON
+    shared by every such message with that role and emptiness (all they depend on); None for others."""
+    role, content = message.get("role"), message.get("content")
+    if type(role) is not str or type(content) is not str or tuple(message) != _ROLE_CONTENT:
+        return None
+    shape = (role, content != "")
+    marked = _PLAIN_MARKS.get(shape)
+    if marked is None:
+        out = {"role": role, "content": _mark(content, 0)}
+        marked = (out, msgspec.json.encode(out))
+        if len(_PLAIN_MARKS) < _PLAIN_MARKS_MAX:
+            _PLAIN_MARKS[shape] = marked
+    return (marked[0], (content,), marked[1])
 
 
 def _structure(messages: Sequence[Mapping[str, Any]]) -> tuple[bytes, list[str]]:

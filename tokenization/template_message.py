@@ -21,14 +21,16 @@ class TemplateMessage(dict[str, Any]):
     once made; ``_carry_head`` the JSON of the conversation's first two messages when this is the
     second (with the first), for `Skeletons.carry_key`; ``_marks_prefix`` the marks of the messages
     up to this one (the ones before it, their and its marks' JSON joined, their texts), for
-    `Skeletons.pieces`."""
+    `Skeletons.pieces`; ``_carry_key`` the carry key made with this as the second message (the
+    `Skeletons`, the first message and the context JSON object it was made for, then the key)."""
 
-    __slots__ = ("_carry_head", "_marks_prefix", "_skeleton_marks")
+    __slots__ = ("_carry_head", "_carry_key", "_marks_prefix", "_skeleton_marks")
 
     def __init__(self, fields: dict[str, Any]) -> None:
         super().__init__(fields)
         self._skeleton_marks: tuple[dict[str, Any], tuple[str, ...], bytes] | None = None
         self._carry_head: tuple[object, bytes] | None = None
+        self._carry_key: tuple[object, object, bytes, bytes] | None = None
         self._marks_prefix: tuple[Sequence[object], bytes, tuple[str, ...]] | None = None
 
     def _frozen(self, *args: object, **kwargs: object) -> NoReturn:

@@ -143,6 +143,9 @@ class TemplatedTokenizer:
         ids, packed, link = self.chat_prompt(
             messages, add_generation_prompt, tools, add_special_tokens, template_kwargs
         )
+        if packed is None:
+            assert isinstance(ids, ReuseEntry), "only an entry's packed ids are left to it"
+            packed = ids.packed
         return ids_of(ids), packed, link
 
     def chat_prompt(
@@ -152,9 +155,11 @@ class TemplatedTokenizer:
         tools: Sequence[Mapping[str, Any]] | None,
         add_special_tokens: bool,
         template_kwargs: Mapping[str, Any],
-    ) -> tuple[tuple[int, ...] | ReuseEntry, bytes, CarryLink | None]:
-        """`chat_packed` with a carried chat's ids as its entry (`ReuseEntry.ids` joins them when read):
-        a caller that keys from the packed ids never builds the tuple."""
+    ) -> tuple[tuple[int, ...] | ReuseEntry, bytes | None, CarryLink | None]:
+        """`chat_packed` with a carried chat's ids as its entry (`ReuseEntry.ids` joins them when read)
+        and no packed ids (None: the entry's, joined when read): a caller that keys from the packed
+        ids never builds the tuple, nor joins them when it reads only their end
+        (`ReuseEntry.packed_from`)."""
         carry, kwargs = self.carry, template_kwargs
         if carry is not None and self.special_wrap(add_special_tokens) == ([], []):
             rendered = self.templates.render_chat_pieces(
@@ -163,7 +168,7 @@ class TemplatedTokenizer:
             if rendered is not None:
                 pieces, key = rendered
                 entry, link = carry.encode_entry(key, pieces, self.segments.encode_segments)
-                return entry, entry.packed, link
+                return entry, None, link
         text = self.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
         return (*self.encode_packed(text, add_special_tokens), None)
 

@@ -59,6 +59,7 @@ from tokenization.openai_request import (
     VllmXargs,
     decode_body,
 )
+from tokenization.prefix_reuse import ReuseEntry, count_of
 from tokenization.request_tokens import RequestTokens, decode_request, tokens_of
 
 __all__ = ["PROCESS_HASHER", "Models", "Prepared", "UnknownModel", "VariantKeys"]
@@ -329,7 +330,7 @@ class Models:
                 self.hasher,
                 _ids_of(rt),
                 rt.extras,
-                packed=rt.packed,
+                packed=rt.packed_ids,
                 cache=self.key_cache,
                 carry=rt.carry,
             )
@@ -346,7 +347,7 @@ class Models:
             keys=main.keys,
             skip_cache=first.skip_cache,
             report_mode=str(first.report_mode),  # a C call (Enum.value is a Python-level property)
-            session_key=session_key(_ids_of(first), first.extras, first.packed),
+            session_key=session_key(_ids_of(first), first.extras, first.packed_ids),
             timings=MappingProxyType({"tokenize": tokenize, "hash": hashing}),
             variant=model,
             variants=MappingProxyType(computed),
@@ -363,21 +364,24 @@ class Models:
         t0 = clock()
         rt = tokens_of(req, self.tokenizer(v), self._loras[model])
         t1 = clock()
-        ids, extras = _ids_of(rt), rt.extras
+        ids, extras, first = _ids_of(rt), rt.extras, rt.first
+        packed: bytes | ReuseEntry | None = rt.packed
+        if packed is None and type(first) is ReuseEntry:
+            packed = first  # `rt.packed_ids` without the property's call: a carried chat's entry
         keys = spec_keys(
-            v.spec, self.hasher, ids, extras, packed=rt.packed, cache=self.key_cache, carry=rt.carry
+            v.spec, self.hasher, ids, extras, packed=packed, cache=self.key_cache, carry=rt.carry
         )
         t2 = clock()
         return Prepared(
             model=model,
             endpoint=endpoint if type(endpoint) is Endpoint else Endpoint(endpoint),
             stream=rt.stream,
-            prompt_tokens=rt.num_tokens,
+            prompt_tokens=count_of(rt.first),  # `rt.num_tokens` without the property's call
             keys=keys,
             skip_cache=rt.skip_cache,
             report_mode=str(rt.report_mode),  # a C call (Enum.value is a Python-level property)
             session_key=session_key(
-                ids, extras, rt.packed, rt.carry, self.hasher.root(extras.lora_name, extras.cache_salt)
+                ids, extras, packed, rt.carry, self.hasher.root(extras.lora_name, extras.cache_salt)
             ),
             timings=MappingProxyType({"tokenize": t1 - t0, "hash": t2 - t1}),
             variant=model,

@@ -253,3 +253,36 @@ def test_shared_pieces_is_the_first_difference(old: list[str], new: list[str]) -
         i += 1
     assert _shared_pieces(old, new) == i
     assert _shared_pieces(old, [*old[:-1], "z"]) == max(0, len(old) - 1)
+
+
+def test_the_generation_prompt_is_encoded_once_not_with_each_new_turn(ds: HfTokenizer) -> None:
+    """A turn's new text ends with the template's closing fragment (the generation prompt): its ids are
+    kept once (`ChatCarry._suffix`) and only the text before it is encoded, when the cut before it is
+    provably safe; the ids stay a plain encode's, and a text that could span the cut is encoded whole."""
+    carry = ds.carry
+    assert carry is not None
+    carry.long_tail = LONG_TAIL  # (the property test above leaves it at 0 at times: every tail long)
+    seen: list[str] = []
+
+    def encode(text: str) -> tuple[tuple[int, ...], bytes]:
+        seen.append(text)
+        return ds.segments.encode_segments(text)
+
+    base = [{"role": "system", "content": "s"}, {"role": "user", "content": "the long question " * 30}]
+    for i, tail in enumerate(["first 12", "second 13", f"spans <{BAR}Assi", "third 14"]):
+        last = {"role": "user", "content": f"question {tail}"}
+        msgs = [*base, {"role": "assistant", "content": "ok"}, last]
+        rendered = ds.templates.render_chat_pieces(msgs, True, None, ds._context, {})
+        assert rendered is not None
+        pieces, key = rendered
+        seen.clear()
+        entry, _ = carry.encode_entry(key, pieces, encode)
+        assert list(entry.ids) == plain_ids(ds, msgs)
+        assert pieces[-1] == ADDED[1]
+        if i == 1:  # the fragment encoded alone (once), the new text alone
+            assert seen and all(text == ADDED[1] or ADDED[1] not in text for text in seen), seen
+        if i == 3:  # the fragment's ids kept: only the new text is encoded
+            assert len(seen) == 1 and ADDED[1] not in seen[0], seen
+        if i == 2:  # the text's last bytes may start a token with the fragment's: the cut is not proven
+            assert seen and seen[-1].endswith(ADDED[1])
+    assert len(carry._suffixes) <= 64

@@ -36,6 +36,7 @@ MESSAGE = st.fixed_dictionaries(
         "content": st.one_of(TEXT, st.none(), st.lists(PART, max_size=3), st.just(7)),
         "name": TEXT,
         "reasoning_content": TEXT,
+        "reasoning": TEXT,
         "tool_call_id": TEXT,
         "tool_calls": st.lists(
             st.fixed_dictionaries({"function": st.fixed_dictionaries({"name": TEXT, "arguments": TEXT})}),
@@ -192,9 +193,11 @@ def test_conversations_are_lru_and_bounded_in_entries_and_bytes() -> None:
         ChatDecoder(max_entries=-1)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=150, deadline=None)
 @given(message=MESSAGE, fmt=st.sampled_from(list(ContentFormat)))
 def test_kept_template_dicts_and_marks_equal_fresh_ones(message: dict[str, Any], fmt: ContentFormat) -> None:
+    """`conversation`'s kept dict (made directly for a role and a string content) is `_message`'s, in
+    its key order too, and so are its marks."""
     body = json.dumps({"messages": [message]}).encode()
     try:
         (msg,) = decode_chat(body).messages
@@ -202,7 +205,7 @@ def test_kept_template_dicts_and_marks_equal_fresh_ones(message: dict[str, Any],
     except RequestError:
         return
     kept = conversation([msg], fmt, True)[0]
-    assert type(kept) is TemplateMessage and kept == fresh
+    assert type(kept) is TemplateMessage and kept == fresh and list(kept) == list(fresh)
     assert conversation([msg], fmt, True)[0] is kept  # made once per message and format
     again: list[str] = []
     marked, texts, marked_json = _marks(kept)

@@ -163,6 +163,67 @@ def test_last_cut_is_the_latest_offset_safe_in_both_texts(
     assert cuts.last_cut(a, b, limit) == (both[0] if both else 0)
 
 
+@given(ids=st.lists(st.integers(0, 2**32 - 1), max_size=40), cut=st.integers(0, 40), at=st.integers(0, 200))
+def test_an_entrys_packed_ids_from_a_view_read_as_the_joined_ones(ids: list[int], cut: int, at: int) -> None:
+    """An entry whose copied ids are a view of another's packed ids (`PrefixReuse.extend`, lazy) reads
+    its head, its end and its ids as the joined bytes give them, joining only on `packed`."""
+    cut = min(cut, len(ids))
+    whole = array("I", ids).tobytes()
+    tail = array("I", ids[cut:]).tobytes()
+    entry = ReuseEntry(b"", tuple(ids[cut:]), tail, None, cut, memoryview(whole)[: 4 * cut])
+    assert bytes(entry.packed_head(at)) == whole[:at] and bytes(entry.packed_from(at)) == whole[at:]
+    assert entry.prefix(at // 4) == tuple(ids[: at // 4])
+    assert entry._head is not None  # read, but not joined
+    assert entry.packed == whole and entry.ids == tuple(ids) and entry.count == len(ids)
+    assert bytes(entry.packed_from(at)) == whole[at:] and bytes(entry.packed_head(at)) == whole[:at]
+
+
+@settings(max_examples=300, deadline=None)
+@given(head=CUT_TEXT, before=CUT_TEXT, after=CUT_TEXT, rule=st.booleans())
+def test_a_cut_before_a_token_is_a_cut_before_and_after_it(
+    head: list[str], before: list[str], after: list[str], rule: bool
+) -> None:
+    added = [
+        AddedToken(1, "<|end|>", normalized=False, special=True),
+        AddedToken(2, "<|end|>x", normalized=False),
+    ]
+    cuts = CutFinder(added, pretokenizer_rule=rule)
+    floor, q = len("".join(head).encode()), len("".join(head + before).encode())
+    data = "".join(head + before + after).encode()
+    n = cuts.edge_length(data[q:])
+    if n and cuts.token_start(data, q, n, floor):  # what `_after_token` proves for the token's end
+        assert cuts._after_token(data[floor:], q - floor + n) and not cuts._spanned(data[floor:], q - floor)
+    assert not cuts.token_start(data, q, 0, floor)  # no token: no cut
+
+
+AROUND_TOKENS = st.lists(
+    st.sampled_from(
+        ["a", "é", "你", " ", "\n", "7", "42", ".", "<", f"<{BAR}", f"{BAR}>", USER, ASSISTANT, DS_BOS]
+    ),
+    max_size=8,
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    head=AROUND_TOKENS,
+    before=AROUND_TOKENS,
+    token=st.sampled_from([USER, ASSISTANT, DS_BOS, "<think>", "</think>", "<"]),
+    after=AROUND_TOKENS,
+)
+def test_a_text_cut_before_a_token_encodes_as_its_two_parts(
+    head: list[str], before: list[str], token: str, after: list[str]
+) -> None:
+    tok = _deepseek()
+    assert tok.segments.reuse is not None
+    cuts = tok.segments.reuse.cuts
+    floor, a, b = len("".join(head).encode()), "".join(before), token + "".join(after)
+    data = ("".join(head) + a + b).encode()
+    n = cuts.edge_length(b.encode())
+    if n and cuts.token_start(data, len(data) - len(b.encode()), n, floor):
+        assert tok.encode(a + b, False) == tok.encode(a, False) + tok.encode(b, False)
+
+
 # --- Exactness: the reuse path equals a plain encode ------------------------------------------------------
 
 ADVERSARIAL = st.sampled_from(

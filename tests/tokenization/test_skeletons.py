@@ -20,12 +20,13 @@ from hypothesis import strategies as st
 
 from tokenization import BuiltinTokenizer, HfTokenizer
 from tokenization.builtin import BUILTIN_CHAT_TEMPLATE
-from tokenization.chat_template import ChatOptions, ChatTemplate
+from tokenization.chat_template import ChatOptions, ChatTemplate, _options
 from tokenization.skeletons import (
     Inspected,
     Opaque,
     Skeletons,
     _mark,
+    _marks,
     _Skeleton,
     _stand_in,
     _structure,
@@ -257,3 +258,77 @@ def test_kept_marks_are_read_only_for_the_same_message_objects() -> None:
     _structure([TemplateMessage({"role": "tool", "n": 1}), shared, last])
     later = [TemplateMessage({"role": "tool", "n": 1.0}), shared, last]
     assert _structure(later) == _fresh_structure(later) and b"1.0" in _structure(later)[0]
+
+
+@settings(max_examples=200, deadline=None)
+@given(
+    message=st.one_of(
+        MESSAGE,
+        st.fixed_dictionaries({"role": st.one_of(ROLES, st.text(max_size=3), st.just(1)), "content": TEXT}),
+        st.builds(lambda t, r: {"content": t, "role": r}, TEXT, ROLES),  # keys in the other order
+        st.builds(lambda t: {"role": "user", "content": t, "name": "n"}, TEXT),
+    ),
+    kept=BOOL,
+)
+def test_marks_of_plain_messages_shared_by_shape_equal_fresh_ones(
+    message: dict[str, Any], kept: bool
+) -> None:
+    """A role-and-text message's marks are shared by its role and emptiness (`_plain_marks`); any
+    message's marks equal those `_stand_in` makes, texts and JSON alike."""
+    texts: list[str] = []
+    marked = _stand_in(dict(message), texts, _mark)
+    got = _marks(TemplateMessage(message) if kept else message)
+    assert got[0] == marked and got[1] == tuple(texts) and got[2] == msgspec.json.encode(marked)
+
+
+def test_a_kept_carry_key_is_given_only_for_the_same_inputs_object_and_first_message() -> None:
+    """`carry_key` gives the key kept on the second message for the same `Skeletons`, first message
+    and context JSON object; an equal JSON from elsewhere, another first message or another
+    `Skeletons` (its own nonce) make the key afresh, always equal to a plain dicts' key."""
+    skeletons, other = Skeletons(), Skeletons()
+    msgs = [
+        TemplateMessage({"role": "system", "content": "s"}),
+        TemplateMessage({"role": "user", "content": "u"}),
+    ]
+    plain = [dict(m) for m in msgs]
+    context_json = msgspec.json.encode({"a": 1})
+    key = skeletons.carry_key(msgs, None, context_json)
+    assert key is not None and skeletons.carry_key(msgs, None, context_json) is key
+    assert skeletons.carry_key(msgs, None, msgspec.json.encode({"a": 1})) == key
+    assert skeletons.carry_key(plain, None, context_json) == key
+    assert other.carry_key(msgs, None, context_json) == other.carry_key(plain, None, context_json) != key
+    first = TemplateMessage({"role": "system", "content": "t"})
+    assert skeletons.carry_key([first, msgs[1]], None, context_json) == skeletons.carry_key(
+        [dict(first), plain[1]], None, context_json
+    )
+    assert skeletons.carry_key(msgs, None, context_json) == key
+
+
+@given(gen=st.sampled_from([True, False, 1, 0]), cont=st.sampled_from([False, True, 0, None]))
+def test_shared_chat_options_equal_fresh_ones(gen: Any, cont: Any) -> None:
+    """`_options` gives a shared object for a chat without tools or other arguments: equal, field for
+    field and in type, to the one it would build."""
+    got = _options(gen, None, {"continue_final_message": cont})
+    fresh = ChatOptions(add_generation_prompt=gen, continue_final_message=bool(cont), kwargs={})
+    assert got == fresh and type(got.add_generation_prompt) is type(gen)
+    assert msgspec.json.encode(got) == msgspec.json.encode(fresh)
+
+
+def test_kept_render_inputs_follow_the_special_tokens() -> None:
+    """`ChatTemplate.render_pieces` keeps its last inputs' JSON for the same options object and
+    special tokens: changed tokens (the same dict changed, or another) give the render they give."""
+    template = ChatTemplate(
+        "{{ bos_token }}{% for m in messages %}{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    )
+    options = _options(True, None, {"continue_final_message": False})
+    msgs = [TemplateMessage({"role": "user", "content": "hi"})]
+    special = dict(SPECIAL)
+    first = template.render_pieces(msgs, options, special)
+    assert first is not None and "".join(first[0]) == template.render(msgs, options, special)
+    special["bos_token"] = "<B>"
+    again = template.render_pieces(msgs, options, special)
+    assert again is not None and "".join(again[0]) == template.render(msgs, options, special)
+    assert again[1] != first[1] and again[0][0].startswith("<B>")
+    reordered = {"eos_token": "</s>", "bos_token": "<s>"}
+    third = template.render_pieces(msgs, options, reordered)
+    assert third is not None and third[1] != first[1]  # the JSON follows the order: another key

@@ -75,7 +75,7 @@ def _packed_blocks(tokens: Sequence[int], block_size: int, n_blocks: int) -> byt
     return pack_tokens(tokens if len(tokens) == n else tokens[:n])
 
 
-def packed_block_hashes(packed: bytes, block_size: int, start: int, stop: int) -> list[int]:
+def packed_block_hashes(packed: bytes | memoryview, block_size: int, start: int, stop: int) -> list[int]:
     """Keyed SipHash of blocks `start` to `stop` (exclusive) of packed token bytes."""
     if stop <= start:
         return []

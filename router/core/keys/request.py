@@ -25,7 +25,7 @@ from router.core.keys.block_key import (
 from router.core.keys.recent_prompts import PrefixKeyCache
 from router.core.kv_layout import HashingMode, ModelSpec
 
-__all__ = ["Ids", "KeyCarry", "carried_keys", "session_key", "spec_keys"]
+__all__ = ["Ids", "KeyCarry", "Packed", "PackedSource", "carried_keys", "session_key", "spec_keys"]
 
 _SESSION_TOKENS = 256  # tokens of the prompt's head that make up the stable tie-break key
 
@@ -48,23 +48,49 @@ class KeyCarry(Protocol):
     def own(self) -> dict[tuple[int, int], tuple[int, ...]]: ...
 
 
-def carried_keys(root: int, packed: bytes, block_size: int, carry: KeyCarry) -> list[int] | None:
+def carried_keys(root: int, packed: Packed, block_size: int, carry: KeyCarry) -> list[int] | None:
     """The keys of every full block of ``packed``: the earlier prompt's chain up to the last full block
     the two share, extended by hashing only the blocks after it (keys are chained, so the shared
-    ones are the same); None when the earlier prompt's keys for this root and block size are unknown.
-    Also stored as the prompt's ``own`` keys."""
+    ones are the same; an entry's packed ids are read from there on only); None when the earlier
+    prompt's keys for this root and block size are unknown. Also stored as the prompt's ``own``
+    keys."""
     group = (root, block_size)
     prior = carry.prior.get(group)
     if prior is None:
         return None
-    n_blocks = len(packed) // (block_size * TOKEN_BYTES)
-    shared = min(carry.shared_tokens // block_size, len(prior), n_blocks)
+    if isinstance(packed, bytes):
+        n_blocks = len(packed) // (block_size * TOKEN_BYTES)
+        shared = min(carry.shared_tokens // block_size, len(prior), n_blocks)
+        hashes = packed_block_hashes(packed, block_size, shared, n_blocks)
+    else:
+        n_blocks = packed.count // block_size
+        shared = min(carry.shared_tokens // block_size, len(prior), n_blocks)
+        rest = packed.packed_from(shared * block_size * TOKEN_BYTES)
+        hashes = packed_block_hashes(rest, block_size, 0, n_blocks - shared)
     parent = prior[shared - 1] if shared else root
     keys = list(prior)  # then cut: one copy of the shared keys, where a slice first would be a second
     del keys[shared:]
-    keys += chain_hashes(parent, packed_block_hashes(packed, block_size, shared, n_blocks))
+    keys += chain_hashes(parent, hashes)
     carry.own[group] = tuple(keys)
     return keys
+
+
+class PackedSource(Protocol):
+    """Packed ids held by their prompt's entry (tokenization.prefix_reuse.ReuseEntry): ``count`` ids,
+    joined into one bytes object only when `packed` is read."""
+
+    count: int
+
+    @property
+    def packed(self) -> bytes: ...
+
+    def packed_from(self, start: int) -> bytes | memoryview: ...
+
+    def packed_head(self, size: int) -> memoryview: ...
+
+
+Packed = bytes | PackedSource
+"""A prompt's packed ids (`pack_tokens`), or the entry holding them."""
 
 
 Ids = tuple[int, ...] | Callable[[], tuple[int, ...]]
@@ -77,7 +103,7 @@ def spec_keys(
     tokens: Ids,
     extras: RequestExtras,
     *,
-    packed: bytes | None = None,
+    packed: Packed | None = None,
     cache: PrefixKeyCache | None = None,
     carry: KeyCarry | None = None,
 ) -> list[int]:
@@ -92,7 +118,7 @@ def spec_keys(
             carried = carried_keys(root, packed, hb, carry) if carry is not None else None
             if carried is not None:
                 return carried
-            keys = cache.keys(root, packed, hb)
+            keys = cache.keys(root, packed if isinstance(packed, bytes) else packed.packed, hb)
             if carry is not None:
                 carry.own[(root, hb)] = tuple(keys)
             return list(keys)
@@ -112,7 +138,7 @@ def _ids(tokens: Ids) -> tuple[int, ...]:
 def session_key(
     tokens: Ids,
     extras: RequestExtras,
-    packed: bytes | None = None,
+    packed: Packed | None = None,
     carry: KeyCarry | None = None,
     root: int | None = None,
 ) -> str:
@@ -126,11 +152,12 @@ def session_key(
         if kept is not None:
             carry.own[group] = kept
             return f"{kept[0]:016x}"
-    head = (
-        packed[: _SESSION_TOKENS * 4]
-        if packed is not None
-        else array("I", _ids(tokens)[:_SESSION_TOKENS]).tobytes()
-    )
+    if packed is None:
+        head = array("I", _ids(tokens)[:_SESSION_TOKENS]).tobytes()
+    elif isinstance(packed, bytes):
+        head = packed[: _SESSION_TOKENS * TOKEN_BYTES]
+    else:
+        head = bytes(packed.packed_head(min(packed.count, _SESSION_TOKENS) * TOKEN_BYTES))
     tail = msgspec.msgpack.encode((extras.lora_name, extras.cache_salt))
     digest = hashlib.blake2b(head + tail, digest_size=8).digest()
     if group is not None and carry is not None:

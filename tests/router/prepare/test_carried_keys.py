@@ -26,6 +26,7 @@ from tokenization import HfTokenizer
 from tokenization.chat_carry import LONG_TAIL, CarryLink
 from tokenization.hf_files import package_dir
 from tokenization.openai_request import Endpoint
+from tokenization.prefix_reuse import ReuseEntry
 from tokenization.request_tokens import request_tokens
 
 HASHER = KeyHasher(b"test-carried-keys")
@@ -127,6 +128,36 @@ def test_carried_keys_at_and_around_block_boundaries(shared: int) -> None:
     )
 
 
+@settings(max_examples=150, deadline=None)
+@given(
+    shared=st.integers(0, 70),
+    head=st.integers(0, 70),
+    block_size=st.sampled_from([1, 3, 16]),
+    count=st.integers(0, 80),
+)
+def test_carried_and_session_keys_of_an_entrys_unjoined_packed_ids_equal_the_joined_ones(
+    shared: int, head: int, block_size: int, count: int
+) -> None:
+    """`carried_keys` and `session_key` read an entry's packed ids from their end or head without
+    joining them (`ReuseEntry.packed_from`, `packed_head`): the same keys as from the bytes."""
+    a = list(range(2000, 2070))
+    ids = [*a[:shared], *range(7000, 7000 + max(0, count - shared))][:count]
+    cut = min(head, len(ids))
+    packed = pack_tokens(ids)
+    entry = ReuseEntry(
+        b"", tuple(ids[cut:]), pack_tokens(ids[cut:]), None, cut, memoryview(packed)[: 4 * cut]
+    )
+    root = HASHER.root()
+    prior: dict[tuple[int, int], tuple[int, ...]] = {
+        (root, block_size): tuple(HASHER.request_keys(a, block_size))
+    }
+    flat, lazy = CarryLink(min(shared, count), prior, {}), CarryLink(min(shared, count), prior, {})
+    assert carried_keys(root, entry, block_size, lazy) == carried_keys(root, packed, block_size, flat)
+    assert lazy.own == flat.own
+    assert session_key((), RequestExtras(), entry) == session_key((), RequestExtras(), packed)
+    assert entry.packed == packed and entry._head is None  # joined when read, once
+
+
 PROMPT_OPS = st.tuples(
     st.sampled_from(["suffix", "cut", "same", "other"]),
     st.integers(0, 400),
@@ -185,6 +216,8 @@ def test_a_completions_prompt_with_a_new_suffix_hashes_only_its_new_blocks() -> 
 def test_a_carried_chat_is_keyed_without_building_its_ids_and_the_stub_still_gets_them() -> None:
     models = _models(16)
     tok = _tokenizer(models)
+    assert tok.carry is not None
+    tok.carry.long_tail = LONG_TAIL  # (shared tokenizer: another test may have left every tail long)
     base = [{"role": "system", "content": "lazy"}, {"role": "user", "content": "ids " * 200}]
     for question in ("one?", "two?"):
         msgs = [*base, {"role": "assistant", "content": "ok"}, {"role": "user", "content": question}]
@@ -193,6 +226,7 @@ def test_a_carried_chat_is_keyed_without_building_its_ids_and_the_stub_still_get
     assert carry is not None
     last = next(reversed(carry._turns.values())).entry
     assert last.copied and last._ids is None  # keyed from the packed ids: the tuple was never built
+    assert last._head is not None  # nor were they joined: the keys read their end only
     raw = msgspec.json.encode({"model": "m", "messages": msgs})
     assert request_tokens(raw, Endpoint.CHAT, tok).tokens == tuple(plain_ids(tok, msgs))
 
