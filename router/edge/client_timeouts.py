@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Final, cast
 
 import httptools
-from uvicorn._types import ASGI3Application, HTTPScope
+from uvicorn._types import ASGI3Application
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
@@ -151,6 +151,17 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         parts = self._url  # the target's pieces (`on_url` is their list's `append`)
         url = self.url = b"".join(parts)  # one piece: that piece itself, no copy
         del parts[:]
+        self.scope = {  # type: ignore[typeddict-item]  # uvicorn's `on_message_begin` scope
+            "type": "http",
+            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
+            "http_version": "1.1",
+            "server": self.server,
+            "client": self.client,
+            "scheme": self.scheme,  # type: ignore[typeddict-item]
+            "root_path": self.root_path,
+            "headers": self.headers,
+            "state": self.app_state.copy(),
+        }
         hot = self._hot
         endpoint = HOT_PATHS.get(url) if hot is not None else None
         if (
@@ -163,17 +174,6 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         ):
             self._start_hot(endpoint)
             return
-        self.scope = {  # type: ignore[typeddict-item]  # uvicorn's `on_message_begin` scope
-            "type": "http",
-            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
-            "http_version": "1.1",
-            "server": self.server,
-            "client": self.client,
-            "scheme": self.scheme,  # type: ignore[typeddict-item]
-            "root_path": self.root_path,
-            "headers": self.headers,
-            "state": self.app_state.copy(),
-        }
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is None or cycle.transport is not self.transport:  # an upgrade: no new cycle
@@ -185,28 +185,17 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         extensions[LOST_SIGNAL] = {"signal": self._lost}
 
     def _start_hot(self, endpoint: Endpoint) -> None:
-        """uvicorn's scope (built at once: the target is a hot path, plain ASCII) and cycle start (or
+        """uvicorn's scope completion (the target is a hot path, plain ASCII) and cycle start (or
         queueing behind a pipelined request), with a `HotCycle` serving `endpoint` for the cycle."""
         hot = self._hot
         assert hot is not None
         version = self.parser.get_http_version()
-        url = self.url
-        scope: HTTPScope = {
-            "type": "http",
-            "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
-            "http_version": version,
-            "server": self.server,
-            "client": self.client,
-            "scheme": self.scheme,  # type: ignore[typeddict-item]
-            "root_path": self.root_path,
-            "headers": self.headers,
-            "state": self.app_state.copy(),
-            "method": "POST",
-            "path": url.decode("ascii"),
-            "raw_path": url,
-            "query_string": b"",
-        }
-        self.scope = scope
+        url, scope = self.url, self.scope
+        scope["http_version"] = version
+        scope["method"] = "POST"
+        scope["path"] = url.decode("ascii")
+        scope["raw_path"] = url
+        scope["query_string"] = b""
         previous = self.cycle
         keep_alive = version != "1.0" and self.parser.should_keep_alive()
         self.cycle = cycle = HotCycle(self, scope, keep_alive, hot.serve, endpoint, hot.access_log)
