@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import operator
-import weakref
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, Final, Literal, cast
@@ -243,7 +242,11 @@ class HotCycle(RequestResponseCycle, LostSignal, BodyWriter):
         self.callback = None
         self.loop = None
         self.task = None
-        self._cycle = weakref.ref(self)  # what `BodyWriter`'s methods write through: this cycle
+
+    def _cycle(self) -> HotCycle:
+        """What `BodyWriter`'s methods write through: this cycle itself (no weak reference per request:
+        the reference cycle through its scope is broken when its task ends, `_served`)."""
+        return self
 
     def begin(
         self,
