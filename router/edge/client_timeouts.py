@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from typing import Any, Final, cast
 
 import httptools
-from uvicorn._types import ASGI3Application
+from uvicorn._types import ASGI3Application, HTTPScope
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
 from uvicorn.server import ServerState
@@ -42,7 +42,6 @@ from router.edge.client_io import LOST_SIGNAL, LostSignal
 from router.edge.client_writes import BODY_WRITER, BodyWriter, HeadHold
 from router.edge.hot_routes import HOT_KEY, HOT_PATHS, HotCycle, HotRoutes
 from router.settings.config import Timeouts
-from tokenization.openai_request import Endpoint
 
 __all__ = ["STATE_KEY", "ClientTimeouts", "TimedHttpToolsProtocol"]
 
@@ -83,7 +82,9 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         self._idle_by: float | None = None  # the end of the keep-alive wait (None: no wait runs)
         self._step = 0.0  # the shorter timeout: the timer never waits past a deadline set later
         self._lost: LostSignal | None = None
-        self._hot: HotRoutes | None = app_state.get(HOT_KEY)
+        # The hot routes, unless uvicorn must answer 503s past a concurrency limit or prefix a root path.
+        plain = self.limit_concurrency is None and not self.root_path
+        self._hot: HotRoutes | None = app_state.get(HOT_KEY) if plain else None
         self._fresh_context = bool(getattr(config, "reset_contextvars", False))  # uvicorn's opt-in
         if self._timeouts is not None:
             self.timeout_keep_alive = self._timeouts.keepalive_s
@@ -145,13 +146,13 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
                 self._arm(by)
 
     def on_headers_complete(self) -> None:
-        """uvicorn's, or for a head naming a hot route a `HotCycle` (`_start_hot`) when `HotRoutes` may
-        serve it (module docstring): a plain POST, no concurrency limit or root path."""
+        """uvicorn's, or for a head naming a hot route a `HotCycle` when `HotRoutes` may serve it
+        (module docstring): a plain POST (no concurrency limit or root path: `_hot` is None then)."""
         self._header_by = None
         parts = self._url  # the target's pieces (`on_url` is their list's `append`)
         url = self.url = b"".join(parts)  # one piece: that piece itself, no copy
         del parts[:]
-        self.scope = {  # type: ignore[typeddict-item]  # uvicorn's `on_message_begin` scope
+        scope: HTTPScope = {  # type: ignore[typeddict-item]  # uvicorn's `on_message_begin` scope
             "type": "http",
             "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
             "http_version": "1.1",
@@ -162,50 +163,43 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             "headers": self.headers,
             "state": self.app_state.copy(),
         }
+        self.scope = scope
         hot = self._hot
-        endpoint = HOT_PATHS.get(url) if hot is not None else None
+        parser = self.parser
         if (
-            endpoint is not None
-            and hot is not None
-            and self.limit_concurrency is None
-            and not self.root_path
-            and self.parser.get_method() == b"POST"
-            and not self.parser.should_upgrade()
+            hot is not None
+            and (endpoint := HOT_PATHS.get(url)) is not None
+            and parser.get_method() == b"POST"
+            and not parser.should_upgrade()
         ):
-            self._start_hot(endpoint)
+            # uvicorn's scope completion (the target is a hot path: plain ASCII, no query) and cycle
+            # start (or queueing behind a pipelined request), inline: no call of its own per request.
+            version = parser.get_http_version()
+            scope["http_version"] = version
+            scope["method"] = "POST"
+            scope["path"] = url.decode("ascii")
+            scope["raw_path"] = url
+            scope["query_string"] = b""
+            previous = self.cycle
+            keep_alive = version != "1.0" and parser.should_keep_alive()
+            self.cycle = served = HotCycle(self, scope, keep_alive, hot.serve, endpoint, hot.access_log)
+            scope["extensions"] = {BODY_WRITER: {"writer": served}, LOST_SIGNAL: {"signal": served}}  # itself
+            self._lost = served
+            if previous is None or previous.response_complete:
+                served.begin(self.loop, self.tasks, contextvars.Context() if self._fresh_context else None)
+            else:
+                self.flow.pause_reading()
+                self.pipeline.appendleft((served, self.app))
             return
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is None or cycle.transport is not self.transport:  # an upgrade: no new cycle
             return
         cycle.transport = cast(asyncio.Transport, HeadHold(self.transport, self.loop))  # head + body
-        extensions = self.scope.setdefault("extensions", {})
+        extensions = scope.setdefault("extensions", {})
         extensions[BODY_WRITER] = {"writer": BodyWriter(cycle)}
         self._lost = _CycleSignal(cycle, self.loop)
         extensions[LOST_SIGNAL] = {"signal": self._lost}
-
-    def _start_hot(self, endpoint: Endpoint) -> None:
-        """uvicorn's scope completion (the target is a hot path, plain ASCII) and cycle start (or
-        queueing behind a pipelined request), with a `HotCycle` serving `endpoint` for the cycle."""
-        hot = self._hot
-        assert hot is not None
-        version = self.parser.get_http_version()
-        url, scope = self.url, self.scope
-        scope["http_version"] = version
-        scope["method"] = "POST"
-        scope["path"] = url.decode("ascii")
-        scope["raw_path"] = url
-        scope["query_string"] = b""
-        previous = self.cycle
-        keep_alive = version != "1.0" and self.parser.should_keep_alive()
-        self.cycle = cycle = HotCycle(self, scope, keep_alive, hot.serve, endpoint, hot.access_log)
-        scope["extensions"] = {BODY_WRITER: {"writer": cycle}, LOST_SIGNAL: {"signal": cycle}}  # itself
-        self._lost = cycle
-        if previous is None or previous.response_complete:
-            cycle.begin(self.loop, self.tasks, contextvars.Context() if self._fresh_context else None)
-        else:
-            self.flow.pause_reading()
-            self.pipeline.appendleft((cycle, self.app))
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
         if type(cycle) is HotCycle:  # a pipelined hot request's turn

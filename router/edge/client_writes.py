@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import weakref
+from collections.abc import Callable
 from typing import Any, Final
 
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
@@ -82,6 +83,8 @@ class BodyWriter:
 
     _window = 0.0
     _last = 0.0
+    _cycle: Callable[[], RequestResponseCycle | None]
+    """The cycle written to: a weak reference to it (a cycle that is its own writer returns itself)."""
 
     def __init__(self, cycle: RequestResponseCycle) -> None:
         self._cycle = weakref.ref(cycle)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import operator
-import weakref
 from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
 from typing import Any, Final, Literal, cast
@@ -243,7 +242,11 @@ class HotCycle(RequestResponseCycle, LostSignal, BodyWriter):
         self.callback = None
         self.loop = None
         self.task = None
-        self._cycle = weakref.ref(self)  # what `BodyWriter`'s methods write through: this cycle
+
+    def _cycle(self) -> HotCycle:
+        """What `BodyWriter`'s methods write through: this cycle itself (no weak reference per request:
+        the reference cycle through its scope is broken when its task ends, `_served`)."""
+        return self
 
     def begin(
         self,
@@ -403,7 +406,13 @@ class HotCycle(RequestResponseCycle, LostSignal, BodyWriter):
             lines.append(b"transfer-encoding: chunked")
         lines.append(b"\r\n")
         self._held = STATUS_LINE[status] + defaults.lines + b"\r\n".join(lines)
-        (self.loop or asyncio.get_running_loop()).call_soon(self._flush)
+        loop = self.loop or asyncio.get_running_loop()
+        held = _HELD.get(loop)  # the heads held in this turn share one callback at the next (`_flush_held`)
+        if held is None:
+            _HELD[loop] = [self]
+            loop.call_soon(_flush_held, loop)
+        else:
+            held.append(self)
 
     def _frame(self, framing: list[tuple[bytes, bytes]]) -> bool:
         """Take the answer's framing from its Content-Length, Transfer-Encoding and Connection headers
@@ -447,7 +456,7 @@ class HotCycle(RequestResponseCycle, LostSignal, BodyWriter):
             self.on_response()
 
     def _flush(self) -> None:
-        """The held head alone: its body was not ready in the turn the head was sent."""
+        """The held head alone (if still held): its body was not ready in the turn the head was sent."""
         held, self._held = self._held, None
         if held is not None and not self.transport.is_closing():
             self.transport.write(held)
@@ -455,3 +464,16 @@ class HotCycle(RequestResponseCycle, LostSignal, BodyWriter):
     def _close(self) -> None:
         self._flush()
         self.transport.close()
+
+
+_HELD: Final[dict[asyncio.AbstractEventLoop, list[HotCycle]]] = {}
+"""Per running loop, the cycles whose heads were held in this turn (`HotCycle._start`), until its
+`_flush_held` at the next: one callback per turn for all of them rather than one per answer (most
+heads leave with their body in the same turn). A loop's entry goes when its callback runs."""
+
+
+def _flush_held(loop: asyncio.AbstractEventLoop) -> None:
+    """The heads of the cycles held in `loop`'s last turn whose body has not come yet, each alone."""
+    for cycle in _HELD.pop(loop):
+        if cycle._held is not None:
+            cycle._flush()

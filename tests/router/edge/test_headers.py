@@ -71,6 +71,17 @@ def test_ids_are_the_prefix_then_the_counter_in_16_hex_digits(count: int) -> Non
     assert ids == [f"{_IDS.prefix}{i:016x}" for i in range(n, n + count + 1)]
 
 
+@given(st.integers(0, 1300))
+def test_ids_cross_their_blocks_of_256_in_counter_order(count: int) -> None:
+    """Past a block's last id (counter ending ff) the next block's first follows: ids from any
+    position, over up to five block ends, spell the counter in order."""
+    first = _IDS.next()
+    n = int(first[16:], 16)
+    ids = [first, *(_IDS.next() for _ in range(count))]
+    assert ids == [f"{_IDS.prefix}{i:016x}" for i in range(n, n + count + 1)]
+    assert len(set(ids)) == len(ids)
+
+
 def _child_ids(queue: multiprocessing.Queue[list[str]]) -> None:
     queue.put([fresh_request_id() for _ in range(100)])
 

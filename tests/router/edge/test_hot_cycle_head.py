@@ -199,3 +199,46 @@ def test_the_plans_start_over_when_full(monkeypatch: pytest.MonkeyPatch) -> None
     for n in range(hot_routes._PLANS_MAX + 3):
         hot_routes._plan_of((b"x-%d" % n,))
     assert len(hot_routes._PLANS) == 3
+
+
+class Writes(Recording):
+    """A transport that also keeps each write apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.writes: list[bytes] = []
+
+    def write(self, data: bytes) -> None:
+        super().write(data)
+        self.writes.append(data)
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.booleans(), min_size=1, max_size=6))
+def test_the_heads_held_in_a_turn_go_out_alone_together_at_the_next(with_body: list[bool]) -> None:
+    """Answers started in one turn share one callback at the next (`_HELD`, one entry per loop): a head
+    whose body came in the same turn left with it in one write and is not written again; a head
+    whose body has not come goes out alone then, and its body after it."""
+    head = [(b"content-type", b"text/plain"), (b"content-length", b"2")]
+
+    async def run() -> list[list[bytes]]:
+        loop = asyncio.get_running_loop()
+        transports = [Writes() for _ in with_body]
+        cycles = [_hot_cycle(transport) for transport in transports]
+        for cycle, body_now in zip(cycles, with_body, strict=True):
+            await cycle.send({"type": "http.response.start", "status": 200, "headers": head})
+            if body_now:
+                await cycle.send({"type": "http.response.body", "body": b"ok"})
+        assert hot_routes._HELD[loop] == cycles  # one callback for all of them
+        waiting = [transport for transport, now in zip(transports, with_body, strict=True) if not now]
+        assert all(transport.writes == [] for transport in waiting)
+        await asyncio.sleep(0)
+        assert loop not in hot_routes._HELD
+        for cycle, body_now in zip(cycles, with_body, strict=True):
+            if not body_now:
+                await cycle.send({"type": "http.response.body", "body": b"ok"})
+        return [transport.writes for transport in transports]
+
+    for writes, body_now in zip(asyncio.run(run()), with_body, strict=True):
+        assert b"".join(writes).endswith(b"\r\n\r\nok") and len(writes) == (1 if body_now else 2)
+        assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n")

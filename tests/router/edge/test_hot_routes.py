@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import sys
+import weakref
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import asynccontextmanager
 from typing import Any
@@ -488,6 +489,7 @@ async def test_a_hot_cycle_is_its_own_signal_and_writer_and_lets_go_of_its_scope
         signal, writer = lost_signal_of(scope), body_writer(scope)
         assert type(signal) is HotCycle and writer is signal and signal.task is asyncio.current_task()
         assert signal.scope is scope
+        assert signal._cycle() is signal and weakref.getweakrefcount(signal) == 0  # no weakref of its own
         cycles.append((signal, scope))
         await read_asgi_body(receive, scope["headers"], 1 << 20, WAIT, signal)
         await _answer(send, b"hot")
@@ -501,3 +503,21 @@ async def test_a_hot_cycle_is_its_own_signal_and_writer_and_lets_go_of_its_scope
 
         await wait_for(served)
     assert len(cycles) == 2 and all(len(cycle.scope) == 0 for cycle, _ in cycles)
+
+
+@pytest.mark.parametrize("setting", [{"limit_concurrency": 100}, {"root_path": "/gw"}])
+async def test_a_concurrency_limit_or_root_path_leaves_the_hot_heads_to_uvicorn(
+    monkeypatch: pytest.MonkeyPatch, setting: dict[str, Any]
+) -> None:
+    """uvicorn answers 503 past its concurrency limit and prefixes the root path: with either set, the
+    hot heads take uvicorn's cycle and the app (decided once per connection)."""
+    original = uvicorn.Config.__init__
+
+    def configured(self: uvicorn.Config, *args: Any, **kwargs: Any) -> None:
+        original(self, *args, **{**kwargs, **setting})
+
+    monkeypatch.setattr(uvicorn.Config, "__init__", configured)
+    async with serving(_hot_echo, monkeypatch) as (port, served):
+        answers = await _exchange(port, _post(b"/v1/completions", b"{1}"), 1)
+    assert [body for _, body in answers] == [b"app {1}"]
+    assert served == [f"POST {setting.get('root_path', '')}/v1/completions"]
