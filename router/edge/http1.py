@@ -105,7 +105,16 @@ class Http1Response:
         if self.done:
             return b""
         conn = self._conn
-        if conn.chunks:
+        chunks = conn.chunks
+        if len(chunks) == 1:  # `_hand_over()` of one chunk, inline: a whole answer in one read
+            chunk = chunks.popleft()
+            conn.buffered -= len(chunk)
+            if conn.paused and conn.buffered <= HIGH_WATER // 2:
+                conn.resume()
+            if conn.complete:
+                self.release()
+            return chunk
+        if chunks:
             return self._hand_over()
         if conn.complete:
             self.release()
