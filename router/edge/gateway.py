@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from bisect import bisect_left
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -47,7 +48,7 @@ from router.edge.proxy import Proxy
 from router.edge.relay import RelayResponse, answer_names
 from router.edge.upstream import ProxyRequest, UpstreamResponse
 from router.links.fleet_links import FleetLinks
-from router.ops.bucket_histogram import observe_present
+from router.ops.bucket_histogram import BucketHistogramChild, observe_present
 from router.ops.debug import DecisionEntry, DecisionRing, Explanation, PreparedView
 from router.ops.decision_peers import DecisionPeers
 from router.ops.metrics import RouterMetrics
@@ -64,6 +65,8 @@ log = logging.getLogger(__name__)
 
 _STAGES: Final = ("tokenize", "hash", "lookup", "score")
 _NO_TIMES: Final = (0.0,) * len(_STAGES)
+_NONE: Final[Mapping[str, object]] = MappingProxyType({})
+"""An empty mapping for `get` defaults (no dict made per request)."""
 _QUIET: Final = ("200", "client_closed")
 """The ends logged only at DEBUG."""
 _OWN: Final = (
@@ -209,7 +212,7 @@ class Gateway:
         relay: RelayResponse | None = None
         watch: ClientWatch | None = None
         # lost_signal_of(scope), inline: one Python call fewer per request.
-        signal = scope.get("extensions", {}).get(LOST_SIGNAL, {}).get("signal")
+        signal = scope.get("extensions", _NONE).get(LOST_SIGNAL, _NONE).get("signal")
         if not isinstance(signal, LostSignal):
             signal = None
         try:
@@ -480,7 +483,12 @@ class _Exchange:
         """The answer's first chunk was handed to the client, `relay_s` after it arrived."""
         self.flight.first_byte()
         gateway = self.gateway
-        gateway._proxy_overhead.observe(self.pre_forward + relay_s)
+        overhead, child = self.pre_forward + relay_s, gateway._proxy_overhead
+        if type(child) is BucketHistogramChild and overhead == overhead:  # `observe`, inline (NaN: its own)
+            child.sum += overhead
+            child.counts[bisect_left(child.bounds, overhead)] += 1
+        else:
+            child.observe(overhead)
         if self.streamed_ok:  # a JSON answer's first chunk is most of the answer: no TTFT to speak of
             ttft_s = time.perf_counter() - self.arrived
             gateway.parts.metrics.ttft_of[self.engine, self.model].observe(ttft_s)
