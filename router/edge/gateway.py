@@ -392,7 +392,8 @@ class _Exchange:
     preparation reads (the tokenization and key caches' stores, `Models.run_stores`) and the debug
     record (its timings, its place in the ring) are done by `sent`, which the proxy runs right after
     the write, before control returns to the event loop (Proxy.forward), so they cost the engine's
-    time, not the first chunk's, and no other request routes or is prepared without them. A refusal
+    time, not the first chunk's (under load the write is queued to go out with the loop turn's
+    others: router.edge.http1), and no other request routes or is prepared without them. A refusal
     or a failure before the write runs them all the same (`failed`)."""
 
     __slots__ = (
