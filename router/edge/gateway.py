@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
+from bisect import bisect_left
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -47,7 +48,7 @@ from router.edge.proxy import Proxy
 from router.edge.relay import RelayResponse, answer_names
 from router.edge.upstream import ProxyRequest, UpstreamResponse
 from router.links.fleet_links import FleetLinks
-from router.ops.bucket_histogram import observe_present
+from router.ops.bucket_histogram import BucketHistogramChild, observe_present
 from router.ops.debug import DecisionEntry, DecisionRing, Explanation, PreparedView
 from router.ops.decision_peers import DecisionPeers
 from router.ops.metrics import RouterMetrics
@@ -64,6 +65,8 @@ log = logging.getLogger(__name__)
 
 _STAGES: Final = ("tokenize", "hash", "lookup", "score")
 _NO_TIMES: Final = (0.0,) * len(_STAGES)
+_NONE: Final[Mapping[str, object]] = MappingProxyType({})
+"""An empty mapping for `get` defaults (no dict made per request)."""
 _QUIET: Final = ("200", "client_closed")
 """The ends logged only at DEBUG."""
 _OWN: Final = (
@@ -112,18 +115,6 @@ def stage_timings(first: Mapping[str, float], then: Mapping[str, float]) -> dict
 
 _TRUST_RAW: Final = tuple((state, state.value.encode("latin-1")) for state in TrustState)
 """Each trust state and its header bytes, found by identity: hashing an `Enum` member is a Python call."""
-
-
-def _mirror_trust(entry: DecisionEntry, engine: str) -> bytes:
-    """The trust state of `engine`'s mirror when the last decision chose it (scoring counts hits
-    only from `fresh` ones), as the header's bytes; `unknown` if that decision did not score it."""
-    for candidate in entry.decisions[-1].candidates if entry.decisions else ():
-        if candidate.engine == engine:
-            state = candidate.trust.state
-            for member, raw in _TRUST_RAW:
-                if member is state:
-                    return raw
-    return b"unknown"
 
 
 def _prepare_failed(exc: Exception, endpoint: Endpoint) -> NoReturn:
@@ -221,11 +212,13 @@ class Gateway:
         relay: RelayResponse | None = None
         watch: ClientWatch | None = None
         # lost_signal_of(scope), inline: one Python call fewer per request.
-        signal = scope.get("extensions", {}).get(LOST_SIGNAL, {}).get("signal")
+        signal = scope.get("extensions", _NONE).get(LOST_SIGNAL, _NONE).get("signal")
         if not isinstance(signal, LostSignal):
             signal = None
         try:
-            body = await self._admit(scope, receive, signal)
+            body = self._admitted(scope, signal)  # no coroutine when the body is in (the common case)
+            if body is None:
+                body = await self._admit(scope, receive, signal)
             try:
                 watch = ClientWatch(receive, scope, signal)
                 # Prepared and decided with no coroutine of their own (unless an engine tokenizes),
@@ -261,35 +254,47 @@ class Gateway:
             if relay is not None and not relay.ended:  # (ended: the common case, no call)
                 relay.abandon()
 
+    def _admitted(self, scope: Scope, signal: LostSignal | None) -> bytes | None:
+        """Check the API key, take the body when the protocol's `signal` has it in, then take an
+        admission slot; None (the key checked, nothing taken) when the body must be read (`_admit`).
+        A refusal is counted."""
+        parts = self.parts
+        if parts.guard.api_keys_required:
+            try:
+                parts.guard.check_api(Headers(scope=scope))
+            except RouterError as exc:
+                self._refused(str(exc.http_status()), exc.reason)
+                raise
+        body = signal.take_body(self.max_body) if signal is not None else None  # no read: it is in
+        if body is not None and not parts.fleet.admission.enter():
+            self._overloaded()
+        return body
+
     async def _admit(self, scope: Scope, receive: Receive, signal: LostSignal | None) -> bytes:
-        """Check the API key, read the body (handed over by the protocol's `signal` when it is in),
-        then take an admission slot; a refusal is counted.
+        """Read the body (its key checked by `_admitted`), then take an admission slot; a refusal is
+        counted.
 
         The slot is taken only once the body is in: a slow or stalled client holds a connection (until
         `timeouts.client_body_s`, then 408), never a slot the engines' requests need."""
-        parts = self.parts
         try:
-            if parts.guard.api_keys_required:
-                parts.guard.check_api(Headers(scope=scope))
-            body = signal.take_body(self.max_body) if signal is not None else None  # no read: it is in
-            if body is None:
-                body = await read_asgi_body(
-                    receive, scope["headers"], self.max_body, self.body_timeout_s, signal
-                )
+            body = await read_asgi_body(receive, scope["headers"], self.max_body, self.body_timeout_s, signal)
         except RouterError as exc:
             if isinstance(exc, RequestTimeout):
-                parts.metrics.client_timeouts.labels("body").inc()
+                self.parts.metrics.client_timeouts.labels("body").inc()
             self._refused(str(exc.http_status()), exc.reason)
             raise
         except ClientDisconnected:
             self._refused("client_closed")
             raise ClientGone() from None
-        admission = parts.fleet.admission
-        if not admission.enter():
-            overloaded = admission.overloaded()
-            self._refused(str(overloaded.http_status()), overloaded.reason)
-            raise overloaded
+        if not self.parts.fleet.admission.enter():
+            self._overloaded()
         return body
+
+    def _overloaded(self) -> NoReturn:
+        """Refuse a request no admission slot is left for (counted)."""
+        overloaded = self.parts.fleet.admission.overloaded()
+        self._refused(str(overloaded.http_status()), overloaded.reason)
+        raise overloaded
 
     def _refused(self, status: str, reason: str | None = None) -> None:
         """Count a request answered by the gateway itself, before any engine was chosen (and why)."""
@@ -321,7 +326,12 @@ class Gateway:
             except RouterError as exc:
                 self._refused(str(exc.http_status()), exc.reason)
                 raise
-        entry = DecisionEntry(request_id=rid, time=time.time(), request=view_of(prepared))
+        # `view_of(prepared)`, inline: one call less per request.
+        view = PreparedView(
+            prepared.model, str(prepared.endpoint), prepared.stream, prepared.prompt_tokens,
+            len(prepared.keys), prepared.skip_cache, prepared.unread,
+        )  # fmt: skip
+        entry = DecisionEntry(request_id=rid, time=time.time(), request=view)
         # The key was the router's (engines never see it); the request id is the gateway's. The path is
         # str(endpoint): a C call, where Enum.value is a Python-level property.
         headers = forwarded_headers(scope["headers"], rid, parts.guard.api_keys_required)
@@ -333,16 +343,6 @@ class Gateway:
             flight.on_decision = parts.recorder.decision
         routed = flight.decide(prepared, parts.fleet.clock())
         return _Exchange(self, flight, entry, (prepared, routed), (arrived, time.perf_counter()))
-
-    def _keep(self, entry: DecisionEntry, prepared: Prepared, routed: Routed) -> None:
-        """Run the preparation's stores for later requests; complete the request's debug record (its
-        stages' timings) and keep it in the ring."""
-        self.parts.models.run_stores()
-        first, then = prepared.timings, routed.timings
-        # `stage_timings`' common case inline: one call less per request.
-        fast = type(then) is dict and (type(first) is MappingProxyType or type(first) is dict)
-        entry.timings_s = first | then if fast else stage_timings(first, then)  # type: ignore[operator]
-        self.parts.ring.add(entry)
 
     def _failed(self, entry: DecisionEntry, exc: BaseException) -> None:
         engine = entry.engine or "none"
@@ -392,7 +392,8 @@ class _Exchange:
     preparation reads (the tokenization and key caches' stores, `Models.run_stores`) and the debug
     record (its timings, its place in the ring) are done by `sent`, which the proxy runs right after
     the write, before control returns to the event loop (Proxy.forward), so they cost the engine's
-    time, not the first chunk's, and no other request routes or is prepared without them. A refusal
+    time, not the first chunk's (under load the write is queued to go out with the loop turn's
+    others: router.edge.http1), and no other request routes or is prepared without them. A refusal
     or a failure before the write runs them all the same (`failed`)."""
 
     __slots__ = (
@@ -414,17 +415,32 @@ class _Exchange:
 
     def sent(self) -> None:
         """The chosen attempt went out (or is about to wait): its flight's counts; the first time,
-        the stores and the debug record too."""
+        the stores and the debug record too (`_keep`)."""
         self.flight.sent()
-        if not self.kept:
-            self.kept = True
-            self.gateway._keep(self.entry, self.prepared, self.routed)
+        if self.kept:
+            return
+        # `_keep()`, inline: one call less per request.
+        self.kept = True
+        parts = self.gateway.parts
+        parts.models.run_stores()
+        entry, first, then = self.entry, self.prepared.timings, self.routed.timings
+        fast = type(then) is dict and (type(first) is MappingProxyType or type(first) is dict)
+        entry.timings_s = first | then if fast else stage_timings(first, then)  # type: ignore[operator]
+        parts.ring.add(entry)
+
+    def _keep(self) -> None:
+        """Run the preparation's stores for later requests; complete the request's debug record (its
+        stages' timings) and keep it in the ring."""
+        self.kept = True
+        parts = self.gateway.parts
+        parts.models.run_stores()
+        self.entry.timings_s = stage_timings(self.prepared.timings, self.routed.timings)
+        parts.ring.add(self.entry)
 
     def failed(self, exc: BaseException) -> None:
         """No answer to relay (`exc` ends the request): recorded and counted all the same."""
         if not self.kept:  # refused, or failed before any attempt went out
-            self.kept = True
-            self.gateway._keep(self.entry, self.prepared, self.routed)
+            self._keep()
         self.flight.finish()
         self.gateway._failed(self.entry, exc)
 
@@ -443,12 +459,23 @@ class _Exchange:
         self.upstream, self.note, self.engine, self.model = upstream, note, engine, entry.request.model
         self.streamed_ok = upstream.status == 200 and entry.request.stream
         predicted = self.predicted = entry.predicted_cached_tokens or 0
+        # The trust state of the engine's mirror when the last decision chose it (scoring counts
+        # hits only from `fresh` ones), as the header's bytes; `unknown` if that decision did not
+        # score it. Inline: one call less per request.
+        trust = b"unknown"
+        for candidate in entry.decisions[-1].candidates if entry.decisions else ():
+            if candidate.engine == engine:
+                state = candidate.trust.state
+                for member, raw in _TRUST_RAW:
+                    if member is state:
+                        trust = raw
+                break
         rid_name, engine_name, predicted_name, trust_name = _OWN
         headers = [
             (rid_name, entry.request_id.encode("latin-1")),
             (engine_name, engine.encode("latin-1")),
             (predicted_name, b"%d" % predicted),
-            (trust_name, _mirror_trust(entry, engine)),
+            (trust_name, trust),
         ]
         ok = upstream.status == 200
         return RelayResponse(upstream, headers, None, self.first_byte, self.end, ok, _OWN_NAMES)
@@ -457,7 +484,12 @@ class _Exchange:
         """The answer's first chunk was handed to the client, `relay_s` after it arrived."""
         self.flight.first_byte()
         gateway = self.gateway
-        gateway._proxy_overhead.observe(self.pre_forward + relay_s)
+        overhead, child = self.pre_forward + relay_s, gateway._proxy_overhead
+        if type(child) is BucketHistogramChild and overhead == overhead:  # `observe`, inline (NaN: its own)
+            child.sum += overhead
+            child.counts[bisect_left(child.bounds, overhead)] += 1
+        else:
+            child.observe(overhead)
         if self.streamed_ok:  # a JSON answer's first chunk is most of the answer: no TTFT to speak of
             ttft_s = time.perf_counter() - self.arrived
             gateway.parts.metrics.ttft_of[self.engine, self.model].observe(ttft_s)

@@ -2,7 +2,8 @@
 
 It does only what forwarding needs, which is why it costs a fraction of aiohttp's client per request
 (BENCHMARKS.md, "Gateway"): one pooled connection per exchange (no pipelining), the request head and
-body written with one `transport.writelines` (one writev on uvloop, the body not copied), the
+body written with one `transport.writelines` (one writev on uvloop, the body not copied; while
+other requests are in flight, at the loop's next turn with the others of this turn: `_flush`), the
 answer's headers awaited, then its body read chunk by chunk as it arrives (chunked and length-framed
 bodies decoded by httptools, or up to EOF). A fully read answer with keep-alive returns its
 connection to the pool as its last bytes are handed over; any other end (close, cancellation,
@@ -105,7 +106,16 @@ class Http1Response:
         if self.done:
             return b""
         conn = self._conn
-        if conn.chunks:
+        chunks = conn.chunks
+        if len(chunks) == 1:  # `_hand_over()` of one chunk, inline: a whole answer in one read
+            chunk = chunks.popleft()
+            conn.buffered -= len(chunk)
+            if conn.paused and conn.buffered <= HIGH_WATER // 2:
+                conn.resume()
+            if conn.complete:
+                self.release()
+            return chunk
+        if chunks:
             return self._hand_over()
         if conn.complete:
             self.release()
@@ -266,6 +276,10 @@ class Http1Client:
         self._in_use = 0
         self._waiting: deque[asyncio.Future[None]] = deque()
         self._tls: ssl.SSLContext | None = None
+        self._batch: list[tuple[asyncio.Transport, bytes, bytes]] = []
+        """Requests to write at the loop's next turn (`_flush`)."""
+        self._flush_loop: asyncio.AbstractEventLoop | None = None
+        """The loop a `_flush` is scheduled on (None: none is)."""
 
     async def request(
         self,
@@ -281,8 +295,8 @@ class Http1Client:
         `path` is the origin-form path (after the base URL's own path); `headers` go out as given (the
         caller sets Host) plus Content-Length. A cancellation or failure drops the connection. `sent`
         runs once, before control first returns to the event loop: right after the request is
-        written when a kept connection is free (the common case: the caller's bookkeeping then runs
-        while the engine works), else before waiting for or opening one."""
+        written (or queued for `_flush`) when a kept connection is free (the common case), else
+        before waiting for or opening one."""
         pool = self._pools.get(base_url) or self._pool(base_url)
         # A kept connection's loop is the running one (a connection serves only its own loop); asking
         # asyncio is a getpid syscall per call on CPython 3.11.
@@ -305,12 +319,11 @@ class Http1Client:
             # The wait for the answer's head is inlined (no coroutine per exchange or per wait): one
             # future the parser's callbacks (or the connection's end) resolve, one timer.
             try:
-                # Head and body in one `writelines`: one writev on uvloop, the body never copied.
                 assert conn.transport is not None
-                if body:
-                    conn.transport.writelines((head, body))
-                else:
-                    conn.transport.write(head)
+                if self._in_use > 1:  # others in flight: out with this turn's others (`_flush`)
+                    self._queue(conn.loop, conn.transport, head, body)
+                else:  # alone: out now, no turn's wait
+                    _write(conn.transport, head, body)
                 waiter = conn.arm_at(first_byte_at, "first byte")
                 if sent is not None:  # the bytes are out: the caller's bookkeeping, before the wait
                     sent()
@@ -337,6 +350,31 @@ class Http1Client:
         if method == "HEAD":  # the answer's length describes a body that never comes
             conn.complete, conn.keep_alive = True, False
         return Http1Response(pool, conn, start + s.total_s)
+
+    def _queue(
+        self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport, head: bytes, body: bytes
+    ) -> None:
+        """Queue a request's bytes for `_flush`, scheduled once per turn of `loop`."""
+        if self._flush_loop is not loop:  # none scheduled on this loop yet
+            if self._flush_loop is not None:  # a stopped loop's, never flushed: its requests went with it
+                self._batch.clear()
+            self._flush_loop = loop
+            loop.call_soon(self._flush)
+        self._batch.append((transport, head, body))
+
+    def _flush(self) -> None:
+        """Write the requests queued during the loop's last turn, back to back, each in one write.
+
+        On one host, most of a write's cost is waking the engine that reads it; the requests of one
+        turn written together wake it once (it finds the others in). A connection that closed
+        meanwhile gets no bytes: its wait fails as it would have after the write."""
+        batch, self._batch, self._flush_loop = self._batch, [], None
+        for transport, head, body in batch:
+            if not transport.is_closing():
+                try:
+                    _write(transport, head, body)
+                except Exception:  # (none expected) the others still go; this wait fails as a drop's
+                    transport.abort()
 
     def _pool(self, base_url: str) -> _Pool:
         pool = self._pools.get(base_url)
@@ -395,6 +433,14 @@ class Http1Client:
             for conn in pool.idle:
                 conn.close()
             pool.idle.clear()
+
+
+def _write(transport: asyncio.Transport, head: bytes, body: bytes) -> None:
+    """Head and body in one `writelines`: one writev on uvloop, the body never copied."""
+    if body:
+        transport.writelines((head, body))
+    else:
+        transport.write(head)
 
 
 def _head(method: str, target: str, headers: list[tuple[str, str]], body: bytes) -> bytes:

@@ -155,8 +155,9 @@ class Proxy:
 
         Returns the first answer that is not retryable (2xx-4xx, or the last 429); raises a
         `RouterError` when no engine gave one. `sent` runs once per chosen attempt: right after its
-        bytes are written (the client runs it), or before whatever comes first that could let another
-        request route or choose again (a backoff, a wait for a connection, a breaker's refusal), so
+        bytes are written or queued (the client runs it; router.edge.http1), or before whatever comes
+        first that could let another request route or choose again (a backoff, a wait for a
+        connection, a breaker's refusal), so
         between a `choose` and its `sent` nothing else runs. What only later requests read is thus
         off the way to the engine, and every decision sees the state it would have seen had `sent`
         run inside `choose`."""

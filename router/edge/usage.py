@@ -83,7 +83,14 @@ def cached_tokens_of(answer: bytes, stream: bool) -> int | None:
     in one read needs no tap."""
     if stream:
         return cached_tokens_of_sse(answer)
-    return None if len(answer) > _JSON_CAP else _decoded(answer)[1]
+    if len(answer) > _JSON_CAP:
+        return None
+    try:  # `_decoded(answer)[1]`, inline: a JSON answer read in one piece is the common case
+        usage = _DECODER.decode(answer).usage
+    except msgspec.DecodeError:
+        return None
+    details = None if usage is None else usage.prompt_tokens_details
+    return None if details is None else details.cached_tokens
 
 
 class UsageTap:

@@ -8,8 +8,6 @@ when the engine reported them. `Explanation` is the body of `POST /debug/route`.
 
 from __future__ import annotations
 
-from collections import OrderedDict
-
 import msgspec
 
 from router.core.policy.scoring import Decision
@@ -55,23 +53,42 @@ class Explanation(msgspec.Struct, frozen=True):
 
 
 class DecisionRing:
-    """The last `capacity` requests' entries by id; adding beyond capacity drops the oldest."""
+    """The last `capacity` requests' entries by id; adding beyond capacity drops the oldest.
+
+    The ids sit in a circle of `capacity` slots, the oldest at `_next`: an add overwrites that slot and
+    forgets its id (plain dict and list operations, where an `OrderedDict` moved a node per request).
+    A reused id (rare: clients may send their own) re-lays the circle with it as the newest."""
 
     def __init__(self, capacity: int = 1024) -> None:
         if capacity < 1:
             raise ValueError("capacity must be >= 1")
         self.capacity = capacity
-        self._entries: OrderedDict[str, DecisionEntry] = OrderedDict()
+        self._entries: dict[str, DecisionEntry] = {}
+        self._slots: list[str | None] = [None] * capacity
+        self._next = 0
 
     def add(self, entry: DecisionEntry) -> DecisionEntry:
         """Store `entry` under its request id (replacing an entry with the same id) and return it."""
         entries, rid = self._entries, entry.request_id  # (a `RequestId`: the NewType call is a no-op)
-        if rid in entries:  # a reused id: its entry moves to the newest place
-            del entries[rid]
+        if rid in entries:
+            self._renew(rid)
+        else:
+            slots, at = self._slots, self._next
+            oldest = slots[at]
+            if oldest is not None:  # one in, at most one out
+                del entries[oldest]
+            slots[at] = rid
+            self._next = at + 1 if at + 1 < self.capacity else 0
         entries[rid] = entry
-        if len(entries) > self.capacity:  # one in, at most one out
-            entries.popitem(last=False)
         return entry
+
+    def _renew(self, rid: str) -> None:
+        """Make the kept `rid` the newest id: the others keep their order, oldest first."""
+        at = self._next
+        order = [r for r in self._slots[at:] + self._slots[:at] if r is not None and r != rid]
+        order.append(rid)
+        self._slots = order + [None] * (self.capacity - len(order))
+        self._next = len(order) % self.capacity
 
     def get(self, request_id: str) -> DecisionEntry | None:
         """The entry of `request_id`, or None when unknown or already dropped."""

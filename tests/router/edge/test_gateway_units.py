@@ -168,6 +168,24 @@ def test_decision_ring_is_bounded_and_drops_the_oldest() -> None:
     assert ring.get("r3") is None and ring.get("r2") is not None
 
 
+@given(st.integers(1, 5), st.lists(st.integers(0, 9), max_size=40))
+def test_decision_ring_keeps_what_an_ordered_dict_of_the_last_capacity_ids_keeps(
+    capacity: int, ids: list[int]
+) -> None:
+    """The slot circle against the plain model: an ordered dict, a reused id moved to the newest
+    place, the oldest dropped beyond capacity."""
+    ring, model = DecisionRing(capacity), OrderedDict[str, DecisionEntry]()
+    for i in ids:
+        added = entry(f"r{i}")
+        assert ring.add(added) is added
+        model.pop(added.request_id, None)
+        model[added.request_id] = added
+        if len(model) > capacity:
+            model.popitem(last=False)
+        assert len(ring) == len(model)
+        assert all(ring.get(f"r{j}") is model.get(f"r{j}") for j in range(10))
+
+
 def test_recorder_writes_frames_requests_and_decisions_that_read_back(tmp_path: Path) -> None:
     path = tmp_path / "gw.kvrec"
     recorder = GatewayRecorder.create(path, {"policy": "kv"}, "X-Session-Id")

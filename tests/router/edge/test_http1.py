@@ -659,3 +659,135 @@ def test_the_pool_takes_the_most_recent_connection_not_lost_nor_kept_past_the_ke
         assert conns[expected].active and conns[expected].reused and not conns[expected].closed
         assert pool.idle == conns[:expected]  # type: ignore[comparison-overlap]
         assert [c.closed for c in conns] == [False] * (expected + 1) + [True] * (len(conns) - expected - 1)
+
+
+class _Recording:
+    """A transport stand-in that records what is written on it (and may be closing)."""
+
+    def __init__(self, name: str, writes: list[tuple[str, tuple[bytes, ...]]], closing: bool = False) -> None:
+        self.name, self.writes, self.closing = name, writes, closing
+
+    def is_closing(self) -> bool:
+        return self.closing
+
+    def write(self, data: bytes) -> None:
+        self.writes.append((self.name, (data,)))
+
+    def writelines(self, pieces: Iterable[bytes]) -> None:
+        self.writes.append((self.name, tuple(pieces)))
+
+
+async def test_queued_requests_go_out_together_at_the_next_turn_each_in_one_write() -> None:
+    """`_queue`: one flush per turn; each request's head and body in one call, in order; a
+    connection that closed meanwhile gets nothing."""
+    loop = asyncio.get_running_loop()
+    writes: list[tuple[str, tuple[bytes, ...]]] = []
+    async with client() as c:
+        a, b, gone = _Recording("a", writes), _Recording("b", writes), _Recording("gone", writes, True)
+        c._queue(loop, a, b"HA", b"BA")  # type: ignore[arg-type]
+        c._queue(loop, gone, b"HG", b"BG")  # type: ignore[arg-type]
+        c._queue(loop, b, b"HB", b"")  # type: ignore[arg-type]
+        assert writes == []  # nothing before the turn ends
+        await _after_queued_callbacks(loop)
+        assert writes == [("a", (b"HA", b"BA")), ("b", (b"HB",))]
+        assert c._batch == [] and c._flush_loop is None
+        c._queue(loop, a, b"HA2", b"BA2")  # type: ignore[arg-type]
+        await _after_queued_callbacks(loop)
+        assert writes[-1] == ("a", (b"HA2", b"BA2"))
+
+        stale = _Recording("stale", writes)
+        c._batch.append((stale, b"HS", b"BS"))  # type: ignore[arg-type]
+        c._flush_loop = asyncio.new_event_loop()  # a flush scheduled on a loop that stopped first
+        c._flush_loop.close()
+        c._queue(loop, b, b"HB2", b"")  # type: ignore[arg-type]
+        await _after_queued_callbacks(loop)
+        assert writes[-1:] == [("b", (b"HB2",))] and all(name != "stale" for name, _ in writes)
+
+
+async def _after_queued_callbacks(loop: asyncio.AbstractEventLoop) -> None:
+    """Return once every callback scheduled so far has run (the loop runs them in order)."""
+    done = loop.create_future()
+    loop.call_soon(done.set_result, None)
+    await done
+
+
+async def test_requests_started_in_one_turn_are_written_after_it_when_others_are_in_flight() -> None:
+    """Alone, a request goes out at once; with others in flight, the requests routed in one turn
+    go out together once it ends, each after its own `sent` (which runs in its own turn)."""
+    order: list[str] = []
+    release, three_in = asyncio.Event(), asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head, _ = await read_request(reader)
+            order.append("in " + head.split(b" ")[1].decode())
+            if len([o for o in order if o.startswith("in /r")]) == 3:
+                three_in.set()
+            await release.wait()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async with raw_server(handler) as server, client() as c:
+        warm = [c.request("POST", server.url, f"/w{i}", [], b"{}") for i in range(3)]
+        release.set()
+        for response in await asyncio.gather(*warm):  # three kept connections
+            assert await body_of(response) == b"ok"
+        order.clear()
+        release.clear()
+        write = http1._write
+
+        def recorded(transport: asyncio.Transport, head: bytes, body: bytes) -> None:
+            order.append("write " + head.split(b" ")[1].decode())
+            write(transport, head, body)
+
+        tasks = []
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(http1, "_write", recorded)
+            for i in range(3):
+                sent = (lambda n: lambda: order.append(f"sent /r{n}"))(i)
+                tasks.append(asyncio.ensure_future(c.request("POST", server.url, f"/r{i}", [], b"{}", sent)))
+            await asyncio.wait_for(three_in.wait(), WAIT)
+        release.set()
+        for response in await asyncio.gather(*tasks):
+            assert response.status == 200 and await body_of(response) == b"ok"
+        assert order[:6] == ["write /r0", "sent /r0", "sent /r1", "sent /r2", "write /r1", "write /r2"]
+        assert server.connections == 3
+
+
+async def test_a_request_cancelled_while_its_write_is_queued_is_written_then_dropped() -> None:
+    """The flush was scheduled before the cancellation can reach the task: the bytes go out, then
+    the connection is dropped, as when the write was the task's own."""
+    seen: list[bytes] = []
+    first_in = asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            try:
+                head, _ = await read_request(reader)
+            except asyncio.IncompleteReadError:
+                return
+            seen.append(head.split(b" ")[1])
+            first_in.set()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async with raw_server(handler) as server, client() as c:
+        warm = await asyncio.gather(*[c.request("POST", server.url, "/w", [], b"{}") for _ in range(2)])
+        for response in warm:
+            assert await body_of(response) == b"ok"
+        seen.clear()
+        tasks: list[asyncio.Future[Http1Response]] = []
+
+        def cancel_queued() -> None:  # its `sent`: it runs with the write queued, in the task's turn
+            assert c._batch and c._in_use == 2
+            tasks[1].cancel()
+
+        tasks.append(asyncio.ensure_future(c.request("POST", server.url, "/first", [], b"{}")))
+        tasks.append(
+            asyncio.ensure_future(c.request("POST", server.url, "/queued", [], b"{}", cancel_queued))
+        )
+        with pytest.raises(asyncio.CancelledError):
+            await tasks[1]
+        assert await body_of(await tasks[0]) == b"ok"
+        assert sorted(seen) == [b"/first", b"/queued"] and c._in_use == 0
+        assert len(c._pools[server.url].idle) == 1  # the cancelled one's connection was dropped
