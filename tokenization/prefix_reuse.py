@@ -24,10 +24,11 @@ from array import array
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 from itertools import accumulate
 from typing import Final
 
-from tokenization.deferred import Later, keep_or_defer
+from tokenization.deferred import Later
 from tokenization.safe_cuts import CutFinder
 
 __all__ = [
@@ -385,7 +386,11 @@ class PrefixReuse:
         entry = ReuseEntry(data, tail_ids, tail_packed, None, n, head)
         if len(tail_ids) > n:  # mostly new text: its ends are made if it is ever reused (`ends`)
             return entry, n
-        keep_or_defer(self.later, self._extend_ends, entry, prior_ends, cut)  # (only a later text reads them)
+        later = self.later  # (only a later text reads them)
+        if later is None:
+            self._extend_ends(entry, prior_ends, cut)
+        else:
+            later.append(partial(self._extend_ends, entry, prior_ends, cut))
         return entry, n
 
     def _extend_ends(self, entry: ReuseEntry, prior_ends: TokenEnds, cut: int) -> None:
@@ -402,7 +407,11 @@ class PrefixReuse:
         data, stored = entry.data, self._sorted
         if at < len(stored) and stored[at] == data:  # (``replaced``'s text differs: not this one)
             entry = self._entries[id(stored[at])]
-        keep_or_defer(self.later, self._file, entry, replaced)
+        later = self.later
+        if later is None:
+            self._file(entry, replaced)
+        else:
+            later.append(partial(self._file, entry, replaced))
         return entry
 
     def _file(self, entry: ReuseEntry, replaced: ReuseEntry | None) -> None:

@@ -282,11 +282,17 @@ class Models:
         """Tokenize and key a request body; RequestError (a 400 naming the field) on bad input. With
         `defer`, what it keeps for later requests is left in `later` for `run_stores` (module docstring)."""
 
-        def prepare() -> Prepared:
+        if self.later:  # `_storing`, inline: this is every request's path
+            self.run_stores()
+        try:
             req, model = self._decode(body, endpoint, model_hint)
-            return self._prepare(req, endpoint, model)
-
-        return self._storing(prepare, defer)
+            prepared = self._prepare(req, endpoint, model)
+        except BaseException:
+            self.run_stores()
+            raise
+        if not defer:
+            self.run_stores()
+        return prepared
 
     def _storing(self, prepare: Callable[[], Prepared], defer: bool) -> Prepared:
         """`prepare()` between the stores: an earlier deferred preparation's run first (this one reads
