@@ -157,11 +157,12 @@ class ChatCarry:
             return _Turn(pieces, starts, entry, {}), same
         cut = self._reuse.cuts.last_cut(data, new_data, limit)
         ends = self._reuse.ends(prior.entry) if cut else None
-        if ends is None or not ends.tokens_before(cut):
+        n = ends.tokens_before(cut) if ends is not None else 0
+        if not n:
             return None
         last = pieces[-1]
         suffix = self._suffix(last, encode) if i < len(pieces) - 1 and last == old[-1] else None
-        entry, copied = self._reuse.extend(prior.entry, ends, new_data, cut, encode, suffix, lazy=True)
+        entry, copied = self._reuse.extend(prior.entry, ends, new_data, cut, encode, suffix, lazy=True, n=n)
         return _Turn(pieces, starts, entry, {}), copied
 
     def _suffix(self, fragment: str, encode: EncodePacked) -> Suffix | None:

@@ -138,7 +138,8 @@ class ChatDecoder:
         """The request, parsing only what follows its first ``shared`` messages (those of ``kept``);
         None when that part does not parse or is not plain (the caller parses the whole body)."""
         cut = kept.ends[shared - 1]
-        part = body[: kept.opening] + _PLACEHOLDER + body[cut:]
+        view = memoryview(body)
+        part = b"".join((view[: kept.opening], _PLACEHOLDER, view[cut:]))  # one copy of each part
         try:
             raw = _RAW_CHAT.decode(part)
         except (msgspec.DecodeError, RecursionError):

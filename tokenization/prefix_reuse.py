@@ -353,14 +353,16 @@ class PrefixReuse:
         encode: EncodePacked,
         suffix: Suffix | None = None,
         lazy: bool = False,
+        n: int | None = None,
     ) -> tuple[ReuseEntry, int]:
         """``data``'s entry: ``prior``'s ids up to ``cut`` (a safe cut of both texts,
         `CutFinder.last_cut`) and the encoding of the rest, with token ends when made; and how many ids
         were copied. ``prior_ends`` are `ends` (prior). ``suffix``: what ``data`` ends with, whose ids
         are taken as they are when the rest may be cut before it (only the part between is encoded).
         ``lazy``: the copied ids stay a view of the prior's until the packed ids are read (never for
-        an entry stored here: it would hold another's packed ids)."""
-        n = prior_ends.tokens_before(cut)
+        an entry stored here: it would hold another's packed ids). ``n``: ``prior_ends.tokens_before(cut)``,
+        when the caller has it."""
+        n = prior_ends.tokens_before(cut) if n is None else n
         cut = cut if n else 0  # the cut is no token end of the prior text: reuse nothing (never expected)
         split = len(data) - suffix[0] if suffix is not None else 0
         if suffix is not None and split > cut and self.cuts.token_start(data, split, suffix[1], cut):
