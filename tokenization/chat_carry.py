@@ -157,7 +157,9 @@ class ChatCarry:
             return _Turn(pieces, starts, entry, {}), same
         cut = self._reuse.cuts.last_cut(data, new_data, limit)
         ends = self._reuse.ends(prior.entry) if cut else None
-        n = ends.tokens_before(cut) if ends is not None else 0
+        if ends is None:
+            return None
+        n = ends.tokens_before(cut)
         if not n:
             return None
         last = pieces[-1]
