@@ -449,21 +449,27 @@ class PrefixReuse:
 def shared_prefix(a: bytes, b: bytes | memoryview) -> int:
     """The length of the longest common prefix of ``a`` and ``b``: memcmps on views (no copies),
     galloping back from the end (a new suffix on an old text differs near its end), then a binary
-    search in the last gap."""
+    search in the last gap, down to `_XOR_BYTES`, whose first differing byte one XOR finds."""
     limit = min(len(a), len(b))
     view = memoryview(b)
     if a.startswith(view[:limit]):
         return limit
     lo, hi, step = 0, limit, 1  # a prefix of lo bytes is shared, one of hi bytes is not
-    while hi - step > lo:
+    while hi - lo > _XOR_BYTES and hi - step > lo:
         if a.startswith(view[: hi - step]):
             lo = hi - step
             break
         hi, step = hi - step, step * 2
-    while hi - lo > 1:
+    while hi - lo > _XOR_BYTES:
         mid = (lo + hi) // 2
         if a.startswith(view[:mid]):
             lo = mid
         else:
             hi = mid
-    return lo
+    # a[lo:hi] and b[lo:hi] differ: as big-endian ints, their XOR's top set byte is the first difference.
+    x = int.from_bytes(a[lo:hi], "big") ^ int.from_bytes(view[lo:hi], "big")
+    return hi - (x.bit_length() + 7) // 8
+
+
+_XOR_BYTES: Final = 256
+"""A gap of at most this many bytes is searched with one XOR of two ints, not memcmps."""

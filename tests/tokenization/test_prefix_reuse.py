@@ -247,6 +247,25 @@ def test_spanned_equals_its_definition(parts: list[list[str]], q: int, floor: in
     assert cuts._spanned(data, q, floor) == any(data[s:q] in cuts._prefixes for s in range(lo, q))
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    common=st.binary(max_size=2000),
+    a=st.binary(max_size=40),
+    b=st.binary(max_size=40),
+    view=st.booleans(),
+)
+def test_shared_prefix_of_long_texts_is_the_longest_common_prefix(
+    common: bytes, a: bytes, b: bytes, view: bool
+) -> None:
+    """`shared_prefix` (memcmps down to a short gap, then one XOR) counts the bytes two texts share
+    from the start, as a byte-by-byte loop does."""
+    x, y = common + a, common + b
+    n = 0
+    while n < min(len(x), len(y)) and x[n] == y[n]:
+        n += 1
+    assert shared_prefix(x, memoryview(y) if view else y) == n
+
+
 # --- Exactness: the reuse path equals a plain encode ------------------------------------------------------
 
 ADVERSARIAL = st.sampled_from(
