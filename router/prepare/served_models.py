@@ -374,8 +374,9 @@ class Models:
         packed: bytes | ReuseEntry | None = rt.packed
         if packed is None and type(first) is ReuseEntry:
             packed = first  # `rt.packed_ids` without the property's call: a carried chat's entry
+        root = self.hasher.root(extras.lora_name, extras.cache_salt)  # once, for both keys
         keys = spec_keys(
-            v.spec, self.hasher, ids, extras, packed=packed, cache=self.key_cache, carry=rt.carry
+            v.spec, self.hasher, ids, extras, packed=packed, cache=self.key_cache, carry=rt.carry, root=root
         )
         t2 = clock()
         return Prepared(
@@ -386,9 +387,7 @@ class Models:
             keys=keys,
             skip_cache=rt.skip_cache,
             report_mode=str(rt.report_mode),  # a C call (Enum.value is a Python-level property)
-            session_key=session_key(
-                ids, extras, packed, rt.carry, self.hasher.root(extras.lora_name, extras.cache_salt)
-            ),
+            session_key=session_key(ids, extras, packed, rt.carry, root),
             timings=MappingProxyType({"tokenize": t1 - t0, "hash": t2 - t1}),
             variant=model,
             lora_name=extras.lora_name,
