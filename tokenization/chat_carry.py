@@ -19,11 +19,12 @@ to run before the next encoding (router.prepare.served_models). The counters cou
 from __future__ import annotations
 
 from collections import OrderedDict
+from functools import partial
 from itertools import accumulate
 
 import msgspec
 
-from tokenization.deferred import Later, keep_or_defer
+from tokenization.deferred import Later
 from tokenization.prefix_reuse import EncodePacked, PrefixReuse, ReuseEntry, Suffix, shared_prefix
 
 __all__ = ["DEFAULT_MAX_BYTES", "LONG_TAIL", "CarryLink", "CarryStats", "ChatCarry"]
@@ -122,7 +123,11 @@ class ChatCarry:
             starts = [0, *accumulate(len(p) if p.isascii() else len(p.encode("utf-8")) for p in pieces)]
             turn = _Turn(pieces, starts, entry, {})
             link = CarryLink(0, {}, turn.derived)
-        keep_or_defer(self.later, self._keep, key, turn)
+        later = self.later
+        if later is None:
+            self._keep(key, turn)
+        else:
+            later.append(partial(self._keep, key, turn))
         return turn.entry, link
 
     def clear(self) -> None:
@@ -152,11 +157,14 @@ class ChatCarry:
             return _Turn(pieces, starts, entry, {}), same
         cut = self._reuse.cuts.last_cut(data, new_data, limit)
         ends = self._reuse.ends(prior.entry) if cut else None
-        if ends is None or not ends.tokens_before(cut):
+        if ends is None:
+            return None
+        n = ends.tokens_before(cut)
+        if not n:
             return None
         last = pieces[-1]
         suffix = self._suffix(last, encode) if i < len(pieces) - 1 and last == old[-1] else None
-        entry, copied = self._reuse.extend(prior.entry, ends, new_data, cut, encode, suffix, lazy=True)
+        entry, copied = self._reuse.extend(prior.entry, ends, new_data, cut, encode, suffix, lazy=True, n=n)
         return _Turn(pieces, starts, entry, {}), copied
 
     def _suffix(self, fragment: str, encode: EncodePacked) -> Suffix | None:

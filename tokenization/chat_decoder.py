@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
+from functools import partial
 from typing import Any, Final
 
 import msgspec
 
-from tokenization.deferred import Later, keep_or_defer
+from tokenization.deferred import Later
 from tokenization.openai_request import ChatMessage, ChatRequest, check_chat, decode_chat
 
 __all__ = ["DEFAULT_MAX_BYTES", "HEAD_BYTES", "ChatDecoder"]
@@ -137,7 +138,8 @@ class ChatDecoder:
         """The request, parsing only what follows its first ``shared`` messages (those of ``kept``);
         None when that part does not parse or is not plain (the caller parses the whole body)."""
         cut = kept.ends[shared - 1]
-        part = body[: kept.opening] + _PLACEHOLDER + body[cut:]
+        view = memoryview(body)
+        part = b"".join((view[: kept.opening], _PLACEHOLDER, view[cut:]))  # one copy of each part
         try:
             raw = _RAW_CHAT.decode(part)
         except (msgspec.DecodeError, RecursionError):
@@ -193,17 +195,18 @@ class ChatDecoder:
         self.decoded += len(turn) - reused
         self.reused += reused
         req = check_chat(ChatRequest(messages, *fields))
-        keep_or_defer(self.later, self._keep, key, turn, messages, body, spans)
+        later = self.later
+        if later is None:
+            self._keep(key, turn, messages, body, spans)
+        else:
+            later.append(partial(self._keep, key, turn, messages, body, spans))
         return req
 
     def _keep(
         self, key: bytes, turn: _Turn, messages: list[ChatMessage], body: bytes, spans: _Spans | None
     ) -> None:
         """Keep a decoded request as its conversation's last (``spans``: where its messages are)."""
-        size = _BYTES_PER_BODY_BYTE * len(body) + len(key)
-        self._store(key, _Kept(key, turn, messages, size, body, spans))
-
-    def _store(self, key: bytes, kept: _Kept) -> None:
+        kept = _Kept(key, turn, messages, _BYTES_PER_BODY_BYTE * len(body) + len(key), body, spans)
         old = self._turns.pop(key, None)
         if old is not None:  # `_forget` inline: the conversation's last request, replaced every turn
             self.bytes -= old.size

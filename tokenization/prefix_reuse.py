@@ -24,10 +24,11 @@ from array import array
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
+from functools import partial
 from itertools import accumulate
 from typing import Final
 
-from tokenization.deferred import Later, keep_or_defer
+from tokenization.deferred import Later
 from tokenization.safe_cuts import CutFinder
 
 __all__ = [
@@ -352,14 +353,16 @@ class PrefixReuse:
         encode: EncodePacked,
         suffix: Suffix | None = None,
         lazy: bool = False,
+        n: int | None = None,
     ) -> tuple[ReuseEntry, int]:
         """``data``'s entry: ``prior``'s ids up to ``cut`` (a safe cut of both texts,
         `CutFinder.last_cut`) and the encoding of the rest, with token ends when made; and how many ids
         were copied. ``prior_ends`` are `ends` (prior). ``suffix``: what ``data`` ends with, whose ids
         are taken as they are when the rest may be cut before it (only the part between is encoded).
         ``lazy``: the copied ids stay a view of the prior's until the packed ids are read (never for
-        an entry stored here: it would hold another's packed ids)."""
-        n = prior_ends.tokens_before(cut)
+        an entry stored here: it would hold another's packed ids). ``n``: ``prior_ends.tokens_before(cut)``,
+        when the caller has it."""
+        n = prior_ends.tokens_before(cut) if n is None else n
         cut = cut if n else 0  # the cut is no token end of the prior text: reuse nothing (never expected)
         split = len(data) - suffix[0] if suffix is not None else 0
         if suffix is not None and split > cut and self.cuts.token_start(data, split, suffix[1], cut):
@@ -385,7 +388,11 @@ class PrefixReuse:
         entry = ReuseEntry(data, tail_ids, tail_packed, None, n, head)
         if len(tail_ids) > n:  # mostly new text: its ends are made if it is ever reused (`ends`)
             return entry, n
-        keep_or_defer(self.later, self._extend_ends, entry, prior_ends, cut)  # (only a later text reads them)
+        later = self.later  # (only a later text reads them)
+        if later is None:
+            self._extend_ends(entry, prior_ends, cut)
+        else:
+            later.append(partial(self._extend_ends, entry, prior_ends, cut))
         return entry, n
 
     def _extend_ends(self, entry: ReuseEntry, prior_ends: TokenEnds, cut: int) -> None:
@@ -402,7 +409,11 @@ class PrefixReuse:
         data, stored = entry.data, self._sorted
         if at < len(stored) and stored[at] == data:  # (``replaced``'s text differs: not this one)
             entry = self._entries[id(stored[at])]
-        keep_or_defer(self.later, self._file, entry, replaced)
+        later = self.later
+        if later is None:
+            self._file(entry, replaced)
+        else:
+            later.append(partial(self._file, entry, replaced))
         return entry
 
     def _file(self, entry: ReuseEntry, replaced: ReuseEntry | None) -> None:
@@ -438,21 +449,27 @@ class PrefixReuse:
 def shared_prefix(a: bytes, b: bytes | memoryview) -> int:
     """The length of the longest common prefix of ``a`` and ``b``: memcmps on views (no copies),
     galloping back from the end (a new suffix on an old text differs near its end), then a binary
-    search in the last gap."""
+    search in the last gap, down to `_XOR_BYTES`, whose first differing byte one XOR finds."""
     limit = min(len(a), len(b))
     view = memoryview(b)
     if a.startswith(view[:limit]):
         return limit
     lo, hi, step = 0, limit, 1  # a prefix of lo bytes is shared, one of hi bytes is not
-    while hi - step > lo:
+    while hi - lo > _XOR_BYTES and hi - step > lo:
         if a.startswith(view[: hi - step]):
             lo = hi - step
             break
         hi, step = hi - step, step * 2
-    while hi - lo > 1:
+    while hi - lo > _XOR_BYTES:
         mid = (lo + hi) // 2
         if a.startswith(view[:mid]):
             lo = mid
         else:
             hi = mid
-    return lo
+    # a[lo:hi] and b[lo:hi] differ: as big-endian ints, their XOR's top set byte is the first difference.
+    x = int.from_bytes(a[lo:hi], "big") ^ int.from_bytes(view[lo:hi], "big")
+    return hi - (x.bit_length() + 7) // 8
+
+
+_XOR_BYTES: Final = 256
+"""A gap of at most this many bytes is searched with one XOR of two ints, not memcmps."""

@@ -119,6 +119,7 @@ def token_byte_lengths(
 
 
 _FIND_FIRST_BYTES: Final = 8  # up to this many distinct first bytes, `_spanned` finds them instead of looping
+_FEW_LENGTHS: Final = 2  # up to this many prefix lengths end in a byte, `_spanned` slices them instead
 _ASCII_LETTERS: Final = frozenset(b"ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz")
 _NO_BYTES: Final[frozenset[int]] = frozenset()
 
@@ -138,6 +139,14 @@ class CutFinder:
         self._edge_last = frozenset(w[-1] for w in self._edges)
         self._max_len = max((len(w) for w in words), default=0)
         self._prefixes = {w[:i] for w in words for i in range(1, len(w))}
+        lengths: dict[int, set[int]] = {}
+        for p in self._prefixes:
+            lengths.setdefault(p[-1], set()).add(len(p))
+        # By the byte a proper prefix ends in, its few lengths (none: an empty tuple); None for many.
+        self._ending_in: list[tuple[int, ...] | None] = [
+            tuple(sorted(lengths.get(b, ()))) if len(lengths.get(b, ())) <= _FEW_LENGTHS else None
+            for b in range(256)
+        ]
         first = sorted({w[:1] for w in words})
         self._first_bytes = first if len(first) <= _FIND_FIRST_BYTES else None
         self.pretokenizer_rule = pretokenizer_rule
@@ -199,8 +208,17 @@ class CutFinder:
 
     def _spanned(self, data: bytes, q: int, floor: int = 0) -> bool:
         """Whether an added token could start before ``q`` (at ``floor`` or later) and end after it
-        (conservative: a proper prefix of some token ends at ``q``)."""
-        prefixes, lo = self._prefixes, max(floor, q - self._max_len + 1)
+        (conservative: a proper prefix of some token ends at ``q``); ``q`` and ``floor`` >= 0."""
+        prefixes = self._prefixes
+        if floor < q <= len(data):
+            # A prefix ending at ``q`` ends in byte ``data[q - 1]``: most bytes end none or few.
+            lengths = self._ending_in[data[q - 1]]
+            if lengths is not None:
+                for n in lengths:
+                    if q - n >= floor and data[q - n : q] in prefixes:
+                        return True
+                return False
+        lo = max(floor, q - self._max_len + 1)
         if self._first_bytes is None:
             return any(data[s:q] in prefixes for s in range(lo, q))
         for first in self._first_bytes:  # a token can only start where its first byte is

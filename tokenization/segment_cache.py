@@ -13,9 +13,10 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import TYPE_CHECKING
 
-from tokenization.deferred import Later, keep_or_defer
+from tokenization.deferred import Later
 from tokenization.segmenter import AddedToken, Segment, Segmenter
 
 if TYPE_CHECKING:
@@ -81,7 +82,11 @@ class SegmentCache:
     def put(self, piece: str, ids: tuple[int, ...]) -> None:
         """Store ``ids`` for ``piece``, evicting the least recently used entries beyond the bound
         (or append that to `later`)."""
-        keep_or_defer(self.later, self._put, piece, ids)
+        later = self.later
+        if later is None:
+            self._put(piece, ids)
+        else:
+            later.append(partial(self._put, piece, ids))
 
     def _put(self, piece: str, ids: tuple[int, ...]) -> None:
         if self.max_entries == 0 or len(ids) > self.max_tokens:

@@ -136,6 +136,8 @@ class Skeletons:
         self._nonce = secrets.token_hex(8)
         self._nonce_json = msgspec.json.encode(self._nonce)
         self._marker_re = re.compile("\x00" + self._nonce + ":([0-9]+)\x00")
+        self._last_key: tuple[bytes, bytes, bytes] | None = None
+        """The last structure key: the marks and context JSON objects it was made of, then the key."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -167,7 +169,12 @@ class Skeletons:
             context_json = context_json if context_json is not None else msgspec.json.encode(context)
         except (TypeError, msgspec.EncodeError):
             return None
-        key = b"%b]%b" % (marks, context_json)  # the marks' JSON values, then the context's: injective
+        kept = self._last_key
+        if kept is not None and kept[0] is marks and kept[1] is context_json:
+            key = kept[2]  # the same objects: the same key object, its hash made once
+        else:
+            key = b"%b]%b" % (marks, context_json)  # the marks' JSON values, then the context's: injective
+            self._last_key = (marks, context_json, key)
         skeleton = self._entries.get(key)
         if skeleton is not None:
             self.hits += 1
@@ -313,24 +320,46 @@ def _structure(messages: Sequence[Mapping[str, Any]]) -> tuple[bytes, list[str]]
     """The messages' marks' JSON values joined by commas (the structure a skeleton is found by) and
     their texts in slot order. Those of a conversation's leading messages are kept on the last of them
     when it is a `TemplateMessage` (`TemplateMessage._marks_prefix`), so a later turn that re-sends
-    them (found by its second or third message from the end) reads them instead of each message's."""
+    them (found by its second or third message from the end) reads them instead of each message's;
+    the marks joined after them are kept there too (`TemplateMessage._marks_tail`: a new last turn
+    of the same shape gives the same bytes object, its hash made once)."""
     n, start = len(messages), 0
     parts: list[bytes] = []
     texts: list[str] = []
+    holder: TemplateMessage | None = None
     for back in (2, 3):
-        m = messages[n - back] if n >= back else None
-        memo = m._marks_prefix if type(m) is TemplateMessage else None
+        at = messages[n - back] if n >= back else None
+        if type(at) is not TemplateMessage:
+            continue
+        memo = at._marks_prefix
         if memo is not None and same_objects(memo[0], messages[: n - back]):
-            start, parts, texts = n - back + 1, [memo[1]], [*memo[2]]
+            start, parts, texts, holder = n - back + 1, [memo[1]], [*memo[2]], at
             break
     for i in range(start, n):
         m = messages[i]
         marked = _marks(m)
         parts.append(marked[2])
         texts += marked[1]
-        if i >= n - 2 and type(m) is TemplateMessage:
+        if i == n - 2 and type(m) is TemplateMessage:  # (the last message's: below, from the whole)
             m._marks_prefix = (messages[:i], b",".join(parts), tuple(texts))
-    return b",".join(parts), texts
+    marks = _joined_marks(parts, holder)
+    last = messages[n - 1] if n else None
+    if start < n and type(last) is TemplateMessage:
+        last._marks_prefix = (messages[: n - 1], marks, tuple(texts))
+    return marks, texts
+
+
+def _joined_marks(parts: list[bytes], holder: TemplateMessage | None) -> bytes:
+    """``b",".join(parts)``; after a ``holder``'s kept marks (``parts[0]``), the bytes kept on it when
+    the other parts are the same objects (marks of plain messages are shared: `_plain_marks`)."""
+    if holder is None:
+        return b",".join(parts)
+    tail = holder._marks_tail
+    if tail is not None and same_objects(tail[0], parts):
+        return tail[1]
+    joined = b",".join(parts)
+    holder._marks_tail = (tuple(parts), joined)
+    return joined
 
 
 def _head_json(messages: Sequence[Mapping[str, Any]]) -> bytes:

@@ -21,10 +21,12 @@ class TemplateMessage(dict[str, Any]):
     once made; ``_carry_head`` the JSON of the conversation's first two messages when this is the
     second (with the first), for `Skeletons.carry_key`; ``_marks_prefix`` the marks of the messages
     up to this one (the ones before it, their and its marks' JSON joined, their texts), for
-    `Skeletons.pieces`; ``_carry_key`` the carry key made with this as the second message (the
-    `Skeletons`, the first message and the context JSON object it was made for, then the key)."""
+    `Skeletons.pieces`; ``_marks_tail`` the marks joined after those (the other parts, then the
+    bytes) by the last turn that read them; ``_carry_key`` the carry key made with this as the
+    second message (the `Skeletons`, the first message and the context JSON object it was made
+    for, then the key)."""
 
-    __slots__ = ("_carry_head", "_carry_key", "_marks_prefix", "_skeleton_marks")
+    __slots__ = ("_carry_head", "_carry_key", "_marks_prefix", "_marks_tail", "_skeleton_marks")
 
     def __init__(self, fields: dict[str, Any]) -> None:
         super().__init__(fields)
@@ -32,6 +34,7 @@ class TemplateMessage(dict[str, Any]):
         self._carry_head: tuple[object, bytes] | None = None
         self._carry_key: tuple[object, object, bytes, bytes] | None = None
         self._marks_prefix: tuple[Sequence[object], bytes, tuple[str, ...]] | None = None
+        self._marks_tail: tuple[tuple[bytes, ...], bytes] | None = None
 
     def _frozen(self, *args: object, **kwargs: object) -> NoReturn:
         raise TypeError("a TemplateMessage is never changed: copy it with dict(message)")

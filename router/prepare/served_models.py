@@ -282,11 +282,17 @@ class Models:
         """Tokenize and key a request body; RequestError (a 400 naming the field) on bad input. With
         `defer`, what it keeps for later requests is left in `later` for `run_stores` (module docstring)."""
 
-        def prepare() -> Prepared:
+        if self.later:  # `_storing`, inline: this is every request's path
+            self.run_stores()
+        try:
             req, model = self._decode(body, endpoint, model_hint)
-            return self._prepare(req, endpoint, model)
-
-        return self._storing(prepare, defer)
+            prepared = self._prepare(req, endpoint, model)
+        except BaseException:
+            self.run_stores()
+            raise
+        if not defer:
+            self.run_stores()
+        return prepared
 
     def _storing(self, prepare: Callable[[], Prepared], defer: bool) -> Prepared:
         """`prepare()` between the stores: an earlier deferred preparation's run first (this one reads
@@ -368,8 +374,9 @@ class Models:
         packed: bytes | ReuseEntry | None = rt.packed
         if packed is None and type(first) is ReuseEntry:
             packed = first  # `rt.packed_ids` without the property's call: a carried chat's entry
+        root = self.hasher.root(extras.lora_name, extras.cache_salt)  # once, for both keys
         keys = spec_keys(
-            v.spec, self.hasher, ids, extras, packed=packed, cache=self.key_cache, carry=rt.carry
+            v.spec, self.hasher, ids, extras, packed=packed, cache=self.key_cache, carry=rt.carry, root=root
         )
         t2 = clock()
         return Prepared(
@@ -380,9 +387,7 @@ class Models:
             keys=keys,
             skip_cache=rt.skip_cache,
             report_mode=str(rt.report_mode),  # a C call (Enum.value is a Python-level property)
-            session_key=session_key(
-                ids, extras, packed, rt.carry, self.hasher.root(extras.lora_name, extras.cache_salt)
-            ),
+            session_key=session_key(ids, extras, packed, rt.carry, root),
             timings=MappingProxyType({"tokenize": t1 - t0, "hash": t2 - t1}),
             variant=model,
             lora_name=extras.lora_name,

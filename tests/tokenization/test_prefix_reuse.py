@@ -224,6 +224,48 @@ def test_a_text_cut_before_a_token_encodes_as_its_two_parts(
         assert tok.encode(a + b, False) == tok.encode(a, False) + tok.encode(b, False)
 
 
+@settings(max_examples=300, deadline=None)
+@given(
+    parts=st.lists(st.one_of(AROUND_TOKENS, CUT_TEXT), max_size=3),
+    q=st.integers(0, 120),
+    floor=st.integers(0, 120),
+    toy=st.booleans(),
+)
+def test_spanned_equals_its_definition(parts: list[list[str]], q: int, floor: int, toy: bool) -> None:
+    """`CutFinder._spanned` (which passes over a byte no prefix ends in, and slices the few lengths
+    of one some do) answers as its definition: a proper prefix of an added token ends at ``q``,
+    starting at ``floor`` or later."""
+    if toy:
+        added = [AddedToken(1, "<|end|>", normalized=False), AddedToken(2, "<|end|>x", normalized=False)]
+        cuts = CutFinder(added, pretokenizer_rule=True)
+    else:
+        reuse = _deepseek().segments.reuse
+        assert reuse is not None
+        cuts = reuse.cuts
+    data = "".join(w for words in parts for w in words).encode()
+    lo = max(floor, q - cuts._max_len + 1)
+    assert cuts._spanned(data, q, floor) == any(data[s:q] in cuts._prefixes for s in range(lo, q))
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    common=st.binary(max_size=2000),
+    a=st.binary(max_size=40),
+    b=st.binary(max_size=40),
+    view=st.booleans(),
+)
+def test_shared_prefix_of_long_texts_is_the_longest_common_prefix(
+    common: bytes, a: bytes, b: bytes, view: bool
+) -> None:
+    """`shared_prefix` (memcmps down to a short gap, then one XOR) counts the bytes two texts share
+    from the start, as a byte-by-byte loop does."""
+    x, y = common + a, common + b
+    n = 0
+    while n < min(len(x), len(y)) and x[n] == y[n]:
+        n += 1
+    assert shared_prefix(x, memoryview(y) if view else y) == n
+
+
 # --- Exactness: the reuse path equals a plain encode ------------------------------------------------------
 
 ADVERSARIAL = st.sampled_from(

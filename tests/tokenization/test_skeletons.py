@@ -251,6 +251,28 @@ def test_structures_kept_across_turns_equal_fresh_ones(
         assert _structure(conv) == _fresh_structure(conv)  # again, from what it kept
 
 
+@settings(max_examples=100, deadline=None)
+@given(
+    first=st.lists(MESSAGE, min_size=1, max_size=4),
+    lasts=st.lists(MESSAGE, min_size=1, max_size=5),
+    contexts=st.lists(st.sampled_from([b"[1]", b"[2]"]), min_size=5, max_size=5),
+)
+def test_kept_structure_keys_equal_fresh_ones(
+    first: list[dict[str, Any]], lasts: list[dict[str, Any]], contexts: list[bytes]
+) -> None:
+    """Turns that each replace the last message (the same shape or not) find their skeleton by the
+    key fresh marks and context give: the kept marks tail and last key are those bytes."""
+    skeletons = Skeletons()
+    head = [TemplateMessage(m) for m in first]
+    known = {b"[1]": b"[1]", b"[2]": b"[2]"}  # one object per context, as a caller keeps it
+    for last, context in zip(lasts, contexts, strict=False):
+        conv = [*head, TemplateMessage(last)]
+        got = skeletons.pieces(conv, None, lambda ms: "".join(map(str, range(len(ms)))), known[context])
+        assert got is not None
+        key = b"%b]%b" % (_fresh_structure(conv)[0], context)
+        assert skeletons._last_key is not None and skeletons._last_key[2] == key and key in skeletons._entries
+
+
 def test_kept_marks_are_read_only_for_the_same_message_objects() -> None:
     """A later message's kept marks are not read once an earlier message is another object, even an
     equal one: ``{"n": 1} == {"n": 1.0}``, yet they render apart."""

@@ -15,10 +15,11 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections import OrderedDict
+from functools import partial
 from typing import cast
 
 from router.core.keys.block_key import TOKEN_BYTES, BlockKey, chain_hashes, packed_block_hashes
-from tokenization.deferred import Later, keep_or_defer
+from tokenization.deferred import Later
 
 __all__ = ["PrefixKeyCache"]
 
@@ -69,7 +70,7 @@ class PrefixKeyCache:
         if self.later is None:  # (the position found is current only when stored at once)
             self._store(group, packed, tuple(keys), at)
         else:
-            keep_or_defer(self.later, self._store, group, packed, tuple(keys))
+            self.later.append(partial(self._store, group, packed, tuple(keys)))
         return keys
 
     def clear(self) -> None:

@@ -106,14 +106,17 @@ def spec_keys(
     packed: Packed | None = None,
     cache: PrefixKeyCache | None = None,
     carry: KeyCarry | None = None,
+    root: int | None = None,
 ) -> list[int]:
     """The request's lookup keys at `spec.hash_block_size`: router keys, or vLLM's wire hashes.
     `packed` (the tokens' `pack_tokens` bytes, if at hand), `cache` and `carry` (`carried_keys`)
-    make router keys cheaper, never different; with all three, `tokens` is not read."""
+    make router keys cheaper, never different; with all three, `tokens` is not read. ``root``:
+    ``hasher.root`` of the request's LoRA name and salt, when the caller has it."""
     hb, lookahead = spec.hash_block_size, spec.lookahead_tokens
     if spec.hashing is HashingMode.ROUTER:
         if cache is not None and not lookahead and not extras.mm_items:
-            root = hasher.root(extras.lora_name, extras.cache_salt)
+            if root is None:
+                root = hasher.root(extras.lora_name, extras.cache_salt)
             packed = packed if packed is not None else pack_tokens(_ids(tokens))
             carried = carried_keys(root, packed, hb, carry) if carry is not None else None
             if carried is not None:
