@@ -54,24 +54,25 @@ class RoutingCore:
         """Per replica of the model: the lookup result and the prompt length under its variant."""
         return {rid: (result, n) for rid, (result, n, _) in self._predict(prepared).items()}
 
-    def _predict(self, prepared: Prepared) -> dict[EngineId, tuple[LookupResult, int, VariantKeys | None]]:
-        """`predict`, each replica's keys beside (its variant's: routing reads its pending run with them)."""
+    def _predict(self, prepared: Prepared) -> dict[EngineId, tuple[LookupResult, int, list[int] | None]]:
+        """`predict`, each replica's block keys beside (its variant's: routing reads its pending run
+        with them)."""
         mirror = self.fleet.mirror
-        out: dict[EngineId, tuple[LookupResult, int, VariantKeys | None]] = {}
+        out: dict[EngineId, tuple[LookupResult, int, list[int] | None]] = {}
         for variant, rids in self.fleet.variant_groups(prepared.model):
-            vid = variant.id  # (`prepared.keys_for(vid)` without its call)
-            keys = VariantKeys(prepared.prompt_tokens, prepared.keys) if vid == prepared.variant else None
-            if keys is None:
-                keys = prepared.variants.get(vid)
-            if keys is None:  # an engine added after this request was prepared
+            vid = variant.id  # (`prepared.keys_for(vid)` without its call, nor its struct)
+            if vid == prepared.variant:
+                keys, n = prepared.keys, prepared.prompt_tokens
+            elif (other := prepared.variants.get(vid)) is not None:
+                keys, n = other.keys, other.num_tokens
+            else:  # an engine added after this request was prepared
                 out.update(dict.fromkeys(rids, (_NO_HIT, prepared.prompt_tokens, None)))
                 continue
-            n = keys.num_tokens
             if n <= 1 or prepared.skip_cache:  # `lookup`'s own answer then (nothing to look up)
                 none = self._no_hit(variant.spec)
                 out.update(dict.fromkeys(rids, (none, n, keys)))  # (no generator's frame)
                 continue
-            results = lookup(mirror, variant.spec, LookupRequest(keys.keys, n, prepared.skip_cache), rids)
+            results = lookup(mirror, variant.spec, LookupRequest(keys, n, prepared.skip_cache), rids)
             ids = self._lookup_ids.get(rids) or self._ids_of(rids)  # (a known group without the call)
             for rid, key in zip(rids, ids, strict=True):
                 out[rid] = (results[key], n, keys)
@@ -126,11 +127,11 @@ class RoutingCore:
         candidates = []
         for rid, (result, n, keys) in predicted.items():
             rep, breaker, trust = members.get(rid) or self._member(rid)  # (`fleet.trust` is rep's status)
-            # `_pending_tokens` without its call (`holds`: a cheap first check)
+            # `_pending_tokens` without its call (nor `holds` first: `leading_run` is 0 without a tree)
             run = 0
-            if reads_pending and keys is not None and not skip and rep.unitary and pending.holds(rid):
+            if reads_pending and keys is not None and not skip and rep.unitary:
                 bs = rep.hash_block
-                run = pending.leading_run(rid, keys.keys, (keys.num_tokens - 1) // bs, now) * bs
+                run = pending.leading_run(rid, keys, (n - 1) // bs, now) * bs
             candidate = Candidate(
                 rid, result.hit_tokens, result.shared_prefix_boundary, result.fa_warm_tokens, n,
                 rep.status(now, fleet.mirror) if trust is None else trust, load.snapshot(rid, now), True,
