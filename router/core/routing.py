@@ -19,6 +19,7 @@ from router.core.kv_layout import ModelSpec
 from router.core.lookup.computed_blocks import LookupRequest, LookupResult, ReplicaId, lookup, spec_groups
 from router.core.policy.breaker import BreakerState, CircuitBreaker
 from router.core.policy.scoring import Candidate, Decision, RouteRequest, Scorer
+from router.core.policy.trust import TrustStatus
 from router.core.replica import Replica
 from router.prepare.prepared import Prepared, VariantKeys
 
@@ -43,33 +44,35 @@ class RoutingCore:
         self._clock = clock  # for the stage timings only (a performance counter)
         self._no_hits: dict[int, tuple[ModelSpec, LookupResult]] = {}  # by id(spec), the spec kept
         self._lookup_ids: dict[tuple[EngineId, ...], tuple[ReplicaId, ...]] = {}  # by variant group
-        # Each replica's record and breaker, which stay the same objects while it is in the fleet
-        # (forgotten when it leaves): no two calls per candidate to find them.
-        self._members: dict[EngineId, tuple[Replica, CircuitBreaker]] = {}
+        # Each replica's slot (its record, its breaker, and its trust when no events can change it),
+        # which stay the same objects while it is in the fleet (forgotten when it leaves): no calls per
+        # candidate to find them, nor to ask an engine without events its constant trust.
+        self._members: dict[EngineId, tuple[Replica, CircuitBreaker, TrustStatus | None]] = {}
         fleet.on_replica_removed(self._forget)
 
     def predict(self, prepared: Prepared) -> dict[EngineId, tuple[LookupResult, int]]:
         """Per replica of the model: the lookup result and the prompt length under its variant."""
         return {rid: (result, n) for rid, (result, n, _) in self._predict(prepared).items()}
 
-    def _predict(self, prepared: Prepared) -> dict[EngineId, tuple[LookupResult, int, VariantKeys | None]]:
-        """`predict`, each replica's keys beside (its variant's: routing reads its pending run with them)."""
+    def _predict(self, prepared: Prepared) -> dict[EngineId, tuple[LookupResult, int, list[int] | None]]:
+        """`predict`, each replica's block keys beside (its variant's: routing reads its pending run
+        with them)."""
         mirror = self.fleet.mirror
-        out: dict[EngineId, tuple[LookupResult, int, VariantKeys | None]] = {}
+        out: dict[EngineId, tuple[LookupResult, int, list[int] | None]] = {}
         for variant, rids in self.fleet.variant_groups(prepared.model):
-            vid = variant.id  # (`prepared.keys_for(vid)` without its call)
-            keys = VariantKeys(prepared.prompt_tokens, prepared.keys) if vid == prepared.variant else None
-            if keys is None:
-                keys = prepared.variants.get(vid)
-            if keys is None:  # an engine added after this request was prepared
+            vid = variant.id  # (`prepared.keys_for(vid)` without its call, nor its struct)
+            if vid == prepared.variant:
+                keys, n = prepared.keys, prepared.prompt_tokens
+            elif (other := prepared.variants.get(vid)) is not None:
+                keys, n = other.keys, other.num_tokens
+            else:  # an engine added after this request was prepared
                 out.update(dict.fromkeys(rids, (_NO_HIT, prepared.prompt_tokens, None)))
                 continue
-            n = keys.num_tokens
             if n <= 1 or prepared.skip_cache:  # `lookup`'s own answer then (nothing to look up)
                 none = self._no_hit(variant.spec)
                 out.update(dict.fromkeys(rids, (none, n, keys)))  # (no generator's frame)
                 continue
-            results = lookup(mirror, variant.spec, LookupRequest(keys.keys, n, prepared.skip_cache), rids)
+            results = lookup(mirror, variant.spec, LookupRequest(keys, n, prepared.skip_cache), rids)
             ids = self._lookup_ids.get(rids) or self._ids_of(rids)  # (a known group without the call)
             for rid, key in zip(rids, ids, strict=True):
                 out[rid] = (results[key], n, keys)
@@ -96,10 +99,13 @@ class RoutingCore:
             ids = self._lookup_ids[rids] = tuple(ReplicaId(rid, 0) for rid in rids)
         return ids
 
-    def _member(self, rid: EngineId) -> tuple[Replica, CircuitBreaker]:
-        """The replica's record and breaker (`fleet.replica`, `fleet.breakers.get`), kept until it
-        leaves the fleet; KeyError if unknown."""
-        member = self._members[rid] = (self.fleet.replica(rid), self.fleet.breakers.get(rid))
+    def _member(self, rid: EngineId) -> tuple[Replica, CircuitBreaker, TrustStatus | None]:
+        """The replica's record and breaker (`fleet.replica`, `fleet.breakers.get`) and, for an engine
+        without event endpoints, its trust (the same at any time), kept until it leaves the fleet;
+        KeyError if unknown."""
+        rep = self.fleet.replica(rid)
+        fixed = None if rep.engine.events else rep.status(0.0, self.fleet.mirror)
+        member = self._members[rid] = (rep, self.fleet.breakers.get(rid), fixed)
         return member
 
     def _forget(self, rid: EngineId) -> None:
@@ -117,18 +123,19 @@ class RoutingCore:
         fleet = self.fleet
         load, members, admission, pending = fleet.load, self._members, fleet.admission, fleet.pending
         reads_pending, skip = pending.ttl_s > 0, prepared.skip_cache  # (no time to live: none pending)
+        counts, limit = admission.counts, admission.max_per_engine  # (`at_capacity` without its call)
         candidates = []
         for rid, (result, n, keys) in predicted.items():
-            rep, breaker = members.get(rid) or self._member(rid)  # (`fleet.trust` is rep's status)
-            # `_pending_tokens` without its call (`holds`: a cheap first check)
+            rep, breaker, trust = members.get(rid) or self._member(rid)  # (`fleet.trust` is rep's status)
+            # `_pending_tokens` without its call (nor `holds` first: `leading_run` is 0 without a tree)
             run = 0
-            if reads_pending and keys is not None and not skip and rep.unitary and pending.holds(rid):
+            if reads_pending and keys is not None and not skip and rep.unitary:
                 bs = rep.hash_block
-                run = pending.leading_run(rid, keys.keys, (keys.num_tokens - 1) // bs, now) * bs
+                run = pending.leading_run(rid, keys, (n - 1) // bs, now) * bs
             candidate = Candidate(
                 rid, result.hit_tokens, result.shared_prefix_boundary, result.fa_warm_tokens, n,
-                rep.status(now, fleet.mirror), load.snapshot(rid, now), True,
-                breaker.state is not _CLOSED and not breaker.available(now), admission.at_capacity(rid), run,
+                rep.status(now, fleet.mirror) if trust is None else trust, load.snapshot(rid, now), True,
+                breaker.state is not _CLOSED and not breaker.available(now), counts.get(rid, 0) >= limit, run,
             )  # fmt: skip
             candidates.append(candidate)
         decision = self.scorer.choose(route, candidates)

@@ -46,11 +46,15 @@ class _Run:
 class _Tree:
     """One replica's pending requests: the held keys and the runs they form."""
 
-    __slots__ = ("held", "roots")
+    __slots__ = ("guess", "held", "roots")
 
     def __init__(self) -> None:
         self.held: set[int] = set()
         self.roots: dict[int, _Run] = {}
+        # The last run `leading_run` searched for: requests with one history follow each other (a
+        # chat's next turn, a send after its decision), so it is usually the answer again, which two
+        # lookups prove (a guess proven wrong costs those two before the search).
+        self.guess = 0
 
     def insert(self, keys: list[int], shared: int) -> _Run:
         """Count one more request through `keys` (its first `shared` are held already); returns the
@@ -100,6 +104,11 @@ class _Tree:
         held, hi = self.held, min(limit, len(keys))
         if hi <= 0 or keys[hi - 1] in held:
             return max(hi, 0)
+        guess = self.guess
+        # The guess is the run when its last key is held and the next one is not (chained keys: no
+        # later one is then), which is what the search below finds.
+        if guess < hi and keys[guess] not in held and (guess == 0 or keys[guess - 1] in held):
+            return guess
         lo = 0  # invariant: keys[lo - 1] is held (or lo == 0), keys[hi - 1] is not
         while hi - lo > 1:
             mid = (lo + hi) // 2
@@ -107,6 +116,7 @@ class _Tree:
                 lo = mid
             else:
                 hi = mid
+        self.guess = lo
         return lo
 
 
@@ -208,12 +218,18 @@ class PendingPrefixes:
     def expire(self, now: float) -> None:
         """Forget every request whose time is up."""
         entries, due = self._entries, math.inf
-        for queue in (self._sent, self._answered):
-            while queue and queue[0][0] <= now:
-                until, request = queue.popleft()
+        # Answers first: the sends of the requests they remove are then stale at the head of theirs.
+        for queue in (self._answered, self._sent):
+            while queue:
+                until, request = queue[0]
                 entry = entries.get(request)
                 if entry is not None and entry.until == until:
+                    if until > now:
+                        break
                     self._remove(request)
+                # Due, or stale (its request left, or was answered since): a stale time left at the
+                # head would bring the next call forward to find nothing (a send's, every request).
+                queue.popleft()
             if queue and queue[0][0] < due:
                 due = queue[0][0]
         heap = self._heap

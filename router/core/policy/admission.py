@@ -27,7 +27,9 @@ class Admission:
         self.status = status
         self.retry_after_s = retry_after_s
         self.total = 0
-        self._per_engine: dict[EngineId, int] = {}
+        self.counts: dict[EngineId, int] = {}
+        """Requests counted per engine (absent: none); read-only outside this class (routing reads
+        `at_capacity`'s answer from it without a call per candidate)."""
 
     def enter(self) -> bool:
         """Admit one more request overall, or refuse (False) at the total limit."""
@@ -44,26 +46,26 @@ class Admission:
 
     def at_capacity(self, engine: EngineId) -> bool:
         """Whether the engine has reached its in-flight limit (scoring skips it)."""
-        return self._per_engine.get(engine, 0) >= self.max_per_engine
+        return self.counts.get(engine, 0) >= self.max_per_engine
 
     def enter_engine(self, engine: EngineId) -> bool:
         """Count one more request on `engine`, or refuse (False) at its limit."""
-        count = self._per_engine.get(engine, 0)
+        count = self.counts.get(engine, 0)
         if count >= self.max_per_engine:  # at_capacity(engine)
             return False
-        self._per_engine[engine] = count + 1
+        self.counts[engine] = count + 1
         return True
 
     def leave_engine(self, engine: EngineId) -> None:
         """A request counted by `enter_engine` left the engine."""
-        count = self._per_engine.get(engine, 0)
+        count = self.counts.get(engine, 0)
         if count <= 0:
             raise ValueError(f"leave_engine({engine}) without a matching enter_engine()")
-        self._per_engine[engine] = count - 1
+        self.counts[engine] = count - 1
 
     def in_flight(self, engine: EngineId) -> int:
         """Requests currently counted on `engine`."""
-        return self._per_engine.get(engine, 0)
+        return self.counts.get(engine, 0)
 
     def overloaded(self) -> Overloaded:
         """The error to answer a refused request with (status and Retry-After from the config)."""

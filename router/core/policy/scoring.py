@@ -299,7 +299,8 @@ class Scorer:
         policy = self.settings.policy
         # (`map` and `filter` rather than comprehensions: no Python frame of their own)
         scores = list(map(_score, candidates, repeat(request.excluded), repeat(self.settings)))
-        scores.sort(key=_ENGINE)
+        if len(scores) > 1:  # (one engine's list is sorted: no key list, no call)
+            scores.sort(key=_ENGINE)
         eligible = list(filter(_ELIGIBLE, scores))
         if not eligible:
             why = "; ".join(f"{s.engine}: {s.why_not}" for s in scores) or "no engines configured"

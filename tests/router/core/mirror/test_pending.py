@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from router.core.ids import EngineId, RequestId
-from router.core.mirror.pending import PendingPrefixes
+from router.core.mirror.pending import PendingPrefixes, _Tree
 from router.core.policy.load import LoadSnapshot
 from router.core.policy.scoring import Candidate, PolicyName, RouteRequest, Scorer, ScorerSettings
 from router.core.policy.trust import TrustReason, TrustState, TrustStatus
@@ -163,6 +163,25 @@ def test_leading_run_is_the_longest_prefix_shared_with_a_live_request(
                 assert p.leading_run(r, chain(probe), limit=limit, now=1.0) == want
             assert p.holds(r) == any(rep == r for rep, _ in live.values())
         assert p.size == sum(len(ks) for _, ks in live.values())
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    prompts=st.lists(st.lists(st.integers(1, 3), min_size=1, max_size=7), max_size=6),
+    probe=st.lists(st.integers(1, 3), max_size=8), guess=st.integers(0, 9), limit=st.integers(-1, 9),
+)  # fmt: skip
+def test_a_run_proven_from_any_guess_is_the_longest_held_prefix(
+    prompts: list[list[int]], probe: list[int], guess: int, limit: int
+) -> None:
+    """Whatever the tree remembers as the last run (right, too short, too long, past the keys), the
+    run it answers is the longest prefix of the probe a pending prompt shares, up to the limit."""
+    tree = _Tree()
+    for blocks in prompts:
+        keys = chain(blocks)
+        tree.insert(keys, tree.leading_run(keys, len(keys)))
+    tree.guess = guess
+    want = max((common_prefix(probe[: max(limit, 0)], blocks) for blocks in prompts), default=0)
+    assert tree.leading_run(chain(probe), limit) == want
 
 
 def test_requests_sharing_a_prefix_share_its_run() -> None:
