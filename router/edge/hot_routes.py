@@ -205,6 +205,11 @@ class HotCycle(RequestResponseCycle, LostSignal, BodyWriter):
     expected_content_length = 0
     message_event: _Ready
     _held: bytes | None = None
+    """The answer's bytes not yet written: its head (`_start`), or all of it while others are in flight
+    (`_body`), written in order at the loop's next turn (`_flush_held`) unless written first."""
+    _close_held = False
+    """The transport closes once `_held` is written (`connection: close` on a queued answer)."""
+    _tasks: set[asyncio.Task[None]] = set()  # the server's tasks (`begin`); none yet: an answer alone
     _chunks: list[bytes] | None = None
     """The body bytes parsed and not yet received, as the parser gave them (`take`)."""
     _size = 0
@@ -406,8 +411,13 @@ class HotCycle(RequestResponseCycle, LostSignal, BodyWriter):
             lines.append(b"transfer-encoding: chunked")
         lines.append(b"\r\n")
         self._held = STATUS_LINE[status] + defaults.lines + b"\r\n".join(lines)
+        self._hold()
+
+    def _hold(self) -> None:
+        """Put this cycle in its loop's list for `_flush_held` at the next turn: the cycles held in this
+        turn share one callback."""
         loop = self.loop or asyncio.get_running_loop()
-        held = _HELD.get(loop)  # the heads held in this turn share one callback at the next (`_flush_held`)
+        held = _HELD.get(loop)
         if held is None:
             _HELD[loop] = [self]
             loop.call_soon(_flush_held, loop)
@@ -440,8 +450,14 @@ class HotCycle(RequestResponseCycle, LostSignal, BodyWriter):
                 raise RuntimeError("Response content longer than Content-Length")
             self.expected_content_length -= len(body)
             data = body
-        held, self._held = self._held, None
-        self.transport.write(data if held is None else held + data)
+        held = self._held
+        if len(self._tasks) > 1:  # others in flight: out back to back with this turn's (`_flush_held`)
+            self._held = data if held is None else held + data
+            if held is None:  # a held head means this cycle is in this turn's list already
+                self._hold()
+        else:
+            self._held = None
+            self.transport.write(data if held is None else held + data)
         if not more_body:
             if self.expected_content_length != 0:
                 raise RuntimeError("Response content shorter than Content-Length")
@@ -452,14 +468,22 @@ class HotCycle(RequestResponseCycle, LostSignal, BodyWriter):
             else:
                 ready.set()
             if not self.keep_alive:
-                self.transport.close()
+                if self._held is None:
+                    self.transport.close()
+                else:  # after the queued bytes
+                    self._close_held = True
             self.on_response()
 
     def _flush(self) -> None:
-        """The held head alone (if still held): its body was not ready in the turn the head was sent."""
+        """The held bytes (if still held): a head whose body was not ready in the turn it was sent, or
+        an answer queued while others were in flight; then the close it waited for, if any. A transport
+        closing meanwhile gets nothing."""
         held, self._held = self._held, None
         if held is not None and not self.transport.is_closing():
             self.transport.write(held)
+        if self._close_held:
+            self._close_held = False
+            self.transport.close()
 
     def _close(self) -> None:
         self._flush()
@@ -473,7 +497,7 @@ heads leave with their body in the same turn). A loop's entry goes when its call
 
 
 def _flush_held(loop: asyncio.AbstractEventLoop) -> None:
-    """The heads of the cycles held in `loop`'s last turn whose body has not come yet, each alone."""
+    """The bytes of the cycles held in `loop`'s last turn, back to back (one connection's in order)."""
     for cycle in _HELD.pop(loop):
         if cycle._held is not None:
             cycle._flush()

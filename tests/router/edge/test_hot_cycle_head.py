@@ -242,3 +242,69 @@ def test_the_heads_held_in_a_turn_go_out_alone_together_at_the_next(with_body: l
     for writes, body_now in zip(asyncio.run(run()), with_body, strict=True):
         assert b"".join(writes).endswith(b"\r\n\r\nok") and len(writes) == (1 if body_now else 2)
         assert writes[0].startswith(b"HTTP/1.1 200 OK\r\n")
+
+
+class Ordered(Writes):
+    """A transport that also keeps its writes and its close in one sequence."""
+
+    def __init__(self, events: list[tuple[int, bytes | None]], name: int) -> None:
+        super().__init__()
+        self.events, self.name = events, name
+
+    def write(self, data: bytes) -> None:
+        super().write(data)
+        self.events.append((self.name, data))
+
+    def close(self) -> None:
+        super().close()
+        self.events.append((self.name, None))
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.lists(st.tuples(st.booleans(), st.booleans(), st.booleans()), min_size=1, max_size=6))
+def test_answers_sent_while_others_are_in_flight_leave_together_at_the_turns_end(
+    answers: list[tuple[bool, bool, bool]],
+) -> None:
+    """With other requests in flight, an answer (head and body) is queued and written in one write at
+    the loop's next turn, back to back with the turn's others and in the order they came; a close it
+    asks for comes after its bytes; a transport closing meanwhile gets nothing; the response is
+    complete (and `on_response` run) at once. Alone, an answer is written at once."""
+    head = [(b"content-type", b"text/plain"), (b"content-length", b"2")]
+
+    async def run() -> list[tuple[int, bytes | None]]:
+        loop = asyncio.get_running_loop()
+        events: list[tuple[int, bytes | None]] = []
+        transports = [Ordered(events, n) for n in range(len(answers))]
+        cycles = [_hot_cycle(transport) for transport in transports]
+        completed: list[int] = []
+        in_flight: set[asyncio.Task[None]] = {loop.create_future()}  # type: ignore[arg-type]
+        for n, (cycle, (alone, keep_alive, _)) in enumerate(zip(cycles, answers, strict=True)):
+            cycle.keep_alive = keep_alive
+            cycle.on_response = lambda n=n: completed.append(n)
+            cycle._tasks = set() if alone else in_flight | {loop.create_future()}  # type: ignore[arg-type]
+            await cycle.send({"type": "http.response.start", "status": 200, "headers": head})
+            await cycle.send({"type": "http.response.body", "body": b"ok"})
+            assert cycle.response_complete and completed[-1] == n
+            assert (transports[n].writes != []) is alone
+        for transport, (alone, _, vanishes) in zip(transports, answers, strict=True):
+            if vanishes and not alone:
+                transport.closed = True  # the client went meanwhile
+        await asyncio.sleep(0)
+        assert loop not in hot_routes._HELD
+        return events
+
+    events = asyncio.run(run())
+    queued = [n for n, (alone, _, _) in enumerate(answers) if not alone]
+    alone_first = [n for n, (alone, _, _) in enumerate(answers) if alone]
+    written = [n for n, data in events if data is not None]
+    gone = {n for n in queued if answers[n][2]}
+    assert written == alone_first + [n for n in queued if n not in gone]  # the queued in order, at the end
+    for _, data in events:
+        if data is not None:
+            assert data.startswith(b"HTTP/1.1 200 OK\r\n") and data.endswith(b"\r\n\r\nok")
+    for n, (_, keep_alive, _) in enumerate(answers):
+        mine = [data for m, data in events if m == n]
+        if not keep_alive and n not in gone:
+            assert mine[-1] is None and len(mine) == 2  # its bytes, then its close
+        elif n not in gone:
+            assert None not in mine

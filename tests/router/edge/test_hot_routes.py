@@ -521,3 +521,42 @@ async def test_a_concurrency_limit_or_root_path_leaves_the_hot_heads_to_uvicorn(
         answers = await _exchange(port, _post(b"/v1/completions", b"{1}"), 1)
     assert [body for _, body in answers] == [b"app {1}"]
     assert served == [f"POST {setting.get('root_path', '')}/v1/completions"]
+
+
+async def test_answers_queued_under_concurrency_arrive_whole_in_order_and_closed_after(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Many connections answered in one turn (their answers queued for its end): each gets its answers
+    whole and in order, pipelined requests included, and a `connection: close` one its answer before
+    the close."""
+    gate, all_in, waiting, count = asyncio.Event(), asyncio.Event(), [0], 6
+
+    async def gated(scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        body = await read_asgi_body(receive, scope["headers"], 1 << 20, WAIT)
+        waiting[0] += 1
+        if waiting[0] == 2 * count:
+            all_in.set()
+        await gate.wait()  # all of them answer in the same turn, others in flight
+        await _answer(send, b"hot " + body)
+
+    writes: list[bytes] = []
+    async with serving(gated, monkeypatch, writes) as (port, _):
+        kept = [await asyncio.open_connection("127.0.0.1", port) for _ in range(count)]
+        closing = [await asyncio.open_connection("127.0.0.1", port) for _ in range(count)]
+        for n, (_, writer) in enumerate(kept):
+            writer.write(_post(b"/v1/completions", b"a%d" % n) + _post(b"/v1/completions", b"b%d" % n))
+        for n, (_, writer) in enumerate(closing):
+            writer.write(_post(b"/v1/completions", b"c%d" % n, b"connection: close\r\n"))
+        async with asyncio.timeout(WAIT):
+            await all_in.wait()
+        gate.set()
+        for n, (reader, writer) in enumerate(kept):
+            answers = await _read_answers(reader, 2)
+            assert [body for _, body in answers] == [b"hot a%d" % n, b"hot b%d" % n]
+            writer.close()
+        for n, (reader, writer) in enumerate(closing):
+            async with asyncio.timeout(WAIT):
+                everything = await reader.read()  # to the close
+            assert everything.startswith(b"HTTP/1.1 200 OK") and everything.endswith(b"\r\n\r\nhot c%d" % n)
+            writer.close()
+    assert all(write.startswith(b"HTTP/1.1 200 OK") for write in writes)  # each answer in one write
