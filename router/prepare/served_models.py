@@ -29,6 +29,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Mapping
 from types import MappingProxyType
+from typing import ParamSpec
 
 import msgspec
 
@@ -118,6 +119,7 @@ class _RouteFields(msgspec.Struct):
 
 _ROUTE_FIELDS = msgspec.json.Decoder(_RouteFields)
 _NO_TIMINGS: Mapping[str, float] = MappingProxyType({})
+P = ParamSpec("P")
 
 
 def _ids_of(rt: RequestTokens) -> Callable[[], tuple[int, ...]]:
@@ -260,7 +262,7 @@ class Models:
             req = decode_request(ids_body, Endpoint.COMPLETIONS)
             return self._prepare(req, endpoint, model, single_tokenizer=True)  # ids as a completion
 
-        return self._storing(prepare, defer)
+        return self._storing(defer, prepare)
 
     def prepare_unread(self, body: bytes, endpoint: Endpoint | str) -> Prepared | None:
         """What routing needs when it reads no prompt: the model and stream flag (the body's JSON is
@@ -282,26 +284,23 @@ class Models:
         """Tokenize and key a request body; RequestError (a 400 naming the field) on bad input. With
         `defer`, what it keeps for later requests is left in `later` for `run_stores` (module docstring)."""
 
-        if self.later:  # `_storing`, inline: this is every request's path
-            self.run_stores()
-        try:
-            req, model = self._decode(body, endpoint, model_hint)
-            prepared = self._prepare(req, endpoint, model)
-        except BaseException:
-            self.run_stores()
-            raise
-        if not defer:
-            self.run_stores()
-        return prepared
+        return self._storing(defer, self._decoded, body, endpoint, model_hint)
 
-    def _storing(self, prepare: Callable[[], Prepared], defer: bool) -> Prepared:
-        """`prepare()` between the stores: an earlier deferred preparation's run first (this one reads
-        what they keep), its own after it (or left in `later` with `defer`), and on an error before it
-        propagates (module docstring)."""
+    def _decoded(self, body: bytes, endpoint: Endpoint | str, model_hint: str | None) -> Prepared:
+        """`prepare`'s work between its stores: the body decoded, then tokenized and keyed."""
+        req, model = self._decode(body, endpoint, model_hint)
+        return self._prepare(req, endpoint, model)
+
+    def _storing(
+        self, defer: bool, prepare: Callable[P, Prepared], *args: P.args, **kwargs: P.kwargs
+    ) -> Prepared:
+        """`prepare(*args)` between the stores: an earlier deferred preparation's run first (this one
+        reads what they keep), its own after it (or left in `later` with `defer`), and on an error
+        before it propagates (module docstring). Arguments passed through: no closure per request."""
         if self.later:
             self.run_stores()
         try:
-            prepared = prepare()
+            prepared = prepare(*args, **kwargs)
         except BaseException:
             self.run_stores()
             raise
