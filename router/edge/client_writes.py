@@ -110,6 +110,10 @@ class BodyWriter:
         if cycle is None or cycle.disconnected:
             return True  # as uvicorn's send: the disconnect watch ends the relay
         cycle.transport.write(b"%x\r\n%s\r\n" % (len(body), body))
+        return self._go_on(cycle)
+
+    def _go_on(self, cycle: RequestResponseCycle) -> bool:
+        """After a write: whether the caller may produce more before `drain()` (`write`'s answer)."""
         if self._window > 0.0:
             self._last = asyncio.get_running_loop().time()
             return False

@@ -253,6 +253,15 @@ class HotCycle(RequestResponseCycle, LostSignal, BodyWriter):
         the reference cycle through its scope is broken when its task ends, `_served`)."""
         return self
 
+    def write(self, body: bytes) -> bool:
+        """`BodyWriter.write`, after the bytes this cycle still holds: while its head or first body bytes
+        wait for the turn's end (`_held`), the chunk joins them there, so nothing overtakes them."""
+        held = self._held
+        if held is None or self.disconnected:
+            return BodyWriter.write(self, body)
+        self._held = held + b"%x\r\n%s\r\n" % (len(body), body)  # already in this turn's list
+        return self._go_on(self)
+
     def begin(
         self,
         loop: asyncio.AbstractEventLoop,

@@ -308,3 +308,45 @@ def test_answers_sent_while_others_are_in_flight_leave_together_at_the_turns_end
             assert mine[-1] is None and len(mine) == 2  # its bytes, then its close
         elif n not in gone:
             assert None not in mine
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    st.booleans(),
+    st.lists(st.tuples(st.binary(min_size=1, max_size=8), st.booleans()), max_size=6),
+    st.booleans(),
+)
+def test_a_streamed_answers_direct_chunks_never_overtake_its_held_bytes(
+    alone: bool, chunks: list[tuple[bytes, bool]], turn_after_first: bool
+) -> None:
+    """A chunked answer whose head and first chunk are held (for the turn's end, or queued while others
+    are in flight) and whose next chunks go through the cycle as its `BodyWriter` arrives as uvicorn
+    writes it: head, chunks in order, end, whatever turns pass between the writes (a chunk written
+    straight to the transport before the held head reached a client as its status line, CI of
+    2026-12-05: `illegal status line: bytearray(b'cf')`)."""
+    head = [(b"content-type", b"text/event-stream")]
+
+    async def run() -> bytes:
+        loop = asyncio.get_running_loop()
+        transport = Writes()
+        cycle = _hot_cycle(transport)
+        cycle._tasks = set() if alone else {loop.create_future(), loop.create_future()}  # type: ignore[arg-type]
+        await cycle.send({"type": "http.response.start", "status": 200, "headers": head})
+        await cycle.send({"type": "http.response.body", "body": b"first", "more_body": True})
+        if turn_after_first:
+            await asyncio.sleep(0)
+        for body, turn in chunks:
+            assert cycle.usable()
+            assert cycle.write(body)
+            if turn:
+                await asyncio.sleep(0)
+        await cycle.send({"type": "http.response.body", "body": b"", "more_body": False})
+        await asyncio.sleep(0)
+        assert loop not in hot_routes._HELD
+        return transport.written
+
+    written = asyncio.run(run())
+    head_bytes, _, body = written.partition(b"\r\n\r\n")
+    assert head_bytes.startswith(b"HTTP/1.1 200 OK\r\n") and b"transfer-encoding: chunked" in head_bytes
+    expected = b"".join(b"%x\r\n%s\r\n" % (len(part), part) for part in [b"first", *[c for c, _ in chunks]])
+    assert body == expected + b"0\r\n\r\n"
