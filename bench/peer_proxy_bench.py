@@ -88,6 +88,8 @@ class Row:
     p99_ms: float
     cpu_ms_per_req: float
     errors: int
+    sys_ms_per_req: float = 0.0
+    """The kernel's part of `cpu_ms_per_req` (system time)."""
 
 
 @dataclass
@@ -129,18 +131,19 @@ def only_loopback() -> bool:
 
 async def measure(target: Target, case: Case, files: tuple[Path, Path], conc: int, seconds: float,
                   rep: int) -> Row:  # fmt: skip
-    before = peers.tree_cpu_s(target.pid)
+    before, sys_before = peers.tree_cpu_split_s(target.pid)
     proc = await asyncio.create_subprocess_exec(
         *wrk_argv(target.url, case, conc, seconds, *files), stdout=asyncio.subprocess.PIPE
     )
     out, _ = await proc.communicate()
-    cpu = peers.tree_cpu_s(target.pid) - before
+    cpu, sys_cpu = peers.tree_cpu_split_s(target.pid)
+    cpu, sys_cpu = cpu - before, sys_cpu - sys_before
     line = out.decode().strip().splitlines()[-1]
     r = json.loads(line)
     n = max(1, int(r["requests"]))
     errors = int(r["errors"]) + int(r["status_errors"])
     return Row(rep, case.name, conc, target.name, n, n / (r["duration_us"] / 1e6),
-               r["p50_us"] / 1e3, r["p99_us"] / 1e3, cpu / n * 1e3, errors)  # fmt: skip
+               r["p50_us"] / 1e3, r["p99_us"] / 1e3, cpu / n * 1e3, errors, sys_cpu / n * 1e3)  # fmt: skip
 
 
 async def streamed(target: Target, n: int, rep: int) -> Stream:
@@ -289,6 +292,8 @@ def metric(rows: list[Row], streams: list[Stream], key: str) -> dict[str, dict[i
 METRICS = [
     ("8.5k-token chat, CPU per request (ms, c=32)", "chat:cpu_ms_per_req:32", ".2f"),
     ("same, CPU per request at c=1 (ms)", "chat:cpu_ms_per_req:1", ".2f"),
+    ("same, of which system (kernel) at c=1 (ms)", "chat:sys_ms_per_req:1", ".2f"),
+    ("same, of which system (kernel) at c=32 (ms)", "chat:sys_ms_per_req:32", ".2f"),
     ("same, req/s at c=1", "chat:rps:1", ".0f"),
     ("same, req/s at c=32", "chat:rps:32", ".0f"),
     ("same, req/s at c=64", "chat:rps:64", ".0f"),

@@ -164,11 +164,13 @@ def stop(running: Running, grace_s: float = 5.0) -> None:
 
 @dataclass(frozen=True)
 class ProcStat:
-    """What CPU accounting needs from one /proc/<pid>/stat line; `ticks` = utime+stime+cutime+cstime."""
+    """What CPU accounting needs from one /proc/<pid>/stat line; `ticks` = utime+stime+cutime+cstime,
+    `sys_ticks` = stime+cstime (the kernel's share of them)."""
 
     pid: int
     ppid: int
     ticks: int
+    sys_ticks: int = 0
 
 
 def parse_stat(line: str) -> ProcStat:
@@ -180,12 +182,14 @@ def parse_stat(line: str) -> ProcStat:
     fields = rest.split()
     pid = int(head.split("(", 1)[0])
     # fields[0] is field 3 (state): field n is fields[n - 3].
-    return ProcStat(pid, int(fields[1]), sum(int(f) for f in fields[11:15]))
+    ticks = sum(int(f) for f in fields[11:15])
+    return ProcStat(pid, int(fields[1]), ticks, int(fields[12]) + int(fields[14]))
 
 
-def tree_ticks(stats: Sequence[ProcStat], root: int) -> int:
-    """CPU ticks of `root` and every live descendant. Reaped children are in their parent's cutime and
-    cstime, live ones in their own utime/stime, so nothing is counted twice."""
+def tree_ticks(stats: Sequence[ProcStat], root: int, sys_only: bool = False) -> int:
+    """CPU ticks of `root` and every live descendant (`sys_only`: their kernel share). Reaped children
+    are in their parent's cutime and cstime, live ones in their own utime/stime, so nothing is counted
+    twice."""
     children: dict[int, list[ProcStat]] = {}
     by_pid = {}
     for s in stats:
@@ -196,7 +200,7 @@ def tree_ticks(stats: Sequence[ProcStat], root: int) -> int:
     total, todo = 0, [by_pid[root]]
     while todo:
         s = todo.pop()
-        total += s.ticks
+        total += s.sys_ticks if sys_only else s.ticks
         todo.extend(children.get(s.pid, ()))
     return total
 
@@ -215,3 +219,9 @@ def read_stats(proc_root: Path = Path("/proc")) -> list[ProcStat]:
 def tree_cpu_s(pid: int) -> float:
     """User+sys CPU seconds of process `pid` and its descendants so far."""
     return tree_ticks(read_stats(), pid) / os.sysconf("SC_CLK_TCK")
+
+
+def tree_cpu_split_s(pid: int) -> tuple[float, float]:
+    """User+sys and sys CPU seconds of process `pid` and its descendants so far (one /proc read)."""
+    stats, tick = read_stats(), os.sysconf("SC_CLK_TCK")
+    return tree_ticks(stats, pid) / tick, tree_ticks(stats, pid, sys_only=True) / tick

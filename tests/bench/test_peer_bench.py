@@ -80,19 +80,27 @@ def test_parse_stat_survives_spaces_and_parentheses_in_the_name() -> None:
 def test_parse_stat_of_a_real_process() -> None:
     with open("/proc/self/stat") as f:
         s = peers.parse_stat(f.read())
-    assert s.ticks >= 0 and s.ppid > 0
+    assert s.ticks >= s.sys_ticks >= 0 and s.ppid > 0
+
+
+def test_parse_stat_takes_the_kernel_share_from_stime_and_cstime() -> None:
+    # fields 14-17: utime 100, stime 20, cutime 3, cstime 4
+    line = "42 (a (b) c) S 7 " + " ".join(["0"] * 9) + " 100 20 3 4 " + " ".join(["0"] * 30)
+    s = peers.parse_stat(line)
+    assert (s.pid, s.ppid, s.ticks, s.sys_ticks) == (42, 7, 127, 24)
 
 
 def test_tree_ticks_sums_live_descendants_only() -> None:
     stats = [
-        peers.ProcStat(1, 0, 1000),  # init: not in the tree
-        peers.ProcStat(10, 1, 5),  # the router
-        peers.ProcStat(11, 10, 7),  # a worker
-        peers.ProcStat(12, 11, 2),  # its child
-        peers.ProcStat(20, 1, 50),  # a neighbour
+        peers.ProcStat(1, 0, 1000, 10),  # init: not in the tree
+        peers.ProcStat(10, 1, 5, 1),  # the router
+        peers.ProcStat(11, 10, 7, 3),  # a worker
+        peers.ProcStat(12, 11, 2, 2),  # its child
+        peers.ProcStat(20, 1, 50, 5),  # a neighbour
     ]
     assert peers.tree_ticks(stats, 10) == 14
     assert peers.tree_ticks(stats, 11) == 9
+    assert peers.tree_ticks(stats, 10, sys_only=True) == 6
     with pytest.raises(ProcessLookupError):
         peers.tree_ticks(stats, 99)
 
