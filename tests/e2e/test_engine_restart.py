@@ -112,7 +112,7 @@ async def test_a_restart_whose_first_batches_were_missed_resets_the_mirror() -> 
                 published = second.stub.publishers[0].stats.batches
                 assert published > old_batches + 1, "the new lifetime must outrun the old one"
                 await wait_for(applied_up_to(gw, published - 1))  # type: ignore[arg-type]
-                await wait_for(lambda: _fresh(gw))
+                await until_fresh(gw)
                 rep = gw.parts.fleet.replica(EngineId("e0"))
                 assert rep.resets == 1
                 for prompt in [*OLD, *NEW]:  # the mirror is the new lifetime's, not the dead one's
@@ -125,6 +125,16 @@ async def test_a_restart_whose_first_batches_were_missed_resets_the_mirror() -> 
 async def _fresh(gw: Gateway) -> bool:
     status = gw.parts.fleet.trust(EngineId("e0"), gw.parts.fleet.clock())
     return status.state is TrustState.FRESH
+
+
+async def until_fresh(gw: Gateway) -> None:
+    """Wait for e0's mirror to be trusted again; on time-out, fail with its verdict and link counters."""
+    try:
+        await wait_for(lambda: _fresh(gw))
+    except TimeoutError:
+        fleet, rep = gw.parts.fleet, gw.parts.fleet.replica(EngineId("e0"))
+        link = rep.link.stats() if rep.link is not None else None
+        raise AssertionError(f"e0 not fresh: {fleet.trust(EngineId('e0'), fleet.clock())}; {link}") from None
 
 
 @asynccontextmanager
@@ -180,7 +190,7 @@ async def test_a_killed_engine_process_restarted_on_the_same_ports_is_reset() ->
                     for prompt in NEW:
                         await complete(direct, prompt)
                 await wait_for(lambda: _predicts(gw, second, [*OLD, *NEW]), timeout=30.0)
-                await wait_for(lambda: _fresh(gw))
+                await until_fresh(gw)
                 assert gw.parts.fleet.replica(EngineId("e0")).resets == 1
 
 
