@@ -127,10 +127,16 @@ async def _fresh(gw: Gateway) -> bool:
     return status.state is TrustState.FRESH
 
 
+RECOVERY_S = 30.0
+"""How long a restarted engine's mirror may take to be trusted again: on a loaded machine ZeroMQ's
+reconnect backoff (up to 5 s per socket) and replay retries (2 s, doubling) can add up past the
+10 s the other waits allow; a mirror that stays untrusted still fails, with its verdict."""
+
+
 async def until_fresh(gw: Gateway) -> None:
     """Wait for e0's mirror to be trusted again; on time-out, fail with its verdict and link counters."""
     try:
-        await wait_for(lambda: _fresh(gw))
+        await wait_for(lambda: _fresh(gw), RECOVERY_S)
     except TimeoutError:
         fleet, rep = gw.parts.fleet, gw.parts.fleet.replica(EngineId("e0"))
         link = rep.link.stats() if rep.link is not None else None
