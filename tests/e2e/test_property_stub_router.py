@@ -266,3 +266,21 @@ def test_coarse_full_attention_with_router_keys() -> None:
     ]
     ops[1] = msgspec.structs.replace(ops[1], max_tokens=4, background=1)
     assert asyncio.run(run("fa8_swa4", "router", 16, ops)) == 3
+
+
+def test_a_report_after_a_skip_requests_store_is_not_taken_for_a_store() -> None:
+    """The stream that once counted a full-mode report as a third copy (hybrid FA + Mamba, router
+    keys): a skip-cache request's recompute store of block 0 was credited to an earlier request whose
+    hit had dropped to 0 only through a Mamba eviction in the same batch, so the skip request stayed
+    pending and, its hit being 0 forever, took the later full-mode report for its store."""
+    plain = Op(0, False, 0, False, [], False, None, False, False, 1, 0)
+    ops = [
+        plain,
+        msgspec.structs.replace(plain, new=[0, 0, 0, 0, 0]),
+        msgspec.structs.replace(plain, whole=True, new=[0] * 6, max_tokens=2, background=1),
+        msgspec.structs.replace(plain, base=1, whole=True, max_tokens=3, background=1),
+        msgspec.structs.replace(plain, base=1, whole=True, lora=True),
+        msgspec.structs.replace(plain, base=1, whole=True, skip=True),
+        msgspec.structs.replace(plain, base=1, whole=True, full=True),
+    ]
+    assert asyncio.run(run("fa_mamba", "router", 10, ops)) == len(ops)

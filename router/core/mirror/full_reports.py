@@ -9,7 +9,9 @@ parentless store, judged by the dense parentless store of a later group of the s
 mirror exact up to that event (keys compared at that store's block size, the last hash unit of each
 block):
 - if it covers the first `n` keys of a request not yet seen storing, whose hit is 0 now, it is that
-  request's real store (a non-full request is then forgotten: its later stores have parents);
+  request's real store (a non-full request is then forgotten: its later stores have parents); a
+  request that can hit nothing (it skips the cache, or its prompt is too short) is credited before
+  one whose hit is 0 only now, which was most likely admitted with a hit before an eviction;
 - else, if it starts a run of one dense parentless store per group, in group order, over the same
   tokens (groups of different block sizes list different counts), covering the first `n` keys of a
   full-mode request whose hit is exactly `n` blocks now (first such run for it in the batch), the
@@ -167,8 +169,11 @@ def _is_report(
         if list(view(p.keys, bs, hb)[:n]) == keys
     }
     # A request not yet seen storing, whose hit is 0, caches its prefix from block 0: a real store.
-    for rid, hit in hits.items():
-        p = pending[rid]
+    # One that can hit nothing whatever the cache holds stores for certain when admitted, so it is
+    # credited first: an earlier request whose hit is 0 only now (an eviction earlier in this batch)
+    # was most likely admitted with a hit long ago and must not take the store.
+    for rid in sorted(hits, key=lambda rid: not _never_hits(spec, pending[rid])):
+        p, hit = pending[rid], hits[rid]
         if not p.stored and hit == 0:
             if p.full:  # still looked up again if preempted: keep it, as one that has stored
                 pending[rid] = msgspec.structs.replace(p, stored=True)
@@ -180,6 +185,12 @@ def _is_report(
             matched.add(rid)
             return True
     return False
+
+
+def _never_hits(spec: ModelSpec, p: PendingReport) -> bool:
+    """Whether `p`'s hit is 0 whatever the cache holds: it skips the cache, or its prompt is too short
+    for one aligned hit below vLLM's cap (prompt length - 1)."""
+    return p.skip_cache or p.num_tokens - 1 < spec.alignment
 
 
 def _hit(mirror: Mirror, spec: ModelSpec, replica: EngineId, p: PendingReport) -> int:

@@ -285,6 +285,26 @@ def test_bad_tokens_in_sparse_full_mode_and_report_matching_are_rejected_alone()
     assert reports == 0 and rv.rejected == {"token_ids": 2}
 
 
+def test_a_store_is_credited_to_the_request_that_can_hit_nothing_before_one_whose_hit_fell() -> None:
+    """A skip-cache request's recompute store of block 0 arrives just after block 0 was evicted, so an
+    earlier request (admitted with a hit) also has a hit of 0 now: the store is the skip request's,
+    and a full-mode report of block 0 that follows is still a report, not a second copy."""
+    m = mirror(FA, ReportMode.FULL)
+    m.apply(E0, batch(full_store()))
+    keys: list[int] = list(m.hasher.request_keys(TOKENS, BS))
+    old, skip, full = RequestId("old"), RequestId("skip"), RequestId("full")
+    pending = {
+        old: PendingReport(keys, len(TOKENS), full=False),
+        skip: PendingReport(keys[:1], 5, full=False, skip_cache=True),
+    }
+    block0 = store(HASHES[:1], TOKENS[:4])
+    assert apply_batch(m, E0, FA, batch(removed(HASHES[0]), block0), pending) == 0
+    assert list(pending) == [old]  # the skip request stored; the earlier one never will
+    pending[full] = PendingReport(keys[:1], 5)
+    assert apply_batch(m, E0, FA, batch(block0), pending) == 1
+    assert m.resident(E0, 0, 0)[HASHES[0]] == 1
+
+
 @pytest.mark.parametrize("extra", [[("lora", {"a": 1})], [(("mm", [0]),)]])
 def test_extra_keys_the_router_cannot_hash_reject_their_store_alone(extra: Any) -> None:
     m = mirror()
