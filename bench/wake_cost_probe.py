@@ -33,13 +33,9 @@ from bench.gateway_cpu_bench import ROOT, start_gateway, stop_all
 from bench.peer_proxy_bench import Case, Target, chat_case, measure
 from bench.proxy_bench import gateway_config, start_process
 
-TICK = os.sysconf("SC_CLK_TCK")
 
-
-def snapshot(pid: int) -> tuple[float, float, int, int]:
-    """User s, system s, voluntary and involuntary context switches of process `pid` (all threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    user, system = int(fields[11]) / TICK, int(fields[12]) / TICK
+def switches(pid: int) -> tuple[int, int]:
+    """Voluntary and involuntary context switches of process `pid` so far (all threads)."""
     voluntary = involuntary = 0
     for task in Path(f"/proc/{pid}/task").iterdir():
         for line in (task / "status").read_text().splitlines():
@@ -48,7 +44,7 @@ def snapshot(pid: int) -> tuple[float, float, int, int]:
                 voluntary += int(value)
             elif name == "nonvoluntary_ctxt_switches":
                 involuntary += int(value)
-    return user, system, voluntary, involuntary
+    return voluntary, involuntary
 
 
 async def perf_record(pid: int, seconds: float, out: Path) -> asyncio.subprocess.Process:
@@ -95,19 +91,20 @@ async def gateway(args: argparse.Namespace) -> None:
 
 async def cell(args: argparse.Namespace, target: Target, case: Case, files: tuple[Path, Path],
                rep: int, pin: str, conc: int) -> None:  # fmt: skip
-    before = snapshot(target.pid)
+    before = switches(target.pid)
     sampler = None
     if args.perf is not None and rep == 0 and pin == "none":
         sampler = await perf_record(target.pid, args.seconds - 1, Path(args.perf) / f"perf_c{conc}.data")
     row = await measure(target, case, files, conc, args.seconds, rep)
     if sampler is not None:
         await sampler.wait()
-    after = snapshot(target.pid)
+    after = switches(target.pid)
     n = row.requests
-    user, system, voluntary, involuntary = ((b - a) / n for a, b in zip(before, after, strict=True))
+    voluntary, involuntary = ((b - a) / n for a, b in zip(before, after, strict=True))
+    user = row.cpu_ms_per_req - row.sys_ms_per_req  # `measure` reads the CPU split itself
     print(
         f"gateway rep={rep} pin={pin:4} c={conc:2} requests={n:6} req/s={row.rps:6.0f} "
-        f"cpu={row.cpu_ms_per_req:.3f} ms user={user * 1e3:.3f} sys={system * 1e3:.3f} "
+        f"cpu={row.cpu_ms_per_req:.3f} ms user={user:.3f} sys={row.sys_ms_per_req:.3f} "
         f"voluntary/req={voluntary:.2f} involuntary/req={involuntary:.3f}",
         flush=True,
     )

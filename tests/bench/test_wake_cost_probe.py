@@ -3,17 +3,18 @@
 from __future__ import annotations
 
 import os
+import time
 
 import pytest
 
 from bench import wake_cost_probe
 
 
-def test_a_snapshot_reads_this_process_cpu_and_switches() -> None:
-    first = wake_cost_probe.snapshot(os.getpid())
-    sum(range(300_000))
-    later = wake_cost_probe.snapshot(os.getpid())
-    assert all(b >= a >= 0 for a, b in zip(first, later, strict=True))
+def test_switches_reads_this_process_context_switches() -> None:
+    first = wake_cost_probe.switches(os.getpid())
+    time.sleep(0.01)  # a voluntary switch, at least
+    later = wake_cost_probe.switches(os.getpid())
+    assert all(b >= a >= 0 for a, b in zip(first, later, strict=True)) and later[0] > first[0]
 
 
 def test_fixed_workloads_are_timed_back_to_back_and_after_a_sleep(capsys: pytest.CaptureFixture[str]) -> None:
