@@ -66,6 +66,7 @@ class _Models(msgspec.Struct, frozen=True):
 
 
 _MODELS: Final = msgspec.json.Decoder(_Models)
+_MODELS_MAX_BYTES: Final = 1 << 20
 
 OnChange = Callable[[dict[str, EngineConfig], set[str]], Awaitable[None]]
 
@@ -302,15 +303,22 @@ class KubeDiscovery:
         return msgspec.structs.replace(engine, model=model)
 
     async def _ask_model(self, engine: EngineConfig) -> str | None:
-        """The engine's served model (its first /v1/models entry that is not an adapter); None on failure."""
+        """The engine's served model (its first /v1/models entry that is not an adapter); None on failure.
+
+        Bounded as the scraper is: `model_timeout_s` for all of it, at most `_MODELS_MAX_BYTES` read,
+        no redirect followed (a 3xx is a failure), no cookie kept."""
         if self._http is None:
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.k.model_timeout_s))
+            self._http = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.k.model_timeout_s),
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
         try:
-            async with self._http.get(f"{engine.url}/v1/models") as response:
-                response.raise_for_status()
-                models = _MODELS.decode(await response.read()).data
+            async with self._http.get(f"{engine.url}/v1/models", allow_redirects=False) as response:
+                if response.status != 200:
+                    raise ValueError(f"answered {response.status}")
+                models = _MODELS.decode(await _read_at_most(response, _MODELS_MAX_BYTES)).data
             return next(m.id for m in models if m.parent is None)
-        except (aiohttp.ClientError, OSError, TimeoutError, msgspec.DecodeError, StopIteration) as exc:
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, StopIteration) as exc:
             self.counts["failures"] += 1
             log.warning("engine model unknown", extra={"engine": engine.name, "error": repr(exc)})
             return None
@@ -333,3 +341,14 @@ def _version_of(raw: object) -> str:
         return msgspec.convert(raw, BookmarkObject).metadata.resource_version
     except msgspec.ValidationError:
         return ""
+
+
+async def _read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body; ValueError (the connection closed) once it passes `limit` bytes."""
+    body = bytearray()
+    while chunk := await response.content.read(65536):
+        body += chunk
+        if len(body) > limit:
+            response.close()
+            raise ValueError(f"a body over {limit} bytes")
+    return bytes(body)

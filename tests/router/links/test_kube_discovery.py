@@ -258,6 +258,37 @@ async def test_the_model_of_an_unlabelled_pool_is_asked_from_the_engine() -> Non
         assert answers["n"] == 2  # an engine already known is not asked again
 
 
+async def test_a_model_answer_that_redirects_or_is_huge_is_a_failure_and_the_others_go_on() -> None:
+    asked: list[str] = []
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.json_response({"object": "list", "data": [{"id": "stolen", "parent": None}]})
+
+    async def good(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "llama-3", "parent": None}]})
+
+    async def huge(request: web.Request) -> web.Response:
+        return web.Response(body=b'{"data": [' + b" " * (2 << 20) + b"]}", content_type="application/json")
+
+    async with fake_engine(elsewhere) as other, watching() as (api, disco, fleet):
+
+        async def redirect(request: web.Request) -> web.Response:
+            raise web.HTTPFound(f"{other}/v1/models")
+
+        async with fake_engine(redirect) as r, fake_engine(huge) as h, fake_engine(good) as g:
+            for pod, url in (("r", r), ("h", h), ("g", g)):
+                port = int(url.rpartition(":")[2])
+                await api.put(endpoint_slice(pod, "qwen", [endpoint("127.0.0.1", pod)], ports={"http": port}))
+            await wait_for(lambda: _true(_has_sync(fleet, "qwen/g") and disco.counts["failures"] >= 4))
+            assert list(fleet.engines) == ["qwen/g"] and fleet.engines["qwen/g"].model == "llama-3"
+    assert asked == []  # the redirect was not followed
+
+
+def _has_sync(fleet: Fleet, name: str) -> bool:
+    return name in fleet.engines
+
+
 async def test_a_long_list_is_read_page_by_page() -> None:
     async with running_kube_api() as (api, url):
         for i in range(501):
