@@ -55,6 +55,7 @@ PURE_MODULES = [
     "engine_stub/server/openai_io.py",
     "router/edge/headers.py",
     "router/links/endpoint_slices.py",
+    "router/links/engine_metrics.py",
     "router/prepare/prepared.py",
     "kvrouter/loadtest/workload.py",
     "kvrouter/loadtest/results.py",
