@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
+from router.core.policy.retry import Attempt
 from router.core.policy.scoring import Decision
-from router.edge.upstream import Attempt
 
 __all__ = ["DecisionEntry", "DecisionRing", "Explanation", "PreparedView"]
 
