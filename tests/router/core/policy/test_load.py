@@ -428,14 +428,15 @@ def test_drained_equals_its_reference_arithmetic(
 
 
 @given(
-    uncached=st.lists(st.integers(0, 30_000), min_size=1, max_size=6), gap=st.floats(0, 0.2),
+    uncached=st.lists(st.integers(0, 30_000), min_size=1, max_size=8), gap=st.floats(0, 0.2),
     budget=st.integers(0, 16384), max_seqs=st.integers(0, 4),
 )  # fmt: skip
 def test_started_takes_out_the_decode_and_slot_wait_of_its_own_snapshot(
     uncached: list[int], gap: float, budget: int, max_seqs: int
 ) -> None:  # fmt: skip
     """`started` reads its snapshot's TTFT terms once; what it takes out of the TTFT to learn from is
-    still that snapshot's `decode_s + slot_wait_s` for its tokens (`ttft_terms`)."""
+    still that snapshot's `decode_s + slot_wait_s` for its tokens (`ttft_terms`); some requests
+    finish, so the engine's residency is learned and a full batch has a slot wait."""
     tracker = LoadTracker(PRIOR, step=StepCost(6e-3, 40e-6, budget, max_seqs), drain=True)
     for n, tokens in enumerate(uncached):
         at = n * gap
@@ -445,6 +446,8 @@ def test_started_takes_out_the_decode_and_slot_wait_of_its_own_snapshot(
         assert tracker._requests[rid(n)].other_s == decode_s + slot_s
         if n % 2:
             tracker.first_token(rid(n - 1), at + gap / 3)
+        if n % 4 == 3:  # (answered at n - 2)
+            tracker.finished(rid(n - 3), at + gap / 2)
 
 
 class _AlwaysAfresh(LoadTracker):
