@@ -1,30 +1,18 @@
 """The TTFT model: how long a request would wait for its first token on an engine. Change it here.
 
-`ttft_terms(engine, uncached_tokens)` is the model, in the shape of the engine's own step time
-(engine_stub/runtime/cost_model.py); times in seconds, counts in tokens or requests:
-
-    predicted_ttft_s = prefill_s + decode_s + slot_wait_s
-    prefill_s        = overhead_s + per_token_s x tokens                      (learned: PrefillCostModel)
-    tokens           = queue_left + uncached_tokens
-    queue_left       = max(0, queued_prefill_tokens - drained_tokens)
-    decode_s         = prefill_steps x step_decode_s
-    prefill_steps    = max(1, ceil(tokens / budget))
-    budget           = max(1, max_num_batched_tokens - decoding)
-    step_decode_s    = decode_step_s + decode_penalty_s x decoding            (0 when nothing decodes)
-    slot_wait_s      = excess x residency_s / max_num_seqs                    (0 unless excess > 0 and
-    excess           = in_flight - max_num_seqs + 1                            max_num_seqs > 0)
-
-Under chunked prefill the queue ahead and this request's uncached tokens run in steps of at most
-`max_num_batched_tokens`, of which each decoding sequence takes one; each of those steps also decodes
-every running sequence; an engine already holding `max_num_seqs` requests admits a new one only when
-a slot frees, one every `residency_s / max_num_seqs` on average. `StepCost` holds the configured
-coefficients (`[policy]` `decode_step_s`, `decode_penalty_s`, `max_num_batched_tokens`,
-`max_num_seqs`); `overhead_s`, `per_token_s` and `residency_s` are learned per engine and the
-counts tracked by router/core/policy/load.py, whose `LoadSnapshot` is the engine as the model reads
-it (`EngineState`). Scoring (`scoring._score`, whose `CandidateScore` records every term for the
-decision record) and a send's learning (`LoadTracker.started`: what besides prefill a TTFT holds)
-call `ttft_terms`; the tracker's learning from an answer's service and the queue head's drain price
-their prefill steps with `prefill_steps` and `step_decode_s`. Pure: no clock, no I/O.
+`ttft_terms` is the model; its docstring states it as a formula. It has the shape of the engine's own
+step time (engine_stub/runtime/cost_model.py): under chunked prefill the queue ahead and this
+request's uncached tokens run in steps of at most `max_num_batched_tokens`, of which each decoding
+sequence takes one; each of those steps also decodes every running sequence; an engine already
+holding `max_num_seqs` requests admits a new one only when a slot frees, one every
+`residency_s / max_num_seqs` on average. `StepCost` holds the configured coefficients (`[policy]`
+`decode_step_s`, `decode_penalty_s`, `max_num_batched_tokens`, `max_num_seqs`); `overhead_s`,
+`per_token_s` and `residency_s` are learned per engine and the counts tracked by
+router/core/policy/load.py, whose `LoadSnapshot` is the engine as the model reads it (`EngineState`).
+Scoring (`scoring._score`, whose `CandidateScore` records every term for the decision record) and a
+send's learning (`LoadTracker.started`: what besides prefill a TTFT holds) call `ttft_terms`; the
+tracker's learning from an answer's service and the queue head's drain price their prefill steps
+with its pieces, `prefill_steps` and `step_decode_s`. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -115,8 +103,21 @@ def prefill_steps(step: StepCost, decoding: int, tokens: int) -> int:
 
 
 def ttft_terms(engine: EngineState, uncached_tokens: int) -> TtftTerms:
-    """The model (see the module docstring): `engine`'s predicted TTFT for a request with
-    `uncached_tokens` to prefill, sent now behind its queue, and the terms it adds up."""
+    """`engine`'s predicted TTFT for a request with `uncached_tokens` to prefill, sent now behind its
+    queue, and the terms it adds up: `(prefill_steps, decode_s, slot_wait_s, predicted_ttft_s)`.
+    Seconds and tokens; `engine`'s fields (`EngineState`) and `StepCost`'s as named:
+
+        predicted_ttft_s = prefill_s + decode_s + slot_wait_s
+        prefill_s        = overhead_s + per_token_s x tokens              (learned: load.PrefillCostModel)
+        tokens           = queue_left + uncached_tokens
+        queue_left       = max(0, queued_prefill_tokens - drained_tokens)
+        decode_s         = prefill_steps x step_decode_s
+        prefill_steps    = max(1, ceil(tokens / budget))                  (`prefill_steps`)
+        budget           = max(1, max_num_batched_tokens - decoding)      (`step_budget`)
+        step_decode_s    = decode_step_s + decode_penalty_s x decoding    (0 if nothing decodes)
+        slot_wait_s      = excess x residency_s / max_num_seqs            (0 unless excess > 0
+        excess           = in_flight - max_num_seqs + 1                    and max_num_seqs > 0)
+    """
     step, decoding = engine.step, engine.decoding
     left = engine.queued_prefill_tokens - engine.drained_tokens
     tokens = (left if left > 0 else 0) + uncached_tokens
