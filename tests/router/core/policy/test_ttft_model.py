@@ -1,4 +1,4 @@
-"""The TTFT model's formula (router/core/policy/ttft_model.py's docstring) on worked examples."""
+"""The TTFT model's formula (`ttft_terms`' docstring, router/core/policy/ttft_model.py) on worked examples."""
 
 from __future__ import annotations
 
