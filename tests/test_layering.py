@@ -56,7 +56,7 @@ PURE_MODULES = [
     "router/edge/headers.py",
     "router/links/endpoint_slices.py",
     "router/links/engine_metrics.py",
-    "router/prepare/prepared.py",
+    "router/core/prepared.py",
     "kvrouter/loadtest/workload.py",
     "kvrouter/loadtest/results.py",
 ]
