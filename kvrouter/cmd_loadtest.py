@@ -24,6 +24,7 @@ from tqdm import tqdm
 from engine_stub.runtime.cost_model import H100_8B
 from engine_stub.stub_config import StubConfig
 from kvrouter.extras import MissingExtra, require_extra
+from kvrouter.loadtest.agents import AgentWorkload, agent_requests
 from kvrouter.loadtest.engines_file import EnginesFile, load_engines_file, refuse_stub_policies
 from kvrouter.loadtest.harness import EXTERNAL, ORACLES, HarnessSpec, default_out_dir, run_harness
 from kvrouter.loadtest.plan import (
@@ -80,7 +81,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--block-size", type=int, default=d.block_size, help="tokens per block (default %(default)s)"
     )
-    p.add_argument("--workload", default=d.workload, help="'synthetic' or 'trace:PATH' (Mooncake JSONL)")
+    p.add_argument(
+        "--workload",
+        default=d.workload,
+        help="'synthetic', 'agents' (agent sessions, see README.md) or 'trace:PATH' (Mooncake JSONL)",
+    )
     p.add_argument("--policies", default=",".join(d.policies), help="comma-separated (default %(default)s)")
     p.add_argument(
         "--router",
@@ -139,10 +144,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--block-tokens",
         type=int,
         default=d.block_tokens,
-        help="trace: tokens per Mooncake hash id (default %(default)s)",
+        help="trace: tokens per Mooncake hash id; agents: prompts scaled by N/512 (default %(default)s)",
     )
     p.add_argument("--max-output-tokens", type=int, help="cap every request's output length")
-    p.add_argument("--seed", type=int, default=d.seed, help="synthetic workload seed")
+    p.add_argument("--seed", type=int, default=d.seed, help="synthetic and agents workload seed")
+    p.add_argument("--sessions", type=int, default=d.sessions, help="agents: sessions (default %(default)s)")
     p.add_argument(
         "--system-prompts", type=int, default=d.system_prompts, help="synthetic: shared system prompts"
     )
@@ -169,6 +175,14 @@ def build_requests(args: argparse.Namespace, cut: bool = True) -> tuple[list[Req
         scale = 1.0 if args.time_scale is None else args.time_scale
         spec = TraceWorkload(path, scale, args.block_tokens, args.requests, args.max_output_tokens)
         requests = trace_requests(records, spec)
+    elif args.workload == "agents":
+        agents = AgentWorkload(
+            sessions=args.sessions,
+            block_tokens=args.block_tokens,
+            max_output_tokens=args.max_output_tokens,
+            seed=args.seed,
+        )
+        requests = agent_requests(agents)
     elif args.workload == "synthetic":
         synthetic = SyntheticWorkload(
             system_prompts=args.system_prompts,
@@ -182,7 +196,7 @@ def build_requests(args: argparse.Namespace, cut: bool = True) -> tuple[list[Req
         if args.max_output_tokens is not None:
             requests = [msgspec.structs.replace(r, max_tokens=args.max_output_tokens) for r in requests]
     else:
-        raise ValueError(f"--workload must be 'synthetic' or 'trace:PATH', got {args.workload!r}")
+        raise ValueError(f"--workload must be 'synthetic', 'agents' or 'trace:PATH', got {args.workload!r}")
     if args.requests is not None:
         requests = requests[: args.requests]
     return cut_at_duration(requests, args.duration if cut else None)

@@ -54,6 +54,7 @@ class LoadtestSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_tokens: int = 512
     max_output_tokens: int | None = None
     seed: int = 0
+    sessions: int = 48
     system_prompts: int = 4
     system_prompt_tokens: int = 1024
     users: int = 16
