@@ -13,12 +13,13 @@ each request goes to the rank whose forecast first token comes soonest (`schedul
 rank's true queues, hits and cost model, after the step under way), then the longer hit, then the
 lower index. A load has to be priced at some policy's caching and spreading. This one is defined by
 the stubs alone (no router under test), caches what pays (a cached prefix is a faster first token)
-and spreads work as queues build, as the policies compared try to; a policy that caches less
-(round robin cached 0.73 of the agent workload where the cache-aware ones cached 0.90, issue 29)
-computes more prefill and finds the stubs busier than the load says. Ideal caching (one unbounded
-cache, `shared_prefix_tokens`) is a lower bound of the work, and with it the stubs were found far
-busier than the load it gave; a cache-first rule that ignores queues piles an idle fleet's requests
-on one rank, whose batching then changes the busy time by the rate in jumps.
+and spreads work as queues build, as the policies compared try to. A policy's own caching and
+spreading move the busy time it meets (one that caches less computes more prefill, one that gathers
+work on fewer ranks batches more decode steps), which is why the harness measures every policy's.
+Ideal caching (one unbounded cache, `shared_prefix_tokens`) is a lower bound of the prefill work and
+is only reported beside it; a cache-first rule that ignores queues piled an idle fleet's requests on
+one rank, whose batching then made the load jump with the rate (0.53 to 0.98 between scales 20%
+apart on a test workload).
 """
 
 from __future__ import annotations

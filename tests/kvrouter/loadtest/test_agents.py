@@ -6,13 +6,15 @@ from __future__ import annotations
 import argparse
 import itertools
 from collections import defaultdict
+from pathlib import Path
 
 import msgspec
 import pytest
 
-from kvrouter.cli import build_parser
+from kvrouter.cli import build_parser, main
 from kvrouter.cmd_loadtest import build_requests
 from kvrouter.loadtest.agents import AgentWorkload, agent_requests
+from kvrouter.loadtest.report import Report
 from kvrouter.loadtest.workload import RequestSpec, shared_prefix_tokens
 
 SMALL = AgentWorkload(sessions=12, apps=3, block_tokens=16, seed=7)
@@ -97,3 +99,15 @@ def test_the_command_builds_agents_with_its_seed_shrink_and_cap() -> None:
     requests, cut = build_requests(args)
     expected = agent_requests(msgspec.structs.replace(SMALL, apps=6, max_output_tokens=5))[:40]
     assert (requests, cut) == (expected, 0)
+
+
+def test_agent_sessions_run_as_text_prompts_at_a_busy_load(tmp_path: Path) -> None:
+    code = main(["--log-level", "WARNING", "loadtest", "--engines", "2", "--workload", "agents",
+                 "--sessions", "6", "--block-tokens", "16", "--max-output-tokens", "4", "--load", "0.5",
+                 "--prompt-format", "text", "--policies", "kv", "--out", str(tmp_path)])  # fmt: skip
+    assert code == 0
+    report = msgspec.json.decode((tmp_path / "summary.json").read_bytes(), type=Report)
+    (kv,) = report.policies
+    assert kv.errors == 0 and kv.requests == len(agent_requests(AgentWorkload(sessions=6, block_tokens=16)))
+    assert kv.cached_ratio > 0.7  # sessions resend their contexts and share app prefixes
+    assert set(kv.busy_fraction) == {"embedded-0", "embedded-1"}
