@@ -12,8 +12,8 @@ answers `GET /v1/models` (bounded by `ready_timeout_s`) and warmed up like a gat
 routers, each under its own policy name (`routers`), run one after another on the same stubs.
 `engine_share` comes from the stubs' own request counters, read before and after each policy, so an
 external router's traffic is attributed too; so does each stub's `busy_fraction` (its busy-seconds
-counter over the arrival span, what `--load` aims at). With `engines_from` no stub starts: the user's engines
-are driven, reset before every policy (`engines_file.py`), and a gateway's run starts once its
+counter over the arrival span, what `--load` aims at). With `engines_from` no stub starts: the
+user's engines are driven, reset before every policy (`engines_file.py`), and a gateway's run starts once its
 mirror holds no block (or records how many it holds when an engine cannot reset); the oracles are
 refused there.
 """
@@ -48,7 +48,7 @@ from kvrouter.loadtest.report import Report, write_report
 from kvrouter.loadtest.results import PolicySummary, RequestResult, summarize
 from kvrouter.loadtest.stub_counters import busy_fractions, engine_share, read_counters
 from kvrouter.loadtest.ttft_oracle import TTFT_ORACLE, TtftOracle
-from kvrouter.loadtest.workload import RequestSpec, block_token_ids
+from kvrouter.loadtest.workload import RequestSpec, arrival_span, block_token_ids
 from router.links.embedded_stubs import EmbeddedStubs
 from router.settings.config import Embedded, EngineConfig, ModelConfig
 
@@ -285,10 +285,7 @@ async def _run_policy(
             await gateway.stop()
     # the engines' own gauge (stubs; vLLM has none) and what the gateway's mirror still held
     cold = sum(c.cached_blocks for c in before.values()) + (mirrored or 0)
-    span = max((r.arrival_s for r in requests), default=0.0) - min(
-        (r.arrival_s for r in requests), default=0.0
-    )
-    busy = busy_fractions(before, after, span)
+    busy = busy_fractions(before, after, arrival_span(requests))
     return _PolicyRun(results, elapsed, cold, engine_share(before, after), busy)
 
 

@@ -23,7 +23,7 @@ import msgspec
 from engine_stub.core.engine_config import CacheConfig, EngineCoreConfig
 from engine_stub.runtime.cost_model import CostModel
 from kvrouter.loadtest.busy_model import REFERENCE, simulate_busy
-from kvrouter.loadtest.workload import RequestSpec, scale_arrivals, shared_prefix_tokens
+from kvrouter.loadtest.workload import RequestSpec, arrival_span, scale_arrivals, shared_prefix_tokens
 
 __all__ = [
     "LOAD_TOLERANCE",
@@ -110,8 +110,7 @@ def not_fitting(requests: Sequence[RequestSpec], cache: CacheConfig) -> list[int
 def offered_load(requests: Sequence[RequestSpec], fleet: StubFleet) -> OfferedLoad:
     """The requests' offered busy time on `fleet` (one simulation)."""
     estimate = simulate_busy(requests, fleet.core, fleet.cost, fleet.ranks)
-    arrivals = [r.arrival_s for r in requests]
-    span = max(arrivals, default=0.0) - min(arrivals, default=0.0)
+    span = arrival_span(requests)
     block = fleet.core.cache.block_size
     return OfferedLoad(
         prompt_tokens=estimate.prompt_tokens,
