@@ -206,7 +206,8 @@ async def test_trailer_fields_are_never_headers() -> None:
 async def test_a_head_past_the_limits_is_answered_431_and_closed() -> None:
     """Too many fields, too many bytes in a field, a target too long, a field trickled in pieces: 431
     (OpenAI format) and closed, counted; a head within the limits is served. Trailers past the limits
-    close the connection (the request gets no answer)."""
+    close the connection (the request gets no answer), and so does the answer due before a head past
+    them (it says `connection: close`; the head gets no answer)."""
     many = b"".join(b"x-%d: 1\r\n" % i for i in range(20))
     async with abused_gateway() as gw:
         refused = [
@@ -235,12 +236,27 @@ async def test_a_head_past_the_limits_is_answered_431_and_closed() -> None:
 
         fields = b"".join(b"x-t%d: 1\r\n" % i for i in range(30))
         assert await exchange(gw, chunked(fields)) == b""  # trailers past the count: closed, no answer
+        # A trailer field in pieces, never whole: closed, no answer (the body never ended).
+        reader, writer = await connect(gw)
+        writer.write(chunked(b"x-t: ")[:-2].replace(b"host: x", b"host: x\r\nauthorization: Bearer k1"))
+        try:
+            for _ in range(64):
+                writer.write(b"a" * 512)
+                await writer.drain()
+        except ConnectionError:
+            pass
+        assert await until_closed(reader, writer) == b""
+
+        # Behind an answer due, a head past the limits gets none: that answer closes the connection.
+        answer = await exchange(gw, post() + post(many[:-2]))
+        assert answer.count(b"HTTP/1.1 ") == 1 and status_of(answer) == 200, answer
+        assert b"connection: close" in answer.partition(b"\r\n\r\n")[0]
 
         within = post(many[: many.index(b"x-14")].rstrip(), b"x-big: " + b"a" * 3000, b"connection: close")
         assert status_of(await exchange(gw, within)) == 200  # 20 fields, 3.3 kB
-        await wait_for(lambda: _reached(gw, "header_too_large", 5))
+        await wait_for(lambda: _reached(gw, "header_too_large", 7))
         text = (await gw.client.get("/metrics")).text
-        assert metric(text, "kvrouter_requests_total", engine="none", status="431") == 4  # not the trailers
+        assert metric(text, "kvrouter_requests_total", engine="none", status="431") == 4  # answered ones
 
 
 async def _reached(gw: Gateway, reason: str, n: float) -> bool:
