@@ -15,7 +15,11 @@ the answer ended: `ClientWatch` needs no task reading `receive`) for the cycle i
 extensions (the signal also hands over a hot request's body when it came with its head: no
 `receive`). Settings and counter reach each connection through the ASGI lifespan state, which
 uvicorn hands to every protocol it creates; so does the gateway's `HotRoutes`, with which the two
-hot routes get a `router.edge.hot_routes.HotCycle` (no app call chain, a leaner `send`).
+hot routes get a `router.edge.hot_routes.HotCycle` (no app call chain, a leaner `send`). The
+gateway's `router.edge.client_limits.ClientLimits` reach it the same way: a head's size and field
+count (431), the requests parsed ahead on a connection (reading held), what is read of a body
+answered before it was in; a chunked body's trailer fields are dropped, never headers; an upgrade
+request keeps its headers until uvicorn decides on it (its WebSocket protocol answers and closes).
 
 Defaults (`[timeouts]` `client_*`) are nginx's: client_header_timeout and client_body_timeout 60 s,
 keepalive_timeout 75 s (https://nginx.org/en/docs/http/ngx_http_core_module.html); Envoy's
@@ -200,6 +204,8 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle.response_complete and cycle.more_body:  # the last cycle: nothing waits behind it
             self._dropping = self._limits.discard_bytes
+            if not self._dropping:
+                self._close_unread()
         elif not self._stopped:
             cast(HeldFlow, self.flow).held = False
         if self._timeouts is None:
@@ -294,6 +300,14 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         else:
             super()._start_asgi_task(cycle, app)
 
+    def _close_unread(self) -> None:
+        """Read nothing more, and close once the answer's bytes held for this turn's end are out
+        (`HotCycle`, `HeadHold`: their flush was scheduled first)."""
+        if not self._stopped:
+            self._stopped = True
+            cast(HeldFlow, self.flow).hold()
+            self.loop.call_soon(self.transport.close)
+
     def on_header(self, name: bytes, value: bytes) -> None:
         """uvicorn's, within the limits; a trailer field (after the head) is counted and dropped: a
         chunked body's trailers never join the request's headers (an API key sent only there is none)."""
@@ -315,10 +329,8 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle.response_complete:  # the rest of a body answered without it: dropped, within the limit
             self._dropping -= len(body)
-            if self._dropping < 0 and not self._stopped:
-                self._stopped = True  # nothing more parsed or read: closed once the answer's bytes are out
-                cast(HeldFlow, self.flow).hold()
-                self.loop.call_soon(self.transport.close)
+            if self._dropping < 0:
+                self._close_unread()
         elif type(cycle) is not HotCycle:
             super().on_body(body)
         elif cycle.take(body):  # a hot head is never an upgrade

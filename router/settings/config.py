@@ -214,9 +214,9 @@ class Limits(_Table, frozen=True):
     """A request head's target and header fields (or a chunked body's trailer section); more: 431, closed."""
     client_max_headers: Count = 100
     """Header fields in a request head (or trailer fields in a chunked body); more: 431, closed."""
-    client_max_discard_bytes: Count = 32 * 1024 * 1024
+    client_max_discard_bytes: Annotated[int, msgspec.Meta(ge=0)] = 32 * 1024 * 1024
     """Of a body answered before it was all in (413, 401): read and dropped up to this many more bytes
-    (a client still sending then reads the answer, not a reset); past them the connection is closed."""
+    (a client still sending then reads the answer, not a reset); past them (0: at once) it is closed."""
     client_max_pipelined: Count = 32
     """Requests of one connection parsed and waiting behind the one being answered; at it, no more is
     read until one is answered (one more in the same read: the connection closes after the answers)."""

@@ -48,12 +48,12 @@ LIMITS = Limits(
 
 
 @asynccontextmanager
-async def abused_gateway() -> AsyncIterator[Gateway]:
-    """The gateway over one engine stub, with `LIMITS` and an API key."""
+async def abused_gateway(limits: Limits = LIMITS) -> AsyncIterator[Gateway]:
+    """The gateway over one engine stub, with `limits` and an API key."""
     environ = {"KVROUTER_API_KEYS": KEY, "KVROUTER_ADMIN_TOKEN": ADMIN}
     async with running_stubs(1) as stubs:
         async with running_gateway(
-            gateway_config([engine_of("e0", stubs[0])], limits=LIMITS), environ=environ
+            gateway_config([engine_of("e0", stubs[0])], limits=limits), environ=environ
         ) as gw:
             yield gw
 
@@ -178,6 +178,13 @@ async def test_an_answer_before_the_body_reads_little_more_of_it() -> None:
         # A body over the limit that fits the discard is read and dropped: the connection serves on.
         answer = await exchange(gw, post(body=b"x" * 20_000) + post(b"connection: close"))
         assert [int(a[:3]) for a in answer.split(b"HTTP/1.1 ")[1:]] == [413, 200], answer
+
+
+async def test_with_no_discard_an_answer_before_the_body_closes_at_once() -> None:
+    """`client_max_discard_bytes = 0`: the connection closes right after the 413, nothing more read."""
+    async with abused_gateway(msgspec.structs.replace(LIMITS, client_max_discard_bytes=0)) as gw:
+        answer = await exchange(gw, post(body=b"", length=10_000_000_000))  # no body byte sent
+        assert status_of(answer) == 413 and answer.count(b"HTTP/1.1 ") == 1, answer
 
 
 def chunked(trailer: bytes, path: str = "/v1/completions", close: bool = True) -> bytes:
