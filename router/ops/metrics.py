@@ -60,6 +60,8 @@ REJECT_REASONS: Final = (
     "bad_request",  # 400: a body the gateway cannot read (not JSON, a field missing or of the wrong type)
     "body_too_large",  # 413: limits.max_body_bytes
     "body_timeout",  # 408: the body did not arrive within timeouts.client_body_s
+    "header_too_large",  # 431: limits.client_max_header_bytes or client_max_headers (connection closed)
+    "pipelined_too_deep",  # none: limits.client_max_pipelined passed in one read (closed after the answers)
     "unknown_model",  # 404: no engine of the gateway serves the request's model
     "unknown_path",  # 404: a /v1/* path that is neither served nor passed through
     "method_not_allowed",  # 405: a known path asked with another method
