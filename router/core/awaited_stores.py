@@ -4,9 +4,13 @@ A request that must store (see `FleetState._must_store`) is awaited from its sen
 holds every one of its full blocks. A batch that brings other requests' stores, a removal or a clear
 ends nobody's wait, so the clock runs from the oldest request still awaited, not from the last batch.
 A request that ended unanswered computed nothing and is dropped; one answered but never seen stays
-awaited until its miss is accounted for (`forgive`: a verdict on it, or a later request's first block
-seen). After a batch only the oldest requests are checked (they set the clock); any other is checked
-when it ends. Pure: time is passed in.
+awaited until its miss is accounted for: a verdict on it (`forgive`), or a request sent after it that
+ended with its own blocks all seen (`ended`: the link delivered stores published after the earlier
+one's, so that one's blocks were evicted or never stored). Only a later request's own blocks are such
+proof: its first block alone is not, for every turn of a conversation shares it with the first turn
+(before, it forgave every ended request, so in a conversation the clock restarted at each turn's send
+and never fired while events paused). After a batch only the oldest requests are checked (they set the
+clock); any other is checked when it ends. Pure: time is passed in.
 """
 
 from __future__ import annotations
@@ -65,14 +69,32 @@ class AwaitedStores:
 
     def ended(self, request: RequestId, answered: bool, held: Callable[[int], bool] | None) -> None:
         """`request` ended: dropped if unanswered (it computed nothing, or nothing knowable) or if its
-        blocks are all `held` (checked now, before an eviction can take them), else marked ended."""
+        blocks are all `held` (checked now, before an eviction can take them), else marked ended.
+        Answered with its blocks all held, it also forgives the ended requests sent before it (their
+        stores would have come before its own)."""
         awaited = self._by_request.get(request)
         if awaited is None:
             return
-        if not answered or held is None or _all_held(awaited.keys, held):
+        if not answered or held is None:
             del self._by_request[request]
+        elif _all_held(awaited.keys, held):
+            self._forgive_before(request)
         else:
             awaited.ended = True
+
+    def _forgive_before(self, request: RequestId) -> None:
+        """Drop `request` and every ended request sent before it (those still running may yet store).
+        Costs O(requests awaited before it): the oldest are dropped as their stores arrive, so these
+        are the requests still in flight, and the ended ones unseen."""
+        forgiven = []
+        for earlier, awaited in self._by_request.items():
+            if earlier == request:
+                break
+            if awaited.ended:
+                forgiven.append(earlier)
+        for earlier in forgiven:
+            del self._by_request[earlier]
+        del self._by_request[request]
 
     def forgive(self, requests: Iterable[RequestId] | None = None) -> None:
         """Stop awaiting ended requests whose miss was accounted for: `requests`, or every ended one."""

@@ -2,7 +2,7 @@
 
 Pure: the link is seen only through the `Link` protocol (the I/O shell, `router.links.fleet_links`, plugs
 an `EngineSubscriber` in). `Replica.poll` turns what the link reports only through its counters
-(decode errors, a replay started after a gap) into trust signals, and `check_rejected` does the
+(decode errors; a replay, which the link also signals as it asks it) into trust signals, and `check_rejected` does the
 same for the events the decoder and the mirror rejected; the fleet state polls on every delivered
 batch and every metrics scrape, not per decision (reading the counters costs ~10 us).
 `Replica.status` folds in the layout flags the mirror raised.
@@ -265,9 +265,10 @@ class Replica:
         if not status.trusted and status.reason is not TrustReason.SILENT:  # silence: what a verdict explains
             return False
         if mirror.count(view, 0, first_key):
+            # Not a reason to forgive earlier requests' missing stores: every turn of a conversation
+            # finds its first block, stored by the first turn (`AwaitedStores.ended` forgives them
+            # when this request's own blocks were seen).
             self.forget_misses()
-            self.awaited.forgive()  # earlier misses: evictions, or answers that stored nothing
-            self._awaited_changed(now)
             return False
         self.missing_keys.append(first_key)
         self.missing_requests.append(request)
