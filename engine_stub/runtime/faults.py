@@ -2,8 +2,9 @@
 
 The publisher's `events.faults.LiveFaults` carries out "drop / duplicate / swap the next batch";
 `FaultInjector` decides, per published batch and with a seeded RNG per data-parallel rank, which of
-those to arm. One-shot faults (silent seq restart, pausing the live stream, unanswered replays, exiting the process) arrive
-as a `FaultUpdate` (config at startup or POST /admin/faults) and are carried out by the engine runtime.
+those to arm. One-shot faults (silent seq restart, pausing the live stream, unanswered replays,
+exiting the process) arrive as a `FaultUpdate` (config at startup or POST /admin/faults) and are
+carried out by the engine runtime.
 """
 
 from __future__ import annotations

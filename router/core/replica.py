@@ -1,10 +1,11 @@
 """One replica's record in the fleet: its engine, variant, event link, trust tracker and link counters.
 
-Pure: the link is seen only through the `Link` protocol (the I/O shell, `router.links.fleet_links`, plugs
-an `EngineSubscriber` in). `Replica.poll` turns what the link reports only through its counters
-(decode errors; a replay, which the link also signals as it asks it) into trust signals, and `check_rejected` does the
-same for the events the decoder and the mirror rejected; the fleet state polls on every delivered
-batch and every metrics scrape, not per decision (reading the counters costs ~10 us).
+Pure: the link is seen only through the `Link` protocol (the I/O shell, `router.links.fleet_links`,
+plugs an `EngineSubscriber` in). `Replica.poll` turns what the link reports only through its counters
+(decode errors; a replay, which the link also signals as it asks it) into trust signals, and
+`check_rejected` does the same for the events the decoder and the mirror rejected; the fleet state
+polls on every delivered batch and every metrics scrape, not per decision (reading the counters costs
+~10 us).
 `Replica.status` folds in the layout flags the mirror raised.
 """
 
