@@ -227,7 +227,8 @@ def test_a_verification_replay_answered_before_the_last_request_stored_leaves_it
     for seq, prompt in enumerate(prompts[:3]):  # the replay: the held batches of the first three
         fleet.on_batch(EngineName("e"), seq, KVEventBatch(0.0, [stored(prompt)]))
     fleet.on_signal(EngineName("e"), CaughtUp(2))
-    assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)  # late stores are no cause
+    # late stores are no cause; the fourth's, answered and still missing, keep the mirror catching up
+    assert status(fleet, clock) == (TrustState.CATCHING_UP, TrustReason.STORES_LATE)
     clock.now = last_sent + SILENCE_S
     assert status(fleet, clock) == (TrustState.STALE, TrustReason.SILENT)
     fleet.on_batch(EngineName("e"), 3, KVEventBatch(0.0, [stored(prompts[3])]))  # events flow again
@@ -289,12 +290,20 @@ def test_a_replay_asked_makes_the_mirror_catch_up_before_any_batch_or_scrape() -
     assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
 
 
+def expected(paused_for: float, late: bool) -> tuple[TrustState, TrustReason]:
+    """The trust of a mirror whose events paused `paused_for` ago while requests flowed."""
+    if paused_for >= SILENCE_S:
+        return TrustState.STALE, TrustReason.SILENT
+    return (TrustState.CATCHING_UP, TrustReason.STORES_LATE) if late else (TrustState.FRESH, TrustReason.OK)
+
+
 def test_a_conversation_whose_events_pause_goes_silent_though_every_turn_finds_its_first_block() -> None:
     """Every turn of a conversation shares its first block with the first turn, so finding it says
     nothing of the link: the turns whose stores never come stay awaited, and the mirror is silent
     `silence_s` after the first of them was sent, however short each turn is (before, each turn's
     end forgave the earlier ones, the clock restarted at every send, and the mirror stayed fresh
-    through the whole pause while its prediction fell behind the engine's hits)."""
+    through the whole pause while its prediction fell behind the engine's hits). Before that, from
+    the first turn that ends without its stores, the mirror is catching up (`stores_late`)."""
     fleet, clock = fleet_of(engine())
     fleet.on_signal(EngineName("e"), CaughtUp(None))
     fleet.attach(E, FakeLink())
@@ -306,9 +315,9 @@ def test_a_conversation_whose_events_pause_goes_silent_though_every_turn_finds_i
     for i, turn in enumerate(turns[1:], 1):
         sent(fleet, clock, f"t{i}", turn)
         clock.now += SILENCE_S / 4  # each turn much shorter than the silence limit
-        expected = TrustState.STALE if clock() - paused_at >= SILENCE_S else TrustState.FRESH
+        assert status(fleet, clock) == expected(clock() - paused_at, late=i > 1), i
         fleet.request_finished(E, RequestId(f"t{i}"), clock())
-        assert status(fleet, clock)[0] is expected, (i, status(fleet, clock))
+        assert status(fleet, clock) == expected(clock() - paused_at, late=True), i
     assert status(fleet, clock) == (TrustState.STALE, TrustReason.SILENT)
     seq = 1
     for turn in turns[1:]:  # the events resume: every turn's stores, late
@@ -333,6 +342,24 @@ def test_a_later_request_whose_own_stores_were_seen_forgives_an_earlier_one_that
     clock.now += SILENCE_S
     assert status(fleet, clock) == (TrustState.STALE, TrustReason.SILENT)  # "later" still runs
     fleet.request_finished(E, RequestId("later"), clock())
+    assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
+
+
+def test_an_answered_request_whose_stores_are_missing_makes_the_mirror_catch_up_until_they_arrive() -> None:
+    """The engine publishes a request's stores before answering it, so once it has ended without them
+    the mirror is behind at once (a lost last batch shows no gap until the engine publishes again):
+    `stores_late` at the very next decision, not `silence_s` after its send; its stores, arriving
+    while an older request still runs, clear it."""
+    fleet, clock = fleet_of(engine())
+    fleet.on_signal(EngineName("e"), CaughtUp(None))
+    fleet.attach(E, FakeLink())
+    sent(fleet, clock, "slow", list(range(100, 110)))  # still running: nothing is due from it yet
+    lost = list(range(200, 210))
+    sent(fleet, clock, "lost", lost)
+    assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
+    fleet.request_finished(E, RequestId("lost"), clock())
+    assert status(fleet, clock) == (TrustState.CATCHING_UP, TrustReason.STORES_LATE)
+    fleet.on_batch(EngineName("e"), 0, KVEventBatch(0.0, [stored(lost)]))  # late, not lost after all
     assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
 
 
