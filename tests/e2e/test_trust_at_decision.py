@@ -138,6 +138,49 @@ async def _true(value: bool) -> bool:
     return value
 
 
+async def direct(stub: StubServer, prompt: list[int]) -> None:
+    """Complete `prompt` at the engine itself (another router's client): the gateway awaits nothing."""
+    assert stub.info is not None
+    async with httpx.AsyncClient(base_url=stub.info.url) as client:
+        body = {"model": "kvrouter-stub", "prompt": prompt, "max_tokens": 2}
+        assert (await client.post("/v1/completions", json=body)).status_code == 200
+
+
+async def test_a_gaps_replay_in_flight_is_seen_by_the_next_decision_without_a_batch_or_scrape() -> None:
+    """Batches of requests the gateway never sent (another router's) are lost, the next shows the gap,
+    and its replay is held in flight (the replay endpoint muted): the next decision says
+    `catching_up` (`replay_in_flight`) and predicts none of the blocks those requests left, though no
+    batch was delivered since and nothing read the metrics. Before, it said `fresh` with the wrong
+    prediction until a scrape polled the link. Once the replay is answered: fresh and exact."""
+    async with running_stubs(1) as stubs:
+        publisher = stubs[0].stub.publishers[0]
+        async with running_gateway(config(stubs[0])) as gw:
+            rep = gw.parts.fleet.replica(E0)
+            p0, elsewhere, later = prompt(60_000, 4), prompt(70_000, 4), prompt(80_000, 4)
+            await send(gw, p0)
+            await wait_for(mirrors_caught_up(gw, {"e0": stubs[0]}))
+            await wait_for(fresh(gw))
+
+            await fault(stubs[0], mute_replay_s=120.0, drop_probability=1.0)
+            await direct(stubs[0], elsewhere)  # its stores are lost
+            await fault(stubs[0], drop_probability=0.0)
+            # (a decision now would be fresh and wrong: nothing can tell a request the gateway did not
+            # send was lost before the engine publishes again)
+            applied = rep.applied
+            await direct(stubs[0], later)  # its batch shows the gap; the replay is asked, not answered
+            await wait_for(lambda: _true(publisher.stats.replays_unanswered >= 1))
+            assert rep.applied == applied  # no batch since the gap: the link's signal told the state
+            step = await send(gw, later)
+            assert (step.trust, step.predicted, step.actual) == ("catching_up", 0, 4 * BS)
+            assert await reason_of(gw, step) is TrustReason.REPLAY_IN_FLIGHT
+
+            publisher.faults.replay_muted = False  # the engine answers replays again (fault ended early)
+            await wait_for(fresh(gw), timeout=30.0)  # at the retry
+            for p in (p0, elsewhere, later):
+                step = await send(gw, p)
+                assert (step.trust, step.predicted, step.actual) == ("fresh", 4 * BS, 4 * BS)
+
+
 SILENCE_S = 1.0
 PAUSE_S = 8.0
 
