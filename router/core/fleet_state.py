@@ -242,11 +242,14 @@ class FleetState:
             return True
         return not all(self.mirror.count(view, 0, key) for key in keys)
 
-    def request_answered(self, request: RequestId, at: float) -> None:
-        """The replica's first bytes for `request` arrived: its stores are published by now."""
+    def request_answered(self, request: RequestId, at: float, computed: bool = True) -> None:
+        """The replica's first bytes for `request` arrived: its stores are published by now, if it
+        `computed` the answer (a 200). An error answer (400 for a prompt over the context, 5xx) stored
+        nothing: it ends as an unanswered request does, owing no stores and counting no missing first
+        block (before, three such answers in a row were judged a tokenizer mismatch)."""
         if self.pending.ttl_s > 0:  # (otherwise nothing is pending)
             self.pending.answered(request, at)
-        if request in self._first_keys:  # only answered requests must have left their blocks
+        if computed and request in self._first_keys:  # only computed answers must have left blocks
             self._answered_keys[request] = self._first_keys.pop(request)
 
     def request_finished(self, replica: EngineId, request: RequestId, at: float) -> None:

@@ -257,3 +257,24 @@ async def test_a_storm_of_dropped_duplicated_and_reordered_batches_never_leaves_
             for c in range(10):
                 step = await send(gw, [50_000 + 1000 * c + t for t in range(6 * BS + 3)])
                 assert (step.trust, step.predicted, step.actual) == ("fresh", 6 * BS, 6 * BS), c
+
+
+async def test_engine_error_answers_owe_no_stores() -> None:
+    """An answer the engine refused (400: the prompt and max_tokens exceed its context) stored
+    nothing, so it neither makes the mirror late nor counts as a missing first block. Before, the
+    first such answer made the mirror catching_up and the third in a row was judged a tokenizer
+    mismatch (stale until the engine restarted)."""
+    async with running_stubs(1) as stubs:
+        async with running_gateway(config(stubs[0])) as gw:
+            p0 = prompt(1, 2)
+            await send(gw, p0)
+            await wait_for(mirrors_caught_up(gw, {"e0": stubs[0]}))
+            await wait_for(fresh(gw))
+            for i in range(4):
+                body = {"model": "kvrouter-stub", "prompt": prompt(7000 + 1000 * i, 180), "max_tokens": 2000}
+                answer = await gw.client.post("/v1/completions", json=body)
+                assert answer.status_code == 400, answer.text  # the engine's own refusal
+                status = gw.parts.fleet.trust(E0, gw.parts.fleet.clock())
+                assert (status.state, status.reason) == (TrustState.FRESH, TrustReason.OK), i
+            step = await send(gw, p0)
+            assert (step.trust, step.predicted, step.actual) == ("fresh", 2 * BS, 2 * BS)
