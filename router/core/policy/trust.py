@@ -18,8 +18,10 @@ carrying its own time) and asked `status(now)`. Trust is the worst of the active
 Recovery: a gap ends when its replay starts (it becomes "replay in flight"), a replay and a reset end
 when the replay finishes or live events resume after the reset; lost history, decode errors and
 rejected events end only when the mirror is exact again (the engine cleared all blocks, or
-restarted), and so do unseen blocks; a mismatch ends at a restart. Scoring trusts hits only from
-FRESH engines.
+restarted), and so do unseen blocks; a mismatch ends at a restart; stores late and silence end when
+the awaited stores arrive or those requests are accounted for (`router.core.awaited_stores`).
+Scoring trusts hits only from FRESH engines. The signals arrive as the state changes (link signals,
+batches, request ends), so the status a routing decision reads is the one at that moment.
 """
 
 from __future__ import annotations
