@@ -17,6 +17,7 @@ from collections.abc import Awaitable, Callable
 import httpx
 import msgspec
 
+from engine_stub.core.engine_config import CacheConfig, EngineCoreConfig, GroupSpec
 from engine_stub.server.launch import StubServer
 from router.core.ids import EngineId
 from router.core.policy.trust import TrustReason, TrustState
@@ -32,7 +33,7 @@ from tests.gateway_helpers import (
     running_stubs,
     wait_for,
 )
-from tests.stub_helpers import BS
+from tests.stub_helpers import BS, stub_config
 
 ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
 E0 = EngineId("e0")
@@ -186,6 +187,36 @@ async def test_a_gaps_replay_in_flight_is_seen_by_the_next_decision_without_a_ba
             for p in (p0, elsewhere, later):
                 step = await send(gw, p)
                 assert (step.trust, step.predicted, step.actual) == ("fresh", 4 * BS, 4 * BS)
+
+
+async def test_a_removal_lost_in_a_gap_is_not_routed_on_as_fresh_while_its_replay_is_unanswered() -> None:
+    """The issue's first case: the engine evicts a prompt's blocks for another router's request, that
+    batch (its removals) is lost, the next shows the gap and its replay goes unanswered. The mirror
+    still holds the evicted blocks; the next decision for that prompt predicts them, and says
+    `catching_up` (before: `fresh`, routing on a hit real only in the mirror)."""
+    cache = CacheConfig(num_gpu_blocks=12, groups=(GroupSpec(block_size=BS),), max_model_len=4096)
+    small = stub_config(engine=EngineCoreConfig(cache=cache))
+    async with running_stubs(1, small) as stubs:
+        publisher = stubs[0].stub.publishers[0]
+        async with running_gateway(config(stubs[0])) as gw:
+            p0, evicting, later = prompt(110_000, 4), prompt(120_000, 9), prompt(130_000, 1)
+            await send(gw, p0)
+            await wait_for(mirrors_caught_up(gw, {"e0": stubs[0]}))
+            await wait_for(fresh(gw))
+            await fault(stubs[0], mute_replay_s=120.0, drop_probability=1.0)
+            await direct(stubs[0], evicting)  # its batch (p0's blocks removed, its own stored) is lost
+            await fault(stubs[0], drop_probability=0.0)
+            await direct(stubs[0], later)  # shows the gap; the replay is asked, not answered
+            await wait_for(lambda: _true(publisher.stats.replays_unanswered >= 1))
+            step = await send(gw, p0)
+            assert step.predicted == 4 * BS > step.actual  # the mirror still holds what the engine evicted
+            assert (step.trust, await reason_of(gw, step)) == ("catching_up", TrustReason.REPLAY_IN_FLIGHT)
+
+            publisher.faults.replay_muted = False
+            await wait_for(fresh(gw), timeout=30.0)
+            for p in (evicting, later):
+                step = await send(gw, p)
+                assert step.trust == "fresh" and step.exact, step
 
 
 SILENCE_S = 0.5
