@@ -157,7 +157,10 @@ class PolicyConfig(_Table, frozen=True):
     scrape_period_s: NonNegative = 0.0
     """Scrape every engine's `vllm:` gauges from its /metrics this often (0: off)."""
     scrape_timeout_s: Positive = 1.0
-    """One scrape's bound; a slow or failed scrape is counted and the last good one ages out."""
+    """One whole scrape's bound (connect, headers, body, parsing); a slow or failed scrape is counted
+    and the last good one ages out."""
+    scrape_max_bytes: Count = 4 * 1024 * 1024
+    """A /metrics body over this is abandoned, its connection closed, and counted (`too_large`)."""
     scrape_max_age_s: Positive = 10.0
     """A scrape older than this is ignored (the router's own counts stand alone)."""
     max_predicted_ttft_s: NonNegative = 0.0
