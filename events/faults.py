@@ -17,12 +17,15 @@ __all__ = ["LiveFaults"]
 
 @dataclass
 class LiveFaults:
-    """Pending faults: drop or duplicate the next N batches, swap the next two, or pause the stream."""
+    """Pending faults: drop or duplicate the next N batches, swap the next two, pause the stream, or
+    leave replay requests unanswered."""
 
     drop_next: int = 0
     duplicate_next: int = 0
     swap_next: bool = False
     paused: bool = False
+    replay_muted: bool = False
+    """Answer no replay request: each is dropped unanswered (the subscriber's replay times out)."""
     _held: list[Frame] = field(default_factory=list)
 
     def outgoing(self, frame: Frame) -> list[Frame]:

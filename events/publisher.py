@@ -51,6 +51,8 @@ class PublisherStats(msgspec.Struct):
     replays_served: int = 0
     replay_frames: int = 0
     invalid_replay_requests: int = 0
+    replays_unanswered: int = 0
+    """Replay requests dropped while `faults.replay_muted` was set."""
 
 
 def default_host_ip() -> str:
@@ -203,6 +205,9 @@ class EventPublisher:
             except FrameError as exc:
                 self.stats.invalid_replay_requests += 1
                 log.warning("invalid replay request", extra={"error": str(exc), "frames": len(parts)})
+                continue
+            if self.faults.replay_muted:
+                self.stats.replays_unanswered += 1
                 continue
             try:
                 await self._answer(router, request)

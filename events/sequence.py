@@ -71,7 +71,10 @@ class Duplicate(msgspec.Struct, frozen=True, gc=False):
 
 
 class RequestReplay(msgspec.Struct, frozen=True, gc=False):
-    """Ask the publisher for every buffered batch from `start_seq` on (replacing any replay in flight)."""
+    """Ask the publisher for every buffered batch from `start_seq` on (replacing any replay in flight).
+
+    Also a signal to the consumer once the request is out (a gap, a verification, a retry after a
+    timeout): its picture waits on this replay until CaughtUp or a Reset, whatever arrives meanwhile."""
 
     start_seq: int
 
@@ -92,7 +95,7 @@ class Rebuilt(msgspec.Struct, frozen=True, gc=False):
     """The engine is no longer stale: the consumer's picture of it is complete again."""
 
 
-Signal: TypeAlias = Reset | CaughtUp | Rebuilt
+Signal: TypeAlias = Reset | CaughtUp | Rebuilt | RequestReplay
 Action: TypeAlias = Deliver[T] | Duplicate | RequestReplay | Reset | CaughtUp | Rebuilt
 
 

@@ -1,21 +1,22 @@
 """The router end of the KV-event link: an asyncio subscriber per engine publisher.
 
 `EngineSubscriber` owns a SUB socket for the live stream and a DEALER for replay (a REQ socket would
-accept only the first reply message: reference section 2.2). One task waits on both (`events.socket_set`:
-sync non-blocking receives, no future per message), drains each in bursts, feeds every seq to
-a `SequenceTracker` and carries out its actions: delivered payloads are decoded (tolerantly, errors
-counted) and handed to the `Consumer` as ``(engine, seq, batch)``; resets, caught-up and rebuilt
-signals follow in order. A consumer that raises on a batch did not apply it whole: the subscriber
-resyncs (`Reset("resync")`, then a fresh replay from 0 on a new DEALER, dropping what the old replay
-or the held batches still had to deliver), at most once per replay, so a batch that fails every
-time cannot make it loop. A replay that sees no reply for `replay_timeout_s` is retried on a fresh
-DEALER, with the timeout doubling up to `backoff_max_s`; ZeroMQ itself reconnects both sockets with
-exponential backoff while an engine is away. A monitor on the SUB socket reports the live link's
-disconnections and reconnections to the tracker, which verifies after each one that the publisher
-did not restart meanwhile (`events.sequence`). A new replay request while another is in flight goes
-out on a fresh DEALER, so the abandoned replay's replies never mix with the new one's. Nothing here
-raises on bad input: malformed frames, undecodable payloads and consumer exceptions are counted and
-logged.
+accept only the first reply message: reference section 2.2). One task waits on both
+(`events.socket_set`: sync non-blocking receives, no future per message), drains each in bursts, feeds
+every seq to a `SequenceTracker` and carries out its actions: delivered payloads are decoded
+(tolerantly, errors counted) and handed to the `Consumer` as ``(engine, seq, batch)``; resets,
+caught-up and rebuilt signals follow in order, and so does every replay request once sent (a gap's, a
+verification's, a retry's), so the consumer knows its picture is behind before any batch or scrape
+tells it. A consumer that raises on a batch did not apply it whole: the subscriber resyncs
+(`Reset("resync")`, then a fresh replay from 0 on a new DEALER, dropping what the old replay or the
+held batches still had to deliver), at most once per replay, so a batch that fails every time cannot
+make it loop. A replay that sees no reply for `replay_timeout_s` is retried on a fresh DEALER, with
+the timeout doubling up to `backoff_max_s`; ZeroMQ itself reconnects both sockets with exponential
+backoff while an engine is away. A monitor on the SUB socket reports the live link's disconnections
+and reconnections to the tracker, which verifies after each one that the publisher did not restart
+meanwhile (`events.sequence`). A new replay request while another is in flight goes out on a fresh
+DEALER, so the abandoned replay's replies never mix with the new one's. Nothing here raises on bad
+input: malformed frames, undecodable payloads and consumer exceptions are counted and logged.
 
 Connect mode (vLLM's publisher connects when its endpoint has no `*`): set `EngineSource.bind` and
 the SUB socket binds instead; replay endpoints always belong to the publisher.
@@ -263,6 +264,7 @@ class EngineSubscriber:
                     self._deliver(seq, payload)
                 case RequestReplay(start_seq=start):
                     self._request_replay(start)
+                    self._signal(action)  # the consumer's trust must say "replay in flight" now
                 case CaughtUp():
                     self._resyncing = False
                     self._signal(action)

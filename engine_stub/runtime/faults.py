@@ -2,8 +2,9 @@
 
 The publisher's `events.faults.LiveFaults` carries out "drop / duplicate / swap the next batch";
 `FaultInjector` decides, per published batch and with a seeded RNG per data-parallel rank, which of
-those to arm. One-shot faults (silent seq restart, pausing the live stream, exiting the process) arrive
-as a `FaultUpdate` (config at startup or POST /admin/faults) and are carried out by the engine runtime.
+those to arm. One-shot faults (silent seq restart, pausing the live stream, unanswered replays,
+exiting the process) arrive as a `FaultUpdate` (config at startup or POST /admin/faults) and are
+carried out by the engine runtime.
 """
 
 from __future__ import annotations
@@ -53,6 +54,8 @@ class FaultUpdate(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_fiel
     """Stop publishing live for this long; the batches stay in the replay buffer."""
     deliver_held: bool = False
     """After the pause, send the held batches late instead of dropping them."""
+    mute_replay_s: PositiveSeconds | None = None
+    """Answer no replay request for this long: each one is dropped unanswered (it times out)."""
     exit_code: int | None = None
     """Exit the whole process abruptly with this code, right after answering."""
 

@@ -183,6 +183,10 @@ class EngineRuntime:
             self.faults.counters.pauses += 1
             loop = asyncio.get_running_loop()
             self._timers.append(loop.call_later(update.pause_s, self._resume, not update.deliver_held))
+        if update.mute_replay_s is not None and self.publisher is not None:
+            self.publisher.faults.replay_muted = True
+            loop = asyncio.get_running_loop()
+            self._timers.append(loop.call_later(update.mute_replay_s, self._unmute_replay))
         return self.fault_state()
 
     def fault_state(self) -> FaultState:
@@ -196,6 +200,10 @@ class EngineRuntime:
         if self.publisher is not None:
             self.publisher.reset_seq()
         self.faults.counters.seq_resets += 1
+
+    def _unmute_replay(self) -> None:
+        assert self.publisher is not None
+        self.publisher.faults.replay_muted = False
 
     def _resume(self, drop_held: bool) -> None:
         assert self.publisher is not None

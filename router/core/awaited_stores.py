@@ -4,9 +4,13 @@ A request that must store (see `FleetState._must_store`) is awaited from its sen
 holds every one of its full blocks. A batch that brings other requests' stores, a removal or a clear
 ends nobody's wait, so the clock runs from the oldest request still awaited, not from the last batch.
 A request that ended unanswered computed nothing and is dropped; one answered but never seen stays
-awaited until its miss is accounted for (`forgive`: a verdict on it, or a later request's first block
-seen). After a batch only the oldest requests are checked (they set the clock); any other is checked
-when it ends. Pure: time is passed in.
+awaited until its miss is accounted for: a verdict on it (`forgive`), or a request sent after it that
+ended with its own blocks all seen (`ended`: the link delivered stores published after the earlier
+one's, so that one's blocks were evicted or never stored). Only a later request's own blocks are such
+proof: its first block alone is not, for every turn of a conversation shares it with the first turn
+(before, it forgave every ended request, so in a conversation the clock restarted at each turn's send
+and never fired while events paused). After a batch only the oldest requests are checked (they set the
+clock); any other is checked when it ends. Pure: time is passed in.
 """
 
 from __future__ import annotations
@@ -35,6 +39,14 @@ class AwaitedStores:
 
     def __init__(self) -> None:
         self._by_request: dict[RequestId, _Awaited] = {}
+        self._ended = 0  # requests marked ended: `late()` without a scan
+
+    def late(self) -> bool:
+        """Whether a request answered and ended is still awaited: the mirror is behind now."""
+        return self._ended > 0
+
+    def _drop(self, request: RequestId) -> None:
+        self._ended -= self._by_request.pop(request).ended
 
     def __len__(self) -> int:
         return len(self._by_request)
@@ -44,7 +56,7 @@ class AwaitedStores:
         self._by_request[request] = _Awaited(at, keys)
         if len(self._by_request) > MAX_AWAITED:
             oldest = next((r for r, a in self._by_request.items() if a.ended), None)
-            del self._by_request[oldest if oldest is not None else next(iter(self._by_request))]
+            self._drop(oldest if oldest is not None else next(iter(self._by_request)))
 
     def since(self) -> float | None:
         """When the oldest awaited request was sent (dicts keep insertion order: the send order)."""
@@ -55,24 +67,46 @@ class AwaitedStores:
         whose keys do not name one block each). Only the oldest sets the clock, so a newer one seen
         earlier waits its turn (or its end, see `ended`): a batch costs O(1), not O(awaited)."""
         if held is None:
-            self._by_request.clear()
+            self.clear()
             return
         while self._by_request:
             oldest, awaited = next(iter(self._by_request.items()))
             if not _all_held(awaited.keys, held):
-                return
-            del self._by_request[oldest]
+                break
+            self._drop(oldest)
+        if self._ended:  # late stores may be in this batch: each ended request is checked (rare)
+            for request in [r for r, a in self._by_request.items() if a.ended and _all_held(a.keys, held)]:
+                self._drop(request)
 
     def ended(self, request: RequestId, answered: bool, held: Callable[[int], bool] | None) -> None:
         """`request` ended: dropped if unanswered (it computed nothing, or nothing knowable) or if its
-        blocks are all `held` (checked now, before an eviction can take them), else marked ended."""
+        blocks are all `held` (checked now, before an eviction can take them), else marked ended.
+        Answered with its blocks all held, it also forgives the ended requests sent before it (their
+        stores would have come before its own)."""
         awaited = self._by_request.get(request)
         if awaited is None:
             return
-        if not answered or held is None or _all_held(awaited.keys, held):
-            del self._by_request[request]
-        else:
+        if not answered or held is None:
+            self._drop(request)
+        elif _all_held(awaited.keys, held):
+            self._forgive_before(request)
+        elif not awaited.ended:
             awaited.ended = True
+            self._ended += 1
+
+    def _forgive_before(self, request: RequestId) -> None:
+        """Drop `request` and every ended request sent before it (those still running may yet store).
+        Costs O(requests awaited before it): the oldest are dropped as their stores arrive, so these
+        are the requests still in flight, and the ended ones unseen."""
+        forgiven = []
+        for earlier, awaited in self._by_request.items():
+            if earlier == request:
+                break
+            if awaited.ended:
+                forgiven.append(earlier)
+        for earlier in forgiven:
+            self._drop(earlier)
+        self._drop(request)
 
     def forgive(self, requests: Iterable[RequestId] | None = None) -> None:
         """Stop awaiting ended requests whose miss was accounted for: `requests`, or every ended one."""
@@ -81,11 +115,12 @@ class AwaitedStores:
         for request in requests:
             awaited = self._by_request.get(request)
             if awaited is not None and awaited.ended:
-                del self._by_request[request]
+                self._drop(request)
 
     def clear(self) -> None:
         """Forget every request (the replica's view was reset)."""
         self._by_request.clear()
+        self._ended = 0
 
 
 def _all_held(keys: Sequence[int], held: Callable[[int], bool]) -> bool:

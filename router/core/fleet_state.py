@@ -1,16 +1,18 @@
 """The fleet's pure state: replicas, the shared mirror, and per-replica trust, load, breakers and admission.
 
 A replica is one DP rank of one engine (`EngineId` = the engine name, or `name/dpN` with several
-ranks); it is also the mirror's engine, so a restart of one rank resets only its view. `FleetState`
-is the subscribers' `Consumer` (`events.sources`): link signals become mirror resets and trust
-signals. The start-up replay and any later replay are "replay in flight" until CaughtUp;
-Reset("restart") clears the replica's view (the engine's cache is gone) and it is rebuilt from the
-replay; Reset("history_lost") clears it and the replica stays STALE until Rebuilt (a new lifetime
-seen from seq 0, or AllBlocksCleared); decode errors and rejected events (read from the link's and
-the mirror's counters) make it STALE until Rebuilt; a batch that raises while being applied marks
-it STALE and makes the subscriber resync (Reset("resync"): the view is cleared and rebuilt from a
-replay from seq 0); layout flags from the events (block size, kind, window, unknown group) make it
-STALE. An engine without event endpoints is routable but always STALE: its hits are never trusted.
+ranks); it is also the mirror's engine, so a restart of one rank resets only its view. `FleetState` is
+the subscribers' `Consumer` (`events.sources`): link signals become mirror resets and trust signals,
+as they arrive, so the very next routing decision reads them. The start-up replay and any later replay
+(a gap's, a verification's, a retry's: the link signals each RequestReplay it sends) are "replay in
+flight" until CaughtUp; Reset("restart") clears the replica's view (the engine's cache is gone) and it
+is rebuilt from the replay; Reset("history_lost") clears it and the replica stays STALE until Rebuilt
+(a new lifetime seen from seq 0, or AllBlocksCleared); decode errors and rejected events (read from
+the link's and the mirror's counters) make it STALE until Rebuilt; a batch that raises while being
+applied marks it STALE and makes the subscriber resync (Reset("resync"): the view is cleared and
+rebuilt from a replay from seq 0); layout flags from the events (block size, kind, window, unknown
+group) make it STALE. An engine without event endpoints is routable but always STALE: its hits are
+never trusted.
 
 No sockets, no asyncio: links are plugged in through `router.core.replica.Link` by `router.links.fleet_links`,
 and time is passed in (`now`, `at`) except where a signal arrives (the injected `clock`).
@@ -22,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from events.sequence import CaughtUp, Rebuilt, Reset, Signal
+from events.sequence import CaughtUp, Rebuilt, RequestReplay, Reset, Signal
 from events.sources import AnyBatch, EngineName
 from events.wire import AllBlocksCleared
 from router.core.ids import EngineId, RequestId
@@ -240,11 +242,14 @@ class FleetState:
             return True
         return not all(self.mirror.count(view, 0, key) for key in keys)
 
-    def request_answered(self, request: RequestId, at: float) -> None:
-        """The replica's first bytes for `request` arrived: its stores are published by now."""
+    def request_answered(self, request: RequestId, at: float, computed: bool = True) -> None:
+        """The replica's first bytes for `request` arrived: its stores are published by now, if it
+        `computed` the answer (a 200). An error answer (400 for a prompt over the context, 5xx) stored
+        nothing: it ends as an unanswered request does, owing no stores and counting no missing first
+        block (before, three such answers in a row were judged a tokenizer mismatch)."""
         if self.pending.ttl_s > 0:  # (otherwise nothing is pending)
             self.pending.answered(request, at)
-        if request in self._first_keys:  # only answered requests must have left their blocks
+        if computed and request in self._first_keys:  # only computed answers must have left blocks
             self._answered_keys[request] = self._first_keys.pop(request)
 
     def request_finished(self, replica: EngineId, request: RequestId, at: float) -> None:
@@ -328,6 +333,8 @@ class FleetState:
                     rep.judge(self.mirror, now, link_verified=True)
             case Rebuilt():
                 rep.observe(Cleared(now))
+            case RequestReplay():
+                self._replay_started(rep, now)  # a gap, a verification or a retry: behind until CaughtUp
 
     def _replay_started(self, rep: Replica, now: float) -> None:
         if rep.link is not None and replay_endpoint(rep) is not None:

@@ -1,10 +1,11 @@
 """One replica's record in the fleet: its engine, variant, event link, trust tracker and link counters.
 
-Pure: the link is seen only through the `Link` protocol (the I/O shell, `router.links.fleet_links`, plugs
-an `EngineSubscriber` in). `Replica.poll` turns what the link reports only through its counters
-(decode errors, a replay started after a gap) into trust signals, and `check_rejected` does the
-same for the events the decoder and the mirror rejected; the fleet state polls on every delivered
-batch and every metrics scrape, not per decision (reading the counters costs ~10 us).
+Pure: the link is seen only through the `Link` protocol (the I/O shell, `router.links.fleet_links`,
+plugs an `EngineSubscriber` in). `Replica.poll` turns what the link reports only through its counters
+(decode errors; a replay, which the link also signals as it asks it) into trust signals, and
+`check_rejected` does the same for the events the decoder and the mirror rejected; the fleet state
+polls on every delivered batch and every metrics scrape, not per decision (reading the counters costs
+~10 us).
 `Replica.status` folds in the layout flags the mirror raised.
 """
 
@@ -47,6 +48,8 @@ LAYOUT_FLAGS: Final = frozenset({"kind_mismatch", "window_mismatch", "unknown_gr
 """Mirror flags (besides block size) meaning the events do not match the configured layout."""
 _NO_EVENTS: Final = "no KV event endpoint configured: the mirror is empty and hits are never trusted"
 _NO_EVENTS_STATUS: Final = TrustStatus(TrustState.STALE, TrustReason.HISTORY_LOST, _NO_EVENTS, 0.0)
+_AWAITING: Final = frozenset({TrustReason.SILENT, TrustReason.STORES_LATE})
+"""Reasons raised by stores awaited in vain: a verdict on the missing first blocks explains them."""
 MISMATCH_AFTER: Final = 3
 """Consecutive ended requests whose first block never appeared before a cause is declared."""
 
@@ -105,6 +108,7 @@ class Replica:
     _cached: TrustStatus | None = None
     _link_rejected: dict[str, int] = field(default_factory=dict)
     _awaiting_since: float | None = None
+    _late: bool = False
 
     def __post_init__(self) -> None:
         spec = self.variant.spec
@@ -115,7 +119,7 @@ class Replica:
         if self.tracker.observe(signal):
             self._cached = None
         if isinstance(signal, StoresAwaited):
-            self._awaiting_since = signal.since
+            self._awaiting_since, self._late = signal.since, signal.late
 
     def await_stores(self, request: RequestId, keys: Sequence[int], at: float) -> None:
         """`request`, sent at `at`, must store new blocks of `keys`: the silence clock waits for them."""
@@ -126,7 +130,7 @@ class Replica:
         """After a batch: stop awaiting the requests whose every block the mirror now holds. Layouts
         whose keys do not each name one group-0 block (several groups, other kinds) fall back to any
         batch ending every wait."""
-        if not self.awaited and self._awaiting_since is None:
+        if not self.awaited and self._awaiting_since is None and not self._late:
             return  # nothing awaited and the clock already stopped: the usual batch, at no cost
         self.awaited.seen(self._held(mirror))
         self._awaited_changed(now)
@@ -141,7 +145,7 @@ class Replica:
         """`request` ended (after `check_stored` counted it): unanswered, its stores are awaited no more,
         nor while a named cause already keeps the mirror stale (its own recovery brings the mirror back)."""
         status = self.status(now, mirror)
-        named = status.state is TrustState.STALE and status.reason is not TrustReason.SILENT
+        named = status.state is TrustState.STALE and status.reason not in _AWAITING
         self.awaited.ended(request, answered and not named, self._held(mirror))
         self._awaited_changed(now)
 
@@ -151,9 +155,9 @@ class Replica:
         self._awaited_changed(now)
 
     def _awaited_changed(self, now: float) -> None:
-        since = self.awaited.since()
-        if since != self._awaiting_since:
-            self.observe(StoresAwaited(now, since))
+        since, late = self.awaited.since(), self.awaited.late()
+        if since != self._awaiting_since or late != self._late:
+            self.observe(StoresAwaited(now, since, late))
 
     def _tracker_status(self, now: float) -> TrustStatus:
         # TrustTracker.status costs ~9 us; its answer changes only on a signal or when silence sets in.
@@ -262,12 +266,13 @@ class Replica:
         if view is None or not group_kind(self.variant.spec.groups[0].kind).full_attention or self.verifying:
             return False
         status = self.status(now, mirror)
-        if not status.trusted and status.reason is not TrustReason.SILENT:  # silence: what a verdict explains
+        if not status.trusted and status.reason not in _AWAITING:  # what a verdict explains
             return False
         if mirror.count(view, 0, first_key):
+            # Not a reason to forgive earlier requests' missing stores: every turn of a conversation
+            # finds its first block, stored by the first turn (`AwaitedStores.ended` forgives them
+            # when this request's own blocks were seen).
             self.forget_misses()
-            self.awaited.forgive()  # earlier misses: evictions, or answers that stored nothing
-            self._awaited_changed(now)
             return False
         self.missing_keys.append(first_key)
         self.missing_requests.append(request)

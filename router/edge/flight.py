@@ -163,11 +163,12 @@ class Flight:
                 self.fleet.admission.leave_engine(self.engine)
             self._counted = False
 
-    def first_byte(self) -> None:
-        """The answer's first bytes arrived: the request's TTFT as far as the router can see it."""
+    def first_byte(self, computed: bool = True) -> None:
+        """The answer's first bytes arrived: the request's TTFT as far as the router can see it;
+        `computed`: the engine computed it (a 200), so it must have left its stores."""
         now = self.fleet.clock()
         self.fleet.load.first_token(self.rid, now)
-        self.fleet.request_answered(self.rid, now)
+        self.fleet.request_answered(self.rid, now, computed)
 
     def finish(self) -> None:
         """The request ended (any way); uncounts it once."""

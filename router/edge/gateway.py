@@ -482,7 +482,7 @@ class _Exchange:
 
     def first_byte(self, relay_s: float) -> None:
         """The answer's first chunk was handed to the client, `relay_s` after it arrived."""
-        self.flight.first_byte()
+        self.flight.first_byte(self.upstream.status == 200)
         gateway = self.gateway
         overhead, child = self.pre_forward + relay_s, gateway._proxy_overhead
         if type(child) is BucketHistogramChild and overhead == overhead:  # `observe`, inline (NaN: its own)

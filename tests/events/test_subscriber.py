@@ -14,7 +14,7 @@ import zmq.asyncio
 from events.config import KVEventsConfig
 from events.frames import END_SEQ, Frame, encode_seq
 from events.publisher import EventPublisher
-from events.sequence import CaughtUp, Rebuilt, Reset, Signal
+from events.sequence import CaughtUp, Rebuilt, RequestReplay, Reset, Signal
 from events.sources import AnyBatch, EngineName, EngineSource, SubscriberConfig
 from events.subscriber import EngineSubscriber
 from events.wire import ENCODER, AllBlocksCleared, BlockRemoved, KVEventBatch
@@ -43,7 +43,12 @@ class Collector:
         return [(seq, ts) for kind, seq, ts in self.log if kind == "batch"]
 
     def signals(self) -> list[Signal]:
-        return [signal for kind, signal, _ in self.log if kind == "signal"]
+        """The signals but the replay requests (see `replays`)."""
+        return [s for kind, s, _ in self.log if kind == "signal" and not isinstance(s, RequestReplay)]
+
+    def replays(self) -> list[int]:
+        """The start seqs of the replay requests signalled, in order."""
+        return [s.start_seq for kind, s, _ in self.log if kind == "signal" and isinstance(s, RequestReplay)]
 
     def has(self, signal: Signal) -> Callable[[], bool]:
         return lambda: signal in self.signals()
@@ -162,6 +167,34 @@ async def test_forced_gap_is_filled_by_replay(ctx: TrackedContext, running: Any)
     assert seqs == list(range(len(seqs)))
     assert [ts for _, ts in out.batches()][-5:] == [0.0, 1.0, 2.0, 3.0, 4.0]
     assert (after.gaps - before.gaps, after.replays - before.replays, after.history_lost) == (1, 1, 0)
+
+
+async def test_a_gap_tells_the_consumer_of_its_replay_before_any_batch_after_it(
+    ctx: TrackedContext, running: Any
+) -> None:
+    """The consumer must know its picture is behind as soon as the replay is asked, whether or not it
+    is ever answered (before, only the link's counters said so: read at the next delivered batch or
+    metrics scrape, so routing trusted a mirror whose gap's replay went unanswered)."""
+    out = Collector()
+    pub, router, src = bare_engine(ctx)
+    sub = running(src, out, SubscriberConfig(replay_timeout_s=0.05, backoff_max_s=0.2))
+    startup = await recv_within(router)
+    await wait_until(lambda: out.replays() == [0], what="the start-up replay signalled")
+    await router.send_multipart([startup[0], b"", b"", END_SEQ, b""])
+    await wait_until(out.has(CaughtUp(None)), what="start-up replay")
+    for _ in range(200):  # until the SUB has joined (a slow joiner misses the first sends)
+        await pub.send_multipart([b"kv", encode_seq(0), ENCODER.encode(batch(0.0))])
+        await wait_until_or_not(lambda: bool(out.batches()), 0.02)
+        if out.batches():
+            break
+    await pub.send_multipart([b"kv", encode_seq(2), ENCODER.encode(batch(2.0))])  # seq 1 lost
+    gap = await recv_within(router)  # asked from seq 0 (to verify it), and left unanswered
+    assert gap[1:] == [b"", encode_seq(0)]
+    await wait_until(lambda: out.replays()[1:2] == [0], what="the gap's replay signalled")
+    assert out.batches() == [(0, 0.0)] and out.signals() == [CaughtUp(None)]  # nothing else came
+    retry = await recv_within(router)  # the unanswered replay is retried, and signalled again
+    await wait_until(lambda: len(out.replays()) >= 3, what="the retry signalled")
+    assert retry[1:] == gap[1:] and sub.stats().replay_failures >= 1
 
 
 async def test_publisher_restart_resets_and_rebuilds(

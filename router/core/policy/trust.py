@@ -9,14 +9,19 @@ carrying its own time) and asked `status(now)`. Trust is the worst of the active
   mirror never saw stored (its events were missed); silence while requests flow (the oldest request
   the router sent it that must produce stores was sent `silence_s` ago, and the mirror has still not
   seen them: any other batch, an earlier request's stores included, ends no request's wait).
-- CATCHING_UP: a replay in flight; an engine reset (restart) whose mirror is not rebuilt yet.
+- CATCHING_UP: stores late (a request the router sent it was answered and has ended, and the mirror
+  has not seen its stores: the engine published them before answering, so the mirror is behind now,
+  whether a batch was lost, without a gap to show it yet, or is only late); a replay in flight; an
+  engine reset (restart) whose mirror is not rebuilt yet.
 - FRESH: none of the above.
 
 Recovery: a gap ends when its replay starts (it becomes "replay in flight"), a replay and a reset end
 when the replay finishes or live events resume after the reset; lost history, decode errors and
 rejected events end only when the mirror is exact again (the engine cleared all blocks, or
-restarted), and so do unseen blocks; a mismatch ends at a restart. Scoring trusts hits only from
-FRESH engines.
+restarted), and so do unseen blocks; a mismatch ends at a restart; stores late and silence end when
+the awaited stores arrive or those requests are accounted for (`router.core.awaited_stores`).
+Scoring trusts hits only from FRESH engines. The signals arrive as the state changes (link signals,
+batches, request ends), so the status a routing decision reads is the one at that moment.
 """
 
 from __future__ import annotations
@@ -66,12 +71,14 @@ class TrustReason(enum.Enum):
     HISTORY_LOST = "history_lost"
     GAP = "gap"
     SILENT = "silent"
+    STORES_LATE = "stores_late"
     REPLAY_IN_FLIGHT = "replay_in_flight"
     RESET_NOT_REBUILT = "reset_not_rebuilt"
     OK = "ok"
 
 
 _STATE_OF = {
+    TrustReason.STORES_LATE: TrustState.CATCHING_UP,
     TrustReason.REPLAY_IN_FLIGHT: TrustState.CATCHING_UP,
     TrustReason.RESET_NOT_REBUILT: TrustState.CATCHING_UP,
     TrustReason.OK: TrustState.FRESH,
@@ -175,10 +182,12 @@ class UnseenBlocks(msgspec.Struct, frozen=True):
 
 class StoresAwaited(msgspec.Struct, frozen=True):
     """The oldest request sent to the engine whose stores the mirror has not seen yet was sent at
-    `since` (None: no request is awaited); the silence clock runs from it."""
+    `since` (None: no request is awaited); the silence clock runs from it. `late`: some of those
+    requests were answered and have ended (the mirror is behind now)."""
 
     at: float
     since: float | None
+    late: bool = False
 
 
 TrustSignal = (
@@ -231,9 +240,13 @@ class TrustTracker:
         match signal:
             case Delivered(at=at):
                 self._clear(at, TrustReason.RESET_NOT_REBUILT)
-            case StoresAwaited(since=since):
+            case StoresAwaited(at=at, since=since, late=late):
                 self._changes += since != self._awaiting_events_since
                 self._awaiting_events_since = since
+                if late:
+                    self._set(at, TrustReason.STORES_LATE, "an answered request's stores have not arrived")
+                else:
+                    self._clear(at, TrustReason.STORES_LATE)
             case Gap(at=at, from_seq=lo, to_seq=hi):
                 self._set(at, TrustReason.GAP, f"batches {lo}..{hi - 1} missing, not replayed")
             case ReplayStarted(at=at):

@@ -189,6 +189,20 @@ async def test_a_pause_can_deliver_what_it_held_late(rig: Rig) -> None:
     assert not (await rig.states())[0].paused
 
 
+async def test_a_muted_replay_endpoint_leaves_a_gap_unfilled_until_it_answers_again(rig: Rig) -> None:
+    seq = await rig.warm_up()
+    await wait_until(lambda: rig.seqs.seqs == list(range(seq + 1)), what="the subscriber to catch up")
+    publisher = rig.server.stub.publishers[0]
+    await rig.fault(mute_replay_s=2.0, drop_probability=1.0)
+    await rig.produce()  # its batch is dropped
+    await rig.fault(drop_probability=0.0)
+    await rig.produce()  # the gap shows; its replay goes unanswered
+    await wait_until(lambda: publisher.stats.replays_unanswered >= 1, what="a replay left unanswered")
+    assert rig.seqs.seqs == list(range(seq + 1)) and rig.sub.stats().replaying
+    await wait_until(lambda: not publisher.faults.replay_muted, what="the replay endpoint to answer again")
+    await wait_until(lambda: rig.seqs.seqs == list(range(seq + 3)), what="a retried replay to fill the gap")
+
+
 async def wait_until_resumed(rig: Rig) -> None:
     publisher = rig.server.stub.publishers[0]
     await wait_until(lambda: not publisher.faults.paused, what="the pause to end")

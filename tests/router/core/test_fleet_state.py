@@ -10,7 +10,7 @@ import itertools
 
 import msgspec
 
-from events.sequence import CaughtUp
+from events.sequence import CaughtUp, RequestReplay
 from events.sequence import Reset as LinkReset
 from events.sources import EngineName, EngineStats
 from events.wire import BlockStored, KVEventBatch
@@ -227,7 +227,8 @@ def test_a_verification_replay_answered_before_the_last_request_stored_leaves_it
     for seq, prompt in enumerate(prompts[:3]):  # the replay: the held batches of the first three
         fleet.on_batch(EngineName("e"), seq, KVEventBatch(0.0, [stored(prompt)]))
     fleet.on_signal(EngineName("e"), CaughtUp(2))
-    assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)  # late stores are no cause
+    # late stores are no cause; the fourth's, answered and still missing, keep the mirror catching up
+    assert status(fleet, clock) == (TrustState.CATCHING_UP, TrustReason.STORES_LATE)
     clock.now = last_sent + SILENCE_S
     assert status(fleet, clock) == (TrustState.STALE, TrustReason.SILENT)
     fleet.on_batch(EngineName("e"), 3, KVEventBatch(0.0, [stored(prompts[3])]))  # events flow again
@@ -269,6 +270,96 @@ def test_a_request_that_stored_nothing_is_awaited_no_longer_once_it_is_accounted
     fleet.on_batch(EngineName("e"), 0, KVEventBatch(0.0, [stored(good)]))
     fleet.request_finished(E, RequestId("good"), clock())
     clock.now += SILENCE_S
+    assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
+
+
+def test_a_replay_asked_makes_the_mirror_catch_up_before_any_batch_or_scrape() -> None:
+    """The link signals each replay it asks (a gap's, a verification's, a retry's): the very next
+    trust read (a routing decision's) says so, though no batch arrives and no metrics are scraped
+    (before, only `Replica.poll` of the link's counters did, on those two occasions)."""
+    fleet, clock = fleet_of(engine())
+    fleet.on_signal(EngineName("e"), CaughtUp(None))
+    fleet.attach(E, FakeLink())  # whose counters say nothing of the replay
+    assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
+    fleet.on_signal(EngineName("e"), RequestReplay(4))
+    assert status(fleet, clock) == (TrustState.CATCHING_UP, TrustReason.REPLAY_IN_FLIGHT)
+    clock.now += 60.0
+    fleet.on_signal(EngineName("e"), RequestReplay(4))  # the retry of an unanswered one
+    assert status(fleet, clock) == (TrustState.CATCHING_UP, TrustReason.REPLAY_IN_FLIGHT)
+    fleet.on_signal(EngineName("e"), CaughtUp(4))
+    assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
+
+
+def expected(paused_for: float, late: bool) -> tuple[TrustState, TrustReason]:
+    """The trust of a mirror whose events paused `paused_for` ago while requests flowed."""
+    if paused_for >= SILENCE_S:
+        return TrustState.STALE, TrustReason.SILENT
+    return (TrustState.CATCHING_UP, TrustReason.STORES_LATE) if late else (TrustState.FRESH, TrustReason.OK)
+
+
+def test_a_conversation_whose_events_pause_goes_silent_though_every_turn_finds_its_first_block() -> None:
+    """Every turn of a conversation shares its first block with the first turn, so finding it says
+    nothing of the link: the turns whose stores never come stay awaited, and the mirror is silent
+    `silence_s` after the first of them was sent, however short each turn is (before, each turn's
+    end forgave the earlier ones, the clock restarted at every send, and the mirror stayed fresh
+    through the whole pause while its prediction fell behind the engine's hits). Before that, from
+    the first turn that ends without its stores, the mirror is catching up (`stores_late`)."""
+    fleet, clock = fleet_of(engine())
+    fleet.on_signal(EngineName("e"), CaughtUp(None))
+    fleet.attach(E, FakeLink())
+    turns = [list(range(10 + 8 * i)) for i in range(12)]  # each turn the last one and 8 tokens more
+    sent(fleet, clock, "t0", turns[0])
+    fleet.on_batch(EngineName("e"), 0, KVEventBatch(0.0, [stored(turns[0])]))
+    fleet.request_finished(E, RequestId("t0"), clock())
+    paused_at = clock()  # the engine's events pause: no turn's stores arrive from here on
+    for i, turn in enumerate(turns[1:], 1):
+        sent(fleet, clock, f"t{i}", turn)
+        clock.now += SILENCE_S / 4  # each turn much shorter than the silence limit
+        assert status(fleet, clock) == expected(clock() - paused_at, late=i > 1), i
+        fleet.request_finished(E, RequestId(f"t{i}"), clock())
+        assert status(fleet, clock) == expected(clock() - paused_at, late=True), i
+    assert status(fleet, clock) == (TrustState.STALE, TrustReason.SILENT)
+    seq = 1
+    for turn in turns[1:]:  # the events resume: every turn's stores, late
+        fleet.on_batch(EngineName("e"), seq, KVEventBatch(0.0, [stored(turn)]))
+        seq += 1
+    assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
+
+
+def test_a_later_request_whose_own_stores_were_seen_forgives_an_earlier_one_that_stored_nothing() -> None:
+    """An answered request whose blocks never appear (evicted before its end, or never stored) is
+    forgiven once a request sent after it ends with its own blocks seen: the link delivered stores
+    published after the earlier one's."""
+    fleet, clock = fleet_of(engine())
+    fleet.on_signal(EngineName("e"), CaughtUp(None))
+    fleet.attach(E, FakeLink())
+    sent(fleet, clock, "lost", list(range(100, 110)))
+    fleet.request_finished(E, RequestId("lost"), clock())
+    clock.now += 1.0
+    later = list(range(200, 210))
+    sent(fleet, clock, "later", later)
+    fleet.on_batch(EngineName("e"), 0, KVEventBatch(0.0, [stored(later)]))
+    clock.now += SILENCE_S
+    assert status(fleet, clock) == (TrustState.STALE, TrustReason.SILENT)  # "later" still runs
+    fleet.request_finished(E, RequestId("later"), clock())
+    assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
+
+
+def test_an_answered_request_whose_stores_are_missing_makes_the_mirror_catch_up_until_they_arrive() -> None:
+    """The engine publishes a request's stores before answering it, so once it has ended without them
+    the mirror is behind at once (a lost last batch shows no gap until the engine publishes again):
+    `stores_late` at the very next decision, not `silence_s` after its send; its stores, arriving
+    while an older request still runs, clear it."""
+    fleet, clock = fleet_of(engine())
+    fleet.on_signal(EngineName("e"), CaughtUp(None))
+    fleet.attach(E, FakeLink())
+    sent(fleet, clock, "slow", list(range(100, 110)))  # still running: nothing is due from it yet
+    lost = list(range(200, 210))
+    sent(fleet, clock, "lost", lost)
+    assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
+    fleet.request_finished(E, RequestId("lost"), clock())
+    assert status(fleet, clock) == (TrustState.CATCHING_UP, TrustReason.STORES_LATE)
+    fleet.on_batch(EngineName("e"), 0, KVEventBatch(0.0, [stored(lost)]))  # late, not lost after all
     assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
 
 

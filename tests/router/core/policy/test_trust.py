@@ -125,6 +125,24 @@ CASES: dict[str, tuple[list[TrustSignal], float, TrustState, TrustReason]] = {
         R.OK,
     ),
     "idle engine is not silent": ([Delivered(1.0)], 600.0, FRESH, R.OK),
+    "an answered request's stores not seen: catching up at once": (
+        [StoresAwaited(1.0, 1.0, late=True)],
+        1.1,
+        CATCHING_UP,
+        R.STORES_LATE,
+    ),
+    "late stores past the silence limit: silent": (
+        [StoresAwaited(1.0, 1.0, late=True)],
+        6.0,
+        STALE,
+        R.SILENT,
+    ),
+    "late stores arrived": (
+        [StoresAwaited(1.0, 1.0, late=True), StoresAwaited(2.0, None, late=False)],
+        60.0,
+        FRESH,
+        R.OK,
+    ),
     "worst reason wins": (
         [Gap(1.0, 3, 4), BlockSizeMismatch(1.5, 16, 32), ReplayStarted(2.0)],
         3.0,
