@@ -211,14 +211,21 @@ class RelayResponse(Response):
         coalesce_s: float = 0.0,
     ) -> None:  # fmt: skip
         """Relay the whole answer through `send`; `watch` learns when the last message goes out. With
-        `direct`, the body after the first chunk goes straight to the client transport (`_pump`); with
-        `scope` instead, its `body_writer` (with `coalesce_s`) is looked up for that, only if the body
-        goes on after its first chunk (an answer that came whole needs none)."""
+        `direct`, the body after the first chunk goes straight to the client transport (`_pump`), and
+        every wait on a client that takes no more bytes is bounded (`write_s`, the answer's deadline:
+        then `client_slow`); with `scope` instead, its `body_writer` (with `coalesce_s`) is that."""
         status, complete, tap, whole, ended = "client_closed", False, self._tap, b"", False
         try:
+            upstream = self.upstream
+            if direct is None and scope is not None:
+                direct = body_writer(scope, coalesce_s)
+            if direct is not None:  # every wait on the client through it, bounded
+                direct.bound(self.write_s, upstream.deadline)
+                if direct.blocked():  # (a pipelined answer behind another its client has not read)
+                    await direct.writable()
             start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             await send(start)
-            first, upstream = True, self.upstream
+            first = True
             reader = upstream.response  # read directly: no wrapper call per chunk
             while not ended:
                 # What has arrived, with no coroutine; None: wait for it.
@@ -246,12 +253,8 @@ class RelayResponse(Response):
                     # Time from the first chunk's arrival to its hand-over to the client transport.
                     self._on_first_byte(time.perf_counter() - received)
                     first = False
-                    if direct is None and scope is not None and not ended:
-                        direct = body_writer(scope, coalesce_s)
-                    if direct is not None and not ended:
-                        direct.bound(self.write_s, upstream.deadline)
-                        if direct.usable():
-                            await self._pump(direct)
+                    if direct is not None and not ended and direct.usable():
+                        await self._pump(direct)
             status, complete = str(self.status_code), True
             if not ended:
                 watch.closing()

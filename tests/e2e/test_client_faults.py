@@ -34,6 +34,8 @@ STREAM = json.dumps({"model": MODEL, "prompt": "hello " * 8, "max_tokens": 10, "
 PLAIN = {"model": MODEL, "prompt": "hello " * 8, "max_tokens": 3}
 EVENT = b"data: " + json.dumps({"choices": [{"index": 0, "text": "x" * 65000}]}).encode() + b"\n\n"
 """One big SSE event: a few of them fill any socket buffer on loopback."""
+BIG = 16 << 20
+MEGA = 1 << 20
 FIRST = b"data: {}\n\n"
 DONE = b"data: [DONE]\n\n"
 FINITE = FIRST + EVENT * 256 + DONE
@@ -54,7 +56,9 @@ class Engine:
     async def handle(self, request: web.Request) -> web.StreamResponse:
         body = await request.json()
         if not body.get("stream"):
-            return web.json_response({"choices": [{"index": 0, "text": "ok"}], "usage": None})
+            size = body.get("max_tokens")
+            text = "x" * (size if size in (BIG, MEGA) else 2)  # BIG: past any socket buffer
+            return web.json_response({"choices": [{"index": 0, "text": text}], "usage": None})
         reply = web.StreamResponse(headers={"content-type": "text/event-stream"})
         await reply.prepare(request)
         self.started += 1
@@ -113,8 +117,8 @@ async def raw_client(gw: Gateway, rcvbuf: int = 0) -> tuple[asyncio.StreamReader
     return await asyncio.open_connection(sock=sock, limit=1 << 20)
 
 
-def request(body: bytes) -> bytes:
-    head = "POST /v1/completions HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
+def request(body: bytes, path: str = "/v1/completions") -> bytes:
+    head = f"POST {path} HTTP/1.1\r\nhost: gw\r\ncontent-type: application/json\r\n"
     return f"{head}content-length: {len(body)}\r\n\r\n".encode() + body
 
 
@@ -188,6 +192,35 @@ def test_a_client_that_stops_reading_is_client_slow_after_the_write_bound(loop: 
     LOOPS[loop](main())
 
 
+@pytest.mark.parametrize(
+    ("path", "body"),
+    [
+        ("/v1/completions", json.dumps({**PLAIN, "max_tokens": BIG}).encode()),  # not streamed: 16 MB
+        ("/v1/responses", STREAM),  # a passthrough path, streamed
+    ],
+    ids=["plain", "passthrough"],
+)
+@pytest.mark.parametrize("loop", LOOPS)
+def test_every_path_cuts_a_client_that_stops_reading(loop: str, path: str, body: bytes) -> None:
+    """A non-streamed answer too big for the buffers, and a streamed passthrough answer: a client that
+    reads none of it is `client_slow` after `client_write_s`, the engine charged nothing."""
+
+    async def main() -> None:
+        engine = Engine("flood")
+        async with gateway_over(engine, Timeouts(read_s=0.05, client_write_s=0.5)) as gw:
+            reader, writer = await raw_client(gw, rcvbuf=4096)
+            writer.write(request(body, path))
+            await reader.readuntil(b"\r\n\r\n")
+            await until_counted(gw, "client_slow", 1)
+            text = (await gw.client.get("/metrics")).text
+            assert metric(text, "kvrouter_client_timeouts_total", phase="write") == 1
+            assert gw.parts.fleet.admission.total == 0
+            await engine_unharmed(gw)
+            writer.close()
+
+    LOOPS[loop](main())
+
+
 @pytest.mark.parametrize("loop", LOOPS)
 def test_a_client_that_pauses_past_the_read_timeout_gets_the_whole_answer(loop: str) -> None:
     """A client pausing longer than `read_s` (but within `client_write_s`) is no engine silence: the
@@ -252,6 +285,27 @@ def test_pipelined_streams_whose_client_closes_are_client_closed(loop: str) -> N
             assert engine.started == 6  # the second request of each connection never went out
             assert gw.parts.fleet.admission.total == 0
             await engine_unharmed(gw)
+
+    LOOPS[loop](main())
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+def test_a_pipelining_client_that_reads_nothing_is_client_slow(loop: str) -> None:
+    """Twenty pipelined requests for 1 MB answers, none read: the answers go out until the client's
+    buffers are full, then the one waiting on it (mid-answer, or before its head: the answer before
+    it completed into a full buffer) is cut off as `client_slow`, the rest never start."""
+
+    async def main() -> None:
+        engine = Engine("flood")
+        async with gateway_over(engine, Timeouts(read_s=0.05, client_write_s=0.5)) as gw:
+            _, writer = await raw_client(gw, rcvbuf=4096)
+            body = json.dumps({**PLAIN, "max_tokens": MEGA}).encode()
+            writer.write(request(body) * 20)
+            await until_counted(gw, "client_slow", 1)
+            assert await counted(gw, "200") < 19  # (the connection was cut: no more were served)
+            assert gw.parts.fleet.admission.total == 0
+            await engine_unharmed(gw)
+            writer.close()
 
     LOOPS[loop](main())
 
