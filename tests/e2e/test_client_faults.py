@@ -266,18 +266,20 @@ def test_total_s_holds_while_the_client_does_not_read(loop: str) -> None:
     LOOPS[loop](main())
 
 
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/responses"], ids=["hot", "passthrough"])
 @pytest.mark.parametrize("loop", LOOPS)
-def test_pipelined_streams_whose_client_closes_are_client_closed(loop: str) -> None:
+def test_pipelined_streams_whose_client_closes_are_client_closed(loop: str, path: str) -> None:
     """Six connections each pipeline two streams and close after the first chunk: each running stream
     is `client_closed` (its engine stream closed at once), the queued ones never start, and the
-    engine is charged nothing (the read timeout would have fired on the held streams)."""
+    engine is charged nothing (the read timeout would have fired on the held streams). On the hot
+    routes' cycles and on uvicorn's (the passthrough paths) alike."""
 
     async def main() -> None:
         engine = Engine("hold")
         async with gateway_over(engine, Timeouts(read_s=1.0)) as gw:
             for _ in range(6):
                 reader, writer = await raw_client(gw)
-                writer.write(request(STREAM) + request(STREAM))
+                writer.write(request(STREAM, path) + request(STREAM, path))
                 await reader.readuntil(b"data: ")  # the first chunk of the first answer
                 writer.close()
             await until_counted(gw, "client_closed", 6)
