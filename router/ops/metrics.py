@@ -543,6 +543,11 @@ class RouterMetrics:
         """Count a relayed answer's end with nothing more to record (a passthrough's), as `answered`
         counts it: by engine, policy and status; `client_slow` also as a client `write` timeout."""
         self.requests_of[engine, policy, status].inc()
+        self._client_fault(status)
+
+    def _client_fault(self, status: str) -> None:
+        """An answer cut off because its client read none of it (`client_slow`) is also a client
+        connection timed out while written to (`write`)."""
         if status == "client_slow":
             self.client_timeouts.labels("write").inc()
 
@@ -566,8 +571,8 @@ class RouterMetrics:
                 duration.counts[bisect_left(duration.bounds, took_s)] += 1
             else:
                 duration.observe(took_s)
-        elif status == "client_slow":
-            self.client_timeouts.labels("write").inc()
+        else:
+            self._client_fault(status)
         if cached is None:
             return
         predicted_of, actual_of, error_of = self._prediction_of[engine]
