@@ -4,7 +4,9 @@ Asks every gateway's `GET /debug/digests` (with the admin token from `$KVROUTER_
 variable `--admin-token-env` names) and compares, per replica: presence, mirror trust, last applied
 seq and each (rank, group) view's digest (`router.ops.digests`). Exit status: 0 when all agree and
 every mirror is fresh, 1 on any difference (one line each on stdout), 2 when a gateway cannot be asked.
-Compare at quiescence: while events flow, gateways a batch apart differ for a moment.
+No redirect is followed: the token goes only to the URLs given, and a gateway answering 3xx is an
+error (exit 2, naming where it pointed). Compare at quiescence: while events flow, gateways a batch
+apart differ for a moment.
 """
 
 from __future__ import annotations
@@ -62,12 +64,26 @@ def run(args: argparse.Namespace) -> int:
     return 1 if lines else 0
 
 
+class _NoRedirect(urllib.request.HTTPRedirectHandler):
+    """Refuses every redirect: urllib would send the request's headers, the admin token among them,
+    to wherever the answer points. The 3xx answer is then raised as an `HTTPError`."""
+
+    def redirect_request(self, *args: object, **kwargs: object) -> None:
+        return None
+
+
+_OPENER = urllib.request.build_opener(_NoRedirect)
+
+
 def _fetch(url: str, token: str, timeout_s: float) -> bytes:
     request = urllib.request.Request(url, headers={"authorization": f"Bearer {token}"})
     try:
-        with urllib.request.urlopen(request, timeout=timeout_s) as answer:
+        with _OPENER.open(request, timeout=timeout_s) as answer:
             body: bytes = answer.read()
     except urllib.error.HTTPError as exc:
+        if 300 <= exc.code < 400:
+            where = (exc.headers.get("Location") or "")[:200]
+            raise OSError(f"answered {exc.code}, a redirect to {where!r}: not followed") from None
         detail = exc.read().decode(errors="replace")[:200]
         raise OSError(f"answered {exc.code}: {detail}") from None
     return body

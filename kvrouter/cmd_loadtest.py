@@ -14,6 +14,7 @@ import argparse
 import asyncio
 import sys
 import tomllib
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -23,11 +24,20 @@ from tqdm import tqdm
 from engine_stub.runtime.cost_model import H100_8B
 from engine_stub.stub_config import StubConfig
 from kvrouter.extras import MissingExtra, require_extra
+from kvrouter.loadtest.agents import AgentWorkload, agent_requests
 from kvrouter.loadtest.engines_file import EnginesFile, load_engines_file, refuse_stub_policies
 from kvrouter.loadtest.harness import EXTERNAL, ORACLES, HarnessSpec, default_out_dir, run_harness
-from kvrouter.loadtest.plan import RunPlan, at_load, context_needed, describe, not_fitting, offered_load
+from kvrouter.loadtest.plan import (
+    RunPlan,
+    StubFleet,
+    at_load,
+    context_needed,
+    describe,
+    not_fitting,
+    offered_load,
+)
 from kvrouter.loadtest.report import Report
-from kvrouter.loadtest.results import PolicySummary, RequestResult
+from kvrouter.loadtest.results import UNSETTLED_RATIO, PolicySummary, RequestResult
 from kvrouter.loadtest.settings import LoadtestSettings, parse_policies, parse_routers
 from kvrouter.loadtest.text_prompts import TextPrompts
 from kvrouter.loadtest.workload import (
@@ -71,7 +81,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--block-size", type=int, default=d.block_size, help="tokens per block (default %(default)s)"
     )
-    p.add_argument("--workload", default=d.workload, help="'synthetic' or 'trace:PATH' (Mooncake JSONL)")
+    p.add_argument(
+        "--workload",
+        default=d.workload,
+        help="'synthetic', 'agents' (agent sessions, see README.md) or 'trace:PATH' (Mooncake JSONL)",
+    )
     p.add_argument("--policies", default=",".join(d.policies), help="comma-separated (default %(default)s)")
     p.add_argument(
         "--router",
@@ -94,7 +108,9 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--load",
         type=float,
-        help="scale arrivals so the offered uncached prefill work is X times the stubs' prefill capacity",
+        help="scale arrivals so the stubs are X busy by their own time model (prefill at a reference "
+        "router's caching, decode steps, step costs), found by simulating them; each stub's measured "
+        "busy fraction is printed after the run",
     )
     p.add_argument(
         "--stub-base-port",
@@ -128,10 +144,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--block-tokens",
         type=int,
         default=d.block_tokens,
-        help="trace: tokens per Mooncake hash id (default %(default)s)",
+        help="trace: tokens per Mooncake hash id; agents: prompts scaled by N/512 (default %(default)s)",
     )
     p.add_argument("--max-output-tokens", type=int, help="cap every request's output length")
-    p.add_argument("--seed", type=int, default=d.seed, help="synthetic workload seed")
+    p.add_argument("--seed", type=int, default=d.seed, help="synthetic and agents workload seed")
+    p.add_argument("--sessions", type=int, default=d.sessions, help="agents: sessions (default %(default)s)")
     p.add_argument(
         "--system-prompts", type=int, default=d.system_prompts, help="synthetic: shared system prompts"
     )
@@ -158,6 +175,14 @@ def build_requests(args: argparse.Namespace, cut: bool = True) -> tuple[list[Req
         scale = 1.0 if args.time_scale is None else args.time_scale
         spec = TraceWorkload(path, scale, args.block_tokens, args.requests, args.max_output_tokens)
         requests = trace_requests(records, spec)
+    elif args.workload == "agents":
+        agents = AgentWorkload(
+            sessions=args.sessions,
+            block_tokens=args.block_tokens,
+            max_output_tokens=args.max_output_tokens,
+            seed=args.seed,
+        )
+        requests = agent_requests(agents)
     elif args.workload == "synthetic":
         synthetic = SyntheticWorkload(
             system_prompts=args.system_prompts,
@@ -171,7 +196,7 @@ def build_requests(args: argparse.Namespace, cut: bool = True) -> tuple[list[Req
         if args.max_output_tokens is not None:
             requests = [msgspec.structs.replace(r, max_tokens=args.max_output_tokens) for r in requests]
     else:
-        raise ValueError(f"--workload must be 'synthetic' or 'trace:PATH', got {args.workload!r}")
+        raise ValueError(f"--workload must be 'synthetic', 'agents' or 'trace:PATH', got {args.workload!r}")
     if args.requests is not None:
         requests = requests[: args.requests]
     return cut_at_duration(requests, args.duration if cut else None)
@@ -231,16 +256,17 @@ def _plan(
         )
         keep = set(range(len(requests))) - set(dropped)
         requests = [r for i, r in enumerate(requests) if i in keep]
-    scale = 1.0
-    block_size = stub.engine.cache.block_size
+    fleet = StubFleet(args.engines, stub.engine, stub.cost, stub.data_parallel_size)
     if args.load is not None:
         if args.time_scale is not None:
             raise ValueError("give --load or --time-scale, not both")
-        requests, scale = at_load(requests, args.load, stub.cost, args.engines, block_size)
-    requests = _spread(args, requests)
+        requests, scale, offered = at_load(requests, args.load, fleet, lambda rs: _spread(args, rs))
+    else:
+        requests, scale = _spread(args, requests), 1.0
+        offered = offered_load(requests, fleet)
     plan = RunPlan(
         engines=args.engines,
-        block_size=block_size,
+        block_size=stub.engine.cache.block_size,
         num_gpu_blocks=stub.engine.cache.num_gpu_blocks,
         pool_source=source,
         max_model_len=stub.engine.cache.max_model_len,
@@ -248,7 +274,7 @@ def _plan(
         speed_factor=stub.cost.speed_factor,
         prompt_format=args.prompt_format,
         arrival_scale=scale,
-        offered=offered_load(requests, stub.cost, args.engines, block_size),
+        offered=offered,
         not_fitting=dropped,
     )
     return requests, plan, raw
@@ -266,19 +292,32 @@ def _external_plan(
     return _spread(args, requests)
 
 
-def _spread(args: argparse.Namespace, requests: list[RequestSpec]) -> list[RequestSpec]:
+def _spread(args: argparse.Namespace, requests: Sequence[RequestSpec]) -> list[RequestSpec]:
     """--min-gap-ms applied to the arrivals as they will be sent (after --load or --time-scale)."""
     if args.min_gap_ms < 0:
         raise ValueError(f"--min-gap-ms must be >= 0, got {args.min_gap_ms:g}")
     return spread_arrivals(requests, args.min_gap_ms / 1000.0)
 
 
-def _line(s: PolicySummary) -> str:
+def _line(s: PolicySummary, target: float | None) -> str:
+    """A policy's line: counts, TTFT p50, cached ratio, throughput; then each stub's measured busy
+    fraction beside the offered load, and a warning when its queues did not settle."""
     p50 = "-" if s.ttft.p50 is None else f"{s.ttft.p50 * 1000:.1f} ms"
-    return (
+    line = (
         f"{s.policy:>14}: {s.requests} requests, {s.errors} errors, TTFT p50 {p50}, "
         f"cached {s.cached_ratio * 100:.1f}%, {s.throughput_rps:.1f} req/s"
     )
+    if s.busy_fraction:
+        busy = ", ".join(f"{name} {f:.2f}" for name, f in s.busy_fraction.items())
+        offered = "" if target is None else f" (offered {target:.2f})"
+        line += f"\n{'':>16}busy fraction{offered}: {busy}"
+    if s.settled is False:
+        fifths = ", ".join("-" if v is None else f"{v:.3g}" for v in s.ttft_p50_by_fifth)
+        line += (
+            f"\n{'':>16}queues did not settle: TTFT p50 by fifth of arrivals {fifths} s "
+            f"(last > {UNSETTLED_RATIO:g}x first)"
+        )
+    return line
 
 
 def run(args: argparse.Namespace) -> int:
@@ -400,7 +439,8 @@ def _execute(spec: HarnessSpec, requests: list[RequestSpec], header: Report) -> 
         return 1
     finally:
         bar.close()
+    target = None if report.plan is None else report.plan.offered.load
     for summary in report.policies:
-        print(_line(summary))
+        print(_line(summary, target))
     print(f"report: {Path(spec.out) / 'report.html'}")
     return 1 if any(s.errors for s in report.policies) else 0

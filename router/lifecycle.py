@@ -30,11 +30,11 @@ from router.edge.gateway import GatewayParts
 from router.edge.proxy import Proxy, ProxySettings
 from router.links.discovery import DnsDiscovery
 from router.links.embedded_stubs import EmbeddedStubs
-from router.links.engine_scraper import EngineScraper
+from router.links.engine_scraper import EngineScraper, ScrapeSettings
 from router.links.fleet_links import FleetLinks
 from router.ops.debug import DecisionRing
 from router.ops.decision_peers import DecisionPeers
-from router.ops.fleet_views import engine_views
+from router.ops.fleet_views import engine_labels, engine_views
 from router.ops.metrics import RouterMetrics
 from router.ops.recording import GatewayRecorder
 from router.prepare.served_models import Models
@@ -162,9 +162,10 @@ class Service:
         )
         if kube is not None:
             metrics.count_discovery(kube.counts)
+        metrics.follow_fleet(partial(engine_labels, state))  # a removed engine's series go with it
+        state.on_replica_removed(lambda _: metrics.forget_removed_engines())
         if config.policy.scrape_period_s > 0:
-            p = config.policy
-            self.scraper = EngineScraper(state, p.scrape_period_s, p.scrape_timeout_s, metrics.scraped)
+            self.scraper = EngineScraper(state, ScrapeSettings.from_config(config.policy), metrics.scraped)
             self.scraper.start()
         ring = DecisionRing(opts.decision_ring)
         if opts.peers_dir is not None:

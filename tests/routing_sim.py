@@ -19,10 +19,10 @@ from collections.abc import Sequence
 import msgspec
 
 from engine_stub.core.engine_config import EngineCoreConfig
-from engine_stub.core.request import Request, SubmitParams
+from engine_stub.core.request import SubmitParams
 from engine_stub.core.scheduler import Scheduler, StepOutput
-from engine_stub.runtime.cost_model import CostModel, StepWork
-from engine_stub.runtime.forecast import QueuedSeq, forecast_ttft
+from engine_stub.runtime.cost_model import CostModel, step_work
+from engine_stub.runtime.forecast import scheduler_ttft
 from kvrouter.loadtest.workload import RequestSpec
 from router.core.ids import EngineId, RequestId
 from router.core.policy.load import CostPrior, LoadTracker, StepCost
@@ -71,12 +71,7 @@ class _Engine:
 
     def forecast(self, prompt: list[int], params: SubmitParams, now: float) -> tuple[float, int]:
         """The forecast TTFT of `prompt` queued now, as the stub's `/debug/forecast` gives it, and its hit."""
-        sched = self.scheduler
-        running = [_seq(r, r.num_computed_tokens) for r in sched.running]
-        waiting = [_seq(r, sched.kv.peek(r).hit_tokens) for r in sched.waiting]
-        hit = max(sched.peek_hit(prompt, params).hit_tokens, sched.queued_prefix(prompt, params))
-        waiting.append(QueuedSeq(len(prompt), len(prompt), hit, params.max_tokens))
-        ttft = forecast_ttft(running, waiting, sched.config.scheduler, self.cost)
+        ttft, hit = scheduler_ttft(self.scheduler, prompt, params, self.cost)
         assert ttft is not None
         return ttft + (max(0.0, self.step_ends - now) if self.busy else 0.0), hit
 
@@ -84,17 +79,7 @@ class _Engine:
         out = self.scheduler.step()
         if not out.scheduled and not out.preempted:
             return None
-        context = sum(
-            r.num_computed_tokens for rid in out.scheduled if (r := self.scheduler.requests.get(rid))
-        )
-        work = StepWork(out.num_prefill_tokens, out.num_decode_tokens, context)
-        return out, self.cost.step_seconds(work)
-
-
-def _seq(req: Request, computed: int) -> QueuedSeq:
-    return QueuedSeq(
-        req.num_prompt_tokens, req.num_tokens, computed, req.params.max_tokens - req.num_output_tokens
-    )
+        return out, self.cost.step_seconds(step_work(out, self.scheduler.requests))
 
 
 def simulate(policy: PolicyName | str, requests: Sequence[RequestSpec], sim: SimEngines) -> list[float]:

@@ -96,10 +96,14 @@ class EngineStats(msgspec.Struct, frozen=True):
 class Scheduler:
     """Waiting and running queues over one `KVCacheManager`."""
 
-    def __init__(self, config: EngineCoreConfig, sampler: Sampler = pseudo_token) -> None:
+    def __init__(
+        self, config: EngineCoreConfig, sampler: Sampler = pseudo_token, hasher: VllmHasher | None = None
+    ) -> None:
+        """`hasher` None: vLLM's digests, as the cache config names them (the load test's busy-time
+        model passes a faster one: a simulation needs digests equal where blocks are, not vLLM's)."""
         self.config = config
         self.kv = KVCacheManager(config.cache, config.scheduler.max_num_batched_tokens)
-        self.hasher = VllmHasher(config.cache.hash_algo, config.cache.hash_seed)
+        self.hasher = hasher or VllmHasher(config.cache.hash_algo, config.cache.hash_seed)
         self.sampler = sampler
         self.requests: dict[RequestId, Request] = {}
         self.waiting: deque[Request] = deque()
@@ -124,14 +128,20 @@ class Scheduler:
         self.waiting.append(req)
         return rid
 
-    def peek_hit(self, prompt: Sequence[int], params: SubmitParams) -> Lookup:
-        """What admitting `prompt` would hit right now; nothing is queued, cached or reported."""
-        return self.kv.peek(self._request(RequestId("peek"), prompt, params))
+    def probe(self, prompt: Sequence[int], params: SubmitParams) -> Request:
+        """A request for `prompt` that is never queued, for `peek_hit` and `queued_prefix`: built once,
+        it asks every scheduler of the same cache config without hashing the prompt again."""
+        return self._request(RequestId("peek"), prompt, params)
 
-    def queued_prefix(self, prompt: Sequence[int], params: SubmitParams) -> int:
+    def peek_hit(self, prompt: Sequence[int] | Request, params: SubmitParams) -> Lookup:
+        """What admitting `prompt` would hit right now; nothing is queued, cached or reported."""
+        return self.kv.peek(prompt if isinstance(prompt, Request) else self.probe(prompt, params))
+
+    def queued_prefix(self, prompt: Sequence[int] | Request, params: SubmitParams) -> int:
         """Tokens of `prompt`'s leading blocks that a queued or running request also starts with (they
         will be cached once that request is scheduled), capped as a hit is; nothing is changed."""
-        digests = self._request(RequestId("peek"), prompt, params).block_hashes
+        probe = prompt if isinstance(prompt, Request) else self.probe(prompt, params)
+        digests = probe.block_hashes
         best = 0
         for other in self.requests.values():
             n = 0
@@ -141,7 +151,7 @@ class Scheduler:
                 n += 1
             best = max(best, n)
         align = self.config.cache.scheduler_block_size
-        return min(best * self.config.cache.hash_block_size, (len(prompt) - 1) // align * align)
+        return min(best * self.config.cache.hash_block_size, (probe.num_prompt_tokens - 1) // align * align)
 
     def _request(self, rid: RequestId, prompt: Sequence[int], params: SubmitParams) -> Request:
         cache = self.config.cache

@@ -19,11 +19,16 @@ heads of dimension 128, in BF16, so one token's K and V take 2 x 32 x 8 x 128 x 
 
 from __future__ import annotations
 
-from typing import Final
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Final
 
 import msgspec
 
-__all__ = ["H100_8B", "KV_BYTES_PER_TOKEN", "CostModel", "GpuMemory", "StepWork"]
+if TYPE_CHECKING:
+    from engine_stub.core.request import Request, RequestId
+    from engine_stub.core.scheduler import StepOutput
+
+__all__ = ["H100_8B", "KV_BYTES_PER_TOKEN", "CostModel", "GpuMemory", "StepWork", "step_work"]
 
 GIB: Final = 1 << 30
 KV_BYTES_PER_TOKEN: Final = 2 * 32 * 8 * 128 * 2
@@ -86,3 +91,14 @@ class StepWork(msgspec.Struct, frozen=True):
     prefill_tokens: int = 0
     decode_seqs: int = 0
     context_tokens: int = 0
+
+
+def step_work(out: StepOutput, requests: Mapping[RequestId, Request]) -> StepWork:
+    """What one scheduler step computed, for `CostModel.step_seconds`: its prefill tokens, decoding
+    sequences and the context read, i.e. the computed tokens, after the step, of every scheduled
+    request the scheduler still holds (`requests`; a request that finished in the step reads as 0).
+
+    The one pricing rule of a step: the stub's step loop, the load test's busy-time model and the
+    routing simulator all call it."""
+    context = sum(req.num_computed_tokens for rid in out.scheduled if (req := requests.get(rid)) is not None)
+    return StepWork(out.num_prefill_tokens, out.num_decode_tokens, context)

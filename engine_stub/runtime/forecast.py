@@ -11,13 +11,16 @@ admitted is not counted, and allocation never fails (no preemption or pool wait 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import msgspec
 
 from engine_stub.core.engine_config import SchedulerConfig
-from engine_stub.core.scheduler import chunk_tokens, step_threshold
+from engine_stub.core.request import Request, SubmitParams
+from engine_stub.core.scheduler import Scheduler, chunk_tokens, step_threshold
 from engine_stub.runtime.cost_model import CostModel, StepWork
 
-__all__ = ["Forecast", "QueuedSeq", "forecast_ttft"]
+__all__ = ["Forecast", "QueuedSeq", "forecast_ttft", "queued_seq", "scheduler_ttft"]
 
 
 class QueuedSeq(msgspec.Struct):
@@ -38,6 +41,33 @@ class Forecast(msgspec.Struct, frozen=True):
     hit_tokens: int
     num_running: int
     num_waiting: int
+
+
+def queued_seq(req: Request, computed: int) -> QueuedSeq:
+    """`req` as the forecast steps it, with `computed` tokens done (its hit, when it waits)."""
+    return QueuedSeq(
+        req.num_prompt_tokens, req.num_tokens, computed, req.params.max_tokens - req.num_output_tokens
+    )
+
+
+def scheduler_ttft(
+    sched: Scheduler,
+    prompt: Sequence[int] | Request,
+    params: SubmitParams,
+    cost: CostModel,
+    ahead: Sequence[QueuedSeq] = (),
+    min_hit: int = 0,
+) -> tuple[float | None, int]:
+    """When `prompt` would get its first token if queued on `sched` now, behind `ahead` (requests on
+    their way there), counted from the current step's end, and the hit it would get: its cache hit,
+    the prefix a queued request shares with it, or `min_hit` (what `ahead` share), the longest."""
+    running = [queued_seq(r, r.num_computed_tokens) for r in sched.running]
+    waiting = [queued_seq(r, sched.kv.peek(r).hit_tokens) for r in sched.waiting]
+    waiting += [msgspec.structs.replace(a) for a in ahead]  # copies: the forecast consumes them
+    hit = max(sched.peek_hit(prompt, params).hit_tokens, sched.queued_prefix(prompt, params), min_hit)
+    length = prompt.num_prompt_tokens if isinstance(prompt, Request) else len(prompt)
+    waiting.append(QueuedSeq(length, length, hit, params.max_tokens))
+    return forecast_ttft(running, waiting, sched.config.scheduler, cost), hit
 
 
 def forecast_ttft(

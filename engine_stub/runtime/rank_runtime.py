@@ -18,11 +18,11 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from engine_stub.core.request import Request, RequestId, SubmitParams
+from engine_stub.core.request import RequestId, SubmitParams
 from engine_stub.core.scheduler import Admission, Scheduler, StepOutput
-from engine_stub.runtime.cost_model import CostModel, StepWork
+from engine_stub.runtime.cost_model import CostModel, step_work
 from engine_stub.runtime.faults import FaultInjector, FaultState, FaultUpdate
-from engine_stub.runtime.forecast import Forecast, QueuedSeq, forecast_ttft
+from engine_stub.runtime.forecast import Forecast, QueuedSeq, scheduler_ttft
 from engine_stub.runtime.output_streams import Emitted, RequestStream
 from engine_stub.runtime.pseudo_text import PseudoText
 from engine_stub.stub_config import StubConfig
@@ -48,12 +48,9 @@ class EngineCounters(msgspec.Struct):
     requests_finished: int = 0
     requests_aborted: int = 0
     prompt_tokens: int = 0
-
-
-def _seq(req: Request, computed: int) -> QueuedSeq:
-    return QueuedSeq(
-        req.num_prompt_tokens, req.num_tokens, computed, req.params.max_tokens - req.num_output_tokens
-    )
+    busy_seconds: float = 0.0
+    """Wall-clock seconds of the steps run so far, as the cost model priced them (the time the loop
+    slept through them): the engine's busy time by its own time model."""
 
 
 class EngineRuntime:
@@ -146,14 +143,9 @@ class EngineRuntime:
         here, with the hits expected for them), from this rank's true queues, hits and cost model. Its
         hit counts the prefix a queued request shares with it, and `min_hit` (what `ahead` share)."""
         sched = self.scheduler
-        running = [_seq(r, r.num_computed_tokens) for r in sched.running]
-        waiting = [_seq(r, sched.kv.peek(r).hit_tokens) for r in sched.waiting]
-        waiting += [msgspec.structs.replace(a) for a in ahead]  # copies: the forecast consumes them
-        hit = max(sched.peek_hit(prompt, params).hit_tokens, sched.queued_prefix(prompt, params), min_hit)
-        waiting.append(QueuedSeq(len(prompt), len(prompt), hit, params.max_tokens))
-        num_running, num_waiting = len(running), len(sched.waiting)
-        ttft = forecast_ttft(running, waiting, self.config.engine.scheduler, self.cost)
-        if ttft is not None and self.scheduler.requests:
+        ttft, hit = scheduler_ttft(sched, prompt, params, self.cost, ahead, min_hit)
+        num_running, num_waiting = len(sched.running), len(sched.waiting)
+        if ttft is not None and sched.requests:
             ttft += max(0.0, self._step_ends - asyncio.get_running_loop().time())
         return Forecast(self.rank, ttft, len(prompt), hit, num_running, num_waiting)
 
@@ -222,19 +214,13 @@ class EngineRuntime:
             if not out.scheduled and not out.preempted:
                 await self._wake.wait()  # nothing fits until a request ends or arrives
                 continue
-            seconds = self.cost.step_seconds(self._work(out))
+            seconds = self.cost.step_seconds(step_work(out, self.scheduler.requests))
             self._step_ends = asyncio.get_running_loop().time() + seconds
             await asyncio.sleep(seconds)
+            self.counters.busy_seconds += seconds  # at the step's end: the counter holds whole steps
             await self._publish(out.events)
             self._account(out)
             self._deliver(out)
-
-    def _work(self, out: StepOutput) -> StepWork:
-        context = 0
-        for rid in out.scheduled:
-            req = self.scheduler.requests.get(rid)
-            context += req.num_computed_tokens if req is not None else 0
-        return StepWork(out.num_prefill_tokens, out.num_decode_tokens, context)
 
     async def _publish(self, events: list[KVEvent]) -> None:
         if not events or self.publisher is None:

@@ -162,6 +162,7 @@ class Stub:
                 c.requests_aborted,
                 c.prompt_tokens,
                 e.scheduler.kv.pool.num_cached_blocks,
+                c.busy_seconds,
             )
             out.append(gauge)
         return out

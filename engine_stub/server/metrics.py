@@ -7,6 +7,9 @@ re-admitted preempted requests are not counted). `vllm:request_success_total{fin
 `vllm:prompt_tokens_total` count finished requests as vLLM does, so a load test can attribute traffic
 to engines from their own counters; `kvrouter_stub_cached_blocks` (the stub's own, no vLLM
 equivalent) counts the pool's blocks holding a prefix-cache key, 0 right after a reset;
+`kvrouter_stub_busy_seconds_total` (the stub's own) sums the seconds of the steps each rank ran, as
+its cost model priced them (wall-clock, after `speed_factor`), so a load test can tell how busy the
+stub was by its own time model;
 `kvrouter_stub_http2_refused_total` counts HTTP/2 prior-knowledge connections refused.
 """
 
@@ -43,6 +46,7 @@ class EngineGauges(msgspec.Struct, frozen=True):
     requests_aborted: int = 0
     prompt_tokens: int = 0
     cached_blocks: int = 0
+    busy_seconds: float = 0.0
 
 
 class _EngineCollector(Collector):
@@ -81,6 +85,11 @@ class _EngineCollector(Collector):
             "KV blocks holding a prefix-cache key, referenced or free (0 after a reset).",
             labels=LABELS,
         )
+        busy = CounterMetricFamily(
+            "kvrouter_stub_busy_seconds",
+            "Seconds of engine steps run, as the stub's cost model prices them (after speed_factor).",
+            labels=LABELS,
+        )
         for g in self._read():
             labels = [self._model, str(g.rank)]
             running.add_metric(labels, g.running)
@@ -92,7 +101,8 @@ class _EngineCollector(Collector):
             success.add_metric([*labels, "abort"], g.requests_aborted)
             prompt.add_metric(labels, g.prompt_tokens)
             cached.add_metric(labels, g.cached_blocks)
-        yield from (running, waiting, usage, queries, hits, success, prompt, cached)
+            busy.add_metric(labels, g.busy_seconds)
+        yield from (running, waiting, usage, queries, hits, success, prompt, cached, busy)
 
 
 class StubMetrics:

@@ -11,8 +11,9 @@ an OpenAI-compatible router the user started and pointed at the stubs: it is pol
 answers `GET /v1/models` (bounded by `ready_timeout_s`) and warmed up like a gateway; several such
 routers, each under its own policy name (`routers`), run one after another on the same stubs.
 `engine_share` comes from the stubs' own request counters, read before and after each policy, so an
-external router's traffic is attributed too. With `engines_from` no stub starts: the user's engines
-are driven, reset before every policy (`engines_file.py`), and a gateway's run starts once its
+external router's traffic is attributed too; so does each stub's `busy_fraction` (its busy-seconds
+counter over the arrival span, what `--load` aims at). With `engines_from` no stub starts: the
+user's engines are driven, reset before every policy (`engines_file.py`), and a gateway's run starts once its
 mirror holds no block (or records how many it holds when an engine cannot reset); the oracles are
 refused there.
 """
@@ -45,9 +46,9 @@ from kvrouter.loadtest.engines_file import EnginesFile, await_cold_mirror, mirro
 from kvrouter.loadtest.oracle import CACHE_ORACLE, CacheOracle, StubEndpoint
 from kvrouter.loadtest.report import Report, write_report
 from kvrouter.loadtest.results import PolicySummary, RequestResult, summarize
-from kvrouter.loadtest.stub_counters import engine_share, read_counters
+from kvrouter.loadtest.stub_counters import busy_fractions, engine_share, read_counters
 from kvrouter.loadtest.ttft_oracle import TTFT_ORACLE, TtftOracle
-from kvrouter.loadtest.workload import RequestSpec, block_token_ids
+from kvrouter.loadtest.workload import RequestSpec, arrival_span, block_token_ids
 from router.links.embedded_stubs import EmbeddedStubs
 from router.settings.config import Embedded, EngineConfig, ModelConfig
 
@@ -249,6 +250,7 @@ class _PolicyRun(msgspec.Struct):
     elapsed_s: float
     cached_blocks_at_start: int
     engine_share: dict[str, float]
+    busy_fraction: dict[str, float]
 
 
 async def _run_policy(
@@ -283,7 +285,8 @@ async def _run_policy(
             await gateway.stop()
     # the engines' own gauge (stubs; vLLM has none) and what the gateway's mirror still held
     cold = sum(c.cached_blocks for c in before.values()) + (mirrored or 0)
-    return _PolicyRun(results, elapsed, cold, engine_share(before, after))
+    busy = busy_fractions(before, after, arrival_span(requests))
+    return _PolicyRun(results, elapsed, cold, engine_share(before, after), busy)
 
 
 async def _cold_start(
@@ -368,9 +371,10 @@ async def run_harness(
         await _warm_engines(endpoints, requests, ctx.model.name)
         for policy in spec.policies:
             run = await _run_policy(policy, requests, spec, ctx, on_done)
-            summaries.append(
-                summarize(policy, run.results, run.elapsed_s, run.engine_share, run.cached_blocks_at_start)
+            summary = summarize(
+                policy, run.results, run.elapsed_s, run.engine_share, run.cached_blocks_at_start
             )
+            summaries.append(msgspec.structs.replace(summary, busy_fraction=run.busy_fraction))
             every.extend(run.results)
     finally:
         if external is None:

@@ -63,16 +63,21 @@ def _html(report: Report) -> str:
     head = (
         "<tr><th>policy</th><th>requests</th><th>errors</th><th>TTFT p50/p90/p99 (ms)</th>"
         "<th>E2E p50/p99 (ms)</th><th>req/s</th><th>cached ratio</th><th>prediction exact</th>"
-        "<th>cached blocks at start</th></tr>"
+        "<th>cached blocks at start</th><th>busy fraction per stub</th>"
+        "<th>TTFT p50 by fifth of arrivals (ms)</th></tr>"
     )
     rows = []
     for s in report.policies:
         exact = "-" if s.prediction_exact is None else f"{s.prediction_exact * 100:.1f}%"
+        busy = " / ".join(f"{f:.2f}" for f in s.busy_fraction.values()) or "-"
+        fifths = " / ".join(_fmt(v, 1000.0) for v in s.ttft_p50_by_fifth) or "-"
+        trend = f"<b class='warn'>not settled:</b> {fifths}" if s.settled is False else fifths
         rows.append(
             f"<tr><td>{html.escape(s.policy)}</td><td>{s.requests}</td><td>{s.errors}</td>"
             f"<td>{_fmt(s.ttft.p50)} / {_fmt(s.ttft.p90)} / {_fmt(s.ttft.p99)}</td>"
             f"<td>{_fmt(s.e2e.p50)} / {_fmt(s.e2e.p99)}</td><td>{s.throughput_rps:.1f}</td>"
-            f"<td>{s.cached_ratio * 100:.1f}%</td><td>{exact}</td><td>{s.cached_blocks_at_start}</td></tr>"
+            f"<td>{s.cached_ratio * 100:.1f}%</td><td>{exact}</td><td>{s.cached_blocks_at_start}</td>"
+            f"<td>{busy}</td><td>{trend}</td></tr>"
         )
     settings = "".join(
         f"<tr><th>{html.escape(name)}</th><td>{_json_text(value)}</td></tr>"

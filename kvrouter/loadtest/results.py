@@ -1,14 +1,36 @@
-"""Load-test results: one record per request, and the per-policy summary computed from them. Pure."""
+"""Load-test results: one record per request, and the per-policy summary computed from them. Pure.
+
+A summary says whether the run's queues settled: the TTFT p50 of each fifth of the answered requests,
+in arrival order (`ttft_p50_by_fifth`); when the last fifth's is more than `UNSETTLED_RATIO` (2x) the
+first fifth's, TTFT grew through the run, the queues did not settle, and percentiles over the run
+depend on its length (`settled` False; None with fewer than 10 answers).
+"""
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections import Counter
 from collections.abc import Sequence
+from typing import Final
 
 import msgspec
 
-__all__ = ["Percentiles", "PolicySummary", "RequestResult", "percentile", "prediction_errors", "summarize"]
+__all__ = [
+    "UNSETTLED_RATIO",
+    "Percentiles",
+    "PolicySummary",
+    "RequestResult",
+    "percentile",
+    "prediction_errors",
+    "settled",
+    "summarize",
+    "ttft_p50_by_fifth",
+]
+
+UNSETTLED_RATIO: Final = 2.0
+"""A run did not settle when its last fifth's TTFT p50 is more than this times its first fifth's."""
+FIFTHS: Final = 5
 
 
 class RequestResult(msgspec.Struct, frozen=True):
@@ -58,6 +80,13 @@ class PolicySummary(msgspec.Struct, frozen=True):
     """Each engine's fraction of the requests, from the engines' own counters when the harness read them."""
     cached_blocks_at_start: int = 0
     """Blocks holding a prefix-cache key on all stubs when the policy started (0: cold caches)."""
+    ttft_p50_by_fifth: list[float | None] = []
+    """TTFT p50 of each fifth of the answered requests in arrival order (empty: fewer than 10)."""
+    settled: bool | None = None
+    """False: the last fifth's TTFT p50 is more than `UNSETTLED_RATIO` x the first's (queues grew)."""
+    busy_fraction: dict[str, float] = {}
+    """Each stub's busy seconds per rank (its own counter) over the arrival span: what `--load` aims
+    at (empty when the engines report no busy time)."""
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
@@ -67,6 +96,28 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     ordered = sorted(values)
     rank = max(1, math.ceil(q / 100 * len(ordered)))
     return ordered[rank - 1]
+
+
+def ttft_p50_by_fifth(results: Sequence[RequestResult]) -> list[float | None]:
+    """TTFT p50 of each fifth (by count) of the answered requests in arrival order; [] under 10."""
+    answered = sorted(
+        (r for r in results if r.error is None and r.ttft_s is not None), key=lambda r: (r.arrival_s, r.index)
+    )
+    if len(answered) < 2 * FIFTHS:
+        return []
+    bounds = [round(i * len(answered) / FIFTHS) for i in range(FIFTHS + 1)]
+    return [
+        percentile([r.ttft_s for r in answered[a:b] if r.ttft_s is not None], 50)
+        for a, b in itertools.pairwise(bounds)
+    ]
+
+
+def settled(by_fifth: Sequence[float | None]) -> bool | None:
+    """Whether TTFT stayed level through the run: the last fifth's p50 at most `UNSETTLED_RATIO` x
+    the first's (None when there is no trend to judge)."""
+    if len(by_fifth) < 2 or by_fifth[0] is None or by_fifth[-1] is None:
+        return None
+    return by_fifth[-1] <= UNSETTLED_RATIO * by_fifth[0]
 
 
 def _percentiles(values: Sequence[float]) -> Percentiles:
@@ -100,6 +151,7 @@ def summarize(
     engines = Counter(r.engine for r in ok if r.engine is not None)
     total_engine = sum(engines.values())
     span = max(duration_s, 1e-9)
+    trend = ttft_p50_by_fifth(results)
     return PolicySummary(
         policy=policy,
         requests=len(results),
@@ -121,4 +173,6 @@ def summarize(
             else {e: n / total_engine for e, n in sorted(engines.items())}
         ),
         cached_blocks_at_start=cached_blocks_at_start,
+        ttft_p50_by_fifth=trend,
+        settled=settled(trend),
     )

@@ -22,7 +22,7 @@ class LoadtestSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     With `engine_config`, the stubs' block size comes from that file, not from `block_size`, and so
     does their pool unless `num_gpu_blocks` is given; with neither, the pool is an H100 80 GB's for
     an 8B model (`engine_stub.runtime.cost_model.H100_8B`). `time_scale` (trace timing, default 1) and `load`
-    (arrivals scaled to an offered prefill load) exclude each other.
+    (arrivals scaled so the stubs are that busy by their own time model, `plan.py`) exclude each other.
     """
 
     engines: int = 2
@@ -54,6 +54,7 @@ class LoadtestSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     block_tokens: int = 512
     max_output_tokens: int | None = None
     seed: int = 0
+    sessions: int = 48
     system_prompts: int = 4
     system_prompt_tokens: int = 1024
     users: int = 16

@@ -1,9 +1,13 @@
-"""The stubs' own counters, read from their `/metrics`: cached blocks, and requests each finished.
+"""The stubs' own counters, read from their `/metrics`: cached blocks, requests each finished, and
+the seconds of engine steps each ran (`kvrouter_stub_busy_seconds_total`, with its rank count).
 
 The harness reads them at each policy's start (the cached blocks must be 0: caches are cold) and
 around each policy's run, so `engine_share` comes from what the engines themselves served, whatever
 the router says (an external router names no engine). The request count is vLLM's own
 `vllm:request_success_total` (every finished reason), so the same reading works on real engines.
+The busy seconds are the stub's own (a real engine has none: `ranks` stays 0 and no busy fraction is
+reported); `busy_fractions` turns their deltas into each stub's busy fraction over the run's arrival
+span, the offered load's own measure (`plan.py`).
 """
 
 from __future__ import annotations
@@ -16,10 +20,11 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvrouter.loadtest.oracle import StubEndpoint
 
-__all__ = ["StubCounters", "engine_share", "parse_counters", "read_counters"]
+__all__ = ["StubCounters", "busy_fractions", "engine_share", "parse_counters", "read_counters"]
 
 CACHED_BLOCKS = "kvrouter_stub_cached_blocks"
 FINISHED = "vllm:request_success_total"
+BUSY = "kvrouter_stub_busy_seconds_total"
 
 
 class StubCounters(msgspec.Struct, frozen=True):
@@ -27,18 +32,24 @@ class StubCounters(msgspec.Struct, frozen=True):
 
     cached_blocks: int = 0
     requests_finished: int = 0
+    busy_s: float = 0.0
+    ranks: int = 0
+    """Ranks that reported busy seconds (0: the engine reports none)."""
 
 
 def parse_counters(text: str) -> StubCounters:
     """The figures in one `/metrics` text exposition."""
-    cached = finished = 0.0
+    cached = finished = busy = 0.0
+    ranks = 0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             if sample.name == CACHED_BLOCKS:
                 cached += sample.value
             elif sample.name == FINISHED:
                 finished += sample.value
-    return StubCounters(int(cached), int(finished))
+            elif sample.name == BUSY:
+                busy, ranks = busy + sample.value, ranks + 1
+    return StubCounters(int(cached), int(finished), busy, ranks)
 
 
 async def read_counters(
@@ -58,3 +69,17 @@ def engine_share(before: Mapping[str, StubCounters], after: Mapping[str, StubCou
     done = {name: after[name].requests_finished - before[name].requests_finished for name in after}
     total = sum(done.values())
     return {name: n / total for name, n in sorted(done.items())} if total else {}
+
+
+def busy_fractions(
+    before: Mapping[str, StubCounters], after: Mapping[str, StubCounters], span_s: float
+) -> dict[str, float]:
+    """Each stub's busy seconds between the two readings per rank, over `span_s` (the arrival span);
+    stubs that report no busy time are left out, and everything when the span is 0."""
+    if span_s <= 0:
+        return {}
+    return {
+        name: (after[name].busy_s - before[name].busy_s) / after[name].ranks / span_s
+        for name in sorted(after)
+        if after[name].ranks
+    }

@@ -21,6 +21,7 @@ __all__ = [
     "RequestSpec",
     "SyntheticWorkload",
     "TraceWorkload",
+    "arrival_span",
     "block_token_ids",
     "cut_at_duration",
     "load_trace",
@@ -156,6 +157,13 @@ def synthetic_requests(spec: SyntheticWorkload) -> list[RequestSpec]:
         out.append(RequestSpec(clock, list(histories[u]), spec.output_tokens, f"user-{u}"))
         histories[u].extend(block_token_ids(20_000_000 + u * 1000 + t, spec.output_tokens, spec.seed))
     return out
+
+
+def arrival_span(requests: Sequence[RequestSpec]) -> float:
+    """Seconds from the first arrival to the last (0 for none or one): the time over which the
+    offered load and the stubs' busy fractions are measured."""
+    arrivals = [r.arrival_s for r in requests]
+    return max(arrivals) - min(arrivals) if arrivals else 0.0
 
 
 def scale_arrivals(requests: Sequence[RequestSpec], factor: float) -> list[RequestSpec]:

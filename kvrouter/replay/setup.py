@@ -18,7 +18,7 @@ from events.recording import FileHeader
 from router.core.ids import EngineId
 from router.core.keys.block_key import KeyHasher
 from router.core.policy.scoring import ScorerSettings
-from router.prepare.engine_variants import Variant
+from router.core.variant import Variant
 from router.prepare.served_models import Models
 from router.settings.config import EngineConfig, RouterConfig
 

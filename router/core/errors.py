@@ -8,6 +8,7 @@
     ├── MethodNotAllowed                405 invalid_request_error + Allow
     ├── RequestTooLarge                 413 invalid_request_error
     ├── RequestTimeout                  408 invalid_request_error + Connection: close (body too slow)
+    ├── HeaderTooLarge                  431 invalid_request_error + Connection: close (head or trailers)
     ├── Overloaded                      429 or 503 + Retry-After (an in-flight limit bound; never queued)
     ├── NoEngineAvailable               503 + Retry-After (no engine serves the model, or all breakers open)
     └── UpstreamError                   502 upstream_error
@@ -32,6 +33,7 @@ __all__ = [
     "BadRequest",
     "ErrorBody",
     "ErrorDetail",
+    "HeaderTooLarge",
     "MethodNotAllowed",
     "ModelNotFound",
     "NoEngineAvailable",
@@ -137,6 +139,16 @@ class MethodNotAllowed(RouterError):
 
 class RequestTooLarge(RouterError):
     status, error_type, code, reason = 413, "invalid_request_error", "request_too_large", "body_too_large"
+
+
+class HeaderTooLarge(RouterError):
+    """A request head (or a chunked body's trailer section) past the client leg's limits: answered by
+    the gateway's HTTP protocol before any route sees the request (router.edge.client_limits)."""
+
+    status, error_type, code, reason = 431, "invalid_request_error", "header_too_large", "header_too_large"
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, headers={"Connection": "close"})
 
 
 class RequestTimeout(RouterError):

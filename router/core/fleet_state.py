@@ -45,9 +45,9 @@ from router.core.policy.trust import (
     TrustStatus,
     TrustTracker,
 )
+from router.core.prepared import Prepared
 from router.core.replica import Link, Replica
-from router.prepare.engine_variants import Variant
-from router.prepare.prepared import Prepared
+from router.core.variant import Variant
 from router.settings.config import EngineConfig, RouterConfig
 from tokenization.request_tokens import ReportMode
 

@@ -16,23 +16,35 @@ and the two packages may not import each other.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, ClassVar, Final, NamedTuple
+from typing import ClassVar, Final, NamedTuple, Protocol
 
 from router.core.lookup.finders import find_chunked, find_full, find_mamba, find_swa
-
-if TYPE_CHECKING:
-    from router.core.kv_layout import GroupSpec
 
 __all__ = [
     "ChunkedLocal",
     "FullAttention",
     "GroupKind",
+    "GroupShape",
     "HitQuery",
     "Mamba",
     "NeverHits",
     "SlidingWindow",
     "group_kind",
 ]
+
+
+class GroupShape(Protocol):
+    """What a kind reads of one KV-cache group (`router.core.kv_layout.GroupSpec` is one): the kinds
+    are defined before the layout that names them, so they know a group by its fields alone."""
+
+    @property
+    def block_size(self) -> int: ...
+
+    @property
+    def sliding_window(self) -> int | None: ...
+
+    @property
+    def chunk_size(self) -> int | None: ...
 
 
 class HitQuery(NamedTuple):
@@ -68,11 +80,11 @@ class GroupKind:
     required: ClassVar[tuple[str, str, str] | None] = None
     """(field, label, what the config calls it) of the parameter a group of this kind needs."""
 
-    def find(self, group: GroupSpec, query: HitQuery) -> int:
+    def find(self, group: GroupShape, query: HitQuery) -> int:
         """The longest hit in tokens this kind gives `query` (0: never a hit)."""
         return 0
 
-    def missing(self, group: GroupSpec) -> str | None:
+    def missing(self, group: GroupShape) -> str | None:
         """The required field `group` lacks (None when it has what its kind needs)."""
         if self.required is None or getattr(group, self.required[0]):
             return None
@@ -86,7 +98,7 @@ class FullAttention(GroupKind):
     full_attention = True
     eagle_drop = True
 
-    def find(self, group: GroupSpec, query: HitQuery) -> int:
+    def find(self, group: GroupShape, query: HitQuery) -> int:
         q = query
         return find_full(
             q.keys,
@@ -108,7 +120,7 @@ class SlidingWindow(GroupKind):
     eagle_drop = True
     required = ("sliding_window", "sliding-window", "its window")
 
-    def find(self, group: GroupSpec, query: HitQuery) -> int:
+    def find(self, group: GroupShape, query: HitQuery) -> int:
         q = query
         window = group.sliding_window or 0
         return find_swa(
@@ -123,7 +135,7 @@ class Mamba(GroupKind):
     sparse_stores = True
     eagle_looks_past_hit = False
 
-    def find(self, group: GroupSpec, query: HitQuery) -> int:
+    def find(self, group: GroupShape, query: HitQuery) -> int:
         q = query
         return find_mamba(q.keys, q.hash_block, group.block_size, q.max_tokens, q.cached, q.align)
 
@@ -135,7 +147,7 @@ class ChunkedLocal(GroupKind):
     eagle_allowed = False
     required = ("chunk_size", "chunked-local", "it")
 
-    def find(self, group: GroupSpec, query: HitQuery) -> int:
+    def find(self, group: GroupShape, query: HitQuery) -> int:
         q = query
         chunk = group.chunk_size or 0
         return find_chunked(q.keys, q.hash_block, group.block_size, chunk, q.max_tokens, q.cached)

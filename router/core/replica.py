@@ -36,7 +36,7 @@ from router.core.policy.trust import (
     UndecodableBatch,
     UnseenBlocks,
 )
-from router.prepare.engine_variants import Variant
+from router.core.variant import Variant
 from router.settings.config import EngineConfig
 
 __all__ = ["LAYOUT_FLAGS", "Link", "Replica"]

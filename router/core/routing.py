@@ -20,8 +20,8 @@ from router.core.lookup.computed_blocks import LookupRequest, LookupResult, Repl
 from router.core.policy.breaker import BreakerState, CircuitBreaker
 from router.core.policy.scoring import Candidate, Decision, RouteRequest, Scorer
 from router.core.policy.trust import TrustStatus
+from router.core.prepared import Prepared, VariantKeys
 from router.core.replica import Replica
-from router.prepare.prepared import Prepared, VariantKeys
 
 __all__ = ["Routed", "RoutingCore"]
 

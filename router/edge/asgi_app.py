@@ -31,6 +31,7 @@ from router.core.fleet_state import ModelReadiness
 from router.edge.access_log import AccessLog
 from router.edge.admin import AdminApi, NotFound
 from router.edge.client_io import ClientGone, error_answer, read_body, request_id_of
+from router.edge.client_limits import LIMITS_KEY, ClientLimits
 from router.edge.client_timeouts import STATE_KEY, ClientTimeouts
 from router.edge.gateway import Gateway, GatewayParts
 from router.edge.hot_routes import HOT_KEY, HotRoutes
@@ -203,8 +204,17 @@ def create_app(
         if service.options.settle_gc:
             settle_gc()
         counter = parts.metrics.client_timeouts
+        metrics, policy = parts.metrics, config.policy.name
+
+        def refused(reason: str, status: int | None) -> None:  # the protocol's refusals (client_limits)
+            if status is not None:
+                metrics.refused(policy, str(status), reason)
+            else:
+                metrics.rejected.labels(reason).inc()
+
         state: dict[str, object] = {
-            STATE_KEY: ClientTimeouts.of(config.timeouts, lambda phase: counter.labels(phase).inc())
+            STATE_KEY: ClientTimeouts.of(config.timeouts, lambda phase: counter.labels(phase).inc()),
+            LIMITS_KEY: ClientLimits.of(config.limits, refused),
         }
         if not config.listen.forwarded_allow_ips:  # uvicorn's ProxyHeadersMiddleware must see every request
             state[HOT_KEY] = HotRoutes(box[0].gateway.handle, config.listen.access_log)

@@ -8,8 +8,9 @@ no API keys configured, `/v1/*` is open; with no admin token, the admin and debu
 from __future__ import annotations
 
 import hmac
-from collections.abc import Mapping
 from typing import Final
+
+from starlette.datastructures import Headers
 
 from router.core.errors import RouterError, Unauthorized
 from router.settings.secrets import Secrets
@@ -23,11 +24,17 @@ class AdminDisabled(RouterError):
     status, error_type, code = 403, "permission_error", "admin_disabled"
 
 
-def bearer_token(headers: Mapping[str, str]) -> str | None:
-    """The token of an `Authorization: Bearer <token>` header (scheme case-insensitive), else None."""
-    value = headers.get("authorization")
-    if value is None:
+def bearer_token(headers: Headers) -> str | None:
+    """The token of an `Authorization: Bearer <token>` header (scheme case-insensitive), else None.
+
+    `Unauthorized` when the header is given more than once: which one a check reads and which one an
+    engine or another proxy reads may differ, so a valid first key must not carry a second one."""
+    values = headers.getlist("authorization")
+    if not values:
         return None
+    if len(values) > 1:
+        raise Unauthorized("more than one Authorization header")
+    value = values[0]
     scheme, _, token = value.partition(" ")
     if scheme.lower() != "bearer" or not token.strip():
         return None
@@ -55,7 +62,7 @@ class Guard:
         """The secrets checked against, fixed at construction."""
         return self._secrets
 
-    def check_api(self, headers: Mapping[str, str]) -> None:
+    def check_api(self, headers: Headers) -> None:
         """Admit a `/v1/*` request, or raise `Unauthorized` (401) for a missing or unknown key."""
         if not self.secrets.api_keys:
             return
@@ -65,7 +72,7 @@ class Guard:
         if not _matches(token, self.secrets.api_keys):
             raise Unauthorized("invalid API key")
 
-    def check_admin(self, headers: Mapping[str, str]) -> None:
+    def check_admin(self, headers: Headers) -> None:
         """Admit an admin or debug request, or raise `AdminDisabled` (403) / `Unauthorized` (401)."""
         admin = self.secrets.admin_token
         if admin is None:

@@ -15,7 +15,11 @@ the answer ended: `ClientWatch` needs no task reading `receive`) for the cycle i
 extensions (the signal also hands over a hot request's body when it came with its head: no
 `receive`). Settings and counter reach each connection through the ASGI lifespan state, which
 uvicorn hands to every protocol it creates; so does the gateway's `HotRoutes`, with which the two
-hot routes get a `router.edge.hot_routes.HotCycle` (no app call chain, a leaner `send`).
+hot routes get a `router.edge.hot_routes.HotCycle` (no app call chain, a leaner `send`). The
+gateway's `router.edge.client_limits.ClientLimits` reach it the same way: a head's size and field
+count (431), the requests parsed ahead on a connection (reading held), what is read of a body
+answered before it was in; a chunked body's trailer fields are dropped, never headers; an upgrade
+request keeps its headers until uvicorn decides on it (its WebSocket protocol answers and closes).
 
 Defaults (`[timeouts]` `client_*`) are nginx's: client_header_timeout and client_body_timeout 60 s,
 keepalive_timeout 75 s (https://nginx.org/en/docs/http/ngx_http_core_module.html); Envoy's
@@ -30,7 +34,7 @@ import socket
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final, cast
+from typing import Any, Final, NoReturn, cast
 
 import httptools
 from uvicorn._types import ASGI3Application, HTTPScope
@@ -39,6 +43,15 @@ from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResp
 from uvicorn.server import ServerState
 
 from router.edge.client_io import LOST_SIGNAL, LostSignal
+from router.edge.client_limits import (
+    DEFAULT_LIMITS,
+    HEADER_REFUSAL,
+    LIMITS_KEY,
+    ClientLimits,
+    HeldFlow,
+    Refused,
+    header_refusal,
+)
 from router.edge.client_writes import BODY_WRITER, BodyWriter, HeadHold
 from router.edge.hot_routes import HOT_KEY, HOT_PATHS, HotCycle, HotRoutes
 from router.settings.config import Timeouts
@@ -89,6 +102,18 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         plain = self.limit_concurrency is None and not self.root_path
         self._hot: HotRoutes | None = app_state.get(HOT_KEY) if plain else None
         self._fresh_context = bool(getattr(config, "reset_contextvars", False))  # uvicorn's opt-in
+        # The connection's limits (router.edge.client_limits) and what they count of the field section
+        # being parsed: a head, or a chunked body's trailers (`_trailing`: after a head, before its end).
+        self._limits: ClientLimits = app_state.get(LIMITS_KEY, DEFAULT_LIMITS)
+        self._count = 0  # fields parsed in the section
+        self._size = 0  # their bytes
+        self._fields = True  # the parser may be in a field section (cleared by a head's end, body bytes)
+        self._opened = 0  # field sections that may have opened (a message's end, a chunk's size line)
+        self._fed = 0  # bytes of the reads parsed wholly within the section (a field httptools still buffers)
+        self._trailing = False
+        self._refused: str | None = None  # the limit that stopped the parser (`_stop`)
+        self._stopped = False  # the connection is never read again (a refusal, a body dropped past the limit)
+        self._dropping = 0  # bytes still read and dropped of a body answered without it
         if self._timeouts is not None:
             self.timeout_keep_alive = self._timeouts.keepalive_s
             self._step = min(self._timeouts.header_s, self._timeouts.keepalive_s)
@@ -101,37 +126,91 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self.flow = HeldFlow(transport)
         _no_delay(transport)
         self._arm_header_timer()
 
     def data_received(self, data: bytes) -> None:
         """uvicorn's, one layer: the keep-alive wait ends (its deadline cleared, or uvicorn's own timer
-        cancelled without the gateway's timeouts), and a kept-alive connection's next head starts."""
+        cancelled without the gateway's timeouts), and a kept-alive connection's next head starts; a
+        limit stops the parser (`_refusal`), and a read parsed wholly within a field section counts
+        toward its size (httptools buffers a field until it is whole, calling nothing)."""
         if self._timeouts is None:
-            super().data_received(data)
-            return
-        self._idle_by = None
-        if self._header_by is None and (self.cycle is None or self.cycle.response_complete):
-            # The first byte of the next request on a kept-alive connection: `_arm_header_timer()`,
-            # inline (a call less per request).
-            self._header_by = by = self.loop.time() + self._timeouts.header_s
-            if self._timer is None:
-                self._arm(by)
+            self._unset_keepalive_if_required()
+        else:
+            self._idle_by = None
+            if self._header_by is None and (self.cycle is None or self.cycle.response_complete):
+                # The first byte of the next request on a kept-alive connection: `_arm_header_timer()`,
+                # inline (a call less per request).
+                self._header_by = by = self.loop.time() + self._timeouts.header_s
+                if self._timer is None:
+                    self._arm(by)
+        fields, opened = self._fields, self._opened
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError:
+            if self._refused is not None:
+                self._refusal()
+                return
             msg = "Invalid HTTP request received."
             self.logger.warning(msg)
             self.send_400_response(msg)
+            return
         except httptools.HttpParserUpgrade:
-            if self._should_upgrade():
+            if self._should_upgrade():  # reads the upgrade's headers: `on_message_complete` kept them
                 self.handle_websocket_upgrade()
             else:
                 self._unsupported_upgrade_warning()
+                self.headers = []  # the next message's
+            return
+        if fields and self._fields and self._opened == opened:  # all of it within one field section
+            self._fed += len(data)
+            if self._fed > self._limits.header_bytes:
+                self._refused = "header_too_large"
+                self._refusal()
+
+    def _stop(self, reason: str) -> NoReturn:
+        """Stop the parser (from its callback) past the limit `reason` names: `_refusal` follows."""
+        self._refused = reason
+        raise Refused(reason)
+
+    def _refusal(self) -> None:
+        """The parser stopped at a limit (`_refused`): counted and logged once, the connection never
+        read again, and closed: after a 431 when no answer is due on it; by the last answer due when
+        some are (it says `connection: close`); at once when a request's trailers broke the limit."""
+        reason = self._refused
+        if self._stopped or reason is None:
+            return
+        self._stopped = True
+        self.logger.warning("Request refused: %s (limits.client_max_*).", reason)
+        self._header_by = None  # a refused head times out nothing
+        cast(HeldFlow, self.flow).hold()
+        cycle = self.cycle
+        answered: int | None = None
+        if self._trailing:  # the request's body broke off in its trailers: it gets no answer
+            self.transport.close()
+        elif cycle is None or cycle.response_complete:
+            message = f"request head past the gateway's limits ({reason})"
+            self.transport.write(header_refusal(message, self.server_state.default_headers))
+            self.transport.close()
+            answered = HEADER_REFUSAL
+        else:
+            cycle.keep_alive = False
+        self._limits.refused(reason, answered)
 
     def on_response_complete(self) -> None:
         """uvicorn's, with the keep-alive wait a deadline of the connection's one timer rather than a
-        timer armed and cancelled per request."""
+        timer armed and cancelled per request. An answer given before its request's body was all in
+        (a 413, a 401) leaves `limits.client_max_discard_bytes` of the rest to read and drop (`on_body`);
+        uvicorn reads and drops it all, however long. One answered, a connection held at
+        `limits.client_max_pipelined` waiting requests is read again."""
+        cycle = self.cycle
+        if cycle.response_complete and cycle.more_body:  # the last cycle: nothing waits behind it
+            self._dropping = self._limits.discard_bytes
+            if not self._dropping:
+                self._close_unread()
+        elif not self._stopped:
+            cast(HeldFlow, self.flow).held = False
         if self._timeouts is None:
             super().on_response_complete()
             return
@@ -150,11 +229,26 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
 
     def on_headers_complete(self) -> None:
         """uvicorn's, or for a head naming a hot route a `HotCycle` when `HotRoutes` may serve it
-        (module docstring): a plain POST (no concurrency limit or root path: `_hot` is None then)."""
+        (module docstring): a plain POST (no concurrency limit or root path: `_hot` is None then).
+        Within the limits: the head's size, and the requests waiting behind an answer (at the limit,
+        reading is held; past it, in the same read, the parser stops)."""
         self._header_by = None
         parts = self._url  # the target's pieces (`on_url` is their list's `append`)
         url = self.url = b"".join(parts)  # one piece: that piece itself, no copy
         del parts[:]
+        limits = self._limits
+        if self._size + len(url) > limits.header_bytes:
+            self._stop("header_too_large")
+        previous = self.cycle
+        if previous is not None and not previous.response_complete:  # this request waits behind it
+            waiting = len(self.pipeline)
+            if waiting >= limits.pipelined:
+                self._stop("pipelined_too_deep")
+            if waiting + 1 >= limits.pipelined:
+                cast(HeldFlow, self.flow).hold()
+        self._fields = False
+        self._trailing = True  # fields parsed from now on are the body's trailers
+        self._count = self._size = 0
         scope: HTTPScope = {  # type: ignore[typeddict-item]  # uvicorn's `on_message_begin` scope
             "type": "http",
             "asgi": {"version": self.asgi_version, "spec_version": "2.3"},
@@ -183,7 +277,6 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             scope["path"] = url.decode("ascii")
             scope["raw_path"] = url
             scope["query_string"] = b""
-            previous = self.cycle
             keep_alive = version != "1.0" and parser.should_keep_alive()
             self.cycle = served = HotCycle(self, scope, keep_alive, hot.serve, endpoint, hot.access_log)
             scope["extensions"] = {BODY_WRITER: {"writer": served}, LOST_SIGNAL: {"signal": served}}  # itself
@@ -195,7 +288,6 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
                 self.flow.pause_reading()
                 self.pipeline.appendleft((served, self.app))
             return
-        previous = self.cycle
         super().on_headers_complete()
         cycle = self.cycle
         if cycle is None or cycle.transport is not self.transport:  # an upgrade: no new cycle
@@ -224,16 +316,45 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         else:
             super()._start_asgi_task(cycle, app)
 
+    def _close_unread(self) -> None:
+        """Read nothing more, and close once the answer's bytes held for this turn's end are out
+        (`HotCycle`, `HeadHold`: their flush was scheduled first)."""
+        if not self._stopped:
+            self._stopped = True
+            cast(HeldFlow, self.flow).hold()
+            self.loop.call_soon(self.transport.close)
+
+    def on_header(self, name: bytes, value: bytes) -> None:
+        """uvicorn's, within the limits; a trailer field (after the head) is counted and dropped: a
+        chunked body's trailers never join the request's headers (an API key sent only there is none)."""
+        self._count += 1
+        self._size += len(name) + len(value)
+        if self._count > self._limits.headers or self._size > self._limits.header_bytes:
+            self._stop("header_too_large")
+        if not self._trailing:
+            HttpToolsProtocol.on_header(self, name, value)  # uvicorn's (no `super()` object per header)
+
+    def on_chunk_header(self) -> None:
+        """A chunk's size line is in: the last chunk's trailer section may follow."""
+        self._fields = True
+        self._opened += 1
+        self._fed = 0
+
     def on_body(self, body: bytes) -> None:
+        self._fields = False  # a chunk's bytes: no trailer section (yet)
         cycle = self.cycle
-        if type(cycle) is not HotCycle:
+        if cycle.response_complete:  # the rest of a body answered without it: dropped, within the limit
+            self._dropping -= len(body)
+            if self._dropping < 0:
+                self._close_unread()
+        elif type(cycle) is not HotCycle:
             super().on_body(body)
-        elif not cycle.response_complete and cycle.take(body):  # a hot head is never an upgrade
+        elif cycle.take(body):  # a hot head is never an upgrade
             self.flow.pause_reading()
 
     def on_message_complete(self) -> None:
         """uvicorn's, then what its `on_message_begin` would reset for the next message (its headers
-        list and 100-continue flag: a chunked body's trailers still join this message's headers)."""
+        list, kept for an upgrade, and 100-continue flag), and the next head's field count."""
         cycle = self.cycle
         if type(cycle) is not HotCycle:
             super().on_message_complete()
@@ -244,8 +365,13 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
                 ready.flag = True
             else:
                 ready.set()
-        self.headers = []
+        if not self.parser.should_upgrade():  # else `data_received` reads them first (uvicorn's upgrade)
+            self.headers = []
         self.expect_100_continue = False
+        self._trailing = False
+        self._fields = True
+        self._opened += 1
+        self._fed = self._count = self._size = 0
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._header_by = self._idle_by = None
@@ -304,13 +430,21 @@ class _Callbacks:
     `on_url`, the `append` of a list (no Python call per request), and no `on_message_begin` (its
     scope is built once the head is in, its resets done when the previous message completes)."""
 
-    __slots__ = ("on_body", "on_header", "on_headers_complete", "on_message_complete", "on_url")
+    __slots__ = (
+        "on_body",
+        "on_chunk_header",
+        "on_header",
+        "on_headers_complete",
+        "on_message_complete",
+        "on_url",
+    )
 
     def __init__(self, protocol: TimedHttpToolsProtocol, on_url: Callable[[bytes], None]) -> None:
         self.on_url = on_url
         self.on_header = protocol.on_header
         self.on_headers_complete = protocol.on_headers_complete
         self.on_body = protocol.on_body
+        self.on_chunk_header = protocol.on_chunk_header
         self.on_message_complete = protocol.on_message_complete
 
 

@@ -30,10 +30,10 @@ from router.core.fleet_state import FleetState
 from router.core.ids import EngineId, RequestId
 from router.core.policy.refusal import refusal
 from router.core.policy.scoring import Decision, RouteRequest
+from router.core.prepared import Prepared
 from router.core.routing import Routed, RoutingCore
 from router.edge.upstream import ProxyRequest, Target
 from router.ops.debug import DecisionEntry
-from router.prepare.prepared import Prepared
 
 __all__ = ["RANK_HEADER", "DecisionSink", "Flight"]
 

@@ -28,6 +28,7 @@ from router.core.errors import BadRequest, RequestTimeout, RouterError
 from router.core.fleet_state import FleetState
 from router.core.policy.scoring import RouteRequest, reads_prompt
 from router.core.policy.trust import TrustState
+from router.core.prepared import Prepared
 from router.core.routing import Routed, RoutingCore
 from router.edge.access_log import AccessNote, note_of
 from router.edge.auth import Guard
@@ -53,7 +54,6 @@ from router.ops.debug import DecisionEntry, DecisionRing, Explanation, PreparedV
 from router.ops.decision_peers import DecisionPeers
 from router.ops.metrics import RouterMetrics
 from router.ops.recording import GatewayRecorder
-from router.prepare.prepared import Prepared
 from router.prepare.remote_tokenize import RemoteTokenizeError, RemoteTokenizer
 from router.prepare.served_models import Models, UnknownModel
 from router.settings.config import RouterConfig

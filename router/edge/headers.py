@@ -28,7 +28,10 @@ HOP_BY_HOP: Final = frozenset(
 
 # Recomputed for the upstream leg from the engine's URL and the forwarded bytes.
 _REQUEST_RECOMPUTED: Final = frozenset({"host", "content-length"})
-_REQUEST_DROP: Final = HOP_BY_HOP | _REQUEST_RECOMPUTED
+# Answered on the client leg (the server sends 100 Continue as the body is read) and never forwarded:
+# the whole body goes upstream at once, and an engine's interim answer is no answer for the client.
+_REQUEST_CLIENT_LEG: Final = frozenset({"expect"})
+_REQUEST_DROP: Final = HOP_BY_HOP | _REQUEST_RECOMPUTED | _REQUEST_CLIENT_LEG
 
 
 def _strip(headers: Iterable[tuple[str, str]], drop: frozenset[str]) -> list[tuple[str, str]]:

@@ -94,7 +94,6 @@ class Http1Response:
         """The header pairs as received, latin-1 bytes (what the relay reads, nothing decoded)."""
         self._pool, self._conn, self._deadline = pool, conn, deadline
         self._read_s = pool.client.settings.read_s
-        self._reuse = conn.keep_alive
         self.done = False
         """Released or dropped (`release`, `close`): after `ready` or `next_chunk` handed over body
         bytes, True exactly when they were the body's last (the connection goes with them)."""
@@ -219,12 +218,13 @@ class Http1Response:
         return self.done or (self._conn.complete and not self._conn.chunks)
 
     def release(self) -> None:
-        """Give the connection back to the pool if the body was read to its end, else drop it."""
+        """Give the connection back to the pool if the body was read to its end and its framing is
+        beyond doubt (`Connection.reusable`), else drop it."""
         if self.done:
             return
         self.done = True
         conn = self._conn
-        if conn.complete and self._reuse and not conn.lost and not conn.chunks:
+        if conn.reusable():
             self._pool.put(conn)
         else:
             conn.close()
@@ -286,7 +286,7 @@ class Http1Client:
         self._in_use = 0
         self._waiting: deque[asyncio.Future[None]] = deque()
         self._tls: ssl.SSLContext | None = None
-        self._batch: list[tuple[asyncio.Transport, bytes, bytes]] = []
+        self._batch: list[tuple[Connection, bytes, bytes]] = []
         """Requests to write at the loop's next turn (`_flush`)."""
         self._flush_loop: asyncio.AbstractEventLoop | None = None
         """The loop a `_flush` is scheduled on (None: none is)."""
@@ -331,9 +331,9 @@ class Http1Client:
             try:
                 assert conn.transport is not None
                 if self._in_use > 1:  # others in flight: out with this turn's others (`_flush`)
-                    self._queue(conn.loop, conn.transport, head, body)
+                    self._queue(conn, head, body)
                 else:  # alone: out now, no turn's wait
-                    _write(conn.transport, head, body)
+                    _write(conn, head, body)
                 waiter = conn.arm_at(first_byte_at, "first byte")
                 if sent is not None:  # the bytes are out: the caller's bookkeeping, before the wait
                     sent()
@@ -361,16 +361,15 @@ class Http1Client:
             conn.complete, conn.keep_alive = True, False
         return Http1Response(pool, conn, start + s.total_s)
 
-    def _queue(
-        self, loop: asyncio.AbstractEventLoop, transport: asyncio.Transport, head: bytes, body: bytes
-    ) -> None:
-        """Queue a request's bytes for `_flush`, scheduled once per turn of `loop`."""
+    def _queue(self, conn: Connection, head: bytes, body: bytes) -> None:
+        """Queue a request's bytes for `_flush`, scheduled once per turn of the connection's loop."""
+        loop = conn.loop
         if self._flush_loop is not loop:  # none scheduled on this loop yet
             if self._flush_loop is not None:  # a stopped loop's, never flushed: its requests went with it
                 self._batch.clear()
             self._flush_loop = loop
             loop.call_soon(self._flush)
-        self._batch.append((transport, head, body))
+        self._batch.append((conn, head, body))
 
     def _flush(self) -> None:
         """Write the requests queued during the loop's last turn, back to back, each in one write.
@@ -379,10 +378,11 @@ class Http1Client:
         turn written together wake it once (it finds the others in). A connection that closed
         meanwhile gets no bytes: its wait fails as it would have after the write."""
         batch, self._batch, self._flush_loop = self._batch, [], None
-        for transport, head, body in batch:
-            if not transport.is_closing():
+        for conn, head, body in batch:
+            transport = conn.transport
+            if transport is not None and not transport.is_closing():
                 try:
-                    _write(transport, head, body)
+                    _write(conn, head, body)
                 except Exception:  # (none expected) the others still go; this wait fails as a drop's
                     transport.abort()
 
@@ -451,8 +451,12 @@ class Http1Client:
             pool.idle.clear()
 
 
-def _write(transport: asyncio.Transport, head: bytes, body: bytes) -> None:
-    """Head and body in one `writelines`: one writev on uvloop, the body never copied."""
+def _write(conn: Connection, head: bytes, body: bytes) -> None:
+    """Head and body in one `writelines`: one writev on uvloop, the body never copied. From here on
+    the engine's bytes on `conn` are this request's answer."""
+    transport = conn.transport
+    assert transport is not None
+    conn.written = True
     if body:
         transport.writelines((head, body))
     else:

@@ -5,8 +5,16 @@ the client (router.edge.http1) awaits the future `arm` makes, one timer per wait
 more than `HIGH_WATER` body bytes wait for the consumer. With a `sink` set, the body bytes of each
 read go to it from `data_received` itself (no wake-up, future or timer per chunk) until the body's
 end, whose bytes stay for the consumer; a sink that answers False pauses reading until the consumer
-resumes it. Bytes on an idle connection make it unusable; a body with neither length nor chunked
-framing ends with the connection.
+resumes it. A body with neither length nor chunked framing ends with the connection.
+
+A pooled connection is shared by the answers of many clients, so it is reused only when its framing is
+beyond doubt (`reusable`): one final answer per request, read to its end. Interim 1xx answers (100
+Continue, 103 Early Hints) are read and dropped, never taken for the final one; a status outside
+100-599 or a 101 (no upgrade is ever asked for) is a `BadResponse`. Bytes that come while no request
+of ours is on the connection (idle, or taken and not yet written) or after its final answer ended
+(a second answer, extra body bytes, garbage) close it, as does an answer that ended before our
+request's bytes were all written (the engine answered early: what it makes of the rest is unknown).
+An answer's head is bounded (`MAX_HEADER_FIELDS`, `MAX_HEAD_BYTES`; httptools bounds each line).
 """
 
 from __future__ import annotations
@@ -20,6 +28,14 @@ from typing import Final, cast
 import httptools
 
 from router.edge.http1_errors import BadResponse, HttpClientError, ResponseCut, ServerDisconnected, TimedOut
+
+_INTERIM: Final = range(100, 200)
+"""1xx: interim answers a final one follows (101, which would switch protocols, is refused)."""
+_FINAL: Final = range(200, 600)
+MAX_HEADER_FIELDS: Final = 128
+"""An answer's header (and trailer) fields at most; more is a `BadResponse` (vLLM sends about ten)."""
+MAX_HEAD_BYTES: Final = 64 * 1024
+"""An answer's header names and values at most, in bytes, summed; more is a `BadResponse`."""
 
 __all__ = ["HIGH_WATER", "Connection", "Sink"]
 
@@ -39,6 +55,8 @@ class Connection(asyncio.Protocol):
         self.headers: list[tuple[bytes, bytes]] = []
         """The answer's header pairs as received (names in their case, latin-1 bytes)."""
         self.headers_done = False
+        self.head_bytes = 0
+        """The header names' and values' bytes of the answer so far (`MAX_HEAD_BYTES`)."""
         self.status = 0
         self.keep_alive = False
         self.complete = False
@@ -59,6 +77,10 @@ class Connection(asyncio.Protocol):
         self.active = True
         self.reused = False
         self.received = False
+        self.written = False
+        """This exchange's request bytes went to the transport (answer bytes before then are stray)."""
+        self.interim = False
+        """The answer being parsed is an interim 1xx one (dropped at its end)."""
         self.sink: Sink | None = None
         self.sink_full = False
         self.last_read = 0.0
@@ -73,16 +95,17 @@ class Connection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
-        if not self.active:  # bytes on an idle connection belong to no request: it cannot be reused
+        if not self.written:  # idle, or taken and not written yet: bytes no request of ours asked for
             self.close()
+            # Not `received`: the request never went out, so a taken kept connection's is sent again.
+            self._fail(ServerDisconnected("the engine sent bytes before the request"))
             return
         self.received = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(BadResponse(f"invalid HTTP answer: {exc}"))
-            assert self.transport is not None
-            self.transport.close()
+            self.close()  # never pooled again (`lost`): its framing is lost
             return
         if self.sink is not None and self.chunks and not self.complete:
             self.to_sink(self.sink)
@@ -120,13 +143,32 @@ class Connection(asyncio.Protocol):
         pass
 
     # -- httptools callbacks --
+    def on_message_begin(self) -> None:
+        if self.complete:  # a second answer to one request (or bytes past the first): framing lost
+            raise _StrayAnswer
+
     def on_header(self, name: bytes, value: bytes) -> None:
-        self.headers.append((name, value))  # as bytes: the relay passes them on without decoding
+        headers = self.headers
+        if not self.headers_done:  # a chunked body's trailer fields are counted, never headers
+            headers.append((name, value))  # as bytes: the relay passes them on without decoding
+        self.head_bytes += len(name) + len(value)
+        if len(headers) > MAX_HEADER_FIELDS or self.head_bytes > MAX_HEAD_BYTES:
+            self._fail(
+                BadResponse(f"answer headers over {MAX_HEADER_FIELDS} fields or {MAX_HEAD_BYTES} bytes")
+            )
+            raise _StrayAnswer
 
     def on_headers_complete(self) -> None:
+        status = self.parser.get_status_code()
+        if status not in _FINAL:
+            if status in _INTERIM and status != 101:  # an interim answer: its end is dropped too
+                self.interim, self.headers, self.head_bytes = True, [], 0
+                return
+            self._fail(BadResponse(f"status {status} is no final answer to a request"))
+            raise _StrayAnswer
         self.headers_done = True
-        # Both are valid only inside the parser's callbacks (reset once the message is complete).
-        self.status, self.keep_alive = self.parser.get_status_code(), self.parser.should_keep_alive()
+        # Valid only inside the parser's callbacks (reset once the message is complete).
+        self.status, self.keep_alive = status, self.parser.should_keep_alive()
         waiter = self.waiter  # `_wake()` inline: every answer's head comes here
         if waiter is not None:
             self.waiter = None
@@ -143,6 +185,9 @@ class Connection(asyncio.Protocol):
             self._wake()
 
     def on_message_complete(self) -> None:
+        if self.interim:  # the final answer is still to come
+            self.interim = False
+            return
         self.complete = True
         if self.waiter is not None:  # a body that came with its head: nobody waits for it
             self._wake()
@@ -183,7 +228,9 @@ class Connection(asyncio.Protocol):
         after a complete keep-alive answer (the only kind whose connection is reused) it waits for the
         next message, so none is built per exchange."""
         self.headers = []
+        self.head_bytes = 0
         self.headers_done = self.keep_alive = self.complete = self.active = self.received = False
+        self.written = False
         self.sink_full = False
         self.buffered = 0
 
@@ -233,6 +280,20 @@ class Connection(asyncio.Protocol):
             self._timer_at = self._deadline
             self.timer = self.loop.call_at(self._deadline, self._expire)
 
+    def reusable(self) -> bool:
+        """Whether the next exchange may have this connection: its answer was read to its end with
+        keep-alive, and nothing casts doubt on where the next answer starts (module docstring)."""
+        transport = self.transport
+        return (
+            self.complete
+            and self.keep_alive
+            and not self.lost
+            and not self.chunks
+            and self.error is None
+            and transport is not None
+            and not transport.get_write_buffer_size()  # all of the request went before its answer ended
+        )
+
     def close(self) -> None:
         self.lost = True
         self._stop_timer()
@@ -244,6 +305,10 @@ class Connection(asyncio.Protocol):
         if self.timer is not None:
             self.timer.cancel()
             self.timer = None
+
+
+class _StrayAnswer(Exception):
+    """Raised in a parser callback to stop parsing bytes no request of ours can own."""
 
 
 _CLOCK_RESOLUTION: Final = 1e-3

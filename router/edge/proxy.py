@@ -34,12 +34,18 @@ from router.core.errors import (
 )
 from router.core.ids import EngineId
 from router.core.policy.breaker import Breakers, CircuitBreaker
-from router.core.policy.retry import Outcome, OutcomeKind, RetryPolicy, counts_as_failure, is_retryable
+from router.core.policy.retry import (
+    Attempt,
+    Outcome,
+    OutcomeKind,
+    RetryPolicy,
+    counts_as_failure,
+    is_retryable,
+)
 from router.edge.headers import host_of, is_origin_form, upstream_headers
 from router.edge.http1 import ClientSettings, Http1Client, Http1Response, PoolFull
 from router.edge.upstream import (
     UPSTREAM_FAILURES,
-    Attempt,
     ProxyRequest,
     Target,
     UpstreamResponse,

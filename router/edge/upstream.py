@@ -19,13 +19,12 @@ import msgspec
 
 from router.core.errors import UpstreamBroken, UpstreamConnectError, UpstreamError, UpstreamTimeout
 from router.core.ids import EngineId
-from router.core.policy.retry import OutcomeKind
+from router.core.policy.retry import Attempt, OutcomeKind
 from router.edge import http1
 from router.edge.headers import response_headers
 
 __all__ = [
     "UPSTREAM_FAILURES",
-    "Attempt",
     "ProxyRequest",
     "Target",
     "UpstreamResponse",
@@ -52,15 +51,6 @@ class ProxyRequest(msgspec.Struct, frozen=True):
     end_to_end: bool = False
     """The headers have no hop-by-hop ones, nor Host or Content-Length (`forwarded_headers` made
     them): the proxy only adds Host."""
-
-
-class Attempt(msgspec.Struct, frozen=True):
-    """One try against one engine, for logs and decision records."""
-
-    engine: EngineId
-    outcome: OutcomeKind
-    status: int = 0
-    error: str = ""
 
 
 UPSTREAM_FAILURES: Final = (http1.HttpClientError, aiohttp.ClientError, OSError)

@@ -7,13 +7,17 @@ API grows). `SliceSet` is the watched state: a LIST replaces it, each watch even
 its model from the slice's model label (the EndpointSlice controller copies the Service's labels onto
 its slices), else `discovery.model`, else "" (the engine is then asked, `router.links.kube_discovery`);
 with the label `kvrouter.io/data-parallel-size: N`, one event (and replay) endpoint per rank.
-`changes` is the difference the fleet applies. No I/O here.
+`check_slice` refuses a slice whose engines cannot be made (an address not of its address type, more
+than `MAX_DATA_PARALLEL` ranks, a rank's port past 65535; the decoder already refuses a port out of
+range), so one bad slice is rejected alone before it reaches the set. `changes` is the difference the
+fleet applies. No I/O here.
 """
 
 from __future__ import annotations
 
+import ipaddress
 from collections.abc import Iterable, Mapping
-from typing import Final
+from typing import Annotated, Final
 
 import msgspec
 
@@ -23,14 +27,17 @@ __all__ = [
     "DATA_PARALLEL_LABEL",
     "EVENTS_PORT_ANNOTATION",
     "HTTP_PORT_ANNOTATION",
+    "MAX_DATA_PARALLEL",
     "REPLAY_PORT_ANNOTATION",
     "SERVICE_NAME_LABEL",
     "EndpointSlice",
     "EndpointSliceList",
+    "RawSliceList",
     "SliceSet",
     "Status",
     "WatchEvent",
     "changes",
+    "check_slice",
     "engines_from_slices",
     "label_selector",
 ]
@@ -40,6 +47,9 @@ HTTP_PORT_ANNOTATION: Final = "kvrouter.io/http-port"
 EVENTS_PORT_ANNOTATION: Final = "kvrouter.io/events-port"
 REPLAY_PORT_ANNOTATION: Final = "kvrouter.io/replay-port"
 DATA_PARALLEL_LABEL: Final = "kvrouter.io/data-parallel-size"
+MAX_DATA_PARALLEL: Final = 1024
+"""Ranks one endpoint may declare with `DATA_PARALLEL_LABEL` (each is a subscriber and a socket)."""
+_Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
 
 class _Wire(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
@@ -82,7 +92,7 @@ class Endpoint(_Wire, frozen=True):
 
 class EndpointPort(_Wire, frozen=True):
     name: str | None = None
-    port: int | None = None
+    port: _Port | None = None
     protocol: str | None = None
 
 
@@ -96,6 +106,13 @@ class EndpointSlice(_Wire, frozen=True):
 class EndpointSliceList(_Wire, frozen=True):
     metadata: ListMeta = ListMeta()
     items: list[EndpointSlice] | None = None
+
+
+class RawSliceList(_Wire, frozen=True):
+    """A LIST page with its items undecoded, so each slice is decoded (and refused) alone."""
+
+    metadata: ListMeta = ListMeta()
+    items: list[msgspec.Raw] | None = None
 
 
 class Status(_Wire, frozen=True):
@@ -113,8 +130,14 @@ class WatchEvent(_Wire, frozen=True):
     object: msgspec.Raw
 
 
+class VersionMeta(_Wire, frozen=True):
+    resource_version: str = ""
+
+
 class BookmarkObject(_Wire, frozen=True):
-    metadata: ObjectMeta = ObjectMeta()
+    """A bookmark's object, or any object read for its resourceVersion alone (nothing else checked)."""
+
+    metadata: VersionMeta = VersionMeta()
 
 
 def label_selector(discovery: Discovery) -> str:
@@ -181,11 +204,16 @@ def _slice_engines(discovery: Discovery, item: EndpointSlice) -> Iterable[Engine
     replay = _port(item, k.replay_port_name, REPLAY_PORT_ANNOTATION, discovery.replay_port)
     model = labels.get(k.model_label, discovery.model)
     dp = labels.get(DATA_PARALLEL_LABEL, "")
-    ranks = int(dp) if dp.isdigit() and int(dp) > 0 else 1
+    ranks = int(dp) if dp.isascii() and dp.isdigit() and int(dp) > 0 else 1
+    if ranks > MAX_DATA_PARALLEL:
+        raise ValueError(f"{DATA_PARALLEL_LABEL} {ranks} is over {MAX_DATA_PARALLEL}")
+    if max(events or 0, replay or 0) + ranks - 1 > 65535:
+        raise ValueError(f"{ranks} ranks from port {max(events or 0, replay or 0)} pass 65535")
     for endpoint in item.endpoints or []:
         if not _is_ready(endpoint):
             continue
         address = endpoint.addresses[0]  # the API: all addresses are fungible, the first may be used
+        _check_address(item.address_type, address)
         host = f"[{address}]" if item.address_type == "IPv6" else address
         ref = endpoint.target_ref
         pod = ref.name if ref is not None and ref.name else endpoint.hostname or address
@@ -196,6 +224,23 @@ def _slice_engines(discovery: Discovery, item: EndpointSlice) -> Iterable[Engine
             events=[f"tcp://{host}:{events + r}" for r in range(ranks)] if events else [],
             replay=[f"tcp://{host}:{replay + r}" for r in range(ranks)] if events and replay else [],
         )  # rank r publishes on port + r, and replays on replay port + r (vLLM's offset_endpoint)
+
+
+def _check_address(address_type: str, address: str) -> None:
+    """ValueError unless `address` is an address of `address_type` (an FQDN slice's: any name)."""
+    kinds = {"IPv4": ipaddress.IPv4Address, "IPv6": ipaddress.IPv6Address}
+    kind = kinds.get(address_type)
+    if kind is not None:
+        try:
+            kind(address)
+        except ValueError:
+            raise ValueError(f"{address[:60]!r} is not an {address_type} address") from None
+
+
+def check_slice(discovery: Discovery, item: EndpointSlice) -> None:
+    """ValueError when the slice's engines cannot be made (see the module docstring)."""
+    for _ in _slice_engines(discovery, item):
+        pass
 
 
 def engines_from_slices(discovery: Discovery, slices: Iterable[EndpointSlice]) -> dict[str, EngineConfig]:

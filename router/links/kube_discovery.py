@@ -6,8 +6,13 @@ the pure `router.links.endpoint_slices` and the difference handed to `on_change`
 removed engine's mirror, subscriber and session pins). A watch the server ends is resumed from the
 last resourceVersion seen (an event's or a bookmark's); 410 Gone means that version was compacted
 away, so the loop LISTs again (a full resync); any other failure is counted, logged and retried after
-an exponential backoff, the engine set kept as it is. An engine whose model no label names is asked
-its `/v1/models` once per engine table; until it answers it is left out and asked again after a backoff.
+an exponential backoff, the engine set kept as it is. A slice the decoder or `check_slice` refuses is
+rejected alone, counted and logged: a LIST leaves it out, a watch event leaves the slice as it was and
+moves the resume version past it, and discovery goes on for the others (one bad slice failing the
+whole LIST, or a watch resumed before it, would stall discovery for every engine). An event that is
+not a slice event (an unknown type, not even JSON) is rejected the same way. An engine whose model
+no label names is asked its `/v1/models` once per engine table; until it answers it is left out and
+asked again after a backoff.
 The client is kubernetes_asyncio: in-cluster service-account auth, a kubeconfig, or `api_url`.
 """
 
@@ -17,6 +22,7 @@ import asyncio
 import logging
 import os
 from collections.abc import Awaitable, Callable, Mapping
+from functools import partial
 from pathlib import Path
 from typing import Any, Final, cast
 
@@ -30,9 +36,10 @@ from kubernetes_asyncio.watch import Watch
 from router.links.endpoint_slices import (
     BookmarkObject,
     EndpointSlice,
-    EndpointSliceList,
+    RawSliceList,
     SliceSet,
     changes,
+    check_slice,
     engines_from_slices,
     label_selector,
 )
@@ -42,7 +49,9 @@ __all__ = ["SERVICE_ACCOUNT", "KubeDiscovery", "api_client", "namespace_of"]
 
 log = logging.getLogger(__name__)
 
-_LIST: Final = msgspec.json.Decoder(EndpointSliceList)
+_LIST: Final = msgspec.json.Decoder(RawSliceList)
+_SLICE: Final = msgspec.json.Decoder(EndpointSlice)
+_SLICE_EVENTS: Final = ("ADDED", "MODIFIED", "DELETED")
 _PAGE: Final = 500
 SERVICE_ACCOUNT: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount")  # token, ca.crt, namespace
 
@@ -57,6 +66,7 @@ class _Models(msgspec.Struct, frozen=True):
 
 
 _MODELS: Final = msgspec.json.Decoder(_Models)
+_MODELS_MAX_BYTES: Final = 1 << 20
 
 OnChange = Callable[[dict[str, EngineConfig], set[str]], Awaitable[None]]
 
@@ -198,7 +208,9 @@ class KubeDiscovery:
                 page = _LIST.decode(await response.read())
             finally:
                 response.release()
-            items.extend(page.items or [])
+            for raw in page.items or []:
+                if (item := self._admit("LIST", partial(_SLICE.decode, raw))) is not None:
+                    items.append(item)
             token = page.metadata.continue_
             if not token:
                 break
@@ -222,27 +234,39 @@ class KubeDiscovery:
             quiet = True
             async for event in stream:
                 quiet = False
-                await self._on_event(event["type"], event["raw_object"])
+                await self._on_event(event)
         if quiet:  # a server (or proxy) ending watches at once must not be asked again in a busy loop
             await asyncio.sleep(self.k.backoff_s)  # pacing, not synchronisation
 
-    async def _on_event(self, kind: str, raw: object) -> None:
+    async def _on_event(self, event: object) -> None:
+        """One line of the watch: the client's dict {type, raw_object, ...}, or the line itself when it
+        was not JSON."""
+        kind = event.get("type") if isinstance(event, dict) else None
+        raw = event.get("raw_object") if isinstance(event, dict) else None
         if kind == "BOOKMARK":
             self.counts["bookmarks"] += 1
-            self.slices.resource_version = msgspec.convert(raw, BookmarkObject).metadata.resource_version
+            self.slices.resource_version = _version_of(raw) or self.slices.resource_version
             return
         self.counts["events"] += 1
-        try:
-            item = msgspec.convert(raw, EndpointSlice)
-        except msgspec.ValidationError as exc:
+        item = self._admit(str(kind)[:40], partial(_slice_event, kind, raw))
+        if item is None:
             # Rejected alone: the slice keeps its last good state, and the watch moves past it (a
             # resume from before it would meet it again).
-            self.counts["rejected"] += 1
-            log.warning("kubernetes endpointslice rejected", extra={"type": kind, "error": str(exc)})
-            self.slices.resource_version = msgspec.convert(raw, BookmarkObject).metadata.resource_version
+            self.slices.resource_version = _version_of(raw) or self.slices.resource_version
             return
-        self.slices.apply(kind, item)
+        self.slices.apply(str(kind), item)
         await self._apply()
+
+    def _admit(self, kind: str, decode: Callable[[], EndpointSlice]) -> EndpointSlice | None:
+        """The slice `decode` gives, checked; None when refused (counted and logged)."""
+        try:
+            item = decode()
+            check_slice(self.discovery, item)
+        except (msgspec.MsgspecError, ValueError) as exc:
+            self.counts["rejected"] += 1
+            log.warning("kubernetes endpointslice rejected", extra={"type": kind, "error": str(exc)[:300]})
+            return None
+        return item
 
     async def _apply(self) -> None:
         """Recompute the engine set and hand the difference to the fleet."""
@@ -279,15 +303,22 @@ class KubeDiscovery:
         return msgspec.structs.replace(engine, model=model)
 
     async def _ask_model(self, engine: EngineConfig) -> str | None:
-        """The engine's served model (its first /v1/models entry that is not an adapter); None on failure."""
+        """The engine's served model (its first /v1/models entry that is not an adapter); None on failure.
+
+        Bounded as the scraper is: `model_timeout_s` for all of it, at most `_MODELS_MAX_BYTES` read,
+        no redirect followed (a 3xx is a failure), no cookie kept."""
         if self._http is None:
-            self._http = aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=self.k.model_timeout_s))
+            self._http = aiohttp.ClientSession(
+                timeout=aiohttp.ClientTimeout(total=self.k.model_timeout_s),
+                cookie_jar=aiohttp.DummyCookieJar(),
+            )
         try:
-            async with self._http.get(f"{engine.url}/v1/models") as response:
-                response.raise_for_status()
-                models = _MODELS.decode(await response.read()).data
+            async with self._http.get(f"{engine.url}/v1/models", allow_redirects=False) as response:
+                if response.status != 200:
+                    raise ValueError(f"answered {response.status}")
+                models = _MODELS.decode(await _read_at_most(response, _MODELS_MAX_BYTES)).data
             return next(m.id for m in models if m.parent is None)
-        except (aiohttp.ClientError, OSError, TimeoutError, msgspec.DecodeError, StopIteration) as exc:
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, StopIteration) as exc:
             self.counts["failures"] += 1
             log.warning("engine model unknown", extra={"engine": engine.name, "error": repr(exc)})
             return None
@@ -295,3 +326,29 @@ class KubeDiscovery:
     async def _apply_later(self) -> None:
         await asyncio.sleep(self.k.backoff_s)  # a backoff, not synchronisation
         await self._apply()
+
+
+def _slice_event(kind: object, raw: object) -> EndpointSlice:
+    """The slice of a watch event of `kind`; ValueError for a type that is not a slice event."""
+    if kind not in _SLICE_EVENTS:
+        raise ValueError(f"unexpected watch event type {str(kind)[:40]!r}")
+    return msgspec.convert(raw, EndpointSlice)
+
+
+def _version_of(raw: object) -> str:
+    """The object's resourceVersion, "" when it has none readable."""
+    try:
+        return msgspec.convert(raw, BookmarkObject).metadata.resource_version
+    except msgspec.ValidationError:
+        return ""
+
+
+async def _read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes:
+    """The whole body; ValueError (the connection closed) once it passes `limit` bytes."""
+    body = bytearray()
+    while chunk := await response.content.read(65536):
+        body += chunk
+        if len(body) > limit:
+            response.close()
+            raise ValueError(f"a body over {limit} bytes")
+    return bytes(body)

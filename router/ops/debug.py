@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import msgspec
 
+from router.core.policy.retry import Attempt
 from router.core.policy.scoring import Decision
-from router.edge.upstream import Attempt
 
 __all__ = ["DecisionEntry", "DecisionRing", "Explanation", "PreparedView"]
 
@@ -26,7 +26,7 @@ class PreparedView(msgspec.Struct, frozen=True):
     blocks: int
     skip_cache: bool
     unread: bool = False
-    """The policy read no prompt, so it was not tokenized (router.prepare.prepared.Prepared.unread)."""
+    """The policy read no prompt, so it was not tokenized (router.core.prepared.Prepared.unread)."""
 
 
 class DecisionEntry(msgspec.Struct, kw_only=True):

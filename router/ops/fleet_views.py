@@ -12,7 +12,12 @@ from router.core.mirror.shared_index import Mirror
 from router.core.replica import Replica
 from router.ops.metrics import EngineView
 
-__all__ = ["engine_views", "index_summary", "mirror_bytes", "replica_summary"]
+__all__ = ["engine_labels", "engine_views", "index_summary", "mirror_bytes", "replica_summary"]
+
+
+def engine_labels(fleet: FleetState) -> set[str]:
+    """The `engine` label values of the fleet's engines now: their names and their replicas' ids."""
+    return {label for e in fleet.engines() for label in (e.name, *e.replica_ids())}
 
 
 def engine_views(fleet: FleetState) -> list[EngineView]:

@@ -7,7 +7,7 @@ the gateway's one event-loop thread), and the family renders prometheus_client's
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Generic, TypeVar
 
 from prometheus_client import metrics as _client_metrics
@@ -48,6 +48,15 @@ class LocalFamily(Collector, Generic[Child]):
 
     def _new_child(self) -> Child:
         raise NotImplementedError
+
+    def detached(self) -> Child:
+        """A new child outside the family: what it counts is never rendered."""
+        return self._new_child()
+
+    def prune(self, keep: Callable[[tuple[str, ...]], bool]) -> None:
+        """Remove the children whose label values `keep` refuses (their series leave the exposition)."""
+        for values in [v for v in self._children if not keep(v)]:
+            del self._children[values]
 
     def labelled(self) -> Iterator[tuple[dict[str, str], Child]]:
         """Each child with its labels by name, in the order the children were made."""

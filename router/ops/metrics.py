@@ -16,8 +16,9 @@ from __future__ import annotations
 import os
 import time
 from bisect import bisect_left
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from typing import Final, Protocol, TypeVar
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
+from functools import partial
+from typing import Any, Final, Protocol, TypeVar, cast
 
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
@@ -30,11 +31,13 @@ from router.core.keys.recent_prompts import PrefixKeyCache
 from router.core.policy.breaker import BreakerState
 from router.ops.bucket_histogram import BucketHistogram, BucketHistogramChild
 from router.ops.local_counter import LocalCounter, LocalCounterChild
+from router.ops.local_family import LocalFamily
 from tokenization.base import CacheStats
 
 __all__ = [
     "BREAKER_STATES",
     "MULTIPROCESS_ENV",
+    "NO_ENGINE",
     "REJECT_REASONS",
     "STAGES",
     "TRUST_STATES",
@@ -47,6 +50,8 @@ __all__ = [
 MULTIPROCESS_ENV: Final = "PROMETHEUS_MULTIPROC_DIR"
 """prometheus_client reads it at import: set (by the worker supervisor) before any worker starts."""
 
+NO_ENGINE: Final = "none"
+"""The `engine` label of requests no engine took (refused, failed before a decision): never forgotten."""
 STAGES: Final = ("tokenize", "hash", "lookup", "score", "proxy")
 TRUST_STATES: Final = ("fresh", "catching_up", "stale")
 BREAKER_STATES: Final = tuple(state.value for state in BreakerState)
@@ -55,6 +60,8 @@ REJECT_REASONS: Final = (
     "bad_request",  # 400: a body the gateway cannot read (not JSON, a field missing or of the wrong type)
     "body_too_large",  # 413: limits.max_body_bytes
     "body_timeout",  # 408: the body did not arrive within timeouts.client_body_s
+    "header_too_large",  # 431: limits.client_max_header_bytes or client_max_headers (connection closed)
+    "pipelined_too_deep",  # none: limits.client_max_pipelined passed in one read (closed after the answers)
     "unknown_model",  # 404: no engine of the gateway serves the request's model
     "unknown_path",  # 404: a /v1/* path that is neither served nor passed through
     "method_not_allowed",  # 405: a known path asked with another method
@@ -371,17 +378,20 @@ _V = TypeVar("_V")
 class Children(dict[_K, _V]):
     """A labelled metric's children (or anything made per key) by key, each made once by `make` on
     first use: prometheus_client's `labels()` validates the values and takes the metric's lock on
-    every call, several times per request, and a hit here is a dict lookup with no Python call. The
-    gateway never removes a child, so a cached one stays the metric's."""
+    every call, several times per request, and a hit here is a dict lookup with no Python call. A
+    key `keep` refuses is made on every use and not kept. Whoever removes a child from its metric
+    removes its key here too (`RouterMetrics.forget_removed_engines`), so a cached one stays the metric's."""
 
-    __slots__ = ("_make",)
+    __slots__ = ("_keep", "_make")
 
-    def __init__(self, make: Callable[[_K], _V]) -> None:
+    def __init__(self, make: Callable[[_K], _V], keep: Callable[[_K], bool] | None = None) -> None:
         super().__init__()
-        self._make = make
+        self._make, self._keep = make, keep
 
     def __missing__(self, key: _K) -> _V:
-        made = self[key] = self._make(key)
+        made = self._make(key)
+        if self._keep is None or self._keep(key):
+            self[key] = made
         return made
 
 
@@ -508,11 +518,15 @@ class RouterMetrics:
             "requests tokenized locally: no engine /tokenize answered",
             registry=r,
         )
-        self.scrapes = Counter(
+        self.scrapes = counter(
             "kvrouter_engine_scrapes",
             "scrapes of the engines' /metrics (policy.scrape_period_s), by engine and result (ok, error)",
             ["engine", "result"],
-            registry=r,
+        )
+        self.scrape_errors = counter(
+            "kvrouter_engine_scrape_errors",
+            "failed scrapes of the engines' /metrics, by engine and reason",
+            ["engine", "reason"],
         )
         self._local: list[Collector] = [_EngineCollector(views, clock)]
         if key_cache is not None:
@@ -521,17 +535,64 @@ class RouterMetrics:
             self._local.append(_TokenizerCacheCollector(tokenizer_stats))
         for collector in self._local:
             r.register(collector)
+        # The per-engine families (`engine` their first label), forgotten as engines leave the fleet.
+        self._engine_labels: Callable[[], Collection[str]] | None = None
+        self._per_engine = [
+            self.requests, self.predicted_cached, self.actual_cached, self.prediction_error, self.ttft,
+            self.duration, self.scrapes, self.scrape_errors,
+        ]  # fmt: skip
         # The request path's children, each looked up once (see `Children`).
-        self.requests_of = children_of(self.requests)
-        self.ttft_of = children_of(self.ttft)
-        self.duration_of = children_of(self.duration)
-        self._prediction_of: Children[str, tuple[_Counting, _Counting, Observer]] = Children(
-            lambda engine: (
-                self.predicted_cached.labels(engine),
-                self.actual_cached.labels(engine),
-                self.prediction_error.labels(engine),
-            )
+        self.requests_of = self._children(self.requests)
+        self.ttft_of = self._children(self.ttft)
+        self.duration_of = self._children(self.duration)
+        self._scrapes_of = self._children(self.scrapes)
+        self._scrape_errors_of = self._children(self.scrape_errors)
+        self._prediction_of: Children[tuple[str, ...], tuple[_Counting, _Counting, Observer]] = Children(
+            lambda key: (
+                self._child(self.predicted_cached, key),
+                self._child(self.actual_cached, key),
+                self._child(self.prediction_error, key),
+            ),
+            self._present,
         )
+        self._caches: list[Children[tuple[str, ...], Any]] = [
+            self.requests_of, self.ttft_of, self.duration_of, self._scrapes_of, self._scrape_errors_of,
+            self._prediction_of,
+        ]  # fmt: skip
+
+    def follow_fleet(self, engine_labels: Callable[[], Collection[str]]) -> None:
+        """From now on, forget the series of every engine not in `engine_labels()` (the fleet's
+        engines' names and replica ids): at each render, and at each `forget_removed_engines`. A child
+        asked for an engine gone (a request that was in flight when its engine left, ending after) is
+        a detached one, counted nowhere. One process only: prometheus_client's multiprocess mode
+        cannot remove a series, so with several workers a removed engine's series stay until restart."""
+        if self._multiprocess_dir is None:
+            self._engine_labels = engine_labels
+
+    def forget_removed_engines(self) -> None:
+        """Remove the series (and cached children) of the engines `follow_fleet` no longer names."""
+        if self._engine_labels is None:
+            return
+        present = {NO_ENGINE, *self._engine_labels()}
+        for family in self._per_engine:
+            if isinstance(family, LocalFamily):
+                family.prune(lambda values: values[0] in present)
+        for cache in self._caches:
+            for key in [k for k in cache if k[0] not in present]:
+                del cache[key]
+
+    def _present(self, values: tuple[str, ...]) -> bool:
+        return self._engine_labels is None or values[0] == NO_ENGINE or values[0] in self._engine_labels()
+
+    def _child(self, family: Labelled[_C], values: tuple[str, ...]) -> _C:
+        """`family`'s child for `values`, detached when their engine left the fleet (`follow_fleet`)."""
+        if isinstance(family, LocalFamily) and not self._present(values):
+            return cast(_C, family.detached())
+        return family.labels(*values)
+
+    def _children(self, family: Labelled[_C]) -> Children[tuple[str, ...], _C]:
+        """`family`'s children by label values, an engine's kept only while it is in the fleet."""
+        return Children(partial(self._child, family), self._present)
 
     def refused(self, policy: str, status: str, reason: str | None) -> None:
         """Count a request the gateway answered itself (no engine), and its refusal reason if any."""
@@ -575,7 +636,7 @@ class RouterMetrics:
             self._client_fault(status)
         if cached is None:
             return
-        predicted_of, actual_of, error_of = self._prediction_of[engine]
+        predicted_of, actual_of, error_of = self._prediction_of[(engine,)]
         if (
             type(predicted_of) is LocalCounterChild
             and type(actual_of) is LocalCounterChild
@@ -596,14 +657,16 @@ class RouterMetrics:
 
     def observe_prediction(self, engine: str, predicted: int, actual: int) -> None:
         """Record one request's predicted and engine-reported cached tokens."""
-        predicted_of, actual_of, error_of = self._prediction_of[engine]
+        predicted_of, actual_of, error_of = self._prediction_of[(engine,)]
         predicted_of.inc(predicted)
         actual_of.inc(actual)
         error_of.observe(abs(actual - predicted))
 
-    def scraped(self, engine: str, ok: bool) -> None:
-        """Count one scrape of an engine's /metrics."""
-        self.scrapes.labels(engine, "ok" if ok else "error").inc()
+    def scraped(self, engine: str, error: str | None) -> None:
+        """Count one scrape of an engine's /metrics: good (`error` None), or failed for `error`."""
+        self._scrapes_of[engine, "ok" if error is None else "error"].inc()
+        if error is not None:
+            self._scrape_errors_of[engine, error].inc()
 
     def count_discovery(self, counts: Mapping[str, int]) -> None:
         """Export the Kubernetes discovery's counters (router/links/kube_discovery.py)."""
@@ -613,6 +676,7 @@ class RouterMetrics:
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric (every worker's, in multiprocess mode)."""
+        self.forget_removed_engines()
         if self._multiprocess_dir is None:
             return generate_latest(self.registry)
         merged = CollectorRegistry()

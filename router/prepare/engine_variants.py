@@ -9,30 +9,17 @@ loaded in `router.prepare.served_models`.
 from __future__ import annotations
 
 import hashlib
-from typing import NewType
 
 import msgspec
 
 from router.core.kv_layout import GroupSpec, HashingMode, ModelSpec
+from router.core.variant import Variant, VariantId
 from router.settings.config import EngineConfig, GroupConfig, ModelConfig, RouterConfig
 
-__all__ = ["DEFAULT_MODEL", "Variant", "VariantId", "engine_model", "model_configs", "resolve_variant"]
-
-VariantId = NewType("VariantId", str)
-"""A model name, or `model@<digest>` for an engine that overrides the model's tokenizer or layout."""
+__all__ = ["DEFAULT_MODEL", "engine_model", "model_configs", "resolve_variant"]
 
 DEFAULT_MODEL = "default"
 """The model name used for engines that name none when no model is configured."""
-
-
-class Variant(msgspec.Struct, frozen=True):
-    """One way of turning a request into block keys: tokenizer source and ModelSpec."""
-
-    id: VariantId
-    model: str
-    tokenizer: str | None
-    chat_template: str | None
-    spec: ModelSpec
 
 
 def model_configs(config: RouterConfig) -> dict[str, ModelConfig]:

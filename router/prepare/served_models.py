@@ -37,15 +37,9 @@ from router.core.errors import BadRequest, ModelNotFound, RouterError
 from router.core.keys.block_key import KeyHasher
 from router.core.keys.recent_prompts import PrefixKeyCache
 from router.core.keys.request import session_key, spec_keys
-from router.prepare.engine_variants import (
-    DEFAULT_MODEL,
-    Variant,
-    VariantId,
-    engine_model,
-    model_configs,
-    resolve_variant,
-)
-from router.prepare.prepared import Prepared, VariantKeys
+from router.core.prepared import Prepared, VariantKeys
+from router.core.variant import Variant, VariantId
+from router.prepare.engine_variants import DEFAULT_MODEL, engine_model, model_configs, resolve_variant
 from router.settings.config import EngineConfig, ModelConfig, RouterConfig
 from tokenization import Tokenizer
 from tokenization.base import CacheStats

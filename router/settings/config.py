@@ -157,7 +157,10 @@ class PolicyConfig(_Table, frozen=True):
     scrape_period_s: NonNegative = 0.0
     """Scrape every engine's `vllm:` gauges from its /metrics this often (0: off)."""
     scrape_timeout_s: Positive = 1.0
-    """One scrape's bound; a slow or failed scrape is counted and the last good one ages out."""
+    """One whole scrape's bound (connect, headers, body, parsing); a slow or failed scrape is counted
+    and the last good one ages out."""
+    scrape_max_bytes: Count = 4 * 1024 * 1024
+    """A /metrics body over this is abandoned, its connection closed, and counted (`too_large`)."""
     scrape_max_age_s: Positive = 10.0
     """A scrape older than this is ignored (the router's own counts stand alone)."""
     max_predicted_ttft_s: NonNegative = 0.0
@@ -214,6 +217,18 @@ class Limits(_Table, frozen=True):
     """After SIGTERM: not ready at once, but new connections still accepted this long (endpoints update)."""
     drain_s: NonNegative = 30.0
     """Then: no new connections; open requests and streams may finish this long before they are cut."""
+    # The client connection (router/edge/client_limits.py): Envoy's max_request_headers_kb (60 KiB) and
+    # max_headers_count (100) bound the same; uvicorn and httptools bound none of them.
+    client_max_header_bytes: Count = 64 * 1024
+    """A request head's target and header fields (or a chunked body's trailer section); more: 431, closed."""
+    client_max_headers: Count = 100
+    """Header fields in a request head (or trailer fields in a chunked body); more: 431, closed."""
+    client_max_discard_bytes: Annotated[int, msgspec.Meta(ge=0)] = 32 * 1024 * 1024
+    """Of a body answered before it was all in (413, 401): read and dropped up to this many more bytes
+    (a client still sending then reads the answer, not a reset); past them (0: at once) it is closed."""
+    client_max_pipelined: Count = 32
+    """Requests of one connection parsed and waiting behind the one being answered; at it, no more is
+    read until one is answered (one more in the same read: the connection closes after the answers)."""
 
 
 class Retry(_Table, frozen=True):

@@ -58,6 +58,7 @@ async def test_the_gateway_routes_to_discovered_pods_and_drops_a_removed_one() -
             assert first in ("stubs/vllm-0", "stubs/vllm-1")
             subscriber = gw.parts.links.subscriber(EngineId(first))
             assert subscriber is not None
+            assert f'kvrouter_requests_total{{engine="{first}"' in (await gw.client.get("/metrics")).text
 
             # The pinned pod turns not-ready: it leaves the fleet, its subscriber, mirror and pin with it.
             pod = first.rpartition("/")[2]
@@ -68,6 +69,7 @@ async def test_the_gateway_routes_to_discovered_pods_and_drops_a_removed_one() -
 
             await wait_for(dropped)
             assert gw.parts.links.subscriber(EngineId(first)) is None
+            assert f'engine="{first}"' not in (await gw.client.get("/metrics")).text  # its series left too
             (other,) = await names()
             for _ in range(3):
                 answer = await gw.client.post("/v1/completions", json=BODY, headers={"x-session-id": "s1"})

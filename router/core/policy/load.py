@@ -2,30 +2,26 @@
 
 The router tracks its own in-flight requests per engine (started -> first token -> finished, times
 passed in), optionally merges scraped `vllm:` gauges (requests running/waiting, KV-cache usage) so
-traffic from other routers shows up, and predicts a new request's TTFT in the shape of the engine's
-own step time (engine_stub/runtime/cost_model.py): under chunked prefill the queued prefill plus this
-request's uncached tokens run in `ceil(tokens / (max_num_batched_tokens - decoding))` steps, and each
-of those steps also decodes every running sequence, costing `decode_step_s` (when any decodes) plus
-`decode_penalty_s` per decoding sequence (`StepCost`); and when the engine already holds
-`max_num_seqs` requests, a new one waits for slots to free, one every `residency / max_num_seqs`
-seconds on average (residency: how long the engine's requests decode, learned from the requests that
-finished), so long outputs keep an engine busy. With `drain` on, the queue's head (the oldest
-request sent and not answered: FCFS, the one the engine is prefilling) counts as partly done as time
-passes (`LoadSnapshot.drained_tokens`). The prefill part, `overhead + cost x tokens`,
-is learned per engine by robust recursive least squares from a configurable prior, from TTFTs with
-the decode part predicted at send time taken out, against the queue as sent plus the request's own
-tokens; or, with `service` on, from each answer's own service (the time since the engine could start
-it, against its own tokens). Pure: no clock, no I/O.
+traffic from other routers shows up, and snapshots each engine's load (`LoadSnapshot`: what the TTFT
+model, router/core/policy/ttft_model.py, reads). It learns the model's per-engine parts: how long
+the engine's requests decode (`residency_s`, from the requests that finished, so long outputs keep
+an engine busy), and the prefill part, `overhead + cost x tokens`, by robust recursive least squares
+from a configurable prior, from TTFTs with the rest of the model's prediction at send time (decode
+and slot wait) taken out, against the queue as sent plus the request's own tokens; or, with
+`service` on, from each answer's own service (the time since the engine could start it, against its
+own tokens). With `drain` on, the queue's head (the oldest request sent and not answered: FCFS, the
+one the engine is prefilling) counts as partly done as time passes (`LoadSnapshot.drained_tokens`).
+Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
 
-import math
-
 import msgspec
 
 from router.core.ids import EngineId, RequestId
+from router.core.policy.ttft_model import StepCost, prefill_steps, step_budget, step_decode_s, ttft_terms
 
+# (`StepCost` is the TTFT model's, passed to `LoadTracker`: its callers import it here too)
 __all__ = ["CostPrior", "LoadSnapshot", "LoadTracker", "PrefillCostModel", "ScrapedMetrics", "StepCost"]
 
 _KTOK = 1000.0  # the model's token feature is in thousands, to keep the 2x2 problem well conditioned
@@ -70,7 +66,7 @@ class PrefillCostModel:
     def observe(self, tokens: float, ttft_s: float) -> None:
         """Learn from one request: `tokens` prefill tokens ran before its first token, after `ttft_s`."""
         x1 = tokens / _KTOK  # (the feature vector is (1, x1))
-        err = ttft_s - (self.overhead_s + self._per_ktok * tokens / _KTOK)  # `predict(tokens)`, no call
+        err = ttft_s - self.predict(tokens)
         if self.samples >= 3:
             # max(a, b) and min(a, b) written as Python evaluates them (`b if b > a else a`, NaN alike).
             abs_err = self._abs_err
@@ -99,25 +95,6 @@ class PrefillCostModel:
         self._p = (n00 * scale, n01 * scale, n10 * scale, n11 * scale)
 
 
-class StepCost(msgspec.Struct, frozen=True):
-    """How decoding lengthens the engine steps a new request's prefill runs in (configured, not learned).
-
-    Defaults are the stub's cost model (an 8B model on one H100): a step that decodes anything costs
-    ~6 ms more, plus ~40 us per decoding sequence; vLLM's default token budget per step is 8192."""
-
-    decode_step_s: float = 6e-3
-    decode_penalty_s: float = 40e-6
-    max_num_batched_tokens: int = 8192
-    max_num_seqs: int = 256
-
-
-def _decode_step_s(step: StepCost, decoding: int) -> float:
-    """What decoding `decoding` sequences adds to one engine step: nothing, or the step cost and each's."""
-    if decoding <= 0:
-        return 0.0
-    return step.decode_step_s + step.decode_penalty_s * decoding
-
-
 class ScrapedMetrics(msgspec.Struct, frozen=True):
     """The engine's own gauges from its /metrics (`vllm:num_requests_running` etc.), scraped at `at`.
 
@@ -132,7 +109,8 @@ class ScrapedMetrics(msgspec.Struct, frozen=True):
 
 
 class LoadSnapshot(msgspec.Struct, frozen=True):
-    """One engine's load at decision time, as recorded in a decision."""
+    """One engine's load at decision time, as recorded in a decision: the TTFT model's input
+    (`ttft_model.EngineState`; `ttft_model.ttft_terms(snapshot, uncached_tokens)` predicts)."""
 
     in_flight: int
     prefilling: int
@@ -148,62 +126,6 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
     """How long the engine's requests decode (first token to end), on average: how busy it stays."""
     drained_tokens: int = 0
     """Of `queued_prefill_tokens`, those the engine has prefilled by now (`LoadTracker` `drain`)."""
-
-    def queue_left(self) -> int:
-        """Prefill tokens still queued ahead of a new request: those sent and not answered, less drained."""
-        return max(0, self.queued_prefill_tokens - self.drained_tokens)
-
-    def slot_wait_s(self) -> float:
-        """Time until the engine can admit one more request: `max_num_seqs` requests already running
-        free a slot every `residency_s / max_num_seqs` seconds, and each one past the limit waits too."""
-        excess = self.in_flight - self.step.max_num_seqs + 1
-        if excess <= 0 or self.step.max_num_seqs <= 0:
-            return 0.0
-        return excess * self.residency_s / self.step.max_num_seqs
-
-    def prefill_steps(self, uncached_tokens: int) -> int:
-        """Engine steps until this request's prefill is done: the queue's and its own tokens, chunked
-        by the step budget that the decoding sequences leave (one token each)."""
-        tokens = self.queue_left() + uncached_tokens
-        budget = max(1, self.step.max_num_batched_tokens - self.decoding)
-        return max(1, math.ceil(tokens / budget))
-
-    def decode_s(self, uncached_tokens: int) -> float:
-        """The decode part of the predicted TTFT: every prefill step also decodes every running sequence."""
-        return self.prefill_steps(uncached_tokens) * self.decode_step_s()
-
-    def decode_step_s(self) -> float:
-        """What decoding adds to each engine step now (`StepCost`, for `decoding` sequences)."""
-        return _decode_step_s(self.step, self.decoding)
-
-    def prefill_s(self, uncached_tokens: int) -> float:
-        """The learned prefill part: overhead + cost per token x (queue left + uncached tokens)."""
-        return self.overhead_s + self.per_token_s * (self.queue_left() + uncached_tokens)
-
-    def predicted_ttft_s(self, uncached_tokens: int) -> float:
-        """TTFT if a request with `uncached_tokens` to prefill were sent now (queue first, then it)."""
-        return self.ttft_terms(uncached_tokens)[3]
-
-    def ttft_terms(self, uncached_tokens: int) -> tuple[int, float, float, float]:
-        """`(prefill_steps, decode_s, slot_wait_s, predicted_ttft_s)` for `uncached_tokens`, each equal
-        to its own method's value, computed once (scoring records all four for every candidate): the
-        TTFT is prefill, then the decode its steps carry, then the slot wait. Scoring's `_score` and a
-        send's `_other_s` write this arithmetic out; tests pin both to it."""
-        # The methods' arithmetic written out once (scoring calls this per candidate, the tracker per
-        # send): `x if x > 0 else 0` is `max(0, x)`, and `-(-a // b)` is `ceil(a / b)` for ints.
-        step, decoding = self.step, self.decoding
-        left = self.queued_prefill_tokens - self.drained_tokens
-        tokens = (left if left > 0 else 0) + uncached_tokens
-        budget = step.max_num_batched_tokens - decoding
-        steps = -(-tokens // (budget if budget > 1 else 1))
-        if steps < 1:
-            steps = 1
-        per_step = step.decode_step_s + step.decode_penalty_s * decoding if decoding > 0 else 0.0
-        decode_s = steps * per_step
-        max_seqs = step.max_num_seqs
-        excess = self.in_flight - max_seqs + 1
-        slot_s = excess * self.residency_s / max_seqs if excess > 0 and max_seqs > 0 else 0.0
-        return steps, decode_s, slot_s, self.overhead_s + self.per_token_s * tokens + decode_s + slot_s
 
 
 class _InFlight(msgspec.Struct):
@@ -321,12 +243,12 @@ class LoadTracker:
         load.started += 1
 
     def _other_s(self, load: _EngineLoad, engine: EngineId, at: float, uncached_tokens: int) -> float:
-        """`decode_s + slot_s` of `ttft_terms(uncached_tokens)` of the engine's snapshot at `at`.
+        """`decode_s + slot_wait_s` of `ttft_terms` of the engine's snapshot at `at` for `uncached_tokens`.
 
         The engine's last snapshot (its decision's, microseconds before) serves when nothing it read
         has changed and `at` cannot change it: no later, its scrape stale already (it stays stale) or
         still fresh; when its drained head was a function of time, that alone is found again at `at`
-        (no new snapshot: every other field would be the same)."""
+        (every other field would be the same)."""
         seen, timed = load.seen, load.seen_timed
         scrape = seen.scrape if seen is not None else None
         if (
@@ -334,19 +256,10 @@ class LoadTracker:
             or (scrape is not None and not at - scrape.at <= self.scrape_max_age_s)
         ):  # fmt: skip
             seen, timed = self.snapshot(engine, at), False  # (its drained head is at `at` already)
-        step, decoding = seen.step, seen.decoding
-        max_seqs = step.max_num_seqs
-        excess = seen.in_flight - max_seqs + 1
-        slot_s = excess * seen.residency_s / max_seqs if excess > 0 and max_seqs > 0 else 0.0
-        if decoding <= 0:  # no decode part, however many steps (the drained head need not be found)
-            return 0.0 + slot_s
-        # `ttft_terms`' decode part written out, its drained head found again at `at` when timed.
-        drained = self._drained(load, decoding, at) if timed else seen.drained_tokens
-        left = seen.queued_prefill_tokens - drained
-        budget = step.max_num_batched_tokens - decoding
-        steps = -(-((left if left > 0 else 0) + uncached_tokens) // (budget if budget > 1 else 1))
-        per_step = step.decode_step_s + step.decode_penalty_s * decoding
-        return (steps if steps > 1 else 1) * per_step + slot_s
+        if timed and seen.decoding > 0:  # (nothing decoding: no decode part, whatever the queue)
+            seen = msgspec.structs.replace(seen, drained_tokens=self._drained(load, seen.decoding, at))
+        _, decode_s, slot_s, _ = ttft_terms(seen, uncached_tokens)
+        return decode_s + slot_s
 
     def first_token(self, request: RequestId, at: float) -> float | None:
         """The first byte of the answer arrived: learn from the TTFT and return it (None if unknown)."""
@@ -388,9 +301,8 @@ class LoadTracker:
         FCFS, what a request waits before the engine can start it is the work ahead of it, partly done
         already when it was sent, so the queue's tokens as sent against its TTFT read as a too-cheap
         prefill (19 against the stub's 32 us/token on the routing simulator)."""
-        budget = max(1, self.step.max_num_batched_tokens - service.decoding)
-        steps = max(1, math.ceil(service.tokens / budget))
-        decode_s = steps * _decode_step_s(self.step, service.decoding)
+        step, decoding = self.step, service.decoding
+        decode_s = prefill_steps(step, decoding, service.tokens) * step_decode_s(step, decoding)
         model.observe(service.tokens, max(0.0, service.busy_s - decode_s))
 
     def finished(self, request: RequestId, at: float) -> None:
@@ -433,14 +345,9 @@ class LoadTracker:
         tokens = head.uncached_tokens
         if tokens == 0:  # (both returns below are 0 then)
             return 0
-        budget = step.max_num_batched_tokens - decoding
-        if budget < 1:
-            budget = 1
-        # `max`, `min` and `ceil` written as comparisons (`max(a, b)` is `b if b > a else a`).
-        per_step = step.decode_step_s + step.decode_penalty_s * decoding if decoding > 0 else 0.0
-        steps = -(-tokens // budget)
-        # `model.predict(tokens)` written out (its arithmetic, without its call).
-        full_s = model.overhead_s + model._per_ktok * tokens / _KTOK + (steps if steps > 1 else 1) * per_step
+        budget, per_step = step_budget(step, decoding), step_decode_s(step, decoding)
+        # The head's own predicted prefill time, as if alone: the TTFT model's prefill and decode parts.
+        full_s = model.predict(tokens) + prefill_steps(step, decoding, tokens) * per_step
         if full_s <= 0:
             return tokens
         if 0 <= tokens <= budget:

@@ -12,7 +12,9 @@ import enum
 
 import msgspec
 
-__all__ = ["Outcome", "OutcomeKind", "RetryPolicy", "counts_as_failure", "is_retryable"]
+from router.core.ids import EngineId
+
+__all__ = ["Attempt", "Outcome", "OutcomeKind", "RetryPolicy", "counts_as_failure", "is_retryable"]
 
 
 class OutcomeKind(enum.Enum):
@@ -30,6 +32,15 @@ class Outcome(msgspec.Struct, frozen=True):
 
     kind: OutcomeKind
     status: int = 0
+
+
+class Attempt(msgspec.Struct, frozen=True):
+    """One try against one engine and how it ended, for logs and decision records."""
+
+    engine: EngineId
+    outcome: OutcomeKind
+    status: int = 0
+    error: str = ""
 
 
 def is_retryable(outcome: Outcome) -> bool:

@@ -1,10 +1,9 @@
 """Choosing an engine: candidates in, a `Decision` value out, which the proxy only carries out.
 
 Policies (`PolicyName`):
-- `kv` (default): minimise predicted TTFT = overhead + prefill cost x (queued prefill tokens + uncached
-  prompt tokens) + the decode part (`LoadSnapshot.decode_s`: the prefill's chunked steps, each also
-  decoding every running sequence) + the wait for a free slot in a full running batch
-  (`LoadSnapshot.slot_wait_s`), plus the prefill work the request adds to that engine
+- `kv` (default): minimise the predicted TTFT (router.core.policy.ttft_model: prefill of the queue and
+  the uncached prompt tokens at the learned cost, the decode part of its chunked steps, the wait for
+  a free slot in a full running batch), plus the prefill work the request adds to that engine
   (`prefill_work_weight` x its own uncached prefill time: `CandidateScore.work_s`), which the requests
   queued there after it wait for; a greedy TTFT alone trades a long hit behind a queue for an idle
   engine's whole prefill. An engine past `max_predicted_ttft_s` or `max_scraped_waiting` is
@@ -38,6 +37,7 @@ import msgspec
 from router.core.ids import EngineId
 from router.core.policy.load import LoadSnapshot
 from router.core.policy.trust import TrustState, TrustStatus
+from router.core.policy.ttft_model import ttft_terms
 
 if TYPE_CHECKING:
     from router.settings.config import RouterConfig
@@ -241,19 +241,7 @@ def _score(c: Candidate, excluded: frozenset[EngineId], settings: ScorerSettings
     if uncached < 0:
         uncached = 0
     load = c.load
-    # `load.ttft_terms(uncached)` written out (no call, no tuple per candidate): its arithmetic, in order.
-    step, decoding = load.step, load.decoding
-    left = load.queued_prefill_tokens - load.drained_tokens
-    tokens = (left if left > 0 else 0) + uncached
-    budget = step.max_num_batched_tokens - decoding
-    steps = -(-tokens // (budget if budget > 1 else 1))
-    if steps < 1:
-        steps = 1
-    decode_s = steps * (step.decode_step_s + step.decode_penalty_s * decoding if decoding > 0 else 0.0)
-    max_seqs = step.max_num_seqs
-    excess = load.in_flight - max_seqs + 1
-    slot_s = excess * load.residency_s / max_seqs if excess > 0 and max_seqs > 0 else 0.0
-    ttft = load.overhead_s + load.per_token_s * tokens + decode_s + slot_s
+    steps, decode_s, slot_s, ttft = ttft_terms(load, uncached)
     work = settings.prefill_work_weight * load.per_token_s * uncached
     pins = trusted and c.warm_tokens > c.hit_tokens
     # `_why_not`'s answer for the usual candidate (nothing tried yet, healthy, closed, below its

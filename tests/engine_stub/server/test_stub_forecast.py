@@ -1,8 +1,10 @@
-"""The stub's counters for load tests (requests finished, cached blocks) and its TTFT forecast route."""
+"""The stub's counters for load tests (requests finished, cached blocks, busy seconds) and its TTFT
+forecast route."""
 
 from __future__ import annotations
 
 import msgspec
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine_stub.runtime.cost_model import CostModel, StepWork
@@ -29,6 +31,19 @@ async def test_finished_requests_prompt_tokens_and_cached_blocks_are_counted_and
         assert _sum(text, "kvrouter_stub_cached_blocks") == 4  # 71 tokens: 4 full blocks, 2 shared with 41
         assert (await client.post("/reset_prefix_cache")).json() == {"success": True}
         assert _sum((await client.get("/metrics")).text, "kvrouter_stub_cached_blocks") == 0
+
+
+async def test_busy_seconds_are_the_steps_run_as_the_cost_model_prices_them() -> None:
+    async with live_stub() as (server, client):
+        cost: CostModel = server.config.cost
+        assert _sum((await client.get("/metrics")).text, "kvrouter_stub_busy_seconds_total") == 0
+        r = await client.post("/v1/completions", json={"prompt": "z" * 40, "max_tokens": 3})
+        assert r.status_code == 200
+        # 41 prompt tokens (with BOS) in one prefill step, then two decode steps (the last finishes
+        # the request, whose context then reads as 0), each with the step's fixed costs
+        steps = [StepWork(41, 0, 41), StepWork(0, 1, 42), StepWork(0, 1, 0)]
+        busy = _sum((await client.get("/metrics")).text, "kvrouter_stub_busy_seconds_total")
+        assert busy == pytest.approx(sum(cost.step_seconds(w) for w in steps))
 
 
 async def test_an_idle_stub_forecasts_one_prefill_step_and_work_ahead_delays_it() -> None:

@@ -19,9 +19,9 @@ from router.core.ids import EngineId, RequestId
 from router.core.keys.block_key import KeyHasher
 from router.core.kv_layout import GroupSpec, ModelSpec
 from router.core.policy.trust import TrustReason, TrustState, TrustTracker
+from router.core.prepared import Prepared
 from router.core.replica import Replica
 from router.prepare.engine_variants import resolve_variant
-from router.prepare.prepared import Prepared
 from router.settings.config import EngineConfig, ModelConfig, RouterConfig
 from tokenization.openai_request import Endpoint
 

@@ -17,9 +17,9 @@ from router.core.ids import EngineId, RequestId
 from router.core.keys.block_key import KeyHasher
 from router.core.lookup.computed_blocks import LookupRequest, ReplicaId, lookup
 from router.core.policy.scoring import Candidate, Decision, PolicyName, RouteRequest, Scorer, ScorerSettings
+from router.core.prepared import Prepared
 from router.core.routing import RoutingCore
 from router.prepare.engine_variants import resolve_variant
-from router.prepare.prepared import Prepared
 from router.settings.config import EngineConfig, ModelConfig, PolicyConfig, RouterConfig
 from tests.router.core.test_fleet_state import prepared
 

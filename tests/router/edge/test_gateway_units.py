@@ -11,6 +11,7 @@ import msgspec
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+from starlette.datastructures import Headers
 
 from events.frames import Frame
 from events.recording import DecisionRecord, FrameRecord, RequestRecord
@@ -28,31 +29,51 @@ from router.ops.recording import GatewayRecorder
 from router.settings.secrets import Secrets
 
 
+def _headers(*pairs: tuple[str, str]) -> Headers:
+    """Request headers as the app sees them (a name may come more than once)."""
+    return Headers(raw=[(k.encode("latin-1"), v.encode("latin-1")) for k, v in pairs])
+
+
 @pytest.mark.parametrize(
     ("header", "token"),
     [("Bearer abc", "abc"), ("bearer  abc ", "abc"), ("Basic abc", None), ("Bearer ", None), (None, None)],
 )
 def test_bearer_token(header: str | None, token: str | None) -> None:
-    headers = {} if header is None else {"authorization": header}
+    headers = _headers() if header is None else _headers(("authorization", header))
     assert bearer_token(headers) == token
 
 
 def test_api_keys_enforced_only_when_configured() -> None:
-    Guard(Secrets(frozenset(), None)).check_api({})
+    Guard(Secrets(frozenset(), None)).check_api(_headers())
     guard = Guard(Secrets(frozenset({"k1", "k2"}), "adm"))
-    guard.check_api({"authorization": "Bearer k2"})
-    for headers in ({}, {"authorization": "Bearer k3"}, {"authorization": "Bearer adm"}):
+    guard.check_api(_headers(("authorization", "Bearer k2")))
+    for headers in (
+        _headers(),
+        _headers(("authorization", "Bearer k3")),
+        _headers(("authorization", "Bearer adm")),
+    ):
         with pytest.raises(Unauthorized):
             guard.check_api(headers)
 
 
+@pytest.mark.parametrize("second", ["Bearer k1", "Bearer nope", "Basic x"])
+def test_a_credential_given_twice_is_refused(second: str) -> None:
+    """Two Authorization headers, the first valid: refused whatever the second says (which one a check
+    reads and which one the engine reads may differ)."""
+    guard = Guard(Secrets(frozenset({"k1"}), "adm"))
+    with pytest.raises(Unauthorized, match="more than one"):
+        guard.check_api(_headers(("authorization", "Bearer k1"), ("authorization", second)))
+    with pytest.raises(Unauthorized, match="more than one"):
+        guard.check_admin(_headers(("authorization", "Bearer adm"), ("authorization", second)))
+
+
 def test_admin_token_required_and_admin_disabled_without_one() -> None:
     guard = Guard(Secrets(frozenset({"k1"}), "adm"))
-    guard.check_admin({"authorization": "Bearer adm"})
+    guard.check_admin(_headers(("authorization", "Bearer adm")))
     with pytest.raises(Unauthorized):
-        guard.check_admin({"authorization": "Bearer k1"})  # an API key is not an admin token
+        guard.check_admin(_headers(("authorization", "Bearer k1")))  # an API key is not an admin token
     with pytest.raises(AdminDisabled) as info:
-        Guard(Secrets(frozenset(), None)).check_admin({"authorization": "Bearer anything"})
+        Guard(Secrets(frozenset(), None)).check_admin(_headers(("authorization", "Bearer anything")))
     assert info.value.http_status() == 403
 
 

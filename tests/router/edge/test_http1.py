@@ -704,29 +704,38 @@ class _Recording:
         self.writes.append((self.name, tuple(pieces)))
 
 
+class _Queued:
+    """A connection stand-in for `_queue`: its loop and a recording transport."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, transport: _Recording) -> None:
+        self.loop, self.transport, self.written = loop, transport, False
+
+
 async def test_queued_requests_go_out_together_at_the_next_turn_each_in_one_write() -> None:
-    """`_queue`: one flush per turn; each request's head and body in one call, in order; a
-    connection that closed meanwhile gets nothing."""
+    """`_queue`: one flush per turn; each request's head and body in one call, in order, its
+    connection marked written; a connection that closed meanwhile gets nothing."""
     loop = asyncio.get_running_loop()
     writes: list[tuple[str, tuple[bytes, ...]]] = []
     async with client() as c:
-        a, b, gone = _Recording("a", writes), _Recording("b", writes), _Recording("gone", writes, True)
-        c._queue(loop, a, b"HA", b"BA")  # type: ignore[arg-type]
-        c._queue(loop, gone, b"HG", b"BG")  # type: ignore[arg-type]
-        c._queue(loop, b, b"HB", b"")  # type: ignore[arg-type]
-        assert writes == []  # nothing before the turn ends
+        a, b = _Queued(loop, _Recording("a", writes)), _Queued(loop, _Recording("b", writes))
+        gone = _Queued(loop, _Recording("gone", writes, True))
+        c._queue(a, b"HA", b"BA")  # type: ignore[arg-type]
+        c._queue(gone, b"HG", b"BG")  # type: ignore[arg-type]
+        c._queue(b, b"HB", b"")  # type: ignore[arg-type]
+        assert writes == [] and not a.written  # nothing before the turn ends
         await _after_queued_callbacks(loop)
         assert writes == [("a", (b"HA", b"BA")), ("b", (b"HB",))]
+        assert a.written and b.written and not gone.written
         assert c._batch == [] and c._flush_loop is None
-        c._queue(loop, a, b"HA2", b"BA2")  # type: ignore[arg-type]
+        c._queue(a, b"HA2", b"BA2")
         await _after_queued_callbacks(loop)
         assert writes[-1] == ("a", (b"HA2", b"BA2"))
 
-        stale = _Recording("stale", writes)
-        c._batch.append((stale, b"HS", b"BS"))  # type: ignore[arg-type]
+        stale = _Queued(loop, _Recording("stale", writes))
+        c._batch.append((stale, b"HS", b"BS"))
         c._flush_loop = asyncio.new_event_loop()  # a flush scheduled on a loop that stopped first
         c._flush_loop.close()
-        c._queue(loop, b, b"HB2", b"")  # type: ignore[arg-type]
+        c._queue(b, b"HB2", b"")
         await _after_queued_callbacks(loop)
         assert writes[-1:] == [("b", (b"HB2",))] and all(name != "stale" for name, _ in writes)
 
@@ -763,9 +772,9 @@ async def test_requests_started_in_one_turn_are_written_after_it_when_others_are
         release.clear()
         write = http1._write
 
-        def recorded(transport: asyncio.Transport, head: bytes, body: bytes) -> None:
+        def recorded(conn: Connection, head: bytes, body: bytes) -> None:
             order.append("write " + head.split(b" ")[1].decode())
-            write(transport, head, body)
+            write(conn, head, body)
 
         tasks = []
         with pytest.MonkeyPatch.context() as patch:

@@ -8,9 +8,12 @@ import msgspec
 import pytest
 
 from router.links.endpoint_slices import (
+    DATA_PARALLEL_LABEL,
+    MAX_DATA_PARALLEL,
     EndpointSlice,
     SliceSet,
     changes,
+    check_slice,
     engines_from_slices,
     label_selector,
 )
@@ -226,3 +229,26 @@ def test_a_data_parallel_pool_gets_one_event_endpoint_per_rank_at_vllms_offsets(
         labels["kvrouter.io/data-parallel-size"] = bad
         obj["metadata"]["labels"] = {**obj["metadata"]["labels"], **labels}
         assert len(engines(obj)["dp/p"].events) == 1  # not a positive count: one rank
+
+
+@pytest.mark.parametrize(
+    ("address", "labels", "ports", "error"),
+    [
+        ("10.0.0.1; rm -rf", {}, {}, "not an IPv4 address"),
+        ("10.0.0.1", {DATA_PARALLEL_LABEL: str(MAX_DATA_PARALLEL + 1)}, {}, "over"),
+        ("10.0.0.1", {DATA_PARALLEL_LABEL: "8"}, {"kv-events": 65530}, "pass 65535"),
+    ],
+)
+def test_a_slice_whose_engines_cannot_be_made_is_refused(
+    address: str, labels: dict[str, str], ports: dict[str, int], error: str
+) -> None:
+    (good,) = slices(endpoint_slice("q", "qwen", [endpoint("10.0.0.1", "p")], ports={"http": 8000}))
+    check_slice(DISCOVERY, good)
+    bad = endpoint_slice("q", "qwen", [endpoint(address, "p")], ports={"http": 8000, **ports}, labels=labels)
+    with pytest.raises(ValueError, match=error):
+        check_slice(DISCOVERY, slices(bad)[0])
+
+
+def test_a_port_out_of_range_is_a_validation_error() -> None:
+    with pytest.raises(msgspec.ValidationError):
+        slices(endpoint_slice("q", "qwen", [endpoint("10.0.0.1", "p")], ports={"http": 70000}))

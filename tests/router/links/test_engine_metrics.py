@@ -6,7 +6,13 @@ import pytest
 
 from engine_stub.server.metrics import EngineGauges, StubMetrics
 from router.core.policy.load import ScrapedMetrics
-from router.links.engine_metrics import parse_engine_metrics
+from router.links.engine_metrics import (
+    MAX_LINE,
+    MAX_SAMPLES,
+    MetricsReader,
+    ScrapeRejected,
+    parse_engine_metrics,
+)
 
 # As vLLM 0.33.0 exposes them (labels `model_name` and `engine`), with a second model's series beside.
 VLLM_TEXT = """\
@@ -57,3 +63,44 @@ def test_an_engine_without_the_gauges_gives_nothing_and_garbage_is_an_error() ->
     assert parse_engine_metrics("# TYPE up gauge\nup 1\n", at=0.0) == {}
     with pytest.raises(ValueError, match="not a Prometheus text exposition"):
         parse_engine_metrics('vllm:num_requests_running{engine="0" 3\n', at=0.0)
+
+
+def test_chunks_cut_anywhere_read_as_the_whole() -> None:
+    whole = parse_engine_metrics(VLLM_TEXT, at=5.0, model="m")
+    data = VLLM_TEXT.encode()
+    for size in (1, 7, 64):
+        reader = MetricsReader("m")
+        for i in range(0, len(data), size):
+            reader.feed(data[i : i + size])
+        assert reader.result(5.0) == whole
+
+
+def test_other_series_are_skipped_unread_however_long_their_lines() -> None:
+    reader = MetricsReader("m")
+    reader.feed(b"vllm:other_histogram_bucket{" + b"x" * 3 * MAX_LINE)  # no newline yet: skipped as it comes
+    reader.feed(b"y" * MAX_LINE + b'"} 1\n# HELP anything \xff\xfe not UTF-8\n')
+    reader.feed(VLLM_TEXT.encode())
+    assert reader.result(5.0) == parse_engine_metrics(VLLM_TEXT, at=5.0, model="m")
+
+
+@pytest.mark.parametrize(
+    ("text", "reason"),
+    [
+        ('vllm:num_requests_running{engine="0"} +Inf\n', "not_finite"),
+        ('vllm:num_requests_waiting{engine="0"} 1e400\n', "not_finite"),
+        ('vllm:kv_cache_usage_perc{engine="0"} NaN\n', "not_finite"),
+        ('vllm:num_requests_waiting{engine="0"} -1\n', "negative"),
+        ('vllm:num_requests_running{engine="-1"} 1\n', "malformed"),
+        ('vllm:num_requests_running{engine="0",x="' + "a" * MAX_LINE + '"} 1\n', "malformed"),
+        ('vllm:num_requests_running{engine="0"} 1\n' * (MAX_SAMPLES + 1), "too_many_samples"),
+    ],
+)
+def test_bad_values_ranks_and_sizes_are_refused_by_reason(text: str, reason: str) -> None:
+    with pytest.raises(ScrapeRejected) as refused:
+        parse_engine_metrics(text, at=0.0)
+    assert refused.value.reason == reason
+
+
+def test_a_bad_value_of_another_model_is_not_read() -> None:
+    text = VLLM_TEXT + 'vllm:num_requests_running{engine="0",model_name="other"} +Inf\n'
+    assert parse_engine_metrics(text, at=5.0, model="m") == parse_engine_metrics(VLLM_TEXT, 5.0, "m")

@@ -22,8 +22,12 @@ SCRAPES = 'kvrouter_engine_scrapes_total{engine="%s",result="%s"}'
 
 
 def _scrapes(metrics: str, engine: str, result: str) -> float:
+    return _value(metrics, SCRAPES % (engine, result))
+
+
+def _value(metrics: str, series: str) -> float:
     for line in metrics.splitlines():
-        if line.startswith(SCRAPES % (engine, result)):
+        if line.startswith(series):
             return float(line.rsplit(" ", 1)[1])
     return 0.0
 
@@ -57,7 +61,12 @@ async def test_the_gateway_sees_a_direct_clients_request_through_the_scrape_and_
 
             async def counted() -> bool:
                 text = (await gw.client.get("/metrics")).text
-                return _scrapes(text, "e0", "ok") >= 2 and _scrapes(text, "dead", "error") >= 2
+                refused = 'kvrouter_engine_scrape_errors_total{engine="dead",reason="connection"}'
+                return (
+                    _scrapes(text, "e0", "ok") >= 2
+                    and _scrapes(text, "dead", "error") >= 2
+                    and _value(text, refused) >= 2
+                )
 
             await wait_for(counted)  # on the period, again and again, failures counted apart
             routed = await gw.client.post(

@@ -195,6 +195,48 @@ async def test_a_bad_slice_is_a_counted_rejection_and_the_watch_goes_past_it() -
         assert list(fleet.engines) == ["qwen/a", "qwen/c"] and disco.counts["failures"] == 0
 
 
+def bad_slices() -> list[dict[str, Any]]:
+    """Slices the decoder or `check_slice` refuses, each for another reason."""
+    no_type = qwen(endpoint("10.0.0.2", "b"), name="qwen-2")
+    del no_type["addressType"]
+    bad_label = qwen(endpoint("10.0.0.3", "c"), name="qwen-3")
+    bad_label["metadata"]["labels"]["team"] = 5  # labels are strings: ObjectMeta refuses it
+    bad_port = endpoint_slice(
+        "qwen-4", "qwen", [endpoint("10.0.0.4", "d")], ports={"http": 70000}, labels=MODEL
+    )
+    bad_address = qwen(endpoint("10.0.0.5:80", "e"), name="qwen-5")
+    many_ranks = qwen(endpoint("10.0.0.6", "f"), name="qwen-6")
+    many_ranks["metadata"]["labels"]["kvrouter.io/data-parallel-size"] = "100000000"
+    return [no_type, bad_label, bad_port, bad_address, many_ranks]
+
+
+async def test_bad_slices_in_a_list_are_left_out_counted_and_the_others_discovered() -> None:
+    async with running_kube_api() as (api, url):
+        await api.put(qwen(endpoint("10.0.0.1", "a")))
+        for bad in bad_slices():
+            await api.put(bad)
+        await api.put(qwen(endpoint("10.0.0.9", "z"), name="qwen-9"))
+        async with discovering(settings(url)) as (disco, fleet):
+            await wait_for(lambda: _true(api.open_watches == 1))  # listed, and watching
+            assert list(fleet.engines) == ["qwen/a", "qwen/z"]
+            assert disco.counts["rejected"] == 5 and disco.counts["failures"] == 0
+            await api.put(qwen(endpoint("10.0.0.10", "y"), name="qwen-10"))
+            await wait_for(lambda: _has(fleet, "qwen/y"))
+
+
+async def test_bad_slices_in_a_watch_are_passed_and_discovery_goes_on() -> None:
+    async with watching() as (api, disco, fleet):
+        await api.put(qwen(endpoint("10.0.0.1", "a")))
+        await wait_for(lambda: _has(fleet, "qwen/a"))
+        for bad in bad_slices():
+            await api.put(bad)
+        await api.put(qwen(endpoint("10.0.0.9", "z"), name="qwen-9"))
+        await wait_for(lambda: _has(fleet, "qwen/z"))
+        assert list(fleet.engines) == ["qwen/a", "qwen/z"]
+        assert disco.counts["rejected"] == 5 and disco.counts["failures"] == 0
+        assert disco.slices.resource_version == str(api.version)
+
+
 async def test_the_model_of_an_unlabelled_pool_is_asked_from_the_engine() -> None:
     answers = {"n": 0}
 
@@ -214,6 +256,37 @@ async def test_the_model_of_an_unlabelled_pool_is_asked_from_the_engine() -> Non
         await api.put(endpoint_slice("l", "qwen", pods, ports={"http": port}))
         await wait_for(lambda: _true(disco.slices.resource_version == str(api.version)))
         assert answers["n"] == 2  # an engine already known is not asked again
+
+
+async def test_a_model_answer_that_redirects_or_is_huge_is_a_failure_and_the_others_go_on() -> None:
+    asked: list[str] = []
+
+    async def elsewhere(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.json_response({"object": "list", "data": [{"id": "stolen", "parent": None}]})
+
+    async def good(request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [{"id": "llama-3", "parent": None}]})
+
+    async def huge(request: web.Request) -> web.Response:
+        return web.Response(body=b'{"data": [' + b" " * (2 << 20) + b"]}", content_type="application/json")
+
+    async with fake_engine(elsewhere) as other, watching() as (api, disco, fleet):
+
+        async def redirect(request: web.Request) -> web.Response:
+            raise web.HTTPFound(f"{other}/v1/models")
+
+        async with fake_engine(redirect) as r, fake_engine(huge) as h, fake_engine(good) as g:
+            for pod, url in (("r", r), ("h", h), ("g", g)):
+                port = int(url.rpartition(":")[2])
+                await api.put(endpoint_slice(pod, "qwen", [endpoint("127.0.0.1", pod)], ports={"http": port}))
+            await wait_for(lambda: _true(_has_sync(fleet, "qwen/g") and disco.counts["failures"] >= 4))
+            assert list(fleet.engines) == ["qwen/g"] and fleet.engines["qwen/g"].model == "llama-3"
+    assert asked == []  # the redirect was not followed
+
+
+def _has_sync(fleet: Fleet, name: str) -> bool:
+    return name in fleet.engines
 
 
 async def test_a_long_list_is_read_page_by_page() -> None:

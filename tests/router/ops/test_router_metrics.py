@@ -223,3 +223,33 @@ def test_a_negative_cached_count_is_refused_at_the_end_as_inc_refuses_it() -> No
     m = RouterMetrics(lambda: [], clock=lambda: 0.0)
     with pytest.raises(ValueError, match="non-negative"):
         m.answered("e0", "kv", "200", "m", 0.1, 3, -1)
+
+
+def test_a_removed_engines_series_leave_and_a_late_request_to_it_is_not_counted_back() -> None:
+    fleet = {"e0", "e1"}
+    m = RouterMetrics(lambda: [], clock=lambda: 0.0)
+    m.follow_fleet(lambda: fleet)
+    for engine in ("e0", "e1"):
+        m.answered(engine, "kv", "200", "m", 0.5, 16, 8)
+        m.ttft_of[engine, "m"].observe(0.1)
+        m.scraped(engine, None)
+        m.scraped(engine, "negative")
+    m.refused("kv", "503", "no_engine")
+
+    def engines_in(s: dict[tuple[str, tuple[tuple[str, str], ...]], float]) -> set[str]:
+        return {dict(labels).get("engine", "") for _, labels in s} - {""}
+
+    assert engines_in(samples(m)) == {"e0", "e1", "none"}
+    fleet.discard("e1")  # discovery removed it
+    m.forget_removed_engines()
+    assert engines_in(samples(m)) == {"e0", "none"}
+    m.answered("e1", "kv", "200", "m", 0.5, 16, 8)  # a request in flight when e1 left ends now
+    m.scraped("e1", "timeout")  # and so does a scrape that was under way
+    assert engines_in(samples(m)) == {"e0", "none"}
+    assert all(key[0] != "e1" for key in m.requests_of) and ("e1", "m") not in m.duration_of
+    fleet.add("e1")  # the same name back (a StatefulSet pod re-created): counted afresh
+    m.answered("e1", "kv", "200", "m", 0.5, 16, 8)
+    s = samples(m)
+    assert s[("kvrouter_requests_total", (("engine", "e1"), ("policy", "kv"), ("status", "200")))] == 1
+    assert s[("kvrouter_requests_total", (("engine", "e0"), ("policy", "kv"), ("status", "200")))] == 1
+    assert s[("kvrouter_engine_scrape_errors_total", (("engine", "e0"), ("reason", "negative")))] == 1

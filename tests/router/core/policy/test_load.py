@@ -19,6 +19,7 @@ from router.core.policy.load import (
     ScrapedMetrics,
     StepCost,
 )
+from router.core.policy.ttft_model import ttft_terms
 
 A, B = EngineId("a"), EngineId("b")
 PRIOR = CostPrior(overhead_s=0.02, per_token_s=1e-4, weight=4.0, forgetting=0.98)
@@ -60,8 +61,8 @@ def test_prediction_includes_the_queue() -> None:
     load = LoadTracker(PRIOR)
     load.started(rid(1), A, at=0.0, uncached_tokens=2000)
     snap = load.snapshot(A, now=0.0)
-    assert snap.predicted_ttft_s(1000) == pytest.approx(0.02 + 1e-4 * 3000)
-    assert load.snapshot(B, now=0.0).predicted_ttft_s(1000) == pytest.approx(0.02 + 1e-4 * 1000)
+    assert ttft_terms(snap, 1000)[3] == pytest.approx(0.02 + 1e-4 * 3000)
+    assert ttft_terms(load.snapshot(B, now=0.0), 1000)[3] == pytest.approx(0.02 + 1e-4 * 1000)
 
 
 def test_ttft_learning_uses_the_work_ahead_at_start() -> None:
@@ -169,11 +170,12 @@ def test_decoding_lengthens_every_chunked_prefill_step() -> None:
     snap = load.snapshot(A, now=0.03)
     assert (snap.decoding, snap.queued_prefill_tokens, snap.step) == (10, 1500, STEP)
     # 1500 queued + 1000 new over a budget of 1000 - 10 decoders: 3 steps, each decoding 10.
-    assert snap.prefill_steps(1000) == 3
-    assert snap.decode_s(1000) == pytest.approx(3 * (0.006 + 10 * 0.001))
-    assert snap.predicted_ttft_s(1000) == pytest.approx(snap.prefill_s(1000) + snap.decode_s(1000))
+    steps, decode_s, slot_s, ttft = ttft_terms(snap, 1000)
+    assert (steps, slot_s) == (3, 0.0)
+    assert decode_s == pytest.approx(3 * (0.006 + 10 * 0.001))
+    assert ttft == pytest.approx(snap.overhead_s + snap.per_token_s * 2500 + decode_s)
     idle = load.snapshot(B, now=0.03)
-    assert (idle.decode_s(1000), idle.prefill_steps(0)) == (0.0, 1)
+    assert (ttft_terms(idle, 1000)[1], ttft_terms(idle, 0)[0]) == (0.0, 1)
 
 
 def test_the_prefill_model_learns_from_ttfts_without_the_predicted_decode_part() -> None:
@@ -181,7 +183,7 @@ def test_the_prefill_model_learns_from_ttfts_without_the_predicted_decode_part()
     for n in range(5):
         load.started(rid(n), A, at=0.0, uncached_tokens=10)
         load.first_token(rid(n), at=0.001)
-    decode_s = load.snapshot(A, now=1.0).decode_s(500)  # 5 decoding: 0.011 s per step, 1 step
+    decode_s = ttft_terms(load.snapshot(A, now=1.0), 500)[1]  # 5 decoding: 0.011 s per step, 1 step
     for n in range(10, 60):
         load.started(rid(n), A, at=1.0, uncached_tokens=500)
         # The engine takes 20 ms + 0.05 ms per token of prefill, plus the decode part.
@@ -206,11 +208,12 @@ def test_a_full_running_batch_makes_a_new_request_wait_for_a_slot() -> None:
     load.finished(rid(1), at=2.1)  # decoded for 2 s: the engine's requests stay about that long
     assert load.snapshot(A, now=2.1).residency_s == pytest.approx(2.0)
     load.started(rid(2), A, at=3.0, uncached_tokens=10)
-    assert load.snapshot(A, now=3.0).slot_wait_s() == 0.0  # one of two slots taken
+    assert ttft_terms(load.snapshot(A, now=3.0), 0)[2] == 0.0  # one of two slots taken
     load.started(rid(3), A, at=3.0, uncached_tokens=10)
     full = load.snapshot(A, now=3.0)
-    assert full.slot_wait_s() == pytest.approx(2.0 / 2)  # a slot frees every residency / max_num_seqs
-    assert full.predicted_ttft_s(0) == pytest.approx(full.prefill_s(0) + 1.0)
+    _, _, slot_s, ttft = ttft_terms(full, 0)
+    assert slot_s == pytest.approx(2.0 / 2)  # a slot frees every residency / max_num_seqs
+    assert ttft == pytest.approx(full.overhead_s + full.per_token_s * 20 + 1.0)  # 2 x 10 tokens queued
 
 
 def test_draining_counts_the_oldest_unanswered_request_prefilled_as_time_passes() -> None:
@@ -226,8 +229,8 @@ def test_draining_counts_the_oldest_unanswered_request_prefilled_as_time_passes(
     load.started(rid(2), A, at=1.0, uncached_tokens=2000)
     assert load.snapshot(A, now=1.0).drained_tokens == 0
     half = load.snapshot(A, now=1.2)
-    assert (half.queued_prefill_tokens, half.drained_tokens, half.queue_left()) == (6000, 2000, 4000)
-    assert half.prefill_s(0) == pytest.approx(0.0 + 1e-4 * 4000, rel=1e-3)
+    assert (half.queued_prefill_tokens, half.drained_tokens) == (6000, 2000)
+    assert ttft_terms(half, 0)[3] == pytest.approx(0.0 + 1e-4 * 4000, rel=1e-3)  # 4000 left: prefill alone
     assert load.snapshot(A, now=9.0).drained_tokens == 3000  # never into the head's last chunk
     load.first_token(rid(1), at=9.0)
     assert load.snapshot(A, now=9.0).drained_tokens == 0  # the next head starts when the head answers
@@ -376,28 +379,6 @@ def test_the_scalar_update_learns_bit_for_bit_what_the_matrix_form_does(seed: in
         )  # fmt: skip
 
 
-@given(
-    in_flight=st.integers(0, 600), prefilling=st.integers(0, 50), decoding=st.integers(0, 600),
-    queued=st.integers(0, 100_000), drained=st.integers(0, 100_000), uncached=st.integers(0, 50_000),
-    per_token=st.floats(0, 1e-3), residency=st.floats(0, 100), max_seqs=st.integers(0, 512),
-    budget=st.integers(0, 16384),
-)  # fmt: skip
-def test_ttft_terms_are_each_term_s_own_method(
-    in_flight: int, prefilling: int, decoding: int, queued: int, drained: int, uncached: int,
-    per_token: float, residency: float, max_seqs: int, budget: int,
-) -> None:  # fmt: skip
-    step = StepCost(6e-3, 40e-6, budget, max_seqs)
-    snap = LoadSnapshot(
-        in_flight, prefilling, decoding, queued, None, 0.02, per_token, False, step,
-        residency_s=residency, drained_tokens=drained,
-    )  # fmt: skip
-    ttft = snap.prefill_s(uncached) + snap.decode_s(uncached) + snap.slot_wait_s()
-    assert snap.ttft_terms(uncached) == (
-        snap.prefill_steps(uncached), snap.decode_s(uncached), snap.slot_wait_s(), ttft,
-    )  # fmt: skip
-    assert snap.predicted_ttft_s(uncached) == ttft
-
-
 def _drained_reference(tracker: LoadTracker, engine: EngineId, decoding: int, now: float) -> int:
     """`LoadTracker._drained` as first written (max, min, ceil calls), which the fast one must equal."""
     load, step = tracker._engine(engine), tracker.step
@@ -447,22 +428,26 @@ def test_drained_equals_its_reference_arithmetic(
 
 
 @given(
-    uncached=st.lists(st.integers(0, 30_000), min_size=1, max_size=6), gap=st.floats(0, 0.2),
+    uncached=st.lists(st.integers(0, 30_000), min_size=1, max_size=8), gap=st.floats(0, 0.2),
     budget=st.integers(0, 16384), max_seqs=st.integers(0, 4),
 )  # fmt: skip
 def test_started_takes_out_the_decode_and_slot_wait_of_its_own_snapshot(
     uncached: list[int], gap: float, budget: int, max_seqs: int
 ) -> None:  # fmt: skip
     """`started` reads its snapshot's TTFT terms once; what it takes out of the TTFT to learn from is
-    still that snapshot's `decode_s(uncached) + slot_wait_s()`."""
+    still that snapshot's `decode_s + slot_wait_s` for its tokens (`ttft_terms`); some requests
+    finish, so the engine's residency is learned and a full batch has a slot wait."""
     tracker = LoadTracker(PRIOR, step=StepCost(6e-3, 40e-6, budget, max_seqs), drain=True)
     for n, tokens in enumerate(uncached):
         at = n * gap
         snap = tracker.snapshot(A, at)
         tracker.started(rid(n), A, at, tokens)
-        assert tracker._requests[rid(n)].other_s == snap.decode_s(tokens) + snap.slot_wait_s()
+        _, decode_s, slot_s, _ = ttft_terms(snap, tokens)
+        assert tracker._requests[rid(n)].other_s == decode_s + slot_s
         if n % 2:
             tracker.first_token(rid(n - 1), at + gap / 3)
+        if n % 4 == 3:  # (answered at n - 2)
+            tracker.finished(rid(n - 3), at + gap / 2)
 
 
 class _AlwaysAfresh(LoadTracker):

@@ -27,6 +27,7 @@ from router.core.policy.scoring import (
     stable_hash,
 )
 from router.core.policy.trust import TrustReason, TrustState, TrustStatus
+from router.core.policy.ttft_model import ttft_terms
 from router.settings.config import PolicyConfig, RouterConfig
 
 FRESH = TrustStatus(TrustState.FRESH, TrustReason.OK, "ok", 0.0)
@@ -395,24 +396,6 @@ def test_kv_keeps_a_long_hit_on_a_queued_engine_rather_than_add_its_whole_prefil
     assert greedy.runner_up == "a" and greedy.margin_s > 0
 
 
-def _score_reference(c: Candidate, excluded: frozenset[EngineId], settings: ScorerSettings) -> CandidateScore:
-    """`scoring._score` as first written (max calls, the saturation check always made)."""
-    trusted = c.trust.trusted
-    trusted_hit = c.hit_tokens if trusted else 0
-    pending = c.pending_tokens if c.trust.state is not TrustState.STALE else 0
-    counted = max(trusted_hit, pending)
-    uncached = max(0, c.prompt_tokens - counted)
-    steps, decode_s, slot_s, ttft = c.load.ttft_terms(uncached)
-    work = settings.prefill_work_weight * c.load.per_token_s * uncached
-    pins = trusted and c.warm_tokens > c.hit_tokens
-    why_not = _why_not(c, excluded) or (WHY_SATURATED if _saturated(c.load, ttft, settings) else "")
-    return CandidateScore(
-        c.engine, c.hit_tokens, trusted_hit, c.boundary, c.warm_tokens, pins, uncached, ttft,
-        c.trust, c.load, not why_not, why_not, c.pending_tokens, counted,
-        steps, decode_s, slot_s, work, ttft + work,
-    )  # fmt: skip
-
-
 @given(
     hit=st.integers(0, 4000), prompt=st.integers(0, 4000), warm=st.integers(0, 4000),
     pending=st.integers(0, 4000), queued=st.integers(0, 20_000), in_flight=st.integers(0, 40),
@@ -422,14 +405,15 @@ def _score_reference(c: Candidate, excluded: frozenset[EngineId], settings: Scor
     budget=st.sampled_from([0, 1, 512, 8192]), max_seqs=st.integers(0, 40), decoding=st.integers(-1, 40),
     drained=st.integers(0, 25_000), residency=st.sampled_from([0.0, 0.3, 7.0]),
 )  # fmt: skip
-def test_score_equals_its_reference_arithmetic(
+def test_the_decision_records_the_ttft_model_s_terms_and_the_score_s_rules(
     hit: int, prompt: int, warm: int, pending: int, queued: int, in_flight: int, trust: TrustStatus,
     healthy: bool, breaker: bool, full: bool, tried: bool, max_ttft: float, max_waiting: int,
     waiting: int, scraped: bool, budget: int, max_seqs: int, decoding: int, drained: int, residency: float,
 ) -> None:  # fmt: skip
-    """The score of any candidate, under any limits, steps and queues (its TTFT terms written out),
-    is the one the first-written arithmetic gives (`ttft_terms`; the saturation check skipped only
-    when no limit is configured)."""
+    """For any candidate, under any limits, steps and queues, the decision records as its predicted
+    TTFT and terms what the TTFT model (`ttft_terms`) gives for its uncached tokens, and every other
+    field by the module's rules: hits counted from a fresh mirror, pending prefixes but on a stale
+    one, the prefill work, the junction pin, and ineligibility (the saturation limits included)."""
     scrape = ScrapedMetrics(0.0, in_flight, waiting) if scraped else None
     load = LoadSnapshot(
         in_flight, 1, decoding, queued, None, OVERHEAD, PER_TOKEN, scraped,
@@ -438,7 +422,23 @@ def test_score_equals_its_reference_arithmetic(
     c = Candidate(EngineId("a"), hit, 0, warm, prompt, trust, load, healthy, breaker, full, pending)
     settings = ScorerSettings(max_predicted_ttft_s=max_ttft, max_scraped_waiting=max_waiting)
     excluded = frozenset({EngineId("a")}) if tried else frozenset()
-    assert _score(c, excluded, settings) == _score_reference(c, excluded, settings)
+    (s,) = Scorer(settings).choose(RouteRequest(KEY, excluded=excluded), [c]).candidates
+    assert s == _score(c, excluded, settings)
+    trusted_hit = hit if trust is FRESH else 0
+    counted = max(trusted_hit, pending if trust is not STALE else 0)
+    assert (s.trusted_hit_tokens, s.counted_tokens, s.uncached_tokens) == (
+        trusted_hit, counted, max(0, prompt - counted),
+    )  # fmt: skip
+    ttft = s.predicted_ttft_s
+    assert (s.prefill_steps, s.decode_s, s.slot_wait_s, ttft) == ttft_terms(load, s.uncached_tokens)
+    assert s.work_s == settings.prefill_work_weight * PER_TOKEN * s.uncached_tokens
+    assert s.cost_s == ttft + s.work_s
+    assert s.pins_junction == (trust is FRESH and warm > hit)
+    why_not = _why_not(c, excluded) or (WHY_SATURATED if _saturated(load, ttft, settings) else "")
+    assert (s.why_not, s.eligible) == (why_not, not why_not)
+    assert (s.engine, s.hit_tokens, s.boundary, s.warm_tokens, s.trust, s.load, s.pending_tokens) == (
+        c.engine, hit, c.boundary, warm, trust, load, pending,
+    )  # fmt: skip
 
 
 def _general_decision(scorer: Scorer, request: RouteRequest, candidates: list[Candidate]) -> Decision:

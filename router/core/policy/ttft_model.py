@@ -1,0 +1,129 @@
+"""The TTFT model: how long a request would wait for its first token on an engine. Change it here.
+
+`ttft_terms` is the model; its docstring states it as a formula. It has the shape of the engine's own
+step time (engine_stub/runtime/cost_model.py): under chunked prefill the queue ahead and this
+request's uncached tokens run in steps of at most `max_num_batched_tokens`, of which each decoding
+sequence takes one; each of those steps also decodes every running sequence; an engine already
+holding `max_num_seqs` requests admits a new one only when a slot frees, one every
+`residency_s / max_num_seqs` on average. `StepCost` holds the configured coefficients (`[policy]`
+`decode_step_s`, `decode_penalty_s`, `max_num_batched_tokens`, `max_num_seqs`); `overhead_s`,
+`per_token_s` and `residency_s` are learned per engine and the counts tracked by
+router/core/policy/load.py, whose `LoadSnapshot` is the engine as the model reads it (`EngineState`).
+Scoring (`scoring._score`, whose `CandidateScore` records every term for the decision record) and a
+send's learning (`LoadTracker.started`: what besides prefill a TTFT holds) call `ttft_terms`; the
+tracker's learning from an answer's service and the queue head's drain price their prefill steps
+with its pieces, `prefill_steps` and `step_decode_s`. Pure: no clock, no I/O.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+import msgspec
+
+__all__ = [
+    "EngineState",
+    "StepCost",
+    "TtftTerms",
+    "prefill_steps",
+    "step_budget",
+    "step_decode_s",
+    "ttft_terms",
+]
+
+
+class StepCost(msgspec.Struct, frozen=True):
+    """How decoding lengthens the engine steps a new request's prefill runs in (configured, not learned).
+
+    Defaults are the stub's cost model (an 8B model on one H100): a step that decodes anything costs
+    ~6 ms more, plus ~40 us per decoding sequence; vLLM's default token budget per step is 8192."""
+
+    decode_step_s: float = 6e-3
+    decode_penalty_s: float = 40e-6
+    max_num_batched_tokens: int = 8192
+    max_num_seqs: int = 256
+
+
+class EngineState(Protocol):
+    """What the model reads of an engine (`load.LoadSnapshot` is one): the configured `step`, the
+    learned prefill coefficients, the queue and the running batch."""
+
+    @property
+    def step(self) -> StepCost:
+        """The configured step coefficients."""
+
+    @property
+    def overhead_s(self) -> float:
+        """Learned seconds a prefill costs besides its tokens."""
+
+    @property
+    def per_token_s(self) -> float:
+        """Learned seconds per prefill token."""
+
+    @property
+    def queued_prefill_tokens(self) -> int:
+        """Prefill tokens of the requests sent and not answered (FCFS ahead of a new one)."""
+
+    @property
+    def drained_tokens(self) -> int:
+        """Of those, the tokens the engine has prefilled by now."""
+
+    @property
+    def decoding(self) -> int:
+        """Sequences in the running batch past their first token (one token each per step)."""
+
+    @property
+    def in_flight(self) -> int:
+        """Requests the engine holds, prefilling or decoding."""
+
+    @property
+    def residency_s(self) -> float:
+        """Learned seconds a request decodes (first token to end): how long it holds a slot."""
+
+
+TtftTerms = tuple[int, float, float, float]
+"""`(prefill_steps, decode_s, slot_wait_s, predicted_ttft_s)`: the model's terms for one request."""
+
+
+def step_budget(step: StepCost, decoding: int) -> int:
+    """Prefill tokens one engine step takes: its token budget less one per decoding sequence, at least 1."""
+    budget = step.max_num_batched_tokens - decoding
+    return budget if budget > 1 else 1  # max(1, budget)
+
+
+def step_decode_s(step: StepCost, decoding: int) -> float:
+    """What decoding `decoding` sequences adds to one engine step: nothing, or the step cost and each's."""
+    return step.decode_step_s + step.decode_penalty_s * decoding if decoding > 0 else 0.0
+
+
+def prefill_steps(step: StepCost, decoding: int, tokens: int) -> int:
+    """Engine steps that prefill `tokens` (at least one) while `decoding` sequences decode."""
+    steps = -(-tokens // step_budget(step, decoding))  # ceil(tokens / budget) for ints
+    return steps if steps > 1 else 1
+
+
+def ttft_terms(engine: EngineState, uncached_tokens: int) -> TtftTerms:
+    """`engine`'s predicted TTFT for a request with `uncached_tokens` to prefill, sent now behind its
+    queue, and the terms it adds up: `(prefill_steps, decode_s, slot_wait_s, predicted_ttft_s)`.
+    Seconds and tokens; `engine`'s fields (`EngineState`) and `StepCost`'s as named:
+
+        predicted_ttft_s = prefill_s + decode_s + slot_wait_s
+        prefill_s        = overhead_s + per_token_s x tokens              (learned: load.PrefillCostModel)
+        tokens           = queue_left + uncached_tokens
+        queue_left       = max(0, queued_prefill_tokens - drained_tokens)
+        decode_s         = prefill_steps x step_decode_s
+        prefill_steps    = max(1, ceil(tokens / budget))                  (`prefill_steps`)
+        budget           = max(1, max_num_batched_tokens - decoding)      (`step_budget`)
+        step_decode_s    = decode_step_s + decode_penalty_s x decoding    (0 if nothing decodes)
+        slot_wait_s      = excess x residency_s / max_num_seqs            (0 unless excess > 0
+        excess           = in_flight - max_num_seqs + 1                    and max_num_seqs > 0)
+    """
+    step, decoding = engine.step, engine.decoding
+    left = engine.queued_prefill_tokens - engine.drained_tokens
+    tokens = (left if left > 0 else 0) + uncached_tokens
+    steps = prefill_steps(step, decoding, tokens)
+    decode_s = steps * step_decode_s(step, decoding)
+    max_seqs = step.max_num_seqs
+    excess = engine.in_flight - max_seqs + 1
+    slot_s = excess * engine.residency_s / max_seqs if excess > 0 and max_seqs > 0 else 0.0
+    return steps, decode_s, slot_s, engine.overhead_s + engine.per_token_s * tokens + decode_s + slot_s
