@@ -170,11 +170,11 @@ async def engine_unharmed(gw: Gateway) -> None:
 def test_a_client_that_stops_reading_is_client_slow_after_the_write_bound(loop: str) -> None:
     """Five clients stop reading a stream that never ends: each is cut after `client_write_s` of the
     gateway waiting on it, counted `client_slow` (and a `write` client timeout), its engine stream
-    closed; the engine is charged nothing, although its read timeout is far shorter."""
+    closed; the engine is charged nothing, although its read timeout is shorter."""
 
     async def main() -> None:
         engine = Engine("flood")
-        timeouts = Timeouts(read_s=0.05, client_write_s=0.5)
+        timeouts = Timeouts(read_s=0.3, client_write_s=0.6)
         async with gateway_over(engine, timeouts) as gw:
             clients = [await raw_client(gw, rcvbuf=4096) for _ in range(5)]
             for reader, writer in clients:
@@ -207,7 +207,7 @@ def test_every_path_cuts_a_client_that_stops_reading(loop: str, path: str, body:
 
     async def main() -> None:
         engine = Engine("flood")
-        async with gateway_over(engine, Timeouts(read_s=0.05, client_write_s=0.5)) as gw:
+        async with gateway_over(engine, Timeouts(read_s=0.3, client_write_s=0.6)) as gw:
             reader, writer = await raw_client(gw, rcvbuf=4096)
             writer.write(request(body, path))
             await reader.readuntil(b"\r\n\r\n")
@@ -228,14 +228,14 @@ def test_a_client_that_pauses_past_the_read_timeout_gets_the_whole_answer(loop: 
 
     async def main() -> None:
         engine = Engine("finite")
-        timeouts = Timeouts(read_s=0.1, client_write_s=WAIT_S)
+        timeouts = Timeouts(read_s=0.3, client_write_s=WAIT_S)
         async with gateway_over(engine, timeouts) as gw:
             # Small enough that the answer outgrows every buffer on the way, large enough for a
             # quick read of it all once the pause is over.
             reader, writer = await raw_client(gw, rcvbuf=1 << 16)
             writer.write(request(STREAM))
             await reader.readuntil(b"\r\n\r\n")
-            await asyncio.sleep(0.5)  # the client's pause is the fault under test, not a synchronisation
+            await asyncio.sleep(1.0)  # the client's pause is the fault under test, not a synchronisation
             body = await asyncio.wait_for(read_to_end(reader), WAIT_S)
             assert dechunked(body) == FINITE
             await until_counted(gw, "200", 1)
@@ -276,7 +276,7 @@ def test_pipelined_streams_whose_client_closes_are_client_closed(loop: str, path
 
     async def main() -> None:
         engine = Engine("hold")
-        async with gateway_over(engine, Timeouts(read_s=1.0)) as gw:
+        async with gateway_over(engine, Timeouts(read_s=5.0)) as gw:
             for _ in range(6):
                 reader, writer = await raw_client(gw)
                 writer.write(request(STREAM, path) + request(STREAM, path))
@@ -299,7 +299,7 @@ def test_a_pipelining_client_that_reads_nothing_is_client_slow(loop: str) -> Non
 
     async def main() -> None:
         engine = Engine("flood")
-        async with gateway_over(engine, Timeouts(read_s=0.05, client_write_s=0.5)) as gw:
+        async with gateway_over(engine, Timeouts(read_s=0.3, client_write_s=0.6)) as gw:
             _, writer = await raw_client(gw, rcvbuf=4096)
             body = json.dumps({**PLAIN, "max_tokens": MEGA}).encode()
             writer.write(request(body) * 20)
