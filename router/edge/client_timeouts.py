@@ -95,6 +95,9 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         self._idle_by: float | None = None  # the end of the keep-alive wait (None: no wait runs)
         self._step = 0.0  # the shorter timeout: the timer never waits past a deadline set later
         self._lost: LostSignal | None = None
+        self._earlier: list[LostSignal] | None = None
+        """The signals of the cycles before the newest whose answers were unfinished when the next
+        request's head came (pipelined requests: the one running and those queued behind it)."""
         # The hot routes, unless uvicorn must answer 503s past a concurrency limit or prefix a root path.
         plain = self.limit_concurrency is None and not self.root_path
         self._hot: HotRoutes | None = app_state.get(HOT_KEY) if plain else None
@@ -277,10 +280,11 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
             keep_alive = version != "1.0" and parser.should_keep_alive()
             self.cycle = served = HotCycle(self, scope, keep_alive, hot.serve, endpoint, hot.access_log)
             scope["extensions"] = {BODY_WRITER: {"writer": served}, LOST_SIGNAL: {"signal": served}}  # itself
-            self._lost = served
             if previous is None or previous.response_complete:
+                self._lost = served
                 served.begin(self.loop, self.tasks, contextvars.Context() if self._fresh_context else None)
             else:
+                self._pipelined(served)
                 self.flow.pause_reading()
                 self.pipeline.appendleft((served, self.app))
             return
@@ -288,11 +292,23 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         cycle = self.cycle
         if cycle is None or cycle.transport is not self.transport:  # an upgrade: no new cycle
             return
+        if previous is not None and not previous.response_complete:
+            self._pipelined(None)
         cycle.transport = cast(asyncio.Transport, HeadHold(self.transport, self.loop))  # head + body
         extensions = scope.setdefault("extensions", {})
         extensions[BODY_WRITER] = {"writer": BodyWriter(cycle)}
         self._lost = _CycleSignal(cycle, self.loop)
         extensions[LOST_SIGNAL] = {"signal": self._lost}
+
+    def _pipelined(self, signal: LostSignal | None) -> None:
+        """A request came while the one before is unanswered: the newest cycle's signal (`signal`) is
+        `_lost` now, and the one before is kept to be told too when the connection is lost
+        (uvicorn marks only the newest cycle disconnected, so the running one would go on writing
+        to a closed connection, and waiting on its engine, with nobody to read its answer)."""
+        earlier = [kept for kept in self._earlier or () if not _answered(kept)]  # (those done go)
+        if self._lost is not None:
+            earlier.append(self._lost)
+        self._earlier, self._lost = earlier, signal
 
     def _start_asgi_task(self, cycle: RequestResponseCycle, app: ASGI3Application) -> None:
         if type(cycle) is HotCycle:  # a pipelined hot request's turn
@@ -366,6 +382,9 @@ class TimedHttpToolsProtocol(HttpToolsProtocol):
         lost, self._lost = self._lost, None
         if lost is not None and self.cycle is not None and self.cycle.disconnected:  # before its answer ended
             lost.fire()
+        earlier, self._earlier = self._earlier, None
+        for signal in earlier or ():  # pipelined requests before the newest: `_lose` them as uvicorn does it
+            _lose(signal)
 
     def timeout_keep_alive_handler(self) -> None:
         if self._timeouts is not None and not self.transport.is_closing():
@@ -442,6 +461,10 @@ class _CycleSignal(LostSignal):
         self.task = None
         self._cycle = weakref.ref(cycle)
 
+    def cycle(self) -> RequestResponseCycle | None:
+        """The cycle signalled (None once it is freed)."""
+        return self._cycle()
+
     def resume(self) -> None:  # what `receive()` does first while the answer is under way
         cycle = self._cycle()
         if (
@@ -455,6 +478,31 @@ class _CycleSignal(LostSignal):
     def body_in(self) -> bool:  # `receive()` returns at once: the body's end is parsed, its event still set
         cycle = self._cycle()
         return cycle is not None and not cycle.more_body and cycle.message_event.is_set()
+
+
+def _lose(signal: LostSignal) -> None:
+    """What uvicorn does to the newest cycle when the connection is lost, for an earlier one (a
+    pipelined request's): unless its answer is complete, it is marked disconnected (its writes are
+    dropped, its `receive` says so) and its watch told (the relay or the wait for the engine is
+    cancelled: the request ends as `client_closed`)."""
+    cycle = _cycle_of(signal)
+    if cycle is not None and not cycle.response_complete:
+        cycle.disconnected = True
+        cycle.message_event.set()
+        signal.fire()
+
+
+def _answered(signal: LostSignal) -> bool:
+    """Whether the signal's cycle is gone or its answer complete (nothing left to tell)."""
+    cycle = _cycle_of(signal)
+    return cycle is None or cycle.response_complete
+
+
+def _cycle_of(signal: LostSignal) -> RequestResponseCycle | None:
+    """The cycle a signal the protocol made is for: a hot cycle is its own (None: freed)."""
+    if isinstance(signal, HotCycle):
+        return signal
+    return signal.cycle() if isinstance(signal, _CycleSignal) else None
 
 
 def _no_delay(transport: asyncio.Transport) -> None:

@@ -13,22 +13,30 @@ and a first body message are out: a streamed answer then costs one `write()` per
 ASGI `send` per chunk, or, with a coalescing window (`[listen] stream_coalesce_s`, off by default),
 at most one write and one read per window. It keeps uvicorn's rules: writes after a disconnect are
 dropped, and a paused transport (the client is not reading) is reported so the caller stops reading
-its source.
+its source. The wait for such a client is bounded (`bound`: `timeouts.client_write_s`, nginx's
+send_timeout, and the answer's `timeouts.total_s` deadline): past it `ClientStalled` is raised, and
+the caller gives the client up (`cut`) as `client_slow`; the time is the client's, not the source's.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import weakref
 from collections.abc import Callable
 from typing import Any, Final
 
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
-__all__ = ["BODY_WRITER", "BodyWriter", "HeadHold"]
+__all__ = ["BODY_WRITER", "BodyWriter", "ClientStalled", "HeadHold"]
 
 BODY_WRITER: Final = "kvrouter.body_writer"
 """The ASGI extension under which the gateway's HTTP protocol offers the request's `BodyWriter`."""
+
+
+class ClientStalled(Exception):
+    """The client took no more of its answer within the write bound, or until the answer's deadline,
+    while the gateway waited on it (`BodyWriter.writable`): the answer is the client's fault."""
 
 
 class HeadHold:
@@ -83,6 +91,10 @@ class BodyWriter:
 
     _window = 0.0
     _last = 0.0
+    _write_s = math.inf
+    """The longest wait for the client to take writes again (`bound`; unbounded until set)."""
+    _deadline = math.inf
+    """The loop time by which the answer must be out (`bound`), whatever the client does."""
     _cycle: Callable[[], RequestResponseCycle | None]
     """The cycle written to: a weak reference to it (a cycle that is its own writer returns itself)."""
 
@@ -92,6 +104,11 @@ class BodyWriter:
     def coalesce(self, window_s: float) -> None:
         """After each write, ask for a pause of `window_s` seconds before the next (0: never)."""
         self._window = window_s
+
+    def bound(self, write_s: float, deadline: float) -> None:
+        """Wait at most `write_s` seconds at a time for a client that takes no writes, and never past
+        the loop time `deadline` (`writable`)."""
+        self._write_s, self._deadline = write_s, deadline
 
     def usable(self) -> bool:
         """Whether the answer is a chunked body under way: its head out, its end not yet sent."""
@@ -121,11 +138,39 @@ class BodyWriter:
 
     async def drain(self) -> None:
         """Until the window from the last write is over and the client's transport takes writes again
-        (at once after a disconnect)."""
+        (at once after a disconnect): `writable`, `ClientStalled` included."""
         if self._window > 0.0:
             left = self._last + self._window - asyncio.get_running_loop().time()
             if left > 0.0:
                 await asyncio.sleep(left)
+        await self.writable()
+
+    def blocked(self) -> bool:
+        """Whether the client's transport takes no writes now (the client is not reading)."""
         cycle = self._cycle()
-        if cycle is not None:
-            await cycle.flow.drain()
+        return cycle is not None and not cycle.disconnected and cycle.flow.write_paused
+
+    async def writable(self) -> None:
+        """Until the client's transport takes writes again (at once after a disconnect), waiting at
+        most the write bound and never past the deadline (`bound`); then `ClientStalled`."""
+        cycle = self._cycle()
+        if cycle is None or cycle.disconnected or not cycle.flow.write_paused:
+            return
+        by = min(asyncio.get_running_loop().time() + self._write_s, self._deadline)
+        try:
+            async with asyncio.timeout_at(None if by == math.inf else by):
+                await cycle.flow.drain()
+        except TimeoutError:
+            bound = (
+                "timeouts.total_s" if by == self._deadline else f"timeouts.client_write_s={self._write_s:g}"
+            )
+            raise ClientStalled(f"the client read none of its answer within {bound}") from None
+
+    def cut(self) -> None:
+        """Give the client up: its connection aborted (what it has not read is dropped: it may never
+        read it), the cycle marked disconnected first, so nothing more is written to it and the
+        server does not report the answer unfinished."""
+        cycle = self._cycle()
+        if cycle is not None and not cycle.disconnected:
+            cycle.disconnected = True
+            cycle.transport.abort()

@@ -141,6 +141,7 @@ class Gateway:
         self.max_body = parts.config.limits.max_body_bytes
         self.body_timeout_s = parts.config.timeouts.client_body_s
         self.coalesce_s = parts.config.listen.stream_coalesce_s
+        self.write_s = parts.config.timeouts.client_write_s
         self.any_remote = any(m.remote_tokenize for m in parts.config.models)
         # The stages' histogram children, looked up once rather than per request (a lock and a dict each).
         self._overhead = {stage: parts.metrics.overhead.labels(stage) for stage in (*_STAGES, "proxy")}
@@ -478,7 +479,9 @@ class _Exchange:
             (trust_name, trust),
         ]
         ok = upstream.status == 200
-        return RelayResponse(upstream, headers, None, self.first_byte, self.end, ok, _OWN_NAMES)
+        relay = RelayResponse(upstream, headers, None, self.first_byte, self.end, ok, _OWN_NAMES)
+        relay.write_s = self.gateway.write_s
+        return relay
 
     def first_byte(self, relay_s: float) -> None:
         """The answer's first chunk was handed to the client, `relay_s` after it arrived."""
@@ -495,8 +498,8 @@ class _Exchange:
             gateway.parts.metrics.ttft_of[self.engine, self.model].observe(ttft_s)
 
     def end(self, status: str, cached: int | None) -> None:
-        """The relay ended with `status` ("200", "broken", "client_closed") and the engine's reported
-        cached tokens: counted, recorded, logged (`_QUIET` ends only at DEBUG)."""
+        """The relay ended with `status` ("200", "broken", "client_closed", "client_slow") and the
+        engine's reported cached tokens: counted, recorded, logged (`_QUIET` ends only at DEBUG)."""
         self.flight.finish()
         gateway, entry = self.gateway, self.entry
         parts = gateway.parts

@@ -29,6 +29,7 @@ from router.edge.http1_errors import (
     ConnectFailed,
     ConnectTimedOut,
     HttpClientError,
+    PoolFull,
     ResponseCut,
     ServerDisconnected,
     TimedOut,
@@ -42,6 +43,7 @@ __all__ = [
     "Http1Client",
     "Http1Response",
     "HttpClientError",
+    "PoolFull",
     "ResponseCut",
     "ServerDisconnected",
     "Sink",
@@ -61,6 +63,8 @@ class ClientSettings(msgspec.Struct, frozen=True):
     keepalive_s: float = 4.0
     pool_total: int = 1024
     pool_per_host: int = 256
+    pool_wait_s: float = 2.0
+    """The longest wait for room in a full pool; then `PoolFull`."""
 
 
 class _Origin(msgspec.Struct, frozen=True):
@@ -93,6 +97,11 @@ class Http1Response:
         self.done = False
         """Released or dropped (`release`, `close`): after `ready` or `next_chunk` handed over body
         bytes, True exactly when they were the body's last (the connection goes with them)."""
+
+    @property
+    def deadline(self) -> float:
+        """The loop time by which the whole answer must be in (`total_s` after the request began)."""
+        return self._deadline
 
     @property
     def headers(self) -> list[tuple[str, str]]:
@@ -177,6 +186,7 @@ class Http1Response:
                 if conn.sink_full:
                     await drained()
                     conn.sink_full = False
+                    conn.last_read = loop.time()  # that wait was the consumer's, not the engine's silence
                     conn.resume()
                     continue
                 now = loop.time()
@@ -384,11 +394,17 @@ class Http1Client:
 
     async def _acquire(self, pool: _Pool, loop: asyncio.AbstractEventLoop, fresh: bool = False) -> Connection:
         s = self.settings
+        by = loop.time() + s.pool_wait_s  # room in the pool is waited for this long at most
         while self._in_use >= s.pool_total or pool.in_use >= s.pool_per_host:
             waiter = loop.create_future()
             self._waiting.append(waiter)
             try:
-                await waiter
+                async with asyncio.timeout_at(by):
+                    await waiter
+            except TimeoutError:
+                if pool.in_use >= s.pool_per_host:
+                    raise PoolFull("pool_per_engine", s.pool_per_host, s.pool_wait_s) from None
+                raise PoolFull("pool_total", s.pool_total, s.pool_wait_s) from None
             finally:
                 if waiter in self._waiting:
                     self._waiting.remove(waiter)

@@ -3,6 +3,7 @@
 
     HttpClientError
     ├── ConnectFailed, ConnectTimedOut     no connection to the engine
+    ├── PoolFull                           no room in the pool within `pool_wait_s` (the gateway's limit)
     ├── ServerDisconnected                 closed before the answer's headers were complete
     ├── ResponseCut                        closed in the middle of the body
     ├── BadResponse                        not a valid HTTP/1.1 answer
@@ -16,6 +17,7 @@ __all__ = [
     "ConnectFailed",
     "ConnectTimedOut",
     "HttpClientError",
+    "PoolFull",
     "ResponseCut",
     "ServerDisconnected",
     "TimedOut",
@@ -36,6 +38,17 @@ class ConnectFailed(HttpClientError):
 
 class ConnectTimedOut(HttpClientError):
     """The connection was not made within `connect_s`."""
+
+
+class PoolFull(HttpClientError):
+    """No connection to the engine was free within `waited_s`: the pool is at its `limit` (the config
+    key's name, `pool_per_engine` or `pool_total`) of `size` connections. Not the engine's failure."""
+
+    def __init__(self, limit: str, size: int, waited_s: float) -> None:
+        super().__init__(
+            f"connection pool limit {limit}={size} reached; no connection free within {waited_s:g} s"
+        )
+        self.limit, self.size, self.waited_s = limit, size, waited_s
 
 
 class ServerDisconnected(HttpClientError):

@@ -141,13 +141,15 @@ class Passthrough:
 
         def end(status: str, cached: int | None) -> None:
             parts.fleet.admission.leave()
-            parts.metrics.requests.labels(upstream.engine, _POLICY, status).inc()
+            parts.metrics.ended(upstream.engine, _POLICY, status)
 
         extra = [
             (b"x-request-id", rid.encode("latin-1")),
             (b"x-kvrouter-engine", upstream.engine.encode("latin-1")),
         ]
-        return RelayResponse(upstream, extra, None, lambda s: None, end)
+        relay = RelayResponse(upstream, extra, None, lambda s: None, end)
+        relay.write_s = parts.config.timeouts.client_write_s
+        return relay
 
     async def unknown(self, request: Request, allowed: list[str]) -> Response:
         """Any other `/v1/*` request: 405 naming `allowed` when the path is known, else 404."""

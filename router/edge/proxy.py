@@ -25,6 +25,7 @@ import msgspec
 from router.core.errors import (
     BadRequest,
     NoEngineAvailable,
+    Overloaded,
     RequestTooLarge,
     RouterError,
     UpstreamConnectError,
@@ -42,7 +43,7 @@ from router.core.policy.retry import (
     is_retryable,
 )
 from router.edge.headers import host_of, is_origin_form, upstream_headers
-from router.edge.http1 import ClientSettings, Http1Client, Http1Response
+from router.edge.http1 import ClientSettings, Http1Client, Http1Response, PoolFull
 from router.edge.upstream import (
     UPSTREAM_FAILURES,
     ProxyRequest,
@@ -74,6 +75,9 @@ class ProxySettings(msgspec.Struct, frozen=True):
     keepalive_s: float = 4.0
     max_body_bytes: int = 16 * 1024 * 1024
     retry: RetryPolicy = RetryPolicy()
+    pool_wait_s: float = 2.0
+    overload_status: int = 429
+    retry_after_s: int = 1
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> ProxySettings:
@@ -82,7 +86,8 @@ class ProxySettings(msgspec.Struct, frozen=True):
         retry = RetryPolicy(attempts=r.attempts, backoff_s=r.backoff_s, backoff_max_s=r.backoff_max_s)
         return cls(
             t.connect_s, t.first_byte_s, t.read_s, t.total_s, lim.pool_total, lim.pool_per_engine,
-            lim.keepalive_s, lim.max_body_bytes, retry,
+            lim.keepalive_s, lim.max_body_bytes, retry, t.pool_wait_s, lim.overload_status,
+            lim.retry_after_s,
         )  # fmt: skip
 
 
@@ -142,7 +147,7 @@ class Proxy:
         )
         self._client = Http1Client(
             ClientSettings(s.connect_s, s.first_byte_s, s.read_s, s.total_s, s.keepalive_s, s.pool_total,
-                           s.pool_per_engine)
+                           s.pool_per_engine, s.pool_wait_s)
         )  # fmt: skip
 
     async def close(self) -> None:
@@ -201,6 +206,9 @@ class Proxy:
                 response = await client.request(
                     request.method, target.base_url, request.path, headers, request.body, hook
                 )
+            except PoolFull as exc:  # the gateway's own limit, not the engine's failure: refused
+                breaker.record_abandoned(self.clock())
+                raise self._pool_full(target, exc) from None
             except UPSTREAM_FAILURES as exc:
                 error = self._failed(target, exc, attempts, breaker)
                 if not is_retryable(Outcome(outcome_of(error))):
@@ -228,6 +236,18 @@ class Proxy:
         attempts.append(Attempt(target.engine, outcome_of(error), error=error.message))
         breaker.record_failure(self.clock())
         return error
+
+    def _pool_full(self, target: Target, full: PoolFull) -> Overloaded:
+        """The refusal of a request that found no free connection to its engine in time: the overload
+        answer (`limits.overload_status`, Retry-After), its reason the pool limit that bound."""
+        s = self.settings
+        return Overloaded(
+            f"connection pool limit (limits.{full.limit}={full.size}) of engine {target.engine} reached: "
+            f"no connection free within timeouts.pool_wait_s={full.waited_s:g} s; retry later",
+            status=s.overload_status,
+            retry_after_s=s.retry_after_s,
+            reason=full.limit,
+        )
 
     def _answered(
         self, target: Target, response: Http1Response, attempts: list[Attempt], breaker: CircuitBreaker

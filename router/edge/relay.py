@@ -8,14 +8,18 @@ through (duplicates kept, the engine's copies of the gateway's own dropped) with
 added, and the upstream is always done with at the end (its connection released with the last
 bytes, else closed).
 A client disconnect (seen by a `ClientWatch`) cancels the relay, which drops the upstream
-connection. `on_end` runs exactly once with the final status label and the actual cached tokens the
-answer reported (None when absent or cut short). It is also a Starlette `Response`, so routes served
-through Starlette (the `/v1/*` passthrough) can return it.
+connection. A client that takes no more bytes is waited for at most `write_s`
+(`timeouts.client_write_s`) at a time, and never past the answer's `timeouts.total_s` deadline: then
+it is cut off and the upstream connection dropped, the answer ending as `client_slow` (its client's
+fault, never the engine's: no breaker counts it). `on_end` runs exactly once with the final status
+label and the actual cached tokens the answer reported (None when absent or cut short). It is also
+a Starlette `Response`, so routes served through Starlette (the `/v1/*` passthrough) can return it.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import operator
 import time
 from collections.abc import Callable
@@ -27,7 +31,7 @@ from starlette.types import Receive, Scope, Send
 
 from router.core.errors import UpstreamError
 from router.edge.client_io import ClientWatch
-from router.edge.client_writes import BODY_WRITER, BodyWriter
+from router.edge.client_writes import BODY_WRITER, BodyWriter, ClientStalled
 from router.edge.headers import HOP_BY_HOP, response_headers
 from router.edge.upstream import UpstreamResponse
 from router.edge.usage import UsageTap, cached_tokens_of
@@ -48,7 +52,8 @@ _HOP_BY_HOP_RAW = frozenset({name.encode("latin-1") for name in HOP_BY_HOP})
 _NAME = operator.itemgetter(0)
 
 EndHook = Callable[[str, "int | None"], None]
-"""Called once when the answer ends: status label ("200", "broken", "client_closed") and cached tokens."""
+"""Called once when the answer ends: status label ("200", "broken", "client_closed", "client_slow")
+and cached tokens."""
 
 
 def body_writer(scope: Scope, coalesce_s: float = 0.0) -> BodyWriter | None:
@@ -169,6 +174,10 @@ def _relayed_in_general(engine_raw: list[tuple[bytes, bytes]], extra: RawHeaders
 class RelayResponse(Response):
     """The client's response carrying one upstream answer (see the module docstring)."""
 
+    write_s = math.inf
+    """The longest wait for a client that takes no more bytes (its creator sets
+    `timeouts.client_write_s`); the answer's total deadline bounds it too."""
+
     def __init__(
         self,
         upstream: UpstreamResponse,
@@ -202,14 +211,21 @@ class RelayResponse(Response):
         coalesce_s: float = 0.0,
     ) -> None:  # fmt: skip
         """Relay the whole answer through `send`; `watch` learns when the last message goes out. With
-        `direct`, the body after the first chunk goes straight to the client transport (`_pump`); with
-        `scope` instead, its `body_writer` (with `coalesce_s`) is looked up for that, only if the body
-        goes on after its first chunk (an answer that came whole needs none)."""
+        `direct`, the body after the first chunk goes straight to the client transport (`_pump`), and
+        every wait on a client that takes no more bytes is bounded (`write_s`, the answer's deadline:
+        then `client_slow`); with `scope` instead, its `body_writer` (with `coalesce_s`) is that."""
         status, complete, tap, whole, ended = "client_closed", False, self._tap, b"", False
         try:
+            upstream = self.upstream
+            if direct is None and scope is not None:
+                direct = body_writer(scope, coalesce_s)
+            if direct is not None:  # every wait on the client through it, bounded
+                direct.bound(self.write_s, upstream.deadline)
+                if direct.blocked():  # (a pipelined answer behind another its client has not read)
+                    await direct.writable()
             start = {"type": "http.response.start", "status": self.status_code, "headers": self.raw_headers}
             await send(start)
-            first, upstream = True, self.upstream
+            first = True
             reader = upstream.response  # read directly: no wrapper call per chunk
             while not ended:
                 # What has arrived, with no coroutine; None: wait for it.
@@ -223,6 +239,8 @@ class RelayResponse(Response):
                 if reader is not None and reader.done:  # the end leaves with its last bytes, in one write
                     ended = True  # and the connection is already released: no call for b"" follows
                     watch.closing()
+                if direct is not None and direct.blocked():  # `send` would wait on the client unbounded
+                    await direct.writable()
                 await send({"type": "http.response.body", "body": chunk, "more_body": not ended})
                 if first and tap is None and self._watch:
                     if ended:  # the whole answer in one read: read at the end as it is, no tap
@@ -235,17 +253,22 @@ class RelayResponse(Response):
                     # Time from the first chunk's arrival to its hand-over to the client transport.
                     self._on_first_byte(time.perf_counter() - received)
                     first = False
-                    if direct is None and scope is not None and not ended:
-                        direct = body_writer(scope, coalesce_s)
                     if direct is not None and not ended and direct.usable():
                         await self._pump(direct)
             status, complete = str(self.status_code), True
             if not ended:
                 watch.closing()
+                if direct is not None and direct.blocked():
+                    await direct.writable()
                 await send({"type": "http.response.body", "body": b"", "more_body": False})
         except UpstreamError:
             status = "broken"
             raise
+        except ClientStalled:  # the time was the client's: cut it off, the upstream dropped below
+            status, complete = "client_slow", False
+            watch.closing()  # the disconnect that follows is this end's, not a cancellation
+            if direct is not None:
+                direct.cut()
         finally:
             if not ended:  # (ended: the connection went back to the pool with the last bytes)
                 self.upstream.close()

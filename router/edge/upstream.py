@@ -9,6 +9,7 @@ closes the upstream connection. Callers must also call `UpstreamResponse.close()
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Final
@@ -174,6 +175,12 @@ class UpstreamResponse:
         """The answer broke mid-body: the broken hook is told, and `exc` becomes its `UpstreamError`."""
         self._on_broken()
         return upstream_error(self.engine, "total", exc)
+
+    @property
+    def deadline(self) -> float:
+        """The loop time by which the whole answer must be out (`timeouts.total_s` after the request
+        began; infinite for an answer already read)."""
+        return self.response.deadline if self.response is not None else math.inf
 
     def at_end(self) -> bool:
         """Whether the last chunk has been yielded (the stream will end without waiting for anything)."""

@@ -70,6 +70,8 @@ REJECT_REASONS: Final = (
     "breaker_open",  # 503: every engine of the model has its circuit breaker open
     "saturated",  # 503: every engine of the model past policy.max_predicted_ttft_s / max_scraped_waiting
     "no_engine",  # 503: no engine serves the model (or the gateway is not started)
+    "pool_per_engine",  # 429/503: no pooled connection to the engine within timeouts.pool_wait_s
+    "pool_total",  # 429/503: likewise, every engine's pool together at limits.pool_total
 )
 """The `reason` label values of `kvrouter_rejected_requests_total` (router.core.errors
 `RouterError.reason`)."""
@@ -497,7 +499,8 @@ class RouterMetrics:
             self.rejected.labels(reason)
         self.client_timeouts = Counter(
             "kvrouter_client_timeouts",
-            "client connections timed out, by phase: header, body (answered 408) or idle (kept alive)",
+            "client connections timed out, by phase: header, body (answered 408), idle (kept alive) or "
+            "write (an answer the client did not read: client_slow)",
             ["phase"],
             registry=r,
         )
@@ -597,6 +600,18 @@ class RouterMetrics:
         if reason is not None:
             self.rejected.labels(reason).inc()
 
+    def ended(self, engine: str, policy: str, status: str) -> None:
+        """Count a relayed answer's end with nothing more to record (a passthrough's), as `answered`
+        counts it: by engine, policy and status; `client_slow` also as a client `write` timeout."""
+        self.requests_of[engine, policy, status].inc()
+        self._client_fault(status)
+
+    def _client_fault(self, status: str) -> None:
+        """An answer cut off because its client read none of it (`client_slow`) is also a client
+        connection timed out while written to (`write`)."""
+        if status == "client_slow":
+            self.client_timeouts.labels("write").inc()
+
     def answered(
         self, engine: str, policy: str, status: str, model: str, took_s: float, predicted: int,
         cached: int | None,
@@ -617,6 +632,8 @@ class RouterMetrics:
                 duration.counts[bisect_left(duration.bounds, took_s)] += 1
             else:
                 duration.observe(took_s)
+        else:
+            self._client_fault(status)
         if cached is None:
             return
         predicted_of, actual_of, error_of = self._prediction_of[(engine,)]

@@ -180,6 +180,9 @@ class Timeouts(_Table, frozen=True):
     """Upstream and client timeouts in seconds (see config/router.toml for each phase)."""
 
     connect_s: Positive = 2.0
+    pool_wait_s: Positive = 2.0
+    """Longest wait for a pooled engine connection when the pool is at `limits.pool_per_engine` or
+    `limits.pool_total`; then the request is refused (the overload answer naming that limit)."""
     first_byte_s: Positive = 60.0
     read_s: Positive = 60.0
     total_s: Positive = 600.0
@@ -191,6 +194,9 @@ class Timeouts(_Table, frozen=True):
     """From the end of the headers to the end of the body: one deadline, a trickle cannot extend it."""
     client_keepalive_s: Positive = 75.0
     """Idle time between requests on a kept-alive client connection."""
+    client_write_s: Positive = 60.0
+    """Longest wait on a client that takes no more of its answer (nginx's send_timeout): then the
+    answer ends as `client_slow`, its connection and its engine stream closed."""
 
 
 class Limits(_Table, frozen=True):

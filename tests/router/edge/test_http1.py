@@ -322,6 +322,33 @@ async def test_pool_limit_makes_requests_wait_for_a_connection() -> None:
         assert server.connections == 1  # the second request took the first one's kept connection
 
 
+async def test_a_full_pool_is_waited_for_at_most_pool_wait_s() -> None:
+    """No room in the pool within `pool_wait_s`: `PoolFull` naming the limit (the config key), the
+    waiter gone from the queue and the pool's counts unchanged; room made later serves the next."""
+    release, holding = asyncio.Event(), asyncio.Event()
+
+    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        while True:
+            head, _ = await read_request(reader)
+            if b"/hold" in head:
+                holding.set()
+                await release.wait()
+            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+            await writer.drain()
+
+    async with raw_server(handler) as server, client(pool_per_host=1, pool_wait_s=0.05) as c:
+        held = asyncio.ensure_future(c.request("POST", server.url, "/hold", [], b"{}"))
+        await asyncio.wait_for(holding.wait(), WAIT)
+        with pytest.raises(http1.PoolFull) as full:
+            await asyncio.wait_for(c.request("POST", server.url, "/next", [], b"{}"), WAIT)
+        assert (full.value.limit, full.value.size) == ("pool_per_engine", 1)
+        assert not c._waiting and c._in_use == 1 and c._pools[server.url].in_use == 1
+        release.set()
+        assert await body_of(await asyncio.wait_for(held, WAIT)) == b"ok"
+        answer = await c.request("POST", server.url, "/next", [], b"{}")
+        assert await body_of(answer) == b"ok" and server.connections == 1
+
+
 def test_keep_alive_on_uvloop() -> None:
     """The gateway runs on uvloop, whose transports are not asyncio's classes."""
 
