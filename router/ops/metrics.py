@@ -63,6 +63,7 @@ REJECT_REASONS: Final = (
     "breaker_open",  # 503: every engine of the model has its circuit breaker open
     "saturated",  # 503: every engine of the model past policy.max_predicted_ttft_s / max_scraped_waiting
     "no_engine",  # 503: no engine serves the model (or the gateway is not started)
+    "ext_proc_protocol",  # 400: an ext_proc stream out of order (the endpoint picker, router.epp)
 )
 """The `reason` label values of `kvrouter_rejected_requests_total` (router.core.errors
 `RouterError.reason`)."""

@@ -1,0 +1,294 @@
+"""The endpoint picker's stream (router.epp.picker) driven by ext_proc message transcripts, as Envoy sends
+them, over the real gateway parts and two real engine stubs (no gRPC here: tests/e2e/test_envoy_epp.py
+runs a real Envoy)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import msgspec
+import pytest
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
+from google.protobuf import struct_pb2
+
+from router.core.ids import EngineId
+from router.edge.gateway import Gateway as RouterGateway
+from router.epp.endpoints import address_of
+from router.epp.messages import CHUNK_BYTES
+from router.epp.picker import DESTINATION, Picker, PickStream
+from router.settings.config import Limits
+from tests.gateway_helpers import Gateway, engine_of, gateway_config, running_gateway, running_stubs
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def request_headers(
+    method: str, path: str, end: bool, extra: tuple[tuple[str, str], ...] = (), subset: Any = None
+) -> Any:
+    """The first message of a stream, as Envoy 1.40 sends it (values in `raw_value`)."""
+    pairs = ((":method", method), (":path", path), (":authority", "gw"), *extra)
+    headers = base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]
+    )
+    message = ext_proc.ProcessingRequest(
+        request_headers=ext_proc.HttpHeaders(headers=headers, end_of_stream=end)
+    )
+    if subset is not None:
+        hint = message.metadata_context.filter_metadata["envoy.lb.subset_hint"]
+        value = hint.fields["x-gateway-destination-endpoint-subset"]
+        if isinstance(subset, str):
+            value.string_value = subset
+        else:
+            value.list_value.CopyFrom(
+                struct_pb2.ListValue(values=[struct_pb2.Value(string_value=s) for s in subset])
+            )
+    return message
+
+
+def request_body(chunk: bytes, end: bool) -> Any:
+    return ext_proc.ProcessingRequest(request_body=ext_proc.HttpBody(body=chunk, end_of_stream=end))
+
+
+def response_headers(status: int, end: bool = False) -> Any:
+    headers = base_pb2.HeaderMap(
+        headers=[base_pb2.HeaderValue(key=":status", raw_value=str(status).encode())]
+    )
+    return ext_proc.ProcessingRequest(
+        response_headers=ext_proc.HttpHeaders(headers=headers, end_of_stream=end)
+    )
+
+
+def response_body(chunk: bytes, end: bool) -> Any:
+    return ext_proc.ProcessingRequest(response_body=ext_proc.HttpBody(body=chunk, end_of_stream=end))
+
+
+def set_headers(answer: Any, phase: str = "request_headers") -> dict[str, str]:
+    mutation = getattr(answer, phase).response.header_mutation
+    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
+
+
+def destination_metadata(answer: Any) -> str:
+    lb = answer.dynamic_metadata.fields["envoy.lb"].struct_value
+    value: str = lb.fields[DESTINATION].string_value
+    return value
+
+
+def echoed(answers: list[Any], phase: str = "request_body") -> tuple[bytes, list[int], list[bool]]:
+    """The body the answers send back, each chunk's size, and each chunk's end_of_stream."""
+    chunks = [getattr(a, phase).response.body_mutation.streamed_response for a in answers]
+    return b"".join(c.body for c in chunks), [len(c.body) for c in chunks], [c.end_of_stream for c in chunks]
+
+
+async def run(stream: PickStream, *messages: Any) -> list[list[Any]]:
+    return [await stream.on_message(m) for m in messages]
+
+
+def chat(model: str, text: str) -> bytes:
+    body = {"model": model, "max_tokens": 4, "messages": [{"role": "user", "content": text}]}
+    return json.dumps(body).encode()
+
+
+class Fleet(msgspec.Struct):
+    gw: Any
+    picker: Picker
+    model: str
+    addresses: dict[str, str]  # engine name -> ip:port
+
+
+@pytest.fixture
+async def fleet(request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
+    limits: Limits = getattr(request, "param", Limits())
+    async with running_stubs(2) as stubs:
+        engines = [engine_of(f"e{i}", s) for i, s in enumerate(stubs)]
+        async with running_gateway(gateway_config(engines, limits=limits)) as gw:
+            addresses = {e.name: address_of(e.url) for e in engines}
+            yield Fleet(gw, Picker(RouterGateway(gw.parts)), engines[0].model, addresses)
+
+
+def gateway_of(fleet: Fleet) -> Gateway:
+    gw: Gateway = fleet.gw
+    return gw
+
+
+async def test_a_get_without_body_is_picked_on_its_headers(fleet: Fleet) -> None:
+    stream = fleet.picker.stream()
+    [answers] = await run(stream, request_headers("GET", "/v1/models", end=True))
+    [answer] = answers  # no body to send back
+    common = answer.request_headers.response
+    assert common.clear_route_cache
+    headers = set_headers(answer)
+    assert headers[DESTINATION] in fleet.addresses.values()
+    assert destination_metadata(answer) == headers[DESTINATION]
+    assert headers["x-request-id"]
+    stream.closed()
+    assert gateway_of(fleet).parts.fleet.admission.total == 0
+
+
+@pytest.mark.parametrize("pieces", [1, 3])
+async def test_a_post_is_picked_when_its_body_ends_and_the_body_is_sent_back(
+    fleet: Fleet, pieces: int
+) -> None:
+    body = chat(fleet.model, "What is a prefix cache? " * 4)
+    cuts = [len(body) * i // pieces for i in range(pieces + 1)]
+    chunks = [body[a:b] for a, b in itertools.pairwise(cuts)]
+    stream = fleet.picker.stream()
+    steps = await run(
+        stream,
+        request_headers("POST", "/v1/chat/completions", False, (("x-request-id", "rid-1"),)),
+        *(request_body(c, i == len(chunks) - 1) for i, c in enumerate(chunks)),
+    )
+    assert all(step == [] for step in steps[:-1])  # buffered until the body ends
+    head, *rest = steps[-1]
+    headers = set_headers(head)
+    assert headers[DESTINATION] == destination_metadata(head)
+    chosen = headers[DESTINATION].split(",")[0]
+    assert chosen in fleet.addresses.values()
+    assert headers["x-request-id"] == "rid-1" and headers["content-length"] == str(len(body))
+    assert echoed(rest) == (body, [len(body)], [True])
+    entry = gateway_of(fleet).parts.ring.get("rid-1")
+    assert entry is not None and entry.engine is not None
+    assert fleet.addresses[entry.engine] == chosen
+
+
+async def test_a_body_over_62000_bytes_goes_back_in_chunks(fleet: Fleet) -> None:
+    body = chat(fleet.model, "long prompt words " * 9000)
+    assert len(body) > 2 * CHUNK_BYTES
+    stream = fleet.picker.stream()
+    _, last = await run(
+        stream, request_headers("POST", "/v1/chat/completions", False), request_body(body, True)
+    )
+    head, *rest = last
+    assert set_headers(head)["content-length"] == str(len(body))
+    sent, sizes, ends = echoed(rest)
+    assert sent == body
+    assert all(size <= CHUNK_BYTES for size in sizes) and len(sizes) == -(-len(body) // CHUNK_BYTES)
+    assert ends == [False] * (len(sizes) - 1) + [True]
+
+
+@pytest.mark.parametrize("form", ["list", "comma", "ip"])
+async def test_a_subset_hint_restricts_the_pick(fleet: Fleet, form: str) -> None:
+    wanted = fleet.addresses["e1"]
+    other = fleet.addresses["e0"]
+    hints: dict[str, Any] = {
+        "list": [wanted, "10.255.0.1:8000"],
+        "comma": f"10.255.0.1:8000, {wanted}",
+        "ip": "127.0.0.1",  # both stubs share the host: either port is in the subset
+    }
+    for turn in range(4):  # (ties break by the request's key: several requests, none may leave the subset)
+        stream = fleet.picker.stream()
+        body = chat(fleet.model, f"turn {turn}")
+        headers_message = request_headers("POST", "/v1/chat/completions", False, subset=hints[form])
+        _, last = await run(stream, headers_message, request_body(body, True))
+        chosen = set_headers(last[0])[DESTINATION].split(",")
+        allowed = {wanted, other} if form == "ip" else {wanted}
+        assert chosen[0] in allowed and set(chosen) <= allowed
+        stream.closed()
+
+
+@pytest.mark.parametrize("hint", [[], "", "10.255.0.1", "10.255.0.1:1"])
+async def test_an_empty_or_unmatched_subset_is_a_503(fleet: Fleet, hint: Any) -> None:
+    stream = fleet.picker.stream()
+    headers_message = request_headers("POST", "/v1/chat/completions", False, subset=hint)
+    steps = await run(stream, headers_message, request_body(chat(fleet.model, "hello"), True))
+    [answer] = steps[-1]
+    assert answer.immediate_response.status.code == 503
+    assert json.loads(answer.immediate_response.body)["error"]["code"] == "no_engine"
+    assert await stream.on_message(response_headers(200)) == []  # nothing after the immediate answer
+    assert gateway_of(fleet).parts.fleet.admission.total == 0
+
+
+@pytest.mark.parametrize("fleet", [Limits(max_in_flight_total=1)], indirect=True)
+async def test_overload_is_the_gateway_refusal(fleet: Fleet) -> None:
+    first, second = fleet.picker.stream(), fleet.picker.stream()
+    await run(first, request_headers("POST", "/v1/chat/completions", False))
+    [picked] = await run(first, request_body(chat(fleet.model, "one"), True))
+    assert picked[0].HasField("request_headers")
+    await run(second, request_headers("POST", "/v1/chat/completions", False))
+    [refused] = await second.on_message(request_body(chat(fleet.model, "two"), True))
+    assert refused.immediate_response.status.code in (429, 503)
+    assert json.loads(refused.immediate_response.body)["error"]["code"] == "max_in_flight_total"
+    first.closed()  # (a stream closed early gives its slot back)
+    assert gateway_of(fleet).parts.fleet.admission.total == 0
+
+
+@pytest.mark.parametrize("fleet", [Limits(max_body_bytes=1000)], indirect=True)
+async def test_a_body_over_the_limit_is_a_413(fleet: Fleet) -> None:
+    stream = fleet.picker.stream()
+    steps = await run(
+        stream,
+        request_headers("POST", "/v1/chat/completions", False),
+        request_body(b"x" * 600, False),
+        request_body(b"x" * 600, False),
+    )
+    assert steps[1] == []
+    [answer] = steps[2]
+    assert answer.immediate_response.status.code == 413
+
+
+async def test_malformed_streams_get_a_clear_answer(fleet: Fleet) -> None:
+    out_of_order = fleet.picker.stream()
+    [answer] = await out_of_order.on_message(request_body(b"{}", True))  # a body before any headers
+    assert answer.immediate_response.status.code == 400
+    assert json.loads(answer.immediate_response.body)["error"]["code"] == "ext_proc_protocol"
+    not_json = fleet.picker.stream()
+    _, [answer] = await run(
+        not_json, request_headers("POST", "/v1/chat/completions", False), request_body(b"{not json", True)
+    )
+    assert answer.immediate_response.status.code == 400
+    unknown = fleet.picker.stream()
+    _, [answer] = await run(
+        unknown,
+        request_headers("POST", "/v1/completions", False),
+        request_body(b'{"model":"nope","prompt":"x"}', True),
+    )
+    assert answer.immediate_response.status.code == 404
+    metrics = gateway_of(fleet).parts.metrics.render().decode()
+    assert 'kvrouter_rejected_requests_total{reason="ext_proc_protocol"} 1.0' in metrics
+
+
+async def test_the_response_phase_adds_the_gateway_headers_and_reads_usage(fleet: Fleet) -> None:
+    stream = fleet.picker.stream()
+    body = chat(fleet.model, "hi")
+    _, [_head, _] = await run(
+        stream, request_headers("POST", "/v1/chat/completions", False, (("x-request-id", "rid-r"),)),
+        request_body(body, True),
+    )  # fmt: skip
+    [answer] = await stream.on_message(response_headers(200))
+    own = set_headers(answer, "response_headers")
+    entry = gateway_of(fleet).parts.ring.get("rid-r")
+    assert entry is not None and entry.engine is not None
+    assert own["x-request-id"] == "rid-r" and own["x-kvrouter-engine"] == entry.engine
+    assert own["x-kvrouter-predicted-cached-tokens"] == str(entry.predicted_cached_tokens or 0)
+    assert own["x-kvrouter-mirror-trust"] in ("fresh", "catching_up", "stale", "unknown")
+    usage = b'{"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":7}}}'
+    first = await stream.on_message(response_body(usage[:10], False))
+    last = await stream.on_message(response_body(usage[10:], True))
+    assert echoed([*first, *last], "response_body") == (usage, [10, len(usage) - 10], [False, True])
+    assert entry.actual_cached_tokens == 7 and entry.status == 200
+    parts = gateway_of(fleet).parts
+    assert (
+        parts.fleet.admission.total == 0
+        and parts.fleet.load.snapshot(EngineId(entry.engine), 0.0).in_flight == 0
+    )
+
+
+async def test_a_stream_closed_before_the_answer_leaves_nothing_counted(fleet: Fleet) -> None:
+    parts = gateway_of(fleet).parts
+    picked = fleet.picker.stream()
+    await run(picked, request_headers("POST", "/v1/chat/completions", False, (("x-request-id", "rid-c"),)))
+    await picked.on_message(request_body(chat(fleet.model, "bye"), True))
+    assert parts.fleet.admission.total == 1
+    picked.closed()
+    entry = parts.ring.get("rid-c")
+    assert entry is not None and entry.engine is not None
+    assert parts.fleet.admission.total == 0
+    assert parts.fleet.load.snapshot(EngineId(entry.engine), parts.fleet.clock()).in_flight == 0
+    mid_body = fleet.picker.stream()
+    await run(mid_body, request_headers("POST", "/v1/chat/completions", False), request_body(b'{"mo', False))
+    mid_body.closed()
+    assert parts.fleet.admission.total == 0
+    assert 'status="client_closed"' in parts.metrics.render().decode()
