@@ -11,9 +11,6 @@ from typing import Any
 
 import msgspec
 import pytest
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
-from google.protobuf import struct_pb2
 
 from router.core.ids import EngineId
 from router.edge.gateway import Gateway as RouterGateway
@@ -21,66 +18,18 @@ from router.epp.endpoints import address_of
 from router.epp.messages import CHUNK_BYTES
 from router.epp.picker import DESTINATION, Picker, PickStream
 from router.settings.config import Limits
+from tests.epp_helpers import (
+    destination_metadata,
+    echoed,
+    request_body,
+    request_headers,
+    response_body,
+    response_headers,
+    set_headers,
+)
 from tests.gateway_helpers import Gateway, engine_of, gateway_config, running_gateway, running_stubs
 
 pytestmark = pytest.mark.timeout(60)
-
-
-def request_headers(
-    method: str, path: str, end: bool, extra: tuple[tuple[str, str], ...] = (), subset: Any = None
-) -> Any:
-    """The first message of a stream, as Envoy 1.40 sends it (values in `raw_value`)."""
-    pairs = ((":method", method), (":path", path), (":authority", "gw"), *extra)
-    headers = base_pb2.HeaderMap(
-        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]
-    )
-    message = ext_proc.ProcessingRequest(
-        request_headers=ext_proc.HttpHeaders(headers=headers, end_of_stream=end)
-    )
-    if subset is not None:
-        hint = message.metadata_context.filter_metadata["envoy.lb.subset_hint"]
-        value = hint.fields["x-gateway-destination-endpoint-subset"]
-        if isinstance(subset, str):
-            value.string_value = subset
-        else:
-            value.list_value.CopyFrom(
-                struct_pb2.ListValue(values=[struct_pb2.Value(string_value=s) for s in subset])
-            )
-    return message
-
-
-def request_body(chunk: bytes, end: bool) -> Any:
-    return ext_proc.ProcessingRequest(request_body=ext_proc.HttpBody(body=chunk, end_of_stream=end))
-
-
-def response_headers(status: int, end: bool = False) -> Any:
-    headers = base_pb2.HeaderMap(
-        headers=[base_pb2.HeaderValue(key=":status", raw_value=str(status).encode())]
-    )
-    return ext_proc.ProcessingRequest(
-        response_headers=ext_proc.HttpHeaders(headers=headers, end_of_stream=end)
-    )
-
-
-def response_body(chunk: bytes, end: bool) -> Any:
-    return ext_proc.ProcessingRequest(response_body=ext_proc.HttpBody(body=chunk, end_of_stream=end))
-
-
-def set_headers(answer: Any, phase: str = "request_headers") -> dict[str, str]:
-    mutation = getattr(answer, phase).response.header_mutation
-    return {h.header.key: h.header.raw_value.decode() for h in mutation.set_headers}
-
-
-def destination_metadata(answer: Any) -> str:
-    lb = answer.dynamic_metadata.fields["envoy.lb"].struct_value
-    value: str = lb.fields[DESTINATION].string_value
-    return value
-
-
-def echoed(answers: list[Any], phase: str = "request_body") -> tuple[bytes, list[int], list[bool]]:
-    """The body the answers send back, each chunk's size, and each chunk's end_of_stream."""
-    chunks = [getattr(a, phase).response.body_mutation.streamed_response for a in answers]
-    return b"".join(c.body for c in chunks), [len(c.body) for c in chunks], [c.end_of_stream for c in chunks]
 
 
 async def run(stream: PickStream, *messages: Any) -> list[list[Any]]:
