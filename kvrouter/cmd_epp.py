@@ -89,6 +89,11 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--cert-path", type=Path, help="a directory holding tls.crt and tls.key for --secure-serving"
     )
+    p.add_argument(
+        "--destination-fallbacks", type=_boolean, default=True, metavar="true|false",
+        help="name the runner-up after the chosen engine in x-gateway-destination-endpoint (default true, "
+        "the protocol's ip:port,ip:port); false for Envoy's ORIGINAL_DST cluster, which reads one address",
+    )  # fmt: skip
     p.add_argument("--policy", metavar="NAME", help=f"routing policy (policy.name, default {policy.name})")
     p.add_argument(
         "--set", dest="sets", action="append", default=[], metavar="TABLE.KEY=VALUE",
@@ -125,13 +130,13 @@ def run(args: argparse.Namespace) -> int:
         return 2
     settings = ServerSettings(
         host=host, grpc_port=args.grpc_port, health_port=args.grpc_health_port,
-        secure=args.secure_serving, cert_path=args.cert_path,
+        secure=args.secure_serving, cert_path=args.cert_path, fallbacks=args.destination_fallbacks,
     )  # fmt: skip
     servers: list[PickerServer] = []
 
     @asynccontextmanager
     async def picker_servers(parts: GatewayParts) -> AsyncIterator[PickerServer]:
-        server = PickerServer(Picker(Gateway(parts)), settings)
+        server = PickerServer(Picker(Gateway(parts), settings.fallbacks), settings)
         try:
             await server.start()
             servers.append(server)

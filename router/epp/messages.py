@@ -24,6 +24,7 @@ __all__ = [
     "headers_response",
     "immediate_response",
     "metadata_value",
+    "trailers_response",
 ]
 
 CHUNK_BYTES: Final = 62_000
@@ -120,3 +121,8 @@ def immediate_response(status: int, headers: Sequence[tuple[str, bytes]], body: 
         details=details,
     )
     return ext_proc.ProcessingResponse(immediate_response=immediate)
+
+
+def trailers_response(phase: str) -> Any:
+    """The answer to a `phase` ("request_trailers" or "response_trailers") message: the trailers unchanged."""
+    return ext_proc.ProcessingResponse(**{phase: ext_proc.TrailersResponse()})

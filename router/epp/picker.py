@@ -45,6 +45,7 @@ from router.epp.messages import (
     headers_response,
     immediate_response,
     metadata_value,
+    trailers_response,
 )
 from router.prepare.served_models import UnknownModel
 from tokenization.openai_request import Endpoint, RequestError
@@ -72,10 +73,13 @@ class _Phase(Enum):
 
 
 class Picker:
-    """The endpoint picker of one process: the gateway's request path, driven by ext_proc streams."""
+    """The endpoint picker of one process: the gateway's request path, driven by ext_proc streams.
+    With `fallbacks`, the destination names the runner-up after the chosen engine (the protocol's
+    `ip:port,ip:port`, for gateways that retry on it); without, the chosen engine alone (what Envoy's
+    own ORIGINAL_DST cluster can parse)."""
 
-    def __init__(self, gateway: Gateway) -> None:
-        self.gateway = gateway
+    def __init__(self, gateway: Gateway, fallbacks: bool = True) -> None:
+        self.gateway, self.fallbacks = gateway, fallbacks
         self.passthrough = Passthrough(gateway.parts)
 
     def stream(self) -> PickStream:
@@ -125,8 +129,9 @@ class PickStream:
             return await self._request_body(
                 body.body, body.end_of_stream or body.end_of_stream_without_message
             )
-        if kind == "request_trailers" and phase is _Phase.BODY:  # trailers end the body
-            return await self._request_body(b"", True)
+        if kind == "request_trailers" and phase is _Phase.BODY:  # trailers end the body (not its stream)
+            answers = await self._request_body(b"", True, trailers=True)
+            return [*answers, trailers_response("request_trailers")]
         if kind == "response_headers" and phase is _Phase.PICKED:
             return self._response_headers(message)
         if kind == "response_body" and phase is _Phase.RESPONSE:
@@ -135,7 +140,7 @@ class PickStream:
             return self._response_body(body.body, end)
         if kind == "response_trailers" and phase in (_Phase.PICKED, _Phase.RESPONSE):
             self._end()
-            return []
+            return [trailers_response("response_trailers")]
         self.gateway._refused("400", ExtProcProtocolError.reason)
         raise ExtProcProtocolError(f"ext_proc message {kind or 'of no kind'} while expecting {phase.value}")
 
@@ -153,15 +158,16 @@ class PickStream:
         self.phase = _Phase.BODY
         return []
 
-    async def _request_body(self, chunk: bytes, end: bool) -> list[Any]:
+    async def _request_body(self, chunk: bytes, end: bool, trailers: bool = False) -> list[Any]:
+        """Buffer a chunk; at the end, pick (the body sent back ends the stream unless `trailers` do)."""
         self.body += chunk
         limit = self.gateway.max_body
         if len(self.body) > limit:
             self.gateway._refused("413", RequestTooLarge.reason)
             raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
-        return await self._pick() if end else []
+        return await self._pick(not trailers) if end else []
 
-    async def _pick(self) -> list[Any]:
+    async def _pick(self, body_ends: bool = True) -> list[Any]:
         """Choose the endpoint (holding an admission slot until the request ends) and answer: the
         request headers' answer, then the body sent back."""
         gateway, body = self.gateway, bytes(self.body)
@@ -177,7 +183,8 @@ class PickStream:
             raise
         self.phase = _Phase.PICKED
         chosen = address_of(target.base_url)
-        value = chosen if fallback is None or fallback == chosen else f"{chosen},{fallback}"
+        plain = fallback is None or fallback == chosen or not self.picker.fallbacks
+        value = chosen if plain else f"{chosen},{fallback}"
         set_headers = [(DESTINATION, value.encode()), ("x-request-id", self.rid.encode("latin-1"))]
         rank = fleet.replica_target(target.engine)[1]
         if rank is not None:
@@ -188,7 +195,7 @@ class PickStream:
         answer = headers_response(
             "request_headers", set_headers, remove, {LB_NAMESPACE: {DESTINATION: value}}, True
         )
-        return [answer, *(body_responses("request_body", body, True) if body else ())]
+        return [answer, *(body_responses("request_body", body, body_ends) if body else ())]
 
     def _route(self, body: bytes, excluded: frozenset[EngineId]) -> tuple[Target, str | None]:
         """The gateway's preparation and decision (router.edge.gateway); the chosen target and the

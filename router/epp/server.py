@@ -49,6 +49,8 @@ class ServerSettings(msgspec.Struct, frozen=True, kw_only=True):
     secure: bool
     cert_path: Path | None = None
     """A directory holding `tls.crt` and `tls.key`; None with `secure`: a self-signed pair made at start."""
+    fallbacks: bool = True
+    """The destination names the runner-up after the chosen engine (router.epp.picker.Picker)."""
     stop_grace_s: float = 5.0
 
 

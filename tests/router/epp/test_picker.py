@@ -11,6 +11,7 @@ from typing import Any
 
 import msgspec
 import pytest
+from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 
 from router.core.ids import EngineId
 from router.edge.gateway import Gateway as RouterGateway
@@ -241,3 +242,36 @@ async def test_a_stream_closed_before_the_answer_leaves_nothing_counted(fleet: F
     mid_body.closed()
     assert parts.fleet.admission.total == 0
     assert 'status="client_closed"' in parts.metrics.render().decode()
+
+
+@pytest.mark.parametrize("fallbacks", [True, False])
+async def test_the_runner_up_is_named_as_fallback_unless_turned_off(fleet: Fleet, fallbacks: bool) -> None:
+    picker = Picker(fleet.picker.gateway, fallbacks)
+    stream = picker.stream()
+    _, [head, _] = await run(
+        stream,
+        request_headers("POST", "/v1/chat/completions", False),
+        request_body(chat(fleet.model, "x"), True),
+    )
+    named = set_headers(head)[DESTINATION].split(",")
+    assert named == (sorted(fleet.addresses.values(), key=named.index) if fallbacks else named[:1])
+    assert destination_metadata(head) == ",".join(named)
+    stream.closed()
+
+
+async def test_trailers_end_the_body_and_are_answered(fleet: Fleet) -> None:
+    """A request whose body is followed by trailers: picked at the trailers, the body sent back without
+    end_of_stream (the trailers end the stream), each trailers message answered."""
+    stream = fleet.picker.stream()
+    body = chat(fleet.model, "with trailers")
+    trailers = ext_proc.ProcessingRequest(request_trailers=ext_proc.HttpTrailers())
+    steps = await run(
+        stream, request_headers("POST", "/v1/chat/completions", False), request_body(body, False), trailers
+    )
+    head, *sent, answered = steps[-1]
+    assert head.HasField("request_headers") and answered.HasField("request_trailers")
+    assert echoed(sent) == (body, [len(body)], [False])
+    await stream.on_message(response_headers(200))
+    [done] = await stream.on_message(ext_proc.ProcessingRequest(response_trailers=ext_proc.HttpTrailers()))
+    assert done.HasField("response_trailers")
+    assert gateway_of(fleet).parts.fleet.admission.total == 0
