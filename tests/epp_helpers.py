@@ -184,13 +184,18 @@ def request_body(chunk: bytes, end: bool) -> Any:
     return ext_proc.ProcessingRequest(request_body=ext_proc.HttpBody(body=chunk, end_of_stream=end))
 
 
-def response_headers(status: int, end: bool = False) -> Any:
+def response_headers(status: int, end: bool = False, served: str | None = None) -> Any:
+    """The answer's headers as Envoy sends them; `served`: the endpoint a gateway says served it."""
     headers = base_pb2.HeaderMap(
         headers=[base_pb2.HeaderValue(key=":status", raw_value=str(status).encode())]
     )
-    return ext_proc.ProcessingRequest(
+    message = ext_proc.ProcessingRequest(
         response_headers=ext_proc.HttpHeaders(headers=headers, end_of_stream=end)
     )
+    if served is not None:
+        lb = message.metadata_context.filter_metadata["envoy.lb"]
+        lb.fields["x-gateway-destination-endpoint-served"].string_value = served
+    return message
 
 
 def response_body(chunk: bytes, end: bool) -> Any:

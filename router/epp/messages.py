@@ -39,7 +39,7 @@ def headers_of(message: Any) -> Headers:
     (`:method`, `:path`, `:status`) included."""
     pairs: Headers = []
     for header in message.headers.headers:
-        value = header.raw_value if header.raw_value else header.value.encode("latin-1")
+        value = header.raw_value if header.raw_value else header.value.encode()
         pairs.append((header.key.lower().encode("latin-1"), value))
     return pairs
 

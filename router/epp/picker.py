@@ -15,6 +15,11 @@ The response phase answers the response headers with the gateway's own headers (
 `x-kvrouter-engine`, `x-kvrouter-predicted-cached-tokens`, `x-kvrouter-mirror-trust`), sends the
 answer's body back chunk by chunk while reading its `usage.prompt_tokens_details.cached_tokens`, and
 ends the request's accounting (load, admission, metrics, decision ring) as the gateway's relay does.
+The answer's status is the engine's verdict for its circuit breaker, as the proxy counts it (a 5xx,
+Envoy's own 503 for an engine it cannot reach included, is a failure): an engine that stopped
+answering opens its breaker and is picked no more until its cool-down ends. When the gateway says an
+endpoint other than the pick served (`envoy.lb` / `x-gateway-destination-endpoint-served`: its retry
+on the fallback), the pick counts as failed and the request's counts move to the one that served.
 
 Every failure to route is an `ImmediateResponse` with the gateway's status and OpenAI-format body
 (503 no eligible engine, 429 overload, 413, 404 unknown model, 400), counted as the gateway counts
@@ -31,6 +36,7 @@ from typing import Any, Final
 
 from router.core.errors import ExtProcProtocolError, NoEngineAvailable, RequestTooLarge, RouterError
 from router.core.ids import EngineId
+from router.core.policy.retry import Outcome, OutcomeKind, counts_as_failure
 from router.edge.access_log import AccessNote
 from router.edge.client_io import request_id_in
 from router.edge.flight import RANK_HEADER
@@ -105,6 +111,7 @@ class PickStream:
         self.tap: UsageTap | None = None
         self.status = 0
         self.served: str | None = None  # the endpoint the gateway says served, when it says
+        self.judged = False  # the engine's breaker was told how the request went
 
     async def on_message(self, message: Any) -> list[Any]:
         """The answers to one `ProcessingRequest`, in the order to send them (none while the body is
@@ -119,6 +126,11 @@ class PickStream:
             return await self._step(kind, message)
         except RouterError as exc:
             return [self._refuse(exc)]
+        except Exception as exc:  # a bug: this request gets a 500, the picker serves the next ones
+            log.exception("the endpoint picker failed on a message", extra={"request_id": self.rid})
+            self.gateway._refused("500")
+            failure = RouterError(f"internal error in the endpoint picker ({type(exc).__name__}, logged)")
+            return [self._refuse(failure)]
 
     async def _step(self, kind: str | None, message: Any) -> list[Any]:
         phase = self.phase
@@ -182,6 +194,7 @@ class PickStream:
             self._leave()
             raise
         self.phase = _Phase.PICKED
+        fleet.breakers.get(target.engine).acquire(fleet.clock())  # (after a cool-down: the probe)
         chosen = address_of(target.base_url)
         plain = fallback is None or fallback == chosen or not self.picker.fallbacks
         value = chosen if plain else f"{chosen},{fallback}"
@@ -260,6 +273,8 @@ class PickStream:
         self.status = int(status) if status.isdigit() else 0
         served = metadata_value(message, LB_NAMESPACE, SERVED_KEY)
         self.served = served if isinstance(served, str) else None
+        self._follow_served()
+        self._judge(counts_as_failure(Outcome(OutcomeKind.ANSWERED, self.status)))
         own: list[tuple[str, bytes]] = [("x-request-id", self.rid.encode("latin-1"))]
         if self.exchange is not None and self.engine is not None:
             pairs = self.exchange.answered(self.engine, self.status, _NOTE)
@@ -275,6 +290,37 @@ class PickStream:
             self.phase = _Phase.RESPONSE
         return [answer]
 
+    def _follow_served(self) -> None:
+        """When the gateway says another endpoint served (its retry on the fallback): the pick failed,
+        and the request's counts move to the replica at that endpoint (the pick's own replica when
+        several share it: data-parallel ranks)."""
+        served, engine, fleet = self.served, self.engine, self.gateway.parts.fleet
+        if served is None or engine is None or address_of(fleet.replica_target(engine)[0]) == served:
+            return
+        at = [r for r in fleet.replicas() if address_of(fleet.replica_target(r)[0]) == served]
+        if not at:  # not an engine of ours: nothing to move the counts to
+            log.warning("served by an unknown endpoint", extra={"request_id": self.rid, "served": served})
+            return
+        self._judge(True)
+        self.judged = False
+        if self.exchange is not None:
+            self.exchange.flight.moved_to(at[0])
+        self.engine = at[0]
+        fleet.breakers.get(at[0]).acquire(fleet.clock())
+
+    def _judge(self, failure: bool | None) -> None:
+        """Tell the picked engine's breaker how the request went: failed, answered well, or (None)
+        abandoned with no verdict (the stream ended first); once."""
+        if self.judged or self.engine is None:
+            return
+        self.judged = True
+        fleet = self.gateway.parts.fleet
+        breaker, now = fleet.breakers.get(self.engine), fleet.clock()
+        if failure is None:
+            breaker.record_abandoned(now)
+        else:
+            (breaker.record_failure if failure else breaker.record_success)(now)
+
     def _response_body(self, chunk: bytes, end: bool) -> list[Any]:
         if self.tap is not None:
             self.tap.feed(chunk)
@@ -288,6 +334,7 @@ class PickStream:
         if self.phase is _Phase.DONE:
             return
         label = status or str(self.status)
+        self._judge(None)  # (no response headers came: no verdict on the engine)
         if self.exchange is not None:
             if self.tap is None:  # no response headers came: `end` reads what `answered` keeps
                 self.exchange.answered(self.engine or "none", 0, _NOTE)

@@ -5,6 +5,7 @@ engine with the predicted cached tokens; a subset hint is obeyed; no eligible en
 
 from __future__ import annotations
 
+import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -167,3 +168,34 @@ async def test_a_subset_hint_is_obeyed_and_an_empty_one_is_a_503(stack: Stack) -
     )
     assert refused.status_code == 503
     assert refused.json()["error"]["code"] == "no_engine"
+
+
+async def test_a_killed_engines_traffic_moves(stack: Stack) -> None:
+    """e0 stops: Envoy cannot reach it and answers 503 itself; the picker counts each as e0's failure,
+    e0's breaker opens after `breaker.failure_threshold` (5) of them and requests go to e1."""
+    stack.stubs["e0"].stop()
+    host, port = stack.addresses["e0"].split(":")
+
+    async def refused() -> bool:
+        try:
+            _, writer = await asyncio.open_connection(host, int(port))
+        except OSError:
+            return True
+        writer.close()
+        await writer.wait_closed()
+        return False
+
+    await wait_for(refused, 30.0)
+    to_e0 = {SUBSET_HEADER: stack.addresses["e0"]}
+    failed = [
+        await stack.client.post("/v1/chat/completions", json=chat(f"to e0 {i}"), headers=to_e0)
+        for i in range(5)
+    ]
+    assert [answer.status_code for answer in failed] == [503] * 5
+    assert all("upstream connect error" in answer.text for answer in failed)  # Envoy's own answer
+    assert all(answer.headers["x-kvrouter-engine"] == "e0" for answer in failed)
+    breaker_open = await stack.client.post("/v1/chat/completions", json=chat("to e0 again"), headers=to_e0)
+    assert breaker_open.status_code == 503 and breaker_open.json()["error"]["code"] == "breaker_open"
+    for turn in range(4):
+        moved = await stack.client.post("/v1/chat/completions", json=chat(f"anywhere {turn}"))
+        assert moved.status_code == 200 and moved.headers["x-kvrouter-engine"] == "e1"

@@ -275,3 +275,70 @@ async def test_trailers_end_the_body_and_are_answered(fleet: Fleet) -> None:
     [done] = await stream.on_message(ext_proc.ProcessingRequest(response_trailers=ext_proc.HttpTrailers()))
     assert done.HasField("response_trailers")
     assert gateway_of(fleet).parts.fleet.admission.total == 0
+
+
+async def test_a_gateway_retry_on_the_fallback_moves_the_counts(fleet: Fleet) -> None:
+    """The gateway says the fallback served: the pick's breaker counts a failure, the load and the
+    answer's engine header follow the endpoint that served."""
+    parts = gateway_of(fleet).parts
+    stream = fleet.picker.stream()
+    post = request_headers("POST", "/v1/chat/completions", False, (("x-request-id", "rid-f"),))
+    _, [head, _] = await run(stream, post, request_body(chat(fleet.model, "retried"), True))
+    chosen, fallback = set_headers(head)[DESTINATION].split(",")
+    by_address = {address: EngineId(name) for name, address in fleet.addresses.items()}
+    now = parts.fleet.clock()
+    assert parts.fleet.load.snapshot(by_address[chosen], now).in_flight == 1
+    [answer] = await stream.on_message(response_headers(200, served=fallback))
+    assert set_headers(answer, "response_headers")["x-kvrouter-engine"] == by_address[fallback]
+    assert parts.fleet.load.snapshot(by_address[chosen], now).in_flight == 0
+    assert parts.fleet.load.snapshot(by_address[fallback], now).in_flight == 1
+    assert parts.fleet.breakers.get(by_address[chosen]).failures == 1
+    await stream.on_message(response_body(b"{}", True))
+    entry = parts.ring.get("rid-f")
+    assert entry is not None and entry.engine == by_address[fallback]
+    assert parts.fleet.load.snapshot(by_address[fallback], now).in_flight == 0
+
+
+async def test_an_engine_failing_its_answers_opens_its_breaker_and_is_picked_no_more(fleet: Fleet) -> None:
+    """Envoy's 503 for an engine it cannot reach, `breaker.failure_threshold` (5) times: that engine's
+    breaker opens; later requests go to the other engine, and a subset of the failed one alone is a 503."""
+    parts = gateway_of(fleet).parts
+    dead = fleet.addresses["e0"]
+    for turn in range(parts.config.breaker.failure_threshold):
+        stream = fleet.picker.stream()
+        post = request_headers("POST", "/v1/chat/completions", False, subset=dead)
+        _, picked = await run(stream, post, request_body(chat(fleet.model, f"dead {turn}"), True))
+        assert set_headers(picked[0])[DESTINATION] == dead
+        await stream.on_message(response_headers(503, end=True))
+    for turn in range(4):
+        stream = fleet.picker.stream()
+        post = request_headers("POST", "/v1/chat/completions", False)
+        _, picked = await run(stream, post, request_body(chat(fleet.model, f"moved {turn}"), True))
+        assert set_headers(picked[0])[DESTINATION] == fleet.addresses["e1"]
+        stream.closed()
+    stream = fleet.picker.stream()
+    post = request_headers("POST", "/v1/chat/completions", False, subset=dead)
+    _, [refused] = await run(stream, post, request_body(chat(fleet.model, "only dead"), True))
+    assert refused.immediate_response.status.code == 503
+    assert json.loads(refused.immediate_response.body)["error"]["code"] == "breaker_open"
+
+
+async def test_a_bug_in_the_picker_is_a_500_for_that_request_only(
+    fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    gateway = fleet.picker.gateway
+
+    def broken(*args: object) -> None:
+        raise KeyError("a bug")
+
+    with monkeypatch.context() as patch:
+        patch.setattr(gateway, "_decide", broken)
+        stream = fleet.picker.stream()
+        post = request_headers("POST", "/v1/chat/completions", False)
+        _, [answer] = await run(stream, post, request_body(chat(fleet.model, "bug"), True))
+    assert answer.immediate_response.status.code == 500
+    assert gateway.parts.fleet.admission.total == 0
+    healthy = fleet.picker.stream()  # the next request is picked as usual
+    _, picked = await run(healthy, post, request_body(chat(fleet.model, "fine"), True))
+    assert picked[0].HasField("request_headers")
+    healthy.closed()
