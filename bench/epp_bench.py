@@ -9,6 +9,8 @@ Run: ``.venv/bin/python bench/epp_bench.py [--reps 3] [--seconds 4] [--out FILE]
 - ``envoy+epp``: deploy/envoy/envoy-epp.yaml, Envoy asking `kvrouter epp` (h2c, kv policy, the deepseek
   tokenizer and chat template) for every request's endpoint, the request and answer bodies streamed
   through the picker;
+- ``envoy+epp/headers``: the same with `response_body_mode: NONE` (and trailers skipped): the answer's
+  body goes straight to the client, the picker sees its headers only (no reported cached tokens);
 - ``serve``: `kvrouter serve` with the same config, one worker.
 
 For every repetition, case (peer_proxy_bench's ~8.5k-token chat with a new last turn, and its ~3 KB
@@ -89,6 +91,17 @@ def _json_line(line: bytes) -> str | None:
     return line.decode() if line.startswith(b"{") else None
 
 
+def headers_only(config: dict[str, Any]) -> dict[str, Any]:
+    """The rendered Envoy config with the answer's body not sent to the picker."""
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    ext_proc = next(f for f in hcm["http_filters"] if f["name"] == "envoy.filters.http.ext_proc")
+    ext_proc["typed_config"]["processing_mode"] |= {
+        "response_body_mode": "NONE",
+        "response_trailer_mode": "SKIP",
+    }
+    return config
+
+
 def cpu_s(pid: int | None) -> float:
     return peers.tree_cpu_s(pid) if pid is not None else 0.0
 
@@ -135,17 +148,21 @@ async def run(args: argparse.Namespace) -> list[Row]:
         ready = msgspec.json.decode(ready_line, type=EppReadyLine)
         (tmp / "picked").mkdir()
         (tmp / "plain").mkdir()
+        (tmp / "headers").mkdir()
         picked_config = envoy_config(free_port(), free_port(), ready.grpc_port)
         plain_config = direct_config(envoy_config(free_port(), free_port(), ready.grpc_port), int(port))
+        headers_config = headers_only(envoy_config(free_port(), free_port(), ready.grpc_port))
         try:
             async with (
                 running_envoy(picked_config, tmp / "picked") as picked,
                 running_envoy(plain_config, tmp / "plain") as plain,
+                running_envoy(headers_config, tmp / "headers") as headers,
             ):
                 targets = [
                     Target("direct", backend, None, None),
                     Target("envoy", plain.url, None, plain.process.pid),
                     Target("envoy+epp", picked.url, epp.pid, picked.process.pid),
+                    Target("envoy+epp/headers", headers.url, epp.pid, headers.process.pid),
                     Target("serve", serve_url, serve.pid, None),
                 ]
                 return await matrix(args, targets, tmp)
@@ -178,16 +195,17 @@ def report(rows: Sequence[Row]) -> None:
     """Per case and concurrency: ranges over repetitions of the costs that matter."""
     print(
         "\n| case | c | epp CPU ms/req | serve CPU ms/req | epp/serve CPU | Envoy CPU ms/req with epp "
-        "| alone | p50 ms envoy | envoy+epp | serve | epp adds p50 ms | errors |"
+        "| alone | p50 ms envoy | envoy+epp | serve | epp adds p50 ms | headers only: epp CPU | Envoy CPU "
+        "| p50 ms | errors |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    print("|" + "---|" * 15)
     for case in dict.fromkeys(r.case for r in rows):
         for conc in CONCURRENCY:
             by: dict[str, list[Row]] = {}
             for r in rows:
                 if r.case == case and r.conc == conc:
                     by.setdefault(r.target, []).append(r)
-            epp, serve, plain = by["envoy+epp"], by["serve"], by["envoy"]
+            epp, serve, plain, heads = by["envoy+epp"], by["serve"], by["envoy"], by["envoy+epp/headers"]
             pairs = zip(epp, serve, strict=True)
             ratio = [e.kvrouter_cpu_ms_per_req / max(s.kvrouter_cpu_ms_per_req, 1e-9) for e, s in pairs]
             added = [e.p50_ms - p.p50_ms for e, p in zip(epp, plain, strict=True)]
@@ -199,6 +217,9 @@ def report(rows: Sequence[Row]) -> None:
                 span([r.envoy_cpu_ms_per_req for r in plain], ".2f"),
                 *(span([r.p50_ms for r in rs], ".1f") for rs in (plain, epp, serve)),
                 span(added, ".1f"),
+                span([r.kvrouter_cpu_ms_per_req for r in heads], ".2f"),
+                span([r.envoy_cpu_ms_per_req for r in heads], ".2f"),
+                span([r.p50_ms for r in heads], ".1f"),
                 str(sum(r.errors for rs in by.values() for r in rs)),
             ]
             print(f"| {case} | {conc} | " + " | ".join(cells) + " |")

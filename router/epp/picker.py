@@ -67,6 +67,7 @@ SUBSET_KEY: Final = "x-gateway-destination-endpoint-subset"
 SERVED_KEY: Final = "x-gateway-destination-endpoint-served"
 _HOT: Final = {"/v1/completions": Endpoint.COMPLETIONS, "/v1/chat/completions": Endpoint.CHAT}
 _PASSTHROUGH_POLICY: Final = "passthrough"  # (the policy label Passthrough counts with)
+_NO_BODY: Final = 0  # ProcessingMode.BodySendMode.NONE
 _NOTE: Final = AccessNote()  # no access line is written by the picker: Envoy's access log is the one
 
 
@@ -112,6 +113,7 @@ class PickStream:
         self.status = 0
         self.served: str | None = None  # the endpoint the gateway says served, when it says
         self.judged = False  # the engine's breaker was told how the request went
+        self.response_body = True  # Envoy streams the answer's body through (protocol_config says)
 
     async def on_message(self, message: Any) -> list[Any]:
         """The answers to one `ProcessingRequest`, in the order to send them (none while the body is
@@ -119,6 +121,8 @@ class PickStream:
         if self.phase is _Phase.DONE:
             return []
         kind = message.WhichOneof("request")
+        if message.HasField("protocol_config"):  # (the first message's: the filter's body modes)
+            self.response_body = message.protocol_config.response_body_mode != _NO_BODY
         hint = metadata_value(message, SUBSET_NAMESPACE, SUBSET_KEY)
         if hint is not None:
             self.subset = parse_subset(hint if isinstance(hint, str) else [str(h) for h in hint])
@@ -364,9 +368,12 @@ class PickStream:
         return immediate_response(exc.http_status(), headers, exc.body(), exc.reason or exc.code)
 
     def closed(self) -> None:
-        """The stream ended, however: a request picked but not answered ends as `client_closed`; one
-        whose body never ended is counted as a refusal of a client that left."""
-        if self.phase in (_Phase.PICKED, _Phase.RESPONSE):
+        """The stream ended, however: a request picked but not answered ends as `client_closed`
+        (answered, when the gateway sends no response body: its status, no reported cached tokens);
+        one whose body never ended is counted as a refusal of a client that left."""
+        if self.phase is _Phase.RESPONSE and not self.response_body:
+            self._end()
+        elif self.phase in (_Phase.PICKED, _Phase.RESPONSE):
             self._end("client_closed")
         elif self.phase is not _Phase.DONE and self.scope:
             self.gateway._refused("client_closed")

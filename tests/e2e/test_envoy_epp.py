@@ -69,14 +69,24 @@ class Stack(msgspec.Struct):
     admin: httpx.AsyncClient  # to the picker's HTTP side
 
 
-@pytest.fixture
-async def stack(tmp_path: Path) -> AsyncIterator[Stack]:
+def headers_only(config: dict[str, Any]) -> dict[str, Any]:
+    """The documented config with the answer's body not sent to the picker (its cheaper mode)."""
+    hcm = config["static_resources"]["listeners"][0]["filter_chains"][0]["filters"][0]["typed_config"]
+    mode = hcm["http_filters"][-2]["typed_config"]["processing_mode"]  # (ext_proc: before the router)
+    mode |= {"response_body_mode": "NONE", "response_trailer_mode": "SKIP"}
+    return config
+
+
+@pytest.fixture(params=["bodies"])
+async def stack(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator[Stack]:
     async with running_stubs(2) as servers:
         engines = [engine_of(f"e{i}", s) for i, s in enumerate(servers)]
         config = write_config(tmp_path / "router.toml", engines)
         flags = ("--config", str(config), "--secure-serving=false", "--destination-fallbacks=false")
         async with epp_process(*flags, env={"KVROUTER_ADMIN_TOKEN": ADMIN}) as epp:
             rendered = with_subset_header(envoy_config(free_port(), free_port(), epp.ready.grpc_port))
+            if request.param == "headers only":
+                rendered = headers_only(rendered)
             async with running_envoy(rendered, tmp_path) as envoy:
                 metrics = f"http://127.0.0.1:{epp.ready.metrics_port}"
                 async with (
@@ -199,3 +209,27 @@ async def test_a_killed_engines_traffic_moves(stack: Stack) -> None:
     for turn in range(4):
         moved = await stack.client.post("/v1/chat/completions", json=chat(f"anywhere {turn}"))
         assert moved.status_code == 200 and moved.headers["x-kvrouter-engine"] == "e1"
+
+
+@pytest.mark.parametrize("stack", ["headers only"], indirect=True)
+async def test_without_response_bodies_answers_pass_straight_through(stack: Stack) -> None:
+    """Envoy sends the picker no answer body (`response_body_mode: NONE`): answers, streamed or not,
+    reach the client whole with the picker's headers, and each request ends answered (200), not as a
+    client that left, once Envoy closes its stream (no cached tokens reported then)."""
+    plain = await stack.client.post(
+        "/v1/chat/completions", json=chat("hello"), headers={"x-request-id": "h-1"}
+    )
+    assert plain.status_code == 200 and plain.json()["choices"][0]["message"]["content"]
+    assert plain.headers["x-kvrouter-engine"] in stack.stubs
+    include = {"stream": True, "stream_options": {"include_usage": True}}
+    streamed = await stack.client.post("/v1/chat/completions", json=chat("again", **include))
+    assert sse_usage(streamed.text)["prompt_tokens"] > 0
+    auth = {"authorization": f"Bearer {ADMIN}"}
+
+    async def answered() -> bool:
+        entry = (await stack.admin.get("/debug/decisions/h-1", headers=auth)).json()
+        return bool(entry["status"] == 200)
+
+    await wait_for(answered, 30.0)
+    metrics = (await stack.admin.get("/metrics")).text
+    assert 'status="client_closed"' not in metrics

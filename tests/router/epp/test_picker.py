@@ -342,3 +342,23 @@ async def test_a_bug_in_the_picker_is_a_500_for_that_request_only(
     _, picked = await run(healthy, post, request_body(chat(fleet.model, "fine"), True))
     assert picked[0].HasField("request_headers")
     healthy.closed()
+
+
+async def test_without_response_bodies_the_stream_end_ends_the_request(fleet: Fleet) -> None:
+    """A gateway configured to send no response body (protocol_config response_body_mode NONE): the
+    request is answered with its status when the stream ends, no cached tokens reported, not counted
+    as a client that left."""
+    parts = gateway_of(fleet).parts
+    stream = fleet.picker.stream()
+    post = request_headers("POST", "/v1/chat/completions", False, (("x-request-id", "rid-n"),))
+    post.protocol_config.request_body_mode = 4  # FULL_DUPLEX_STREAMED
+    post.protocol_config.response_body_mode = 0  # NONE
+    await run(stream, post, request_body(chat(fleet.model, "no body"), True))
+    [answer] = await stream.on_message(response_headers(200))
+    assert set_headers(answer, "response_headers")["x-request-id"] == "rid-n"
+    assert parts.fleet.admission.total == 1  # (the answer is still streaming to the client)
+    stream.closed()
+    entry = parts.ring.get("rid-n")
+    assert entry is not None and entry.status == 200 and entry.actual_cached_tokens is None
+    assert parts.fleet.admission.total == 0
+    assert 'status="client_closed"' not in parts.metrics.render().decode()
