@@ -23,6 +23,7 @@ COMMAND_MODULES: Final = (
     "kvrouter.cmd_events",
     "kvrouter.cmd_engine_stub",
     "kvrouter.cmd_serve",
+    "kvrouter.cmd_epp",
     "kvrouter.cmd_loadtest",
     "kvrouter.cmd_replay",
     "kvrouter.cmd_explain",

@@ -100,6 +100,13 @@ class BadRequest(RouterError):
     status, error_type, code, reason = 400, "invalid_request_error", "bad_request", "bad_request"
 
 
+class ExtProcProtocolError(RouterError):
+    """An ext_proc stream the endpoint picker cannot follow (a message out of order or of a kind the
+    protocol does not send then): the request is answered 400 through the gateway (router.epp)."""
+
+    status, error_type, code, reason = 400, "invalid_request_error", "ext_proc_protocol", "ext_proc_protocol"
+
+
 class Unauthorized(RouterError):
     status, error_type, code, reason = 401, "authentication_error", "invalid_api_key", "unauthorized"
 

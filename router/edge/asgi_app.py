@@ -15,7 +15,7 @@ from __future__ import annotations
 import gc
 import os
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
-from contextlib import asynccontextmanager
+from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
 from typing import Final
 
 import msgspec
@@ -187,8 +187,11 @@ def create_app(
     options: ServeOptions | None = None,
     environ: Mapping[str, str] | None = None,
     on_started: Callable[[GatewayParts], None] | None = None,
+    attach: Callable[[GatewayParts], AbstractAsyncContextManager[object]] | None = None,
 ) -> GatewayApp:
-    """The gateway app for `config`; its lifespan starts and stops the service."""
+    """The gateway app for `config`; its lifespan starts and stops the service. `attach`: a part that
+    lives as long as the service (the endpoint picker's gRPC servers, kvrouter.cmd_epp), entered once
+    it started (before `on_started`) and left before it stops."""
     options = options or ServeOptions()
     service = Service(config, options, os.environ if environ is None else environ)
     box: list[Handlers] = []
@@ -197,6 +200,13 @@ def create_app(
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, object]]:
         parts = await service.start()
+        attached = AsyncExitStack()
+        try:
+            if attach is not None:
+                await attached.enter_async_context(attach(parts))
+        except BaseException:
+            await service.stop()
+            raise
         box.append(Handlers(parts, drain))
         app.state.handlers = box[0]
         if on_started is not None:
@@ -222,7 +232,10 @@ def create_app(
             yield state
         finally:
             box.clear()
-            await service.stop()
+            try:
+                await attached.aclose()
+            finally:
+                await service.stop()
 
     app = GatewayApp(title="kvrouter", lifespan=lifespan, openapi_url=None, docs_url=None, redoc_url=None)
     app.handlers = box

@@ -148,6 +148,23 @@ class Flight:
         self.fleet.request_sent(engine, self.rid, self.prepared, now)
         self._counted = True
 
+    def moved_to(self, engine: EngineId) -> None:
+        """The request was served by `engine`, not the replica chosen for it (a gateway's retry on a
+        fallback the endpoint picker named, router.epp.picker): its counts (load, admission, pending
+        prefix) leave the chosen replica and are made on `engine`, with the prediction the decision
+        had for it. A no-op for the chosen replica or once finished."""
+        if engine == self.engine or self._finished:
+            return
+        now = self.fleet.clock()
+        if self._counted:
+            self._leave(now)
+        self.engine, self._chosen_at, self.entry.engine = engine, now, engine
+        decision = self.decision
+        for candidate in decision.candidates if decision is not None else ():
+            if candidate.engine == engine:
+                self.entry.predicted_cached_tokens = candidate.expected_tokens
+        self.sent()
+
     def _set_rank(self, rank: int | None) -> None:
         # The proxy sends the same header list to every attempt; the rank belongs to the replica.
         headers = self.request.headers

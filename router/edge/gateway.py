@@ -26,6 +26,7 @@ from starlette.types import Receive, Scope, Send
 
 from router.core.errors import BadRequest, RequestTimeout, RouterError
 from router.core.fleet_state import FleetState
+from router.core.ids import EngineId
 from router.core.policy.scoring import RouteRequest, reads_prompt
 from router.core.policy.trust import TrustState
 from router.core.prepared import Prepared
@@ -59,7 +60,7 @@ from router.prepare.served_models import Models, UnknownModel
 from router.settings.config import RouterConfig
 from tokenization.openai_request import Endpoint, RequestError
 
-__all__ = ["Gateway", "GatewayParts"]
+__all__ = ["Exchange", "Gateway", "GatewayParts"]
 
 log = logging.getLogger(__name__)
 
@@ -317,9 +318,11 @@ class Gateway:
         rid: str,
         arrived: float,
         prepared: Prepared | None,
-    ) -> _Exchange:
-        """Prepare the request (unless `prepared`; its stores deferred to `_Exchange.sent`) and decide
-        where it goes: the exchange that forwards it. A refusal is counted."""
+        excluded: frozenset[EngineId] = frozenset(),
+    ) -> Exchange:
+        """Prepare the request (unless `prepared`; its stores deferred to `Exchange.sent`) and decide
+        where it goes, never to an `excluded` replica (the endpoint picker's subset hint): the exchange
+        that forwards it. A refusal is counted."""
         parts = self.parts
         if prepared is None:
             try:
@@ -337,13 +340,13 @@ class Gateway:
         # str(endpoint): a C call, where Enum.value is a Python-level property.
         headers = forwarded_headers(scope["headers"], rid, parts.guard.api_keys_required)
         proxied = ProxyRequest(scope["method"], str(endpoint), headers, body, True)
-        route = RouteRequest(key=prepared.session_key, session=header_in(scope, self.session_header))
+        route = RouteRequest(prepared.session_key, header_in(scope, self.session_header), excluded)
         flight = Flight(parts.fleet, parts.core, proxied, entry, route)
         if parts.recorder is not None:  # (kept before the decision: the recording's order and times)
             parts.recorder.request(rid, endpoint.value, prepared.model, Headers(scope=scope), body)
             flight.on_decision = parts.recorder.decision
         routed = flight.decide(prepared, parts.fleet.clock())
-        return _Exchange(self, flight, entry, (prepared, routed), (arrived, time.perf_counter()))
+        return Exchange(self, flight, entry, (prepared, routed), (arrived, time.perf_counter()))
 
     def _failed(self, entry: DecisionEntry, exc: BaseException) -> None:
         engine = entry.engine or "none"
@@ -383,7 +386,7 @@ class Gateway:
         )
 
 
-class _Exchange:
+class Exchange:
     """One decided request from its forwarding to its end: the proxy's `sent` hook, then its relay's
     `first_byte` and `end` hooks, as methods of one object (no closures and cells per request). It
     holds no reference to its relay, so relay and exchange are freed by reference counting.
@@ -399,7 +402,7 @@ class _Exchange:
 
     __slots__ = (
         "arrived", "engine", "entry", "flight", "forwarding", "gateway", "kept", "model", "note",
-        "pre_forward", "predicted", "prepared", "proxied", "routed", "streamed_ok", "upstream",
+        "pre_forward", "predicted", "prepared", "proxied", "routed", "status", "streamed_ok",
     )  # fmt: skip
 
     def __init__(
@@ -453,12 +456,23 @@ class _Exchange:
             for attempt in attempts[:-1]:  # each earlier attempt was moved to another engine
                 reason = attempt.outcome.value if attempt.status == 0 else f"http_{attempt.status}"
                 self.gateway.parts.metrics.retries.labels(reason).inc()
+        headers = self.answered(engine, upstream.status, note)
+        ok = upstream.status == 200
+        relay = RelayResponse(upstream, headers, None, self.first_byte, self.end, ok, _OWN_NAMES)
+        relay.write_s = self.gateway.write_s
+        return relay
+
+    def answered(self, engine: str, status: int, note: AccessNote) -> list[tuple[bytes, bytes]]:
+        """`engine` began its answer with `status`: keep what `first_byte` and `end` read, and return
+        the headers the gateway adds to the answer (`_OWN`). The relay's step, and the endpoint
+        picker's when Envoy relays the answer (router.epp.picker)."""
+        entry = self.entry
         # The routing stages' time, before forwarding (each stage's `get(stage, 0.0)`, summed in C),
         # and the gateway's own time before forwarding outside them.
         own = sum(map(entry.timings_s.get, _STAGES, _NO_TIMES), 0.0)
         self.pre_forward = max(0.0, self.forwarding - self.arrived - own)
-        self.upstream, self.note, self.engine, self.model = upstream, note, engine, entry.request.model
-        self.streamed_ok = upstream.status == 200 and entry.request.stream
+        self.status, self.note, self.engine, self.model = status, note, engine, entry.request.model
+        self.streamed_ok = status == 200 and entry.request.stream
         predicted = self.predicted = entry.predicted_cached_tokens or 0
         # The trust state of the engine's mirror when the last decision chose it (scoring counts
         # hits only from `fresh` ones), as the header's bytes; `unknown` if that decision did not
@@ -478,14 +492,11 @@ class _Exchange:
             (predicted_name, b"%d" % predicted),
             (trust_name, trust),
         ]
-        ok = upstream.status == 200
-        relay = RelayResponse(upstream, headers, None, self.first_byte, self.end, ok, _OWN_NAMES)
-        relay.write_s = self.gateway.write_s
-        return relay
+        return headers
 
     def first_byte(self, relay_s: float) -> None:
         """The answer's first chunk was handed to the client, `relay_s` after it arrived."""
-        self.flight.first_byte(self.upstream.status == 200)
+        self.flight.first_byte(self.status == 200)
         gateway = self.gateway
         overhead, child = self.pre_forward + relay_s, gateway._proxy_overhead
         if type(child) is BucketHistogramChild and overhead == overhead:  # `observe`, inline (NaN: its own)
@@ -506,7 +517,7 @@ class _Exchange:
         # Observed once the answer is out, not on its first byte's path.
         observe_present(gateway._stage_children, entry.timings_s)
         parts.fleet.admission.leave()
-        entry.status = self.upstream.status
+        entry.status = self.status
         entry.actual_cached_tokens = self.note.actual_cached_tokens = cached
         reported = None if entry.request.unread else cached  # no prompt read: nothing predicted
         took_s = time.perf_counter() - self.arrived

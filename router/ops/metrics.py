@@ -72,6 +72,7 @@ REJECT_REASONS: Final = (
     "no_engine",  # 503: no engine serves the model (or the gateway is not started)
     "pool_per_engine",  # 429/503: no pooled connection to the engine within timeouts.pool_wait_s
     "pool_total",  # 429/503: likewise, every engine's pool together at limits.pool_total
+    "ext_proc_protocol",  # 400: an ext_proc stream out of order (the endpoint picker, router.epp)
 )
 """The `reason` label values of `kvrouter_rejected_requests_total` (router.core.errors
 `RouterError.reason`)."""

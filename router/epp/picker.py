@@ -1,0 +1,380 @@
+"""One ext_proc stream of the endpoint picker: Envoy's messages in, the picker's answers out, in order.
+
+Envoy opens one `ExternalProcessor.Process` stream per HTTP request. The request's headers come
+first (with `end_of_stream` when there is no body: picked at once), then its body in chunks (buffered
+up to `limits.max_body_bytes`: past it a 413) until `end_of_stream`. The pick is the gateway's own
+(`Gateway`'s preparation, decision and refusals: router.edge.gateway; `Passthrough`'s chooser for a
+path that is not a completions route). The answer, in this order: the request headers' answer with
+`clear_route_cache` and `x-gateway-destination-endpoint: ip:port[,fallback]` (also in the dynamic
+metadata `envoy.lb`), then the body sent back unchanged in chunks of at most 62,000 bytes, the last
+with `end_of_stream` (in FULL_DUPLEX_STREAMED mode Envoy forwards only what the picker sends back).
+A subset hint (`metadata_context.filter_metadata["envoy.lb.subset_hint"]
+["x-gateway-destination-endpoint-subset"]`) restricts the pick to the endpoints it names.
+
+The response phase answers the response headers with the gateway's own headers (`x-request-id`,
+`x-kvrouter-engine`, `x-kvrouter-predicted-cached-tokens`, `x-kvrouter-mirror-trust`), sends the
+answer's body back chunk by chunk while reading its `usage.prompt_tokens_details.cached_tokens`, and
+ends the request's accounting (load, admission, metrics, decision ring) as the gateway's relay does.
+The answer's status is the engine's verdict for its circuit breaker, as the proxy counts it (a 5xx,
+Envoy's own 503 for an engine it cannot reach included, is a failure): an engine that stopped
+answering opens its breaker and is picked no more until its cool-down ends. When the gateway says an
+endpoint other than the pick served (`envoy.lb` / `x-gateway-destination-endpoint-served`: its retry
+on the fallback), the pick counts as failed and the request's counts move to the one that served.
+
+Every failure to route is an `ImmediateResponse` with the gateway's status and OpenAI-format body
+(503 no eligible engine, 429 overload, 413, 404 unknown model, 400), counted as the gateway counts
+it; never a gRPC error (a gateway failing closed turns those into 5xx). No sockets: the gRPC server
+(router.epp.server) feeds `PickStream.on_message` and calls `closed` however the stream ended.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from enum import Enum
+from typing import Any, Final
+
+from router.core.errors import ExtProcProtocolError, NoEngineAvailable, RequestTooLarge, RouterError
+from router.core.ids import EngineId
+from router.core.policy.retry import Outcome, OutcomeKind, counts_as_failure
+from router.edge.access_log import AccessNote
+from router.edge.client_io import request_id_in
+from router.edge.flight import RANK_HEADER
+from router.edge.gateway import Exchange, Gateway
+from router.edge.passthrough import Passthrough
+from router.edge.upstream import Target
+from router.edge.usage import UsageTap
+from router.epp.endpoints import address_of, in_subset, parse_subset
+from router.epp.messages import (
+    body_responses,
+    headers_of,
+    headers_response,
+    immediate_response,
+    metadata_value,
+    trailers_response,
+)
+from router.prepare.served_models import UnknownModel
+from tokenization.openai_request import Endpoint, RequestError
+
+__all__ = ["DESTINATION", "PickStream", "Picker"]
+
+log = logging.getLogger(__name__)
+
+DESTINATION: Final = "x-gateway-destination-endpoint"
+LB_NAMESPACE: Final = "envoy.lb"
+SUBSET_NAMESPACE: Final = "envoy.lb.subset_hint"
+SUBSET_KEY: Final = "x-gateway-destination-endpoint-subset"
+SERVED_KEY: Final = "x-gateway-destination-endpoint-served"
+_HOT: Final = {"/v1/completions": Endpoint.COMPLETIONS, "/v1/chat/completions": Endpoint.CHAT}
+_PASSTHROUGH_POLICY: Final = "passthrough"  # (the policy label Passthrough counts with)
+_NO_BODY: Final = 0  # ProcessingMode.BodySendMode.NONE
+_NOTE: Final = AccessNote()  # no access line is written by the picker: Envoy's access log is the one
+
+
+class _Phase(Enum):
+    HEADERS = "request headers"
+    BODY = "request body"
+    PICKED = "response headers"
+    RESPONSE = "response body"
+    DONE = "done"
+
+
+class Picker:
+    """The endpoint picker of one process: the gateway's request path, driven by ext_proc streams.
+    With `fallbacks`, the destination names the runner-up after the chosen engine (the protocol's
+    `ip:port,ip:port`, for gateways that retry on it); without, the chosen engine alone (what Envoy's
+    own ORIGINAL_DST cluster can parse)."""
+
+    def __init__(self, gateway: Gateway, fallbacks: bool = True) -> None:
+        self.gateway, self.fallbacks = gateway, fallbacks
+        self.passthrough = Passthrough(gateway.parts)
+
+    def stream(self) -> PickStream:
+        """The state of one new ext_proc stream (one HTTP request)."""
+        return PickStream(self)
+
+
+class PickStream:
+    """One HTTP request seen through ext_proc; see the module docstring."""
+
+    def __init__(self, picker: Picker) -> None:
+        self.picker, self.gateway = picker, picker.gateway
+        self.phase = _Phase.HEADERS
+        self.arrived = time.perf_counter()
+        self.scope: dict[str, Any] = {}
+        self.rid = ""
+        self.endpoint: Endpoint | None = None
+        self.body = bytearray()
+        self.subset: frozenset[str] | None = None
+        self.exchange: Exchange | None = None
+        self.engine: EngineId | None = None  # a passthrough pick (no exchange)
+        self.admitted = False  # an admission slot is held until the request ends
+        self.tap: UsageTap | None = None
+        self.status = 0
+        self.served: str | None = None  # the endpoint the gateway says served, when it says
+        self.judged = False  # the engine's breaker was told how the request went
+        self.response_body = True  # Envoy streams the answer's body through (protocol_config says)
+
+    async def on_message(self, message: Any) -> list[Any]:
+        """The answers to one `ProcessingRequest`, in the order to send them (none while the body is
+        buffered; none after the stream's answer ended)."""
+        if self.phase is _Phase.DONE:
+            return []
+        kind = message.WhichOneof("request")
+        if message.HasField("protocol_config"):  # (the first message's: the filter's body modes)
+            self.response_body = message.protocol_config.response_body_mode != _NO_BODY
+        hint = metadata_value(message, SUBSET_NAMESPACE, SUBSET_KEY)
+        if hint is not None:
+            self.subset = parse_subset(hint if isinstance(hint, str) else [str(h) for h in hint])
+        try:
+            return await self._step(kind, message)
+        except RouterError as exc:
+            return [self._refuse(exc)]
+        except Exception as exc:  # a bug: this request gets a 500, the picker serves the next ones
+            log.exception("the endpoint picker failed on a message", extra={"request_id": self.rid})
+            self.gateway._refused("500")
+            failure = RouterError(f"internal error in the endpoint picker ({type(exc).__name__}, logged)")
+            return [self._refuse(failure)]
+
+    async def _step(self, kind: str | None, message: Any) -> list[Any]:
+        phase = self.phase
+        if kind == "request_headers" and phase is _Phase.HEADERS:
+            return await self._request_headers(message.request_headers)
+        if kind == "request_body" and phase is _Phase.BODY:
+            body = message.request_body
+            return await self._request_body(
+                body.body, body.end_of_stream or body.end_of_stream_without_message
+            )
+        if kind == "request_trailers" and phase is _Phase.BODY:  # trailers end the body (not its stream)
+            answers = await self._request_body(b"", True, trailers=True)
+            return [*answers, trailers_response("request_trailers")]
+        if kind == "response_headers" and phase is _Phase.PICKED:
+            return self._response_headers(message)
+        if kind == "response_body" and phase is _Phase.RESPONSE:
+            body = message.response_body
+            end = body.end_of_stream or body.end_of_stream_without_message
+            return self._response_body(body.body, end)
+        if kind == "response_trailers" and phase in (_Phase.PICKED, _Phase.RESPONSE):
+            self._end()
+            return [trailers_response("response_trailers")]
+        self.gateway._refused("400", ExtProcProtocolError.reason)
+        raise ExtProcProtocolError(f"ext_proc message {kind or 'of no kind'} while expecting {phase.value}")
+
+    async def _request_headers(self, message: Any) -> list[Any]:
+        headers = headers_of(message)
+        pseudo = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k.startswith(b":")}
+        method, path = pseudo.get(":method", "GET"), pseudo.get(":path", "/").split("?", 1)[0]
+        plain = [(k, v) for k, v in headers if not k.startswith(b":")]
+        self.scope = {"type": "http", "method": method, "path": path, "headers": plain, "state": {}}
+        self.rid = request_id_in(self.scope)
+        self.gateway._admitted(self.scope, None)  # the API key (when required), a refusal counted
+        self.endpoint = _HOT.get(path) if method == "POST" else None
+        if message.end_of_stream:
+            return await self._pick()
+        self.phase = _Phase.BODY
+        return []
+
+    async def _request_body(self, chunk: bytes, end: bool, trailers: bool = False) -> list[Any]:
+        """Buffer a chunk; at the end, pick (the body sent back ends the stream unless `trailers` do)."""
+        self.body += chunk
+        limit = self.gateway.max_body
+        if len(self.body) > limit:
+            self.gateway._refused("413", RequestTooLarge.reason)
+            raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
+        return await self._pick(not trailers) if end else []
+
+    async def _pick(self, body_ends: bool = True) -> list[Any]:
+        """Choose the endpoint (holding an admission slot until the request ends) and answer: the
+        request headers' answer, then the body sent back."""
+        gateway, body = self.gateway, bytes(self.body)
+        fleet = gateway.parts.fleet
+        excluded = self._excluded()
+        if not fleet.admission.enter():
+            gateway._overloaded()
+        self.admitted = True
+        try:
+            target, fallback = self._route(body, excluded) if self.endpoint else self._pass(excluded)
+        except BaseException:
+            self._leave()
+            raise
+        self.phase = _Phase.PICKED
+        fleet.breakers.get(target.engine).acquire(fleet.clock())  # (after a cool-down: the probe)
+        chosen = address_of(target.base_url)
+        plain = fallback is None or fallback == chosen or not self.picker.fallbacks
+        value = chosen if plain else f"{chosen},{fallback}"
+        set_headers = [(DESTINATION, value.encode()), ("x-request-id", self.rid.encode("latin-1"))]
+        rank = fleet.replica_target(target.engine)[1]
+        if rank is not None:
+            set_headers.append((RANK_HEADER, str(rank).encode()))
+        if body:
+            set_headers.append(("content-length", str(len(body)).encode()))
+        remove = ["authorization"] if gateway.parts.guard.api_keys_required else []  # the key was ours
+        answer = headers_response(
+            "request_headers", set_headers, remove, {LB_NAMESPACE: {DESTINATION: value}}, True
+        )
+        return [answer, *(body_responses("request_body", body, body_ends) if body else ())]
+
+    def _route(self, body: bytes, excluded: frozenset[EngineId]) -> tuple[Target, str | None]:
+        """The gateway's preparation and decision (router.edge.gateway); the chosen target and the
+        runner-up's address as the fallback."""
+        gateway, endpoint = self.gateway, self.endpoint
+        assert endpoint is not None
+        exchange = gateway._decide(self.scope, endpoint, body, self.rid, self.arrived, None, excluded)
+        try:
+            target = exchange.flight.choose(frozenset())
+        except BaseException as exc:
+            exchange.failed(exc)
+            raise
+        assert target is not None  # (the first attempt raises the refusal instead)
+        exchange.sent()
+        self.exchange, self.engine = exchange, target.engine
+        decision = exchange.flight.decision
+        runner_up = decision.runner_up if decision is not None else None
+        fleet = gateway.parts.fleet
+        fallback = address_of(fleet.replica_target(runner_up)[0]) if runner_up is not None else None
+        return target, fallback
+
+    def _pass(self, excluded: frozenset[EngineId]) -> tuple[Target, str | None]:
+        """A request that is not a completions route (a GET, another /v1 path): `Passthrough`'s choice
+        among its model's replicas (any replica without a body)."""
+        model = None
+        if self.body:
+            try:
+                model = self.gateway.parts.models.resolve(bytes(self.body))
+            except UnknownModel as exc:
+                self.gateway._refused("404", "unknown_model")
+                raise exc.answer() from None
+            except RequestError:
+                model = None  # not JSON naming a model: any replica, as for a body-less request
+        try:
+            target = self.picker.passthrough.chooser(model)(excluded)
+        except RouterError as exc:  # no replica of the model can take it
+            self.gateway._refused(str(exc.http_status()), exc.reason)
+            raise
+        if target is None:  # every replica excluded by the subset hint
+            raise self._no_engine()
+        self.engine = target.engine
+        return target, None
+
+    def _excluded(self) -> frozenset[EngineId]:
+        """The replicas a subset hint leaves out (none without a hint); an empty hint is a 503."""
+        if self.subset is None:
+            return frozenset()
+        if not self.subset:
+            raise self._no_engine()
+        fleet = self.gateway.parts.fleet
+        return frozenset(
+            r for r in fleet.replicas() if not in_subset(address_of(fleet.replica_target(r)[0]), self.subset)
+        )
+
+    def _no_engine(self) -> NoEngineAvailable:
+        self.gateway._refused("503", "no_engine")
+        return NoEngineAvailable(f"no engine of the subset hint {sorted(self.subset or ())} can take it")
+
+    def _response_headers(self, message: Any) -> list[Any]:
+        headers = headers_of(message.response_headers)
+        status = next((v for k, v in headers if k == b":status"), b"0")
+        self.status = int(status) if status.isdigit() else 0
+        served = metadata_value(message, LB_NAMESPACE, SERVED_KEY)
+        self.served = served if isinstance(served, str) else None
+        self._follow_served()
+        self._judge(counts_as_failure(Outcome(OutcomeKind.ANSWERED, self.status)))
+        own: list[tuple[str, bytes]] = [("x-request-id", self.rid.encode("latin-1"))]
+        if self.exchange is not None and self.engine is not None:
+            pairs = self.exchange.answered(self.engine, self.status, _NOTE)
+            own = [(name.decode("latin-1"), value) for name, value in pairs]
+            self.exchange.first_byte(0.0)
+            self.tap = UsageTap(self.exchange.entry.request.stream)
+        elif self.engine is not None:
+            own.append(("x-kvrouter-engine", self.engine.encode("latin-1")))
+        answer = headers_response("response_headers", own)
+        if message.response_headers.end_of_stream:
+            self._end()
+        else:
+            self.phase = _Phase.RESPONSE
+        return [answer]
+
+    def _follow_served(self) -> None:
+        """When the gateway says another endpoint served (its retry on the fallback): the pick failed,
+        and the request's counts move to the replica at that endpoint (the pick's own replica when
+        several share it: data-parallel ranks)."""
+        served, engine, fleet = self.served, self.engine, self.gateway.parts.fleet
+        if served is None or engine is None or address_of(fleet.replica_target(engine)[0]) == served:
+            return
+        at = [r for r in fleet.replicas() if address_of(fleet.replica_target(r)[0]) == served]
+        if not at:  # not an engine of ours: nothing to move the counts to
+            log.warning("served by an unknown endpoint", extra={"request_id": self.rid, "served": served})
+            return
+        self._judge(True)
+        self.judged = False
+        if self.exchange is not None:
+            self.exchange.flight.moved_to(at[0])
+        self.engine = at[0]
+        fleet.breakers.get(at[0]).acquire(fleet.clock())
+
+    def _judge(self, failure: bool | None) -> None:
+        """Tell the picked engine's breaker how the request went: failed, answered well, or (None)
+        abandoned with no verdict (the stream ended first); once."""
+        if self.judged or self.engine is None:
+            return
+        self.judged = True
+        fleet = self.gateway.parts.fleet
+        breaker, now = fleet.breakers.get(self.engine), fleet.clock()
+        if failure is None:
+            breaker.record_abandoned(now)
+        else:
+            (breaker.record_failure if failure else breaker.record_success)(now)
+
+    def _response_body(self, chunk: bytes, end: bool) -> list[Any]:
+        if self.tap is not None:
+            self.tap.feed(chunk)
+        answers = body_responses("response_body", chunk, end)
+        if end:
+            self._end()
+        return answers
+
+    def _end(self, status: str | None = None) -> None:
+        """The request ended (`status`: its label, else the answer's HTTP status): its accounting, once."""
+        if self.phase is _Phase.DONE:
+            return
+        label = status or str(self.status)
+        self._judge(None)  # (no response headers came: no verdict on the engine)
+        if self.exchange is not None:
+            if self.tap is None:  # no response headers came: `end` reads what `answered` keeps
+                self.exchange.answered(self.engine or "none", 0, _NOTE)
+            cached = self.tap.cached_tokens() if self.tap is not None and label == "200" else None
+            self.exchange.end(label, cached)  # (leaves the admission slot)
+            self.admitted = False
+        elif self.engine is not None:
+            self.gateway.parts.metrics.requests.labels(self.engine, _PASSTHROUGH_POLICY, label).inc()
+        self._leave()
+        self.phase = _Phase.DONE
+
+    def _leave(self) -> None:
+        if self.admitted:
+            self.admitted = False
+            self.gateway.parts.fleet.admission.leave()
+
+    def _refuse(self, exc: RouterError) -> Any:
+        """The `ImmediateResponse` for a refusal (already counted where it was raised); the stream is
+        done."""
+        if self.phase in (_Phase.PICKED, _Phase.RESPONSE):
+            self._end("client_closed")
+        self.phase = _Phase.DONE
+        headers = [
+            (k.lower(), v.encode("latin-1")) for k, v in exc.headers.items() if k.lower() != "connection"
+        ]
+        headers += [("content-type", b"application/json"), ("x-request-id", self.rid.encode("latin-1"))]
+        return immediate_response(exc.http_status(), headers, exc.body(), exc.reason or exc.code)
+
+    def closed(self) -> None:
+        """The stream ended, however: a request picked but not answered ends as `client_closed`
+        (answered, when the gateway sends no response body: its status, no reported cached tokens);
+        one whose body never ended is counted as a refusal of a client that left."""
+        if self.phase is _Phase.RESPONSE and not self.response_body:
+            self._end()
+        elif self.phase in (_Phase.PICKED, _Phase.RESPONSE):
+            self._end("client_closed")
+        elif self.phase is not _Phase.DONE and self.scope:
+            self.gateway._refused("client_closed")
+        self.phase = _Phase.DONE
