@@ -14,6 +14,7 @@ import msgspec
 import pytest
 import uvicorn
 from aiohttp import web
+from prometheus_client.parser import text_string_to_metric_families
 
 from engine_stub.server.launch import StubServer, running_stub
 from engine_stub.stub_config import StubConfig
@@ -33,6 +34,7 @@ __all__ = [
     "engine_of",
     "fake_engine",
     "gateway_config",
+    "metric",
     "mirrors_caught_up",
     "running_gateway",
     "running_stubs",
@@ -66,6 +68,16 @@ async def wait_for(predicate: Callable[[], Awaitable[bool]], timeout: float = WA
     async with asyncio.timeout(timeout):
         while not await predicate():
             await asyncio.sleep(0.01)  # polling a predicate under a deadline
+
+
+def metric(text: str, name: str, **labels: str) -> float:
+    """The sum of `name`'s samples in a /metrics `text` whose labels include `labels` (0 if none)."""
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
+                total += sample.value
+    return total
 
 
 def engine_of(name: str, server: StubServer) -> EngineConfig:

@@ -22,12 +22,11 @@ from typing import Any
 import pytest
 import uvloop
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
 from router.core.ids import EngineId
 from router.core.policy.breaker import BreakerState
 from router.settings.config import Breaker, EngineConfig, Limits, Timeouts
-from tests.gateway_helpers import Gateway, fake_engine, gateway_config, running_gateway, wait_for
+from tests.gateway_helpers import Gateway, fake_engine, gateway_config, metric, running_gateway, wait_for
 
 MODEL = "m"
 STREAM = json.dumps({"model": MODEL, "prompt": "hello " * 8, "max_tokens": 10, "stream": True}).encode()
@@ -77,15 +76,6 @@ class Engine:
             self.dropped += 1
             raise
         return reply
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 @asynccontextmanager

@@ -25,12 +25,12 @@ import pytest
 from router.core.errors import ErrorBody
 from router.edge.client_timeouts import TimedHttpToolsProtocol
 from router.settings.config import Limits
-from tests.e2e.test_gateway_http import metric
 from tests.gateway_helpers import (
     ADMIN,
     Gateway,
     engine_of,
     gateway_config,
+    metric,
     running_gateway,
     running_stubs,
     wait_for,

@@ -9,7 +9,6 @@ import msgspec
 import openai
 import pytest
 from aiohttp import web
-from prometheus_client.parser import text_string_to_metric_families
 
 from engine_stub.runtime.cost_model import CostModel
 from router.core.errors import ErrorBody
@@ -21,6 +20,7 @@ from tests.gateway_helpers import (
     engine_of,
     fake_engine,
     gateway_config,
+    metric,
     running_gateway,
     running_stubs,
     wait_for,
@@ -33,15 +33,6 @@ BODY = {"model": "kvrouter-stub", "prompt": "the quick brown fox " * 8, "max_tok
 
 def error_of(response: httpx.Response) -> ErrorBody:
     return msgspec.json.decode(response.content, type=ErrorBody)
-
-
-def metric(text: str, name: str, **labels: str) -> float:
-    total = 0.0
-    for family in text_string_to_metric_families(text):
-        for sample in family.samples:
-            if sample.name == name and all(sample.labels.get(k) == v for k, v in labels.items()):
-                total += sample.value
-    return total
 
 
 @pytest.mark.parametrize(

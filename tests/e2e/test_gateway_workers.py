@@ -18,8 +18,7 @@ import pytest
 
 from kvrouter.cmd_serve import ReadyLine
 from router.ops.debug import DecisionEntry
-from tests.e2e.test_gateway_http import metric
-from tests.gateway_helpers import ADMIN
+from tests.gateway_helpers import ADMIN, metric
 
 ROOT = Path(__file__).resolve().parents[2]
 BODY = {"model": "kvrouter-stub", "prompt": "the workers share one port " * 8, "max_tokens": 2}

@@ -24,8 +24,15 @@ from hypothesis import strategies as st
 
 from router.core.errors import ErrorBody
 from router.settings.config import ModelConfig
-from tests.e2e.test_gateway_http import metric
-from tests.gateway_helpers import Gateway, engine_of, gateway_config, running_gateway, running_stubs, wait_for
+from tests.gateway_helpers import (
+    Gateway,
+    engine_of,
+    gateway_config,
+    metric,
+    running_gateway,
+    running_stubs,
+    wait_for,
+)
 from tests.stub_helpers import stub_config
 
 MODEL = "kvrouter-stub"

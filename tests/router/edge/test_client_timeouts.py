@@ -9,8 +9,16 @@ import msgspec
 
 from router.core.errors import ErrorBody
 from router.settings.config import Limits, Timeouts
-from tests.e2e.test_gateway_http import BODY, metric
-from tests.gateway_helpers import Gateway, engine_of, gateway_config, running_gateway, running_stubs, wait_for
+from tests.e2e.test_gateway_http import BODY
+from tests.gateway_helpers import (
+    Gateway,
+    engine_of,
+    gateway_config,
+    metric,
+    running_gateway,
+    running_stubs,
+    wait_for,
+)
 
 HEAD = b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n"
 PARTIAL = b'{"model": "kvrouter-stub", "prompt": "'
