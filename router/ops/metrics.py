@@ -23,6 +23,7 @@ from typing import Any, Final, Protocol, TypeVar, cast
 import msgspec
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.metrics_core import Metric
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
@@ -565,10 +566,10 @@ class RouterMetrics:
         """From now on, forget the series of every engine not in `engine_labels()` (the fleet's
         engines' names and replica ids): at each render, and at each `forget_removed_engines`. A child
         asked for an engine gone (a request that was in flight when its engine left, ending after) is
-        a detached one, counted nowhere. One process only: prometheus_client's multiprocess mode
-        cannot remove a series, so with several workers a removed engine's series stay until restart."""
-        if self._multiprocess_dir is None:
-            self._engine_labels = engine_labels
+        a detached one, counted nowhere. With several workers prometheus_client's multiprocess files
+        cannot remove a series: the merged exposition leaves out the engines gone instead
+        (`_LiveEngines`), and a name that comes back resumes its old counts."""
+        self._engine_labels = engine_labels
 
     def forget_removed_engines(self) -> None:
         """Remove the series (and cached children) of the engines `follow_fleet` no longer names."""
@@ -581,6 +582,11 @@ class RouterMetrics:
         for cache in self._caches:
             for key in [k for k in cache if k[0] not in present]:
                 del cache[key]
+
+    def _live(self) -> Collection[str] | None:
+        """The engine label values whose series are shown (None: every one)."""
+        labels = self._engine_labels
+        return None if labels is None else {NO_ENGINE, *labels()}
 
     def _present(self, values: tuple[str, ...]) -> bool:
         return self._engine_labels is None or values[0] == NO_ENGINE or values[0] in self._engine_labels()
@@ -681,7 +687,23 @@ class RouterMetrics:
         if self._multiprocess_dir is None:
             return generate_latest(self.registry)
         merged = CollectorRegistry()
-        MultiProcessCollector(merged, path=self._multiprocess_dir)  # type: ignore[no-untyped-call]
+        workers = MultiProcessCollector(None, path=self._multiprocess_dir)  # type: ignore[no-untyped-call]
+        merged.register(_LiveEngines(workers, self._live))
         for collector in self._local:
             merged.register(collector)
         return generate_latest(merged)
+
+
+class _LiveEngines(Collector):
+    """The workers' merged series less those of engines the fleet no longer has: prometheus_client's
+    multiprocess files cannot remove a series, so a removed engine's are left out as they are read."""
+
+    def __init__(self, inner: Collector, live: Callable[[], Collection[str] | None]) -> None:
+        self._inner, self._live = inner, live
+
+    def collect(self) -> Iterable[Metric]:
+        live = self._live()
+        for family in self._inner.collect():
+            if live is not None:
+                family.samples = [s for s in family.samples if s.labels.get("engine", NO_ENGINE) in live]
+            yield family

@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -12,10 +16,11 @@ from prometheus_client.parser import text_string_to_metric_families
 from events.sources import EngineStats
 from router.core.keys.block_key import KeyHasher, pack_tokens
 from router.core.keys.recent_prompts import PrefixKeyCache
-from router.ops.metrics import BREAKER_STATES, EngineView, RouterMetrics
+from router.ops.metrics import BREAKER_STATES, MULTIPROCESS_ENV, EngineView, RouterMetrics
 from tokenization import BuiltinTokenizer, HfTokenizer
 
 DATA = Path(__file__).parents[2] / "data"
+ROOT = Path(__file__).parents[3]
 
 
 def samples(metrics: RouterMetrics) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
@@ -253,3 +258,52 @@ def test_a_removed_engines_series_leave_and_a_late_request_to_it_is_not_counted_
     assert s[("kvrouter_requests_total", (("engine", "e1"), ("policy", "kv"), ("status", "200")))] == 1
     assert s[("kvrouter_requests_total", (("engine", "e0"), ("policy", "kv"), ("status", "200")))] == 1
     assert s[("kvrouter_engine_scrape_errors_total", (("engine", "e0"), ("reason", "negative")))] == 1
+
+
+_WORKERS_SCRIPT = """
+import json, sys
+from prometheus_client.parser import text_string_to_metric_families
+from router.ops.metrics import RouterMetrics
+
+fleet = {"e0", "e1"}
+m = RouterMetrics(lambda: [], clock=lambda: 0.0)
+m.follow_fleet(lambda: fleet)
+for engine in ("e0", "e1"):
+    m.answered(engine, "kv", "200", "m", 0.5, 16, 8)
+m.refused("kv", "503", "no_engine")
+
+def requests():
+    out = {}
+    for family in text_string_to_metric_families(m.render().decode()):
+        for s in family.samples:
+            if s.name == "kvrouter_requests_total":
+                out[s.labels["engine"]] = out.get(s.labels["engine"], 0) + s.value
+    return out
+
+seen = [requests()]
+fleet.discard("e1")
+m.answered("e1", "kv", "200", "m", 0.5, 16, 8)  # a request in flight when e1 left ends now
+seen.append(requests())
+fleet.add("e1")
+seen.append(requests())
+json.dump(seen, sys.stdout)
+"""
+
+
+def test_with_several_workers_a_removed_engines_series_leave_the_merged_exposition(tmp_path: Path) -> None:
+    """prometheus_client's multiprocess files (chosen when the module is imported, hence a process of
+    its own) keep every series: the merged /metrics leaves out the engines the fleet no longer has,
+    and shows them again, with their counts, once back."""
+    env = {**os.environ, MULTIPROCESS_ENV: str(tmp_path)}
+    out = subprocess.run(
+        [sys.executable, "-c", _WORKERS_SCRIPT],
+        env=env,
+        cwd=ROOT,
+        capture_output=True,
+        check=True,
+        timeout=60,
+    )
+    before, gone, back = json.loads(out.stdout)
+    assert before == {"e0": 1, "e1": 1, "none": 1}
+    assert gone == {"e0": 1, "none": 1}
+    assert back == {"e0": 1, "e1": 2, "none": 1}
