@@ -213,10 +213,16 @@ async def test_a_removal_lost_in_a_gap_is_not_routed_on_as_fresh_while_its_repla
             assert (step.trust, await reason_of(gw, step)) == ("catching_up", TrustReason.REPLAY_IN_FLIGHT)
 
             publisher.faults.replay_muted = False
-            await wait_for(fresh(gw), timeout=30.0)
-            for p in (evicting, later):
-                step = await send(gw, p)
-                assert step.trust == "fresh" and step.exact, step
+            for p in (evicting, later):  # fresh again and exact once the replay is answered
+                async with asyncio.timeout(60.0):
+                    while True:
+                        await wait_for(fresh(gw), timeout=30.0)
+                        step = await send(gw, p)
+                        # A replay retried while muted may still be under way: catching_up for a
+                        # moment (a clean-clone CI run saw it, 2026-12-06), never fresh and wrong.
+                        assert step.trust != "fresh" or step.exact, step
+                        if step.trust == "fresh":
+                            break
 
 
 SILENCE_S = 0.5
