@@ -252,7 +252,7 @@ class _Pool:
             conn = self.idle.pop()
             if not conn.lost and now - conn.idle_since < keepalive:  # reusable: not lost, not kept too long
                 self.in_use += 1
-                conn.active = conn.reused = True
+                conn.reused = True
                 return conn
             conn.close()
         return None

@@ -74,7 +74,6 @@ class Connection(asyncio.Protocol):
         """The connection's timer, set for `_timer_at`, no later than the armed deadline (`arm`)."""
         self.idle_since = 0.0
         self.lost = False
-        self.active = True
         self.reused = False
         self.received = False
         self.written = False
@@ -229,7 +228,7 @@ class Connection(asyncio.Protocol):
         next message, so none is built per exchange."""
         self.headers = []
         self.head_bytes = 0
-        self.headers_done = self.keep_alive = self.complete = self.active = self.received = False
+        self.headers_done = self.keep_alive = self.complete = self.received = False
         self.written = False
         self.sink_full = False
         self.buffered = 0

@@ -655,7 +655,7 @@ class _Idle:
 
     def __init__(self, lost: bool, idle_since: float) -> None:
         self.lost, self.idle_since = lost, idle_since
-        self.active = self.reused = self.closed = False
+        self.reused = self.closed = False
 
     def close(self) -> None:
         self.closed = True
@@ -683,7 +683,7 @@ def test_the_pool_takes_the_most_recent_connection_not_lost_nor_kept_past_the_ke
         assert all(c.closed for c in conns)
     else:
         assert taken is conns[expected] and pool.in_use == 1  # type: ignore[comparison-overlap]
-        assert conns[expected].active and conns[expected].reused and not conns[expected].closed
+        assert conns[expected].reused and not conns[expected].closed
         assert pool.idle == conns[:expected]  # type: ignore[comparison-overlap]
         assert [c.closed for c in conns] == [False] * (expected + 1) + [True] * (len(conns) - expected - 1)
 
