@@ -91,6 +91,13 @@ def fresh(gw: Gateway) -> Callable[[], Awaitable[bool]]:
     return check
 
 
+async def warm(gw: Gateway, stub: StubServer, tokens: list[int]) -> None:
+    """Complete `tokens`, then wait until the mirror holds what the engine published and is fresh."""
+    await send(gw, tokens)
+    await wait_for(mirrors_caught_up(gw, {"e0": stub}))
+    await wait_for(fresh(gw))
+
+
 def config(stub: StubServer, silence_s: float = 30.0) -> RouterConfig:
     policy = PolicyConfig(trust_silence_s=silence_s, pending_ttl_s=0.0)
     return gateway_config([engine_of("e0", stub)], policy=policy)
@@ -110,9 +117,7 @@ async def test_a_gap_whose_replay_goes_unanswered_is_seen_by_the_next_decision()
         async with running_gateway(config(stubs[0])) as gw:
             rep = gw.parts.fleet.replica(E0)
             p0, p1, p2 = prompt(10_000, 4), prompt(20_000, 4), prompt(30_000, 4)
-            await send(gw, p0)
-            await wait_for(mirrors_caught_up(gw, {"e0": stubs[0]}))
-            await wait_for(fresh(gw))
+            await warm(gw, stubs[0], p0)
             step = await send(gw, p0)
             assert (step.trust, step.predicted, step.actual) == ("fresh", 4 * BS, 4 * BS)
 
@@ -165,9 +170,7 @@ async def test_a_gaps_replay_in_flight_is_seen_by_the_next_decision_without_a_ba
         async with running_gateway(config(stubs[0])) as gw:
             rep = gw.parts.fleet.replica(E0)
             p0, elsewhere, later = prompt(60_000, 4), prompt(70_000, 4), prompt(80_000, 4)
-            await send(gw, p0)
-            await wait_for(mirrors_caught_up(gw, {"e0": stubs[0]}))
-            await wait_for(fresh(gw))
+            await warm(gw, stubs[0], p0)
 
             await fault(stubs[0], mute_replay_s=120.0, drop_probability=1.0)
             await direct(stubs[0], elsewhere)  # its stores are lost
@@ -200,9 +203,7 @@ async def test_a_removal_lost_in_a_gap_is_not_routed_on_as_fresh_while_its_repla
         publisher = stubs[0].stub.publishers[0]
         async with running_gateway(config(stubs[0])) as gw:
             p0, evicting, later = prompt(110_000, 4), prompt(120_000, 9), prompt(130_000, 1)
-            await send(gw, p0)
-            await wait_for(mirrors_caught_up(gw, {"e0": stubs[0]}))
-            await wait_for(fresh(gw))
+            await warm(gw, stubs[0], p0)
             await fault(stubs[0], mute_replay_s=120.0, drop_probability=1.0)
             await direct(stubs[0], evicting)  # its batch (p0's blocks removed, its own stored) is lost
             await fault(stubs[0], drop_probability=0.0)
@@ -245,9 +246,7 @@ async def test_a_conversation_through_an_event_pause_is_never_fresh_while_predic
     "silence check did not fire")."""
     async with running_stubs(1) as stubs:
         async with running_gateway(config(stubs[0], SILENCE_S)) as gw:
-            await send(gw, turn(0))
-            await wait_for(mirrors_caught_up(gw, {"e0": stubs[0]}))
-            await wait_for(fresh(gw))
+            await warm(gw, stubs[0], turn(0))
             step = await send(gw, turn(1))
             assert (step.trust, step.predicted, step.actual) == ("fresh", 2 * BS, 2 * BS)
             await wait_for(mirrors_caught_up(gw, {"e0": stubs[0]}))
@@ -288,9 +287,7 @@ async def test_a_storm_of_dropped_duplicated_and_reordered_batches_never_leaves_
     10 of 50 turns predicted 16 tokens of 320-352 while saying `fresh`."""
     async with running_stubs(1) as stubs:
         async with running_gateway(config(stubs[0])) as gw:
-            await send(gw, prompt(1, 2))
-            await wait_for(mirrors_caught_up(gw, {"e0": stubs[0]}))
-            await wait_for(fresh(gw))
+            await warm(gw, stubs[0], prompt(1, 2))
             await fault(
                 stubs[0], seed=33, drop_probability=0.3, duplicate_probability=0.1, reorder_probability=0.1
             )
@@ -317,9 +314,7 @@ async def test_engine_error_answers_owe_no_stores() -> None:
     async with running_stubs(1) as stubs:
         async with running_gateway(config(stubs[0])) as gw:
             p0 = prompt(1, 2)
-            await send(gw, p0)
-            await wait_for(mirrors_caught_up(gw, {"e0": stubs[0]}))
-            await wait_for(fresh(gw))
+            await warm(gw, stubs[0], p0)
             for i in range(4):
                 body = {"model": "kvrouter-stub", "prompt": prompt(7000 + 1000 * i, 180), "max_tokens": 2000}
                 answer = await gw.client.post("/v1/completions", json=body)

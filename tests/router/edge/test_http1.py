@@ -298,8 +298,9 @@ async def test_arming_on_a_failed_connection_resolves_at_once() -> None:
     assert conn.timer is None  # a connection done with lets go of its timer
 
 
-async def test_pool_limit_makes_requests_wait_for_a_connection() -> None:
-    release, holding = asyncio.Event(), asyncio.Event()
+def holding_engine(release: asyncio.Event, holding: asyncio.Event) -> RawHandler:
+    """An engine answering "ok" to each request, but holding a `/hold` one (setting `holding`) until
+    `release` is set."""
 
     async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
@@ -309,6 +310,14 @@ async def test_pool_limit_makes_requests_wait_for_a_connection() -> None:
                 await release.wait()
             writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
             await writer.drain()
+
+    return handler
+
+
+async def test_pool_limit_makes_requests_wait_for_a_connection() -> None:
+    release, holding = asyncio.Event(), asyncio.Event()
+
+    handler = holding_engine(release, holding)
 
     async with raw_server(handler) as server, client(pool_per_host=1) as c:
         held = asyncio.ensure_future(c.request("POST", server.url, "/hold", [], b"{}"))
@@ -327,14 +336,7 @@ async def test_a_full_pool_is_waited_for_at_most_pool_wait_s() -> None:
     waiter gone from the queue and the pool's counts unchanged; room made later serves the next."""
     release, holding = asyncio.Event(), asyncio.Event()
 
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            head, _ = await read_request(reader)
-            if b"/hold" in head:
-                holding.set()
-                await release.wait()
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-            await writer.drain()
+    handler = holding_engine(release, holding)
 
     async with raw_server(handler) as server, client(pool_per_host=1, pool_wait_s=0.05) as c:
         held = asyncio.ensure_future(c.request("POST", server.url, "/hold", [], b"{}"))
