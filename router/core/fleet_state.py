@@ -226,21 +226,26 @@ class FleetState:
             self.pending.add(request, replica, keys, at)
         if not rep.engine.events:
             return  # no events: no stores to await, no reports to recognise, hits never trusted
-        if n >= rep.hash_block and self._must_store(rep, keys, n):
-            rep.await_stores(request, keys, at)
+        awaited = self._awaited_keys(rep, keys) if n >= rep.hash_block else ()
+        if awaited:
+            rep.await_stores(request, awaited, at)
         if keys:
             self._first_keys[request] = (keys[0], rep.root_stores)
             full = prepared.report_mode == "full" and not prepared.skip_cache
             rep.pending[request] = PendingReport(keys, n, full, prepared.skip_cache)
 
-    def _must_store(self, rep: Replica, keys: Sequence[int], num_tokens: int) -> bool:
-        """Whether the engine must store a new full block for this prompt: not when the mirror holds
-        every full block of it already (and the last one is within the hit), for then only its output
-        could fill one, which it need not; the silence after such a request is no sign of lost events."""
+    def _awaited_keys(self, rep: Replica, keys: Sequence[int]) -> Sequence[int]:
+        """The keys whose stores prove the request's events arrived: those the mirror does not hold at
+        send (empty: nothing to await). A prompt whose blocks are all held stores none, or, when it is
+        block-aligned, only a copy of its last block (the hit stops one token short, so the engine
+        recomputes that block): a copy of a held block cannot be told from the block by whether it is
+        held, so such a request is no proof that the link delivered anything (before, it was awaited
+        on keys held at send, and its end forgave every earlier request whose stores were missing).
+        Layouts whose keys do not name one group-0 block each await every key (see `Replica._held`)."""
         view = self.mirror.replica(rep.id)
-        if view is None or not rep.unitary or num_tokens % rep.hash_block == 0:
-            return True
-        return not all(self.mirror.count(view, 0, key) for key in keys)
+        if view is None or not rep.unitary:
+            return keys
+        return [key for key in keys if not self.mirror.count(view, 0, key)]
 
     def request_answered(self, request: RequestId, at: float, computed: bool = True) -> None:
         """The replica's first bytes for `request` arrived: its stores are published by now, if it

@@ -345,6 +345,48 @@ def test_a_later_request_whose_own_stores_were_seen_forgives_an_earlier_one_that
     assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
 
 
+def test_a_prompt_already_held_whole_forgives_no_earlier_request_however_it_is_aligned() -> None:
+    """A block-aligned prompt whose blocks the mirror holds stores only a copy of its last block (the
+    hit stops one token short), which "held" cannot tell from the block: its end proves nothing of
+    the link, so an earlier request whose stores are missing stays late (before, it was awaited on
+    keys held at send and its end forgave the earlier one: the mirror said fresh while behind)."""
+    fleet, clock = fleet_of(engine())
+    fleet.on_signal(EngineName("e"), CaughtUp(None))
+    fleet.attach(E, FakeLink())
+    held = list(range(300, 316))  # four full blocks, block-aligned
+    sent(fleet, clock, "first", held)
+    fleet.on_batch(EngineName("e"), 0, KVEventBatch(0.0, [stored(held)]))
+    fleet.request_finished(E, RequestId("first"), clock())
+    sent(fleet, clock, "lost", list(range(100, 110)))
+    fleet.request_finished(E, RequestId("lost"), clock())
+    assert status(fleet, clock) == (TrustState.CATCHING_UP, TrustReason.STORES_LATE)
+    for i, prompt in enumerate([held, held[:12], [*held, 1, 2]]):  # aligned, aligned prefix, unaligned
+        sent(fleet, clock, f"again{i}", prompt)
+        fleet.request_finished(E, RequestId(f"again{i}"), clock())
+        assert status(fleet, clock) == (TrustState.CATCHING_UP, TrustReason.STORES_LATE), i
+
+
+def test_a_partly_held_prompt_is_awaited_on_its_new_blocks_only() -> None:
+    """A turn that extends a held prefix is awaited until its new blocks are seen, and then forgives
+    the earlier requests: those blocks were stored after its send."""
+    fleet, clock = fleet_of(engine())
+    fleet.on_signal(EngineName("e"), CaughtUp(None))
+    fleet.attach(E, FakeLink())
+    first = list(range(300, 308))
+    sent(fleet, clock, "first", first)
+    fleet.on_batch(EngineName("e"), 0, KVEventBatch(0.0, [stored(first)]))
+    fleet.request_finished(E, RequestId("first"), clock())
+    sent(fleet, clock, "lost", list(range(100, 110)))
+    fleet.request_finished(E, RequestId("lost"), clock())
+    turn = [*first, *range(400, 408)]
+    sent(fleet, clock, "turn", turn)
+    rep = fleet.replica(E)
+    assert rep.awaited._by_request[RequestId("turn")].keys == prepared(fleet, turn).keys[2:]
+    fleet.on_batch(EngineName("e"), 1, KVEventBatch(0.0, [stored(turn)]))
+    fleet.request_finished(E, RequestId("turn"), clock())
+    assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
+
+
 def test_an_answered_request_whose_stores_are_missing_makes_the_mirror_catch_up_until_they_arrive() -> None:
     """The engine publishes a request's stores before answering it, so once it has ended without them
     the mirror is behind at once (a lost last batch shows no gap until the engine publishes again):
