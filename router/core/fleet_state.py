@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from events.sequence import CaughtUp, Rebuilt, RequestReplay, Reset, Signal
+from events.sequence import CaughtUp, Rebuilt, RequestReplay, Reset, Signal, Undecodable
 from events.sources import AnyBatch, EngineName
 from events.wire import AllBlocksCleared
 from router.core.ids import EngineId, RequestId
@@ -340,6 +340,8 @@ class FleetState:
                 rep.observe(Cleared(now))
             case RequestReplay():
                 self._replay_started(rep, now)  # a gap, a verification or a retry: behind until CaughtUp
+            case Undecodable():
+                rep.poll(now)  # the link's decode-error count: stale now, not at the next batch
 
     def _replay_started(self, rep: Replica, now: float) -> None:
         if rep.link is not None and replay_endpoint(rep) is not None:
