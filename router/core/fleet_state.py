@@ -215,13 +215,10 @@ class FleetState:
         pending = self.pending.ttl_s > 0  # (with no time to live, `add` keeps nothing)
         if rep is None or not (pending or rep.engine.events):
             return  # nothing below would be kept
-        vid = rep.variant.id  # (`prepared.keys_for(vid)` without its call, nor its struct)
-        keys, n = (prepared.keys, prepared.prompt_tokens) if vid == prepared.variant else (None, 0)
-        if keys is None:
-            other = prepared.variants.get(vid)
-            if other is None:
-                return
-            keys, n = other.keys, other.num_tokens
+        variant_keys = prepared.keys_for(rep.variant.id)
+        if variant_keys is None:
+            return
+        keys, n = variant_keys.keys, variant_keys.num_tokens
         if pending and not prepared.skip_cache and rep.unitary:
             self.pending.add(request, replica, keys, at)
         if not rep.engine.events:
