@@ -108,7 +108,8 @@ def run(args: argparse.Namespace) -> int:
     # Imported here: gRPC and the gateway's stack are loaded by this command only.
     from kvrouter.cmd_serve import effective_config, server_config
     from router.edge.asgi_app import create_app
-    from router.edge.gateway import Gateway, GatewayParts
+    from router.edge.decider import Decider
+    from router.edge.gateway import GatewayParts
     from router.epp.picker import Picker
     from router.epp.server import PickerServer, ServerSettings
     from router.lifecycle import ServeOptions
@@ -136,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
 
     @asynccontextmanager
     async def picker_servers(parts: GatewayParts) -> AsyncIterator[PickerServer]:
-        server = PickerServer(Picker(Gateway(parts), settings.fallbacks), settings)
+        server = PickerServer(Picker(Decider(parts), settings.fallbacks), settings)
         try:
             await server.start()
             servers.append(server)
