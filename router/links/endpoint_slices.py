@@ -1,7 +1,8 @@
 """Which engines exist, read from EndpointSlices (`discovery.k8s.io/v1`): wire shapes and pure decisions.
 
 The Structs hold the fields of the API reference the router reads (unknown fields are ignored, as the
-API grows). `SliceSet` is the watched state: a LIST replaces it, each watch event updates it.
+API grows). `ObjectSet` is the watched state of any kind of object (`SliceSet` the slices'): a LIST replaces
+it, each watch event updates it.
 `engines_from_slices` turns the slices into the engine set: one engine per ready endpoint, named
 `<service>/<pod>`, its ports from the slice's named ports, else its annotations, else `[discovery]`;
 its model from the slice's model label (the EndpointSlice controller copies the Service's labels onto
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Iterable, Mapping
-from typing import Annotated, Final
+from typing import Annotated, Final, Generic, Protocol, TypeVar
 
 import msgspec
 
@@ -32,6 +33,8 @@ __all__ = [
     "SERVICE_NAME_LABEL",
     "EndpointSlice",
     "EndpointSliceList",
+    "ObjectMeta",
+    "ObjectSet",
     "RawSliceList",
     "SliceSet",
     "Status",
@@ -153,31 +156,43 @@ def label_selector(discovery: Discovery) -> str:
     return ",".join(parts)
 
 
-class SliceSet:
-    """The EndpointSlices as last listed and watched, by namespace and name, with the resourceVersion."""
+class _HasMeta(Protocol):
+    @property
+    def metadata(self) -> ObjectMeta: ...
+
+
+Item = TypeVar("Item", bound=_HasMeta)
+
+
+class ObjectSet(Generic[Item]):
+    """API objects as last listed and watched, by namespace and name, with the resourceVersion."""
 
     def __init__(self) -> None:
-        self.slices: dict[tuple[str, str], EndpointSlice] = {}
+        self.objects: dict[tuple[str, str], Item] = {}
         self.resource_version = ""
 
-    def replace(self, items: Iterable[EndpointSlice], resource_version: str) -> None:
-        """A LIST's answer: exactly these slices exist."""
-        self.slices = {_key(s): s for s in items}
+    def replace(self, items: Iterable[Item], resource_version: str) -> None:
+        """A LIST's answer: exactly these objects exist."""
+        self.objects = {_key(s): s for s in items}
         self.resource_version = resource_version
 
-    def apply(self, event_type: str, item: EndpointSlice) -> None:
+    def apply(self, event_type: str, item: Item) -> None:
         """One watch event (ADDED, MODIFIED or DELETED); ValueError for any other type."""
         if event_type in ("ADDED", "MODIFIED"):
-            self.slices[_key(item)] = item
+            self.objects[_key(item)] = item
         elif event_type == "DELETED":
-            self.slices.pop(_key(item), None)
+            self.objects.pop(_key(item), None)
         else:
             raise ValueError(f"unexpected watch event type {event_type!r}")
         if item.metadata.resource_version:
             self.resource_version = item.metadata.resource_version
 
 
-def _key(item: EndpointSlice) -> tuple[str, str]:
+SliceSet = ObjectSet[EndpointSlice]
+"""The EndpointSlices as last listed and watched."""
+
+
+def _key(item: _HasMeta) -> tuple[str, str]:
     return item.metadata.namespace, item.metadata.name
 
 
