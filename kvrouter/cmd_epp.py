@@ -94,6 +94,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="name the runner-up after the chosen engine in x-gateway-destination-endpoint (default true, "
         "the protocol's ip:port,ip:port); false for Envoy's ORIGINAL_DST cluster, which reads one address",
     )  # fmt: skip
+    p.add_argument(
+        "--pool-name", metavar="NAME",
+        help="the InferencePool whose ready pods x target ports are the engines "
+        "(discovery.kubernetes.inference_pool)",
+    )  # fmt: skip
+    p.add_argument(
+        "--pool-namespace", metavar="NS",
+        help="the pool's namespace (discovery.kubernetes.namespace; default: the picker pod's own)",
+    )  # fmt: skip
     p.add_argument("--policy", metavar="NAME", help=f"routing policy (policy.name, default {policy.name})")
     p.add_argument(
         "--set", dest="sets", action="append", default=[], metavar="TABLE.KEY=VALUE",
@@ -113,11 +122,19 @@ def run(args: argparse.Namespace) -> int:
     from router.epp.picker import Picker
     from router.epp.server import PickerServer, ServerSettings
     from router.lifecycle import ServeOptions
+    from router.settings.overrides import apply_overrides
     from serving.quiet_server import QuietServer
 
     args.port = args.metrics_port
     try:
         config = effective_config(args, dict(os.environ))
+        pool = (
+            ("--pool-name", "discovery.kubernetes.inference_pool", args.pool_name),
+            ("--pool-namespace", "discovery.kubernetes.namespace", args.pool_namespace),
+        )
+        for flag, key, value in pool:  # (after --set, as the other flags)
+            if value is not None:
+                config = apply_overrides(config, {key: value}, flag)
         host = config.listen.host
         if config.listen.workers > 1:
             raise ConfigError("kvrouter epp runs one process (listen.workers = 1): run more replicas instead")

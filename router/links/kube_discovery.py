@@ -394,7 +394,7 @@ class KubeDiscovery:
     """Lists and watches the selected EndpointSlices and calls `on_change(added, removed_names)`."""
 
     def __init__(self, discovery: Discovery, on_change: OnChange, client: ApiClient | None = None) -> None:
-        if not discovery.kubernetes.enabled:
+        if not (discovery.kubernetes.services or discovery.kubernetes.label_selector):
             raise ValueError("discovery.kubernetes names no services and no label_selector")
         self.discovery = discovery
         self.k = discovery.kubernetes
