@@ -23,10 +23,10 @@ from typing import Final
 
 import msgspec
 
-from router.settings.config import ConfigError, Listen, PolicyConfig
+from router.settings.config import ConfigError, KubernetesDiscovery, Listen, PolicyConfig, RouterConfig
 from serving.listening import bind_listening
 
-__all__ = ["EppReadyLine", "register", "run"]
+__all__ = ["EppReadyLine", "register", "run", "with_pool"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,21 @@ def _boolean(text: str) -> bool:
     if lowered not in ("true", "false", "1", "0", "yes", "no"):
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
     return lowered in ("true", "1", "yes")
+
+
+def with_pool(config: RouterConfig, name: str | None, namespace: str | None) -> RouterConfig:
+    """`--pool-name` and `--pool-namespace` set into `discovery.kubernetes` (`inference_pool`,
+    `namespace`), over the file, variables and `--set`; a ConfigError naming the flags."""
+    if name is None and namespace is None:
+        return config
+    table = msgspec.to_builtins(config.discovery.kubernetes)
+    table.update({k: v for k, v in (("inference_pool", name), ("namespace", namespace)) if v is not None})
+    try:
+        kube = msgspec.convert(table, KubernetesDiscovery)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"--pool-name/--pool-namespace: {exc}") from None
+    discovery = msgspec.structs.replace(config.discovery, kubernetes=kube)
+    return msgspec.structs.replace(config, discovery=discovery)
 
 
 GRPC_PORT: Final = 9002
@@ -122,19 +137,12 @@ def run(args: argparse.Namespace) -> int:
     from router.epp.picker import Picker
     from router.epp.server import PickerServer, ServerSettings
     from router.lifecycle import ServeOptions
-    from router.settings.overrides import apply_overrides
     from serving.quiet_server import QuietServer
 
     args.port = args.metrics_port
     try:
         config = effective_config(args, dict(os.environ))
-        pool = (
-            ("--pool-name", "discovery.kubernetes.inference_pool", args.pool_name),
-            ("--pool-namespace", "discovery.kubernetes.namespace", args.pool_namespace),
-        )
-        for flag, key, value in pool:  # (after --set, as the other flags)
-            if value is not None:
-                config = apply_overrides(config, {key: value}, flag)
+        config = with_pool(config, args.pool_name, args.pool_namespace)
         host = config.listen.host
         if config.listen.workers > 1:
             raise ConfigError("kvrouter epp runs one process (listen.workers = 1): run more replicas instead")

@@ -105,3 +105,10 @@ def test_a_serving_pod_whose_engines_cannot_be_made_is_refused_and_one_not_servi
             DISCOVERY, as_pod(pod("high", "10.0.0.1", APP, annotations={"kvrouter.io/events-port": "65530"}))
         )
     check_pod(DISCOVERY, as_pod(pod("pending", "", APP, phase="Pending")))  # no IP yet: fine, not an engine
+
+
+def test_a_pool_with_services_or_a_selector_is_a_config_error() -> None:
+    for other in ({"services": ["s"]}, {"label_selector": "app=x"}):
+        with pytest.raises(msgspec.ValidationError, match="inference_pool names the engines alone"):
+            msgspec.convert({"inference_pool": "p", **other}, KubernetesDiscovery)
+    assert KubernetesDiscovery(inference_pool="p").enabled
