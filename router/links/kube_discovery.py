@@ -1,18 +1,20 @@
-"""Engines found through the Kubernetes API: EndpointSlices LISTed, then WATCHed (never polled).
+"""Engines found through the Kubernetes API: objects LISTed, then WATCHed (never polled).
 
-`KubeDiscovery` runs one loop: LIST the selected slices (every page), then WATCH from the list's
-resourceVersion with bookmarks on. Every event updates the `SliceSet`; the engine set is recomputed by
-the pure `router.links.endpoint_slices` and the difference handed to `on_change` (the fleet drops a
-removed engine's mirror, subscriber and session pins). A watch the server ends is resumed from the
-last resourceVersion seen (an event's or a bookmark's); 410 Gone means that version was compacted
-away, so the loop LISTs again (a full resync); any other failure is counted, logged and retried after
-an exponential backoff, the engine set kept as it is. A slice the decoder or `check_slice` refuses is
-rejected alone, counted and logged: a LIST leaves it out, a watch event leaves the slice as it was and
-moves the resume version past it, and discovery goes on for the others (one bad slice failing the
-whole LIST, or a watch resumed before it, would stall discovery for every engine). An event that is
-not a slice event (an unknown type, not even JSON) is rejected the same way. An engine whose model
-no label names is asked its `/v1/models` once per engine table; until it answers it is left out and
-asked again after a backoff.
+`ListWatch` is the loop, for any kind of object (a `WatchSource`: EndpointSlices here, an
+InferencePool and its pods in router.links.pool_discovery): LIST the selected objects (every page),
+then WATCH from the list's resourceVersion with bookmarks on. Every event updates its `ObjectSet`, and
+the owner's `EngineTable` recomputes the engine set (pure: router.links.endpoint_slices for slices)
+and hands the difference to `on_change` (the fleet drops a removed engine's mirror, subscriber and
+session pins). A watch the server ends is resumed from the last resourceVersion seen (an event's or a
+bookmark's); 410 Gone means that version was compacted away, so the loop LISTs again (a full resync);
+any other failure is counted, logged and retried after an exponential backoff, the engine set kept as
+it is. An object the decoder or the source's check refuses is rejected alone, counted and logged: a
+LIST leaves it out, a watch event leaves the object as it was and moves the resume version past it,
+and discovery goes on for the others (one bad object failing the whole LIST, or a watch resumed
+before it, would stall discovery for every engine). An event that is not an object's event (an
+unknown type, not even JSON) is rejected the same way. An engine whose model no label names is asked
+its `/v1/models` once per engine table; until it answers it is left out and asked again after a
+backoff. `KubeDiscovery` is one `ListWatch` of the selected EndpointSlices.
 The client is kubernetes_asyncio: in-cluster service-account auth, a kubeconfig, or `api_url`.
 """
 
