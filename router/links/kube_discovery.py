@@ -294,7 +294,7 @@ class EngineTable:
         self.known: dict[str, EngineConfig] = {}  # the pure engine set, minus engines of unknown model
         self.present: set[str] = set()  # names handed to the fleet
         self.models: dict[tuple[str, str], str] = {}  # /v1/models answers, by engine name and URL
-        self._lock = asyncio.Lock()
+        self.lock = asyncio.Lock()  # held while the set is recomputed and handed over
         self._retry: asyncio.Task[None] | None = None
         self._http: aiohttp.ClientSession | None = None
 
@@ -310,7 +310,7 @@ class EngineTable:
 
     async def apply(self) -> None:
         """Recompute the engine set and hand the difference to the fleet."""
-        async with self._lock:
+        async with self.lock:
             current = self._current()
             added, removed = changes(self.known, current)
             ready: dict[str, EngineConfig] = {}

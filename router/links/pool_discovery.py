@@ -93,9 +93,12 @@ class PoolDiscovery:
         await self.table.apply()
 
     async def _watch_pods(self, selector: str) -> None:
-        old, self.selector, self.pods = self.pods, selector, None
+        old, self.selector = self.pods, selector
         if old is not None:
-            await old.close()
+            async with self.table.lock:  # (never cancelled while it hands a change to the fleet)
+                self.pods = None
+                await old.close()
+        self.pods = None
         if not selector:
             return
         namespace, discovery = self.namespace, self.discovery
