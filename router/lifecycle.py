@@ -43,6 +43,7 @@ from router.settings.secrets import load_secrets
 
 if TYPE_CHECKING:
     from router.links.kube_discovery import KubeDiscovery
+    from router.links.pool_discovery import PoolDiscovery
 
 __all__ = ["ServeOptions", "Service", "StartupError", "start_embedded"]
 
@@ -97,7 +98,7 @@ class Service:
         self.parts: GatewayParts | None = None
         self.embedded: EmbeddedStubs | None = None
         self.recorder: GatewayRecorder | None = None
-        self.discovery: DnsDiscovery | KubeDiscovery | None = None
+        self.discovery: DnsDiscovery | KubeDiscovery | PoolDiscovery | None = None
         self._sync_task: asyncio.Task[None] | None = None
         self._links: FleetLinks | None = None
         self._proxy: Proxy | None = None
@@ -147,15 +148,18 @@ class Service:
         core = RoutingCore(state, scorer, time.perf_counter)  # state -> decision
         proxy = self._proxy = Proxy(ProxySettings.from_config(config), state.breakers, state.clock)
         await self._phase("proxy session", proxy.start(), opts.phase_timeout_s)
-        kube: KubeDiscovery | None = None
+        kube: KubeDiscovery | PoolDiscovery | None = None
         if config.discovery.dns_name is not None:
             self.discovery = DnsDiscovery(config.discovery, self._on_discovery)
             self.discovery.start()
         elif config.discovery.kubernetes.enabled:
             # Imported here: the Kubernetes client takes ~1 s to import, paid only by who uses it.
             from router.links.kube_discovery import KubeDiscovery
+            from router.links.pool_discovery import PoolDiscovery
 
-            self.discovery = kube = KubeDiscovery(config.discovery, self._on_discovery)
+            pool = config.discovery.kubernetes.inference_pool  # (its pods, else EndpointSlices)
+            kube = (PoolDiscovery if pool else KubeDiscovery)(config.discovery, self._on_discovery)
+            self.discovery = kube
             kube.start()
         metrics = RouterMetrics(  # the links' clock
             partial(engine_views, state), time.time, models.key_cache, models.tokenizer_stats

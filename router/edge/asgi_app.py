@@ -114,7 +114,7 @@ class Handlers:
             chat = False  # prepare() names the problem
         endpoint = Endpoint.CHAT if chat else Endpoint.COMPLETIONS
         session = request.headers.get(self.parts.config.policy.session_header)
-        explained = await self.gateway.explain(body, endpoint, session)
+        explained = await self.gateway.decider.explain(body, endpoint, session)
         return Response(msgspec.json.encode(explained), media_type=_JSON)
 
     async def index(self, request: Request) -> Response:

@@ -284,11 +284,20 @@ class KubernetesDiscovery(_Table, frozen=True):
     backoff_max_s: Positive = 30.0
     model_timeout_s: Positive = 5.0
     """One /v1/models question to an engine whose model no label names."""
+    inference_pool: str = ""
+    """An InferencePool (inference.networking.k8s.io/v1) in `namespace`: its selected pods x its target
+    ports are the engines (router/links/inference_pool.py), instead of `services`/`label_selector`."""
+
+    def __post_init__(self) -> None:
+        if self.inference_pool and (self.services or self.label_selector):
+            raise ValueError(
+                "inference_pool names the engines alone: leave services and label_selector empty"
+            )
 
     @property
     def enabled(self) -> bool:
-        """True when a Service or a label selector is configured."""
-        return bool(self.services or self.label_selector)
+        """True when a Service, a label selector or an InferencePool is configured."""
+        return bool(self.services or self.label_selector or self.inference_pool)
 
 
 class Discovery(_Table, frozen=True):

@@ -22,7 +22,7 @@ from router.core.ids import EngineId, RequestId
 from router.core.policy.scoring import Decision, PolicyName
 from router.edge import usage
 from router.edge.auth import AdminDisabled, Guard, bearer_token
-from router.edge.gateway import stage_timings
+from router.edge.decider import stage_timings
 from router.edge.usage import UsageTap, cached_tokens_of, cached_tokens_of_json, cached_tokens_of_sse
 from router.ops.debug import DecisionEntry, DecisionRing, PreparedView
 from router.ops.recording import GatewayRecorder

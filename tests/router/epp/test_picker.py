@@ -14,7 +14,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 
 from router.core.ids import EngineId
-from router.edge.gateway import Gateway as RouterGateway
+from router.edge.decider import Decider
 from router.epp.endpoints import address_of
 from router.epp.messages import CHUNK_BYTES
 from router.epp.picker import DESTINATION, Picker, PickStream
@@ -56,7 +56,7 @@ async def fleet(request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
         engines = [engine_of(f"e{i}", s) for i, s in enumerate(stubs)]
         async with running_gateway(gateway_config(engines, limits=limits)) as gw:
             addresses = {e.name: address_of(e.url) for e in engines}
-            yield Fleet(gw, Picker(RouterGateway(gw.parts)), engines[0].model, addresses)
+            yield Fleet(gw, Picker(Decider(gw.parts)), engines[0].model, addresses)
 
 
 def gateway_of(fleet: Fleet) -> Gateway:
@@ -246,7 +246,7 @@ async def test_a_stream_closed_before_the_answer_leaves_nothing_counted(fleet: F
 
 @pytest.mark.parametrize("fallbacks", [True, False])
 async def test_the_runner_up_is_named_as_fallback_unless_turned_off(fleet: Fleet, fallbacks: bool) -> None:
-    picker = Picker(fleet.picker.gateway, fallbacks)
+    picker = Picker(fleet.picker.decider, fallbacks)
     stream = picker.stream()
     _, [head, _] = await run(
         stream,
@@ -326,18 +326,18 @@ async def test_an_engine_failing_its_answers_opens_its_breaker_and_is_picked_no_
 async def test_a_bug_in_the_picker_is_a_500_for_that_request_only(
     fleet: Fleet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    gateway = fleet.picker.gateway
+    decider = fleet.picker.decider
 
     def broken(*args: object) -> None:
         raise KeyError("a bug")
 
     with monkeypatch.context() as patch:
-        patch.setattr(gateway, "_decide", broken)
+        patch.setattr(decider, "decide", broken)
         stream = fleet.picker.stream()
         post = request_headers("POST", "/v1/chat/completions", False)
         _, [answer] = await run(stream, post, request_body(chat(fleet.model, "bug"), True))
     assert answer.immediate_response.status.code == 500
-    assert gateway.parts.fleet.admission.total == 0
+    assert decider.parts.fleet.admission.total == 0
     healthy = fleet.picker.stream()  # the next request is picked as usual
     _, picked = await run(healthy, post, request_body(chat(fleet.model, "fine"), True))
     assert picked[0].HasField("request_headers")
