@@ -41,9 +41,9 @@ $(VLLM_STAMP): | $(BIN)/python
 	$(BIN)/python -m tests.vllm.vllm_venv $(VLLM_VENV)
 
 test-vllm: install $(VLLM_STAMP)
-	rm -f out/test-vllm/concurrent.jsonl
+	rm -f out/test-vllm/concurrent.jsonl out/test-vllm/ttft.jsonl
 	KVROUTER_VLLM_VENV=$(VLLM_VENV) HF_HUB_OFFLINE=1 $(BIN)/pytest -q tests/vllm
-	@cat out/test-vllm/concurrent.jsonl
+	@cat out/test-vllm/concurrent.jsonl out/test-vllm/ttft.jsonl
 
 bench: install
 	$(BIN)/python bench/events_bench.py
