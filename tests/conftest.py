@@ -1,4 +1,4 @@
-"""Shared fixtures: paths to the vLLM fixtures in ../shared; hypothesis without timing checks."""
+"""Shared fixtures: vLLM fixtures (tests/data), traces (../shared); hypothesis without timing checks."""
 
 from __future__ import annotations
 
@@ -15,14 +15,14 @@ from hypothesis import HealthCheck, settings
 settings.register_profile("kvrouter", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("kvrouter")
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"
-VLLM_FIXTURES = SHARED / "fixtures" / "vllm-0.33.0"
+SHARED = Path(__file__).resolve().parents[1].parent / "shared"  # the Mooncake traces, beside the clone
+VLLM_FIXTURES = Path(__file__).resolve().parent / "data" / "vllm-0.33.0"  # in the repository: see its README
 
 
 @pytest.fixture(scope="session")
 def vllm_fixtures() -> Path:
     """The directory of frames, hash vectors and manager traces captured from vLLM 0.33.0."""
-    assert VLLM_FIXTURES.is_dir(), f"missing {VLLM_FIXTURES}: shared/ must sit beside the clone"
+    assert VLLM_FIXTURES.is_dir(), f"missing {VLLM_FIXTURES}"
     return VLLM_FIXTURES
 
 
