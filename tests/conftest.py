@@ -1,4 +1,4 @@
-"""Shared fixtures: vLLM fixtures (tests/data), traces (../shared); hypothesis without timing checks."""
+"""Shared fixtures: vLLM fixtures and traces (tests/data), the unit mark, hypothesis without timing checks."""
 
 from __future__ import annotations
 
@@ -15,9 +15,9 @@ from hypothesis import HealthCheck, settings
 settings.register_profile("kvrouter", deadline=None, suppress_health_check=[HealthCheck.too_slow])
 settings.load_profile("kvrouter")
 
-SHARED = Path(__file__).resolve().parents[1].parent / "shared"  # the Mooncake traces, beside the clone
-VLLM_FIXTURES = Path(__file__).resolve().parent / "data" / "vllm-0.33.0"  # in the repository: see its README
 TESTS = Path(__file__).resolve().parent
+VLLM_FIXTURES = TESTS / "data" / "vllm-0.33.0"  # captured from vLLM: see its README
+TRACES = TESTS / "data" / "mooncake-traces"  # the first 200 requests of each Mooncake trace: see its README
 
 # `make unit` (`pytest -m unit`): the tests of modules that run on their own, with no server started (the
 # pure core, events, tokenization, preparation, the stub's core): the fast half. `make e2e` runs the rest.
