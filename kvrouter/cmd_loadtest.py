@@ -84,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--workload",
         default=d.workload,
-        help="'synthetic', 'agents' (agent sessions, see README.md) or 'trace:PATH' (Mooncake JSONL)",
+        help="'synthetic', 'agents' (agent sessions, see docs/loadtest.md) or 'trace:PATH' (Mooncake JSONL)",
     )
     p.add_argument("--policies", default=",".join(d.policies), help="comma-separated (default %(default)s)")
     p.add_argument(
