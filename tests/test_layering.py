@@ -60,6 +60,7 @@ PURE_MODULES = [
     "kvrouter/loadtest/workload.py",
     "kvrouter/loadtest/results.py",
     "kvrouter/loadtest/busy_model.py",
+    "kvrouter/loadtest/virtual_fleet.py",
     "kvrouter/loadtest/plan.py",
     "engine_stub/runtime/forecast.py",
 ]
