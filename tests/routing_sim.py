@@ -31,8 +31,8 @@ from router.core.ids import EngineId
 from router.core.policy.load import CostPrior, StepCost
 from router.core.policy.scoring import PolicyName, RouteRequest, Scorer, ScorerSettings
 from router.core.routing import RoutingCore
+from router.edge.decider import view_of
 from router.edge.flight import Flight
-from router.edge.gateway import view_of
 from router.edge.upstream import ProxyRequest
 from router.ops.debug import DecisionEntry
 from router.prepare.served_models import Models
