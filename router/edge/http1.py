@@ -1,4 +1,4 @@
-"""A keep-alive HTTP/1.1 client on asyncio protocols and httptools' parser: the proxy's upstream leg.
+"""A keep-alive HTTP/1.1 client on asyncio protocols and httptools' parser: the upstream leg's.
 
 It does only what forwarding needs, which is why it costs a fraction of aiohttp's client per request
 (BENCHMARKS.md, "Gateway"): one pooled connection per exchange (no pipelining), the request head and
@@ -7,7 +7,9 @@ other requests are in flight, at the loop's next turn with the others of this tu
 answer's headers awaited, then its body read chunk by chunk as it arrives (chunked and length-framed
 bodies decoded by httptools, or up to EOF). A fully read answer with keep-alive returns its
 connection to the pool as its last bytes are handed over; any other end (close, cancellation,
-error) drops it, which is how an engine learns that the client went away. The connection is
+error) drops it, which is how an engine learns that the client went away. `Http1Client` is the
+gateway's `router.edge.upstream_transport.Transport` (its answers the `Answer`s), for forwarded
+requests and remote tokenization alike. The connection, and all of its state, is
 router.edge.http1_connection's; failures are router.edge.http1_errors' `HttpClientError`s
 (re-exported here), which `router.edge.upstream.map_upstream_errors` translates.
 """
