@@ -112,6 +112,7 @@ class Decider:
         self.session_header = parts.config.policy.session_header.lower().encode("latin-1")
         self.max_body = parts.config.limits.max_body_bytes
         self.any_remote = any(m.remote_tokenize for m in parts.config.models)
+        self._remote = RemoteTokenizer(parts.proxy.call)
         # The stages' histogram children, looked up once rather than per request (a lock and a dict each).
         overhead = {stage: parts.metrics.overhead.labels(stage) for stage in (*_STAGES, "proxy")}
         self.stage_children = tuple((stage, overhead[stage]) for stage in _STAGES)
@@ -185,13 +186,10 @@ class Decider:
 
     async def _remote_tokens(self, body: bytes, model: str) -> list[int] | None:
         """The prompt ids from the first reachable replica of `model`; None (logged) when none answers."""
-        session = self.parts.proxy.session
-        replicas = self.parts.fleet.replicas(model) if session is not None else []
-        for replica in replicas:
-            assert session is not None
+        for replica in self.parts.fleet.replicas(model):
             base_url, _ = self.parts.fleet.replica_target(replica)
             try:
-                return await RemoteTokenizer(session).tokenize(base_url, body)
+                return await self._remote.tokenize(replica, base_url, body)
             except RemoteTokenizeError as exc:
                 log.warning("remote tokenization failed", extra={"engine": replica, "error": str(exc)})
         self.parts.metrics.remote_tokenize_failures.inc()
