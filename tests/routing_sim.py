@@ -153,7 +153,7 @@ def run(
                 target = min(forecasts, key=lambda f: (f[0], -f[1], f[2]))[3]
             chosen = next(c for c in decision.candidates if c.engine == target)
             engines[target].scheduler.submit(req.prompt, params, f"r{payload}")
-            load.started(RequestId(f"r{payload}"), target, now, chosen.uncached_tokens)
+            load.started(RequestId(f"r{payload}"), target, now, chosen.uncached_tokens, len(req.prompt))
             kick(target, now)
             continue
         assert isinstance(payload, tuple)
