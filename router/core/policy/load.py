@@ -21,7 +21,14 @@ from __future__ import annotations
 import msgspec
 
 from router.core.ids import EngineId, RequestId
-from router.core.policy.ttft_model import StepCost, prefill_steps, step_budget, step_decode_s, ttft_terms
+from router.core.policy.ttft_model import (
+    StepCost,
+    prefill_steps,
+    running_context,
+    step_budget,
+    step_decode_s,
+    ttft_terms,
+)
 
 # (`StepCost` is the TTFT model's, passed to `LoadTracker`: its callers import it here too)
 __all__ = ["CostPrior", "LoadSnapshot", "LoadTracker", "PrefillCostModel", "ScrapedMetrics", "StepCost"]
@@ -146,7 +153,8 @@ class _InFlight(msgspec.Struct):
 
 class _Service(msgspec.Struct):
     """Answers out of the same engine steps (`LoadTracker` `service`): their tokens, the time since the
-    engine could start the first, and the requests decoding meanwhile; learned from once no more join."""
+    engine could start the first, and the requests decoding and the context read meanwhile (as at the
+    first); learned from once no more join."""
 
     at: float
     tokens: int
@@ -308,7 +316,8 @@ class LoadTracker:
             self._learn(load.model, service)
         since = max(flight.started_at, load.head_since)
         decoding = load.in_flight - load.prefilling
-        load.service = _Service(at, flight.uncached_tokens, at - since, decoding, load.context)
+        read = running_context(self.step, load.in_flight, load.context)  # (as `ttft_terms` reads it)
+        load.service = _Service(at, flight.uncached_tokens, at - since, decoding, read)
 
     def _learn(self, model: PrefillCostModel, service: _Service) -> None:
         """Learn the prefill cost from one service: its time less the decode part of its steps.
@@ -362,7 +371,8 @@ class LoadTracker:
         tokens = head.uncached_tokens
         if tokens == 0:  # (both returns below are 0 then)
             return 0
-        budget, per_step = step_budget(step, decoding), step_decode_s(step, decoding, load.context)
+        read = running_context(step, load.in_flight, load.context)  # (as `ttft_terms` reads it)
+        budget, per_step = step_budget(step, decoding), step_decode_s(step, decoding, read)
         # The head's own predicted prefill time, as if alone: the TTFT model's prefill and decode parts.
         full_s = model.predict(tokens) + prefill_steps(step, decoding, tokens) * per_step
         if full_s <= 0:
