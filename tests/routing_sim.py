@@ -94,6 +94,7 @@ def router_config(sim: SimEngines, settings: ScorerSettings) -> RouterConfig:
         decode_penalty_s=step.decode_penalty_s,
         max_num_batched_tokens=step.max_num_batched_tokens,
         max_num_seqs=step.max_num_seqs,
+        context_read_s_per_token=step.context_read_s_per_token,
         prior_overhead_s=prior.overhead_s,
         prior_per_token_s=prior.per_token_s,
         prior_weight=prior.weight,

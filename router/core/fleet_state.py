@@ -87,8 +87,9 @@ class FleetState:
             policy.prior_overhead_s, policy.prior_per_token_s, policy.prior_weight, policy.forgetting
         )
         step = StepCost(
-            policy.decode_step_s, policy.decode_penalty_s, policy.max_num_batched_tokens, policy.max_num_seqs
-        )
+            policy.decode_step_s, policy.decode_penalty_s, policy.max_num_batched_tokens, policy.max_num_seqs,
+            policy.context_read_s_per_token,
+        )  # fmt: skip
         drain, service = policy.drain_queued_prefill, policy.learn_prefill_from_service
         self.load = LoadTracker(prior, policy.scrape_max_age_s, step, drain, service)
         pending = reads_pending(policy.name, policy.max_predicted_ttft_s)

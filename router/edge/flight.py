@@ -138,12 +138,13 @@ class Flight:
         if self._counted or engine is None or decision is None:
             return
         now = self._chosen_at
-        uncached = 0
+        uncached = context = 0
         for candidate in decision.candidates:
             if candidate.engine == engine:
                 uncached = candidate.uncached_tokens
+                context = uncached + candidate.counted_tokens  # the prompt (its KV, once prefilled)
                 break
-        self.fleet.load.started(self.rid, engine, now, uncached)
+        self.fleet.load.started(self.rid, engine, now, uncached, context)
         self._admitted = self.fleet.admission.enter_engine(engine)
         assert self.prepared is not None
         self.fleet.request_sent(engine, self.rid, self.prepared, now)

@@ -144,6 +144,8 @@ class PolicyConfig(_Table, frozen=True):
     """kv: the engines' token budget per step (vLLM's `max_num_batched_tokens`), for chunked prefill."""
     max_num_seqs: Count = 256
     """kv: the engines' running-batch limit (vLLM's `max_num_seqs`); past it requests wait for slots."""
+    context_read_s_per_token: NonNegative = 38e-9
+    """kv: seconds each engine step takes longer per token of context (KV) of the requests it holds."""
     seed: int = 0
     session_header: str = "x-session-id"
     session_capacity: Count = 100_000
