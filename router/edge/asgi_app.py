@@ -261,6 +261,22 @@ def create_app(
 
 Endpoint_ = Callable[[Request], Awaitable[Response]]
 
+_ROUTED: Final = {"/v1/messages": Endpoint.MESSAGES, "/v1/responses": Endpoint.RESPONSES}
+"""The routes served by `Gateway.handle` through Starlette's routing (not the hot path)."""
+
+
+class _Routed:
+    """An ASGI endpoint: `Gateway.handle` for one of `_ROUTED`'s endpoints (an error before start)."""
+
+    def __init__(self, box: list[Handlers], endpoint: Endpoint) -> None:
+        self.box, self.endpoint = box, endpoint
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if not self.box:
+            await error_answer(NoEngineAvailable("the gateway is not started"), "none")(scope, receive, send)
+            return
+        await self.box[0].gateway.handle(scope, receive, send, self.endpoint)
+
 
 def _add_routes(app: FastAPI, box: list[Handlers]) -> None:
     def h(pick: Callable[[Handlers], Endpoint_]) -> Endpoint_:
@@ -277,6 +293,8 @@ def _add_routes(app: FastAPI, box: list[Handlers]) -> None:
 
     add = app.router.add_route
     add("/v1/models", h(lambda x: x.passthrough.models), methods=["GET"])
+    for path, endpoint in _ROUTED.items():  # routed by prefix like the hot routes, through Starlette
+        app.router.routes.append(Route(path, _Routed(box, endpoint), methods=["POST"]))
     for path, methods in PASSTHROUGH_PATHS.items():
         add(path, h(lambda x: x.passthrough.forward), methods=list(methods))
     add(_V1_REST, unknown_v1, methods=list(_ANY_METHOD))  # the gateway's own 404 or 405

@@ -5,7 +5,8 @@ Deciding (admission, preparation, the decision, refusals and the request's accou
 forwards, and relays.
 
 `handle()` serves `/v1/completions` and `/v1/chat/completions` straight over ASGI (the app's
-`HotRoutes` sends them here before Starlette sees them): the body is read once (size limited) and
+`HotRoutes` sends them here before Starlette sees them), and `/v1/messages` and `/v1/responses` (from
+a Starlette route: router.edge.asgi_app): the body is read once (size limited) and
 forwarded byte for byte; routing reads only what `Models.prepare` needs. Answers carry
 `x-request-id`, `x-kvrouter-engine`, `x-kvrouter-predicted-cached-tokens` (what the engine is
 expected to report cached, trusted or not) and `x-kvrouter-mirror-trust` (whether scoring counted
@@ -92,7 +93,7 @@ class Gateway:
         self.write_s = parts.config.timeouts.client_write_s
 
     async def handle(self, scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
-        """Serve one completions or chat request straight over ASGI: route, forward, stream back.
+        """Serve one completions, chat, Messages or Responses request over ASGI: route, forward, stream back.
 
         A `RouterError` before the answer starts becomes its OpenAI-format body; a client that goes
         away cancels whatever runs (the upstream request or the relay) and the request ends as 499.

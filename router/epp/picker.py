@@ -66,7 +66,13 @@ LB_NAMESPACE: Final = "envoy.lb"
 SUBSET_NAMESPACE: Final = "envoy.lb.subset_hint"
 SUBSET_KEY: Final = "x-gateway-destination-endpoint-subset"
 SERVED_KEY: Final = "x-gateway-destination-endpoint-served"
-_HOT: Final = {"/v1/completions": Endpoint.COMPLETIONS, "/v1/chat/completions": Endpoint.CHAT}
+_HOT: Final = {
+    "/v1/completions": Endpoint.COMPLETIONS,
+    "/v1/chat/completions": Endpoint.CHAT,
+    "/v1/messages": Endpoint.MESSAGES,
+    "/v1/responses": Endpoint.RESPONSES,
+}
+"""The paths picked by prefix (the gateway's routed endpoints); any other is picked as a passthrough."""
 _PASSTHROUGH_POLICY: Final = "passthrough"  # (the policy label Passthrough counts with)
 _NO_BODY: Final = 0  # ProcessingMode.BodySendMode.NONE
 _NOTE: Final = AccessNote()  # no access line is written by the picker: Envoy's access log is the one

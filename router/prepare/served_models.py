@@ -47,15 +47,13 @@ from tokenization.chat_decoder import ChatDecoder
 from tokenization.deferred import Later
 from tokenization.loading import load_tokenizer
 from tokenization.openai_request import (
-    ChatRequest,
-    CompletionRequest,
     Endpoint,
     RequestError,
     VllmXargs,
     decode_body,
 )
 from tokenization.prefix_reuse import ReuseEntry, count_of
-from tokenization.request_tokens import RequestTokens, decode_request, tokens_of
+from tokenization.request_tokens import ApiRequest, RequestTokens, decode_request, tokens_of
 
 __all__ = ["PROCESS_HASHER", "Models", "Prepared", "UnknownModel", "VariantKeys"]
 
@@ -223,7 +221,7 @@ class Models:
 
     def _decode(
         self, body: bytes, endpoint: Endpoint | str, model_hint: str | None
-    ) -> tuple[ChatRequest | CompletionRequest, str]:
+    ) -> tuple[ApiRequest, str]:
         """The request decoded once, and its model; errors as `resolve` then `request_tokens` raise them."""
         try:
             req = decode_request(body, endpoint, self._chat)
@@ -304,7 +302,7 @@ class Models:
 
     def _prepare(
         self,
-        req: ChatRequest | CompletionRequest,
+        req: ApiRequest,
         endpoint: Endpoint | str,
         model: str,
         single_tokenizer: bool = False,
@@ -354,9 +352,7 @@ class Models:
             cache_salt=first.extras.cache_salt,
         )
 
-    def _prepare_one(
-        self, req: ChatRequest | CompletionRequest, endpoint: Endpoint | str, model: str, v: Variant
-    ) -> Prepared:
+    def _prepare_one(self, req: ApiRequest, endpoint: Endpoint | str, model: str, v: Variant) -> Prepared:
         """`_prepare` for a model with its own variant only (the common case): the same `Prepared`,
         without the per-variant maps (a request's ids are the same from either tokenizer source)."""
         clock = self._clock

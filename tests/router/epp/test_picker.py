@@ -226,6 +226,37 @@ async def test_the_response_phase_adds_the_gateway_headers_and_reads_usage(fleet
     )
 
 
+@pytest.mark.parametrize(
+    ("path", "fields", "usage"),
+    [
+        (
+            "/v1/messages",
+            {"max_tokens": 4, "system": "agent", "messages": [{"role": "user", "content": "hi " * 20}]},
+            b'{"type":"message","usage":{"input_tokens":2,"output_tokens":4,"cache_read_input_tokens":7}}',
+        ),
+        (
+            "/v1/responses",
+            {"instructions": "agent", "input": "hi " * 20},
+            b'{"object":"response","usage":{"input_tokens":9,"input_tokens_details":{"cached_tokens":7}}}',
+        ),
+    ],
+    ids=["messages", "responses"],
+)
+async def test_messages_and_responses_are_picked_by_prefix_and_their_usage_read(
+    fleet: Fleet, path: str, fields: dict[str, Any], usage: bytes
+) -> None:
+    stream = fleet.picker.stream()
+    body = json.dumps({"model": fleet.model, **fields}).encode()
+    await run(
+        stream, request_headers("POST", path, False, (("x-request-id", "rid-a"),)), request_body(body, True)
+    )
+    entry = gateway_of(fleet).parts.ring.get("rid-a")
+    assert entry is not None and entry.request.endpoint == path and entry.request.prompt_tokens > 60
+    await stream.on_message(response_headers(200))
+    await stream.on_message(response_body(usage, True))
+    assert entry.actual_cached_tokens == 7 and entry.status == 200
+
+
 async def test_a_stream_closed_before_the_answer_leaves_nothing_counted(fleet: Fleet) -> None:
     parts = gateway_of(fleet).parts
     picked = fleet.picker.stream()
