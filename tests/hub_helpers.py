@@ -7,6 +7,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 
@@ -37,9 +38,6 @@ def cache_revision(
 
 
 def template_config(template: str) -> str:
-    """A tokenizer_config.json carrying `template` as its chat template, DeepSeek's special tokens."""
-    import json
-
-    return json.dumps(
-        {"bos_token": "<｜begin▁of▁sentence｜>", "eos_token": "<｜end▁of▁sentence｜>", "chat_template": template}
-    )
+    """DeepSeek's tokenizer_config.json (its special tokens) with `template` as its chat template."""
+    config = json.loads((DEEPSEEK_JSON.parent / "tokenizer_config.json").read_text(encoding="utf-8"))
+    return json.dumps({**config, "chat_template": template})

@@ -1,11 +1,10 @@
 """A tokenizer named as users name models: an HF repo id (`Qwen/Qwen3-8B`) read through `huggingface_hub`.
 
-A `tokenizer` setting is a local path when it exists or looks like one (absolute, `./`, `../`, `~`, a
-`.json` file); anything else must be a repo id `Org/Name`, or it is a configuration error
-(`hub_repo`). A repo id is resolved by `huggingface_hub.snapshot_download` restricted to the files
-`HfTokenizer.from_dir` reads (`TOKENIZER_FILES`), so its cache (`HF_HOME`, `HF_HUB_CACHE`), offline
-mode (`HF_HUB_OFFLINE`), endpoint (`HF_ENDPOINT`) and token (`HF_TOKEN`, or the login file) apply as
-huggingface_hub reads them; we never read or log the token.
+A `tokenizer` setting is a local path or a repo id (`tokenization.hub_names.hub_repo`). A repo id is
+resolved by `huggingface_hub.snapshot_download` restricted to the files `HfTokenizer.from_dir` reads
+(`TOKENIZER_FILES`), so its cache (`HF_HOME`, `HF_HUB_CACHE`), offline mode (`HF_HUB_OFFLINE`),
+endpoint (`HF_ENDPOINT`) and token (`HF_TOKEN`, or the login file) apply as huggingface_hub reads
+them; we never read or log the token.
 
 The library's HTTP client has no timeout of its own, so each resolution runs on a daemon thread and is
 waited for at most `timeout_s`: a blackholed network costs startup that long, never a hang, and the
@@ -15,7 +14,6 @@ with a short `reason` (`REASONS`), for the caller to count and fall back on.
 
 from __future__ import annotations
 
-import re
 import threading
 import time
 from collections.abc import Iterable
@@ -29,22 +27,19 @@ __all__ = [
     "HubRef",
     "HubUnavailable",
     "fetch_tokenizers",
-    "hub_repo",
 ]
 
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja")
 """What `HfTokenizer.from_dir` reads; nothing else of the repo (weights, configs) is fetched."""
 
-REASONS = ("offline", "unreachable", "timeout", "unauthorized", "not_found", "no_tokenizer")
+REASONS = ("offline", "unreachable", "timeout", "unauthorized", "not_found", "no_tokenizer", "unreadable")
 """Why a repo's tokenizer could not be had: not cached while `HF_HUB_OFFLINE`; the hub not reached
 (no network, 5xx) and not cached; no answer within the timeout; 401/403 or a gated repo without
-access; no such repo or revision; no `tokenizer.json` in it (or a partial cached snapshot)."""
+access; no such repo or revision; no `tokenizer.json` in it (or a partial cached snapshot); its files
+do not load (the loader's verdict, raised by whoever loads them)."""
 
 HubRef = tuple[str, str | None]
 """A repo id and its revision (a branch, tag or commit; None: `main`)."""
-
-_PART = r"[A-Za-z0-9](?:[A-Za-z0-9_.-]{0,94}[A-Za-z0-9_])?"
-_REPO_ID = re.compile(rf"{_PART}/{_PART}", re.ASCII)
 
 
 class HubUnavailable(TokenizationError):
@@ -56,35 +51,15 @@ class HubUnavailable(TokenizationError):
         super().__init__(f"tokenizer {ref[0]}{at} from the HF hub: {reason}: {detail}")
 
 
-def _looks_like_path(source: str) -> bool:
-    return (
-        source.startswith(("/", ".", "~"))
-        or "\\" in source
-        or source.endswith(".json")
-        or Path(source).expanduser().exists()
-    )
-
-
-def hub_repo(source: str) -> str | None:
-    """The repo id `source` names, or None when it is a local path (existing, or shaped like one);
-    TokenizationError when it is neither (a malformed id, a missing relative path)."""
-    if _looks_like_path(source):
-        return None
-    if _REPO_ID.fullmatch(source) and "--" not in source and ".." not in source:
-        return source
-    raise TokenizationError(
-        f"{source!r} is neither an existing file or directory nor a HuggingFace repo id 'Org/Name' "
-        "(letters, digits, '-', '_', '.', at most 96 each; no '--' or '..')"
-    )
-
-
 def _reason(exc: BaseException) -> str:
     """The `REASONS` entry for what `snapshot_download` raised."""
     from huggingface_hub import constants, errors
 
     if isinstance(exc, errors.IncompleteSnapshotError):
         return "no_tokenizer"
-    if isinstance(exc, errors.LocalEntryNotFoundError):
+    if isinstance(exc, errors.LocalEntryNotFoundError):  # not cached, and the hub said why (or nothing)
+        if isinstance(exc.__cause__, errors.HfHubHTTPError):
+            return _reason(exc.__cause__)
         return "offline" if constants.is_offline_mode() else "unreachable"
     if isinstance(exc, errors.GatedRepoError):
         return "unauthorized"
@@ -134,5 +109,5 @@ def fetch_tokenizers(refs: Iterable[HubRef], timeout_s: float) -> dict[HubRef, P
     for fetch in fetches:
         fetch.join(max(0.0, deadline - time.monotonic()))
     # A thread still running is abandoned (daemon): its answer, whenever it comes, is not read.
-    late = "no answer within {:g} s".format(timeout_s)
+    late = f"no answer within {timeout_s:g} s"
     return {f.ref: HubUnavailable(f.ref, "timeout", late) if f.is_alive() else f.result for f in fetches}

@@ -13,7 +13,8 @@ from tokenization.base import Tokenizer
 from tokenization.builtin import BuiltinTokenizer
 from tokenization.chat_template import ChatTemplate, TemplateSet
 from tokenization.hf import HfTokenizer
-from tokenization.hub import fetch_tokenizers, hub_repo
+from tokenization.hub import fetch_tokenizers
+from tokenization.hub_names import hub_repo
 
 __all__ = ["HUB_TIMEOUT_S", "load_tokenizer"]
 

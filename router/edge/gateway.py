@@ -101,7 +101,7 @@ def view_of(prepared: Prepared) -> PreparedView:
     """What the debug endpoints show of a prepared request."""
     return PreparedView(
         prepared.model, str(prepared.endpoint), prepared.stream, prepared.prompt_tokens,
-        len(prepared.keys), prepared.skip_cache, prepared.unread,
+        len(prepared.keys), prepared.skip_cache, prepared.unread, prepared.tokenizer,
     )  # fmt: skip
 
 
@@ -143,7 +143,7 @@ class Gateway:
         self.body_timeout_s = parts.config.timeouts.client_body_s
         self.coalesce_s = parts.config.listen.stream_coalesce_s
         self.write_s = parts.config.timeouts.client_write_s
-        self.any_remote = any(m.remote_tokenize for m in parts.config.models)
+        self.any_remote = parts.models.any_remote()  # configured, or a repo-named tokenizer not had
         # The stages' histogram children, looked up once rather than per request (a lock and a dict each).
         self._overhead = {stage: parts.metrics.overhead.labels(stage) for stage in (*_STAGES, "proxy")}
         self._stage_children = tuple((stage, self._overhead[stage]) for stage in _STAGES)
@@ -172,6 +172,7 @@ class Gateway:
                 tokens = await self._remote_tokens(body, model)
                 if tokens is not None:
                     return models.prepare_tokens(body, endpoint, tokens, model, defer=defer)
+                return models.prepare_fallback(body, endpoint, model, defer=defer)
             return models.prepare(body, endpoint, model, defer=defer)
         except Exception as exc:
             _prepare_failed(exc, endpoint)
@@ -333,7 +334,7 @@ class Gateway:
         # `view_of(prepared)`, inline: one call less per request.
         view = PreparedView(
             prepared.model, str(prepared.endpoint), prepared.stream, prepared.prompt_tokens,
-            len(prepared.keys), prepared.skip_cache, prepared.unread,
+            len(prepared.keys), prepared.skip_cache, prepared.unread, prepared.tokenizer,
         )  # fmt: skip
         entry = DecisionEntry(request_id=rid, time=time.time(), request=view)
         # The key was the router's (engines never see it); the request id is the gateway's. The path is

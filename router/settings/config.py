@@ -19,7 +19,7 @@ import msgspec
 from router.core.group_kinds import group_kind
 from router.core.ids import EngineId
 from tokenization.base import TokenizationError
-from tokenization.hub import hub_repo
+from tokenization.hub_names import hub_repo
 
 __all__ = [
     "Auth",

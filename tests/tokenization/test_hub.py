@@ -14,7 +14,8 @@ from huggingface_hub import constants
 
 from tests.hub_helpers import DEEPSEEK_JSON, cache_revision, template_config
 from tokenization import TokenizationError
-from tokenization.hub import HubUnavailable, fetch_tokenizers, hub_repo
+from tokenization.hub import HubUnavailable, fetch_tokenizers
+from tokenization.hub_names import hub_repo
 from tokenization.loading import load_tokenizer
 
 REPO = "deepseek-ai/DeepSeek-V4"
@@ -31,7 +32,10 @@ def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
     for commit, ref in ((MAIN, "main"), (PINNED, "v2")):
-        files = {"tokenizer.json": DEEPSEEK_JSON, "tokenizer_config.json": template_config(f"{ref}:{{{{ messages[0].content }}}}")}
+        files: dict[str, str | Path] = {
+            "tokenizer.json": DEEPSEEK_JSON,
+            "tokenizer_config.json": template_config(f"{ref}:{{{{ messages[0].content }}}}"),
+        }
         cache_revision(cache, REPO, commit, files, refs=(ref,))
     return cache
 
@@ -46,13 +50,18 @@ def test_a_repo_id_loads_from_the_cache_offline_with_its_own_template(hub: Path)
 
 def test_a_revision_pin_chooses_its_snapshot(hub: Path) -> None:
     for revision in ("v2", PINNED):
-        assert load_tokenizer(REPO, revision=revision).apply_chat_template(CHAT, add_generation_prompt=False) == "v2:hi"
+        assert (
+            load_tokenizer(REPO, revision=revision).apply_chat_template(CHAT, add_generation_prompt=False)
+            == "v2:hi"
+        )
 
 
 def test_a_named_template_overrides_the_repos_own(hub: Path, tmp_path: Path) -> None:
     named = tmp_path / "chat.jinja"
     named.write_text("named:{{ messages[0].content }}", encoding="utf-8")
-    assert load_tokenizer(REPO, str(named)).apply_chat_template(CHAT, add_generation_prompt=False) == "named:hi"
+    assert (
+        load_tokenizer(REPO, str(named)).apply_chat_template(CHAT, add_generation_prompt=False) == "named:hi"
+    )
 
 
 def test_a_chat_template_jinja_in_the_repo_is_read(hub: Path) -> None:
@@ -63,7 +72,9 @@ def test_a_chat_template_jinja_in_the_repo_is_read(hub: Path) -> None:
         "chat_template.jinja": "jinja:{{ messages[0].content }}",
     }
     cache_revision(hub, "org/with-jinja", commit, files)
-    assert load_tokenizer("org/with-jinja").apply_chat_template(CHAT, add_generation_prompt=False) == "jinja:hi"
+    assert (
+        load_tokenizer("org/with-jinja").apply_chat_template(CHAT, add_generation_prompt=False) == "jinja:hi"
+    )
 
 
 def test_what_cannot_be_had_says_why(hub: Path) -> None:
@@ -78,7 +89,7 @@ def test_what_cannot_be_had_says_why(hub: Path) -> None:
 
 @pytest.mark.parametrize(
     ("source", "repo"),
-    [("Qwen/Qwen3-8B", "Qwen/Qwen3-8B"), ("meta-llama/Llama-3.1-8B-Instruct", "meta-llama/Llama-3.1-8B-Instruct"),
+    [("Qwen/Qwen3-8B", "Qwen/Qwen3-8B"), ("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-8B"),
      ("/models/qwen3/tokenizer.json", None), ("./tok", None), ("../tok", None), ("~/tok", None),
      ("models/qwen3/tokenizer.json", None)],
 )  # fmt: skip
@@ -93,8 +104,21 @@ def test_an_existing_relative_directory_is_a_path(tmp_path: Path, monkeypatch: p
 
 
 @pytest.mark.parametrize(
-    "source", ["Qwen3-8B", "Qwen/Qwen3 8B", "Qwen//Qwen3", "Qwen/", "a/b/c", "Qwen/Qwen--3", "Qwen/..x", "-a/b", "Qwen/" + "x" * 97]
+    "source",
+    [
+        "Qwen3-8B",
+        "Qwen/Qwen3 8B",
+        "Qwen//Qwen3",
+        "Qwen/",
+        "a/b/c",
+        "Qwen/Qwen--3",
+        "Qwen/..x",
+        "-a/b",
+        "Qwen/" + "x" * 97,
+    ],
 )
 def test_a_malformed_repo_id_is_an_error(source: str) -> None:
-    with pytest.raises(TokenizationError, match="neither an existing file or directory nor a HuggingFace repo id"):
+    with pytest.raises(
+        TokenizationError, match="neither an existing file or directory nor a HuggingFace repo id"
+    ):
         hub_repo(source)

@@ -362,7 +362,13 @@ tokenizer = "Qwen3-8B"
 
 
 def test_a_revision_needs_a_repo_id_and_a_repo_id_is_accepted() -> None:
-    pinned = decode_config(b'[[models]]\nname = "m"\ntokenizer = "Qwen/Qwen3-8B"\ntokenizer_revision = "v1"\n', "t")
+    pinned = decode_config(
+        b'[[models]]\nname = "m"\ntokenizer = "Qwen/Qwen3-8B"\ntokenizer_revision = "v1"\n', "t"
+    )
     assert (pinned.models[0].tokenizer, pinned.models[0].tokenizer_revision) == ("Qwen/Qwen3-8B", "v1")
-    with pytest.raises(ConfigError, match=r"\$\.models\[0\]\.tokenizer_revision: `tokenizer` must be an HF repo id"):
-        decode_config(b'[[models]]\nname = "m"\ntokenizer = "/t/tokenizer.json"\ntokenizer_revision = "v1"\n', "t")
+    with pytest.raises(
+        ConfigError, match=r"\$\.models\[0\]\.tokenizer_revision: `tokenizer` must be an HF repo id"
+    ):
+        decode_config(
+            b'[[models]]\nname = "m"\ntokenizer = "/t/tokenizer.json"\ntokenizer_revision = "v1"\n', "t"
+        )
