@@ -24,7 +24,8 @@ from huggingface_hub import constants
 from engine_stub.server.launch import StubServer
 from engine_stub.stub_config import TokenizerChoice
 from router.ops.debug import Explanation
-from router.settings.config import EngineConfig, ModelConfig
+from router.prepare.served_models import Models
+from router.settings.config import EngineConfig, ModelConfig, RouterConfig
 from tests.gateway_helpers import (
     ADMIN,
     Gateway,
@@ -37,11 +38,12 @@ from tests.gateway_helpers import (
     running_stubs,
     wait_for,
 )
-from tests.hub_helpers import DEEPSEEK_JSON, cache_revision
+from tests.hub_helpers import DEEPSEEK_JSON, cache_revision, template_config
 from tests.serve_helpers import serve_process
 from tests.stub_helpers import stub_config
 from tokenization.hub import HubUnavailable, fetch_tokenizers
 from tokenization.loading import load_tokenizer
+from tokenization.openai_request import Endpoint, RequestError
 
 ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
 REPO = "deepseek-ai/DeepSeek-V4"
@@ -207,3 +209,29 @@ async def test_a_hub_that_never_answers_costs_the_timeout_not_a_hang(
         release.set()  # the abandoned thread's request ends; nothing reads its answer
     result = found[("org/slow", None)]
     assert isinstance(result, HubUnavailable) and result.reason == "timeout"
+
+
+def test_the_models_revision_pin_chooses_the_snapshot_it_tokenizes_with(offline_hub: Path) -> None:
+    """`tokenizer_revision` reaches the variant: the pinned tag's template renders the chat, the
+    unpinned model's `main` its own; each repo is loaded at `fetch_hub`, none on a request."""
+    pinned_files: dict[str, str | Path] = {
+        "tokenizer.json": DEEPSEEK_JSON,
+        "tokenizer_config.json": template_config("pinned revision says {{ messages[0].content }}"),
+    }
+    cache_revision(offline_hub, REPO, "b" * 40, pinned_files, refs=("v2",))
+    models = Models(
+        RouterConfig(
+            models=[
+                ModelConfig(name="pinned", tokenizer=REPO, tokenizer_revision="v2"),
+                ModelConfig(name="main", tokenizer=REPO),
+            ]
+        )
+    )
+    models.fetch_hub(30.0)
+    assert models.hub_unavailable == [] and not models.any_remote()
+    body = msgspec.json.encode({"model": "pinned", "messages": [{"role": "user", "content": "hi"}]})
+    deepseek = load_tokenizer(str(DEEPSEEK_JSON))
+    pinned = models.prepare(body, Endpoint.CHAT)
+    assert pinned.prompt_tokens == len(deepseek.encode("pinned revision says hi", add_special_tokens=False))
+    with pytest.raises(RequestError):  # DeepSeek's own config has no chat template: `main` has none
+        models.prepare(body.replace(b'"pinned"', b'"main"'), Endpoint.CHAT)
