@@ -164,7 +164,7 @@ class Service:
         metrics = RouterMetrics(  # the links' clock
             partial(engine_views, state), time.time, models.key_cache, models.tokenizer_stats
         )
-        metrics.count_hub_unavailable(exc.reason for exc in models.hub_unavailable)
+        models.on_hub_unavailable(metrics.count_hub_unavailable)
         if kube is not None:
             metrics.count_discovery(kube.counts)
         metrics.follow_fleet(partial(engine_labels, state))  # a removed engine's series go with it

@@ -60,7 +60,8 @@ def _reason(exc: BaseException) -> str:
     if isinstance(exc, errors.LocalEntryNotFoundError):  # not cached, and the hub said why (or nothing)
         if isinstance(exc.__cause__, errors.HfHubHTTPError):
             return _reason(exc.__cause__)
-        return "offline" if constants.is_offline_mode() else "unreachable"
+        asked = exc.__cause__ is not None and not isinstance(exc.__cause__, errors.OfflineModeIsEnabled)
+        return "unreachable" if asked and not constants.is_offline_mode() else "offline"
     if isinstance(exc, errors.GatedRepoError):
         return "unauthorized"
     if isinstance(exc, errors.RepositoryNotFoundError | errors.RevisionNotFoundError):
@@ -71,12 +72,16 @@ def _reason(exc: BaseException) -> str:
     return "unreachable"
 
 
-def _fetch(ref: HubRef) -> Path:
-    """The local snapshot directory holding the repo's tokenizer files (downloaded if need be)."""
+def _fetch(ref: HubRef, cache_only: bool) -> Path:
+    """The local snapshot directory holding the repo's tokenizer files (downloaded if need be and not
+    `cache_only`)."""
     from huggingface_hub import snapshot_download
 
+    patterns = list(TOKENIZER_FILES)
     try:
-        folder = Path(snapshot_download(ref[0], revision=ref[1], allow_patterns=list(TOKENIZER_FILES)))
+        folder = Path(
+            snapshot_download(ref[0], revision=ref[1], allow_patterns=patterns, local_files_only=cache_only)
+        )
     except Exception as exc:  # the library raises OSError, ValueError and HTTP errors alike
         raise HubUnavailable(ref, _reason(exc), f"{type(exc).__name__}: {exc}") from exc
     if not (folder / "tokenizer.json").is_file():
@@ -87,22 +92,25 @@ def _fetch(ref: HubRef) -> Path:
 class _Fetch(threading.Thread):
     """One resolution on a daemon thread (see the module docstring)."""
 
-    def __init__(self, ref: HubRef) -> None:
+    def __init__(self, ref: HubRef, cache_only: bool) -> None:
         super().__init__(name=f"hf-hub {ref[0]}", daemon=True)
-        self.ref = ref
+        self.ref, self.cache_only = ref, cache_only
         self.result: Path | HubUnavailable = HubUnavailable(ref, "timeout", "not started")
 
     def run(self) -> None:
         try:
-            self.result = _fetch(self.ref)
+            self.result = _fetch(self.ref, self.cache_only)
         except HubUnavailable as exc:
             self.result = exc
 
 
-def fetch_tokenizers(refs: Iterable[HubRef], timeout_s: float) -> dict[HubRef, Path | HubUnavailable]:
+def fetch_tokenizers(
+    refs: Iterable[HubRef], timeout_s: float, cache_only: bool = False
+) -> dict[HubRef, Path | HubUnavailable]:
     """Each repo's local tokenizer directory or why it cannot be had, all resolved at once and waited
-    for at most `timeout_s` together (an unfinished one is `timeout`)."""
-    fetches = [_Fetch(ref) for ref in dict.fromkeys(refs)]
+    for at most `timeout_s` together (an unfinished one is `timeout`); `cache_only`: from the cache
+    alone, no request (as `HF_HUB_OFFLINE` would; a miss is `offline`)."""
+    fetches = [_Fetch(ref, cache_only) for ref in dict.fromkeys(refs)]
     for fetch in fetches:
         fetch.start()
     deadline = time.monotonic() + timeout_s

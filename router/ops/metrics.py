@@ -685,10 +685,9 @@ class RouterMetrics:
         if error is not None:
             self._scrape_errors_of[engine, error].inc()
 
-    def count_hub_unavailable(self, reasons: Iterable[str]) -> None:
-        """Count the repo-named tokenizers that could not be had (router.prepare.served_models.fetch_hub)."""
-        for reason in reasons:
-            self.hub_tokenizers_unavailable.labels(reason).inc()
+    def count_hub_unavailable(self, reason: str) -> None:
+        """Count a repo-named tokenizer that could not be had (router.prepare.served_models)."""
+        self.hub_tokenizers_unavailable.labels(reason).inc()
 
     def count_discovery(self, counts: Mapping[str, int]) -> None:
         """Export the Kubernetes discovery's counters (router/links/kube_discovery.py)."""

@@ -11,7 +11,9 @@ up with its variant's keys.
 A tokenizer named by HF repo id is resolved through the hub once, by `fetch_hub` (the gateway calls it
 at startup, on a thread, bounded; other tools resolve on first use). A repo whose files cannot be had
 makes its model take prompt ids from an engine's /tokenize (`needs_remote`), as `remote_tokenize`
-does; the built-in tokenizer stands in only when no engine answers either (no hits predicted).
+does; the built-in tokenizer stands in only when no engine answers either (no hits predicted). After
+`fetch_hub`, a repo first named later (an engine added at run time) is read from the cache alone: a
+request never waits on the network.
 
 What a preparation keeps for later requests (the chat decoder's messages, the chat carry's turn, the
 segment cache's pieces, prefix reuse's text, the recent prompts' keys) is never read by that
@@ -160,6 +162,8 @@ class Models:
         """Every repo-named tokenizer that could not be had (logged once each; the gateway counts them)."""
         self._remote = {name for name, m in self._models.items() if getattr(m, "remote_tokenize", False)}
         self._hub_fallback: set[str] = set()
+        self._cache_only = False  # set by `fetch_hub`: from then on a request may be waiting
+        self._count_unavailable: Callable[[str], None] = lambda reason: None
         self.later: Later = []
         """The stores of the last preparation, not run yet (see the module docstring)."""
         self._chat = ChatDecoder()
@@ -208,7 +212,7 @@ class Models:
         ref = _hub_ref(variant)
         if ref is None:
             return load_tokenizer(variant.tokenizer, variant.chat_template)
-        if ref not in self._hub:  # not fetched at startup (a tool that resolves on first use)
+        if ref not in self._hub:  # not fetched at startup: a tool, or an engine added at run time
             self._resolve([ref], HUB_TIMEOUT_S)
         found = self._hub[ref]
         if isinstance(found, HubUnavailable):
@@ -222,6 +226,7 @@ class Models:
         variants = [v for by_id in self._variants.values() for v in by_id.values()]
         refs = [ref for v in variants if (ref := _hub_ref(v)) is not None and ref not in self._hub]
         self._resolve(refs, timeout_s)
+        self._cache_only = True
         for v in variants:
             ref = _hub_ref(v)
             if ref is None or isinstance(self._hub[ref], HubUnavailable):
@@ -232,8 +237,14 @@ class Models:
                 self._unavailable(HubUnavailable(ref, "unreadable", str(exc)))
                 self._tokenizers.pop(v.tokenizer_source, None)
 
+    def on_hub_unavailable(self, count: Callable[[str], None]) -> None:
+        """Call `count(reason)` for each repo that could not be had: those so far, then each one later."""
+        self._count_unavailable = count
+        for exc in self.hub_unavailable:
+            count(exc.reason)
+
     def _resolve(self, refs: list[HubRef], timeout_s: float) -> None:
-        for ref, found in fetch_tokenizers(refs, timeout_s).items():
+        for ref, found in fetch_tokenizers(refs, timeout_s, self._cache_only).items():
             if isinstance(found, HubUnavailable):
                 self._unavailable(found)
             else:
@@ -244,6 +255,7 @@ class Models:
         """Record a repo that cannot be had: every model with a variant reading it tokenizes remotely."""
         self._hub[exc.ref] = exc
         self.hub_unavailable.append(exc)
+        self._count_unavailable(exc.reason)
         for name, by_id in self._variants.items():
             if any(_hub_ref(v) == exc.ref for v in by_id.values()):
                 self._remote.add(name)

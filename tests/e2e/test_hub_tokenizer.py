@@ -10,6 +10,7 @@ variables `HF_HOME` and `HF_HUB_OFFLINE` for a fresh process and its embedded en
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import logging
 import os
 from pathlib import Path
@@ -235,3 +236,91 @@ def test_the_models_revision_pin_chooses_the_snapshot_it_tokenizes_with(offline_
     assert pinned.prompt_tokens == len(deepseek.encode("pinned revision says hi", add_special_tokens=False))
     with pytest.raises(RequestError):  # DeepSeek's own config has no chat template: `main` has none
         models.prepare(body.replace(b'"pinned"', b'"main"'), Endpoint.CHAT)
+
+
+async def test_kvrouter_serve_downloads_only_the_tokenizer_files_from_hf_endpoint(tmp_path: Path) -> None:
+    """A fake hub on 127.0.0.1 (`HF_ENDPOINT`, read by a fresh process as the library reads it) holds
+    the repo with weights and a model config beside the tokenizer; the gateway and its embedded stub
+    download the tokenizer files alone, with the token from `HF_TOKEN`, into `HF_HOME`."""
+    commit = "c" * 40
+    files = {
+        "tokenizer.json": DEEPSEEK_JSON.read_bytes(),
+        "tokenizer_config.json": (DEEPSEEK_JSON.parent / "tokenizer_config.json").read_bytes(),
+        "config.json": b"{}",
+        "model.safetensors": b"\0" * 1024,
+    }
+    oids = {name: hashlib.sha1(body).hexdigest() for name, body in files.items()}
+    fetched: list[tuple[str, str]] = []
+    tokens: set[str] = set()
+
+    async def hub(request: web.Request) -> web.StreamResponse:
+        path = request.path
+        if path.startswith("/api/models/") or "/resolve/" in path:
+            tokens.add(request.headers.get("authorization", ""))
+        if path == f"/api/models/{REPO}/revision/main":
+            return web.json_response(
+                {"id": REPO, "sha": commit, "siblings": [{"rfilename": n} for n in files]}
+            )
+        if path.startswith(f"/api/models/{REPO}/tree/{commit}"):
+            tree = [{"type": "file", "path": n, "size": len(b), "oid": oids[n]} for n, b in files.items()]
+            return web.json_response(tree)
+        prefix = f"/{REPO}/resolve/{commit}/"
+        if path.startswith(prefix) and path[len(prefix) :] in files:
+            name = path[len(prefix) :]
+            fetched.append((request.method, name))
+            return web.Response(
+                body=files[name], headers={"X-Repo-Commit": commit, "ETag": f'"{oids[name]}"'}
+            )
+        return web.Response(status=404)
+
+    async with fake_engine(hub) as endpoint:
+        env = {
+            "HF_HOME": str(tmp_path / "hf"),
+            "HF_ENDPOINT": endpoint,
+            "HF_TOKEN": "hf_from_the_environment",
+            "KVROUTER_ADMIN_TOKEN": ADMIN,
+        }
+        sets = (f"embedded.tokenizer={REPO}", "embedded.engines=1")
+        async with (
+            serve_process(env, *sets) as (_, url),
+            httpx.AsyncClient(base_url=url, timeout=30.0) as client,
+        ):
+            body = msgspec.json.encode({"prompt": PROMPT, "max_tokens": 1})
+            answer = await client.post("/debug/route", content=body, headers=ADMIN_AUTH)
+            assert answer.status_code == 200, answer.text
+            explained = msgspec.json.decode(answer.content, type=Explanation)
+    assert explained.request.tokenizer == "local"
+    assert {name for _, name in fetched} == {"tokenizer.json", "tokenizer_config.json"}
+    assert tokens == {"Bearer hf_from_the_environment"}
+    snapshot = tmp_path / "hf" / "hub" / f"models--{REPO.replace('/', '--')}" / "snapshots" / commit
+    assert (snapshot / "tokenizer.json").read_bytes() == files["tokenizer.json"]
+
+
+async def test_a_repo_first_named_after_startup_is_read_from_the_cache_alone(
+    offline_hub: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine added at run time (the admin API) naming a repo: a request prepares with it at once,
+    from the cache, and never waits on the hub (which is reachable and would answer)."""
+    asked: list[str] = []
+
+    async def hub(request: web.Request) -> web.StreamResponse:
+        asked.append(request.path)
+        return web.Response(status=503)
+
+    async with fake_engine(hub) as endpoint:
+        monkeypatch.setattr(constants, "ENDPOINT", endpoint)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        monkeypatch.setattr(constants, "AGENT_HARNESSES_PATH", str(tmp_path / "agents.json"))
+        models = Models(RouterConfig(models=[ModelConfig(name=MODEL)]))
+        models.fetch_hub(30.0)
+        counted: list[str] = []
+        models.on_hub_unavailable(counted.append)
+        url = "http://127.0.0.1:9"
+        models.learn(EngineConfig(name="cached", url=url, model=MODEL, tokenizer=REPO))
+        models.learn(EngineConfig(name="uncached", url=url, model=MODEL, tokenizer="org/not-cached"))
+        body = msgspec.json.encode({"model": MODEL, "prompt": PROMPT})
+        prepared = await asyncio.to_thread(models.prepare, body, Endpoint.COMPLETIONS)
+    deepseek = len(load_tokenizer(str(DEEPSEEK_JSON)).encode(PROMPT, add_special_tokens=True))
+    builtin = len(PROMPT.encode()) + 1  # its bytes and BOS
+    assert asked == [] and counted == ["offline"]
+    assert {keys.num_tokens for keys in prepared.variants.values()} == {deepseek, builtin}
