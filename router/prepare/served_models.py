@@ -13,7 +13,8 @@ at startup, on a thread, bounded; other tools resolve on first use). A repo whos
 makes its model take prompt ids from an engine's /tokenize (`needs_remote`), as `remote_tokenize`
 does; the built-in tokenizer stands in only when no engine answers either (no hits predicted). After
 `fetch_hub`, a repo first named later (an engine added at run time) is read from the cache alone: a
-request never waits on the network.
+request never waits on the network; if it is not cached, that engine's variant is keyed by the
+built-in tokenizer (no hit predicted on it).
 
 What a preparation keeps for later requests (the chat decoder's messages, the chat carry's turn, the
 segment cache's pieces, prefix reuse's text, the recent prompts' keys) is never read by that
@@ -252,12 +253,14 @@ class Models:
                 log.info("tokenizer resolved through the HF hub", extra={"repo": ref[0], "path": str(found)})
 
     def _unavailable(self, exc: HubUnavailable) -> None:
-        """Record a repo that cannot be had: every model with a variant reading it tokenizes remotely."""
+        """Record a repo that cannot be had: every model with a variant reading it tokenizes remotely
+        (unless found after startup: the gateway reads `any_remote` once, so the models stay as they
+        were and only the variant that names it falls back to the built-in tokenizer)."""
         self._hub[exc.ref] = exc
         self.hub_unavailable.append(exc)
         self._count_unavailable(exc.reason)
         for name, by_id in self._variants.items():
-            if any(_hub_ref(v) == exc.ref for v in by_id.values()):
+            if not self._cache_only and any(_hub_ref(v) == exc.ref for v in by_id.values()):
                 self._remote.add(name)
                 self._hub_fallback.add(name)
         # The message names the repo, revision, reason and the library's explanation; never a token.

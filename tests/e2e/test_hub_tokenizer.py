@@ -322,5 +322,5 @@ async def test_a_repo_first_named_after_startup_is_read_from_the_cache_alone(
         prepared = await asyncio.to_thread(models.prepare, body, Endpoint.COMPLETIONS)
     deepseek = len(load_tokenizer(str(DEEPSEEK_JSON)).encode(PROMPT, add_special_tokens=True))
     builtin = len(PROMPT.encode()) + 1  # its bytes and BOS
-    assert asked == [] and counted == ["offline"]
+    assert asked == [] and counted == ["offline"] and not models.any_remote()
     assert {keys.num_tokens for keys in prepared.variants.values()} == {deepseek, builtin}
