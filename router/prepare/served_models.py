@@ -227,7 +227,6 @@ class Models:
         variants = [v for by_id in self._variants.values() for v in by_id.values()]
         refs = [ref for v in variants if (ref := _hub_ref(v)) is not None and ref not in self._hub]
         self._resolve(refs, timeout_s)
-        self._cache_only = True
         for v in variants:
             ref = _hub_ref(v)
             if ref is None or isinstance(self._hub[ref], HubUnavailable):
@@ -237,6 +236,7 @@ class Models:
             except (TokenizationError, OSError) as exc:
                 self._unavailable(HubUnavailable(ref, "unreadable", str(exc)))
                 self._tokenizers.pop(v.tokenizer_source, None)
+        self._cache_only = True
 
     def on_hub_unavailable(self, count: Callable[[str], None]) -> None:
         """Call `count(reason)` for each repo that could not be had: those so far, then each one later."""

@@ -324,3 +324,11 @@ async def test_a_repo_first_named_after_startup_is_read_from_the_cache_alone(
     builtin = len(PROMPT.encode()) + 1  # its bytes and BOS
     assert asked == [] and counted == ["offline"] and not models.any_remote()
     assert {keys.num_tokens for keys in prepared.variants.values()} == {deepseek, builtin}
+
+
+def test_a_cached_repo_whose_files_do_not_load_tokenizes_remotely(offline_hub: Path) -> None:
+    cache_revision(offline_hub, "org/broken", "d" * 40, {"tokenizer.json": "{not json"})
+    models = Models(RouterConfig(models=[ModelConfig(name=MODEL, tokenizer="org/broken")]))
+    models.fetch_hub(30.0)
+    assert [(exc.ref, exc.reason) for exc in models.hub_unavailable] == [(("org/broken", None), "unreadable")]
+    assert models.needs_remote(MODEL)
