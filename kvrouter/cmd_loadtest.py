@@ -288,7 +288,8 @@ def _external_plan(
         raise ValueError("--load prices requests with the stubs' cost model; not with --engines-from")
     if args.prompt_format == "text":
         model = external.model
-        requests = TextPrompts(load_tokenizer(model.tokenizer, model.chat_template)).rewrite(requests)
+        tokenizer = load_tokenizer(model.tokenizer, model.chat_template, model.tokenizer_revision)
+        requests = TextPrompts(tokenizer).rewrite(requests)
     return _spread(args, requests)
 
 

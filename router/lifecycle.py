@@ -40,6 +40,7 @@ from router.ops.recording import GatewayRecorder
 from router.prepare.served_models import Models
 from router.settings.config import EngineConfig, RouterConfig
 from router.settings.secrets import load_secrets
+from tokenization.loading import HUB_TIMEOUT_S
 
 if TYPE_CHECKING:
     from router.links.kube_discovery import KubeDiscovery
@@ -137,6 +138,9 @@ class Service:
                 opts.record, self._metadata(), config.policy.session_header, config
             )
         models = Models(config)  # request -> tokens -> block keys, under the mirror's hasher
+        # Repo-named tokenizers through the HF hub, on a thread: bounded (HUB_TIMEOUT_S), never fatal.
+        fetch = asyncio.to_thread(models.fetch_hub, HUB_TIMEOUT_S)
+        await self._phase("tokenizers", fetch, HUB_TIMEOUT_S + opts.phase_timeout_s)
         state = FleetState(config, models.hasher, time.monotonic)  # mirror, trust, load, admission
         links = self._links = FleetLinks(state, models)  # engines -> subscribers -> state
         if self.recorder is not None:
@@ -164,6 +168,7 @@ class Service:
         metrics = RouterMetrics(  # the links' clock
             partial(engine_views, state), time.time, models.key_cache, models.tokenizer_stats
         )
+        models.on_hub_unavailable(metrics.count_hub_unavailable)
         if kube is not None:
             metrics.count_discovery(kube.counts)
         metrics.follow_fleet(partial(engine_labels, state))  # a removed engine's series go with it

@@ -72,7 +72,7 @@ def view_of(prepared: Prepared) -> PreparedView:
     """What the debug endpoints show of a prepared request."""
     return PreparedView(
         prepared.model, str(prepared.endpoint), prepared.stream, prepared.prompt_tokens,
-        len(prepared.keys), prepared.skip_cache, prepared.unread,
+        len(prepared.keys), prepared.skip_cache, prepared.unread, prepared.tokenizer,
     )  # fmt: skip
 
 
@@ -111,7 +111,7 @@ class Decider:
         self.policy = parts.config.policy.name
         self.session_header = parts.config.policy.session_header.lower().encode("latin-1")
         self.max_body = parts.config.limits.max_body_bytes
-        self.any_remote = any(m.remote_tokenize for m in parts.config.models)
+        self.any_remote = parts.models.any_remote()  # configured, or a repo-named tokenizer not had
         self._remote = RemoteTokenizer(parts.proxy.call)
         # The stages' histogram children, looked up once rather than per request (a lock and a dict each).
         overhead = {stage: parts.metrics.overhead.labels(stage) for stage in (*_STAGES, "proxy")}
@@ -167,6 +167,7 @@ class Decider:
                 tokens = await self._remote_tokens(body, model)
                 if tokens is not None:
                     return models.prepare_tokens(body, endpoint, tokens, model, defer=defer)
+                return models.prepare_fallback(body, endpoint, model, defer=defer)
             return models.prepare(body, endpoint, model, defer=defer)
         except Exception as exc:
             _prepare_failed(exc, endpoint)
@@ -228,7 +229,7 @@ class Decider:
         # `view_of(prepared)`, inline: one call less per request.
         view = PreparedView(
             prepared.model, str(prepared.endpoint), prepared.stream, prepared.prompt_tokens,
-            len(prepared.keys), prepared.skip_cache, prepared.unread,
+            len(prepared.keys), prepared.skip_cache, prepared.unread, prepared.tokenizer,
         )  # fmt: skip
         entry = DecisionEntry(request_id=rid, time=time.time(), request=view)
         # The key was the router's (engines never see it); the request id is the gateway's. The path is

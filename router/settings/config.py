@@ -18,6 +18,8 @@ import msgspec
 
 from router.core.group_kinds import group_kind
 from router.core.ids import EngineId
+from tokenization.base import TokenizationError
+from tokenization.hub_names import hub_repo
 
 __all__ = [
     "Auth",
@@ -113,6 +115,10 @@ class ModelConfig(_Table, frozen=True):
 
     name: str
     tokenizer: str | None = None
+    """A tokenizer.json file, a directory holding one, or an HF repo id (`Org/Name`, through the hub's
+    cache; docs/tokenization.md "Tokenizers named by repo id"); unset: the built-in tokenizer."""
+    tokenizer_revision: str | None = None
+    """The branch, tag or commit of the repo `tokenizer` names (unset: `main`)."""
     chat_template: str | None = None
     block_size: Count = 16
     groups: list[GroupConfig] = []
@@ -440,8 +446,26 @@ def _group_problems(at: str, groups: list[GroupConfig], drop: bool) -> list[str]
     return problems
 
 
-def _model_problems(config: RouterConfig) -> list[str]:
+def _tokenizer_problems(config: RouterConfig) -> list[str]:
+    """A `tokenizer` that is neither a path nor a well-formed HF repo id, and a revision without a repo."""
     problems = []
+    sources = [(f"$.models[{i}]", m.tokenizer) for i, m in enumerate(config.models)]
+    sources += [(f"$.engines[{i}]", e.tokenizer) for i, e in enumerate(config.engines)]
+    repos: dict[str, str | None] = {}  # a source reported as malformed has no entry
+    for at, source in [*sources, ("$.embedded", config.embedded.tokenizer)]:
+        try:
+            repos[at] = hub_repo(source) if source is not None else None
+        except TokenizationError as exc:
+            problems.append(f"{at}.tokenizer: {exc}")
+    for i, m in enumerate(config.models):
+        at = f"$.models[{i}]"
+        if m.tokenizer_revision is not None and at in repos and repos[at] is None:
+            problems.append(f"{at}.tokenizer_revision: `tokenizer` must be an HF repo id to pin a revision")
+    return problems
+
+
+def _model_problems(config: RouterConfig) -> list[str]:
+    problems = _tokenizer_problems(config)
     models = {m.name: m for m in config.models}
     for i, m in enumerate(config.models):
         at = f"$.models[{i}]"
