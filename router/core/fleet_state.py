@@ -233,17 +233,22 @@ class FleetState:
             rep.pending[request] = PendingReport(keys, n, full, prepared.skip_cache)
 
     def _awaited_keys(self, rep: Replica, keys: Sequence[int]) -> Sequence[int]:
-        """The keys whose stores prove the request's events arrived: those the mirror does not hold at
-        send (empty: nothing to await). A prompt whose blocks are all held stores none, or, when it is
-        block-aligned, only a copy of its last block (the hit stops one token short, so the engine
-        recomputes that block): a copy of a held block cannot be told from the block by whether it is
-        held, so such a request is no proof that the link delivered anything (before, it was awaited
-        on keys held at send, and its end forgave every earlier request whose stores were missing).
-        Layouts whose keys do not name one group-0 block each await every key (see `Replica._held`)."""
+        """The keys whose stores prove the request's events arrived: those from the first one the
+        mirror does not hold at send (empty: nothing to await). A prompt whose blocks are all held
+        stores none, or, when it is block-aligned, only a copy of its last block (the hit stops one
+        token short, so the engine recomputes that block): a copy of a held block cannot be told from
+        the block by whether it is held, so such a request is no proof that the link delivered
+        anything (before, it was awaited on keys held at send, and its end forgave every earlier
+        request whose stores were missing). Layouts whose keys do not name one group-0 block each
+        await every key (see `Replica._held`)."""
         view = self.mirror.replica(rep.id)
         if view is None or not rep.unitary:
             return keys
-        return [key for key in keys if not self.mirror.count(view, 0, key)]
+        count = self.mirror.count
+        for i, key in enumerate(keys):  # the held prefix is walked once, as the lookup did
+            if not count(view, 0, key):
+                return keys[i:]  # (a held block past it, a hole, is then found held at once)
+        return ()
 
     def request_answered(self, request: RequestId, at: float, computed: bool = True) -> None:
         """The replica's first bytes for `request` arrived: its stores are published by now, if it
