@@ -94,8 +94,8 @@ async def record_session(stubs: list[StubServer], policy: str, path: Path, gap: 
                 await wait_for(caught_up)
                 # The configured header for the first user, an agent client's for the others: the
                 # recording keeps both, and replay reads the session key as the gateway did.
-                named = "x-session-id" if user == USERS[0] else "x-claude-code-session-id"
-                headers = {"content-type": "application/json", named: user}
+                header = "x-session-id" if user == USERS[0] else "x-claude-code-session-id"
+                headers = {"content-type": "application/json", header: user}
                 answer = await gw.client.post(
                     "/v1/chat/completions", content=chat_body(user, turn), headers=headers
                 )
