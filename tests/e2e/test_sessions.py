@@ -12,21 +12,23 @@ from __future__ import annotations
 import asyncio
 import json
 import signal
-from typing import Any
+from typing import Any, Literal
 
 import httpx
 import msgspec
 import pytest
+from aiohttp import web
 
 from engine_stub.server.launch import StubServer
 from router.ops.debug import DecisionEntry
 from router.ops.digests import FleetDigests
-from router.settings.config import PolicyConfig
+from router.settings.config import EngineConfig, PolicyConfig
 from tests.e2e.test_agent_apis import MODEL, SYSTEM, messages_step, responses_step
 from tests.gateway_helpers import (
     ADMIN,
     WAIT,
     engine_of,
+    fake_engine,
     gateway_config,
     metric,
     mirrors_caught_up,
@@ -107,6 +109,73 @@ async def test_an_agent_sessions_steps_stay_on_its_engine_and_the_record_says_wh
     assert outcomes == {"new": 1, "kept": 2 if path == "/v1/chat/completions" else 1, "moved": 0}
     assert metric(text, "kvrouter_session_pins") == 1
     assert metric(text, "kvrouter_session_pin_evictions_total", reason="capacity") == 0
+
+
+class HeldEngines:
+    """Engines that answer at once, except a prompt saying "hold", held until `release` is set: the
+    request is in flight there (its prefill queued, as the router counts it) for as long as the test
+    needs, with no timing."""
+
+    def __init__(self) -> None:
+        self.arrived, self.release = asyncio.Event(), asyncio.Event()
+
+    async def handle(self, request: web.Request) -> web.Response:
+        if b"hold" in await request.read():
+            self.arrived.set()
+            await asyncio.wait_for(self.release.wait(), WAIT)
+        return web.json_response({"id": "x", "object": "text_completion", "model": MODEL, "choices": []})
+
+
+def completion(prompt: str) -> dict[str, Any]:
+    return {"model": MODEL, "prompt": prompt, "max_tokens": 4}
+
+
+@pytest.mark.parametrize("mode", ["soft", "hard"])
+async def test_a_soft_session_moves_off_a_loaded_engine_and_a_hard_one_stays(
+    mode: Literal["soft", "hard"],
+) -> None:
+    """The session's engine gets a long prompt in flight (~16k tokens queued there, ~1.6 s at the prior
+    cost): a soft pin (margin 50 ms) moves the next step to the idle engine, saying by how much;
+    a hard pin keeps it. The queue is not drained with time (`drain_queued_prefill` off): the
+    prediction does not depend on how long the test takes."""
+    held = HeldEngines()
+    policy = PolicyConfig(
+        name="session", session_mode=mode, session_margin_s=0.05, drain_queued_prefill=False,
+        trust_silence_s=30.0,
+    )  # fmt: skip
+    session = {"x-session-id": "s-load"}
+    conversation = "You are a careful coding agent. " * 20
+    async with fake_engine(held.handle) as a, fake_engine(held.handle) as b:
+        engines = [EngineConfig(name="e0", url=a, model=MODEL), EngineConfig(name="e1", url=b, model=MODEL)]
+        async with running_gateway(gateway_config(engines, policy=policy)) as gw:
+            c = gw.client
+            first = await c.post("/v1/completions", json=completion(conversation + "step 1"), headers=session)
+            assert first.status_code == 200, first.text
+            pinned = first.headers["x-kvrouter-engine"]
+            other = "e1" if pinned == "e0" else "e0"
+            load = asyncio.ensure_future(
+                c.post("/v1/completions", json=completion("hold " + "lorem ipsum " * 1500), headers=session)
+            )
+            await asyncio.wait_for(held.arrived.wait(), WAIT)  # in flight on the session's engine
+            second = await c.post(
+                "/v1/completions", json=completion(conversation + "step 2"), headers=session
+            )
+            reason = (await decision(c, second)).decisions[0].reason
+            held.release.set()
+            loaded = await asyncio.wait_for(load, WAIT)
+            text = (await c.get("/metrics")).text
+    assert loaded.headers["x-kvrouter-engine"] == pinned  # the long prompt stayed with its session
+    if mode == "hard":
+        assert second.headers["x-kvrouter-engine"] == pinned
+        assert reason == f"session 'x-session-id=s-load': kept on {pinned} (hard pin: session affinity)"
+        assert metric(text, "kvrouter_session_decisions_total", outcome="moved") == 0
+        return
+    assert second.headers["x-kvrouter-engine"] == other
+    assert reason.startswith(f"session 'x-session-id=s-load': moved from {pinned} to {other} (soft pin): "), (
+        reason
+    )
+    assert "> margin 50.0 ms; kv:" in reason, reason
+    assert metric(text, "kvrouter_session_decisions_total", outcome="moved") == 1
 
 
 async def applied_everything(client: httpx.AsyncClient, stubs: dict[str, StubServer]) -> bool:
