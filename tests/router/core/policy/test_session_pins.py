@@ -4,6 +4,8 @@ each counted by reason; time passed in."""
 from __future__ import annotations
 
 import pytest
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from router.core.ids import EngineId
 from router.core.policy.session_pins import EVICTION_REASONS, SessionPins
@@ -89,3 +91,79 @@ def test_an_engine_leaving_drops_its_pins_only() -> None:
 def test_a_table_holds_at_least_one_pin() -> None:
     with pytest.raises(ValueError, match="at least 1"):
         SessionPins(0)
+
+
+class Model:
+    """The table's contract written plainly: each pin's engine, last use and use order; scanned whole."""
+
+    def __init__(self, capacity: int, ttl_s: float) -> None:
+        self.capacity, self.ttl_s = capacity, ttl_s
+        self.pins: dict[str, tuple[EngineId, float, int]] = {}
+        self.uses = 0
+        self.evictions = dict.fromkeys(EVICTION_REASONS, 0)
+
+    def expired(self, used: float, now: float) -> bool:
+        return self.ttl_s > 0 and now - used > self.ttl_s
+
+    def get(self, session: str, now: float) -> EngineId | None:
+        if session not in self.pins:
+            return None
+        engine, used, _ = self.pins[session]
+        if self.expired(used, now):
+            del self.pins[session]
+            self.evictions["ttl"] += 1
+            return None
+        return engine
+
+    def pin(self, session: str, engine: EngineId, now: float) -> None:
+        self.uses += 1
+        self.pins[session] = (engine, now, self.uses)
+        for s in [s for s, (_, used, _) in self.pins.items() if self.expired(used, now)]:
+            del self.pins[s]
+            self.evictions["ttl"] += 1
+        while len(self.pins) > self.capacity:
+            del self.pins[min(self.pins, key=lambda s: self.pins[s][2])]
+            self.evictions["capacity"] += 1
+
+    def forget_engine(self, engine: EngineId) -> None:
+        gone = [s for s, (e, _, _) in self.pins.items() if e == engine]
+        for s in gone:
+            del self.pins[s]
+        self.evictions["engine_removed"] += len(gone)
+
+
+SESSIONS = ["s0", "s1", "s2", "s3"]
+_OPS = st.lists(
+    st.tuples(
+        st.sampled_from(["get", "pin", "forget"]),
+        st.sampled_from(SESSIONS),
+        st.sampled_from([A, B]),
+        st.integers(0, 4).map(float),  # time passes by this much first (never backwards; ties with the TTL)
+    ),
+    max_size=60,
+)
+
+
+@example([("pin", "s0", A, 0.0), ("pin", "s1", A, 0.0), ("get", "s0", A, 0.0), ("pin", "s2", B, 0.0)], 2, 0.0)
+@example([("pin", "s0", A, 0.0), ("get", "s0", A, 3.0), ("pin", "s1", B, 0.0)], 2, 3.0)  # idle exactly ttl_s
+@given(_OPS, st.integers(1, 3), st.sampled_from([0.0, 3.0, 6.0]))
+def test_the_table_keeps_its_contract_under_any_sequence(
+    ops: list[tuple[str, str, EngineId, float]], capacity: int, ttl_s: float
+) -> None:
+    pins, model = SessionPins(capacity, ttl_s), Model(capacity, ttl_s)
+    now = 0.0
+    for op, session, engine, step in ops:
+        now += step
+        if op == "get":
+            assert pins.get(session, now) == model.get(session, now)
+        elif op == "pin":
+            pins.pin(session, engine, now)
+            model.pin(session, engine, now)
+        else:
+            pins.forget_engine(engine)
+            model.forget_engine(engine)
+        assert len(pins) == len(model.pins) <= capacity
+        assert pins.evictions == model.evictions
+    for session in SESSIONS:  # which pins are left, and where (a look is no use)
+        assert pins.get(session, now) == model.get(session, now)
+    assert pins.evictions == model.evictions
