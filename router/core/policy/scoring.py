@@ -15,9 +15,9 @@ Policies (`PolicyName`):
   counted hit, (3) fewer in-flight requests, (4) a stable hash of (request key, engine), which
   spreads ties over engines without randomness. The reason names the rules that decided.
 - `round_robin`, `least_loaded` (in-flight, then queued tokens, then the stable hash), `random`
-  (seeded), `session` (header affinity; falls back to `kv` when the engine is gone or unavailable),
+  (seeded), `session` (agent sessions kept on their engine, hard or soft: router.core.policy.session_rule),
   `prefix_approx` (longest warm full-attention prefix, ignoring trust and hybrid rules; for A/B).
-Pure: the scorer's only state is the round-robin counter, the seeded RNG and the session table.
+Pure: the scorer's only state is the round-robin counter, the seeded RNG and the session pins.
 """
 
 from __future__ import annotations
@@ -27,7 +27,6 @@ import functools
 import hashlib
 import operator
 import random
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from itertools import repeat
 from typing import TYPE_CHECKING, Final
@@ -36,6 +35,7 @@ import msgspec
 
 from router.core.ids import EngineId
 from router.core.policy.load import LoadSnapshot
+from router.core.policy.session_rule import SessionMode, SessionRule
 from router.core.policy.trust import TrustState, TrustStatus
 from router.core.policy.ttft_model import ttft_terms
 
@@ -126,6 +126,11 @@ class ScorerSettings(msgspec.Struct, frozen=True):
     """An engine whose scraped `vllm:num_requests_waiting` exceeds this is saturated (0: no limit)."""
     prefill_work_weight: float = 1.0
     """kv: the cost adds this many times the request's own uncached prefill time (`work_s`)."""
+    session_mode: SessionMode = SessionMode.HARD
+    session_ttl_s: float = 3600.0
+    """A session pin unused this long is forgotten (0: never)."""
+    session_margin_s: float = 0.5
+    """session, soft: a pinned session moves when kv's choice is predicted this much faster to first token."""
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> ScorerSettings:
@@ -134,7 +139,8 @@ class ScorerSettings(msgspec.Struct, frozen=True):
         return cls(
             PolicyName(p.name), p.tie_tolerance_s, p.seed, p.session_capacity,
             max_predicted_ttft_s=p.max_predicted_ttft_s, max_scraped_waiting=p.max_scraped_waiting,
-            prefill_work_weight=p.prefill_work_weight,
+            prefill_work_weight=p.prefill_work_weight, session_mode=SessionMode(p.session_mode),
+            session_ttl_s=p.session_ttl_s, session_margin_s=p.session_margin_s,
         )  # fmt: skip
 
 
@@ -270,7 +276,13 @@ class Scorer:
         self.settings = settings
         self._turn = 0
         self._rng = random.Random(settings.seed)
-        self._sessions: OrderedDict[str, EngineId] = OrderedDict()
+        self.sessions = SessionRule(
+            settings.session_mode,
+            settings.session_capacity,
+            settings.session_ttl_s,
+            settings.session_margin_s,
+        )
+        self._now = 0.0  # the time of the decision being made (`choose`): session pins read it
         self._policies: dict[PolicyName, Callable[[RouteRequest, list[CandidateScore]], Pick]] = {
             PolicyName.KV: self._kv,
             PolicyName.ROUND_ROBIN: self._round_robin,
@@ -282,9 +294,11 @@ class Scorer:
         self._policy = self._policies[settings.policy]  # (an enum's hash is a Python call per lookup)
         self._alone_kv = settings.policy is PolicyName.KV  # one eligible candidate: `_kv` without a tie
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
-        """Score every candidate and pick one with the configured policy (deterministic given the seed)."""
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate], now: float = 0.0) -> Decision:
+        """Score every candidate and pick one with the configured policy (deterministic given the seed);
+        `now` (the fleet's clock) ages session pins."""
         policy = self.settings.policy
+        self._now = now
         # (`map` and `filter` rather than comprehensions: no Python frame of their own)
         scores = list(map(_score, candidates, repeat(request.excluded), repeat(self.settings)))
         if len(scores) > 1:  # (one engine's list is sorted: no key list, no call)
@@ -311,9 +325,8 @@ class Scorer:
         )  # fmt: skip
 
     def forget_engine(self, engine: EngineId) -> None:
-        """Drop session affinities to an engine that left the fleet."""
-        for session in [s for s, e in self._sessions.items() if e == engine]:
-            del self._sessions[session]
+        """Drop session pins to an engine that left the fleet."""
+        self.sessions.pins.forget_engine(engine)
 
     def _kv(self, request: RouteRequest, eligible: list[CandidateScore]) -> Pick:
         best = min(eligible, key=_COST)
@@ -357,24 +370,7 @@ class Scorer:
         return chosen, f"prefix_approx: longest warm prefix {chosen.warm_tokens} tokens (trust ignored)"
 
     def _session(self, request: RouteRequest, eligible: list[CandidateScore]) -> Pick:
-        if request.session is None:
-            chosen, why = self._kv(request, eligible)
-            return chosen, f"session: no session header; {why}"
-        pinned = self._sessions.get(request.session)
-        for s in eligible:
-            if s.engine == pinned:
-                self._sessions.move_to_end(request.session)
-                return s, f"session: affinity of session {request.session!r}"
-        chosen, why = self._kv(request, eligible)
-        self._remember(request.session, chosen.engine)
-        lost = "new session" if pinned is None else f"pinned engine {pinned} unavailable"
-        return chosen, f"session: {lost}; {why}"
-
-    def _remember(self, session: str, engine: EngineId) -> None:
-        self._sessions[session] = engine
-        self._sessions.move_to_end(session)
-        while len(self._sessions) > self.settings.session_capacity:
-            self._sessions.popitem(last=False)
+        return self.sessions.pick(request.session, eligible, lambda: self._kv(request, eligible), self._now)
 
 
 def _kv_words(chosen: CandidateScore, lowest: bool) -> str:
