@@ -2,17 +2,18 @@
 
 Policies (`PolicyName`):
 - `kv` (default): minimise the predicted TTFT (router.core.policy.ttft_model: prefill of the queue and
-  the uncached prompt tokens at the learned cost, the decode part of its chunked steps, the wait for
-  a free slot in a full running batch), plus the prefill work the request adds to that engine
+  the uncached prompt tokens at the learned cost, the decode part of its chunked steps, the wait for a
+  free slot in a full running batch), plus the prefill work the request adds to that engine
   (`prefill_work_weight` x its own uncached prefill time: `CandidateScore.work_s`), which the requests
   queued there after it wait for; a greedy TTFT alone trades a long hit behind a queue for an idle
-  engine's whole prefill. An engine past `max_predicted_ttft_s` or `max_scraped_waiting` is
-  saturated and not eligible under any policy. Hits count only from FRESH mirrors (a stale
-  or catching-up engine's hits are taken as 0). Candidates within `tie_tolerance_s` x (1 + weight) of the
-  best cost tie, and ties break, in order, on: (1) the longer prefix left for the next request sharing
-  this one's head (the counted hit, or the warm full-attention prefix of an engine where routing
-  pins a hybrid junction: a trusted engine whose warm prefix exceeds its hit), (2) the larger
-  counted hit, (3) fewer in-flight requests, (4) a stable hash of (request key, engine), which
+  engine's whole prefill. An engine past `max_predicted_ttft_s` (its predicted TTFT, or with
+  `saturation_bound` "wait" its predicted wait: the TTFT less the request's prefill on an idle engine)
+  or `max_scraped_waiting` is saturated and not eligible under any policy. Hits count only from FRESH
+  mirrors (a stale or catching-up engine's hits are taken as 0). Candidates within `tie_tolerance_s` x
+  (1 + weight) of the best cost tie, and ties break, in order, on: (1) the longer prefix left for the
+  next request sharing this one's head (the counted hit, or the warm full-attention prefix of an engine
+  where routing pins a hybrid junction: a trusted engine whose warm prefix exceeds its hit), (2) the
+  larger counted hit, (3) fewer in-flight requests, (4) a stable hash of (request key, engine), which
   spreads ties over engines without randomness. The reason names the rules that decided.
 - `round_robin`, `least_loaded` (in-flight, then queued tokens, then the stable hash), `random`
   (seeded), `session` (header affinity; falls back to `kv` when the engine is gone or unavailable),
@@ -30,14 +31,14 @@ import random
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from itertools import repeat
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Literal
 
 import msgspec
 
 from router.core.ids import EngineId
 from router.core.policy.load import LoadSnapshot
 from router.core.policy.trust import TrustState, TrustStatus
-from router.core.policy.ttft_model import ttft_terms
+from router.core.policy.ttft_model import idle_prefill_s, ttft_terms
 
 if TYPE_CHECKING:
     from router.settings.config import RouterConfig
@@ -53,6 +54,7 @@ __all__ = [
     "Decision",
     "PolicyName",
     "RouteRequest",
+    "SaturationBound",
     "Scorer",
     "ScorerSettings",
 ]
@@ -67,6 +69,10 @@ class PolicyName(enum.Enum):
     RANDOM = "random"
     SESSION = "session"
     PREFIX_APPROX = "prefix_approx"
+
+
+SaturationBound = Literal["ttft", "wait"]
+"""What `policy.max_predicted_ttft_s` bounds (`ScorerSettings.saturation_bound`)."""
 
 
 PENDING_READERS: Final = frozenset({PolicyName.KV, PolicyName.SESSION})
@@ -121,11 +127,14 @@ class ScorerSettings(msgspec.Struct, frozen=True):
     seed: int = 0
     session_capacity: int = 100_000
     max_predicted_ttft_s: float = 0.0
-    """An engine whose predicted TTFT exceeds this is saturated and not chosen (0: no limit)."""
+    """An engine whose predicted TTFT (or wait, `saturation_bound`) exceeds this is saturated and not
+    chosen (0: no limit)."""
     max_scraped_waiting: int = 0
     """An engine whose scraped `vllm:num_requests_waiting` exceeds this is saturated (0: no limit)."""
     prefill_work_weight: float = 1.0
     """kv: the cost adds this many times the request's own uncached prefill time (`work_s`)."""
+    saturation_bound: SaturationBound = "ttft"
+    """What `max_predicted_ttft_s` bounds: the predicted TTFT, or the predicted wait (`wait_s`)."""
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> ScorerSettings:
@@ -134,7 +143,7 @@ class ScorerSettings(msgspec.Struct, frozen=True):
         return cls(
             PolicyName(p.name), p.tie_tolerance_s, p.seed, p.session_capacity,
             max_predicted_ttft_s=p.max_predicted_ttft_s, max_scraped_waiting=p.max_scraped_waiting,
-            prefill_work_weight=p.prefill_work_weight,
+            prefill_work_weight=p.prefill_work_weight, saturation_bound=p.saturation_bound,
         )  # fmt: skip
 
 
@@ -162,6 +171,11 @@ class CandidateScore(msgspec.Struct, frozen=True):
     """The prefill work this request adds to the engine, weighted (`prefill_work_weight`)."""
     cost_s: float = 0.0
     """What kv minimises: `predicted_ttft_s + work_s`."""
+    wait_s: float = 0.0
+    """`predicted_ttft_s` less the request's prefill on an idle engine (`ttft_model.idle_prefill_s`):
+    the wait this engine's load adds (its queue left, the decode part of the steps, a slot)."""
+    bounded_s: float = 0.0
+    """What the saturation bound compared: `predicted_ttft_s`, or `wait_s` (`saturation_bound`)."""
 
     @property
     def expected_tokens(self) -> int:
@@ -221,9 +235,10 @@ def _why_not(c: Candidate, excluded: frozenset[EngineId]) -> str:
     return WHY_AT_CAPACITY if c.at_capacity else ""
 
 
-def _saturated(load: LoadSnapshot, ttft_s: float, settings: ScorerSettings) -> bool:
-    """Past a configured limit, a request sent there would wait in the engine's queue rather than in ours."""
-    if settings.max_predicted_ttft_s > 0 and ttft_s > settings.max_predicted_ttft_s:
+def _saturated(load: LoadSnapshot, bounded_s: float, settings: ScorerSettings) -> bool:
+    """Past a configured limit, a request sent there would wait in the engine's queue rather than in
+    ours (`bounded_s`: the predicted TTFT or wait, `CandidateScore.bounded_s`)."""
+    if settings.max_predicted_ttft_s > 0 and bounded_s > settings.max_predicted_ttft_s:
         return True
     waiting = load.scrape.num_requests_waiting if load.scrape is not None else 0
     return settings.max_scraped_waiting > 0 and waiting > settings.max_scraped_waiting
@@ -243,17 +258,19 @@ def _score(c: Candidate, excluded: frozenset[EngineId], settings: ScorerSettings
     load = c.load
     steps, decode_s, slot_s, ttft = ttft_terms(load, uncached)
     work = settings.prefill_work_weight * load.per_token_s * uncached
+    wait = ttft - idle_prefill_s(load, uncached)
+    bounded = wait if settings.saturation_bound == "wait" else ttft
     pins = trusted and c.warm_tokens > c.hit_tokens
     # `_why_not`'s answer for the usual candidate (nothing tried yet, healthy, closed, below its
     # limit) without its call.
     usual = not excluded and c.healthy and not c.breaker_open and not c.at_capacity
     why_not = "" if usual else _why_not(c, excluded)
     if not why_not and (settings.max_predicted_ttft_s > 0 or settings.max_scraped_waiting > 0):
-        why_not = WHY_SATURATED if _saturated(load, ttft, settings) else ""  # (no limit: never)
+        why_not = WHY_SATURATED if _saturated(load, bounded, settings) else ""  # (no limit: never)
     return CandidateScore(
         c.engine, c.hit_tokens, trusted_hit, c.boundary, c.warm_tokens, pins, uncached, ttft,
         c.trust, c.load, not why_not, why_not, c.pending_tokens, counted,
-        steps, decode_s, slot_s, work, ttft + work,
+        steps, decode_s, slot_s, work, ttft + work, wait, bounded,
     )  # fmt: skip
 
 

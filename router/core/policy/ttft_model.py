@@ -27,6 +27,7 @@ __all__ = [
     "EngineState",
     "StepCost",
     "TtftTerms",
+    "idle_prefill_s",
     "prefill_steps",
     "running_context",
     "step_budget",
@@ -122,6 +123,13 @@ def prefill_steps(step: StepCost, decoding: int, tokens: int) -> int:
     """Engine steps that prefill `tokens` (at least one) while `decoding` sequences decode."""
     steps = -(-tokens // step_budget(step, decoding))  # ceil(tokens / budget) for ints
     return steps if steps > 1 else 1
+
+
+def idle_prefill_s(engine: EngineState, uncached_tokens: int) -> float:
+    """What `ttft_terms` predicts for `uncached_tokens` on `engine` were it idle (no queue, nothing
+    decoding or held): its learned prefill alone, `overhead_s + per_token_s x uncached_tokens`. A
+    predicted TTFT less this is the request's predicted wait: what the engine's load adds."""
+    return engine.overhead_s + engine.per_token_s * uncached_tokens
 
 
 def ttft_terms(engine: EngineState, uncached_tokens: int) -> TtftTerms:
