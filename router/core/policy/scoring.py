@@ -251,20 +251,15 @@ def _score(c: Candidate, excluded: frozenset[EngineId], settings: ScorerSettings
     # A prefix the router itself just sent there is known without the mirror, unless the engine's
     # state is in doubt altogether (stale: restarted, history lost, silent).
     pending = c.pending_tokens if state is not TrustState.STALE else 0
-    counted = pending if pending > trusted_hit else trusted_hit  # max(trusted_hit, pending)
-    uncached = c.prompt_tokens - counted
-    if uncached < 0:
-        uncached = 0
+    counted = max(trusted_hit, pending)
+    uncached = max(0, c.prompt_tokens - counted)
     load = c.load
     steps, decode_s, slot_s, ttft = ttft_terms(load, uncached)
     work = settings.prefill_work_weight * load.per_token_s * uncached
     wait = ttft - idle_prefill_s(load, uncached)
     bounded = wait if settings.saturation_bound == "wait" else ttft
     pins = trusted and c.warm_tokens > c.hit_tokens
-    # `_why_not`'s answer for the usual candidate (nothing tried yet, healthy, closed, below its
-    # limit) without its call.
-    usual = not excluded and c.healthy and not c.breaker_open and not c.at_capacity
-    why_not = "" if usual else _why_not(c, excluded)
+    why_not = _why_not(c, excluded)
     if not why_not and (settings.max_predicted_ttft_s > 0 or settings.max_scraped_waiting > 0):
         why_not = WHY_SATURATED if _saturated(load, bounded, settings) else ""  # (no limit: never)
     return CandidateScore(
@@ -297,7 +292,6 @@ class Scorer:
             PolicyName.PREFIX_APPROX: self._prefix_approx,
         }
         self._policy = self._policies[settings.policy]  # (an enum's hash is a Python call per lookup)
-        self._alone_kv = settings.policy is PolicyName.KV  # one eligible candidate: `_kv` without a tie
 
     def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
         """Score every candidate and pick one with the configured policy (deterministic given the seed)."""
@@ -310,20 +304,12 @@ class Scorer:
         if not eligible:
             why = "; ".join(f"{s.engine}: {s.why_not}" for s in scores) or "no engines configured"
             return Decision(None, policy, f"no eligible engine ({why})", 0, scores)
-        runner = None
-        if len(eligible) == 1 and self._alone_kv:  # what `_kv` answers alone: no tie, no runner-up
-            chosen, reason = eligible[0], _kv_words(eligible[0], True)
-        else:
-            chosen, reason = self._policy(request, eligible)
-            if len(eligible) == 2:  # the other one (every policy chooses among the eligible)
-                runner = eligible[1] if chosen is eligible[0] else eligible[0]
-            else:
-                others = [s for s in eligible if s is not chosen] if len(eligible) > 1 else None
-                runner = min(others, key=_COST) if others else None
-        hit, pending = chosen.hit_tokens, chosen.pending_tokens  # `expected_tokens`, without its call
+        chosen, reason = self._policy(request, eligible)
+        others = [s for s in eligible if s is not chosen]
+        runner = min(others, key=_COST) if others else None
         return Decision(
-            chosen.engine, policy, reason, pending if pending > hit else hit, scores,
-            hit, chosen.counted_tokens,
+            chosen.engine, policy, reason, chosen.expected_tokens, scores,
+            chosen.hit_tokens, chosen.counted_tokens,
             runner.engine if runner else None, runner.cost_s - chosen.cost_s if runner else 0.0,
         )  # fmt: skip
 
@@ -342,12 +328,8 @@ class Scorer:
         others: str
         if len(tied) == 1:  # (what `_break_tie` answers for one: no rule narrows)
             return tied[0], _kv_words(tied[0], tied[0].cost_s == best.cost_s)
-        if len(tied) == 2:  # (two engines' usual tie: `_break_tie` without its rule loop)
-            chosen, rules = _break_pair(request.key, tied[0], tied[1])
-            others = tied[1].engine if chosen is tied[0] else tied[0].engine
-        else:
-            chosen, rules = _break_tie(request.key, tied)
-            others = ", ".join(s.engine for s in tied if s is not chosen)
+        chosen, rules = _break_tie(request.key, tied)
+        others = ", ".join(s.engine for s in tied if s is not chosen)
         why = _kv_words(chosen, chosen.cost_s == best.cost_s)
         return (
             chosen,
@@ -397,7 +379,7 @@ class Scorer:
 def _kv_words(chosen: CandidateScore, lowest: bool) -> str:
     """kv's reason for `chosen` (`lowest`: its cost is the least), before any tie's words."""
     ttft = "lowest predicted TTFT" if lowest else "predicted TTFT"
-    pending, cached = chosen.pending_tokens, chosen.trusted_hit_tokens  # (`_pending_words` inline)
+    pending, cached = chosen.pending_tokens, chosen.trusted_hit_tokens
     expected = f", {pending} expected from requests just sent" if pending > cached else ""
     return (
         f"kv: {ttft} {chosen.predicted_ttft_s * 1000:.1f} ms "
@@ -441,25 +423,6 @@ _TIE_RULES: Final[
     (lambda key, s: s.load.in_flight, lambda s: f"fewer in-flight requests ({s.load.in_flight})"),
     (lambda key, s: stable_hash(key, s.engine), lambda s: "the stable hash of (request, engine)"),
 )
-
-
-def _break_pair(key: str, a: CandidateScore, b: CandidateScore) -> tuple[CandidateScore, list[str]]:
-    """`_break_tie` of two: the first rule whose values differ keeps the one with the lesser value and
-    says its words; when none does, the first (each rule's value written out, the hash taken last)."""
-    ra = a.warm_tokens if a.pins_junction else a.counted_tokens  # `_reusable_tokens`
-    rb = b.warm_tokens if b.pins_junction else b.counted_tokens
-    if ra != rb:
-        rule, chosen = 0, a if ra > rb else b  # (the value is its negation)
-    elif a.counted_tokens != b.counted_tokens:
-        rule, chosen = 1, a if a.counted_tokens > b.counted_tokens else b
-    elif a.load.in_flight != b.load.in_flight:
-        rule, chosen = 2, a if a.load.in_flight < b.load.in_flight else b
-    else:
-        ha, hb = stable_hash(key, a.engine), stable_hash(key, b.engine)
-        if ha == hb:
-            return a, []
-        rule, chosen = 3, a if ha < hb else b
-    return chosen, [_TIE_RULES[rule][1](chosen)]
 
 
 def _break_tie(key: str, tied: list[CandidateScore]) -> tuple[CandidateScore, list[str]]:

@@ -18,7 +18,6 @@ from router.core.policy.scoring import (
     RouteRequest,
     Scorer,
     ScorerSettings,
-    _break_pair,
     _break_tie,
     _kv_words,
     _saturated,
@@ -619,13 +618,6 @@ def _tied_candidate(engine: str, hit: int, warm: int, pending: int, in_flight: i
                     trust: TrustStatus, healthy: bool) -> Candidate:  # fmt: skip
     load = LoadSnapshot(in_flight, in_flight, 0, queued, None, OVERHEAD, PER_TOKEN, False)
     return Candidate(EngineId(engine), hit, 0, warm, 64, trust, load, healthy, pending_tokens=pending)
-
-
-@given(a=_TIED, b=_TIED, key=st.sampled_from(["k1", "k2", "k3"]))
-def test_a_pair_s_tie_is_broken_as_the_rule_loop_breaks_it(a: Tied, b: Tied, key: str) -> None:
-    """`_break_pair` chooses and words exactly what `_break_tie`'s loop does with the same two."""
-    x, y = (_score(_tied_candidate(*t), frozenset(), ScorerSettings()) for t in (a, b))
-    assert _break_pair(key, x, y) == _break_tie(key, [x, y])
 
 
 @given(
