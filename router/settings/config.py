@@ -185,6 +185,9 @@ class PolicyConfig(_Table, frozen=True):
     """A scrape older than this is ignored (the router's own counts stand alone)."""
     max_predicted_ttft_s: NonNegative = 0.0
     """An engine predicted slower than this to first token is saturated; when all are, 503 (0: off)."""
+    saturation_bound: Literal["ttft", "wait"] = "ttft"
+    """What `max_predicted_ttft_s` bounds: the predicted TTFT, or the predicted wait (the TTFT less
+    the request's own prefill on an idle engine: a long prompt is not refused by an idle fleet)."""
     max_scraped_waiting: Annotated[int, msgspec.Meta(ge=0)] = 0
     """An engine whose scraped waiting queue is longer than this is saturated (0: off)."""
     prefill_work_weight: NonNegative = 1.0
