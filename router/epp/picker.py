@@ -47,11 +47,12 @@ from router.edge.upstream import Target
 from router.edge.usage import UsageTap
 from router.epp.endpoints import address_of, in_subset, parse_subset
 from router.epp.messages import (
+    Inbound,
+    WireError,
     body_responses,
-    headers_of,
+    decode,
     headers_response,
     immediate_response,
-    metadata_value,
     trailers_response,
 )
 from router.prepare.served_models import UnknownModel
@@ -121,20 +122,17 @@ class PickStream:
         self.served: str | None = None  # the endpoint the gateway says served, when it says
         self.judged = False  # the engine's breaker was told how the request went
         self.response_body = True  # Envoy streams the answer's body through (protocol_config says)
+        self.immediate = False  # the stream's answer was an ImmediateResponse: nothing more to read
 
-    async def on_message(self, message: Any) -> list[Any]:
-        """The answers to one `ProcessingRequest`, in the order to send them (none while the body is
-        buffered; none after the stream's answer ended)."""
+    async def on_message(self, raw: bytes) -> list[bytes]:
+        """The answers (wire bytes, router.epp.messages) to one `ProcessingRequest` (its wire bytes), in
+        the order to send them (none while the body is buffered; none after the stream's answer ended).
+        Bytes that are no `ProcessingRequest` are a 400 (`ext_proc_protocol`)."""
         if self.phase is _Phase.DONE:
             return []
-        kind = message.WhichOneof("request")
-        if message.HasField("protocol_config"):  # (the first message's: the filter's body modes)
-            self.response_body = message.protocol_config.response_body_mode != _NO_BODY
-        hint = metadata_value(message, SUBSET_NAMESPACE, SUBSET_KEY)
-        if hint is not None:
-            self.subset = parse_subset(hint if isinstance(hint, str) else [str(h) for h in hint])
         try:
-            return await self._step(kind, message)
+            message = self._read(raw)
+            return await self._step(message.kind, message)
         except RouterError as exc:
             return [self._refuse(exc)]
         except Exception as exc:  # a bug: this request gets a 500, the picker serves the next ones
@@ -143,32 +141,41 @@ class PickStream:
             failure = RouterError(f"internal error in the endpoint picker ({type(exc).__name__}, logged)")
             return [self._refuse(failure)]
 
-    async def _step(self, kind: str | None, message: Any) -> list[Any]:
+    def _read(self, raw: bytes) -> Inbound:
+        """The message in `raw`; the filter's body modes and a subset hint, when it carries them."""
+        try:
+            message = decode(raw)
+        except WireError as exc:
+            self.decider.refused("400", ExtProcProtocolError.reason)
+            raise ExtProcProtocolError(f"malformed ext_proc message: {exc}") from None
+        if message.response_body_mode is not None:  # (the first message's: the filter's body modes)
+            self.response_body = message.response_body_mode != _NO_BODY
+        hint = message.metadata_value(SUBSET_NAMESPACE, SUBSET_KEY)
+        if hint is not None:
+            self.subset = parse_subset(hint if isinstance(hint, str) else [str(h) for h in hint])
+        return message
+
+    async def _step(self, kind: str | None, message: Inbound) -> list[bytes]:
         phase = self.phase
         if kind == "request_headers" and phase is _Phase.HEADERS:
-            return await self._request_headers(message.request_headers)
+            return await self._request_headers(message)
         if kind == "request_body" and phase is _Phase.BODY:
-            body = message.request_body
-            return await self._request_body(
-                body.body, body.end_of_stream or body.end_of_stream_without_message
-            )
+            return await self._request_body(message.body, message.end_of_stream)
         if kind == "request_trailers" and phase is _Phase.BODY:  # trailers end the body (not its stream)
             answers = await self._request_body(b"", True, trailers=True)
             return [*answers, trailers_response("request_trailers")]
         if kind == "response_headers" and phase is _Phase.PICKED:
             return self._response_headers(message)
         if kind == "response_body" and phase is _Phase.RESPONSE:
-            body = message.response_body
-            end = body.end_of_stream or body.end_of_stream_without_message
-            return self._response_body(body.body, end)
+            return self._response_body(message.body, message.end_of_stream)
         if kind == "response_trailers" and phase in (_Phase.PICKED, _Phase.RESPONSE):
             self._end()
             return [trailers_response("response_trailers")]
         self.decider.refused("400", ExtProcProtocolError.reason)
         raise ExtProcProtocolError(f"ext_proc message {kind or 'of no kind'} while expecting {phase.value}")
 
-    async def _request_headers(self, message: Any) -> list[Any]:
-        headers = headers_of(message)
+    async def _request_headers(self, message: Inbound) -> list[bytes]:
+        headers = message.headers
         pseudo = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k.startswith(b":")}
         method, path = pseudo.get(":method", "GET"), pseudo.get(":path", "/").split("?", 1)[0]
         plain = [(k, v) for k, v in headers if not k.startswith(b":")]
@@ -181,7 +188,7 @@ class PickStream:
         self.phase = _Phase.BODY
         return []
 
-    async def _request_body(self, chunk: bytes, end: bool, trailers: bool = False) -> list[Any]:
+    async def _request_body(self, chunk: bytes, end: bool, trailers: bool = False) -> list[bytes]:
         """Buffer a chunk; at the end, pick (the body sent back ends the stream unless `trailers` do)."""
         self.body += chunk
         limit = self.decider.max_body
@@ -190,7 +197,7 @@ class PickStream:
             raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
         return await self._pick(not trailers) if end else []
 
-    async def _pick(self, body_ends: bool = True) -> list[Any]:
+    async def _pick(self, body_ends: bool = True) -> list[bytes]:
         """Choose the endpoint (holding an admission slot until the request ends) and answer: the
         request headers' answer, then the body sent back."""
         decider, body = self.decider, bytes(self.body)
@@ -270,11 +277,10 @@ class PickStream:
         self.decider.refused("503", "no_engine")
         return NoEngineAvailable(f"no engine of the subset hint {sorted(self.subset or ())} can take it")
 
-    def _response_headers(self, message: Any) -> list[Any]:
-        headers = headers_of(message.response_headers)
-        status = next((v for k, v in headers if k == b":status"), b"0")
+    def _response_headers(self, message: Inbound) -> list[bytes]:
+        status = next((v for k, v in message.headers if k == b":status"), b"0")
         self.status = int(status) if status.isdigit() else 0
-        served = metadata_value(message, LB_NAMESPACE, SERVED_KEY)
+        served = message.metadata_value(LB_NAMESPACE, SERVED_KEY)
         self.served = served if isinstance(served, str) else None
         self._follow_served()
         self._judge(counts_as_failure(Outcome(OutcomeKind.ANSWERED, self.status)))
@@ -287,7 +293,7 @@ class PickStream:
         elif self.engine is not None:
             own.append(("x-kvrouter-engine", self.engine.encode("latin-1")))
         answer = headers_response("response_headers", own)
-        if message.response_headers.end_of_stream:
+        if message.end_of_stream:
             self._end()
         else:
             self.phase = _Phase.RESPONSE
@@ -324,7 +330,7 @@ class PickStream:
         else:
             (breaker.record_failure if failure else breaker.record_success)(now)
 
-    def _response_body(self, chunk: bytes, end: bool) -> list[Any]:
+    def _response_body(self, chunk: bytes, end: bool) -> list[bytes]:
         if self.tap is not None:
             self.tap.feed(chunk)
         answers = body_responses("response_body", chunk, end)
@@ -354,12 +360,13 @@ class PickStream:
             self.admitted = False
             self.decider.parts.fleet.admission.leave()
 
-    def _refuse(self, exc: RouterError) -> Any:
+    def _refuse(self, exc: RouterError) -> bytes:
         """The `ImmediateResponse` for a refusal (already counted where it was raised); the stream is
         done."""
         if self.phase in (_Phase.PICKED, _Phase.RESPONSE):
             self._end("client_closed")
         self.phase = _Phase.DONE
+        self.immediate = True
         headers = [
             (k.lower(), v.encode("latin-1")) for k, v in exc.headers.items() if k.lower() != "connection"
         ]
