@@ -238,13 +238,46 @@ async def test_the_response_phase_adds_the_gateway_headers_and_reads_usage(fleet
     usage = b'{"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":7}}}'
     first = await step(stream, response_body(usage[:10], False))
     last = await step(stream, response_body(usage[10:], True))
-    assert echoed([*first, *last], "response_body") == (usage, [10, len(usage) - 10], [False, True])
+    assert first == []  # a JSON answer, read whole by its client: sent back at its end, one message
+    assert echoed(last, "response_body") == (usage, [len(usage)], [True])
     assert entry.actual_cached_tokens == 7 and entry.status == 200
     parts = gateway_of(fleet).parts
     assert (
         parts.fleet.admission.total == 0
         and parts.fleet.load.snapshot(EngineId(entry.engine), 0.0).in_flight == 0
     )
+
+
+async def test_an_event_stream_is_sent_back_chunk_by_chunk(fleet: Fleet) -> None:
+    """Each event as it comes (a streaming client waits for every token), usage read from the last."""
+    stream = fleet.picker.stream()
+    body = json.dumps({**json.loads(chat(fleet.model, "hi")), "stream": True}).encode()
+    await run(stream, request_headers("POST", "/v1/chat/completions", False), request_body(body, True))
+    await step(stream, response_headers(200, content_type="text/event-stream; charset=utf-8"))
+    events = [
+        b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n',
+        b'data: {"choices":[],"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":5}}}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    answers = [await step(stream, response_body(e, i == len(events) - 1)) for i, e in enumerate(events)]
+    assert [echoed(a, "response_body") for a in answers] == [
+        (e, [len(e)], [i == len(events) - 1]) for i, e in enumerate(events)
+    ]
+    entry = gateway_of(fleet).parts.ring.get(stream.rid)
+    assert entry is not None and entry.actual_cached_tokens == 5
+
+
+async def test_a_held_answer_past_one_chunk_is_sent_back_before_its_end(fleet: Fleet) -> None:
+    stream = fleet.picker.stream()
+    await run(stream, request_headers("POST", "/v1/completions", False), request_body(
+        json.dumps({"model": fleet.model, "prompt": "x", "max_tokens": 1}).encode(), True))  # fmt: skip
+    await step(stream, response_headers(200, content_type="application/json"))
+    big = b"x" * (CHUNK_BYTES - 10)
+    assert await step(stream, response_body(big, False)) == []
+    flushed = await step(stream, response_body(big, False))  # past one chunk: sent, not held on
+    assert echoed(flushed, "response_body") == (big + big, [CHUNK_BYTES, CHUNK_BYTES - 20], [False, False])
+    last = await step(stream, response_body(b"{}", True))
+    assert echoed(last, "response_body") == (b"{}", [2], [True])
 
 
 @pytest.mark.parametrize(
