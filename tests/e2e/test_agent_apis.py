@@ -15,7 +15,7 @@ import httpx
 import msgspec
 import pytest
 
-from router.ops.debug import DecisionEntry
+from router.ops.debug import DecisionEntry, Explanation
 from tests.gateway_helpers import (
     ADMIN,
     Gateway,
@@ -156,3 +156,39 @@ async def test_count_tokens_is_passed_through_and_a_wrong_method_is_the_gateways
         for path in ("/v1/messages", "/v1/responses"):
             wrong = await gw.client.get(path)
             assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+
+
+@pytest.mark.parametrize(
+    ("path", "step", "query"),
+    [
+        ("/v1/messages", messages_step, ""),
+        ("/v1/responses", responses_step, ""),
+        ("/v1/messages", messages_step, "?api=messages"),
+    ],
+    ids=["messages", "responses", "messages-named"],
+)
+async def test_debug_route_explains_messages_and_responses_bodies_as_they_would_be_routed(
+    path: str, step: Any, query: str
+) -> None:
+    async with running_stubs(2) as stubs:
+        engines = {f"e{i}": s for i, s in enumerate(stubs)}
+        async with running_gateway(gateway_config([engine_of(n, s) for n, s in engines.items()])) as gw:
+            first = await gw.client.post(path, json=step(1, False))
+            await wait_for(mirrors_caught_up(gw, engines))
+            admin = {"Authorization": f"Bearer {ADMIN}"}
+            found = await gw.client.post(f"/debug/route{query}", json=step(2, False), headers=admin)
+            assert found.status_code == 200, found.text
+            explained = msgspec.json.decode(found.content, type=Explanation)
+            second = await gw.client.post(path, json=step(2, False))
+    # read as the API it is (before, a Messages body was read as a chat and a Responses body as a
+    # completion without a prompt), and predicted as the request then sent is served
+    assert explained.request.endpoint == path
+    assert explained.decision.engine == first.headers["x-kvrouter-engine"]
+    assert explained.decision.predicted_cached_tokens == reported_cached(path, second, False) >= 8 * BS
+
+
+async def test_debug_route_names_an_unknown_api() -> None:
+    async with running_stubs(1) as stubs, running_gateway(gateway_config([engine_of("e0", stubs[0])])) as gw:
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        found = await gw.client.post("/debug/route?api=grpc", json=messages_step(1, False), headers=admin)
+    assert found.status_code == 400 and "api must be one of" in found.text
