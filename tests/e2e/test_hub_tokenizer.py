@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
@@ -25,8 +26,9 @@ from huggingface_hub import constants
 from engine_stub.server.launch import StubServer
 from engine_stub.stub_config import TokenizerChoice
 from router.ops.debug import Explanation
+from router.prepare import served_models
 from router.prepare.served_models import Models
-from router.settings.config import EngineConfig, ModelConfig, RouterConfig
+from router.settings.config import EngineConfig, ModelConfig, RouterConfig, Timeouts
 from tests.gateway_helpers import (
     ADMIN,
     Gateway,
@@ -332,3 +334,26 @@ def test_a_cached_repo_whose_files_do_not_load_tokenizes_remotely(offline_hub: P
     models.fetch_hub(30.0)
     assert [(exc.ref, exc.reason) for exc in models.hub_unavailable] == [(("org/broken", None), "unreadable")]
     assert models.needs_remote(MODEL)
+
+
+def test_the_hub_fetch_is_bounded_by_the_configured_timeout(
+    offline_hub: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`[timeouts] hub_fetch_s` bounds the startup fetch and a repo first named later (it was the
+    constant 30 s)."""
+    asked: list[float] = []
+
+    def fetch(refs: Any, timeout_s: float, cache_only: bool = False) -> Any:
+        asked.append(timeout_s)
+        return fetch_tokenizers(refs, timeout_s, cache_only)
+
+    monkeypatch.setattr(served_models, "fetch_tokenizers", fetch)
+    config = RouterConfig(
+        models=[ModelConfig(name=MODEL, tokenizer=REPO)], timeouts=Timeouts(hub_fetch_s=7.5)
+    )
+    models = Models(config)
+    models.fetch_hub()
+    models.learn(EngineConfig(name="late", url="http://127.0.0.1:9", model=MODEL, tokenizer="org/not-cached"))
+    body = msgspec.json.encode({"model": MODEL, "prompt": PROMPT})
+    models.prepare(body, Endpoint.COMPLETIONS)
+    assert asked == [7.5, 7.5] and models.hub_unavailable[0].reason == "offline"
