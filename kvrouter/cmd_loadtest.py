@@ -252,9 +252,10 @@ def _plan(
     """Text prompts, stub sizing, the requests left out, --load and the offered load, before the run."""
     raw = _base_stub_toml(args)
     choice = _decode_stub(raw).tokenizer
-    requests = _conversations(args, requests, _decode_stub(raw).model, choice.path, choice.chat_template)
+    model = _decode_stub(raw).model
+    requests = _conversations(args, requests, model, choice.path, choice.chat_template, choice.revision)
     if args.prompt_format == "text":
-        texts = TextPrompts(load_tokenizer(choice.path, choice.chat_template))
+        texts = TextPrompts(load_tokenizer(choice.path, choice.chat_template, choice.revision))
         requests = texts.rewrite(requests)
         if texts.mismatched:
             print(

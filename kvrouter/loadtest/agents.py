@@ -1,7 +1,8 @@
 """Agent sessions as a load-test workload (`kvrouter loadtest --workload agents`). Pure.
 
 An agent session runs on one app: the app's prefix (its system prompt and tool definitions, shared
-by every session of that app; the second half stands for the tools when `--api` sends conversations), the session's task, then steps. Each step sends the whole context so
+by every session of that app; the second half stands for the tools when `--api` sends
+conversations), the session's task, then steps. Each step sends the whole context so
 far and gets an answer (a tool call); the answer and the tool's result join the context, and the
 next step is sent once the tool has run, so every step resends the previous step's prompt and grows
 it by one answer and one tool result. Apps have prefixes of several sizes (spread evenly from
