@@ -26,6 +26,7 @@ from starlette.responses import Response
 from engine_stub.runtime.faults import FaultUpdate
 from engine_stub.runtime.forecast import QueuedSeq
 from engine_stub.runtime.stub_runtime import RankError, Stub, exit_now
+from engine_stub.server.agent_io import ResponseStore, UnknownResponse
 from engine_stub.server.completions import ModelNotFound, serve_openai
 from engine_stub.server.metrics import CONTENT_TYPE
 from engine_stub.server.openai_io import (
@@ -112,6 +113,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def no_model(request: Request, exc: Exception) -> Response:
         return error_response(404, str(exc), "NotFoundError")
 
+    @app.exception_handler(UnknownResponse)
+    async def no_response(request: Request, exc: Exception) -> Response:
+        info = ErrorInfo(str(exc), "invalid_request_error", "response_id", 404)  # vLLM's, param and all
+        return Response(encode(ErrorBody(info)), status_code=404, media_type=_JSON)
+
 
 def _add_openai_routes(app: FastAPI, stub: Stub) -> None:
     @app.get("/v1/models")
@@ -131,9 +137,11 @@ def _add_openai_routes(app: FastAPI, stub: Stub) -> None:
     async def messages(request: Request) -> Response:
         return await serve_openai(stub, request, Endpoint.MESSAGES)
 
+    stored = ResponseStore()
+
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        return await serve_openai(stub, request, Endpoint.RESPONSES)
+        return await serve_openai(stub, request, Endpoint.RESPONSES, stored)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
