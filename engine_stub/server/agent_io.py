@@ -20,7 +20,9 @@ from typing import Any, Final, Literal, Protocol
 
 import msgspec
 
-__all__ = ["AgentShape", "Counts", "MessagesShape", "ResponseStore", "ResponsesShape", "UnknownResponse"]
+__all__ = [
+    "AgentShape", "Counts", "MessagesShape", "Rendered", "ResponseStore", "ResponsesShape", "UnknownResponse",
+]  # fmt: skip
 
 _ENCODER: Final = msgspec.json.Encoder()
 
@@ -408,3 +410,13 @@ class ResponseStore:
         self._stored[response_id] = _Stored(history, output)
         while len(self._stored) > self.capacity:
             self._stored.popitem(last=False)
+
+
+class Rendered(msgspec.Struct):
+    """vLLM's `/v1/messages/render` and `/v1/responses/render` answer, a `GenerateRequest`: the prompt
+    ids the engine would run and the request's identity (the stub leaves out `sampling_params`)."""
+
+    request_id: str
+    token_ids: list[int]
+    model: str | None
+    stream: bool

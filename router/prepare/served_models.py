@@ -351,7 +351,9 @@ class Models:
             model = self.resolve(body, model_hint)
             req = decode_request(ids_body, Endpoint.COMPLETIONS)
             prepared = self._prepare(req, endpoint, model, single_tokenizer=True)  # ids as a completion
-            return msgspec.structs.replace(prepared, tokenizer="remote")
+            # whose ids: the engine's /tokenize, or its render of a Messages or Responses body
+            rendered = endpoint == Endpoint.MESSAGES or endpoint == Endpoint.RESPONSES
+            return msgspec.structs.replace(prepared, tokenizer="remote_render" if rendered else "remote")
 
         return self._storing(defer, prepare)
 

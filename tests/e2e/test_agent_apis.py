@@ -16,6 +16,7 @@ import msgspec
 import pytest
 
 from router.ops.debug import DecisionEntry, Explanation
+from router.settings.config import ModelConfig
 from tests.gateway_helpers import (
     ADMIN,
     Gateway,
@@ -192,3 +193,32 @@ async def test_debug_route_names_an_unknown_api() -> None:
         admin = {"Authorization": f"Bearer {ADMIN}"}
         found = await gw.client.post("/debug/route?api=grpc", json=messages_step(1, False), headers=admin)
     assert found.status_code == 400 and "api must be one of" in found.text
+
+
+@pytest.mark.parametrize(
+    ("path", "step"),
+    [("/v1/messages", messages_step), ("/v1/responses", responses_step)],
+    ids=["messages", "responses"],
+)
+async def test_a_remote_tokenize_model_routes_agent_bodies_from_the_engines_render(
+    path: str, step: Any
+) -> None:
+    """`/tokenize` takes no Messages or Responses body: the engine's own render gives the ids (before,
+    the Messages body went to /tokenize read as a chat, the Responses one failed there)."""
+    async with running_stubs(2) as stubs:
+        engines = {f"e{i}": s for i, s in enumerate(stubs)}
+        model = ModelConfig(name=MODEL, remote_tokenize=True)
+        config = gateway_config([engine_of(n, s) for n, s in engines.items()], models=[model])
+        async with running_gateway(config) as gw:
+            first = await gw.client.post(path, json=step(1, False))
+            await wait_for(mirrors_caught_up(gw, engines))
+            second = await gw.client.post(path, json=step(2, False), headers={"x-request-id": "rendered"})
+            assert second.status_code == 200, second.text
+            entry = await decision(gw, "rendered")
+            failures = metric(
+                (await gw.client.get("/metrics")).text, "kvrouter_remote_tokenize_failures_total"
+            )
+    assert second.headers["x-kvrouter-engine"] == first.headers["x-kvrouter-engine"]
+    actual = reported_cached(path, second, False)
+    assert actual >= 8 * BS and int(second.headers["x-kvrouter-predicted-cached-tokens"]) == actual
+    assert entry.request.tokenizer == "remote_render" and failures == 0
