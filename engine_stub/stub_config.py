@@ -17,6 +17,7 @@ from engine_stub.core.engine_config import EngineCoreConfig
 from engine_stub.runtime.cost_model import CostModel
 from engine_stub.runtime.faults import FaultConfig
 from events.config import KVEventsConfig, for_rank
+from tokenization.hub_names import hub_repo
 
 __all__ = ["StubConfig", "TokenizerChoice", "load_config"]
 
@@ -34,6 +35,13 @@ class TokenizerChoice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
 
     path: str | None = None
     chat_template: str | None = None
+    revision: str | None = None
+    """With a repo id `path`: the branch, tag or commit to read (the router's `tokenizer_revision`)."""
+
+    def validate(self) -> None:
+        """ValueError for a revision without a repo id to pin (as the router refuses it)."""
+        if self.revision is not None and (self.path is None or hub_repo(self.path) is None):
+            raise ValueError(f"tokenizer.revision {self.revision!r} needs tokenizer.path to be an HF repo id")
 
 
 def _default_kv_events() -> KVEventsConfig:
@@ -66,6 +74,7 @@ class StubConfig(msgspec.Struct, frozen=True, kw_only=True, forbid_unknown_field
     def validate(self) -> None:
         """Raise ValueError for settings the stub cannot run with."""
         self.engine.cache.validate()
+        self.tokenizer.validate()
         if self.data_parallel_size > 1 and self.kv_events.publishes:
             for rank in range(self.data_parallel_size):
                 for_rank(self.kv_events, rank)  # raises for ipc:// endpoints, as vLLM does

@@ -25,6 +25,7 @@ from engine_stub.runtime.cost_model import H100_8B
 from engine_stub.stub_config import StubConfig
 from kvrouter.extras import MissingExtra, require_extra
 from kvrouter.loadtest.agents import AgentWorkload, agent_requests
+from kvrouter.loadtest.api_bodies import APIS, ApiShape, as_conversations
 from kvrouter.loadtest.engines_file import EnginesFile, load_engines_file, refuse_stub_policies
 from kvrouter.loadtest.harness import EXTERNAL, ORACLES, HarnessSpec, default_out_dir, run_harness
 from kvrouter.loadtest.plan import (
@@ -52,6 +53,7 @@ from kvrouter.loadtest.workload import (
 )
 from router.core.policy.scoring import PolicyName
 from router.settings.config import Embedded
+from tokenization import Tokenizer
 from tokenization.loading import load_tokenizer
 
 __all__ = ["build_requests", "register", "run"]
@@ -104,6 +106,19 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         choices=["ids", "text"],
         default=d.prompt_format,
         help="send prompts as token ids, or as text that tokenizes to the same ids (default %(default)s)",
+    )
+    p.add_argument(
+        "--api",
+        choices=list(APIS),
+        default=d.api,
+        help="the endpoint requests go to; chat, messages and responses send each request as a "
+        "conversation (system, turns, tool calls when the workload has them) (default %(default)s)",
+    )
+    p.add_argument(
+        "--no-stream",
+        dest="stream",
+        action="store_false",
+        help="ask for whole answers instead of streams (no time to first token is measured)",
     )
     p.add_argument(
         "--load",
@@ -236,9 +251,11 @@ def _plan(
 ) -> tuple[list[RequestSpec], RunPlan, dict[str, Any]]:
     """Text prompts, stub sizing, the requests left out, --load and the offered load, before the run."""
     raw = _base_stub_toml(args)
+    choice = _decode_stub(raw).tokenizer
+    model = _decode_stub(raw).model
+    requests = _conversations(args, requests, model, choice.path, choice.chat_template, choice.revision)
     if args.prompt_format == "text":
-        choice = _decode_stub(raw).tokenizer
-        texts = TextPrompts(load_tokenizer(choice.path, choice.chat_template))
+        texts = TextPrompts(load_tokenizer(choice.path, choice.chat_template, choice.revision))
         requests = texts.rewrite(requests)
         if texts.mismatched:
             print(
@@ -286,11 +303,34 @@ def _external_plan(
     """--engines-from: the user's engines are not sized or priced here, so only text prompts apply."""
     if args.load is not None:
         raise ValueError("--load prices requests with the stubs' cost model; not with --engines-from")
+    model = external.model
+    requests = _conversations(
+        args, requests, model.name, model.tokenizer, model.chat_template, model.tokenizer_revision
+    )
     if args.prompt_format == "text":
-        model = external.model
         tokenizer = load_tokenizer(model.tokenizer, model.chat_template, model.tokenizer_revision)
         requests = TextPrompts(tokenizer).rewrite(requests)
     return _spread(args, requests)
+
+
+def _conversations(
+    args: argparse.Namespace,
+    requests: list[RequestSpec],
+    model: str,
+    tokenizer: str | None,
+    chat_template: str | None,
+    revision: str | None = None,
+) -> list[RequestSpec]:
+    """With --api chat|messages|responses, the requests as conversations, their prompts rendered by
+    the served tokenizer (as `load_tokenizer` finds it); as given otherwise."""
+    if args.api == "completions":
+        return requests
+    if args.prompt_format == "text":
+        raise ValueError(
+            f"--prompt-format text is for --api completions; --api {args.api} sends text already"
+        )
+    loaded: Tokenizer = load_tokenizer(tokenizer, chat_template, revision)
+    return as_conversations(requests, ApiShape(args.api, args.stream), model, loaded)
 
 
 def _spread(args: argparse.Namespace, requests: Sequence[RequestSpec]) -> list[RequestSpec]:
@@ -376,6 +416,7 @@ def run(args: argparse.Namespace) -> int:
             text_prompts=args.prompt_format == "text",
             engines_from=external,
             record_decisions=args.record_decisions,
+            shape=ApiShape(args.api, args.stream),
         )
     else:
         assert plan is not None
@@ -421,6 +462,7 @@ def _stub_spec(
         text_prompts=args.prompt_format == "text",
         cost=stub.cost,
         record_decisions=args.record_decisions,
+        shape=ApiShape(args.api, args.stream),
     )
 
 

@@ -40,7 +40,6 @@ from router.ops.recording import GatewayRecorder
 from router.prepare.served_models import Models
 from router.settings.config import EngineConfig, RouterConfig
 from router.settings.secrets import load_secrets
-from tokenization.loading import HUB_TIMEOUT_S
 
 if TYPE_CHECKING:
     from router.links.kube_discovery import KubeDiscovery
@@ -138,9 +137,10 @@ class Service:
                 opts.record, self._metadata(), config.policy.session_header, config
             )
         models = Models(config)  # request -> tokens -> block keys, under the mirror's hasher
-        # Repo-named tokenizers through the HF hub, on a thread: bounded (HUB_TIMEOUT_S), never fatal.
-        fetch = asyncio.to_thread(models.fetch_hub, HUB_TIMEOUT_S)
-        await self._phase("tokenizers", fetch, HUB_TIMEOUT_S + opts.phase_timeout_s)
+        # Repo-named tokenizers through the HF hub, on a thread: bounded (timeouts.hub_fetch_s), never fatal.
+        hub_timeout_s = config.timeouts.hub_fetch_s
+        fetch = asyncio.to_thread(models.fetch_hub, hub_timeout_s)
+        await self._phase("tokenizers", fetch, hub_timeout_s + opts.phase_timeout_s)
         state = FleetState(config, models.hasher, time.monotonic)  # mirror, trust, load, admission
         links = self._links = FleetLinks(state, models)  # engines -> subscribers -> state
         if self.recorder is not None:

@@ -68,7 +68,9 @@ class Stub:
         self.tokenizer = (
             tokenizer
             if tokenizer is not None
-            else load_tokenizer(config.tokenizer.path, config.tokenizer.chat_template)
+            else load_tokenizer(
+                config.tokenizer.path, config.tokenizer.chat_template, config.tokenizer.revision
+            )
         )
         self.text = PseudoText(self.tokenizer)
         self.metrics = StubMetrics(config.model, config.data_parallel_size, self.gauges)

@@ -8,18 +8,21 @@ as vLLM leaves the cache fields unset without them); a stream of named SSE event
 always has ``input_tokens_details.cached_tokens``; a stream of named events from ``response.created``
 to ``response.completed`` (or ``response.incomplete``), the last one carrying the whole response.
 The stub generates until ``max_tokens``, so a finished answer stopped on length (``max_tokens``,
-``incomplete``).
+``incomplete``). Responses are stored and continued by ``previous_response_id`` (`ResponseStore`).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
+from collections import OrderedDict
 from typing import Any, Final, Literal, Protocol
 
 import msgspec
 
-__all__ = ["AgentShape", "Counts", "MessagesShape", "ResponsesShape"]
+__all__ = [
+    "AgentShape", "Counts", "MessagesShape", "Rendered", "ResponseStore", "ResponsesShape", "UnknownResponse",
+]  # fmt: skip
 
 _ENCODER: Final = msgspec.json.Encoder()
 
@@ -340,3 +343,80 @@ class ResponsesShape:
                 _event(last, ResponseEvent(last, self._next(), body)),
             )
         )
+
+
+# Stored responses (`previous_response_id`) ----------------------------------------------------------
+
+
+class UnknownResponse(LookupError):
+    """A `previous_response_id` this engine did not store: vLLM's 404 (`_make_not_found_error`)."""
+
+    def __init__(self, response_id: str) -> None:
+        super().__init__(f"Response with id '{response_id}' not found.")
+
+
+class _StoreFields(msgspec.Struct):
+    input: str | list[dict[str, Any]] = []
+    previous_response_id: str | None = None
+    store: bool = True
+
+
+_STORE_FIELDS: Final = msgspec.json.Decoder(_StoreFields)
+
+
+class _Stored(msgspec.Struct, frozen=True):
+    history: list[dict[str, Any]]
+    output: str
+
+
+class ResponseStore:
+    """The responses an engine stored, as vLLM 0.33.0 stores them with `VLLM_ENABLE_RESPONSES_API_STORE=1`
+    (`store` defaults to true in the request): a request's input messages (`msg_store`, its history
+    included) and its answer (`response_store`). A request naming a stored `previous_response_id` is
+    rendered as `construct_input_messages` does: its own instructions, the stored history (whose own
+    instructions do not carry over), the stored answer as an assistant message, then its input; an
+    id not stored is vLLM's 404. Unlike vLLM's (which never forgets), the store keeps the last
+    `capacity` responses. Histories are kept as Responses input items, so the engine's usual Responses
+    conversion renders them (a `function_call` first in the new input joins the stored answer's
+    assistant message here, where vLLM starts a new one: the stub answers text only, so no agent
+    flow starts its input that way)."""
+
+    def __init__(self, capacity: int = 10_000) -> None:
+        self.capacity = capacity
+        self._stored: OrderedDict[str, _Stored] = OrderedDict()
+
+    def continued(self, body: bytes) -> tuple[bytes, list[dict[str, Any]] | None]:
+        """The body to render (the stored conversation spliced in when `previous_response_id` names
+        one; UnknownResponse when it names none) and the history to store with this request's answer
+        (None with `store: false`). Malformed fields are left for the request's own decoding."""
+        try:
+            fields = _STORE_FIELDS.decode(body)
+        except msgspec.DecodeError:
+            return body, None
+        new = [{"role": "user", "content": fields.input}] if isinstance(fields.input, str) else fields.input
+        history = new
+        if fields.previous_response_id is not None:
+            stored = self._stored.get(fields.previous_response_id)
+            if stored is None:
+                raise UnknownResponse(fields.previous_response_id)
+            history = [*stored.history, {"role": "assistant", "content": stored.output}, *new]
+            raw = msgspec.json.decode(body)
+            raw["input"], raw["previous_response_id"] = history, None
+            body = msgspec.json.encode(raw)
+        return body, history if fields.store else None
+
+    def put(self, response_id: str, history: list[dict[str, Any]], output: str) -> None:
+        """Store an answered response (the oldest dropped past `capacity`)."""
+        self._stored[response_id] = _Stored(history, output)
+        while len(self._stored) > self.capacity:
+            self._stored.popitem(last=False)
+
+
+class Rendered(msgspec.Struct):
+    """vLLM's `/v1/messages/render` and `/v1/responses/render` answer, a `GenerateRequest`: the prompt
+    ids the engine would run and the request's identity (the stub leaves out `sampling_params`)."""
+
+    request_id: str
+    token_ids: list[int]
+    model: str | None
+    stream: bool

@@ -13,7 +13,7 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Final, TypeVar
 
@@ -25,7 +25,7 @@ from engine_stub.core.request import SubmitParams
 from engine_stub.runtime.output_streams import Emitted, RequestStream
 from engine_stub.runtime.rank_runtime import EngineRuntime
 from engine_stub.runtime.stub_runtime import Stub
-from engine_stub.server.agent_io import AgentShape, Counts, MessagesShape, ResponsesShape
+from engine_stub.server.agent_io import AgentShape, Counts, MessagesShape, ResponsesShape, ResponseStore
 from engine_stub.server.openai_io import (
     ChatChoice,
     ChatChunk,
@@ -103,9 +103,16 @@ class _Job:
         return "abort" if index in self.aborted else "length"
 
 
-async def serve_openai(stub: Stub, request: Request, endpoint: Endpoint) -> Response:
-    """Answer one completions or chat request; RequestError (400), ModelNotFound (404), RankError (400)."""
+async def serve_openai(
+    stub: Stub, request: Request, endpoint: Endpoint, store: ResponseStore | None = None
+) -> Response:
+    """Answer one completions, chat, Messages or Responses request (a Responses one stored in and
+    continued from `store`); RequestError (400), ModelNotFound (404), RankError (400), UnknownResponse
+    (404)."""
     body = await request.body()
+    history = None
+    if store is not None and endpoint is Endpoint.RESPONSES:
+        body, history = store.continued(body)
     tokens = request_tokens(body, endpoint, stub.tokenizer)
     if tokens.model is not None and tokens.model != stub.config.model:
         raise ModelNotFound(f"The model `{tokens.model}` does not exist.")
@@ -125,9 +132,18 @@ async def serve_openai(stub: Stub, request: Request, endpoint: Endpoint) -> Resp
     )
     chat = endpoint is not Endpoint.COMPLETIONS
     job = _submit(stub, engine, tokens, chat, options is not None and options.include_usage)
-    if endpoint is Endpoint.MESSAGES or endpoint is Endpoint.RESPONSES:
-        shape = MessagesShape(job.model) if endpoint is Endpoint.MESSAGES else ResponsesShape(job.model)
-        return await _serve_agent(stub, request, job, shape, tokens.stream)
+    if endpoint is Endpoint.MESSAGES:
+        return await _serve_agent(stub, request, job, MessagesShape(job.model), tokens.stream)
+    if endpoint is Endpoint.RESPONSES:
+        shape = ResponsesShape(job.model)
+        if store is None or history is None:
+            return await _serve_agent(stub, request, job, shape, tokens.stream)
+        kept, responses = history, store  # (the closure's own names: mypy narrows them)
+
+        def done(text: str) -> None:
+            responses.put(shape.id, kept, text)
+
+        return await _serve_agent(stub, request, job, shape, tokens.stream, done)
     if tokens.stream:
         events = _chat_events(stub, job) if chat else _completion_events(stub, job)
         return StreamingResponse(events, media_type="text/event-stream")
@@ -138,16 +154,25 @@ async def serve_openai(stub: Stub, request: Request, endpoint: Endpoint) -> Resp
     return Response(encode(result), media_type="application/json")
 
 
-async def _serve_agent(stub: Stub, request: Request, job: _Job, shape: AgentShape, stream: bool) -> Response:
-    """A Messages or Responses answer (engine_stub.server.agent_io) to one prompt's job."""
+async def _serve_agent(
+    stub: Stub,
+    request: Request,
+    job: _Job,
+    shape: AgentShape,
+    stream: bool,
+    done: Callable[[str], None] | None = None,
+) -> Response:
+    """A Messages or Responses answer (engine_stub.server.agent_io) to one prompt's job; `done` is
+    given the answer's text once it is whole (to store it)."""
     if stream:
-        return StreamingResponse(_agent_events(stub, job, shape), media_type="text/event-stream")
+        return StreamingResponse(_agent_events(stub, job, shape, done), media_type="text/event-stream")
     counts = await _until_disconnect(request, _collect(job))
     if counts is None:
         return Response(status_code=499)
-    return Response(
-        shape.result(stub.text.text(counts[0]), _counts(stub, job)), media_type="application/json"
-    )
+    text = stub.text.text(counts[0])
+    if done is not None:
+        done(text)
+    return Response(shape.result(text, _counts(stub, job)), media_type="application/json")
 
 
 def _counts(stub: Stub, job: _Job) -> Counts:
@@ -158,7 +183,9 @@ def _counts(stub: Stub, job: _Job) -> Counts:
     return Counts(usage.prompt_tokens, usage.completion_tokens, cached, details, bool(job.aborted))
 
 
-async def _agent_events(stub: Stub, job: _Job, shape: AgentShape) -> AsyncIterator[bytes]:
+async def _agent_events(
+    stub: Stub, job: _Job, shape: AgentShape, done: Callable[[str], None] | None
+) -> AsyncIterator[bytes]:
     try:
         yield shape.start(job.streams[0].num_prompt_tokens)
         count = 0
@@ -166,7 +193,10 @@ async def _agent_events(stub: Stub, job: _Job, shape: AgentShape) -> AsyncIterat
             if not item.aborted:
                 count += 1
                 yield shape.delta(_delta(stub, item))
-        yield shape.end(stub.text.text(count), _counts(stub, job))
+        text = stub.text.text(count)
+        if done is not None:
+            done(text)  # stored before the last event: a client that read it may continue at once
+        yield shape.end(text, _counts(stub, job))
     finally:
         job.abort_unfinished()
 

@@ -13,6 +13,7 @@ names the field. The lifespan starts and stops the `Stub` (every rank's publishe
 from __future__ import annotations
 
 import re
+import uuid
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from typing import Any, Final
@@ -26,6 +27,7 @@ from starlette.responses import Response
 from engine_stub.runtime.faults import FaultUpdate
 from engine_stub.runtime.forecast import QueuedSeq
 from engine_stub.runtime.stub_runtime import RankError, Stub, exit_now
+from engine_stub.server.agent_io import Rendered, ResponseStore, UnknownResponse
 from engine_stub.server.completions import ModelNotFound, serve_openai
 from engine_stub.server.metrics import CONTENT_TYPE
 from engine_stub.server.openai_io import (
@@ -112,6 +114,11 @@ def _add_error_handlers(app: FastAPI) -> None:
     async def no_model(request: Request, exc: Exception) -> Response:
         return error_response(404, str(exc), "NotFoundError")
 
+    @app.exception_handler(UnknownResponse)
+    async def no_response(request: Request, exc: Exception) -> Response:
+        info = ErrorInfo(str(exc), "invalid_request_error", "response_id", 404)  # vLLM's, param and all
+        return Response(encode(ErrorBody(info)), status_code=404, media_type=_JSON)
+
 
 def _add_openai_routes(app: FastAPI, stub: Stub) -> None:
     @app.get("/v1/models")
@@ -131,9 +138,19 @@ def _add_openai_routes(app: FastAPI, stub: Stub) -> None:
     async def messages(request: Request) -> Response:
         return await serve_openai(stub, request, Endpoint.MESSAGES)
 
+    stored = ResponseStore()
+
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
-        return await serve_openai(stub, request, Endpoint.RESPONSES)
+        return await serve_openai(stub, request, Endpoint.RESPONSES, stored)
+
+    @app.post("/v1/messages/render")
+    async def render_messages(request: Request) -> Response:
+        return _render(stub, await request.body(), Endpoint.MESSAGES)
+
+    @app.post("/v1/responses/render")
+    async def render_responses(request: Request) -> Response:
+        return _render(stub, await request.body(), Endpoint.RESPONSES)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:
@@ -150,6 +167,16 @@ def _add_openai_routes(app: FastAPI, stub: Stub) -> None:
         strs = [stub.tokenizer.decode([t]) for t in tokens] if fields.return_token_strs else None
         reply = TokenizeResponse(len(tokens), stub.config.engine.cache.max_model_len, list(tokens), strs)
         return Response(encode(reply), media_type=_JSON)
+
+
+def _render(stub: Stub, body: bytes, endpoint: Endpoint) -> Response:
+    """vLLM 0.33.0's render of a Messages or Responses body (`--enable-scale-out`): the prompt ids it
+    would run, as a `GenerateRequest` (a stored `previous_response_id` is not spliced in: vLLM's render
+    passes no previous messages either)."""
+    tokens = request_tokens(body, endpoint, stub.tokenizer)
+    rid = f"{'resp_' if endpoint is Endpoint.RESPONSES else 'chatcmpl-'}{uuid.uuid4().hex}"
+    rendered = Rendered(rid, list(tokens.tokens), tokens.model, tokens.stream)
+    return Response(encode(rendered), media_type=_JSON)
 
 
 def _add_engine_routes(app: FastAPI, stub: Stub) -> None:

@@ -1,7 +1,8 @@
 """Agent sessions as a load-test workload (`kvrouter loadtest --workload agents`). Pure.
 
 An agent session runs on one app: the app's prefix (its system prompt and tool definitions, shared
-by every session of that app), the session's task, then steps. Each step sends the whole context so
+by every session of that app; the second half stands for the tools when `--api` sends
+conversations), the session's task, then steps. Each step sends the whole context so
 far and gets an answer (a tool call); the answer and the tool's result join the context, and the
 next step is sent once the tool has run, so every step resends the previous step's prompt and grows
 it by one answer and one tool result. Apps have prefixes of several sizes (spread evenly from
@@ -102,18 +103,21 @@ def agent_requests(spec: AgentWorkload) -> list[RequestSpec]:
     start = 0.0
     for s in range(spec.sessions):
         start += rng.expovariate(spec.session_rate)
-        context = prefixes[rng.randrange(spec.apps)] + block_token_ids(
-            _TASK + s, spec.scaled(spec.task_tokens), spec.seed
-        )
+        prefix = prefixes[rng.randrange(spec.apps)]
+        context = prefix + block_token_ids(_TASK + s, spec.scaled(spec.task_tokens), spec.seed)
+        ends = [len(prefix)]  # the app's prefix: its system prompt, then its tools (the second half)
         arrival = start
         for step in range(rng.randint(spec.steps_min, spec.steps_max)):
             answer = rng.randint(spec.output_tokens_min, spec.output_tokens_max)
             if spec.max_output_tokens is not None:
                 answer = min(answer, spec.max_output_tokens)
-            out.append(RequestSpec(arrival, list(context), answer, f"agent-{s}"))
+            turns, tools = tuple(ends), len(prefix) // 2
+            out.append(RequestSpec(arrival, list(context), answer, f"agent-{s}", turns=turns, tools=tools))
             tool = spec.scaled(rng.randint(spec.tool_result_tokens_min, spec.tool_result_tokens_max))
             key = s * _PER_SESSION + step
+            ends.append(len(context))  # the task or the last tool result ends here
             context += block_token_ids(_ANSWER + key, answer, spec.seed)
+            ends.append(len(context))  # the answer (a tool call) ends here
             context += block_token_ids(_TOOL + key, tool, spec.seed)
             arrival += answer * spec.answer_s_per_token + rng.uniform(spec.tool_s_min, spec.tool_s_max)
     return sorted(out, key=lambda r: r.arrival_s)  # stable: a session's steps keep their order

@@ -7,7 +7,9 @@ policy shows up as queueing, not as a lower offered load. Every request streams
 the stubs before it are not, since an oracle is a bound on routing, not a router)
 and the engine's `cached_tokens` from the final usage chunk. The prompt goes to `/v1/completions` as
 token ids, or as its text when the request carries one (`--prompt-format text`: the same ids once
-tokenized), so every policy and engine sees exactly the same tokens.
+tokenized), so every policy and engine sees exactly the same tokens. With `--api chat|messages|responses`
+the same requests go to that endpoint as conversations (`api_bodies.py`), streamed or not (not
+streamed, an answer has no time to first token).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from typing import Final
 import aiohttp
 import msgspec
 
+from kvrouter.loadtest.api_bodies import ApiShape, Tokens, answer_of, request_body
 from kvrouter.loadtest.results import RequestResult
 from kvrouter.loadtest.workload import RequestSpec
 
@@ -52,56 +55,42 @@ class Target(msgspec.Struct, frozen=True):
 
 
 class DriverSettings(msgspec.Struct, frozen=True):
-    """How the driver sends: the model name, concurrency cap and per-request timeout."""
+    """How the driver sends: the model name, concurrency cap, per-request timeout, API and streaming."""
 
     model: str = "kvrouter-stub"
     max_in_flight: int = 1024
     timeout_s: float = 300.0
     session_header: str = "x-session-id"
+    shape: ApiShape = ApiShape()
 
 
-class _Usage(msgspec.Struct):
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    prompt_tokens_details: dict[str, int] | None = None
-
-
-class _Chunk(msgspec.Struct):
-    choices: list[dict[str, object]] = []
-    usage: _Usage | None = None
-
-
-_CHUNK_DECODER: Final = msgspec.json.Decoder(_Chunk)
 Choose = Callable[[int, RequestSpec], Awaitable[Target]]
 Started = Callable[[int], None]
 """Called with a request's index once its response headers arrived (the engine has it)."""
 
 
-def _body(spec: RequestSpec, model: str) -> bytes:
-    return msgspec.json.encode(
-        {
-            "model": model,
-            "prompt": spec.text if spec.text is not None else spec.prompt,
-            "max_tokens": spec.max_tokens,
-            "stream": True,
-            "stream_options": {"include_usage": True},
-        }
-    )
-
-
-async def _read_stream(response: aiohttp.ClientResponse, sent: float) -> tuple[float | None, _Usage | None]:
+async def _read_stream(response: aiohttp.ClientResponse, sent: float) -> tuple[float | None, Tokens | None]:
     ttft: float | None = None
-    usage: _Usage | None = None
+    usage: Tokens | None = None
     async for raw in response.content:
         line = raw.strip()
         if not line.startswith(b"data:") or line == b"data: [DONE]":
-            continue
-        chunk = _CHUNK_DECODER.decode(line[5:])
-        if ttft is None and chunk.choices:
+            continue  # event names, blank lines, the OpenAI end marker
+        answer = answer_of(line[5:])
+        if ttft is None and answer.first_token:
             ttft = time.perf_counter() - sent
-        if chunk.usage is not None:
-            usage = chunk.usage
+        if answer.tokens is not None:
+            usage = answer.tokens
     return ttft, usage
+
+
+async def _read_answer(
+    response: aiohttp.ClientResponse, sent: float, stream: bool
+) -> tuple[float | None, Tokens | None]:
+    """The time to first token (streamed only) and the usage of an answer."""
+    if stream:
+        return await _read_stream(response, sent)
+    return None, answer_of(await response.read()).tokens
 
 
 async def _one(
@@ -117,9 +106,8 @@ async def _one(
     sent = time.perf_counter()
     base = RequestResult(policy=target.label, index=index, session=spec.session, arrival_s=sent - start)
     try:
-        async with session.post(
-            f"{target.base_url}/v1/completions", data=_body(spec, settings.model), headers=headers
-        ) as r:
+        body = request_body(spec, settings.model, settings.shape)
+        async with session.post(f"{target.base_url}{settings.shape.path}", data=body, headers=headers) as r:
             if on_started is not None:
                 on_started(index)
             if r.status != 200:
@@ -127,18 +115,17 @@ async def _one(
                 return msgspec.structs.replace(base, error=f"HTTP {r.status}: {text}")
             engine = r.headers.get("x-kvrouter-engine") or target.engine
             predicted = r.headers.get("x-kvrouter-predicted-cached-tokens")
-            ttft, usage = await _read_stream(r, sent)
+            ttft, usage = await _read_answer(r, sent, settings.shape.stream)
     except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
         return msgspec.structs.replace(base, error=f"{type(exc).__name__}: {exc}")
-    details = (usage.prompt_tokens_details if usage else None) or {}
     return msgspec.structs.replace(
         base,
         engine=engine,
         ttft_s=ttft,
         e2e_s=time.perf_counter() - sent,
-        prompt_tokens=usage.prompt_tokens if usage else len(spec.prompt),
-        cached_tokens=details.get("cached_tokens", 0),
-        output_tokens=usage.completion_tokens if usage else 0,
+        prompt_tokens=usage.prompt if usage else len(spec.prompt),
+        cached_tokens=usage.cached if usage else 0,
+        output_tokens=usage.output if usage else 0,
         predicted_cached_tokens=int(predicted) if predicted is not None and predicted.isdigit() else None,
     )
 

@@ -33,6 +33,7 @@ import aiohttp
 import msgspec
 
 from engine_stub.runtime.cost_model import CostModel
+from kvrouter.loadtest.api_bodies import ApiShape
 from kvrouter.loadtest.client import (
     Choose,
     DriverSettings,
@@ -79,6 +80,8 @@ class HarnessSpec(msgspec.Struct, frozen=True):
     """Engines the user runs (`--engines-from`), driven instead of stubs (`engines_file.py`)."""
     record_decisions: bool = False
     """Each gateway records events, requests and decisions to `<out>/<policy>.kvrec` (`serve --record`)."""
+    shape: ApiShape = ApiShape()
+    """The API the requests go to (`--api`) and whether they stream."""
 
 
 class _GatewayReady(msgspec.Struct):
@@ -204,14 +207,15 @@ WARM_PROMPTS: Final = 4
 """How many of the workload's first prompts each engine serves before the first policy's run."""
 
 
-async def _warm_engines(stubs: Sequence[StubEndpoint], requests: Sequence[RequestSpec], model: str) -> None:
+async def _warm_engines(
+    stubs: Sequence[StubEndpoint], requests: Sequence[RequestSpec], settings: DriverSettings
+) -> None:
     """Each engine serves the workload's first prompts (one output token each), one at a time, before
     any policy runs; the caches are reset before every policy anyway.
 
     Short warm-up prompts left the engines' first long prompts slow: without this, whichever policy
     ran first had its first answers 60-100 ms behind every later policy's (kvrouter's or a peer's)."""
     first = [msgspec.structs.replace(r, max_tokens=1) for r in requests[:WARM_PROMPTS]]
-    settings = DriverSettings(model=model)
     for stub in stubs:
         failed = [
             r.error
@@ -256,7 +260,7 @@ class _PolicyRun(msgspec.Struct):
 async def _run_policy(
     policy: str, requests: Sequence[RequestSpec], spec: HarnessSpec, ctx: _Context, on_done: OnDone
 ) -> _PolicyRun:
-    settings = DriverSettings(model=ctx.model.name, max_in_flight=spec.max_in_flight)
+    settings = DriverSettings(model=ctx.model.name, max_in_flight=spec.max_in_flight, shape=spec.shape)
     gateway: GatewayProcess | None = None
     url = ""
     if policy == EXTERNAL or policy in spec.routers:
@@ -368,7 +372,7 @@ async def run_harness(
         ctx = _Context(endpoints, engines, external.model if external else stubs.model())
         for stub in endpoints:
             await _warm_up(stub.url, ctx.model.name, spec.text_prompts)
-        await _warm_engines(endpoints, requests, ctx.model.name)
+        await _warm_engines(endpoints, requests, DriverSettings(model=ctx.model.name, shape=spec.shape))
         for policy in spec.policies:
             run = await _run_policy(policy, requests, spec, ctx, on_done)
             summary = summarize(

@@ -31,7 +31,8 @@ def ttft_cdf(by_policy: Mapping[str, Sequence[RequestResult]], path: Path) -> No
     ax.set_ylabel("fraction of requests")
     ax.set_title("TTFT distribution")
     ax.grid(alpha=0.3)
-    ax.legend()
+    if ax.get_legend_handles_labels()[1]:  # none with --no-stream: whole answers have no first token
+        ax.legend()
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

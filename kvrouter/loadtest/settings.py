@@ -44,6 +44,8 @@ class LoadtestSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     router: list[str] | None = None
     ready_timeout: float = 60.0
     prompt_format: Literal["ids", "text"] = "ids"
+    api: Literal["completions", "chat", "messages", "responses"] = "completions"
+    stream: bool = True
     load: float | None = None
     stub_base_port: int | None = None
     requests: int | None = None

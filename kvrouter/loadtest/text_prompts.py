@@ -21,7 +21,12 @@ from engine_stub.runtime.pseudo_text import PseudoText
 from kvrouter.loadtest.workload import RequestSpec
 from tokenization import Tokenizer
 
-__all__ = ["TextPrompts"]
+__all__ = ["TextPrompts", "ids_text"]
+
+
+def ids_text(pieces: Sequence[str], ids: Sequence[int]) -> str:
+    """The text standing for `ids`: one of `pieces` per id, so equal ids give equal text."""
+    return "".join(pieces[i % len(pieces)] for i in ids)
 
 
 class TextPrompts:
@@ -42,8 +47,7 @@ class TextPrompts:
 
     def text(self, ids: Sequence[int]) -> str:
         """The text standing for `ids` (one piece per id, the last `specials` ids dropped)."""
-        kept = ids[: max(0, len(ids) - self.specials)]
-        return "".join(self.pieces[i % len(self.pieces)] for i in kept)
+        return ids_text(self.pieces, ids[: max(0, len(ids) - self.specials)])
 
     def rewrite(self, requests: Sequence[RequestSpec]) -> list[RequestSpec]:
         """Every request with its text, and its ids as the engine will encode that text."""

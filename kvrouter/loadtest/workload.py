@@ -17,6 +17,7 @@ from typing import Final
 import msgspec
 
 __all__ = [
+    "Conversation",
     "MooncakeRecord",
     "RequestSpec",
     "SyntheticWorkload",
@@ -48,6 +49,18 @@ class MooncakeRecord(msgspec.Struct, frozen=True):
     hash_ids: list[int]
 
 
+class Conversation(msgspec.Struct, frozen=True):
+    """A request as the turns of a conversation, for the chat, Messages and Responses APIs
+    (`kvrouter.loadtest.api_bodies`): a system prompt, tool definitions (text, "" for none), then
+    user and assistant turns alternating from a user's; with `tool_calls` every assistant turn is a
+    tool call and the user turn after it that call's result."""
+
+    system: str
+    tools: str
+    turns: list[str]
+    tool_calls: bool = False
+
+
 class RequestSpec(msgspec.Struct, frozen=True):
     """One request to send: when (seconds from start), what tokens, how many to generate."""
 
@@ -57,6 +70,16 @@ class RequestSpec(msgspec.Struct, frozen=True):
     session: str
     text: str | None = None
     """The prompt as text that the served tokenizer encodes to `prompt` (sent instead, when set)."""
+    turns: tuple[int, ...] = ()
+    """Where the conversation's pieces end in `prompt`, but the last (which ends with it): the system
+    prompt, then user and assistant turns alternating from a user's. Empty: the prompt is one user
+    turn (traces). What `--api chat|messages|responses` turns into a `Conversation`."""
+    tools: int = 0
+    """How many ids at the end of the system prompt stand for tool definitions; > 0 also makes every
+    assistant turn a tool call and the user turn after it the call's result (the agents workload)."""
+    conversation: Conversation | None = None
+    """The request as a conversation, once `prompt` is what the engine renders for it (set by
+    `kvrouter.loadtest.api_bodies.as_conversations`; then `turns` and `tools` are spent)."""
 
 
 class TraceWorkload(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
@@ -147,6 +170,7 @@ def synthetic_requests(spec: SyntheticWorkload) -> list[RequestSpec]:
     # Users pick their system prompt and take turns in a random order, so no fixed rotation (such
     # as round robin over engines) lines up with the sharing by accident.
     histories = {u: list(systems[rng.randrange(spec.system_prompts)]) for u in range(spec.users)}
+    ends: dict[int, list[int]] = {u: [spec.system_prompt_tokens] for u in range(spec.users)}
     pending = [(u, t) for t in range(spec.turns) for u in rng.sample(range(spec.users), spec.users)]
     clock = 0.0
     out: list[RequestSpec] = []
@@ -154,8 +178,10 @@ def synthetic_requests(spec: SyntheticWorkload) -> list[RequestSpec]:
         clock += rng.expovariate(spec.rate) if spec.rate > 0 else 0.0
         turn = block_token_ids(10_000_000 + u * 1000 + t, spec.user_turn_tokens, spec.seed)
         histories[u].extend(turn)
-        out.append(RequestSpec(clock, list(histories[u]), spec.output_tokens, f"user-{u}"))
+        prompt = list(histories[u])
+        out.append(RequestSpec(clock, prompt, spec.output_tokens, f"user-{u}", turns=tuple(ends[u])))
         histories[u].extend(block_token_ids(20_000_000 + u * 1000 + t, spec.output_tokens, spec.seed))
+        ends[u] += [len(prompt), len(histories[u])]  # this user turn's end, then the answer's
     return out
 
 

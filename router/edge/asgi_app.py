@@ -26,7 +26,7 @@ from starlette.responses import Response
 from starlette.routing import Match, Route
 from starlette.types import Receive, Scope, Send
 
-from router.core.errors import NoEngineAvailable, RequestTimeout, RouterError
+from router.core.errors import BadRequest, NoEngineAvailable, RequestTimeout, RouterError
 from router.core.fleet_state import ModelReadiness
 from router.edge.access_log import AccessLog
 from router.edge.admin import AdminApi, NotFound
@@ -69,9 +69,32 @@ def settle_gc() -> None:
 
 class _Shape(msgspec.Struct):
     messages: list[msgspec.Raw] | None = None
+    system: msgspec.Raw = msgspec.Raw()  # empty when absent (a Raw takes no None in a union)
+    input: msgspec.Raw = msgspec.Raw()
 
 
 _SHAPE: Final = msgspec.json.Decoder(_Shape)
+_EXPLAINED: Final = {"completions": Endpoint.COMPLETIONS, "chat": Endpoint.CHAT,
+                     "messages": Endpoint.MESSAGES, "responses": Endpoint.RESPONSES}  # fmt: skip
+
+
+def explained_endpoint(body: bytes, api: str | None) -> Endpoint:
+    """The endpoint `POST /debug/route` explains `body` for: `?api=` when given (BadRequest for an
+    unknown one), else by the body's fields: `input` a Responses body, `messages` with a top-level
+    `system` a Messages body (chat has no such field), `messages` a chat, anything else a completion."""
+    if api is not None:
+        if api not in _EXPLAINED:
+            raise BadRequest(f"api must be one of {', '.join(_EXPLAINED)}, got {api!r}")
+        return _EXPLAINED[api]
+    try:
+        shape = _SHAPE.decode(body)
+    except (msgspec.DecodeError, RecursionError):
+        return Endpoint.COMPLETIONS  # prepare() names the problem
+    if shape.input:
+        return Endpoint.RESPONSES
+    if shape.messages is None:
+        return Endpoint.COMPLETIONS
+    return Endpoint.MESSAGES if shape.system else Endpoint.CHAT
 
 
 class Readiness(msgspec.Struct):
@@ -108,11 +131,7 @@ class Handlers:
     async def explain(self, request: Request) -> Response:
         self.admin_check(request)
         body = await read_body(request, _EXPLAIN_LIMIT, self.parts.config.timeouts.client_body_s)
-        try:
-            chat = _SHAPE.decode(body).messages is not None
-        except (msgspec.DecodeError, RecursionError):
-            chat = False  # prepare() names the problem
-        endpoint = Endpoint.CHAT if chat else Endpoint.COMPLETIONS
+        endpoint = explained_endpoint(body, request.query_params.get("api"))
         explained = await self.gateway.decider.explain(body, endpoint, request.scope["headers"])
         return Response(msgspec.json.encode(explained), media_type=_JSON)
 

@@ -167,7 +167,7 @@ class Decider:
                 return unread
             model = models.resolve(body)
             if models.needs_remote(model):
-                tokens = await self._remote_tokens(body, model)
+                tokens = await self._remote_tokens(body, model, endpoint)
                 if tokens is not None:
                     return models.prepare_tokens(body, endpoint, tokens, model, defer=defer)
                 return models.prepare_fallback(body, endpoint, model, defer=defer)
@@ -188,12 +188,13 @@ class Decider:
         except Exception as exc:
             _prepare_failed(exc, endpoint)
 
-    async def _remote_tokens(self, body: bytes, model: str) -> list[int] | None:
-        """The prompt ids from the first reachable replica of `model`; None (logged) when none answers."""
+    async def _remote_tokens(self, body: bytes, model: str, endpoint: Endpoint) -> list[int] | None:
+        """The prompt ids from the first reachable replica of `model` (its /tokenize, or its render of
+        a Messages or Responses body); None (logged) when none answers."""
         for replica in self.parts.fleet.replicas(model):
             base_url, _ = self.parts.fleet.replica_target(replica)
             try:
-                return await self._remote.tokenize(replica, base_url, body)
+                return await self._remote.tokenize(replica, base_url, body, endpoint)
             except RemoteTokenizeError as exc:
                 log.warning("remote tokenization failed", extra={"engine": replica, "error": str(exc)})
         self.parts.metrics.remote_tokenize_failures.inc()

@@ -7,6 +7,11 @@ The request body's own fields are passed through untouched (as raw JSON), so the
 exactly what it would serve. The ids then go to `Models.prepare_tokens`. Failures raise
 `RemoteTokenizeError` (the caller falls back to routing without hits).
 
+`/tokenize` takes no Messages or Responses body: those go whole to the engine's own renders,
+`/v1/messages/render` and `/v1/responses/render` (vLLM 0.33 with `--enable-scale-out`, or a `vllm
+launch render` server in front of it), which answer the `GenerateRequest` the engine would run, its
+`token_ids` the prompt (`render_path`; the decision's `tokenizer` is then `remote_render`).
+
 The exchange itself is the gateway's one HTTP client's (`router.edge.proxy.Proxy.call`, passed in as
 a `Post`): its failures arrive already translated, as `UpstreamError`s.
 """
@@ -19,8 +24,12 @@ import msgspec
 
 from router.core.errors import UpstreamError
 from router.core.ids import EngineId
+from tokenization.openai_request import Endpoint
 
-__all__ = ["Post", "RemoteTokenizeError", "RemoteTokenizer", "TokenizeReply", "tokenize_payload"]
+__all__ = [
+    "Post", "RemoteTokenizeError", "RemoteTokenizer", "RenderReply", "TokenizeReply", "render_path",
+    "tokenize_payload",
+]  # fmt: skip
 
 Post = Callable[[EngineId, str, str, bytes, float], Awaitable[tuple[int, bytes]]]
 """(engine, base URL, path, JSON body, timeout in seconds) -> (status, body) of the engine's whole
@@ -39,6 +48,21 @@ class TokenizeReply(msgspec.Struct):
     max_model_len: int | None = None
 
 
+class RenderReply(msgspec.Struct):
+    """vLLM's `/v1/messages/render` and `/v1/responses/render` answer: a `GenerateRequest` (the fields
+    the router reads)."""
+
+    token_ids: list[int]
+
+
+def render_path(endpoint: Endpoint | str) -> str | None:
+    """The engine's render route for a Messages or Responses request; None for completions and chat
+    (their ids come from `/tokenize`)."""
+    if endpoint == Endpoint.MESSAGES or endpoint == Endpoint.RESPONSES:
+        return f"{Endpoint(endpoint).value}/render"
+    return None
+
+
 _FIELDS_READ = (
     "model",
     "prompt",
@@ -51,6 +75,7 @@ _FIELDS_READ = (
 )
 _FIELDS = msgspec.json.Decoder(dict[str, msgspec.Raw])  # values stay raw JSON, passed through
 _REPLY = msgspec.json.Decoder(TokenizeReply)
+_RENDERED = msgspec.json.Decoder(RenderReply)
 
 
 def tokenize_payload(body: bytes) -> bytes:
@@ -69,21 +94,27 @@ class RemoteTokenizer:
         self._post = post
         self._timeout_s = timeout_s
 
-    async def tokenize(self, engine: EngineId, base_url: str, body: bytes) -> list[int]:
-        """The prompt ids `engine` (at `base_url`) derives from `body`; RemoteTokenizeError on failure."""
-        url = base_url.rstrip("/") + "/tokenize"
+    async def tokenize(
+        self, engine: EngineId, base_url: str, body: bytes, endpoint: Endpoint | str = Endpoint.COMPLETIONS
+    ) -> list[int]:
+        """The prompt ids `engine` (at `base_url`) derives from `body`, a request to `endpoint`: from
+        its `/tokenize`, or its render of a Messages or Responses body; RemoteTokenizeError on failure."""
+        render = render_path(endpoint)
+        path = render or "/tokenize"
+        url = base_url.rstrip("/") + path
+        payload = body if render else tokenize_payload(body)
         try:
-            status, data = await self._post(
-                engine, base_url, "/tokenize", tokenize_payload(body), self._timeout_s
-            )
+            status, data = await self._post(engine, base_url, path, payload, self._timeout_s)
         except UpstreamError as exc:
             raise RemoteTokenizeError(f"{url}: {exc.message}") from exc
         if status != 200:
             raise RemoteTokenizeError(f"{url}: HTTP {status}: {data[:200]!r}")
         try:
+            if render:
+                return _RENDERED.decode(data).token_ids
             reply = _REPLY.decode(data)
         except msgspec.DecodeError as exc:
-            raise RemoteTokenizeError(f"{url}: not a /tokenize reply: {exc}") from exc
+            raise RemoteTokenizeError(f"{url}: not a {path} reply: {exc}") from exc
         if reply.count != len(reply.tokens):
             raise RemoteTokenizeError(f"{url}: count {reply.count} != {len(reply.tokens)} tokens")
         return reply.tokens

@@ -57,7 +57,7 @@ from tokenization.chat_decoder import ChatDecoder
 from tokenization.deferred import Later
 from tokenization.hub import HubRef, HubUnavailable, fetch_tokenizers
 from tokenization.hub_names import hub_repo
-from tokenization.loading import HUB_TIMEOUT_S, load_tokenizer
+from tokenization.loading import load_tokenizer
 from tokenization.openai_request import (
     Endpoint,
     RequestError,
@@ -150,6 +150,7 @@ class Models:
             key_cache if key_cache is not None else PrefixKeyCache(config.limits.key_cache_tokens)
         )
         self._config = config
+        self._hub_timeout_s = config.timeouts.hub_fetch_s
         self._clock = clock
         self._models = model_configs(config)
         self._loras = {name: dict(getattr(m, "loras", {}) or {}) for name, m in self._models.items()}
@@ -212,19 +213,20 @@ class Models:
         if ref is None:
             return load_tokenizer(variant.tokenizer, variant.chat_template)
         if ref not in self._hub:  # not fetched at startup: a tool, or an engine added at run time
-            self._resolve([ref], HUB_TIMEOUT_S)
+            self._resolve([ref], self._hub_timeout_s)
         found = self._hub[ref]
         if isinstance(found, HubUnavailable):
             return load_tokenizer(None, variant.chat_template)
         return load_tokenizer(str(found), variant.chat_template)
 
-    def fetch_hub(self, timeout_s: float = HUB_TIMEOUT_S) -> None:
+    def fetch_hub(self, timeout_s: float | None = None) -> None:
         """Resolve every repo-named tokenizer of the variants known now through the HF hub, waiting at
-        most `timeout_s`, and load each (so no request waits for it). What cannot be had, or does not
-        load, is logged and listed in `hub_unavailable`; its model then tokenizes on an engine."""
+        most `timeout_s` (None: the config's `timeouts.hub_fetch_s`), and load each (so no request
+        waits for it). What cannot be had, or does not load, is logged and listed in
+        `hub_unavailable`; its model then tokenizes on an engine."""
         variants = [v for by_id in self._variants.values() for v in by_id.values()]
         refs = [ref for v in variants if (ref := _hub_ref(v)) is not None and ref not in self._hub]
-        self._resolve(refs, timeout_s)
+        self._resolve(refs, self._hub_timeout_s if timeout_s is None else timeout_s)
         for v in variants:
             ref = _hub_ref(v)
             if ref is None or isinstance(self._hub[ref], HubUnavailable):
@@ -349,7 +351,9 @@ class Models:
             model = self.resolve(body, model_hint)
             req = decode_request(ids_body, Endpoint.COMPLETIONS)
             prepared = self._prepare(req, endpoint, model, single_tokenizer=True)  # ids as a completion
-            return msgspec.structs.replace(prepared, tokenizer="remote")
+            # whose ids: the engine's /tokenize, or its render of a Messages or Responses body
+            rendered = endpoint == Endpoint.MESSAGES or endpoint == Endpoint.RESPONSES
+            return msgspec.structs.replace(prepared, tokenizer="remote_render" if rendered else "remote")
 
         return self._storing(defer, prepare)
 

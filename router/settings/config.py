@@ -220,6 +220,9 @@ class Timeouts(_Table, frozen=True):
     client_write_s: Positive = 60.0
     """Longest wait on a client that takes no more of its answer (nginx's send_timeout): then the
     answer ends as `client_slow`, its connection and its engine stream closed."""
+    hub_fetch_s: Positive = 30.0
+    """Longest wait for the HF hub to give a repo-named tokenizer's files (at startup, or when a repo
+    is first named later); then the model tokenizes on its engines (docs/tokenization.md)."""
 
 
 class Limits(_Table, frozen=True):

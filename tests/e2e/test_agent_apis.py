@@ -15,7 +15,8 @@ import httpx
 import msgspec
 import pytest
 
-from router.ops.debug import DecisionEntry
+from router.ops.debug import DecisionEntry, Explanation
+from router.settings.config import ModelConfig
 from tests.gateway_helpers import (
     ADMIN,
     Gateway,
@@ -156,3 +157,68 @@ async def test_count_tokens_is_passed_through_and_a_wrong_method_is_the_gateways
         for path in ("/v1/messages", "/v1/responses"):
             wrong = await gw.client.get(path)
             assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+
+
+@pytest.mark.parametrize(
+    ("path", "step", "query"),
+    [
+        ("/v1/messages", messages_step, ""),
+        ("/v1/responses", responses_step, ""),
+        ("/v1/messages", messages_step, "?api=messages"),
+    ],
+    ids=["messages", "responses", "messages-named"],
+)
+async def test_debug_route_explains_messages_and_responses_bodies_as_they_would_be_routed(
+    path: str, step: Any, query: str
+) -> None:
+    async with running_stubs(2) as stubs:
+        engines = {f"e{i}": s for i, s in enumerate(stubs)}
+        async with running_gateway(gateway_config([engine_of(n, s) for n, s in engines.items()])) as gw:
+            first = await gw.client.post(path, json=step(1, False))
+            await wait_for(mirrors_caught_up(gw, engines))
+            admin = {"Authorization": f"Bearer {ADMIN}"}
+            found = await gw.client.post(f"/debug/route{query}", json=step(2, False), headers=admin)
+            assert found.status_code == 200, found.text
+            explained = msgspec.json.decode(found.content, type=Explanation)
+            second = await gw.client.post(path, json=step(2, False))
+    # read as the API it is (before, a Messages body was read as a chat and a Responses body as a
+    # completion without a prompt), and predicted as the request then sent is served
+    assert explained.request.endpoint == path
+    assert explained.decision.engine == first.headers["x-kvrouter-engine"]
+    assert explained.decision.predicted_cached_tokens == reported_cached(path, second, False) >= 8 * BS
+
+
+async def test_debug_route_names_an_unknown_api() -> None:
+    async with running_stubs(1) as stubs, running_gateway(gateway_config([engine_of("e0", stubs[0])])) as gw:
+        admin = {"Authorization": f"Bearer {ADMIN}"}
+        found = await gw.client.post("/debug/route?api=grpc", json=messages_step(1, False), headers=admin)
+    assert found.status_code == 400 and "api must be one of" in found.text
+
+
+@pytest.mark.parametrize(
+    ("path", "step"),
+    [("/v1/messages", messages_step), ("/v1/responses", responses_step)],
+    ids=["messages", "responses"],
+)
+async def test_a_remote_tokenize_model_routes_agent_bodies_from_the_engines_render(
+    path: str, step: Any
+) -> None:
+    """`/tokenize` takes no Messages or Responses body: the engine's own render gives the ids (before,
+    the Messages body went to /tokenize read as a chat, the Responses one failed there)."""
+    async with running_stubs(2) as stubs:
+        engines = {f"e{i}": s for i, s in enumerate(stubs)}
+        model = ModelConfig(name=MODEL, remote_tokenize=True)
+        config = gateway_config([engine_of(n, s) for n, s in engines.items()], models=[model])
+        async with running_gateway(config) as gw:
+            first = await gw.client.post(path, json=step(1, False))
+            await wait_for(mirrors_caught_up(gw, engines))
+            second = await gw.client.post(path, json=step(2, False), headers={"x-request-id": "rendered"})
+            assert second.status_code == 200, second.text
+            entry = await decision(gw, "rendered")
+            failures = metric(
+                (await gw.client.get("/metrics")).text, "kvrouter_remote_tokenize_failures_total"
+            )
+    assert second.headers["x-kvrouter-engine"] == first.headers["x-kvrouter-engine"]
+    actual = reported_cached(path, second, False)
+    assert actual >= 8 * BS and int(second.headers["x-kvrouter-predicted-cached-tokens"]) == actual
+    assert entry.request.tokenizer == "remote_render" and failures == 0

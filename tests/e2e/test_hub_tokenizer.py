@@ -14,6 +14,7 @@ import hashlib
 import logging
 import os
 from pathlib import Path
+from typing import Any
 
 import httpx
 import msgspec
@@ -22,11 +23,13 @@ import pytest
 from aiohttp import web
 from huggingface_hub import constants
 
+from engine_stub.runtime.stub_runtime import Stub
 from engine_stub.server.launch import StubServer
-from engine_stub.stub_config import TokenizerChoice
+from engine_stub.stub_config import StubConfig, TokenizerChoice
 from router.ops.debug import Explanation
+from router.prepare import served_models
 from router.prepare.served_models import Models
-from router.settings.config import EngineConfig, ModelConfig, RouterConfig
+from router.settings.config import EngineConfig, ModelConfig, RouterConfig, Timeouts
 from tests.gateway_helpers import (
     ADMIN,
     Gateway,
@@ -45,6 +48,7 @@ from tests.stub_helpers import stub_config
 from tokenization.hub import HubUnavailable, fetch_tokenizers
 from tokenization.loading import load_tokenizer
 from tokenization.openai_request import Endpoint, RequestError
+from tokenization.request_tokens import request_tokens
 
 ADMIN_AUTH = {"Authorization": f"Bearer {ADMIN}"}
 REPO = "deepseek-ai/DeepSeek-V4"
@@ -332,3 +336,42 @@ def test_a_cached_repo_whose_files_do_not_load_tokenizes_remotely(offline_hub: P
     models.fetch_hub(30.0)
     assert [(exc.ref, exc.reason) for exc in models.hub_unavailable] == [(("org/broken", None), "unreadable")]
     assert models.needs_remote(MODEL)
+
+
+def test_the_hub_fetch_is_bounded_by_the_configured_timeout(
+    offline_hub: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`[timeouts] hub_fetch_s` bounds the startup fetch and a repo first named later (it was the
+    constant 30 s)."""
+    asked: list[float] = []
+
+    def fetch(refs: Any, timeout_s: float, cache_only: bool = False) -> Any:
+        asked.append(timeout_s)
+        return fetch_tokenizers(refs, timeout_s, cache_only)
+
+    monkeypatch.setattr(served_models, "fetch_tokenizers", fetch)
+    config = RouterConfig(
+        models=[ModelConfig(name=MODEL, tokenizer=REPO)], timeouts=Timeouts(hub_fetch_s=7.5)
+    )
+    models = Models(config)
+    models.fetch_hub()
+    models.learn(EngineConfig(name="late", url="http://127.0.0.1:9", model=MODEL, tokenizer="org/not-cached"))
+    body = msgspec.json.encode({"model": MODEL, "prompt": PROMPT})
+    models.prepare(body, Endpoint.COMPLETIONS)
+    assert asked == [7.5, 7.5] and models.hub_unavailable[0].reason == "offline"
+
+
+def test_the_stub_reads_the_revision_its_config_pins(offline_hub: Path) -> None:
+    """`[tokenizer] revision` pins the stub's repo as `tokenizer_revision` pins the router's; a
+    revision without a repo id is refused when the config is checked."""
+    pinned_files: dict[str, str | Path] = {
+        "tokenizer.json": DEEPSEEK_JSON,
+        "tokenizer_config.json": template_config("the stub's pinned revision says {{ messages[0].content }}"),
+    }
+    cache_revision(offline_hub, REPO, "e" * 40, pinned_files, refs=("v3",))
+    stub = Stub(StubConfig(tokenizer=TokenizerChoice(path=REPO, revision="v3")))
+    body = msgspec.json.encode({"messages": [{"role": "user", "content": "hi"}]})
+    ids = request_tokens(body, Endpoint.CHAT, stub.tokenizer).tokens
+    assert stub.tokenizer.decode(list(ids)) == "the stub's pinned revision says hi"
+    with pytest.raises(ValueError, match=r"needs tokenizer\.path to be an HF repo id"):
+        StubConfig(tokenizer=TokenizerChoice(path=str(DEEPSEEK_JSON), revision="v3")).validate()

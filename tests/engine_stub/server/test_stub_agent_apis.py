@@ -100,3 +100,43 @@ async def test_responses_answers_as_vllm_shapes_them_and_the_openai_client_reads
     assert last.response.usage.input_tokens_details.cached_tokens == prompt // BS * BS
     deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
     assert deltas == last.response.output_text
+
+
+def _continued_prompt(first_output: str, new_input: str) -> int:
+    """The prompt vLLM renders for a continuation of RESPONSES: the instructions (the new request's),
+    the stored input, the stored answer as an assistant message, the new input."""
+    items = [
+        {"role": "user", "content": "hello"},
+        {"role": "assistant", "content": first_output},
+        {"role": "user", "content": new_input},
+    ]
+    body = {**RESPONSES, "input": items}
+    return len(request_tokens(msgspec.json.encode(body), Endpoint.RESPONSES, TOK).tokens)
+
+
+async def test_a_stored_response_is_continued_by_its_id_and_an_unknown_id_is_vllms_404() -> None:
+    async with live_stub() as (_, client):
+        first = (await client.post("/v1/responses", json={**RESPONSES, "stream": True})).text
+        done = named_events(first)[-1][1]["response"]
+        follow = {**RESPONSES, "input": "go on", "previous_response_id": done["id"]}
+        second = (await client.post("/v1/responses", json=follow)).json()
+        # stored: the second request's input only, the engine rendered the whole conversation
+        expected = _continued_prompt(done["output"][0]["content"][0]["text"], "go on")
+        assert second["usage"]["input_tokens"] == expected
+        assert (
+            second["usage"]["input_tokens_details"]["cached_tokens"]
+            >= done["usage"]["input_tokens"] // BS * BS
+        )
+        third = await client.post("/v1/responses", json={**follow, "previous_response_id": second["id"]})
+        assert third.status_code == 200  # a continuation is stored in turn
+        unstored = (await client.post("/v1/responses", json={**RESPONSES, "store": False})).json()
+        unknown = await client.post("/v1/responses", json={**follow, "previous_response_id": unstored["id"]})
+    assert unknown.status_code == 404
+    assert unknown.json() == {
+        "error": {
+            "message": f"Response with id '{unstored['id']}' not found.",
+            "type": "invalid_request_error",
+            "param": "response_id",
+            "code": 404,
+        }
+    }

@@ -15,6 +15,7 @@ import pytest
 from aiohttp import web
 
 from kvrouter.cli import main
+from kvrouter.loadtest.client import DriverSettings
 from kvrouter.loadtest.engines_file import load_engines_file, refuse_stub_policies, reset_caches
 from kvrouter.loadtest.harness import WARM_PROMPTS, HarnessSpec, _cold_start, _Context, _warm_engines
 from kvrouter.loadtest.oracle import StubEndpoint
@@ -143,9 +144,9 @@ async def test_every_engine_serves_the_workloads_first_prompts_before_any_policy
 
     requests = [RequestSpec(i, [i] * 8, 64, f"s{i}", text=f"prompt {i}") for i in range(WARM_PROMPTS + 2)]
     async with fake_engine(engine("a")) as a, fake_engine(engine("b")) as b:
-        await _warm_engines([StubEndpoint("a", a), StubEndpoint("b", b)], requests, MODEL)
+        await _warm_engines([StubEndpoint("a", a), StubEndpoint("b", b)], requests, DriverSettings(MODEL))
         first = [(f"prompt {i}", 1) for i in range(WARM_PROMPTS)]
         assert served == {"a": first, "b": first}
         bad = [msgspec.structs.replace(requests[0], text="too long")]
         with pytest.raises(RuntimeError, match="engine b failed a warm-up prompt: HTTP 400"):
-            await _warm_engines([StubEndpoint("a", a), StubEndpoint("b", b)], bad, MODEL)
+            await _warm_engines([StubEndpoint("a", a), StubEndpoint("b", b)], bad, DriverSettings(MODEL))

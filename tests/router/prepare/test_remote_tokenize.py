@@ -70,3 +70,31 @@ async def test_an_unreachable_engine_is_a_remote_tokenize_error() -> None:
             await RemoteTokenizer(proxy.call, timeout_s=1.0).tokenize(
                 E, "http://127.0.0.1:9", b'{"prompt": "x"}'
             )
+
+
+MESSAGES = {
+    "model": "kvrouter-stub",
+    "max_tokens": 3,
+    "system": [{"type": "text", "text": "You are an agent. " * 8}],
+    "messages": [{"role": "user", "content": [{"type": "text", "text": "hello there " * 10}]}],
+}
+RESPONSES = {"model": "kvrouter-stub", "instructions": "You are an agent. " * 8, "input": "hello there " * 10}
+
+
+@pytest.mark.parametrize(
+    ("endpoint", "body"),
+    [(Endpoint.MESSAGES, MESSAGES), (Endpoint.RESPONSES, RESPONSES)],
+    ids=["messages", "responses"],
+)
+async def test_agent_bodies_are_rendered_by_the_engine_as_it_would_run_them(
+    endpoint: Endpoint, body: object
+) -> None:
+    raw = msgspec.json.encode(body)
+    models = Models(RouterConfig(models=[ModelConfig(name="kvrouter-stub")]), HASHER)
+    async with live_stub() as (server, _), started_proxy() as proxy:
+        assert server.info is not None
+        tokens = await RemoteTokenizer(proxy.call).tokenize(E, server.info.url, raw, endpoint)
+    assert tokens == list(request_tokens(raw, endpoint, BuiltinTokenizer()).tokens)
+    remote = models.prepare_tokens(raw, endpoint, tokens)
+    local = models.prepare(raw, endpoint)
+    assert remote.keys == local.keys and remote.tokenizer == "remote_render"
