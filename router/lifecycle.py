@@ -185,8 +185,18 @@ class Service:
             self.peers = DecisionPeers(opts.peers_dir, ring)
             await self._phase("decision peers", self.peers.start(), opts.phase_timeout_s)
         self.parts = GatewayParts(
-            config, state, links, models, core, proxy, metrics, self.guard, ring, self.recorder, self.peers,
-        )  # fmt: skip
+            config=config,
+            fleet=state,
+            links=links,
+            models=models,
+            core=core,
+            proxy=proxy,
+            metrics=metrics,
+            guard=self.guard,
+            ring=ring,
+            recorder=self.recorder,
+            peers=self.peers,
+        )
         return self.parts
 
     async def _start_embedded(self) -> None:
