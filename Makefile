@@ -11,7 +11,7 @@ STAMP := $(VENV)/.installed
 help:
 	@echo "make run            the gateway on 127.0.0.1:8000, routing to 2 embedded engine stubs"
 	@echo "make test           lint, mypy --strict and the whole test suite (installs .venv first)"
-	@echo "make unit           the fast half: modules tested on their own, no server (pytest -m unit)"
+	@echo "make unit           the fast half: modules tested on their own, no server, 10 examples a property"
 	@echo "make e2e            the other half: servers, processes, end-to-end (pytest -m 'not unit')"
 	@echo "make lint           ruff check and ruff format --check"
 	@echo "make typecheck      mypy --strict"
@@ -45,8 +45,10 @@ pytest: install
 test: install lint typecheck pytest
 
 # The two halves of `make pytest`; which tests are unit is set by path in tests/conftest.py (UNIT_PATHS).
+# `make unit` runs each property test on at most UNIT_EXAMPLES examples (`make test` and `make e2e`: all).
+UNIT_EXAMPLES ?= 10
 unit: install
-	$(BIN)/pytest -q -m unit
+	$(BIN)/pytest -q -m unit --max-examples $(UNIT_EXAMPLES)
 
 e2e: install
 	$(BIN)/pytest -q -m "not unit"

@@ -33,7 +33,8 @@ ROOT = HERE.parents[1]
 def unpack(rev: str, into: Path) -> Path:
     """The tree of `rev` as files under `into` (the tests and benches included, the .git not)."""
     archive = subprocess.run(["git", "-C", str(ROOT), "archive", rev], check=True, capture_output=True).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    # -m: the files dated now, not at the commit (a /tmp cleaner takes old files away mid-run)
+    subprocess.run(["tar", "-x", "-m", "-C", str(into)], input=archive, check=True)
     return into
 
 

@@ -131,12 +131,11 @@ def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM (0); 2 on a configuration error, 1 when start-up fails."""
     # Imported here: gRPC and the gateway's stack are loaded by this command only.
     from kvrouter.cmd_serve import effective_config, server_config
-    from router.edge.asgi_app import create_app
     from router.edge.decider import Decider
     from router.edge.gateway import GatewayParts
     from router.epp.picker import Picker
     from router.epp.server import PickerServer, ServerSettings
-    from router.lifecycle import ServeOptions
+    from router.lifecycle import ServeOptions, gateway_app
     from serving.quiet_server import QuietServer
 
     args.port = args.metrics_port
@@ -187,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         options = ServeOptions(record=args.record, settle_gc=True)
-        app = create_app(config, options, on_started=started, attach=picker_servers)
+        app = gateway_app(config, options, on_started=started, attach=picker_servers)
     except ConfigError as exc:
         sys.stderr.write(f"kvrouter epp: {exc}\n")
         sock.close()

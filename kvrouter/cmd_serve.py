@@ -137,6 +137,13 @@ def server_config(app: ASGIApp | str, config: RouterConfig, **extra: Any) -> uvi
     )  # fmt: skip
 
 
+def worker_config(config: RouterConfig) -> uvicorn.Config:
+    """The uvicorn config each worker runs: `server_config` for the worker app factory."""
+    return server_config(
+        "kvrouter.gateway_worker:create_worker_app", config, factory=True, workers=config.listen.workers
+    )
+
+
 def startup_message(url: str, config: RouterConfig, engines: list[str]) -> str:
     """The human-readable line saying where the gateway serves, and how."""
     workers = config.listen.workers
@@ -151,9 +158,9 @@ def startup_message(url: str, config: RouterConfig, engines: list[str]) -> str:
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM (a clean stop: 0); 2 on a configuration error, 1 when start-up fails."""
     # Imported here: the gateway's stack (FastAPI, aiohttp, tokenizers) is not loaded for other commands.
-    from router.edge.asgi_app import create_app
+
     from router.edge.gateway import GatewayParts
-    from router.lifecycle import ServeOptions
+    from router.lifecycle import ServeOptions, gateway_app
 
     try:
         config = effective_config(args, dict(os.environ))
@@ -185,7 +192,9 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             ready = lambda resolved: announce([e.name for e in resolved.engines])  # noqa: E731
-            return asyncio.run(run_workers(config, sock, args.log_level, args.log_format, ready))
+            return asyncio.run(
+                run_workers(config, worker_config(config), sock, args.log_level, args.log_format, ready)
+            )
         finally:
             sock.close()
 
@@ -193,7 +202,7 @@ def run(args: argparse.Namespace) -> int:
         announce([e.name for e in parts.fleet.engines()])
 
     try:
-        app = create_app(config, ServeOptions(record=args.record, settle_gc=True), on_started=started)
+        app = gateway_app(config, ServeOptions(record=args.record, settle_gc=True), on_started=started)
     except ConfigError as exc:
         sys.stderr.write(f"kvrouter serve: {exc}\n")
         sock.close()

@@ -19,8 +19,8 @@ import msgspec
 
 from kvrouter.logs import configure_logging
 from kvrouter.serve_workers import CONFIG_ENV, DRAIN_ENV, LOG_ENV, PEERS_ENV
-from router.edge.asgi_app import GatewayApp, create_app
-from router.lifecycle import ServeOptions
+from router.edge.asgi_app import GatewayApp
+from router.lifecycle import ServeOptions, gateway_app
 from router.settings.config import RouterConfig
 
 __all__ = ["create_worker_app"]
@@ -36,7 +36,7 @@ def create_worker_app() -> GatewayApp:
     config = msgspec.json.decode(os.environ[CONFIG_ENV], type=RouterConfig)
     _stop_when_orphaned(os.getppid())
     peers, marker = Path(os.environ[PEERS_ENV]), Path(os.environ[DRAIN_ENV])
-    return create_app(config, ServeOptions(peers_dir=peers, drain_marker=marker, settle_gc=True))
+    return gateway_app(config, ServeOptions(peers_dir=peers, drain_marker=marker, settle_gc=True))
 
 
 def _stop_when_orphaned(parent: int) -> None:

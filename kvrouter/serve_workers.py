@@ -35,7 +35,6 @@ import msgspec
 import uvicorn
 from uvicorn.supervisors import Multiprocess
 
-from kvrouter.cmd_serve import server_config
 from router.lifecycle import ServeOptions, start_embedded
 from router.ops.metrics import MULTIPROCESS_ENV
 from router.settings.config import RouterConfig
@@ -115,21 +114,16 @@ class WorkerSupervisor(Multiprocess):
             self.should_exit.set()
 
 
-def worker_config(config: RouterConfig) -> uvicorn.Config:
-    """The uvicorn config each worker runs: `cmd_serve.server_config` for the worker app factory."""
-    return server_config(
-        "kvrouter.gateway_worker:create_worker_app", config, factory=True, workers=config.listen.workers
-    )
-
-
 async def run_workers(
     config: RouterConfig,
+    server: uvicorn.Config,
     sock: socket.socket,
     log_level: str,
     log_format: str,
     ready: Callable[[RouterConfig], None],
 ) -> int:
-    """Serve with `listen.workers` processes on `sock` until SIGINT/SIGTERM; 1 if one did not start."""
+    """Serve with `listen.workers` processes on `sock` until SIGINT/SIGTERM; 1 if one did not start.
+    `server`: the uvicorn config of the worker app factory (`kvrouter.cmd_serve.worker_config`)."""
     stubs = None
     if config.uses_embedded:
         stubs, config = await start_embedded(config, ServeOptions())
@@ -143,7 +137,7 @@ async def run_workers(
             os.environ[PEERS_ENV] = str(peers)
             drain = DrainPlan(Path(metrics_dir) / "draining", config.limits.drain_grace_s)
             os.environ[DRAIN_ENV] = str(drain.marker)
-            supervisor = WorkerSupervisor(worker_config(config), [sock], lambda: ready(config), drain)
+            supervisor = WorkerSupervisor(server, [sock], lambda: ready(config), drain)
             loop = asyncio.get_running_loop()
             for sig in (signal.SIGINT, signal.SIGTERM):  # the drain starts at once, in this loop
                 loop.add_signal_handler(sig, supervisor.stop_signal)

@@ -6,15 +6,17 @@ config), recorder, fleet (its pure state, then the subscribers feeding it), prox
 trust, load) -> routing (`RoutingCore`) -> proxy. Stop, in reverse:
 discovery, proxy, fleet, embedded stubs, recorder. A phase that fails or times out stops what was
 started before it and raises `StartupError` naming the phase; a stop phase that fails is logged and
-the next one still runs.
+the next one still runs. `gateway_app` wires the HTTP app (router/edge/asgi_app.py) over a `Service`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
+from contextlib import AbstractAsyncContextManager
 from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -25,6 +27,7 @@ from router.core.fleet_state import FleetState
 from router.core.policy.scoring import Scorer, ScorerSettings
 from router.core.routing import RoutingCore
 from router.edge.admin import apply_discovery
+from router.edge.asgi_app import GatewayApp, create_app
 from router.edge.auth import Guard
 from router.edge.gateway import GatewayParts
 from router.edge.proxy import Proxy, ProxySettings
@@ -40,12 +43,13 @@ from router.ops.recording import GatewayRecorder
 from router.prepare.served_models import Models
 from router.settings.config import EngineConfig, RouterConfig
 from router.settings.secrets import load_secrets
+from serving.drain import DrainFlag
 
 if TYPE_CHECKING:
     from router.links.kube_discovery import KubeDiscovery
     from router.links.pool_discovery import PoolDiscovery
 
-__all__ = ["ServeOptions", "Service", "StartupError", "start_embedded"]
+__all__ = ["ServeOptions", "Service", "StartupError", "gateway_app", "start_embedded"]
 
 log = logging.getLogger(__name__)
 
@@ -183,8 +187,18 @@ class Service:
             self.peers = DecisionPeers(opts.peers_dir, ring)
             await self._phase("decision peers", self.peers.start(), opts.phase_timeout_s)
         self.parts = GatewayParts(
-            config, state, links, models, core, proxy, metrics, self.guard, ring, self.recorder, self.peers,
-        )  # fmt: skip
+            config=config,
+            fleet=state,
+            links=links,
+            models=models,
+            core=core,
+            proxy=proxy,
+            metrics=metrics,
+            guard=self.guard,
+            ring=ring,
+            recorder=self.recorder,
+            peers=self.peers,
+        )
         return self.parts
 
     async def _start_embedded(self) -> None:
@@ -236,3 +250,18 @@ class Service:
         except Exception as exc:  # stopping goes on: every later phase still runs
             log.error("gateway stop phase failed", extra={"phase": name, "error": repr(exc)})
         log.info("gateway phase stopped", extra={"phase": name})
+
+
+def gateway_app(
+    config: RouterConfig,
+    options: ServeOptions | None = None,
+    environ: Mapping[str, str] | None = None,
+    on_started: Callable[[GatewayParts], None] | None = None,
+    attach: Callable[[GatewayParts], AbstractAsyncContextManager[object]] | None = None,
+) -> GatewayApp:
+    """The gateway app for `config` over its `Service` (`environ`: where secrets are read, default the
+    process's); see `router.edge.asgi_app.create_app` for `on_started` and `attach`."""
+    options = options or ServeOptions()
+    service = Service(config, options, os.environ if environ is None else environ)
+    drain = DrainFlag(options.drain_marker)
+    return create_app(config, service, drain, options.settle_gc, on_started, attach)

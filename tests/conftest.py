@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from hypothesis import HealthCheck, settings
@@ -26,6 +27,7 @@ UNIT_PATHS = tuple(
     for p in (
         "test_layering.py",
         "test_doc_links.py",
+        "test_max_examples.py",
         "events",
         "tokenization",
         "router/core",
@@ -45,10 +47,33 @@ def is_unit(path: Path) -> bool:
     return path not in NOT_UNIT and any(path.is_relative_to(p) for p in UNIT_PATHS)
 
 
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--max-examples",
+        type=int,
+        default=None,
+        help="run each property test with at most this many examples (`make unit`; `make test` runs all)",
+    )
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    most: int | None = config.getoption("max_examples")
     for item in items:
         if is_unit(item.path):
             item.add_marker(pytest.mark.unit)
+        if most is not None:
+            cap_examples(getattr(item, "obj", None), most)
+
+
+def cap_examples(test: Any, most: int) -> None:
+    """At most `most` examples for the property test `test` (anything else is left alone). A test's
+    own `@settings(max_examples=...)` outranks any profile, so the cap goes on the settings
+    hypothesis keeps on the `@given` test and reads when it runs (`_hypothesis_internal_use_settings`,
+    hypothesis' own attribute: it offers no public way to scale every test's count;
+    tests/test_max_examples.py fails if the cap stops holding)."""
+    current = getattr(test, "_hypothesis_internal_use_settings", None)
+    if isinstance(current, settings) and current.max_examples > most:
+        test._hypothesis_internal_use_settings = settings(current, max_examples=most)
 
 
 def pytest_ignore_collect(collection_path: Path, config: pytest.Config) -> bool | None:

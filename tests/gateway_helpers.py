@@ -19,10 +19,9 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine_stub.server.launch import StubServer, running_stub
 from engine_stub.stub_config import StubConfig
 from router.core.ids import EngineId
-from router.edge.asgi_app import create_app
 from router.edge.client_timeouts import TimedHttpToolsProtocol
 from router.edge.gateway import GatewayParts
-from router.lifecycle import ServeOptions, Service
+from router.lifecycle import ServeOptions, Service, gateway_app
 from router.settings.config import EngineConfig, Limits, PolicyConfig, RouterConfig
 from tests.stub_helpers import stub_config
 
@@ -166,7 +165,7 @@ async def running_gateway(
     """The gateway app under a real uvicorn (httptools) on 127.0.0.1, port 0."""
     started: asyncio.Future[GatewayParts] = asyncio.get_running_loop().create_future()
     environ = {"KVROUTER_ADMIN_TOKEN": ADMIN} if environ is None else environ
-    app = create_app(config, options, environ, started.set_result)
+    app = gateway_app(config, options, environ, started.set_result)
     uv = uvicorn.Config(app, http=TimedHttpToolsProtocol, lifespan="on", log_config=None, access_log=False)
     server = uvicorn.Server(uv)
     # proto=IPPROTO_TCP, as getaddrinfo gives `kvrouter serve`: asyncio sets TCP_NODELAY on accepted

@@ -12,14 +12,31 @@ from __future__ import annotations
 import msgspec
 
 from engine_stub.core.block_pool import Block, BlockPool
-from engine_stub.core.engine_config import CacheConfig, GroupKind
+from engine_stub.core.engine_config import CacheConfig, GroupKind, GroupSpec
 from engine_stub.core.kv_cache_coordinator import Lookup, empty_lookup, find_longest_hit, lookup_plan
+from engine_stub.core.mamba_manager import MambaGroup
 from engine_stub.core.request import Request
-from engine_stub.core.single_type_kv_cache_manager import GroupManager, SlotQuery, make_group_manager
+from engine_stub.core.single_type_kv_cache_manager import GroupManager, SlotQuery, cdiv
 from events.wire import BlockStored, KVEvent
 from tokenization.request_tokens import ReportMode
 
 __all__ = ["KVCacheManager"]
+
+
+def make_group_manager(
+    spec: GroupSpec, gid: int, pool: BlockPool, max_in_flight: int, max_model_len: int
+) -> GroupManager:
+    """The manager for one group, with vLLM's per-request admission cap for recycling kinds."""
+    cap: int | None = None
+    if spec.kind is GroupKind.SLIDING_WINDOW:
+        assert spec.sliding_window is not None
+        cap = cdiv(min(spec.sliding_window - 1 + max_in_flight, max_model_len), spec.block_size)
+    elif spec.kind is GroupKind.CHUNKED_LOCAL:
+        assert spec.attention_chunk_size is not None
+        cap = cdiv(min(spec.attention_chunk_size + max_in_flight, max_model_len), spec.block_size)
+    if spec.kind is GroupKind.MAMBA:
+        return MambaGroup(spec, gid, pool, cap)
+    return GroupManager(spec, gid, pool, cap)
 
 
 class KVCacheManager:

@@ -14,7 +14,7 @@ from engine_stub.core.engine_config import GroupKind, GroupSpec
 from engine_stub.core.request import Request, RequestId
 from engine_stub.core.single_type_hits import MaskArgs, cacheable_mask, num_skipped_tokens
 
-__all__ = ["GroupManager", "SlotQuery", "cdiv", "make_group_manager"]
+__all__ = ["GroupManager", "SlotQuery", "cdiv"]
 
 
 class SlotQuery(NamedTuple):
@@ -157,23 +157,3 @@ class GroupManager:
     def table(self, rid: RequestId) -> list[Block]:
         """The request's current block table (null blocks included)."""
         return self.tables.get(rid, [])
-
-
-def make_group_manager(
-    spec: GroupSpec, gid: int, pool: BlockPool, max_in_flight: int, max_model_len: int
-) -> GroupManager:
-    """The manager for one group, with vLLM's per-request admission cap for recycling kinds."""
-    cap: int | None = None
-    if spec.kind is GroupKind.SLIDING_WINDOW:
-        assert spec.sliding_window is not None
-        cap = cdiv(min(spec.sliding_window - 1 + max_in_flight, max_model_len), spec.block_size)
-    elif spec.kind is GroupKind.CHUNKED_LOCAL:
-        assert spec.attention_chunk_size is not None
-        cap = cdiv(min(spec.attention_chunk_size + max_in_flight, max_model_len), spec.block_size)
-    if spec.kind is GroupKind.MAMBA:
-        from engine_stub.core.mamba_manager import (
-            MambaGroup,  # imported here: MambaGroup subclasses GroupManager
-        )
-
-        return MambaGroup(spec, gid, pool, cap)
-    return GroupManager(spec, gid, pool, cap)

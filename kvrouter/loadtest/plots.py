@@ -15,8 +15,7 @@ matplotlib.use("Agg")  # before pyplot is imported: no display on servers and CI
 import matplotlib.pyplot as plt
 from matplotlib.axes import Axes
 
-from kvrouter.loadtest.report import error_bins
-from kvrouter.loadtest.results import PolicySummary, RequestResult, prediction_errors
+from kvrouter.loadtest.results import PolicySummary, RequestResult, error_bins, prediction_errors
 
 __all__ = ["cached_ratio", "load_balance", "prediction_error", "ttft_cdf"]
 

@@ -11,8 +11,6 @@ optional `[loadtest]` extra, imported only here). The page lists every setting o
 from __future__ import annotations
 
 import html
-import math
-from collections import Counter
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -23,7 +21,7 @@ from kvrouter.loadtest.plan import RunPlan, describe
 from kvrouter.loadtest.results import PolicySummary, RequestResult
 from kvrouter.loadtest.settings import LoadtestSettings
 
-__all__ = ["Report", "error_bins", "write_report"]
+__all__ = ["Report", "write_report"]
 
 
 class Report(msgspec.Struct, frozen=True, kw_only=True):
@@ -40,14 +38,6 @@ class Report(msgspec.Struct, frozen=True, kw_only=True):
 
 
 PLOTS = ("ttft_cdf.png", "cached_ratio.png", "load_balance.png", "prediction_error.png")
-
-
-def error_bins(errors: Sequence[int], max_bins: int = 41) -> tuple[int, Counter[int]]:
-    """Bin width and counts per bin centre of `errors`: at most `max_bins` bins, the centre-0 bin
-    holding the exact predictions only (a near miss goes to the first bin on its side)."""
-    span = max((abs(e) for e in errors), default=0)
-    width = max(1, math.ceil((2 * span + 1) / max_bins))
-    return width, Counter((round(e / width) or (1 if e > 0 else -1)) * width if e else 0 for e in errors)
 
 
 def _fmt(value: float | None, scale: float = 1000.0) -> str:

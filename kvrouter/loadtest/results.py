@@ -21,6 +21,7 @@ __all__ = [
     "Percentiles",
     "PolicySummary",
     "RequestResult",
+    "error_bins",
     "percentile",
     "prediction_errors",
     "settled",
@@ -133,6 +134,14 @@ def prediction_errors(results: Sequence[RequestResult]) -> list[int]:
         for r in results
         if r.error is None and r.predicted_cached_tokens is not None
     ]
+
+
+def error_bins(errors: Sequence[int], max_bins: int = 41) -> tuple[int, Counter[int]]:
+    """Bin width and counts per bin centre of `errors`: at most `max_bins` bins, the centre-0 bin
+    holding the exact predictions only (a near miss goes to the first bin on its side)."""
+    span = max((abs(e) for e in errors), default=0)
+    width = max(1, math.ceil((2 * span + 1) / max_bins))
+    return width, Counter((round(e / width) or (1 if e > 0 else -1)) * width if e else 0 for e in errors)
 
 
 def summarize(

@@ -81,10 +81,19 @@ def _count(share: dict[str, int], engine: str | None) -> None:
 def _difference(r: DecisionReplay) -> Difference:
     rec, rep = r.recorded, r.replayed
     return Difference(
-        r.index, r.time, r.request_id, r.attempt, rec.engine, rep.engine if rep else None,
-        rec.predicted_cached_tokens, rep.predicted_cached_tokens if rep else 0, rec.reason,
-        rep.reason if rep else "", r.hits_match, r.error,
-    )  # fmt: skip
+        index=r.index,
+        time=r.time,
+        request_id=r.request_id,
+        attempt=r.attempt,
+        recorded_engine=rec.engine,
+        replayed_engine=rep.engine if rep else None,
+        recorded_hit_tokens=rec.predicted_cached_tokens,
+        replayed_hit_tokens=rep.predicted_cached_tokens if rep else 0,
+        recorded_reason=rec.reason,
+        replayed_reason=rep.reason if rep else "",
+        hits_match=r.hits_match,
+        error=r.error,
+    )
 
 
 def compare(replays: Iterable[DecisionReplay]) -> Comparison:

@@ -19,6 +19,7 @@ from router.core.ids import EngineId
 from router.core.keys.block_key import KeyHasher
 from router.core.policy.scoring import ScorerSettings
 from router.core.policy.session_key import SessionKeys
+from router.core.replica import replica_ids
 from router.core.variant import Variant
 from router.prepare.served_models import Models
 from router.settings.config import EngineConfig, RouterConfig
@@ -96,7 +97,7 @@ class Setup:
         self.replicas: dict[EngineId, ReplicaInfo] = {}
         for engine in config.engines:
             variant = self.models.learn(engine)
-            for rank, rid in enumerate(engine.replica_ids()):
+            for rank, rid in enumerate(replica_ids(engine)):
                 self.replicas[rid] = ReplicaInfo(rid, engine, rank, variant)
 
     @classmethod

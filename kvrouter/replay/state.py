@@ -63,11 +63,25 @@ def _groups(view: ReplicaView | None) -> list[GroupState]:
 def _replica(rebuild: Rebuild, rep: ReplicaReplay) -> ReplicaState:
     view = rebuild.mirror.replica(rep.info.id)
     return ReplicaState(
-        rep.info.id, rep.info.variant.model, _groups(view), rep.last_seq, rep.frames, rep.applied,
-        rep.duplicates, rep.replays, rep.link.inferred_ends, rep.resets, rep.history_lost,
-        rep.decode_errors, rep.link.holding, sorted(view.flags) if view is not None else [],
-        dict(rep.anomalies), rep.trust, rep.recorded_at, rep.load,
-    )  # fmt: skip
+        replica=rep.info.id,
+        model=rep.info.variant.model,
+        groups=_groups(view),
+        last_seq=rep.last_seq,
+        frames=rep.frames,
+        batches_applied=rep.applied,
+        duplicates=rep.duplicates,
+        replays=rep.replays,
+        inferred_replay_ends=rep.link.inferred_ends,
+        resets=rep.resets,
+        history_lost=rep.history_lost,
+        decode_errors=rep.decode_errors,
+        holding=rep.link.holding,
+        flags=sorted(view.flags) if view is not None else [],
+        anomalies=dict(rep.anomalies),
+        trust=rep.trust,
+        trust_recorded_at=rep.recorded_at,
+        load=rep.load,
+    )
 
 
 def state_of(rebuild: Rebuild, records: int) -> ReplayState:

@@ -48,7 +48,7 @@ from router.core.policy.trust import (
     TrustTracker,
 )
 from router.core.prepared import Prepared
-from router.core.replica import Link, Replica
+from router.core.replica import Link, Replica, replica_ids
 from router.core.variant import Variant
 from router.settings.config import EngineConfig, RouterConfig
 from tokenization.request_tokens import ReportMode
@@ -119,7 +119,7 @@ class FleetState:
         self._engines[engine.name] = engine
         self._by_variant.clear()
         added = []
-        for rank, rid in enumerate(engine.replica_ids()):
+        for rank, rid in enumerate(replica_ids(engine)):
             self.mirror.add_engine(rid, variant.spec, ReportMode(engine.report_mode))
             rep = Replica(rid, engine, rank, variant, TrustTracker(self.config.policy.trust_silence_s))
             self._replicas[rid] = rep
@@ -288,7 +288,7 @@ class FleetState:
         engine = self._engines.get(name)
         if engine is None:
             return
-        ids = engine.replica_ids()
+        ids = replica_ids(engine)
         for rank, metrics in by_rank.items():
             if rank < len(ids):
                 self.load.scraped(ids[rank], metrics)

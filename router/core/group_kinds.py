@@ -84,8 +84,9 @@ class GroupKind:
         """The longest hit in tokens this kind gives `query` (0: never a hit)."""
         return 0
 
-    def missing(self, group: GroupShape) -> str | None:
-        """The required field `group` lacks (None when it has what its kind needs)."""
+    def missing(self, group: object) -> str | None:
+        """The required field `group` (a `GroupShape` or the config's group table) lacks: unset or
+        0; None when it has what its kind needs."""
         if self.required is None or getattr(group, self.required[0]):
             return None
         return self.required[0]

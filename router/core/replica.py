@@ -40,7 +40,7 @@ from router.core.policy.trust import (
 from router.core.variant import Variant
 from router.settings.config import EngineConfig
 
-__all__ = ["LAYOUT_FLAGS", "Link", "Replica"]
+__all__ = ["LAYOUT_FLAGS", "Link", "Replica", "replica_ids"]
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +52,13 @@ _AWAITING: Final = frozenset({TrustReason.SILENT, TrustReason.STORES_LATE})
 """Reasons raised by stores awaited in vain: a verdict on the missing first blocks explains them."""
 MISMATCH_AFTER: Final = 3
 """Consecutive ended requests whose first block never appeared before a cause is declared."""
+
+
+def replica_ids(engine: EngineConfig) -> list[EngineId]:
+    """`engine`'s replicas' ids, one per DP rank in rank order: the engine's name, or `name/dpN` when
+    it has several ranks."""
+    ranks = max(1, len(engine.events))
+    return [EngineId(engine.name if ranks == 1 else f"{engine.name}/dp{rank}") for rank in range(ranks)]
 
 
 class Link(Protocol):

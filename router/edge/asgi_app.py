@@ -13,10 +13,9 @@ included) and the request's `x-request-id`.
 from __future__ import annotations
 
 import gc
-import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
-from typing import Final
+from typing import Final, Protocol
 
 import msgspec
 from fastapi import FastAPI
@@ -36,14 +35,13 @@ from router.edge.client_timeouts import STATE_KEY, ClientTimeouts
 from router.edge.gateway import Gateway, GatewayParts
 from router.edge.hot_routes import HOT_KEY, HotRoutes
 from router.edge.passthrough import PASSTHROUGH_PATHS, Passthrough
-from router.lifecycle import ServeOptions, Service
 from router.ops.digests import fleet_digests
 from router.ops.fleet_views import index_summary
 from router.settings.config import RouterConfig
 from serving.drain import DrainFlag
 from tokenization.openai_request import Endpoint
 
-__all__ = ["GC_GEN0_THRESHOLD", "GatewayApp", "Handlers", "create_app", "settle_gc"]
+__all__ = ["GC_GEN0_THRESHOLD", "GatewayApp", "GatewayService", "Handlers", "create_app", "settle_gc"]
 
 _JSON: Final = "application/json"
 _EXPLAIN_LIMIT: Final = 64 << 20
@@ -200,20 +198,27 @@ def error_response(request: Request, exc: RouterError) -> Response:
     return error_answer(exc, request_id_of(request))
 
 
+class GatewayService(Protocol):
+    """What the app's lifespan starts and stops: `router.lifecycle.Service`, which wires this app
+    (`router.lifecycle.gateway_app`); the edge knows the service only by these two calls."""
+
+    async def start(self) -> GatewayParts: ...
+
+    async def stop(self) -> None: ...
+
+
 def create_app(
     config: RouterConfig,
-    options: ServeOptions | None = None,
-    environ: Mapping[str, str] | None = None,
+    service: GatewayService,
+    drain: DrainFlag,
+    settle: bool = False,
     on_started: Callable[[GatewayParts], None] | None = None,
     attach: Callable[[GatewayParts], AbstractAsyncContextManager[object]] | None = None,
 ) -> GatewayApp:
-    """The gateway app for `config`; its lifespan starts and stops the service. `attach`: a part that
-    lives as long as the service (the endpoint picker's gRPC servers, kvrouter.cmd_epp), entered once
-    it started (before `on_started`) and left before it stops."""
-    options = options or ServeOptions()
-    service = Service(config, options, os.environ if environ is None else environ)
+    """The gateway app for `config`; its lifespan starts and stops `service`. `settle`: `settle_gc`
+    once started. `attach`: a part that lives as long as the service (the endpoint picker's gRPC
+    servers, kvrouter.cmd_epp), entered once it started (before `on_started`) and left before it stops."""
     box: list[Handlers] = []
-    drain = DrainFlag(options.drain_marker)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[dict[str, object]]:
@@ -229,7 +234,7 @@ def create_app(
         app.state.handlers = box[0]
         if on_started is not None:
             on_started(parts)
-        if service.options.settle_gc:
+        if settle:
             settle_gc()
         counter = parts.metrics.client_timeouts
         metrics, policy = parts.metrics, config.policy.name

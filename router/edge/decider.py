@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import logging
 import time
-from bisect import bisect_left
 from collections.abc import Mapping
 from types import MappingProxyType
 from typing import TYPE_CHECKING, Final, NoReturn
@@ -42,7 +41,7 @@ from router.edge.access_log import AccessNote
 from router.edge.flight import Flight
 from router.edge.headers import forwarded_headers
 from router.edge.upstream import ProxyRequest, Target
-from router.ops.bucket_histogram import BucketHistogramChild, observe_present
+from router.ops.bucket_histogram import observe_present
 from router.ops.debug import DecisionEntry, Explanation, PreparedView
 from router.prepare.remote_tokenize import RemoteTokenizeError, RemoteTokenizer
 from router.prepare.served_models import UnknownModel
@@ -71,15 +70,22 @@ OWN_HEADERS: Final = (
 def view_of(prepared: Prepared) -> PreparedView:
     """What the debug endpoints show of a prepared request."""
     return PreparedView(
-        prepared.model, str(prepared.endpoint), prepared.stream, prepared.prompt_tokens,
-        len(prepared.keys), prepared.skip_cache, prepared.unread, prepared.tokenizer,
-    )  # fmt: skip
+        model=prepared.model,
+        endpoint=str(prepared.endpoint),
+        stream=prepared.stream,
+        prompt_tokens=prepared.prompt_tokens,
+        blocks=len(prepared.keys),
+        skip_cache=prepared.skip_cache,
+        unread=prepared.unread,
+        tokenizer=prepared.tokenizer,
+    )
 
 
 def stage_timings(first: Mapping[str, float], then: Mapping[str, float]) -> dict[str, float]:
     """`{**first, **then}`: the preparation's stage timings, then routing's. By `|` when `first` is
     a dict or a mapping proxy (as `Prepared` keeps them) and `then` a dict: one C call, where `**`
     reads a proxy key by key (~3x the time)."""
+    # Exact types: a dict subclass's `|` (an OrderedDict's) would answer with its own type.
     if type(then) is dict and (type(first) is MappingProxyType or type(first) is dict):
         return first | then
     return {**first, **then}
@@ -87,6 +93,18 @@ def stage_timings(first: Mapping[str, float], then: Mapping[str, float]) -> dict
 
 _TRUST_RAW: Final = tuple((state, state.value.encode("latin-1")) for state in TrustState)
 """Each trust state and its header bytes, found by identity: hashing an `Enum` member is a Python call."""
+
+
+def _trust_header(entry: DecisionEntry, engine: str) -> bytes:
+    """The trust state of `engine`'s mirror when the request's last decision chose it (scoring counts
+    hits only from `fresh` ones), as the header's bytes; `unknown` if that decision did not score it."""
+    for candidate in entry.decisions[-1].candidates if entry.decisions else ():
+        if candidate.engine == engine:
+            state = candidate.trust.state
+            for member, raw in _TRUST_RAW:
+                if member is state:
+                    return raw
+    return b"unknown"
 
 
 def _prepare_failed(exc: Exception, endpoint: Endpoint) -> NoReturn:
@@ -230,12 +248,7 @@ class Decider:
             except RouterError as exc:
                 self.refused(str(exc.http_status()), exc.reason)
                 raise
-        # `view_of(prepared)`, inline: one call less per request.
-        view = PreparedView(
-            prepared.model, str(prepared.endpoint), prepared.stream, prepared.prompt_tokens,
-            len(prepared.keys), prepared.skip_cache, prepared.unread, prepared.tokenizer,
-        )  # fmt: skip
-        entry = DecisionEntry(request_id=rid, time=time.time(), request=view)
+        entry = DecisionEntry(request_id=rid, time=time.time(), request=view_of(prepared))
         # The key was the router's (engines never see it); the request id is the gateway's. The path is
         # str(endpoint): a C call, where Enum.value is a Python-level property.
         headers = forwarded_headers(scope["headers"], rid, parts.guard.api_keys_required)
@@ -328,16 +341,8 @@ class Exchange:
         """The chosen attempt went out (or is about to wait): its flight's counts; the first time,
         the stores and the debug record too (`_keep`)."""
         self.flight.sent()
-        if self.kept:
-            return
-        # `_keep()`, inline: one call less per request.
-        self.kept = True
-        parts = self.decider.parts
-        parts.models.run_stores()
-        entry, first, then = self.entry, self.prepared.timings, self.routed.timings
-        fast = type(then) is dict and (type(first) is MappingProxyType or type(first) is dict)
-        entry.timings_s = first | then if fast else stage_timings(first, then)  # type: ignore[operator]
-        parts.ring.add(entry)
+        if not self.kept:
+            self._keep()
 
     def _keep(self) -> None:
         """Run the preparation's stores for later requests; complete the request's debug record (its
@@ -391,17 +396,7 @@ class Exchange:
         self.status, self.note, self.engine, self.model = status, note, engine, entry.request.model
         self.streamed_ok = status == 200 and entry.request.stream
         predicted = self.predicted = entry.predicted_cached_tokens or 0
-        # The trust state of the engine's mirror when the last decision chose it (scoring counts
-        # hits only from `fresh` ones), as the header's bytes; `unknown` if that decision did not
-        # score it. Inline: one call less per request.
-        trust = b"unknown"
-        for candidate in entry.decisions[-1].candidates if entry.decisions else ():
-            if candidate.engine == engine:
-                state = candidate.trust.state
-                for member, raw in _TRUST_RAW:
-                    if member is state:
-                        trust = raw
-                break
+        trust = _trust_header(entry, engine)
         rid_name, engine_name, predicted_name, trust_name = OWN_HEADERS
         headers = [
             (rid_name, entry.request_id.encode("latin-1")),
@@ -415,12 +410,7 @@ class Exchange:
         """The answer's first chunk was handed to the client, `relay_s` after it arrived."""
         self.flight.first_byte(self.status == 200)
         decider = self.decider
-        overhead, child = self.pre_forward + relay_s, decider.proxy_overhead
-        if type(child) is BucketHistogramChild and overhead == overhead:  # `observe`, inline (NaN: its own)
-            child.sum += overhead
-            child.counts[bisect_left(child.bounds, overhead)] += 1
-        else:
-            child.observe(overhead)
+        decider.proxy_overhead.observe(self.pre_forward + relay_s)
         if self.streamed_ok:  # a JSON answer's first chunk is most of the answer: no TTFT to speak of
             ttft_s = time.perf_counter() - self.arrived
             decider.parts.metrics.ttft_of[self.engine, self.model].observe(ttft_s)

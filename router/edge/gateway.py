@@ -20,9 +20,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Mapping
 from dataclasses import dataclass
-from types import MappingProxyType
 from typing import Final
 
 from starlette.types import Receive, Scope, Send
@@ -33,12 +31,12 @@ from router.core.routing import RoutingCore
 from router.edge.access_log import AccessNote, note_of
 from router.edge.auth import Guard
 from router.edge.client_io import (
-    LOST_SIGNAL,
     ClientDisconnected,
     ClientGone,
     ClientWatch,
     LostSignal,
     error_answer,
+    lost_signal_of,
     read_asgi_body,
     request_id_in,
 )
@@ -59,8 +57,6 @@ __all__ = ["Gateway", "GatewayParts"]
 
 log = logging.getLogger(__name__)
 
-_NONE: Final[Mapping[str, object]] = MappingProxyType({})
-"""An empty mapping for `get` defaults (no dict made per request)."""
 _OWN_NAMES: Final = answer_names(OWN_HEADERS)
 
 
@@ -102,10 +98,7 @@ class Gateway:
         rid = request_id_in(scope)
         relay: RelayResponse | None = None
         watch: ClientWatch | None = None
-        # lost_signal_of(scope), inline: one Python call fewer per request.
-        signal = scope.get("extensions", _NONE).get(LOST_SIGNAL, _NONE).get("signal")
-        if not isinstance(signal, LostSignal):
-            signal = None
+        signal = lost_signal_of(scope)
         try:
             body = self._admitted(scope, signal)  # no coroutine when the body is in (the common case)
             if body is None:

@@ -53,17 +53,10 @@ class Observes(Protocol):
 
 
 def observe_present(children: Sequence[tuple[str, Observes]], amounts: Mapping[str, float]) -> None:
-    """`child.observe(amounts[key])` for each `(key, child)` in order whose key is in `amounts`: one
-    Python call for the lot, a `BucketHistogramChild` counted inline as its `observe` counts."""
+    """`child.observe(amounts[key])` for each `(key, child)` in order whose key is in `amounts`."""
     for key, child in children:
         if key in amounts:
-            amount = amounts[key]
-            if type(child) is BucketHistogramChild:
-                child.sum += amount
-                if amount == amount:  # not NaN
-                    child.counts[bisect_left(child.bounds, amount)] += 1
-            else:
-                child.observe(amount)
+            child.observe(amounts[key])
 
 
 class BucketHistogram(LocalFamily[BucketHistogramChild]):

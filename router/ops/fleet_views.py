@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from router.core.fleet_state import FleetState
 from router.core.mirror.shared_index import Mirror
-from router.core.replica import Replica
+from router.core.replica import Replica, replica_ids
 from router.ops.metrics import EngineView
 
 __all__ = ["engine_labels", "engine_views", "index_summary", "mirror_bytes", "replica_summary"]
@@ -17,7 +17,7 @@ __all__ = ["engine_labels", "engine_views", "index_summary", "mirror_bytes", "re
 
 def engine_labels(fleet: FleetState) -> set[str]:
     """The `engine` label values of the fleet's engines now: their names and their replicas' ids."""
-    return {label for e in fleet.engines() for label in (e.name, *e.replica_ids())}
+    return {label for e in fleet.engines() for label in (e.name, *replica_ids(e))}
 
 
 def engine_views(fleet: FleetState) -> list[EngineView]:

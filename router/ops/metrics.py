@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import os
 import time
-from bisect import bisect_left
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping, Sequence
 from functools import partial
 from typing import Any, Final, Protocol, TypeVar, cast
@@ -31,8 +30,8 @@ from events.sources import EngineStats
 from router.core.keys.recent_prompts import PrefixKeyCache
 from router.core.policy.breaker import BreakerState
 from router.core.policy.session_rule import SessionRule
-from router.ops.bucket_histogram import BucketHistogram, BucketHistogramChild
-from router.ops.local_counter import LocalCounter, LocalCounterChild
+from router.ops.bucket_histogram import BucketHistogram
+from router.ops.local_counter import LocalCounter
 from router.ops.local_family import LocalFamily
 from tokenization.base import CacheStats
 from tokenization.hub import REASONS as HUB_REASONS
@@ -656,47 +655,25 @@ class RouterMetrics:
             self.client_timeouts.labels("write").inc()
 
     def answered(
-        self, engine: str, policy: str, status: str, model: str, took_s: float, predicted: int,
+        self,
+        engine: str,
+        policy: str,
+        status: str,
+        model: str,
+        took_s: float,
+        predicted: int,
         cached: int | None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Count a relayed request's end: by engine, policy and status; its duration `took_s` when it
         ended "200"; its predicted and reported cached tokens when the engine reported them (`cached`
-        not None: `observe_prediction`). One call per request for what were six: this process's
-        children are counted inline, as their own `inc` and `observe` count."""
-        counter = self.requests_of[engine, policy, status]
-        if type(counter) is LocalCounterChild:
-            counter.value += 1
-        else:
-            counter.inc()
+        not None: `observe_prediction`). One call per request for what were six."""
+        self.requests_of[engine, policy, status].inc()
         if status == "200":
-            duration = self.duration_of[engine, model]
-            if type(duration) is BucketHistogramChild and took_s == took_s:  # (NaN: its own `observe`)
-                duration.sum += took_s
-                duration.counts[bisect_left(duration.bounds, took_s)] += 1
-            else:
-                duration.observe(took_s)
+            self.duration_of[engine, model].observe(took_s)
         else:
             self._client_fault(status)
-        if cached is None:
-            return
-        predicted_of, actual_of, error_of = self._prediction_of[(engine,)]
-        if (
-            type(predicted_of) is LocalCounterChild
-            and type(actual_of) is LocalCounterChild
-            and predicted >= 0  # (a negative amount: `inc` refuses it)
-            and cached >= 0
-        ):
-            predicted_of.value += predicted
-            actual_of.value += cached
-        else:
-            predicted_of.inc(predicted)
-            actual_of.inc(cached)
-        error = abs(cached - predicted)
-        if type(error_of) is BucketHistogramChild:
-            error_of.sum += error
-            error_of.counts[bisect_left(error_of.bounds, error)] += 1
-        else:
-            error_of.observe(error)
+        if cached is not None:
+            self.observe_prediction(engine, predicted, cached)
 
     def observe_prediction(self, engine: str, predicted: int, actual: int) -> None:
         """Record one request's predicted and engine-reported cached tokens."""

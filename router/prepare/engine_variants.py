@@ -95,7 +95,14 @@ def resolve_variant(model: ModelConfig, engine: EngineConfig | None = None) -> V
     # The model's revision pins its own repo; an engine naming another repo reads that repo's `main`.
     revision = model.tokenizer_revision if tokenizer == model.tokenizer else None
     vid = model.name if same else f"{model.name}@{_digest(tokenizer, spec)}"
-    return Variant(VariantId(vid), model.name, tokenizer, model.chat_template, spec, revision)
+    return Variant(
+        id=VariantId(vid),
+        model=model.name,
+        tokenizer=tokenizer,
+        chat_template=model.chat_template,
+        spec=spec,
+        tokenizer_revision=revision,
+    )
 
 
 def _digest(tokenizer: str | None, spec: ModelSpec) -> str:

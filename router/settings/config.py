@@ -17,7 +17,6 @@ from urllib.parse import urlsplit
 import msgspec
 
 from router.core.group_kinds import group_kind
-from router.core.ids import EngineId
 from tokenization.base import TokenizationError
 from tokenization.hub_names import hub_repo
 
@@ -102,12 +101,6 @@ class EngineConfig(_Table, frozen=True):
     block_size: Count | None = None
     groups: list[GroupConfig] = []
     report_mode: Literal["incremental", "full"] = "incremental"
-
-    def replica_ids(self) -> list[EngineId]:
-        """Its replicas' ids, one per DP rank in rank order: the engine's name, or `name/dpN` when
-        it has several ranks."""
-        ranks = max(1, len(self.events))
-        return [EngineId(self.name if ranks == 1 else f"{self.name}/dp{rank}") for rank in range(ranks)]
 
 
 class ModelConfig(_Table, frozen=True):
@@ -456,7 +449,7 @@ def _group_problems(at: str, groups: list[GroupConfig], drop: bool) -> list[str]
     problems = []
     for j, g in enumerate(groups):
         kind = group_kind(g.kind)
-        if kind.required is not None and getattr(g, kind.required[0]) is None:
+        if kind.required is not None and kind.missing(g) is not None:
             field, _, what = kind.required
             problems.append(f"{at}.groups[{j}].{field}: a {g.kind} group needs {what}")
         if not kind.eagle_allowed and drop and (g.eagle or not any(o.eagle for o in groups)):

@@ -30,7 +30,7 @@ import pytest
 from events.config import decode_kv_events_config, is_bind_endpoint
 from kvrouter.cli import build_parser
 from kvrouter.cmd_epp import with_pool
-from router.edge.asgi_app import create_app
+from router.lifecycle import gateway_app
 from router.links.endpoint_slices import (
     SERVICE_NAME_LABEL,
     EndpointSlice,
@@ -136,7 +136,7 @@ def test_ports_probes_and_secrets_are_the_codes(kustomization: str) -> None:
     container = gateway(resources)
     ports = {p["name"]: p["containerPort"] for p in container["ports"]}
     assert ports == {"http": config.listen.port} and config.listen.host in ("0.0.0.0", "::")
-    routes = {getattr(r, "path", None) for r in create_app(RouterConfig(), environ={}).routes}
+    routes = {getattr(r, "path", None) for r in gateway_app(RouterConfig(), environ={}).routes}
     for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
         get = container[probe]["httpGet"]
         assert get["path"] in routes and get["port"] in ports, probe

@@ -13,10 +13,10 @@ import pytest
 from starlette.types import Message, Receive, Scope, Send
 from uvicorn.middleware.proxy_headers import ProxyHeadersMiddleware
 
-from kvrouter.cmd_serve import server_config
-from kvrouter.serve_workers import worker_config
+from kvrouter.cmd_serve import server_config, worker_config
 from router.edge.access_log import ACCESS_LOGGER, AccessLog
-from router.edge.asgi_app import Handlers, create_app
+from router.edge.asgi_app import Handlers
+from router.lifecycle import gateway_app
 from router.settings.config import Listen, RouterConfig
 from tests.gateway_helpers import engine_of, gateway_config, running_stubs, uvicorn_on_port_0
 from tokenization.openai_request import Endpoint
@@ -53,7 +53,7 @@ async def test_the_access_log_names_the_forwarded_client_only_behind_a_trusted_p
     caplog.set_level(logging.INFO)
     async with running_stubs(1) as stubs:
         config = gateway_config([engine_of("e0", stubs[0])], listen=Listen(forwarded_allow_ips=trusted))
-        app = create_app(config)
+        app = gateway_app(config)
         async with uvicorn_on_port_0(server_config(app, config)) as port:
             async with httpx.AsyncClient(base_url=f"http://127.0.0.1:{port}") as http:
                 body = {"model": "kvrouter-stub", "prompt": "hello there", "max_tokens": 2}
@@ -79,7 +79,7 @@ async def test_the_hot_routes_go_straight_to_the_gateway_and_the_rest_to_starlet
     """With the access log off, or on under a log level above INFO (no line to write), no layer
     stands between the app and `Gateway.handle`."""
     caplog.set_level(logging.WARNING, ACCESS_LOGGER)
-    app = create_app(RouterConfig(listen=Listen(access_log=access_log)))
+    app = gateway_app(RouterConfig(listen=Listen(access_log=access_log)))
     assert (app.access_log is not None) is access_log
     passed: list[str] = []
 

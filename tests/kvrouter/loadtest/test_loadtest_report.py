@@ -8,8 +8,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from kvrouter.loadtest.report import PLOTS, Report, error_bins, write_report
-from kvrouter.loadtest.results import RequestResult, percentile, prediction_errors, summarize
+from kvrouter.loadtest.report import PLOTS, Report, write_report
+from kvrouter.loadtest.results import RequestResult, error_bins, percentile, prediction_errors, summarize
 from kvrouter.loadtest.settings import LoadtestSettings
 
 

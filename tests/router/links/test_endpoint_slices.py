@@ -7,6 +7,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from router.core.replica import replica_ids
 from router.links.endpoint_slices import (
     DATA_PARALLEL_LABEL,
     MAX_DATA_PARALLEL,
@@ -224,7 +225,7 @@ def test_a_data_parallel_pool_gets_one_event_endpoint_per_rank_at_vllms_offsets(
     e = engines(obj)["dp/p"]
     assert e.events == ["tcp://10.0.0.1:5557", "tcp://10.0.0.1:5558", "tcp://10.0.0.1:5559"]
     assert e.replay == ["tcp://10.0.0.1:5600", "tcp://10.0.0.1:5601", "tcp://10.0.0.1:5602"]
-    assert e.replica_ids() == ["dp/p/dp0", "dp/p/dp1", "dp/p/dp2"]
+    assert replica_ids(e) == ["dp/p/dp0", "dp/p/dp1", "dp/p/dp2"]
     for bad in ("0", "x", ""):
         labels["kvrouter.io/data-parallel-size"] = bad
         obj["metadata"]["labels"] = {**obj["metadata"]["labels"], **labels}
