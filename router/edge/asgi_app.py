@@ -1,13 +1,12 @@
 """The gateway's HTTP app: OpenAI routes, health, metrics, debug and admin, over one `Service`.
 
-The two hot routes (`POST /v1/completions`, `POST /v1/chat/completions`) go straight from ASGI to
-`Gateway.handle`, before Starlette's middleware and routing (or, offered as `HotRoutes` in the
-lifespan state while no access line or trusted proxy needs the ASGI layers, straight from the
-gateway's HTTP protocol: router.edge.hot_routes); everything else is a plain Starlette
-endpoint (no FastAPI dependency solving). The lifespan starts the `Service`, builds the handlers and
-settles the garbage collector (`settle_gc`).
-Every `RouterError` becomes an OpenAI-format error body with its status and headers (Retry-After
-included) and the request's `x-request-id`.
+The two hot routes (`HOT_ROUTES`: `POST /v1/completions`, `POST /v1/chat/completions`) go straight
+from ASGI to `Gateway.handle`, before Starlette's middleware and routing; everything else is a plain
+Starlette endpoint (no FastAPI dependency solving). Every request reaches the app through uvicorn's
+own request cycle (the server's protocol, router.edge.client_protocol, adds the client leg's bounds).
+The lifespan starts the `Service`, builds the handlers and settles the garbage collector
+(`settle_gc`). Every `RouterError` becomes an OpenAI-format error body with its status and headers
+(Retry-After included) and the request's `x-request-id`.
 """
 
 from __future__ import annotations
@@ -32,9 +31,8 @@ from router.edge.access_log import AccessLog
 from router.edge.admin import AdminApi, NotFound
 from router.edge.client_io import ClientGone, error_answer, read_body, request_id_of
 from router.edge.client_limits import LIMITS_KEY, ClientLimits
-from router.edge.client_timeouts import STATE_KEY, ClientTimeouts
+from router.edge.client_protocol import STATE_KEY, ClientTimeouts
 from router.edge.gateway import Gateway, GatewayParts
-from router.edge.hot_routes import HOT_KEY, HotRoutes
 from router.edge.passthrough import PASSTHROUGH_PATHS, Passthrough
 from router.lifecycle import ServeOptions, Service
 from router.ops.digests import fleet_digests
@@ -43,11 +41,12 @@ from router.settings.config import RouterConfig
 from serving.drain import DrainFlag
 from tokenization.openai_request import Endpoint
 
-__all__ = ["GC_GEN0_THRESHOLD", "GatewayApp", "Handlers", "create_app", "settle_gc"]
+__all__ = ["GC_GEN0_THRESHOLD", "HOT_ROUTES", "GatewayApp", "Handlers", "create_app", "settle_gc"]
 
 _JSON: Final = "application/json"
 _EXPLAIN_LIMIT: Final = 64 << 20
-_HOT: Final = {"/v1/completions": Endpoint.COMPLETIONS, "/v1/chat/completions": Endpoint.CHAT}
+HOT_ROUTES: Final = {"/v1/completions": Endpoint.COMPLETIONS, "/v1/chat/completions": Endpoint.CHAT}
+"""The paths `Gateway.handle` serves (POST only), by the endpoint each is: the gateway's one table of them."""
 _V1_REST: Final = "/v1/{path:path}"
 _ANY_METHOD: Final = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
@@ -152,29 +151,20 @@ class GatewayApp(FastAPI):
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if self.access_log is not None and self.access_log.writes(scope):
             await self.access_log(scope, receive, send)
-            return
-        # `dispatch`'s hot-route test inline: with no access line to write (off, or the log level
-        # above INFO), a served completions or chat request reaches `Gateway.handle` with one
-        # coroutine frame between it and uvicorn's cycle, not three.
-        endpoint = _HOT.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
-        if endpoint is not None and self.handlers:
-            await self.handlers[0].gateway.handle(scope, receive, send, endpoint)
         else:
             await self.dispatch(scope, receive, send)
 
     async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
         """The hot routes to `Gateway.handle`, everything else to Starlette."""
-        if scope["type"] == "http" and scope["method"] == "POST":
-            endpoint = _HOT.get(scope["path"])
-            if endpoint is not None:
-                if self.handlers:
-                    await self.handlers[0].gateway.handle(scope, receive, send, endpoint)
-                else:
-                    await error_answer(NoEngineAvailable("the gateway is not started"), "none")(
-                        scope, receive, send
-                    )
-                return
-        await super().__call__(scope, receive, send)
+        endpoint = (
+            HOT_ROUTES.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        )
+        if endpoint is None:
+            await super().__call__(scope, receive, send)
+        elif self.handlers:
+            await self.handlers[0].gateway.handle(scope, receive, send, endpoint)
+        else:
+            await error_answer(NoEngineAvailable("the gateway is not started"), "none")(scope, receive, send)
 
 
 def error_response(request: Request, exc: RouterError) -> Response:
@@ -226,9 +216,7 @@ def create_app(
             STATE_KEY: ClientTimeouts.of(config.timeouts, lambda phase: counter.labels(phase).inc()),
             LIMITS_KEY: ClientLimits.of(config.limits, refused),
         }
-        if not config.listen.forwarded_allow_ips:  # uvicorn's ProxyHeadersMiddleware must see every request
-            state[HOT_KEY] = HotRoutes(box[0].gateway.handle, config.listen.access_log)
-        try:  # the lifespan state reaches every connection uvicorn accepts (router.edge.client_timeouts)
+        try:  # the lifespan state reaches every connection uvicorn accepts (router.edge.client_protocol)
             yield state
         finally:
             box.clear()
@@ -294,7 +282,7 @@ def _add_routes(app: FastAPI, box: list[Handlers]) -> None:
 
 def _allowed(app: FastAPI, scope: Scope) -> list[str]:
     """The methods the gateway serves on the request's path (empty: the path is unknown)."""
-    allowed = {"POST"} if scope["path"] in _HOT else set()
+    allowed = {"POST"} if scope["path"] in HOT_ROUTES else set()
     for route in app.router.routes:
         if isinstance(route, Route) and route.path != _V1_REST and route.matches(scope)[0] is Match.PARTIAL:
             allowed |= route.methods or set()

@@ -134,7 +134,7 @@ LOST_SIGNAL: Final = "kvrouter.lost_signal"
 
 class LostSignal:
     """One request cycle's connection was lost before its answer completed: the protocol `fire`s it
-    (router.edge.client_timeouts), and the cycle's `ClientWatch` is called back, with no task of its
+    (router.edge.client_protocol), and the cycle's `ClientWatch` is called back, with no task of its
     own waiting on `receive`. The protocol's signal also reads its cycle (`resume`, `body_in`,
     `take_body`); this base knows no cycle: its reads say nothing is parsed yet. `loop` is the loop
     running the cycle's task when the protocol knows it, `task` that task once it is made (None:

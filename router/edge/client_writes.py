@@ -86,8 +86,7 @@ class BodyWriter:
     and leaves in the next write: at most one write, one read and one wake-up per window, and nothing
     is held here. It holds its cycle weakly: the cycle's scope holds the writer, and a request must be
     freed by reference counting, not left in a cycle for the collector
-    (tests/router/edge/test_request_garbage.py). No slots: a hot route's cycle is its own writer
-    (`router.edge.hot_routes.HotCycle`), and a class can have one base with slots only."""
+    (tests/router/edge/test_request_garbage.py)."""
 
     _window = 0.0
     _last = 0.0
@@ -96,7 +95,7 @@ class BodyWriter:
     _deadline = math.inf
     """The loop time by which the answer must be out (`bound`), whatever the client does."""
     _cycle: Callable[[], RequestResponseCycle | None]
-    """The cycle written to: a weak reference to it (a cycle that is its own writer returns itself)."""
+    """The cycle written to: a weak reference to it."""
 
     def __init__(self, cycle: RequestResponseCycle) -> None:
         self._cycle = weakref.ref(cycle)

@@ -12,7 +12,7 @@ import pytest
 import uvicorn
 from starlette.types import Receive, Scope, Send
 
-from router.edge.client_timeouts import TimedHttpToolsProtocol
+from router.edge.client_protocol import ClientHttpProtocol
 from tests.gateway_helpers import record_client_writes, uvicorn_on_port_0
 
 WAIT = 5.0
@@ -21,7 +21,7 @@ WAIT = 5.0
 @asynccontextmanager
 async def serving(app: object, writes: list[bytes], monkeypatch: pytest.MonkeyPatch) -> AsyncIterator[int]:
     record_client_writes(monkeypatch, writes)
-    config = uvicorn.Config(app, http=TimedHttpToolsProtocol, lifespan="off", log_config=None)  # type: ignore[arg-type]
+    config = uvicorn.Config(app, http=ClientHttpProtocol, lifespan="off", log_config=None)  # type: ignore[arg-type]
     async with uvicorn_on_port_0(config) as port:
         yield port
 
@@ -79,9 +79,9 @@ async def test_client_connections_have_nodelay_whatever_made_the_listening_socke
     proto=IPPROTO_TCP; one made with proto 0 (a socket handed over by a supervisor) would leave Nagle
     on, and each SSE chunk after the first would wait for the client's delayed ACK."""
     sockets: list[socket.socket] = []
-    made = TimedHttpToolsProtocol.connection_made
+    made = ClientHttpProtocol.connection_made
 
-    def seen(self: TimedHttpToolsProtocol, transport: asyncio.Transport) -> None:
+    def seen(self: ClientHttpProtocol, transport: asyncio.Transport) -> None:
         made(self, transport)
         sockets.append(transport.get_extra_info("socket"))
 
@@ -90,10 +90,10 @@ async def test_client_connections_have_nodelay_whatever_made_the_listening_socke
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"2")]})
         await send({"type": "http.response.body", "body": b"{}"})
 
-    monkeypatch.setattr(TimedHttpToolsProtocol, "connection_made", seen)
+    monkeypatch.setattr(ClientHttpProtocol, "connection_made", seen)
     listening = socket.socket(socket.AF_INET, socket.SOCK_STREAM, 0)
     listening.bind(("127.0.0.1", 0))
-    config = uvicorn.Config(app, http=TimedHttpToolsProtocol, lifespan="off", log_config=None)
+    config = uvicorn.Config(app, http=ClientHttpProtocol, lifespan="off", log_config=None)
     server = uvicorn.Server(config)
     task = asyncio.create_task(server.serve(sockets=[listening]))
     try:
