@@ -1,12 +1,13 @@
 """The gateway's HTTP app: OpenAI routes, health, metrics, debug and admin, over one `Service`.
 
-The two hot routes (`HOT_ROUTES`: `POST /v1/completions`, `POST /v1/chat/completions`) go straight
-from ASGI to `Gateway.handle`, before Starlette's middleware and routing; everything else is a plain
-Starlette endpoint (no FastAPI dependency solving). Every request reaches the app through uvicorn's
-own request cycle (the server's protocol, router.edge.client_protocol, adds the client leg's bounds).
-The lifespan starts the `Service`, builds the handlers and settles the garbage collector
-(`settle_gc`). Every `RouterError` becomes an OpenAI-format error body with its status and headers
-(Retry-After included) and the request's `x-request-id`.
+The two hot routes (`router.edge.gateway.HOT_ROUTES`: `POST /v1/completions`,
+`POST /v1/chat/completions`) go straight from ASGI to `Gateway.handle`, before Starlette's
+middleware and routing; everything else is a plain Starlette endpoint (no FastAPI dependency
+solving). Every request reaches the app through uvicorn's own request cycle (the server's protocol,
+router.edge.client_protocol, adds the client leg's bounds). The lifespan starts the `Service`,
+builds the handlers and settles the garbage collector (`settle_gc`). Every `RouterError` becomes an
+OpenAI-format error body with its status and headers (Retry-After included) and the request's
+`x-request-id`.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ from router.edge.admin import AdminApi, NotFound
 from router.edge.client_io import ClientGone, error_answer, read_body, request_id_of
 from router.edge.client_limits import LIMITS_KEY, ClientLimits
 from router.edge.client_protocol import STATE_KEY, ClientTimeouts
-from router.edge.gateway import Gateway, GatewayParts
+from router.edge.gateway import HOT_ROUTES, Gateway, GatewayParts
 from router.edge.passthrough import PASSTHROUGH_PATHS, Passthrough
 from router.lifecycle import ServeOptions, Service
 from router.ops.digests import fleet_digests
@@ -41,12 +42,10 @@ from router.settings.config import RouterConfig
 from serving.drain import DrainFlag
 from tokenization.openai_request import Endpoint
 
-__all__ = ["GC_GEN0_THRESHOLD", "HOT_ROUTES", "GatewayApp", "Handlers", "create_app", "settle_gc"]
+__all__ = ["GC_GEN0_THRESHOLD", "GatewayApp", "Handlers", "create_app", "settle_gc"]
 
 _JSON: Final = "application/json"
 _EXPLAIN_LIMIT: Final = 64 << 20
-HOT_ROUTES: Final = {"/v1/completions": Endpoint.COMPLETIONS, "/v1/chat/completions": Endpoint.CHAT}
-"""The paths `Gateway.handle` serves (POST only), by the endpoint each is: the gateway's one table of them."""
 _V1_REST: Final = "/v1/{path:path}"
 _ANY_METHOD: Final = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 

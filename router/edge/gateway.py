@@ -60,12 +60,16 @@ from router.prepare.served_models import Models, UnknownModel
 from router.settings.config import RouterConfig
 from tokenization.openai_request import Endpoint, RequestError
 
-__all__ = ["Exchange", "Gateway", "GatewayParts"]
+__all__ = ["HOT_ROUTES", "Exchange", "Gateway", "GatewayParts"]
 
 log = logging.getLogger(__name__)
 
 _STAGES: Final = ("tokenize", "hash", "lookup", "score")
 _NO_TIMES: Final = (0.0,) * len(_STAGES)
+HOT_ROUTES: Final = {"/v1/completions": Endpoint.COMPLETIONS, "/v1/chat/completions": Endpoint.CHAT}
+"""The paths `Gateway.handle` serves (POST only), by the endpoint each is: the one table of them (the
+HTTP app and the endpoint picker read it)."""
+
 _NONE: Final[Mapping[str, object]] = MappingProxyType({})
 """An empty mapping for `get` defaults (no dict made per request)."""
 _QUIET: Final = ("200", "client_closed")
@@ -218,9 +222,8 @@ class Gateway:
         if not isinstance(signal, LostSignal):
             signal = None
         try:
-            body = self._admitted(scope, signal)  # no coroutine when the body is in (the common case)
-            if body is None:
-                body = await self._admit(scope, receive, signal)
+            self._check_key(scope)
+            body = await self._admit(scope, receive, signal)
             try:
                 watch = ClientWatch(receive, scope, signal)
                 # Prepared and decided with no coroutine of their own (unless an engine tokenizes),
@@ -256,10 +259,8 @@ class Gateway:
             if relay is not None and not relay.ended:  # (ended: the common case, no call)
                 relay.abandon()
 
-    def _admitted(self, scope: Scope, signal: LostSignal | None) -> bytes | None:
-        """Check the API key, take the body when the protocol's `signal` has it in, then take an
-        admission slot; None (the key checked, nothing taken) when the body must be read (`_admit`).
-        A refusal is counted."""
+    def _check_key(self, scope: Scope) -> None:
+        """Check the API key, when keys are required; a refusal is counted."""
         parts = self.parts
         if parts.guard.api_keys_required:
             try:
@@ -267,13 +268,9 @@ class Gateway:
             except RouterError as exc:
                 self._refused(str(exc.http_status()), exc.reason)
                 raise
-        body = signal.take_body(self.max_body) if signal is not None else None  # no read: it is in
-        if body is not None and not parts.fleet.admission.enter():
-            self._overloaded()
-        return body
 
     async def _admit(self, scope: Scope, receive: Receive, signal: LostSignal | None) -> bytes:
-        """Read the body (its key checked by `_admitted`), then take an admission slot; a refusal is
+        """Read the body (its key checked by `_check_key`), then take an admission slot; a refusal is
         counted.
 
         The slot is taken only once the body is in: a slow or stalled client holds a connection (until

@@ -40,7 +40,7 @@ from router.core.policy.retry import Outcome, OutcomeKind, counts_as_failure
 from router.edge.access_log import AccessNote
 from router.edge.client_io import request_id_in
 from router.edge.flight import RANK_HEADER
-from router.edge.gateway import Exchange, Gateway
+from router.edge.gateway import HOT_ROUTES, Exchange, Gateway
 from router.edge.passthrough import Passthrough
 from router.edge.upstream import Target
 from router.edge.usage import UsageTap
@@ -65,7 +65,6 @@ LB_NAMESPACE: Final = "envoy.lb"
 SUBSET_NAMESPACE: Final = "envoy.lb.subset_hint"
 SUBSET_KEY: Final = "x-gateway-destination-endpoint-subset"
 SERVED_KEY: Final = "x-gateway-destination-endpoint-served"
-_HOT: Final = {"/v1/completions": Endpoint.COMPLETIONS, "/v1/chat/completions": Endpoint.CHAT}
 _PASSTHROUGH_POLICY: Final = "passthrough"  # (the policy label Passthrough counts with)
 _NO_BODY: Final = 0  # ProcessingMode.BodySendMode.NONE
 _NOTE: Final = AccessNote()  # no access line is written by the picker: Envoy's access log is the one
@@ -167,8 +166,8 @@ class PickStream:
         plain = [(k, v) for k, v in headers if not k.startswith(b":")]
         self.scope = {"type": "http", "method": method, "path": path, "headers": plain, "state": {}}
         self.rid = request_id_in(self.scope)
-        self.gateway._admitted(self.scope, None)  # the API key (when required), a refusal counted
-        self.endpoint = _HOT.get(path) if method == "POST" else None
+        self.gateway._check_key(self.scope)  # the API key (when required), a refusal counted
+        self.endpoint = HOT_ROUTES.get(path) if method == "POST" else None
         if message.end_of_stream:
             return await self._pick()
         self.phase = _Phase.BODY
