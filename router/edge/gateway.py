@@ -1,7 +1,7 @@
 """The request path: admit, read, prepare, decide, forward, relay, account. One `Gateway` per process.
 
-`handle()` serves `/v1/completions` and `/v1/chat/completions` straight over ASGI (the app's
-`HotRoutes` sends them here before Starlette sees them): the body is read once (size limited) and
+`handle()` serves `/v1/completions` and `/v1/chat/completions` (`HOT_ROUTES`) straight over ASGI
+(the app sends them here before Starlette sees them): the body is read once (size limited) and
 forwarded byte for byte; routing reads only what `Models.prepare` needs. Answers carry
 `x-request-id`, `x-kvrouter-engine`, `x-kvrouter-predicted-cached-tokens` (what the engine is
 expected to report cached, trusted or not) and `x-kvrouter-mirror-trust` (whether scoring counted
