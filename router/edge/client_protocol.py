@@ -18,7 +18,8 @@ has no setting for, through the hooks its protocol calls:
 - per request, in the scope's extensions: a `LostSignal` (fired when the connection is lost before
   the answer ended: `ClientWatch` needs no task reading `receive`; pipelined requests before the
   newest are told too) and a `BodyWriter` (router.edge.client_writes), and the cycle's transport
-  wrapped in a `HeadHold` (an answer's head and first body bytes leave in one write).
+  wrapped in a `HeadHold` (an answer's head and first body bytes leave in one write; while other
+  requests are in flight, at the turn's end with the other answers of that turn: `TurnWrites`).
 
 Settings, counters and limits reach each connection through the ASGI lifespan state, which uvicorn
 hands to every protocol it creates. The class subclasses uvicorn's `HttpToolsProtocol` (the class
@@ -53,13 +54,15 @@ from router.edge.client_limits import (
     Refused,
     header_refusal,
 )
-from router.edge.client_writes import BODY_WRITER, BodyWriter, HeadHold
+from router.edge.client_writes import BODY_WRITER, BodyWriter, HeadHold, TurnWrites
 from router.settings.config import Timeouts
 
 __all__ = ["STATE_KEY", "ClientHttpProtocol", "ClientTimeouts"]
 
 STATE_KEY: Final = "kvrouter.client_timeouts"
 """The lifespan-state key holding the running gateway's `ClientTimeouts`."""
+_TURN_KEY: Final = "kvrouter.turn_writes"
+"""The lifespan-state key under which the server's connections share one `TurnWrites`."""
 
 
 @dataclass(frozen=True)
@@ -109,6 +112,10 @@ class ClientHttpProtocol(HttpToolsProtocol):
         self._dropping = 0  # bytes still read and dropped of a body answered without it
         if self._timeouts is not None:
             self.timeout_keep_alive = self._timeouts.keepalive_s
+        turn = app_state.get(_TURN_KEY)  # (the lifespan state is the server's: one dict for all)
+        if not isinstance(turn, TurnWrites):
+            turn = app_state[_TURN_KEY] = TurnWrites(self.loop)
+        self._turn: TurnWrites = turn
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -134,11 +141,18 @@ class ClientHttpProtocol(HttpToolsProtocol):
 
     def send_400_response(self, msg: str) -> None:
         """uvicorn's answer to bytes its parser refused, unless a limit stopped the parser (`_stop`):
-        then the refusal's (`_refusal`)."""
-        if self._refused is None:
-            super().send_400_response(msg)
-        else:
+        then the refusal's (`_refusal`). The connection is not read again, and the answer is written
+        after the answers held for this turn's end (`TurnWrites`), whose flush was scheduled first."""
+        if self._refused is not None:
             self._refusal()
+        elif not self._stopped:
+            self._stopped = True
+            cast(HeldFlow, self.flow).hold()
+            self.loop.call_soon(self._answer_400, msg)
+
+    def _answer_400(self, msg: str) -> None:
+        if not self.transport.is_closing():
+            super().send_400_response(msg)
 
     def _stop(self, reason: str) -> NoReturn:
         """Stop the parser (from its callback) past the limit `reason` names: `_refusal` follows."""
@@ -162,12 +176,17 @@ class ClientHttpProtocol(HttpToolsProtocol):
             self.transport.close()
         elif cycle is None or cycle.response_complete:
             message = f"request head past the gateway's limits ({reason})"
-            self.transport.write(header_refusal(message, self.server_state.default_headers))
-            self.transport.close()
+            refusal = header_refusal(message, self.server_state.default_headers)
+            self.loop.call_soon(self._close_with, refusal)  # after the answers held for the turn's end
             answered = HEADER_REFUSAL
         else:
             cycle.keep_alive = False
         self._limits.refused(reason, answered)
+
+    def _close_with(self, answer: bytes) -> None:
+        if not self.transport.is_closing():
+            self.transport.write(answer)
+            self.transport.close()
 
     def on_response_complete(self) -> None:
         """uvicorn's, after the limits: an answer given before its request's body was all in (a 413, a
@@ -213,7 +232,8 @@ class ClientHttpProtocol(HttpToolsProtocol):
             return
         if previous is not None and not previous.response_complete:
             self._pipelined()
-        cycle.transport = cast(asyncio.Transport, HeadHold(self.transport, self.loop))  # head + body
+        hold = HeadHold(self.transport, self._turn, self.tasks.__len__)  # head + body in one write
+        cycle.transport = cast(asyncio.Transport, hold)
         extensions = self.scope.setdefault("extensions", {})
         extensions[BODY_WRITER] = {"writer": BodyWriter(cycle)}
         self._lost = _CycleSignal(cycle, self.loop)
@@ -231,7 +251,7 @@ class ClientHttpProtocol(HttpToolsProtocol):
 
     def _close_unread(self) -> None:
         """Read nothing more, and close once the answer's bytes held for this turn's end are out
-        (`HeadHold`: their flush was scheduled first)."""
+        (`TurnWrites`: their flush was scheduled first)."""
         if not self._stopped:
             self._stopped = True
             cast(HeldFlow, self.flow).hold()
