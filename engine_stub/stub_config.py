@@ -26,7 +26,8 @@ NonNegative = Annotated[int, msgspec.Meta(ge=0)]
 
 
 class TokenizerChoice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
-    """`path` None: the built-in byte-level tokenizer; else a tokenizer.json file or a directory holding one.
+    """`path` None: the built-in byte-level tokenizer; else a tokenizer.json file, a directory holding
+    one, or an HF repo id (`Org/Name`, through the hub's cache: docs/tokenization.md).
 
     The router's `tokenizer` setting takes the same path, so both tokenize identically.
     """

@@ -51,6 +51,7 @@ __all__ = [
     "SequenceTracker",
     "Signal",
     "TrackerConfig",
+    "Undecodable",
 ]
 
 T = TypeVar("T")
@@ -95,7 +96,15 @@ class Rebuilt(msgspec.Struct, frozen=True, gc=False):
     """The engine is no longer stale: the consumer's picture of it is complete again."""
 
 
-Signal: TypeAlias = Reset | CaughtUp | Rebuilt | RequestReplay
+class Undecodable(msgspec.Struct, frozen=True, gc=False):
+    """The batch at `seq` was delivered in order but its payload could not be decoded (counted and
+    logged by the decoder): the consumer's picture lacks it from now on. A signal only; the tracker
+    never emits it (it never looks inside payloads), the subscriber does, as it decodes."""
+
+    seq: int
+
+
+Signal: TypeAlias = Reset | CaughtUp | Rebuilt | RequestReplay | Undecodable
 Action: TypeAlias = Deliver[T] | Duplicate | RequestReplay | Reset | CaughtUp | Rebuilt
 
 

@@ -55,6 +55,7 @@ from events.sequence import (
     Reset,
     SequenceTracker,
     Signal,
+    Undecodable,
 )
 from events.socket_set import SocketSet, recv_parts
 from events.sources import (
@@ -274,6 +275,7 @@ class EngineSubscriber:
     def _deliver(self, seq: int, payload: bytes) -> None:
         batch = self._decoder.decode(payload)
         if batch is None:
+            self._signal(Undecodable(seq))  # the consumer's trust must say so at its next decision
             return
         received = self._tracker.stats.last_event_time  # the wall-clock `now` given with this batch
         if received is not None:

@@ -23,10 +23,10 @@ from typing import Final
 
 import msgspec
 
-from router.settings.config import ConfigError, Listen, PolicyConfig
+from router.settings.config import ConfigError, KubernetesDiscovery, Listen, PolicyConfig, RouterConfig
 from serving.listening import bind_listening
 
-__all__ = ["EppReadyLine", "register", "run"]
+__all__ = ["EppReadyLine", "register", "run", "with_pool"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +49,21 @@ def _boolean(text: str) -> bool:
     if lowered not in ("true", "false", "1", "0", "yes", "no"):
         raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
     return lowered in ("true", "1", "yes")
+
+
+def with_pool(config: RouterConfig, name: str | None, namespace: str | None) -> RouterConfig:
+    """`--pool-name` and `--pool-namespace` set into `discovery.kubernetes` (`inference_pool`,
+    `namespace`), over the file, variables and `--set`; a ConfigError naming the flags."""
+    if name is None and namespace is None:
+        return config
+    table = msgspec.to_builtins(config.discovery.kubernetes)
+    table.update({k: v for k, v in (("inference_pool", name), ("namespace", namespace)) if v is not None})
+    try:
+        kube = msgspec.convert(table, KubernetesDiscovery)
+    except msgspec.ValidationError as exc:
+        raise ConfigError(f"--pool-name/--pool-namespace: {exc}") from None
+    discovery = msgspec.structs.replace(config.discovery, kubernetes=kube)
+    return msgspec.structs.replace(config, discovery=discovery)
 
 
 GRPC_PORT: Final = 9002
@@ -94,6 +109,15 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         help="name the runner-up after the chosen engine in x-gateway-destination-endpoint (default true, "
         "the protocol's ip:port,ip:port); false for Envoy's ORIGINAL_DST cluster, which reads one address",
     )  # fmt: skip
+    p.add_argument(
+        "--pool-name", metavar="NAME",
+        help="the InferencePool whose ready pods x target ports are the engines "
+        "(discovery.kubernetes.inference_pool)",
+    )  # fmt: skip
+    p.add_argument(
+        "--pool-namespace", metavar="NS",
+        help="the pool's namespace (discovery.kubernetes.namespace; default: the picker pod's own)",
+    )  # fmt: skip
     p.add_argument("--policy", metavar="NAME", help=f"routing policy (policy.name, default {policy.name})")
     p.add_argument(
         "--set", dest="sets", action="append", default=[], metavar="TABLE.KEY=VALUE",
@@ -108,7 +132,8 @@ def run(args: argparse.Namespace) -> int:
     # Imported here: gRPC and the gateway's stack are loaded by this command only.
     from kvrouter.cmd_serve import effective_config, server_config
     from router.edge.asgi_app import create_app
-    from router.edge.gateway import Gateway, GatewayParts
+    from router.edge.decider import Decider
+    from router.edge.gateway import GatewayParts
     from router.epp.picker import Picker
     from router.epp.server import PickerServer, ServerSettings
     from router.lifecycle import ServeOptions
@@ -117,6 +142,7 @@ def run(args: argparse.Namespace) -> int:
     args.port = args.metrics_port
     try:
         config = effective_config(args, dict(os.environ))
+        config = with_pool(config, args.pool_name, args.pool_namespace)
         host = config.listen.host
         if config.listen.workers > 1:
             raise ConfigError("kvrouter epp runs one process (listen.workers = 1): run more replicas instead")
@@ -136,7 +162,7 @@ def run(args: argparse.Namespace) -> int:
 
     @asynccontextmanager
     async def picker_servers(parts: GatewayParts) -> AsyncIterator[PickerServer]:
-        server = PickerServer(Picker(Gateway(parts), settings.fallbacks), settings)
+        server = PickerServer(Picker(Decider(parts), settings.fallbacks), settings)
         try:
             await server.start()
             servers.append(server)

@@ -84,7 +84,7 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
     p.add_argument(
         "--workload",
         default=d.workload,
-        help="'synthetic', 'agents' (agent sessions, see README.md) or 'trace:PATH' (Mooncake JSONL)",
+        help="'synthetic', 'agents' (agent sessions, see docs/loadtest.md) or 'trace:PATH' (Mooncake JSONL)",
     )
     p.add_argument("--policies", default=",".join(d.policies), help="comma-separated (default %(default)s)")
     p.add_argument(
@@ -288,7 +288,8 @@ def _external_plan(
         raise ValueError("--load prices requests with the stubs' cost model; not with --engines-from")
     if args.prompt_format == "text":
         model = external.model
-        requests = TextPrompts(load_tokenizer(model.tokenizer, model.chat_template)).rewrite(requests)
+        tokenizer = load_tokenizer(model.tokenizer, model.chat_template, model.tokenizer_revision)
+        requests = TextPrompts(tokenizer).rewrite(requests)
     return _spread(args, requests)
 
 

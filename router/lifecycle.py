@@ -40,9 +40,11 @@ from router.ops.recording import GatewayRecorder
 from router.prepare.served_models import Models
 from router.settings.config import EngineConfig, RouterConfig
 from router.settings.secrets import load_secrets
+from tokenization.loading import HUB_TIMEOUT_S
 
 if TYPE_CHECKING:
     from router.links.kube_discovery import KubeDiscovery
+    from router.links.pool_discovery import PoolDiscovery
 
 __all__ = ["ServeOptions", "Service", "StartupError", "start_embedded"]
 
@@ -97,7 +99,7 @@ class Service:
         self.parts: GatewayParts | None = None
         self.embedded: EmbeddedStubs | None = None
         self.recorder: GatewayRecorder | None = None
-        self.discovery: DnsDiscovery | KubeDiscovery | None = None
+        self.discovery: DnsDiscovery | KubeDiscovery | PoolDiscovery | None = None
         self._sync_task: asyncio.Task[None] | None = None
         self._links: FleetLinks | None = None
         self._proxy: Proxy | None = None
@@ -136,6 +138,9 @@ class Service:
                 opts.record, self._metadata(), config.policy.session_header, config
             )
         models = Models(config)  # request -> tokens -> block keys, under the mirror's hasher
+        # Repo-named tokenizers through the HF hub, on a thread: bounded (HUB_TIMEOUT_S), never fatal.
+        fetch = asyncio.to_thread(models.fetch_hub, HUB_TIMEOUT_S)
+        await self._phase("tokenizers", fetch, HUB_TIMEOUT_S + opts.phase_timeout_s)
         state = FleetState(config, models.hasher, time.monotonic)  # mirror, trust, load, admission
         links = self._links = FleetLinks(state, models)  # engines -> subscribers -> state
         if self.recorder is not None:
@@ -147,19 +152,23 @@ class Service:
         core = RoutingCore(state, scorer, time.perf_counter)  # state -> decision
         proxy = self._proxy = Proxy(ProxySettings.from_config(config), state.breakers, state.clock)
         await self._phase("proxy session", proxy.start(), opts.phase_timeout_s)
-        kube: KubeDiscovery | None = None
+        kube: KubeDiscovery | PoolDiscovery | None = None
         if config.discovery.dns_name is not None:
             self.discovery = DnsDiscovery(config.discovery, self._on_discovery)
             self.discovery.start()
         elif config.discovery.kubernetes.enabled:
             # Imported here: the Kubernetes client takes ~1 s to import, paid only by who uses it.
             from router.links.kube_discovery import KubeDiscovery
+            from router.links.pool_discovery import PoolDiscovery
 
-            self.discovery = kube = KubeDiscovery(config.discovery, self._on_discovery)
+            pool = config.discovery.kubernetes.inference_pool  # (its pods, else EndpointSlices)
+            kube = (PoolDiscovery if pool else KubeDiscovery)(config.discovery, self._on_discovery)
+            self.discovery = kube
             kube.start()
         metrics = RouterMetrics(  # the links' clock
             partial(engine_views, state), time.time, models.key_cache, models.tokenizer_stats
         )
+        models.on_hub_unavailable(metrics.count_hub_unavailable)
         if kube is not None:
             metrics.count_discovery(kube.counts)
         metrics.follow_fleet(partial(engine_labels, state))  # a removed engine's series go with it

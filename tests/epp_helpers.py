@@ -42,6 +42,7 @@ __all__ = [
     "response_headers",
     "running_envoy",
     "set_headers",
+    "stop",
     "write_config",
 ]
 
@@ -83,14 +84,20 @@ async def epp_process(*flags: str, env: Mapping[str, str] | None = None) -> Asyn
             raise AssertionError(f"kvrouter epp exited before its ready line: {err.decode()[-3000:]}")
         yield EppProcess(process, msgspec.json.decode(line, type=EppReadyLine))
     finally:
-        if process.returncode is None:
-            with suppress(ProcessLookupError):
-                process.terminate()
-            try:
-                await asyncio.wait_for(process.wait(), 30.0)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        await stop(process)
+
+
+async def stop(process: asyncio.subprocess.Process) -> None:
+    """Terminate `process` if it still runs; killed when it has not ended 30 s later."""
+    if process.returncode is not None:
+        return
+    with suppress(ProcessLookupError):
+        process.terminate()
+    try:
+        await asyncio.wait_for(process.wait(), 30.0)
+    except TimeoutError:
+        process.kill()
+        await process.wait()
 
 
 def free_port() -> int:
@@ -147,13 +154,7 @@ async def running_envoy(config: dict[str, Any], workdir: Path) -> AsyncIterator[
                     await asyncio.sleep(0.05)  # polling a predicate under a deadline
         yield Envoy(f"http://127.0.0.1:{listener['port_value']}", admin_url, process)
     finally:
-        if process.returncode is None:
-            process.terminate()
-            try:
-                await asyncio.wait_for(process.wait(), 30.0)
-            except TimeoutError:
-                process.kill()
-                await process.wait()
+        await stop(process)
         log.close()
 
 

@@ -1,13 +1,16 @@
-"""A fake Kubernetes API server on 127.0.0.1:0 serving the list/watch protocol of EndpointSlices.
+"""A fake Kubernetes API server on 127.0.0.1:0 serving the list/watch protocol of EndpointSlices, Pods
+and InferencePools.
 
-`GET /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices` answers a LIST (an `EndpointSliceList`
+`GET /apis/discovery.k8s.io/v1/namespaces/{ns}/endpointslices` (and `/api/v1/namespaces/{ns}/pods`,
+`/apis/inference.networking.k8s.io/v1/namespaces/{ns}/inferencepools`) answers a LIST (a `...List`
 with the current resourceVersion; `limit`/`continue` pages) or, with `watch=true`, a stream of JSON
 lines `{"type": ADDED|MODIFIED|DELETED|BOOKMARK|ERROR, "object": ...}` of the changes after the given
 resourceVersion, as the API reference describes. A watch from a version older than the last
 `compact()` gets an `ERROR` event carrying a 410 `Status` (Expired), as the real server does. The test
-drives it: `put` and `delete` slices, `bookmark()` (sent to watches that allowed bookmarks),
-`end_watches()` (the server closing every open watch), `token` (a bearer token required), and reads
-`lists` and `watches` (each call's query). Label selectors: `k=v`, `k!=v`, `k in (a,b)`, `k`, comma-joined.
+drives it: `put` and `delete` objects (by their `kind`), `bookmark()` (sent to watches that allowed
+bookmarks), `end_watches()` (the server closing every open watch), `token` (a bearer token required),
+and reads `lists` and `watches` (each call's query, and its `resource`). Label selectors: `k=v`,
+`k!=v`, `k in (a,b)`, `k`, comma-joined; field selectors: `metadata.name=NAME`.
 """
 
 from __future__ import annotations
@@ -23,7 +26,18 @@ from typing import Any
 
 from aiohttp import web
 
-__all__ = ["FakeKubeApi", "endpoint", "endpoint_slice", "running_kube_api"]
+from router.settings.config import EngineConfig
+
+__all__ = [
+    "FakeKubeApi",
+    "Fleet",
+    "endpoint",
+    "endpoint_slice",
+    "holds",
+    "inference_pool",
+    "pod",
+    "running_kube_api",
+]
 
 Obj = dict[str, Any]
 _API = "discovery.k8s.io/v1"
@@ -71,6 +85,57 @@ def endpoint_slice(
     }
 
 
+def pod(
+    name: str, ip: str, labels: Mapping[str, str], *, ready: bool = True, phase: str = "Running",
+    annotations: Mapping[str, str] | None = None,
+) -> Obj:  # fmt: skip
+    """A Pod as the kubelet reports it: its phase, Ready condition and IP."""
+    meta: Obj = {"name": name, "namespace": "llm", "labels": dict(labels), "uid": f"uid-{name}"}
+    if annotations:
+        meta["annotations"] = dict(annotations)
+    conditions = [{"type": "Ready", "status": "True" if ready else "False"}]
+    status = {"phase": phase, "podIP": ip, "podIPs": [{"ip": ip}], "conditions": conditions}
+    return {"kind": "Pod", "apiVersion": "v1", "metadata": meta, "spec": {"containers": []}, "status": status}
+
+
+def inference_pool(name: str, selector: Mapping[str, str], ports: list[int]) -> Obj:
+    """An InferencePool (inference.networking.k8s.io/v1) selecting pods by `selector` on `ports`."""
+    return {
+        "kind": "InferencePool",
+        "apiVersion": "inference.networking.k8s.io/v1",
+        "metadata": {"name": name, "namespace": "llm", "uid": f"uid-{name}"},
+        "spec": {
+            "selector": {"matchLabels": dict(selector)},
+            "targetPorts": [{"number": p} for p in ports],
+            "endpointPickerRef": {"name": f"{name}-epp", "portNumber": 9002},
+        },
+    }
+
+
+_PLURAL = {"EndpointSlice": "endpointslices", "Pod": "pods", "InferencePool": "inferencepools"}
+
+
+class Fleet:
+    """What `on_change` was told, applied as the fleet would: the engines present now, and every call."""
+
+    def __init__(self) -> None:
+        self.engines: dict[str, EngineConfig] = {}
+        self.calls: list[tuple[list[str], list[str]]] = []
+
+    async def on_change(self, added: dict[str, EngineConfig], removed: set[str]) -> None:
+        assert removed <= self.engines.keys()  # never asked to remove what it was not given
+        for name in removed:
+            del self.engines[name]
+        assert not added.keys() & self.engines.keys()  # never given an engine twice
+        self.engines.update(added)
+        self.calls.append((sorted(added), sorted(removed)))
+
+
+async def holds(value: bool) -> bool:
+    """`value`, as the async predicate `wait_for` polls (`lambda: holds(x == y)`)."""
+    return value
+
+
 def _go_bool(value: str) -> bool:
     """A query flag as the API server reads it (Go's strconv.ParseBool; the Python client sends "True")."""
     return value in ("1", "t", "T", "TRUE", "true", "True")
@@ -94,11 +159,22 @@ def _matches(selector: str, labels: Mapping[str, str]) -> bool:
     return True
 
 
+def _selected(query: Mapping[str, str], obj: Obj) -> bool:
+    """Whether `obj` matches the query's label and field selectors."""
+    meta = obj["metadata"]
+    field = query.get("fieldSelector", "")
+    if field and (not field.startswith("metadata.name=") or meta.get("name") != field.partition("=")[2]):
+        return False
+    return _matches(query.get("labelSelector", ""), meta.get("labels") or {})
+
+
 class FakeKubeApi:
-    """The API server's state: slices by name, a resourceVersion counter and the event history."""
+    """The API server's state: objects by resource and name, a resourceVersion counter and the event
+    history."""
 
     def __init__(self) -> None:
-        self.slices: dict[str, Obj] = {}
+        self.objects: dict[str, dict[str, Obj]] = {plural: {} for plural in _PLURAL.values()}
+        self.slices = self.objects["endpointslices"]
         self.version = 100
         self.history: list[tuple[int, str, Obj]] = []
         self.compacted = 0
@@ -118,15 +194,15 @@ class FakeKubeApi:
             self._changed.notify_all()
 
     async def put(self, obj: Obj) -> None:
-        """Create or replace a slice (ADDED or MODIFIED)."""
-        name = obj["metadata"]["name"]
-        kind = "MODIFIED" if name in self.slices else "ADDED"
+        """Create or replace an object (ADDED or MODIFIED)."""
+        name, objects = obj["metadata"]["name"], self.objects[_PLURAL[obj["kind"]]]
+        kind = "MODIFIED" if name in objects else "ADDED"
         await self._record(kind, obj)
-        self.slices[name] = self.history[-1][2]
+        objects[name] = self.history[-1][2]
 
-    async def delete(self, name: str) -> None:
-        """Delete a slice (DELETED, carrying its last state)."""
-        await self._record("DELETED", self.slices.pop(name))
+    async def delete(self, name: str, kind: str = "EndpointSlice") -> None:
+        """Delete an object (DELETED, carrying its last state)."""
+        await self._record("DELETED", self.objects[_PLURAL[kind]].pop(name))
 
     async def bookmark(self) -> None:
         """Send a BOOKMARK at the current version to every watch that allowed bookmarks."""
@@ -156,26 +232,28 @@ class FakeKubeApi:
             status = {"kind": "Status", "status": "Failure", "reason": "Unauthorized", "code": 401}
             return web.json_response(status, status=401)
         query = dict(request.query)
+        resource = request.path.rsplit("/", 1)[1]
         if _go_bool(query.get("watch", "")):
-            self.watches.append(query)
-            return await self._watch(request, query)
-        self.lists.append(query)
-        return self._list(query)
+            self.watches.append({**query, "resource": resource})
+            return await self._watch(request, query, resource)
+        self.lists.append({**query, "resource": resource})
+        return self._list(query, resource)
 
-    def _list(self, query: Mapping[str, str]) -> web.Response:
-        selector = query.get("labelSelector", "")
-        items = [s for _, s in sorted(self.slices.items()) if _matches(selector, s["metadata"]["labels"])]
+    def _list(self, query: Mapping[str, str], resource: str) -> web.Response:
+        objects = self.objects[resource]
+        items = [s for _, s in sorted(objects.items()) if _selected(query, s)]
         start = int(query.get("continue") or 0)
         limit = int(query.get("limit") or 0) or len(items)
         page = items[start : start + limit]
         meta: Obj = {"resourceVersion": str(self.version)}
         if start + limit < len(items):
             meta["continue"] = str(start + limit)
-        return web.json_response(
-            {"kind": "EndpointSliceList", "apiVersion": _API, "metadata": meta, "items": page}
-        )
+        kind = next(k for k, plural in _PLURAL.items() if plural == resource)
+        return web.json_response({"kind": f"{kind}List", "metadata": meta, "items": page})
 
-    async def _watch(self, request: web.Request, query: Mapping[str, str]) -> web.StreamResponse:
+    async def _watch(
+        self, request: web.Request, query: Mapping[str, str], resource: str
+    ) -> web.StreamResponse:
         response = web.StreamResponse(headers={"Content-Type": "application/json"})
         await response.prepare(request)
         since = int(query.get("resourceVersion") or self.version)
@@ -185,15 +263,22 @@ class FakeKubeApi:
                       "reason": "Expired", "code": 410}  # fmt: skip
             await response.write(json.dumps({"type": "ERROR", "object": status}).encode() + b"\n")
             return response
-        selector, bookmarks = query.get("labelSelector", ""), _go_bool(query.get("allowWatchBookmarks", ""))
+        bookmarks = _go_bool(query.get("allowWatchBookmarks", ""))
         self.open_watches += 1
         try:
-            await self._stream(response, since, selector, bookmarks)
+            await self._stream(response, since, (query, resource), bookmarks)
         finally:
             self.open_watches -= 1
         return response
 
-    async def _stream(self, response: web.StreamResponse, since: int, selector: str, bookmarks: bool) -> None:
+    async def _stream(
+        self,
+        response: web.StreamResponse,
+        since: int,
+        selected: tuple[Mapping[str, str], str],
+        bookmarks: bool,
+    ) -> None:
+        query, resource = selected
         generation = self._generation
         while True:
             async with self._changed:
@@ -205,7 +290,7 @@ class FakeKubeApi:
                 since = version
                 if kind == "BOOKMARK" and not bookmarks:
                     continue
-                if kind != "BOOKMARK" and not _matches(selector, obj["metadata"]["labels"]):
+                if kind != "BOOKMARK" and (_PLURAL[obj["kind"]] != resource or not _selected(query, obj)):
                     continue
                 await response.write(json.dumps({"type": kind, "object": obj}).encode() + b"\n")
 
@@ -225,6 +310,10 @@ async def running_kube_api(tls: ssl.SSLContext | None = None) -> AsyncIterator[t
     api = FakeKubeApi()
     app = web.Application()
     app.router.add_get("/apis/discovery.k8s.io/v1/namespaces/{namespace}/endpointslices", api.handle)
+    app.router.add_get("/api/v1/namespaces/{namespace}/pods", api.handle)
+    app.router.add_get(
+        "/apis/inference.networking.k8s.io/v1/namespaces/{namespace}/inferencepools", api.handle
+    )
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=0.5)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0, ssl_context=tls)

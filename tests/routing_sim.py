@@ -1,39 +1,48 @@
-"""A deterministic replay of a workload through the router's pure core and the stub's pure engines.
+"""The routing simulator: the gateway's routing over the stub's engines in virtual time, deterministic.
 
-Virtual time, no sockets: each engine is the stub's own `Scheduler` priced step by step with its
-`CostModel` (as `engine_stub.runtime.rank_runtime` does, minus the asyncio sleep); the router is the real
-`LoadTracker` and `Scorer`, fed with each engine's exact prefix hit (what the mirror predicts, proven
-equal by tests/e2e/test_property_stub_router.py) and told of first tokens and finishes when the engine
-step that produced them ends. A request submitted during a step joins the next one, as on the stub.
-Being deterministic, a policy comparison on it cannot be flipped by a loaded machine. Besides the
-scorer's policies it runs `ttft_oracle`: each request goes to the engine whose forecast first token
-(`engine_stub.runtime.forecast`, from the engine's true queues, hits and cost model) comes soonest,
-the load test's oracle without its HTTP round trips.
+The engines are `kvrouter.loadtest.virtual_fleet`'s simulated stub ranks (the stub's own
+`Scheduler`, every step priced by its `CostModel`: the time model `--load` is priced with). The
+router is the gateway's own pure core, each request carried as the gateway carries it: its body
+prepared by `Models` (tokens to block keys), a `Flight` over the `RoutingCore` (the mirror's lookup,
+trust, load and pending prefixes into the `Scorer`) choosing and counting it, told of its first token
+and its end when the engine step that produced them ends; each step's KV events reach
+`FleetState.on_batch` (the mirror) at that step's end too. No sockets, no event loop: a policy
+comparison on it cannot be flipped by a loaded machine. Besides the scorer's policies it runs
+`ttft_oracle`: each request goes to the engine whose forecast first token comes soonest (the stub's
+`/debug/forecast`, from its true queues, hits and cost model; `virtual_fleet.SoonestForecast`),
+counted there by the router as the endpoint picker's fallbacks are (`Flight.moved_to`).
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Sequence
 
 import msgspec
 
 from engine_stub.core.engine_config import EngineCoreConfig
-from engine_stub.core.request import SubmitParams
-from engine_stub.core.scheduler import Scheduler, StepOutput
-from engine_stub.runtime.cost_model import CostModel, step_work
-from engine_stub.runtime.forecast import scheduler_ttft
+from engine_stub.core.scheduler import StepOutput
+from engine_stub.runtime.cost_model import CostModel
+from events.sources import EngineName
+from events.wire import KVEventBatch
+from kvrouter.loadtest.virtual_fleet import SimRank, SoonestForecast, request_id, run_fleet, sim_ranks
 from kvrouter.loadtest.workload import RequestSpec
-from router.core.ids import EngineId, RequestId
-from router.core.policy.load import CostPrior, LoadTracker, StepCost
-from router.core.policy.scoring import Candidate, PolicyName, RouteRequest, Scorer, ScorerSettings
-from router.core.policy.trust import TrustReason, TrustState, TrustStatus
+from router.core.fleet_state import FleetState
+from router.core.ids import EngineId
+from router.core.policy.load import CostPrior, StepCost
+from router.core.policy.scoring import PolicyName, RouteRequest, Scorer, ScorerSettings
+from router.core.routing import RoutingCore
+from router.edge.decider import view_of
+from router.edge.flight import Flight
+from router.edge.upstream import ProxyRequest
+from router.ops.debug import DecisionEntry
+from router.prepare.served_models import Models
+from router.settings.config import EngineConfig, ModelConfig, PolicyConfig, RouterConfig
+from tokenization.openai_request import Endpoint
 
-__all__ = ["TTFT_ORACLE", "SimEngines", "SimResult", "run", "simulate"]
+__all__ = ["TTFT_ORACLE", "SimEngines", "SimResult", "SimRouterCore", "run", "simulate"]
 
 TTFT_ORACLE = "ttft_oracle"
-
-FRESH = TrustStatus(TrustState.FRESH, TrustReason.OK, "ok", 0.0)
+MODEL = "sim"
 
 
 class SimEngines(msgspec.Struct, frozen=True):
@@ -45,41 +54,108 @@ class SimEngines(msgspec.Struct, frozen=True):
     step: StepCost
     prior: CostPrior = CostPrior()
     drain: bool = True
-    """The router's `policy.drain_queued_prefill` (`LoadTracker` `drain`), on as by default."""
+    """The router's `policy.drain_queued_prefill`, on as by default."""
     service: bool = False
-    """The router's `policy.learn_prefill_from_service` (`LoadTracker` `service`), off as by default."""
+    """The router's `policy.learn_prefill_from_service`, off as by default."""
 
 
 class SimResult(msgspec.Struct, frozen=True):
-    """Every request's TTFT in simulated seconds (arrival order), and the prompt tokens found cached."""
+    """Every request's TTFT in simulated seconds (arrival order), the prompt tokens found cached, and
+    each engine's busy seconds (what its stub would report)."""
 
     ttft: list[float]
     cached_tokens: int
     prompt_tokens: int
+    busy_s: list[float]
 
     @property
     def cached_ratio(self) -> float:
         return self.cached_tokens / self.prompt_tokens if self.prompt_tokens else 0.0
 
 
-class _Engine:
-    def __init__(self, sim: SimEngines) -> None:
-        self.scheduler = Scheduler(sim.core)
-        self.cost = sim.cost
-        self.busy = False
-        self.step_ends = 0.0
+def router_config(sim: SimEngines, settings: ScorerSettings) -> RouterConfig:
+    """The gateway's config for the simulated fleet: engines e0.. with events (no replay: the mirror
+    starts fresh, as the ranks start empty), the scorer's `[policy]` and the router's assumptions."""
+    block = sim.core.cache.groups[0].block_size
+    engines = [
+        EngineConfig(name=f"e{i}", url="http://127.0.0.1:9", model=MODEL, events=["tcp://127.0.0.1:9"])
+        for i in range(sim.engines)
+    ]
+    step, prior = sim.step, sim.prior
+    policy = PolicyConfig(
+        name=settings.policy.value,
+        tie_tolerance_s=settings.tie_tolerance_s,
+        seed=settings.seed,
+        session_capacity=settings.session_capacity,
+        max_predicted_ttft_s=settings.max_predicted_ttft_s,
+        max_scraped_waiting=settings.max_scraped_waiting,
+        prefill_work_weight=settings.prefill_work_weight,
+        decode_step_s=step.decode_step_s,
+        decode_penalty_s=step.decode_penalty_s,
+        max_num_batched_tokens=step.max_num_batched_tokens,
+        max_num_seqs=step.max_num_seqs,
+        context_read_s_per_token=step.context_read_s_per_token,
+        prior_overhead_s=prior.overhead_s,
+        prior_per_token_s=prior.per_token_s,
+        prior_weight=prior.weight,
+        forgetting=prior.forgetting,
+        drain_queued_prefill=sim.drain,
+        learn_prefill_from_service=sim.service,
+    )
+    return RouterConfig(engines=engines, models=[ModelConfig(name=MODEL, block_size=block)], policy=policy)
 
-    def forecast(self, prompt: list[int], params: SubmitParams, now: float) -> tuple[float, int]:
-        """The forecast TTFT of `prompt` queued now, as the stub's `/debug/forecast` gives it, and its hit."""
-        ttft, hit = scheduler_ttft(self.scheduler, prompt, params, self.cost)
-        assert ttft is not None
-        return ttft + (max(0.0, self.step_ends - now) if self.busy else 0.0), hit
 
-    def step(self) -> tuple[StepOutput, float] | None:
-        out = self.scheduler.step()
-        if not out.scheduled and not out.preempted:
-            return None
-        return out, self.cost.step_seconds(step_work(out, self.scheduler.requests))
+class SimRouterCore:
+    """The gateway's routing as a `virtual_fleet.SimRouter` (see the module docstring); `oracle`
+    sends each request where `SoonestForecast` says instead."""
+
+    def __init__(
+        self, sim: SimEngines, settings: ScorerSettings, fleet: Sequence[SimRank], oracle: bool = False
+    ) -> None:
+        self.now = 0.0
+        config = router_config(sim, settings)
+        self.models = Models(config)
+        self.fleet = FleetState(config, self.models.hasher, lambda: self.now)
+        for engine in config.engines:
+            self.fleet.add_engine(engine, self.models.variant(engine), 0.0)
+        self.core = RoutingCore(self.fleet, Scorer(ScorerSettings.from_config(config)), lambda: 0.0)
+        self.names = [EngineId(e.name) for e in config.engines]
+        self.oracle = SoonestForecast(fleet, sim.cost) if oracle else None
+        self.flights: dict[str, Flight] = {}
+        self.seqs = [0] * sim.engines
+
+    def route(self, index: int, spec: RequestSpec, now: float) -> int:
+        """Prepare the request's body, decide and count it as the gateway does; its engine's index."""
+        self.now = now
+        rid = request_id(index)
+        body = msgspec.json.encode({"model": MODEL, "prompt": spec.prompt, "max_tokens": spec.max_tokens})
+        prepared = self.models.prepare(body, Endpoint.COMPLETIONS)
+        entry = DecisionEntry(request_id=rid, time=now, request=view_of(prepared))
+        proxied = ProxyRequest("POST", str(Endpoint.COMPLETIONS), [], body, True)
+        flight = Flight(self.fleet, self.core, proxied, entry, RouteRequest(prepared.session_key))
+        flight.decide(prepared, now)
+        target = flight.choose(frozenset())
+        assert target is not None, "an engine is always eligible in the simulation"
+        flight.sent()
+        if self.oracle is not None:
+            flight.moved_to(self.names[self.oracle.route(index, spec, now)])
+        self.flights[rid] = flight
+        assert flight.engine is not None
+        return self.names.index(flight.engine)
+
+    def stepped(self, rank: int, out: StepOutput, now: float) -> None:
+        """The step's events reach the mirror, then its first tokens and ends reach their flights."""
+        self.now = now
+        if out.events:
+            self.fleet.on_batch(EngineName(self.names[rank]), self.seqs[rank], KVEventBatch(now, out.events))
+            self.seqs[rank] += 1
+        for rid in out.new_tokens:
+            flight = self.flights.get(rid)
+            if flight is not None and flight.entry.status is None:
+                flight.entry.status = 200  # (the first token: what the gateway's relay sees first)
+                flight.first_byte()
+        for rid in out.finished:
+            self.flights.pop(rid).finish()
 
 
 def simulate(policy: PolicyName | str, requests: Sequence[RequestSpec], sim: SimEngines) -> list[float]:
@@ -94,79 +170,9 @@ def run(
     settings: ScorerSettings | None = None,
 ) -> SimResult:
     """Replay `requests` under `policy` (a scorer policy with `settings`, or `TTFT_ORACLE`)."""
-    names = [EngineId(f"e{i}") for i in range(sim.engines)]
-    engines = {name: _Engine(sim) for name in names}
-    load = LoadTracker(sim.prior, step=sim.step, drain=sim.drain, service=sim.service)
-    for name in names:
-        load.share_cost(name, "model")
     oracle = policy == TTFT_ORACLE
     base = settings if settings is not None else ScorerSettings()
-    scorer = Scorer(msgspec.structs.replace(base, policy=PolicyName.KV if oracle else PolicyName(policy)))
-    cached: dict[str, int] = {}
-    # (time, order, kind, payload): arrivals and step ends on one clock; `order` keeps it stable.
-    events: list[tuple[float, int, str, object]] = [
-        (r.arrival_s, i, "arrive", i) for i, r in enumerate(requests)
-    ]
-    heapq.heapify(events)
-    order = len(requests)
-    ttft: dict[int, float] = {}
-
-    def kick(name: EngineId, now: float) -> None:
-        nonlocal order
-        engine = engines[name]
-        if engine.busy:
-            return
-        stepped = engine.step()
-        if stepped is None:
-            return
-        engine.busy = True
-        engine.step_ends = now + stepped[1]
-        for rid, admission in stepped[0].admissions.items():
-            if admission.admitted and rid not in cached:
-                cached[rid] = admission.hit_tokens
-        order += 1
-        heapq.heappush(events, (now + stepped[1], order, "step", (name, stepped[0])))
-
-    while events:
-        now, _, kind, payload = heapq.heappop(events)
-        if kind == "arrive":
-            assert isinstance(payload, int)
-            req = requests[payload]
-            params = SubmitParams(max_tokens=req.max_tokens)
-            candidates = []
-            for name in names:
-                sched = engines[name].scheduler
-                hit = sched.peek_hit(req.prompt, params).hit_tokens
-                # what the router's pending-prefix overlay knows: prefixes of requests it queued there
-                pending = sched.queued_prefix(req.prompt, params)
-                snapshot = load.snapshot(name, now)
-                candidates.append(
-                    Candidate(name, hit, 0, hit, len(req.prompt), FRESH, snapshot, pending_tokens=pending)
-                )
-            decision = scorer.choose(RouteRequest(f"r{payload}"), candidates)
-            assert decision.engine is not None
-            target = decision.engine
-            if oracle:
-                forecasts = [
-                    (*engines[n].forecast(req.prompt, params, now), i, n) for i, n in enumerate(names)
-                ]
-                target = min(forecasts, key=lambda f: (f[0], -f[1], f[2]))[3]
-            chosen = next(c for c in decision.candidates if c.engine == target)
-            engines[target].scheduler.submit(req.prompt, params, f"r{payload}")
-            load.started(RequestId(f"r{payload}"), target, now, chosen.uncached_tokens)
-            kick(target, now)
-            continue
-        assert isinstance(payload, tuple)
-        name, out = payload
-        assert isinstance(out, StepOutput)
-        for rid in out.new_tokens:
-            index = int(rid[1:])
-            if index not in ttft:
-                ttft[index] = now - requests[index].arrival_s
-                load.first_token(RequestId(rid), now)
-        for rid in out.finished:
-            load.finished(RequestId(rid), now)
-        engines[name].busy = False
-        kick(name, now)
-    prompt = sum(len(r.prompt) for r in requests)
-    return SimResult([ttft[i] for i in range(len(requests))], sum(cached.values()), prompt)
+    chosen = msgspec.structs.replace(base, policy=PolicyName.KV if oracle else PolicyName(policy))
+    fleet = sim_ranks(sim.core, sim.engines)
+    done = run_fleet(requests, fleet, sim.cost, SimRouterCore(sim, chosen, fleet, oracle))
+    return SimResult(done.ttft_s, done.cached_tokens, done.prompt_tokens, done.busy_s)

@@ -22,6 +22,7 @@ __all__ = [
     "RequestError",
     "TokenId",
     "Tool",
+    "VllmXargs",
     "check_chat",
     "decode_body",
     "decode_chat",
@@ -57,10 +58,13 @@ def decode_body(decoder: msgspec.json.Decoder[T], body: bytes, what: str) -> T:
 
 
 class Endpoint(StrEnum):
-    """The two OpenAI routes whose prompts we tokenize."""
+    """The routes whose prompts we tokenize: OpenAI's completions and chat, Anthropic's Messages and
+    OpenAI's Responses (both rendered as a chat: tokenization.messages_request, responses_request)."""
 
     COMPLETIONS = "/v1/completions"
     CHAT = "/v1/chat/completions"
+    MESSAGES = "/v1/messages"
+    RESPONSES = "/v1/responses"
 
 
 class VllmXargs(msgspec.Struct):

@@ -21,7 +21,14 @@ from events.block_hash import RequestExtras
 from tokenization.base import TokenizationError, Tokenizer
 from tokenization.chat_carry import CarryLink
 from tokenization.chat_decoder import ChatDecoder
+from tokenization.chat_template import TemplateSet
 from tokenization.conversation import conversation, tool_dicts
+from tokenization.messages_request import (
+    MessagesRequest,
+    decode_messages,
+    merges_inline_system,
+    messages_chat,
+)
 from tokenization.openai_request import (
     ChatRequest,
     CompletionRequest,
@@ -31,8 +38,13 @@ from tokenization.openai_request import (
     decode_completion,
 )
 from tokenization.prefix_reuse import PromptIds, ReuseEntry, count_of, ids_of
+from tokenization.responses_request import CheckedResponses, decode_responses, responses_chat
 
-__all__ = ["ReportMode", "RequestTokens", "decode_request", "request_tokens", "tokens_of"]
+__all__ = ["ApiRequest", "ReportMode", "RequestTokens", "decode_request", "request_tokens", "tokens_of"]
+
+ApiRequest = ChatRequest | CompletionRequest | MessagesRequest | CheckedResponses
+"""A decoded request of any endpoint (`decode_request`); Messages and Responses become a chat per
+tokenizer (`tokens_of`: the Messages conversion depends on the template)."""
 
 
 class ReportMode(StrEnum):
@@ -149,14 +161,36 @@ def _report_mode(value: str) -> ReportMode:
     return mode if mode is not None else ReportMode(value)  # raises what the enum raises
 
 
-def decode_request(
-    body: bytes, endpoint: Endpoint | str, chat: ChatDecoder | None = None
-) -> ChatRequest | CompletionRequest:
+def decode_request(body: bytes, endpoint: Endpoint | str, chat: ChatDecoder | None = None) -> ApiRequest:
     """The typed view of ``body`` for ``endpoint``; RequestError (a 400 naming the field) on bad input.
     ``chat`` decodes chats reusing earlier requests' messages (the same value, see its module)."""
-    if endpoint is Endpoint.CHAT or (type(endpoint) is not Endpoint and Endpoint(endpoint) is Endpoint.CHAT):
+    if endpoint is Endpoint.CHAT:
         return chat.decode(body) if chat is not None else decode_chat(body)
-    return decode_completion(body)
+    if endpoint is Endpoint.COMPLETIONS:
+        return decode_completion(body)
+    endpoint = Endpoint(endpoint)
+    if endpoint is Endpoint.MESSAGES:
+        return decode_messages(body)
+    if endpoint is Endpoint.RESPONSES:
+        return decode_responses(body)
+    return decode_request(body, endpoint, chat)
+
+
+def merges_inline_system_of(templates: TemplateSet) -> bool:
+    """vLLM's Messages probe over the templates it may render with (the default and ``tool_use``)."""
+    if templates.default is None:
+        return True
+    variants = (templates.default, templates.tool_use)
+    return any(merges_inline_system(t.source) for t in variants if t is not None)
+
+
+def as_chat(req: ApiRequest, tokenizer: Tokenizer) -> ChatRequest | CompletionRequest:
+    """`req`, a Messages or Responses request as the chat vLLM renders for it with `tokenizer`'s templates."""
+    if isinstance(req, MessagesRequest):
+        return messages_chat(req, merges_inline_system_of(tokenizer.templates))
+    if isinstance(req, CheckedResponses):
+        return responses_chat(req)
+    return req
 
 
 def request_tokens(
@@ -169,11 +203,11 @@ def request_tokens(
     return tokens_of(decode_request(body, endpoint), tokenizer, lora)
 
 
-def tokens_of(
-    req: ChatRequest | CompletionRequest, tokenizer: Tokenizer, lora: Mapping[str, str] | None = None
-) -> RequestTokens:
+def tokens_of(req: ApiRequest, tokenizer: Tokenizer, lora: Mapping[str, str] | None = None) -> RequestTokens:
     """`request_tokens` of an already decoded request (one decode serves several tokenizers)."""
     carry = None
+    if type(req) is not ChatRequest and type(req) is not CompletionRequest:  # (no call for the common two)
+        req = as_chat(req, tokenizer)
     try:
         if isinstance(req, CompletionRequest) and isinstance(req.prompt, str):
             ids, packed, carry = tokenizer.encode_linked(req.prompt, req.add_special_tokens)

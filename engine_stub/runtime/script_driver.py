@@ -1,4 +1,4 @@
-"""Runs a manager-trace script (`fixtures/vllm-0.33.0/manager-traces/*.script.json`) on the stub.
+"""Runs a manager-trace script (`tests/data/vllm-0.33.0/manager-traces/*.script.json`) on the stub.
 
 The traces were recorded with a stand-in scheduler (trace README, semantics doc §7, §11): `admit`
 steps the engine until every named request has sampled its first token, `decode` runs n one-token

@@ -1,4 +1,4 @@
-"""/v1/completions and /v1/chat/completions: request body -> engine requests -> JSON or SSE.
+"""/v1/completions, /v1/chat/completions, /v1/messages, /v1/responses: body -> engine requests -> JSON or SSE.
 
 The body is tokenized by the shared `tokenization.request_tokens` (the router uses the same code). Each prompt
 becomes one engine request on one rank; tokens come back through a shared sink queue. A request that
@@ -25,6 +25,7 @@ from engine_stub.core.request import SubmitParams
 from engine_stub.runtime.output_streams import Emitted, RequestStream
 from engine_stub.runtime.rank_runtime import EngineRuntime
 from engine_stub.runtime.stub_runtime import Stub
+from engine_stub.server.agent_io import AgentShape, Counts, MessagesShape, ResponsesShape
 from engine_stub.server.openai_io import (
     ChatChoice,
     ChatChunk,
@@ -122,8 +123,11 @@ async def serve_openai(stub: Stub, request: Request, endpoint: Endpoint) -> Resp
             "stream": tokens.stream,
         },
     )
-    chat = endpoint is Endpoint.CHAT
+    chat = endpoint is not Endpoint.COMPLETIONS
     job = _submit(stub, engine, tokens, chat, options is not None and options.include_usage)
+    if endpoint is Endpoint.MESSAGES or endpoint is Endpoint.RESPONSES:
+        shape = MessagesShape(job.model) if endpoint is Endpoint.MESSAGES else ResponsesShape(job.model)
+        return await _serve_agent(stub, request, job, shape, tokens.stream)
     if tokens.stream:
         events = _chat_events(stub, job) if chat else _completion_events(stub, job)
         return StreamingResponse(events, media_type="text/event-stream")
@@ -132,6 +136,39 @@ async def serve_openai(stub: Stub, request: Request, endpoint: Endpoint) -> Resp
         return Response(status_code=499)
     result = _chat_result(stub, job, counts) if chat else _completion_result(stub, job, counts)
     return Response(encode(result), media_type="application/json")
+
+
+async def _serve_agent(stub: Stub, request: Request, job: _Job, shape: AgentShape, stream: bool) -> Response:
+    """A Messages or Responses answer (engine_stub.server.agent_io) to one prompt's job."""
+    if stream:
+        return StreamingResponse(_agent_events(stub, job, shape), media_type="text/event-stream")
+    counts = await _until_disconnect(request, _collect(job))
+    if counts is None:
+        return Response(status_code=499)
+    return Response(
+        shape.result(stub.text.text(counts[0]), _counts(stub, job)), media_type="application/json"
+    )
+
+
+def _counts(stub: Stub, job: _Job) -> Counts:
+    """The job's (one prompt's) usage, for an agent answer."""
+    usage = _usage(stub, job)
+    cached = sum(s.cached_tokens or 0 for s in job.streams)
+    details = stub.config.enable_prompt_tokens_details
+    return Counts(usage.prompt_tokens, usage.completion_tokens, cached, details, bool(job.aborted))
+
+
+async def _agent_events(stub: Stub, job: _Job, shape: AgentShape) -> AsyncIterator[bytes]:
+    try:
+        yield shape.start(job.streams[0].num_prompt_tokens)
+        count = 0
+        async for item in job.tokens():
+            if not item.aborted:
+                count += 1
+                yield shape.delta(_delta(stub, item))
+        yield shape.end(stub.text.text(count), _counts(stub, job))
+    finally:
+        job.abort_unfinished()
 
 
 def _submit(stub: Stub, engine: EngineRuntime, tokens: RequestTokens, chat: bool, usage: bool) -> _Job:

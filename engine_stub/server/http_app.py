@@ -1,12 +1,13 @@
 """The stub's FastAPI app: vLLM 0.33.0's OpenAI-compatible routes plus its cache and discovery routes.
 
-Routes: /v1/models, /v1/completions, /v1/chat/completions (JSON and SSE), /tokenize, /health, /metrics,
-POST /reset_prefix_cache, /kv_event_sources, GET/POST /admin/faults, and POST /debug/cache_hit (the
-true hit per rank for a completions or chat body, without admitting it; the load-test oracle uses
-it), and POST /debug/forecast (each rank's forecast time to first token for such a body queued now,
-after the `ahead` requests it lists: the TTFT oracle's ground truth). Bodies are decoded with msgspec;
-a bad body is a 400 in OpenAI's error format whose message names the field. The lifespan starts and
-stops the `Stub` (every rank's publisher and step loop).
+Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/messages and /v1/responses (JSON and
+SSE; the last two as vLLM serves Anthropic Messages and Responses: engine_stub.server.agent_io),
+/tokenize, /health, /metrics, POST /reset_prefix_cache, /kv_event_sources, GET/POST /admin/faults,
+and POST /debug/cache_hit (the true hit per rank for a completions or chat body, without admitting
+it; the load-test oracle uses it), and POST /debug/forecast (each rank's forecast time to first
+token for such a body queued now, after the `ahead` requests it lists: the TTFT oracle's ground
+truth). Bodies are decoded with msgspec; a bad body is a 400 in OpenAI's error format whose message
+names the field. The lifespan starts and stops the `Stub` (every rank's publisher and step loop).
 """
 
 from __future__ import annotations
@@ -125,6 +126,14 @@ def _add_openai_routes(app: FastAPI, stub: Stub) -> None:
     @app.post("/v1/chat/completions")
     async def chat(request: Request) -> Response:
         return await serve_openai(stub, request, Endpoint.CHAT)
+
+    @app.post("/v1/messages")
+    async def messages(request: Request) -> Response:
+        return await serve_openai(stub, request, Endpoint.MESSAGES)
+
+    @app.post("/v1/responses")
+    async def responses(request: Request) -> Response:
+        return await serve_openai(stub, request, Endpoint.RESPONSES)
 
     @app.post("/tokenize")
     async def tokenize(request: Request) -> Response:

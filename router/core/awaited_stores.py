@@ -1,8 +1,9 @@
 """The requests sent to one replica whose stores the mirror has not seen yet: the silence clock's input.
 
-A request that must store (see `FleetState._must_store`) is awaited from its send until the mirror
-holds every one of its full blocks. A batch that brings other requests' stores, a removal or a clear
-ends nobody's wait, so the clock runs from the oldest request still awaited, not from the last batch.
+A request that must store new blocks is awaited from its send until the mirror holds every block it
+did not hold at send (`FleetState._awaited_keys`). A batch that brings other requests' stores, a
+removal or a clear ends nobody's wait, so the clock runs from the oldest request still awaited, not
+from the last batch.
 A request that ended unanswered computed nothing and is dropped; one answered but never seen stays
 awaited until its miss is accounted for: a verdict on it (`forgive`), or a request sent after it that
 ended with its own blocks all seen (`ended`: the link delivered stores published after the earlier

@@ -24,7 +24,7 @@ from collections.abc import Callable, Sequence
 
 import msgspec
 
-from events.sequence import CaughtUp, Rebuilt, RequestReplay, Reset, Signal
+from events.sequence import CaughtUp, Rebuilt, RequestReplay, Reset, Signal, Undecodable
 from events.sources import AnyBatch, EngineName
 from events.wire import AllBlocksCleared
 from router.core.ids import EngineId, RequestId
@@ -87,8 +87,9 @@ class FleetState:
             policy.prior_overhead_s, policy.prior_per_token_s, policy.prior_weight, policy.forgetting
         )
         step = StepCost(
-            policy.decode_step_s, policy.decode_penalty_s, policy.max_num_batched_tokens, policy.max_num_seqs
-        )
+            policy.decode_step_s, policy.decode_penalty_s, policy.max_num_batched_tokens, policy.max_num_seqs,
+            policy.context_read_s_per_token,
+        )  # fmt: skip
         drain, service = policy.drain_queued_prefill, policy.learn_prefill_from_service
         self.load = LoadTracker(prior, policy.scrape_max_age_s, step, drain, service)
         pending = reads_pending(policy.name, policy.max_predicted_ttft_s)
@@ -215,32 +216,39 @@ class FleetState:
         pending = self.pending.ttl_s > 0  # (with no time to live, `add` keeps nothing)
         if rep is None or not (pending or rep.engine.events):
             return  # nothing below would be kept
-        vid = rep.variant.id  # (`prepared.keys_for(vid)` without its call, nor its struct)
-        keys, n = (prepared.keys, prepared.prompt_tokens) if vid == prepared.variant else (None, 0)
-        if keys is None:
-            other = prepared.variants.get(vid)
-            if other is None:
-                return
-            keys, n = other.keys, other.num_tokens
+        variant_keys = prepared.keys_for(rep.variant.id)
+        if variant_keys is None:
+            return
+        keys, n = variant_keys.keys, variant_keys.num_tokens
         if pending and not prepared.skip_cache and rep.unitary:
             self.pending.add(request, replica, keys, at)
         if not rep.engine.events:
             return  # no events: no stores to await, no reports to recognise, hits never trusted
-        if n >= rep.hash_block and self._must_store(rep, keys, n):
-            rep.await_stores(request, keys, at)
+        awaited = self._awaited_keys(rep, keys) if n >= rep.hash_block else ()
+        if awaited:
+            rep.await_stores(request, awaited, at)
         if keys:
             self._first_keys[request] = (keys[0], rep.root_stores)
             full = prepared.report_mode == "full" and not prepared.skip_cache
             rep.pending[request] = PendingReport(keys, n, full, prepared.skip_cache)
 
-    def _must_store(self, rep: Replica, keys: Sequence[int], num_tokens: int) -> bool:
-        """Whether the engine must store a new full block for this prompt: not when the mirror holds
-        every full block of it already (and the last one is within the hit), for then only its output
-        could fill one, which it need not; the silence after such a request is no sign of lost events."""
+    def _awaited_keys(self, rep: Replica, keys: Sequence[int]) -> Sequence[int]:
+        """The keys whose stores prove the request's events arrived: those from the first one the
+        mirror does not hold at send (empty: nothing to await). A prompt whose blocks are all held
+        stores none, or, when it is block-aligned, only a copy of its last block (the hit stops one
+        token short, so the engine recomputes that block): a copy of a held block cannot be told from
+        the block by whether it is held, so such a request is no proof that the link delivered
+        anything (before, it was awaited on keys held at send, and its end forgave every earlier
+        request whose stores were missing). Layouts whose keys do not name one group-0 block each
+        await every key (see `Replica._held`)."""
         view = self.mirror.replica(rep.id)
-        if view is None or not rep.unitary or num_tokens % rep.hash_block == 0:
-            return True
-        return not all(self.mirror.count(view, 0, key) for key in keys)
+        if view is None or not rep.unitary:
+            return keys
+        count = self.mirror.count
+        for i, key in enumerate(keys):  # the held prefix is walked once, as the lookup did
+            if not count(view, 0, key):
+                return keys[i:]  # (a held block past it, a hole, is then found held at once)
+        return ()
 
     def request_answered(self, request: RequestId, at: float, computed: bool = True) -> None:
         """The replica's first bytes for `request` arrived: its stores are published by now, if it
@@ -335,6 +343,8 @@ class FleetState:
                 rep.observe(Cleared(now))
             case RequestReplay():
                 self._replay_started(rep, now)  # a gap, a verification or a retry: behind until CaughtUp
+            case Undecodable():
+                rep.poll(now)  # the link's decode-error count: stale now, not at the next batch
 
     def _replay_started(self, rep: Replica, now: float) -> None:
         if rep.link is not None and replay_endpoint(rep) is not None:

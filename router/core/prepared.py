@@ -43,6 +43,9 @@ class Prepared(msgspec.Struct, frozen=True, kw_only=True):
     cache_salt: str | None = None
     unread: bool = False
     """The prompt was not read (a policy that reads none): no tokens, no keys, nothing predicted."""
+    tokenizer: str = "local"
+    """Whose tokens: `local` (the router's tokenizer), `remote` (an engine's /tokenize), `builtin` (the
+    model's repo-named tokenizer could not be had and no engine answered: no hit can be predicted)."""
 
     def keys_for(self, variant: str) -> VariantKeys | None:
         """The keys under `variant` (None if it was not computed: routing treats that as no hit)."""

@@ -10,6 +10,7 @@ Depends only on the fleet's pure state: no sockets, no tokenizer; the clock is p
 from __future__ import annotations
 
 from collections.abc import Callable, Mapping
+from typing import TypeAlias
 
 import msgspec
 
@@ -17,7 +18,7 @@ from router.core.fleet_state import FleetState
 from router.core.ids import EngineId
 from router.core.kv_layout import ModelSpec
 from router.core.lookup.computed_blocks import LookupRequest, LookupResult, ReplicaId, lookup, spec_groups
-from router.core.policy.breaker import BreakerState, CircuitBreaker
+from router.core.policy.breaker import CircuitBreaker
 from router.core.policy.scoring import Candidate, Decision, RouteRequest, Scorer
 from router.core.policy.trust import TrustStatus
 from router.core.prepared import Prepared, VariantKeys
@@ -26,7 +27,8 @@ from router.core.replica import Replica
 __all__ = ["Routed", "RoutingCore"]
 
 _NO_HIT = LookupResult(0, 0, (), 0)
-_CLOSED = BreakerState.CLOSED  # (a closed breaker is available: no call to ask it)
+_Predicted: TypeAlias = tuple[LookupResult, int, VariantKeys | None]
+"""A replica's lookup result, prompt length and keys under its variant (None: not prepared for it)."""
 
 
 class Routed(msgspec.Struct, frozen=True):
@@ -45,8 +47,8 @@ class RoutingCore:
         self._no_hits: dict[int, tuple[ModelSpec, LookupResult]] = {}  # by id(spec), the spec kept
         self._lookup_ids: dict[tuple[EngineId, ...], tuple[ReplicaId, ...]] = {}  # by variant group
         # Each replica's slot (its record, its breaker, and its trust when no events can change it),
-        # which stay the same objects while it is in the fleet (forgotten when it leaves): no calls per
-        # candidate to find them, nor to ask an engine without events its constant trust.
+        # which stay the same objects while it is in the fleet (forgotten when it leaves): found once,
+        # not looked up in the fleet per candidate.
         self._members: dict[EngineId, tuple[Replica, CircuitBreaker, TrustStatus | None]] = {}
         fleet.on_replica_removed(self._forget)
 
@@ -54,27 +56,22 @@ class RoutingCore:
         """Per replica of the model: the lookup result and the prompt length under its variant."""
         return {rid: (result, n) for rid, (result, n, _) in self._predict(prepared).items()}
 
-    def _predict(self, prepared: Prepared) -> dict[EngineId, tuple[LookupResult, int, list[int] | None]]:
+    def _predict(self, prepared: Prepared) -> dict[EngineId, _Predicted]:
         """`predict`, each replica's block keys beside (its variant's: routing reads its pending run
-        with them)."""
+        with them; None for an engine added after the request was prepared)."""
         mirror = self.fleet.mirror
-        out: dict[EngineId, tuple[LookupResult, int, list[int] | None]] = {}
+        out: dict[EngineId, _Predicted] = {}
         for variant, rids in self.fleet.variant_groups(prepared.model):
-            vid = variant.id  # (`prepared.keys_for(vid)` without its call, nor its struct)
-            if vid == prepared.variant:
-                keys, n = prepared.keys, prepared.prompt_tokens
-            elif (other := prepared.variants.get(vid)) is not None:
-                keys, n = other.keys, other.num_tokens
-            else:  # an engine added after this request was prepared
+            keys = prepared.keys_for(variant.id)
+            if keys is None:  # an engine added after this request was prepared
                 out.update(dict.fromkeys(rids, (_NO_HIT, prepared.prompt_tokens, None)))
                 continue
+            n = keys.num_tokens
             if n <= 1 or prepared.skip_cache:  # `lookup`'s own answer then (nothing to look up)
-                none = self._no_hit(variant.spec)
-                out.update(dict.fromkeys(rids, (none, n, keys)))  # (no generator's frame)
+                out.update(dict.fromkeys(rids, (self._no_hit(variant.spec), n, keys)))
                 continue
-            results = lookup(mirror, variant.spec, LookupRequest(keys, n, prepared.skip_cache), rids)
-            ids = self._lookup_ids.get(rids) or self._ids_of(rids)  # (a known group without the call)
-            for rid, key in zip(rids, ids, strict=True):
+            results = lookup(mirror, variant.spec, LookupRequest(keys.keys, n, prepared.skip_cache), rids)
+            for rid, key in zip(rids, self._ids_of(rids), strict=True):
                 out[rid] = (results[key], n, keys)
         return out
 
@@ -120,26 +117,28 @@ class RoutingCore:
         t0 = self._clock()
         predicted = self._predict(prepared)
         t1 = self._clock()
-        fleet = self.fleet
-        load, members, admission, pending = fleet.load, self._members, fleet.admission, fleet.pending
-        reads_pending, skip = pending.ttl_s > 0, prepared.skip_cache  # (no time to live: none pending)
-        counts, limit = admission.counts, admission.max_per_engine  # (`at_capacity` without its call)
-        candidates = []
-        for rid, (result, n, keys) in predicted.items():
-            rep, breaker, trust = members.get(rid) or self._member(rid)  # (`fleet.trust` is rep's status)
-            # `_pending_tokens` without its call (nor `holds` first: `leading_run` is 0 without a tree)
-            run = 0
-            if reads_pending and keys is not None and not skip and rep.unitary:
-                bs = rep.hash_block
-                run = pending.leading_run(rid, keys, (n - 1) // bs, now) * bs
-            candidate = Candidate(
-                rid, result.hit_tokens, result.shared_prefix_boundary, result.fa_warm_tokens, n,
-                rep.status(now, fleet.mirror) if trust is None else trust, load.snapshot(rid, now), True,
-                breaker.state is not _CLOSED and not breaker.available(now), counts.get(rid, 0) >= limit, run,
-            )  # fmt: skip
-            candidates.append(candidate)
+        candidates = [self._candidate(rid, p, prepared, now) for rid, p in predicted.items()]
         decision = self.scorer.choose(route, candidates)
         return Routed(decision, {"lookup": t1 - t0, "score": self._clock() - t1})
+
+    def _candidate(self, rid: EngineId, predicted: _Predicted, prepared: Prepared, now: float) -> Candidate:
+        """One replica as scoring sees it: the lookup's result for its prompt tokens (`predicted`), its
+        trust, load, breaker and capacity, and the tokens requests just routed there will have cached."""
+        result, n, keys = predicted
+        rep, breaker, trust = self._members.get(rid) or self._member(rid)
+        fleet = self.fleet
+        return Candidate(
+            engine=rid,
+            hit_tokens=result.hit_tokens,
+            boundary=result.shared_prefix_boundary,
+            warm_tokens=result.fa_warm_tokens,
+            prompt_tokens=n,
+            trust=rep.status(now, fleet.mirror) if trust is None else trust,
+            load=fleet.load.snapshot(rid, now),
+            breaker_open=not breaker.available(now),
+            at_capacity=fleet.admission.at_capacity(rid),
+            pending_tokens=self._pending_tokens(rep, keys, prepared, now),
+        )
 
     def pending_tokens(self, rid: EngineId, prepared: Prepared, now: float) -> int:
         """Tokens of `prepared` that requests just routed to `rid` will have cached (see
@@ -150,8 +149,9 @@ class RoutingCore:
         return self._pending_tokens(rep, prepared.keys_for(rep.variant.id), prepared, now)
 
     def _pending_tokens(self, rep: Replica, keys: VariantKeys | None, prepared: Prepared, now: float) -> int:
-        """`pending_tokens` of `rep`, given `prepared`'s keys under its variant."""
-        if keys is None or prepared.skip_cache or not rep.unitary:
+        """`pending_tokens` of `rep`, given `prepared`'s keys under its variant (0 when nothing is
+        pending anywhere: no time to live)."""
+        if keys is None or prepared.skip_cache or not rep.unitary or self.fleet.pending.ttl_s <= 0:
             return 0
         bs = rep.hash_block
         return self.fleet.pending.leading_run(rep.id, keys.keys, (keys.num_tokens - 1) // bs, now) * bs

@@ -26,3 +26,10 @@ class Variant(msgspec.Struct, frozen=True):
     tokenizer: str | None
     chat_template: str | None
     spec: ModelSpec
+    tokenizer_revision: str | None = None
+    """The revision of the HF repo `tokenizer` names (None: `main`, or `tokenizer` is a path)."""
+
+    @property
+    def tokenizer_source(self) -> tuple[str | None, str | None, str | None]:
+        """What decides its tokens: tokenizer, revision and chat template (variants alike share one)."""
+        return (self.tokenizer, self.tokenizer_revision, self.chat_template)

@@ -1,13 +1,13 @@
 """The gateway's HTTP app: OpenAI routes, health, metrics, debug and admin, over one `Service`.
 
-The two hot routes (`router.edge.gateway.HOT_ROUTES`: `POST /v1/completions`,
-`POST /v1/chat/completions`) go straight from ASGI to `Gateway.handle`, before Starlette's
-middleware and routing; everything else is a plain Starlette endpoint (no FastAPI dependency
-solving). Every request reaches the app through uvicorn's own request cycle (the server's protocol,
-router.edge.client_protocol, adds the client leg's bounds). The lifespan starts the `Service`,
-builds the handlers and settles the garbage collector (`settle_gc`). Every `RouterError` becomes an
-OpenAI-format error body with its status and headers (Retry-After included) and the request's
-`x-request-id`.
+The routed paths (`router.edge.gateway.HOT_ROUTES`: `POST /v1/completions`,
+`/v1/chat/completions`, `/v1/messages`, `/v1/responses`) go straight from ASGI to `Gateway.handle`,
+before Starlette's middleware and routing; everything else is a plain Starlette endpoint (no
+FastAPI dependency solving). Every request reaches the app through uvicorn's own request cycle (the
+server's protocol, router.edge.client_protocol, adds the client leg's bounds). The lifespan starts
+the `Service`, builds the handlers and settles the garbage collector (`settle_gc`). Every
+`RouterError` becomes an OpenAI-format error body with its status and headers (Retry-After
+included) and the request's `x-request-id`.
 """
 
 from __future__ import annotations
@@ -112,7 +112,7 @@ class Handlers:
             chat = False  # prepare() names the problem
         endpoint = Endpoint.CHAT if chat else Endpoint.COMPLETIONS
         session = request.headers.get(self.parts.config.policy.session_header)
-        explained = await self.gateway.explain(body, endpoint, session)
+        explained = await self.gateway.decider.explain(body, endpoint, session)
         return Response(msgspec.json.encode(explained), media_type=_JSON)
 
     async def index(self, request: Request) -> Response:

@@ -28,7 +28,7 @@ import msgspec
 from router.core.errors import RouterError
 from router.core.fleet_state import FleetState
 from router.core.ids import EngineId, RequestId
-from router.core.policy.refusal import refusal
+from router.core.policy.refusal import over_bound, refusal
 from router.core.policy.scoring import Decision, RouteRequest
 from router.core.prepared import Prepared
 from router.core.routing import Routed, RoutingCore
@@ -119,7 +119,8 @@ class Flight:
         breakers = self.fleet.breakers
         reopens = {c.engine: breakers.get(c.engine).reopens_in(now) for c in decision.candidates}
         why_not = [(c.engine, c.why_not) for c in decision.candidates]
-        return refusal(self.prepared.model, why_not, self.fleet.admission, reopens)
+        over = over_bound(decision.candidates, self.core.scorer.settings.max_predicted_ttft_s)
+        return refusal(self.prepared.model, why_not, self.fleet.admission, reopens, over)
 
     def fleet_clock(self) -> float:
         """The fleet's clock now (what every load, trust and pending time is read on)."""
@@ -137,12 +138,13 @@ class Flight:
         if self._counted or engine is None or decision is None:
             return
         now = self._chosen_at
-        uncached = 0
+        uncached = context = 0
         for candidate in decision.candidates:
             if candidate.engine == engine:
                 uncached = candidate.uncached_tokens
+                context = uncached + candidate.counted_tokens  # the prompt (its KV, once prefilled)
                 break
-        self.fleet.load.started(self.rid, engine, now, uncached)
+        self.fleet.load.started(self.rid, engine, now, uncached, context)
         self._admitted = self.fleet.admission.enter_engine(engine)
         assert self.prepared is not None
         self.fleet.request_sent(engine, self.rid, self.prepared, now)

@@ -1,4 +1,4 @@
-"""A keep-alive HTTP/1.1 client on asyncio protocols and httptools' parser: the proxy's upstream leg.
+"""A keep-alive HTTP/1.1 client on asyncio protocols and httptools' parser: the upstream leg's.
 
 It does only what forwarding needs, which is why it costs a fraction of aiohttp's client per request
 (BENCHMARKS.md, "Gateway"): one pooled connection per exchange (no pipelining), the request head and
@@ -7,7 +7,9 @@ other requests are in flight, at the loop's next turn with the others of this tu
 answer's headers awaited, then its body read chunk by chunk as it arrives (chunked and length-framed
 bodies decoded by httptools, or up to EOF). A fully read answer with keep-alive returns its
 connection to the pool as its last bytes are handed over; any other end (close, cancellation,
-error) drops it, which is how an engine learns that the client went away. The connection is
+error) drops it, which is how an engine learns that the client went away. `Http1Client` is the
+gateway's `router.edge.upstream_transport.Transport` (its answers the `Answer`s), for forwarded
+requests and remote tokenization alike. The connection, and all of its state, is
 router.edge.http1_connection's; failures are router.edge.http1_errors' `HttpClientError`s
 (re-exported here), which `router.edge.upstream.map_upstream_errors` translates.
 """
@@ -23,7 +25,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from router.edge.http1_connection import HIGH_WATER, Connection, Sink
+from router.edge.http1_connection import Connection, Sink
 from router.edge.http1_errors import (
     BadResponse,
     ConnectFailed,
@@ -114,21 +116,11 @@ class Http1Response:
         if self.done:
             return b""
         conn = self._conn
-        chunks = conn.chunks
-        if len(chunks) == 1:  # `_hand_over()` of one chunk, inline: a whole answer in one read
-            chunk = chunks.popleft()
-            conn.buffered -= len(chunk)
-            if conn.paused and conn.buffered <= HIGH_WATER // 2:
-                conn.resume()
-            if conn.complete:
-                self.release()
-            return chunk
-        if chunks:
-            return self._hand_over()
+        chunk = conn.take_arrived()
         if conn.complete:
             self.release()
-            return b""
-        return None
+            return chunk or b""
+        return chunk
 
     async def next_chunk(self) -> bytes:
         """The next body bytes as they arrived; b"" once the body is complete. The connection is
@@ -136,7 +128,7 @@ class Http1Response:
         if self.done:  # released or dropped: a pooled connection's bytes are another answer's now
             return b""
         conn = self._conn
-        while not conn.chunks:
+        while (chunk := conn.take_arrived()) is None:
             if conn.complete:
                 self.release()
                 return b""
@@ -154,17 +146,6 @@ class Http1Response:
                 raise
             finally:
                 conn.disarm()
-        return self._hand_over()
-
-    def _hand_over(self) -> bytes:
-        """The body bytes that have arrived (some have), releasing the connection after the last ones."""
-        conn = self._conn
-        # Everything that has arrived goes on as one chunk: one client write, not one per chunk.
-        chunk = conn.chunks.popleft() if len(conn.chunks) == 1 else b"".join(conn.chunks)
-        conn.chunks.clear()
-        conn.buffered -= len(chunk)
-        if conn.paused and conn.buffered <= HIGH_WATER // 2:
-            conn.resume()
         if conn.complete:
             self.release()
         return chunk
@@ -176,18 +157,14 @@ class Http1Response:
         Timeouts and errors are `next_chunk`'s; any failure or cancellation drops the connection."""
         conn = self._conn
         loop = conn.loop
-        conn.sink, conn.sink_full, conn.last_read = sink, False, loop.time()
         try:
-            if conn.chunks and not conn.complete:
-                conn.to_sink(sink)
+            conn.attach_sink(sink)
             while not (conn.complete or self.done):
                 if conn.error is not None:
                     raise conn.error
                 if conn.sink_full:
                     await drained()
-                    conn.sink_full = False
-                    conn.last_read = loop.time()  # that wait was the consumer's, not the engine's silence
-                    conn.resume()
+                    conn.sink_drained()
                     continue
                 now = loop.time()
                 idle, left = self._idle_left(now)
@@ -202,20 +179,19 @@ class Http1Response:
             self.close()
             raise
         finally:
-            conn.sink = None
+            conn.detach_sink()
 
     def _idle_left(self, now: float) -> tuple[float, float]:
         """(seconds until the read timeout, counted from the sink's last bytes; seconds until the
         answer's total time is up); `TimedOut` when either is spent."""
-        conn = self._conn
-        idle, left = conn.last_read + self._read_s - now, self._deadline - now
+        idle, left = self._conn.last_read + self._read_s - now, self._deadline - now
         if min(idle, left) <= 0:
             raise TimedOut("read" if idle < left else "total")
         return idle, left
 
     def at_end(self) -> bool:
         """Whether the body has been read to its end: the next `next_chunk` returns b"" at once."""
-        return self.done or (self._conn.complete and not self._conn.chunks)
+        return self.done or (self._conn.complete and not self._conn.pending)
 
     def release(self) -> None:
         """Give the connection back to the pool if the body was read to its end and its framing is
@@ -247,26 +223,22 @@ class _Pool:
         self.in_use = 0
 
     def take(self, now: float) -> Connection | None:
+        """The most recent idle connection still `fresh`, now in use (those after it are closed)."""
         keepalive = self.client.settings.keepalive_s
         while self.idle:
             conn = self.idle.pop()
-            if not conn.lost and now - conn.idle_since < keepalive:  # reusable: not lost, not kept too long
+            if conn.fresh(now, keepalive):
                 self.in_use += 1
-                conn.reused = True
+                conn.take()
                 return conn
             conn.close()
         return None
 
     def put(self, conn: Connection) -> None:
-        conn.reset()
-        conn.idle_since = conn.loop.time()
+        """A connection read to its end, `reusable`: idle again, no longer in use."""
+        conn.park(conn.loop.time())
         self.idle.append(conn)
-        # `forget()` inline: every answer read to its end comes here.
-        self.in_use -= 1
-        client = self.client
-        client._in_use -= 1
-        if client._waiting:
-            client.wake_waiters()
+        self.forget()
 
     def forget(self) -> None:
         """A connection of this pool stopped being in use (back in `idle`, or dropped)."""
@@ -333,7 +305,7 @@ class Http1Client:
                 if self._in_use > 1:  # others in flight: out with this turn's others (`_flush`)
                     self._queue(conn, head, body)
                 else:  # alone: out now, no turn's wait
-                    _write(conn, head, body)
+                    conn.send(head, body)
                 waiter = conn.arm_at(first_byte_at, "first byte")
                 if sent is not None:  # the bytes are out: the caller's bookkeeping, before the wait
                     sent()
@@ -343,7 +315,7 @@ class Http1Client:
                         await waiter
                     finally:
                         conn.disarm()
-                    if conn.headers_done:
+                    if conn.head_done:
                         break
                     if conn.error is not None:
                         raise conn.error
@@ -354,11 +326,11 @@ class Http1Client:
                 pool.forget()
                 # A kept connection the engine closed just as it was taken (its idle timeout): the
                 # request met a closed socket, so it goes once more on a fresh connection.
-                if not isinstance(exc, ServerDisconnected) or not conn.reused or conn.received:
+                if not isinstance(exc, ServerDisconnected) or not conn.may_send_again():
                     raise
             conn = await self._acquire(pool, loop, fresh=True)
         if method == "HEAD":  # the answer's length describes a body that never comes
-            conn.complete, conn.keep_alive = True, False
+            conn.head_only()
         return Http1Response(pool, conn, start + s.total_s)
 
     def _queue(self, conn: Connection, head: bytes, body: bytes) -> None:
@@ -382,7 +354,7 @@ class Http1Client:
             transport = conn.transport
             if transport is not None and not transport.is_closing():
                 try:
-                    _write(conn, head, body)
+                    conn.send(head, body)
                 except Exception:  # (none expected) the others still go; this wait fails as a drop's
                     transport.abort()
 
@@ -449,18 +421,6 @@ class Http1Client:
             for conn in pool.idle:
                 conn.close()
             pool.idle.clear()
-
-
-def _write(conn: Connection, head: bytes, body: bytes) -> None:
-    """Head and body in one `writelines`: one writev on uvloop, the body never copied. From here on
-    the engine's bytes on `conn` are this request's answer."""
-    transport = conn.transport
-    assert transport is not None
-    conn.written = True
-    if body:
-        transport.writelines((head, body))
-    else:
-        transport.write(head)
 
 
 def _head(method: str, target: str, headers: list[tuple[str, str]], body: bytes) -> bytes:

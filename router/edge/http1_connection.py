@@ -46,24 +46,28 @@ HIGH_WATER: Final = 256 * 1024  # buffered body bytes before the socket stops be
 
 
 class Connection(asyncio.Protocol):
-    """One socket to an engine and the exchange currently on it (parser callbacks fill it)."""
+    """One socket to an engine and the exchange currently on it (parser callbacks fill it).
+
+    The connection owns its state: the client and its answers read it through the read-only
+    properties and change it only through the methods below (`send`, `take_arrived`, `attach_sink`,
+    `park`, `take`, ...), so every rule about when bytes belong to whom lives here. `loop`,
+    `transport`, `parser`, `timer` and `waiter` are the protocol's plumbing, set by it alone."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self.loop = loop
         self.transport: asyncio.Transport | None = None
         self.parser = httptools.HttpResponseParser(self)
-        self.headers: list[tuple[bytes, bytes]] = []
-        """The answer's header pairs as received (names in their case, latin-1 bytes)."""
-        self.headers_done = False
-        self.head_bytes = 0
+        self._headers: list[tuple[bytes, bytes]] = []
+        self._head_done = False
+        self._head_bytes = 0
         """The header names' and values' bytes of the answer so far (`MAX_HEAD_BYTES`)."""
-        self.status = 0
-        self.keep_alive = False
-        self.complete = False
-        self.error: HttpClientError | None = None
-        self.chunks: deque[bytes] = deque()
-        self.buffered = 0
-        self.paused = False
+        self._status = 0
+        self._keep_alive = False
+        self._complete = False
+        self._error: HttpClientError | None = None
+        self._chunks: deque[bytes] = deque()
+        self._buffered = 0
+        self._paused = False
         self.waiter: asyncio.Future[None] | None = None
         """The armed wait, until a callback resolves it (or `disarm`)."""
         self._armed: asyncio.Future[None] | None = None
@@ -72,18 +76,74 @@ class Connection(asyncio.Protocol):
         self._phase = ""
         self.timer: asyncio.TimerHandle | None = None
         """The connection's timer, set for `_timer_at`, no later than the armed deadline (`arm`)."""
-        self.idle_since = 0.0
-        self.lost = False
-        self.reused = False
-        self.received = False
-        self.written = False
+        self._idle_since = 0.0
+        self._lost = False
+        self._reused = False
+        self._received = False
+        self._written = False
         """This exchange's request bytes went to the transport (answer bytes before then are stray)."""
-        self.interim = False
+        self._interim = False
         """The answer being parsed is an interim 1xx one (dropped at its end)."""
-        self.sink: Sink | None = None
-        self.sink_full = False
-        self.last_read = 0.0
+        self._sink: Sink | None = None
+        self._sink_full = False
+        self._last_read = 0.0
         """The loop time at which the sink last got bytes (its read timeout runs from there)."""
+
+    # -- what the client and its answers read --
+    @property
+    def status(self) -> int:
+        """The final answer's status (0 until its head is complete)."""
+        return self._status
+
+    @property
+    def headers(self) -> list[tuple[bytes, bytes]]:
+        """The answer's header pairs as received (names in their case, latin-1 bytes)."""
+        return self._headers
+
+    @property
+    def head_done(self) -> bool:
+        """The final answer's head is complete (`status` and `headers` are its)."""
+        return self._head_done
+
+    @property
+    def complete(self) -> bool:
+        """The final answer's body has ended (its last bytes may still wait in `take_arrived`)."""
+        return self._complete
+
+    @property
+    def error(self) -> HttpClientError | None:
+        """Why the exchange failed (the first failure seen), or None."""
+        return self._error
+
+    @property
+    def pending(self) -> bool:
+        """Body bytes have arrived that `take_arrived` has not handed over."""
+        return bool(self._chunks)
+
+    @property
+    def paused(self) -> bool:
+        """The socket is not being read (too many bytes wait, or the sink is full)."""
+        return self._paused
+
+    @property
+    def lost(self) -> bool:
+        """The connection closed (ours or the engine's doing): it serves no further exchange."""
+        return self._lost
+
+    @property
+    def written(self) -> bool:
+        """This exchange's request went to the transport (`send`)."""
+        return self._written
+
+    @property
+    def sink_full(self) -> bool:
+        """The attached sink asked for reading to pause (until `sink_drained` or `detach_sink`)."""
+        return self._sink_full
+
+    @property
+    def last_read(self) -> float:
+        """The loop time at which the sink last got bytes (or was attached, or drained)."""
+        return self._last_read
 
     # -- asyncio.Protocol --
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -94,45 +154,45 @@ class Connection(asyncio.Protocol):
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     def data_received(self, data: bytes) -> None:
-        if not self.written:  # idle, or taken and not written yet: bytes no request of ours asked for
+        if not self._written:  # idle, or taken and not written yet: bytes no request of ours asked for
             self.close()
             # Not `received`: the request never went out, so a taken kept connection's is sent again.
             self._fail(ServerDisconnected("the engine sent bytes before the request"))
             return
-        self.received = True
+        self._received = True
         try:
             self.parser.feed_data(data)
         except httptools.HttpParserError as exc:
             self._fail(BadResponse(f"invalid HTTP answer: {exc}"))
             self.close()  # never pooled again (`lost`): its framing is lost
             return
-        if self.sink is not None and self.chunks and not self.complete:
-            self.to_sink(self.sink)
+        if self._sink is not None and self._chunks and not self._complete:
+            self._to_sink(self._sink)
 
-    def to_sink(self, sink: Sink) -> None:
+    def _to_sink(self, sink: Sink) -> None:
         """What this read brought goes to the sink as one piece (one client write, not one per event)."""
-        chunks = self.chunks
+        chunks = self._chunks
         chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
         chunks.clear()
-        self.buffered = 0
-        self.last_read = self.loop.time()
+        self._buffered = 0
+        self._last_read = self.loop.time()
         if not sink(chunk):
-            self.sink_full = True
+            self._sink_full = True
             self.pause()
             self._wake()
-        elif self.paused:
+        elif self._paused:
             self.resume()
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.lost = True
+        self._lost = True
         if self._armed is None:  # a wait under way keeps its timer until its caller disarms it
             self._stop_timer()
-        if self.complete:
+        if self._complete:
             return
-        if self.headers_done and self._until_eof():
+        if self._head_done and self._until_eof():
             self.on_message_complete()  # a body framed by the end of the connection
             return
-        cut = ResponseCut if self.headers_done else ServerDisconnected
+        cut = ResponseCut if self._head_done else ServerDisconnected
         self._fail(cut("the engine closed the connection" + (f" ({exc})" if exc else "")))
 
     def pause_writing(self) -> None:  # the single request write is never waited on
@@ -143,15 +203,15 @@ class Connection(asyncio.Protocol):
 
     # -- httptools callbacks --
     def on_message_begin(self) -> None:
-        if self.complete:  # a second answer to one request (or bytes past the first): framing lost
+        if self._complete:  # a second answer to one request (or bytes past the first): framing lost
             raise _StrayAnswer
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        headers = self.headers
-        if not self.headers_done:  # a chunked body's trailer fields are counted, never headers
+        headers = self._headers
+        if not self._head_done:  # a chunked body's trailer fields are counted, never headers
             headers.append((name, value))  # as bytes: the relay passes them on without decoding
-        self.head_bytes += len(name) + len(value)
-        if len(headers) > MAX_HEADER_FIELDS or self.head_bytes > MAX_HEAD_BYTES:
+        self._head_bytes += len(name) + len(value)
+        if len(headers) > MAX_HEADER_FIELDS or self._head_bytes > MAX_HEAD_BYTES:
             self._fail(
                 BadResponse(f"answer headers over {MAX_HEADER_FIELDS} fields or {MAX_HEAD_BYTES} bytes")
             )
@@ -161,56 +221,104 @@ class Connection(asyncio.Protocol):
         status = self.parser.get_status_code()
         if status not in _FINAL:
             if status in _INTERIM and status != 101:  # an interim answer: its end is dropped too
-                self.interim, self.headers, self.head_bytes = True, [], 0
+                self._interim, self._headers, self._head_bytes = True, [], 0
                 return
             self._fail(BadResponse(f"status {status} is no final answer to a request"))
             raise _StrayAnswer
-        self.headers_done = True
+        self._head_done = True
         # Valid only inside the parser's callbacks (reset once the message is complete).
-        self.status, self.keep_alive = status, self.parser.should_keep_alive()
-        waiter = self.waiter  # `_wake()` inline: every answer's head comes here
-        if waiter is not None:
-            self.waiter = None
-            if not waiter.done():
-                waiter.set_result(None)
+        self._status, self._keep_alive = status, self.parser.should_keep_alive()
+        self._wake()
 
     def on_body(self, body: bytes) -> None:
-        self.chunks.append(body)
-        self.buffered += len(body)
-        if self.buffered > HIGH_WATER:
+        self._chunks.append(body)
+        self._buffered += len(body)
+        if self._buffered > HIGH_WATER:
             self.pause()
         # A sink gets the bytes at the end of data_received, with no wake-up; nobody waiting, no call.
-        if self.sink is None and self.waiter is not None:
+        if self._sink is None and self.waiter is not None:
             self._wake()
 
     def on_message_complete(self) -> None:
-        if self.interim:  # the final answer is still to come
-            self.interim = False
+        if self._interim:  # the final answer is still to come
+            self._interim = False
             return
-        self.complete = True
+        self._complete = True
         if self.waiter is not None:  # a body that came with its head: nobody waits for it
             self._wake()
 
     # -- the exchange --
+    def send(self, head: bytes, body: bytes) -> None:
+        """Write the request, head and body in one `writelines` (one writev on uvloop, the body never
+        copied). From here on the engine's bytes are this request's answer."""
+        transport = self.transport
+        assert transport is not None
+        self._written = True
+        if body:
+            transport.writelines((head, body))
+        else:
+            transport.write(head)
+
+    def head_only(self) -> None:
+        """The answer to a HEAD request ended with its head: the length it names describes a body
+        that never comes, so the connection is not reused (its framing is not worth trusting)."""
+        self._complete, self._keep_alive = True, False
+
+    def take_arrived(self) -> bytes | None:
+        """Every body byte that has arrived, joined (one client write, not one per chunk), or None
+        when none has; reading resumes once the bytes waiting fall to half of `HIGH_WATER`."""
+        chunks = self._chunks
+        if not chunks:
+            return None
+        chunk = chunks.popleft() if len(chunks) == 1 else b"".join(chunks)
+        chunks.clear()
+        self._buffered -= len(chunk)
+        if self._paused and self._buffered <= HIGH_WATER // 2:
+            self.resume()
+        return chunk
+
+    def attach_sink(self, sink: Sink) -> None:
+        """From now on each read's body bytes go to `sink` from `data_received` (module docstring),
+        starting with those already here unless the body is complete (its last bytes stay)."""
+        self._sink, self._sink_full, self._last_read = sink, False, self.loop.time()
+        if self._chunks and not self._complete:
+            self._to_sink(sink)
+
+    def sink_drained(self) -> None:
+        """The full sink has room again: reading resumes, the read timeout counting from now (that
+        wait was the consumer's, not the engine's silence)."""
+        self._sink_full = False
+        self._last_read = self.loop.time()
+        self.resume()
+
+    def detach_sink(self) -> None:
+        """Body bytes stay for `take_arrived` again."""
+        self._sink, self._sink_full = None, False
+
+    def may_send_again(self) -> bool:
+        """The exchange failed on a kept connection that got no byte of answer: the engine closed it
+        as it was taken (its idle timeout), so the request may go once more on a fresh one."""
+        return self._reused and not self._received
+
     def pause(self) -> None:
         """Stop reading the socket (idempotent)."""
-        if not self.paused and self.transport is not None:
-            self.paused = True
+        if not self._paused and self.transport is not None:
+            self._paused = True
             self.transport.pause_reading()
 
     def resume(self) -> None:
         """Read the socket again (idempotent)."""
-        if self.paused and self.transport is not None:
-            self.paused = False
+        if self._paused and self.transport is not None:
+            self._paused = False
             self.transport.resume_reading()
 
     def _until_eof(self) -> bool:
-        names = {k.lower() for k, _ in self.headers}
+        names = {k.lower() for k, _ in self._headers}
         return b"content-length" not in names and b"transfer-encoding" not in names
 
     def _fail(self, error: HttpClientError) -> None:
-        if self.error is None:
-            self.error = error
+        if self._error is None:
+            self._error = error
         self._wake()
 
     def _wake(self) -> None:
@@ -222,16 +330,27 @@ class Connection(asyncio.Protocol):
             if not waiter.done():
                 waiter.set_result(None)
 
-    def reset(self) -> None:
-        """Ready for the next exchange on the same socket (idle until taken again). The parser is kept:
-        after a complete keep-alive answer (the only kind whose connection is reused) it waits for the
-        next message, so none is built per exchange."""
-        self.headers = []
-        self.head_bytes = 0
-        self.headers_done = self.keep_alive = self.complete = self.received = False
-        self.written = False
-        self.sink_full = False
-        self.buffered = 0
+    # -- the pool's --
+    def park(self, now: float) -> None:
+        """Idle in the pool from `now`, ready for the next exchange on the same socket. The parser is
+        kept: after a complete keep-alive answer (the only kind whose connection is reused) it waits
+        for the next message, so none is built per exchange."""
+        self._headers = []
+        self._head_bytes = 0
+        self._head_done = self._keep_alive = self._complete = self._received = False
+        self._written = False
+        self._sink_full = False
+        self._buffered = 0
+        self._idle_since = now
+
+    def fresh(self, now: float, keepalive_s: float) -> bool:
+        """Whether the idle connection may be taken at `now`: not lost, idle less than `keepalive_s`
+        (the engine may close one kept longer just as a request goes out on it)."""
+        return not self._lost and now - self._idle_since < keepalive_s
+
+    def take(self) -> None:
+        """Taken from the pool for an exchange (`may_send_again` then applies to it)."""
+        self._reused = True
 
     def arm(self, timeout_s: float, phase: str) -> asyncio.Future[None]:
         """The future the next parser callback or the connection's end resolves, failed with
@@ -256,7 +375,7 @@ class Connection(asyncio.Protocol):
                 self.timer.cancel()
             self._timer_at = deadline
             self.timer = loop.call_at(deadline, self._expire)
-        if self.error is not None:
+        if self._error is not None:
             waiter.set_result(None)
         return waiter
 
@@ -284,17 +403,18 @@ class Connection(asyncio.Protocol):
         keep-alive, and nothing casts doubt on where the next answer starts (module docstring)."""
         transport = self.transport
         return (
-            self.complete
-            and self.keep_alive
-            and not self.lost
-            and not self.chunks
-            and self.error is None
+            self._complete
+            and self._keep_alive
+            and not self._lost
+            and not self._chunks
+            and self._error is None
             and transport is not None
             and not transport.get_write_buffer_size()  # all of the request went before its answer ended
         )
 
     def close(self) -> None:
-        self.lost = True
+        """Drop the connection (idempotent): it serves no further exchange."""
+        self._lost = True
         self._stop_timer()
         if self.transport is not None:
             self.transport.close()

@@ -40,7 +40,7 @@ _POLICY: Final = "passthrough"
 
 PASSTHROUGH_PATHS: Final = {
     "/v1/embeddings": ("POST",),
-    "/v1/responses": ("POST",),
+    "/v1/messages/count_tokens": ("POST",),
     "/v1/responses/{response_id}": ("GET",),
     "/v1/responses/{response_id}/cancel": ("POST",),
     "/v1/score": ("POST",),

@@ -1,14 +1,14 @@
 """Carrying out a routing decision: forward the request to an engine and stream its answer back.
 
-Requests go out on one `router.edge.http1.Http1Client` per process: pooled keep-alive HTTP/1.1
-connections (limits from the config), TCP_NODELAY on every socket, head and body in one write. It
-replaced aiohttp's client here at a fraction of its CPU per request (BENCHMARKS.md, "Gateway"); one
-aiohttp `ClientSession` remains for the gateway's other calls to engines (`session`: remote
-tokenization). The body goes out byte for byte; hop-by-hop headers are stripped both ways
-(`router.edge.headers`). Before any byte reaches the client, a failed connect, a connection closed
-without an answer, or a 5xx/429 answer is retried on another engine (the caller's `choose` callback
-decides which), with bounded attempts and backoff. The client's exceptions become `RouterError`s
-in one place, `router.edge.upstream.upstream_error`.
+Requests go out through a `router.edge.upstream_transport.Transport`: in the gateway, one
+`router.edge.http1.Http1Client` per process (pooled keep-alive HTTP/1.1 connections, limits from
+the config, TCP_NODELAY on every socket, head and body in one write; a fraction of aiohttp's CPU per
+request, BENCHMARKS.md), in tests an in-memory one. The gateway's own calls to engines (remote
+tokenization: `call`) go through the same transport. The body goes out byte for byte; hop-by-hop
+headers are stripped both ways (`router.edge.headers`). Before any byte reaches the client, a failed
+connect, a connection closed without an answer, or a 5xx/429 answer is retried on another engine
+(the caller's `choose` callback decides which), with bounded attempts and backoff. The transport's
+exceptions become `RouterError`s in one place, `router.edge.upstream.upstream_error`.
 
 The answer is an `UpstreamResponse` (router.edge.upstream), streamed as it arrives.
 """
@@ -19,7 +19,6 @@ import asyncio
 import time
 from collections.abc import Callable
 
-import aiohttp
 import msgspec
 
 from router.core.errors import (
@@ -43,7 +42,7 @@ from router.core.policy.retry import (
     is_retryable,
 )
 from router.edge.headers import host_of, is_origin_form, upstream_headers
-from router.edge.http1 import ClientSettings, Http1Client, Http1Response, PoolFull
+from router.edge.http1 import ClientSettings, Http1Client, PoolFull, ResponseCut
 from router.edge.upstream import (
     UPSTREAM_FAILURES,
     ProxyRequest,
@@ -53,13 +52,14 @@ from router.edge.upstream import (
     outcome_of,
     upstream_error,
 )
+from router.edge.upstream_transport import Answer, Transport
 from router.settings.config import RouterConfig
 
 __all__ = ["Chooser", "Proxy", "ProxySettings"]
 
 _ERROR_EXCERPT = 64 * 1024
-# aiohttp adds these when absent; the engine should see only what the client sent.
-_SKIP_AUTO = ("User-Agent", "Accept", "Accept-Encoding", "Content-Type")
+CALL_ANSWER_LIMIT = 64 * 1024 * 1024
+"""The largest answer `Proxy.call` reads (a /tokenize answer for a long prompt is a few MB)."""
 _NONE_TRIED: frozenset[EngineId] = frozenset()
 
 
@@ -114,50 +114,65 @@ attempt `Proxy.forward` makes, before control can return to the event loop after
 
 
 class Proxy:
-    """The upstream leg: one pooled session, retries across engines, per-engine breakers."""
+    """The upstream leg: one transport, retries across engines, per-engine breakers."""
 
     def __init__(
-        self, settings: ProxySettings, breakers: Breakers, clock: Callable[[], float] = time.monotonic
+        self,
+        settings: ProxySettings,
+        breakers: Breakers,
+        clock: Callable[[], float] = time.monotonic,
+        transport: Transport | None = None,
     ) -> None:
+        """`transport` carries the requests (None: an `Http1Client` with the settings' limits and
+        timeouts, made by `start`)."""
         self.settings = settings
         self.breakers = breakers
         self.clock = clock
-        self._session: aiohttp.ClientSession | None = None
-        self._client: Http1Client | None = None
-
-    @property
-    def session(self) -> aiohttp.ClientSession | None:
-        """The upstream session (None before `start`), shared with other calls to engines."""
-        return self._session
+        self._client: Transport | None = transport
 
     async def start(self) -> None:
-        """Create the session and its keep-alive connection pool (call from the running loop)."""
-        s = self.settings
-        connector = aiohttp.TCPConnector(
-            limit=s.pool_total, limit_per_host=s.pool_per_engine, keepalive_timeout=s.keepalive_s
-        )
-        timeout = aiohttp.ClientTimeout(total=s.total_s, sock_connect=s.connect_s, sock_read=s.read_s)
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            timeout=timeout,
-            auto_decompress=False,
-            cookie_jar=aiohttp.DummyCookieJar(),
-            skip_auto_headers=_SKIP_AUTO,
-            trust_env=False,
-        )
-        self._client = Http1Client(
-            ClientSettings(s.connect_s, s.first_byte_s, s.read_s, s.total_s, s.keepalive_s, s.pool_total,
-                           s.pool_per_engine, s.pool_wait_s)
-        )  # fmt: skip
+        """Make the HTTP client and its keep-alive connection pool, unless a transport was given
+        (call from the running loop)."""
+        if self._client is None:
+            s = self.settings
+            self._client = Http1Client(
+                ClientSettings(
+                    connect_s=s.connect_s,
+                    first_byte_s=s.first_byte_s,
+                    read_s=s.read_s,
+                    total_s=s.total_s,
+                    keepalive_s=s.keepalive_s,
+                    pool_total=s.pool_total,
+                    pool_per_host=s.pool_per_engine,
+                    pool_wait_s=s.pool_wait_s,
+                )
+            )
 
     async def close(self) -> None:
-        """Close the session, the client and every pooled connection."""
+        """Close the transport and every pooled connection."""
         if self._client is not None:
             self._client.close()
             self._client = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+
+    async def call(
+        self, engine: EngineId, base_url: str, path: str, body: bytes, timeout_s: float
+    ) -> tuple[int, bytes]:
+        """POST JSON `body` to `path` on `engine` (at `base_url`) and read its whole answer, all within
+        `timeout_s`: the gateway's own calls to engines (remote tokenization), not a client's request,
+        so no retry, no breaker and no `sent`. Returns (status, body); failures are `UpstreamError`s
+        (`upstream_error`), as a forwarded request's are."""
+        client = self._client
+        assert client is not None, "Proxy.start() was not called"
+        headers = [("Host", host_of(base_url)), ("Content-Type", "application/json")]
+        try:
+            async with asyncio.timeout(timeout_s):
+                answer = await client.request("POST", base_url, path, headers, body)
+                try:
+                    return answer.status, await _read_at_most(answer, CALL_ANSWER_LIMIT)
+                finally:
+                    answer.close()
+        except UPSTREAM_FAILURES as exc:
+            raise upstream_error(engine, "total", exc) from exc
 
     async def forward(
         self, request: ProxyRequest, choose: Chooser, sent: Sent | None = None
@@ -250,7 +265,7 @@ class Proxy:
         )
 
     def _answered(
-        self, target: Target, response: Http1Response, attempts: list[Attempt], breaker: CircuitBreaker
+        self, target: Target, response: Answer, attempts: list[Attempt], breaker: CircuitBreaker
     ) -> UpstreamResponse | None:
         """An attempt the engine answered: recorded and counted; the answer to return, or None when
         it is retryable (5xx/429: the caller reads its excerpt and tries elsewhere)."""
@@ -273,7 +288,7 @@ class Proxy:
             f"engine {response.engine} answered {response.status}: {excerpt}", engine=response.engine
         )
 
-    async def _read_excerpt(self, engine: EngineId, response: Http1Response) -> bytes:
+    async def _read_excerpt(self, engine: EngineId, response: Answer) -> bytes:
         body = b""
         try:
             with map_upstream_errors(engine, "error body"):
@@ -284,3 +299,15 @@ class Proxy:
         finally:
             response.close()
         return body
+
+
+async def _read_at_most(answer: Answer, limit: int) -> bytes:
+    """The answer's whole body; `ResponseCut` (a failed exchange) past `limit` bytes."""
+    chunks: list[bytes] = []
+    size = 0
+    while chunk := await answer.next_chunk():
+        size += len(chunk)
+        if size > limit:
+            raise ResponseCut(f"answer over {limit} bytes")
+        chunks.append(chunk)
+    return b"".join(chunks)

@@ -3,8 +3,9 @@
 `UpstreamResponse`'s body is an async iterator that yields chunks as they arrive (no buffering) and
 closes the upstream response in its `finally`, so cancelling the iteration (client disconnect)
 closes the upstream connection. Callers must also call `UpstreamResponse.close()` in their own
-`finally`: an iterator that was never started has no `finally` to run. The upstream client's
-(router.edge.http1) and aiohttp's exceptions become `RouterError`s in one place, `upstream_error`.
+`finally`: an iterator that was never started has no `finally` to run. The transport's failures
+(router.edge.http1_errors, the one HTTP client's; router.edge.upstream_transport) become
+`RouterError`s in one place, `upstream_error`.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from contextlib import contextmanager
 from typing import Final
 
-import aiohttp
 import msgspec
 
 from router.core.errors import UpstreamBroken, UpstreamConnectError, UpstreamError, UpstreamTimeout
@@ -22,6 +22,7 @@ from router.core.ids import EngineId
 from router.core.policy.retry import Attempt, OutcomeKind
 from router.edge import http1
 from router.edge.headers import response_headers
+from router.edge.upstream_transport import Answer
 
 __all__ = [
     "UPSTREAM_FAILURES",
@@ -53,24 +54,22 @@ class ProxyRequest(msgspec.Struct, frozen=True):
     them): the proxy only adds Host."""
 
 
-UPSTREAM_FAILURES: Final = (http1.HttpClientError, aiohttp.ClientError, OSError)
-"""What the upstream clients raise for a failed exchange (timeouts are `OSError`s): what
-`upstream_error` translates."""
+UPSTREAM_FAILURES: Final = (http1.HttpClientError, OSError)
+"""What a transport raises for a failed exchange (an `asyncio.timeout` around one raises
+`TimeoutError`, an `OSError`): what `upstream_error` translates."""
 
 
 def upstream_error(engine: EngineId, phase: str, exc: BaseException) -> UpstreamError:
     """The `UpstreamError` naming `engine` for one of `UPSTREAM_FAILURES` raised in `phase`: the one
-    translation of the clients' exceptions. The hot paths call it from a plain `except` (no context
+    translation of the transport's exceptions. The hot paths call it from a plain `except` (no context
     manager per exchange and per chunk); `map_upstream_errors` wraps it for the others."""
-    if isinstance(exc, (http1.ConnectTimedOut, aiohttp.ConnectionTimeoutError)):
+    if isinstance(exc, http1.ConnectTimedOut):
         return UpstreamTimeout(f"timed out connecting to engine {engine}", engine=engine)
     if isinstance(exc, http1.TimedOut):
         what = " went silent (read timeout)" if exc.phase == "read" else f": {exc.phase} timeout"
         return UpstreamTimeout(f"engine {engine}{what}", engine=engine)
-    if isinstance(exc, (http1.ConnectFailed, aiohttp.ClientConnectorError)):
+    if isinstance(exc, http1.ConnectFailed):
         return UpstreamConnectError(f"cannot connect to engine {engine}: {exc.os_error}", engine=engine)
-    if isinstance(exc, aiohttp.SocketTimeoutError):
-        return UpstreamTimeout(f"engine {engine} went silent (read timeout)", engine=engine)
     if isinstance(exc, TimeoutError):
         return UpstreamTimeout(f"engine {engine}: {phase} timeout", engine=engine)
     return UpstreamBroken(f"engine {engine}: connection broke ({type(exc).__name__})", engine=engine)
@@ -78,7 +77,7 @@ def upstream_error(engine: EngineId, phase: str, exc: BaseException) -> Upstream
 
 @contextmanager
 def map_upstream_errors(engine: EngineId, phase: str) -> Iterator[None]:
-    """Translate the client's, aiohttp's and timeout exceptions raised inside into `UpstreamError`s
+    """Translate the transport's and timeout exceptions raised inside into `UpstreamError`s
     naming the engine (`upstream_error`)."""
     try:
         yield
@@ -89,11 +88,9 @@ def map_upstream_errors(engine: EngineId, phase: str) -> Iterator[None]:
 def outcome_of(error: UpstreamError) -> OutcomeKind:
     """How an attempt that raised `error` ended, for retry decisions and the decision record."""
     cause = error.__cause__
-    if isinstance(error, UpstreamConnectError) or isinstance(
-        cause, (aiohttp.ConnectionTimeoutError, http1.ConnectTimedOut)
-    ):
+    if isinstance(error, UpstreamConnectError) or isinstance(cause, http1.ConnectTimedOut):
         return OutcomeKind.CONNECT_FAILED
-    if isinstance(cause, (aiohttp.ServerDisconnectedError, http1.ServerDisconnected)):
+    if isinstance(cause, http1.ServerDisconnected):
         return OutcomeKind.DISCONNECTED
     return OutcomeKind.FIRST_BYTE_TIMEOUT if isinstance(error, UpstreamTimeout) else OutcomeKind.BROKEN
 
@@ -113,8 +110,8 @@ class UpstreamResponse:
         self.raw_headers = raw_headers
         """The engine's header pairs as received (hop-by-hop ones included), latin-1 bytes."""
         self.attempts = attempts
-        self.response: http1.Http1Response | None = None
-        """The client's answer whose body this is (None: the body is the excerpt already read); the
+        self.response: Answer | None = None
+        """The transport's answer whose body this is (None: the body is the excerpt already read); the
         relay reads its `ready` and `at_end` directly (they raise nothing to translate)."""
         self._buffered = b""
         self._on_broken: Callable[[], None] = _nothing
@@ -142,7 +139,7 @@ class UpstreamResponse:
 
     def ready(self) -> bytes | None:
         """What `next_chunk` would return now without waiting (b"" at the end), or None when it would
-        wait or raise (`http1.Http1Response.ready`)."""
+        wait or raise (`Answer.ready`)."""
         response = self.response
         if response is None:
             chunk, self._buffered = self._buffered, b""
@@ -164,7 +161,7 @@ class UpstreamResponse:
 
     async def pump(self, sink: http1.Sink, drained: Callable[[], Awaitable[None]]) -> None:
         """Hand the body to `sink` as it arrives, straight from the connection's callbacks, until its
-        end, whose bytes stay for `next_chunk` (`http1.Http1Response.pump`); errors as `next_chunk`'s."""
+        end, whose bytes stay for `next_chunk` (`Answer.pump`); errors as `next_chunk`'s."""
         if self.response is not None:
             try:
                 await self.response.pump(sink, drained)

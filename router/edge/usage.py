@@ -1,9 +1,12 @@
 """Reading the engine's actual cached tokens from the answer the gateway passes through.
 
 The answer is forwarded untouched; `UsageTap` only looks at it. A JSON answer is kept (up to a cap)
-and its `usage.prompt_tokens_details.cached_tokens` read at the end; a stream keeps only its last
-bytes, where the final usage chunk sits (present when the client asked for
-`stream_options.include_usage`; the gateway never adds it, since the body is forwarded byte for byte).
+and its cached tokens read at the end (`usage.prompt_tokens_details.cached_tokens`; Responses'
+`usage.input_tokens_details.cached_tokens`; Anthropic Messages' `usage.cache_read_input_tokens`);
+a stream keeps only its last bytes, where the final usage event sits (a chat or completions stream
+has one when the client asked for `stream_options.include_usage`: the gateway never adds it, since
+the body is forwarded byte for byte; Messages' `message_delta` and Responses' `response.completed`
+always carry it).
 Pure: no I/O.
 """
 
@@ -26,11 +29,42 @@ class _Details(msgspec.Struct):
 
 
 class _Usage(msgspec.Struct):
+    """The usage of the three answer shapes: OpenAI's chat and completions (`prompt_tokens_details`),
+    Responses (`input_tokens_details`), Anthropic Messages (`cache_read_input_tokens`)."""
+
     prompt_tokens_details: _Details | None = None
+    input_tokens_details: _Details | None = None
+    cache_read_input_tokens: int | None = None
+
+    def cached(self) -> int | None:
+        """The cached prompt tokens the answer reports, whichever shape carries them."""
+        details = self.prompt_tokens_details or self.input_tokens_details
+        if details is not None:
+            return details.cached_tokens
+        return self.cache_read_input_tokens
+
+
+class _Nested(msgspec.Struct):
+    usage: _Usage | None = None
 
 
 class _WithUsage(msgspec.Struct):
+    """An answer or stream event: its usage at the top (a JSON answer, a chat chunk, Messages'
+    `message_delta`) or in the object a stream event carries (Responses' `response.completed`,
+    Messages' `message_start`)."""
+
     usage: _Usage | None = None
+    response: _Nested | None = None
+    message: _Nested | None = None
+
+    def found(self) -> _Usage | None:
+        """The usage this answer or event carries, if any."""
+        if self.usage is not None:
+            return self.usage
+        for nested in (self.response, self.message):
+            if nested is not None and nested.usage is not None:
+                return nested.usage
+        return None
 
 
 _DECODER: Final = msgspec.json.Decoder(_WithUsage)
@@ -47,17 +81,16 @@ def _decoded(data: bytes) -> tuple[bool, int | None]:
     """`_cached` by decoding alone: the search first saves the decode of an event without usage, and
     costs a JSON answer (which carries it) about as much as the decode."""
     try:
-        usage = _DECODER.decode(data).usage
+        usage = _DECODER.decode(data).found()
     except msgspec.DecodeError:
         return False, None
     if usage is None:
         return False, None
-    details = usage.prompt_tokens_details
-    return True, None if details is None else details.cached_tokens
+    return True, usage.cached()
 
 
 def cached_tokens_of_json(body: bytes) -> int | None:
-    """`usage.prompt_tokens_details.cached_tokens` of a JSON answer, or None when absent."""
+    """The cached tokens a JSON answer's usage reports (any of the three shapes), or None when absent."""
     return _decoded(body)[1]
 
 
@@ -85,12 +118,7 @@ def cached_tokens_of(answer: bytes, stream: bool) -> int | None:
         return cached_tokens_of_sse(answer)
     if len(answer) > _JSON_CAP:
         return None
-    try:  # `_decoded(answer)[1]`, inline: a JSON answer read in one piece is the common case
-        usage = _DECODER.decode(answer).usage
-    except msgspec.DecodeError:
-        return None
-    details = None if usage is None else usage.prompt_tokens_details
-    return None if details is None else details.cached_tokens
+    return _decoded(answer)[1]
 
 
 class UsageTap:

@@ -3,8 +3,9 @@
 Envoy opens one `ExternalProcessor.Process` stream per HTTP request. The request's headers come
 first (with `end_of_stream` when there is no body: picked at once), then its body in chunks (buffered
 up to `limits.max_body_bytes`: past it a 413) until `end_of_stream`. The pick is the gateway's own
-(`Gateway`'s preparation, decision and refusals: router.edge.gateway; `Passthrough`'s chooser for a
-path that is not a completions route). The answer, in this order: the request headers' answer with
+(the `Decider`'s admission, preparation, decision, refusals and accounting: router.edge.decider,
+shared with the gateway's proxy path; `Passthrough`'s chooser for a path that is not a completions
+route). The answer, in this order: the request headers' answer with
 `clear_route_cache` and `x-gateway-destination-endpoint: ip:port[,fallback]` (also in the dynamic
 metadata `envoy.lb`), then the body sent back unchanged in chunks of at most 62,000 bytes, the last
 with `end_of_stream` (in FULL_DUPLEX_STREAMED mode Envoy forwards only what the picker sends back).
@@ -39,8 +40,9 @@ from router.core.ids import EngineId
 from router.core.policy.retry import Outcome, OutcomeKind, counts_as_failure
 from router.edge.access_log import AccessNote
 from router.edge.client_io import request_id_in
+from router.edge.decider import Decider, Exchange
 from router.edge.flight import RANK_HEADER
-from router.edge.gateway import HOT_ROUTES, Exchange, Gateway
+from router.edge.gateway import HOT_ROUTES
 from router.edge.passthrough import Passthrough
 from router.edge.upstream import Target
 from router.edge.usage import UsageTap
@@ -79,14 +81,14 @@ class _Phase(Enum):
 
 
 class Picker:
-    """The endpoint picker of one process: the gateway's request path, driven by ext_proc streams.
+    """The endpoint picker of one process: the gateway's decisions, driven by ext_proc streams.
     With `fallbacks`, the destination names the runner-up after the chosen engine (the protocol's
     `ip:port,ip:port`, for gateways that retry on it); without, the chosen engine alone (what Envoy's
     own ORIGINAL_DST cluster can parse)."""
 
-    def __init__(self, gateway: Gateway, fallbacks: bool = True) -> None:
-        self.gateway, self.fallbacks = gateway, fallbacks
-        self.passthrough = Passthrough(gateway.parts)
+    def __init__(self, decider: Decider, fallbacks: bool = True) -> None:
+        self.decider, self.fallbacks = decider, fallbacks
+        self.passthrough = Passthrough(decider.parts)
 
     def stream(self) -> PickStream:
         """The state of one new ext_proc stream (one HTTP request)."""
@@ -97,7 +99,7 @@ class PickStream:
     """One HTTP request seen through ext_proc; see the module docstring."""
 
     def __init__(self, picker: Picker) -> None:
-        self.picker, self.gateway = picker, picker.gateway
+        self.picker, self.decider = picker, picker.decider
         self.phase = _Phase.HEADERS
         self.arrived = time.perf_counter()
         self.scope: dict[str, Any] = {}
@@ -131,7 +133,7 @@ class PickStream:
             return [self._refuse(exc)]
         except Exception as exc:  # a bug: this request gets a 500, the picker serves the next ones
             log.exception("the endpoint picker failed on a message", extra={"request_id": self.rid})
-            self.gateway._refused("500")
+            self.decider.refused("500")
             failure = RouterError(f"internal error in the endpoint picker ({type(exc).__name__}, logged)")
             return [self._refuse(failure)]
 
@@ -156,7 +158,7 @@ class PickStream:
         if kind == "response_trailers" and phase in (_Phase.PICKED, _Phase.RESPONSE):
             self._end()
             return [trailers_response("response_trailers")]
-        self.gateway._refused("400", ExtProcProtocolError.reason)
+        self.decider.refused("400", ExtProcProtocolError.reason)
         raise ExtProcProtocolError(f"ext_proc message {kind or 'of no kind'} while expecting {phase.value}")
 
     async def _request_headers(self, message: Any) -> list[Any]:
@@ -166,7 +168,7 @@ class PickStream:
         plain = [(k, v) for k, v in headers if not k.startswith(b":")]
         self.scope = {"type": "http", "method": method, "path": path, "headers": plain, "state": {}}
         self.rid = request_id_in(self.scope)
-        self.gateway._check_key(self.scope)  # the API key (when required), a refusal counted
+        self.decider.check_key(self.scope)
         self.endpoint = HOT_ROUTES.get(path) if method == "POST" else None
         if message.end_of_stream:
             return await self._pick()
@@ -176,20 +178,19 @@ class PickStream:
     async def _request_body(self, chunk: bytes, end: bool, trailers: bool = False) -> list[Any]:
         """Buffer a chunk; at the end, pick (the body sent back ends the stream unless `trailers` do)."""
         self.body += chunk
-        limit = self.gateway.max_body
+        limit = self.decider.max_body
         if len(self.body) > limit:
-            self.gateway._refused("413", RequestTooLarge.reason)
+            self.decider.refused("413", RequestTooLarge.reason)
             raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
         return await self._pick(not trailers) if end else []
 
     async def _pick(self, body_ends: bool = True) -> list[Any]:
         """Choose the endpoint (holding an admission slot until the request ends) and answer: the
         request headers' answer, then the body sent back."""
-        gateway, body = self.gateway, bytes(self.body)
-        fleet = gateway.parts.fleet
+        decider, body = self.decider, bytes(self.body)
+        fleet = decider.parts.fleet
         excluded = self._excluded()
-        if not fleet.admission.enter():
-            gateway._overloaded()
+        decider.enter()
         self.admitted = True
         try:
             target, fallback = self._route(body, excluded) if self.endpoint else self._pass(excluded)
@@ -207,29 +208,22 @@ class PickStream:
             set_headers.append((RANK_HEADER, str(rank).encode()))
         if body:
             set_headers.append(("content-length", str(len(body)).encode()))
-        remove = ["authorization"] if gateway.parts.guard.api_keys_required else []  # the key was ours
+        remove = ["authorization"] if decider.parts.guard.api_keys_required else []  # the key was ours
         answer = headers_response(
             "request_headers", set_headers, remove, {LB_NAMESPACE: {DESTINATION: value}}, True
         )
         return [answer, *(body_responses("request_body", body, body_ends) if body else ())]
 
     def _route(self, body: bytes, excluded: frozenset[EngineId]) -> tuple[Target, str | None]:
-        """The gateway's preparation and decision (router.edge.gateway); the chosen target and the
-        runner-up's address as the fallback."""
-        gateway, endpoint = self.gateway, self.endpoint
+        """The decision (router.edge.decider), as the gateway's proxy path makes it; the chosen target
+        and the runner-up's address as the fallback."""
+        decider, endpoint = self.decider, self.endpoint
         assert endpoint is not None
-        exchange = gateway._decide(self.scope, endpoint, body, self.rid, self.arrived, None, excluded)
-        try:
-            target = exchange.flight.choose(frozenset())
-        except BaseException as exc:
-            exchange.failed(exc)
-            raise
-        assert target is not None  # (the first attempt raises the refusal instead)
-        exchange.sent()
+        exchange = decider.decide(self.scope, endpoint, body, self.rid, self.arrived, None, excluded)
+        target = exchange.pick()
         self.exchange, self.engine = exchange, target.engine
-        decision = exchange.flight.decision
-        runner_up = decision.runner_up if decision is not None else None
-        fleet = gateway.parts.fleet
+        runner_up = exchange.runner_up
+        fleet = decider.parts.fleet
         fallback = address_of(fleet.replica_target(runner_up)[0]) if runner_up is not None else None
         return target, fallback
 
@@ -239,16 +233,16 @@ class PickStream:
         model = None
         if self.body:
             try:
-                model = self.gateway.parts.models.resolve(bytes(self.body))
+                model = self.decider.parts.models.resolve(bytes(self.body))
             except UnknownModel as exc:
-                self.gateway._refused("404", "unknown_model")
+                self.decider.refused("404", "unknown_model")
                 raise exc.answer() from None
             except RequestError:
                 model = None  # not JSON naming a model: any replica, as for a body-less request
         try:
             target = self.picker.passthrough.chooser(model)(excluded)
         except RouterError as exc:  # no replica of the model can take it
-            self.gateway._refused(str(exc.http_status()), exc.reason)
+            self.decider.refused(str(exc.http_status()), exc.reason)
             raise
         if target is None:  # every replica excluded by the subset hint
             raise self._no_engine()
@@ -261,13 +255,13 @@ class PickStream:
             return frozenset()
         if not self.subset:
             raise self._no_engine()
-        fleet = self.gateway.parts.fleet
+        fleet = self.decider.parts.fleet
         return frozenset(
             r for r in fleet.replicas() if not in_subset(address_of(fleet.replica_target(r)[0]), self.subset)
         )
 
     def _no_engine(self) -> NoEngineAvailable:
-        self.gateway._refused("503", "no_engine")
+        self.decider.refused("503", "no_engine")
         return NoEngineAvailable(f"no engine of the subset hint {sorted(self.subset or ())} can take it")
 
     def _response_headers(self, message: Any) -> list[Any]:
@@ -297,7 +291,7 @@ class PickStream:
         """When the gateway says another endpoint served (its retry on the fallback): the pick failed,
         and the request's counts move to the replica at that endpoint (the pick's own replica when
         several share it: data-parallel ranks)."""
-        served, engine, fleet = self.served, self.engine, self.gateway.parts.fleet
+        served, engine, fleet = self.served, self.engine, self.decider.parts.fleet
         if served is None or engine is None or address_of(fleet.replica_target(engine)[0]) == served:
             return
         at = [r for r in fleet.replicas() if address_of(fleet.replica_target(r)[0]) == served]
@@ -307,7 +301,7 @@ class PickStream:
         self._judge(True)
         self.judged = False
         if self.exchange is not None:
-            self.exchange.flight.moved_to(at[0])
+            self.exchange.served_by(at[0])
         self.engine = at[0]
         fleet.breakers.get(at[0]).acquire(fleet.clock())
 
@@ -317,7 +311,7 @@ class PickStream:
         if self.judged or self.engine is None:
             return
         self.judged = True
-        fleet = self.gateway.parts.fleet
+        fleet = self.decider.parts.fleet
         breaker, now = fleet.breakers.get(self.engine), fleet.clock()
         if failure is None:
             breaker.record_abandoned(now)
@@ -345,14 +339,14 @@ class PickStream:
             self.exchange.end(label, cached)  # (leaves the admission slot)
             self.admitted = False
         elif self.engine is not None:
-            self.gateway.parts.metrics.requests.labels(self.engine, _PASSTHROUGH_POLICY, label).inc()
+            self.decider.parts.metrics.requests.labels(self.engine, _PASSTHROUGH_POLICY, label).inc()
         self._leave()
         self.phase = _Phase.DONE
 
     def _leave(self) -> None:
         if self.admitted:
             self.admitted = False
-            self.gateway.parts.fleet.admission.leave()
+            self.decider.parts.fleet.admission.leave()
 
     def _refuse(self, exc: RouterError) -> Any:
         """The `ImmediateResponse` for a refusal (already counted where it was raised); the stream is
@@ -375,5 +369,5 @@ class PickStream:
         elif self.phase in (_Phase.PICKED, _Phase.RESPONSE):
             self._end("client_closed")
         elif self.phase is not _Phase.DONE and self.scope:
-            self.gateway._refused("client_closed")
+            self.decider.refused("client_closed")
         self.phase = _Phase.DONE

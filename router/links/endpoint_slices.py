@@ -1,7 +1,8 @@
 """Which engines exist, read from EndpointSlices (`discovery.k8s.io/v1`): wire shapes and pure decisions.
 
 The Structs hold the fields of the API reference the router reads (unknown fields are ignored, as the
-API grows). `SliceSet` is the watched state: a LIST replaces it, each watch event updates it.
+API grows). `ObjectSet` is the watched state of any kind of object (`SliceSet` the slices'): a LIST replaces
+it, each watch event updates it.
 `engines_from_slices` turns the slices into the engine set: one engine per ready endpoint, named
 `<service>/<pod>`, its ports from the slice's named ports, else its annotations, else `[discovery]`;
 its model from the slice's model label (the EndpointSlice controller copies the Service's labels onto
@@ -17,7 +18,7 @@ from __future__ import annotations
 
 import ipaddress
 from collections.abc import Iterable, Mapping
-from typing import Annotated, Final
+from typing import Annotated, Final, Generic, Protocol, TypeVar
 
 import msgspec
 
@@ -32,12 +33,18 @@ __all__ = [
     "SERVICE_NAME_LABEL",
     "EndpointSlice",
     "EndpointSliceList",
+    "ObjectMeta",
+    "ObjectSet",
     "RawSliceList",
     "SliceSet",
     "Status",
     "WatchEvent",
+    "Wire",
+    "annotated_port",
     "changes",
+    "check_address",
     "check_slice",
+    "data_parallel_ranks",
     "engines_from_slices",
     "label_selector",
 ]
@@ -52,24 +59,25 @@ MAX_DATA_PARALLEL: Final = 1024
 _Port = Annotated[int, msgspec.Meta(ge=1, le=65535)]
 
 
-class _Wire(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
+class Wire(msgspec.Struct, frozen=True, kw_only=True, rename="camel"):
     """Base of the API shapes: camelCase on the wire, unknown fields ignored."""
 
 
-class ObjectMeta(_Wire, frozen=True):
+class ObjectMeta(Wire, frozen=True):
     name: str = ""
     namespace: str = ""
     resource_version: str = ""
     labels: dict[str, str] | None = None
     annotations: dict[str, str] | None = None
+    deletion_timestamp: str | None = None
 
 
-class ListMeta(_Wire, frozen=True):
+class ListMeta(Wire, frozen=True):
     resource_version: str = ""
     continue_: str | None = msgspec.field(default=None, name="continue")
 
 
-class EndpointConditions(_Wire, frozen=True):
+class EndpointConditions(Wire, frozen=True):
     """nil `ready` means ready, nil `terminating` means not terminating (the API reference)."""
 
     ready: bool | None = None
@@ -77,45 +85,45 @@ class EndpointConditions(_Wire, frozen=True):
     terminating: bool | None = None
 
 
-class ObjectReference(_Wire, frozen=True):
+class ObjectReference(Wire, frozen=True):
     kind: str = ""
     name: str = ""
     namespace: str = ""
 
 
-class Endpoint(_Wire, frozen=True):
+class Endpoint(Wire, frozen=True):
     addresses: list[str]
     conditions: EndpointConditions = EndpointConditions()
     hostname: str | None = None
     target_ref: ObjectReference | None = None
 
 
-class EndpointPort(_Wire, frozen=True):
+class EndpointPort(Wire, frozen=True):
     name: str | None = None
     port: _Port | None = None
     protocol: str | None = None
 
 
-class EndpointSlice(_Wire, frozen=True):
+class EndpointSlice(Wire, frozen=True):
     metadata: ObjectMeta
     address_type: str
     endpoints: list[Endpoint] | None = None
     ports: list[EndpointPort] | None = None
 
 
-class EndpointSliceList(_Wire, frozen=True):
+class EndpointSliceList(Wire, frozen=True):
     metadata: ListMeta = ListMeta()
     items: list[EndpointSlice] | None = None
 
 
-class RawSliceList(_Wire, frozen=True):
+class RawSliceList(Wire, frozen=True):
     """A LIST page with its items undecoded, so each slice is decoded (and refused) alone."""
 
     metadata: ListMeta = ListMeta()
     items: list[msgspec.Raw] | None = None
 
 
-class Status(_Wire, frozen=True):
+class Status(Wire, frozen=True):
     """A failed call's answer (`kind: Status`); 410 means the resourceVersion is gone: LIST again."""
 
     code: int = 0
@@ -123,18 +131,18 @@ class Status(_Wire, frozen=True):
     message: str = ""
 
 
-class WatchEvent(_Wire, frozen=True):
+class WatchEvent(Wire, frozen=True):
     """One line of a watch stream; `object` is decoded by `type` (a slice, a bookmark, a Status)."""
 
     type: str
     object: msgspec.Raw
 
 
-class VersionMeta(_Wire, frozen=True):
+class VersionMeta(Wire, frozen=True):
     resource_version: str = ""
 
 
-class BookmarkObject(_Wire, frozen=True):
+class BookmarkObject(Wire, frozen=True):
     """A bookmark's object, or any object read for its resourceVersion alone (nothing else checked)."""
 
     metadata: VersionMeta = VersionMeta()
@@ -153,31 +161,43 @@ def label_selector(discovery: Discovery) -> str:
     return ",".join(parts)
 
 
-class SliceSet:
-    """The EndpointSlices as last listed and watched, by namespace and name, with the resourceVersion."""
+class _HasMeta(Protocol):
+    @property
+    def metadata(self) -> ObjectMeta: ...
+
+
+Item = TypeVar("Item", bound=_HasMeta)
+
+
+class ObjectSet(Generic[Item]):
+    """API objects as last listed and watched, by namespace and name, with the resourceVersion."""
 
     def __init__(self) -> None:
-        self.slices: dict[tuple[str, str], EndpointSlice] = {}
+        self.objects: dict[tuple[str, str], Item] = {}
         self.resource_version = ""
 
-    def replace(self, items: Iterable[EndpointSlice], resource_version: str) -> None:
-        """A LIST's answer: exactly these slices exist."""
-        self.slices = {_key(s): s for s in items}
+    def replace(self, items: Iterable[Item], resource_version: str) -> None:
+        """A LIST's answer: exactly these objects exist."""
+        self.objects = {_key(s): s for s in items}
         self.resource_version = resource_version
 
-    def apply(self, event_type: str, item: EndpointSlice) -> None:
+    def apply(self, event_type: str, item: Item) -> None:
         """One watch event (ADDED, MODIFIED or DELETED); ValueError for any other type."""
         if event_type in ("ADDED", "MODIFIED"):
-            self.slices[_key(item)] = item
+            self.objects[_key(item)] = item
         elif event_type == "DELETED":
-            self.slices.pop(_key(item), None)
+            self.objects.pop(_key(item), None)
         else:
             raise ValueError(f"unexpected watch event type {event_type!r}")
         if item.metadata.resource_version:
             self.resource_version = item.metadata.resource_version
 
 
-def _key(item: EndpointSlice) -> tuple[str, str]:
+SliceSet = ObjectSet[EndpointSlice]
+"""The EndpointSlices as last listed and watched."""
+
+
+def _key(item: _HasMeta) -> tuple[str, str]:
     return item.metadata.namespace, item.metadata.name
 
 
@@ -186,13 +206,27 @@ def _is_ready(endpoint: Endpoint) -> bool:
     return c.ready is not False and c.terminating is not True and bool(endpoint.addresses)
 
 
+def annotated_port(meta: ObjectMeta, annotation: str, default: int | None) -> int | None:
+    """The port in the object's `annotation`, else `default` (an annotation that is not a port too)."""
+    value = (meta.annotations or {}).get(annotation, "")
+    return int(value) if value.isdigit() and 0 < int(value) < 65536 else default
+
+
+def data_parallel_ranks(labels: Mapping[str, str]) -> int:
+    """The ranks `DATA_PARALLEL_LABEL` declares (1 without it); ValueError past `MAX_DATA_PARALLEL`."""
+    dp = labels.get(DATA_PARALLEL_LABEL, "")
+    ranks = int(dp) if dp.isascii() and dp.isdigit() and int(dp) > 0 else 1
+    if ranks > MAX_DATA_PARALLEL:
+        raise ValueError(f"{DATA_PARALLEL_LABEL} {ranks} is over {MAX_DATA_PARALLEL}")
+    return ranks
+
+
 def _port(item: EndpointSlice, name: str, annotation: str, default: int | None) -> int | None:
     """The slice's port named `name`, else the port in its annotation, else `default`."""
     for p in item.ports or []:
         if p.name == name and p.port is not None:
             return p.port
-    value = (item.metadata.annotations or {}).get(annotation, "")
-    return int(value) if value.isdigit() and 0 < int(value) < 65536 else default
+    return annotated_port(item.metadata, annotation, default)
 
 
 def _slice_engines(discovery: Discovery, item: EndpointSlice) -> Iterable[EngineConfig]:
@@ -203,17 +237,14 @@ def _slice_engines(discovery: Discovery, item: EndpointSlice) -> Iterable[Engine
     events = _port(item, k.events_port_name, EVENTS_PORT_ANNOTATION, discovery.events_port)
     replay = _port(item, k.replay_port_name, REPLAY_PORT_ANNOTATION, discovery.replay_port)
     model = labels.get(k.model_label, discovery.model)
-    dp = labels.get(DATA_PARALLEL_LABEL, "")
-    ranks = int(dp) if dp.isascii() and dp.isdigit() and int(dp) > 0 else 1
-    if ranks > MAX_DATA_PARALLEL:
-        raise ValueError(f"{DATA_PARALLEL_LABEL} {ranks} is over {MAX_DATA_PARALLEL}")
+    ranks = data_parallel_ranks(labels)
     if max(events or 0, replay or 0) + ranks - 1 > 65535:
         raise ValueError(f"{ranks} ranks from port {max(events or 0, replay or 0)} pass 65535")
     for endpoint in item.endpoints or []:
         if not _is_ready(endpoint):
             continue
         address = endpoint.addresses[0]  # the API: all addresses are fungible, the first may be used
-        _check_address(item.address_type, address)
+        check_address(item.address_type, address)
         host = f"[{address}]" if item.address_type == "IPv6" else address
         ref = endpoint.target_ref
         pod = ref.name if ref is not None and ref.name else endpoint.hostname or address
@@ -226,7 +257,7 @@ def _slice_engines(discovery: Discovery, item: EndpointSlice) -> Iterable[Engine
         )  # rank r publishes on port + r, and replays on replay port + r (vLLM's offset_endpoint)
 
 
-def _check_address(address_type: str, address: str) -> None:
+def check_address(address_type: str, address: str) -> None:
     """ValueError unless `address` is an address of `address_type` (an FQDN slice's: any name)."""
     kinds = {"IPv4": ipaddress.IPv4Address, "IPv6": ipaddress.IPv6Address}
     kind = kinds.get(address_type)

@@ -1,18 +1,20 @@
-"""Engines found through the Kubernetes API: EndpointSlices LISTed, then WATCHed (never polled).
+"""Engines found through the Kubernetes API: objects LISTed, then WATCHed (never polled).
 
-`KubeDiscovery` runs one loop: LIST the selected slices (every page), then WATCH from the list's
-resourceVersion with bookmarks on. Every event updates the `SliceSet`; the engine set is recomputed by
-the pure `router.links.endpoint_slices` and the difference handed to `on_change` (the fleet drops a
-removed engine's mirror, subscriber and session pins). A watch the server ends is resumed from the
-last resourceVersion seen (an event's or a bookmark's); 410 Gone means that version was compacted
-away, so the loop LISTs again (a full resync); any other failure is counted, logged and retried after
-an exponential backoff, the engine set kept as it is. A slice the decoder or `check_slice` refuses is
-rejected alone, counted and logged: a LIST leaves it out, a watch event leaves the slice as it was and
-moves the resume version past it, and discovery goes on for the others (one bad slice failing the
-whole LIST, or a watch resumed before it, would stall discovery for every engine). An event that is
-not a slice event (an unknown type, not even JSON) is rejected the same way. An engine whose model
-no label names is asked its `/v1/models` once per engine table; until it answers it is left out and
-asked again after a backoff.
+`ListWatch` is the loop, for any kind of object (a `WatchSource`: EndpointSlices here, an
+InferencePool and its pods in router.links.pool_discovery): LIST the selected objects (every page),
+then WATCH from the list's resourceVersion with bookmarks on. Every event updates its `ObjectSet`, and
+the owner's `EngineTable` recomputes the engine set (pure: router.links.endpoint_slices for slices)
+and hands the difference to `on_change` (the fleet drops a removed engine's mirror, subscriber and
+session pins). A watch the server ends is resumed from the last resourceVersion seen (an event's or a
+bookmark's); 410 Gone means that version was compacted away, so the loop LISTs again (a full resync);
+any other failure is counted, logged and retried after an exponential backoff, the engine set kept as
+it is. An object the decoder or the source's check refuses is rejected alone, counted and logged: a
+LIST leaves it out, a watch event leaves the object as it was and moves the resume version past it,
+and discovery goes on for the others (one bad object failing the whole LIST, or a watch resumed
+before it, would stall discovery for every engine). An event that is not an object's event (an
+unknown type, not even JSON) is rejected the same way. An engine whose model no label names is asked
+its `/v1/models` once per engine table; until it answers it is left out and asked again after a
+backoff. `KubeDiscovery` is one `ListWatch` of the selected EndpointSlices.
 The client is kubernetes_asyncio: in-cluster service-account auth, a kubeconfig, or `api_url`.
 """
 
@@ -36,8 +38,8 @@ from kubernetes_asyncio.watch import Watch
 from router.links.endpoint_slices import (
     BookmarkObject,
     EndpointSlice,
+    ObjectSet,
     RawSliceList,
-    SliceSet,
     changes,
     check_slice,
     engines_from_slices,
@@ -45,13 +47,22 @@ from router.links.endpoint_slices import (
 )
 from router.settings.config import Discovery, EngineConfig, KubernetesDiscovery
 
-__all__ = ["SERVICE_ACCOUNT", "KubeDiscovery", "api_client", "namespace_of"]
+__all__ = [
+    "SERVICE_ACCOUNT",
+    "ClientHolder",
+    "EngineTable",
+    "KubeDiscovery",
+    "ListWatch",
+    "WatchSource",
+    "api_client",
+    "namespace_of",
+    "new_counts",
+]
 
 log = logging.getLogger(__name__)
 
 _LIST: Final = msgspec.json.Decoder(RawSliceList)
-_SLICE: Final = msgspec.json.Decoder(EndpointSlice)
-_SLICE_EVENTS: Final = ("ADDED", "MODIFIED", "DELETED")
+_EVENTS: Final = ("ADDED", "MODIFIED", "DELETED")
 _PAGE: Final = 500
 SERVICE_ACCOUNT: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount")  # token, ca.crt, namespace
 
@@ -105,68 +116,67 @@ def namespace_of(k: KubernetesDiscovery, account_file: Path = SERVICE_ACCOUNT / 
         return "default"
 
 
-class KubeDiscovery:
-    """Lists and watches the selected EndpointSlices and calls `on_change(added, removed_names)`."""
+class WatchSource(msgspec.Struct, frozen=True):
+    """What one `ListWatch` lists and watches: the objects of one kind in one namespace."""
 
-    def __init__(self, discovery: Discovery, on_change: OnChange, client: ApiClient | None = None) -> None:
-        if not discovery.kubernetes.enabled:
-            raise ValueError("discovery.kubernetes names no services and no label_selector")
-        self.discovery, self._on_change, self._client = discovery, on_change, client
-        self.k = discovery.kubernetes
-        self.namespace = namespace_of(self.k)
-        self.selector = label_selector(discovery)
-        self.slices = SliceSet()
-        self.known: dict[str, EngineConfig] = {}  # the pure engine set, minus engines of unknown model
-        self.present: set[str] = set()  # names handed to the fleet
-        self.models: dict[tuple[str, str], str] = {}  # /v1/models answers, by engine name and URL
-        self.counts = {
-            "lists": 0,
-            "watches": 0,
-            "resyncs": 0,
-            "failures": 0,
-            "bookmarks": 0,
-            "events": 0,
-            "rejected": 0,
-        }
-        self._lock = asyncio.Lock()
+    what: str
+    """The kind's name in logs ("endpointslice", "pod", "inferencepool")."""
+    kind: type[Any]
+    """The Struct each object decodes to (it has a `metadata: ObjectMeta`)."""
+    lister: Callable[[ApiClient], Callable[..., Awaitable[Any]]]
+    """The generated client's list call for a client (its positional arguments bound)."""
+    check: Callable[[Any], None]
+    """Raises ValueError for an object that decodes but cannot be used (rejected alone)."""
+    label_selector: str = ""
+    field_selector: str = ""
+
+
+class ListWatch:
+    """LIST one kind of object (every page), then WATCH from the list's resourceVersion with bookmarks
+    on, into an `ObjectSet`; `changed()` after every change (see the module docstring for resumes,
+    410 resyncs, backoff and rejections). `counts` are shared with the owner (its metrics)."""
+
+    def __init__(
+        self, source: WatchSource, k: KubernetesDiscovery, counts: dict[str, int],
+        changed: Callable[[], Awaitable[None]], client: Callable[[], Awaitable[ApiClient]],
+    ) -> None:  # fmt: skip
+        self.source, self.k, self.counts = source, k, counts
+        self._changed, self._client = changed, client
+        self.objects: ObjectSet[Any] = ObjectSet()
+        self._list_decoder = msgspec.json.Decoder(source.kind)
         self._task: asyncio.Task[None] | None = None
-        self._retry: asyncio.Task[None] | None = None
-        self._http: aiohttp.ClientSession | None = None
 
     def start(self) -> None:
         """Start the list/watch loop."""
-        self._task = asyncio.create_task(self._run(), name="kubernetes-discovery")
+        self._task = asyncio.create_task(self._run(), name=f"kubernetes-{self.source.what}-watch")
 
     async def close(self) -> None:
-        """Stop watching and close the API client."""
-        for task in (self._task, self._retry):
-            if task is not None:
-                task.cancel()
-                await asyncio.gather(task, return_exceptions=True)
-        self._task = self._retry = None
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
-        if self._client is not None:
-            await self._client.close()
-            self._client = None
+        """Stop the loop (the client is its owner's)."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
+    def _call(self, client: ApiClient) -> tuple[Callable[..., Awaitable[Any]], dict[str, str]]:
+        """The list call for `client`, and the selectors it is given (those set)."""
+        src = self.source
+        selectors = {"label_selector": src.label_selector, "field_selector": src.field_selector}
+        return src.lister(client), {k: v for k, v in selectors.items() if v}
 
     async def _run(self) -> None:
         failures = 0
         while True:
             try:
-                if self._client is None:  # no credentials yet (no kubeconfig, no service account): retried
-                    self._client = await api_client(self.k)
-                api = DiscoveryV1Api(self._client)
-                if not self.slices.resource_version:
-                    await self._list(api)
-                await self._watch(api)
+                client = await self._client()
+                if not self.objects.resource_version:
+                    await self._list(client)
+                await self._watch(client)
                 failures = 0
             except ApiException as exc:
                 if exc.status == 410:  # compacted: the version is gone, only a LIST gets a new one
                     self.counts["resyncs"] += 1
                     log.info("kubernetes watch expired, listing again", extra={"reason": exc.reason})
-                    self.slices.resource_version = ""
+                    self.objects.resource_version = ""
                     continue
                 failures = await self._failed(exc, failures)
             except Exception as exc:  # the client raises bare Exception for a malformed line: never die
@@ -178,8 +188,8 @@ class KubeDiscovery:
         log.warning(
             "kubernetes discovery failed",
             extra={
-                "namespace": self.namespace,
-                "selector": self.selector,
+                "kind": self.source.what,
+                "selector": self.source.label_selector or self.source.field_selector,
                 "error": repr(exc),
                 "retry_s": delay,
             },
@@ -191,45 +201,45 @@ class KubeDiscovery:
         # A server that stops answering mid-watch is noticed: it owes a line (or the end) by then.
         return aiohttp.ClientTimeout(sock_connect=10, sock_read=self.k.watch_timeout_s + 30)
 
-    async def _list(self, api: DiscoveryV1Api) -> None:
-        items: list[EndpointSlice] = []
+    async def _list(self, client: ApiClient) -> None:
+        items: list[Any] = []
         token: str | None = None
+        call, selectors = self._call(client)
         while True:
             # _preload_content=False: the raw answer, decoded by our own Structs, not the client's models.
-            response: Any = await api.list_namespaced_endpoint_slice(
-                self.namespace,
-                label_selector=self.selector,
+            response: Any = await call(
                 limit=_PAGE,
                 _continue=cast(str, token),  # None is not sent (the generated code skips it)
                 _preload_content=False,
                 _request_timeout=self._timeout(),
+                **selectors,
             )
             try:
                 page = _LIST.decode(await response.read())
             finally:
                 response.release()
             for raw in page.items or []:
-                if (item := self._admit("LIST", partial(_SLICE.decode, raw))) is not None:
+                if (item := self._admit("LIST", partial(self._list_decoder.decode, raw))) is not None:
                     items.append(item)
             token = page.metadata.continue_
             if not token:
                 break
         self.counts["lists"] += 1
-        self.slices.replace(items, page.metadata.resource_version)
-        await self._apply()
+        self.objects.replace(items, page.metadata.resource_version)
+        await self._changed()
 
-    async def _watch(self, api: DiscoveryV1Api) -> None:
+    async def _watch(self, client: ApiClient) -> None:
         """One watch from the current resourceVersion, until the server ends it."""
         self.counts["watches"] += 1
+        call, selectors = self._call(client)
         async with Watch(return_type="object") as watch:  # "object": the raw dicts, decoded here
             stream = watch.stream(
-                api.list_namespaced_endpoint_slice,
-                self.namespace,
-                resource_version=self.slices.resource_version,
-                label_selector=self.selector,
+                call,
+                resource_version=self.objects.resource_version,
                 allow_watch_bookmarks=True,
                 timeout_seconds=self.k.watch_timeout_s,
                 _request_timeout=self._timeout(),
+                **selectors,
             )
             quiet = True
             async for event in stream:
@@ -245,33 +255,63 @@ class KubeDiscovery:
         raw = event.get("raw_object") if isinstance(event, dict) else None
         if kind == "BOOKMARK":
             self.counts["bookmarks"] += 1
-            self.slices.resource_version = _version_of(raw) or self.slices.resource_version
+            self.objects.resource_version = _version_of(raw) or self.objects.resource_version
             return
         self.counts["events"] += 1
-        item = self._admit(str(kind)[:40], partial(_slice_event, kind, raw))
+        item = self._admit(str(kind)[:40], partial(_watched, self.source.kind, kind, raw))
         if item is None:
-            # Rejected alone: the slice keeps its last good state, and the watch moves past it (a
+            # Rejected alone: the object keeps its last good state, and the watch moves past it (a
             # resume from before it would meet it again).
-            self.slices.resource_version = _version_of(raw) or self.slices.resource_version
+            self.objects.resource_version = _version_of(raw) or self.objects.resource_version
             return
-        self.slices.apply(str(kind), item)
-        await self._apply()
+        self.objects.apply(str(kind), item)
+        await self._changed()
 
-    def _admit(self, kind: str, decode: Callable[[], EndpointSlice]) -> EndpointSlice | None:
-        """The slice `decode` gives, checked; None when refused (counted and logged)."""
+    def _admit(self, kind: str, decode: Callable[[], Any]) -> Any:
+        """The object `decode` gives, checked; None when refused (counted and logged)."""
         try:
             item = decode()
-            check_slice(self.discovery, item)
+            self.source.check(item)
         except (msgspec.MsgspecError, ValueError) as exc:
             self.counts["rejected"] += 1
-            log.warning("kubernetes endpointslice rejected", extra={"type": kind, "error": str(exc)[:300]})
+            log.warning(
+                f"kubernetes {self.source.what} rejected", extra={"type": kind, "error": str(exc)[:300]}
+            )
             return None
         return item
 
-    async def _apply(self) -> None:
+
+class EngineTable:
+    """The discovered engine set handed to the fleet: recomputed by `apply()` from the watched objects
+    (`current()`, pure), the difference given to `on_change`; an engine whose model no label names is
+    asked its `/v1/models` first (left out until it answers, asked again after a backoff)."""
+
+    def __init__(
+        self, k: KubernetesDiscovery, on_change: OnChange, current: Callable[[], dict[str, EngineConfig]],
+        counts: dict[str, int],
+    ) -> None:  # fmt: skip
+        self.k, self._on_change, self._current, self.counts = k, on_change, current, counts
+        self.known: dict[str, EngineConfig] = {}  # the pure engine set, minus engines of unknown model
+        self.present: set[str] = set()  # names handed to the fleet
+        self.models: dict[tuple[str, str], str] = {}  # /v1/models answers, by engine name and URL
+        self.lock = asyncio.Lock()  # held while the set is recomputed and handed over
+        self._retry: asyncio.Task[None] | None = None
+        self._http: aiohttp.ClientSession | None = None
+
+    async def close(self) -> None:
+        """Stop asking engines for their models."""
+        if self._retry is not None:
+            self._retry.cancel()
+            await asyncio.gather(self._retry, return_exceptions=True)
+            self._retry = None
+        if self._http is not None:
+            await self._http.close()
+            self._http = None
+
+    async def apply(self) -> None:
         """Recompute the engine set and hand the difference to the fleet."""
-        async with self._lock:
-            current = engines_from_slices(self.discovery, self.slices.slices.values())
+        async with self.lock:
+            current = self._current()
             added, removed = changes(self.known, current)
             ready: dict[str, EngineConfig] = {}
             for name, engine in added.items():
@@ -325,14 +365,87 @@ class KubeDiscovery:
 
     async def _apply_later(self) -> None:
         await asyncio.sleep(self.k.backoff_s)  # a backoff, not synchronisation
-        await self._apply()
+        await self.apply()
 
 
-def _slice_event(kind: object, raw: object) -> EndpointSlice:
-    """The slice of a watch event of `kind`; ValueError for a type that is not a slice event."""
-    if kind not in _SLICE_EVENTS:
+def new_counts() -> dict[str, int]:
+    """The discovery's counters, all zero (exported as `kvrouter_discovery_operations_total{kind}`)."""
+    kinds = ("lists", "watches", "resyncs", "failures", "bookmarks", "events", "rejected")
+    return dict.fromkeys(kinds, 0)
+
+
+class ClientHolder:
+    """The discovery's one API client: made at first use (no credentials yet is a failure, retried
+    by the loop that asked), closed once."""
+
+    def __init__(self, k: KubernetesDiscovery, client: ApiClient | None = None) -> None:
+        self.k, self.client = k, client
+
+    async def get(self) -> ApiClient:
+        if self.client is None:
+            self.client = await api_client(self.k)
+        return self.client
+
+    async def close(self) -> None:
+        if self.client is not None:
+            await self.client.close()
+            self.client = None
+
+
+class KubeDiscovery:
+    """Lists and watches the selected EndpointSlices and calls `on_change(added, removed_names)`."""
+
+    def __init__(self, discovery: Discovery, on_change: OnChange, client: ApiClient | None = None) -> None:
+        if not (discovery.kubernetes.services or discovery.kubernetes.label_selector):
+            raise ValueError("discovery.kubernetes names no services and no label_selector")
+        self.discovery = discovery
+        self.k = discovery.kubernetes
+        self.namespace = namespace_of(self.k)
+        self.selector = label_selector(discovery)
+        self.counts = new_counts()
+        self._client = ClientHolder(self.k, client)
+        self.table = EngineTable(self.k, on_change, self._engines, self.counts)
+        namespace = self.namespace
+
+        def lister(c: ApiClient) -> Callable[..., Awaitable[Any]]:
+            return partial(DiscoveryV1Api(c).list_namespaced_endpoint_slice, namespace)
+
+        check = partial(check_slice, discovery)
+        source = WatchSource("endpointslice", EndpointSlice, lister, check, label_selector=self.selector)
+        self.watch = ListWatch(source, self.k, self.counts, self.table.apply, self._client.get)
+
+    @property
+    def slices(self) -> ObjectSet[Any]:
+        """The EndpointSlices as last listed and watched."""
+        return self.watch.objects
+
+    @property
+    def known(self) -> dict[str, EngineConfig]:
+        return self.table.known
+
+    @property
+    def present(self) -> set[str]:
+        return self.table.present
+
+    def _engines(self) -> dict[str, EngineConfig]:
+        return engines_from_slices(self.discovery, self.watch.objects.objects.values())
+
+    def start(self) -> None:
+        """Start the list/watch loop."""
+        self.watch.start()
+
+    async def close(self) -> None:
+        """Stop watching and close the API client."""
+        await self.watch.close()
+        await self.table.close()
+        await self._client.close()
+
+
+def _watched(struct: type[Any], kind: object, raw: object) -> Any:
+    """The object of a watch event of `kind`; ValueError for a type that is not an object's event."""
+    if kind not in _EVENTS:
         raise ValueError(f"unexpected watch event type {str(kind)[:40]!r}")
-    return msgspec.convert(raw, EndpointSlice)
+    return msgspec.convert(raw, struct)
 
 
 def _version_of(raw: object) -> str:

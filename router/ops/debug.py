@@ -27,6 +27,8 @@ class PreparedView(msgspec.Struct, frozen=True):
     skip_cache: bool
     unread: bool = False
     """The policy read no prompt, so it was not tokenized (router.core.prepared.Prepared.unread)."""
+    tokenizer: str = "local"
+    """Whose tokens: local, remote (an engine's /tokenize) or builtin (router.core.prepared.Prepared)."""
 
 
 class DecisionEntry(msgspec.Struct, kw_only=True):

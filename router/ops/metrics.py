@@ -34,6 +34,7 @@ from router.ops.bucket_histogram import BucketHistogram, BucketHistogramChild
 from router.ops.local_counter import LocalCounter, LocalCounterChild
 from router.ops.local_family import LocalFamily
 from tokenization.base import CacheStats
+from tokenization.hub import REASONS as HUB_REASONS
 
 __all__ = [
     "BREAKER_STATES",
@@ -520,6 +521,15 @@ class RouterMetrics:
             "requests tokenized locally: no engine /tokenize answered",
             registry=r,
         )
+        self.hub_tokenizers_unavailable = Counter(
+            "kvrouter_hub_tokenizers_unavailable",
+            "tokenizers named by HF repo id whose files could not be had at startup, by reason "
+            "(tokenization.hub.REASONS); their models take prompt ids from the engines' /tokenize",
+            ["reason"],
+            registry=r,
+        )
+        for reason in HUB_REASONS:  # present at 0 from the start
+            self.hub_tokenizers_unavailable.labels(reason)
         self.scrapes = counter(
             "kvrouter_engine_scrapes",
             "scrapes of the engines' /metrics (policy.scrape_period_s), by engine and result (ok, error)",
@@ -674,6 +684,10 @@ class RouterMetrics:
         self._scrapes_of[engine, "ok" if error is None else "error"].inc()
         if error is not None:
             self._scrape_errors_of[engine, error].inc()
+
+    def count_hub_unavailable(self, reason: str) -> None:
+        """Count a repo-named tokenizer that could not be had (router.prepare.served_models)."""
+        self.hub_tokenizers_unavailable.labels(reason).inc()
 
     def count_discovery(self, counts: Mapping[str, int]) -> None:
         """Export the Kubernetes discovery's counters (router/links/kube_discovery.py)."""

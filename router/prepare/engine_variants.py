@@ -92,8 +92,10 @@ def resolve_variant(model: ModelConfig, engine: EngineConfig | None = None) -> V
     spec = _spec(model, groups, block_size)
     base = _spec(model, model.groups, model.block_size)
     same = tokenizer == model.tokenizer and spec == base
+    # The model's revision pins its own repo; an engine naming another repo reads that repo's `main`.
+    revision = model.tokenizer_revision if tokenizer == model.tokenizer else None
     vid = model.name if same else f"{model.name}@{_digest(tokenizer, spec)}"
-    return Variant(VariantId(vid), model.name, tokenizer, model.chat_template, spec)
+    return Variant(VariantId(vid), model.name, tokenizer, model.chat_template, spec, revision)
 
 
 def _digest(tokenizer: str | None, spec: ModelSpec) -> str:

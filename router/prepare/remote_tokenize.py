@@ -6,14 +6,25 @@ fields (`messages`, `add_generation_prompt`, `continue_final_message`, `add_spec
 The request body's own fields are passed through untouched (as raw JSON), so the engine tokenizes
 exactly what it would serve. The ids then go to `Models.prepare_tokens`. Failures raise
 `RemoteTokenizeError` (the caller falls back to routing without hits).
+
+The exchange itself is the gateway's one HTTP client's (`router.edge.proxy.Proxy.call`, passed in as
+a `Post`): its failures arrive already translated, as `UpstreamError`s.
 """
 
 from __future__ import annotations
 
-import aiohttp
+from collections.abc import Awaitable, Callable
+
 import msgspec
 
-__all__ = ["RemoteTokenizeError", "RemoteTokenizer", "TokenizeReply", "tokenize_payload"]
+from router.core.errors import UpstreamError
+from router.core.ids import EngineId
+
+__all__ = ["Post", "RemoteTokenizeError", "RemoteTokenizer", "TokenizeReply", "tokenize_payload"]
+
+Post = Callable[[EngineId, str, str, bytes, float], Awaitable[tuple[int, bytes]]]
+"""(engine, base URL, path, JSON body, timeout in seconds) -> (status, body) of the engine's whole
+answer; a failed exchange raises `UpstreamError` (`router.edge.proxy.Proxy.call`)."""
 
 
 class RemoteTokenizeError(Exception):
@@ -52,25 +63,23 @@ def tokenize_payload(body: bytes) -> bytes:
 
 
 class RemoteTokenizer:
-    """Posts to `<engine url>/tokenize` over a shared aiohttp session."""
+    """Posts to an engine's `/tokenize` through the gateway's HTTP client (`post`)."""
 
-    def __init__(self, session: aiohttp.ClientSession, timeout_s: float = 2.0) -> None:
-        self._session = session
-        self._timeout = aiohttp.ClientTimeout(total=timeout_s)
+    def __init__(self, post: Post, timeout_s: float = 2.0) -> None:
+        self._post = post
+        self._timeout_s = timeout_s
 
-    async def tokenize(self, base_url: str, body: bytes) -> list[int]:
-        """The prompt ids the engine at `base_url` derives from `body`; RemoteTokenizeError on failure."""
+    async def tokenize(self, engine: EngineId, base_url: str, body: bytes) -> list[int]:
+        """The prompt ids `engine` (at `base_url`) derives from `body`; RemoteTokenizeError on failure."""
         url = base_url.rstrip("/") + "/tokenize"
-        headers = {"content-type": "application/json"}
         try:
-            async with self._session.post(
-                url, data=tokenize_payload(body), headers=headers, timeout=self._timeout
-            ) as resp:
-                data = await resp.read()
-                if resp.status != 200:
-                    raise RemoteTokenizeError(f"{url}: HTTP {resp.status}: {data[:200]!r}")
-        except (aiohttp.ClientError, TimeoutError) as exc:
-            raise RemoteTokenizeError(f"{url}: {exc!r}") from exc
+            status, data = await self._post(
+                engine, base_url, "/tokenize", tokenize_payload(body), self._timeout_s
+            )
+        except UpstreamError as exc:
+            raise RemoteTokenizeError(f"{url}: {exc.message}") from exc
+        if status != 200:
+            raise RemoteTokenizeError(f"{url}: HTTP {status}: {data[:200]!r}")
         try:
             reply = _REPLY.decode(data)
         except msgspec.DecodeError as exc:

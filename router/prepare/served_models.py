@@ -8,6 +8,14 @@ Engines that override the tokenizer or layout get their own `Variant`; `prepare`
 every variant of the model it knows (`learn` adds runtime engines), and routing looks each replica
 up with its variant's keys.
 
+A tokenizer named by HF repo id is resolved through the hub once, by `fetch_hub` (the gateway calls it
+at startup, on a thread, bounded; other tools resolve on first use). A repo whose files cannot be had
+makes its model take prompt ids from an engine's /tokenize (`needs_remote`), as `remote_tokenize`
+does; the built-in tokenizer stands in only when no engine answers either (no hits predicted). After
+`fetch_hub`, a repo first named later (an engine added at run time) is read from the cache alone: a
+request never waits on the network; if it is not cached, that engine's variant is keyed by the
+built-in tokenizer (no hit predicted on it).
+
 What a preparation keeps for later requests (the chat decoder's messages, the chat carry's turn, the
 segment cache's pieces, prefix reuse's text, the recent prompts' keys) is never read by that
 preparation itself, so every cache appends it to `later` instead. `prepare` runs them before it
@@ -26,8 +34,10 @@ again).
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from types import MappingProxyType
 from typing import ParamSpec
 
@@ -42,22 +52,24 @@ from router.core.variant import Variant, VariantId
 from router.prepare.engine_variants import DEFAULT_MODEL, engine_model, model_configs, resolve_variant
 from router.settings.config import EngineConfig, ModelConfig, RouterConfig
 from tokenization import Tokenizer
-from tokenization.base import CacheStats
+from tokenization.base import CacheStats, TokenizationError
 from tokenization.chat_decoder import ChatDecoder
 from tokenization.deferred import Later
-from tokenization.loading import load_tokenizer
+from tokenization.hub import HubRef, HubUnavailable, fetch_tokenizers
+from tokenization.hub_names import hub_repo
+from tokenization.loading import HUB_TIMEOUT_S, load_tokenizer
 from tokenization.openai_request import (
-    ChatRequest,
-    CompletionRequest,
     Endpoint,
     RequestError,
     VllmXargs,
     decode_body,
 )
 from tokenization.prefix_reuse import ReuseEntry, count_of
-from tokenization.request_tokens import RequestTokens, decode_request, tokens_of
+from tokenization.request_tokens import ApiRequest, RequestTokens, decode_request, tokens_of
 
 __all__ = ["PROCESS_HASHER", "Models", "Prepared", "UnknownModel", "VariantKeys"]
+
+log = logging.getLogger(__name__)
 
 PROCESS_HASHER = KeyHasher()
 """The default hasher of both `Models` and the fleet's mirror, so their keys agree."""
@@ -143,7 +155,14 @@ class Models:
         self._loras = {name: dict(getattr(m, "loras", {}) or {}) for name, m in self._models.items()}
         for name, adapters in (loras or {}).items():
             self._loras.setdefault(name, {}).update(adapters)
-        self._tokenizers: dict[tuple[str | None, str | None], Tokenizer] = {}
+        self._tokenizers: dict[tuple[str | None, str | None, str | None], Tokenizer] = {}
+        self._hub: dict[HubRef, Path | HubUnavailable] = {}
+        self.hub_unavailable: list[HubUnavailable] = []
+        """Every repo-named tokenizer that could not be had (logged once each; the gateway counts them)."""
+        self._remote = {name for name, m in self._models.items() if getattr(m, "remote_tokenize", False)}
+        self._hub_fallback: set[str] = set()
+        self._cache_only = False  # set by `fetch_hub`: from then on a request may be waiting
+        self._count_unavailable: Callable[[str], None] = lambda reason: None
         self.later: Later = []
         """The stores of the last preparation, not run yet (see the module docstring)."""
         self._chat = ChatDecoder()
@@ -179,12 +198,71 @@ class Models:
 
     def tokenizer(self, variant: Variant) -> Tokenizer:
         """The variant's tokenizer, loaded on first use and shared by every variant with its source."""
-        key = (variant.tokenizer, variant.chat_template)
+        key = variant.tokenizer_source
         tok = self._tokenizers.get(key)
         if tok is None:
-            tok = self._tokenizers[key] = load_tokenizer(*key)
+            tok = self._tokenizers[key] = self._load(variant)
             tok.defer_stores(self.later)
         return tok
+
+    def _load(self, variant: Variant) -> Tokenizer:
+        """Load a variant's tokenizer: from its path, its repo's resolved files, or (a repo that cannot
+        be had) the built-in one, which serves only when no engine's /tokenize answers."""
+        ref = _hub_ref(variant)
+        if ref is None:
+            return load_tokenizer(variant.tokenizer, variant.chat_template)
+        if ref not in self._hub:  # not fetched at startup: a tool, or an engine added at run time
+            self._resolve([ref], HUB_TIMEOUT_S)
+        found = self._hub[ref]
+        if isinstance(found, HubUnavailable):
+            return load_tokenizer(None, variant.chat_template)
+        return load_tokenizer(str(found), variant.chat_template)
+
+    def fetch_hub(self, timeout_s: float = HUB_TIMEOUT_S) -> None:
+        """Resolve every repo-named tokenizer of the variants known now through the HF hub, waiting at
+        most `timeout_s`, and load each (so no request waits for it). What cannot be had, or does not
+        load, is logged and listed in `hub_unavailable`; its model then tokenizes on an engine."""
+        variants = [v for by_id in self._variants.values() for v in by_id.values()]
+        refs = [ref for v in variants if (ref := _hub_ref(v)) is not None and ref not in self._hub]
+        self._resolve(refs, timeout_s)
+        for v in variants:
+            ref = _hub_ref(v)
+            if ref is None or isinstance(self._hub[ref], HubUnavailable):
+                continue
+            try:
+                self.tokenizer(v)
+            except (TokenizationError, OSError) as exc:
+                self._unavailable(HubUnavailable(ref, "unreadable", str(exc)))
+                self._tokenizers.pop(v.tokenizer_source, None)
+        self._cache_only = True
+
+    def on_hub_unavailable(self, count: Callable[[str], None]) -> None:
+        """Call `count(reason)` for each repo that could not be had: those so far, then each one later."""
+        self._count_unavailable = count
+        for exc in self.hub_unavailable:
+            count(exc.reason)
+
+    def _resolve(self, refs: list[HubRef], timeout_s: float) -> None:
+        for ref, found in fetch_tokenizers(refs, timeout_s, self._cache_only).items():
+            if isinstance(found, HubUnavailable):
+                self._unavailable(found)
+            else:
+                self._hub[ref] = found
+                log.info("tokenizer resolved through the HF hub", extra={"repo": ref[0], "path": str(found)})
+
+    def _unavailable(self, exc: HubUnavailable) -> None:
+        """Record a repo that cannot be had: every model with a variant reading it tokenizes remotely
+        (unless found after startup: the gateway reads `any_remote` once, so the models stay as they
+        were and only the variant that names it falls back to the built-in tokenizer)."""
+        self._hub[exc.ref] = exc
+        self.hub_unavailable.append(exc)
+        self._count_unavailable(exc.reason)
+        for name, by_id in self._variants.items():
+            if not self._cache_only and any(_hub_ref(v) == exc.ref for v in by_id.values()):
+                self._remote.add(name)
+                self._hub_fallback.add(name)
+        # The message names the repo, revision, reason and the library's explanation; never a token.
+        log.warning("tokenizer unavailable: the engines' /tokenize stands in", extra={"error": str(exc)})
 
     def run_stores(self) -> None:
         """Run the stores the last preparation left in `later` (none left pending if one raises)."""
@@ -223,7 +301,7 @@ class Models:
 
     def _decode(
         self, body: bytes, endpoint: Endpoint | str, model_hint: str | None
-    ) -> tuple[ChatRequest | CompletionRequest, str]:
+    ) -> tuple[ApiRequest, str]:
         """The request decoded once, and its model; errors as `resolve` then `request_tokens` raise them."""
         try:
             req = decode_request(body, endpoint, self._chat)
@@ -233,9 +311,25 @@ class Models:
         return req, self.resolve_name(req.model or model_hint)
 
     def needs_remote(self, model: str) -> bool:
-        """Whether the model is configured to take its prompt ids from an engine's /tokenize
-        (`ModelConfig.remote_tokenize`, when the config has that field)."""
-        return bool(getattr(self._models.get(model), "remote_tokenize", False))
+        """Whether the model takes its prompt ids from an engine's /tokenize: configured so
+        (`ModelConfig.remote_tokenize`, when the config has that field), or its repo-named tokenizer
+        could not be had (`fetch_hub`)."""
+        return model in self._remote
+
+    def any_remote(self) -> bool:
+        """Whether some model takes its prompt ids from an engine's /tokenize (`needs_remote`)."""
+        return bool(self._remote)
+
+    def prepare_fallback(
+        self, body: bytes, endpoint: Endpoint | str, model: str, *, defer: bool = False
+    ) -> Prepared:
+        """`prepare` for a `needs_remote` model when no engine's /tokenize answered: its own tokenizer,
+        or the built-in one (`tokenizer = "builtin"`: no hit can be predicted) when its repo could not
+        be had."""
+        prepared = self.prepare(body, endpoint, model, defer=defer)
+        if model in self._hub_fallback:
+            return msgspec.structs.replace(prepared, tokenizer="builtin")
+        return prepared
 
     def prepare_tokens(
         self,
@@ -254,7 +348,8 @@ class Models:
             ids_body = msgspec.json.encode({**msgspec.structs.asdict(fields), "prompt": tokens})
             model = self.resolve(body, model_hint)
             req = decode_request(ids_body, Endpoint.COMPLETIONS)
-            return self._prepare(req, endpoint, model, single_tokenizer=True)  # ids as a completion
+            prepared = self._prepare(req, endpoint, model, single_tokenizer=True)  # ids as a completion
+            return msgspec.structs.replace(prepared, tokenizer="remote")
 
         return self._storing(defer, prepare)
 
@@ -304,7 +399,7 @@ class Models:
 
     def _prepare(
         self,
-        req: ChatRequest | CompletionRequest,
+        req: ApiRequest,
         endpoint: Endpoint | str,
         model: str,
         single_tokenizer: bool = False,
@@ -314,12 +409,12 @@ class Models:
             return self._prepare_one(req, endpoint, model, by_id[VariantId(model)])
         variants = list(by_id.values())
         tokenize = hashing = 0.0
-        by_tokenizer: dict[tuple[str | None, str | None], RequestTokens] = {}
+        by_tokenizer: dict[tuple[str | None, str | None, str | None], RequestTokens] = {}
         computed: dict[str, VariantKeys] = {}
         first: RequestTokens | None = None
         for v in variants:
             t0 = self._clock()
-            source = (None, None) if single_tokenizer else (v.tokenizer, v.chat_template)
+            source = (None, None, None) if single_tokenizer else v.tokenizer_source
             rt = by_tokenizer.get(source)
             if rt is None:
                 rt = by_tokenizer[source] = tokens_of(req, self.tokenizer(v), self._loras[model])
@@ -354,9 +449,7 @@ class Models:
             cache_salt=first.extras.cache_salt,
         )
 
-    def _prepare_one(
-        self, req: ChatRequest | CompletionRequest, endpoint: Endpoint | str, model: str, v: Variant
-    ) -> Prepared:
+    def _prepare_one(self, req: ApiRequest, endpoint: Endpoint | str, model: str, v: Variant) -> Prepared:
         """`_prepare` for a model with its own variant only (the common case): the same `Prepared`,
         without the per-variant maps (a request's ids are the same from either tokenizer source)."""
         clock = self._clock
@@ -386,3 +479,9 @@ class Models:
             lora_name=extras.lora_name,
             cache_salt=extras.cache_salt,
         )
+
+
+def _hub_ref(variant: Variant) -> HubRef | None:
+    """The HF repo (and revision) the variant's tokenizer is named by, or None for a path or none."""
+    repo = hub_repo(variant.tokenizer) if variant.tokenizer is not None else None
+    return (repo, variant.tokenizer_revision) if repo is not None else None

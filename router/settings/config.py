@@ -18,6 +18,8 @@ import msgspec
 
 from router.core.group_kinds import group_kind
 from router.core.ids import EngineId
+from tokenization.base import TokenizationError
+from tokenization.hub_names import hub_repo
 
 __all__ = [
     "Auth",
@@ -113,6 +115,10 @@ class ModelConfig(_Table, frozen=True):
 
     name: str
     tokenizer: str | None = None
+    """A tokenizer.json file, a directory holding one, or an HF repo id (`Org/Name`, through the hub's
+    cache; docs/tokenization.md "Tokenizers named by repo id"); unset: the built-in tokenizer."""
+    tokenizer_revision: str | None = None
+    """The branch, tag or commit of the repo `tokenizer` names (unset: `main`)."""
     chat_template: str | None = None
     block_size: Count = 16
     groups: list[GroupConfig] = []
@@ -144,6 +150,8 @@ class PolicyConfig(_Table, frozen=True):
     """kv: the engines' token budget per step (vLLM's `max_num_batched_tokens`), for chunked prefill."""
     max_num_seqs: Count = 256
     """kv: the engines' running-batch limit (vLLM's `max_num_seqs`); past it requests wait for slots."""
+    context_read_s_per_token: NonNegative = 38e-9
+    """kv: seconds each engine step takes longer per token of context (KV) of the requests it holds."""
     seed: int = 0
     session_header: str = "x-session-id"
     session_capacity: Count = 100_000
@@ -284,11 +292,20 @@ class KubernetesDiscovery(_Table, frozen=True):
     backoff_max_s: Positive = 30.0
     model_timeout_s: Positive = 5.0
     """One /v1/models question to an engine whose model no label names."""
+    inference_pool: str = ""
+    """An InferencePool (inference.networking.k8s.io/v1) in `namespace`: its selected pods x its target
+    ports are the engines (router/links/inference_pool.py), instead of `services`/`label_selector`."""
+
+    def __post_init__(self) -> None:
+        if self.inference_pool and (self.services or self.label_selector):
+            raise ValueError(
+                "inference_pool names the engines alone: leave services and label_selector empty"
+            )
 
     @property
     def enabled(self) -> bool:
-        """True when a Service or a label selector is configured."""
-        return bool(self.services or self.label_selector)
+        """True when a Service, a label selector or an InferencePool is configured."""
+        return bool(self.services or self.label_selector or self.inference_pool)
 
 
 class Discovery(_Table, frozen=True):
@@ -429,8 +446,26 @@ def _group_problems(at: str, groups: list[GroupConfig], drop: bool) -> list[str]
     return problems
 
 
-def _model_problems(config: RouterConfig) -> list[str]:
+def _tokenizer_problems(config: RouterConfig) -> list[str]:
+    """A `tokenizer` that is neither a path nor a well-formed HF repo id, and a revision without a repo."""
     problems = []
+    sources = [(f"$.models[{i}]", m.tokenizer) for i, m in enumerate(config.models)]
+    sources += [(f"$.engines[{i}]", e.tokenizer) for i, e in enumerate(config.engines)]
+    repos: dict[str, str | None] = {}  # a source reported as malformed has no entry
+    for at, source in [*sources, ("$.embedded", config.embedded.tokenizer)]:
+        try:
+            repos[at] = hub_repo(source) if source is not None else None
+        except TokenizationError as exc:
+            problems.append(f"{at}.tokenizer: {exc}")
+    for i, m in enumerate(config.models):
+        at = f"$.models[{i}]"
+        if m.tokenizer_revision is not None and at in repos and repos[at] is None:
+            problems.append(f"{at}.tokenizer_revision: `tokenizer` must be an HF repo id to pin a revision")
+    return problems
+
+
+def _model_problems(config: RouterConfig) -> list[str]:
+    problems = _tokenizer_problems(config)
     models = {m.name: m for m in config.models}
     for i, m in enumerate(config.models):
         at = f"$.models[{i}]"

@@ -1,12 +1,14 @@
-"""deploy/: every manifest renders and validates offline, and every key, port, path and name in it
+"""deploy/: every manifest renders and validates offline (the gateway's, and the endpoint picker's with
+its Istio and agentgateway examples), and every key, port, path and name in it
 exists in the code (config keys, the listen port, the probe paths, the secret variables, the image's
 install line, the engines' KV-events config).
 
 Kubernetes kinds are validated against the JSON schemas the `kubernetes-validate` wheel bundles
 (strict: unknown fields are errors), for the oldest and the newest Kubernetes the kit supports. The
 ServiceMonitor (a CRD) against tests/data/servicemonitor-v1.schema.json, a structural subset written
-from the Prometheus Operator's API reference. Docker is not available here: the Dockerfile is checked
-statically.
+from the Prometheus Operator's API reference; the InferencePool, Gateway, HTTPRoute and
+DestinationRule against tests/data/gateway-api-inference.schema.json, subsets written the same way.
+Docker is not available here: the Dockerfile is checked statically.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import pytest
 
 from events.config import decode_kv_events_config, is_bind_endpoint
 from kvrouter.cli import build_parser
+from kvrouter.cmd_epp import with_pool
 from router.edge.asgi_app import create_app
 from router.links.endpoint_slices import (
     SERVICE_NAME_LABEL,
@@ -34,6 +37,7 @@ from router.links.endpoint_slices import (
     engines_from_slices,
     label_selector,
 )
+from router.links.inference_pool import InferencePool, Pod, engines_from_pool
 from router.settings.config import EngineConfig, RouterConfig, decode_config
 from router.settings.overrides import load_config
 from tests.kustomize import Resource, render
@@ -278,3 +282,154 @@ def test_every_toml_block_of_the_deploy_docs_decodes() -> None:
     assert len(blocks) >= 2
     for block in blocks:
         decode_config(block, "docs/deploy.md")
+
+
+# The endpoint-picker kit (deploy/kubernetes/epp, docs/gateway-api.md) and its gateway examples.
+EPP_KUSTOMIZATIONS: Final = {
+    "epp": DEPLOY / "kubernetes" / "epp",
+    "epp-istio": DEPLOY / "kubernetes" / "overlays" / "epp-istio",
+    "epp-agentgateway": DEPLOY / "kubernetes" / "overlays" / "epp-agentgateway",
+}
+EPP_RENDERED: Final = {name: render(path) for name, path in EPP_KUSTOMIZATIONS.items()}
+CUSTOM_KINDS: Final = json.loads(
+    (Path(__file__).parents[1] / "data" / "gateway-api-inference.schema.json").read_text()
+)["kinds"]
+
+
+def picker(resources: list[Resource]) -> dict[str, Any]:
+    container: dict[str, Any] = one(resources, "Deployment", "kvrouter-epp")["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    return container
+
+
+@pytest.mark.parametrize("kustomization", sorted(EPP_RENDERED))
+def test_every_picker_manifest_validates_against_the_schemas(kustomization: str) -> None:
+    resources = EPP_RENDERED[kustomization]
+    kinds = {r["kind"] for r in resources}
+    assert kinds >= {
+        "Deployment",
+        "Service",
+        "ConfigMap",
+        "ServiceAccount",
+        "Role",
+        "RoleBinding",
+        "InferencePool",
+    }
+    if kustomization != "epp":  # the examples route to the pool through their gateway
+        assert kinds >= {"Gateway", "HTTPRoute"}
+    for resource in resources:
+        if resource["kind"] in CUSTOM_KINDS:
+            jsonschema.validate(resource, CUSTOM_KINDS[resource["kind"]])
+            continue
+        for version in K8S_VERSIONS:
+            kubernetes_validate.validate(resource, version, strict=True)
+
+
+def test_a_misspelt_custom_field_is_caught() -> None:
+    pool = json.loads(json.dumps(one(EPP_RENDERED["epp"], "InferencePool")))
+    pool["spec"]["targetPort"] = pool["spec"].pop("targetPorts")
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(pool, CUSTOM_KINDS["InferencePool"])
+    route = json.loads(json.dumps(one(EPP_RENDERED["epp-istio"], "HTTPRoute")))
+    route["spec"]["rules"][0]["backendRef"] = route["spec"]["rules"][0].pop("backendRefs")
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(route, CUSTOM_KINDS["HTTPRoute"])
+
+
+@pytest.mark.parametrize("kustomization", sorted(EPP_RENDERED))
+def test_the_picker_runs_as_its_flags_config_pool_and_ports_say(kustomization: str, tmp_path: Path) -> None:
+    resources = EPP_RENDERED[kustomization]
+    container = picker(resources)
+    args = build_parser().parse_args(container["args"])
+    assert args.func.__module__ == "kvrouter.cmd_epp"
+    mount = next(m for m in container["volumeMounts"] if m["name"] == "config")
+    assert args.config.parent == Path(mount["mountPath"])
+    pod = one(resources, "Deployment", "kvrouter-epp")["spec"]["template"]["spec"]
+    volume = next(v for v in pod["volumes"] if v["name"] == "config")
+    configmap = one(resources, "ConfigMap", volume["configMap"]["name"])
+    path = tmp_path / args.config.name
+    path.write_text(configmap["data"][args.config.name])
+    config = with_pool(load_config(path, {}), args.pool_name, args.pool_namespace)
+    pool = one(resources, "InferencePool")
+    assert config.discovery.kubernetes.inference_pool == pool["metadata"]["name"] and not config.uses_embedded
+    # TLS from the mounted Secret's pair, the names the picker reads.
+    tls = next(m for m in container["volumeMounts"] if m["name"] == "tls")
+    assert args.secure_serving and args.cert_path == Path(tls["mountPath"])
+    assert next(v for v in pod["volumes"] if v["name"] == "tls")["secret"]["secretName"] == "kvrouter-epp-tls"
+    ports = {p["name"]: p["containerPort"] for p in container["ports"]}
+    assert ports == {
+        "grpc": args.grpc_port,
+        "grpc-health": args.grpc_health_port,
+        "metrics": args.metrics_port,
+    }
+    for probe in ("startupProbe", "livenessProbe", "readinessProbe"):
+        assert container[probe]["grpc"]["port"] == args.grpc_health_port, probe
+    assert container["readinessProbe"]["grpc"]["service"] == "readiness"
+    assert container["livenessProbe"]["grpc"]["service"] == "liveness"
+    # The pool names this picker: its Service, on the port that reaches the ext_proc container port.
+    ref = pool["spec"]["endpointPickerRef"]
+    service = one(resources, "Service", ref["name"])
+    assert (
+        service["spec"]["selector"].items()
+        <= one(resources, "Deployment", "kvrouter-epp")["spec"]["template"]["metadata"]["labels"].items()
+    )
+    ext_proc = next(p for p in service["spec"]["ports"] if p["port"] == ref["portNumber"])
+    assert ports[ext_proc["targetPort"]] == args.grpc_port
+    # RBAC: the picker's ServiceAccount may list and watch the pool and its pods.
+    binding = one(resources, "RoleBinding", "kvrouter-epp")
+    assert binding["subjects"][0]["name"] == pod["serviceAccountName"]
+    rules = one(resources, "Role", binding["roleRef"]["name"])["rules"]
+    for group, plural in (("inference.networking.k8s.io", "inferencepools"), ("", "pods")):
+        assert any(
+            group in r["apiGroups"] and plural in r["resources"] and {"list", "watch"} <= set(r["verbs"])
+            for r in rules
+        ), plural
+
+
+@pytest.mark.parametrize("kustomization", ["epp-istio", "epp-agentgateway"])
+def test_the_examples_route_to_the_pool_through_their_gateway(kustomization: str) -> None:
+    resources = EPP_RENDERED[kustomization]
+    gateway_name = one(resources, "Gateway")["metadata"]["name"]
+    route = one(resources, "HTTPRoute")["spec"]
+    assert [p["name"] for p in route["parentRefs"]] == [gateway_name]
+    pool = one(resources, "InferencePool")["metadata"]["name"]
+    backends = [b for rule in route["rules"] for b in rule["backendRefs"]]
+    assert backends == [{"group": "inference.networking.k8s.io", "kind": "InferencePool", "name": pool}]
+    if kustomization == "epp-istio":  # Istio's TLS to the picker, without verifying its certificate
+        rule = one(resources, "DestinationRule")["spec"]
+        service = one(resources, "Service", "kvrouter-epp")["metadata"]
+        assert rule["host"] == f"{service['name']}.{service['namespace']}.svc.cluster.local"
+        assert rule["trafficPolicy"]["tls"] == {"mode": "SIMPLE", "insecureSkipVerify": True}
+
+
+def test_the_pool_selects_the_example_vllm_pods_and_the_picker_makes_them_engines() -> None:
+    pool_obj = one(EPP_RENDERED["epp"], "InferencePool")
+    toml = one(EPP_RENDERED["epp"], "ConfigMap", "kvrouter-epp-config")["data"]["router.toml"]
+    config = decode_config(toml, "router.toml of the picker's ConfigMap")
+    vllm_pod = one(RENDERED["example"], "Deployment", "vllm")["spec"]["template"]
+    vllm = vllm_pod["spec"]["containers"][0]
+    args = flags(vllm["args"])
+    events = decode_kv_events_config(args["--kv-events-config"])
+    assert events.replay_endpoint is not None
+    pod_obj = {
+        "metadata": {"name": "vllm-0", "namespace": "llm", "labels": vllm_pod["metadata"]["labels"]},
+        "status": {
+            "phase": "Running",
+            "podIP": "10.1.2.3",
+            "conditions": [{"type": "Ready", "status": "True"}],
+        },
+    }
+    pool = msgspec.convert(pool_obj, InferencePool)
+    found = engines_from_pool(config.discovery, pool, [msgspec.convert(pod_obj, Pod)])
+    assert found == {
+        "vllm/vllm-0": EngineConfig(
+            name="vllm/vllm-0",
+            url=f"http://10.1.2.3:{args['--port']}",
+            model=args["--served-model-name"],
+            events=[f"tcp://10.1.2.3:{urlsplit(events.endpoint).port}"],
+            replay=[f"tcp://10.1.2.3:{urlsplit(events.replay_endpoint).port}"],
+        )
+    }
+    assert args["--served-model-name"] == config.models[0].name
+    assert int(args["--block-size"]) == config.models[0].block_size

@@ -186,7 +186,7 @@ def test_a_client_that_stops_reading_is_client_slow_after_the_write_bound(loop: 
     ("path", "body"),
     [
         ("/v1/completions", json.dumps({**PLAIN, "max_tokens": BIG}).encode()),  # not streamed: 16 MB
-        ("/v1/responses", STREAM),  # a passthrough path, streamed
+        ("/v1/embeddings", STREAM),  # a passthrough path, streamed
     ],
     ids=["plain", "passthrough"],
 )
@@ -256,7 +256,7 @@ def test_total_s_holds_while_the_client_does_not_read(loop: str) -> None:
     LOOPS[loop](main())
 
 
-@pytest.mark.parametrize("path", ["/v1/completions", "/v1/responses"], ids=["hot", "passthrough"])
+@pytest.mark.parametrize("path", ["/v1/completions", "/v1/embeddings"], ids=["hot", "passthrough"])
 @pytest.mark.parametrize("loop", LOOPS)
 def test_pipelined_streams_whose_client_closes_are_client_closed(loop: str, path: str) -> None:
     """Six connections each pipeline two streams and close after the first chunk: each running stream

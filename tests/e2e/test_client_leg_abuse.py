@@ -15,6 +15,7 @@ A battery: each test states what the client leg must do whatever the HTTP code u
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import socket
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -24,7 +25,7 @@ import pytest
 
 from router.core.errors import ErrorBody
 from router.edge.client_protocol import ClientHttpProtocol
-from router.settings.config import Limits
+from router.settings.config import Limits, Timeouts
 from tests.gateway_helpers import (
     ADMIN,
     Gateway,
@@ -185,6 +186,35 @@ async def test_with_no_discard_an_answer_before_the_body_closes_at_once() -> Non
     async with abused_gateway(msgspec.structs.replace(LIMITS, client_max_discard_bytes=0)) as gw:
         answer = await exchange(gw, post(body=b"", length=10_000_000_000))  # no body byte sent
         assert status_of(answer) == 413 and answer.count(b"HTTP/1.1 ") == 1, answer
+
+
+async def test_the_drain_after_an_early_answer_is_bounded_in_time_too() -> None:
+    """A client that drips the rest of a refused body, a byte at a time, never reaching the discard
+    bound: the connection still closes, `timeouts.client_header_s` after the first byte that came
+    after the 413 (the drain is bounded in time as in bytes, as docs/gateway.md says)."""
+    environ = {"KVROUTER_API_KEYS": KEY}
+    async with running_stubs(1) as stubs:
+        config = gateway_config(
+            [engine_of("e0", stubs[0])], limits=LIMITS, timeouts=Timeouts(client_header_s=1.0)
+        )
+        async with running_gateway(config, environ=environ) as gw:
+            reader, writer = await connect(gw)
+            writer.write(post(body=b"", length=10_000_000_000))
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), 10.0)
+            assert status_of(head) == 413, head
+            dripped = 0
+            async with asyncio.timeout(30.0):  # a drain bounded only in bytes would drip on past this
+                while not reader.at_eof():
+                    try:
+                        writer.write(b"x")
+                        await writer.drain()
+                    except ConnectionError:
+                        break
+                    dripped += 1
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(reader.read(1 << 16), 0.05)  # the drip's pace
+            writer.close()
+    assert dripped < LIMITS.client_max_discard_bytes, dripped
 
 
 def chunked(trailer: bytes, path: str = "/v1/completions", close: bool = True) -> bytes:

@@ -136,7 +136,7 @@ async def test_passthrough_paths_go_to_an_engine_of_the_requests_model() -> None
         ]
         async with running_gateway(gateway_config(engines)) as gw:
             c = gw.client
-            for path in ("/v1/embeddings", "/v1/responses", "/v1/score", "/v1/rerank"):
+            for path in ("/v1/embeddings", "/v1/messages/count_tokens", "/v1/score", "/v1/rerank"):
                 for model, engine in (("m-b", "b"), ("m-a", "a"), ("m-b", "b")):
                     answer = await c.post(path, json={"model": model, "input": "x"})
                     assert answer.status_code == 200 and answer.headers["x-kvrouter-engine"] == engine

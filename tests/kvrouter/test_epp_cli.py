@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import grpc
 import httpx
@@ -17,8 +18,10 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kvrouter.cmd_epp import with_pool
 from router.epp.picker import DESTINATION
 from router.epp.server import EXT_PROC_SERVICE, self_signed
+from router.settings.config import ConfigError, Discovery, KubernetesDiscovery, RouterConfig
 from tests.epp_helpers import (
     EppProcess,
     destination_metadata,
@@ -27,6 +30,8 @@ from tests.epp_helpers import (
     request_headers,
     set_headers,
 )
+from tests.gateway_helpers import running_stubs, wait_for
+from tests.kube_api import inference_pool, pod, running_kube_api
 from tests.serve_helpers import ROOT
 
 pytestmark = pytest.mark.timeout(120)
@@ -101,6 +106,35 @@ async def test_tls_picker_self_signed_or_given(tmp_path: Path, given: bool) -> N
                 await one_stream(plain)
 
 
+async def test_the_engines_are_the_pool_named_by_pool_name(tmp_path: Path) -> None:
+    """`--pool-name`/`--pool-namespace`: the InferencePool's pod x its two target ports (two stubs on
+    127.0.0.1) are the engines, found through the (fake) Kubernetes API; a request is picked onto one."""
+    async with running_stubs(2) as stubs, running_kube_api() as (api, url):
+        ports = [urlsplit(s.info.url).port or 0 for s in stubs if s.info is not None]
+        await api.put(inference_pool("stubs", {"app": "stub"}, ports))
+        await api.put(pod("vllm-0", "127.0.0.1", {"app": "stub", "kvrouter.io/model": "kvrouter-stub"}))
+        flags = ["--secure-serving=false", "--pool-name", "stubs", "--pool-namespace", "llm"]
+        config = tmp_path / "router.toml"
+        config.write_text(f'[discovery.kubernetes]\napi_url = "{url}"\nbackoff_s = 0.05\n')
+        async with epp_process(*flags, "--config", str(config)) as epp:
+            addresses = {f"127.0.0.1:{port}" for port in ports}
+            picked: set[str] = set()
+            async with grpc.aio.insecure_channel(f"127.0.0.1:{epp.ready.grpc_port}") as channel:
+
+                async def picks_from_the_pool() -> bool:  # (503 no_engine until the pool is discovered)
+                    answers = await one_stream(channel)
+                    if answers[0].HasField("immediate_response"):
+                        return False
+                    picked.update(set_headers(answers[0])[DESTINATION].split(","))
+                    return True
+
+                await wait_for(picks_from_the_pool)
+            assert picked and picked <= addresses
+            assert [q["fieldSelector"] for q in api.lists if q["resource"] == "inferencepools"] == [
+                "metadata.name=stubs"
+            ]
+
+
 @pytest.mark.parametrize(
     ("flags", "message"),
     [
@@ -116,3 +150,11 @@ def test_flag_errors_exit_2(flags: list[str], message: str) -> None:
     )  # fmt: skip
     assert done.returncode == 2, done.stderr
     assert message in done.stderr
+
+
+def test_pool_flags_over_a_configured_service_are_a_config_error() -> None:
+    services = RouterConfig(discovery=Discovery(kubernetes=KubernetesDiscovery(services=["s"])))
+    with pytest.raises(ConfigError, match="--pool-name/--pool-namespace: inference_pool names"):
+        with_pool(services, "p", None)
+    pooled = with_pool(RouterConfig(), "p", "llm").discovery.kubernetes
+    assert (pooled.inference_pool, pooled.namespace) == ("p", "llm")

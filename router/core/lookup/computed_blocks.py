@@ -90,9 +90,7 @@ def lookup(
 ) -> dict[ReplicaId, LookupResult]:
     """Predicted hit and boundary for every replica of `engines` (default: all engines with `spec`)."""
     names = None if engines is None else tuple(engines)
-    plan = mirror.layout_memo.get((id(spec), names))  # `_plan`'s memo, read without its call
-    if not isinstance(plan, _Plan) or plan.spec is not spec:
-        plan = _plan(mirror, spec, names)
+    plan = _plan(mirror, spec, names)
     groups = plan.groups
     maxlen = 0 if request.skip_cache else max(0, request.num_tokens - 1)
     if maxlen == 0 or not groups:
@@ -140,11 +138,13 @@ _MAX_PLANS = 256
 
 
 def _plan(mirror: Mirror, spec: ModelSpec, names: tuple[EngineId, ...] | None) -> _Plan:
-    """A new lookup plan of `spec` over the engines `names` (None: all), memoized in the mirror until its
-    layout changes (the plan holds `spec`, so its id stays unique while the entry lives); `lookup`
-    reads the memo."""
-    plan = _build_plan(mirror, spec, names)
+    """The lookup plan of `spec` over the engines `names` (None: all), memoized in the mirror until its
+    layout changes (the plan holds `spec`, so its id stays unique while the entry lives)."""
     memo = mirror.layout_memo
+    plan = memo.get((id(spec), names))
+    if isinstance(plan, _Plan) and plan.spec is spec:
+        return plan
+    plan = _build_plan(mirror, spec, names)
     if len(memo) >= _MAX_PLANS:
         memo.clear()
     memo[(id(spec), names)] = plan

@@ -169,13 +169,7 @@ class PendingPrefixes:
         until = now + self.ttl_s
         self._entries[request] = _Entry(replica, leaf, len(held), until)
         self.size += len(held)
-        sent = self._sent
-        if sent and not sent[-1][0] <= until:  # (out of order: `_due` puts it on the heap)
-            self._due(sent, until, request)
-            return
-        sent.append((until, request))  # `_due`'s usual case, without its call
-        if until < self._next_due:
-            self._next_due = until
+        self._due(self._sent, until, request)
 
     def answered(self, request: RequestId, now: float) -> None:
         """The replica answered `request`: its events are out, so the mirror takes over after `grace_s`."""
@@ -186,13 +180,7 @@ class PendingPrefixes:
         if not until < entry.until:
             return
         entry.until = until
-        answered = self._answered
-        if answered and not answered[-1][0] <= until:  # (out of order: `_due` puts it on the heap)
-            self._due(answered, until, request)
-            return
-        answered.append((until, request))  # `_due`'s usual case, without its call
-        if until < self._next_due:
-            self._next_due = until
+        self._due(self._answered, until, request)
 
     def holds(self, replica: EngineId) -> bool:
         """Whether any request may still be pending on `replica` (expiry aside): a cheap pre-check."""

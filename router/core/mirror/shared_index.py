@@ -234,18 +234,9 @@ class Mirror:
         return True
 
     def _add_counted(self, rv: ReplicaView, gv: GroupView, keys: list[int]) -> None:
-        """`_add` for a batch of incremental stores, inlined."""
-        index, bit, extra, cap = self.index, gv.bit, gv.extra, self.config.max_keys
+        """Incremental stores one key at a time: a held key gains a copy."""
         for key in keys:
-            mask = index.get(key, 0)
-            if mask & bit:
-                extra[key] = extra.get(key, 0) + 1
-            elif mask or len(index) < cap:
-                index[key] = mask | bit
-                gv.n_keys += 1
-            else:
-                self.stats.over_cap_drops += 1
-                rv.flags.add("over_capacity")
+            self._add(rv, gv, key, False)
 
     def _removed(self, rv: ReplicaView, ev: BlockRemoved) -> None:
         if ev.medium not in (None, "GPU"):

@@ -28,8 +28,7 @@ class Admission:
         self.retry_after_s = retry_after_s
         self.total = 0
         self.counts: dict[EngineId, int] = {}
-        """Requests counted per engine (absent: none); read-only outside this class (routing reads
-        `at_capacity`'s answer from it without a call per candidate)."""
+        """Requests counted per engine (absent: none); read-only outside this class."""
 
     def enter(self) -> bool:
         """Admit one more request overall, or refuse (False) at the total limit."""

@@ -53,7 +53,7 @@ class CircuitBreaker:
 
     def acquire(self, now: float) -> bool:
         """Admit a request now or refuse it; after the cool-down the first admitted one is the probe."""
-        if self.state is BreakerState.CLOSED:  # (`available`'s first answer, without its call)
+        if self.state is BreakerState.CLOSED:  # everyone is admitted; no probe to mark
             return True
         if not self.available(now):
             return False

@@ -11,6 +11,8 @@ and slot wait) taken out, against the queue as sent plus the request's own token
 `service` on, from each answer's own service (the time since the engine could start it, against its
 own tokens). With `drain` on, the queue's head (the oldest request sent and not answered: FCFS, the
 one the engine is prefilling) counts as partly done as time passes (`LoadSnapshot.drained_tokens`).
+It also counts the prompt tokens of the requests each engine holds (`LoadSnapshot.context_tokens`:
+the KV every engine step reads, a term of the TTFT model).
 Pure: no clock, no I/O.
 """
 
@@ -19,7 +21,14 @@ from __future__ import annotations
 import msgspec
 
 from router.core.ids import EngineId, RequestId
-from router.core.policy.ttft_model import StepCost, prefill_steps, step_budget, step_decode_s, ttft_terms
+from router.core.policy.ttft_model import (
+    StepCost,
+    prefill_steps,
+    running_context,
+    step_budget,
+    step_decode_s,
+    ttft_terms,
+)
 
 # (`StepCost` is the TTFT model's, passed to `LoadTracker`: its callers import it here too)
 __all__ = ["CostPrior", "LoadSnapshot", "LoadTracker", "PrefillCostModel", "ScrapedMetrics", "StepCost"]
@@ -120,12 +129,15 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
     overhead_s: float
     per_token_s: float
     scraped: bool
-    step: StepCost = StepCost(0.0, 0.0)
+    step: StepCost = StepCost(0.0, 0.0, context_read_s_per_token=0.0)
     scrape: ScrapedMetrics | None = None
     residency_s: float = 0.0
     """How long the engine's requests decode (first token to end), on average: how busy it stays."""
     drained_tokens: int = 0
     """Of `queued_prefill_tokens`, those the engine has prefilled by now (`LoadTracker` `drain`)."""
+    context_tokens: int = 0
+    """Prompt tokens of the requests this router has on the engine (prefilling or decoding): the KV
+    context every engine step reads (`StepCost.context_read_s_per_token`)."""
 
 
 class _InFlight(msgspec.Struct):
@@ -135,17 +147,20 @@ class _InFlight(msgspec.Struct):
     uncached_tokens: int
     work_tokens: int
     other_s: float = 0.0
+    context_tokens: int = 0
     first_token_at: float | None = None
 
 
 class _Service(msgspec.Struct):
     """Answers out of the same engine steps (`LoadTracker` `service`): their tokens, the time since the
-    engine could start the first, and the requests decoding meanwhile; learned from once no more join."""
+    engine could start the first, and the requests decoding and the context read meanwhile (as at the
+    first); learned from once no more join."""
 
     at: float
     tokens: int
     busy_s: float
     decoding: int
+    context: int = 0
 
 
 class _EngineLoad:
@@ -154,6 +169,7 @@ class _EngineLoad:
         self.in_flight = 0
         self.prefilling = 0
         self.prefill_tokens = 0
+        self.context = 0  # prompt tokens of the requests held (`LoadSnapshot.context_tokens`)
         self.typical_uncached = 0.0
         self.started = 0
         self.residency_s = 0.0
@@ -191,7 +207,7 @@ class LoadTracker:
     ) -> None:
         self.prior = prior
         self.scrape_max_age_s = scrape_max_age_s
-        self.step = step if step is not None else StepCost(0.0, 0.0)
+        self.step = step if step is not None else StepCost(0.0, 0.0, context_read_s_per_token=0.0)
         self.drain = drain
         self.service = service
         self._engines: dict[EngineId, _EngineLoad] = {}
@@ -221,8 +237,11 @@ class LoadTracker:
         self._engines.pop(engine, None)
         self._requests = {rid: r for rid, r in self._requests.items() if r.engine != engine}
 
-    def started(self, request: RequestId, engine: EngineId, at: float, uncached_tokens: int) -> None:
-        """The request was sent to `engine` at `at` with `uncached_tokens` predicted to prefill."""
+    def started(
+        self, request: RequestId, engine: EngineId, at: float, uncached_tokens: int, context_tokens: int = 0
+    ) -> None:
+        """The request was sent to `engine` at `at` with `uncached_tokens` predicted to prefill, of a
+        prompt of `context_tokens` (its KV, read by every engine step while the engine holds it)."""
         if request in self._requests:
             raise ValueError(f"request {request} is already in flight; finish it before restarting it")
         try:  # (`_engine` without its call when the engine is known)
@@ -233,8 +252,11 @@ class LoadTracker:
         other_s = self._other_s(load, engine, at, uncached_tokens)
         load.seen = None
         work = load.prefill_tokens + uncached_tokens
-        flight = self._requests[request] = _InFlight(engine, load, at, uncached_tokens, work, other_s)
+        flight = self._requests[request] = _InFlight(
+            engine, load, at, uncached_tokens, work, other_s, context_tokens=context_tokens
+        )
         load.unanswered[request] = flight
+        load.context += context_tokens
         load.in_flight += 1
         load.prefilling += 1
         load.prefill_tokens += uncached_tokens
@@ -256,7 +278,7 @@ class LoadTracker:
             or (scrape is not None and not at - scrape.at <= self.scrape_max_age_s)
         ):  # fmt: skip
             seen, timed = self.snapshot(engine, at), False  # (its drained head is at `at` already)
-        if timed and seen.decoding > 0:  # (nothing decoding: no decode part, whatever the queue)
+        if timed and (seen.decoding > 0 or seen.context_tokens > 0):  # (else no step part at all)
             seen = msgspec.structs.replace(seen, drained_tokens=self._drained(load, seen.decoding, at))
         _, decode_s, slot_s, _ = ttft_terms(seen, uncached_tokens)
         return decode_s + slot_s
@@ -293,7 +315,9 @@ class LoadTracker:
         if service is not None:
             self._learn(load.model, service)
         since = max(flight.started_at, load.head_since)
-        load.service = _Service(at, flight.uncached_tokens, at - since, load.in_flight - load.prefilling)
+        decoding = load.in_flight - load.prefilling
+        read = running_context(self.step, load.in_flight, load.context)  # (as `ttft_terms` reads it)
+        load.service = _Service(at, flight.uncached_tokens, at - since, decoding, read)
 
     def _learn(self, model: PrefillCostModel, service: _Service) -> None:
         """Learn the prefill cost from one service: its time less the decode part of its steps.
@@ -302,7 +326,8 @@ class LoadTracker:
         already when it was sent, so the queue's tokens as sent against its TTFT read as a too-cheap
         prefill (19 against the stub's 32 us/token on the routing simulator)."""
         step, decoding = self.step, service.decoding
-        decode_s = prefill_steps(step, decoding, service.tokens) * step_decode_s(step, decoding)
+        per_step = step_decode_s(step, decoding, service.context)
+        decode_s = prefill_steps(step, decoding, service.tokens) * per_step
         model.observe(service.tokens, max(0.0, service.busy_s - decode_s))
 
     def finished(self, request: RequestId, at: float) -> None:
@@ -315,6 +340,7 @@ class LoadTracker:
         if load.in_flight - load.prefilling >= self.step.max_num_seqs > 0:
             load.head_since = at  # the batch was full: the head waited for this slot
         load.in_flight -= 1
+        load.context -= flight.context_tokens
         if flight.first_token_at is None:
             self._end_prefill(load, request, flight)
         else:
@@ -345,7 +371,8 @@ class LoadTracker:
         tokens = head.uncached_tokens
         if tokens == 0:  # (both returns below are 0 then)
             return 0
-        budget, per_step = step_budget(step, decoding), step_decode_s(step, decoding)
+        read = running_context(step, load.in_flight, load.context)  # (as `ttft_terms` reads it)
+        budget, per_step = step_budget(step, decoding), step_decode_s(step, decoding, read)
         # The head's own predicted prefill time, as if alone: the TTFT model's prefill and decode parts.
         full_s = model.predict(tokens) + prefill_steps(step, decoding, tokens) * per_step
         if full_s <= 0:
@@ -402,7 +429,7 @@ class LoadTracker:
         load.seen_timed = False  # (`_drained` sets it when its answer reads the time)
         seen = load.seen = LoadSnapshot(
             in_flight, prefilling, decoding, queued, usage, model.overhead_s, per_token_s, fresh,
-            self.step, scrape, load.residency_s, self._drained(load, decoding, now),
+            self.step, scrape, load.residency_s, self._drained(load, decoding, now), load.context,
         )  # fmt: skip
         load.seen_at, load.seen_samples = now, model.samples
         return seen

@@ -3,10 +3,12 @@
 `ttft_terms` is the model; its docstring states it as a formula. It has the shape of the engine's own
 step time (engine_stub/runtime/cost_model.py): under chunked prefill the queue ahead and this
 request's uncached tokens run in steps of at most `max_num_batched_tokens`, of which each decoding
-sequence takes one; each of those steps also decodes every running sequence; an engine already
+sequence takes one; each of those steps also decodes every running sequence and reads the KV of every
+request the engine holds (memory-bound: long agent contexts make every step slower); an engine already
 holding `max_num_seqs` requests admits a new one only when a slot frees, one every
 `residency_s / max_num_seqs` on average. `StepCost` holds the configured coefficients (`[policy]`
-`decode_step_s`, `decode_penalty_s`, `max_num_batched_tokens`, `max_num_seqs`); `overhead_s`,
+`decode_step_s`, `decode_penalty_s`, `max_num_batched_tokens`, `max_num_seqs`,
+`context_read_s_per_token`); `overhead_s`,
 `per_token_s` and `residency_s` are learned per engine and the counts tracked by
 router/core/policy/load.py, whose `LoadSnapshot` is the engine as the model reads it (`EngineState`).
 Scoring (`scoring._score`, whose `CandidateScore` records every term for the decision record) and a
@@ -26,6 +28,7 @@ __all__ = [
     "StepCost",
     "TtftTerms",
     "prefill_steps",
+    "running_context",
     "step_budget",
     "step_decode_s",
     "ttft_terms",
@@ -36,12 +39,16 @@ class StepCost(msgspec.Struct, frozen=True):
     """How decoding lengthens the engine steps a new request's prefill runs in (configured, not learned).
 
     Defaults are the stub's cost model (an 8B model on one H100): a step that decodes anything costs
-    ~6 ms more, plus ~40 us per decoding sequence; vLLM's default token budget per step is 8192."""
+    ~6 ms more, plus ~40 us per decoding sequence, plus ~38 ns per token of context the step's
+    requests hold (128 KiB of KV per token read at ~3.35 TB/s); vLLM's default token budget per
+    step is 8192."""
 
     decode_step_s: float = 6e-3
     decode_penalty_s: float = 40e-6
     max_num_batched_tokens: int = 8192
     max_num_seqs: int = 256
+    context_read_s_per_token: float = 38e-9
+    """What each step reads per token of context of the requests the engine holds (their KV)."""
 
 
 class EngineState(Protocol):
@@ -77,6 +84,10 @@ class EngineState(Protocol):
         """Requests the engine holds, prefilling or decoding."""
 
     @property
+    def context_tokens(self) -> int:
+        """Prompt tokens of the requests the engine holds: the KV context each of its steps reads."""
+
+    @property
     def residency_s(self) -> float:
         """Learned seconds a request decodes (first token to end): how long it holds a slot."""
 
@@ -91,9 +102,20 @@ def step_budget(step: StepCost, decoding: int) -> int:
     return budget if budget > 1 else 1  # max(1, budget)
 
 
-def step_decode_s(step: StepCost, decoding: int) -> float:
-    """What decoding `decoding` sequences adds to one engine step: nothing, or the step cost and each's."""
-    return step.decode_step_s + step.decode_penalty_s * decoding if decoding > 0 else 0.0
+def step_decode_s(step: StepCost, decoding: int, context: int = 0) -> float:
+    """What one engine step takes besides its prefill tokens: decoding `decoding` sequences (nothing,
+    or the step cost and each's) and reading the KV of the `context` tokens its requests hold."""
+    decode = step.decode_step_s + step.decode_penalty_s * decoding if decoding > 0 else 0.0
+    return decode + step.context_read_s_per_token * context if context > 0 else decode
+
+
+def running_context(step: StepCost, in_flight: int, context: int) -> int:
+    """Of the `context` tokens an engine's `in_flight` requests hold, those its steps read: the running
+    batch's, at most `max_num_seqs` requests (the ones waiting for a slot are not read), at the mean."""
+    if in_flight <= 0 or context <= 0:
+        return 0
+    seqs = step.max_num_seqs
+    return context if seqs <= 0 or in_flight <= seqs else context * seqs // in_flight
 
 
 def prefill_steps(step: StepCost, decoding: int, tokens: int) -> int:
@@ -115,6 +137,8 @@ def ttft_terms(engine: EngineState, uncached_tokens: int) -> TtftTerms:
         prefill_steps    = max(1, ceil(tokens / budget))                  (`prefill_steps`)
         budget           = max(1, max_num_batched_tokens - decoding)      (`step_budget`)
         step_decode_s    = decode_step_s + decode_penalty_s x decoding    (0 if nothing decodes)
+                         + context_read_s_per_token x running_context
+        running_context  = context_tokens x min(1, max_num_seqs / in_flight)  (`running_context`)
         slot_wait_s      = excess x residency_s / max_num_seqs            (0 unless excess > 0
         excess           = in_flight - max_num_seqs + 1                    and max_num_seqs > 0)
     """
@@ -122,7 +146,8 @@ def ttft_terms(engine: EngineState, uncached_tokens: int) -> TtftTerms:
     left = engine.queued_prefill_tokens - engine.drained_tokens
     tokens = (left if left > 0 else 0) + uncached_tokens
     steps = prefill_steps(step, decoding, tokens)
-    decode_s = steps * step_decode_s(step, decoding)
+    context = running_context(step, engine.in_flight, engine.context_tokens)
+    decode_s = steps * step_decode_s(step, decoding, context)
     max_seqs = step.max_num_seqs
     excess = engine.in_flight - max_seqs + 1
     slot_s = excess * engine.residency_s / max_seqs if excess > 0 and max_seqs > 0 else 0.0

@@ -25,7 +25,7 @@ from kvrouter.loadtest.report import PLOTS, Report
 from kvrouter.loadtest.results import RequestResult
 from router.links.embedded_stubs import PORTS_PER_STUB
 from router.settings.config import EngineConfig, ModelConfig
-from tests.conftest import SHARED
+from tests.conftest import TRACES
 
 STUB = Path(__file__).parents[2] / "data" / "loadtest_stub.toml"
 
@@ -57,7 +57,7 @@ def test_kv_beats_round_robin_and_the_oracle_bounds_it(tmp_path: Path) -> None:
 
 
 def test_requests_a_trace_gives_one_timestamp_go_out_in_trace_order_a_gap_apart(tmp_path: Path) -> None:
-    trace = SHARED / "traces" / "conversation_trace.jsonl"  # its first 10 requests share timestamp 0
+    trace = TRACES / "conversation_trace.jsonl"  # its first 10 requests share timestamp 0
     args = ["--workload", f"trace:{trace}", "--requests", "10", "--block-tokens", "16", "--time-scale", "20"]
     run(tmp_path, *args, "--min-gap-ms", "30", "--policies", "round_robin")
     lines = (tmp_path / "results.jsonl").read_bytes().splitlines()
@@ -72,7 +72,7 @@ def test_requests_a_trace_gives_one_timestamp_go_out_in_trace_order_a_gap_apart(
 def test_a_real_mooncake_trace_replays_and_a_duration_cut_says_so(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    trace = SHARED / "traces" / "conversation_trace.jsonl"
+    trace = TRACES / "conversation_trace.jsonl"
     args = ["--workload", f"trace:{trace}", "--requests", "40", "--block-tokens", "16", "--time-scale", "20"]
     # At 20x, the 40th request arrives at 0.6 s and the 38th at 0.45 s: 0.5 s cuts the last two.
     report = run(tmp_path, *args, "--duration", "0.5", "--min-gap-ms", "0", "--policies", "kv")

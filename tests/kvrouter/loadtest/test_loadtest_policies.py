@@ -19,7 +19,7 @@ import pytest
 
 from kvrouter.cli import main
 from kvrouter.loadtest.report import Report
-from tests.conftest import SHARED
+from tests.conftest import TRACES
 
 DATA = Path(__file__).parents[2] / "data"
 
@@ -54,7 +54,7 @@ def test_every_policy_starts_on_cold_caches_oracles_included(tmp_path: Path) -> 
 def test_text_prompts_replay_a_trace_and_unfittable_requests_are_reported_not_sent(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    trace = SHARED / "traces" / "conversation_trace.jsonl"
+    trace = TRACES / "conversation_trace.jsonl"
     args = ["--engines", "2", "--workload", f"trace:{trace}", "--requests", "20", "--block-tokens", "16"]
     args += [
         "--num-gpu-blocks",

@@ -17,8 +17,7 @@ from kvrouter.loadtest.workload import (
     synthetic_requests,
     trace_requests,
 )
-
-TRACES = Path(__file__).resolve().parents[4] / "shared" / "traces"
+from tests.conftest import TRACES
 
 
 def test_equal_hash_ids_become_equal_blocks() -> None:

@@ -72,6 +72,14 @@ def fleet_of(*engines: EngineConfig) -> tuple[FleetState, Clock]:
     return fleet, clock
 
 
+def followed_fleet() -> tuple[FleetState, Clock]:
+    """One engine whose start-up replay is over, attached to a fake link."""
+    fleet, clock = fleet_of(engine())
+    fleet.on_signal(EngineName("e"), CaughtUp(None))
+    fleet.attach(E, FakeLink())
+    return fleet, clock
+
+
 def store(n: int) -> BlockStored:
     tokens = [next(_tokens) for _ in range(4 * n)]
     return BlockStored([next(_hashes) for _ in range(n)], None, tokens, 4, None, "GPU", None)
@@ -277,9 +285,7 @@ def test_a_replay_asked_makes_the_mirror_catch_up_before_any_batch_or_scrape() -
     """The link signals each replay it asks (a gap's, a verification's, a retry's): the very next
     trust read (a routing decision's) says so, though no batch arrives and no metrics are scraped
     (before, only `Replica.poll` of the link's counters did, on those two occasions)."""
-    fleet, clock = fleet_of(engine())
-    fleet.on_signal(EngineName("e"), CaughtUp(None))
-    fleet.attach(E, FakeLink())  # whose counters say nothing of the replay
+    fleet, clock = followed_fleet()  # its link's counters say nothing of the replay
     assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
     fleet.on_signal(EngineName("e"), RequestReplay(4))
     assert status(fleet, clock) == (TrustState.CATCHING_UP, TrustReason.REPLAY_IN_FLIGHT)
@@ -304,9 +310,7 @@ def test_a_conversation_whose_events_pause_goes_silent_though_every_turn_finds_i
     end forgave the earlier ones, the clock restarted at every send, and the mirror stayed fresh
     through the whole pause while its prediction fell behind the engine's hits). Before that, from
     the first turn that ends without its stores, the mirror is catching up (`stores_late`)."""
-    fleet, clock = fleet_of(engine())
-    fleet.on_signal(EngineName("e"), CaughtUp(None))
-    fleet.attach(E, FakeLink())
+    fleet, clock = followed_fleet()
     turns = [list(range(10 + 8 * i)) for i in range(12)]  # each turn the last one and 8 tokens more
     sent(fleet, clock, "t0", turns[0])
     fleet.on_batch(EngineName("e"), 0, KVEventBatch(0.0, [stored(turns[0])]))
@@ -330,9 +334,7 @@ def test_a_later_request_whose_own_stores_were_seen_forgives_an_earlier_one_that
     """An answered request whose blocks never appear (evicted before its end, or never stored) is
     forgiven once a request sent after it ends with its own blocks seen: the link delivered stores
     published after the earlier one's."""
-    fleet, clock = fleet_of(engine())
-    fleet.on_signal(EngineName("e"), CaughtUp(None))
-    fleet.attach(E, FakeLink())
+    fleet, clock = followed_fleet()
     sent(fleet, clock, "lost", list(range(100, 110)))
     fleet.request_finished(E, RequestId("lost"), clock())
     clock.now += 1.0
@@ -345,14 +347,52 @@ def test_a_later_request_whose_own_stores_were_seen_forgives_an_earlier_one_that
     assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
 
 
+def held_then_lost(fleet: FleetState, clock: Clock, prompt: list[int]) -> None:
+    """Request "first" of `prompt` stored (batch 0) and ended, then request "lost" answered and ended
+    without its stores."""
+    sent(fleet, clock, "first", prompt)
+    fleet.on_batch(EngineName("e"), 0, KVEventBatch(0.0, [stored(prompt)]))
+    fleet.request_finished(E, RequestId("first"), clock())
+    sent(fleet, clock, "lost", list(range(100, 110)))
+    fleet.request_finished(E, RequestId("lost"), clock())
+
+
+def test_a_prompt_already_held_whole_forgives_no_earlier_request_however_it_is_aligned() -> None:
+    """A block-aligned prompt whose blocks the mirror holds stores only a copy of its last block (the
+    hit stops one token short), which "held" cannot tell from the block: its end proves nothing of
+    the link, so an earlier request whose stores are missing stays late (before, it was awaited on
+    keys held at send and its end forgave the earlier one: the mirror said fresh while behind)."""
+    fleet, clock = followed_fleet()
+    held = list(range(300, 316))  # four full blocks, block-aligned
+    held_then_lost(fleet, clock, held)
+    assert status(fleet, clock) == (TrustState.CATCHING_UP, TrustReason.STORES_LATE)
+    for i, prompt in enumerate([held, held[:12], [*held, 1, 2]]):  # aligned, aligned prefix, unaligned
+        sent(fleet, clock, f"again{i}", prompt)
+        fleet.request_finished(E, RequestId(f"again{i}"), clock())
+        assert status(fleet, clock) == (TrustState.CATCHING_UP, TrustReason.STORES_LATE), i
+
+
+def test_a_partly_held_prompt_is_awaited_on_its_new_blocks_only() -> None:
+    """A turn that extends a held prefix is awaited until its new blocks are seen, and then forgives
+    the earlier requests: those blocks were stored after its send."""
+    fleet, clock = followed_fleet()
+    first = list(range(300, 308))
+    held_then_lost(fleet, clock, first)
+    turn = [*first, *range(400, 408)]
+    sent(fleet, clock, "turn", turn)
+    rep = fleet.replica(E)
+    assert rep.awaited._by_request[RequestId("turn")].keys == prepared(fleet, turn).keys[2:]
+    fleet.on_batch(EngineName("e"), 1, KVEventBatch(0.0, [stored(turn)]))
+    fleet.request_finished(E, RequestId("turn"), clock())
+    assert status(fleet, clock) == (TrustState.FRESH, TrustReason.OK)
+
+
 def test_an_answered_request_whose_stores_are_missing_makes_the_mirror_catch_up_until_they_arrive() -> None:
     """The engine publishes a request's stores before answering it, so once it has ended without them
     the mirror is behind at once (a lost last batch shows no gap until the engine publishes again):
     `stores_late` at the very next decision, not `silence_s` after its send; its stores, arriving
     while an older request still runs, clear it."""
-    fleet, clock = fleet_of(engine())
-    fleet.on_signal(EngineName("e"), CaughtUp(None))
-    fleet.attach(E, FakeLink())
+    fleet, clock = followed_fleet()
     sent(fleet, clock, "slow", list(range(100, 110)))  # still running: nothing is due from it yet
     lost = list(range(200, 210))
     sent(fleet, clock, "lost", lost)
@@ -364,9 +404,7 @@ def test_an_answered_request_whose_stores_are_missing_makes_the_mirror_catch_up_
 
 
 def test_a_restart_forgets_the_awaited_stores_with_the_view() -> None:
-    fleet, clock = fleet_of(engine())
-    fleet.on_signal(EngineName("e"), CaughtUp(None))
-    fleet.attach(E, FakeLink())
+    fleet, clock = followed_fleet()
     sent(fleet, clock, "r", list(range(10)))
     fleet.on_signal(EngineName("e"), LinkReset(reason="restart"))  # the engine's cache is gone with it
     fleet.on_signal(EngineName("e"), CaughtUp(None))

@@ -22,7 +22,7 @@ from router.core.ids import EngineId, RequestId
 from router.core.policy.scoring import Decision, PolicyName
 from router.edge import usage
 from router.edge.auth import AdminDisabled, Guard, bearer_token
-from router.edge.gateway import stage_timings
+from router.edge.decider import stage_timings
 from router.edge.usage import UsageTap, cached_tokens_of, cached_tokens_of_json, cached_tokens_of_sse
 from router.ops.debug import DecisionEntry, DecisionRing, PreparedView
 from router.ops.recording import GatewayRecorder
@@ -96,6 +96,27 @@ def test_cached_tokens_from_the_final_usage_chunk_of_a_stream() -> None:
     assert cached_tokens_of_sse(stream) == 32
     assert cached_tokens_of_sse(sse(b'{"choices":[{"delta":{}}]}', b"[DONE]")) is None
     assert cached_tokens_of_sse(stream.replace(b"\n", b"\r\n")) == 32
+
+
+def named(kind: bytes, data: bytes) -> bytes:
+    """One SSE event with an `event:` line, as vLLM's Messages and Responses streams write them."""
+    return b"event: " + kind + b"\ndata: " + data + b"\n\n"
+
+
+def test_cached_tokens_of_messages_and_responses_answers() -> None:
+    messages = b'{"type":"message","usage":{"input_tokens":4,"output_tokens":2,"cache_read_input_tokens":48}}'
+    assert cached_tokens_of_json(messages) == 48
+    assert cached_tokens_of_json(b'{"type":"message","usage":{"input_tokens":4,"output_tokens":2}}') is None
+    details = b'{"input_tokens":52,"input_tokens_details":{"cached_tokens":48}}'
+    assert cached_tokens_of_json(b'{"object":"response","usage":' + details + b"}") == 48
+    start = b'{"type":"message_start","message":{"usage":{"input_tokens":52,"output_tokens":0}}}'
+    delta = b'{"type":"message_delta","delta":{},"usage":{"input_tokens":4,"cache_read_input_tokens":48}}'
+    stream = named(b"message_start", start) + named(b"message_delta", delta)
+    assert cached_tokens_of_sse(stream + named(b"message_stop", b'{"type":"message_stop"}')) == 48
+    assert cached_tokens_of_sse(named(b"message_start", start)) is None  # no cache field: none reported
+    completed = b'{"type":"response.completed","response":{"usage":' + details + b"}}"
+    text = named(b"response.output_text.delta", b'{"type":"response.output_text.delta","delta":"x"}')
+    assert cached_tokens_of_sse(text + named(b"response.completed", completed)) == 48
 
 
 class CountingDecoder:

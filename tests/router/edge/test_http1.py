@@ -289,7 +289,7 @@ async def test_an_answered_request_leaves_no_wait_armed() -> None:
 async def test_arming_on_a_failed_connection_resolves_at_once() -> None:
     loop = asyncio.get_running_loop()
     conn = http1_connection.Connection(loop)
-    conn.error = http1.ServerDisconnected("gone")
+    conn._fail(http1.ServerDisconnected("gone"))
     waiter = conn.arm(WAIT, "first byte")
     assert waiter.done() and waiter.exception() is None  # the caller reads conn.error: no wait
     conn.disarm()
@@ -652,17 +652,6 @@ def test_waits_on_one_timer_expire_at_their_own_deadlines(waits: list[tuple[int,
     uvloop.run(run())  # the gateway's loop, whose clock counts milliseconds
 
 
-class _Idle:
-    """An idle pooled connection's fields the pool reads, and whether it was closed."""
-
-    def __init__(self, lost: bool, idle_since: float) -> None:
-        self.lost, self.idle_since = lost, idle_since
-        self.reused = self.closed = False
-
-    def close(self) -> None:
-        self.closed = True
-
-
 @settings(max_examples=200, deadline=None)
 @given(
     st.lists(st.tuples(st.booleans(), st.floats(min_value=0.0, max_value=20.0)), max_size=8),
@@ -671,23 +660,32 @@ class _Idle:
 def test_the_pool_takes_the_most_recent_connection_not_lost_nor_kept_past_the_keepalive(
     idle: list[tuple[bool, float]], now: float
 ) -> None:
-    """`_Pool.take` as with Connection.reusable (not lost, idle less than keepalive_s): the most recent
-    such connection, in use, every later one popped and closed, the earlier ones left idle."""
+    """`_Pool.take` (not lost, idle less than keepalive_s): the most recent such connection, in use,
+    every later one popped and closed, the earlier ones left idle."""
     client = Http1Client(ClientSettings(keepalive_s=5.0))
     pool = http1._Pool(client, http1._Origin.of("http://127.0.0.1:1"))
-    conns = [_Idle(lost, since) for lost, since in idle]
-    pool.idle = list(conns)  # type: ignore[arg-type]
+    loop = asyncio.new_event_loop()  # never run: the connections only hold it
+    conns = []
+    for lost, since in idle:
+        conn = Connection(loop)
+        conn.park(since)
+        if lost:
+            conn.close()
+        conns.append(conn)
+    pool.idle = list(conns)
     taken = pool.take(now)
-    usable = [i for i, c in enumerate(conns) if not c.lost and now - c.idle_since < 5.0]
+    loop.close()
+    usable = [i for i, (lost, since) in enumerate(idle) if not lost and now - since < 5.0]
     expected = usable[-1] if usable else None
     if expected is None:
         assert taken is None and pool.idle == [] and pool.in_use == 0
-        assert all(c.closed for c in conns)
+        assert all(c.lost for c in conns)
     else:
-        assert taken is conns[expected] and pool.in_use == 1  # type: ignore[comparison-overlap]
-        assert conns[expected].reused and not conns[expected].closed
-        assert pool.idle == conns[:expected]  # type: ignore[comparison-overlap]
-        assert [c.closed for c in conns] == [False] * (expected + 1) + [True] * (len(conns) - expected - 1)
+        assert taken is conns[expected] and pool.in_use == 1
+        assert taken.may_send_again() and not taken.lost  # taken: a request on it may go again
+        assert pool.idle == conns[:expected]
+        lost_before = [lost for lost, _ in idle[:expected]]
+        assert [c.lost for c in conns] == [*lost_before, False] + [True] * (len(conns) - expected - 1)
 
 
 class _Recording:
@@ -705,12 +703,15 @@ class _Recording:
     def writelines(self, pieces: Iterable[bytes]) -> None:
         self.writes.append((self.name, tuple(pieces)))
 
+    def get_extra_info(self, name: str) -> None:
+        return None  # no socket: no TCP_NODELAY to set
 
-class _Queued:
-    """A connection stand-in for `_queue`: its loop and a recording transport."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, transport: _Recording) -> None:
-        self.loop, self.transport, self.written = loop, transport, False
+def _Queued(loop: asyncio.AbstractEventLoop, transport: _Recording) -> Connection:
+    """A connection for `_queue` whose transport records what is written on it."""
+    conn = Connection(loop)
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    return conn
 
 
 async def test_queued_requests_go_out_together_at_the_next_turn_each_in_one_write() -> None:
@@ -721,9 +722,9 @@ async def test_queued_requests_go_out_together_at_the_next_turn_each_in_one_writ
     async with client() as c:
         a, b = _Queued(loop, _Recording("a", writes)), _Queued(loop, _Recording("b", writes))
         gone = _Queued(loop, _Recording("gone", writes, True))
-        c._queue(a, b"HA", b"BA")  # type: ignore[arg-type]
-        c._queue(gone, b"HG", b"BG")  # type: ignore[arg-type]
-        c._queue(b, b"HB", b"")  # type: ignore[arg-type]
+        c._queue(a, b"HA", b"BA")
+        c._queue(gone, b"HG", b"BG")
+        c._queue(b, b"HB", b"")
         assert writes == [] and not a.written  # nothing before the turn ends
         await _after_queued_callbacks(loop)
         assert writes == [("a", (b"HA", b"BA")), ("b", (b"HB",))]
@@ -772,15 +773,15 @@ async def test_requests_started_in_one_turn_are_written_after_it_when_others_are
             assert await body_of(response) == b"ok"
         order.clear()
         release.clear()
-        write = http1._write
+        send = Connection.send
 
         def recorded(conn: Connection, head: bytes, body: bytes) -> None:
             order.append("write " + head.split(b" ")[1].decode())
-            write(conn, head, body)
+            send(conn, head, body)
 
         tasks = []
         with pytest.MonkeyPatch.context() as patch:
-            patch.setattr(http1, "_write", recorded)
+            patch.setattr(Connection, "send", recorded)
             for i in range(3):
                 sent = (lambda n: lambda: order.append(f"sent /r{n}"))(i)
                 tasks.append(asyncio.ensure_future(c.request("POST", server.url, f"/r{i}", [], b"{}", sent)))

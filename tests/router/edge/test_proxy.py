@@ -32,6 +32,7 @@ from router.core.ids import EngineId
 from router.core.policy.breaker import Breakers
 from router.core.policy.retry import Outcome, OutcomeKind, RetryPolicy, counts_as_failure, is_retryable
 from router.edge.headers import response_headers, upstream_headers, upstream_url
+from router.edge.http1 import Http1Response
 from router.edge.proxy import _VERDICTS, Proxy, ProxySettings, _verdicts
 from router.edge.upstream import ProxyRequest, Target, UpstreamResponse
 from tests.gateway_helpers import Handler, fake_engine, uvicorn_on_port_0
@@ -190,7 +191,7 @@ async def test_sse_chunks_arrive_one_by_one_with_nodelay() -> None:
     async with fake_engine(sse) as url, proxy() as p:
         answer = await p.forward(post(), Fleet(p, {"a": url}))
         assert answer.status == 200
-        assert answer.response is not None
+        assert isinstance(answer.response, Http1Response)  # the real client: a socket under it
         transport = answer.response._conn.transport
         assert transport is not None
         sock = transport.get_extra_info("socket")

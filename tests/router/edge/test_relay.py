@@ -253,7 +253,7 @@ async def test_a_client_that_stops_reading_pauses_the_engine_read_and_loses_noth
     pause = http1_connection.Connection.pause
 
     def spied(self: http1_connection.Connection) -> None:
-        if self.sink is not None and self.sink_full:
+        if self.sink_full:
             paused.set()  # the client's transport is full: the engine's socket is no longer read
         pause(self)
 

@@ -1,9 +1,8 @@
-"""The one translation of the upstream clients' exceptions (`upstream_error`), as a table, and the
+"""The one translation of the transport's exceptions (`upstream_error`), as a table, and the
 hot paths' plain `except` that use it without a context manager per exchange and per chunk."""
 
 from __future__ import annotations
 
-import aiohttp
 import pytest
 
 from router.core.errors import UpstreamBroken, UpstreamConnectError, UpstreamError, UpstreamTimeout
@@ -25,12 +24,11 @@ TABLE: list[tuple[BaseException, type[UpstreamError], str]] = [
     (http1.TimedOut("read"), UpstreamTimeout, "engine e1 went silent (read timeout)"),
     (http1.TimedOut("first byte"), UpstreamTimeout, "engine e1: first byte timeout"),
     (http1.ConnectFailed(REFUSED), UpstreamConnectError, f"cannot connect to engine e1: {REFUSED}"),
-    (aiohttp.SocketTimeoutError(), UpstreamTimeout, "engine e1 went silent (read timeout)"),
     (TimeoutError(), UpstreamTimeout, "engine e1: total timeout"),
     (http1.ServerDisconnected("gone"), UpstreamBroken, "engine e1: connection broke (ServerDisconnected)"),
     (http1.ResponseCut("cut"), UpstreamBroken, "engine e1: connection broke (ResponseCut)"),
     (ConnectionResetError(), UpstreamBroken, "engine e1: connection broke (ConnectionResetError)"),
-    (aiohttp.ClientPayloadError(), UpstreamBroken, "engine e1: connection broke (ClientPayloadError)"),
+    (http1.BadResponse("bad"), UpstreamBroken, "engine e1: connection broke (BadResponse)"),
 ]
 
 
@@ -47,7 +45,7 @@ def test_each_client_failure_maps_to_its_upstream_error(
 
 
 class _Broken:
-    """An `Http1Response` stand-in whose body read fails as the client's would."""
+    """An `Answer` stand-in whose body read fails as the client's would."""
 
     def __init__(self, exc: BaseException) -> None:
         self.exc = exc

@@ -14,7 +14,7 @@ import pytest
 from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 
 from router.core.ids import EngineId
-from router.edge.gateway import Gateway as RouterGateway
+from router.edge.decider import Decider
 from router.epp.endpoints import address_of
 from router.epp.messages import CHUNK_BYTES
 from router.epp.picker import DESTINATION, Picker, PickStream
@@ -56,7 +56,7 @@ async def fleet(request: pytest.FixtureRequest) -> AsyncIterator[Fleet]:
         engines = [engine_of(f"e{i}", s) for i, s in enumerate(stubs)]
         async with running_gateway(gateway_config(engines, limits=limits)) as gw:
             addresses = {e.name: address_of(e.url) for e in engines}
-            yield Fleet(gw, Picker(RouterGateway(gw.parts)), engines[0].model, addresses)
+            yield Fleet(gw, Picker(Decider(gw.parts)), engines[0].model, addresses)
 
 
 def gateway_of(fleet: Fleet) -> Gateway:
@@ -226,6 +226,37 @@ async def test_the_response_phase_adds_the_gateway_headers_and_reads_usage(fleet
     )
 
 
+@pytest.mark.parametrize(
+    ("path", "fields", "usage"),
+    [
+        (
+            "/v1/messages",
+            {"max_tokens": 4, "system": "agent", "messages": [{"role": "user", "content": "hi " * 20}]},
+            b'{"type":"message","usage":{"input_tokens":2,"output_tokens":4,"cache_read_input_tokens":7}}',
+        ),
+        (
+            "/v1/responses",
+            {"instructions": "agent", "input": "hi " * 20},
+            b'{"object":"response","usage":{"input_tokens":9,"input_tokens_details":{"cached_tokens":7}}}',
+        ),
+    ],
+    ids=["messages", "responses"],
+)
+async def test_messages_and_responses_are_picked_by_prefix_and_their_usage_read(
+    fleet: Fleet, path: str, fields: dict[str, Any], usage: bytes
+) -> None:
+    stream = fleet.picker.stream()
+    body = json.dumps({"model": fleet.model, **fields}).encode()
+    await run(
+        stream, request_headers("POST", path, False, (("x-request-id", "rid-a"),)), request_body(body, True)
+    )
+    entry = gateway_of(fleet).parts.ring.get("rid-a")
+    assert entry is not None and entry.request.endpoint == path and entry.request.prompt_tokens > 60
+    await stream.on_message(response_headers(200))
+    await stream.on_message(response_body(usage, True))
+    assert entry.actual_cached_tokens == 7 and entry.status == 200
+
+
 async def test_a_stream_closed_before_the_answer_leaves_nothing_counted(fleet: Fleet) -> None:
     parts = gateway_of(fleet).parts
     picked = fleet.picker.stream()
@@ -246,7 +277,7 @@ async def test_a_stream_closed_before_the_answer_leaves_nothing_counted(fleet: F
 
 @pytest.mark.parametrize("fallbacks", [True, False])
 async def test_the_runner_up_is_named_as_fallback_unless_turned_off(fleet: Fleet, fallbacks: bool) -> None:
-    picker = Picker(fleet.picker.gateway, fallbacks)
+    picker = Picker(fleet.picker.decider, fallbacks)
     stream = picker.stream()
     _, [head, _] = await run(
         stream,
@@ -326,18 +357,18 @@ async def test_an_engine_failing_its_answers_opens_its_breaker_and_is_picked_no_
 async def test_a_bug_in_the_picker_is_a_500_for_that_request_only(
     fleet: Fleet, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    gateway = fleet.picker.gateway
+    decider = fleet.picker.decider
 
     def broken(*args: object) -> None:
         raise KeyError("a bug")
 
     with monkeypatch.context() as patch:
-        patch.setattr(gateway, "_decide", broken)
+        patch.setattr(decider, "decide", broken)
         stream = fleet.picker.stream()
         post = request_headers("POST", "/v1/chat/completions", False)
         _, [answer] = await run(stream, post, request_body(chat(fleet.model, "bug"), True))
     assert answer.immediate_response.status.code == 500
-    assert gateway.parts.fleet.admission.total == 0
+    assert decider.parts.fleet.admission.total == 0
     healthy = fleet.picker.stream()  # the next request is picked as usual
     _, picked = await run(healthy, post, request_body(chat(fleet.model, "fine"), True))
     assert picked[0].HasField("request_headers")

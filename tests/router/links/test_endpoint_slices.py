@@ -193,17 +193,17 @@ def test_the_slice_set_follows_list_and_watch_events() -> None:
     state = SliceSet()
     a, b = slices(endpoint_slice("a", "x", []), endpoint_slice("b", "x", []))
     state.replace([a], "10")
-    assert list(state.slices) == [("llm", "a")] and state.resource_version == "10"
+    assert list(state.objects) == [("llm", "a")] and state.resource_version == "10"
     b11 = msgspec.structs.replace(b, metadata=msgspec.structs.replace(b.metadata, resource_version="11"))
     state.apply("ADDED", b11)
-    assert sorted(state.slices) == [("llm", "a"), ("llm", "b")] and state.resource_version == "11"
+    assert sorted(state.objects) == [("llm", "a"), ("llm", "b")] and state.resource_version == "11"
     state.apply("DELETED", a)
     state.apply("DELETED", a)  # a second delete of a gone slice changes nothing
-    assert list(state.slices) == [("llm", "b")] and state.resource_version == "11"
+    assert list(state.objects) == [("llm", "b")] and state.resource_version == "11"
     with pytest.raises(ValueError, match="unexpected watch event type"):
         state.apply("ERROR", a)
     state.replace([], "20")
-    assert state.slices == {} and state.resource_version == "20"
+    assert state.objects == {} and state.resource_version == "20"
 
 
 def test_changes_remove_then_add_an_engine_whose_table_changed() -> None:

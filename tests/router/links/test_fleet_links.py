@@ -202,6 +202,10 @@ async def test_decode_errors_and_block_size_mismatches_make_a_replica_stale(
     async with EventPublisher(endpoints("a"), context=ctx) as pub:
         fleet = await start_fleet(fleets, ctx, engine("e", pub.resolved), caught_up=True)
         await pub.publish(b"\xc1 not msgpack")
+        link = fleet.state.replica(E).link
+        assert link is not None
+        await wait_until(lambda: link.stats().decode_errors == 1, what="the payload rejected")
+        assert state(fleet) == (TrustState.STALE, TrustReason.DECODE_ERROR)  # at once, no later batch
         await publish(fleet, pub, E, store(1))
         assert state(fleet) == (TrustState.STALE, TrustReason.DECODE_ERROR)
         await publish(fleet, pub, E, AllBlocksCleared())

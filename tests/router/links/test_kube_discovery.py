@@ -17,26 +17,11 @@ from kubernetes_asyncio.client import ApiClient
 from router.links.kube_discovery import KubeDiscovery, api_client, namespace_of
 from router.settings.config import Discovery, EngineConfig, KubernetesDiscovery
 from tests.gateway_helpers import fake_engine, wait_for
-from tests.kube_api import FakeKubeApi, endpoint, endpoint_slice, running_kube_api
+from tests.kube_api import FakeKubeApi, Fleet, endpoint, endpoint_slice, running_kube_api
+from tests.kube_api import holds as _true
 
 PORTS = {"http": 8000, "kv-events": 5557}
 MODEL = {"kvrouter.io/model": "qwen"}
-
-
-class Fleet:
-    """What `on_change` was told, applied as the fleet would: the engines present now, and every call."""
-
-    def __init__(self) -> None:
-        self.engines: dict[str, EngineConfig] = {}
-        self.calls: list[tuple[list[str], list[str]]] = []
-
-    async def on_change(self, added: dict[str, EngineConfig], removed: set[str]) -> None:
-        assert removed <= self.engines.keys()  # never asked to remove what it was not given
-        for name in removed:
-            del self.engines[name]
-        assert not added.keys() & self.engines.keys()  # never given an engine twice
-        self.engines.update(added)
-        self.calls.append((sorted(added), sorted(removed)))
 
 
 def settings(url: str) -> Discovery:
@@ -371,10 +356,6 @@ def test_the_namespace_is_configured_or_the_service_accounts(tmp_path: Path) -> 
     account.write_text("serving\n")
     assert namespace_of(KubernetesDiscovery(), account) == "serving"
     assert namespace_of(KubernetesDiscovery(), tmp_path / "absent") == "default"
-
-
-async def _true(value: bool) -> bool:
-    return value
 
 
 async def _has(fleet: Fleet, name: str) -> bool:

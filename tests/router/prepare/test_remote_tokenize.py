@@ -1,12 +1,18 @@
-"""Remote tokenization against the engine stub's real /tokenize (uvicorn on 127.0.0.1)."""
+"""Remote tokenization against the engine stub's real /tokenize (uvicorn on 127.0.0.1), through the
+gateway's one HTTP client (`Proxy.call`)."""
 
 from __future__ import annotations
 
-import aiohttp
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import msgspec
 import pytest
 
+from router.core.ids import EngineId
 from router.core.keys.block_key import KeyHasher
+from router.core.policy.breaker import Breakers
+from router.edge.proxy import Proxy, ProxySettings
 from router.prepare.remote_tokenize import RemoteTokenizeError, RemoteTokenizer, tokenize_payload
 from router.prepare.served_models import Models
 from router.settings.config import ModelConfig, RouterConfig
@@ -23,6 +29,17 @@ CHAT = {
     "temperature": 0.5,
 }
 HASHER = KeyHasher(b"remote")
+E = EngineId("e1")
+
+
+@asynccontextmanager
+async def started_proxy() -> AsyncIterator[Proxy]:
+    proxy = Proxy(ProxySettings(connect_s=1.0), Breakers(failure_threshold=2, open_seconds=60.0))
+    await proxy.start()
+    try:
+        yield proxy
+    finally:
+        await proxy.close()
 
 
 def test_the_payload_keeps_only_what_tokenize_reads() -> None:
@@ -35,11 +52,11 @@ def test_the_payload_keeps_only_what_tokenize_reads() -> None:
 async def test_remote_ids_give_the_same_prepared_request_as_local_tokenization() -> None:
     body = msgspec.json.encode(CHAT)
     models = Models(RouterConfig(models=[ModelConfig(name="kvrouter-stub")]), HASHER)
-    async with live_stub() as (server, _), aiohttp.ClientSession() as session:
+    async with live_stub() as (server, _), started_proxy() as proxy:
         assert server.info is not None
-        tokens = await RemoteTokenizer(session).tokenize(server.info.url, body)
+        tokens = await RemoteTokenizer(proxy.call).tokenize(E, server.info.url, body)
         with pytest.raises(RemoteTokenizeError, match="HTTP 404"):
-            await RemoteTokenizer(session).tokenize(server.info.url + "/nothing", body)
+            await RemoteTokenizer(proxy.call).tokenize(E, server.info.url + "/nothing", body)
     assert tokens == list(request_tokens(body, Endpoint.CHAT, BuiltinTokenizer()).tokens)
     remote = models.prepare_tokens(body, Endpoint.CHAT, tokens)
     local = models.prepare(body, Endpoint.CHAT)
@@ -48,6 +65,8 @@ async def test_remote_ids_give_the_same_prepared_request_as_local_tokenization()
 
 
 async def test_an_unreachable_engine_is_a_remote_tokenize_error() -> None:
-    async with aiohttp.ClientSession() as session:
-        with pytest.raises(RemoteTokenizeError):
-            await RemoteTokenizer(session, timeout_s=1.0).tokenize("http://127.0.0.1:9", b'{"prompt": "x"}')
+    async with started_proxy() as proxy:
+        with pytest.raises(RemoteTokenizeError, match="cannot connect to engine e1"):
+            await RemoteTokenizer(proxy.call, timeout_s=1.0).tokenize(
+                E, "http://127.0.0.1:9", b'{"prompt": "x"}'
+            )

@@ -340,3 +340,35 @@ def test_kubernetes_discovery_from_the_environment_and_its_checks() -> None:
         decode_config('[discovery.kubernetes]\nservices = ["a"]\nbackoff_s = 5\nbackoff_max_s = 1\n', "t")
     with pytest.raises(ConfigError, match="address_types"):
         decode_config('[discovery.kubernetes]\naddress_types = ["IPv5"]\n', "t.toml")
+
+
+def test_a_malformed_hf_repo_id_is_a_config_error_naming_the_field() -> None:
+    toml = b"""
+[[models]]
+name = "m"
+tokenizer = "Qwen/Qwen3 8B"
+tokenizer_revision = "main"
+[[engines]]
+name = "e"
+url = "http://127.0.0.1:1"
+tokenizer = "Qwen3-8B"
+"""
+    with pytest.raises(ConfigError) as info:
+        decode_config(toml, "router.toml")
+    lines = str(info.value).splitlines()
+    assert len(lines) == 2, lines  # the revision is not reported again beside its malformed repo
+    assert lines[0].startswith("router.toml: $.models[0].tokenizer: 'Qwen/Qwen3 8B' is neither")
+    assert lines[1].startswith("router.toml: $.engines[0].tokenizer: 'Qwen3-8B' is neither")
+
+
+def test_a_revision_needs_a_repo_id_and_a_repo_id_is_accepted() -> None:
+    pinned = decode_config(
+        b'[[models]]\nname = "m"\ntokenizer = "Qwen/Qwen3-8B"\ntokenizer_revision = "v1"\n', "t"
+    )
+    assert (pinned.models[0].tokenizer, pinned.models[0].tokenizer_revision) == ("Qwen/Qwen3-8B", "v1")
+    with pytest.raises(
+        ConfigError, match=r"\$\.models\[0\]\.tokenizer_revision: `tokenizer` must be an HF repo id"
+    ):
+        decode_config(
+            b'[[models]]\nname = "m"\ntokenizer = "/t/tokenizer.json"\ntokenizer_revision = "v1"\n', "t"
+        )

@@ -24,10 +24,9 @@ from router.core.keys.block_key import KeyHasher
 from router.core.kv_layout import GroupSpec, HashingMode, ModelSpec
 from router.core.lookup.computed_blocks import LookupRequest, ReplicaId, lookup
 from router.core.mirror.shared_index import EngineId, Mirror
+from tests.conftest import VLLM_FIXTURES
 
-TRACES = sorted(
-    (Path(__file__).resolve().parents[5] / "shared/fixtures/vllm-0.33.0/manager-traces").glob("*.trace.json")
-)
+TRACES = sorted((VLLM_FIXTURES / "manager-traces").glob("*.trace.json"))
 ENGINE = EngineId("e0")
 _BATCH = msgspec.json.Decoder(KVEventBatch)
 

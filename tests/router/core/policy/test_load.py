@@ -178,6 +178,23 @@ def test_decoding_lengthens_every_chunked_prefill_step() -> None:
     assert (ttft_terms(idle, 1000)[1], ttft_terms(idle, 0)[0]) == (0.0, 1)
 
 
+def test_the_engine_s_held_context_is_tracked_from_send_to_finish() -> None:
+    """Every step of an engine reads the KV of the requests it holds (the stub's cost model:
+    `context_read_s_per_token`); the tracker counts their prompts from the send to the finish,
+    answered or not, so a batch of long agent contexts makes each predicted step longer."""
+    load = LoadTracker(PRIOR, step=StepCost(0.006, 0.001, 1000, context_read_s_per_token=1e-6))
+    load.started(rid(1), A, at=0.0, uncached_tokens=100, context_tokens=20_000)
+    load.started(rid(2), A, at=0.0, uncached_tokens=50, context_tokens=5_000)
+    assert load.snapshot(A, now=0.0).context_tokens == 25_000
+    load.first_token(rid(1), at=0.1)  # decoding: still held, still read
+    snap = load.snapshot(A, now=0.1)
+    assert snap.context_tokens == 25_000
+    assert ttft_terms(snap, 0)[1] == pytest.approx(0.006 + 0.001 + 25_000 * 1e-6)
+    load.finished(rid(1), at=0.2)
+    load.finished(rid(2), at=0.2)  # (unanswered: ended before its first token)
+    assert load.snapshot(A, now=0.2).context_tokens == 0
+
+
 def test_the_prefill_model_learns_from_ttfts_without_the_predicted_decode_part() -> None:
     load = LoadTracker(CostPrior(0.0, 1e-4, weight=1.0, forgetting=1.0), step=STEP)
     for n in range(5):
@@ -453,9 +470,11 @@ def test_started_takes_out_the_decode_and_slot_wait_of_its_own_snapshot(
 class _AlwaysAfresh(LoadTracker):
     """`started` takes a new snapshot every time, as before the last one was reused."""
 
-    def started(self, request: RequestId, engine: EngineId, at: float, uncached_tokens: int) -> None:
+    def started(
+        self, request: RequestId, engine: EngineId, at: float, uncached_tokens: int, context_tokens: int = 0
+    ) -> None:
         self._engine(engine).seen = None
-        super().started(request, engine, at, uncached_tokens)
+        super().started(request, engine, at, uncached_tokens, context_tokens)
 
 
 class _Checked(LoadTracker):
@@ -465,13 +484,15 @@ class _Checked(LoadTracker):
     reused = 0
     taken = 0
 
-    def started(self, request: RequestId, engine: EngineId, at: float, uncached_tokens: int) -> None:
+    def started(
+        self, request: RequestId, engine: EngineId, at: float, uncached_tokens: int, context_tokens: int = 0
+    ) -> None:
         load = self._engine(engine)
         memo = load.seen, load.seen_at, load.seen_samples, load.seen_timed
         want = self.snapshot(engine, at)
         load.seen, load.seen_at, load.seen_samples, load.seen_timed = memo
         self.taken = 0
-        super().started(request, engine, at, uncached_tokens)
+        super().started(request, engine, at, uncached_tokens, context_tokens)
         if not self.taken:  # reused: what the new snapshot would have said
             _Checked.reused += 1
             assert memo[0] is not None
@@ -527,7 +548,8 @@ def test_a_send_reusing_the_last_snapshot_counts_what_a_new_one_would(
             elif op == "started" and rid(n) not in tracker._requests:
                 if lag is not None:  # else the last snapshot, taken before the ops since
                     tracker.snapshot(engine, clock - lag)  # the decision's, `lag` before the send
-                tracker.started(rid(n), engine, clock, max(tokens, 0))
+                # (a prompt of 4x its uncached tokens: the held context every step reads)
+                tracker.started(rid(n), engine, clock, max(tokens, 0), 4 * max(tokens, 0))
             elif op == "first_token":
                 tracker.first_token(rid(n), clock)
             elif op == "finished":

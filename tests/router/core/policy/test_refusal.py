@@ -6,10 +6,18 @@ from router.core.errors import NoEngineAvailable, Overloaded
 from router.core.ids import EngineId
 from router.core.policy.admission import Admission
 from router.core.policy.breaker import CircuitBreaker
-from router.core.policy.refusal import refusal
-from router.core.policy.scoring import WHY_AT_CAPACITY, WHY_BREAKER_OPEN, WHY_SATURATED, WHY_UNHEALTHY
+from router.core.policy.load import LoadSnapshot
+from router.core.policy.refusal import over_bound, refusal
+from router.core.policy.scoring import (
+    WHY_AT_CAPACITY,
+    WHY_BREAKER_OPEN,
+    WHY_SATURATED,
+    WHY_UNHEALTHY,
+    CandidateScore,
+)
+from router.core.policy.trust import TrustReason, TrustState, TrustStatus
 
-A, B = EngineId("a"), EngineId("b")
+A, B, C = EngineId("a"), EngineId("b"), EngineId("c")
 ADMISSION = Admission(max_total=10, max_per_engine=3, status=503, retry_after_s=2)
 
 
@@ -48,5 +56,29 @@ def test_every_engine_saturated_is_a_503_saturated_with_retry_after() -> None:
     assert isinstance(error, NoEngineAvailable) and error.reason == "saturated"
     assert (error.http_status(), error.headers["Retry-After"]) == (503, "2")
     assert "saturated" in error.message and "`m`" in error.message
+
+
+def test_saturated_by_predicted_ttft_retries_after_the_first_engine_drains_below_the_bound() -> None:
+    """Retry-After is the predicted drain time of the engine nearest the bound (issue #29 item 5),
+    never below limits.retry_after_s; with an engine saturated by its scraped queue, the configured one."""
+    both = [(A, WHY_SATURATED), (B, WHY_SATURATED)]
+    error = refusal("m", both, ADMISSION, {}, {A: 6.2, B: 4.1})
+    assert (error.reason, error.headers["Retry-After"]) == ("saturated", "5")
+    assert "max_predicted_ttft_s by b: 4.10 s, a: 6.20 s" in error.message
+    assert refusal("m", both, ADMISSION, {}, {A: 0.3, B: 9.0}).headers["Retry-After"] == "2"
+    scraped = refusal("m", both, ADMISSION, {}, {A: 6.2})  # b: its waiting queue, no drain time
+    assert scraped.headers["Retry-After"] == "2" and "waiting queue" in scraped.message
+
+
+def test_over_bound_names_the_candidates_past_the_predicted_ttft_bound() -> None:
+    load = LoadSnapshot(0, 0, 0, 0, None, 0.02, 1e-4, False)
+    fresh = TrustStatus(TrustState.FRESH, TrustReason.OK, "ok", 0.0)
+
+    def scored(engine: EngineId, ttft: float, why_not: str) -> CandidateScore:
+        return CandidateScore(engine, 0, 0, 0, 0, False, 10, ttft, fresh, load, not why_not, why_not)
+
+    candidates = [scored(A, 3.5, WHY_SATURATED), scored(B, 1.0, WHY_SATURATED), scored(C, 9.0, WHY_UNHEALTHY)]
+    assert over_bound(candidates, 2.0) == {A: 1.5}  # b: saturated by its scraped queue, not the bound
+    assert over_bound(candidates, 0.0) == {}  # no bound
     mixed = refusal("m", [(A, WHY_SATURATED), (B, WHY_UNHEALTHY)], ADMISSION, {})
     assert mixed.reason == "no_engine" and "a: saturated" in mixed.message

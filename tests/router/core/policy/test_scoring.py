@@ -248,6 +248,25 @@ def test_decoding_sequences_lengthen_the_predicted_ttft_and_are_recorded() -> No
     assert a.predicted_ttft_s == pytest.approx(0.010 + 0.090 + 0.056)
 
 
+@pytest.mark.parametrize("long_contexts", ["a", "b"])
+def test_kv_prefers_the_engine_whose_running_batch_holds_less_context(long_contexts: str) -> None:
+    """Two engines alike in queue, hits and batch size; one's 8 sequences hold agent contexts of 25k
+    tokens, the other's 1k. Each step of the first reads 200k tokens of KV (7.6 ms at the stub's
+    38 ns), so kv sends the request to the second, whichever it is. Before the model read context,
+    the two tied and the stable hash chose the same engine for both orders."""
+    step = StepCost(context_read_s_per_token=38e-9)
+
+    def engine(name: str) -> Candidate:
+        context = 8 * (25_000 if name == long_contexts else 1_000)
+        load = LoadSnapshot(8, 0, 8, 0, None, OVERHEAD, PER_TOKEN, False, step, context_tokens=context)
+        return Candidate(EngineId(name), 0, 0, 0, 1000, FRESH, load)
+
+    decision = Scorer(ScorerSettings()).choose(RouteRequest(KEY), [engine("a"), engine("b")])
+    assert decision.engine == ("b" if long_contexts == "a" else "a")
+    slow = next(c for c in decision.candidates if c.engine == long_contexts)
+    assert slow.decode_s == pytest.approx(0.006 + 8 * 40e-6 + 200_000 * 38e-9)
+
+
 def test_every_engine_saturated_leaves_none_eligible_and_says_why() -> None:
     settings = ScorerSettings(max_predicted_ttft_s=0.05)
     both = Scorer(settings).choose(RouteRequest(KEY), [_decoding("a", 50), _decoding("b", 60)])

@@ -1,0 +1,436 @@
+"""Deciding, apart from proxying: admission, preparation, the decision, refusals, and the request's
+accounting after it (served by, answered, ended). One `Decider` per process.
+
+Both request paths use it: the gateway's proxy (router.edge.gateway: it reads the body, forwards to
+the engine and relays the answer) and the endpoint picker (router.epp.picker: a gateway in front
+forwards and relays, the picker only names the engine). What each needs, and nothing of the other's:
+
+- `check_key(scope)` the API key (when `auth` requires one), `enter()` an admission slot (or the
+  overload refusal), `refused(status, reason)` counting a request answered before any engine was
+  chosen;
+- `decide(...)` the request prepared (the gateway's tokenization and block keys) and routed: an
+  `Exchange`;
+- the `Exchange` then carries the decided request to its end: `pick()` (the first attempt chosen and
+  counted, when no proxy chooses it), `sent()` (the proxy's hook), `served_by(engine)` (another
+  replica served: the counts move), `answered(engine, status, note)` (the answer's own headers),
+  `first_byte`, `end(status, cached)` (the engine's reported cached tokens: metrics, ring, log), or
+  `failed(exc)`.
+
+Failures are `RouterError`s, counted where they are raised.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from bisect import bisect_left
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import TYPE_CHECKING, Final, NoReturn
+
+from starlette.datastructures import Headers
+from starlette.types import Scope
+
+from router.core.errors import BadRequest, RouterError
+from router.core.ids import EngineId
+from router.core.policy.scoring import RouteRequest, reads_prompt
+from router.core.policy.trust import TrustState
+from router.core.prepared import Prepared
+from router.core.routing import Routed
+from router.edge.access_log import AccessNote
+from router.edge.client_io import header_in
+from router.edge.flight import Flight
+from router.edge.headers import forwarded_headers
+from router.edge.upstream import ProxyRequest, Target
+from router.ops.bucket_histogram import BucketHistogramChild, observe_present
+from router.ops.debug import DecisionEntry, Explanation, PreparedView
+from router.prepare.remote_tokenize import RemoteTokenizeError, RemoteTokenizer
+from router.prepare.served_models import UnknownModel
+from tokenization.openai_request import Endpoint, RequestError
+
+if TYPE_CHECKING:  # (the gateway module builds a Decider: imported for the annotation only)
+    from router.edge.gateway import GatewayParts
+
+__all__ = ["OWN_HEADERS", "Decider", "Exchange", "stage_timings", "view_of"]
+
+log = logging.getLogger(__name__)
+
+_STAGES: Final = ("tokenize", "hash", "lookup", "score")
+_NO_TIMES: Final = (0.0,) * len(_STAGES)
+_QUIET: Final = ("200", "client_closed")
+"""The ends logged only at DEBUG."""
+OWN_HEADERS: Final = (
+    b"x-request-id",
+    b"x-kvrouter-engine",
+    b"x-kvrouter-predicted-cached-tokens",
+    b"x-kvrouter-mirror-trust",
+)
+"""The names of the headers added to every answer (`Exchange.answered`), in their order."""
+
+
+def view_of(prepared: Prepared) -> PreparedView:
+    """What the debug endpoints show of a prepared request."""
+    return PreparedView(
+        prepared.model, str(prepared.endpoint), prepared.stream, prepared.prompt_tokens,
+        len(prepared.keys), prepared.skip_cache, prepared.unread, prepared.tokenizer,
+    )  # fmt: skip
+
+
+def stage_timings(first: Mapping[str, float], then: Mapping[str, float]) -> dict[str, float]:
+    """`{**first, **then}`: the preparation's stage timings, then routing's. By `|` when `first` is
+    a dict or a mapping proxy (as `Prepared` keeps them) and `then` a dict: one C call, where `**`
+    reads a proxy key by key (~3x the time)."""
+    if type(then) is dict and (type(first) is MappingProxyType or type(first) is dict):
+        return first | then
+    return {**first, **then}
+
+
+_TRUST_RAW: Final = tuple((state, state.value.encode("latin-1")) for state in TrustState)
+"""Each trust state and its header bytes, found by identity: hashing an `Enum` member is a Python call."""
+
+
+def _prepare_failed(exc: Exception, endpoint: Endpoint) -> NoReturn:
+    """Raise what a failed preparation is answered with (`Decider.prepare`): the model's 404 (or 400),
+    a 400 naming the field, a `RouterError` as it is, or a logged 500 for anything else (a bug)."""
+    if isinstance(exc, UnknownModel):  # the gateway's own answer: no engine is asked
+        raise exc.answer() from None
+    if isinstance(exc, RequestError):
+        raise BadRequest(str(exc), param=exc.param) from None
+    if isinstance(exc, RouterError):
+        raise exc
+    log.exception("preparing a request failed", extra={"endpoint": endpoint.value})
+    failure = type(exc).__name__
+    raise RouterError(f"internal error while preparing the request ({failure}, logged)") from exc
+
+
+class Decider:
+    """Admits, prepares and decides requests, and counts their outcomes (see the module docstring)."""
+
+    def __init__(self, parts: GatewayParts) -> None:
+        self.parts = parts
+        self.policy = parts.config.policy.name
+        self.session_header = parts.config.policy.session_header.lower().encode("latin-1")
+        self.max_body = parts.config.limits.max_body_bytes
+        self.any_remote = parts.models.any_remote()  # configured, or a repo-named tokenizer not had
+        self._remote = RemoteTokenizer(parts.proxy.call)
+        # The stages' histogram children, looked up once rather than per request (a lock and a dict each).
+        overhead = {stage: parts.metrics.overhead.labels(stage) for stage in (*_STAGES, "proxy")}
+        self.stage_children = tuple((stage, overhead[stage]) for stage in _STAGES)
+        self.proxy_overhead = overhead["proxy"]
+        policy = parts.config.policy
+        # Nothing reads the prompt: the policy does not, saturation does not, no recording is made.
+        self.prompt_free = (
+            not reads_prompt(policy.name, policy.max_predicted_ttft_s) and parts.recorder is None
+        )
+
+    def check_key(self, scope: Scope) -> None:
+        """The request's API key, when `auth` requires one (a refusal counted)."""
+        guard = self.parts.guard
+        if guard.api_keys_required:
+            try:
+                guard.check_api(Headers(scope=scope))
+            except RouterError as exc:
+                self.refused(str(exc.http_status()), exc.reason)
+                raise
+
+    def enter(self) -> None:
+        """Take an admission slot (`fleet.admission.leave()` gives it back), or refuse the request as
+        overloaded (counted)."""
+        if not self.parts.fleet.admission.enter():
+            self.overloaded()
+
+    def overloaded(self) -> NoReturn:
+        """Refuse a request no admission slot is left for (counted)."""
+        overloaded = self.parts.fleet.admission.overloaded()
+        self.refused(str(overloaded.http_status()), overloaded.reason)
+        raise overloaded
+
+    def refused(self, status: str, reason: str | None = None) -> None:
+        """Count a request answered by the router itself, before any engine was chosen (and why)."""
+        self.parts.metrics.refused(self.policy, status, reason)
+
+    async def prepare(
+        self, body: bytes, endpoint: Endpoint, full: bool = False, defer: bool = False
+    ) -> Prepared:
+        """`Models.prepare` (with an engine's /tokenize for `remote_tokenize` models), or only the
+        fields routing reads when nothing reads the prompt (unless `full`); a bad request is a 400
+        naming the field, any other failure a logged 500 (`RouterError`). With `defer`, the stores
+        for later requests are left for `Models.run_stores` (router.prepare.served_models)."""
+        if not self.any_remote:
+            return self.prepare_local(body, endpoint, full, defer)
+        models = self.parts.models
+        try:
+            if self.prompt_free and not full and (unread := models.prepare_unread(body, endpoint)):
+                return unread
+            model = models.resolve(body)
+            if models.needs_remote(model):
+                tokens = await self._remote_tokens(body, model)
+                if tokens is not None:
+                    return models.prepare_tokens(body, endpoint, tokens, model, defer=defer)
+                return models.prepare_fallback(body, endpoint, model, defer=defer)
+            return models.prepare(body, endpoint, model, defer=defer)
+        except Exception as exc:
+            _prepare_failed(exc, endpoint)
+
+    def prepare_local(
+        self, body: bytes, endpoint: Endpoint, full: bool = False, defer: bool = False
+    ) -> Prepared:
+        """`prepare` when no model tokenizes remotely (`any_remote` False), with no coroutine: it
+        never waits (and skips the model lookup the remote path makes first: one JSON decode)."""
+        models = self.parts.models
+        try:
+            if self.prompt_free and not full and (unread := models.prepare_unread(body, endpoint)):
+                return unread
+            return models.prepare(body, endpoint, defer=defer)
+        except Exception as exc:
+            _prepare_failed(exc, endpoint)
+
+    async def _remote_tokens(self, body: bytes, model: str) -> list[int] | None:
+        """The prompt ids from the first reachable replica of `model`; None (logged) when none answers."""
+        for replica in self.parts.fleet.replicas(model):
+            base_url, _ = self.parts.fleet.replica_target(replica)
+            try:
+                return await self._remote.tokenize(replica, base_url, body)
+            except RemoteTokenizeError as exc:
+                log.warning("remote tokenization failed", extra={"engine": replica, "error": str(exc)})
+        self.parts.metrics.remote_tokenize_failures.inc()
+        return None
+
+    async def prepare_counted(self, body: bytes, endpoint: Endpoint) -> Prepared:
+        """`prepare` (deferring its stores), for `decide` when some model tokenizes on an engine; a
+        refusal is counted."""
+        try:
+            return await self.prepare(body, endpoint, defer=True)
+        except RouterError as exc:
+            self.refused(str(exc.http_status()), exc.reason)
+            raise
+
+    def decide(
+        self,
+        scope: Scope,
+        endpoint: Endpoint,
+        body: bytes,
+        rid: str,
+        arrived: float,
+        prepared: Prepared | None,
+        excluded: frozenset[EngineId] = frozenset(),
+    ) -> Exchange:
+        """Prepare the request (unless `prepared`; its stores deferred to `Exchange.sent`) and decide
+        where it goes, never to an `excluded` replica (the endpoint picker's subset hint): the exchange
+        that carries it to its end. `scope` is the request's ASGI scope (method, headers); `arrived`
+        its arrival on the perf_counter clock. A refusal is counted."""
+        parts = self.parts
+        if prepared is None:
+            try:
+                prepared = self.prepare_local(body, endpoint, False, True)
+            except RouterError as exc:
+                self.refused(str(exc.http_status()), exc.reason)
+                raise
+        # `view_of(prepared)`, inline: one call less per request.
+        view = PreparedView(
+            prepared.model, str(prepared.endpoint), prepared.stream, prepared.prompt_tokens,
+            len(prepared.keys), prepared.skip_cache, prepared.unread, prepared.tokenizer,
+        )  # fmt: skip
+        entry = DecisionEntry(request_id=rid, time=time.time(), request=view)
+        # The key was the router's (engines never see it); the request id is the gateway's. The path is
+        # str(endpoint): a C call, where Enum.value is a Python-level property.
+        headers = forwarded_headers(scope["headers"], rid, parts.guard.api_keys_required)
+        proxied = ProxyRequest(scope["method"], str(endpoint), headers, body, True)
+        route = RouteRequest(prepared.session_key, header_in(scope, self.session_header), excluded)
+        flight = Flight(parts.fleet, parts.core, proxied, entry, route)
+        if parts.recorder is not None:  # (kept before the decision: the recording's order and times)
+            parts.recorder.request(rid, endpoint.value, prepared.model, Headers(scope=scope), body)
+            flight.on_decision = parts.recorder.decision
+        routed = flight.decide(prepared, parts.fleet.clock())
+        return Exchange(self, flight, entry, (prepared, routed), (arrived, time.perf_counter()))
+
+    def failed(self, entry: DecisionEntry, exc: BaseException) -> None:
+        """Count and log a decided request that ended in `exc` with no answer relayed."""
+        engine = entry.engine or "none"
+        status = str(exc.http_status()) if isinstance(exc, RouterError) else "client_closed"
+        entry.status = exc.http_status() if isinstance(exc, RouterError) else 499
+        self.parts.metrics.requests_of[engine, self.policy, status].inc()
+        if isinstance(exc, RouterError) and exc.reason is not None:  # refused: no engine could take it
+            self.parts.metrics.rejected.labels(exc.reason).inc()
+        log.warning(
+            "request failed",
+            extra={"request_id": entry.request_id, "engine": engine, "status": status, "error": str(exc)},
+        )
+
+    def log_end(self, entry: DecisionEntry, status: str) -> None:
+        """Log the request's end: its caller asks first (`_QUIET` ends only at DEBUG), with no call."""
+        level = logging.DEBUG if status == "200" else logging.INFO
+        log.log(
+            level,
+            "request done",
+            extra={
+                "request_id": entry.request_id,
+                "engine": entry.engine,
+                "status": status,
+                "predicted_cached_tokens": entry.predicted_cached_tokens,
+                "actual_cached_tokens": entry.actual_cached_tokens,
+                "attempts": len(entry.attempts),
+            },
+        )
+
+    async def explain(self, body: bytes, endpoint: Endpoint, session: str | None) -> Explanation:
+        """What routing would decide for `body` now, without sending it (for `POST /debug/route`)."""
+        prepared = await self.prepare(body, endpoint, full=True)
+        route = RouteRequest(key=prepared.session_key, session=session)
+        routed = self.parts.core.route(prepared, route, self.parts.fleet.clock())
+        return Explanation(
+            view_of(prepared), routed.decision, stage_timings(prepared.timings, routed.timings)
+        )
+
+
+class Exchange:
+    """One decided request from its forwarding to its end: the proxy's `sent` hook, then its relay's
+    `first_byte` and `end` hooks, as methods of one object (no closures and cells per request). It
+    holds no reference to its relay, so relay and exchange are freed by reference counting.
+
+    Only the decision is made before the request is written to the engine. What later requests'
+    routing reads (the flight's counts: load, admission, pending prefix, awaited stores), what their
+    preparation reads (the tokenization and key caches' stores, `Models.run_stores`) and the debug
+    record (its timings, its place in the ring) are done by `sent`, which the proxy runs right after
+    the write, before control returns to the event loop (Proxy.forward), so they cost the engine's
+    time, not the first chunk's (under load the write is queued to go out with the loop turn's
+    others: router.edge.http1), and no other request routes or is prepared without them. A refusal
+    or a failure before the write runs them all the same (`failed`)."""
+
+    __slots__ = (
+        "arrived", "decider", "engine", "entry", "flight", "forwarding", "kept", "model", "note",
+        "pre_forward", "predicted", "prepared", "proxied", "routed", "status", "streamed_ok",
+    )  # fmt: skip
+
+    def __init__(
+        self, decider: Decider, flight: Flight, entry: DecisionEntry, decided: tuple[Prepared, Routed],
+        times: tuple[float, float],
+    ) -> None:  # fmt: skip
+        """`decided` = (the preparation, the routing); `times` = (arrival, the decision's end) on the
+        perf_counter clock."""
+        self.decider, self.flight, self.entry = decider, flight, entry
+        self.proxied = flight.request
+        self.prepared, self.routed = decided
+        self.arrived, self.forwarding = times
+        self.kept = False
+
+    def sent(self) -> None:
+        """The chosen attempt went out (or is about to wait): its flight's counts; the first time,
+        the stores and the debug record too (`_keep`)."""
+        self.flight.sent()
+        if self.kept:
+            return
+        # `_keep()`, inline: one call less per request.
+        self.kept = True
+        parts = self.decider.parts
+        parts.models.run_stores()
+        entry, first, then = self.entry, self.prepared.timings, self.routed.timings
+        fast = type(then) is dict and (type(first) is MappingProxyType or type(first) is dict)
+        entry.timings_s = first | then if fast else stage_timings(first, then)  # type: ignore[operator]
+        parts.ring.add(entry)
+
+    def _keep(self) -> None:
+        """Run the preparation's stores for later requests; complete the request's debug record (its
+        stages' timings) and keep it in the ring."""
+        self.kept = True
+        parts = self.decider.parts
+        parts.models.run_stores()
+        self.entry.timings_s = stage_timings(self.prepared.timings, self.routed.timings)
+        parts.ring.add(self.entry)
+
+    def failed(self, exc: BaseException) -> None:
+        """No answer to relay (`exc` ends the request): recorded and counted all the same."""
+        if not self.kept:  # refused, or failed before any attempt went out
+            self._keep()
+        self.flight.finish()
+        self.decider.failed(self.entry, exc)
+
+    def pick(self) -> Target:
+        """The decided replica, counted as sent (`sent`), when no proxy chooses the attempt: a gateway
+        in front forwards the request (the endpoint picker). A refusal (no eligible replica) ends the
+        exchange as `failed` and is raised."""
+        try:
+            target = self.flight.choose(frozenset())
+        except BaseException as exc:
+            self.failed(exc)
+            raise
+        assert target is not None  # (the first attempt raises the refusal instead)
+        self.sent()
+        return target
+
+    @property
+    def runner_up(self) -> EngineId | None:
+        """The decision's second choice (a fallback for a gateway that retries), None without one."""
+        decision = self.flight.decision
+        return decision.runner_up if decision is not None else None
+
+    def served_by(self, engine: EngineId) -> None:
+        """Another replica than the pick served the request (a gateway's retry): the request's load,
+        admission and pending prefix move to `engine`."""
+        self.flight.moved_to(engine)
+
+    def answered(self, engine: str, status: int, note: AccessNote) -> list[tuple[bytes, bytes]]:
+        """`engine` began its answer with `status`: keep what `first_byte` and `end` read, and return
+        the headers added to the answer (`OWN_HEADERS`). The gateway relay's step, and the endpoint
+        picker's when the gateway in front relays the answer (router.epp.picker)."""
+        entry = self.entry
+        # The routing stages' time, before forwarding (each stage's `get(stage, 0.0)`, summed in C),
+        # and the gateway's own time before forwarding outside them.
+        own = sum(map(entry.timings_s.get, _STAGES, _NO_TIMES), 0.0)
+        self.pre_forward = max(0.0, self.forwarding - self.arrived - own)
+        self.status, self.note, self.engine, self.model = status, note, engine, entry.request.model
+        self.streamed_ok = status == 200 and entry.request.stream
+        predicted = self.predicted = entry.predicted_cached_tokens or 0
+        # The trust state of the engine's mirror when the last decision chose it (scoring counts
+        # hits only from `fresh` ones), as the header's bytes; `unknown` if that decision did not
+        # score it. Inline: one call less per request.
+        trust = b"unknown"
+        for candidate in entry.decisions[-1].candidates if entry.decisions else ():
+            if candidate.engine == engine:
+                state = candidate.trust.state
+                for member, raw in _TRUST_RAW:
+                    if member is state:
+                        trust = raw
+                break
+        rid_name, engine_name, predicted_name, trust_name = OWN_HEADERS
+        headers = [
+            (rid_name, entry.request_id.encode("latin-1")),
+            (engine_name, engine.encode("latin-1")),
+            (predicted_name, b"%d" % predicted),
+            (trust_name, trust),
+        ]
+        return headers
+
+    def first_byte(self, relay_s: float) -> None:
+        """The answer's first chunk was handed to the client, `relay_s` after it arrived."""
+        self.flight.first_byte(self.status == 200)
+        decider = self.decider
+        overhead, child = self.pre_forward + relay_s, decider.proxy_overhead
+        if type(child) is BucketHistogramChild and overhead == overhead:  # `observe`, inline (NaN: its own)
+            child.sum += overhead
+            child.counts[bisect_left(child.bounds, overhead)] += 1
+        else:
+            child.observe(overhead)
+        if self.streamed_ok:  # a JSON answer's first chunk is most of the answer: no TTFT to speak of
+            ttft_s = time.perf_counter() - self.arrived
+            decider.parts.metrics.ttft_of[self.engine, self.model].observe(ttft_s)
+
+    def end(self, status: str, cached: int | None) -> None:
+        """The answer ended with `status` ("200", "broken", "client_closed", "client_slow") and the
+        engine's reported cached tokens: counted, recorded, logged (`_QUIET` ends only at DEBUG); the
+        admission slot given back."""
+        self.flight.finish()
+        decider, entry = self.decider, self.entry
+        parts = decider.parts
+        # Observed once the answer is out, not on its first byte's path.
+        observe_present(decider.stage_children, entry.timings_s)
+        parts.fleet.admission.leave()
+        entry.status = self.status
+        entry.actual_cached_tokens = self.note.actual_cached_tokens = cached
+        reported = None if entry.request.unread else cached  # no prompt read: nothing predicted
+        took_s = time.perf_counter() - self.arrived
+        parts.metrics.answered(
+            self.engine, decider.policy, status, self.model, took_s, self.predicted, reported
+        )
+        if status not in _QUIET or log.isEnabledFor(logging.DEBUG):
+            decider.log_end(entry, status)

@@ -1,0 +1,158 @@
+"""Anthropic Messages and OpenAI Responses through the gateway: routed by prefix like chat completions.
+
+Two real engine stubs (which serve both APIs as vLLM does), the real gateway, real ZeroMQ. An agent
+session's second step extends its first (a tool call and its result); it must go where the first
+went, and the gateway's predicted cached tokens must equal what the engine reports in the API's own
+usage shape, streamed or not. Malformed bodies are the gateway's counted 400s.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+
+from router.ops.debug import DecisionEntry
+from tests.gateway_helpers import (
+    ADMIN,
+    Gateway,
+    engine_of,
+    gateway_config,
+    metric,
+    mirrors_caught_up,
+    running_gateway,
+    running_stubs,
+    wait_for,
+)
+from tests.stub_helpers import BS
+
+MODEL = "kvrouter-stub"
+SYSTEM = "You are a careful coding agent working in a large repository. " * 4
+TOOLS = [{"name": "bash", "description": "Run a shell command", "input_schema": {"type": "object"}}]
+
+
+def messages_step(step: int, stream: bool) -> dict[str, Any]:
+    """A Messages body: the session's first step, or its second (a tool call and its result added)."""
+    turns: list[dict[str, Any]] = [{"role": "user", "content": "Find the failing test and fix it."}]
+    if step == 2:
+        use = {"type": "tool_use", "id": "toolu_1", "name": "bash", "input": {"cmd": "pytest -x"}}
+        result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "FAILED test_a.py::test_b"}
+        turns += [
+            {"role": "assistant", "content": [{"type": "text", "text": "Running the tests."}, use]},
+            {"role": "user", "content": [result]},
+        ]
+    system = [{"type": "text", "text": SYSTEM}]
+    return {
+        "model": MODEL,
+        "max_tokens": 4,
+        "system": system,
+        "tools": TOOLS,
+        "messages": turns,
+        "stream": stream,
+    }
+
+
+def responses_step(step: int, stream: bool) -> dict[str, Any]:
+    """A Responses body: the session's first step, or its second (a function call and its output)."""
+    items: list[dict[str, Any]] = [{"role": "user", "content": "Find the failing test and fix it."}]
+    if step == 2:
+        items += [
+            {"type": "function_call", "call_id": "c1", "name": "bash", "arguments": '{"cmd": "pytest -x"}'},
+            {"type": "function_call_output", "call_id": "c1", "output": "FAILED test_a.py::test_b"},
+        ]
+    tools = [{"type": "function", "name": "bash", "parameters": {"type": "object"}}]
+    fields = {"instructions": SYSTEM, "tools": tools, "input": items, "stream": stream}
+    return {"model": MODEL, "max_output_tokens": 4, **fields}
+
+
+def sse_events(text: str) -> list[dict[str, Any]]:
+    """The JSON payloads of a named-event SSE stream, in order."""
+    events = []
+    for block in text.split("\n\n"):
+        data = "".join(line[5:].strip() for line in block.split("\n") if line.startswith("data:"))
+        if data:
+            events.append(json.loads(data))
+    return events
+
+
+def reported_cached(path: str, answer: httpx.Response, stream: bool) -> int:
+    """The engine's cached tokens in the API's own usage shape."""
+    if path == "/v1/messages":
+        usage = sse_events(answer.text)[-2]["usage"] if stream else answer.json()["usage"]
+        assert usage["input_tokens"] >= 0
+        return int(usage["cache_read_input_tokens"])
+    body = sse_events(answer.text)[-1]["response"] if stream else answer.json()
+    return int(body["usage"]["input_tokens_details"]["cached_tokens"])
+
+
+async def decision(gw: Gateway, rid: str) -> DecisionEntry:
+    found = await gw.client.get(f"/debug/decisions/{rid}", headers={"Authorization": f"Bearer {ADMIN}"})
+    return msgspec.json.decode(found.content, type=DecisionEntry)
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+@pytest.mark.parametrize(
+    ("path", "step"),
+    [("/v1/messages", messages_step), ("/v1/responses", responses_step)],
+    ids=["messages", "responses"],
+)
+async def test_a_sessions_second_step_goes_where_its_prefix_is_and_is_predicted_exactly(
+    path: str, step: Any, stream: bool
+) -> None:
+    async with running_stubs(2) as stubs:
+        engines = {f"e{i}": s for i, s in enumerate(stubs)}
+        async with running_gateway(gateway_config([engine_of(n, s) for n, s in engines.items()])) as gw:
+            first = await gw.client.post(path, json=step(1, stream))
+            assert first.status_code == 200, first.text
+            assert reported_cached(path, first, stream) == 0
+            await wait_for(mirrors_caught_up(gw, engines))
+            second = await gw.client.post(path, json=step(2, stream), headers={"x-request-id": "step-2"})
+            assert second.status_code == 200, second.text
+            assert second.headers["x-kvrouter-engine"] == first.headers["x-kvrouter-engine"]
+            actual = reported_cached(path, second, stream)
+            assert actual >= 8 * BS  # the system prompt, tools and first turn
+            assert int(second.headers["x-kvrouter-predicted-cached-tokens"]) == actual
+            entry = await decision(gw, "step-2")
+    assert entry.request.endpoint == path  # the decision record says which API
+    assert entry.actual_cached_tokens == entry.predicted_cached_tokens == actual
+
+
+MALFORMED = [
+    (
+        "/v1/messages",
+        {"model": MODEL, "max_tokens": 4, "messages": [{"role": "user", "content": [{"type": "video"}]}]},
+    ),
+    ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [{"role": "tool", "content": "x"}]}),
+    ("/v1/messages", {"model": MODEL, "max_tokens": 4, "messages": [], "tools": [{"name": "t"}]}),
+    ("/v1/messages", {"model": MODEL, "messages": []}),
+    ("/v1/responses", {"model": MODEL, "input": [{"type": "web_search_call", "id": "w"}]}),
+    ("/v1/responses", {"model": MODEL, "input": "x", "tools": [{"type": "function"}]}),
+    ("/v1/responses", {"model": MODEL, "input": "x", "tool_choice": "required"}),
+]
+
+
+async def test_malformed_bodies_are_counted_400s_and_the_gateway_keeps_serving() -> None:
+    async with running_stubs(1) as stubs, running_gateway(gateway_config([engine_of("e0", stubs[0])])) as gw:
+        for path, body in MALFORMED:
+            answer = await gw.client.post(path, json=body)
+            assert answer.status_code == 400, (path, body, answer.text)
+            assert answer.json()["error"]["type"] == "invalid_request_error"
+        text = (await gw.client.get("/metrics")).text
+        assert metric(text, "kvrouter_rejected_requests_total", reason="bad_request") == len(MALFORMED)
+        assert stubs[0].stub.engines[0].counters.prompt_tokens == 0  # none reached the engine
+        for path, step in (("/v1/messages", messages_step), ("/v1/responses", responses_step)):
+            assert (await gw.client.post(path, json=step(1, False))).status_code == 200
+
+
+async def test_count_tokens_is_passed_through_and_a_wrong_method_is_the_gateways_405() -> None:
+    async with running_stubs(1) as stubs, running_gateway(gateway_config([engine_of("e0", stubs[0])])) as gw:
+        counted = await gw.client.post("/v1/messages/count_tokens", json={"model": MODEL, "messages": []})
+        assert (
+            counted.headers["x-kvrouter-engine"] == "e0"
+        )  # the engine's answer (the stub has no such route)
+        for path in ("/v1/messages", "/v1/responses"):
+            wrong = await gw.client.get(path)
+            assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"

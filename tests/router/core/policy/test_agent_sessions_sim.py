@@ -1,0 +1,97 @@
+"""Agent sessions in virtual time (issue #29 item 6): the policies' TTFT, and the load the engines report.
+
+A small agent workload (`kvrouter loadtest --workload agents`, prompts scaled by 32/512: app
+prefixes of 375-1,250 tokens; 12 sessions, 191 requests, answers capped at 24 tokens) runs through
+the routing simulator (tests/routing_sim.py: the gateway's real preparation, mirror, lookup and
+scorer over the stub's schedulers and cost model, in virtual time, so the comparison is exact and
+takes seconds). Its arrivals are scaled so the offered load, by the stubs' own time model
+(kvrouter/loadtest/plan.py), is 0.92 on 4 engines.
+
+Figures on this workload when written (p50 / p90 ms, cached ratio, busy fraction reported by the
+engines): kv 16.5 / 26.5, 0.918, 0.83; prefix_approx 16.8 / 25.2, 0.913, 0.75; round_robin 34.0 /
+83.5, 0.744, 1.10. kv beats round robin by 2x and 3x and prefix_approx at p50 by a hair; it does
+not beat prefix_approx at p90 (issue #29 item 4), which the strict xfail below records until it does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from engine_stub.core.engine_config import CacheConfig, EngineCoreConfig, GroupSpec
+from engine_stub.runtime.cost_model import CostModel
+from kvrouter.loadtest.agents import AgentWorkload, agent_requests
+from kvrouter.loadtest.plan import StubFleet, offered_load
+from kvrouter.loadtest.workload import RequestSpec, arrival_span, scale_arrivals
+from router.core.policy.load import StepCost
+from router.core.policy.scoring import PolicyName
+from tests.routing_sim import TTFT_ORACLE, SimEngines, SimResult, run
+
+ENGINES = 4
+CORE = EngineCoreConfig(
+    cache=CacheConfig(num_gpu_blocks=4096, groups=(GroupSpec(block_size=16),), max_model_len=16384)
+)
+SIM = SimEngines(engines=ENGINES, core=CORE, cost=CostModel(), step=StepCost())
+SCALE = 0.012
+"""The arrival scale that makes the offered load 0.92 (found by `plan.at_load`, 17 s: fixed here)."""
+
+
+def workload() -> list[RequestSpec]:
+    spec = AgentWorkload(sessions=12, block_tokens=32, max_output_tokens=24, seed=0)
+    return scale_arrivals(agent_requests(spec), SCALE)
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[int(q * len(ordered))]
+
+
+def busy_fraction(result: SimResult, requests: list[RequestSpec]) -> float:
+    """What the engines report: their busy seconds over the arrival span (the harness's figure)."""
+    return sum(result.busy_s) / ENGINES / arrival_span(requests)
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict[str, SimResult]:
+    requests = workload()
+    return {
+        p.value: run(p, requests, SIM)
+        for p in (PolicyName.KV, PolicyName.ROUND_ROBIN, PolicyName.PREFIX_APPROX)
+    }
+
+
+@pytest.mark.parametrize("q", [0.5, 0.9])
+def test_kv_beats_round_robin_on_agent_sessions(runs: dict[str, SimResult], q: float) -> None:
+    kv, rr = (percentile(runs[p].ttft, q) for p in ("kv", "round_robin"))
+    assert all(math.isfinite(t) for r in runs.values() for t in r.ttft)  # every request answered
+    assert kv < rr, f"p{q * 100:.0f}: kv {kv * 1000:.1f} ms, round_robin {rr * 1000:.1f} ms"
+
+
+def test_kv_beats_prefix_approx_at_p50_on_agent_sessions(runs: dict[str, SimResult]) -> None:
+    """By 2% here (16.5 against 16.8 ms); at arrivals x 0.010 instead (offered 0.87) it did not
+    (19.3 against 19.1 ms): a margin this thin is issue #29 item 4's, not settled."""
+    kv, approx = (percentile(runs[p].ttft, 0.5) for p in ("kv", "prefix_approx"))
+    assert kv < approx, f"p50: kv {kv * 1000:.1f} ms, prefix_approx {approx * 1000:.1f} ms"
+
+
+@pytest.mark.xfail(strict=True, reason="issue #29 item 4: kv p90 26.5 ms > prefix_approx 25.2 ms here")
+def test_kv_beats_prefix_approx_at_p90_on_agent_sessions(runs: dict[str, SimResult]) -> None:
+    kv, approx = (percentile(runs[p].ttft, 0.9) for p in ("kv", "prefix_approx"))
+    assert kv < approx, f"p90: kv {kv * 1000:.1f} ms, prefix_approx {approx * 1000:.1f} ms"
+
+
+def test_the_offered_load_is_what_the_engines_report(runs: dict[str, SimResult]) -> None:
+    """Behind the reference router (the TTFT oracle) the engines report exactly the offered load:
+    one simulator prices `--load` and runs the engines. Behind kv, which caches as much, within 15%
+    (its own placement moves the batching: 0.83 of 0.92 here); round robin, which caches less,
+    reports more busy time than the offered load."""
+    requests = workload()
+    priced = offered_load(requests, StubFleet(ENGINES, CORE, SIM.cost))
+    offered = priced.load
+    assert offered is not None and 0.85 < offered < 1.0
+    assert busy_fraction(run(TTFT_ORACLE, requests, SIM), requests) == pytest.approx(offered, rel=1e-9)
+    kv = busy_fraction(runs["kv"], requests)
+    assert abs(kv / offered - 1) < 0.15, f"kv's engines report {kv:.3f} of an offered {offered:.3f}"
+    assert runs["kv"].cached_tokens >= 0.99 * priced.reference_cached_tokens
+    assert busy_fraction(runs["round_robin"], requests) > offered
