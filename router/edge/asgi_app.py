@@ -14,9 +14,9 @@ from __future__ import annotations
 
 import gc
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Mapping
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
-from typing import Final
+from typing import Any, Final
 
 import msgspec
 from fastapi import FastAPI
@@ -148,22 +148,23 @@ class GatewayApp(FastAPI):
     """Set when `listen.access_log` is on: every request it writes a line for goes through it."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # (an `async def`: uvicorn tells an ASGI 3 app by it)
         if self.access_log is not None and self.access_log.writes(scope):
             await self.access_log(scope, receive, send)
         else:
             await self.dispatch(scope, receive, send)
 
-    async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The hot routes to `Gateway.handle`, everything else to Starlette."""
+    def dispatch(self, scope: Scope, receive: Receive, send: Send) -> Coroutine[Any, Any, None]:
+        """The hot routes to `Gateway.handle`, everything else to Starlette: the coroutine serving the
+        request, returned rather than awaited here (no frame of this method's under it)."""
         endpoint = (
             HOT_ROUTES.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
         )
         if endpoint is None:
-            await super().__call__(scope, receive, send)
-        elif self.handlers:
-            await self.handlers[0].gateway.handle(scope, receive, send, endpoint)
-        else:
-            await error_answer(NoEngineAvailable("the gateway is not started"), "none")(scope, receive, send)
+            return super().__call__(scope, receive, send)
+        if self.handlers:
+            return self.handlers[0].gateway.handle(scope, receive, send, endpoint)
+        return error_answer(NoEngineAvailable("the gateway is not started"), "none")(scope, receive, send)
 
 
 def error_response(request: Request, exc: RouterError) -> Response:

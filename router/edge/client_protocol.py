@@ -79,6 +79,39 @@ class ClientTimeouts:
         return cls(timeouts.client_header_s, timeouts.client_keepalive_s, timed_out)
 
 
+_UVICORN: Final = HttpToolsProtocol
+"""The protocol `ClientHttpProtocol` extends, whose hooks it calls by name in the parser's callbacks:
+`super()` builds a proxy object per call, a dozen per request there."""
+
+
+class BodyPieces:
+    """A request body in the making, as the parser gave it, in the place of uvicorn's cycle's `body`
+    bytearray: uvicorn fills that with `+=` (`on_body`), measures it with `len` (its high-water mark)
+    and hands it over as `bytes(body)` (`receive`), so every body was copied twice, into the bytearray
+    and out of it (about 60,000 instructions per request on the long chat's ~40 KB body, by callgrind:
+    BENCHMARKS.md, "Simplification cost"). Here `bytes()` hands over a body that came in one piece as
+    that piece, and one in several joined once. `receive` puts a new bytearray in its place; the
+    protocol's `on_body` puts a new `BodyPieces` in before the next piece."""
+
+    __slots__ = ("_pieces", "_size")
+
+    def __init__(self) -> None:
+        self._pieces: list[bytes] = []
+        self._size = 0
+
+    def __iadd__(self, piece: bytes) -> BodyPieces:
+        self._pieces.append(piece)
+        self._size += len(piece)
+        return self
+
+    def __len__(self) -> int:
+        return self._size
+
+    def __bytes__(self) -> bytes:
+        pieces = self._pieces
+        return pieces[0] if len(pieces) == 1 else b"".join(pieces)
+
+
 class ClientHttpProtocol(HttpToolsProtocol):
     """uvicorn's httptools protocol with the client leg's timeouts, limits and signals (module
     docstring). Without `ClientTimeouts` in the lifespan state, uvicorn's timeouts are unchanged."""
@@ -130,7 +163,7 @@ class ClientHttpProtocol(HttpToolsProtocol):
         if self._header_by is None and (self.cycle is None or self.cycle.response_complete):
             self._arm_header_timer()
         fields, opened = self._fields, self._opened
-        super().data_received(data)
+        _UVICORN.data_received(self, data)
         if self._stopped or self.transport.is_closing():
             return
         if fields and self._fields and self._opened == opened:
@@ -200,11 +233,11 @@ class ClientHttpProtocol(HttpToolsProtocol):
                 self._close_unread()
         elif not self._stopped:
             cast(HeldFlow, self.flow).held = False
-        super().on_response_complete()
+        _UVICORN.on_response_complete(self)
 
     def on_message_begin(self) -> None:
         """uvicorn's; the head's field section starts (its count and size from zero)."""
-        super().on_message_begin()
+        _UVICORN.on_message_begin(self)
         self._trailing = False
         self._count = self._size = 0
 
@@ -226,7 +259,7 @@ class ClientHttpProtocol(HttpToolsProtocol):
         self._fields = False
         self._trailing = True  # fields parsed from now on are the body's trailers
         self._count = self._size = 0
-        super().on_headers_complete()
+        _UVICORN.on_headers_complete(self)
         cycle = self.cycle
         if cycle is previous:  # an upgrade: no new cycle
             return
@@ -265,7 +298,7 @@ class ClientHttpProtocol(HttpToolsProtocol):
         if self._count > self._limits.headers or self._size > self._limits.header_bytes:
             self._stop("header_too_large")
         if not self._trailing:
-            super().on_header(name, value)
+            _UVICORN.on_header(self, name, value)
 
     def on_chunk_header(self) -> None:
         """A chunk's size line is in: the last chunk's trailer section may follow."""
@@ -281,11 +314,16 @@ class ClientHttpProtocol(HttpToolsProtocol):
             if self._dropping < 0:
                 self._close_unread()
         else:
-            super().on_body(body)
+            cycle = self.cycle
+            if type(cycle.body) is bytearray and not cycle.body:  # a new cycle's, or one `receive` emptied
+                cycle.body = cast(
+                    bytearray, BodyPieces()
+                )  # (what uvicorn's `on_body` and `receive` use of it)
+            _UVICORN.on_body(self, body)
 
     def on_message_complete(self) -> None:
         """uvicorn's; a field section may open next (the next head)."""
-        super().on_message_complete()
+        _UVICORN.on_message_complete(self)
         self._trailing = False
         self._fields = True
         self._opened += 1

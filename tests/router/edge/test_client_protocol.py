@@ -297,6 +297,34 @@ async def test_bodies_arrive_whole_in_pieces_chunked_and_past_the_high_water_mar
     assert [body for _, body in answers] == [b"%d True" % len(big)] * 2
 
 
+async def test_a_body_parsed_in_one_piece_is_handed_over_as_that_piece(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`receive` hands over a body the parser gave in one piece as that very bytes object (no copy into
+    uvicorn's bytearray and out: `BodyPieces`), and one in several pieces as their bytes joined."""
+    parsed: list[bytes] = []
+    received: list[bytes] = []
+    on_body = ClientHttpProtocol.on_body
+
+    def recording(self: ClientHttpProtocol, body: bytes) -> None:
+        parsed.append(body)
+        on_body(self, body)
+
+    async def keep(scope: Scope, receive: Receive, send: Send, endpoint: Endpoint) -> None:
+        body = await read_asgi_body(receive, scope["headers"], 1 << 20, WAIT, lost_signal_of(scope))
+        received.append(body)
+        await _answer(send, b"%d" % len(body))
+
+    monkeypatch.setattr(ClientHttpProtocol, "on_body", recording)
+    async with serving(keep, monkeypatch) as (port, _):
+        [(_, answer)] = await _exchange(port, _post(b"/v1/completions", b"x" * 3000), 1)
+        assert answer == b"3000" and len(parsed) == 1 and received[0] is parsed[0]
+        chunked = b"3\r\nabc\r\n2\r\nde\r\n0\r\n\r\n"
+        head = b"POST /v1/completions HTTP/1.1\r\nhost: gw\r\ntransfer-encoding: chunked\r\n\r\n"
+        [(_, answer)] = await _exchange(port, head + chunked, 1)
+        assert answer == b"5" and received[1] == b"abcde" and parsed[1:] == [b"abc", b"de"]
+
+
 async def test_failures_write_one_access_line_each(
     monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
