@@ -8,10 +8,9 @@ template, one worker) run under ``valgrind --tool=callgrind`` behind one fast fa
 of peer_proxy_bench's long chat or ~3 KB completions at `conc` keep-alive connections (a client in
 this process, not counted) between a ``callgrind_control --zero`` and a ``--dump``; the Ir per
 request is the difference of the two cells' totals (N2 and N1 requests) over N2 - N1, so what every
-cell pays once (connections) cancels out, each cell less what the gateway spends idle over the
-cell's wall-clock time (measured before each pair: uvicorn's 0.1 s server tick). Cells run base and
-new in turn (order rotating per repetition). Instruction counts move far less with the machine's
-load than wall-clock CPU per request (+-10% on a shared machine: bench/gateway_cpu_bench.py); under
+cell pays once (connections, the loop's idle wake-ups) cancels out. Cells run base and new in turn
+(order rotating per repetition). Instruction counts do not move with the machine's load, which
+wall-clock CPU per request does by +-10% on a shared machine (bench/gateway_cpu_bench.py); under
 callgrind the gateway runs ~50x slower, so at c=32 the loop batches more per turn than at full
 speed (read c=32 figures as the saturated gateway's).
 """
@@ -26,7 +25,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import aiohttp
@@ -71,31 +69,13 @@ def dumped_ir(out: Path, pid: int, before: set[Path]) -> int:
     raise RuntimeError(f"no totals in {new[0]}")
 
 
-async def cell(
-    out: Path, pid: int, url: str, case: Case, requests: int, conc: int, first: int
-) -> tuple[int, float]:
-    """The Ir the gateway `pid` spent on `requests` requests (zeroed before, dumped after), and the
-    cell's wall-clock seconds."""
+async def cell(out: Path, pid: int, url: str, case: Case, requests: int, conc: int, first: int) -> int:
+    """The Ir the gateway `pid` spent on `requests` requests (zeroed before, dumped after)."""
     before = set(out.glob(f"cg.{pid}.*"))
     control(pid, "--zero")
-    started = time.monotonic()
     await send(url, case, requests, conc, first)
-    spent = time.monotonic() - started
     control(pid, "--dump")
-    return dumped_ir(out, pid, before), spent
-
-
-async def idle_rate(out: Path, pid: int, seconds: float) -> float:
-    """The Ir per second the gateway `pid` spends with no request (uvicorn's server ticks every 0.1 s):
-    what a cell spends on it grows with the cell's wall-clock time, which the machine's load moves, so
-    it is taken out of each cell."""
-    before = set(out.glob(f"cg.{pid}.*"))
-    control(pid, "--zero")
-    started = time.monotonic()
-    await asyncio.sleep(seconds)
-    spent = time.monotonic() - started
-    control(pid, "--dump")
-    return dumped_ir(out, pid, before) / spent
+    return dumped_ir(out, pid, before)
 
 
 async def run(args: argparse.Namespace) -> None:
@@ -135,14 +115,12 @@ async def run(args: argparse.Namespace) -> None:
                     for conc in (int(c) for c in args.conc.split(",")):
                         per: dict[str, float] = {}
                         for name, pid, url in targets[rep % 2 :] + targets[: rep % 2]:
-                            idle = await idle_rate(out, pid, args.idle_s)
-                            low, low_s = await cell(out, pid, url, case, few, conc, first)
-                            high, high_s = await cell(out, pid, url, case, many, conc, first + few)
+                            low = await cell(out, pid, url, case, few, conc, first)
+                            high = await cell(out, pid, url, case, many, conc, first + few)
                             first += few + many
-                            per[name] = (high - idle * high_s - low + idle * low_s) / (many - few)
+                            per[name] = (high - low) / (many - few)
                             row = {"rep": rep, "case": case.name, "conc": conc, "target": name}
                             row |= {"ir_per_request": round(per[name]), "ir_few": low, "ir_many": high}
-                            row |= {"idle_ir_per_s": round(idle), "few_s": low_s, "many_s": high_s}
                             print(json.dumps(row), flush=True)
                         ratios.setdefault((case.name, conc), []).append(per["new"] / per["base"])
             print(f"load1 at the end={os.getloadavg()[0]:.2f}", flush=True)
@@ -162,7 +140,6 @@ def main() -> None:
     parser.add_argument("--requests", default="100,300", help="N1,N2: the two cells' request counts")
     parser.add_argument("--conc", default="1,32")
     parser.add_argument("--cases", default="chat,completions")
-    parser.add_argument("--idle-s", type=float, default=3.0, help="the idle window before each cell pair")
     parser.add_argument("--out", help="keep the callgrind dumps here (for callgrind_annotate)")
     asyncio.run(run(parser.parse_args()))
 
