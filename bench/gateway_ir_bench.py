@@ -8,9 +8,11 @@ template, one worker) run under ``valgrind --tool=callgrind`` behind one fast fa
 of peer_proxy_bench's long chat or ~3 KB completions at `conc` keep-alive connections (a client in
 this process, not counted) between a ``callgrind_control --zero`` and a ``--dump``; the Ir per
 request is the difference of the two cells' totals (N2 and N1 requests) over N2 - N1, so what every
-cell pays once (connections, the loop's idle wake-ups) cancels out. Cells run base and new in turn
-(order rotating per repetition). Instruction counts do not move with the machine's load, which
-wall-clock CPU per request does by +-10% on a shared machine (bench/gateway_cpu_bench.py); under
+cell pays once (connections) cancels out. Cells run base and new in turn (order rotating per
+repetition). Instruction counts move with the machine's load far less than wall-clock CPU per
+request (bench/gateway_cpu_bench.py), but they move: what the gateway does while it waits (uvicorn's
+0.1 s tick) and how a body arrives (in one read or several) depend on timing, so at load 15 a tree's
+Ir per request read up to 20% above a quieter run's at c=1; read the medians over repetitions. Under
 callgrind the gateway runs ~50x slower, so at c=32 the loop batches more per turn than at full
 speed (read c=32 figures as the saturated gateway's).
 """
