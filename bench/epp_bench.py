@@ -19,6 +19,12 @@ rotating per repetition). Per cell: req/s, p50/p99, and CPU per request = user+s
 kvrouter's process (the picker, or `kvrouter serve`) and of Envoy's. Prints one JSON row per cell, then
 per case and concurrency the ranges over repetitions: picker CPU / serve CPU, Envoy's CPU, and the
 latency the picker adds to Envoy (p50, envoy+epp - envoy, same repetition).
+
+``--ir N``: instructions instead of time, for a loaded machine (valgrind's callgrind; slow): the picker
+behind Envoy and `kvrouter serve`, each under callgrind with instrumentation off until warmed up, then
+N requests one at a time per case, counted (Ir of every thread of the process) and divided by N.
+Prints one JSON row per process and case, and the picker / serve ratio. Run it with PYTHONPATH naming
+another checkout to measure that checkout's picker (A/B across commits).
 """
 
 from __future__ import annotations
@@ -26,6 +32,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
+import subprocess
 import sys
 import tempfile
 from collections.abc import Sequence
@@ -33,6 +41,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import msgspec
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -191,6 +200,91 @@ async def matrix(args: argparse.Namespace, targets: list[Target], tmp: Path) -> 
     return rows
 
 
+async def start_under_callgrind(
+    argv: list[str], out: Path, ready: Any
+) -> tuple[asyncio.subprocess.Process, str]:
+    """`argv` run under callgrind, instrumentation off (`callgrind_control -i on` turns it on)."""
+    grind = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}"]
+    return await start_process([*grind, *argv], ready)
+
+
+def callgrind(pid: int, *flags: str) -> None:
+    subprocess.run(["callgrind_control", *flags, str(pid)], check=True, capture_output=True)
+
+
+def dumped_ir(out: Path) -> int:
+    """The instructions counted since the last zeroing: the `totals:` line of the newest dump."""
+    newest = max(out.parent.glob(out.name + "*"), key=lambda p: p.stat().st_mtime)
+    found = re.search(rb"^totals: (\d+)", newest.read_bytes(), re.M)
+    assert found is not None, newest
+    return int(found.group(1))
+
+
+async def ir_per_request(pid: int, out: Path, url: str, case: Case, n: int) -> float:
+    """Instructions of process `pid` per request over `n` requests of `case` sent one at a time to `url`
+    (after 5 unmeasured ones: tokenizer and connection warm-up)."""
+    async with httpx.AsyncClient(base_url=url, timeout=120.0) as client:
+
+        async def send(i: int) -> None:
+            answer = await client.post(case.path, content=case.head + str(i).encode() + case.tail,
+                                       headers={"content-type": "application/json"})  # fmt: skip
+            assert answer.status_code == 200, answer.text[:300]
+
+        for i in range(5):
+            await send(-1 - i)
+        callgrind(pid, "-z")
+        callgrind(pid, "-i", "on")
+        for i in range(n):
+            await send(i)
+        callgrind(pid, "-i", "off")
+        callgrind(pid, "-d")
+    return dumped_ir(out) / n
+
+
+async def run_ir(args: argparse.Namespace) -> None:
+    """The picker behind Envoy and `kvrouter serve`, each under callgrind: Ir per request per case."""
+    procs: list[asyncio.subprocess.Process] = []
+    with tempfile.TemporaryDirectory() as tmp_name:
+        tmp = Path(tmp_name)
+        backend_proc, port = await start_process(
+            [sys.executable, str(HERE.parent / "proxy_bench.py"), "--backend"], _port_line
+        )
+        procs.append(backend_proc)
+        config = tmp / "router.toml"
+        config.write_text(gateway_config(f"http://127.0.0.1:{port}"))
+        kvrouter = [sys.executable, "-m", "kvrouter", "--log-level", "ERROR"]
+        try:
+            serve_out, epp_out = tmp / "cg-serve.out", tmp / "cg-epp.out"
+            serve, serve_url = await start_under_callgrind(
+                [*kvrouter, "serve", "--config", str(config)], serve_out, _ready_url
+            )
+            procs.append(serve)
+            epp, ready_line = await start_under_callgrind(
+                [*kvrouter, "epp", "--config", str(config), "--grpc-port", "0", "--grpc-health-port", "0",
+                 "--metrics-port", "0", "--secure-serving=false", "--destination-fallbacks=false"],
+                epp_out, _json_line,
+            )  # fmt: skip
+            procs.append(epp)
+            ready = msgspec.json.decode(ready_line, type=EppReadyLine)
+            (tmp / "picked").mkdir()
+            async with running_envoy(
+                envoy_config(free_port(), free_port(), ready.grpc_port), tmp / "picked"
+            ) as e:
+                for case in (chat_case(), completions_case()):
+                    picked = await ir_per_request(epp.pid, epp_out, e.url, case, args.ir)
+                    served = await ir_per_request(serve.pid, serve_out, serve_url, case, args.ir)
+                    row = {
+                        "case": case.name, "n": args.ir, "epp_ir_per_req": round(picked),
+                        "serve_ir_per_req": round(served), "epp_over_serve": round(picked / served, 2),
+                    }  # fmt: skip
+                    print(json.dumps(row), flush=True)
+        finally:
+            for proc in procs:
+                if proc.returncode is None:
+                    proc.terminate()
+                    await proc.wait()
+
+
 def report(rows: Sequence[Row]) -> None:
     """Per case and concurrency: ranges over repetitions of the costs that matter."""
     print(
@@ -232,7 +326,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--reps", type=int, default=3)
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--out", type=Path, help="also write every row as JSON lines here")
+    parser.add_argument("--ir", type=int, default=0, help="instructions per request over N requests")
     args = parser.parse_args(argv)
+    if args.ir:
+        asyncio.run(run_ir(args))
+        return
     rows = asyncio.run(run(args))
     if args.out is not None:
         args.out.write_text("".join(json.dumps(asdict(r)) + "\n" for r in rows))

@@ -171,6 +171,8 @@ class Service:
         models.on_hub_unavailable(metrics.count_hub_unavailable)
         if kube is not None:
             metrics.count_discovery(kube.counts)
+        if config.policy.name == "session":
+            metrics.count_sessions(scorer.sessions)
         metrics.follow_fleet(partial(engine_labels, state))  # a removed engine's series go with it
         state.on_replica_removed(lambda _: metrics.forget_removed_engines())
         if config.policy.scrape_period_s > 0:

@@ -185,10 +185,13 @@ def request_body(chunk: bytes, end: bool) -> Any:
     return ext_proc.ProcessingRequest(request_body=ext_proc.HttpBody(body=chunk, end_of_stream=end))
 
 
-def response_headers(status: int, end: bool = False, served: str | None = None) -> Any:
+def response_headers(
+    status: int, end: bool = False, served: str | None = None, content_type: str | None = None
+) -> Any:
     """The answer's headers as Envoy sends them; `served`: the endpoint a gateway says served it."""
+    pairs = [(":status", str(status))] + ([("content-type", content_type)] if content_type else [])
     headers = base_pb2.HeaderMap(
-        headers=[base_pb2.HeaderValue(key=":status", raw_value=str(status).encode())]
+        headers=[base_pb2.HeaderValue(key=k, raw_value=v.encode()) for k, v in pairs]
     )
     message = ext_proc.ProcessingRequest(
         response_headers=ext_proc.HttpHeaders(headers=headers, end_of_stream=end)

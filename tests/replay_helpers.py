@@ -92,7 +92,10 @@ async def record_session(stubs: list[StubServer], policy: str, path: Path, gap: 
         for turn in range(1, TURNS + 1):
             for user in USERS:
                 await wait_for(caught_up)
-                headers = {"content-type": "application/json", "x-session-id": user}
+                # The configured header for the first user, an agent client's for the others: the
+                # recording keeps both, and replay reads the session key as the gateway did.
+                header = "x-session-id" if user == USERS[0] else "x-claude-code-session-id"
+                headers = {"content-type": "application/json", header: user}
                 answer = await gw.client.post(
                     "/v1/chat/completions", content=chat_body(user, turn), headers=headers
                 )

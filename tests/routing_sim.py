@@ -15,6 +15,7 @@ counted there by the router as the endpoint picker's fallbacks are (`Flight.move
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import msgspec
@@ -26,10 +27,11 @@ from events.sources import EngineName
 from events.wire import KVEventBatch
 from kvrouter.loadtest.virtual_fleet import SimRank, SoonestForecast, request_id, run_fleet, sim_ranks
 from kvrouter.loadtest.workload import RequestSpec
+from router.core.errors import RouterError
 from router.core.fleet_state import FleetState
 from router.core.ids import EngineId
 from router.core.policy.load import CostPrior, StepCost
-from router.core.policy.scoring import PolicyName, RouteRequest, Scorer, ScorerSettings
+from router.core.policy.scoring import CandidateScore, PolicyName, RouteRequest, Scorer, ScorerSettings
 from router.core.routing import RoutingCore
 from router.edge.decider import view_of
 from router.edge.flight import Flight
@@ -60,13 +62,18 @@ class SimEngines(msgspec.Struct, frozen=True):
 
 
 class SimResult(msgspec.Struct, frozen=True):
-    """Every request's TTFT in simulated seconds (arrival order), the prompt tokens found cached, and
-    each engine's busy seconds (what its stub would report)."""
+    """Every request's TTFT in simulated seconds (arrival order; inf: refused), the prompt tokens found
+    cached, each engine's busy seconds (what its stub would report), and per request what its
+    decision predicted for the engine chosen: its TTFT and its wait (`CandidateScore.predicted_ttft_s`,
+    `wait_s`; nan when refused), and the refused requests' indexes."""
 
     ttft: list[float]
     cached_tokens: int
     prompt_tokens: int
     busy_s: list[float]
+    predicted_ttft_s: list[float] = []
+    predicted_wait_s: list[float] = []
+    refused: list[int] = []
 
     @property
     def cached_ratio(self) -> float:
@@ -88,6 +95,7 @@ def router_config(sim: SimEngines, settings: ScorerSettings) -> RouterConfig:
         seed=settings.seed,
         session_capacity=settings.session_capacity,
         max_predicted_ttft_s=settings.max_predicted_ttft_s,
+        saturation_bound=settings.saturation_bound,
         max_scraped_waiting=settings.max_scraped_waiting,
         prefill_work_weight=settings.prefill_work_weight,
         decode_step_s=step.decode_step_s,
@@ -123,9 +131,11 @@ class SimRouterCore:
         self.oracle = SoonestForecast(fleet, sim.cost) if oracle else None
         self.flights: dict[str, Flight] = {}
         self.seqs = [0] * sim.engines
+        self.predicted: dict[int, CandidateScore] = {}  # request index -> its chosen candidate
 
-    def route(self, index: int, spec: RequestSpec, now: float) -> int:
-        """Prepare the request's body, decide and count it as the gateway does; its engine's index."""
+    def route(self, index: int, spec: RequestSpec, now: float) -> int | None:
+        """Prepare the request's body, decide and count it as the gateway does; its engine's index
+        (None: refused, as the gateway answers 503 `saturated` when every engine is past the bound)."""
         self.now = now
         rid = request_id(index)
         body = msgspec.json.encode({"model": MODEL, "prompt": spec.prompt, "max_tokens": spec.max_tokens})
@@ -133,9 +143,13 @@ class SimRouterCore:
         entry = DecisionEntry(request_id=rid, time=now, request=view_of(prepared))
         proxied = ProxyRequest("POST", str(Endpoint.COMPLETIONS), [], body, True)
         flight = Flight(self.fleet, self.core, proxied, entry, RouteRequest(prepared.session_key))
-        flight.decide(prepared, now)
-        target = flight.choose(frozenset())
-        assert target is not None, "an engine is always eligible in the simulation"
+        decision = flight.decide(prepared, now).decision
+        try:
+            target = flight.choose(frozenset())
+        except RouterError:
+            return None
+        assert target is not None, "a first attempt is chosen or refused"
+        self.predicted[index] = next(c for c in decision.candidates if c.engine == target.engine)
         flight.sent()
         if self.oracle is not None:
             flight.moved_to(self.names[self.oracle.route(index, spec, now)])
@@ -174,5 +188,12 @@ def run(
     base = settings if settings is not None else ScorerSettings()
     chosen = msgspec.structs.replace(base, policy=PolicyName.KV if oracle else PolicyName(policy))
     fleet = sim_ranks(sim.core, sim.engines)
-    done = run_fleet(requests, fleet, sim.cost, SimRouterCore(sim, chosen, fleet, oracle))
-    return SimResult(done.ttft_s, done.cached_tokens, done.prompt_tokens, done.busy_s)
+    router = SimRouterCore(sim, chosen, fleet, oracle)
+    done = run_fleet(requests, fleet, sim.cost, router)
+    picked = [router.predicted.get(i) for i in range(len(requests))]
+    return SimResult(
+        done.ttft_s, done.cached_tokens, done.prompt_tokens, done.busy_s,
+        [c.predicted_ttft_s if c else math.nan for c in picked],
+        [c.wait_s if c else math.nan for c in picked],
+        done.refused,
+    )  # fmt: skip

@@ -7,7 +7,8 @@ step is priced as the stub prices it (`step_work` and `CostModel.step_seconds`, 
 sleep: a request submitted during a step joins the next one. A rank's busy seconds are its steps'
 seconds, the figure the stub reports (`kvrouter_stub_busy_seconds`, counted at each step's end).
 
-The router is a `SimRouter`: asked for a rank at each arrival, then told at each step's end what
+The router is a `SimRouter`: asked for a rank at each arrival (or None: it refused the request, which
+is then never answered), then told at each step's end what
 the step did (its events, first tokens and finishes), which is when a real router would hear it.
 `SoonestForecast` is the load test's `ttft_oracle` without its HTTP round trips (the reference
 router of the offered load, `busy_model`); the routing simulator of the tests
@@ -87,8 +88,8 @@ def sim_ranks(core: EngineCoreConfig, ranks: int) -> list[SimRank]:
 class SimRouter(Protocol):
     """What routes in the simulation (see the module docstring)."""
 
-    def route(self, index: int, spec: RequestSpec, now: float) -> int:
-        """The rank request `index` goes to, arriving at `now`."""
+    def route(self, index: int, spec: RequestSpec, now: float) -> int | None:
+        """The rank request `index` goes to, arriving at `now` (None: refused)."""
 
     def stepped(self, rank: int, out: StepOutput, now: float) -> None:
         """Rank `rank`'s step `out` ended at `now` (its events published, its tokens out)."""
@@ -113,13 +114,15 @@ class SoonestForecast:
 
 class FleetRun(msgspec.Struct, frozen=True):
     """What the simulated ranks did with a run: each rank's busy seconds, each request's first-token
-    time in simulated seconds after its arrival (arrival order; inf: never answered), and the prompt
-    tokens sent and found cached at first admission."""
+    time in simulated seconds after its arrival (arrival order; inf: never answered), the prompt
+    tokens sent and found cached at first admission, and the indexes of the requests the router
+    refused (their TTFT is inf)."""
 
     busy_s: list[float]
     ttft_s: list[float]
     prompt_tokens: int
     cached_tokens: int
+    refused: list[int] = []
 
     @property
     def total_busy_s(self) -> float:
@@ -144,6 +147,7 @@ def run_fleet(
     order = len(requests)
     cached: dict[str, int] = {}
     first: dict[str, float] = {}
+    refused: list[int] = []
 
     def kick(index: int, now: float) -> None:
         nonlocal order
@@ -165,7 +169,11 @@ def run_fleet(
         now, _, index, payload = heapq.heappop(events)
         if isinstance(payload, int):
             spec = requests[payload]
-            index = router.route(payload, spec, now)
+            chosen = router.route(payload, spec, now)
+            if chosen is None:
+                refused.append(payload)
+                continue
+            index = chosen
             params = SubmitParams(max_tokens=spec.max_tokens)
             fleet[index].scheduler.submit(spec.prompt, params, request_id(payload))
         else:
@@ -176,4 +184,4 @@ def run_fleet(
         kick(index, now)
     ttft = [first.get(request_id(i), math.inf) - r.arrival_s for i, r in enumerate(requests)]
     prompt = sum(len(r.prompt) for r in requests)
-    return FleetRun([r.busy_s for r in fleet], ttft, prompt, sum(cached.values()))
+    return FleetRun([r.busy_s for r in fleet], ttft, prompt, sum(cached.values()), refused)

@@ -186,7 +186,8 @@ class Replayer:
 
     def _request(self, record: RequestRecord) -> None:
         self.rebuild.time = record.time
-        session = next((v for k, v in record.headers if k.lower() == self.setup.session_header), None)
+        headers = [(k.lower().encode("latin-1"), v.encode("latin-1")) for k, v in record.headers]
+        session = self.setup.session_keys.of(headers, record.body)
         try:
             entry: _Request | str = _Request(self.prepare(record.body, record.endpoint), session)
         except (RequestError, ValueError, OSError) as exc:
@@ -213,7 +214,7 @@ class Replayer:
         predicted = predict(self.rebuild, prepared, [c.engine for c in recorded.candidates])
         candidates, excluded = recorded_candidates(recorded, predicted)
         route = RouteRequest(key=prepared.session_key, session=session, excluded=excluded)
-        return self.scorer.choose(route, candidates)
+        return self.scorer.choose(route, candidates, self.rebuild.time or 0.0)
 
     def _sent(self, request_id: str, prepared: Prepared, recorded: Decision) -> None:
         # Mirrors FleetState.request_sent for full report mode, on the engine the gateway really chose.

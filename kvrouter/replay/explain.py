@@ -57,7 +57,11 @@ def explain_prompt(
     policy = replayer.setup.config.policy
     idle = LoadSnapshot(0, 0, 0, 0, None, policy.prior_overhead_s, policy.prior_per_token_s, False)
     candidates = candidates_now(replayer.rebuild, prepared, idle)
-    decision = replayer.scorer.choose(RouteRequest(key=prepared.session_key, session=session), candidates)
+    header = replayer.setup.config.policy.session_header.lower().encode("latin-1")
+    named = [(header, session.encode("latin-1"))] if session else []
+    key = replayer.setup.session_keys.of(named, body)
+    route = RouteRequest(key=prepared.session_key, session=key)
+    decision = replayer.scorer.choose(route, candidates, replayer.rebuild.time or 0.0)
     return NewPromptExplanation(count, replayer.rebuild.time, prepared.prompt_tokens, decision)
 
 

@@ -18,6 +18,7 @@ from events.recording import FileHeader
 from router.core.ids import EngineId
 from router.core.keys.block_key import KeyHasher
 from router.core.policy.scoring import ScorerSettings
+from router.core.policy.session_key import SessionKeys
 from router.core.variant import Variant
 from router.prepare.served_models import Models
 from router.settings.config import EngineConfig, RouterConfig
@@ -90,7 +91,8 @@ class Setup:
         self.exact = source != "recording metadata"
         self.models = Models(config, KeyHasher())
         self.settings = ScorerSettings.from_config(config)
-        self.session_header = config.policy.session_header.lower()
+        p = config.policy
+        self.session_keys = SessionKeys(p.session_header, p.session_agent_headers, p.session_body)
         self.replicas: dict[EngineId, ReplicaInfo] = {}
         for engine in config.engines:
             variant = self.models.learn(engine)

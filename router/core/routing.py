@@ -118,7 +118,7 @@ class RoutingCore:
         predicted = self._predict(prepared)
         t1 = self._clock()
         candidates = [self._candidate(rid, p, prepared, now) for rid, p in predicted.items()]
-        decision = self.scorer.choose(route, candidates)
+        decision = self.scorer.choose(route, candidates, now)
         return Routed(decision, {"lookup": t1 - t0, "score": self._clock() - t1})
 
     def _candidate(self, rid: EngineId, predicted: _Predicted, prepared: Prepared, now: float) -> Candidate:

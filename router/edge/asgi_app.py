@@ -111,8 +111,7 @@ class Handlers:
         except (msgspec.DecodeError, RecursionError):
             chat = False  # prepare() names the problem
         endpoint = Endpoint.CHAT if chat else Endpoint.COMPLETIONS
-        session = request.headers.get(self.parts.config.policy.session_header)
-        explained = await self.gateway.decider.explain(body, endpoint, session)
+        explained = await self.gateway.decider.explain(body, endpoint, request.scope["headers"])
         return Response(msgspec.json.encode(explained), media_type=_JSON)
 
     async def index(self, request: Request) -> Response:

@@ -33,12 +33,12 @@ from starlette.types import Scope
 
 from router.core.errors import BadRequest, RouterError
 from router.core.ids import EngineId
-from router.core.policy.scoring import RouteRequest, reads_prompt
+from router.core.policy.scoring import PolicyName, RouteRequest, reads_prompt
+from router.core.policy.session_key import SessionKeys
 from router.core.policy.trust import TrustState
 from router.core.prepared import Prepared
 from router.core.routing import Routed
 from router.edge.access_log import AccessNote
-from router.edge.client_io import header_in
 from router.edge.flight import Flight
 from router.edge.headers import forwarded_headers
 from router.edge.upstream import ProxyRequest, Target
@@ -109,7 +109,10 @@ class Decider:
     def __init__(self, parts: GatewayParts) -> None:
         self.parts = parts
         self.policy = parts.config.policy.name
-        self.session_header = parts.config.policy.session_header.lower().encode("latin-1")
+        p = parts.config.policy
+        # Only the session policy reads a session key: no other pays for finding one.
+        keys = SessionKeys(p.session_header, p.session_agent_headers, p.session_body)
+        self.session_keys = keys if p.name == PolicyName.SESSION.value else None
         self.max_body = parts.config.limits.max_body_bytes
         self.any_remote = parts.models.any_remote()  # configured, or a repo-named tokenizer not had
         self._remote = RemoteTokenizer(parts.proxy.call)
@@ -236,7 +239,9 @@ class Decider:
         # str(endpoint): a C call, where Enum.value is a Python-level property.
         headers = forwarded_headers(scope["headers"], rid, parts.guard.api_keys_required)
         proxied = ProxyRequest(scope["method"], str(endpoint), headers, body, True)
-        route = RouteRequest(prepared.session_key, header_in(scope, self.session_header), excluded)
+        keys = self.session_keys
+        session = keys.of(scope["headers"], body) if keys is not None else None
+        route = RouteRequest(prepared.session_key, session, excluded)
         flight = Flight(parts.fleet, parts.core, proxied, entry, route)
         if parts.recorder is not None:  # (kept before the decision: the recording's order and times)
             parts.recorder.request(rid, endpoint.value, prepared.model, Headers(scope=scope), body)
@@ -273,9 +278,13 @@ class Decider:
             },
         )
 
-    async def explain(self, body: bytes, endpoint: Endpoint, session: str | None) -> Explanation:
-        """What routing would decide for `body` now, without sending it (for `POST /debug/route`)."""
+    async def explain(
+        self, body: bytes, endpoint: Endpoint, headers: list[tuple[bytes, bytes]]
+    ) -> Explanation:
+        """What routing would decide for `body` with `headers` (ASGI's) now, without sending it (for
+        `POST /debug/route`)."""
         prepared = await self.prepare(body, endpoint, full=True)
+        session = self.session_keys.of(headers, body) if self.session_keys is not None else None
         route = RouteRequest(key=prepared.session_key, session=session)
         routed = self.parts.core.route(prepared, route, self.parts.fleet.clock())
         return Explanation(

@@ -1,29 +1,41 @@
-"""The ext_proc messages the picker reads and writes (envoy.service.ext_proc.v3, from xds-protos).
+"""The ext_proc messages the picker reads and writes (envoy.service.ext_proc.v3), as protobuf wire bytes.
 
-Reading: a header map as ASGI-style lower-case byte pairs (Envoy sends values in `raw_value`; older
-senders in `value`), and one key of a filter's metadata. Writing: the answers the endpoint-picker
-protocol defines: headers (with header mutations, `clear_route_cache`, dynamic metadata), a body
-streamed back in chunks of at most `CHUNK_BYTES`, an `ImmediateResponse` for an answer the picker
-gives itself. No I/O.
+The gRPC server hands the picker each `ProcessingRequest` as the bytes Envoy sent and sends back the
+bytes made here: no generated message classes between them (about as fast as those, a body chunk
+copied once instead of four times, and bytes that are no message are the picker's own counted 400
+rather than a gRPC error; bench/history/BENCHMARKS-2026-12-06-s17-picker.md). The codec knows
+only the fields the endpoint-picker protocol uses, by their numbers in Envoy's protos (xds-protos;
+tests/router/epp/test_messages.py checks both directions against the generated classes):
+
+- reading (`decode`): which message it is (request/response headers, body, trailers), the headers as
+  ASGI-style lower-case byte pairs (Envoy sends values in `raw_value`; older senders in `value`), the
+  body chunk and its end of stream, the filter's `protocol_config.response_body_mode`, and
+  `metadata_context.filter_metadata` as plain Python values (a Struct a dict, a ListValue a list).
+  Every other field is skipped, as any protobuf reader skips unknown fields; bytes that are not a
+  well-formed message raise `WireError`.
+- writing: the answers the protocol defines: headers (with header mutations, `clear_route_cache`,
+  dynamic metadata), a body streamed back in chunks of at most `CHUNK_BYTES`, trailers unchanged, an
+  `ImmediateResponse` for an answer the picker gives itself.
+
+No I/O.
 """
 
 from __future__ import annotations
 
+import struct
 from collections.abc import Iterable, Sequence
 from typing import Any, Final
 
-from envoy.config.core.v3 import base_pb2
-from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
-from envoy.type.v3 import http_status_pb2
-from google.protobuf import struct_pb2
+import msgspec
 
 __all__ = [
     "CHUNK_BYTES",
+    "Inbound",
+    "WireError",
     "body_responses",
-    "headers_of",
+    "decode",
     "headers_response",
     "immediate_response",
-    "metadata_value",
     "trailers_response",
 ]
 
@@ -33,45 +45,307 @@ CHUNK_BYTES: Final = 62_000
 
 Headers = list[tuple[bytes, bytes]]
 
-
-def headers_of(message: Any) -> Headers:
-    """An `HttpHeaders` message's headers as (lower-case name, value) byte pairs, pseudo-headers
-    (`:method`, `:path`, `:status`) included."""
-    pairs: Headers = []
-    for header in message.headers.headers:
-        value = header.raw_value if header.raw_value else header.value.encode()
-        pairs.append((header.key.lower().encode("latin-1"), value))
-    return pairs
-
-
-def metadata_value(message: Any, namespace: str, key: str) -> Any:
-    """`metadata_context.filter_metadata[namespace][key]` of a `ProcessingRequest` as a Python value
-    (a string, a list, ...); None when absent."""
-    if not message.HasField("metadata_context"):
-        return None
-    spaces = message.metadata_context.filter_metadata
-    if namespace not in spaces or key not in spaces[namespace].fields:
-        return None
-    value: struct_pb2.Value = spaces[namespace].fields[key]
-    kind = value.WhichOneof("kind")
-    if kind == "list_value":
-        return [_plain(item) for item in value.list_value.values]
-    return _plain(value)
+# ProcessingRequest's oneof `request` (field number -> name) and ProcessingResponse's (name -> number).
+_KINDS: Final = {
+    2: "request_headers",
+    3: "response_headers",
+    4: "request_body",
+    5: "response_body",
+    6: "request_trailers",
+    7: "response_trailers",
+}
+_ANSWERS: Final = {"request_headers": 1, "response_headers": 2, "request_body": 3, "response_body": 4,
+                   "request_trailers": 5, "response_trailers": 6}  # fmt: skip
+_METADATA_CONTEXT: Final = 8
+_PROTOCOL_CONFIG: Final = 11
+_IMMEDIATE: Final = 7
+_DYNAMIC_METADATA: Final = 8
+_OVERWRITE_IF_EXISTS_OR_ADD: Final = 2  # HeaderValueOption.HeaderAppendAction
+_MAX_DEPTH: Final = 32  # nested Structs in metadata: deeper is refused (a recursion bomb)
+_VARINT, _FIXED64, _LEN, _FIXED32 = 0, 1, 2, 5
+_BODY_KEY: Final = bytes((1 << 3 | _LEN,))  # StreamedBodyResponse.body
+_END_OF_STREAM: Final = bytes((2 << 3 | _VARINT, 1))  # StreamedBodyResponse.end_of_stream = true
 
 
-def _plain(value: struct_pb2.Value) -> Any:
-    kind = value.WhichOneof("kind")
-    return None if kind in (None, "null_value") else getattr(value, kind)
+class WireError(ValueError):
+    """Bytes that are not a well-formed `ProcessingRequest` (truncated, a bad length or wire type, text
+    that is not UTF-8, nesting past 32 levels)."""
 
 
-def _options(headers: Iterable[tuple[str, bytes]]) -> list[Any]:
-    return [
-        base_pb2.HeaderValueOption(
-            header=base_pb2.HeaderValue(key=name, raw_value=value),
-            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-        )
-        for name, value in headers
+class Inbound(msgspec.Struct, frozen=True, kw_only=True):
+    """One `ProcessingRequest`, the fields the picker reads."""
+
+    kind: str | None
+    """Which message: request_headers, response_headers, request_body, response_body,
+    request_trailers, response_trailers; None for none of them."""
+    headers: Headers = []
+    """The headers message's headers: (lower-case name, value), pseudo-headers (`:path`...) included."""
+    body: bytes = b""
+    """The body message's chunk."""
+    end_of_stream: bool = False
+    """The headers' or body's `end_of_stream` (or `end_of_stream_without_message`)."""
+    response_body_mode: int | None = None
+    """`protocol_config.response_body_mode` (0: NONE) when the message carries the filter's config."""
+    metadata: dict[str, dict[str, Any]] = {}
+    """`metadata_context.filter_metadata`: namespace -> key -> value."""
+
+    def metadata_value(self, namespace: str, key: str) -> Any:
+        """`metadata_context.filter_metadata[namespace][key]` (a string, a list...); None when absent."""
+        return self.metadata.get(namespace, {}).get(key)
+
+
+# -- reading ------------------------------------------------------------------------------------------
+
+
+def _varint(buf: bytes, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            return result, pos
+        shift += 7
+        if shift > 63:
+            raise WireError("a varint longer than 10 bytes")
+
+
+def _fields(buf: bytes, pos: int, end: int) -> list[tuple[int, int, Any]]:
+    """The fields of the message at buf[pos:end]: (number, wire type, value): an int for a varint, a
+    (start, end) span for a length-delimited field, the raw bytes of a fixed-width one."""
+    out: list[tuple[int, int, Any]] = []
+    while pos < end:
+        key, pos = _varint(buf, pos)
+        number, wire = key >> 3, key & 7
+        value: Any
+        if wire == _VARINT:
+            value, pos = _varint(buf, pos)
+        elif wire == _LEN:
+            size, pos = _varint(buf, pos)
+            value = (pos, pos + size)
+            pos += size
+        elif wire in (_FIXED64, _FIXED32):
+            width = 8 if wire == _FIXED64 else 4
+            value = buf[pos : pos + width]
+            pos += width
+        else:
+            raise WireError(f"wire type {wire} (field {number})")
+        if number == 0 or pos > end:
+            raise WireError("a field past the end of its message" if number else "field number 0")
+        out.append((number, wire, value))
+    return out
+
+
+def _span(wire: int, value: Any, what: str) -> tuple[int, int]:
+    if wire != _LEN:
+        raise WireError(f"{what} is not length-delimited")
+    span: tuple[int, int] = value
+    return span
+
+
+def _text(buf: bytes, span: tuple[int, int]) -> str:
+    try:
+        return buf[span[0] : span[1]].decode()
+    except UnicodeDecodeError:
+        raise WireError("a string field that is not UTF-8") from None
+
+
+def _flag(wire: int, value: Any) -> bool:
+    if wire != _VARINT:
+        raise WireError("a bool field that is not a varint")
+    return bool(value)
+
+
+def decode(buf: bytes) -> Inbound:
+    """The `ProcessingRequest` in `buf`; WireError when it is not one."""
+    try:
+        return _request(buf)
+    except IndexError:
+        raise WireError("a message cut short") from None
+
+
+def _request(buf: bytes) -> Inbound:
+    kind: str | None = None
+    headers: Headers = []
+    body, end, mode = b"", False, None
+    metadata: dict[str, dict[str, Any]] = {}
+    for number, wire, value in _fields(buf, 0, len(buf)):
+        if number in _KINDS:
+            kind = _KINDS[number]
+            headers, body, end = _payload(number, buf, _span(wire, value, kind))
+        elif number == _METADATA_CONTEXT:
+            metadata = _filter_metadata(buf, _span(wire, value, "metadata_context"))
+        elif number == _PROTOCOL_CONFIG:
+            mode = 0  # (a mode left out is its default: NONE)
+            for n, w, v in _fields(buf, *_span(wire, value, "protocol_config")):
+                if n == 2 and w == _VARINT:
+                    mode = v
+    return Inbound(
+        kind=kind, headers=headers, body=body, end_of_stream=end, response_body_mode=mode, metadata=metadata
+    )
+
+
+def _payload(number: int, buf: bytes, span: tuple[int, int]) -> tuple[Headers, bytes, bool]:
+    """HttpHeaders (2, 3): headers and end_of_stream; HttpBody (4, 5): the chunk and its end; trailers
+    (6, 7): nothing the picker reads."""
+    headers: Headers = []
+    body, end = b"", False
+    if number > 5:
+        return headers, body, end
+    for n, w, v in _fields(buf, *span):
+        if number <= 3:
+            if n == 1:
+                headers = _header_map(buf, *_span(w, v, "headers"))
+            elif n == 3:
+                end = _flag(w, v)
+        elif n == 1:
+            start, stop = _span(w, v, "body")
+            body = buf[start:stop]
+        elif n in (2, 3):
+            end = _flag(w, v) or end
+    return headers, body, end
+
+
+def _header_map(buf: bytes, pos: int, end: int) -> Headers:
+    """A HeaderMap's headers (field 1, repeated HeaderValue), in order."""
+    headers: Headers = []
+    while pos < end:
+        if buf[pos] != 0x0A:  # (not field 1, length-delimited: the general reader)
+            spans = (_span(w, v, "a header") for n, w, v in _fields(buf, pos, end) if n == 1)
+            return [*headers, *(_header(buf, span) for span in spans)]
+        size, start = _varint(buf, pos + 1)
+        pos = start + size
+        if pos > end:
+            raise WireError("a header past the end of its map")
+        headers.append(_short_header(buf, start, pos) or _header(buf, (start, pos)))
+    return headers
+
+
+def _header(buf: bytes, span: tuple[int, int]) -> tuple[bytes, bytes]:
+    """A HeaderValue: (lower-case key, `raw_value` or else `value`), any shape (`_short_header` reads
+    the usual one faster)."""
+    key, value, raw = b"", b"", b""
+    for n, w, v in _fields(buf, *span):
+        if n in (1, 2, 3):
+            start, stop = _span(w, v, "a header field")
+            if n == 1:
+                key = buf[start:stop].lower()
+            elif n == 2:
+                value = _text(buf, (start, stop)).encode()
+            else:
+                raw = buf[start:stop]
+    return key, raw or value
+
+
+def _short_header(buf: bytes, pos: int, end: int) -> tuple[bytes, bytes] | None:
+    """The usual HeaderValue read fast: only `key` and `raw_value`, each shorter than 128 bytes (one
+    length byte); None for any other shape (read by the general reader)."""
+    key = raw = b""
+    while pos < end:
+        tag, size = buf[pos], buf[pos + 1]
+        if size >= 0x80 or tag not in (0x0A, 0x1A):  # (field 1 or 3, length-delimited)
+            return None
+        start, pos = pos + 2, pos + 2 + size
+        if tag == 0x0A:
+            key = buf[start:pos]
+        else:
+            raw = buf[start:pos]
+    return (key.lower(), raw) if pos == end else None
+
+
+def _filter_metadata(buf: bytes, span: tuple[int, int]) -> dict[str, dict[str, Any]]:
+    """Metadata's `filter_metadata` (field 1, map<string, Struct>); `typed_filter_metadata` is skipped."""
+    return {key: value for key, value in _entries(buf, span, 0, _struct)}
+
+
+def _entries(buf: bytes, span: tuple[int, int], depth: int, read: Any) -> Iterable[tuple[str, Any]]:
+    """The entries of the map in field 1 of the message at `span`: (key, `read`(its value))."""
+    for n, w, v in _fields(buf, *span):
+        if n != 1:
+            continue
+        key, value = "", read(buf, (0, 0), depth + 1)
+        for en, ew, ev in _fields(buf, *_span(w, v, "a map entry")):
+            if en == 1:
+                key = _text(buf, _span(ew, ev, "a map key"))
+            elif en == 2:
+                value = read(buf, _span(ew, ev, "a map value"), depth + 1)
+        yield key, value
+
+
+def _struct(buf: bytes, span: tuple[int, int], depth: int) -> dict[str, Any]:
+    """google.protobuf.Struct as a dict."""
+    if depth > _MAX_DEPTH:
+        raise WireError(f"metadata nested deeper than {_MAX_DEPTH} levels")
+    return dict(_entries(buf, span, depth, _value))
+
+
+def _value(buf: bytes, span: tuple[int, int], depth: int) -> Any:
+    """google.protobuf.Value as Python: None, float, str, bool, dict, list (the last kind set wins)."""
+    if depth > _MAX_DEPTH:
+        raise WireError(f"metadata nested deeper than {_MAX_DEPTH} levels")
+    out: Any = None
+    for n, w, v in _fields(buf, *span):
+        if n == 1:
+            out = None
+        elif n == 2 and w == _FIXED64:
+            out = struct.unpack("<d", v)[0]
+        elif n == 3:
+            out = _text(buf, _span(w, v, "string_value"))
+        elif n == 4:
+            out = _flag(w, v)
+        elif n == 5:
+            out = _struct(buf, _span(w, v, "struct_value"), depth + 1)
+        elif n == 6:
+            items = _fields(buf, *_span(w, v, "list_value"))
+            out = [_value(buf, _span(iw, iv, "a list item"), depth + 1) for i, iw, iv in items if i == 1]
+    return out
+
+
+# -- writing ------------------------------------------------------------------------------------------
+
+
+def _varint_bytes(n: int) -> bytes:
+    out = bytearray()
+    while n > 0x7F:
+        out.append((n & 0x7F) | 0x80)
+        n >>= 7
+    out.append(n)
+    return bytes(out)
+
+
+def _field(number: int, payload: bytes) -> bytes:
+    """A length-delimited field: a string, bytes or a message."""
+    return _varint_bytes(number << 3 | _LEN) + _varint_bytes(len(payload)) + payload
+
+
+def _nested(numbers: Sequence[int], parts: Sequence[bytes | memoryview]) -> bytes:
+    """The message made of `parts` as the innermost of messages nested in fields `numbers` (outermost
+    first), its parts copied once (a body chunk is one)."""
+    prefixes, size = [], sum(len(part) for part in parts)
+    for number in reversed(numbers):
+        prefix = _varint_bytes(number << 3 | _LEN) + _varint_bytes(size)
+        prefixes.append(prefix)
+        size += len(prefix)
+    prefixes.reverse()
+    return b"".join((*prefixes, *parts))
+
+
+def _mutation(set_headers: Iterable[tuple[str, bytes]], remove: Iterable[str] = ()) -> bytes:
+    """A HeaderMutation: each header set with OVERWRITE_IF_EXISTS_OR_ADD (replacing one of the same
+    name), then the names removed."""
+    action = bytes((3 << 3 | _VARINT, _OVERWRITE_IF_EXISTS_OR_ADD))
+    options = [
+        _field(1, _field(1, _field(1, name.encode()) + (_field(3, value) if value else b"")) + action)
+        for name, value in set_headers
     ]
+    return b"".join((*options, *(_field(2, name.encode()) for name in remove)))
+
+
+def _string_struct(fields: dict[str, str]) -> bytes:
+    """A Struct of string Values."""
+    return b"".join(
+        _field(1, _field(1, k.encode()) + _field(2, _field(3, v.encode()))) for k, v in fields.items()
+    )
 
 
 def headers_response(
@@ -80,49 +354,54 @@ def headers_response(
     remove: Sequence[str] = (),
     metadata: dict[str, dict[str, str]] | None = None,
     clear_route_cache: bool = False,
-) -> Any:
+) -> bytes:
     """The answer to the `phase` ("request_headers" or "response_headers") message: headers set
     (replacing any of the same name) and removed, the route cache cleared (so Envoy routes on the
     headers set), and `metadata` as the stream's dynamic metadata (namespace -> key -> value)."""
-    mutation = ext_proc.HeaderMutation(set_headers=_options(set_headers), remove_headers=list(remove))
-    common = ext_proc.CommonResponse(header_mutation=mutation, clear_route_cache=clear_route_cache)
-    response = ext_proc.ProcessingResponse(**{phase: ext_proc.HeadersResponse(response=common)})
+    common = _field(2, _mutation(set_headers, remove))
+    if clear_route_cache:
+        common += bytes((5 << 3 | _VARINT, 1))
+    out = _field(_ANSWERS[phase], _field(1, common))
     if metadata:
-        for namespace, fields in metadata.items():
-            space = response.dynamic_metadata.fields[namespace].struct_value
-            for key, value in fields.items():
-                space.fields[key].string_value = value
-    return response
+        spaces = b"".join(
+            _field(1, _field(1, ns.encode()) + _field(2, _field(5, _string_struct(fields))))
+            for ns, fields in metadata.items()
+        )
+        out += _field(_DYNAMIC_METADATA, spaces)
+    return out
 
 
-def body_responses(phase: str, body: bytes, end_of_stream: bool) -> list[Any]:
+def body_responses(phase: str, body: bytes, end_of_stream: bool) -> list[bytes]:
     """`body` sent back as the `phase` ("request_body" or "response_body") answers in FULL_DUPLEX_STREAMED
     mode: chunks of at most `CHUNK_BYTES`, `end_of_stream` (when set) on the last one only. An empty
     body is one empty chunk (it may carry the end of the stream)."""
+    # ProcessingResponse.<phase> BodyResponse.response CommonResponse.body_mutation
+    # BodyMutation.streamed_response StreamedBodyResponse{body = 1, end_of_stream = 2}
+    path = (_ANSWERS[phase], 1, 3, 3)
     views = memoryview(body)
     starts = range(0, len(body), CHUNK_BYTES) if body else range(1)
     out = []
     for start in starts:
-        chunk = bytes(views[start : start + CHUNK_BYTES])
+        chunk = views[start : start + CHUNK_BYTES]
         last = start + CHUNK_BYTES >= len(body)
-        streamed = ext_proc.StreamedBodyResponse(body=chunk, end_of_stream=end_of_stream and last)
-        common = ext_proc.CommonResponse(body_mutation=ext_proc.BodyMutation(streamed_response=streamed))
-        out.append(ext_proc.ProcessingResponse(**{phase: ext_proc.BodyResponse(response=common)}))
+        parts: list[bytes | memoryview] = [_BODY_KEY, _varint_bytes(len(chunk)), chunk] if chunk else []
+        if end_of_stream and last:
+            parts.append(_END_OF_STREAM)
+        out.append(_nested(path, parts))
     return out
 
 
-def immediate_response(status: int, headers: Sequence[tuple[str, bytes]], body: bytes, details: str) -> Any:
+def immediate_response(status: int, headers: Sequence[tuple[str, bytes]], body: bytes, details: str) -> bytes:
     """An answer Envoy gives the client at once, without any engine: `status`, headers, body; `details`
     goes to Envoy's access log (`%RESPONSE_CODE_DETAILS%`)."""
-    immediate = ext_proc.ImmediateResponse(
-        status=http_status_pb2.HttpStatus(code=status),
-        headers=ext_proc.HeaderMutation(set_headers=_options(headers)),
-        body=body,
-        details=details,
-    )
-    return ext_proc.ProcessingResponse(immediate_response=immediate)
+    immediate = _field(1, bytes((1 << 3 | _VARINT,)) + _varint_bytes(status)) + _field(2, _mutation(headers))
+    if body:
+        immediate += _field(3, body)
+    if details:
+        immediate += _field(5, details.encode())
+    return _field(_IMMEDIATE, immediate)
 
 
-def trailers_response(phase: str) -> Any:
+def trailers_response(phase: str) -> bytes:
     """The answer to a `phase` ("request_trailers" or "response_trailers") message: the trailers unchanged."""
-    return ext_proc.ProcessingResponse(**{phase: ext_proc.TrailersResponse()})
+    return _field(_ANSWERS[phase], b"")

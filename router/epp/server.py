@@ -2,7 +2,9 @@
 `grpc.health.v1.Health` on another (the reference picker's layout: 9002 and 9003).
 
 Each `Process` stream is one HTTP request: its messages go to a `PickStream` (router.epp.picker) and
-its answers back, in order; the stream's end (Envoy closing it, a cancellation, the answer's end) is
+its answers back, in order, as the wire bytes they are (the method is served by a generic handler
+without (de)serializers: the picker reads and writes the few fields it needs itself,
+router.epp.messages); the stream's end (Envoy closing it, a cancellation, the answer's end) is
 told to the stream once, so a request picked but never answered gives back what it held. After an
 `ImmediateResponse` the server ends the stream itself (cleanly: Envoy needs nothing more from it).
 A failure inside the picker is logged and ends that stream only, never the server.
@@ -20,13 +22,11 @@ import logging
 import shutil
 import subprocess
 import tempfile
-from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any, Final
 
 import grpc
 import msgspec
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from router.epp.picker import Picker
@@ -78,27 +78,33 @@ def _credentials(settings: ServerSettings) -> Any:
     return grpc.ssl_server_credentials([(pair[1], pair[0])])
 
 
-class _Processor(ext_proc_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    """The ext_proc service: one `PickStream` per `Process` stream."""
+def _handler(picker: Picker) -> Any:
+    """The ext_proc service's one method, on raw bytes (no request deserializer, no response serializer)."""
 
-    def __init__(self, picker: Picker) -> None:
-        self.picker = picker
+    async def process(_requests: Any, context: Any) -> None:
+        await _process(picker, context)
 
-    async def Process(self, requests: AsyncIterator[Any], context: Any) -> AsyncIterator[Any]:
-        stream = self.picker.stream()
-        try:
-            async for message in requests:
-                for answer in await stream.on_message(message):
-                    yield answer
-                    if answer.HasField("immediate_response"):
-                        return  # the request is answered: nothing more to read
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # a bug in the picker: this stream ends, the server serves the next ones
-            log.exception("ext_proc stream failed", extra={"request_id": stream.rid})
-            raise
-        finally:
-            stream.closed()
+    method = grpc.stream_stream_rpc_method_handler(process)
+    return grpc.method_handlers_generic_handler(EXT_PROC_SERVICE, {"Process": method})
+
+
+async def _process(picker: Picker, context: Any) -> None:
+    """One `Process` stream: one `PickStream`, fed by `context.read()` and answered by `context.write()`
+    (no response generator between them)."""
+    stream = picker.stream()
+    try:
+        while (message := await context.read()) is not grpc.aio.EOF:
+            for answer in await stream.on_message(message):
+                await context.write(answer)
+            if stream.immediate:
+                return  # the request is answered: nothing more to read
+    except asyncio.CancelledError:
+        raise
+    except Exception:  # a bug in the picker: this stream ends, the server serves the next ones
+        log.exception("ext_proc stream failed", extra={"request_id": stream.rid})
+        raise
+    finally:
+        stream.closed()
 
 
 class PickerServer:
@@ -116,7 +122,7 @@ class PickerServer:
         """Bind both ports (0: a free one, read back in `grpc_port`, `health_port`) and serve."""
         s = self.settings
         server = self._server = grpc.aio.server()
-        ext_proc_grpc.add_ExternalProcessorServicer_to_server(_Processor(self.picker), server)
+        server.add_generic_rpc_handlers((_handler(self.picker),))
         address = f"{s.host}:{s.grpc_port}"
         if s.secure:
             self.grpc_port = server.add_secure_port(address, _credentials(s))

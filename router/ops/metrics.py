@@ -30,6 +30,7 @@ from prometheus_client.registry import Collector
 from events.sources import EngineStats
 from router.core.keys.recent_prompts import PrefixKeyCache
 from router.core.policy.breaker import BreakerState
+from router.core.policy.session_rule import SessionRule
 from router.ops.bucket_histogram import BucketHistogram, BucketHistogramChild
 from router.ops.local_counter import LocalCounter, LocalCounterChild
 from router.ops.local_family import LocalFamily
@@ -282,6 +283,31 @@ class _DiscoveryCollector(Collector):
             "rejected slices (this worker)",
             dict(sorted(self._counts.items())),
             label="kind",
+        )
+
+
+class _SessionCollector(Collector):
+    """The session policy's pins and outcomes (router.core.policy.session_rule), read at scrape time."""
+
+    def __init__(self, sessions: SessionRule) -> None:
+        self._sessions = sessions
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        rule = self._sessions
+        yield _labelled(
+            "kvrouter_session_decisions",
+            "session policy decisions by outcome: none, new, kept, moved, unavailable (this worker)",
+            rule.outcomes,
+            label="outcome",
+        )
+        yield _labelled(
+            "kvrouter_session_pin_evictions",
+            "session pins forgotten, by reason: capacity, ttl, engine_removed (this worker)",
+            rule.pins.evictions,
+            label="reason",
+        )
+        yield GaugeMetricFamily(
+            "kvrouter_session_pins", "session pins held (this worker)", value=len(rule.pins)
         )
 
 
@@ -691,7 +717,14 @@ class RouterMetrics:
 
     def count_discovery(self, counts: Mapping[str, int]) -> None:
         """Export the Kubernetes discovery's counters (router/links/kube_discovery.py)."""
-        collector = _DiscoveryCollector(counts)
+        self._export(_DiscoveryCollector(counts))
+
+    def count_sessions(self, sessions: SessionRule) -> None:
+        """Export the session policy's pins and outcomes (router/core/policy/session_rule.py)."""
+        self._export(_SessionCollector(sessions))
+
+    def _export(self, collector: Collector) -> None:
+        """Register a collector of this worker's own counts (rendered in multiprocess mode too)."""
         self._local.append(collector)
         self.registry.register(collector)
 

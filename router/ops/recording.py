@@ -25,6 +25,7 @@ from events.recording_file import RecordingWriter
 from events.sources import EngineName
 from router.core.ids import RequestId
 from router.core.policy.scoring import Decision
+from router.core.policy.session_key import AGENT_HEADERS
 from router.settings.config import RouterConfig
 
 __all__ = ["GatewayRecorder"]
@@ -42,7 +43,8 @@ class GatewayRecorder:
         self, writer: RecordingWriter, session_header: str, clock: Callable[[], float] = time.time
     ) -> None:
         self.writer = writer
-        self.keep = _KEPT_HEADERS | {session_header.lower()}
+        # The session headers too (ids, not secrets): replay reads the session key as the gateway did.
+        self.keep = _KEPT_HEADERS | {session_header.lower()} | {h.decode() for h in AGENT_HEADERS}
         self.clock = clock
         self.failed: OSError | None = None
         self.written: dict[str, int] = {}

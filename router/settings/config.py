@@ -154,7 +154,19 @@ class PolicyConfig(_Table, frozen=True):
     """kv: seconds each engine step takes longer per token of context (KV) of the requests it holds."""
     seed: int = 0
     session_header: str = "x-session-id"
+    """session: the configured session header, read before any other source of a session key."""
+    session_agent_headers: bool = True
+    """session: then the well-known agent clients' session headers (docs/routing.md "Sessions for agents")."""
+    session_body: bool = True
+    """session: then the body's ids (`prompt_cache_key`, `conversation`, `metadata.user_id`, `user`, ...)."""
+    session_mode: Literal["hard", "soft"] = "hard"
+    """session: `hard` keeps a session on its engine while eligible; `soft` moves it when kv's choice is
+    predicted faster to first token by more than `session_margin_s`."""
+    session_margin_s: NonNegative = 0.5
     session_capacity: Count = 100_000
+    """session: pins kept (least recently used evicted first, counted)."""
+    session_ttl_s: NonNegative = 3600.0
+    """session: a pin unused this long is forgotten (counted; 0: never)."""
     prior_overhead_s: NonNegative = 0.02
     prior_per_token_s: Positive = 1e-4
     prior_weight: Positive = 4.0
@@ -173,6 +185,9 @@ class PolicyConfig(_Table, frozen=True):
     """A scrape older than this is ignored (the router's own counts stand alone)."""
     max_predicted_ttft_s: NonNegative = 0.0
     """An engine predicted slower than this to first token is saturated; when all are, 503 (0: off)."""
+    saturation_bound: Literal["ttft", "wait"] = "ttft"
+    """What `max_predicted_ttft_s` bounds: the predicted TTFT, or the predicted wait (the TTFT less
+    the request's own prefill on an idle engine: a long prompt is not refused by an idle fleet)."""
     max_scraped_waiting: Annotated[int, msgspec.Meta(ge=0)] = 0
     """An engine whose scraped waiting queue is longer than this is saturated (0: off)."""
     prefill_work_weight: NonNegative = 1.0

@@ -77,11 +77,8 @@ class PrefillCostModel:
         x1 = tokens / _KTOK  # (the feature vector is (1, x1))
         err = ttft_s - self.predict(tokens)
         if self.samples >= 3:
-            # max(a, b) and min(a, b) written as Python evaluates them (`b if b > a else a`, NaN alike).
-            abs_err = self._abs_err
-            limit = 3.0 * (1e-4 if 1e-4 > abs_err else abs_err)
-            err = err if err < limit else limit
-            err = err if err > -limit else -limit
+            limit = 3.0 * max(self._abs_err, 1e-4)
+            err = max(-limit, min(limit, err))  # (a NaN error is clipped to the limit)
         self._abs_err = abs(err) if self.samples == 0 else 0.9 * self._abs_err + 0.1 * abs(err)
         self.samples += 1
         # The update: the 2x2 algebra written out in scalars (one per request's first token), the same
@@ -92,15 +89,13 @@ class PrefillCostModel:
         denom = lam + px0 + x1 * px1
         g0, g1 = px0 / denom, px1 / denom
         overhead, per_ktok = self.overhead_s + g0 * err, self._per_ktok + g1 * err
-        self.overhead_s = overhead if overhead > 0.0 else 0.0  # max(0.0, overhead), NaN alike
-        self._per_ktok = per_ktok if per_ktok > 1e-9 else 1e-9
+        self.overhead_s = max(0.0, overhead)
+        self._per_ktok = max(1e-9, per_ktok)
         n00, n01 = (p00 - g0 * px0) / lam, (p01 - g0 * px1) / lam
         n10, n11 = (p10 - g1 * px0) / lam, (p11 - g1 * px1) / lam
         trace = n00 + n11
         # Forgetting inflates P when the token counts barely vary; bound it by the prior's spread.
-        scale = self._p_trace_max / trace if trace > 0 else 1.0
-        if not scale < 1.0:  # min(1.0, scale)
-            scale = 1.0
+        scale = min(1.0, self._p_trace_max / trace if trace > 0 else 1.0)
         self._p = (n00 * scale, n01 * scale, n10 * scale, n11 * scale)
 
 
@@ -244,10 +239,7 @@ class LoadTracker:
         prompt of `context_tokens` (its KV, read by every engine step while the engine holds it)."""
         if request in self._requests:
             raise ValueError(f"request {request} is already in flight; finish it before restarting it")
-        try:  # (`_engine` without its call when the engine is known)
-            load = self._engines[engine]
-        except KeyError:
-            load = self._engine(engine)
+        load = self._engine(engine)
         # What is predicted now besides prefill is taken out of the TTFT the prefill model learns from.
         other_s = self._other_s(load, engine, at, uncached_tokens)
         load.seen = None
@@ -295,11 +287,8 @@ class LoadTracker:
             self._served(load, flight, at)
         else:
             ttft = at - flight.started_at - flight.other_s
-            load.model.observe(flight.work_tokens, ttft if ttft > 0.0 else 0.0)  # max(0.0, ttft)
-        # `_end_prefill`, without its call (every answered request's)
-        load.prefilling -= 1
-        load.prefill_tokens -= flight.uncached_tokens
-        load.unanswered.pop(request, None)
+            load.model.observe(flight.work_tokens, max(0.0, ttft))
+        self._end_prefill(load, request, flight)
         load.head_since = at
         return at - flight.started_at
 
@@ -382,12 +371,9 @@ class LoadTracker:
             # result below is min(done >= 0, 0)); the usual case, at no clock arithmetic.
             return 0
         load.seen_timed = True  # (what follows reads `now`: a send cannot reuse this snapshot)
-        since = load.head_since if load.head_since > head.started_at else head.started_at
-        elapsed = now - since - per_step
-        share = (elapsed if elapsed > 0.0 else 0.0) / full_s
-        done = round(tokens * (share if share < 1.0 else 1.0))
-        cap = tokens - budget
-        return cap if cap < done else done
+        since = max(head.started_at, load.head_since)
+        share = max(0.0, now - since - per_step) / full_s
+        return min(round(tokens * min(1.0, share)), tokens - budget)
 
     def scraped(self, engine: EngineId, metrics: ScrapedMetrics) -> None:
         """Merge the engine's latest scraped gauges (used while younger than `scrape_max_age_s`)."""
@@ -404,10 +390,7 @@ class LoadTracker:
         Each count is the larger of the two because each is a lower bound of the truth: the router's
         is exact but only its own traffic, the scrape holds every gateway's (and direct clients')
         but is up to a period old. Adding them would count this router's requests twice."""
-        try:  # (`_engine` without its call when the engine is known)
-            load = self._engines[engine]
-        except KeyError:
-            load = self._engine(engine)
+        load = self._engine(engine)
         in_flight, prefilling = load.in_flight, load.prefilling
         decoding, queued = in_flight - prefilling, load.prefill_tokens
         scrape = load.scrape
@@ -425,7 +408,7 @@ class LoadTracker:
             in_flight = max(in_flight, scrape.num_requests_running + scrape.num_requests_waiting)
             usage = scrape.kv_cache_usage_perc
         model = load.model
-        per_token_s = model._per_ktok / _KTOK  # `model.per_token_s`, without the property's call
+        per_token_s = model.per_token_s
         load.seen_timed = False  # (`_drained` sets it when its answer reads the time)
         seen = load.seen = LoadSnapshot(
             in_flight, prefilling, decoding, queued, usage, model.overhead_s, per_token_s, fresh,

@@ -5,8 +5,9 @@ in-flight limit, the answer is the per-engine limit's 429 (capacity frees as req
 helps); otherwise, if breakers are open, a 503 whose Retry-After is the time until the first one lets a
 probe through; when every engine is saturated (`policy.max_predicted_ttft_s`, `max_scraped_waiting`),
 a 503 `saturated`, rather than piling onto one, whose Retry-After is the predicted drain time: how
-long until the engine nearest the bound has worked off the excess of its predicted TTFT over it
-(`over_bound`); a model no engine serves (or none healthy) is a 503 `no_engine`. Pure: time passed in.
+long until the engine nearest the bound has worked off the excess over it of its predicted TTFT
+(or wait, `policy.saturation_bound`: `CandidateScore.bounded_s`; `over_bound`); a model no engine
+serves (or none healthy) is a 503 `no_engine`. Pure: time passed in.
 """
 
 from __future__ import annotations
@@ -27,16 +28,17 @@ _NONE: Final[Mapping[EngineId, float]] = MappingProxyType({})
 
 
 def over_bound(candidates: Iterable[CandidateScore], max_predicted_ttft_s: float) -> dict[EngineId, float]:
-    """Per saturated candidate whose predicted TTFT is past `max_predicted_ttft_s` (0: no bound, none),
+    """Per saturated candidate whose bounded prediction (`CandidateScore.bounded_s`: its predicted TTFT,
+    or wait) is past `max_predicted_ttft_s` (0: no bound, none),
     by how many seconds: the queued prefill its engine must work off before a request like this one
     is predicted within the bound again. The engine drains that work at the rate the TTFT model
     prices it, so, with nothing more sent there, that many seconds from now."""
     if max_predicted_ttft_s <= 0:
         return {}
     return {
-        c.engine: c.predicted_ttft_s - max_predicted_ttft_s
+        c.engine: c.bounded_s - max_predicted_ttft_s
         for c in candidates
-        if c.why_not == WHY_SATURATED and c.predicted_ttft_s > max_predicted_ttft_s
+        if c.why_not == WHY_SATURATED and c.bounded_s > max_predicted_ttft_s
     }
 
 
@@ -87,7 +89,8 @@ def _saturated(
     else:
         figures = ", ".join(f"{e}: {s:.2f} s" for s, e in sorted(over))
         why, wait = (
-            f"predicted time to first token past policy.max_predicted_ttft_s by {figures}",
+            f"predicted time to first token (or wait, policy.saturation_bound) past "
+            f"policy.max_predicted_ttft_s by {figures}",
             min(over)[0],
         )
     retry_after_s = max(admission.retry_after_s, math.ceil(wait))

@@ -2,22 +2,23 @@
 
 Policies (`PolicyName`):
 - `kv` (default): minimise the predicted TTFT (router.core.policy.ttft_model: prefill of the queue and
-  the uncached prompt tokens at the learned cost, the decode part of its chunked steps, the wait for
-  a free slot in a full running batch), plus the prefill work the request adds to that engine
+  the uncached prompt tokens at the learned cost, the decode part of its chunked steps, the wait for a
+  free slot in a full running batch), plus the prefill work the request adds to that engine
   (`prefill_work_weight` x its own uncached prefill time: `CandidateScore.work_s`), which the requests
   queued there after it wait for; a greedy TTFT alone trades a long hit behind a queue for an idle
-  engine's whole prefill. An engine past `max_predicted_ttft_s` or `max_scraped_waiting` is
-  saturated and not eligible under any policy. Hits count only from FRESH mirrors (a stale
-  or catching-up engine's hits are taken as 0). Candidates within `tie_tolerance_s` x (1 + weight) of the
-  best cost tie, and ties break, in order, on: (1) the longer prefix left for the next request sharing
-  this one's head (the counted hit, or the warm full-attention prefix of an engine where routing
-  pins a hybrid junction: a trusted engine whose warm prefix exceeds its hit), (2) the larger
-  counted hit, (3) fewer in-flight requests, (4) a stable hash of (request key, engine), which
+  engine's whole prefill. An engine past `max_predicted_ttft_s` (its predicted TTFT, or with
+  `saturation_bound` "wait" its predicted wait: the TTFT less the request's prefill on an idle engine)
+  or `max_scraped_waiting` is saturated and not eligible under any policy. Hits count only from FRESH
+  mirrors (a stale or catching-up engine's hits are taken as 0). Candidates within `tie_tolerance_s` x
+  (1 + weight) of the best cost tie, and ties break, in order, on: (1) the longer prefix left for the
+  next request sharing this one's head (the counted hit, or the warm full-attention prefix of an engine
+  where routing pins a hybrid junction: a trusted engine whose warm prefix exceeds its hit), (2) the
+  larger counted hit, (3) fewer in-flight requests, (4) a stable hash of (request key, engine), which
   spreads ties over engines without randomness. The reason names the rules that decided.
 - `round_robin`, `least_loaded` (in-flight, then queued tokens, then the stable hash), `random`
-  (seeded), `session` (header affinity; falls back to `kv` when the engine is gone or unavailable),
+  (seeded), `session` (agent sessions kept on their engine, hard or soft: router.core.policy.session_rule),
   `prefix_approx` (longest warm full-attention prefix, ignoring trust and hybrid rules; for A/B).
-Pure: the scorer's only state is the round-robin counter, the seeded RNG and the session table.
+Pure: the scorer's only state is the round-robin counter, the seeded RNG and the session pins.
 """
 
 from __future__ import annotations
@@ -27,17 +28,17 @@ import functools
 import hashlib
 import operator
 import random
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from itertools import repeat
-from typing import TYPE_CHECKING, Final
+from typing import TYPE_CHECKING, Final, Literal
 
 import msgspec
 
 from router.core.ids import EngineId
 from router.core.policy.load import LoadSnapshot
+from router.core.policy.session_rule import SessionMode, SessionRule
 from router.core.policy.trust import TrustState, TrustStatus
-from router.core.policy.ttft_model import ttft_terms
+from router.core.policy.ttft_model import idle_prefill_s, ttft_terms
 
 if TYPE_CHECKING:
     from router.settings.config import RouterConfig
@@ -53,6 +54,7 @@ __all__ = [
     "Decision",
     "PolicyName",
     "RouteRequest",
+    "SaturationBound",
     "Scorer",
     "ScorerSettings",
 ]
@@ -67,6 +69,10 @@ class PolicyName(enum.Enum):
     RANDOM = "random"
     SESSION = "session"
     PREFIX_APPROX = "prefix_approx"
+
+
+SaturationBound = Literal["ttft", "wait"]
+"""What `policy.max_predicted_ttft_s` bounds (`ScorerSettings.saturation_bound`)."""
 
 
 PENDING_READERS: Final = frozenset({PolicyName.KV, PolicyName.SESSION})
@@ -121,11 +127,19 @@ class ScorerSettings(msgspec.Struct, frozen=True):
     seed: int = 0
     session_capacity: int = 100_000
     max_predicted_ttft_s: float = 0.0
-    """An engine whose predicted TTFT exceeds this is saturated and not chosen (0: no limit)."""
+    """An engine whose predicted TTFT (or wait, `saturation_bound`) exceeds this is saturated and not
+    chosen (0: no limit)."""
     max_scraped_waiting: int = 0
     """An engine whose scraped `vllm:num_requests_waiting` exceeds this is saturated (0: no limit)."""
     prefill_work_weight: float = 1.0
     """kv: the cost adds this many times the request's own uncached prefill time (`work_s`)."""
+    session_mode: SessionMode = SessionMode.HARD
+    session_ttl_s: float = 3600.0
+    """A session pin unused this long is forgotten (0: never)."""
+    session_margin_s: float = 0.5
+    """session, soft: a pinned session moves when kv's choice is predicted this much faster to first token."""
+    saturation_bound: SaturationBound = "ttft"
+    """What `max_predicted_ttft_s` bounds: the predicted TTFT, or the predicted wait (`wait_s`)."""
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> ScorerSettings:
@@ -134,7 +148,9 @@ class ScorerSettings(msgspec.Struct, frozen=True):
         return cls(
             PolicyName(p.name), p.tie_tolerance_s, p.seed, p.session_capacity,
             max_predicted_ttft_s=p.max_predicted_ttft_s, max_scraped_waiting=p.max_scraped_waiting,
-            prefill_work_weight=p.prefill_work_weight,
+            prefill_work_weight=p.prefill_work_weight, session_mode=SessionMode(p.session_mode),
+            session_ttl_s=p.session_ttl_s, session_margin_s=p.session_margin_s,
+            saturation_bound=p.saturation_bound,
         )  # fmt: skip
 
 
@@ -162,6 +178,11 @@ class CandidateScore(msgspec.Struct, frozen=True):
     """The prefill work this request adds to the engine, weighted (`prefill_work_weight`)."""
     cost_s: float = 0.0
     """What kv minimises: `predicted_ttft_s + work_s`."""
+    wait_s: float = 0.0
+    """`predicted_ttft_s` less the request's prefill on an idle engine (`ttft_model.idle_prefill_s`):
+    the wait this engine's load adds (its queue left, the decode part of the steps, a slot)."""
+    bounded_s: float = 0.0
+    """What the saturation bound compared: `predicted_ttft_s`, or `wait_s` (`saturation_bound`)."""
 
     @property
     def expected_tokens(self) -> int:
@@ -221,9 +242,10 @@ def _why_not(c: Candidate, excluded: frozenset[EngineId]) -> str:
     return WHY_AT_CAPACITY if c.at_capacity else ""
 
 
-def _saturated(load: LoadSnapshot, ttft_s: float, settings: ScorerSettings) -> bool:
-    """Past a configured limit, a request sent there would wait in the engine's queue rather than in ours."""
-    if settings.max_predicted_ttft_s > 0 and ttft_s > settings.max_predicted_ttft_s:
+def _saturated(load: LoadSnapshot, bounded_s: float, settings: ScorerSettings) -> bool:
+    """Past a configured limit, a request sent there would wait in the engine's queue rather than in
+    ours (`bounded_s`: the predicted TTFT or wait, `CandidateScore.bounded_s`)."""
+    if settings.max_predicted_ttft_s > 0 and bounded_s > settings.max_predicted_ttft_s:
         return True
     waiting = load.scrape.num_requests_waiting if load.scrape is not None else 0
     return settings.max_scraped_waiting > 0 and waiting > settings.max_scraped_waiting
@@ -236,24 +258,21 @@ def _score(c: Candidate, excluded: frozenset[EngineId], settings: ScorerSettings
     # A prefix the router itself just sent there is known without the mirror, unless the engine's
     # state is in doubt altogether (stale: restarted, history lost, silent).
     pending = c.pending_tokens if state is not TrustState.STALE else 0
-    counted = pending if pending > trusted_hit else trusted_hit  # max(trusted_hit, pending)
-    uncached = c.prompt_tokens - counted
-    if uncached < 0:
-        uncached = 0
+    counted = max(trusted_hit, pending)
+    uncached = max(0, c.prompt_tokens - counted)
     load = c.load
     steps, decode_s, slot_s, ttft = ttft_terms(load, uncached)
     work = settings.prefill_work_weight * load.per_token_s * uncached
+    wait = ttft - idle_prefill_s(load, uncached)
+    bounded = wait if settings.saturation_bound == "wait" else ttft
     pins = trusted and c.warm_tokens > c.hit_tokens
-    # `_why_not`'s answer for the usual candidate (nothing tried yet, healthy, closed, below its
-    # limit) without its call.
-    usual = not excluded and c.healthy and not c.breaker_open and not c.at_capacity
-    why_not = "" if usual else _why_not(c, excluded)
+    why_not = _why_not(c, excluded)
     if not why_not and (settings.max_predicted_ttft_s > 0 or settings.max_scraped_waiting > 0):
-        why_not = WHY_SATURATED if _saturated(load, ttft, settings) else ""  # (no limit: never)
+        why_not = WHY_SATURATED if _saturated(load, bounded, settings) else ""  # (no limit: never)
     return CandidateScore(
         c.engine, c.hit_tokens, trusted_hit, c.boundary, c.warm_tokens, pins, uncached, ttft,
         c.trust, c.load, not why_not, why_not, c.pending_tokens, counted,
-        steps, decode_s, slot_s, work, ttft + work,
+        steps, decode_s, slot_s, work, ttft + work, wait, bounded,
     )  # fmt: skip
 
 
@@ -270,7 +289,13 @@ class Scorer:
         self.settings = settings
         self._turn = 0
         self._rng = random.Random(settings.seed)
-        self._sessions: OrderedDict[str, EngineId] = OrderedDict()
+        self.sessions = SessionRule(
+            settings.session_mode,
+            settings.session_capacity,
+            settings.session_ttl_s,
+            settings.session_margin_s,
+        )
+        self._now = 0.0  # the time of the decision being made (`choose`): session pins read it
         self._policies: dict[PolicyName, Callable[[RouteRequest, list[CandidateScore]], Pick]] = {
             PolicyName.KV: self._kv,
             PolicyName.ROUND_ROBIN: self._round_robin,
@@ -280,11 +305,12 @@ class Scorer:
             PolicyName.PREFIX_APPROX: self._prefix_approx,
         }
         self._policy = self._policies[settings.policy]  # (an enum's hash is a Python call per lookup)
-        self._alone_kv = settings.policy is PolicyName.KV  # one eligible candidate: `_kv` without a tie
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
-        """Score every candidate and pick one with the configured policy (deterministic given the seed)."""
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate], now: float = 0.0) -> Decision:
+        """Score every candidate and pick one with the configured policy (deterministic given the seed);
+        `now` (the fleet's clock) ages session pins."""
         policy = self.settings.policy
+        self._now = now
         # (`map` and `filter` rather than comprehensions: no Python frame of their own)
         scores = list(map(_score, candidates, repeat(request.excluded), repeat(self.settings)))
         if len(scores) > 1:  # (one engine's list is sorted: no key list, no call)
@@ -293,27 +319,18 @@ class Scorer:
         if not eligible:
             why = "; ".join(f"{s.engine}: {s.why_not}" for s in scores) or "no engines configured"
             return Decision(None, policy, f"no eligible engine ({why})", 0, scores)
-        runner = None
-        if len(eligible) == 1 and self._alone_kv:  # what `_kv` answers alone: no tie, no runner-up
-            chosen, reason = eligible[0], _kv_words(eligible[0], True)
-        else:
-            chosen, reason = self._policy(request, eligible)
-            if len(eligible) == 2:  # the other one (every policy chooses among the eligible)
-                runner = eligible[1] if chosen is eligible[0] else eligible[0]
-            else:
-                others = [s for s in eligible if s is not chosen] if len(eligible) > 1 else None
-                runner = min(others, key=_COST) if others else None
-        hit, pending = chosen.hit_tokens, chosen.pending_tokens  # `expected_tokens`, without its call
+        chosen, reason = self._policy(request, eligible)
+        others = [s for s in eligible if s is not chosen]
+        runner = min(others, key=_COST) if others else None
         return Decision(
-            chosen.engine, policy, reason, pending if pending > hit else hit, scores,
-            hit, chosen.counted_tokens,
+            chosen.engine, policy, reason, chosen.expected_tokens, scores,
+            chosen.hit_tokens, chosen.counted_tokens,
             runner.engine if runner else None, runner.cost_s - chosen.cost_s if runner else 0.0,
         )  # fmt: skip
 
     def forget_engine(self, engine: EngineId) -> None:
-        """Drop session affinities to an engine that left the fleet."""
-        for session in [s for s, e in self._sessions.items() if e == engine]:
-            del self._sessions[session]
+        """Drop session pins to an engine that left the fleet."""
+        self.sessions.pins.forget_engine(engine)
 
     def _kv(self, request: RouteRequest, eligible: list[CandidateScore]) -> Pick:
         best = min(eligible, key=_COST)
@@ -325,12 +342,8 @@ class Scorer:
         others: str
         if len(tied) == 1:  # (what `_break_tie` answers for one: no rule narrows)
             return tied[0], _kv_words(tied[0], tied[0].cost_s == best.cost_s)
-        if len(tied) == 2:  # (two engines' usual tie: `_break_tie` without its rule loop)
-            chosen, rules = _break_pair(request.key, tied[0], tied[1])
-            others = tied[1].engine if chosen is tied[0] else tied[0].engine
-        else:
-            chosen, rules = _break_tie(request.key, tied)
-            others = ", ".join(s.engine for s in tied if s is not chosen)
+        chosen, rules = _break_tie(request.key, tied)
+        others = ", ".join(s.engine for s in tied if s is not chosen)
         why = _kv_words(chosen, chosen.cost_s == best.cost_s)
         return (
             chosen,
@@ -357,30 +370,13 @@ class Scorer:
         return chosen, f"prefix_approx: longest warm prefix {chosen.warm_tokens} tokens (trust ignored)"
 
     def _session(self, request: RouteRequest, eligible: list[CandidateScore]) -> Pick:
-        if request.session is None:
-            chosen, why = self._kv(request, eligible)
-            return chosen, f"session: no session header; {why}"
-        pinned = self._sessions.get(request.session)
-        for s in eligible:
-            if s.engine == pinned:
-                self._sessions.move_to_end(request.session)
-                return s, f"session: affinity of session {request.session!r}"
-        chosen, why = self._kv(request, eligible)
-        self._remember(request.session, chosen.engine)
-        lost = "new session" if pinned is None else f"pinned engine {pinned} unavailable"
-        return chosen, f"session: {lost}; {why}"
-
-    def _remember(self, session: str, engine: EngineId) -> None:
-        self._sessions[session] = engine
-        self._sessions.move_to_end(session)
-        while len(self._sessions) > self.settings.session_capacity:
-            self._sessions.popitem(last=False)
+        return self.sessions.pick(request.session, eligible, lambda: self._kv(request, eligible), self._now)
 
 
 def _kv_words(chosen: CandidateScore, lowest: bool) -> str:
     """kv's reason for `chosen` (`lowest`: its cost is the least), before any tie's words."""
     ttft = "lowest predicted TTFT" if lowest else "predicted TTFT"
-    pending, cached = chosen.pending_tokens, chosen.trusted_hit_tokens  # (`_pending_words` inline)
+    pending, cached = chosen.pending_tokens, chosen.trusted_hit_tokens
     expected = f", {pending} expected from requests just sent" if pending > cached else ""
     return (
         f"kv: {ttft} {chosen.predicted_ttft_s * 1000:.1f} ms "
@@ -424,25 +420,6 @@ _TIE_RULES: Final[
     (lambda key, s: s.load.in_flight, lambda s: f"fewer in-flight requests ({s.load.in_flight})"),
     (lambda key, s: stable_hash(key, s.engine), lambda s: "the stable hash of (request, engine)"),
 )
-
-
-def _break_pair(key: str, a: CandidateScore, b: CandidateScore) -> tuple[CandidateScore, list[str]]:
-    """`_break_tie` of two: the first rule whose values differ keeps the one with the lesser value and
-    says its words; when none does, the first (each rule's value written out, the hash taken last)."""
-    ra = a.warm_tokens if a.pins_junction else a.counted_tokens  # `_reusable_tokens`
-    rb = b.warm_tokens if b.pins_junction else b.counted_tokens
-    if ra != rb:
-        rule, chosen = 0, a if ra > rb else b  # (the value is its negation)
-    elif a.counted_tokens != b.counted_tokens:
-        rule, chosen = 1, a if a.counted_tokens > b.counted_tokens else b
-    elif a.load.in_flight != b.load.in_flight:
-        rule, chosen = 2, a if a.load.in_flight < b.load.in_flight else b
-    else:
-        ha, hb = stable_hash(key, a.engine), stable_hash(key, b.engine)
-        if ha == hb:
-            return a, []
-        rule, chosen = 3, a if ha < hb else b
-    return chosen, [_TIE_RULES[rule][1](chosen)]
 
 
 def _break_tie(key: str, tied: list[CandidateScore]) -> tuple[CandidateScore, list[str]]:

@@ -27,6 +27,7 @@ __all__ = [
     "EngineState",
     "StepCost",
     "TtftTerms",
+    "idle_prefill_s",
     "prefill_steps",
     "running_context",
     "step_budget",
@@ -99,7 +100,7 @@ TtftTerms = tuple[int, float, float, float]
 def step_budget(step: StepCost, decoding: int) -> int:
     """Prefill tokens one engine step takes: its token budget less one per decoding sequence, at least 1."""
     budget = step.max_num_batched_tokens - decoding
-    return budget if budget > 1 else 1  # max(1, budget)
+    return max(1, budget)
 
 
 def step_decode_s(step: StepCost, decoding: int, context: int = 0) -> float:
@@ -121,7 +122,14 @@ def running_context(step: StepCost, in_flight: int, context: int) -> int:
 def prefill_steps(step: StepCost, decoding: int, tokens: int) -> int:
     """Engine steps that prefill `tokens` (at least one) while `decoding` sequences decode."""
     steps = -(-tokens // step_budget(step, decoding))  # ceil(tokens / budget) for ints
-    return steps if steps > 1 else 1
+    return max(1, steps)
+
+
+def idle_prefill_s(engine: EngineState, uncached_tokens: int) -> float:
+    """What `ttft_terms` predicts for `uncached_tokens` on `engine` were it idle (no queue, nothing
+    decoding or held): its learned prefill alone, `overhead_s + per_token_s x uncached_tokens`. A
+    predicted TTFT less this is the request's predicted wait: what the engine's load adds."""
+    return engine.overhead_s + engine.per_token_s * uncached_tokens
 
 
 def ttft_terms(engine: EngineState, uncached_tokens: int) -> TtftTerms:
@@ -144,7 +152,7 @@ def ttft_terms(engine: EngineState, uncached_tokens: int) -> TtftTerms:
     """
     step, decoding = engine.step, engine.decoding
     left = engine.queued_prefill_tokens - engine.drained_tokens
-    tokens = (left if left > 0 else 0) + uncached_tokens
+    tokens = max(0, left) + uncached_tokens
     steps = prefill_steps(step, decoding, tokens)
     context = running_context(step, engine.in_flight, engine.context_tokens)
     decode_s = steps * step_decode_s(step, decoding, context)

@@ -108,3 +108,27 @@ def test_render_decision_marks_the_choice_and_ineligible_candidates() -> None:
     assert lines[0] == "title" and lines[2].startswith("* a") and lines[3].startswith("  b")
     assert lines[3].endswith("no: circuit breaker open") and "30.00" in lines[2]
     assert lines[-1] == "  policy kv -> a: kv: lowest"
+
+
+async def test_a_new_prompt_of_a_recorded_session_is_explained_with_its_pin(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Under the session policy, `--session` names the session as the gateway's configured header
+    did: the replayed pins hold it, and the explanation says it is kept on its engine."""
+    raw, path = tmp_path / "raw.rec", tmp_path / "session.rec"
+    async with running_stubs(2) as stubs:
+        config = await record_session(stubs, "session", raw)
+    with_config_header(raw, path, config)
+    user = USERS[0]  # (its requests carried the configured header, x-session-id)
+    served = last_engine_of(path, recorded_ids(path)[(TURNS - 1) * len(USERS)])
+    messages = msgspec.json.encode(msgspec.json.decode(chat_body(user, TURNS + 1), type=dict)["messages"])
+    capsys.readouterr()
+    args = ["explain", str(path), "--messages", messages.decode(), "--no-progress", "--json", "--at", "+600"]
+    assert main([*args, "--session", user]) == 0
+    kept = msgspec.json.decode(capsys.readouterr().out, type=NewPromptExplanation).decision
+    assert kept.engine == served
+    assert kept.reason.startswith(f"session 'x-session-id={user}': kept on {served} (hard pin"), kept.reason
+    assert main(args) == 0  # no session named: kv's choice
+    assert msgspec.json.decode(capsys.readouterr().out, type=NewPromptExplanation).decision.reason.startswith(
+        "session: no session key; kv:"
+    )

@@ -40,9 +40,9 @@ class Recording(Scorer):
 
     seen: list[Candidate]
 
-    def choose(self, request: RouteRequest, candidates: Sequence[Candidate]) -> Decision:
+    def choose(self, request: RouteRequest, candidates: Sequence[Candidate], now: float = 0.0) -> Decision:
         self.seen = list(candidates)
-        return super().choose(request, candidates)
+        return super().choose(request, candidates, now)
 
 
 Policy = Literal["kv", "round_robin", "session"]

@@ -33,8 +33,15 @@ from tests.gateway_helpers import Gateway, engine_of, gateway_config, running_ga
 pytestmark = pytest.mark.timeout(60)
 
 
+async def step(stream: PickStream, message: Any) -> list[Any]:
+    """`message` (a generated ProcessingRequest) to the stream as its wire bytes, as gRPC hands them over;
+    the answers read back as generated ProcessingResponses."""
+    answers = await stream.on_message(message.SerializeToString())
+    return [ext_proc.ProcessingResponse.FromString(a) for a in answers]
+
+
 async def run(stream: PickStream, *messages: Any) -> list[list[Any]]:
-    return [await stream.on_message(m) for m in messages]
+    return [await step(stream, m) for m in messages]
 
 
 def chat(model: str, text: str) -> bytes:
@@ -147,7 +154,7 @@ async def test_an_empty_or_unmatched_subset_is_a_503(fleet: Fleet, hint: Any) ->
     [answer] = steps[-1]
     assert answer.immediate_response.status.code == 503
     assert json.loads(answer.immediate_response.body)["error"]["code"] == "no_engine"
-    assert await stream.on_message(response_headers(200)) == []  # nothing after the immediate answer
+    assert await step(stream, response_headers(200)) == []  # nothing after the immediate answer
     assert gateway_of(fleet).parts.fleet.admission.total == 0
 
 
@@ -158,7 +165,7 @@ async def test_overload_is_the_gateway_refusal(fleet: Fleet) -> None:
     [picked] = await run(first, request_body(chat(fleet.model, "one"), True))
     assert picked[0].HasField("request_headers")
     await run(second, request_headers("POST", "/v1/chat/completions", False))
-    [refused] = await second.on_message(request_body(chat(fleet.model, "two"), True))
+    [refused] = await step(second, request_body(chat(fleet.model, "two"), True))
     assert refused.immediate_response.status.code in (429, 503)
     assert json.loads(refused.immediate_response.body)["error"]["code"] == "max_in_flight_total"
     first.closed()  # (a stream closed early gives its slot back)
@@ -181,7 +188,7 @@ async def test_a_body_over_the_limit_is_a_413(fleet: Fleet) -> None:
 
 async def test_malformed_streams_get_a_clear_answer(fleet: Fleet) -> None:
     out_of_order = fleet.picker.stream()
-    [answer] = await out_of_order.on_message(request_body(b"{}", True))  # a body before any headers
+    [answer] = await step(out_of_order, request_body(b"{}", True))  # a body before any headers
     assert answer.immediate_response.status.code == 400
     assert json.loads(answer.immediate_response.body)["error"]["code"] == "ext_proc_protocol"
     not_json = fleet.picker.stream()
@@ -200,6 +207,20 @@ async def test_malformed_streams_get_a_clear_answer(fleet: Fleet) -> None:
     assert 'kvrouter_rejected_requests_total{reason="ext_proc_protocol"} 1.0' in metrics
 
 
+async def test_bytes_that_are_no_ext_proc_message_get_a_counted_400(fleet: Fleet) -> None:
+    """What the gRPC server hands over is raw bytes (no generated class parses them first): a message cut
+    short is the picker's own 400, counted, and the next stream is picked as usual."""
+    cut = request_headers("POST", "/v1/chat/completions", False).SerializeToString()[:-3]
+    [raw] = await fleet.picker.stream().on_message(cut)
+    answer = ext_proc.ProcessingResponse.FromString(raw)
+    assert answer.immediate_response.status.code == 400
+    assert "malformed ext_proc message" in json.loads(answer.immediate_response.body)["error"]["message"]
+    metrics = gateway_of(fleet).parts.metrics.render().decode()
+    assert 'kvrouter_rejected_requests_total{reason="ext_proc_protocol"} 1.0' in metrics
+    [picked] = await run(fleet.picker.stream(), request_headers("GET", "/v1/models", end=True))
+    assert set_headers(picked[0])[DESTINATION] in fleet.addresses.values()
+
+
 async def test_the_response_phase_adds_the_gateway_headers_and_reads_usage(fleet: Fleet) -> None:
     stream = fleet.picker.stream()
     body = chat(fleet.model, "hi")
@@ -207,7 +228,7 @@ async def test_the_response_phase_adds_the_gateway_headers_and_reads_usage(fleet
         stream, request_headers("POST", "/v1/chat/completions", False, (("x-request-id", "rid-r"),)),
         request_body(body, True),
     )  # fmt: skip
-    [answer] = await stream.on_message(response_headers(200))
+    [answer] = await step(stream, response_headers(200))
     own = set_headers(answer, "response_headers")
     entry = gateway_of(fleet).parts.ring.get("rid-r")
     assert entry is not None and entry.engine is not None
@@ -215,15 +236,48 @@ async def test_the_response_phase_adds_the_gateway_headers_and_reads_usage(fleet
     assert own["x-kvrouter-predicted-cached-tokens"] == str(entry.predicted_cached_tokens or 0)
     assert own["x-kvrouter-mirror-trust"] in ("fresh", "catching_up", "stale", "unknown")
     usage = b'{"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":7}}}'
-    first = await stream.on_message(response_body(usage[:10], False))
-    last = await stream.on_message(response_body(usage[10:], True))
-    assert echoed([*first, *last], "response_body") == (usage, [10, len(usage) - 10], [False, True])
+    first = await step(stream, response_body(usage[:10], False))
+    last = await step(stream, response_body(usage[10:], True))
+    assert first == []  # a JSON answer, read whole by its client: sent back at its end, one message
+    assert echoed(last, "response_body") == (usage, [len(usage)], [True])
     assert entry.actual_cached_tokens == 7 and entry.status == 200
     parts = gateway_of(fleet).parts
     assert (
         parts.fleet.admission.total == 0
         and parts.fleet.load.snapshot(EngineId(entry.engine), 0.0).in_flight == 0
     )
+
+
+async def test_an_event_stream_is_sent_back_chunk_by_chunk(fleet: Fleet) -> None:
+    """Each event as it comes (a streaming client waits for every token), usage read from the last."""
+    stream = fleet.picker.stream()
+    body = json.dumps({**json.loads(chat(fleet.model, "hi")), "stream": True}).encode()
+    await run(stream, request_headers("POST", "/v1/chat/completions", False), request_body(body, True))
+    await step(stream, response_headers(200, content_type="text/event-stream; charset=utf-8"))
+    events = [
+        b'data: {"choices":[{"delta":{"content":"a"}}]}\n\n',
+        b'data: {"choices":[],"usage":{"prompt_tokens":9,"prompt_tokens_details":{"cached_tokens":5}}}\n\n',
+        b"data: [DONE]\n\n",
+    ]
+    answers = [await step(stream, response_body(e, i == len(events) - 1)) for i, e in enumerate(events)]
+    assert [echoed(a, "response_body") for a in answers] == [
+        (e, [len(e)], [i == len(events) - 1]) for i, e in enumerate(events)
+    ]
+    entry = gateway_of(fleet).parts.ring.get(stream.rid)
+    assert entry is not None and entry.actual_cached_tokens == 5
+
+
+async def test_a_held_answer_past_one_chunk_is_sent_back_before_its_end(fleet: Fleet) -> None:
+    stream = fleet.picker.stream()
+    await run(stream, request_headers("POST", "/v1/completions", False), request_body(
+        json.dumps({"model": fleet.model, "prompt": "x", "max_tokens": 1}).encode(), True))  # fmt: skip
+    await step(stream, response_headers(200, content_type="application/json"))
+    big = b"x" * (CHUNK_BYTES - 10)
+    assert await step(stream, response_body(big, False)) == []
+    flushed = await step(stream, response_body(big, False))  # past one chunk: sent, not held on
+    assert echoed(flushed, "response_body") == (big + big, [CHUNK_BYTES, CHUNK_BYTES - 20], [False, False])
+    last = await step(stream, response_body(b"{}", True))
+    assert echoed(last, "response_body") == (b"{}", [2], [True])
 
 
 @pytest.mark.parametrize(
@@ -252,8 +306,8 @@ async def test_messages_and_responses_are_picked_by_prefix_and_their_usage_read(
     )
     entry = gateway_of(fleet).parts.ring.get("rid-a")
     assert entry is not None and entry.request.endpoint == path and entry.request.prompt_tokens > 60
-    await stream.on_message(response_headers(200))
-    await stream.on_message(response_body(usage, True))
+    await step(stream, response_headers(200))
+    await step(stream, response_body(usage, True))
     assert entry.actual_cached_tokens == 7 and entry.status == 200
 
 
@@ -261,7 +315,7 @@ async def test_a_stream_closed_before_the_answer_leaves_nothing_counted(fleet: F
     parts = gateway_of(fleet).parts
     picked = fleet.picker.stream()
     await run(picked, request_headers("POST", "/v1/chat/completions", False, (("x-request-id", "rid-c"),)))
-    await picked.on_message(request_body(chat(fleet.model, "bye"), True))
+    await step(picked, request_body(chat(fleet.model, "bye"), True))
     assert parts.fleet.admission.total == 1
     picked.closed()
     entry = parts.ring.get("rid-c")
@@ -302,8 +356,8 @@ async def test_trailers_end_the_body_and_are_answered(fleet: Fleet) -> None:
     head, *sent, answered = steps[-1]
     assert head.HasField("request_headers") and answered.HasField("request_trailers")
     assert echoed(sent) == (body, [len(body)], [False])
-    await stream.on_message(response_headers(200))
-    [done] = await stream.on_message(ext_proc.ProcessingRequest(response_trailers=ext_proc.HttpTrailers()))
+    await step(stream, response_headers(200))
+    [done] = await step(stream, ext_proc.ProcessingRequest(response_trailers=ext_proc.HttpTrailers()))
     assert done.HasField("response_trailers")
     assert gateway_of(fleet).parts.fleet.admission.total == 0
 
@@ -319,12 +373,12 @@ async def test_a_gateway_retry_on_the_fallback_moves_the_counts(fleet: Fleet) ->
     by_address = {address: EngineId(name) for name, address in fleet.addresses.items()}
     now = parts.fleet.clock()
     assert parts.fleet.load.snapshot(by_address[chosen], now).in_flight == 1
-    [answer] = await stream.on_message(response_headers(200, served=fallback))
+    [answer] = await step(stream, response_headers(200, served=fallback))
     assert set_headers(answer, "response_headers")["x-kvrouter-engine"] == by_address[fallback]
     assert parts.fleet.load.snapshot(by_address[chosen], now).in_flight == 0
     assert parts.fleet.load.snapshot(by_address[fallback], now).in_flight == 1
     assert parts.fleet.breakers.get(by_address[chosen]).failures == 1
-    await stream.on_message(response_body(b"{}", True))
+    await step(stream, response_body(b"{}", True))
     entry = parts.ring.get("rid-f")
     assert entry is not None and entry.engine == by_address[fallback]
     assert parts.fleet.load.snapshot(by_address[fallback], now).in_flight == 0
@@ -340,7 +394,7 @@ async def test_an_engine_failing_its_answers_opens_its_breaker_and_is_picked_no_
         post = request_headers("POST", "/v1/chat/completions", False, subset=dead)
         _, picked = await run(stream, post, request_body(chat(fleet.model, f"dead {turn}"), True))
         assert set_headers(picked[0])[DESTINATION] == dead
-        await stream.on_message(response_headers(503, end=True))
+        await step(stream, response_headers(503, end=True))
     for turn in range(4):
         stream = fleet.picker.stream()
         post = request_headers("POST", "/v1/chat/completions", False)
@@ -385,7 +439,7 @@ async def test_without_response_bodies_the_stream_end_ends_the_request(fleet: Fl
     post.protocol_config.request_body_mode = 4  # FULL_DUPLEX_STREAMED
     post.protocol_config.response_body_mode = 0  # NONE
     await run(stream, post, request_body(chat(fleet.model, "no body"), True))
-    [answer] = await stream.on_message(response_headers(200))
+    [answer] = await step(stream, response_headers(200))
     assert set_headers(answer, "response_headers")["x-request-id"] == "rid-n"
     assert parts.fleet.admission.total == 1  # (the answer is still streaming to the client)
     stream.closed()

@@ -81,6 +81,23 @@ def test_kv_beats_prefix_approx_at_p90_on_agent_sessions(runs: dict[str, SimResu
     assert kv < approx, f"p90: kv {kv * 1000:.1f} ms, prefix_approx {approx * 1000:.1f} ms"
 
 
+# Seeds 1-5 of the same workload, kv / prefix_approx p50 and p90 ms when written: 15.9/16.3 21.3/21.6,
+# 15.8/16.0 23.5/23.9, 16.5/17.4 25.3/29.7, 14.9/15.5 22.3/23.2, 14.7/15.9 19.4/21.7. kv's picks on
+# seed 0 are within 0.09 ms of the soonest engine's true forecast on average: it loses that p90 on
+# the trajectory its first decisions set, not per decision; with the prior at the stubs' own cost it
+# still does (26.5 against 25.2 ms), so the prior is not why (issue #29 item 4,
+# bench/history/BENCHMARKS-2026-12-06-s17-model.md).
+@pytest.mark.parametrize("seed", [1, 2, 3, 4, 5])
+def test_kv_beats_prefix_approx_and_round_robin_on_other_seeds(seed: int) -> None:
+    spec = AgentWorkload(sessions=12, block_tokens=32, max_output_tokens=24, seed=seed)
+    requests = scale_arrivals(agent_requests(spec), SCALE)
+    policies = (PolicyName.KV, PolicyName.PREFIX_APPROX, PolicyName.ROUND_ROBIN)
+    kv, approx, rr = (run(p, requests, SIM).ttft for p in policies)
+    for q in (0.5, 0.9):
+        k, a, r = (percentile(t, q) * 1000 for t in (kv, approx, rr))
+        assert k < a and k < r, f"p{q * 100:.0f}: kv {k:.1f}, prefix_approx {a:.1f}, round robin {r:.1f} ms"
+
+
 def test_the_offered_load_is_what_the_engines_report(runs: dict[str, SimResult]) -> None:
     """Behind the reference router (the TTFT oracle) the engines report exactly the offered load:
     one simulator prices `--load` and runs the engines. Behind kv, which caches as much, within 15%

@@ -75,7 +75,9 @@ def test_over_bound_names_the_candidates_past_the_predicted_ttft_bound() -> None
     fresh = TrustStatus(TrustState.FRESH, TrustReason.OK, "ok", 0.0)
 
     def scored(engine: EngineId, ttft: float, why_not: str) -> CandidateScore:
-        return CandidateScore(engine, 0, 0, 0, 0, False, 10, ttft, fresh, load, not why_not, why_not)
+        return CandidateScore(
+            engine, 0, 0, 0, 0, False, 10, ttft, fresh, load, not why_not, why_not, bounded_s=ttft
+        )
 
     candidates = [scored(A, 3.5, WHY_SATURATED), scored(B, 1.0, WHY_SATURATED), scored(C, 9.0, WHY_UNHEALTHY)]
     assert over_bound(candidates, 2.0) == {A: 1.5}  # b: saturated by its scraped queue, not the bound

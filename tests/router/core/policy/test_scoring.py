@@ -18,7 +18,6 @@ from router.core.policy.scoring import (
     RouteRequest,
     Scorer,
     ScorerSettings,
-    _break_pair,
     _break_tie,
     _kv_words,
     _saturated,
@@ -274,6 +273,22 @@ def test_every_engine_saturated_leaves_none_eligible_and_says_why() -> None:
     one = Scorer(ScorerSettings(policy=PolicyName.ROUND_ROBIN, max_predicted_ttft_s=0.2))
     picks = {one.choose(RouteRequest(KEY), [_decoding("a", 200), _decoding("b", 0)]).engine for _ in range(4)}
     assert picks == {"b"}  # a saturated engine is skipped by every policy
+
+
+def test_a_wait_bound_refuses_a_queue_not_a_long_prompt_on_an_idle_engine() -> None:
+    """`saturation_bound = "wait"` bounds the predicted TTFT less the request's own prefill on an idle
+    engine: 5,000 uncached tokens (510 ms at 0.1 ms a token) pass a 0.2 s wait bound on an idle
+    engine, which the same bound on the TTFT refuses; 3,000 tokens queued ahead (300 ms) do not."""
+    idle, queued = cand("a", prompt=5000), cand("b", prompt=5000, in_flight=1, queued=3000)
+    ttft = Scorer(ScorerSettings(max_predicted_ttft_s=0.2)).choose(RouteRequest(KEY), [idle])
+    assert ttft.engine is None and ttft.candidates[0].bounded_s == pytest.approx(0.51)
+    wait = ScorerSettings(max_predicted_ttft_s=0.2, saturation_bound="wait")
+    decision = Scorer(wait).choose(RouteRequest(KEY), [idle, queued])
+    assert decision.engine == "a"
+    a, b = decision.candidates
+    assert (a.wait_s, a.bounded_s) == (0.0, 0.0)
+    assert b.why_not == WHY_SATURATED and b.wait_s == pytest.approx(0.3) and b.bounded_s == b.wait_s
+    assert b.predicted_ttft_s == pytest.approx(0.81)
 
 
 def test_ties_spread_over_engines_by_request_key() -> None:
@@ -603,13 +618,6 @@ def _tied_candidate(engine: str, hit: int, warm: int, pending: int, in_flight: i
                     trust: TrustStatus, healthy: bool) -> Candidate:  # fmt: skip
     load = LoadSnapshot(in_flight, in_flight, 0, queued, None, OVERHEAD, PER_TOKEN, False)
     return Candidate(EngineId(engine), hit, 0, warm, 64, trust, load, healthy, pending_tokens=pending)
-
-
-@given(a=_TIED, b=_TIED, key=st.sampled_from(["k1", "k2", "k3"]))
-def test_a_pair_s_tie_is_broken_as_the_rule_loop_breaks_it(a: Tied, b: Tied, key: str) -> None:
-    """`_break_pair` chooses and words exactly what `_break_tie`'s loop does with the same two."""
-    x, y = (_score(_tied_candidate(*t), frozenset(), ScorerSettings()) for t in (a, b))
-    assert _break_pair(key, x, y) == _break_tie(key, [x, y])
 
 
 @given(

@@ -1,0 +1,124 @@
+"""The TTFT model under load, and the saturation bound's goodput, in virtual time (issue #29 item 5).
+
+The agent workload of test_agent_sessions_sim.py with 48 sessions (735 requests) on the same 4
+simulated stubs, through the routing simulator (tests/routing_sim.py: the gateway's real core over
+the stub's schedulers and cost model). Each request's prediction is its decision's, for the engine
+chosen (`CandidateScore.predicted_ttft_s`); goodput counts requests answered within 200 ms (the
+scaled workload's TTFTs are ~1/16 of full size's) over all sent, a refused one not within.
+
+Figures when written. At an offered load of 1.19, kv predicts 94.6% of requests within 2x of their
+TTFT. At 3.44, where queues grow through the run (kv's p50 by fifth of arrivals 82-375 ms), 46.7%,
+predicting about half (p50 0.54x): the prefill cost learned from TTFTs against the queue as sent
+collapses (per token 53 -> 12 -> 6 -> 1.8 -> 0 us, overhead 0.3 -> 183 ms), so the queue term stops
+counting. It is not the model's shape: with the stubs' true cost fixed, 91.0% are within 2x (p50
+0.87x), and so are 90.9% when the cost is learned from each answer's service
+(`policy.learn_prefill_from_service`) from a prior at the engines' cost (0.5 ms + 32 us a token, as
+`max_num_seqs` and the step costs are configured with the engines' figures). From the default prior
+(3x the stub's cost) service learning over-predicts (p50 1.40x, 80.5% within 2x): it converges
+slowly. With that learning and prior, a TTFT bound at the SLO raises goodput from 43.9% to 52.4%
+(267 refused; round robin 3.7%); the wait bound (`saturation_bound = "wait"`) at 0.2 s gives 43.7%.
+Under the defaults the bound lowers it (42.4% -> 39.7%).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import msgspec
+import pytest
+
+from kvrouter.loadtest.agents import AgentWorkload, agent_requests
+from kvrouter.loadtest.plan import StubFleet, offered_load
+from kvrouter.loadtest.workload import RequestSpec, scale_arrivals
+from router.core.policy.load import CostPrior
+from router.core.policy.scoring import PolicyName, SaturationBound, ScorerSettings
+from tests.router.core.policy.test_agent_sessions_sim import CORE, ENGINES, SIM
+from tests.routing_sim import SimResult, run
+
+AT_1_2, AT_3_4 = 0.0064, 0.003
+"""Arrival scales giving offered loads of 1.19 and 3.44 (by `plan.offered_load`: fixed here)."""
+SERVICE_PRIOR = CostPrior(overhead_s=0.5e-3, per_token_s=32e-6)
+"""The stubs' own prefill cost (engine_stub CostModel: step overhead and per token) as the prior."""
+FACTOR = 2.0
+SLO_S = 0.2
+"""The TTFT SLO goodput counts against (the scaled workload's TTFTs are ~1/16 of full size's)."""
+
+
+def workload(scale: float) -> list[RequestSpec]:
+    spec = AgentWorkload(sessions=48, block_tokens=32, max_output_tokens=24, seed=0)
+    return scale_arrivals(agent_requests(spec), scale)
+
+
+@functools.cache
+def simulated(
+    policy: PolicyName, scale: float, bound: SaturationBound | None = None, service: bool = False
+) -> SimResult:
+    """One run, shared by the tests that read it (`bound`: None, else `saturation_bound` at the SLO;
+    `service`: the prefill cost learned from each answer's service, from a prior at the stubs' cost)."""
+    settings = ScorerSettings(max_predicted_ttft_s=SLO_S, saturation_bound=bound) if bound else None
+    sim = msgspec.structs.replace(SIM, service=True, prior=SERVICE_PRIOR) if service else SIM
+    return run(policy, workload(scale), sim, settings)
+
+
+def within(result: SimResult, factor: float) -> float:
+    """The share of answered requests whose predicted TTFT is within `factor` of their TTFT."""
+    pairs = [(p, a) for p, a in zip(result.predicted_ttft_s, result.ttft, strict=True) if math.isfinite(a)]
+    return sum(1 / factor <= p / a <= factor for p, a in pairs) / len(pairs)
+
+
+def goodput(result: SimResult) -> float:
+    """Requests answered within the SLO over all requests sent (a refused one is not)."""
+    return sum(t <= SLO_S for t in result.ttft) / len(result.ttft)
+
+
+def test_the_workload_offers_the_load_stated() -> None:
+    """(At 3.44 the reference router's forecasts over the deep queues take minutes: not asserted.)"""
+    offered = offered_load(workload(AT_1_2), StubFleet(ENGINES, CORE, SIM.cost)).load
+    assert offered is not None and 1.1 < offered < 1.3
+
+
+def test_at_load_1_2_kv_predicts_each_request_s_ttft_within_a_factor_of_2() -> None:
+    """At least 90% of requests within 2x (94.6% when written)."""
+    share = within(simulated(PolicyName.KV, AT_1_2), FACTOR)
+    assert share >= 0.9, f"{share:.1%} of requests predicted within {FACTOR:g}x"
+
+
+@pytest.mark.xfail(
+    strict=True, reason="issue #29 item 5: the cost learned from TTFTs collapses under overload"
+)
+def test_under_overload_kv_predicts_each_request_s_ttft_within_a_factor_of_2() -> None:
+    share = within(simulated(PolicyName.KV, AT_3_4), FACTOR)
+    assert share >= 0.9, f"{share:.1%} of requests predicted within {FACTOR:g}x (46.7% when written)"
+
+
+def test_under_overload_kv_learning_from_service_predicts_within_a_factor_of_2() -> None:
+    """From a prior at the engines' cost, the prefill cost learned from each answer's service keeps
+    the prediction within 2x for at least 90% of requests (90.9% when written)."""
+    share = within(simulated(PolicyName.KV, AT_3_4, service=True), FACTOR)
+    assert share >= 0.9, f"{share:.1%} of requests predicted within {FACTOR:g}x"
+
+
+def test_under_overload_kv_s_goodput_beats_round_robin_s() -> None:
+    """At 3.44: kv 42.4%, round robin 3.7% (their p50 230 and 771 ms)."""
+    kv, rr = (goodput(simulated(p, AT_3_4)) for p in (PolicyName.KV, PolicyName.ROUND_ROBIN))
+    assert kv > rr, f"goodput within {SLO_S:g} s: kv {kv:.1%}, round robin {rr:.1%}"
+
+
+def test_under_overload_a_ttft_bound_at_the_slo_raises_goodput_when_the_cost_is_learned_from_service() -> (
+    None
+):
+    """43.9% -> 52.4% when written (267 of 735 refused)."""
+    free = goodput(simulated(PolicyName.KV, AT_3_4, service=True))
+    held = goodput(simulated(PolicyName.KV, AT_3_4, "ttft", service=True))
+    rr = goodput(simulated(PolicyName.ROUND_ROBIN, AT_3_4))
+    assert held > free > rr, (
+        f"goodput within {SLO_S:g} s: bounded {held:.1%}, unbounded {free:.1%}, rr {rr:.1%}"
+    )
+
+
+@pytest.mark.xfail(strict=True, reason="issue #29 item 5: the default learning predicts ~0.5x under overload")
+def test_under_overload_a_ttft_bound_at_the_slo_raises_goodput_by_default() -> None:
+    """42.4% -> 39.7% when written (138 refused)."""
+    free, held = goodput(simulated(PolicyName.KV, AT_3_4)), goodput(simulated(PolicyName.KV, AT_3_4, "ttft"))
+    assert held > free, f"goodput within {SLO_S:g} s: bounded {held:.1%}, unbounded {free:.1%}"
