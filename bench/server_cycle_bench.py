@@ -1,8 +1,7 @@
-"""The server side's CPU per request: uvicorn's httptools cycle, the gateway's protocol, its hot path.
+"""The server side's CPU per request: uvicorn's httptools protocol against the gateway's.
 
 Run: ``.venv/bin/python bench/server_cycle_bench.py [--requests 20000] [--reps 5] [--body-kb 40]
-[--kinds timed,hot,uvicorn]``; for another revision's protocol, run it with ``PYTHONPATH=<its tree>``
-from that tree (kind `timed`: the gateway's protocol with the hot routes off, or before them).
+[--kinds timed,uvicorn]`` (kind `timed`: the gateway's protocol, router.edge.client_protocol).
 In one process, on uvloop, with no socket: a protocol under test is fed one kept-alive POST
 /v1/chat/completions (the long chat's size of body, `--body-kb`) per turn through a transport that
 only records writes; a gateway-shaped ASGI app reads the body as `Gateway.handle` does
@@ -28,7 +27,7 @@ from uvicorn.server import ServerState
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from router.edge.client_io import lost_signal_of, read_asgi_body
-from router.edge.client_timeouts import STATE_KEY, ClientTimeouts, TimedHttpToolsProtocol
+from router.edge.client_protocol import STATE_KEY, ClientHttpProtocol, ClientTimeouts
 
 _ANSWER = b'{"id":"chatcmpl-1","object":"chat.completion","choices":[' + b"x" * 900 + b"]}"
 _HEADERS = [
@@ -80,25 +79,16 @@ async def _app(scope: Any, receive: Any, send: Any) -> None:
     await send({"type": "http.response.body", "body": _ANSWER, "more_body": False})
 
 
-async def _hot(scope: Any, receive: Any, send: Any, endpoint: Any) -> None:
-    await _app(scope, receive, send)
-
-
 def _state(kind: str) -> dict[str, Any]:
     if kind == "uvicorn":
         return {}
-    state: dict[str, Any] = {STATE_KEY: ClientTimeouts(60.0, 75.0, lambda phase: None)}
-    if kind == "hot":  # imported here: `--tree` of a revision before the hot routes runs the others
-        from router.edge.hot_routes import HOT_KEY, HotRoutes
-
-        state[HOT_KEY] = HotRoutes(_hot)
-    return state
+    return {STATE_KEY: ClientTimeouts(60.0, 75.0, lambda phase: None)}
 
 
 async def _run(kind: str, requests: int, request: bytes) -> float:
     config = uvicorn.Config(_app, lifespan="off", log_config=None, access_log=False)
     config.load()
-    cls = HttpToolsProtocol if kind == "uvicorn" else TimedHttpToolsProtocol
+    cls = HttpToolsProtocol if kind == "uvicorn" else ClientHttpProtocol
     protocol = cls(config, ServerState(), _state(kind), asyncio.get_running_loop())
     transport = _Transport()
     protocol.connection_made(transport)  # type: ignore[arg-type]
@@ -119,7 +109,7 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=20000)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--body-kb", type=int, default=40)
-    parser.add_argument("--kinds", default="timed,hot,uvicorn")
+    parser.add_argument("--kinds", default="timed,uvicorn")
     args = parser.parse_args()
     body = b'{"messages":[{"role":"user","content":"' + b"w" * (args.body_kb * 1024) + b'"}]}'
     request = (

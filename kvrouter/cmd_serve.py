@@ -127,11 +127,11 @@ def server_config(app: ASGIApp | str, config: RouterConfig, **extra: Any) -> uvi
     """The uvicorn config every gateway process runs (`extra`: the worker supervisor's own options):
     uvloop, the gateway's httptools protocol, no uvicorn access log, and uvicorn's proxy-headers layer
     only when `listen.forwarded_allow_ips` names a trusted proxy."""
-    from router.edge.client_timeouts import TimedHttpToolsProtocol
+    from router.edge.client_protocol import ClientHttpProtocol
 
     trusted = config.listen.forwarded_allow_ips
     return uvicorn.Config(
-        app, loop="uvloop", http=TimedHttpToolsProtocol, lifespan="on", log_config=None, access_log=False,
+        app, loop="uvloop", http=ClientHttpProtocol, lifespan="on", log_config=None, access_log=False,
         timeout_graceful_shutdown=drain_timeout(config), proxy_headers=bool(trusted),
         forwarded_allow_ips=trusted or None, **extra,
     )  # fmt: skip

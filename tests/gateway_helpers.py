@@ -19,7 +19,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine_stub.server.launch import StubServer, running_stub
 from engine_stub.stub_config import StubConfig
 from router.core.ids import EngineId
-from router.edge.client_timeouts import TimedHttpToolsProtocol
+from router.edge.client_protocol import ClientHttpProtocol
 from router.edge.gateway import GatewayParts
 from router.lifecycle import ServeOptions, Service, gateway_app
 from router.settings.config import EngineConfig, Limits, PolicyConfig, RouterConfig
@@ -166,7 +166,7 @@ async def running_gateway(
     started: asyncio.Future[GatewayParts] = asyncio.get_running_loop().create_future()
     environ = {"KVROUTER_ADMIN_TOKEN": ADMIN} if environ is None else environ
     app = gateway_app(config, options, environ, started.set_result)
-    uv = uvicorn.Config(app, http=TimedHttpToolsProtocol, lifespan="on", log_config=None, access_log=False)
+    uv = uvicorn.Config(app, http=ClientHttpProtocol, lifespan="on", log_config=None, access_log=False)
     server = uvicorn.Server(uv)
     # proto=IPPROTO_TCP, as getaddrinfo gives `kvrouter serve`: asyncio sets TCP_NODELAY on accepted
     # sockets only then, and without it every reused connection waits out a delayed ACK (~40 ms).
@@ -191,11 +191,11 @@ async def running_gateway(
 
 
 def record_client_writes(monkeypatch: pytest.MonkeyPatch, writes: list[bytes]) -> None:
-    """From now on, every write a gateway (or any app served with `TimedHttpToolsProtocol`) makes on its
+    """From now on, every write a gateway (or any app served with `ClientHttpProtocol`) makes on its
     client connections is appended to `writes`."""
-    made = TimedHttpToolsProtocol.connection_made
+    made = ClientHttpProtocol.connection_made
 
-    def counting(self: TimedHttpToolsProtocol, transport: asyncio.Transport) -> None:
+    def counting(self: ClientHttpProtocol, transport: asyncio.Transport) -> None:
         real = transport.write
 
         def write(data: bytes | bytearray | memoryview) -> None:
@@ -205,4 +205,4 @@ def record_client_writes(monkeypatch: pytest.MonkeyPatch, writes: list[bytes]) -
         transport.write = write  # type: ignore[method-assign]
         made(self, transport)
 
-    monkeypatch.setattr(TimedHttpToolsProtocol, "connection_made", counting)
+    monkeypatch.setattr(ClientHttpProtocol, "connection_made", counting)

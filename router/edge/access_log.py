@@ -1,9 +1,8 @@
 """The access log: one structured INFO line per HTTP request, on the `kvrouter.access` logger.
 
 Every answer is logged when it ends, the engines' answers the gateway relays and the gateway's own
-4xx/5xx alike, by one definition, `AccessLine`: for the hot routes from their cycle
-(`router.edge.hot_routes.HotCycle`), for every other request by `AccessLog`, which wraps the whole
-ASGI app. It reads what the answer's headers already say (`x-request-id`, `x-kvrouter-engine`,
+4xx/5xx alike, by one definition, `AccessLine`, written by `AccessLog`, which wraps the whole ASGI
+app. It reads what the answer's headers already say (`x-request-id`, `x-kvrouter-engine`,
 `x-kvrouter-predicted-cached-tokens`), or else the request id the route took (`request_id_of`)
 without answering with it. The engine-reported cached tokens, known only once the relay has read
 the answer's usage, are left on the request's `AccessNote` by the gateway. `listen.access_log =
@@ -49,8 +48,7 @@ def note_of(scope: Scope) -> AccessNote:
 
 
 class AccessLine:
-    """One request's access line in the making, the one definition both paths write it with (the
-    `AccessLog` middleware, and the hot routes' cycle, `router.edge.hot_routes.HotCycle`): begun when
+    """One request's access line in the making, as the `AccessLog` middleware writes it: begun when
     the request's handling starts (leaving its `AccessNote` on the scope), shown every message its
     answer sends (`saw`, before it goes out), written once when the handling ends (`write`)."""
 

@@ -1,21 +1,21 @@
 """The gateway's HTTP app: OpenAI routes, health, metrics, debug and admin, over one `Service`.
 
-The two hot routes (`POST /v1/completions`, `POST /v1/chat/completions`) go straight from ASGI to
-`Gateway.handle`, before Starlette's middleware and routing (or, offered as `HotRoutes` in the
-lifespan state while no access line or trusted proxy needs the ASGI layers, straight from the
-gateway's HTTP protocol: router.edge.hot_routes); everything else is a plain Starlette
-endpoint (no FastAPI dependency solving). The lifespan starts the `Service`, builds the handlers and
-settles the garbage collector (`settle_gc`).
-Every `RouterError` becomes an OpenAI-format error body with its status and headers (Retry-After
+The routed paths (`router.edge.gateway.HOT_ROUTES`: `POST /v1/completions`,
+`/v1/chat/completions`, `/v1/messages`, `/v1/responses`) go straight from ASGI to `Gateway.handle`,
+before Starlette's middleware and routing; everything else is a plain Starlette endpoint (no
+FastAPI dependency solving). Every request reaches the app through uvicorn's own request cycle (the
+server's protocol, router.edge.client_protocol, adds the client leg's bounds). The lifespan starts
+the `Service`, builds the handlers and settles the garbage collector (`settle_gc`). Every
+`RouterError` becomes an OpenAI-format error body with its status and headers (Retry-After
 included) and the request's `x-request-id`.
 """
 
 from __future__ import annotations
 
 import gc
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from contextlib import AbstractAsyncContextManager, AsyncExitStack, asynccontextmanager
-from typing import Final, Protocol
+from typing import Any, Final, Protocol
 
 import msgspec
 from fastapi import FastAPI
@@ -31,9 +31,8 @@ from router.edge.access_log import AccessLog
 from router.edge.admin import AdminApi, NotFound
 from router.edge.client_io import ClientGone, error_answer, read_body, request_id_of
 from router.edge.client_limits import LIMITS_KEY, ClientLimits
-from router.edge.client_timeouts import STATE_KEY, ClientTimeouts
-from router.edge.gateway import Gateway, GatewayParts
-from router.edge.hot_routes import HOT_KEY, HotRoutes
+from router.edge.client_protocol import STATE_KEY, ClientTimeouts
+from router.edge.gateway import HOT_ROUTES, Gateway, GatewayParts
 from router.edge.passthrough import PASSTHROUGH_PATHS, Passthrough
 from router.ops.digests import fleet_digests
 from router.ops.fleet_views import index_summary
@@ -45,7 +44,6 @@ __all__ = ["GC_GEN0_THRESHOLD", "GatewayApp", "GatewayService", "Handlers", "cre
 
 _JSON: Final = "application/json"
 _EXPLAIN_LIMIT: Final = 64 << 20
-_HOT: Final = {"/v1/completions": Endpoint.COMPLETIONS, "/v1/chat/completions": Endpoint.CHAT}
 _V1_REST: Final = "/v1/{path:path}"
 _ANY_METHOD: Final = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 
@@ -166,31 +164,23 @@ class GatewayApp(FastAPI):
     """Set when `listen.access_log` is on: every request it writes a line for goes through it."""
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        # (an `async def`: uvicorn tells an ASGI 3 app by it)
         if self.access_log is not None and self.access_log.writes(scope):
             await self.access_log(scope, receive, send)
-            return
-        # `dispatch`'s hot-route test inline: with no access line to write (off, or the log level
-        # above INFO), a served completions or chat request reaches `Gateway.handle` with one
-        # coroutine frame between it and uvicorn's cycle, not three.
-        endpoint = _HOT.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
-        if endpoint is not None and self.handlers:
-            await self.handlers[0].gateway.handle(scope, receive, send, endpoint)
         else:
             await self.dispatch(scope, receive, send)
 
-    async def dispatch(self, scope: Scope, receive: Receive, send: Send) -> None:
-        """The hot routes to `Gateway.handle`, everything else to Starlette."""
-        if scope["type"] == "http" and scope["method"] == "POST":
-            endpoint = _HOT.get(scope["path"])
-            if endpoint is not None:
-                if self.handlers:
-                    await self.handlers[0].gateway.handle(scope, receive, send, endpoint)
-                else:
-                    await error_answer(NoEngineAvailable("the gateway is not started"), "none")(
-                        scope, receive, send
-                    )
-                return
-        await super().__call__(scope, receive, send)
+    def dispatch(self, scope: Scope, receive: Receive, send: Send) -> Coroutine[Any, Any, None]:
+        """The hot routes to `Gateway.handle`, everything else to Starlette: the coroutine serving the
+        request, returned rather than awaited here (no frame of this method's under it)."""
+        endpoint = (
+            HOT_ROUTES.get(scope["path"]) if scope["type"] == "http" and scope["method"] == "POST" else None
+        )
+        if endpoint is None:
+            return super().__call__(scope, receive, send)
+        if self.handlers:
+            return self.handlers[0].gateway.handle(scope, receive, send, endpoint)
+        return error_answer(NoEngineAvailable("the gateway is not started"), "none")(scope, receive, send)
 
 
 def error_response(request: Request, exc: RouterError) -> Response:
@@ -249,9 +239,7 @@ def create_app(
             STATE_KEY: ClientTimeouts.of(config.timeouts, lambda phase: counter.labels(phase).inc()),
             LIMITS_KEY: ClientLimits.of(config.limits, refused),
         }
-        if not config.listen.forwarded_allow_ips:  # uvicorn's ProxyHeadersMiddleware must see every request
-            state[HOT_KEY] = HotRoutes(box[0].gateway.handle, config.listen.access_log)
-        try:  # the lifespan state reaches every connection uvicorn accepts (router.edge.client_timeouts)
+        try:  # the lifespan state reaches every connection uvicorn accepts (router.edge.client_protocol)
             yield state
         finally:
             box.clear()
@@ -284,22 +272,6 @@ def create_app(
 
 Endpoint_ = Callable[[Request], Awaitable[Response]]
 
-_ROUTED: Final = {"/v1/messages": Endpoint.MESSAGES, "/v1/responses": Endpoint.RESPONSES}
-"""The routes served by `Gateway.handle` through Starlette's routing (not the hot path)."""
-
-
-class _Routed:
-    """An ASGI endpoint: `Gateway.handle` for one of `_ROUTED`'s endpoints (an error before start)."""
-
-    def __init__(self, box: list[Handlers], endpoint: Endpoint) -> None:
-        self.box, self.endpoint = box, endpoint
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if not self.box:
-            await error_answer(NoEngineAvailable("the gateway is not started"), "none")(scope, receive, send)
-            return
-        await self.box[0].gateway.handle(scope, receive, send, self.endpoint)
-
 
 def _add_routes(app: FastAPI, box: list[Handlers]) -> None:
     def h(pick: Callable[[Handlers], Endpoint_]) -> Endpoint_:
@@ -316,8 +288,6 @@ def _add_routes(app: FastAPI, box: list[Handlers]) -> None:
 
     add = app.router.add_route
     add("/v1/models", h(lambda x: x.passthrough.models), methods=["GET"])
-    for path, endpoint in _ROUTED.items():  # routed by prefix like the hot routes, through Starlette
-        app.router.routes.append(Route(path, _Routed(box, endpoint), methods=["POST"]))
     for path, methods in PASSTHROUGH_PATHS.items():
         add(path, h(lambda x: x.passthrough.forward), methods=list(methods))
     add(_V1_REST, unknown_v1, methods=list(_ANY_METHOD))  # the gateway's own 404 or 405
@@ -335,7 +305,7 @@ def _add_routes(app: FastAPI, box: list[Handlers]) -> None:
 
 def _allowed(app: FastAPI, scope: Scope) -> list[str]:
     """The methods the gateway serves on the request's path (empty: the path is unknown)."""
-    allowed = {"POST"} if scope["path"] in _HOT else set()
+    allowed = {"POST"} if scope["path"] in HOT_ROUTES else set()
     for route in app.router.routes:
         if isinstance(route, Route) and route.path != _V1_REST and route.matches(scope)[0] is Match.PARTIAL:
             allowed |= route.methods or set()

@@ -17,7 +17,7 @@ import itertools
 import os
 import re
 from collections.abc import Awaitable, Callable, Iterable, Iterator
-from typing import Any, Final, TypeVar
+from typing import Final, TypeVar
 
 from starlette.requests import Request
 from starlette.responses import Response
@@ -92,13 +92,9 @@ async def read_asgi_body(
 ) -> bytes:
     """The whole request body, refusing (413) beyond `limit` bytes before reading more than that, and
     (408, `RequestTimeout`) when it is not complete within `timeout_s` seconds. When the protocol's
-    `signal` has the whole body (`LostSignal.take_body`: within `limit`, so no refusal is due), it is
-    handed over with no `receive`; when it says the body is in (`LostSignal.body_in`), no timer is
-    armed: nothing waits.
+    `signal` says the body is in (`LostSignal.body_in`), no timer is armed: nothing waits.
 
     Raises `ClientDisconnected` when the client leaves mid-body (a partial body is never routed)."""
-    if signal is not None and (body := signal.take_body(limit)) is not None:
-        return body
     for key, value in headers:
         if key == _CONTENT_LENGTH and value.isdigit() and int(value) > limit:
             raise RequestTooLarge(f"request body of {value.decode()} bytes exceeds the limit of {limit}")
@@ -134,19 +130,17 @@ LOST_SIGNAL: Final = "kvrouter.lost_signal"
 
 class LostSignal:
     """One request cycle's connection was lost before its answer completed: the protocol `fire`s it
-    (router.edge.client_timeouts), and the cycle's `ClientWatch` is called back, with no task of its
-    own waiting on `receive`. The protocol's signal also reads its cycle (`resume`, `body_in`,
-    `take_body`); this base knows no cycle: its reads say nothing is parsed yet. `loop` is the loop
-    running the cycle's task when the protocol knows it, `task` that task once it is made (None:
-    `ClientWatch` asks asyncio)."""
+    (router.edge.client_protocol), and the cycle's `ClientWatch` is called back, with no task of its
+    own waiting on `receive`. The protocol's signal also reads its cycle (`resume`, `body_in`); this
+    base knows no cycle: its reads say nothing is parsed yet. `loop` is the loop running the cycle's
+    task when the protocol knows it (`ClientWatch` finds the task on it)."""
 
-    __slots__ = ("callback", "loop", "lost", "task")
+    __slots__ = ("callback", "loop", "lost")
 
     def __init__(self, loop: asyncio.AbstractEventLoop | None = None) -> None:
         self.lost = False
         self.callback: Callable[[], None] | None = None
         self.loop = loop
-        self.task: asyncio.Task[None] | None = None
 
     def resume(self) -> None:
         """Resume reading the connection (paused by a body past uvicorn's high-water mark), as a
@@ -156,12 +150,6 @@ class LostSignal:
         """Whether the whole request body is parsed and not yet taken: `receive()` then returns it
         without waiting."""
         return False
-
-    def take_body(self, limit: int) -> bytes | None:
-        """The whole request body, taken as `receive()` takes it, when `receive()` would hand it over at
-        once with nothing written first (no 100 Continue) and it is at most `limit` bytes; else None,
-        and nothing is taken."""
-        return None
 
     def fire(self) -> None:
         """The connection is gone: call the watcher back once (later watchers are called at once)."""
@@ -193,12 +181,9 @@ class ClientWatch:
     ) -> None:
         if signal is None and scope is not None:
             signal = lost_signal_of(scope)
-        if signal is not None and signal.task is not None:  # the protocol's cycle handed it over
-            task: asyncio.Task[Any] | None = signal.task
-        else:
-            # Given its loop, asyncio finds the task without asking for the running loop, which on
-            # CPython 3.11 is a getpid syscall per call (issue #13).
-            task = asyncio.current_task(signal.loop if signal is not None else None)
+        # Given its loop, asyncio finds the task without asking for the running loop, which on
+        # CPython 3.11 is a getpid syscall per call (issue #13).
+        task = asyncio.current_task(signal.loop if signal is not None else None)
         assert task is not None, "ClientWatch needs a running task"
         self._task = task
         self._receive = receive

@@ -3,7 +3,7 @@
 uvicorn's httptools protocol bounds none of them (#33): a head may grow without end (httptools
 buffers a header field until it is whole), a client pipelining requests without reading the
 answers has every one parsed into a request cycle as fast as it can send them, and a chunked body's
-trailer fields join the request's headers. `TimedHttpToolsProtocol` (router.edge.client_timeouts)
+trailer fields join the request's headers. `ClientHttpProtocol` (router.edge.client_protocol)
 applies the `ClientLimits` the gateway offers in the lifespan state (`LIMITS_KEY`; the `[limits]`
 `client_*` keys) on every connection:
 

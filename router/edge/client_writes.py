@@ -3,9 +3,14 @@
 uvicorn writes the status line and headers when the app sends `http.response.start` and the body
 with each `http.response.body`: two syscalls (and two loopback or TCP segments) for every JSON
 answer. `HeadHold` stands between one request-response cycle and the connection's transport: it
-holds the cycle's first write and sends it with the next one, or alone at the loop's next turn if
+holds the cycle's first write and sends it with the next one, or alone at the loop turn's end if
 the body is not ready in the same turn (an SSE stream waiting for its first token), so nothing is
-delayed behind an engine. Every other transport call passes straight through.
+delayed behind an engine. While other requests are in flight on the server, the body that follows
+a held head joins it and both leave at the turn's end, back to back with the other answers of that
+turn: on one host most of a write's CPU is waking its reader (BENCHMARKS.md, "Answers to clients
+batched the same way"). The held answers of one loop turn share one callback at its end
+(`TurnWrites`), not a `call_soon` Handle each. Every other transport call passes straight through;
+a close writes what is held first.
 
 `BodyWriter` (offered in the scope: `scope["extensions"][BODY_WRITER]["writer"]`) writes a chunked
 answer's body bytes straight to the cycle's transport, framed as uvicorn frames them, once the head
@@ -39,28 +44,61 @@ class ClientStalled(Exception):
     while the gateway waited on it (`BodyWriter.writable`): the answer is the client's fault."""
 
 
-class HeadHold:
-    """A transport for one cycle whose first write waits for the second (or the loop's next turn)."""
+class TurnWrites:
+    """The answers held in the current loop turn (`HeadHold`), written back to back, in the order they
+    were held, by one callback at the turn's end. One per server (its protocol keeps it in the
+    lifespan state), so the answers of all its connections share the callback."""
 
-    def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
-        self._transport = transport
+    __slots__ = ("_held", "_loop")
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
+        self._held: list[HeadHold] | None = None
+
+    def add(self, hold: HeadHold) -> None:
+        """Write `hold`'s held bytes (if still held then) at the turn's end."""
+        if self._held is None:
+            self._held = [hold]
+            self._loop.call_soon(self._flush)
+        else:
+            self._held.append(hold)
+
+    def _flush(self) -> None:
+        held, self._held = self._held, None
+        for hold in held or ():
+            hold.flush()
+
+
+class HeadHold:
+    """A transport for one cycle whose first write waits for the second, or the turn's end (module
+    docstring); `busy` (a `len` of the server's requests in flight) says whether others are."""
+
+    __slots__ = ("_busy", "_first", "_held", "_transport", "_turn")
+
+    def __init__(self, transport: asyncio.Transport, turn: TurnWrites, busy: Callable[[], int]) -> None:
+        self._transport = transport
+        self._turn = turn
+        self._busy = busy
         self._held: bytes | None = None
         self._first = True
 
     def write(self, data: bytes | bytearray | memoryview) -> None:
         held = self._held
         if held is not None:
-            self._held = None
-            self._transport.write(held + data)
+            if self._busy() > 1:  # others in flight: out at the turn's end with theirs
+                self._held = held + data
+            else:
+                self._held = None
+                self._transport.write(held + data)
         elif self._first:
             self._first = False
             self._held = bytes(data)
-            self._loop.call_soon(self._flush)
+            self._turn.add(self)
         else:
             self._transport.write(data)
 
-    def _flush(self) -> None:
+    def flush(self) -> None:
+        """Write the held bytes, if any (nothing to a transport closing meanwhile)."""
         held = self._held
         if held is not None:
             self._held = None
@@ -68,7 +106,7 @@ class HeadHold:
                 self._transport.write(held)
 
     def close(self) -> None:
-        self._flush()
+        self.flush()
         self._transport.close()
 
     def is_closing(self) -> bool:
@@ -86,8 +124,7 @@ class BodyWriter:
     and leaves in the next write: at most one write, one read and one wake-up per window, and nothing
     is held here. It holds its cycle weakly: the cycle's scope holds the writer, and a request must be
     freed by reference counting, not left in a cycle for the collector
-    (tests/router/edge/test_request_garbage.py). No slots: a hot route's cycle is its own writer
-    (`router.edge.hot_routes.HotCycle`), and a class can have one base with slots only."""
+    (tests/router/edge/test_request_garbage.py)."""
 
     _window = 0.0
     _last = 0.0
@@ -96,7 +133,7 @@ class BodyWriter:
     _deadline = math.inf
     """The loop time by which the answer must be out (`bound`), whatever the client does."""
     _cycle: Callable[[], RequestResponseCycle | None]
-    """The cycle written to: a weak reference to it (a cycle that is its own writer returns itself)."""
+    """The cycle written to: a weak reference to it."""
 
     def __init__(self, cycle: RequestResponseCycle) -> None:
         self._cycle = weakref.ref(cycle)

@@ -4,14 +4,13 @@ Deciding (admission, preparation, the decision, refusals and the request's accou
 `Decider`'s (router.edge.decider), which the endpoint picker uses too; the gateway reads the body,
 forwards, and relays.
 
-`handle()` serves `/v1/completions` and `/v1/chat/completions` straight over ASGI (the app's
-`HotRoutes` sends them here before Starlette sees them), and `/v1/messages` and `/v1/responses` (from
-a Starlette route: router.edge.asgi_app): the body is read once (size limited) and
-forwarded byte for byte; routing reads only what `Models.prepare` needs. Answers carry
-`x-request-id`, `x-kvrouter-engine`, `x-kvrouter-predicted-cached-tokens` (what the engine is
-expected to report cached, trusted or not) and `x-kvrouter-mirror-trust` (whether scoring counted
-it). Every outcome is counted in the metrics, kept in the decision ring, and (with `--record`)
-written to the recording.
+`handle()` serves `/v1/completions`, `/v1/chat/completions`, `/v1/messages` and `/v1/responses`
+(`HOT_ROUTES`) straight over ASGI (the app sends them here before Starlette sees them): the body is
+read once (size limited) and forwarded byte for byte; routing reads only what `Models.prepare`
+needs. Answers carry `x-request-id`, `x-kvrouter-engine`, `x-kvrouter-predicted-cached-tokens`
+(what the engine is expected to report cached, trusted or not) and `x-kvrouter-mirror-trust`
+(whether scoring counted it). Every outcome is counted in the metrics, kept in the decision ring,
+and (with `--record`) written to the recording.
 Failures are `RouterError`s, answered as OpenAI-format bodies.
 """
 
@@ -53,9 +52,18 @@ from router.prepare.served_models import Models
 from router.settings.config import RouterConfig
 from tokenization.openai_request import Endpoint
 
-__all__ = ["Gateway", "GatewayParts"]
+__all__ = ["HOT_ROUTES", "Gateway", "GatewayParts"]
 
 log = logging.getLogger(__name__)
+
+HOT_ROUTES: Final = {
+    "/v1/completions": Endpoint.COMPLETIONS,
+    "/v1/chat/completions": Endpoint.CHAT,
+    "/v1/messages": Endpoint.MESSAGES,
+    "/v1/responses": Endpoint.RESPONSES,
+}
+"""The paths `Gateway.handle` serves (POST only), by the endpoint each is: the one table of them (the
+HTTP app and the endpoint picker read it)."""
 
 _OWN_NAMES: Final = answer_names(OWN_HEADERS)
 
@@ -100,9 +108,9 @@ class Gateway:
         watch: ClientWatch | None = None
         signal = lost_signal_of(scope)
         try:
-            body = self._admitted(scope, signal)  # no coroutine when the body is in (the common case)
-            if body is None:
-                body = await self._admit(scope, receive, signal)
+            if self.parts.guard.api_keys_required:
+                self.decider.check_key(scope)  # a refusal counted
+            body = await self._admit(scope, receive, signal)
             try:
                 watch = ClientWatch(receive, scope, signal)
                 # Prepared and decided with no coroutine of their own (unless an engine tokenizes),
@@ -139,20 +147,8 @@ class Gateway:
             if relay is not None and not relay.ended:  # (ended: the common case, no call)
                 relay.abandon()
 
-    def _admitted(self, scope: Scope, signal: LostSignal | None) -> bytes | None:
-        """Check the API key, take the body when the protocol's `signal` has it in, then take an
-        admission slot; None (the key checked, nothing taken) when the body must be read (`_admit`).
-        A refusal is counted."""
-        parts = self.parts
-        if parts.guard.api_keys_required:
-            self.decider.check_key(scope)
-        body = signal.take_body(self.max_body) if signal is not None else None  # no read: it is in
-        if body is not None and not parts.fleet.admission.enter():
-            self.decider.overloaded()
-        return body
-
     async def _admit(self, scope: Scope, receive: Receive, signal: LostSignal | None) -> bytes:
-        """Read the body (its key checked by `_admitted`), then take an admission slot; a refusal is
+        """Read the body (its key checked by `handle`), then take an admission slot; a refusal is
         counted.
 
         The slot is taken only once the body is in: a slow or stalled client holds a connection (until

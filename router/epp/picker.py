@@ -45,6 +45,7 @@ from router.edge.access_log import AccessNote
 from router.edge.client_io import request_id_in
 from router.edge.decider import Decider, Exchange
 from router.edge.flight import RANK_HEADER
+from router.edge.gateway import HOT_ROUTES
 from router.edge.passthrough import Passthrough
 from router.edge.upstream import Target
 from router.edge.usage import UsageTap
@@ -71,13 +72,6 @@ LB_NAMESPACE: Final = "envoy.lb"
 SUBSET_NAMESPACE: Final = "envoy.lb.subset_hint"
 SUBSET_KEY: Final = "x-gateway-destination-endpoint-subset"
 SERVED_KEY: Final = "x-gateway-destination-endpoint-served"
-_HOT: Final = {
-    "/v1/completions": Endpoint.COMPLETIONS,
-    "/v1/chat/completions": Endpoint.CHAT,
-    "/v1/messages": Endpoint.MESSAGES,
-    "/v1/responses": Endpoint.RESPONSES,
-}
-"""The paths picked by prefix (the gateway's routed endpoints); any other is picked as a passthrough."""
 _PASSTHROUGH_POLICY: Final = "passthrough"  # (the policy label Passthrough counts with)
 _NO_BODY: Final = 0  # ProcessingMode.BodySendMode.NONE
 _EVENT_STREAM: Final = b"text/event-stream"
@@ -189,7 +183,7 @@ class PickStream:
         self.scope = {"type": "http", "method": method, "path": path, "headers": plain, "state": {}}
         self.rid = request_id_in(self.scope)
         self.decider.check_key(self.scope)
-        self.endpoint = _HOT.get(path) if method == "POST" else None
+        self.endpoint = HOT_ROUTES.get(path) if method == "POST" else None
         if message.end_of_stream:
             return await self._pick()
         self.phase = _Phase.BODY

@@ -202,7 +202,7 @@ class Timeouts(_Table, frozen=True):
     first_byte_s: Positive = 60.0
     read_s: Positive = 60.0
     total_s: Positive = 600.0
-    # The client side (router/edge/client_timeouts.py), at nginx's defaults: client_header_timeout 60 s,
+    # The client side (router/edge/client_protocol.py), at nginx's defaults: client_header_timeout 60 s,
     # client_body_timeout 60 s, keepalive_timeout 75 s.
     client_header_s: Positive = 60.0
     """From connecting (or a kept-alive request's first byte) to the end of the request headers."""

@@ -1,7 +1,7 @@
 """The gateway's own HTTP server against abusive clients, over raw sockets on 127.0.0.1 (#33 items 0, 3).
 
 A battery: each test states what the client leg must do whatever the HTTP code underneath becomes
-(router/edge/client_timeouts.py and client_limits.py today, plain ASGI on uvicorn later):
+(router/edge/client_protocol.py and client_limits.py, in uvicorn through its `http=` seam):
 
 - an upgrade request is answered and its connection closed (uvicorn's upgrade path);
 - an answer given before the request body is all in (413) closes the connection: the rest is not read;
@@ -24,7 +24,7 @@ import msgspec
 import pytest
 
 from router.core.errors import ErrorBody
-from router.edge.client_timeouts import TimedHttpToolsProtocol
+from router.edge.client_protocol import ClientHttpProtocol
 from router.settings.config import Limits, Timeouts
 from tests.gateway_helpers import (
     ADMIN,
@@ -307,13 +307,13 @@ def record_waiting(monkeypatch: pytest.MonkeyPatch) -> Waiting:
     """From now on, after every request head the gateway parses, by client address: how many
     requests wait on its connection, and whether the connection's reading is held."""
     seen: Waiting = {}
-    parsed = TimedHttpToolsProtocol.on_headers_complete
+    parsed = ClientHttpProtocol.on_headers_complete
 
-    def recording(self: TimedHttpToolsProtocol) -> None:
+    def recording(self: ClientHttpProtocol) -> None:
         parsed(self)
         seen.setdefault(self.client, []).append((len(self.pipeline), getattr(self.flow, "held", False)))
 
-    monkeypatch.setattr(TimedHttpToolsProtocol, "on_headers_complete", recording)
+    monkeypatch.setattr(ClientHttpProtocol, "on_headers_complete", recording)
     return seen
 
 

@@ -76,7 +76,8 @@ class _Gateway:
 async def test_the_hot_routes_go_straight_to_the_gateway_and_the_rest_to_starlette(
     access_log: bool, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """With the access log off, or on under a log level above INFO (no line to write), no layer
+    """The four routed paths (`HOT_ROUTES`) reach `Gateway.handle` with their endpoints. With the
+    access log off, or on under a log level above INFO (no line to write), no layer
     stands between the app and `Gateway.handle`."""
     caplog.set_level(logging.WARNING, ACCESS_LOGGER)
     app = gateway_app(RouterConfig(listen=Listen(access_log=access_log)))
@@ -100,6 +101,8 @@ async def test_the_hot_routes_go_straight_to_the_gateway_and_the_rest_to_starlet
     for method, path in (
         ("POST", "/v1/chat/completions"),
         ("POST", "/v1/completions"),
+        ("POST", "/v1/messages"),
+        ("POST", "/v1/responses"),
         ("GET", "/health"),
     ):
         scope = {"type": "http", "method": method, "path": path, "headers": [], "query_string": b""}
@@ -107,6 +110,8 @@ async def test_the_hot_routes_go_straight_to_the_gateway_and_the_rest_to_starlet
     assert gateway.calls == [
         ("/v1/chat/completions", Endpoint.CHAT),
         ("/v1/completions", Endpoint.COMPLETIONS),
+        ("/v1/messages", Endpoint.MESSAGES),
+        ("/v1/responses", Endpoint.RESPONSES),
     ]
     assert [m["status"] for m in sent if m["type"] == "http.response.start"] == [200]  # Starlette's route
     assert passed == []

@@ -201,17 +201,16 @@ def _logged(caplog: pytest.LogCaptureFixture, rid: str) -> Callable[[], Awaitabl
     return logged
 
 
-async def test_hot_requests_write_the_middlewares_access_line_from_their_cycle(
+async def test_hot_requests_write_the_middlewares_access_line(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
-    """With the access log at INFO the hot routes keep their hot path (the ASGI app is called only for
-    the other routes), and each request's line is the one `AccessLog` writes for it (200 as JSON and
-    as SSE, a 400, 499 for a client that left), but for its duration and client port."""
+    """With the access log at INFO each hot-route request's line is the one `AccessLog` writes for it
+    (200 as JSON and as SSE, a 400, 499 for a client that left), with or without uvicorn's proxy
+    headers layer, but for its duration and client port."""
     caplog.set_level(logging.INFO)
     hot, hot_called = await _lines_of_the_same_requests(caplog, hot=True)
     asgi, asgi_called = await _lines_of_the_same_requests(caplog, hot=False)
-    assert "/v1/completions" not in hot_called and "/health" in hot_called
-    assert asgi_called.count("/v1/completions") == 4
+    assert hot_called.count("/v1/completions") == asgi_called.count("/v1/completions") == 4
     assert [(x["request_id"], x["status"], x["complete"]) for x in hot] == [
         ("json", 200, True),
         ("sse", 200, True),

@@ -11,7 +11,7 @@ import uvicorn
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from router.edge.client_io import LOST_SIGNAL, ClientWatch, LostSignal, lost_signal_of, read_asgi_body
-from router.edge.client_timeouts import TimedHttpToolsProtocol
+from router.edge.client_protocol import ClientHttpProtocol
 from tests.gateway_helpers import uvicorn_on_port_0
 
 WAIT = 5.0  # generous bound for every wait on an event; none is expected to come close
@@ -51,7 +51,7 @@ def waiting_app(seen: Seen) -> ASGIApp:
 @pytest.mark.parametrize("body_bytes", [2, 4 << 20])  # a large body leaves uvicorn's reading paused
 async def test_a_client_that_leaves_cancels_the_request_without_a_watcher_task(body_bytes: int) -> None:
     seen = Seen()
-    config = uvicorn.Config(waiting_app(seen), lifespan="off", http=TimedHttpToolsProtocol, log_level="error")
+    config = uvicorn.Config(waiting_app(seen), lifespan="off", http=ClientHttpProtocol, log_level="error")
     async with uvicorn_on_port_0(config) as port:
         _, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: %d\r\n\r\n" % body_bytes)
@@ -120,7 +120,7 @@ async def test_a_body_already_in_is_read_without_arming_the_body_timeout(
         await send({"type": "http.response.start", "status": 204, "headers": []})
         await send({"type": "http.response.body", "body": b""})
 
-    config = uvicorn.Config(app, lifespan="off", http=TimedHttpToolsProtocol, log_level="error")
+    config = uvicorn.Config(app, lifespan="off", http=ClientHttpProtocol, log_level="error")
     async with uvicorn_on_port_0(config) as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         writer.write(b"POST /x HTTP/1.1\r\nhost: x\r\ncontent-length: 2\r\n\r\n{}")

@@ -15,7 +15,6 @@ import pytest
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from router.edge import http1, http1_connection
-from router.edge.hot_routes import HotCycle
 from router.settings.config import EngineConfig, Listen
 from tests.gateway_helpers import gateway_config, record_client_writes, running_gateway
 from tests.router.edge.test_client_writes import WAIT
@@ -203,14 +202,13 @@ async def test_a_client_leaving_mid_stream_drops_the_engine_connection(
 def count_asgi_sends(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     """From now on, the type of every ASGI message any request cycle sends is appended to the list."""
     sent: list[str] = []
-    for cycle in (RequestResponseCycle, HotCycle):  # uvicorn's, and the hot routes' (router.edge.hot_routes)
-        real = cycle.send
+    real = RequestResponseCycle.send
 
-        async def send(self: RequestResponseCycle, message: Any, real: Any = real) -> None:
-            sent.append(message["type"])
-            await real(self, message)
+    async def send(self: RequestResponseCycle, message: Any) -> None:
+        sent.append(message["type"])
+        await real(self, message)
 
-        monkeypatch.setattr(cycle, "send", send)
+    monkeypatch.setattr(RequestResponseCycle, "send", send)
     return sent
 
 

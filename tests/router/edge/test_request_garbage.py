@@ -16,7 +16,6 @@ from aiohttp import web
 from uvicorn.protocols.http.httptools_impl import RequestResponseCycle
 
 from router.edge.client_io import ClientWatch
-from router.edge.hot_routes import HotCycle
 from router.settings.config import EngineConfig
 from tests.gateway_helpers import fake_engine, gateway_config, running_gateway, wait_for
 
@@ -52,7 +51,7 @@ def alive(kind: type) -> int:
 
 
 async def _no_requests_left() -> bool:
-    return alive(RequestResponseCycle) == alive(HotCycle) == alive(ClientWatch) == 0
+    return alive(RequestResponseCycle) == alive(ClientWatch) == 0
 
 
 async def test_finished_requests_are_freed_without_the_cycle_collector(collector_off: None) -> None:
