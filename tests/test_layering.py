@@ -40,7 +40,6 @@ PURE_MODULES = [
     "events/recording.py",
     "tokenization/segmenter.py",
     "tokenization/segment_cache.py",
-    "tokenization/deferred.py",
     "tokenization/prefix_reuse.py",
     "tokenization/safe_cuts.py",
     "tokenization/skeletons.py",

@@ -13,8 +13,6 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import msgspec
 
-from tokenization.deferred import Later
-
 if TYPE_CHECKING:
     from tokenization.chat_carry import CarryLink
     from tokenization.chat_template import TemplateSet
@@ -76,12 +74,6 @@ class Tokenizer(Protocol):
     @property
     def cache(self) -> SegmentCache:
         """The segment cache behind ``encode_cached`` (size, hit/miss counters, ``clear``)."""
-        ...
-
-    def defer_stores(self, later: Later | None) -> None:
-        """Append what encoding keeps for later texts (segment cache, prefix reuse, chat carry) to
-        ``later`` instead of keeping it at once; the caller runs them before the next encode (None:
-        at once again)."""
         ...
 
     def cache_stats(self) -> CacheStats:

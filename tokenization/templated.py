@@ -12,7 +12,6 @@ from typing import Any
 from tokenization.base import CacheStats, Message, SpecialTokens
 from tokenization.chat_carry import CarryLink, ChatCarry
 from tokenization.chat_template import TemplateSet
-from tokenization.deferred import Later
 from tokenization.prefix_reuse import PromptIds, ReuseEntry, WrappedIds, ids_of
 from tokenization.segment_cache import SegmentCache, SegmentedEncoder, pack_ids
 
@@ -41,14 +40,6 @@ class TemplatedTokenizer:
     def cache(self) -> SegmentCache:
         """The segment cache (size and hit/miss counters for metrics)."""
         return self.segments.cache
-
-    def defer_stores(self, later: Later | None) -> None:
-        """`Tokenizer.defer_stores`: the segment cache's, prefix reuse's and the chat carry's stores."""
-        self.segments.cache.later = later
-        if self.segments.reuse is not None:
-            self.segments.reuse.later = later
-        if self.carry is not None:
-            self.carry.later = later
 
     def cache_stats(self) -> CacheStats:
         """The prefix-reuse and chat-skeleton counters so far (zeros where a cache is off)."""

@@ -17,19 +17,9 @@ request never waits on the network; if it is not cached, that engine's variant i
 built-in tokenizer (no hit predicted on it).
 
 What a preparation keeps for later requests (the chat decoder's messages, the chat carry's turn, the
-segment cache's pieces, prefix reuse's text, the recent prompts' keys) is never read by that
-preparation itself, so every cache appends it to `later` instead. `prepare` runs them before it
-returns, unless asked to defer them (`defer=True`: the gateway, whose upstream write then comes
-first): then `run_stores` runs them, and must, before control returns to the event loop, so no
-other request is prepared without them. Whatever the request's fate they all run, in the order they
-were made: on an error while preparing `prepare` runs them before raising, and the gateway runs
-them on a refusal or a failure before the write as after the write. The caches then hold exactly
-what storing at once would have left (the entries are exact whatever becomes of the request that
-made them), where dropping them would make a later request's cost depend on an earlier one's
-refusal. As a safeguard, a preparation first runs any stores still pending. Within one preparation
-its own stores are not yet visible: a multi-prompt completion or a second variant of the same
-block size does not reuse what its first prompt or variant computed (the same ids and keys, made
-again).
+segment cache's pieces, prefix reuse's text, the recent prompts' keys) each cache keeps as it makes
+it, during `prepare`: the gateway's bookkeeping order is in router.edge.decider.Exchange. The entries
+are exact whatever becomes of the request that made them, so a refusal after preparing leaves them.
 """
 
 from __future__ import annotations
@@ -39,7 +29,6 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import ParamSpec
 
 import msgspec
 
@@ -54,7 +43,6 @@ from router.settings.config import EngineConfig, ModelConfig, RouterConfig
 from tokenization import Tokenizer
 from tokenization.base import CacheStats, TokenizationError
 from tokenization.chat_decoder import ChatDecoder
-from tokenization.deferred import Later
 from tokenization.hub import HubRef, HubUnavailable, fetch_tokenizers
 from tokenization.hub_names import hub_repo
 from tokenization.loading import HUB_TIMEOUT_S, load_tokenizer
@@ -125,7 +113,6 @@ class _RouteFields(msgspec.Struct):
 
 _ROUTE_FIELDS = msgspec.json.Decoder(_RouteFields)
 _NO_TIMINGS: Mapping[str, float] = MappingProxyType({})
-P = ParamSpec("P")
 
 
 def _ids_of(rt: RequestTokens) -> Callable[[], tuple[int, ...]]:
@@ -163,10 +150,7 @@ class Models:
         self._hub_fallback: set[str] = set()
         self._cache_only = False  # set by `fetch_hub`: from then on a request may be waiting
         self._count_unavailable: Callable[[str], None] = lambda reason: None
-        self.later: Later = []
-        """The stores of the last preparation, not run yet (see the module docstring)."""
         self._chat = ChatDecoder()
-        self._chat.later = self.key_cache.later = self.later
         self._variants: dict[str, dict[VariantId, Variant]] = {
             name: {VariantId(name): resolve_variant(m)} for name, m in self._models.items()
         }
@@ -202,7 +186,6 @@ class Models:
         tok = self._tokenizers.get(key)
         if tok is None:
             tok = self._tokenizers[key] = self._load(variant)
-            tok.defer_stores(self.later)
         return tok
 
     def _load(self, variant: Variant) -> Tokenizer:
@@ -264,15 +247,6 @@ class Models:
         # The message names the repo, revision, reason and the library's explanation; never a token.
         log.warning("tokenizer unavailable: the engines' /tokenize stands in", extra={"error": str(exc)})
 
-    def run_stores(self) -> None:
-        """Run the stores the last preparation left in `later` (none left pending if one raises)."""
-        later = self.later
-        if later:
-            stores = later.copy()
-            later.clear()
-            for store in stores:
-                store()
-
     def tokenizer_stats(self) -> list[CacheStats]:
         """The reuse counters of every tokenizer loaded so far (for metrics)."""
         return [tok.cache_stats() for tok in self._tokenizers.values()]
@@ -320,13 +294,11 @@ class Models:
         """Whether some model takes its prompt ids from an engine's /tokenize (`needs_remote`)."""
         return bool(self._remote)
 
-    def prepare_fallback(
-        self, body: bytes, endpoint: Endpoint | str, model: str, *, defer: bool = False
-    ) -> Prepared:
+    def prepare_fallback(self, body: bytes, endpoint: Endpoint | str, model: str) -> Prepared:
         """`prepare` for a `needs_remote` model when no engine's /tokenize answered: its own tokenizer,
         or the built-in one (`tokenizer = "builtin"`: no hit can be predicted) when its repo could not
         be had."""
-        prepared = self.prepare(body, endpoint, model, defer=defer)
+        prepared = self.prepare(body, endpoint, model)
         if model in self._hub_fallback:
             return msgspec.structs.replace(prepared, tokenizer="builtin")
         return prepared
@@ -337,21 +309,15 @@ class Models:
         endpoint: Endpoint | str,
         tokens: list[int],
         model_hint: str | None = None,
-        *,
-        defer: bool = False,
     ) -> Prepared:
         """`prepare` with the prompt ids an engine's /tokenize returned (router.prepare.remote_tokenize);
         every variant of the model is keyed from these ids, the other fields come from the body."""
-
-        def prepare() -> Prepared:
-            fields = _IdFields.decode_body(body)
-            ids_body = msgspec.json.encode({**msgspec.structs.asdict(fields), "prompt": tokens})
-            model = self.resolve(body, model_hint)
-            req = decode_request(ids_body, Endpoint.COMPLETIONS)
-            prepared = self._prepare(req, endpoint, model, single_tokenizer=True)  # ids as a completion
-            return msgspec.structs.replace(prepared, tokenizer="remote")
-
-        return self._storing(defer, prepare)
+        fields = _IdFields.decode_body(body)
+        ids_body = msgspec.json.encode({**msgspec.structs.asdict(fields), "prompt": tokens})
+        model = self.resolve(body, model_hint)
+        req = decode_request(ids_body, Endpoint.COMPLETIONS)
+        prepared = self._prepare(req, endpoint, model, single_tokenizer=True)  # ids as a completion
+        return msgspec.structs.replace(prepared, tokenizer="remote")
 
     def prepare_unread(self, body: bytes, endpoint: Endpoint | str) -> Prepared | None:
         """What routing needs when it reads no prompt: the model and stream flag (the body's JSON is
@@ -367,35 +333,10 @@ class Models:
             cache_salt=fields.cache_salt, unread=True,
         )  # fmt: skip
 
-    def prepare(
-        self, body: bytes, endpoint: Endpoint | str, model_hint: str | None = None, *, defer: bool = False
-    ) -> Prepared:
-        """Tokenize and key a request body; RequestError (a 400 naming the field) on bad input. With
-        `defer`, what it keeps for later requests is left in `later` for `run_stores` (module docstring)."""
-
-        return self._storing(defer, self._decoded, body, endpoint, model_hint)
-
-    def _decoded(self, body: bytes, endpoint: Endpoint | str, model_hint: str | None) -> Prepared:
-        """`prepare`'s work between its stores: the body decoded, then tokenized and keyed."""
+    def prepare(self, body: bytes, endpoint: Endpoint | str, model_hint: str | None = None) -> Prepared:
+        """Tokenize and key a request body; RequestError (a 400 naming the field) on bad input."""
         req, model = self._decode(body, endpoint, model_hint)
         return self._prepare(req, endpoint, model)
-
-    def _storing(
-        self, defer: bool, prepare: Callable[P, Prepared], *args: P.args, **kwargs: P.kwargs
-    ) -> Prepared:
-        """`prepare(*args)` between the stores: an earlier deferred preparation's run first (this one
-        reads what they keep), its own after it (or left in `later` with `defer`), and on an error
-        before it propagates (module docstring). Arguments passed through: no closure per request."""
-        if self.later:
-            self.run_stores()
-        try:
-            prepared = prepare(*args, **kwargs)
-        except BaseException:
-            self.run_stores()
-            raise
-        if not defer:
-            self.run_stores()
-        return prepared
 
     def _prepare(
         self,
