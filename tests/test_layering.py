@@ -44,6 +44,7 @@ PURE_MODULES = [
     "tokenization/safe_cuts.py",
     "tokenization/skeletons.py",
     "tokenization/chat_carry.py",
+    "tokenization/cached_encoder.py",
     "tokenization/chat_decoder.py",
     "tokenization/template_message.py",
     "engine_stub/runtime/faults.py",

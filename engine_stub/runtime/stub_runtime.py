@@ -24,7 +24,7 @@ from engine_stub.stub_config import StubConfig
 from events.config import KVEventsConfig
 from events.publisher import EventPublisher
 from tokenization import Tokenizer
-from tokenization.loading import load_tokenizer
+from tokenization.loading import cached_encoder, load_tokenizer
 from tokenization.request_tokens import RequestTokens
 
 __all__ = ["RankError", "ReadyInfo", "Stub"]
@@ -70,6 +70,8 @@ class Stub:
             if tokenizer is not None
             else load_tokenizer(config.tokenizer.path, config.tokenizer.chat_template)
         )
+        self.encoder = cached_encoder(self.tokenizer)
+        """The tokenizer through its caches: what requests are tokenized with, as the router does."""
         self.text = PseudoText(self.tokenizer)
         self.metrics = StubMetrics(config.model, config.data_parallel_size, self.gauges)
         self.engines: list[EngineRuntime] = []

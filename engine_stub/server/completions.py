@@ -106,7 +106,7 @@ class _Job:
 async def serve_openai(stub: Stub, request: Request, endpoint: Endpoint) -> Response:
     """Answer one completions or chat request; RequestError (400), ModelNotFound (404), RankError (400)."""
     body = await request.body()
-    tokens = request_tokens(body, endpoint, stub.tokenizer)
+    tokens = request_tokens(body, endpoint, stub.encoder)
     if tokens.model is not None and tokens.model != stub.config.model:
         raise ModelNotFound(f"The model `{tokens.model}` does not exist.")
     try:

@@ -40,12 +40,12 @@ from router.core.prepared import Prepared, VariantKeys
 from router.core.variant import Variant, VariantId
 from router.prepare.engine_variants import DEFAULT_MODEL, engine_model, model_configs, resolve_variant
 from router.settings.config import EngineConfig, ModelConfig, RouterConfig
-from tokenization import Tokenizer
+from tokenization import CachedEncoder
 from tokenization.base import CacheStats, TokenizationError
 from tokenization.chat_decoder import ChatDecoder
 from tokenization.hub import HubRef, HubUnavailable, fetch_tokenizers
 from tokenization.hub_names import hub_repo
-from tokenization.loading import HUB_TIMEOUT_S, load_tokenizer
+from tokenization.loading import HUB_TIMEOUT_S, load_encoder
 from tokenization.openai_request import (
     Endpoint,
     RequestError,
@@ -142,7 +142,7 @@ class Models:
         self._loras = {name: dict(getattr(m, "loras", {}) or {}) for name, m in self._models.items()}
         for name, adapters in (loras or {}).items():
             self._loras.setdefault(name, {}).update(adapters)
-        self._tokenizers: dict[tuple[str | None, str | None, str | None], Tokenizer] = {}
+        self._tokenizers: dict[tuple[str | None, str | None, str | None], CachedEncoder] = {}
         self._hub: dict[HubRef, Path | HubUnavailable] = {}
         self.hub_unavailable: list[HubUnavailable] = []
         """Every repo-named tokenizer that could not be had (logged once each; the gateway counts them)."""
@@ -180,26 +180,27 @@ class Models:
         self._variants[v.model].setdefault(v.id, v)
         return v
 
-    def tokenizer(self, variant: Variant) -> Tokenizer:
-        """The variant's tokenizer, loaded on first use and shared by every variant with its source."""
+    def tokenizer(self, variant: Variant) -> CachedEncoder:
+        """The variant's tokenizer with its caches (`CachedEncoder`), loaded on first use and shared by
+        every variant with its source."""
         key = variant.tokenizer_source
         tok = self._tokenizers.get(key)
         if tok is None:
             tok = self._tokenizers[key] = self._load(variant)
         return tok
 
-    def _load(self, variant: Variant) -> Tokenizer:
+    def _load(self, variant: Variant) -> CachedEncoder:
         """Load a variant's tokenizer: from its path, its repo's resolved files, or (a repo that cannot
         be had) the built-in one, which serves only when no engine's /tokenize answers."""
         ref = _hub_ref(variant)
         if ref is None:
-            return load_tokenizer(variant.tokenizer, variant.chat_template)
+            return load_encoder(variant.tokenizer, variant.chat_template)
         if ref not in self._hub:  # not fetched at startup: a tool, or an engine added at run time
             self._resolve([ref], HUB_TIMEOUT_S)
         found = self._hub[ref]
         if isinstance(found, HubUnavailable):
-            return load_tokenizer(None, variant.chat_template)
-        return load_tokenizer(str(found), variant.chat_template)
+            return load_encoder(None, variant.chat_template)
+        return load_encoder(str(found), variant.chat_template)
 
     def fetch_hub(self, timeout_s: float = HUB_TIMEOUT_S) -> None:
         """Resolve every repo-named tokenizer of the variants known now through the HF hub, waiting at
@@ -249,7 +250,7 @@ class Models:
 
     def tokenizer_stats(self) -> list[CacheStats]:
         """The reuse counters of every tokenizer loaded so far (for metrics)."""
-        return [tok.cache_stats() for tok in self._tokenizers.values()]
+        return [tok.stats() for tok in self._tokenizers.values()]
 
     def resolve(self, body: bytes, model_hint: str | None = None) -> str:
         """The model a request is for: its `model` (or a LoRA of it), else the hint, else the only model."""

@@ -22,7 +22,7 @@ from router.core.keys.request import carried_keys, session_key
 from router.prepare.served_models import Models
 from router.settings.config import ModelConfig, RouterConfig
 from tests.tokenization.test_chat_carry import DATA, OPS, TEXT, _apply, plain_ids
-from tokenization import HfTokenizer
+from tokenization import CachedEncoder, HfTokenizer
 from tokenization.chat_carry import LONG_TAIL, CarryLink
 from tokenization.hf_files import package_dir
 from tokenization.openai_request import Endpoint
@@ -47,8 +47,12 @@ def _models(block_size: int) -> Models:
     return _MODELS[block_size]
 
 
+def _encoder(models: Models) -> CachedEncoder:
+    return models.tokenizer(next(iter(models._variants["m"].values())))
+
+
 def _tokenizer(models: Models) -> HfTokenizer:
-    tok = models.tokenizer(next(iter(models._variants["m"].values())))
+    tok = _encoder(models).tokenizer
     assert isinstance(tok, HfTokenizer)
     return tok
 
@@ -76,7 +80,7 @@ def test_every_turns_keys_equal_keys_from_scratch(
     long_tail: int,
 ) -> None:
     models = _models(block_size)
-    carry = _tokenizer(models).carry
+    carry = _encoder(models).carry
     assert carry is not None
     carry.long_tail = long_tail
     first = [{"role": "system", "content": "S " + start[0]}, {"role": "user", "content": "Q " + start[1]}]
@@ -88,16 +92,16 @@ def test_every_turns_keys_equal_keys_from_scratch(
 
 def test_a_new_turn_hashes_only_its_new_blocks() -> None:
     models = _models(16)
-    tok = _tokenizer(models)
+    enc = _encoder(models)
     base = [
         {"role": "system", "content": "terse"},
         *({"role": "user", "content": "blocks " * 300} for _ in range(3)),
     ]
     _check(models, 16, [*base, {"role": "user", "content": "first?"}], None)
     computed = models.key_cache.computed_blocks
-    hits = tok.cache_stats().carry_hits
+    hits = enc.stats().carry_hits
     _check(models, 16, [*base, {"role": "user", "content": "second?"}], None)
-    assert tok.cache_stats().carry_hits == hits + 1
+    assert enc.stats().carry_hits == hits + 1
     assert models.key_cache.computed_blocks == computed  # no search, no re-keying in the key cache
 
 
@@ -215,20 +219,20 @@ def test_a_completions_prompt_with_a_new_suffix_hashes_only_its_new_blocks() -> 
 
 def test_a_carried_chat_is_keyed_without_building_its_ids_and_the_stub_still_gets_them() -> None:
     models = _models(16)
-    tok = _tokenizer(models)
-    assert tok.carry is not None
-    tok.carry.long_tail = LONG_TAIL  # (shared tokenizer: another test may have left every tail long)
+    enc = _encoder(models)
+    assert enc.carry is not None
+    enc.carry.long_tail = LONG_TAIL  # (shared tokenizer: another test may have left every tail long)
     base = [{"role": "system", "content": "lazy"}, {"role": "user", "content": "ids " * 200}]
     for question in ("one?", "two?"):
         msgs = [*base, {"role": "assistant", "content": "ok"}, {"role": "user", "content": question}]
         _check(models, 16, msgs, None)
-    carry = tok.carry
+    carry = enc.carry
     assert carry is not None
     last = next(reversed(carry._turns.values())).entry
     assert last.copied and last._ids is None  # keyed from the packed ids: the tuple was never built
     assert last._head is not None  # nor were they joined: the keys read their end only
     raw = msgspec.json.encode({"model": "m", "messages": msgs})
-    assert request_tokens(raw, Endpoint.CHAT, tok).tokens == tuple(plain_ids(tok, msgs))
+    assert request_tokens(raw, Endpoint.CHAT, enc).tokens == tuple(plain_ids(_tokenizer(models), msgs))
 
 
 def test_a_turn_sharing_the_head_takes_the_session_key_kept_with_the_last_turn() -> None:
@@ -240,7 +244,7 @@ def test_a_turn_sharing_the_head_takes_the_session_key_kept_with_the_last_turn()
         for question in ("one?", "two?"):
             msgs = [*base, {"role": "assistant", "content": "ok"}, {"role": "user", "content": question}]
             _check(models, 16, msgs, salt)
-    carry = _tokenizer(models).carry
+    carry = _encoder(models).carry
     assert carry is not None
     derived = next(reversed(carry._turns.values())).derived
     root = HASHER.root(None, None)

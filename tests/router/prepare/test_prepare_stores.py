@@ -16,7 +16,7 @@ from router.core.keys.block_key import KeyHasher
 from router.prepare.served_models import Models, UnknownModel
 from router.settings.config import ModelConfig, RouterConfig
 from tests.tokenization.test_chat_carry import DATA
-from tokenization import HfTokenizer
+from tokenization import CachedEncoder, HfTokenizer
 from tokenization.hf_files import package_dir
 from tokenization.openai_request import Endpoint
 from tokenization.prefix_reuse import ReuseEntry
@@ -38,9 +38,9 @@ def _models() -> Models:
     return Models(RouterConfig(models=[model]), HASHER)
 
 
-def _tokenizer(models: Models) -> HfTokenizer:
+def _tokenizer(models: Models) -> CachedEncoder:
     tok = models.tokenizer(next(iter(models._variants["m"].values())))
-    assert isinstance(tok, HfTokenizer)
+    assert isinstance(tok.tokenizer, HfTokenizer)
     return tok
 
 
