@@ -178,6 +178,10 @@ class ReuseEntry:
             self._head = None
         return self._packed
 
+    def joined(self) -> bytes:
+        """`packed`, as a method (for a caller that takes a function giving the bytes)."""
+        return self.packed
+
     def packed_head(self, size: int) -> memoryview:
         """``packed[:size]`` as a view, without joining the packed ids (past the copied head, only
         what is read of the tail's is copied after it)."""

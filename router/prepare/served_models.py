@@ -35,7 +35,7 @@ import msgspec
 from router.core.errors import BadRequest, ModelNotFound, RouterError
 from router.core.keys.block_key import KeyHasher
 from router.core.keys.recent_prompts import PrefixKeyCache
-from router.core.keys.request import session_key, spec_keys
+from router.core.keys.request import HeldPacked, Packed, Prior, chained, session_int, session_key, spec_keys
 from router.core.prepared import Prepared, VariantKeys
 from router.core.variant import Variant, VariantId
 from router.prepare.engine_variants import DEFAULT_MODEL, engine_model, model_configs, resolve_variant
@@ -113,6 +113,15 @@ class _RouteFields(msgspec.Struct):
 
 _ROUTE_FIELDS = msgspec.json.Decoder(_RouteFields)
 _NO_TIMINGS: Mapping[str, float] = MappingProxyType({})
+
+
+def _packed(rt: RequestTokens) -> Packed | None:
+    """The request's packed ids as the keys read them: its bytes, or a carried chat's entry's held
+    ids (joined only if the keys need them whole), or None when the tokenizer made none."""
+    first = rt.first
+    if rt.packed is not None or type(first) is not ReuseEntry:
+        return rt.packed
+    return HeldPacked(first.count, first.packed_from, first.packed_head, first.joined)
 
 
 def _ids_of(rt: RequestTokens) -> Callable[[], tuple[int, ...]]:
@@ -361,15 +370,19 @@ class Models:
             if rt is None:
                 rt = by_tokenizer[source] = tokens_of(req, self.tokenizer(v), self._loras[model])
             t1 = self._clock()
+            link = rt.carry
             keys = spec_keys(
                 v.spec,
                 self.hasher,
                 _ids_of(rt),
                 rt.extras,
-                packed=rt.packed_ids,
+                packed=_packed(rt),
                 cache=self.key_cache,
-                carry=rt.carry,
+                prior=Prior(link.shared_tokens, link.prior) if link is not None else None,
             )
+            if link is not None and chained(v.spec, rt.extras, self.key_cache):
+                root = self.hasher.root(rt.extras.lora_name, rt.extras.cache_salt)
+                link.own[(root, v.spec.hash_block_size)] = tuple(keys)
             computed[v.id] = VariantKeys(rt.num_tokens, keys)
             tokenize, hashing = tokenize + (t1 - t0), hashing + (self._clock() - t1)
             first = first or rt
@@ -383,7 +396,7 @@ class Models:
             keys=main.keys,
             skip_cache=first.skip_cache,
             report_mode=str(first.report_mode),  # a C call (Enum.value is a Python-level property)
-            session_key=session_key(_ids_of(first), first.extras, first.packed_ids),
+            session_key=session_key(_ids_of(first), first.extras, _packed(first)),
             timings=MappingProxyType({"tokenize": tokenize, "hash": hashing}),
             variant=model,
             variants=MappingProxyType(computed),
@@ -398,14 +411,18 @@ class Models:
         t0 = clock()
         rt = tokens_of(req, self.tokenizer(v), self._loras[model])
         t1 = clock()
-        ids, extras, first = _ids_of(rt), rt.extras, rt.first
-        packed: bytes | ReuseEntry | None = rt.packed
-        if packed is None and type(first) is ReuseEntry:
-            packed = first  # `rt.packed_ids` without the property's call: a carried chat's entry
+        ids, extras, link = _ids_of(rt), rt.extras, rt.carry
+        packed = _packed(rt)
         root = self.hasher.root(extras.lora_name, extras.cache_salt)  # once, for both keys
+        prior = Prior(link.shared_tokens, link.prior) if link is not None else None
         keys = spec_keys(
-            v.spec, self.hasher, ids, extras, packed=packed, cache=self.key_cache, carry=rt.carry, root=root
+            v.spec, self.hasher, ids, extras, packed=packed, cache=self.key_cache, prior=prior, root=root
         )
+        key = session_key(ids, extras, packed, prior, root)
+        if link is not None:  # what the conversation's next turn extends (tokenization.chat_carry)
+            if chained(v.spec, extras, self.key_cache):
+                link.own[(root, v.spec.hash_block_size)] = tuple(keys)
+            link.own[(root, 0)] = session_int(key)
         t2 = clock()
         return Prepared(
             model=model,
@@ -415,7 +432,7 @@ class Models:
             keys=keys,
             skip_cache=rt.skip_cache,
             report_mode=str(rt.report_mode),  # a C call (Enum.value is a Python-level property)
-            session_key=session_key(ids, extras, packed, rt.carry, root),
+            session_key=key,
             timings=MappingProxyType({"tokenize": t1 - t0, "hash": t2 - t1}),
             variant=model,
             lora_name=extras.lora_name,

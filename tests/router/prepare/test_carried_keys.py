@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 
 from events.block_hash import RequestExtras
 from router.core.keys.block_key import KeyHasher, pack_tokens
-from router.core.keys.request import carried_keys, session_key
+from router.core.keys.request import HeldPacked, Prior, carried_keys, session_key
 from router.prepare.served_models import Models
 from router.settings.config import ModelConfig, RouterConfig
 from tests.tokenization.test_chat_carry import DATA, OPS, TEXT, _apply, plain_ids
 from tokenization import CachedEncoder, HfTokenizer
-from tokenization.chat_carry import LONG_TAIL, CarryLink
+from tokenization.chat_carry import LONG_TAIL
 from tokenization.hf_files import package_dir
 from tokenization.openai_request import Endpoint
 from tokenization.prefix_reuse import ReuseEntry
@@ -110,12 +110,11 @@ def test_carried_keys_copy_the_shared_chain_and_hash_only_the_rest() -> None:
     root = HASHER.root()
     prior = tuple(HASHER.request_keys(a, 16))
     sentinel = (11, 22, 33, 44)  # not real keys: shows which ones were copied rather than recomputed
-    link = CarryLink(40, {(root, 16): sentinel}, {})
+    link = Prior(40, {(root, 16): sentinel})
     keys = carried_keys(root, pack_tokens(b), 16, link)
     assert keys is not None and keys[:2] == [11, 22]  # 40 tokens: two full shared blocks
-    real = CarryLink(40, {(root, 16): prior}, {})
+    real = Prior(40, {(root, 16): prior})
     assert carried_keys(root, pack_tokens(b), 16, real) == HASHER.request_keys(b, 16)
-    assert real.own == {(root, 16): tuple(HASHER.request_keys(b, 16))}
     assert carried_keys(root, pack_tokens(b), 8, real) is None  # no previous keys at that block size
 
 
@@ -124,9 +123,7 @@ def test_carried_keys_at_and_around_block_boundaries(shared: int) -> None:
     a = list(range(1000, 1064))
     b = [*a[:shared], *range(9000, 9000 + 70 - shared)]
     root = HASHER.root(cache_salt="s")
-    link = CarryLink(
-        shared, {(root, 16): tuple(HASHER.request_keys(a, 16, RequestExtras(cache_salt="s")))}, {}
-    )
+    link = Prior(shared, {(root, 16): tuple(HASHER.request_keys(a, 16, RequestExtras(cache_salt="s")))})
     assert carried_keys(root, pack_tokens(b), 16, link) == HASHER.request_keys(
         b, 16, RequestExtras(cache_salt="s")
     )
@@ -155,10 +152,10 @@ def test_carried_and_session_keys_of_an_entrys_unjoined_packed_ids_equal_the_joi
     prior: dict[tuple[int, int], tuple[int, ...]] = {
         (root, block_size): tuple(HASHER.request_keys(a, block_size))
     }
-    flat, lazy = CarryLink(min(shared, count), prior, {}), CarryLink(min(shared, count), prior, {})
-    assert carried_keys(root, entry, block_size, lazy) == carried_keys(root, packed, block_size, flat)
-    assert lazy.own == flat.own
-    assert session_key((), RequestExtras(), entry) == session_key((), RequestExtras(), packed)
+    link = Prior(min(shared, count), prior)
+    held = HeldPacked(entry.count, entry.packed_from, entry.packed_head, entry.joined)
+    assert carried_keys(root, held, block_size, link) == carried_keys(root, packed, block_size, link)
+    assert session_key((), RequestExtras(), held) == session_key((), RequestExtras(), packed)
     assert entry.packed == packed and entry._head is None  # joined when read, once
 
 
