@@ -45,6 +45,7 @@ PURE_MODULES = [
     "tokenization/skeletons.py",
     "tokenization/chat_carry.py",
     "tokenization/cached_encoder.py",
+    "tokenization/fast_paths.py",
     "tokenization/chat_decoder.py",
     "tokenization/template_message.py",
     "engine_stub/runtime/faults.py",

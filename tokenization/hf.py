@@ -16,6 +16,7 @@ import tokenizers
 from tokenization.base import SpecialTokens, TokenizationError
 from tokenization.cached_encoder import CachedEncoder
 from tokenization.chat_template import ChatTemplate, TemplateSet
+from tokenization.fast_paths import fast_path, pretokenizer_cuts
 from tokenization.hf_files import (
     TokenizerConfig,
     TokenizerJsonHeader,
@@ -24,13 +25,7 @@ from tokenization.hf_files import (
     token_text,
 )
 from tokenization.prefix_reuse import PrefixReuse
-from tokenization.safe_cuts import (
-    UNKNOWN_LENGTH,
-    CutFinder,
-    deepseek_splits,
-    pretokenizer_cuts,
-    token_byte_lengths,
-)
+from tokenization.safe_cuts import UNKNOWN_LENGTH, CutFinder, token_byte_lengths
 from tokenization.segment_cache import SegmentCache, SegmentedEncoder, Segmenter
 from tokenization.templated import TemplatedTokenizer
 from tokenization.word_encoder import WordEncoder
@@ -160,12 +155,14 @@ class HfTokenizer(TemplatedTokenizer):
         return [e.ids for e in self._tok.encode_batch(pieces, add_special_tokens=False)]
 
     def _word_encoder(self, header: TokenizerJsonHeader) -> WordEncoder | None:
-        """Word-by-word encoding of ASCII pieces for DeepSeek's pre-tokenizer under an identity
-        normalizer, when a probe of every ASCII character holds; else None."""
-        if not (header.identity_normalizer and deepseek_splits(header.pre_tokenizer)):
+        """Word-by-word encoding of ASCII pieces under an identity normalizer, for a pre-tokenizer
+        whose words a registered pattern gives (tokenization.fast_paths), when a probe of every
+        ASCII character holds; else None."""
+        path = fast_path(header.pre_tokenizer) if header.identity_normalizer else None
+        if path is None or path.ascii_words is None:
             return None
         model = self._tok.model
-        words = WordEncoder(lambda word: [t.id for t in model.tokenize(word)])
+        words = WordEncoder(lambda word: [t.id for t in model.tokenize(word)], path.ascii_words)
         for probe in _WORD_PROBES:
             if words.encode(probe) != self.encode(probe, add_special_tokens=False):
                 log.warning("word encoding does not hold; off", extra={"source": self._name})

@@ -21,6 +21,7 @@ from hypothesis import strategies as st
 
 from tests.encoder_helpers import encoder_of
 from tokenization import HfTokenizer
+from tokenization.fast_paths import pretokenizer_cuts
 from tokenization.prefix_reuse import (
     PrefixReuse,
     ReuseEntry,
@@ -30,7 +31,7 @@ from tokenization.prefix_reuse import (
     ids_of,
     shared_prefix,
 )
-from tokenization.safe_cuts import CutFinder, pretokenizer_cuts, token_byte_lengths
+from tokenization.safe_cuts import CutFinder, token_byte_lengths
 from tokenization.segmenter import AddedToken
 
 DATA = Path(__file__).parents[1] / "data"

@@ -19,8 +19,9 @@ from hypothesis import strategies as st
 
 from tests.encoder_helpers import encoder_of
 from tokenization import HfTokenizer
+from tokenization.fast_paths import DEEPSEEK_WORDS as WORDS
 from tokenization.hf_files import package_dir
-from tokenization.word_encoder import WORDS, WordEncoder, byte_level
+from tokenization.word_encoder import WordEncoder, byte_level
 
 DATA = Path(__file__).parents[1] / "data"
 BAR = "\uff5c"
@@ -47,7 +48,7 @@ MIXED = st.lists(
 
 def _model_encoder(tok: HfTokenizer, max_words: int = 1 << 16) -> WordEncoder:
     model = tok._tok.model
-    return WordEncoder(lambda word: [t.id for t in model.tokenize(word)], max_words)
+    return WordEncoder(lambda word: [t.id for t in model.tokenize(word)], WORDS, max_words)
 
 
 @settings(max_examples=600, deadline=None)
@@ -86,7 +87,7 @@ def test_map_is_bounded_and_cleared_when_full() -> None:
     words.encode(" c")
     assert len(words) == 1 and words.misses == 3
     with pytest.raises(ValueError):
-        WordEncoder(lambda word: [], -1)
+        WordEncoder(lambda word: [], WORDS, -1)
 
 
 @settings(max_examples=300, deadline=None)
