@@ -1,4 +1,4 @@
-"""The proxy's retries, breakers, failover and `sent` hook over scripted engines in memory
+"""The proxy's retries, breakers, failover and choices over scripted engines in memory
 (tests/memory_transport.py): the engine failures test_proxy.py makes with real sockets and servers,
 here as values, so a property can run them by the hundred. test_proxy.py keeps the real-socket ones.
 """
