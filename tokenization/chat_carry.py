@@ -10,21 +10,15 @@ to the last safe cut inside the shared prefix are the old text's, the rest is en
 keeps what callers derived from its ids (block keys per chain root and block size, `CarryLink`), so
 the next turn's keys extend the old chain from the last shared full block. Bounded LRU in turns and
 bytes, with hit/miss counters. Pure.
-
-A turn's own encoding never reads what it keeps, so with `later` set the keeping (the turn stored,
-or the conversation's last turn refreshed in the LRU) is appended there instead, for whoever set it
-to run before the next encoding (router.prepare.served_models). The counters count at once.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
-from functools import partial
 from itertools import accumulate
 
 import msgspec
 
-from tokenization.deferred import Later
 from tokenization.prefix_reuse import EncodePacked, PrefixReuse, ReuseEntry, Suffix, shared_prefix
 
 __all__ = ["DEFAULT_MAX_BYTES", "LONG_TAIL", "CarryLink", "CarryStats", "ChatCarry"]
@@ -94,8 +88,6 @@ class ChatCarry:
         self._reuse = reuse
         self._turns: OrderedDict[bytes, _Turn] = OrderedDict()
         self._suffixes: dict[str, Suffix | None] = {}
-        self.later: Later | None = None
-        """Where an encoding's keeping goes when deferred (see the module docstring); None: at once."""
 
     def __len__(self) -> int:
         return len(self._turns)
@@ -123,11 +115,7 @@ class ChatCarry:
             starts = [0, *accumulate(len(p) if p.isascii() else len(p.encode("utf-8")) for p in pieces)]
             turn = _Turn(pieces, starts, entry, {})
             link = CarryLink(0, {}, turn.derived)
-        later = self.later
-        if later is None:
-            self._keep(key, turn)
-        else:
-            later.append(partial(self._keep, key, turn))
+        self._keep(key, turn)
         return turn.entry, link
 
     def clear(self) -> None:

@@ -11,10 +11,6 @@ always raised, and so does a body that may hold a second ``messages`` key (the l
 but `decode_chat` checks the earlier ones' messages too). Bounded LRU in conversations and bytes.
 Pure.
 
-A request's own decode never reads what it keeps, so with `later` set the keeping (the `_Kept`
-made, the LRU updated) is appended there instead, for whoever set it to run before the next decode
-(router.prepare.served_models: right after the request is written to its engine).
-
 Before that, a body whose bytes start like a kept request's (found by its first `HEAD_BYTES`) is not
 parsed whole: the leading messages it shares byte for byte with that request stand in as one
 placeholder, and only the rest is parsed (`_after_shared`). This holds only where the shared bytes
@@ -26,12 +22,10 @@ from __future__ import annotations
 
 import re
 from collections import OrderedDict
-from functools import partial
 from typing import Any, Final
 
 import msgspec
 
-from tokenization.deferred import Later
 from tokenization.openai_request import ChatMessage, ChatRequest, check_chat, decode_chat
 
 __all__ = ["DEFAULT_MAX_BYTES", "HEAD_BYTES", "ChatDecoder"]
@@ -102,8 +96,6 @@ class ChatDecoder:
         """Body bytes not parsed: leading messages shared byte for byte with a kept request."""
         self._turns: OrderedDict[bytes, _Kept] = OrderedDict()
         self._heads: dict[bytes, _Kept] = {}
-        self.later: Later | None = None
-        """Where a decode's keeping goes when deferred (see the module docstring); None: kept at once."""
 
     def __len__(self) -> int:
         return len(self._turns)
@@ -195,11 +187,7 @@ class ChatDecoder:
         self.decoded += len(turn) - reused
         self.reused += reused
         req = check_chat(ChatRequest(messages, *fields))
-        later = self.later
-        if later is None:
-            self._keep(key, turn, messages, body, spans)
-        else:
-            later.append(partial(self._keep, key, turn, messages, body, spans))
+        self._keep(key, turn, messages, body, spans)
         return req
 
     def _keep(

@@ -7,14 +7,16 @@ optionally chat_template.jinja, or a tokenizer shipped inside an installed packa
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 import tokenizers
 
 from tokenization.base import SpecialTokens, TokenizationError
-from tokenization.chat_carry import ChatCarry
+from tokenization.cached_encoder import CachedEncoder
 from tokenization.chat_template import ChatTemplate, TemplateSet
+from tokenization.fast_paths import fast_path, pretokenizer_cuts
 from tokenization.hf_files import (
     TokenizerConfig,
     TokenizerJsonHeader,
@@ -23,13 +25,7 @@ from tokenization.hf_files import (
     token_text,
 )
 from tokenization.prefix_reuse import PrefixReuse
-from tokenization.safe_cuts import (
-    UNKNOWN_LENGTH,
-    CutFinder,
-    deepseek_splits,
-    pretokenizer_cuts,
-    token_byte_lengths,
-)
+from tokenization.safe_cuts import UNKNOWN_LENGTH, CutFinder, token_byte_lengths
 from tokenization.segment_cache import SegmentCache, SegmentedEncoder, Segmenter
 from tokenization.templated import TemplatedTokenizer
 from tokenization.word_encoder import WordEncoder
@@ -86,30 +82,39 @@ def _special_wrap(tok: tokenizers.Tokenizer) -> tuple[list[int], list[int]] | No
 
 
 class HfTokenizer(TemplatedTokenizer):
-    """The Tokenizer protocol over a real tokenizer.json; ``encode_cached`` uses the segment cache."""
+    """The Tokenizer protocol over a real tokenizer.json; `cached_encoder` adds the caches."""
 
     def __init__(
         self, tok: tokenizers.Tokenizer, header: TokenizerJsonHeader, config: TokenizerConfig, source: str
     ) -> None:
         self._tok = tok
+        self._header = header
         self._name = source
         self._special = _special_tokens(tok, config)
         self._context = self._special.template_context()
         self.templates = TemplateSet()
         self._wrap = _special_wrap(tok)
-        self._words: WordEncoder | None = None
+
+    def cached_encoder(self) -> CachedEncoder:
+        """A new cached encoder over this tokenizer: the segment cache when the split at added tokens
+        holds, the word encoder and prefix reuse when their probes hold (each logged when off)."""
+        header, source = self._header, self._name
+        words: WordEncoder | None = None
         segmenter = Segmenter(header.added_tokens, header.identity_normalizer)
-        self.segments = SegmentedEncoder(segmenter, self._encode_pieces, SegmentCache())
-        if segmenter.enabled and not self._split_holds(header):
+        segments = SegmentedEncoder(segmenter, self._encode_plain, SegmentCache())
+        if segmenter.enabled and not self._split_holds(segments):
             log.warning("segment split does not hold; segment cache off", extra={"source": source})
             segmenter.enabled = False
         if segmenter.enabled:  # its pieces hold no added token: what the word encoder needs
-            self._words = self._word_encoder(header)
-            self.segments.encode_short = self._words.encode if self._words is not None else None
+            words = self._word_encoder(header)
+        if words is not None:
+            segments = SegmentedEncoder(
+                segmenter, partial(_encode_pieces, words, self._encode_plain), segments.cache
+            )
+            segments.encode_short = words.encode
         if segmenter.enabled and header.identity_normalizer:  # the cut rules assume unnormalized text
-            self.segments.reuse = self._prefix_reuse(header)
-        if self.segments.reuse is not None:
-            self.carry = ChatCarry(self.segments.reuse)
+            segments.reuse = self._prefix_reuse(header, segments)
+        return CachedEncoder(self, segments, self._wrap)
 
     @classmethod
     def from_dir(cls, path: Path, chat_template: Path | None = None) -> HfTokenizer:
@@ -144,46 +149,36 @@ class HfTokenizer(TemplatedTokenizer):
     def name(self) -> str:
         return self._name
 
-    def _encode_pieces(self, pieces: list[str]) -> list[list[int]]:
-        """Pieces without special tokens added: ASCII ones word by word (`WordEncoder`, when the
-        segmenter guarantees they hold no added token), the rest by the library."""
-        words = self._words
-        if words is None:
-            return self._encode_plain(pieces)
-        out = [words.encode(p) for p in pieces]
-        if None not in out:
-            return out  # type: ignore[return-value]
-        rest = iter(self._encode_plain([p for p, ids in zip(pieces, out, strict=True) if ids is None]))
-        return [ids if ids is not None else next(rest) for ids in out]
-
     def _encode_plain(self, pieces: list[str]) -> list[list[int]]:
         if len(pieces) <= _SEQUENTIAL_PIECES:  # a batch wakes the thread pool: dearer for a few pieces
             return [self._tok.encode(p, add_special_tokens=False).ids for p in pieces]
         return [e.ids for e in self._tok.encode_batch(pieces, add_special_tokens=False)]
 
     def _word_encoder(self, header: TokenizerJsonHeader) -> WordEncoder | None:
-        """Word-by-word encoding of ASCII pieces for DeepSeek's pre-tokenizer under an identity
-        normalizer, when a probe of every ASCII character holds; else None."""
-        if not (header.identity_normalizer and deepseek_splits(header.pre_tokenizer)):
+        """Word-by-word encoding of ASCII pieces under an identity normalizer, for a pre-tokenizer
+        whose words a registered pattern gives (tokenization.fast_paths), when a probe of every
+        ASCII character holds; else None."""
+        path = fast_path(header.pre_tokenizer) if header.identity_normalizer else None
+        if path is None or path.ascii_words is None:
             return None
         model = self._tok.model
-        words = WordEncoder(lambda word: [t.id for t in model.tokenize(word)])
+        words = WordEncoder(lambda word: [t.id for t in model.tokenize(word)], path.ascii_words)
         for probe in _WORD_PROBES:
             if words.encode(probe) != self.encode(probe, add_special_tokens=False):
                 log.warning("word encoding does not hold; off", extra={"source": self._name})
                 return None
         return words
 
-    def _split_holds(self, header: TokenizerJsonHeader) -> bool:
+    def _split_holds(self, segments: SegmentedEncoder) -> bool:
         """Probe the split identity around a few added tokens (catches position-dependent pretokenizers)."""
-        for token in header.added_tokens[:8]:
+        for token in self._header.added_tokens[:8]:
             for probe in _PROBES:
                 text = probe + token.content + probe + token.content
-                if self.segments.encode(text) != self.encode(text, add_special_tokens=False):
+                if segments.encode(text) != self.encode(text, add_special_tokens=False):
                     return False
         return True
 
-    def _prefix_reuse(self, header: TokenizerJsonHeader) -> PrefixReuse | None:
+    def _prefix_reuse(self, header: TokenizerJsonHeader, segments: SegmentedEncoder) -> PrefixReuse | None:
         """Prefix reuse when every token's byte length is known and a probe of it holds, else None."""
         vocab = header.bpe_vocab()
         lengths = token_byte_lengths(vocab, header.added_tokens, header.decoder) if vocab else None
@@ -195,9 +190,7 @@ class HfTokenizer(TemplatedTokenizer):
         marker = header.added_tokens[0].content if header.added_tokens else ""
         for a in _REUSE_PROBES:
             for text in (a, *(t for b in _REUSE_PROBES for t in (a + b, a[:-1] + b, a + marker + b))):
-                if probe.encode_packed(text, self.segments.encode_packed)[0] != tuple(
-                    self.encode(text, False)
-                ):
+                if probe.encode_packed(text, segments.encode_packed)[0] != tuple(self.encode(text, False)):
                     log.warning("prefix reuse does not hold; off", extra={"source": self._name})
                     return None
         return PrefixReuse(cuts, lengths)
@@ -206,17 +199,18 @@ class HfTokenizer(TemplatedTokenizer):
         ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids
         return ids
 
-    def special_wrap(self, add_special_tokens: bool) -> tuple[list[int], list[int]] | None:
-        return self._wrap if add_special_tokens else ([], [])
-
-    def encode_cached(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        if not add_special_tokens:
-            return self.segments.encode(text)
-        if self._wrap is None:
-            return self.encode(text, add_special_tokens=True)
-        prefix, suffix = self._wrap
-        return prefix + self.segments.encode(text) + suffix
-
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         text: str = self._tok.decode(list(ids), skip_special_tokens=skip_special_tokens)
         return text
+
+
+def _encode_pieces(
+    words: WordEncoder, plain: Callable[[list[str]], list[list[int]]], pieces: list[str]
+) -> list[list[int]]:
+    """Pieces without special tokens added: ASCII ones word by word (`WordEncoder`, when the
+    segmenter guarantees they hold no added token), the rest by the library (`plain`)."""
+    out = [words.encode(p) for p in pieces]
+    if None not in out:
+        return out  # type: ignore[return-value]
+    rest = iter(plain([p for p, ids in zip(pieces, out, strict=True) if ids is None]))
+    return [ids if ids is not None else next(rest) for ids in out]

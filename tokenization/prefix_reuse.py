@@ -11,11 +11,9 @@ not fall on a token end is refused. A text extending another shares that text's 
 entry is reused only when its tokens' bytes add up to the text's, which checks the byte-length
 table on every text. Bounded LRU in entries and bytes. Pure.
 
-What a text's own encoding reads is found at once (the neighbours, the stored entry of an equal
-text, which is returned); with `later` set, what only later texts read is appended there instead:
-filing the new entry (removing the one it replaces, refreshing an equal one) and the token ends of
-an extended text, for whoever set it to run before the next text is encoded
-(router.prepare.served_models).
+What a text's own encoding reads is found first (the neighbours, the stored entry of an equal
+text, which is returned); then what only later texts read is kept: the new entry filed (removing
+the one it replaces, refreshing an equal one) and the token ends of an extended text.
 """
 
 from __future__ import annotations
@@ -24,11 +22,9 @@ from array import array
 from bisect import bisect_left
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from functools import partial
 from itertools import accumulate
 from typing import Final
 
-from tokenization.deferred import Later
 from tokenization.safe_cuts import CutFinder
 
 __all__ = [
@@ -166,8 +162,8 @@ class ReuseEntry:
         self._ids: tuple[int, ...] | None = None if copied else tail
         self.count = copied + len(tail)
         self.ends = ends
-        """Where each token ends, in bytes; None until the entry is first reused (or, for a text
-        extending another, until its deferred stores run: `PrefixReuse.later`)."""
+        """Where each token ends, in bytes; None until the entry is first reused (a text extending
+        another has them at once, from that text's)."""
         self.derived: dict[object, dict[tuple[int, int], tuple[int, ...]]] = {}
         """What callers derived from the ids, by their own key (the completions path: block keys per
         special-token wrap, then per chain root and block size; tokenization.templated)."""
@@ -181,6 +177,10 @@ class ReuseEntry:
             self._packed = b"".join((head, self._packed))
             self._head = None
         return self._packed
+
+    def joined(self) -> bytes:
+        """`packed`, as a method (for a caller that takes a function giving the bytes)."""
+        return self.packed
 
     def packed_head(self, size: int) -> memoryview:
         """``packed[:size]`` as a view, without joining the packed ids (past the copied head, only
@@ -275,8 +275,6 @@ class PrefixReuse:
         self._lengths = byte_lengths
         self._entries: OrderedDict[int, ReuseEntry] = OrderedDict()  # by id(entry.data)
         self._sorted: list[bytes] = []
-        self.later: Later | None = None
-        """Where the filing of entries goes when deferred (see the module docstring); None: at once."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -388,11 +386,7 @@ class PrefixReuse:
         entry = ReuseEntry(data, tail_ids, tail_packed, None, n, head)
         if len(tail_ids) > n:  # mostly new text: its ends are made if it is ever reused (`ends`)
             return entry, n
-        later = self.later  # (only a later text reads them)
-        if later is None:
-            self._extend_ends(entry, prior_ends, cut)
-        else:
-            later.append(partial(self._extend_ends, entry, prior_ends, cut))
+        self._extend_ends(entry, prior_ends, cut)  # (only a later text reads them)
         return entry, n
 
     def _extend_ends(self, entry: ReuseEntry, prior_ends: TokenEnds, cut: int) -> None:
@@ -405,15 +399,11 @@ class PrefixReuse:
 
     def _keep(self, at: int, entry: ReuseEntry, replaced: ReuseEntry | None = None) -> ReuseEntry:
         """The entry kept for ``entry``'s text (sorted position ``at``): the stored one when its text is
-        stored already, else ``entry``; filed (`_file`) now or, with `later`, when that runs."""
+        stored already, else ``entry``; filed (`_file`)."""
         data, stored = entry.data, self._sorted
         if at < len(stored) and stored[at] == data:  # (``replaced``'s text differs: not this one)
             entry = self._entries[id(stored[at])]
-        later = self.later
-        if later is None:
-            self._file(entry, replaced)
-        else:
-            later.append(partial(self._file, entry, replaced))
+        self._file(entry, replaced)
         return entry
 
     def _file(self, entry: ReuseEntry, replaced: ReuseEntry | None) -> None:

@@ -18,7 +18,8 @@ from typing import Any
 import msgspec
 
 from events.block_hash import RequestExtras
-from tokenization.base import TokenizationError, Tokenizer
+from tokenization.base import TokenizationError
+from tokenization.cached_encoder import CachedEncoder
 from tokenization.chat_carry import CarryLink
 from tokenization.chat_decoder import ChatDecoder
 from tokenization.chat_template import TemplateSet
@@ -105,7 +106,7 @@ Packed = tuple[PromptIds, bytes | None]
 packed bytes."""
 
 
-def _completion_prompts(req: CompletionRequest, tok: Tokenizer) -> list[Packed]:
+def _completion_prompts(req: CompletionRequest, tok: CachedEncoder) -> list[Packed]:
     prompt = req.prompt
     if isinstance(prompt, str):
         return [tok.encode_packed(prompt, req.add_special_tokens)]
@@ -121,17 +122,17 @@ def _completion_prompts(req: CompletionRequest, tok: Tokenizer) -> list[Packed]:
     )
 
 
-def _chat_prompt(req: ChatRequest, tok: Tokenizer) -> tuple[PromptIds, bytes | None, CarryLink | None]:
+def _chat_prompt(req: ChatRequest, tok: CachedEncoder) -> tuple[PromptIds, bytes | None, CarryLink | None]:
     if req.chat_template_kwargs is None and req.tools is None and req.documents is None:
         kwargs = {"continue_final_message": req.continue_final_message}  # the common case, in one dict
-        template = tok.templates.select(None)
+        template = tok.tokenizer.templates.select(None)
         conv = conversation(req.messages, template.detected_format, template.supports_developer_role)
         return tok.chat_prompt(conv, req.add_generation_prompt, None, req.add_special_tokens, kwargs)
     return _chat_prompt_with_kwargs(req, tok)
 
 
 def _chat_prompt_with_kwargs(
-    req: ChatRequest, tok: Tokenizer
+    req: ChatRequest, tok: CachedEncoder
 ) -> tuple[PromptIds, bytes | None, CarryLink | None]:
     """`_chat_prompt` of a request with template kwargs, tools or documents."""
     kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
@@ -145,7 +146,7 @@ def _chat_prompt_with_kwargs(
         kwargs["documents"] = req.documents
     kwargs.pop("add_generation_prompt", None)
     kwargs["continue_final_message"] = req.continue_final_message
-    template = tok.templates.select(tools)
+    template = tok.tokenizer.templates.select(tools)
     conv = conversation(req.messages, template.detected_format, template.supports_developer_role)
     return tok.chat_prompt(conv, req.add_generation_prompt, tools, req.add_special_tokens, kwargs)
 
@@ -184,30 +185,33 @@ def merges_inline_system_of(templates: TemplateSet) -> bool:
     return any(merges_inline_system(t.source) for t in variants if t is not None)
 
 
-def as_chat(req: ApiRequest, tokenizer: Tokenizer) -> ChatRequest | CompletionRequest:
-    """`req`, a Messages or Responses request as the chat vLLM renders for it with `tokenizer`'s templates."""
+def as_chat(req: ApiRequest, templates: TemplateSet) -> ChatRequest | CompletionRequest:
+    """`req`, a Messages or Responses request as the chat vLLM renders for it with `templates`."""
     if isinstance(req, MessagesRequest):
-        return messages_chat(req, merges_inline_system_of(tokenizer.templates))
+        return messages_chat(req, merges_inline_system_of(templates))
     if isinstance(req, CheckedResponses):
         return responses_chat(req)
     return req
 
 
 def request_tokens(
-    body: bytes, endpoint: Endpoint | str, tokenizer: Tokenizer, lora: Mapping[str, str] | None = None
+    body: bytes, endpoint: Endpoint | str, tokenizer: CachedEncoder, lora: Mapping[str, str] | None = None
 ) -> RequestTokens:
-    """Decode ``body`` for ``endpoint`` and compute its prompt ids; RequestError (a 400) on bad input.
+    """Decode ``body`` for ``endpoint`` and compute its prompt ids with ``tokenizer`` (a tokenizer
+    through its caches); RequestError (a 400) on bad input.
 
     ``lora`` maps served LoRA adapter names to their paths (both enter vLLM's block hash).
     """
     return tokens_of(decode_request(body, endpoint), tokenizer, lora)
 
 
-def tokens_of(req: ApiRequest, tokenizer: Tokenizer, lora: Mapping[str, str] | None = None) -> RequestTokens:
+def tokens_of(
+    req: ApiRequest, tokenizer: CachedEncoder, lora: Mapping[str, str] | None = None
+) -> RequestTokens:
     """`request_tokens` of an already decoded request (one decode serves several tokenizers)."""
     carry = None
     if type(req) is not ChatRequest and type(req) is not CompletionRequest:  # (no call for the common two)
-        req = as_chat(req, tokenizer)
+        req = as_chat(req, tokenizer.tokenizer.templates)
     try:
         if isinstance(req, CompletionRequest) and isinstance(req.prompt, str):
             ids, packed, carry = tokenizer.encode_linked(req.prompt, req.add_special_tokens)

@@ -6,8 +6,8 @@ reuse", gives the argument):
 - after an added token that no other added-token occurrence overlaps (a normalized one only when no
   raw token can occur inside it): the library cuts there before anything else runs;
 - between an ASCII letter and an ASCII non-letter that no added-token occurrence spans, for a
-  pre-tokenizer this module recognises (`pretokenizer_cuts`): the regex pieces of that pre-tokenizer
-  always end there, and no piece reads across it.
+  pre-tokenizer proven to allow it (tokenization.fast_paths `FastPath.letter_cuts`): the regex pieces
+  of that pre-tokenizer always end there, and no piece reads across it.
 
 `token_byte_lengths` gives each id's length in bytes for byte-level BPE vocabularies, so the token count
 at a byte offset of an encoded text can be found (and checked). Pure: no I/O.
@@ -19,71 +19,12 @@ import re
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any, Final
 
-import msgspec
-
 from tokenization.segmenter import AddedToken
 
-__all__ = ["UNKNOWN_LENGTH", "CutFinder", "deepseek_splits", "pretokenizer_cuts", "token_byte_lengths"]
+__all__ = ["UNKNOWN_LENGTH", "CutFinder", "token_byte_lengths"]
 
 UNKNOWN_LENGTH: Final = 1 << 40
 """The byte length given to an id whose bytes are unknown: no text's byte count can add up with it."""
-
-# DeepSeek-V3/V4's pre-tokenizer, the one tokenizer.json this rule was proven for (see the module doc):
-# digits in runs of 1-3, CJK runs, then the word/punctuation/whitespace regex, then ByteLevel bytes.
-_DEEPSEEK_SPLITS: Final = (
-    "\\p{N}{1,3}",
-    "[\u4e00-\u9fa5\u3040-\u309f\u30a0-\u30ff]+",
-    "[!\"#$%&'()*+,\\-./:;<=>?@\\[\\\\\\]^_`{|}~][A-Za-z]+|[^\r\n\\p{L}\\p{P}\\p{S}]?[\\p{L}\\p{M}]+|"
-    " ?[\\p{P}\\p{S}]+[\r\n]*|\\s*[\r\n]+|\\s+(?!\\S)|\\s+",
-)
-
-
-class _Split(msgspec.Struct):
-    type: str
-    pattern: dict[str, str] = {}
-    behavior: str = ""
-    invert: bool = False
-    add_prefix_space: bool = False
-    use_regex: bool = True
-
-
-class _PreTokenizer(msgspec.Struct):
-    type: str
-    pretokenizers: list[_Split] = []
-    add_prefix_space: bool = False
-    use_regex: bool = True
-
-
-def _is_byte_level_tail(step: _Split) -> bool:
-    return step.type == "ByteLevel" and not step.add_prefix_space and not step.use_regex
-
-
-def _decoded(pre_tokenizer: msgspec.Raw) -> _PreTokenizer | None:
-    try:
-        return msgspec.json.decode(pre_tokenizer, type=_PreTokenizer)
-    except msgspec.DecodeError:
-        return None
-
-
-def pretokenizer_cuts(pre_tokenizer: msgspec.Raw) -> bool:
-    """Whether the letter|non-letter cut is proven for this tokenizer.json ``pre_tokenizer``: DeepSeek's
-    Split sequence, or GPT-2's ByteLevel regex (``use_regex``), in both cases without a prefix space."""
-    spec = _decoded(pre_tokenizer)
-    if spec is not None and spec.type == "ByteLevel":
-        return spec.use_regex and not spec.add_prefix_space
-    return deepseek_splits(pre_tokenizer)
-
-
-def deepseek_splits(pre_tokenizer: msgspec.Raw) -> bool:
-    """Whether this tokenizer.json ``pre_tokenizer`` is DeepSeek's Split sequence (`_DEEPSEEK_SPLITS`,
-    isolated, then ByteLevel without regex or prefix space), the one tokenization.word_encoder reproduces."""
-    spec = _decoded(pre_tokenizer)
-    if spec is None or spec.type != "Sequence" or not spec.pretokenizers:
-        return False
-    *splits, last = spec.pretokenizers
-    patterns = tuple(s.pattern.get("Regex") for s in splits)
-    isolated = all(s.type == "Split" and s.behavior == "Isolated" and not s.invert for s in splits)
-    return isolated and patterns == _DEEPSEEK_SPLITS and _is_byte_level_tail(last)
 
 
 def _byte_decoder() -> dict[str, int]:

@@ -13,10 +13,8 @@ from __future__ import annotations
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
-from functools import partial
 from typing import TYPE_CHECKING
 
-from tokenization.deferred import Later
 from tokenization.segmenter import AddedToken, Segment, Segmenter
 
 if TYPE_CHECKING:
@@ -48,9 +46,7 @@ DEFAULT_MAX_TOKENS = 1 << 20
 
 class SegmentCache:
     """An LRU map from piece text to its token ids, bounded in entries and in token ids held, with
-    hit/miss counters. A piece longer than the whole token bound is not cached. With `later` set, a
-    `put` is appended there, for whoever set it to run before the next text is encoded (the text
-    being encoded has its ids already: router.prepare.served_models runs them after the write)."""
+    hit/miss counters. A piece longer than the whole token bound is not cached."""
 
     def __init__(self, max_entries: int = 8192, max_tokens: int = DEFAULT_MAX_TOKENS) -> None:
         if max_entries < 0 or max_tokens < 0:
@@ -63,8 +59,6 @@ class SegmentCache:
         self.misses = 0
         self._entries: OrderedDict[str, tuple[int, ...]] = OrderedDict()
         self._packed: dict[str, bytes] = {}  # the packed form of each entry's ids, made once
-        self.later: Later | None = None
-        """Where `put`s go when deferred (see the class docstring); None: stored at once."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -80,15 +74,7 @@ class SegmentCache:
         return ids
 
     def put(self, piece: str, ids: tuple[int, ...]) -> None:
-        """Store ``ids`` for ``piece``, evicting the least recently used entries beyond the bound
-        (or append that to `later`)."""
-        later = self.later
-        if later is None:
-            self._put(piece, ids)
-        else:
-            later.append(partial(self._put, piece, ids))
-
-    def _put(self, piece: str, ids: tuple[int, ...]) -> None:
+        """Store ``ids`` for ``piece``, evicting the least recently used entries beyond the bound."""
         if self.max_entries == 0 or len(ids) > self.max_tokens:
             return
         old = self._entries.get(piece)

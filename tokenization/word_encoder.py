@@ -1,16 +1,13 @@
-"""ASCII text encoded word by word: DeepSeek's pre-tokenizer reproduced, each word's ids kept.
+"""ASCII text encoded word by word: a pre-tokenizer reproduced by one pattern, each word's ids kept.
 
 A byte-level BPE tokenizer cuts a piece (text holding no added token) into words with its
 pre-tokenizer, and the BPE model encodes every word on its own: the piece's ids are its words' ids,
-concatenated. For ASCII text DeepSeek-V3's pre-tokenizer (a Sequence of three isolating regex splits,
-then ByteLevel without regex; `safe_cuts._DEEPSEEK_SPLITS`) is one `re` pattern: digits in runs of
-1-3 first, and the third split's alternatives with its Unicode classes written out for ASCII and its
-end-of-piece lookahead made to see a digit as the end of the piece it is in (the first split cut
-there). Each word's ids come from a bounded map; a word not in it is encoded by the model alone
-(`tokenizers.models.Model.tokenize` on its byte-level characters), the step the library runs on
-each word. A call to the library's full pipeline costs tens of microseconds on any text, so a short
-new tail is encoded for about a tenth of that. Non-ASCII text is left to the library. The split is
-proven by `tests/tokenization/test_word_encoder.py` against the library's own pre-tokenizer. Pure.
+concatenated. For ASCII text some pre-tokenizers are one `re` pattern, registered with its proof in
+tokenization.fast_paths (`FastPath.ascii_words`: DeepSeek-V3's). Each word's ids come from a bounded
+map; a word not in it is encoded by the model alone (`tokenizers.models.Model.tokenize` on its
+byte-level characters), the step the library runs on each word. A call to the library's full
+pipeline costs tens of microseconds on any text, so a short new tail is encoded for about a tenth
+of that. Non-ASCII text is left to the library. Pure.
 """
 
 from __future__ import annotations
@@ -18,36 +15,8 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 from itertools import chain
-from typing import Final
 
-__all__ = ["WORDS", "WordEncoder", "byte_level"]
-
-_SPACE: Final = r"\t\n\x0b\x0c\r "
-"""Oniguruma's ``\\s`` in ASCII (Unicode White_Space: not \\x1c-\\x1f, which Python's ``\\s`` has)."""
-_PUNCT: Final = r"!-/:-@\[-`{-~"
-"""``[\\p{P}\\p{S}]`` in ASCII: every printable non-alphanumeric character (also the first class)."""
-_LETTER: Final = "A-Za-z"
-"""``\\p{L}`` (and ``[\\p{L}\\p{M}]``: no ASCII mark) in ASCII."""
-_OTHER: Final = r"\x00-\x09\x0b\x0c\x0e-\x1f \x7f"
-"""``[^\\r\\n\\p{L}\\p{P}\\p{S}]`` in ASCII without the digits, which the first split took apart."""
-_CONTROL: Final = r"\x00-\x08\x0e-\x1f\x7f"
-"""The characters where no alternative of the third split starts a match unless a letter follows."""
-
-WORDS: Final = re.compile(
-    "|".join(
-        (
-            "[0-9]{1,3}",  # \p{N}{1,3}, isolated first: digits are pieces of their own
-            f"[{_PUNCT}][{_LETTER}]+",
-            f"[{_OTHER}]?[{_LETTER}]+",
-            f" ?[{_PUNCT}]+[\r\n]*",
-            f"[{_SPACE}]*[\r\n]+",
-            f"[{_SPACE}]+(?![^{_SPACE}0-9])",  # \s+(?!\S): a digit ends the piece, as its end would
-            f"[{_SPACE}]+",
-            f"(?:[{_CONTROL}](?![{_LETTER}]))+",  # what no alternative matches: a gap, a piece itself
-        )
-    )
-)
-"""DeepSeek-V3's pre-tokenizer on ASCII text: `findall` gives its words, which join to the text."""
+__all__ = ["WordEncoder", "byte_level"]
 
 
 def byte_level() -> dict[int, str]:
@@ -71,16 +40,18 @@ TokenizeWord = Callable[[str], list[int]]
 
 
 class WordEncoder:
-    """``encode(piece)``: the ids of an ASCII piece holding no added token, word by word from a
-    bounded map of words seen (cleared when full: no per-hit bookkeeping), or None for other text."""
+    """``encode(piece)``: the ids of an ASCII piece holding no added token, word by word (``words``:
+    the pre-tokenizer's pattern) from a bounded map of words seen (cleared when full: no per-hit
+    bookkeeping), or None for other text."""
 
-    def __init__(self, tokenize: TokenizeWord, max_words: int = 1 << 16) -> None:
+    def __init__(self, tokenize: TokenizeWord, words: re.Pattern[str], max_words: int = 1 << 16) -> None:
         if max_words < 0:
             raise ValueError(f"max_words must be >= 0, got {max_words}")
         self.max_words = max_words
         self.misses = 0
         """Words encoded by the model (not found in the map)."""
         self._tokenize = tokenize
+        self._split = words.findall
         self._words: dict[str, tuple[int, ...]] = {}
         self._table = byte_level()
 
@@ -91,7 +62,7 @@ class WordEncoder:
         """The piece's ids as the full pipeline gives them, or None when it is not ASCII."""
         if not piece.isascii():
             return None
-        words = WORDS.findall(piece)
+        words = self._split(piece)
         found = list(map(self._words.get, words))
         if None in found:
             found = [ids if ids is not None else self._miss(w) for w, ids in zip(words, found, strict=True)]

@@ -24,7 +24,7 @@ from engine_stub.stub_config import StubConfig
 from events.config import KVEventsConfig
 from events.publisher import EventPublisher
 from tokenization import Tokenizer
-from tokenization.loading import load_tokenizer
+from tokenization.loading import cached_encoder, load_tokenizer
 from tokenization.request_tokens import RequestTokens
 
 __all__ = ["RankError", "ReadyInfo", "Stub"]
@@ -72,6 +72,8 @@ class Stub:
                 config.tokenizer.path, config.tokenizer.chat_template, config.tokenizer.revision
             )
         )
+        self.encoder = cached_encoder(self.tokenizer)
+        """The tokenizer through its caches: what requests are tokenized with, as the router does."""
         self.text = PseudoText(self.tokenizer)
         self.metrics = StubMetrics(config.model, config.data_parallel_size, self.gauges)
         self.engines: list[EngineRuntime] = []

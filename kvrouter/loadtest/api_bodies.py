@@ -32,6 +32,7 @@ import msgspec
 from kvrouter.loadtest.text_prompts import TextPrompts, ids_text
 from kvrouter.loadtest.workload import Conversation, RequestSpec
 from tokenization import Tokenizer
+from tokenization.loading import cached_encoder
 from tokenization.openai_request import Endpoint
 from tokenization.prefix_reuse import ids_of
 from tokenization.request_tokens import request_tokens
@@ -198,12 +199,13 @@ def as_conversations(
     if shape.api == "completions":
         return list(requests)
     pieces = TextPrompts(tokenizer).pieces
+    encoder = cached_encoder(tokenizer)
     out = []
     for r in requests:
         spec = msgspec.structs.replace(
             r, conversation=conversation_of(r, pieces), turns=(), tools=0, text=None
         )
-        rendered = request_tokens(request_body(spec, model, shape), APIS[shape.api], tokenizer).first
+        rendered = request_tokens(request_body(spec, model, shape), APIS[shape.api], encoder).first
         out.append(msgspec.structs.replace(spec, prompt=list(ids_of(rendered))))
     return out
 

@@ -170,15 +170,12 @@ class Decider:
         """Count a request answered by the router itself, before any engine was chosen (and why)."""
         self.parts.metrics.refused(self.policy, status, reason)
 
-    async def prepare(
-        self, body: bytes, endpoint: Endpoint, full: bool = False, defer: bool = False
-    ) -> Prepared:
+    async def prepare(self, body: bytes, endpoint: Endpoint, full: bool = False) -> Prepared:
         """`Models.prepare` (with an engine's /tokenize for `remote_tokenize` models), or only the
         fields routing reads when nothing reads the prompt (unless `full`); a bad request is a 400
-        naming the field, any other failure a logged 500 (`RouterError`). With `defer`, the stores
-        for later requests are left for `Models.run_stores` (router.prepare.served_models)."""
+        naming the field, any other failure a logged 500 (`RouterError`)."""
         if not self.any_remote:
-            return self.prepare_local(body, endpoint, full, defer)
+            return self.prepare_local(body, endpoint, full)
         models = self.parts.models
         try:
             if self.prompt_free and not full and (unread := models.prepare_unread(body, endpoint)):
@@ -187,22 +184,20 @@ class Decider:
             if models.needs_remote(model):
                 tokens = await self._remote_tokens(body, model, endpoint)
                 if tokens is not None:
-                    return models.prepare_tokens(body, endpoint, tokens, model, defer=defer)
-                return models.prepare_fallback(body, endpoint, model, defer=defer)
-            return models.prepare(body, endpoint, model, defer=defer)
+                    return models.prepare_tokens(body, endpoint, tokens, model)
+                return models.prepare_fallback(body, endpoint, model)
+            return models.prepare(body, endpoint, model)
         except Exception as exc:
             _prepare_failed(exc, endpoint)
 
-    def prepare_local(
-        self, body: bytes, endpoint: Endpoint, full: bool = False, defer: bool = False
-    ) -> Prepared:
+    def prepare_local(self, body: bytes, endpoint: Endpoint, full: bool = False) -> Prepared:
         """`prepare` when no model tokenizes remotely (`any_remote` False), with no coroutine: it
         never waits (and skips the model lookup the remote path makes first: one JSON decode)."""
         models = self.parts.models
         try:
             if self.prompt_free and not full and (unread := models.prepare_unread(body, endpoint)):
                 return unread
-            return models.prepare(body, endpoint, defer=defer)
+            return models.prepare(body, endpoint)
         except Exception as exc:
             _prepare_failed(exc, endpoint)
 
@@ -219,10 +214,9 @@ class Decider:
         return None
 
     async def prepare_counted(self, body: bytes, endpoint: Endpoint) -> Prepared:
-        """`prepare` (deferring its stores), for `decide` when some model tokenizes on an engine; a
-        refusal is counted."""
+        """`prepare`, for `decide` when some model tokenizes on an engine; a refusal is counted."""
         try:
-            return await self.prepare(body, endpoint, defer=True)
+            return await self.prepare(body, endpoint)
         except RouterError as exc:
             self.refused(str(exc.http_status()), exc.reason)
             raise
@@ -237,14 +231,14 @@ class Decider:
         prepared: Prepared | None,
         excluded: frozenset[EngineId] = frozenset(),
     ) -> Exchange:
-        """Prepare the request (unless `prepared`; its stores deferred to `Exchange.sent`) and decide
-        where it goes, never to an `excluded` replica (the endpoint picker's subset hint): the exchange
-        that carries it to its end. `scope` is the request's ASGI scope (method, headers); `arrived`
-        its arrival on the perf_counter clock. A refusal is counted."""
+        """Prepare the request (unless `prepared`) and decide where it goes, never to an `excluded`
+        replica (the endpoint picker's subset hint): the exchange that carries it to its end. `scope`
+        is the request's ASGI scope (method, headers); `arrived` its arrival on the perf_counter
+        clock. A refusal is counted."""
         parts = self.parts
         if prepared is None:
             try:
-                prepared = self.prepare_local(body, endpoint, False, True)
+                prepared = self.prepare_local(body, endpoint)
             except RouterError as exc:
                 self.refused(str(exc.http_status()), exc.reason)
                 raise
@@ -307,18 +301,17 @@ class Decider:
 
 
 class Exchange:
-    """One decided request from its forwarding to its end: the proxy's `sent` hook, then its relay's
-    `first_byte` and `end` hooks, as methods of one object (no closures and cells per request). It
-    holds no reference to its relay, so relay and exchange are freed by reference counting.
+    """One decided request from its forwarding to its end: the proxy's chooser (`choose`), then its
+    relay's `first_byte` and `end` hooks, as methods of one object (no closures and cells per
+    request). It holds no reference to its relay, so relay and exchange are freed by reference
+    counting.
 
-    Only the decision is made before the request is written to the engine. What later requests'
-    routing reads (the flight's counts: load, admission, pending prefix, awaited stores), what their
-    preparation reads (the tokenization and key caches' stores, `Models.run_stores`) and the debug
-    record (its timings, its place in the ring) are done by `sent`, which the proxy runs right after
-    the write, before control returns to the event loop (Proxy.forward), so they cost the engine's
-    time, not the first chunk's (under load the write is queued to go out with the loop turn's
-    others: router.edge.http1), and no other request routes or is prepared without them. A refusal
-    or a failure before the write runs them all the same (`failed`)."""
+    The bookkeeping later requests read is done here, in this order: the preparation kept what it
+    made for later requests as it made it (the tokenization and key caches,
+    router.prepare.served_models); `choose` then counts each attempt on its replica as it chooses it
+    (the flight's load, admission, pending prefix and awaited stores: `Flight.sent`) and, the first
+    time, completes the debug record and keeps it in the ring; then the proxy writes the request. A
+    refusal or a failure before any attempt keeps the record all the same (`failed`)."""
 
     __slots__ = (
         "arrived", "decider", "engine", "entry", "flight", "forwarding", "kept", "model", "note",
@@ -337,21 +330,22 @@ class Exchange:
         self.arrived, self.forwarding = times
         self.kept = False
 
-    def sent(self) -> None:
-        """The chosen attempt went out (or is about to wait): its flight's counts; the first time,
-        the stores and the debug record too (`_keep`)."""
-        self.flight.sent()
+    def choose(self, tried: frozenset[EngineId]) -> Target | None:
+        """The proxy's chooser (router.edge.proxy.Chooser): the flight's target for the next attempt,
+        counted on its replica at once (`Flight.sent`); the first time, the debug record too
+        (`_keep`)."""
+        target = self.flight.choose(tried)
+        if target is not None:
+            self.flight.sent()
         if not self.kept:
             self._keep()
+        return target
 
     def _keep(self) -> None:
-        """Run the preparation's stores for later requests; complete the request's debug record (its
-        stages' timings) and keep it in the ring."""
+        """Complete the request's debug record (its stages' timings) and keep it in the ring."""
         self.kept = True
-        parts = self.decider.parts
-        parts.models.run_stores()
         self.entry.timings_s = stage_timings(self.prepared.timings, self.routed.timings)
-        parts.ring.add(self.entry)
+        self.decider.parts.ring.add(self.entry)
 
     def failed(self, exc: BaseException) -> None:
         """No answer to relay (`exc` ends the request): recorded and counted all the same."""
@@ -361,16 +355,15 @@ class Exchange:
         self.decider.failed(self.entry, exc)
 
     def pick(self) -> Target:
-        """The decided replica, counted as sent (`sent`), when no proxy chooses the attempt: a gateway
+        """The decided replica, counted on it (`choose`), when no proxy chooses the attempt: a gateway
         in front forwards the request (the endpoint picker). A refusal (no eligible replica) ends the
         exchange as `failed` and is raised."""
         try:
-            target = self.flight.choose(frozenset())
+            target = self.choose(frozenset())
         except BaseException as exc:
             self.failed(exc)
             raise
         assert target is not None  # (the first attempt raises the refusal instead)
-        self.sent()
         return target
 
     @property

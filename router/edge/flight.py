@@ -8,14 +8,11 @@ it (retry, end, failure) uncounts it. No eligible replica for the first attempt 
 the limit that bound. `first_byte` feeds the learned TTFT model; `finish` is idempotent and always
 called.
 
-Why `sent()` is apart from `choose`: the counting is for the *next* requests' decisions, not for
-this one's bytes, so it runs just after they are written (while the engine computes) rather than on
-the way to the write. The proxy guarantees it runs before control can return to the event loop after
-`choose` (right after the write, or before any await that comes first: a backoff, a wait for a
-pooled connection, a connect; and before a retry's `choose` when the breaker refused the attempt),
-so no other request can route between `choose` and `sent()`: every decision sees exactly the state
-it saw when both were one step. The times counted are `choose`'s (`now` read there), so the counts
-are the same numbers too.
+`choose` and `sent()` are two steps because `moved_to` counts without choosing, and a refusal
+counts nothing; the gateway runs both for every attempt the proxy makes
+(router.edge.decider.Exchange.choose), before the proxy awaits anything, so no other request routes
+between them: every decision sees the state the earlier ones left. The times counted are `choose`'s
+(`now` read there).
 """
 
 from __future__ import annotations
@@ -132,8 +129,8 @@ class Flight:
             self.on_decision(self.rid, len(self.entry.decisions) - 1, decision)
 
     def sent(self) -> None:
-        """The chosen attempt went out (or is about to wait for its way out): count the request on its
-        replica, at the time `choose` read. Once per attempt; see the module docstring for when."""
+        """Count the request on the replica `choose` chose, at the time `choose` read. Once per
+        attempt; see the module docstring for when."""
         engine, decision = self.engine, self.decision
         if self._counted or engine is None or decision is None:
             return

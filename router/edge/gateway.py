@@ -119,9 +119,7 @@ class Gateway:
                 prepared = await decider.prepare_counted(body, endpoint) if decider.any_remote else None
                 exchange = decider.decide(scope, endpoint, body, rid, arrived, prepared)
                 try:
-                    upstream = await self.parts.proxy.forward(
-                        exchange.proxied, exchange.flight.choose, exchange.sent
-                    )
+                    upstream = await self.parts.proxy.forward(exchange.proxied, exchange.choose)
                 except BaseException as exc:
                     exchange.failed(exc)
                     raise

@@ -270,15 +270,11 @@ class Http1Client:
         path: str,
         headers: list[tuple[str, str]],
         body: bytes,
-        sent: Callable[[], None] | None = None,
     ) -> Http1Response:
         """Send one request to `base_url`'s origin and return once the answer's headers are in.
 
         `path` is the origin-form path (after the base URL's own path); `headers` go out as given (the
-        caller sets Host) plus Content-Length. A cancellation or failure drops the connection. `sent`
-        runs once, before control first returns to the event loop: right after the request is
-        written (or queued for `_flush`) when a kept connection is free (the common case), else
-        before waiting for or opening one."""
+        caller sets Host) plus Content-Length. A cancellation or failure drops the connection."""
         pool = self._pools.get(base_url) or self._pool(base_url)
         # A kept connection's loop is the running one (a connection serves only its own loop); asking
         # asyncio is a getpid syscall per call on CPython 3.11.
@@ -292,9 +288,6 @@ class Http1Client:
             if conn is not None:
                 self._in_use += 1
         if conn is None:
-            if sent is not None:  # the wait below lets other requests run
-                sent()
-                sent = None
             conn = await self._acquire(pool, loop)
         first_byte_at = start + s.first_byte_s
         while True:
@@ -307,9 +300,6 @@ class Http1Client:
                 else:  # alone: out now, no turn's wait
                     conn.send(head, body)
                 waiter = conn.arm_at(first_byte_at, "first byte")
-                if sent is not None:  # the bytes are out: the caller's bookkeeping, before the wait
-                    sent()
-                    sent = None
                 while True:
                     try:
                         await waiter

@@ -115,11 +115,9 @@ def _verdicts(status: int) -> tuple[bool, bool]:
 
 
 Chooser = Callable[[frozenset[EngineId]], Target | None]
-"""Given the engines already tried for this request, the next target (None: no more candidates)."""
-
-Sent = Callable[[], None]
-"""The chosen attempt's bookkeeping for later requests (router.edge.flight.Flight.sent), run once per
-attempt `Proxy.forward` makes, before control can return to the event loop after the choice."""
+"""Given the engines already tried for this request, the next target (None: no more candidates).
+The chooser does its own bookkeeping for the attempt (router.edge.decider.Exchange.choose counts it
+on its replica): the proxy awaits nothing between a choice and its attempt's write."""
 
 
 class Proxy:
@@ -168,7 +166,7 @@ class Proxy:
     ) -> tuple[int, bytes]:
         """POST JSON `body` to `path` on `engine` (at `base_url`) and read its whole answer, all within
         `timeout_s`: the gateway's own calls to engines (remote tokenization), not a client's request,
-        so no retry, no breaker and no `sent`. Returns (status, body); failures are `UpstreamError`s
+        so no retry and no breaker. Returns (status, body); failures are `UpstreamError`s
         (`upstream_error`), as a forwarded request's are."""
         client = self._client
         assert client is not None, "Proxy.start() was not called"
@@ -183,19 +181,12 @@ class Proxy:
         except UPSTREAM_FAILURES as exc:
             raise upstream_error(engine, "total", exc) from exc
 
-    async def forward(
-        self, request: ProxyRequest, choose: Chooser, sent: Sent | None = None
-    ) -> UpstreamResponse:
+    async def forward(self, request: ProxyRequest, choose: Chooser) -> UpstreamResponse:
         """Send `request` to the engine `choose` picks, retrying elsewhere while nothing reached the client.
 
         Returns the first answer that is not retryable (2xx-4xx, or the last 429); raises a
-        `RouterError` when no engine gave one. `sent` runs once per chosen attempt: right after its
-        bytes are written or queued (the client runs it; router.edge.http1), or before whatever comes
-        first that could let another request route or choose again (a backoff, a wait for a
-        connection, a breaker's refusal), so
-        between a `choose` and its `sent` nothing else runs. What only later requests read is thus
-        off the way to the engine, and every decision sees the state it would have seen had `sent`
-        run inside `choose`."""
+        `RouterError` when no engine gave one. `choose` is called once per attempt, and counts the
+        attempt itself (`Chooser`), so every later decision sees it."""
         if len(request.body) > self.settings.max_body_bytes:
             raise RequestTooLarge(f"request body exceeds {self.settings.max_body_bytes} bytes")
         if not is_origin_form(request.path):
@@ -208,24 +199,18 @@ class Proxy:
             target = choose(frozenset([a.engine for a in attempts]) if attempts else _NONE_TRIED)
             if target is None:
                 break
-            hook = sent  # this attempt's, not run yet
             if n and (delay := self.settings.retry.delay_before(n)):
-                if hook is not None:  # other requests route during the backoff
-                    hook()
-                    hook = None
                 await asyncio.sleep(delay)  # backoff between attempts
             # The attempt runs inline (no coroutine of its own): one layer less on every wake-up.
             breaker = self.breakers.get(target.engine)
             if not breaker.acquire(self.clock()):
-                if hook is not None:  # counted as it always was, so the next choice reads the same state
-                    hook()
                 attempts.append(Attempt(target.engine, OutcomeKind.CONNECT_FAILED, error="circuit open"))
                 last = UpstreamConnectError(f"engine {target.engine}: circuit open", engine=target.engine)
                 continue
             headers = upstream_headers(request.headers, target.base_url, request.end_to_end)
             try:
                 response = await client.request(
-                    request.method, target.base_url, request.path, headers, request.body, hook
+                    request.method, target.base_url, request.path, headers, request.body
                 )
             except PoolFull as exc:  # the gateway's own limit, not the engine's failure: refused
                 breaker.record_abandoned(self.clock())

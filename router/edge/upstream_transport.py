@@ -72,12 +72,10 @@ class Transport(Protocol):
         path: str,
         headers: list[tuple[str, str]],
         body: bytes,
-        sent: Callable[[], None] | None = None,
     ) -> Answer:
         """Send one request to `base_url`'s origin (`path` after the base URL's own path; `headers`
         as given, the caller's Host included, plus Content-Length) and return once the answer's head
-        is in. `sent` runs once, before control first returns to the event loop (router.edge.proxy's
-        `Sent`). A cancellation or failure drops the exchange."""
+        is in. A cancellation or failure drops the exchange."""
         ...
 
     def close(self) -> None:

@@ -17,19 +17,9 @@ request never waits on the network; if it is not cached, that engine's variant i
 built-in tokenizer (no hit predicted on it).
 
 What a preparation keeps for later requests (the chat decoder's messages, the chat carry's turn, the
-segment cache's pieces, prefix reuse's text, the recent prompts' keys) is never read by that
-preparation itself, so every cache appends it to `later` instead. `prepare` runs them before it
-returns, unless asked to defer them (`defer=True`: the gateway, whose upstream write then comes
-first): then `run_stores` runs them, and must, before control returns to the event loop, so no
-other request is prepared without them. Whatever the request's fate they all run, in the order they
-were made: on an error while preparing `prepare` runs them before raising, and the gateway runs
-them on a refusal or a failure before the write as after the write. The caches then hold exactly
-what storing at once would have left (the entries are exact whatever becomes of the request that
-made them), where dropping them would make a later request's cost depend on an earlier one's
-refusal. As a safeguard, a preparation first runs any stores still pending. Within one preparation
-its own stores are not yet visible: a multi-prompt completion or a second variant of the same
-block size does not reuse what its first prompt or variant computed (the same ids and keys, made
-again).
+segment cache's pieces, prefix reuse's text, the recent prompts' keys) each cache keeps as it makes
+it, during `prepare`: the gateway's bookkeeping order is in router.edge.decider.Exchange. The entries
+are exact whatever becomes of the request that made them, so a refusal after preparing leaves them.
 """
 
 from __future__ import annotations
@@ -39,25 +29,23 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
-from typing import ParamSpec
 
 import msgspec
 
 from router.core.errors import BadRequest, ModelNotFound, RouterError
 from router.core.keys.block_key import KeyHasher
 from router.core.keys.recent_prompts import PrefixKeyCache
-from router.core.keys.request import session_key, spec_keys
+from router.core.keys.request import HeldPacked, Packed, Prior, chained, session_int, session_key, spec_keys
 from router.core.prepared import Prepared, VariantKeys
 from router.core.variant import Variant, VariantId
 from router.prepare.engine_variants import DEFAULT_MODEL, engine_model, model_configs, resolve_variant
 from router.settings.config import EngineConfig, ModelConfig, RouterConfig
-from tokenization import Tokenizer
+from tokenization import CachedEncoder
 from tokenization.base import CacheStats, TokenizationError
 from tokenization.chat_decoder import ChatDecoder
-from tokenization.deferred import Later
 from tokenization.hub import HubRef, HubUnavailable, fetch_tokenizers
 from tokenization.hub_names import hub_repo
-from tokenization.loading import load_tokenizer
+from tokenization.loading import load_encoder
 from tokenization.openai_request import (
     Endpoint,
     RequestError,
@@ -125,7 +113,15 @@ class _RouteFields(msgspec.Struct):
 
 _ROUTE_FIELDS = msgspec.json.Decoder(_RouteFields)
 _NO_TIMINGS: Mapping[str, float] = MappingProxyType({})
-P = ParamSpec("P")
+
+
+def _packed(rt: RequestTokens) -> Packed | None:
+    """The request's packed ids as the keys read them: its bytes, or a carried chat's entry's held
+    ids (joined only if the keys need them whole), or None when the tokenizer made none."""
+    first = rt.first
+    if rt.packed is not None or type(first) is not ReuseEntry:
+        return rt.packed
+    return HeldPacked(first.count, first.packed_from, first.packed_head, first.joined)
 
 
 def _ids_of(rt: RequestTokens) -> Callable[[], tuple[int, ...]]:
@@ -156,7 +152,7 @@ class Models:
         self._loras = {name: dict(getattr(m, "loras", {}) or {}) for name, m in self._models.items()}
         for name, adapters in (loras or {}).items():
             self._loras.setdefault(name, {}).update(adapters)
-        self._tokenizers: dict[tuple[str | None, str | None, str | None], Tokenizer] = {}
+        self._tokenizers: dict[tuple[str | None, str | None, str | None], CachedEncoder] = {}
         self._hub: dict[HubRef, Path | HubUnavailable] = {}
         self.hub_unavailable: list[HubUnavailable] = []
         """Every repo-named tokenizer that could not be had (logged once each; the gateway counts them)."""
@@ -164,10 +160,7 @@ class Models:
         self._hub_fallback: set[str] = set()
         self._cache_only = False  # set by `fetch_hub`: from then on a request may be waiting
         self._count_unavailable: Callable[[str], None] = lambda reason: None
-        self.later: Later = []
-        """The stores of the last preparation, not run yet (see the module docstring)."""
         self._chat = ChatDecoder()
-        self._chat.later = self.key_cache.later = self.later
         self._variants: dict[str, dict[VariantId, Variant]] = {
             name: {VariantId(name): resolve_variant(m)} for name, m in self._models.items()
         }
@@ -197,27 +190,27 @@ class Models:
         self._variants[v.model].setdefault(v.id, v)
         return v
 
-    def tokenizer(self, variant: Variant) -> Tokenizer:
-        """The variant's tokenizer, loaded on first use and shared by every variant with its source."""
+    def tokenizer(self, variant: Variant) -> CachedEncoder:
+        """The variant's tokenizer with its caches (`CachedEncoder`), loaded on first use and shared by
+        every variant with its source."""
         key = variant.tokenizer_source
         tok = self._tokenizers.get(key)
         if tok is None:
             tok = self._tokenizers[key] = self._load(variant)
-            tok.defer_stores(self.later)
         return tok
 
-    def _load(self, variant: Variant) -> Tokenizer:
+    def _load(self, variant: Variant) -> CachedEncoder:
         """Load a variant's tokenizer: from its path, its repo's resolved files, or (a repo that cannot
         be had) the built-in one, which serves only when no engine's /tokenize answers."""
         ref = _hub_ref(variant)
         if ref is None:
-            return load_tokenizer(variant.tokenizer, variant.chat_template)
+            return load_encoder(variant.tokenizer, variant.chat_template)
         if ref not in self._hub:  # not fetched at startup: a tool, or an engine added at run time
             self._resolve([ref], self._hub_timeout_s)
         found = self._hub[ref]
         if isinstance(found, HubUnavailable):
-            return load_tokenizer(None, variant.chat_template)
-        return load_tokenizer(str(found), variant.chat_template)
+            return load_encoder(None, variant.chat_template)
+        return load_encoder(str(found), variant.chat_template)
 
     def fetch_hub(self, timeout_s: float | None = None) -> None:
         """Resolve every repo-named tokenizer of the variants known now through the HF hub, waiting at
@@ -266,18 +259,9 @@ class Models:
         # The message names the repo, revision, reason and the library's explanation; never a token.
         log.warning("tokenizer unavailable: the engines' /tokenize stands in", extra={"error": str(exc)})
 
-    def run_stores(self) -> None:
-        """Run the stores the last preparation left in `later` (none left pending if one raises)."""
-        later = self.later
-        if later:
-            stores = later.copy()
-            later.clear()
-            for store in stores:
-                store()
-
     def tokenizer_stats(self) -> list[CacheStats]:
         """The reuse counters of every tokenizer loaded so far (for metrics)."""
-        return [tok.cache_stats() for tok in self._tokenizers.values()]
+        return [tok.stats() for tok in self._tokenizers.values()]
 
     def resolve(self, body: bytes, model_hint: str | None = None) -> str:
         """The model a request is for: its `model` (or a LoRA of it), else the hint, else the only model."""
@@ -322,13 +306,11 @@ class Models:
         """Whether some model takes its prompt ids from an engine's /tokenize (`needs_remote`)."""
         return bool(self._remote)
 
-    def prepare_fallback(
-        self, body: bytes, endpoint: Endpoint | str, model: str, *, defer: bool = False
-    ) -> Prepared:
+    def prepare_fallback(self, body: bytes, endpoint: Endpoint | str, model: str) -> Prepared:
         """`prepare` for a `needs_remote` model when no engine's /tokenize answered: its own tokenizer,
         or the built-in one (`tokenizer = "builtin"`: no hit can be predicted) when its repo could not
         be had."""
-        prepared = self.prepare(body, endpoint, model, defer=defer)
+        prepared = self.prepare(body, endpoint, model)
         if model in self._hub_fallback:
             return msgspec.structs.replace(prepared, tokenizer="builtin")
         return prepared
@@ -339,23 +321,17 @@ class Models:
         endpoint: Endpoint | str,
         tokens: list[int],
         model_hint: str | None = None,
-        *,
-        defer: bool = False,
     ) -> Prepared:
         """`prepare` with the prompt ids an engine's /tokenize returned (router.prepare.remote_tokenize);
         every variant of the model is keyed from these ids, the other fields come from the body."""
-
-        def prepare() -> Prepared:
-            fields = _IdFields.decode_body(body)
-            ids_body = msgspec.json.encode({**msgspec.structs.asdict(fields), "prompt": tokens})
-            model = self.resolve(body, model_hint)
-            req = decode_request(ids_body, Endpoint.COMPLETIONS)
-            prepared = self._prepare(req, endpoint, model, single_tokenizer=True)  # ids as a completion
-            # whose ids: the engine's /tokenize, or its render of a Messages or Responses body
-            rendered = endpoint == Endpoint.MESSAGES or endpoint == Endpoint.RESPONSES
-            return msgspec.structs.replace(prepared, tokenizer="remote_render" if rendered else "remote")
-
-        return self._storing(defer, prepare)
+        fields = _IdFields.decode_body(body)
+        ids_body = msgspec.json.encode({**msgspec.structs.asdict(fields), "prompt": tokens})
+        model = self.resolve(body, model_hint)
+        req = decode_request(ids_body, Endpoint.COMPLETIONS)
+        prepared = self._prepare(req, endpoint, model, single_tokenizer=True)  # ids as a completion
+        # whose ids: the engine's /tokenize, or its render of a Messages or Responses body
+        rendered = endpoint == Endpoint.MESSAGES or endpoint == Endpoint.RESPONSES
+        return msgspec.structs.replace(prepared, tokenizer="remote_render" if rendered else "remote")
 
     def prepare_unread(self, body: bytes, endpoint: Endpoint | str) -> Prepared | None:
         """What routing needs when it reads no prompt: the model and stream flag (the body's JSON is
@@ -371,35 +347,10 @@ class Models:
             cache_salt=fields.cache_salt, unread=True,
         )  # fmt: skip
 
-    def prepare(
-        self, body: bytes, endpoint: Endpoint | str, model_hint: str | None = None, *, defer: bool = False
-    ) -> Prepared:
-        """Tokenize and key a request body; RequestError (a 400 naming the field) on bad input. With
-        `defer`, what it keeps for later requests is left in `later` for `run_stores` (module docstring)."""
-
-        return self._storing(defer, self._decoded, body, endpoint, model_hint)
-
-    def _decoded(self, body: bytes, endpoint: Endpoint | str, model_hint: str | None) -> Prepared:
-        """`prepare`'s work between its stores: the body decoded, then tokenized and keyed."""
+    def prepare(self, body: bytes, endpoint: Endpoint | str, model_hint: str | None = None) -> Prepared:
+        """Tokenize and key a request body; RequestError (a 400 naming the field) on bad input."""
         req, model = self._decode(body, endpoint, model_hint)
         return self._prepare(req, endpoint, model)
-
-    def _storing(
-        self, defer: bool, prepare: Callable[P, Prepared], *args: P.args, **kwargs: P.kwargs
-    ) -> Prepared:
-        """`prepare(*args)` between the stores: an earlier deferred preparation's run first (this one
-        reads what they keep), its own after it (or left in `later` with `defer`), and on an error
-        before it propagates (module docstring). Arguments passed through: no closure per request."""
-        if self.later:
-            self.run_stores()
-        try:
-            prepared = prepare(*args, **kwargs)
-        except BaseException:
-            self.run_stores()
-            raise
-        if not defer:
-            self.run_stores()
-        return prepared
 
     def _prepare(
         self,
@@ -423,15 +374,19 @@ class Models:
             if rt is None:
                 rt = by_tokenizer[source] = tokens_of(req, self.tokenizer(v), self._loras[model])
             t1 = self._clock()
+            link = rt.carry
             keys = spec_keys(
                 v.spec,
                 self.hasher,
                 _ids_of(rt),
                 rt.extras,
-                packed=rt.packed_ids,
+                packed=_packed(rt),
                 cache=self.key_cache,
-                carry=rt.carry,
+                prior=Prior(link.shared_tokens, link.prior) if link is not None else None,
             )
+            if link is not None and chained(v.spec, rt.extras, self.key_cache):
+                root = self.hasher.root(rt.extras.lora_name, rt.extras.cache_salt)
+                link.own[(root, v.spec.hash_block_size)] = tuple(keys)
             computed[v.id] = VariantKeys(rt.num_tokens, keys)
             tokenize, hashing = tokenize + (t1 - t0), hashing + (self._clock() - t1)
             first = first or rt
@@ -445,7 +400,7 @@ class Models:
             keys=main.keys,
             skip_cache=first.skip_cache,
             report_mode=str(first.report_mode),  # a C call (Enum.value is a Python-level property)
-            session_key=session_key(_ids_of(first), first.extras, first.packed_ids),
+            session_key=session_key(_ids_of(first), first.extras, _packed(first)),
             timings=MappingProxyType({"tokenize": tokenize, "hash": hashing}),
             variant=model,
             variants=MappingProxyType(computed),
@@ -460,14 +415,18 @@ class Models:
         t0 = clock()
         rt = tokens_of(req, self.tokenizer(v), self._loras[model])
         t1 = clock()
-        ids, extras, first = _ids_of(rt), rt.extras, rt.first
-        packed: bytes | ReuseEntry | None = rt.packed
-        if packed is None and type(first) is ReuseEntry:
-            packed = first  # `rt.packed_ids` without the property's call: a carried chat's entry
+        ids, extras, link = _ids_of(rt), rt.extras, rt.carry
+        packed = _packed(rt)
         root = self.hasher.root(extras.lora_name, extras.cache_salt)  # once, for both keys
+        prior = Prior(link.shared_tokens, link.prior) if link is not None else None
         keys = spec_keys(
-            v.spec, self.hasher, ids, extras, packed=packed, cache=self.key_cache, carry=rt.carry, root=root
+            v.spec, self.hasher, ids, extras, packed=packed, cache=self.key_cache, prior=prior, root=root
         )
+        key = session_key(ids, extras, packed, prior, root)
+        if link is not None:  # what the conversation's next turn extends (tokenization.chat_carry)
+            if chained(v.spec, extras, self.key_cache):
+                link.own[(root, v.spec.hash_block_size)] = tuple(keys)
+            link.own[(root, 0)] = session_int(key)
         t2 = clock()
         return Prepared(
             model=model,
@@ -477,7 +436,7 @@ class Models:
             keys=keys,
             skip_cache=rt.skip_cache,
             report_mode=str(rt.report_mode),  # a C call (Enum.value is a Python-level property)
-            session_key=session_key(ids, extras, packed, rt.carry, root),
+            session_key=key,
             timings=MappingProxyType({"tokenize": t1 - t0, "hash": t2 - t1}),
             variant=model,
             lora_name=extras.lora_name,

@@ -1,11 +1,11 @@
-"""The order of the request path: only the decision before the upstream write, the rest after it.
+"""The order of the request path: the preparation's stores, the decision and its counts, the write.
 
 A request's counts (in-flight load, per-engine admission, pending prefix) and its debug record are
-done after its bytes are written (router.edge.flight, `Proxy.forward`'s `sent`), yet before control
-returns to the event loop: a second request routed while the first one's engine is still computing
-must see the first one on its engine, and the first one's record must be whole by then. So must
-the stores its preparation made for later ones (router.prepare.served_models, `Models.run_stores`):
-a second request prepared then reuses the first one's keys; a refused request's stores run too."""
+done as its attempt is chosen (router.edge.decider.Exchange.choose), before the proxy awaits
+anything: a second request routed while the first one's engine is still computing must see the
+first one on its engine, and the first one's record must be whole by then. So must the stores its
+preparation made for later ones (router.prepare.served_models): a second request prepared then
+reuses the first one's keys; a refused request's stores are kept too."""
 
 from __future__ import annotations
 
@@ -110,7 +110,6 @@ async def test_a_request_prepared_while_the_first_is_computing_reuses_what_it_st
         models = gw.parts.models
         first = asyncio.ensure_future(gw.client.post("/v1/completions", json=body("hold")))
         await asyncio.wait_for(held.arrived.wait(), WAIT)  # written, the engine "computing"
-        assert models.later == []  # its stores ran after the write
         assert len(models.key_cache) == 1  # its prompt's keys, kept for the next prompts
         reused = models.key_cache.reused_blocks
         second = await gw.client.post("/v1/completions", json=body("next"))
@@ -133,7 +132,7 @@ async def test_a_refused_request_is_recorded_whole() -> None:
         assert entry.decisions[0].engine is None
         assert {"tokenize", "hash", "lookup", "score"} <= set(entry.timings_s)
         assert gw.parts.fleet.admission.in_flight(EngineId("e0")) == 1  # the refusal counted nothing
-        assert gw.parts.models.later == [] and len(gw.parts.models.key_cache) == 2  # its stores ran
+        assert len(gw.parts.models.key_cache) == 2  # its stores were kept
         held.release.set()
         assert (await asyncio.wait_for(first, WAIT)).status_code == 200
         assert len(held.bodies) == 1

@@ -371,7 +371,7 @@ def test_the_stub_reads_the_revision_its_config_pins(offline_hub: Path) -> None:
     cache_revision(offline_hub, REPO, "e" * 40, pinned_files, refs=("v3",))
     stub = Stub(StubConfig(tokenizer=TokenizerChoice(path=REPO, revision="v3")))
     body = msgspec.json.encode({"messages": [{"role": "user", "content": "hi"}]})
-    ids = request_tokens(body, Endpoint.CHAT, stub.tokenizer).tokens
+    ids = request_tokens(body, Endpoint.CHAT, stub.encoder).tokens
     assert stub.tokenizer.decode(list(ids)) == "the stub's pinned revision says hi"
     with pytest.raises(ValueError, match=r"needs tokenizer\.path to be an HF repo id"):
         StubConfig(tokenizer=TokenizerChoice(path=str(DEEPSEEK_JSON), revision="v3")).validate()

@@ -17,6 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.encoder_helpers import encoder_of
 from tokenization import HfTokenizer
 from tokenization.chat_carry import LONG_TAIL, ChatCarry, _shared_pieces
 from tokenization.prefix_reuse import ReuseEntry
@@ -63,7 +64,7 @@ def plain_ids(tok: HfTokenizer, messages: list[dict[str, Any]], tools: list[Any]
 def carried_ids(
     tok: HfTokenizer, messages: list[dict[str, Any]], tools: list[Any] | None = None
 ) -> tuple[list[int], int]:
-    ids, packed, link = tok.chat_packed(messages, True, tools, False, {})
+    ids, packed, link = encoder_of(tok).chat_packed(messages, True, tools, False, {})
     assert link is not None, "a skeleton-rendered chat without special tokens is carried"
     assert packed == pack_ids(ids)
     return list(ids), link.shared_tokens
@@ -126,8 +127,9 @@ def test_every_carried_turn_equals_a_full_render_and_plain_encode(
     starts: list[tuple[str, str]], ops: list[tuple[str, Any, str]], long_tail: int
 ) -> None:
     tok = _deepseek()
-    assert tok.carry is not None
-    tok.carry.long_tail = long_tail  # 0: every tail is "long", prefix reuse searches all texts too
+    carry = encoder_of(tok).carry
+    assert carry is not None
+    carry.long_tail = long_tail  # 0: every tail is "long", prefix reuse searches all texts too
     conversations = [
         [{"role": "system", "content": "You help. " + s}, {"role": "user", "content": "Q: " + u}]
         for s, u in starts
@@ -139,19 +141,19 @@ def test_every_carried_turn_equals_a_full_render_and_plain_encode(
 
 
 def test_a_new_last_turn_encodes_only_its_own_pieces(ds: HfTokenizer) -> None:
-    carry = ds.carry
+    carry = encoder_of(ds).carry
     assert carry is not None
     long_turns = [
         {"role": "user" if i % 2 else "assistant", "content": "tokens and blocks " * 200} for i in range(6)
     ]
     base = [{"role": "system", "content": "You are terse."}, *long_turns]
     carried_ids(ds, [*base, {"role": "user", "content": "first question?"}])
-    hits, encoded = carry.stats.hits, ds.segments.reuse.stats.encoded_bytes  # type: ignore[union-attr]
+    hits, encoded = carry.stats.hits, encoder_of(ds).segments.reuse.stats.encoded_bytes  # type: ignore[union-attr]
     ids, shared = carried_ids(ds, [*base, {"role": "user", "content": "second question?"}])
     assert carry.stats.hits == hits + 1
     assert ids == plain_ids(ds, [*base, {"role": "user", "content": "second question?"}])
     assert shared > len(ids) - 16  # all but the new question and the generation prompt
-    assert ds.segments.reuse.stats.encoded_bytes - encoded < 64  # type: ignore[union-attr]
+    assert encoder_of(ds).segments.reuse.stats.encoded_bytes - encoded < 64  # type: ignore[union-attr]
 
 
 def test_the_same_conversation_resent_returns_the_same_ids_without_encoding(ds: HfTokenizer) -> None:
@@ -172,28 +174,28 @@ def test_tools_and_special_tokens_in_the_text_stay_exact(ds: HfTokenizer) -> Non
 def test_requests_the_carry_does_not_serve_take_the_text_path(ds: HfTokenizer) -> None:
     msgs = [{"role": "user", "content": "a question"}, {"role": "assistant", "content": "an answer"}]
     text = ds.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
-    ids, _, link = ds.chat_packed(msgs, False, None, False, {"continue_final_message": True})
+    ids, _, link = encoder_of(ds).chat_packed(msgs, False, None, False, {"continue_final_message": True})
     assert link is None and list(ids) == ds.encode(text, add_special_tokens=False)
-    ids, _, link = ds.chat_packed(msgs, True, None, True, {})
+    ids, _, link = encoder_of(ds).chat_packed(msgs, True, None, True, {})
     assert list(ids) == ds.encode(ds.apply_chat_template(msgs), add_special_tokens=True)
     # Carried only when the post-processor adds nothing around the text (DeepSeek's adds nothing).
-    assert (link is None) == (ds.special_wrap(True) != ([], []))
+    assert (link is None) == (encoder_of(ds).special_wrap(True) != ([], []))
 
 
 def test_special_tokens_around_the_text_are_not_carried(
     ds: HfTokenizer, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(ds, "_wrap", ([0], []))
+    monkeypatch.setattr(encoder_of(ds), "_wrap", ([0], []))
     msgs = [{"role": "user", "content": "a question"}]
-    ids, _, link = ds.chat_packed(msgs, True, None, True, {})
+    ids, _, link = encoder_of(ds).chat_packed(msgs, True, None, True, {})
     assert link is None and list(ids) == [0, *plain_ids(ds, msgs)]
 
 
 def test_the_carry_is_lru_and_bounded_in_turns_and_bytes(ds: HfTokenizer) -> None:
-    reuse = ds.segments.reuse
+    reuse = encoder_of(ds).segments.reuse
     assert reuse is not None
     carry = ChatCarry(reuse, max_entries=3)
-    enc = ds.segments
+    enc = encoder_of(ds).segments
     for i in range(5):
         carry.encode_entry(f"k{i}".encode(), [f"conversation {i} "] * 3, enc.encode_segments)
     assert len(carry) == 3 and carry.stats.misses == 5
@@ -212,7 +214,7 @@ def test_the_carry_is_lru_and_bounded_in_turns_and_bytes(ds: HfTokenizer) -> Non
 def test_a_long_new_tail_also_searches_older_texts(ds: HfTokenizer) -> None:
     # A conversation that branched: the carry's last turn shares only the head, an older text all but
     # the last question. Prefix reuse's search finds the older one, so only the question is encoded.
-    reuse = ds.segments.reuse
+    reuse = encoder_of(ds).segments.reuse
     assert reuse is not None
     head = [{"role": "system", "content": "branching"}, {"role": "user", "content": "start " * 50}]
     long_a = [{"role": "assistant", "content": "path a " * 300}, {"role": "user", "content": "more a"}]
@@ -230,12 +232,12 @@ def test_a_long_new_tail_also_searches_older_texts(ds: HfTokenizer) -> None:
 def test_a_carried_turn_holds_its_copied_ids_packed_only(ds: HfTokenizer) -> None:
     """A turn that extends the last one copies its ids as packed bytes: no tuple of the long shared
     head is built per turn, and the ids read back (unpacked) are a plain encode's."""
-    carry = ds.carry
+    carry = encoder_of(ds).carry
     assert carry is not None
     base = [{"role": "system", "content": "heads"}, {"role": "user", "content": "a shared question " * 40}]
     for i in range(3):
         msgs = [*base, {"role": "assistant", "content": "ok"}, {"role": "user", "content": f"then {i}?"}]
-        entry, _, _ = ds.chat_prompt(msgs, True, None, False, {})
+        entry, _, _ = encoder_of(ds).chat_prompt(msgs, True, None, False, {})
         assert isinstance(entry, ReuseEntry)
         if i:
             assert entry.copied > len(entry.tail) and entry._ids is None
@@ -259,14 +261,14 @@ def test_the_generation_prompt_is_encoded_once_not_with_each_new_turn(ds: HfToke
     """A turn's new text ends with the template's closing fragment (the generation prompt): its ids are
     kept once (`ChatCarry._suffix`) and only the text before it is encoded, when the cut before it is
     provably safe; the ids stay a plain encode's, and a text that could span the cut is encoded whole."""
-    carry = ds.carry
+    carry = encoder_of(ds).carry
     assert carry is not None
     carry.long_tail = LONG_TAIL  # (the property test above leaves it at 0 at times: every tail long)
     seen: list[str] = []
 
     def encode(text: str) -> tuple[tuple[int, ...], bytes]:
         seen.append(text)
-        return ds.segments.encode_segments(text)
+        return encoder_of(ds).segments.encode_segments(text)
 
     base = [{"role": "system", "content": "s"}, {"role": "user", "content": "the long question " * 30}]
     for i, tail in enumerate(["first 12", "second 13", f"spans <{BAR}Assi", "third 14"]):

@@ -7,7 +7,7 @@ from pathlib import Path
 from engine_stub.runtime.stub_runtime import Stub
 from engine_stub.stub_config import StubConfig, TokenizerChoice
 from tokenization import Message
-from tokenization.loading import load_tokenizer
+from tokenization.loading import cached_encoder, load_tokenizer
 
 TEMPLATE = "{% for m in messages %}<{{ m['role'] }}:{{ m['content'] }}>{% endfor %}"
 CHAT: list[Message] = [{"role": "user", "content": "hi"}]
@@ -28,5 +28,5 @@ def test_the_stub_renders_chats_with_the_same_template_as_the_router(tmp_path: P
     template.write_text(TEMPLATE, encoding="utf-8")
     stub = Stub(StubConfig(tokenizer=TokenizerChoice(chat_template=str(template))))
     router_side = load_tokenizer(None, str(template))
-    assert stub.tokenizer.chat_tokens(CHAT) == router_side.chat_tokens(CHAT)
+    assert stub.encoder.chat_tokens(CHAT) == cached_encoder(router_side).chat_tokens(CHAT)
     assert stub.tokenizer.apply_chat_template(CHAT, add_generation_prompt=False) == "<user:hi>"

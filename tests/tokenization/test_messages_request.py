@@ -16,6 +16,7 @@ import pytest
 from tokenization import BuiltinTokenizer, HfTokenizer, Tokenizer
 from tokenization.chat_template import ContentFormat
 from tokenization.conversation import conversation, tool_dicts
+from tokenization.loading import cached_encoder
 from tokenization.messages_request import decode_messages, merges_inline_system, messages_chat
 from tokenization.openai_request import Endpoint, RequestError, decode_chat
 from tokenization.request_tokens import request_tokens
@@ -243,8 +244,8 @@ def test_messages_render_as_the_chat_vllm_builds(
     for fmt in ContentFormat:
         assert conversation(chat.messages, fmt, False) == conversation(want_chat.messages, fmt, False)
     assert tool_dicts(chat.tools) == tool_dicts(want_chat.tools)
-    got = request_tokens(messages_body(**fields), Endpoint.MESSAGES, tok)
-    want = request_tokens(_as_chat_body(expected, fields), Endpoint.CHAT, tok)
+    got = request_tokens(messages_body(**fields), Endpoint.MESSAGES, cached_encoder(tok))
+    want = request_tokens(_as_chat_body(expected, fields), Endpoint.CHAT, cached_encoder(tok))
     assert got.tokens == want.tokens
     assert got.max_tokens == 16 and got.model == "m"
 
@@ -296,7 +297,7 @@ def test_stream_cache_salt_and_report_mode_carry_over(ds: HfTokenizer) -> None:
             metadata={"user_id": "u"},
         ),
         Endpoint.MESSAGES,
-        ds,
+        cached_encoder(ds),
     )
     assert got.stream and got.extras.cache_salt == "salt" and got.report_mode.value == "full"
 
@@ -365,4 +366,4 @@ def test_images_and_undeclared_tool_references_are_request_errors(ds: HfTokenize
     ]
     for raw in bodies:
         with pytest.raises(RequestError):
-            request_tokens(raw, Endpoint.MESSAGES, ds)
+            request_tokens(raw, Endpoint.MESSAGES, cached_encoder(ds))

@@ -19,7 +19,9 @@ import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.encoder_helpers import encoder_of
 from tokenization import HfTokenizer
+from tokenization.fast_paths import pretokenizer_cuts
 from tokenization.prefix_reuse import (
     PrefixReuse,
     ReuseEntry,
@@ -29,7 +31,7 @@ from tokenization.prefix_reuse import (
     ids_of,
     shared_prefix,
 )
-from tokenization.safe_cuts import CutFinder, pretokenizer_cuts, token_byte_lengths
+from tokenization.safe_cuts import CutFinder, token_byte_lengths
 from tokenization.segmenter import AddedToken
 
 DATA = Path(__file__).parents[1] / "data"
@@ -85,7 +87,7 @@ def tok(request: pytest.FixtureRequest, gpt2: HfTokenizer) -> HfTokenizer:
 
 
 def test_both_tokenizers_reuse_prefixes_with_pretokenizer_cuts(tok: HfTokenizer) -> None:
-    reuse = tok.segments.reuse
+    reuse = encoder_of(tok).segments.reuse
     assert reuse is not None and reuse.cuts.pretokenizer_rule
 
 
@@ -114,7 +116,7 @@ def test_a_tokenizer_without_byte_level_bpe_gets_no_reuse(tmp_path: Path) -> Non
     hf = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "x": 1}, unk_token="[UNK]"))
     hf.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     hf.save(str(tmp_path / "tokenizer.json"))
-    assert HfTokenizer.from_dir(tmp_path).segments.reuse is None
+    assert encoder_of(HfTokenizer.from_dir(tmp_path)).segments.reuse is None
     assert token_byte_lengths({"a": 0}, [], {"type": "Metaspace"}) is None
 
 
@@ -215,8 +217,9 @@ def test_a_text_cut_before_a_token_encodes_as_its_two_parts(
     head: list[str], before: list[str], token: str, after: list[str]
 ) -> None:
     tok = _deepseek()
-    assert tok.segments.reuse is not None
-    cuts = tok.segments.reuse.cuts
+    reuse = encoder_of(tok).segments.reuse
+    assert reuse is not None
+    cuts = reuse.cuts
     floor, a, b = len("".join(head).encode()), "".join(before), token + "".join(after)
     data = ("".join(head) + a + b).encode()
     n = cuts.edge_length(b.encode())
@@ -239,7 +242,7 @@ def test_spanned_equals_its_definition(parts: list[list[str]], q: int, floor: in
         added = [AddedToken(1, "<|end|>", normalized=False), AddedToken(2, "<|end|>x", normalized=False)]
         cuts = CutFinder(added, pretokenizer_rule=True)
     else:
-        reuse = _deepseek().segments.reuse
+        reuse = encoder_of(_deepseek()).segments.reuse
         assert reuse is not None
         cuts = reuse.cuts
     data = "".join(w for words in parts for w in words).encode()
@@ -288,7 +291,7 @@ def test_reuse_equals_plain_encode_on_adversarial_prefixes(
             texts.append(text)
         for t in texts:
             for add in (False, True):
-                assert tok.encode_cached(t, add) == tok.encode(t, add), t
+                assert encoder_of(tok).encode(t, add) == tok.encode(t, add), t
 
 
 @settings(max_examples=60, deadline=None)
@@ -298,8 +301,8 @@ def test_texts_that_differ_after_a_shared_head_stay_exact(
 ) -> None:
     tok = _deepseek()
     first, second = "".join(head + a), "".join(head + b)
-    assert tok.encode_packed(first, False)[0] == tuple(tok.encode(first, False))
-    ids, packed = tok.encode_packed(second, False)
+    assert encoder_of(tok).encode_packed(first, False)[0] == tuple(tok.encode(first, False))
+    ids, packed = encoder_of(tok).encode_packed(second, False)
     assert ids == tuple(tok.encode(second, False))
     assert packed == array("I", ids).tobytes()
 
@@ -309,12 +312,12 @@ def test_texts_that_differ_after_a_shared_head_stay_exact(
 
 def test_a_completions_prompt_with_a_new_suffix_encodes_only_the_suffix() -> None:
     tok = _deepseek()
-    reuse = tok.segments.reuse
+    reuse = encoder_of(tok).segments.reuse
     assert reuse is not None
     prompt = "Summarise the following report about caches and routers. " * 50
-    tok.encode_packed(prompt + "request 1", True)
+    encoder_of(tok).encode_packed(prompt + "request 1", True)
     hits, encoded = reuse.stats.hits, reuse.stats.encoded_bytes
-    ids, _ = tok.encode_packed(prompt + "request 2", True)
+    ids, _ = encoder_of(tok).encode_packed(prompt + "request 2", True)
     assert ids == tuple(tok.encode(prompt + "request 2", True))
     assert reuse.stats.hits == hits + 1
     assert reuse.stats.encoded_bytes - encoded <= len("request 2")
@@ -323,12 +326,12 @@ def test_a_completions_prompt_with_a_new_suffix_encodes_only_the_suffix() -> Non
 
 def test_a_chat_rendered_again_with_a_new_turn_encodes_only_the_new_text() -> None:
     tok = _deepseek()
-    reuse = tok.segments.reuse
+    reuse = encoder_of(tok).segments.reuse
     assert reuse is not None
     turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " * 40} for i in range(6)]
-    tok.chat_tokens(turns[:5])
+    encoder_of(tok).chat_tokens(turns[:5])
     encoded = reuse.stats.encoded_bytes
-    ids = tok.chat_tokens(turns)
+    ids = encoder_of(tok).chat_tokens(turns)
     assert ids == tok.encode(tok.apply_chat_template(turns), add_special_tokens=False)
     new_text = len(b"turn 5 " * 40) + len(f"{USER}{ASSISTANT}".encode())
     assert reuse.stats.encoded_bytes - encoded <= new_text + len(ASSISTANT.encode())
@@ -339,10 +342,10 @@ def test_the_cache_is_lru_and_bounded_in_entries_and_bytes() -> None:
     unknown = 1 << 40  # not byte-level, or empty: no text's bytes can add up with it
     lengths = token_byte_lengths({"a": 0, "bc": 1, "Ġ": 2, "你": 3, "": 4}, [], {"type": "ByteLevel"})
     assert lengths == [1, 2, 1, unknown, unknown]
-    own = tok.segments.reuse
+    own = encoder_of(tok).segments.reuse
     assert own is not None
     reuse = PrefixReuse(CutFinder([], True), own._lengths, max_entries=2)
-    encode = tok.segments.encode_packed
+    encode = encoder_of(tok).segments.encode_packed
     base = "abc def ghi " * 10
     for i in range(4):
         reuse.encode_packed(f"{'pqrs'[i]} {base}", encode)
@@ -362,7 +365,7 @@ def test_a_text_whose_byte_lengths_do_not_add_up_is_never_reused() -> None:
     wrong = [2] * 200_000  # every token claimed 2 bytes long
     reuse = PrefixReuse(CutFinder([], True), wrong)
     for text in ("hello world", "hello there"):
-        ids, _ = reuse.encode_packed(text, tok.segments.encode_packed)
+        ids, _ = reuse.encode_packed(text, encoder_of(tok).segments.encode_packed)
         assert ids == tuple(tok.encode(text, False))
     # The first text was kept, found wrong when the second tried to reuse it, and dropped.
     assert reuse.stats.unverified == 1 and reuse.stats.hits == 0 and len(reuse) == 1
@@ -370,15 +373,17 @@ def test_a_text_whose_byte_lengths_do_not_add_up_is_never_reused() -> None:
 
 def test_a_text_reused_to_near_its_end_is_replaced_by_the_new_one() -> None:
     tok = _deepseek()
-    own = tok.segments.reuse
+    own = encoder_of(tok).segments.reuse
     assert own is not None
     reuse = PrefixReuse(CutFinder([], True), own._lengths)
     prompt = "A shared instruction for every request. " * 40
     for i in range(6):  # the same prompt with a new suffix: one entry, not six
-        ids, _ = reuse.encode_packed(f"{prompt}request {i}", tok.segments.encode_packed)
+        ids, _ = reuse.encode_packed(f"{prompt}request {i}", encoder_of(tok).segments.encode_packed)
         assert ids == tuple(tok.encode(f"{prompt}request {i}", False))
     assert len(reuse) == 1 and reuse.stats.hits == 5
-    reuse.encode_packed("A shared instruction, then something else entirely", tok.segments.encode_packed)
+    reuse.encode_packed(
+        "A shared instruction, then something else entirely", encoder_of(tok).segments.encode_packed
+    )
     assert len(reuse) == 2  # reused far from its end: both kept
 
 
@@ -415,7 +420,7 @@ def test_a_completions_prompt_keeps_its_ids_unjoined_until_read(tok: HfTokenizer
     prompt = "A shared instruction for every request. " * 20
     for i in range(3):
         text = f"{prompt}request {i}"
-        ids, packed, _ = tok.encode_linked(text, True)
+        ids, packed, _ = encoder_of(tok).encode_linked(text, True)
         expected = tuple(tok.encode(text, True))
         assert not isinstance(ids, tuple) and ids_of(ids) == expected and count_of(ids) == len(expected)
         assert packed == array("I", expected).tobytes()
@@ -428,10 +433,10 @@ def test_linked_prompts_with_and_without_special_tokens_interleaved_stay_exact(t
     for i in range(6):
         special = i % 3 != 0
         text = f"{prompt}request {i}"
-        ids, packed, link = tok.encode_linked(text, special)
+        ids, packed, link = encoder_of(tok).encode_linked(text, special)
         expected = tuple(tok.encode(text, special))
         assert ids_of(ids) == expected and packed == array("I", expected).tobytes()
-        wrap = tok.special_wrap(special)
+        wrap = encoder_of(tok).special_wrap(special)
         assert link is not None and wrap is not None
         assert link.shared_tokens <= len(expected) and link.own is not link.prior
         assert link.shared_tokens == 0 or expected[: len(wrap[0])] == tuple(wrap[0])

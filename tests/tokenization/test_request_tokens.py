@@ -10,6 +10,7 @@ import pytest
 
 from events.block_hash import RequestExtras
 from tokenization import BuiltinTokenizer, HfTokenizer, Tokenizer
+from tokenization.loading import cached_encoder
 from tokenization.openai_request import Endpoint, RequestError, decode_chat
 from tokenization.prefix_reuse import ids_of
 from tokenization.request_tokens import ReportMode, _chat_prompt, _chat_prompt_with_kwargs, request_tokens
@@ -32,13 +33,15 @@ def body(**fields: Any) -> bytes:
 
 
 def chat(tok: Tokenizer, **fields: Any) -> tuple[int, ...]:
-    return request_tokens(body(**fields), Endpoint.CHAT, tok).tokens
+    return request_tokens(body(**fields), Endpoint.CHAT, cached_encoder(tok)).tokens
 
 
 def test_completion_string_adds_bos_and_chat_does_not_add_a_second(builtin: BuiltinTokenizer) -> None:
-    got = request_tokens(body(prompt="hi"), "/v1/completions", builtin)
+    got = request_tokens(body(prompt="hi"), "/v1/completions", cached_encoder(builtin))
     assert got.tokens == tuple(builtin.encode("hi", add_special_tokens=True))
-    no_bos = request_tokens(body(prompt="hi", add_special_tokens=False), Endpoint.COMPLETIONS, builtin)
+    no_bos = request_tokens(
+        body(prompt="hi", add_special_tokens=False), Endpoint.COMPLETIONS, cached_encoder(builtin)
+    )
     assert no_bos.tokens == tuple(builtin.encode("hi", add_special_tokens=False))
     ids = chat(builtin, messages=[{"role": "user", "content": "hi"}])
     assert ids.count(1) == 1 and ids[0] == 1
@@ -48,7 +51,7 @@ def test_completion_string_adds_bos_and_chat_does_not_add_a_second(builtin: Buil
 
 def test_completion_prompt_forms(builtin: BuiltinTokenizer) -> None:
     def prompts(prompt: object) -> tuple[tuple[int, ...], ...]:
-        return request_tokens(body(prompt=prompt), Endpoint.COMPLETIONS, builtin).prompts
+        return request_tokens(body(prompt=prompt), Endpoint.COMPLETIONS, cached_encoder(builtin)).prompts
 
     assert prompts([5, 6, 7]) == ((5, 6, 7),)
     assert prompts([[5, 6], [7]]) == ((5, 6), (7,))
@@ -71,7 +74,7 @@ def test_completion_prompt_forms(builtin: BuiltinTokenizer) -> None:
 )
 def test_bad_completion_bodies_name_the_field(raw: bytes, field: str, builtin: BuiltinTokenizer) -> None:
     with pytest.raises(RequestError, match=field):
-        request_tokens(raw, Endpoint.COMPLETIONS, builtin)
+        request_tokens(raw, Endpoint.COMPLETIONS, cached_encoder(builtin))
 
 
 @pytest.mark.parametrize(
@@ -85,7 +88,7 @@ def test_bad_completion_bodies_name_the_field(raw: bytes, field: str, builtin: B
 )
 def test_bad_chat_bodies_name_the_field(raw: bytes, field: str, builtin: BuiltinTokenizer) -> None:
     with pytest.raises(RequestError, match=field):
-        request_tokens(raw, Endpoint.CHAT, builtin)
+        request_tokens(raw, Endpoint.CHAT, cached_encoder(builtin))
 
 
 def test_cache_fields_and_unknown_fields(builtin: BuiltinTokenizer) -> None:
@@ -99,17 +102,19 @@ def test_cache_fields_and_unknown_fields(builtin: BuiltinTokenizer) -> None:
         max_tokens=9,
         some_future_field={"nested": [1, 2]},
     )
-    got = request_tokens(raw, Endpoint.COMPLETIONS, builtin, lora={"adapter-a": "/loras/a"})
+    got = request_tokens(raw, Endpoint.COMPLETIONS, cached_encoder(builtin), lora={"adapter-a": "/loras/a"})
     assert got.extras == RequestExtras(lora_name="adapter-a", lora_path="/loras/a", cache_salt="s1")
     assert got.skip_cache and got.report_mode is ReportMode.FULL and got.stream and got.max_tokens == 9
-    plain = request_tokens(body(prompt="x", model="base"), Endpoint.COMPLETIONS, builtin, lora={"a": "/a"})
+    plain = request_tokens(
+        body(prompt="x", model="base"), Endpoint.COMPLETIONS, cached_encoder(builtin), lora={"a": "/a"}
+    )
     assert plain.extras == RequestExtras() and not plain.skip_cache
     assert plain.report_mode is ReportMode.INCREMENTAL
 
 
 def test_max_completion_tokens_wins(builtin: BuiltinTokenizer) -> None:
     raw = body(messages=[{"role": "user", "content": "x"}], max_tokens=5, max_completion_tokens=7)
-    assert request_tokens(raw, Endpoint.CHAT, builtin).max_tokens == 7
+    assert request_tokens(raw, Endpoint.CHAT, cached_encoder(builtin)).max_tokens == 7
 
 
 def test_text_parts_join_with_newline_and_images_are_rejected(ds: HfTokenizer) -> None:
@@ -189,7 +194,9 @@ def test_template_errors_and_empty_prompts_are_request_errors(
     with pytest.raises(RequestError, match="unknown role: wizard"):
         chat(ds, messages=[{"role": "wizard", "content": "x"}])
     with pytest.raises(RequestError, match="empty"):
-        request_tokens(body(prompt="", add_special_tokens=False), Endpoint.COMPLETIONS, builtin)
+        request_tokens(
+            body(prompt="", add_special_tokens=False), Endpoint.COMPLETIONS, cached_encoder(builtin)
+        )
 
 
 def test_billing_header_line_is_dropped_from_system_text(builtin: BuiltinTokenizer) -> None:
@@ -215,5 +222,6 @@ def test_a_chat_without_kwargs_tools_or_documents_renders_as_the_general_path(
     the general path gives."""
     doc = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], **fields}
     req = decode_chat(msgspec.json.encode(doc))
-    fast, general = _chat_prompt(req, ds), _chat_prompt_with_kwargs(req, ds)
+    enc = cached_encoder(ds)
+    fast, general = _chat_prompt(req, enc), _chat_prompt_with_kwargs(req, enc)
     assert ids_of(fast[0]) == ids_of(general[0]) and fast[1] == general[1]

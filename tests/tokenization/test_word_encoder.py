@@ -17,9 +17,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.encoder_helpers import encoder_of
 from tokenization import HfTokenizer
+from tokenization.fast_paths import DEEPSEEK_WORDS as WORDS
 from tokenization.hf_files import package_dir
-from tokenization.word_encoder import WORDS, WordEncoder, byte_level
+from tokenization.word_encoder import WordEncoder, byte_level
 
 DATA = Path(__file__).parents[1] / "data"
 BAR = "\uff5c"
@@ -46,7 +48,7 @@ MIXED = st.lists(
 
 def _model_encoder(tok: HfTokenizer, max_words: int = 1 << 16) -> WordEncoder:
     model = tok._tok.model
-    return WordEncoder(lambda word: [t.id for t in model.tokenize(word)], max_words)
+    return WordEncoder(lambda word: [t.id for t in model.tokenize(word)], WORDS, max_words)
 
 
 @settings(max_examples=600, deadline=None)
@@ -85,7 +87,7 @@ def test_map_is_bounded_and_cleared_when_full() -> None:
     words.encode(" c")
     assert len(words) == 1 and words.misses == 3
     with pytest.raises(ValueError):
-        WordEncoder(lambda word: [], -1)
+        WordEncoder(lambda word: [], WORDS, -1)
 
 
 @settings(max_examples=300, deadline=None)
@@ -94,12 +96,14 @@ def test_tokenizer_paths_stay_exact(texts: list[str]) -> None:
     """The segment cache and prefix reuse, which take ASCII pieces' ids from the word encoder, give
     the library's ids on text with added tokens and non-ASCII characters."""
     tok = _deepseek()
-    assert tok._words is not None, "DeepSeek's tokenizer encodes ASCII pieces word by word"
+    assert encoder_of(tok).segments.encode_short is not None, "DeepSeek's: ASCII pieces word by word"
     for text in texts:
         plain = tok.encode(text, add_special_tokens=False)
-        assert tok.segments.encode_segments(text)[0] == tuple(plain)
-        assert tok.encode_cached(text, add_special_tokens=False) == plain
-        assert tok.encode_packed(text + " 12", add_special_tokens=True)[0] == tuple(tok.encode(text + " 12"))
+        assert encoder_of(tok).segments.encode_segments(text)[0] == tuple(plain)
+        assert encoder_of(tok).encode(text, add_special_tokens=False) == plain
+        assert encoder_of(tok).encode_packed(text + " 12", add_special_tokens=True)[0] == tuple(
+            tok.encode(text + " 12")
+        )
 
 
 def test_other_pre_tokenizers_get_no_word_encoder(tmp_path: Path) -> None:
@@ -114,9 +118,11 @@ def test_other_pre_tokenizers_get_no_word_encoder(tmp_path: Path) -> None:
     }
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
     tok = HfTokenizer.from_files(tmp_path / "tokenizer.json")
-    assert tok._words is None
+    assert encoder_of(tok).segments.encode_short is None
     text = "x = f(a, b)  12345\n"
-    assert tok.encode_cached(text, add_special_tokens=False) == tok.encode(text, add_special_tokens=False)
+    assert encoder_of(tok).encode(text, add_special_tokens=False) == tok.encode(
+        text, add_special_tokens=False
+    )
 
 
 def test_a_short_tail_skips_the_segment_cache() -> None:
@@ -124,7 +130,7 @@ def test_a_short_tail_skips_the_segment_cache() -> None:
     (a new tail is mostly never seen again); a long one, or one with a non-ASCII piece, goes through
     the cache."""
     tok = _deepseek()
-    seg = tok.segments
+    seg = encoder_of(tok).segments
     cases = ((" 1234: why?", False), (f" 5: why?{USER}", False), (f"é{USER}", True), ("why " * 100, True))
     for text, cached in cases:
         seg.cache.clear()

@@ -32,6 +32,7 @@ from tests.tokenization import test_responses_request as responses_corpus
 from tests.vllm.free_ports import free_ports
 from tests.vllm.tiny_models import model_dir
 from tokenization import HfTokenizer
+from tokenization.loading import cached_encoder
 from tokenization.openai_request import Endpoint, RequestError
 from tokenization.request_tokens import request_tokens
 
@@ -142,7 +143,7 @@ def test_the_routers_ids_are_vllms_render(render_url: str, tokenizer: HfTokenize
         for path, endpoint, body in bodies(str(bos_model)):
             answer = client.post(path, json=body)
             assert answer.status_code == 200, (path, body, answer.text)
-            ours = request_tokens(msgspec.json.encode(body), endpoint, tokenizer).tokens
+            ours = request_tokens(msgspec.json.encode(body), endpoint, cached_encoder(tokenizer)).tokens
             assert list(ours) == answer.json()["token_ids"], (path, body)
 
 
@@ -171,4 +172,4 @@ def test_malformed_bodies_are_refused_by_both(
             body = {"model": str(bos_model), **fields}
             assert client.post(path, json=body).status_code == 400, (path, body)
             with pytest.raises(RequestError):
-                request_tokens(msgspec.json.encode(body), endpoint, tokenizer)
+                request_tokens(msgspec.json.encode(body), endpoint, cached_encoder(tokenizer))

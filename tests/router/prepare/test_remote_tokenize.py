@@ -18,6 +18,7 @@ from router.prepare.served_models import Models
 from router.settings.config import ModelConfig, RouterConfig
 from tests.stub_helpers import live_stub
 from tokenization import BuiltinTokenizer
+from tokenization.loading import cached_encoder
 from tokenization.openai_request import Endpoint
 from tokenization.request_tokens import request_tokens
 
@@ -57,7 +58,7 @@ async def test_remote_ids_give_the_same_prepared_request_as_local_tokenization()
         tokens = await RemoteTokenizer(proxy.call).tokenize(E, server.info.url, body)
         with pytest.raises(RemoteTokenizeError, match="HTTP 404"):
             await RemoteTokenizer(proxy.call).tokenize(E, server.info.url + "/nothing", body)
-    assert tokens == list(request_tokens(body, Endpoint.CHAT, BuiltinTokenizer()).tokens)
+    assert tokens == list(request_tokens(body, Endpoint.CHAT, cached_encoder(BuiltinTokenizer())).tokens)
     remote = models.prepare_tokens(body, Endpoint.CHAT, tokens)
     local = models.prepare(body, Endpoint.CHAT)
     assert (remote.keys, remote.cache_salt, remote.endpoint) == (local.keys, "s", Endpoint.CHAT)
@@ -94,7 +95,7 @@ async def test_agent_bodies_are_rendered_by_the_engine_as_it_would_run_them(
     async with live_stub() as (server, _), started_proxy() as proxy:
         assert server.info is not None
         tokens = await RemoteTokenizer(proxy.call).tokenize(E, server.info.url, raw, endpoint)
-    assert tokens == list(request_tokens(raw, endpoint, BuiltinTokenizer()).tokens)
+    assert tokens == list(request_tokens(raw, endpoint, cached_encoder(BuiltinTokenizer())).tokens)
     remote = models.prepare_tokens(raw, endpoint, tokens)
     local = models.prepare(raw, endpoint)
     assert remote.keys == local.keys and remote.tokenizer == "remote_render"

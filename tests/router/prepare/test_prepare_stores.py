@@ -1,16 +1,13 @@
-"""Deferred stores: `Models.prepare(defer=True)` leaves what it keeps for later requests in `later`.
+"""What a preparation keeps for later requests: `Models.prepare` keeps it as it makes it.
 
 The chat decoder's messages, the chat carry's turn, the segment cache's pieces, prefix reuse's text
-and the recent prompts' keys are kept only once `run_stores` runs (the gateway: right after the
-upstream write). Pinned here: nothing is kept before, everything after; a second request prepared
-after them reuses what the first kept (the hits happen) and gets the keys a cold preparation gets; a
-preparation with stores still pending runs them first; a preparation that fails runs its own; an
-extended text's token ends, made by a store, equal those made from its ids whole.
+and the recent prompts' keys. Pinned here: a second request prepared after a first reuses what the
+first kept (the hits happen) and gets the keys a cold preparation gets; a preparation that fails
+keeps what it made before failing; an extended text's token ends, made from the text it extends,
+equal those made from its ids whole.
 """
 
 from __future__ import annotations
-
-from collections.abc import Callable
 
 import msgspec
 import pytest
@@ -19,12 +16,12 @@ from router.core.keys.block_key import KeyHasher
 from router.prepare.served_models import Models, UnknownModel
 from router.settings.config import ModelConfig, RouterConfig
 from tests.tokenization.test_chat_carry import DATA
-from tokenization import HfTokenizer
+from tokenization import CachedEncoder, HfTokenizer
 from tokenization.hf_files import package_dir
 from tokenization.openai_request import Endpoint
 from tokenization.prefix_reuse import ReuseEntry
 
-HASHER = KeyHasher(b"test-deferred-stores")
+HASHER = KeyHasher(b"test-prepare-stores")
 SYSTEM = {"role": "system", "content": "You answer questions about prefix caches, briefly."}
 TURN_1 = [SYSTEM, {"role": "user", "content": "What does a prefix cache keep? " * 20}]
 TURN_2 = [
@@ -41,9 +38,9 @@ def _models() -> Models:
     return Models(RouterConfig(models=[model]), HASHER)
 
 
-def _tokenizer(models: Models) -> HfTokenizer:
+def _tokenizer(models: Models) -> CachedEncoder:
     tok = models.tokenizer(next(iter(models._variants["m"].values())))
-    assert isinstance(tok, HfTokenizer)
+    assert isinstance(tok.tokenizer, HfTokenizer)
     return tok
 
 
@@ -64,95 +61,58 @@ def _held(models: Models) -> tuple[int, ...]:
     )  # fmt: skip
 
 
-def test_a_deferred_chat_keeps_nothing_until_its_stores_run_and_the_next_turn_reuses_them() -> None:
+def test_a_chat_keeps_its_turn_and_the_next_turn_reuses_it() -> None:
     models = _models()
     tok = _tokenizer(models)
     assert tok.carry is not None
-    empty = _held(models)
-    first = models.prepare(chat(TURN_1), Endpoint.CHAT, defer=True)
-    assert models.later and _held(models) == empty  # computed, nothing kept yet
-    models.run_stores()
-    assert models.later == []
+    first = models.prepare(chat(TURN_1), Endpoint.CHAT)
     held = _held(models)
     assert held[0] == held[1] == 1  # the conversation's messages and its rendered turn
     reused, hits = models._chat.reused, tok.carry.stats.hits
 
-    second = models.prepare(chat(TURN_2), Endpoint.CHAT, defer=True)
+    second = models.prepare(chat(TURN_2), Endpoint.CHAT)
     assert models._chat.reused == reused + len(TURN_1)  # the first turn's messages, not decoded again
     assert tok.carry.stats.hits == hits + 1  # its ids carried from the first turn's
-    models.run_stores()
     for prepared, messages in ((first, TURN_1), (second, TURN_2)):
         cold = _models().prepare(chat(messages), Endpoint.CHAT)  # nothing to reuse
         assert (prepared.prompt_tokens, prepared.keys) == (cold.prompt_tokens, cold.keys)
         assert prepared.session_key == cold.session_key
 
 
-def test_a_deferred_completion_is_reused_by_the_next_prompt_once_its_stores_ran() -> None:
+def test_a_completion_is_reused_by_the_next_prompt() -> None:
     models = _models()
     reuse = _tokenizer(models).segments.reuse
     assert reuse is not None
-    first = models.prepare(completion(PROMPT), Endpoint.COMPLETIONS, defer=True)
-    assert len(reuse) == 0 and models.later
-    models.run_stores()
+    first = models.prepare(completion(PROMPT), Endpoint.COMPLETIONS)
     assert len(reuse) == 1
     reused = reuse.stats.reused_tokens
-    second = models.prepare(completion(PROMPT + " A new suffix."), Endpoint.COMPLETIONS, defer=True)
+    second = models.prepare(completion(PROMPT + " A new suffix."), Endpoint.COMPLETIONS)
     assert reuse.stats.reused_tokens > reused  # the first prompt's ids copied
-    models.run_stores()
     assert second.keys[: len(first.keys) - 1] == first.keys[: len(first.keys) - 1]
     assert second.keys == _models().prepare(completion(PROMPT + " A new suffix."), Endpoint.COMPLETIONS).keys
 
 
-def test_pending_stores_run_before_the_next_preparation_reads() -> None:
-    """A deferred preparation whose stores were not run (a bug elsewhere): the next one runs them
-    first, so it reads what storing at once would have left."""
-    models = _models()
-    tok = _tokenizer(models)
-    assert tok.carry is not None
-    models.prepare(chat(TURN_1), Endpoint.CHAT, defer=True)
-    hits = tok.carry.stats.hits
-    models.prepare(chat(TURN_2), Endpoint.CHAT, defer=True)
-    assert tok.carry.stats.hits == hits + 1
-    models.run_stores()
-    assert _held(models)[:2] == (1, 1)
-
-
-def test_an_undeferred_preparation_keeps_at_once() -> None:
-    models = _models()
-    models.prepare(chat(TURN_1), Endpoint.CHAT)
-    assert models.later == [] and _held(models)[:2] == (1, 1)
-
-
-def test_a_preparation_that_fails_runs_its_stores_before_raising() -> None:
-    """The body decodes (the chat decoder's keeping is made) but its model is not served: the stores
-    made so far run as they did when caches stored at once; none is left pending."""
+def test_a_preparation_that_fails_keeps_what_it_made() -> None:
+    """The body decodes (the chat decoder keeps its messages) but its model is not served: the next
+    turn reuses the messages all the same."""
     models = _models()
     with pytest.raises(UnknownModel):
-        models.prepare(chat(TURN_1, model="not-served"), Endpoint.CHAT, defer=True)
-    assert models.later == [] and len(models._chat) == 1
+        models.prepare(chat(TURN_1, model="not-served"), Endpoint.CHAT)
+    assert len(models._chat) == 1
     reused = models._chat.reused
-    models.prepare(chat(TURN_2), Endpoint.CHAT, defer=True)
+    models.prepare(chat(TURN_2), Endpoint.CHAT)
     assert models._chat.reused == reused + len(TURN_1)
-    models.run_stores()
 
 
-def test_an_extended_texts_token_ends_are_made_when_its_stores_run_and_equal_those_made_whole() -> None:
+def test_an_extended_texts_token_ends_equal_those_made_whole() -> None:
     tok = _tokenizer(_models())
     reuse = tok.segments.reuse
     assert reuse is not None
-    later: list[Callable[[], None]] = []
-    tok.defer_stores(later)
     first = reuse.encode_entry(PROMPT, tok.segments.encode_segments, PROMPT.encode())
-    assert len(reuse) == 0 and later
-    for store in later:
-        store()
-    later.clear()
+    assert len(reuse) == 1
     text = PROMPT + " A new suffix."
     entry = reuse.encode_entry(text, tok.segments.encode_segments, text.encode())
     assert entry.copied > 0 and first.ends is not None  # extended from the first text
-    assert entry.ends is None and later  # made by a store
-    for store in later:
-        store()
     whole = reuse.ends(ReuseEntry(entry.data, entry.ids, entry.packed, None))
     assert entry.ends is not None and whole is not None and entry.ends.flat() == whole.flat()
     assert len(reuse) == 1  # the new text replaced the one it extends
