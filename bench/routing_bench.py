@@ -121,21 +121,28 @@ def cells(
 
 
 # Engine seconds per request by the stubs' cost model at speed factor 1, 256 output tokens at most,
-# full-size prompts (`kvrouter loadtest`'s plan, busy_s / requests, first 500 requests, 4 stubs at
-# --load 0.8; measured 2026-12-06): what the offered load divides into an arrival span.
-BUSY_S_PER_REQUEST = {"conversation": 1.18, "synthetic": 0.0, AGENTS: 0.0}
-PLAN_S = 60.0  # the loadtest's simulations finding the arrival scale (a quiet machine: about half)
+# full-size prompts, by (workload, stubs): the loadtest's plan (busy_s / requests, first 500 requests,
+# --load 0.8), measured 2026-12-06. More stubs cache and batch less, so they are busier per request.
+BUSY_S_PER_REQUEST = {
+    ("conversation", 4): 1.18, ("conversation", 8): 1.50,
+    ("synthetic", 4): 1.12, ("synthetic", 8): 1.23,
+    (AGENTS, 4): 0.52, (AGENTS, 8): 0.31,
+}  # fmt: skip
+PLAN_S = 90.0  # the loadtest's simulations finding the arrival scale (42-218 s on the loaded machine)
 TARGET_OVERHEAD_S = 15.0  # per target: a gateway or peer started, warmed, caches reset
 
 
-def estimate_s(cell: Cell, targets: Sequence[str], requests: int, speed_factor: float) -> float:
-    """Roughly how long `cell` takes: per loadtest run (`groups`) the plan, then per target the
-    arrival span (busy seconds / (stubs x load)) and, past a load of 1, the backlog's drain, plus
-    its start. Full-size prompts; a trace or workload not in `BUSY_S_PER_REQUEST` counts 1 s/request."""
-    busy = BUSY_S_PER_REQUEST.get(cell.trace, 1.0) * requests / speed_factor
-    span = busy / (cell.stubs * cell.load)
+def estimate_s(cell: Cell, args: argparse.Namespace) -> float:
+    """Roughly how long `cell` takes on a quiet machine: per loadtest run (`groups`) the plan, then per
+    target the arrival span (busy seconds / (stubs x load), at most `--duration`) and, past a load of 1,
+    the backlog's drain, plus its start. Full-size prompts (`--block-tokens` shortens the run); a
+    workload or stub count not measured counts the largest figure measured."""
+    per_request = BUSY_S_PER_REQUEST.get((cell.trace, cell.stubs), max(BUSY_S_PER_REQUEST.values()))
+    span: float = per_request * args.requests / args.speed_factor / (cell.stubs * cell.load)
+    if args.duration is not None:
+        span = min(span, args.duration)
     per_target = span * max(1.0, cell.load) + TARGET_OVERHEAD_S
-    return len(groups(targets)) * PLAN_S + len(targets) * per_target
+    return float(len(groups(args.targets)) * PLAN_S + len(args.targets) * per_target)
 
 
 def hours(seconds: float) -> str:
@@ -365,6 +372,8 @@ def style(target: str) -> dict[str, object]:
         return {"color": "black", "linewidth": 2.0, "linestyle": "-", "zorder": 4}
     if target in ORACLES:
         return {"color": "0.7", "linewidth": 1.0, "linestyle": ":"}
+    if target == "prefix_approx":
+        return {"color": "tab:brown", "linewidth": 1.2, "linestyle": "-"}
     for prefix, cmap in FAMILIES.items():
         if target.startswith(prefix):
             family = [t for t in TARGETS if t.startswith(prefix)]
@@ -404,6 +413,9 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> None:
                 ax.axvspan(1.0, max(r.load for r in rows) + 0.05, color="tab:orange", alpha=0.08)
             if metric.endswith("_ms"):
                 ax.set_yscale("log")
+                ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+                ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
             else:
                 ax.set_ylim(0, 1.05)
             if row_i == 0:
@@ -421,7 +433,7 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> None:
                 seen.setdefault(lab, h)
     order = sorted(seen, key=lambda t: (t != "kv", t != "round_robin", is_peer(t), t in ORACLES, t))
     fig.legend([seen[t] for t in order], order, loc="center right", fontsize=8)
-    fig.suptitle(title, fontsize=8)
+    fig.suptitle(title.split(", targets")[0], fontsize=9)
     fig.tight_layout(rect=(0, 0, 1 - 2.3 / (3.8 * len(panels) + 2.5), 0.97))
     fig.savefig(path, dpi=90)
     plt.close(fig)
@@ -445,7 +457,7 @@ def run_matrix(args: argparse.Namespace, scripts: dict[str, Path]) -> None:
     todo = cells(args.traces, args.stubs, args.loads, args.reps, args.cells)
     settings = settings_line(args)
     (out / SETTINGS).write_text(settings + "\n")
-    guesses = [estimate_s(c, args.targets, args.requests, args.speed_factor) for c in todo]
+    guesses = [estimate_s(c, args) for c in todo]
     began, spent, guessed = time.monotonic(), 0.0, 0.0
     print(
         f"routing bench: {len(todo)} cells into {out}, about {hours(sum(guesses))} ({settings})", flush=True
@@ -559,7 +571,7 @@ def print_estimate(args: argparse.Namespace) -> None:
     todo = cells(args.traces, args.stubs, args.loads, args.reps, args.cells)
     total = 0.0
     for cell in todo:
-        took = estimate_s(cell, args.targets, args.requests, args.speed_factor)
+        took = estimate_s(cell, args)
         total += took
         print(f"{cell.name}: about {hours(took)}")
     print(f"{len(todo)} cells, {len(args.targets)} targets each: about {hours(total)} on a quiet machine "

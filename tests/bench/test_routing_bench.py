@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -100,12 +101,12 @@ def test_rows_from_a_loadtest_summary() -> None:
     # issue #29's columns: the stubs' mean busy fraction, the trend verdict, the goodput given
     summary["policies"][0] |= {"busy_fraction": {"e0": 0.5, "e1": 0.7}, "settled": False}
     kv, peer = rows_from_summary(summary, "agents", 4, 0.95, 0, {"kv": 0.8})
-    assert (kv.busy, kv.settled, kv.goodput) == (pytest.approx(0.6), False, 0.8)
+    assert kv.busy == pytest.approx(0.6) and (kv.settled, kv.goodput) == (False, 0.8)
     assert (peer.busy, peer.settled, peer.goodput) == (None, None, None)
 
 
 def test_goodput_is_the_share_of_requests_answered_within_the_slo() -> None:
-    results = [
+    results: list[dict[str, Any]] = [
         {"policy": "kv", "ttft_s": 0.5, "error": None},
         {"policy": "kv", "ttft_s": 2.0, "error": None},  # at the bound: within
         {"policy": "kv", "ttft_s": 2.5, "error": None},
@@ -178,16 +179,17 @@ def test_quick_and_explicit_sizes() -> None:
 
 
 def test_the_estimate_grows_with_requests_and_shrinks_with_load_and_stubs() -> None:
-    targets = list(routing_bench.TARGETS)
-    one = routing_bench.estimate_s(Cell("conversation", 4, 0.5, 0), targets, 500, 1.0)
-    assert routing_bench.estimate_s(Cell("conversation", 8, 0.5, 0), targets, 500, 1.0) < one
-    assert routing_bench.estimate_s(Cell("conversation", 4, 0.95, 0), targets, 500, 1.0) < one
-    assert routing_bench.estimate_s(Cell("conversation", 4, 0.5, 0), targets, 1000, 1.0) > one
-    assert routing_bench.estimate_s(Cell("conversation", 4, 0.5, 0), targets, 500, 2.0) < one
+    def est(*argv: str, stubs: int = 4, load: float = 0.5) -> float:
+        return routing_bench.estimate_s(Cell("conversation", stubs, load, 0), parse_args(list(argv)))
+
+    one = est()
+    assert est(stubs=8) < one and est(load=0.95) < one and est("--speed-factor", "2") < one
+    assert est("--requests", "1000") > one and est("--duration", "10") < one
+    assert est("--skip", "vllm-kv_aware") < one  # one target and one loadtest run (its plan) fewer
     # the overload cell's backlog drains after the last arrival: longer than its span alone
-    span = routing_bench.BUSY_S_PER_REQUEST["conversation"] * 500 / (4 * 1.2)
-    overload = routing_bench.estimate_s(Cell("conversation", 4, 1.2, 0), targets, 500, 1.0)
-    assert overload > len(targets) * span * 1.2
+    span = routing_bench.BUSY_S_PER_REQUEST[("conversation", 4)] * 500 / (4 * 1.2)
+    assert est(load=1.2) > len(routing_bench.TARGETS) * span * 1.2
+    assert routing_bench.estimate_s(Cell("tiny", 2, 0.5, 0), parse_args([])) > 0  # not measured: the largest
 
 
 def flag(argv: list[str], name: str) -> str:
