@@ -126,7 +126,8 @@ def span(values: Sequence[float], fmt: str) -> str:
     if not values:
         return "-"
     lo, hi = format(min(values), fmt), format(max(values), fmt)
-    return lo if lo == hi else f"{lo}-{hi}"
+    between = " to " if fmt.startswith("+") else "-"  # signed figures: -0.65 to -0.31, not -0.65--0.31
+    return lo if lo == hi else f"{lo}{between}{hi}"
 
 
 @dataclass
