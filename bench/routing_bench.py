@@ -35,7 +35,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import peers
@@ -362,8 +362,9 @@ FAMILIES = {"smg-": "Blues", "sglang-": "Greens", "vllm-": "Purples"}
 
 
 def style(target: str) -> dict[str, object]:
-    """How `target` is drawn: kv red and thick, round robin black, kvrouter's others grey, oracles
-    dotted, each peer family dashed in shades of its own colour, so kv's place reads at a glance."""
+    """How `target` is drawn: kv red and thick, round robin black, least_loaded grey, prefix_approx
+    brown, oracles dotted, each peer family dashed in shades of its own colour, so kv's place reads
+    at a glance."""
     import matplotlib
 
     if target == "kv":
@@ -425,8 +426,7 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> None:
             if row_i == len(METRICS) - 1:
                 ax.set_xlabel("offered load (busy time; shaded: overload)")
             ax.grid(alpha=0.3)
-    handles, labels = axes[0][0].get_legend_handles_labels()
-    seen = dict(zip(labels, handles, strict=True))
+    seen: dict[str, Any] = {}  # one legend entry per target, from whichever panel drew it
     for ax_row in axes:
         for ax in ax_row:
             for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
