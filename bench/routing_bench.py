@@ -410,8 +410,10 @@ def plot(rows: Sequence[Row], path: Path, title: str) -> None:
                 if target == "kv":
                     lo, hi = [min(by_load[x]) for x in loads], [max(by_load[x]) for x in loads]
                     ax.fill_between(loads, lo, hi, color="tab:red", alpha=0.15, linewidth=0)
-            if any(r.load > 1 for r in rows):
-                ax.axvspan(1.0, max(r.load for r in rows) + 0.05, color="tab:orange", alpha=0.08)
+            low, high = min(r.load for r in rows) - 0.05, max(r.load for r in rows) + 0.05
+            ax.set_xlim(low, high)  # every panel on one scale, also one that has a single load yet
+            if high > 1.0:
+                ax.axvspan(1.0, high, color="tab:orange", alpha=0.08)
             if metric.endswith("_ms"):
                 ax.set_yscale("log")
                 ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
