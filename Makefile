@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: help install run test unit e2e test-vllm lint typecheck pytest bench peer-bench routing-bench clean
+.PHONY: help install run test unit e2e test-vllm lint typecheck pytest bench peer-bench routing-bench routing-bench-smoke clean
 
 help:
 	@echo "make run            the gateway on 127.0.0.1:8000, routing to 2 embedded engine stubs"
@@ -75,10 +75,16 @@ bench: install
 peer-bench: install
 	$(BIN)/python bench/peer_proxy_bench.py
 
-# Routing quality on the Mooncake traces: kvrouter's policies, both oracles and the peers in one loadtest
-# per cell (root, netns); ROUTING_BENCH_ARGS e.g. "--requests 100 --speed-factor 2 --budget-min 60".
+# Routing quality in sustained cells (both Mooncake traces and agent sessions, 4 and 8 stubs, loads 0.5,
+# 0.8, 0.95 and 1.2 by busy time): kvrouter's policies, both oracles and the peers (smg, sglang-router,
+# vllm-router) in one loadtest per cell (root, netns). The full matrix takes many hours: ROUTING_BENCH_ARGS
+# "--estimate" prints how long, "--quick" runs a smaller one, "--cells 'agents-s4-*'" a part.
 routing-bench: install
 	$(BIN)/python bench/routing_bench.py $(ROUTING_BENCH_ARGS)
+
+# One tiny cell of every target: each peer installs, starts in the netns and answers (~2 min).
+routing-bench-smoke: install
+	$(BIN)/python bench/routing_bench.py --smoke --out out/routing-bench-smoke
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) build *.egg-info .mypy_cache .pytest_cache .ruff_cache

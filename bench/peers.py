@@ -1,4 +1,4 @@
-"""Peer routers for benchmarks: sglang-router and vllm-router from PyPI, each in its own virtualenv.
+"""Peer routers for benchmarks: smg, sglang-router and vllm-router from PyPI, each in its own virtualenv.
 
 `install(peer)` creates ``.bench-venvs/<name>`` (gitignored) with the pinned version and returns the
 console script; `command(...)` is the exact command line that starts the peer on 127.0.0.1 with the given
@@ -41,6 +41,10 @@ class Peer:
 PEERS = {
     # sglang-router binds 0.0.0.0 and puts Prometheus on 0.0.0.0 unless told otherwise.
     "sglang-router": Peer("sglang-router", "0.3.2", "sglang-router", ("launch",), "warn"),
+    # smg (Shepherd Model Gateway): `cache_aware` an approximate radix tree over the request text,
+    # `prefix_hash` a consistent hash of the prompt's head, `least_load` the engines' reported load;
+    # its CLI is spelled as sglang-router's (`smg launch --help`).
+    "smg": Peer("smg", "1.13.0", "smg", ("launch",), "warn", ("cache_aware", "prefix_hash", "least_load")),
     # kv_aware also needs --kv-event-source per worker (bench/routing_bench.py adds them).
     "vllm-router": Peer(
         "vllm-router", "0.1.17", "vllm-router", (), "warning", ("cache_aware", "round_robin", "kv_aware")

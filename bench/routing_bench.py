@@ -1,23 +1,30 @@
-"""Routing quality, kvrouter vs the peer routers, on replayed Mooncake traces (issue #15 items 5-6).
+"""Routing quality, kvrouter vs the peer routers, in sustained cells (issue #15 items 5-6, #29 item 3).
 
 Run (as root, from the repository): ``.venv/bin/python bench/routing_bench.py`` (or ``make
-routing-bench``). It installs sglang-router and vllm-router into ``.bench-venvs/`` (bench/peers.py;
-the only step that uses the network), then re-executes itself in a loopback-only network namespace
-(``unshare -n``), so no peer can reach anything else. Each cell (trace x stubs x load x repetition)
-is one ``kvrouter loadtest`` run: the stubs start once, on fixed ports, and every target runs on them
-in turn on the same requests (sent as text, so sglang-router accepts them) with caches reset before
-each: kvrouter's policies, both oracles, and each peer as ``--router NAME=URL`` (peers are started
-before the run, pointed at the stubs' fixed addresses). vllm-router kv_aware, which subscribes to the
-stubs' KV events and replay, gets a second loadtest run of its own on fresh stubs (`groups`).
-The order of the targets rotates with the repetition. After every cell the
-rows are appended to ``rows.jsonl`` in ``--out`` and the report is rewritten there: ``report.md``
-(results, item 6's verdicts, wall time per cell) and ``ttft_p50.png``/``ttft_p90.png``.
-``--report DIR`` re-renders the report of an earlier (even partial) run.
+routing-bench``); ``--estimate`` prints the matrix and how long it should take, ``--quick`` runs a
+smaller one (150 requests a cell, one repetition), ``--cells PATTERN`` picks cells by name
+(``agents-s4-*``). It installs smg, sglang-router and vllm-router into ``.bench-venvs/``
+(bench/peers.py; the only step that uses the network), then re-executes itself in a loopback-only
+network namespace (``unshare -n``), so no peer can reach anything else. Each cell (workload x stubs x
+load x repetition) is one ``kvrouter loadtest`` run of at least 500 requests (``--requests``, or
+``--duration`` seconds of arrivals) at an offered load by busy time (0.5, 0.8, 0.95, and 1.2 for
+overload): the stubs start once, on fixed ports, and every target runs on them in turn on the same
+requests (sent as text, so the peers accept them) with caches reset before each: kvrouter's policies,
+both oracles, and each peer as ``--router NAME=URL`` (peers are started before the run, pointed at
+the stubs' fixed addresses). The workloads are the two Mooncake traces and ``--workload agents``.
+vllm-router kv_aware, which subscribes to the stubs' KV events and replay, gets a second loadtest
+run of its own on fresh stubs (`groups`). The order of the targets rotates with the repetition.
+After every cell the rows (TTFT, cached ratio, goodput within ``--ttft-slo``, the stubs' measured
+busy fraction, whether queues settled) are appended to ``rows.jsonl`` in ``--out`` and the report is
+rewritten there: ``report.md`` (results, kv against round robin and the best peer, item 6's
+verdicts, wall time per cell) and ``cells.png``. ``--report DIR`` re-renders the report of an
+earlier (even partial) run.
 """
 
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import os
 import shutil
@@ -28,12 +35,12 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from bench import peers
 from bench.peer_proxy_bench import netns_argv, only_loopback
-from bench.routing_verdicts import Row, markdown, noise, rows_from_summary, span
+from bench.routing_verdicts import Row, goodput, is_peer, markdown, noise, rows_from_summary, span
 from router.links.embedded_stubs import PORTS_PER_STUB  # HTTP P+3i, KV events P+3i+1, replay P+3i+2
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -41,6 +48,9 @@ TRACES = {
     "conversation": ROOT.parent / "shared" / "traces" / "conversation_trace.jsonl",
     "synthetic": ROOT.parent / "shared" / "traces" / "synthetic_trace.jsonl",
 }
+AGENTS = "agents"  # `kvrouter loadtest --workload agents`: generated, not a trace file
+WORKLOADS = (*TRACES, AGENTS)
+LOADS = (0.5, 0.8, 0.95, 1.2)  # by busy time; 1.2 is the overload cell
 KVROUTER = ("kv", "round_robin", "least_loaded", "prefix_approx")
 ORACLES = ("cache_oracle", "ttft_oracle")
 MODEL = "kvrouter-stub"
@@ -63,6 +73,9 @@ class PeerTarget:
 
 
 PEER_TARGETS = (
+    PeerTarget("smg-cache_aware", peers.PEERS["smg"], "cache_aware"),
+    PeerTarget("smg-prefix_hash", peers.PEERS["smg"], "prefix_hash"),
+    PeerTarget("smg-least_load", peers.PEERS["smg"], "least_load"),
     PeerTarget("sglang-cache_aware", peers.PEERS["sglang-router"], "cache_aware"),
     PeerTarget("sglang-round_robin", peers.PEERS["sglang-router"], "round_robin"),
     PeerTarget("vllm-cache_aware", peers.PEERS["vllm-router"], "cache_aware"),
@@ -98,9 +111,42 @@ class CellTime:
     ok: bool
 
 
-def cells(traces: Sequence[str], stubs: Sequence[int], loads: Sequence[float], reps: int) -> list[Cell]:
-    """Every cell, repetition-major: a run cut short still covers the matrix once before repeating."""
-    return [Cell(t, s, lo, rep) for rep in range(reps) for t in traces for s in stubs for lo in loads]
+def cells(
+    traces: Sequence[str], stubs: Sequence[int], loads: Sequence[float], reps: int, only: Sequence[str] = ()
+) -> list[Cell]:
+    """Every cell, repetition-major: a run cut short still covers the matrix once before repeating;
+    with `only`, the cells whose name matches one of those shell patterns (`agents-s4-*`)."""
+    every = [Cell(t, s, lo, rep) for rep in range(reps) for t in traces for s in stubs for lo in loads]
+    return [c for c in every if not only or any(fnmatch.fnmatchcase(c.name, p) for p in only)]
+
+
+# Engine seconds per request by the stubs' cost model at speed factor 1, 256 output tokens at most,
+# full-size prompts, by (workload, stubs): the loadtest's plan (busy_s / requests, first 500 requests,
+# --load 0.8), measured 2026-12-06. More stubs cache and batch less, so they are busier per request.
+BUSY_S_PER_REQUEST = {
+    ("conversation", 4): 1.18, ("conversation", 8): 1.50,
+    ("synthetic", 4): 1.12, ("synthetic", 8): 1.23,
+    (AGENTS, 4): 0.52, (AGENTS, 8): 0.31,
+}  # fmt: skip
+PLAN_S = 90.0  # the loadtest's simulations finding the arrival scale (42-218 s on the loaded machine)
+TARGET_OVERHEAD_S = 15.0  # per target: a gateway or peer started, warmed, caches reset
+
+
+def estimate_s(cell: Cell, args: argparse.Namespace) -> float:
+    """Roughly how long `cell` takes on a quiet machine: per loadtest run (`groups`) the plan, then per
+    target the arrival span (busy seconds / (stubs x load), at most `--duration`) and, past a load of 1,
+    the backlog's drain, plus its start. Full-size prompts (`--block-tokens` shortens the run); a
+    workload or stub count not measured counts the largest figure measured."""
+    per_request = BUSY_S_PER_REQUEST.get((cell.trace, cell.stubs), max(BUSY_S_PER_REQUEST.values()))
+    span: float = per_request * args.requests / args.speed_factor / (cell.stubs * cell.load)
+    if args.duration is not None:
+        span = min(span, args.duration)
+    per_target = span * max(1.0, cell.load) + TARGET_OVERHEAD_S
+    return float(len(groups(args.targets)) * PLAN_S + len(args.targets) * per_target)
+
+
+def hours(seconds: float) -> str:
+    return f"{seconds / 3600:.1f} h" if seconds >= 5400 else f"{seconds / 60:.0f} min"
 
 
 def rotated(targets: Sequence[str], k: int) -> list[str]:
@@ -142,18 +188,27 @@ class CellRun:
     out: Path
 
 
+def workload_arg(name: str) -> str:
+    """`kvrouter loadtest --workload` for a workload of the bench."""
+    return AGENTS if name == AGENTS else f"trace:{TRACES[name]}"
+
+
 def loadtest_argv(args: argparse.Namespace, run: CellRun, engine_config: Path) -> list[str]:
     """The `kvrouter loadtest` command of one cell (text prompts: sglang-router rejects token ids)."""
     c = run.cell
     argv = [
         sys.executable, "-m", "kvrouter", "--log-level", "WARNING", "loadtest",
         "--engines", str(c.stubs), "--engine-config", str(engine_config),
-        "--workload", f"trace:{TRACES[c.trace]}", "--requests", str(args.requests),
+        "--workload", workload_arg(c.trace), "--requests", str(args.requests),
         "--load", f"{c.load:g}", "--max-output-tokens", str(args.max_output_tokens),
         "--prompt-format", "text", "--stub-base-port", str(run.base_port),
         "--ready-timeout", f"{args.ready_timeout:g}",
         "--policies", ",".join(run.order), "--out", str(run.out),
     ]  # fmt: skip
+    if args.duration is not None:
+        argv += ["--duration", f"{args.duration:g}"]
+    if args.block_tokens is not None:
+        argv += ["--block-tokens", str(args.block_tokens)]
     for name, url in run.routers.items():
         argv += ["--router", f"{name}={url}"]
     return argv
@@ -234,10 +289,13 @@ def run_group(
             if r.proc.poll() is not None:  # a peer that died fails the whole cell: say which
                 print(f"{cell.name}: {r.log.stem} exited with {r.proc.returncode}:\n{peers.log_tail(r)}")
             peers.stop(r)
-    summary = out / "summary.json"
+    summary, results = out / "summary.json", out / "results.jsonl"
     if done.returncode not in (0, 1) or not summary.exists():
         return []
-    return rows_from_summary(json.loads(summary.read_text()), cell.trace, cell.stubs, cell.load, cell.rep)
+    lines = results.read_text().splitlines() if results.exists() else []
+    goodputs = goodput((json.loads(line) for line in lines if line), args.ttft_slo)
+    data = json.loads(summary.read_text())
+    return rows_from_summary(data, cell.trace, cell.stubs, cell.load, cell.rep, goodputs)
 
 
 def load_rows(out: Path) -> tuple[list[Row], list[CellTime]]:
@@ -280,77 +338,149 @@ def durations_table(out: Path) -> list[str]:
     return lines
 
 
-def write_report(out: Path, settings: str) -> str:
-    """Rewrite `out`/report.md and the plots from everything measured so far; returns the Markdown."""
+SETTINGS = "settings.txt"  # the run's settings line, kept for --report
+
+
+def write_report(out: Path) -> str:
+    """Rewrite `out`/report.md and cells.png from everything measured so far; returns the Markdown."""
     rows, times = load_rows(out)
+    settings = (out / SETTINGS).read_text().strip() if (out / SETTINGS).exists() else "(not recorded)"
     parts = [f"Settings: {settings}", "", markdown(rows, noise(rows)), *times_table(times), ""]
     text = "\n".join([*parts, *durations_table(out), ""])
     (out / "report.md").write_text(text)
     if rows:
-        plot(rows, out / "ttft_p50.png", "p50_ms")
-        plot(rows, out / "ttft_p90.png", "p90_ms")
+        plot(rows, out / "cells.png", settings)
     return text
 
 
-def plot(rows: Sequence[Row], path: Path, metric: str) -> None:
-    """TTFT (`metric`, median of the repetitions) by load: a panel per (trace, stubs), a line per target."""
+METRICS = (
+    ("p50_ms", "TTFT p50 (ms)"),
+    ("p90_ms", "TTFT p90 (ms)"),
+    ("goodput", "goodput (share within SLO)"),
+)
+FAMILIES = {"smg-": "Blues", "sglang-": "Greens", "vllm-": "Purples"}
+
+
+def style(target: str) -> dict[str, object]:
+    """How `target` is drawn: kv red and thick, round robin black, least_loaded grey, prefix_approx
+    brown, oracles dotted, each peer family dashed in shades of its own colour, so kv's place reads
+    at a glance."""
+    import matplotlib
+
+    if target == "kv":
+        return {"color": "tab:red", "linewidth": 3.0, "linestyle": "-", "zorder": 5}
+    if target == "round_robin":
+        return {"color": "black", "linewidth": 2.0, "linestyle": "-", "zorder": 4}
+    if target in ORACLES:
+        return {"color": "0.7", "linewidth": 1.0, "linestyle": ":"}
+    if target == "prefix_approx":
+        return {"color": "tab:brown", "linewidth": 1.2, "linestyle": "-"}
+    for prefix, cmap in FAMILIES.items():
+        if target.startswith(prefix):
+            family = [t for t in TARGETS if t.startswith(prefix)]
+            shade = 0.45 + 0.5 * family.index(target) / max(1, len(family) - 1) if target in family else 0.7
+            return {"color": matplotlib.colormaps[cmap](shade), "linewidth": 1.6, "linestyle": "--"}
+    return {"color": "0.5", "linewidth": 1.2, "linestyle": "-"}
+
+
+def plot(rows: Sequence[Row], path: Path, title: str) -> None:
+    """One figure for the whole matrix: a column per (workload, stubs), a row per metric (TTFT p50,
+    p90 on log scales, goodput), a line per target by offered load (median of the repetitions; kv's
+    range over them shaded), the overload region shaded."""
     import matplotlib
 
     matplotlib.use("Agg")  # no display
     import matplotlib.pyplot as plt
 
     panels = sorted({(r.trace, r.stubs) for r in rows})
-    colors = plt.get_cmap("tab20")  # 11+ targets: the default cycle of 10 would repeat kv's colour
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels) + 2, 4.5), squeeze=False)
-    for ax, (trace, stubs) in zip(axes[0], panels, strict=True):
-        series: dict[str, dict[float, list[float]]] = {}
-        for r in rows:
-            value = getattr(r, metric)
-            if (r.trace, r.stubs) == (trace, stubs) and value is not None:
-                series.setdefault(r.target, {}).setdefault(r.load, []).append(value)
-        for target, by_load in series.items():
-            loads = sorted(by_load)
-            style = "-" if target in KVROUTER else (":" if target in ORACLES else "--")
-            color = colors(TARGETS.index(target) if target in TARGETS else len(TARGETS))
-            ax.plot(loads, [sorted(by_load[x])[len(by_load[x]) // 2] for x in loads], style, marker="o",
-                    color=color, label=target, linewidth=2.5 if target == "kv" else 1.2)  # fmt: skip
-        ax.set_yscale("log")
-        ax.set_title(f"{trace}, {stubs} stubs")
-        ax.set_xlabel("offered load")
-        ax.set_ylabel(f"TTFT {metric.removesuffix('_ms')} (ms)")
-        ax.grid(alpha=0.3)
-    axes[0][-1].legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.02, 1.0))
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig, axes = plt.subplots(len(METRICS), len(panels), figsize=(3.8 * len(panels) + 2.5, 9.5), squeeze=False)
+    for col, (trace, stubs) in enumerate(panels):
+        for row_i, (metric, label) in enumerate(METRICS):
+            ax = axes[row_i][col]
+            series: dict[str, dict[float, list[float]]] = {}
+            for r in rows:
+                value = getattr(r, metric)
+                if (r.trace, r.stubs) == (trace, stubs) and value is not None:
+                    series.setdefault(r.target, {}).setdefault(r.load, []).append(float(value))
+            for target in sorted(series, key=lambda t: (t == "kv", t)):  # kv drawn last, on top
+                by_load = series[target]
+                loads = sorted(by_load)
+                mid = [statistics.median(by_load[x]) for x in loads]
+                ax.plot(loads, mid, marker="o", markersize=3, label=target, **style(target))
+                if target == "kv":
+                    lo, hi = [min(by_load[x]) for x in loads], [max(by_load[x]) for x in loads]
+                    ax.fill_between(loads, lo, hi, color="tab:red", alpha=0.15, linewidth=0)
+            low, high = min(r.load for r in rows) - 0.05, max(r.load for r in rows) + 0.05
+            ax.set_xlim(low, high)  # every panel on one scale, also one that has a single load yet
+            if high > 1.0:
+                ax.axvspan(1.0, high, color="tab:orange", alpha=0.08)
+            if metric.endswith("_ms"):
+                ax.set_yscale("log")
+                ax.yaxis.set_major_locator(matplotlib.ticker.LogLocator(subs=(1.0, 2.0, 5.0)))
+                ax.yaxis.set_major_formatter(matplotlib.ticker.FuncFormatter(lambda v, _: f"{v:g}"))
+                ax.yaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+            else:
+                ax.set_ylim(0, 1.05)
+            if row_i == 0:
+                ax.set_title(f"{trace}, {stubs} stubs")
+            if col == 0:
+                ax.set_ylabel(label)
+            if row_i == len(METRICS) - 1:
+                ax.set_xlabel("offered load (busy time; shaded: overload)")
+            ax.grid(alpha=0.3)
+    seen: dict[str, Any] = {}  # one legend entry per target, from whichever panel drew it
+    for ax_row in axes:
+        for ax in ax_row:
+            for h, lab in zip(*ax.get_legend_handles_labels(), strict=True):
+                seen.setdefault(lab, h)
+    order = sorted(seen, key=lambda t: (t != "kv", t != "round_robin", is_peer(t), t in ORACLES, t))
+    fig.legend([seen[t] for t in order], order, loc="center right", fontsize=8)
+    fig.suptitle(title.split(", targets")[0], fontsize=9)
+    fig.tight_layout(rect=(0, 0, 1 - 2.3 / (3.8 * len(panels) + 2.5), 0.97))
+    fig.savefig(path, dpi=90)
     plt.close(fig)
 
 
-def run_matrix(args: argparse.Namespace, scripts: dict[str, Path]) -> None:
-    """Every cell in turn (none started once `--budget-min` would be overrun), the report after each."""
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    todo = cells(args.traces, args.stubs, args.loads, args.reps)
-    settings = (
-        f"requests {args.requests}, max output {args.max_output_tokens}, speed factor {args.speed_factor:g}, "
+def settings_line(args: argparse.Namespace) -> str:
+    size = f"{args.requests} requests" + (f" or {args.duration:g} s" if args.duration is not None else "")
+    return (
+        f"{size} a cell, max output {args.max_output_tokens}, speed factor {args.speed_factor:g}, "
+        f"TTFT SLO {args.ttft_slo:g} s, block tokens {args.block_tokens or 'default'}, "
         f"targets {','.join(args.targets)}, cpus {os.cpu_count()}"
     )
-    began, walls = time.monotonic(), dict[int, float]()
-    print(f"routing bench: {len(todo)} cells into {out} ({settings})", flush=True)
+
+
+def run_matrix(args: argparse.Namespace, scripts: dict[str, Path]) -> None:
+    """Every cell in turn (none started once `--budget-min` would be overrun), the report after each,
+    with progress: the cell, its wall time, and the time left, the estimate scaled by how the cells
+    run so far compared with theirs."""
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    todo = cells(args.traces, args.stubs, args.loads, args.reps, args.cells)
+    settings = settings_line(args)
+    (out / SETTINGS).write_text(settings + "\n")
+    guesses = [estimate_s(c, args) for c in todo]
+    began, spent, guessed = time.monotonic(), 0.0, 0.0
+    print(
+        f"routing bench: {len(todo)} cells into {out}, about {hours(sum(guesses))} ({settings})", flush=True
+    )
     for i, cell in enumerate(todo):
         elapsed = time.monotonic() - began
-        expected = walls.get(cell.stubs, 0.0)
-        if args.budget_min and elapsed + expected > args.budget_min * 60:
+        pace = spent / guessed if guessed else 1.0
+        if args.budget_min and elapsed + guesses[i] * pace > args.budget_min * 60:
             print(f"routing bench: budget reached, {len(todo) - i} cells not run", flush=True)
             break
         print(f"[{i + 1}/{len(todo)}] {cell.name}: load average {os.getloadavg()[0]:.1f}", flush=True)
         rows, took = run_cell(args, cell, i, scripts)
-        walls[cell.stubs] = took.wall_s
+        spent, guessed = spent + took.wall_s, guessed + guesses[i]
         append(out / "rows.jsonl", rows)
         append(out / "cells.jsonl", [took])
         status = "ok" if took.ok else f"FAILED (see {out / cell.name / 'loadtest.log'})"
-        print(f"[{i + 1}/{len(todo)}] {cell.name}: {took.wall_s:.0f} s, {status}", flush=True)
-        write_report(out, settings)
-    print(write_report(out, settings))
+        left = sum(guesses[i + 1 :]) * spent / guessed
+        print(f"[{i + 1}/{len(todo)}] {cell.name}: {took.wall_s:.0f} s, {status}; "
+              f"about {hours(left)} left", flush=True)  # fmt: skip
+        write_report(out)
+    print(write_report(out))
 
 
 def _csv(kind: Callable[[str], T]) -> Callable[[str], list[T]]:
@@ -362,23 +492,47 @@ def _csv(kind: Callable[[str], T]) -> Callable[[str], list[T]]:
     return parse
 
 
+QUICK_REQUESTS = 150
+
+
 def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument(
-        "--traces", type=_csv(str), default=list(TRACES), help="comma-separated: conversation,synthetic"
-    )
+        "--workloads", "--traces", dest="traces", metavar="NAMES", type=_csv(str), default=list(WORKLOADS),
+        help="comma-separated: conversation,synthetic (Mooncake traces), agents (default all)",
+    )  # fmt: skip
     parser.add_argument("--stubs", type=_csv(int), default=[4, 8], help="stub counts (default 4,8)")
     parser.add_argument(
-        "--loads", type=_csv(float), default=[0.4, 0.7, 0.9], help="offered loads (default 0.4,0.7,0.9)"
-    )
-    parser.add_argument("--reps", type=int, default=2, help="repetitions of every cell (default 2)")
+        "--loads", type=_csv(float), default=list(LOADS),
+        help="offered loads by busy time (default 0.5,0.8,0.95,1.2: 1.2 is overload)",
+    )  # fmt: skip
+    parser.add_argument("--reps", type=int, help="repetitions of every cell (default 2; --quick 1)")
     parser.add_argument(
-        "--requests", type=int, default=200, help="first N requests of the trace (default 200)"
+        "--requests",
+        type=int,
+        help=f"first N requests of the workload (default 500; --quick {QUICK_REQUESTS})",
     )
+    parser.add_argument("--duration", type=float, help="send only the first S seconds of arrivals a cell")
+    parser.add_argument(
+        "--quick", action="store_true",
+        help=f"the smaller matrix: {QUICK_REQUESTS} requests a cell, one repetition (explicit flags win)",
+    )  # fmt: skip
+    parser.add_argument("--cells", type=_csv(str), default=[], help="only cells matching these patterns")
+    parser.add_argument(
+        "--smoke", action="store_true",
+        help=f"one tiny cell ({SMOKE_REQUESTS} requests, 2 stubs) of every target: each starts, answers",
+    )  # fmt: skip
+    parser.add_argument(
+        "--estimate", action="store_true", help="print the cells and their duration; run none"
+    )
+    parser.add_argument("--ttft-slo", type=float, default=2.0, help="goodput's TTFT bound, s (default 2)")
     parser.add_argument("--max-output-tokens", type=int, default=256, help="output cap (default 256)")
     parser.add_argument("--speed-factor", type=float, default=1.0, help="stubs' simulated seconds per second")
+    parser.add_argument(
+        "--block-tokens", type=int, help="tokens per trace block / agent prompts x N/512 (default full size)"
+    )
     parser.add_argument(
         "--targets", type=_csv(str), default=list(TARGETS), help="comma-separated (default all)"
     )
@@ -399,20 +553,75 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--no-install", action="store_true", help="use the venvs in .bench-venvs as they are")
     parser.add_argument("--inside-netns", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.requests = args.requests or (QUICK_REQUESTS if args.quick else 500)
+    args.reps = args.reps or (1 if args.quick else 2)
     args.targets = [t for t in args.targets if t not in args.skip]
-    problems = [t for t in args.targets if t not in TARGETS] + [t for t in args.traces if t not in TRACES]
+    known = (*TRACES, AGENTS)  # TRACES, not WORKLOADS: a test or --smoke may add a trace
+    problems = [t for t in args.targets if t not in TARGETS] + [t for t in args.traces if t not in known]
     if problems or not args.targets or min(args.stubs, default=0) < 1 or args.reps < 1 or args.requests < 1:
-        parser.error(f"bad --targets/--traces/--stubs/--reps/--requests ({', '.join(problems) or 'empty'}); "
-                     f"targets: {', '.join(TARGETS)}; traces: {', '.join(TRACES)}")  # fmt: skip
+        parser.error(f"bad --targets/--workloads/--stubs/--reps/--requests ({', '.join(problems) or '-'}); "
+                     f"targets: {', '.join(TARGETS)}; workloads: {', '.join(WORKLOADS)}")  # fmt: skip
     if "kv" not in args.targets:
         parser.error("the verdicts compare kv with the others: keep kv in --targets")
+    if not cells(args.traces, args.stubs, args.loads, args.reps, args.cells):
+        parser.error(f"--cells {','.join(args.cells)} matches no cell (names like agents-s4-l0.8-r0)")
     return args
+
+
+def print_estimate(args: argparse.Namespace) -> None:
+    """The cells `args` would run, each with its estimated wall time, and the total."""
+    todo = cells(args.traces, args.stubs, args.loads, args.reps, args.cells)
+    total = 0.0
+    for cell in todo:
+        took = estimate_s(cell, args)
+        total += took
+        print(f"{cell.name}: about {hours(took)}")
+    print(f"{len(todo)} cells, {len(args.targets)} targets each: about {hours(total)} on a quiet machine "
+          f"(full-size prompts; {settings_line(args)})")  # fmt: skip
+
+
+SMOKE = "smoke"
+SMOKE_REQUESTS = 12
+
+
+def smoke_trace(path: Path) -> Path:
+    """A tiny Mooncake-format trace for `--smoke`: 12 short requests, 600 tokens, sharing a first block."""
+    lines = [
+        {"timestamp": 250 * i, "input_length": 600, "output_length": 4, "hash_ids": [0, i + 1]}
+        for i in range(SMOKE_REQUESTS)
+    ]
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    return path
+
+
+def smoke_args(args: argparse.Namespace) -> argparse.Namespace:
+    """`args` turned into the smoke matrix: one tiny cell (2 stubs, load 0.5) of every target."""
+    TRACES[SMOKE] = smoke_trace(Path(args.out) / "smoke_trace.jsonl")
+    args.traces, args.stubs, args.loads, args.reps, args.cells = [SMOKE], [2], [0.5], 1, []
+    args.requests, args.max_output_tokens, args.duration, args.block_tokens = SMOKE_REQUESTS, 4, None, None
+    return args
+
+
+def smoke_failures(rows: Sequence[Row], targets: Sequence[str]) -> list[str]:
+    """What the smoke run must show: every target answered every request of the cell."""
+    got = {r.target: r for r in rows}
+    return [
+        f"{t}: " + ("no result" if t not in got else f"{got[t].errors} errors of {got[t].requests}")
+        for t in targets
+        if t not in got or got[t].errors or got[t].requests != SMOKE_REQUESTS
+    ]
 
 
 def main() -> None:
     args = parse_args()
+    if args.smoke:
+        args = smoke_args(args)
     if args.report:
-        print(write_report(Path(args.report), "(re-rendered)"))
+        print(write_report(Path(args.report)))
+        return
+    if args.estimate:
+        print_estimate(args)
         return
     needed = {PEERS_BY_NAME[t].peer.name: PEERS_BY_NAME[t].peer for t in args.targets if t in PEERS_BY_NAME}
     if not args.inside_netns:
@@ -427,6 +636,14 @@ def main() -> None:
     if not only_loopback():
         sys.exit("--inside-netns outside a loopback-only network namespace: refusing to start the peers")
     run_matrix(args, {name: peers.script_path(peer) for name, peer in needed.items()})
+    if args.smoke:
+        failures = smoke_failures(load_rows(Path(args.out))[0], args.targets)
+        print(
+            "smoke: every target answered every request"
+            if not failures
+            else "smoke FAILED: " + "; ".join(failures)
+        )
+        sys.exit(1 if failures else 0)
 
 
 if __name__ == "__main__":

@@ -10,6 +10,10 @@ is checked per repetition on figures of the same run, so ratios never mix runs:
 - `kv` TTFT p50 at most 1.15x ttft_oracle's;
 - `kv` TTFT p50 and p90 at most (1 + noise)x least_loaded's, noise being the run-to-run spread measured
   (`noise`: the median over configurations and targets of max/min - 1 of TTFT p50 over repetitions).
+
+Issue #29's sustained cells add, per row, the goodput (the share of the cell's requests answered
+within a TTFT SLO, `goodput`), the stubs' measured busy fraction and whether the queues settled, and
+`comparison_table` puts kv beside round robin and the best peer per configuration.
 """
 
 from __future__ import annotations
@@ -25,13 +29,15 @@ __all__ = [
     "Config",
     "Row",
     "checks",
+    "comparison_table",
+    "goodput",
     "markdown",
     "noise",
     "rows_from_summary",
     "span",
 ]
 
-PEER_PREFIXES = ("sglang-", "vllm-")
+PEER_PREFIXES = ("smg-", "sglang-", "vllm-")
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,12 @@ class Row:
     p50_ms: float | None
     p90_ms: float | None
     p99_ms: float | None
+    goodput: float | None = None
+    """Share of the requests answered within the run's TTFT SLO (errors count as missed)."""
+    busy: float | None = None
+    """The stubs' measured busy fraction, mean over stubs (None: not reported)."""
+    settled: bool | None = None
+    """False: TTFT p50 grew more than 2x from the first fifth of arrivals to the last."""
 
     @property
     def config(self) -> Config:
@@ -64,17 +76,45 @@ class Config:
     load: float
 
 
-def rows_from_summary(summary: Mapping[str, Any], trace: str, stubs: int, load: float, rep: int) -> list[Row]:
-    """One Row per policy of a loadtest `summary.json` (decoded as plain JSON)."""
+def rows_from_summary(
+    summary: Mapping[str, Any],
+    trace: str,
+    stubs: int,
+    load: float,
+    rep: int,
+    goodputs: Mapping[str, float] | None = None,
+) -> list[Row]:
+    """One Row per policy of a loadtest `summary.json` (decoded as plain JSON); `goodputs` by policy
+    (from `goodput` over its results.jsonl)."""
 
     def ms(value: float | None) -> float | None:
         return None if value is None else value * 1000.0
 
+    def busy(p: Mapping[str, Any]) -> float | None:
+        fractions = list(p.get("busy_fraction", {}).values())
+        return statistics.fmean(fractions) if fractions else None
+
     return [
         Row(trace, stubs, load, rep, p["policy"], p["requests"], p["errors"], p["cached_ratio"],
-            ms(p["ttft"]["p50"]), ms(p["ttft"]["p90"]), ms(p["ttft"]["p99"]))
+            ms(p["ttft"]["p50"]), ms(p["ttft"]["p90"]), ms(p["ttft"]["p99"]),
+            (goodputs or {}).get(p["policy"]), busy(p), p.get("settled"))
         for p in summary["policies"]
     ]  # fmt: skip
+
+
+def goodput(results: Iterable[Mapping[str, Any]], slo_s: float) -> dict[str, float]:
+    """Per policy, the share of its requests (loadtest results.jsonl records, decoded) whose first
+    token came within `slo_s`; a failed request is a miss. Every policy of a cell is sent the same
+    arrivals, so this share orders them as the rate of answers within the SLO does."""
+    sent: dict[str, int] = {}
+    good: dict[str, int] = {}
+    for r in results:
+        policy = r["policy"]
+        sent[policy] = sent.get(policy, 0) + 1
+        ttft = r.get("ttft_s")
+        if r.get("error") is None and ttft is not None and ttft <= slo_s:
+            good[policy] = good.get(policy, 0) + 1
+    return {p: good.get(p, 0) / n for p, n in sent.items()}
 
 
 def is_peer(target: str) -> bool:
@@ -86,7 +126,8 @@ def span(values: Sequence[float], fmt: str) -> str:
     if not values:
         return "-"
     lo, hi = format(min(values), fmt), format(max(values), fmt)
-    return lo if lo == hi else f"{lo}-{hi}"
+    between = " to " if fmt.startswith("+") else "-"  # signed figures: -0.65 to -0.31, not -0.65--0.31
+    return lo if lo == hi else f"{lo}{between}{hi}"
 
 
 @dataclass
@@ -193,11 +234,22 @@ def _by_config(rows: Iterable[Row]) -> dict[Config, list[Row]]:
     return dict(sorted(out.items()))
 
 
+def _settled(rows: Sequence[Row]) -> str:
+    """Whether the queues settled in each repetition: yes, no, k/n yes, or - when not judged."""
+    judged = [r.settled for r in rows if r.settled is not None]
+    if not judged:
+        return "-"
+    if all(judged):
+        return "yes"
+    return "no" if not any(judged) else f"{sum(judged)}/{len(judged)} yes"
+
+
 def results_table(rows: Sequence[Row]) -> list[str]:
     """Markdown: one line per (configuration, target), ranges over repetitions."""
     lines = [
-        "| trace | stubs | load | target | reps | cached ratio | TTFT p50 ms | p90 ms | p99 ms | errors |",
-        "|---|---|---|---|---|---|---|---|---|---|",
+        "| trace | stubs | load | target | reps | cached ratio | TTFT p50 ms | p90 ms | p99 ms | errors "
+        "| goodput | busy | settled |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for config, group in _by_config(rows).items():
         targets: dict[str, list[Row]] = {}
@@ -211,8 +263,73 @@ def results_table(rows: Sequence[Row]) -> list[str]:
             ttft = " | ".join(span(vals(f"{p}_ms"), ".0f") for p in ("p50", "p90", "p99"))
             lines.append(
                 f"| {config.trace} | {config.stubs} | {config.load:g} | {target} | {len(rs)} | "
-                f"{span(vals('cached_ratio'), '.3f')} | {ttft} | {sum(r.errors for r in rs)} |"
+                f"{span(vals('cached_ratio'), '.3f')} | {ttft} | {sum(r.errors for r in rs)} | "
+                f"{span(vals('goodput'), '.2f')} | {span(vals('busy'), '.2f')} | {_settled(rs)} |"
             )
+    return lines
+
+
+def _best(rows: Iterable[Row], metric: str, lowest: bool = True) -> Row | None:
+    """The row with the lowest (or highest) `metric` among `rows` that have it."""
+    have = [r for r in rows if getattr(r, metric) is not None]
+    if not have:
+        return None
+    pick = min if lowest else max
+    return pick(have, key=lambda r: float(getattr(r, metric)))
+
+
+def _kv_against(group: Sequence[Row]) -> dict[str, list[float]]:
+    """Per repetition of one configuration: kv / round robin and kv / the best peer at p50 and p90,
+    kv's cached ratio minus the best peer's, kv's goodput minus the best other target's (oracles
+    aside). Each figure of one repetition compares rows of that repetition only."""
+    by_rep: dict[int, dict[str, Row]] = {}
+    for r in group:
+        by_rep.setdefault(r.rep, {})[r.target] = r
+    out: dict[str, list[float]] = {}
+
+    def put(name: str, value: float | None) -> None:
+        if value is not None:
+            out.setdefault(name, []).append(value)
+
+    for targets in by_rep.values():
+        kv = targets.get("kv")
+        if kv is None:
+            continue
+        rr = targets.get("round_robin")
+        peers = [r for t, r in targets.items() if is_peer(t)]
+        others = [r for t, r in targets.items() if t != "kv" and "oracle" not in t]
+        for p in ("p50", "p90"):
+            m = f"{p}_ms"
+            best = _best(peers, m)
+            put(f"rr {p}", _ratio(getattr(kv, m), None if rr is None else getattr(rr, m)))
+            put(f"peer {p}", _ratio(getattr(kv, m), None if best is None else getattr(best, m)))
+        best_cached = _best(peers, "cached_ratio", lowest=False)
+        if best_cached is not None:
+            put("cached", kv.cached_ratio - best_cached.cached_ratio)
+        best_good = _best(others, "goodput", lowest=False)
+        if kv.goodput is not None and best_good is not None and best_good.goodput is not None:
+            put("goodput", kv.goodput - best_good.goodput)
+    return out
+
+
+COMPARISON = ("rr p50", "rr p90", "peer p50", "peer p90", "cached", "goodput")
+
+
+def comparison_table(rows: Sequence[Row]) -> list[str]:
+    """Markdown: per configuration, kv / round robin and kv / the best peer (per percentile, per
+    repetition) at TTFT p50 and p90, kv's cached ratio minus the best peer's, and kv's goodput minus
+    the best other non-oracle target's; ranges over repetitions."""
+    lines = [
+        "| trace | stubs | load | kv/rr p50 | kv/rr p90 | kv/best peer p50 | kv/best peer p90 "
+        "| cached: kv - best peer | goodput: kv - best other |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for config, group in _by_config(rows).items():
+        figures = _kv_against(group)
+        cells = [
+            span(figures.get(name, []), "+.3f" if name in COMPARISON[4:] else ".2f") for name in COMPARISON
+        ]
+        lines.append(f"| {config.trace} | {config.stubs} | {config.load:g} | " + " | ".join(cells) + " |")
     return lines
 
 
@@ -233,6 +350,10 @@ def markdown(rows: Sequence[Row], noise_ratio: float) -> str:
     return "\n".join(
         [
             *results_table(rows),
+            "",
+            "kv against round robin and the best peer (ratios and differences per repetition):",
+            "",
+            *comparison_table(rows),
             "",
             f"Targets (ratios kv / other per repetition; noise {noise_ratio:.2f}):",
             "",

@@ -1,11 +1,15 @@
 """The routing bench (bench/routing_bench.py, bench/routing_verdicts.py): its arithmetic (rows, ranges,
-issue #15 item 6's verdicts), its command lines and arguments, and one tiny cell of kvrouter policies
-run for real (no peers, no network namespace)."""
+issue #15 item 6's verdicts, issue #29's goodput and kv-against-peers table), its cell matrix, command
+lines, arguments and estimate, and one tiny cell of kvrouter policies run for real (no peers, no
+network namespace). The peers themselves start in `make routing-bench-smoke`, not here: they need
+their venvs from PyPI and a network namespace."""
 
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
@@ -21,7 +25,16 @@ from bench.routing_bench import (
     peer_argv,
     rotated,
 )
-from bench.routing_verdicts import Row, checks, markdown, noise, rows_from_summary, span
+from bench.routing_verdicts import (
+    Row,
+    checks,
+    comparison_table,
+    goodput,
+    markdown,
+    noise,
+    rows_from_summary,
+    span,
+)
 from engine_stub.stub_config import StubConfig
 
 
@@ -85,11 +98,52 @@ def test_rows_from_a_loadtest_summary() -> None:
     kv, peer = rows_from_summary(summary, "synthetic", 8, 0.4, 1)
     assert kv == Row("synthetic", 8, 0.4, 1, "kv", 5, 1, 0.25, 12.0, 50.0, 100.0)
     assert (peer.p50_ms, peer.errors) == (None, 5)
+    # issue #29's columns: the stubs' mean busy fraction, the trend verdict, the goodput given
+    summary["policies"][0] |= {"busy_fraction": {"e0": 0.5, "e1": 0.7}, "settled": False}
+    kv, peer = rows_from_summary(summary, "agents", 4, 0.95, 0, {"kv": 0.8})
+    assert kv.busy == pytest.approx(0.6) and (kv.settled, kv.goodput) == (False, 0.8)
+    assert (peer.busy, peer.settled, peer.goodput) == (None, None, None)
+
+
+def test_goodput_is_the_share_of_requests_answered_within_the_slo() -> None:
+    results: list[dict[str, Any]] = [
+        {"policy": "kv", "ttft_s": 0.5, "error": None},
+        {"policy": "kv", "ttft_s": 2.0, "error": None},  # at the bound: within
+        {"policy": "kv", "ttft_s": 2.5, "error": None},
+        {"policy": "kv", "ttft_s": None, "error": "HTTP 503"},  # a failure is a miss
+        {"policy": "smg-cache_aware", "ttft_s": 3.0, "error": None},
+    ]
+    assert goodput(results, 2.0) == {"kv": 0.5, "smg-cache_aware": 0.0}
+    assert goodput(results, 3.0) == {"kv": 0.75, "smg-cache_aware": 1.0}
+
+
+def test_kv_against_round_robin_and_the_best_peer_per_repetition() -> None:
+    def rep(r: int, kv: tuple[float, float], good: float) -> list[Row]:
+        base = Row("agents", 4, 0.8, r, "kv", 500, 0, 0.9, kv[0], kv[1], None, good)
+        return [
+            base,
+            replace(base, target="round_robin", p50_ms=200.0, p90_ms=400.0, cached_ratio=0.7,
+                                    goodput=0.5),
+            replace(base, target="smg-cache_aware", p50_ms=80.0, p90_ms=500.0, cached_ratio=0.92,
+                                    goodput=0.9),
+            replace(base, target="vllm-kv_aware", p50_ms=160.0, p90_ms=200.0, cached_ratio=0.85,
+                                    goodput=0.6),
+            replace(base, target="ttft_oracle", p50_ms=1.0, p90_ms=1.0, goodput=1.0),
+        ]  # fmt: skip
+
+    lines = comparison_table(rep(0, (100, 200), 0.95) + rep(1, (120, 300), 0.85))
+    # kv/rr p50 0.5, 0.6; p90 0.5, 0.75; best peer p50 80 (smg), p90 200 (vllm); cached 0.9 - 0.92;
+    # goodput against the best non-oracle other (smg 0.9): +0.05, -0.05
+    assert (
+        lines[2]
+        == "| agents | 4 | 0.8 | 0.50-0.60 | 0.50-0.75 | 1.25-1.50 | 1.00-1.50 | -0.020 | -0.050 to +0.050 |"
+    )
 
 
 def test_the_markdown_report_has_results_and_verdicts() -> None:
     text = markdown(rep_rows(0, (50, 100)) + rep_rows(1, (60, 120)), 0.1)
-    assert "| conversation | 4 | 0.7 | kv | 2 | 0.100 | 50-60 | 100-120 | 200-240 | 0 |" in text
+    assert "| conversation | 4 | 0.7 | kv | 2 | 0.100 | 50-60 | 100-120 | 200-240 | 0 | - | - | - |" in text
+    assert "| conversation | 4 | 0.7 | 0.50-0.60 | 0.50-0.60 | 0.71-0.86 | 0.67-0.80 | +0.000 | - |" in text
     assert "noise 0.10" in text and "**met**" in text
     assert span([], ".1f") == "-" and span([1.0, 1.04], ".1f") == "1.0"
 
@@ -100,6 +154,42 @@ def test_cells_are_repetition_major_and_targets_rotate() -> None:
     assert {c.rep for c in matrix[:12]} == {0}
     assert rotated(["a", "b", "c"], 1) == ["b", "c", "a"] and rotated(["a", "b", "c"], 4) == ["b", "c", "a"]
     assert matrix[5].name == "conversation-s8-l0.9-r0"
+
+
+def test_the_sustained_matrix_and_its_selector() -> None:
+    args = parse_args([])
+    matrix = cells(args.traces, args.stubs, args.loads, args.reps)
+    assert len(matrix) == 3 * 2 * 4 * 2 and {c.trace for c in matrix} == {
+        "conversation",
+        "synthetic",
+        "agents",
+    }
+    assert {c.load for c in matrix} == {0.5, 0.8, 0.95, 1.2} and args.requests == 500
+    chosen = cells(args.traces, args.stubs, args.loads, args.reps, ["agents-s4-*", "*-l1.2-r1"])
+    assert [c.name for c in chosen if c.rep == 0] == [f"agents-s4-l{x:g}-r0" for x in (0.5, 0.8, 0.95, 1.2)]
+    assert len(chosen) == 4 + 4 + 5  # agents 4 stubs in both reps, and the other overload cells of rep 1
+    with pytest.raises(SystemExit):
+        parse_args(["--cells", "toolagent-*"])
+
+
+def test_quick_and_explicit_sizes() -> None:
+    quick = parse_args(["--quick"])
+    assert (quick.requests, quick.reps) == (routing_bench.QUICK_REQUESTS, 1)
+    assert (parse_args(["--quick", "--requests", "300", "--reps", "2"]).requests, 2) == (300, 2)
+
+
+def test_the_estimate_grows_with_requests_and_shrinks_with_load_and_stubs() -> None:
+    def est(*argv: str, stubs: int = 4, load: float = 0.5) -> float:
+        return routing_bench.estimate_s(Cell("conversation", stubs, load, 0), parse_args(list(argv)))
+
+    one = est()
+    assert est(stubs=8) < one and est(load=0.95) < one and est("--speed-factor", "2") < one
+    assert est("--requests", "1000") > one and est("--duration", "10") < one
+    assert est("--skip", "vllm-kv_aware") < one  # one target and one loadtest run (its plan) fewer
+    # the overload cell's backlog drains after the last arrival: longer than its span alone
+    span = routing_bench.BUSY_S_PER_REQUEST[("conversation", 4)] * 500 / (4 * 1.2)
+    assert est(load=1.2) > len(routing_bench.TARGETS) * span * 1.2
+    assert routing_bench.estimate_s(Cell("tiny", 2, 0.5, 0), parse_args([])) > 0  # not measured: the largest
 
 
 def flag(argv: list[str], name: str) -> str:
@@ -124,6 +214,15 @@ def test_peers_listen_on_loopback_and_kv_aware_subscribes_to_every_stub() -> Non
     assert flag(argv, "--kv-event-replay-source") == "http://127.0.0.1:20000=tcp://127.0.0.1:20002"
     assert (flag(argv, "--kv-event-block-size"), flag(argv, "--kv-event-model")) == ("16", "kvrouter-stub")
     assert {t.peer for t in routing_bench.PEER_TARGETS} == set(peers.PEERS.values())
+    smg = routing_bench.PEERS_BY_NAME["smg-prefix_hash"]
+    argv = peer_argv(smg, "/m", addresses, (31000, 31001))
+    assert argv[:2] == ["/m", "launch"] and flag(argv, "--policy") == "prefix_hash"
+    assert (flag(argv, "--host"), flag(argv, "--prometheus-host")) == ("127.0.0.1", "127.0.0.1")
+    assert {t.policy for t in routing_bench.PEER_TARGETS if t.peer.name == "smg"} == {
+        "cache_aware",
+        "prefix_hash",
+        "least_load",
+    }
 
 
 def test_a_peer_subscribing_to_the_stubs_events_runs_alone_on_stubs_of_its_own() -> None:
@@ -151,6 +250,16 @@ def test_one_loadtest_per_cell_with_every_router_named(tmp_path: Path) -> None:
     assert (flag(argv, "--prompt-format"), flag(argv, "--stub-base-port")) == ("text", "20100")
     assert flag(argv, "--policies") == "kv,sglang-round_robin"
     assert flag(argv, "--router") == "sglang-round_robin=http://127.0.0.1:5"
+    assert "--duration" not in argv and "--block-tokens" not in argv
+    args = parse_args(["--duration", "300", "--block-tokens", "64"])
+    argv = loadtest_argv(args, CellRun(Cell("agents", 4, 1.2, 0), ["kv"], {}, 20100, tmp_path),
+                         tmp_path / "engine.toml")  # fmt: skip
+    assert (flag(argv, "--workload"), flag(argv, "--load"), flag(argv, "--requests")) == (
+        "agents",
+        "1.2",
+        "500",
+    )
+    assert (flag(argv, "--duration"), flag(argv, "--block-tokens")) == ("300", "64")
 
 
 def test_the_stubs_toml_carries_the_speed_factor() -> None:
@@ -161,8 +270,9 @@ def test_the_stubs_toml_carries_the_speed_factor() -> None:
 def test_arguments() -> None:
     args = parse_args([])
     assert (args.traces, args.stubs, args.loads, args.reps) == (
-        ["conversation", "synthetic"], [4, 8], [0.4, 0.7, 0.9], 2)  # fmt: skip
-    assert args.targets == list(routing_bench.TARGETS) and len(args.targets) == 11
+        ["conversation", "synthetic", "agents"], [4, 8], [0.5, 0.8, 0.95, 1.2], 2)  # fmt: skip
+    assert args.targets == list(routing_bench.TARGETS) and len(args.targets) == 14
+    assert parse_args(["--traces", "agents"]).traces == ["agents"]  # the older spelling of --workloads
     args = parse_args(["--skip", "cache_oracle,vllm-kv_aware", "--stubs", "4", "--loads", "0.5"])
     assert "cache_oracle" not in args.targets and "vllm-kv_aware" not in args.targets
     assert (args.stubs, args.loads) == ([4], [0.5])
@@ -180,8 +290,11 @@ def test_a_tiny_cell_of_kvrouter_policies_end_to_end(tmp_path: Path, monkeypatch
     trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
     monkeypatch.setitem(routing_bench.TRACES, "tiny", trace)
     out = tmp_path / "bench"
+    # not the fixed default 20000: another checkout's run of this test on the machine would share it
+    base = str(peers.free_port())
     args = parse_args(["--traces", "tiny", "--targets", "kv,round_robin", "--requests", "6",
-                       "--max-output-tokens", "4", "--out", str(out), "--ready-timeout", "60"])  # fmt: skip
+                       "--base-port", base, "--max-output-tokens", "4", "--out", str(out),
+                       "--ready-timeout", "60"])  # fmt: skip
     rows, took = routing_bench.run_cell(args, Cell("tiny", 2, 0.5, 1), 0, {})
     assert took.ok and {r.target for r in rows} == {"kv", "round_robin"}
     assert all((r.requests, r.errors, r.stubs, r.rep) == (6, 0, 2, 1) for r in rows)
@@ -190,7 +303,11 @@ def test_a_tiny_cell_of_kvrouter_policies_end_to_end(tmp_path: Path, monkeypatch
     assert summary["settings"]["prompt_format"] == "text" and summary["plan"]["speed_factor"] == 1.0
     routing_bench.append(out / "rows.jsonl", rows)
     routing_bench.append(out / "cells.jsonl", [took])
-    text = routing_bench.write_report(out, "test")
-    assert "| tiny | 2 | 0.5 | kv | 1 |" in text and (out / "ttft_p50.png").stat().st_size > 0
+    (out / routing_bench.SETTINGS).write_text("test settings\n")
+    text = routing_bench.write_report(out)
+    assert text.startswith("Settings: test settings") and (out / "cells.png").stat().st_size > 0
+    kv = next(r for r in rows if r.target == "kv")
+    assert kv.goodput == 1.0 and kv.busy is not None and kv.busy > 0  # from results.jsonl, the stubs
+    assert "| tiny | 2 | 0.5 | kv | 1 | " in text and "| 1.00 | " in text
     assert "| kv | 2 | 1 | " in text  # its driving time, from the cell's summary.json
     assert routing_bench.load_rows(out) == (rows, [took])
