@@ -132,7 +132,7 @@ def run(args: argparse.Namespace) -> int:
     # Imported here: gRPC and the gateway's stack are loaded by this command only.
     from kvrouter.cmd_serve import effective_config, server_config
     from router.edge.decider import Decider
-    from router.edge.gateway import GatewayParts
+    from router.edge.gateway_parts import GatewayParts
     from router.epp.picker import Picker
     from router.epp.server import PickerServer, ServerSettings
     from router.lifecycle import ServeOptions, gateway_app

@@ -159,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM (a clean stop: 0); 2 on a configuration error, 1 when start-up fails."""
     # Imported here: the gateway's stack (FastAPI, aiohttp, tokenizers) is not loaded for other commands.
 
-    from router.edge.gateway import GatewayParts
+    from router.edge.gateway_parts import GatewayParts
     from router.lifecycle import ServeOptions, gateway_app
 
     try:

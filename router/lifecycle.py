@@ -29,7 +29,7 @@ from router.core.routing import RoutingCore
 from router.edge.admin import apply_discovery
 from router.edge.asgi_app import GatewayApp, create_app
 from router.edge.auth import Guard
-from router.edge.gateway import GatewayParts
+from router.edge.gateway_parts import GatewayParts
 from router.edge.proxy import Proxy, ProxySettings
 from router.links.discovery import DnsDiscovery
 from router.links.embedded_stubs import EmbeddedStubs

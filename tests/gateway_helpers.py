@@ -20,7 +20,7 @@ from engine_stub.server.launch import StubServer, running_stub
 from engine_stub.stub_config import StubConfig
 from router.core.ids import EngineId
 from router.edge.client_protocol import ClientHttpProtocol
-from router.edge.gateway import GatewayParts
+from router.edge.gateway_parts import GatewayParts
 from router.lifecycle import ServeOptions, Service, gateway_app
 from router.settings.config import EngineConfig, Limits, PolicyConfig, RouterConfig
 from tests.stub_helpers import stub_config

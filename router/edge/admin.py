@@ -19,7 +19,7 @@ from starlette.responses import Response
 from router.core.errors import BadRequest, RouterError
 from router.core.fleet_state import FleetState
 from router.edge.client_io import read_body, request_id_of
-from router.edge.gateway import GatewayParts
+from router.edge.gateway_parts import GatewayParts
 from router.links.fleet_links import FleetLinks
 from router.settings.config import ConfigError, EngineConfig, validate
 

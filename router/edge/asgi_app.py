@@ -32,7 +32,8 @@ from router.edge.admin import AdminApi, NotFound
 from router.edge.client_io import ClientGone, error_answer, read_body, request_id_of
 from router.edge.client_limits import LIMITS_KEY, ClientLimits
 from router.edge.client_protocol import STATE_KEY, ClientTimeouts
-from router.edge.gateway import HOT_ROUTES, Gateway, GatewayParts
+from router.edge.gateway import HOT_ROUTES, Gateway
+from router.edge.gateway_parts import GatewayParts
 from router.edge.passthrough import PASSTHROUGH_PATHS, Passthrough
 from router.ops.digests import fleet_digests
 from router.ops.fleet_views import index_summary

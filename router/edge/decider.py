@@ -25,7 +25,7 @@ import logging
 import time
 from collections.abc import Mapping
 from types import MappingProxyType
-from typing import TYPE_CHECKING, Final, NoReturn
+from typing import Final, NoReturn
 
 from starlette.datastructures import Headers
 from starlette.types import Scope
@@ -39,6 +39,7 @@ from router.core.prepared import Prepared
 from router.core.routing import Routed
 from router.edge.access_log import AccessNote
 from router.edge.flight import Flight
+from router.edge.gateway_parts import GatewayParts
 from router.edge.headers import forwarded_headers
 from router.edge.upstream import ProxyRequest, Target
 from router.ops.bucket_histogram import observe_present
@@ -46,9 +47,6 @@ from router.ops.debug import DecisionEntry, Explanation, PreparedView
 from router.prepare.remote_tokenize import RemoteTokenizeError, RemoteTokenizer
 from router.prepare.served_models import UnknownModel
 from tokenization.openai_request import Endpoint, RequestError
-
-if TYPE_CHECKING:  # (the gateway module builds a Decider: imported for the annotation only)
-    from router.edge.gateway import GatewayParts
 
 __all__ = ["OWN_HEADERS", "Decider", "Exchange", "stage_timings", "view_of"]
 

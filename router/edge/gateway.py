@@ -19,16 +19,12 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from dataclasses import dataclass
 from typing import Final
 
 from starlette.types import Receive, Scope, Send
 
 from router.core.errors import RequestTimeout, RouterError
-from router.core.fleet_state import FleetState
-from router.core.routing import RoutingCore
 from router.edge.access_log import AccessNote, note_of
-from router.edge.auth import Guard
 from router.edge.client_io import (
     ClientDisconnected,
     ClientGone,
@@ -40,19 +36,12 @@ from router.edge.client_io import (
     request_id_in,
 )
 from router.edge.decider import OWN_HEADERS, Decider, Exchange
-from router.edge.proxy import Proxy
+from router.edge.gateway_parts import GatewayParts
 from router.edge.relay import RelayResponse, answer_names
 from router.edge.upstream import UpstreamResponse
-from router.links.fleet_links import FleetLinks
-from router.ops.debug import DecisionRing
-from router.ops.decision_peers import DecisionPeers
-from router.ops.metrics import RouterMetrics
-from router.ops.recording import GatewayRecorder
-from router.prepare.served_models import Models
-from router.settings.config import RouterConfig
 from tokenization.openai_request import Endpoint
 
-__all__ = ["HOT_ROUTES", "Gateway", "GatewayParts"]
+__all__ = ["HOT_ROUTES", "Gateway"]
 
 log = logging.getLogger(__name__)
 
@@ -66,23 +55,6 @@ HOT_ROUTES: Final = {
 HTTP app and the endpoint picker read it)."""
 
 _OWN_NAMES: Final = answer_names(OWN_HEADERS)
-
-
-@dataclass
-class GatewayParts:
-    """Everything the request path uses, built and owned by `router.lifecycle.Service`."""
-
-    config: RouterConfig
-    fleet: FleetState
-    links: FleetLinks
-    models: Models
-    core: RoutingCore
-    proxy: Proxy
-    metrics: RouterMetrics
-    guard: Guard
-    ring: DecisionRing
-    recorder: GatewayRecorder | None = None
-    peers: DecisionPeers | None = None
 
 
 class Gateway:

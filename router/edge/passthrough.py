@@ -27,7 +27,7 @@ from router.core.ids import EngineId
 from router.core.policy.refusal import refusal
 from router.core.policy.scoring import WHY_BREAKER_OPEN
 from router.edge.client_io import ClientGone, read_body, request_id_of, until_disconnect
-from router.edge.gateway import GatewayParts
+from router.edge.gateway_parts import GatewayParts
 from router.edge.headers import forwarded_headers
 from router.edge.relay import RelayResponse
 from router.edge.upstream import ProxyRequest, Target
