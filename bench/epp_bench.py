@@ -132,17 +132,24 @@ async def measure(
     )  # fmt: skip
 
 
+async def start_backend(procs: list[asyncio.subprocess.Process], tmp: Path) -> tuple[str, Path]:
+    """The fast fake backend started (its process appended to `procs`) and a gateway config routing to
+    it written in `tmp`: the backend's port and the config's path."""
+    backend_proc, port = await start_process(
+        [sys.executable, str(HERE.parent / "proxy_bench.py"), "--backend"], _port_line
+    )
+    procs.append(backend_proc)
+    config = tmp / "router.toml"
+    config.write_text(gateway_config(f"http://127.0.0.1:{port}"))
+    return port, config
+
+
 async def run(args: argparse.Namespace) -> list[Row]:
     procs: list[asyncio.subprocess.Process] = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        backend_proc, port = await start_process(
-            [sys.executable, str(HERE.parent / "proxy_bench.py"), "--backend"], _port_line
-        )
-        procs.append(backend_proc)
+        port, config = await start_backend(procs, tmp)
         backend = f"http://127.0.0.1:{port}"
-        config = tmp / "router.toml"
-        config.write_text(gateway_config(backend))
         kvrouter = [sys.executable, "-m", "kvrouter", "--log-level", "ERROR"]
         serve, serve_url = await start_process([*kvrouter, "serve", "--config", str(config)], _ready_url)
         procs.append(serve)
@@ -246,12 +253,7 @@ async def run_ir(args: argparse.Namespace) -> None:
     procs: list[asyncio.subprocess.Process] = []
     with tempfile.TemporaryDirectory() as tmp_name:
         tmp = Path(tmp_name)
-        backend_proc, port = await start_process(
-            [sys.executable, str(HERE.parent / "proxy_bench.py"), "--backend"], _port_line
-        )
-        procs.append(backend_proc)
-        config = tmp / "router.toml"
-        config.write_text(gateway_config(f"http://127.0.0.1:{port}"))
+        _, config = await start_backend(procs, tmp)
         kvrouter = [sys.executable, "-m", "kvrouter", "--log-level", "ERROR"]
         try:
             serve_out, epp_out = tmp / "cg-serve.out", tmp / "cg-epp.out"
