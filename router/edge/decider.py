@@ -108,9 +108,13 @@ def _trust_header(entry: DecisionEntry, engine: str) -> bytes:
     return b"unknown"
 
 
-def _stored_ref(endpoint: Endpoint, body: bytes) -> StoredRef | None:
-    """What a Responses body says of vLLM's stored responses (None for the other APIs)."""
-    return stored_ref(body) if endpoint is Endpoint.RESPONSES else None
+_NOT_RESPONSES: Final = StoredRef(previous_response_id=None, store=False)
+"""What the other APIs' bodies say of stored responses: they continue none and store none."""
+
+
+def _stored_ref(endpoint: Endpoint, body: bytes) -> StoredRef:
+    """What a request says of vLLM's stored responses (only a Responses body says anything)."""
+    return stored_ref(body) if endpoint is Endpoint.RESPONSES else _NOT_RESPONSES
 
 
 def _prepare_failed(exc: Exception, endpoint: Endpoint) -> NoReturn:
@@ -256,15 +260,14 @@ class Decider:
         keys = self.session_keys
         session = keys.of(scope["headers"], body) if keys is not None else None
         ref = _stored_ref(endpoint, body)
-        previous = ref.previous_response_id if ref is not None else None
-        route = RouteRequest(prepared.session_key, session, excluded, previous)
+        route = RouteRequest(prepared.session_key, session, excluded, ref.previous_response_id)
         flight = Flight(parts.fleet, parts.core, proxied, entry, route)
         if parts.recorder is not None:  # (kept before the decision: the recording's order and times)
             parts.recorder.request(rid, endpoint.value, prepared.model, Headers(scope=scope), body)
             flight.on_decision = parts.recorder.decision
         routed = flight.decide(prepared, parts.fleet.clock())
         exchange = Exchange(self, flight, entry, (prepared, routed), (arrived, time.perf_counter()))
-        exchange.stores = ref is not None and ref.store is not False
+        exchange.stores = ref.store is not False
         return exchange
 
     def failed(self, entry: DecisionEntry, exc: BaseException) -> None:
@@ -303,8 +306,7 @@ class Decider:
         `POST /debug/route`)."""
         prepared = await self.prepare(body, endpoint, full=True)
         session = self.session_keys.of(headers, body) if self.session_keys is not None else None
-        ref = _stored_ref(endpoint, body)
-        previous = ref.previous_response_id if ref is not None else None
+        previous = _stored_ref(endpoint, body).previous_response_id
         route = RouteRequest(key=prepared.session_key, session=session, previous_response=previous)
         routed = self.parts.core.route(prepared, route, self.parts.fleet.clock())
         return Explanation(

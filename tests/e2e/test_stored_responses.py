@@ -14,7 +14,7 @@ import httpx
 import msgspec
 import pytest
 
-from router.ops.debug import DecisionEntry
+from router.ops.debug import DecisionEntry, Explanation
 from router.settings.config import PolicyConfig
 from tests.e2e.test_agent_apis import MODEL, sse_events
 from tests.gateway_helpers import (
@@ -63,6 +63,10 @@ async def test_a_continuation_goes_to_the_engine_that_stored_its_response(stream
             first = await gw.client.post("/v1/responses", json=body("Find the failing test.", stream))
             assert first.status_code == 200, first.text
             engine, previous = first.headers["x-kvrouter-engine"], response_id(first, stream)
+            admin = {"Authorization": f"Bearer {ADMIN}"}
+            found = await gw.client.post("/debug/route", json=body("Next.", stream, previous), headers=admin)
+            explained = msgspec.json.decode(found.content, type=Explanation).decision
+            assert (explained.engine, explained.reason) == (engine, f"stored response {previous} on {engine}")
             for turn in range(3):  # a chain: each continues the last, round_robin would alternate
                 answer = await gw.client.post(
                     "/v1/responses", json=body(f"Now step {turn}.", stream, previous)
