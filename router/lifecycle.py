@@ -177,6 +177,7 @@ class Service:
             metrics.count_discovery(kube.counts)
         if config.policy.name == "session":
             metrics.count_sessions(scorer.sessions)
+        metrics.count_stored_responses(scorer.stored)
         metrics.follow_fleet(partial(engine_labels, state))  # a removed engine's series go with it
         state.on_replica_removed(lambda _: metrics.forget_removed_engines())
         if config.policy.scrape_period_s > 0:

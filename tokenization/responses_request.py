@@ -51,8 +51,10 @@ __all__ = [
     "MessageItem",
     "ReasoningItem",
     "ResponsesRequest",
+    "StoredRef",
     "decode_responses",
     "responses_chat",
+    "stored_ref",
 ]
 
 # The Responses tool types vLLM never renders for the model (built-ins run by the server, if at all).
@@ -158,6 +160,26 @@ _ITEM_TYPES: Final[dict[str, type[Item]]] = {
     "reasoning": ReasoningItem,
 }
 _DECODER: Final = msgspec.json.Decoder(ResponsesRequest)
+
+
+class StoredRef(msgspec.Struct, frozen=True):
+    """What routing reads of a Responses body about vLLM's stored responses: the stored response it
+    continues, and whether its own answer is stored (vLLM's ``store`` defaults to true)."""
+
+    previous_response_id: str | None = None
+    store: bool | None = True
+
+
+_REF_DECODER: Final = msgspec.json.Decoder(StoredRef)
+
+
+def stored_ref(body: bytes) -> StoredRef:
+    """The body's `StoredRef`; the defaults (no continuation, stored) for a body that does not decode
+    as one (its preparation answers it, or the engine does)."""
+    try:
+        return _REF_DECODER.decode(body)
+    except msgspec.DecodeError:  # (ValidationError included)
+        return StoredRef()
 
 
 @dataclass

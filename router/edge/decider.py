@@ -47,6 +47,7 @@ from router.ops.debug import DecisionEntry, Explanation, PreparedView
 from router.prepare.remote_tokenize import RemoteTokenizeError, RemoteTokenizer
 from router.prepare.served_models import UnknownModel
 from tokenization.openai_request import Endpoint, RequestError
+from tokenization.responses_request import StoredRef, stored_ref
 
 __all__ = ["OWN_HEADERS", "Decider", "Exchange", "stage_timings", "view_of"]
 
@@ -103,6 +104,15 @@ def _trust_header(entry: DecisionEntry, engine: str) -> bytes:
                 if member is state:
                     return raw
     return b"unknown"
+
+
+_NOT_RESPONSES: Final = StoredRef(previous_response_id=None, store=False)
+"""What the other APIs' bodies say of stored responses: they continue none and store none."""
+
+
+def _stored_ref(endpoint: Endpoint, body: bytes) -> StoredRef:
+    """What a request says of vLLM's stored responses (only a Responses body says anything)."""
+    return stored_ref(body) if endpoint is Endpoint.RESPONSES else _NOT_RESPONSES
 
 
 def _prepare_failed(exc: Exception, endpoint: Endpoint) -> NoReturn:
@@ -247,13 +257,16 @@ class Decider:
         proxied = ProxyRequest(scope["method"], str(endpoint), headers, body, True)
         keys = self.session_keys
         session = keys.of(scope["headers"], body) if keys is not None else None
-        route = RouteRequest(prepared.session_key, session, excluded)
+        ref = _stored_ref(endpoint, body)
+        route = RouteRequest(prepared.session_key, session, excluded, ref.previous_response_id)
         flight = Flight(parts.fleet, parts.core, proxied, entry, route)
         if parts.recorder is not None:  # (kept before the decision: the recording's order and times)
             parts.recorder.request(rid, endpoint.value, prepared.model, Headers(scope=scope), body)
             flight.on_decision = parts.recorder.decision
         routed = flight.decide(prepared, parts.fleet.clock())
-        return Exchange(self, flight, entry, (prepared, routed), (arrived, time.perf_counter()))
+        exchange = Exchange(self, flight, entry, (prepared, routed), (arrived, time.perf_counter()))
+        exchange.stores = ref.store is not False
+        return exchange
 
     def failed(self, entry: DecisionEntry, exc: BaseException) -> None:
         """Count and log a decided request that ended in `exc` with no answer relayed."""
@@ -291,7 +304,8 @@ class Decider:
         `POST /debug/route`)."""
         prepared = await self.prepare(body, endpoint, full=True)
         session = self.session_keys.of(headers, body) if self.session_keys is not None else None
-        route = RouteRequest(key=prepared.session_key, session=session)
+        previous = _stored_ref(endpoint, body).previous_response_id
+        route = RouteRequest(key=prepared.session_key, session=session, previous_response=previous)
         routed = self.parts.core.route(prepared, route, self.parts.fleet.clock())
         return Explanation(
             view_of(prepared), routed.decision, stage_timings(prepared.timings, routed.timings)
@@ -313,7 +327,7 @@ class Exchange:
 
     __slots__ = (
         "arrived", "decider", "engine", "entry", "flight", "forwarding", "kept", "model", "note",
-        "pre_forward", "predicted", "prepared", "proxied", "routed", "status", "streamed_ok",
+        "pre_forward", "predicted", "prepared", "proxied", "routed", "status", "stores", "streamed_ok",
     )  # fmt: skip
 
     def __init__(
@@ -327,6 +341,8 @@ class Exchange:
         self.prepared, self.routed = decided
         self.arrived, self.forwarding = times
         self.kept = False
+        self.stores = False
+        """A Responses request whose answer the engine stores (`store` not false): `stored_as` learns it."""
 
     def choose(self, tried: frozenset[EngineId]) -> Target | None:
         """The proxy's chooser (router.edge.proxy.Chooser): the flight's target for the next attempt,
@@ -396,6 +412,11 @@ class Exchange:
             (trust_name, trust),
         ]
         return headers
+
+    def stored_as(self, response_id: str) -> None:
+        """The engine that answered stored its answer as `response_id` (a `stores` request answered
+        200): its continuations go there (router.core.policy.stored_responses)."""
+        self.decider.parts.core.scorer.stored.learn(response_id, EngineId(self.engine))
 
     def first_byte(self, relay_s: float) -> None:
         """The answer's first chunk was handed to the client, `relay_s` after it arrived."""

@@ -149,4 +149,6 @@ class Gateway:
         ok = upstream.status == 200
         relay = RelayResponse(upstream, headers, None, exchange.first_byte, exchange.end, ok, _OWN_NAMES)
         relay.write_s = self.write_s
+        if ok and exchange.stores:  # the engine stored the answer: learn where (its id, at the end)
+            relay.on_response_id = exchange.stored_as
         return relay

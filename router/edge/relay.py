@@ -34,7 +34,7 @@ from router.edge.client_io import ClientWatch
 from router.edge.client_writes import BODY_WRITER, BodyWriter, ClientStalled
 from router.edge.headers import HOP_BY_HOP, response_headers
 from router.edge.upstream import UpstreamResponse
-from router.edge.usage import UsageTap, cached_tokens_of
+from router.edge.usage import UsageTap, cached_tokens_of, response_id_of
 
 __all__ = [
     "AnswerNames",
@@ -177,6 +177,9 @@ class RelayResponse(Response):
     write_s = math.inf
     """The longest wait for a client that takes no more bytes (its creator sets
     `timeouts.client_write_s`); the answer's total deadline bounds it too."""
+    on_response_id: Callable[[str], None] | None = None
+    """Set by its creator for a stored Responses answer watched for usage: called, before `on_end`,
+    with the answer's id (`response_id_of`) when the answer completed and carried one."""
 
     def __init__(
         self,
@@ -278,9 +281,19 @@ class RelayResponse(Response):
                     cached = tap.cached_tokens()
                 elif whole:
                     cached = cached_tokens_of(whole, self.event_stream)
+                if self.on_response_id is not None:
+                    self._learn_id(tap, whole)
             if not self.ended:
                 self.ended = True
                 self._on_end(status, cached)
+
+    def _learn_id(self, tap: UsageTap | None, whole: bytes) -> None:
+        """Hand the completed answer's id to `on_response_id` (read from the tap, or the whole answer
+        that came in one read), if it carries one."""
+        assert self.on_response_id is not None
+        found = tap.response_id() if tap is not None else response_id_of(whole, self.event_stream)
+        if found is not None:
+            self.on_response_id(found)
 
     async def _pump(self, direct: BodyWriter) -> None:
         """The body up to its end straight from the upstream connection's reads to the client transport,

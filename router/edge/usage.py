@@ -13,11 +13,12 @@ Pure: no I/O.
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Iterator
 from typing import Final
 
 import msgspec
 
-__all__ = ["UsageTap", "cached_tokens_of", "cached_tokens_of_json", "cached_tokens_of_sse"]
+__all__ = ["UsageTap", "cached_tokens_of", "cached_tokens_of_json", "cached_tokens_of_sse", "response_id_of"]
 
 _JSON_CAP: Final = 4 << 20
 _SSE_TAIL: Final = 64 << 10
@@ -94,20 +95,63 @@ def cached_tokens_of_json(body: bytes) -> int | None:
     return _decoded(body)[1]
 
 
-def cached_tokens_of_sse(tail: bytes) -> int | None:
-    """The cached tokens of the last usage-carrying `data:` event in the stream's `tail`, or None."""
+def _last_events(tail: bytes) -> Iterator[bytes]:
+    """The `data:` payloads of the stream's `tail`, last first, `[DONE]` skipped, at most
+    `_MAX_EVENTS_BACK` of them (what the stream ends with is all that is looked for)."""
     events = tail.replace(b"\r\n", b"\n").split(b"\n\n")
     seen = 0
     for event in reversed(events):
         data = b"".join(line[5:].strip() for line in event.split(b"\n") if line.startswith(b"data:"))
         if not data or data == b"[DONE]":
             continue
+        yield data
+        seen += 1
+        if seen >= _MAX_EVENTS_BACK:
+            return
+
+
+def cached_tokens_of_sse(tail: bytes) -> int | None:
+    """The cached tokens of the last usage-carrying `data:` event in the stream's `tail`, or None."""
+    for data in _last_events(tail):
         has_usage, cached = _cached(data)
         if has_usage:
             return cached
-        seen += 1
-        if seen >= _MAX_EVENTS_BACK:
-            return None
+    return None
+
+
+class _Identified(msgspec.Struct):
+    id: str | None = None
+
+
+class _ResponseIds(msgspec.Struct):
+    """A Responses answer's id: a JSON answer's own, or the `response` a stream event carries
+    (`response.completed` last, `response.created` first)."""
+
+    id: str | None = None
+    response: _Identified | None = None
+
+
+_ID_DECODER: Final = msgspec.json.Decoder(_ResponseIds)
+
+
+def _id_in(data: bytes, stream: bool) -> str | None:
+    try:
+        found = _ID_DECODER.decode(data)
+    except msgspec.DecodeError:
+        return None
+    if stream:
+        return found.response.id if found.response is not None else None
+    return found.id
+
+
+def response_id_of(answer: bytes, stream: bool) -> str | None:
+    """A Responses answer's id: a JSON answer's top-level `id`, a stream's (its `tail`) last event's
+    `response.id`; None when absent."""
+    if not stream:
+        return _id_in(answer, False)
+    for data in _last_events(answer):
+        if (found := _id_in(data, True)) is not None:
+            return found
     return None
 
 
@@ -143,8 +187,16 @@ class UsageTap:
 
     def cached_tokens(self) -> int | None:
         """The engine-reported cached tokens, or None when the answer did not carry them."""
-        chunks = self._chunks
-        data = chunks[0] if len(chunks) == 1 else b"".join(chunks)  # a whole answer in one read: as it is
+        data = self._data()
         if self.stream:
             return cached_tokens_of_sse(data)
         return None if self._overflow else _decoded(data)[1]  # `cached_tokens_of_json`, one call less
+
+    def response_id(self) -> str | None:
+        """A Responses answer's id (`response_id_of`), None when absent or the JSON answer overflowed."""
+        return None if self._overflow else response_id_of(self._data(), self.stream)
+
+    def _data(self) -> bytes:
+        """What was kept, as one bytes (a whole answer in one read: as it is)."""
+        chunks = self._chunks
+        return chunks[0] if len(chunks) == 1 else b"".join(chunks)

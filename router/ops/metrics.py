@@ -30,6 +30,7 @@ from events.sources import EngineStats
 from router.core.keys.recent_prompts import PrefixKeyCache
 from router.core.policy.breaker import BreakerState
 from router.core.policy.session_rule import SessionRule
+from router.core.policy.stored_responses import StoredResponses
 from router.ops.bucket_histogram import BucketHistogram
 from router.ops.local_counter import LocalCounter
 from router.ops.local_family import LocalFamily
@@ -307,6 +308,25 @@ class _SessionCollector(Collector):
         )
         yield GaugeMetricFamily(
             "kvrouter_session_pins", "session pins held (this worker)", value=len(rule.pins)
+        )
+
+
+class _StoredResponsesCollector(Collector):
+    """The stored-response table (router.core.policy.stored_responses), read at scrape time."""
+
+    def __init__(self, table: StoredResponses) -> None:
+        self._table = table
+
+    def collect(self) -> Iterator[CounterMetricFamily | GaugeMetricFamily]:
+        table = self._table
+        yield _labelled(
+            "kvrouter_stored_response_evictions",
+            "stored-response ids forgotten, by reason: capacity, engine_removed (this worker)",
+            table.evictions,
+            label="reason",
+        )
+        yield GaugeMetricFamily(
+            "kvrouter_stored_responses", "stored-response ids held (this worker)", value=len(table)
         )
 
 
@@ -699,6 +719,10 @@ class RouterMetrics:
     def count_sessions(self, sessions: SessionRule) -> None:
         """Export the session policy's pins and outcomes (router/core/policy/session_rule.py)."""
         self._export(_SessionCollector(sessions))
+
+    def count_stored_responses(self, table: StoredResponses) -> None:
+        """Export the stored-response table's size and evictions (router/core/policy/stored_responses.py)."""
+        self._export(_StoredResponsesCollector(table))
 
     def _export(self, collector: Collector) -> None:
         """Register a collector of this worker's own counts (rendered in multiprocess mode too)."""

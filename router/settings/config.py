@@ -160,6 +160,9 @@ class PolicyConfig(_Table, frozen=True):
     """session: pins kept (least recently used evicted first, counted)."""
     session_ttl_s: NonNegative = 3600.0
     """session: a pin unused this long is forgotten (counted; 0: never)."""
+    stored_responses_capacity: Count = 100_000
+    """Responses ids kept with the engine that stored them, so a `previous_response_id` goes there
+    (least recently used evicted first, counted)."""
     prior_overhead_s: NonNegative = 0.02
     prior_per_token_s: Positive = 1e-4
     prior_weight: Positive = 4.0

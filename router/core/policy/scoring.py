@@ -37,6 +37,7 @@ import msgspec
 from router.core.ids import EngineId
 from router.core.policy.load import LoadSnapshot
 from router.core.policy.session_rule import SessionMode, SessionRule
+from router.core.policy.stored_responses import StoredResponses
 from router.core.policy.trust import TrustState, TrustStatus
 from router.core.policy.ttft_model import idle_prefill_s, ttft_terms
 
@@ -112,11 +113,13 @@ class Candidate(msgspec.Struct, frozen=True):
 
 
 class RouteRequest(msgspec.Struct, frozen=True):
-    """What scoring needs of the request: a key for stable tie-breaks, the session, engines to avoid."""
+    """What scoring needs of the request: a key for stable tie-breaks, the session, engines to avoid,
+    the Responses `previous_response_id` it continues."""
 
     key: str
     session: str | None = None
     excluded: frozenset[EngineId] = frozenset()
+    previous_response: str | None = None
 
 
 class ScorerSettings(msgspec.Struct, frozen=True):
@@ -140,6 +143,8 @@ class ScorerSettings(msgspec.Struct, frozen=True):
     """session, soft: a pinned session moves when kv's choice is predicted this much faster to first token."""
     saturation_bound: SaturationBound = "ttft"
     """What `max_predicted_ttft_s` bounds: the predicted TTFT, or the predicted wait (`wait_s`)."""
+    stored_responses_capacity: int = 100_000
+    """Responses ids kept with the engine that stored them (router.core.policy.stored_responses)."""
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> ScorerSettings:
@@ -150,7 +155,7 @@ class ScorerSettings(msgspec.Struct, frozen=True):
             max_predicted_ttft_s=p.max_predicted_ttft_s, max_scraped_waiting=p.max_scraped_waiting,
             prefill_work_weight=p.prefill_work_weight, session_mode=SessionMode(p.session_mode),
             session_ttl_s=p.session_ttl_s, session_margin_s=p.session_margin_s,
-            saturation_bound=p.saturation_bound,
+            saturation_bound=p.saturation_bound, stored_responses_capacity=p.stored_responses_capacity,
         )  # fmt: skip
 
 
@@ -295,6 +300,7 @@ class Scorer:
             settings.session_ttl_s,
             settings.session_margin_s,
         )
+        self.stored = StoredResponses(settings.stored_responses_capacity)
         self._now = 0.0  # the time of the decision being made (`choose`): session pins read it
         self._policies: dict[PolicyName, Callable[[RouteRequest, list[CandidateScore]], Pick]] = {
             PolicyName.KV: self._kv,
@@ -319,7 +325,7 @@ class Scorer:
         if not eligible:
             why = "; ".join(f"{s.engine}: {s.why_not}" for s in scores) or "no engines configured"
             return Decision(None, policy, f"no eligible engine ({why})", 0, scores)
-        chosen, reason = self._policy(request, eligible)
+        chosen, reason = self._stored(request, eligible) or self._policy(request, eligible)
         others = [s for s in eligible if s is not chosen]
         runner = min(others, key=_COST) if others else None
         return Decision(
@@ -329,8 +335,25 @@ class Scorer:
         )  # fmt: skip
 
     def forget_engine(self, engine: EngineId) -> None:
-        """Drop session pins to an engine that left the fleet."""
+        """Drop session pins to, and stored responses of, an engine that left the fleet."""
         self.sessions.pins.forget_engine(engine)
+        self.stored.forget_engine(engine)
+
+    def _stored(self, request: RouteRequest, eligible: list[CandidateScore]) -> Pick | None:
+        """A continuation of a stored response goes to the engine that stored it, whatever the policy
+        (no other can answer it); None when the id is unknown (routed normally: the engine answers its
+        404) or that engine is not eligible (routed normally, the policy's reason saying so)."""
+        if request.previous_response is None:
+            return None
+        rid = request.previous_response
+        engine = self.stored.engine_of(rid)
+        if engine is None:
+            return None
+        for s in eligible:
+            if s.engine == engine:
+                return s, f"stored response {rid} on {engine}"
+        chosen, reason = self._policy(request, eligible)
+        return chosen, f"{reason}; stored response {rid} on {engine}, which is not eligible"
 
     def _kv(self, request: RouteRequest, eligible: list[CandidateScore]) -> Pick:
         best = min(eligible, key=_COST)

@@ -1,0 +1,61 @@
+"""The stored-response table: which engine stored each Responses answer, bounded. Pure.
+
+vLLM keeps a stored response (``store`` not false, ``VLLM_ENABLE_RESPONSES_API_STORE=1``) in the
+engine that made it, and only that engine can continue it by ``previous_response_id``. The gateway
+learns (response id -> engine) from each stored answer it relays, and routing sends a continuation
+to that engine (router.core.policy.scoring). The table holds at most `capacity` ids, the least
+recently used evicted first; every id that leaves is counted by reason (`EVICTION_REASONS`), which
+the gateway exports as `kvrouter_stored_response_evictions_total{reason}`. Each gateway replica
+learns only what it relayed.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from typing import Final
+
+from router.core.ids import EngineId
+
+__all__ = ["EVICTION_REASONS", "StoredResponses"]
+
+EVICTION_REASONS: Final = ("capacity", "engine_removed")
+"""Why an id left the table: the table was full, its engine left the fleet."""
+
+
+class StoredResponses:
+    """Response id -> the engine that stored it, least recently used first, bounded by count."""
+
+    def __init__(self, capacity: int) -> None:
+        """`capacity` ids at most (>= 1)."""
+        if capacity < 1:
+            raise ValueError(f"stored response capacity must be at least 1, got {capacity}")
+        self.capacity = capacity
+        self._engines: OrderedDict[str, EngineId] = OrderedDict()
+        self.evictions: dict[str, int] = dict.fromkeys(EVICTION_REASONS, 0)
+
+    def __len__(self) -> int:
+        return len(self._engines)
+
+    def learn(self, response_id: str, engine: EngineId) -> None:
+        """`engine` stored `response_id`: it becomes the most recently used; the least recently used
+        ids past `capacity` are evicted (counted)."""
+        self._engines[response_id] = engine
+        self._engines.move_to_end(response_id)
+        while len(self._engines) > self.capacity:
+            self._engines.popitem(last=False)
+            self.evictions["capacity"] += 1
+
+    def engine_of(self, response_id: str) -> EngineId | None:
+        """The engine that stored `response_id` (a use: it becomes the most recently used), or None
+        when never learnt or evicted."""
+        engine = self._engines.get(response_id)
+        if engine is not None:
+            self._engines.move_to_end(response_id)
+        return engine
+
+    def forget_engine(self, engine: EngineId) -> None:
+        """Drop every id `engine` stored (it left the fleet, its store with it): counted."""
+        gone = [rid for rid, held in self._engines.items() if held == engine]
+        for rid in gone:
+            del self._engines[rid]
+        self.evictions["engine_removed"] += len(gone)

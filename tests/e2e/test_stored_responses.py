@@ -1,0 +1,97 @@
+"""Stored responses through the gateway: a `/v1/responses` continuation by `previous_response_id`
+goes to the engine that stored the response (only it can answer), whatever the policy.
+
+Two real engine stubs (which store Responses answers and continue them as vLLM 0.33.0 does, an
+unknown id answered with vLLM's 404), the real gateway with the round_robin policy (which would
+otherwise alternate), real ZeroMQ.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import httpx
+import msgspec
+import pytest
+
+from router.ops.debug import DecisionEntry, Explanation
+from router.settings.config import PolicyConfig
+from tests.e2e.test_agent_apis import MODEL, sse_events
+from tests.gateway_helpers import (
+    ADMIN,
+    Gateway,
+    engine_of,
+    gateway_config,
+    metric,
+    running_gateway,
+    running_stubs,
+)
+
+
+def body(text: str, stream: bool, previous: str | None = None, store: bool = True) -> dict[str, Any]:
+    """A Responses body continuing `previous` when given."""
+    fields: dict[str, Any] = {"model": MODEL, "input": text, "max_output_tokens": 4, "stream": stream}
+    if previous is not None:
+        fields["previous_response_id"] = previous
+    return fields if store else {**fields, "store": False}
+
+
+def response_id(answer: httpx.Response, stream: bool) -> str:
+    """The answer's id: a JSON answer's `id`, a stream's `response.completed` event's `response.id`."""
+    found = sse_events(answer.text)[-1]["response"]["id"] if stream else answer.json()["id"]
+    assert isinstance(found, str)
+    return found
+
+
+async def reason(gw: Gateway, answer: httpx.Response) -> str:
+    rid = answer.headers["x-request-id"]
+    found = await gw.client.get(f"/debug/decisions/{rid}", headers={"Authorization": f"Bearer {ADMIN}"})
+    entry = msgspec.json.decode(found.content, type=DecisionEntry)
+    assert entry.decisions
+    return entry.decisions[-1].reason
+
+
+def round_robin(gw_engines: list[Any]) -> Any:
+    return gateway_config(gw_engines, policy=PolicyConfig(name="round_robin", trust_silence_s=30.0))
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_a_continuation_goes_to_the_engine_that_stored_its_response(stream: bool) -> None:
+    async with running_stubs(2) as stubs:
+        engines = [engine_of(f"e{i}", s) for i, s in enumerate(stubs)]
+        async with running_gateway(round_robin(engines)) as gw:
+            first = await gw.client.post("/v1/responses", json=body("Find the failing test.", stream))
+            assert first.status_code == 200, first.text
+            engine, previous = first.headers["x-kvrouter-engine"], response_id(first, stream)
+            admin = {"Authorization": f"Bearer {ADMIN}"}
+            found = await gw.client.post("/debug/route", json=body("Next.", stream, previous), headers=admin)
+            explained = msgspec.json.decode(found.content, type=Explanation).decision
+            assert (explained.engine, explained.reason) == (engine, f"stored response {previous} on {engine}")
+            for turn in range(3):  # a chain: each continues the last, round_robin would alternate
+                answer = await gw.client.post(
+                    "/v1/responses", json=body(f"Now step {turn}.", stream, previous)
+                )
+                assert answer.status_code == 200, answer.text  # the other engine would answer 404
+                assert answer.headers["x-kvrouter-engine"] == engine
+                assert await reason(gw, answer) == f"stored response {previous} on {engine}"
+                previous = response_id(answer, stream)
+            text = (await gw.client.get("/metrics")).text
+            assert metric(text, "kvrouter_stored_responses") == 4
+
+
+async def test_an_unknown_or_unstored_id_is_routed_normally_and_the_engines_404_passed_through() -> None:
+    async with running_stubs(2) as stubs:
+        engines = [engine_of(f"e{i}", s) for i, s in enumerate(stubs)]
+        async with running_gateway(round_robin(engines)) as gw:
+            stored = await gw.client.post("/v1/responses", json=body("Hello.", False))
+            unstored = await gw.client.post("/v1/responses", json=body("Hello.", False, store=False))
+            assert stored.status_code == unstored.status_code == 200, unstored.text
+            text = (await gw.client.get("/metrics")).text
+            assert metric(text, "kvrouter_stored_responses") == 1  # `store: false`: nothing learnt
+            for unknown in ("resp_never_made", response_id(unstored, False)):
+                answer = await gw.client.post("/v1/responses", json=body("Go on.", False, unknown))
+                assert answer.status_code == 404, answer.text  # vLLM's own, passed through
+                error = answer.json()["error"]
+                assert error["type"] == "invalid_request_error" and error["param"] == "response_id"
+                assert error["message"] == f"Response with id '{unknown}' not found."
+                assert (await reason(gw, answer)).startswith("round_robin")
