@@ -113,6 +113,30 @@ async def test_full_report_mode_is_predicted_exactly(pair: EnginePair, hashing: 
     assert misses(traffic.outcomes) == []
 
 
+async def test_agent_apis_are_predicted_exactly(pair: EnginePair) -> None:
+    """Messages and Responses conversations (issue #32): each turn's predicted cached tokens are the
+    engine's, read from each API's own usage; the turns after the first hit their conversation's prefix."""
+    rng = random.Random(f"agents-{pair.model}")
+    async with routed(pair, "router") as traffic:
+        for _ in range(2):  # two users
+            system = f"{rng.random()} " + words(rng, 150)
+            chat: list[dict[str, str]] = []
+            items: list[dict[str, str]] = [{"role": "system", "content": system}]
+            for _ in range(3):
+                chat.append({"role": "user", "content": words(rng, 40)})
+                reply = await traffic.message(system, chat)
+                chat.append({"role": "assistant", "content": reply.text or "ok"})
+                await caught_up(traffic.gw, pair)
+                items.append({"role": "user", "content": words(rng, 40)})
+                answer = await traffic.response(items)
+                items.append({"role": "assistant", "content": answer.text or "ok"})
+                await caught_up(traffic.gw, pair)
+    assert misses(traffic.outcomes) == []
+    assert {o.kind for o in traffic.outcomes} == {"messages", "responses"}
+    later = [o for i, o in enumerate(traffic.outcomes) if i % 6 >= 2]  # each user's second and third turns
+    assert all(o.actual > 0 for o in later), [(o.kind, o.actual) for o in later]
+
+
 def miss_kind(entry: DecisionEntry) -> str:
     """Why a concurrent request's prediction missed, from its decision record.
 

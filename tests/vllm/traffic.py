@@ -1,7 +1,9 @@
 """Requests through the gateway to real engines, each recorded as predicted vs actual cached tokens.
 
 Predicted is the gateway's `x-kvrouter-predicted-cached-tokens` header; actual is the engine's
-`usage.prompt_tokens_details.cached_tokens` (the last SSE chunk's, when streamed with include_usage).
+`usage.prompt_tokens_details.cached_tokens` (the last SSE chunk's, when streamed with include_usage),
+or for the agent APIs (JSON answers) Messages' `usage.cache_read_input_tokens` and Responses'
+`usage.input_tokens_details.cached_tokens`.
 """
 
 from __future__ import annotations
@@ -90,6 +92,39 @@ class Traffic:
             ids = list(choice.get("token_ids") or [])
         actual = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
         outcome = Outcome(rid, kind + ("-stream" if stream else ""), engine, predicted, actual, text, ids)
+        self.outcomes.append(outcome)
+        return outcome
+
+    async def message(self, system: str, messages: list[dict[str, str]]) -> Outcome:
+        """An Anthropic Messages request (JSON); the outcome's text is the reply's text blocks."""
+        body = {"model": self.model, "max_tokens": MAX_TOKENS, "temperature": 0.0, "system": system}
+        reply, predicted, engine, rid = await self._post(
+            "/v1/messages", "messages", body | {"messages": messages}
+        )
+        text = "".join(b.get("text", "") for b in reply["content"] if b.get("type") == "text")
+        actual = int(reply["usage"].get("cache_read_input_tokens") or 0)
+        return self._keep(Outcome(rid, "messages", engine, predicted, actual, text, []))
+
+    async def response(self, items: list[dict[str, str]]) -> Outcome:
+        """An OpenAI Responses request (JSON, not stored); the outcome's text is its output text."""
+        body = {"model": self.model, "max_output_tokens": MAX_TOKENS, "temperature": 0.0, "store": False}
+        reply, predicted, engine, rid = await self._post(
+            "/v1/responses", "responses", body | {"input": items}
+        )
+        text = "".join(
+            c.get("text", "") for o in reply["output"] if o.get("type") == "message" for c in o["content"]
+        )
+        actual = int((reply["usage"].get("input_tokens_details") or {}).get("cached_tokens") or 0)
+        return self._keep(Outcome(rid, "responses", engine, predicted, actual, text, []))
+
+    async def _post(self, path: str, kind: str, body: dict[str, Any]) -> tuple[dict[str, Any], int, str, str]:
+        rid = f"{kind}-{uuid.uuid4().hex[:12]}"
+        resp = await self.gw.client.post(path, json=body, headers={"x-request-id": rid}, timeout=120.0)
+        assert resp.status_code == 200, resp.text
+        predicted, engine = _routing(resp.headers)
+        return resp.json(), predicted, engine, rid
+
+    def _keep(self, outcome: Outcome) -> Outcome:
         self.outcomes.append(outcome)
         return outcome
 
