@@ -9,9 +9,10 @@ bodies decoded by httptools, or up to EOF). A fully read answer with keep-alive 
 connection to the pool as its last bytes are handed over; any other end (close, cancellation,
 error) drops it, which is how an engine learns that the client went away. `Http1Client` is the
 gateway's `router.edge.upstream_transport.Transport` (its answers the `Answer`s), for forwarded
-requests and remote tokenization alike. The connection, and all of its state, is
-router.edge.http1_connection's; failures are router.edge.http1_errors' `HttpClientError`s
-(re-exported here), which `router.edge.upstream.map_upstream_errors` translates.
+requests, remote tokenization and the engine scraper alike: the gateway's one HTTP client. The
+connection, and all of its state, is router.edge.http1_connection's; failures are
+router.edge.http1_errors' `HttpClientError`s (re-exported here), which
+`router.edge.upstream.upstream_error` translates.
 """
 
 from __future__ import annotations

@@ -6,7 +6,8 @@ pumped into a sink). Failures are `router.edge.http1_errors.HttpClientError`s (c
 timed out, disconnected before the head, cut mid-body, a bad answer, a timeout, a full pool),
 which `router.edge.upstream.upstream_error` translates in one place: an implementation raises those
 and nothing else for a failed exchange. The real implementation is `router.edge.http1.Http1Client`;
-tests script engines in memory with tests/memory_transport.py's.
+tests script engines in memory with tests/memory_transport.py's. The engine scraper
+(router.edge.engine_scraper) asks the same of its own client.
 """
 
 from __future__ import annotations
@@ -63,7 +64,7 @@ class Answer(Protocol):
 
 
 class Transport(Protocol):
-    """Requests to engines: what the proxy and the gateway's own calls to engines go through."""
+    """Requests to engines: what the proxy, the gateway's own calls to engines and the scraper go through."""
 
     async def request(
         self,
