@@ -238,8 +238,8 @@ class RelayResponse(Response):
                 if not chunk:
                     break
                 received = time.perf_counter() if first else 0.0
-                # `reader.at_end()` as the attribute it reads after a hand-over: no call per chunk.
-                if reader is not None and reader.done:  # the end leaves with its last bytes, in one write
+                # Settled right after a hand-over: these were the body's last bytes (`Answer.settled`).
+                if reader is not None and reader.settled:  # the end leaves with its last bytes, in one write
                     ended = True  # and the connection is already released: no call for b"" follows
                     watch.closing()
                 if direct is not None and direct.blocked():  # `send` would wait on the client unbounded

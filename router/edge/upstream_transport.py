@@ -24,16 +24,19 @@ class Answer(Protocol):
     """An engine's answer: status and header pairs now, the body as it arrives.
 
     `next_chunk` hands over every body byte that has arrived (waiting for some), b"" once the body is
-    complete; the body's last bytes give the connection back, after which `done` is True. `close`
+    complete; the body's last bytes give the connection back, after which `settled` is True. `close`
     drops the answer unless it was read to its end (idempotent): that is how an engine learns that the
-    client went away."""
+    client went away. Two questions, two names: `settled` (the answer holds no connection any more)
+    and `at_end()` (nothing is left to read)."""
 
     status: int
     raw_headers: list[tuple[bytes, bytes]]
     """The header pairs as received (hop-by-hop ones included), latin-1 bytes."""
-    done: bool
-    """Released or dropped: after `ready` or `next_chunk` handed over bytes, True exactly when they
-    were the body's last."""
+    settled: bool
+    """The answer let go of its connection: given back with the body's last bytes, or dropped by
+    `close`. After `ready` or `next_chunk` handed over bytes, True exactly when they were the body's
+    last (the relay reads this, not `at_end()`, to send the end with them). Unlike `at_end()`, False
+    while the body's end has arrived but its bytes have not been handed over."""
 
     @property
     def deadline(self) -> float:
@@ -55,7 +58,8 @@ class Answer(Protocol):
         ...
 
     def at_end(self) -> bool:
-        """Whether the body has been read to its end (the next `next_chunk` returns b"" at once)."""
+        """Whether nothing is left to read: the next `next_chunk` returns b"" at once (the body's end
+        has arrived and every byte was handed over, or the answer is `settled`)."""
         ...
 
     def close(self) -> None:

@@ -242,7 +242,7 @@ async def test_transport_failures_and_bad_text_are_counted_by_reason_in_the_gate
     assert all(r.method == "GET" and r.path == "/metrics" for r in transport.requests)
     assert ("Accept-Encoding", "identity") in transport.requests[0].headers
     # Every answer not read to its end was dropped (the engine sees its connection closed).
-    assert all(a.done for a in transport.answers)
+    assert all(a.settled for a in transport.answers)
     assert sum(a.dropped for a in transport.answers) >= 2 * 2  # cut and hanging: twice each at least
 
 
