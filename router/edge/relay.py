@@ -210,9 +210,13 @@ class RelayResponse(Response):
         self._tap, self._watch = None, True
 
     async def stream_to(
-        self, send: Send, watch: ClientWatch, direct: BodyWriter | None = None, scope: Scope | None = None,
+        self,
+        send: Send,
+        watch: ClientWatch,
+        direct: BodyWriter | None = None,
+        scope: Scope | None = None,
         coalesce_s: float = 0.0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Relay the whole answer through `send`; `watch` learns when the last message goes out. With
         `direct`, the body after the first chunk goes straight to the client transport (`_pump`), and
         every wait on a client that takes no more bytes is bounded (`write_s`, the answer's deadline:
