@@ -49,8 +49,9 @@ def py_spy() -> str:
     return found
 
 
-async def loaded(args: argparse.Namespace, tmp: Path, head: Sequence[str], seconds: float,
-                 spy_out: str | None = None) -> Row:  # fmt: skip
+async def loaded(
+    args: argparse.Namespace, tmp: Path, head: Sequence[str], seconds: float, spy_out: str | None = None
+) -> Row:
     """Start backend and gateway (run by `head`), warm up, load for `seconds` (py-spy recording into
     `spy_out` if given), stop both; the load's row."""
     case: Case = chat_case() if args.case == "chat" else completions_case()

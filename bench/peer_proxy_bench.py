@@ -131,8 +131,9 @@ def only_loopback() -> bool:
     return [name for _, name in socket.if_nameindex()] == ["lo"]
 
 
-async def measure(target: Target, case: Case, files: tuple[Path, Path], conc: int, seconds: float,
-                  rep: int) -> Row:  # fmt: skip
+async def measure(
+    target: Target, case: Case, files: tuple[Path, Path], conc: int, seconds: float, rep: int
+) -> Row:
     before, sys_before = peers.tree_cpu_split_s(target.pid)
     proc = await asyncio.create_subprocess_exec(
         *wrk_argv(target.url, case, conc, seconds, *files), stdout=asyncio.subprocess.PIPE
@@ -231,8 +232,9 @@ async def run(args: argparse.Namespace) -> None:
     report(rows, streams, [t.name for t in targets], args)
 
 
-async def run_matrix(args: argparse.Namespace, targets: list[Target], cases: list[Case],
-                     files: dict[str, tuple[Path, Path]]) -> tuple[list[Row], list[Stream]]:  # fmt: skip
+async def run_matrix(
+    args: argparse.Namespace, targets: list[Target], cases: list[Case], files: dict[str, tuple[Path, Path]]
+) -> tuple[list[Row], list[Stream]]:
     concs = (1, 32) if args.quick else CONCURRENCY
     rows: list[Row] = []
     streams: list[Stream] = []

@@ -118,8 +118,14 @@ class Running:
     log: Path
 
 
-def start(peer: Peer, script: Path | str, backends: Sequence[str], policy: str, log_dir: Path,
-          timeout_s: float = 60.0) -> Running:  # fmt: skip
+def start(
+    peer: Peer,
+    script: Path | str,
+    backends: Sequence[str],
+    policy: str,
+    log_dir: Path,
+    timeout_s: float = 60.0,
+) -> Running:
     """Start `peer` on a free port and wait until it is ready; its output goes to a log in `log_dir`."""
     port, prom = free_port(), free_port()
     log = log_dir / f"{peer.name}-{policy}-{port}.log"

@@ -164,8 +164,9 @@ def stub_addresses(base_port: int, stubs: int) -> list[tuple[str, str, str]]:
     return out
 
 
-def peer_argv(target: PeerTarget, script: str | Path, addresses: Sequence[tuple[str, str, str]],
-              ports: tuple[int, int]) -> list[str]:  # fmt: skip
+def peer_argv(
+    target: PeerTarget, script: str | Path, addresses: Sequence[tuple[str, str, str]], ports: tuple[int, int]
+) -> list[str]:
     """The command starting `target` on 127.0.0.1:ports[0] (Prometheus on ports[1]) for the stubs;
     kv_aware also subscribes to every stub's KV events and replay endpoint."""
     urls = [a[0] for a in addresses]

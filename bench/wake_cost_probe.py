@@ -89,8 +89,15 @@ async def gateway(args: argparse.Namespace) -> None:
             await stop_all(procs)
 
 
-async def cell(args: argparse.Namespace, target: Target, case: Case, files: tuple[Path, Path],
-               rep: int, pin: str, conc: int) -> None:  # fmt: skip
+async def cell(
+    args: argparse.Namespace,
+    target: Target,
+    case: Case,
+    files: tuple[Path, Path],
+    rep: int,
+    pin: str,
+    conc: int,
+) -> None:
     before = switches(target.pid)
     sampler = None
     if args.perf is not None and rep == 0 and pin == "none":

@@ -157,7 +157,7 @@ def startup_message(url: str, config: RouterConfig, engines: list[str]) -> str:
 
 def run(args: argparse.Namespace) -> int:
     """Serve until SIGINT/SIGTERM (a clean stop: 0); 2 on a configuration error, 1 when start-up fails."""
-    # Imported here: the gateway's stack (FastAPI, aiohttp, tokenizers) is not loaded for other commands.
+    # Imported here: the gateway's stack (FastAPI, uvicorn, tokenizers) is not loaded for other commands.
 
     from router.edge.gateway_parts import GatewayParts
     from router.lifecycle import ServeOptions, gateway_app

@@ -29,11 +29,11 @@ from router.core.routing import RoutingCore
 from router.edge.admin import apply_discovery
 from router.edge.asgi_app import GatewayApp, create_app
 from router.edge.auth import Guard
+from router.edge.engine_scraper import EngineScraper, ScrapeSettings
 from router.edge.gateway_parts import GatewayParts
 from router.edge.proxy import Proxy, ProxySettings
 from router.links.discovery import DnsDiscovery
 from router.links.embedded_stubs import EmbeddedStubs
-from router.links.engine_scraper import EngineScraper, ScrapeSettings
 from router.links.fleet_links import FleetLinks
 from router.ops.debug import DecisionRing
 from router.ops.decision_peers import DecisionPeers

@@ -86,9 +86,14 @@ def endpoint_slice(
 
 
 def pod(
-    name: str, ip: str, labels: Mapping[str, str], *, ready: bool = True, phase: str = "Running",
+    name: str,
+    ip: str,
+    labels: Mapping[str, str],
+    *,
+    ready: bool = True,
+    phase: str = "Running",
     annotations: Mapping[str, str] | None = None,
-) -> Obj:  # fmt: skip
+) -> Obj:
     """A Pod as the kubelet reports it: its phase, Ready condition and IP."""
     meta: Obj = {"name": name, "namespace": "llm", "labels": dict(labels), "uid": f"uid-{name}"}
     if annotations:

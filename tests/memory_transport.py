@@ -73,7 +73,7 @@ class MemoryAnswer:
     def __init__(self, reply: Reply) -> None:
         self.status = reply.status
         self.raw_headers = list(reply.headers)
-        self.done = False
+        self.settled = False
         self.dropped = False
         """Closed before its body was read to its end (what the engine would see as a disconnect)."""
         self._chunks = deque(reply.chunks)
@@ -85,12 +85,12 @@ class MemoryAnswer:
         return math.inf
 
     def ready(self) -> bytes | None:
-        if self.done:
+        if self.settled:
             return b""
         if self._chunks:
             return self._take()
         if self._end == "end":
-            self.done = True
+            self.settled = True
             return b""
         return None
 
@@ -118,15 +118,15 @@ class MemoryAnswer:
     def _take(self) -> bytes:
         chunk = self._chunks.popleft()
         if not self._chunks and self._end == "end":
-            self.done = True
+            self.settled = True
         return chunk
 
     def at_end(self) -> bool:
-        return self.done or (not self._chunks and self._end == "end")
+        return self.settled or (not self._chunks and self._end == "end")
 
     def close(self) -> None:
-        if not self.done:
-            self.done = self.dropped = True
+        if not self.settled:
+            self.settled = self.dropped = True
             self._closed.set()
 
 

@@ -89,10 +89,7 @@ ROUTER_LAYERS: list[set[str]] = [
     {"lifecycle"},
 ]
 # Upward arrows still in the tree, each with why (strictly: the test fails once one is gone, so delete it).
-KNOWN_UPWARD: dict[str, str] = {
-    "router/settings/config.py -> router/core/group_kinds.py": "the config checks a group's required field "
-    "and EAGLE drop by its kind's rules (`GroupKind.missing`, `eagle_allowed`), which the core defines",
-}
+KNOWN_UPWARD: dict[str, str] = {}
 
 
 def module_path(name: str) -> Path | None:

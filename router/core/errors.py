@@ -20,8 +20,8 @@
 An error with a `reason` is a refusal by the gateway itself, counted in
 `kvrouter_rejected_requests_total{reason}` (`router.ops.metrics.REJECT_REASONS`); one without is a failure.
 Engine 4xx answers are not errors here: they pass through with the engine's own body. The upstream
-HTTP client's exceptions (router.edge.http1_errors: forwarded requests and remote tokenization alike)
-are translated in exactly one place, `router.edge.upstream.upstream_error`.
+HTTP client's exceptions (router.edge.http1_errors: forwarded requests, remote tokenization and the
+engine scraper alike) are translated in exactly one place, `router.edge.upstream.upstream_error`.
 """
 
 from __future__ import annotations

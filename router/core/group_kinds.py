@@ -3,9 +3,11 @@
 vLLM maps each `KVCacheSpec` type to its manager class (`single_type_kv_cache_manager.py`); here
 `group_kind(spec_kind)` maps the spelling vLLM puts in `kv_cache_spec_kind` to the router's rules for
 that kind: full attention, sliding window, Mamba, chunked local attention, or a kind that never hits.
-Each class says what the lookup, the model spec, the mirror and the config need to know (its hit
-finder, whether its stores are sparse, its EAGLE behaviour, its required field); nobody compares kind
-strings. Pure.
+Each class says what the lookup, the model spec and the mirror need to know (its hit finder, whether
+its stores are sparse, its EAGLE behaviour); what the config checks of a group (its required field,
+whether the EAGLE drop is allowed) is its `rule`, defined below the core in
+router.settings.group_rules with the spellings of the kinds that have one, so the config reads the
+rules without importing the core. Nobody compares kind strings. Pure.
 
 The engine stub has its own kinds (`engine_stub.core.engine_config.GroupKind`,
 `engine_stub.core.single_type_hits`) on purpose: it is the independent restatement of vLLM the router is
@@ -19,6 +21,7 @@ from collections.abc import Callable, Sequence
 from typing import ClassVar, Final, NamedTuple, Protocol
 
 from router.core.lookup.finders import find_chunked, find_full, find_mamba, find_swa
+from router.settings.group_rules import ANY_KIND, CHUNKED_LOCAL, SLIDING_WINDOW, GroupRule
 
 __all__ = [
     "ChunkedLocal",
@@ -75,21 +78,13 @@ class GroupKind:
     """Its finder gives back the last matched block under EAGLE (vLLM's `use_eagle`)."""
     eagle_looks_past_hit: ClassVar[bool] = True
     """With the EAGLE drop, the hybrid fixpoint looks it up one block past the candidate length."""
-    eagle_allowed: ClassVar[bool] = True
-    """vLLM has an EAGLE block drop for this kind (the config rejects the drop otherwise)."""
-    required: ClassVar[tuple[str, str, str] | None] = None
-    """(field, label, what the config calls it) of the parameter a group of this kind needs."""
+    rule: ClassVar[GroupRule] = ANY_KIND
+    """What a group of this kind needs (its required field, whether the EAGLE drop is allowed): the
+    config's rule for it (router.settings.group_rules)."""
 
     def find(self, group: GroupShape, query: HitQuery) -> int:
         """The longest hit in tokens this kind gives `query` (0: never a hit)."""
         return 0
-
-    def missing(self, group: object) -> str | None:
-        """The required field `group` (a `GroupShape` or the config's group table) lacks: unset or
-        0; None when it has what its kind needs."""
-        if self.required is None or getattr(group, self.required[0]):
-            return None
-        return self.required[0]
 
 
 class FullAttention(GroupKind):
@@ -116,10 +111,10 @@ class FullAttention(GroupKind):
 class SlidingWindow(GroupKind):
     """Sliding window: the rightmost run of cached blocks the window needs."""
 
-    spec_kinds = frozenset({"sliding_window", "sliding_window_mla"})
+    rule = SLIDING_WINDOW
+    spec_kinds = rule.spec_kinds
     sparse_stores = True
     eagle_drop = True
-    required = ("sliding_window", "sliding-window", "its window")
 
     def find(self, group: GroupShape, query: HitQuery) -> int:
         q = query
@@ -144,9 +139,8 @@ class Mamba(GroupKind):
 class ChunkedLocal(GroupKind):
     """Chunked local attention: blocks before the current chunk are free, then a leading run."""
 
-    spec_kinds = frozenset({"chunked_local_attention"})
-    eagle_allowed = False
-    required = ("chunk_size", "chunked-local", "it")
+    rule = CHUNKED_LOCAL
+    spec_kinds = rule.spec_kinds
 
     def find(self, group: GroupShape, query: HitQuery) -> int:
         q = query

@@ -47,10 +47,10 @@ class GroupSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     def __post_init__(self) -> None:
         if self.block_size <= 0:
             raise ValueError(f"block_size must be positive, got {self.block_size}")
-        kind = group_kind(self.kind)
-        field = kind.missing(self)
-        if field is not None and kind.required is not None:
-            raise ValueError(f"a {kind.required[1]} group needs {field}")
+        rule = group_kind(self.kind).rule
+        field = rule.missing(self)
+        if field is not None and rule.required is not None:
+            raise ValueError(f"a {rule.required.label} group needs {field}")
 
 
 class ModelSpec(msgspec.Struct, frozen=True, forbid_unknown_fields=True):

@@ -331,9 +331,13 @@ class Exchange:
     )  # fmt: skip
 
     def __init__(
-        self, decider: Decider, flight: Flight, entry: DecisionEntry, decided: tuple[Prepared, Routed],
+        self,
+        decider: Decider,
+        flight: Flight,
+        entry: DecisionEntry,
+        decided: tuple[Prepared, Routed],
         times: tuple[float, float],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """`decided` = (the preparation, the routing); `times` = (arrival, the decision's end) on the
         perf_counter clock."""
         self.decider, self.flight, self.entry = decider, flight, entry

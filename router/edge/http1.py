@@ -9,9 +9,10 @@ bodies decoded by httptools, or up to EOF). A fully read answer with keep-alive 
 connection to the pool as its last bytes are handed over; any other end (close, cancellation,
 error) drops it, which is how an engine learns that the client went away. `Http1Client` is the
 gateway's `router.edge.upstream_transport.Transport` (its answers the `Answer`s), for forwarded
-requests and remote tokenization alike. The connection, and all of its state, is
-router.edge.http1_connection's; failures are router.edge.http1_errors' `HttpClientError`s
-(re-exported here), which `router.edge.upstream.map_upstream_errors` translates.
+requests, remote tokenization and the engine scraper alike: the gateway's one HTTP client. The
+connection, and all of its state, is router.edge.http1_connection's; failures are
+router.edge.http1_errors' `HttpClientError`s (re-exported here), which
+`router.edge.upstream.upstream_error` translates.
 """
 
 from __future__ import annotations
@@ -96,9 +97,10 @@ class Http1Response:
         """The header pairs as received, latin-1 bytes (what the relay reads, nothing decoded)."""
         self._pool, self._conn, self._deadline = pool, conn, deadline
         self._read_s = pool.client.settings.read_s
-        self.done = False
-        """Released or dropped (`release`, `close`): after `ready` or `next_chunk` handed over body
-        bytes, True exactly when they were the body's last (the connection goes with them)."""
+        self.settled = False
+        """The connection is let go of: given back or dropped (`release`, `close`). After `ready` or
+        `next_chunk` handed over body bytes, True exactly when they were the body's last (the
+        connection goes with them); see `Answer.settled` for how it differs from `at_end()`."""
 
     @property
     def deadline(self) -> float:
@@ -113,7 +115,7 @@ class Http1Response:
     def ready(self) -> bytes | None:
         """What `next_chunk` would return now without waiting (b"" at the body's end), or None when it
         would have to wait or raise: the relay's synchronous path, no coroutine per chunk."""
-        if self.done:
+        if self.settled:
             return b""
         conn = self._conn
         chunk = conn.take_arrived()
@@ -125,7 +127,7 @@ class Http1Response:
     async def next_chunk(self) -> bytes:
         """The next body bytes as they arrived; b"" once the body is complete. The connection is
         released with the body's last bytes (`at_end()` is then True), so no further call is needed."""
-        if self.done:  # released or dropped: a pooled connection's bytes are another answer's now
+        if self.settled:  # released or dropped: a pooled connection's bytes are another answer's now
             return b""
         conn = self._conn
         while (chunk := conn.take_arrived()) is None:
@@ -159,7 +161,7 @@ class Http1Response:
         loop = conn.loop
         try:
             conn.attach_sink(sink)
-            while not (conn.complete or self.done):
+            while not (conn.complete or self.settled):
                 if conn.error is not None:
                     raise conn.error
                 if conn.sink_full:
@@ -190,15 +192,15 @@ class Http1Response:
         return idle, left
 
     def at_end(self) -> bool:
-        """Whether the body has been read to its end: the next `next_chunk` returns b"" at once."""
-        return self.done or (self._conn.complete and not self._conn.pending)
+        """Whether nothing is left to read: the next `next_chunk` returns b"" at once (`Answer.at_end`)."""
+        return self.settled or (self._conn.complete and not self._conn.pending)
 
     def release(self) -> None:
         """Give the connection back to the pool if the body was read to its end and its framing is
         beyond doubt (`Connection.reusable`), else drop it."""
-        if self.done:
+        if self.settled:
             return
-        self.done = True
+        self.settled = True
         conn = self._conn
         if conn.reusable():
             self._pool.put(conn)
@@ -208,8 +210,8 @@ class Http1Response:
 
     def close(self) -> None:
         """Drop the connection unless the answer was already fully read (idempotent)."""
-        if not self.done:
-            self.done = True
+        if not self.settled:
+            self.settled = True
             self._conn.close()
             self._pool.forget()
 

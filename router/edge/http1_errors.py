@@ -1,5 +1,5 @@
-"""The upstream HTTP/1.1 client's failures (router.edge.http1); mapped to `RouterError`s in one place,
-`router.edge.upstream.map_upstream_errors`.
+"""The HTTP/1.1 client's failures (router.edge.http1); mapped to `RouterError`s in one place,
+`router.edge.upstream.upstream_error`.
 
     HttpClientError
     ├── ConnectFailed, ConnectTimedOut     no connection to the engine

@@ -210,9 +210,13 @@ class RelayResponse(Response):
         self._tap, self._watch = None, True
 
     async def stream_to(
-        self, send: Send, watch: ClientWatch, direct: BodyWriter | None = None, scope: Scope | None = None,
+        self,
+        send: Send,
+        watch: ClientWatch,
+        direct: BodyWriter | None = None,
+        scope: Scope | None = None,
         coalesce_s: float = 0.0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Relay the whole answer through `send`; `watch` learns when the last message goes out. With
         `direct`, the body after the first chunk goes straight to the client transport (`_pump`), and
         every wait on a client that takes no more bytes is bounded (`write_s`, the answer's deadline:
@@ -238,8 +242,8 @@ class RelayResponse(Response):
                 if not chunk:
                     break
                 received = time.perf_counter() if first else 0.0
-                # `reader.at_end()` as the attribute it reads after a hand-over: no call per chunk.
-                if reader is not None and reader.done:  # the end leaves with its last bytes, in one write
+                # Settled right after a hand-over: these were the body's last bytes (`Answer.settled`).
+                if reader is not None and reader.settled:  # the end leaves with its last bytes, in one write
                     ended = True  # and the connection is already released: no call for b"" follows
                     watch.closing()
                 if direct is not None and direct.blocked():  # `send` would wait on the client unbounded

@@ -6,7 +6,8 @@ pumped into a sink). Failures are `router.edge.http1_errors.HttpClientError`s (c
 timed out, disconnected before the head, cut mid-body, a bad answer, a timeout, a full pool),
 which `router.edge.upstream.upstream_error` translates in one place: an implementation raises those
 and nothing else for a failed exchange. The real implementation is `router.edge.http1.Http1Client`;
-tests script engines in memory with tests/memory_transport.py's.
+tests script engines in memory with tests/memory_transport.py's. The engine scraper
+(router.edge.engine_scraper) asks the same of its own client.
 """
 
 from __future__ import annotations
@@ -23,16 +24,19 @@ class Answer(Protocol):
     """An engine's answer: status and header pairs now, the body as it arrives.
 
     `next_chunk` hands over every body byte that has arrived (waiting for some), b"" once the body is
-    complete; the body's last bytes give the connection back, after which `done` is True. `close`
+    complete; the body's last bytes give the connection back, after which `settled` is True. `close`
     drops the answer unless it was read to its end (idempotent): that is how an engine learns that the
-    client went away."""
+    client went away. Two questions, two names: `settled` (the answer holds no connection any more)
+    and `at_end()` (nothing is left to read)."""
 
     status: int
     raw_headers: list[tuple[bytes, bytes]]
     """The header pairs as received (hop-by-hop ones included), latin-1 bytes."""
-    done: bool
-    """Released or dropped: after `ready` or `next_chunk` handed over bytes, True exactly when they
-    were the body's last."""
+    settled: bool
+    """The answer let go of its connection: given back with the body's last bytes, or dropped by
+    `close`. After `ready` or `next_chunk` handed over bytes, True exactly when they were the body's
+    last (the relay reads this, not `at_end()`, to send the end with them). Unlike `at_end()`, False
+    while the body's end has arrived but its bytes have not been handed over."""
 
     @property
     def deadline(self) -> float:
@@ -54,7 +58,8 @@ class Answer(Protocol):
         ...
 
     def at_end(self) -> bool:
-        """Whether the body has been read to its end (the next `next_chunk` returns b"" at once)."""
+        """Whether nothing is left to read: the next `next_chunk` returns b"" at once (the body's end
+        has arrived and every byte was handed over, or the answer is `settled`)."""
         ...
 
     def close(self) -> None:
@@ -63,7 +68,7 @@ class Answer(Protocol):
 
 
 class Transport(Protocol):
-    """Requests to engines: what the proxy and the gateway's own calls to engines go through."""
+    """Requests to engines: what the proxy, the gateway's own calls to engines and the scraper go through."""
 
     async def request(
         self,

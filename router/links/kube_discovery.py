@@ -137,9 +137,13 @@ class ListWatch:
     410 resyncs, backoff and rejections). `counts` are shared with the owner (its metrics)."""
 
     def __init__(
-        self, source: WatchSource, k: KubernetesDiscovery, counts: dict[str, int],
-        changed: Callable[[], Awaitable[None]], client: Callable[[], Awaitable[ApiClient]],
-    ) -> None:  # fmt: skip
+        self,
+        source: WatchSource,
+        k: KubernetesDiscovery,
+        counts: dict[str, int],
+        changed: Callable[[], Awaitable[None]],
+        client: Callable[[], Awaitable[ApiClient]],
+    ) -> None:
         self.source, self.k, self.counts = source, k, counts
         self._changed, self._client = changed, client
         self.objects: ObjectSet[Any] = ObjectSet()
@@ -287,9 +291,12 @@ class EngineTable:
     asked its `/v1/models` first (left out until it answers, asked again after a backoff)."""
 
     def __init__(
-        self, k: KubernetesDiscovery, on_change: OnChange, current: Callable[[], dict[str, EngineConfig]],
+        self,
+        k: KubernetesDiscovery,
+        on_change: OnChange,
+        current: Callable[[], dict[str, EngineConfig]],
         counts: dict[str, int],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.k, self._on_change, self._current, self.counts = k, on_change, current, counts
         self.known: dict[str, EngineConfig] = {}  # the pure engine set, minus engines of unknown model
         self.present: set[str] = set()  # names handed to the fleet

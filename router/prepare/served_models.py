@@ -119,7 +119,7 @@ def _packed(rt: RequestTokens) -> Packed | None:
     """The request's packed ids as the keys read them: its bytes, or a carried chat's entry's held
     ids (joined only if the keys need them whole), or None when the tokenizer made none."""
     first = rt.first
-    if rt.packed is not None or type(first) is not ReuseEntry:
+    if rt.packed is not None or not isinstance(first, ReuseEntry):
         return rt.packed
     return HeldPacked(first.count, first.packed_from, first.packed_head, first.joined)
 
@@ -394,7 +394,7 @@ class Models:
         main = computed.pop(model)
         return Prepared(
             model=model,
-            endpoint=endpoint if type(endpoint) is Endpoint else Endpoint(endpoint),
+            endpoint=endpoint if isinstance(endpoint, Endpoint) else Endpoint(endpoint),
             stream=first.stream,
             prompt_tokens=main.num_tokens,
             keys=main.keys,
@@ -430,7 +430,7 @@ class Models:
         t2 = clock()
         return Prepared(
             model=model,
-            endpoint=endpoint if type(endpoint) is Endpoint else Endpoint(endpoint),
+            endpoint=endpoint if isinstance(endpoint, Endpoint) else Endpoint(endpoint),
             stream=rt.stream,
             prompt_tokens=count_of(rt.first),  # `rt.num_tokens` without the property's call
             keys=keys,

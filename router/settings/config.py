@@ -16,7 +16,7 @@ from urllib.parse import urlsplit
 
 import msgspec
 
-from router.core.group_kinds import group_kind
+from router.settings.group_rules import group_rule
 from tokenization.base import TokenizationError
 from tokenization.hub_names import hub_repo
 
@@ -451,11 +451,11 @@ def _engine_problems(engines: list[EngineConfig]) -> list[str]:
 def _group_problems(at: str, groups: list[GroupConfig], drop: bool) -> list[str]:
     problems = []
     for j, g in enumerate(groups):
-        kind = group_kind(g.kind)
-        if kind.required is not None and kind.missing(g) is not None:
-            field, _, what = kind.required
+        rule = group_rule(g.kind)
+        if rule.required is not None and rule.missing(g) is not None:
+            field, _, what = rule.required
             problems.append(f"{at}.groups[{j}].{field}: a {g.kind} group needs {what}")
-        if not kind.eagle_allowed and drop and (g.eagle or not any(o.eagle for o in groups)):
+        if not rule.eagle_allowed and drop and (g.eagle or not any(o.eagle for o in groups)):
             problems.append(f"{at}.groups[{j}]: vLLM has no EAGLE block drop for chunked local attention")
     return problems
 

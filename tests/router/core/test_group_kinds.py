@@ -15,6 +15,7 @@ from router.core.group_kinds import (
     group_kind,
 )
 from router.core.kv_layout import GroupSpec
+from router.settings.group_rules import ANY_KIND, CHUNKED_LOCAL, SLIDING_WINDOW, group_rule
 
 SPELLINGS: dict[str, type[GroupKind]] = {
     "full_attention": FullAttention,
@@ -36,6 +37,9 @@ def test_each_vllm_spelling_maps_to_its_kind_class(spelling: str, cls: type[Grou
     assert kind.cacheable is (cls is not NeverHits)
     assert kind.sparse_stores is (cls in (SlidingWindow, Mamba))
     assert kind.full_attention is (cls is FullAttention)
+    # The config checks a group by the same rule the kind carries (router.settings.group_rules).
+    assert group_rule(spelling) is kind.rule
+    assert kind.rule is {SlidingWindow: SLIDING_WINDOW, ChunkedLocal: CHUNKED_LOCAL}.get(cls, ANY_KIND)
 
 
 def test_a_kind_that_never_hits_finds_nothing() -> None:

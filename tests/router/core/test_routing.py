@@ -103,9 +103,12 @@ _serial = itertools.count(1)
     ),
 )  # fmt: skip
 def test_route_builds_the_candidates_and_predictions_of_the_general_path(
-    policy: Policy, events: bool, stored: list[tuple[int, int]], prompts: list[tuple[int, bool, bool]],
+    policy: Policy,
+    events: bool,
+    stored: list[tuple[int, int]],
+    prompts: list[tuple[int, bool, bool]],
     breakers: list[tuple[int, str]],
-) -> None:  # fmt: skip
+) -> None:
     """Whatever is stored and pending, for prompts of 0 or 1 token (nothing to look up), skipping the
     cache or not, with breakers closed, open, cooled down or probing: `predict` is one `lookup` per
     group, and the candidates scoring sees are those one public call per field builds (pending tokens

@@ -83,7 +83,7 @@ async def test_a_5xx_then_a_refused_connect_fail_over_to_the_third_engine() -> N
         ]
         assert fleet.asked == [frozenset(), {"a"}, {"a", "b"}]
         assert [p.breakers.get(EngineId(n)).failures for n in "abc"] == [1, 1, 0]
-        assert [(a.done, a.dropped) for a in t.answers] == [(True, False)] * 2  # the 5xx excerpt: read out
+        assert [(a.settled, a.dropped) for a in t.answers] == [(True, False)] * 2  # the 5xx excerpt: read out
         assert [r.headers[-1] for r in t.requests] == [("Host", f"{n}:8000") for n in "abc"]
 
 

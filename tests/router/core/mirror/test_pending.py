@@ -244,9 +244,14 @@ def test_expiry_skipped_before_the_next_due_time_changes_nothing(
 
 
 def _step_both(
-    a: PendingPrefixes, b: PendingPrefixes, op: str, request: RequestId, replica: EngineId,
-    blocks: list[int], now: float,
-) -> None:  # fmt: skip
+    a: PendingPrefixes,
+    b: PendingPrefixes,
+    op: str,
+    request: RequestId,
+    replica: EngineId,
+    blocks: list[int],
+    now: float,
+) -> None:
     """One step of a property test's script on both overlays, then what they answer compared: the
     leading runs ("run"), their sizes and what each replica holds."""
     for p in (a, b):

@@ -1,8 +1,10 @@
-"""Every scrape is bounded; one engine's bad answer costs only its own scrape (router.links.engine_scraper).
+"""Every scrape is bounded; one engine's bad answer costs only its own scrape (router.edge.engine_scraper).
 
 Fake engines on 127.0.0.1 answer /metrics with a huge body, a body that never ends, `+Inf`, `1e400` or
 negative gauges, or a redirect to another port; beside them a good engine. Each bad answer is a
-counted rejection with its reason, and the good engine goes on being scraped.
+counted rejection with its reason, and the good engine goes on being scraped. Through the in-memory
+transport (tests/memory_transport.py, the seam the scraper shares with the proxy), the transport's
+failures and text that is not an exposition are counted by the same reasons in the gateway's metrics.
 """
 
 from __future__ import annotations
@@ -18,10 +20,13 @@ from aiohttp import web
 from router.core.fleet_state import FleetState
 from router.core.ids import EngineId
 from router.core.keys.block_key import KeyHasher
-from router.links.engine_scraper import EngineScraper, ScrapeSettings
+from router.edge.engine_scraper import EngineScraper, ScrapeSettings
+from router.edge.upstream_transport import Transport
+from router.ops.metrics import RouterMetrics
 from router.prepare.engine_variants import resolve_variant
 from router.settings.config import EngineConfig, ModelConfig, RouterConfig
-from tests.gateway_helpers import Handler, fake_engine, wait_for
+from tests.gateway_helpers import Handler, fake_engine, metric, wait_for
+from tests.memory_transport import REFUSED, SILENT, VANISHED, MemoryTransport, Reply, url
 
 MODEL = ModelConfig(name="m", block_size=4)
 LIMIT = 64 * 1024
@@ -62,18 +67,21 @@ class Scraping:
         return self.fleet.load.snapshot(EngineId(engine), self.fleet.clock()).scrape is not None
 
 
+def fleet_of(urls: dict[str, str]) -> FleetState:
+    """A fleet of model "m" engines at `urls`, by name."""
+    engines = [EngineConfig(name=name, url=u, model="m") for name, u in urls.items()]
+    fleet = FleetState(RouterConfig(engines=engines, models=[MODEL]), KeyHasher(b"t"), time.monotonic)
+    for e in engines:
+        fleet.add_engine(e, resolve_variant(MODEL, e), fleet.clock())
+    return fleet
+
+
 @asynccontextmanager
 async def scraping(handlers: dict[str, Handler], timeout_s: float = 5.0) -> AsyncIterator[Scraping]:
     async with AsyncExitStack() as stack:
-        engines = [
-            EngineConfig(name=name, url=await stack.enter_async_context(fake_engine(h)), model="m")
-            for name, h in handlers.items()
-        ]
-        fleet = FleetState(RouterConfig(engines=engines, models=[MODEL]), KeyHasher(b"t"), time.monotonic)
-        for e in engines:
-            fleet.add_engine(e, resolve_variant(MODEL, e), fleet.clock())
-        run = Scraping(fleet)
-        scraper = EngineScraper(fleet, ScrapeSettings(0.01, timeout_s, LIMIT), run.on_result)
+        urls = {name: await stack.enter_async_context(fake_engine(h)) for name, h in handlers.items()}
+        run = Scraping(fleet_of(urls))
+        scraper = EngineScraper(run.fleet, ScrapeSettings(0.01, timeout_s, LIMIT), run.on_result)
         scraper.start()
         try:
             yield run
@@ -189,6 +197,58 @@ async def test_an_error_status_and_a_closed_port_are_counted_apart() -> None:
         await wait_for(
             lambda: _true(run.results["failing", "status"] >= 2 and run.results["good", None] >= 2)
         )
+
+
+async def test_transport_failures_and_bad_text_are_counted_by_reason_in_the_gateways_metrics() -> None:
+    text = (
+        b"# TYPE vllm:num_requests_running gauge\n"
+        b'vllm:num_requests_running{engine="0",model_name="m"} three\n'
+    )
+    transport = MemoryTransport.of(
+        refused=REFUSED,  # nobody listens
+        vanished=VANISHED,  # closed before the head
+        cut=Reply(200, (gauges()[:40],), end="cut"),  # closed mid-body
+        silent=SILENT,  # the client's first-byte timeout
+        hanging=Reply(200, (gauges()[:40],), end="hang"),  # the scrape's own timeout
+        garbled=Reply(200, (text,)),  # not a Prometheus text exposition
+        good=Reply(200, (gauges(),)),
+    )
+    seam: Transport = transport  # the in-memory transport is one (checked by mypy)
+    fleet = fleet_of({name: url(name) for name in transport_names(transport)})
+    metrics = RouterMetrics(lambda: [], clock=lambda: 0.0)
+    scraper = EngineScraper(fleet, ScrapeSettings(0.01, 0.2, LIMIT), metrics.scraped, transport=seam)
+    expected = {
+        "refused": "connection",
+        "vanished": "connection",
+        "cut": "connection",
+        "silent": "timeout",
+        "hanging": "timeout",
+        "garbled": "malformed",
+    }
+
+    def errors(engine: str, reason: str) -> float:
+        name = "kvrouter_engine_scrape_errors_total"
+        return metric(metrics.render().decode(), name, engine=engine, reason=reason)
+
+    scraper.start()
+    try:
+        await wait_for(lambda: _true(all(errors(e, r) >= 2 for e, r in expected.items())))
+    finally:
+        await scraper.close()
+    assert transport.closed
+    good = fleet.load.snapshot(EngineId("good"), fleet.clock()).scrape
+    assert good is not None and good.num_requests_running == 3  # the others cost it nothing
+    assert not any(fleet.load.snapshot(EngineId(e), fleet.clock()).scrape for e in expected)
+    assert all(r.method == "GET" and r.path == "/metrics" for r in transport.requests)
+    assert ("Accept-Encoding", "identity") in transport.requests[0].headers
+    # Every answer not read to its end was dropped (the engine sees its connection closed).
+    assert all(a.settled for a in transport.answers)
+    assert sum(a.dropped for a in transport.answers) >= 2 * 2  # cut and hanging: twice each at least
+
+
+def transport_names(transport: MemoryTransport) -> list[str]:
+    """The engine names `MemoryTransport.of` was given (its URLs are `url(name)`)."""
+    return [u.removeprefix("http://").removesuffix(":8000") for u in transport.engines]
 
 
 async def _true(value: bool) -> bool:
