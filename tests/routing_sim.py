@@ -65,7 +65,8 @@ class SimResult(msgspec.Struct, frozen=True):
     """Every request's TTFT in simulated seconds (arrival order; inf: refused), the prompt tokens found
     cached, each engine's busy seconds (what its stub would report), and per request what its
     decision predicted for the engine chosen: its TTFT and its wait (`CandidateScore.predicted_ttft_s`,
-    `wait_s`; nan when refused), and the refused requests' indexes."""
+    `wait_s`; nan when refused), the refused requests' indexes, and per request the learned prefill
+    cost per token its decision read for that engine (`LoadSnapshot.per_token_s`; nan when refused)."""
 
     ttft: list[float]
     cached_tokens: int
@@ -74,6 +75,7 @@ class SimResult(msgspec.Struct, frozen=True):
     predicted_ttft_s: list[float] = []
     predicted_wait_s: list[float] = []
     refused: list[int] = []
+    per_token_s: list[float] = []
 
     @property
     def cached_ratio(self) -> float:
@@ -196,4 +198,5 @@ def run(
         [c.predicted_ttft_s if c else math.nan for c in picked],
         [c.wait_s if c else math.nan for c in picked],
         done.refused,
+        [c.load.per_token_s if c else math.nan for c in picked],
     )  # fmt: skip

@@ -7,7 +7,8 @@ model, router/core/policy/ttft_model.py, reads). It learns the model's per-engin
 the engine's requests decode (`residency_s`, from the requests that finished, so long outputs keep
 an engine busy), and the prefill part, `overhead + cost x tokens`, by robust recursive least squares
 from a configurable prior, from TTFTs with the rest of the model's prediction at send time (decode
-and slot wait) taken out, against the queue as sent plus the request's own tokens; or, with
+and slot wait) taken out, against the queue as sent plus the request's own tokens (the overhead
+only from requests sent to an empty queue: `PrefillCostModel.observe`'s `queued`); or, with
 `service` on, from each answer's own service (the time since the engine could start it, against its
 own tokens). With `drain` on, the queue's head (the oldest request sent and not answered: FCFS, the
 one the engine is prefilling) counts as partly done as time passes (`LoadSnapshot.drained_tokens`).
@@ -52,7 +53,8 @@ class PrefillCostModel:
     """Robust recursive least squares over (prefill tokens ahead of the first token) -> TTFT seconds.
 
     Residuals beyond 3x the running mean absolute error are clipped (Huber-style), so one stalled
-    request cannot wreck the estimate; both parameters stay non-negative."""
+    request cannot wreck the estimate; both parameters stay non-negative. The overhead learns only
+    from observations that are one request's own prefill (not `queued`)."""
 
     def __init__(self, prior: CostPrior) -> None:
         self.prior = prior
@@ -72,8 +74,10 @@ class PrefillCostModel:
         """Predicted TTFT in seconds when `tokens` prefill tokens must run before the first token."""
         return self.overhead_s + self._per_ktok * tokens / _KTOK
 
-    def observe(self, tokens: float, ttft_s: float) -> None:
-        """Learn from one request: `tokens` prefill tokens ran before its first token, after `ttft_s`."""
+    def observe(self, tokens: float, ttft_s: float, queued: bool = False) -> None:
+        """Learn from one request: `tokens` prefill tokens ran before its first token, after `ttft_s`;
+        `queued`: some of them were other requests' (it was sent behind a queue), so only the per-token
+        cost learns from it (see `_per_token_only`)."""
         x1 = tokens / _KTOK  # (the feature vector is (1, x1))
         err = ttft_s - self.predict(tokens)
         if self.samples >= 3:
@@ -81,6 +85,9 @@ class PrefillCostModel:
             err = max(-limit, min(limit, err))  # (a NaN error is clipped to the limit)
         self._abs_err = abs(err) if self.samples == 0 else 0.9 * self._abs_err + 0.1 * abs(err)
         self.samples += 1
+        if queued:
+            self._per_token_only(x1, err)
+            return
         # The update: the 2x2 algebra written out in scalars (one per request's first token), the same
         # operations in the same order as the matrix form, so the estimate is bit for bit the same; a
         # product by the feature's constant 1.0 is its other factor exactly, so it is left out.
@@ -97,6 +104,21 @@ class PrefillCostModel:
         # Forgetting inflates P when the token counts barely vary; bound it by the prior's spread.
         scale = min(1.0, self._p_trace_max / trace if trace > 0 else 1.0)
         self._p = (n00 * scale, n01 * scale, n10 * scale, n11 * scale)
+
+    def _per_token_only(self, x1: float, err: float) -> None:
+        """The update with the overhead held: recursive least squares of the per-token cost alone (its
+        variance `P[1][1]`) on what the TTFT leaves after the overhead.
+
+        Behind a queue a TTFT also holds waits the queue as sent does not explain (the rest of the
+        engine step under way, later arrivals prefilled in the same steps), uncorrelated with its tokens
+        or worse: fitting both parameters there gives them to the overhead and drives the per-token
+        cost to zero (issue #29 item 5). Against the tokens alone they read as a dearer token."""
+        lam, (p00, p01, p10, p11) = self.prior.forgetting, self._p
+        px1 = p11 * x1
+        g1 = px1 / (lam + x1 * px1)
+        self._per_ktok = max(1e-9, self._per_ktok + g1 * err)
+        n11 = min((p11 - g1 * px1) / lam, self._p_trace_max)  # (forgetting inflates it: bounded likewise)
+        self._p = (p00, p01, p10, n11)
 
 
 class ScrapedMetrics(msgspec.Struct, frozen=True):
@@ -287,7 +309,8 @@ class LoadTracker:
             self._served(load, flight, at)
         else:
             ttft = at - flight.started_at - flight.other_s
-            load.model.observe(flight.work_tokens, max(0.0, ttft))
+            queued = flight.work_tokens > flight.uncached_tokens
+            load.model.observe(flight.work_tokens, max(0.0, ttft), queued)
         self._end_prefill(load, request, flight)
         load.head_since = at
         return at - flight.started_at
