@@ -23,7 +23,7 @@ from engine_stub.server.launch import StubServer
 from router.ops.debug import DecisionEntry
 from router.ops.digests import FleetDigests
 from router.settings.config import EngineConfig, PolicyConfig
-from tests.e2e.test_agent_apis import MODEL, SYSTEM, messages_step, responses_step
+from tests.agent_helpers import MODEL, SYSTEM, messages_step, responses_step
 from tests.gateway_helpers import (
     ADMIN,
     WAIT,

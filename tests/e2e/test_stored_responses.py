@@ -16,7 +16,7 @@ import pytest
 
 from router.ops.debug import DecisionEntry, Explanation
 from router.settings.config import PolicyConfig
-from tests.e2e.test_agent_apis import MODEL, sse_events
+from tests.agent_helpers import MODEL, sse_events
 from tests.gateway_helpers import (
     ADMIN,
     Gateway,
