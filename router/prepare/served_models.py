@@ -14,7 +14,9 @@ makes its model take prompt ids from an engine's /tokenize (`needs_remote`), as 
 does; the built-in tokenizer stands in only when no engine answers either (no hits predicted). After
 `fetch_hub`, a repo first named later (an engine added at run time) is read from the cache alone: a
 request never waits on the network; if it is not cached, that engine's variant is keyed by the
-built-in tokenizer (no hit predicted on it).
+built-in tokenizer (no hit predicted on it). The gateway fetches what is missing again in the
+background (router.links.hub_retry); files that arrive are adopted (`adopt_hub`) and their models
+tokenize locally again.
 
 What a preparation keeps for later requests (the chat decoder's messages, the chat carry's turn, the
 segment cache's pieces, prefix reuse's text, the recent prompts' keys) each cache keeps as it makes
@@ -230,6 +232,39 @@ class Models:
                 self._unavailable(HubUnavailable(ref, "unreadable", str(exc)))
                 self._tokenizers.pop(v.tokenizer_source, None)
         self._cache_only = True
+
+    def hub_missing(self) -> dict[HubRef, list[Variant]]:
+        """Each repo-named tokenizer not had (startup's failures, and repos first named later that the
+        cache did not hold) with the variants reading it: what a retry fetches (router.links.hub_retry).
+        Read on the event loop, a snapshot the retry's thread may read."""
+        variants = [v for by_id in self._variants.values() for v in by_id.values()]
+        missing = [ref for ref, found in self._hub.items() if isinstance(found, HubUnavailable)]
+        return {ref: [v for v in variants if _hub_ref(v) == ref] for ref in missing}
+
+    def adopt_hub(
+        self,
+        ref: HubRef,
+        path: Path,
+        encoders: Mapping[tuple[str | None, str | None, str | None], CachedEncoder],
+    ) -> list[str]:
+        """A missing repo's files arrived (`hub_missing`) and loaded as `encoders` (by tokenizer source):
+        its variants tokenize with them from now on, and each model all of whose repos are now had takes
+        its prompt ids locally again (not one configured `remote_tokenize`). The models switched back."""
+        self._hub[ref] = path
+        self._tokenizers.update(encoders)
+        back = []
+        for name in sorted(self._hub_fallback):
+            refs = {r for v in self._variants[name].values() if (r := _hub_ref(v)) is not None}
+            if not any(isinstance(self._hub.get(r), HubUnavailable) for r in refs):
+                self._hub_fallback.discard(name)
+                if not getattr(self._models[name], "remote_tokenize", False):
+                    self._remote.discard(name)
+                back.append(name)
+        log.warning(
+            "tokenizer resolved through the HF hub after startup: tokenizing locally",
+            extra={"repo": ref[0], "path": str(path), "models": back},
+        )
+        return back
 
     def on_hub_unavailable(self, count: Callable[[str], None]) -> None:
         """Call `count(reason)` for each repo that could not be had: those so far, then each one later."""
