@@ -142,6 +142,13 @@ class CompletionRequest(msgspec.Struct):
     cache_salt: str | None = None
     prompt_logprobs: int | None = None
     vllm_xargs: VllmXargs | None = None
+    # The ids a session key may come from (router.core.policy.session_key), typed as loosely as JSON:
+    # only the session key reads them, and checks them there (a wrong type names no session, no 400).
+    prompt_cache_key: Any = None
+    conversation: Any = None
+    metadata: Any = None
+    user: Any = None
+    safety_identifier: Any = None
 
 
 class ChatRequest(msgspec.Struct):
@@ -161,6 +168,13 @@ class ChatRequest(msgspec.Struct):
     cache_salt: str | None = None
     prompt_logprobs: int | None = None
     vllm_xargs: VllmXargs | None = None
+    # The ids a session key may come from (router.core.policy.session_key), typed as loosely as JSON:
+    # only the session key reads them, and checks them there (a wrong type names no session, no 400).
+    prompt_cache_key: Any = None
+    conversation: Any = None
+    metadata: Any = None
+    user: Any = None
+    safety_identifier: Any = None
 
 
 _COMPLETION = msgspec.json.Decoder(CompletionRequest)

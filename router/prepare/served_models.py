@@ -31,6 +31,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import msgspec
 
@@ -38,6 +39,7 @@ from router.core.errors import BadRequest, ModelNotFound, RouterError
 from router.core.keys.block_key import KeyHasher
 from router.core.keys.recent_prompts import PrefixKeyCache
 from router.core.keys.request import HeldPacked, Packed, Prior, chained, session_int, session_key, spec_keys
+from router.core.policy.session_key import body_key_of
 from router.core.prepared import Prepared, VariantKeys
 from router.core.variant import Variant, VariantId
 from router.prepare.engine_variants import DEFAULT_MODEL, engine_model, model_configs, resolve_variant
@@ -56,6 +58,7 @@ from tokenization.openai_request import (
 )
 from tokenization.prefix_reuse import ReuseEntry, count_of
 from tokenization.request_tokens import ApiRequest, RequestTokens, decode_request, tokens_of
+from tokenization.responses_request import CheckedResponses
 
 __all__ = ["PROCESS_HASHER", "Models", "Prepared", "UnknownModel", "VariantKeys"]
 
@@ -95,6 +98,12 @@ class _IdFields(msgspec.Struct, omit_defaults=True):
     cache_salt: str | None = None
     prompt_logprobs: int | None = None
     vllm_xargs: dict[str, str] | None = None
+    # The session ids (`Prepared.body_session`), carried as loosely as the request Structs type them.
+    prompt_cache_key: Any = None
+    conversation: Any = None
+    metadata: Any = None
+    user: Any = None
+    safety_identifier: Any = None
 
     @staticmethod
     def decode_body(body: bytes) -> _IdFields:
@@ -163,6 +172,7 @@ class Models:
         self._cache_only = False  # set by `fetch_hub`: from then on a request may be waiting
         self._count_unavailable: Callable[[str], None] = lambda reason: None
         self._chat = ChatDecoder()
+        self._reads_body_session = config.policy.name == "session" and config.policy.session_body
         self._variants: dict[str, dict[VariantId, Variant]] = {
             name: {VariantId(name): resolve_variant(m)} for name, m in self._models.items()
         }
@@ -436,12 +446,19 @@ class Models:
             skip_cache=first.skip_cache,
             report_mode=str(first.report_mode),  # a C call (Enum.value is a Python-level property)
             session_key=session_key(_ids_of(first), first.extras, _packed(first)),
+            body_session=self._body_session(req),
             timings=MappingProxyType({"tokenize": tokenize, "hash": hashing}),
             variant=model,
             variants=MappingProxyType(computed),
             lora_name=first.extras.lora_name,
             cache_salt=first.extras.cache_salt,
         )
+
+    def _body_session(self, req: ApiRequest) -> str | None:
+        """The session key `req`'s body ids name, when the policy reads it (`Prepared.body_session`)."""
+        if not self._reads_body_session:
+            return None
+        return body_key_of(req.request if isinstance(req, CheckedResponses) else req)
 
     def _prepare_one(self, req: ApiRequest, endpoint: Endpoint | str, model: str, v: Variant) -> Prepared:
         """`_prepare` for a model with its own variant only (the common case): the same `Prepared`,
@@ -472,6 +489,7 @@ class Models:
             skip_cache=rt.skip_cache,
             report_mode=str(rt.report_mode),  # a C call (Enum.value is a Python-level property)
             session_key=key,
+            body_session=self._body_session(req),
             timings=MappingProxyType({"tokenize": t1 - t0, "hash": t2 - t1}),
             variant=model,
             lora_name=extras.lora_name,
