@@ -14,6 +14,8 @@ is that conversion, written for our `ChatRequest`, so the prompt ids come from t
 - the last item a message or reasoning ``in_progress``/``incomplete`` -> the final message is continued
   (``continue_final_message``, no generation prompt);
 - ``function`` tools -> the chat's function tools; the built-in tool types are not shown to the model;
+- ``reasoning.effort`` -> the chat's ``reasoning_effort`` (the template's ``reasoning_effort`` and
+  ``enable_thinking``, as for chat completions);
 - the text is encoded with ``add_special_tokens`` **True**: vLLM's Responses tokenize params keep
   that default, where chat completions set it False (a tokenizer whose post-processor adds BOS gives
   the Responses prompt a second one, as the engine does).
@@ -134,6 +136,12 @@ class FunctionTool(msgspec.Struct):
     defer_loading: bool | None = None
 
 
+class ReasoningConfig(msgspec.Struct):
+    """A Responses request's ``reasoning``: its ``effort`` is rendered (`ChatRequest.reasoning_effort`)."""
+
+    effort: str | None = None
+
+
 class ResponsesRequest(msgspec.Struct):
     """``/v1/responses``: the fields vLLM 0.33.0 reads that shape the prompt or routing. Items and tools
     are kept as objects here and checked by `decode_responses` (their kind decides their shape)."""
@@ -150,6 +158,7 @@ class ResponsesRequest(msgspec.Struct):
     cache_salt: str | None = None
     vllm_xargs: VllmXargs | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning: ReasoningConfig | None = None
     # The ids a session key may come from (router.core.policy.session_key), typed as loosely as JSON:
     # only the session key reads them, and checks them there (a wrong type names no session, no 400).
     prompt_cache_key: Any = None
@@ -307,6 +316,7 @@ def responses_chat(decoded: CheckedResponses) -> ChatRequest:
         continue_final_message=partial,
         add_special_tokens=True,
         chat_template_kwargs=req.chat_template_kwargs,
+        reasoning_effort=req.reasoning.effort if req.reasoning is not None else None,
         stream=bool(req.stream),
         max_tokens=req.max_output_tokens,
         cache_salt=req.cache_salt,
