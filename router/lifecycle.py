@@ -35,6 +35,7 @@ from router.edge.proxy import Proxy, ProxySettings
 from router.links.discovery import DnsDiscovery
 from router.links.embedded_stubs import EmbeddedStubs
 from router.links.fleet_links import FleetLinks
+from router.links.hub_retry import HubRetry, HubRetrySettings
 from router.ops.debug import DecisionRing
 from router.ops.decision_peers import DecisionPeers
 from router.ops.fleet_views import engine_labels, engine_views
@@ -108,6 +109,7 @@ class Service:
         self._proxy: Proxy | None = None
         self.peers: DecisionPeers | None = None
         self.scraper: EngineScraper | None = None
+        self.hub_retry: HubRetry | None = None
 
     async def _phase(self, name: str, work: Awaitable[object], timeout_s: float) -> None:
         started = time.perf_counter()
@@ -173,6 +175,10 @@ class Service:
             partial(engine_views, state), time.time, models.key_cache, models.tokenizer_stats
         )
         models.on_hub_unavailable(metrics.count_hub_unavailable)
+        t = config.timeouts
+        retry = HubRetrySettings(attempts=t.hub_retries, first_s=t.hub_retry_s, fetch_s=t.hub_fetch_s)
+        self.hub_retry = HubRetry(models, retry, metrics.count_hub_retry)
+        self.hub_retry.start()
         if kube is not None:
             metrics.count_discovery(kube.counts)
         if config.policy.name == "session":
@@ -227,6 +233,8 @@ class Service:
             await self._stop_phase("decision peers", self.peers.close(), timeout)
         if self.scraper is not None:
             await self._stop_phase("engine scraper", self.scraper.close(), timeout)
+        if self.hub_retry is not None:
+            await self._stop_phase("tokenizer retries", self.hub_retry.close(), timeout)
         if self.discovery is not None:
             await self._stop_phase("discovery", self.discovery.close(), timeout)
         if self._proxy is not None:
@@ -240,7 +248,7 @@ class Service:
             await asyncio.gather(self._sync_task, return_exceptions=True)
         if self.recorder is not None:
             self.recorder.close()
-        self.scraper = None
+        self.scraper = self.hub_retry = None
         self.discovery = self._proxy = self._links = self.embedded = self.recorder = self.peers = None
         self._sync_task, self.parts = None, None
 

@@ -137,6 +137,12 @@ class MessagesRequest(msgspec.Struct):
     cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None
     vllm_xargs: VllmXargs | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    # The ids a session key may come from (router.core.policy.session_key), typed as loosely as JSON:
+    # only the session key reads them, and checks them there (a wrong type names no session, no 400).
+    prompt_cache_key: Any = None
+    conversation: Any = None
+    user: Any = None
+    safety_identifier: Any = None
 
 
 _DECODER: Final = msgspec.json.Decoder(MessagesRequest)

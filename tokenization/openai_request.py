@@ -142,6 +142,13 @@ class CompletionRequest(msgspec.Struct):
     cache_salt: str | None = None
     prompt_logprobs: int | None = None
     vllm_xargs: VllmXargs | None = None
+    # The ids a session key may come from (router.core.policy.session_key), typed as loosely as JSON:
+    # only the session key reads them, and checks them there (a wrong type names no session, no 400).
+    prompt_cache_key: Any = None
+    conversation: Any = None
+    metadata: Any = None
+    user: Any = None
+    safety_identifier: Any = None
 
 
 class ChatRequest(msgspec.Struct):
@@ -155,12 +162,22 @@ class ChatRequest(msgspec.Struct):
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
+    reasoning_effort: str | None = None
+    """Rendered as vLLM 0.33.0's `build_chat_params` does (tokenization.request_tokens): the template's
+    `reasoning_effort`, and `enable_thinking` unless `chat_template_kwargs` sets it."""
     stream: bool = False
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     cache_salt: str | None = None
     prompt_logprobs: int | None = None
     vllm_xargs: VllmXargs | None = None
+    # The ids a session key may come from (router.core.policy.session_key), typed as loosely as JSON:
+    # only the session key reads them, and checks them there (a wrong type names no session, no 400).
+    prompt_cache_key: Any = None
+    conversation: Any = None
+    metadata: Any = None
+    user: Any = None
+    safety_identifier: Any = None
 
 
 _COMPLETION = msgspec.json.Decoder(CompletionRequest)

@@ -123,7 +123,12 @@ def _completion_prompts(req: CompletionRequest, tok: CachedEncoder) -> list[Pack
 
 
 def _chat_prompt(req: ChatRequest, tok: CachedEncoder) -> tuple[PromptIds, bytes | None, CarryLink | None]:
-    if req.chat_template_kwargs is None and req.tools is None and req.documents is None:
+    if (
+        req.chat_template_kwargs is None
+        and req.tools is None
+        and req.documents is None
+        and req.reasoning_effort is None
+    ):
         kwargs = {"continue_final_message": req.continue_final_message}  # the common case, in one dict
         template = tok.tokenizer.templates.select(None)
         conv = conversation(req.messages, template.detected_format, template.supports_developer_role)
@@ -144,6 +149,14 @@ def _chat_prompt_with_kwargs(
     kwargs.pop("tools", None)
     if req.documents is not None:
         kwargs["documents"] = req.documents
+    if (effort := req.reasoning_effort) is not None:
+        # vLLM 0.33.0 (`build_chat_params`, chat and Responses alike): thinking on unless the effort is
+        # "none", when the kwargs do not say; the effort over the kwargs' own unless "auto" (an unset
+        # value of its merge). Its `--reasoning-effort-map` is the engine's: not applied here.
+        if "enable_thinking" not in (req.chat_template_kwargs or {}):
+            kwargs["enable_thinking"] = effort != "none"
+        if effort != "auto":
+            kwargs["reasoning_effort"] = effort
     kwargs.pop("add_generation_prompt", None)
     kwargs["continue_final_message"] = req.continue_final_message
     template = tok.tokenizer.templates.select(tools)

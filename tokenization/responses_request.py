@@ -13,7 +13,12 @@ is that conversion, written for our `ChatRequest`, so the prompt ids come from t
   previous assistant message when that has none; ``function_call_output`` -> a ``tool`` message;
 - the last item a message or reasoning ``in_progress``/``incomplete`` -> the final message is continued
   (``continue_final_message``, no generation prompt);
-- ``function`` tools -> the chat's function tools; the built-in tool types are not shown to the model;
+- ``function`` tools -> the chat's function tools, a ``namespace``'s named ``<namespace>__<name>``, a
+  ``custom`` tool as a function of one string ``input``; the built-in tool types are not shown to the
+  model; a ``custom_tool_call`` -> a tool call of that function (its input as ``{"input": ...}``), a
+  namespaced ``function_call`` by its flat name, a ``custom_tool_call_output`` -> a ``tool`` message;
+- ``reasoning.effort`` -> the chat's ``reasoning_effort`` (the template's ``reasoning_effort`` and
+  ``enable_thinking``, as for chat completions);
 - the text is encoded with ``add_special_tokens`` **True**: vLLM's Responses tokenize params keep
   that default, where chat completions set it False (a tokenizer whose post-processor adds BOS gives
   the Responses prompt a second one, as the engine does).
@@ -21,11 +26,13 @@ is that conversion, written for our `ChatRequest`, so the prompt ids come from t
 ``previous_response_id`` prepends a stored conversation only the engine that stored it has: the ids
 here are then those of the new part alone (routing sends the request to that engine). Malformed bodies
 raise RequestError (HTTP 400, as vLLM answers): an unsupported item type, a wrong role, a tool without
-``name``, ``tool_choice`` ``required`` or named without tools, encrypted reasoning, a ``prompt``.
+``name``, ``tool_choice`` ``required`` or named without tools (or naming no tool, or an ambiguous
+one), encrypted reasoning, a ``prompt``.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
 from typing import Any, Final, Literal
 
@@ -111,6 +118,21 @@ class FunctionCallOutputItem(msgspec.Struct):
     output: str | list[InputPart]
 
 
+class CustomToolCallItem(msgspec.Struct):
+    """A ``custom_tool_call`` item: a call of a ``custom`` tool, its freeform ``input``."""
+
+    call_id: str
+    name: str
+    input: str | None = None
+
+
+class CustomToolCallOutputItem(msgspec.Struct):
+    """A ``custom_tool_call_output`` item: a custom tool call's result."""
+
+    call_id: str
+    output: str | list[InputPart]
+
+
 class _Text(msgspec.Struct):
     text: str
 
@@ -134,6 +156,12 @@ class FunctionTool(msgspec.Struct):
     defer_loading: bool | None = None
 
 
+class ReasoningConfig(msgspec.Struct):
+    """A Responses request's ``reasoning``: its ``effort`` is rendered (`ChatRequest.reasoning_effort`)."""
+
+    effort: str | None = None
+
+
 class ResponsesRequest(msgspec.Struct):
     """``/v1/responses``: the fields vLLM 0.33.0 reads that shape the prompt or routing. Items and tools
     are kept as objects here and checked by `decode_responses` (their kind decides their shape)."""
@@ -150,15 +178,51 @@ class ResponsesRequest(msgspec.Struct):
     cache_salt: str | None = None
     vllm_xargs: VllmXargs | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning: ReasoningConfig | None = None
+    # The ids a session key may come from (router.core.policy.session_key), typed as loosely as JSON:
+    # only the session key reads them, and checks them there (a wrong type names no session, no 400).
+    prompt_cache_key: Any = None
+    conversation: Any = None
+    metadata: Any = None
+    user: Any = None
+    safety_identifier: Any = None
 
 
-Item = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem
+Item = (
+    MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | CustomToolCallItem
+    | CustomToolCallOutputItem
+)  # fmt: skip
 _ITEM_TYPES: Final[dict[str, type[Item]]] = {
     "message": MessageItem,
     "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem,
     "reasoning": ReasoningItem,
+    "custom_tool_call": CustomToolCallItem,
+    "custom_tool_call_output": CustomToolCallOutputItem,
 }
+NAMESPACE_SEPARATOR: Final = "__"
+"""A namespaced function is shown to the model as ``<namespace>__<name>`` (vLLM's
+``flat_namespace_tool_name``)."""
+CUSTOM_TOOL_INPUT_KEY: Final = "input"
+"""The one argument of the function a ``custom`` tool is shown as (vLLM's ``CUSTOM_TOOL_INPUT_KEY``)."""
+
+
+def _custom_tool_parameters() -> dict[str, Any]:
+    """The schema of the single-string function a ``custom`` tool is shown as (vLLM's
+    ``custom_tool_parameters``, its key order kept: the template renders it)."""
+    return {
+        "type": "object",
+        "properties": {
+            CUSTOM_TOOL_INPUT_KEY: {
+                "type": "string",
+                "description": "The freeform text payload for this tool.",
+            }
+        },
+        "required": [CUSTOM_TOOL_INPUT_KEY],
+        "additionalProperties": False,
+    }
+
+
 _DECODER: Final = msgspec.json.Decoder(ResponsesRequest)
 
 
@@ -221,8 +285,8 @@ def decode_responses(body: bytes) -> CheckedResponses:
     if req.prompt is not None:
         raise RequestError("invalid responses request: prompt template is not supported", "prompt")
     items = () if isinstance(req.input, str) else tuple(_item(raw, i) for i, raw in enumerate(req.input))
-    tools = tuple(t for i, raw in enumerate(req.tools) if (t := _tool(raw, i)) is not None)
-    _check_tool_choice(req.tool_choice, bool(req.tools), tools)
+    tools = tuple(t for i, raw in enumerate(req.tools) for t in _tools(raw, i))
+    _check_tool_choice(req.tool_choice, req.tools)
     return CheckedResponses(req, items, tools)
 
 
@@ -241,36 +305,94 @@ def _item(raw: dict[str, Any], i: int) -> Item:
     item: Item = _convert(raw, shape, f"input[{i}]")
     if isinstance(item, ReasoningItem) and item.encrypted_content:
         raise RequestError("Encrypted content is not supported.", "input")
-    if isinstance(item, FunctionCallItem) and item.namespace:
-        raise RequestError("namespaced function calls are not supported by the router", f"input[{i}]")
     return item
 
 
-def _tool(raw: dict[str, Any], i: int) -> FunctionTool | None:
+def _tools(raw: dict[str, Any], i: int) -> list[FunctionTool]:
+    """The function tools one request tool is shown to the model as (vLLM's ``get_function_tools``): a
+    ``function`` tool itself; a ``namespace``'s function tools, each named ``<namespace>__<name>``; a
+    ``custom`` tool as a function taking one string (`_custom_tool_parameters`); a built-in none."""
     kind = raw.get("type")
     if kind == "function":
-        tool: FunctionTool = _convert(
-            {k: v for k, v in raw.items() if k != "type"}, FunctionTool, f"tools[{i}]"
-        )
-        return tool
+        return [_convert({k: v for k, v in raw.items() if k != "type"}, FunctionTool, f"tools[{i}]")]
+    if kind == "namespace":
+        space = _convert(raw, _Namespace, f"tools[{i}]")
+        where = f"tools[{i}].tools"
+        inner: list[FunctionTool] = [
+            _convert({k: v for k, v in t.items() if k != "type"}, FunctionTool, where)
+            for t in space.tools
+            if t.get("type") == "function"
+        ]
+        return [msgspec.structs.replace(t, name=_flat(space.name, t.name)) for t in inner]
+    if kind == "custom":
+        custom = _convert(raw, _Custom, f"tools[{i}]")
+        return [FunctionTool(custom.name, custom.description, _custom_tool_parameters())]
     if kind in _UNRENDERED_TOOLS:
-        return None
+        return []
     raise RequestError(f"invalid responses request: tool type {kind!r} is not supported", f"tools[{i}]")
 
 
-def _check_tool_choice(
-    choice: str | dict[str, Any], has_tools: bool, tools: tuple[FunctionTool, ...]
-) -> None:
-    """vLLM's ``check_tool_usage``: ``required`` or a named function needs tools, and the name must be one."""
+class _Namespace(msgspec.Struct):
+    name: str
+    tools: list[dict[str, Any]]
+
+
+class _Custom(msgspec.Struct):
+    name: str
+    description: str | None = None
+
+
+def _flat(namespace: str, name: str) -> str:
+    """``<namespace>__<name>``: how a namespaced function is named to the model."""
+    return f"{namespace}{NAMESPACE_SEPARATOR}{name}"
+
+
+def _check_tool_choice(choice: str | dict[str, Any], tools: list[dict[str, Any]]) -> None:
+    """vLLM's ``check_tool_usage``: ``required`` or a named tool needs tools, and the name must resolve
+    (`_resolve_named_choice`)."""
     named = isinstance(choice, dict) and choice.get("type") in ("function", "custom")
-    if not has_tools and (choice == "required" or named):
+    if not tools and (choice == "required" or named):
         if choice == "required":
             raise RequestError(
                 "Tool choice 'required' must be specified with 'tools' parameter.", "tool_choice"
             )
         raise RequestError("Tool choice 'function' not found in 'tools' parameter.", "tool_choice")
-    if named and isinstance(choice, dict) and choice.get("name") not in {t.name for t in tools}:
-        raise RequestError("Tool choice 'function' not found in 'tools' parameter.", "tool_choice")
+    if named and isinstance(choice, dict):
+        _resolve_named_choice(choice.get("name"), tools)
+
+
+def _resolve_named_choice(name: object, tools: list[dict[str, Any]]) -> None:
+    """vLLM's ``_resolve_named_tool_choice``: the name of a tool, a namespaced one's flat
+    ``<namespace>__<name>``, or a namespaced one's own name when one namespace alone has it; else a 400
+    (an ambiguous name names the namespaces)."""
+    not_found = RequestError("Tool choice 'function' not found in 'tools' parameter.", "tool_choice")
+    if not isinstance(name, str) or not name:
+        raise not_found
+    exact: set[str] = set()
+    local: dict[str, list[str]] = {}
+    for tool in tools:
+        if tool.get("type") != "namespace":
+            if isinstance(tool.get("name"), str):
+                exact.add(tool["name"])
+            continue
+        space, inner = tool.get("name"), tool.get("tools")
+        if not isinstance(inner, list) or not isinstance(space, str):
+            return  # (vLLM resolves nothing further then: the name is kept as given)
+        for t in inner:
+            if isinstance(t, dict) and isinstance(t.get("name"), str):
+                flat = _flat(space, t["name"])
+                exact.add(flat)
+                local.setdefault(t["name"], []).append(flat)
+    candidates = local.get(name, [])
+    if name in exact or len(candidates) == 1:
+        return
+    if candidates:
+        raise RequestError(
+            f"Tool choice '{name}' is ambiguous: it is defined in more than one namespace "
+            f"({', '.join(candidates)}). Select it by its full '<namespace>__<name>' name.",
+            "tool_choice",
+        )
+    raise not_found
 
 
 def responses_chat(decoded: CheckedResponses) -> ChatRequest:
@@ -300,6 +422,7 @@ def responses_chat(decoded: CheckedResponses) -> ChatRequest:
         continue_final_message=partial,
         add_special_tokens=True,
         chat_template_kwargs=req.chat_template_kwargs,
+        reasoning_effort=req.reasoning.effort if req.reasoning is not None else None,
         stream=bool(req.stream),
         max_tokens=req.max_output_tokens,
         cache_salt=req.cache_salt,
@@ -311,8 +434,8 @@ def _add_item(item: Item, turns: list[_Turn]) -> None:
     """vLLM's ``_construct_message_from_response_item``: a new turn, or an addition to the previous
     assistant one."""
     prev = turns[-1] if turns and turns[-1].role == "assistant" else None
-    if isinstance(item, FunctionCallItem):
-        call = ToolCall(ToolCallFunction(item.name, item.arguments), item.call_id)
+    if isinstance(item, (FunctionCallItem, CustomToolCallItem)):
+        call = _call(item)
         if prev is not None:
             prev.calls = [*(prev.calls or []), call]
         else:
@@ -324,7 +447,7 @@ def _add_item(item: Item, turns: list[_Turn]) -> None:
             prev.reasoning = reasoning
         else:
             turns.append(_Turn("assistant", reasoning=reasoning))
-    elif isinstance(item, FunctionCallOutputItem):
+    elif isinstance(item, (FunctionCallOutputItem, CustomToolCallOutputItem)):
         turns.append(_Turn("tool", _content(item.output), tool_call_id=item.call_id))
     elif item.role == "assistant":
         text = item.content if isinstance(item.content, str) else _first_text(item.content)
@@ -334,6 +457,16 @@ def _add_item(item: Item, turns: list[_Turn]) -> None:
             turns.append(_Turn("assistant", text))
     else:
         turns.append(_Turn(item.role, _content(item.content)))
+
+
+def _call(item: FunctionCallItem | CustomToolCallItem) -> ToolCall:
+    """The tool call an earlier call item is rendered as: a namespaced function by its flat name; a
+    custom tool's input as the one string argument of its function (JSON, non-ASCII kept)."""
+    if isinstance(item, CustomToolCallItem):
+        arguments = json.dumps({CUSTOM_TOOL_INPUT_KEY: item.input or ""}, ensure_ascii=False)
+        return ToolCall(ToolCallFunction(item.name, arguments), item.call_id)
+    name = _flat(item.namespace, item.name) if item.namespace else item.name
+    return ToolCall(ToolCallFunction(name, item.arguments), item.call_id)
 
 
 def _first_text(parts: list[InputPart]) -> str:

@@ -16,12 +16,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections import OrderedDict
-from typing import Any, Final, Literal, Protocol
+from typing import Any, Final, Literal, NoReturn, Protocol
 
 import msgspec
 
 __all__ = [
-    "AgentShape", "Counts", "MessagesShape", "Rendered", "ResponseStore", "ResponsesShape", "UnknownResponse",
+    "AgentShape", "Counts", "MessagesShape", "NotCancellable", "Rendered", "ResponseStore", "ResponsesShape",
+    "UnknownResponse",
 ]  # fmt: skip
 
 _ENCODER: Final = msgspec.json.Encoder()
@@ -367,6 +368,16 @@ _STORE_FIELDS: Final = msgspec.json.Decoder(_StoreFields)
 class _Stored(msgspec.Struct, frozen=True):
     history: list[dict[str, Any]]
     output: str
+    answer: bytes
+    """The stored `ResponsesResponse` as JSON (what `GET /v1/responses/{id}` answers)."""
+
+
+class NotCancellable(ValueError):
+    """A cancel of a response that is not running: vLLM's 400 (`cancel_responses`). The stub answers no
+    `background` request, so every response it stored is finished."""
+
+    def __init__(self) -> None:
+        super().__init__("Cannot cancel a synchronous response.")
 
 
 class ResponseStore:
@@ -379,7 +390,9 @@ class ResponseStore:
     `capacity` responses. Histories are kept as Responses input items, so the engine's usual Responses
     conversion renders them (a `function_call` first in the new input joins the stored answer's
     assistant message here, where vLLM starts a new one: the stub answers text only, so no agent
-    flow starts its input that way)."""
+    flow starts its input that way). `retrieve` and `cancel` answer vLLM's `GET /v1/responses/{id}` and
+    `POST /v1/responses/{id}/cancel` (no `background` responses here: `stream=true` is answered as
+    without it, and a cancel is always too late)."""
 
     def __init__(self, capacity: int = 10_000) -> None:
         self.capacity = capacity
@@ -405,11 +418,25 @@ class ResponseStore:
             body = msgspec.json.encode(raw)
         return body, history if fields.store else None
 
-    def put(self, response_id: str, history: list[dict[str, Any]], output: str) -> None:
-        """Store an answered response (the oldest dropped past `capacity`)."""
-        self._stored[response_id] = _Stored(history, output)
+    def put(self, response_id: str, history: list[dict[str, Any]], output: str, answer: bytes) -> None:
+        """Store an answered response: its history, its text, its JSON body (the oldest dropped past
+        `capacity`)."""
+        self._stored[response_id] = _Stored(history, output, answer)
         while len(self._stored) > self.capacity:
             self._stored.popitem(last=False)
+
+    def retrieve(self, response_id: str) -> bytes:
+        """The stored response's JSON body; UnknownResponse (vLLM's 404) when not stored."""
+        stored = self._stored.get(response_id)
+        if stored is None:
+            raise UnknownResponse(response_id)
+        return stored.answer
+
+    def cancel(self, response_id: str) -> NoReturn:
+        """vLLM's cancel of a stored response: UnknownResponse (404) when not stored, else
+        NotCancellable (400: every response the stub stored has finished)."""
+        self.retrieve(response_id)
+        raise NotCancellable()
 
 
 class Rendered(msgspec.Struct):

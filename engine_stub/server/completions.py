@@ -140,8 +140,8 @@ async def serve_openai(
             return await _serve_agent(stub, request, job, shape, tokens.stream)
         kept, responses = history, store  # (the closure's own names: mypy narrows them)
 
-        def done(text: str) -> None:
-            responses.put(shape.id, kept, text)
+        def done(text: str, counts: Counts) -> None:
+            responses.put(shape.id, kept, text, shape.result(text, counts))
 
         return await _serve_agent(stub, request, job, shape, tokens.stream, done)
     if tokens.stream:
@@ -160,19 +160,20 @@ async def _serve_agent(
     job: _Job,
     shape: AgentShape,
     stream: bool,
-    done: Callable[[str], None] | None = None,
+    done: Callable[[str, Counts], None] | None = None,
 ) -> Response:
     """A Messages or Responses answer (engine_stub.server.agent_io) to one prompt's job; `done` is
-    given the answer's text once it is whole (to store it)."""
+    given the answer's text and usage once it is whole (to store it)."""
     if stream:
         return StreamingResponse(_agent_events(stub, job, shape, done), media_type="text/event-stream")
     counts = await _until_disconnect(request, _collect(job))
     if counts is None:
         return Response(status_code=499)
     text = stub.text.text(counts[0])
+    usage = _counts(stub, job)
     if done is not None:
-        done(text)
-    return Response(shape.result(text, _counts(stub, job)), media_type="application/json")
+        done(text, usage)
+    return Response(shape.result(text, usage), media_type="application/json")
 
 
 def _counts(stub: Stub, job: _Job) -> Counts:
@@ -184,7 +185,7 @@ def _counts(stub: Stub, job: _Job) -> Counts:
 
 
 async def _agent_events(
-    stub: Stub, job: _Job, shape: AgentShape, done: Callable[[str], None] | None
+    stub: Stub, job: _Job, shape: AgentShape, done: Callable[[str, Counts], None] | None
 ) -> AsyncIterator[bytes]:
     try:
         yield shape.start(job.streams[0].num_prompt_tokens)
@@ -193,10 +194,10 @@ async def _agent_events(
             if not item.aborted:
                 count += 1
                 yield shape.delta(_delta(stub, item))
-        text = stub.text.text(count)
+        text, usage = stub.text.text(count), _counts(stub, job)
         if done is not None:
-            done(text)  # stored before the last event: a client that read it may continue at once
-        yield shape.end(text, _counts(stub, job))
+            done(text, usage)  # stored before the last event: a client that read it may continue at once
+        yield shape.end(text, usage)
     finally:
         job.abort_unfinished()
 

@@ -1,7 +1,8 @@
 """The stub's FastAPI app: vLLM 0.33.0's OpenAI-compatible routes plus its cache and discovery routes.
 
 Routes: /v1/models, /v1/completions, /v1/chat/completions, /v1/messages and /v1/responses (JSON and
-SSE; the last two as vLLM serves Anthropic Messages and Responses: engine_stub.server.agent_io),
+SSE; the last two as vLLM serves Anthropic Messages and Responses: engine_stub.server.agent_io), GET
+/v1/responses/{id} and POST /v1/responses/{id}/cancel (the stored responses),
 /tokenize, /health, /metrics, POST /reset_prefix_cache, /kv_event_sources, GET/POST /admin/faults,
 and POST /debug/cache_hit (the true hit per rank for a completions or chat body, without admitting
 it; the load-test oracle uses it), and POST /debug/forecast (each rank's forecast time to first
@@ -27,7 +28,7 @@ from starlette.responses import Response
 from engine_stub.runtime.faults import FaultUpdate
 from engine_stub.runtime.forecast import QueuedSeq
 from engine_stub.runtime.stub_runtime import RankError, Stub, exit_now
-from engine_stub.server.agent_io import Rendered, ResponseStore, UnknownResponse
+from engine_stub.server.agent_io import NotCancellable, Rendered, ResponseStore, UnknownResponse
 from engine_stub.server.completions import ModelNotFound, serve_openai
 from engine_stub.server.metrics import CONTENT_TYPE
 from engine_stub.server.openai_io import (
@@ -119,6 +120,11 @@ def _add_error_handlers(app: FastAPI) -> None:
         info = ErrorInfo(str(exc), "invalid_request_error", "response_id", 404)  # vLLM's, param and all
         return Response(encode(ErrorBody(info)), status_code=404, media_type=_JSON)
 
+    @app.exception_handler(NotCancellable)
+    async def not_cancellable(request: Request, exc: Exception) -> Response:
+        info = ErrorInfo(str(exc), "invalid_request_error", "response_id", 400)  # vLLM's, param and all
+        return Response(encode(ErrorBody(info)), status_code=400, media_type=_JSON)
+
 
 def _add_openai_routes(app: FastAPI, stub: Stub) -> None:
     @app.get("/v1/models")
@@ -143,6 +149,14 @@ def _add_openai_routes(app: FastAPI, stub: Stub) -> None:
     @app.post("/v1/responses")
     async def responses(request: Request) -> Response:
         return await serve_openai(stub, request, Endpoint.RESPONSES, stored)
+
+    @app.get("/v1/responses/{response_id}")
+    async def retrieve_response(response_id: str) -> Response:
+        return Response(stored.retrieve(response_id), media_type=_JSON)
+
+    @app.post("/v1/responses/{response_id}/cancel")
+    async def cancel_response(response_id: str) -> Response:
+        stored.cancel(response_id)
 
     @app.post("/v1/messages/render")
     async def render_messages(request: Request) -> Response:

@@ -43,6 +43,9 @@ class Prepared(msgspec.Struct, frozen=True, kw_only=True):
     cache_salt: str | None = None
     unread: bool = False
     """The prompt was not read (a policy that reads none): no tokens, no keys, nothing predicted."""
+    body_session: str | None = None
+    """The session key the body's ids name (router.core.policy.session_key `body_key_of`), read from
+    the preparation's one decode when the gateway's policy is `session` with `session_body`; else None."""
     tokenizer: str = "local"
     """Whose tokens: `local` (the router's tokenizer), `remote` (an engine's /tokenize), `builtin` (the
     model's repo-named tokenizer could not be had and no engine answered: no hit can be predicted)."""

@@ -256,7 +256,7 @@ class Decider:
         headers = forwarded_headers(scope["headers"], rid, parts.guard.api_keys_required)
         proxied = ProxyRequest(scope["method"], str(endpoint), headers, body, True)
         keys = self.session_keys
-        session = keys.of(scope["headers"], body) if keys is not None else None
+        session = keys.of_prepared(scope["headers"], prepared.body_session) if keys is not None else None
         ref = _stored_ref(endpoint, body)
         route = RouteRequest(prepared.session_key, session, excluded, ref.previous_response_id)
         flight = Flight(parts.fleet, parts.core, proxied, entry, route)
@@ -303,7 +303,8 @@ class Decider:
         """What routing would decide for `body` with `headers` (ASGI's) now, without sending it (for
         `POST /debug/route`)."""
         prepared = await self.prepare(body, endpoint, full=True)
-        session = self.session_keys.of(headers, body) if self.session_keys is not None else None
+        keys = self.session_keys
+        session = keys.of_prepared(headers, prepared.body_session) if keys is not None else None
         previous = _stored_ref(endpoint, body).previous_response_id
         route = RouteRequest(key=prepared.session_key, session=session, previous_response=previous)
         routed = self.parts.core.route(prepared, route, self.parts.fleet.clock())

@@ -5,9 +5,13 @@ per id wins); an engine that does not answer is skipped. The vLLM endpoints in `
 go, byte for byte, to the replica of the request's model (its body's `model`: JSON, or a multipart
 form field) with the fewest in-flight requests whose breaker admits traffic, with the proxy's usual
 retries; a body naming an unknown model is the gateway's 404, one naming none while several models
-are served a 400; a request with no body (`GET /v1/responses/{id}`) may go to any replica. Every other
-`/v1/*` path is the gateway's own 404, and a known path asked with another method its 405. Only
-configured or discovered engines are ever contacted.
+are served a 400; a request with no body may go to any replica. A stored response's own routes
+(`GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`: vLLM 0.33.0 serves no DELETE) go to the
+engine that stored it when the gateway learnt the id (router.core.policy.stored_responses), and only
+there (no other engine holds it: its breaker open is a 503); an id not learnt goes as any body-less
+request does, and an engine that does not hold it answers vLLM's 404. Every other `/v1/*` path is
+the gateway's own 404, and a known path asked with another method its 405. Only configured or
+discovered engines are ever contacted.
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ from router.edge.upstream import ProxyRequest, Target
 from router.prepare.served_models import UnknownModel
 from tokenization.openai_request import RequestError
 
-__all__ = ["PASSTHROUGH_PATHS", "ModelList", "Passthrough"]
+__all__ = ["PASSTHROUGH_PATHS", "ModelList", "Passthrough", "response_id_in"]
 
 _POLICY: Final = "passthrough"
 
@@ -49,6 +53,18 @@ PASSTHROUGH_PATHS: Final = {
     "/v1/audio/translations": ("POST",),
 }
 """vLLM's other `/v1` endpoints (its OpenAI server's routes), passed through to an engine of the model."""
+
+_RESPONSES_PREFIX: Final = "/v1/responses/"
+
+
+def response_id_in(path: str) -> str | None:
+    """The `{response_id}` of a stored response's own route (`/v1/responses/{id}` or
+    `/v1/responses/{id}/cancel`), None for any other path (`/v1/responses/render` names none)."""
+    if not path.startswith(_RESPONSES_PREFIX):
+        return None
+    rest = path[len(_RESPONSES_PREFIX) :]
+    found = rest.removesuffix("/cancel")
+    return found if found and "/" not in found and found != "render" else None
 
 
 class ModelList(msgspec.Struct):
@@ -72,14 +88,26 @@ class Passthrough:
     def __init__(self, parts: GatewayParts) -> None:
         self.parts = parts
 
-    def chooser(self, model: str | None) -> Callable[[frozenset[EngineId]], Target | None]:
-        """The proxy's chooser over the replicas of `model` (any replica for None): the untried one with
-        the fewest in-flight requests whose breaker admits a request; a refusal when none is left at first."""
+    def stored_on(self, path: str) -> EngineId | None:
+        """The engine that stored the response `path` names (`response_id_in`), when the gateway learnt
+        it (a use of the table's entry); None otherwise."""
+        response_id = response_id_in(path)
+        return self.parts.core.scorer.stored.engine_of(response_id) if response_id is not None else None
+
+    def chooser(
+        self, model: str | None, stored_on: EngineId | None = None
+    ) -> Callable[[frozenset[EngineId]], Target | None]:
+        """The proxy's chooser over the replicas of `model` (any replica for None), or `stored_on` alone
+        when it is one of them (a stored response's route: no other engine holds it): the untried one
+        with the fewest in-flight requests whose breaker admits a request; a refusal when none is left at
+        first."""
         fleet = self.parts.fleet
 
         def choose(tried: frozenset[EngineId]) -> Target | None:
             now = fleet.clock()
             replicas = fleet.replicas(model)
+            if stored_on is not None and stored_on in replicas:
+                replicas = [stored_on]
             open_now = [r for r in replicas if r not in tried and fleet.breakers.get(r).available(now)]
             if not open_now:
                 if tried:
@@ -115,7 +143,7 @@ class Passthrough:
             body = await read_body(
                 request, parts.config.limits.max_body_bytes, parts.config.timeouts.client_body_s
             )
-            choose = self.chooser(self.model_of(request, body))
+            choose = self.chooser(self.model_of(request, body), self.stored_on(request.url.path))
         except RouterError as exc:
             parts.metrics.refused(_POLICY, str(exc.http_status()), exc.reason)
             raise

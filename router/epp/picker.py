@@ -18,7 +18,9 @@ answer's body back while reading its `usage.prompt_tokens_details.cached_tokens`
 chunk by chunk, as it comes; any other answer, which its client reads whole, held and sent back at its
 end in as few chunks as fit: one gRPC message fewer per answer that Envoy hands over as its data then
 an empty end, the usual JSON answer; each message costs the picker ~0.1 ms of grpcio), and
-ends the request's accounting (load, admission, metrics, decision ring) as the gateway's relay does.
+ends the request's accounting (load, admission, metrics, decision ring) as the gateway's relay does,
+learning a stored Responses answer's id as the relay does (router.core.policy.stored_responses: the
+continuations and the stored response's own routes then go to the engine that answered).
 The answer's status is the engine's verdict for its circuit breaker, as the proxy counts it (a 5xx,
 Envoy's own 503 for an engine it cannot reach included, is a failure): an engine that stopped
 answering opens its breaker and is picked no more until its cool-down ends. When the gateway says an
@@ -254,7 +256,8 @@ class PickStream:
             except RequestError:
                 model = None  # not JSON naming a model: any replica, as for a body-less request
         try:
-            target = self.picker.passthrough.chooser(model)(excluded)
+            passthrough = self.picker.passthrough
+            target = passthrough.chooser(model, passthrough.stored_on(self.scope["path"]))(excluded)
         except RouterError as exc:  # no replica of the model can take it
             self.decider.refused(str(exc.http_status()), exc.reason)
             raise
@@ -356,12 +359,22 @@ class PickStream:
             if self.tap is None:  # no response headers came: `end` reads what `answered` keeps
                 self.exchange.answered(self.engine or "none", 0, _NOTE)
             cached = self.tap.cached_tokens() if self.tap is not None and label == "200" else None
+            if label == "200" and self.exchange.stores and self.tap is not None:
+                self._learn_stored(self.exchange, self.tap)
             self.exchange.end(label, cached)  # (leaves the admission slot)
             self.admitted = False
         elif self.engine is not None:
             self.decider.parts.metrics.requests.labels(self.engine, _PASSTHROUGH_POLICY, label).inc()
         self._leave()
         self.phase = _Phase.DONE
+
+    @staticmethod
+    def _learn_stored(exchange: Exchange, tap: UsageTap) -> None:
+        """A stored Responses answer ended whole: the engine that answered holds it, and its
+        continuations and own routes go there (`Exchange.stored_as`, as the gateway's relay learns)."""
+        found = tap.response_id()
+        if found is not None:
+            exchange.stored_as(found)
 
     def _leave(self) -> None:
         if self.admitted:

@@ -575,6 +575,15 @@ class RouterMetrics:
         )
         for reason in HUB_REASONS:  # present at 0 from the start
             self.hub_tokenizers_unavailable.labels(reason)
+        self.hub_retries = Counter(
+            "kvrouter_hub_tokenizer_retries",
+            "background fetches of repo-named tokenizers not had (router/links/hub_retry.py), by outcome: "
+            "resolved, or the reason the repo is still missing (tokenization.hub.REASONS)",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in ("resolved", *HUB_REASONS):
+            self.hub_retries.labels(outcome)
         self.scrapes = counter(
             "kvrouter_engine_scrapes",
             "scrapes of the engines' /metrics (policy.scrape_period_s), by engine and result (ok, error)",
@@ -711,6 +720,10 @@ class RouterMetrics:
     def count_hub_unavailable(self, reason: str) -> None:
         """Count a repo-named tokenizer that could not be had (router.prepare.served_models)."""
         self.hub_tokenizers_unavailable.labels(reason).inc()
+
+    def count_hub_retry(self, outcome: str) -> None:
+        """Count one background fetch of a missing repo-named tokenizer (router/links/hub_retry.py)."""
+        self.hub_retries.labels(outcome).inc()
 
     def count_discovery(self, counts: Mapping[str, int]) -> None:
         """Export the Kubernetes discovery's counters (router/links/kube_discovery.py)."""

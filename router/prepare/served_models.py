@@ -14,7 +14,9 @@ makes its model take prompt ids from an engine's /tokenize (`needs_remote`), as 
 does; the built-in tokenizer stands in only when no engine answers either (no hits predicted). After
 `fetch_hub`, a repo first named later (an engine added at run time) is read from the cache alone: a
 request never waits on the network; if it is not cached, that engine's variant is keyed by the
-built-in tokenizer (no hit predicted on it).
+built-in tokenizer (no hit predicted on it). The gateway fetches what is missing again in the
+background (router.links.hub_retry); files that arrive are adopted (`adopt_hub`) and their models
+tokenize locally again.
 
 What a preparation keeps for later requests (the chat decoder's messages, the chat carry's turn, the
 segment cache's pieces, prefix reuse's text, the recent prompts' keys) each cache keeps as it makes
@@ -29,6 +31,7 @@ import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from types import MappingProxyType
+from typing import Any
 
 import msgspec
 
@@ -36,6 +39,7 @@ from router.core.errors import BadRequest, ModelNotFound, RouterError
 from router.core.keys.block_key import KeyHasher
 from router.core.keys.recent_prompts import PrefixKeyCache
 from router.core.keys.request import HeldPacked, Packed, Prior, chained, session_int, session_key, spec_keys
+from router.core.policy.session_key import body_key_of
 from router.core.prepared import Prepared, VariantKeys
 from router.core.variant import Variant, VariantId
 from router.prepare.engine_variants import DEFAULT_MODEL, engine_model, model_configs, resolve_variant
@@ -54,6 +58,7 @@ from tokenization.openai_request import (
 )
 from tokenization.prefix_reuse import ReuseEntry, count_of
 from tokenization.request_tokens import ApiRequest, RequestTokens, decode_request, tokens_of
+from tokenization.responses_request import CheckedResponses
 
 __all__ = ["PROCESS_HASHER", "Models", "Prepared", "UnknownModel", "VariantKeys"]
 
@@ -93,6 +98,12 @@ class _IdFields(msgspec.Struct, omit_defaults=True):
     cache_salt: str | None = None
     prompt_logprobs: int | None = None
     vllm_xargs: dict[str, str] | None = None
+    # The session ids (`Prepared.body_session`), carried as loosely as the request Structs type them.
+    prompt_cache_key: Any = None
+    conversation: Any = None
+    metadata: Any = None
+    user: Any = None
+    safety_identifier: Any = None
 
     @staticmethod
     def decode_body(body: bytes) -> _IdFields:
@@ -161,6 +172,7 @@ class Models:
         self._cache_only = False  # set by `fetch_hub`: from then on a request may be waiting
         self._count_unavailable: Callable[[str], None] = lambda reason: None
         self._chat = ChatDecoder()
+        self._reads_body_session = config.policy.name == "session" and config.policy.session_body
         self._variants: dict[str, dict[VariantId, Variant]] = {
             name: {VariantId(name): resolve_variant(m)} for name, m in self._models.items()
         }
@@ -230,6 +242,39 @@ class Models:
                 self._unavailable(HubUnavailable(ref, "unreadable", str(exc)))
                 self._tokenizers.pop(v.tokenizer_source, None)
         self._cache_only = True
+
+    def hub_missing(self) -> dict[HubRef, list[Variant]]:
+        """Each repo-named tokenizer not had (startup's failures, and repos first named later that the
+        cache did not hold) with the variants reading it: what a retry fetches (router.links.hub_retry).
+        Read on the event loop, a snapshot the retry's thread may read."""
+        variants = [v for by_id in self._variants.values() for v in by_id.values()]
+        missing = [ref for ref, found in self._hub.items() if isinstance(found, HubUnavailable)]
+        return {ref: [v for v in variants if _hub_ref(v) == ref] for ref in missing}
+
+    def adopt_hub(
+        self,
+        ref: HubRef,
+        path: Path,
+        encoders: Mapping[tuple[str | None, str | None, str | None], CachedEncoder],
+    ) -> list[str]:
+        """A missing repo's files arrived (`hub_missing`) and loaded as `encoders` (by tokenizer source):
+        its variants tokenize with them from now on, and each model all of whose repos are now had takes
+        its prompt ids locally again (not one configured `remote_tokenize`). The models switched back."""
+        self._hub[ref] = path
+        self._tokenizers.update(encoders)
+        back = []
+        for name in sorted(self._hub_fallback):
+            refs = {r for v in self._variants[name].values() if (r := _hub_ref(v)) is not None}
+            if not any(isinstance(self._hub.get(r), HubUnavailable) for r in refs):
+                self._hub_fallback.discard(name)
+                if not getattr(self._models[name], "remote_tokenize", False):
+                    self._remote.discard(name)
+                back.append(name)
+        log.warning(
+            "tokenizer resolved through the HF hub after startup: tokenizing locally",
+            extra={"repo": ref[0], "path": str(path), "models": back},
+        )
+        return back
 
     def on_hub_unavailable(self, count: Callable[[str], None]) -> None:
         """Call `count(reason)` for each repo that could not be had: those so far, then each one later."""
@@ -401,12 +446,19 @@ class Models:
             skip_cache=first.skip_cache,
             report_mode=str(first.report_mode),  # a C call (Enum.value is a Python-level property)
             session_key=session_key(_ids_of(first), first.extras, _packed(first)),
+            body_session=self._body_session(req),
             timings=MappingProxyType({"tokenize": tokenize, "hash": hashing}),
             variant=model,
             variants=MappingProxyType(computed),
             lora_name=first.extras.lora_name,
             cache_salt=first.extras.cache_salt,
         )
+
+    def _body_session(self, req: ApiRequest) -> str | None:
+        """The session key `req`'s body ids name, when the policy reads it (`Prepared.body_session`)."""
+        if not self._reads_body_session:
+            return None
+        return body_key_of(req.request if isinstance(req, CheckedResponses) else req)
 
     def _prepare_one(self, req: ApiRequest, endpoint: Endpoint | str, model: str, v: Variant) -> Prepared:
         """`_prepare` for a model with its own variant only (the common case): the same `Prepared`,
@@ -437,6 +489,7 @@ class Models:
             skip_cache=rt.skip_cache,
             report_mode=str(rt.report_mode),  # a C call (Enum.value is a Python-level property)
             session_key=key,
+            body_session=self._body_session(req),
             timings=MappingProxyType({"tokenize": t1 - t0, "hash": t2 - t1}),
             variant=model,
             lora_name=extras.lora_name,

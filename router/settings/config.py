@@ -219,6 +219,11 @@ class Timeouts(_Table, frozen=True):
     hub_fetch_s: Positive = 30.0
     """Longest wait for the HF hub to give a repo-named tokenizer's files (at startup, or when a repo
     is first named later); then the model tokenizes on its engines (docs/tokenization.md)."""
+    hub_retry_s: Positive = 30.0
+    """The wait before the first background fetch of a repo-named tokenizer that could not be had;
+    each later wait doubles, at most 600 s (router/links/hub_retry.py)."""
+    hub_retries: Annotated[int, msgspec.Meta(ge=0)] = 8
+    """How many background fetches of a missing repo-named tokenizer (0: none, restart to retry)."""
 
 
 class Limits(_Table, frozen=True):

@@ -8,7 +8,6 @@ usage shape, streamed or not. Malformed bodies are the gateway's counted 400s.
 
 from __future__ import annotations
 
-import json
 from typing import Any
 
 import httpx
@@ -17,6 +16,7 @@ import pytest
 
 from router.ops.debug import DecisionEntry, Explanation
 from router.settings.config import ModelConfig
+from tests.agent_helpers import MODEL, messages_step, responses_step, sse_events
 from tests.gateway_helpers import (
     ADMIN,
     Gateway,
@@ -29,54 +29,6 @@ from tests.gateway_helpers import (
     wait_for,
 )
 from tests.stub_helpers import BS
-
-MODEL = "kvrouter-stub"
-SYSTEM = "You are a careful coding agent working in a large repository. " * 4
-TOOLS = [{"name": "bash", "description": "Run a shell command", "input_schema": {"type": "object"}}]
-
-
-def messages_step(step: int, stream: bool) -> dict[str, Any]:
-    """A Messages body: the session's first step, or its second (a tool call and its result added)."""
-    turns: list[dict[str, Any]] = [{"role": "user", "content": "Find the failing test and fix it."}]
-    if step == 2:
-        use = {"type": "tool_use", "id": "toolu_1", "name": "bash", "input": {"cmd": "pytest -x"}}
-        result = {"type": "tool_result", "tool_use_id": "toolu_1", "content": "FAILED test_a.py::test_b"}
-        turns += [
-            {"role": "assistant", "content": [{"type": "text", "text": "Running the tests."}, use]},
-            {"role": "user", "content": [result]},
-        ]
-    system = [{"type": "text", "text": SYSTEM}]
-    return {
-        "model": MODEL,
-        "max_tokens": 4,
-        "system": system,
-        "tools": TOOLS,
-        "messages": turns,
-        "stream": stream,
-    }
-
-
-def responses_step(step: int, stream: bool) -> dict[str, Any]:
-    """A Responses body: the session's first step, or its second (a function call and its output)."""
-    items: list[dict[str, Any]] = [{"role": "user", "content": "Find the failing test and fix it."}]
-    if step == 2:
-        items += [
-            {"type": "function_call", "call_id": "c1", "name": "bash", "arguments": '{"cmd": "pytest -x"}'},
-            {"type": "function_call_output", "call_id": "c1", "output": "FAILED test_a.py::test_b"},
-        ]
-    tools = [{"type": "function", "name": "bash", "parameters": {"type": "object"}}]
-    fields = {"instructions": SYSTEM, "tools": tools, "input": items, "stream": stream}
-    return {"model": MODEL, "max_output_tokens": 4, **fields}
-
-
-def sse_events(text: str) -> list[dict[str, Any]]:
-    """The JSON payloads of a named-event SSE stream, in order."""
-    events = []
-    for block in text.split("\n\n"):
-        data = "".join(line[5:].strip() for line in block.split("\n") if line.startswith("data:"))
-        if data:
-            events.append(json.loads(data))
-    return events
 
 
 def reported_cached(path: str, answer: httpx.Response, stream: bool) -> int:

@@ -375,3 +375,58 @@ def test_the_stub_reads_the_revision_its_config_pins(offline_hub: Path) -> None:
     assert stub.tokenizer.decode(list(ids)) == "the stub's pinned revision says hi"
     with pytest.raises(ValueError, match=r"needs tokenizer\.path to be an HF repo id"):
         StubConfig(tokenizer=TokenizerChoice(path=str(DEEPSEEK_JSON), revision="v3")).validate()
+
+
+async def test_a_repo_that_arrives_after_startup_is_fetched_again_and_then_tokenized_locally(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The cache is empty at startup (the engines' /tokenize stands in) and filled while the gateway
+    runs: a background retry finds the files, and the model tokenizes locally, predicting exactly.
+    Before, the resolution was not retried: `remote` until a restart."""
+    caplog.set_level(logging.WARNING, "router.prepare.served_models")
+    cache = tmp_path / "hub"
+    cache.mkdir()
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(cache))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    config = stub_config(tokenizer=TokenizerChoice(path=str(DEEPSEEK_JSON)))
+    async with running_stubs(2, config) as stubs:
+        engines = [engine_of(f"e{i}", s) for i, s in enumerate(stubs)]
+        model = ModelConfig(name=MODEL, tokenizer=REPO)
+        timeouts = Timeouts(hub_retry_s=0.05, hub_retries=40)
+        async with running_gateway(gateway_config(engines, models=[model], timeouts=timeouts)) as gw:
+            assert (await _explained(gw, PROMPT)).request.tokenizer == "remote"
+            _fill(cache)
+
+            async def local() -> bool:
+                return (await _explained(gw, PROMPT)).request.tokenizer == "local"
+
+            await wait_for(local)
+            await _predicted_equals_actual(gw, {f"e{i}": s for i, s in enumerate(stubs)})
+            text = (await gw.client.get("/metrics")).text
+            assert metric(text, "kvrouter_hub_tokenizer_retries_total", outcome="resolved") == 1
+            assert metric(text, "kvrouter_hub_tokenizers_unavailable_total", reason="offline") == 1
+    logged = [
+        r for r in caplog.records if r.getMessage().startswith("tokenizer resolved through the HF hub after")
+    ]
+    assert len(logged) == 1 and getattr(logged[0], "models", None) == [MODEL]
+
+
+async def test_the_background_retries_are_bounded_counted_and_logged(
+    offline_hub: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, "router.links.hub_retry")
+    dead = EngineConfig(name="dead", url="http://127.0.0.1:9", model=MODEL)
+    model = ModelConfig(name=MODEL, tokenizer="org/not-cached")
+    timeouts = Timeouts(hub_retry_s=0.01, hub_retries=3)
+    async with running_gateway(gateway_config([dead], models=[model], timeouts=timeouts)) as gw:
+
+        async def spent() -> bool:
+            return any(r.getMessage().startswith("tokenizer retries spent") for r in caplog.records)
+
+        await wait_for(spent)
+        text = (await gw.client.get("/metrics")).text
+        assert metric(text, "kvrouter_hub_tokenizer_retries_total", outcome="offline") == 3
+        assert metric(text, "kvrouter_hub_tokenizer_retries_total", outcome="resolved") == 0
+        assert (await _explained(gw, PROMPT)).request.tokenizer == "builtin"  # still not had, no engine
+    retried = [r for r in caplog.records if r.getMessage().startswith("tokenizer retry: still unavailable")]
+    assert [getattr(r, "attempt", None) for r in retried] == [1, 2, 3]

@@ -20,10 +20,11 @@ import pytest
 from aiohttp import web
 
 from engine_stub.server.launch import StubServer
+from router.core.policy import session_key
 from router.ops.debug import DecisionEntry
 from router.ops.digests import FleetDigests
 from router.settings.config import EngineConfig, PolicyConfig
-from tests.e2e.test_agent_apis import MODEL, SYSTEM, messages_step, responses_step
+from tests.agent_helpers import MODEL, SYSTEM, messages_step, responses_step
 from tests.gateway_helpers import (
     ADMIN,
     WAIT,
@@ -78,6 +79,33 @@ async def decision(client: httpx.AsyncClient, answer: httpx.Response) -> Decisio
     found = await client.get(f"/debug/decisions/{answer.headers['x-request-id']}", headers=AUTH)
     assert found.status_code == 200, found.text
     return msgspec.json.decode(found.content, type=DecisionEntry)
+
+
+@pytest.mark.parametrize(
+    ("path", "step", "key"), [(p, s, k) for p, s, h, k in APIS if not h], ids=["chat", "messages"]
+)
+async def test_the_body_session_is_read_from_the_preparations_decode(
+    path: str, step: Any, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """With no header naming the session, its key comes from the ids the preparation decoded with the
+    rest of the body (`Prepared.body_session`): the body is not decoded for them again (the session
+    keys' own body decode fails the request here; it was called once per request before)."""
+
+    def decoded_again(body: bytes) -> str | None:
+        raise AssertionError("the body was decoded again for its session ids")
+
+    monkeypatch.setattr(session_key, "_body_key", decoded_again)
+    async with running_stubs(2) as stubs:
+        config = gateway_config([engine_of(f"e{i}", s) for i, s in enumerate(stubs)], policy=SOFT)
+        async with running_gateway(config) as gw:
+            answer = await gw.client.post(path, json=step(1, False))
+            assert answer.status_code == 200, answer.text
+            placed = (await decision(gw.client, answer)).decisions[0]
+            assert placed.reason.startswith(f"session {key!r}: no pin (a new session"), placed.reason
+            explained = await gw.client.post("/debug/route", json=step(2, False), headers=AUTH)
+            assert explained.json()["decision"]["reason"].startswith(f"session {key!r}: kept on"), (
+                explained.text
+            )
 
 
 @pytest.mark.parametrize(("path", "step", "headers", "key"), APIS, ids=["chat", "messages", "responses"])

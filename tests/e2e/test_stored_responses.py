@@ -16,7 +16,7 @@ import pytest
 
 from router.ops.debug import DecisionEntry, Explanation
 from router.settings.config import PolicyConfig
-from tests.e2e.test_agent_apis import MODEL, sse_events
+from tests.agent_helpers import MODEL, sse_events
 from tests.gateway_helpers import (
     ADMIN,
     Gateway,
@@ -95,3 +95,46 @@ async def test_an_unknown_or_unstored_id_is_routed_normally_and_the_engines_404_
                 assert error["type"] == "invalid_request_error" and error["param"] == "response_id"
                 assert error["message"] == f"Response with id '{unknown}' not found."
                 assert (await reason(gw, answer)).startswith("round_robin")
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_a_stored_responses_own_routes_go_to_the_engine_that_stored_it(stream: bool) -> None:
+    """`GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel` reach the storing engine each
+    time: round robin stores one response on each engine, and a passthrough unrouted (the least loaded
+    replica, the first on a tie) would reach the same engine for both, the other answering 404."""
+    async with running_stubs(2) as stubs:
+        engines = [engine_of(f"e{i}", s) for i, s in enumerate(stubs)]
+        async with running_gateway(round_robin(engines)) as gw:
+            stored: dict[str, str] = {}
+            for text in ("Find the failing test.", "Fix it."):
+                answer = await gw.client.post("/v1/responses", json=body(text, stream))
+                assert answer.status_code == 200, answer.text
+                stored[response_id(answer, stream)] = answer.headers["x-kvrouter-engine"]
+            assert sorted(stored.values()) == ["e0", "e1"]
+            for rid, engine in [*stored.items(), *stored.items()]:
+                found = await gw.client.get(f"/v1/responses/{rid}")
+                assert found.status_code == 200, found.text
+                assert found.headers["x-kvrouter-engine"] == engine
+                assert (found.json()["id"], found.json()["object"]) == (rid, "response")
+                cancel = await gw.client.post(f"/v1/responses/{rid}/cancel")
+                assert cancel.status_code == 400, cancel.text  # vLLM's: it is no background response
+                assert cancel.headers["x-kvrouter-engine"] == engine
+                assert cancel.json()["error"]["message"] == "Cannot cancel a synchronous response."
+
+
+async def test_an_unknown_ids_own_routes_are_passed_through_and_answered_by_an_engines_404() -> None:
+    async with running_stubs(2) as stubs:
+        engines = [engine_of(f"e{i}", s) for i, s in enumerate(stubs)]
+        async with running_gateway(round_robin(engines)) as gw:
+            unstored = await gw.client.post("/v1/responses", json=body("Hello.", False, store=False))
+            assert unstored.status_code == 200, unstored.text
+            for unknown in ("resp_never_made", response_id(unstored, False)):
+                for answer in (
+                    await gw.client.get(f"/v1/responses/{unknown}"),
+                    await gw.client.post(f"/v1/responses/{unknown}/cancel"),
+                ):
+                    assert answer.status_code == 404, answer.text  # vLLM's own, passed through
+                    error = answer.json()["error"]
+                    assert error["message"] == f"Response with id '{unknown}' not found."
+            deleted = await gw.client.delete(f"/v1/responses/{response_id(unstored, False)}")
+            assert deleted.status_code == 405  # vLLM 0.33.0 serves no DELETE of a stored response

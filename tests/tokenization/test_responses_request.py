@@ -204,7 +204,13 @@ def test_fields_carry_over(ds: HfTokenizer) -> None:
         ({"input": [{"type": "function_call_output", "output": "o"}]}, "input[0]"),
         ({"input": [{"type": "reasoning", "summary": [], "encrypted_content": "zz"}]}, "input"),
         ({"input": "x", "tools": [{"type": "function", "parameters": {}}]}, "tools[0]"),
-        ({"input": "x", "tools": [{"type": "custom", "name": "c"}]}, "tools[0]"),
+        ({"input": "x", "tools": [{"type": "custom"}]}, "tools[0]"),
+        ({"input": "x", "tools": [{"type": "namespace", "name": "ns"}]}, "tools[0]"),
+        (
+            {"input": "x", "tools": [{"type": "namespace", "name": "ns", "tools": [{"type": "function"}]}]},
+            "tools[0]",
+        ),
+        ({"input": [{"type": "custom_tool_call", "call_id": "c", "input": "x"}]}, "input[0]"),
         ({"input": "x", "tool_choice": "required"}, "tool_choice"),
         ({"input": "x", "tool_choice": {"type": "function", "name": "f"}}, "tool_choice"),
         (

@@ -25,7 +25,7 @@ from typing import Final
 
 import msgspec
 
-__all__ = ["AGENT_HEADERS", "BODY_FIELDS", "MAX_VALUE", "SessionKeys"]
+__all__ = ["AGENT_HEADERS", "BODY_FIELDS", "MAX_VALUE", "SessionKeys", "body_key_of"]
 
 AGENT_HEADERS: Final = (
     b"x-dynamo-session-id",  # NVIDIA Dynamo's canonical session header
@@ -85,6 +85,23 @@ def _body_key(body: bytes) -> str | None:
         ids = _DECODE(body)
     except msgspec.DecodeError:
         return None
+    return _key_of(ids)
+
+
+def body_key_of(request: object) -> str | None:
+    """The body's session key (`_body_key`) from a request already decoded with the body's id fields
+    as its attributes (typed as loosely as JSON; a missing attribute is an absent field): checked here
+    as the body's decoding checks them, so a wrong type names no session. What the preparation
+    carries on `Prepared.body_session`, without decoding the body again."""
+    try:
+        ids = msgspec.convert(request, _BodyIds, from_attributes=True)
+    except msgspec.ValidationError:
+        return None
+    return _key_of(ids)
+
+
+def _key_of(ids: _BodyIds) -> str | None:
+    """The first of `BODY_FIELDS` `ids` sets, as `field=value`; None when none is."""
     conversation = ids.conversation.id if isinstance(ids.conversation, _Conversation) else ids.conversation
     user_id = ids.metadata.user_id if ids.metadata is not None else None
     found = (
@@ -117,6 +134,19 @@ class SessionKeys:
     def of(self, headers: Iterable[tuple[bytes, bytes]], body: bytes) -> str | None:
         """The request's session key: the first source that names one (module docstring), or None.
         `headers` are ASGI's (lower-case names, raw values); an empty value names nothing."""
+        found = self.header_key(headers)
+        if found is not None:
+            return found
+        return _body_key(body) if self._body else None
+
+    def of_prepared(self, headers: Iterable[tuple[bytes, bytes]], body_session: str | None) -> str | None:
+        """`of`, the body's key already read by the preparation (`Prepared.body_session`, set when the
+        gateway's policy is `session` with `session_body`): the body is not decoded again."""
+        found = self.header_key(headers)
+        return found if found is not None else body_session if self._body else None
+
+    def header_key(self, headers: Iterable[tuple[bytes, bytes]]) -> str | None:
+        """The key the headers name (the configured one first, then the agent clients'), or None."""
         best: tuple[int, bytes, bytes] | None = None
         rank = self._rank
         for name, value in headers:
@@ -125,4 +155,4 @@ class SessionKeys:
                 best = (r, name, value)
         if best is not None:
             return _key(best[1].decode("latin-1"), best[2].decode("latin-1").strip())
-        return _body_key(body) if self._body else None
+        return None

@@ -447,3 +447,49 @@ async def test_without_response_bodies_the_stream_end_ends_the_request(fleet: Fl
     assert entry is not None and entry.status == 200 and entry.actual_cached_tokens is None
     assert parts.fleet.admission.total == 0
     assert 'status="client_closed"' not in parts.metrics.render().decode()
+
+
+@pytest.mark.parametrize("stream_answer", [False, True], ids=["json", "sse"])
+async def test_a_stored_response_is_learnt_and_its_continuations_and_routes_go_to_its_engine(
+    fleet: Fleet, stream_answer: bool
+) -> None:
+    """The id is learnt from the response phase's body (a JSON answer's `id`, a stream's last
+    `response.id`), as the gateway's relay learns it; a continuation is then picked by the gateway's
+    rule (its reason text), and `GET /v1/responses/{id}` goes there too (unrouted, the least loaded
+    replica: e0 on a tie). The first answer is kept on e1 by a subset hint."""
+    first = fleet.picker.stream()
+    body = json.dumps({"model": fleet.model, "input": "Find the failing test.", "stream": stream_answer})
+    hint = fleet.addresses["e1"]
+    await run(
+        first, request_headers("POST", "/v1/responses", False, subset=hint), request_body(body.encode(), True)
+    )
+    if stream_answer:
+        await step(first, response_headers(200, content_type="text/event-stream"))
+        done = {"type": "response.completed", "response": {"id": "resp_e1", "usage": {"input_tokens": 9}}}
+        await step(
+            first,
+            response_body(b"event: response.completed\ndata: " + json.dumps(done).encode() + b"\n\n", True),
+        )
+    else:
+        await step(first, response_headers(200))
+        await step(
+            first, response_body(b'{"id":"resp_e1","object":"response","usage":{"input_tokens":9}}', True)
+        )
+    for turn in range(3):
+        later = fleet.picker.stream()
+        fields = {"model": fleet.model, "input": f"Step {turn}.", "previous_response_id": "resp_e1"}
+        rid = (("x-request-id", f"rid-c{turn}"),)
+        _, [head, _] = await run(
+            later,
+            request_headers("POST", "/v1/responses", False, rid),
+            request_body(json.dumps(fields).encode(), True),
+        )
+        assert set_headers(head)[DESTINATION].split(",")[0] == fleet.addresses["e1"]
+        entry = gateway_of(fleet).parts.ring.get(f"rid-c{turn}")
+        assert entry is not None and entry.decisions[-1].reason == "stored response resp_e1 on e1"
+        later.closed()
+    for method, path in (("GET", "/v1/responses/resp_e1"), ("POST", "/v1/responses/resp_e1/cancel")):
+        own = fleet.picker.stream()
+        [[answer]] = await run(own, request_headers(method, path, True))
+        assert set_headers(answer)[DESTINATION] == fleet.addresses["e1"]
+        own.closed()

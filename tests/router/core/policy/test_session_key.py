@@ -7,7 +7,10 @@ import json
 
 import pytest
 
-from router.core.policy.session_key import AGENT_HEADERS, MAX_VALUE, SessionKeys
+from router.core.policy.session_key import AGENT_HEADERS, MAX_VALUE, SessionKeys, body_key_of
+from tokenization.openai_request import Endpoint
+from tokenization.request_tokens import decode_request
+from tokenization.responses_request import CheckedResponses
 
 KEYS = SessionKeys("X-Session-Id")
 
@@ -76,6 +79,39 @@ def test_an_empty_header_names_nothing() -> None:
 )
 def test_the_body_ids_in_order(fields: dict[str, object], key: str | None) -> None:
     assert KEYS.of([], body(**fields)) == key
+
+
+API_BODIES: dict[Endpoint, dict[str, object]] = {
+    Endpoint.COMPLETIONS: {"model": "m", "prompt": "x"},
+    Endpoint.CHAT: {"model": "m", "messages": [{"role": "user", "content": "x"}]},
+    Endpoint.MESSAGES: {"model": "m", "max_tokens": 4, "messages": [{"role": "user", "content": "x"}]},
+    Endpoint.RESPONSES: {"model": "m", "input": "x"},
+}
+ID_CASES = [
+    {"prompt_cache_key": "pck", "user": "u"},
+    {"conversation": {"id": "conv_2"}},
+    {"metadata": {"user_id": json.dumps({"session_id": "cc-s"})}},
+    {"metadata": {"tag": "x"}, "user": "u"},
+    {"safety_identifier": "si"},
+    {"prompt_cache_key": "", "user": "u"},
+    {"user": 7, "prompt_cache_key": "pck"},  # a wrong type anywhere: no session, as the body's decode
+    {"conversation": {"x": 1}},
+    {"metadata": {"user_id": 5}, "user": "u"},
+    {},
+]
+
+
+@pytest.mark.parametrize("endpoint", list(API_BODIES), ids=str)
+@pytest.mark.parametrize("fields", ID_CASES, ids=json.dumps)
+def test_the_key_from_the_preparations_decode_is_the_bodys_own(
+    endpoint: Endpoint, fields: dict[str, object]
+) -> None:
+    """`Prepared.body_session` reads the ids from the request the preparation decoded: the same key
+    as decoding the body for them, on every API."""
+    raw = json.dumps({**API_BODIES[endpoint], **fields}).encode()
+    req = decode_request(raw, endpoint)
+    decoded = req.request if isinstance(req, CheckedResponses) else req
+    assert body_key_of(decoded) == KEYS.of([], raw)
 
 
 @pytest.mark.parametrize("raw", [b"not json", b"[1, 2]", b'{"user": 7}', b'{"conversation": {"x": 1}}', b""])
