@@ -94,6 +94,7 @@ def router_config(sim: SimEngines, settings: ScorerSettings) -> RouterConfig:
     policy = PolicyConfig(
         name=settings.policy.value,
         tie_tolerance_s=settings.tie_tolerance_s,
+        tie_min_hit_share=settings.tie_min_hit_share,
         seed=settings.seed,
         session_capacity=settings.session_capacity,
         max_predicted_ttft_s=settings.max_predicted_ttft_s,

@@ -14,7 +14,10 @@ Policies (`PolicyName`):
   next request sharing this one's head (the counted hit, or the warm full-attention prefix of an engine
   where routing pins a hybrid junction: a trusted engine whose warm prefix exceeds its hit), (2) the
   larger counted hit, (3) fewer in-flight requests, (4) a stable hash of (request key, engine), which
-  spreads ties over engines without randomness. The reason names the rules that decided.
+  spreads ties over engines without randomness; in (1) and (2) only a prefix of at least
+  `tie_min_hit_share` of the prompt counts, a shorter one breaking the tie after (3) (a head every
+  prompt shares, such as a chat template's, must not herd new sessions onto the engine that took the
+  first). The reason names the rules that decided.
 - `round_robin`, `least_loaded` (in-flight, then queued tokens, then the stable hash), `random`
   (seeded), `session` (agent sessions kept on their engine, hard or soft: router.core.policy.session_rule),
   `prefix_approx` (longest warm full-attention prefix, ignoring trust and hybrid rules; for A/B).
@@ -30,7 +33,7 @@ import operator
 import random
 from collections.abc import Callable, Sequence
 from itertools import repeat
-from typing import TYPE_CHECKING, Final, Literal
+from typing import TYPE_CHECKING, Final, Literal, NamedTuple
 
 import msgspec
 
@@ -145,6 +148,8 @@ class ScorerSettings(msgspec.Struct, frozen=True):
     """What `max_predicted_ttft_s` bounds: the predicted TTFT, or the predicted wait (`wait_s`)."""
     stored_responses_capacity: int = 100_000
     """Responses ids kept with the engine that stored them (router.core.policy.stored_responses)."""
+    tie_min_hit_share: float = 0.5
+    """kv: in a tie, a prefix shorter than this share of the prompt comes after the load (`_TIE_RULES`)."""
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> ScorerSettings:
@@ -156,6 +161,7 @@ class ScorerSettings(msgspec.Struct, frozen=True):
             prefill_work_weight=p.prefill_work_weight, session_mode=SessionMode(p.session_mode),
             session_ttl_s=p.session_ttl_s, session_margin_s=p.session_margin_s,
             saturation_bound=p.saturation_bound, stored_responses_capacity=p.stored_responses_capacity,
+            tie_min_hit_share=p.tie_min_hit_share,
         )  # fmt: skip
 
 
@@ -365,7 +371,7 @@ class Scorer:
         others: str
         if len(tied) == 1:  # (what `_break_tie` answers for one: no rule narrows)
             return tied[0], _kv_words(tied[0], tied[0].cost_s == best.cost_s)
-        chosen, rules = _break_tie(request.key, tied)
+        chosen, rules = _break_tie(_Tie(request.key, self.settings.tie_min_hit_share * _prompt(best)), tied)
         others = ", ".join(s.engine for s in tied if s is not chosen)
         why = _kv_words(chosen, chosen.cost_s == best.cost_s)
         return (
@@ -419,6 +425,28 @@ def _reusable_tokens(s: CandidateScore) -> int:
     return s.warm_tokens if s.pins_junction else s.counted_tokens
 
 
+def _prompt(s: CandidateScore) -> int:
+    """The request's prompt tokens (every candidate's `counted_tokens + uncached_tokens`)."""
+    return s.counted_tokens + s.uncached_tokens
+
+
+class _Tie(NamedTuple):
+    """What the tie rules read besides a candidate: the request's key (for the hash) and the shortest
+    prefix that is most of the prompt (`ScorerSettings.tie_min_hit_share` of it, in tokens)."""
+
+    key: str
+    least_prefix: float
+
+
+def _most(tokens: int, tie: _Tie) -> int:
+    """`tokens` if they are at least `tie.least_prefix` (most of the prompt), else 0: rules 1 and 2."""
+    return tokens if tokens >= tie.least_prefix else 0
+
+
+def _hit_words(s: CandidateScore) -> str:
+    return f"the larger cached prefix ({s.counted_tokens} tokens)"
+
+
 def _reusable_words(s: CandidateScore) -> str:
     if s.pins_junction:
         return f"pinning the hybrid junction at {s.warm_tokens} tokens"
@@ -427,31 +455,41 @@ def _reusable_words(s: CandidateScore) -> str:
 
 # Tie-break rules in order: (key, words); each keeps the tied candidates with the least key, and
 # its words (said of the candidate finally chosen) go into the reason when it narrowed the tie.
-# The hit goes before the load and the hash: where a request's prefix already lives is where it adds
-# the fewest duplicate blocks and, next turn, finds the most, while the costs say both are as fast.
+# A prefix that is most of the prompt goes before the load and the hash: the request's own context
+# lives there (its session's previous turn, its app's prompt), where it adds the fewest duplicate
+# blocks and, next turn, finds the most, while the costs say both are as fast. A shorter prefix comes
+# after the load (rules 4 and 5): a head every prompt shares (a chat template's role markers, a tool
+# list's preamble: ~75 tokens of an agent's thousands) is on whichever engine took the first
+# conversation, and before the load it sent every new session there, each session's later turns
+# following (tests/router/core/policy/test_shared_header_sim.py: 12 agent sessions on one of two
+# engines); on equal loads it still decides (a chat's second turn). The share is counted in tokens,
+# not in the learned cost: where that cost collapses under overload and nearly everything ties, a
+# session's own prefix still keeps it with its cache (load first throughout cut goodput at an
+# offered 1.2 from 100% to 65%).
 # The hybrid junction pin and the hit are weighed in one unit, the prefix left for the next request
 # sharing this one's head: routing to an engine that pins stores the sparse groups' state at the
 # junction, turning its warm full-attention prefix into a hit for that next request; any other engine
 # offers its hit. Neither strictly first is right: pin-first would leave a 512-token hit for an
-# engine pinning 20 warm tokens, hit-first would pass over a 768-token pin for a 16-token hit. Rule 2
-# then prefers this request's own saving when the prefixes left are equal.
-_TIE_RULES: Final[
-    tuple[tuple[Callable[[str, CandidateScore], int], Callable[[CandidateScore], str]], ...]
-] = (
-    (lambda key, s: -_reusable_tokens(s), _reusable_words),
-    (lambda key, s: -s.counted_tokens, lambda s: f"the larger cached prefix ({s.counted_tokens} tokens)"),
-    (lambda key, s: s.load.in_flight, lambda s: f"fewer in-flight requests ({s.load.in_flight})"),
-    (lambda key, s: stable_hash(key, s.engine), lambda s: "the stable hash of (request, engine)"),
+# engine pinning 20 warm tokens, hit-first would pass over a 768-token pin for a 16-token hit. Rules
+# 2 and 5 then prefer this request's own saving when the prefixes left are equal.
+_TieRule = tuple[Callable[[_Tie, CandidateScore], int], Callable[[CandidateScore], str]]
+_TIE_RULES: Final[tuple[_TieRule, ...]] = (
+    (lambda tie, s: -_most(_reusable_tokens(s), tie), _reusable_words),
+    (lambda tie, s: -_most(s.counted_tokens, tie), _hit_words),
+    (lambda tie, s: s.load.in_flight, lambda s: f"fewer in-flight requests ({s.load.in_flight})"),
+    (lambda tie, s: -_reusable_tokens(s), _reusable_words),
+    (lambda tie, s: -s.counted_tokens, _hit_words),
+    (lambda tie, s: stable_hash(tie.key, s.engine), lambda s: "the stable hash of (request, engine)"),
 )
 
 
-def _break_tie(key: str, tied: list[CandidateScore]) -> tuple[CandidateScore, list[str]]:
+def _break_tie(tie: _Tie, tied: list[CandidateScore]) -> tuple[CandidateScore, list[str]]:
     """Apply `_TIE_RULES` until one candidate is left; returns it and the words of each rule that narrowed."""
     left, narrowed = tied, []
     for rule, words in _TIE_RULES:
         if len(left) == 1:
             break
-        values = [rule(key, s) for s in left]  # once each (the last rule hashes)
+        values = [rule(tie, s) for s in left]  # once each (the last rule hashes)
         least = min(values)
         kept = [s for s, value in zip(left, values, strict=True) if value == least]
         if len(kept) < len(left):

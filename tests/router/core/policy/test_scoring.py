@@ -22,6 +22,7 @@ from router.core.policy.scoring import (
     _kv_words,
     _saturated,
     _score,
+    _Tie,
     _why_not,
     stable_hash,
 )
@@ -127,9 +128,25 @@ TABLE: list[tuple[str, PolicyName, list[Candidate], set[str], str | None, str]] 
         "fewer in-flight",
     ),
     (
-        "tie within tolerance: the larger hit first",
+        "tie within tolerance: the larger hit first when it is most of the prompt",
+        KV,
+        [cand("a", hit=10, prompt=20, in_flight=2), cand("b", prompt=20, in_flight=1)],
+        set(),
+        "a",
+        "tied with b within 2 ms; decided by the larger cached prefix (10 tokens)",
+    ),
+    (
+        "tie: a hit under tie_min_hit_share of the prompt comes after the load",
         KV,
         [cand("a", hit=10, in_flight=2), cand("b", in_flight=1)],
+        set(),
+        "b",
+        "tied with a within 2 ms; decided by fewer in-flight requests (1)",
+    ),
+    (
+        "tie: on equal loads a hit under tie_min_hit_share still decides",
+        KV,
+        [cand("a", hit=10, in_flight=1), cand("b", in_flight=1)],
         set(),
         "a",
         "tied with b within 2 ms; decided by the larger cached prefix (10 tokens)",
@@ -365,7 +382,11 @@ def test_readme_second_turn_goes_to_the_warm_engine_when_costs_tie() -> None:
 
 def test_tie_reason_names_every_rule_that_narrowed_the_tie() -> None:
     # c loses on the cached prefix, then a and b (equal prefixes) part on in-flight requests.
-    candidates = [cand("a", hit=10, in_flight=2), cand("b", hit=10, in_flight=1, queued=5), cand("c")]
+    candidates = [
+        cand("a", hit=10, prompt=20, in_flight=2),
+        cand("b", hit=10, prompt=20, in_flight=1, queued=5),
+        cand("c", prompt=20),
+    ]
     decision = Scorer(ScorerSettings()).choose(RouteRequest(KEY), candidates)
     assert decision.engine == "b", decision.reason
     assert "tied with a, c within 2 ms" in decision.reason
@@ -404,9 +425,10 @@ def test_settings_from_the_policy_table() -> None:
         session_capacity=3,
         max_predicted_ttft_s=2.0,
         max_scraped_waiting=9,
+        tie_min_hit_share=0.6,
     )
     settings = ScorerSettings.from_config(RouterConfig(policy=policy))
-    assert settings == ScorerSettings(PolicyName.SESSION, 0.5, 7, 3, 2.0, 9)
+    assert settings == ScorerSettings(PolicyName.SESSION, 0.5, 7, 3, 2.0, 9, tie_min_hit_share=0.6)
 
 
 def test_kv_keeps_a_long_hit_on_a_queued_engine_rather_than_add_its_whole_prefill_elsewhere() -> None:
@@ -580,7 +602,8 @@ def _kv_first_written(
     tol = scorer.settings.tie_tolerance_s
     cost_tol = tol * (1.0 + scorer.settings.prefill_work_weight)
     tied = [s for s in eligible if s.cost_s <= best.cost_s + cost_tol]
-    chosen, rules = _break_tie(request.key, tied)
+    least = scorer.settings.tie_min_hit_share * (best.counted_tokens + best.uncached_tokens)
+    chosen, rules = _break_tie(_Tie(request.key, least), tied)
     why = _kv_words(chosen, chosen.cost_s == best.cost_s)
     if len(tied) == 1:
         return chosen, why
@@ -623,21 +646,26 @@ def _tied_candidate(engine: str, hit: int, warm: int, pending: int, in_flight: i
 @given(
     engines=st.lists(_TIED, min_size=1, max_size=4), key=st.sampled_from(["k1", "k2"]),
     tol=st.sampled_from([0.0, 0.002, 0.05]), weight=st.sampled_from([0.0, 1.0]),
-    session=st.booleans(),
+    session=st.booleans(), share=st.sampled_from([0.0, 0.5]),
 )  # fmt: skip
 def test_kv_decisions_equal_their_first_writing(
-    engines: list[Tied], key: str, tol: float, weight: float, session: bool
+    engines: list[Tied], key: str, tol: float, weight: float, session: bool, share: float
 ) -> None:
     """kv's decision (a lone tied candidate and a tied pair without the rule loop, a pair's runner-up
     without a list of one) is the one first written, reason, runner-up and margin included."""
-    settings = ScorerSettings(tie_tolerance_s=tol, prefill_work_weight=weight)
+    settings = ScorerSettings(tie_tolerance_s=tol, prefill_work_weight=weight, tie_min_hit_share=share)
     candidates = [_tied_candidate(*t) for t in engines]
     request = RouteRequest(key)
     scorer = Scorer(settings)
     assert scorer.choose(request, candidates) == _choose_first_written(scorer, request, candidates)
     if session:  # the session policy's fallback is kv's choice
         alone = Scorer(
-            ScorerSettings(policy=PolicyName.SESSION, tie_tolerance_s=tol, prefill_work_weight=weight)
+            ScorerSettings(
+                policy=PolicyName.SESSION,
+                tie_tolerance_s=tol,
+                prefill_work_weight=weight,
+                tie_min_hit_share=share,
+            )
         )
         eligible = [s for s in (_score(c, frozenset(), settings) for c in candidates) if s.eligible]
         if eligible:
