@@ -32,6 +32,7 @@ __all__ = [
     "frame_header",
     "goaway",
     "grpc_message",
+    "grpc_prefix",
     "header_block",
     "rst_stream",
     "settings",
@@ -139,9 +140,17 @@ def goaway(last_stream_id: int, code: ErrorCode, debug: bytes = b"") -> bytes:
     return frame(FrameType.GOAWAY, 0, 0, struct.pack(">II", last_stream_id, code) + debug)
 
 
+_GRPC_PREFIX: Final = struct.Struct(">BI")
+
+
+def grpc_prefix(size: int) -> bytes:
+    """The 5 bytes in front of a gRPC message of `size` bytes: not compressed, its length."""
+    return _GRPC_PREFIX.pack(0, size)
+
+
 def grpc_message(payload: bytes) -> bytes:
     """gRPC's length-prefixed message: not compressed, its length, its bytes."""
-    return struct.pack(">BI", 0, len(payload)) + payload
+    return grpc_prefix(len(payload)) + payload
 
 
 def _integer(value: int, prefix_bits: int, first: int) -> bytes:

@@ -55,7 +55,7 @@ from router.epp.frames import (
     frame,
     frame_header,
     goaway,
-    grpc_message,
+    grpc_prefix,
     header_block,
     rst_stream,
     settings,
@@ -111,8 +111,8 @@ class _Stream:
     """One client stream's state on the connection."""
 
     __slots__ = (
-        "backlog", "handler", "headers_sent", "id", "inbox", "pending", "recv_unacked", "recv_window",
-        "remote_closed", "send_window", "task", "trailer", "waiter",
+        "backlog", "backlog_bytes", "handler", "headers_sent", "id", "inbox", "pending", "recv_unacked",
+        "recv_window", "remote_closed", "send_window", "task", "trailer", "waiter",
     )  # fmt: skip
 
     def __init__(self, stream_id: int, handler: StreamHandler, send_window: int, recv_window: int) -> None:
@@ -124,7 +124,8 @@ class _Stream:
         self.task: asyncio.Task[None] | None = None
         self.remote_closed = False
         self.headers_sent = False
-        self.backlog = b""  # answer bytes past the client's windows
+        self.backlog: deque[memoryview] = deque()  # answer bytes past the client's windows
+        self.backlog_bytes = 0
         self.trailer: bytes | None = None  # trailers waiting behind the backlog
 
     def deliver(self, message: bytes) -> None:
@@ -152,6 +153,7 @@ class GrpcConnection(asyncio.Protocol):
         self.on_lost = on_lost
         self.transport: asyncio.Transport | None = None
         self.buffer = bytearray()
+        self.need = 0  # the bytes `buffer` must hold before a frame can be read from it
         self.preface = False
         self.settled = False  # the client's first SETTINGS arrived
         self.decoder = hpack.Decoder()
@@ -167,7 +169,7 @@ class GrpcConnection(asyncio.Protocol):
         self.recv_unacked = 0
         self.table_update = False  # the client changed its table size: next block starts with 0
         self.closing = False  # GOAWAY sent: no new streams
-        self.out: list[bytes] = []
+        self.out: list[bytes | memoryview] = []
         self.idle = asyncio.Event()
         self.idle.set()
 
@@ -186,18 +188,28 @@ class GrpcConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.transport is None or self.transport.is_closing():
             return
-        self.buffer += data
+        if self.buffer:  # (a frame split over reads: gathered until whole, then read as one bytes)
+            self.buffer += data
+            if len(self.buffer) < self.need:
+                return
+            data = bytes(self.buffer)
+            self.buffer.clear()
         try:
+            start = 0
             if not self.preface:
-                if len(self.buffer) < len(PREFACE):
-                    if not PREFACE.startswith(self.buffer):
+                if len(data) < len(PREFACE):
+                    if not PREFACE.startswith(data):
                         raise ConnectionFault(ErrorCode.PROTOCOL_ERROR, "preface")
+                    self.buffer += data
                     return
-                if not self.buffer.startswith(PREFACE):
+                if not data.startswith(PREFACE):
                     raise ConnectionFault(ErrorCode.PROTOCOL_ERROR, "preface")
-                del self.buffer[: len(PREFACE)]
-                self.preface = True
-            self._frames()
+                start, self.preface = len(PREFACE), True
+            rest = memoryview(data)[self._frames(data, start) :]
+            self.buffer += rest
+            self.need = 9 + (int.from_bytes(rest[:3]) if len(rest) >= 9 else 0)
+            if self.need > 9 + self.config.max_frame:  # (refused before it is gathered)
+                raise ConnectionFault(ErrorCode.FRAME_SIZE_ERROR, "frame_size")
         except ConnectionFault as fault:
             self._fail(fault)
         self._flush()
@@ -233,28 +245,26 @@ class GrpcConnection(asyncio.Protocol):
 
     # -- reading frames
 
-    def _frames(self) -> None:
-        buffer, pos, size = self.buffer, 0, len(self.buffer)
-        limit = self.config.max_frame
-        try:
-            while size - pos >= 9:
-                high, low, kind, flags, stream_id = HEAD.unpack_from(buffer, pos)
-                length = high << 16 | low
-                if length > limit:
-                    raise ConnectionFault(ErrorCode.FRAME_SIZE_ERROR, "frame_size")
-                end = pos + 9 + length
-                if end > size:
-                    break
-                payload = bytes(buffer[pos + 9 : end])
-                pos = end
-                try:
-                    self._frame(kind, flags, stream_id & 0x7FFFFFFF, payload)
-                except StreamFault as fault:
-                    self._reset(fault)
-        finally:
-            del buffer[:pos]
+    def _frames(self, data: bytes, pos: int) -> int:
+        """Read the whole frames in `data` from `pos`; where the first incomplete one starts. Payloads
+        are views of `data` (bytes: nothing copied until a message is delivered)."""
+        view, size, limit = memoryview(data), len(data), self.config.max_frame
+        while size - pos >= 9:
+            high, low, kind, flags, stream_id = HEAD.unpack_from(data, pos)
+            length = high << 16 | low
+            if length > limit:
+                raise ConnectionFault(ErrorCode.FRAME_SIZE_ERROR, "frame_size")
+            end = pos + 9 + length
+            if end > size:
+                break
+            try:
+                self._frame(kind, flags, stream_id & 0x7FFFFFFF, view[pos + 9 : end])
+            except StreamFault as fault:
+                self._reset(fault)
+            pos = end
+        return pos
 
-    def _frame(self, kind: int, flags: int, stream_id: int, payload: bytes) -> None:
+    def _frame(self, kind: int, flags: int, stream_id: int, payload: memoryview) -> None:
         if self.continuation is not None and kind != FrameType.CONTINUATION:
             raise ConnectionFault(ErrorCode.PROTOCOL_ERROR, "continuation_expected")
         if not self.settled and kind != FrameType.SETTINGS:
@@ -284,7 +294,7 @@ class GrpcConnection(asyncio.Protocol):
             raise ConnectionFault(ErrorCode.PROTOCOL_ERROR, "push_promise")
         # other frame types are ignored (RFC 9113 5.5)
 
-    def _data(self, flags: int, stream_id: int, payload: bytes) -> None:
+    def _data(self, flags: int, stream_id: int, payload: memoryview) -> None:
         _on_stream(stream_id)
         length = len(payload)
         if length > self.recv_window:
@@ -322,12 +332,12 @@ class GrpcConnection(asyncio.Protocol):
             stream.remote_closed = True
             stream.wake()
 
-    def _messages(self, stream: _Stream, payload: bytes) -> None:
+    def _messages(self, stream: _Stream, payload: memoryview) -> None:
         """The whole gRPC messages in the stream's bytes so far, delivered in order."""
         if not stream.inbox and len(payload) >= 5 and payload[0] == 0:
             (size,) = _U32.unpack_from(payload, 1)
             if size + 5 == len(payload):  # (the usual: one DATA frame, one message)
-                stream.deliver(payload[5:])
+                stream.deliver(bytes(payload[5:]))
                 return
         inbox = stream.inbox
         inbox += payload
@@ -339,10 +349,10 @@ class GrpcConnection(asyncio.Protocol):
                 raise StreamFault(stream.id, ErrorCode.ENHANCE_YOUR_CALM, "message_too_large")
             if len(inbox) < size + 5:
                 return
-            stream.deliver(bytes(inbox[5 : size + 5]))
+            stream.deliver(bytes(memoryview(inbox)[5 : size + 5]))
             del inbox[: size + 5]
 
-    def _headers(self, flags: int, stream_id: int, payload: bytes) -> None:
+    def _headers(self, flags: int, stream_id: int, payload: memoryview) -> None:
         _on_stream(stream_id)
         if flags & Flag.PADDED:
             payload = _unpadded(payload)
@@ -352,11 +362,11 @@ class GrpcConnection(asyncio.Protocol):
             payload = payload[5:]
         end = bool(flags & Flag.END_STREAM)
         if flags & Flag.END_HEADERS:
-            self._header_block(stream_id, end, payload)
+            self._header_block(stream_id, end, bytes(payload))
         else:
             self.continuation = (stream_id, end, bytearray(payload))
 
-    def _continuation(self, flags: int, stream_id: int, payload: bytes) -> None:
+    def _continuation(self, flags: int, stream_id: int, payload: memoryview) -> None:
         if self.continuation is None or self.continuation[0] != stream_id:
             raise ConnectionFault(ErrorCode.PROTOCOL_ERROR, "unexpected_continuation")
         _, end, block = self.continuation
@@ -410,7 +420,7 @@ class GrpcConnection(asyncio.Protocol):
         # (told when the task is done, however: a task cancelled before it ran runs no `finally`)
         task.add_done_callback(lambda _: stream.handler.closed())
 
-    def _window_update(self, stream_id: int, payload: bytes) -> None:
+    def _window_update(self, stream_id: int, payload: memoryview) -> None:
         if len(payload) != 4:
             raise ConnectionFault(ErrorCode.FRAME_SIZE_ERROR, "frame_size")
         increment = _U32.unpack(payload)[0] & 0x7FFFFFFF
@@ -434,7 +444,7 @@ class GrpcConnection(asyncio.Protocol):
             raise StreamFault(stream_id, ErrorCode.FLOW_CONTROL_ERROR, "flow_control")
         self._unblock([stream])
 
-    def _settings(self, flags: int, stream_id: int, payload: bytes) -> None:
+    def _settings(self, flags: int, stream_id: int, payload: memoryview) -> None:
         if stream_id:
             raise ConnectionFault(ErrorCode.PROTOCOL_ERROR, "settings_on_stream")
         if flags & Flag.ACK:
@@ -463,15 +473,15 @@ class GrpcConnection(asyncio.Protocol):
         self.out.append(frame(FrameType.SETTINGS, Flag.ACK, 0))
         self._unblock(list(self.blocked.values()))
 
-    def _ping(self, flags: int, stream_id: int, payload: bytes) -> None:
+    def _ping(self, flags: int, stream_id: int, payload: memoryview) -> None:
         if stream_id:
             raise ConnectionFault(ErrorCode.PROTOCOL_ERROR, "ping_on_stream")
         if len(payload) != 8:
             raise ConnectionFault(ErrorCode.FRAME_SIZE_ERROR, "frame_size")
         if not flags & Flag.ACK:
-            self.out.append(frame(FrameType.PING, Flag.ACK, 0, payload))
+            self.out.append(frame(FrameType.PING, Flag.ACK, 0, bytes(payload)))
 
-    def _rst_stream(self, stream_id: int, payload: bytes) -> None:
+    def _rst_stream(self, stream_id: int, payload: memoryview) -> None:
         _on_stream(stream_id)
         if len(payload) != 4:
             raise ConnectionFault(ErrorCode.FRAME_SIZE_ERROR, "frame_size")
@@ -517,32 +527,49 @@ class GrpcConnection(asyncio.Protocol):
         return block
 
     def _answer(self, stream: _Stream, answers: list[bytes]) -> None:
+        """The answers as gRPC messages in DATA frames (their bytes are not copied: the frames are
+        written as pieces)."""
         if stream.id not in self.streams:
             return
         if not stream.headers_sent:
             stream.headers_sent = True
             self.out.append(header_block(stream.id, self._block(RESPONSE_HEADERS), False, self.peer_frame))
-        data = b"".join([grpc_message(a) for a in answers])
-        if stream.backlog:
-            stream.backlog += data
-        else:
-            self._send_data(stream, data)
+        pieces: list[bytes] = []
+        for answer in answers:
+            pieces += (grpc_prefix(len(answer)), answer)
+        size = sum(len(p) for p in pieces)
+        if not stream.backlog and size <= min(self.send_window, stream.send_window, self.peer_frame):
+            self.out.append(frame_header(size, FrameType.DATA, 0, stream.id))
+            self.out += pieces  # (the usual: all of it in one frame)
+            self.send_window -= size
+            stream.send_window -= size
+            return
+        stream.backlog.extend(memoryview(p) for p in pieces)
+        stream.backlog_bytes += size
+        self._send_held(stream)
 
-    def _send_data(self, stream: _Stream, data: bytes) -> None:
-        """`data` in DATA frames as far as the windows allow; the rest held until they open."""
-        pos, size, out = 0, len(data), self.out
-        while pos < size:
-            room = min(self.send_window, stream.send_window, self.peer_frame, size - pos)
+    def _send_held(self, stream: _Stream) -> None:
+        """The held answer bytes in DATA frames as far as the windows allow; the rest held until they
+        open; then the trailers waiting behind them."""
+        held, out = stream.backlog, self.out
+        while held:
+            room = min(self.send_window, stream.send_window, self.peer_frame, stream.backlog_bytes)
             if room <= 0:
-                stream.backlog = data[pos:]
                 self.blocked[stream.id] = stream
                 return
             out.append(frame_header(room, FrameType.DATA, 0, stream.id))
-            out.append(data[pos : pos + room])
             self.send_window -= room
             stream.send_window -= room
-            pos += room
-        stream.backlog = b""
+            stream.backlog_bytes -= room
+            while room:
+                piece = held[0]
+                if len(piece) <= room:
+                    out.append(held.popleft())
+                    room -= len(piece)
+                else:
+                    out.append(piece[:room])
+                    held[0] = piece[room:]
+                    room = 0
         self.blocked.pop(stream.id, None)
         if stream.trailer is not None:
             self.out.append(header_block(stream.id, self._block(stream.trailer), True, self.peer_frame))
@@ -552,7 +579,7 @@ class GrpcConnection(asyncio.Protocol):
     def _unblock(self, streams: list[_Stream]) -> None:
         for stream in streams:
             if stream.backlog and stream.id in self.streams:
-                self._send_data(stream, stream.backlog)
+                self._send_held(stream)
 
     def _finish(self, stream: _Stream, status: int, message: str = "") -> None:
         """The stream's trailers (after any held answer bytes); then it is closed on this side."""
@@ -609,7 +636,7 @@ class GrpcConnection(asyncio.Protocol):
 
     def _flush(self) -> None:
         if self.out and self.transport is not None and not self.transport.is_closing():
-            self.transport.write(b"".join(self.out))
+            self.transport.writelines(self.out)
         self.out.clear()
 
 
@@ -619,7 +646,7 @@ def _on_stream(stream_id: int) -> None:
         raise ConnectionFault(ErrorCode.PROTOCOL_ERROR, "frame_on_stream_0")
 
 
-def _unpadded(payload: bytes) -> bytes:
+def _unpadded(payload: memoryview) -> memoryview:
     if not payload or payload[0] >= len(payload):
         raise ConnectionFault(ErrorCode.PROTOCOL_ERROR, "padding")
     return payload[1 : len(payload) - payload[0]]

@@ -19,9 +19,7 @@ import h2.events
 import h2.settings
 import pytest
 
-from router.epp.frames import (
-    PREFACE, ErrorCode, Flag, FrameType, frame, frame_header, grpc_message, settings,
-)  # fmt: skip
+from router.epp.frames import PREFACE, ErrorCode, Flag, FrameType, frame, frame_header, grpc_message, settings
 from router.epp.transport import GrpcConnection, TransportSettings
 
 pytestmark = pytest.mark.timeout(60)
@@ -300,14 +298,18 @@ MALFORMED = {
     "data on 0": (GOOD_START + frame(FrameType.DATA, 0, 0, b"x"), "frame_on_stream_0", 1),
     "data idle": (GOOD_START + frame(FrameType.DATA, 0, 5, b"x"), "data_on_idle_stream", 1),
     "too long": (GOOD_START + frame_header(140_000, FrameType.DATA, 0, 1), "frame_size", 6),
-    "hpack": (GOOD_START + frame(FrameType.HEADERS, Flag.END_HEADERS, 1, b"\xff\xff\xff\xff"), "compression", 9),
+    "hpack": (GOOD_START + frame(FrameType.HEADERS, Flag.END_HEADERS, 1, b"\xff" * 4), "compression", 9),
     "even id": (GOOD_START + _raw_headers(2), "even_stream_id", 1),
-    "lone continuation": (GOOD_START + frame(FrameType.CONTINUATION, 4, 1, b"\x83"), "unexpected_continuation", 1),
+    "lone continuation": (
+        GOOD_START + frame(FrameType.CONTINUATION, 4, 1, b"\x83"), "unexpected_continuation", 1,
+    ),
     "no continuation": (
         GOOD_START + frame(FrameType.HEADERS, 0, 1, b"\x83") + frame(FrameType.PING, 0, 0, b"\x00" * 8),
         "continuation_expected", 1,
     ),
-    "flow overrun": (GOOD_START + _raw_headers(1) + frame(FrameType.DATA, 0, 1, b"x" * 70_000), "flow_control", 3),
+    "flow overrun": (
+        GOOD_START + _raw_headers(1) + frame(FrameType.DATA, 0, 1, b"x" * 70_000), "flow_control", 3,
+    ),
 }  # fmt: skip
 
 
