@@ -384,6 +384,8 @@ class GrpcConnection(asyncio.Protocol):
             raise ConnectionFault(ErrorCode.COMPRESSION_ERROR, "compression") from exc
         stream = self.streams.get(stream_id)
         if stream is not None:  # the client's trailers
+            if stream.remote_closed:
+                raise StreamFault(stream_id, ErrorCode.STREAM_CLOSED, "headers_after_end")
             if not end:
                 raise StreamFault(stream_id, ErrorCode.PROTOCOL_ERROR, "trailers_without_end")
             stream.remote_closed = True

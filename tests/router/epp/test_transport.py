@@ -21,6 +21,7 @@ import pytest
 
 from router.epp.frames import PREFACE, ErrorCode, Flag, FrameType, frame, frame_header, grpc_message, settings
 from router.epp.transport import GrpcConnection, TransportSettings
+from tests.zmq_helpers import wait_until
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -173,12 +174,6 @@ async def client(port: int, max_frame: int = 16_384) -> AsyncIterator[Client]:
         await writer.wait_closed()
 
 
-async def wait_for(done: Callable[[], bool]) -> None:
-    async with asyncio.timeout(DEADLINE_S):
-        while not done():
-            await asyncio.sleep(0.01)  # polling a predicate under a deadline
-
-
 async def test_streams_are_echoed_in_order_with_grpc_headers_and_trailers() -> None:
     async with serving() as server, client(server.port) as c:
         one, two = c.open(), c.open()
@@ -194,7 +189,7 @@ async def test_streams_are_echoed_in_order_with_grpc_headers_and_trailers() -> N
         c.h2.ping(b"12345678")
         c.flush()
         await c.until(lambda: c.pings == 1)
-    await wait_for(lambda: len(server.closed) == 2)
+    await wait_until(lambda: len(server.closed) == 2)
     assert server.counted == []
 
 
@@ -231,7 +226,7 @@ async def test_an_immediate_answer_ends_the_stream_and_stops_the_client() -> Non
         assert c.streams[sid].messages() == [b"stop"]
         assert c.streams[sid].trailers == [(b"grpc-status", b"0")]
         assert c.streams[sid].reset == ErrorCode.NO_ERROR  # (RST_STREAM NO_ERROR: send no more)
-    await wait_for(lambda: len(server.closed) == 1)
+    await wait_until(lambda: len(server.closed) == 1)
 
 
 async def test_a_stream_cancelled_mid_body_closes_its_handler_and_others_go_on() -> None:
@@ -241,7 +236,7 @@ async def test_a_stream_cancelled_mid_body_closes_its_handler_and_others_go_on()
         await c.until(lambda: c.streams[cancelled].messages() == [b"first"])
         c.h2.reset_stream(cancelled, ErrorCode.CANCEL)
         c.flush()
-        await wait_for(lambda: len(server.closed) == 1)
+        await wait_until(lambda: len(server.closed) == 1)
         await c.send(other, grpc_message(b"still"), end=True)
         await c.until(lambda: c.streams[other].ended)
         assert c.streams[other].messages() == [b"still"]
@@ -274,7 +269,7 @@ async def test_a_bad_grpc_message_resets_its_stream_only(data: bytes, reason: st
         await c.until(lambda: c.streams[good].ended)
         assert c.streams[good].messages() == [b"fine"]
         assert server.counted == [("stream", reason)]
-    await wait_for(lambda: len(server.closed) == 2)
+    await wait_until(lambda: len(server.closed) == 2)
 
 
 def _raw_headers(sid: int, end: bool = False) -> bytes:
@@ -383,4 +378,4 @@ async def test_a_stream_protocol_error_resets_that_stream_only() -> None:
             ("stream", "trailers_without_end"),
             ("stream", "zero_window_update"),
         ]
-    await wait_for(lambda: len(server.closed) == 3)
+    await wait_until(lambda: len(server.closed) == 3)
