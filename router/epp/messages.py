@@ -304,7 +304,12 @@ def _value(buf: bytes, span: tuple[int, int], depth: int) -> Any:
 # -- writing ------------------------------------------------------------------------------------------
 
 
+_ONE_BYTE: Final = tuple(bytes((n,)) for n in range(0x80))  # (tags and most lengths: one byte, made once)
+
+
 def _varint_bytes(n: int) -> bytes:
+    if n < 0x80:
+        return _ONE_BYTE[n]
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)

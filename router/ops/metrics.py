@@ -545,6 +545,13 @@ class RouterMetrics:
         )
         for reason in REJECT_REASONS:  # present at 0 from the start, so rate() and alerts see them
             self.rejected.labels(reason)
+        self.epp_transport_errors = Counter(
+            "kvrouter_epp_transport_errors",
+            "HTTP/2 protocol errors of the endpoint picker's ext_proc clients, by scope (connection: "
+            "closed with GOAWAY; stream: reset) and reason (router.epp.transport)",
+            ["scope", "reason"],
+            registry=r,
+        )
         self.client_timeouts = Counter(
             "kvrouter_client_timeouts",
             "client connections timed out, by phase: header, body (answered 408), idle (kept alive) or "
@@ -664,6 +671,10 @@ class RouterMetrics:
     def _children(self, family: Labelled[_C]) -> Children[tuple[str, ...], _C]:
         """`family`'s children by label values, an engine's kept only while it is in the fleet."""
         return Children(partial(self._child, family), self._present)
+
+    def epp_transport_error(self, scope: str, reason: str) -> None:
+        """Count one protocol error of an ext_proc client (router.epp.transport `Counter`)."""
+        self.epp_transport_errors.labels(scope, reason).inc()
 
     def refused(self, policy: str, status: str, reason: str | None) -> None:
         """Count a request the gateway answered itself (no engine), and its refusal reason if any."""
