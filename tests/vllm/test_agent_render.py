@@ -185,6 +185,20 @@ MALFORMED: list[tuple[str, Endpoint, dict[str, Any]]] = [
         )
         for name in ("run", "nope")  # in two namespaces; in none
     ],
+    (
+        "/v1/responses/render",
+        Endpoint.RESPONSES,
+        {
+            "input": "x",
+            "tools": [
+                {
+                    "type": "custom",
+                    "name": "p",
+                    "format": {"type": "grammar", "syntax": "lark", "definition": "s"},
+                }
+            ],
+        },
+    ),
 ]
 
 
