@@ -325,6 +325,7 @@ def _tools(raw: dict[str, Any], i: int) -> list[FunctionTool]:
         ]
         return [msgspec.structs.replace(t, name=_flat(space.name, t.name)) for t in inner]
     if kind == "custom":
+        _check_custom_format(raw.get("format"))
         custom = _convert(raw, _Custom, f"tools[{i}]")
         return [FunctionTool(custom.name, custom.description, _custom_tool_parameters())]
     if kind in _UNRENDERED_TOOLS:
@@ -340,6 +341,17 @@ class _Namespace(msgspec.Struct):
 class _Custom(msgspec.Struct):
     name: str
     description: str | None = None
+
+
+def _check_custom_format(format_: Any) -> None:
+    """vLLM's ``check_custom_tool_format``: a top-level ``custom`` tool with a ``grammar`` format is a
+    400 (only free-form text custom tools are accepted; one inside a namespace is not checked)."""
+    if isinstance(format_, dict) and format_.get("type") == "grammar":
+        raise RequestError(
+            "Custom tools with a grammar format are not supported; "
+            "only free-form text custom tools are accepted.",
+            "tools",
+        )
 
 
 def _flat(namespace: str, name: str) -> str:

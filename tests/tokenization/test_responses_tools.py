@@ -119,3 +119,11 @@ def test_an_ambiguous_or_unknown_tool_choice_is_a_400(name: str, message: str) -
     with pytest.raises(RequestError, match=message.replace("(", r"\(").replace(")", r"\)")) as info:
         chat_of(input="x", tools=SPACES, tool_choice={"type": "function", "name": name})
     assert info.value.param == "tool_choice"
+
+
+def test_a_custom_tool_with_a_grammar_format_is_a_400_as_in_vllm() -> None:
+    grammar = {"type": "grammar", "syntax": "lark", "definition": "start: /.+/"}
+    with pytest.raises(RequestError, match="only free-form text custom tools are accepted") as info:
+        chat_of(input="x", tools=[{"type": "custom", "name": "p", "format": grammar}])
+    assert info.value.param == "tools"
+    chat_of(input="x", tools=[{"type": "custom", "name": "p", "format": {"type": "text"}}])  # free-form: fine

