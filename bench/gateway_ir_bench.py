@@ -80,6 +80,16 @@ async def cell(out: Path, pid: int, url: str, case: Case, requests: int, conc: i
     return dumped_ir(out, pid, before)
 
 
+def tree_config(tree: Path, backend: str) -> str:
+    """The gateway config for `tree` (kv policy): its pool and connect waits long, as callgrind runs
+    it ~50x slower. `[timeouts] pool_wait_s` only where the tree's settings have it (older revisions,
+    such as the tree before issue #30's work, refuse the unknown key)."""
+    slow = "[timeouts]\nconnect_s = 120.0\n"
+    if "pool_wait_s" in (tree / "router" / "settings" / "config.py").read_text():
+        slow += "pool_wait_s = 120.0\n"
+    return gateway_config(backend) + '[policy]\nname = "kv"\n' + slow
+
+
 async def run(args: argparse.Namespace) -> None:
     procs: list[asyncio.subprocess.Process] = []
     few, many = (int(n) for n in args.requests.split(","))
@@ -94,13 +104,12 @@ async def run(args: argparse.Namespace) -> None:
             backend_argv = [sys.executable, str(HERE.parent / "proxy_bench.py"), "--backend"]
             backend, port = await start_process(backend_argv, lambda line: line.decode().strip())
             procs.append(backend)
-            config = tmp / "kv.toml"
-            slow = "[timeouts]\nconnect_s = 120.0\npool_wait_s = 120.0\n"  # (callgrind: ~50x slower)
-            config.write_text(gateway_config(f"http://127.0.0.1:{port}") + '[policy]\nname = "kv"\n' + slow)
             head = ["valgrind", "--tool=callgrind", "--instr-atstart=no", f"--callgrind-out-file={out}/cg.%p",
                     sys.executable, "-m", "kvrouter"]  # fmt: skip
             targets: list[tuple[str, int, str]] = []
             for name, tree in (("base", base), ("new", ROOT)):
+                config = tmp / f"{name}.toml"
+                config.write_text(tree_config(tree, f"http://127.0.0.1:{port}"))
                 proc, url = await start_gateway(tree, config, dict(os.environ), head)
                 procs.append(proc)
                 targets.append((name, proc.pid, url))

@@ -38,7 +38,7 @@ import socket
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Final, NoReturn, cast
+from typing import Any, Final, NoReturn
 
 from uvicorn.config import Config
 from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol, RequestResponseCycle
@@ -152,7 +152,7 @@ class ClientHttpProtocol(HttpToolsProtocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self.flow = HeldFlow(transport)
+        self.flow = self._held = HeldFlow(transport)  # `_held`: the same, typed as ours (no cast per use)
         _no_delay(transport)
         self._arm_header_timer()
 
@@ -180,7 +180,7 @@ class ClientHttpProtocol(HttpToolsProtocol):
             self._refusal()
         elif not self._stopped:
             self._stopped = True
-            cast(HeldFlow, self.flow).hold()
+            self._held.hold()
             self.loop.call_soon(self._answer_400, msg)
 
     def _answer_400(self, msg: str) -> None:
@@ -202,7 +202,7 @@ class ClientHttpProtocol(HttpToolsProtocol):
         self._stopped = True
         self.logger.warning("Request refused: %s (limits.client_max_*).", reason)
         self._header_by = None  # a refused head times out nothing
-        cast(HeldFlow, self.flow).hold()
+        self._held.hold()
         cycle = self.cycle
         answered: int | None = None
         if self._trailing:  # the request's body broke off in its trailers: it gets no answer
@@ -232,7 +232,7 @@ class ClientHttpProtocol(HttpToolsProtocol):
             if not self._dropping:
                 self._close_unread()
         elif not self._stopped:
-            cast(HeldFlow, self.flow).held = False
+            self._held.held = False
         _UVICORN.on_response_complete(self)
 
     def on_message_begin(self) -> None:
@@ -255,7 +255,7 @@ class ClientHttpProtocol(HttpToolsProtocol):
             if waiting >= limits.pipelined:
                 self._stop("pipelined_too_deep")
             if waiting + 1 >= limits.pipelined:
-                cast(HeldFlow, self.flow).hold()
+                self._held.hold()
         self._fields = False
         self._trailing = True  # fields parsed from now on are the body's trailers
         self._count = self._size = 0
@@ -265,8 +265,8 @@ class ClientHttpProtocol(HttpToolsProtocol):
             return
         if previous is not None and not previous.response_complete:
             self._pipelined()
-        hold = HeadHold(self.transport, self._turn, self.tasks.__len__)  # head + body in one write
-        cycle.transport = cast(asyncio.Transport, hold)
+        # head + body in one write; (`cast` is a call per request: the attribute typed by an ignore)
+        cycle.transport = HeadHold(self.transport, self._turn, self.tasks.__len__)  # type: ignore[assignment]
         extensions = self.scope.setdefault("extensions", {})
         extensions[BODY_WRITER] = {"writer": BodyWriter(cycle)}
         self._lost = _CycleSignal(cycle, self.loop)
@@ -287,7 +287,7 @@ class ClientHttpProtocol(HttpToolsProtocol):
         (`TurnWrites`: their flush was scheduled first)."""
         if not self._stopped:
             self._stopped = True
-            cast(HeldFlow, self.flow).hold()
+            self._held.hold()
             self.loop.call_soon(self.transport.close)
 
     def on_header(self, name: bytes, value: bytes) -> None:
@@ -316,9 +316,8 @@ class ClientHttpProtocol(HttpToolsProtocol):
         else:
             cycle = self.cycle
             if type(cycle.body) is bytearray and not cycle.body:  # a new cycle's, or one `receive` emptied
-                cycle.body = cast(
-                    bytearray, BodyPieces()
-                )  # (what uvicorn's `on_body` and `receive` use of it)
+                # (what uvicorn's `on_body` and `receive` use of it; an ignore, not a `cast` call)
+                cycle.body = BodyPieces()  # type: ignore[assignment]
             _UVICORN.on_body(self, body)
 
     def on_message_complete(self) -> None:
