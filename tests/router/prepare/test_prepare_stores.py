@@ -15,6 +15,7 @@ import pytest
 from router.core.keys.block_key import KeyHasher
 from router.prepare.served_models import Models, UnknownModel
 from router.settings.config import ModelConfig, RouterConfig
+from tests.encoder_helpers import share_loaded_tokenizers
 from tests.tokenization.test_chat_carry import DATA
 from tokenization import CachedEncoder, HfTokenizer
 from tokenization.hf_files import package_dir
@@ -30,6 +31,11 @@ TURN_2 = [
     {"role": "user", "content": "And why would a router care about it at all?"},
 ]
 PROMPT = "The quick brown fox jumps over the lazy dog, again and again. " * 12
+
+
+@pytest.fixture(autouse=True)
+def _loaded_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    share_loaded_tokenizers(monkeypatch)  # each Models its own caches, over one loaded tokenizer
 
 
 def _models() -> Models:
