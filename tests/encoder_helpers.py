@@ -9,13 +9,16 @@ it, each new one empty), so the tests share one per (package, template) and make
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 import tokenization.loading
-from tokenization import CachedEncoder, HfTokenizer, Tokenizer
+from tokenization import CachedEncoder, HfTokenizer, Message, Tokenizer
+from tokenization.cached_encoder import ChatPrompt
 from tokenization.loading import cached_encoder
 
 DATA = Path(__file__).parent / "data"
@@ -47,3 +50,14 @@ def share_loaded_tokenizers(monkeypatch: pytest.MonkeyPatch) -> None:
     a `Models` built after this still gets a new cached encoder (empty caches) per tokenizer source,
     over a tokenizer loaded once. For tests of what preparation caches, not of loading."""
     monkeypatch.setattr(tokenization.loading, "load_tokenizer", _load_tokenizer)
+
+
+def chat_ids(encoder: CachedEncoder, messages: Sequence[Message], **prompt: Any) -> list[int]:
+    """`encoder.encode_chat`'s ids as a list (`prompt`: `ChatPrompt`'s fields), to compare with a
+    tokenizer's plain encode."""
+    return list(encoder.encode_chat(messages, ChatPrompt(**prompt)).ids)
+
+
+def text_ids(encoder: CachedEncoder, text: str, add_special_tokens: bool = True) -> list[int]:
+    """`encoder.encode`'s ids as a list, to compare with a tokenizer's plain encode."""
+    return list(encoder.encode(text, add_special_tokens).ids)

@@ -105,13 +105,17 @@ class HfTokenizer(TemplatedTokenizer):
         self._context = self._special.template_context()
         self.templates = TemplateSet()
         self._wrap = _special_wrap(tok)
+        self._model = tok.model  # once: the library makes a new wrapper on every read of `model`
 
     def cached_encoder(self) -> CachedEncoder:
         """A new cached encoder over this tokenizer (its caches empty): the segment cache when the split
         at added tokens holds, the word encoder and prefix reuse when their probes hold (`_probed`)."""
         found = self._probed
-        words = WordEncoder(self._tokenize_word, found.ascii_words) if found.ascii_words else None
-        encode = partial(_encode_pieces, words, self._encode_plain) if words else self._encode_plain
+        words = WordEncoder(self._tokenize_word, found.ascii_words) if found.ascii_words is not None else None
+        # (`is not None`: an empty WordEncoder is falsy, it has a length)
+        encode = (
+            partial(_encode_pieces, words, self._encode_plain) if words is not None else self._encode_plain
+        )
         segments = SegmentedEncoder(found.segmenter, encode, SegmentCache())
         segments.encode_short = words.encode if words is not None else None
         segments.reuse = PrefixReuse(*found.reuse) if found.reuse is not None else None
@@ -194,7 +198,7 @@ class HfTokenizer(TemplatedTokenizer):
 
     def _tokenize_word(self, word: str) -> list[int]:
         """One pre-tokenized word's ids, by the model alone (`WordEncoder`'s tokenize)."""
-        return [t.id for t in self._tok.model.tokenize(word)]
+        return [t.id for t in self._model.tokenize(word)]
 
     def _split_holds(self, segments: SegmentedEncoder) -> bool:
         """Probe the split identity around a few added tokens (catches position-dependent pretokenizers)."""

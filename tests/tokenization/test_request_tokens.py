@@ -13,7 +13,6 @@ from tests.encoder_helpers import deepseek
 from tokenization import BuiltinTokenizer, HfTokenizer, Tokenizer
 from tokenization.loading import cached_encoder
 from tokenization.openai_request import Endpoint, RequestError, decode_chat
-from tokenization.prefix_reuse import ids_of
 from tokenization.request_tokens import ReportMode, _chat_prompt, _chat_prompt_with_kwargs, request_tokens
 
 DATA = Path(__file__).parents[1] / "data"
@@ -225,4 +224,4 @@ def test_a_chat_without_kwargs_tools_or_documents_renders_as_the_general_path(
     req = decode_chat(msgspec.json.encode(doc))
     enc = cached_encoder(ds)
     fast, general = _chat_prompt(req, enc), _chat_prompt_with_kwargs(req, enc)
-    assert ids_of(fast[0]) == ids_of(general[0]) and fast[1] == general[1]
+    assert fast.ids == general.ids and fast.packed == general.packed
