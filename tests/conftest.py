@@ -35,7 +35,8 @@ UNIT_PATHS = tuple(
         "engine_stub/core",
     )
 )
-# Under a unit path, but not unit: a whole-fleet simulation (a minute), and a test against a real stub server.
+# Under a unit path, but not unit: whole-fleet simulations (a minute; and every `test_*_sim.py`: ~27 s of
+# CPU together, half of the rest of the unit tests), and a test against a real stub server.
 NOT_UNIT = (
     TESTS / "router/core/policy/test_decode_heavy_routing.py",
     TESTS / "router/prepare/test_remote_tokenize.py",
@@ -44,7 +45,9 @@ NOT_UNIT = (
 
 def is_unit(path: Path) -> bool:
     """Whether the tests in `path` (a test file) are unit tests."""
-    return path not in NOT_UNIT and any(path.is_relative_to(p) for p in UNIT_PATHS)
+    if path in NOT_UNIT or path.name.endswith("_sim.py"):
+        return False
+    return any(path.is_relative_to(p) for p in UNIT_PATHS)
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

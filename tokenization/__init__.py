@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from tokenization.base import Message, SpecialTokens, TokenizationError
 from tokenization.builtin import BuiltinTokenizer
-from tokenization.cached_encoder import CachedEncoder
+from tokenization.cached_encoder import CachedEncoder, ChatPrompt, Encoded
 from tokenization.chat_template import ChatOptions, ChatTemplate, ContentFormat, TemplateSet
 from tokenization.hf import HfTokenizer
 from tokenization.segment_cache import AddedToken, SegmentCache, SegmentedEncoder, Segmenter
@@ -20,8 +20,10 @@ __all__ = [
     "BuiltinTokenizer",
     "CachedEncoder",
     "ChatOptions",
+    "ChatPrompt",
     "ChatTemplate",
     "ContentFormat",
+    "Encoded",
     "HfTokenizer",
     "Message",
     "SegmentCache",

@@ -17,7 +17,9 @@ next request cheaper, each a strategy of its own that must give the plain encode
   2026-12-06, bench/history/BENCHMARKS-2026-12-06-s17-tokenizer.md).
 
 Which strategies a tokenizer can use is decided when its encoder is built (the implementation's
-`cached_encoder`), by probes against the plain encode. Pure: no I/O.
+`cached_encoder`), by probes against the plain encode. Callers see two encodes, `encode` (a text)
+and `encode_chat` (a conversation), and get an `Encoded`: a plain value whatever cache made it (the
+cache types, `ReuseEntry` and the like, stay behind it). Pure: no I/O.
 """
 
 from __future__ import annotations
@@ -25,13 +27,15 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import msgspec
+
 from tokenization.base import CacheStats, Message
 from tokenization.chat_carry import CarryLink, ChatCarry
-from tokenization.prefix_reuse import PromptIds, ReuseEntry, WrappedIds, ids_of
+from tokenization.prefix_reuse import PromptIds, ReuseEntry, WrappedIds, count_of, ids_of
 from tokenization.segment_cache import SegmentCache, SegmentedEncoder, pack_ids
 from tokenization.tokenizer import Tokenizer
 
-__all__ = ["CachedEncoder", "Wrap"]
+__all__ = ["CachedEncoder", "ChatPrompt", "Encoded", "Wrap"]
 
 Wrap = tuple[list[int], list[int]]
 """The ids a tokenizer's encode puts before and after a text's own when adding special tokens."""
@@ -40,9 +44,66 @@ _WrapParts = tuple[tuple[tuple[int, ...], tuple[int, ...]], bytes, bytes]
 """A special-token wrap as a tuple pair, and its prefix and suffix packed."""
 
 
+class Encoded:
+    """A prompt's ids as a cached encoder gives them: ``count`` ids, their tuple (`ids`) and packed
+    native uint32 bytes (`packed`, `pack_ids`) each made on first read, or read in part
+    (`packed_from`, `packed_head`) without joining what a cache holds apart (a carried chat's ids
+    are the previous turn's, then its own). ``link``: what the ids share with an earlier prompt whose
+    derived values (block keys) the caller keeps in it (`CarryLink`), or None."""
+
+    __slots__ = ("_held", "_packed", "count", "link")
+
+    def __init__(self, ids: PromptIds, packed: bytes | None = None, link: CarryLink | None = None) -> None:
+        """``ids``: the ids, or the cache entry holding them; ``packed``: their packed bytes when made."""
+        self._held, self._packed, self.link = ids, packed, link
+        self.count = count_of(ids)
+
+    @property
+    def ids(self) -> tuple[int, ...]:
+        """The ids (joined once from a cache entry's)."""
+        return ids_of(self._held)
+
+    @property
+    def packed(self) -> bytes:
+        """All the ids packed (joined once from a cache entry's, or packed once from the ids)."""
+        packed = self._packed
+        if packed is None:
+            held = self._held
+            packed = self._packed = held.packed if type(held) is ReuseEntry else pack_ids(ids_of(held))
+        return packed
+
+    def packed_from(self, start: int) -> bytes | memoryview:
+        """``packed[start:]``: a cache entry's read without joining its parts."""
+        held = self._held
+        if self._packed is None and type(held) is ReuseEntry:
+            return held.packed_from(start)
+        return memoryview(self.packed)[start:]
+
+    def packed_head(self, size: int) -> bytes | memoryview:
+        """``packed[:size]``: a cache entry's read without joining its parts."""
+        held = self._held
+        if self._packed is None and type(held) is ReuseEntry:
+            return held.packed_head(size)
+        return memoryview(self.packed)[:size]
+
+
+class ChatPrompt(msgspec.Struct, frozen=True):
+    """How a conversation becomes a prompt, besides its messages: vLLM's chat request fields."""
+
+    add_generation_prompt: bool = True
+    tools: Sequence[Mapping[str, Any]] | None = None
+    add_special_tokens: bool = False
+    """vLLM's default for chats: the template emits BOS itself."""
+    template_kwargs: Mapping[str, Any] = msgspec.field(default_factory=dict)
+    """`apply_chat_template`'s other keyword arguments (``continue_final_message``, ``documents``, ...)."""
+
+
+_CHAT = ChatPrompt()
+
+
 class CachedEncoder:
-    """A tokenizer's encodings through its caches (see the module docstring): every method gives the
-    ids `tokenizer.encode` (or its chat rendering then encode) gives."""
+    """A tokenizer's encodings through its caches (see the module docstring): `encode` gives the ids
+    `tokenizer.encode` gives, `encode_chat` those of its chat rendering then encode."""
 
     def __init__(self, tokenizer: Tokenizer, segments: SegmentedEncoder, wrap: Wrap | None) -> None:
         """`segments`: the tokenizer's segmented encoding (its segment cache, and prefix reuse when it
@@ -50,8 +111,8 @@ class CachedEncoder:
         such texts are encoded plainly)."""
         self.tokenizer = tokenizer
         self.segments = segments
-        self.carry = ChatCarry(segments.reuse) if segments.reuse is not None else None
-        """Chats' previous turns (tokenization.chat_carry), when the encoder has prefix reuse."""
+        """The segment cache and prefix reuse (tokenization.segment_cache), read by tests and benches."""
+        self._carry = ChatCarry(segments.reuse) if segments.reuse is not None else None
         self._wrap = wrap
         self._context = tokenizer.special_tokens.template_context()
         self._last_wrap: tuple[Wrap, _WrapParts] | None = None
@@ -61,13 +122,19 @@ class CachedEncoder:
         """The segment cache (size and hit/miss counters for metrics)."""
         return self.segments.cache
 
-    def special_wrap(self, add_special_tokens: bool) -> Wrap | None:
-        """The ids ``encode`` puts before and after the text's own, or None when not known."""
-        return self._wrap if add_special_tokens else ([], [])
+    def chat_carry(self) -> ChatCarry | None:
+        """The chat carry, None without prefix reuse (or after `drop_chat_carry`): its counters, size
+        and bounds may be read and its bounds set; only this encoder encodes through it, and what it
+        holds is exact whoever reads it, so nothing a reader does changes an encoding's ids."""
+        return self._carry
+
+    def drop_chat_carry(self) -> None:
+        """Encode chats without the carry from now on (benchmarks measuring what it saves)."""
+        self._carry = None
 
     def stats(self) -> CacheStats:
         """The prefix-reuse, chat-skeleton and chat-carry counters so far (zeros where one is off)."""
-        reuse, carry = self.segments.reuse, self.carry
+        reuse, carry = self.segments.reuse, self._carry
         templates = self.tokenizer.templates
         skeletons = [t.skeletons for t in (templates.default, templates.tool_use) if t is not None]
         st = reuse.stats if reuse is not None else None
@@ -86,37 +153,14 @@ class CachedEncoder:
             carry_held_bytes=carry.bytes if carry else 0,
         )
 
-    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        """`Tokenizer.encode`'s ids, computed per special-token segment through the segment cache."""
-        if not add_special_tokens:
-            return self.segments.encode(text)
-        if self._wrap is None:
-            return self.tokenizer.encode(text, add_special_tokens=True)
-        prefix, suffix = self._wrap
-        return prefix + self.segments.encode(text) + suffix
-
-    def encode_packed(self, text: str, add_special_tokens: bool = True) -> tuple[tuple[int, ...], bytes]:
-        """``encode`` as a tuple, with its ids packed (`pack_ids`), mostly joined from the cache."""
-        wrap = self.special_wrap(add_special_tokens)
-        if wrap is None:
-            ids = tuple(self.encode(text, add_special_tokens))
-            return ids, pack_ids(ids)
-        ids, packed = self.segments.encode_packed(text)
-        prefix, suffix = wrap
-        if prefix or suffix:
-            return (*prefix, *ids, *suffix), pack_ids(prefix) + packed + pack_ids(suffix)
-        return ids, packed
-
-    def encode_linked(
-        self, text: str, add_special_tokens: bool = True
-    ) -> tuple[PromptIds, bytes, CarryLink | None]:
-        """`encode_packed`, with the ids' link to the recent text prefix reuse copied them from (its
-        block keys are kept on its entry, per special-token wrap), or None without prefix reuse. With
-        prefix reuse the ids are given unjoined (`WrappedIds`, or the entry), joined when read."""
-        wrap = self.special_wrap(add_special_tokens)
+    def encode(self, text: str, add_special_tokens: bool = True) -> Encoded:
+        """``tokenizer.encode(text, add_special_tokens)``'s ids, through the segment cache, and with
+        prefix reuse their link to the recent text they were copied from (its block keys are kept on
+        its entry, per special-token wrap)."""
+        wrap = self._special_wrap(add_special_tokens)
         reuse = self.segments.reuse
         if wrap is None or reuse is None or not self.segments.segmenter.enabled:
-            return (*self.encode_packed(text, add_special_tokens), None)
+            return Encoded(*self._encode_packed(text, wrap))
         entry, prior, copied = reuse.encode_from(text, self.segments.encode_segments, text.encode("utf-8"))
         group, packed_prefix, packed_suffix = self._wrap_parts(wrap)
         own = entry.derived.setdefault(group, {})
@@ -125,70 +169,47 @@ class CachedEncoder:
         link = CarryLink(shared, prior_keys, own)
         if packed_prefix or packed_suffix:
             packed = b"".join((packed_prefix, entry.packed, packed_suffix))
-            return WrappedIds(group[0], entry, group[1]), packed, link
-        return entry, entry.packed, link
+            return Encoded(WrappedIds(group[0], entry, group[1]), packed, link)
+        return Encoded(entry, entry.packed, link)
+
+    def encode_chat(self, messages: Sequence[Message], prompt: ChatPrompt = _CHAT) -> Encoded:
+        """vLLM's chat prompt ids: the conversation rendered with its template, the text encoded with
+        ``prompt.add_special_tokens``; with the chat carry (and no special tokens around the text),
+        extended from the conversation's previous turn, linked to it, and held unjoined (`Encoded`)."""
+        carry, templates = self._carry, self.tokenizer.templates
+        agp, tools, kwargs = prompt.add_generation_prompt, prompt.tools, prompt.template_kwargs
+        wrap = self._special_wrap(prompt.add_special_tokens)
+        if carry is not None and wrap == ([], []):
+            rendered = templates.render_chat_pieces(messages, agp, tools, self._context, kwargs)
+            if rendered is not None:
+                pieces, key = rendered
+                entry, link = carry.encode_entry(key, pieces, self.segments.encode_segments)
+                return Encoded(entry, None, link)
+        text = templates.render_chat(messages, agp, tools, self._context, kwargs)
+        return Encoded(*self._encode_packed(text, wrap))
+
+    def _special_wrap(self, add_special_tokens: bool) -> Wrap | None:
+        """The ids ``encode`` puts before and after the text's own, or None when not known."""
+        return self._wrap if add_special_tokens else ([], [])
+
+    def _encode_packed(self, text: str, wrap: Wrap | None) -> tuple[tuple[int, ...], bytes]:
+        """The ids of ``text`` with ``wrap`` around them (None: an unknown wrap, so the tokenizer's
+        own encode with special tokens), and their packed bytes, mostly joined from the cache."""
+        if wrap is None:
+            ids = tuple(self.tokenizer.encode(text, add_special_tokens=True))
+            return ids, pack_ids(ids)
+        ids, packed = self.segments.encode_packed(text)
+        prefix, suffix = wrap
+        if prefix or suffix:
+            return (*prefix, *ids, *suffix), pack_ids(prefix) + packed + pack_ids(suffix)
+        return ids, packed
 
     def _wrap_parts(self, wrap: Wrap) -> _WrapParts:
-        """A special-token wrap as `encode_linked` uses it: as a tuple pair (its derived values' key),
-        and its prefix and suffix packed; the last wrap's are kept (a tokenizer has one or two)."""
+        """A special-token wrap as `encode` uses it: as a tuple pair (its derived values' key), and
+        its prefix and suffix packed; the last wrap's are kept (a tokenizer has one or two)."""
         kept = self._last_wrap
         if kept is None or kept[0] != wrap:
             prefix, suffix = wrap
             parts = ((tuple(prefix), tuple(suffix)), pack_ids(prefix), pack_ids(suffix))
             kept = self._last_wrap = ((list(prefix), list(suffix)), parts)
         return kept[1]
-
-    def chat_tokens(
-        self,
-        messages: Sequence[Message],
-        add_generation_prompt: bool = True,
-        tools: Sequence[Mapping[str, Any]] | None = None,
-        **kwargs: Any,
-    ) -> list[int]:
-        """vLLM's chat prompt ids: the rendered text encoded with ``add_special_tokens`` (default False)."""
-        add_special = bool(kwargs.pop("add_special_tokens", False))
-        text = self.tokenizer.apply_chat_template(messages, add_generation_prompt, tools, **kwargs)
-        return self.encode(text, add_special_tokens=add_special)
-
-    def chat_packed(
-        self,
-        messages: Sequence[Message],
-        add_generation_prompt: bool,
-        tools: Sequence[Mapping[str, Any]] | None,
-        add_special_tokens: bool,
-        template_kwargs: Mapping[str, Any],
-    ) -> tuple[tuple[int, ...], bytes, CarryLink | None]:
-        """`chat_tokens` as `encode_packed` gives them, with their link to the conversation's previous
-        turn when it was carried (`ChatCarry`; only without special tokens around the text).
-        ``template_kwargs`` are `apply_chat_template`'s keyword arguments."""
-        ids, packed, link = self.chat_prompt(
-            messages, add_generation_prompt, tools, add_special_tokens, template_kwargs
-        )
-        if packed is None:
-            assert isinstance(ids, ReuseEntry), "only an entry's packed ids are left to it"
-            packed = ids.packed
-        return ids_of(ids), packed, link
-
-    def chat_prompt(
-        self,
-        messages: Sequence[Message],
-        add_generation_prompt: bool,
-        tools: Sequence[Mapping[str, Any]] | None,
-        add_special_tokens: bool,
-        template_kwargs: Mapping[str, Any],
-    ) -> tuple[tuple[int, ...] | ReuseEntry, bytes | None, CarryLink | None]:
-        """`chat_packed` with a carried chat's ids as its entry (`ReuseEntry.ids` joins them when read)
-        and no packed ids (None: the entry's, joined when read): a caller that keys from the packed
-        ids never builds the tuple, nor joins them when it reads only their end
-        (`ReuseEntry.packed_from`)."""
-        carry, kwargs, templates = self.carry, template_kwargs, self.tokenizer.templates
-        if carry is not None and self.special_wrap(add_special_tokens) == ([], []):
-            rendered = templates.render_chat_pieces(
-                messages, add_generation_prompt, tools, self._context, kwargs
-            )
-            if rendered is not None:
-                pieces, key = rendered
-                entry, link = carry.encode_entry(key, pieces, self.segments.encode_segments)
-                return entry, None, link
-        text = templates.render_chat(messages, add_generation_prompt, tools, self._context, kwargs)
-        return (*self.encode_packed(text, add_special_tokens), None)

@@ -137,7 +137,14 @@ def _iterates_content(ast: jinja2.nodes.Template) -> bool:
 
 
 class ChatTemplate:
-    """A compiled chat template: ``render(messages, options, special)`` -> the prompt text."""
+    """A compiled chat template: ``render(messages, options, special)`` -> the prompt text.
+
+    Its ``skeletons`` (tokenization.skeletons) live here, not in a cached encoder, because they are
+    this template's compiled state rather than a cache of encodings: the template is compiled a second
+    time around them (their ``finalize`` makes the stand-ins' markers), they hold rendered text only
+    (no ids: any tokenizer's encoder renders through them alike), and their key is the template's
+    inputs alone. Every encoder over the template shares them, as every render shares the compiled
+    Jinja template; their counters reach the metrics through `CachedEncoder.stats`."""
 
     def __init__(self, source: str, clock: Callable[[], datetime] = datetime.now) -> None:
         env = _make_environment(clock)

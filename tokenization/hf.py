@@ -7,9 +7,11 @@ optionally chat_template.jinja, or a tokenizer shipped inside an installed packa
 from __future__ import annotations
 
 import logging
+import re
 from collections.abc import Callable, Sequence
-from functools import partial
+from functools import cached_property, partial
 from pathlib import Path
+from typing import NamedTuple
 
 import tokenizers
 
@@ -81,6 +83,15 @@ def _special_wrap(tok: tokenizers.Tokenizer) -> tuple[list[int], list[int]] | No
     return None
 
 
+class _Probed(NamedTuple):
+    """What `HfTokenizer._probed` found: the segmenter (disabled when its split does not hold), the
+    word pattern of the word encoder (None: off), prefix reuse's cut rules and byte lengths (None: off)."""
+
+    segmenter: Segmenter
+    ascii_words: re.Pattern[str] | None
+    reuse: tuple[CutFinder, list[int]] | None
+
+
 class HfTokenizer(TemplatedTokenizer):
     """The Tokenizer protocol over a real tokenizer.json; `cached_encoder` adds the caches."""
 
@@ -94,27 +105,44 @@ class HfTokenizer(TemplatedTokenizer):
         self._context = self._special.template_context()
         self.templates = TemplateSet()
         self._wrap = _special_wrap(tok)
+        self._model = tok.model  # once: the library makes a new wrapper on every read of `model`
 
     def cached_encoder(self) -> CachedEncoder:
-        """A new cached encoder over this tokenizer: the segment cache when the split at added tokens
-        holds, the word encoder and prefix reuse when their probes hold (each logged when off)."""
+        """A new cached encoder over this tokenizer (its caches empty): the segment cache when the split
+        at added tokens holds, the word encoder and prefix reuse when their probes hold (`_probed`)."""
+        found = self._probed
+        words = WordEncoder(self._tokenize_word, found.ascii_words) if found.ascii_words is not None else None
+        # (`is not None`: an empty WordEncoder is falsy, it has a length)
+        encode = (
+            partial(_encode_pieces, words, self._encode_plain) if words is not None else self._encode_plain
+        )
+        segments = SegmentedEncoder(found.segmenter, encode, SegmentCache())
+        segments.encode_short = words.encode if words is not None else None
+        segments.reuse = PrefixReuse(*found.reuse) if found.reuse is not None else None
+        return CachedEncoder(self, segments, self._wrap)
+
+    @cached_property
+    def _probed(self) -> _Probed:
+        """Which caches hold for this tokenizer, from probes against its plain encode (each logged when
+        off). Facts about the tokenizer, not about what a cache holds: probed once, for every cached
+        encoder made from it (a router makes one per tokenizer, the tests many)."""
         header, source = self._header, self._name
-        words: WordEncoder | None = None
         segmenter = Segmenter(header.added_tokens, header.identity_normalizer)
         segments = SegmentedEncoder(segmenter, self._encode_plain, SegmentCache())
         if segmenter.enabled and not self._split_holds(segments):
             log.warning("segment split does not hold; segment cache off", extra={"source": source})
             segmenter.enabled = False
-        if segmenter.enabled:  # its pieces hold no added token: what the word encoder needs
-            words = self._word_encoder(header)
-        if words is not None:
-            segments = SegmentedEncoder(
-                segmenter, partial(_encode_pieces, words, self._encode_plain), segments.cache
-            )
+        # The word encoder needs pieces that hold no added token: the segmenter's.
+        pattern = self._word_pattern(header) if segmenter.enabled else None
+        if pattern is not None:
+            words = WordEncoder(self._tokenize_word, pattern)
+            encode = partial(_encode_pieces, words, self._encode_plain)
+            segments = SegmentedEncoder(segmenter, encode, segments.cache)
             segments.encode_short = words.encode
+        reuse = None
         if segmenter.enabled and header.identity_normalizer:  # the cut rules assume unnormalized text
-            segments.reuse = self._prefix_reuse(header, segments)
-        return CachedEncoder(self, segments, self._wrap)
+            reuse = self._prefix_reuse(header, segments)
+        return _Probed(segmenter, pattern, reuse)
 
     @classmethod
     def from_dir(cls, path: Path, chat_template: Path | None = None) -> HfTokenizer:
@@ -154,20 +182,23 @@ class HfTokenizer(TemplatedTokenizer):
             return [self._tok.encode(p, add_special_tokens=False).ids for p in pieces]
         return [e.ids for e in self._tok.encode_batch(pieces, add_special_tokens=False)]
 
-    def _word_encoder(self, header: TokenizerJsonHeader) -> WordEncoder | None:
-        """Word-by-word encoding of ASCII pieces under an identity normalizer, for a pre-tokenizer
-        whose words a registered pattern gives (tokenization.fast_paths), when a probe of every
-        ASCII character holds; else None."""
+    def _word_pattern(self, header: TokenizerJsonHeader) -> re.Pattern[str] | None:
+        """The words of ASCII pieces under an identity normalizer, for a pre-tokenizer whose words a
+        registered pattern gives (tokenization.fast_paths), when word-by-word encoding of a probe of
+        every ASCII character holds; else None (no word encoder)."""
         path = fast_path(header.pre_tokenizer) if header.identity_normalizer else None
         if path is None or path.ascii_words is None:
             return None
-        model = self._tok.model
-        words = WordEncoder(lambda word: [t.id for t in model.tokenize(word)], path.ascii_words)
+        words = WordEncoder(self._tokenize_word, path.ascii_words)
         for probe in _WORD_PROBES:
             if words.encode(probe) != self.encode(probe, add_special_tokens=False):
                 log.warning("word encoding does not hold; off", extra={"source": self._name})
                 return None
-        return words
+        return path.ascii_words
+
+    def _tokenize_word(self, word: str) -> list[int]:
+        """One pre-tokenized word's ids, by the model alone (`WordEncoder`'s tokenize)."""
+        return [t.id for t in self._model.tokenize(word)]
 
     def _split_holds(self, segments: SegmentedEncoder) -> bool:
         """Probe the split identity around a few added tokens (catches position-dependent pretokenizers)."""
@@ -178,8 +209,11 @@ class HfTokenizer(TemplatedTokenizer):
                     return False
         return True
 
-    def _prefix_reuse(self, header: TokenizerJsonHeader, segments: SegmentedEncoder) -> PrefixReuse | None:
-        """Prefix reuse when every token's byte length is known and a probe of it holds, else None."""
+    def _prefix_reuse(
+        self, header: TokenizerJsonHeader, segments: SegmentedEncoder
+    ) -> tuple[CutFinder, list[int]] | None:
+        """Prefix reuse's cut rules and token byte lengths when every token's byte length is known and
+        a probe of reuse holds, else None."""
         vocab = header.bpe_vocab()
         lengths = token_byte_lengths(vocab, header.added_tokens, header.decoder) if vocab else None
         if lengths is None:
@@ -193,7 +227,7 @@ class HfTokenizer(TemplatedTokenizer):
                 if probe.encode_packed(text, segments.encode_packed)[0] != tuple(self.encode(text, False)):
                     log.warning("prefix reuse does not hold; off", extra={"source": self._name})
                     return None
-        return PrefixReuse(cuts, lengths)
+        return cuts, lengths
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids: list[int] = self._tok.encode(text, add_special_tokens=add_special_tokens).ids

@@ -19,8 +19,7 @@ import msgspec
 
 from events.block_hash import RequestExtras
 from tokenization.base import TokenizationError
-from tokenization.cached_encoder import CachedEncoder
-from tokenization.chat_carry import CarryLink
+from tokenization.cached_encoder import CachedEncoder, ChatPrompt, Encoded
 from tokenization.chat_decoder import ChatDecoder
 from tokenization.chat_template import TemplateSet
 from tokenization.conversation import conversation, tool_dicts
@@ -38,7 +37,6 @@ from tokenization.openai_request import (
     decode_chat,
     decode_completion,
 )
-from tokenization.prefix_reuse import PromptIds, ReuseEntry, count_of, ids_of
 from tokenization.responses_request import CheckedResponses, decode_responses, responses_chat
 
 __all__ = ["ApiRequest", "ReportMode", "RequestTokens", "decode_request", "request_tokens", "tokens_of"]
@@ -58,9 +56,10 @@ class ReportMode(StrEnum):
 class RequestTokens(msgspec.Struct, frozen=True, dict=True):
     """The prompt ids of a request and the request fields that change its cache behaviour."""
 
-    first: PromptIds
-    """The first prompt's ids, or a carried chat's prefix-reuse entry (its ids joined when read: the
-    router keys it from `packed` and `num_tokens` and never needs them)."""
+    first: Encoded
+    """The first prompt's ids as the cached encoder gave them (the router keys them from their packed
+    bytes and count, and never builds their tuple); its ``link`` is a chat's or a completion's to
+    the earlier prompt it extends (tokenization.chat_carry), when there is one."""
     rest: tuple[tuple[int, ...], ...]
     """The other prompts' ids (a multi-prompt completion)."""
     extras: RequestExtras
@@ -69,16 +68,11 @@ class RequestTokens(msgspec.Struct, frozen=True, dict=True):
     model: str | None = None
     stream: bool = False
     max_tokens: int | None = None
-    packed: bytes | None = None
-    """The first prompt's ids packed as native uint32 when the tokenizer made them (else None; None
-    too for a carried chat, whose entry holds them: `packed_ids`)."""
-    carry: CarryLink | None = None
-    """A chat's link to its conversation's previous turn (tokenization.chat_carry), when carried."""
 
     @property
     def tokens(self) -> tuple[int, ...]:
         """The first (usually only) prompt's ids: what the router scores."""
-        return ids_of(self.first)
+        return self.first.ids
 
     @cached_property
     def prompts(self) -> tuple[tuple[int, ...], ...]:
@@ -86,43 +80,32 @@ class RequestTokens(msgspec.Struct, frozen=True, dict=True):
         return (self.tokens, *self.rest)
 
     @property
-    def packed_ids(self) -> bytes | ReuseEntry | None:
-        """`packed`, or the carried chat's entry holding its packed ids (`ReuseEntry.packed`, joined
-        when read; `ReuseEntry.packed_from` reads the end without joining)."""
-        packed, first = self.packed, self.first
-        return packed if packed is not None or type(first) is not ReuseEntry else first
-
-    @property
     def num_tokens(self) -> int:
         """How many ids the first prompt has."""
-        return count_of(self.first)
+        return self.first.count
 
 
 _REPORT_MODES = {mode.value: mode for mode in ReportMode}
 """`ReportMode` by value: a dict lookup instead of an enum call per request."""
 
-Packed = tuple[PromptIds, bytes | None]
-"""A prompt's ids (or their entry, `RequestTokens.first`) and, when the tokenizer made them, their
-packed bytes."""
 
-
-def _completion_prompts(req: CompletionRequest, tok: CachedEncoder) -> list[Packed]:
+def _completion_prompts(req: CompletionRequest, tok: CachedEncoder) -> list[Encoded]:
     prompt = req.prompt
     if isinstance(prompt, str):
-        return [tok.encode_packed(prompt, req.add_special_tokens)]
+        return [tok.encode(prompt, req.add_special_tokens)]
     items = prompt or []
     if items and all(isinstance(p, int) for p in items):
-        return [(tuple(p for p in items if isinstance(p, int)), None)]
+        return [Encoded(tuple(p for p in items if isinstance(p, int)))]
     if items and all(isinstance(p, str) for p in items):
-        return [tok.encode_packed(p, req.add_special_tokens) for p in items if isinstance(p, str)]
+        return [tok.encode(p, req.add_special_tokens) for p in items if isinstance(p, str)]
     if items and all(isinstance(p, list) for p in items):
-        return [(tuple(p), None) for p in items if isinstance(p, list)]
+        return [Encoded(tuple(p)) for p in items if isinstance(p, list)]
     raise RequestError(
         "`prompt` must be a string, a non-empty list of strings, of ids, or of id lists", "prompt"
     )
 
 
-def _chat_prompt(req: ChatRequest, tok: CachedEncoder) -> tuple[PromptIds, bytes | None, CarryLink | None]:
+def _chat_prompt(req: ChatRequest, tok: CachedEncoder) -> Encoded:
     if (
         req.chat_template_kwargs is None
         and req.tools is None
@@ -132,13 +115,12 @@ def _chat_prompt(req: ChatRequest, tok: CachedEncoder) -> tuple[PromptIds, bytes
         kwargs = {"continue_final_message": req.continue_final_message}  # the common case, in one dict
         template = tok.tokenizer.templates.select(None)
         conv = conversation(req.messages, template.detected_format, template.supports_developer_role)
-        return tok.chat_prompt(conv, req.add_generation_prompt, None, req.add_special_tokens, kwargs)
+        prompt = ChatPrompt(req.add_generation_prompt, None, req.add_special_tokens, kwargs)
+        return tok.encode_chat(conv, prompt)
     return _chat_prompt_with_kwargs(req, tok)
 
 
-def _chat_prompt_with_kwargs(
-    req: ChatRequest, tok: CachedEncoder
-) -> tuple[PromptIds, bytes | None, CarryLink | None]:
+def _chat_prompt_with_kwargs(req: ChatRequest, tok: CachedEncoder) -> Encoded:
     """`_chat_prompt` of a request with template kwargs, tools or documents."""
     kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
     if reserved := {"chat_template", "tokenize"} & kwargs.keys():
@@ -161,7 +143,7 @@ def _chat_prompt_with_kwargs(
     kwargs["continue_final_message"] = req.continue_final_message
     template = tok.tokenizer.templates.select(tools)
     conv = conversation(req.messages, template.detected_format, template.supports_developer_role)
-    return tok.chat_prompt(conv, req.add_generation_prompt, tools, req.add_special_tokens, kwargs)
+    return tok.encode_chat(conv, ChatPrompt(req.add_generation_prompt, tools, req.add_special_tokens, kwargs))
 
 
 def _extras(model: str | None, salt: str | None, lora: Mapping[str, str]) -> RequestExtras:
@@ -222,17 +204,14 @@ def tokens_of(
     req: ApiRequest, tokenizer: CachedEncoder, lora: Mapping[str, str] | None = None
 ) -> RequestTokens:
     """`request_tokens` of an already decoded request (one decode serves several tokenizers)."""
-    carry = None
     if type(req) is not ChatRequest and type(req) is not CompletionRequest:  # (no call for the common two)
         req = as_chat(req, tokenizer.tokenizer.templates)
     try:
         if isinstance(req, CompletionRequest) and isinstance(req.prompt, str):
-            ids, packed, carry = tokenizer.encode_linked(req.prompt, req.add_special_tokens)
-            prompts: list[Packed] = [(ids, packed)]
+            prompts = [tokenizer.encode(req.prompt, req.add_special_tokens)]
             max_tokens = req.max_tokens
         elif isinstance(req, ChatRequest):
-            chat_ids, chat_packed, carry = _chat_prompt(req, tokenizer)
-            prompts = [(chat_ids, chat_packed)]
+            prompts = [_chat_prompt(req, tokenizer)]
             max_tokens = req.max_completion_tokens
             max_tokens = max_tokens if max_tokens is not None else req.max_tokens
         else:
@@ -244,14 +223,14 @@ def tokens_of(
         raise RequestError("the request is nested too deeply to render its prompt") from None
     if len(prompts) == 1:  # the common case, without a generator per check
         rest: tuple[tuple[int, ...], ...] = ()
-        if not count_of(prompts[0][0]):
+        if not prompts[0].count:
             raise RequestError("the prompt is empty after tokenization")
     else:
-        if any(count_of(p) == 0 for p, _ in prompts):
+        if any(p.count == 0 for p in prompts):
             raise RequestError("the prompt is empty after tokenization")
-        rest = tuple(p for p, _ in prompts[1:] if isinstance(p, tuple))
+        rest = tuple(p.ids for p in prompts[1:])
     return RequestTokens(
-        first=prompts[0][0],
+        first=prompts[0],
         rest=rest,
         extras=_extras(req.model, req.cache_salt, lora or {}),
         skip_cache=req.prompt_logprobs is not None,
@@ -259,6 +238,4 @@ def tokens_of(
         model=req.model,
         stream=req.stream,
         max_tokens=max_tokens,
-        packed=prompts[0][1],
-        carry=carry,
     )

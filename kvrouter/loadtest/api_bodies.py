@@ -34,7 +34,6 @@ from kvrouter.loadtest.workload import Conversation, RequestSpec
 from tokenization import Tokenizer
 from tokenization.loading import cached_encoder
 from tokenization.openai_request import Endpoint
-from tokenization.prefix_reuse import ids_of
 from tokenization.request_tokens import request_tokens
 
 __all__ = [
@@ -205,8 +204,8 @@ def as_conversations(
         spec = msgspec.structs.replace(
             r, conversation=conversation_of(r, pieces), turns=(), tools=0, text=None
         )
-        rendered = request_tokens(request_body(spec, model, shape), APIS[shape.api], encoder).first
-        out.append(msgspec.structs.replace(spec, prompt=list(ids_of(rendered))))
+        rendered = request_tokens(request_body(spec, model, shape), APIS[shape.api], encoder).tokens
+        out.append(msgspec.structs.replace(spec, prompt=list(rendered)))
     return out
 
 

