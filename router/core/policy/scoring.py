@@ -367,11 +367,20 @@ class Scorer:
         # The cost counts a prefill difference 1 + weight times; so does the tolerance, which keeps
         # "TTFTs within tie_tolerance_s tie" true of candidates that differ only in their hit.
         cost_tol = tol * (1.0 + self.settings.prefill_work_weight)
-        tied = [s for s in eligible if s.cost_s <= best.cost_s + cost_tol]
+        least = self.settings.tie_min_hit_share * _prompt(best)
+        band = [_band_cost(s, least, self.settings.prefill_work_weight) for s in eligible]
+        floor = min(band)
+        tied = [s for s, b in zip(eligible, band, strict=True) if b <= floor + cost_tol]
         others: str
         if len(tied) == 1:  # (what `_break_tie` answers for one: no rule narrows)
-            return tied[0], _kv_words(tied[0], tied[0].cost_s == best.cost_s)
-        chosen, rules = _break_tie(_Tie(request.key, self.settings.tie_min_hit_share * _prompt(best)), tied)
+            chosen = tied[0]
+            if chosen.cost_s == best.cost_s:
+                return chosen, _kv_words(chosen, True)
+            short = (
+                f"{best.engine}'s lower cost is a hit under {self.settings.tie_min_hit_share:g} of the prompt"
+            )
+            return chosen, f"{_kv_words(chosen, False)}; {short}, not counted against the load"
+        chosen, rules = _break_tie(_Tie(request.key, least), tied)
         others = ", ".join(s.engine for s in tied if s is not chosen)
         why = _kv_words(chosen, chosen.cost_s == best.cost_s)
         return (
@@ -400,6 +409,20 @@ class Scorer:
 
     def _session(self, request: RouteRequest, eligible: list[CandidateScore]) -> Pick:
         return self.sessions.pick(request.session, eligible, lambda: self._kv(request, eligible), self._now)
+
+
+def _band_cost(s: CandidateScore, least_prefix: float, weight: float) -> float:
+    """The cost by which `s` is in kv's tie band or not: its `cost_s`, less the saving of a hit shorter
+    than `least_prefix` (under `tie_min_hit_share` of the prompt) put back.
+
+    Why: such a hit (a chat template's header every conversation starts with, one block of an
+    agent's thousands of tokens) is worth a few ms of prefill at the learned per-token cost, which
+    early in a run is the prior's, ~3x an engine's; counted in both the TTFT and the prefill work,
+    it carried every new session to the replica that took the first conversation, whose later turns
+    then followed (BENCHMARKS.md "Load test: kv against round robin on each API", history s18-herd).
+    A short hit still decides inside the band, after the in-flight count (`_TIE_RULES`)."""
+    short = s.counted_tokens if s.counted_tokens < least_prefix else 0
+    return s.cost_s + (1.0 + weight) * s.load.per_token_s * short
 
 
 def _kv_words(chosen: CandidateScore, lowest: bool) -> str:

@@ -98,10 +98,26 @@ TABLE: list[tuple[str, PolicyName, list[Candidate], set[str], str | None, str]] 
     (
         "decode penalty is zero by default",
         KV,
-        [cand("a", hit=100, decoding=50, in_flight=50), cand("b")],
+        [cand("a", hit=600, decoding=50, in_flight=50), cand("b")],
         set(),
         "a",
         "",
+    ),
+    (  # a's 100-token hit saves 20 ms of cost, its 150 queued tokens cost 15: not a tie without the hit
+        "a short hit does not outweigh a queue",
+        KV,
+        [cand("a", hit=100, queued=150), cand("b")],
+        set(),
+        "b",
+        "a's lower cost is a hit under 0.5 of the prompt, not counted against the load",
+    ),
+    (  # a 10% hit is not traded against the load: in the band, the in-flight count decides first
+        "a short hit ties with an idle engine",
+        KV,
+        [cand("a", hit=100, decoding=50, in_flight=50), cand("b")],
+        set(),
+        "b",
+        "fewer in-flight requests",
     ),
     (
         "tie: hybrid junction first",
