@@ -149,7 +149,8 @@ class ScorerSettings(msgspec.Struct, frozen=True):
     stored_responses_capacity: int = 100_000
     """Responses ids kept with the engine that stored them (router.core.policy.stored_responses)."""
     tie_min_hit_share: float = 0.5
-    """kv: in a tie, a prefix shorter than this share of the prompt comes after the load (`_TIE_RULES`)."""
+    """kv: a prefix shorter than this share of the prompt neither takes a replica out of the tie band
+    (`_band_cost`) nor, in a tie, comes before the load (`_TIE_RULES`)."""
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> ScorerSettings:

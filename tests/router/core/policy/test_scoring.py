@@ -616,12 +616,22 @@ def _kv_first_written(
     """kv's choice as first written: every tie broken by the rule loop, the others joined."""
     best = min(eligible, key=lambda s: s.cost_s)
     tol = scorer.settings.tie_tolerance_s
-    cost_tol = tol * (1.0 + scorer.settings.prefill_work_weight)
-    tied = [s for s in eligible if s.cost_s <= best.cost_s + cost_tol]
+    w1 = 1.0 + scorer.settings.prefill_work_weight
+    cost_tol = tol * w1
     least = scorer.settings.tie_min_hit_share * (best.counted_tokens + best.uncached_tokens)
+
+    def band(s: CandidateScore) -> float:  # a short hit's saving put back
+        return s.cost_s + (w1 * s.load.per_token_s * s.counted_tokens if s.counted_tokens < least else 0.0)
+
+    floor = min(band(s) for s in eligible)
+    tied = [s for s in eligible if band(s) <= floor + cost_tol]
     chosen, rules = _break_tie(_Tie(request.key, least), tied)
     why = _kv_words(chosen, chosen.cost_s == best.cost_s)
     if len(tied) == 1:
+        if chosen.cost_s != best.cost_s:
+            share = scorer.settings.tie_min_hit_share
+            short = f"{best.engine}'s lower cost is a hit under {share:g} of the prompt"
+            why += f"; {short}, not counted against the load"
         return chosen, why
     others = ", ".join(s.engine for s in tied if s is not chosen)
     return chosen, f"{why}; tied with {others} within {tol * 1000:g} ms; decided by {', then '.join(rules)}"
