@@ -413,8 +413,8 @@ class Scorer:
 
 
 def _band_cost(s: CandidateScore, least_prefix: float, weight: float) -> float:
-    """The cost by which `s` is in kv's tie band or not: its `cost_s`, less the saving of a hit shorter
-    than `least_prefix` (under `tie_min_hit_share` of the prompt) put back.
+    """The cost that puts `s` in kv's tie band or not: its `cost_s` with the saving of a hit shorter
+    than `least_prefix` (under `tie_min_hit_share` of the prompt) added back.
 
     Why: such a hit (a chat template's header every conversation starts with, one block of an
     agent's thousands of tokens) is worth a few ms of prefill at the learned per-token cost, which
