@@ -310,9 +310,12 @@ async def _completion_events(stub: Stub, job: _Job) -> AsyncIterator[bytes]:
 
 async def _chat_events(stub: Stub, job: _Job) -> AsyncIterator[bytes]:
     try:
-        first = ChatChunkChoice(0, Delta(role="assistant", content=""))
-        yield sse(ChatChunk(job.id, job.created, job.model, [first]))
+        role_sent = False
         async for item in job.tokens():
+            if not role_sent:  # vLLM sends the role chunk with its first output, after the prefill
+                role_sent = True
+                first = ChatChunkChoice(0, Delta(role="assistant", content=""))
+                yield sse(ChatChunk(job.id, job.created, job.model, [first]))
             delta = Delta(content=_delta(stub, item))
             choice = ChatChunkChoice(item.index, delta, finish_reason=_finish(job, item))
             yield sse(ChatChunk(job.id, job.created, job.model, [choice]))
