@@ -135,7 +135,7 @@ class PolicyConfig(_Table, frozen=True):
 
     name: Literal["kv", "round_robin", "least_loaded", "random", "session", "prefix_approx"] = "kv"
     tie_tolerance_s: NonNegative = 0.002
-    tie_min_hit_share: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.5
+    tie_min_hit_share: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.1
     """kv: in a tie, a cached prefix shorter than this share of the prompt comes after the load."""
     decode_penalty_s: NonNegative = 40e-6
     """kv: seconds each engine step takes longer per decoding sequence (engine_stub/runtime/cost_model.py)."""

@@ -271,15 +271,21 @@ CHATS = ["--system-prompts", "4", "--system-prompt-tokens", "256", "--users", "1
 async def test_kv_answers_no_later_than_round_robin_beyond_the_noise_measured(
     pair: EnginePair, tmp_path: Path
 ) -> None:
-    """On this pair, 3 arrivals/s of multi-turn chats with shared system prompts: kv's TTFT p50 is
-    not worse than round robin's beyond the noise measured in the same test. The same requests run
-    twice, the policies in opposite orders, caches reset before each; the noise is the larger spread
-    of one policy's p50 between its two runs. The figures, and whether kv met issue #29's target
-    (p50 <= 0.85x round robin's), go to out/test-vllm/ttft.jsonl, printed by `make test-vllm`."""
+    """On this pair, 3 arrivals/s of multi-turn chats with shared system prompts: kv finds more of
+    the cache than round robin (more cached tokens over both runs), and its TTFT p50 is not worse
+    than round robin's beyond the noise measured in the same test. The same requests run twice, the
+    policies in opposite orders, caches reset before each; the noise is the larger spread of one
+    policy's p50 between its two runs. The cached tokens are the robust half: on a loaded machine
+    the p50s of one policy spread 0.15-0.37 s, while kv's cached tokens stay above round robin's
+    (with `tie_min_hit_share` at 0.5, kv took a 256-token system prompt, 36-47% of these prompts,
+    for a short head and cached no more than round robin on 2 of 5 runs). The figures, and whether
+    kv met issue #29's target (p50 <= 0.85x round robin's), go to out/test-vllm/ttft.jsonl, printed
+    by `make test-vllm`."""
     engines = tmp_path / "engines.json"
     tables = {"models": [pair.model_config("router")], "engines": pair.engine_configs()}
     engines.write_bytes(msgspec.json.encode(tables))
     p50: dict[str, list[float]] = {"kv": [], "round_robin": []}
+    cached = {"kv": 0, "round_robin": 0}
     for run, order in enumerate(["kv,round_robin", "round_robin,kv"]):
         argv = ["loadtest", "--engines-from", str(engines), "--policies", order, *CHATS, "--rate", "3",
                 "--max-output-tokens", "8", "--seed", "0", "--out", str(tmp_path / f"run{run}")]  # fmt: skip
@@ -289,12 +295,14 @@ async def test_kv_answers_no_later_than_round_robin_beyond_the_noise_measured(
             assert (s.requests, s.errors, s.cached_blocks_at_start) == (36, 0, 0)
             assert s.ttft.p50 is not None
             p50[s.policy].append(s.ttft.p50)
+            cached[s.policy] += s.cached_tokens
     noise = max((max(v) - min(v)) / min(v) for v in p50.values())
     ratio = (sum(p50["kv"]) / 2) / (sum(p50["round_robin"]) / 2)
     record = {"model": pair.model, "p50_s": p50, "kv_over_round_robin": ratio, "noise": noise,
-              "target_0.85_met": ratio <= 0.85}  # fmt: skip
+              "cached_tokens": cached, "target_0.85_met": ratio <= 0.85}  # fmt: skip
     REPORT.mkdir(parents=True, exist_ok=True)
     with (REPORT / "ttft.jsonl").open("a") as f:
         f.write(json.dumps(record) + "\n")
     print(f"ttft {record}")
+    assert cached["kv"] > cached["round_robin"], record
     assert ratio <= 1 + noise, record

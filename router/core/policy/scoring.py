@@ -148,7 +148,7 @@ class ScorerSettings(msgspec.Struct, frozen=True):
     """What `max_predicted_ttft_s` bounds: the predicted TTFT, or the predicted wait (`wait_s`)."""
     stored_responses_capacity: int = 100_000
     """Responses ids kept with the engine that stored them (router.core.policy.stored_responses)."""
-    tie_min_hit_share: float = 0.5
+    tie_min_hit_share: float = 0.1
     """kv: a prefix shorter than this share of the prompt neither takes a replica out of the tie band
     (`_band_cost`) nor, in a tie, comes before the load (`_TIE_RULES`)."""
 
@@ -456,14 +456,14 @@ def _prompt(s: CandidateScore) -> int:
 
 class _Tie(NamedTuple):
     """What the tie rules read besides a candidate: the request's key (for the hash) and the shortest
-    prefix that is most of the prompt (`ScorerSettings.tie_min_hit_share` of it, in tokens)."""
+    prefix that counts before the load (`ScorerSettings.tie_min_hit_share` of the prompt, in tokens)."""
 
     key: str
     least_prefix: float
 
 
 def _most(tokens: int, tie: _Tie) -> int:
-    """`tokens` if they are at least `tie.least_prefix` (most of the prompt), else 0: rules 1 and 2."""
+    """`tokens` if they are at least `tie.least_prefix` (not a short head), else 0: rules 1 and 2."""
     return tokens if tokens >= tie.least_prefix else 0
 
 
@@ -479,9 +479,10 @@ def _reusable_words(s: CandidateScore) -> str:
 
 # Tie-break rules in order: (key, words); each keeps the tied candidates with the least key, and
 # its words (said of the candidate finally chosen) go into the reason when it narrowed the tie.
-# A prefix that is most of the prompt goes before the load and the hash: the request's own context
-# lives there (its session's previous turn, its app's prompt), where it adds the fewest duplicate
-# blocks and, next turn, finds the most, while the costs say both are as fast. A shorter prefix comes
+# A prefix of at least `tie_min_hit_share` of the prompt goes before the load and the hash: the
+# request's own context lives there (its session's previous turn, its app's or chat's system
+# prompt), where it adds the fewest duplicate blocks and, next turn, finds the most, while the costs
+# say both are as fast. A shorter prefix comes
 # after the load (rules 4 and 5): a head every prompt shares (a chat template's role markers, a tool
 # list's preamble: ~75 tokens of an agent's thousands) is on whichever engine took the first
 # conversation, and before the load it sent every new session there, each session's later turns

@@ -103,18 +103,27 @@ TABLE: list[tuple[str, PolicyName, list[Candidate], set[str], str | None, str]] 
         "a",
         "",
     ),
-    (  # a's 100-token hit saves 20 ms of cost, its 150 queued tokens cost 15: not a tie without the hit
+    (  # a's 90-token hit saves 18 ms of cost, its 130 queued tokens cost 13: not a tie without the hit
         "a short hit does not outweigh a queue",
         KV,
-        [cand("a", hit=100, queued=150), cand("b")],
+        [cand("a", hit=90, queued=130), cand("b")],
         set(),
         "b",
-        "a's lower cost is a hit under 0.5 of the prompt, not counted against the load",
+        "a's lower cost is a hit under 0.1 of the prompt, not counted against the load",
     ),
-    (  # a 10% hit is not traded against the load: in the band, the in-flight count decides first
+    (  # a 350-token system prompt saves 70 ms of cost against 50 ms of queue: the hit counts (at a
+        # share of 0.5 kv lost a third of its cached tokens on real engines, down to round robin's)
+        "a system prompt a third of the prompt outweighs a shorter queue",
+        KV,
+        [cand("a", hit=350, queued=500), cand("b")],
+        set(),
+        "a",
+        "lowest predicted TTFT",
+    ),
+    (  # a 9% hit is not traded against the load: in the band, the in-flight count decides first
         "a short hit ties with an idle engine",
         KV,
-        [cand("a", hit=100, decoding=50, in_flight=50), cand("b")],
+        [cand("a", hit=90, decoding=50, in_flight=50), cand("b")],
         set(),
         "b",
         "fewer in-flight requests",
@@ -144,7 +153,7 @@ TABLE: list[tuple[str, PolicyName, list[Candidate], set[str], str | None, str]] 
         "fewer in-flight",
     ),
     (
-        "tie within tolerance: the larger hit first when it is most of the prompt",
+        "tie within tolerance: the larger hit first when it is not a short head",
         KV,
         [cand("a", hit=10, prompt=20, in_flight=2), cand("b", prompt=20, in_flight=1)],
         set(),

@@ -23,15 +23,15 @@ At 1.2 the prefill cost learned from TTFTs collapses (test_overload_sim's docstr
 candidate ties and the tie rule does the routing: hit-first keeps sessions with their caches there,
 which is why it wins that case.
 
-The fix kept (`policy.tie_min_hit_share`, `scoring._TIE_RULES`): in a tie a prefix counts before
-the load only when it is most of the prompt (half, by default); a shorter one breaks the tie after
-the in-flight count. A new session's head no longer outweighs the load, while a session's own
-context (90%+ of its later turns' prompts) or its app's prompt still keeps it with its cache, and on
-equal loads a short hit still decides (the README's second turn: 16 of 99 tokens). Counted in tokens,
-it holds where the learned cost has collapsed. With the head: kv p50 / p90 7.0 / 17.1 ms, busy 11.0
-/ 8.0 s (round robin 9.9 / 24.1); as ids unchanged (6.7 / 16.3 ms today); at an offered 1.2 goodput
-100% (p50 57.9 ms) as before, the same for every share from 0.05 to 0.75; at 0.9 95.0%, at 1.0 (the
-load first unless the hit is the whole prompt, the load-first fix above) 65.3%, p50 155 ms.
+The fix kept (`policy.tie_min_hit_share`, `scoring._TIE_RULES`): in a tie a prefix counts before the load only
+when it is at least a share of the prompt (half when written, a tenth since: see docs/routing.md); a shorter
+one breaks the tie after the in-flight count. A new session's head no longer outweighs the load, while a
+session's own context (90%+ of its later turns' prompts) or its app's prompt still keeps it with its cache,
+and on equal loads a short hit still decides (the README's second turn: 16 of 99 tokens). Counted in tokens,
+it holds where the learned cost has collapsed. With the head: kv p50 / p90 7.0 / 17.1 ms, busy 11.0 / 8.0 s
+(round robin 9.9 / 24.1); as ids unchanged (6.7 / 16.3 ms today); at an offered 1.2 goodput 100% (p50 57.9 ms)
+as before, the same for every share from 0.05 to 0.75; at 0.9 95.0%, at 1.0 (the load first unless the hit is
+the whole prompt, the load-first fix above) 65.3%, p50 155 ms.
 """
 
 from __future__ import annotations
