@@ -6,7 +6,7 @@ spawned and kept alive by uvicorn's own supervisor (`uvicorn.supervisors.Multipr
 pings, restart of a dead worker, SIGHUP rolling restart, SIGTTIN/SIGTTOU to grow or shrink); the
 kernel spreads connections over them. Each worker is a whole gateway: its own subscribers and exact
 mirror of every engine, its own load view and decision ring (a decision lookup that misses asks the
-siblings, `router.ops.decision_peers`). Request metrics are summed across workers through
+siblings, `router.ops.worker_peers`). Request metrics are summed across workers through
 prometheus_client's multiprocess mode (a private directory the parent creates and removes). The
 ready line is printed once every worker has started.
 
@@ -46,7 +46,7 @@ log = logging.getLogger(__name__)
 CONFIG_ENV: Final = "KVROUTER_WORKER_CONFIG"
 """The resolved `RouterConfig` as JSON, for `kvrouter.gateway_worker.create_worker_app`."""
 PEERS_ENV: Final = "KVROUTER_WORKER_PEERS"
-"""The directory where workers answer each other's decision lookups (router.ops.decision_peers)."""
+"""The directory where workers answer each other's lookups (router.ops.worker_peers)."""
 DRAIN_ENV: Final = "KVROUTER_WORKER_DRAIN"
 """The drain marker: once it exists, every worker's `/ready` answers 503 (serving.drain)."""
 LOG_ENV: Final = "KVROUTER_WORKER_LOG"

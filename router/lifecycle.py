@@ -37,10 +37,10 @@ from router.links.embedded_stubs import EmbeddedStubs
 from router.links.fleet_links import FleetLinks
 from router.links.hub_retry import HubRetry, HubRetrySettings
 from router.ops.debug import DecisionRing
-from router.ops.decision_peers import DecisionPeers
 from router.ops.fleet_views import engine_labels, engine_views
 from router.ops.metrics import RouterMetrics
 from router.ops.recording import GatewayRecorder
+from router.ops.worker_peers import WorkerPeers
 from router.prepare.served_models import Models
 from router.settings.config import EngineConfig, RouterConfig
 from router.settings.secrets import load_secrets
@@ -65,7 +65,7 @@ class ServeOptions(msgspec.Struct, frozen=True, kw_only=True):
     """How to run beyond the config: recording file, embedded-stub command, phase timeouts, ring size."""
 
     record: Path | None = None
-    peers_dir: Path | None = None  # sibling workers' decision sockets (router.ops.decision_peers)
+    peers_dir: Path | None = None  # sibling workers' lookup sockets (router.ops.worker_peers)
     drain_marker: Path | None = None  # the supervisor creates it on SIGTERM: /ready turns 503 (serving.drain)
     stub_command: list[str] | None = None
     stub_timeout_s: float = 60.0
@@ -107,7 +107,7 @@ class Service:
         self._sync_task: asyncio.Task[None] | None = None
         self._links: FleetLinks | None = None
         self._proxy: Proxy | None = None
-        self.peers: DecisionPeers | None = None
+        self.peers: WorkerPeers | None = None
         self.scraper: EngineScraper | None = None
         self.hub_retry: HubRetry | None = None
 
@@ -191,8 +191,8 @@ class Service:
             self.scraper.start()
         ring = DecisionRing(opts.decision_ring)
         if opts.peers_dir is not None:
-            self.peers = DecisionPeers(opts.peers_dir, ring)
-            await self._phase("decision peers", self.peers.start(), opts.phase_timeout_s)
+            self.peers = WorkerPeers(opts.peers_dir, ring, scorer.stored)
+            await self._phase("worker peers", self.peers.start(), opts.phase_timeout_s)
         self.parts = GatewayParts(
             config=config,
             fleet=state,
@@ -230,7 +230,7 @@ class Service:
         """Stop every started part in reverse order; each phase bounded and logged, none skipped."""
         timeout = self.options.phase_timeout_s
         if self.peers is not None:
-            await self._stop_phase("decision peers", self.peers.close(), timeout)
+            await self._stop_phase("worker peers", self.peers.close(), timeout)
         if self.scraper is not None:
             await self._stop_phase("engine scraper", self.scraper.close(), timeout)
         if self.hub_retry is not None:

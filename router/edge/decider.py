@@ -268,6 +268,16 @@ class Decider:
         exchange.stores = ref.store is not False
         return exchange
 
+    async def stored_from_siblings(self, endpoint: Endpoint, body: bytes) -> None:
+        """With several workers, learn which engine stored the response a Responses `body` continues
+        (`previous_response_id`) from the sibling that relayed it, when this worker does not know it
+        (router.ops.worker_peers), so `decide` sends the continuation there. No-op otherwise."""
+        peers = self.parts.peers
+        if peers is not None and endpoint is Endpoint.RESPONSES:
+            previous = stored_ref(body).previous_response_id
+            if previous is not None:
+                await peers.stored_engine(previous)
+
     def failed(self, entry: DecisionEntry, exc: BaseException) -> None:
         """Count and log a decided request that ended in `exc` with no answer relayed."""
         engine = entry.engine or "none"

@@ -89,6 +89,8 @@ class Gateway:
                 # forwarded from here: no layer between this coroutine and the proxy's per request.
                 decider = self.decider
                 prepared = await decider.prepare_counted(body, endpoint) if decider.any_remote else None
+                if self.parts.peers is not None:  # several workers: a continuation's stored response
+                    await decider.stored_from_siblings(endpoint, body)
                 exchange = decider.decide(scope, endpoint, body, rid, arrived, prepared)
                 try:
                     upstream = await self.parts.proxy.forward(exchange.proxied, exchange.choose)

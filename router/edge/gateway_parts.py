@@ -14,9 +14,9 @@ from router.edge.auth import Guard
 from router.edge.proxy import Proxy
 from router.links.fleet_links import FleetLinks
 from router.ops.debug import DecisionRing
-from router.ops.decision_peers import DecisionPeers
 from router.ops.metrics import RouterMetrics
 from router.ops.recording import GatewayRecorder
+from router.ops.worker_peers import WorkerPeers
 from router.prepare.served_models import Models
 from router.settings.config import RouterConfig
 
@@ -37,4 +37,4 @@ class GatewayParts:
     guard: Guard
     ring: DecisionRing
     recorder: GatewayRecorder | None = None
-    peers: DecisionPeers | None = None
+    peers: WorkerPeers | None = None

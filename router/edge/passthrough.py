@@ -94,6 +94,14 @@ class Passthrough:
         response_id = response_id_in(path)
         return self.parts.core.scorer.stored.engine_of(response_id) if response_id is not None else None
 
+    async def _stored_on(self, path: str) -> EngineId | None:
+        """`stored_on`, asking the sibling workers too when there are any (router.ops.worker_peers)."""
+        peers = self.parts.peers
+        response_id = response_id_in(path) if peers is not None else None
+        if peers is None or response_id is None:
+            return self.stored_on(path)
+        return await peers.stored_engine(response_id)
+
     def chooser(
         self, model: str | None, stored_on: EngineId | None = None
     ) -> Callable[[frozenset[EngineId]], Target | None]:
@@ -143,7 +151,7 @@ class Passthrough:
             body = await read_body(
                 request, parts.config.limits.max_body_bytes, parts.config.timeouts.client_body_s
             )
-            choose = self.chooser(self.model_of(request, body), self.stored_on(request.url.path))
+            choose = self.chooser(self.model_of(request, body), await self._stored_on(request.url.path))
         except RouterError as exc:
             parts.metrics.refused(_POLICY, str(exc.http_status()), exc.reason)
             raise

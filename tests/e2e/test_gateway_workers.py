@@ -54,10 +54,10 @@ def workers(pid: int) -> set[int]:
 
 
 @contextmanager
-def serving(n: int) -> Iterator[tuple[subprocess.Popen[bytes], ReadyLine]]:
+def serving(n: int, **env_extra: str) -> Iterator[tuple[subprocess.Popen[bytes], ReadyLine]]:
     argv = [sys.executable, "-m", "kvrouter", "--log-level", "WARNING", "serve", "--port", "0"]
     argv += ["--workers", str(n), "--set", "embedded.engines=2", "--set", "embedded.num_gpu_blocks=256"]
-    env = {**os.environ, "KVROUTER_ADMIN_TOKEN": ADMIN}
+    env = {**os.environ, "KVROUTER_ADMIN_TOKEN": ADMIN, **env_extra}
     proc = subprocess.Popen(argv, cwd=ROOT, stdout=subprocess.PIPE, env=env)
     try:
         assert proc.stdout is not None
@@ -119,6 +119,29 @@ def test_two_workers_share_the_port_and_the_metrics_and_outlive_a_crash() -> Non
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=60) == 0
         wait_until(lambda: not any(Path(f"/proc/{pid}").exists() for pid in left), "every child to exit")
+
+
+def test_a_continuation_finds_its_stored_response_whichever_worker_serves_it() -> None:
+    """A Responses answer is learnt (response id -> engine) by the worker that relayed it; a
+    continuation on a connection the kernel hands to the other worker asks it (router.ops.worker_peers)
+    and goes to the engine that stored the response. Round robin would otherwise alternate, and the
+    other engine answers vLLM's 404."""
+    with serving(2, KVROUTER_POLICY="round_robin") as (_, ready):
+        stored = {"model": "kvrouter-stub", "input": "Find the failing test.", "max_output_tokens": 2}
+        with httpx.Client(base_url=ready.url, timeout=30) as client:
+            first = client.post("/v1/responses", json=stored)
+        assert first.status_code == 200, first.text
+        engine, previous = first.headers["x-kvrouter-engine"], first.json()["id"]
+        for step in range(12):  # a fresh connection each: the kernel spreads them over the workers
+            body = {**stored, "input": f"Now step {step}.", "previous_response_id": previous}
+            with httpx.Client(base_url=ready.url, timeout=30) as client:
+                answer = client.post("/v1/responses", json=body)
+            assert answer.status_code == 200, answer.text
+            assert answer.headers["x-kvrouter-engine"] == engine
+            with httpx.Client(base_url=ready.url, timeout=30) as client:
+                again = client.get(f"/v1/responses/{previous}")  # its own route, from either worker
+            assert again.status_code == 200, again.text
+            assert again.headers["x-kvrouter-engine"] == engine
 
 
 def test_record_is_refused_with_several_workers(tmp_path: Path) -> None:

@@ -5,8 +5,8 @@ engine that made it, and only that engine can continue it by ``previous_response
 learns (response id -> engine) from each stored answer it relays, and routing sends a continuation
 to that engine (router.core.policy.scoring). The table holds at most `capacity` ids, the least
 recently used evicted first; every id that leaves is counted by reason (`EVICTION_REASONS`), which
-the gateway exports as `kvrouter_stored_response_evictions_total{reason}`. Each gateway replica
-learns only what it relayed.
+the gateway exports as `kvrouter_stored_response_evictions_total{reason}`. Each gateway worker
+learns what it relayed, and asks its sibling workers on a miss (router.ops.worker_peers).
 """
 
 from __future__ import annotations
