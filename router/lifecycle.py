@@ -31,6 +31,7 @@ from router.edge.asgi_app import GatewayApp, create_app
 from router.edge.auth import Guard
 from router.edge.engine_scraper import EngineScraper, ScrapeSettings
 from router.edge.gateway_parts import GatewayParts
+from router.edge.model_probe import ModelProbe
 from router.edge.proxy import Proxy, ProxySettings
 from router.links.discovery import DnsDiscovery
 from router.links.embedded_stubs import EmbeddedStubs
@@ -168,7 +169,8 @@ class Service:
             from router.links.pool_discovery import PoolDiscovery
 
             pool = config.discovery.kubernetes.inference_pool  # (its pods, else EndpointSlices)
-            kube = (PoolDiscovery if pool else KubeDiscovery)(config.discovery, self._on_discovery)
+            probe = ModelProbe(config.discovery.kubernetes.model_timeout_s)  # closed with the discovery
+            kube = (PoolDiscovery if pool else KubeDiscovery)(config.discovery, self._on_discovery, probe)
             self.discovery = kube
             kube.start()
         metrics = RouterMetrics(  # the links' clock
@@ -180,7 +182,7 @@ class Service:
         self.hub_retry = HubRetry(models, retry, metrics.count_hub_retry)
         self.hub_retry.start()
         if kube is not None:
-            metrics.count_discovery(kube.counts)
+            metrics.count_discovery(kube.counts, probe.errors)
         if config.policy.name == "session":
             metrics.count_sessions(scorer.sessions)
         metrics.count_stored_responses(scorer.stored)
