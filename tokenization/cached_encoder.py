@@ -19,7 +19,9 @@ next request cheaper, each a strategy of its own that must give the plain encode
 Which strategies a tokenizer can use is decided when its encoder is built (the implementation's
 `cached_encoder`), by probes against the plain encode. Callers see two encodes, `encode` (a text)
 and `encode_chat` (a conversation), and get an `Encoded`: a plain value whatever cache made it (the
-cache types, `ReuseEntry` and the like, stay behind it). Pure: no I/O.
+cache types, `ReuseEntry` and the like, stay behind it). The caches stay the encoder's own: their
+counters are read through `stats()` (what the router exports as metrics) and `view()` (a read-only
+`CacheView`, for tests and benchmarks). Pure: no I/O.
 """
 
 from __future__ import annotations
