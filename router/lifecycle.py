@@ -160,6 +160,7 @@ class Service:
         proxy = self._proxy = Proxy(ProxySettings.from_config(config), state.breakers, state.clock)
         await self._phase("proxy session", proxy.start(), opts.phase_timeout_s)
         kube: KubeDiscovery | PoolDiscovery | None = None
+        probe: ModelProbe | None = None  # Kubernetes discovery's /v1/models questions
         if config.discovery.dns_name is not None:
             self.discovery = DnsDiscovery(config.discovery, self._on_discovery)
             self.discovery.start()
@@ -181,7 +182,7 @@ class Service:
         retry = HubRetrySettings(attempts=t.hub_retries, first_s=t.hub_retry_s, fetch_s=t.hub_fetch_s)
         self.hub_retry = HubRetry(models, retry, metrics.count_hub_retry)
         self.hub_retry.start()
-        if kube is not None:
+        if kube is not None and probe is not None:
             metrics.count_discovery(kube.counts, probe.errors)
         if config.policy.name == "session":
             metrics.count_sessions(scorer.sessions)
