@@ -17,6 +17,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from tokenization import BuiltinTokenizer, CachedEncoder, HfTokenizer
+from tokenization.loading import cached_encoder
 
 TEMPLATE = Path(__file__).resolve().parents[1] / "tests" / "data" / "deepseek_chat.jinja"
 WORDS = "the a cache block router engine prefix token 你好 世界 42 1999 , . ! ? \n def return (x) =".split(
@@ -52,11 +53,9 @@ def bench(name: str, enc: CachedEncoder, words_per_turn: int, repeat: int = 30) 
     text = tok.apply_chat_template(msgs)
     plain = tok.encode(text, add_special_tokens=False)
     assert list(enc.encode_chat(msgs).ids) == plain, "segment cache changed a token"
-    cache = enc.cache
 
-    def cold() -> None:
-        cache.clear()
-        enc.encode(text, add_special_tokens=False)
+    def cold() -> None:  # a new encoder: its caches empty, nothing to reuse
+        cached_encoder(tok).encode(text, add_special_tokens=False)
 
     longer = [*msgs, {"role": "user", "content": "one more question about the cache"}]
     enc.encode_chat(msgs)
@@ -76,7 +75,7 @@ def bench(name: str, enc: CachedEncoder, words_per_turn: int, repeat: int = 30) 
 
 def previous_behaviour(enc: CachedEncoder) -> CachedEncoder:
     """``enc`` as it was before issue #13 item 2: no prefix reuse, a full template render every time."""
-    enc.segments.reuse = None
+    enc.drop_prefix_reuse()
     templates = enc.tokenizer.templates
     for template in (templates.default, templates.tool_use):
         if template is not None:
@@ -161,13 +160,13 @@ def bench_reuse(n: int = 40) -> None:
     report("chat growing by a turn, 1 user", olds, news)
     olds, news = alternate(lambda i: grown(old, i, 100 + i), lambda i: grown(new, i, 100 + i), n)
     report("chat, a new user per request", olds, news)
-    rs = new.segments.reuse
-    assert rs is not None
-    skel = new.tokenizer.templates.select(None).skeletons
-    st = rs.stats
-    print(f"  prefix reuse: {st.hits} hits, {st.misses} misses, {st.reused_tokens} tokens reused,")
-    mib = rs.bytes / 2**20
-    print(f"  {len(rs)} texts held ({mib:.1f} MiB); skeletons: {skel.hits} hits, {skel.misses} misses")
+    st = new.stats()
+    print(
+        f"  prefix reuse: {st.reuse_hits} hits, {st.reuse_misses} misses, {st.reused_tokens} tokens reused,"
+    )
+    mib = st.reuse_held_bytes / 2**20
+    held, skeletons = new.view().reuse_texts, f"{st.skeleton_hits} hits, {st.skeleton_misses} misses"
+    print(f"  {held} texts held ({mib:.1f} MiB); skeletons: {skeletons}")
 
 
 def bench_carry(n: int = 40) -> None:

@@ -31,6 +31,7 @@ from router.edge.asgi_app import GatewayApp, create_app
 from router.edge.auth import Guard
 from router.edge.engine_scraper import EngineScraper, ScrapeSettings
 from router.edge.gateway_parts import GatewayParts
+from router.edge.model_probe import ModelProbe
 from router.edge.proxy import Proxy, ProxySettings
 from router.links.discovery import DnsDiscovery
 from router.links.embedded_stubs import EmbeddedStubs
@@ -159,6 +160,7 @@ class Service:
         proxy = self._proxy = Proxy(ProxySettings.from_config(config), state.breakers, state.clock)
         await self._phase("proxy session", proxy.start(), opts.phase_timeout_s)
         kube: KubeDiscovery | PoolDiscovery | None = None
+        probe: ModelProbe | None = None  # Kubernetes discovery's /v1/models questions
         if config.discovery.dns_name is not None:
             self.discovery = DnsDiscovery(config.discovery, self._on_discovery)
             self.discovery.start()
@@ -168,7 +170,8 @@ class Service:
             from router.links.pool_discovery import PoolDiscovery
 
             pool = config.discovery.kubernetes.inference_pool  # (its pods, else EndpointSlices)
-            kube = (PoolDiscovery if pool else KubeDiscovery)(config.discovery, self._on_discovery)
+            probe = ModelProbe(config.discovery.kubernetes.model_timeout_s)  # closed with the discovery
+            kube = (PoolDiscovery if pool else KubeDiscovery)(config.discovery, self._on_discovery, probe)
             self.discovery = kube
             kube.start()
         metrics = RouterMetrics(  # the links' clock
@@ -179,8 +182,8 @@ class Service:
         retry = HubRetrySettings(attempts=t.hub_retries, first_s=t.hub_retry_s, fetch_s=t.hub_fetch_s)
         self.hub_retry = HubRetry(models, retry, metrics.count_hub_retry)
         self.hub_retry.start()
-        if kube is not None:
-            metrics.count_discovery(kube.counts)
+        if kube is not None and probe is not None:
+            metrics.count_discovery(kube.counts, probe.errors)
         if config.policy.name == "session":
             metrics.count_sessions(scorer.sessions)
         metrics.count_stored_responses(scorer.stored)

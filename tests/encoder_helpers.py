@@ -9,7 +9,7 @@ it, each new one empty), so the tests share one per (package, template) and make
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -20,6 +20,8 @@ import tokenization.loading
 from tokenization import CachedEncoder, HfTokenizer, Message, Tokenizer
 from tokenization.cached_encoder import ChatPrompt
 from tokenization.loading import cached_encoder
+from tokenization.prefix_reuse import PrefixReuse
+from tokenization.segment_cache import pack_ids
 
 DATA = Path(__file__).parent / "data"
 DEEPSEEK_TEMPLATE = DATA / "deepseek_chat.jinja"
@@ -61,3 +63,21 @@ def chat_ids(encoder: CachedEncoder, messages: Sequence[Message], **prompt: Any)
 def text_ids(encoder: CachedEncoder, text: str, add_special_tokens: bool = True) -> list[int]:
     """`encoder.encode`'s ids as a list, to compare with a tokenizer's plain encode."""
     return list(encoder.encode(text, add_special_tokens).ids)
+
+
+def plain_packed(tokenizer: Tokenizer) -> Callable[[str], tuple[tuple[int, ...], bytes]]:
+    """The encode a cache strategy is given (a text, no special tokens -> its ids and packed ids), done
+    by `tokenizer`'s plain encode: for tests of one strategy on its own."""
+
+    def encode(text: str) -> tuple[tuple[int, ...], bytes]:
+        ids = tuple(tokenizer.encode(text, add_special_tokens=False))
+        return ids, pack_ids(ids)
+
+    return encode
+
+
+def new_reuse(tokenizer: Tokenizer, max_entries: int = 512) -> PrefixReuse:
+    """A new, empty prefix reuse with the rules `tokenizer`'s cached encoders use (they must have it)."""
+    rules = encoder_of(tokenizer).view().reuse_rules
+    assert rules is not None, "this tokenizer gets no prefix reuse"
+    return PrefixReuse(*rules, max_entries=max_entries)

@@ -67,11 +67,14 @@ class BuiltinTokenizer(TemplatedTokenizer):
         self._context = self._special.template_context()
         self.templates = TemplateSet(default=ChatTemplate(BUILTIN_CHAT_TEMPLATE))
 
-    def cached_encoder(self, cache_entries: int = 8192) -> CachedEncoder:
-        """A new cached encoder over this tokenizer, with a segment cache only."""
+    def cached_encoder(self, cache: SegmentCache | None = None) -> CachedEncoder:
+        """A new cached encoder over this tokenizer, with a segment cache only: ``cache`` (None: a new
+        one, with the default bounds)."""
         tokens = [AddedToken(id=i, content=s, normalized=False) for i, s in enumerate(SPECIAL_TOKENS)]
         segmenter = Segmenter(tokens, identity_normalizer=True)
-        segments = SegmentedEncoder(segmenter, self._encode_pieces, SegmentCache(cache_entries))
+        segments = SegmentedEncoder(
+            segmenter, self._encode_pieces, SegmentCache() if cache is None else cache
+        )
         return CachedEncoder(self, segments, ([BOS_ID], []))
 
     @property

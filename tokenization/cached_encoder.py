@@ -19,23 +19,28 @@ next request cheaper, each a strategy of its own that must give the plain encode
 Which strategies a tokenizer can use is decided when its encoder is built (the implementation's
 `cached_encoder`), by probes against the plain encode. Callers see two encodes, `encode` (a text)
 and `encode_chat` (a conversation), and get an `Encoded`: a plain value whatever cache made it (the
-cache types, `ReuseEntry` and the like, stay behind it). Pure: no I/O.
+cache types, `ReuseEntry` and the like, stay behind it). The caches stay the encoder's own: their
+counters are read through `stats()` (what the router exports as metrics) and `view()` (a read-only
+`CacheView`, for tests and benchmarks). Pure: no I/O.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 
 from tokenization.base import CacheStats, Message
 from tokenization.chat_carry import CarryLink, ChatCarry
 from tokenization.prefix_reuse import PromptIds, ReuseEntry, WrappedIds, count_of, ids_of
-from tokenization.segment_cache import SegmentCache, SegmentedEncoder, pack_ids
+from tokenization.safe_cuts import CutFinder
+from tokenization.segment_cache import SegmentedEncoder, pack_ids
+from tokenization.segmenter import Segment
 from tokenization.tokenizer import Tokenizer
+from tokenization.word_encoder import WordEncoder
 
-__all__ = ["CachedEncoder", "ChatPrompt", "Encoded", "Wrap"]
+__all__ = ["CacheView", "CachedEncoder", "ChatPrompt", "Encoded", "ReuseRules", "Wrap"]
 
 Wrap = tuple[list[int], list[int]]
 """The ids a tokenizer's encode puts before and after a text's own when adding special tokens."""
@@ -110,17 +115,16 @@ class CachedEncoder:
         holds); `wrap`: what the tokenizer adds around a text with special tokens (None: unknown, so
         such texts are encoded plainly)."""
         self.tokenizer = tokenizer
-        self.segments = segments
-        """The segment cache and prefix reuse (tokenization.segment_cache), read by tests and benches."""
+        self._segments = segments
         self._carry = ChatCarry(segments.reuse) if segments.reuse is not None else None
         self._wrap = wrap
         self._context = tokenizer.special_tokens.template_context()
         self._last_wrap: tuple[Wrap, _WrapParts] | None = None
 
-    @property
-    def cache(self) -> SegmentCache:
-        """The segment cache (size and hit/miss counters for metrics)."""
-        return self.segments.cache
+    def view(self) -> CacheView:
+        """What the segment cache, the word encoder and prefix reuse hold and count, read-only (tests
+        and benchmarks observe the caches through it, never through the encoder's own fields)."""
+        return CacheView(self._segments)
 
     def chat_carry(self) -> ChatCarry | None:
         """The chat carry, None without prefix reuse (or after `drop_chat_carry`): its counters, size
@@ -132,9 +136,15 @@ class CachedEncoder:
         """Encode chats without the carry from now on (benchmarks measuring what it saves)."""
         self._carry = None
 
+    def drop_prefix_reuse(self) -> None:
+        """Encode without prefix reuse from now on, and so without the chat carry, which extends
+        through it (benchmarks measuring what the two save)."""
+        self._segments.reuse = None
+        self._carry = None
+
     def stats(self) -> CacheStats:
         """The prefix-reuse, chat-skeleton and chat-carry counters so far (zeros where one is off)."""
-        reuse, carry = self.segments.reuse, self._carry
+        reuse, carry = self._segments.reuse, self._carry
         templates = self.tokenizer.templates
         skeletons = [t.skeletons for t in (templates.default, templates.tool_use) if t is not None]
         st = reuse.stats if reuse is not None else None
@@ -158,10 +168,10 @@ class CachedEncoder:
         prefix reuse their link to the recent text they were copied from (its block keys are kept on
         its entry, per special-token wrap)."""
         wrap = self._special_wrap(add_special_tokens)
-        reuse = self.segments.reuse
-        if wrap is None or reuse is None or not self.segments.segmenter.enabled:
+        reuse = self._segments.reuse
+        if wrap is None or reuse is None or not self._segments.segmenter.enabled:
             return Encoded(*self._encode_packed(text, wrap))
-        entry, prior, copied = reuse.encode_from(text, self.segments.encode_segments, text.encode("utf-8"))
+        entry, prior, copied = reuse.encode_from(text, self._segments.encode_segments, text.encode("utf-8"))
         group, packed_prefix, packed_suffix = self._wrap_parts(wrap)
         own = entry.derived.setdefault(group, {})
         # The wrapped ids start with the prefix, then the copied ids: both equal the prior text's.
@@ -183,7 +193,7 @@ class CachedEncoder:
             rendered = templates.render_chat_pieces(messages, agp, tools, self._context, kwargs)
             if rendered is not None:
                 pieces, key = rendered
-                entry, link = carry.encode_entry(key, pieces, self.segments.encode_segments)
+                entry, link = carry.encode_entry(key, pieces, self._segments.encode_segments)
                 return Encoded(entry, None, link)
         text = templates.render_chat(messages, agp, tools, self._context, kwargs)
         return Encoded(*self._encode_packed(text, wrap))
@@ -198,7 +208,7 @@ class CachedEncoder:
         if wrap is None:
             ids = tuple(self.tokenizer.encode(text, add_special_tokens=True))
             return ids, pack_ids(ids)
-        ids, packed = self.segments.encode_packed(text)
+        ids, packed = self._segments.encode_packed(text)
         prefix, suffix = wrap
         if prefix or suffix:
             return (*prefix, *ids, *suffix), pack_ids(prefix) + packed + pack_ids(suffix)
@@ -213,3 +223,79 @@ class CachedEncoder:
             parts = ((tuple(prefix), tuple(suffix)), pack_ids(prefix), pack_ids(suffix))
             kept = self._last_wrap = ((list(prefix), list(suffix)), parts)
         return kept[1]
+
+
+class ReuseRules(NamedTuple):
+    """What a tokenizer's prefix reuse was built with (`PrefixReuse(cuts, byte_lengths)`): facts about
+    the tokenizer, holding nothing of what was encoded."""
+
+    cuts: CutFinder
+    """Where two texts may both be cut (tokenization.safe_cuts)."""
+    byte_lengths: Sequence[int]
+    """Each token id's length in text bytes."""
+
+
+class CacheView:
+    """A cached encoder's caches seen from outside, read-only (`CachedEncoder.view`): what the segment
+    cache, the word encoder and prefix reuse hold and count, read when asked. Tests and benchmarks
+    observe the caches through this and through the encoder's behaviour, so the encoder's fields
+    stay its own; the counters the router exports as metrics are `CachedEncoder.stats`, the chat
+    carry's are `CachedEncoder.chat_carry`."""
+
+    __slots__ = ("_segments",)
+
+    def __init__(self, segments: SegmentedEncoder) -> None:
+        self._segments = segments
+
+    @property
+    def splits(self) -> bool:
+        """Whether texts are cut at added tokens and their pieces cached (the split's probe held)."""
+        return self._segments.segmenter.enabled
+
+    def split(self, text: str) -> list[Segment]:
+        """The pieces the segment cache would key ``text`` by: texts, and added tokens' ids."""
+        return self._segments.segmenter.split(text)
+
+    @property
+    def pieces(self) -> int:
+        """Pieces the segment cache holds."""
+        return len(self._segments.cache)
+
+    @property
+    def piece_tokens(self) -> int:
+        """Token ids the segment cache holds, over all its pieces."""
+        return self._segments.cache.tokens
+
+    @property
+    def max_piece_tokens(self) -> int:
+        """The segment cache's bound in token ids."""
+        return self._segments.cache.max_tokens
+
+    @property
+    def piece_hits(self) -> int:
+        """Pieces found in the segment cache so far."""
+        return self._segments.cache.hits
+
+    @property
+    def piece_misses(self) -> int:
+        """Pieces looked up and not found (then encoded) so far."""
+        return self._segments.cache.misses
+
+    @property
+    def words(self) -> int | None:
+        """Words the word encoder holds (tokenization.word_encoder); None without one."""
+        words = getattr(self._segments.encode_short, "__self__", None)  # the short encode's owner
+        return len(words) if isinstance(words, WordEncoder) else None
+
+    @property
+    def reuse_texts(self) -> int | None:
+        """Texts prefix reuse holds; None without prefix reuse."""
+        reuse = self._segments.reuse
+        return None if reuse is None else len(reuse)
+
+    @property
+    def reuse_rules(self) -> ReuseRules | None:
+        """The rules prefix reuse was built with, for a test building a strategy of its own on the
+        same tokenizer; None without prefix reuse."""
+        reuse = self._segments.reuse
+        return None if reuse is None else ReuseRules(reuse.cuts, reuse.byte_lengths)

@@ -107,16 +107,17 @@ class HfTokenizer(TemplatedTokenizer):
         self._wrap = _special_wrap(tok)
         self._model = tok.model  # once: the library makes a new wrapper on every read of `model`
 
-    def cached_encoder(self) -> CachedEncoder:
+    def cached_encoder(self, cache: SegmentCache | None = None) -> CachedEncoder:
         """A new cached encoder over this tokenizer (its caches empty): the segment cache when the split
-        at added tokens holds, the word encoder and prefix reuse when their probes hold (`_probed`)."""
+        at added tokens holds, the word encoder and prefix reuse when their probes hold (`_probed`).
+        ``cache``: the segment cache it fills (None: a new one, with the default bounds)."""
         found = self._probed
         words = WordEncoder(self._tokenize_word, found.ascii_words) if found.ascii_words is not None else None
         # (`is not None`: an empty WordEncoder is falsy, it has a length)
         encode = (
             partial(_encode_pieces, words, self._encode_plain) if words is not None else self._encode_plain
         )
-        segments = SegmentedEncoder(found.segmenter, encode, SegmentCache())
+        segments = SegmentedEncoder(found.segmenter, encode, SegmentCache() if cache is None else cache)
         segments.encode_short = words.encode if words is not None else None
         segments.reuse = PrefixReuse(*found.reuse) if found.reuse is not None else None
         return CachedEncoder(self, segments, self._wrap)

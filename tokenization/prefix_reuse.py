@@ -272,7 +272,8 @@ class PrefixReuse:
         self.bytes = 0
         """Bytes held over all entries (`DEFAULT_MAX_BYTES` explains what is counted)."""
         self.stats = ReuseStats()
-        self._lengths = byte_lengths
+        self.byte_lengths = byte_lengths
+        """Each token id's length in text bytes (`token_byte_lengths`)."""
         self._entries: OrderedDict[int, ReuseEntry] = OrderedDict()  # by id(entry.data)
         self._sorted: list[bytes] = []
 
@@ -336,7 +337,7 @@ class PrefixReuse:
     def ends(self, entry: ReuseEntry) -> TokenEnds | None:
         """The entry's token ends (made on first use), or None when they do not add up to its text."""
         if entry.ends is None:
-            ends = TokenEnds.of(map(self._lengths.__getitem__, entry.iter_ids()))
+            ends = TokenEnds.of(map(self.byte_lengths.__getitem__, entry.iter_ids()))
             if ends.last() != len(entry.data):
                 return None
             entry.ends = ends
@@ -392,7 +393,7 @@ class PrefixReuse:
     def _extend_ends(self, entry: ReuseEntry, prior_ends: TokenEnds, cut: int) -> None:
         """``entry``'s token ends from those of the text its ids up to byte ``cut`` were copied from
         (``prior_ends``, shared) and its tail's; left None when they do not add up to its text."""
-        ends = prior_ends.extended(entry.copied, cut, map(self._lengths.__getitem__, entry.tail))
+        ends = prior_ends.extended(entry.copied, cut, map(self.byte_lengths.__getitem__, entry.tail))
         tail = ends.tail
         last = tail[-1] if tail else ends.last()  # (the common case without a call)
         entry.ends = ends if last == len(entry.data) else None

@@ -42,7 +42,7 @@ from router.edge.upstream_transport import Transport
 from router.links.engine_metrics import REJECT_REASONS, MetricsReader, ScrapeRejected
 from router.settings.config import EngineConfig, PolicyConfig
 
-__all__ = ["SCRAPE_ERRORS", "EngineScraper", "ScrapeSettings"]
+__all__ = ["SCRAPE_ERRORS", "EngineScraper", "ScrapeSettings", "check_answer", "transport_reason"]
 
 log = logging.getLogger(__name__)
 
@@ -126,9 +126,7 @@ class EngineScraper:
         except ScrapeRejected as exc:
             reason, error = exc.reason, str(exc)
         except UPSTREAM_FAILURES as exc:  # the transport's, and the scrape's own timeout
-            failure = upstream_error(EngineId(engine.name), "scrape", exc)
-            reason = "timeout" if isinstance(failure, UpstreamTimeout) else "connection"
-            error = f"{failure} {exc!r}"
+            reason, error = transport_reason(engine, "scrape", exc)
         except Exception as exc:
             log.exception("engine scrape failed", extra={"engine": engine.name, "reason": "internal"})
             reason, error = "internal", repr(exc)
@@ -145,7 +143,7 @@ class EngineScraper:
         headers = [("Host", host_of(engine.url)), ("Accept-Encoding", "identity")]
         answer = await client.request("GET", engine.url, "/metrics", headers, b"")
         try:  # any end but the body's last bytes drops the connection: what is left is not read
-            _check_answer(answer.status, answer.raw_headers, limit)
+            check_answer(answer.status, answer.raw_headers, limit)
             reader = MetricsReader(engine.model or None)
             size = 0
             while chunk := await answer.next_chunk():  # every byte arrived so far: up to the pause mark
@@ -161,8 +159,17 @@ class EngineScraper:
         return reader.result(self.fleet.clock())  # the fleet's clock: the one decisions read the load with
 
 
-def _check_answer(status: int, headers: list[tuple[bytes, bytes]], limit: int) -> None:
-    """Refuse a redirect, an error status or a declared body over `limit` before reading the body."""
+def transport_reason(engine: EngineConfig, phase: str, exc: BaseException) -> tuple[str, str]:
+    """The reason ("timeout" or "connection") and the logged error for one of `UPSTREAM_FAILURES`
+    raised asking `engine` something in `phase`, through the upstream leg's one mapping."""
+    failure = upstream_error(EngineId(engine.name), phase, exc)
+    return ("timeout" if isinstance(failure, UpstreamTimeout) else "connection"), f"{failure} {exc!r}"
+
+
+def check_answer(status: int, headers: list[tuple[bytes, bytes]], limit: int) -> None:
+    """Refuse a redirect, an error status or a declared body over `limit` before reading the body
+    (`ScrapeRejected` with reason "redirect", "status" or "too_large"): the scrape's rule, and the
+    model probe's (router.edge.model_probe)."""
     if 300 <= status < 400:
         location = _header(headers, b"location").decode("latin-1")[:200]
         raise ScrapeRejected("redirect", f"answered {status} to {location!r} (not followed)")

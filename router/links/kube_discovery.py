@@ -13,9 +13,11 @@ LIST leaves it out, a watch event leaves the object as it was and moves the resu
 and discovery goes on for the others (one bad object failing the whole LIST, or a watch resumed
 before it, would stall discovery for every engine). An event that is not an object's event (an
 unknown type, not even JSON) is rejected the same way. An engine whose model no label names is asked
-its `/v1/models` once per engine table; until it answers it is left out and asked again after a
-backoff. `KubeDiscovery` is one `ListWatch` of the selected EndpointSlices.
-The client is kubernetes_asyncio: in-cluster service-account auth, a kubeconfig, or `api_url`.
+its `/v1/models` once per engine table, by the owner's `ModelAsker` (the gateway's is
+router.edge.model_probe's, on its own HTTP client); until it answers it is left out and asked again
+after a backoff. `KubeDiscovery` is one `ListWatch` of the selected EndpointSlices.
+The API client is kubernetes_asyncio (on aiohttp, which it needs): in-cluster service-account auth,
+a kubeconfig, or `api_url`.
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ import os
 from collections.abc import Awaitable, Callable, Mapping
 from functools import partial
 from pathlib import Path
-from typing import Any, Final, cast
+from typing import Any, Final, Protocol, cast
 
 import aiohttp
 import msgspec
@@ -53,6 +55,7 @@ __all__ = [
     "EngineTable",
     "KubeDiscovery",
     "ListWatch",
+    "ModelAsker",
     "WatchSource",
     "api_client",
     "namespace_of",
@@ -67,19 +70,19 @@ _PAGE: Final = 500
 SERVICE_ACCOUNT: Final = Path("/var/run/secrets/kubernetes.io/serviceaccount")  # token, ca.crt, namespace
 
 
-class _Model(msgspec.Struct, frozen=True):
-    id: str
-    parent: str | None = None
-
-
-class _Models(msgspec.Struct, frozen=True):
-    data: list[_Model]
-
-
-_MODELS: Final = msgspec.json.Decoder(_Models)
-_MODELS_MAX_BYTES: Final = 1 << 20
-
 OnChange = Callable[[dict[str, EngineConfig], set[str]], Awaitable[None]]
+
+
+class ModelAsker(Protocol):
+    """Asks an engine the model it serves (router.edge.model_probe's `ModelProbe` in the gateway)."""
+
+    async def __call__(self, engine: EngineConfig) -> str | None:
+        """The engine's model; None when it cannot say (the asker counts and logs why)."""
+        ...
+
+    def close(self) -> None:
+        """Let go of its connections."""
+        ...
 
 
 async def api_client(
@@ -202,6 +205,7 @@ class ListWatch:
         return failures + 1
 
     def _timeout(self) -> aiohttp.ClientTimeout:
+        # kubernetes_asyncio's request timeout is aiohttp's (its transport).
         # A server that stops answering mid-watch is noticed: it owes a line (or the end) by then.
         return aiohttp.ClientTimeout(sock_connect=10, sock_read=self.k.watch_timeout_s + 30)
 
@@ -288,7 +292,8 @@ class ListWatch:
 class EngineTable:
     """The discovered engine set handed to the fleet: recomputed by `apply()` from the watched objects
     (`current()`, pure), the difference given to `on_change`; an engine whose model no label names is
-    asked its `/v1/models` first (left out until it answers, asked again after a backoff)."""
+    asked its `/v1/models` first by `ask_model` (left out until it answers, asked again after a
+    backoff; each failure also counted in `counts["failures"]`)."""
 
     def __init__(
         self,
@@ -296,14 +301,15 @@ class EngineTable:
         on_change: OnChange,
         current: Callable[[], dict[str, EngineConfig]],
         counts: dict[str, int],
+        ask_model: ModelAsker,
     ) -> None:
         self.k, self._on_change, self._current, self.counts = k, on_change, current, counts
+        self._ask = ask_model
         self.known: dict[str, EngineConfig] = {}  # the pure engine set, minus engines of unknown model
         self.present: set[str] = set()  # names handed to the fleet
         self.models: dict[tuple[str, str], str] = {}  # /v1/models answers, by engine name and URL
         self.lock = asyncio.Lock()  # held while the set is recomputed and handed over
         self._retry: asyncio.Task[None] | None = None
-        self._http: aiohttp.ClientSession | None = None
 
     async def close(self) -> None:
         """Stop asking engines for their models."""
@@ -311,9 +317,7 @@ class EngineTable:
             self._retry.cancel()
             await asyncio.gather(self._retry, return_exceptions=True)
             self._retry = None
-        if self._http is not None:
-            await self._http.close()
-            self._http = None
+        self._ask.close()
 
     async def apply(self) -> None:
         """Recompute the engine set and hand the difference to the fleet."""
@@ -340,35 +344,15 @@ class EngineTable:
     async def _with_model(self, engine: EngineConfig) -> EngineConfig | None:
         if engine.model:
             return engine
-        model = self.models.get((engine.name, engine.url)) or await self._ask_model(engine)
+        model = self.models.get((engine.name, engine.url)) or await self._ask(engine)
         if model is None:
+            self.counts["failures"] += 1
             if self._retry is None or self._retry.done():
                 self._retry = asyncio.create_task(self._apply_later(), name="kubernetes-discovery-retry")
             return None
         self.models = {k: m for k, m in self.models.items() if k[0] != engine.name}  # one per engine
         self.models[engine.name, engine.url] = model
         return msgspec.structs.replace(engine, model=model)
-
-    async def _ask_model(self, engine: EngineConfig) -> str | None:
-        """The engine's served model (its first /v1/models entry that is not an adapter); None on failure.
-
-        Bounded as the scraper is: `model_timeout_s` for all of it, at most `_MODELS_MAX_BYTES` read,
-        no redirect followed (a 3xx is a failure), no cookie kept."""
-        if self._http is None:
-            self._http = aiohttp.ClientSession(
-                timeout=aiohttp.ClientTimeout(total=self.k.model_timeout_s),
-                cookie_jar=aiohttp.DummyCookieJar(),
-            )
-        try:
-            async with self._http.get(f"{engine.url}/v1/models", allow_redirects=False) as response:
-                if response.status != 200:
-                    raise ValueError(f"answered {response.status}")
-                models = _MODELS.decode(await _read_at_most(response, _MODELS_MAX_BYTES)).data
-            return next(m.id for m in models if m.parent is None)
-        except (aiohttp.ClientError, OSError, TimeoutError, ValueError, StopIteration) as exc:
-            self.counts["failures"] += 1
-            log.warning("engine model unknown", extra={"engine": engine.name, "error": repr(exc)})
-            return None
 
     async def _apply_later(self) -> None:
         await asyncio.sleep(self.k.backoff_s)  # a backoff, not synchronisation
@@ -402,7 +386,14 @@ class ClientHolder:
 class KubeDiscovery:
     """Lists and watches the selected EndpointSlices and calls `on_change(added, removed_names)`."""
 
-    def __init__(self, discovery: Discovery, on_change: OnChange, client: ApiClient | None = None) -> None:
+    def __init__(
+        self,
+        discovery: Discovery,
+        on_change: OnChange,
+        ask_model: ModelAsker,
+        client: ApiClient | None = None,
+    ) -> None:
+        """`ask_model`: asks an engine whose model no label names (closed with the discovery)."""
         if not (discovery.kubernetes.services or discovery.kubernetes.label_selector):
             raise ValueError("discovery.kubernetes names no services and no label_selector")
         self.discovery = discovery
@@ -411,7 +402,7 @@ class KubeDiscovery:
         self.selector = label_selector(discovery)
         self.counts = new_counts()
         self._client = ClientHolder(self.k, client)
-        self.table = EngineTable(self.k, on_change, self._engines, self.counts)
+        self.table = EngineTable(self.k, on_change, self._engines, self.counts, ask_model)
         namespace = self.namespace
 
         def lister(c: ApiClient) -> Callable[..., Awaitable[Any]]:
@@ -461,14 +452,3 @@ def _version_of(raw: object) -> str:
         return msgspec.convert(raw, BookmarkObject).metadata.resource_version
     except msgspec.ValidationError:
         return ""
-
-
-async def _read_at_most(response: aiohttp.ClientResponse, limit: int) -> bytes:
-    """The whole body; ValueError (the connection closed) once it passes `limit` bytes."""
-    body = bytearray()
-    while chunk := await response.content.read(65536):
-        body += chunk
-        if len(body) > limit:
-            response.close()
-            raise ValueError(f"a body over {limit} bytes")
-    return bytes(body)

@@ -35,6 +35,7 @@ from router.links.kube_discovery import (
     ClientHolder,
     EngineTable,
     ListWatch,
+    ModelAsker,
     OnChange,
     WatchSource,
     namespace_of,
@@ -50,7 +51,14 @@ log = logging.getLogger(__name__)
 class PoolDiscovery:
     """Watches one InferencePool and its pods and calls `on_change(added, removed_names)`."""
 
-    def __init__(self, discovery: Discovery, on_change: OnChange, client: ApiClient | None = None) -> None:
+    def __init__(
+        self,
+        discovery: Discovery,
+        on_change: OnChange,
+        ask_model: ModelAsker,
+        client: ApiClient | None = None,
+    ) -> None:
+        """`ask_model`: asks an engine whose model no label names (closed with the discovery)."""
         k = discovery.kubernetes
         if not k.inference_pool:
             raise ValueError("discovery.kubernetes.inference_pool is not set")
@@ -58,7 +66,7 @@ class PoolDiscovery:
         self.namespace = namespace = namespace_of(k)
         self.counts = new_counts()
         self._client = ClientHolder(k, client)
-        self.table = EngineTable(k, on_change, self._engines, self.counts)
+        self.table = EngineTable(k, on_change, self._engines, self.counts, ask_model)
 
         def pools(c: ApiClient) -> Callable[..., Awaitable[Any]]:
             return partial(

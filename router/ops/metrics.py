@@ -271,10 +271,11 @@ class _KeyCacheCollector(Collector):
 
 
 class _DiscoveryCollector(Collector):
-    """`kvrouter_discovery_operations_total{kind}`: the Kubernetes discovery's own counts, read at scrape."""
+    """`kvrouter_discovery_operations_total{kind}`: the Kubernetes discovery's own counts, and
+    `kvrouter_discovery_model_probe_errors_total{reason}`: its failed /v1/models questions, read at scrape."""
 
-    def __init__(self, counts: Mapping[str, int]) -> None:
-        self._counts = counts
+    def __init__(self, counts: Mapping[str, int], probe_errors: Mapping[str, int]) -> None:
+        self._counts, self._probe_errors = counts, probe_errors
 
     def collect(self) -> Iterator[CounterMetricFamily]:
         yield _labelled(
@@ -283,6 +284,13 @@ class _DiscoveryCollector(Collector):
             "rejected slices (this worker)",
             dict(sorted(self._counts.items())),
             label="kind",
+        )
+        yield _labelled(
+            "kvrouter_discovery_model_probe_errors",
+            "engines' /v1/models questions that failed (discovery, engines without a model label), "
+            "by reason (this worker)",
+            self._probe_errors,
+            label="reason",
         )
 
 
@@ -736,9 +744,10 @@ class RouterMetrics:
         """Count one background fetch of a missing repo-named tokenizer (router/links/hub_retry.py)."""
         self.hub_retries.labels(outcome).inc()
 
-    def count_discovery(self, counts: Mapping[str, int]) -> None:
-        """Export the Kubernetes discovery's counters (router/links/kube_discovery.py)."""
-        self._export(_DiscoveryCollector(counts))
+    def count_discovery(self, counts: Mapping[str, int], probe_errors: Mapping[str, int]) -> None:
+        """Export the Kubernetes discovery's counters (router/links/kube_discovery.py) and its model
+        probe's failures by reason (router/edge/model_probe.py)."""
+        self._export(_DiscoveryCollector(counts, probe_errors))
 
     def count_sessions(self, sessions: SessionRule) -> None:
         """Export the session policy's pins and outcomes (router/core/policy/session_rule.py)."""

@@ -92,6 +92,7 @@ async def test_the_gateway_routes_to_discovered_pods_and_drops_a_removed_one() -
             assert 'kvrouter_discovery_operations_total{kind="lists"} 1.0' in text
             assert 'kvrouter_discovery_operations_total{kind="events"} 3.0' in text
             assert 'kvrouter_discovery_operations_total{kind="failures"} 0.0' in text
+            assert 'kvrouter_discovery_model_probe_errors_total{reason="connection"} 0.0' in text
 
 
 async def test_an_ipv6_pod_is_discovered_mirrored_and_routed_to() -> None:

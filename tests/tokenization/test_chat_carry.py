@@ -17,7 +17,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.encoder_helpers import deepseek, encoder_of
+from tests.encoder_helpers import deepseek, encoder_of, new_reuse, plain_packed
 from tokenization import HfTokenizer
 from tokenization.cached_encoder import ChatPrompt
 from tokenization.chat_carry import LONG_TAIL, ChatCarry, _shared_pieces
@@ -146,12 +146,12 @@ def test_a_new_last_turn_encodes_only_its_own_pieces(ds: HfTokenizer) -> None:
     ]
     base = [{"role": "system", "content": "You are terse."}, *long_turns]
     carried_ids(ds, [*base, {"role": "user", "content": "first question?"}])
-    hits, encoded = carry.stats.hits, encoder_of(ds).segments.reuse.stats.encoded_bytes  # type: ignore[union-attr]
+    hits, encoded = carry.stats.hits, encoder_of(ds).stats().encoded_bytes
     ids, shared = carried_ids(ds, [*base, {"role": "user", "content": "second question?"}])
     assert carry.stats.hits == hits + 1
     assert ids == plain_ids(ds, [*base, {"role": "user", "content": "second question?"}])
     assert shared > len(ids) - 16  # all but the new question and the generation prompt
-    assert encoder_of(ds).segments.reuse.stats.encoded_bytes - encoded < 64  # type: ignore[union-attr]
+    assert encoder_of(ds).stats().encoded_bytes - encoded < 64
 
 
 def test_the_same_conversation_resent_returns_the_same_ids_without_encoding(ds: HfTokenizer) -> None:
@@ -192,20 +192,18 @@ def test_special_tokens_around_the_text_are_not_carried(
 
 
 def test_the_carry_is_lru_and_bounded_in_turns_and_bytes(ds: HfTokenizer) -> None:
-    reuse = encoder_of(ds).segments.reuse
-    assert reuse is not None
+    reuse, encode = new_reuse(ds), plain_packed(ds)
     carry = ChatCarry(reuse, max_entries=3)
-    enc = encoder_of(ds).segments
     for i in range(5):
-        carry.encode_entry(f"k{i}".encode(), [f"conversation {i} "] * 3, enc.encode_segments)
+        carry.encode_entry(f"k{i}".encode(), [f"conversation {i} "] * 3, encode)
     assert len(carry) == 3 and carry.stats.misses == 5
     assert carry.bytes == sum(t.size + len(k) for k, t in carry._turns.items())
-    carry.encode_entry(b"k4", ["conversation 4 "] * 3 + ["and a next turn"], enc.encode_segments)
+    carry.encode_entry(b"k4", ["conversation 4 "] * 3 + ["and a next turn"], encode)
     assert carry.bytes == sum(t.size + len(k) for k, t in carry._turns.items())  # the old turn's bytes gone
     one = carry._turns[b"k3"].size + 2
     small = ChatCarry(reuse, max_bytes=2 * one)
     for i in range(4):
-        small.encode_entry(f"k{i}".encode(), [f"conversation {i} "] * 3, enc.encode_segments)
+        small.encode_entry(f"k{i}".encode(), [f"conversation {i} "] * 3, encode)
     assert len(small) == 2 and small.bytes <= 2 * one
     with pytest.raises(ValueError):
         ChatCarry(reuse, max_entries=-1)
@@ -214,19 +212,19 @@ def test_the_carry_is_lru_and_bounded_in_turns_and_bytes(ds: HfTokenizer) -> Non
 def test_a_long_new_tail_also_searches_older_texts(ds: HfTokenizer) -> None:
     # A conversation that branched: the carry's last turn shares only the head, an older text all but
     # the last question. Prefix reuse's search finds the older one, so only the question is encoded.
-    reuse = encoder_of(ds).segments.reuse
-    assert reuse is not None
     head = [{"role": "system", "content": "branching"}, {"role": "user", "content": "start " * 50}]
     long_a = [{"role": "assistant", "content": "path a " * 300}, {"role": "user", "content": "more a"}]
     long_b = [{"role": "assistant", "content": "path b " * 300}, {"role": "user", "content": "more b"}]
     carried_ids(ds, [*head, *long_a, {"role": "user", "content": "q1"}])
     carried_ids(ds, [*head, *long_b])  # the conversation's last turn now
-    encoded = reuse.stats.encoded_bytes
+    encoded = encoder_of(ds).stats().encoded_bytes
     msgs = [*head, *long_a, {"role": "user", "content": "q2"}]
     ids, shared = carried_ids(ds, msgs)
     assert ids == plain_ids(ds, msgs)
     assert shared < 200 < len(ids)  # carried from the branch: its head only
-    assert reuse.stats.encoded_bytes - encoded < 64  # but encoded only past the older text's prefix
+    assert (
+        encoder_of(ds).stats().encoded_bytes - encoded < 64
+    )  # but encoded only past the older text's prefix
 
 
 def test_a_carried_turn_holds_its_copied_ids_packed_only(ds: HfTokenizer) -> None:
@@ -268,7 +266,7 @@ def test_the_generation_prompt_is_encoded_once_not_with_each_new_turn(ds: HfToke
 
     def encode(text: str) -> tuple[tuple[int, ...], bytes]:
         seen.append(text)
-        return encoder_of(ds).segments.encode_segments(text)
+        return plain_packed(ds)(text)
 
     base = [{"role": "system", "content": "s"}, {"role": "user", "content": "the long question " * 30}]
     for i, tail in enumerate(["first 12", "second 13", f"spans <{BAR}Assi", "third 14"]):

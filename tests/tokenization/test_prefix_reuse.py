@@ -19,7 +19,7 @@ import tokenizers
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from tests.encoder_helpers import chat_ids, deepseek, encoder_of, text_ids
+from tests.encoder_helpers import chat_ids, deepseek, encoder_of, new_reuse, plain_packed, text_ids
 from tokenization import HfTokenizer
 from tokenization.fast_paths import pretokenizer_cuts
 from tokenization.prefix_reuse import (
@@ -86,8 +86,8 @@ def tok(request: pytest.FixtureRequest, gpt2: HfTokenizer) -> HfTokenizer:
 
 
 def test_both_tokenizers_reuse_prefixes_with_pretokenizer_cuts(tok: HfTokenizer) -> None:
-    reuse = encoder_of(tok).segments.reuse
-    assert reuse is not None and reuse.cuts.pretokenizer_rule
+    rules = encoder_of(tok).view().reuse_rules
+    assert rules is not None and rules.cuts.pretokenizer_rule
 
 
 def test_pretokenizer_rule_is_recognised_only_where_it_was_proven() -> None:
@@ -115,7 +115,7 @@ def test_a_tokenizer_without_byte_level_bpe_gets_no_reuse(tmp_path: Path) -> Non
     hf = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "x": 1}, unk_token="[UNK]"))
     hf.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
     hf.save(str(tmp_path / "tokenizer.json"))
-    assert encoder_of(HfTokenizer.from_dir(tmp_path)).segments.reuse is None
+    assert encoder_of(HfTokenizer.from_dir(tmp_path)).view().reuse_rules is None
     assert token_byte_lengths({"a": 0}, [], {"type": "Metaspace"}) is None
 
 
@@ -216,9 +216,7 @@ def test_a_text_cut_before_a_token_encodes_as_its_two_parts(
     head: list[str], before: list[str], token: str, after: list[str]
 ) -> None:
     tok = _deepseek()
-    reuse = encoder_of(tok).segments.reuse
-    assert reuse is not None
-    cuts = reuse.cuts
+    cuts = new_reuse(tok).cuts
     floor, a, b = len("".join(head).encode()), "".join(before), token + "".join(after)
     data = ("".join(head) + a + b).encode()
     n = cuts.edge_length(b.encode())
@@ -241,9 +239,7 @@ def test_spanned_equals_its_definition(parts: list[list[str]], q: int, floor: in
         added = [AddedToken(1, "<|end|>", normalized=False), AddedToken(2, "<|end|>x", normalized=False)]
         cuts = CutFinder(added, pretokenizer_rule=True)
     else:
-        reuse = encoder_of(_deepseek()).segments.reuse
-        assert reuse is not None
-        cuts = reuse.cuts
+        cuts = new_reuse(_deepseek()).cuts
     data = "".join(w for words in parts for w in words).encode()
     lo = max(floor, q - cuts._max_len + 1)
     assert cuts._spanned(data, q, floor) == any(data[s:q] in cuts._prefixes for s in range(lo, q))
@@ -312,29 +308,26 @@ def test_texts_that_differ_after_a_shared_head_stay_exact(
 
 def test_a_completions_prompt_with_a_new_suffix_encodes_only_the_suffix() -> None:
     tok = _deepseek()
-    reuse = encoder_of(tok).segments.reuse
-    assert reuse is not None
     prompt = "Summarise the following report about caches and routers. " * 50
     encoder_of(tok).encode(prompt + "request 1", True)
-    hits, encoded = reuse.stats.hits, reuse.stats.encoded_bytes
+    before = encoder_of(tok).stats()
     ids = encoder_of(tok).encode(prompt + "request 2", True).ids
+    after = encoder_of(tok).stats()
     assert ids == tuple(tok.encode(prompt + "request 2", True))
-    assert reuse.stats.hits == hits + 1
-    assert reuse.stats.encoded_bytes - encoded <= len("request 2")
-    assert reuse.stats.reused_tokens >= len(ids) - 3
+    assert after.reuse_hits == before.reuse_hits + 1
+    assert after.encoded_bytes - before.encoded_bytes <= len("request 2")
+    assert after.reused_tokens - before.reused_tokens >= len(ids) - 3
 
 
 def test_a_chat_rendered_again_with_a_new_turn_encodes_only_the_new_text() -> None:
     tok = _deepseek()
-    reuse = encoder_of(tok).segments.reuse
-    assert reuse is not None
     turns = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " * 40} for i in range(6)]
     chat_ids(encoder_of(tok), turns[:5])
-    encoded = reuse.stats.encoded_bytes
+    encoded = encoder_of(tok).stats().encoded_bytes
     ids = chat_ids(encoder_of(tok), turns)
     assert ids == tok.encode(tok.apply_chat_template(turns), add_special_tokens=False)
     new_text = len(b"turn 5 " * 40) + len(f"{USER}{ASSISTANT}".encode())
-    assert reuse.stats.encoded_bytes - encoded <= new_text + len(ASSISTANT.encode())
+    assert encoder_of(tok).stats().encoded_bytes - encoded <= new_text + len(ASSISTANT.encode())
 
 
 def test_the_cache_is_lru_and_bounded_in_entries_and_bytes() -> None:
@@ -342,10 +335,9 @@ def test_the_cache_is_lru_and_bounded_in_entries_and_bytes() -> None:
     unknown = 1 << 40  # not byte-level, or empty: no text's bytes can add up with it
     lengths = token_byte_lengths({"a": 0, "bc": 1, "Ġ": 2, "你": 3, "": 4}, [], {"type": "ByteLevel"})
     assert lengths == [1, 2, 1, unknown, unknown]
-    own = encoder_of(tok).segments.reuse
-    assert own is not None
-    reuse = PrefixReuse(CutFinder([], True), own._lengths, max_entries=2)
-    encode = encoder_of(tok).segments.encode_packed
+    ds_lengths = new_reuse(tok).byte_lengths
+    reuse = PrefixReuse(CutFinder([], True), ds_lengths, max_entries=2)
+    encode = plain_packed(tok)
     base = "abc def ghi " * 10
     for i in range(4):
         reuse.encode_packed(f"{'pqrs'[i]} {base}", encode)
@@ -353,7 +345,7 @@ def test_the_cache_is_lru_and_bounded_in_entries_and_bytes() -> None:
     reuse.encode_packed("s abc", encode)
     assert reuse.stats.hits == 1 and len(reuse) == 2  # the LRU kept the newest
     assert reuse.bytes == sum(e.size for e in reuse._entries.values())
-    tiny = PrefixReuse(CutFinder([], True), own._lengths, max_bytes=100)
+    tiny = PrefixReuse(CutFinder([], True), ds_lengths, max_bytes=100)
     tiny.encode_packed(base, encode)
     assert len(tiny) == 0 and tiny.bytes == 0  # larger than the whole bound: not stored
     with pytest.raises(ValueError):
@@ -365,7 +357,7 @@ def test_a_text_whose_byte_lengths_do_not_add_up_is_never_reused() -> None:
     wrong = [2] * 200_000  # every token claimed 2 bytes long
     reuse = PrefixReuse(CutFinder([], True), wrong)
     for text in ("hello world", "hello there"):
-        ids, _ = reuse.encode_packed(text, encoder_of(tok).segments.encode_packed)
+        ids, _ = reuse.encode_packed(text, plain_packed(tok))
         assert ids == tuple(tok.encode(text, False))
     # The first text was kept, found wrong when the second tried to reuse it, and dropped.
     assert reuse.stats.unverified == 1 and reuse.stats.hits == 0 and len(reuse) == 1
@@ -373,17 +365,13 @@ def test_a_text_whose_byte_lengths_do_not_add_up_is_never_reused() -> None:
 
 def test_a_text_reused_to_near_its_end_is_replaced_by_the_new_one() -> None:
     tok = _deepseek()
-    own = encoder_of(tok).segments.reuse
-    assert own is not None
-    reuse = PrefixReuse(CutFinder([], True), own._lengths)
+    reuse = PrefixReuse(CutFinder([], True), new_reuse(tok).byte_lengths)
     prompt = "A shared instruction for every request. " * 40
     for i in range(6):  # the same prompt with a new suffix: one entry, not six
-        ids, _ = reuse.encode_packed(f"{prompt}request {i}", encoder_of(tok).segments.encode_packed)
+        ids, _ = reuse.encode_packed(f"{prompt}request {i}", plain_packed(tok))
         assert ids == tuple(tok.encode(f"{prompt}request {i}", False))
     assert len(reuse) == 1 and reuse.stats.hits == 5
-    reuse.encode_packed(
-        "A shared instruction, then something else entirely", encoder_of(tok).segments.encode_packed
-    )
+    reuse.encode_packed("A shared instruction, then something else entirely", plain_packed(tok))
     assert len(reuse) == 2  # reused far from its end: both kept
 
 

@@ -72,8 +72,8 @@ def test_split_identity_holds_for_every_kind_of_added_token(
 
 
 def test_deepseek_segmenter_is_enabled_and_splits_at_role_markers(ds_enc: CachedEncoder) -> None:
-    assert ds_enc.segments.segmenter.enabled
-    assert ds_enc.segments.segmenter.split(f"a{USER}b{ASSISTANT}") == ["a", 128803, "b", 128804]
+    assert ds_enc.view().splits
+    assert ds_enc.view().split(f"a{USER}b{ASSISTANT}") == ["a", 128803, "b", 128804]
 
 
 def test_split_is_leftmost_longest() -> None:
@@ -149,26 +149,52 @@ def test_cache_bounds_the_token_ids_it_holds_not_only_its_entries() -> None:
         SegmentCache(max_tokens=-1)
 
 
-def test_multi_turn_reencodes_only_new_turns(ds: HfTokenizer, ds_enc: CachedEncoder) -> None:
-    ds_enc.cache.clear()
+def test_multi_turn_reencodes_only_new_turns(ds: HfTokenizer) -> None:
+    enc = cached_encoder(ds)  # its caches empty
     turns = [{"role": "user", "content": f"question {i} " * 50} for i in range(4)]
-    chat_ids(ds_enc, turns[:3])
-    assert ds_enc.segments.reuse is not None
-    misses, encoded = ds_enc.cache.misses, ds_enc.segments.reuse.stats.encoded_bytes
-    ids = chat_ids(ds_enc, turns)
+    chat_ids(enc, turns[:3])
+    misses, encoded = enc.view().piece_misses, enc.stats().encoded_bytes
+    ids = chat_ids(enc, turns)
     # Only the fourth turn's text is new: the prefix reuse cuts a few bytes before it (after the word
     # "question" of turn 3's last words), and the segment cache misses on those two pieces only.
-    assert ds_enc.cache.misses - misses <= 2
+    assert enc.view().piece_misses - misses <= 2
     new = len(f"{USER}{turns[3]['content']}{ASSISTANT}".encode())
-    assert ds_enc.segments.reuse.stats.encoded_bytes - encoded <= new + len(" 2 ")
+    assert enc.stats().encoded_bytes - encoded <= new + len(" 2 ")
     assert ids == ds.encode(ds.apply_chat_template(turns), add_special_tokens=False)
 
 
 def test_a_tiny_cache_still_gives_exact_ids(ds: HfTokenizer) -> None:
-    small = ds.cached_encoder()
-    small.segments.cache = SegmentCache(max_entries=1)
+    small = ds.cached_encoder(SegmentCache(max_entries=1))
     text = f"a{USER}b{USER}a{ASSISTANT}c"
     assert text_ids(small, text, False) == ds.encode(text, False)
+
+
+def test_an_encoders_caches_are_seen_through_its_view_only(ds: HfTokenizer) -> None:
+    """The contract shows encodes, counters and a read-only view (`CacheView`), not the caches: no
+    `segments` or `cache` field to read or rebind, and the view changes nothing."""
+    enc = ds.cached_encoder()
+    assert not hasattr(enc, "segments") and not hasattr(enc, "cache")
+    view = enc.view()
+    assert (view.pieces, view.piece_hits, view.piece_misses, view.reuse_texts) == (0, 0, 0, 0)
+    text = f"{'a long question ' * 20}{USER}an answer{ASSISTANT}"  # long: through the segment cache
+    enc.encode(text, False)
+    enc.encode(text + " more", False)
+    assert view.pieces > 0 and view.piece_tokens > 0 and view.piece_misses >= view.pieces
+    assert view.reuse_texts == 1 and enc.stats().reuse_hits == 1  # the second text extended the first
+    with pytest.raises(AttributeError):
+        view.pieces = 0  # type: ignore[misc]
+
+
+def test_dropping_prefix_reuse_drops_the_chat_carry_and_stays_exact(ds: HfTokenizer) -> None:
+    """`drop_prefix_reuse` (benchmarks' previous behaviour): no reuse and no chat carry, which extends
+    through it; the ids stay a plain encode's."""
+    enc = ds.cached_encoder()
+    enc.drop_prefix_reuse()
+    assert enc.view().reuse_texts is None and enc.chat_carry() is None
+    turns = [{"role": "user", "content": "question " * 30}]
+    assert chat_ids(enc, turns) == ds.encode(ds.apply_chat_template(turns), add_special_tokens=False)
+    assert text_ids(enc, "question " * 30 + "again", False) == ds.encode("question " * 30 + "again", False)
+    assert enc.stats().reuse_hits == enc.stats().carry_hits == 0
 
 
 TEXT = st.text(alphabet=st.characters(codec="utf-8", exclude_categories=["Cs"]), max_size=40)

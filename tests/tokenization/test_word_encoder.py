@@ -21,6 +21,7 @@ from tests.encoder_helpers import deepseek, encoder_of
 from tokenization import HfTokenizer
 from tokenization.fast_paths import DEEPSEEK_WORDS as WORDS
 from tokenization.hf_files import package_dir
+from tokenization.loading import cached_encoder
 from tokenization.word_encoder import WordEncoder, byte_level
 
 DATA = Path(__file__).parents[1] / "data"
@@ -92,10 +93,10 @@ def test_tokenizer_paths_stay_exact(texts: list[str]) -> None:
     """The segment cache and prefix reuse, which take ASCII pieces' ids from the word encoder, give
     the library's ids on text with added tokens and non-ASCII characters."""
     tok = _deepseek()
-    assert encoder_of(tok).segments.encode_short is not None, "DeepSeek's: ASCII pieces word by word"
+    assert encoder_of(tok).view().words is not None, "DeepSeek's: ASCII pieces word by word"
     for text in texts:
         plain = tok.encode(text, add_special_tokens=False)
-        assert encoder_of(tok).segments.encode_segments(text)[0] == tuple(plain)
+        assert cached_encoder(tok).encode(text, False).ids == tuple(plain)  # nothing to reuse: all segmented
         assert list(encoder_of(tok).encode(text, add_special_tokens=False).ids) == plain
         assert encoder_of(tok).encode(text + " 12", add_special_tokens=True).ids == tuple(
             tok.encode(text + " 12")
@@ -114,7 +115,7 @@ def test_other_pre_tokenizers_get_no_word_encoder(tmp_path: Path) -> None:
     }
     (tmp_path / "tokenizer.json").write_text(json.dumps(spec), encoding="utf-8")
     tok = HfTokenizer.from_files(tmp_path / "tokenizer.json")
-    assert encoder_of(tok).segments.encode_short is None
+    assert encoder_of(tok).view().words is None
     text = "x = f(a, b)  12345\n"
     assert list(encoder_of(tok).encode(text, add_special_tokens=False).ids) == tok.encode(
         text, add_special_tokens=False
@@ -126,12 +127,11 @@ def test_a_short_tail_skips_the_segment_cache() -> None:
     (a new tail is mostly never seen again); a long one, or one with a non-ASCII piece, goes through
     the cache."""
     tok = _deepseek()
-    seg = encoder_of(tok).segments
     cases = ((" 1234: why?", False), (f" 5: why?{USER}", False), (f"é{USER}", True), ("why " * 100, True))
     for text, cached in cases:
-        seg.cache.clear()
-        assert seg.encode_segments(text)[0] == tuple(tok.encode(text, add_special_tokens=False))
-        assert bool(len(seg.cache)) is cached
+        enc = cached_encoder(tok)  # its caches empty: nothing to reuse, the whole text segmented
+        assert enc.encode(text, False).ids == tuple(tok.encode(text, add_special_tokens=False))
+        assert bool(enc.view().pieces) is cached
 
 
 def test_a_new_encoders_long_pieces_go_word_by_word_too() -> None:
@@ -140,10 +140,7 @@ def test_a_new_encoders_long_pieces_go_word_by_word_too() -> None:
     encoder is falsy (it has a length), which once sent every piece to the library (1.85x the
     instructions on a growing chat)."""
     enc = deepseek().cached_encoder()
-    short = enc.segments.encode_short
-    assert short is not None
-    words = short.__self__  # type: ignore[attr-defined]  # the encoder's WordEncoder
-    assert isinstance(words, WordEncoder) and len(words) == 0
+    assert enc.view().words == 0
     text = "a long answer about the blocks, " * 20 + f"{USER}and then?"
-    assert enc.segments.encode_segments(text)[0] == tuple(deepseek().encode(text, add_special_tokens=False))
-    assert len(words) > 0  # its pieces' words were looked up and kept
+    assert enc.encode(text, False).ids == tuple(deepseek().encode(text, add_special_tokens=False))
+    assert enc.view().words  # its pieces' words were looked up and kept

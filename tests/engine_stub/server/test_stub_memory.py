@@ -50,7 +50,7 @@ async def test_a_prompt_churn_leaves_bounded_caches_and_no_request_behind() -> N
     config = msgspec.structs.replace(stub_config(), replay_buffer_bytes=BUFFER_BYTES)
     async with running_stub(config, BuiltinTokenizer()) as server:
         assert server.info is not None
-        server.stub.encoder.segments.cache = SegmentCache(max_tokens=MAX_TOKENS)
+        server.stub.encoder = BuiltinTokenizer().cached_encoder(SegmentCache(max_tokens=MAX_TOKENS))
         async with httpx.AsyncClient(base_url=server.info.url, timeout=30.0) as client:
             await churn(client, 150)
             metrics = (await client.get("/metrics")).text
@@ -58,8 +58,8 @@ async def test_a_prompt_churn_leaves_bounded_caches_and_no_request_behind() -> N
         for engine in stub.engines:
             assert engine.open_requests == 0 and engine.scheduler.requests == {}
             assert engine.load == (0, 0)
-        cache = stub.encoder.cache
-        assert 0 < cache.tokens <= MAX_TOKENS and len(cache) < 150
+        cache = stub.encoder.view()
+        assert 0 < cache.piece_tokens <= MAX_TOKENS and cache.pieces < 150
         for publisher in stub.publishers:
             assert publisher.stats.batches > len(publisher.buffered_seqs) > 0
             assert publisher.buffer_bytes <= BUFFER_BYTES
@@ -69,4 +69,4 @@ async def test_a_prompt_churn_leaves_bounded_caches_and_no_request_behind() -> N
 def test_the_defaults_bound_the_stub_in_bytes() -> None:
     config = stub_config()
     assert 0 < config.replay_buffer_bytes <= 64 << 20
-    assert 0 < BuiltinTokenizer().cached_encoder().cache.max_tokens <= 1 << 20
+    assert 0 < BuiltinTokenizer().cached_encoder().view().max_piece_tokens <= 1 << 20

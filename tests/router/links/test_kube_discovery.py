@@ -14,6 +14,7 @@ import pytest
 from aiohttp import web
 from kubernetes_asyncio.client import ApiClient
 
+from router.edge.model_probe import ModelProbe
 from router.links.kube_discovery import KubeDiscovery, api_client, namespace_of
 from router.settings.config import Discovery, EngineConfig, KubernetesDiscovery
 from tests.gateway_helpers import fake_engine, wait_for
@@ -31,11 +32,16 @@ def settings(url: str) -> Discovery:
 
 @asynccontextmanager
 async def discovering(
-    discovery: Discovery, client: ApiClient | None = None, fleet: Fleet | None = None
+    discovery: Discovery,
+    client: ApiClient | None = None,
+    fleet: Fleet | None = None,
+    probe: ModelProbe | None = None,
 ) -> AsyncIterator[tuple[KubeDiscovery, Fleet]]:
-    """A started `KubeDiscovery` feeding `fleet` (a new one by default), closed on the way out."""
+    """A started `KubeDiscovery` feeding `fleet` (a new one by default), asking engines their models
+    with `probe` (by default the gateway's, on its own HTTP client), closed on the way out."""
     fleet = fleet or Fleet()
-    disco = KubeDiscovery(discovery, fleet.on_change, client)
+    probe = probe or ModelProbe(discovery.kubernetes.model_timeout_s)
+    disco = KubeDiscovery(discovery, fleet.on_change, probe, client)
     disco.start()
     try:
         yield disco, fleet
@@ -156,7 +162,7 @@ async def test_an_unreachable_api_is_retried_with_backoff_and_the_engines_are_ke
     async with running_kube_api() as (api, url):
         await api.put(qwen(endpoint("10.0.0.1", "a")))
         fleet = Fleet()
-        disco = KubeDiscovery(settings(url), fleet.on_change)
+        disco = KubeDiscovery(settings(url), fleet.on_change, ModelProbe(1.0))
         disco.start()
         await wait_for(lambda: _has(fleet, "qwen/a"))
     # The server is gone: the loop counts failures, keeps what it knew, and keeps trying.
@@ -256,17 +262,25 @@ async def test_a_model_answer_that_redirects_or_is_huge_is_a_failure_and_the_oth
     async def huge(request: web.Request) -> web.Response:
         return web.Response(body=b'{"data": [' + b" " * (2 << 20) + b"]}", content_type="application/json")
 
-    async with fake_engine(elsewhere) as other, watching() as (api, disco, fleet):
+    probe = ModelProbe(5.0)
+    async with (
+        fake_engine(elsewhere) as other,
+        running_kube_api() as (api, url),
+        discovering(settings(url), probe=probe) as (disco, fleet),
+    ):
 
         async def redirect(request: web.Request) -> web.Response:
             raise web.HTTPFound(f"{other}/v1/models")
 
         async with fake_engine(redirect) as r, fake_engine(huge) as h, fake_engine(good) as g:
-            for pod, url in (("r", r), ("h", h), ("g", g)):
-                port = int(url.rpartition(":")[2])
+            for pod, engine_url in (("r", r), ("h", h), ("g", g)):
+                port = int(engine_url.rpartition(":")[2])
                 await api.put(endpoint_slice(pod, "qwen", [endpoint("127.0.0.1", pod)], ports={"http": port}))
             await wait_for(lambda: _true(_has_sync(fleet, "qwen/g") and disco.counts["failures"] >= 4))
             assert list(fleet.engines) == ["qwen/g"] and fleet.engines["qwen/g"].model == "llama-3"
+            # Each failure counted by its reason too (`kvrouter_discovery_model_probe_errors_total`).
+            assert probe.errors["redirect"] >= 1 and probe.errors["too_large"] >= 1
+            assert disco.counts["failures"] == sum(probe.errors.values())
     assert asked == []  # the redirect was not followed
 
 

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from typing import Any
 
+from router.edge.model_probe import ModelProbe
 from router.links.pool_discovery import PoolDiscovery
 from router.settings.config import Discovery, KubernetesDiscovery
 from tests.gateway_helpers import wait_for
@@ -25,7 +26,7 @@ def settings(url: str) -> Discovery:
 async def watching() -> AsyncIterator[tuple[FakeKubeApi, PoolDiscovery, Fleet]]:
     async with running_kube_api() as (api, url):
         fleet = Fleet()
-        disco = PoolDiscovery(settings(url), fleet.on_change)
+        disco = PoolDiscovery(settings(url), fleet.on_change, ModelProbe(1.0))
         disco.start()
         try:
             yield api, disco, fleet
@@ -48,7 +49,7 @@ async def test_the_pools_ready_pods_x_its_ports_are_engines_as_pods_come_and_go(
         await api.put(inference_pool("other", {"app": "other"}, [8000]))  # not ours
         await api.put(pod("vllm-0", "10.0.0.1", APP))
         fleet = Fleet()
-        disco = PoolDiscovery(settings(url), fleet.on_change)
+        disco = PoolDiscovery(settings(url), fleet.on_change, ModelProbe(1.0))
         disco.start()
         try:
             await wait_for(lambda: holds(list(fleet.engines) == ["qwen/vllm-0"]))

@@ -160,13 +160,13 @@ def test_the_next_turn_of_a_chat_reuses_the_segment_cache() -> None:
     m = models()
     first = m.prepare(body(CHAT), Endpoint.CHAT)
     tok = m.tokenizer(m.variant(EngineConfig(name="x", url="http://x", model="m")))
-    misses = tok.cache.misses
+    misses = tok.view().piece_misses
     messages = CHAT["messages"]
     assert isinstance(messages, list)
     turn = [*messages, {"role": "assistant", "content": "ok"}, {"role": "user", "content": "more"}]
     second = m.prepare(body(CHAT, messages=turn), Endpoint.CHAT)
     assert second.keys[: len(first.keys) - 1] == first.keys[:-1]
-    assert tok.cache.hits > 0 and tok.cache.misses - misses <= 3  # only the new turns' pieces
+    assert tok.view().piece_hits > 0 and tok.view().piece_misses - misses <= 3  # only the new turns' pieces
 
 
 def test_hf_tokenizer_from_a_path_matches_request_tokens() -> None:

@@ -15,7 +15,7 @@ import pytest
 from router.core.keys.block_key import KeyHasher
 from router.prepare.served_models import Models, UnknownModel
 from router.settings.config import ModelConfig, RouterConfig
-from tests.encoder_helpers import share_loaded_tokenizers
+from tests.encoder_helpers import new_reuse, plain_packed, share_loaded_tokenizers
 from tests.tokenization.test_chat_carry import DATA
 from tokenization import CachedEncoder, HfTokenizer
 from tokenization.hf_files import package_dir
@@ -62,10 +62,9 @@ def _held(models: Models) -> tuple[int, ...]:
     """How many entries each cache holds: chat decoder, chat carry, prefix reuse, segments, keys."""
     tok = _tokenizer(models)
     carry = tok.chat_carry()
-    assert carry is not None and tok.segments.reuse is not None
-    return (
-        len(models._chat), len(carry), len(tok.segments.reuse), len(tok.cache), len(models.key_cache),
-    )  # fmt: skip
+    view = tok.view()
+    assert carry is not None and view.reuse_texts is not None
+    return len(models._chat), len(carry), view.reuse_texts, view.pieces, len(models.key_cache)
 
 
 def test_a_chat_keeps_its_turn_and_the_next_turn_reuses_it() -> None:
@@ -89,13 +88,12 @@ def test_a_chat_keeps_its_turn_and_the_next_turn_reuses_it() -> None:
 
 def test_a_completion_is_reused_by_the_next_prompt() -> None:
     models = _models()
-    reuse = _tokenizer(models).segments.reuse
-    assert reuse is not None
+    tok = _tokenizer(models)
     first = models.prepare(completion(PROMPT), Endpoint.COMPLETIONS)
-    assert len(reuse) == 1
-    reused = reuse.stats.reused_tokens
+    assert tok.view().reuse_texts == 1
+    reused = tok.stats().reused_tokens
     second = models.prepare(completion(PROMPT + " A new suffix."), Endpoint.COMPLETIONS)
-    assert reuse.stats.reused_tokens > reused  # the first prompt's ids copied
+    assert tok.stats().reused_tokens > reused  # the first prompt's ids copied
     assert second.keys[: len(first.keys) - 1] == first.keys[: len(first.keys) - 1]
     assert second.keys == _models().prepare(completion(PROMPT + " A new suffix."), Endpoint.COMPLETIONS).keys
 
@@ -113,13 +111,12 @@ def test_a_preparation_that_fails_keeps_what_it_made() -> None:
 
 
 def test_an_extended_texts_token_ends_equal_those_made_whole() -> None:
-    tok = _tokenizer(_models())
-    reuse = tok.segments.reuse
-    assert reuse is not None
-    first = reuse.encode_entry(PROMPT, tok.segments.encode_segments, PROMPT.encode())
+    tok = _tokenizer(_models()).tokenizer
+    reuse, encode = new_reuse(tok), plain_packed(tok)
+    first = reuse.encode_entry(PROMPT, encode, PROMPT.encode())
     assert len(reuse) == 1
     text = PROMPT + " A new suffix."
-    entry = reuse.encode_entry(text, tok.segments.encode_segments, text.encode())
+    entry = reuse.encode_entry(text, encode, text.encode())
     assert entry.copied > 0 and first.ends is not None  # extended from the first text
     whole = reuse.ends(ReuseEntry(entry.data, entry.ids, entry.packed, None))
     assert entry.ends is not None and whole is not None and entry.ends.flat() == whole.flat()
