@@ -111,7 +111,7 @@ _IDS_TYPE = tuple[int, ...]
 def _only_ids(items: list[str | int | list[int]]) -> tuple[int, ...] | None:
     """``items`` as a tuple when every item is an id (the decode typed each as an id, a text or an id
     list), else None. One C pass: an agent's prompt of ids is thousands long, and a Python loop over it
-    was most of its preparation (bench/agent_prepare_bench.py)."""
+    was about half of its preparation (bench/agent_prepare_bench.py)."""
     try:
         return msgspec.convert(items, _IDS_TYPE)
     except msgspec.ValidationError:
