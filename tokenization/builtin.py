@@ -15,6 +15,8 @@ from typing import Final
 from tokenization.base import SpecialTokens
 from tokenization.cached_encoder import CachedEncoder
 from tokenization.chat_template import ChatTemplate, TemplateSet
+from tokenization.prefix_reuse import PrefixReuse
+from tokenization.safe_cuts import CutFinder
 from tokenization.segment_cache import AddedToken, SegmentCache, SegmentedEncoder, Segmenter
 from tokenization.templated import TemplatedTokenizer
 
@@ -68,12 +70,17 @@ class BuiltinTokenizer(TemplatedTokenizer):
         self.templates = TemplateSet(default=ChatTemplate(BUILTIN_CHAT_TEMPLATE))
 
     def cached_encoder(self, cache: SegmentCache | None = None) -> CachedEncoder:
-        """A new cached encoder over this tokenizer, with a segment cache only: ``cache`` (None: a new
-        one, with the default bounds)."""
+        """A new cached encoder over this tokenizer: the segment cache ``cache`` (None: a new one, with
+        the default bounds), and prefix reuse cutting after special tokens (so the chat carry too).
+        Exact: a special token is matched where it occurs and every other byte is its own id, so
+        ``encode(a + b) == encode(a) + encode(b)`` when ``a`` ends in a special token (no special token
+        is inside another), and each id's byte length is known."""
         tokens = [AddedToken(id=i, content=s, normalized=False) for i, s in enumerate(SPECIAL_TOKENS)]
         segmenter = Segmenter(tokens, identity_normalizer=True)
+        lengths = [len(s.encode("utf-8")) for s in SPECIAL_TOKENS] + [1] * 256
+        reuse = PrefixReuse(CutFinder(tokens, pretokenizer_rule=False), lengths)
         segments = SegmentedEncoder(
-            segmenter, self._encode_pieces, SegmentCache() if cache is None else cache
+            segmenter, self._encode_pieces, SegmentCache() if cache is None else cache, reuse
         )
         return CachedEncoder(self, segments, ([BOS_ID], []))
 

@@ -57,7 +57,8 @@ def test_completion_prompt_forms(builtin: BuiltinTokenizer) -> None:
     assert prompts([[5, 6], [7]]) == ((5, 6), (7,))
     two = prompts(["a", "b"])
     assert two == (tuple(builtin.encode("a")), tuple(builtin.encode("b")))
-    for bad in ([], ["a", 1], [[1], 2]):
+    # A list that starts with an id but holds a text or an id list is refused, as one of texts is.
+    for bad in ([], ["a", 1], [[1], 2], [1, "a"], [1, [2]], [1, 2, "a"]):
         with pytest.raises(RequestError, match="prompt"):
             prompts(bad)
 

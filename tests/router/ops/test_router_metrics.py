@@ -148,9 +148,12 @@ def test_tokenizer_reuse_counters_are_read_at_scrape_time() -> None:
     s = samples(m)  # two tokenizers reported: the sum
     assert s[("kvrouter_chat_skeleton_renders_total", (("result", "miss"),))] == 2
     assert s[("kvrouter_chat_skeleton_renders_total", (("result", "hit"),))] == 2
-    assert s[("kvrouter_prefix_reuse_texts_total", (("result", "hit"),))] == 0  # builtin: no prefix reuse
+    # The second chat reuses the first's ids up to its special tokens (once per tokenizer reported).
+    assert s[("kvrouter_prefix_reuse_texts_total", (("result", "hit"),))] == 2
     assert ("kvrouter_prefix_reuse_held_bytes", ()) in s
-    assert s[("kvrouter_chat_carry_turns_total", (("result", "hit"),))] == 0  # builtin: no chat carry
+    # Another first message: another conversation, so nothing is carried.
+    assert s[("kvrouter_chat_carry_turns_total", (("result", "hit"),))] == 0
+    assert s[("kvrouter_chat_carry_turns_total", (("result", "miss"),))] == 4
     assert ("kvrouter_chat_carry_held_bytes", ()) in s
 
 
