@@ -84,6 +84,15 @@ MALFORMED = [
     ("/v1/responses", {"model": MODEL, "input": [{"type": "web_search_call", "id": "w"}]}),
     ("/v1/responses", {"model": MODEL, "input": "x", "tools": [{"type": "function"}]}),
     ("/v1/responses", {"model": MODEL, "input": "x", "tool_choice": "required"}),
+    *[
+        ("/v1/messages", {"model": MODEL, "max_tokens": 4096, "messages": [], **fields})
+        for fields in (
+            {"thinking": {"type": "enabled", "budget_tokens": 4096}},
+            {"thinking": {"type": "on"}},
+            {"output_config": {"effort": "minimal"}},
+        )
+    ],
+    ("/v1/responses", {"model": MODEL, "input": "x", "reasoning": {"effort": "auto"}}),
 ]
 
 
