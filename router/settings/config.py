@@ -527,4 +527,32 @@ def _general_problems(config: RouterConfig) -> list[str]:
         problems.append("$.discovery.kubernetes: use either dns_name or the Kubernetes API, not both")
     if kube.backoff_max_s < kube.backoff_s:
         problems.append("$.discovery.kubernetes.backoff_max_s: must be at least backoff_s")
+    problems.extend(_session_problems(config.policy))
     return problems
+
+
+_SESSION_ONLY = (
+    "session_mode",
+    "session_margin_s",
+    "session_capacity",
+    "session_ttl_s",
+    "session_agent_headers",
+    "session_body",
+)
+"""The policy keys only `policy.name = "session"` reads (`session_header` also names the header
+recordings keep)."""
+
+
+def _session_problems(policy: PolicyConfig) -> list[str]:
+    """A session key changed under another policy would do nothing: refused, naming the fix. `kv` (the
+    default) pins no session; it sends a session's step where its prefix is cached, weighed against
+    the load, and `session` is `kv` plus the pins (docs/routing.md "Sessions for agents")."""
+    if policy.name == "session":
+        return []
+    default = PolicyConfig()
+    return [
+        f'$.policy.{key}: applies only with policy.name = "session" (policy.name is {policy.name!r}, '
+        "which pins no session)"
+        for key in _SESSION_ONLY
+        if getattr(policy, key) != getattr(default, key)
+    ]
