@@ -18,6 +18,7 @@ from engine_stub.runtime.cost_model import CostModel
 from engine_stub.runtime.faults import FaultConfig
 from events.config import KVEventsConfig, for_rank
 from tokenization.hub_names import hub_repo
+from tokenization.reasoning_effort import DisabledThinkingEffort, ReasoningEffort
 
 __all__ = ["StubConfig", "TokenizerChoice", "load_config"]
 
@@ -37,6 +38,10 @@ class TokenizerChoice(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     chat_template: str | None = None
     revision: str | None = None
     """With a repo id `path`: the branch, tag or commit to read (the router's `tokenizer_revision`)."""
+    reasoning_effort_map: dict[ReasoningEffort, str] = {}
+    """vLLM's `--reasoning-effort-map` (the router model's key of that name)."""
+    anthropic_disabled_thinking_effort: DisabledThinkingEffort = "auto"
+    """vLLM's `--anthropic-disabled-thinking-effort` (the router model's key of that name)."""
 
     def validate(self) -> None:
         """ValueError for a revision without a repo id to pin (as the router refuses it)."""

@@ -15,11 +15,16 @@ the prompt ids come from the same chat path (tokenization.request_tokens) and eq
   assistant's ``tool_result`` -> a ``"Tool result: ..."`` text part; ``image`` -> an image part
   (rejected downstream as multimodal); ``redacted_thinking`` and ``tool_reference`` are skipped;
 - tools -> function tools (``input_schema`` the parameters, ``"type": "object"`` added when absent),
-  after applying the system messages' ``tool_addition``/``tool_removal`` blocks.
+  after applying the system messages' ``tool_addition``/``tool_removal`` blocks;
+- ``output_config.effort`` -> the chat's ``reasoning_effort``; then ``thinking`` ``disabled`` -> the
+  engine's disabled-thinking effort over it (tokenization.reasoning_effort); ``enabled`` sets only a
+  thinking budget and ``adaptive`` nothing: neither enters the prompt.
 
 Malformed bodies raise RequestError (HTTP 400, as vLLM's validation answers): an unknown block type, a
 wrong role, a tool without ``name`` or ``input_schema``, a missing ``model``/``max_tokens``, a tool
-change outside a system message, a ``tool_choice`` of type ``tool`` without a name.
+change outside a system message, a ``tool_choice`` of type ``tool`` without a name, a ``thinking`` of
+an unknown type, with ``budget_tokens`` under 1024 or not under ``max_tokens``, an ``output_config``
+effort outside vLLM's ``AnthropicEffort``.
 """
 
 from __future__ import annotations
@@ -44,6 +49,7 @@ from tokenization.openai_request import (
     VllmXargs,
     decode_body,
 )
+from tokenization.reasoning_effort import AnthropicEffort, ReasoningEffort
 
 __all__ = [
     "MessagesBlock",
@@ -51,6 +57,7 @@ __all__ = [
     "MessagesRequest",
     "MessagesTool",
     "decode_messages",
+    "disables_thinking",
     "merges_inline_system",
     "messages_chat",
 ]
@@ -123,6 +130,41 @@ class MessagesToolChoice(msgspec.Struct):
     disable_parallel_tool_use: bool | None = None
 
 
+Display = Literal["summarized", "omitted", "updates"]
+"""``thinking.display`` (accepted and ignored, as vLLM ignores it)."""
+
+
+class ThinkingEnabled(msgspec.Struct, tag_field="type", tag="enabled"):
+    """Extended thinking with a budget: a sampling limit, not part of the prompt."""
+
+    budget_tokens: Annotated[int, msgspec.Meta(ge=1024)]
+    display: Display | None = None
+
+
+class ThinkingDisabled(msgspec.Struct, tag_field="type", tag="disabled"):
+    """Thinking off: rendered with the engine's disabled-thinking effort."""
+
+
+class ThinkingAdaptive(msgspec.Struct, tag_field="type", tag="adaptive"):
+    """The model chooses the depth: nothing rendered."""
+
+    display: Display | None = None
+
+
+class OutputFormat(msgspec.Struct):
+    """``output_config.format`` (a response format; checked as vLLM checks it, not rendered)."""
+
+    type: Literal["json_schema"] = "json_schema"
+    schema: dict[str, Any] | None = None
+
+
+class OutputConfig(msgspec.Struct):
+    """``output_config``: its ``effort`` becomes the chat's ``reasoning_effort``."""
+
+    effort: AnthropicEffort | None = None
+    format: OutputFormat | None = None
+
+
 class MessagesRequest(msgspec.Struct):
     """``/v1/messages``: the fields vLLM 0.33.0 reads that shape the prompt or routing."""
 
@@ -137,6 +179,10 @@ class MessagesRequest(msgspec.Struct):
     cache_salt: Annotated[str, msgspec.Meta(min_length=1, max_length=1024)] | None = None
     vllm_xargs: VllmXargs | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    thinking: ThinkingEnabled | ThinkingDisabled | ThinkingAdaptive | None = None
+    output_config: OutputConfig | None = None
+    kv_transfer_params: dict[str, Any] | None = None
+    """Read only as vLLM reads it here: a P/D prefill leg (``do_remote_decode``) skips the budget check."""
     # The ids a session key may come from (router.core.policy.session_key), typed as loosely as JSON:
     # only the session key reads them, and checks them there (a wrong type names no session, no 400).
     prompt_cache_key: Any = None
@@ -162,7 +208,24 @@ def decode_messages(body: bytes) -> MessagesRequest:
         raise RequestError(
             "invalid messages request: tool_choice.name is required when type is 'tool'", "tool_choice"
         )
+    _check_budget(req)
     return req
+
+
+def _check_budget(req: MessagesRequest) -> None:
+    """vLLM's ``validate_thinking_budget``: the budget under ``max_tokens``, but for a P/D prefill leg
+    (sent with ``max_tokens`` 1; its decode leg carries the client's and is checked)."""
+    if req.kv_transfer_params and req.kv_transfer_params.get("do_remote_decode"):
+        return
+    if isinstance(req.thinking, ThinkingEnabled) and req.thinking.budget_tokens >= req.max_tokens:
+        raise RequestError(
+            "invalid messages request: thinking.budget_tokens must be less than max_tokens", "thinking"
+        )
+
+
+def disables_thinking(req: MessagesRequest) -> bool:
+    """Whether `req` renders with the engine's disabled-thinking effort (``thinking`` ``disabled``)."""
+    return isinstance(req.thinking, ThinkingDisabled)
 
 
 def _check_block(block: MessagesBlock, role: str, where: str) -> None:
@@ -205,9 +268,12 @@ def merges_inline_system(template_source: str | None) -> bool:
     return False
 
 
-def messages_chat(req: MessagesRequest, merge_inline_system: bool) -> ChatRequest:
-    """The chat request vLLM renders for `req` (the module docstring); RequestError on a tool change
-    naming an undeclared tool."""
+def messages_chat(
+    req: MessagesRequest, merge_inline_system: bool, disabled_effort: ReasoningEffort = "none"
+) -> ChatRequest:
+    """The chat request vLLM renders for `req` (the module docstring); `disabled_effort`: the effort a
+    disabled thinking renders with (the engine's option, or its probe: `disables_thinking` says when it
+    is read). RequestError on a tool change naming an undeclared tool."""
     out: list[ChatMessage] = []
     system = _system_parts(req.system)
     if merge_inline_system:
@@ -233,7 +299,15 @@ def messages_chat(req: MessagesRequest, merge_inline_system: bool) -> ChatReques
         cache_salt=req.cache_salt,
         vllm_xargs=req.vllm_xargs,
         chat_template_kwargs=req.chat_template_kwargs,
+        reasoning_effort=_effort(req, disabled_effort),
     )
+
+
+def _effort(req: MessagesRequest, disabled_effort: ReasoningEffort) -> ReasoningEffort | None:
+    """vLLM's ``_handle_output_config`` then ``_handle_thinking``: a disabled thinking's effort wins."""
+    if isinstance(req.thinking, ThinkingDisabled):
+        return disabled_effort
+    return req.output_config.effort if req.output_config is not None else None
 
 
 def _system_parts(system: str | list[MessagesBlock] | None) -> list[str]:

@@ -13,6 +13,8 @@ from typing import Annotated, Any, Final, Literal, TypeVar
 
 import msgspec
 
+from tokenization.reasoning_effort import ReasoningEffort
+
 __all__ = [
     "ChatMessage",
     "ChatRequest",
@@ -162,8 +164,8 @@ class ChatRequest(msgspec.Struct):
     add_special_tokens: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     documents: list[dict[str, str]] | None = None
-    reasoning_effort: str | None = None
-    """Rendered as vLLM 0.33.0's `build_chat_params` does (tokenization.request_tokens): the template's
+    reasoning_effort: ReasoningEffort | None = None
+    """Rendered as vLLM 0.33.0's `build_chat_params` does (tokenization.reasoning_effort): the template's
     `reasoning_effort`, and `enable_thinking` unless `chat_template_kwargs` sets it."""
     stream: bool = False
     max_tokens: int | None = None

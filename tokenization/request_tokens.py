@@ -12,13 +12,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from enum import StrEnum
-from functools import cached_property
+from functools import cached_property, lru_cache
 from typing import Any
 
 import msgspec
 
 from events.block_hash import RequestExtras
-from tokenization.base import TokenizationError
+from tokenization.base import SpecialTokens, TokenizationError
 from tokenization.cached_encoder import CachedEncoder, ChatPrompt, Encoded
 from tokenization.chat_decoder import ChatDecoder
 from tokenization.chat_template import TemplateSet
@@ -26,10 +26,12 @@ from tokenization.conversation import conversation, tool_dicts
 from tokenization.messages_request import (
     MessagesRequest,
     decode_messages,
+    disables_thinking,
     merges_inline_system,
     messages_chat,
 )
 from tokenization.openai_request import (
+    ChatMessage,
     ChatRequest,
     CompletionRequest,
     Endpoint,
@@ -37,9 +39,25 @@ from tokenization.openai_request import (
     decode_chat,
     decode_completion,
 )
+from tokenization.reasoning_effort import (
+    EffortRendering,
+    ReasoningEffort,
+    effort_kwargs,
+    probe_disabled_effort,
+)
 from tokenization.responses_request import CheckedResponses, decode_responses, responses_chat
+from tokenization.tokenizer import Tokenizer
 
-__all__ = ["ApiRequest", "ReportMode", "RequestTokens", "decode_request", "request_tokens", "tokens_of"]
+__all__ = [
+    "VLLM_EFFORT",
+    "ApiRequest",
+    "ReportMode",
+    "RequestTokens",
+    "decode_request",
+    "disabled_thinking_effort",
+    "request_tokens",
+    "tokens_of",
+]
 
 ApiRequest = ChatRequest | CompletionRequest | MessagesRequest | CheckedResponses
 """A decoded request of any endpoint (`decode_request`); Messages and Responses become a chat per
@@ -85,6 +103,9 @@ class RequestTokens(msgspec.Struct, frozen=True, dict=True):
         return self.first.count
 
 
+VLLM_EFFORT = EffortRendering()
+"""vLLM's defaults: no effort map, the disabled-thinking effort probed (``auto``)."""
+
 _REPORT_MODES = {mode.value: mode for mode in ReportMode}
 """`ReportMode` by value: a dict lookup instead of an enum call per request."""
 
@@ -118,7 +139,7 @@ def _only_ids(items: list[str | int | list[int]]) -> tuple[int, ...] | None:
         return None
 
 
-def _chat_prompt(req: ChatRequest, tok: CachedEncoder) -> Encoded:
+def _chat_prompt(req: ChatRequest, tok: CachedEncoder, effort: EffortRendering) -> Encoded:
     if (
         req.chat_template_kwargs is None
         and req.tools is None
@@ -130,11 +151,18 @@ def _chat_prompt(req: ChatRequest, tok: CachedEncoder) -> Encoded:
         conv = conversation(req.messages, template.detected_format, template.supports_developer_role)
         prompt = ChatPrompt(req.add_generation_prompt, None, req.add_special_tokens, kwargs)
         return tok.encode_chat(conv, prompt)
-    return _chat_prompt_with_kwargs(req, tok)
+    return _chat_prompt_with_kwargs(req, tok, effort)
 
 
-def _chat_prompt_with_kwargs(req: ChatRequest, tok: CachedEncoder) -> Encoded:
-    """`_chat_prompt` of a request with template kwargs, tools or documents."""
+def _chat_prompt_with_kwargs(req: ChatRequest, tok: CachedEncoder, effort: EffortRendering) -> Encoded:
+    """`_chat_prompt` of a request with template kwargs, tools, documents or an effort."""
+    return tok.encode_chat(*_chat_inputs(req, tok.tokenizer.templates, effort))
+
+
+def _chat_inputs(
+    req: ChatRequest, templates: TemplateSet, effort: EffortRendering
+) -> tuple[list[dict[str, Any]], ChatPrompt]:
+    """What `_chat_prompt_with_kwargs` renders: the conversation and its `ChatPrompt`."""
     kwargs: dict[str, Any] = dict(req.chat_template_kwargs or {})
     if reserved := {"chat_template", "tokenize"} & kwargs.keys():
         raise RequestError(f"`chat_template_kwargs` may not set {sorted(reserved)}")
@@ -144,19 +172,43 @@ def _chat_prompt_with_kwargs(req: ChatRequest, tok: CachedEncoder) -> Encoded:
     kwargs.pop("tools", None)
     if req.documents is not None:
         kwargs["documents"] = req.documents
-    if (effort := req.reasoning_effort) is not None:
-        # vLLM 0.33.0 (`build_chat_params`, chat and Responses alike): thinking on unless the effort is
-        # "none", when the kwargs do not say; the effort over the kwargs' own unless "auto" (an unset
-        # value of its merge). Its `--reasoning-effort-map` is the engine's: not applied here.
-        if "enable_thinking" not in (req.chat_template_kwargs or {}):
-            kwargs["enable_thinking"] = effort != "none"
-        if effort != "auto":
-            kwargs["reasoning_effort"] = effort
+    if req.reasoning_effort is not None:  # chat, Responses and Messages alike
+        effort_kwargs(req.reasoning_effort, req.chat_template_kwargs, effort, kwargs)
     kwargs.pop("add_generation_prompt", None)
     kwargs["continue_final_message"] = req.continue_final_message
-    template = tok.tokenizer.templates.select(tools)
+    template = templates.select(tools)
     conv = conversation(req.messages, template.detected_format, template.supports_developer_role)
-    return tok.encode_chat(conv, ChatPrompt(req.add_generation_prompt, tools, req.add_special_tokens, kwargs))
+    return conv, ChatPrompt(req.add_generation_prompt, tools, req.add_special_tokens, kwargs)
+
+
+def disabled_thinking_effort(tokenizer: Tokenizer, effort: EffortRendering) -> ReasoningEffort:
+    """The effort a Messages ``thinking`` ``disabled`` renders with on engines with `effort`'s options
+    and `tokenizer`'s template: the option, or (``auto``) vLLM's probe of the template, rendered as the
+    engine renders it (the effort map applied), once per template and options as vLLM probes once."""
+    if effort.disabled_thinking_effort != "auto":
+        return effort.disabled_thinking_effort
+    return _probed(tokenizer.templates, tokenizer.special_tokens, effort)
+
+
+@lru_cache(maxsize=64)
+def _probed(templates: TemplateSet, special: SpecialTokens, effort: EffortRendering) -> ReasoningEffort:
+    context = special.template_context()
+    return probe_disabled_effort(lambda probed: _probe_text(templates, context, probed, effort))
+
+
+def _probe_text(
+    templates: TemplateSet, context: Mapping[str, str], probed: ReasoningEffort, effort: EffortRendering
+) -> str | None:
+    """The probe's prompt: a one-message chat (``Hi``) with effort `probed`, or None when it fails.
+    Its text, where vLLM compares text and ids: equal texts have equal ids."""
+    req = ChatRequest(messages=[ChatMessage("user", "Hi")], reasoning_effort=probed)
+    try:
+        conv, prompt = _chat_inputs(req, templates, effort)
+        return templates.render_chat(
+            conv, prompt.add_generation_prompt, prompt.tools, context, prompt.template_kwargs
+        )
+    except Exception:  # vLLM's probe takes any failure to render as "none" refused
+        return None
 
 
 def _extras(model: str | None, salt: str | None, lora: Mapping[str, str]) -> RequestExtras:
@@ -193,38 +245,50 @@ def merges_inline_system_of(templates: TemplateSet) -> bool:
     return any(merges_inline_system(t.source) for t in variants if t is not None)
 
 
-def as_chat(req: ApiRequest, templates: TemplateSet) -> ChatRequest | CompletionRequest:
-    """`req`, a Messages or Responses request as the chat vLLM renders for it with `templates`."""
+def as_chat(
+    req: ApiRequest, tokenizer: Tokenizer, effort: EffortRendering = VLLM_EFFORT
+) -> ChatRequest | CompletionRequest:
+    """`req`, a Messages or Responses request as the chat vLLM renders for it with `tokenizer`'s
+    templates on engines with `effort`'s options."""
     if isinstance(req, MessagesRequest):
-        return messages_chat(req, merges_inline_system_of(templates))
+        disabled = disabled_thinking_effort(tokenizer, effort) if disables_thinking(req) else "none"
+        return messages_chat(req, merges_inline_system_of(tokenizer.templates), disabled)
     if isinstance(req, CheckedResponses):
         return responses_chat(req)
     return req
 
 
 def request_tokens(
-    body: bytes, endpoint: Endpoint | str, tokenizer: CachedEncoder, lora: Mapping[str, str] | None = None
+    body: bytes,
+    endpoint: Endpoint | str,
+    tokenizer: CachedEncoder,
+    lora: Mapping[str, str] | None = None,
+    effort: EffortRendering = VLLM_EFFORT,
 ) -> RequestTokens:
     """Decode ``body`` for ``endpoint`` and compute its prompt ids with ``tokenizer`` (a tokenizer
     through its caches); RequestError (a 400) on bad input.
 
-    ``lora`` maps served LoRA adapter names to their paths (both enter vLLM's block hash).
+    ``lora`` maps served LoRA adapter names to their paths (both enter vLLM's block hash); ``effort``:
+    the engines' reasoning-effort options (tokenization.reasoning_effort; vLLM's defaults).
     """
-    return tokens_of(decode_request(body, endpoint), tokenizer, lora)
+    return tokens_of(decode_request(body, endpoint), tokenizer, lora, effort)
 
 
 def tokens_of(
-    req: ApiRequest, tokenizer: CachedEncoder, lora: Mapping[str, str] | None = None
+    req: ApiRequest,
+    tokenizer: CachedEncoder,
+    lora: Mapping[str, str] | None = None,
+    effort: EffortRendering = VLLM_EFFORT,
 ) -> RequestTokens:
     """`request_tokens` of an already decoded request (one decode serves several tokenizers)."""
     if type(req) is not ChatRequest and type(req) is not CompletionRequest:  # (no call for the common two)
-        req = as_chat(req, tokenizer.tokenizer.templates)
+        req = as_chat(req, tokenizer.tokenizer, effort)
     try:
         if isinstance(req, CompletionRequest) and isinstance(req.prompt, str):
             prompts = [tokenizer.encode(req.prompt, req.add_special_tokens)]
             max_tokens = req.max_tokens
         elif isinstance(req, ChatRequest):
-            prompts = [_chat_prompt(req, tokenizer)]
+            prompts = [_chat_prompt(req, tokenizer, effort)]
             max_tokens = req.max_completion_tokens
             max_tokens = max_tokens if max_tokens is not None else req.max_tokens
         else:

@@ -50,6 +50,7 @@ from tokenization.openai_request import (
     VllmXargs,
     decode_body,
 )
+from tokenization.reasoning_effort import ReasoningEffort
 
 __all__ = [
     "CheckedResponses",
@@ -159,7 +160,7 @@ class FunctionTool(msgspec.Struct):
 class ReasoningConfig(msgspec.Struct):
     """A Responses request's ``reasoning``: its ``effort`` is rendered (`ChatRequest.reasoning_effort`)."""
 
-    effort: str | None = None
+    effort: ReasoningEffort | None = None
 
 
 class ResponsesRequest(msgspec.Struct):

@@ -25,6 +25,7 @@ from events.config import KVEventsConfig
 from events.publisher import EventPublisher
 from tokenization import Tokenizer
 from tokenization.loading import cached_encoder, load_tokenizer
+from tokenization.reasoning_effort import EffortRendering
 from tokenization.request_tokens import RequestTokens
 
 __all__ = ["RankError", "ReadyInfo", "Stub"]
@@ -74,6 +75,12 @@ class Stub:
         )
         self.encoder = cached_encoder(self.tokenizer)
         """The tokenizer through its caches: what requests are tokenized with, as the router does."""
+        choice = config.tokenizer
+        self.effort = EffortRendering.of(
+            choice.reasoning_effort_map, choice.anthropic_disabled_thinking_effort
+        )
+        """How an effort is rendered: vLLM's `--reasoning-effort-map` and
+        `--anthropic-disabled-thinking-effort`."""
         self.text = PseudoText(self.tokenizer)
         self.metrics = StubMetrics(config.model, config.data_parallel_size, self.gauges)
         self.engines: list[EngineRuntime] = []

@@ -113,7 +113,7 @@ async def serve_openai(
     history = None
     if store is not None and endpoint is Endpoint.RESPONSES:
         body, history = store.continued(body)
-    tokens = request_tokens(body, endpoint, stub.encoder)
+    tokens = request_tokens(body, endpoint, stub.encoder, effort=stub.effort)
     if tokens.model is not None and tokens.model != stub.config.model:
         raise ModelNotFound(f"The model `{tokens.model}` does not exist.")
     try:

@@ -175,7 +175,7 @@ def _add_openai_routes(app: FastAPI, stub: Stub) -> None:
             raise RequestError(f"invalid tokenize request: {exc}") from exc
         endpoint = Endpoint.CHAT if fields.messages is not None else Endpoint.COMPLETIONS
         try:
-            tokens = request_tokens(body, endpoint, stub.encoder).tokens
+            tokens = request_tokens(body, endpoint, stub.encoder, effort=stub.effort).tokens
         except TokenizationError as exc:
             raise RequestError(str(exc)) from exc
         strs = [stub.tokenizer.decode([t]) for t in tokens] if fields.return_token_strs else None
@@ -187,7 +187,7 @@ def _render(stub: Stub, body: bytes, endpoint: Endpoint) -> Response:
     """vLLM 0.33.0's render of a Messages or Responses body (`--enable-scale-out`): the prompt ids it
     would run, as a `GenerateRequest` (a stored `previous_response_id` is not spliced in: vLLM's render
     passes no previous messages either)."""
-    tokens = request_tokens(body, endpoint, stub.encoder)
+    tokens = request_tokens(body, endpoint, stub.encoder, effort=stub.effort)
     rid = f"{'resp_' if endpoint is Endpoint.RESPONSES else 'chatcmpl-'}{uuid.uuid4().hex}"
     rendered = Rendered(rid, list(tokens.tokens), tokens.model, tokens.stream)
     return Response(encode(rendered), media_type=_JSON)
@@ -214,13 +214,13 @@ def _add_engine_routes(app: FastAPI, stub: Stub) -> None:
     async def cache_hit(request: Request) -> Response:
         # Ground truth for the load-test oracle: what each rank would hit, with no side effect.
         endpoint = Endpoint.CHAT if request.query_params.get("endpoint") == "chat" else Endpoint.COMPLETIONS
-        tokens = request_tokens(await request.body(), endpoint, stub.encoder)
+        tokens = request_tokens(await request.body(), endpoint, stub.encoder, effort=stub.effort)
         return Response(msgspec.json.encode(stub.peek(tokens)), media_type=_JSON)
 
     @app.post("/debug/forecast")
     async def forecast(request: Request) -> Response:
         body = await request.body()
-        tokens = request_tokens(body, Endpoint.COMPLETIONS, stub.encoder)
+        tokens = request_tokens(body, Endpoint.COMPLETIONS, stub.encoder, effort=stub.effort)
         try:
             ahead = [
                 QueuedSeq(a.prompt_tokens, a.prompt_tokens, a.hit_tokens, a.max_tokens)

@@ -56,7 +56,8 @@ from tokenization.openai_request import (
     VllmXargs,
     decode_body,
 )
-from tokenization.request_tokens import ApiRequest, RequestTokens, decode_request, tokens_of
+from tokenization.reasoning_effort import EffortRendering
+from tokenization.request_tokens import VLLM_EFFORT, ApiRequest, RequestTokens, decode_request, tokens_of
 from tokenization.responses_request import CheckedResponses
 
 __all__ = ["PROCESS_HASHER", "Models", "Prepared", "UnknownModel", "VariantKeys"]
@@ -153,6 +154,7 @@ class Models:
         self._loras = {name: dict(getattr(m, "loras", {}) or {}) for name, m in self._models.items()}
         for name, adapters in (loras or {}).items():
             self._loras.setdefault(name, {}).update(adapters)
+        self._effort = {name: _effort_rendering(m) for name, m in self._models.items()}
         self._tokenizers: dict[tuple[str | None, str | None, str | None], CachedEncoder] = {}
         self._hub: dict[HubRef, Path | HubUnavailable] = {}
         self.hub_unavailable: list[HubUnavailable] = []
@@ -183,6 +185,7 @@ class Models:
         if name not in self._models:
             self._models[name] = ModelConfig(name=name, block_size=engine.block_size or 16)
             self._loras[name] = {}
+            self._effort[name] = VLLM_EFFORT
             self._variants[name] = {VariantId(name): resolve_variant(self._models[name])}
         return resolve_variant(self._models[name], engine)
 
@@ -407,7 +410,9 @@ class Models:
             source = (None, None, None) if single_tokenizer else v.tokenizer_source
             rt = by_tokenizer.get(source)
             if rt is None:
-                rt = by_tokenizer[source] = tokens_of(req, self.tokenizer(v), self._loras[model])
+                rt = by_tokenizer[source] = tokens_of(
+                    req, self.tokenizer(v), self._loras[model], self._effort[model]
+                )
             t1 = self._clock()
             link = rt.first.link
             keys = spec_keys(
@@ -455,7 +460,7 @@ class Models:
         without the per-variant maps (a request's ids are the same from either tokenizer source)."""
         clock = self._clock
         t0 = clock()
-        rt = tokens_of(req, self.tokenizer(v), self._loras[model])
+        rt = tokens_of(req, self.tokenizer(v), self._loras[model], self._effort[model])
         t1 = clock()
         packed, extras = rt.first, rt.extras
         ids, link = _ids_of(rt), packed.link
@@ -491,3 +496,9 @@ def _hub_ref(variant: Variant) -> HubRef | None:
     """The HF repo (and revision) the variant's tokenizer is named by, or None for a path or none."""
     repo = hub_repo(variant.tokenizer) if variant.tokenizer is not None else None
     return (repo, variant.tokenizer_revision) if repo is not None else None
+
+
+def _effort_rendering(model: ModelConfig) -> EffortRendering:
+    """How `model`'s engines render a reasoning effort (its `reasoning_effort_map` and
+    `anthropic_disabled_thinking_effort`)."""
+    return EffortRendering.of(model.reasoning_effort_map, model.anthropic_disabled_thinking_effort)

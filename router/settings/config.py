@@ -19,6 +19,7 @@ import msgspec
 from router.settings.group_rules import group_rule
 from tokenization.base import TokenizationError
 from tokenization.hub_names import hub_repo
+from tokenization.reasoning_effort import DisabledThinkingEffort, ReasoningEffort
 
 __all__ = [
     "Auth",
@@ -128,6 +129,12 @@ class ModelConfig(_Table, frozen=True):
     """The engines' lookahead block hashes (EAGLE's default): each block hash covers L more tokens."""
     vllm_version: Literal["0.32", "0.33"] = "0.33"
     """The engines' vLLM minor version; 0.32 has no lookahead hashes (docs/vllm.md "vLLM versions")."""
+    reasoning_effort_map: dict[ReasoningEffort, str] = {}
+    """The engines' `--reasoning-effort-map`: an effort renamed before the template renders it (chat,
+    Responses and Messages alike; efforts not listed pass unchanged; unset: vLLM's default, none)."""
+    anthropic_disabled_thinking_effort: DisabledThinkingEffort = "auto"
+    """The engines' `--anthropic-disabled-thinking-effort`: the effort a Messages `thinking` `disabled`
+    renders with (`auto`, vLLM's default: "none", or "low" for a template that refuses or ignores it)."""
 
 
 class PolicyConfig(_Table, frozen=True):
@@ -492,6 +499,8 @@ def _model_problems(config: RouterConfig) -> list[str]:
         at = f"$.models[{i}]"
         if m.eagle_block_drop and m.lookahead_tokens:
             problems.append(f"{at}.eagle_block_drop: vLLM turns the drop off when lookahead_tokens is set")
+        if m.reasoning_effort_map and m.vllm_version == "0.32":
+            problems.append(f"{at}.reasoning_effort_map: vLLM 0.32 has no --reasoning-effort-map")
         problems.extend(_group_problems(at, m.groups, m.eagle_block_drop))
     for i, engine in enumerate(config.engines):
         model = models.get(engine.model) or (config.models[0] if len(config.models) == 1 else None)
@@ -518,4 +527,32 @@ def _general_problems(config: RouterConfig) -> list[str]:
         problems.append("$.discovery.kubernetes: use either dns_name or the Kubernetes API, not both")
     if kube.backoff_max_s < kube.backoff_s:
         problems.append("$.discovery.kubernetes.backoff_max_s: must be at least backoff_s")
+    problems.extend(_session_problems(config.policy))
     return problems
+
+
+_SESSION_ONLY = (
+    "session_mode",
+    "session_margin_s",
+    "session_capacity",
+    "session_ttl_s",
+    "session_agent_headers",
+    "session_body",
+)
+"""The policy keys only `policy.name = "session"` reads (`session_header` also names the header
+recordings keep)."""
+
+
+def _session_problems(policy: PolicyConfig) -> list[str]:
+    """A session key changed under another policy would do nothing: refused, naming the fix. `kv` (the
+    default) pins no session; it sends a session's step where its prefix is cached, weighed against
+    the load, and `session` is `kv` plus the pins (docs/routing.md "Sessions for agents")."""
+    if policy.name == "session":
+        return []
+    default = PolicyConfig()
+    return [
+        f'$.policy.{key}: applies only with policy.name = "session" (policy.name is {policy.name!r}, '
+        "which pins no session)"
+        for key in _SESSION_ONLY
+        if getattr(policy, key) != getattr(default, key)
+    ]

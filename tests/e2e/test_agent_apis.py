@@ -8,12 +8,14 @@ usage shape, streamed or not. Malformed bodies are the gateway's counted 400s.
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import httpx
 import msgspec
 import pytest
 
+from engine_stub.stub_config import TokenizerChoice
 from router.ops.debug import DecisionEntry, Explanation
 from router.settings.config import ModelConfig
 from tests.agent_helpers import MODEL, messages_step, responses_step, sse_events
@@ -28,7 +30,8 @@ from tests.gateway_helpers import (
     running_stubs,
     wait_for,
 )
-from tests.stub_helpers import BS
+from tests.stub_helpers import BS, stub_config
+from tokenization.reasoning_effort import ReasoningEffort
 
 
 def reported_cached(path: str, answer: httpx.Response, stream: bool) -> int:
@@ -84,6 +87,15 @@ MALFORMED = [
     ("/v1/responses", {"model": MODEL, "input": [{"type": "web_search_call", "id": "w"}]}),
     ("/v1/responses", {"model": MODEL, "input": "x", "tools": [{"type": "function"}]}),
     ("/v1/responses", {"model": MODEL, "input": "x", "tool_choice": "required"}),
+    *[
+        ("/v1/messages", {"model": MODEL, "max_tokens": 4096, "messages": [], **fields})
+        for fields in (
+            {"thinking": {"type": "enabled", "budget_tokens": 4096}},
+            {"thinking": {"type": "on"}},
+            {"output_config": {"effort": "minimal"}},
+        )
+    ],
+    ("/v1/responses", {"model": MODEL, "input": "x", "reasoning": {"effort": "auto"}}),
 ]
 
 
@@ -174,3 +186,46 @@ async def test_a_remote_tokenize_model_routes_agent_bodies_from_the_engines_rend
     actual = reported_cached(path, second, False)
     assert actual >= 8 * BS and int(second.headers["x-kvrouter-predicted-cached-tokens"]) == actual
     assert entry.request.tokenizer == "remote_render" and failures == 0
+
+
+async def test_an_effort_map_set_on_both_ends_predicts_what_the_engine_caches(tmp_path: Path) -> None:
+    """Engines started with `--reasoning-effort-map` render a mapped effort; the model's
+    `reasoning_effort_map` makes the gateway render (so count and key) the same prompt: its decision
+    counts the engine's prompt tokens, and a step repeated hits its whole prefix, as predicted."""
+    template = tmp_path / "effort.jinja"
+    template.write_text(
+        "[{{ reasoning_effort | default('unset') }}]{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    )
+    effort_map: dict[ReasoningEffort, str] = {"medium": "low", "high": "max"}
+    choice = TokenizerChoice(chat_template=str(template), reasoning_effort_map=effort_map)
+    model = ModelConfig(name=MODEL, chat_template=str(template), reasoning_effort_map=effort_map)
+    turns = [{"role": "user", "content": "Explain the failing test. " * 8}]
+    steps = [
+        (
+            "/v1/chat/completions",
+            {"model": MODEL, "messages": turns, "max_tokens": 2, "reasoning_effort": "medium"},
+        ),
+        (
+            "/v1/messages",
+            {"model": MODEL, "messages": turns, "max_tokens": 2, "output_config": {"effort": "high"}},
+        ),
+    ]
+    async with running_stubs(1, stub_config(tokenizer=choice)) as stubs:
+        engines = {"e0": stubs[0]}
+        async with running_gateway(gateway_config([engine_of("e0", stubs[0])], models=[model])) as gw:
+            for i, (path, body) in enumerate(steps):
+                assert (await gw.client.post(path, json=body)).status_code == 200
+                await wait_for(mirrors_caught_up(gw, engines))
+                again = await gw.client.post(path, json=body, headers={"x-request-id": f"again-{i}"})
+                assert again.status_code == 200, again.text
+                usage = again.json()["usage"]
+                if path == "/v1/messages":
+                    engines_prompt = usage["input_tokens"] + usage["cache_read_input_tokens"]
+                    actual = usage["cache_read_input_tokens"]
+                else:
+                    engines_prompt, actual = (
+                        usage["prompt_tokens"],
+                        usage["prompt_tokens_details"]["cached_tokens"],
+                    )
+                assert (await decision(gw, f"again-{i}")).request.prompt_tokens == engines_prompt, path
+                assert int(again.headers["x-kvrouter-predicted-cached-tokens"]) == actual >= 4 * BS, path

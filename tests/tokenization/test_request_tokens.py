@@ -13,7 +13,13 @@ from tests.encoder_helpers import deepseek
 from tokenization import BuiltinTokenizer, HfTokenizer, Tokenizer
 from tokenization.loading import cached_encoder
 from tokenization.openai_request import Endpoint, RequestError, decode_chat
-from tokenization.request_tokens import ReportMode, _chat_prompt, _chat_prompt_with_kwargs, request_tokens
+from tokenization.request_tokens import (
+    VLLM_EFFORT,
+    ReportMode,
+    _chat_prompt,
+    _chat_prompt_with_kwargs,
+    request_tokens,
+)
 
 DATA = Path(__file__).parents[1] / "data"
 
@@ -224,5 +230,5 @@ def test_a_chat_without_kwargs_tools_or_documents_renders_as_the_general_path(
     doc = {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yo"}], **fields}
     req = decode_chat(msgspec.json.encode(doc))
     enc = cached_encoder(ds)
-    fast, general = _chat_prompt(req, enc), _chat_prompt_with_kwargs(req, enc)
+    fast, general = _chat_prompt(req, enc, VLLM_EFFORT), _chat_prompt_with_kwargs(req, enc, VLLM_EFFORT)
     assert fast.ids == general.ids and fast.packed == general.packed

@@ -32,6 +32,7 @@ import pytest
 
 from tests.tokenization import test_messages_request as messages_corpus
 from tests.tokenization import test_responses_request as responses_corpus
+from tests.tokenization.test_reasoning_effort import BAD_MESSAGES
 from tests.tokenization.test_responses_tools import SPACES
 from tests.vllm.free_ports import free_ports
 from tests.vllm.tiny_models import model_dir
@@ -185,6 +186,20 @@ MALFORMED: list[tuple[str, Endpoint, dict[str, Any]]] = [
         )
         for name in ("run", "nope")  # in two namespaces; in none
     ],
+    *[
+        (
+            "/v1/messages/render",
+            Endpoint.MESSAGES,
+            {"max_tokens": 4096, "messages": [{"role": "user", "content": "x"}], **fields},
+        )
+        for fields in BAD_MESSAGES
+    ],
+    (
+        "/v1/chat/completions/render",
+        Endpoint.CHAT,
+        {"messages": [{"role": "user", "content": "x"}], "reasoning_effort": "auto"},
+    ),
+    ("/v1/responses/render", Endpoint.RESPONSES, {"input": "x", "reasoning": {"effort": "extreme"}}),
     (
         "/v1/responses/render",
         Endpoint.RESPONSES,
@@ -251,6 +266,21 @@ EFFORTS: list[dict[str, Any]] = [
     {"reasoning_effort": "low", "chat_template_kwargs": {"reasoning_effort": "high"}},
     {"chat_template_kwargs": {"reasoning_effort": "high"}},
 ]
+TOOL_STEP = messages_corpus.CORPUS[1][1]
+"""A Messages agent step: system, tools, thinking, text, a tool call and its result."""
+MESSAGES_THINKING: list[dict[str, Any]] = [
+    {"output_config": {"effort": effort}} for effort in ("low", "medium", "high", "xhigh", "max")
+] + [
+    {"thinking": {"type": "disabled"}},
+    {"thinking": {"type": "disabled"}, "output_config": {"effort": "high"}},
+    {"thinking": {"type": "disabled"}, "chat_template_kwargs": {"enable_thinking": True}},
+    {"thinking": {"type": "enabled", "budget_tokens": 2048}, "output_config": {"effort": "low"}},
+    {"thinking": {"type": "enabled", "budget_tokens": 1024, "display": "summarized"}},
+    {"thinking": {"type": "adaptive"}, "output_config": {"effort": "max"}},
+    {"output_config": {"effort": "medium"}, "chat_template_kwargs": {"reasoning_effort": "low"}},
+]
+"""Messages' effort and thinking. A disabled thinking renders "none" with this template (vLLM 0.33.0's
+probe: "none" renders apart from every effort), which is what 0.32.0's render server always uses."""
 AGENT_CASES: list[tuple[str, Endpoint, dict[str, Any]]] = [
     *[
         ("/v1/chat/completions/render", Endpoint.CHAT, {"messages": CHAT_TURNS, "tools": [LS], **effort})
@@ -293,9 +323,18 @@ AGENT_CASES: list[tuple[str, Endpoint, dict[str, Any]]] = [
     ],
     ("/v1/responses/render", Endpoint.RESPONSES, {"input": AGENT_STEPS[:3], "tools": [PATCH]}),
     ("/v1/responses/render", Endpoint.RESPONSES, {"input": AGENT_STEPS[3:5], "tools": [GIT]}),
+    *[
+        (
+            "/v1/messages/render",
+            Endpoint.MESSAGES,
+            {"max_tokens": 4096, **TOOL_STEP, **thinking},
+        )
+        for thinking in MESSAGES_THINKING
+    ],
 ]
-"""Agent steps with reasoning effort (chat and Responses) and with Responses `custom` and `namespace`
-tools: their definitions, calls of them and the calls' outputs, and named tool choices."""
+"""Agent steps with reasoning effort (chat, Responses, and Messages' `output_config.effort` and
+`thinking`) and with Responses `custom` and `namespace` tools: their definitions, calls of them and
+the calls' outputs, and named tool choices."""
 
 
 def test_agent_steps_with_effort_and_custom_or_namespace_tools_render_as_vllms(

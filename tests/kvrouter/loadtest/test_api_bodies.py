@@ -59,7 +59,7 @@ def test_a_trace_request_is_one_user_turn_and_a_synthetic_one_alternates() -> No
 
 def _chat_of(api: str, spec: RequestSpec) -> ChatRequest:
     body = request_body(spec, "m", ApiShape(api, stream=False))  # type: ignore[arg-type]
-    chat = as_chat(decode_request(body, ApiShape(api).path), BuiltinTokenizer().templates)  # type: ignore[arg-type]
+    chat = as_chat(decode_request(body, ApiShape(api).path), BuiltinTokenizer())  # type: ignore[arg-type]
     assert isinstance(chat, ChatRequest)
     return chat
 

@@ -255,3 +255,33 @@ def test_a_model_of_one_variant_is_prepared_as_by_the_general_path(
         assert len(b.variants) == 1 and not a.variants
         assert msgspec.structs.replace(b, variants={}, timings={}) == msgspec.structs.replace(a, timings={})
         assert set(a.timings) == set(b.timings) == {"tokenize", "hash"}
+
+
+def test_a_models_effort_keys_decide_how_its_effort_renders(tmp_path: Path) -> None:
+    """`reasoning_effort_map` and `anthropic_disabled_thinking_effort` (the engines' options) reach the
+    rendering: a model with them predicts the ids its engines render, one without keeps vLLM's."""
+    template = tmp_path / "effort.jinja"
+    template.write_text("[{{ reasoning_effort }}]{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    configured = ModelConfig(
+        name="a",
+        chat_template=str(template),
+        reasoning_effort_map={"medium": "low"},
+        anthropic_disabled_thinking_effort="high",
+    )
+    models = Models(
+        RouterConfig(models=[configured, ModelConfig(name="b", chat_template=str(template))]), HASHER
+    )
+    tok = BuiltinTokenizer()
+    chat: dict[str, object] = {"messages": [{"role": "user", "content": "hi"}], "reasoning_effort": "medium"}
+    anthropic: dict[str, object] = {
+        "max_tokens": 8,
+        "messages": [{"role": "user", "content": "hi"}],
+        "thinking": {"type": "disabled"},
+    }
+    for doc, endpoint, theirs in [
+        (chat, Endpoint.CHAT, ("[low]hi", "[medium]hi")),
+        (anthropic, Endpoint.MESSAGES, ("[high]hi", "[none]hi")),
+    ]:
+        for model, text in zip("ab", theirs, strict=True):
+            prepared = models.prepare(body(doc, model=model), endpoint)
+            assert prepared.prompt_tokens == len(tok.encode(text, add_special_tokens=False)), (model, text)

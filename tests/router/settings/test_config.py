@@ -235,6 +235,44 @@ def test_invalid_eagle_and_group_keys(toml: str, words: list[str]) -> None:
         assert word in str(info.value)
 
 
+@pytest.mark.parametrize(
+    ("toml", "words"),
+    [
+        (
+            '[[models]]\nname = "m"\nreasoning_effort_map = { extreme = "max" }\n',
+            ["$.models[0].reasoning_effort_map", "extreme"],
+        ),
+        (
+            '[[models]]\nname = "m"\nvllm_version = "0.32"\nreasoning_effort_map = { medium = "low" }\n',
+            ["$.models[0].reasoning_effort_map", "0.32"],
+        ),
+        (
+            '[[models]]\nname = "m"\nanthropic_disabled_thinking_effort = "minimal"\n',
+            ["$.models[0].anthropic_disabled_thinking_effort", "minimal"],
+        ),
+    ],
+)
+def test_invalid_reasoning_effort_keys(toml: str, words: list[str]) -> None:
+    """As vLLM refuses them at startup (`validate_reasoning_effort_map`, the option's choices)."""
+    with pytest.raises(ConfigError) as info:
+        decode_config(toml, "cfg.toml")
+    for word in words:
+        assert word in str(info.value)
+
+
+@pytest.mark.parametrize(
+    "setting",
+    ['session_mode = "soft"', "session_margin_s = 0.1", "session_body = false", "session_ttl_s = 0"],
+)
+def test_a_session_key_changed_under_another_policy_is_an_error(setting: str) -> None:
+    """kv (the default) pins no session: a session key set for it would be silently ignored."""
+    key = setting.split(" ")[0]
+    with pytest.raises(ConfigError) as info:
+        decode_config(f"[policy]\n{setting}\n", "cfg.toml")
+    assert f"$.policy.{key}" in str(info.value) and 'policy.name = "session"' in str(info.value)
+    assert decode_config(f'[policy]\nname = "session"\n{setting}\n', "cfg.toml").policy.name == "session"
+
+
 # What kubelet injects into every pod of a namespace for `Service kvrouter` (cluster IP 10.0.0.1, one
 # TCP port 8000 named `http`): pkg/kubelet/envvars/envvars.go; kubernetes.io, "Service" >
 # "Environment variables" (the `redis-primary` example, here for the name kvrouter).
