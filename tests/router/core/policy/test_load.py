@@ -135,7 +135,7 @@ def test_a_long_prompt_after_short_ones_corrects_the_per_token_cost() -> None:
     of gateway and HTTP on top). The long prompt's error is the prior's per-token excess times its
     tokens; judged against the short requests' error in seconds it was clipped to a tenth (100 ->
     95 us a token, then 65-94 us for the rest of the run); judged relative to its prediction it is
-    learned (-> 58 us here, then 53; before: 95, then 93)."""
+    learned (-> 58 us here, then 53; before: 95, then 92)."""
     model = PrefillCostModel(PRIOR)
     for ttft in (0.0138, 0.0172, 0.0121, 0.0155):  # 16 uncached tokens each
         model.observe(16, ttft)
