@@ -19,7 +19,16 @@ import h2.events
 import h2.settings
 import pytest
 
-from router.epp.frames import PREFACE, ErrorCode, Flag, FrameType, frame, frame_header, grpc_message, settings
+from router.epp.frames import (
+    PREFACE,
+    ErrorCode,
+    Flag,
+    FrameType,
+    frame,
+    frame_header,
+    grpc_message,
+    settings,
+)
 from router.epp.transport import GrpcConnection, TransportSettings
 from tests.zmq_helpers import wait_until
 
@@ -36,10 +45,9 @@ class Echo:
         self.immediate = False
         self._closed = closed
 
-    async def on_message(self, raw: bytes) -> list[bytes]:
-        await asyncio.sleep(0)  # (a handler that suspends, as the picker's may)
+    def on_message(self, raw: bytes | memoryview) -> list[bytes]:
         self.immediate = raw == b"stop"
-        return [raw]
+        return [bytes(raw)]
 
     def closed(self) -> None:
         self._closed.append(1)
