@@ -24,6 +24,7 @@ from router.epp.frames import (
     ErrorCode,
     Flag,
     FrameType,
+    Setting,
     frame,
     frame_header,
     grpc_message,
@@ -387,3 +388,33 @@ async def test_a_stream_protocol_error_resets_that_stream_only() -> None:
             ("stream", "zero_window_update"),
         ]
     await wait_until(lambda: len(server.closed) == 3)
+
+
+async def test_a_header_block_after_the_stream_ended_resets_it() -> None:
+    """HEADERS on a stream the client already ended while its answer is still held (the client's
+    10-byte window holds the echo back): RST_STREAM STREAM_CLOSED, counted `headers_after_end`, where
+    a trailers block would otherwise end the stream a second time; the connection's next stream is
+    served. Deterministic: the held answer keeps the stream open until the client credits it, which
+    it never does."""
+    async with serving() as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        window = {Setting.INITIAL_WINDOW_SIZE: 10}
+        writer.write(PREFACE + settings(window) + _raw_headers(1))
+        writer.write(frame(FrameType.DATA, Flag.END_STREAM, 1, grpc_message(b"x" * 100)))
+        writer.write(_raw_headers(1, end=True))  # (the stream's end was the DATA's)
+        writer.write(_raw_headers(3) + frame(FrameType.DATA, Flag.END_STREAM, 3, grpc_message(b"")))
+        frames: list[tuple[int, int, bytes, int]] = []
+        data = b""
+        async with asyncio.timeout(DEADLINE_S):
+            while not any(
+                k == FrameType.HEADERS and sid == 3 and f & Flag.END_STREAM for k, sid, _, f in frames
+            ):
+                data += await reader.read(1 << 16)
+                frames = split_frames(data)
+        writer.close()
+        resets = {sid: _U32.unpack(p)[0] for kind, sid, p, _ in frames if kind == FrameType.RST_STREAM}
+        assert resets == {1: ErrorCode.STREAM_CLOSED}
+        assert server.counted == [("stream", "headers_after_end")]
+        echoed = [p for kind, sid, p, _ in frames if kind == FrameType.DATA and sid == 3]
+        assert b"".join(echoed) == grpc_message(b"")
+    await wait_until(lambda: len(server.closed) == 2)
