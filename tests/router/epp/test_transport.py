@@ -418,3 +418,31 @@ async def test_a_header_block_after_the_stream_ended_resets_it() -> None:
         echoed = [p for kind, sid, p, _ in frames if kind == FrameType.DATA and sid == 3]
         assert b"".join(echoed) == grpc_message(b"")
     await wait_until(lambda: len(server.closed) == 2)
+
+
+async def test_a_header_block_that_changes_the_table_is_decoded_again_when_repeated() -> None:
+    """The same block bytes mean other headers once they changed the HPACK table: a block that takes
+    its path from table entry 62 and adds a field in front of it names the method the first time and
+    no path the second, so the second is answered `unimplemented` (a decoding kept from the first
+    time would serve it)."""
+    content_type = b"\x0f\x10" + bytes([16]) + b"application/grpc"  # (a literal not indexed, name 31)
+    path = b"\x44" + bytes([len(PATH)]) + PATH.encode()  # (added to the table: entry 62)
+    repeated = b"\x83\x86\xbe" + b"\x40\x03x-a\x011" + content_type  # (62, then x-a added in front)
+    blocks = [b"\x83\x86" + path + content_type, repeated, repeated]
+    headers = [
+        frame(FrameType.HEADERS, Flag.END_HEADERS | Flag.END_STREAM, 2 * i + 1, b)
+        for i, b in enumerate(blocks)
+    ]
+    async with serving() as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(GOOD_START + b"".join(headers))
+        ends: dict[int, bytes] = {}
+        data = b""
+        async with asyncio.timeout(DEADLINE_S):
+            while len(ends) < len(blocks):
+                data += await reader.read(1 << 16)
+                frames = split_frames(data)
+                ends = {sid: p for k, sid, p, f in frames if k == FrameType.HEADERS and f & Flag.END_STREAM}
+        writer.close()
+    ok, unimplemented = b"grpc-status\x010", b"grpc-status\x0212"
+    assert [ok in ends[1], ok in ends[3], unimplemented in ends[5]] == [True, True, True]
