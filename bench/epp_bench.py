@@ -256,7 +256,9 @@ async def run_ir(args: argparse.Namespace) -> None:
         _, config = await start_backend(procs, tmp)
         kvrouter = [sys.executable, "-m", "kvrouter", "--log-level", "ERROR"]
         try:
-            serve_out, epp_out = tmp / "cg-serve.out", tmp / "cg-epp.out"
+            dumps = args.callgrind_dir or tmp
+            dumps.mkdir(parents=True, exist_ok=True)
+            serve_out, epp_out = dumps / "cg-serve.out", dumps / "cg-epp.out"
             serve, serve_url = await start_under_callgrind(
                 [*kvrouter, "serve", "--config", str(config)], serve_out, _ready_url
             )
@@ -329,6 +331,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--seconds", type=float, default=4.0)
     parser.add_argument("--out", type=Path, help="also write every row as JSON lines here")
     parser.add_argument("--ir", type=int, default=0, help="instructions per request over N requests")
+    parser.add_argument(
+        "--callgrind-dir", type=Path, help="with --ir: keep the callgrind dumps here (callgrind_annotate)"
+    )
     args = parser.parse_args(argv)
     if args.ir:
         asyncio.run(run_ir(args))

@@ -39,8 +39,8 @@ WINDOW = 1 << 24
 class Echo:
     immediate = False
 
-    async def on_message(self, raw: bytes) -> list[bytes]:
-        return [raw]
+    def on_message(self, raw: bytes | memoryview) -> list[bytes]:
+        return [bytes(raw)]
 
     def closed(self) -> None:
         pass
@@ -136,7 +136,7 @@ class H2Server:
     async def serve(self, sid: int) -> None:
         handler, queue, started = Echo(), self.queues[sid], False
         while (message := await queue.get()) is not None:
-            for answer in await handler.on_message(message):
+            for answer in handler.on_message(message):
                 if not started:
                     self.conn.send_headers(
                         sid, [(b":status", b"200"), (b"content-type", b"application/grpc")]

@@ -24,6 +24,7 @@ from google.protobuf import struct_pb2
 
 from kvrouter.cmd_epp import EppReadyLine
 from router.epp.picker import DESTINATION
+from router.epp.transport import Answer
 from router.settings.config import EngineConfig
 from tests.serve_helpers import ROOT
 
@@ -43,6 +44,7 @@ __all__ = [
     "running_envoy",
     "set_headers",
     "stop",
+    "wire",
     "write_config",
 ]
 
@@ -221,3 +223,8 @@ def echoed(answers: list[Any], phase: str = "request_body") -> tuple[bytes, list
     """The body the answers send back, each chunk's size, and each chunk's end_of_stream."""
     chunks = [getattr(a, phase).response.body_mutation.streamed_response for a in answers]
     return b"".join(c.body for c in chunks), [len(c.body) for c in chunks], [c.end_of_stream for c in chunks]
+
+
+def wire(answer: Answer) -> bytes:
+    """One answer of the picker as the bytes of its message (an answer in pieces joined)."""
+    return answer if isinstance(answer, bytes) else b"".join(answer)

@@ -36,6 +36,7 @@ __all__ = [
     "header_block",
     "rst_stream",
     "settings",
+    "table_neutral",
     "trailers",
     "window_update",
 ]
@@ -182,6 +183,45 @@ _CONTENT_TYPE: Final = 31  # static table name "content-type"
 TABLE_SIZE_ZERO: Final = b"\x20"  # a dynamic table size update to 0 (RFC 7541 6.3)
 RESPONSE_HEADERS: Final = _STATUS_200 + _literal(_CONTENT_TYPE, GRPC_CONTENT_TYPE)
 """The response's header block: `:status: 200`, `content-type: application/grpc`."""
+
+
+def _read_integer(block: bytes, pos: int, prefix_bits: int) -> tuple[int, int]:
+    """HPACK's integer (RFC 7541 5.1) at `pos` with a `prefix_bits` prefix: (value, next position);
+    IndexError past the end."""
+    limit = (1 << prefix_bits) - 1
+    value, pos = block[pos] & limit, pos + 1
+    if value < limit:
+        return value, pos
+    shift = 0
+    while True:
+        byte, pos = block[pos], pos + 1
+        value += (byte & 0x7F) << shift
+        shift += 7
+        if byte < 0x80:
+            return value, pos
+
+
+def table_neutral(block: bytes) -> bool:
+    """Whether the header block leaves the decoder's dynamic table as it was: only indexed fields and
+    literals not indexed (RFC 7541 6.1, 6.2.2, 6.2.3), no literal added to the table and no size
+    update. Such a block decodes to the same fields again while the table is unchanged (a block that
+    is not well formed: False)."""
+    pos, size = 0, len(block)
+    try:
+        while pos < size:
+            first = block[pos]
+            if first & 0x80:  # indexed
+                _, pos = _read_integer(block, pos, 7)
+                continue
+            if first & 0xE0:  # 01xxxxxx: added to the table; 001xxxxx: a size update
+                return False
+            name, pos = _read_integer(block, pos, 4)
+            for _ in range(1 if name else 2):  # (the name's string when not indexed, then the value's)
+                length, pos = _read_integer(block, pos, 7)
+                pos += length
+    except IndexError:
+        return False
+    return pos == size
 
 
 def trailers(status: int, message: str = "") -> bytes:

@@ -62,6 +62,7 @@ from router.epp.messages import (
     immediate_response,
     trailers_response,
 )
+from router.epp.transport import Answer
 from router.prepare.served_models import UnknownModel
 from tokenization.openai_request import Endpoint, RequestError
 
@@ -113,7 +114,8 @@ class PickStream:
         self.scope: dict[str, Any] = {}
         self.rid = ""
         self.endpoint: Endpoint | None = None
-        self.body = bytearray()
+        self.body: list[bytes | memoryview] = []  # the request body's chunks so far
+        self.body_bytes = 0
         self.subset: frozenset[str] | None = None
         self.exchange: Exchange | None = None
         self.engine: EngineId | None = None  # a passthrough pick (no exchange)
@@ -127,15 +129,16 @@ class PickStream:
         self.hold = False  # the answer is not an event stream: its body is sent back at its end
         self.held = bytearray()
 
-    async def on_message(self, raw: bytes) -> list[bytes]:
+    def on_message(self, raw: bytes | memoryview) -> list[Answer]:
         """The answers (wire bytes, router.epp.messages) to one `ProcessingRequest` (its wire bytes), in
         the order to send them (none while the body is buffered; none after the stream's answer ended).
-        Bytes that are no `ProcessingRequest` are a 400 (`ext_proc_protocol`)."""
+        Bytes that are no `ProcessingRequest` are a 400 (`ext_proc_protocol`). Never waits: the
+        decision is the gateway's synchronous one (the transport calls this as the bytes arrive)."""
         if self.phase is _Phase.DONE:
             return []
         try:
             message = self._read(raw)
-            return await self._step(message.kind, message)
+            return self._step(message.kind, message)
         except RouterError as exc:
             return [self._refuse(exc)]
         except Exception as exc:  # a bug: this request gets a 500, the picker serves the next ones
@@ -144,7 +147,7 @@ class PickStream:
             failure = RouterError(f"internal error in the endpoint picker ({type(exc).__name__}, logged)")
             return [self._refuse(failure)]
 
-    def _read(self, raw: bytes) -> Inbound:
+    def _read(self, raw: bytes | memoryview) -> Inbound:
         """The message in `raw`; the filter's body modes and a subset hint, when it carries them."""
         try:
             message = decode(raw)
@@ -158,26 +161,26 @@ class PickStream:
             self.subset = parse_subset(hint if isinstance(hint, str) else [str(h) for h in hint])
         return message
 
-    async def _step(self, kind: str | None, message: Inbound) -> list[bytes]:
+    def _step(self, kind: str | None, message: Inbound) -> list[Answer]:
         phase = self.phase
         if kind == "request_headers" and phase is _Phase.HEADERS:
-            return await self._request_headers(message)
+            return self._request_headers(message)
         if kind == "request_body" and phase is _Phase.BODY:
-            return await self._request_body(message.body, message.end_of_stream)
+            return self._request_body(message.body, message.end_of_stream)
         if kind == "request_trailers" and phase is _Phase.BODY:  # trailers end the body (not its stream)
-            answers = await self._request_body(b"", True, trailers=True)
+            answers = self._request_body(b"", True, trailers=True)
             return [*answers, trailers_response("request_trailers")]
         if kind == "response_headers" and phase is _Phase.PICKED:
             return self._response_headers(message)
         if kind == "response_body" and phase is _Phase.RESPONSE:
-            return self._response_body(message.body, message.end_of_stream)
+            return self._response_body(bytes(message.body), message.end_of_stream)
         if kind == "response_trailers" and phase in (_Phase.PICKED, _Phase.RESPONSE):
             self._end()
             return [trailers_response("response_trailers")]
         self.decider.refused("400", ExtProcProtocolError.reason)
         raise ExtProcProtocolError(f"ext_proc message {kind or 'of no kind'} while expecting {phase.value}")
 
-    async def _request_headers(self, message: Inbound) -> list[bytes]:
+    def _request_headers(self, message: Inbound) -> list[Answer]:
         headers = message.headers
         pseudo = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k.startswith(b":")}
         method, path = pseudo.get(":method", "GET"), pseudo.get(":path", "/").split("?", 1)[0]
@@ -187,29 +190,32 @@ class PickStream:
         self.decider.check_key(self.scope)
         self.endpoint = HOT_ROUTES.get(path) if method == "POST" else None
         if message.end_of_stream:
-            return await self._pick()
+            return self._pick()
         self.phase = _Phase.BODY
         return []
 
-    async def _request_body(self, chunk: bytes, end: bool, trailers: bool = False) -> list[bytes]:
-        """Buffer a chunk; at the end, pick (the body sent back ends the stream unless `trailers` do)."""
-        self.body += chunk
+    def _request_body(self, chunk: bytes | memoryview, end: bool, trailers: bool = False) -> list[Answer]:
+        """Buffer a chunk (a view of the bytes read: copied once, at the end); at the end, pick (the
+        body sent back ends the stream unless `trailers` do)."""
+        if chunk:
+            self.body.append(chunk)
+            self.body_bytes += len(chunk)
         limit = self.decider.max_body
-        if len(self.body) > limit:
+        if self.body_bytes > limit:
             self.decider.refused("413", RequestTooLarge.reason)
             raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
-        return await self._pick(not trailers) if end else []
+        return self._pick(not trailers) if end else []
 
-    async def _pick(self, body_ends: bool = True) -> list[bytes]:
+    def _pick(self, body_ends: bool = True) -> list[Answer]:
         """Choose the endpoint (holding an admission slot until the request ends) and answer: the
         request headers' answer, then the body sent back."""
-        decider, body = self.decider, bytes(self.body)
+        decider, body = self.decider, b"".join(self.body)
         fleet = decider.parts.fleet
         excluded = self._excluded()
         decider.enter()
         self.admitted = True
         try:
-            target, fallback = self._route(body, excluded) if self.endpoint else self._pass(excluded)
+            target, fallback = self._route(body, excluded) if self.endpoint else self._pass(body, excluded)
         except BaseException:
             self._leave()
             raise
@@ -243,13 +249,13 @@ class PickStream:
         fallback = address_of(fleet.replica_target(runner_up)[0]) if runner_up is not None else None
         return target, fallback
 
-    def _pass(self, excluded: frozenset[EngineId]) -> tuple[Target, str | None]:
+    def _pass(self, body: bytes, excluded: frozenset[EngineId]) -> tuple[Target, str | None]:
         """A request that is not a completions route (a GET, another /v1 path): `Passthrough`'s choice
         among its model's replicas (any replica without a body)."""
         model = None
-        if self.body:
+        if body:
             try:
-                model = self.decider.parts.models.resolve(bytes(self.body))
+                model = self.decider.parts.models.resolve(body)
             except UnknownModel as exc:
                 self.decider.refused("404", "unknown_model")
                 raise exc.answer() from None
@@ -281,7 +287,7 @@ class PickStream:
         self.decider.refused("503", "no_engine")
         return NoEngineAvailable(f"no engine of the subset hint {sorted(self.subset or ())} can take it")
 
-    def _response_headers(self, message: Inbound) -> list[bytes]:
+    def _response_headers(self, message: Inbound) -> list[Answer]:
         status = next((v for k, v in message.headers if k == b":status"), b"0")
         self.status = int(status) if status.isdigit() else 0
         kind = next((v for k, v in message.headers if k == b"content-type"), b"")
@@ -336,7 +342,7 @@ class PickStream:
         else:
             (breaker.record_failure if failure else breaker.record_success)(now)
 
-    def _response_body(self, chunk: bytes, end: bool) -> list[bytes]:
+    def _response_body(self, chunk: bytes, end: bool) -> list[Answer]:
         if self.tap is not None:
             self.tap.feed(chunk)
         if self.hold:
@@ -344,7 +350,7 @@ class PickStream:
             if not end and len(self.held) < CHUNK_BYTES:
                 return []
             chunk, self.held = bytes(self.held), bytearray()
-        answers = body_responses("response_body", chunk, end)
+        answers: list[Answer] = list(body_responses("response_body", chunk, end))
         if end:
             self._end()
         return answers

@@ -7,12 +7,16 @@ here with no state machine library between the bytes and the picker (router.epp.
 frames, `hpack` decodes header blocks).
 
 Each client stream whose request headers name the method (POST, `content-type: application/grpc`)
-gets a `StreamHandler` (the picker's `PickStream`) and one task that feeds it the stream's gRPC
-messages in order and writes its answers; the response headers go out with the first answer, the
-trailers (`grpc-status: 0`) once the handler answered immediately or the client half-closed and
-every message was answered. Another method is answered `grpc-status: 12` (unimplemented). A
-handler's `closed` is called once however the stream ends (its end, a reset by the client, the
-connection's loss), so a request picked but never answered gives back what it held.
+gets a `StreamHandler` (the picker's `PickStream`), handed each of the stream's gRPC messages in
+order as soon as it is whole, inside `data_received`: its answers go out with whatever else that
+read produced, in one write. The handler never waits (the picker's decision is synchronous), so no
+task or loop turn per stream or message is needed (the task per stream, the wake-up per message and
+the write per answer they made: bench/history/BENCHMARKS-2026-12-06-s19-epp.md). The
+response headers go out with the first answer, the trailers (`grpc-status: 0`) once the handler
+answered immediately or the client half-closed (every message is answered by then). Another method
+is answered `grpc-status: 12` (unimplemented). A handler's `closed` is called once however the
+stream ends (its end, a reset by the client, the connection's loss), so a request picked but never
+answered gives back what it held.
 
 Flow control both ways: the client's data is credited back (WINDOW_UPDATE) once half a window is
 used, per stream and for the connection; answers are sent within the client's windows and frame
@@ -32,7 +36,7 @@ import asyncio
 import logging
 import struct
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Final, Protocol, cast
 
 import hpack
@@ -59,11 +63,12 @@ from router.epp.frames import (
     header_block,
     rst_stream,
     settings,
+    table_neutral,
     trailers,
     window_update,
 )
 
-__all__ = ["Counter", "GrpcConnection", "StreamHandler", "TransportSettings"]
+__all__ = ["Answer", "Counter", "GrpcConnection", "StreamHandler", "TransportSettings"]
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +80,20 @@ _INTERNAL: Final = 13
 _HPACK_ERRORS: Final = (hpack.HPACKError, IndexError, ValueError)
 
 
+Answer = bytes | tuple[bytes | memoryview, ...]
+"""One gRPC message to send: its bytes, or its bytes in pieces (written as they are: a body chunk
+sent back is not copied into its message)."""
+
+
 class StreamHandler(Protocol):
     """One gRPC stream's reader of messages (router.epp.picker.PickStream)."""
 
     immediate: bool
     """True once the handler's answer is complete: the stream ends (OK) without reading more."""
 
-    async def on_message(self, raw: bytes) -> list[bytes]:
-        """The answers to one message, in order."""
+    def on_message(self, raw: bytes | memoryview) -> Sequence[Answer]:
+        """The answers to one message, in order. `raw` may be a view of the bytes read (kept alive
+        as long as the handler holds it; never changed)."""
         ...
 
     def closed(self) -> None:
@@ -111,30 +122,19 @@ class _Stream:
     """One client stream's state on the connection."""
 
     __slots__ = (
-        "backlog", "backlog_bytes", "handler", "headers_sent", "id", "inbox", "pending", "recv_unacked",
-        "recv_window", "remote_closed", "send_window", "task", "trailer", "waiter",
+        "backlog", "backlog_bytes", "handler", "headers_sent", "id", "inbox", "recv_unacked",
+        "recv_window", "remote_closed", "send_window", "trailer",
     )  # fmt: skip
 
     def __init__(self, stream_id: int, handler: StreamHandler, send_window: int, recv_window: int) -> None:
         self.id, self.handler = stream_id, handler
         self.send_window, self.recv_window, self.recv_unacked = send_window, recv_window, 0
         self.inbox = bytearray()  # a gRPC message not yet whole
-        self.pending: deque[bytes] = deque()  # whole messages the handler has not read yet
-        self.waiter: asyncio.Future[None] | None = None
-        self.task: asyncio.Task[None] | None = None
         self.remote_closed = False
         self.headers_sent = False
         self.backlog: deque[memoryview] = deque()  # answer bytes past the client's windows
         self.backlog_bytes = 0
         self.trailer: bytes | None = None  # trailers waiting behind the backlog
-
-    def deliver(self, message: bytes) -> None:
-        self.pending.append(message)
-        self.wake()
-
-    def wake(self) -> None:
-        if self.waiter is not None and not self.waiter.done():
-            self.waiter.set_result(None)
 
 
 class GrpcConnection(asyncio.Protocol):
@@ -158,6 +158,7 @@ class GrpcConnection(asyncio.Protocol):
         self.settled = False  # the client's first SETTINGS arrived
         self.decoder = hpack.Decoder()
         self.decoder.max_header_list_size = self.config.max_header_list_bytes
+        self.last_block: tuple[bytes, list[tuple[bytes, bytes]]] | None = None  # see `_decoded`
         self.streams: dict[int, _Stream] = {}
         self.blocked: dict[int, _Stream] = {}
         self.last_stream_id = 0
@@ -326,22 +327,22 @@ class GrpcConnection(asyncio.Protocol):
             payload = _unpadded(payload)
         if payload:
             self._messages(stream, payload)
-        if end:
+        if end and stream_id in self.streams:  # (not when the handler answered immediately)
             if stream.inbox:
                 raise StreamFault(stream_id, ErrorCode.PROTOCOL_ERROR, "truncated_message")
             stream.remote_closed = True
-            stream.wake()
+            self._finish(stream, 0)
 
     def _messages(self, stream: _Stream, payload: memoryview) -> None:
-        """The whole gRPC messages in the stream's bytes so far, delivered in order."""
+        """The whole gRPC messages in the stream's bytes so far, handled in order."""
         if not stream.inbox and len(payload) >= 5 and payload[0] == 0:
             (size,) = _U32.unpack_from(payload, 1)
-            if size + 5 == len(payload):  # (the usual: one DATA frame, one message)
-                stream.deliver(bytes(payload[5:]))
+            if size + 5 == len(payload):  # (the usual: one DATA frame, one message, not copied)
+                self._handle(stream, payload[5:])
                 return
         inbox = stream.inbox
         inbox += payload
-        while len(inbox) >= 5:
+        while len(inbox) >= 5 and stream.id in self.streams:
             if inbox[0] != 0:
                 raise StreamFault(stream.id, ErrorCode.PROTOCOL_ERROR, "compressed_message")
             (size,) = _U32.unpack_from(inbox, 1)
@@ -349,8 +350,24 @@ class GrpcConnection(asyncio.Protocol):
                 raise StreamFault(stream.id, ErrorCode.ENHANCE_YOUR_CALM, "message_too_large")
             if len(inbox) < size + 5:
                 return
-            stream.deliver(bytes(memoryview(inbox)[5 : size + 5]))
+            message = bytes(memoryview(inbox)[5 : size + 5])
             del inbox[: size + 5]
+            self._handle(stream, message)
+
+    def _handle(self, stream: _Stream, message: bytes | memoryview) -> None:
+        """The handler's answers to one message, queued; the stream's end when it answered
+        immediately. A failing handler (a bug) ends its stream only (`grpc-status: 13`)."""
+        handler = stream.handler
+        try:
+            answers = handler.on_message(message)
+        except Exception:
+            log.exception("ext_proc stream failed")
+            self._finish(stream, _INTERNAL, "internal error")
+            return
+        if answers:
+            self._answer(stream, answers)
+        if handler.immediate:
+            self._finish(stream, 0)
 
     def _headers(self, flags: int, stream_id: int, payload: memoryview) -> None:
         _on_stream(stream_id)
@@ -377,11 +394,25 @@ class GrpcConnection(asyncio.Protocol):
             self.continuation = None
             self._header_block(stream_id, end, bytes(block))
 
-    def _header_block(self, stream_id: int, end: bool, block: bytes) -> None:
+    def _decoded(self, block: bytes) -> list[tuple[bytes, bytes]]:
+        """The block's fields. The previous block's, when it is the same bytes and left the dynamic
+        table as it was (`table_neutral`: then nothing changed the table since, and it decodes the
+        same): Envoy's request block is the same for every ext_proc stream of a connection (indexed
+        fields and its `:path` as a Huffman literal not indexed), and `hpack` decodes it in ~275 k
+        instructions, more than the rest of the transport's work on a request."""
+        last = self.last_block
+        if last is not None and last[0] == block:
+            return last[1]
         try:  # (every block is decoded, a dropped stream's too: the table is the connection's)
-            fields = self.decoder.decode(block, raw=True)
+            decoded = self.decoder.decode(block, raw=True)  # (raw: a list of bytes pairs)
+            fields = cast(list[tuple[bytes, bytes]], decoded)
         except _HPACK_ERRORS as exc:
             raise ConnectionFault(ErrorCode.COMPRESSION_ERROR, "compression") from exc
+        self.last_block = (block, fields) if table_neutral(block) else None
+        return fields
+
+    def _header_block(self, stream_id: int, end: bool, block: bytes) -> None:
+        fields = self._decoded(block)
         stream = self.streams.get(stream_id)
         if stream is not None:  # the client's trailers
             if stream.remote_closed:
@@ -389,7 +420,7 @@ class GrpcConnection(asyncio.Protocol):
             if not end:
                 raise StreamFault(stream_id, ErrorCode.PROTOCOL_ERROR, "trailers_without_end")
             stream.remote_closed = True
-            stream.wake()
+            self._finish(stream, 0)
             return
         if stream_id <= self.last_stream_id:
             return  # trailers of a stream this side ended: ignored
@@ -418,9 +449,8 @@ class GrpcConnection(asyncio.Protocol):
         stream.remote_closed = end
         self.streams[stream_id] = stream
         self.idle.clear()
-        stream.task = task = asyncio.get_running_loop().create_task(self._serve(stream))
-        # (told when the task is done, however: a task cancelled before it ran runs no `finally`)
-        task.add_done_callback(lambda _: stream.handler.closed())
+        if end:  # (no message will come: the stream ends at once)
+            self._finish(stream, 0)
 
     def _window_update(self, stream_id: int, payload: memoryview) -> None:
         if len(payload) != 4:
@@ -493,34 +523,7 @@ class GrpcConnection(asyncio.Protocol):
         if stream is not None:  # the client cancelled (not counted: Envoy does when its client leaves)
             self._drop(stream)
 
-    # -- serving a stream
-
-    async def _serve(self, stream: _Stream) -> None:
-        """Feed the stream's messages to its handler in order, write the answers, end the stream."""
-        handler = stream.handler
-        try:
-            while True:
-                while stream.pending:
-                    answers = await handler.on_message(stream.pending.popleft())
-                    if answers:
-                        self._answer(stream, answers)
-                        self._flush()
-                    if handler.immediate:
-                        self._finish(stream, 0)
-                        return
-                if stream.remote_closed:
-                    self._finish(stream, 0)
-                    return
-                stream.waiter = asyncio.get_running_loop().create_future()
-                await stream.waiter
-                stream.waiter = None
-        except asyncio.CancelledError:
-            raise
-        except Exception:  # a bug in the handler: this stream ends, the connection serves the others
-            log.exception("ext_proc stream failed")
-            self._finish(stream, _INTERNAL, "internal error")
-        finally:
-            self._flush()
+    # -- answering a stream
 
     def _block(self, block: bytes) -> bytes:
         if self.table_update:
@@ -528,7 +531,7 @@ class GrpcConnection(asyncio.Protocol):
             return TABLE_SIZE_ZERO + block
         return block
 
-    def _answer(self, stream: _Stream, answers: list[bytes]) -> None:
+    def _answer(self, stream: _Stream, answers: Sequence[Answer]) -> None:
         """The answers as gRPC messages in DATA frames (their bytes are not copied: the frames are
         written as pieces)."""
         if stream.id not in self.streams:
@@ -536,10 +539,16 @@ class GrpcConnection(asyncio.Protocol):
         if not stream.headers_sent:
             stream.headers_sent = True
             self.out.append(header_block(stream.id, self._block(RESPONSE_HEADERS), False, self.peer_frame))
-        pieces: list[bytes] = []
+        pieces: list[bytes | memoryview] = []
+        size = 0
         for answer in answers:
-            pieces += (grpc_prefix(len(answer)), answer)
-        size = sum(len(p) for p in pieces)
+            if isinstance(answer, tuple):
+                length = sum(len(piece) for piece in answer)
+                pieces += (grpc_prefix(length), *answer)
+            else:
+                length = len(answer)
+                pieces += (grpc_prefix(length), answer)
+            size += length + 5
         if not stream.backlog and size <= min(self.send_window, stream.send_window, self.peer_frame):
             self.out.append(frame_header(size, FrameType.DATA, 0, stream.id))
             self.out += pieces  # (the usual: all of it in one frame)
@@ -607,16 +616,21 @@ class GrpcConnection(asyncio.Protocol):
         self._forget(stream)
 
     def _forget(self, stream: _Stream) -> None:
-        self.streams.pop(stream.id, None)
+        """The stream leaves the table; its handler hears `closed` (once: only a stream in the
+        table is forgotten)."""
+        if self.streams.pop(stream.id, None) is None:
+            return
         self.blocked.pop(stream.id, None)
         if not self.streams:
             self.idle.set()
+        try:
+            stream.handler.closed()
+        except Exception:  # a bug in the handler: logged, the connection serves the others
+            log.exception("ext_proc stream's close failed")
 
     def _drop(self, stream: _Stream) -> None:
-        """The stream ends without its answer: its task is cancelled (the handler hears `closed`)."""
+        """The stream ends without its answer (the handler hears `closed`)."""
         self._forget(stream)
-        if stream.task is not None and not stream.task.done():
-            stream.task.cancel()
 
     def _reset(self, fault: StreamFault) -> None:
         log.warning(f"ext_proc stream {fault.stream_id} reset: {fault.reason}")

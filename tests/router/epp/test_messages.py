@@ -260,7 +260,7 @@ def test_headers_response_is_the_generated_message(
 )
 def test_body_responses_are_the_generated_messages(phase: str, size: int, end: bool) -> None:
     body = bytes(i % 251 for i in range(size))
-    got = [ext_proc.ProcessingResponse.FromString(raw) for raw in body_responses(phase, body, end)]
+    got = [ext_proc.ProcessingResponse.FromString(b"".join(a)) for a in body_responses(phase, body, end)]
     pieces = [body[i : i + CHUNK_BYTES] for i in range(0, len(body), CHUNK_BYTES)] or [b""]
     expected = [
         ext_proc.ProcessingResponse(**{phase: ext_proc.BodyResponse(response=ext_proc.CommonResponse(

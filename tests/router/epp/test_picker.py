@@ -27,6 +27,7 @@ from tests.epp_helpers import (
     response_body,
     response_headers,
     set_headers,
+    wire,
 )
 from tests.gateway_helpers import Gateway, engine_of, gateway_config, running_gateway, running_stubs
 
@@ -36,8 +37,8 @@ pytestmark = pytest.mark.timeout(60)
 async def step(stream: PickStream, message: Any) -> list[Any]:
     """`message` (a generated ProcessingRequest) to the stream as its wire bytes, as gRPC hands them over;
     the answers read back as generated ProcessingResponses."""
-    answers = await stream.on_message(message.SerializeToString())
-    return [ext_proc.ProcessingResponse.FromString(a) for a in answers]
+    answers = stream.on_message(message.SerializeToString())
+    return [ext_proc.ProcessingResponse.FromString(wire(a)) for a in answers]
 
 
 async def run(stream: PickStream, *messages: Any) -> list[list[Any]]:
@@ -211,8 +212,8 @@ async def test_bytes_that_are_no_ext_proc_message_get_a_counted_400(fleet: Fleet
     """What the gRPC server hands over is raw bytes (no generated class parses them first): a message cut
     short is the picker's own 400, counted, and the next stream is picked as usual."""
     cut = request_headers("POST", "/v1/chat/completions", False).SerializeToString()[:-3]
-    [raw] = await fleet.picker.stream().on_message(cut)
-    answer = ext_proc.ProcessingResponse.FromString(raw)
+    [raw] = fleet.picker.stream().on_message(cut)
+    answer = ext_proc.ProcessingResponse.FromString(wire(raw))
     assert answer.immediate_response.status.code == 400
     assert "malformed ext_proc message" in json.loads(answer.immediate_response.body)["error"]["message"]
     metrics = gateway_of(fleet).parts.metrics.render().decode()

@@ -19,7 +19,17 @@ import h2.events
 import h2.settings
 import pytest
 
-from router.epp.frames import PREFACE, ErrorCode, Flag, FrameType, frame, frame_header, grpc_message, settings
+from router.epp.frames import (
+    PREFACE,
+    ErrorCode,
+    Flag,
+    FrameType,
+    Setting,
+    frame,
+    frame_header,
+    grpc_message,
+    settings,
+)
 from router.epp.transport import GrpcConnection, TransportSettings
 from tests.zmq_helpers import wait_until
 
@@ -36,10 +46,9 @@ class Echo:
         self.immediate = False
         self._closed = closed
 
-    async def on_message(self, raw: bytes) -> list[bytes]:
-        await asyncio.sleep(0)  # (a handler that suspends, as the picker's may)
+    def on_message(self, raw: bytes | memoryview) -> list[bytes]:
         self.immediate = raw == b"stop"
-        return [raw]
+        return [bytes(raw)]
 
     def closed(self) -> None:
         self._closed.append(1)
@@ -379,3 +388,61 @@ async def test_a_stream_protocol_error_resets_that_stream_only() -> None:
             ("stream", "zero_window_update"),
         ]
     await wait_until(lambda: len(server.closed) == 3)
+
+
+async def test_a_header_block_after_the_stream_ended_resets_it() -> None:
+    """HEADERS on a stream the client already ended while its answer is still held (the client's
+    10-byte window holds the echo back): RST_STREAM STREAM_CLOSED, counted `headers_after_end`, where
+    a trailers block would otherwise end the stream a second time; the connection's next stream is
+    served. Deterministic: the held answer keeps the stream open until the client credits it, which
+    it never does."""
+    async with serving() as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        window = {Setting.INITIAL_WINDOW_SIZE: 10}
+        writer.write(PREFACE + settings(window) + _raw_headers(1))
+        writer.write(frame(FrameType.DATA, Flag.END_STREAM, 1, grpc_message(b"x" * 100)))
+        writer.write(_raw_headers(1, end=True))  # (the stream's end was the DATA's)
+        writer.write(_raw_headers(3) + frame(FrameType.DATA, Flag.END_STREAM, 3, grpc_message(b"")))
+        frames: list[tuple[int, int, bytes, int]] = []
+        data = b""
+        async with asyncio.timeout(DEADLINE_S):
+            while not any(
+                k == FrameType.HEADERS and sid == 3 and f & Flag.END_STREAM for k, sid, _, f in frames
+            ):
+                data += await reader.read(1 << 16)
+                frames = split_frames(data)
+        writer.close()
+        resets = {sid: _U32.unpack(p)[0] for kind, sid, p, _ in frames if kind == FrameType.RST_STREAM}
+        assert resets == {1: ErrorCode.STREAM_CLOSED}
+        assert server.counted == [("stream", "headers_after_end")]
+        echoed = [p for kind, sid, p, _ in frames if kind == FrameType.DATA and sid == 3]
+        assert b"".join(echoed) == grpc_message(b"")
+    await wait_until(lambda: len(server.closed) == 2)
+
+
+async def test_a_header_block_that_changes_the_table_is_decoded_again_when_repeated() -> None:
+    """The same block bytes mean other headers once they changed the HPACK table: a block that takes
+    its path from table entry 62 and adds a field in front of it names the method the first time and
+    no path the second, so the second is answered `unimplemented` (a decoding kept from the first
+    time would serve it)."""
+    content_type = b"\x0f\x10" + bytes([16]) + b"application/grpc"  # (a literal not indexed, name 31)
+    path = b"\x44" + bytes([len(PATH)]) + PATH.encode()  # (added to the table: entry 62)
+    repeated = b"\x83\x86\xbe" + b"\x40\x03x-a\x011" + content_type  # (62, then x-a added in front)
+    blocks = [b"\x83\x86" + path + content_type, repeated, repeated]
+    headers = [
+        frame(FrameType.HEADERS, Flag.END_HEADERS | Flag.END_STREAM, 2 * i + 1, b)
+        for i, b in enumerate(blocks)
+    ]
+    async with serving() as server:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        writer.write(GOOD_START + b"".join(headers))
+        ends: dict[int, bytes] = {}
+        data = b""
+        async with asyncio.timeout(DEADLINE_S):
+            while len(ends) < len(blocks):
+                data += await reader.read(1 << 16)
+                frames = split_frames(data)
+                ends = {sid: p for k, sid, p, f in frames if k == FrameType.HEADERS and f & Flag.END_STREAM}
+        writer.close()
+    ok, unimplemented = b"grpc-status\x010", b"grpc-status\x0212"
+    assert [ok in ends[1], ok in ends[3], unimplemented in ends[5]] == [True, True, True]
