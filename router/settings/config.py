@@ -9,6 +9,7 @@ holding them, and `router.settings.secrets` reads them. The override rules live 
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, Union, get_args, get_origin, get_type_hints
@@ -20,6 +21,8 @@ from router.settings.group_rules import group_rule
 from tokenization.base import TokenizationError
 from tokenization.hub_names import hub_repo
 from tokenization.reasoning_effort import DisabledThinkingEffort, ReasoningEffort
+
+log = logging.getLogger(__name__)
 
 __all__ = [
     "Auth",
@@ -435,10 +438,13 @@ def load_file(path: Path) -> RouterConfig:
 
 
 def validate(config: RouterConfig, source: str) -> None:
-    """Checks beyond types: URLs, endpoints, unique names, consistent limits and timeouts."""
+    """Checks beyond types: URLs, endpoints, unique names, consistent limits and timeouts. A setting
+    the configured policy does not read is a logged warning, not an error (`_session_keys_unread`)."""
     problems = [*_engine_problems(config.engines), *_general_problems(config)]
     if problems:
         raise ConfigError("\n".join(f"{source}: {p}" for p in problems))
+    for unread in _session_keys_unread(config.policy):
+        log.warning("setting not read by this policy", extra={"source": source, "setting": unread})
 
 
 def _engine_problems(engines: list[EngineConfig]) -> list[str]:
@@ -527,7 +533,6 @@ def _general_problems(config: RouterConfig) -> list[str]:
         problems.append("$.discovery.kubernetes: use either dns_name or the Kubernetes API, not both")
     if kube.backoff_max_s < kube.backoff_s:
         problems.append("$.discovery.kubernetes.backoff_max_s: must be at least backoff_s")
-    problems.extend(_session_problems(config.policy))
     return problems
 
 
@@ -543,16 +548,18 @@ _SESSION_ONLY = (
 recordings keep)."""
 
 
-def _session_problems(policy: PolicyConfig) -> list[str]:
-    """A session key changed under another policy would do nothing: refused, naming the fix. `kv` (the
-    default) pins no session; it sends a session's step where its prefix is cached, weighed against
-    the load, and `session` is `kv` plus the pins (docs/routing.md "Sessions for agents")."""
+def _session_keys_unread(policy: PolicyConfig) -> list[str]:
+    """The session keys changed from their defaults under a policy that does not read them, each said
+    with the fix. `kv` (the default) pins no session; it sends a session's step where its prefix is
+    cached, weighed against the load, and `session` is `kv` plus the pins (docs/routing.md "Sessions
+    for agents"). A warning, not an error: one config is commonly run under several policies
+    (`--policy`, `kvrouter loadtest --policies kv,session`) to compare them."""
     if policy.name == "session":
         return []
     default = PolicyConfig()
     return [
         f'$.policy.{key}: applies only with policy.name = "session" (policy.name is {policy.name!r}, '
-        "which pins no session)"
+        "which pins no session): ignored"
         for key in _SESSION_ONLY
         if getattr(policy, key) != getattr(default, key)
     ]
