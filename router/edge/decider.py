@@ -254,10 +254,12 @@ class Decider:
         # The key was the router's (engines never see it); the request id is the gateway's. The path is
         # str(endpoint): a C call, where Enum.value is a Python-level property.
         headers = forwarded_headers(scope["headers"], rid, parts.guard.api_keys_required)
-        proxied = ProxyRequest(scope["method"], str(endpoint), headers, body, True)
+        ref = _stored_ref(endpoint, body)
+        previous = ref.previous_response_id
+        seek = previous is not None and parts.core.scorer.stored.engine_of(previous) is None
+        proxied = ProxyRequest(scope["method"], str(endpoint), headers, body, True, seek)
         keys = self.session_keys
         session = keys.of_prepared(scope["headers"], prepared.body_session) if keys is not None else None
-        ref = _stored_ref(endpoint, body)
         route = RouteRequest(prepared.session_key, session, excluded, ref.previous_response_id)
         flight = Flight(parts.fleet, parts.core, proxied, entry, route)
         if parts.recorder is not None:  # (kept before the decision: the recording's order and times)

@@ -224,7 +224,7 @@ class Proxy:
             except asyncio.CancelledError:
                 breaker.record_abandoned(self.clock())
                 raise
-            answer = self._answered(target, response, attempts, breaker)
+            answer = self._answered(target, response, attempts, breaker, request.seek_stored)
             if answer is not None:
                 return answer
             last = UpstreamResponse(target, response.status, response.raw_headers, attempts)
@@ -256,15 +256,21 @@ class Proxy:
         )
 
     def _answered(
-        self, target: Target, response: Answer, attempts: list[Attempt], breaker: CircuitBreaker
+        self,
+        target: Target,
+        response: Answer,
+        attempts: list[Attempt],
+        breaker: CircuitBreaker,
+        seek_stored: bool,
     ) -> UpstreamResponse | None:
         """An attempt the engine answered: recorded and counted; the answer to return, or None when
-        it is retryable (5xx/429: the caller reads its excerpt and tries elsewhere)."""
+        it is retryable (5xx/429, or a 404 while `seek_stored`: the caller reads its excerpt and
+        tries elsewhere)."""
         status = response.status
         attempts.append(Attempt(target.engine, OutcomeKind.ANSWERED, status))
         failure, retryable = _VERDICTS.get(status) or _verdicts(status)
         (breaker.record_failure if failure else breaker.record_success)(self.clock())
-        if retryable:
+        if retryable or (seek_stored and status == 404):
             return None
         answer = UpstreamResponse(target, status, response.raw_headers, attempts)
         answer.response = response
@@ -272,8 +278,8 @@ class Proxy:
         return answer
 
     def _final_answer(self, response: UpstreamResponse) -> UpstreamResponse:
-        if response.status == 429:
-            return response  # the engine's own overload answer, Retry-After included
+        if response.status in (429, 404):  # (404: no engine sought holds the stored response)
+            return response  # the engine's own answer (overload, with Retry-After; or not found)
         excerpt = response._buffered[:500].decode("utf-8", "replace")
         raise UpstreamStatusError(
             f"engine {response.engine} answered {response.status}: {excerpt}", engine=response.engine

@@ -52,6 +52,10 @@ class ProxyRequest(msgspec.Struct, frozen=True):
     end_to_end: bool = False
     """The headers have no hop-by-hop ones, nor Host or Content-Length (`forwarded_headers` made
     them): the proxy only adds Host."""
+    seek_stored: bool = False
+    """A Responses continuation whose stored response the gateway does not know the engine of (learnt
+    by another gateway replica, or before a restart): an engine's 404 means "not here", so the next
+    engine is tried, within `[retry] attempts`, and the last 404 is relayed when none holds it."""
 
 
 UPSTREAM_FAILURES: Final = (http1.HttpClientError, OSError)

@@ -79,7 +79,7 @@ async def test_a_continuation_goes_to_the_engine_that_stored_its_response(stream
             assert metric(text, "kvrouter_stored_responses") == 4
 
 
-async def test_an_unknown_or_unstored_id_is_routed_normally_and_the_engines_404_passed_through() -> None:
+async def test_an_unknown_or_unstored_id_is_sought_on_each_engine_and_the_404_passed_through() -> None:
     async with running_stubs(2) as stubs:
         engines = [engine_of(f"e{i}", s) for i, s in enumerate(stubs)]
         async with running_gateway(round_robin(engines)) as gw:
@@ -94,7 +94,42 @@ async def test_an_unknown_or_unstored_id_is_routed_normally_and_the_engines_404_
                 error = answer.json()["error"]
                 assert error["type"] == "invalid_request_error" and error["param"] == "response_id"
                 assert error["message"] == f"Response with id '{unknown}' not found."
-                assert (await reason(gw, answer)).startswith("round_robin")
+                found = await gw.client.get(
+                    f"/debug/decisions/{answer.headers['x-request-id']}",
+                    headers={"Authorization": f"Bearer {ADMIN}"},
+                )
+                entry = msgspec.json.decode(found.content, type=DecisionEntry)
+                assert entry.decisions[0].reason.startswith("round_robin")
+                # not learnt here: each engine was asked (seek_stored), and the last 404 relayed
+                assert sorted((a.engine, a.status) for a in entry.attempts) == [("e0", 404), ("e1", 404)]
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_a_continuation_another_gateway_learnt_is_found_by_asking_each_engine(stream: bool) -> None:
+    """Another replica relayed the stored answer (or this one restarted since): the id is not in
+    this gateway's table, so round robin picks an engine for each continuation, and where that
+    engine answers vLLM's 404 the next one is tried (`ProxyRequest.seek_stored`); the client sees
+    only the answer of the engine that holds it."""
+    async with running_stubs(2) as stubs:
+        engines = [engine_of(f"e{i}", s) for i, s in enumerate(stubs)]
+        async with running_gateway(round_robin(engines)) as first_gw:
+            first = await first_gw.client.post("/v1/responses", json=body("Find the failing test.", stream))
+            assert first.status_code == 200, first.text
+            engine, previous = first.headers["x-kvrouter-engine"], response_id(first, stream)
+        async with running_gateway(round_robin(engines)) as gw:
+            sought = []
+            for turn in range(2):  # round robin's first pick is the other engine once in two turns
+                answer = await gw.client.post("/v1/responses", json=body(f"Step {turn}.", stream, previous))
+                assert answer.status_code == 200, answer.text  # the other engine's 404 is not relayed
+                assert answer.headers["x-kvrouter-engine"] == engine
+                rid = answer.headers["x-request-id"]
+                found = await gw.client.get(
+                    f"/debug/decisions/{rid}", headers={"Authorization": f"Bearer {ADMIN}"}
+                )
+                attempts = msgspec.json.decode(found.content, type=DecisionEntry).attempts
+                sought.append([(a.engine, a.status) for a in attempts])
+            other = next(e.name for e in engines if e.name != engine)
+            assert [(other, 404), (engine, 200)] in sought, sought
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
