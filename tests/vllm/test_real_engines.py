@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import json
 import random
+import statistics
 import subprocess
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
@@ -23,6 +24,7 @@ import pytest
 
 from kvrouter.cli import main
 from kvrouter.loadtest.report import Report
+from kvrouter.loadtest.results import RequestResult
 from router.core.ids import EngineId
 from router.ops.debug import DecisionEntry
 from router.settings.config import PolicyConfig
@@ -272,19 +274,23 @@ async def test_kv_answers_no_later_than_round_robin_beyond_the_noise_measured(
     pair: EnginePair, tmp_path: Path
 ) -> None:
     """On this pair, 3 arrivals/s of multi-turn chats with shared system prompts: kv finds more of
-    the cache than round robin (more cached tokens over both runs), and its TTFT p50 is not worse
+    the cache than round robin (more cached tokens over both runs), and its TTFT median is not worse
     than round robin's beyond the noise measured in the same test. The same requests run twice, the
-    policies in opposite orders, caches reset before each; the noise is the larger spread of one
-    policy's p50 between its two runs. The cached tokens are the robust half: on a loaded machine
-    the p50s of one policy spread 0.15-0.37 s, while kv's cached tokens stay above round robin's
-    (with `tie_min_hit_share` at 0.5, kv took a 256-token system prompt, 36-47% of these prompts,
-    for a short head and cached no more than round robin on 2 of 5 runs). The figures, and whether
-    kv met issue #29's target (p50 <= 0.85x round robin's), go to out/test-vllm/ttft.jsonl, printed
-    by `make test-vllm`."""
+    policies in opposite orders, caches reset before each; the ratio is of the medians of both runs'
+    72 TTFTs per policy, its noise a seeded bootstrap over those requests (`median_ratio_interval`),
+    and kv is worse only when the interval's low end is above 1. The spread of the two runs' p50s,
+    this test's noise before, understated it: 0.05-0.09 on the CI run of a48e87c, whose data give a
+    90% interval of 0.80-1.29. The cached tokens are the robust half: on a loaded machine the p50s
+    of one policy spread 0.15-0.37 s, while kv's cached tokens stay above round robin's (with
+    `tie_min_hit_share` at 0.5, kv took a 256-token system prompt, 36-47% of these prompts, for a
+    short head and cached no more than round robin on 3 of 8 runs). The figures, and whether kv met
+    issue #29's target (median <= 0.85x round robin's), go to out/test-vllm/ttft.jsonl, printed by
+    `make test-vllm`."""
     engines = tmp_path / "engines.json"
     tables = {"models": [pair.model_config("router")], "engines": pair.engine_configs()}
     engines.write_bytes(msgspec.json.encode(tables))
     p50: dict[str, list[float]] = {"kv": [], "round_robin": []}
+    ttfts: dict[str, list[float]] = {"kv": [], "round_robin": []}
     cached = {"kv": 0, "round_robin": 0}
     for run, order in enumerate(["kv,round_robin", "round_robin,kv"]):
         argv = ["loadtest", "--engines-from", str(engines), "--policies", order, *CHATS, "--rate", "3",
@@ -296,13 +302,28 @@ async def test_kv_answers_no_later_than_round_robin_beyond_the_noise_measured(
             assert s.ttft.p50 is not None
             p50[s.policy].append(s.ttft.p50)
             cached[s.policy] += s.cached_tokens
-    noise = max((max(v) - min(v)) / min(v) for v in p50.values())
-    ratio = (sum(p50["kv"]) / 2) / (sum(p50["round_robin"]) / 2)
-    record = {"model": pair.model, "p50_s": p50, "kv_over_round_robin": ratio, "noise": noise,
+        for line in (tmp_path / f"run{run}" / "results.jsonl").read_bytes().splitlines():
+            result = msgspec.json.decode(line, type=RequestResult)
+            assert result.ttft_s is not None
+            ttfts[result.policy].append(result.ttft_s)
+    ratio = statistics.median(ttfts["kv"]) / statistics.median(ttfts["round_robin"])
+    low, high = median_ratio_interval(ttfts["kv"], ttfts["round_robin"])
+    record = {"model": pair.model, "p50_s": p50, "kv_over_round_robin": ratio, "interval_90": [low, high],
               "cached_tokens": cached, "target_0.85_met": ratio <= 0.85}  # fmt: skip
     REPORT.mkdir(parents=True, exist_ok=True)
     with (REPORT / "ttft.jsonl").open("a") as f:
         f.write(json.dumps(record) + "\n")
     print(f"ttft {record}")
     assert cached["kv"] > cached["round_robin"], record
-    assert ratio <= 1 + noise, record
+    assert low <= 1.0, record
+
+
+def median_ratio_interval(a: list[float], b: list[float], rounds: int = 2000) -> tuple[float, float]:
+    """The 5th and 95th percentiles of median(a) / median(b) over `rounds` resamples (with
+    replacement, seeded) of each list: the ratio's noise over the requests measured."""
+    rng = random.Random(0)
+    ratios = sorted(
+        statistics.median(rng.choices(a, k=len(a))) / statistics.median(rng.choices(b, k=len(b)))
+        for _ in range(rounds)
+    )
+    return ratios[rounds // 20], ratios[rounds - 1 - rounds // 20]
