@@ -368,8 +368,8 @@ class Scorer:
         # The cost counts a prefill difference 1 + weight times; so does the tolerance, which keeps
         # "TTFTs within tie_tolerance_s tie" true of candidates that differ only in their hit.
         cost_tol = tol * (1.0 + self.settings.prefill_work_weight)
-        least = self.settings.tie_min_hit_share * _prompt(best)
-        band = [_band_cost(s, least, self.settings.prefill_work_weight) for s in eligible]
+        tie = _Tie(request.key, self.settings.tie_min_hit_share * _prompt(best))
+        band = [_band_cost(s, tie, self.settings.prefill_work_weight) for s in eligible]
         floor = min(band)
         tied = [s for s, b in zip(eligible, band, strict=True) if b <= floor + cost_tol]
         others: str
@@ -381,7 +381,7 @@ class Scorer:
                 f"{best.engine}'s lower cost is a hit under {self.settings.tie_min_hit_share:g} of the prompt"
             )
             return chosen, f"{_kv_words(chosen, False)}; {short}, not counted against the load"
-        chosen, rules = _break_tie(_Tie(request.key, least), tied)
+        chosen, rules = _break_tie(tie, tied)
         others = ", ".join(s.engine for s in tied if s is not chosen)
         why = _kv_words(chosen, chosen.cost_s == best.cost_s)
         return (
@@ -412,9 +412,10 @@ class Scorer:
         return self.sessions.pick(request.session, eligible, lambda: self._kv(request, eligible), self._now)
 
 
-def _band_cost(s: CandidateScore, least_prefix: float, weight: float) -> float:
+def _band_cost(s: CandidateScore, tie: _Tie, weight: float) -> float:
     """The cost that puts `s` in kv's tie band or not: its `cost_s` with the saving of a hit shorter
-    than `least_prefix` (under `tie_min_hit_share` of the prompt) added back.
+    than `tie.least_prefix` (under `tie_min_hit_share` of the prompt: what `_most` does not count)
+    added back.
 
     Why: such a hit (a chat template's header every conversation starts with, one block of an
     agent's thousands of tokens) is worth a few ms of prefill at the learned per-token cost, which
@@ -422,7 +423,7 @@ def _band_cost(s: CandidateScore, least_prefix: float, weight: float) -> float:
     it carried every new session to the replica that took the first conversation, whose later turns
     then followed (BENCHMARKS.md "Load test: kv against round robin on each API", history s18-herd).
     A short hit still decides inside the band, after the in-flight count (`_TIE_RULES`)."""
-    short = s.counted_tokens if s.counted_tokens < least_prefix else 0
+    short = s.counted_tokens - _most(s.counted_tokens, tie)
     return s.cost_s + (1.0 + weight) * s.load.per_token_s * short
 
 
