@@ -16,6 +16,7 @@ from router.core.policy.load import (
     LoadSnapshot,
     LoadTracker,
     PrefillCostModel,
+    Residency,
     ScrapedMetrics,
     StepCost,
 )
@@ -679,3 +680,49 @@ def test_a_send_after_a_timed_snapshot_counts_the_head_drained_by_its_own_time(
         tracker.snapshot(A, 100.2)
         tracker.started(rid(1), A, 100.2 + lag, uncached)
     assert fast._requests[rid(1)].other_s == fresh._requests[rid(1)].other_s
+
+
+def test_residency_counts_the_requests_still_decoding() -> None:
+    """Short answers finish first: while a long one still decodes, the mean of the finished alone
+    holds only the short (it read 0.1 s here, and 0.12-0.19 s through the decode-heavy simulation
+    against ~0.3 s). `Residency` adds the running requests' time so far to the finished ones' and
+    divides by the finished count: the censored durations' exponential maximum-likelihood mean."""
+    load = LoadTracker(PRIOR)
+    for n in range(3):
+        load.started(rid(n), A, at=0.0, uncached_tokens=10)
+        load.first_token(rid(n), at=0.1)
+    load.finished(rid(0), at=0.2)  # decoded 0.1 s; requests 1 and 2 still decode
+    assert load.snapshot(A, now=0.2).residency_s == pytest.approx((0.1 + 2 * 0.1) / 1)
+    assert load.snapshot(A, now=1.1).residency_s == pytest.approx((0.1 + 2 * 1.0) / 1)  # they grow
+    load.finished(rid(1), at=1.1)
+    load.finished(rid(2), at=1.1)
+    done = load.snapshot(A, now=5.0).residency_s  # nothing decodes: the finished ones' weighted mean
+    f = 0.98  # (`_RESIDENCY_FORGETTING`: each finish weighs the earlier ones down)
+    assert done == pytest.approx((0.1 * f * f + 1.0 * f + 1.0) / (f * f + f + 1))
+
+
+def test_residency_is_zero_before_any_request_finished_and_the_mean_duration_in_a_steady_state() -> None:
+    res = Residency()
+    res.first_token(0.0)
+    assert res.estimate(10.0) == 0.0  # no slot wait is predicted from nothing finished (as before)
+    res.finished(0.0, 0.5)
+    for n in range(200):  # each lasts 0.5 s, one decoding at a time
+        res.first_token(n + 1.0)
+        res.finished(n + 1.0, n + 1.5)
+    assert res.estimate(500.0) == pytest.approx(0.5)
+    assert (res.decoding, res.since_sum) == (0, 0.0)
+
+
+def test_a_send_after_the_snapshot_takes_out_the_slot_wait_of_the_residency_at_its_time() -> None:
+    """`started` reuses the decision's snapshot but reads the residency again at its own time: the
+    decoding requests' ages, which the slot wait reads, grow between the two."""
+    load = LoadTracker(PRIOR, step=StepCost(0.0, 0.0, max_num_seqs=1))
+    load.started(rid(1), A, at=0.0, uncached_tokens=10)
+    load.first_token(rid(1), at=0.1)
+    load.finished(rid(1), at=0.3)  # 0.2 s
+    load.started(rid(2), A, at=1.0, uncached_tokens=10)
+    load.first_token(rid(2), at=1.0)  # decoding: the only slot is taken
+    snap = load.snapshot(A, now=2.0)
+    assert snap.residency_s == pytest.approx(0.2 + 1.0)
+    load.started(rid(3), A, at=3.0, uncached_tokens=0)  # one slot, one held: it waits for it
+    assert load._requests[rid(3)].other_s == pytest.approx((0.2 + 2.0) / 1)  # not the 2.0 s snapshot's 1.2
