@@ -360,7 +360,8 @@ class LoadTracker:
             seen, timed = self.snapshot(engine, at), False  # (its drained head is at `at` already)
         if timed and (seen.decoding > 0 or seen.context_tokens > 0):  # (else no step part at all)
             seen = msgspec.structs.replace(seen, drained_tokens=self._drained(load, seen.decoding, at))
-        if load.residency.decoding and at != load.seen_at:
+        full = seen.in_flight >= self.step.max_num_seqs > 0  # (else no slot wait: residency unread)
+        if full and load.residency.decoding and at != load.seen_at:
             seen = msgspec.structs.replace(seen, residency_s=load.residency.estimate(at))
         _, decode_s, slot_s, _ = ttft_terms(seen, uncached_tokens)
         return decode_s + slot_s
