@@ -10,8 +10,6 @@ much as kv.
 from __future__ import annotations
 
 import os
-import random
-import socket
 import struct
 import subprocess
 import sys
@@ -26,6 +24,7 @@ from kvrouter.loadtest.results import RequestResult
 from router.links.embedded_stubs import PORTS_PER_STUB
 from router.settings.config import EngineConfig, ModelConfig
 from tests.conftest import TRACES
+from tests.port_helpers import free_port_run
 
 STUB = Path(__file__).parents[2] / "data" / "loadtest_stub.toml"
 
@@ -89,28 +88,8 @@ def test_a_real_mooncake_trace_replays_and_a_duration_cut_says_so(
     assert "<tr><th>block_tokens</th><td>16</td></tr>" in page and "2 requests arriving later" in page
 
 
-def _free_port_range(n: int) -> int:
-    """A base port with `n` consecutive free ports on 127.0.0.1 (checked by binding each)."""
-    rng = random.Random()
-    for _ in range(100):
-        base = rng.randrange(20000, 60000 - n)
-        socks: list[socket.socket] = []
-        try:
-            for port in range(base, base + n):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no free port range")
-
-
 def test_an_external_router_is_measured_on_the_same_stubs(tmp_path: Path) -> None:
-    base = _free_port_range(2 * PORTS_PER_STUB)
+    base = free_port_run(2 * PORTS_PER_STUB)  # the router is told the stubs' ports before they start
     engines = [
         EngineConfig(name=f"s{i}", url=f"http://127.0.0.1:{p}", model="kvrouter-stub",
                      events=[f"tcp://127.0.0.1:{p + 1}"], replay=[f"tcp://127.0.0.1:{p + 2}"])
