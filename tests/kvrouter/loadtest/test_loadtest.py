@@ -1,10 +1,11 @@
 """`kvrouter loadtest` end to end: real stubs, a real gateway per policy, the report files.
 
 The workload is built so prefix caching decides the outcome: 16 system prompts of 2048 tokens shared
-by 64 users at a rate low enough that queueing stays small. A cold prefill then costs ~33 ms of
-simulated time while a warm one costs ~2 ms, so kv must beat round robin on both cached tokens and
-TTFT p50 by a wide margin, and the oracle (perfect knowledge, cache first) must cache at least as
-much as kv.
+by 64 users at a rate low enough that queueing stays small. kv must cache more than round robin and
+the oracle (perfect knowledge, cache first) at least as much as kv: token counts the engines report,
+which a loaded machine cannot flip. The TTFTs are wall-clock figures here (printed, and in the
+report); that kv's p50 beats round robin's on this workload is proved in simulated time
+(tests/router/core/policy/test_system_prompts_sim.py).
 """
 
 from __future__ import annotations
@@ -43,7 +44,8 @@ def test_kv_beats_round_robin_and_the_oracle_bounds_it(tmp_path: Path) -> None:
     assert (kv.policy, rr.policy, oracle.policy) == ("kv", "round_robin", "cache_oracle")
     assert all(s.requests == 64 and s.errors == 0 for s in report.policies)
     assert kv.cached_tokens > rr.cached_tokens
-    assert kv.ttft.p50 is not None and rr.ttft.p50 is not None and kv.ttft.p50 < rr.ttft.p50
+    assert kv.ttft.p50 is not None and rr.ttft.p50 is not None  # measured; compared in simulated time
+    print(f"wall-clock TTFT p50: kv {kv.ttft.p50 * 1000:.1f} ms, round robin {rr.ttft.p50 * 1000:.1f} ms")
     assert oracle.cached_tokens >= kv.cached_tokens
     assert kv.predictions == 64 and kv.prediction_exact is not None and kv.prediction_exact >= 0.9
     assert set(kv.engine_share) == {"embedded-0", "embedded-1"}
