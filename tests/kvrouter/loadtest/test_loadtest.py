@@ -3,7 +3,8 @@
 The workload is built so prefix caching decides the outcome: 16 system prompts of 2048 tokens shared
 by 64 users at a rate low enough that queueing stays small. kv must cache more than round robin and
 the oracle (perfect knowledge, cache first) at least as much as kv: token counts the engines report,
-which a loaded machine cannot flip. The TTFTs are wall-clock figures here (printed, and in the
+which a loaded machine cannot flip; every prediction that missed must be a race the decision record
+names (tests/prediction_misses.py). The TTFTs are wall-clock figures here (printed, and in the
 report); that kv's p50 beats round robin's on this workload is proved in simulated time
 (tests/router/core/policy/test_system_prompts_sim.py).
 """
@@ -26,6 +27,7 @@ from router.links.embedded_stubs import PORTS_PER_STUB
 from router.settings.config import EngineConfig, ModelConfig
 from tests.conftest import TRACES
 from tests.port_helpers import free_port_run
+from tests.prediction_misses import EXPLAINED, miss_kinds
 
 STUB = Path(__file__).parents[2] / "data" / "loadtest_stub.toml"
 
@@ -39,7 +41,8 @@ def run(out: Path, *args: str) -> Report:
 
 def test_kv_beats_round_robin_and_the_oracle_bounds_it(tmp_path: Path) -> None:
     workload = ["--system-prompts", "16", "--system-prompt-tokens", "2048", "--users", "64", "--turns", "1"]
-    report = run(tmp_path, *workload, "--rate", "15", "--policies", "kv,round_robin,cache_oracle")
+    policies = ["--policies", "kv,round_robin,cache_oracle", "--record-decisions"]
+    report = run(tmp_path, *workload, "--rate", "15", *policies)
     kv, rr, oracle = report.policies
     assert (kv.policy, rr.policy, oracle.policy) == ("kv", "round_robin", "cache_oracle")
     assert all(s.requests == 64 and s.errors == 0 for s in report.policies)
@@ -47,10 +50,15 @@ def test_kv_beats_round_robin_and_the_oracle_bounds_it(tmp_path: Path) -> None:
     assert kv.ttft.p50 is not None and rr.ttft.p50 is not None  # measured; compared in simulated time
     print(f"wall-clock TTFT p50: kv {kv.ttft.p50 * 1000:.1f} ms, round robin {rr.ttft.p50 * 1000:.1f} ms")
     assert oracle.cached_tokens >= kv.cached_tokens
-    assert kv.predictions == 64 and kv.prediction_exact is not None and kv.prediction_exact >= 0.9
+    assert kv.predictions == 64
     assert set(kv.engine_share) == {"embedded-0", "embedded-1"}
     lines = (tmp_path / "results.jsonl").read_bytes().splitlines()
-    assert len([msgspec.json.decode(line, type=RequestResult) for line in lines]) == 3 * 64
+    results = [msgspec.json.decode(line, type=RequestResult) for line in lines]
+    assert len(results) == 3 * 64
+    # a miss only by a race the decision names, with another request in flight there (not a ratio)
+    kinds = miss_kinds([r for r in results if r.policy == "kv"], tmp_path / "kv.kvrec")
+    print(f"prediction exact {kv.prediction_exact}, misses {kinds}")
+    assert set(kinds) <= EXPLAINED, kinds
     for name in PLOTS:
         png = (tmp_path / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24])[0] > 300
