@@ -185,7 +185,9 @@ class CellRun:
     cell: Cell
     order: list[str]
     routers: dict[str, str]
-    base_port: int
+    base_port: int | None
+    """The stubs' fixed base port when peers must be told their addresses before the stubs start;
+    None: the stubs bind port 0 (no peer in the run), so no other process can hold their ports."""
     out: Path
 
 
@@ -202,10 +204,11 @@ def loadtest_argv(args: argparse.Namespace, run: CellRun, engine_config: Path) -
         "--engines", str(c.stubs), "--engine-config", str(engine_config),
         "--workload", workload_arg(c.trace), "--requests", str(args.requests),
         "--load", f"{c.load:g}", "--max-output-tokens", str(args.max_output_tokens),
-        "--prompt-format", "text", "--stub-base-port", str(run.base_port),
-        "--ready-timeout", f"{args.ready_timeout:g}",
+        "--prompt-format", "text", "--ready-timeout", f"{args.ready_timeout:g}",
         "--policies", ",".join(run.order), "--out", str(run.out),
     ]  # fmt: skip
+    if run.base_port is not None:
+        argv += ["--stub-base-port", str(run.base_port)]
     if args.duration is not None:
         argv += ["--duration", f"{args.duration:g}"]
     if args.block_tokens is not None:
@@ -228,6 +231,9 @@ def start_peers(
     run: CellRun, scripts: dict[str, Path], ports: dict[str, tuple[int, int]]
 ) -> list[peers.Running]:
     """Start every peer target of the cell (not waited for: `kvrouter loadtest` waits for each)."""
+    if not run.routers:
+        return []
+    assert run.base_port is not None, "peers need the stubs' fixed ports"
     addresses = stub_addresses(run.base_port, run.cell.stubs)
     started = []
     for name in run.routers:
@@ -264,8 +270,9 @@ def run_cell(
         ports = {n: (peers.free_port(), peers.free_port()) for n in group if n in PEERS_BY_NAME}
         routers = {n: f"http://127.0.0.1:{p[0]}" for n, p in ports.items()}
         where = out if k == 0 else out / group[0]
-        got = run_group(args, CellRun(cell, group, routers, args.base_port + 100 * (index % 100), where),
-                        scripts, ports)  # fmt: skip
+        # Fixed stub ports only for peers, which are started before the stubs and told their addresses.
+        base = args.base_port + 100 * (index % 100) if routers else None
+        got = run_group(args, CellRun(cell, group, routers, base, where), scripts, ports)
         rows += got
         ok = ok and bool(got)
     return rows, CellTime(cell.name, time.monotonic() - start, load1, os.getloadavg()[0], ok)
@@ -548,7 +555,10 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--ready-timeout", type=float, default=120.0, help="seconds a gateway or peer may take"
     )
     parser.add_argument(
-        "--base-port", type=int, default=20000, help="stub ports start here (netns: all free)"
+        "--base-port",
+        type=int,
+        default=20000,
+        help="stub ports start here when peers run (netns: all free; without peers the stubs bind port 0)",
     )
     parser.add_argument("--report", metavar="DIR", help="only re-render the report of an earlier --out")
     parser.add_argument("--no-install", action="store_true", help="use the venvs in .bench-venvs as they are")

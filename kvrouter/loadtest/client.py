@@ -115,6 +115,7 @@ async def _one(
                 return msgspec.structs.replace(base, error=f"HTTP {r.status}: {text}")
             engine = r.headers.get("x-kvrouter-engine") or target.engine
             predicted = r.headers.get("x-kvrouter-predicted-cached-tokens")
+            request_id = r.headers.get("x-request-id")
             ttft, usage = await _read_answer(r, sent, settings.shape.stream)
     except (aiohttp.ClientError, TimeoutError, msgspec.DecodeError) as exc:
         return msgspec.structs.replace(base, error=f"{type(exc).__name__}: {exc}")
@@ -127,6 +128,7 @@ async def _one(
         cached_tokens=usage.cached if usage else 0,
         output_tokens=usage.output if usage else 0,
         predicted_cached_tokens=int(predicted) if predicted is not None and predicted.isdigit() else None,
+        request_id=request_id,
     )
 
 

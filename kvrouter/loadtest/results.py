@@ -49,6 +49,9 @@ class RequestResult(msgspec.Struct, frozen=True):
     output_tokens: int = 0
     predicted_cached_tokens: int | None = None
     error: str | None = None
+    request_id: str | None = None
+    """The answer's `x-request-id` (a gateway's id for the request, under which it recorded its
+    decision; None when the target sent none)."""
 
 
 class Percentiles(msgspec.Struct, frozen=True):

@@ -260,6 +260,9 @@ def test_one_loadtest_per_cell_with_every_router_named(tmp_path: Path) -> None:
         "500",
     )
     assert (flag(argv, "--duration"), flag(argv, "--block-tokens")) == ("300", "64")
+    # without a peer to tell, the stubs bind port 0: no fixed port another process may hold
+    no_peer = CellRun(Cell("agents", 4, 1.2, 0), ["kv"], {}, None, tmp_path)
+    assert "--stub-base-port" not in loadtest_argv(args, no_peer, tmp_path / "engine.toml")
 
 
 def test_the_stubs_toml_carries_the_speed_factor() -> None:
@@ -290,15 +293,15 @@ def test_a_tiny_cell_of_kvrouter_policies_end_to_end(tmp_path: Path, monkeypatch
     trace.write_text("".join(json.dumps(x) + "\n" for x in lines))
     monkeypatch.setitem(routing_bench.TRACES, "tiny", trace)
     out = tmp_path / "bench"
-    # not the fixed default 20000: another checkout's run of this test on the machine would share it
-    base = str(peers.free_port())
+    # No peer runs, so the stubs bind port 0 (the default --base-port 20000 is for peers only: another
+    # checkout's run of this test, or any process, may hold a fixed port on a shared machine).
     args = parse_args(["--traces", "tiny", "--targets", "kv,round_robin", "--requests", "6",
-                       "--base-port", base, "--max-output-tokens", "4", "--out", str(out),
-                       "--ready-timeout", "60"])  # fmt: skip
+                       "--max-output-tokens", "4", "--out", str(out), "--ready-timeout", "60"])  # fmt: skip
     rows, took = routing_bench.run_cell(args, Cell("tiny", 2, 0.5, 1), 0, {})
     assert took.ok and {r.target for r in rows} == {"kv", "round_robin"}
     assert all((r.requests, r.errors, r.stubs, r.rep) == (6, 0, 2, 1) for r in rows)
     summary = json.loads((out / "tiny-s2-l0.5-r1" / "summary.json").read_text())
+    assert summary["settings"]["stub_base_port"] is None  # the stubs bound port 0
     assert [p["policy"] for p in summary["policies"]] == ["round_robin", "kv"]  # rotated by the repetition
     assert summary["settings"]["prompt_format"] == "text" and summary["plan"]["speed_factor"] == 1.0
     routing_bench.append(out / "rows.jsonl", rows)

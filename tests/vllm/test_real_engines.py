@@ -29,6 +29,7 @@ from router.core.ids import EngineId
 from router.ops.debug import DecisionEntry
 from router.settings.config import PolicyConfig
 from tests.gateway_helpers import ADMIN, gateway_config, running_gateway, wait_for
+from tests.prediction_misses import miss_kind
 from tests.vllm.doc_blocks import code_blocks, shell_words
 from tests.vllm.engine_pair import EnginePair
 from tests.vllm.traffic import Outcome, Traffic, caught_up
@@ -139,32 +140,6 @@ async def test_agent_apis_are_predicted_exactly(pair: EnginePair) -> None:
     assert all(o.actual > 0 for o in later), [(o.kind, o.actual) for o in later]
 
 
-def miss_kind(entry: DecisionEntry) -> str:
-    """Why a concurrent request's prediction missed, from its decision record.
-
-    The prediction is the longer of the mirror's hit and the pending prefixes just routed there, and
-    both are what the router knew at the decision. `stored_after_decision`: the engine reported more
-    than either (blocks whose store events had not reached the mirror, or that a concurrent request
-    computed after the decision, were there when the engine scheduled this one).
-    `pending_overshoot`: the prediction counted a sibling's prefix routed there just before, which the
-    engine had not finished computing when it scheduled this request. `evicted_after_decision`: the
-    mirror held the hit at the decision, the engine had evicted part of it by the time it scheduled the
-    request. `unexplained`: the recorded prediction is neither source (the record contradicts itself).
-    """
-    decision = entry.decisions[-1]
-    predicted, actual = entry.predicted_cached_tokens or 0, entry.actual_cached_tokens or 0
-    chosen = next(c for c in decision.candidates if c.engine == decision.engine)
-    if predicted != max(decision.mirror_hit_tokens, chosen.pending_tokens):
-        return "unexplained"
-    if actual > predicted:
-        return "stored_after_decision"
-    if actual < predicted and chosen.pending_tokens == predicted > decision.mirror_hit_tokens:
-        return "pending_overshoot"
-    if actual < predicted and decision.mirror_hit_tokens == predicted:
-        return "evicted_after_decision"
-    return "unexplained"
-
-
 @pytest.mark.parametrize("hashing", HASHING)
 async def test_concurrent_traffic_records_its_exact_ratio(pair: EnginePair, hashing: str) -> None:
     rng = random.Random(f"concurrent-{pair.model}-{hashing}")
@@ -183,7 +158,10 @@ async def test_concurrent_traffic_records_its_exact_ratio(pair: EnginePair, hash
             found = await traffic.gw.client.get(
                 f"/debug/decisions/{o.request_id}", headers={"authorization": f"Bearer {ADMIN}"}
             )
-            kind = miss_kind(msgspec.json.decode(found.content, type=DecisionEntry))
+            entry = msgspec.json.decode(found.content, type=DecisionEntry)
+            kind = miss_kind(
+                entry.decisions[-1], entry.predicted_cached_tokens or 0, entry.actual_cached_tokens or 0
+            )
             kinds[kind] = kinds.get(kind, 0) + 1
             if kind == "unexplained":
                 unexplained.append(found.text)

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 from collections.abc import AsyncIterator
 
 import httpx
@@ -28,6 +27,7 @@ from events.config import KVEventsConfig
 from events.decode import BatchDecoder
 from events.frames import Frame
 from events.wire import AllBlocksCleared, BlockStored, KVEventBatch
+from tests.port_helpers import free_port_run
 from tests.stub_helpers import BS, SOURCES, RawSub, live_stub, stub_config
 from tests.zmq_helpers import TrackedContext, tracked_context, wait_until
 from tokenization import BuiltinTokenizer
@@ -260,23 +260,8 @@ async def warm_up(client: httpx.AsyncClient, sub: RawSub, rank: int = 0) -> int:
     raise AssertionError("the subscriber never joined")
 
 
-def two_free_ports() -> int:
-    """A port P such that P and P+1 were both free a moment ago."""
-    for _ in range(50):
-        with socket.socket() as a:
-            a.bind(("127.0.0.1", 0))
-            port = a.getsockname()[1]
-            with socket.socket() as b:
-                try:
-                    b.bind(("127.0.0.1", port + 1))
-                except OSError:
-                    continue
-                return int(port)
-    raise AssertionError("no two consecutive free ports")
-
-
 async def test_data_parallel_ranks_publish_on_offset_ports(ctx: TrackedContext) -> None:
-    port = two_free_ports()
+    port = free_port_run(2)  # rank r publishes on the configured port + r, as vLLM does
     events = KVEventsConfig(enable_kv_cache_events=True, endpoint=f"tcp://*:{port}")
     async with live_stub(stub_config(data_parallel_size=2, kv_events=events)) as (_, client):
         sources = SOURCES.decode((await client.get("/kv_event_sources")).content)

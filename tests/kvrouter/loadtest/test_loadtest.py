@@ -1,17 +1,17 @@
 """`kvrouter loadtest` end to end: real stubs, a real gateway per policy, the report files.
 
 The workload is built so prefix caching decides the outcome: 16 system prompts of 2048 tokens shared
-by 64 users at a rate low enough that queueing stays small. A cold prefill then costs ~33 ms of
-simulated time while a warm one costs ~2 ms, so kv must beat round robin on both cached tokens and
-TTFT p50 by a wide margin, and the oracle (perfect knowledge, cache first) must cache at least as
-much as kv.
+by 64 users at a rate low enough that queueing stays small. kv must cache more than round robin and
+the oracle (perfect knowledge, cache first) at least as much as kv: token counts the engines report,
+which a loaded machine cannot flip; every prediction that missed must be a race the decision record
+names (tests/prediction_misses.py). The TTFTs are wall-clock figures here (printed, and in the
+report); that kv's p50 beats round robin's on this workload is proved in simulated time
+(tests/router/core/policy/test_system_prompts_sim.py).
 """
 
 from __future__ import annotations
 
 import os
-import random
-import socket
 import struct
 import subprocess
 import sys
@@ -26,6 +26,8 @@ from kvrouter.loadtest.results import RequestResult
 from router.links.embedded_stubs import PORTS_PER_STUB
 from router.settings.config import EngineConfig, ModelConfig
 from tests.conftest import TRACES
+from tests.port_helpers import free_port_run
+from tests.prediction_misses import EXPLAINED, miss_kinds
 
 STUB = Path(__file__).parents[2] / "data" / "loadtest_stub.toml"
 
@@ -39,17 +41,24 @@ def run(out: Path, *args: str) -> Report:
 
 def test_kv_beats_round_robin_and_the_oracle_bounds_it(tmp_path: Path) -> None:
     workload = ["--system-prompts", "16", "--system-prompt-tokens", "2048", "--users", "64", "--turns", "1"]
-    report = run(tmp_path, *workload, "--rate", "15", "--policies", "kv,round_robin,cache_oracle")
+    policies = ["--policies", "kv,round_robin,cache_oracle", "--record-decisions"]
+    report = run(tmp_path, *workload, "--rate", "15", *policies)
     kv, rr, oracle = report.policies
     assert (kv.policy, rr.policy, oracle.policy) == ("kv", "round_robin", "cache_oracle")
     assert all(s.requests == 64 and s.errors == 0 for s in report.policies)
     assert kv.cached_tokens > rr.cached_tokens
-    assert kv.ttft.p50 is not None and rr.ttft.p50 is not None and kv.ttft.p50 < rr.ttft.p50
+    assert kv.ttft.p50 is not None and rr.ttft.p50 is not None  # measured; compared in simulated time
+    print(f"wall-clock TTFT p50: kv {kv.ttft.p50 * 1000:.1f} ms, round robin {rr.ttft.p50 * 1000:.1f} ms")
     assert oracle.cached_tokens >= kv.cached_tokens
-    assert kv.predictions == 64 and kv.prediction_exact is not None and kv.prediction_exact >= 0.9
+    assert kv.predictions == 64
     assert set(kv.engine_share) == {"embedded-0", "embedded-1"}
     lines = (tmp_path / "results.jsonl").read_bytes().splitlines()
-    assert len([msgspec.json.decode(line, type=RequestResult) for line in lines]) == 3 * 64
+    results = [msgspec.json.decode(line, type=RequestResult) for line in lines]
+    assert len(results) == 3 * 64
+    # a miss only by a race the decision names, with another request in flight there (not a ratio)
+    kinds = miss_kinds([r for r in results if r.policy == "kv"], tmp_path / "kv.kvrec")
+    print(f"prediction exact {kv.prediction_exact}, misses {kinds}")
+    assert set(kinds) <= EXPLAINED, kinds
     for name in PLOTS:
         png = (tmp_path / name).read_bytes()
         assert png[:8] == b"\x89PNG\r\n\x1a\n" and struct.unpack(">II", png[16:24])[0] > 300
@@ -89,28 +98,8 @@ def test_a_real_mooncake_trace_replays_and_a_duration_cut_says_so(
     assert "<tr><th>block_tokens</th><td>16</td></tr>" in page and "2 requests arriving later" in page
 
 
-def _free_port_range(n: int) -> int:
-    """A base port with `n` consecutive free ports on 127.0.0.1 (checked by binding each)."""
-    rng = random.Random()
-    for _ in range(100):
-        base = rng.randrange(20000, 60000 - n)
-        socks: list[socket.socket] = []
-        try:
-            for port in range(base, base + n):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no free port range")
-
-
 def test_an_external_router_is_measured_on_the_same_stubs(tmp_path: Path) -> None:
-    base = _free_port_range(2 * PORTS_PER_STUB)
+    base = free_port_run(2 * PORTS_PER_STUB)  # the router is told the stubs' ports before they start
     engines = [
         EngineConfig(name=f"s{i}", url=f"http://127.0.0.1:{p}", model="kvrouter-stub",
                      events=[f"tcp://127.0.0.1:{p + 1}"], replay=[f"tcp://127.0.0.1:{p + 2}"])
