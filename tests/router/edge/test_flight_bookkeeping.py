@@ -29,7 +29,10 @@ def _state(fleet: FleetState) -> object:
     load = fleet.load
     return (
         {r: (f.engine, f.started_at, f.other_s, f.first_token_at) for r, f in load._requests.items()},
-        {e: (x.in_flight, x.prefilling, x.prefill_tokens, x.residency_s) for e, x in load._engines.items()},
+        {
+            e: (x.in_flight, x.prefilling, x.prefill_tokens, x.residency.estimate(fleet.clock()))
+            for e, x in load._engines.items()
+        },
         {e: fleet.admission.in_flight(EngineId(e)) for e in NAMES},
         {r: (e.replica, e.until) for r, e in fleet.pending._entries.items()},
         fleet.clock(),
