@@ -21,11 +21,19 @@ from collections.abc import Sequence
 import msgspec
 
 from engine_stub.core.engine_config import EngineCoreConfig
+from engine_stub.core.request import SubmitParams
 from engine_stub.core.scheduler import StepOutput
 from engine_stub.runtime.cost_model import CostModel
 from events.sources import EngineName
 from events.wire import KVEventBatch
-from kvrouter.loadtest.virtual_fleet import SimRank, SoonestForecast, request_id, run_fleet, sim_ranks
+from kvrouter.loadtest.virtual_fleet import (
+    FleetRun,
+    SimRank,
+    SoonestForecast,
+    request_id,
+    run_fleet,
+    sim_ranks,
+)
 from kvrouter.loadtest.workload import RequestSpec
 from router.core.errors import RouterError
 from router.core.fleet_state import FleetState
@@ -41,7 +49,10 @@ from router.prepare.served_models import Models
 from router.settings.config import EngineConfig, ModelConfig, PolicyConfig, RouterConfig
 from tokenization.openai_request import Endpoint
 
-__all__ = ["TTFT_ORACLE", "SimEngines", "SimResult", "SimRouterCore", "run", "simulate"]
+__all__ = [
+    "TTFT_ORACLE", "ForecastRegret", "SimEngines", "SimResult", "SimRouterCore", "forecast_audit", "run",
+    "simulate",
+]  # fmt: skip
 
 TTFT_ORACLE = "ttft_oracle"
 MODEL = "sim"
@@ -121,9 +132,17 @@ class SimRouterCore:
     sends each request where `SoonestForecast` says instead."""
 
     def __init__(
-        self, sim: SimEngines, settings: ScorerSettings, fleet: Sequence[SimRank], oracle: bool = False
+        self,
+        sim: SimEngines,
+        settings: ScorerSettings,
+        fleet: Sequence[SimRank],
+        oracle: bool = False,
+        audit: bool = False,
     ) -> None:
         self.now = 0.0
+        self.ranks, self.cost = fleet, sim.cost
+        self.forecasts: dict[int, list[tuple[float, int]]] | None = {} if audit else None
+        """With `audit`: per request, every rank's true forecast (seconds, hit) when it arrived."""
         config = router_config(sim, settings)
         self.models = Models(config)
         self.fleet = FleetState(config, self.models.hasher, lambda: self.now)
@@ -135,11 +154,16 @@ class SimRouterCore:
         self.flights: dict[str, Flight] = {}
         self.seqs = [0] * sim.engines
         self.predicted: dict[int, CandidateScore] = {}  # request index -> its chosen candidate
+        self.routed: dict[int, EngineId] = {}  # request index -> the engine it went to (the oracle's)
 
     def route(self, index: int, spec: RequestSpec, now: float) -> int | None:
         """Prepare the request's body, decide and count it as the gateway does; its engine's index
         (None: refused, as the gateway answers 503 `saturated` when every engine is past the bound)."""
         self.now = now
+        if self.forecasts is not None:
+            params = SubmitParams(max_tokens=spec.max_tokens)
+            probe = self.ranks[0].scheduler.probe(spec.prompt, params)
+            self.forecasts[index] = [rank.forecast(probe, params, self.cost, now) for rank in self.ranks]
         rid = request_id(index)
         body = msgspec.json.encode({"model": MODEL, "prompt": spec.prompt, "max_tokens": spec.max_tokens})
         prepared = self.models.prepare(body, Endpoint.COMPLETIONS)
@@ -158,6 +182,7 @@ class SimRouterCore:
             flight.moved_to(self.names[self.oracle.route(index, spec, now)])
         self.flights[rid] = flight
         assert flight.engine is not None
+        self.routed[index] = flight.engine
         return self.names.index(flight.engine)
 
     def stepped(self, rank: int, out: StepOutput, now: float) -> None:
@@ -187,12 +212,7 @@ def run(
     settings: ScorerSettings | None = None,
 ) -> SimResult:
     """Replay `requests` under `policy` (a scorer policy with `settings`, or `TTFT_ORACLE`)."""
-    oracle = policy == TTFT_ORACLE
-    base = settings if settings is not None else ScorerSettings()
-    chosen = msgspec.structs.replace(base, policy=PolicyName.KV if oracle else PolicyName(policy))
-    fleet = sim_ranks(sim.core, sim.engines)
-    router = SimRouterCore(sim, chosen, fleet, oracle)
-    done = run_fleet(requests, fleet, sim.cost, router)
+    router, done = _replay(policy, requests, sim, settings)
     picked = [router.predicted.get(i) for i in range(len(requests))]
     return SimResult(
         done.ttft_s, done.cached_tokens, done.prompt_tokens, done.busy_s,
@@ -201,3 +221,70 @@ def run(
         done.refused,
         [c.load.per_token_s if c else math.nan for c in picked],
     )  # fmt: skip
+
+
+def _replay(
+    policy: PolicyName | str,
+    requests: Sequence[RequestSpec],
+    sim: SimEngines,
+    settings: ScorerSettings | None,
+    audit: bool = False,
+) -> tuple[SimRouterCore, FleetRun]:
+    oracle = policy == TTFT_ORACLE
+    base = settings if settings is not None else ScorerSettings()
+    chosen = msgspec.structs.replace(base, policy=PolicyName.KV if oracle else PolicyName(policy))
+    fleet = sim_ranks(sim.core, sim.engines)
+    router = SimRouterCore(sim, chosen, fleet, oracle, audit)
+    return router, run_fleet(requests, fleet, sim.cost, router)
+
+
+class ForecastRegret(msgspec.Struct, frozen=True):
+    """One routed request against the engines' true forecasts when it arrived (the oracle's view):
+    the rank chosen and the soonest, their forecast seconds to first token and hits, what the
+    router predicted for the rank chosen, and whether that rank's running batch was full as the
+    router counted it (`max_num_seqs` decoding: the request waits for a slot)."""
+
+    index: int
+    chosen: int
+    soonest: int
+    chosen_forecast_s: float
+    soonest_forecast_s: float
+    chosen_hit: int
+    soonest_hit: int
+    predicted_s: float
+    batch_full: bool
+
+    @property
+    def regret_s(self) -> float:
+        """How much later than the soonest rank the chosen one was forecast to answer."""
+        return self.chosen_forecast_s - self.soonest_forecast_s
+
+
+def forecast_audit(
+    policy: PolicyName | str,
+    requests: Sequence[RequestSpec],
+    sim: SimEngines,
+    settings: ScorerSettings | None = None,
+) -> list[ForecastRegret]:
+    """Replay `requests` under `policy` and judge every routed request against the true forecasts
+    (`SimRank.forecast`, the oracle's): where the policy's choices lose time, and whether its
+    prediction for the rank chosen was the forecast (bench/kv_forecast_audit.py prints a summary)."""
+    router, _ = _replay(policy, requests, sim, settings, audit=True)
+    assert router.forecasts is not None
+    rows = []
+    names = router.names
+    for index, forecasts in sorted(router.forecasts.items()):
+        picked = router.predicted.get(index)
+        flight_engine = router.routed.get(index)
+        if picked is None or flight_engine is None:
+            continue  # refused
+        chosen = names.index(flight_engine)
+        soonest = min(range(len(forecasts)), key=lambda i: (forecasts[i][0], -forecasts[i][1], i))
+        full = picked.load.decoding >= sim.step.max_num_seqs > 0
+        row = ForecastRegret(
+            index=index, chosen=chosen, soonest=soonest, chosen_forecast_s=forecasts[chosen][0],
+            soonest_forecast_s=forecasts[soonest][0], chosen_hit=forecasts[chosen][1],
+            soonest_hit=forecasts[soonest][1], predicted_s=picked.predicted_ttft_s, batch_full=full,
+        )  # fmt: skip
+        rows.append(row)
+    return rows
