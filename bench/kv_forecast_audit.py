@@ -7,7 +7,8 @@ forecast later than the soonest, by how much, whether it took the larger hit to 
 engine it chose had a full running batch, and how the router's prediction for its choice compared
 with the forecast (its error says which term of the TTFT model misled it). Deterministic; seconds.
 
-    PYTHONPATH=$PWD .venv/bin/python -m bench.kv_forecast_audit [--policy kv] [--seeds 0 1 2]
+    PYTHONPATH=$PWD .venv/bin/python -m bench.kv_forecast_audit [--policy kv] [--seeds 0 1 2] \
+        [--workload decode-heavy|agents]
 """
 
 from __future__ import annotations
@@ -16,8 +17,11 @@ import argparse
 import statistics
 from collections.abc import Sequence
 
-from tests.router.core.policy.test_decode_heavy_routing import SIM, decode_heavy
-from tests.routing_sim import ForecastRegret, forecast_audit
+from kvrouter.loadtest.agents import AgentWorkload, agent_requests
+from kvrouter.loadtest.workload import RequestSpec, scale_arrivals
+from tests.router.core.policy import test_agent_sessions_sim as agents
+from tests.router.core.policy import test_decode_heavy_routing as decode
+from tests.routing_sim import ForecastRegret, SimEngines, forecast_audit
 
 __all__ = ["main", "summary"]
 
@@ -50,15 +54,26 @@ def summary(rows: Sequence[ForecastRegret]) -> str:
     )
 
 
+def workload(name: str, seed: int) -> tuple[list[RequestSpec], SimEngines]:
+    """`decode-heavy` (test_decode_heavy_routing.py's) or `agents` (test_agent_sessions_sim.py's,
+    offered 0.92 on 4 engines) with `seed`, and its engines."""
+    if name == "agents":
+        spec = AgentWorkload(sessions=12, block_tokens=32, max_output_tokens=24, seed=seed)
+        return scale_arrivals(agent_requests(spec), agents.SCALE), agents.SIM
+    return decode.decode_heavy(seed), decode.SIM
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     formatter = argparse.RawDescriptionHelpFormatter
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=formatter)
     parser.add_argument("--policy", default="kv", help="a scorer policy (default kv)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument("--workload", choices=["decode-heavy", "agents"], default="decode-heavy")
     args = parser.parse_args(argv)
     for seed in args.seeds:
-        rows = forecast_audit(args.policy, decode_heavy(seed), SIM)
-        print(f"decode-heavy seed {seed}, {args.policy}: {summary(rows)}", flush=True)
+        requests, sim = workload(args.workload, seed)
+        rows = forecast_audit(args.policy, requests, sim)
+        print(f"{args.workload} seed {seed}, {args.policy}: {summary(rows)}", flush=True)
     return 0
 
 
