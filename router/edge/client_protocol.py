@@ -235,12 +235,6 @@ class ClientHttpProtocol(HttpToolsProtocol):
             self._held.held = False
         _UVICORN.on_response_complete(self)
 
-    def on_message_begin(self) -> None:
-        """uvicorn's; the head's field section starts (its count and size from zero)."""
-        _UVICORN.on_message_begin(self)
-        self._trailing = False
-        self._count = self._size = 0
-
     def on_headers_complete(self) -> None:
         """uvicorn's, within the limits (the head's size, and the requests waiting behind an answer: at
         the limit, reading is held; past it, in the same read, the parser stops); then the new cycle's
@@ -321,7 +315,9 @@ class ClientHttpProtocol(HttpToolsProtocol):
             _UVICORN.on_body(self, body)
 
     def on_message_complete(self) -> None:
-        """uvicorn's; a field section may open next (the next head)."""
+        """uvicorn's; a field section may open next (the next head): its count and size start from
+        zero here, and on a new connection in `__init__`, so `on_message_begin` is uvicorn's alone (no
+        call of ours per request: a message begins only after the one before completed)."""
         _UVICORN.on_message_complete(self)
         self._trailing = False
         self._fields = True
