@@ -98,7 +98,9 @@ class HeldFlow(FlowControl):
         self.pause_reading()
 
     def resume_reading(self) -> None:
-        if not self.held:  # (uvicorn's by name: `super()` builds a proxy per call, two per request)
+        # uvicorn's by name (`super()` builds a proxy per call), and only when reading is paused: it
+        # is called twice per request, almost always with nothing to do.
+        if self.read_paused and not self.held:
             FlowControl.resume_reading(self)
 
 

@@ -35,7 +35,6 @@ from __future__ import annotations
 
 import asyncio
 import socket
-import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Final, NoReturn
@@ -149,6 +148,7 @@ class ClientHttpProtocol(HttpToolsProtocol):
         if not isinstance(turn, TurnWrites):
             turn = app_state[_TURN_KEY] = TurnWrites(self.loop)
         self._turn: TurnWrites = turn
+        self._busy = self.tasks.__len__  # the server's requests in flight (`HeadHold`): bound once
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -235,12 +235,6 @@ class ClientHttpProtocol(HttpToolsProtocol):
             self._held.held = False
         _UVICORN.on_response_complete(self)
 
-    def on_message_begin(self) -> None:
-        """uvicorn's; the head's field section starts (its count and size from zero)."""
-        _UVICORN.on_message_begin(self)
-        self._trailing = False
-        self._count = self._size = 0
-
     def on_headers_complete(self) -> None:
         """uvicorn's, within the limits (the head's size, and the requests waiting behind an answer: at
         the limit, reading is held; past it, in the same read, the parser stops); then the new cycle's
@@ -266,11 +260,11 @@ class ClientHttpProtocol(HttpToolsProtocol):
         if previous is not None and not previous.response_complete:
             self._pipelined()
         # head + body in one write; (`cast` is a call per request: the attribute typed by an ignore)
-        cycle.transport = HeadHold(self.transport, self._turn, self.tasks.__len__)  # type: ignore[assignment]
+        cycle.transport = HeadHold(self.transport, self._turn, self._busy)  # type: ignore[assignment]
         extensions = self.scope.setdefault("extensions", {})
-        extensions[BODY_WRITER] = {"writer": BodyWriter(cycle)}
-        self._lost = _CycleSignal(cycle, self.loop)
-        extensions[LOST_SIGNAL] = {"signal": self._lost}
+        self._lost = hooks = _CycleSignal(cycle, self.loop)  # the signal and the writer: one object
+        extensions[BODY_WRITER] = {"writer": hooks}
+        extensions[LOST_SIGNAL] = {"signal": hooks}
 
     def _pipelined(self) -> None:
         """A request came while the one before is unanswered: the signal of the one before is kept to
@@ -321,7 +315,9 @@ class ClientHttpProtocol(HttpToolsProtocol):
             _UVICORN.on_body(self, body)
 
     def on_message_complete(self) -> None:
-        """uvicorn's; a field section may open next (the next head)."""
+        """uvicorn's; a field section may open next (the next head): its count and size start from
+        zero here, and on a new connection in `__init__`, so `on_message_begin` is uvicorn's alone (no
+        call of ours per request: a message begins only after the one before completed)."""
         _UVICORN.on_message_complete(self)
         self._trailing = False
         self._fields = True
@@ -370,14 +366,16 @@ class ClientHttpProtocol(HttpToolsProtocol):
             self._timer = self.loop.call_at(header_by, self._timed_out)
 
 
-class _CycleSignal(LostSignal):
-    """The cycle's `LostSignal`, reading the cycle weakly (its scope holds the signal)."""
+class _CycleSignal(LostSignal, BodyWriter):
+    """The cycle's `LostSignal` and its `BodyWriter` in one object, reading the cycle weakly (its scope
+    holds the object, under both extensions). One object, not one each: a request makes one object and
+    one weak reference fewer, and no `super()` proxy."""
 
     __slots__ = ("_cycle",)
 
     def __init__(self, cycle: RequestResponseCycle, loop: asyncio.AbstractEventLoop) -> None:
-        super().__init__(loop)
-        self._cycle = weakref.ref(cycle)
+        LostSignal.__init__(self, loop)  # (each base's by name: no `super()` proxy)
+        BodyWriter.__init__(self, cycle)  # its weak reference is the signal's too
 
     def cycle(self) -> RequestResponseCycle | None:
         """The cycle signalled (None once it is freed)."""

@@ -62,7 +62,8 @@ def body_writer(scope: Scope, coalesce_s: float = 0.0) -> BodyWriter | None:
     writer = scope.get("extensions", {}).get(BODY_WRITER, {}).get("writer")
     if not isinstance(writer, BodyWriter):
         return None
-    writer.coalesce(coalesce_s)
+    if coalesce_s:  # (a writer's window is 0.0 until set: no call when it stays so, the default)
+        writer.coalesce(coalesce_s)
     return writer
 
 
