@@ -324,8 +324,7 @@ class PrefixReuse:
     def _best_cut(self, data: bytes, at: int) -> tuple[ReuseEntry | None, int]:
         """The neighbour of sorted position ``at`` with the latest safe cut shared with ``data``."""
         best, best_cut = None, 0
-        first = at - 1 if at > 0 else 0  # (not `max()`: CPython 3.11's max parses its keywords on every call)
-        for other in self._sorted[first : at + 1]:
+        for other in self._sorted[max(0, at - 1) : at + 1]:
             entry = self._entries[id(other)]
             shared = shared_prefix(data, other)
             if shared <= best_cut:
@@ -442,9 +441,7 @@ def shared_prefix(a: bytes, b: bytes | memoryview) -> int:
     """The length of the longest common prefix of ``a`` and ``b``: memcmps on views (no copies),
     galloping back from the end (a new suffix on an old text differs near its end), then a binary
     search in the last gap, down to `_XOR_BYTES`, whose first differing byte one XOR finds."""
-    limit, other = len(a), len(b)
-    if other < limit:  # (not `min()`: CPython 3.11's min parses its keywords on every call)
-        limit = other
+    limit = min(len(a), len(b))
     view = memoryview(b)
     if a.startswith(view[:limit]):
         return limit

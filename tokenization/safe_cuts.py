@@ -96,9 +96,7 @@ class CutFinder:
     def last_cut(self, a: bytes, b: bytes, limit: int) -> int:
         """The largest offset ``q <= limit`` (searched back ``search_bytes``) safe to cut in both ``a``
         and ``b``, which must share their first ``limit`` bytes; 0 when there is none."""
-        stop = limit - self.search_bytes
-        if stop < 0:  # (not `max()`: CPython 3.11's max parses its keywords on every call)
-            stop = 0
+        stop = max(0, limit - self.search_bytes)
         if limit > stop and self.safe(a, limit) and self.safe(b, limit):
             return limit
         # Below the limit one text answers for both: `safe(data, q)` reads only data[:q + 1], shared.
@@ -161,9 +159,7 @@ class CutFinder:
                     if q - n >= floor and data[q - n : q] in prefixes:
                         return True
                 return False
-        lo = q - self._max_len + 1
-        if lo < floor:  # (not `max()`: CPython 3.11's max parses its keywords on every call)
-            lo = floor
+        lo = max(floor, q - self._max_len + 1)
         if self._first_bytes is None:
             return any(data[s:q] in prefixes for s in range(lo, q))
         for first in self._first_bytes:  # a token can only start where its first byte is

@@ -416,9 +416,7 @@ class Exchange:
         # The routing stages' time, before forwarding (each stage's `get(stage, 0.0)`, summed in C),
         # and the gateway's own time before forwarding outside them.
         own = sum(map(entry.timings_s.get, _STAGES, _NO_TIMES), 0.0)
-        pre_forward = self.forwarding - self.arrived - own
-        # (not `max()`: CPython 3.11's max parses its keywords on every call)
-        self.pre_forward = pre_forward if pre_forward > 0.0 else 0.0
+        self.pre_forward = max(0.0, self.forwarding - self.arrived - own)
         self.status, self.note, self.engine, self.model = status, note, engine, entry.request.model
         self.streamed_ok = status == 200 and entry.request.stream
         predicted = self.predicted = entry.predicted_cached_tokens or 0
