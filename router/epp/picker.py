@@ -58,6 +58,8 @@ from router.epp.messages import (
     WireError,
     body_responses,
     decode,
+    dynamic_metadata,
+    header_options,
     headers_response,
     immediate_response,
     trailers_response,
@@ -78,6 +80,7 @@ SERVED_KEY: Final = "x-gateway-destination-endpoint-served"
 _PASSTHROUGH_POLICY: Final = "passthrough"  # (the policy label Passthrough counts with)
 _NO_BODY: Final = 0  # ProcessingMode.BodySendMode.NONE
 _EVENT_STREAM: Final = b"text/event-stream"
+_MAX_DESTINATIONS: Final = 4096  # destination values whose answer parts are kept (`Picker.destinations`)
 _NOTE: Final = AccessNote()  # no access line is written by the picker: Envoy's access log is the one
 
 
@@ -98,6 +101,22 @@ class Picker:
     def __init__(self, decider: Decider, fallbacks: bool = True) -> None:
         self.decider, self.fallbacks = decider, fallbacks
         self.passthrough = Passthrough(decider.parts)
+        self.destinations: dict[str, tuple[bytes, bytes]] = {}
+        """The destination header's option and the dynamic metadata naming it, by destination value:
+        encoded once per endpoint (about half of the pick's answer, otherwise built on every
+        request: bench/history/BENCHMARKS-2026-12-07-s20-epp.md)."""
+
+    def destination(self, value: str) -> tuple[bytes, bytes]:
+        """`value` (`ip:port[,fallback]`) as the request headers' answer names it: the header's option
+        and the `envoy.lb` dynamic metadata (`messages.header_options`, `dynamic_metadata`)."""
+        made = self.destinations.get(value)
+        if made is None:
+            option = header_options([(DESTINATION, value.encode())])
+            made = option, dynamic_metadata({LB_NAMESPACE: {DESTINATION: value}})
+            if len(self.destinations) >= _MAX_DESTINATIONS:  # (endpoints come and go: bounded)
+                self.destinations.clear()
+            self.destinations[value] = made
+        return made
 
     def stream(self) -> PickStream:
         """The state of one new ext_proc stream (one HTTP request)."""
@@ -224,16 +243,15 @@ class PickStream:
         chosen = address_of(target.base_url)
         plain = fallback is None or fallback == chosen or not self.picker.fallbacks
         value = chosen if plain else f"{chosen},{fallback}"
-        set_headers = [(DESTINATION, value.encode()), ("x-request-id", self.rid.encode("latin-1"))]
+        set_headers = [("x-request-id", self.rid.encode("latin-1"))]
         rank = fleet.replica_target(target.engine)[1]
         if rank is not None:
             set_headers.append((RANK_HEADER, str(rank).encode()))
         if body:
             set_headers.append(("content-length", str(len(body)).encode()))
         remove = ["authorization"] if decider.parts.guard.api_keys_required else []  # the key was ours
-        answer = headers_response(
-            "request_headers", set_headers, remove, {LB_NAMESPACE: {DESTINATION: value}}, True
-        )
+        option, metadata = self.picker.destination(value)
+        answer = headers_response("request_headers", set_headers, remove, metadata, True, option)
         return [answer, *(body_responses("request_body", body, body_ends) if body else ())]
 
     def _route(self, body: bytes, excluded: frozenset[EngineId]) -> tuple[Target, str | None]:
