@@ -176,31 +176,27 @@ def _flag(wire: int, value: Any) -> bool:
 def decode(buf: Buffer) -> Inbound:
     """The `ProcessingRequest` in `buf` (bytes, or a view of them: a body chunk is then a view too,
     not a copy); WireError when it is not one."""
-    try:
-        return _request(buf)
-    except IndexError:
-        raise WireError("a message cut short") from None
-
-
-def _request(buf: Buffer) -> Inbound:
     kind: str | None = None
     headers: Headers = []
     body: Buffer = b""
     end, mode = False, None
     metadata: dict[str, dict[str, Any]] = {}
-    for number, wire, value in _fields(buf, 0, len(buf)):
-        if number in _KINDS:
-            kind = _KINDS[number]
-            headers, body, end = _payload(number, buf, _span(wire, value, kind))
-        elif number == _METADATA_CONTEXT:
-            span = _span(wire, value, "metadata_context")
-            if span[0] < span[1]:  # (Envoy sends an empty one with every message)
-                metadata = _filter_metadata(buf, span)
-        elif number == _PROTOCOL_CONFIG:
-            mode = 0  # (a mode left out is its default: NONE)
-            for n, w, v in _fields(buf, *_span(wire, value, "protocol_config")):
-                if n == 2 and w == _VARINT:
-                    mode = v
+    try:
+        for number, wire, value in _fields(buf, 0, len(buf)):
+            if number in _KINDS:
+                kind = _KINDS[number]
+                headers, body, end = _payload(number, buf, _span(wire, value, kind))
+            elif number == _METADATA_CONTEXT:
+                span = _span(wire, value, "metadata_context")
+                if span[0] < span[1]:  # (Envoy sends an empty one with every message)
+                    metadata = _filter_metadata(buf, span)
+            elif number == _PROTOCOL_CONFIG:
+                mode = 0  # (a mode left out is its default: NONE)
+                for n, w, v in _fields(buf, *_span(wire, value, "protocol_config")):
+                    if n == 2 and w == _VARINT:
+                        mode = v
+    except IndexError:
+        raise WireError("a message cut short") from None
     return Inbound(
         kind=kind, headers=headers, body=body, end_of_stream=end, response_body_mode=mode, metadata=metadata
     )
@@ -334,6 +330,8 @@ _CLEAR_ROUTE_CACHE: Final = bytes((5 << 3 | _VARINT, 1))  # CommonResponse.clear
 def _varint_bytes(n: int) -> bytes:
     if n < 0x80:
         return _ONE_BYTE[n]
+    if n < 0x4000:  # (two bytes: a body chunk's lengths; no loop)
+        return bytes(((n & 0x7F) | 0x80, n >> 7))
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -361,22 +359,22 @@ def _nested(numbers: Sequence[int], parts: Sequence[Buffer]) -> tuple[Buffer, ..
     return (*prefixes, *parts)
 
 
-_KEY_FIELDS: Final[dict[str, bytes]] = {}
+_KEY_FIELDS: Final[dict[str | bytes, bytes]] = {}
 """HeaderValue.key's field (and the key of its `raw_value`) by header name, made once per name: the
 names set are the gateway's own handful (an answer's ~40 fields were built each time)."""
 
 
-def _header_key(name: str) -> bytes:
-    """HeaderValue's key field for `name`, then `raw_value`'s key."""
+def _header_key(name: str | bytes) -> bytes:
+    """HeaderValue's key field for `name` (text, or its bytes), then `raw_value`'s key."""
     made = _KEY_FIELDS.get(name)
     if made is None:
-        made = _field(1, name.encode()) + _LEN_KEYS[3]
+        made = _field(1, name.encode() if isinstance(name, str) else name) + _LEN_KEYS[3]
         if len(_KEY_FIELDS) < 1024:  # (names outside the gateway's own are made each time past this)
             _KEY_FIELDS[name] = made
     return made
 
 
-def header_options(set_headers: Iterable[tuple[str, bytes]]) -> bytes:
+def header_options(set_headers: Iterable[tuple[str | bytes, bytes]]) -> bytes:
     """A HeaderMutation's `set_headers`: each header set with OVERWRITE_IF_EXISTS_OR_ADD (replacing one
     of the same name). The bytes `headers_response` takes as `options`, for headers a caller sets
     on many answers (made once)."""
@@ -392,7 +390,7 @@ def header_options(set_headers: Iterable[tuple[str, bytes]]) -> bytes:
 
 
 def _mutation(
-    set_headers: Iterable[tuple[str, bytes]], remove: Iterable[str] = (), options: bytes = b""
+    set_headers: Iterable[tuple[str | bytes, bytes]], remove: Iterable[str] = (), options: bytes = b""
 ) -> bytes:
     """A HeaderMutation: `options` (`header_options`' bytes), the headers set, then the names removed."""
     return b"".join((options, header_options(set_headers), *(_field(2, name.encode()) for name in remove)))
@@ -417,7 +415,7 @@ def dynamic_metadata(metadata: dict[str, dict[str, str]]) -> bytes:
 
 def headers_response(
     phase: str,
-    set_headers: Sequence[tuple[str, bytes]],
+    set_headers: Sequence[tuple[str | bytes, bytes]],
     remove: Sequence[str] = (),
     metadata: dict[str, dict[str, str]] | bytes | None = None,
     clear_route_cache: bool = False,

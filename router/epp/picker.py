@@ -175,7 +175,7 @@ class PickStream:
             raise ExtProcProtocolError(f"malformed ext_proc message: {exc}") from None
         if message.response_body_mode is not None:  # (the first message's: the filter's body modes)
             self.response_body = message.response_body_mode != _NO_BODY
-        hint = message.metadata_value(SUBSET_NAMESPACE, SUBSET_KEY)
+        hint = message.metadata_value(SUBSET_NAMESPACE, SUBSET_KEY) if message.metadata else None
         if hint is not None:
             self.subset = parse_subset(hint if isinstance(hint, str) else [str(h) for h in hint])
         return message
@@ -200,10 +200,15 @@ class PickStream:
         raise ExtProcProtocolError(f"ext_proc message {kind or 'of no kind'} while expecting {phase.value}")
 
     def _request_headers(self, message: Inbound) -> list[Answer]:
-        headers = message.headers
-        pseudo = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k.startswith(b":")}
-        method, path = pseudo.get(":method", "GET"), pseudo.get(":path", "/").split("?", 1)[0]
-        plain = [(k, v) for k, v in headers if not k.startswith(b":")]
+        pseudo: dict[bytes, bytes] = {}
+        plain: list[tuple[bytes, bytes]] = []
+        for header in message.headers:  # (one pass, no call per header)
+            if header[0][:1] == b":":
+                pseudo[header[0]] = header[1]
+            else:
+                plain.append(header)
+        method = pseudo.get(b":method", b"GET").decode("latin-1")
+        path = pseudo.get(b":path", b"/").decode("latin-1").split("?", 1)[0]
         self.scope = {"type": "http", "method": method, "path": path, "headers": plain, "state": {}}
         self.rid = request_id_in(self.scope)
         self.decider.check_key(self.scope)
@@ -306,18 +311,18 @@ class PickStream:
         return NoEngineAvailable(f"no engine of the subset hint {sorted(self.subset or ())} can take it")
 
     def _response_headers(self, message: Inbound) -> list[Answer]:
-        status = next((v for k, v in message.headers if k == b":status"), b"0")
+        first = dict(reversed(message.headers))  # (the first of a name wins; no generator per name)
+        status = first.get(b":status", b"0")
         self.status = int(status) if status.isdigit() else 0
-        kind = next((v for k, v in message.headers if k == b"content-type"), b"")
+        kind = first.get(b"content-type", b"")
         self.hold = not kind.lower().startswith(_EVENT_STREAM)
         served = message.metadata_value(LB_NAMESPACE, SERVED_KEY)
         self.served = served if isinstance(served, str) else None
         self._follow_served()
         self._judge(counts_as_failure(Outcome(OutcomeKind.ANSWERED, self.status)))
-        own: list[tuple[str, bytes]] = [("x-request-id", self.rid.encode("latin-1"))]
+        own: list[tuple[str | bytes, bytes]] = [("x-request-id", self.rid.encode("latin-1"))]
         if self.exchange is not None and self.engine is not None:
-            pairs = self.exchange.answered(self.engine, self.status, _NOTE)
-            own = [(name.decode("latin-1"), value) for name, value in pairs]
+            own = list(self.exchange.answered(self.engine, self.status, _NOTE))
             self.exchange.first_byte(0.0)
             self.tap = UsageTap(self.exchange.entry.request.stream)
         elif self.engine is not None:
