@@ -345,7 +345,8 @@ class GrpcConnection(asyncio.Protocol):
                 self._handle(stream, payload[5:])
                 return
         inbox = stream.inbox
-        inbox.append(payload)
+        # (a view keeps the whole read alive: a small piece of a large read is copied instead)
+        inbox.append(payload if len(payload) << 3 >= len(cast(bytes, payload.obj)) else bytes(payload))
         stream.inbox_bytes += len(payload)
         if stream.inbox_bytes < 5:
             return
@@ -374,7 +375,8 @@ class GrpcConnection(asyncio.Protocol):
             self._handle(stream, data[pos + 5 : pos + 5 + size])  # (a view of bytes: never changed)
             pos += size + 5
         if pos < len(data) and stream.id in self.streams:  # the start of the next message
-            inbox.append(data[pos:])
+            rest = data[pos:]
+            inbox.append(rest if len(rest) << 3 >= len(data) else bytes(rest))  # (as above)
             stream.inbox_bytes = len(data) - pos
 
     def _handle(self, stream: _Stream, message: bytes | memoryview) -> None:
