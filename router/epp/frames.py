@@ -49,17 +49,20 @@ HEAD: Final = struct.Struct(">BHBBI")
 """A frame header: length's high byte, its low 16 bits, type, flags, stream id (with the reserved bit)."""
 
 
-class FrameType(IntEnum):
-    DATA = 0
-    HEADERS = 1
-    PRIORITY = 2
-    RST_STREAM = 3
-    SETTINGS = 4
-    PUSH_PROMISE = 5
-    PING = 6
-    GOAWAY = 7
-    WINDOW_UPDATE = 8
-    CONTINUATION = 9
+class FrameType:
+    """Frame types: plain ints, as `Flag` (read on every frame: an IntEnum member's lookup costs ~1 k
+    instructions, bench/history/BENCHMARKS-2026-12-07-s20-epp.md)."""
+
+    DATA: Final = 0
+    HEADERS: Final = 1
+    PRIORITY: Final = 2
+    RST_STREAM: Final = 3
+    SETTINGS: Final = 4
+    PUSH_PROMISE: Final = 5
+    PING: Final = 6
+    GOAWAY: Final = 7
+    WINDOW_UPDATE: Final = 8
+    CONTINUATION: Final = 9
 
 
 class Flag:

@@ -34,6 +34,8 @@ __all__ = [
     "WireError",
     "body_responses",
     "decode",
+    "dynamic_metadata",
+    "header_options",
     "headers_response",
     "immediate_response",
     "trailers_response",
@@ -116,15 +118,29 @@ def _fields(buf: Buffer, pos: int, end: int) -> list[tuple[int, int, Any]]:
     (start, end) span for a length-delimited field, the raw bytes of a fixed-width one."""
     out: list[tuple[int, int, Any]] = []
     while pos < end:
-        key, pos = _varint(buf, pos)
+        # (keys, lengths and varints of one byte read inline: nearly all of them; a call each cost
+        # ~40 k instructions per request, bench/history/BENCHMARKS-2026-12-07-s20-epp.md)
+        key = buf[pos]
+        if key < 0x80:
+            pos += 1
+        else:
+            key, pos = _varint(buf, pos)
         number, wire = key >> 3, key & 7
         value: Any
-        if wire == _VARINT:
-            value, pos = _varint(buf, pos)
-        elif wire == _LEN:
-            size, pos = _varint(buf, pos)
+        if wire == _LEN:
+            size = buf[pos]
+            if size < 0x80:
+                pos += 1
+            else:
+                size, pos = _varint(buf, pos)
             value = (pos, pos + size)
             pos += size
+        elif wire == _VARINT:
+            value = buf[pos]
+            if value < 0x80:
+                pos += 1
+            else:
+                value, pos = _varint(buf, pos)
         elif wire in (_FIXED64, _FIXED32):
             width = 8 if wire == _FIXED64 else 4
             value = buf[pos : pos + width]
@@ -160,29 +176,27 @@ def _flag(wire: int, value: Any) -> bool:
 def decode(buf: Buffer) -> Inbound:
     """The `ProcessingRequest` in `buf` (bytes, or a view of them: a body chunk is then a view too,
     not a copy); WireError when it is not one."""
-    try:
-        return _request(buf)
-    except IndexError:
-        raise WireError("a message cut short") from None
-
-
-def _request(buf: Buffer) -> Inbound:
     kind: str | None = None
     headers: Headers = []
     body: Buffer = b""
     end, mode = False, None
     metadata: dict[str, dict[str, Any]] = {}
-    for number, wire, value in _fields(buf, 0, len(buf)):
-        if number in _KINDS:
-            kind = _KINDS[number]
-            headers, body, end = _payload(number, buf, _span(wire, value, kind))
-        elif number == _METADATA_CONTEXT:
-            metadata = _filter_metadata(buf, _span(wire, value, "metadata_context"))
-        elif number == _PROTOCOL_CONFIG:
-            mode = 0  # (a mode left out is its default: NONE)
-            for n, w, v in _fields(buf, *_span(wire, value, "protocol_config")):
-                if n == 2 and w == _VARINT:
-                    mode = v
+    try:
+        for number, wire, value in _fields(buf, 0, len(buf)):
+            if number in _KINDS:
+                kind = _KINDS[number]
+                headers, body, end = _payload(number, buf, _span(wire, value, kind))
+            elif number == _METADATA_CONTEXT:
+                span = _span(wire, value, "metadata_context")
+                if span[0] < span[1]:  # (Envoy sends an empty one with every message)
+                    metadata = _filter_metadata(buf, span)
+            elif number == _PROTOCOL_CONFIG:
+                mode = 0  # (a mode left out is its default: NONE)
+                for n, w, v in _fields(buf, *_span(wire, value, "protocol_config")):
+                    if n == 2 and w == _VARINT:
+                        mode = v
+    except IndexError:
+        raise WireError("a message cut short") from None
     return Inbound(
         kind=kind, headers=headers, body=body, end_of_stream=end, response_body_mode=mode, metadata=metadata
     )
@@ -213,7 +227,11 @@ def _payload(number: int, buf: Buffer, span: tuple[int, int]) -> tuple[Headers, 
 
 
 def _header_map(buf: bytes, pos: int, end: int) -> Headers:
-    """A HeaderMap's headers (field 1, repeated HeaderValue), in order."""
+    """A HeaderMap's headers (field 1, repeated HeaderValue), in order. The usual HeaderValue is read
+    inline, with no call: `key` then `raw_value`, each shorter than 128 bytes (one length byte),
+    nothing else; any other shape by `_header`. (Envoy's headers all have that shape: a request's ~20
+    cost ~200 k instructions with a loop per header, ~25 k more with a call per header,
+    bench/history/BENCHMARKS-2026-12-06-s19-epp.md, BENCHMARKS-2026-12-07-s20-epp.md.)"""
     headers: Headers = []
     while pos < end:
         if buf[pos] != 0x0A:  # (not field 1, length-delimited: the general reader)
@@ -226,12 +244,18 @@ def _header_map(buf: bytes, pos: int, end: int) -> Headers:
         pos = start + size
         if pos > end:
             raise WireError("a header past the end of its map")
-        headers.append(_short_header(buf, start, pos) or _header(buf, (start, pos)))
+        # (a value length of two bytes or more can never end the header here: it reads as another shape)
+        if size >= 4 and buf[start] == 0x0A and buf[start + 1] < 0x80:
+            value_at = start + 2 + buf[start + 1]
+            if value_at + 2 <= pos and buf[value_at] == 0x1A and value_at + 2 + buf[value_at + 1] == pos:
+                headers.append((buf[start + 2 : value_at].lower(), buf[value_at + 2 : pos]))
+                continue
+        headers.append(_header(buf, (start, pos)))
     return headers
 
 
 def _header(buf: Buffer, span: tuple[int, int]) -> tuple[bytes, bytes]:
-    """A HeaderValue: (lower-case key, `raw_value` or else `value`), any shape (`_short_header` reads
+    """A HeaderValue: (lower-case key, `raw_value` or else `value`), any shape (`_header_map` reads
     the usual one faster)."""
     key, value, raw = b"", b"", b""
     for n, w, v in _fields(buf, *span):
@@ -244,20 +268,6 @@ def _header(buf: Buffer, span: tuple[int, int]) -> tuple[bytes, bytes]:
             else:
                 raw = bytes(buf[start:stop])
     return key, raw or value
-
-
-def _short_header(buf: bytes, pos: int, end: int) -> tuple[bytes, bytes] | None:
-    """The usual HeaderValue read fast, with no loop: `key` then `raw_value`, each shorter than 128
-    bytes (one length byte), nothing else; None for any other shape (read by the general reader).
-    (Envoy's headers all have this shape: a request's ~20 cost ~200 k instructions with a loop per
-    header, bench/history/BENCHMARKS-2026-12-06-s19-epp.md.)"""
-    if end - pos < 4 or buf[pos] != 0x0A or buf[pos + 1] >= 0x80:
-        return None
-    value_at = pos + 2 + buf[pos + 1]
-    # (a value length of two bytes or more can never end the header here: it reads as another shape)
-    if value_at + 2 > end or buf[value_at] != 0x1A or value_at + 2 + buf[value_at + 1] != end:
-        return None
-    return buf[pos + 2 : value_at].lower(), buf[value_at + 2 : end]
 
 
 def _filter_metadata(buf: Buffer, span: tuple[int, int]) -> dict[str, dict[str, Any]]:
@@ -312,11 +322,16 @@ def _value(buf: Buffer, span: tuple[int, int], depth: int) -> Any:
 
 
 _ONE_BYTE: Final = tuple(bytes((n,)) for n in range(0x80))  # (tags and most lengths: one byte, made once)
+_LEN_KEYS: Final = tuple(bytes((n << 3 | _LEN,)) for n in range(16))  # (every field written is < 16)
+_SET_ACTION: Final = bytes((3 << 3 | _VARINT, _OVERWRITE_IF_EXISTS_OR_ADD))  # HeaderValueOption.append_action
+_CLEAR_ROUTE_CACHE: Final = bytes((5 << 3 | _VARINT, 1))  # CommonResponse.clear_route_cache = true
 
 
 def _varint_bytes(n: int) -> bytes:
     if n < 0x80:
         return _ONE_BYTE[n]
+    if n < 0x4000:  # (two bytes: a body chunk's lengths; no loop)
+        return bytes(((n & 0x7F) | 0x80, n >> 7))
     out = bytearray()
     while n > 0x7F:
         out.append((n & 0x7F) | 0x80)
@@ -326,8 +341,10 @@ def _varint_bytes(n: int) -> bytes:
 
 
 def _field(number: int, payload: bytes) -> bytes:
-    """A length-delimited field: a string, bytes or a message."""
-    return _varint_bytes(number << 3 | _LEN) + _varint_bytes(len(payload)) + payload
+    """A length-delimited field: a string, bytes or a message. (The usual length of one byte is not a
+    call: an answer is ~40 fields, bench/history/BENCHMARKS-2026-12-07-s20-epp.md.)"""
+    size = len(payload)
+    return _LEN_KEYS[number] + (_ONE_BYTE[size] if size < 0x80 else _varint_bytes(size)) + payload
 
 
 def _nested(numbers: Sequence[int], parts: Sequence[Buffer]) -> tuple[Buffer, ...]:
@@ -335,22 +352,48 @@ def _nested(numbers: Sequence[int], parts: Sequence[Buffer]) -> tuple[Buffer, ..
     first), in pieces: its prefixes, then the parts as they are (a body chunk is one: not copied)."""
     prefixes, size = [], sum(len(part) for part in parts)
     for number in reversed(numbers):
-        prefix = _varint_bytes(number << 3 | _LEN) + _varint_bytes(size)
+        prefix = _LEN_KEYS[number] + (_ONE_BYTE[size] if size < 0x80 else _varint_bytes(size))
         prefixes.append(prefix)
         size += len(prefix)
     prefixes.reverse()
     return (*prefixes, *parts)
 
 
-def _mutation(set_headers: Iterable[tuple[str, bytes]], remove: Iterable[str] = ()) -> bytes:
-    """A HeaderMutation: each header set with OVERWRITE_IF_EXISTS_OR_ADD (replacing one of the same
-    name), then the names removed."""
-    action = bytes((3 << 3 | _VARINT, _OVERWRITE_IF_EXISTS_OR_ADD))
-    options = [
-        _field(1, _field(1, _field(1, name.encode()) + (_field(3, value) if value else b"")) + action)
-        for name, value in set_headers
-    ]
-    return b"".join((*options, *(_field(2, name.encode()) for name in remove)))
+_KEY_FIELDS: Final[dict[str | bytes, bytes]] = {}
+"""HeaderValue.key's field (and the key of its `raw_value`) by header name, made once per name: the
+names set are the gateway's own handful (an answer's ~40 fields were built each time)."""
+
+
+def _header_key(name: str | bytes) -> bytes:
+    """HeaderValue's key field for `name` (text, or its bytes), then `raw_value`'s key."""
+    made = _KEY_FIELDS.get(name)
+    if made is None:
+        made = _field(1, name.encode() if isinstance(name, str) else name) + _LEN_KEYS[3]
+        if len(_KEY_FIELDS) < 1024:  # (names outside the gateway's own are made each time past this)
+            _KEY_FIELDS[name] = made
+    return made
+
+
+def header_options(set_headers: Iterable[tuple[str | bytes, bytes]]) -> bytes:
+    """A HeaderMutation's `set_headers`: each header set with OVERWRITE_IF_EXISTS_OR_ADD (replacing one
+    of the same name). The bytes `headers_response` takes as `options`, for headers a caller sets
+    on many answers (made once)."""
+    options = []
+    for name, value in set_headers:
+        size = len(value)
+        if size:
+            header = _header_key(name) + (_ONE_BYTE[size] if size < 0x80 else _varint_bytes(size)) + value
+        else:
+            header = _header_key(name)[:-1]  # (no raw_value)
+        options.append(_field(1, _field(1, header) + _SET_ACTION))
+    return b"".join(options)
+
+
+def _mutation(
+    set_headers: Iterable[tuple[str | bytes, bytes]], remove: Iterable[str] = (), options: bytes = b""
+) -> bytes:
+    """A HeaderMutation: `options` (`header_options`' bytes), the headers set, then the names removed."""
+    return b"".join((options, header_options(set_headers), *(_field(2, name.encode()) for name in remove)))
 
 
 def _string_struct(fields: dict[str, str]) -> bytes:
@@ -360,26 +403,34 @@ def _string_struct(fields: dict[str, str]) -> bytes:
     )
 
 
+def dynamic_metadata(metadata: dict[str, dict[str, str]]) -> bytes:
+    """A `ProcessingResponse.dynamic_metadata` field: `metadata` (namespace -> key -> value) as the
+    stream's dynamic metadata. The bytes `headers_response` takes as `metadata` when made once."""
+    spaces = b"".join(
+        _field(1, _field(1, ns.encode()) + _field(2, _field(5, _string_struct(fields))))
+        for ns, fields in metadata.items()
+    )
+    return _field(_DYNAMIC_METADATA, spaces)
+
+
 def headers_response(
     phase: str,
-    set_headers: Sequence[tuple[str, bytes]],
+    set_headers: Sequence[tuple[str | bytes, bytes]],
     remove: Sequence[str] = (),
-    metadata: dict[str, dict[str, str]] | None = None,
+    metadata: dict[str, dict[str, str]] | bytes | None = None,
     clear_route_cache: bool = False,
+    options: bytes = b"",
 ) -> bytes:
     """The answer to the `phase` ("request_headers" or "response_headers") message: headers set
-    (replacing any of the same name) and removed, the route cache cleared (so Envoy routes on the
-    headers set), and `metadata` as the stream's dynamic metadata (namespace -> key -> value)."""
-    common = _field(2, _mutation(set_headers, remove))
+    (replacing any of the same name: `options`, `header_options`' bytes, then `set_headers`) and
+    removed, the route cache cleared (so Envoy routes on the headers set), and `metadata` as the
+    stream's dynamic metadata (namespace -> key -> value, or `dynamic_metadata`'s bytes)."""
+    common = _field(2, _mutation(set_headers, remove, options))
     if clear_route_cache:
-        common += bytes((5 << 3 | _VARINT, 1))
+        common += _CLEAR_ROUTE_CACHE
     out = _field(_ANSWERS[phase], _field(1, common))
     if metadata:
-        spaces = b"".join(
-            _field(1, _field(1, ns.encode()) + _field(2, _field(5, _string_struct(fields))))
-            for ns, fields in metadata.items()
-        )
-        out += _field(_DYNAMIC_METADATA, spaces)
+        out += metadata if isinstance(metadata, bytes) else dynamic_metadata(metadata)
     return out
 
 

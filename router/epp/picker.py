@@ -58,6 +58,8 @@ from router.epp.messages import (
     WireError,
     body_responses,
     decode,
+    dynamic_metadata,
+    header_options,
     headers_response,
     immediate_response,
     trailers_response,
@@ -78,6 +80,7 @@ SERVED_KEY: Final = "x-gateway-destination-endpoint-served"
 _PASSTHROUGH_POLICY: Final = "passthrough"  # (the policy label Passthrough counts with)
 _NO_BODY: Final = 0  # ProcessingMode.BodySendMode.NONE
 _EVENT_STREAM: Final = b"text/event-stream"
+_MAX_DESTINATIONS: Final = 4096  # destination values whose answer parts are kept (`Picker.destinations`)
 _NOTE: Final = AccessNote()  # no access line is written by the picker: Envoy's access log is the one
 
 
@@ -98,6 +101,22 @@ class Picker:
     def __init__(self, decider: Decider, fallbacks: bool = True) -> None:
         self.decider, self.fallbacks = decider, fallbacks
         self.passthrough = Passthrough(decider.parts)
+        self.destinations: dict[str, tuple[bytes, bytes]] = {}
+        """The destination header's option and the dynamic metadata naming it, by destination value:
+        encoded once per endpoint (about half of the pick's answer, otherwise built on every
+        request: bench/history/BENCHMARKS-2026-12-07-s20-epp.md)."""
+
+    def destination(self, value: str) -> tuple[bytes, bytes]:
+        """`value` (`ip:port[,fallback]`) as the request headers' answer names it: the header's option
+        and the `envoy.lb` dynamic metadata (`messages.header_options`, `dynamic_metadata`)."""
+        made = self.destinations.get(value)
+        if made is None:
+            option = header_options([(DESTINATION, value.encode())])
+            made = option, dynamic_metadata({LB_NAMESPACE: {DESTINATION: value}})
+            if len(self.destinations) >= _MAX_DESTINATIONS:  # (endpoints come and go: bounded)
+                self.destinations.clear()
+            self.destinations[value] = made
+        return made
 
     def stream(self) -> PickStream:
         """The state of one new ext_proc stream (one HTTP request)."""
@@ -156,7 +175,7 @@ class PickStream:
             raise ExtProcProtocolError(f"malformed ext_proc message: {exc}") from None
         if message.response_body_mode is not None:  # (the first message's: the filter's body modes)
             self.response_body = message.response_body_mode != _NO_BODY
-        hint = message.metadata_value(SUBSET_NAMESPACE, SUBSET_KEY)
+        hint = message.metadata_value(SUBSET_NAMESPACE, SUBSET_KEY) if message.metadata else None
         if hint is not None:
             self.subset = parse_subset(hint if isinstance(hint, str) else [str(h) for h in hint])
         return message
@@ -181,10 +200,15 @@ class PickStream:
         raise ExtProcProtocolError(f"ext_proc message {kind or 'of no kind'} while expecting {phase.value}")
 
     def _request_headers(self, message: Inbound) -> list[Answer]:
-        headers = message.headers
-        pseudo = {k.decode("latin-1"): v.decode("latin-1") for k, v in headers if k.startswith(b":")}
-        method, path = pseudo.get(":method", "GET"), pseudo.get(":path", "/").split("?", 1)[0]
-        plain = [(k, v) for k, v in headers if not k.startswith(b":")]
+        pseudo: dict[bytes, bytes] = {}
+        plain: list[tuple[bytes, bytes]] = []
+        for header in message.headers:  # (one pass, no call per header)
+            if header[0][:1] == b":":
+                pseudo[header[0]] = header[1]
+            else:
+                plain.append(header)
+        method = pseudo.get(b":method", b"GET").decode("latin-1")
+        path = pseudo.get(b":path", b"/").decode("latin-1").split("?", 1)[0]
         self.scope = {"type": "http", "method": method, "path": path, "headers": plain, "state": {}}
         self.rid = request_id_in(self.scope)
         self.decider.check_key(self.scope)
@@ -224,16 +248,15 @@ class PickStream:
         chosen = address_of(target.base_url)
         plain = fallback is None or fallback == chosen or not self.picker.fallbacks
         value = chosen if plain else f"{chosen},{fallback}"
-        set_headers = [(DESTINATION, value.encode()), ("x-request-id", self.rid.encode("latin-1"))]
+        set_headers = [("x-request-id", self.rid.encode("latin-1"))]
         rank = fleet.replica_target(target.engine)[1]
         if rank is not None:
             set_headers.append((RANK_HEADER, str(rank).encode()))
         if body:
             set_headers.append(("content-length", str(len(body)).encode()))
         remove = ["authorization"] if decider.parts.guard.api_keys_required else []  # the key was ours
-        answer = headers_response(
-            "request_headers", set_headers, remove, {LB_NAMESPACE: {DESTINATION: value}}, True
-        )
+        option, metadata = self.picker.destination(value)
+        answer = headers_response("request_headers", set_headers, remove, metadata, True, option)
         return [answer, *(body_responses("request_body", body, body_ends) if body else ())]
 
     def _route(self, body: bytes, excluded: frozenset[EngineId]) -> tuple[Target, str | None]:
@@ -288,18 +311,18 @@ class PickStream:
         return NoEngineAvailable(f"no engine of the subset hint {sorted(self.subset or ())} can take it")
 
     def _response_headers(self, message: Inbound) -> list[Answer]:
-        status = next((v for k, v in message.headers if k == b":status"), b"0")
+        first = dict(reversed(message.headers))  # (the first of a name wins; no generator per name)
+        status = first.get(b":status", b"0")
         self.status = int(status) if status.isdigit() else 0
-        kind = next((v for k, v in message.headers if k == b"content-type"), b"")
+        kind = first.get(b"content-type", b"")
         self.hold = not kind.lower().startswith(_EVENT_STREAM)
         served = message.metadata_value(LB_NAMESPACE, SERVED_KEY)
         self.served = served if isinstance(served, str) else None
         self._follow_served()
         self._judge(counts_as_failure(Outcome(OutcomeKind.ANSWERED, self.status)))
-        own: list[tuple[str, bytes]] = [("x-request-id", self.rid.encode("latin-1"))]
+        own: list[tuple[str | bytes, bytes]] = [("x-request-id", self.rid.encode("latin-1"))]
         if self.exchange is not None and self.engine is not None:
-            pairs = self.exchange.answered(self.engine, self.status, _NOTE)
-            own = [(name.decode("latin-1"), value) for name, value in pairs]
+            own = list(self.exchange.answered(self.engine, self.status, _NOTE))
             self.exchange.first_byte(0.0)
             self.tap = UsageTap(self.exchange.entry.request.stream)
         elif self.engine is not None:

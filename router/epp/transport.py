@@ -122,14 +122,15 @@ class _Stream:
     """One client stream's state on the connection."""
 
     __slots__ = (
-        "backlog", "backlog_bytes", "handler", "headers_sent", "id", "inbox", "recv_unacked",
+        "backlog", "backlog_bytes", "handler", "headers_sent", "id", "inbox", "inbox_bytes", "recv_unacked",
         "recv_window", "remote_closed", "send_window", "trailer",
     )  # fmt: skip
 
     def __init__(self, stream_id: int, handler: StreamHandler, send_window: int, recv_window: int) -> None:
         self.id, self.handler = stream_id, handler
         self.send_window, self.recv_window, self.recv_unacked = send_window, recv_window, 0
-        self.inbox = bytearray()  # a gRPC message not yet whole
+        self.inbox: list[bytes | memoryview] = []  # the pieces of a gRPC message not yet whole
+        self.inbox_bytes = 0
         self.remote_closed = False
         self.headers_sent = False
         self.backlog: deque[memoryview] = deque()  # answer bytes past the client's windows
@@ -334,25 +335,49 @@ class GrpcConnection(asyncio.Protocol):
             self._finish(stream, 0)
 
     def _messages(self, stream: _Stream, payload: memoryview) -> None:
-        """The whole gRPC messages in the stream's bytes so far, handled in order."""
+        """The whole gRPC messages in the stream's bytes so far, handled in order. A message split over
+        DATA frames (a long body: Envoy's frames are 16 KiB) is joined once when whole, its frames'
+        views kept until then (a bytearray grown frame by frame, then copied out, copied such a
+        body three times: bench/history/BENCHMARKS-2026-12-07-s20-epp.md)."""
         if not stream.inbox and len(payload) >= 5 and payload[0] == 0:
             (size,) = _U32.unpack_from(payload, 1)
             if size + 5 == len(payload):  # (the usual: one DATA frame, one message, not copied)
                 self._handle(stream, payload[5:])
                 return
         inbox = stream.inbox
-        inbox += payload
-        while len(inbox) >= 5 and stream.id in self.streams:
-            if inbox[0] != 0:
+        # (a view keeps the whole read alive: a small piece of a large read is copied instead)
+        inbox.append(payload if len(payload) << 3 >= len(cast(bytes, payload.obj)) else bytes(payload))
+        stream.inbox_bytes += len(payload)
+        if stream.inbox_bytes < 5:
+            return
+        if len(inbox) > 1 and len(inbox[0]) < 5:  # (the length prefix split: read it whole)
+            inbox[:] = [b"".join(inbox)]
+        head = inbox[0]
+        if head[0] != 0:
+            raise StreamFault(stream.id, ErrorCode.PROTOCOL_ERROR, "compressed_message")
+        (size,) = _U32.unpack_from(head, 1)
+        if size > self.config.max_message_bytes:
+            raise StreamFault(stream.id, ErrorCode.ENHANCE_YOUR_CALM, "message_too_large")
+        if stream.inbox_bytes < size + 5:
+            return
+        data = memoryview(inbox[0] if len(inbox) == 1 else b"".join(inbox))  # (views of bytes read)
+        inbox.clear()
+        stream.inbox_bytes = 0
+        pos = 0
+        while len(data) - pos >= 5 and stream.id in self.streams:
+            if data[pos] != 0:
                 raise StreamFault(stream.id, ErrorCode.PROTOCOL_ERROR, "compressed_message")
-            (size,) = _U32.unpack_from(inbox, 1)
+            (size,) = _U32.unpack_from(data, pos + 1)
             if size > self.config.max_message_bytes:
                 raise StreamFault(stream.id, ErrorCode.ENHANCE_YOUR_CALM, "message_too_large")
-            if len(inbox) < size + 5:
-                return
-            message = bytes(memoryview(inbox)[5 : size + 5])
-            del inbox[: size + 5]
-            self._handle(stream, message)
+            if len(data) - pos < size + 5:
+                break
+            self._handle(stream, data[pos + 5 : pos + 5 + size])  # (a view of bytes: never changed)
+            pos += size + 5
+        if pos < len(data) and stream.id in self.streams:  # the start of the next message
+            rest = data[pos:]
+            inbox.append(rest if len(rest) << 3 >= len(data) else bytes(rest))  # (as above)
+            stream.inbox_bytes = len(data) - pos
 
     def _handle(self, stream: _Stream, message: bytes | memoryview) -> None:
         """The handler's answers to one message, queued; the stream's end when it answered
@@ -543,7 +568,7 @@ class GrpcConnection(asyncio.Protocol):
         size = 0
         for answer in answers:
             if isinstance(answer, tuple):
-                length = sum(len(piece) for piece in answer)
+                length = sum(map(len, answer))  # (no generator: a frame per piece)
                 pieces += (grpc_prefix(length), *answer)
             else:
                 length = len(answer)
@@ -555,7 +580,7 @@ class GrpcConnection(asyncio.Protocol):
             self.send_window -= size
             stream.send_window -= size
             return
-        stream.backlog.extend(memoryview(p) for p in pieces)
+        stream.backlog.extend(map(memoryview, pieces))
         stream.backlog_bytes += size
         self._send_held(stream)
 

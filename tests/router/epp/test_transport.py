@@ -202,6 +202,23 @@ async def test_streams_are_echoed_in_order_with_grpc_headers_and_trailers() -> N
     assert server.counted == []
 
 
+async def test_messages_split_anywhere_over_frames_are_delivered_whole() -> None:
+    """Frames of 3 bytes: a length prefix split over two frames, messages ending and starting inside
+    one frame; each message is delivered whole, in order (the transport joins a message's frames
+    once it is whole)."""
+    sent = [b"a", b"bb" * 20, b"", b"ccc" * 7]
+    wire = b"".join(grpc_message(m) for m in sent)
+    async with serving() as server, client(server.port) as c:
+        sid = c.open()
+        for i in range(0, len(wire), 3):
+            await c.send(sid, wire[i : i + 3])
+        await c.send(sid, b"", end=True)
+        await c.until(lambda: c.streams[sid].ended)
+        assert c.streams[sid].messages() == sent
+        assert c.streams[sid].trailers == [(b"grpc-status", b"0")]
+        assert server.counted == []
+
+
 async def test_flow_control_both_ways_past_the_initial_windows() -> None:
     """62,000-byte messages (the picker's body chunks), 4 of them: past the 65,535-byte initial window
     of the server (it must credit the client) and of the client (the server must hold its answer until
