@@ -118,29 +118,15 @@ def _fields(buf: Buffer, pos: int, end: int) -> list[tuple[int, int, Any]]:
     (start, end) span for a length-delimited field, the raw bytes of a fixed-width one."""
     out: list[tuple[int, int, Any]] = []
     while pos < end:
-        # (keys, lengths and varints of one byte read inline: nearly all of them; a call each cost
-        # ~40 k instructions per request, bench/history/BENCHMARKS-2026-12-07-s20-epp.md)
-        key = buf[pos]
-        if key < 0x80:
-            pos += 1
-        else:
-            key, pos = _varint(buf, pos)
+        key, pos = _varint(buf, pos)
         number, wire = key >> 3, key & 7
         value: Any
         if wire == _LEN:
-            size = buf[pos]
-            if size < 0x80:
-                pos += 1
-            else:
-                size, pos = _varint(buf, pos)
+            size, pos = _varint(buf, pos)
             value = (pos, pos + size)
             pos += size
         elif wire == _VARINT:
-            value = buf[pos]
-            if value < 0x80:
-                pos += 1
-            else:
-                value, pos = _varint(buf, pos)
+            value, pos = _varint(buf, pos)
         elif wire in (_FIXED64, _FIXED32):
             width = 8 if wire == _FIXED64 else 4
             value = buf[pos : pos + width]
@@ -227,11 +213,7 @@ def _payload(number: int, buf: Buffer, span: tuple[int, int]) -> tuple[Headers, 
 
 
 def _header_map(buf: bytes, pos: int, end: int) -> Headers:
-    """A HeaderMap's headers (field 1, repeated HeaderValue), in order. The usual HeaderValue is read
-    inline, with no call: `key` then `raw_value`, each shorter than 128 bytes (one length byte),
-    nothing else; any other shape by `_header`. (Envoy's headers all have that shape: a request's ~20
-    cost ~200 k instructions with a loop per header, ~25 k more with a call per header,
-    bench/history/BENCHMARKS-2026-12-06-s19-epp.md, BENCHMARKS-2026-12-07-s20-epp.md.)"""
+    """A HeaderMap's headers (field 1, repeated HeaderValue), in order."""
     headers: Headers = []
     while pos < end:
         if buf[pos] != 0x0A:  # (not field 1, length-delimited: the general reader)
@@ -244,18 +226,12 @@ def _header_map(buf: bytes, pos: int, end: int) -> Headers:
         pos = start + size
         if pos > end:
             raise WireError("a header past the end of its map")
-        # (a value length of two bytes or more can never end the header here: it reads as another shape)
-        if size >= 4 and buf[start] == 0x0A and buf[start + 1] < 0x80:
-            value_at = start + 2 + buf[start + 1]
-            if value_at + 2 <= pos and buf[value_at] == 0x1A and value_at + 2 + buf[value_at + 1] == pos:
-                headers.append((buf[start + 2 : value_at].lower(), buf[value_at + 2 : pos]))
-                continue
-        headers.append(_header(buf, (start, pos)))
+        headers.append(_short_header(buf, start, pos) or _header(buf, (start, pos)))
     return headers
 
 
 def _header(buf: Buffer, span: tuple[int, int]) -> tuple[bytes, bytes]:
-    """A HeaderValue: (lower-case key, `raw_value` or else `value`), any shape (`_header_map` reads
+    """A HeaderValue: (lower-case key, `raw_value` or else `value`), any shape (`_short_header` reads
     the usual one faster)."""
     key, value, raw = b"", b"", b""
     for n, w, v in _fields(buf, *span):
@@ -268,6 +244,20 @@ def _header(buf: Buffer, span: tuple[int, int]) -> tuple[bytes, bytes]:
             else:
                 raw = bytes(buf[start:stop])
     return key, raw or value
+
+
+def _short_header(buf: bytes, pos: int, end: int) -> tuple[bytes, bytes] | None:
+    """The usual HeaderValue read fast, with no loop: `key` then `raw_value`, each shorter than 128
+    bytes (one length byte), nothing else; None for any other shape (read by the general reader).
+    (Envoy's headers all have this shape: a request's ~20 cost ~200 k instructions with a loop per
+    header, bench/history/BENCHMARKS-2026-12-06-s19-epp.md.)"""
+    if end - pos < 4 or buf[pos] != 0x0A or buf[pos + 1] >= 0x80:
+        return None
+    value_at = pos + 2 + buf[pos + 1]
+    # (a value length of two bytes or more can never end the header here: it reads as another shape)
+    if value_at + 2 > end or buf[value_at] != 0x1A or value_at + 2 + buf[value_at + 1] != end:
+        return None
+    return buf[pos + 2 : value_at].lower(), buf[value_at + 2 : end]
 
 
 def _filter_metadata(buf: Buffer, span: tuple[int, int]) -> dict[str, dict[str, Any]]:
@@ -341,10 +331,8 @@ def _varint_bytes(n: int) -> bytes:
 
 
 def _field(number: int, payload: bytes) -> bytes:
-    """A length-delimited field: a string, bytes or a message. (The usual length of one byte is not a
-    call: an answer is ~40 fields, bench/history/BENCHMARKS-2026-12-07-s20-epp.md.)"""
-    size = len(payload)
-    return _LEN_KEYS[number] + (_ONE_BYTE[size] if size < 0x80 else _varint_bytes(size)) + payload
+    """A length-delimited field: a string, bytes or a message."""
+    return _LEN_KEYS[number] + _varint_bytes(len(payload)) + payload
 
 
 def _nested(numbers: Sequence[int], parts: Sequence[Buffer]) -> tuple[Buffer, ...]:
@@ -352,7 +340,7 @@ def _nested(numbers: Sequence[int], parts: Sequence[Buffer]) -> tuple[Buffer, ..
     first), in pieces: its prefixes, then the parts as they are (a body chunk is one: not copied)."""
     prefixes, size = [], sum(len(part) for part in parts)
     for number in reversed(numbers):
-        prefix = _LEN_KEYS[number] + (_ONE_BYTE[size] if size < 0x80 else _varint_bytes(size))
+        prefix = _LEN_KEYS[number] + _varint_bytes(size)
         prefixes.append(prefix)
         size += len(prefix)
     prefixes.reverse()
@@ -382,7 +370,7 @@ def header_options(set_headers: Iterable[tuple[str | bytes, bytes]]) -> bytes:
     for name, value in set_headers:
         size = len(value)
         if size:
-            header = _header_key(name) + (_ONE_BYTE[size] if size < 0x80 else _varint_bytes(size)) + value
+            header = _header_key(name) + _varint_bytes(size) + value
         else:
             header = _header_key(name)[:-1]  # (no raw_value)
         options.append(_field(1, _field(1, header) + _SET_ACTION))

@@ -352,24 +352,14 @@ class GrpcConnection(asyncio.Protocol):
             return
         if len(inbox) > 1 and len(inbox[0]) < 5:  # (the length prefix split: read it whole)
             inbox[:] = [b"".join(inbox)]
-        head = inbox[0]
-        if head[0] != 0:
-            raise StreamFault(stream.id, ErrorCode.PROTOCOL_ERROR, "compressed_message")
-        (size,) = _U32.unpack_from(head, 1)
-        if size > self.config.max_message_bytes:
-            raise StreamFault(stream.id, ErrorCode.ENHANCE_YOUR_CALM, "message_too_large")
-        if stream.inbox_bytes < size + 5:
+        if stream.inbox_bytes < self._message_size(stream, inbox[0], 0) + 5:
             return
         data = memoryview(inbox[0] if len(inbox) == 1 else b"".join(inbox))  # (views of bytes read)
         inbox.clear()
         stream.inbox_bytes = 0
         pos = 0
         while len(data) - pos >= 5 and stream.id in self.streams:
-            if data[pos] != 0:
-                raise StreamFault(stream.id, ErrorCode.PROTOCOL_ERROR, "compressed_message")
-            (size,) = _U32.unpack_from(data, pos + 1)
-            if size > self.config.max_message_bytes:
-                raise StreamFault(stream.id, ErrorCode.ENHANCE_YOUR_CALM, "message_too_large")
+            size = self._message_size(stream, data, pos)
             if len(data) - pos < size + 5:
                 break
             self._handle(stream, data[pos + 5 : pos + 5 + size])  # (a view of bytes: never changed)
@@ -378,6 +368,16 @@ class GrpcConnection(asyncio.Protocol):
             rest = data[pos:]
             inbox.append(rest if len(rest) << 3 >= len(data) else bytes(rest))  # (as above)
             stream.inbox_bytes = len(data) - pos
+
+    def _message_size(self, stream: _Stream, buf: bytes | memoryview, pos: int) -> int:
+        """The size of the gRPC message whose 5-byte prefix is at `pos`; a StreamFault for a compressed
+        one or one past `max_message_bytes` (judged on its prefix, before its bytes are kept)."""
+        if buf[pos] != 0:
+            raise StreamFault(stream.id, ErrorCode.PROTOCOL_ERROR, "compressed_message")
+        (size,) = _U32.unpack_from(buf, pos + 1)
+        if size > self.config.max_message_bytes:
+            raise StreamFault(stream.id, ErrorCode.ENHANCE_YOUR_CALM, "message_too_large")
+        return int(size)
 
     def _handle(self, stream: _Stream, message: bytes | memoryview) -> None:
         """The handler's answers to one message, queued; the stream's end when it answered
