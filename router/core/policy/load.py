@@ -235,7 +235,8 @@ class Residency:
     def finished(self, first_token_at: float, at: float) -> None:
         """A request that had its first token at `first_token_at` ended at `at`."""
         self.decoding -= 1
-        self.since_sum -= first_token_at
+        # (exactly 0 when nothing decodes: a float sum of times added and taken away drifts)
+        self.since_sum = self.since_sum - first_token_at if self.decoding else 0.0
         self.exposure_s = _RESIDENCY_FORGETTING * self.exposure_s + (at - first_token_at)
         self.completions = _RESIDENCY_FORGETTING * self.completions + 1.0
 
