@@ -22,7 +22,7 @@ from events.recording import DecisionRecord
 from events.recording_file import RecordingReader
 from router.core.policy.scoring import CandidateScore, Decision
 
-__all__ = ["Audit", "audit", "main"]
+__all__ = ["Audit", "audit", "main", "records", "records_by_request"]
 
 _DECISION = msgspec.msgpack.Decoder(Decision)
 
@@ -86,12 +86,17 @@ def audit(decisions: Iterable[Decision]) -> Audit:
 
 def records(path: Path) -> list[Decision]:
     """The first-attempt decisions of one recording."""
+    return list(records_by_request(path).values())
+
+
+def records_by_request(path: Path) -> dict[str, Decision]:
+    """The first-attempt decisions of one recording by request id, in recording order."""
     with RecordingReader.open(path) as reader:
-        return [
-            _DECISION.decode(r.decision)
+        return {
+            r.request_id: _DECISION.decode(r.decision)
             for r in reader.records()
             if isinstance(r, DecisionRecord) and r.attempt == 0
-        ]
+        }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
