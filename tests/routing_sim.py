@@ -33,6 +33,7 @@ from kvrouter.loadtest.virtual_fleet import (
     request_id,
     run_fleet,
     sim_ranks,
+    soonest_rank,
 )
 from kvrouter.loadtest.workload import RequestSpec
 from router.core.errors import RouterError
@@ -279,7 +280,7 @@ def forecast_audit(
         if picked is None or flight_engine is None:
             continue  # refused
         chosen = names.index(flight_engine)
-        soonest = min(range(len(forecasts)), key=lambda i: (forecasts[i][0], -forecasts[i][1], i))
+        soonest = soonest_rank(forecasts)
         full = picked.load.decoding >= sim.step.max_num_seqs > 0
         row = ForecastRegret(
             index=index, chosen=chosen, soonest=soonest, chosen_forecast_s=forecasts[chosen][0],

@@ -41,6 +41,7 @@ __all__ = [
     "request_id",
     "run_fleet",
     "sim_ranks",
+    "soonest_rank",
 ]
 
 REFERENCE: Final = "ttft_oracle over the stubs' simulated schedulers (soonest forecast first token)"
@@ -95,6 +96,12 @@ class SimRouter(Protocol):
         """Rank `rank`'s step `out` ended at `now` (its events published, its tokens out)."""
 
 
+def soonest_rank(forecasts: Sequence[tuple[float, int]]) -> int:
+    """The index of the soonest of the ranks' forecasts `(seconds, hit)`, then the longer hit, then
+    the lower index: the `ttft_oracle`'s choice."""
+    return min(range(len(forecasts)), key=lambda i: (forecasts[i][0], -forecasts[i][1], i))
+
+
 class SoonestForecast:
     """The rank whose forecast first token comes soonest (`SimRank.forecast`), then the longer hit,
     then the lower index: the load test's `ttft_oracle` over the simulated ranks."""
@@ -105,8 +112,7 @@ class SoonestForecast:
     def route(self, index: int, spec: RequestSpec, now: float) -> int:
         params = SubmitParams(max_tokens=spec.max_tokens)
         probe = self.fleet[0].scheduler.probe(spec.prompt, params)  # one hashing for every rank
-        forecasts = [(*rank.forecast(probe, params, self.cost, now), i) for i, rank in enumerate(self.fleet)]
-        return min(forecasts, key=lambda f: (f[0], -f[1], f[2]))[2]
+        return soonest_rank([rank.forecast(probe, params, self.cost, now) for rank in self.fleet])
 
     def stepped(self, rank: int, out: StepOutput, now: float) -> None:
         """Nothing to learn: the forecast reads the ranks themselves."""
