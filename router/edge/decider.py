@@ -437,7 +437,7 @@ class Exchange:
 
     def first_byte(self, relay_s: float) -> None:
         """The answer's first chunk was handed to the client, `relay_s` after it arrived."""
-        self.flight.first_byte(self.status == 200)
+        self.flight.first_byte(self.status == 200, self.streamed_ok)
         decider = self.decider
         decider.proxy_overhead.observe(self.pre_forward + relay_s)
         if self.streamed_ok:  # a JSON answer's first chunk is most of the answer: no TTFT to speak of

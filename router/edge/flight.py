@@ -77,9 +77,7 @@ class Flight:
         """The first decision (attempt 0), recorded in the entry and told to the sink."""
         self.prepared = prepared
         routed = self.core.route(prepared, self.route, now)
-        self.entry.decisions.append(routed.decision)  # `_note`, without its call
-        if self.on_decision is not None:
-            self.on_decision(self.rid, len(self.entry.decisions) - 1, routed.decision)
+        self._note(routed.decision)
         return routed
 
     def choose(self, tried: frozenset[EngineId]) -> Target | None:
@@ -179,11 +177,12 @@ class Flight:
                 self.fleet.admission.leave_engine(self.engine)
             self._counted = False
 
-    def first_byte(self, computed: bool = True) -> None:
+    def first_byte(self, computed: bool = True, timed: bool = True) -> None:
         """The answer's first bytes arrived: the request's TTFT as far as the router can see it;
-        `computed`: the engine computed it (a 200), so it must have left its stores."""
+        `computed`: the engine computed it (a 200), so it must have left its stores; `timed`: they
+        are its first token (a 200 stream), which the load model learns from (`LoadTracker.first_token`)."""
         now = self.fleet.clock()
-        self.fleet.load.first_token(self.rid, now)
+        self.fleet.load.first_token(self.rid, now, timed)
         self.fleet.request_answered(self.rid, now, computed)
 
     def finish(self) -> None:
@@ -191,11 +190,4 @@ class Flight:
         if self._finished:
             return
         self._finished = True
-        fleet = self.fleet
-        now = fleet.clock()
-        if self._counted and self.engine is not None:  # `_leave(now)`, without its call
-            fleet.load.finished(self.rid, now)
-            fleet.request_finished(self.engine, self.rid, now)
-            if self._admitted:
-                fleet.admission.leave_engine(self.engine)
-            self._counted = False
+        self._leave(self.fleet.clock())

@@ -140,6 +140,7 @@ class PickStream:
         self.engine: EngineId | None = None  # a passthrough pick (no exchange)
         self.admitted = False  # an admission slot is held until the request ends
         self.tap: UsageTap | None = None
+        self.unanswered = False  # the answer's head came, its first body bytes not yet (`_first_byte`)
         self.status = 0
         self.served: str | None = None  # the endpoint the gateway says served, when it says
         self.judged = False  # the engine's breaker was told how the request went
@@ -323,12 +324,13 @@ class PickStream:
         own: list[tuple[str | bytes, bytes]] = [("x-request-id", self.rid.encode("latin-1"))]
         if self.exchange is not None and self.engine is not None:
             own = list(self.exchange.answered(self.engine, self.status, _NOTE))
-            self.exchange.first_byte(0.0)
             self.tap = UsageTap(self.exchange.entry.request.stream)
+            self.unanswered = True
         elif self.engine is not None:
             own.append(("x-kvrouter-engine", self.engine.encode("latin-1")))
         answer = headers_response("response_headers", own)
         if message.end_of_stream:
+            self._first_byte()  # (the head is the whole answer)
             self._end()
         else:
             self.phase = _Phase.RESPONSE
@@ -365,7 +367,15 @@ class PickStream:
         else:
             (breaker.record_failure if failure else breaker.record_success)(now)
 
+    def _first_byte(self) -> None:
+        """The answer's first bytes came (once): its TTFT as the gateway's relay reads it, at the
+        first body chunk, not the head (vLLM sends a stream's head before its first token)."""
+        if self.unanswered and self.exchange is not None:
+            self.unanswered = False
+            self.exchange.first_byte(0.0)
+
     def _response_body(self, chunk: bytes, end: bool) -> list[Answer]:
+        self._first_byte()
         if self.tap is not None:
             self.tap.feed(chunk)
         if self.hold:

@@ -185,6 +185,7 @@ class _InFlight(msgspec.Struct):
     other_s: float = 0.0
     context_tokens: int = 0
     first_token_at: float | None = None
+    timed: bool = True  # its first byte was its first token (`LoadTracker.first_token`)
 
 
 class _Service(msgspec.Struct):
@@ -367,15 +368,25 @@ class LoadTracker:
         _, decode_s, slot_s, _ = ttft_terms(seen, uncached_tokens)
         return decode_s + slot_s
 
-    def first_token(self, request: RequestId, at: float) -> float | None:
-        """The first byte of the answer arrived: learn from the TTFT and return it (None if unknown)."""
+    def first_token(self, request: RequestId, at: float, timed: bool = True) -> float | None:
+        """The first byte of the answer arrived: the request leaves the prefill queue; with `timed` (the
+        byte is the first token: a 200 stream) learn from its TTFT, and from its decode time when it
+        finishes. Return the time since it was sent (None if unknown or already answered).
+
+        Not `timed`, the byte says nothing of the engine's prefill: a JSON answer's first byte comes
+        with its last token (learned as a TTFT it taught the prefill cost whole decode times), an
+        error's before any prefill (it taught a prefill of nothing)."""
         flight = self._requests.get(request)
         if flight is None or flight.first_token_at is not None:
             return None
         flight.first_token_at = at
+        flight.timed = timed
         load = flight.load
-        load.residency.first_token(at)
         load.seen = None
+        if not timed:
+            self._end_prefill(load, request, flight)
+            return at - flight.started_at
+        load.residency.first_token(at)
         if self.service:
             self._served(load, flight, at)
         else:
@@ -426,7 +437,7 @@ class LoadTracker:
         load.context -= flight.context_tokens
         if flight.first_token_at is None:
             self._end_prefill(load, request, flight)
-        else:
+        elif flight.timed:
             load.residency.finished(flight.first_token_at, at)
 
     def _end_prefill(self, load: _EngineLoad, request: RequestId, flight: _InFlight) -> None:

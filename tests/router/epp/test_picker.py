@@ -268,6 +268,20 @@ async def test_an_event_stream_is_sent_back_chunk_by_chunk(fleet: Fleet) -> None
     assert entry is not None and entry.actual_cached_tokens == 5
 
 
+async def test_a_ttft_is_learned_at_a_streams_first_body_chunk_only(fleet: Fleet) -> None:
+    """vLLM sends a stream's head before its first token, and a JSON answer's body with its last:
+    the load model learns a TTFT from a 200 stream's first body chunk and from nothing else."""
+    model = gateway_of(fleet).parts.fleet.load.model(EngineId("e0"))  # (shared by both engines)
+    for stream_it, kind in [(False, "application/json"), (True, "text/event-stream")]:
+        stream = fleet.picker.stream()
+        body = json.dumps({**json.loads(chat(fleet.model, f"hi {kind}")), "stream": stream_it}).encode()
+        await run(stream, request_headers("POST", "/v1/chat/completions", False), request_body(body, True))
+        await step(stream, response_headers(200, content_type=kind))
+        assert model.samples == 0  # the head is no token
+        await step(stream, response_body(b'data: {"choices":[]}\n\n' if stream_it else b"{}", True))
+        assert model.samples == (1 if stream_it else 0)
+
+
 async def test_a_held_answer_past_one_chunk_is_sent_back_before_its_end(fleet: Fleet) -> None:
     stream = fleet.picker.stream()
     await run(stream, request_headers("POST", "/v1/completions", False), request_body(

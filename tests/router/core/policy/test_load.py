@@ -48,6 +48,26 @@ def test_lifecycle_counts() -> None:
     assert load.snapshot(B, now=1.2).in_flight == 0
 
 
+@pytest.mark.parametrize("service", [False, True])
+def test_an_untimed_first_byte_leaves_the_queue_and_teaches_nothing(service: bool) -> None:
+    """A JSON answer's first byte comes with its last token, an error's before any prefill: the
+    request leaves the prefill queue, but neither the prefill cost nor the decode time learns."""
+    load = LoadTracker(PRIOR, service=service)
+    load.started(rid(1), A, at=0.0, uncached_tokens=1000)
+    load.started(rid(2), A, at=0.0, uncached_tokens=500)
+    assert load.first_token(rid(1), at=2.5, timed=False) == pytest.approx(2.5)
+    assert load.first_token(rid(1), at=2.6) is None  # answered once
+    snap = load.snapshot(A, now=2.5)
+    assert (snap.in_flight, snap.prefilling, snap.decoding, snap.queued_prefill_tokens) == (2, 1, 1, 500)
+    load.finished(rid(1), at=2.6)
+    assert load.first_token(rid(2), at=3.0, timed=False) == pytest.approx(3.0)
+    load.finished(rid(2), at=3.0)
+    model = load.model(A)
+    assert (model.samples, model.overhead_s, model.per_token_s) == (0, PRIOR.overhead_s, PRIOR.per_token_s)
+    assert load.snapshot(A, now=3.0).residency_s == 0.0  # nothing learned of the decode time either
+    assert load.snapshot(A, now=3.0).in_flight == 0
+
+
 def test_restarting_an_in_flight_request_is_a_caller_error() -> None:
     load = LoadTracker(PRIOR)
     load.started(rid(1), A, at=0.0, uncached_tokens=10)
