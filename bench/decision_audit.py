@@ -71,7 +71,7 @@ def audit(decisions: Iterable[Decision]) -> Audit:
             if c.hit_tokens > c.trusted_hit_tokens:
                 out.discounted[c.trust.reason.value] += 1
                 out.discounted_tokens[c.trust.reason.value] += c.hit_tokens - c.trusted_hit_tokens
-        chosen = next((c for c in d.candidates if c.engine == d.engine), None)
+        chosen = d.chosen()
         if chosen is None:
             continue
         warm = max(d.candidates, key=lambda c: c.hit_tokens)

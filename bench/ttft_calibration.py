@@ -23,7 +23,7 @@ import msgspec
 
 from bench.decision_audit import records_by_request
 from kvrouter.loadtest.results import RequestResult
-from router.core.policy.scoring import Decision
+from router.core.policy.scoring import CandidateScore, Decision
 
 __all__ = ["STATES", "Calibration", "calibration", "main", "queue_state"]
 
@@ -37,11 +37,8 @@ class Calibration(msgspec.Struct, frozen=True):
     median_ratio: float
 
 
-def queue_state(decision: Decision) -> str | None:
-    """The chosen engine's state at the decision (`STATES`), None when nothing was chosen."""
-    chosen = next((c for c in decision.candidates if c.engine == decision.engine), None)
-    if chosen is None:
-        return None
+def queue_state(chosen: CandidateScore) -> str:
+    """The chosen engine's state at the decision (`STATES`), from its candidate (`Decision.chosen`)."""
     load = chosen.load
     unanswered = load.in_flight - load.decoding
     if unanswered >= 2:
@@ -60,11 +57,10 @@ def calibration(
         decision = decisions.get(r.request_id or "")
         if decision is None or r.ttft_s is None:
             continue
-        state = queue_state(decision)
-        chosen = next((c for c in decision.candidates if c.engine == decision.engine), None)
-        if state is None or chosen is None or chosen.predicted_ttft_s <= 0:
+        chosen = decision.chosen()
+        if chosen is None or chosen.predicted_ttft_s <= 0:
             continue
-        ratios.setdefault(state, []).append(r.ttft_s / chosen.predicted_ttft_s)
+        ratios.setdefault(queue_state(chosen), []).append(r.ttft_s / chosen.predicted_ttft_s)
     return {s: Calibration(len(ratios[s]), statistics.median(ratios[s])) for s in STATES if s in ratios}
 
 

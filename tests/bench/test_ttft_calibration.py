@@ -28,7 +28,8 @@ def answered(rid: str | None, ttft: float | None) -> RequestResult:
 
 
 def test_each_queue_state_is_named_from_the_chosen_engine_s_load() -> None:
-    states = [queue_state(decided("r", f, d)) for f, d in [(0, 0), (2, 2), (3, 2), (3, 1), (4, 0)]]
+    chosen = [decided("r", f, d).chosen() for f, d in [(0, 0), (2, 2), (3, 2), (3, 1), (4, 0)]]
+    states = [queue_state(c) for c in chosen if c is not None]
     assert states == ["idle", "decoding", "behind_1", "behind_2+", "behind_2+"]
 
 

@@ -27,6 +27,7 @@ import msgspec
 from router.core.ids import EngineId, RequestId
 from router.core.policy.ttft_model import (
     StepCost,
+    batch_full,
     prefill_steps,
     running_context,
     step_budget,
@@ -362,8 +363,8 @@ class LoadTracker:
             seen, timed = self.snapshot(engine, at), False  # (its drained head is at `at` already)
         if timed and (seen.decoding > 0 or seen.context_tokens > 0):  # (else no step part at all)
             seen = msgspec.structs.replace(seen, drained_tokens=self._drained(load, seen.decoding, at))
-        full = seen.in_flight >= self.step.max_num_seqs > 0  # (else no slot wait: residency unread)
-        if full and load.residency.decoding and at != load.seen_at:
+        # (the residency is read only for a slot wait)
+        if batch_full(self.step, seen.in_flight) and load.residency.decoding and at != load.seen_at:
             seen = msgspec.structs.replace(seen, residency_s=load.residency.estimate(at))
         _, decode_s, slot_s, _ = ttft_terms(seen, uncached_tokens)
         return decode_s + slot_s
@@ -431,7 +432,7 @@ class LoadTracker:
             return
         load = flight.load
         load.seen = None
-        if load.in_flight - load.prefilling >= self.step.max_num_seqs > 0:
+        if batch_full(self.step, load.in_flight - load.prefilling):
             load.head_since = at  # the batch was full: the head waited for this slot
         load.in_flight -= 1
         load.context -= flight.context_tokens
@@ -457,7 +458,7 @@ class LoadTracker:
         model, step = load.model, self.step
         if model.samples == 0 and load.service is None:
             return 0
-        if step.max_num_seqs > 0 and decoding >= step.max_num_seqs:
+        if batch_full(step, decoding):
             return 0
         head = next(iter(load.unanswered.values()))  # the first: FCFS order
         tokens = head.uncached_tokens

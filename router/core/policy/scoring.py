@@ -228,6 +228,10 @@ class Decision(msgspec.Struct, frozen=True):
     margin_s: float = 0.0
     """The runner-up's kv cost minus the chosen one's (negative: kv's cost preferred the runner-up)."""
 
+    def chosen(self) -> CandidateScore | None:
+        """The chosen engine's candidate (None when nothing was chosen)."""
+        return next((c for c in self.candidates if c.engine == self.engine), None)
+
 
 @functools.lru_cache(maxsize=4096)  # (a session's requests share their key: its ties hash the same pairs)
 def stable_hash(key: str, engine: EngineId) -> int:

@@ -27,6 +27,7 @@ __all__ = [
     "EngineState",
     "StepCost",
     "TtftTerms",
+    "batch_full",
     "idle_prefill_s",
     "prefill_steps",
     "running_context",
@@ -97,6 +98,12 @@ TtftTerms = tuple[int, float, float, float]
 """`(prefill_steps, decode_s, slot_wait_s, predicted_ttft_s)`: the model's terms for one request."""
 
 
+def batch_full(step: StepCost, held: int) -> bool:
+    """Whether an engine whose running batch would hold `held` requests admits no other until one of
+    them finishes: `held >= max_num_seqs` (a `max_num_seqs` of 0: no limit)."""
+    return held >= step.max_num_seqs > 0
+
+
 def step_budget(step: StepCost, decoding: int) -> int:
     """Prefill tokens one engine step takes: its token budget less one per decoding sequence, at least 1."""
     budget = step.max_num_batched_tokens - decoding
@@ -147,8 +154,8 @@ def ttft_terms(engine: EngineState, uncached_tokens: int) -> TtftTerms:
         step_decode_s    = decode_step_s + decode_penalty_s x decoding    (0 if nothing decodes)
                          + context_read_s_per_token x running_context
         running_context  = context_tokens x min(1, max_num_seqs / in_flight)  (`running_context`)
-        slot_wait_s      = excess x residency_s / max_num_seqs            (0 unless excess > 0
-        excess           = in_flight - max_num_seqs + 1                    and max_num_seqs > 0)
+        slot_wait_s      = excess x residency_s / max_num_seqs            (0 unless `batch_full`:
+        excess           = in_flight - max_num_seqs + 1                    in_flight >= max_num_seqs > 0)
     """
     step, decoding = engine.step, engine.decoding
     left = engine.queued_prefill_tokens - engine.drained_tokens
@@ -156,7 +163,6 @@ def ttft_terms(engine: EngineState, uncached_tokens: int) -> TtftTerms:
     steps = prefill_steps(step, decoding, tokens)
     context = running_context(step, engine.in_flight, engine.context_tokens)
     decode_s = steps * step_decode_s(step, decoding, context)
-    max_seqs = step.max_num_seqs
-    excess = engine.in_flight - max_seqs + 1
-    slot_s = excess * engine.residency_s / max_seqs if excess > 0 and max_seqs > 0 else 0.0
+    in_flight, seqs = engine.in_flight, step.max_num_seqs
+    slot_s = (in_flight - seqs + 1) * engine.residency_s / seqs if batch_full(step, in_flight) else 0.0
     return steps, decode_s, slot_s, engine.overhead_s + engine.per_token_s * tokens + decode_s + slot_s
