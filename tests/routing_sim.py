@@ -153,6 +153,7 @@ class SimRouterCore:
         self.names = [EngineId(e.name) for e in config.engines]
         self.oracle = SoonestForecast(fleet, sim.cost) if oracle else None
         self.flights: dict[str, Flight] = {}
+        self.generated: dict[str, int] = {}  # request id -> tokens generated so far
         self.seqs = [0] * sim.engines
         self.predicted: dict[int, CandidateScore] = {}  # request index -> its chosen candidate
         self.routed: dict[int, EngineId] = {}  # request index -> the engine it went to (the oracle's)
@@ -192,13 +193,14 @@ class SimRouterCore:
         if out.events:
             self.fleet.on_batch(EngineName(self.names[rank]), self.seqs[rank], KVEventBatch(now, out.events))
             self.seqs[rank] += 1
-        for rid in out.new_tokens:
+        for rid, tokens in out.new_tokens.items():
             flight = self.flights.get(rid)
+            self.generated[rid] = self.generated.get(rid, 0) + tokens
             if flight is not None and flight.entry.status is None:
                 flight.entry.status = 200  # (the first token: what the gateway's relay sees first)
                 flight.first_byte()
-        for rid in out.finished:
-            self.flights.pop(rid).finish()
+        for rid in out.finished:  # (with the tokens generated: the usage a stream ends with)
+            self.flights.pop(rid).finish(self.generated.pop(rid, None))
 
 
 def simulate(policy: PolicyName | str, requests: Sequence[RequestSpec], sim: SimEngines) -> list[float]:

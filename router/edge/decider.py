@@ -42,6 +42,7 @@ from router.edge.flight import Flight
 from router.edge.gateway_parts import GatewayParts
 from router.edge.headers import forwarded_headers
 from router.edge.upstream import ProxyRequest, Target
+from router.edge.usage import Usage
 from router.ops.bucket_histogram import observe_present
 from router.ops.debug import DecisionEntry, Explanation, PreparedView
 from router.prepare.remote_tokenize import RemoteTokenizeError, RemoteTokenizer
@@ -444,11 +445,12 @@ class Exchange:
             ttft_s = time.perf_counter() - self.arrived
             decider.parts.metrics.ttft_of[self.engine, self.model].observe(ttft_s)
 
-    def end(self, status: str, cached: int | None) -> None:
+    def end(self, status: str, usage: Usage | None) -> None:
         """The answer ended with `status` ("200", "broken", "client_closed", "client_slow") and the
-        engine's reported cached tokens: counted, recorded, logged (`_QUIET` ends only at DEBUG); the
-        admission slot given back."""
-        self.flight.finish()
+        usage the engine reported: counted, recorded, logged (`_QUIET` ends only at DEBUG); the
+        admission slot given back; the tokens it generated to the load model (its decode step)."""
+        cached = usage.cached() if usage is not None else None
+        self.flight.finish(usage.generated() if usage is not None else None)
         decider, entry = self.decider, self.entry
         parts = decider.parts
         # Observed once the answer is out, not on its first byte's path.

@@ -169,9 +169,9 @@ class Flight:
         if rank is not None:
             headers.append((RANK_HEADER, str(rank)))
 
-    def _leave(self, now: float) -> None:
+    def _leave(self, now: float, generated_tokens: int | None = None) -> None:
         if self._counted and self.engine is not None:
-            self.fleet.load.finished(self.rid, now)
+            self.fleet.load.finished(self.rid, now, generated_tokens)
             self.fleet.request_finished(self.engine, self.rid, now)
             if self._admitted:
                 self.fleet.admission.leave_engine(self.engine)
@@ -185,9 +185,10 @@ class Flight:
         self.fleet.load.first_token(self.rid, now, timed)
         self.fleet.request_answered(self.rid, now, computed)
 
-    def finish(self) -> None:
-        """The request ended (any way); uncounts it once."""
+    def finish(self, generated_tokens: int | None = None) -> None:
+        """The request ended (any way), having generated `generated_tokens` when its answer said;
+        uncounts it once."""
         if self._finished:
             return
         self._finished = True
-        self._leave(self.fleet.clock())
+        self._leave(self.fleet.clock(), generated_tokens)

@@ -35,6 +35,7 @@ from router.edge.gateway_parts import GatewayParts
 from router.edge.headers import forwarded_headers
 from router.edge.relay import RelayResponse
 from router.edge.upstream import ProxyRequest, Target
+from router.edge.usage import Usage
 from router.prepare.served_models import UnknownModel
 from tokenization.openai_request import RequestError
 
@@ -175,7 +176,7 @@ class Passthrough:
                 parts.metrics.refused(_POLICY, "client_closed", None)
             raise
 
-        def end(status: str, cached: int | None) -> None:
+        def end(status: str, usage: Usage | None) -> None:
             parts.fleet.admission.leave()
             parts.metrics.ended(upstream.engine, _POLICY, status)
 

@@ -12,7 +12,8 @@ connection. A client that takes no more bytes is waited for at most `write_s`
 (`timeouts.client_write_s`) at a time, and never past the answer's `timeouts.total_s` deadline: then
 it is cut off and the upstream connection dropped, the answer ending as `client_slow` (its client's
 fault, never the engine's: no breaker counts it). `on_end` runs exactly once with the final status
-label and the actual cached tokens the answer reported (None when absent or cut short). It is also
+label and the usage the answer reported (`Usage`: cached and generated tokens; None when absent or
+cut short). It is also
 a Starlette `Response`, so routes served through Starlette (the `/v1/*` passthrough) can return it.
 """
 
@@ -34,7 +35,7 @@ from router.edge.client_io import ClientWatch
 from router.edge.client_writes import BODY_WRITER, BodyWriter, ClientStalled
 from router.edge.headers import HOP_BY_HOP, response_headers
 from router.edge.upstream import UpstreamResponse
-from router.edge.usage import UsageTap, cached_tokens_of, response_id_of
+from router.edge.usage import Usage, UsageTap, response_id_of, usage_of
 
 __all__ = [
     "AnswerNames",
@@ -51,9 +52,9 @@ _SERVER_OWN = frozenset({"date", "server"})  # uvicorn writes its own; the engin
 _HOP_BY_HOP_RAW = frozenset({name.encode("latin-1") for name in HOP_BY_HOP})
 _NAME = operator.itemgetter(0)
 
-EndHook = Callable[[str, "int | None"], None]
+EndHook = Callable[[str, "Usage | None"], None]
 """Called once when the answer ends: status label ("200", "broken", "client_closed", "client_slow")
-and cached tokens."""
+and the usage the answer reported (None: none, or the answer did not complete)."""
 
 
 def body_writer(scope: Scope, coalesce_s: float = 0.0) -> BodyWriter | None:
@@ -280,17 +281,17 @@ class RelayResponse(Response):
         finally:
             if not ended:  # (ended: the connection went back to the pool with the last bytes)
                 self.upstream.close()
-            cached = None
+            usage = None
             if complete:
                 if tap is not None:
-                    cached = tap.cached_tokens()
+                    usage = tap.usage()
                 elif whole:
-                    cached = cached_tokens_of(whole, self.event_stream)
+                    usage = usage_of(whole, self.event_stream)
                 if self.on_response_id is not None:
                     self._learn_id(tap, whole)
             if not self.ended:
                 self.ended = True
-                self._on_end(status, cached)
+                self._on_end(status, usage)
 
     def _learn_id(self, tap: UsageTap | None, whole: bytes) -> None:
         """Hand the completed answer's id to `on_response_id` (read from the tap, or the whole answer

@@ -1,4 +1,5 @@
-"""Reading the engine's actual cached tokens from the answer the gateway passes through.
+"""Reading the engine's actual cached tokens (and the tokens it generated: the load model learns
+each engine's decode step from them) from the answer the gateway passes through.
 
 The answer is forwarded untouched; `UsageTap` only looks at it. A JSON answer is kept (up to a cap)
 and its cached tokens read at the end (`usage.prompt_tokens_details.cached_tokens`; Responses'
@@ -18,7 +19,16 @@ from typing import Final
 
 import msgspec
 
-__all__ = ["UsageTap", "cached_tokens_of", "cached_tokens_of_json", "cached_tokens_of_sse", "response_id_of"]
+__all__ = [
+    "Usage",
+    "UsageTap",
+    "cached_tokens_of",
+    "cached_tokens_of_json",
+    "cached_tokens_of_sse",
+    "response_id_of",
+    "usage_of",
+    "usage_of_sse",
+]
 
 _JSON_CAP: Final = 4 << 20
 _SSE_TAIL: Final = 64 << 10
@@ -29,13 +39,16 @@ class _Details(msgspec.Struct):
     cached_tokens: int | None = None
 
 
-class _Usage(msgspec.Struct):
-    """The usage of the three answer shapes: OpenAI's chat and completions (`prompt_tokens_details`),
-    Responses (`input_tokens_details`), Anthropic Messages (`cache_read_input_tokens`)."""
+class Usage(msgspec.Struct):
+    """The usage of the three answer shapes: OpenAI's chat and completions (`prompt_tokens_details`,
+    `completion_tokens`), Responses (`input_tokens_details`, `output_tokens`), Anthropic Messages
+    (`cache_read_input_tokens`, `output_tokens`)."""
 
     prompt_tokens_details: _Details | None = None
     input_tokens_details: _Details | None = None
     cache_read_input_tokens: int | None = None
+    completion_tokens: int | None = None
+    output_tokens: int | None = None
 
     def cached(self) -> int | None:
         """The cached prompt tokens the answer reports, whichever shape carries them."""
@@ -44,9 +57,13 @@ class _Usage(msgspec.Struct):
             return details.cached_tokens
         return self.cache_read_input_tokens
 
+    def generated(self) -> int | None:
+        """The tokens the answer generated, whichever shape reports them."""
+        return self.completion_tokens if self.completion_tokens is not None else self.output_tokens
+
 
 class _Nested(msgspec.Struct):
-    usage: _Usage | None = None
+    usage: Usage | None = None
 
 
 class _WithUsage(msgspec.Struct):
@@ -54,11 +71,11 @@ class _WithUsage(msgspec.Struct):
     `message_delta`) or in the object a stream event carries (Responses' `response.completed`,
     Messages' `message_start`)."""
 
-    usage: _Usage | None = None
+    usage: Usage | None = None
     response: _Nested | None = None
     message: _Nested | None = None
 
-    def found(self) -> _Usage | None:
+    def found(self) -> Usage | None:
         """The usage this answer or event carries, if any."""
         if self.usage is not None:
             return self.usage
@@ -71,28 +88,29 @@ class _WithUsage(msgspec.Struct):
 _DECODER: Final = msgspec.json.Decoder(_WithUsage)
 
 
-def _cached(data: bytes) -> tuple[bool, int | None]:
-    """(whether `data` carried a usage object, its cached tokens if reported)."""
+def _usage_in_event(data: bytes) -> Usage | None:
+    """The usage object a stream event's `data` carries, if any."""
     if b"usage" not in data and b"\\u" not in data:  # no such key, even spelt with escapes: no decode
-        return False, None
-    return _decoded(data)
+        return None
+    return _usage_in(data)
 
 
-def _decoded(data: bytes) -> tuple[bool, int | None]:
-    """`_cached` by decoding alone: the search first saves the decode of an event without usage, and
-    costs a JSON answer (which carries it) about as much as the decode."""
+def _usage_in(data: bytes) -> Usage | None:
+    """`_usage_in_event` by decoding alone: the search first saves the decode of an event without
+    usage, and costs a JSON answer (which carries it) about as much as the decode."""
     try:
-        usage = _DECODER.decode(data).found()
+        return _DECODER.decode(data).found()
     except msgspec.DecodeError:
-        return False, None
-    if usage is None:
-        return False, None
-    return True, usage.cached()
+        return None
+
+
+def _cached(usage: Usage | None) -> int | None:
+    return usage.cached() if usage is not None else None
 
 
 def cached_tokens_of_json(body: bytes) -> int | None:
     """The cached tokens a JSON answer's usage reports (any of the three shapes), or None when absent."""
-    return _decoded(body)[1]
+    return _cached(_usage_in(body))
 
 
 def _last_events(tail: bytes) -> Iterator[bytes]:
@@ -110,13 +128,17 @@ def _last_events(tail: bytes) -> Iterator[bytes]:
             return
 
 
+def usage_of_sse(tail: bytes) -> Usage | None:
+    """The usage of the last usage-carrying `data:` event in the stream's `tail`, or None."""
+    for data in _last_events(tail):
+        if (usage := _usage_in_event(data)) is not None:
+            return usage
+    return None
+
+
 def cached_tokens_of_sse(tail: bytes) -> int | None:
     """The cached tokens of the last usage-carrying `data:` event in the stream's `tail`, or None."""
-    for data in _last_events(tail):
-        has_usage, cached = _cached(data)
-        if has_usage:
-            return cached
-    return None
+    return _cached(usage_of_sse(tail))
 
 
 class _Identified(msgspec.Struct):
@@ -155,14 +177,19 @@ def response_id_of(answer: bytes, stream: bool) -> str | None:
     return None
 
 
-def cached_tokens_of(answer: bytes, stream: bool) -> int | None:
+def usage_of(answer: bytes, stream: bool) -> Usage | None:
     """What a `UsageTap(stream)` fed the whole `answer` as one chunk reports: an answer that arrived
     in one read needs no tap."""
     if stream:
-        return cached_tokens_of_sse(answer)
+        return usage_of_sse(answer)
     if len(answer) > _JSON_CAP:
         return None
-    return _decoded(answer)[1]
+    return _usage_in(answer)
+
+
+def cached_tokens_of(answer: bytes, stream: bool) -> int | None:
+    """The cached tokens `usage_of` finds."""
+    return _cached(usage_of(answer, stream))
 
 
 class UsageTap:
@@ -185,12 +212,16 @@ class UsageTap:
             self._overflow = True
             self._chunks.clear()
 
-    def cached_tokens(self) -> int | None:
-        """The engine-reported cached tokens, or None when the answer did not carry them."""
+    def usage(self) -> Usage | None:
+        """The answer's usage (engine-reported cached and generated tokens), None when it carried none."""
         data = self._data()
         if self.stream:
-            return cached_tokens_of_sse(data)
-        return None if self._overflow else _decoded(data)[1]  # `cached_tokens_of_json`, one call less
+            return usage_of_sse(data)
+        return None if self._overflow else _usage_in(data)
+
+    def cached_tokens(self) -> int | None:
+        """The engine-reported cached tokens, or None when the answer did not carry them."""
+        return _cached(self.usage())
 
     def response_id(self) -> str | None:
         """A Responses answer's id (`response_id_of`), None when absent or the JSON answer overflowed."""

@@ -397,10 +397,10 @@ class PickStream:
         if self.exchange is not None:
             if self.tap is None:  # no response headers came: `end` reads what `answered` keeps
                 self.exchange.answered(self.engine or "none", 0, _NOTE)
-            cached = self.tap.cached_tokens() if self.tap is not None and label == "200" else None
+            usage = self.tap.usage() if self.tap is not None and label == "200" else None
             if label == "200" and self.exchange.stores and self.tap is not None:
                 self._learn_stored(self.exchange, self.tap)
-            self.exchange.end(label, cached)  # (leaves the admission slot)
+            self.exchange.end(label, usage)  # (leaves the admission slot)
             self.admitted = False
         elif self.engine is not None:
             self.decider.parts.metrics.requests.labels(self.engine, _PASSTHROUGH_POLICY, label).inc()

@@ -150,7 +150,8 @@ class PolicyConfig(_Table, frozen=True):
     decode_penalty_s: NonNegative = 40e-6
     """kv: seconds each engine step takes longer per decoding sequence (engine_stub/runtime/cost_model.py)."""
     decode_step_s: NonNegative = 6e-3
-    """kv: seconds a step takes longer when it decodes anything (the weights streamed once more)."""
+    """kv: seconds a step takes longer when it decodes anything (the weights streamed once more): where
+    each engine's value starts, learned from its streamed answers' decode times (router.core.policy.load)."""
     max_num_batched_tokens: Count = 8192
     """kv: the engines' token budget per step (vLLM's `max_num_batched_tokens`), for chunked prefill."""
     max_num_seqs: Count = 256

