@@ -47,9 +47,15 @@ def summary(rows: Sequence[ForecastRegret]) -> str:
 
     fulls = [r for r in rows if r.batch_full]
     others = [r for r in rows if not r.batch_full]
+    # Which side of a late choice the model erred on: the chosen rank (under) or the soonest (over).
+    late_chosen = statistics.median([(r.chosen_forecast_s - r.predicted_s) * 1e3 for r in late] or [0.0])
+    late_soonest = statistics.median(
+        [(r.soonest_forecast_s - r.soonest_predicted_s) * 1e3 for r in late] or [0.0]
+    )
     return (
         f"late {len(late)}/{len(rows)} ({len(late) / max(1, len(rows)):.0%}), median {regret:.1f} ms later; "
-        f"of them larger hit {hit}, full batch {full}; "
+        f"of them larger hit {hit}, full batch {full}, forecast - predicted median on the chosen "
+        f"{late_chosen:.0f} ms, on the soonest {late_soonest:.0f} ms; "
         f"forecast - predicted ms, full batch {error(fulls)}, others {error(others)}"
     )
 

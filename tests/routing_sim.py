@@ -40,7 +40,15 @@ from router.core.errors import RouterError
 from router.core.fleet_state import FleetState
 from router.core.ids import EngineId
 from router.core.policy.load import CostPrior, StepCost
-from router.core.policy.scoring import CandidateScore, PolicyName, RouteRequest, Scorer, ScorerSettings
+from router.core.policy.scoring import (
+    CandidateScore,
+    Decision,
+    PolicyName,
+    RouteRequest,
+    Scorer,
+    ScorerSettings,
+)
+from router.core.policy.ttft_model import batch_full
 from router.core.routing import RoutingCore
 from router.edge.decider import view_of
 from router.edge.flight import Flight
@@ -156,6 +164,7 @@ class SimRouterCore:
         self.generated: dict[str, int] = {}  # request id -> tokens generated so far
         self.seqs = [0] * sim.engines
         self.predicted: dict[int, CandidateScore] = {}  # request index -> its chosen candidate
+        self.decided: dict[int, Decision] = {}  # request index -> its first decision (every candidate)
         self.routed: dict[int, EngineId] = {}  # request index -> the engine it went to (the oracle's)
 
     def route(self, index: int, spec: RequestSpec, now: float) -> int | None:
@@ -179,6 +188,7 @@ class SimRouterCore:
             return None
         assert target is not None, "a first attempt is chosen or refused"
         self.predicted[index] = next(c for c in decision.candidates if c.engine == target.engine)
+        self.decided[index] = decision
         flight.sent()
         if self.oracle is not None:
             flight.moved_to(self.names[self.oracle.route(index, spec, now)])
@@ -193,9 +203,9 @@ class SimRouterCore:
         if out.events:
             self.fleet.on_batch(EngineName(self.names[rank]), self.seqs[rank], KVEventBatch(now, out.events))
             self.seqs[rank] += 1
-        for rid, tokens in out.new_tokens.items():
+        for rid in out.new_tokens:  # (one token each: the dict's values are the token ids)
             flight = self.flights.get(rid)
-            self.generated[rid] = self.generated.get(rid, 0) + tokens
+            self.generated[rid] = self.generated.get(rid, 0) + 1
             if flight is not None and flight.entry.status is None:
                 flight.entry.status = 200  # (the first token: what the gateway's relay sees first)
                 flight.first_byte()
@@ -244,8 +254,8 @@ def _replay(
 class ForecastRegret(msgspec.Struct, frozen=True):
     """One routed request against the engines' true forecasts when it arrived (the oracle's view):
     the rank chosen and the soonest, their forecast seconds to first token and hits, what the
-    router predicted for the rank chosen, and whether that rank's running batch was full as the
-    router counted it (`max_num_seqs` decoding: the request waits for a slot)."""
+    router predicted for the rank chosen and for the soonest, and whether the chosen rank's running
+    batch was full as the router counted it (`max_num_seqs` decoding: the request waits for a slot)."""
 
     index: int
     chosen: int
@@ -256,6 +266,8 @@ class ForecastRegret(msgspec.Struct, frozen=True):
     soonest_hit: int
     predicted_s: float
     batch_full: bool
+    soonest_predicted_s: float = math.nan
+    """What the router predicted for the soonest rank (its candidate in the decision)."""
 
     @property
     def regret_s(self) -> float:
@@ -283,11 +295,13 @@ def forecast_audit(
             continue  # refused
         chosen = names.index(flight_engine)
         soonest = soonest_rank(forecasts)
-        full = picked.load.decoding >= sim.step.max_num_seqs > 0
+        full = batch_full(sim.step, picked.load.decoding)
+        soonest_candidate = next(c for c in router.decided[index].candidates if c.engine == names[soonest])
         row = ForecastRegret(
             index=index, chosen=chosen, soonest=soonest, chosen_forecast_s=forecasts[chosen][0],
             soonest_forecast_s=forecasts[soonest][0], chosen_hit=forecasts[chosen][1],
             soonest_hit=forecasts[soonest][1], predicted_s=picked.predicted_ttft_s, batch_full=full,
+            soonest_predicted_s=soonest_candidate.predicted_ttft_s,
         )  # fmt: skip
         rows.append(row)
     return rows

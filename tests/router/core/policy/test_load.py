@@ -94,16 +94,23 @@ def test_the_decode_step_is_learned_from_timed_decodes_from_the_configured_one()
 
 
 def test_the_prefill_answered_during_a_decode_is_not_a_decode_step() -> None:
-    """A request that decodes while another's 1,000-token prefill runs: the prefill's time (at the
+    """A request that decodes while another's 500-token prefill runs: the prefill's time (at the
     learned per-token cost) is taken out of its steps."""
     step = StepCost(decode_step_s=0.02, decode_penalty_s=0.0, context_read_s_per_token=0.0)
     load = LoadTracker(CostPrior(overhead_s=0.0, per_token_s=1e-4, weight=1e6), step=step)
     load.started(rid(1), A, at=0.0, uncached_tokens=10)
     load.first_token(rid(1), at=0.01)
-    load.started(rid(2), A, at=0.02, uncached_tokens=1000)
-    load.first_token(rid(2), at=0.15)  # its prefill, 0.1 s at 100 us a token, in r1's decode
-    load.finished(rid(1), at=0.01 + 0.1 + 10 * 0.02, generated_tokens=11)
+    load.started(rid(2), A, at=0.02, uncached_tokens=500)
+    load.first_token(rid(2), at=0.1)  # its prefill, 0.05 s at 100 us a token, in r1's decode
+    load.finished(rid(1), at=0.01 + 0.05 + 10 * 0.02, generated_tokens=11)
     assert load.snapshot(A, 1.0).step.decode_step_s == pytest.approx(0.02)
+    # A decode that shared over a quarter of its time with prefills is no sample.
+    load.started(rid(3), A, at=1.0, uncached_tokens=10)
+    load.first_token(rid(3), at=1.01)
+    load.started(rid(4), A, at=1.02, uncached_tokens=5000)
+    load.first_token(rid(4), at=1.6)  # 0.5 s of prefill in a 0.6 s decode
+    load.finished(rid(3), at=1.61, generated_tokens=11)
+    assert load.snapshot(A, 2.0).step.decode_step_s == pytest.approx(0.02)
 
 
 def test_restarting_an_in_flight_request_is_a_caller_error() -> None:
@@ -575,7 +582,9 @@ class _AlwaysAfresh(LoadTracker):
 
 class _Checked(LoadTracker):
     """Every snapshot `started` reuses is the one a new snapshot then would be, but for its drained
-    head when that was a function of time (`started` finds it again at its own time)."""
+    head when that was a function of time (`started` finds it again at its own time) and its
+    residency (the decoding requests' ages: read again where a slot wait reads it; the other_s
+    learned are compared whole by the test)."""
 
     reused = 0
     taken = 0
@@ -593,7 +602,8 @@ class _Checked(LoadTracker):
             _Checked.reused += 1
             assert memo[0] is not None
             drained = want.drained_tokens if memo[3] else memo[0].drained_tokens
-            assert msgspec.structs.replace(memo[0], drained_tokens=drained) == want
+            timed = msgspec.structs.replace(memo[0], drained_tokens=drained, residency_s=want.residency_s)
+            assert timed == want
 
     def snapshot(self, engine: EngineId, now: float) -> LoadSnapshot:
         self.taken += 1
