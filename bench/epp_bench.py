@@ -127,9 +127,18 @@ async def measure(
     r = json.loads(out.decode().strip().splitlines()[-1])
     n = max(1, int(r["requests"]))
     return Row(
-        rep, case.name, conc, target.name, n, n / (r["duration_us"] / 1e6), r["p50_us"] / 1e3,
-        r["p99_us"] / 1e3, kvrouter / n * 1e3, envoy / n * 1e3, int(r["errors"]) + int(r["status_errors"]),
-    )  # fmt: skip
+        rep=rep,
+        case=case.name,
+        conc=conc,
+        target=target.name,
+        requests=n,
+        rps=n / (r["duration_us"] / 1e6),
+        p50_ms=r["p50_us"] / 1e3,
+        p99_ms=r["p99_us"] / 1e3,
+        kvrouter_cpu_ms_per_req=kvrouter / n * 1e3,
+        envoy_cpu_ms_per_req=envoy / n * 1e3,
+        errors=int(r["errors"]) + int(r["status_errors"]),
+    )
 
 
 async def start_backend(procs: list[asyncio.subprocess.Process], tmp: Path) -> tuple[str, Path]:

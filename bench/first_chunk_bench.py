@@ -248,7 +248,20 @@ async def run(args: argparse.Namespace) -> list[Cell]:
                         1e3 * pct(v, q) for v in (first, hop, total) for q in (50, 99)
                     )
                     stalls = sum(1 for t in total if t * 1e3 > t50 + 10.0)
-                    cells.append(Cell(rep, name, f50, f99, h50, h99, t50, t99, stalls, stages))
+                    cells.append(
+                        Cell(
+                            rep=rep,
+                            target=name,
+                            first_p50=f50,
+                            first_p99=f99,
+                            hop_p50=h50,
+                            hop_p99=h99,
+                            total_p50=t50,
+                            total_p99=t99,
+                            stalls=stalls,
+                            stages_us=stages,
+                        )
+                    )
                     print(json.dumps(asdict(cells[-1])), flush=True)
             print(f"load1 at the end={os.getloadavg()[0]:.2f}", flush=True)
         finally:

@@ -40,7 +40,19 @@ def chain_payloads(blocks_per_event: int, events_per_batch: int, n_batches: int)
         for _ in range(events_per_batch):
             hashes: list[int | bytes] = [RNG.getrandbits(64) for _ in range(blocks_per_event)]
             tokens = [RNG.randrange(150_000) for _ in range(blocks_per_event * BS)]
-            events.append(BlockStored(hashes, parent, tokens, BS, None, "GPU", None, [None] * len(hashes), 0))
+            events.append(
+                BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=parent,
+                    token_ids=tokens,
+                    block_size=BS,
+                    lora_id=None,
+                    medium="GPU",
+                    lora_name=None,
+                    extra_keys=[None] * len(hashes),
+                    group_idx=0,
+                )
+            )
             parent = hashes[-1]  # type: ignore[assignment]
         out.append(ENCODER.encode(KVEventBatch(time.time(), list(events), 0)))
     return out

@@ -145,8 +145,19 @@ async def measure(
     r = json.loads(line)
     n = max(1, int(r["requests"]))
     errors = int(r["errors"]) + int(r["status_errors"])
-    return Row(rep, case.name, conc, target.name, n, n / (r["duration_us"] / 1e6),
-               r["p50_us"] / 1e3, r["p99_us"] / 1e3, cpu / n * 1e3, errors, sys_cpu / n * 1e3)  # fmt: skip
+    return Row(
+        rep=rep,
+        case=case.name,
+        conc=conc,
+        target=target.name,
+        requests=n,
+        rps=n / (r["duration_us"] / 1e6),
+        p50_ms=r["p50_us"] / 1e3,
+        p99_ms=r["p99_us"] / 1e3,
+        cpu_ms_per_req=cpu / n * 1e3,
+        errors=errors,
+        sys_ms_per_req=sys_cpu / n * 1e3,
+    )
 
 
 async def streamed(target: Target, n: int, rep: int) -> Stream:

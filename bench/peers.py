@@ -40,14 +40,32 @@ class Peer:
 
 PEERS = {
     # sglang-router binds 0.0.0.0 and puts Prometheus on 0.0.0.0 unless told otherwise.
-    "sglang-router": Peer("sglang-router", "0.3.2", "sglang-router", ("launch",), "warn"),
+    "sglang-router": Peer(
+        name="sglang-router",
+        version="0.3.2",
+        script="sglang-router",
+        subcommand=("launch",),
+        log_level="warn",
+    ),
     # smg (Shepherd Model Gateway): `cache_aware` an approximate radix tree over the request text,
     # `prefix_hash` a consistent hash of the prompt's head, `least_load` the engines' reported load;
     # its CLI is spelled as sglang-router's (`smg launch --help`).
-    "smg": Peer("smg", "1.13.0", "smg", ("launch",), "warn", ("cache_aware", "prefix_hash", "least_load")),
+    "smg": Peer(
+        name="smg",
+        version="1.13.0",
+        script="smg",
+        subcommand=("launch",),
+        log_level="warn",
+        policies=("cache_aware", "prefix_hash", "least_load"),
+    ),
     # kv_aware also needs --kv-event-source per worker (bench/routing_bench.py adds them).
     "vllm-router": Peer(
-        "vllm-router", "0.1.17", "vllm-router", (), "warning", ("cache_aware", "round_robin", "kv_aware")
+        name="vllm-router",
+        version="0.1.17",
+        script="vllm-router",
+        subcommand=(),
+        log_level="warning",
+        policies=("cache_aware", "round_robin", "kv_aware"),
     ),
 }
 

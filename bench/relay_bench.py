@@ -181,7 +181,16 @@ async def measure(target: str, url: str, pid: int, conc: int, seconds: float, re
         c.transport.close()
     n = max(1, stats.requests)
     first = statistics.median(stats.first_ms) if stats.first_ms else float("nan")
-    return Row(rep, target, conc, n, n / wall, cpu * 1e3 / n, stats.reads / n, first)
+    return Row(
+        rep=rep,
+        target=target,
+        conc=conc,
+        requests=n,
+        rps=n / wall,
+        cpu_ms_per_req=cpu * 1e3 / n,
+        reads_per_req=stats.reads / n,
+        first_p50_ms=first,
+    )
 
 
 async def run(args: argparse.Namespace) -> list[Row]:

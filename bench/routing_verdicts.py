@@ -95,11 +95,24 @@ def rows_from_summary(
         return statistics.fmean(fractions) if fractions else None
 
     return [
-        Row(trace, stubs, load, rep, p["policy"], p["requests"], p["errors"], p["cached_ratio"],
-            ms(p["ttft"]["p50"]), ms(p["ttft"]["p90"]), ms(p["ttft"]["p99"]),
-            (goodputs or {}).get(p["policy"]), busy(p), p.get("settled"))
+        Row(
+            trace=trace,
+            stubs=stubs,
+            load=load,
+            rep=rep,
+            target=p["policy"],
+            requests=p["requests"],
+            errors=p["errors"],
+            cached_ratio=p["cached_ratio"],
+            p50_ms=ms(p["ttft"]["p50"]),
+            p90_ms=ms(p["ttft"]["p90"]),
+            p99_ms=ms(p["ttft"]["p99"]),
+            goodput=(goodputs or {}).get(p["policy"]),
+            busy=busy(p),
+            settled=p.get("settled"),
+        )
         for p in summary["policies"]
-    ]  # fmt: skip
+    ]
 
 
 def goodput(results: Iterable[Mapping[str, Any]], slo_s: float) -> dict[str, float]:
@@ -190,7 +203,19 @@ def _best_peer(targets: Mapping[str, Row]) -> Row | None:
     best = peers[0]
     p50 = min(r.p50_ms for r in peers if r.p50_ms is not None)
     p90 = min(r.p90_ms for r in peers if r.p90_ms is not None)
-    return Row(best.trace, best.stubs, best.load, best.rep, "best peer", 0, 0, 0.0, p50, p90, None)
+    return Row(
+        trace=best.trace,
+        stubs=best.stubs,
+        load=best.load,
+        rep=best.rep,
+        target="best peer",
+        requests=0,
+        errors=0,
+        cached_ratio=0.0,
+        p50_ms=p50,
+        p90_ms=p90,
+        p99_ms=None,
+    )
 
 
 def checks(rows: Iterable[Row], noise_ratio: float) -> list[Check]:

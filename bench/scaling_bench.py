@@ -49,7 +49,17 @@ class EngineStream:
         # A new prompt every few chunks, so chains have realistic lengths (~16 blocks of 2048 tokens).
         parent = self.parent if self.rng.random() < 0.9 else None
         events: list[BlockStored | BlockRemoved | AllBlocksCleared] = [
-            BlockStored(list(hashes), parent, tokens, BS, None, "GPU", None, [None] * CHUNK_BLOCKS, 0)
+            BlockStored(
+                block_hashes=list(hashes),
+                parent_block_hash=parent,
+                token_ids=tokens,
+                block_size=BS,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+                extra_keys=[None] * CHUNK_BLOCKS,
+                group_idx=0,
+            )
         ]
         self.parent = hashes[-1]
         self.resident.extend(hashes)

@@ -83,7 +83,15 @@ def stages(client: Http1Client, proxy: Proxy, url: str, path: str, body: bytes) 
     async def via_relay(i: int) -> None:
         upstream = await proxy.forward(request(), lambda tried: None if tried else target)
         extra = list(zip(OWN, (b"%032d" % i, b"e0", b"%d" % i, b"fresh"), strict=True))
-        relay = RelayResponse(upstream, extra, None, lambda s: None, lambda s, c: None, True, **kept)
+        relay = RelayResponse(
+            upstream=upstream,
+            extra_headers=extra,
+            tap=None,
+            on_first_byte=lambda s: None,
+            on_end=lambda s, c: None,
+            watch_usage=True,
+            **kept,
+        )
         try:
             await relay.stream_to(_null_send, ClientWatch(_null_receive, scope))
         finally:

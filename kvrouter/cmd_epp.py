@@ -159,9 +159,13 @@ def run(args: argparse.Namespace) -> int:
         sys.stderr.write(f"kvrouter epp: {exc}\n")
         return 2
     settings = ServerSettings(
-        host=host, grpc_port=args.grpc_port, health_port=args.grpc_health_port,
-        secure=args.secure_serving, cert_path=args.cert_path, fallbacks=args.destination_fallbacks,
-    )  # fmt: skip
+        host=host,
+        grpc_port=args.grpc_port,
+        health_port=args.grpc_health_port,
+        secure=args.secure_serving,
+        cert_path=args.cert_path,
+        fallbacks=args.destination_fallbacks,
+    )
     servers: list[PickerServer] = []
 
     @asynccontextmanager
@@ -178,7 +182,13 @@ def run(args: argparse.Namespace) -> int:
         grpc = servers[0]
         engines = [e.name for e in parts.fleet.engines()]
         line = EppReadyLine(
-            "ready", host, grpc.grpc_port, grpc.health_port, sock.getsockname()[1], settings.secure, engines
+            event="ready",
+            host=host,
+            grpc_port=grpc.grpc_port,
+            health_port=grpc.health_port,
+            metrics_port=sock.getsockname()[1],
+            secure=settings.secure,
+            engines=engines,
         )
         sys.stdout.write(msgspec.json.encode(line).decode() + "\n")
         sys.stdout.flush()

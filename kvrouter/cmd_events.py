@@ -91,9 +91,24 @@ def render(record: FrameRecord, decoder: BatchDecoder[KVEventBatch], *, as_json:
 def _batch_line(record: FrameRecord, batch: KVEventBatch | None) -> BatchLine:
     topic = record.topic.decode("utf-8", "backslashreplace")
     if batch is None:
-        return BatchLine(record.engine, record.time, topic, record.seq, None, None, [], "undecodable payload")
+        return BatchLine(
+            engine=record.engine,
+            recv_time=record.time,
+            topic=topic,
+            seq=record.seq,
+            ts=None,
+            data_parallel_rank=None,
+            events=[],
+            error="undecodable payload",
+        )
     return BatchLine(
-        record.engine, record.time, topic, record.seq, batch.ts, batch.data_parallel_rank, batch.events
+        engine=record.engine,
+        recv_time=record.time,
+        topic=topic,
+        seq=record.seq,
+        ts=batch.ts,
+        data_parallel_rank=batch.data_parallel_rank,
+        events=batch.events,
     )
 
 

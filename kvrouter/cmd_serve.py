@@ -131,10 +131,17 @@ def server_config(app: ASGIApp | str, config: RouterConfig, **extra: Any) -> uvi
 
     trusted = config.listen.forwarded_allow_ips
     return uvicorn.Config(
-        app, loop="uvloop", http=ClientHttpProtocol, lifespan="on", log_config=None, access_log=False,
-        timeout_graceful_shutdown=drain_timeout(config), proxy_headers=bool(trusted),
-        forwarded_allow_ips=trusted or None, **extra,
-    )  # fmt: skip
+        app,
+        loop="uvloop",
+        http=ClientHttpProtocol,
+        lifespan="on",
+        log_config=None,
+        access_log=False,
+        timeout_graceful_shutdown=drain_timeout(config),
+        proxy_headers=bool(trusted),
+        forwarded_allow_ips=trusted or None,
+        **extra,
+    )
 
 
 def worker_config(config: RouterConfig) -> uvicorn.Config:

@@ -179,7 +179,9 @@ class SimRouterCore:
         body = msgspec.json.encode({"model": MODEL, "prompt": spec.prompt, "max_tokens": spec.max_tokens})
         prepared = self.models.prepare(body, Endpoint.COMPLETIONS)
         entry = DecisionEntry(request_id=rid, time=now, request=view_of(prepared))
-        proxied = ProxyRequest("POST", str(Endpoint.COMPLETIONS), [], body, True)
+        proxied = ProxyRequest(
+            method="POST", path=str(Endpoint.COMPLETIONS), headers=[], body=body, end_to_end=True
+        )
         flight = Flight(self.fleet, self.core, proxied, entry, RouteRequest(prepared.session_key))
         decision = flight.decide(prepared, now).decision
         try:
@@ -228,12 +230,15 @@ def run(
     router, done = _replay(policy, requests, sim, settings)
     picked = [router.predicted.get(i) for i in range(len(requests))]
     return SimResult(
-        done.ttft_s, done.cached_tokens, done.prompt_tokens, done.busy_s,
-        [c.predicted_ttft_s if c else math.nan for c in picked],
-        [c.wait_s if c else math.nan for c in picked],
-        done.refused,
-        [c.load.per_token_s if c else math.nan for c in picked],
-    )  # fmt: skip
+        ttft=done.ttft_s,
+        cached_tokens=done.cached_tokens,
+        prompt_tokens=done.prompt_tokens,
+        busy_s=done.busy_s,
+        predicted_ttft_s=[c.predicted_ttft_s if c else math.nan for c in picked],
+        predicted_wait_s=[c.wait_s if c else math.nan for c in picked],
+        refused=done.refused,
+        per_token_s=[c.load.per_token_s if c else math.nan for c in picked],
+    )
 
 
 def _replay(
@@ -298,10 +303,16 @@ def forecast_audit(
         full = batch_full(sim.step, picked.load.decoding)
         soonest_candidate = next(c for c in router.decided[index].candidates if c.engine == names[soonest])
         row = ForecastRegret(
-            index=index, chosen=chosen, soonest=soonest, chosen_forecast_s=forecasts[chosen][0],
-            soonest_forecast_s=forecasts[soonest][0], chosen_hit=forecasts[chosen][1],
-            soonest_hit=forecasts[soonest][1], predicted_s=picked.predicted_ttft_s, batch_full=full,
+            index=index,
+            chosen=chosen,
+            soonest=soonest,
+            chosen_forecast_s=forecasts[chosen][0],
+            soonest_forecast_s=forecasts[soonest][0],
+            chosen_hit=forecasts[chosen][1],
+            soonest_hit=forecasts[soonest][1],
+            predicted_s=picked.predicted_ttft_s,
+            batch_full=full,
             soonest_predicted_s=soonest_candidate.predicted_ttft_s,
-        )  # fmt: skip
+        )
         rows.append(row)
     return rows

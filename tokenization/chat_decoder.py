@@ -194,7 +194,8 @@ class ChatDecoder:
         self, key: bytes, turn: _Turn, messages: list[ChatMessage], body: bytes, spans: _Spans | None
     ) -> None:
         """Keep a decoded request as its conversation's last (``spans``: where its messages are)."""
-        kept = _Kept(key, turn, messages, _BYTES_PER_BODY_BYTE * len(body) + len(key), body, spans)
+        size = _BYTES_PER_BODY_BYTE * len(body) + len(key)
+        kept = _Kept(key=key, turn=turn, messages=messages, size=size, body=body, spans=spans)
         old = self._turns.pop(key, None)
         if old is not None:  # `_forget` inline: the conversation's last request, replaced every turn
             self.bytes -= old.size

@@ -384,7 +384,7 @@ class PrefixReuse:
         self.stats.misses += n == 0
         self.stats.reused_tokens += n
         self.stats.encoded_bytes += len(data) - cut
-        entry = ReuseEntry(data, tail_ids, tail_packed, None, n, head)
+        entry = ReuseEntry(data=data, tail=tail_ids, packed=tail_packed, ends=None, copied=n, head=head)
         if len(tail_ids) > n:  # mostly new text: its ends are made if it is ever reused (`ends`)
             return entry, n
         self._extend_ends(entry, prior_ends, cut)  # (only a later text reads them)

@@ -79,7 +79,9 @@ def find_longest_hit(pool: BlockPool, plan: LookupPlan, hashes: Sequence[BlockDi
     lookup = empty_lookup(plan.num_groups)
     if plan.num_groups == 1:
         g = groups[0]
-        args = FindArgs(hashes, plan.hb, maxlen, g.gids, g.eagle, g.spec.block_size)
+        args = FindArgs(
+            hashes=hashes, hb=plan.hb, maxlen=maxlen, gids=g.gids, drop=g.eagle, align=g.spec.block_size
+        )
         blocks, hit = find_hit(pool, g.spec, args)
         return Lookup(blocks, hit, 0, [hit])
     simple = len(groups) == 2 and groups[0].spec.kind is GroupKind.FULL_ATTENTION
@@ -126,7 +128,7 @@ def _find_once(
     if drop and group.spec.kind is not GroupKind.MAMBA:
         # EAGLE matches one more block past the candidate and drops it again.
         limit = min(cur + group.spec.block_size, len(hashes) * plan.hb)
-    args = FindArgs(hashes, plan.hb, limit, group.gids, drop, plan.align)
+    args = FindArgs(hashes=hashes, hb=plan.hb, maxlen=limit, gids=group.gids, drop=drop, align=plan.align)
     blocks, new = find_hit(pool, group.spec, args)
     for gid, group_blocks in zip(group.gids, blocks, strict=True):
         lookup.blocks[gid] = group_blocks

@@ -156,13 +156,18 @@ class Scheduler:
     def _request(self, rid: RequestId, prompt: Sequence[int], params: SubmitParams) -> Request:
         cache = self.config.cache
         return Request(
-            rid, prompt, params, self.hasher, cache.hash_block_size, lookahead=cache.lookahead_tokens
+            request_id=rid,
+            prompt=prompt,
+            params=params,
+            hasher=self.hasher,
+            hb=cache.hash_block_size,
+            lookahead=cache.lookahead_tokens,
         )
 
     def step(self, only: Collection[RequestId] | None = None) -> StepOutput:
         """Run one engine step; `only` restricts scheduling to those requests (others sit idle)."""
         self.kv.new_step()
-        out = StepOutput({}, {}, [], [], {}, [])
+        out = StepOutput(scheduled={}, new_tokens={}, finished=[], preempted=[], admissions={}, events=[])
         budget = _Budget(self.config.scheduler)
         threshold = step_threshold(self.config.scheduler, len(self.running) + len(self.waiting))
         self._schedule_running(out, budget, threshold, only)

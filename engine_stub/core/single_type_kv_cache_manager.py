@@ -103,7 +103,14 @@ class GroupManager:
                 boundaries.append(req.shared_prefix_boundary)
                 if self.eagle:
                     boundaries.append(req.shared_prefix_boundary - self.block_size)
-            args = MaskArgs(start, end, retention, boundaries, self.align, self.eagle)
+            args = MaskArgs(
+                start=start,
+                end=end,
+                retention=retention,
+                boundaries=boundaries,
+                align=self.align,
+                eagle=self.eagle,
+            )
             mask = cacheable_mask(self.spec, args)
             self.pool.cache_full_blocks(
                 req.store_range(start, end, self.block_size), self.tables[rid], self.gid, mask

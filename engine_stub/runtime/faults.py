@@ -126,11 +126,11 @@ class FaultInjector:
         """The current settings and counters."""
         c = self.config
         return FaultState(
-            self.rank,
-            c.seed,
-            c.drop_probability,
-            c.duplicate_probability,
-            c.reorder_probability,
-            paused,
-            self.counters,
+            rank=self.rank,
+            seed=c.seed,
+            drop_probability=c.drop_probability,
+            duplicate_probability=c.duplicate_probability,
+            reorder_probability=c.reorder_probability,
+            paused=paused,
+            counters=self.counters,
         )

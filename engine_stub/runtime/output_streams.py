@@ -45,9 +45,20 @@ class RequestStream:
 
     def emit(self, token: int, finished: bool) -> None:
         """Hand the next output token to the reader."""
-        self.sink.put_nowait(Emitted(self.index, token, self.num_output_tokens, finished, self))
+        emitted = Emitted(
+            index=self.index, token=token, output_index=self.num_output_tokens, finished=finished, stream=self
+        )
+        self.sink.put_nowait(emitted)
         self.num_output_tokens += 1
 
     def end_aborted(self) -> None:
         """Tell the reader the request ended without another token (vLLM's finish reason "abort")."""
-        self.sink.put_nowait(Emitted(self.index, -1, self.num_output_tokens, True, self, aborted=True))
+        emitted = Emitted(
+            index=self.index,
+            token=-1,
+            output_index=self.num_output_tokens,
+            finished=True,
+            stream=self,
+            aborted=True,
+        )
+        self.sink.put_nowait(emitted)

@@ -118,7 +118,14 @@ class EngineRuntime:
         Once `abort_all` has run (the server is stopping) the request is ended at once, as aborted."""
         self._check_fits(len(prompt) + params.max_tokens)
         rid = self.scheduler.submit(prompt, params)
-        stream = RequestStream(rid, index, sink, len(prompt), params, asyncio.get_running_loop().time())
+        stream = RequestStream(
+            rid=rid,
+            index=index,
+            sink=sink,
+            num_prompt_tokens=len(prompt),
+            params=params,
+            arrival=asyncio.get_running_loop().time(),
+        )
         if self._stopping:
             self.scheduler.abort(rid)
             stream.end_aborted()
@@ -147,7 +154,14 @@ class EngineRuntime:
         num_running, num_waiting = len(sched.running), len(sched.waiting)
         if ttft is not None and sched.requests:
             ttft += max(0.0, self._step_ends - asyncio.get_running_loop().time())
-        return Forecast(self.rank, ttft, len(prompt), hit, num_running, num_waiting)
+        return Forecast(
+            rank=self.rank,
+            ttft_s=ttft,
+            prompt_tokens=len(prompt),
+            hit_tokens=hit,
+            num_running=num_running,
+            num_waiting=num_waiting,
+        )
 
     def abort(self, rid: RequestId) -> None:
         """Stop a request (client gone); a finished or unknown id is ignored."""

@@ -142,8 +142,15 @@ class Stub:
         for e in self.engines:
             lookup = e.scheduler.peek_hit(tokens.tokens, params)
             running, waiting = e.load
-            out.append(CacheHit(e.rank, len(tokens.tokens), lookup.hit_tokens, lookup.shared_prefix_boundary,
-                                running, waiting))  # fmt: skip
+            hit = CacheHit(
+                rank=e.rank,
+                prompt_tokens=len(tokens.tokens),
+                hit_tokens=lookup.hit_tokens,
+                shared_prefix_boundary=lookup.shared_prefix_boundary,
+                num_running=running,
+                num_waiting=waiting,
+            )
+            out.append(hit)
         return out
 
     def forecast(self, tokens: RequestTokens, ahead: list[QueuedSeq], min_hit: int = 0) -> list[Forecast]:
@@ -163,17 +170,17 @@ class Stub:
             stats = e.scheduler.stats()
             c = e.counters
             gauge = EngineGauges(
-                e.rank,
-                stats.num_running,
-                stats.num_waiting,
-                stats.kv_cache_usage,
-                c.prefix_cache_queries,
-                c.prefix_cache_hits,
-                c.requests_finished,
-                c.requests_aborted,
-                c.prompt_tokens,
-                e.scheduler.kv.pool.num_cached_blocks,
-                c.busy_seconds,
+                rank=e.rank,
+                running=stats.num_running,
+                waiting=stats.num_waiting,
+                kv_cache_usage=stats.kv_cache_usage,
+                prefix_cache_queries=c.prefix_cache_queries,
+                prefix_cache_hits=c.prefix_cache_hits,
+                requests_finished=c.requests_finished,
+                requests_aborted=c.requests_aborted,
+                prompt_tokens=c.prompt_tokens,
+                cached_blocks=e.scheduler.kv.pool.num_cached_blocks,
+                busy_seconds=c.busy_seconds,
             )
             out.append(gauge)
         return out

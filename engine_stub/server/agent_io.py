@@ -157,12 +157,23 @@ class MessagesShape:
 
     def result(self, text: str, counts: Counts) -> bytes:
         answer = MessagesAnswer(
-            self.id, [TextBlock("text", text)], self.model, _stop_reason(counts), _messages_usage(counts)
+            id=self.id,
+            content=[TextBlock("text", text)],
+            model=self.model,
+            stop_reason=_stop_reason(counts),
+            usage=_messages_usage(counts),
         )
         return _ENCODER.encode(answer)
 
     def start(self, prompt: int) -> bytes:
-        message = _StartMessage(self.id, [], self.model, None, None, MessagesUsage(prompt, 0))
+        message = _StartMessage(
+            id=self.id,
+            content=[],
+            model=self.model,
+            stop_reason=None,
+            stop_sequence=None,
+            usage=MessagesUsage(prompt, 0),
+        )
         return _event("message_start", MessageStart(message)) + _event(
             "content_block_start", BlockStart(0, TextBlock("text", ""))
         )
@@ -292,13 +303,28 @@ class ResponsesShape:
 
     def _body(self, text: str | None, counts: Counts | None) -> ResponseBody:
         if counts is None:
-            return ResponseBody(self.id, self.created, self.model, [], "in_progress", None)
+            return ResponseBody(
+                id=self.id,
+                created_at=self.created,
+                model=self.model,
+                output=[],
+                status="in_progress",
+                usage=None,
+            )
         status: Literal["completed", "incomplete", "cancelled"] = (
             "cancelled" if counts.aborted else "incomplete"
         )
         item = OutputMessage(self.item_id, [OutputText(text or "")], status)
         why = Incomplete("max_output_tokens") if status == "incomplete" else None
-        return ResponseBody(self.id, self.created, self.model, [item], status, _responses_usage(counts), why)
+        return ResponseBody(
+            id=self.id,
+            created_at=self.created,
+            model=self.model,
+            output=[item],
+            status=status,
+            usage=_responses_usage(counts),
+            incomplete_details=why,
+        )
 
     def _next(self) -> int:
         self.sequence += 1
@@ -326,11 +352,27 @@ class ResponsesShape:
         return _event(kind, ItemEvent(kind, self._next(), 0, item))
 
     def _part(self, kind: str, text: str) -> bytes:
-        return _event(kind, PartEvent(kind, self._next(), self.item_id, 0, 0, OutputText(text)))
+        part = PartEvent(
+            type=kind,
+            sequence_number=self._next(),
+            item_id=self.item_id,
+            output_index=0,
+            content_index=0,
+            part=OutputText(text),
+        )
+        return _event(kind, part)
 
     def delta(self, text: str) -> bytes:
         kind = "response.output_text.delta"
-        return _event(kind, TextDeltaEvent(kind, self._next(), self.item_id, 0, 0, text))
+        delta = TextDeltaEvent(
+            type=kind,
+            sequence_number=self._next(),
+            item_id=self.item_id,
+            output_index=0,
+            content_index=0,
+            delta=text,
+        )
+        return _event(kind, delta)
 
     def end(self, text: str, counts: Counts) -> bytes:
         body = self._body(text, counts)
@@ -338,7 +380,17 @@ class ResponsesShape:
         last = "response.incomplete" if body.status == "incomplete" else "response.completed"
         return b"".join(
             (
-                _event(done, TextDoneEvent(done, self._next(), self.item_id, 0, 0, text)),
+                _event(
+                    done,
+                    TextDoneEvent(
+                        type=done,
+                        sequence_number=self._next(),
+                        item_id=self.item_id,
+                        output_index=0,
+                        content_index=0,
+                        text=text,
+                    ),
+                ),
                 self._part("response.content_part.done", text),
                 self._item("response.output_item.done", body.output[0]),
                 _event(last, ResponseEvent(last, self._next(), body)),

@@ -205,13 +205,13 @@ async def _agent_events(
 def _submit(stub: Stub, engine: EngineRuntime, tokens: RequestTokens, chat: bool, usage: bool) -> _Job:
     prefix = "chatcmpl" if chat else "cmpl"
     job = _Job(
-        f"{prefix}-{uuid.uuid4().hex}",
-        int(time.time()),
-        stub.config.model,
-        engine,
-        asyncio.Queue(),
-        [],
-        usage,
+        id=f"{prefix}-{uuid.uuid4().hex}",
+        created=int(time.time()),
+        model=stub.config.model,
+        engine=engine,
+        sink=asyncio.Queue(),
+        streams=[],
+        include_usage=usage,
     )
     try:
         for index, prompt in enumerate(tokens.prompts):
@@ -285,7 +285,9 @@ async def _collect(job: _Job) -> dict[int, int]:
 
 def _completion_result(stub: Stub, job: _Job, counts: dict[int, int]) -> Completion:
     choices = [CompletionChoice(i, stub.text.text(n), finish_reason=job.reason(i)) for i, n in counts.items()]
-    return Completion(job.id, job.created, job.model, choices, _usage(stub, job))
+    return Completion(
+        id=job.id, created=job.created, model=job.model, choices=choices, usage=_usage(stub, job)
+    )
 
 
 def _chat_result(stub: Stub, job: _Job, counts: dict[int, int]) -> ChatCompletion:
@@ -293,7 +295,9 @@ def _chat_result(stub: Stub, job: _Job, counts: dict[int, int]) -> ChatCompletio
         ChatChoice(i, ChatMessageOut(stub.text.text(n)), finish_reason=job.reason(i))
         for i, n in counts.items()
     ]
-    return ChatCompletion(job.id, job.created, job.model, choices, _usage(stub, job))
+    return ChatCompletion(
+        id=job.id, created=job.created, model=job.model, choices=choices, usage=_usage(stub, job)
+    )
 
 
 async def _completion_events(stub: Stub, job: _Job) -> AsyncIterator[bytes]:

@@ -48,10 +48,14 @@ class StubServer:
         self._on_ready = on_ready
         app = create_app(self.stub, self._started)
         uv = uvicorn.Config(
-            app, log_config=None, access_log=False, lifespan="on", timeout_graceful_shutdown=2,
+            app,
+            log_config=None,
+            access_log=False,
+            lifespan="on",
+            timeout_graceful_shutdown=2,
             timeout_keep_alive=STUB_KEEPALIVE_S,
             http=refusing_http2(self.stub.metrics.http2_refused.inc),  # peers' gRPC probes: see h2_preface
-        )  # fmt: skip
+        )
         self._server = QuietServer(uv, on_shutdown=self.stub.abort_all)
 
     def _started(self, stub: Stub) -> None:

@@ -112,7 +112,15 @@ def agent_requests(spec: AgentWorkload) -> list[RequestSpec]:
             if spec.max_output_tokens is not None:
                 answer = min(answer, spec.max_output_tokens)
             turns, tools = tuple(ends), len(prefix) // 2
-            out.append(RequestSpec(arrival, list(context), answer, f"agent-{s}", turns=turns, tools=tools))
+            request = RequestSpec(
+                arrival_s=arrival,
+                prompt=list(context),
+                max_tokens=answer,
+                session=f"agent-{s}",
+                turns=turns,
+                tools=tools,
+            )
+            out.append(request)
             tool = spec.scaled(rng.randint(spec.tool_result_tokens_min, spec.tool_result_tokens_max))
             key = s * _PER_SESSION + step
             ends.append(len(context))  # the task or the last tool result ends here

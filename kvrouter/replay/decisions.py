@@ -114,13 +114,17 @@ def recorded_candidates(
             excluded.add(c.engine)
         candidates.append(
             Candidate(
-                c.engine, result.hit_tokens, result.shared_prefix_boundary, result.fa_warm_tokens, n,
+                engine=c.engine,
+                hit_tokens=result.hit_tokens,
+                boundary=result.shared_prefix_boundary,
+                warm_tokens=result.fa_warm_tokens,
+                prompt_tokens=n,
                 healthy=c.why_not != "unhealthy",
                 breaker_open=c.why_not == "circuit breaker open",
                 at_capacity=c.why_not == "at its in-flight limit",
                 **_recorded_inputs(c),
             )
-        )  # fmt: skip
+        )
     return candidates, frozenset(excluded)
 
 
@@ -140,11 +144,16 @@ def candidates_now(rebuild: Rebuild, prepared: Prepared, idle: LoadSnapshot) -> 
     predicted = predict(rebuild, prepared, engines)
     return [
         Candidate(
-            rid, result.hit_tokens, result.shared_prefix_boundary, result.fa_warm_tokens, n,
-            _trust(rebuild.replicas[rid]), rebuild.replicas[rid].load or idle,
+            engine=rid,
+            hit_tokens=result.hit_tokens,
+            boundary=result.shared_prefix_boundary,
+            warm_tokens=result.fa_warm_tokens,
+            prompt_tokens=n,
+            trust=_trust(rebuild.replicas[rid]),
+            load=rebuild.replicas[rid].load or idle,
         )
         for rid, (result, n) in predicted.items()
-    ]  # fmt: skip
+    ]
 
 
 def _trust(rep: ReplicaReplay) -> TrustStatus:
@@ -206,7 +215,13 @@ class Replayer:
         self.rebuild.decision(recorded, record.time)
         error = request if isinstance(request, str) else ""
         return DecisionReplay(
-            self.index, record.time, record.request_id, record.attempt, recorded, replayed, error
+            index=self.index,
+            time=record.time,
+            request_id=record.request_id,
+            attempt=record.attempt,
+            recorded=recorded,
+            replayed=replayed,
+            error=error,
         )
 
     def decide(self, prepared: Prepared, session: str | None, recorded: Decision) -> Decision:

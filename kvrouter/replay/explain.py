@@ -55,7 +55,16 @@ def explain_prompt(
         count += 1
     prepared = replayer.prepare(body, endpoint)
     policy = replayer.setup.config.policy
-    idle = LoadSnapshot(0, 0, 0, 0, None, policy.prior_overhead_s, policy.prior_per_token_s, False)
+    idle = LoadSnapshot(
+        in_flight=0,
+        prefilling=0,
+        decoding=0,
+        queued_prefill_tokens=0,
+        kv_cache_usage=None,
+        overhead_s=policy.prior_overhead_s,
+        per_token_s=policy.prior_per_token_s,
+        scraped=False,
+    )
     candidates = candidates_now(replayer.rebuild, prepared, idle)
     header = replayer.setup.config.policy.session_header.lower().encode("latin-1")
     named = [(header, session.encode("latin-1"))] if session else []

@@ -87,9 +87,12 @@ class FleetState:
             policy.prior_overhead_s, policy.prior_per_token_s, policy.prior_weight, policy.forgetting
         )
         step = StepCost(
-            policy.decode_step_s, policy.decode_penalty_s, policy.max_num_batched_tokens, policy.max_num_seqs,
-            policy.context_read_s_per_token,
-        )  # fmt: skip
+            decode_step_s=policy.decode_step_s,
+            decode_penalty_s=policy.decode_penalty_s,
+            max_num_batched_tokens=policy.max_num_batched_tokens,
+            max_num_seqs=policy.max_num_seqs,
+            context_read_s_per_token=policy.context_read_s_per_token,
+        )
         drain, service = policy.drain_queued_prefill, policy.learn_prefill_from_service
         self.load = LoadTracker(prior, policy.scrape_max_age_s, step, drain, service)
         pending = reads_pending(policy.name, policy.max_predicted_ttft_s)
@@ -100,9 +103,11 @@ class FleetState:
         self.breakers = Breakers(config.breaker.failure_threshold, config.breaker.open_s)
         limits = config.limits
         self.admission = Admission(
-            limits.max_in_flight_total, limits.max_in_flight_per_engine, limits.overload_status,
-            limits.retry_after_s,
-        )  # fmt: skip
+            max_total=limits.max_in_flight_total,
+            max_per_engine=limits.max_in_flight_per_engine,
+            status=limits.overload_status,
+            retry_after_s=limits.retry_after_s,
+        )
         self._engines: dict[str, EngineConfig] = {}
         self._replicas: dict[EngineId, Replica] = {}
         self._by_variant: dict[str, tuple[tuple[Variant, tuple[EngineId, ...]], ...]] = {}  # by model
@@ -121,7 +126,8 @@ class FleetState:
         added = []
         for rank, rid in enumerate(replica_ids(engine)):
             self.mirror.add_engine(rid, variant.spec, ReportMode(engine.report_mode))
-            rep = Replica(rid, engine, rank, variant, TrustTracker(self.config.policy.trust_silence_s))
+            tracker = TrustTracker(self.config.policy.trust_silence_s)
+            rep = Replica(id=rid, engine=engine, rank=rank, variant=variant, tracker=tracker)
             self._replicas[rid] = rep
             if self.config.policy.shared_cost_model:
                 self.load.share_cost(rid, engine.model)

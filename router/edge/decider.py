@@ -258,7 +258,14 @@ class Decider:
         ref = _stored_ref(endpoint, body)
         previous = ref.previous_response_id
         seek = previous is not None and parts.core.scorer.stored.engine_of(previous) is None
-        proxied = ProxyRequest(scope["method"], str(endpoint), headers, body, True, seek)
+        proxied = ProxyRequest(
+            method=scope["method"],
+            path=str(endpoint),
+            headers=headers,
+            body=body,
+            end_to_end=True,
+            seek_stored=seek,
+        )
         keys = self.session_keys
         session = keys.of_prepared(scope["headers"], prepared.body_session) if keys is not None else None
         route = RouteRequest(prepared.session_key, session, excluded, ref.previous_response_id)

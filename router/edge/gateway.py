@@ -149,7 +149,15 @@ class Gateway:
                 self.parts.metrics.retries.labels(reason).inc()
         headers = exchange.answered(engine, upstream.status, note)
         ok = upstream.status == 200
-        relay = RelayResponse(upstream, headers, None, exchange.first_byte, exchange.end, ok, _OWN_NAMES)
+        relay = RelayResponse(
+            upstream=upstream,
+            extra_headers=headers,
+            tap=None,
+            on_first_byte=exchange.first_byte,
+            on_end=exchange.end,
+            watch_usage=ok,
+            names=_OWN_NAMES,
+        )
         relay.write_s = self.write_s
         if ok and exchange.stores:  # the engine stored the answer: learn where (its id, at the end)
             relay.on_response_id = exchange.stored_as

@@ -184,7 +184,9 @@ class Passthrough:
             (b"x-request-id", rid.encode("latin-1")),
             (b"x-kvrouter-engine", upstream.engine.encode("latin-1")),
         ]
-        relay = RelayResponse(upstream, extra, None, lambda s: None, end)
+        relay = RelayResponse(
+            upstream=upstream, extra_headers=extra, tap=None, on_first_byte=lambda s: None, on_end=end
+        )
         relay.write_s = parts.config.timeouts.client_write_s
         return relay
 

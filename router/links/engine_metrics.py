@@ -96,12 +96,12 @@ class MetricsReader:
             self._read([tail])
         return {
             rank: ScrapedMetrics(
-                at,
-                int(v[RUNNING]),
-                int(v[WAITING]),
-                v.get(KV_USAGE),
-                v.get(PREFIX_QUERIES),
-                v.get(PREFIX_HITS),
+                at=at,
+                num_requests_running=int(v[RUNNING]),
+                num_requests_waiting=int(v[WAITING]),
+                kv_cache_usage_perc=v.get(KV_USAGE),
+                prefix_cache_queries=v.get(PREFIX_QUERIES),
+                prefix_cache_hits=v.get(PREFIX_HITS),
             )
             for rank, v in sorted(self._values.items())
             if RUNNING in v and WAITING in v

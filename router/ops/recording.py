@@ -71,7 +71,10 @@ class GatewayRecorder:
     ) -> None:
         """Record a request as received; only non-secret headers are kept."""
         kept = [(k, v) for k, v in headers.items() if k.lower() in self.keep]
-        self._write(RequestRecord(self.clock(), request_id, endpoint, model, kept, body))
+        record = RequestRecord(
+            time=self.clock(), request_id=request_id, endpoint=endpoint, model=model, headers=kept, body=body
+        )
+        self._write(record)
 
     def decision(self, request_id: RequestId, attempt: int, decision: Decision) -> None:
         """Record one routing decision (attempt 0, then one per retry)."""

@@ -380,10 +380,19 @@ class Models:
             return None
         model = self.resolve_name(fields.model)
         return Prepared(
-            model=model, endpoint=Endpoint(endpoint), stream=fields.stream, prompt_tokens=0, keys=[],
-            skip_cache=False, report_mode="incremental", session_key="", timings=_NO_TIMINGS, variant=model,
-            cache_salt=fields.cache_salt, unread=True,
-        )  # fmt: skip
+            model=model,
+            endpoint=Endpoint(endpoint),
+            stream=fields.stream,
+            prompt_tokens=0,
+            keys=[],
+            skip_cache=False,
+            report_mode="incremental",
+            session_key="",
+            timings=_NO_TIMINGS,
+            variant=model,
+            cache_salt=fields.cache_salt,
+            unread=True,
+        )
 
     def prepare(self, body: bytes, endpoint: Endpoint | str, model_hint: str | None = None) -> Prepared:
         """Tokenize and key a request body; RequestError (a 400 naming the field) on bad input."""

@@ -13,7 +13,16 @@ GAP = TrustStatus(TrustState.STALE, TrustReason.GAP, "gap", 0.0)
 
 
 def load(queued: int) -> LoadSnapshot:
-    return LoadSnapshot(1, 1, 0, queued, None, 0.02, 5e-5, False)
+    return LoadSnapshot(
+        in_flight=1,
+        prefilling=1,
+        decoding=0,
+        queued_prefill_tokens=queued,
+        kv_cache_usage=None,
+        overhead_s=0.02,
+        per_token_s=5e-5,
+        scraped=False,
+    )
 
 
 def test_the_queue_term_and_an_untrusted_mirror_are_told_apart() -> None:
@@ -21,15 +30,47 @@ def test_the_queue_term_and_an_untrusted_mirror_are_told_apart() -> None:
     queued = greedy.choose(
         RouteRequest("r1"),
         [
-            Candidate(EngineId("a"), 31_232, 0, 31_232, 32_000, FRESH, load(43_000)),
-            Candidate(EngineId("b"), 0, 0, 0, 32_000, FRESH, load(0)),
+            Candidate(
+                engine=EngineId("a"),
+                hit_tokens=31_232,
+                boundary=0,
+                warm_tokens=31_232,
+                prompt_tokens=32_000,
+                trust=FRESH,
+                load=load(43_000),
+            ),
+            Candidate(
+                engine=EngineId("b"),
+                hit_tokens=0,
+                boundary=0,
+                warm_tokens=0,
+                prompt_tokens=32_000,
+                trust=FRESH,
+                load=load(0),
+            ),
         ],
     )
     stale = greedy.choose(
         RouteRequest("r2"),
         [
-            Candidate(EngineId("a"), 1_024, 0, 1_024, 2_000, GAP, load(0)),
-            Candidate(EngineId("b"), 0, 0, 0, 2_000, FRESH, load(0)),
+            Candidate(
+                engine=EngineId("a"),
+                hit_tokens=1_024,
+                boundary=0,
+                warm_tokens=1_024,
+                prompt_tokens=2_000,
+                trust=GAP,
+                load=load(0),
+            ),
+            Candidate(
+                engine=EngineId("b"),
+                hit_tokens=0,
+                boundary=0,
+                warm_tokens=0,
+                prompt_tokens=2_000,
+                trust=FRESH,
+                load=load(0),
+            ),
         ],
     )
     result = audit([queued, stale])

@@ -139,7 +139,18 @@ def test_the_completions_prompt_is_about_3_kb() -> None:
 
 
 def row(rep: int, target: str, p50: float, rps: float = 1.0) -> Row:
-    return Row(rep, "chat", 1, target, 100, rps, p50, p50 * 2, 0.5, 0)
+    return Row(
+        rep=rep,
+        case="chat",
+        conc=1,
+        target=target,
+        requests=100,
+        rps=rps,
+        p50_ms=p50,
+        p99_ms=p50 * 2,
+        cpu_ms_per_req=0.5,
+        errors=0,
+    )
 
 
 def test_added_latency_is_against_direct_in_the_same_repetition() -> None:

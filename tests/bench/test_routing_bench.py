@@ -39,7 +39,19 @@ from engine_stub.stub_config import StubConfig
 
 
 def row(target: str, p50: float, p90: float, cached: float = 0.1, rep: int = 0, errors: int = 0) -> Row:
-    return Row("conversation", 4, 0.7, rep, target, 200, errors, cached, p50, p90, p90 * 2)
+    return Row(
+        trace="conversation",
+        stubs=4,
+        load=0.7,
+        rep=rep,
+        target=target,
+        requests=200,
+        errors=errors,
+        cached_ratio=cached,
+        p50_ms=p50,
+        p90_ms=p90,
+        p99_ms=p90 * 2,
+    )
 
 
 def rep_rows(rep: int, kv: tuple[float, float], cached: float = 0.1) -> list[Row]:
@@ -96,7 +108,19 @@ def test_rows_from_a_loadtest_summary() -> None:
         ]
     }  # fmt: skip
     kv, peer = rows_from_summary(summary, "synthetic", 8, 0.4, 1)
-    assert kv == Row("synthetic", 8, 0.4, 1, "kv", 5, 1, 0.25, 12.0, 50.0, 100.0)
+    assert kv == Row(
+        trace="synthetic",
+        stubs=8,
+        load=0.4,
+        rep=1,
+        target="kv",
+        requests=5,
+        errors=1,
+        cached_ratio=0.25,
+        p50_ms=12.0,
+        p90_ms=50.0,
+        p99_ms=100.0,
+    )
     assert (peer.p50_ms, peer.errors) == (None, 5)
     # issue #29's columns: the stubs' mean busy fraction, the trend verdict, the goodput given
     summary["policies"][0] |= {"busy_fraction": {"e0": 0.5, "e1": 0.7}, "settled": False}
@@ -119,7 +143,20 @@ def test_goodput_is_the_share_of_requests_answered_within_the_slo() -> None:
 
 def test_kv_against_round_robin_and_the_best_peer_per_repetition() -> None:
     def rep(r: int, kv: tuple[float, float], good: float) -> list[Row]:
-        base = Row("agents", 4, 0.8, r, "kv", 500, 0, 0.9, kv[0], kv[1], None, good)
+        base = Row(
+            trace="agents",
+            stubs=4,
+            load=0.8,
+            rep=r,
+            target="kv",
+            requests=500,
+            errors=0,
+            cached_ratio=0.9,
+            p50_ms=kv[0],
+            p90_ms=kv[1],
+            p99_ms=None,
+            goodput=good,
+        )
         return [
             base,
             replace(base, target="round_robin", p50_ms=200.0, p90_ms=400.0, cached_ratio=0.7,

@@ -17,14 +17,36 @@ FRESH = TrustStatus(TrustState.FRESH, TrustReason.OK, "ok", 0.0)
 
 def decided(key: str, in_flight: int, decoding: int) -> Decision:
     """One engine holding `in_flight` requests, `decoding` of them past their first token."""
-    load = LoadSnapshot(in_flight, in_flight - decoding, decoding, 0, None, 0.02, 1e-4, False)
+    load = LoadSnapshot(
+        in_flight=in_flight,
+        prefilling=in_flight - decoding,
+        decoding=decoding,
+        queued_prefill_tokens=0,
+        kv_cache_usage=None,
+        overhead_s=0.02,
+        per_token_s=1e-4,
+        scraped=False,
+    )
     return Scorer(ScorerSettings()).choose(
-        RouteRequest(key), [Candidate(EngineId("a"), 0, 0, 0, 1000, FRESH, load)]
+        RouteRequest(key),
+        [
+            Candidate(
+                engine=EngineId("a"),
+                hit_tokens=0,
+                boundary=0,
+                warm_tokens=0,
+                prompt_tokens=1000,
+                trust=FRESH,
+                load=load,
+            )
+        ],
     )
 
 
 def answered(rid: str | None, ttft: float | None) -> RequestResult:
-    return RequestResult("kv", 0, "s", 0.0, engine="a", ttft_s=ttft, request_id=rid)
+    return RequestResult(
+        policy="kv", index=0, session="s", arrival_s=0.0, engine="a", ttft_s=ttft, request_id=rid
+    )
 
 
 def test_each_queue_state_is_named_from_the_chosen_engine_s_load() -> None:

@@ -96,7 +96,9 @@ async def stack(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator
                     await wait_for(lambda: all_fresh(admin), 30.0)
                     stubs = {e.name: s for e, s in zip(engines, servers, strict=True)}
                     addresses = {e.name: e.url.removeprefix("http://") for e in engines}
-                    yield Stack(envoy, epp, stubs, addresses, client, admin)
+                    yield Stack(
+                        envoy=envoy, epp=epp, stubs=stubs, addresses=addresses, client=client, admin=admin
+                    )
 
 
 def chat(text: str, **extra: Any) -> dict[str, Any]:

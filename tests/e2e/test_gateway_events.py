@@ -40,7 +40,15 @@ def metric(text: str, name: str, **labels: str) -> float | None:
 
 
 def store(hashes: list[int], tokens: Any, medium: Any = "GPU") -> BlockStored:
-    return BlockStored(list(hashes), None, tokens, 4, None, medium, None)
+    return BlockStored(
+        block_hashes=list(hashes),
+        parent_block_hash=None,
+        token_ids=tokens,
+        block_size=4,
+        lora_id=None,
+        medium=medium,
+        lora_name=None,
+    )
 
 
 class Engine:

@@ -256,7 +256,19 @@ def test_router_predicts_every_admission(layout: str, hashing: str, blocks: int,
 def test_coarse_full_attention_with_router_keys() -> None:
     """The stream that once left the mirror missing an FA 8 block: router keys chained over 8 tokens
     never matched the request's keys at hb = 4."""
-    plain = Op(0, False, 0, False, [], False, None, False, False, 1, 0)
+    plain = Op(
+        base=0,
+        whole=False,
+        cut=0,
+        aligned=False,
+        new=[],
+        lora=False,
+        salt=None,
+        full=False,
+        skip=False,
+        max_tokens=1,
+        background=0,
+    )
     ops = [
         msgspec.structs.replace(plain, base=65, cut=8, new=[0, 1]),
         msgspec.structs.replace(plain, base=588, cut=106, new=[2, 3, 0, 3, 2, 2], lora=True, full=True),
@@ -273,7 +285,19 @@ def test_a_report_after_a_skip_requests_store_is_not_taken_for_a_store() -> None
     keys): a skip-cache request's recompute store of block 0 was credited to an earlier request whose
     hit had dropped to 0 only through a Mamba eviction in the same batch, so the skip request stayed
     pending and, its hit being 0 forever, took the later full-mode report for its store."""
-    plain = Op(0, False, 0, False, [], False, None, False, False, 1, 0)
+    plain = Op(
+        base=0,
+        whole=False,
+        cut=0,
+        aligned=False,
+        new=[],
+        lora=False,
+        salt=None,
+        full=False,
+        skip=False,
+        max_tokens=1,
+        background=0,
+    )
     ops = [
         plain,
         msgspec.structs.replace(plain, new=[0, 0, 0, 0, 0]),

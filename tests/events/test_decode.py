@@ -133,7 +133,16 @@ def test_valid_batches_round_trip_lazy(batch: KVEventBatch) -> None:
 
 
 def test_lazy_store_with_lookahead_tokens_decodes() -> None:
-    event = BlockStored([1], None, [5, 6], 2, None, "GPU", None, lookahead_token_ids=[[7]])
+    event = BlockStored(
+        block_hashes=[1],
+        parent_block_hash=None,
+        token_ids=[5, 6],
+        block_size=2,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        lookahead_token_ids=[[7]],
+    )
     payload = ENCODER.encode(KVEventBatch(1.0, [event], 0))
     lazy = BatchDecoder(LazyKVEventBatch).decode(payload)
     assert lazy is not None
@@ -180,8 +189,25 @@ def legacy_payload() -> bytes:
 
 
 LEGACY_EXPECTED = [
-    BlockStored([1, 2**64 - 1], None, [7, 8, 9], 16, None, "GPU", None, group_idx=0),
-    BlockStored([b"\x01" * 32], 5, [1], 16, None, None, None),
+    BlockStored(
+        block_hashes=[1, 2**64 - 1],
+        parent_block_hash=None,
+        token_ids=[7, 8, 9],
+        block_size=16,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=0,
+    ),
+    BlockStored(
+        block_hashes=[b"\x01" * 32],
+        parent_block_hash=5,
+        token_ids=[1],
+        block_size=16,
+        lora_id=None,
+        medium=None,
+        lora_name=None,
+    ),
     BlockRemoved([2**64 - 1], "GPU"),
     AllBlocksCleared(),
 ]
@@ -212,7 +238,15 @@ def stored_map(**extra: Any) -> dict[str, Any]:
     return event | extra
 
 
-STORED = BlockStored([3, 4], 2, [1, 2, 3, 4], 2, None, "GPU", None)
+STORED = BlockStored(
+    block_hashes=[3, 4],
+    parent_block_hash=2,
+    token_ids=[1, 2, 3, 4],
+    block_size=2,
+    lora_id=None,
+    medium="GPU",
+    lora_name=None,
+)
 
 
 @pytest.mark.parametrize("batch_type", BATCH_TYPES)

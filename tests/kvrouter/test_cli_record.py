@@ -42,7 +42,14 @@ def batch(engine: int, i: int) -> KVEventBatch:
     tokens = list(range(1000 * engine + 32 * i, 1000 * engine + 32 * i + 32))
     events: list[BlockStored | BlockRemoved | AllBlocksCleared] = [
         BlockStored(
-            [2**64 - 1 - i, i], None if i == 0 else i - 1, tokens, 16, None, "GPU", None, group_idx=0
+            block_hashes=[2**64 - 1 - i, i],
+            parent_block_hash=None if i == 0 else i - 1,
+            token_ids=tokens,
+            block_size=16,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+            group_idx=0,
         ),
         BlockRemoved([i + 7], "GPU"),
     ]

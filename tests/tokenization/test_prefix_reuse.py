@@ -171,7 +171,9 @@ def test_an_entrys_packed_ids_from_a_view_read_as_the_joined_ones(ids: list[int]
     cut = min(cut, len(ids))
     whole = array("I", ids).tobytes()
     tail = array("I", ids[cut:]).tobytes()
-    entry = ReuseEntry(b"", tuple(ids[cut:]), tail, None, cut, memoryview(whole)[: 4 * cut])
+    entry = ReuseEntry(
+        data=b"", tail=tuple(ids[cut:]), packed=tail, ends=None, copied=cut, head=memoryview(whole)[: 4 * cut]
+    )
     assert bytes(entry.packed_head(at)) == whole[:at] and bytes(entry.packed_from(at)) == whole[at:]
     assert entry.prefix(at // 4) == tuple(ids[: at // 4])
     assert entry._head is not None  # read, but not joined
@@ -380,7 +382,9 @@ def test_an_entrys_ids_are_its_head_and_tail_however_read(head: list[int], tail:
     """The copied head is held packed only: read whole, in part or iterated, the ids are head + tail."""
     ids = (*head, *tail)
     for joined in (False, True):
-        entry = ReuseEntry(b"", tuple(tail), array("I", ids).tobytes(), None, len(head))
+        entry = ReuseEntry(
+            data=b"", tail=tuple(tail), packed=array("I", ids).tobytes(), ends=None, copied=len(head)
+        )
         if joined:
             assert entry.ids == ids
         assert entry.count == len(ids) and list(entry.iter_ids()) == list(ids)
@@ -396,7 +400,9 @@ def test_an_entrys_ids_are_its_head_and_tail_however_read(head: list[int], tail:
 def test_wrapped_ids_are_the_wrap_around_the_entrys_ids(
     head: list[int], tail: list[int], wrap: tuple[list[int], list[int]]
 ) -> None:
-    entry = ReuseEntry(b"", tuple(tail), array("I", (*head, *tail)).tobytes(), None, len(head))
+    entry = ReuseEntry(
+        data=b"", tail=tuple(tail), packed=array("I", (*head, *tail)).tobytes(), ends=None, copied=len(head)
+    )
     wrapped = WrappedIds(tuple(wrap[0]), entry, tuple(wrap[1]))
     ids = (*wrap[0], *head, *tail, *wrap[1])
     assert count_of(wrapped) == len(ids) and wrapped._ids is None  # counted without joining

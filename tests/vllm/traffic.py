@@ -91,7 +91,15 @@ class Traffic:
             text = choice["message"]["content"] or "" if "message" in choice else choice["text"]
             ids = list(choice.get("token_ids") or [])
         actual = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        outcome = Outcome(rid, kind + ("-stream" if stream else ""), engine, predicted, actual, text, ids)
+        outcome = Outcome(
+            request_id=rid,
+            kind=kind + ("-stream" if stream else ""),
+            engine=engine,
+            predicted=predicted,
+            actual=actual,
+            text=text,
+            token_ids=ids,
+        )
         self.outcomes.append(outcome)
         return outcome
 
@@ -103,7 +111,17 @@ class Traffic:
         )
         text = "".join(b.get("text", "") for b in reply["content"] if b.get("type") == "text")
         actual = int(reply["usage"].get("cache_read_input_tokens") or 0)
-        return self._keep(Outcome(rid, "messages", engine, predicted, actual, text, []))
+        return self._keep(
+            Outcome(
+                request_id=rid,
+                kind="messages",
+                engine=engine,
+                predicted=predicted,
+                actual=actual,
+                text=text,
+                token_ids=[],
+            )
+        )
 
     async def response(self, items: list[dict[str, str]]) -> Outcome:
         """An OpenAI Responses request (JSON, not stored); the outcome's text is its output text."""
@@ -115,7 +133,17 @@ class Traffic:
             c.get("text", "") for o in reply["output"] if o.get("type") == "message" for c in o["content"]
         )
         actual = int((reply["usage"].get("input_tokens_details") or {}).get("cached_tokens") or 0)
-        return self._keep(Outcome(rid, "responses", engine, predicted, actual, text, []))
+        return self._keep(
+            Outcome(
+                request_id=rid,
+                kind="responses",
+                engine=engine,
+                predicted=predicted,
+                actual=actual,
+                text=text,
+                token_ids=[],
+            )
+        )
 
     async def _post(self, path: str, kind: str, body: dict[str, Any]) -> tuple[dict[str, Any], int, str, str]:
         rid = f"{kind}-{uuid.uuid4().hex[:12]}"

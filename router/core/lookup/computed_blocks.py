@@ -166,15 +166,15 @@ def _build_plan(mirror: Mirror, spec: ModelSpec, names: tuple[EngineId, ...] | N
         len(spec.groups) == 1 and bool(groups) and groups[0].kind.full_attention and not spec.eagle_block_drop
     )
     return _Plan(
-        spec,
-        groups,
-        [rid for rid, _ in views],
-        needs,
-        first,
-        alive,
-        {n: i for i, n in enumerate(first)} if single else None,
-        groups[0].spec.block_size if unitary else 0,
-        spec.hash_block_size,
+        spec=spec,
+        groups=groups,
+        targets=[rid for rid, _ in views],
+        needs=needs,
+        first=first,
+        alive=alive,
+        position={n: i for i, n in enumerate(first)} if single else None,
+        unitary_block=groups[0].spec.block_size if unitary else 0,
+        hash_block=spec.hash_block_size,
     )
 
 
@@ -298,5 +298,13 @@ class _Finder:
         run = -1
         if group.kind.full_attention and idx == 0:
             run, self.run = self.run, -1  # the precomputed leading run serves the first lookup only
-        query = HitQuery(self.keys, self.spec.hash_block_size, cached, max_tokens, align, drop, run)
+        query = HitQuery(
+            keys=self.keys,
+            hash_block=self.spec.hash_block_size,
+            cached=cached,
+            max_tokens=max_tokens,
+            align=align,
+            eagle_drop=drop,
+            leading_run=run,
+        )
         return group.kind.find(group.spec, query)

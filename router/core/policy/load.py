@@ -341,7 +341,13 @@ class LoadTracker:
         load.seen = None
         work = load.prefill_tokens + uncached_tokens
         flight = self._requests[request] = _InFlight(
-            engine, load, at, uncached_tokens, work, other_s, context_tokens=context_tokens
+            engine=engine,
+            load=load,
+            started_at=at,
+            uncached_tokens=uncached_tokens,
+            work_tokens=work,
+            other_s=other_s,
+            context_tokens=context_tokens,
         )
         load.unanswered[request] = flight
         load.context += context_tokens
@@ -561,8 +567,19 @@ class LoadTracker:
         per_token_s = model.per_token_s
         load.seen_timed = False  # (`_drained` sets it when its answer reads the time)
         seen = load.seen = LoadSnapshot(
-            in_flight, prefilling, decoding, queued, usage, model.overhead_s, per_token_s, fresh,
-            load.step, scrape, load.residency.estimate(now), self._drained(load, decoding, now), load.context,
-        )  # fmt: skip
+            in_flight=in_flight,
+            prefilling=prefilling,
+            decoding=decoding,
+            queued_prefill_tokens=queued,
+            kv_cache_usage=usage,
+            overhead_s=model.overhead_s,
+            per_token_s=per_token_s,
+            scraped=fresh,
+            step=load.step,
+            scrape=scrape,
+            residency_s=load.residency.estimate(now),
+            drained_tokens=self._drained(load, decoding, now),
+            context_tokens=load.context,
+        )
         load.seen_at, load.seen_samples = now, model.samples
         return seen

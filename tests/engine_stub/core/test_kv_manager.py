@@ -92,12 +92,14 @@ def test_skip_cache_read_gets_no_hit_but_still_stores() -> None:
 
 def test_retention_masks_keep_periodic_and_boundary_tails() -> None:
     """§9 example 4: A of 37 tokens, R=16: SWA keeps blocks 2,3,6,7 and the replay tail 7,8."""
-    swa = cacheable_mask(SWA, MaskArgs(0, 9, 16, [36], BS))
+    swa = cacheable_mask(SWA, MaskArgs(start=0, end=9, retention=16, boundaries=[36], align=BS))
     assert swa is not None and [i for i, keep in enumerate(swa) if keep] == [2, 3, 6, 7, 8]
-    mamba = cacheable_mask(MAMBA, MaskArgs(0, 9, 16, [36], BS))
+    mamba = cacheable_mask(MAMBA, MaskArgs(start=0, end=9, retention=16, boundaries=[36], align=BS))
     assert mamba is not None and [i for i, keep in enumerate(mamba) if keep] == [3, 7, 8]
-    assert cacheable_mask(SWA, MaskArgs(0, 9, None, [36], BS)) is None
-    assert cacheable_mask(GroupSpec(), MaskArgs(0, 9, 0, [36], BS)) is None
+    assert cacheable_mask(SWA, MaskArgs(start=0, end=9, retention=None, boundaries=[36], align=BS)) is None
+    assert (
+        cacheable_mask(GroupSpec(), MaskArgs(start=0, end=9, retention=0, boundaries=[36], align=BS)) is None
+    )
 
 
 def test_mamba_prompt_is_split_at_its_last_cacheable_boundary() -> None:

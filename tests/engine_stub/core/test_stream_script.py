@@ -45,7 +45,13 @@ def run_stream_script(script: list[dict[str, Any]]) -> list[list[KVEvent]]:
     for op in script:
         match op["op"]:
             case "store":
-                req = Request(RequestId(op["req"]), op["tokens"], _params(op), hasher, BLOCK_SIZE)
+                req = Request(
+                    request_id=RequestId(op["req"]),
+                    prompt=op["tokens"],
+                    params=_params(op),
+                    hasher=hasher,
+                    hb=BLOCK_SIZE,
+                )
                 lookup = kv.get_computed_blocks(req)
                 assert kv.allocate_slots(req, req.num_tokens - lookup.hit_tokens, lookup)
                 live[op["req"]] = req

@@ -114,7 +114,7 @@ def test_swa_run_must_end_on_an_aligned_edge() -> None:
     table = pool.get_new_blocks(4)
     rng = StoreRange(digests=digests, tokens=list(range(16)), start=0, end=4, extra_keys=[None] * 4)
     pool.cache_full_blocks(rng, table, 0, [False, True, True, False])
-    args = FindArgs(digests, 4, 16, [0], False, 4)
+    args = FindArgs(hashes=digests, hb=4, maxlen=16, gids=[0], drop=False, align=4)
     assert find_hit(pool, SWA4, args)[1] == 12
     # Aligned to 8 the run may not end at 12; the run ending at 8 is one block, not starting at 0.
     assert find_hit(pool, SWA4, args._replace(align=8))[1] == 0

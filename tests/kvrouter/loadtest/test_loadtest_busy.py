@@ -58,7 +58,20 @@ def test_the_stubs_report_the_busy_fraction_the_load_asked_for(
 
 
 def _result(i: int, arrival: float, ttft: float | None, error: str | None = None) -> RequestResult:
-    return RequestResult("kv", i, f"s{i}", arrival, "e0", ttft, ttft, 10, 0, 1, None, error)
+    return RequestResult(
+        policy="kv",
+        index=i,
+        session=f"s{i}",
+        arrival_s=arrival,
+        engine="e0",
+        ttft_s=ttft,
+        e2e_s=ttft,
+        prompt_tokens=10,
+        cached_tokens=0,
+        output_tokens=1,
+        predicted_cached_tokens=None,
+        error=error,
+    )
 
 
 def test_a_run_whose_ttft_grew_through_its_arrivals_did_not_settle() -> None:

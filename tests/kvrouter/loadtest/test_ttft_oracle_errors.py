@@ -22,7 +22,9 @@ SPEC = RequestSpec(session="s", arrival_s=0.0, prompt=list(range(40)), max_token
 def answering(ttft_s: float) -> Handler:
     async def handler(request: web.Request) -> web.StreamResponse:
         await request.read()
-        body = msgspec.json.encode([Forecast(0, ttft_s, 40, 0, 0, 0)])
+        body = msgspec.json.encode(
+            [Forecast(rank=0, ttft_s=ttft_s, prompt_tokens=40, hit_tokens=0, num_running=0, num_waiting=0)]
+        )
         return web.Response(body=body, content_type="application/json")
 
     return handler

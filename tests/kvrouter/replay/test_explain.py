@@ -98,12 +98,53 @@ async def test_bad_arguments_are_refused(recording: Path, capsys: pytest.Capture
 
 def test_render_decision_marks_the_choice_and_ineligible_candidates() -> None:
     trust = TrustStatus(TrustState.FRESH, TrustReason.OK, "ok", 0.0)
-    load = LoadSnapshot(1, 0, 1, 32, None, 0.02, 1e-4, False)
-    a = CandidateScore(EngineId("a"), 64, 64, 0, 64, False, 36, 0.03, trust, load, True)
-    b = CandidateScore(
-        EngineId("b"), 0, 0, 0, 0, False, 100, 0.04, trust, load, False, "circuit breaker open"
+    load = LoadSnapshot(
+        in_flight=1,
+        prefilling=0,
+        decoding=1,
+        queued_prefill_tokens=32,
+        kv_cache_usage=None,
+        overhead_s=0.02,
+        per_token_s=1e-4,
+        scraped=False,
     )
-    text = render_decision(Decision(EngineId("a"), PolicyName.KV, "kv: lowest", 64, [a, b]), "title")
+    a = CandidateScore(
+        engine=EngineId("a"),
+        hit_tokens=64,
+        trusted_hit_tokens=64,
+        boundary=0,
+        warm_tokens=64,
+        pins_junction=False,
+        uncached_tokens=36,
+        predicted_ttft_s=0.03,
+        trust=trust,
+        load=load,
+        eligible=True,
+    )
+    b = CandidateScore(
+        engine=EngineId("b"),
+        hit_tokens=0,
+        trusted_hit_tokens=0,
+        boundary=0,
+        warm_tokens=0,
+        pins_junction=False,
+        uncached_tokens=100,
+        predicted_ttft_s=0.04,
+        trust=trust,
+        load=load,
+        eligible=False,
+        why_not="circuit breaker open",
+    )
+    text = render_decision(
+        Decision(
+            engine=EngineId("a"),
+            policy=PolicyName.KV,
+            reason="kv: lowest",
+            predicted_cached_tokens=64,
+            candidates=[a, b],
+        ),
+        "title",
+    )
     lines = text.splitlines()
     assert lines[0] == "title" and lines[2].startswith("* a") and lines[3].startswith("  b")
     assert lines[3].endswith("no: circuit breaker open") and "30.00" in lines[2]

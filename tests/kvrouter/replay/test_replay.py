@@ -121,7 +121,15 @@ def store(seq: int, n_blocks: int = 1) -> bytes:
     """A batch storing `n_blocks` fresh blocks (distinct tokens per seq), as an engine publishes it."""
     tokens = [1000 * (seq + 1) + i for i in range(BS * n_blocks)]
     hashes: list[EngineBlockHash] = [10_000 * (seq + 1) + i for i in range(n_blocks)]
-    event = BlockStored(hashes, None, tokens, BS, None, "GPU", None)
+    event = BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None,
+        token_ids=tokens,
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
     return ENCODER.encode(KVEventBatch(float(seq), [event]))
 
 

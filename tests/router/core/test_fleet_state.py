@@ -49,10 +49,23 @@ class FakeLink:
 
     def stats(self) -> EngineStats:
         return EngineStats(
-            engine="e", batches=0, events={}, gaps=0, replays=0, replay_failures=0, resets=0,
-            history_lost=0, duplicates=0, decode_errors=0, frame_errors=0, consumer_errors=0,
-            last_seq=None, last_event_time=None, stale=False, replaying=False,
-        )  # fmt: skip
+            engine="e",
+            batches=0,
+            events={},
+            gaps=0,
+            replays=0,
+            replay_failures=0,
+            resets=0,
+            history_lost=0,
+            duplicates=0,
+            decode_errors=0,
+            frame_errors=0,
+            consumer_errors=0,
+            last_seq=None,
+            last_event_time=None,
+            stale=False,
+            replaying=False,
+        )
 
     def verify(self) -> bool:
         self.verified += 1
@@ -82,21 +95,45 @@ def followed_fleet() -> tuple[FleetState, Clock]:
 
 def store(n: int) -> BlockStored:
     tokens = [next(_tokens) for _ in range(4 * n)]
-    return BlockStored([next(_hashes) for _ in range(n)], None, tokens, 4, None, "GPU", None)
+    return BlockStored(
+        block_hashes=[next(_hashes) for _ in range(n)],
+        parent_block_hash=None,
+        token_ids=tokens,
+        block_size=4,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
 
 
 def stored(tokens: list[int]) -> BlockStored:
     """The engine's store of the full blocks of a prompt of `tokens`."""
     n = len(tokens) // 4
-    return BlockStored([next(_hashes) for _ in range(n)], None, tokens[: 4 * n], 4, None, "GPU", None)
+    return BlockStored(
+        block_hashes=[next(_hashes) for _ in range(n)],
+        parent_block_hash=None,
+        token_ids=tokens[: 4 * n],
+        block_size=4,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
 
 
 def prepared(fleet: FleetState, tokens: list[int], skip_cache: bool = False) -> Prepared:
     keys = [int(k) for k in fleet.mirror.hasher.request_keys(tokens, 4)]
     return Prepared(
-        model="m", endpoint=Endpoint.COMPLETIONS, stream=False, prompt_tokens=len(tokens), keys=keys,
-        skip_cache=skip_cache, report_mode="incremental", session_key="s", timings={}, variant="m",
-    )  # fmt: skip
+        model="m",
+        endpoint=Endpoint.COMPLETIONS,
+        stream=False,
+        prompt_tokens=len(tokens),
+        keys=keys,
+        skip_cache=skip_cache,
+        report_mode="incremental",
+        session_key="s",
+        timings={},
+        variant="m",
+    )
 
 
 def status(fleet: FleetState, clock: Clock) -> tuple[TrustState, TrustReason]:
@@ -475,7 +512,13 @@ def test_a_replica_keeps_its_specs_layout_facts() -> None:
         spec = ModelSpec(groups=groups)
         e = engine()
         variant = resolve_variant(MODEL, e)
-        rep = Replica(E, e, 0, msgspec.structs.replace(variant, spec=spec), TrustTracker(1.0))
+        rep = Replica(
+            id=E,
+            engine=e,
+            rank=0,
+            variant=msgspec.structs.replace(variant, spec=spec),
+            tracker=TrustTracker(1.0),
+        )
         assert (rep.unitary, rep.hash_block) == (spec.unitary_full_attention, spec.hash_block_size)
 
 

@@ -80,12 +80,17 @@ def general_candidates(core: RoutingCore, fleet: FleetState, p: Prepared, now: f
     out = []
     for rid, (result, n) in core.predict(p).items():
         candidate = Candidate(
-            engine=rid, hit_tokens=result.hit_tokens, pending_tokens=core.pending_tokens(rid, p, now),
-            boundary=result.shared_prefix_boundary, warm_tokens=result.fa_warm_tokens, prompt_tokens=n,
-            trust=fleet.trust(rid, now), load=fleet.load.snapshot(rid, now),
+            engine=rid,
+            hit_tokens=result.hit_tokens,
+            pending_tokens=core.pending_tokens(rid, p, now),
+            boundary=result.shared_prefix_boundary,
+            warm_tokens=result.fa_warm_tokens,
+            prompt_tokens=n,
+            trust=fleet.trust(rid, now),
+            load=fleet.load.snapshot(rid, now),
             breaker_open=not fleet.breakers.get(rid).available(now),
             at_capacity=fleet.admission.at_capacity(rid),
-        )  # fmt: skip
+        )
         out.append(candidate)
     return out
 
@@ -118,7 +123,20 @@ def test_route_builds_the_candidates_and_predictions_of_the_general_path(
     for engine, blocks in stored:
         tokens = base[: 4 * blocks]
         hashes: list[int | bytes] = list(range(1, blocks + 1))
-        batch = KVEventBatch(0.0, [BlockStored(hashes, None, tokens, 4, None, "GPU", None)])
+        batch = KVEventBatch(
+            0.0,
+            [
+                BlockStored(
+                    block_hashes=hashes,
+                    parent_block_hash=None,
+                    token_ids=tokens,
+                    block_size=4,
+                    lora_id=None,
+                    medium="GPU",
+                    lora_name=None,
+                )
+            ],
+        )
         fleet.on_batch(EngineName(NAMES[engine]), 1, batch)
     for step, (n, skip, send) in enumerate(prompts):
         clock.now += 0.01

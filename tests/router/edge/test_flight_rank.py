@@ -19,7 +19,9 @@ _NAMES = st.sampled_from(
 
 
 def _flight(headers: list[tuple[str, str]]) -> Flight:
-    view = PreparedView("m", "/v1/completions", False, 1, 0, False)
+    view = PreparedView(
+        model="m", endpoint="/v1/completions", stream=False, prompt_tokens=1, blocks=0, skip_cache=False
+    )
     entry = DecisionEntry(request_id="r", time=0.0, request=view)
     request = ProxyRequest("POST", "/v1/completions", headers, b"")
     return Flight(cast(Any, None), cast(Any, None), request, entry, RouteRequest("k"))
@@ -72,7 +74,9 @@ class _Core:
 
     def decide(self, prepared: object, route: RouteRequest, now: float) -> Decision:
         engine = next(e for e in self.order if e not in route.excluded)
-        return Decision(engine, PolicyName.KV, "next", 0, [])
+        return Decision(
+            engine=engine, policy=PolicyName.KV, reason="next", predicted_cached_tokens=0, candidates=[]
+        )
 
 
 @given(
@@ -93,7 +97,11 @@ def test_choose_sets_each_attempts_rank_and_tells_the_sink_its_retries(
     told: list[tuple[int, EngineId | None]] = []
     if recorded:
         flight.on_decision = lambda rid, attempt, decision: told.append((attempt, decision.engine))
-    flight.entry.decisions.append(Decision(order[0], PolicyName.KV, "first", 0, []))
+    flight.entry.decisions.append(
+        Decision(
+            engine=order[0], policy=PolicyName.KV, reason="first", predicted_cached_tokens=0, candidates=[]
+        )
+    )
     want, tried = list(headers), frozenset[EngineId]()
     for engine, rank in zip(order, ranks, strict=True):
         target = flight.choose(tried)

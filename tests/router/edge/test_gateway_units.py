@@ -207,7 +207,11 @@ def test_an_answer_read_whole_past_the_json_cap_reports_nothing_as_a_tap_does(
 
 def entry(rid: str) -> DecisionEntry:
     return DecisionEntry(
-        request_id=rid, time=1.0, request=PreparedView("m", "/v1/completions", False, 3, 0, False)
+        request_id=rid,
+        time=1.0,
+        request=PreparedView(
+            model="m", endpoint="/v1/completions", stream=False, prompt_tokens=3, blocks=0, skip_cache=False
+        ),
     )
 
 
@@ -248,7 +252,9 @@ def test_recorder_writes_frames_requests_and_decisions_that_read_back(tmp_path: 
     recorder.tap(EngineName("e0"), Frame(b"kv", 0, b"\x93"), 4.0)
     headers = {"content-type": "application/json", "authorization": "Bearer secret", "x-session-id": "s1"}
     recorder.request("r1", "/v1/completions", "m", headers, b'{"prompt":"hi"}')
-    decision = Decision(EngineId("e0"), PolicyName.KV, "why", 16, [])
+    decision = Decision(
+        engine=EngineId("e0"), policy=PolicyName.KV, reason="why", predicted_cached_tokens=16, candidates=[]
+    )
     recorder.decision(RequestId("r1"), 0, decision)
     recorder.close()
     with RecordingReader.open(path) as reader:
@@ -256,12 +262,12 @@ def test_recorder_writes_frames_requests_and_decisions_that_read_back(tmp_path: 
         assert reader.header.metadata["policy"] == "kv"
     assert records[0] == FrameRecord(4.0, "e0", b"kv", 0, b"\x93")
     assert records[1] == RequestRecord(
-        5.0,
-        "r1",
-        "/v1/completions",
-        "m",
-        [("content-type", "application/json"), ("x-session-id", "s1")],
-        b'{"prompt":"hi"}',
+        time=5.0,
+        request_id="r1",
+        endpoint="/v1/completions",
+        model="m",
+        headers=[("content-type", "application/json"), ("x-session-id", "s1")],
+        body=b'{"prompt":"hi"}',
     )
     stored = records[2]
     assert isinstance(stored, DecisionRecord) and (stored.request_id, stored.attempt, stored.engine) == (

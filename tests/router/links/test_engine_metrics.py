@@ -44,7 +44,14 @@ vllm:time_to_first_token_seconds_bucket{engine="0",le="0.001",model_name="m"} 0.
 def test_every_rank_of_the_model_is_read_and_other_models_skipped() -> None:
     by_rank = parse_engine_metrics(VLLM_TEXT, at=5.0, model="m")
     assert by_rank == {
-        0: ScrapedMetrics(5.0, 3, 2, 0.5, prefix_cache_queries=1000.0, prefix_cache_hits=400.0),
+        0: ScrapedMetrics(
+            at=5.0,
+            num_requests_running=3,
+            num_requests_waiting=2,
+            kv_cache_usage_perc=0.5,
+            prefix_cache_queries=1000.0,
+            prefix_cache_hits=400.0,
+        ),
         1: ScrapedMetrics(5.0, 1, 0),
     }
     every_model = parse_engine_metrics(VLLM_TEXT, at=5.0)
@@ -52,10 +59,24 @@ def test_every_rank_of_the_model_is_read_and_other_models_skipped() -> None:
 
 
 def test_the_stubs_own_exposition_reads_back() -> None:
-    gauges = [EngineGauges(0, 4, 7, 0.25, 160, 32), EngineGauges(1, 0, 1, 0.0, 0, 0)]
+    gauges = [
+        EngineGauges(
+            rank=0, running=4, waiting=7, kv_cache_usage=0.25, prefix_cache_queries=160, prefix_cache_hits=32
+        ),
+        EngineGauges(
+            rank=1, running=0, waiting=1, kv_cache_usage=0.0, prefix_cache_queries=0, prefix_cache_hits=0
+        ),
+    ]
     text = StubMetrics("kvrouter-stub", 2, lambda: gauges).render().decode()
     by_rank = parse_engine_metrics(text, at=1.0, model="kvrouter-stub")
-    assert by_rank[0] == ScrapedMetrics(1.0, 4, 7, 0.25, 160.0, 32.0)
+    assert by_rank[0] == ScrapedMetrics(
+        at=1.0,
+        num_requests_running=4,
+        num_requests_waiting=7,
+        kv_cache_usage_perc=0.25,
+        prefix_cache_queries=160.0,
+        prefix_cache_hits=32.0,
+    )
     assert (by_rank[1].num_requests_running, by_rank[1].num_requests_waiting) == (0, 1)
 
 

@@ -94,7 +94,15 @@ async def fleets() -> AsyncIterator[list[FleetLinks]]:
 def store(n: int, block_size: int = 4, parent: int | None = None) -> BlockStored:
     hashes: list[int | bytes] = [next(_hashes) for _ in range(n)]
     tokens = [next(_tokens) for _ in range(n * block_size)]  # distinct tokens: distinct router keys
-    return BlockStored(hashes, parent, tokens, block_size, None, "GPU", None)
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=block_size,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+    )
 
 
 async def publish(
@@ -245,7 +253,20 @@ async def test_silence_while_requests_flow_and_engines_without_events(
         assert (silent.state, silent.reason) == (TrustState.STALE, TrustReason.SILENT)
         await publish(fleet, pub, E, store(1))  # another prompt's block: the request's are still missing
         assert not fleet.state.trust(E, now + 100.0).trusted
-        await publish(fleet, pub, E, BlockStored([next(_hashes)], None, [1, 2, 3, 4], 4, None, "GPU", None))
+        await publish(
+            fleet,
+            pub,
+            E,
+            BlockStored(
+                block_hashes=[next(_hashes)],
+                parent_block_hash=None,
+                token_ids=[1, 2, 3, 4],
+                block_size=4,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+            ),
+        )
         assert fleet.state.trust(E, now + 100.0).trusted
         unseen = fleet.state.trust(EngineId("blind"), now)
         assert unseen.state is TrustState.STALE and "no KV event endpoint" in unseen.detail
@@ -284,7 +305,15 @@ async def test_a_bad_event_costs_only_itself_and_makes_the_replica_stale(
     async with EventPublisher(endpoints("a"), context=ctx) as pub:
         fleet = await start_fleet(fleets, ctx, engine("e", pub.resolved), caught_up=True)
         a, b = store(1), store(1)
-        bad = BlockStored([next(_hashes)], None, bad_tokens, 4, None, "GPU", None)
+        bad = BlockStored(
+            block_hashes=[next(_hashes)],
+            parent_block_hash=None,
+            token_ids=bad_tokens,
+            block_size=4,
+            lora_id=None,
+            medium="GPU",
+            lora_name=None,
+        )
         await publish(fleet, pub, E, a, bad, b)  # waits for last_seq: the batch is handled whole
         await publish(
             fleet, pub, E, BlockRemoved([next(_hashes)], "GPU"), bad, BlockRemoved(a.block_hashes, "GPU")
@@ -305,8 +334,30 @@ async def test_cpu_blocks_are_accounted_and_emptied_by_a_clear(
 ) -> None:
     async with EventPublisher(endpoints("a"), context=ctx) as pub:
         fleet = await start_fleet(fleets, ctx, engine("e", pub.resolved))
-        cpu = BlockStored(list(range(1000)), None, [], 0, None, "CPU", None)
-        await publish(fleet, pub, E, cpu, BlockStored([1], None, [], 0, None, cast(Any, "HBM9"), None))
+        cpu = BlockStored(
+            block_hashes=list(range(1000)),
+            parent_block_hash=None,
+            token_ids=[],
+            block_size=0,
+            lora_id=None,
+            medium="CPU",
+            lora_name=None,
+        )
+        await publish(
+            fleet,
+            pub,
+            E,
+            cpu,
+            BlockStored(
+                block_hashes=[1],
+                parent_block_hash=None,
+                token_ids=[],
+                block_size=0,
+                lora_id=None,
+                medium=cast(Any, "HBM9"),
+                lora_name=None,
+            ),
+        )
         summary: Any = index_summary(fleet.state)
         assert summary["bytes_estimate"] >= 1000 * 50 and summary["replicas"][E]["bytes_estimate"] > 0
         assert summary["replicas"][E]["other_media_blocks"] == {"CPU": 1000}

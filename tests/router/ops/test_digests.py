@@ -10,7 +10,14 @@ A, B, C = "http://a", "http://b", "http://c"
 
 def replica(seq: int | None = 7, digest: str = "00000000000000aa", trust: str = "fresh") -> ReplicaDigests:
     reason = "ok" if trust == "fresh" else "history_lost"
-    return ReplicaDigests("e0", "m", seq, trust, reason, [ViewDigest(0, 0, 3, 3, digest)])
+    return ReplicaDigests(
+        engine="e0",
+        model="m",
+        last_seq=seq,
+        trust=trust,
+        reason=reason,
+        views=[ViewDigest(0, 0, 3, 3, digest)],
+    )
 
 
 def test_agreeing_gateways_give_no_line() -> None:

@@ -58,7 +58,9 @@ E0 = (("engine", "e0"), ("model", "m"))
 
 
 def test_engine_views_are_read_at_scrape_time() -> None:
-    views = [EngineView("e0", "fresh", link("e0"), mirror_blocks=10, in_flight=2, model="m")]
+    views = [
+        EngineView(engine="e0", trust="fresh", link=link("e0"), mirror_blocks=10, in_flight=2, model="m")
+    ]
     m = RouterMetrics(lambda: views, clock=lambda: 100.0)
     assert samples(m)[("kvrouter_engine_mirror_blocks", E0)] == 10
     views[0] = EngineView(
@@ -81,9 +83,14 @@ def test_engine_views_are_read_at_scrape_time() -> None:
 
 def test_breaker_state_load_and_learned_cost_per_engine_and_model() -> None:
     view = EngineView(
-        "e0", "fresh", model="m", breaker="half_open", queued_prefill_tokens=640,
-        prefill_overhead_s=0.015, prefill_token_s=2e-4,
-    )  # fmt: skip
+        engine="e0",
+        trust="fresh",
+        model="m",
+        breaker="half_open",
+        queued_prefill_tokens=640,
+        prefill_overhead_s=0.015,
+        prefill_token_s=2e-4,
+    )
     s = samples(RouterMetrics(lambda: [view], clock=lambda: 0.0))
     states = {
         state: s[("kvrouter_engine_breaker_state", (*E0, ("state", state)))] for state in BREAKER_STATES

@@ -25,7 +25,9 @@ async def ctx() -> AsyncIterator[zmq.asyncio.Context]:
 
 
 def entry(rid: str) -> DecisionEntry:
-    view = PreparedView("m", "/v1/completions", False, 100, 6, False)
+    view = PreparedView(
+        model="m", endpoint="/v1/completions", stream=False, prompt_tokens=100, blocks=6, skip_cache=False
+    )
     return DecisionEntry(request_id=rid, time=1.0, request=view)
 
 
@@ -55,7 +57,14 @@ async def test_stale_and_garbled_peers_are_skipped(tmp_path: Path, ctx: zmq.asyn
     ring = DecisionRing()
     ring.add(entry("r1"))
     owner = WorkerPeers(tmp_path, ring, StoredResponses(8), context=ctx, name="w1")
-    asker = WorkerPeers(tmp_path, DecisionRing(), StoredResponses(8), timeout_s=0.2, context=ctx, name="w2")
+    asker = WorkerPeers(
+        directory=tmp_path,
+        ring=DecisionRing(),
+        stored=StoredResponses(8),
+        timeout_s=0.2,
+        context=ctx,
+        name="w2",
+    )
     await owner.start()
     await asker.start()
     try:

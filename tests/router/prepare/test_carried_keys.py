@@ -153,7 +153,12 @@ def test_carried_and_session_keys_of_an_entrys_unjoined_packed_ids_equal_the_joi
     cut = min(head, len(ids))
     packed = pack_tokens(ids)
     entry = ReuseEntry(
-        b"", tuple(ids[cut:]), pack_tokens(ids[cut:]), None, cut, memoryview(packed)[: 4 * cut]
+        data=b"",
+        tail=tuple(ids[cut:]),
+        packed=pack_tokens(ids[cut:]),
+        ends=None,
+        copied=cut,
+        head=memoryview(packed)[: 4 * cut],
     )
     root = HASHER.root()
     prior: dict[tuple[int, int], tuple[int, ...]] = {

@@ -67,7 +67,13 @@ def test_engine_exact_keys_equal_the_stub_requests_block_hashes(extra: dict[str,
         lora_path="/adapters/ad" if lora else None,
         cache_salt=extra.get("cache_salt"),  # type: ignore[arg-type]
     )
-    stub = Request(RequestId("r"), tokens, SubmitParams(extras=extras), VllmHasher(), 16)
+    stub = Request(
+        request_id=RequestId("r"),
+        prompt=tokens,
+        params=SubmitParams(extras=extras),
+        hasher=VllmHasher(),
+        hb=16,
+    )
     assert prepared.keys == [wire_hash(d) for d in stub.block_hashes]
     assert prepared.model == "m" and prepared.lora_name == ("ad" if lora else None)
 

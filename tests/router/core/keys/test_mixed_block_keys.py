@@ -28,7 +28,17 @@ HASHER = KeyHasher(b"m")
 
 def stored(hashes: list[EngineBlockHash], tokens: list[int], bs: int, group: int, **kw: Any) -> BlockStored:
     parent = kw.pop("parent", None)
-    return BlockStored(hashes, parent, tokens, bs, None, "GPU", None, group_idx=group, **kw)
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=bs,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=group,
+        **kw,
+    )
 
 
 def test_a_coarse_block_takes_the_key_of_its_last_hash_unit() -> None:

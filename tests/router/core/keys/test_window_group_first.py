@@ -38,7 +38,19 @@ OTHER_HASHES: list[EngineBlockHash] = [wire_hash(d) for d in VllmHasher().block_
 def stored(
     hashes: list[EngineBlockHash], group: int, kind: str, window: int | None, tokens: list[int] = PROMPT
 ) -> BlockStored:
-    return BlockStored(hashes, None, tokens[: 9 * BS], BS, None, "GPU", None, None, group, kind, window)
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=None,
+        token_ids=tokens[: 9 * BS],
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        extra_keys=None,
+        group_idx=group,
+        kv_cache_spec_kind=kind,
+        kv_cache_spec_sliding_window=window,
+    )
 
 
 def prefill(hashes: list[EngineBlockHash], tokens: list[int]) -> list[BlockStored]:

@@ -29,7 +29,16 @@ def hashes(tokens: list[int]) -> list[EngineBlockHash]:
 
 def store(tokens: list[int], n: int | None = None, group: int = 0) -> BlockStored:
     hs = hashes(tokens)[:n]
-    return BlockStored(hs, None, tokens[: len(hs) * BS], BS, None, "GPU", None, group_idx=group)
+    return BlockStored(
+        block_hashes=hs,
+        parent_block_hash=None,
+        token_ids=tokens[: len(hs) * BS],
+        block_size=BS,
+        lora_id=None,
+        medium="GPU",
+        lora_name=None,
+        group_idx=group,
+    )
 
 
 def batch(*events: Any) -> KVEventBatch:
@@ -74,7 +83,20 @@ def test_the_digest_counts_every_copy_and_misses_nothing() -> None:
     m.apply(E0, batch(store(TOKENS)))
     one = digest(m)
     last = hashes(TOKENS)[3]
-    m.apply(E0, batch(BlockStored([last], hashes(TOKENS)[2], TOKENS[12:16], BS, None, "GPU", None)))
+    m.apply(
+        E0,
+        batch(
+            BlockStored(
+                block_hashes=[last],
+                parent_block_hash=hashes(TOKENS)[2],
+                token_ids=TOKENS[12:16],
+                block_size=BS,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+            )
+        ),
+    )
     assert mirror_digests(m)[E0][0].copies == 5 and digest(m) != one  # a second physical copy
     m.apply(E0, batch(BlockRemoved([last], "GPU")))
     assert digest(m) == one

@@ -36,7 +36,16 @@ HASHES: list[EngineBlockHash] = [wire_hash(d) for d in VllmHasher().block_hashes
 
 def store(hashes: list[EngineBlockHash], tokens: list[int], parent: Parent = None, **kw: Any) -> BlockStored:
     fields: dict[str, Any] = {"medium": "GPU", "group_idx": 0} | kw
-    return BlockStored(hashes, parent, tokens, BS, None, fields.pop("medium"), None, **fields)
+    return BlockStored(
+        block_hashes=hashes,
+        parent_block_hash=parent,
+        token_ids=tokens,
+        block_size=BS,
+        lora_id=None,
+        medium=fields.pop("medium"),
+        lora_name=None,
+        **fields,
+    )
 
 
 def removed(*hashes: EngineBlockHash, group: int = 0, medium: Any = "GPU") -> BlockRemoved:
@@ -173,7 +182,19 @@ def test_full_report_mode_engine_uses_set_semantics() -> None:
     ("event", "flag"),
     [
         (store(HASHES, TOKENS, kv_cache_spec_kind="sliding_window"), "kind_mismatch"),
-        (BlockStored(HASHES[:2], None, TOKENS, 8, None, "GPU", None, group_idx=0), "block_size_mismatch"),
+        (
+            BlockStored(
+                block_hashes=HASHES[:2],
+                parent_block_hash=None,
+                token_ids=TOKENS,
+                block_size=8,
+                lora_id=None,
+                medium="GPU",
+                lora_name=None,
+                group_idx=0,
+            ),
+            "block_size_mismatch",
+        ),
         (store(HASHES, TOKENS, group_idx=5), "unknown_group"),
     ],
 )

@@ -81,11 +81,29 @@ def test_bounded_size_and_resend() -> None:
 
 FRESH = TrustStatus(TrustState.FRESH, TrustReason.OK, "ok", 0.0)
 STALE = TrustStatus(TrustState.STALE, TrustReason.GAP, "gap", 0.0)
-LOAD = LoadSnapshot(0, 0, 0, 0, None, 0.01, 1e-4, False)
+LOAD = LoadSnapshot(
+    in_flight=0,
+    prefilling=0,
+    decoding=0,
+    queued_prefill_tokens=0,
+    kv_cache_usage=None,
+    overhead_s=0.01,
+    per_token_s=1e-4,
+    scraped=False,
+)
 
 
 def cand(name: str, pending: int = 0, trust: TrustStatus = FRESH, hit: int = 0) -> Candidate:
-    return Candidate(EngineId(name), hit, 0, hit, 1000, trust, LOAD, pending_tokens=pending)
+    return Candidate(
+        engine=EngineId(name),
+        hit_tokens=hit,
+        boundary=0,
+        warm_tokens=hit,
+        prompt_tokens=1000,
+        trust=trust,
+        load=LOAD,
+        pending_tokens=pending,
+    )
 
 
 def test_kv_counts_pending_prefixes_and_predicts_them() -> None:

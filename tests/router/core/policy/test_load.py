@@ -311,7 +311,14 @@ def test_the_prefill_model_learns_from_ttfts_without_the_predicted_decode_part()
 
 def test_a_stale_scrape_is_not_recorded_and_the_prefix_counters_pass_through() -> None:
     load = LoadTracker(PRIOR, scrape_max_age_s=5.0)
-    scrape = ScrapedMetrics(1.0, 4, 1, 0.25, prefix_cache_queries=1000.0, prefix_cache_hits=600.0)
+    scrape = ScrapedMetrics(
+        at=1.0,
+        num_requests_running=4,
+        num_requests_waiting=1,
+        kv_cache_usage_perc=0.25,
+        prefix_cache_queries=1000.0,
+        prefix_cache_hits=600.0,
+    )
     load.scraped(A, scrape)
     assert load.snapshot(A, now=2.0).scrape == scrape
     assert load.snapshot(A, now=7.0).scrape is None

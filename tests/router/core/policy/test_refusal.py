@@ -71,12 +71,33 @@ def test_saturated_by_predicted_ttft_retries_after_the_first_engine_drains_below
 
 
 def test_over_bound_names_the_candidates_past_the_predicted_ttft_bound() -> None:
-    load = LoadSnapshot(0, 0, 0, 0, None, 0.02, 1e-4, False)
+    load = LoadSnapshot(
+        in_flight=0,
+        prefilling=0,
+        decoding=0,
+        queued_prefill_tokens=0,
+        kv_cache_usage=None,
+        overhead_s=0.02,
+        per_token_s=1e-4,
+        scraped=False,
+    )
     fresh = TrustStatus(TrustState.FRESH, TrustReason.OK, "ok", 0.0)
 
     def scored(engine: EngineId, ttft: float, why_not: str) -> CandidateScore:
         return CandidateScore(
-            engine, 0, 0, 0, 0, False, 10, ttft, fresh, load, not why_not, why_not, bounded_s=ttft
+            engine=engine,
+            hit_tokens=0,
+            trusted_hit_tokens=0,
+            boundary=0,
+            warm_tokens=0,
+            pins_junction=False,
+            uncached_tokens=10,
+            predicted_ttft_s=ttft,
+            trust=fresh,
+            load=load,
+            eligible=not why_not,
+            why_not=why_not,
+            bounded_s=ttft,
         )
 
     candidates = [scored(A, 3.5, WHY_SATURATED), scored(B, 1.0, WHY_SATURATED), scored(C, 9.0, WHY_UNHEALTHY)]

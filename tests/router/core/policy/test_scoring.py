@@ -27,7 +27,7 @@ from router.core.policy.scoring import (
     stable_hash,
 )
 from router.core.policy.trust import TrustReason, TrustState, TrustStatus
-from router.core.policy.ttft_model import ttft_terms
+from router.core.policy.ttft_model import idle_prefill_s, ttft_terms
 from router.settings.config import PolicyConfig, RouterConfig
 
 FRESH = TrustStatus(TrustState.FRESH, TrustReason.OK, "ok", 0.0)
@@ -51,11 +51,29 @@ def cand(
     breaker_open: bool = False,
     full: bool = False,
 ) -> Candidate:
-    load = LoadSnapshot(in_flight, in_flight - decoding, decoding, queued, None, OVERHEAD, PER_TOKEN, False)
+    load = LoadSnapshot(
+        in_flight=in_flight,
+        prefilling=in_flight - decoding,
+        decoding=decoding,
+        queued_prefill_tokens=queued,
+        kv_cache_usage=None,
+        overhead_s=OVERHEAD,
+        per_token_s=PER_TOKEN,
+        scraped=False,
+    )
     warm_tokens = hit if warm is None else warm
     boundary = warm_tokens if warm_tokens > hit else 0
     return Candidate(
-        EngineId(name), hit, boundary, warm_tokens, prompt, trust, load, healthy, breaker_open, full
+        engine=EngineId(name),
+        hit_tokens=hit,
+        boundary=boundary,
+        warm_tokens=warm_tokens,
+        prompt_tokens=prompt,
+        trust=trust,
+        load=load,
+        healthy=healthy,
+        breaker_open=breaker_open,
+        at_capacity=full,
     )
 
 
@@ -274,8 +292,26 @@ def test_the_prediction_is_the_mirrors_hit_and_the_record_says_what_scoring_coun
 
 def _decoding(name: str, decoding: int, hit: int = 0) -> Candidate:
     step = StepCost(decode_step_s=0.006, decode_penalty_s=0.001, max_num_batched_tokens=8192)
-    load = LoadSnapshot(decoding, 0, decoding, 0, None, OVERHEAD, PER_TOKEN, False, step)
-    return Candidate(EngineId(name), hit, 0, hit, 1000, FRESH, load)
+    load = LoadSnapshot(
+        in_flight=decoding,
+        prefilling=0,
+        decoding=decoding,
+        queued_prefill_tokens=0,
+        kv_cache_usage=None,
+        overhead_s=OVERHEAD,
+        per_token_s=PER_TOKEN,
+        scraped=False,
+        step=step,
+    )
+    return Candidate(
+        engine=EngineId(name),
+        hit_tokens=hit,
+        boundary=0,
+        warm_tokens=hit,
+        prompt_tokens=1000,
+        trust=FRESH,
+        load=load,
+    )
 
 
 def test_decoding_sequences_lengthen_the_predicted_ttft_and_are_recorded() -> None:
@@ -299,8 +335,27 @@ def test_kv_prefers_the_engine_whose_running_batch_holds_less_context(long_conte
 
     def engine(name: str) -> Candidate:
         context = 8 * (25_000 if name == long_contexts else 1_000)
-        load = LoadSnapshot(8, 0, 8, 0, None, OVERHEAD, PER_TOKEN, False, step, context_tokens=context)
-        return Candidate(EngineId(name), 0, 0, 0, 1000, FRESH, load)
+        load = LoadSnapshot(
+            in_flight=8,
+            prefilling=0,
+            decoding=8,
+            queued_prefill_tokens=0,
+            kv_cache_usage=None,
+            overhead_s=OVERHEAD,
+            per_token_s=PER_TOKEN,
+            scraped=False,
+            step=step,
+            context_tokens=context,
+        )
+        return Candidate(
+            engine=EngineId(name),
+            hit_tokens=0,
+            boundary=0,
+            warm_tokens=0,
+            prompt_tokens=1000,
+            trust=FRESH,
+            load=load,
+        )
 
     decision = Scorer(ScorerSettings()).choose(RouteRequest(KEY), [engine("a"), engine("b")])
     assert decision.engine == ("b" if long_contexts == "a" else "a")
@@ -394,9 +449,29 @@ def test_readme_second_turn_goes_to_the_warm_engine_when_costs_tie() -> None:
     key = next(
         k for k in (f"k{i}" for i in range(64)) if min(engines, key=lambda e: stable_hash(k, e)) == engines[1]
     )
-    load = LoadSnapshot(0, 0, 0, 0, None, 0.032, 1.005e-4, False)
-    warm = Candidate(engines[0], 16, 0, 16, 44, FRESH, load, pending_tokens=16)
-    cold = Candidate(engines[1], 0, 0, 0, 44, FRESH, load)
+    load = LoadSnapshot(
+        in_flight=0,
+        prefilling=0,
+        decoding=0,
+        queued_prefill_tokens=0,
+        kv_cache_usage=None,
+        overhead_s=0.032,
+        per_token_s=1.005e-4,
+        scraped=False,
+    )
+    warm = Candidate(
+        engine=engines[0],
+        hit_tokens=16,
+        boundary=0,
+        warm_tokens=16,
+        prompt_tokens=44,
+        trust=FRESH,
+        load=load,
+        pending_tokens=16,
+    )
+    cold = Candidate(
+        engine=engines[1], hit_tokens=0, boundary=0, warm_tokens=0, prompt_tokens=44, trust=FRESH, load=load
+    )
     decision = Scorer(ScorerSettings()).choose(RouteRequest(key), [warm, cold])
     assert decision.engine == "embedded-0", decision.reason
     assert decision.predicted_cached_tokens == 16
@@ -453,7 +528,15 @@ def test_settings_from_the_policy_table() -> None:
         tie_min_hit_share=0.6,
     )
     settings = ScorerSettings.from_config(RouterConfig(policy=policy))
-    assert settings == ScorerSettings(PolicyName.SESSION, 0.5, 7, 3, 2.0, 9, tie_min_hit_share=0.6)
+    assert settings == ScorerSettings(
+        policy=PolicyName.SESSION,
+        tie_tolerance_s=0.5,
+        seed=7,
+        session_capacity=3,
+        max_predicted_ttft_s=2.0,
+        max_scraped_waiting=9,
+        tie_min_hit_share=0.6,
+    )
 
 
 def test_kv_keeps_a_long_hit_on_a_queued_engine_rather_than_add_its_whole_prefill_elsewhere() -> None:
@@ -461,9 +544,43 @@ def test_kv_keeps_a_long_hit_on_a_queued_engine_rather_than_add_its_whole_prefil
     behind 43k queued tokens, an idle engine held nothing. Its own TTFT alone says go cold (1.6 s
     against 2.2 s), and kv did, giving up the hit; the cost also counts the prefill work each choice
     adds to its engine (`prefill_work_weight`): 32k tokens more for everyone queued there next."""
-    load = LoadSnapshot(4, 4, 0, 43_000, None, 0.02, 5e-5, False)
-    warm = Candidate(EngineId("a"), 31_232, 0, 31_232, 32_000, FRESH, load)
-    cold = Candidate(EngineId("b"), 0, 0, 0, 32_000, FRESH, LoadSnapshot(0, 0, 0, 0, None, 0.02, 5e-5, False))
+    load = LoadSnapshot(
+        in_flight=4,
+        prefilling=4,
+        decoding=0,
+        queued_prefill_tokens=43_000,
+        kv_cache_usage=None,
+        overhead_s=0.02,
+        per_token_s=5e-5,
+        scraped=False,
+    )
+    warm = Candidate(
+        engine=EngineId("a"),
+        hit_tokens=31_232,
+        boundary=0,
+        warm_tokens=31_232,
+        prompt_tokens=32_000,
+        trust=FRESH,
+        load=load,
+    )
+    cold = Candidate(
+        engine=EngineId("b"),
+        hit_tokens=0,
+        boundary=0,
+        warm_tokens=0,
+        prompt_tokens=32_000,
+        trust=FRESH,
+        load=LoadSnapshot(
+            in_flight=0,
+            prefilling=0,
+            decoding=0,
+            queued_prefill_tokens=0,
+            kv_cache_usage=None,
+            overhead_s=0.02,
+            per_token_s=5e-5,
+            scraped=False,
+        ),
+    )
     greedy = Scorer(ScorerSettings(prefill_work_weight=0.0)).choose(RouteRequest(KEY), [warm, cold])
     assert greedy.engine == "b", greedy.reason  # the TTFT-only choice the load test showed
     decision = Scorer(ScorerSettings()).choose(RouteRequest(KEY), [warm, cold])
@@ -497,10 +614,32 @@ def test_the_decision_records_the_ttft_model_s_terms_and_the_score_s_rules(
     one, the prefill work, the junction pin, and ineligibility (the saturation limits included)."""
     scrape = ScrapedMetrics(0.0, in_flight, waiting) if scraped else None
     load = LoadSnapshot(
-        in_flight, 1, decoding, queued, None, OVERHEAD, PER_TOKEN, scraped,
-        StepCost(6e-3, 40e-6, budget, max_seqs), scrape, residency, drained,
-    )  # fmt: skip
-    c = Candidate(EngineId("a"), hit, 0, warm, prompt, trust, load, healthy, breaker, full, pending)
+        in_flight=in_flight,
+        prefilling=1,
+        decoding=decoding,
+        queued_prefill_tokens=queued,
+        kv_cache_usage=None,
+        overhead_s=OVERHEAD,
+        per_token_s=PER_TOKEN,
+        scraped=scraped,
+        step=StepCost(6e-3, 40e-6, budget, max_seqs),
+        scrape=scrape,
+        residency_s=residency,
+        drained_tokens=drained,
+    )
+    c = Candidate(
+        engine=EngineId("a"),
+        hit_tokens=hit,
+        boundary=0,
+        warm_tokens=warm,
+        prompt_tokens=prompt,
+        trust=trust,
+        load=load,
+        healthy=healthy,
+        breaker_open=breaker,
+        at_capacity=full,
+        pending_tokens=pending,
+    )
     settings = ScorerSettings(max_predicted_ttft_s=max_ttft, max_scraped_waiting=max_waiting)
     excluded = frozenset({EngineId("a")}) if tried else frozenset()
     (s,) = Scorer(settings).choose(RouteRequest(KEY, excluded=excluded), [c]).candidates
@@ -514,6 +653,8 @@ def test_the_decision_records_the_ttft_model_s_terms_and_the_score_s_rules(
     assert (s.prefill_steps, s.decode_s, s.slot_wait_s, ttft) == ttft_terms(load, s.uncached_tokens)
     assert s.work_s == settings.prefill_work_weight * PER_TOKEN * s.uncached_tokens
     assert s.cost_s == ttft + s.work_s
+    assert s.wait_s == ttft - idle_prefill_s(load, s.uncached_tokens)
+    assert s.bounded_s == (s.wait_s if settings.saturation_bound == "wait" else ttft)
     assert s.pins_junction == (trust is FRESH and warm > hit)
     why_not = _why_not(c, excluded) or (WHY_SATURATED if _saturated(load, ttft, settings) else "")
     assert (s.why_not, s.eligible) == (why_not, not why_not)
@@ -531,10 +672,16 @@ def _general_decision(scorer: Scorer, request: RouteRequest, candidates: list[Ca
     others = [s for s in eligible if s is not chosen]
     runner = min(others, key=lambda s: s.cost_s) if others else None
     return Decision(
-        chosen.engine, settings.policy, reason, chosen.expected_tokens, scores,
-        chosen.hit_tokens, chosen.counted_tokens,
-        runner.engine if runner else None, runner.cost_s - chosen.cost_s if runner else 0.0,
-    )  # fmt: skip
+        engine=chosen.engine,
+        policy=settings.policy,
+        reason=reason,
+        predicted_cached_tokens=chosen.expected_tokens,
+        candidates=scores,
+        mirror_hit_tokens=chosen.hit_tokens,
+        counted_cached_tokens=chosen.counted_tokens,
+        runner_up=runner.engine if runner else None,
+        margin_s=runner.cost_s - chosen.cost_s if runner else 0.0,
+    )
 
 
 @given(
@@ -549,8 +696,26 @@ def test_a_lone_eligible_candidate_gets_the_general_kv_decision(
 ) -> None:  # fmt: skip
     """`choose`'s shortcut for one eligible candidate (the rest ineligible, for any reason) gives the
     decision the general kv path gives: the same reason, prediction and no runner-up."""
-    load = LoadSnapshot(in_flight, 1, in_flight - 1, queued, None, OVERHEAD, PER_TOKEN, False)
-    alone = Candidate(EngineId("m"), hit, 0, warm, prompt, trust, load, pending_tokens=pending)
+    load = LoadSnapshot(
+        in_flight=in_flight,
+        prefilling=1,
+        decoding=in_flight - 1,
+        queued_prefill_tokens=queued,
+        kv_cache_usage=None,
+        overhead_s=OVERHEAD,
+        per_token_s=PER_TOKEN,
+        scraped=False,
+    )
+    alone = Candidate(
+        engine=EngineId("m"),
+        hit_tokens=hit,
+        boundary=0,
+        warm_tokens=warm,
+        prompt_tokens=prompt,
+        trust=trust,
+        load=load,
+        pending_tokens=pending,
+    )
     rest = [
         cand(f"o{i}", healthy=why != "unhealthy", breaker_open=why == "breaker", full=why == "full")
         for i in range(others)
@@ -588,8 +753,26 @@ def test_kv_words_and_the_lone_prediction_equal_their_first_writing(
 ) -> None:  # fmt: skip
     """kv's reason (the pending words written inline) and the lone candidate's prediction (the
     expected tokens written inline) are what the first-written functions give."""
-    load = LoadSnapshot(in_flight, 1, in_flight - 1, queued, None, OVERHEAD, PER_TOKEN, False)
-    c = Candidate(EngineId("m"), hit, 0, 0, prompt, trust, load, pending_tokens=pending)
+    load = LoadSnapshot(
+        in_flight=in_flight,
+        prefilling=1,
+        decoding=in_flight - 1,
+        queued_prefill_tokens=queued,
+        kv_cache_usage=None,
+        overhead_s=OVERHEAD,
+        per_token_s=PER_TOKEN,
+        scraped=False,
+    )
+    c = Candidate(
+        engine=EngineId("m"),
+        hit_tokens=hit,
+        boundary=0,
+        warm_tokens=0,
+        prompt_tokens=prompt,
+        trust=trust,
+        load=load,
+        pending_tokens=pending,
+    )
     score = _score(c, frozenset(), ScorerSettings())
     assert _kv_words(score, lowest) == _kv_words_reference(score, lowest)
     decision = Scorer(ScorerSettings()).choose(RouteRequest(KEY), [c])
@@ -657,10 +840,16 @@ def _choose_first_written(scorer: Scorer, request: RouteRequest, candidates: lis
     others = [s for s in eligible if s is not chosen]
     runner = min(others, key=lambda s: s.cost_s) if others else None
     return Decision(
-        chosen.engine, settings.policy, reason, chosen.expected_tokens, scores,
-        chosen.hit_tokens, chosen.counted_tokens,
-        runner.engine if runner else None, runner.cost_s - chosen.cost_s if runner else 0.0,
-    )  # fmt: skip
+        engine=chosen.engine,
+        policy=settings.policy,
+        reason=reason,
+        predicted_cached_tokens=chosen.expected_tokens,
+        candidates=scores,
+        mirror_hit_tokens=chosen.hit_tokens,
+        counted_cached_tokens=chosen.counted_tokens,
+        runner_up=runner.engine if runner else None,
+        margin_s=runner.cost_s - chosen.cost_s if runner else 0.0,
+    )
 
 
 # Few values, so that candidates tie on the cost and on each rule often.
@@ -674,8 +863,27 @@ _TIED = st.tuples(
 
 def _tied_candidate(engine: str, hit: int, warm: int, pending: int, in_flight: int, queued: int,
                     trust: TrustStatus, healthy: bool) -> Candidate:  # fmt: skip
-    load = LoadSnapshot(in_flight, in_flight, 0, queued, None, OVERHEAD, PER_TOKEN, False)
-    return Candidate(EngineId(engine), hit, 0, warm, 64, trust, load, healthy, pending_tokens=pending)
+    load = LoadSnapshot(
+        in_flight=in_flight,
+        prefilling=in_flight,
+        decoding=0,
+        queued_prefill_tokens=queued,
+        kv_cache_usage=None,
+        overhead_s=OVERHEAD,
+        per_token_s=PER_TOKEN,
+        scraped=False,
+    )
+    return Candidate(
+        engine=EngineId(engine),
+        hit_tokens=hit,
+        boundary=0,
+        warm_tokens=warm,
+        prompt_tokens=64,
+        trust=trust,
+        load=load,
+        healthy=healthy,
+        pending_tokens=pending,
+    )
 
 
 @given(

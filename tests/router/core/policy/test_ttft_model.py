@@ -25,9 +25,19 @@ def engine(
     residency_s: float = 0.0, context: int = 0,
 ) -> LoadSnapshot:  # fmt: skip
     return LoadSnapshot(
-        in_flight, in_flight - decoding, decoding, queued, None, OVERHEAD, PER_TOKEN, False, step,
-        residency_s=residency_s, drained_tokens=drained, context_tokens=context,
-    )  # fmt: skip
+        in_flight=in_flight,
+        prefilling=in_flight - decoding,
+        decoding=decoding,
+        queued_prefill_tokens=queued,
+        kv_cache_usage=None,
+        overhead_s=OVERHEAD,
+        per_token_s=PER_TOKEN,
+        scraped=False,
+        step=step,
+        residency_s=residency_s,
+        drained_tokens=drained,
+        context_tokens=context,
+    )
 
 
 # (engine, uncached tokens, (prefill_steps, decode_s, slot_wait_s, predicted_ttft_s)), worked by hand.
