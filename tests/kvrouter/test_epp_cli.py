@@ -141,7 +141,6 @@ async def test_the_engines_are_the_pool_named_by_pool_name(tmp_path: Path) -> No
         (["--secure-serving=maybe"], "expected true or false"),
         (["--cert-path", "/nonexistent-dir"], "no tls.crt there"),
         (["--set", "listen.workers=2"], "runs one process"),
-        (["--set", 'models=[{"name": "m", "remote_tokenize": true}]'], "does not take prompt ids"),
     ],
 )
 def test_flag_errors_exit_2(flags: list[str], message: str) -> None:
