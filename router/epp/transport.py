@@ -147,7 +147,7 @@ class _Stream:
         self.backlog_bytes = 0
         self.trailer: bytes | None = None  # trailers waiting behind the backlog
         self.pending: asyncio.Future[Sequence[Answer]] | None = None  # the handler's awaited answers
-        self.queued: deque[bytes | memoryview] = deque()  # messages that came while `pending`
+        self.queued: deque[bytes | memoryview] | None = None  # messages that came while `pending`
 
 
 class GrpcConnection(asyncio.Protocol):
@@ -397,6 +397,8 @@ class GrpcConnection(asyncio.Protocol):
         immediately. A failing handler (a bug) ends its stream only (`grpc-status: 13`). While an
         earlier message's answers are awaited, the message waits behind them (`_resumed`)."""
         if stream.pending is not None:
+            if stream.queued is None:  # (made only then: no deque per stream)
+                stream.queued = deque()
             stream.queued.append(message)
             return
         handler = stream.handler
