@@ -145,11 +145,6 @@ def run(args: argparse.Namespace) -> int:
         host = config.listen.host
         if config.listen.workers > 1:
             raise ConfigError("kvrouter epp runs one process (listen.workers = 1): run more replicas instead")
-        if remote := [m.name for m in config.models if m.remote_tokenize]:
-            raise ConfigError(  # (its messages are answered as they arrive, with no wait for a /tokenize)
-                f"models {', '.join(remote)}: kvrouter epp does not take prompt ids from the engines "
-                "(remote_tokenize): name the tokenizer (a tokenizer.json path or a Hugging Face repo id)"
-            )
         if args.record is not None and args.record.exists():
             raise ConfigError(f"--record {args.record}: file exists (a recording is never overwritten)")
         if args.cert_path is not None and not (args.cert_path / "tls.crt").is_file():

@@ -160,7 +160,7 @@ class Decider:
             try:
                 guard.check_api(Headers(scope=scope))
             except RouterError as exc:
-                self.refused(str(exc.http_status()), exc.reason)
+                self.refusal(exc)
                 raise
 
     def enter(self) -> None:
@@ -179,10 +179,23 @@ class Decider:
         """Count a request answered by the router itself, before any engine was chosen (and why)."""
         self.parts.metrics.refused(self.policy, status, reason)
 
+    def refusal(self, exc: RouterError) -> None:
+        """Count `exc`, a refusal raised before any engine was chosen (`refused`: its status, reason)."""
+        self.refused(str(exc.http_status()), exc.reason)
+
     async def prepare(self, body: bytes, endpoint: Endpoint, full: bool = False) -> Prepared:
         """`Models.prepare` (with an engine's /tokenize for `remote_tokenize` models), or only the
         fields routing reads when nothing reads the prompt (unless `full`); a bad request is a 400
-        naming the field, any other failure a logged 500 (`RouterError`)."""
+        naming the field, any other failure a logged 500 (`RouterError`). `prepare_now`, then
+        `prepare_remote` when an engine gives the prompt ids."""
+        ready = self.prepare_now(body, endpoint, full)
+        return ready if isinstance(ready, Prepared) else await self.prepare_remote(body, endpoint, ready)
+
+    def prepare_now(self, body: bytes, endpoint: Endpoint, full: bool = False) -> Prepared | str:
+        """`prepare` as far as it goes without waiting: the prepared request, or, for a model that
+        takes its prompt ids from an engine (`Models.needs_remote`), that model's name, for
+        `prepare_remote` to finish. Apart so a caller that cannot wait on every request (the endpoint
+        picker, router.epp.picker) waits only for those. Failures as `prepare`'s."""
         if not self.any_remote:
             return self.prepare_local(body, endpoint, full)
         models = self.parts.models
@@ -190,12 +203,20 @@ class Decider:
             if self.prompt_free and not full and (unread := models.prepare_unread(body, endpoint)):
                 return unread
             model = models.resolve(body)
-            if models.needs_remote(model):
-                tokens = await self._remote_tokens(body, model, endpoint)
-                if tokens is not None:
-                    return models.prepare_tokens(body, endpoint, tokens, model)
-                return models.prepare_fallback(body, endpoint, model)
-            return models.prepare(body, endpoint, model)
+            return model if models.needs_remote(model) else models.prepare(body, endpoint, model)
+        except Exception as exc:
+            _prepare_failed(exc, endpoint)
+
+    async def prepare_remote(self, body: bytes, endpoint: Endpoint, model: str) -> Prepared:
+        """`prepare` of a request for `model`, which `prepare_now` named: with the prompt ids of the
+        first of its replicas that answers (`_remote_tokens`), else, none answering (counted in
+        `remote_tokenize_failures`), `Models.prepare_fallback`. Failures as `prepare`'s."""
+        models = self.parts.models
+        try:
+            tokens = await self._remote_tokens(body, model, endpoint)
+            if tokens is not None:
+                return models.prepare_tokens(body, endpoint, tokens, model)
+            return models.prepare_fallback(body, endpoint, model)
         except Exception as exc:
             _prepare_failed(exc, endpoint)
 
@@ -227,7 +248,7 @@ class Decider:
         try:
             return await self.prepare(body, endpoint)
         except RouterError as exc:
-            self.refused(str(exc.http_status()), exc.reason)
+            self.refusal(exc)
             raise
 
     def decide(
@@ -249,7 +270,7 @@ class Decider:
             try:
                 prepared = self.prepare_local(body, endpoint)
             except RouterError as exc:
-                self.refused(str(exc.http_status()), exc.reason)
+                self.refusal(exc)
                 raise
         entry = DecisionEntry(request_id=rid, time=time.time(), request=view_of(prepared))
         # The key was the router's (engines never see it); the request id is the gateway's. The path is

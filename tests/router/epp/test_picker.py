@@ -4,6 +4,7 @@ runs a real Envoy)."""
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import json
 from collections.abc import AsyncIterator
@@ -37,7 +38,8 @@ pytestmark = pytest.mark.timeout(60)
 async def step(stream: PickStream, message: Any) -> list[Any]:
     """`message` (a generated ProcessingRequest) to the stream as its wire bytes, as gRPC hands them over;
     the answers read back as generated ProcessingResponses."""
-    answers = stream.on_message(message.SerializeToString())
+    reply = stream.on_message(message.SerializeToString())
+    answers = await reply if isinstance(reply, asyncio.Future) else reply  # (awaited: an engine's ids)
     return [ext_proc.ProcessingResponse.FromString(wire(a)) for a in answers]
 
 
@@ -212,7 +214,9 @@ async def test_bytes_that_are_no_ext_proc_message_get_a_counted_400(fleet: Fleet
     """What the gRPC server hands over is raw bytes (no generated class parses them first): a message cut
     short is the picker's own 400, counted, and the next stream is picked as usual."""
     cut = request_headers("POST", "/v1/chat/completions", False).SerializeToString()[:-3]
-    [raw] = fleet.picker.stream().on_message(cut)
+    reply = fleet.picker.stream().on_message(cut)
+    assert isinstance(reply, list)
+    [raw] = reply
     answer = ext_proc.ProcessingResponse.FromString(wire(raw))
     assert answer.immediate_response.status.code == 400
     assert "malformed ext_proc message" in json.loads(answer.immediate_response.body)["error"]["message"]

@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import asyncio
 import struct
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from typing import Any
 
 import h2.config
 import h2.connection
@@ -30,7 +31,7 @@ from router.epp.frames import (
     grpc_message,
     settings,
 )
-from router.epp.transport import GrpcConnection, TransportSettings
+from router.epp.transport import Answer, GrpcConnection, StreamHandler, TransportSettings
 from tests.zmq_helpers import wait_until
 
 pytestmark = pytest.mark.timeout(60)
@@ -54,23 +55,47 @@ class Echo:
         self._closed.append(1)
 
 
+class Deferred(Echo):
+    """`Echo`, but answers `later` with a future of its answers (kept in `waiting` for the test to
+    settle), as the picker answers when it asks an engine for a prompt's ids; `closed` cancels it."""
+
+    def __init__(self, closed: list[int], waiting: list[asyncio.Future[Sequence[Answer]]]) -> None:
+        super().__init__(closed)
+        self._waiting = waiting
+
+    def on_message(self, raw: bytes | memoryview) -> Any:
+        if raw != b"later":
+            return super().on_message(raw)
+        self.future: asyncio.Future[Sequence[Answer]] = asyncio.get_running_loop().create_future()
+        self._waiting.append(self.future)
+        return self.future
+
+    def closed(self) -> None:
+        if hasattr(self, "future"):
+            self.future.cancel()
+        super().closed()
+
+
 @dataclass
 class Server:
     port: int
     counted: list[tuple[str, str]] = field(default_factory=list)
     closed: list[int] = field(default_factory=list)  # one entry per handler told `closed`
+    waiting: list[asyncio.Future[Sequence[Answer]]] = field(default_factory=list)  # `Deferred`'s
 
 
 @asynccontextmanager
-async def serving(config: TransportSettings | None = None) -> AsyncIterator[Server]:
+async def serving(config: TransportSettings | None = None, deferred: bool = False) -> AsyncIterator[Server]:
     loop = asyncio.get_running_loop()
     box: list[Server] = []
 
+    def handler() -> StreamHandler:
+        s = box[0]
+        return Deferred(s.closed, s.waiting) if deferred else Echo(s.closed)
+
     def connection() -> GrpcConnection:
         s = box[0]
-        return GrpcConnection(
-            lambda: Echo(s.closed), lambda scope, reason: s.counted.append((scope, reason)), config
-        )
+        return GrpcConnection(handler, lambda scope, reason: s.counted.append((scope, reason)), config)
 
     server = await loop.create_server(connection, "127.0.0.1", 0)
     box.append(Server(server.sockets[0].getsockname()[1]))
@@ -267,6 +292,63 @@ async def test_a_stream_cancelled_mid_body_closes_its_handler_and_others_go_on()
         await c.until(lambda: c.streams[other].ended)
         assert c.streams[other].messages() == [b"still"]
         assert server.counted == []  # (a client's cancel is no protocol error)
+
+
+async def test_a_deferred_answer_is_written_later_and_what_came_meanwhile_after_it() -> None:
+    """A handler that answers with a future (the picker waiting for an engine's prompt ids): nothing of
+    its stream is answered until it is done, the messages and the half-close that came meanwhile are
+    handled after its answers, in order; the other streams are answered meanwhile."""
+    async with serving(deferred=True) as server, client(server.port) as c:
+        waiting, other = c.open(), c.open()
+        await c.send(waiting, grpc_message(b"first") + grpc_message(b"later"))
+        await c.send(waiting, grpc_message(b"after"), end=True)
+        await c.send(other, grpc_message(b"meanwhile"), end=True)
+        await c.until(lambda: c.streams[other].ended)
+        c.h2.ping(b"12345678")  # (its ACK comes once every frame sent before it was read)
+        c.flush()
+        await c.until(lambda: c.pings == 1)
+        assert c.streams[waiting].messages() == [b"first"] and not c.streams[waiting].ended
+        [future] = server.waiting
+        future.set_result([b"decided", b"too"])
+        await c.until(lambda: c.streams[waiting].ended)
+        assert c.streams[waiting].messages() == [b"first", b"decided", b"too", b"after"]
+        assert c.streams[waiting].trailers == [(b"grpc-status", b"0")]
+        assert c.streams[other].messages() == [b"meanwhile"]
+    await wait_until(lambda: len(server.closed) == 2)
+    assert server.counted == []
+
+
+async def test_a_stream_reset_while_its_answer_is_awaited_drops_it() -> None:
+    """The client cancels a stream whose answer is awaited: its handler hears `closed` (and cancels
+    the future), nothing more is written on it, the connection serves the next streams."""
+    async with serving(deferred=True) as server, client(server.port) as c:
+        cancelled = c.open()
+        await c.send(cancelled, grpc_message(b"later") + grpc_message(b"queued"))
+        await wait_until(lambda: len(server.waiting) == 1)
+        c.h2.reset_stream(cancelled, ErrorCode.CANCEL)
+        c.flush()
+        await wait_until(lambda: len(server.closed) == 1)
+        assert server.waiting[0].cancelled()
+        after = c.open()
+        await c.send(after, grpc_message(b"still"), end=True)
+        await c.until(lambda: c.streams[after].ended)
+        assert c.streams[after].messages() == [b"still"]
+        assert c.streams[cancelled].messages() == [] and c.streams[cancelled].trailers == []
+        assert server.counted == []
+
+
+async def test_a_deferred_answer_that_fails_ends_its_stream_only() -> None:
+    async with serving(deferred=True) as server, client(server.port) as c:
+        failing, other = c.open(), c.open()
+        await c.send(failing, grpc_message(b"later"))
+        await wait_until(lambda: len(server.waiting) == 1)
+        server.waiting[0].set_exception(RuntimeError("a bug"))
+        await c.until(lambda: c.streams[failing].ended)
+        ended = c.streams[failing]
+        assert dict(ended.headers + ended.trailers)[b"grpc-status"] == b"13"  # (trailers only)
+        await c.send(other, grpc_message(b"fine"), end=True)
+        await c.until(lambda: c.streams[other].ended)
+        assert c.streams[other].messages() == [b"fine"]
 
 
 async def test_an_unknown_method_is_unimplemented() -> None:
