@@ -253,22 +253,26 @@ def test_router_predicts_every_admission(layout: str, hashing: str, blocks: int,
     assert checked == len(ops)
 
 
+PLAIN = Op(
+    base=0,
+    whole=False,
+    cut=0,
+    aligned=False,
+    new=[],
+    lora=False,
+    salt=None,
+    full=False,
+    skip=False,
+    max_tokens=1,
+    background=0,
+)
+"""A request of the empty prompt, no options: the recorded streams below are replacements of it."""
+
+
 def test_coarse_full_attention_with_router_keys() -> None:
     """The stream that once left the mirror missing an FA 8 block: router keys chained over 8 tokens
     never matched the request's keys at hb = 4."""
-    plain = Op(
-        base=0,
-        whole=False,
-        cut=0,
-        aligned=False,
-        new=[],
-        lora=False,
-        salt=None,
-        full=False,
-        skip=False,
-        max_tokens=1,
-        background=0,
-    )
+    plain = PLAIN
     ops = [
         msgspec.structs.replace(plain, base=65, cut=8, new=[0, 1]),
         msgspec.structs.replace(plain, base=588, cut=106, new=[2, 3, 0, 3, 2, 2], lora=True, full=True),
@@ -285,19 +289,7 @@ def test_a_report_after_a_skip_requests_store_is_not_taken_for_a_store() -> None
     keys): a skip-cache request's recompute store of block 0 was credited to an earlier request whose
     hit had dropped to 0 only through a Mamba eviction in the same batch, so the skip request stayed
     pending and, its hit being 0 forever, took the later full-mode report for its store."""
-    plain = Op(
-        base=0,
-        whole=False,
-        cut=0,
-        aligned=False,
-        new=[],
-        lora=False,
-        salt=None,
-        full=False,
-        skip=False,
-        max_tokens=1,
-        background=0,
-    )
+    plain = PLAIN
     ops = [
         plain,
         msgspec.structs.replace(plain, new=[0, 0, 0, 0, 0]),
