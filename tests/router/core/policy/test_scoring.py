@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import msgspec
 import pytest
 from hypothesis import given
@@ -38,6 +40,20 @@ CATCHING = TrustStatus(TrustState.CATCHING_UP, TrustReason.REPLAY_IN_FLIGHT, "re
 OVERHEAD, PER_TOKEN = 0.010, 1e-4
 
 
+def load_of(**fields: Any) -> LoadSnapshot:
+    """A snapshot at the module's prefill cost (`OVERHEAD`, `PER_TOKEN`), its usage not known, nothing
+    scraped; `fields` name the others (the counts, and any field to set)."""
+    return LoadSnapshot(
+        **{
+            "kv_cache_usage": None,
+            "overhead_s": OVERHEAD,
+            "per_token_s": PER_TOKEN,
+            "scraped": False,
+            **fields,
+        }
+    )
+
+
 def cand(
     name: str,
     hit: int = 0,
@@ -51,15 +67,8 @@ def cand(
     breaker_open: bool = False,
     full: bool = False,
 ) -> Candidate:
-    load = LoadSnapshot(
-        in_flight=in_flight,
-        prefilling=in_flight - decoding,
-        decoding=decoding,
-        queued_prefill_tokens=queued,
-        kv_cache_usage=None,
-        overhead_s=OVERHEAD,
-        per_token_s=PER_TOKEN,
-        scraped=False,
+    load = load_of(
+        in_flight=in_flight, prefilling=in_flight - decoding, decoding=decoding, queued_prefill_tokens=queued
     )
     warm_tokens = hit if warm is None else warm
     boundary = warm_tokens if warm_tokens > hit else 0
@@ -292,17 +301,7 @@ def test_the_prediction_is_the_mirrors_hit_and_the_record_says_what_scoring_coun
 
 def _decoding(name: str, decoding: int, hit: int = 0) -> Candidate:
     step = StepCost(decode_step_s=0.006, decode_penalty_s=0.001, max_num_batched_tokens=8192)
-    load = LoadSnapshot(
-        in_flight=decoding,
-        prefilling=0,
-        decoding=decoding,
-        queued_prefill_tokens=0,
-        kv_cache_usage=None,
-        overhead_s=OVERHEAD,
-        per_token_s=PER_TOKEN,
-        scraped=False,
-        step=step,
-    )
+    load = load_of(in_flight=decoding, prefilling=0, decoding=decoding, queued_prefill_tokens=0, step=step)
     return Candidate(
         engine=EngineId(name),
         hit_tokens=hit,
@@ -335,17 +334,8 @@ def test_kv_prefers_the_engine_whose_running_batch_holds_less_context(long_conte
 
     def engine(name: str) -> Candidate:
         context = 8 * (25_000 if name == long_contexts else 1_000)
-        load = LoadSnapshot(
-            in_flight=8,
-            prefilling=0,
-            decoding=8,
-            queued_prefill_tokens=0,
-            kv_cache_usage=None,
-            overhead_s=OVERHEAD,
-            per_token_s=PER_TOKEN,
-            scraped=False,
-            step=step,
-            context_tokens=context,
+        load = load_of(
+            in_flight=8, prefilling=0, decoding=8, queued_prefill_tokens=0, step=step, context_tokens=context
         )
         return Candidate(
             engine=EngineId(name),
@@ -696,16 +686,7 @@ def test_a_lone_eligible_candidate_gets_the_general_kv_decision(
 ) -> None:  # fmt: skip
     """`choose`'s shortcut for one eligible candidate (the rest ineligible, for any reason) gives the
     decision the general kv path gives: the same reason, prediction and no runner-up."""
-    load = LoadSnapshot(
-        in_flight=in_flight,
-        prefilling=1,
-        decoding=in_flight - 1,
-        queued_prefill_tokens=queued,
-        kv_cache_usage=None,
-        overhead_s=OVERHEAD,
-        per_token_s=PER_TOKEN,
-        scraped=False,
-    )
+    load = load_of(in_flight=in_flight, prefilling=1, decoding=in_flight - 1, queued_prefill_tokens=queued)
     alone = Candidate(
         engine=EngineId("m"),
         hit_tokens=hit,
@@ -753,16 +734,7 @@ def test_kv_words_and_the_lone_prediction_equal_their_first_writing(
 ) -> None:  # fmt: skip
     """kv's reason (the pending words written inline) and the lone candidate's prediction (the
     expected tokens written inline) are what the first-written functions give."""
-    load = LoadSnapshot(
-        in_flight=in_flight,
-        prefilling=1,
-        decoding=in_flight - 1,
-        queued_prefill_tokens=queued,
-        kv_cache_usage=None,
-        overhead_s=OVERHEAD,
-        per_token_s=PER_TOKEN,
-        scraped=False,
-    )
+    load = load_of(in_flight=in_flight, prefilling=1, decoding=in_flight - 1, queued_prefill_tokens=queued)
     c = Candidate(
         engine=EngineId("m"),
         hit_tokens=hit,
@@ -863,16 +835,7 @@ _TIED = st.tuples(
 
 def _tied_candidate(engine: str, hit: int, warm: int, pending: int, in_flight: int, queued: int,
                     trust: TrustStatus, healthy: bool) -> Candidate:  # fmt: skip
-    load = LoadSnapshot(
-        in_flight=in_flight,
-        prefilling=in_flight,
-        decoding=0,
-        queued_prefill_tokens=queued,
-        kv_cache_usage=None,
-        overhead_s=OVERHEAD,
-        per_token_s=PER_TOKEN,
-        scraped=False,
-    )
+    load = load_of(in_flight=in_flight, prefilling=in_flight, decoding=0, queued_prefill_tokens=queued)
     return Candidate(
         engine=EngineId(engine),
         hit_tokens=hit,
