@@ -22,6 +22,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from bench.prefill_fit import fit
 from bench.ttft_calibration import calibration, load_run
 from kvrouter.cli import main
 from kvrouter.loadtest.report import Report
@@ -267,7 +268,8 @@ async def test_kv_answers_no_later_than_round_robin_beyond_the_noise_measured(
     issue #29's target (median <= 0.85x round robin's), go to out/test-vllm/ttft.jsonl, printed by
     `make test-vllm`, with kv's measured over predicted TTFT by the chosen engine's queue state
     (from the runs' decision records, bench/ttft_calibration.py: where the model misprices the
-    engines' waits)."""
+    engines' waits) and what a cached prompt token costs these engines against an uncached one
+    (bench/prefill_fit.py over every answer: the model prices it at nothing)."""
     engines = tmp_path / "engines.json"
     tables = {"models": [pair.model_config("router")], "engines": pair.engine_configs()}
     engines.write_bytes(msgspec.json.encode(tables))
@@ -275,6 +277,7 @@ async def test_kv_answers_no_later_than_round_robin_beyond_the_noise_measured(
     ttfts: dict[str, list[float]] = {"kv": [], "round_robin": []}
     cached = {"kv": 0, "round_robin": 0}
     kv_results: list[RequestResult] = []
+    every: list[RequestResult] = []
     kv_decisions: dict[str, Decision] = {}
     for run, order in enumerate(["kv,round_robin", "round_robin,kv"]):
         argv = ["loadtest", "--engines-from", str(engines), "--policies", order, *CHATS, "--rate", "3",
@@ -291,17 +294,22 @@ async def test_kv_answers_no_later_than_round_robin_beyond_the_noise_measured(
             result = msgspec.json.decode(line, type=RequestResult)
             assert result.ttft_s is not None
             ttfts[result.policy].append(result.ttft_s)
+            every.append(result)
         results, decisions = load_run(tmp_path / f"run{run}", "kv")
         kv_results.extend(results)
         kv_decisions.update(decisions)
     ratio = statistics.median(ttfts["kv"]) / statistics.median(ttfts["round_robin"])
+    costs = fit(every)  # what a cached prompt token costs these engines (bench/prefill_fit.py)
+    fitted = None if costs is None else [costs.overhead_s * 1e3, costs.uncached_s * 1e6, costs.cached_s * 1e6]
     low, high = median_ratio_interval(ttfts["kv"], ttfts["round_robin"])
     record = {"model": pair.model, "p50_s": p50, "kv_over_round_robin": ratio, "interval_90": [low, high],
               "cached_tokens": cached, "target_0.85_met": ratio <= 0.85,
               "kv_measured_over_predicted": {  # by queue state (bench/ttft_calibration.py): figures only
                   state: [c.requests, round(c.median_ratio, 3)]
                   for state, c in calibration(kv_results, kv_decisions).items()
-              }}  # fmt: skip
+              },
+              # the fit's overhead (ms), uncached and cached token (us)
+              "prefill_fit_ms_us_us": None if fitted is None else [round(x, 2) for x in fitted]}  # fmt: skip
     REPORT.mkdir(parents=True, exist_ok=True)
     with (REPORT / "ttft.jsonl").open("a") as f:
         f.write(json.dumps(record) + "\n")
