@@ -189,7 +189,9 @@ class SimRouterCore:
         except RouterError:
             return None
         assert target is not None, "a first attempt is chosen or refused"
-        self.predicted[index] = next(c for c in decision.candidates if c.engine == target.engine)
+        picked = decision.candidate(target.engine)
+        assert picked is not None, "the engine chosen was scored"
+        self.predicted[index] = picked
         self.decided[index] = decision
         flight.sent()
         if self.oracle is not None:
@@ -301,7 +303,8 @@ def forecast_audit(
         chosen = names.index(flight_engine)
         soonest = soonest_rank(forecasts)
         full = batch_full(sim.step, picked.load.decoding)
-        soonest_candidate = next(c for c in router.decided[index].candidates if c.engine == names[soonest])
+        soonest_candidate = router.decided[index].candidate(names[soonest])
+        assert soonest_candidate is not None, "every engine is scored"
         row = ForecastRegret(
             index=index,
             chosen=chosen,

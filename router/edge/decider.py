@@ -98,12 +98,12 @@ _TRUST_RAW: Final = tuple((state, state.value.encode("latin-1")) for state in Tr
 def _trust_header(entry: DecisionEntry, engine: str) -> bytes:
     """The trust state of `engine`'s mirror when the request's last decision chose it (scoring counts
     hits only from `fresh` ones), as the header's bytes; `unknown` if that decision did not score it."""
-    for candidate in entry.decisions[-1].candidates if entry.decisions else ():
-        if candidate.engine == engine:
-            state = candidate.trust.state
-            for member, raw in _TRUST_RAW:
-                if member is state:
-                    return raw
+    candidate = entry.decisions[-1].candidate(engine) if entry.decisions else None
+    if candidate is not None:
+        state = candidate.trust.state
+        for member, raw in _TRUST_RAW:
+            if member is state:
+                return raw
     return b"unknown"
 
 

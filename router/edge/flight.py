@@ -134,11 +134,10 @@ class Flight:
             return
         now = self._chosen_at
         uncached = context = 0
-        for candidate in decision.candidates:
-            if candidate.engine == engine:
-                uncached = candidate.uncached_tokens
-                context = uncached + candidate.counted_tokens  # the prompt (its KV, once prefilled)
-                break
+        candidate = decision.candidate(engine)
+        if candidate is not None:
+            uncached = candidate.uncached_tokens
+            context = uncached + candidate.counted_tokens  # the prompt (its KV, once prefilled)
         self.fleet.load.started(self.rid, engine, now, uncached, context)
         self._admitted = self.fleet.admission.enter_engine(engine)
         assert self.prepared is not None
@@ -156,10 +155,9 @@ class Flight:
         if self._counted:
             self._leave(now)
         self.engine, self._chosen_at, self.entry.engine = engine, now, engine
-        decision = self.decision
-        for candidate in decision.candidates if decision is not None else ():
-            if candidate.engine == engine:
-                self.entry.predicted_cached_tokens = candidate.expected_tokens
+        candidate = self.decision.candidate(engine) if self.decision is not None else None
+        if candidate is not None:
+            self.entry.predicted_cached_tokens = candidate.expected_tokens
         self.sent()
 
     def _set_rank(self, rank: int | None) -> None:

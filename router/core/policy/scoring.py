@@ -235,9 +235,16 @@ class Decision(msgspec.Struct, frozen=True):
     margin_s: float = 0.0
     """The runner-up's kv cost minus the chosen one's (negative: kv's cost preferred the runner-up)."""
 
+    def candidate(self, engine: EngineId | str | None) -> CandidateScore | None:
+        """`engine`'s candidate in the decision (None when it was not scored)."""
+        for c in self.candidates:
+            if c.engine == engine:
+                return c
+        return None
+
     def chosen(self) -> CandidateScore | None:
         """The chosen engine's candidate (None when nothing was chosen)."""
-        return next((c for c in self.candidates if c.engine == self.engine), None)
+        return self.candidate(self.engine)
 
 
 @functools.lru_cache(maxsize=4096)  # (a session's requests share their key: its ties hash the same pairs)
