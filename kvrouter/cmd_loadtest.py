@@ -171,6 +171,12 @@ def register(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) ->
         "--system-prompt-tokens", type=int, default=d.system_prompt_tokens, help="synthetic: prompt length"
     )
     p.add_argument("--users", type=int, default=d.users, help="synthetic: users (conversations)")
+    p.add_argument(
+        "--user-turn-tokens",
+        type=int,
+        default=d.user_turn_tokens,
+        help="synthetic: tokens each user turn adds (default %(default)s)",
+    )
     p.add_argument("--turns", type=int, default=d.turns, help="synthetic: turns per user")
     p.add_argument("--out", type=Path, help="output directory (default out/loadtest-<time>)")
     p.add_argument(
@@ -204,6 +210,7 @@ def build_requests(args: argparse.Namespace, cut: bool = True) -> tuple[list[Req
             system_prompt_tokens=args.system_prompt_tokens,
             users=args.users,
             turns=args.turns,
+            user_turn_tokens=args.user_turn_tokens,
             rate=args.rate,
             seed=args.seed,
         )

@@ -60,6 +60,7 @@ class LoadtestSettings(msgspec.Struct, frozen=True, forbid_unknown_fields=True):
     system_prompts: int = 4
     system_prompt_tokens: int = 1024
     users: int = 16
+    user_turn_tokens: int = 128
     turns: int = 4
     out: str | None = None
     record_decisions: bool = False

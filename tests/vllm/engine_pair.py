@@ -8,6 +8,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import httpx
+import msgspec
 
 from router.settings.config import EngineConfig, GroupConfig, ModelConfig
 from tests.vllm.engine_command import EngineSpec
@@ -15,7 +16,7 @@ from tests.vllm.engine_launcher import VllmEngine
 from tests.vllm.free_ports import free_ports
 from tests.vllm.tiny_models import model_dir
 
-__all__ = ["MODEL_GROUPS", "EnginePair", "engine_pair"]
+__all__ = ["MODEL_GROUPS", "EnginePair", "Pool", "engine_pair"]
 
 BLOCK = 32
 MODEL_GROUPS: dict[str, list[GroupConfig]] = {
@@ -29,6 +30,13 @@ MODEL_GROUPS: dict[str, list[GroupConfig]] = {
 NUM_GPU_BLOCKS = {"llama-fa": 40, "gemma2-swa": 72}
 """Small enough that the tests' traffic evicts; one 1024-token request needs 32 blocks of full attention,
 and the hybrid 72 (its window group takes blocks from the same pool)."""
+
+
+class Pool(msgspec.Struct, frozen=True, kw_only=True):
+    """Each engine's KV pool (`--num-gpu-blocks-override`, of `BLOCK` tokens) and longest prompt."""
+
+    num_gpu_blocks: int
+    max_model_len: int = 1024
 
 
 class EnginePair:
@@ -82,15 +90,17 @@ def _chat_template(model: str, out: Path) -> Path:
 
 
 @contextmanager
-def engine_pair(model: str, python: Path, work: Path) -> Iterator[EnginePair]:
-    """Start two engines of `model` (cores 0 and 1, free ports), wait until both are healthy; stop both."""
+def engine_pair(model: str, python: Path, work: Path, pool: Pool | None = None) -> Iterator[EnginePair]:
+    """Start two engines of `model` (cores 0 and 1, free ports) with `pool` (default: the small one
+    the exactness tests evict, `NUM_GPU_BLOCKS`), wait until both are healthy; stop both."""
+    pool = pool or Pool(num_gpu_blocks=NUM_GPU_BLOCKS[model])
     engines = []
     for core in (0, 1):
         port, events, replay = free_ports(3)
         spec = EngineSpec(
             model_dir=str(model_dir(model)), served_name=model, port=port, events_port=events,
-            replay_port=replay, core=core, block_size=BLOCK, num_gpu_blocks=NUM_GPU_BLOCKS[model],
-            python=str(python),
+            replay_port=replay, core=core, block_size=BLOCK, num_gpu_blocks=pool.num_gpu_blocks,
+            max_model_len=pool.max_model_len, python=str(python),
         )  # fmt: skip
         engines.append(VllmEngine(spec, work / f"{model}-{core}.log"))
     try:
