@@ -21,7 +21,7 @@ from router.core.ids import EngineId
 from router.edge.decider import Decider
 from router.epp.endpoints import address_of
 from router.epp.picker import DESTINATION, Picker, PickStream
-from router.settings.config import EngineConfig, RouterConfig, Timeouts
+from router.settings.config import EngineConfig, ModelConfig, RouterConfig, Timeouts
 from tests.epp_helpers import request_body, request_headers, set_headers, wire
 from tests.gateway_helpers import (
     Gateway,
@@ -250,3 +250,20 @@ async def test_a_stream_closed_during_the_seek_cancels_it() -> None:
             text = parts.metrics.render().decode()
             assert metric(text, "kvrouter_requests_total", engine="none", status="client_closed") == 1
             assert metric(text, SEEKS) == 0
+
+
+async def test_a_remote_tokenize_models_continuation_is_sought_then_prepared_on_an_engine() -> None:
+    """Both waits in one task: the seek finds e1, then the prompt ids come from an engine's render
+    (e0 answers the id's 404, e1 renders it), and the pick is e1's by the stored-response rule."""
+    async with running_stubs(2) as servers:
+        engines = [engine_of(f"e{i}", s) for i, s in enumerate(servers)]
+        config = gateway_config(engines, models=[ModelConfig(name=MODEL, remote_tokenize=True)])
+        async with running_gateway(config) as gw:
+            held = await stored_on(engines[1].url)
+            stream = Picker(Decider(gw.parts)).stream()
+            assert await continued(stream, "rid-r", held) == address_of(engines[1].url)
+            entry = gw.parts.ring.get("rid-r")
+            assert entry is not None and entry.decisions[-1].reason == f"stored response {held} on e1"
+            assert entry.request.tokenizer == "remote_render"
+            stream.closed()
+            assert seeks(gw, "found") == 1 and gw.parts.fleet.admission.total == 0
