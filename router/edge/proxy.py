@@ -17,7 +17,8 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
+from typing import Final
 
 import msgspec
 
@@ -58,6 +59,7 @@ from router.settings.config import RouterConfig
 __all__ = ["Chooser", "Proxy", "ProxySettings"]
 
 _ERROR_EXCERPT = 64 * 1024
+_JSON_HEADERS: Final = (("Content-Type", "application/json"),)
 CALL_ANSWER_LIMIT = 64 * 1024 * 1024
 """The largest answer `Proxy.call` reads (a /tokenize answer for a long prompt is a few MB)."""
 _NONE_TRIED: frozenset[EngineId] = frozenset()
@@ -162,18 +164,26 @@ class Proxy:
             self._client = None
 
     async def call(
-        self, engine: EngineId, base_url: str, path: str, body: bytes, timeout_s: float
+        self,
+        engine: EngineId,
+        base_url: str,
+        path: str,
+        body: bytes,
+        timeout_s: float,
+        method: str = "POST",
+        headers: Sequence[tuple[str, str]] = _JSON_HEADERS,
     ) -> tuple[int, bytes]:
-        """POST JSON `body` to `path` on `engine` (at `base_url`) and read its whole answer, all within
-        `timeout_s`: the gateway's own calls to engines (remote tokenization), not a client's request,
-        so no retry and no breaker. Returns (status, body); failures are `UpstreamError`s
+        """Send `method` `path` with `body` and `headers` (beside Host; a JSON body's by default) to
+        `engine` (at `base_url`) and read its whole answer, all within `timeout_s`: the gateway's own
+        calls to engines (remote tokenization, the picker's stored-response seek), not a client's
+        request, so no retry and no breaker. Returns (status, body); failures are `UpstreamError`s
         (`upstream_error`), as a forwarded request's are."""
         client = self._client
         assert client is not None, "Proxy.start() was not called"
-        headers = [("Host", host_of(base_url)), ("Content-Type", "application/json")]
+        sent = [("Host", host_of(base_url)), *headers]
         try:
             async with asyncio.timeout(timeout_s):
-                answer = await client.request("POST", base_url, path, headers, body)
+                answer = await client.request(method, base_url, path, sent, body)
                 try:
                     return answer.status, await _read_at_most(answer, CALL_ANSWER_LIMIT)
                 finally:

@@ -15,11 +15,15 @@ A subset hint (`metadata_context.filter_metadata["envoy.lb.subset_hint"]
 A model that takes its prompt ids from an engine (`remote_tokenize`, or a repo-named tokenizer that
 could not be had) is prepared as the gateway prepares it (`Decider.prepare_now`, then
 `Decider.prepare_remote`: the first replica's `/tokenize` or render; none answering, the request is
-routed on the fallback preparation, counted in `kvrouter_remote_tokenize_failures_total`). That
-wait is the only one: the message that ends the body is then answered with a task that decides
-(the transport writes its answers when it is done and holds the stream's later messages until
-then, router.epp.transport); a stream closed meanwhile cancels it, gives its admission slot back
-and counts as a client that left. Every other request is decided at once, with no task.
+routed on the fallback preparation, counted in `kvrouter_remote_tokenize_failures_total`). The
+other wait is for a stored Responses answer this picker never saw stored (a continuation's
+`previous_response_id`, or a stored response's own route, whose id the table does not hold): it
+cannot retry on an engine's 404 as the gateway's proxy does, so it first asks the engines which
+holds it (router.edge.stored_seek: found, learnt, and the pick goes there; else the policy's). For
+these two only, the message that ends the body is answered with a task that decides (the transport
+writes its answers when it is done and holds the stream's later messages until then,
+router.epp.transport); a stream closed meanwhile cancels it, gives its admission slot back and
+counts as a client that left. Every other request is decided at once, with no task.
 
 The response phase answers the response headers with the gateway's own headers (`x-request-id`,
 `x-kvrouter-engine`, `x-kvrouter-predicted-cached-tokens`, `x-kvrouter-mirror-trust`), sends the
@@ -54,13 +58,15 @@ from typing import Any, Final
 from router.core.errors import ExtProcProtocolError, NoEngineAvailable, RequestTooLarge, RouterError
 from router.core.ids import EngineId
 from router.core.policy.retry import Outcome, OutcomeKind, counts_as_failure
+from router.core.policy.stored_responses import seekable
 from router.core.prepared import Prepared
 from router.edge.access_log import AccessNote
 from router.edge.client_io import request_id_in
 from router.edge.decider import Decider, Exchange
 from router.edge.flight import RANK_HEADER
 from router.edge.gateway import HOT_ROUTES
-from router.edge.passthrough import Passthrough
+from router.edge.passthrough import Passthrough, response_id_in
+from router.edge.stored_seek import StoredSeek
 from router.edge.upstream import Target
 from router.edge.usage import UsageTap
 from router.epp.endpoints import address_of, in_subset, parse_subset
@@ -79,6 +85,7 @@ from router.epp.messages import (
 from router.epp.transport import Answer, Reply
 from router.prepare.served_models import UnknownModel
 from tokenization.openai_request import Endpoint, RequestError
+from tokenization.responses_request import stored_ref
 
 __all__ = ["DESTINATION", "PickStream", "Picker"]
 
@@ -93,6 +100,7 @@ _PASSTHROUGH_POLICY: Final = "passthrough"  # (the policy label Passthrough coun
 _NO_BODY: Final = 0  # ProcessingMode.BodySendMode.NONE
 _EVENT_STREAM: Final = b"text/event-stream"
 _MAX_DESTINATIONS: Final = 4096  # destination values whose answer parts are kept (`Picker.destinations`)
+_RESPONSES: Final = Endpoint.RESPONSES
 _NOTE: Final = AccessNote()  # no access line is written by the picker: Envoy's access log is the one
 
 
@@ -114,6 +122,7 @@ class Picker:
     def __init__(self, decider: Decider, fallbacks: bool = True) -> None:
         self.decider, self.fallbacks = decider, fallbacks
         self.passthrough = Passthrough(decider.parts)
+        self.stored_seek = StoredSeek(decider.parts)
         self.destinations: dict[str, tuple[bytes, bytes]] = {}
         """The destination header's option and the dynamic metadata naming it, by destination value:
         encoded once per endpoint (about half of the pick's answer, otherwise built on every
@@ -254,24 +263,58 @@ class PickStream:
 
     def _pick(self, trailers: bool = False) -> Reply:
         """Choose the endpoint (holding an admission slot until the request ends) and answer
-        (`_picked`); for a model whose prompt ids an engine gives, the task that does (`_decide`)."""
+        (`_picked`); for a stored response this picker never saw stored, or a model whose prompt ids
+        an engine gives, the task that does (`_decide`)."""
         decider, body, endpoint = self.decider, b"".join(self.body), self.endpoint
         excluded = self._excluded()
         decider.enter()
         self.admitted = True
         try:
-            if endpoint is None:
-                target, fallback = self._pass(body, excluded)
-            else:
-                # (when some model's prompt ids come from an engine: prepared here, or awaited)
-                prepared = self._prepare_now(body, endpoint) if decider.any_remote else None
-                if isinstance(prepared, str):
-                    return self._decide_later(body, excluded, prepared, trailers)
-                target, fallback = self._route(body, excluded, prepared)
+            if (endpoint is None or endpoint is _RESPONSES) and (sought := self._sought(body)) is not None:
+                return self._decide_later(body, excluded, trailers, sought=sought)
+            chosen = self._choose(body, excluded)
+            if isinstance(chosen, str):
+                return self._decide_later(body, excluded, trailers, model=chosen)
         except BaseException:
             self._leave()
             raise
-        return self._picked(body, target, fallback, trailers)
+        return self._picked(body, *chosen, trailers)
+
+    def _choose(self, body: bytes, excluded: frozenset[EngineId]) -> tuple[Target, str | None] | str:
+        """The pick made now (`_pass`, or `_route`): the target and the fallback's address; or, for a
+        model whose prompt ids an engine gives, that model (prepared here when some model's are)."""
+        endpoint = self.endpoint
+        if endpoint is None:
+            return self._pass(body, excluded)
+        prepared = self._prepare_now(body, endpoint) if self.decider.any_remote else None
+        if isinstance(prepared, str):
+            return prepared
+        return self._route(body, excluded, prepared)
+
+    def _sought(self, body: bytes) -> str | None:
+        """The stored response a Responses `body` continues (`previous_response_id`), or a stored
+        response's own route names (no body), when the table does not hold it and it may be asked of
+        the engines (`seekable`): to seek before picking. None otherwise."""
+        if self.endpoint is None:
+            found = response_id_in(self.scope["path"])
+        else:
+            found = stored_ref(body).previous_response_id
+        if found is None or not seekable(found):
+            return None
+        return found if self.decider.parts.core.scorer.stored.engine_of(found) is None else None
+
+    async def _seek(self, response_id: str, body: bytes, excluded: frozenset[EngineId]) -> None:
+        """Ask the engines which holds `response_id` (router.edge.stored_seek: found, it is learnt and
+        the pick goes there): the replicas of the body's model, every replica for a body-less route. A
+        body naming no model it can read is not sought (`_choose` answers it as without the seek)."""
+        seek = self.picker.stored_seek
+        try:
+            model = self.decider.parts.models.resolve(body) if body else None
+        except (UnknownModel, RequestError):
+            return
+        candidates = seek.candidates(model, excluded)
+        if candidates:
+            await seek.seek(response_id, candidates, seek.headers(self.scope["headers"], self.rid))
 
     def _prepare_now(self, body: bytes, endpoint: Endpoint) -> Prepared | str:
         """`Decider.prepare_now` (the prepared request, or the model whose ids an engine gives); a
@@ -291,29 +334,46 @@ class PickStream:
             raise
 
     def _decide_later(
-        self, body: bytes, excluded: frozenset[EngineId], model: str, trailers: bool
+        self,
+        body: bytes,
+        excluded: frozenset[EngineId],
+        trailers: bool,
+        model: str | None = None,
+        sought: str | None = None,
     ) -> asyncio.Task[Sequence[Answer]]:
-        """The task that asks an engine for the prompt ids, then decides and answers (`_decide`)."""
+        """The task that asks the engines which holds the stored response `sought`, or one of `model`'s
+        for the prompt ids, then decides and answers (`_decide`)."""
         self.phase = _Phase.DECIDING
-        task = asyncio.get_running_loop().create_task(self._decide(body, excluded, model, trailers))
+        task = asyncio.get_running_loop().create_task(self._decide(body, excluded, trailers, model, sought))
         self.deciding = task
         return task
 
     async def _decide(
-        self, body: bytes, excluded: frozenset[EngineId], model: str, trailers: bool
+        self,
+        body: bytes,
+        excluded: frozenset[EngineId],
+        trailers: bool,
+        model: str | None,
+        sought: str | None,
     ) -> Sequence[Answer]:
-        """`_pick`'s decision once an engine's prompt ids came (`_prepare_remote`): its answers, or a
-        failure's (as `on_message` answers it). Cancelled by `closed`."""
-        endpoint = self.endpoint
-        assert endpoint is not None
+        """`_pick`'s decision once what it waits for came: the engine holding the stored response
+        `sought` (`_seek`), then the pick (`_choose`), and an engine's prompt ids for `model` or a
+        model `_choose` names (`_prepare_remote`): its answers, or a failure's (as `on_message`
+        answers it). Cancelled by `closed`."""
         try:
             try:
-                prepared = await self._prepare_remote(body, endpoint, model)
-                target, fallback = self._route(body, excluded, prepared)
+                if sought is not None:
+                    await self._seek(sought, body, excluded)
+                chosen = self._choose(body, excluded) if model is None else model
+                if isinstance(chosen, str):
+                    endpoint = self.endpoint
+                    assert endpoint is not None
+                    prepared = await self._prepare_remote(body, endpoint, chosen)
+                    chosen = self._route(body, excluded, prepared)
             except BaseException:
                 self._leave()
                 raise
-            return self._picked(body, target, fallback, trailers)
+            return self._picked(body, *chosen, trailers)
         except Exception as exc:
             return [self._failed(exc)]
         finally:

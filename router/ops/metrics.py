@@ -30,7 +30,7 @@ from events.sources import EngineStats
 from router.core.keys.recent_prompts import PrefixKeyCache
 from router.core.policy.breaker import BreakerState
 from router.core.policy.session_rule import SessionRule
-from router.core.policy.stored_responses import StoredResponses
+from router.core.policy.stored_responses import SEEK_OUTCOMES, StoredResponses
 from router.ops.bucket_histogram import BucketHistogram
 from router.ops.local_counter import LocalCounter
 from router.ops.local_family import LocalFamily
@@ -581,6 +581,16 @@ class RouterMetrics:
             "requests tokenized locally: no engine /tokenize answered",
             registry=r,
         )
+        self.stored_response_seeks = Counter(
+            "kvrouter_stored_response_seeks",
+            "stored Responses answers the endpoint picker never saw stored, sought on the engines before "
+            "picking (router/edge/stored_seek.py), by outcome: found, not_found, unanswered (the last two: "
+            "routed by the policy)",
+            ["outcome"],
+            registry=r,
+        )
+        for outcome in SEEK_OUTCOMES:  # present at 0 from the start
+            self.stored_response_seeks.labels(outcome)
         self.hub_tokenizers_unavailable = Counter(
             "kvrouter_hub_tokenizers_unavailable",
             "tokenizers named by HF repo id whose files could not be had at startup, by reason "

@@ -2,7 +2,8 @@
 two engine stubs, all on 127.0.0.1, configured by the documented deploy/envoy/envoy-epp.yaml: plain and
 streamed chat and completions through Envoy; a conversation's second turn reaches the first turn's
 engine with the predicted cached tokens (also for a model whose prompt ids come from the engines'
-/tokenize); a subset hint is obeyed; no eligible engine is Envoy's 503."""
+/tokenize); a subset hint is obeyed; no eligible engine is Envoy's 503; a second picker that never saw
+a Responses answer stored sends its continuation to the engine holding it."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from tests.epp_helpers import (
     running_envoy,
     write_config,
 )
-from tests.gateway_helpers import ADMIN, all_fresh, engine_of, running_stubs, wait_for
+from tests.gateway_helpers import ADMIN, all_fresh, engine_of, metric, running_stubs, wait_for
 
 pytestmark = pytest.mark.timeout(180)
 
@@ -231,6 +232,47 @@ async def test_a_killed_engines_traffic_moves(stack: Stack) -> None:
     for turn in range(4):
         moved = await stack.client.post("/v1/chat/completions", json=chat(f"anywhere {turn}"))
         assert moved.status_code == 200 and moved.headers["x-kvrouter-engine"] == "e1"
+
+
+async def test_a_second_picker_that_never_saw_the_store_sends_the_continuation_to_its_engine(
+    stack: Stack, tmp_path: Path
+) -> None:
+    """A Responses answer stored on e1 through the first picker (a subset hint puts it there); a second
+    picker process, behind its own Envoy, never saw it stored: it asks the engines before it answers
+    (`GET /v1/responses/{id}`), and the continuation and the stored response's own GET reach e1 and
+    are answered there. Its policy is round_robin, which would have sent the first to e0 (a 404)."""
+    pinned = {SUBSET_HEADER: stack.addresses["e1"]}
+    first = {"model": "kvrouter-stub", "input": "Find the failing test.", "max_output_tokens": 4}
+    stored = await stack.client.post("/v1/responses", json=first, headers=pinned)
+    assert stored.status_code == 200 and stored.headers["x-kvrouter-engine"] == "e1", stored.text
+    held = stored.json()["id"]
+    flags = (
+        "--config", str(tmp_path / "router.toml"), "--secure-serving=false", "--destination-fallbacks=false",
+        "--policy", "round_robin",
+    )  # fmt: skip
+    (tmp_path / "second").mkdir()
+    async with epp_process(*flags, env={"KVROUTER_ADMIN_TOKEN": ADMIN}) as second:
+        rendered = envoy_config(free_port(), free_port(), second.ready.grpc_port)
+        metrics = f"http://127.0.0.1:{second.ready.metrics_port}"
+        async with (
+            running_envoy(rendered, tmp_path / "second") as envoy,
+            httpx.AsyncClient(base_url=envoy.url, timeout=30.0) as client,
+            httpx.AsyncClient(base_url=metrics, timeout=30.0) as admin,
+        ):
+            await wait_for(lambda: all_fresh(admin), 30.0)
+            later = {**first, "input": "And the fix?", "previous_response_id": held}
+            answer = await client.post("/v1/responses", json=later, headers={"x-request-id": "later-1"})
+            assert answer.status_code == 200, answer.text  # (e0 would answer vLLM's 404)
+            assert answer.headers["x-kvrouter-engine"] == "e1"
+            auth = {"authorization": f"Bearer {ADMIN}"}
+            entry = (await admin.get("/debug/decisions/later-1", headers=auth)).json()
+            assert entry["decisions"][-1]["reason"] == f"stored response {held} on e1"
+            again = await client.get(f"/v1/responses/{held}")
+            assert again.status_code == 200 and again.json()["id"] == held
+            assert again.headers["x-kvrouter-engine"] == "e1"
+            text = (await admin.get("/metrics")).text
+            assert metric(text, "kvrouter_stored_response_seeks_total", outcome="found") == 1
+            assert metric(text, "kvrouter_stored_response_seeks_total") == 1
 
 
 @pytest.mark.parametrize("stack", ["headers only"], indirect=True)

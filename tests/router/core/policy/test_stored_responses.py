@@ -7,7 +7,7 @@ import pytest
 
 from router.core.ids import EngineId
 from router.core.policy.scoring import PolicyName, RouteRequest, Scorer, ScorerSettings
-from router.core.policy.stored_responses import StoredResponses
+from router.core.policy.stored_responses import StoredResponses, seek_candidates, seek_outcome, seekable
 from tests.router.core.policy.test_scoring import KEY, cand
 
 A, B = EngineId("a"), EngineId("b")
@@ -91,3 +91,42 @@ def test_a_removed_engine_forgets_its_stored_responses() -> None:
     s.stored.learn("resp_1", B)
     s.forget_engine(B)
     assert s.stored.engine_of("resp_1") is None and s.stored.evictions["engine_removed"] == 1
+
+
+@pytest.mark.parametrize(
+    ("response_id", "asked"),
+    [
+        ("resp_0f3a9c2e5b7d4e1f8a6b2c9d0e4f7a1b", True),  # vLLM's
+        ("resp_67ccd2bed1ec8190b14f964abc054267", True),  # OpenAI's
+        ("r-1.2~x:y", True),
+        ("x" * 256, True),
+        ("x" * 257, False),
+        ("", False),
+        ("resp_1/../admin", False),
+        ("resp_1?x=1", False),
+        ("resp 1", False),
+        ("resp_1\r\nHost: evil", False),
+        ("resp_%2F", False),
+        ("resp_é", False),
+    ],
+)
+def test_only_an_id_that_is_a_path_segment_with_nothing_to_escape_is_asked(
+    response_id: str, asked: bool
+) -> None:
+    assert seekable(response_id) is asked
+
+
+def test_one_replica_per_engine_url_is_asked_the_first_in_fleet_order() -> None:
+    """Data-parallel ranks behind one URL share its API server's store: one ask for them all."""
+    ranks = [(EngineId("a/0"), "http://10.0.0.1:8000"), (EngineId("a/1"), "http://10.0.0.1:8000")]
+    others = [(B, "http://10.0.0.2:8000"), (A, "http://10.0.0.3:8000")]
+    assert seek_candidates([*ranks, *others]) == [EngineId("a/0"), B, A]
+    assert seek_candidates([]) == []
+
+
+@pytest.mark.parametrize(
+    ("found", "unanswered", "outcome"),
+    [(True, 0, "found"), (True, 2, "found"), (False, 0, "not_found"), (False, 1, "unanswered")],
+)
+def test_a_seek_is_found_not_found_or_unanswered(found: bool, unanswered: int, outcome: str) -> None:
+    assert seek_outcome(found, unanswered) == outcome
