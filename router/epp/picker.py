@@ -264,7 +264,10 @@ class PickStream:
                 target, fallback = self._pass(body, excluded)
             else:
                 # (when some model's prompt ids come from an engine: prepared here, or awaited)
-                prepared = self._prepare_now(body, endpoint) if decider.any_remote else None
+                prepared: Prepared | str | None = None
+                if decider.any_remote:
+                    with decider.counting_refusals:
+                        prepared = decider.prepare_now(body, endpoint)
                 if isinstance(prepared, str):
                     return self._decide_later(body, excluded, prepared, trailers)
                 target, fallback = self._route(body, excluded, prepared)
@@ -272,23 +275,6 @@ class PickStream:
             self._leave()
             raise
         return self._picked(body, target, fallback, trailers)
-
-    def _prepare_now(self, body: bytes, endpoint: Endpoint) -> Prepared | str:
-        """`Decider.prepare_now` (the prepared request, or the model whose ids an engine gives); a
-        refusal counted."""
-        try:
-            return self.decider.prepare_now(body, endpoint)
-        except RouterError as exc:
-            self.decider.refusal(exc)
-            raise
-
-    async def _prepare_remote(self, body: bytes, endpoint: Endpoint, model: str) -> Prepared:
-        """`Decider.prepare_remote`; a refusal counted."""
-        try:
-            return await self.decider.prepare_remote(body, endpoint, model)
-        except RouterError as exc:
-            self.decider.refusal(exc)
-            raise
 
     def _decide_later(
         self, body: bytes, excluded: frozenset[EngineId], model: str, trailers: bool
@@ -302,13 +288,14 @@ class PickStream:
     async def _decide(
         self, body: bytes, excluded: frozenset[EngineId], model: str, trailers: bool
     ) -> Sequence[Answer]:
-        """`_pick`'s decision once an engine's prompt ids came (`_prepare_remote`): its answers, or a
-        failure's (as `on_message` answers it). Cancelled by `closed`."""
+        """`_pick`'s decision once an engine's prompt ids came (`Decider.prepare_remote`): its
+        answers, or a failure's (as `on_message` answers it). Cancelled by `closed`."""
         endpoint = self.endpoint
         assert endpoint is not None
         try:
             try:
-                prepared = await self._prepare_remote(body, endpoint, model)
+                with self.decider.counting_refusals:
+                    prepared = await self.decider.prepare_remote(body, endpoint, model)
                 target, fallback = self._route(body, excluded, prepared)
             except BaseException:
                 self._leave()
@@ -371,12 +358,9 @@ class PickStream:
                 raise exc.answer() from None
             except RequestError:
                 model = None  # not JSON naming a model: any replica, as for a body-less request
-        try:
+        with self.decider.counting_refusals:  # no replica of the model can take it: a refusal
             passthrough = self.picker.passthrough
             target = passthrough.chooser(model, passthrough.stored_on(self.scope["path"]))(excluded)
-        except RouterError as exc:  # no replica of the model can take it
-            self.decider.refusal(exc)
-            raise
         if target is None:  # every replica excluded by the subset hint
             raise self._no_engine()
         self.engine = target.engine
