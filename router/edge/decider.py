@@ -193,7 +193,7 @@ class Decider:
     def overloaded(self) -> NoReturn:
         """Refuse a request no admission slot is left for (counted)."""
         overloaded = self.parts.fleet.admission.overloaded()
-        self.refused(str(overloaded.http_status()), overloaded.reason)
+        self.refusal(overloaded)
         raise overloaded
 
     def refused(self, status: str, reason: str | None = None) -> None:

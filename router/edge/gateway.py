@@ -133,7 +133,7 @@ class Gateway:
         except RouterError as exc:
             if isinstance(exc, RequestTimeout):
                 self.parts.metrics.client_timeouts.labels("body").inc()
-            self.decider.refused(str(exc.http_status()), exc.reason)
+            self.decider.refusal(exc)
             raise
         except ClientDisconnected:
             self.decider.refused("client_closed")
