@@ -456,25 +456,18 @@ def test_the_hybrid_pin_and_the_hit_compete_on_the_prefix_they_leave(
 
 def test_settings_from_the_policy_table() -> None:
     """One mapping from `[policy]` to the scorer, used by the gateway and by `kvrouter replay`."""
-    policy = PolicyConfig(
-        name="session",
-        tie_tolerance_s=0.5,
-        seed=7,
-        session_capacity=3,
-        max_predicted_ttft_s=2.0,
-        max_scraped_waiting=9,
-        tie_min_hit_share=0.6,
-    )
-    settings = ScorerSettings.from_config(RouterConfig(policy=policy))
-    assert settings == ScorerSettings(
-        policy=PolicyName.SESSION,
-        tie_tolerance_s=0.5,
-        seed=7,
-        session_capacity=3,
-        max_predicted_ttft_s=2.0,
-        max_scraped_waiting=9,
-        tie_min_hit_share=0.6,
-    )
+    # Each a value other than its default, under the same name in both.
+    same: dict[str, Any] = {
+        "tie_tolerance_s": 0.5,
+        "seed": 7,
+        "session_capacity": 3,
+        "max_predicted_ttft_s": 2.0,
+        "max_scraped_waiting": 9,
+        "tie_min_hit_share": 0.6,
+    }
+    assert all(getattr(ScorerSettings(), name) != value for name, value in same.items())
+    settings = ScorerSettings.from_config(RouterConfig(policy=PolicyConfig(name="session", **same)))
+    assert settings == ScorerSettings(policy=PolicyName.SESSION, **same)
 
 
 def test_kv_keeps_a_long_hit_on_a_queued_engine_rather_than_add_its_whole_prefill_elsewhere() -> None:
