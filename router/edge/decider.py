@@ -7,7 +7,7 @@ forwards and relays, the picker only names the engine). What each needs, and not
 
 - `check_key(scope)` the API key (when `auth` requires one), `enter()` an admission slot (or the
   overload refusal), `refused(status, reason)` counting a request answered before any engine was
-  chosen;
+  chosen, and `counting_refusals` (`with` it) counting a `RouterError` a step raises as such;
 - `decide(...)` the request prepared (the gateway's tokenization and block keys) and routed: an
   `Exchange`;
 - the `Exchange` then carries the decided request to its end: `pick()` (the first attempt chosen and
