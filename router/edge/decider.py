@@ -7,7 +7,7 @@ forwards and relays, the picker only names the engine). What each needs, and not
 
 - `check_key(scope)` the API key (when `auth` requires one), `enter()` an admission slot (or the
   overload refusal), `refused(status, reason)` counting a request answered before any engine was
-  chosen;
+  chosen, and `counting_refusals` (`with` it) counting a `RouterError` a step raises as such;
 - `decide(...)` the request prepared (the gateway's tokenization and block keys) and routed: an
   `Exchange`;
 - the `Exchange` then carries the decided request to its end: `pick()` (the first attempt chosen and
@@ -24,7 +24,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
-from types import MappingProxyType
+from types import MappingProxyType, TracebackType
 from typing import Final, NoReturn
 
 from starlette.datastructures import Headers
@@ -130,12 +130,36 @@ def _prepare_failed(exc: Exception, endpoint: Endpoint) -> NoReturn:
     raise RouterError(f"internal error while preparing the request ({failure}, logged)") from exc
 
 
+class RefusalCounter:
+    """The one definition of "a refusal raised before any engine was chosen is counted, and goes on":
+    `with decider.counting_refusals:` counts a `RouterError` leaving the block (`Decider.refusal`)
+    and lets it propagate; anything else passes uncounted. One per `Decider` (it keeps no state of a
+    request, so every request enters the same one). A class with `__enter__`/`__exit__`, not a
+    `contextlib.contextmanager` generator: the gateway enters it on every request, and a generator
+    adds a frame and a wrapper object per entry to these two calls."""
+
+    __slots__ = ("_decider",)
+
+    def __init__(self, decider: Decider) -> None:
+        self._decider = decider
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if isinstance(exc, RouterError):
+            self._decider.refusal(exc)
+
+
 class Decider:
     """Admits, prepares and decides requests, and counts their outcomes (see the module docstring)."""
 
     def __init__(self, parts: GatewayParts) -> None:
         self.parts = parts
         self.policy = parts.config.policy.name
+        self.counting_refusals: Final = RefusalCounter(self)
         p = parts.config.policy
         # Only the session policy reads a session key: no other pays for finding one.
         keys = SessionKeys(p.session_header, p.session_agent_headers, p.session_body)
@@ -157,11 +181,8 @@ class Decider:
         """The request's API key, when `auth` requires one (a refusal counted)."""
         guard = self.parts.guard
         if guard.api_keys_required:
-            try:
+            with self.counting_refusals:
                 guard.check_api(Headers(scope=scope))
-            except RouterError as exc:
-                self.refusal(exc)
-                raise
 
     def enter(self) -> None:
         """Take an admission slot (`fleet.admission.leave()` gives it back), or refuse the request as
@@ -172,7 +193,7 @@ class Decider:
     def overloaded(self) -> NoReturn:
         """Refuse a request no admission slot is left for (counted)."""
         overloaded = self.parts.fleet.admission.overloaded()
-        self.refused(str(overloaded.http_status()), overloaded.reason)
+        self.refusal(overloaded)
         raise overloaded
 
     def refused(self, status: str, reason: str | None = None) -> None:
@@ -180,7 +201,8 @@ class Decider:
         self.parts.metrics.refused(self.policy, status, reason)
 
     def refusal(self, exc: RouterError) -> None:
-        """Count `exc`, a refusal raised before any engine was chosen (`refused`: its status, reason)."""
+        """Count `exc`, a refusal raised before any engine was chosen (`refused`: its status, reason);
+        `counting_refusals` counts one leaving a block."""
         self.refused(str(exc.http_status()), exc.reason)
 
     async def prepare(self, body: bytes, endpoint: Endpoint, full: bool = False) -> Prepared:
@@ -243,14 +265,6 @@ class Decider:
         self.parts.metrics.remote_tokenize_failures.inc()
         return None
 
-    async def prepare_counted(self, body: bytes, endpoint: Endpoint) -> Prepared:
-        """`prepare`, for `decide` when some model tokenizes on an engine; a refusal is counted."""
-        try:
-            return await self.prepare(body, endpoint)
-        except RouterError as exc:
-            self.refusal(exc)
-            raise
-
     def decide(
         self,
         scope: Scope,
@@ -267,11 +281,8 @@ class Decider:
         clock. A refusal is counted."""
         parts = self.parts
         if prepared is None:
-            try:
+            with self.counting_refusals:
                 prepared = self.prepare_local(body, endpoint)
-            except RouterError as exc:
-                self.refusal(exc)
-                raise
         entry = DecisionEntry(request_id=rid, time=time.time(), request=view_of(prepared))
         # The key was the router's (engines never see it); the request id is the gateway's. The path is
         # str(endpoint): a C call, where Enum.value is a Python-level property.

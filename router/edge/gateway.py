@@ -88,7 +88,10 @@ class Gateway:
                 # Prepared and decided with no coroutine of their own (unless an engine tokenizes),
                 # forwarded from here: no layer between this coroutine and the proxy's per request.
                 decider = self.decider
-                prepared = await decider.prepare_counted(body, endpoint) if decider.any_remote else None
+                prepared = None
+                if decider.any_remote:  # an engine may give the prompt ids: prepared (and counted) here
+                    with decider.counting_refusals:
+                        prepared = await decider.prepare(body, endpoint)
                 if self.parts.peers is not None:  # several workers: a continuation's stored response
                     await decider.stored_from_siblings(endpoint, body)
                 exchange = decider.decide(scope, endpoint, body, rid, arrived, prepared)
@@ -130,7 +133,7 @@ class Gateway:
         except RouterError as exc:
             if isinstance(exc, RequestTimeout):
                 self.parts.metrics.client_timeouts.labels("body").inc()
-            self.decider.refused(str(exc.http_status()), exc.reason)
+            self.decider.refusal(exc)
             raise
         except ClientDisconnected:
             self.decider.refused("client_closed")

@@ -286,7 +286,10 @@ class PickStream:
         endpoint = self.endpoint
         if endpoint is None:
             return self._pass(body, excluded)
-        prepared = self._prepare_now(body, endpoint) if self.decider.any_remote else None
+        prepared: Prepared | str | None = None
+        if self.decider.any_remote:
+            with self.decider.counting_refusals:
+                prepared = self.decider.prepare_now(body, endpoint)
         if isinstance(prepared, str):
             return prepared
         return self._route(body, excluded, prepared)
@@ -316,23 +319,6 @@ class PickStream:
         if candidates:
             await seek.seek(response_id, candidates, seek.headers(self.scope["headers"], self.rid))
 
-    def _prepare_now(self, body: bytes, endpoint: Endpoint) -> Prepared | str:
-        """`Decider.prepare_now` (the prepared request, or the model whose ids an engine gives); a
-        refusal counted."""
-        try:
-            return self.decider.prepare_now(body, endpoint)
-        except RouterError as exc:
-            self.decider.refusal(exc)
-            raise
-
-    async def _prepare_remote(self, body: bytes, endpoint: Endpoint, model: str) -> Prepared:
-        """`Decider.prepare_remote`; a refusal counted."""
-        try:
-            return await self.decider.prepare_remote(body, endpoint, model)
-        except RouterError as exc:
-            self.decider.refusal(exc)
-            raise
-
     def _decide_later(
         self,
         body: bytes,
@@ -358,7 +344,7 @@ class PickStream:
     ) -> Sequence[Answer]:
         """`_pick`'s decision once what it waits for came: the engine holding the stored response
         `sought` (`_seek`), then the pick (`_choose`), and an engine's prompt ids for `model` or a
-        model `_choose` names (`_prepare_remote`): its answers, or a failure's (as `on_message`
+        model `_choose` names (`Decider.prepare_remote`): its answers, or a failure's (as `on_message`
         answers it). Cancelled by `closed`."""
         try:
             try:
@@ -368,7 +354,8 @@ class PickStream:
                 if isinstance(chosen, str):
                     endpoint = self.endpoint
                     assert endpoint is not None
-                    prepared = await self._prepare_remote(body, endpoint, chosen)
+                    with self.decider.counting_refusals:
+                        prepared = await self.decider.prepare_remote(body, endpoint, chosen)
                     chosen = self._route(body, excluded, prepared)
             except BaseException:
                 self._leave()
@@ -431,12 +418,9 @@ class PickStream:
                 raise exc.answer() from None
             except RequestError:
                 model = None  # not JSON naming a model: any replica, as for a body-less request
-        try:
+        with self.decider.counting_refusals:  # no replica of the model can take it: a refusal
             passthrough = self.picker.passthrough
             target = passthrough.chooser(model, passthrough.stored_on(self.scope["path"]))(excluded)
-        except RouterError as exc:  # no replica of the model can take it
-            self.decider.refusal(exc)
-            raise
         if target is None:  # every replica excluded by the subset hint
             raise self._no_engine()
         self.engine = target.engine

@@ -7,40 +7,14 @@ import pytest
 
 from bench.ttft_calibration import calibration, queue_state
 from kvrouter.loadtest.results import RequestResult
-from router.core.ids import EngineId
-from router.core.policy.load import LoadSnapshot
-from router.core.policy.scoring import Candidate, Decision, RouteRequest, Scorer, ScorerSettings
-from router.core.policy.trust import TrustReason, TrustState, TrustStatus
-
-FRESH = TrustStatus(TrustState.FRESH, TrustReason.OK, "ok", 0.0)
+from router.core.policy.scoring import Decision, RouteRequest, Scorer, ScorerSettings
+from tests.scoring_helpers import candidate, snapshot
 
 
 def decided(key: str, in_flight: int, decoding: int) -> Decision:
     """One engine holding `in_flight` requests, `decoding` of them past their first token."""
-    load = LoadSnapshot(
-        in_flight=in_flight,
-        prefilling=in_flight - decoding,
-        decoding=decoding,
-        queued_prefill_tokens=0,
-        kv_cache_usage=None,
-        overhead_s=0.02,
-        per_token_s=1e-4,
-        scraped=False,
-    )
-    return Scorer(ScorerSettings()).choose(
-        RouteRequest(key),
-        [
-            Candidate(
-                engine=EngineId("a"),
-                hit_tokens=0,
-                boundary=0,
-                warm_tokens=0,
-                prompt_tokens=1000,
-                trust=FRESH,
-                load=load,
-            )
-        ],
-    )
+    load = snapshot(0.02, 1e-4, in_flight=in_flight, prefilling=in_flight - decoding, decoding=decoding)
+    return Scorer(ScorerSettings()).choose(RouteRequest(key), [candidate("a", load)])
 
 
 def answered(rid: str | None, ttft: float | None) -> RequestResult:

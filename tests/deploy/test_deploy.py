@@ -27,7 +27,7 @@ import kubernetes_validate
 import msgspec
 import pytest
 
-from events.config import decode_kv_events_config, is_bind_endpoint
+from events.config import KVEventsConfig, decode_kv_events_config, is_bind_endpoint
 from kvrouter.cli import build_parser
 from kvrouter.cmd_epp import with_pool
 from router.lifecycle import gateway_app
@@ -206,6 +206,19 @@ def controller_slice(service: Resource, pod_labels: dict[str, str], ports: dict[
     return msgspec.convert(obj, EndpointSlice)
 
 
+def pod_engine(name: str, args: dict[str, str], events: KVEventsConfig) -> EngineConfig:
+    """The engine `name` that discovery should make of the example vLLM pod ready at 10.1.2.3, from
+    the pod's own flags (`args`) and KV events config (`events`)."""
+    assert events.replay_endpoint is not None
+    return EngineConfig(
+        name=name,
+        url=f"http://10.1.2.3:{args['--port']}",
+        model=args["--served-model-name"],
+        events=[f"tcp://10.1.2.3:{urlsplit(events.endpoint).port}"],
+        replay=[f"tcp://10.1.2.3:{urlsplit(events.replay_endpoint).port}"],
+    )
+
+
 def test_the_example_engines_publish_what_the_discovery_config_expects() -> None:
     resources = RENDERED["example"]
     config = router_config(resources)
@@ -231,15 +244,7 @@ def test_the_example_engines_publish_what_the_discovery_config_expects() -> None
     found = engines_from_slices(
         config.discovery, [controller_slice(service, deployment["metadata"]["labels"], ports)]
     )
-    assert found == {
-        f"{service_name}/vllm-0": EngineConfig(
-            name=f"{service_name}/vllm-0",
-            url=f"http://10.1.2.3:{args['--port']}",
-            model=args["--served-model-name"],
-            events=[f"tcp://10.1.2.3:{urlsplit(events.endpoint).port}"],
-            replay=[f"tcp://10.1.2.3:{urlsplit(events.replay_endpoint).port}"],
-        )
-    }
+    assert found == {f"{service_name}/vllm-0": pod_engine(f"{service_name}/vllm-0", args, events)}
     assert args["--served-model-name"] == config.models[0].name
     assert int(args["--block-size"]) == config.models[0].block_size
 
@@ -424,14 +429,6 @@ def test_the_pool_selects_the_example_vllm_pods_and_the_picker_makes_them_engine
     }
     pool = msgspec.convert(pool_obj, InferencePool)
     found = engines_from_pool(config.discovery, pool, [msgspec.convert(pod_obj, Pod)])
-    assert found == {
-        "vllm/vllm-0": EngineConfig(
-            name="vllm/vllm-0",
-            url=f"http://10.1.2.3:{args['--port']}",
-            model=args["--served-model-name"],
-            events=[f"tcp://10.1.2.3:{urlsplit(events.endpoint).port}"],
-            replay=[f"tcp://10.1.2.3:{urlsplit(events.replay_endpoint).port}"],
-        )
-    }
+    assert found == {"vllm/vllm-0": pod_engine("vllm/vllm-0", args, events)}
     assert args["--served-model-name"] == config.models[0].name
     assert int(args["--block-size"]) == config.models[0].block_size

@@ -14,6 +14,7 @@ from events.frames import encode_seq
 from events.wire import ENCODER, AllBlocksCleared, BlockRemoved, BlockStored, KVEventBatch
 from router.core.ids import EngineId
 from router.settings.config import EngineConfig, ModelConfig
+from tests.event_helpers import block_stored
 from tests.gateway_helpers import ADMIN, Gateway, gateway_config, running_gateway, wait_for
 from tests.zmq_helpers import TrackedContext, tracked_context
 
@@ -40,15 +41,7 @@ def metric(text: str, name: str, **labels: str) -> float | None:
 
 
 def store(hashes: list[int], tokens: Any, medium: Any = "GPU") -> BlockStored:
-    return BlockStored(
-        block_hashes=list(hashes),
-        parent_block_hash=None,
-        token_ids=tokens,
-        block_size=4,
-        lora_id=None,
-        medium=medium,
-        lora_name=None,
-    )
+    return block_stored(hashes, tokens, 4, medium=medium)
 
 
 class Engine:

@@ -15,12 +15,13 @@ from prometheus_client.parser import text_string_to_metric_families
 from engine_stub.server.launch import running_stub
 from router.core.errors import ErrorBody
 from router.core.ids import EngineId
-from router.settings.config import EngineConfig
+from router.settings.config import EngineConfig, ModelConfig
 from tests.gateway_helpers import (
     Gateway,
     engine_of,
     fake_engine,
     gateway_config,
+    metric,
     running_gateway,
     running_stubs,
 )
@@ -72,6 +73,32 @@ async def test_an_unknown_model_is_the_gateways_404_and_never_reaches_an_engine(
         assert {"reason": "unknown_model"} in samples(text, "kvrouter_rejected_requests_total")
         # A request naming no model goes to the only model, as vLLM serves its only model.
         assert (await gw.client.post("/v1/completions", json=body(None))).status_code == 200
+
+
+async def test_refusals_while_preparing_for_an_engines_ids_are_answered_and_counted() -> None:
+    """With a model whose prompt ids come from an engine (prepared before the decision): an unknown
+    model (no engine asked) and a body the fallback preparation refuses (once the engine gave no ids)
+    are the gateway's own answers, counted as any refusal before an engine is chosen."""
+    asked: list[str] = []
+
+    async def no_ids(request: web.Request) -> web.Response:
+        asked.append(request.path)
+        return web.Response(status=500, text="no tokens")
+
+    async with fake_engine(no_ids) as url:
+        engine = EngineConfig(name="e0", url=url, model="m")
+        config = gateway_config([engine], models=[ModelConfig(name="m", remote_tokenize=True)])
+        async with running_gateway(config) as gw:
+            assert (await gw.client.post("/v1/completions", json=body("gpt-4"))).status_code == 404
+            malformed = {"model": "m", "prompt": 5, "max_tokens": 2}
+            assert (await gw.client.post("/v1/completions", json=malformed)).status_code == 400
+            assert asked == ["/tokenize"]  # (the malformed body's ids were asked for; nothing was sent)
+            text = (await gw.client.get("/metrics")).text
+            assert metric(text, "kvrouter_requests_total", engine="none", status="404") == 1
+            assert metric(text, "kvrouter_requests_total", engine="none", status="400") == 1
+            assert metric(text, "kvrouter_rejected_requests_total", reason="unknown_model") == 1
+            assert metric(text, "kvrouter_rejected_requests_total", reason="bad_request") == 1
+            assert gw.parts.fleet.admission.total == 0
 
 
 async def test_two_models_each_go_to_their_own_engines() -> None:

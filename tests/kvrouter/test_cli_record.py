@@ -22,6 +22,7 @@ from events.wire import ENCODER, AllBlocksCleared, BlockRemoved, BlockStored, KV
 from kvrouter.cli import build_parser
 from kvrouter.cmd_events import BatchLine
 from kvrouter.cmd_record import parse_engine
+from tests.event_helpers import block_stored
 from tests.zmq_helpers import TrackedContext, tracked_context
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,16 +42,7 @@ def batch(engine: int, i: int) -> KVEventBatch:
     """A distinct, realistic batch: a 2-block store, a removal, now and then a clear."""
     tokens = list(range(1000 * engine + 32 * i, 1000 * engine + 32 * i + 32))
     events: list[BlockStored | BlockRemoved | AllBlocksCleared] = [
-        BlockStored(
-            block_hashes=[2**64 - 1 - i, i],
-            parent_block_hash=None if i == 0 else i - 1,
-            token_ids=tokens,
-            block_size=16,
-            lora_id=None,
-            medium="GPU",
-            lora_name=None,
-            group_idx=0,
-        ),
+        block_stored([2**64 - 1 - i, i], tokens, 16, None if i == 0 else i - 1, group_idx=0),
         BlockRemoved([i + 7], "GPU"),
     ]
     if i % 4 == 3:

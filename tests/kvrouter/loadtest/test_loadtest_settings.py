@@ -75,35 +75,19 @@ def test_spread_arrivals_pushes_a_run_of_close_requests_and_zero_keeps_them() ->
 def test_duration_cuts_after_the_request_cap() -> None:
     workload = synthetic_requests(SyntheticWorkload(users=4, turns=4, rate=4.0))
     limit = workload[7].arrival_s
-    argv = [
-        "loadtest",
-        "--users",
-        "4",
-        "--turns",
-        "4",
-        "--rate",
-        "4",
-        "--requests",
-        "10",
-        "--duration",
-        str(limit),
-    ]
-    requests, not_sent = build_requests(build_parser().parse_args(argv))
+
+    def capped(requests: int) -> list[str]:
+        """4 users of 4 turns at 4 a second, at most `requests` of them, for `limit` seconds."""
+        return [
+            *"loadtest --users 4 --turns 4 --rate 4 --duration".split(),
+            str(limit),
+            "--requests",
+            str(requests),
+        ]
+
+    requests, not_sent = build_requests(build_parser().parse_args(capped(10)))
     assert (len(requests), not_sent) == (8, 2)  # of the 10 asked for, the last 2 arrive too late
-    roomy = [
-        "loadtest",
-        "--users",
-        "4",
-        "--turns",
-        "4",
-        "--rate",
-        "4",
-        "--requests",
-        "5",
-        "--duration",
-        str(limit),
-    ]
-    requests, not_sent = build_requests(build_parser().parse_args(roomy))
+    requests, not_sent = build_requests(build_parser().parse_args(capped(5)))
     assert (len(requests), not_sent) == (5, 0)
 
 

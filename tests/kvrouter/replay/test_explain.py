@@ -12,11 +12,10 @@ from events.recording_file import RecordingReader
 from kvrouter.cli import main
 from kvrouter.replay import NewPromptExplanation, Replayer, Setup, explain_request, render_decision
 from router.core.ids import EngineId
-from router.core.policy.load import LoadSnapshot
-from router.core.policy.scoring import CandidateScore, Decision, PolicyName
-from router.core.policy.trust import TrustReason, TrustState, TrustStatus
+from router.core.policy.scoring import Decision, PolicyName
 from tests.gateway_helpers import running_stubs
 from tests.replay_helpers import TURNS, USERS, chat_body, read_records, record_session, with_config_header
+from tests.scoring_helpers import scored, snapshot
 
 DECISION = msgspec.msgpack.Decoder(Decision)
 
@@ -97,44 +96,9 @@ async def test_bad_arguments_are_refused(recording: Path, capsys: pytest.Capture
 
 
 def test_render_decision_marks_the_choice_and_ineligible_candidates() -> None:
-    trust = TrustStatus(TrustState.FRESH, TrustReason.OK, "ok", 0.0)
-    load = LoadSnapshot(
-        in_flight=1,
-        prefilling=0,
-        decoding=1,
-        queued_prefill_tokens=32,
-        kv_cache_usage=None,
-        overhead_s=0.02,
-        per_token_s=1e-4,
-        scraped=False,
-    )
-    a = CandidateScore(
-        engine=EngineId("a"),
-        hit_tokens=64,
-        trusted_hit_tokens=64,
-        boundary=0,
-        warm_tokens=64,
-        pins_junction=False,
-        uncached_tokens=36,
-        predicted_ttft_s=0.03,
-        trust=trust,
-        load=load,
-        eligible=True,
-    )
-    b = CandidateScore(
-        engine=EngineId("b"),
-        hit_tokens=0,
-        trusted_hit_tokens=0,
-        boundary=0,
-        warm_tokens=0,
-        pins_junction=False,
-        uncached_tokens=100,
-        predicted_ttft_s=0.04,
-        trust=trust,
-        load=load,
-        eligible=False,
-        why_not="circuit breaker open",
-    )
+    load = snapshot(0.02, 1e-4, in_flight=1, decoding=1, queued_prefill_tokens=32)
+    a = scored("a", load, 36, 0.03, hit=64)
+    b = scored("b", load, 100, 0.04, "circuit breaker open")
     text = render_decision(
         Decision(
             engine=EngineId("a"),

@@ -15,7 +15,7 @@ import pytest
 from events.recording import FileHeader, FrameRecord, Record
 from events.recording_file import RecordingReader, RecordingWriter
 from events.sequence import Deliver
-from events.wire import ENCODER, BlockStored, EngineBlockHash, KVEventBatch
+from events.wire import ENCODER, EngineBlockHash, KVEventBatch
 from kvrouter.cli import main
 from kvrouter.replay import (
     Comparison,
@@ -31,6 +31,7 @@ from router.core.ids import EngineId
 from router.core.policy.scoring import PolicyName, ScorerSettings
 from router.ops.recording import GatewayRecorder
 from router.settings.config import EngineConfig, RouterConfig
+from tests.event_helpers import block_stored
 from tests.gateway_helpers import running_stubs
 from tests.replay_helpers import TURNS, USERS, read_records, record_session, with_config_header
 
@@ -121,15 +122,7 @@ def store(seq: int, n_blocks: int = 1) -> bytes:
     """A batch storing `n_blocks` fresh blocks (distinct tokens per seq), as an engine publishes it."""
     tokens = [1000 * (seq + 1) + i for i in range(BS * n_blocks)]
     hashes: list[EngineBlockHash] = [10_000 * (seq + 1) + i for i in range(n_blocks)]
-    event = BlockStored(
-        block_hashes=hashes,
-        parent_block_hash=None,
-        token_ids=tokens,
-        block_size=BS,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-    )
+    event = block_stored(hashes, tokens, BS)
     return ENCODER.encode(KVEventBatch(float(seq), [event]))
 
 

@@ -23,6 +23,7 @@ from router.core.prepared import Prepared
 from router.core.replica import Replica
 from router.prepare.engine_variants import resolve_variant
 from router.settings.config import EngineConfig, ModelConfig, RouterConfig
+from tests.event_helpers import block_stored
 from tokenization.openai_request import Endpoint
 
 MODEL = ModelConfig(name="m", block_size=4)
@@ -95,29 +96,13 @@ def followed_fleet() -> tuple[FleetState, Clock]:
 
 def store(n: int) -> BlockStored:
     tokens = [next(_tokens) for _ in range(4 * n)]
-    return BlockStored(
-        block_hashes=[next(_hashes) for _ in range(n)],
-        parent_block_hash=None,
-        token_ids=tokens,
-        block_size=4,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-    )
+    return block_stored([next(_hashes) for _ in range(n)], tokens, 4)
 
 
 def stored(tokens: list[int]) -> BlockStored:
     """The engine's store of the full blocks of a prompt of `tokens`."""
     n = len(tokens) // 4
-    return BlockStored(
-        block_hashes=[next(_hashes) for _ in range(n)],
-        parent_block_hash=None,
-        token_ids=tokens[: 4 * n],
-        block_size=4,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-    )
+    return block_stored([next(_hashes) for _ in range(n)], tokens[: 4 * n], 4)
 
 
 def prepared(fleet: FleetState, tokens: list[int], skip_cache: bool = False) -> Prepared:

@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from events.sequence import CaughtUp
 from events.sources import EngineName
-from events.wire import BlockStored, KVEventBatch
+from events.wire import KVEventBatch
 from router.core.fleet_state import FleetState
 from router.core.ids import EngineId, RequestId
 from router.core.keys.block_key import KeyHasher
@@ -21,6 +21,7 @@ from router.core.prepared import Prepared
 from router.core.routing import RoutingCore
 from router.prepare.engine_variants import resolve_variant
 from router.settings.config import EngineConfig, ModelConfig, PolicyConfig, RouterConfig
+from tests.event_helpers import block_stored
 from tests.router.core.test_fleet_state import prepared
 
 MODEL = ModelConfig(name="m", block_size=4)
@@ -123,20 +124,7 @@ def test_route_builds_the_candidates_and_predictions_of_the_general_path(
     for engine, blocks in stored:
         tokens = base[: 4 * blocks]
         hashes: list[int | bytes] = list(range(1, blocks + 1))
-        batch = KVEventBatch(
-            0.0,
-            [
-                BlockStored(
-                    block_hashes=hashes,
-                    parent_block_hash=None,
-                    token_ids=tokens,
-                    block_size=4,
-                    lora_id=None,
-                    medium="GPU",
-                    lora_name=None,
-                )
-            ],
-        )
+        batch = KVEventBatch(0.0, [block_stored(hashes, tokens, 4)])
         fleet.on_batch(EngineName(NAMES[engine]), 1, batch)
     for step, (n, skip, send) in enumerate(prompts):
         clock.now += 0.01

@@ -189,3 +189,27 @@ async def test_a_stream_closed_while_the_ids_are_awaited_cancels_the_decision() 
             assert metric(text, "kvrouter_requests_total", engine="none", status="client_closed") == 1
             assert metric(text, "kvrouter_requests_total") == 1 and metric(text, FAILURES) == 0
             assert stream.on_message(request_body(b"", True).SerializeToString()) == []  # (done)
+
+
+async def test_refusals_while_preparing_are_the_pickers_answers_and_counted() -> None:
+    """An unknown model (refused before any engine is asked) and a body the fallback preparation
+    refuses (once the engine gave no ids) are the picker's own answers, each counted as the gateway
+    counts a refusal."""
+    tokenizer = Tokenizer()
+    async with fake_engine(tokenizer.handle) as url:
+        async with remote_gateway([EngineConfig(name="e0", url=url, model=MODEL)]) as (gw, picker):
+            unknown = msgspec.json.encode({"model": "gpt-4", "prompt": "x", "max_tokens": 2})
+            malformed = msgspec.json.encode({"model": MODEL, "prompt": 5, "max_tokens": 2})
+            for rid, body, status in (("u", unknown, 404), ("m", malformed, 400)):
+                stream = picker.stream()
+                await answers_of(stream, posted(rid))
+                [refused] = await answers_of(stream, request_body(body, True))
+                assert refused.immediate_response.status.code == status, rid
+                stream.closed()
+            assert tokenizer.asked.is_set()  # (the malformed body's ids were asked for)
+            text = gw.parts.metrics.render().decode()
+            assert metric(text, "kvrouter_requests_total", engine="none", status="404") == 1
+            assert metric(text, "kvrouter_requests_total", engine="none", status="400") == 1
+            assert metric(text, "kvrouter_rejected_requests_total", reason="unknown_model") == 1
+            assert metric(text, "kvrouter_rejected_requests_total", reason="bad_request") == 1
+            assert gw.parts.fleet.admission.total == 0

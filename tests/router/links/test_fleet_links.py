@@ -9,7 +9,7 @@ import itertools
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import msgspec
 import pytest
@@ -27,6 +27,7 @@ from router.links.fleet_links import FleetLinks
 from router.ops.fleet_views import engine_views, index_summary
 from router.prepare.served_models import Models
 from router.settings.config import EngineConfig, ModelConfig, RouterConfig
+from tests.event_helpers import block_stored
 from tests.zmq_helpers import TrackedContext, tracked_context, wait_until
 
 FAST = SubscriberConfig(replay_timeout_s=1.0, reconnect_ivl_ms=10, reconnect_ivl_max_ms=50)
@@ -94,15 +95,7 @@ async def fleets() -> AsyncIterator[list[FleetLinks]]:
 def store(n: int, block_size: int = 4, parent: int | None = None) -> BlockStored:
     hashes: list[int | bytes] = [next(_hashes) for _ in range(n)]
     tokens = [next(_tokens) for _ in range(n * block_size)]  # distinct tokens: distinct router keys
-    return BlockStored(
-        block_hashes=hashes,
-        parent_block_hash=parent,
-        token_ids=tokens,
-        block_size=block_size,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-    )
+    return block_stored(hashes, tokens, block_size, parent)
 
 
 async def publish(
@@ -253,20 +246,7 @@ async def test_silence_while_requests_flow_and_engines_without_events(
         assert (silent.state, silent.reason) == (TrustState.STALE, TrustReason.SILENT)
         await publish(fleet, pub, E, store(1))  # another prompt's block: the request's are still missing
         assert not fleet.state.trust(E, now + 100.0).trusted
-        await publish(
-            fleet,
-            pub,
-            E,
-            BlockStored(
-                block_hashes=[next(_hashes)],
-                parent_block_hash=None,
-                token_ids=[1, 2, 3, 4],
-                block_size=4,
-                lora_id=None,
-                medium="GPU",
-                lora_name=None,
-            ),
-        )
+        await publish(fleet, pub, E, block_stored([next(_hashes)], [1, 2, 3, 4], 4))
         assert fleet.state.trust(E, now + 100.0).trusted
         unseen = fleet.state.trust(EngineId("blind"), now)
         assert unseen.state is TrustState.STALE and "no KV event endpoint" in unseen.detail
@@ -305,15 +285,7 @@ async def test_a_bad_event_costs_only_itself_and_makes_the_replica_stale(
     async with EventPublisher(endpoints("a"), context=ctx) as pub:
         fleet = await start_fleet(fleets, ctx, engine("e", pub.resolved), caught_up=True)
         a, b = store(1), store(1)
-        bad = BlockStored(
-            block_hashes=[next(_hashes)],
-            parent_block_hash=None,
-            token_ids=bad_tokens,
-            block_size=4,
-            lora_id=None,
-            medium="GPU",
-            lora_name=None,
-        )
+        bad = block_stored([next(_hashes)], bad_tokens, 4)
         await publish(fleet, pub, E, a, bad, b)  # waits for last_seq: the batch is handled whole
         await publish(
             fleet, pub, E, BlockRemoved([next(_hashes)], "GPU"), bad, BlockRemoved(a.block_hashes, "GPU")
@@ -334,30 +306,8 @@ async def test_cpu_blocks_are_accounted_and_emptied_by_a_clear(
 ) -> None:
     async with EventPublisher(endpoints("a"), context=ctx) as pub:
         fleet = await start_fleet(fleets, ctx, engine("e", pub.resolved))
-        cpu = BlockStored(
-            block_hashes=list(range(1000)),
-            parent_block_hash=None,
-            token_ids=[],
-            block_size=0,
-            lora_id=None,
-            medium="CPU",
-            lora_name=None,
-        )
-        await publish(
-            fleet,
-            pub,
-            E,
-            cpu,
-            BlockStored(
-                block_hashes=[1],
-                parent_block_hash=None,
-                token_ids=[],
-                block_size=0,
-                lora_id=None,
-                medium=cast(Any, "HBM9"),
-                lora_name=None,
-            ),
-        )
+        cpu = block_stored(range(1000), [], 0, medium="CPU")
+        await publish(fleet, pub, E, cpu, block_stored([1], [], 0, medium="HBM9"))
         summary: Any = index_summary(fleet.state)
         assert summary["bytes_estimate"] >= 1000 * 50 and summary["replicas"][E]["bytes_estimate"] > 0
         assert summary["replicas"][E]["other_media_blocks"] == {"CPU": 1000}

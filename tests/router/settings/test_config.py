@@ -61,6 +61,14 @@ def test_commented_examples_are_valid() -> None:
     assert not config.uses_embedded
 
 
+def refused(toml: str, words: list[str]) -> None:
+    """`toml` is refused with a `ConfigError` whose message holds each of `words`."""
+    with pytest.raises(ConfigError) as info:
+        decode_config(toml, "cfg.toml")
+    for word in words:
+        assert word in str(info.value)
+
+
 @pytest.mark.parametrize(
     ("toml", "words"),
     [
@@ -89,10 +97,7 @@ def test_commented_examples_are_valid() -> None:
     ],
 )
 def test_invalid_config_names_file_and_field(toml: str, words: list[str]) -> None:
-    with pytest.raises(ConfigError) as info:
-        decode_config(toml, "cfg.toml")
-    for word in words:
-        assert word in str(info.value)
+    refused(toml, words)
 
 
 def test_unreadable_file_names_the_path(tmp_path: Path) -> None:
@@ -229,10 +234,7 @@ def test_eagle_and_chunked_local_groups_reach_the_model_spec() -> None:
     ],
 )
 def test_invalid_eagle_and_group_keys(toml: str, words: list[str]) -> None:
-    with pytest.raises(ConfigError) as info:
-        decode_config(toml, "cfg.toml")
-    for word in words:
-        assert word in str(info.value)
+    refused(toml, words)
 
 
 @pytest.mark.parametrize(
@@ -254,10 +256,7 @@ def test_invalid_eagle_and_group_keys(toml: str, words: list[str]) -> None:
 )
 def test_invalid_reasoning_effort_keys(toml: str, words: list[str]) -> None:
     """As vLLM refuses them at startup (`validate_reasoning_effort_map`, the option's choices)."""
-    with pytest.raises(ConfigError) as info:
-        decode_config(toml, "cfg.toml")
-    for word in words:
-        assert word in str(info.value)
+    refused(toml, words)
 
 
 @pytest.mark.parametrize(

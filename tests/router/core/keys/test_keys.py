@@ -11,6 +11,7 @@ from events.wire import BlockStored, EngineBlockHash
 from router.core.keys import block_key
 from router.core.keys.block_key import KeyHasher, _block_hashes, chain_hashes
 from router.core.keys.event_tokens import keys_from_tokens
+from tests.event_helpers import block_stored
 
 BS = 4
 TOKENS = list(range(100, 117))  # 17 tokens: 4 full blocks
@@ -26,13 +27,11 @@ def stored(
 ) -> BlockStored:
     """A BlockStored as vLLM emits it for blocks [first_block, ...) of `tokens`."""
     digests = VllmHasher().block_hashes(tokens, BS, extras)
-    return BlockStored(
-        block_hashes=[wire_hash(d) for d in digests[first_block:]],
-        parent_block_hash=parent,
-        token_ids=tokens[first_block * BS : len(digests) * BS],
-        block_size=BS,
-        lora_id=None,
-        medium="GPU",
+    return block_stored(
+        [wire_hash(d) for d in digests[first_block:]],
+        tokens[first_block * BS : len(digests) * BS],
+        BS,
+        parent,
         lora_name=extras.lora_name,
         extra_keys=[event_extra_keys(extras, i * BS, (i + 1) * BS) for i in range(first_block, len(digests))],
     )
@@ -103,15 +102,8 @@ def test_keys_from_events_equal_keys_from_request_tokens(extras: RequestExtras) 
 def test_lookahead_keys_from_events_equal_request_keys() -> None:
     want = keys(lookahead=1)
     assert len(want) == 4  # 17 tokens: block 3 needs token 16, which exists
-    ev = BlockStored(
-        block_hashes=[1, 2, 3, 4],
-        parent_block_hash=None,
-        token_ids=TOKENS[:16],
-        block_size=BS,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-        lookahead_token_ids=[[TOKENS[(i + 1) * BS]] for i in range(4)],
+    ev = block_stored(
+        [1, 2, 3, 4], TOKENS[:16], BS, lookahead_token_ids=[[TOKENS[(i + 1) * BS]] for i in range(4)]
     )
     assert keys_from_tokens(HASHER, ev, None) == want
     assert want != keys()

@@ -18,6 +18,7 @@ from router.core.keys.sparse_window import RunShape, place_unknown, run_shape
 from router.core.kv_layout import GroupSpec, HashingMode, ModelSpec
 from router.core.mirror.full_reports import PendingReport, apply_batch
 from router.core.mirror.shared_index import EngineId, Mirror
+from tests.event_helpers import block_stored
 
 E = EngineId("e")
 SPEC = ModelSpec(groups=(GroupSpec(block_size=8), GroupSpec("sliding_window", 4, sliding_window=8)))
@@ -27,18 +28,7 @@ HASHER = KeyHasher(b"m")
 
 
 def stored(hashes: list[EngineBlockHash], tokens: list[int], bs: int, group: int, **kw: Any) -> BlockStored:
-    parent = kw.pop("parent", None)
-    return BlockStored(
-        block_hashes=hashes,
-        parent_block_hash=parent,
-        token_ids=tokens,
-        block_size=bs,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-        group_idx=group,
-        **kw,
-    )
+    return block_stored(hashes, tokens, bs, group_idx=group, **kw)  # (`parent` among `kw`)
 
 
 def test_a_coarse_block_takes_the_key_of_its_last_hash_unit() -> None:

@@ -22,6 +22,7 @@ from router.core.kv_layout import GroupSpec, HashingMode, ModelSpec
 from router.core.lookup.computed_blocks import LookupRequest, lookup
 from router.core.mirror.full_reports import PendingReport, apply_batch
 from router.core.mirror.shared_index import EngineId, Mirror
+from tests.event_helpers import block_stored
 
 BS = 32
 E = EngineId("gemma2")
@@ -38,15 +39,10 @@ OTHER_HASHES: list[EngineBlockHash] = [wire_hash(d) for d in VllmHasher().block_
 def stored(
     hashes: list[EngineBlockHash], group: int, kind: str, window: int | None, tokens: list[int] = PROMPT
 ) -> BlockStored:
-    return BlockStored(
-        block_hashes=hashes,
-        parent_block_hash=None,
-        token_ids=tokens[: 9 * BS],
-        block_size=BS,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-        extra_keys=None,
+    return block_stored(
+        hashes,
+        tokens[: 9 * BS],
+        BS,
         group_idx=group,
         kv_cache_spec_kind=kind,
         kv_cache_spec_sliding_window=window,

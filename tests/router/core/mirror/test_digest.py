@@ -12,6 +12,7 @@ from router.core.keys.block_key import KeyHasher
 from router.core.kv_layout import GroupSpec, HashingMode, ModelSpec
 from router.core.mirror.digest import ViewDigest, block_mix, mirror_digests
 from router.core.mirror.shared_index import Mirror
+from tests.event_helpers import block_stored
 
 BS = 4
 E0, E1 = EngineId("e0"), EngineId("e1")
@@ -29,16 +30,7 @@ def hashes(tokens: list[int]) -> list[EngineBlockHash]:
 
 def store(tokens: list[int], n: int | None = None, group: int = 0) -> BlockStored:
     hs = hashes(tokens)[:n]
-    return BlockStored(
-        block_hashes=hs,
-        parent_block_hash=None,
-        token_ids=tokens[: len(hs) * BS],
-        block_size=BS,
-        lora_id=None,
-        medium="GPU",
-        lora_name=None,
-        group_idx=group,
-    )
+    return block_stored(hs, tokens[: len(hs) * BS], BS, group_idx=group)
 
 
 def batch(*events: Any) -> KVEventBatch:
@@ -85,17 +77,7 @@ def test_the_digest_counts_every_copy_and_misses_nothing() -> None:
     last = hashes(TOKENS)[3]
     m.apply(
         E0,
-        batch(
-            BlockStored(
-                block_hashes=[last],
-                parent_block_hash=hashes(TOKENS)[2],
-                token_ids=TOKENS[12:16],
-                block_size=BS,
-                lora_id=None,
-                medium="GPU",
-                lora_name=None,
-            )
-        ),
+        batch(block_stored([last], TOKENS[12:16], BS, hashes(TOKENS)[2])),
     )
     assert mirror_digests(m)[E0][0].copies == 5 and digest(m) != one  # a second physical copy
     m.apply(E0, batch(BlockRemoved([last], "GPU")))

@@ -23,6 +23,7 @@ from router.core.keys.block_key import KeyHasher
 from router.core.kv_layout import GroupSpec, HashingMode, ModelSpec
 from router.core.mirror.full_reports import PendingReport, apply_batch
 from router.core.mirror.shared_index import EngineId, Mirror, MirrorConfig
+from tests.event_helpers import block_stored
 from tokenization.request_tokens import ReportMode
 
 Parent = EngineBlockHash | None
@@ -35,17 +36,7 @@ HASHES: list[EngineBlockHash] = [wire_hash(d) for d in VllmHasher().block_hashes
 
 
 def store(hashes: list[EngineBlockHash], tokens: list[int], parent: Parent = None, **kw: Any) -> BlockStored:
-    fields: dict[str, Any] = {"medium": "GPU", "group_idx": 0} | kw
-    return BlockStored(
-        block_hashes=hashes,
-        parent_block_hash=parent,
-        token_ids=tokens,
-        block_size=BS,
-        lora_id=None,
-        medium=fields.pop("medium"),
-        lora_name=None,
-        **fields,
-    )
+    return block_stored(hashes, tokens, BS, parent, **{"group_idx": 0, **kw})
 
 
 def removed(*hashes: EngineBlockHash, group: int = 0, medium: Any = "GPU") -> BlockRemoved:
@@ -182,19 +173,7 @@ def test_full_report_mode_engine_uses_set_semantics() -> None:
     ("event", "flag"),
     [
         (store(HASHES, TOKENS, kv_cache_spec_kind="sliding_window"), "kind_mismatch"),
-        (
-            BlockStored(
-                block_hashes=HASHES[:2],
-                parent_block_hash=None,
-                token_ids=TOKENS,
-                block_size=8,
-                lora_id=None,
-                medium="GPU",
-                lora_name=None,
-                group_idx=0,
-            ),
-            "block_size_mismatch",
-        ),
+        (block_stored(HASHES[:2], TOKENS, 8, group_idx=0), "block_size_mismatch"),
         (store(HASHES, TOKENS, group_idx=5), "unknown_group"),
     ],
 )

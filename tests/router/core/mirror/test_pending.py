@@ -13,9 +13,9 @@ from hypothesis import strategies as st
 
 from router.core.ids import EngineId, RequestId
 from router.core.mirror.pending import PendingPrefixes, _Tree
-from router.core.policy.load import LoadSnapshot
 from router.core.policy.scoring import Candidate, PolicyName, RouteRequest, Scorer, ScorerSettings
-from router.core.policy.trust import TrustReason, TrustState, TrustStatus
+from router.core.policy.trust import TrustStatus
+from tests.scoring_helpers import FRESH, STALE, candidate, snapshot
 
 A, B = EngineId("a"), EngineId("b")
 
@@ -79,31 +79,11 @@ def test_bounded_size_and_resend() -> None:
     )
 
 
-FRESH = TrustStatus(TrustState.FRESH, TrustReason.OK, "ok", 0.0)
-STALE = TrustStatus(TrustState.STALE, TrustReason.GAP, "gap", 0.0)
-LOAD = LoadSnapshot(
-    in_flight=0,
-    prefilling=0,
-    decoding=0,
-    queued_prefill_tokens=0,
-    kv_cache_usage=None,
-    overhead_s=0.01,
-    per_token_s=1e-4,
-    scraped=False,
-)
+LOAD = snapshot(0.01, 1e-4)
 
 
 def cand(name: str, pending: int = 0, trust: TrustStatus = FRESH, hit: int = 0) -> Candidate:
-    return Candidate(
-        engine=EngineId(name),
-        hit_tokens=hit,
-        boundary=0,
-        warm_tokens=hit,
-        prompt_tokens=1000,
-        trust=trust,
-        load=LOAD,
-        pending_tokens=pending,
-    )
+    return candidate(name, LOAD, hit, trust=trust, pending_tokens=pending)
 
 
 def test_kv_counts_pending_prefixes_and_predicts_them() -> None:

@@ -6,7 +6,6 @@ from router.core.errors import NoEngineAvailable, Overloaded
 from router.core.ids import EngineId
 from router.core.policy.admission import Admission
 from router.core.policy.breaker import CircuitBreaker
-from router.core.policy.load import LoadSnapshot
 from router.core.policy.refusal import over_bound, refusal
 from router.core.policy.scoring import (
     WHY_AT_CAPACITY,
@@ -15,7 +14,7 @@ from router.core.policy.scoring import (
     WHY_UNHEALTHY,
     CandidateScore,
 )
-from router.core.policy.trust import TrustReason, TrustState, TrustStatus
+from tests.scoring_helpers import scored, snapshot
 
 A, B, C = EngineId("a"), EngineId("b"), EngineId("c")
 ADMISSION = Admission(max_total=10, max_per_engine=3, status=503, retry_after_s=2)
@@ -71,36 +70,16 @@ def test_saturated_by_predicted_ttft_retries_after_the_first_engine_drains_below
 
 
 def test_over_bound_names_the_candidates_past_the_predicted_ttft_bound() -> None:
-    load = LoadSnapshot(
-        in_flight=0,
-        prefilling=0,
-        decoding=0,
-        queued_prefill_tokens=0,
-        kv_cache_usage=None,
-        overhead_s=0.02,
-        per_token_s=1e-4,
-        scraped=False,
-    )
-    fresh = TrustStatus(TrustState.FRESH, TrustReason.OK, "ok", 0.0)
+    load = snapshot(0.02, 1e-4)
 
-    def scored(engine: EngineId, ttft: float, why_not: str) -> CandidateScore:
-        return CandidateScore(
-            engine=engine,
-            hit_tokens=0,
-            trusted_hit_tokens=0,
-            boundary=0,
-            warm_tokens=0,
-            pins_junction=False,
-            uncached_tokens=10,
-            predicted_ttft_s=ttft,
-            trust=fresh,
-            load=load,
-            eligible=not why_not,
-            why_not=why_not,
-            bounded_s=ttft,
-        )
+    def bounded(engine: EngineId, ttft: float, why_not: str) -> CandidateScore:
+        return scored(engine, load, 10, ttft, why_not, bounded_s=ttft)
 
-    candidates = [scored(A, 3.5, WHY_SATURATED), scored(B, 1.0, WHY_SATURATED), scored(C, 9.0, WHY_UNHEALTHY)]
+    candidates = [
+        bounded(A, 3.5, WHY_SATURATED),
+        bounded(B, 1.0, WHY_SATURATED),
+        bounded(C, 9.0, WHY_UNHEALTHY),
+    ]
     assert over_bound(candidates, 2.0) == {A: 1.5}  # b: saturated by its scraped queue, not the bound
     assert over_bound(candidates, 0.0) == {}  # no bound
     mixed = refusal("m", [(A, WHY_SATURATED), (B, WHY_UNHEALTHY)], ADMISSION, {})

@@ -28,30 +28,18 @@ from router.core.policy.scoring import (
     _why_not,
     stable_hash,
 )
-from router.core.policy.trust import TrustReason, TrustState, TrustStatus
+from router.core.policy.trust import TrustState, TrustStatus
 from router.core.policy.ttft_model import idle_prefill_s, priced_tokens, ttft_terms
 from router.settings.config import PolicyConfig, RouterConfig
-
-FRESH = TrustStatus(TrustState.FRESH, TrustReason.OK, "ok", 0.0)
-STALE = TrustStatus(TrustState.STALE, TrustReason.GAP, "gap", 0.0)
-CATCHING = TrustStatus(TrustState.CATCHING_UP, TrustReason.REPLAY_IN_FLIGHT, "replay", 0.0)
+from tests.scoring_helpers import CATCHING, FRESH, STALE, candidate, snapshot
 
 # Cost model in every row: 10 ms overhead + 0.1 ms per token (so 100 tokens = 10 ms).
 OVERHEAD, PER_TOKEN = 0.010, 1e-4
 
 
 def load_of(**fields: Any) -> LoadSnapshot:
-    """A snapshot at the module's prefill cost (`OVERHEAD`, `PER_TOKEN`), its usage not known, nothing
-    scraped; `fields` name the others (the counts, and any field to set)."""
-    return LoadSnapshot(
-        **{
-            "kv_cache_usage": None,
-            "overhead_s": OVERHEAD,
-            "per_token_s": PER_TOKEN,
-            "scraped": False,
-            **fields,
-        }
-    )
+    """A snapshot at the module's prefill cost (`OVERHEAD`, `PER_TOKEN`): `snapshot`'s."""
+    return snapshot(OVERHEAD, PER_TOKEN, **fields)
 
 
 def cand(
@@ -72,14 +60,14 @@ def cand(
     )
     warm_tokens = hit if warm is None else warm
     boundary = warm_tokens if warm_tokens > hit else 0
-    return Candidate(
-        engine=EngineId(name),
-        hit_tokens=hit,
+    return candidate(
+        name,
+        load,
+        hit=hit,
+        prompt=prompt,
+        trust=trust,
         boundary=boundary,
         warm_tokens=warm_tokens,
-        prompt_tokens=prompt,
-        trust=trust,
-        load=load,
         healthy=healthy,
         breaker_open=breaker_open,
         at_capacity=full,
@@ -301,16 +289,7 @@ def test_the_prediction_is_the_mirrors_hit_and_the_record_says_what_scoring_coun
 
 def _decoding(name: str, decoding: int, hit: int = 0) -> Candidate:
     step = StepCost(decode_step_s=0.006, decode_penalty_s=0.001, max_num_batched_tokens=8192)
-    load = load_of(in_flight=decoding, prefilling=0, decoding=decoding, queued_prefill_tokens=0, step=step)
-    return Candidate(
-        engine=EngineId(name),
-        hit_tokens=hit,
-        boundary=0,
-        warm_tokens=hit,
-        prompt_tokens=1000,
-        trust=FRESH,
-        load=load,
-    )
+    return candidate(name, load_of(in_flight=decoding, decoding=decoding, step=step), hit)
 
 
 def test_decoding_sequences_lengthen_the_predicted_ttft_and_are_recorded() -> None:
@@ -334,18 +313,7 @@ def test_kv_prefers_the_engine_whose_running_batch_holds_less_context(long_conte
 
     def engine(name: str) -> Candidate:
         context = 8 * (25_000 if name == long_contexts else 1_000)
-        load = load_of(
-            in_flight=8, prefilling=0, decoding=8, queued_prefill_tokens=0, step=step, context_tokens=context
-        )
-        return Candidate(
-            engine=EngineId(name),
-            hit_tokens=0,
-            boundary=0,
-            warm_tokens=0,
-            prompt_tokens=1000,
-            trust=FRESH,
-            load=load,
-        )
+        return candidate(name, load_of(in_flight=8, decoding=8, step=step, context_tokens=context))
 
     decision = Scorer(ScorerSettings()).choose(RouteRequest(KEY), [engine("a"), engine("b")])
     assert decision.engine == ("b" if long_contexts == "a" else "a")
@@ -439,29 +407,9 @@ def test_readme_second_turn_goes_to_the_warm_engine_when_costs_tie() -> None:
     key = next(
         k for k in (f"k{i}" for i in range(64)) if min(engines, key=lambda e: stable_hash(k, e)) == engines[1]
     )
-    load = LoadSnapshot(
-        in_flight=0,
-        prefilling=0,
-        decoding=0,
-        queued_prefill_tokens=0,
-        kv_cache_usage=None,
-        overhead_s=0.032,
-        per_token_s=1.005e-4,
-        scraped=False,
-    )
-    warm = Candidate(
-        engine=engines[0],
-        hit_tokens=16,
-        boundary=0,
-        warm_tokens=16,
-        prompt_tokens=44,
-        trust=FRESH,
-        load=load,
-        pending_tokens=16,
-    )
-    cold = Candidate(
-        engine=engines[1], hit_tokens=0, boundary=0, warm_tokens=0, prompt_tokens=44, trust=FRESH, load=load
-    )
+    load = snapshot(0.032, 1.005e-4)
+    warm = candidate(engines[0], load, hit=16, prompt=44, pending_tokens=16)
+    cold = candidate(engines[1], load, prompt=44)
     decision = Scorer(ScorerSettings()).choose(RouteRequest(key), [warm, cold])
     assert decision.engine == "embedded-0", decision.reason
     assert decision.predicted_cached_tokens == 16
@@ -508,25 +456,18 @@ def test_the_hybrid_pin_and_the_hit_compete_on_the_prefix_they_leave(
 
 def test_settings_from_the_policy_table() -> None:
     """One mapping from `[policy]` to the scorer, used by the gateway and by `kvrouter replay`."""
-    policy = PolicyConfig(
-        name="session",
-        tie_tolerance_s=0.5,
-        seed=7,
-        session_capacity=3,
-        max_predicted_ttft_s=2.0,
-        max_scraped_waiting=9,
-        tie_min_hit_share=0.6,
-    )
-    settings = ScorerSettings.from_config(RouterConfig(policy=policy))
-    assert settings == ScorerSettings(
-        policy=PolicyName.SESSION,
-        tie_tolerance_s=0.5,
-        seed=7,
-        session_capacity=3,
-        max_predicted_ttft_s=2.0,
-        max_scraped_waiting=9,
-        tie_min_hit_share=0.6,
-    )
+    # Each a value other than its default, under the same name in both.
+    same: dict[str, Any] = {
+        "tie_tolerance_s": 0.5,
+        "seed": 7,
+        "session_capacity": 3,
+        "max_predicted_ttft_s": 2.0,
+        "max_scraped_waiting": 9,
+        "tie_min_hit_share": 0.6,
+    }
+    assert all(getattr(ScorerSettings(), name) != value for name, value in same.items())
+    settings = ScorerSettings.from_config(RouterConfig(policy=PolicyConfig(name="session", **same)))
+    assert settings == ScorerSettings(policy=PolicyName.SESSION, **same)
 
 
 def test_kv_keeps_a_long_hit_on_a_queued_engine_rather_than_add_its_whole_prefill_elsewhere() -> None:
@@ -534,43 +475,9 @@ def test_kv_keeps_a_long_hit_on_a_queued_engine_rather_than_add_its_whole_prefil
     behind 43k queued tokens, an idle engine held nothing. Its own TTFT alone says go cold (1.6 s
     against 2.2 s), and kv did, giving up the hit; the cost also counts the prefill work each choice
     adds to its engine (`prefill_work_weight`): 32k tokens more for everyone queued there next."""
-    load = LoadSnapshot(
-        in_flight=4,
-        prefilling=4,
-        decoding=0,
-        queued_prefill_tokens=43_000,
-        kv_cache_usage=None,
-        overhead_s=0.02,
-        per_token_s=5e-5,
-        scraped=False,
-    )
-    warm = Candidate(
-        engine=EngineId("a"),
-        hit_tokens=31_232,
-        boundary=0,
-        warm_tokens=31_232,
-        prompt_tokens=32_000,
-        trust=FRESH,
-        load=load,
-    )
-    cold = Candidate(
-        engine=EngineId("b"),
-        hit_tokens=0,
-        boundary=0,
-        warm_tokens=0,
-        prompt_tokens=32_000,
-        trust=FRESH,
-        load=LoadSnapshot(
-            in_flight=0,
-            prefilling=0,
-            decoding=0,
-            queued_prefill_tokens=0,
-            kv_cache_usage=None,
-            overhead_s=0.02,
-            per_token_s=5e-5,
-            scraped=False,
-        ),
-    )
+    load = snapshot(0.02, 5e-5, in_flight=4, prefilling=4, queued_prefill_tokens=43_000)
+    warm = candidate("a", load, hit=31_232, prompt=32_000)
+    cold = candidate("b", snapshot(0.02, 5e-5), prompt=32_000)
     greedy = Scorer(ScorerSettings(prefill_work_weight=0.0)).choose(RouteRequest(KEY), [warm, cold])
     assert greedy.engine == "b", greedy.reason  # the TTFT-only choice the load test showed
     decision = Scorer(ScorerSettings()).choose(RouteRequest(KEY), [warm, cold])
@@ -606,14 +513,11 @@ def test_the_decision_records_the_ttft_model_s_terms_and_the_score_s_rules(
     one, the prefill work, the junction pin, and ineligibility (the saturation limits included); the
     counted tokens are the request's cached ones there, priced at `cached_token_cost`."""
     scrape = ScrapedMetrics(0.0, in_flight, waiting) if scraped else None
-    load = LoadSnapshot(
+    load = load_of(
         in_flight=in_flight,
         prefilling=1,
         decoding=decoding,
         queued_prefill_tokens=queued,
-        kv_cache_usage=None,
-        overhead_s=OVERHEAD,
-        per_token_s=PER_TOKEN,
         scraped=scraped,
         step=StepCost(6e-3, 40e-6, budget, max_seqs, cached_token_cost=share),
         scrape=scrape,
@@ -621,14 +525,13 @@ def test_the_decision_records_the_ttft_model_s_terms_and_the_score_s_rules(
         drained_tokens=drained,
         queued_cached_tokens=queued_cached,
     )
-    c = Candidate(
-        engine=EngineId("a"),
-        hit_tokens=hit,
-        boundary=0,
-        warm_tokens=warm,
-        prompt_tokens=prompt,
+    c = candidate(
+        "a",
+        load,
+        hit=hit,
+        prompt=prompt,
         trust=trust,
-        load=load,
+        warm_tokens=warm,
         healthy=healthy,
         breaker_open=breaker,
         at_capacity=full,
@@ -664,6 +567,18 @@ def _general_decision(scorer: Scorer, request: RouteRequest, candidates: list[Ca
     scores = sorted((_score(c, request.excluded, settings) for c in candidates), key=lambda s: s.engine)
     eligible = [s for s in scores if s.eligible]
     chosen, reason = scorer._kv(request, eligible)
+    return _kv_decision(settings, scores, eligible, chosen, reason)
+
+
+def _kv_decision(
+    settings: ScorerSettings,
+    scores: list[CandidateScore],
+    eligible: list[CandidateScore],
+    chosen: CandidateScore,
+    reason: str,
+) -> Decision:
+    """The decision kv's choice of `chosen` among the `eligible` `scores` makes: the runner-up the
+    least cost of the others, whatever their number (as first written)."""
     others = [s for s in eligible if s is not chosen]
     runner = min(others, key=lambda s: s.cost_s) if others else None
     return Decision(
@@ -692,16 +607,7 @@ def test_a_lone_eligible_candidate_gets_the_general_kv_decision(
     """`choose`'s shortcut for one eligible candidate (the rest ineligible, for any reason) gives the
     decision the general kv path gives: the same reason, prediction and no runner-up."""
     load = load_of(in_flight=in_flight, prefilling=1, decoding=in_flight - 1, queued_prefill_tokens=queued)
-    alone = Candidate(
-        engine=EngineId("m"),
-        hit_tokens=hit,
-        boundary=0,
-        warm_tokens=warm,
-        prompt_tokens=prompt,
-        trust=trust,
-        load=load,
-        pending_tokens=pending,
-    )
+    alone = candidate("m", load, hit, prompt, trust, warm_tokens=warm, pending_tokens=pending)
     rest = [
         cand(f"o{i}", healthy=why != "unhealthy", breaker_open=why == "breaker", full=why == "full")
         for i in range(others)
@@ -740,16 +646,7 @@ def test_kv_words_and_the_lone_prediction_equal_their_first_writing(
     """kv's reason (the pending words written inline) and the lone candidate's prediction (the
     expected tokens written inline) are what the first-written functions give."""
     load = load_of(in_flight=in_flight, prefilling=1, decoding=in_flight - 1, queued_prefill_tokens=queued)
-    c = Candidate(
-        engine=EngineId("m"),
-        hit_tokens=hit,
-        boundary=0,
-        warm_tokens=0,
-        prompt_tokens=prompt,
-        trust=trust,
-        load=load,
-        pending_tokens=pending,
-    )
+    c = candidate("m", load, hit, prompt, trust, warm_tokens=0, pending_tokens=pending)
     score = _score(c, frozenset(), ScorerSettings())
     assert _kv_words(score, lowest) == _kv_words_reference(score, lowest)
     decision = Scorer(ScorerSettings()).choose(RouteRequest(KEY), [c])
@@ -814,19 +711,7 @@ def _choose_first_written(scorer: Scorer, request: RouteRequest, candidates: lis
     if not eligible:
         return scorer.choose(request, candidates)  # (no engine: not what this pins)
     chosen, reason = _kv_first_written(scorer, request, eligible)
-    others = [s for s in eligible if s is not chosen]
-    runner = min(others, key=lambda s: s.cost_s) if others else None
-    return Decision(
-        engine=chosen.engine,
-        policy=settings.policy,
-        reason=reason,
-        predicted_cached_tokens=chosen.expected_tokens,
-        candidates=scores,
-        mirror_hit_tokens=chosen.hit_tokens,
-        counted_cached_tokens=chosen.counted_tokens,
-        runner_up=runner.engine if runner else None,
-        margin_s=runner.cost_s - chosen.cost_s if runner else 0.0,
-    )
+    return _kv_decision(settings, scores, eligible, chosen, reason)
 
 
 # Few values, so that candidates tie on the cost and on each rule often.
@@ -840,18 +725,8 @@ _TIED = st.tuples(
 
 def _tied_candidate(engine: str, hit: int, warm: int, pending: int, in_flight: int, queued: int,
                     trust: TrustStatus, healthy: bool) -> Candidate:  # fmt: skip
-    load = load_of(in_flight=in_flight, prefilling=in_flight, decoding=0, queued_prefill_tokens=queued)
-    return Candidate(
-        engine=EngineId(engine),
-        hit_tokens=hit,
-        boundary=0,
-        warm_tokens=warm,
-        prompt_tokens=64,
-        trust=trust,
-        load=load,
-        healthy=healthy,
-        pending_tokens=pending,
-    )
+    load = load_of(in_flight=in_flight, prefilling=in_flight, queued_prefill_tokens=queued)
+    return candidate(engine, load, hit, 64, trust, warm_tokens=warm, healthy=healthy, pending_tokens=pending)
 
 
 @given(

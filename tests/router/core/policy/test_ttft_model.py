@@ -16,6 +16,7 @@ from router.core.policy.ttft_model import (
     step_decode_s,
     ttft_terms,
 )
+from tests.scoring_helpers import snapshot
 
 OVERHEAD, PER_TOKEN = 0.02, 1e-4  # 20 ms + 0.1 ms per token: 1000 tokens prefill in 0.12 s
 STEP = StepCost(decode_step_s=0.006, decode_penalty_s=0.001, max_num_batched_tokens=1000, max_num_seqs=4)
@@ -25,15 +26,13 @@ def engine(
     step: StepCost = STEP, in_flight: int = 0, decoding: int = 0, queued: int = 0, drained: int = 0,
     residency_s: float = 0.0, context: int = 0, queued_cached: int = 0,
 ) -> LoadSnapshot:  # fmt: skip
-    return LoadSnapshot(
+    return snapshot(
+        OVERHEAD,
+        PER_TOKEN,
         in_flight=in_flight,
         prefilling=in_flight - decoding,
         decoding=decoding,
         queued_prefill_tokens=queued,
-        kv_cache_usage=None,
-        overhead_s=OVERHEAD,
-        per_token_s=PER_TOKEN,
-        scraped=False,
         step=step,
         residency_s=residency_s,
         drained_tokens=drained,
