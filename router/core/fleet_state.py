@@ -84,10 +84,7 @@ class FleetState:
         self.mirror = Mirror(mirror_config, hasher)
         policy = config.policy
         prior = CostPrior(
-            overhead_s=policy.prior_overhead_s,
-            per_token_s=policy.prior_per_token_s,
-            weight=policy.prior_weight,
-            forgetting=policy.forgetting,
+            policy.prior_overhead_s, policy.prior_per_token_s, policy.prior_weight, policy.forgetting
         )
         step = StepCost(
             decode_step_s=policy.decode_step_s,
@@ -95,7 +92,6 @@ class FleetState:
             max_num_batched_tokens=policy.max_num_batched_tokens,
             max_num_seqs=policy.max_num_seqs,
             context_read_s_per_token=policy.context_read_s_per_token,
-            cached_token_cost=policy.cached_token_cost,
         )
         drain, service = policy.drain_queued_prefill, policy.learn_prefill_from_service
         self.load = LoadTracker(prior, policy.scrape_max_age_s, step, drain, service)

@@ -158,10 +158,6 @@ class PolicyConfig(_Table, frozen=True):
     """kv: the engines' running-batch limit (vLLM's `max_num_seqs`); past it requests wait for slots."""
     context_read_s_per_token: NonNegative = 38e-9
     """kv: seconds each engine step takes longer per token of context (KV) of the requests it holds."""
-    cached_token_cost: Annotated[float, msgspec.Meta(ge=0, le=1)] = 0.0
-    """kv: what a prompt token the engine had cached adds to its request's prefill, as a share of an
-    uncached token's learned cost (0: nothing, the H100 reading; measure yours with
-    bench/prefill_fit.py over a load test: docs/gateway.md "The load model")."""
     seed: int = 0
     session_header: str = "x-session-id"
     """session: the configured session header, read before any other source of a session key."""
@@ -204,8 +200,7 @@ class PolicyConfig(_Table, frozen=True):
     max_scraped_waiting: Annotated[int, msgspec.Meta(ge=0)] = 0
     """An engine whose scraped waiting queue is longer than this is saturated (0: off)."""
     prefill_work_weight: NonNegative = 1.0
-    """kv: cost = predicted TTFT + this x the request's own prefill time besides its overhead (the work
-    it adds: its uncached tokens, and its cached ones at `cached_token_cost`)."""
+    """kv: cost = predicted TTFT + this x the request's own uncached prefill time (the work it adds)."""
     drain_queued_prefill: bool = True
     """kv: count the oldest unanswered request per engine as prefilled at the learned pace as time passes."""
     learn_prefill_from_service: bool = False

@@ -31,7 +31,6 @@ from router.core.policy.ttft_model import (
     StepCost,
     batch_full,
     prefill_steps,
-    priced_tokens,
     running_context,
     step_budget,
     step_decode_s,
@@ -187,8 +186,6 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
     context_tokens: int = 0
     """Prompt tokens of the requests this router has on the engine (prefilling or decoding): the KV
     context every engine step reads (`StepCost.context_read_s_per_token`)."""
-    queued_cached_tokens: int = 0
-    """Cached prompt tokens of the requests sent and not answered (their prefill attends to them)."""
 
 
 class _InFlight(msgspec.Struct):
@@ -198,13 +195,10 @@ class _InFlight(msgspec.Struct):
     uncached_tokens: int
     work_tokens: int
     other_s: float = 0.0
-    cached_tokens: int = 0  # its prompt's tokens the engine had (context less uncached)
-    work_cached: int = 0  # the cached tokens of the queue as sent, its own included
     context_tokens: int = 0
     first_token_at: float | None = None
     timed: bool = True  # its first byte was its first token (`LoadTracker.first_token`)
     prefilled_at: int = 0  # the engine's `prefilled` at its first token (`LoadTracker._learn_step`)
-    prefilled_cached_at: int = 0  # and its `prefilled_cached`
 
 
 class _Service(msgspec.Struct):
@@ -217,7 +211,6 @@ class _Service(msgspec.Struct):
     busy_s: float
     decoding: int
     context: int = 0
-    cached: int = 0
 
 
 _RESIDENCY_FORGETTING: Final = 0.98
@@ -273,12 +266,10 @@ class _EngineLoad:
     def __init__(self, model: PrefillCostModel, step: StepCost) -> None:
         self.model = model
         self.step = step  # the configured one, its `decode_step_s` learned (`LoadTracker._learn_step`)
-        self.prefilled = 0  # uncached prompt tokens of the requests answered so far: the prefill it did
-        self.prefilled_cached = 0  # and their cached ones
+        self.prefilled = 0  # prompt tokens of the requests answered so far: the prefill it did
         self.in_flight = 0
         self.prefilling = 0
         self.prefill_tokens = 0
-        self.prefill_cached = 0  # cached prompt tokens of the unanswered requests
         self.context = 0  # prompt tokens of the requests held (`LoadSnapshot.context_tokens`)
         self.typical_uncached = 0.0
         self.started = 0
@@ -354,36 +345,30 @@ class LoadTracker:
         if request in self._requests:
             raise ValueError(f"request {request} is already in flight; finish it before restarting it")
         load = self._engine(engine)
-        cached = max(0, context_tokens - uncached_tokens)
         # What is predicted now besides prefill is taken out of the TTFT the prefill model learns from.
-        other_s = self._other_s(load, engine, at, uncached_tokens, cached)
+        other_s = self._other_s(load, engine, at, uncached_tokens)
         load.seen = None
+        work = load.prefill_tokens + uncached_tokens
         flight = self._requests[request] = _InFlight(
             engine=engine,
             load=load,
             started_at=at,
             uncached_tokens=uncached_tokens,
-            work_tokens=load.prefill_tokens + uncached_tokens,
+            work_tokens=work,
             other_s=other_s,
             context_tokens=context_tokens,
-            cached_tokens=cached,
-            work_cached=load.prefill_cached + cached,
         )
         load.unanswered[request] = flight
         load.context += context_tokens
         load.in_flight += 1
         load.prefilling += 1
         load.prefill_tokens += uncached_tokens
-        load.prefill_cached += cached
         rate = 1.0 if load.started == 0 else 0.1
         load.typical_uncached += rate * (uncached_tokens - load.typical_uncached)
         load.started += 1
 
-    def _other_s(
-        self, load: _EngineLoad, engine: EngineId, at: float, uncached_tokens: int, cached: int
-    ) -> float:
-        """`decode_s + slot_wait_s` of `ttft_terms` of the engine's snapshot at `at` for `uncached_tokens`
-        over `cached`.
+    def _other_s(self, load: _EngineLoad, engine: EngineId, at: float, uncached_tokens: int) -> float:
+        """`decode_s + slot_wait_s` of `ttft_terms` of the engine's snapshot at `at` for `uncached_tokens`.
 
         The engine's last snapshot (its decision's, microseconds before) serves when nothing it read
         has changed and `at` cannot change it: no later, its scrape stale already (it stays stale) or
@@ -401,7 +386,7 @@ class LoadTracker:
         # (the residency is read only for a slot wait)
         if batch_full(load.step, seen.in_flight) and load.residency.decoding and at != load.seen_at:
             seen = msgspec.structs.replace(seen, residency_s=load.residency.estimate(at))
-        _, decode_s, slot_s, _ = ttft_terms(seen, uncached_tokens, cached)
+        _, decode_s, slot_s, _ = ttft_terms(seen, uncached_tokens)
         return decode_s + slot_s
 
     def first_token(self, request: RequestId, at: float, timed: bool = True) -> float | None:
@@ -420,8 +405,7 @@ class LoadTracker:
         load = flight.load
         load.seen = None
         load.prefilled += flight.uncached_tokens
-        load.prefilled_cached += flight.cached_tokens
-        flight.prefilled_at, flight.prefilled_cached_at = load.prefilled, load.prefilled_cached
+        flight.prefilled_at = load.prefilled
         if not timed:
             self._end_prefill(load, request, flight)
             return at - flight.started_at
@@ -431,8 +415,7 @@ class LoadTracker:
         else:
             ttft = at - flight.started_at - flight.other_s
             queued = flight.work_tokens > flight.uncached_tokens
-            priced = priced_tokens(load.step, flight.work_tokens, flight.work_cached)
-            load.model.observe(priced, max(0.0, ttft), queued)
+            load.model.observe(flight.work_tokens, max(0.0, ttft), queued)
         self._end_prefill(load, request, flight)
         load.head_since = at
         return at - flight.started_at
@@ -443,7 +426,6 @@ class LoadTracker:
         service = load.service
         if service is not None and _same_steps(load.model, service, flight, at):
             service.tokens += flight.uncached_tokens
-            service.cached += flight.cached_tokens
             service.busy_s += at - service.at
             service.at = at
             return
@@ -452,7 +434,7 @@ class LoadTracker:
         since = max(flight.started_at, load.head_since)
         decoding = load.in_flight - load.prefilling
         read = running_context(load.step, load.in_flight, load.context)  # (as `ttft_terms` reads it)
-        load.service = _Service(at, flight.uncached_tokens, at - since, decoding, read, flight.cached_tokens)
+        load.service = _Service(at, flight.uncached_tokens, at - since, decoding, read)
 
     def _learn(self, load: _EngineLoad, service: _Service) -> None:
         """Learn the prefill cost from one service: its time less the decode part of its steps.
@@ -463,8 +445,7 @@ class LoadTracker:
         step, decoding = load.step, service.decoding
         per_step = step_decode_s(step, decoding, service.context)
         decode_s = prefill_steps(step, decoding, service.tokens) * per_step
-        priced = priced_tokens(step, service.tokens, service.cached)
-        load.model.observe(priced, max(0.0, service.busy_s - decode_s))
+        load.model.observe(service.tokens, max(0.0, service.busy_s - decode_s))
 
     def finished(self, request: RequestId, at: float, generated_tokens: int | None = None) -> None:
         """The request ended (done, failed or cancelled) having generated `generated_tokens` (when its
@@ -509,8 +490,7 @@ class LoadTracker:
         if generated < 2 or flight.first_token_at is None:  # (no first token: no decode)
             return
         decode_s = at - flight.first_token_at
-        meanwhile = load.prefilled - flight.prefilled_at, load.prefilled_cached - flight.prefilled_cached_at
-        meanwhile_s = load.model.per_token_s * priced_tokens(load.step, *meanwhile)
+        meanwhile_s = load.model.per_token_s * (load.prefilled - flight.prefilled_at)
         if meanwhile_s > 0.25 * decode_s:
             return
         per_step = (decode_s - meanwhile_s) / (generated - 1)
@@ -525,7 +505,6 @@ class LoadTracker:
     def _end_prefill(self, load: _EngineLoad, request: RequestId, flight: _InFlight) -> None:
         load.prefilling -= 1
         load.prefill_tokens -= flight.uncached_tokens
-        load.prefill_cached -= flight.cached_tokens
         load.unanswered.pop(request, None)
 
     def _drained(self, load: _EngineLoad, decoding: int, now: float) -> int:
@@ -549,8 +528,7 @@ class LoadTracker:
         read = running_context(step, load.in_flight, load.context)  # (as `ttft_terms` reads it)
         budget, per_step = step_budget(step, decoding), step_decode_s(step, decoding, read)
         # The head's own predicted prefill time, as if alone: the TTFT model's prefill and decode parts.
-        full_s = model.predict(priced_tokens(step, tokens, head.cached_tokens))
-        full_s += prefill_steps(step, decoding, tokens) * per_step
+        full_s = model.predict(tokens) + prefill_steps(step, decoding, tokens) * per_step
         if full_s <= 0:
             return tokens
         if 0 <= tokens <= budget:
@@ -611,7 +589,6 @@ class LoadTracker:
             residency_s=load.residency.estimate(now),
             drained_tokens=self._drained(load, decoding, now),
             context_tokens=load.context,
-            queued_cached_tokens=load.prefill_cached,
         )
         load.seen_at, load.seen_samples = now, model.samples
         return seen

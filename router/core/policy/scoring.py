@@ -42,7 +42,7 @@ from router.core.policy.load import LoadSnapshot
 from router.core.policy.session_rule import SessionMode, SessionRule
 from router.core.policy.stored_responses import StoredResponses
 from router.core.policy.trust import TrustState, TrustStatus
-from router.core.policy.ttft_model import idle_prefill_s, prefill_work_s, ttft_terms
+from router.core.policy.ttft_model import idle_prefill_s, ttft_terms
 
 if TYPE_CHECKING:
     from router.settings.config import RouterConfig
@@ -291,9 +291,9 @@ def _score(c: Candidate, excluded: frozenset[EngineId], settings: ScorerSettings
     counted = max(trusted_hit, pending)
     uncached = max(0, c.prompt_tokens - counted)
     load = c.load
-    steps, decode_s, slot_s, ttft = ttft_terms(load, uncached, counted)
-    work = settings.prefill_work_weight * prefill_work_s(load, uncached, counted)
-    wait = ttft - idle_prefill_s(load, uncached, counted)
+    steps, decode_s, slot_s, ttft = ttft_terms(load, uncached)
+    work = settings.prefill_work_weight * load.per_token_s * uncached
+    wait = ttft - idle_prefill_s(load, uncached)
     bounded = wait if settings.saturation_bound == "wait" else ttft
     pins = trusted and c.warm_tokens > c.hit_tokens
     why_not = _why_not(c, excluded)

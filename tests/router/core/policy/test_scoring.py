@@ -29,7 +29,7 @@ from router.core.policy.scoring import (
     stable_hash,
 )
 from router.core.policy.trust import TrustState, TrustStatus
-from router.core.policy.ttft_model import idle_prefill_s, priced_tokens, ttft_terms
+from router.core.policy.ttft_model import idle_prefill_s, ttft_terms
 from router.settings.config import PolicyConfig, RouterConfig
 from tests.scoring_helpers import CATCHING, FRESH, STALE, candidate, snapshot
 
@@ -499,19 +499,16 @@ def test_kv_keeps_a_long_hit_on_a_queued_engine_rather_than_add_its_whole_prefil
     max_waiting=st.sampled_from([0, 3]), waiting=st.integers(0, 6), scraped=st.booleans(),
     budget=st.sampled_from([0, 1, 512, 8192]), max_seqs=st.integers(0, 40), decoding=st.integers(-1, 40),
     drained=st.integers(0, 25_000), residency=st.sampled_from([0.0, 0.3, 7.0]),
-    share=st.sampled_from([0.0, 0.35, 1.0]), queued_cached=st.integers(0, 40_000),
 )  # fmt: skip
 def test_the_decision_records_the_ttft_model_s_terms_and_the_score_s_rules(
     hit: int, prompt: int, warm: int, pending: int, queued: int, in_flight: int, trust: TrustStatus,
     healthy: bool, breaker: bool, full: bool, tried: bool, max_ttft: float, max_waiting: int,
     waiting: int, scraped: bool, budget: int, max_seqs: int, decoding: int, drained: int, residency: float,
-    share: float, queued_cached: int,
 ) -> None:  # fmt: skip
     """For any candidate, under any limits, steps and queues, the decision records as its predicted
     TTFT and terms what the TTFT model (`ttft_terms`) gives for its uncached tokens, and every other
     field by the module's rules: hits counted from a fresh mirror, pending prefixes but on a stale
-    one, the prefill work, the junction pin, and ineligibility (the saturation limits included); the
-    counted tokens are the request's cached ones there, priced at `cached_token_cost`."""
+    one, the prefill work, the junction pin, and ineligibility (the saturation limits included)."""
     scrape = ScrapedMetrics(0.0, in_flight, waiting) if scraped else None
     load = load_of(
         in_flight=in_flight,
@@ -519,11 +516,10 @@ def test_the_decision_records_the_ttft_model_s_terms_and_the_score_s_rules(
         decoding=decoding,
         queued_prefill_tokens=queued,
         scraped=scraped,
-        step=StepCost(6e-3, 40e-6, budget, max_seqs, cached_token_cost=share),
+        step=StepCost(6e-3, 40e-6, budget, max_seqs),
         scrape=scrape,
         residency_s=residency,
         drained_tokens=drained,
-        queued_cached_tokens=queued_cached,
     )
     c = candidate(
         "a",
@@ -547,11 +543,10 @@ def test_the_decision_records_the_ttft_model_s_terms_and_the_score_s_rules(
         trusted_hit, counted, max(0, prompt - counted),
     )  # fmt: skip
     ttft = s.predicted_ttft_s
-    assert (s.prefill_steps, s.decode_s, s.slot_wait_s, ttft) == ttft_terms(load, s.uncached_tokens, counted)
-    priced = priced_tokens(load.step, s.uncached_tokens, counted)
-    assert s.work_s == settings.prefill_work_weight * PER_TOKEN * priced
+    assert (s.prefill_steps, s.decode_s, s.slot_wait_s, ttft) == ttft_terms(load, s.uncached_tokens)
+    assert s.work_s == settings.prefill_work_weight * PER_TOKEN * s.uncached_tokens
     assert s.cost_s == ttft + s.work_s
-    assert s.wait_s == ttft - idle_prefill_s(load, s.uncached_tokens, counted)
+    assert s.wait_s == ttft - idle_prefill_s(load, s.uncached_tokens)
     assert s.bounded_s == (s.wait_s if settings.saturation_bound == "wait" else ttft)
     assert s.pins_junction == (trust is FRESH and warm > hit)
     why_not = _why_not(c, excluded) or (WHY_SATURATED if _saturated(load, ttft, settings) else "")

@@ -11,7 +11,6 @@ from router.core.policy.ttft_model import (
     StepCost,
     TtftTerms,
     prefill_steps,
-    priced_tokens,
     running_context,
     step_decode_s,
     ttft_terms,
@@ -24,7 +23,7 @@ STEP = StepCost(decode_step_s=0.006, decode_penalty_s=0.001, max_num_batched_tok
 
 def engine(
     step: StepCost = STEP, in_flight: int = 0, decoding: int = 0, queued: int = 0, drained: int = 0,
-    residency_s: float = 0.0, context: int = 0, queued_cached: int = 0,
+    residency_s: float = 0.0, context: int = 0,
 ) -> LoadSnapshot:  # fmt: skip
     return snapshot(
         OVERHEAD,
@@ -37,7 +36,6 @@ def engine(
         residency_s=residency_s,
         drained_tokens=drained,
         context_tokens=context,
-        queued_cached_tokens=queued_cached,
     )
 
 
@@ -88,56 +86,23 @@ def test_the_model_on_worked_examples(snapshot: LoadSnapshot, uncached: int, exp
     assert (decode_s, slot_s, ttft) == pytest.approx(expected[1:], abs=1e-12)
 
 
-CACHED_STEP = StepCost(0.006, 0.001, 1000, 4, cached_token_cost=0.25)
-
-# (engine, uncached tokens, cached tokens, terms): a cached token priced at its share of an uncached one.
-CACHED_EXAMPLES = {
-    "a cached token costs its share of an uncached one": (
-        engine(CACHED_STEP), 1000, 2000, (1, 0.0, 0.0, 0.02 + 1e-4 * (1000 + 0.25 * 2000)),
-    ),
-    "at the default share (0) a cached token is free": (engine(), 1000, 2000, (1, 0.0, 0.0, 0.02 + 0.1)),
-    # 1000 of the queue's 1500 uncached tokens left: 2000 of its 3000 cached ones priced with them;
-    # the steps are the uncached tokens' (cached ones are not computed again)
-    "the queue's cached tokens in the share of its prefill left": (
-        engine(CACHED_STEP, in_flight=2, queued=1500, drained=500, queued_cached=3000), 500, 0,
-        (2, 0.0, 0.0, 0.02 + 1e-4 * (1500 + 0.25 * 2000)),
-    ),
-}  # fmt: skip
-
-
-@pytest.mark.parametrize(
-    ("snapshot", "uncached", "cached", "expected"), CACHED_EXAMPLES.values(), ids=CACHED_EXAMPLES.keys()
-)
-def test_cached_tokens_on_worked_examples(
-    snapshot: LoadSnapshot, uncached: int, cached: int, expected: TtftTerms
-) -> None:
-    steps, decode_s, slot_s, ttft = ttft_terms(snapshot, uncached, cached)
-    assert steps == expected[0]
-    assert (decode_s, slot_s, ttft) == pytest.approx(expected[1:], abs=1e-12)
-
-
 @given(
     in_flight=st.integers(0, 600), decoding=st.integers(-1, 600), queued=st.integers(0, 100_000),
     drained=st.integers(0, 100_000), uncached=st.integers(0, 50_000), more=st.integers(0, 50_000),
     residency=st.floats(0, 100), max_seqs=st.integers(0, 512), budget=st.integers(0, 16384),
-    context=st.integers(0, 10_000_000), cached=st.integers(0, 50_000), queued_cached=st.integers(0, 100_000),
-    share=st.floats(0, 1),
+    context=st.integers(0, 10_000_000),
 )  # fmt: skip
 def test_the_terms_add_up_and_more_tokens_never_come_sooner(
     in_flight: int, decoding: int, queued: int, drained: int, uncached: int, more: int,
-    residency: float, max_seqs: int, budget: int, context: int, cached: int, queued_cached: int, share: float,
+    residency: float, max_seqs: int, budget: int, context: int,
 ) -> None:  # fmt: skip
-    step = StepCost(6e-3, 40e-6, budget, max_seqs, cached_token_cost=share)
-    snap = engine(step, in_flight, decoding, queued, drained, residency, context, queued_cached)
-    steps, decode_s, slot_s, ttft = ttft_terms(snap, uncached, cached)
-    left = max(0, queued - drained)
-    tokens = left + uncached
+    step = StepCost(6e-3, 40e-6, budget, max_seqs)
+    snap = engine(step, in_flight, decoding, queued, drained, residency, context)
+    steps, decode_s, slot_s, ttft = ttft_terms(snap, uncached)
+    tokens = max(0, queued - drained) + uncached
     assert steps == prefill_steps(step, decoding, tokens) >= 1
     read = running_context(step, in_flight, context)
     assert 0 <= read <= context
     assert decode_s == steps * step_decode_s(step, decoding, read)
-    priced = priced_tokens(step, tokens, cached + (queued_cached * left // queued if left else 0))
-    assert tokens <= priced <= tokens + cached + queued_cached
-    assert ttft == pytest.approx(OVERHEAD + PER_TOKEN * priced + decode_s + slot_s)
-    assert ttft_terms(snap, uncached + more, cached)[3] >= ttft
-    assert ttft_terms(snap, uncached, cached + more)[3] >= ttft
+    assert ttft == pytest.approx(OVERHEAD + PER_TOKEN * tokens + decode_s + slot_s)
+    assert ttft_terms(snap, uncached + more)[3] >= ttft
