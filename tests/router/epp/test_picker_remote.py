@@ -21,6 +21,7 @@ from router.epp.endpoints import address_of
 from router.epp.picker import DESTINATION, Picker, PickStream
 from router.settings.config import EngineConfig, ModelConfig
 from tests.epp_helpers import (
+    closed_while_deciding,
     request_body,
     request_headers,
     response_body,
@@ -176,16 +177,8 @@ async def test_a_stream_closed_while_the_ids_are_awaited_cancels_the_decision() 
             parts = gw.parts
             stream = picker.stream()
             await answers_of(stream, posted("c"))
-            reply = stream.on_message(request_body(completion("left early"), True).SerializeToString())
-            assert isinstance(reply, asyncio.Task)
-            await tokenizer.asked.wait()
-            assert parts.fleet.admission.total == 1
-            stream.closed()
-            with pytest.raises(asyncio.CancelledError):
-                await reply
-            await asyncio.wait_for(tokenizer.cancelled.wait(), 10)
-            assert parts.fleet.admission.total == 0 and parts.ring.get("c") is None
-            text = parts.metrics.render().decode()
+            body = request_body(completion("left early"), True).SerializeToString()
+            text = await closed_while_deciding(stream, parts, "c", body, tokenizer)
             assert metric(text, "kvrouter_requests_total", engine="none", status="client_closed") == 1
             assert metric(text, "kvrouter_requests_total") == 1 and metric(text, FAILURES) == 0
             assert stream.on_message(request_body(b"", True).SerializeToString()) == []  # (done)

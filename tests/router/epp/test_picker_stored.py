@@ -22,7 +22,7 @@ from router.edge.decider import Decider
 from router.epp.endpoints import address_of
 from router.epp.picker import DESTINATION, Picker, PickStream
 from router.settings.config import EngineConfig, ModelConfig, RouterConfig, Timeouts
-from tests.epp_helpers import request_body, request_headers, set_headers, wire
+from tests.epp_helpers import closed_while_deciding, request_body, request_headers, set_headers, wire
 from tests.gateway_helpers import (
     Gateway,
     engine_of,
@@ -238,16 +238,8 @@ async def test_a_stream_closed_during_the_seek_cancels_it() -> None:
             await answers_of(
                 stream, request_headers("POST", "/v1/responses", False, (("x-request-id", "c"),))
             )
-            reply = stream.on_message(request_body(continuation("resp_lost"), True).SerializeToString())
-            assert isinstance(reply, asyncio.Task)
-            await silent.asked.wait()
-            assert parts.fleet.admission.total == 1
-            stream.closed()
-            with pytest.raises(asyncio.CancelledError):
-                await reply
-            await asyncio.wait_for(silent.cancelled.wait(), 10)
-            assert parts.fleet.admission.total == 0 and parts.ring.get("c") is None
-            text = parts.metrics.render().decode()
+            body = request_body(continuation("resp_lost"), True).SerializeToString()
+            text = await closed_while_deciding(stream, parts, "c", body, silent)
             assert metric(text, "kvrouter_requests_total", engine="none", status="client_closed") == 1
             assert metric(text, SEEKS) == 0
 
