@@ -200,7 +200,8 @@ class PolicyConfig(_Table, frozen=True):
     max_scraped_waiting: Annotated[int, msgspec.Meta(ge=0)] = 0
     """An engine whose scraped waiting queue is longer than this is saturated (0: off)."""
     prefill_work_weight: NonNegative = 1.0
-    """kv: cost = predicted TTFT + this x the request's own uncached prefill time (the work it adds)."""
+    """kv: cost = predicted TTFT + this x (1 + the engine's unanswered requests) x the request's own
+    uncached prefill time (the work it adds, for whoever comes there after it)."""
     drain_queued_prefill: bool = True
     """kv: count the oldest unanswered request per engine as prefilled at the learned pace as time passes."""
     learn_prefill_from_service: bool = False

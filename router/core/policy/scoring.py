@@ -3,21 +3,21 @@
 Policies (`PolicyName`):
 - `kv` (default): minimise the predicted TTFT (router.core.policy.ttft_model: prefill of the queue and
   the uncached prompt tokens at the learned cost, the decode part of its chunked steps, the wait for a
-  free slot in a full running batch), plus the prefill work the request adds to that engine
-  (`prefill_work_weight` x its own uncached prefill time: `CandidateScore.work_s`), which the requests
-  queued there after it wait for; a greedy TTFT alone trades a long hit behind a queue for an idle
-  engine's whole prefill. An engine past `max_predicted_ttft_s` (its predicted TTFT, or with
-  `saturation_bound` "wait" its predicted wait: the TTFT less the request's prefill on an idle engine)
-  or `max_scraped_waiting` is saturated and not eligible under any policy. Hits count only from FRESH
-  mirrors (a stale or catching-up engine's hits are taken as 0). Candidates within `tie_tolerance_s` x
-  (1 + weight) of the best cost tie, and ties break, in order, on: (1) the longer prefix left for the
-  next request sharing this one's head (the counted hit, or the warm full-attention prefix of an engine
-  where routing pins a hybrid junction: a trusted engine whose warm prefix exceeds its hit), (2) the
-  larger counted hit, (3) fewer in-flight requests, (4) a stable hash of (request key, engine), which
-  spreads ties over engines without randomness; in (1) and (2) only a prefix of at least
-  `tie_min_hit_share` of the prompt counts, a shorter one breaking the tie after (3) (a head every
-  prompt shares, such as a chat template's, must not herd new sessions onto the engine that took the
-  first). The reason names the rules that decided.
+  free slot in a full running batch), plus the prefill work the request adds to that engine (its own
+  uncached prefill time x `prefill_work_weight` x (1 + the engine's unanswered requests):
+  `CandidateScore.work_s`, `work_factor`), which whoever comes there after it waits for; a greedy TTFT
+  alone trades a long hit behind a queue for an idle engine's whole prefill. An engine past
+  `max_predicted_ttft_s` (its predicted TTFT, or with `saturation_bound` "wait" its predicted wait:
+  the TTFT less the request's prefill on an idle engine) or `max_scraped_waiting` is saturated and not
+  eligible under any policy. Hits count only from FRESH mirrors (a stale or catching-up engine's hits
+  are taken as 0). Candidates within `tie_tolerance_s` x (1 + weight) of the best cost tie, and ties
+  break, in order, on: (1) the longer prefix left for the next request sharing this one's head (the
+  counted hit, or the warm full-attention prefix of an engine where routing pins a hybrid junction: a
+  trusted engine whose warm prefix exceeds its hit), (2) the larger counted hit, (3) fewer in-flight
+  requests, (4) a stable hash of (request key, engine), which spreads ties over engines without
+  randomness; in (1) and (2) only a prefix of at least `tie_min_hit_share` of the prompt counts, a
+  shorter one breaking the tie after (3) (a head every prompt shares, such as a chat template's, must
+  not herd new sessions onto the engine that took the first). The reason names the rules that decided.
 - `round_robin`, `least_loaded` (in-flight, then queued tokens, then the stable hash), `random`
   (seeded), `session` (agent sessions kept on their engine, hard or soft: router.core.policy.session_rule),
   `prefix_approx` (longest warm full-attention prefix, ignoring trust and hybrid rules; for A/B).
@@ -138,7 +138,8 @@ class ScorerSettings(msgspec.Struct, frozen=True):
     max_scraped_waiting: int = 0
     """An engine whose scraped `vllm:num_requests_waiting` exceeds this is saturated (0: no limit)."""
     prefill_work_weight: float = 1.0
-    """kv: the cost adds this many times the request's own uncached prefill time (`work_s`)."""
+    """kv: the cost adds this many times the request's own uncached prefill time, once and once per
+    request the engine has not answered (`work_s`, `work_factor`)."""
     session_mode: SessionMode = SessionMode.HARD
     session_ttl_s: float = 3600.0
     """A session pin unused this long is forgotten (0: never)."""
@@ -194,7 +195,7 @@ class CandidateScore(msgspec.Struct, frozen=True):
     decode_s: float = 0.0
     slot_wait_s: float = 0.0
     work_s: float = 0.0
-    """The prefill work this request adds to the engine, weighted (`prefill_work_weight`)."""
+    """The prefill work this request adds to the engine, weighted (`work_factor`)."""
     cost_s: float = 0.0
     """What kv minimises: `predicted_ttft_s + work_s`."""
     wait_s: float = 0.0
@@ -292,7 +293,7 @@ def _score(c: Candidate, excluded: frozenset[EngineId], settings: ScorerSettings
     uncached = max(0, c.prompt_tokens - counted)
     load = c.load
     steps, decode_s, slot_s, ttft = ttft_terms(load, uncached)
-    work = settings.prefill_work_weight * load.per_token_s * uncached
+    work = work_factor(settings, load) * load.per_token_s * uncached
     wait = ttft - idle_prefill_s(load, uncached)
     bounded = wait if settings.saturation_bound == "wait" else ttft
     pins = trusted and c.warm_tokens > c.hit_tokens
@@ -416,11 +417,13 @@ class Scorer:
     def _kv(self, request: RouteRequest, eligible: list[CandidateScore]) -> Pick:
         best = min(eligible, key=_COST)
         tol = self.settings.tie_tolerance_s
-        # The cost counts a prefill difference 1 + weight times; so does the tolerance, which keeps
-        # "TTFTs within tie_tolerance_s tie" true of candidates that differ only in their hit.
+        # The cost counts a prefill difference 1 + weight times on an engine with no queue
+        # (`work_factor`); so does the tolerance, which keeps "TTFTs within tie_tolerance_s tie" true
+        # of such candidates that differ only in their hit (behind a queue a hit weighs more: the
+        # queue is the point).
         cost_tol = tol * (1.0 + self.settings.prefill_work_weight)
         tie = _Tie(request.key, self.settings.tie_min_hit_share * _prompt(best))
-        band = [_band_cost(s, tie, self.settings.prefill_work_weight) for s in eligible]
+        band = [_band_cost(s, tie, self.settings) for s in eligible]
         floor = min(band)
         tied = [s for s, b in zip(eligible, band, strict=True) if b <= floor + cost_tol]
         others: str
@@ -463,7 +466,28 @@ class Scorer:
         return self.sessions.pick(request.session, eligible, lambda: self._kv(request, eligible), self._now)
 
 
-def _band_cost(s: CandidateScore, tie: _Tie, weight: float) -> float:
+def work_factor(settings: ScorerSettings, load: LoadSnapshot) -> float:
+    """How many times kv's cost counts a candidate's own prefill time besides its TTFT (`work_s`):
+    `prefill_work_weight x (1 + unanswered)`, `unanswered` the requests sent there and not yet
+    answered (`in_flight - decoding`: its queue, the scraped waiting included).
+
+    The prefill runs before whoever comes to the engine after it, and a queue says more are coming
+    there (the arrivals it is made of, its sessions' next turns to their prefixes): each unanswered
+    request counts the work once more; on an idle engine it counts once, as before (session 21's
+    rule, which counted it once whatever the load). Counted once, a cold engine's system prompt
+    outweighed a warm engine's queue: on the decode-heavy simulation kv sent the first turns of 50
+    sessions to the 2 of 4 engines holding the system prompts (17 in flight on one while two sat
+    idle), then moved a third of the later turns off them (48-57 of 150; prefix_approx none): TTFT
+    p50 45 / 43 / 75 ms on seeds 0-2 against prefix_approx's 30 / 37 / 33 and round robin's 41 / 50
+    / 39. Counted per unanswered request: 37 / 41 / 34 ms, p90 91 / 287 / 257 (139 / 315 / 214
+    before), the agent sessions at an offered 3.44 answered 63% within the SLO (41% before), at 1.19
+    all (p90 86 ms, 93 before). Tried and not kept: per request held, decoding included, at weight
+    0.5 (p50 32 / 37 / 34, but at 1.19 only 90% within the SLO, p90 197 ms); per decoding sequence
+    (seed 2's p90 329-1,460 ms)."""
+    return settings.prefill_work_weight * (1 + max(0, load.in_flight - load.decoding))
+
+
+def _band_cost(s: CandidateScore, tie: _Tie, settings: ScorerSettings) -> float:
     """The cost that puts `s` in kv's tie band or not: its `cost_s` with the saving of a hit shorter
     than `tie.least_prefix` (under `tie_min_hit_share` of the prompt: what `_most` does not count)
     added back.
@@ -475,7 +499,7 @@ def _band_cost(s: CandidateScore, tie: _Tie, weight: float) -> float:
     then followed (BENCHMARKS.md "Load test: kv against round robin on each API", history s18-herd).
     A short hit still decides inside the band, after the in-flight count (`_TIE_RULES`)."""
     short = s.counted_tokens - _most(s.counted_tokens, tie)
-    return s.cost_s + (1.0 + weight) * s.load.per_token_s * short
+    return s.cost_s + (1.0 + work_factor(settings, s.load)) * s.load.per_token_s * short
 
 
 def _kv_words(chosen: CandidateScore, lowest: bool) -> str:

@@ -146,7 +146,7 @@ TABLE: list[tuple[str, PolicyName, list[Candidate], set[str], str | None, str]] 
     (
         "tie: hybrid junction first",
         KV,
-        [cand("a", hit=512, warm=512), cand("b", hit=512, warm=768, in_flight=3)],
+        [cand("a", hit=512, warm=512), cand("b", hit=512, warm=768, in_flight=3, decoding=3)],
         set(),
         "b",
         "decided by pinning the hybrid junction at 768 tokens",
@@ -154,7 +154,10 @@ TABLE: list[tuple[str, PolicyName, list[Candidate], set[str], str | None, str]] 
     (
         "stale engine never pins the junction",
         KV,
-        [cand("a", hit=0, warm=0, in_flight=1), cand("b", hit=0, warm=768, trust=STALE, in_flight=2)],
+        [
+            cand("a", hit=0, warm=0, in_flight=1, decoding=1),
+            cand("b", hit=0, warm=768, trust=STALE, in_flight=2, decoding=2),
+        ],
         set(),
         "a",
         "fewer in-flight",
@@ -162,7 +165,7 @@ TABLE: list[tuple[str, PolicyName, list[Candidate], set[str], str | None, str]] 
     (
         "tie: fewer in flight",
         KV,
-        [cand("a", in_flight=2), cand("b", in_flight=1)],
+        [cand("a", in_flight=2, decoding=2), cand("b", in_flight=1, decoding=1)],
         set(),
         "b",
         "fewer in-flight",
@@ -178,7 +181,7 @@ TABLE: list[tuple[str, PolicyName, list[Candidate], set[str], str | None, str]] 
     (
         "tie: a hit under tie_min_hit_share of the prompt comes after the load",
         KV,
-        [cand("a", hit=10, in_flight=2), cand("b", in_flight=1)],
+        [cand("a", hit=10, in_flight=2, decoding=2), cand("b", in_flight=1, decoding=1)],
         set(),
         "b",
         "tied with a within 2 ms; decided by fewer in-flight requests (1)",
@@ -419,10 +422,11 @@ def test_readme_second_turn_goes_to_the_warm_engine_when_costs_tie() -> None:
 
 
 def test_tie_reason_names_every_rule_that_narrowed_the_tie() -> None:
-    # c loses on the cached prefix, then a and b (equal prefixes) part on in-flight requests.
+    # c loses on the cached prefix, then a and b (equal prefixes) part on in-flight requests (decoding:
+    # no queue, whose unanswered requests would weigh b's prefill work, `work_factor`).
     candidates = [
-        cand("a", hit=10, prompt=20, in_flight=2),
-        cand("b", hit=10, prompt=20, in_flight=1, queued=5),
+        cand("a", hit=10, prompt=20, in_flight=2, decoding=2),
+        cand("b", hit=10, prompt=20, in_flight=1, queued=5, decoding=1),
         cand("c", prompt=20),
     ]
     decision = Scorer(ScorerSettings()).choose(RouteRequest(KEY), candidates)
@@ -483,7 +487,8 @@ def test_kv_keeps_a_long_hit_on_a_queued_engine_rather_than_add_its_whole_prefil
     decision = Scorer(ScorerSettings()).choose(RouteRequest(KEY), [warm, cold])
     assert decision.engine == "a", decision.reason
     chosen, other = decision.candidates
-    assert chosen.work_s == pytest.approx(5e-5 * 768) and other.work_s == pytest.approx(5e-5 * 32_000)
+    # counted once and once per unanswered request (`work_factor`): the warm engine's 4, the cold's none
+    assert chosen.work_s == pytest.approx(5e-5 * 768 * 5) and other.work_s == pytest.approx(5e-5 * 32_000)
     assert chosen.cost_s == pytest.approx(chosen.predicted_ttft_s + chosen.work_s)
     assert "ms prefill work (31232 cached, 768 to prefill, 43000 queued" in decision.reason
     # the record names the runner-up and by how much it lost
@@ -544,7 +549,8 @@ def test_the_decision_records_the_ttft_model_s_terms_and_the_score_s_rules(
     )  # fmt: skip
     ttft = s.predicted_ttft_s
     assert (s.prefill_steps, s.decode_s, s.slot_wait_s, ttft) == ttft_terms(load, s.uncached_tokens)
-    assert s.work_s == settings.prefill_work_weight * PER_TOKEN * s.uncached_tokens
+    unanswered = max(0, in_flight - decoding)
+    assert s.work_s == settings.prefill_work_weight * (1 + unanswered) * PER_TOKEN * s.uncached_tokens
     assert s.cost_s == ttft + s.work_s
     assert s.wait_s == ttft - idle_prefill_s(load, s.uncached_tokens)
     assert s.bounded_s == (s.wait_s if settings.saturation_bound == "wait" else ttft)
