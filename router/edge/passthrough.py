@@ -8,8 +8,11 @@ retries; a body naming an unknown model is the gateway's 404, one naming none wh
 are served a 400; a request with no body may go to any replica. A stored response's own routes
 (`GET /v1/responses/{id}`, `POST /v1/responses/{id}/cancel`: vLLM 0.33.0 serves no DELETE) go to the
 engine that stored it when the gateway learnt the id (router.core.policy.stored_responses), and only
-there (no other engine holds it: its breaker open is a 503); an id not learnt goes as any body-less
-request does, and an engine that does not hold it answers vLLM's 404. Every other `/v1/*` path is
+there (no other engine holds it: its breaker open is a 503). An id this worker did not learn is asked
+of its sibling workers (router.ops.worker_peers), then, when it may be (`seekable`), of the engines
+(router.edge.stored_seek, as the endpoint picker asks, and why rather than the proxy's 404 seek a
+continuation has: found, it is learnt and the request goes there); an id no engine holds goes as any
+body-less request does, and the engine answers vLLM's 404. Every other `/v1/*` path is
 the gateway's own 404, and a known path asked with another method its 405. Only configured or
 discovered engines are ever contacted.
 """
@@ -30,10 +33,12 @@ from router.core.errors import BadRequest, MethodNotAllowed, NoEngineAvailable, 
 from router.core.ids import EngineId
 from router.core.policy.refusal import refusal
 from router.core.policy.scoring import WHY_BREAKER_OPEN
+from router.core.policy.stored_responses import seekable
 from router.edge.client_io import ClientGone, read_body, request_id_of, until_disconnect
 from router.edge.gateway_parts import GatewayParts
 from router.edge.headers import forwarded_headers
 from router.edge.relay import RelayResponse
+from router.edge.stored_seek import StoredSeek
 from router.edge.upstream import ProxyRequest, Target
 from router.edge.usage import Usage
 from router.prepare.served_models import UnknownModel
@@ -88,6 +93,7 @@ class Passthrough:
 
     def __init__(self, parts: GatewayParts) -> None:
         self.parts = parts
+        self.stored_seek = StoredSeek(parts)
 
     def stored_on(self, path: str) -> EngineId | None:
         """The engine that stored the response `path` names (`response_id_in`), when the gateway learnt
@@ -95,13 +101,21 @@ class Passthrough:
         response_id = response_id_in(path)
         return self.parts.core.scorer.stored.engine_of(response_id) if response_id is not None else None
 
-    async def _stored_on(self, path: str) -> EngineId | None:
-        """`stored_on`, asking the sibling workers too when there are any (router.ops.worker_peers)."""
+    async def _stored_on(self, request: Request, model: str | None, rid: str) -> EngineId | None:
+        """`stored_on` for the request's path, asking the sibling workers (router.ops.worker_peers) and
+        then the replicas of `model` (`StoredSeek.find`, a `seekable` id) when this worker did not learn
+        it; None for a path that names no stored response, or an id no engine holds."""
+        response_id = response_id_in(request.url.path)
+        if response_id is None:
+            return None
         peers = self.parts.peers
-        response_id = response_id_in(path) if peers is not None else None
-        if peers is None or response_id is None:
-            return self.stored_on(path)
-        return await peers.stored_engine(response_id)
+        if peers is not None:
+            found = await peers.stored_engine(response_id)
+        else:
+            found = self.parts.core.scorer.stored.engine_of(response_id)
+        if found is not None or not seekable(response_id):
+            return found
+        return await self.stored_seek.find(response_id, model, frozenset(), request.headers.raw, rid)
 
     def chooser(
         self, model: str | None, stored_on: EngineId | None = None
@@ -152,7 +166,8 @@ class Passthrough:
             body = await read_body(
                 request, parts.config.limits.max_body_bytes, parts.config.timeouts.client_body_s
             )
-            choose = self.chooser(self.model_of(request, body), await self._stored_on(request.url.path))
+            model = self.model_of(request, body)
+            choose = self.chooser(model, await self._stored_on(request, model, rid))
         except RouterError as exc:
             parts.metrics.refused(_POLICY, str(exc.http_status()), exc.reason)
             raise

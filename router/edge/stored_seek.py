@@ -2,18 +2,25 @@
 
 vLLM keeps a stored response in the engine that made it, and only that engine continues it
 (router.core.policy.stored_responses). The gateway learns each id from the stored answer it relays;
-an id it never learnt (another replica relayed it, or a restart came between) `kvrouter serve` seeks
-by the engines' 404s, one more engine per attempt (router.edge.proxy). The endpoint picker cannot:
-it answers Envoy once per request and the gateway forwards the request where it says (a fallback
-list is walked only by a gateway configured to retry a 404 on it, which the reference setups are
-not: docs/gateway-api.md). So it asks before it answers: `GET /v1/responses/{id}` on every candidate
-engine at once (`StoredSeek.candidates`: one per engine URL, breaker admitting, within the subset
-hint), through the gateway's own HTTP client (`Proxy.call`: no retry, no breaker verdict), with the
-request's id and its `Authorization` when the key was not the gateway's, each within
-`timeouts.stored_seek_s`. The first engine to answer 200 holds it: the id is learnt into the table,
-the other asks are cancelled, and the decision then sends the request there as for an id learnt
-from an answer. None: the request is routed by the policy, as without the seek. Each seek is counted
-in `kvrouter_stored_response_seeks_total{outcome}`.
+a continuation of an id it never learnt (another replica relayed it, or a restart came between)
+`kvrouter serve` seeks by the engines' 404s, one more engine per attempt (router.edge.proxy). The
+endpoint picker cannot: it answers Envoy once per request and the gateway forwards the request where
+it says (a fallback list is walked only by a gateway configured to retry a 404 on it, which the
+reference setups are not: docs/gateway-api.md). So it asks before it answers: `GET
+/v1/responses/{id}` on every candidate engine at once (`StoredSeek.candidates`: one per engine URL,
+breaker admitting, within the subset hint), through the gateway's own HTTP client (`Proxy.call`: no
+retry, no breaker verdict), with the request's id and its `Authorization` when the key was not the
+gateway's, each within `timeouts.stored_seek_s`. The first engine to answer 200 holds it: the id is
+learnt into the table, the other asks are cancelled, and the decision then sends the request there
+as for an id learnt from an answer. None: the request is routed by the policy, as without the seek.
+Each seek is counted in `kvrouter_stored_response_seeks_total{outcome}`.
+
+`kvrouter serve` asks the same way for a stored response's own routes (`GET /v1/responses/{id}`,
+`POST /v1/responses/{id}/cancel`, router.edge.passthrough) of an id not learnt: the 404 seek would
+reach at most `[retry] attempts` engines, one after another, and learn nothing (a client polling a
+background response would seek on every poll), where asking finds the id among any number of
+engines in one round trip and learns it. An id no engine holds is passed through as before, and an
+engine answers its 404. `find` is the one call both front-ends make.
 
 The GET has no side effect on the engines: vLLM 0.33.0's `retrieve_responses` reads its store (a
 dict lookup under its lock) and answers the stored response or its 404; the engine stub's store
@@ -65,6 +72,23 @@ class StoredSeek:
         check one."""
         kept = forwarded_headers(raw, request_id, self.parts.guard.api_keys_required)
         return [(name, value) for name, value in kept if name in _CARRIED]
+
+    async def find(
+        self,
+        response_id: str,
+        model: str | None,
+        excluded: frozenset[EngineId],
+        raw: Sequence[tuple[bytes, bytes]],
+        request_id: str,
+    ) -> EngineId | None:
+        """The replica that holds `response_id`, asked of the `candidates` of `model` not `excluded`
+        with the request's `headers` (from its ASGI headers `raw` and its id): `seek`. None when there
+        is no candidate to ask or none holds it. What both front-ends call: the picker for a
+        continuation or a stored response's own route, `kvrouter serve` for the own routes."""
+        candidates = self.candidates(model, excluded)
+        if not candidates:
+            return None
+        return await self.seek(response_id, candidates, self.headers(raw, request_id))
 
     async def seek(
         self, response_id: str, candidates: Sequence[EngineId], headers: Sequence[tuple[str, str]]

@@ -66,7 +66,6 @@ from router.edge.decider import Decider, Exchange
 from router.edge.flight import RANK_HEADER
 from router.edge.gateway import HOT_ROUTES
 from router.edge.passthrough import Passthrough, response_id_in
-from router.edge.stored_seek import StoredSeek
 from router.edge.upstream import Target
 from router.edge.usage import UsageTap
 from router.epp.endpoints import address_of, in_subset, parse_subset
@@ -122,7 +121,7 @@ class Picker:
     def __init__(self, decider: Decider, fallbacks: bool = True) -> None:
         self.decider, self.fallbacks = decider, fallbacks
         self.passthrough = Passthrough(decider.parts)
-        self.stored_seek = StoredSeek(decider.parts)
+        self.stored_seek = self.passthrough.stored_seek
         self.destinations: dict[str, tuple[bytes, bytes]] = {}
         """The destination header's option and the dynamic metadata naming it, by destination value:
         encoded once per endpoint (about half of the pick's answer, otherwise built on every
@@ -315,9 +314,7 @@ class PickStream:
             model = self.decider.parts.models.resolve(body) if body else None
         except (UnknownModel, RequestError):
             return
-        candidates = seek.candidates(model, excluded)
-        if candidates:
-            await seek.seek(response_id, candidates, seek.headers(self.scope["headers"], self.rid))
+        await seek.find(response_id, model, excluded, self.scope["headers"], self.rid)
 
     def _decide_later(
         self,

@@ -583,9 +583,9 @@ class RouterMetrics:
         )
         self.stored_response_seeks = Counter(
             "kvrouter_stored_response_seeks",
-            "stored Responses answers the endpoint picker never saw stored, sought on the engines before "
-            "picking (router/edge/stored_seek.py), by outcome: found, not_found, unanswered (the last two: "
-            "routed by the policy)",
+            "stored Responses answers never seen stored, asked of the engines before routing (the picker: "
+            "a continuation, GET or cancel; the gateway: a GET or cancel; router/edge/stored_seek.py), by "
+            "outcome: found, not_found, unanswered (the last two: routed as without the seek)",
             ["outcome"],
             registry=r,
         )

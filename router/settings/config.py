@@ -239,9 +239,9 @@ class Timeouts(_Table, frozen=True):
     hub_retries: Annotated[int, msgspec.Meta(ge=0)] = 8
     """How many background fetches of a missing repo-named tokenizer (0: none, restart to retry)."""
     stored_seek_s: Positive = 1.0
-    """The endpoint picker's bound on asking the engines which one holds a stored Responses answer it
-    never saw stored (`GET /v1/responses/{id}` on each, at once: router/edge/stored_seek.py); then
-    the request is routed by the policy."""
+    """The bound on asking the engines which one holds a stored Responses answer never seen stored
+    (`GET /v1/responses/{id}` on each, at once: router/edge/stored_seek.py; the picker's requests that
+    name one, the gateway's `GET` and cancel of one); then the request is routed as without it."""
 
 
 class Limits(_Table, frozen=True):

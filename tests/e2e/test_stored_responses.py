@@ -157,7 +157,41 @@ async def test_a_stored_responses_own_routes_go_to_the_engine_that_stored_it(str
                 assert cancel.json()["error"]["message"] == "Cannot cancel a synchronous response."
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
+async def test_a_stored_responses_own_routes_another_gateway_learnt_are_found_by_asking_the_engines(
+    stream: bool,
+) -> None:
+    """Another replica relayed the stored answers (or this one restarted since): this gateway asks
+    the engines which holds each id (router.edge.stored_seek), learns it, and sends the `GET` and the
+    cancel there; unsought, both would reach e0 (the least loaded, the first on a tie), whose 404
+    would be the answer for the id e1 holds. A second round asks no engine: the ids were learnt."""
+    async with running_stubs(2) as stubs:
+        engines = [engine_of(f"e{i}", s) for i, s in enumerate(stubs)]
+        stored: dict[str, str] = {}
+        async with running_gateway(round_robin(engines)) as first_gw:
+            for text in ("Find the failing test.", "Fix it."):
+                answer = await first_gw.client.post("/v1/responses", json=body(text, stream))
+                assert answer.status_code == 200, answer.text
+                stored[response_id(answer, stream)] = answer.headers["x-kvrouter-engine"]
+        assert sorted(stored.values()) == ["e0", "e1"]
+        async with running_gateway(round_robin(engines)) as gw:
+            for rid, engine in [*stored.items(), *stored.items()]:
+                found = await gw.client.get(f"/v1/responses/{rid}")
+                assert found.status_code == 200, found.text
+                assert found.headers["x-kvrouter-engine"] == engine
+                assert (found.json()["id"], found.json()["object"]) == (rid, "response")
+                cancel = await gw.client.post(f"/v1/responses/{rid}/cancel")
+                assert cancel.status_code == 400, cancel.text  # vLLM's: it is no background response
+                assert cancel.headers["x-kvrouter-engine"] == engine
+            text = (await gw.client.get("/metrics")).text
+            assert metric(text, "kvrouter_stored_response_seeks_total", outcome="found") == 2
+            assert metric(text, "kvrouter_stored_response_seeks_total") == 2
+            assert metric(text, "kvrouter_stored_responses") == 2
+
+
 async def test_an_unknown_ids_own_routes_are_passed_through_and_answered_by_an_engines_404() -> None:
+    """No engine holds the id: each route asks them (every one answers 404: `not_found`) and is then
+    passed through as any body-less request, the engine's 404 relayed."""
     async with running_stubs(2) as stubs:
         engines = [engine_of(f"e{i}", s) for i, s in enumerate(stubs)]
         async with running_gateway(round_robin(engines)) as gw:
@@ -171,5 +205,8 @@ async def test_an_unknown_ids_own_routes_are_passed_through_and_answered_by_an_e
                     assert answer.status_code == 404, answer.text  # vLLM's own, passed through
                     error = answer.json()["error"]
                     assert error["message"] == f"Response with id '{unknown}' not found."
+            text = (await gw.client.get("/metrics")).text
+            assert metric(text, "kvrouter_stored_response_seeks_total", outcome="not_found") == 4
+            assert metric(text, "kvrouter_stored_responses") == 0
             deleted = await gw.client.delete(f"/v1/responses/{response_id(unstored, False)}")
             assert deleted.status_code == 405  # vLLM 0.33.0 serves no DELETE of a stored response

@@ -9,7 +9,8 @@ the gateway exports as `kvrouter_stored_response_evictions_total{reason}`. Each 
 learns what it relayed, and asks its sibling workers on a miss (router.ops.worker_peers).
 
 The endpoint picker, which answers once per request and cannot retry, seeks an id it never learnt
-before it answers: it asks the engines whether they hold it (router.edge.stored_seek). The rules of
+before it answers: it asks the engines whether they hold it (router.edge.stored_seek); `kvrouter
+serve` asks the same way for a stored response's own routes (`GET`, cancel). The rules of
 that seek are here: which ids are asked (`seekable`), which replicas (`seek_candidates`), and how a
 seek ended (`seek_outcome`, `SEEK_OUTCOMES`).
 """
