@@ -132,6 +132,31 @@ async def test_a_continuation_another_gateway_learnt_is_found_by_asking_each_eng
             assert [(other, 404), (engine, 200)] in sought, sought
 
 
+async def stored_on_each(client: httpx.AsyncClient, stream: bool) -> dict[str, str]:
+    """Two stored Responses answers through round robin: their ids, by the engine each is on (one each)."""
+    stored: dict[str, str] = {}
+    for text in ("Find the failing test.", "Fix it."):
+        answer = await client.post("/v1/responses", json=body(text, stream))
+        assert answer.status_code == 200, answer.text
+        stored[response_id(answer, stream)] = answer.headers["x-kvrouter-engine"]
+    assert sorted(stored.values()) == ["e0", "e1"]
+    return stored
+
+
+async def own_routes_reach_their_holders(client: httpx.AsyncClient, stored: dict[str, str]) -> None:
+    """Twice over, each id's `GET` and cancel reach the engine that holds it: the stored response,
+    and vLLM's 400 for the cancel of a synchronous one (not a 404 from another engine)."""
+    for rid, engine in [*stored.items(), *stored.items()]:
+        found = await client.get(f"/v1/responses/{rid}")
+        assert found.status_code == 200, found.text
+        assert found.headers["x-kvrouter-engine"] == engine
+        assert (found.json()["id"], found.json()["object"]) == (rid, "response")
+        cancel = await client.post(f"/v1/responses/{rid}/cancel")
+        assert cancel.status_code == 400, cancel.text  # vLLM's: it is no background response
+        assert cancel.headers["x-kvrouter-engine"] == engine
+        assert cancel.json()["error"]["message"] == "Cannot cancel a synchronous response."
+
+
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
 async def test_a_stored_responses_own_routes_go_to_the_engine_that_stored_it(stream: bool) -> None:
     """`GET /v1/responses/{id}` and `POST /v1/responses/{id}/cancel` reach the storing engine each
@@ -140,21 +165,8 @@ async def test_a_stored_responses_own_routes_go_to_the_engine_that_stored_it(str
     async with running_stubs(2) as stubs:
         engines = [engine_of(f"e{i}", s) for i, s in enumerate(stubs)]
         async with running_gateway(round_robin(engines)) as gw:
-            stored: dict[str, str] = {}
-            for text in ("Find the failing test.", "Fix it."):
-                answer = await gw.client.post("/v1/responses", json=body(text, stream))
-                assert answer.status_code == 200, answer.text
-                stored[response_id(answer, stream)] = answer.headers["x-kvrouter-engine"]
-            assert sorted(stored.values()) == ["e0", "e1"]
-            for rid, engine in [*stored.items(), *stored.items()]:
-                found = await gw.client.get(f"/v1/responses/{rid}")
-                assert found.status_code == 200, found.text
-                assert found.headers["x-kvrouter-engine"] == engine
-                assert (found.json()["id"], found.json()["object"]) == (rid, "response")
-                cancel = await gw.client.post(f"/v1/responses/{rid}/cancel")
-                assert cancel.status_code == 400, cancel.text  # vLLM's: it is no background response
-                assert cancel.headers["x-kvrouter-engine"] == engine
-                assert cancel.json()["error"]["message"] == "Cannot cancel a synchronous response."
+            stored = await stored_on_each(gw.client, stream)
+            await own_routes_reach_their_holders(gw.client, stored)
 
 
 @pytest.mark.parametrize("stream", [False, True], ids=["json", "sse"])
@@ -167,22 +179,10 @@ async def test_a_stored_responses_own_routes_another_gateway_learnt_are_found_by
     would be the answer for the id e1 holds. A second round asks no engine: the ids were learnt."""
     async with running_stubs(2) as stubs:
         engines = [engine_of(f"e{i}", s) for i, s in enumerate(stubs)]
-        stored: dict[str, str] = {}
         async with running_gateway(round_robin(engines)) as first_gw:
-            for text in ("Find the failing test.", "Fix it."):
-                answer = await first_gw.client.post("/v1/responses", json=body(text, stream))
-                assert answer.status_code == 200, answer.text
-                stored[response_id(answer, stream)] = answer.headers["x-kvrouter-engine"]
-        assert sorted(stored.values()) == ["e0", "e1"]
+            stored = await stored_on_each(first_gw.client, stream)
         async with running_gateway(round_robin(engines)) as gw:
-            for rid, engine in [*stored.items(), *stored.items()]:
-                found = await gw.client.get(f"/v1/responses/{rid}")
-                assert found.status_code == 200, found.text
-                assert found.headers["x-kvrouter-engine"] == engine
-                assert (found.json()["id"], found.json()["object"]) == (rid, "response")
-                cancel = await gw.client.post(f"/v1/responses/{rid}/cancel")
-                assert cancel.status_code == 400, cancel.text  # vLLM's: it is no background response
-                assert cancel.headers["x-kvrouter-engine"] == engine
+            await own_routes_reach_their_holders(gw.client, stored)
             text = (await gw.client.get("/metrics")).text
             assert metric(text, "kvrouter_stored_response_seeks_total", outcome="found") == 2
             assert metric(text, "kvrouter_stored_response_seeks_total") == 2
