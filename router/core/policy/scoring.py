@@ -479,9 +479,9 @@ def work_factor(settings: ScorerSettings, load: LoadSnapshot) -> float:
     sessions to the 2 of 4 engines holding the system prompts (17 in flight on one while two sat
     idle), then moved a third of the later turns off them (48-57 of 150; prefix_approx none): TTFT
     p50 45 / 43 / 75 ms on seeds 0-2 against prefix_approx's 30 / 37 / 33 and round robin's 41 / 50
-    / 39. Counted per unanswered request: 37 / 41 / 34 ms, p90 91 / 287 / 257 (139 / 315 / 214
-    before), the agent sessions at an offered 3.44 answered 63% within the SLO (41% before), at 1.19
-    all (p90 86 ms, 93 before). Tried and not kept: per request held, decoding included, at weight
+    / 39. Counted per unanswered request: 37 / 41 / 34 ms, p90 90 / 266 / 257 (138 / 342 / 261
+    before), the agent sessions at an offered 3.44 answered 63% within the SLO (38% before), at 1.19
+    all (p90 93 ms, 119 before). Tried and not kept: per request held, decoding included, at weight
     0.5 (p50 32 / 37 / 34, but at 1.19 only 90% within the SLO, p90 197 ms); per decoding sequence
     (seed 2's p90 329-1,460 ms)."""
     return settings.prefill_work_weight * (1 + max(0, load.in_flight - load.decoding))

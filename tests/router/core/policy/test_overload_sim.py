@@ -28,7 +28,7 @@ Since the overhead learns only from requests sent to an empty queue (`PrefillCos
 35.9% to 49.0% by default.
 
 Since the prefill work counts once per unanswered request (`scoring.work_factor`, session 22), kv
-alone answers 63.3% within the SLO at 3.44 (37.6% before) and all at 1.19 (p90 86 ms, 93 before),
+alone answers 63.3% within the SLO at 3.44 (37.6% before) and all at 1.19 (p90 93 ms, 119 before),
 predicting 86.3% within 2x at 3.44; the bound no longer raises goodput over all sent (50.6% by
 default, 59.5% learned from service), but 85-88% of what it admits meets the SLO.
 """
