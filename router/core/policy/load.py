@@ -22,6 +22,7 @@ Pure: no clock, no I/O.
 
 from __future__ import annotations
 
+import math
 from typing import Final
 
 import msgspec
@@ -96,7 +97,10 @@ class PrefillCostModel:
     def observe(self, tokens: float, ttft_s: float, queued: bool = False) -> None:
         """Learn from one request: `tokens` prefill tokens ran before its first token, after `ttft_s`;
         `queued`: some of them were other requests' (it was sent behind a queue), so only the per-token
-        cost learns from it (see `_per_token_only`)."""
+        cost learns from it (see `_per_token_only`). A reading that is not a finite number (a clock
+        gone wrong) teaches nothing: it is ignored, so it cannot turn the estimate into NaN."""
+        if not (math.isfinite(tokens) and math.isfinite(ttft_s)):
+            return
         x1 = tokens / _KTOK  # (the feature vector is (1, x1))
         predicted = self.predict(tokens)
         err, scale = ttft_s - predicted, max(predicted, 1e-4)  # (0.1 ms: a prediction of 0 still scales)
@@ -117,7 +121,7 @@ class PrefillCostModel:
         denom = lam + px0 + x1 * px1
         g0, g1 = px0 / denom, px1 / denom
         overhead, per_ktok = self.overhead_s + g0 * err, self._per_ktok + g1 * err
-        if overhead < 0.0:
+        if not overhead >= 0.0:  # (NaN too, though finite readings cannot make one)
             # The joint step would take the overhead below its bound, 0: clamped there, its share of
             # the step is lost while the per-token cost takes its own, which the two's negative
             # covariance can point the wrong way (over a run whose token counts barely vary, the

@@ -195,6 +195,24 @@ def test_cost_model_shrugs_off_an_outlier() -> None:
     assert model.predict(8000) == pytest.approx(0.05 + 3e-5 * 8000, rel=0.1)
 
 
+@pytest.mark.parametrize("warm", [0, 100])
+@pytest.mark.parametrize("reading", [(5000, math.nan), (5000, math.inf), (math.nan, 0.2)])
+def test_cost_model_ignores_a_reading_that_is_not_a_number(warm: int, reading: tuple[float, float]) -> None:
+    """Before the residuals are clipped (under 3 samples) a NaN TTFT used to reach the estimate, and
+    a NaN overhead passed the `< 0` bound: the model then predicted NaN for every request."""
+    model, reference = PrefillCostModel(PRIOR), PrefillCostModel(PRIOR)
+    for m in (model, reference):
+        _feed(m, overhead=0.05, per_token=3e-5, n=warm, seed=3)
+    model.observe(*reading)
+    model.observe(*reading, queued=True)
+    assert (model.overhead_s, model.per_token_s, model.samples) == (
+        reference.overhead_s,
+        reference.per_token_s,
+        reference.samples,
+    )
+    assert math.isfinite(model.predict(5000))
+
+
 def test_a_long_prompt_after_short_ones_corrects_the_per_token_cost() -> None:
     """The load test's start (issue #29): four short warm-up requests, then a session's first long
     prompt, on engines of 0.5 ms + 32 us a token (TTFTs here as the harness measured them, a few ms
