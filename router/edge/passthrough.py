@@ -95,10 +95,9 @@ class Passthrough:
         self.parts = parts
         self.stored_seek = StoredSeek(parts)
 
-    def stored_on(self, path: str) -> EngineId | None:
-        """The engine that stored the response `path` names (`response_id_in`), when the gateway learnt
-        it (a use of the table's entry); None otherwise."""
-        response_id = response_id_in(path)
+    def stored_on(self, response_id: str | None) -> EngineId | None:
+        """The engine that stored the response `response_id` (a path's `response_id_in`), when this
+        worker learnt it (a use of the table's entry); None otherwise, and for None."""
         return self.parts.core.scorer.stored.engine_of(response_id) if response_id is not None else None
 
     async def _stored_on(self, request: Request, model: str | None, rid: str) -> EngineId | None:
@@ -112,7 +111,7 @@ class Passthrough:
         if peers is not None:
             found = await peers.stored_engine(response_id)
         else:
-            found = self.parts.core.scorer.stored.engine_of(response_id)
+            found = self.stored_on(response_id)
         if found is not None or not seekable(response_id):
             return found
         return await self.stored_seek.find(response_id, model, frozenset(), request.headers.raw, rid)

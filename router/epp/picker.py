@@ -417,7 +417,8 @@ class PickStream:
                 model = None  # not JSON naming a model: any replica, as for a body-less request
         with self.decider.counting_refusals:  # no replica of the model can take it: a refusal
             passthrough = self.picker.passthrough
-            target = passthrough.chooser(model, passthrough.stored_on(self.scope["path"]))(excluded)
+            held = passthrough.stored_on(response_id_in(self.scope["path"]))
+            target = passthrough.chooser(model, held)(excluded)
         if target is None:  # every replica excluded by the subset hint
             raise self._no_engine()
         self.engine = target.engine
