@@ -15,6 +15,10 @@ learnt into the table, the other asks are cancelled, and the decision then sends
 as for an id learnt from an answer. None: the request is routed by the policy, as without the seek.
 Each seek is counted in `kvrouter_stored_response_seeks_total{outcome}`.
 
+Requests that name the same id at once share one seek (`StoredSeek.find`): a client polling a
+background response, or a burst of continuations of one answer, asks each engine once, not once per
+request; the requests that joined a seek under way are counted `merged`.
+
 `kvrouter serve` asks the same way for a stored response's own routes (`GET /v1/responses/{id}`,
 `POST /v1/responses/{id}/cancel`, router.edge.passthrough) of an id not learnt: the 404 seek would
 reach at most `[retry] attempts` engines, one after another, and learn nothing (a client polling a
@@ -33,7 +37,7 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import Sequence
-from typing import Final
+from typing import Any, Final, TypeAlias
 
 from router.core.errors import UpstreamError
 from router.core.ids import EngineId
@@ -47,6 +51,20 @@ log = logging.getLogger(__name__)
 
 _CARRIED: Final = frozenset({"authorization", "x-request-id"})
 
+_SeekKey: TypeAlias = tuple[str, tuple[EngineId, ...], str | None]
+"""What makes two seeks one (`StoredSeek.find`): the response id, the candidates asked, in order, and
+the `Authorization` the asks carry (None: none)."""
+
+
+class _Flight:
+    """A seek under way that requests share (`StoredSeek.find`): its task, and how many wait for it."""
+
+    __slots__ = ("task", "waiting")
+
+    def __init__(self, task: asyncio.Task[EngineId | None]) -> None:
+        self.task = task
+        self.waiting = 0
+
 
 class StoredSeek:
     """Asks the engines which one holds a stored response (see the module docstring)."""
@@ -54,6 +72,8 @@ class StoredSeek:
     def __init__(self, parts: GatewayParts) -> None:
         self.parts = parts
         self.timeout_s = parts.config.timeouts.stored_seek_s
+        self._flights: dict[_SeekKey, _Flight] = {}
+        """The seeks under way, by key: one task each, owned here, shared by the requests that wait."""
 
     def candidates(self, model: str | None, excluded: frozenset[EngineId]) -> list[EngineId]:
         """The replicas of `model` (any model for None) to ask: not `excluded`, breaker admitting, the
@@ -84,11 +104,59 @@ class StoredSeek:
         """The replica that holds `response_id`, asked of the `candidates` of `model` not `excluded`
         with the request's `headers` (from its ASGI headers `raw` and its id): `seek`. None when there
         is no candidate to ask or none holds it. What both front-ends call: the picker for a
-        continuation or a stored response's own route, `kvrouter serve` for the own routes."""
+        continuation or a stored response's own route, `kvrouter serve` for the own routes.
+
+        Single flight: requests that seek alike at once share one seek. The first runs it (a task
+        owned here, in `_flights`); a later one is counted `merged` and awaits that seek's answer.
+        Alike is the same `_SeekKey`: the id; the candidates, as computed now (the model's replicas
+        less the excluded, breaker admitting), since a request whose model or subset hint leaves other
+        engines to ask must not take a narrower seek's None, nor send its request to an engine it
+        excluded; and the `Authorization` the asks carry, since an engine that checks keys answers a
+        wrong one with a 401, which must not become another request's "not held". The request id is
+        not in the key: the shared asks carry the first request's. A request cancelled while it waits
+        (its stream closed, its client gone) leaves the seek to the others (`asyncio.shield`); the last
+        one to leave cancels it and waits for its asks to end, so no seek outlives its requests
+        (nothing is learnt or counted then, as before seeks were shared). The key leaves `_flights`
+        as its seek ends, however it ends (found, not found, unanswered, an error, cancelled), so a
+        request after it seeks afresh, which for a found id the table answers first. The asks are each
+        bounded by `timeout_s`: so is a shared seek."""
         candidates = self.candidates(model, excluded)
         if not candidates:
             return None
-        return await self.seek(response_id, candidates, self.headers(raw, request_id))
+        headers = self.headers(raw, request_id)
+        authorization = next((value for name, value in headers if name == "authorization"), None)
+        key: _SeekKey = (response_id, tuple(candidates), authorization)
+        flight = self._flights.get(key)
+        if flight is None:
+            flight = _Flight(asyncio.get_running_loop().create_task(self._fly(key, candidates, headers)))
+            self._flights[key] = flight
+        else:
+            self.parts.metrics.stored_response_seeks.labels("merged").inc()
+        flight.waiting += 1
+        try:
+            return await asyncio.shield(flight.task)
+        finally:
+            flight.waiting -= 1
+            if not flight.waiting and not flight.task.done():  # the last request waiting was cancelled
+                self._landed(key, flight.task)
+                flight.task.cancel()
+                await asyncio.wait((flight.task,))
+
+    async def _fly(
+        self, key: _SeekKey, candidates: Sequence[EngineId], headers: Sequence[tuple[str, str]]
+    ) -> EngineId | None:
+        """A shared seek (`find`): `seek`, its key out of `_flights` as it ends."""
+        try:
+            return await self.seek(key[0], candidates, headers)
+        finally:
+            self._landed(key, asyncio.current_task())
+
+    def _landed(self, key: _SeekKey, task: asyncio.Task[Any] | None) -> None:
+        """The seek `task` of `key` ended, or is being cancelled: a request from now on starts its own.
+        (Only its own entry: a seek cancelled by its last request may end after the next one began.)"""
+        flight = self._flights.get(key)
+        if flight is not None and flight.task is task:
+            del self._flights[key]
 
     async def seek(
         self, response_id: str, candidates: Sequence[EngineId], headers: Sequence[tuple[str, str]]

@@ -585,7 +585,8 @@ class RouterMetrics:
             "kvrouter_stored_response_seeks",
             "stored Responses answers never seen stored, asked of the engines before routing (the picker: "
             "a continuation, GET or cancel; the gateway: a GET or cancel; router/edge/stored_seek.py), by "
-            "outcome: found, not_found, unanswered (the last two: routed as without the seek)",
+            "outcome: found, not_found, unanswered (the last two: routed as without the seek); merged: "
+            "requests that waited for a seek of the same id under way instead of asking",
             ["outcome"],
             registry=r,
         )

@@ -14,6 +14,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any
 
+import httpx
+
 from router.core.ids import EngineId
 from tests.gateway_helpers import Gateway, wait_for
 from tests.vllm.engine_pair import EnginePair
@@ -78,7 +80,6 @@ class Traffic:
             async with self.gw.client.stream("POST", path, json=body, headers=headers, timeout=120.0) as resp:
                 assert resp.status_code == 200, await resp.aread()
                 chunks = [json.loads(line[6:]) async for line in resp.aiter_lines() if _is_data(line)]
-                predicted, engine = _routing(resp.headers)
             usage = chunks[-1]["usage"]
             text = "".join(_delta(c) for c in chunks if c.get("choices"))
             ids = [t for c in chunks for ch in c.get("choices", []) for t in ch.get("token_ids") or []]
@@ -86,73 +87,55 @@ class Traffic:
             resp = await self.gw.client.post(path, json=body, headers=headers, timeout=120.0)
             assert resp.status_code == 200, resp.text
             reply = resp.json()
-            predicted, engine = _routing(resp.headers)
             usage, choice = reply["usage"], reply["choices"][0]
             text = choice["message"]["content"] or "" if "message" in choice else choice["text"]
             ids = list(choice.get("token_ids") or [])
         actual = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        outcome = Outcome(
-            request_id=rid,
-            kind=kind + ("-stream" if stream else ""),
-            engine=engine,
-            predicted=predicted,
-            actual=actual,
-            text=text,
-            token_ids=ids,
-        )
-        self.outcomes.append(outcome)
-        return outcome
+        return self._keep(rid, kind + ("-stream" if stream else ""), resp.headers, actual, text, ids)
 
     async def message(self, system: str, messages: list[dict[str, str]]) -> Outcome:
         """An Anthropic Messages request (JSON); the outcome's text is the reply's text blocks."""
         body = {"model": self.model, "max_tokens": MAX_TOKENS, "temperature": 0.0, "system": system}
-        reply, predicted, engine, rid = await self._post(
-            "/v1/messages", "messages", body | {"messages": messages}
-        )
+        reply, headers, rid = await self._post("/v1/messages", "messages", body | {"messages": messages})
         text = "".join(b.get("text", "") for b in reply["content"] if b.get("type") == "text")
         actual = int(reply["usage"].get("cache_read_input_tokens") or 0)
-        return self._keep(
-            Outcome(
-                request_id=rid,
-                kind="messages",
-                engine=engine,
-                predicted=predicted,
-                actual=actual,
-                text=text,
-                token_ids=[],
-            )
-        )
+        return self._keep(rid, "messages", headers, actual, text, [])
 
     async def response(self, items: list[dict[str, str]]) -> Outcome:
         """An OpenAI Responses request (JSON, not stored); the outcome's text is its output text."""
         body = {"model": self.model, "max_output_tokens": MAX_TOKENS, "temperature": 0.0, "store": False}
-        reply, predicted, engine, rid = await self._post(
-            "/v1/responses", "responses", body | {"input": items}
-        )
+        reply, headers, rid = await self._post("/v1/responses", "responses", body | {"input": items})
         text = "".join(
             c.get("text", "") for o in reply["output"] if o.get("type") == "message" for c in o["content"]
         )
         actual = int((reply["usage"].get("input_tokens_details") or {}).get("cached_tokens") or 0)
-        return self._keep(
-            Outcome(
-                request_id=rid,
-                kind="responses",
-                engine=engine,
-                predicted=predicted,
-                actual=actual,
-                text=text,
-                token_ids=[],
-            )
-        )
+        return self._keep(rid, "responses", headers, actual, text, [])
 
-    async def _post(self, path: str, kind: str, body: dict[str, Any]) -> tuple[dict[str, Any], int, str, str]:
+    async def _post(
+        self, path: str, kind: str, body: dict[str, Any]
+    ) -> tuple[dict[str, Any], httpx.Headers, str]:
+        """A JSON request to `path` under a fresh request id: its answer, the answer's headers, the id."""
         rid = f"{kind}-{uuid.uuid4().hex[:12]}"
         resp = await self.gw.client.post(path, json=body, headers={"x-request-id": rid}, timeout=120.0)
         assert resp.status_code == 200, resp.text
-        predicted, engine = _routing(resp.headers)
-        return resp.json(), predicted, engine, rid
+        return resp.json(), resp.headers, rid
 
-    def _keep(self, outcome: Outcome) -> Outcome:
+    def _keep(
+        self, rid: str, kind: str, headers: httpx.Headers, actual: int, text: str, token_ids: list[int]
+    ) -> Outcome:
+        """The one builder of an `Outcome`: request `rid` of `kind`, routed as the gateway's answer
+        `headers` say (`_routing`: its engine and predicted cached tokens), the engine's `actual`
+        cached tokens, the `text` and `token_ids` it returned; kept in `outcomes`, in order."""
+        predicted, engine = _routing(headers)
+        outcome = Outcome(
+            request_id=rid,
+            kind=kind,
+            engine=engine,
+            predicted=predicted,
+            actual=actual,
+            text=text,
+            token_ids=token_ids,
+        )
         self.outcomes.append(outcome)
         return outcome
 

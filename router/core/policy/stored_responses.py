@@ -10,9 +10,9 @@ learns what it relayed, and asks its sibling workers on a miss (router.ops.worke
 
 The endpoint picker, which answers once per request and cannot retry, seeks an id it never learnt
 before it answers: it asks the engines whether they hold it (router.edge.stored_seek); `kvrouter
-serve` asks the same way for a stored response's own routes (`GET`, cancel). The rules of
-that seek are here: which ids are asked (`seekable`), which replicas (`seek_candidates`), and how a
-seek ended (`seek_outcome`, `SEEK_OUTCOMES`).
+serve` asks the same way for a stored response's own routes (`GET`, cancel); requests that name the
+same id at once share one seek. The rules of that seek are here: which ids are asked (`seekable`),
+which replicas (`seek_candidates`), and how a seek ended (`seek_outcome`, `SEEK_OUTCOMES`).
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ __all__ = [
 EVICTION_REASONS: Final = ("capacity", "engine_removed")
 """Why an id left the table: the table was full, its engine left the fleet."""
 
-SEEK_OUTCOMES: Final = ("found", "not_found", "unanswered")
+SEEK_OUTCOMES: Final = ("found", "not_found", "unanswered", "merged")
 """How a seek of an id not in the table ended: an engine said it holds it; every engine asked said it
-does not; none that answered holds it, and some did not answer (failed, or not in time)."""
+does not; none that answered holds it, and some did not answer (failed, or not in time). And
+`merged`: a request that asked nothing itself, but waited for the seek of the same id (and engines)
+already under way for another request, whose outcome counts that seek once."""
 
 _SEEKABLE: Final = re.compile(r"[A-Za-z0-9_.~:-]{1,256}")
 

@@ -2,13 +2,16 @@
 asks the engines before it answers, and picks the one that holds it. Real engine stubs (which store
 Responses answers as vLLM 0.33.0 does, an unknown id answered with its 404) and a fake engine that
 never answers, all over real sockets on 127.0.0.1; ext_proc messages as Envoy sends them (a real
-Envoy and a second picker process: tests/e2e/test_envoy_epp.py)."""
+Envoy and a second picker process: tests/e2e/test_envoy_epp.py). Requests that seek one id at once
+share one seek (`StoredSeek.find`), the picker's and `kvrouter serve`'s own routes alike: counted at
+the fake engines, which hold their answers until the test releases them."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 from typing import Any
 
 import httpx
@@ -19,6 +22,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as ext_proc
 
 from router.core.ids import EngineId
 from router.edge.decider import Decider
+from router.edge.stored_seek import StoredSeek
 from router.epp.endpoints import address_of
 from router.epp.picker import DESTINATION, Picker, PickStream
 from router.settings.config import EngineConfig, ModelConfig, RouterConfig, Timeouts
@@ -31,6 +35,7 @@ from tests.gateway_helpers import (
     metric,
     running_gateway,
     running_stubs,
+    wait_for,
 )
 
 pytestmark = pytest.mark.timeout(60)
@@ -166,17 +171,21 @@ async def test_an_id_no_engine_holds_is_routed_by_the_policy_and_counted(stubs: 
 
 
 class Silent(msgspec.Struct):
-    """A fake engine that never answers a stored response's GET (until released), recording the headers
-    it was asked with; anything else is a 404."""
+    """A fake engine that never answers a stored response's GET (until released), counting them and
+    recording the headers it was asked with; released, it answers 200 for the ids it holds (`held`),
+    else its 404. Anything else is a 404."""
 
+    held: frozenset[str] = frozenset()
     asked: asyncio.Event = msgspec.field(default_factory=asyncio.Event)
     released: asyncio.Event = msgspec.field(default_factory=asyncio.Event)
     cancelled: asyncio.Event = msgspec.field(default_factory=asyncio.Event)
     headers: dict[str, str] = msgspec.field(default_factory=dict)
+    gets: int = 0
 
     async def handle(self, request: web.Request) -> web.StreamResponse:
         if request.method != "GET" or not request.path.startswith("/v1/responses/"):
             return web.Response(status=404)
+        self.gets += 1
         self.headers.update((k.lower(), v) for k, v in request.headers.items())
         self.asked.set()
         try:
@@ -184,7 +193,7 @@ class Silent(msgspec.Struct):
         except asyncio.CancelledError:  # (the picker's client went away)
             self.cancelled.set()
             raise
-        return web.Response(status=404)
+        return web.Response(status=200 if request.match_info["tail"].split("/")[-1] in self.held else 404)
 
 
 def with_silent(url: str, stub: EngineConfig, seek_s: float = 1.0) -> RouterConfig:
@@ -214,15 +223,18 @@ async def test_the_first_engine_to_say_it_holds_the_id_wins_without_waiting_for_
 
 async def test_an_engine_that_does_not_answer_in_time_leaves_the_pick_to_the_policy() -> None:
     """e0 gives no answer within `timeouts.stored_seek_s`, e1 does not hold the id: routed by the policy,
-    counted unanswered."""
+    counted unanswered. The seek over, the next continuation of the id asks again."""
     silent = Silent()
     async with running_stubs(1) as servers, fake_engine(silent.handle) as url:
         stub = engine_of("e1", servers[0])
         async with running_gateway(with_silent(url, stub, seek_s=0.2)) as gw:
-            stream = Picker(Decider(gw.parts)).stream()
-            assert await continued(stream, "rid-u", "resp_lost") in {address_of(url), address_of(stub.url)}
-            stream.closed()
-            assert (seeks(gw, "found"), seeks(gw, "not_found"), seeks(gw, "unanswered")) == (0, 0, 1)
+            picker = Picker(Decider(gw.parts))
+            for n, rid in enumerate(("rid-u", "rid-again"), 1):
+                stream = picker.stream()
+                assert await continued(stream, rid, "resp_lost") in {address_of(url), address_of(stub.url)}
+                stream.closed()
+                assert (seeks(gw, "found"), seeks(gw, "not_found"), seeks(gw, "unanswered")) == (0, 0, n)
+                assert silent.gets == n
             silent.released.set()
 
 
@@ -259,3 +271,175 @@ async def test_a_remote_tokenize_models_continuation_is_sought_then_prepared_on_
             assert entry.request.tokenizer == "remote_render"
             stream.closed()
             assert seeks(gw, "found") == 1 and gw.parts.fleet.admission.total == 0
+
+
+HELD = "resp_held_by_e1"
+
+
+@asynccontextmanager
+async def two_silent() -> AsyncIterator[tuple[Gateway, Silent, Silent]]:
+    """A gateway over two silent fake engines, e0 (holding nothing) and e1 (holding `HELD`)."""
+    e0, e1 = Silent(), Silent(held=frozenset({HELD}))
+    async with fake_engine(e0.handle) as url0, fake_engine(e1.handle) as url1:
+        engines = [EngineConfig(name=n, url=u, model=MODEL) for n, u in (("e0", url0), ("e1", url1))]
+        async with running_gateway(gateway_config(engines)) as gw:
+            yield gw, e0, e1
+
+
+def continuations(picker: Picker, previous: str, n: int) -> list[tuple[PickStream, asyncio.Task[Any]]]:
+    """`n` streams, each sent a continuation of `previous` at once: each stream and the task deciding
+    it. (The tasks are all made before any runs: each starts or joins the seek in its first step.)"""
+    made: list[tuple[PickStream, asyncio.Task[Any]]] = []
+    for i in range(n):
+        stream = picker.stream()
+        extra = (("x-request-id", f"rid-{i}"),)
+        assert (
+            stream.on_message(request_headers("POST", "/v1/responses", False, extra).SerializeToString())
+            == []
+        )
+        reply = stream.on_message(request_body(continuation(previous), True).SerializeToString())
+        assert isinstance(reply, asyncio.Task)
+        made.append((stream, reply))
+    return made
+
+
+async def destination(reply: asyncio.Task[Any]) -> str:
+    head, *_ = [ext_proc.ProcessingResponse.FromString(wire(a)) for a in await reply]
+    picked: str = set_headers(head)[DESTINATION].split(",")[0]
+    return picked
+
+
+async def test_concurrent_continuations_of_one_unknown_id_share_one_seek() -> None:
+    """Four continuations of an id e1 holds, at once: one GET to each engine (counted there), the other
+    three requests merged into the first's seek; all four picked for e1. Then an id no engine holds:
+    one GET each for the four, none learnt, and a request after that seek ends asks again."""
+    async with two_silent() as (gw, e0, e1):
+        picker = Picker(Decider(gw.parts))
+        made = continuations(picker, HELD, 4)
+        await e0.asked.wait()
+        await e1.asked.wait()
+        assert seeks(gw, "merged") == 3
+        e0.released.set()
+        e1.released.set()
+        e1_address = address_of(gw.parts.fleet.replica_target(EngineId("e1"))[0])
+        for i, (stream, reply) in enumerate(made):
+            assert await destination(reply) == e1_address
+            entry = gw.parts.ring.get(f"rid-{i}")
+            assert entry is not None and entry.decisions[-1].reason == f"stored response {HELD} on e1"
+            stream.closed()
+        assert (e0.gets, e1.gets) == (1, 1)
+        assert (seeks(gw, "found"), seeks(gw, "not_found"), seeks(gw, "merged")) == (1, 0, 3)
+
+        made = continuations(picker, "resp_nowhere", 4)
+        for stream, reply in made:
+            await reply
+            stream.closed()
+        assert (e0.gets, e1.gets) == (2, 2)
+        assert (seeks(gw, "found"), seeks(gw, "not_found"), seeks(gw, "merged")) == (1, 1, 6)
+        [(stream, reply)] = continuations(picker, "resp_nowhere", 1)
+        await reply
+        stream.closed()
+        assert (e0.gets, e1.gets) == (3, 3)
+        assert (seeks(gw, "not_found"), seeks(gw, "merged")) == (2, 6)
+        assert gw.parts.core.scorer.stored.engine_of("resp_nowhere") is None
+        assert gw.parts.fleet.admission.total == 0
+
+
+async def test_a_request_cancelled_during_a_shared_seek_leaves_it_to_the_others() -> None:
+    """The stream that started the seek closes while the engines have not answered: its decision is
+    cancelled, the engines' GETs are not, and the two requests merged into it are picked for e1 once
+    the engines answer. Had they all closed, the seek would have been cancelled with them
+    (test_a_stream_closed_during_the_seek_cancels_it)."""
+    async with two_silent() as (gw, e0, e1):
+        picker = Picker(Decider(gw.parts))
+        (first, first_reply), *others = continuations(picker, HELD, 3)
+        await e0.asked.wait()
+        await e1.asked.wait()
+        first.closed()
+        with pytest.raises(asyncio.CancelledError):
+            await first_reply
+        assert gw.parts.ring.get("rid-0") is None
+        e0.released.set()
+        e1.released.set()
+        e1_address = address_of(gw.parts.fleet.replica_target(EngineId("e1"))[0])
+        for stream, reply in others:
+            assert await destination(reply) == e1_address
+            stream.closed()
+        assert not e0.cancelled.is_set() and not e1.cancelled.is_set()
+        assert (e0.gets, e1.gets) == (1, 1)
+        assert (seeks(gw, "found"), seeks(gw, "merged")) == (1, 2)
+        assert gw.parts.fleet.admission.total == 0
+
+
+async def test_requests_that_would_ask_differently_are_not_merged() -> None:
+    """Two continuations of one id at once, asked with different keys (an engine that checks them may
+    answer one and refuse the other), and a third whose subset hint leaves only e0: three seeks, each
+    engine asked by each seek that names it."""
+    async with two_silent() as (gw, e0, e1):
+        picker = Picker(Decider(gw.parts))
+        e0_address = address_of(gw.parts.fleet.replica_target(EngineId("e0"))[0])
+        replies: list[tuple[PickStream, asyncio.Task[Any]]] = []
+        for key, subset in (("Bearer a", None), ("Bearer b", None), ("Bearer a", e0_address)):
+            stream = picker.stream()
+            extra = (("authorization", key),)
+            first = request_headers("POST", "/v1/responses", False, extra, subset=subset)
+            assert stream.on_message(first.SerializeToString()) == []
+            reply = stream.on_message(request_body(continuation(HELD), True).SerializeToString())
+            assert isinstance(reply, asyncio.Task)
+            replies.append((stream, reply))
+        await e1.asked.wait()
+        e0.released.set()
+        e1.released.set()
+        for stream, reply in replies:
+            await reply
+            stream.closed()
+        assert (e0.gets, e1.gets) == (3, 2)
+        assert (seeks(gw, "found"), seeks(gw, "not_found"), seeks(gw, "merged")) == (2, 1, 0)
+
+
+async def test_a_shared_seek_that_fails_fails_every_request_waiting_and_is_forgotten(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A seek that raises (a bug) raises for the request that started it and the one that joined it,
+    and the next request seeks afresh."""
+    async with two_silent() as (gw, _, _):
+        seek = StoredSeek(gw.parts)
+        entered, failing = asyncio.Event(), asyncio.Event()
+        runs = 0
+
+        async def broken(response_id: str, candidates: Any, headers: Any) -> EngineId | None:
+            nonlocal runs
+            runs += 1
+            entered.set()
+            await failing.wait()
+            raise RuntimeError("a bug in the seek")
+
+        monkeypatch.setattr(seek, "seek", broken)
+        finds = [asyncio.create_task(seek.find(HELD, MODEL, frozenset(), [], f"r{i}")) for i in range(2)]
+        await entered.wait()
+        failing.set()
+        for failed in await asyncio.gather(*finds, return_exceptions=True):
+            assert isinstance(failed, RuntimeError)
+        assert (runs, seeks(gw, "merged")) == (1, 1)
+        with pytest.raises(RuntimeError):
+            await seek.find(HELD, MODEL, frozenset(), [], "r2")
+        assert runs == 2
+
+
+async def test_kvrouter_serves_concurrent_gets_of_one_unknown_id_with_one_seek() -> None:
+    """`kvrouter serve`'s own routes share the seek too: three `GET /v1/responses/{id}` of an id e1
+    holds, at once over HTTP, ask each engine once, and are each passed to e1 (its GETs: the seek's
+    and the three requests')."""
+    async with two_silent() as (gw, e0, e1):
+        gets = [asyncio.create_task(gw.client.get(f"/v1/responses/{HELD}")) for _ in range(3)]
+
+        async def all_joined() -> bool:
+            return seeks(gw, "merged") == 2
+
+        await wait_for(all_joined)
+        e0.released.set()
+        e1.released.set()
+        for answer in await asyncio.gather(*gets):
+            assert answer.status_code == 200, answer.text
+        assert (e0.gets, e1.gets) == (1, 1 + 3)
+        assert (seeks(gw, "found"), seeks(gw, "merged")) == (1, 2)
