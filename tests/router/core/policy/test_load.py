@@ -502,11 +502,12 @@ class _MatrixForm(PrefillCostModel):
         denom = lam + x[0] * px[0] + x[1] * px[1]
         gain = (px[0] / denom, px[1] / denom)
         if self.overhead_s + gain[0] * err < 0.0:  # (the overhead at its bound: held)
-            self._per_token_only(x[1], err)
+            self._per_token_only(x[1], err, self.prior.forgetting)
             return
         self.overhead_s = self.overhead_s + gain[0] * err
         self._per_ktok = max(1e-9, self._per_ktok + gain[1] * err)
         new_p = [[(p[i][j] - gain[i] * px[j]) / lam for j in range(2)] for i in range(2)]
+        new_p[1][0] = new_p[0][1]  # (one number: P is symmetric)
         trace = new_p[0][0] + new_p[1][1]
         scale = min(1.0, self._p_trace_max / trace) if trace > 0 else 1.0
         q = [[v * scale for v in row] for row in new_p]
@@ -822,6 +823,22 @@ def test_a_send_after_the_snapshot_takes_out_the_slot_wait_of_the_residency_at_i
     assert snap.residency_s == pytest.approx(0.2 + 1.0)
     load.started(rid(3), A, at=3.0, uncached_tokens=0)  # one slot, one held: it waits for it
     assert load._requests[rid(3)].other_s == pytest.approx((0.2 + 2.0) / 1)  # not the 2.0 s snapshot's 1.2
+
+
+@pytest.mark.parametrize("seed", range(8))
+def test_the_covariance_stays_a_covariance_through_any_readings(seed: int) -> None:
+    """Whatever the readings (own prefills, queued ones, ones that clamp the overhead, outliers),
+    `P` stays symmetric positive semi-definite. Until session 23 a queued reading shrank `P[1][1]`
+    alone: its determinant went negative within a few hundred readings here, the gains then turned
+    against the errors and the per-token cost fell to 0 (full-size agent sessions)."""
+    model, rng = PrefillCostModel(PRIOR), random.Random(seed)
+    for _ in range(2000):
+        tokens = rng.choice([rng.randint(0, 40000), rng.randint(200, 1600), 1100])
+        ttft = rng.choice([0.0, 0.02 + 32e-6 * tokens * rng.uniform(0.3, 3.0), rng.uniform(0.0, 0.2)])
+        model.observe(tokens, ttft, queued=rng.random() < 0.7)
+        p00, p01, p10, p11 = model._p
+        assert p01 == p10 and p00 >= 0.0 and p11 >= 0.0, model._p
+        assert p00 * p11 - p01 * p10 >= -1e-12 * max(1.0, p00 * p11), model._p
 
 
 def test_an_overhead_at_its_bound_is_held_while_the_per_token_cost_learns() -> None:
