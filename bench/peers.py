@@ -48,15 +48,16 @@ PEERS = {
         log_level="warn",
     ),
     # smg (Shepherd Model Gateway): `cache_aware` an approximate radix tree over the request text,
-    # `prefix_hash` a consistent hash of the prompt's head, `least_load` the engines' reported load;
-    # its CLI is spelled as sglang-router's (`smg launch --help`).
+    # `prefix_hash` a consistent hash of the prompt's head, `least_load` the engines' reported load,
+    # `round_robin` (its proxy's own cost beside kvrouter's round robin: the same choices); its CLI is
+    # spelled as sglang-router's (`smg launch --help`).
     "smg": Peer(
         name="smg",
         version="1.13.0",
         script="smg",
         subcommand=("launch",),
         log_level="warn",
-        policies=("cache_aware", "prefix_hash", "least_load"),
+        policies=("cache_aware", "prefix_hash", "least_load", "round_robin"),
     ),
     # kv_aware also needs --kv-event-source per worker (bench/routing_bench.py adds them).
     "vllm-router": Peer(

@@ -76,6 +76,7 @@ PEER_TARGETS = (
     PeerTarget("smg-cache_aware", peers.PEERS["smg"], "cache_aware"),
     PeerTarget("smg-prefix_hash", peers.PEERS["smg"], "prefix_hash"),
     PeerTarget("smg-least_load", peers.PEERS["smg"], "least_load"),
+    PeerTarget("smg-round_robin", peers.PEERS["smg"], "round_robin"),
     PeerTarget("sglang-cache_aware", peers.PEERS["sglang-router"], "cache_aware"),
     PeerTarget("sglang-round_robin", peers.PEERS["sglang-router"], "round_robin"),
     PeerTarget("vllm-cache_aware", peers.PEERS["vllm-router"], "cache_aware"),

@@ -259,6 +259,7 @@ def test_peers_listen_on_loopback_and_kv_aware_subscribes_to_every_stub() -> Non
         "cache_aware",
         "prefix_hash",
         "least_load",
+        "round_robin",
     }
 
 
@@ -311,7 +312,7 @@ def test_arguments() -> None:
     args = parse_args([])
     assert (args.traces, args.stubs, args.loads, args.reps) == (
         ["conversation", "synthetic", "agents"], [4, 8], [0.5, 0.8, 0.95, 1.2], 2)  # fmt: skip
-    assert args.targets == list(routing_bench.TARGETS) and len(args.targets) == 14
+    assert args.targets == list(routing_bench.TARGETS) and len(args.targets) == 15
     assert parse_args(["--traces", "agents"]).traces == ["agents"]  # the older spelling of --workloads
     args = parse_args(["--skip", "cache_oracle,vllm-kv_aware", "--stubs", "4", "--loads", "0.5"])
     assert "cache_oracle" not in args.targets and "vllm-kv_aware" not in args.targets
