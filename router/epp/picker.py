@@ -303,7 +303,7 @@ class PickStream:
             found = stored_ref(body).previous_response_id
         if found is None or not seekable(found):
             return None
-        return found if self.decider.parts.core.scorer.stored.engine_of(found) is None else None
+        return found if self.picker.passthrough.stored_on(found) is None else None
 
     async def _seek(self, response_id: str, body: bytes, excluded: frozenset[EngineId]) -> None:
         """Ask the engines which holds `response_id` (router.edge.stored_seek: found, it is learnt and

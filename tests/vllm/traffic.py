@@ -44,6 +44,15 @@ class Outcome:
         return self.predicted == self.actual
 
 
+@dataclass(frozen=True)
+class Answer:
+    """What the engine returned for one request: its `actual` cached tokens, the text, the token ids."""
+
+    actual: int
+    text: str
+    token_ids: list[int]
+
+
 @dataclass
 class Traffic:
     """Sends requests through one gateway and keeps every outcome in order."""
@@ -91,7 +100,7 @@ class Traffic:
             text = choice["message"]["content"] or "" if "message" in choice else choice["text"]
             ids = list(choice.get("token_ids") or [])
         actual = int((usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0)
-        return self._keep(rid, kind + ("-stream" if stream else ""), resp.headers, actual, text, ids)
+        return self._keep(rid, kind + ("-stream" if stream else ""), resp.headers, Answer(actual, text, ids))
 
     async def message(self, system: str, messages: list[dict[str, str]]) -> Outcome:
         """An Anthropic Messages request (JSON); the outcome's text is the reply's text blocks."""
@@ -99,7 +108,7 @@ class Traffic:
         reply, headers, rid = await self._post("/v1/messages", "messages", body | {"messages": messages})
         text = "".join(b.get("text", "") for b in reply["content"] if b.get("type") == "text")
         actual = int(reply["usage"].get("cache_read_input_tokens") or 0)
-        return self._keep(rid, "messages", headers, actual, text, [])
+        return self._keep(rid, "messages", headers, Answer(actual, text, []))
 
     async def response(self, items: list[dict[str, str]]) -> Outcome:
         """An OpenAI Responses request (JSON, not stored); the outcome's text is its output text."""
@@ -109,7 +118,7 @@ class Traffic:
             c.get("text", "") for o in reply["output"] if o.get("type") == "message" for c in o["content"]
         )
         actual = int((reply["usage"].get("input_tokens_details") or {}).get("cached_tokens") or 0)
-        return self._keep(rid, "responses", headers, actual, text, [])
+        return self._keep(rid, "responses", headers, Answer(actual, text, []))
 
     async def _post(
         self, path: str, kind: str, body: dict[str, Any]
@@ -120,21 +129,19 @@ class Traffic:
         assert resp.status_code == 200, resp.text
         return resp.json(), resp.headers, rid
 
-    def _keep(
-        self, rid: str, kind: str, headers: httpx.Headers, actual: int, text: str, token_ids: list[int]
-    ) -> Outcome:
+    def _keep(self, rid: str, kind: str, headers: httpx.Headers, answer: Answer) -> Outcome:
         """The one builder of an `Outcome`: request `rid` of `kind`, routed as the gateway's answer
-        `headers` say (`_routing`: its engine and predicted cached tokens), the engine's `actual`
-        cached tokens, the `text` and `token_ids` it returned; kept in `outcomes`, in order."""
+        `headers` say (`_routing`: its engine and predicted cached tokens), with the engine's
+        `answer`; kept in `outcomes`, in order."""
         predicted, engine = _routing(headers)
         outcome = Outcome(
             request_id=rid,
             kind=kind,
             engine=engine,
             predicted=predicted,
-            actual=actual,
-            text=text,
-            token_ids=token_ids,
+            actual=answer.actual,
+            text=answer.text,
+            token_ids=answer.token_ids,
         )
         self.outcomes.append(outcome)
         return outcome
