@@ -86,8 +86,7 @@ class SimResult(msgspec.Struct, frozen=True):
     cached, each engine's busy seconds (what its stub would report), and per request what its
     decision predicted for the engine chosen: its TTFT and its wait (`CandidateScore.predicted_ttft_s`,
     `wait_s`; nan when refused), the refused requests' indexes, and per request the learned prefill
-    cost per token its decision read for that engine (`LoadSnapshot.per_token_s`; nan when refused),
-    and the engine each went to (None when refused)."""
+    cost per token its decision read for that engine (`LoadSnapshot.per_token_s`; nan when refused)."""
 
     ttft: list[float]
     cached_tokens: int
@@ -97,7 +96,6 @@ class SimResult(msgspec.Struct, frozen=True):
     predicted_wait_s: list[float] = []
     refused: list[int] = []
     per_token_s: list[float] = []
-    engines: list[EngineId | None] = []
 
     @property
     def cached_ratio(self) -> float:
@@ -242,7 +240,6 @@ def run(
         predicted_wait_s=[c.wait_s if c else math.nan for c in picked],
         refused=done.refused,
         per_token_s=[c.load.per_token_s if c else math.nan for c in picked],
-        engines=[router.routed.get(i) for i in range(len(requests))],
     )
 
 

@@ -210,9 +210,6 @@ class LoadSnapshot(msgspec.Struct, frozen=True):
     context_tokens: int = 0
     """Prompt tokens of the requests this router has on the engine (prefilling or decoding): the KV
     context every engine step reads (`StepCost.context_read_s_per_token`)."""
-    recent_requests: float = 0.0
-    """Requests this router sent the engine lately, decayed by their age (`RecentCount`): how much of
-    the traffic comes back to it (kv's tie rule for a new prefix, `scoring._TIE_RULES`)."""
 
 
 class _InFlight(msgspec.Struct):
@@ -289,38 +286,6 @@ class Residency:
         return (self.exposure_s + max(0.0, ages)) / self.completions
 
 
-RECENT_S: Final = 60.0
-"""`RecentCount`'s time constant (seconds): about an agent session's length (4-28 steps, each an
-answer and a tool call of 1-8 s) and several turns of a chat."""
-
-
-class RecentCount:
-    """An exponentially decayed count of events: at `now`, the sum over the events' times `t` of
-    `exp(-(now - t) / RECENT_S)`. O(1) and exact: decayed when read or added to.
-
-    What it is for: `LoadSnapshot.recent_requests`, the engine's clientele. Between its sessions'
-    turns (an agent's tool call, a user's thinking) an engine can hold nothing in flight and look as
-    idle as one that serves nobody; the requests sent it lately still count the sessions that will
-    come back."""
-
-    __slots__ = ("at", "count")
-
-    def __init__(self) -> None:
-        self.count = 0.0
-        self.at = 0.0
-
-    def add(self, at: float) -> None:
-        """One event at `at` (one earlier than the last is counted at the last's time)."""
-        self.count = self.value(at) + 1.0
-        self.at = max(self.at, at)
-
-    def value(self, now: float) -> float:
-        """The decayed count at `now` (at or before the last event: undecayed)."""
-        if now <= self.at:
-            return self.count
-        return self.count * math.exp((self.at - now) / RECENT_S)
-
-
 class _EngineLoad:
     def __init__(self, model: PrefillCostModel, step: StepCost) -> None:
         self.model = model
@@ -333,7 +298,6 @@ class _EngineLoad:
         self.typical_uncached = 0.0
         self.started = 0
         self.residency = Residency()
-        self.recent = RecentCount()  # requests sent (`LoadSnapshot.recent_requests`)
         self.scrape: ScrapedMetrics | None = None
         self.unanswered: dict[RequestId, _InFlight] = {}  # in send order: the engine's FCFS order
         self.head_since = 0.0  # the earliest the queue's head can have started: an answer or a freed slot
@@ -426,7 +390,6 @@ class LoadTracker:
         rate = 1.0 if load.started == 0 else 0.1
         load.typical_uncached += rate * (uncached_tokens - load.typical_uncached)
         load.started += 1
-        load.recent.add(at)
 
     def _other_s(self, load: _EngineLoad, engine: EngineId, at: float, uncached_tokens: int) -> float:
         """`decode_s + slot_wait_s` of `ttft_terms` of the engine's snapshot at `at` for `uncached_tokens`.
@@ -650,7 +613,6 @@ class LoadTracker:
             residency_s=load.residency.estimate(now),
             drained_tokens=self._drained(load, decoding, now),
             context_tokens=load.context,
-            recent_requests=load.recent.value(now),
         )
         load.seen_at, load.seen_samples = now, model.samples
         return seen

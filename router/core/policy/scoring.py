@@ -543,10 +543,6 @@ def _most(tokens: int, tie: _Tie) -> int:
     return tokens if tokens >= tie.least_prefix else 0
 
 
-def _recent_words(s: CandidateScore) -> str:
-    return f"fewer requests lately ({s.load.recent_requests:.1f})"
-
-
 def _hit_words(s: CandidateScore) -> str:
     return f"the larger cached prefix ({s.counted_tokens} tokens)"
 
@@ -563,7 +559,7 @@ def _reusable_words(s: CandidateScore) -> str:
 # request's own context lives there (its session's previous turn, its app's or chat's system
 # prompt), where it adds the fewest duplicate blocks and, next turn, finds the most, while the costs
 # say both are as fast. A shorter prefix comes
-# after the load (rules 5 and 6): a head every prompt shares (a chat template's role markers, a tool
+# after the load (rules 4 and 5): a head every prompt shares (a chat template's role markers, a tool
 # list's preamble: ~75 tokens of an agent's thousands) is on whichever engine took the first
 # conversation, and before the load it sent every new session there, each session's later turns
 # following (tests/router/core/policy/test_shared_header_sim.py: 12 agent sessions on one of two
@@ -571,26 +567,16 @@ def _reusable_words(s: CandidateScore) -> str:
 # not in the learned cost: where that cost collapses under overload and nearly everything ties, a
 # session's own prefix still keeps it with its cache (load first throughout cut goodput at an
 # offered 1.2 from 100% to 65%).
-# The load (rules 3 and 4) is first the requests sent each engine lately (`RecentCount`, a minute's
-# decayed count), then those in flight. A new prefix (an app's first session, a new chat) sets where
-# every later request sharing it goes; between their turns (a tool call, a user thinking) engines hold
-# nothing in flight, so by the in-flight count they all tied and the hash homed new apps on engines
-# that already served one while others served none (the routing bench's agents cell: 6 apps, the
-# most used with another on one engine, 55% of the requests, busy 0.83; in virtual time seed 3 left
-# an engine unused all run). Counting the clientele: decode-heavy seed 2's p90 253 -> 210 ms, the
-# agents cell at full size p50 / p90 40.7 / 63.1 -> 40.3 / 61.9 ms over seeds 0-4 (seed 0's p50
-# 38.9 -> 39.7: which app will be busy is not known when its home is chosen).
 # The hybrid junction pin and the hit are weighed in one unit, the prefix left for the next request
 # sharing this one's head: routing to an engine that pins stores the sparse groups' state at the
 # junction, turning its warm full-attention prefix into a hit for that next request; any other engine
 # offers its hit. Neither strictly first is right: pin-first would leave a 512-token hit for an
 # engine pinning 20 warm tokens, hit-first would pass over a 768-token pin for a 16-token hit. Rules
-# 2 and 6 then prefer this request's own saving when the prefixes left are equal.
-_TieRule = tuple[Callable[[_Tie, CandidateScore], float], Callable[[CandidateScore], str]]
+# 2 and 5 then prefer this request's own saving when the prefixes left are equal.
+_TieRule = tuple[Callable[[_Tie, CandidateScore], int], Callable[[CandidateScore], str]]
 _TIE_RULES: Final[tuple[_TieRule, ...]] = (
     (lambda tie, s: -_most(_reusable_tokens(s), tie), _reusable_words),
     (lambda tie, s: -_most(s.counted_tokens, tie), _hit_words),
-    (lambda tie, s: s.load.recent_requests, _recent_words),
     (lambda tie, s: s.load.in_flight, lambda s: f"fewer in-flight requests ({s.load.in_flight})"),
     (lambda tie, s: -_reusable_tokens(s), _reusable_words),
     (lambda tie, s: -s.counted_tokens, _hit_words),

@@ -12,12 +12,10 @@ from hypothesis import strategies as st
 
 from router.core.ids import EngineId, RequestId
 from router.core.policy.load import (
-    RECENT_S,
     CostPrior,
     LoadSnapshot,
     LoadTracker,
     PrefillCostModel,
-    RecentCount,
     Residency,
     ScrapedMetrics,
     StepCost,
@@ -613,10 +611,9 @@ class _AlwaysAfresh(LoadTracker):
 
 class _Checked(LoadTracker):
     """Every snapshot `started` reuses is the one a new snapshot then would be, but for its drained
-    head when that was a function of time (`started` finds it again at its own time), its
+    head when that was a function of time (`started` finds it again at its own time) and its
     residency (the decoding requests' ages: read again where a slot wait reads it; the other_s
-    learned are compared whole by the test) and its recent requests (decayed by time, and no term of
-    the TTFT `started` takes out)."""
+    learned are compared whole by the test)."""
 
     reused = 0
     taken = 0
@@ -634,12 +631,7 @@ class _Checked(LoadTracker):
             _Checked.reused += 1
             assert memo[0] is not None
             drained = want.drained_tokens if memo[3] else memo[0].drained_tokens
-            timed = msgspec.structs.replace(
-                memo[0],
-                drained_tokens=drained,
-                residency_s=want.residency_s,
-                recent_requests=want.recent_requests,
-            )
+            timed = msgspec.structs.replace(memo[0], drained_tokens=drained, residency_s=want.residency_s)
             assert timed == want
 
     def snapshot(self, engine: EngineId, now: float) -> LoadSnapshot:
@@ -863,30 +855,3 @@ def test_an_overhead_at_its_bound_is_held_while_the_per_token_cost_learns() -> N
         model.observe(rng.randint(1050, 1150), 0.035)
         assert model.per_token_s <= 1.1e-4  # (clamped alone: 161 us here, predicting 177 ms)
     assert model.predict(1100) == pytest.approx(0.035, rel=0.1)
-
-
-def test_the_recent_count_decays_each_request_by_its_age() -> None:
-    """`RecentCount` is the sum of exp(-age / RECENT_S) over its events, whatever order it is read in."""
-    count = RecentCount()
-    assert count.value(5.0) == 0.0
-    for at in (0.0, 10.0, 10.0, 40.0):
-        count.add(at)
-    want = sum(math.exp(-(100.0 - at) / RECENT_S) for at in (0.0, 10.0, 10.0, 40.0))
-    assert count.value(100.0) == pytest.approx(want, rel=1e-12)
-    assert count.value(30.0) == count.value(40.0)  # before its last event: as at it
-    count.add(20.0)  # late news of an earlier event counts as at the last one
-    assert count.value(100.0) == pytest.approx(want + math.exp(-60.0 / RECENT_S), rel=1e-12)
-
-
-def test_an_engine_between_its_sessions_turns_still_shows_its_clientele() -> None:
-    """Nothing in flight on either engine, but one was sent three requests in the last minute: the
-    snapshots tell them apart (kv's tie rule for a new prefix's home, `scoring._TIE_RULES`)."""
-    tracker = LoadTracker(PRIOR)
-    for n, at in enumerate((0.0, 20.0, 40.0)):
-        tracker.started(rid(n), A, at, 100)
-        tracker.first_token(rid(n), at + 0.1)
-        tracker.finished(rid(n), at + 1.0)
-    a, b = tracker.snapshot(A, 60.0), tracker.snapshot(B, 60.0)
-    assert (a.in_flight, b.in_flight) == (0, 0)
-    assert a.recent_requests == pytest.approx(sum(math.exp(-age / RECENT_S) for age in (60.0, 40.0, 20.0)))
-    assert b.recent_requests == 0.0

@@ -54,14 +54,9 @@ def cand(
     healthy: bool = True,
     breaker_open: bool = False,
     full: bool = False,
-    recent: float = 0.0,
 ) -> Candidate:
     load = load_of(
-        in_flight=in_flight,
-        prefilling=in_flight - decoding,
-        decoding=decoding,
-        queued_prefill_tokens=queued,
-        recent_requests=recent,
+        in_flight=in_flight, prefilling=in_flight - decoding, decoding=decoding, queued_prefill_tokens=queued
     )
     warm_tokens = hit if warm is None else warm
     boundary = warm_tokens if warm_tokens > hit else 0
@@ -174,14 +169,6 @@ TABLE: list[tuple[str, PolicyName, list[Candidate], set[str], str | None, str]] 
         set(),
         "b",
         "fewer in-flight",
-    ),
-    (  # a new prefix's home: b serves a session between its turns (nothing in flight), a serves none
-        "tie: fewer requests lately before fewer in flight",
-        KV,
-        [cand("a", in_flight=1, decoding=1), cand("b", recent=2.5)],
-        set(),
-        "a",
-        "decided by fewer requests lately (0.0)",
     ),
     (
         "tie within tolerance: the larger hit first when it is not a short head",
