@@ -22,7 +22,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvrouter.loadtest.results import RequestResult
+from kvrouter.loadtest.results import RequestResult, read_results
 
 __all__ = ["Diff", "PairReport", "main", "pair", "render"]
 
@@ -74,7 +74,7 @@ def _diff(label: str, pairs: Sequence[tuple[RequestResult, RequestResult]]) -> D
         label=label,
         pairs=len(d),
         p25_ms=q[0],
-        p50_ms=statistics.median(d),
+        p50_ms=q[1],
         p75_ms=q[2],
         a_p50_ms=statistics.median((a.ttft_s or 0.0) * 1e3 for a, _ in pairs),
         b_p50_ms=statistics.median((b.ttft_s or 0.0) * 1e3 for _, b in pairs),
@@ -132,9 +132,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if len(args) != 3:
         print("usage: python -m bench.pair_targets DIR TARGET_A TARGET_B", file=sys.stderr)
         return 2
-    lines = (Path(args[0]) / "results.jsonl").read_bytes().splitlines()
-    results = [msgspec.json.decode(line, type=RequestResult) for line in lines if line.strip()]
-    report = pair(results, args[1], args[2])
+    report = pair(read_results(Path(args[0])), args[1], args[2])
     if report.overall is None:
         print(f"no request answered by both {args[1]} and {args[2]} with the same cache outcome")
         return 1

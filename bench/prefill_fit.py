@@ -20,7 +20,7 @@ from pathlib import Path
 
 import msgspec
 
-from kvrouter.loadtest.results import RequestResult
+from kvrouter.loadtest.results import RequestResult, read_results
 
 __all__ = ["PrefillFit", "fit", "main"]
 
@@ -76,16 +76,10 @@ def _solve(matrix: list[list[float]], rhs: list[float]) -> list[float] | None:
     return x
 
 
-def results_of(out: Path) -> list[RequestResult]:
-    """Every request of a load test's output directory."""
-    lines = (out / "results.jsonl").read_bytes().splitlines()
-    return [msgspec.json.decode(line, type=RequestResult) for line in lines]
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     """Print the fit over the load tests' output directories, pooled."""
     args = list(argv if argv is not None else sys.argv[1:])
-    found = fit(r for out in args for r in results_of(Path(out)))
+    found = fit(r for out in args for r in read_results(Path(out)))
     if found is None:
         print("too few answers, or their tokens do not tell the costs apart")
         return 1

@@ -22,7 +22,7 @@ from pathlib import Path
 import msgspec
 
 from bench.decision_audit import records_by_request
-from kvrouter.loadtest.results import RequestResult
+from kvrouter.loadtest.results import RequestResult, read_results
 from router.core.policy.scoring import CandidateScore, Decision
 
 __all__ = ["STATES", "Calibration", "calibration", "main", "queue_state"]
@@ -66,9 +66,8 @@ def calibration(
 
 def load_run(out: Path, policy: str) -> tuple[list[RequestResult], dict[str, Decision]]:
     """A load test's results of `policy` and its recorded first decisions by request id."""
-    lines = (out / "results.jsonl").read_bytes().splitlines()
-    results = [msgspec.json.decode(line, type=RequestResult) for line in lines]
-    return [r for r in results if r.policy == policy], records_by_request(out / f"{policy}.kvrec")
+    results = [r for r in read_results(out) if r.policy == policy]
+    return results, records_by_request(out / f"{policy}.kvrec")
 
 
 def main(argv: Sequence[str] | None = None) -> int:

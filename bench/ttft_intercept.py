@@ -17,10 +17,8 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-import msgspec
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kvrouter.loadtest.results import RequestResult
+from kvrouter.loadtest.results import RequestResult, read_results
 
 
 def fit(points: Sequence[tuple[float, float]]) -> tuple[float, float]:
@@ -46,10 +44,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("runs", nargs="+", type=Path, help="load-test output directories")
     args = parser.parse_args()
-    decoder = msgspec.json.Decoder(RequestResult)
     for run in args.runs:
-        lines = (run / "results.jsonl").read_bytes().splitlines()
-        fits = intercepts([decoder.decode(line) for line in lines if line])
+        fits = intercepts(read_results(run))
         row = ", ".join(
             f"{p} {a * 1e3:.2f} ms + {b * 1e6:.1f} us/token (n={n})" for p, (a, b, n) in fits.items()
         )

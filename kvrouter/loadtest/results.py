@@ -12,6 +12,7 @@ import itertools
 import math
 from collections import Counter
 from collections.abc import Sequence
+from pathlib import Path
 from typing import Final
 
 import msgspec
@@ -24,6 +25,7 @@ __all__ = [
     "error_bins",
     "percentile",
     "prediction_errors",
+    "read_results",
     "settled",
     "summarize",
     "ttft_p50_by_fifth",
@@ -52,6 +54,9 @@ class RequestResult(msgspec.Struct, frozen=True):
     request_id: str | None = None
     """The answer's `x-request-id` (a gateway's id for the request, under which it recorded its
     decision; None when the target sent none)."""
+
+
+_RESULT: Final = msgspec.json.Decoder(RequestResult)
 
 
 class Percentiles(msgspec.Struct, frozen=True):
@@ -91,6 +96,13 @@ class PolicySummary(msgspec.Struct, frozen=True):
     busy_fraction: dict[str, float] = {}
     """Each stub's busy seconds per rank (its own counter) over the arrival span: what `--load` aims
     at (empty when the engines report no busy time)."""
+
+
+def read_results(out_dir: Path) -> list[RequestResult]:
+    """Every request of a load test's output directory, from the `results.jsonl` that
+    `report.write_report` writes (one `RequestResult` per line, every policy's)."""
+    lines = (out_dir / "results.jsonl").read_bytes().splitlines()
+    return [_RESULT.decode(line) for line in lines if line]
 
 
 def percentile(values: Sequence[float], q: float) -> float | None:
