@@ -339,7 +339,12 @@ class Replica:
         view = mirror.replica(self.id)
         if view is None:
             return 0
-        return sum(g.n_keys + sum(g.extra.values()) for g in view.groups)
+        total = 0
+        for g in view.groups:  # a loop, not sum() over a generator: read per candidate per request
+            total += g.n_keys
+            if g.extra:
+                total += sum(g.extra.values())
+        return total
 
 
 def _rejected_detail(n: int, by_reason: Mapping[str, int]) -> str:

@@ -138,6 +138,7 @@ class RoutingCore:
             breaker_open=not breaker.available(now),
             at_capacity=fleet.admission.at_capacity(rid),
             pending_tokens=self._pending_tokens(rep, keys, prepared, now),
+            cached_blocks=rep.blocks(fleet.mirror),
         )
 
     def pending_tokens(self, rid: EngineId, prepared: Prepared, now: float) -> int:

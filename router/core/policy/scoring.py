@@ -14,10 +14,13 @@ Policies (`PolicyName`):
   break, in order, on: (1) the longer prefix left for the next request sharing this one's head (the
   counted hit, or the warm full-attention prefix of an engine where routing pins a hybrid junction: a
   trusted engine whose warm prefix exceeds its hit), (2) the larger counted hit, (3) fewer in-flight
-  requests, (4) a stable hash of (request key, engine), which spreads ties over engines without
-  randomness; in (1) and (2) only a prefix of at least `tie_min_hit_share` of the prompt counts, a
-  shorter one breaking the tie after (3) (a head every prompt shares, such as a chat template's, must
-  not herd new sessions onto the engine that took the first). The reason names the rules that decided.
+  requests, (4) fewer blocks in the engine's cache (the mirror's count: a prompt that finds its prefix
+  nowhere starts its home where the least is cached, as SGLang's gateway sends a request that matches
+  no tree to the smallest), (5) a stable hash of (request key, engine), which spreads ties over
+  engines without randomness; in (1) and (2) only a prefix of at least `tie_min_hit_share` of the
+  prompt counts, a shorter one breaking the tie after (3) (a head every prompt shares, such as a chat
+  template's, must not herd new sessions onto the engine that took the first). The reason names the
+  rules that decided.
 - `round_robin`, `least_loaded` (in-flight, then queued tokens, then the stable hash), `random`
   (seeded), `session` (agent sessions kept on their engine, hard or soft: router.core.policy.session_rule),
   `prefix_approx` (longest warm full-attention prefix, ignoring trust and hybrid rules; for A/B).
@@ -113,6 +116,9 @@ class Candidate(msgspec.Struct, frozen=True):
     breaker_open: bool = False
     at_capacity: bool = False
     pending_tokens: int = 0
+    cached_blocks: int = 0
+    """Blocks the mirror holds for the engine (`Replica.blocks`): how much of its cache the prefixes
+    already sent there take (kv's tie rule before the hash)."""
 
 
 class RouteRequest(msgspec.Struct, frozen=True):
@@ -203,6 +209,8 @@ class CandidateScore(msgspec.Struct, frozen=True):
     the wait this engine's load adds (its queue left, the decode part of the steps, a slot)."""
     bounded_s: float = 0.0
     """What the saturation bound compared: `predicted_ttft_s`, or `wait_s` (`saturation_bound`)."""
+    cached_blocks: int = 0
+    """`Candidate.cached_blocks`: the blocks the mirror held for the engine at the decision."""
 
     @property
     def expected_tokens(self) -> int:
@@ -325,6 +333,7 @@ def _score(c: Candidate, excluded: frozenset[EngineId], settings: ScorerSettings
         ttft + work,  # cost_s
         wait,  # wait_s
         bounded,  # bounded_s
+        c.cached_blocks,  # cached_blocks
     )
 
 
@@ -573,6 +582,11 @@ def _reusable_words(s: CandidateScore) -> str:
 # offers its hit. Neither strictly first is right: pin-first would leave a 512-token hit for an
 # engine pinning 20 warm tokens, hit-first would pass over a 768-token pin for a 16-token hit. Rules
 # 2 and 5 then prefer this request's own saving when the prefixes left are equal.
+# Before the hash, fewer cached blocks: a new prefix (an app's first session, a new conversation)
+# ties on every idle engine, and its home decides where its later requests go; the hash put a new app
+# beside another while engines held nothing (the routing bench's agents cell, decision records),
+# where the count spreads homes over the engines by how much each already holds (virtual time: the
+# decode-heavy workload's seed 2 p90 253 -> 210 ms; BENCHMARKS.md, "Routing bench").
 _TieRule = tuple[Callable[[_Tie, CandidateScore], int], Callable[[CandidateScore], str]]
 _TIE_RULES: Final[tuple[_TieRule, ...]] = (
     (lambda tie, s: -_most(_reusable_tokens(s), tie), _reusable_words),
@@ -580,6 +594,7 @@ _TIE_RULES: Final[tuple[_TieRule, ...]] = (
     (lambda tie, s: s.load.in_flight, lambda s: f"fewer in-flight requests ({s.load.in_flight})"),
     (lambda tie, s: -_reusable_tokens(s), _reusable_words),
     (lambda tie, s: -s.counted_tokens, _hit_words),
+    (lambda tie, s: s.cached_blocks, lambda s: f"fewer cached blocks ({s.cached_blocks})"),
     (lambda tie, s: stable_hash(tie.key, s.engine), lambda s: "the stable hash of (request, engine)"),
 )
 

@@ -91,6 +91,7 @@ def general_candidates(core: RoutingCore, fleet: FleetState, p: Prepared, now: f
             load=fleet.load.snapshot(rid, now),
             breaker_open=not fleet.breakers.get(rid).available(now),
             at_capacity=fleet.admission.at_capacity(rid),
+            cached_blocks=fleet.replica(rid).blocks(fleet.mirror),
         )
         out.append(candidate)
     return out
@@ -176,3 +177,19 @@ def test_a_replica_removed_and_added_again_is_routed_with_its_new_record_and_bre
     assert scorer.seen == general_candidates(core, fleet, p, clock.now)
     assert not next(c for c in scorer.seen if c.engine == e0).breaker_open
     assert core._members[e0][0] is fleet.replica(e0)
+
+
+def test_a_prefix_cached_nowhere_goes_where_the_mirror_holds_the_fewest_blocks() -> None:
+    """Idle replicas with no hit tie; the tie goes to the one whose cache the mirror finds emptiest
+    (`Candidate.cached_blocks`, read from the mirror), before the hash: a new app's first session is
+    not homed beside another app's while a replica holds nothing."""
+    fleet, core, _, clock = build("kv", True)
+    for name, blocks, first in (("e0", 6, 1000), ("e1", 2, 2000)):
+        batch = KVEventBatch(
+            0.0, [block_stored(list(range(first, first + blocks)), list(range(first, first + 4 * blocks)), 4)]
+        )
+        fleet.on_batch(EngineName(name), 1, batch)
+    decision = core.route(prepared(fleet, list(range(500, 524))), RouteRequest(key="s"), clock.now).decision
+    assert [c.cached_blocks for c in decision.candidates] == [6, 2, 0]
+    assert decision.engine == EngineId("e2")
+    assert decision.reason.endswith("decided by fewer cached blocks (0)"), decision.reason

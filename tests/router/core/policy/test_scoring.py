@@ -27,6 +27,7 @@ from router.core.policy.scoring import (
     _Tie,
     _why_not,
     stable_hash,
+    work_factor,
 )
 from router.core.policy.trust import TrustState, TrustStatus
 from router.core.policy.ttft_model import idle_prefill_s, ttft_terms
@@ -54,6 +55,7 @@ def cand(
     healthy: bool = True,
     breaker_open: bool = False,
     full: bool = False,
+    blocks: int = 0,
 ) -> Candidate:
     load = load_of(
         in_flight=in_flight, prefilling=in_flight - decoding, decoding=decoding, queued_prefill_tokens=queued
@@ -71,12 +73,14 @@ def cand(
         healthy=healthy,
         breaker_open=breaker_open,
         at_capacity=full,
+        cached_blocks=blocks,
     )
 
 
 KV = PolicyName.KV
 KEY = "req-1"
 TIE_BY_HASH = min("ab", key=lambda e: stable_hash(KEY, EngineId(e)))
+NOT_BY_HASH = "b" if TIE_BY_HASH == "a" else "a"
 
 # (name, policy, candidates, excluded, expected engine, words expected in the reason)
 TABLE: list[tuple[str, PolicyName, list[Candidate], set[str], str | None, str]] = [
@@ -195,6 +199,30 @@ TABLE: list[tuple[str, PolicyName, list[Candidate], set[str], str | None, str]] 
         "tied with b within 2 ms; decided by the larger cached prefix (10 tokens)",
     ),
     ("tie: stable hash", KV, [cand("a"), cand("b")], set(), TIE_BY_HASH, "stable hash"),
+    (
+        "tie: fewer cached blocks before the hash (a new prefix's home)",
+        KV,
+        [cand(TIE_BY_HASH, blocks=375), cand(NOT_BY_HASH, blocks=2)],
+        set(),
+        NOT_BY_HASH,
+        f"tied with {TIE_BY_HASH} within 2 ms; decided by fewer cached blocks (2)",
+    ),
+    (
+        "tie: the load before the cached blocks",
+        KV,
+        [cand("a", in_flight=2, decoding=2), cand("b", in_flight=1, decoding=1, blocks=900)],
+        set(),
+        "b",
+        "decided by fewer in-flight requests (1)",
+    ),
+    (
+        "tie: a short hit on equal loads before the cached blocks",
+        KV,
+        [cand("a", hit=10, in_flight=1, blocks=900), cand("b", in_flight=1)],
+        set(),
+        "a",
+        "tied with b within 2 ms; decided by the larger cached prefix (10 tokens)",
+    ),
     (
         "nothing eligible",
         KV,
@@ -687,8 +715,9 @@ def _kv_first_written(
     cost_tol = tol * w1
     least = scorer.settings.tie_min_hit_share * (best.counted_tokens + best.uncached_tokens)
 
-    def band(s: CandidateScore) -> float:  # a short hit's saving put back
-        return s.cost_s + (w1 * s.load.per_token_s * s.counted_tokens if s.counted_tokens < least else 0.0)
+    def band(s: CandidateScore) -> float:  # a short hit's saving put back, in the TTFT and the work
+        saving = (1.0 + work_factor(scorer.settings, s.load)) * s.load.per_token_s * s.counted_tokens
+        return s.cost_s + (saving if s.counted_tokens < least else 0.0)
 
     floor = min(band(s) for s in eligible)
     tied = [s for s in eligible if band(s) <= floor + cost_tol]
