@@ -22,6 +22,7 @@ from kvrouter.replay.setup import Setup
 from router.core.ids import EngineId, RequestId
 from router.core.lookup.computed_blocks import LookupRequest, LookupResult, ReplicaId, lookup
 from router.core.mirror.full_reports import PendingReport
+from router.core.mirror.shared_index import Mirror
 from router.core.policy.load import LoadSnapshot
 from router.core.policy.scoring import (
     Candidate,
@@ -102,9 +103,10 @@ def predict(
 
 
 def recorded_candidates(
-    recorded: Decision, predicted: dict[EngineId, tuple[LookupResult, int]]
+    recorded: Decision, predicted: dict[EngineId, tuple[LookupResult, int]], mirror: Mirror
 ) -> tuple[list[Candidate], frozenset[EngineId]]:
-    """The recorded decision's candidates with recomputed hits, and the engines it excluded (retries).
+    """The recorded decision's candidates with hits and cached blocks recomputed on the rebuilt
+    `mirror`, and the engines it excluded (retries).
 
     Breaker, admission and health state come back from each candidate's recorded `why_not`."""
     candidates, excluded = [], set()
@@ -122,13 +124,16 @@ def recorded_candidates(
                 healthy=c.why_not != "unhealthy",
                 breaker_open=c.why_not == "circuit breaker open",
                 at_capacity=c.why_not == "at its in-flight limit",
+                cached_blocks=mirror.blocks(c.engine),
                 **_recorded_inputs(c),
             )
         )
     return candidates, frozenset(excluded)
 
 
-_RECOMPUTED: Final = frozenset({"engine", "hit_tokens", "boundary", "warm_tokens", "prompt_tokens"})
+_RECOMPUTED: Final = frozenset(
+    {"engine", "hit_tokens", "boundary", "warm_tokens", "prompt_tokens", "cached_blocks"}
+)
 
 
 def _recorded_inputs(c: CandidateScore) -> dict[str, Any]:
@@ -151,6 +156,7 @@ def candidates_now(rebuild: Rebuild, prepared: Prepared, idle: LoadSnapshot) -> 
             prompt_tokens=n,
             trust=_trust(rebuild.replicas[rid]),
             load=rebuild.replicas[rid].load or idle,
+            cached_blocks=rebuild.mirror.blocks(rid),
         )
         for rid, (result, n) in predicted.items()
     ]
@@ -227,7 +233,7 @@ class Replayer:
     def decide(self, prepared: Prepared, session: str | None, recorded: Decision) -> Decision:
         """The recorded decision recomputed on the current mirror with this replayer's scorer."""
         predicted = predict(self.rebuild, prepared, [c.engine for c in recorded.candidates])
-        candidates, excluded = recorded_candidates(recorded, predicted)
+        candidates, excluded = recorded_candidates(recorded, predicted, self.rebuild.mirror)
         route = RouteRequest(key=prepared.session_key, session=session, excluded=excluded)
         return self.scorer.choose(route, candidates, self.rebuild.time or 0.0)
 

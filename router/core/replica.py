@@ -334,18 +334,6 @@ class Replica:
             ):
                 self.root_stores += 1
 
-    def blocks(self, mirror: Mirror) -> int:
-        """GPU blocks (physical copies) in this replica's view, over all groups."""
-        view = mirror.replica(self.id)
-        if view is None:
-            return 0
-        total = 0
-        for g in view.groups:  # a loop, not sum() over a generator: read per candidate per request
-            total += g.n_keys
-            if g.extra:
-                total += sum(g.extra.values())
-        return total
-
 
 def _rejected_detail(n: int, by_reason: Mapping[str, int]) -> str:
     reasons = ", ".join(f"{k} {v}" for k, v in sorted(by_reason.items()))

@@ -138,7 +138,7 @@ class RoutingCore:
             breaker_open=not breaker.available(now),
             at_capacity=fleet.admission.at_capacity(rid),
             pending_tokens=self._pending_tokens(rep, keys, prepared, now),
-            cached_blocks=rep.blocks(fleet.mirror),
+            cached_blocks=fleet.mirror.blocks(rid),
         )
 
     def pending_tokens(self, rid: EngineId, prepared: Prepared, now: float) -> int:

@@ -35,7 +35,7 @@ def _view(fleet: FleetState, rep: Replica, now: float) -> EngineView:
         engine=rep.id,
         trust=rep.status(now, fleet.mirror).state.value,
         link=rep.link.stats() if rep.link is not None else None,
-        mirror_blocks=rep.blocks(fleet.mirror),
+        mirror_blocks=fleet.mirror.blocks(rep.id),
         in_flight=load.in_flight,
         rejected_events=rep.rejected_events(fleet.mirror),
         other_media_blocks=rep.other_media_blocks(fleet.mirror),

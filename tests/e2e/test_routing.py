@@ -153,7 +153,7 @@ async def test_a_full_mode_report_is_not_counted_as_a_copy(make: Build, tmp_path
     assert len(out.events) == 1  # the report only: the 13th token fills no block
     fleet.on_batch(EngineName("a"), 1, KVEventBatch(0.0, out.events))
     rep = fleet.replica(EngineId("a"))
-    assert rep.reports == 1 and rep.blocks(fleet.mirror) == 3  # not 6: the report claimed no copies
+    assert rep.reports == 1 and fleet.mirror.blocks(rep.id) == 3  # not 6: the report claimed no copies
 
 
 async def test_a_prefix_just_routed_counts_before_its_events_arrive(make: Build, tmp_path: Path) -> None:

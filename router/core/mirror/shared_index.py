@@ -134,6 +134,20 @@ class Mirror:
         """The view of one DP rank of an engine, if it exists."""
         return self._state(engine_id).replicas.get(rank)
 
+    def blocks(self, engine_id: EngineId, rank: int = 0) -> int:
+        """GPU blocks (physical copies) in the view of one DP rank of an engine, over all its groups;
+        0 for an engine or rank it has no view of."""
+        state = self.engines.get(engine_id)
+        view = state.replicas.get(rank) if state is not None else None
+        if view is None:
+            return 0
+        total = 0
+        for g in view.groups:  # a loop, not sum() over a generator: read per candidate per request
+            total += g.n_keys
+            if g.extra:
+                total += sum(g.extra.values())
+        return total
+
     def flags(self, engine_id: EngineId) -> set[str]:
         """Trust problems seen in this engine's events (layout mismatches, over capacity)."""
         return set().union(*(rv.flags for rv in self._state(engine_id).replicas.values()))

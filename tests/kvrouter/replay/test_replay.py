@@ -56,6 +56,8 @@ async def test_kv_recording_with_a_gap_replays_exactly_and_round_robin_differs(t
         assert r.hits_match, r
         assert r.exact, (r.recorded, r.replayed)
     assert sum(r.recorded.predicted_cached_tokens > 0 for r in replays) >= len(USERS) * (TURNS - 1)
+    # The cached blocks kv's ties read are recomputed on the rebuilt mirror too, equal to the gateway's.
+    assert any(c.cached_blocks > 0 for r in replays for c in r.recorded.candidates)
     # The history matters: without the frames nothing is cached, and the replay says so.
     bare = Replayer(Setup(config))
     fed = [bare.feed(rec) for rec in read_records(path) if not isinstance(rec, FrameRecord)]

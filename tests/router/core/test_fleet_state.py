@@ -132,10 +132,10 @@ def test_batches_and_signals_drive_the_mirror_and_trust_without_any_socket() -> 
     fleet.on_batch(EngineName("e"), 0, KVEventBatch(0.0, [store(3)]))
     fleet.on_signal(EngineName("e"), CaughtUp(None))
     assert status(fleet, clock)[0] is TrustState.FRESH
-    assert fleet.replica(E).blocks(fleet.mirror) == 3 and fleet.replica(E).last_seq == 0
+    assert fleet.mirror.blocks(E) == 3 and fleet.replica(E).last_seq == 0
     fleet.attach(E, FakeLink())
     fleet.on_signal(EngineName("e"), LinkReset(reason="restart"))
-    assert fleet.replica(E).blocks(fleet.mirror) == 0 and fleet.replica(E).resets == 1
+    assert fleet.mirror.blocks(E) == 0 and fleet.replica(E).resets == 1
     assert status(fleet, clock)[1] is TrustReason.REPLAY_IN_FLIGHT  # a link with a replay endpoint
 
 

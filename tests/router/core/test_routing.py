@@ -91,7 +91,7 @@ def general_candidates(core: RoutingCore, fleet: FleetState, p: Prepared, now: f
             load=fleet.load.snapshot(rid, now),
             breaker_open=not fleet.breakers.get(rid).available(now),
             at_capacity=fleet.admission.at_capacity(rid),
-            cached_blocks=fleet.replica(rid).blocks(fleet.mirror),
+            cached_blocks=fleet.mirror.blocks(rid),
         )
         out.append(candidate)
     return out

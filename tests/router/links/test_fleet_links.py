@@ -107,7 +107,7 @@ async def publish(
 
 
 def blocks(fleet: FleetLinks, rid: EngineId) -> int:
-    return fleet.state.replica(rid).blocks(fleet.state.mirror)
+    return fleet.state.mirror.blocks(rid)
 
 
 def state(fleet: FleetLinks, rid: EngineId = E) -> tuple[TrustState, TrustReason]:
