@@ -117,7 +117,7 @@ class Candidate(msgspec.Struct, frozen=True):
     at_capacity: bool = False
     pending_tokens: int = 0
     cached_blocks: int = 0
-    """Blocks the mirror holds for the engine (`Replica.blocks`): how much of its cache the prefixes
+    """Blocks the mirror holds for the engine (`Mirror.blocks`): how much of its cache the prefixes
     already sent there take (kv's tie rule before the hash)."""
 
 
