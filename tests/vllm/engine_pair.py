@@ -95,8 +95,9 @@ def engine_pair(model: str, python: Path, work: Path, pool: Pool | None = None) 
     the exactness tests evict, `NUM_GPU_BLOCKS`), wait until both are healthy; stop both."""
     pool = pool or Pool(num_gpu_blocks=NUM_GPU_BLOCKS[model])
     engines = []
+    ports = free_ports(6)  # one run for both engines: two runs picked apart could overlap
     for core in (0, 1):
-        port, events, replay = free_ports(3)
+        port, events, replay = ports[3 * core : 3 * core + 3]
         spec = EngineSpec(
             model_dir=str(model_dir(model)), served_name=model, port=port, events_port=events,
             replay_port=replay, core=core, block_size=BLOCK, num_gpu_blocks=pool.num_gpu_blocks,

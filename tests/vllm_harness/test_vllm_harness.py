@@ -37,6 +37,8 @@ def test_a_missing_venv_points_at_make_test_vllm(tmp_path: Path) -> None:
         check_venv(tmp_path / "absent")
 
 
-def test_free_ports_are_distinct() -> None:
+def test_free_ports_are_distinct_and_below_the_ephemeral_range() -> None:
+    """Below it no outgoing connection or port-0 bind can take one before vLLM binds it."""
     ports = free_ports(6)
-    assert len(set(ports)) == 6 and all(p > 0 for p in ports)
+    start = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert len(set(ports)) == 6 and all(0 < p < start for p in ports)
