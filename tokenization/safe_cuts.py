@@ -7,7 +7,10 @@ reuse", gives the argument):
   raw token can occur inside it): the library cuts there before anything else runs;
 - between an ASCII letter and an ASCII non-letter that no added-token occurrence spans, for a
   pre-tokenizer proven to allow it (tokenization.fast_paths `FastPath.letter_cuts`): the regex pieces
-  of that pre-tokenizer always end there, and no piece reads across it.
+  of that pre-tokenizer always end there, and no piece reads across it;
+- for a byte-level vocabulary without merges (every byte outside an added token is its own id: the
+  built-in tokenizer), before any character that no added-token occurrence spans: nothing but the
+  added tokens reads across bytes.
 
 `token_byte_lengths` gives each id's length in bytes for byte-level BPE vocabularies, so the token count
 at a byte offset of an encoded text can be found (and checked). Pure: no I/O.
@@ -69,8 +72,14 @@ class CutFinder:
     """Finds the last byte offset at or before a limit where two texts may both be cut (see module doc)."""
 
     def __init__(
-        self, added: Sequence[AddedToken], pretokenizer_rule: bool, search_bytes: int = 4096
+        self,
+        added: Sequence[AddedToken],
+        pretokenizer_rule: bool,
+        search_bytes: int = 4096,
+        bytes_alone: bool = False,
     ) -> None:
+        """``bytes_alone``: every byte outside an added token encodes to its own id (the third kind of
+        cut in the module doc); only a tokenizer that is exactly that may say so."""
         words = [t.content.encode("utf-8") for t in added if t.content]
         raw = [w for t, w in zip([t for t in added if t.content], words, strict=True) if not t.normalized]
         # A normalized token is matched only inside the pieces between raw matches: it is a cut edge when
@@ -92,6 +101,7 @@ class CutFinder:
         self._first_bytes = first if len(first) <= _FIND_FIRST_BYTES else None
         self.pretokenizer_rule = pretokenizer_rule
         self.search_bytes = search_bytes
+        self.bytes_alone = bytes_alone
 
     def last_cut(self, a: bytes, b: bytes, limit: int) -> int:
         """The largest offset ``q <= limit`` (searched back ``search_bytes``) safe to cut in both ``a``
@@ -104,9 +114,10 @@ class CutFinder:
         # byte: other offsets are passed over here, without a call each (a number's digits, spaces).
         letters = _ASCII_LETTERS if self.pretokenizer_rule else _NO_BYTES
         edge_last = self._edge_last
+        bytes_alone = self.bytes_alone
         for q in range(limit - 1, stop, -1):
             before = a[q - 1]
-            if (before in letters or before in edge_last) and self.safe(a, q):
+            if (bytes_alone or before in letters or before in edge_last) and self.safe(a, q):
                 return q
         return 0
 
@@ -120,6 +131,8 @@ class CutFinder:
         if self.pretokenizer_rule and data[q - 1] in _ASCII_LETTERS and data[q] < 0x80:
             if data[q] not in _ASCII_LETTERS and not self._spanned(data, q):
                 return True
+        if self.bytes_alone and data[q] & 0xC0 != 0x80 and not self._spanned(data, q):
+            return True  # (a UTF-8 continuation byte would cut a character: the text is str)
         return data[q - 1] in self._edge_last and self._after_token(data, q)
 
     def _after_token(self, data: bytes, q: int) -> bool:

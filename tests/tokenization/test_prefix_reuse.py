@@ -139,6 +139,11 @@ def test_cut_rules_on_bytes() -> None:
     assert only_end.safe(b"a<|end|>y", 8) and only_end.safe(b"a<|end|><|end|>", 8)  # after a raw token
     assert not only_end.safe(b"<|<|end|>", 2) and not only_end.safe(b"ab cd", 2)
     assert cuts.last_cut(b"hello world", b"hello there", 6) == 5
+    alone = CutFinder(added, pretokenizer_rule=False, bytes_alone=True)
+    assert alone.safe(b"a  b", 2) and alone.safe(b" ab", 2) and alone.safe(b"ab1", 1)  # anywhere
+    assert not alone.safe("e\u0301".encode(), 2)  # inside a multi-byte character (str texts)
+    assert not alone.safe(b"<|end|>", 5) and not alone.safe(b"a<|end|>y", 8)  # a token spans it
+    assert alone.safe(b"a<|end|>y", 1) and alone.last_cut(b"hello world", b"hello there", 6) == 6
 
 
 CUT_TEXT = st.lists(
@@ -147,15 +152,22 @@ CUT_TEXT = st.lists(
 
 
 @settings(max_examples=300, deadline=None)
-@given(shared=CUT_TEXT, a_rest=CUT_TEXT, b_rest=CUT_TEXT, rule=st.booleans(), search=st.integers(1, 12))
+@given(
+    shared=CUT_TEXT,
+    a_rest=CUT_TEXT,
+    b_rest=CUT_TEXT,
+    rule=st.booleans(),
+    search=st.integers(1, 12),
+    alone=st.booleans(),
+)
 def test_last_cut_is_the_latest_offset_safe_in_both_texts(
-    shared: list[str], a_rest: list[str], b_rest: list[str], rule: bool, search: int
+    shared: list[str], a_rest: list[str], b_rest: list[str], rule: bool, search: int, alone: bool
 ) -> None:
     added = [
         AddedToken(1, "<|end|>", normalized=False, special=True),
         AddedToken(2, "<|end|>x", normalized=False),
     ]
-    cuts = CutFinder(added, pretokenizer_rule=rule, search_bytes=search)
+    cuts = CutFinder(added, pretokenizer_rule=rule, search_bytes=search, bytes_alone=alone)
     a, b = "".join(shared + a_rest).encode(), "".join(shared + b_rest).encode()
     limit = 0
     while limit < min(len(a), len(b)) and a[limit] == b[limit]:

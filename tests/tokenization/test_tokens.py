@@ -226,6 +226,45 @@ def test_segmented_text_equals_plain_encode(parts: list[str], add: bool) -> None
 
 
 _BUILTIN = BuiltinTokenizer().cached_encoder()
+
+
+_PARTS = st.one_of(PADDED, SPECIALS, st.sampled_from(["<|", "|>", "<|end", "é", "🙂"]))
+
+
+@settings(max_examples=150, deadline=None)
+@given(
+    base=st.lists(_PARTS, max_size=12),
+    edits=st.lists(st.tuples(st.integers(0, 300), st.lists(_PARTS, max_size=4)), max_size=4),
+)
+def test_builtin_reuse_cuts_anywhere_and_stays_exact(
+    base: list[str], edits: list[tuple[int, list[str]]]
+) -> None:
+    """The built-in tokenizer's prefix reuse cuts before any character no special token spans
+    (`CutFinder.bytes_alone`): each text, a prefix of the one before (cut anywhere) and new text,
+    encodes as plainly, on one encoder that reuses across them."""
+    enc, text = BuiltinTokenizer().cached_encoder(), "".join(base)
+    texts = [text]
+    for cut, suffix in edits:
+        text = text[: cut % (len(text) + 1)] + "".join(suffix)
+        texts.append(text)
+    for t in texts:
+        for add in (False, True):
+            assert text_ids(enc, t, add) == enc.tokenizer.encode(t, add), t
+
+
+def test_builtin_prompt_without_special_tokens_encodes_only_its_new_suffix() -> None:
+    """A load test's text prompt holds no special token: a step that resends the previous one and
+    adds a tool result encodes the tool result only (before the byte rule, the whole prompt)."""
+    enc = BuiltinTokenizer().cached_encoder()
+    prompt = "plain words of an agent's context, no special token; " * 200
+    enc.encode(prompt + "step 1", True)
+    before = enc.stats()
+    ids = enc.encode(prompt + "step 1 and its tool result", True).ids
+    after = enc.stats()
+    assert list(ids) == enc.tokenizer.encode(prompt + "step 1 and its tool result", True)
+    assert after.encoded_bytes - before.encoded_bytes <= len(" and its tool result")
+
+
 _DS_CACHE: list[CachedEncoder] = []
 
 
