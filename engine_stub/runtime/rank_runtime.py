@@ -15,6 +15,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
+from typing import Final
 
 import msgspec
 
@@ -29,12 +30,29 @@ from engine_stub.stub_config import StubConfig
 from events.publisher import EventPublisher
 from events.wire import KVEvent, KVEventBatch
 
-__all__ = ["EngineCounters", "EngineRuntime", "TtftObserver"]
+__all__ = ["CATCH_UP_S", "EngineCounters", "EngineRuntime", "TtftObserver", "step_start"]
 
 log = logging.getLogger(__name__)
 
 TtftObserver = Callable[[int, float], None]
 """Called with (rank, seconds) when a request's first token is delivered."""
+
+
+CATCH_UP_S: Final = 0.005
+"""How late a step may start and still end where its time model says (`step_start`)."""
+
+
+def step_start(now: float, previous_end: float, waited: bool) -> float:
+    """When a step priced at loop time `now` starts on the time model's clock: now after a wait for
+    work (`waited`), else where the step before it ended (`previous_end`), at most `CATCH_UP_S` back.
+
+    Why: the stub's own Python between two steps (handing out tokens, publishing, scheduling) then
+    overlaps the modelled step, as an engine's CPU work overlaps its GPU's (the cost model prices
+    that as `step_overhead_s`). Slept after that work instead, a stub with a big batch ran slower
+    than its time model says (the virtual-time simulation and a GPU do not), which penalised a
+    router that concentrates load (BENCHMARKS.md, "Routing bench"). Lateness beyond `CATCH_UP_S` (a
+    starved process) is not made up: the stub does not burst to catch up."""
+    return now if waited else max(previous_end, now - CATCH_UP_S)
 
 
 class EngineCounters(msgspec.Struct):
@@ -226,19 +244,25 @@ class EngineRuntime:
         task.add_done_callback(self._bg.discard)
 
     async def _run(self) -> None:
+        loop = asyncio.get_running_loop()
+        waited = True  # the engine had no work since its last step
         while True:
             self._wake.clear()
             if not self.scheduler.requests:
                 await self._wake.wait()
+                waited = True
                 continue
             out = self.scheduler.step()
             self.counters.steps += 1
             if not out.scheduled and not out.preempted:
                 await self._wake.wait()  # nothing fits until a request ends or arrives
+                waited = True
                 continue
             seconds = self.cost.step_seconds(step_work(out, self.scheduler.requests))
-            self._step_ends = asyncio.get_running_loop().time() + seconds
-            await asyncio.sleep(seconds)
+            now = loop.time()
+            self._step_ends = step_start(now, self._step_ends, waited) + seconds
+            waited = False
+            await asyncio.sleep(self._step_ends - now)  # (<= 0: yields once)
             self.counters.busy_seconds += seconds  # at the step's end: the counter holds whole steps
             await self._publish(out.events)
             self._account(out)

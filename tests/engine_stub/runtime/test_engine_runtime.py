@@ -16,7 +16,7 @@ from engine_stub.core.request import SubmitParams
 from engine_stub.runtime.cost_model import CostModel
 from engine_stub.runtime.output_streams import Emitted, RequestStream
 from engine_stub.runtime.pseudo_text import PseudoText
-from engine_stub.runtime.rank_runtime import EngineRuntime
+from engine_stub.runtime.rank_runtime import CATCH_UP_S, EngineRuntime, step_start
 from engine_stub.stub_config import StubConfig
 from events.block_hash import VllmHasher, wire_hash
 from events.config import KVEventsConfig
@@ -147,6 +147,16 @@ async def test_steps_take_the_cost_models_time_divided_by_the_speed_factor() -> 
     # fast run's wall time, asserted before, failed whenever another process held the CPU.)
     assert busy["real"] >= 3 * 0.02 and elapsed["real"] >= busy["real"]  # three decode steps slept
     assert busy["fast"] == pytest.approx(busy["real"] / 1000)  # the same steps, 1000x shorter sleeps
+
+
+def test_a_step_after_a_step_starts_where_it_ended_on_the_time_models_clock() -> None:
+    """The stub's own work between steps overlaps the modelled step (`step_start`): a step after a
+    step starts where the one before ended, up to `CATCH_UP_S` late; after a wait for work, now."""
+    assert step_start(10.0, 9.9995, waited=False) == 9.9995  # 0.5 ms of Python: made up
+    assert step_start(10.0, 10.0, waited=False) == 10.0
+    assert step_start(10.0, 9.0, waited=False) == pytest.approx(10.0 - CATCH_UP_S)  # starved: not all
+    assert step_start(10.0, 9.9995, waited=True) == 10.0  # idle since: the step starts now
+    assert step_start(10.0, 10.2, waited=False) == 10.2  # (never before the step before it ends)
 
 
 async def test_abort_frees_the_request_and_its_blocks(engine: EngineRuntime) -> None:
