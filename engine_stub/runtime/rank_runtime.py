@@ -48,10 +48,10 @@ def step_start(now: float, previous_end: float, waited: bool) -> float:
 
     Why: the stub's own Python between two steps (handing out tokens, publishing, scheduling) then
     overlaps the modelled step, as an engine's CPU work overlaps its GPU's (the cost model prices
-    that as `step_overhead_s`). Slept after that work instead, a stub with a big batch ran slower
-    than its time model says (the virtual-time simulation and a GPU do not), which penalised a
-    router that concentrates load (BENCHMARKS.md, "Routing bench"). Lateness beyond `CATCH_UP_S` (a
-    starved process) is not made up: the stub does not burst to catch up."""
+    that as `step_overhead_s`). Slept after that work instead, every step ran later than its time
+    model says (the virtual-time simulation and a GPU do not): on the routing bench's agents cell
+    every router's TTFT p50 was ~4-5 ms longer (BENCHMARKS.md, "Routing bench"). Lateness beyond
+    `CATCH_UP_S` (a starved process) is not made up: the stub does not burst to catch up."""
     return now if waited else max(previous_end, now - CATCH_UP_S)
 
 
