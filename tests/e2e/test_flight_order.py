@@ -20,6 +20,7 @@ from router.core.ids import EngineId
 from router.ops.debug import DecisionEntry
 from router.settings.config import EngineConfig, Limits
 from tests.gateway_helpers import Gateway, fake_engine, gateway_config, running_gateway
+from tokenization import BuiltinTokenizer
 
 WAIT = 10.0  # a bound on every wait for an event; none is expected to come close
 MODEL = "kvrouter-stub"
@@ -59,6 +60,14 @@ async def held_gateway(
 
 def body(suffix: str) -> dict[str, object]:
     return {"model": MODEL, "prompt": PREFIX + suffix, "max_tokens": 4}
+
+
+def ids_body(suffix: str) -> dict[str, object]:
+    """`body` with the prompt as token ids (the built-in tokenizer's), so its keys are the key cache's:
+    a text prompt extending one the tokenizer has seen takes that one's keys through the tokenizer's
+    carry link instead (`spec_keys`' ``prior``). The suffix rides in ``user`` for `HeldEngines`."""
+    ids = BuiltinTokenizer().encode(PREFIX + suffix)
+    return {"model": MODEL, "prompt": ids, "max_tokens": 4, "user": suffix}
 
 
 def entry_of(gw: Gateway, rid: str) -> DecisionEntry:
@@ -108,11 +117,11 @@ async def test_a_request_routed_while_the_first_is_computing_sees_it_on_its_engi
 async def test_a_request_prepared_while_the_first_is_computing_reuses_what_it_stored() -> None:
     async with held_gateway(1) as (gw, held):
         models = gw.parts.models
-        first = asyncio.ensure_future(gw.client.post("/v1/completions", json=body("hold")))
+        first = asyncio.ensure_future(gw.client.post("/v1/completions", json=ids_body("hold")))
         await asyncio.wait_for(held.arrived.wait(), WAIT)  # written, the engine "computing"
         assert len(models.key_cache) == 1  # its prompt's keys, kept for the next prompts
         reused = models.key_cache.reused_blocks
-        second = await gw.client.post("/v1/completions", json=body("next"))
+        second = await gw.client.post("/v1/completions", json=ids_body("next"))
         assert second.status_code == 200, second.text
         shared = len(PREFIX) // 16  # the builtin tokenizer: a BOS, then a token per byte
         assert models.key_cache.reused_blocks - reused >= shared  # found, not hashed again
@@ -123,9 +132,11 @@ async def test_a_request_prepared_while_the_first_is_computing_reuses_what_it_st
 async def test_a_refused_request_is_recorded_whole() -> None:
     """No attempt goes out (the only engine is at its limit): the record is kept all the same."""
     async with held_gateway(1, Limits(max_in_flight_per_engine=1)) as (gw, held):
-        first = asyncio.ensure_future(gw.client.post("/v1/completions", json=body("hold")))
+        first = asyncio.ensure_future(gw.client.post("/v1/completions", json=ids_body("hold")))
         await asyncio.wait_for(held.arrived.wait(), WAIT)
-        refused = await gw.client.post("/v1/completions", json=body("next"), headers={"x-request-id": "no"})
+        refused = await gw.client.post(
+            "/v1/completions", json=ids_body("next"), headers={"x-request-id": "no"}
+        )
         assert refused.status_code == 429, refused.text
         entry = entry_of(gw, "no")
         assert entry.status == 429 and entry.engine is None and len(entry.decisions) == 1
@@ -136,4 +147,4 @@ async def test_a_refused_request_is_recorded_whole() -> None:
         held.release.set()
         assert (await asyncio.wait_for(first, WAIT)).status_code == 200
         assert len(held.bodies) == 1
-        assert msgspec.json.decode(held.bodies[0])["prompt"].endswith("hold")
+        assert msgspec.json.decode(held.bodies[0])["user"] == "hold"
