@@ -110,8 +110,9 @@ class CutFinder:
         if limit > stop and self.safe(a, limit) and self.safe(b, limit):
             return limit
         # Below the limit one text answers for both: `safe(data, q)` reads only data[:q + 1], shared.
-        # `safe` can hold only after a letter (with the pre-tokenizer rule) or an edge token's last
-        # byte: other offsets are passed over here, without a call each (a number's digits, spaces).
+        # Without `bytes_alone`, `safe` can hold only after a letter (with the pre-tokenizer rule) or an
+        # edge token's last byte: other offsets are passed over here, without a call each (a number's
+        # digits, spaces); with it, any offset may hold.
         letters = _ASCII_LETTERS if self.pretokenizer_rule else _NO_BYTES
         edge_last = self._edge_last
         bytes_alone = self.bytes_alone
