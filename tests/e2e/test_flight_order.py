@@ -5,7 +5,9 @@ done as its attempt is chosen (router.edge.decider.Exchange.choose), before the 
 anything: a second request routed while the first one's engine is still computing must see the
 first one on its engine, and the first one's record must be whole by then. So must the stores its
 preparation made for later ones (router.prepare.served_models): a second request prepared then
-reuses the first one's keys; a refused request's stores are kept too."""
+reuses the first one's keys; a refused request's stores are kept too. Both hold for token-id
+prompts, whose keys go through the key cache, and for text prompts, whose keys a later text extending
+them takes through the tokenizer's carry link (`CarryLink.own`, written at preparation)."""
 
 from __future__ import annotations
 
@@ -70,6 +72,11 @@ def ids_body(suffix: str) -> dict[str, object]:
     return {"model": MODEL, "prompt": ids, "max_tokens": 4, "user": suffix}
 
 
+def reused_tokens(gw: Gateway) -> int:
+    """Token ids the gateway's tokenizers copied from earlier texts (prefix reuse), so far."""
+    return sum(s.reused_tokens for s in gw.parts.models.tokenizer_stats())
+
+
 def entry_of(gw: Gateway, rid: str) -> DecisionEntry:
     entry = gw.parts.ring.get(rid)
     assert entry is not None, f"{rid} is not in the decision ring"
@@ -127,6 +134,38 @@ async def test_a_request_prepared_while_the_first_is_computing_reuses_what_it_st
         assert models.key_cache.reused_blocks - reused >= shared  # found, not hashed again
         held.release.set()
         assert (await asyncio.wait_for(first, WAIT)).status_code == 200
+
+
+async def test_a_text_prepared_while_the_first_is_computing_carries_its_keys() -> None:
+    """A text extending the held one reuses its ids and its keys (the carry link the first one's
+    preparation filled), so the key cache is neither read nor written for it."""
+    async with held_gateway(1) as (gw, held):
+        cache = gw.parts.models.key_cache
+        first = asyncio.ensure_future(gw.client.post("/v1/completions", json=body("hold")))
+        await asyncio.wait_for(held.arrived.wait(), WAIT)
+        assert len(cache) == 1  # the first text's keys were hashed: nothing to extend yet
+        stored, reused, copied = len(cache), cache.reused_blocks, reused_tokens(gw)
+        second = await gw.client.post("/v1/completions", json=body("next"))
+        assert second.status_code == 200, second.text
+        assert reused_tokens(gw) - copied >= len(PREFIX)  # its ids extended the held text's
+        assert (len(cache), cache.reused_blocks) == (stored, reused)  # its keys, the held text's
+        held.release.set()
+        assert (await asyncio.wait_for(first, WAIT)).status_code == 200
+
+
+async def test_a_refused_texts_stores_are_kept() -> None:
+    """A text refused at admission still leaves its ids for the texts extending it."""
+    async with held_gateway(1, Limits(max_in_flight_per_engine=1)) as (gw, held):
+        first = asyncio.ensure_future(gw.client.post("/v1/completions", json=body("hold")))
+        await asyncio.wait_for(held.arrived.wait(), WAIT)
+        refused = await gw.client.post("/v1/completions", json=body("next " * 40))
+        assert refused.status_code == 429, refused.text
+        held.release.set()
+        assert (await asyncio.wait_for(first, WAIT)).status_code == 200
+        copied = reused_tokens(gw)
+        third = await gw.client.post("/v1/completions", json=body("next " * 40 + "and more"))
+        assert third.status_code == 200, third.text
+        assert reused_tokens(gw) - copied >= len(PREFIX + "next " * 40)  # the refused text's ids
 
 
 async def test_a_refused_request_is_recorded_whole() -> None:
