@@ -349,7 +349,7 @@ def _spread(args: argparse.Namespace, requests: Sequence[RequestSpec]) -> list[R
 
 def _line(s: PolicySummary, target: float | None) -> str:
     """A policy's line: counts, TTFT p50, cached ratio, throughput; then each stub's measured busy
-    fraction beside the offered load, and a warning when its queues did not settle."""
+    fraction beside the offered load, its late fraction, and a warning when its queues did not settle."""
     p50 = "-" if s.ttft.p50 is None else f"{s.ttft.p50 * 1000:.1f} ms"
     line = (
         f"{s.policy:>14}: {s.requests} requests, {s.errors} errors, TTFT p50 {p50}, "
@@ -359,6 +359,9 @@ def _line(s: PolicySummary, target: float | None) -> str:
         busy = ", ".join(f"{name} {f:.2f}" for name, f in s.busy_fraction.items())
         offered = "" if target is None else f" (offered {target:.2f})"
         line += f"\n{'':>16}busy fraction{offered}: {busy}"
+    if s.late_fraction:
+        late = ", ".join(f"{name} {f:.3f}" for name, f in s.late_fraction.items())
+        line += f"\n{'':>16}late fraction (the stubs' lag behind their time model): {late}"
     if s.settled is False:
         fifths = ", ".join("-" if v is None else f"{v:.3g}" for v in s.ttft_p50_by_fifth)
         line += (

@@ -69,6 +69,10 @@ class EngineCounters(msgspec.Struct):
     busy_seconds: float = 0.0
     """Wall-clock seconds of the steps run so far, as the cost model priced them (the time the loop
     slept through them): the engine's busy time by its own time model."""
+    late_seconds: float = 0.0
+    """Seconds by which steps that followed a step started after it ended on the time model's clock,
+    beyond what `step_start` makes up: time the stub's own process lost (its Python, a starved CPU),
+    which a load test's TTFTs hold and its time model and a GPU engine do not."""
 
 
 class EngineRuntime:
@@ -260,7 +264,10 @@ class EngineRuntime:
                 continue
             seconds = self.cost.step_seconds(step_work(out, self.scheduler.requests))
             now = loop.time()
-            self._step_ends = step_start(now, self._step_ends, waited) + seconds
+            start = step_start(now, self._step_ends, waited)
+            if not waited:
+                self.counters.late_seconds += start - self._step_ends
+            self._step_ends = start + seconds
             waited = False
             await asyncio.sleep(self._step_ends - now)  # (<= 0: yields once)
             self.counters.busy_seconds += seconds  # at the step's end: the counter holds whole steps

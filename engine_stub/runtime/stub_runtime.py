@@ -181,6 +181,7 @@ class Stub:
                 prompt_tokens=c.prompt_tokens,
                 cached_blocks=e.scheduler.kv.pool.num_cached_blocks,
                 busy_seconds=c.busy_seconds,
+                late_seconds=c.late_seconds,
             )
             out.append(gauge)
         return out

@@ -9,7 +9,9 @@ to engines from their own counters; `kvrouter_stub_cached_blocks` (the stub's ow
 equivalent) counts the pool's blocks holding a prefix-cache key, 0 right after a reset;
 `kvrouter_stub_busy_seconds_total` (the stub's own) sums the seconds of the steps each rank ran, as
 its cost model priced them (wall-clock, after `speed_factor`), so a load test can tell how busy the
-stub was by its own time model;
+stub was by its own time model; `kvrouter_stub_late_seconds_total` (the stub's own) sums how much
+later than that time model its steps started (`EngineCounters.late_seconds`), the harness's share of
+a load test's TTFTs;
 `kvrouter_stub_http2_refused_total` counts HTTP/2 prior-knowledge connections refused.
 """
 
@@ -47,6 +49,7 @@ class EngineGauges(msgspec.Struct, frozen=True):
     prompt_tokens: int = 0
     cached_blocks: int = 0
     busy_seconds: float = 0.0
+    late_seconds: float = 0.0
 
 
 class _EngineCollector(Collector):
@@ -90,6 +93,11 @@ class _EngineCollector(Collector):
             "Seconds of engine steps run, as the stub's cost model prices them (after speed_factor).",
             labels=LABELS,
         )
+        late = CounterMetricFamily(
+            "kvrouter_stub_late_seconds",
+            "Seconds engine steps started later than the stub's cost model allows (the stub's own lag).",
+            labels=LABELS,
+        )
         for g in self._read():
             labels = [self._model, str(g.rank)]
             running.add_metric(labels, g.running)
@@ -102,7 +110,8 @@ class _EngineCollector(Collector):
             prompt.add_metric(labels, g.prompt_tokens)
             cached.add_metric(labels, g.cached_blocks)
             busy.add_metric(labels, g.busy_seconds)
-        yield from (running, waiting, usage, queries, hits, success, prompt, cached, busy)
+            late.add_metric(labels, g.late_seconds)
+        yield from (running, waiting, usage, queries, hits, success, prompt, cached, busy, late)
 
 
 class StubMetrics:

@@ -47,7 +47,7 @@ from kvrouter.loadtest.engines_file import EnginesFile, await_cold_mirror, mirro
 from kvrouter.loadtest.oracle import CACHE_ORACLE, CacheOracle, StubEndpoint
 from kvrouter.loadtest.report import Report, write_report
 from kvrouter.loadtest.results import PolicySummary, RequestResult, summarize
-from kvrouter.loadtest.stub_counters import busy_fractions, engine_share, read_counters
+from kvrouter.loadtest.stub_counters import busy_fractions, engine_share, late_fractions, read_counters
 from kvrouter.loadtest.ttft_oracle import TTFT_ORACLE, TtftOracle
 from kvrouter.loadtest.workload import RequestSpec, arrival_span, block_token_ids
 from router.links.embedded_stubs import EmbeddedStubs
@@ -255,6 +255,7 @@ class _PolicyRun(msgspec.Struct):
     cached_blocks_at_start: int
     engine_share: dict[str, float]
     busy_fraction: dict[str, float]
+    late_fraction: dict[str, float]
 
 
 async def _run_policy(
@@ -289,8 +290,9 @@ async def _run_policy(
             await gateway.stop()
     # the engines' own gauge (stubs; vLLM has none) and what the gateway's mirror still held
     cold = sum(c.cached_blocks for c in before.values()) + (mirrored or 0)
-    busy = busy_fractions(before, after, arrival_span(requests))
-    return _PolicyRun(results, elapsed, cold, engine_share(before, after), busy)
+    span = arrival_span(requests)
+    busy, late = busy_fractions(before, after, span), late_fractions(before, after, span)
+    return _PolicyRun(results, elapsed, cold, engine_share(before, after), busy, late)
 
 
 async def _cold_start(
@@ -378,7 +380,11 @@ async def run_harness(
             summary = summarize(
                 policy, run.results, run.elapsed_s, run.engine_share, run.cached_blocks_at_start
             )
-            summaries.append(msgspec.structs.replace(summary, busy_fraction=run.busy_fraction))
+            summaries.append(
+                msgspec.structs.replace(
+                    summary, busy_fraction=run.busy_fraction, late_fraction=run.late_fraction
+                )
+            )
             every.extend(run.results)
     finally:
         if external is None:

@@ -96,6 +96,9 @@ class PolicySummary(msgspec.Struct, frozen=True):
     busy_fraction: dict[str, float] = {}
     """Each stub's busy seconds per rank (its own counter) over the arrival span: what `--load` aims
     at (empty when the engines report no busy time)."""
+    late_fraction: dict[str, float] = {}
+    """Each stub's late seconds per rank (its own counter: how much later than its time model its steps
+    started) over the arrival span: the harness's own lag in the TTFTs (empty as `busy_fraction`)."""
 
 
 def read_results(out_dir: Path) -> list[RequestResult]:

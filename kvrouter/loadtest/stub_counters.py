@@ -7,12 +7,14 @@ the router says (an external router names no engine). The request count is vLLM'
 `vllm:request_success_total` (every finished reason), so the same reading works on real engines.
 The busy seconds are the stub's own (a real engine has none: `ranks` stays 0 and no busy fraction is
 reported); `busy_fractions` turns their deltas into each stub's busy fraction over the run's arrival
-span, the offered load's own measure (`plan.py`).
+span, the offered load's own measure (`plan.py`). The late seconds (`kvrouter_stub_late_seconds_total`,
+the stub's own too) are how much later than its time model a stub ran its steps; `late_fractions` gives
+them over the same span: TTFT the harness's own process adds, which a GPU engine would not.
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import aiohttp
 import msgspec
@@ -20,11 +22,19 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from kvrouter.loadtest.oracle import StubEndpoint
 
-__all__ = ["StubCounters", "busy_fractions", "engine_share", "parse_counters", "read_counters"]
+__all__ = [
+    "StubCounters",
+    "busy_fractions",
+    "engine_share",
+    "late_fractions",
+    "parse_counters",
+    "read_counters",
+]
 
 CACHED_BLOCKS = "kvrouter_stub_cached_blocks"
 FINISHED = "vllm:request_success_total"
 BUSY = "kvrouter_stub_busy_seconds_total"
+LATE = "kvrouter_stub_late_seconds_total"
 
 
 class StubCounters(msgspec.Struct, frozen=True):
@@ -35,11 +45,12 @@ class StubCounters(msgspec.Struct, frozen=True):
     busy_s: float = 0.0
     ranks: int = 0
     """Ranks that reported busy seconds (0: the engine reports none)."""
+    late_s: float = 0.0
 
 
 def parse_counters(text: str) -> StubCounters:
     """The figures in one `/metrics` text exposition."""
-    cached = finished = busy = 0.0
+    cached = finished = busy = late = 0.0
     ranks = 0
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
@@ -49,7 +60,9 @@ def parse_counters(text: str) -> StubCounters:
                 finished += sample.value
             elif sample.name == BUSY:
                 busy, ranks = busy + sample.value, ranks + 1
-    return StubCounters(int(cached), int(finished), busy, ranks)
+            elif sample.name == LATE:
+                late += sample.value
+    return StubCounters(int(cached), int(finished), busy, ranks, late)
 
 
 async def read_counters(
@@ -76,10 +89,27 @@ def busy_fractions(
 ) -> dict[str, float]:
     """Each stub's busy seconds between the two readings per rank, over `span_s` (the arrival span);
     stubs that report no busy time are left out, and everything when the span is 0."""
+    return _per_rank_fractions(before, after, span_s, lambda c: c.busy_s)
+
+
+def late_fractions(
+    before: Mapping[str, StubCounters], after: Mapping[str, StubCounters], span_s: float
+) -> dict[str, float]:
+    """`busy_fractions` of the stubs' late seconds: each one's lag behind its time model per rank,
+    over `span_s`."""
+    return _per_rank_fractions(before, after, span_s, lambda c: c.late_s)
+
+
+def _per_rank_fractions(
+    before: Mapping[str, StubCounters],
+    after: Mapping[str, StubCounters],
+    span_s: float,
+    seconds: Callable[[StubCounters], float],
+) -> dict[str, float]:
     if span_s <= 0:
         return {}
     return {
-        name: (after[name].busy_s - before[name].busy_s) / after[name].ranks / span_s
+        name: (seconds(after[name]) - seconds(before[name])) / after[name].ranks / span_s
         for name in sorted(after)
         if after[name].ranks
     }

@@ -7,6 +7,7 @@ conditions with deadlines, never on sleeps.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Sequence
 
 import pytest
@@ -157,6 +158,25 @@ def test_a_step_after_a_step_starts_where_it_ended_on_the_time_models_clock() ->
     assert step_start(10.0, 9.0, waited=False) == pytest.approx(10.0 - CATCH_UP_S)  # starved: not all
     assert step_start(10.0, 9.9995, waited=True) == 10.0  # idle since: the step starts now
     assert step_start(10.0, 10.2, waited=False) == 10.2  # (never before the step before it ends)
+
+
+async def test_steps_a_starved_stub_starts_late_are_counted_beyond_what_it_makes_up() -> None:
+    """The loop held for STARVED seconds mid-request (another task's synchronous work: a starved
+    process): the step after starts that much after the time model's, less `CATCH_UP_S`, and the
+    lag is counted (`late_seconds`); an engine that only waits for work is never late."""
+    starved = 0.05
+    cost = CostModel(decode_step_s=0.002, speed_factor=1.0)
+    runtime = EngineRuntime(0, stub_config(cost=cost), TEXT, None)
+    runtime.start()
+    await run(runtime, prompt(20), max_tokens=1)  # one step, after a wait for work: never late
+    assert runtime.counters.steps == 1 and runtime.counters.late_seconds == 0.0
+    sink: asyncio.Queue[Emitted] = asyncio.Queue()
+    stream = runtime.submit(prompt(20, start=100), SubmitParams(max_tokens=6), sink)
+    await asyncio.wait_for(sink.get(), 5.0)  # a step ended; the next one is priced and sleeping
+    time.sleep(starved)  # the fault: the loop is held past that step's end
+    await finish(stream, sink)
+    await runtime.close()
+    assert starved - CATCH_UP_S - cost.decode_step_s <= runtime.counters.late_seconds
 
 
 async def test_abort_frees_the_request_and_its_blocks(engine: EngineRuntime) -> None:

@@ -1,5 +1,5 @@
-"""The stub's counters for load tests (requests finished, cached blocks, busy seconds) and its TTFT
-forecast route."""
+"""The stub's counters for load tests (requests finished, cached blocks, busy and late seconds) and its
+TTFT forecast route."""
 
 from __future__ import annotations
 
@@ -9,9 +9,15 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from engine_stub.runtime.cost_model import CostModel, StepWork
 from engine_stub.runtime.forecast import Forecast
+from engine_stub.server.launch import StubServer
 from tests.stub_helpers import live_stub
 
 FORECASTS = msgspec.json.Decoder(list[Forecast])
+
+
+def runtime_late(server: StubServer) -> float:
+    """The late seconds the stub's ranks counted (`EngineCounters.late_seconds`)."""
+    return sum(e.counters.late_seconds for e in server.stub.engines)
 
 
 def _sum(text: str, name: str) -> float:
@@ -42,8 +48,11 @@ async def test_busy_seconds_are_the_steps_run_as_the_cost_model_prices_them() ->
         # 41 prompt tokens (with BOS) in one prefill step, then two decode steps (the last finishes
         # the request, whose context then reads as 0), each with the step's fixed costs
         steps = [StepWork(41, 0, 41), StepWork(0, 1, 42), StepWork(0, 1, 0)]
-        busy = _sum((await client.get("/metrics")).text, "kvrouter_stub_busy_seconds_total")
+        text = (await client.get("/metrics")).text
+        busy = _sum(text, "kvrouter_stub_busy_seconds_total")
         assert busy == pytest.approx(sum(cost.step_seconds(w) for w in steps))
+        late = runtime_late(server)
+        assert _sum(text, "kvrouter_stub_late_seconds_total") == late  # exposed beside it, as counted
 
 
 async def test_an_idle_stub_forecasts_one_prefill_step_and_work_ahead_delays_it() -> None:

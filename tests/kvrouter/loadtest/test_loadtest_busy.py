@@ -54,7 +54,10 @@ def test_the_stubs_report_the_busy_fraction_the_load_asked_for(
     assert set(oracle.busy_fraction) == {"embedded-0", "embedded-1"}
     fleet = sum(oracle.busy_fraction.values()) / len(oracle.busy_fraction)
     assert 1 - TOLERANCE <= fleet / 0.6 <= 1 + TOLERANCE, oracle.busy_fraction
-    assert "busy fraction (offered 0.6" in capsys.readouterr().out
+    assert set(oracle.late_fraction) == set(oracle.busy_fraction)  # each stub's lag, counted too
+    assert all(f >= 0 for f in oracle.late_fraction.values())
+    printed = capsys.readouterr().out
+    assert "busy fraction (offered 0.6" in printed and "late fraction" in printed
 
 
 def _result(i: int, arrival: float, ttft: float | None, error: str | None = None) -> RequestResult:

@@ -15,7 +15,13 @@ from kvrouter.loadtest.plan import (
     not_fitting,
     offered_load,
 )
-from kvrouter.loadtest.stub_counters import StubCounters, busy_fractions, engine_share, parse_counters
+from kvrouter.loadtest.stub_counters import (
+    StubCounters,
+    busy_fractions,
+    engine_share,
+    late_fractions,
+    parse_counters,
+)
 from kvrouter.loadtest.text_prompts import TextPrompts
 from kvrouter.loadtest.workload import RequestSpec, block_token_ids, shared_prefix_tokens
 from tokenization import BuiltinTokenizer
@@ -105,14 +111,23 @@ kvrouter_stub_cached_blocks{engine="1",model_name="m"} 4.0
 # TYPE kvrouter_stub_busy_seconds counter
 kvrouter_stub_busy_seconds_total{engine="0",model_name="m"} 1.5
 kvrouter_stub_busy_seconds_total{engine="1",model_name="m"} 2.5
+# TYPE kvrouter_stub_late_seconds counter
+kvrouter_stub_late_seconds_total{engine="0",model_name="m"} 0.25
+kvrouter_stub_late_seconds_total{engine="1",model_name="m"} 0.5
 """
-    assert parse_counters(text) == StubCounters(cached_blocks=7, requests_finished=7, busy_s=4.0, ranks=2)
+    assert parse_counters(text) == StubCounters(
+        cached_blocks=7, requests_finished=7, busy_s=4.0, ranks=2, late_s=0.75
+    )
     # busy seconds per rank over the arrival span; an engine without the counter has no fraction
     idle, busy = StubCounters(busy_s=4.0, ranks=2), StubCounters(busy_s=12.0, ranks=2)
     assert busy_fractions({"a": idle, "v": StubCounters()}, {"a": busy, "v": StubCounters()}, 8.0) == {
         "a": 0.5
     }
     assert busy_fractions({"a": idle}, {"a": busy}, 0.0) == {}
+    # late seconds the same way: per rank, over the span
+    on_time, late = StubCounters(late_s=0.5, ranks=2), StubCounters(busy_s=1.0, late_s=1.3, ranks=2)
+    assert late_fractions({"a": on_time}, {"a": late}, 8.0) == {"a": pytest.approx(0.05)}
+    assert late_fractions({"a": on_time}, {"a": late}, 0.0) == {}
     before = {"a": StubCounters(0, 10), "b": StubCounters(0, 1)}
     after = {"a": StubCounters(0, 13), "b": StubCounters(0, 2)}
     assert engine_share(before, after) == {"a": 0.75, "b": 0.25}
