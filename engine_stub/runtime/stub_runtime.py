@@ -19,6 +19,7 @@ from engine_stub.runtime.faults import FaultState, FaultUpdate
 from engine_stub.runtime.forecast import Forecast, QueuedSeq
 from engine_stub.runtime.pseudo_text import PseudoText
 from engine_stub.runtime.rank_runtime import EngineRuntime
+from engine_stub.runtime.served_log import ServedLog
 from engine_stub.server.metrics import EngineGauges, StubMetrics
 from engine_stub.stub_config import StubConfig
 from events.config import KVEventsConfig
@@ -74,6 +75,8 @@ class Stub:
             )
         )
         self.encoder = cached_encoder(self.tokenizer)
+        self.served = ServedLog()
+        """The requests admitted (`GET /debug/served`: which stub served what, for load tests)."""
         """The tokenizer through its caches: what requests are tokenized with, as the router does."""
         choice = config.tokenizer
         self.effort = EffortRendering.of(

@@ -121,6 +121,7 @@ async def serve_openai(
     except msgspec.ValidationError as exc:
         raise RequestError(f"invalid request: {exc}") from exc
     engine = stub.pick(request.headers.get(RANK_HEADER))
+    stub.served.add(time.time(), sum(len(p) for p in tokens.prompts))
     log.info(  # the request id a router sent joins this line to the router's access log
         "request received",
         extra={

@@ -7,8 +7,10 @@ SSE; the last two as vLLM serves Anthropic Messages and Responses: engine_stub.s
 and POST /debug/cache_hit (the true hit per rank for a completions or chat body, without admitting
 it; the load-test oracle uses it), and POST /debug/forecast (each rank's forecast time to first
 token for such a body queued now, after the `ahead` requests it lists: the TTFT oracle's ground
-truth). Bodies are decoded with msgspec; a bad body is a 400 in OpenAI's error format whose message
-names the field. The lifespan starts and stops the `Stub` (every rank's publisher and step loop).
+truth), and GET /debug/served?since=T (the requests admitted since wall-clock T, as `[time,
+prompt_tokens]` pairs: engine_stub.runtime.served_log). Bodies are decoded with msgspec; a bad body
+is a 400 in OpenAI's error format whose message names the field. The lifespan starts and stops the
+`Stub` (every rank's publisher and step loop).
 """
 
 from __future__ import annotations
@@ -229,6 +231,14 @@ def _add_engine_routes(app: FastAPI, stub: Stub) -> None:
         except msgspec.DecodeError as exc:
             raise RequestError(f"invalid forecast request: {exc}") from exc
         return Response(msgspec.json.encode(stub.forecast(tokens, ahead)), media_type=_JSON)
+
+    @app.get("/debug/served")
+    async def served(request: Request) -> Response:
+        try:
+            since = float(request.query_params.get("since", "0"))
+        except ValueError as exc:
+            raise RequestError(f"invalid since: {exc}") from exc
+        return Response(msgspec.json.encode(stub.served.since(since)), media_type=_JSON)
 
     @app.get("/admin/faults")
     async def get_faults() -> Response:

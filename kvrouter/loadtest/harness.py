@@ -11,8 +11,9 @@ an OpenAI-compatible router the user started and pointed at the stubs: it is pol
 answers `GET /v1/models` (bounded by `ready_timeout_s`) and warmed up like a gateway; several such
 routers, each under its own policy name (`routers`), run one after another on the same stubs.
 `engine_share` comes from the stubs' own request counters, read before and after each policy, so an
-external router's traffic is attributed too; so does each stub's `busy_fraction` (its busy-seconds
-counter over the arrival span, what `--load` aims at). With `engines_from` no stub starts: the
+external router's traffic is attributed too, and each of its requests' `engine` from the stubs' own
+records of what they served (`attribution.py`); each stub's `busy_fraction` comes from its own
+busy-seconds counter over the arrival span (what `--load` aims at). With `engines_from` no stub starts: the
 user's engines are driven, reset before every policy (`engines_file.py`), and a gateway's run starts once its
 mirror holds no block (or records how many it holds when an engine cannot reset); the oracles are
 refused there.
@@ -34,6 +35,7 @@ import msgspec
 
 from engine_stub.runtime.cost_model import CostModel
 from kvrouter.loadtest.api_bodies import ApiShape
+from kvrouter.loadtest.attribution import attribute, read_served
 from kvrouter.loadtest.client import (
     Choose,
     DriverSettings,
@@ -264,7 +266,8 @@ async def _run_policy(
     settings = DriverSettings(model=ctx.model.name, max_in_flight=spec.max_in_flight, shape=spec.shape)
     gateway: GatewayProcess | None = None
     url = ""
-    if policy == EXTERNAL or policy in spec.routers:
+    external = policy == EXTERNAL or policy in spec.routers
+    if external:
         if policy not in spec.routers:
             raise ValueError("policy 'external' needs --router URL")
         url = spec.routers[policy].rstrip("/")
@@ -283,8 +286,13 @@ async def _run_policy(
             mirrored = await _cold_start(policy, session, spec, ctx, url if gateway else None)
             before = await read_counters(session, ctx.stubs)
             choose, started, finish = _router(policy, url, session, spec, ctx, on_done)
+            began = time.time()
             results, elapsed = await _drive(requests, choose, settings, finish, started)
             after = await read_counters(session, ctx.stubs)
+            if external:  # its engines, by the stubs' names, from their own records
+                served = await read_served(session, ctx.stubs, began)
+                named = attribute(results, served) if served is not None else None
+                results = named if named is not None else results
     finally:
         if gateway is not None:
             await gateway.stop()

@@ -1,7 +1,9 @@
-"""The stub's counters for load tests (requests finished, cached blocks, busy and late seconds) and its
-TTFT forecast route."""
+"""The stub's counters for load tests (requests finished, cached blocks, busy and late seconds), the
+requests it served, and its TTFT forecast route."""
 
 from __future__ import annotations
+
+import time
 
 import msgspec
 import pytest
@@ -53,6 +55,18 @@ async def test_busy_seconds_are_the_steps_run_as_the_cost_model_prices_them() ->
         assert busy == pytest.approx(sum(cost.step_seconds(w) for w in steps))
         late = runtime_late(server)
         assert _sum(text, "kvrouter_stub_late_seconds_total") == late  # exposed beside it, as counted
+
+
+async def test_the_stub_lists_the_requests_it_served_since_a_time() -> None:
+    async with live_stub() as (_, client):
+        before = time.time()
+        r = await client.post("/v1/completions", json={"prompt": "z" * 40, "max_tokens": 1})
+        assert r.status_code == 200
+        served = (await client.get("/debug/served", params={"since": before})).json()
+        assert len(served) == 1 and served[0][0] >= before and served[0][1] == 41  # time, prompt tokens
+        assert (await client.get("/debug/served", params={"since": time.time() + 60})).json() == []
+        bad = await client.get("/debug/served", params={"since": "soon"})
+        assert bad.status_code == 400 and "since" in bad.json()["error"]["message"]
 
 
 async def test_an_idle_stub_forecasts_one_prefill_step_and_work_ahead_delays_it() -> None:

@@ -15,6 +15,7 @@ import os
 import struct
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 
 import msgspec
@@ -22,7 +23,7 @@ import pytest
 
 from kvrouter.cli import main
 from kvrouter.loadtest.report import PLOTS, Report
-from kvrouter.loadtest.results import RequestResult
+from kvrouter.loadtest.results import RequestResult, read_results
 from router.links.embedded_stubs import PORTS_PER_STUB
 from router.settings.config import EngineConfig, ModelConfig
 from tests.conftest import TRACES
@@ -124,5 +125,9 @@ def test_an_external_router_is_measured_on_the_same_stubs(tmp_path: Path) -> Non
     assert (external.policy, external.requests, external.errors) == ("external", 20, 0)
     assert (again.policy, again.requests, again.errors, again.cached_blocks_at_start) == ("again", 20, 0, 0)
     assert set(external.engine_share) == {"embedded-0", "embedded-1"}  # from the stubs' own counters
+    # each request's engine by the stubs' names, from their records: the same shares as their counters
+    rows = [r for r in read_results(tmp_path) if r.policy == "external"]
+    share = Counter(r.engine for r in rows)
+    assert {e: n / len(rows) for e, n in share.items()} == pytest.approx(external.engine_share)
     stubs = msgspec.json.decode((tmp_path / "stubs.json").read_bytes(), type=list[EngineConfig])
     assert [(e.url, e.events, e.replay) for e in stubs] == [(e.url, e.events, e.replay) for e in engines]
