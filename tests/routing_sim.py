@@ -16,7 +16,7 @@ counted there by the router as the endpoint picker's fallbacks are (`Flight.move
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 import msgspec
 
@@ -59,8 +59,8 @@ from router.settings.config import EngineConfig, ModelConfig, PolicyConfig, Rout
 from tokenization.openai_request import Endpoint
 
 __all__ = [
-    "TTFT_ORACLE", "ForecastRegret", "SimEngines", "SimResult", "SimRouterCore", "forecast_audit", "run",
-    "simulate",
+    "TTFT_ORACLE", "ForecastRegret", "SimEngines", "SimResult", "SimRouterCore", "forecast_audit",
+    "replay_placement", "run", "simulate",
 ]  # fmt: skip
 
 TTFT_ORACLE = "ttft_oracle"
@@ -147,6 +147,7 @@ class SimRouterCore:
         fleet: Sequence[SimRank],
         oracle: bool = False,
         audit: bool = False,
+        placement: Mapping[int, int] | None = None,
     ) -> None:
         self.now = 0.0
         self.ranks, self.cost = fleet, sim.cost
@@ -160,6 +161,8 @@ class SimRouterCore:
         self.core = RoutingCore(self.fleet, Scorer(ScorerSettings.from_config(config)), lambda: 0.0)
         self.names = [EngineId(e.name) for e in config.engines]
         self.oracle = SoonestForecast(fleet, sim.cost) if oracle else None
+        self.placement = placement
+        """Request index -> the engine index a recorded run sent it to (`replay_placement`)."""
         self.flights: dict[str, Flight] = {}
         self.generated: dict[str, int] = {}  # request id -> tokens generated so far
         self.seqs = [0] * sim.engines
@@ -196,6 +199,8 @@ class SimRouterCore:
         flight.sent()
         if self.oracle is not None:
             flight.moved_to(self.names[self.oracle.route(index, spec, now)])
+        elif self.placement is not None and index in self.placement:
+            flight.moved_to(self.names[self.placement[index]])
         self.flights[rid] = flight
         assert flight.engine is not None
         self.routed[index] = flight.engine
@@ -256,6 +261,17 @@ def _replay(
     fleet = sim_ranks(sim.core, sim.engines)
     router = SimRouterCore(sim, chosen, fleet, oracle, audit)
     return router, run_fleet(requests, fleet, sim.cost, router)
+
+
+def replay_placement(
+    requests: Sequence[RequestSpec], placement: Mapping[int, int], sim: SimEngines
+) -> list[float]:
+    """Every request's TTFT in simulated seconds with request i sent to engine `placement[i]` (a
+    recorded run's choices: bench/placement_replay.py); requests it leaves out go round robin."""
+    settings = ScorerSettings(policy=PolicyName.ROUND_ROBIN)
+    fleet = sim_ranks(sim.core, sim.engines)
+    router = SimRouterCore(sim, settings, fleet, placement=placement)
+    return run_fleet(requests, fleet, sim.cost, router).ttft_s
 
 
 class ForecastRegret(msgspec.Struct, frozen=True):
