@@ -109,6 +109,7 @@ async def serve_openai(
     """Answer one completions, chat, Messages or Responses request (a Responses one stored in and
     continued from `store`); RequestError (400), ModelNotFound (404), RankError (400), UnknownResponse
     (404)."""
+    arrived = time.time()  # before the body is read: the order requests reached the stub in
     body = await request.body()
     history = None
     if store is not None and endpoint is Endpoint.RESPONSES:
@@ -121,7 +122,7 @@ async def serve_openai(
     except msgspec.ValidationError as exc:
         raise RequestError(f"invalid request: {exc}") from exc
     engine = stub.pick(request.headers.get(RANK_HEADER))
-    stub.served.add(time.time(), sum(len(p) for p in tokens.prompts))
+    stub.served.add(arrived, sum(len(p) for p in tokens.prompts))
     log.info(  # the request id a router sent joins this line to the router's access log
         "request received",
         extra={
