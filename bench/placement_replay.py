@@ -63,7 +63,8 @@ def replay(cell: Path, target: str) -> Replay:
     if unnamed:
         raise ValueError(f"{len(unnamed)} of {target!r}'s requests have no engine (first: {unnamed[0]})")
     requests = _requests(cell, results)
-    names = sorted({r.engine for r in results.values() if r.engine is not None})
+    used = {r.engine for r in results.values() if r.engine is not None}
+    names = sorted(used | _stub_names(cell))  # every stub, the ones the target left idle too
     with (cell / "stub.toml").open("rb") as f:
         stub = msgspec.convert(tomllib.load(f), StubConfig)
     sim = SimEngines(engines=len(names), core=stub.engine, cost=stub.cost, step=StepCost())
@@ -71,6 +72,14 @@ def replay(cell: Path, target: str) -> Replay:
     ttft = replay_placement(requests, chosen, sim)
     rows = [_row(n, [results[i] for i in results if chosen[i] == k], ttft) for k, n in enumerate(names)]
     return Replay(target, _row("all", list(results.values()), ttft), rows)
+
+
+def _stub_names(cell: Path) -> set[str]:
+    """The cell's stubs by name (stubs.json, which the harness writes; none when it is absent)."""
+    path = cell / "stubs.json"
+    if not path.exists():
+        return set()
+    return {e["name"] for e in msgspec.json.decode(path.read_bytes())}
 
 
 def _requests(cell: Path, results: dict[int, RequestResult]) -> list[RequestSpec]:

@@ -75,9 +75,9 @@ class Stub:
             )
         )
         self.encoder = cached_encoder(self.tokenizer)
+        """The tokenizer through its caches: what requests are tokenized with, as the router does."""
         self.served = ServedLog()
         """The requests admitted (`GET /debug/served`: which stub served what, for load tests)."""
-        """The tokenizer through its caches: what requests are tokenized with, as the router does."""
         choice = config.tokenizer
         self.effort = EffortRendering.of(
             choice.reasoning_effort_map, choice.anthropic_disabled_thinking_effort

@@ -57,6 +57,8 @@ def test_the_bench_splits_wall_clock_from_the_time_model_per_engine(tmp_path: Pa
                 "seed": 0, "requests": None, "duration": None}  # fmt: skip
     (tmp_path / "summary.json").write_bytes(msgspec.json.encode({"settings": settings}))
     (tmp_path / "stub.toml").write_text(STUB_TOML)  # the simulation's pool, the default costs
+    stubs = [{"name": n, "url": f"http://127.0.0.1:{9000 + i}"} for i, n in enumerate(names)]
+    (tmp_path / "stubs.json").write_bytes(msgspec.json.encode(stubs))  # (the harness's file, in part)
     r = replay(tmp_path, "kv")
     assert r.all.requests == len(requests) and r.all.model_p50_ms == pytest.approx(
         (percentile(done.ttft_s, 50) or 0) * 1000
