@@ -28,8 +28,10 @@ import msgspec
 from engine_stub.stub_config import StubConfig
 from kvrouter.cmd_loadtest import build_requests
 from kvrouter.loadtest.results import RequestResult, percentile, read_results
+from kvrouter.loadtest.settings import LoadtestSettings
 from kvrouter.loadtest.workload import RequestSpec
 from router.core.policy.load import StepCost
+from router.settings.config import EngineConfig
 from tests.routing_sim import SimEngines, replay_placement
 
 __all__ = ["EngineRow", "Replay", "main", "replay"]
@@ -74,18 +76,24 @@ def replay(cell: Path, target: str) -> Replay:
     return Replay(target, _row("all", list(results.values()), ttft), rows)
 
 
+class _Summary(msgspec.Struct):
+    """The part of a load test's summary.json read here (`report.Report`'s settings)."""
+
+    settings: LoadtestSettings
+
+
 def _stub_names(cell: Path) -> set[str]:
     """The cell's stubs by name (stubs.json, which the harness writes; none when it is absent)."""
     path = cell / "stubs.json"
     if not path.exists():
         return set()
-    return {e["name"] for e in msgspec.json.decode(path.read_bytes())}
+    return {e.name for e in msgspec.json.decode(path.read_bytes(), type=list[EngineConfig])}
 
 
 def _requests(cell: Path, results: dict[int, RequestResult]) -> list[RequestSpec]:
     """The run's requests (its settings in summary.json), at the arrival times measured."""
-    settings = msgspec.json.decode((cell / "summary.json").read_bytes())["settings"]
-    requests, _ = build_requests(argparse.Namespace(**settings))
+    settings = msgspec.json.decode((cell / "summary.json").read_bytes(), type=_Summary).settings
+    requests, _ = build_requests(argparse.Namespace(**msgspec.structs.asdict(settings)))
     out = []
     for i, spec in enumerate(requests):
         r = results.get(i)

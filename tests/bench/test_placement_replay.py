@@ -12,7 +12,9 @@ import pytest
 from bench.placement_replay import replay
 from engine_stub.stub_config import StubConfig
 from kvrouter.loadtest.results import RequestResult, percentile
+from kvrouter.loadtest.settings import LoadtestSettings
 from router.core.policy.scoring import PolicyName
+from router.settings.config import EngineConfig
 from tests.router.core.policy.test_agent_sessions_sim import CORE, SIM, workload
 from tests.routing_sim import _replay, replay_placement
 
@@ -53,11 +55,12 @@ def test_the_bench_splits_wall_clock_from_the_time_model_per_engine(tmp_path: Pa
         for i, spec in enumerate(requests)
     ]
     (tmp_path / "results.jsonl").write_bytes(b"\n".join(msgspec.json.encode(r) for r in rows))
-    settings = {"workload": "agents", "sessions": 12, "block_tokens": 32, "max_output_tokens": 24,
-                "seed": 0, "requests": None, "duration": None}  # fmt: skip
+    settings = LoadtestSettings(
+        workload="agents", sessions=12, block_tokens=32, max_output_tokens=24, seed=0, requests=None
+    )  # workload()'s requests
     (tmp_path / "summary.json").write_bytes(msgspec.json.encode({"settings": settings}))
     (tmp_path / "stub.toml").write_text(STUB_TOML)  # the simulation's pool, the default costs
-    stubs = [{"name": n, "url": f"http://127.0.0.1:{9000 + i}"} for i, n in enumerate(names)]
+    stubs = [EngineConfig(name=n, url=f"http://127.0.0.1:{9000 + i}") for i, n in enumerate(names)]
     (tmp_path / "stubs.json").write_bytes(msgspec.json.encode(stubs))  # (the harness's file, in part)
     r = replay(tmp_path, "kv")
     assert r.all.requests == len(requests) and r.all.model_p50_ms == pytest.approx(
